@@ -1,0 +1,30 @@
+"""What a forward or backward run did, reported as ``layer.last_run``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunStats:
+    """Statistics of the last forward or backward call of a layer.
+
+    ``algo`` is ``"persistent"`` when the persistent kernel (or its CPU emulation) ran the
+    recurrence and ``"gemm"`` otherwise; ``restarts`` counts relaunches after a barrier timeout;
+    ``fallback`` is ``None`` or the reason why (part of) the run went to the GEMM path.
+    """
+
+    algo: str = "gemm"
+    restarts: int = 0
+    fallback: str | None = None
+    emulated: bool = False
+    details: list[str] = field(default_factory=list)
+
+    def merge(self, other: "RunStats") -> None:
+        """Fold the stats of one layer-direction's recurrence into this run's."""
+        if other.algo == "persistent":
+            self.algo = "persistent"
+        self.restarts += other.restarts
+        self.emulated = self.emulated or other.emulated
+        if other.fallback and not self.fallback:
+            self.fallback = other.fallback
+        self.details.extend(other.details)
