@@ -1,0 +1,58 @@
+"""Zero-copy hand-over between torch tensors and the library's arrays (DLPack).
+
+CPU tensors become NumPy arrays and CUDA tensors CuPy arrays on the same memory; results come
+back to torch the same way. CUDA work runs on torch's current stream, so the library's kernels
+are ordered with torch's own work without extra synchronisation.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+def to_array(t: torch.Tensor | None) -> Array | None:
+    """The tensor's memory as a NumPy (CPU) or CuPy (CUDA) array; contiguous first if it is not."""
+    if t is None:
+        return None
+    t = t.detach()  # DLPack refuses tensors that require grad; detach() shares the memory
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.is_cuda:
+        import cupy
+        return cupy.from_dlpack(t)
+    return np.from_dlpack(t)
+
+
+def to_tensor(a: Array | None) -> torch.Tensor | None:
+    """The array's memory as a torch tensor (no copy)."""
+    return None if a is None else torch.from_dlpack(a)
+
+
+@contextlib.contextmanager
+def library_stream(t: torch.Tensor) -> Iterator[None]:
+    """Run the enclosed library calls on ``t``'s device and torch's current stream there."""
+    if not t.is_cuda:
+        yield
+        return
+    import cupy
+    with torch.cuda.device(t.device):
+        ptr = torch.cuda.current_stream(t.device).cuda_stream
+        # torch's default stream is the legacy null stream (pointer 0): CuPy's null stream.
+        stream = (cupy.cuda.Stream.null if ptr == 0
+                  else cupy.cuda.ExternalStream(ptr, t.device.index))
+        with cupy.cuda.Device(t.device.index), stream:
+            yield
+
+
+def lengths_array(lengths: torch.Tensor, like: Array) -> Array:
+    """Sequence lengths as int32 on the array module of ``like`` (NumPy or CuPy)."""
+    host = lengths.detach().to(device="cpu", dtype=torch.int32).numpy()
+    if isinstance(like, np.ndarray):
+        return host
+    import cupy
+    return cupy.asarray(host)
