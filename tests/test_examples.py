@@ -1,0 +1,58 @@
+"""The examples run from a fresh clone on the CPU at tiny sizes, alone and data-parallel."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--steps", "30", "--hidden", "32", "--seq-len", "32", "--log-every", "10", "--lr", "1e-2",
+        "--device", "cpu"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _losses(log: str) -> list[float]:
+    return [float(v) for v in re.findall(r"loss (\d+\.\d+)", log)]
+
+
+def _char_lm(batch: int, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "examples" / "char_lm.py"), *TINY,
+                             "--batch", str(batch)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _run_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:  # never leave a process behind (e.g. after a timeout)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_char_lm_loss_goes_down():
+    proc = _char_lm(4, ENV)
+    (log,) = _run_all([proc], timeout=60)
+    assert proc.returncode == 0, log
+    losses = _losses(log)
+    assert len(losses) == 3, log
+    assert losses[-1] < losses[0] - 0.3, log
+    assert re.search(r"tokens/s\s+\d+", log), log
+
+
+def test_char_lm_under_two_process_ddp():
+    """The environment torchrun sets (RANK, WORLD_SIZE, ...), on gloo, per-process batch 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [_char_lm(1, {**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    logs = _run_all(procs, timeout=60)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    assert "world 2" in logs[0] and len(_losses(logs[0])) == 3, logs[0]
+    assert _losses(logs[1]) == [], logs[1]  # only rank 0 reports
