@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--steps", "30", "--hidden", "32", "--seq-len", "32", "--log-every", "10", "--lr", "1e-2",
+CHAR_LM_TINY = ["--steps", "30", "--hidden", "32", "--seq-len", "32", "--log-every", "10", "--lr", "1e-2",
         "--device", "cpu"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -18,10 +18,9 @@ def _losses(log: str) -> list[float]:
     return [float(v) for v in re.findall(r"loss (\d+\.\d+)", log)]
 
 
-def _char_lm(batch: int, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "examples" / "char_lm.py"), *TINY,
-                             "--batch", str(batch)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def _example(name: str, args: list[str], env: dict = ENV) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "examples" / name), *args], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _run_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -35,7 +34,7 @@ def _run_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 
 def test_char_lm_loss_goes_down():
-    proc = _char_lm(4, ENV)
+    proc = _example("char_lm.py", CHAR_LM_TINY + ["--batch", "4"])
     (log,) = _run_all([proc], timeout=60)
     assert proc.returncode == 0, log
     losses = _losses(log)
@@ -49,10 +48,19 @@ def test_char_lm_under_two_process_ddp():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [_char_lm(1, {**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-             for r in range(2)]
+    envs = [{**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(2)]
+    procs = [_example("char_lm.py", CHAR_LM_TINY + ["--batch", "1"], env) for env in envs]
     logs = _run_all(procs, timeout=60)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
     assert "world 2" in logs[0] and len(_losses(logs[0])) == 3, logs[0]
     assert _losses(logs[1]) == [], logs[1]  # only rank 0 reports
+
+
+def test_speech_ctc_loss_goes_down():
+    proc = _example("speech_ctc.py", ["--steps", "30", "--hidden", "16", "--layers", "1",
+                                      "--log-every", "10", "--lr", "1e-2"])
+    (log,) = _run_all([proc], timeout=60)
+    assert proc.returncode == 0, log
+    losses = _losses(log)
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], log
