@@ -197,3 +197,38 @@ def test_small_model_learns_a_synthetic_task():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def _cuda_ready() -> bool:
+    try:
+        import cupy
+        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy or no driver
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs CUDA torch, CuPy and a GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, TOL), (torch.float32,
+                                                              {"rtol": 1e-4, "atol": 1e-5})])
+@pytest.mark.parametrize("mode,kwargs", [MODES[0], MODES[2], MODES[3]], ids=["RNN", "GRU", "LSTM"])
+def test_cuda_matches_torch_nn_on_a_side_stream(mode, kwargs, dtype, tol):
+    torch.manual_seed(0)
+    ours = getattr(prt, mode)(I, H, num_layers=2, bidirectional=True, dtype=dtype, **kwargs).cuda()
+    ref = getattr(torch.nn, mode)(I, H, num_layers=2, bidirectional=True, dtype=dtype,
+                                  **kwargs).cuda()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(T, B, I, dtype=dtype, device="cuda", requires_grad=True)
+    assert to_array(x).data.ptr == x.data_ptr()  # CuPy sees torch's memory, no copy
+    lengths = torch.tensor([3, T, 1])
+    side = torch.cuda.Stream()
+    results = []
+    for module in (ours, ref):
+        with torch.cuda.stream(side):  # the library must follow torch's current stream
+            out, _ = module(pack_padded_sequence(x, lengths, enforce_sorted=False))
+            y = pad_packed_sequence(out)[0]
+            (gx,) = torch.autograd.grad((y * y).sum(), x)
+        side.synchronize()
+        results.append((y, gx))
+    for g, r in zip(*results):
+        torch.testing.assert_close(g, r, **tol)
