@@ -223,7 +223,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     labels = [f"{r['gpus']}\nb={r['per_gpu_batch']}" for r in rows]
     right.bar(labels, compute, label="fwd + bwd")
     right.bar(labels, exposed, bottom=compute, label="exposed all-reduce")
-    right.set(yscale="log", ylabel="ms per step", title="step time")
+    right.set(ylabel="ms per step", title="step time")
+    right.tick_params(axis="x", labelsize=7)
     right.legend()
     fig.suptitle(title)
     fig.tight_layout()
