@@ -1,0 +1,10 @@
+"""persistent_rnn: RNN, GRU and LSTM layers whose recurrence runs in a persistent CUDA kernel.
+
+NumPy arrays run on the CPU, CuPy arrays on the GPU; see ``docs/api.md``.
+"""
+from .layers import GRU, LSTM, RNN
+from .stats import RunStats
+
+__version__ = "0.1.0"
+
+__all__ = ["GRU", "LSTM", "RNN", "RunStats", "__version__"]

@@ -1,0 +1,218 @@
+"""Multi-layer, bidirectional, variable-length recurrence over parameter dicts.
+
+``forward`` and ``backward`` are the whole computation of a stacked ``torch.nn.RNN/GRU/LSTM``
+without any state of their own: parameters come in as a dict (torch.nn names), everything
+backward needs goes out in an explicit context. Used by ``layers`` (NumPy/CuPy layers) and by
+``persistent_rnn.torch``.
+
+Per layer and direction: one GEMM projects the input for all steps (``gi = x @ W_ih^T + b_ih``),
+``runtime.run_forward`` runs the recurrence; backward runs ``runtime.run_backward`` and then
+forms ``dW_hh``, ``dW_ih``, the biases and ``dx`` as single GEMMs / reductions over all steps.
+The reverse direction sees each sequence reversed within its own length (a gather with an index
+array), so sequences of any length, in any order, need no sorting or packing.
+
+Arguments are assumed valid (``layers`` and the torch modules check them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import runtime
+from .cells import CellSpec
+from .gemm import array_module
+from .stats import RunStats
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+class CallOrderError(RuntimeError, ValueError):
+    """``backward`` called before ``forward``, or twice for one ``forward``."""
+
+
+def param_names(layer: int, reverse: bool, bias: bool) -> list[str]:
+    """torch.nn's parameter names of one layer-direction, in torch's order."""
+    suffix = f"_l{layer}" + ("_reverse" if reverse else "")
+    kinds = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if bias else ())
+    return [kind + suffix for kind in kinds]
+
+
+@dataclass
+class _Direction:
+    """What backward needs of one layer-direction's forward."""
+
+    names: list[str]               # weight_ih, weight_hh[, bias_ih, bias_hh] keys
+    h0: Array                      # (B, H)
+    c0: Array | None
+    fwd: runtime.ForwardResult     # in this direction's own time order
+
+
+@dataclass
+class Context:
+    """Everything ``backward`` needs from one ``forward`` call (reusable: backward keeps it)."""
+
+    cell: CellSpec
+    params: Mapping[str, Array]
+    num_layers: int
+    bidirectional: bool
+    batch_first: bool
+    algo: str
+    lengths: Array | None          # int32 (B,) on the data's array module, or None
+    reverse_index: Array | None    # (T, B) time index of the within-length reversal
+    inputs: list[Array] = field(default_factory=list)             # each layer's input (T, B, I)
+    directions: list[list[_Direction]] = field(default_factory=list)
+    stats: RunStats = field(default_factory=RunStats)               # of the forward
+    backward_stats: RunStats | None = None                          # of the last backward
+
+
+def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,
+            lengths: Array | None = None, *, num_layers: int, bidirectional: bool,
+            batch_first: bool, algo: str = "auto") -> tuple[Array, Any, Context]:
+    """Run the stack forward; return ``(y, hn, ctx)`` in torch.nn's shapes.
+
+    ``x``: (T, B, I), or (B, T, I) if ``batch_first``. ``hx``: ``None`` (zeros), ``h0`` of shape
+    (L*D, B, H), or ``(h0, c0)`` for the LSTM. ``lengths``: ``None`` or (B,) integers in 1..T
+    (packed-sequence semantics: outputs past a length are zero, states stop at the length).
+    ``y``: (T, B, D*H) (batch-first if ``x`` is); ``hn``: ``h_n`` or ``(h_n, c_n)``.
+    """
+    xp = array_module(x, *params.values())
+    x = x.transpose(1, 0, 2) if batch_first else x
+    steps, batch, _ = x.shape
+    hidden = params["weight_hh_l0"].shape[1]
+    num_dirs = 2 if bidirectional else 1
+    h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, hidden, x.dtype)
+    if lengths is not None:
+        lengths = xp.asarray(lengths, dtype=np.int32)
+    ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
+                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
+    layer_input = x
+    hn, cn = [], []
+    for layer in range(num_layers):
+        ctx.inputs.append(layer_input)
+        outputs, dirs = [], []
+        for direction in range(num_dirs):
+            k = layer * num_dirs + direction
+            names = param_names(layer, direction == 1, bias=f"bias_ih_l{layer}" in params)
+            d = _Direction(names, h0_all[k], None if c0_all is None else c0_all[k], None)
+            d.fwd = _run_direction(ctx, layer_input, d, direction == 1)
+            y_d = d.fwd.y if direction == 0 else _gather(ctx.reverse_index, d.fwd.y)
+            outputs.append(y_d)
+            hn.append(d.fwd.y[-1])
+            if d.fwd.cs is not None:
+                cn.append(d.fwd.cs[-1])
+            dirs.append(d)
+        ctx.directions.append(dirs)
+        layer_input = _zero_past_lengths(xp, xp.concatenate(outputs, axis=2), lengths)
+    y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
+    h_n = xp.stack(hn)
+    return y, ((h_n, xp.stack(cn)) if cell.has_cell_state else h_n), ctx
+
+
+def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict[str, Array]]:
+    """Gradients of one ``forward``: return ``(dx, dhx, grads)``.
+
+    ``dy`` has ``y``'s shape (entries past a sequence's length are ignored); ``dhn``: ``None``
+    (zero), ``dh_n``, or ``(dh_n, dc_n)`` for the LSTM (either may be ``None``). ``dhx`` is
+    ``dh0`` or ``(dh0, dc0)``; ``grads`` has the keys of the parameters.
+    """
+    xp = array_module(dy)
+    stats = RunStats()
+    dy = dy.transpose(1, 0, 2) if ctx.batch_first else dy
+    d_out = _zero_past_lengths(xp, xp.array(dy, copy=True), ctx.lengths)
+    dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
+    grads: dict[str, Array] = {}
+    dh0, dc0 = {}, {}
+    num_dirs = len(ctx.directions[0])
+    for layer in range(ctx.num_layers - 1, -1, -1):
+        layer_input = ctx.inputs[layer]
+        d_in = xp.zeros_like(layer_input)
+        for direction, d in enumerate(ctx.directions[layer]):
+            k = layer * num_dirs + direction
+            hidden = d.h0.shape[1]
+            dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
+            reverse = direction == 1
+            dy_d = _gather(ctx.reverse_index, dy_d) if reverse else xp.ascontiguousarray(dy_d)
+            w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
+            res = runtime.run_backward(ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0,
+                                       d.c0, ctx.lengths, d.fwd, ctx.algo, stats)
+            dh0[k], dc0[k] = res.dh0, res.dc0
+            dgi = _gather(ctx.reverse_index, res.dgi) if reverse else res.dgi
+            dgi_2d = dgi.reshape(-1, dgi.shape[2])
+            grads[d.names[0]] = dgi_2d.T @ layer_input.reshape(-1, layer_input.shape[2])
+            grads[d.names[1]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
+            if len(d.names) == 4:
+                grads[d.names[2]] = dgi_2d.sum(axis=0)
+                grads[d.names[3]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
+            d_in += dgi @ w_ih
+        d_out = d_in
+    ctx.backward_stats = stats
+    dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
+    order = sorted(dh0)
+    dh = xp.stack([dh0[k] for k in order])
+    dhx = (dh, xp.stack([dc0[k] for k in order])) if ctx.cell.has_cell_state else dh
+    return dx, dhx, grads
+
+
+def _run_direction(ctx: Context, layer_input: Array, d: _Direction,
+                   reverse: bool) -> runtime.ForwardResult:
+    """Project the input for all steps (one GEMM) and run this direction's recurrence."""
+    w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
+    b_ih, b_hh = (ctx.params[n] for n in d.names[2:]) if len(d.names) == 4 else (None, None)
+    gi = layer_input @ w_ih.T
+    if b_ih is not None:
+        gi += b_ih
+    if reverse:
+        gi = _gather(ctx.reverse_index, gi)
+    return runtime.run_forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
+                               ctx.stats)
+
+
+def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, hidden: int,
+                    dtype) -> tuple[Array, Array | None]:
+    """``(h0, c0)`` of shape (L*D, B, H) each (``c0`` only for the LSTM), zeros where not given."""
+    h0, c0 = hx if cell.has_cell_state and hx is not None else (hx, None)
+    zeros = xp.zeros((count, batch, hidden), dtype=dtype)
+    h0 = zeros if h0 is None else xp.ascontiguousarray(h0)
+    if not cell.has_cell_state:
+        return h0, None
+    return h0, (zeros if c0 is None else xp.ascontiguousarray(c0))
+
+
+def _reverse_index(xp, steps: int, batch: int, lengths: Array | None) -> Array:
+    """(T, B) index reversing each sequence within its length; later steps stay in place.
+
+    The mapping is its own inverse, so the same gather reverses and un-reverses.
+    """
+    t = xp.arange(steps, dtype=np.int32)[:, None]
+    if lengths is None:
+        return xp.broadcast_to(steps - 1 - t, (steps, batch))
+    return xp.where(t < lengths[None, :], lengths[None, :] - 1 - t, t)
+
+
+def _gather(index: Array, a: Array) -> Array:
+    """``a`` (T, B, X) with step ``t`` of sequence ``b`` taken from step ``index[t, b]``."""
+    xp = array_module(a)
+    return a[index, xp.arange(a.shape[1])[None, :]]
+
+
+def _zero_past_lengths(xp, a: Array, lengths: Array | None) -> Array:
+    """Zero ``a`` (T, B, X) in place at steps past each sequence's length; return it."""
+    if lengths is not None:
+        a *= (xp.arange(a.shape[0])[:, None] < lengths[None, :])[:, :, None]
+    return a
+
+
+def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:
+    """``dW_hh = sum_t dgh_t^T h_{t-1}`` as two GEMMs (step 0 reads ``h0``, the rest ``y``)."""
+    width = dgh.shape[2]
+    grad = dgh[0].T @ h0
+    if dgh.shape[0] > 1:
+        grad += dgh[1:].reshape(-1, width).T @ y[:-1].reshape(-1, y.shape[2])
+    return grad
+
+
+def _pick(a: Array | None, k: int) -> Array | None:
+    """Row ``k`` of a (L*D, B, H) state gradient, or ``None``."""
+    return None if a is None else a[k]

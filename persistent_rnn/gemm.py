@@ -1,0 +1,185 @@
+"""The GEMM path: one layer-direction's recurrence as one GEMM plus one pointwise update per step.
+
+Written once for NumPy and CuPy. Each step computes ``h_{t-1} @ W_hh^T`` with the array
+module's matmul (cuBLAS on the GPU) and then the cell's pointwise update with the lengths mask
+(past a sequence's length its state is frozen and gradients pass straight through). On NumPy
+the update is ``cells.py``'s reference math; on CuPy it is one fused kernel per step from
+``cuda_src/pointwise.cu`` (the same ``cells.cuh`` code the persistent kernels run).
+
+Buffers and their layout are described in ``runtime.py``. ``start`` / ``stop`` let the runtime
+finish a persistent run that stopped part-way on this path.
+"""
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from ._sources import cuda_src_dir, read_source
+from .cells import CellSpec
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+_THREADS = 256  # threads per block of the pointwise kernels
+
+
+def array_module(*arrays: Array):
+    """Return ``cupy`` if any of ``arrays`` is a CuPy array, else ``numpy``.
+
+    Does not import CuPy: a CuPy array can only exist once CuPy has been imported.
+    """
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays):
+        return cupy
+    return np
+
+
+def separate_dgh(cell: CellSpec) -> bool:
+    """Whether ``dgh`` differs from ``dgi`` (only GRU: its n gate's recurrent part is scaled by r)."""
+    return cell.name == "gru"
+
+
+def allocate_forward(cell: CellSpec, gi: Array) -> tuple[Array, Array | None, Array]:
+    """Allocate ``(y, cs, saved)`` for the forward recurrence over ``gi`` (T, B, G*H)."""
+    xp = array_module(gi)
+    steps, batch, width = gi.shape
+    hidden = width // cell.gates
+    y = xp.empty((steps, batch, hidden), dtype=gi.dtype)
+    cs = xp.empty_like(y) if cell.has_cell_state else None
+    saved = xp.empty((steps, batch, cell.saved * hidden), dtype=gi.dtype)
+    return y, cs, saved
+
+
+def allocate_backward(cell: CellSpec, dy: Array) -> tuple[Array, Array]:
+    """Allocate ``(dgi, dgh)`` (T, B, G*H) for the backward recurrence; the same array unless GRU."""
+    xp = array_module(dy)
+    steps, batch, hidden = dy.shape
+    dgi = xp.empty((steps, batch, cell.gates * hidden), dtype=dy.dtype)
+    return dgi, (xp.empty_like(dgi) if separate_dgh(cell) else dgi)
+
+
+def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
+                  c0: Array | None, lengths: Array | None, y: Array, cs: Array | None,
+                  saved: Array, start: int) -> None:
+    """Run forward steps ``start..T-1`` in place; step ``start`` reads h_{start-1} from
+    ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``."""
+    xp = array_module(gi)
+    steps, batch, _ = gi.shape
+    lengths = _full_lengths(xp, lengths, batch, steps)
+    gh = xp.empty(gi.shape[1:], dtype=gi.dtype)
+    w_t = w_hh.T
+    for t in range(start, steps):
+        h_prev = y[t - 1] if t > 0 else h0
+        c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
+        xp.matmul(h_prev, w_t, out=gh)
+        _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
+                           y[t], None if cs is None else cs[t], saved[t])
+
+
+def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array | None,
+                   lengths: Array | None, y: Array, cs: Array | None, saved: Array, dgi: Array,
+                   dgh: Array, dh_carry: Array | None, dc_carry: Array | None,
+                   stop: int) -> tuple[Array, Array | None]:
+    """Run backward steps ``stop-1`` down to 0, filling ``dgi``/``dgh``; return ``(dh0, dc0)``.
+
+    ``dh_carry``/``dc_carry`` are the gradients reaching h_{stop-1}/c_{stop-1} from steps
+    ``>= stop`` (``dh_n``/``dc_n`` when ``stop == T``); ``None`` means zero. ``dy`` must be zero
+    past each sequence's length.
+    """
+    xp = array_module(dy)
+    steps, batch, hidden = dy.shape
+    lengths = _full_lengths(xp, lengths, batch, steps)
+    zeros = xp.zeros((batch, hidden), dtype=dy.dtype)
+    # The gradient reaching h_t is split in three (dy_t, the cell's direct part, the part through
+    # W_hh) and summed inside the step's fused pointwise update, saving a kernel per step.
+    dh_direct = zeros if dh_carry is None else xp.ascontiguousarray(dh_carry)
+    dh_rec = zeros
+    dc = None
+    if cell.has_cell_state:
+        dc = zeros if dc_carry is None else xp.ascontiguousarray(dc_carry)
+    for t in range(stop - 1, -1, -1):
+        h_prev = y[t - 1] if t > 0 else h0
+        c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
+        dh_direct, dc = _pointwise_backward(
+            cell, xp, t, lengths, dy[t], dh_direct, dh_rec, dc, saved[t], y[t],
+            None if cs is None else cs[t], h_prev, c_prev, dgi[t], dgh[t])
+        dh_rec = dgh[t] @ w_hh
+    return dh_direct + dh_rec, dc
+
+
+def _full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
+    """``lengths`` as int32 on ``xp``; ``None`` means every sequence runs all ``steps``."""
+    if lengths is None:
+        return xp.full((batch,), steps, dtype=np.int32)
+    return xp.asarray(lengths, dtype=np.int32)
+
+
+def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_out, c_out,
+                       saved_out) -> None:
+    if xp is not np:
+        _launch(cell, "forward", gi_t.dtype, gh.shape[0] * h_out.shape[1],
+                (np.int32(gh.shape[0]), np.int32(h_out.shape[1]), np.int32(t), lengths,
+                 xp.ascontiguousarray(gi_t), gh,
+                 gh if b_hh is None else b_hh, np.int32(b_hh is not None),
+                 xp.ascontiguousarray(h_prev), _contiguous(xp, c_prev, h_prev), h_out,
+                 _or(c_out, h_out),
+                 saved_out))
+        return
+    if b_hh is not None:
+        gh += b_hh
+    h, c, s = cell.forward(np, gi_t, gh, h_prev, c_prev)
+    active = (lengths > t)[:, None]
+    h_out[...] = np.where(active, h, h_prev)
+    if c_out is not None:
+        c_out[...] = np.where(active, c, c_prev)
+    saved_out[...] = s
+
+
+def _pointwise_backward(cell, xp, t, lengths, dy_t, dh_direct, dh_rec, dc, saved_t, h, c,
+                        h_prev, c_prev, dgi_out, dgh_out) -> tuple[Array, Array | None]:
+    """One step's pointwise backward; returns the direct parts of the gradients reaching
+    h_{t-1} and c_{t-1} (the part through W_hh is added by the caller)."""
+    if xp is not np:
+        dh_next = xp.empty_like(dh_rec)
+        dc_next = None if dc is None else xp.empty_like(dc)
+        _launch(cell, "backward", dy_t.dtype, dh_next.size,
+                (np.int32(dh_next.shape[0]), np.int32(dh_next.shape[1]), np.int32(t), lengths,
+                 xp.ascontiguousarray(dy_t), dh_direct, dh_rec, _or(dc, dh_rec), saved_t, h,
+                 _or(c, h), xp.ascontiguousarray(h_prev), _contiguous(xp, c_prev, h_prev), dgi_out,
+                 dgh_out,
+                 dh_next, _or(dc_next, dh_next)))
+        return dh_next, dc_next
+    dh = dy_t + dh_direct + dh_rec
+    dgi, dgh, dh_prev, dc_prev = cell.backward(np, dh, dc, saved_t, h, c, h_prev, c_prev)
+    active = (lengths > t)[:, None]
+    dgi_out[...] = np.where(active, dgi, 0.0)
+    if dgh_out is not dgi_out:
+        dgh_out[...] = np.where(active, dgh, 0.0)
+    dh_prev = np.where(active, dh_prev, dh)
+    return dh_prev, (None if dc is None else np.where(active, dc_prev, dc))
+
+
+def _or(a: Array | None, placeholder: Array) -> Array:
+    """``a``, or a valid buffer the kernel will not touch (cells without a cell state)."""
+    return placeholder if a is None else a
+
+
+def _contiguous(xp, a: Array | None, placeholder: Array) -> Array:
+    """``_or`` for inputs that may be views (``h0``/``c0`` slices given by the caller)."""
+    return placeholder if a is None else xp.ascontiguousarray(a)
+
+
+def _launch(cell: CellSpec, which: str, dtype, threads: int, args: tuple) -> None:
+    suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
+    kernel = _module().get_function(f"prnn_pointwise_{which}_{cell.name}_{suffix}")
+    kernel(((threads + _THREADS - 1) // _THREADS,), (_THREADS,), args)
+
+
+@lru_cache(maxsize=None)
+def _module():
+    """The compiled ``pointwise.cu`` (one NVRTC build per process, per device via CuPy's cache)."""
+    import cupy
+    return cupy.RawModule(code=read_source("pointwise.cu"),
+                          options=("-I" + str(cuda_src_dir()), "--std=c++17"))

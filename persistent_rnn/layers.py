@@ -1,0 +1,200 @@
+"""``RNN``, ``GRU`` and ``LSTM`` layers: parameters, gradients, state and checks.
+
+Shapes, gate order, equations, parameter names and initialisation follow ``torch.nn``. Arrays
+decide the device: NumPy inputs run on the CPU, CuPy inputs on the current GPU, and the
+parameters and gradients follow the data (moved once when the device changes, then kept there).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import functional, validation
+from .cells import CellSpec, cell_spec
+from .validation import CallOrderError
+from .stats import RunStats
+
+Array = Any
+
+
+class _Recurrent:
+    """A stack of recurrent layers over one cell; see ``RNN``, ``GRU`` and ``LSTM``."""
+
+    mode = ""
+    nonlinearity = "tanh"  # only RNN lets it be chosen
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, bidirectional: bool = False, dtype: Any = "float32",
+                 algo: str = "auto", seed: int | None = None):
+        self.input_size = validation.positive_int("input_size", input_size)
+        self.hidden_size = validation.positive_int("hidden_size", hidden_size)
+        self.num_layers = validation.positive_int("num_layers", num_layers)
+        self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
+            bidirectional)
+        self.dtype = validation.float_dtype("dtype", dtype)
+        self.algo = validation.choice("algo", algo, validation.ALGOS)
+        self.cell: CellSpec = cell_spec(self.mode, self.nonlinearity)
+        self.params = self._init_params(seed)
+        self.grads = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.last_run: RunStats | None = None
+        self._ctx: functional.Context | None = None
+        self._y_shape: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.input_size}, {self.hidden_size}, "
+                f"num_layers={self.num_layers}, bias={self.bias}, batch_first={self.batch_first}, "
+                f"bidirectional={self.bidirectional}, dtype={self.dtype.name!r}, algo={self.algo!r})")
+
+    @property
+    def directions(self) -> int:
+        """1, or 2 when bidirectional."""
+        return 2 if self.bidirectional else 1
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names (``torch.nn``'s, in its order) and shapes."""
+        rows, hidden = self.cell.gates * self.hidden_size, self.hidden_size
+        shapes: dict[str, tuple[int, ...]] = {}
+        for layer in range(self.num_layers):
+            width = self.input_size if layer == 0 else hidden * self.directions
+            for d in range(self.directions):
+                sfx = f"_l{layer}" + ("_reverse" if d else "")
+                shapes["weight_ih" + sfx] = (rows, width)
+                shapes["weight_hh" + sfx] = (rows, hidden)
+                if self.bias:
+                    shapes["bias_ih" + sfx] = (rows,)
+                    shapes["bias_hh" + sfx] = (rows,)
+        return shapes
+
+    def _init_params(self, seed: int | None) -> dict[str, Array]:
+        # torch.nn's initialisation: every parameter U(-1/sqrt(H), 1/sqrt(H))
+        rng = np.random.default_rng(seed)
+        bound = 1.0 / np.sqrt(self.hidden_size)
+        return {k: rng.uniform(-bound, bound, size=s).astype(self.dtype)
+                for k, s in self.param_shapes().items()}
+
+    def load_params(self, mapping: Mapping[str, Any]) -> None:
+        """Replace every parameter from ``mapping`` (names as in ``params``; any arrays, e.g. a
+        ``torch`` state_dict's tensors as NumPy); values are copied in the layer's dtype onto
+        the parameters' current device."""
+        validation.params_mapping(mapping, self.param_shapes())
+        xp = validation.array_module(**{"params": next(iter(self.params.values()))})
+        for key in self.params:
+            value = mapping[key]
+            if xp is not np and not isinstance(value, xp.ndarray):
+                value = np.asarray(value)
+            elif xp is np and not isinstance(value, np.ndarray) and hasattr(value, "get"):
+                value = value.get()  # a CuPy array loaded into a layer living on the CPU
+            self.params[key] = xp.array(value, dtype=self.dtype)
+
+    def zero_grad(self) -> None:
+        """Set every gradient to zero."""
+        for g in self.grads.values():
+            g[...] = 0
+
+    def forward(self, x: Array, hx: Any = None, lengths: Any = None) -> tuple[Array, Any]:
+        """Run the layer on ``x`` (T, B, input_size), or (B, T, input_size) if ``batch_first``.
+
+        ``hx``: ``None`` (zeros) or h0 (num_layers * D, B, H); LSTM: ``(h0, c0)``.
+        ``lengths``: ``None`` or B integers in 1..T (packed-sequence semantics: a sequence's
+        state stops at its length and its outputs past it are zero; any order).
+        Returns ``(y, hn)``: y (T, B, D * H) (batch-first likewise), hn like ``hx``.
+        """
+        if x is None:
+            raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
+        h0, c0 = validation.state("hx", hx, self.cell.has_cell_state)
+        xp = validation.array_module(x=x, hx=h0, **({"hx[1]": c0} if c0 is not None else {}))
+        validation.array("x", x, (None, None, self.input_size), self._x_dims(), self.dtype)
+        batch, steps = (x.shape[0], x.shape[1]) if self.batch_first else (x.shape[1], x.shape[0])
+        self._check_state("hx", h0, c0, batch)
+        if lengths is not None:
+            lengths = validation.lengths(lengths, batch, steps, xp)
+        self._to_device(xp)
+        self._ctx = None
+        y, hn, ctx = functional.forward(
+            self.cell, self.params, x, hx, lengths, num_layers=self.num_layers,
+            bidirectional=self.bidirectional, batch_first=self.batch_first, algo=self.algo)
+        self._ctx, self._y_shape, self.last_run = ctx, tuple(y.shape), ctx.stats
+        return y, hn
+
+    def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:
+        """Backward of the last ``forward``: ``dy`` like ``y``, ``dhn`` like ``hn`` (``None``:
+        zero). Adds the parameter gradients into ``grads``; returns ``(dx, dhx)`` with dhx like
+        ``hx`` (zeros-initial states get gradients too). Once per forward."""
+        if self._ctx is None:
+            raise CallOrderError("backward needs a preceding forward (and runs once per forward); "
+                                 "call forward first")
+        if dy is None:
+            raise TypeError("dy must be a numpy.ndarray or cupy.ndarray, got None")
+        dh, dc = validation.state("dhn", dhn, self.cell.has_cell_state)
+        xp = validation.array_module(dy=dy, dhn=dh, **({"dhn[1]": dc} if dc is not None else {}))
+        if xp is not validation.array_module(params=next(iter(self.params.values()))):
+            raise TypeError(f"dy must be on the forward's device ({self._device_name()}), "
+                            f"got {xp.__name__}")
+        dims = "(B, T, D*H)" if self.batch_first else "(T, B, D*H)"
+        validation.array("dy", dy, self._y_shape, dims, self.dtype)
+        batch = self._y_shape[0] if self.batch_first else self._y_shape[1]
+        self._check_state("dhn", dh, dc, batch)
+        ctx, self._ctx = self._ctx, None
+        dx, dhx, grads = functional.backward(ctx, dy, dhn)
+        for key, g in grads.items():
+            self.grads[key] += g
+        self.last_run = ctx.backward_stats
+        return dx, dhx
+
+    def _x_dims(self) -> str:
+        return "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"
+
+    def _check_state(self, name: str, h: Array | None, c: Array | None, batch: int) -> None:
+        shape = (self.num_layers * self.directions, batch, self.hidden_size)
+        dims = "(num_layers * num_directions, B, hidden_size)"
+        pairs = ((f"{name}[0]", h), (f"{name}[1]", c)) if self.cell.has_cell_state else ((name, h),)
+        for label, a in pairs:
+            if a is not None:
+                validation.array(label, a, shape, dims, self.dtype)
+
+    def _device_name(self) -> str:
+        xp = validation.array_module(params=next(iter(self.params.values())))
+        return "CuPy/GPU" if xp is not np else "NumPy/CPU"
+
+    def _to_device(self, xp) -> None:
+        """Move parameters and gradients to ``xp``'s device if they are elsewhere (once)."""
+        if validation.array_module(params=next(iter(self.params.values()))) is xp:
+            return
+        move = xp.asarray if xp is not np else (lambda a: a.get())
+        self.params = {k: move(v) for k, v in self.params.items()}
+        self.grads = {k: move(v) for k, v in self.grads.items()}
+
+
+class RNN(_Recurrent):
+    """Elman RNN, ``h_t = act(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)``, act ``tanh`` or ``relu``.
+
+    ``RNN(input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
+    bidirectional=False, dtype="float32", algo="auto", seed=None, nonlinearity="tanh")``.
+    """
+
+    mode = "RNN"
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, bidirectional: bool = False, dtype: Any = "float32",
+                 algo: str = "auto", seed: int | None = None, nonlinearity: str = "tanh"):
+        self.nonlinearity = validation.choice("nonlinearity", nonlinearity,
+                                              validation.NONLINEARITIES)
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, bidirectional,
+                         dtype, algo, seed)
+
+
+class GRU(_Recurrent):
+    """GRU with ``torch.nn.GRU``'s gates r, z, n and equations; same constructor as ``LSTM``."""
+
+    mode = "GRU"
+
+
+class LSTM(_Recurrent):
+    """LSTM with ``torch.nn.LSTM``'s gates i, f, g, o; ``hx``/``hn`` are ``(h, c)`` pairs.
+
+    ``LSTM(input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
+    bidirectional=False, dtype="float32", algo="auto", seed=None)``.
+    """
+
+    mode = "LSTM"

@@ -1,0 +1,135 @@
+"""Argument checks for the public API.
+
+Every failure is a ``ValueError`` (wrong value, shape or size) or ``TypeError`` (wrong kind of
+object, dtype or device) whose message names the argument, what was expected and what was given.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+ALGOS = ("auto", "gemm", "persistent")
+NONLINEARITIES = ("tanh", "relu")
+DTYPES = ("float32", "float64")
+
+Array = Any
+
+
+class CallOrderError(RuntimeError, ValueError):
+    """``backward`` called without a matching ``forward``, or twice for one forward."""
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as an ``int`` >= 1 (``bool`` is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def choice(name: str, value: Any, options: Iterable[str]) -> str:
+    """``value`` if it is one of ``options``."""
+    options = tuple(options)
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+    return value
+
+
+def float_dtype(name: str, value: Any) -> np.dtype:
+    """``value`` (a name or dtype-like) as ``float32`` or ``float64``."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in DTYPES:
+        raise ValueError(f"{name} must be one of {DTYPES}, got {value!r}")
+    return dtype
+
+
+def array_module(**arrays: Array):
+    """The common array module (``numpy`` or ``cupy``) of the named arrays (``None`` skipped).
+
+    ``TypeError`` if one is not an array or NumPy and CuPy arrays are mixed.
+    """
+    cupy = sys.modules.get("cupy")
+    found: dict[str, str] = {}
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        if isinstance(a, np.ndarray):
+            found[name] = "numpy"
+        elif cupy is not None and isinstance(a, cupy.ndarray):
+            found[name] = "cupy"
+        else:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, "
+                            f"got {type(a).__module__}.{type(a).__name__}")
+    kinds = set(found.values())
+    if len(kinds) > 1:
+        listing = ", ".join(f"{n}: {k}" for n, k in found.items())
+        raise TypeError(f"arrays must all be NumPy or all CuPy (one device), got {listing}")
+    return cupy if kinds == {"cupy"} else np
+
+
+def array(name: str, a: Array, shape: tuple[int | None, ...], dims: str, dtype: np.dtype) -> None:
+    """Check ``a``'s rank, sizes (``None`` = any) and dtype; ``dims`` names the axes."""
+    if a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape {dims} = ({want}), got {tuple(a.shape)}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype.name} (the layer's dtype), "
+                        f"got {a.dtype.name}")
+
+
+def lengths(value: Any, batch: int, steps: int, xp) -> Array:
+    """Sequence lengths (any integer sequence or array) as int32 on ``xp``, each in 1..steps.
+
+    NumPy lengths are accepted with CuPy data (like torch's CPU lengths); CuPy lengths with
+    NumPy data are a ``TypeError``.
+    """
+    if xp is np and type(value).__module__.startswith("cupy"):
+        raise TypeError("lengths must be on the CPU (list or numpy.ndarray) for NumPy inputs, "
+                        "got cupy.ndarray")
+    host = value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value
+    host = np.asarray(host)
+    if host.dtype.kind not in "iu":
+        raise TypeError(f"lengths must hold integers, got dtype {host.dtype.name}")
+    if host.shape != (batch,):
+        raise ValueError(f"lengths must have shape (batch,) = ({batch},), got {host.shape}")
+    if host.size and (host.min() < 1 or host.max() > steps):
+        raise ValueError(f"lengths must be in 1..{steps} (the sequence length T), "
+                         f"got min {host.min()} and max {host.max()}")
+    return xp.asarray(host.astype(np.int32))
+
+
+def state(name: str, hx: Any, has_cell_state: bool) -> tuple[Array | None, Array | None]:
+    """Split an initial state or its gradient: a single array, or an ``(h, c)`` pair for LSTM."""
+    if hx is None:
+        return None, None
+    if has_cell_state:
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            raise TypeError(f"{name} must be a pair (h, c) of arrays for LSTM, "
+                            f"got {type(hx).__name__}")
+        return hx[0], hx[1]
+    if isinstance(hx, (tuple, list)):
+        raise TypeError(f"{name} must be a single array (only LSTM takes a pair), got "
+                        f"{type(hx).__name__}")
+    return hx, None
+
+
+def params_mapping(mapping: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Check that ``mapping`` has exactly the ``expected`` names with the expected shapes."""
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"params must be a mapping of names to arrays, got {type(mapping).__name__}")
+    missing = [k for k in expected if k not in mapping]
+    if missing:
+        raise ValueError(f"params is missing {missing[0]!r} (expected keys {list(expected)})")
+    unknown = [k for k in mapping if k not in expected]
+    if unknown:
+        raise ValueError(f"params has unknown key {unknown[0]!r} (expected keys {list(expected)})")
+    for key, shape in expected.items():
+        got = tuple(np.shape(mapping[key]))
+        if got != shape:
+            raise ValueError(f"params[{key!r}] must have shape {shape}, got {got}")
