@@ -1,0 +1,53 @@
+"""Shared test helpers: GPU detection for tests marked ``gpu``.
+
+Tests marked ``@pytest.mark.gpu`` are skipped (with the reason) where CuPy is missing or no CUDA
+device is visible; nothing else here touches CuPy, so CPU tests never depend on a GPU. Other test
+modules may also use ``requires_gpu`` (``from conftest import requires_gpu``) or the ``cupy``
+fixture, which yields the module or skips.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+
+@lru_cache(maxsize=1)
+def gpu_unavailable_reason() -> str | None:
+    """``None`` if CuPy imports and sees at least one CUDA device, else why not."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA installation
+        return f"cupy not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver / no device
+        return f"no CUDA device ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA device (device count 0)"
+
+
+def gpu_available() -> bool:
+    """Whether GPU tests can run here."""
+    return gpu_unavailable_reason() is None
+
+
+def requires_gpu(test):
+    """Mark ``test`` as a GPU test that skips cleanly where no GPU is present."""
+    return pytest.mark.gpu(test)
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items and not gpu_available():
+        skip = pytest.mark.skip(reason=gpu_unavailable_reason())
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cupy():
+    """The ``cupy`` module on a machine with a GPU; skips the test elsewhere."""
+    if not gpu_available():
+        pytest.skip(gpu_unavailable_reason())
+    import cupy as cp
+    return cp
