@@ -1,0 +1,64 @@
+// persistent_forward.cu - forward recurrence of one layer-direction with W_hh in registers.
+//
+// CTA c owns hidden units j0 = c*PRNN_UNITS .. j0+PRNN_UNITS-1 and all G gate rows of them, so
+// the cell update is local. Per step t: stage h_{t-1} (all units, from y[t-1] or h0) in shared
+// memory, multiply by the CTA's rows of W_hh, apply the cell, write y[t] (the exchange buffer),
+// cs[t], saved[t] for the owned units, then meet the other CTAs at the timed grid barrier. A
+// step only reads step t-1's results and writes its own slots, so replaying it is idempotent;
+// the host relaunches from min(progress)+1 after a barrier timeout.
+#include "persistent_common.cuh"
+
+PRNN_KERNEL void prnn_persistent_forward(
+    const float* w_hh,      // (G*H, H)
+    const float* b_hh,      // (G*H,) zeros when the layer has no bias
+    const float* gi,        // (T, B, G*H)  W_ih x_t + b_ih
+    const float* h0, const float* c0,  // (B, H); c0 only read for LSTM
+    const int* lengths,     // (B,) in 1..T
+    float* y, float* cs, float* saved,  // (T, B, H), (T, B, H) LSTM only, (T, B, S*H)
+    unsigned* control,      // PrnnControl, 2 + gridDim.x words
+    int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
+    int stall_block, int stall_step, unsigned long long stall_ns) {
+  using namespace prnn;
+  constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
+  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  const PrnnStall stall{stall_block, stall_step, stall_ns};
+  const int j0 = blockIdx.x * kUnits, warp = threadIdx.x / kWarp, gh_len = G * hidden;
+  float* h_s = prnn_shared_memory<float>();  // [batch][kPadded]: h_{t-1}
+  float* gh_s = h_s + batch * kPadded;        // [batch][R]: W_hh h_{t-1} for the owned rows
+
+  int rows[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int local = warp * kRows + r, g = local / kUnits, u = local % kUnits;
+    rows[r] = j0 + u < hidden ? g * hidden + j0 + u : -1;
+  }
+  RegisterTile tile;
+  tile.load(w_hh, rows, hidden, threadIdx.x % kWarp);
+
+  for (int t = start; t < steps; ++t) {
+    stage_exchanged(h_s, t > 0 ? y + (size_t)(t - 1) * batch * hidden : h0, batch, hidden);
+    multiply_batch(tile, h_s, gh_s, batch, R);
+    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+      if (j >= hidden) continue;
+      const size_t row = (size_t)t * batch + b;
+      float giv[G], ghv[G], sv[kSavedSlots];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        giv[g] = gi[row * gh_len + g * hidden + j];
+        ghv[g] = gh_s[b * R + g * kUnits + u] + b_hh[g * hidden + j];
+      }
+      const float h_prev = h_s[b * kPadded + j];
+      float c_prev = 0.0f;
+      if (kHasC) c_prev = t > 0 ? cs[(row - batch) * hidden + j] : c0[(size_t)b * hidden + j];
+      float h, c;
+      cell_forward_masked<PRNN_CELL>(t < lengths[b], giv, ghv, h_prev, c_prev, h, c, sv);
+      y[row * hidden + j] = h;
+      if (kHasC) cs[row * hidden + j] = c;
+#pragma unroll
+      for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
+    }
+    prnn_maybe_stall(stall, t);
+    if (!prnn_grid_barrier(ctl, t, (unsigned)(t - start + 1), timeout_ns)) return;
+  }
+}

@@ -1,0 +1,225 @@
+"""Register-file partition of the persistent kernels: the launch plan, or why a layer does not fit.
+
+Pure Python, no GPU needed. The kernels in ``cuda_src/persistent_*.cu`` are compiled in a finite
+set of *tiles* (``SHIPPED``); a tile fixes, per cell:
+
+* ``units``  hidden units owned by one CTA (all G gate rows of them; the grid is ``ceil(H/units)``),
+* ``rows``   matrix rows held by one warp in the forward pass (``rows/G`` in the backward pass),
+* ``kpt``    matrix columns per lane in the forward pass: a warp's 32 lanes split ``K = H`` into
+             ``kpt`` strided chunks, so the tile serves ``H <= 32*kpt``; the backward pass multiplies
+             by ``W_hh^T`` (``K = G*H``) and holds ``G*kpt`` columns per lane.
+
+Both passes therefore hold ``rows*kpt`` fp32 weights per thread in ``warps = G*units/rows`` warps.
+The register cap per thread (``-maxrregcount``) is what lets one CTA of that many threads sit on
+one SM; ptxas must then fit the weights with zero spills (checked by ``kernel_report``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .cells import CELLS, CellSpec
+
+WARP = 32
+REGISTER_GRANULE = 8  # registers per thread are allocated in multiples of 8
+MAX_REGS_PER_THREAD = 255
+SHIPPED_REGISTERS_PER_SM = 65536  # every supported GPU (sm_80, sm_90); the tiles are sized for it
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """The device properties the planner needs."""
+
+    name: str
+    sm_count: int
+    registers_per_sm: int = 65536
+    max_registers_per_thread: int = MAX_REGS_PER_THREAD
+    shared_per_block: int = 232448  # opt-in maximum of dynamic shared memory per block
+    shared_per_sm: int = 233472
+    max_threads_per_block: int = 1024
+    arch: str = "sm_90"
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    "h100": DeviceProfile("h100", 132),
+    "h200": DeviceProfile("h200", 132),
+    "a100": DeviceProfile("a100", 108, shared_per_block=166912, shared_per_sm=167936, arch="sm_80"),
+}
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One shipped compile-time configuration of a cell's kernels (see the module docstring)."""
+
+    units: int
+    rows: int
+    kpt: int
+
+
+# Per cell kind, tiles from small to large; the planner takes the cheapest one that fits.
+SHIPPED: dict[str, tuple[Tile, ...]] = {
+    "lstm": (Tile(units=4, rows=4, kpt=4), Tile(units=8, rows=4, kpt=16), Tile(units=10, rows=4, kpt=41)),
+    "gru": (Tile(units=4, rows=3, kpt=4), Tile(units=8, rows=3, kpt=16), Tile(units=11, rows=3, kpt=45)),
+    "rnn": (Tile(units=4, rows=1, kpt=4), Tile(units=8, rows=2, kpt=32), Tile(units=20, rows=2, kpt=80)),
+}
+
+
+def tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
+    """The shipped tiles of ``cell`` (both vanilla RNNs share theirs)."""
+    return SHIPPED["rnn" if cell.gates == 1 else cell.name]
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """Launch plan of one pass (forward or backward) of one tile."""
+
+    kernel: str                # entry point in the .cu file
+    source: str                # file in cuda_src/
+    defines: dict[str, int]    # the -D macros: the compile-time configuration
+    grid: int
+    block: int
+    shared_bytes: int
+    weights_per_thread: int
+    registers: int             # -maxrregcount: the expected (and maximum) registers per thread
+    max_hidden: int            # largest H the compiled tile serves
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options beyond the include path and arch."""
+        return (f"--maxrregcount={self.registers}",)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan of one layer-direction: both passes, or the reason it does not fit."""
+
+    fits: bool
+    reason: str | None = None
+    tile: Tile | None = None
+    forward: PassPlan | None = None
+    backward: PassPlan | None = None
+    tried: list[str] = field(default_factory=list)
+
+
+def register_cap(threads: int, registers_per_sm: int = SHIPPED_REGISTERS_PER_SM) -> int:
+    """Most registers per thread that still let one CTA of ``threads`` threads fit on an SM."""
+    per_thread = registers_per_sm // threads
+    return min(MAX_REGS_PER_THREAD, per_thread - per_thread % REGISTER_GRANULE)
+
+
+def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:
+    """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows."""
+    gates = cell.gates
+    warps = gates * tile.units // tile.rows
+    rows = tile.rows // gates if backward else tile.rows
+    kpt = gates * tile.kpt if backward else tile.kpt
+    local_rows = tile.units if backward else gates * tile.units
+    block = warps * WARP
+    defines = {"PRNN_CELL": cell.kind, "PRNN_UNITS": tile.units, "PRNN_ROWS": rows,
+               "PRNN_KPT": kpt, "PRNN_WARPS": warps}
+    return PassPlan(
+        kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
+        source="persistent_backward.cu" if backward else "persistent_forward.cu",
+        defines=defines, grid=math.ceil(hidden / tile.units), block=block,
+        shared_bytes=4 * batch * (WARP * kpt + local_rows), weights_per_thread=rows * kpt,
+        registers=register_cap(block), max_hidden=WARP * tile.kpt)
+
+
+def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
+    if hidden > p.max_hidden:
+        return f"hidden_size {hidden} > {p.max_hidden} served by the tile"
+    if p.grid > dev.sm_count:
+        return f"grid {p.grid} CTAs > {dev.sm_count} SMs (one CTA per SM)"
+    if p.block > dev.max_threads_per_block:
+        return f"block {p.block} threads > {dev.max_threads_per_block}"
+    if p.block * p.registers > dev.registers_per_sm or p.registers > dev.max_registers_per_thread:
+        return f"{p.block} threads x {p.registers} registers exceed the SM's register file"
+    if p.shared_bytes > min(dev.shared_per_block, dev.shared_per_sm):
+        return f"{p.shared_bytes} bytes of shared memory > {dev.shared_per_block}"
+    return None
+
+
+def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float32",
+              device: DeviceProfile | str | None = None) -> Plan:
+    """Plan both passes of ``cell`` at ``hidden`` units and ``batch`` rows on ``device``.
+
+    Returns the cheapest shipped tile (fewest weights per thread, hence least work per step)
+    whose forward and backward both fit, or a ``Plan`` with ``fits=False`` and the reason.
+    """
+    cell = resolve_cell(cell)
+    dev = resolve_device(device)
+    if hidden < 1 or batch < 1:
+        raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
+    if str(dtype) != "float32":
+        return Plan(False, f"dtype {dtype} is not supported by the persistent kernels (float32 only)")
+    tried = []
+    for tile in tiles_for(cell):
+        fwd = pass_plan(cell, tile, False, hidden, batch)
+        bwd = pass_plan(cell, tile, True, hidden, batch)
+        reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
+        if reason is None:
+            return Plan(True, None, tile, fwd, bwd, tried)
+        tried.append(f"{tile}: {reason}")
+    return Plan(False, f"{cell.name} H={hidden} B={batch} does not fit {dev.name}: " + "; ".join(tried),
+                tried=tried)
+
+
+def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,
+                    batch: int = 1) -> int:
+    """Largest hidden size whose persistent forward and backward both fit ``device`` (0 if none).
+
+    ``cell``: "RNN", "GRU", "LSTM" (any case; also "rnn_tanh", "rnn_relu"); ``device``: a profile
+    name ("h100", "h200", "a100"), a ``DeviceProfile``, or None for the current GPU.
+    """
+    spec = resolve_cell(cell)
+    dev = resolve_device(device)
+    best = 0
+    for tile in tiles_for(spec):
+        top = min(WARP * tile.kpt, dev.sm_count * tile.units)
+        for hidden in range(top, best, -1):
+            if make_plan(spec, hidden, batch, dtype, dev).fits:
+                best = hidden
+                break
+    return best
+
+
+def resolve_cell(cell: CellSpec | str) -> CellSpec:
+    """A ``CellSpec`` from a spec or a name ("RNN" = tanh RNN, "GRU", "LSTM", "rnn_relu", ...)."""
+    if isinstance(cell, CellSpec):
+        return cell
+    if not isinstance(cell, str):
+        raise TypeError(f"cell must be a str or CellSpec, got {type(cell).__name__}")
+    name = cell.lower()
+    name = {"rnn": "rnn_tanh"}.get(name, name)
+    if name not in CELLS:
+        raise ValueError(f"cell must be one of 'RNN', 'GRU', 'LSTM', 'rnn_tanh', 'rnn_relu', got {cell!r}")
+    return CELLS[name]
+
+
+def resolve_device(device: DeviceProfile | str | None) -> DeviceProfile:
+    """A profile from a name, a profile, or None (the current CuPy device)."""
+    if isinstance(device, DeviceProfile):
+        return device
+    if isinstance(device, str):
+        if device.lower() not in PROFILES:
+            raise ValueError(f"device must be one of {sorted(PROFILES)} or None, got {device!r}")
+        return PROFILES[device.lower()]
+    if device is not None:
+        raise TypeError(f"device must be a profile name, DeviceProfile or None, got {type(device).__name__}")
+    return current_device()
+
+
+def current_device() -> DeviceProfile:
+    """The profile of the current CuPy device (raises RuntimeError where there is no GPU)."""
+    try:
+        import cupy
+        dev = cupy.cuda.Device()
+        attrs = dev.attributes
+    except Exception as exc:  # no CuPy, no driver or no GPU: all mean "no current device"
+        raise RuntimeError(f"no CUDA device available to plan for ({exc}); pass device='h100' etc.") from exc
+    return DeviceProfile(
+        name=f"cuda:{dev.id}", sm_count=attrs["MultiProcessorCount"],
+        registers_per_sm=attrs["MaxRegistersPerMultiprocessor"],
+        shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
+        shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
+        max_threads_per_block=attrs["MaxThreadsPerBlock"], arch=f"sm_{dev.compute_capability}")
