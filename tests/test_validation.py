@@ -218,5 +218,5 @@ def test_numpy_and_cupy_mixed(monkeypatch):
 
     FakeCupyArray.__module__ = "cupy"
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=FakeCupyArray))
-    with _raises(TypeError, "all NumPy or all CuPy", "x: numpy", "hx: cupy"):
+    with _raises(TypeError, "all be NumPy or all CuPy", "x: numpy", "hx: cupy"):
         prnn.RNN(3, 4).forward(_x(), FakeCupyArray())
