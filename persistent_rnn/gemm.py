@@ -102,10 +102,12 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     for t in range(stop - 1, -1, -1):
         h_prev = y[t - 1] if t > 0 else h0
         c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
+        dgi_t = dgi[t]
+        dgh_t = dgi_t if dgh is dgi else dgh[t]
         dh_direct, dc = _pointwise_backward(
             cell, xp, t, lengths, dy[t], dh_direct, dh_rec, dc, saved[t], y[t],
-            None if cs is None else cs[t], h_prev, c_prev, dgi[t], dgh[t])
-        dh_rec = dgh[t] @ w_hh
+            None if cs is None else cs[t], h_prev, c_prev, dgi_t, dgh_t)
+        dh_rec = dgh_t @ w_hh
     return dh_direct + dh_rec, dc
 
 
