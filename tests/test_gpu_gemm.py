@@ -1,0 +1,77 @@
+"""GPU variants (CuPy arrays): the GEMM path with its fused pointwise kernels against torch.nn
+on the CPU, the NumPy path, and the device rules of the layers. Skipped where no GPU is present."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import gemm
+from persistent_rnn.cells import CELLS
+from test_layers import CASES, compare, make_layer, run_pair
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("mode,kw,B,T,I,H,lengths", CASES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_parity_on_gpu(cupy, mode, kw, B, T, I, H, lengths, dtype):
+    ours, ref = make_layer(mode, I, H, dtype, **kw)
+    errs = run_pair(ours, ref, B, T, np.random.default_rng(B + T), lengths=lengths, xp=cupy)
+    compare(errs, dtype)
+    assert all(isinstance(v, cupy.ndarray) for v in ours.params.values())
+    assert all(isinstance(v, cupy.ndarray) for v in ours.grads.values())
+
+
+@pytest.mark.parametrize("name", sorted(CELLS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_kernels_match_numpy_path(cupy, name, dtype):
+    cell, rng = CELLS[name], np.random.default_rng(5)
+    T, B, H = 9, 5, 37
+    gi = rng.standard_normal((T, B, cell.gates * H)).astype(dtype)
+    w_hh = (rng.standard_normal((cell.gates * H, H)) * 0.2).astype(dtype)
+    b_hh = rng.standard_normal(cell.gates * H).astype(dtype)
+    h0 = rng.standard_normal((B, H)).astype(dtype)
+    c0 = rng.standard_normal((B, H)).astype(dtype) if cell.has_cell_state else None
+    lengths = np.array([9, 1, 4, 9, 6], dtype=np.int32)
+    dy = rng.standard_normal((T, B, H)).astype(dtype)
+    dy[np.arange(T)[:, None] >= lengths[None, :]] = 0
+    dhn = rng.standard_normal((B, H)).astype(dtype)
+
+    def run(xp):
+        dev = (lambda a: None if a is None else xp.asarray(a))
+        g, w, b, h, c, n = map(dev, (gi, w_hh, b_hh, h0, c0, lengths))
+        y, cs, saved = gemm.allocate_forward(cell, g)
+        gemm.forward_steps(cell, g, w, b, h, c, n, y, cs, saved, start=0)
+        dgi, dgh = gemm.allocate_backward(cell, dev(dy))
+        dh0, dc0 = gemm.backward_steps(cell, dev(dy), w, h, c, n, y, cs, saved, dgi, dgh,
+                                       dev(dhn), None if c is None else dev(dhn), stop=T)
+        out = [y, saved, dgi, dgh, dh0] + ([cs, dc0] if cs is not None else [])
+        return [a.get() if xp is not np else a for a in out]
+
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for got, want in zip(run(cupy), run(np)):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_mixed_numpy_and_cupy_is_a_type_error(cupy):
+    layer = prnn.RNN(3, 4)
+    x = np.zeros((5, 2, 3), np.float32)
+    with pytest.raises(TypeError, match="x: numpy, hx: cupy"):
+        layer.forward(x, cupy.zeros((1, 2, 4), cupy.float32))
+    y, _ = layer.forward(x)
+    with pytest.raises(TypeError, match="dy"):
+        layer.backward(cupy.asarray(y))
+
+
+def test_params_follow_the_data(cupy):
+    layer = prnn.LSTM(3, 4, dtype="float64", seed=0)
+    x = np.random.default_rng(0).standard_normal((5, 2, 3))
+    y_cpu, _ = layer.forward(x)
+    y_gpu, _ = layer.forward(cupy.asarray(x))
+    assert isinstance(layer.params["weight_hh_l0"], cupy.ndarray)
+    np.testing.assert_allclose(y_gpu.get(), y_cpu, rtol=1e-12, atol=1e-14)
+    layer.backward(cupy.ones_like(y_gpu))
+    y_back, _ = layer.forward(x)  # and back to the CPU, gradients included
+    assert isinstance(layer.params["weight_hh_l0"], np.ndarray)
+    assert isinstance(layer.grads["weight_hh_l0"], np.ndarray) and layer.grads["weight_hh_l0"].any()
