@@ -1,8 +1,8 @@
-"""Run one layer-direction's recurrence: choose the algorithm, launch, report.
+"""Run one layer-direction's recurrence: choose the algorithm, launch, relaunch, fall back, report.
 
 This is the seam between the layer code (``functional``) and the two recurrence engines: the
-GEMM path (``gemm``) and the persistent kernel (GPU or CPU emulation). Inputs are time-major
-and already projected: ``gi = x @ W_ih^T + b_ih`` for all steps.
+GEMM path (``gemm``) and the persistent kernel (on the GPU, or its CPU emulation). Inputs are
+time-major and already projected: ``gi = x @ W_ih^T + b_ih`` for all steps.
 
 Buffers of one layer-direction (T steps, batch B, hidden H, cell with G gates, S saved):
 
@@ -12,17 +12,104 @@ Buffers of one layer-direction (T steps, batch B, hidden H, cell with G gates, S
 * ``saved`` (T, B, S*H) activations the cell's backward needs.
 * ``dgi``, ``dgh`` (T, B, G*H) gradients of the input and recurrent pre-activations (the same
   array unless the cell is GRU).
+
+Algorithm choice: ``"gemm"`` always runs the GEMM path; ``"persistent"`` runs the persistent
+kernel (CuPy arrays: on the GPU; NumPy arrays: the CPU emulation of the same source, a test and
+debug path) and raises ValueError when it cannot; ``"auto"`` runs the persistent kernel on CuPy
+float32 data when the plan fits and the batch is at most ``Settings.auto_max_batch`` (8: a
+conservative rule until measured), else GEMM; ``"auto"`` never emulates.
+
+Relaunch protocol (one loop for GPU and emulation): zero the ``PrnnControl`` words with every
+CTA's progress set to "nothing done", launch, read the progress back (one small copy per launch),
+and relaunch from the first step not completed by every CTA; after ``max_relaunches`` relaunches
+the remaining steps run on the GEMM path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+import os
+from dataclasses import dataclass, fields
+from functools import lru_cache, partial
+from typing import Any, Callable, Iterator
 
-from . import gemm
+import numpy as np
+
+from . import gemm, plan as planner
 from .cells import CellSpec
 from .stats import RunStats
 
 Array = Any
+
+ALGOS = ("auto", "gemm", "persistent")
+
+
+@dataclass
+class Settings:
+    """Runtime settings; defaults may be overridden by environment variables (in brackets).
+
+    * ``gpu_timeout_ms`` (PRNN_TIMEOUT_MS, 100): barrier wait before a GPU kernel gives up.
+    * ``emulation_timeout_ms`` (PRNN_EMULATION_TIMEOUT_MS, 2000): the same for the emulation,
+      whose CPU threads are scheduled far less predictably.
+    * ``max_relaunches`` (PRNN_MAX_RELAUNCHES, 3): relaunches before the GEMM path takes over.
+    * ``cooperative`` (PRNN_COOPERATIVE, off): launch with cudaLaunchCooperativeKernel, which
+      guarantees co-residency (or fails to launch) instead of relying on the timeout.
+    * ``auto_max_batch`` (PRNN_AUTO_MAX_BATCH, 8): largest batch ``algo="auto"`` runs persistently.
+    * ``emulation_max_resident`` (None = all): CTAs the emulation runs at once (a busy GPU).
+    """
+
+    gpu_timeout_ms: float = float(os.environ.get("PRNN_TIMEOUT_MS", 100.0))
+    emulation_timeout_ms: float = float(os.environ.get("PRNN_EMULATION_TIMEOUT_MS", 2000.0))
+    max_relaunches: int = int(os.environ.get("PRNN_MAX_RELAUNCHES", 3))
+    cooperative: bool = os.environ.get("PRNN_COOPERATIVE", "0") not in ("", "0")
+    auto_max_batch: int = int(os.environ.get("PRNN_AUTO_MAX_BATCH", 8))
+    emulation_max_resident: int | None = None
+
+
+SETTINGS = Settings()
+
+
+def configure(**changes: Any) -> Settings:
+    """Change runtime settings (names of ``Settings`` fields); returns the settings in force."""
+    known = {f.name for f in fields(Settings)}
+    for name, value in changes.items():
+        if name not in known:
+            raise ValueError(f"configure: unknown setting {name!r}; expected one of {sorted(known)}")
+        setattr(SETTINGS, name, value)
+    return SETTINGS
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A stall injected into the first launch of a persistent run (see ``inject_stall``)."""
+
+    block: int = -1
+    step: int = -1
+    duration_ms: float = 0.0
+
+    def args(self) -> tuple:
+        """The kernel's (stall_block, stall_step, stall_ns) arguments."""
+        return (np.int32(self.block), np.int32(self.step), np.uint64(int(self.duration_ms * 1e6)))
+
+
+_NO_STALL = Stall()
+_stall = _NO_STALL
+
+
+@contextlib.contextmanager
+def inject_stall(block: int, step: int, duration_ms: float) -> Iterator[Stall]:
+    """Make CTA ``block`` stall ``duration_ms`` before arriving at the barrier of step ``step``,
+    in the first launch of every persistent run (GPU or emulation) inside the ``with`` block."""
+    global _stall
+    for name, value in (("block", block), ("step", step)):
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"inject_stall: {name} must be an int >= 0, got {value!r}")
+    if not duration_ms > 0:
+        raise ValueError(f"inject_stall: duration_ms must be > 0, got {duration_ms!r}")
+    previous, _stall = _stall, Stall(int(block), int(step), float(duration_ms))
+    try:
+        yield _stall
+    finally:
+        _stall = previous
 
 
 @dataclass
@@ -44,12 +131,39 @@ class BackwardResult:
     dc0: Array | None
 
 
+@dataclass(frozen=True)
+class _Engine:
+    """How a persistent pass runs: its plan, a ``launch`` callable and the barrier timeout."""
+
+    pass_plan: planner.PassPlan
+    launch: Callable[..., None]
+    timeout_ns: int
+    emulated: bool
+
+
 def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
                 c0: Array | None, lengths: Array | None, algo: str, stats: RunStats) -> ForwardResult:
     """Run the forward recurrence over all steps of ``gi`` and record what ran in ``stats``."""
     y, cs, saved = gemm.allocate_forward(cell, gi)
-    gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0)
-    stats.merge(RunStats(algo="gemm"))
+    steps, batch, _ = gi.shape
+    engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False)
+    if engine is None:
+        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0)
+        stats.merge(RunStats(algo="gemm", fallback=reason))
+        return ForwardResult(y, cs, saved)
+    xp = gemm.array_module(gi)
+    c = xp.ascontiguousarray
+    hidden = y.shape[2]
+    bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
+    c0_arg = c(h0) if c0 is None else c(c0)
+    fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, _lengths(xp, lengths, batch, steps), y,
+             y if cs is None else cs, saved)
+    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp)
+    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated)
+    if step < steps:
+        run.fallback = f"barrier timeouts: {restarts} relaunches, steps {step}..{steps - 1} on GEMM"
+        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=step)
+    stats.merge(run)
     return ForwardResult(y, cs, saved)
 
 
@@ -58,7 +172,140 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
                  algo: str, stats: RunStats) -> BackwardResult:
     """Run backward through time over all steps; ``dy`` must be zero past each length."""
     dgi, dgh = gemm.allocate_backward(cell, dy)
-    dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
-                                   dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=dy.shape[0])
-    stats.merge(RunStats(algo="gemm"))
+    steps, batch, hidden = dy.shape
+    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True)
+    if engine is None:
+        dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
+                                       dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps)
+        stats.merge(RunStats(algo="gemm", fallback=reason))
+        return BackwardResult(dgi, dgh, dh0, dc0)
+    xp = gemm.array_module(dy)
+    c = xp.ascontiguousarray
+    # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n).
+    dh_carry = xp.zeros((2, batch, hidden), dy.dtype)
+    dc_carry = xp.zeros((2, batch, hidden), dy.dtype) if cell.has_cell_state else dh_carry
+    if dhn is not None:
+        dh_carry[steps % 2] = dhn
+    if dcn is not None and cell.has_cell_state:
+        dc_carry[steps % 2] = dcn
+    fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
+             c(h0) if c0 is None else c(c0), _lengths(xp, lengths, batch, steps), dgi, dgh,
+             dh_carry, dc_carry)
+    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp)
+    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated)
+    stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
+    dh_c = dh_carry[stop % 2] + (dgh[stop] @ w_hh if stop < steps else 0.0)
+    dc_c = dc_carry[stop % 2] if cell.has_cell_state else None
+    if stop > 0:
+        run.fallback = f"barrier timeouts: {restarts} relaunches, steps {stop - 1}..0 on GEMM"
+        dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
+                                       dgi, dgh, dh_carry=dh_c, dc_carry=dc_c, stop=stop)
+    else:
+        dh0, dc0 = dh_c, dc_c
+    stats.merge(run)
     return BackwardResult(dgi, dgh, dh0, dc0)
+
+
+def relaunch(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int,
+             xp) -> tuple[int, int]:
+    """Launch the persistent pass from step ``first`` towards ``end`` (exclusive), relaunching
+    after barrier timeouts; returns ``(next step to run, relaunches)``, where the next step equals
+    ``end`` when the kernel completed every step.
+
+    ``fixed``: the kernel's leading (buffer) arguments; ``sizes``: (T, B, H). The same loop serves
+    the GPU and the emulation: only ``engine.launch`` differs.
+    """
+    p = engine.pass_plan
+    direction = 1 if end > first else -1
+    step, restarts = first, 0
+    while True:
+        # progress[] = "last step done" = the step before the resume step, in the run's direction.
+        control = np.full(2 + p.grid, step - direction, dtype=np.int32)
+        control[:2] = 0
+        control = xp.asarray(control.view(np.uint32))
+        stall = _stall if restarts == 0 else _NO_STALL
+        engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
+                      (*fixed, control, *(np.int32(s) for s in sizes), np.int32(step),
+                       np.uint64(engine.timeout_ns), *stall.args()))
+        progress = _to_host(control)[2:].view(np.int32)
+        done = int(progress.min()) if direction > 0 else int(progress.max())
+        step = done + direction
+        if (end - step) * direction <= 0 or restarts >= SETTINGS.max_relaunches:
+            return step, restarts
+        restarts += 1
+
+
+def _to_host(a: Array) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
+    if lengths is None:
+        return xp.full((batch,), steps, dtype=np.int32)
+    return xp.ascontiguousarray(xp.asarray(lengths, dtype=np.int32))
+
+
+def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
+            backward: bool) -> tuple[_Engine | None, str | None]:
+    """The persistent engine for this pass, or ``(None, why the GEMM path runs)``.
+
+    Raises ValueError when ``algo="persistent"`` cannot be honoured.
+    """
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if algo == "gemm":
+        return None, None
+    xp = gemm.array_module(data)
+    on_gpu = xp is not np
+    if algo == "auto" and not on_gpu:
+        return None, None
+    why = _why_not_persistent(cell, data, hidden, batch, algo, on_gpu)
+    if why is not None:
+        if algo == "persistent":
+            raise ValueError(f"algo='persistent' cannot run this layer: {why}")
+        return None, why
+    device = _current_device() if on_gpu else planner.PROFILES["h100"]
+    p = planner.make_plan(cell, hidden, batch, "float32", device)
+    pass_plan = p.backward if backward else p.forward
+    if on_gpu:
+        return _gpu_engine(pass_plan, device, algo)
+    from . import emulate
+    module = emulate.get_module(pass_plan.source, pass_plan.defines)
+    launch = partial(module.launch, max_resident=SETTINGS.emulation_max_resident)
+    return _Engine(pass_plan, launch, int(SETTINGS.emulation_timeout_ms * 1e6), True), None
+
+
+def _why_not_persistent(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
+                        on_gpu: bool) -> str | None:
+    if np.dtype(data.dtype) != np.float32:
+        return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
+    if algo == "auto" and batch > SETTINGS.auto_max_batch:
+        return f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): GEMM is faster there"
+    device = _current_device() if on_gpu else planner.PROFILES["h100"]
+    p = planner.make_plan(cell, hidden, batch, "float32", device)
+    return None if p.fits else p.reason
+
+
+def _gpu_engine(pass_plan: planner.PassPlan, device: planner.DeviceProfile,
+                algo: str) -> tuple[_Engine | None, str | None]:
+    """The GPU engine, after checking that the whole grid can be resident at once."""
+    from . import kernels
+    module = kernels.get_module(pass_plan.source, pass_plan.defines, SETTINGS.cooperative)
+    per_sm = module.max_active_blocks(pass_plan.kernel, pass_plan.block, pass_plan.shared_bytes)
+    if pass_plan.grid > device.sm_count * per_sm:
+        why = (f"grid {pass_plan.grid} > {device.sm_count} SMs x {per_sm} resident CTAs "
+               f"of {pass_plan.kernel}")
+        if algo == "persistent":
+            raise ValueError(f"algo='persistent' cannot run this layer: {why}")
+        return None, why
+    return _Engine(pass_plan, module.launch, int(SETTINGS.gpu_timeout_ms * 1e6), False), None
+
+
+@lru_cache(maxsize=None)
+def _device_profile(device_id: int) -> planner.DeviceProfile:
+    return planner.current_device()
+
+
+def _current_device() -> planner.DeviceProfile:
+    import cupy
+    return _device_profile(cupy.cuda.Device().id)
