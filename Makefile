@@ -1,0 +1,25 @@
+# make demo: the main job (forward/backward of every cell, printed summary).
+# make test: the test suite (GPU tests skip where no GPU is present).
+# Both create .venv on first use (torch first, then the package with all extras); idempotent.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv
+
+demo: $(STAMP)
+	$(PY) -m persistent_rnn.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+venv: $(STAMP)
+
+# torch is pinned and installed first so that the extras' "torch>=..." resolves to it.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[test,torch,bench,cuda13]"
+	touch $(STAMP)
