@@ -19,7 +19,6 @@ venv: $(STAMP)
 # torch is pinned and installed first so that the extras' "torch>=..." resolves to it.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[test,torch,bench,cuda13]"
 	touch $(STAMP)
