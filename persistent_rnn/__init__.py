@@ -4,6 +4,8 @@ NumPy arrays run on the CPU, CuPy arrays on the GPU; see ``docs/api.md``.
 """
 from .layers import GRU, LSTM, RNN
 from .stats import RunStats
+from .plan import max_hidden_size
+from .runtime import inject_stall
 
 __version__ = "0.1.0"
 
