@@ -51,7 +51,8 @@ def main() -> None:
     print(f"persistent_rnn {prnn.__version__} demo on NumPy: T={T} B={B} input={I} hidden={H}, "
           f"2 layers, bidirectional, lengths [16, 5, 11, 1], float64")
     kw = dict(num_layers=2, bidirectional=True, dtype="float64", seed=0)
-    layers = {"RNN tanh": prnn.RNN(I, H, **kw), "RNN relu": prnn.RNN(I, H, nonlinearity="relu", **kw),
+    layers = {"RNN tanh": prnn.RNN(I, H, **kw),
+              "RNN relu": prnn.RNN(I, H, nonlinearity="relu", **kw),
               "GRU": prnn.GRU(I, H, **kw), "LSTM": prnn.LSTM(I, H, **kw)}
     for name, layer in layers.items():
         print(run_cell(name, layer))

@@ -37,7 +37,7 @@ def array_module(*arrays: Array):
 
 
 def separate_dgh(cell: CellSpec) -> bool:
-    """Whether ``dgh`` differs from ``dgi`` (only GRU: its n gate's recurrent part is scaled by r)."""
+    """Whether ``dgh`` differs from ``dgi`` (only GRU: r scales its n gate's recurrent part)."""
     return cell.name == "gru"
 
 
@@ -53,7 +53,7 @@ def allocate_forward(cell: CellSpec, gi: Array) -> tuple[Array, Array | None, Ar
 
 
 def allocate_backward(cell: CellSpec, dy: Array) -> tuple[Array, Array]:
-    """Allocate ``(dgi, dgh)`` (T, B, G*H) for the backward recurrence; the same array unless GRU."""
+    """Allocate ``(dgi, dgh)`` (T, B, G*H) for the backward recurrence (one array unless GRU)."""
     xp = array_module(dy)
     steps, batch, hidden = dy.shape
     dgi = xp.empty((steps, batch, cell.gates * hidden), dtype=dy.dtype)

@@ -44,7 +44,8 @@ class _Recurrent:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.input_size}, {self.hidden_size}, "
                 f"num_layers={self.num_layers}, bias={self.bias}, batch_first={self.batch_first}, "
-                f"bidirectional={self.bidirectional}, dtype={self.dtype.name!r}, algo={self.algo!r})")
+                f"bidirectional={self.bidirectional}, dtype={self.dtype.name!r}, "
+                f"algo={self.algo!r})")
 
     @property
     def directions(self) -> int:

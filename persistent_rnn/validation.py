@@ -122,7 +122,8 @@ def state(name: str, hx: Any, has_cell_state: bool) -> tuple[Array | None, Array
 def params_mapping(mapping: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]) -> None:
     """Check that ``mapping`` has exactly the ``expected`` names with the expected shapes."""
     if not isinstance(mapping, Mapping):
-        raise TypeError(f"params must be a mapping of names to arrays, got {type(mapping).__name__}")
+        raise TypeError(f"params must be a mapping of names to arrays, "
+                        f"got {type(mapping).__name__}")
     missing = [k for k in expected if k not in mapping]
     if missing:
         raise ValueError(f"params is missing {missing[0]!r} (expected keys {list(expected)})")

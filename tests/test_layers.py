@@ -62,10 +62,12 @@ def torch_run(ref, x, hx, lengths, dy, dhn, batch_first: bool):
         packed = pack_padded_sequence(xt, torch.tensor(lengths), batch_first=batch_first,
                                       enforce_sorted=False)
         y, hn = ref(packed, arg)
-        y, _ = pad_packed_sequence(y, batch_first=batch_first, total_length=x.shape[1 if batch_first else 0])
+        steps = x.shape[1 if batch_first else 0]
+        y, _ = pad_packed_sequence(y, batch_first=batch_first, total_length=steps)
     hns = hn if isinstance(hn, tuple) else (hn,)
     dhns = dhn if isinstance(dhn, tuple) else (dhn,)
-    loss = (y * torch.tensor(dy)).sum() + sum((h * torch.tensor(d)).sum() for h, d in zip(hns, dhns))
+    loss = (y * torch.tensor(dy)).sum() + sum((h * torch.tensor(d)).sum()
+                                              for h, d in zip(hns, dhns))
     loss.backward()
     grads = {k: p.grad.numpy() for k, p in ref.named_parameters()}
     dhx = None if states is None else tuple(s.grad.numpy() for s in states)
@@ -136,7 +138,8 @@ CASES = [
 @pytest.mark.parametrize("mode,kw,B,T,I,H,lengths", CASES)
 def test_parity_float64(mode, kw, B, T, I, H, lengths):
     ours, ref = make_layer(mode, I, H, "float64", **kw)
-    compare(run_pair(ours, ref, B, T, np.random.default_rng(B * 100 + T), lengths=lengths), "float64")
+    errs = run_pair(ours, ref, B, T, np.random.default_rng(B * 100 + T), lengths=lengths)
+    compare(errs, "float64")
 
 
 @pytest.mark.parametrize("mode,kw", [("RNN", dict(bidirectional=True)),
