@@ -1,0 +1,101 @@
+"""The planner: sizes it promises, why it refuses, and the register/shared-memory arithmetic."""
+from __future__ import annotations
+
+import pytest
+
+from persistent_rnn import max_hidden_size
+from persistent_rnn.cells import CELLS
+from persistent_rnn.plan import PROFILES, SHIPPED, make_plan, register_cap, resolve_cell
+
+FLOORS = {"LSTM": 1024, "GRU": 1152, "RNN": 2048}        # required on an H100, fp32
+TARGETS = {"LSTM": 1200, "GRU": 1400, "RNN": 2300}       # DESIGN.md's estimate
+
+
+@pytest.mark.parametrize("cell", sorted(FLOORS))
+@pytest.mark.parametrize("device", ["h100", "h200"])
+def test_max_hidden_size_meets_floor_and_target(cell, device):
+    h = max_hidden_size(cell, device=device)
+    assert h >= FLOORS[cell] and h >= TARGETS[cell]
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "gru", "Rnn", "rnn_tanh", "rnn_relu"])
+@pytest.mark.parametrize("device", ["h100", "a100"])
+def test_max_hidden_size_is_the_boundary(cell, device):
+    h = max_hidden_size(cell, device=device)
+    assert make_plan(cell, h, 1, device=device).fits
+    assert not make_plan(cell, h + 1, 1, device=device).fits
+
+
+def test_a100_holds_less_than_h100():
+    for cell in ("LSTM", "GRU", "RNN"):
+        assert 0 < max_hidden_size(cell, device="a100") < max_hidden_size(cell, device="h100")
+
+
+def test_names_are_case_insensitive():
+    assert resolve_cell("LSTM") is resolve_cell("lstm") is CELLS["lstm"]
+    assert resolve_cell("RNN") is CELLS["rnn_tanh"]
+    assert max_hidden_size("rnn_relu", device="h100") == max_hidden_size("RNN", device="h100")
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("hidden", [16, 100, 512, 777])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_plan_fits_both_passes_within_the_device(cell, hidden, batch):
+    dev = PROFILES["h100"]
+    p = make_plan(cell, hidden, batch, device="h100")
+    assert p.fits, p.reason
+    gates = CELLS[cell].gates
+    for pp, k_len in ((p.forward, hidden), (p.backward, gates * hidden)):
+        assert pp.grid * p.tile.units >= hidden and (pp.grid - 1) * p.tile.units < hidden
+        assert pp.grid <= dev.sm_count
+        assert pp.block * pp.registers <= dev.registers_per_sm
+        assert pp.weights_per_thread < pp.registers
+        assert pp.defines["PRNN_KPT"] * 32 >= k_len
+        assert pp.shared_bytes <= dev.shared_per_block
+        assert pp.block == 32 * pp.defines["PRNN_WARPS"]
+    # Both passes hold the same number of weights per thread (W_hh and W_hh^T slices).
+    assert p.forward.weights_per_thread == p.backward.weights_per_thread
+
+
+def test_plan_prefers_the_cheapest_tile():
+    small = make_plan("lstm", 64, 4, device="h100")
+    large = make_plan("lstm", 1300, 4, device="h100")
+    assert small.forward.weights_per_thread < large.forward.weights_per_thread
+    assert small.tile == SHIPPED["lstm"][0] and large.tile == SHIPPED["lstm"][-1]
+
+
+def test_refusals_say_why():
+    p = make_plan("lstm", 4000, 1, device="h100")
+    assert not p.fits and "4000" in p.reason and p.forward is None
+    half = make_plan("lstm", 512, 1, dtype="float16", device="h100")
+    assert not half.fits and "float16" in half.reason
+    # The backward of a large LSTM stages dgh (4H floats per batch row) in shared memory.
+    big_batch = make_plan("lstm", 1300, 64, device="h100")
+    assert not big_batch.fits and "shared memory" in big_batch.reason
+
+
+def test_register_cap_allows_one_cta_per_sm():
+    for threads in (64, 128, 256, 320, 352, 1024):
+        cap = register_cap(threads)
+        assert (cap % 8 == 0 or cap == 255) and cap <= 255 and threads * cap <= 65536
+        assert threads * (cap + 8) > 65536 or cap + 8 > 255
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="cell"):
+        max_hidden_size("transformer", device="h100")
+    with pytest.raises(TypeError, match="cell"):
+        max_hidden_size(3, device="h100")
+    with pytest.raises(ValueError, match="device"):
+        max_hidden_size("lstm", device="tpu")
+    with pytest.raises(ValueError, match="hidden"):
+        make_plan("lstm", 0, 1, device="h100")
+
+
+def test_current_device_without_gpu_raises():
+    from conftest import gpu_available
+    if gpu_available():
+        assert max_hidden_size("lstm") > 0
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            max_hidden_size("lstm")
