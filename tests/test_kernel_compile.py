@@ -1,0 +1,72 @@
+"""Every shipped kernel configuration compiles with NVRTC (no GPU needed) with zero spills."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+from persistent_rnn import kernel_report, kernels
+from persistent_rnn.cells import CELLS
+from persistent_rnn.plan import SHIPPED, tiles_for
+
+
+@pytest.fixture(scope="module")
+def records():
+    return kernel_report.kernel_records(("sm_80", "sm_90"))
+
+
+def test_every_configuration_is_reported(records):
+    expected = sum(len(tiles_for(c)) for c in CELLS.values()) * 2 * 2
+    assert len(records) == expected
+    for cell in CELLS:
+        for pass_ in ("forward", "backward"):
+            for arch in ("sm_80", "sm_90"):
+                mine = [r for r in records if (r["cell"], r["pass"], r["arch"]) == (cell, pass_, arch)]
+                assert len(mine) == len(tiles_for(CELLS[cell]))
+
+
+def test_zero_spills_and_registers_within_plan(records):
+    for r in records:
+        assert r["spill_bytes"] == 0, r
+        assert 0 < r["registers"] <= r["planned_registers"], r
+        # The weights really are in registers: there are more registers than weights.
+        assert r["registers"] > r["weights_per_thread"], r
+
+
+def test_largest_tiles_use_most_of_the_register_file(records):
+    for cell, tiles in SHIPPED.items():
+        biggest = max(r["block"] * r["weights_per_thread"] for r in records
+                      if r["config"]["PRNN_KPT"] >= 32 and r["cell"].startswith(cell[:3]))
+        assert biggest >= 0.7 * 65536
+
+
+def test_cli_json(capsys):
+    assert kernel_report.main(["--arch", "90", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {r["arch"] for r in out} == {"sm_90"}
+    assert {"cell", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
+            "shared_bytes", "planned_registers"} <= set(out[0])
+
+
+def test_compile_error_raises_with_log():
+    with pytest.raises(RuntimeError, match="PRNN_CELL") as info:
+        kernels.compile_source("persistent_forward.cu", {"PRNN_UNITS": 4}, "sm_90")
+    assert "error" in str(info.value)
+
+
+def test_cache_dir_is_private_and_hit(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path / "cache"))
+    defines = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 1, "PRNN_KPT": 4, "PRNN_WARPS": 4}
+    first = kernels.compile_source("persistent_forward.cu", defines, "sm_80")
+    assert first.cubin_path.parent == tmp_path / "cache"
+    assert stat.S_IMODE(os.stat(tmp_path / "cache").st_mode) == 0o700
+    mtime = first.cubin_path.stat().st_mtime_ns
+    again = kernels.compile_source("persistent_forward.cu", defines, "sm_80")
+    assert again.cubin_path == first.cubin_path and again.cubin_path.stat().st_mtime_ns == mtime
+    assert "0 bytes spill stores" in again.log
+    other = kernels.compile_source("persistent_forward.cu", {**defines, "PRNN_CELL": 1}, "sm_80")
+    assert other.cubin_path != first.cubin_path
