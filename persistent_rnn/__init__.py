@@ -3,10 +3,10 @@
 NumPy arrays run on the CPU, CuPy arrays on the GPU; see ``docs/api.md``.
 """
 from .layers import GRU, LSTM, RNN
-from .stats import RunStats
 from .plan import max_hidden_size
 from .runtime import inject_stall
+from .stats import RunStats
 
 __version__ = "0.1.0"
 
-__all__ = ["GRU", "LSTM", "RNN", "RunStats", "__version__"]
+__all__ = ["GRU", "LSTM", "RNN", "RunStats", "inject_stall", "max_hidden_size", "__version__"]

@@ -145,7 +145,7 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
             if len(d.names) == 4:
                 grads[d.names[2]] = dgi_2d.sum(axis=0)
                 grads[d.names[3]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
-            d_in += dgi @ w_ih
+            d_in += _matmul_steps(dgi, w_ih)
         d_out = d_in
     ctx.backward_stats = stats
     dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
@@ -160,13 +160,19 @@ def _run_direction(ctx: Context, layer_input: Array, d: _Direction,
     """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
     b_ih, b_hh = (ctx.params[n] for n in d.names[2:]) if len(d.names) == 4 else (None, None)
-    gi = layer_input @ w_ih.T
+    gi = _matmul_steps(layer_input, w_ih.T)
     if b_ih is not None:
         gi += b_ih
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.run_forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
                                ctx.stats)
+
+
+def _matmul_steps(a: Array, w: Array) -> Array:
+    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N)."""
+    steps, batch, width = a.shape
+    return (a.reshape(steps * batch, width) @ w).reshape(steps, batch, w.shape[1])
 
 
 def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, hidden: int,
