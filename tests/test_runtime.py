@@ -1,0 +1,216 @@
+"""The runtime: relaunch loop (with a fake launcher), algorithm dispatch, settings, inject_stall,
+and, through the CPU emulation of the same CUDA source, the persistent path end to end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import plan as planner, runtime
+from persistent_rnn.cells import CELLS
+from persistent_rnn.stats import RunStats
+
+N_FIXED = 3  # leading buffer arguments the fake kernel is given
+
+
+class FakeKernel:
+    """Plays a persistent kernel: launch i lets every CTA complete ``done[i]`` steps from the
+    resume step (CTA 0 one more, as a CTA may be a step ahead when the barrier times out)."""
+
+    def __init__(self, done, grid):
+        self.done, self.grid, self.launches = list(done), grid, []
+
+    def __call__(self, kernel, grid, block, shared_bytes, args):
+        control = args[N_FIXED]
+        steps, batch, hidden, start = (int(a) for a in args[N_FIXED + 1:N_FIXED + 5])
+        stall = tuple(int(a) for a in args[N_FIXED + 6:])
+        assert grid == self.grid and isinstance(args[N_FIXED + 5], np.uint64)
+        progress = control[2:].view(np.int32)
+        direction = -1 if kernel.endswith("backward") else 1
+        assert control[0] == 0 and control[1] == 0 and (progress == start - direction).all()
+        self.launches.append((start, stall))
+        n = self.done[len(self.launches) - 1]
+        last = start + direction * (n - 1)
+        end = steps if direction > 0 else -1
+        progress[:] = last if (end - last) * direction > 0 else end - direction
+        if n and (end - last - direction) * direction > 0:
+            progress[0] += direction
+
+
+def _engine(fake, backward=False):
+    pp = planner.pass_plan(CELLS["lstm"], planner.SHIPPED["lstm"][0], backward, 16, 2)
+    fake.grid = pp.grid
+    return runtime._Engine(pp, fake, 10**6, True)
+
+
+def _relaunch(done, first, end, backward=False):
+    fake = FakeKernel(done, 0)
+    fixed = tuple(np.zeros(1, np.float32) for _ in range(N_FIXED))
+    result = runtime.relaunch(_engine(fake, backward), fixed, (10, 2, 16), first, end, np)
+    return result, fake.launches
+
+
+@pytest.fixture
+def settings():
+    saved = runtime.Settings(**vars(runtime.SETTINGS))
+    yield runtime.SETTINGS
+    runtime.configure(**vars(saved))
+
+
+def test_one_launch_completes(settings):
+    (step, restarts), launches = _relaunch([10], 0, 10)
+    assert (step, restarts) == (10, 0) and [s for s, _ in launches] == [0]
+
+
+def test_relaunch_resumes_after_the_last_step_every_cta_completed(settings):
+    (step, restarts), launches = _relaunch([3, 2, 100], 0, 10)
+    assert (step, restarts) == (10, 2)
+    assert [s for s, _ in launches] == [0, 3, 5]
+
+
+def test_relaunch_cap_returns_the_step_for_the_gemm_path(settings):
+    runtime.configure(max_relaunches=1)
+    (step, restarts), launches = _relaunch([2, 2, 2], 0, 10)
+    assert (step, restarts) == (4, 1) and len(launches) == 2
+
+
+def test_no_progress_is_bounded(settings):
+    runtime.configure(max_relaunches=3)
+    (step, restarts), launches = _relaunch([0] * 10, 0, 10)
+    assert (step, restarts) == (0, 3) and len(launches) == 4
+
+
+def test_backward_goes_down(settings):
+    (step, restarts), launches = _relaunch([3, 100], 9, -1, backward=True)
+    assert (step, restarts) == (-1, 1) and [s for s, _ in launches] == [9, 6]
+    runtime.configure(max_relaunches=0)
+    (step, restarts), _ = _relaunch([4], 9, -1, backward=True)
+    assert (step, restarts) == (5, 0)
+
+
+def test_stall_reaches_only_the_first_launch(settings):
+    with prnn.inject_stall(block=1, step=2, duration_ms=5):
+        _, launches = _relaunch([3, 100], 0, 10)
+    assert launches[0][1] == (1, 2, 5_000_000)
+    assert launches[1][1] == (-1, -1, 0)
+    _, launches = _relaunch([100], 0, 10)
+    assert launches[0][1] == (-1, -1, 0)
+
+
+def test_inject_stall_validates():
+    with pytest.raises(ValueError, match="block"):
+        with prnn.inject_stall(block=-1, step=0, duration_ms=1):
+            pass
+    with pytest.raises(ValueError, match="duration_ms"):
+        with prnn.inject_stall(block=0, step=0, duration_ms=0):
+            pass
+
+
+def test_configure(settings):
+    assert runtime.configure(gpu_timeout_ms=50).gpu_timeout_ms == 50
+    with pytest.raises(ValueError, match="timeout_s"):
+        runtime.configure(timeout_s=1)
+    defaults = runtime.Settings()
+    assert defaults.max_relaunches == 3 and not defaults.cooperative
+
+
+def _inputs(cell, hidden, batch, steps, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    g = cell.gates
+
+    def f(*shape):
+        return rng.standard_normal(shape).astype(dtype) * 0.5
+
+    return (f(steps, batch, g * hidden), f(g * hidden, hidden) * dtype(hidden ** -0.5),
+            f(g * hidden), f(batch, hidden), f(batch, hidden) if cell.has_cell_state else None)
+
+
+def test_dispatch_errors_and_auto_on_numpy():
+    cell = CELLS["gru"]
+    gi, w, b, h0, c0 = _inputs(cell, 8, 2, 3)
+    with pytest.raises(ValueError, match="algo"):
+        runtime.run_forward(cell, gi, w, b, h0, c0, None, "fast", RunStats())
+    with pytest.raises(ValueError, match="float64"):
+        runtime.run_forward(cell, *(_inputs(cell, 8, 2, 3, np.float64)), None, "persistent", RunStats())
+    big = _inputs(cell, 1500, 1, 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        runtime.run_forward(cell, *big, None, "persistent", RunStats())
+    stats = RunStats()
+    runtime.run_forward(cell, gi, w, b, h0, c0, None, "auto", stats)
+    assert stats.algo == "gemm" and stats.fallback is None and stats.restarts == 0
+
+
+# ---- the persistent path end to end, through the CPU emulation of the same CUDA source ----
+
+def _f64(a):
+    return None if a is None else a.astype(np.float64)
+
+
+def _run_both(cell, hidden, batch, steps, algo="persistent", seed=0):
+    gi, w, b, h0, c0 = _inputs(cell, hidden, batch, steps, seed=seed)
+    lengths = np.array([steps - (i * 2) % steps for i in range(batch)], np.int32)
+    rng = np.random.default_rng(seed + 1)
+    dy = rng.standard_normal((steps, batch, hidden)).astype(np.float32)
+    dy *= (np.arange(steps)[:, None] < lengths[None, :])[:, :, None]
+    dhn = rng.standard_normal((batch, hidden)).astype(np.float32)
+    dcn = rng.standard_normal((batch, hidden)).astype(np.float32) if cell.has_cell_state else None
+    out = {}
+    for name, conv, a in (("got", lambda x: x, algo), ("ref", _f64, "gemm")):
+        fs, bs = RunStats(), RunStats()
+        fwd = runtime.run_forward(cell, conv(gi), conv(w), conv(b), conv(h0), conv(c0), lengths, a, fs)
+        bwd = runtime.run_backward(cell, conv(dy), conv(dhn), conv(dcn), conv(w), conv(h0), conv(c0),
+                                   lengths, fwd, a, bs)
+        out[name] = (fwd, bwd, fs, bs)
+    return out
+
+
+def _assert_close(got, ref):
+    fwd, bwd, _, _ = got
+    rfwd, rbwd, _, _ = ref
+    pairs = [(fwd.y, rfwd.y), (fwd.saved, rfwd.saved), (fwd.cs, rfwd.cs), (bwd.dgi, rbwd.dgi),
+             (bwd.dgh, rbwd.dgh), (bwd.dh0, rbwd.dh0), (bwd.dc0, rbwd.dc0)]
+    for a, r in pairs:
+        if r is None:
+            assert a is None
+        elif r.size:
+            err = np.linalg.norm(np.asarray(a, np.float64) - r) / np.linalg.norm(r)
+            assert err <= 1e-5, err
+
+
+@pytest.fixture
+def emulation(settings):
+    emulate = pytest.importorskip("persistent_rnn.emulate")
+    return emulate
+
+
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_emulated_kernels_match_float64_gemm(emulation, cell):
+    out = _run_both(CELLS[cell], 24, 3, 5)
+    _assert_close(out["got"], out["ref"])
+    for stats in out["got"][2:]:
+        assert stats.algo == "persistent" and stats.emulated and stats.restarts == 0
+        assert stats.fallback is None
+
+
+def test_emulated_stall_relaunches_with_identical_results(emulation):
+    runtime.configure(emulation_timeout_ms=300)
+    cell = CELLS["lstm"]
+    plain = _run_both(cell, 24, 2, 5, seed=3)
+    with prnn.inject_stall(block=1, step=2, duration_ms=1500):
+        stalled = _run_both(cell, 24, 2, 5, seed=3)
+    for a, b in zip(plain["got"][:2], stalled["got"][:2]):
+        for name in vars(a):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or np.array_equal(x, y), name
+    assert stalled["got"][2].restarts >= 1 and stalled["got"][3].restarts >= 1
+    assert stalled["got"][2].fallback is None
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_emulated_cap_finishes_on_gemm(emulation, cell):
+    runtime.configure(emulation_timeout_ms=300, max_relaunches=0)
+    with prnn.inject_stall(block=0, step=2, duration_ms=1000):
+        out = _run_both(CELLS[cell], 16, 2, 5)
+    _assert_close(out["got"], out["ref"])
+    fs, bs = out["got"][2:]
+    assert fs.algo == "persistent" and "GEMM" in fs.fallback and "GEMM" in bs.fallback
