@@ -44,6 +44,11 @@ def test_unknown_nonlinearity():
         prnn.RNN(3, 4, nonlinearity="sigmoid")
 
 
+def test_nonlinearity_only_for_rnn():
+    with pytest.raises(TypeError, match="nonlinearity"):
+        prnn.GRU(3, 4, nonlinearity="relu")
+
+
 def test_unknown_dtype():
     with _raises(ValueError, "dtype", "float32", "'int8'"):
         prnn.RNN(3, 4, dtype="int8")
@@ -125,11 +130,12 @@ def test_lengths_not_integers():
         prnn.RNN(3, 4).forward(_x(), lengths=np.array([2.0, 5.0]))
 
 
-def test_dy_wrong_shape():
+@pytest.mark.parametrize("shape", [(5, 2, 3), (5, 2), (5, 2, 4, 1), (4, 2, 4)])
+def test_dy_wrong_rank_or_size(shape):
     layer = prnn.RNN(3, 4)
     y, _ = layer.forward(_x())
-    with _raises(ValueError, "dy", "(T, B, D*H)", "(5, 2, 4)", "(5, 2, 3)"):
-        layer.backward(np.zeros((5, 2, 3), np.float32))
+    with _raises(ValueError, "dy", "(T, B, D*H)", "(5, 2, 4)", str(shape)):
+        layer.backward(np.zeros(shape, np.float32))
 
 
 def test_dy_integer_dtype():
