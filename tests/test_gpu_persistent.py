@@ -1,0 +1,170 @@
+"""The persistent kernels on a real GPU: accuracy up to the largest planned sizes, restarts that
+do not change results, contention between streams, and compute-sanitizer (all marked ``gpu``)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import runtime
+from persistent_rnn.cells import CELLS
+from persistent_rnn.stats import RunStats
+
+pytestmark = pytest.mark.gpu
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def settings():
+    saved = runtime.Settings(**vars(runtime.SETTINGS))
+    yield runtime.SETTINGS
+    runtime.configure(**vars(saved))
+
+
+def _host_inputs(cell, hidden, batch, steps, seed):
+    rng = np.random.default_rng(seed)
+    g = cell.gates
+
+    def f(*shape):
+        return rng.standard_normal(shape).astype(np.float32) * 0.5
+
+    lengths = np.array([steps - (3 * i) % steps for i in range(batch)], np.int32)
+    dy = f(steps, batch, hidden) * (np.arange(steps)[:, None] < lengths[None, :])[:, :, None]
+    return dict(gi=f(steps, batch, g * hidden), w=f(g * hidden, hidden) / np.float32(np.sqrt(hidden)),
+                b=f(g * hidden), h0=f(batch, hidden), c0=f(batch, hidden), dy=dy.astype(np.float32),
+                dhn=f(batch, hidden), dcn=f(batch, hidden), lengths=lengths)
+
+
+def _run(cp, cell, host, dtype, algo):
+    a = {k: cp.asarray(v, dtype if k != "lengths" else np.int32) for k, v in host.items()}
+    c0, dcn = (a["c0"], a["dcn"]) if cell.has_cell_state else (None, None)
+    fs, bs = RunStats(), RunStats()
+    fwd = runtime.run_forward(cell, a["gi"], a["w"], a["b"], a["h0"], c0, a["lengths"], algo, fs)
+    bwd = runtime.run_backward(cell, a["dy"], a["dhn"], dcn, a["w"], a["h0"], c0, a["lengths"], fwd,
+                               algo, bs)
+    outs = {"y": fwd.y, "saved": fwd.saved, "cs": fwd.cs, "dgi": bwd.dgi, "dgh": bwd.dgh,
+            "dh0": bwd.dh0, "dc0": bwd.dc0}
+    return outs, fs, bs
+
+
+def _assert_close(cp, got, ref, tol=1e-5):
+    for name, r in ref.items():
+        if r is None or r.size == 0:
+            continue
+        err = float(cp.linalg.norm(got[name].astype(cp.float64) - r) / cp.linalg.norm(r))
+        assert err <= tol, (name, err)
+
+
+def _cases():
+    for name in sorted(CELLS):
+        for hidden, batch, steps in (("small", 8, 5), ("mid", 3, 6), ("max", 1, 6), ("max", 8, 4)):
+            yield name, hidden, batch, steps
+
+
+@pytest.mark.parametrize("name,size,batch,steps", list(_cases()))
+def test_matches_float64_gemm(cupy, name, size, batch, steps):
+    cell = CELLS[name]
+    top = prnn.max_hidden_size(name)
+    hidden = {"small": 48, "mid": top // 2 + 7, "max": top}[size]
+    host = _host_inputs(cell, hidden, batch, steps, seed=hidden + batch)
+    got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
+    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
+    _assert_close(cupy, got, ref)
+    for s in (fs, bs):
+        assert s.algo == "persistent" and not s.emulated and s.fallback is None
+
+
+def test_many_steps_at_max_size(cupy):
+    cell = CELLS["lstm"]
+    host = _host_inputs(cell, prnn.max_hidden_size("lstm"), 4, 48, seed=1)
+    got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
+    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
+    _assert_close(cupy, got, ref)
+    assert fs.restarts == 0 and bs.restarts == 0
+
+
+@pytest.mark.parametrize("name", ["lstm", "gru", "rnn_tanh"])
+def test_stall_restarts_with_bitwise_identical_results(cupy, settings, name):
+    runtime.configure(gpu_timeout_ms=20)
+    cell = CELLS[name]
+    host = _host_inputs(cell, 256, 4, 8, seed=7)
+    plain, _, _ = _run(cupy, cell, host, np.float32, "persistent")
+    with prnn.inject_stall(block=3, step=4, duration_ms=200):
+        stalled, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
+    assert fs.restarts >= 1 and bs.restarts >= 1 and fs.fallback is None and bs.fallback is None
+    for key, value in plain.items():
+        assert (value is None and stalled[key] is None) or bool(cupy.array_equal(value, stalled[key])), key
+
+
+def test_relaunch_cap_falls_back_to_gemm(cupy, settings):
+    runtime.configure(gpu_timeout_ms=10, max_relaunches=0)
+    cell = CELLS["lstm"]
+    host = _host_inputs(cell, 200, 3, 8, seed=2)
+    with prnn.inject_stall(block=0, step=3, duration_ms=100):
+        got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
+    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
+    _assert_close(cupy, got, ref)
+    assert "GEMM" in fs.fallback and "GEMM" in bs.fallback
+
+
+def test_two_streams_more_ctas_than_the_gpu_holds(cupy, settings):
+    runtime.configure(gpu_timeout_ms=20)
+    cell = CELLS["lstm"]
+    hidden = prnn.max_hidden_size("lstm")  # one kernel alone fills every SM
+    hosts = [_host_inputs(cell, hidden, 2, 24, seed=s) for s in (11, 12)]
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            with cupy.cuda.Stream(non_blocking=True):
+                results[i] = _run(cupy, cell, hosts[i], np.float32, "persistent")
+                cupy.cuda.get_current_stream().synchronize()
+        except Exception as exc:  # reported below, on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and all(not t.is_alive() for t in threads)
+    for host, (got, fs, bs) in zip(hosts, results):
+        ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
+        _assert_close(cupy, got, ref)
+        print("two streams:", fs, bs)
+
+
+def test_layer_api_persistent_and_auto(cupy):
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((7, 4, 12)), np.float32)
+    layers = {algo: prnn.LSTM(12, 64, num_layers=2, bidirectional=True, algo=algo, seed=3)
+              for algo in ("persistent", "auto", "gemm")}
+    outs = {algo: layer.forward(x)[0] for algo, layer in layers.items()}
+    assert layers["persistent"].last_run.algo == "persistent"
+    assert layers["auto"].last_run.algo == "persistent"
+    assert layers["gemm"].last_run.algo == "gemm"
+    for algo in ("persistent", "auto"):
+        assert float(cupy.abs(outs[algo] - outs["gemm"]).max()) < 1e-5
+    big = prnn.LSTM(12, 64, algo="auto", seed=3)
+    big.forward(cupy.zeros((3, 16, 12), np.float32) + 0.1)
+    assert big.last_run.algo == "gemm" and "batch" in big.last_run.fallback
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_is_clean(cupy, tool):
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    env = dict(os.environ, PRNN_TIMEOUT_MS="30000")
+    proc = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable,
+                           str(TESTS / "gpu_sanitize_case.py")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=TESTS.parent)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-4000:]
