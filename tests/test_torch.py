@@ -213,6 +213,17 @@ def _cuda_ready() -> bool:
                                                               {"rtol": 1e-4, "atol": 1e-5})])
 @pytest.mark.parametrize("mode,kwargs", [MODES[0], MODES[2], MODES[3]], ids=["RNN", "GRU", "LSTM"])
 def test_cuda_matches_torch_nn_on_a_side_stream(mode, kwargs, dtype, tol):
+    # the float32 reference must be true float32: cuDNN and cuBLAS default to TF32
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            _cuda_parity(mode, kwargs, dtype, tol)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+
+
+def _cuda_parity(mode, kwargs, dtype, tol):
     torch.manual_seed(0)
     ours = getattr(prt, mode)(I, H, num_layers=2, bidirectional=True, dtype=dtype, **kwargs).cuda()
     ref = getattr(torch.nn, mode)(I, H, num_layers=2, bidirectional=True, dtype=dtype,
