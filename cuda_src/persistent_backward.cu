@@ -28,19 +28,19 @@ PRNN_KERNEL void prnn_persistent_backward(
   constexpr int G = ThisCell::G, S = ThisCell::S;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
-  const int j0 = blockIdx.x * kUnits, warp = threadIdx.x / kWarp, gh_len = G * hidden;
+  const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden;
   float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: dgh_{t+1}
-  float* rec_s = v_s + batch * kPadded;       // [batch][kUnits]: the recurrent part of dh_t
+  float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial W_hh^T dgh
 
   int rows[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int j = j0 + warp * kRows + r;
+    const int j = j0 + warp_row_group() * kRows + r;
     rows[r] = j < hidden ? j : -1;
   }
   RegisterTile tile;
-  tile.load(w_t, rows, gh_len, threadIdx.x % kWarp);
+  tile.load(w_t, rows, warp_chunk() * kChunk, gh_len, threadIdx.x % kWarp);
 
   for (int t = start; t >= 0; --t) {
     const bool recurrent = t + 1 < steps;
@@ -57,7 +57,7 @@ PRNN_KERNEL void prnn_persistent_backward(
       float sv[kSavedSlots], dgiv[G], dghv[G];
 #pragma unroll
       for (int s = 0; s < S; ++s) sv[s] = saved[row * S * hidden + s * hidden + j];
-      const float dh = dy[row * hidden + j] + dh_in[at] + (recurrent ? rec_s[b * kUnits + u] : 0.0f);
+      const float dh = dy[row * hidden + j] + dh_in[at] + (recurrent ? row_sum(rec_s, b, u, kUnits) : 0.0f);
       const float h_prev = t > 0 ? y[(row - batch) * hidden + j] : h0[at];
       float dc = 0.0f, c = 0.0f, c_prev = 0.0f;
       if (kHasC) {

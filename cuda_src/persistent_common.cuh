@@ -3,13 +3,19 @@
 // Both passes multiply a slice of a row-major matrix M (rows x K) by one vector per batch row and
 // step: forward M = W_hh (K = H), backward M = W_hh^T (K = G*H). The slice lives in registers for
 // the whole launch (RegisterTile: compile-time indices only, so nothing spills to local memory);
-// the vector is staged in shared memory, zero-padded to 32*KPT per batch row so that the unrolled
-// loop needs no bounds checks.
+// the vector is staged in shared memory, zero-padded so that the unrolled loop needs no bounds
+// checks.
+//
+// Warp w holds PRNN_ROWS local rows (row group w / PRNN_KSPLIT) over one of PRNN_KSPLIT
+// contiguous column chunks (w % PRNN_KSPLIT) of 32*PRNN_KPT columns; lane l holds columns
+// chunk + l + 32*i. Each staged value read from shared memory feeds PRNN_ROWS FMAs, so shared
+// memory bandwidth keeps up with the FMA units; the KSPLIT partial sums of a row are added by the
+// pointwise step.
 //
 // Configuration (-D, identical for NVRTC and the host emulation; chosen by persistent_rnn/plan.py):
-//   PRNN_CELL   prnn::CellKind            PRNN_UNITS  hidden units owned by one CTA
-//   PRNN_ROWS   matrix rows per warp      PRNN_KPT    matrix columns per lane (K <= 32*PRNN_KPT)
-//   PRNN_WARPS  warps per CTA (blockDim.x == 32*PRNN_WARPS)
+//   PRNN_CELL  prnn::CellKind          PRNN_UNITS   hidden units owned by one CTA
+//   PRNN_ROWS  matrix rows per warp    PRNN_KSPLIT  warps sharing a row (column chunks)
+//   PRNN_KPT   columns per lane        PRNN_WARPS   warps per CTA (blockDim.x == 32*PRNN_WARPS)
 #pragma once
 #include "cells.cuh"
 
@@ -18,47 +24,78 @@ namespace prnn {
 constexpr int kWarp = 32;
 constexpr int kUnits = PRNN_UNITS;
 constexpr int kRows = PRNN_ROWS;
+constexpr int kKsplit = PRNN_KSPLIT;
 constexpr int kKpt = PRNN_KPT;
-constexpr int kPadded = kWarp * kKpt;  // staged vector length per batch row
+constexpr int kChunk = kWarp * kKpt;        // columns per warp
+constexpr int kPadded = kKsplit * kChunk;   // staged vector length per batch row
 using ThisCell = Cell<PRNN_CELL>;
 constexpr bool kHasC = PRNN_CELL == LSTM;
 constexpr int kSavedSlots = ThisCell::S > 0 ? ThisCell::S : 1;
 
-// kRows rows of M held by one warp; lane `lane` holds columns lane + 32*i, i < kKpt, so that both
-// the one-time load from global memory and the per-step reads of shared memory are coalesced /
-// free of bank conflicts.
+PRNN_HD constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+constexpr int kRowsPow2 = pow2_at_least(kRows);
+static_assert(kRowsPow2 <= kWarp, "at most 32 rows per warp");
+constexpr int kLanesPerRow = kWarp / kRowsPow2;  // lanes that end up holding the same row's sum
+
 struct RegisterTile {
   float w[kRows][kKpt];
 
-  // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros).
-  PRNN_DEVICE void load(const float* m, const int (&rows)[kRows], int k_len, int lane) {
+  // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros);
+  // col0: the warp's first column.
+  PRNN_DEVICE void load(const float* m, const int (&rows)[kRows], int col0, int k_len, int lane) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int i = 0; i < kKpt; ++i) {
-        const int k = lane + kWarp * i;
+        const int k = col0 + lane + kWarp * i;
         w[r][i] = (rows[r] >= 0 && k < k_len) ? m[(size_t)rows[r] * k_len + k] : 0.0f;
       }
     }
   }
 
-  // out[r] = sum_k M[row r, k] * v[k] for the staged vector v, complete in every lane.
-  PRNN_DEVICE void multiply(const float* v, int lane, float (&out)[kRows]) const {
+  // Multiplies by the staged chunk v; returns the sum over the warp's columns of row
+  // row_of_lane(lane) (a reduce-scatter: each halving step sends half the rows to the partner
+  // lane, so kRows rows cost about kRowsPow2 + log2(kLanesPerRow) shuffles, not 5*kRows).
+  PRNN_DEVICE float multiply(const float* v, int lane) const {
+    float a[kRowsPow2];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) out[r] = 0.0f;
+    for (int r = 0; r < kRowsPow2; ++r) a[r] = 0.0f;
 #pragma unroll
     for (int i = 0; i < kKpt; ++i) {
       const float x = v[lane + kWarp * i];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) out[r] += w[r][i] * x;
+      for (int r = 0; r < kRows; ++r) a[r] += w[r][i] * x;
+    }
+    int off = kWarp / 2;
+#pragma unroll
+    for (int half = kRowsPow2 / 2; half >= 1; half /= 2, off /= 2) {
+      const bool upper = (lane & off) != 0;
+#pragma unroll
+      for (int r = 0; r < half; ++r) {
+        const float send = upper ? a[r] : a[r + half];
+        const float keep = upper ? a[r + half] : a[r];
+        a[r] = keep + prnn_shfl_xor(send, off);
+      }
     }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int off = kWarp / 2; off > 0; off /= 2) out[r] += prnn_shfl_xor(out[r], off);
-    }
+    for (; off >= 1; off /= 2) a[0] += prnn_shfl_xor(a[0], off);
+    return a[0];
   }
 };
+
+// The row whose sum `multiply` leaves in `lane`.
+PRNN_DEVICE int row_of_lane(int lane) {
+  int row = 0;
+#pragma unroll
+  for (int half = kRowsPow2 / 2, off = kWarp / 2; half >= 1; half /= 2, off /= 2) {
+    if (lane & off) row += half;
+  }
+  return row;
+}
+
+// Row group and column chunk of this thread's warp.
+PRNN_DEVICE int warp_row_group() { return (int)(threadIdx.x / kWarp) / kKsplit; }
+PRNN_DEVICE int warp_chunk() { return (int)(threadIdx.x / kWarp) % kKsplit; }
 
 // Stages `batch` vectors of length k_len (row stride k_len, written by other CTAs during this
 // launch, hence the L1-bypassing load) into v_s, zero-padded to kPadded each.
@@ -70,20 +107,26 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
   prnn_sync_block();
 }
 
-// For every batch row, multiplies the tile by the staged vector and stores the warp's kRows
-// results at res_s[b * res_stride + warp * kRows + r].
-PRNN_DEVICE void multiply_batch(const RegisterTile& tile, const float* v_s, float* res_s, int batch,
-                                int res_stride) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+// For every batch row, multiplies the tile by the staged vector; the partial sum of local row
+// `row` over column chunk `c` goes to part_s[(b * kKsplit + c) * local_rows + row].
+PRNN_DEVICE void multiply_batch(const RegisterTile& tile, const float* v_s, float* part_s, int batch,
+                                int local_rows) {
+  const int lane = threadIdx.x % kWarp, chunk = warp_chunk();
+  const int row = row_of_lane(lane);
+  const bool writer = lane % kLanesPerRow == 0 && row < kRows;
   for (int b = 0; b < batch; ++b) {
-    float acc[kRows];
-    tile.multiply(v_s + b * kPadded, lane, acc);
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) res_s[b * res_stride + warp * kRows + r] = acc[r];
-    }
+    const float sum = tile.multiply(v_s + b * kPadded + chunk * kChunk, lane);
+    if (writer) part_s[(b * kKsplit + chunk) * local_rows + warp_row_group() * kRows + row] = sum;
   }
   prnn_sync_block();
+}
+
+// The full sum of local row `row` for batch row `b` (the kKsplit partial sums, in fixed order).
+PRNN_DEVICE float row_sum(const float* part_s, int b, int row, int local_rows) {
+  float s = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kKsplit; ++c) s += part_s[(b * kKsplit + c) * local_rows + row];
+  return s;
 }
 
 }  // namespace prnn

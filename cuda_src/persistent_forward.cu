@@ -22,18 +22,18 @@ PRNN_KERNEL void prnn_persistent_forward(
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
-  const int j0 = blockIdx.x * kUnits, warp = threadIdx.x / kWarp, gh_len = G * hidden;
+  const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   float* h_s = prnn_shared_memory<float>();  // [batch][kPadded]: h_{t-1}
-  float* gh_s = h_s + batch * kPadded;        // [batch][R]: W_hh h_{t-1} for the owned rows
+  float* gh_s = h_s + batch * kPadded;        // [batch][kKsplit][R]: partial W_hh h_{t-1}
 
   int rows[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int local = warp * kRows + r, g = local / kUnits, u = local % kUnits;
+    const int local = warp_row_group() * kRows + r, g = local / kUnits, u = local % kUnits;
     rows[r] = j0 + u < hidden ? g * hidden + j0 + u : -1;
   }
   RegisterTile tile;
-  tile.load(w_hh, rows, hidden, threadIdx.x % kWarp);
+  tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
 
   for (int t = start; t < steps; ++t) {
     stage_exchanged(h_s, t > 0 ? y + (size_t)(t - 1) * batch * hidden : h0, batch, hidden);
@@ -46,7 +46,7 @@ PRNN_KERNEL void prnn_persistent_forward(
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         giv[g] = gi[row * gh_len + g * hidden + j];
-        ghv[g] = gh_s[b * R + g * kUnits + u] + b_hh[g * hidden + j];
+        ghv[g] = row_sum(gh_s, b, g * kUnits + u, R) + b_hh[g * hidden + j];
       }
       const float h_prev = h_s[b * kPadded + j];
       float c_prev = 0.0f;

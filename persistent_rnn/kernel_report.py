@@ -35,7 +35,7 @@ def parse_ptxas(log: str) -> dict[str, int]:
 def _jobs(archs):
     for cell in CELLS.values():
         for tile in planner.tiles_for(cell):
-            hidden = planner.WARP * tile.kpt
+            hidden = planner.tile_max_hidden(cell, tile)
             for backward in (False, True):
                 p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH)
                 for arch in archs:

@@ -1,17 +1,14 @@
 """Register-file partition of the persistent kernels: the launch plan, or why a layer does not fit.
 
 Pure Python, no GPU needed. The kernels in ``cuda_src/persistent_*.cu`` are compiled in a finite
-set of *tiles* (``SHIPPED``); a tile fixes, per cell:
-
-* ``units``  hidden units owned by one CTA (all G gate rows of them; the grid is ``ceil(H/units)``),
-* ``rows``   matrix rows held by one warp in the forward pass (``rows/G`` in the backward pass),
-* ``kpt``    matrix columns per lane in the forward pass: a warp's 32 lanes split ``K = H`` into
-             ``kpt`` strided chunks, so the tile serves ``H <= 32*kpt``; the backward pass multiplies
-             by ``W_hh^T`` (``K = G*H``) and holds ``G*kpt`` columns per lane.
-
-Both passes therefore hold ``rows*kpt`` fp32 weights per thread in ``warps = G*units/rows`` warps.
-The register cap per thread (``-maxrregcount``) is what lets one CTA of that many threads sit on
-one SM; ptxas must then fit the weights with zero spills (checked by ``kernel_report``).
+set of *tiles* (``SHIPPED``). A tile fixes, per cell, the hidden units owned by one CTA
+(``units``: all G gate rows of them; the grid is ``ceil(H/units)``) and, for each pass, how the
+CTA's slice of the matrix (forward: ``G*units`` rows of ``W_hh``, ``K = H`` columns; backward:
+``units`` rows of ``W_hh^T``, ``K = G*H``) is spread over warps (``PassTile``): ``rows`` per warp,
+``ksplit`` warps sharing a row (each a chunk of ``32*kpt`` columns), ``kpt`` columns per lane.
+A thread holds ``rows*kpt`` fp32 weights; the register cap per thread (``-maxrregcount``) is what
+lets one CTA of that many threads sit on one SM, and ptxas must fit the weights with zero spills
+(checked by ``kernel_report``).
 """
 from __future__ import annotations
 
@@ -48,19 +45,36 @@ PROFILES: dict[str, DeviceProfile] = {
 
 
 @dataclass(frozen=True)
-class Tile:
-    """One shipped compile-time configuration of a cell's kernels (see the module docstring)."""
+class PassTile:
+    """How one pass spreads the CTA's matrix slice over warps (see the module docstring)."""
 
-    units: int
     rows: int
+    ksplit: int
     kpt: int
 
 
+@dataclass(frozen=True)
+class Tile:
+    """One shipped compile-time configuration of a cell's kernels: both passes."""
+
+    units: int
+    forward: PassTile
+    backward: PassTile
+
+
+def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int]) -> Tile:
+    return Tile(units, PassTile(*forward), PassTile(*backward))
+
+
 # Per cell kind, tiles from small to large; the planner takes the cheapest one that fits.
+# Each staged value feeds `rows` FMAs (>= 4 in the large tiles: shared memory keeps pace).
 SHIPPED: dict[str, tuple[Tile, ...]] = {
-    "lstm": (Tile(units=4, rows=4, kpt=4), Tile(units=8, rows=4, kpt=16), Tile(units=10, rows=4, kpt=41)),
-    "gru": (Tile(units=4, rows=3, kpt=4), Tile(units=8, rows=3, kpt=16), Tile(units=11, rows=3, kpt=45)),
-    "rnn": (Tile(units=4, rows=1, kpt=4), Tile(units=8, rows=2, kpt=32), Tile(units=20, rows=2, kpt=80)),
+    "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
+             _tile(10, (8, 2, 20), (5, 5, 32))),
+    "gru": (_tile(4, (3, 1, 4), (4, 4, 3)), _tile(8, (3, 1, 16), (8, 8, 6)),
+            _tile(11, (11, 3, 15), (11, 11, 13))),
+    "rnn": (_tile(4, (4, 4, 1), (4, 4, 1)), _tile(8, (8, 4, 8), (8, 4, 8)),
+            _tile(20, (10, 5, 16), (10, 5, 16))),
 }
 
 
@@ -107,22 +121,27 @@ def register_cap(threads: int, registers_per_sm: int = SHIPPED_REGISTERS_PER_SM)
     return min(MAX_REGS_PER_THREAD, per_thread - per_thread % REGISTER_GRANULE)
 
 
+def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
+    """Largest H both passes of ``tile`` serve (column capacity; the grid is checked per device)."""
+    fwd, bwd = tile.forward, tile.backward
+    return min(fwd.ksplit * WARP * fwd.kpt, bwd.ksplit * WARP * bwd.kpt // cell.gates)
+
+
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows."""
-    gates = cell.gates
-    warps = gates * tile.units // tile.rows
-    rows = tile.rows // gates if backward else tile.rows
-    kpt = gates * tile.kpt if backward else tile.kpt
-    local_rows = tile.units if backward else gates * tile.units
+    pt = tile.backward if backward else tile.forward
+    local_rows = tile.units if backward else cell.gates * tile.units
+    warps = local_rows // pt.rows * pt.ksplit
     block = warps * WARP
-    defines = {"PRNN_CELL": cell.kind, "PRNN_UNITS": tile.units, "PRNN_ROWS": rows,
-               "PRNN_KPT": kpt, "PRNN_WARPS": warps}
+    defines = {"PRNN_CELL": cell.kind, "PRNN_UNITS": tile.units, "PRNN_ROWS": pt.rows,
+               "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=math.ceil(hidden / tile.units), block=block,
-        shared_bytes=4 * batch * (WARP * kpt + local_rows), weights_per_thread=rows * kpt,
-        registers=register_cap(block), max_hidden=WARP * tile.kpt)
+        shared_bytes=4 * batch * pt.ksplit * (WARP * pt.kpt + local_rows),
+        weights_per_thread=pt.rows * pt.kpt, registers=register_cap(block),
+        max_hidden=tile_max_hidden(cell, tile))
 
 
 def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
@@ -175,7 +194,7 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
     dev = resolve_device(device)
     best = 0
     for tile in tiles_for(spec):
-        top = min(WARP * tile.kpt, dev.sm_count * tile.units)
+        top = min(tile_max_hidden(spec, tile), dev.sm_count * tile.units)
         for hidden in range(top, best, -1):
             if make_plan(spec, hidden, batch, dtype, dev).fits:
                 best = hidden
