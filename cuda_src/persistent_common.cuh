@@ -98,11 +98,27 @@ PRNN_DEVICE int warp_row_group() { return (int)(threadIdx.x / kWarp) / kKsplit; 
 PRNN_DEVICE int warp_chunk() { return (int)(threadIdx.x / kWarp) % kKsplit; }
 
 // Stages `batch` vectors of length k_len (row stride k_len, written by other CTAs during this
-// launch, hence the L1-bypassing load) into v_s, zero-padded to kPadded each.
+// launch, hence copies through L2 only) into v_s, zero-padded to kPadded each. When rows are
+// 16-byte aligned the copies are asynchronous (no registers, all in flight at once): staging is
+// one L2 round trip per step rather than one per element a thread stages.
 PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_len) {
-  for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) {
-    const int b = idx / kPadded, k = idx % kPadded;
-    v_s[idx] = k < k_len ? prnn_load_cg(src + (size_t)b * k_len + k) : 0.0f;
+  if (k_len % 4 == 0 && ((size_t)src & 15) == 0) {
+    constexpr int kQuads = kPadded / 4;
+    for (int idx = threadIdx.x; idx < batch * kQuads; idx += blockDim.x) {
+      const int b = idx / kQuads, k = 4 * (idx % kQuads);
+      float* dst = v_s + b * kPadded + k;
+      if (k < k_len) {
+        prnn_copy16_to_shared(dst, src + (size_t)b * k_len + k);
+      } else {
+        dst[0] = dst[1] = dst[2] = dst[3] = 0.0f;
+      }
+    }
+    prnn_copy_wait();
+  } else {
+    for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) {
+      const int b = idx / kPadded, k = idx % kPadded;
+      v_s[idx] = k < k_len ? prnn_load_cg(src + (size_t)b * k_len + k) : 0.0f;
+    }
   }
   prnn_sync_block();
 }
