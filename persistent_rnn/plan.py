@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from .cells import CELLS, CellSpec
 
 WARP = 32
-REGISTER_GRANULE = 8  # registers per thread are allocated in multiples of 8
+REGISTER_ALLOCATION_UNIT = 256  # registers are allocated to a warp in units of 256
+SUB_PARTITIONS = 4  # an SM's register file is split among 4 schedulers; a warp lives in one
 MAX_REGS_PER_THREAD = 255
 SHIPPED_REGISTERS_PER_SM = 65536  # every supported GPU (sm_80, sm_90); the tiles are sized for it
 
@@ -67,14 +68,16 @@ def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, i
 
 
 # Per cell kind, tiles from small to large; the planner takes the cheapest one that fits.
-# Each staged value feeds `rows` FMAs (>= 4 in the large tiles: shared memory keeps pace).
+# The large tiles use 8 warps (the most that still get 255 registers each, see resident_ctas)
+# holding ~200 weights per thread; each staged value feeds `rows` (10) FMAs, so shared memory
+# keeps pace with the FMA units. ptxas' registers for them: 230-250 of 255, zero spills.
 SHIPPED: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
-             _tile(10, (8, 2, 20), (5, 5, 32))),
+             _tile(10, (10, 2, 20), (10, 8, 20))),
     "gru": (_tile(4, (3, 1, 4), (4, 4, 3)), _tile(8, (3, 1, 16), (8, 8, 6)),
-            _tile(11, (11, 3, 15), (11, 11, 13))),
+            _tile(12, (9, 2, 22), (6, 4, 33))),
     "rnn": (_tile(4, (4, 4, 1), (4, 4, 1)), _tile(8, (8, 4, 8), (8, 4, 8)),
-            _tile(20, (10, 5, 16), (10, 5, 16))),
+            _tile(20, (10, 4, 20), (10, 4, 20))),
 }
 
 
@@ -115,16 +118,37 @@ class Plan:
     tried: list[str] = field(default_factory=list)
 
 
+def resident_ctas(threads: int, registers: int, registers_per_sm: int = SHIPPED_REGISTERS_PER_SM) -> int:
+    """CTAs of ``threads`` threads at ``registers`` per thread that an SM's register file holds.
+
+    CUDA's occupancy rule: each warp's registers (rounded up to the allocation unit) come from
+    one of the SM's 4 sub-partitions, so an SM holds ``4 * floor(sub-partition file / per-warp)``
+    warps; a CTA of 10 warps at 200 registers (2 warps per sub-partition) does not fit at all.
+    """
+    per_warp = -(-registers * WARP // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    warps_per_sm = SUB_PARTITIONS * (registers_per_sm // SUB_PARTITIONS // per_warp)
+    return warps_per_sm // -(-threads // WARP)
+
+
 def register_cap(threads: int, registers_per_sm: int = SHIPPED_REGISTERS_PER_SM) -> int:
     """Most registers per thread that still let one CTA of ``threads`` threads fit on an SM."""
-    per_thread = registers_per_sm // threads
-    return min(MAX_REGS_PER_THREAD, per_thread - per_thread % REGISTER_GRANULE)
+    cap = MAX_REGS_PER_THREAD
+    while cap > 0 and resident_ctas(threads, cap, registers_per_sm) < 1:
+        cap -= 1
+    return cap
 
 
 def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
     """Largest H both passes of ``tile`` serve (column capacity; the grid is checked per device)."""
     fwd, bwd = tile.forward, tile.backward
     return min(fwd.ksplit * WARP * fwd.kpt, bwd.ksplit * WARP * bwd.kpt // cell.gates)
+
+
+def _pointwise_floats(cell: CellSpec, units: int, backward: bool) -> int:
+    """Shared floats per batch row of the pointwise step (prefetched inputs, local state)."""
+    if backward:  # dy, h, h_prev, [c, c_prev], saved; dh and dc carries
+        return units * (3 + 2 * cell.has_cell_state + cell.saved + 2)
+    return units * (cell.gates + 1)  # gi_t; c_{t-1}
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:
@@ -139,7 +163,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=math.ceil(hidden / tile.units), block=block,
-        shared_bytes=4 * batch * pt.ksplit * (WARP * pt.kpt + local_rows),
+        shared_bytes=4 * batch * (pt.ksplit * (WARP * pt.kpt + local_rows) + _pointwise_floats(cell, tile.units, backward)),
         weights_per_thread=pt.rows * pt.kpt, registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile))
 
@@ -151,7 +175,8 @@ def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
         return f"grid {p.grid} CTAs > {dev.sm_count} SMs (one CTA per SM)"
     if p.block > dev.max_threads_per_block:
         return f"block {p.block} threads > {dev.max_threads_per_block}"
-    if p.block * p.registers > dev.registers_per_sm or p.registers > dev.max_registers_per_thread:
+    if resident_ctas(p.block, p.registers, dev.registers_per_sm) < 1 \
+            or p.registers > dev.max_registers_per_thread:
         return f"{p.block} threads x {p.registers} registers exceed the SM's register file"
     if p.shared_bytes > min(dev.shared_per_block, dev.shared_per_sm):
         return f"{p.shared_bytes} bytes of shared memory > {dev.shared_per_block}"

@@ -11,7 +11,7 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
-from persistent_rnn.plan import SHIPPED, tiles_for
+from persistent_rnn.plan import SHIPPED, resident_ctas, tiles_for
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,8 @@ def test_zero_spills_and_registers_within_plan(records):
     for r in records:
         assert r["spill_bytes"] == 0, r
         assert 0 < r["registers"] <= r["planned_registers"], r
+        # What the GPU's occupancy calculator will say: one CTA of this block fits an SM.
+        assert resident_ctas(r["block"], r["registers"]) >= 1, r
         # The weights really are in registers: there are more registers than weights.
         assert r["registers"] > r["weights_per_thread"], r
 

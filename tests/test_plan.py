@@ -5,7 +5,8 @@ import pytest
 
 from persistent_rnn import max_hidden_size
 from persistent_rnn.cells import CELLS
-from persistent_rnn.plan import PROFILES, SHIPPED, make_plan, register_cap, resolve_cell
+from persistent_rnn.plan import (PROFILES, SHIPPED, make_plan, register_cap, resident_ctas,
+                                 resolve_cell)
 
 FLOORS = {"LSTM": 1024, "GRU": 1152, "RNN": 2048}        # required on an H100, fp32
 TARGETS = {"LSTM": 1200, "GRU": 1400, "RNN": 2300}       # DESIGN.md's estimate
@@ -78,10 +79,14 @@ def test_refusals_say_why():
 
 
 def test_register_cap_allows_one_cta_per_sm():
-    for threads in (64, 128, 256, 320, 352, 1024):
+    # CUDA's occupancy rule: a warp's registers come from one of 4 sub-partitions of 16384.
+    for threads in (64, 128, 256, 288, 320, 352, 512, 1024):
         cap = register_cap(threads)
-        assert (cap % 8 == 0 or cap == 255) and cap <= 255 and threads * cap <= 65536
-        assert threads * (cap + 8) > 65536 or cap + 8 > 255
+        assert resident_ctas(threads, cap) >= 1 and cap <= 255
+        assert cap == 255 or resident_ctas(threads, cap + 1) == 0
+    assert register_cap(256) == 255 and register_cap(320) == 168 and register_cap(512) == 128
+    # The GPU run that found it: 11 warps at 184 registers hold 0 CTAs per SM.
+    assert resident_ctas(352, 184) == 0 and resident_ctas(256, 255) == 1
 
 
 def test_bad_arguments():
