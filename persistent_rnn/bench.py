@@ -1,0 +1,345 @@
+"""The sweep engine behind ``prnn bench``: time one layer per point, write JSON, table and plot.
+
+A point is (cell, pass, algo, batch, hidden_size, seq_len, dtype): one single-layer,
+unidirectional layer with ``input_size`` inputs. ``pass`` is ``forward`` or ``forward_backward``;
+``algo`` is ``persistent`` or ``gemm`` (persistent_rnn with that ``algo``) or ``cudnn``
+(``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
+input projection included; ``us_per_step`` is it divided by ``seq_len``.
+
+FLOPs counted (the recurrence only; G gates, batch B, hidden H), per step:
+forward ``2*G*B*H^2`` (``W_hh h_{t-1}``), forward_backward ``4*G*B*H^2`` (plus the backward
+recurrence's ``W_hh^T dgh_t``; the weight-gradient GEMM ``dW_hh`` is not counted).
+``tflops = flops_per_step / us_per_step / 1e6``; ``peak_fraction = tflops / fp32 peak``
+(``info.fp32_peak_tflops``). ``activation_bytes`` are those of ``y``, ``cs`` (LSTM) and ``saved``:
+``T*B*H*(1 + [LSTM] + S)*itemsize``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import info, timing
+from .plan import resolve_cell
+
+SCHEMA_VERSION = 1
+PASSES = ("forward", "forward_backward")
+ALGOS = ("persistent", "gemm", "cudnn")
+CELL_NAMES = ("rnn_tanh", "rnn_relu", "gru", "lstm")
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+FLOPS_FORMULA = ("recurrence only, per step: forward 2*G*B*H^2; forward_backward 4*G*B*H^2 "
+                 "(forward W_hh h plus backward W_hh^T dgh); G = gates (rnn 1, gru 3, lstm 4)")
+PEAK_FORMULA = "SMs x max SM clock x FP32 lanes per SM (128; 64 on sm_80) x 2"
+JSON_NAME, PLOT_NAME = "bench_results.json", "bench_tflops.png"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What ``prnn bench`` measures (every combination) and how."""
+
+    cells: tuple[str, ...]
+    hidden_sizes: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    batches: tuple[int, ...] = BATCHES
+    passes: tuple[str, ...] = PASSES
+    algos: tuple[str, ...] = ALGOS
+    dtype: str = "float32"
+    input_size: int = 64
+    repeats: int = 10
+    warmup: int = 2
+    input_sets: int = 3
+    max_seconds: float = 600.0
+
+
+def default_sweep(gpu: bool, quick: bool) -> Sweep:
+    """The sweep ``prnn bench`` runs unless told otherwise (small NumPy sizes without a GPU)."""
+    if not gpu:
+        return Sweep(cells=("rnn_tanh", "gru", "lstm"), hidden_sizes=(64,) if quick else (64, 128),
+                     seq_lens=(16,) if quick else (32,), algos=("gemm",), max_seconds=25 if quick else 300)
+    if quick:
+        return Sweep(cells=("lstm",), hidden_sizes=(512,), seq_lens=(50,), max_seconds=120)
+    return Sweep(cells=("rnn_tanh", "gru", "lstm"), hidden_sizes=(256, 512, 1024), seq_lens=(100,),
+                 max_seconds=300)
+
+
+@dataclass
+class Point:
+    """One measured point of the sweep (the results JSON's ``points`` entries)."""
+
+    cell: str
+    pass_: str
+    algo: str
+    batch: int
+    hidden_size: int
+    seq_len: int
+    dtype: str
+    us_per_step: float
+    flops_per_step: int
+    tflops: float
+    peak_fraction: float | None
+    activation_bytes: int | None
+    restarts: int
+    fallback: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON record (``pass_`` is written ``pass``)."""
+        d = asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d
+
+
+def recurrence_flops_per_step(cell: str, batch: int, hidden: int, pass_: str) -> int:
+    """FLOPs of one step's recurrent matrix products (see the module docstring)."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+    forward = 2 * resolve_cell(cell).gates * batch * hidden * hidden
+    return forward if pass_ == "forward" else 2 * forward
+
+
+def activation_bytes(cell: str, batch: int, hidden: int, seq_len: int, dtype: str) -> int:
+    """Bytes of ``y``, ``cs`` (LSTM) and ``saved`` a persistent_rnn forward keeps for backward."""
+    spec = resolve_cell(cell)
+    per_unit = 1 + int(spec.has_cell_state) + spec.saved
+    return seq_len * batch * hidden * per_unit * np.dtype(dtype).itemsize
+
+
+def gpu_available() -> bool:
+    """Whether CuPy sees a CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver or no device all mean: run on the CPU
+        return False
+
+
+def torch_cuda_available() -> bool:
+    """Whether torch with CUDA is importable (the ``cudnn`` algorithm)."""
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # torch missing or broken: no cudnn column
+        return False
+
+
+def git_commit() -> str:
+    """``git rev-parse HEAD`` of the source tree, or ``"unknown"``."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5, check=True)
+        return out.stdout.strip() or "unknown"
+    except Exception:  # no git, not a checkout, or an installed wheel
+        return "unknown"
+
+
+def _inputs(xp, rng, sets: int, seq_len: int, batch: int, input_size: int, hidden: int, dtype: str):
+    """``sets`` fresh random (x, dy) pairs on the array module ``xp``."""
+    return [(xp.asarray(rng.standard_normal((seq_len, batch, input_size)).astype(dtype)),
+             xp.asarray(rng.standard_normal((seq_len, batch, hidden)).astype(dtype)))
+            for _ in range(sets)]
+
+
+def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, hidden: int, seq_len: int,
+               xp) -> tuple[Callable, list, Any]:
+    """A call running one persistent_rnn layer with ``algo`` on ``xp`` arrays, its inputs, the layer."""
+    import persistent_rnn as prnn
+    mode, extra = ("RNN", {"nonlinearity": cell[4:]}) if cell.startswith("rnn") else (cell.upper(), {})
+    layer = getattr(prnn, mode)(sweep.input_size, hidden, dtype=sweep.dtype, algo=algo, seed=0, **extra)
+    if xp is not np:
+        layer.load_params({k: xp.asarray(v) for k, v in layer.params.items()})
+    rng = np.random.default_rng(batch * 7919 + hidden)
+
+    def run(pair):
+        layer.forward(pair[0])
+        if backward:
+            layer.backward(pair[1])
+    return run, _inputs(xp, rng, sweep.input_sets, seq_len, batch, sweep.input_size, hidden, sweep.dtype), layer
+
+
+def _torch_case(sweep: Sweep, cell: str, backward: bool, batch: int, hidden: int, seq_len: int):
+    """A call running ``torch.nn``'s layer (cuDNN) on CUDA tensors, and its inputs."""
+    import torch
+    extra = {"nonlinearity": cell[4:]} if cell.startswith("rnn") else {}
+    cls = {"gru": torch.nn.GRU, "lstm": torch.nn.LSTM}.get(cell, torch.nn.RNN)
+    dtype = getattr(torch, sweep.dtype)
+    module = cls(sweep.input_size, hidden, **extra).to(device="cuda", dtype=dtype)
+    rng = np.random.default_rng(batch * 7919 + hidden)
+    pairs = [(torch.as_tensor(x, device="cuda").requires_grad_(backward), torch.as_tensor(dy, device="cuda"))
+             for x, dy in _inputs(np, rng, sweep.input_sets, seq_len, batch, sweep.input_size, hidden,
+                                  sweep.dtype)]
+
+    def run(pair):
+        y, _ = module(pair[0])
+        if backward:
+            y.backward(pair[1])
+    return run, pairs
+
+
+def measure_point(sweep: Sweep, cell: str, pass_: str, algo: str, batch: int, hidden: int, seq_len: int,
+                  gpu: bool, peak_tflops: float | None) -> Point:
+    """Time one point (raises ValueError where ``algo`` cannot run it, e.g. the plan does not fit)."""
+    backward = pass_ == "forward_backward"
+    clock: timing.Clock = timing.CudaEventClock() if gpu else timing.CpuClock()
+    restarts, fallback, act = 0, None, None
+    if algo == "cudnn":
+        run, inputs = _torch_case(sweep, cell, backward, batch, hidden, seq_len)
+        layer = None
+    else:
+        xp = __import__("cupy") if gpu else np
+        run, inputs, layer = _prnn_case(sweep, cell, algo, backward, batch, hidden, seq_len, xp)
+        act = activation_bytes(cell, batch, hidden, seq_len, sweep.dtype)
+    seconds = timing.median_seconds(run, inputs, sweep.repeats, sweep.warmup, clock)
+    if layer is not None:
+        restarts, fallback = layer.last_run.restarts, layer.last_run.fallback
+    us = seconds * 1e6 / seq_len
+    flops = recurrence_flops_per_step(cell, batch, hidden, pass_)
+    tflops = flops / us / 1e6
+    return Point(cell, pass_, algo, batch, hidden, seq_len, sweep.dtype, us, flops, tflops,
+                 tflops / peak_tflops if peak_tflops else None, act, restarts, fallback)
+
+
+def run_sweep(sweep: Sweep, gpu: bool, peak_tflops: float | None,
+              progress: bool = True) -> tuple[list[Point], list[dict]]:
+    """Measure every combination of ``sweep`` (a tqdm bar on stderr); (points, skipped with reasons).
+
+    Points that cannot run (the plan does not fit, the kernel fails to launch) and those left when
+    ``sweep.max_seconds`` has passed are recorded as skipped instead of stopping the sweep.
+    """
+    from tqdm import tqdm
+    combos = list(itertools.product(sweep.cells, sweep.hidden_sizes, sweep.seq_lens, sweep.passes,
+                                    sweep.algos, sweep.batches))
+    deadline = time.monotonic() + sweep.max_seconds
+    points, skipped = [], []
+    for cell, hidden, seq_len, pass_, algo, batch in tqdm(combos, file=sys.stderr, disable=not progress,
+                                                         desc="prnn bench", unit="pt", leave=False):
+        where = {"cell": cell, "pass": pass_, "algo": algo, "batch": batch, "hidden_size": hidden,
+                 "seq_len": seq_len}
+        if time.monotonic() > deadline:
+            skipped.append({**where, "reason": f"time budget of {sweep.max_seconds:g} s spent"})
+            continue
+        try:
+            points.append(measure_point(sweep, cell, pass_, algo, batch, hidden, seq_len, gpu, peak_tflops))
+        except (ValueError, RuntimeError) as exc:  # does not fit / failed launch: record, go on
+            skipped.append({**where, "reason": f"{type(exc).__name__}: {exc}"})
+    return points, skipped
+
+
+def device_record(gpu: bool) -> dict[str, Any]:
+    """``device``, ``driver``, ``cuda`` and the device details for the results JSON."""
+    if not gpu:
+        return {"device": "cpu", "driver": None, "cuda": None, "device_info": None,
+                "note": "CPU run (NumPy GEMM path, wall-clock timing): GPU figures need a GPU"}
+    gi = info.gpu_info()
+    return {"device": gi["device"]["name"], "driver": gi["driver_version"], "cuda": gi["cuda_runtime_version"],
+            "device_info": gi}
+
+
+def settings_record(sweep: Sweep, gpu: bool) -> dict[str, Any]:
+    """The sweep and the timing/torch settings it ran with."""
+    s = {f.name: getattr(sweep, f.name) for f in fields(sweep)}
+    s["timing"] = ("CUDA events" if gpu else "time.perf_counter") + \
+        f", median of {sweep.repeats} after {sweep.warmup} warm-up, rotating {sweep.input_sets} input sets"
+    if "cudnn" in sweep.algos:
+        import torch
+        s["torch_version"] = torch.__version__
+        s["torch.backends.cuda.matmul.allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+        s["torch.backends.cudnn.allow_tf32"] = torch.backends.cudnn.allow_tf32
+    return s
+
+
+def disable_tf32() -> None:
+    """Keep torch's fp32 in fp32 (no TF32 in cuBLAS or cuDNN) so the comparison is like for like."""
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def resolve_sweep(sweep: Sweep, gpu: bool) -> Sweep:
+    """Drop algorithms this machine cannot run (``cudnn`` without torch CUDA; only ``gemm`` on CPU)."""
+    algos = tuple(a for a in sweep.algos
+                  if (a == "gemm" or gpu) and (a != "cudnn" or torch_cuda_available()))
+    if not algos:
+        raise ValueError(f"none of the algorithms {sweep.algos} can run here "
+                         f"({'GPU' if gpu else 'CPU: only gemm'})")
+    return replace(sweep, algos=algos)
+
+
+def benchmark(sweep: Sweep, gpu: bool, argv: Sequence[str], progress: bool = True) -> dict[str, Any]:
+    """Run ``sweep`` and return the results document (see docs/benchmarks.md for the schema)."""
+    sweep = resolve_sweep(sweep, gpu)
+    if "cudnn" in sweep.algos and sweep.dtype == "float32":
+        disable_tf32()
+    device = device_record(gpu)
+    peak = device["device_info"]["device"]["fp32_peak_tflops"] if gpu else None
+    points, skipped = run_sweep(sweep, gpu, peak, progress)
+    return {
+        "schema_version": SCHEMA_VERSION, **device, "fp32_peak_tflops": peak,
+        "commit": git_commit(), "command": " ".join(argv),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "settings": settings_record(sweep, gpu), "flops_formula": FLOPS_FORMULA, "peak_formula": PEAK_FORMULA,
+        "points": [p.to_json() for p in points], "skipped": skipped,
+    }
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The points as an aligned text table, with a header line naming the device."""
+    head = f"{'cell':8} {'pass':16} {'algo':10} {'B':>3} {'H':>5} {'T':>4} {'us/step':>9} " \
+           f"{'TFLOP/s':>8} {'%peak':>6} {'act MiB':>8} {'rest':>4} fallback"
+    lines = [f"prnn bench on {results['device']} (commit {results['commit'][:12]}, {results['date']})", head]
+    for p in results["points"]:
+        peak = f"{100 * p['peak_fraction']:6.2f}" if p["peak_fraction"] is not None else f"{'-':>6}"
+        act = f"{p['activation_bytes'] / 2**20:8.2f}" if p["activation_bytes"] is not None else f"{'-':>8}"
+        lines.append(f"{p['cell']:8} {p['pass']:16} {p['algo']:10} {p['batch']:3d} {p['hidden_size']:5d} "
+                     f"{p['seq_len']:4d} {p['us_per_step']:9.2f} {p['tflops']:8.4f} {peak} {act} "
+                     f"{p['restarts']:4d} {p['fallback'] or '-'}")
+    if results["skipped"]:
+        lines.append(f"{len(results['skipped'])} points skipped (see 'skipped' in the JSON), e.g. "
+                     f"{results['skipped'][0]['reason'][:160]}")
+    if results["device"] == "cpu":
+        lines.append(results["note"])
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """PNG of TFLOP/s against batch size, one line per algorithm, one panel per (cell, H, T, pass)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(p["cell"], p["hidden_size"], p["seq_len"], p["pass"]) for p in results["points"]})
+    cols = 2
+    rows = max(1, -(-len(panels) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for algo in sorted({p["algo"] for p in results["points"]}):
+            pts = sorted((p["batch"], p["tflops"]) for p in results["points"]
+                         if (p["cell"], p["hidden_size"], p["seq_len"], p["pass"]) == panel and p["algo"] == algo)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=algo)
+        ax.set_xscale("log", base=2)
+        ax.set_title("{} H={} T={} {}".format(*panel), fontsize=9)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("TFLOP/s (recurrence)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"prnn bench: {results['device']}, commit {results['commit'][:12]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """Write the results JSON and the plot into ``out`` (created); their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / JSON_NAME, out / PLOT_NAME
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, png_path)
+    return json_path, png_path

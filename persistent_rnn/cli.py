@@ -1,0 +1,135 @@
+"""The ``prnn`` command: ``info``, ``bench``, ``kernels`` and ``demo`` (also ``python -m persistent_rnn.cli``).
+
+    prnn info [--json]                       GPU, clocks, versions, largest hidden sizes
+    prnn bench [--quick] [--json] [--out DIR] [sweep options]
+    prnn kernels [--arch 80,90] [--json]     compiled kernel configurations (kernel_report)
+    prnn demo                                forward/backward of every cell on NumPy
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from . import bench
+
+DEFAULT_OUT = "prnn_bench_results"
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """argparse type: a comma-separated list of positive integers."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _choices(allowed: tuple[str, ...]):
+    """argparse type: a comma-separated subset of ``allowed``."""
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip().lower() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, "
+                                             f"got {text!r}")
+        return values
+    return parse
+
+
+def _at_least(low: float, kind=int):
+    """argparse type: a number >= ``low``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``prnn`` argument parser with its four subcommands."""
+    parser = argparse.ArgumentParser(prog="prnn", description="persistent_rnn command line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,kernels,demo}")
+    p_info = sub.add_parser("info", help="GPU, clocks, driver/CUDA versions, max hidden sizes")
+    p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    b = sub.add_parser("bench", help="sweep batch/hidden/T/cell/pass over the algorithms",
+                       description="Benchmark sweep; defaults depend on --quick and on whether a GPU is present.")
+    b.add_argument("--quick", action="store_true", help="a short sweep")
+    b.add_argument("--json", action="store_true", help="results JSON to stdout, table to stderr")
+    b.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
+    b.add_argument("--cpu", action="store_true", help="run the NumPy GEMM path even where a GPU is present")
+    b.add_argument("--cells", type=_choices(bench.CELL_NAMES), help="e.g. lstm,gru")
+    b.add_argument("--batches", type=_positive_ints, help=f"default {','.join(map(str, bench.BATCHES))}")
+    b.add_argument("--hidden", type=_positive_ints, help="hidden sizes, e.g. 256,512")
+    b.add_argument("--seq-len", type=_positive_ints, help="sequence lengths T")
+    b.add_argument("--passes", type=_choices(bench.PASSES), help="forward,forward_backward")
+    b.add_argument("--algos", type=_choices(bench.ALGOS), help="persistent,gemm,cudnn")
+    b.add_argument("--input-size", type=_at_least(1), help="layer input size (default 64)")
+    b.add_argument("--repeats", type=_at_least(10), help="timed repetitions per point, >= 10 (default 10)")
+    b.add_argument("--max-seconds", type=_at_least(1.0, float), help="time budget; later points are skipped")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sub.add_parser("kernels", help="compiled kernel configurations (prnn kernels --help)", add_help=False)
+    sub.add_parser("demo", help="forward/backward of every cell with a summary (NumPy)")
+    return parser
+
+
+def _sweep_from_args(args: argparse.Namespace, gpu: bool) -> bench.Sweep:
+    """The default sweep with the options given on the command line."""
+    given = {"cells": args.cells, "batches": args.batches, "hidden_sizes": args.hidden,
+             "seq_lens": args.seq_len, "passes": args.passes, "algos": args.algos,
+             "input_size": args.input_size, "repeats": args.repeats, "max_seconds": args.max_seconds}
+    return replace(bench.default_sweep(gpu, args.quick), **{k: v for k, v in given.items() if v is not None})
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """``prnn info``."""
+    from . import info
+    report = info.collect()
+    print(json.dumps(report, indent=1) if args.json else info.format_text(report))
+    return 0
+
+
+def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    """``prnn bench``: sweep, table (stdout, or stderr with --json), JSON and PNG into --out."""
+    gpu = not args.cpu and bench.gpu_available()
+    try:
+        results = bench.benchmark(_sweep_from_args(args, gpu), gpu, ["prnn", *argv],
+                                  progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"prnn bench: error: {exc}", file=sys.stderr)
+        return 2
+    json_path, png_path = bench.write_outputs(results, args.out)
+    table = sys.stderr if args.json else sys.stdout
+    print(bench.format_table(results), file=table)
+    print(f"wrote {json_path} and {png_path}", file=table)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``prnn`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["kernels"]:  # its own parser, so that `prnn kernels --help` shows its options
+        from . import kernel_report
+        return kernel_report.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "info":
+        return run_info(args)
+    if args.command == "bench":
+        return run_bench(args, argv)
+    from . import demo
+    demo.main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
