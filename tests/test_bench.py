@@ -1,0 +1,90 @@
+"""``prnn bench``: FLOP and activation formulas, timing, and the results JSON/PNG of a CPU run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from persistent_rnn import bench, cli, timing
+
+
+@pytest.mark.parametrize("cell, batch, hidden, pass_, flops", [
+    ("rnn_tanh", 1, 1024, "forward", 2 * 1 * 1 * 1024 ** 2),
+    ("lstm", 4, 512, "forward", 2 * 4 * 4 * 512 ** 2),            # 8_388_608
+    ("lstm", 4, 512, "forward_backward", 4 * 4 * 4 * 512 ** 2),
+    ("gru", 8, 100, "forward", 480_000),
+    ("gru", 8, 100, "forward_backward", 960_000),
+    ("rnn_relu", 3, 7, "forward_backward", 588),
+])
+def test_flops_formula(cell, batch, hidden, pass_, flops):
+    assert bench.recurrence_flops_per_step(cell, batch, hidden, pass_) == flops
+
+
+def test_flops_formula_rejects_an_unknown_pass():
+    with pytest.raises(ValueError, match="pass must be one of"):
+        bench.recurrence_flops_per_step("lstm", 1, 8, "backward")
+
+
+def test_activation_bytes():
+    # LSTM keeps y, cs and 4 saved gates: 6 values per unit; GRU y + 4; RNN y only.
+    assert bench.activation_bytes("lstm", 2, 8, 5, "float32") == 5 * 2 * 8 * 6 * 4
+    assert bench.activation_bytes("gru", 2, 8, 5, "float64") == 5 * 2 * 8 * 5 * 8
+    assert bench.activation_bytes("rnn_tanh", 1, 4, 3, "float32") == 48
+
+
+def test_median_seconds_rotates_inputs_and_takes_the_median():
+    seen = []
+
+    class FakeClock:
+        name = "fake"
+        ticks = iter([5.0, 1.0, 3.0, 2.0, 4.0])
+
+        def measure(self, fn):
+            fn()
+            return next(self.ticks)
+    assert timing.median_seconds(seen.append, ["a", "b", "c"], repeats=5, warmup=2, clock=FakeClock()) == 3.0
+    assert seen == ["a", "b", "a", "b", "c", "a", "b"]
+
+
+def test_quick_cpu_run_writes_results_json_and_png(tmp_path, capsys):
+    out = tmp_path / "res"
+    assert cli.main(["bench", "--quick", "--json", "--cpu", "--out", str(out), "--cells", "lstm,gru",
+                     "--batches", "1,4", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert "GPU figures need a GPU" in captured.err and "us/step" in captured.err
+    written = json.loads((out / bench.JSON_NAME).read_text())
+    assert written == printed
+    assert written["schema_version"] == bench.SCHEMA_VERSION and written["device"] == "cpu"
+    assert written["commit"] and written["date"] and written["command"].startswith("prnn bench --quick")
+    assert written["settings"]["repeats"] >= 10 and "perf_counter" in written["settings"]["timing"]
+    assert "2*G*B*H^2" in written["flops_formula"]
+    points = written["points"]
+    assert len(points) == 2 * 1 * 1 * 2 * 1 * 2 and not written["skipped"]
+    for p in points:
+        assert {"cell", "pass", "algo", "batch", "hidden_size", "seq_len", "dtype", "us_per_step", "tflops",
+                "peak_fraction", "activation_bytes", "restarts", "fallback"} <= set(p)
+        assert p["algo"] == "gemm" and p["us_per_step"] > 0 and p["peak_fraction"] is None
+        flops = bench.recurrence_flops_per_step(p["cell"], p["batch"], p["hidden_size"], p["pass"])
+        assert p["tflops"] == pytest.approx(flops / p["us_per_step"] / 1e6)
+    assert {(p["batch"], p["hidden_size"]) for p in points} == {(1, 64), (4, 64)}
+    assert (out / bench.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_budget_skips_the_rest(monkeypatch):
+    sweep = bench.Sweep(cells=("rnn_tanh",), hidden_sizes=(8,), seq_lens=(2,), batches=(1, 2),
+                        passes=("forward",), algos=("gemm",), max_seconds=0.0)
+    points, skipped = bench.run_sweep(sweep, gpu=False, peak_tflops=None, progress=False)
+    assert points == [] and len(skipped) == 2 and "time budget" in skipped[0]["reason"]
+
+
+@pytest.mark.gpu
+def test_quick_gpu_run(tmp_path, capsys):
+    out = tmp_path / "gpu"
+    assert cli.main(["bench", "--quick", "--json", "--out", str(out), "--batches", "1,8",
+                     "--no-progress"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["device"] != "cpu" and results["fp32_peak_tflops"] > 1
+    algos = {p["algo"] for p in results["points"]}
+    assert {"persistent", "gemm"} <= algos
+    assert all(0 < p["peak_fraction"] < 1 for p in results["points"])
