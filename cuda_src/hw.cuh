@@ -63,18 +63,25 @@ PRNN_DEVICE void prnn_backoff() { __nanosleep(20); }
 
 #endif  // PRNN_EMULATION
 
-// ---- global -> shared copies that use no registers (sm_80+ cp.async through L2, like ld.cg) ----
-// prnn_copy16_to_shared copies 16 bytes (both addresses 16-byte aligned); the copies a thread
-// issued are complete after prnn_copy_wait (visible to the block after a block sync). The host
-// version is a plain copy through prnn_load_cg, so emulation.h need not provide them.
+// ---- global -> shared copies that use no registers (sm_80+ cp.async) ----------------------------
+// prnn_copy16_to_shared copies 16 bytes through L2 only, like ld.cg (both addresses 16-byte
+// aligned); prnn_copy4_to_shared copies 4 bytes and may use L1, so only for data no CTA writes
+// during the launch. The copies a thread issued are complete after prnn_copy_wait (visible to the
+// block after a block sync). The host versions are plain copies through prnn_load_cg, so
+// emulation.h need not provide them.
 #ifdef PRNN_EMULATION
 PRNN_DEVICE void prnn_copy16_to_shared(float* dst, const float* src) {
   for (int i = 0; i < 4; ++i) dst[i] = prnn_load_cg(src + i);
 }
+PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) { *dst = prnn_load_cg(src); }
 PRNN_DEVICE void prnn_copy_wait() {}
 #else
 PRNN_DEVICE void prnn_copy16_to_shared(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+               "l"(__cvta_generic_to_global(src)) : "memory");
+}
+PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
                "l"(__cvta_generic_to_global(src)) : "memory");
 }
 PRNN_DEVICE void prnn_copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }

@@ -13,6 +13,14 @@
 // intact, and a replayed step is idempotent. The host seeds parity T%2 with dh_n / dc_n.
 #include "persistent_common.cuh"
 
+namespace prnn {
+// Slots of the pointwise step's read-only inputs, per batch row and owned unit.
+constexpr int kDy = 0, kH = 1, kHPrev = 2, kC = 3, kCPrev = 4;
+constexpr int kSavedSlot = kHasC ? 5 : 3;
+constexpr int kInputs = kSavedSlot + ThisCell::S;
+
+}  // namespace prnn
+
 PRNN_KERNEL void prnn_persistent_backward(
     const float* w_t,       // (H, G*H) = W_hh^T, contiguous
     const float* dy,        // (T, B, H), zero past each length
@@ -32,6 +40,8 @@ PRNN_KERNEL void prnn_persistent_backward(
   const size_t plane = (size_t)batch * hidden;
   float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: dgh_{t+1}
   float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial W_hh^T dgh
+  float* in_s = rec_s + batch * kKsplit * kUnits;  // [batch][kInputs][kUnits]: read-only inputs
+  float* carry_s = in_s + batch * kInputs * kUnits;  // [2][batch][kUnits]: dh (direct), dc carries
 
   int rows[kRows];
 #pragma unroll
@@ -42,39 +52,63 @@ PRNN_KERNEL void prnn_persistent_backward(
   RegisterTile tile;
   tile.load(w_t, rows, warp_chunk() * kChunk, gh_len, threadIdx.x % kWarp);
 
+  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+    const int b = idx / kUnits, j = j0 + idx % kUnits;
+    if (j >= hidden) continue;
+    const size_t at = ((start + 1) & 1) * plane + (size_t)b * hidden + j;
+    carry_s[idx] = dh_carry[at];
+    if (kHasC) carry_s[batch * kUnits + idx] = dc_carry[at];
+  }
+
   for (int t = start; t >= 0; --t) {
+    // The step's read-only inputs are fetched asynchronously while dgh_{t+1} is staged and multiplied.
+    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+      if (j >= hidden) continue;
+      const size_t at = ((size_t)t * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
+      float* in = in_s + b * kInputs * kUnits + u;
+      prnn_copy4_to_shared(in + kDy * kUnits, dy + at);
+      prnn_copy4_to_shared(in + kH * kUnits, y + at);
+      prnn_copy4_to_shared(in + kHPrev * kUnits, t > 0 ? y + (at - plane) : h0 + at0);
+      if (kHasC) {
+        prnn_copy4_to_shared(in + kC * kUnits, cs + at);
+        prnn_copy4_to_shared(in + kCPrev * kUnits, t > 0 ? cs + (at - plane) : c0 + at0);
+      }
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        prnn_copy4_to_shared(in + (kSavedSlot + s) * kUnits,
+                             saved + ((size_t)t * batch + b) * S * hidden + (size_t)s * hidden + j);
+      }
+    }
     const bool recurrent = t + 1 < steps;
     if (recurrent) {
       stage_exchanged(v_s, dgh + (size_t)(t + 1) * batch * gh_len, batch, gh_len);
       multiply_batch(tile, v_s, rec_s, batch, kUnits);
+    } else {
+      finish_copies();
     }
-    const float* dh_in = dh_carry + ((t + 1) & 1) * plane;
-    const float* dc_in = dc_carry + ((t + 1) & 1) * plane;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
       if (j >= hidden) continue;
       const size_t row = (size_t)t * batch + b, at = (size_t)b * hidden + j;
+      const float* in = in_s + b * kInputs * kUnits + u;  // slot k at in[k * kUnits]
       float sv[kSavedSlots], dgiv[G], dghv[G];
 #pragma unroll
-      for (int s = 0; s < S; ++s) sv[s] = saved[row * S * hidden + s * hidden + j];
-      const float dh = dy[row * hidden + j] + dh_in[at] + (recurrent ? row_sum(rec_s, b, u, kUnits) : 0.0f);
-      const float h_prev = t > 0 ? y[(row - batch) * hidden + j] : h0[at];
-      float dc = 0.0f, c = 0.0f, c_prev = 0.0f;
-      if (kHasC) {
-        dc = dc_in[at];
-        c = cs[row * hidden + j];
-        c_prev = t > 0 ? cs[(row - batch) * hidden + j] : c0[at];
-      }
+      for (int s = 0; s < S; ++s) sv[s] = in[(kSavedSlot + s) * kUnits];
+      const float dh = in[kDy * kUnits] + carry_s[idx] + (recurrent ? row_sum(rec_s, b, u, kUnits) : 0.0f);
+      const float dc = kHasC ? carry_s[batch * kUnits + idx] : 0.0f;
+      const float c = kHasC ? in[kC * kUnits] : 0.0f, c_prev = kHasC ? in[kCPrev * kUnits] : 0.0f;
       float dh_prev, dc_prev;
-      cell_backward_masked<PRNN_CELL>(t < lengths[b], dh, dc, sv, y[row * hidden + j], c, h_prev, c_prev,
-                                      dgiv, dghv, dh_prev, dc_prev);
+      cell_backward_masked<PRNN_CELL>(t < lengths[b], dh, dc, sv, in[kH * kUnits], c, in[kHPrev * kUnits],
+                                      c_prev, dgiv, dghv, dh_prev, dc_prev);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         dgi[row * gh_len + g * hidden + j] = dgiv[g];
         dgh[row * gh_len + g * hidden + j] = dghv[g];
       }
-      dh_carry[(t & 1) * plane + at] = dh_prev;
-      if (kHasC) dc_carry[(t & 1) * plane + at] = dc_prev;
+      // The carries stay in shared memory; the global copies are what a relaunch resumes from.
+      dh_carry[(t & 1) * plane + at] = carry_s[idx] = dh_prev;
+      if (kHasC) dc_carry[(t & 1) * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
     }
     prnn_maybe_stall(stall, t);
     if (!prnn_grid_barrier(ctl, t, (unsigned)(start - t + 1), timeout_ns)) return;

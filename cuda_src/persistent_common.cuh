@@ -97,6 +97,12 @@ PRNN_DEVICE int row_of_lane(int lane) {
 PRNN_DEVICE int warp_row_group() { return (int)(threadIdx.x / kWarp) / kKsplit; }
 PRNN_DEVICE int warp_chunk() { return (int)(threadIdx.x / kWarp) % kKsplit; }
 
+// Waits for this thread's asynchronous copies, then makes every thread's visible to the block.
+PRNN_DEVICE void finish_copies() {
+  prnn_copy_wait();
+  prnn_sync_block();
+}
+
 // Stages `batch` vectors of length k_len (row stride k_len, written by other CTAs during this
 // launch, hence copies through L2 only) into v_s, zero-padded to kPadded each. When rows are
 // 16-byte aligned the copies are asynchronous (no registers, all in flight at once): staging is
@@ -113,14 +119,13 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
         dst[0] = dst[1] = dst[2] = dst[3] = 0.0f;
       }
     }
-    prnn_copy_wait();
   } else {
     for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) {
       const int b = idx / kPadded, k = idx % kPadded;
       v_s[idx] = k < k_len ? prnn_load_cg(src + (size_t)b * k_len + k) : 0.0f;
     }
   }
-  prnn_sync_block();
+  finish_copies();
 }
 
 // For every batch row, multiplies the tile by the staged vector; the partial sum of local row

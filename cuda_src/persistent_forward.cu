@@ -25,6 +25,8 @@ PRNN_KERNEL void prnn_persistent_forward(
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   float* h_s = prnn_shared_memory<float>();  // [batch][kPadded]: h_{t-1}
   float* gh_s = h_s + batch * kPadded;        // [batch][kKsplit][R]: partial W_hh h_{t-1}
+  float* gi_s = gh_s + batch * kKsplit * R;   // [batch][G][kUnits]: gi_t of the owned units
+  float* c_s = gi_s + batch * G * kUnits;     // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
 
   int rows[kRows];
 #pragma unroll
@@ -35,7 +37,17 @@ PRNN_KERNEL void prnn_persistent_forward(
   RegisterTile tile;
   tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
 
+  for (int idx = threadIdx.x; kHasC && idx < batch * kUnits; idx += blockDim.x) {
+    const int b = idx / kUnits, j = j0 + idx % kUnits;
+    if (j < hidden) c_s[idx] = start > 0 ? cs[((size_t)(start - 1) * batch + b) * hidden + j] : c0[(size_t)b * hidden + j];
+  }
+
   for (int t = start; t < steps; ++t) {
+    // gi_t is read-only: fetch it asynchronously while h_{t-1} is staged and multiplied.
+    for (int idx = threadIdx.x; idx < batch * G * kUnits; idx += blockDim.x) {
+      const int b = idx / (G * kUnits), g = idx / kUnits % G, j = j0 + idx % kUnits;
+      if (j < hidden) prnn_copy4_to_shared(gi_s + idx, gi + ((size_t)t * batch + b) * gh_len + g * hidden + j);
+    }
     stage_exchanged(h_s, t > 0 ? y + (size_t)(t - 1) * batch * hidden : h0, batch, hidden);
     multiply_batch(tile, h_s, gh_s, batch, R);
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
@@ -45,16 +57,15 @@ PRNN_KERNEL void prnn_persistent_forward(
       float giv[G], ghv[G], sv[kSavedSlots];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        giv[g] = gi[row * gh_len + g * hidden + j];
+        giv[g] = gi_s[(b * G + g) * kUnits + u];
         ghv[g] = row_sum(gh_s, b, g * kUnits + u, R) + b_hh[g * hidden + j];
       }
       const float h_prev = h_s[b * kPadded + j];
-      float c_prev = 0.0f;
-      if (kHasC) c_prev = t > 0 ? cs[(row - batch) * hidden + j] : c0[(size_t)b * hidden + j];
+      const float c_prev = kHasC ? c_s[idx] : 0.0f;
       float h, c;
       cell_forward_masked<PRNN_CELL>(t < lengths[b], giv, ghv, h_prev, c_prev, h, c, sv);
       y[row * hidden + j] = h;
-      if (kHasC) cs[row * hidden + j] = c;
+      if (kHasC) cs[row * hidden + j] = c_s[idx] = c;
 #pragma unroll
       for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
     }
