@@ -1,0 +1,48 @@
+"""TFLOP/s of the recurrence against batch size (1..64): persistent vs GEMM vs cuDNN, per cell.
+
+    python bench/batch_sweep.py --out DIR [--hidden 512] [--seq-len 100] [--quick]
+
+Runs the ``prnn bench`` engine (same timing, FLOP formula and JSON points) at one hidden size.
+"""
+from __future__ import annotations
+
+import sys
+
+import _study
+
+from persistent_rnn import bench
+
+NAME = "batch_sweep"
+
+
+def draw(ax, doc) -> None:
+    """TFLOP/s against batch, one line per (cell, algo, pass)."""
+    for key in sorted({(p["cell"], p["algo"], p["pass"]) for p in doc["rows"]}):
+        pts = sorted((p["batch"], p["tflops"]) for p in doc["rows"] if (p["cell"], p["algo"], p["pass"]) == key)
+        ax.plot(*zip(*pts), marker="o", label=" ".join(key), linestyle="-" if key[2] == "forward" else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("TFLOP/s (recurrence)")
+    ax.legend(fontsize=6, ncol=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the study; exit status 2 without a GPU."""
+    p = _study.parser(NAME, __doc__)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=100)
+    args = p.parse_args(argv)
+    _study.require_gpu(NAME)
+    cells = ("lstm",) if args.quick else ("rnn_tanh", "gru", "lstm")
+    sweep = bench.Sweep(cells=cells, hidden_sizes=(args.hidden,), seq_lens=(args.seq_len,),
+                        max_seconds=args.max_seconds)
+    results = bench.benchmark(sweep, True, sys.argv, progress=True)
+    doc = _study.document(results["settings"], results["points"])
+    doc.update(fp32_peak_tflops=results["fp32_peak_tflops"], skipped=results["skipped"],
+               flops_formula=bench.FLOPS_FORMULA)
+    _study.save(args.out, NAME, doc, draw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""TFLOP/s against hidden size, up to the persistent kernel's ``max_hidden_size`` on this GPU.
+
+    python bench/hidden_sweep.py --out DIR [--batch 4] [--seq-len 100] [--quick]
+
+Hidden sizes: powers of two from 128 and the cell's ``prnn.max_hidden_size`` itself; algorithms
+persistent, GEMM and cuDNN (torch, TF32 off); forward and forward+backward.
+"""
+from __future__ import annotations
+
+import sys
+
+import _study
+
+import persistent_rnn as prnn
+from persistent_rnn import bench
+
+NAME = "hidden_sweep"
+
+
+def hidden_sizes(largest: int, quick: bool) -> tuple[int, ...]:
+    """128, 256, ... below ``largest``, then ``largest`` (every other power when ``quick``)."""
+    sizes, h = [], 128
+    while h < largest:
+        sizes.append(h)
+        h *= 4 if quick else 2
+    return tuple(sizes + [largest])
+
+
+def draw(ax, doc) -> None:
+    """TFLOP/s against hidden size, one line per (cell, algo, pass)."""
+    for key in sorted({(p["cell"], p["algo"], p["pass"]) for p in doc["rows"]}):
+        pts = sorted((p["hidden_size"], p["tflops"]) for p in doc["rows"]
+                     if (p["cell"], p["algo"], p["pass"]) == key)
+        ax.plot(*zip(*pts), marker="o", label=" ".join(key), linestyle="-" if key[2] == "forward" else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("hidden size")
+    ax.set_ylabel("TFLOP/s (recurrence)")
+    ax.legend(fontsize=6, ncol=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the study; exit status 2 without a GPU."""
+    p = _study.parser(NAME, __doc__)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=100)
+    args = p.parse_args(argv)
+    _study.require_gpu(NAME)
+    rows, skipped, settings = [], [], {}
+    cells = ("lstm",) if args.quick else ("rnn_tanh", "gru", "lstm")
+    for cell in cells:
+        largest = prnn.max_hidden_size(cell)
+        sweep = bench.Sweep(cells=(cell,), hidden_sizes=hidden_sizes(largest, args.quick),
+                            seq_lens=(args.seq_len,), batches=(args.batch,), max_seconds=args.max_seconds / len(cells))
+        results = bench.benchmark(sweep, True, sys.argv, progress=True)
+        rows += results["points"]
+        skipped += results["skipped"]
+        settings[cell] = {**results["settings"], "max_hidden_size": largest}
+    doc = _study.document(settings, rows)
+    doc.update(skipped=skipped, flops_formula=bench.FLOPS_FORMULA)
+    _study.save(args.out, NAME, doc, draw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
