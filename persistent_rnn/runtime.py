@@ -41,6 +41,8 @@ from .stats import RunStats
 Array = Any
 
 ALGOS = ("auto", "gemm", "persistent")
+# The emulation plans for the GPU the tiles are sized for, so that it runs the same configurations.
+EMULATED_DEVICE = planner.PROFILES["h100"]
 
 
 @dataclass
@@ -159,7 +161,8 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
     fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, _lengths(xp, lengths, batch, steps), y,
              y if cs is None else cs, saved)
     step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp)
-    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated)
+    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
+                   details=[_describe(engine, restarts)])
     if step < steps:
         run.fallback = f"barrier timeouts: {restarts} relaunches, steps {step}..{steps - 1} on GEMM"
         gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=step)
@@ -192,7 +195,8 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
              c(h0) if c0 is None else c(c0), _lengths(xp, lengths, batch, steps), dgi, dgh,
              dh_carry, dc_carry)
     step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp)
-    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated)
+    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
+                   details=[_describe(engine, restarts)])
     stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
     dh_c = dh_carry[stop % 2] + (dgh[stop] @ w_hh if stop < steps else 0.0)
     dc_c = dc_carry[stop % 2] if cell.has_cell_state else None
@@ -235,6 +239,13 @@ def relaunch(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: 
         restarts += 1
 
 
+def _describe(engine: _Engine, restarts: int) -> str:
+    p = engine.pass_plan
+    where = "emulated" if engine.emulated else "GPU"
+    return (f"{p.kernel} ({where}): {p.defines}, grid {p.grid} x {p.block} threads, "
+            f"{p.shared_bytes} B shared, {restarts + 1} launch(es)")
+
+
 def _to_host(a: Array) -> np.ndarray:
     return a if isinstance(a, np.ndarray) else a.get()
 
@@ -259,14 +270,13 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     on_gpu = xp is not np
     if algo == "auto" and not on_gpu:
         return None, None
-    why = _why_not_persistent(cell, data, hidden, batch, algo, on_gpu)
+    device = _current_device() if on_gpu else EMULATED_DEVICE
+    plan, why = _plan(cell, data, hidden, batch, algo, device)
     if why is not None:
         if algo == "persistent":
             raise ValueError(f"algo='persistent' cannot run this layer: {why}")
         return None, why
-    device = _current_device() if on_gpu else planner.PROFILES["h100"]
-    p = planner.make_plan(cell, hidden, batch, "float32", device)
-    pass_plan = p.backward if backward else p.forward
+    pass_plan = plan.backward if backward else plan.forward
     if on_gpu:
         return _gpu_engine(pass_plan, device, algo)
     from . import emulate
@@ -275,15 +285,15 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     return _Engine(pass_plan, launch, int(SETTINGS.emulation_timeout_ms * 1e6), True), None
 
 
-def _why_not_persistent(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
-                        on_gpu: bool) -> str | None:
+def _plan(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
+          device: planner.DeviceProfile) -> tuple[planner.Plan | None, str | None]:
+    """The plan of this layer-direction, or why the persistent kernel cannot (or should not) run."""
     if np.dtype(data.dtype) != np.float32:
-        return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
+        return None, f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
     if algo == "auto" and batch > SETTINGS.auto_max_batch:
-        return f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): GEMM is faster there"
-    device = _current_device() if on_gpu else planner.PROFILES["h100"]
-    p = planner.make_plan(cell, hidden, batch, "float32", device)
-    return None if p.fits else p.reason
+        return None, f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): GEMM is faster there"
+    plan = planner.make_plan(cell, hidden, batch, "float32", device)
+    return (plan, None) if plan.fits else (None, plan.reason)
 
 
 def _gpu_engine(pass_plan: planner.PassPlan, device: planner.DeviceProfile,
