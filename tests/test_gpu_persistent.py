@@ -168,3 +168,13 @@ def test_compute_sanitizer_is_clean(cupy, tool):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-4000:]
+
+
+def test_cooperative_launch_option(cupy, settings):
+    runtime.configure(cooperative=True)
+    cell = CELLS["gru"]
+    host = _host_inputs(cell, 300, 2, 5, seed=5)
+    got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
+    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
+    _assert_close(cupy, got, ref)
+    assert fs.algo == "persistent" and fs.restarts == 0
