@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:
         largest = prnn.max_hidden_size(cell)
         sweep = bench.Sweep(cells=(cell,), hidden_sizes=hidden_sizes(largest, args.quick),
-                            seq_lens=(args.seq_len,), batches=(args.batch,), max_seconds=args.max_seconds / len(cells))
+                            seq_lens=(args.seq_len,), batches=(args.batch,),
+                            max_seconds=args.max_seconds / len(cells))
         results = bench.benchmark(sweep, True, sys.argv, progress=True)
         rows += results["points"]
         skipped += results["skipped"]

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     _study.require_gpu(NAME)
     import cupy as cp
     stalls = [float(s) for s in args.stalls_ms.split(",")][: 3 if args.quick else None]
-    mode, extra = ("RNN", {"nonlinearity": args.cell[4:]}) if args.cell.startswith("rnn") else (args.cell.upper(), {})
+    rnn = args.cell.startswith("rnn")
+    mode, extra = ("RNN", {"nonlinearity": args.cell[4:]}) if rnn else (args.cell.upper(), {})
     layer = getattr(prnn, mode)(64, args.hidden, algo="persistent", seed=0, **extra)
     layer.load_params({k: cp.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(0)

@@ -42,10 +42,11 @@ def main(argv: list[str]) -> int:
     """Summarise ``argv[0]``."""
     out = Path(argv[0])
     info = _load(out / "info.json")
-    if info:
-        dev = info.get("device", {})
-        print(f"  device: {dev.get('name', info.get('reason'))}, "
-              f"fp32 peak {dev.get('fp32_peak_tflops', 0):.1f} TFLOP/s")
+    if info and info.get("gpu"):
+        dev = info["device"]
+        print(f"  device: {dev['name']}, fp32 peak {dev['fp32_peak_tflops']:.1f} TFLOP/s")
+    elif info:
+        print(f"  device: {info['reason']}")
     results = _load(out / "bench" / "bench_results.json")
     if results:
         print(f"  bench: {len(results['points'])} points, {len(results['skipped'])} skipped; best TFLOP/s:")

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +91,29 @@ def test_quick_gpu_run(tmp_path, capsys):
     algos = {p["algo"] for p in results["points"]}
     assert {"persistent", "gemm"} <= algos
     assert all(0 < p["peak_fraction"] < 1 for p in results["points"])
+
+
+STUDIES = ("batch_sweep", "hidden_sweep", "relaunch_cost", "barrier_latency")
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.skipif(bench.gpu_available(), reason="checks the no-GPU exit; a GPU is present")
+@pytest.mark.parametrize("study", STUDIES)
+def test_studies_exit_2_with_a_message_without_a_gpu(study, tmp_path):
+    run = subprocess.run([sys.executable, str(BENCH_DIR / f"{study}.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_study_size_ladders():
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import barrier_latency
+        import hidden_sweep
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    assert hidden_sweep.hidden_sizes(1280, quick=False) == (128, 256, 512, 1024, 1280)
+    assert hidden_sweep.hidden_sizes(1280, quick=True) == (128, 512, 1280)
+    assert barrier_latency.grid_sizes(132, quick=False) == [1, 2, 4, 8, 16, 32, 64, 128, 132]
+    assert barrier_latency.grid_sizes(108, quick=True) == [1, 8, 108]
