@@ -323,6 +323,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=algo)
         ax.set_xscale("log", base=2)
+        batches = sorted({p["batch"] for p in results["points"]})
+        ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_title("{} H={} T={} {}".format(*panel), fontsize=9)
         ax.set_xlabel("batch size")
         ax.set_ylabel("TFLOP/s (recurrence)")
@@ -331,7 +333,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"prnn bench: {results['device']}, commit {results['commit'][:12]}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the suptitle
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -62,13 +62,13 @@ def _cupy_device(index: int) -> dict[str, Any]:
     import cupy
     dev = cupy.cuda.Device(index)
     attrs = dev.attributes
-    major, minor = (int(c) for c in dev.compute_capability)
+    major, minor = divmod(int(dev.compute_capability), 10)  # CuPy gives e.g. "90" for sm_90
     return {
         "compute_capability": f"{major}.{minor}",
         "sm_count": attrs["MultiProcessorCount"],
         "registers_per_sm": attrs["MaxRegistersPerMultiprocessor"],
         "shared_per_block_optin_bytes": attrs["MaxSharedMemoryPerBlockOptin"],
-        "clock_mhz_cuda": attrs["ClockRate"] / 1000.0,
+        "clock_mhz_cuda": attrs.get("ClockRate", 0) / 1000.0,  # kHz; absent from newer CUDA
         "fp32_lanes_per_sm": fp32_lanes_per_sm(major, minor),
     }
 
