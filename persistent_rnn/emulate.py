@@ -1,0 +1,154 @@
+"""CPU emulation of the cuda_src kernels: the same CUDA sources, compiled with g++ for the host.
+
+``get_module(source, defines)`` compiles ``cuda_src/<source>`` with ``-DPRNN_EMULATION`` (so that
+``hw.cuh`` takes its primitives from ``emulation.h``) and returns a module whose ``launch`` has the
+GPU module's call form. Every CUDA thread runs as a host thread; CTAs get their own shared memory;
+``max_resident`` limits how many CTAs run at once, as on a GPU too busy to hold the whole grid.
+It is a test and debug path (``algo="persistent"`` on NumPy arrays), never chosen by ``"auto"``.
+
+Builds are cached on disk by a hash of the sources, options and compiler, in
+``$PRNN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/persistent_rnn`` or ``~/.cache/persistent_rnn``).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ._sources import cuda_src_dir
+from .kernels import cache_dir
+
+CXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-DPRNN_EMULATION")
+
+# Kernel launches share the process-wide blockDim/gridDim of emulation.h: one at a time.
+_LAUNCH_LOCK = threading.Lock()
+_BUILD_LOCK = threading.Lock()
+
+_SCALARS = {
+    np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
+    np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float, np.float64: ctypes.c_double,
+}
+
+
+class EmulationError(RuntimeError):
+    """The host build of a kernel source failed, or no host compiler exists."""
+
+
+def host_compiler() -> str:
+    """The C++ compiler for the emulation: ``$CXX``, else ``g++``, else ``c++``."""
+    for candidate in (os.environ.get("CXX"), "g++", "c++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    raise EmulationError("the CPU emulation of the CUDA kernels needs a host C++ compiler "
+                         "(g++ 11 or newer, or $CXX); none was found on PATH")
+
+
+class EmulatedModule:
+    """A kernel source compiled for the host; ``launch`` mirrors the GPU module's."""
+
+    def __init__(self, library: Path, kernels: Sequence[str]):
+        self._lib = ctypes.CDLL(str(library))
+        self.kernels = tuple(kernels)
+
+    def launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple,
+               max_resident: int | None = None) -> None:
+        """Run ``kernel`` over ``grid`` CTAs of ``block`` threads and wait for it to finish."""
+        if kernel not in self.kernels:
+            raise ValueError(f"kernel {kernel!r} is not in this module; it has {self.kernels}")
+        keep, argv = _marshal(args)
+        entry = getattr(self._lib, "prnn_emu_launch_" + kernel)
+        entry.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p]
+        with _LAUNCH_LOCK:
+            entry(grid, block, shared_bytes, max_resident or 0, argv)
+        del keep
+
+
+def _marshal(args: tuple) -> tuple[list, ctypes.Array]:
+    """One pointer per kernel parameter, to a ctypes copy of its value (kernelParams style)."""
+    keep: list = []
+    argv = (ctypes.c_void_p * max(len(args), 1))()
+    for i, arg in enumerate(args):
+        if isinstance(arg, np.ndarray):
+            if not arg.flags.c_contiguous:
+                raise ValueError(f"kernel argument {i}: expected a C-contiguous array")
+            value = ctypes.c_void_p(arg.ctypes.data)
+        elif type(arg) in _SCALARS:
+            value = _SCALARS[type(arg)](arg.item())
+        else:
+            raise TypeError(f"kernel argument {i}: expected a NumPy array or a NumPy scalar "
+                            f"(np.int32, np.uint32, np.uint64, np.float32, ...), got {type(arg).__name__}")
+        keep.append(value)
+        argv[i] = ctypes.cast(ctypes.pointer(value), ctypes.c_void_p)
+    return keep, argv
+
+
+def get_module(source: str, defines: Mapping[str, int]) -> EmulatedModule:
+    """The host build of ``cuda_src/<source>`` with ``-D`` ``defines`` (built once, cached)."""
+    return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())))
+
+
+@lru_cache(maxsize=None)
+def _module(source: str, defines: tuple) -> EmulatedModule:
+    with _BUILD_LOCK:
+        library, kernels = _build(source, dict(defines))
+    return EmulatedModule(library, kernels)
+
+
+def _build(source: str, defines: dict[str, int]) -> tuple[Path, list[str]]:
+    compiler = host_compiler()
+    src_dir = cuda_src_dir()
+    options = [*CXX_FLAGS, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
+    key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
+                         .encode()).hexdigest()[:24]
+    out_dir = cache_dir() / "emulation"
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    library = out_dir / f"{Path(source).stem}-{key}.so"
+    kernels_file = library.with_suffix(".kernels")
+    if library.is_file() and kernels_file.is_file():
+        return library, kernels_file.read_text().split()
+    kernels = _kernel_names(compiler, options, src_dir / source)
+    unit = (f'#include "{src_dir / source}"\n#include "emulation_launch.h"\n'
+            + "".join(f"PRNN_EMU_ENTRY({name})\n" for name in kernels))
+    with tempfile.TemporaryDirectory() as tmp:
+        cpp = Path(tmp) / "unit.cpp"
+        cpp.write_text(unit)
+        built = Path(tmp) / library.name
+        _run([compiler, *options, str(cpp), "-o", str(built)], source)
+        os.replace(built, library)
+    kernels_file.write_text("\n".join(kernels))
+    return library, kernels
+
+
+def _kernel_names(compiler: str, options: list[str], path: Path) -> list[str]:
+    """Names of the PRNN_KERNEL functions of a source, read after preprocessing (macros too)."""
+    text = _run([compiler, *[o for o in options if o not in ("-shared", "-fPIC")], "-E", "-P",
+                 "-x", "c++", str(path)], path.name)
+    names = sorted(set(re.findall(r'extern\s+"C"\s+void\s+(\w+)\s*\(', text)))
+    if not names:
+        raise EmulationError(f"{path.name}: no PRNN_KERNEL functions found")
+    return names
+
+
+def _run(cmd: list[str], what: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulationError(f"host build of {what} failed ({' '.join(cmd)}):\n{proc.stderr}")
+    return proc.stdout
+
+
+def _sources_digest(src_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(src_dir.glob("*")):
+        if path.suffix in (".cu", ".cuh", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
