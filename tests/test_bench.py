@@ -1,6 +1,7 @@
 """``prnn bench``: FLOP and activation formulas, timing, and the results JSON/PNG of a CPU run."""
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -106,14 +107,49 @@ def test_studies_exit_2_with_a_message_without_a_gpu(study, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_study_size_ladders():
+def _bench_script(name: str):
+    """Import ``bench/<name>.py`` (the scripts import ``_study`` from their own folder)."""
     sys.path.insert(0, str(BENCH_DIR))
     try:
-        import barrier_latency
-        import hidden_sweep
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH_DIR))
+
+
+def test_study_size_ladders():
+    hidden_sweep, barrier_latency = _bench_script("hidden_sweep"), _bench_script("barrier_latency")
     assert hidden_sweep.hidden_sizes(1280, quick=False) == (128, 256, 512, 1024, 1280)
     assert hidden_sweep.hidden_sizes(1280, quick=True) == (128, 512, 1280)
     assert barrier_latency.grid_sizes(132, quick=False) == [1, 2, 4, 8, 16, 32, 64, 128, 132]
     assert barrier_latency.grid_sizes(108, quick=True) == [1, 8, 108]
+
+
+def _point(algo, batch, tflops, peak=None):
+    return {"cell": "lstm", "pass": "forward", "algo": algo, "batch": batch, "hidden_size": 512,
+            "tflops": tflops, "peak_fraction": peak}
+
+
+def test_summarize_reports_best_points_barrier_and_relaunch(tmp_path, capsys):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "info.json").write_text(json.dumps(
+        {"gpu": True, "device": {"name": "NVIDIA H200", "fp32_peak_tflops": 66.9}}))
+    points = [_point("persistent", 4, 2.5, 0.0374), _point("persistent", 4, 1.5, 0.02), _point("gemm", 4, 0.25)]
+    (tmp_path / "bench" / bench.JSON_NAME).write_text(json.dumps({"points": points, "skipped": [{}]}))
+    (tmp_path / "barrier_latency.json").write_text(json.dumps(
+        {"rows": [{"grid": 1, "ns_per_barrier": 410.0}, {"grid": 132, "ns_per_barrier": 980.4}]}))
+    (tmp_path / "relaunch_cost.json").write_text(json.dumps(
+        {"rows": [{"restarts": 0, "cost_us": 1.0}, {"restarts": 1, "cost_us": 30.0},
+                  {"restarts": 1, "cost_us": 50.0}, {"restarts": 1, "cost_us": 40.0}]}))
+    assert _bench_script("summarize").main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200, fp32 peak 66.9 TFLOP/s" in out
+    assert "3 points, 1 skipped" in out
+    assert "B=4: gemm 0.25 (lstm H=512), persistent 2.50 (lstm H=512, 3.7% peak)" in out
+    assert "980 ns at 132 CTAs (1 CTA: 410 ns)" in out
+    assert "relaunch cost: median 40 us over 3 stalls" in out
+
+
+def test_summarize_reports_missing_files(tmp_path, capsys):
+    assert _bench_script("summarize").main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "info.json: not available" in out and "bench_results.json: not available" in out
