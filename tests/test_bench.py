@@ -153,3 +153,13 @@ def test_summarize_reports_missing_files(tmp_path, capsys):
     assert _bench_script("summarize").main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "info.json: not available" in out and "bench_results.json: not available" in out
+
+
+def test_barrier_latency_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
+    """The kernel bench/barrier_latency.py launches exists under its name and compiles (NVRTC, no GPU)."""
+    from persistent_rnn import _sources, kernels
+    if not (_sources.cuda_src_dir() / "grid_barrier.cu").is_file():
+        pytest.skip("cuda_src/grid_barrier.cu (the emulation helper's) is not in the tree")
+    monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path))
+    log = kernels.compile_source("grid_barrier.cu", {}, "sm_90").log
+    assert f"'{_bench_script('barrier_latency').KERNEL}'" in log and "0 bytes spill stores" in log
