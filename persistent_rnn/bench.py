@@ -66,7 +66,8 @@ def default_sweep(gpu: bool, quick: bool) -> Sweep:
                      seq_lens=(16,) if quick else (32,), algos=("gemm",), max_seconds=25 if quick else 300)
     if quick:
         return Sweep(cells=("lstm",), hidden_sizes=(512,), seq_lens=(50,), max_seconds=120)
-    return Sweep(cells=("rnn_tanh", "gru", "lstm"), hidden_sizes=(256, 512, 1024), seq_lens=(100,),
+    # LSTM first: points left when the time budget runs out are skipped, so measure the headline first.
+    return Sweep(cells=("lstm", "gru", "rnn_tanh"), hidden_sizes=(256, 512, 1024), seq_lens=(100,),
                  max_seconds=300)
 
 
