@@ -226,3 +226,14 @@ def test_emulated_busy_gpu_makes_progress_and_stays_correct(emulation):
     fs, bs = out["got"][2:]
     assert fs.algo == "persistent" and fs.restarts == 2 and "GEMM" in fs.fallback
     assert bs.restarts == 2 and "GEMM" in bs.fallback
+
+
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_emulated_largest_tiles(emulation, monkeypatch, cell):
+    # The largest tiles (many rows per warp, K split over warps) normally serve H > 512; force
+    # them at a small H so that the emulation checks their code path too.
+    tiles_for = planner.tiles_for
+    monkeypatch.setattr(planner, "tiles_for", lambda c: tiles_for(c)[-1:])
+    out = _run_both(CELLS[cell], 26, 2, 3)
+    _assert_close(out["got"], out["ref"])
+    assert f"'PRNN_UNITS': {tiles_for(CELLS[cell])[-1].units}" in out["got"][2].details[0]
