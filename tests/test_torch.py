@@ -129,6 +129,27 @@ def test_gradcheck(mode, kwargs):
     assert torch.autograd.gradcheck(fn, (x, h0, c0, *weights), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode,kwargs", [MODES[0], MODES[2], MODES[3]], ids=["RNN", "GRU", "LSTM"])
+def test_persistent_algo_on_cpu_runs_the_emulated_kernel(mode, kwargs):
+    """algo="persistent" on CPU tensors: the CUDA source's CPU emulation, float32, vs torch.nn."""
+    torch.manual_seed(0)
+    ours = getattr(prt, mode)(I, H, bidirectional=True, algo="persistent", **kwargs)
+    ref = getattr(torch.nn, mode)(I, H, bidirectional=True, **kwargs)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(T, B, I)
+    lengths = torch.tensor([3, T, 1])
+    results = []
+    for module in (ours, ref):
+        xi = x.clone().requires_grad_()
+        out, _ = module(pack_padded_sequence(xi, lengths, enforce_sorted=False))
+        y = pad_packed_sequence(out)[0]
+        (y * y).sum().backward()
+        results.append([y, xi.grad] + [p.grad for p in module.parameters()])
+    assert ours.last_run.algo == "persistent" and ours.last_run.emulated
+    for g, r in zip(*results):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
 def test_double_backward_is_a_clear_error():
     module = prt.GRU(I, H, dtype=torch.float64)
     x = torch.randn(T, B, I, dtype=torch.float64, requires_grad=True)
