@@ -1,0 +1,214 @@
+"""The CPU emulation of cuda_src: the barrier protocol, the pointwise kernels and the persistent
+kernels through the public API, on NumPy float32 (compared with float64 and torch.nn)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import emulate, runtime
+from persistent_rnn.cells import CELLS
+
+pytestmark = pytest.mark.timeout(240)
+
+TIMEOUT_NS = np.uint64(300_000_000)  # 0.3 s: generous for host threads, short for a test
+
+
+@pytest.fixture
+def settings():
+    """Runtime settings restored after each test."""
+    saved = vars(runtime.SETTINGS).copy()
+    yield runtime.SETTINGS
+    for name, value in saved.items():
+        setattr(runtime.SETTINGS, name, value)
+
+
+def _barrier(grid: int, rounds: int, stall=(-1, -1, 0), max_resident=None):
+    module = emulate.get_module("grid_barrier.cu", {})
+    ctl = np.zeros(2 + grid, np.uint32)
+    elapsed = np.zeros(grid, np.uint64)
+    args = (ctl, np.int32(rounds), TIMEOUT_NS, np.int32(stall[0]), np.int32(stall[1]),
+            np.uint64(stall[2]), elapsed)
+    module.launch("grid_barrier_rounds", grid, 64, 0, args, max_resident=max_resident)
+    return ctl[0], ctl[1], ctl[2:].view(np.int32), elapsed
+
+
+def test_grid_barrier_all_ctas_pass_every_round():
+    arrivals, abort, progress, elapsed = _barrier(grid=4, rounds=20)
+    assert (arrivals, abort) == (80, 0)
+    assert progress.tolist() == [19] * 4 and (elapsed > 0).all()
+
+
+def test_grid_barrier_times_out_on_a_stalled_cta():
+    arrivals, abort, progress, _ = _barrier(grid=4, rounds=10, stall=(2, 3, 900_000_000))
+    assert abort == 1
+    # Every CTA wrote step 3; the others gave up waiting for CTA 2, which on arriving late finds
+    # the count complete and may do step 4 before it sees the abort (harmless: replays of a step
+    # are idempotent, and the runtime resumes at min(progress) + 1).
+    assert progress.min() == 3 and progress.max() <= 4 and sorted(progress)[-2] == 3
+
+
+def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
+    arrivals, abort, progress, _ = _barrier(grid=4, rounds=5, max_resident=2)
+    assert abort == 1 and arrivals < 4 * 5
+
+
+def _pointwise_inputs(cell, rng, batch=3, hidden=5):
+    g, s = cell.gates, cell.saved
+    r = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    return dict(gi=r(batch, g * hidden), gh=r(batch, g * hidden), b_hh=r(g * hidden),
+                h_prev=r(batch, hidden), c_prev=r(batch, hidden), dy=r(batch, hidden),
+                dh_direct=r(batch, hidden), dh_rec=r(batch, hidden), dc=r(batch, hidden),
+                lengths=np.array([1, 3, 2], np.int32), batch=batch, hidden=hidden, s=s, g=g)
+
+
+@pytest.mark.parametrize("name", sorted(CELLS))
+def test_pointwise_kernels_equal_numpy_reference(name):
+    cell, rng = CELLS[name], np.random.default_rng(7)
+    a = _pointwise_inputs(cell, rng)
+    module = emulate.get_module("pointwise.cu", {})
+    batch, hidden, t = a["batch"], a["hidden"], 1
+    h, c = np.zeros((batch, hidden)), np.zeros((batch, hidden))
+    saved = np.zeros((batch, max(a["s"], 1) * hidden))
+    module.launch(f"prnn_pointwise_forward_{name}_f64", 1, 32, 0,
+                  (np.int32(batch), np.int32(hidden), np.int32(t), a["lengths"], a["gi"], a["gh"],
+                   a["b_hh"], np.int32(1), a["h_prev"], a["c_prev"], h, c, saved))
+    c_prev = a["c_prev"] if cell.has_cell_state else None
+    h_ref, c_ref, s_ref = cell.forward(np, a["gi"], a["gh"] + a["b_hh"], a["h_prev"], c_prev)
+    active = (t < a["lengths"])[:, None]
+    np.testing.assert_allclose(h, np.where(active, h_ref, a["h_prev"]), rtol=1e-13, atol=1e-13)
+    if cell.has_cell_state:
+        np.testing.assert_allclose(c, np.where(active, c_ref, c_prev), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(saved[:, :s_ref.shape[1]], s_ref, rtol=1e-13, atol=1e-13)
+
+    dgi, dgh = np.zeros_like(a["gi"]), np.zeros_like(a["gi"])
+    dh_out, dc_out = np.zeros((batch, hidden)), np.zeros((batch, hidden))
+    module.launch(f"prnn_pointwise_backward_{name}_f64", 1, 32, 0,
+                  (np.int32(batch), np.int32(hidden), np.int32(t), a["lengths"], a["dy"],
+                   a["dh_direct"], a["dh_rec"], a["dc"], saved, h_ref, c_ref if c_ref is not None
+                   else h_ref, a["h_prev"], a["c_prev"], dgi, dgh, dh_out, dc_out))
+    dh = a["dy"] + a["dh_direct"] + a["dh_rec"]
+    dc = a["dc"] if cell.has_cell_state else None
+    r_dgi, r_dgh, r_dh, r_dc = cell.backward(np, dh, dc, s_ref, h_ref, c_ref, a["h_prev"], c_prev)
+    np.testing.assert_allclose(dgi, np.where(active[:, :, None], r_dgi.reshape(batch, a["g"], hidden), 0).reshape(batch, -1), atol=1e-13)
+    np.testing.assert_allclose(dgh, np.where(active[:, :, None], r_dgh.reshape(batch, a["g"], hidden), 0).reshape(batch, -1), atol=1e-13)
+    np.testing.assert_allclose(dh_out, np.where(active, r_dh, dh), atol=1e-13)
+    if cell.has_cell_state:
+        np.testing.assert_allclose(dc_out, np.where(active, r_dc, dc), atol=1e-13)
+
+
+# ---- the persistent kernels through the public API -------------------------------------------
+
+LAYERS = {"rnn_tanh": (prnn.RNN, {}), "rnn_relu": (prnn.RNN, {"nonlinearity": "relu"}),
+          "gru": (prnn.GRU, {}), "lstm": (prnn.LSTM, {})}
+
+
+def _run(name, dtype, algo, x, lengths, hx, dy, dhn, **layer_args):
+    cls, kwargs = LAYERS[name]
+    layer = cls(x.shape[2], layer_args.pop("hidden", 40), dtype=dtype, algo=algo, seed=11,
+                **kwargs, **layer_args)
+    cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
+    hx = tuple(cast(a) for a in hx) if isinstance(hx, tuple) else cast(hx)
+    dhn = tuple(cast(a) for a in dhn) if isinstance(dhn, tuple) else cast(dhn)
+    y, hn = layer.forward(x.astype(dtype), hx, lengths)
+    fwd_stats = layer.last_run
+    dx, dhx = layer.backward(dy.astype(dtype), dhn)
+    return dict(y=y, hn=hn, dx=dx, dhx=dhx, grads={k: v.copy() for k, v in layer.grads.items()},
+                fwd=fwd_stats, bwd=layer.last_run, layer=layer)
+
+
+def _inputs(name, rng, steps=7, batch=3, inputs=6, hidden=40, layers=1, directions=1):
+    states = layers * directions
+    h0 = rng.standard_normal((states, batch, hidden))
+    hx = (h0, rng.standard_normal((states, batch, hidden))) if name == "lstm" else h0
+    dhn = ((rng.standard_normal((states, batch, hidden)),) * 2 if name == "lstm"
+           else rng.standard_normal((states, batch, hidden)))
+    return dict(x=rng.standard_normal((steps, batch, inputs)),
+                lengths=np.array([steps, 2, steps - 3][:batch]), hx=hx,
+                dy=rng.standard_normal((steps, batch, directions * hidden)), dhn=dhn)
+
+
+def _flat(out):
+    parts = [out["y"], out["dx"], *np.atleast_1d(out["hn"]), *np.atleast_1d(out["dhx"])]
+    parts = [p for item in parts for p in (item if isinstance(item, tuple) else (item,))]
+    return parts + [out["grads"][k] for k in sorted(out["grads"])]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_persistent_equals_float64_reference_and_torch(name):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    data = _inputs(name, rng)
+    got = _run(name, "float32", "persistent", **data)
+    ref = _run(name, "float64", "gemm", **data)
+    assert got["fwd"].algo == "persistent" and got["fwd"].emulated and got["fwd"].fallback is None
+    assert got["bwd"].algo == "persistent" and got["bwd"].restarts == 0
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
+
+    cls, kwargs = {"rnn_tanh": (torch.nn.RNN, {}), "rnn_relu": (torch.nn.RNN,
+                   {"nonlinearity": "relu"}), "gru": (torch.nn.GRU, {}),
+                   "lstm": (torch.nn.LSTM, {})}[name]
+    module = cls(6, 40, dtype=torch.float64, **kwargs)
+    module.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64))
+                            for k, v in got["layer"].params.items()})
+    x = torch.from_numpy(data["x"]).requires_grad_()
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.from_numpy(data["lengths"]),
+                                                     enforce_sorted=False)
+    hx = (tuple(torch.from_numpy(h) for h in data["hx"]) if name == "lstm"
+          else torch.from_numpy(data["hx"]))
+    y, hn = module(packed, hx)
+    y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=x.shape[0])
+    loss = (y * torch.from_numpy(data["dy"])).sum()
+    for h, dh in zip(hn if name == "lstm" else (hn,), data["dhn"] if name == "lstm" else (data["dhn"],)):
+        loss = loss + (h * torch.from_numpy(dh)).sum()
+    loss.backward()
+    assert _rel(got["y"], y.detach().numpy()) <= 1e-5
+    assert _rel(got["dx"], x.grad.numpy()) <= 1e-5
+    for key, p in module.named_parameters():
+        assert _rel(got["grads"][key], p.grad.numpy()) <= 1e-5, key
+
+
+def test_persistent_bidirectional_two_layers_equals_float64():
+    rng = np.random.default_rng(5)
+    data = _inputs("gru", rng, layers=2, directions=2, hidden=24)
+    got = _run("gru", "float32", "persistent", **data, hidden=24, num_layers=2, bidirectional=True)
+    ref = _run("gru", "float64", "gemm", **data, hidden=24, num_layers=2, bidirectional=True)
+    assert got["fwd"].algo == "persistent"
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_stall_relaunches_with_bitwise_identical_results(settings):
+    runtime.configure(emulation_timeout_ms=300)
+    data = _inputs("lstm", np.random.default_rng(9))
+    plain = _run("lstm", "float32", "persistent", **data)
+    with prnn.inject_stall(block=1, step=3, duration_ms=1200):
+        stalled = _run("lstm", "float32", "persistent", **data)
+    assert stalled["fwd"].restarts >= 1 and stalled["fwd"].fallback is None
+    assert stalled["bwd"].restarts >= 1 and stalled["bwd"].fallback is None
+    for a, b in zip(_flat(plain), _flat(stalled)):
+        assert np.array_equal(a, b)
+
+
+def test_ctas_not_co_resident_end_on_gemm_fallback(settings):
+    runtime.configure(emulation_timeout_ms=200, emulation_max_resident=1, max_relaunches=1)
+    data = _inputs("gru", np.random.default_rng(4))
+    got = _run("gru", "float32", "persistent", **data)
+    ref = _run("gru", "float64", "gemm", **data)
+    assert got["fwd"].algo == "persistent" and "GEMM" in got["fwd"].fallback
+    assert "GEMM" in got["bwd"].fallback
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_missing_host_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(emulate.EmulationError, match="host C\\+\\+ compiler"):
+        emulate.host_compiler()
