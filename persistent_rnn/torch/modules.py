@@ -11,10 +11,9 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from ..cells import cell_spec
+from ..runtime import ALGOS
 from ..stats import RunStats
 from .function import RecurrentFunction, RecurrentSpec
-
-_ALGOS = ("auto", "gemm", "persistent")
 
 
 class _PersistentRNNMixin:
@@ -25,8 +24,8 @@ class _PersistentRNNMixin:
     last_run: RunStats | None
 
     def _init_persistent(self, algo: str) -> None:
-        if algo not in _ALGOS:
-            raise ValueError(f"algo must be one of {_ALGOS}, got {algo!r}")
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
         if self.dropout != 0:
             raise ValueError(f"dropout must be 0 (inter-layer dropout is not supported by "
                              f"persistent_rnn), got {self.dropout}")
