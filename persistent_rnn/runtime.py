@@ -16,8 +16,9 @@ Buffers of one layer-direction (T steps, batch B, hidden H, cell with G gates, S
 Algorithm choice: ``"gemm"`` always runs the GEMM path; ``"persistent"`` runs the persistent
 kernel (CuPy arrays: on the GPU; NumPy arrays: the CPU emulation of the same source, a test and
 debug path) and raises ValueError when it cannot; ``"auto"`` runs the persistent kernel on CuPy
-float32 data when the plan fits and the batch is at most ``Settings.auto_max_batch`` (8: a
-conservative rule until measured), else GEMM; ``"auto"`` never emulates.
+float32 data when the plan fits and the batch is at most ``Settings.auto_max_batch`` (32: on an
+H200 the persistent kernel beat the GEMM path at every batch up to 32 where it fit, see
+docs/benchmarks.md and bench/results/h200-2026-11-23), else GEMM; ``"auto"`` never emulates.
 
 Relaunch protocol (one loop for GPU and emulation): zero the ``PrnnControl`` words with every
 CTA's progress set to "nothing done", launch, read the progress back (one small copy per launch),
@@ -55,7 +56,8 @@ class Settings:
     * ``max_relaunches`` (PRNN_MAX_RELAUNCHES, 3): relaunches before the GEMM path takes over.
     * ``cooperative`` (PRNN_COOPERATIVE, off): launch with cudaLaunchCooperativeKernel, which
       guarantees co-residency (or fails to launch) instead of relying on the timeout.
-    * ``auto_max_batch`` (PRNN_AUTO_MAX_BATCH, 8): largest batch ``algo="auto"`` runs persistently.
+    * ``auto_max_batch`` (PRNN_AUTO_MAX_BATCH, 32): largest batch ``algo="auto"`` runs persistently
+      (the largest batch measured where the persistent kernel fit and beat the GEMM path).
     * ``emulation_max_resident`` (None = all): CTAs the emulation runs at once (a busy GPU).
     """
 
@@ -63,7 +65,7 @@ class Settings:
     emulation_timeout_ms: float = float(os.environ.get("PRNN_EMULATION_TIMEOUT_MS", 2000.0))
     max_relaunches: int = int(os.environ.get("PRNN_MAX_RELAUNCHES", 3))
     cooperative: bool = os.environ.get("PRNN_COOPERATIVE", "0") not in ("", "0")
-    auto_max_batch: int = int(os.environ.get("PRNN_AUTO_MAX_BATCH", 8))
+    auto_max_batch: int = int(os.environ.get("PRNN_AUTO_MAX_BATCH", 32))
     emulation_max_resident: int | None = None
 
 
@@ -291,7 +293,7 @@ def _plan(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     if np.dtype(data.dtype) != np.float32:
         return None, f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
     if algo == "auto" and batch > SETTINGS.auto_max_batch:
-        return None, f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): GEMM is faster there"
+        return None, f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): not measured beyond it"
     plan = planner.make_plan(cell, hidden, batch, "float32", device)
     return (plan, None) if plan.fits else (None, plan.reason)
 
