@@ -1,4 +1,4 @@
-# make demo: the main job (forward/backward of every cell, printed summary).
+# make demo: the main job (forward/backward of every cell, then `prnn bench --quick` into out/bench).
 # make test: the test suite (GPU tests skip where no GPU is present).
 # Both create .venv on first use (torch first, then the package with all extras); idempotent.
 PYTHON ?= python3
@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 
 demo: $(STAMP)
 	$(PY) -m persistent_rnn.demo
+	$(PY) -m persistent_rnn.cli bench --quick --out out/bench
 
 test: $(STAMP)
 	$(PY) -m pytest -q
