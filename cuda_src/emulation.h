@@ -1,18 +1,27 @@
 // emulation.h - host versions of the hw.cuh primitives, so that the cuda_src kernels compile with
-// g++ and run on CPU threads (one std::thread per CUDA thread). Included by hw.cuh when
-// PRNN_EMULATION is defined; the launch side (threads, blocks, shared memory) is emulation_launch.h.
+// g++ (-std=c++17 -DPRNN_EMULATION) and run on the CPU. Included by hw.cuh when PRNN_EMULATION is
+// defined; emulation_launch.h runs a launch.
 //
-// What is modelled: thread and block identity, per-block dynamic shared memory, block barriers
-// (also with an OR-reduction), warp shuffles, acquire/release atomics, the global timer (steady
-// clock) and CTAs that are not co-resident. What is not: the GPU's weak memory model beyond C++'s,
-// warp-synchronous timing, and performance.
+// Execution model: every CTA is one OS thread; its CUDA threads are fibers (ucontext) that the
+// CTA's thread switches between only where CUDA threads wait for each other (block barriers, warp
+// shuffles, back-off in polling loops). So a block barrier costs one context switch per thread,
+// not an OS wake-up, and a 2-core machine runs grids of hundreds of threads. Fibers never move
+// between OS threads, so thread_local state below is per CTA.
+//
+// What is modelled: thread and block identity, per-block dynamic shared memory (filled with NaN,
+// with an overrun check), block barriers (also with an OR-reduction; exited threads count as
+// arrived, as on sm_70+), warp shuffles, acquire/release atomics across CTAs, the global timer
+// (steady clock, in ns) and CTAs that are not co-resident. What is not: the GPU's weaker memory
+// model (L1 incoherence, unordered plain stores), warp-synchronous execution and divergence,
+// timing, and performance.
 #pragma once
-#include <atomic>
-#include <barrier>
+#include <math.h>
+#include <time.h>
+#include <ucontext.h>
+
 #include <chrono>
 #include <cmath>
-#include <math.h>
-#include <thread>
+#include <cstddef>
 
 #define PRNN_HD inline
 #define PRNN_DEVICE inline
@@ -23,7 +32,7 @@
 #define __device__
 #define __global__
 
-// CUDA's math overloads (tanh(double), tanhf, expf, fmaxf, ...) come from <cmath>/<math.h>.
+// CUDA's overloads of the math functions for float (exp(float), tanh(float), fmax, ...).
 using std::exp;
 using std::fmax;
 using std::fmin;
@@ -37,19 +46,73 @@ struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 
-// Everything one emulated CTA shares among its threads.
-struct Block {
-  std::barrier<>* sync;          // __syncthreads
-  std::barrier<>** warp_sync;    // one per warp, for shuffles
-  float* shuffle_slots;          // [blockDim.x]
-  std::atomic<int> or_flags[3];  // rotating flags for prnn_sync_block_or
-  unsigned char* shared;         // dynamic shared memory
+// A barrier among the live threads of a block or a warp: the last arrival bumps `gen`, which
+// releases the fibers waiting on it.
+struct Gate {
+  unsigned gen = 0;
+  int arrived = 0;
+  int live = 0;
 };
 
-inline thread_local Dim3 thread_idx, block_idx;
-inline Dim3 block_dim, grid_dim;  // one launch at a time per process (emulate.py holds a lock)
-inline thread_local Block* block;
-inline thread_local int or_phase;
+struct Fiber {
+  ucontext_t context;
+  const unsigned* wait_gen = nullptr;  // blocked while *wait_gen == wait_val
+  unsigned wait_val = 0;
+  int shuffles = 0;  // parity selects the shuffle slot buffer
+  bool done = false;
+};
+
+// One CTA: its fibers, barriers, shuffle slots and shared memory.
+struct Block {
+  ucontext_t scheduler;
+  Fiber* fibers = nullptr;
+  int current = 0;
+  Gate block_gate;
+  Gate* warp_gates = nullptr;
+  int or_pending = 0, or_result = 0;  // prnn_sync_block_or
+  float* shuffle_slots = nullptr;     // [2][blockDim.x]
+  unsigned char* shared = nullptr;
+};
+
+inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
+inline thread_local Block* block = nullptr;
+
+// Set by the launcher once a launch has run past its watchdog: the timer then jumps far ahead, so
+// every deadline passes and every polling loop ends.
+inline unsigned long long watchdog_ns = ~0ull;
+inline bool watchdog_fired = false;
+
+inline unsigned long long steady_ns() {
+  using namespace std::chrono;
+  return (unsigned long long)duration_cast<nanoseconds>(steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Gives the CTA's OS thread to the next runnable fiber; returns when this fiber runs again.
+inline void switch_out() {
+  Block* b = block;
+  swapcontext(&b->fibers[b->current].context, &b->scheduler);
+}
+
+inline void release(Gate& g) {
+  g.arrived = 0;
+  ++g.gen;
+}
+
+inline void wait_at(Gate& g) {
+  if (++g.arrived >= g.live) {  // the last arrival releases the others and runs on
+    if (&g == &block->block_gate) {
+      block->or_result = block->or_pending;
+      block->or_pending = 0;
+    }
+    release(g);
+    return;
+  }
+  Fiber& f = block->fibers[block->current];
+  f.wait_gen = &g.gen;
+  f.wait_val = g.gen;
+  switch_out();
+}
 
 }  // namespace prnn_emu
 
@@ -58,18 +121,14 @@ inline thread_local int or_phase;
 #define blockDim (prnn_emu::block_dim)
 #define gridDim (prnn_emu::grid_dim)
 
-inline void prnn_sync_block() { prnn_emu::block->sync->arrive_and_wait(); }
+inline void prnn_sync_block() { prnn_emu::wait_at(prnn_emu::block->block_gate); }
 
-// Three flags rotate so that the flag being read is never the one being cleared or set by a thread
-// that has already moved on to the next call.
 inline int prnn_sync_block_or(int pred) {
   prnn_emu::Block* b = prnn_emu::block;
-  const int phase = prnn_emu::or_phase++ % 3;
-  if (pred) b->or_flags[phase].store(1);
-  b->sync->arrive_and_wait();
-  const int any = b->or_flags[phase].load();
-  b->or_flags[(phase + 2) % 3].store(0);
-  return any;
+  b->or_pending |= pred != 0;
+  prnn_emu::wait_at(b->block_gate);
+  // Safe to read after waking: the next block barrier cannot complete without this thread.
+  return b->or_result;
 }
 
 template <class T>
@@ -77,37 +136,45 @@ inline T* prnn_shared_memory() {
   return reinterpret_cast<T*>(prnn_emu::block->shared);
 }
 
+// Two slot buffers alternate, so one warp barrier per shuffle suffices: a lane can reuse a buffer
+// only after the next shuffle's barrier, which every lane reaches after reading this one.
 inline float prnn_shfl_xor(float v, int lane_mask) {
   prnn_emu::Block* b = prnn_emu::block;
   const unsigned t = threadIdx.x;
-  std::barrier<>* warp = b->warp_sync[t / prnn_emu::kWarp];
-  b->shuffle_slots[t] = v;
-  warp->arrive_and_wait();
-  const float other = b->shuffle_slots[(t & ~31u) | ((t & 31u) ^ (unsigned)lane_mask)];
-  warp->arrive_and_wait();
-  return other;
+  prnn_emu::Fiber& f = b->fibers[b->current];
+  float* slots = b->shuffle_slots + (f.shuffles++ & 1) * blockDim.x;
+  slots[t] = v;
+  prnn_emu::wait_at(b->warp_gates[t / prnn_emu::kWarp]);
+  return slots[(t & ~31u) | ((t & 31u) ^ (unsigned)lane_mask)];
 }
 
-inline unsigned prnn_load_acquire(const unsigned* p) {
-  return std::atomic_ref<unsigned>(*const_cast<unsigned*>(p)).load(std::memory_order_acquire);
-}
-inline void prnn_store_release(unsigned* p, unsigned v) {
-  std::atomic_ref<unsigned>(*p).store(v, std::memory_order_release);
-}
+// CTAs are OS threads: memory shared between CTAs goes through __atomic builtins.
+inline unsigned prnn_load_acquire(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void prnn_store_release(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 inline unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
-  return std::atomic_ref<unsigned>(*p).fetch_add(v, std::memory_order_acq_rel);
+  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
 }
-inline void prnn_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void prnn_fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline float prnn_load_cg(const float* p) {
-  return std::atomic_ref<float>(*const_cast<float*>(p)).load(std::memory_order_relaxed);
+  float v;
+  __atomic_load(p, &v, __ATOMIC_RELAXED);
+  return v;
 }
-inline void prnn_store_cg(float* p, float v) {
-  std::atomic_ref<float>(*p).store(v, std::memory_order_relaxed);
-}
+inline void prnn_store_cg(float* p, float v) { __atomic_store(p, &v, __ATOMIC_RELAXED); }
 
 inline unsigned long long prnn_globaltimer_ns() {
-  using namespace std::chrono;
-  return duration_cast<nanoseconds>(steady_clock::now().time_since_epoch()).count();
+  const unsigned long long now = prnn_emu::steady_ns();
+  if (now > __atomic_load_n(&prnn_emu::watchdog_ns, __ATOMIC_RELAXED)) {
+    __atomic_store_n(&prnn_emu::watchdog_fired, true, __ATOMIC_RELAXED);
+    return now + (1ull << 62);
+  }
+  return now;
 }
-// Two cores run hundreds of emulated threads: a spinning thread must give its core away.
-inline void prnn_backoff() { std::this_thread::yield(); }
+
+// Polling back-off: lets the block's other fibers run, then sleeps briefly so that spinning CTAs
+// do not burn the few cores of a CI machine.
+inline void prnn_backoff() {
+  prnn_emu::switch_out();
+  const timespec pause{0, 20000};
+  nanosleep(&pause, nullptr);
+}

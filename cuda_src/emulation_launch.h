@@ -1,79 +1,210 @@
-// emulation_launch.h - runs one emulated kernel launch on host threads.
+// emulation_launch.h - runs one emulated kernel launch on host threads (see emulation.h).
 //
 // emulate.py compiles a kernel source followed by this header and one generated line per kernel,
 //   PRNN_EMU_ENTRY(name)
-// which defines extern "C" prnn_emu_launch_<name>(grid, block, shared_bytes, max_resident, args):
-// `args` holds one pointer per kernel parameter (as cuLaunchKernel's kernelParams), unpacked by a
-// template that deduces the parameter types from the kernel's own signature.
+// which defines extern "C" functions
+//   int prnn_emu_launch_<name>(grid, block, shared_bytes, max_resident, args): runs the launch;
+//       `args` holds one pointer per kernel parameter (as cuLaunchKernel's kernelParams), unpacked
+//       by a template that deduces the parameter types from the kernel's own signature. Returns 0,
+//       or an error code whose text prnn_emu_error() gives.
+//   const char* prnn_emu_signature_<name>(): one letter per parameter ('p' pointer, 'i' int32,
+//       'I' uint32, 'q' int64, 'Q' uint64, 'f' float, 'd' double), for the launcher's checks.
 #pragma once
-#include <memory>
-#include <semaphore>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+// Seconds after which a launch's timer jumps ahead so that every barrier wait ends (a launch can
+// never hang on a barrier; the runtime's barrier timeouts are far shorter).
+#ifndef PRNN_EMU_WATCHDOG_S
+#define PRNN_EMU_WATCHDOG_S 120
+#endif
+
 namespace prnn_emu {
+
+constexpr std::size_t kStackBytes = 128 * 1024;  // per CUDA thread; kernels keep small frames
+constexpr std::size_t kGuardBytes = 4096;        // an overflow faults instead of corrupting
+constexpr std::size_t kCanaryBytes = 64;         // after shared memory, checked after the block
+constexpr unsigned char kCanary = 0xA5;
+
+enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4 };
+
+inline std::mutex error_lock;
+inline int error_code = kOk;
+inline char error_text[512] = "";
+
+inline void fail(int code, const char* fmt, int a, int b) {
+  std::lock_guard<std::mutex> hold(error_lock);
+  if (error_code != kOk) return;  // keep the first error
+  error_code = code;
+  std::snprintf(error_text, sizeof error_text, fmt, a, b);
+}
+
+template <class T>
+constexpr char type_code() {
+  if constexpr (std::is_pointer_v<T>) return 'p';
+  else if constexpr (std::is_same_v<T, float>) return 'f';
+  else if constexpr (std::is_same_v<T, double>) return 'd';
+  else if constexpr (std::is_integral_v<T> && sizeof(T) == 4) return std::is_signed_v<T> ? 'i' : 'I';
+  else if constexpr (std::is_integral_v<T> && sizeof(T) == 8) return std::is_signed_v<T> ? 'q' : 'Q';
+  else return '?';
+}
+
+template <class... A>
+const char* signature(void (*)(A...)) {
+  static const char codes[] = {type_code<std::remove_cv_t<std::remove_reference_t<A>>>()..., '\0'};
+  return codes;
+}
 
 template <class... A, std::size_t... I>
 void call_kernel(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
   kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
 }
 
-// One CTA: its shared state and blockDim.x threads, run to completion.
-template <class... A>
-void run_block(void (*kernel)(A...), int b, int threads, int shared_bytes, void** args) {
-  const int warps = (threads + kWarp - 1) / kWarp;
-  std::barrier<> sync(threads);
-  std::vector<std::unique_ptr<std::barrier<>>> warp_sync;
-  std::vector<std::barrier<>*> warp_ptrs;
-  for (int w = 0; w < warps; ++w) {
-    const int lanes = (w + 1) * kWarp <= threads ? kWarp : threads - w * kWarp;
-    warp_sync.push_back(std::make_unique<std::barrier<>>(lanes));
-    warp_ptrs.push_back(warp_sync.back().get());
+// What a fiber runs: the kernel, then it leaves every barrier it belonged to (exited threads
+// count as arrived) and returns to the scheduler for good.
+struct Entry {
+  void (*run)(void* kernel, void** args);
+  void* kernel;
+  void** args;
+};
+inline thread_local Entry entry;
+
+inline void fiber_main() {
+  entry.run(entry.kernel, entry.args);
+  Block* b = block;
+  Fiber& f = b->fibers[b->current];
+  f.done = true;
+  for (Gate* g : {&b->block_gate, &b->warp_gates[b->current / kWarp]}) {
+    if (--g->live <= g->arrived && g->arrived > 0) release(*g);
   }
-  std::vector<float> slots(threads);
-  std::vector<unsigned char> shared(shared_bytes > 0 ? shared_bytes : 1);
-  Block state{&sync, warp_ptrs.data(), slots.data(), {}, shared.data()};
-  for (auto& f : state.or_flags) f = 0;
-  std::vector<std::thread> pool;
-  pool.reserve(threads);
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([=, &state] {
-      thread_idx.x = t;
-      block_idx.x = b;
-      block = &state;
-      or_phase = 0;
-      call_kernel(kernel, args, std::index_sequence_for<A...>{});
-    });
-  }
-  for (auto& th : pool) th.join();
+  setcontext(&b->scheduler);
 }
 
-// The whole grid; at most `max_resident` CTAs run at once (the others start as running ones
-// exit), playing a GPU too busy to hold the whole grid.
-template <class... A>
-void launch(void (*kernel)(A...), int grid, int threads, int shared_bytes, int max_resident,
-            void** args) {
-  block_dim.x = threads;
-  grid_dim.x = grid;
+// Runs block `b` of the launch as `threads` fibers on the calling OS thread.
+inline void run_block(int b, int threads, int shared_bytes, unsigned char* stacks) {
+  const int warps = (threads + kWarp - 1) / kWarp;
+  std::vector<Fiber> fibers(threads);
+  std::vector<Gate> warp_gates(warps);
+  for (int w = 0; w < warps; ++w) warp_gates[w].live = w + 1 < warps ? kWarp : threads - w * kWarp;
+  std::vector<float> slots(2 * threads);
+  // NaN-filled, so that reading shared memory nobody wrote shows in the results.
+  std::vector<unsigned char> shared(shared_bytes + kCanaryBytes, 0xFF);
+  std::memset(shared.data() + shared_bytes, kCanary, kCanaryBytes);
+  Block state;
+  state.fibers = fibers.data();
+  state.block_gate.live = threads;
+  state.warp_gates = warp_gates.data();
+  state.shuffle_slots = slots.data();
+  state.shared = shared.data();
+  block = &state;
+  block_idx.x = b;
+  const std::size_t stride = kGuardBytes + kStackBytes;
+  for (int t = 0; t < threads; ++t) {
+    ucontext_t& c = fibers[t].context;
+    getcontext(&c);
+    c.uc_stack.ss_sp = stacks + t * stride + kGuardBytes;
+    c.uc_stack.ss_size = kStackBytes;
+    c.uc_link = nullptr;
+    makecontext(&c, fiber_main, 0);
+  }
+  // Round robin over the runnable fibers until all have exited.
+  for (int alive = threads; alive > 0;) {
+    bool ran = false;
+    alive = 0;
+    for (int t = 0; t < threads; ++t) {
+      Fiber& f = fibers[t];
+      if (f.done) continue;
+      ++alive;
+      if (f.wait_gen != nullptr && *f.wait_gen == f.wait_val) continue;
+      f.wait_gen = nullptr;
+      state.current = t;
+      thread_idx.x = t;
+      swapcontext(&state.scheduler, &f.context);
+      ran = true;
+    }
+    if (alive > 0 && !ran) {  // every live thread waits on a barrier nobody else can reach
+      fail(kDeadlock, "block %d: %d threads wait at a barrier that can never complete", b, alive);
+      break;
+    }
+  }
+  for (int i = 0; i < (int)kCanaryBytes; ++i) {
+    if (shared[shared_bytes + i] != kCanary) {
+      fail(kSharedOverrun, "block %d wrote past its %d bytes of dynamic shared memory", b,
+           shared_bytes);
+      break;
+    }
+  }
+  block = nullptr;
+}
+
+// The whole grid: `resident` OS threads take blocks in index order, each starting its next
+// block only when the previous one exited, as on a GPU too busy to hold the whole grid.
+inline int launch(void (*run)(void*, void**), void* kernel, int grid, int threads,
+                  int shared_bytes, int max_resident, void** args, double watchdog_s) {
+  {
+    std::lock_guard<std::mutex> hold(error_lock);
+    error_code = kOk;
+    error_text[0] = '\0';
+  }
+  watchdog_fired = false;
+  watchdog_ns = steady_ns() + (unsigned long long)(watchdog_s * 1e9);
   const int resident = max_resident > 0 && max_resident < grid ? max_resident : grid;
-  std::counting_semaphore<> slots(resident);
-  std::vector<std::thread> ctas;
-  ctas.reserve(grid);
-  for (int b = 0; b < grid; ++b) {
-    slots.acquire();
-    ctas.emplace_back([=, &slots] {
-      run_block(kernel, b, threads, shared_bytes, args);
-      slots.release();
+  std::atomic<int> next{0};
+  std::vector<std::thread> workers;
+  for (int w = 0; w < resident; ++w) {
+    workers.emplace_back([&] {
+      const std::size_t bytes = threads * (kGuardBytes + kStackBytes);
+      void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (mem == MAP_FAILED) {
+        fail(kNoMemory, "cannot map stacks for %d threads (%d KiB each)", threads,
+             (int)(kStackBytes / 1024));
+        return;
+      }
+      auto* stacks = static_cast<unsigned char*>(mem);
+      for (int t = 0; t < threads; ++t) mprotect(stacks + t * (kGuardBytes + kStackBytes), kGuardBytes, PROT_NONE);
+      block_dim.x = threads;
+      grid_dim.x = grid;
+      entry = Entry{run, kernel, args};
+      for (int b; (b = next.fetch_add(1)) < grid;) run_block(b, threads, shared_bytes, stacks);
+      munmap(mem, bytes);
     });
   }
-  for (auto& c : ctas) c.join();
+  for (auto& w : workers) w.join();
+  watchdog_ns = ~0ull;
+  if (watchdog_fired) fail(kWatchdog, "the launch ran past its %d s watchdog (grid %d); its barrier waits were ended", (int)watchdog_s, grid);
+  return error_code;
+}
+
+template <class... A>
+void run_kernel(void* kernel, void** args) {
+  auto* k = reinterpret_cast<void (*)(A...)>(kernel);
+  call_kernel(k, args, std::index_sequence_for<A...>{});
+}
+
+template <class... A>
+int launch_kernel(void (*kernel)(A...), int grid, int threads, int shared_bytes,
+                  int max_resident, void** args, double watchdog_s) {
+  return launch(&run_kernel<A...>, reinterpret_cast<void*>(kernel), grid, threads, shared_bytes,
+                max_resident, args, watchdog_s);
 }
 
 }  // namespace prnn_emu
 
-#define PRNN_EMU_ENTRY(name)                                                                   \
-  extern "C" void prnn_emu_launch_##name(int grid, int block, int shared_bytes, int max_resident, \
-                                          void** args) {                                      \
-    prnn_emu::launch(&name, grid, block, shared_bytes, max_resident, args);                    \
-  }
+extern "C" const char* prnn_emu_error() { return prnn_emu::error_text; }
+
+#define PRNN_EMU_ENTRY(name)                                                                      \
+  extern "C" int prnn_emu_launch_##name(int grid, int block, int shared_bytes, int max_resident, \
+                                         void** args) {                                          \
+    return prnn_emu::launch_kernel(&name, grid, block, shared_bytes, max_resident, args,           \
+                                   PRNN_EMU_WATCHDOG_S);                                         \
+  }                                                                                              \
+  extern "C" const char* prnn_emu_signature_##name() { return prnn_emu::signature(&name); }
