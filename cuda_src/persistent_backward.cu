@@ -42,6 +42,7 @@ PRNN_KERNEL void prnn_persistent_backward(
   float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial W_hh^T dgh
   float* in_s = rec_s + batch * kKsplit * kUnits;  // [batch][kInputs][kUnits]: read-only inputs
   float* carry_s = in_s + batch * kInputs * kUnits;  // [2][batch][kUnits]: dh (direct), dc carries
+  int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths (see forward)
 
   int rows[kRows];
 #pragma unroll
@@ -59,6 +60,8 @@ PRNN_KERNEL void prnn_persistent_backward(
     carry_s[idx] = dh_carry[at];
     if (kHasC) carry_s[batch * kUnits + idx] = dc_carry[at];
   }
+
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
 
   for (int t = start; t >= 0; --t) {
     // The step's read-only inputs are fetched asynchronously while dgh_{t+1} is staged and multiplied.
@@ -99,7 +102,7 @@ PRNN_KERNEL void prnn_persistent_backward(
       const float dc = kHasC ? carry_s[batch * kUnits + idx] : 0.0f;
       const float c = kHasC ? in[kC * kUnits] : 0.0f, c_prev = kHasC ? in[kCPrev * kUnits] : 0.0f;
       float dh_prev, dc_prev;
-      cell_backward_masked<PRNN_CELL>(t < lengths[b], dh, dc, sv, in[kH * kUnits], c, in[kHPrev * kUnits],
+      cell_backward_masked<PRNN_CELL>(t < len_s[b], dh, dc, sv, in[kH * kUnits], c, in[kHPrev * kUnits],
                                       c_prev, dgiv, dghv, dh_prev, dc_prev);
 #pragma unroll
       for (int g = 0; g < G; ++g) {

@@ -27,6 +27,10 @@ PRNN_KERNEL void prnn_persistent_forward(
   float* gh_s = h_s + batch * kPadded;        // [batch][kKsplit][R]: partial W_hh h_{t-1}
   float* gi_s = gh_s + batch * kKsplit * R;   // [batch][G][kUnits]: gi_t of the owned units
   float* c_s = gi_s + batch * G * kUnits;     // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
+  // Constants of the pointwise step, kept in shared memory: the barrier's acquire may invalidate
+  // L1, and a reload from L2 every step would sit on the critical path.
+  float* bias_s = c_s + batch * kUnits;        // [G][kUnits]: b_hh of the owned rows
+  int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
 
   int rows[kRows];
 #pragma unroll
@@ -37,6 +41,11 @@ PRNN_KERNEL void prnn_persistent_forward(
   RegisterTile tile;
   tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
 
+  for (int idx = threadIdx.x; idx < G * kUnits; idx += blockDim.x) {
+    const int j = j0 + idx % kUnits;
+    if (j < hidden) bias_s[idx] = b_hh[(idx / kUnits) * hidden + j];
+  }
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
   for (int idx = threadIdx.x; kHasC && idx < batch * kUnits; idx += blockDim.x) {
     const int b = idx / kUnits, j = j0 + idx % kUnits;
     if (j < hidden) c_s[idx] = start > 0 ? cs[((size_t)(start - 1) * batch + b) * hidden + j] : c0[(size_t)b * hidden + j];
@@ -58,12 +67,12 @@ PRNN_KERNEL void prnn_persistent_forward(
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         giv[g] = gi_s[(b * G + g) * kUnits + u];
-        ghv[g] = row_sum(gh_s, b, g * kUnits + u, R) + b_hh[g * hidden + j];
+        ghv[g] = row_sum(gh_s, b, g * kUnits + u, R) + bias_s[g * kUnits + u];
       }
       const float h_prev = h_s[b * kPadded + j];
       const float c_prev = kHasC ? c_s[idx] : 0.0f;
       float h, c;
-      cell_forward_masked<PRNN_CELL>(t < lengths[b], giv, ghv, h_prev, c_prev, h, c, sv);
+      cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, h_prev, c_prev, h, c, sv);
       y[row * hidden + j] = h;
       if (kHasC) cs[row * hidden + j] = c_s[idx] = c;
 #pragma unroll

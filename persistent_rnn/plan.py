@@ -163,7 +163,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=math.ceil(hidden / tile.units), block=block,
-        shared_bytes=4 * batch * (pt.ksplit * (WARP * pt.kpt + local_rows) + _pointwise_floats(cell, tile.units, backward)),
+        shared_bytes=4 * batch * (pt.ksplit * (WARP * pt.kpt + local_rows) + _pointwise_floats(cell, tile.units, backward))
+        + 4 * (batch + (0 if backward else cell.gates * tile.units)),  # lengths; b_hh slice
         weights_per_thread=pt.rows * pt.kpt, registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile))
 
