@@ -2,7 +2,8 @@
 
 ``get_module(source, defines)`` compiles ``cuda_src/<source>`` with ``-DPRNN_EMULATION`` (so that
 ``hw.cuh`` takes its primitives from ``emulation.h``) and returns a module whose ``launch`` has the
-GPU module's call form. Every CUDA thread runs as a host thread; CTAs get their own shared memory;
+GPU module's call form. Each CTA runs on one host thread with its CUDA threads as fibers
+(docs/emulation.md); CTAs get their own shared memory;
 ``max_resident`` limits how many CTAs run at once, as on a GPU too busy to hold the whole grid.
 It is a test and debug path (``algo="persistent"`` on NumPy arrays), never chosen by ``"auto"``.
 
@@ -28,7 +29,7 @@ import numpy as np
 from ._sources import cuda_src_dir
 from .kernels import cache_dir
 
-CXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-DPRNN_EMULATION")
+CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-pthread", "-w", "-DPRNN_EMULATION")
 
 # Kernel launches share the process-wide blockDim/gridDim of emulation.h: one at a time.
 _LAUNCH_LOCK = threading.Lock()
@@ -38,6 +39,9 @@ _SCALARS = {
     np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
     np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float, np.float64: ctypes.c_double,
 }
+# The letters of emulation_launch.h's prnn_emu_signature_<kernel>(), one per kernel parameter.
+_CODES = {np.int32: "i", np.uint32: "I", np.int64: "q", np.uint64: "Q", np.float32: "f",
+          np.float64: "d"}
 
 
 class EmulationError(RuntimeError):
@@ -58,19 +62,48 @@ class EmulatedModule:
 
     def __init__(self, library: Path, kernels: Sequence[str]):
         self._lib = ctypes.CDLL(str(library))
+        self._lib.prnn_emu_error.restype = ctypes.c_char_p
         self.kernels = tuple(kernels)
 
     def launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple,
                max_resident: int | None = None) -> None:
-        """Run ``kernel`` over ``grid`` CTAs of ``block`` threads and wait for it to finish."""
+        """Run ``kernel`` over ``grid`` CTAs of ``block`` threads and wait for it to finish.
+
+        Raises TypeError when ``args`` do not match the kernel's parameters, and EmulationError
+        when the launch deadlocks, overruns its shared memory or outlives the watchdog."""
         if kernel not in self.kernels:
             raise ValueError(f"kernel {kernel!r} is not in this module; it has {self.kernels}")
+        for name, value, low, high in (("grid", grid, 1, 2**31 - 1), ("block", block, 1, 1024),
+                                       ("shared_bytes", shared_bytes, 0, 2**31 - 1)):
+            if not low <= value <= high:
+                raise ValueError(f"{kernel}: {name} must be in {low}..{high}, got {value}")
+        _check_signature(kernel, self._signature(kernel), args)
         keep, argv = _marshal(args)
         entry = getattr(self._lib, "prnn_emu_launch_" + kernel)
         entry.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p]
+        entry.restype = ctypes.c_int
         with _LAUNCH_LOCK:
-            entry(grid, block, shared_bytes, max_resident or 0, argv)
+            failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
+            message = self._lib.prnn_emu_error().decode() if failed else ""
         del keep
+        if failed:
+            raise EmulationError(f"emulated launch of {kernel} failed: {message}")
+
+    def _signature(self, kernel: str) -> str:
+        fn = getattr(self._lib, "prnn_emu_signature_" + kernel)
+        fn.restype = ctypes.c_char_p
+        return fn().decode()
+
+
+def _check_signature(kernel: str, signature: str, args: tuple) -> None:
+    """TypeError unless ``args`` match the kernel's parameters in number and type."""
+    if len(args) != len(signature):
+        raise TypeError(f"{kernel}: expected {len(signature)} arguments, got {len(args)}")
+    for i, (code, arg) in enumerate(zip(signature, args)):
+        given = "p" if isinstance(arg, np.ndarray) else _CODES.get(type(arg), type(arg).__name__)
+        if given != code:
+            want = "an array" if code == "p" else f"np.{np.dtype(code).name}"
+            raise TypeError(f"{kernel}: argument {i} must be {want}, got {type(arg).__name__}")
 
 
 def _marshal(args: tuple) -> tuple[list, ctypes.Array]:
@@ -114,7 +147,7 @@ def _build(source: str, defines: dict[str, int]) -> tuple[Path, list[str]]:
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     library = out_dir / f"{Path(source).stem}-{key}.so"
     kernels_file = library.with_suffix(".kernels")
-    if library.is_file() and kernels_file.is_file():
+    if library.is_file():
         return library, kernels_file.read_text().split()
     kernels = _kernel_names(compiler, options, src_dir / source)
     unit = (f'#include "{src_dir / source}"\n#include "emulation_launch.h"\n'
@@ -124,8 +157,10 @@ def _build(source: str, defines: dict[str, int]) -> tuple[Path, list[str]]:
         cpp.write_text(unit)
         built = Path(tmp) / library.name
         _run([compiler, *options, str(cpp), "-o", str(built)], source)
-        os.replace(built, library)
-    kernels_file.write_text("\n".join(kernels))
+        listing = Path(tmp) / kernels_file.name
+        listing.write_text("\n".join(kernels))
+        os.replace(listing, kernels_file)
+        os.replace(built, library)  # last: a library present means a complete build
     return library, kernels
 
 

@@ -2,6 +2,8 @@
 kernels through the public API, on NumPy float32 (compared with float64 and torch.nn)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -212,3 +214,31 @@ def test_missing_host_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(emulate.EmulationError, match="host C\\+\\+ compiler"):
         emulate.host_compiler()
+
+
+def _barrier_args(grid, timeout_ns, stall_ns):
+    return (np.zeros(2 + grid, np.uint32), np.int32(4), np.uint64(timeout_ns), np.int32(1),
+            np.int32(2), np.uint64(stall_ns), np.zeros(grid, np.uint64))
+
+
+def test_launch_arguments_are_checked_against_the_kernel_signature():
+    module = emulate.get_module("grid_barrier.cu", {})
+    args = _barrier_args(3, 10**8, 0)
+    with pytest.raises(TypeError, match="expected 7 arguments, got 6"):
+        module.launch("grid_barrier_rounds", 3, 32, 0, args[:-1])
+    with pytest.raises(TypeError, match="argument 2 must be np.uint64, got int32"):
+        module.launch("grid_barrier_rounds", 3, 32, 0, (*args[:2], np.int32(5), *args[3:]))
+    with pytest.raises(TypeError, match="argument 0 must be an array, got uint64"):
+        module.launch("grid_barrier_rounds", 3, 32, 0, (np.uint64(0), *args[1:]))
+    with pytest.raises(ValueError, match="block must be in 1..1024, got 2048"):
+        module.launch("grid_barrier_rounds", 3, 2048, 0, args)
+
+
+def test_watchdog_ends_a_launch_whose_barrier_would_wait_for_ever():
+    module = emulate.get_module("grid_barrier.cu", {"PRNN_EMU_WATCHDOG_S": 1})
+    args = _barrier_args(3, 10**15, 10**15)  # a stall and a barrier timeout of 11 days
+    start = time.monotonic()
+    with pytest.raises(emulate.EmulationError, match="watchdog"):
+        module.launch("grid_barrier_rounds", 3, 32, 0, args)
+    assert time.monotonic() - start < 5
+    assert args[0][1] == 1  # the barrier aborted: every CTA exited
