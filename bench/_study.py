@@ -58,3 +58,19 @@ def save(out: Path, name: str, doc: dict[str, Any], draw: Callable[[Any, dict[st
     fig.savefig(out / f"{name}.png", dpi=110)
     plt.close(fig)
     print(f"wrote {out / name}.json and .png")
+
+
+def tflops_lines(x_key: str, x_label: str) -> Callable[[Any, dict[str, Any]], None]:
+    """A ``draw`` for ``save``: TFLOP/s against ``x_key`` (log 2 axis), one line per
+    (cell, algo, pass); forward solid, forward+backward dashed."""
+    def draw(ax, doc: dict[str, Any]) -> None:
+        for key in sorted({(p["cell"], p["algo"], p["pass"]) for p in doc["rows"]}):
+            pts = sorted((p[x_key], p["tflops"]) for p in doc["rows"]
+                         if (p["cell"], p["algo"], p["pass"]) == key)
+            ax.plot(*zip(*pts), marker="o", label=" ".join(key),
+                    linestyle="-" if key[2] == "forward" else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("TFLOP/s (recurrence)")
+        ax.legend(fontsize=6, ncol=2)
+    return draw

@@ -15,17 +15,6 @@ from persistent_rnn import bench
 NAME = "batch_sweep"
 
 
-def draw(ax, doc) -> None:
-    """TFLOP/s against batch, one line per (cell, algo, pass)."""
-    for key in sorted({(p["cell"], p["algo"], p["pass"]) for p in doc["rows"]}):
-        pts = sorted((p["batch"], p["tflops"]) for p in doc["rows"] if (p["cell"], p["algo"], p["pass"]) == key)
-        ax.plot(*zip(*pts), marker="o", label=" ".join(key), linestyle="-" if key[2] == "forward" else "--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("TFLOP/s (recurrence)")
-    ax.legend(fontsize=6, ncol=2)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the study; exit status 2 without a GPU."""
     p = _study.parser(NAME, __doc__)
@@ -40,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = _study.document(results["settings"], results["points"])
     doc.update(fp32_peak_tflops=results["fp32_peak_tflops"], skipped=results["skipped"],
                flops_formula=bench.FLOPS_FORMULA)
-    _study.save(args.out, NAME, doc, draw)
+    _study.save(args.out, NAME, doc, _study.tflops_lines("batch", "batch size"))
     return 0
 
 

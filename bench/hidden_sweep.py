@@ -26,18 +26,6 @@ def hidden_sizes(largest: int, quick: bool) -> tuple[int, ...]:
     return tuple(sizes + [largest])
 
 
-def draw(ax, doc) -> None:
-    """TFLOP/s against hidden size, one line per (cell, algo, pass)."""
-    for key in sorted({(p["cell"], p["algo"], p["pass"]) for p in doc["rows"]}):
-        pts = sorted((p["hidden_size"], p["tflops"]) for p in doc["rows"]
-                     if (p["cell"], p["algo"], p["pass"]) == key)
-        ax.plot(*zip(*pts), marker="o", label=" ".join(key), linestyle="-" if key[2] == "forward" else "--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("hidden size")
-    ax.set_ylabel("TFLOP/s (recurrence)")
-    ax.legend(fontsize=6, ncol=2)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the study; exit status 2 without a GPU."""
     p = _study.parser(NAME, __doc__)
@@ -58,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         settings[cell] = {**results["settings"], "max_hidden_size": largest}
     doc = _study.document(settings, rows)
     doc.update(skipped=skipped, flops_formula=bench.FLOPS_FORMULA)
-    _study.save(args.out, NAME, doc, draw)
+    _study.save(args.out, NAME, doc, _study.tflops_lines("hidden_size", "hidden size"))
     return 0
 
 

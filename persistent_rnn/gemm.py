@@ -67,7 +67,7 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``."""
     xp = array_module(gi)
     steps, batch, _ = gi.shape
-    lengths = _full_lengths(xp, lengths, batch, steps)
+    lengths = full_lengths(xp, lengths, batch, steps)
     gh = xp.empty(gi.shape[1:], dtype=gi.dtype)
     w_t = w_hh.T
     for t in range(start, steps):
@@ -90,7 +90,7 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     """
     xp = array_module(dy)
     steps, batch, hidden = dy.shape
-    lengths = _full_lengths(xp, lengths, batch, steps)
+    lengths = full_lengths(xp, lengths, batch, steps)
     zeros = xp.zeros((batch, hidden), dtype=dy.dtype)
     # The gradient reaching h_t is split in three (dy_t, the cell's direct part, the part through
     # W_hh) and summed inside the step's fused pointwise update, saving a kernel per step.
@@ -111,11 +111,12 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     return dh_direct + dh_rec, dc
 
 
-def _full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
-    """``lengths`` as int32 on ``xp``; ``None`` means every sequence runs all ``steps``."""
+def full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
+    """``lengths`` as contiguous int32 on ``xp`` (what the kernels read); ``None`` means every
+    sequence runs all ``steps``."""
     if lengths is None:
         return xp.full((batch,), steps, dtype=np.int32)
-    return xp.asarray(lengths, dtype=np.int32)
+    return xp.ascontiguousarray(xp.asarray(lengths, dtype=np.int32))
 
 
 def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_out, c_out,

@@ -160,8 +160,8 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
     hidden = y.shape[2]
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
     c0_arg = c(h0) if c0 is None else c(c0)
-    fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, _lengths(xp, lengths, batch, steps), y,
-             y if cs is None else cs, saved)
+    fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, gemm.full_lengths(xp, lengths, batch, steps),
+             y, y if cs is None else cs, saved)
     step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp)
     run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
                    details=[_describe(engine, restarts)])
@@ -194,8 +194,8 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
     fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
-             c(h0) if c0 is None else c(c0), _lengths(xp, lengths, batch, steps), dgi, dgh,
-             dh_carry, dc_carry)
+             c(h0) if c0 is None else c(c0), gemm.full_lengths(xp, lengths, batch, steps),
+             dgi, dgh, dh_carry, dc_carry)
     step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp)
     run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
                    details=[_describe(engine, restarts)])
@@ -250,12 +250,6 @@ def _describe(engine: _Engine, restarts: int) -> str:
 
 def _to_host(a: Array) -> np.ndarray:
     return a if isinstance(a, np.ndarray) else a.get()
-
-
-def _lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
-    if lengths is None:
-        return xp.full((batch,), steps, dtype=np.int32)
-    return xp.ascontiguousarray(xp.asarray(lengths, dtype=np.int32))
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,

@@ -241,4 +241,6 @@ def test_watchdog_ends_a_launch_whose_barrier_would_wait_for_ever():
     with pytest.raises(emulate.EmulationError, match="watchdog"):
         module.launch("grid_barrier_rounds", 3, 32, 0, args)
     assert time.monotonic() - start < 5
-    assert args[0][1] == 1  # the barrier aborted: every CTA exited
+    # Every CTA ran to its end (the watchdog moves the emulated clock past every deadline; the
+    # stalled CTA may then arrive in time, so whether the barrier aborted is not fixed).
+    assert (args[-1] > 0).all()
