@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 
 #define PRNN_HD inline
 #define PRNN_DEVICE inline
@@ -161,6 +162,28 @@ inline float prnn_load_cg(const float* p) {
   return v;
 }
 inline void prnn_store_cg(float* p, float v) { __atomic_store(p, &v, __ATOMIC_RELAXED); }
+// The tagged exchange's words: relaxed 4- and 8-byte atomics, single-copy atomic like the GPU's
+// ld/st.relaxed.gpu (the 16-byte load is two such loads, as PTX defines a vector access).
+inline unsigned prnn_load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void prnn_store_relaxed(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline void prnn_store_relaxed_u64(unsigned long long* p, unsigned long long v) {
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+inline void prnn_load_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
+                                    unsigned long long& b) {
+  a = __atomic_load_n(p, __ATOMIC_RELAXED);
+  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+}
+inline unsigned prnn_float_bits(float v) {
+  unsigned u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+inline float prnn_bits_float(unsigned u) {
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
 
 inline unsigned long long prnn_globaltimer_ns() {
   const unsigned long long now = prnn_emu::steady_ns();

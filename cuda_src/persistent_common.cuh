@@ -103,8 +103,8 @@ PRNN_DEVICE void finish_copies() {
   prnn_sync_block();
 }
 
-// Stages `batch` vectors of length k_len (row stride k_len, written by other CTAs during this
-// launch, hence copies through L2 only) into v_s, zero-padded to kPadded each. When rows are
+// Stages `batch` vectors of length k_len (row stride k_len; written by an earlier launch or the
+// host, read through L2 only) into v_s, zero-padded to kPadded each: the first step of a launch. When rows are
 // 16-byte aligned the copies are asynchronous (no registers, all in flight at once): staging is
 // one L2 round trip per step rather than one per element a thread stages.
 PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_len) {
@@ -126,6 +126,25 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
     }
   }
   finish_copies();
+}
+
+// Words per batch row of a tagged exchange buffer ([2][batch][row words] by step parity) of
+// k_len values: rounded up to even, so that every thread loads whole 16-byte pairs.
+PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
+
+// Tagged pairs each thread loads at once while gathering: more in flight means fewer round trips
+// when the vector is long, but each pair holds 4 registers, which the large tiles do not have.
+constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4;
+
+// Waits for step `tag`'s words of the exchange slot `src` (batch rows of k_len values, published
+// by every CTA) and writes them into v_s (row stride kPadded; the zero padding past k_len was
+// written once by stage_exchanged and is never touched). Returns false on timeout or abort. The
+// caller's next block barrier makes v_s visible to the block.
+PRNN_DEVICE bool gather_exchanged(float* v_s, const unsigned long long* src, int batch, int k_len,
+                                  unsigned tag, PrnnControl* ctl, unsigned long long timeout_ns) {
+  return prnn_gather_tagged<kGatherPairs>(
+      src, batch, exchange_row_words(k_len), k_len, tag, ctl, timeout_ns,
+      [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; });
 }
 
 // For every batch row, multiplies the tile by the staged vector; the partial sum of local row

@@ -146,9 +146,9 @@ def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
 
 def _pointwise_floats(cell: CellSpec, units: int, backward: bool) -> int:
     """Shared floats per batch row of the pointwise step (prefetched inputs, local state)."""
-    if backward:  # dy, h, h_prev, [c, c_prev], saved; dh and dc carries
-        return units * (3 + 2 * cell.has_cell_state + cell.saved + 2)
-    return units * (cell.gates + 1)  # gi_t; c_{t-1}
+    if backward:  # dy, h, h_prev, [c, c_prev], saved (two steps: prefetched ahead); dh, dc carries
+        return units * (2 * (3 + 2 * cell.has_cell_state + cell.saved) + 2)
+    return units * (2 * cell.gates + 2)  # gi_t and gi_{t+1}; c_{t-1}, h_{t-1}
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:

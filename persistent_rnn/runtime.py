@@ -160,9 +160,11 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
     hidden = y.shape[2]
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
     c0_arg = c(h0) if c0 is None else c(c0)
+    exchange = _exchange(xp, batch, hidden)
     fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, gemm.full_lengths(xp, lengths, batch, steps),
-             y, y if cs is None else cs, saved)
-    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp)
+             y, y if cs is None else cs, saved, exchange)
+    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp,
+                              exchange=exchange)
     run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
                    details=[_describe(engine, restarts)])
     if step < steps:
@@ -195,8 +197,9 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
         dc_carry[steps % 2] = dcn
     fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
              c(h0) if c0 is None else c(c0), gemm.full_lengths(xp, lengths, batch, steps),
-             dgi, dgh, dh_carry, dc_carry)
-    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp)
+             dgi, dgh, dh_carry, dc_carry, _exchange(xp, batch, cell.gates * hidden))
+    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp,
+                              exchange=fixed[-1])
     run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
                    details=[_describe(engine, restarts)])
     stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
@@ -212,14 +215,21 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
     return BackwardResult(dgi, dgh, dh0, dc0)
 
 
+def _exchange(xp, batch: int, k_len: int) -> Array:
+    """The kernel's tagged exchange buffer, [2][batch][k_len rounded up to even] uint64, zeroed
+    (tag 0 is never published, so no launch of this run can take a word for one it waits on)."""
+    return xp.zeros((2, batch, k_len + k_len % 2), np.uint64)
+
+
 def relaunch(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int,
-             xp) -> tuple[int, int]:
+             xp, exchange: Array | None = None) -> tuple[int, int]:
     """Launch the persistent pass from step ``first`` towards ``end`` (exclusive), relaunching
     after barrier timeouts; returns ``(next step to run, relaunches)``, where the next step equals
     ``end`` when the kernel completed every step.
 
     ``fixed``: the kernel's leading (buffer) arguments; ``sizes``: (T, B, H). The same loop serves
-    the GPU and the emulation: only ``engine.launch`` differs.
+    the GPU and the emulation: only ``engine.launch`` differs. ``exchange`` (one of ``fixed``) is
+    zeroed before every relaunch, so that a relaunch never takes a word an earlier launch wrote.
     """
     p = engine.pass_plan
     direction = 1 if end > first else -1
@@ -230,6 +240,8 @@ def relaunch(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: 
         control[:2] = 0
         control = xp.asarray(control.view(np.uint32))
         stall = _stall if restarts == 0 else _NO_STALL
+        if restarts and exchange is not None:
+            exchange.fill(0)
         engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
                       (*fixed, control, *(np.int32(s) for s in sizes), np.int32(step),
                        np.uint64(engine.timeout_ns), *stall.args()))
