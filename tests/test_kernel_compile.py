@@ -1,4 +1,5 @@
-"""Every shipped kernel configuration compiles with NVRTC (no GPU needed) with zero spills."""
+"""Every shipped kernel configuration compiles with NVRTC (no GPU needed) with zero spills, and
+the SASS of its time loop (read with nvdisasm) holds no fence, atomic or L1 invalidate."""
 from __future__ import annotations
 
 import json
@@ -52,7 +53,61 @@ def test_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {r["arch"] for r in out} == {"sm_90"}
     assert {"cell", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
-            "shared_bytes", "planned_registers"} <= set(out[0])
+            "shared_bytes", "planned_registers", "time_loop"} <= set(out[0])
+    assert set(kernel_report.SASS_KINDS) <= set(out[0]["time_loop"])
+
+
+# What one step of the time loop may contain (static SASS counts, kernel_report.sass_loop_counts):
+# the tagged exchange needs no fence, no atomic and no L1 invalidate; two block barriers per step
+# (staged vector + timeout vote; partial sums). The old counter barrier had 4-5, 3, 1 and 4.
+LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates": 0}
+
+
+def test_time_loop_sass_stays_short(records):
+    assert kernel_report.nvdisasm(), "nvdisasm missing: install the test extra (nvidia-cuda-nvdisasm)"
+    for r in records:
+        loop = r["time_loop"]
+        for kind, most in LOOP_LIMITS.items():
+            assert loop[kind] <= most, (kind, r)
+        # The loop was found: it publishes (stores) and gathers (loads) every step.
+        assert loop["block_barriers"] >= 1 and loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
+
+
+def test_sass_loop_counts_finds_the_loop_with_the_barrier():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+    .L_x_0:
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   ISETP.NE.AND P0, PT, R2, RZ, PT ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+    .L_x_1:
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/                   MEMBAR.SC.GPU ;
+        /*0060*/                   CCTL.IVALL ;
+        /*0070*/                   ATOMG.E.ADD.STRONG.GPU PT, R3, desc[UR4][R6.64], R0 ;
+        /*0080*/                   STG.E [R8.64], R3 ;
+        /*0090*/              @!P1 BRA `(.L_x_2) ;
+        /*00a0*/                   EXIT ;
+    .L_x_2:
+        /*00b0*/                   LDG.E.STRONG.GPU R2, desc[UR4][R4.64] ;
+        /*00c0*/                   BRA `(.L_x_1) ;
+    """
+    counts = kernel_report.sass_loop_counts(sass)
+    assert counts == {"block_barriers": 1, "global_loads": 1, "async_copies": 0, "global_stores": 1,
+                      "atomics": 1, "fences": 1, "l1_invalidates": 1, "instructions": 8}
+
+
+def test_elf_image_restores_a_truncated_cubin(records):
+    r = records[0]
+    compiled = kernels.compile_source(*_source_and_defines(r), r["arch"])
+    full = kernel_report.elf_image(compiled.cubin_path.read_bytes())
+    assert kernel_report.elf_image(full) == full  # already whole: unchanged
+    assert kernel_report.elf_image(full[:-1]) == full  # one byte short: zero-filled back
+
+
+def _source_and_defines(record):
+    source = "persistent_backward.cu" if record["pass"] == "backward" else "persistent_forward.cu"
+    return source, record["config"]
 
 
 def test_compile_error_raises_with_log():
