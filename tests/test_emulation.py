@@ -55,6 +55,43 @@ def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
     assert abort == 1 and arrivals < 4 * 5
 
 
+def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):
+    module = emulate.get_module("grid_barrier.cu", {})
+    length = grid * width
+    exchange = np.zeros((2, length + length % 2), np.uint64)
+    ctl = np.zeros(2 + grid, np.uint32)
+    elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
+    args = (exchange, ctl, np.int32(rounds), np.int32(width), TIMEOUT_NS, np.int32(stall[0]),
+            np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
+    module.launch("exchange_rounds", grid, 64, 0, args, max_resident=max_resident)
+    return ctl[0], ctl[1], ctl[2:].view(np.int32), int(errors[0]), exchange
+
+
+@pytest.mark.parametrize("grid, width", [(4, 3), (5, 1), (3, 70)])
+def test_tagged_exchange_delivers_every_round(grid, width):
+    arrivals, abort, progress, errors, exchange = _exchange(grid, rounds=25, width=width)
+    assert (arrivals, abort, errors) == (0, 0, 0)  # no counter, no timeout, every value right
+    assert progress.tolist() == [24] * grid
+    tags = exchange >> np.uint64(32)
+    assert (tags[0, :grid * width] == 25).all() and (tags[1, :grid * width] == 24).all()
+
+
+@pytest.mark.parametrize("step", [0, 4, 9])
+def test_tagged_exchange_times_out_on_a_stalled_cta(step):
+    _, abort, progress, errors, _ = _exchange(grid=4, rounds=10, stall=(2, step, 900_000_000))
+    assert errors == 0
+    # CTA 2 published nothing of round `step` in time: the others completed step-1 and gave up;
+    # CTA 2, late, finds their round `step` words and may complete it before it sees the abort.
+    assert abort == 1
+    others = np.delete(progress, 2)
+    assert (others == step - 1).all() and progress[2] in (step - 1, step)
+
+
+def test_tagged_exchange_times_out_when_ctas_are_not_co_resident():
+    _, abort, progress, errors, _ = _exchange(grid=4, rounds=5, max_resident=2)
+    assert abort == 1 and errors == 0 and progress.min() < 4
+
+
 def _pointwise_inputs(cell, rng, batch=3, hidden=5):
     g, s = cell.gates, cell.saved
     r = lambda *shape: rng.standard_normal(shape)  # noqa: E731
@@ -186,14 +223,18 @@ def test_persistent_bidirectional_two_layers_equals_float64():
         assert _rel(a, b) <= 1e-5
 
 
-def test_stall_relaunches_with_bitwise_identical_results(settings):
+@pytest.mark.parametrize("name, step", [("lstm", 0), ("lstm", 3), ("gru", 6), ("rnn_tanh", 3)])
+def test_stall_relaunches_with_bitwise_identical_results(settings, name, step):
+    """A stall at the first, a middle and the last step (T = 7) of the forward; the backward runs
+    down, so its first step is the forward's last. Nobody waits on a pass's final step: a stall
+    there only delays that CTA."""
     runtime.configure(emulation_timeout_ms=300)
-    data = _inputs("lstm", np.random.default_rng(9))
-    plain = _run("lstm", "float32", "persistent", **data)
-    with prnn.inject_stall(block=1, step=3, duration_ms=1200):
-        stalled = _run("lstm", "float32", "persistent", **data)
-    assert stalled["fwd"].restarts >= 1 and stalled["fwd"].fallback is None
-    assert stalled["bwd"].restarts >= 1 and stalled["bwd"].fallback is None
+    data = _inputs(name, np.random.default_rng(9))
+    plain = _run(name, "float32", "persistent", **data)
+    with prnn.inject_stall(block=1, step=step, duration_ms=1200):
+        stalled = _run(name, "float32", "persistent", **data)
+    assert (stalled["fwd"].restarts >= 1) == (step != 6) and stalled["fwd"].fallback is None
+    assert (stalled["bwd"].restarts >= 1) == (step != 0) and stalled["bwd"].fallback is None
     for a, b in zip(_flat(plain), _flat(stalled)):
         assert np.array_equal(a, b)
 
