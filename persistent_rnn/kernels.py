@@ -9,6 +9,7 @@ options, the architecture and the NVRTC version.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import threading
@@ -21,6 +22,9 @@ from ._sources import cuda_src_dir, read_source
 from .plan import WARP, register_cap
 
 _LOCK = threading.Lock()
+# Part of every cache key: bumped when what is cached changes meaning (v2: whole cubin images;
+# v1 stored them one byte short).
+_CACHE_FORMAT = "v2"
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,8 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
 
     text = read_source(source)
     options = compile_options(defines, arch)
-    key = hashlib.sha256("\0".join([text, _headers_digest(), *options, str(nvrtc.getVersion())])
-                         .encode()).hexdigest()[:32]
+    key = hashlib.sha256("\0".join([_CACHE_FORMAT, text, _headers_digest(), *options,
+                                   str(nvrtc.getVersion())]).encode()).hexdigest()[:32]
     folder = cache_dir()
     cubin_path, log_path = folder / f"{key}.cubin", folder / f"{key}.log"
     if cubin_path.is_file() and log_path.is_file():
@@ -85,7 +89,7 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed to compile {source} with {options}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
-        log, cubin = nvrtc.getProgramLog(prog).rstrip("\0"), nvrtc.getCUBIN(prog)
+        log, cubin = nvrtc.getProgramLog(prog).rstrip("\0"), _cubin_image(prog)
     finally:
         nvrtc.destroyProgram(prog)
     # Write-then-rename so that concurrent processes never read a partial file.
@@ -94,6 +98,25 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
         tmp.write_bytes(data)
         os.replace(tmp, path)
     return Compiled(cubin_path, log)
+
+
+def _cubin_image(prog: int) -> bytes:
+    """The whole cubin of the compiled NVRTC program ``prog``.
+
+    CuPy's ``nvrtc.getCUBIN`` drops the image's last byte (it treats it as a NUL-terminated
+    string), which leaves an ELF that cuobjdump and nvdisasm reject; so the image is read through
+    NVRTC's C API, from the library CuPy has already loaded (matched by its soname).
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    lib = ctypes.CDLL(f"libnvrtc.so.{nvrtc.getVersion()[0]}")
+    handle, size = ctypes.c_void_p(prog), ctypes.c_size_t()
+    status = lib.nvrtcGetCUBINSize(handle, ctypes.byref(size))
+    image = ctypes.create_string_buffer(size.value)
+    status = status or lib.nvrtcGetCUBIN(handle, image)
+    if status:
+        raise RuntimeError(f"NVRTC could not return the cubin (nvrtcResult {status})")
+    return image.raw
 
 
 def device_arch() -> str:
