@@ -2,29 +2,25 @@
 
 Compilation goes through NVRTC's C API (CuPy's low-level binding), which needs neither a GPU nor
 a host compiler, so ``kernel_report`` can compile every shipped configuration anywhere. Cubins
-and the compiler log (with ptxas' register and spill report) are cached under
-``$PRNN_CACHE_DIR``, else ``$XDG_CACHE_HOME/persistent_rnn``, else ``~/.cache/persistent_rnn``
-(created with mode 0o700), keyed by a hash of the source, every header in ``cuda_src/``, the
-options, the architecture and the NVRTC version.
+and the compiler log (with ptxas' register and spill report) are kept in the verified cache
+(``cache``, docs/cache.md) under ``<cache>/nvrtc``, keyed by a hash of the source, every header in
+``cuda_src/``, the options, the architecture and the NVRTC version.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import cache
 from ._sources import cuda_src_dir, read_source
 from .plan import WARP, register_cap
 
 _LOCK = threading.Lock()
-# Part of every cache key: bumped when what is cached changes meaning (v2: whole cubin images;
-# v1 stored them one byte short).
-_CACHE_FORMAT = "v2"
 
 
 @dataclass(frozen=True)
@@ -33,17 +29,6 @@ class Compiled:
 
     cubin_path: Path
     log: str
-
-
-def cache_dir() -> Path:
-    """The on-disk cache directory (created, mode 0o700)."""
-    root = os.environ.get("PRNN_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "persistent_rnn")
-    path = Path(root)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
 
 
 def compile_options(defines: Mapping[str, int], arch: str) -> list[str]:
@@ -70,18 +55,25 @@ def _headers_digest() -> str:
 def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compiled:
     """Compile ``cuda_src/<source>`` with ``defines`` for ``arch`` to a cubin (cached on disk).
 
-    Raises RuntimeError with NVRTC's full log when the compilation fails.
+    A cached cubin is returned only after its digest matches the one recorded when it was built;
+    a missing or damaged one is compiled again. Raises RuntimeError with NVRTC's full log when
+    the compilation fails, and cache.CacheError when the cache directory is not private.
     """
     from cupy_backends.cuda.libs import nvrtc
 
     text = read_source(source)
     options = compile_options(defines, arch)
-    key = hashlib.sha256("\0".join([_CACHE_FORMAT, text, _headers_digest(), *options,
-                                   str(nvrtc.getVersion())]).encode()).hexdigest()[:32]
-    folder = cache_dir()
-    cubin_path, log_path = folder / f"{key}.cubin", folder / f"{key}.log"
-    if cubin_path.is_file() and log_path.is_file():
-        return Compiled(cubin_path, log_path.read_text())
+    key = hashlib.sha256("\0".join([text, _headers_digest(), *options, str(nvrtc.getVersion())])
+                         .encode()).hexdigest()[:32]
+    entry = cache.fetch(cache.cache_dir("nvrtc"), key, ".cubin",
+                        lambda path: {"log": _compile(text, source, options, path)})
+    return Compiled(entry.path, entry.meta["log"])
+
+
+def _compile(text: str, source: str, options: list[str], out: Path) -> str:
+    """Compile ``text`` to the cubin ``out``; NVRTC's log."""
+    from cupy_backends.cuda.libs import nvrtc
+
     prog = nvrtc.createProgram(text, source, [], [])
     try:
         try:
@@ -89,15 +81,10 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed to compile {source} with {options}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
-        log, cubin = nvrtc.getProgramLog(prog).rstrip("\0"), _cubin_image(prog)
+        out.write_bytes(_cubin_image(prog))
+        return nvrtc.getProgramLog(prog).rstrip("\0")
     finally:
         nvrtc.destroyProgram(prog)
-    # Write-then-rename so that concurrent processes never read a partial file.
-    for path, data in ((cubin_path, cubin), (log_path, log.encode())):
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    return Compiled(cubin_path, log)
 
 
 def _cubin_image(prog: int) -> bytes:
