@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hidden", type=_positive_ints, help="hidden sizes, e.g. 256,512")
     b.add_argument("--seq-len", type=_positive_ints, help="sequence lengths T")
     b.add_argument("--passes", type=_choices(bench.PASSES), help="forward,forward_backward")
-    b.add_argument("--algos", type=_choices(bench.ALGOS), help="persistent,gemm,cudnn")
+    b.add_argument("--algos", type=_choices(bench.BENCH_ALGOS), help=",".join(bench.BENCH_ALGOS))
     b.add_argument("--input-size", type=_at_least(1), help="layer input size (default 64)")
     b.add_argument("--repeats", type=_at_least(10), help="timed repetitions per point, >= 10 (default 10)")
     b.add_argument("--max-seconds", type=_at_least(1.0, float), help="time budget; later points are skipped")
