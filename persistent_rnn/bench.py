@@ -120,7 +120,7 @@ def gpu_available() -> bool:
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver or no device all mean: run on the CPU
+    except (ImportError, RuntimeError):  # no CuPy; no driver or device (CUDA errors): the CPU
         return False
 
 
@@ -129,7 +129,7 @@ def torch_cuda_available() -> bool:
     try:
         import torch
         return torch.cuda.is_available()
-    except Exception:  # torch missing or broken: no cudnn column
+    except (ImportError, OSError):  # torch missing, or its libraries do not load: no cudnn
         return False
 
 
@@ -139,7 +139,7 @@ def git_commit() -> str:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                              text=True, timeout=5, check=True)
         return out.stdout.strip() or "unknown"
-    except Exception:  # no git, not a checkout, or an installed wheel
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout (an installed wheel)
         return "unknown"
 
 
@@ -341,10 +341,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """Write the results JSON and the plot into ``out`` (created); their paths."""
+def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path | None]:
+    """Write the results JSON and, where matplotlib is installed (the ``bench`` extra), the plot
+    into ``out`` (created); their paths (None for a plot not drawn)."""
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / JSON_NAME, out / PLOT_NAME
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, png_path)
+    try:
+        plot(results, png_path)
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        return json_path, None
     return json_path, png_path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,6 +22,7 @@ from ._sources import cuda_src_dir, read_source
 from .plan import WARP, register_cap
 
 _LOCK = threading.Lock()
+MIN_ARCH = 80  # the kernels use cp.async and other sm_80 instructions
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,13 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
     """Compile ``cuda_src/<source>`` with ``defines`` for ``arch`` to a cubin (cached on disk).
 
     A cached cubin is returned only after its digest matches the one recorded when it was built;
-    a missing or damaged one is compiled again. Raises RuntimeError with NVRTC's full log when
-    the compilation fails, and cache.CacheError when the cache directory is not private.
+    a missing or damaged one is compiled again. Raises ValueError for an ``arch`` the kernels
+    cannot be compiled for here, RuntimeError with NVRTC's full log when the compilation fails,
+    and cache.CacheError when the cache directory is not private.
     """
     from cupy_backends.cuda.libs import nvrtc
 
+    check_arch(arch)
     text = read_source(source)
     options = compile_options(defines, arch)
     key = hashlib.sha256("\0".join([text, _headers_digest(), *options, str(nvrtc.getVersion())])
@@ -68,6 +72,19 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
     entry = cache.fetch(cache.cache_dir("nvrtc"), key, ".cubin",
                         lambda path: {"log": _compile(text, source, options, path)})
     return Compiled(entry.path, entry.meta["log"])
+
+
+def check_arch(arch: str) -> None:
+    """ValueError unless ``arch`` is ``sm_XY`` with XY >= ``MIN_ARCH`` and known to this NVRTC."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    usable = [a for a in nvrtc.getSupportedArchs() if a >= MIN_ARCH]
+    match = re.fullmatch(r"sm_(\d+)", arch)
+    if match is None or int(match.group(1)) not in usable:
+        major, minor = nvrtc.getVersion()
+        raise ValueError(f"arch {arch!r}: the kernels need sm_{MIN_ARCH} or newer, and NVRTC "
+                         f"{major}.{minor} builds them for "
+                         f"{', '.join(f'sm_{a}' for a in usable)}")
 
 
 def _compile(text: str, source: str, options: list[str], out: Path) -> str:
