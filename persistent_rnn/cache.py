@@ -65,7 +65,10 @@ def cache_dir(*parts: str) -> Path:
     for part in parts:
         folders.append(folders[-1] / part)
     for folder in folders:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            folder.mkdir(mode=0o700, parents=True)
+        except FileExistsError:  # a directory (checked below) or a file (refused below)
+            pass
         _check_private(folder)
     return folders[-1]
 
