@@ -21,15 +21,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime
+from .buffers import array_module
 from .cells import CellSpec
-from .gemm import array_module
 from .stats import RunStats
 
 Array = Any  # numpy.ndarray or cupy.ndarray
-
-
-class CallOrderError(RuntimeError, ValueError):
-    """``backward`` called before ``forward``, or twice for one ``forward``."""
 
 
 def param_names(layer: int, reverse: bool, bias: bool) -> list[str]:

@@ -49,7 +49,7 @@ def float_dtype(name: str, value: Any) -> np.dtype:
     return dtype
 
 
-def array_module(**arrays: Array):
+def common_module(**arrays: Array):
     """The common array module (``numpy`` or ``cupy``) of the named arrays (``None`` skipped).
 
     ``TypeError`` if one is not an array or NumPy and CuPy arrays are mixed.
