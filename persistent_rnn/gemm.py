@@ -23,6 +23,7 @@ from .cells import CellSpec
 Array = Any  # numpy.ndarray or cupy.ndarray
 
 _THREADS = 256  # threads per block of the pointwise kernels
+_MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
 
 
 def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
@@ -134,7 +135,13 @@ def _contiguous(xp, a: Array | None, placeholder: Array) -> Array:
 def _launch(cell: CellSpec, which: str, dtype, threads: int, args: tuple) -> None:
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
     kernel = _module().get_function(f"prnn_pointwise_{which}_{cell.name}_{suffix}")
-    kernel(((threads + _THREADS - 1) // _THREADS,), (_THREADS,), args)
+    blocks = (threads + _THREADS - 1) // _THREADS
+    if blocks == 0:  # an empty batch: CUDA refuses a grid of 0 blocks
+        return
+    if blocks > _MAX_BLOCKS:
+        raise ValueError(f"batch x hidden_size = {threads} is too large for the GEMM path's "
+                         f"pointwise kernels (at most {_MAX_BLOCKS * _THREADS})")
+    kernel((blocks,), (_THREADS,), args)
 
 
 @lru_cache(maxsize=None)

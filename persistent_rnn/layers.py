@@ -115,6 +115,7 @@ class _Recurrent:
         xp = validation.common_module(x=x, hx=h0, **({"hx[1]": c0} if c0 is not None else {}))
         validation.array("x", x, (None, None, self.input_size), self._x_dims(), self.dtype)
         batch, steps = (x.shape[0], x.shape[1]) if self.batch_first else (x.shape[1], x.shape[0])
+        validation.has_steps("x", x, steps, self._x_dims())
         self._check_state("hx", h0, c0, batch)
         if lengths is not None:
             lengths = validation.lengths(lengths, batch, steps, xp)

@@ -83,6 +83,13 @@ def array(name: str, a: Array, shape: tuple[int | None, ...], dims: str, dtype: 
                         f"got {a.dtype.name}")
 
 
+def has_steps(name: str, a: Array, steps: int, dims: str) -> None:
+    """ValueError unless the sequence length ``steps`` of ``a`` is at least 1 (as torch.nn)."""
+    if steps < 1:
+        raise ValueError(f"{name} must have at least one time step (T >= 1), got shape "
+                         f"{tuple(a.shape)} for {dims}")
+
+
 def lengths(value: Any, batch: int, steps: int, xp) -> Array:
     """Sequence lengths (any integer sequence or array) as int32 on ``xp``, each in 1..steps.
 

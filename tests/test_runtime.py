@@ -90,23 +90,6 @@ def test_stall_reaches_only_the_first_launch(settings):
     assert launches[0][1] == (-1, -1, 0)
 
 
-def test_inject_stall_validates():
-    with pytest.raises(ValueError, match="block"):
-        with prnn.inject_stall(block=-1, step=0, duration_ms=1):
-            pass
-    with pytest.raises(ValueError, match="duration_ms"):
-        with prnn.inject_stall(block=0, step=0, duration_ms=0):
-            pass
-
-
-def test_configure(settings):
-    assert prnn.configure(gpu_timeout_ms=50).gpu_timeout_ms == 50
-    with pytest.raises(ValueError, match="timeout_s"):
-        prnn.configure(timeout_s=1)
-    defaults = prnn.Settings()
-    assert defaults.max_restarts == 3 and not defaults.cooperative
-
-
 def _inputs(cell, hidden, batch, steps, dtype=np.float32, seed=0):
     rng = np.random.default_rng(seed)
     g = cell.gates
