@@ -70,7 +70,6 @@ PRNN_DEVICE unsigned prnn_float_bits(float v) { return __float_as_uint(v); }
 PRNN_DEVICE float prnn_bits_float(unsigned v) { return __uint_as_float(v); }
 // Load that bypasses L1, for data other CTAs wrote during this launch.
 PRNN_DEVICE float prnn_load_cg(const float* p) { return __ldcg(p); }
-PRNN_DEVICE void prnn_store_cg(float* p, float v) { __stcg(p, v); }
 
 // ---- time -----------------------------------------------------------------------------------
 PRNN_DEVICE unsigned long long prnn_globaltimer_ns() {

@@ -15,10 +15,8 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,31 +72,9 @@ def nvdisasm() -> str | None:
     return None
 
 
-def elf_image(data: bytes) -> bytes:
-    """``data`` extended to the size its ELF64 headers describe (zero-filled): a cubin stored one
-    byte short (CuPy's getCUBIN drops the last byte as if it were a string terminator) is
-    accepted by the driver but not by nvdisasm."""
-    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    for i in range(shnum):
-        kind, = struct.unpack_from("<I", data, shoff + i * shentsize + 4)
-        offset, size = struct.unpack_from("<QQ", data, shoff + i * shentsize + 0x18)
-        if kind != 8:  # SHT_NOBITS occupies no file space
-            end = max(end, offset + size)
-    for i in range(phnum):
-        offset, = struct.unpack_from("<Q", data, phoff + i * phentsize + 8)
-        size, = struct.unpack_from("<Q", data, phoff + i * phentsize + 0x20)
-        end = max(end, offset + size)
-    return data + b"\0" * max(0, end - len(data))
-
-
 def disassemble(cubin: Path, tool: str) -> str:
     """``nvdisasm -c`` of a cubin (code sections only, with branch labels)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        image = Path(tmp) / "kernel.cubin"
-        image.write_bytes(elf_image(cubin.read_bytes()))
-        proc = subprocess.run([tool, "-c", str(image)], capture_output=True, text=True)
+    proc = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvdisasm failed on {cubin}:\n{proc.stderr}")
     return proc.stdout
