@@ -115,6 +115,26 @@ inline void wait_at(Gate& g) {
   switch_out();
 }
 
+// Clusters: each block's shared memory by block index (set by the launcher before the blocks
+// run), and one arrival counter per cluster for the cluster barrier (one launch at a time).
+inline unsigned char** cluster_shared = nullptr;
+inline unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
+inline int cluster_size = 1;
+
+// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive, then wait (with
+// back-off, so that the CTA's OS thread stays responsive) until every CTA of the cluster has
+// arrived as often. Clusters run whole, so this cannot wait for a CTA that never runs.
+inline void cluster_barrier() {
+  unsigned* counter = &cluster_counters[block_idx.x / cluster_size];
+  const unsigned target = (__atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL) + cluster_size - 1) /
+                          cluster_size * cluster_size;
+  while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target) {
+    switch_out();
+    const timespec pause{0, 20000};
+    nanosleep(&pause, nullptr);
+  }
+}
+
 }  // namespace prnn_emu
 
 #define threadIdx (prnn_emu::thread_idx)
@@ -174,6 +194,27 @@ inline void prnn_load_relaxed_u64x2(const unsigned long long* p, unsigned long l
   a = __atomic_load_n(p, __ATOMIC_RELAXED);
   b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
 }
+// Thread-block clusters (kernels built with -DPRNN_CLUSTER=n): the launcher runs a cluster's
+// CTAs at once and publishes each one's shared memory in cluster_shared[] before any fiber runs.
+#ifdef PRNN_CLUSTER
+#define PRNN_CLUSTER_DIMS
+inline void prnn_cluster_sync() {
+  prnn_sync_block();
+  if (threadIdx.x == 0) prnn_emu::cluster_barrier();
+  prnn_sync_block();
+}
+inline void prnn_store_cluster_u64(unsigned long long* local, int cta, unsigned long long v) {
+  const std::ptrdiff_t offset = reinterpret_cast<unsigned char*>(local) - prnn_emu::block->shared;
+  unsigned char* base = prnn_emu::cluster_shared[blockIdx.x / PRNN_CLUSTER * PRNN_CLUSTER + cta];
+  __atomic_store_n(reinterpret_cast<unsigned long long*>(base + offset), v, __ATOMIC_RELAXED);
+}
+inline void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
+                                           unsigned long long& b) {
+  a = __atomic_load_n(p, __ATOMIC_RELAXED);
+  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+}
+#endif
+
 inline unsigned prnn_float_bits(float v) {
   unsigned u;
   std::memcpy(&u, &v, sizeof u);

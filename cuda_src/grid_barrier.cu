@@ -41,8 +41,9 @@ PRNN_KERNEL void exchange_rounds(unsigned long long* exchange, PrnnControl* ctl,
       prnn_publish(slot + k, exchange_value(k, r), (unsigned)r + 1u);
     }
     unsigned wrong = 0;
-    const bool ok = prnn_gather_tagged<4>(slot, 1, row_words, len, (unsigned)r + 1u, ctl, timeout_ns,
-                                          [&](int, int k, float v) { wrong += v != exchange_value(k, r); });
+    const bool ok = prnn_gather_tagged<4>(
+        slot, 1, row_words, len, (unsigned)r + 1u, ctl, timeout_ns, PrnnGlobalPairs{},
+        [&](int, int k, float v) { wrong += v != exchange_value(k, r); });
     if (wrong != 0u) prnn_atomic_add_release(errors, wrong);
     if (prnn_sync_block_or(!ok)) break;
   }

@@ -80,7 +80,39 @@ PRNN_DEVICE unsigned long long prnn_globaltimer_ns() {
 // Polling back-off: short enough not to add visible latency to a barrier.
 PRNN_DEVICE void prnn_backoff() { __nanosleep(20); }
 
+// ---- thread-block cluster (sm_90; only in kernels built with -DPRNN_CLUSTER=n) ------------------
+// The kernel is compiled with its cluster shape, so an ordinary launch of a grid of n CTAs runs
+// as one cluster: all n CTAs resident together, each one's shared memory addressable by the others.
+#ifdef PRNN_CLUSTER
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "PRNN_CLUSTER needs sm_90 or newer (thread-block clusters)"
+#endif
+#define PRNN_CLUSTER_DIMS __cluster_dims__(PRNN_CLUSTER, 1, 1)
+// Every thread of every CTA of the cluster arrives, then waits for all: release/acquire at
+// cluster scope. Untimed, so only where every CTA is sure to arrive (launch start and end).
+PRNN_DEVICE void prnn_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Stores v at the address of `local` (in this CTA's shared memory) in CTA `cta` of the cluster.
+PRNN_DEVICE void prnn_store_cluster_u64(unsigned long long* local, int cta, unsigned long long v) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(local)), "r"(cta));
+  asm volatile("st.relaxed.cluster.shared::cluster.u64 [%0], %1;" ::"r"(remote), "l"(v) : "memory");
+}
+// Two 8-byte words of this CTA's shared memory that other CTAs of the cluster store into.
+PRNN_DEVICE void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
+                                                unsigned long long& b) {
+  asm volatile("ld.relaxed.cluster.shared::cta.v2.u64 {%0, %1}, [%2];"
+               : "=l"(a), "=l"(b) : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+#endif
+
 #endif  // PRNN_EMULATION
+
+#ifndef PRNN_CLUSTER_DIMS
+#define PRNN_CLUSTER_DIMS
+#endif
 
 // ---- global -> shared copies that use no registers (sm_80+ cp.async) ----------------------------
 // prnn_copy16_to_shared copies 16 bytes through L2 only, like ld.cg (both addresses 16-byte
@@ -192,14 +224,32 @@ PRNN_DEVICE bool prnn_keep_waiting(PrnnControl* ctl, unsigned long long& deadlin
 }
 
 // Waits for the tagged words src[rows][row_words] (row_words even; words past row_len are padding
-// nobody writes) to carry `tag` and hands each value to sink(row, column, value). The block's
+// nobody writes) to carry `tag` and hands each value to sink(row, column, value). load(p, a, b)
+// reads the pair at p: prnn_load_relaxed_u64x2 (global memory) or, in a cluster,
+// prnn_load_shared_relaxed_u64x2 (this CTA's shared memory, which the others store into). The block's
 // threads share the words; each loads N pairs at once (N 16-byte loads in flight, one L2 round
 // trip when the data is there) and reloads its N pairs until all carry the tag. Returns false on
 // timeout or abort. No block barrier: the caller's next one publishes the sink's writes.
-template <int N, class Sink>
+// The two loaders of prnn_gather_tagged.
+struct PrnnGlobalPairs {
+  PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
+                              unsigned long long& b) const {
+    prnn_load_relaxed_u64x2(p, a, b);
+  }
+};
+#ifdef PRNN_CLUSTER
+struct PrnnClusterPairs {
+  PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
+                              unsigned long long& b) const {
+    prnn_load_shared_relaxed_u64x2(p, a, b);
+  }
+};
+#endif
+
+template <int N, class Load, class Sink>
 PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, int rows, int row_words,
                                     int row_len, unsigned tag, PrnnControl* ctl,
-                                    unsigned long long timeout_ns, Sink sink) {
+                                    unsigned long long timeout_ns, Load load, Sink sink) {
   const int pairs = rows * row_words / 2;
   unsigned long long deadline = 0ull;
   for (int base = threadIdx.x; base < pairs; base += N * (int)blockDim.x) {
@@ -210,7 +260,7 @@ PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, int rows, int
       for (int i = 0; i < N; ++i) {
         const int m = base + i * (int)blockDim.x;
         if (m < pairs) {
-          prnn_load_relaxed_u64x2(src + 2 * m, w[2 * i], w[2 * i + 1]);
+          load(src + 2 * m, w[2 * i], w[2 * i + 1]);
         } else {
           w[2 * i] = w[2 * i + 1] = prnn_tagged(0.0f, tag);
         }

@@ -24,7 +24,7 @@ constexpr int kInputs = kSavedSlot + ThisCell::S;
 
 }  // namespace prnn
 
-PRNN_KERNEL void prnn_persistent_backward(
+PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     const float* w_t,       // (H, G*H) = W_hh^T, contiguous
     const float* dy,        // (T, B, H), zero past each length
     const float* y, const float* cs, const float* saved,  // forward buffers (cs: LSTM only)
@@ -33,6 +33,7 @@ PRNN_KERNEL void prnn_persistent_backward(
     float* dgi, float* dgh, // (T, B, G*H); the same array unless GRU
     float* dh_carry, float* dc_carry,  // [2][B][H] by step parity (dc_carry: LSTM only)
     unsigned long long* exchange,  // [2][B][G*H rounded up to even] tagged dgh_t by parity, zeroed
+                                   // (a cluster keeps its own in shared memory instead)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
@@ -40,13 +41,14 @@ PRNN_KERNEL void prnn_persistent_backward(
   constexpr int G = ThisCell::G, S = ThisCell::S;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
-  const int j0 = blockIdx.x * kUnits, gh_len = G * hidden, row_words = exchange_row_words(gh_len);
-  const size_t plane = (size_t)batch * hidden, slot = (size_t)batch * row_words;
+  const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
+  const size_t plane = (size_t)batch * hidden;
   float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: dgh_{t+1}
   float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial W_hh^T dgh
   float* in_s = rec_s + batch * kKsplit * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
   float* carry_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][kUnits]: dh (direct), dc carries
   int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths
+  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, gh_len);
 
   int rows[kRows];
 #pragma unroll
@@ -109,7 +111,6 @@ PRNN_KERNEL void prnn_persistent_backward(
     if (recurrent) multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
-    unsigned long long* out = exchange + (t & 1) * slot;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
       if (j >= hidden) continue;
@@ -126,7 +127,7 @@ PRNN_KERNEL void prnn_persistent_backward(
                                       c_prev, dgiv, dghv, dh_prev, dc_prev);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        prnn_publish(out + (size_t)b * row_words + g * hidden + j, dghv[g], (unsigned)t + 1u);
+        xch.publish(t, b, g * hidden + j, dghv[g]);
         dgi[row * gh_len + g * hidden + j] = dgiv[g];
         dgh[row * gh_len + g * hidden + j] = dghv[g];
       }
@@ -135,9 +136,10 @@ PRNN_KERNEL void prnn_persistent_backward(
       if (kHasC) dc_carry[(t & 1) * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
     }
     if (t == 0) break;
-    failed = !gather_exchanged(v_s, out, batch, gh_len, (unsigned)t + 1u, ctl, timeout_ns);
+    failed = !xch.gather(v_s, t, ctl, timeout_ns);
     prnn_copy_wait();  // step t-1's inputs
     --t;
   }
   if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  end_exchange();
 }

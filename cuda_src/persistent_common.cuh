@@ -136,15 +136,68 @@ PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
 // when the vector is long, but each pair holds 4 registers, which the large tiles do not have.
 constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4;
 
-// Waits for step `tag`'s words of the exchange slot `src` (batch rows of k_len values, published
-// by every CTA) and writes them into v_s (row stride kPadded; the zero padding past k_len was
-// written once by stage_exchanged and is never touched). Returns false on timeout or abort. The
-// caller's next block barrier makes v_s visible to the block.
-PRNN_DEVICE bool gather_exchanged(float* v_s, const unsigned long long* src, int batch, int k_len,
-                                  unsigned tag, PrnnControl* ctl, unsigned long long timeout_ns) {
-  return prnn_gather_tagged<kGatherPairs>(
-      src, batch, exchange_row_words(k_len), k_len, tag, ctl, timeout_ns,
-      [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; });
+// The vector every CTA needs each step (forward h_t, backward dgh_t: k_len values per batch row),
+// exchanged as tagged words (hw.cuh), step t tagged t+1, in [2][batch][row words] by step parity:
+// * grid: one buffer in global memory, zeroed by the host before every launch that uses it;
+// * cluster (-DPRNN_CLUSTER=grid size, sm_90): a copy in each CTA's shared memory, zeroed at launch
+//   start, which every CTA stores its values into (distributed shared memory): a reader polls its
+//   own shared memory instead of L2.
+// Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
+struct Exchange {
+  unsigned long long* words;
+  int batch, k_len;
+
+  PRNN_DEVICE int row_words() const { return exchange_row_words(k_len); }
+  PRNN_DEVICE size_t slot() const { return (size_t)batch * row_words(); }
+
+  // Publishes value k of batch row b for step t.
+  PRNN_DEVICE void publish(int t, int b, int k, float v) const {
+    unsigned long long* word = words + (t & 1) * slot() + (size_t)b * row_words() + k;
+#ifdef PRNN_CLUSTER
+    const unsigned long long tagged = prnn_tagged(v, (unsigned)t + 1u);
+    for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u64(word, cta, tagged);
+#else
+    prnn_publish(word, v, (unsigned)t + 1u);
+#endif
+  }
+
+  // Waits for step t's values and writes them into v_s (row stride kPadded; the zero padding past
+  // k_len was written once at launch start and is never touched). False on timeout or abort. The
+  // caller's next block barrier makes v_s visible to the block.
+  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
+#ifdef PRNN_CLUSTER
+    const PrnnClusterPairs load;
+#else
+    const PrnnGlobalPairs load;
+#endif
+    return prnn_gather_tagged<kGatherPairs>(words + (t & 1) * slot(), batch, row_words(), k_len,
+                                            (unsigned)t + 1u, ctl, timeout_ns, load,
+                                            [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; });
+  }
+};
+
+// The exchange of a launch. `global`: the host's buffer (grid); `shared_end`: the end of the
+// kernel's other shared memory, after which (16-byte aligned) a cluster keeps its copy. In a
+// cluster every CTA zeroes its copy, then the cluster meets once, so no store can land before the
+// zeroing. Every thread calls it.
+PRNN_DEVICE Exchange begin_exchange(unsigned long long* global, void* shared_end, int batch,
+                                    int k_len) {
+  Exchange x{global, batch, k_len};
+#ifdef PRNN_CLUSTER
+  x.words = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
+  for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0ull;
+  prnn_cluster_sync();
+#endif
+  return x;
+}
+
+// At the end of a launch (every thread): in a cluster no CTA may exit while another can still
+// store into its shared memory, so the cluster meets again. Every CTA gets here: its waits are
+// timed.
+PRNN_DEVICE void end_exchange() {
+#ifdef PRNN_CLUSTER
+  prnn_cluster_sync();
+#endif
 }
 
 // For every batch row, multiplies the tile by the staged vector; the partial sum of local row

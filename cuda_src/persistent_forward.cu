@@ -12,7 +12,7 @@
 // L2 round trip (the gather), no fence and no atomic. gi_{t+1} is fetched during step t.
 #include "persistent_common.cuh"
 
-PRNN_KERNEL void prnn_persistent_forward(
+PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     const float* w_hh,      // (G*H, H)
     const float* b_hh,      // (G*H,) zeros when the layer has no bias
     const float* gi,        // (T, B, G*H)  W_ih x_t + b_ih
@@ -20,6 +20,7 @@ PRNN_KERNEL void prnn_persistent_forward(
     const int* lengths,     // (B,) in 1..T
     float* y, float* cs, float* saved,  // (T, B, H), (T, B, H) LSTM only, (T, B, S*H)
     unsigned long long* exchange,  // [2][B][H rounded up to even] tagged h_t by step parity, zeroed
+                                   // (a cluster keeps its own in shared memory instead)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
@@ -27,8 +28,7 @@ PRNN_KERNEL void prnn_persistent_forward(
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
-  const int j0 = blockIdx.x * kUnits, gh_len = G * hidden, row_words = exchange_row_words(hidden);
-  const size_t slot = (size_t)batch * row_words;  // exchange words per step parity
+  const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   float* h_s = prnn_shared_memory<float>();  // [batch][kPadded]: h_{t-1}
   float* gh_s = h_s + batch * kPadded;        // [batch][kKsplit][R]: partial W_hh h_{t-1}
   float* gi_s = gh_s + batch * kKsplit * R;   // [2][batch][G][kUnits]: gi_t by step parity
@@ -37,6 +37,7 @@ PRNN_KERNEL void prnn_persistent_forward(
   // Constants of the pointwise step, kept in shared memory (no global reload on the step's path).
   float* bias_s = hp_s + batch * kUnits;       // [G][kUnits]: b_hh of the owned rows
   int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
+  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, hidden);
 
   int rows[kRows];
 #pragma unroll
@@ -82,7 +83,6 @@ PRNN_KERNEL void prnn_persistent_forward(
     multiply_batch(tile, h_s, gh_s, batch, R);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
-    unsigned long long* out = exchange + (t & 1) * slot;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
       if (j >= hidden) continue;
@@ -96,16 +96,17 @@ PRNN_KERNEL void prnn_persistent_forward(
       const float c_prev = kHasC ? c_s[idx] : 0.0f;
       float h, c;
       cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[idx], c_prev, h, c, sv);
-      prnn_publish(out + (size_t)b * row_words + j, h, (unsigned)t + 1u);
+      xch.publish(t, b, j, h);
       y[row * hidden + j] = hp_s[idx] = h;
       if (kHasC) cs[row * hidden + j] = c_s[idx] = c;
 #pragma unroll
       for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
     }
     if (t + 1 == steps) break;
-    failed = !gather_exchanged(h_s, out, batch, hidden, (unsigned)t + 1u, ctl, timeout_ns);
+    failed = !xch.gather(h_s, t, ctl, timeout_ns);
     prnn_copy_wait();  // gi_{t+1}
     ++t;
   }
   if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  end_exchange();
 }

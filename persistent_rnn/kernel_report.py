@@ -194,20 +194,24 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
 
 
 def _jobs(archs):
+    """Every shipped (cell, pass plan, arch): the grid tiles on every arch, the cluster tile on
+    the archs with clusters (sm_90 and newer)."""
     for cell in CELLS.values():
-        for tile in planner.tiles_for(cell):
+        for tile in (*planner.tiles_for(cell), planner.cluster_tile_for(cell)):
             hidden = planner.tile_max_hidden(cell, tile)
             for backward in (False, True):
                 p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH)
                 for arch in archs:
-                    yield cell, p, arch
+                    if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
+                        yield cell, p, arch
 
 
 def _record(job) -> dict:
     cell, p, arch, tool = job
     compiled = kernels.compile_source(p.source, p.defines, arch)
     return {"cell": cell.name, "pass": "backward" if "backward" in p.kernel else "forward",
-            "arch": arch, "config": dict(p.defines), "hidden_size": p.max_hidden,
+            "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
+            "hidden_size": p.max_hidden,
             "block": p.block, "weights_per_thread": p.weights_per_thread,
             **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
             "planned_registers": p.registers,
@@ -216,7 +220,8 @@ def _record(job) -> dict:
 
 def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     """One record per shipped (cell, tile, pass, arch): ``cell``, ``pass``, ``arch``, ``config``
-    (the -D macros), ``hidden_size`` (largest H the configuration serves), ``registers``,
+    (the -D macros), ``cluster`` (CTAs of the thread-block cluster, 0 for a grid tile),
+    ``hidden_size`` (largest H the configuration serves), ``registers``,
     ``spill_bytes``, ``shared_bytes`` (dynamic shared memory at batch 8), ``planned_registers``
     (the register cap the planner counts on) and ``time_loop``: the SASS counts of the time loop
     (``sass_loop_counts``: instructions, block_barriers, global_loads, async_copies,

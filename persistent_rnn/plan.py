@@ -35,10 +35,12 @@ class Tile:
     units: int
     forward: PassTile
     backward: PassTile
+    cluster: int = 0  # CTAs of the one thread-block cluster the layer runs in (0: the whole grid)
 
 
-def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int]) -> Tile:
-    return Tile(units, PassTile(*forward), PassTile(*backward))
+def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int],
+          cluster: int = 0) -> Tile:
+    return Tile(units, PassTile(*forward), PassTile(*backward), cluster)
 
 
 # Per cell kind, tiles from small to large; the planner takes the cheapest one that fits.
@@ -55,9 +57,32 @@ SHIPPED: dict[str, tuple[Tile, ...]] = {
 }
 
 
+# Small layers on sm_90: the whole layer in one thread-block cluster of up to CLUSTER_CTAS CTAs
+# (the portable maximum; the kernel is compiled for its grid), h exchanged through distributed
+# shared memory instead of L2. More units per
+# CTA than the grid tiles (8 warps x 96-128 weights), so that H up to 256 (LSTM, GRU) or 512 (RNN)
+# fits in 8 SMs. The planner prefers them wherever they fit.
+CLUSTER_CTAS = 8
+CLUSTER_TILES: dict[str, Tile] = {
+    "lstm": _tile(32, (32, 2, 4), (32, 8, 4), CLUSTER_CTAS),
+    "gru": _tile(32, (24, 2, 4), (32, 8, 3), CLUSTER_CTAS),
+    "rnn": _tile(64, (16, 2, 8), (16, 2, 8), CLUSTER_CTAS),
+}
+
+
 def tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
-    """The shipped tiles of ``cell`` (both vanilla RNNs share theirs)."""
+    """The shipped grid tiles of ``cell`` (both vanilla RNNs share theirs)."""
     return SHIPPED["rnn" if cell.gates == 1 else cell.name]
+
+
+def cluster_tile_for(cell: CellSpec) -> Tile:
+    """The shipped cluster tile of ``cell`` (sm_90 and newer)."""
+    return CLUSTER_TILES["rnn" if cell.gates == 1 else cell.name]
+
+
+def has_clusters(dev: DeviceProfile) -> bool:
+    """Whether the device runs thread-block clusters (compute capability 9.0 and newer)."""
+    return int(dev.arch.removeprefix("sm_")) >= 90
 
 
 @dataclass(frozen=True)
@@ -107,12 +132,14 @@ def register_cap(threads: int, registers_per_sm: int = REGISTERS_PER_SM) -> int:
 
 
 def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
-    """Largest H both passes of ``tile`` serve (column capacity; the grid is checked per device)."""
+    """Largest H both passes of ``tile`` serve (column capacity, and a cluster's units; the grid
+    is checked per device)."""
     fwd, bwd = tile.forward, tile.backward
-    return min(fwd.ksplit * WARP * fwd.kpt, bwd.ksplit * WARP * bwd.kpt // cell.gates)
+    top = min(fwd.ksplit * WARP * fwd.kpt, bwd.ksplit * WARP * bwd.kpt // cell.gates)
+    return min(top, tile.units * tile.cluster) if tile.cluster else top
 
 
-def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int) -> int:
+def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden: int = 0) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
     Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
@@ -122,6 +149,8 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int) -> int:
     [B][ksplit][units], read-only inputs of two steps [2][B][inputs][units] (dy, h, h_prev,
     [c, c_prev], saved), dh and dc carries [2][B][units], lengths [B]. The next step's inputs are
     prefetched during the step, hence two. ``padded = ksplit * 32 * kpt``. Every word is 4 bytes.
+    A cluster tile adds, 16-byte aligned, its exchange copy: [2][B][K rounded up to even] 8-byte
+    tagged words (K = ``hidden``, or G * ``hidden`` backward).
     ``tests/test_plan.py`` checks this against an emulated launch.
     """
     pt = tile.backward if backward else tile.forward
@@ -134,7 +163,11 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int) -> int:
     else:
         per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
         constants = gates * units
-    return 4 * (batch * per_row + constants + batch)
+    total = 4 * (batch * per_row + constants + batch)
+    if tile.cluster:
+        k_len = gates * hidden if backward else hidden
+        total = -(-total // 16) * 16 + 16 * batch * (k_len + k_len % 2)
+    return total
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:
@@ -145,11 +178,14 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     block = warps * WARP
     defines = {"PRNN_CELL": cell.kind, "PRNN_UNITS": tile.units, "PRNN_ROWS": pt.rows,
                "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
+    grid = math.ceil(hidden / tile.units)
+    if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
+        defines["PRNN_CLUSTER"] = grid
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
-        defines=defines, grid=math.ceil(hidden / tile.units), block=block,
-        shared_bytes=shared_bytes(cell, tile, backward, batch),
+        defines=defines, grid=grid, block=block,
+        shared_bytes=shared_bytes(cell, tile, backward, batch, hidden),
         weights_per_thread=pt.rows * pt.kpt, registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile))
 
@@ -173,8 +209,10 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
               device: DeviceProfile | str | None = None) -> Plan:
     """Plan both passes of ``cell`` at ``hidden`` units and ``batch`` rows on ``device``.
 
-    Returns the cheapest shipped tile (fewest weights per thread, hence least work per step)
-    whose forward and backward both fit, or a ``Plan`` with ``fits=False`` and the reason.
+    Returns the cluster tile where the device has clusters and it fits (its exchange never
+    leaves the cluster), else the cheapest shipped grid tile (fewest weights per thread, hence
+    least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
+    and the reason.
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
@@ -183,7 +221,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     if str(dtype) != "float32":
         return Plan(False, f"dtype {dtype} is not supported by the persistent kernels (float32 only)")
     tried = []
-    for tile in tiles_for(cell):
+    candidates = ((cluster_tile_for(cell),) if has_clusters(dev) else ()) + tiles_for(cell)
+    for tile in candidates:
         fwd = pass_plan(cell, tile, False, hidden, batch)
         bwd = pass_plan(cell, tile, True, hidden, batch)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)

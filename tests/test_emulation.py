@@ -2,13 +2,14 @@
 kernels through the public API, on NumPy float32 (compared with float64 and torch.nn)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import emulate
+from persistent_rnn import emulate, hardware, runtime
 from persistent_rnn.cells import CELLS
 
 pytestmark = pytest.mark.timeout(240)
@@ -169,14 +170,35 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+# The emulation plans for an H100 (runtime.EMULATED_DEVICE), where small layers run as one
+# thread-block cluster; on a device without clusters (sm_80) the same layers run on the grid.
+NO_CLUSTERS = dataclasses.replace(hardware.PROFILES["h100"], name="h100 as sm_80", arch="sm_80")
+
+
+@pytest.fixture(params=["cluster", "grid"])
+def path(request, monkeypatch):
+    """Runs the test on both exchange paths: one cluster (distributed shared memory) and the grid
+    (tagged words in global memory); asserts the planner chose it."""
+    if request.param == "grid":
+        monkeypatch.setattr(runtime, "EMULATED_DEVICE", NO_CLUSTERS)
+    return request.param
+
+
+def _assert_path(stats, path):
+    clustered = any("PRNN_CLUSTER" in d for d in stats.details)
+    assert clustered == (path == "cluster"), stats.details
+
+
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_persistent_equals_float64_reference_and_torch(name):
+def test_persistent_equals_float64_reference_and_torch(name, path):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
     data = _inputs(name, rng)
     got = _run(name, "float32", "persistent", **data)
     ref = _run(name, "float64", "gemm", **data)
     assert got["fwd"].algo == "persistent" and got["fwd"].emulated and got["fwd"].fallback is None
+    _assert_path(got["fwd"], path)
+    _assert_path(got["bwd"], path)
     assert got["bwd"].algo == "persistent" and got["bwd"].restarts == 0
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
@@ -204,39 +226,56 @@ def test_persistent_equals_float64_reference_and_torch(name):
         assert _rel(got["grads"][key], p.grad.numpy()) <= 1e-5, key
 
 
-def test_persistent_bidirectional_two_layers_equals_float64():
+def test_persistent_bidirectional_two_layers_equals_float64(path):
     rng = np.random.default_rng(5)
     data = _inputs("gru", rng, layers=2, directions=2, hidden=24)
     got = _run("gru", "float32", "persistent", **data, hidden=24, num_layers=2, bidirectional=True)
     ref = _run("gru", "float64", "gemm", **data, hidden=24, num_layers=2, bidirectional=True)
     assert got["fwd"].algo == "persistent"
+    _assert_path(got["fwd"], path)
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
 
 
 @pytest.mark.parametrize("name, step", [("lstm", 0), ("lstm", 3), ("gru", 6), ("rnn_tanh", 3)])
-def test_stall_restarts_with_bitwise_identical_results(settings, name, step):
+def test_stall_restarts_with_bitwise_identical_results(settings, path, name, step):
     """A stall at the first, a middle and the last step (T = 7) of the forward; the backward runs
     down, so its first step is the forward's last. Nobody waits on a pass's final step: a stall
-    there only delays that CTA."""
+    there only delays that CTA. (H = 72: CTA 1 owns units on both paths, in the RNN's cluster of
+    64 units per CTA too.)"""
     prnn.configure(emulation_timeout_ms=300)
-    data = _inputs(name, np.random.default_rng(9))
-    plain = _run(name, "float32", "persistent", **data)
+    data = _inputs(name, np.random.default_rng(9), hidden=72)
+    plain = _run(name, "float32", "persistent", **data, hidden=72)
     with prnn.inject_stall(block=1, step=step, duration_ms=1200):
-        stalled = _run(name, "float32", "persistent", **data)
+        stalled = _run(name, "float32", "persistent", **data, hidden=72)
+    _assert_path(stalled["fwd"], path)
     assert (stalled["fwd"].restarts >= 1) == (step != 6) and stalled["fwd"].fallback is None
     assert (stalled["bwd"].restarts >= 1) == (step != 0) and stalled["bwd"].fallback is None
     for a, b in zip(_flat(plain), _flat(stalled)):
         assert np.array_equal(a, b)
 
 
-def test_ctas_not_co_resident_end_on_gemm_fallback(settings):
+def test_ctas_not_co_resident_end_on_gemm_fallback(settings, monkeypatch):
+    monkeypatch.setattr(runtime, "EMULATED_DEVICE", NO_CLUSTERS)  # a cluster is resident whole
     prnn.configure(emulation_timeout_ms=200, emulation_max_resident=1, max_restarts=1)
     data = _inputs("gru", np.random.default_rng(4))
     got = _run("gru", "float32", "persistent", **data)
     ref = _run("gru", "float64", "gemm", **data)
     assert got["fwd"].algo == "persistent" and "GEMM" in got["fwd"].fallback
     assert "GEMM" in got["bwd"].fallback
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_a_cluster_runs_whole_on_a_busy_gpu(settings):
+    """A cluster's CTAs are co-scheduled (the GPU places a cluster whole or not at all): the
+    emulation runs them together however few CTAs it may otherwise hold at once."""
+    prnn.configure(emulation_max_resident=1)
+    data = _inputs("lstm", np.random.default_rng(4))
+    got = _run("lstm", "float32", "persistent", **data)
+    ref = _run("lstm", "float64", "gemm", **data)
+    _assert_path(got["fwd"], "cluster")
+    assert got["fwd"].restarts == 0 and got["fwd"].fallback is None and got["bwd"].fallback is None
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
 

@@ -27,13 +27,16 @@ def records():
 
 
 def test_every_configuration_is_reported(records):
-    expected = sum(len(tiles_for(c)) for c in CELLS.values()) * 2 * 2
+    # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90.
+    expected = sum(len(tiles_for(c)) for c in CELLS.values()) * 2 * 2 + len(CELLS) * 2
     assert len(records) == expected
     for cell in CELLS:
         for pass_ in ("forward", "backward"):
             for arch in ("sm_80", "sm_90"):
                 mine = [r for r in records if (r["cell"], r["pass"], r["arch"]) == (cell, pass_, arch)]
-                assert len(mine) == len(tiles_for(CELLS[cell]))
+                clusters = [r for r in mine if r["cluster"]]
+                assert len(mine) == len(tiles_for(CELLS[cell])) + (arch == "sm_90")
+                assert len(clusters) == (arch == "sm_90")
 
 
 def test_zero_spills_and_registers_within_plan(records):

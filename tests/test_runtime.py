@@ -2,6 +2,8 @@
 and, through the CPU emulation of the same CUDA source, the persistent path end to end."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -154,8 +156,14 @@ def _assert_close(got, ref):
 
 
 @pytest.fixture
-def emulation(settings):
+def emulation(settings, monkeypatch):
+    """The emulation on the grid path (tagged words in global memory): these tests stall CTA 1,
+    hold CTAs back and force grid tiles, which a thread-block cluster (what the emulated H100
+    runs small layers as; tests/test_emulation.py covers both) does not have or need."""
     emulate = pytest.importorskip("persistent_rnn.emulate")
+    from persistent_rnn import hardware
+    monkeypatch.setattr(runtime, "EMULATED_DEVICE", dataclasses.replace(
+        hardware.PROFILES["h100"], name="h100 as sm_80", arch="sm_80"))
     return emulate
 
 
