@@ -84,6 +84,39 @@ def test_tagged_exchange_times_out_when_ctas_are_not_co_resident():
     assert abort == 1 and errors == 0 and progress.min() < 4
 
 
+def _cluster_exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):
+    module = emulate.get_module("grid_barrier.cu", {"PRNN_CLUSTER": grid})
+    length = grid * width
+    ctl = np.zeros(2 + grid, np.uint32)
+    elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
+    args = (ctl, np.int32(rounds), np.int32(width), TIMEOUT_NS, np.int32(stall[0]),
+            np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
+    module.launch("cluster_exchange_rounds", grid, 64, 16 * (length + length % 2), args,
+                  max_resident=max_resident)
+    return ctl[1], ctl[2:].view(np.int32), int(errors[0])
+
+
+@pytest.mark.parametrize("grid, width", [(4, 3), (8, 1), (2, 67)])
+def test_cluster_exchange_delivers_every_round_even_on_a_busy_gpu(grid, width):
+    # max_resident=1: a cluster is still resident whole (the GPU schedules clusters whole).
+    abort, progress, errors = _cluster_exchange(grid, rounds=25, width=width, max_resident=1)
+    assert (abort, errors) == (0, 0) and progress.tolist() == [24] * grid
+
+
+def test_cluster_exchange_times_out_on_a_stalled_cta():
+    abort, progress, errors = _cluster_exchange(4, rounds=10, stall=(1, 5, 900_000_000))
+    assert abort == 1 and errors == 0
+    assert (np.delete(progress, 1) == 4).all() and progress[1] in (4, 5)
+
+
+def test_cluster_grid_must_be_whole_clusters():
+    module = emulate.get_module("grid_barrier.cu", {"PRNN_CLUSTER": 4})
+    args = (np.zeros(8, np.uint32), np.int32(1), np.int32(1), TIMEOUT_NS, np.int32(-1),
+            np.int32(-1), np.uint64(0), np.zeros(6, np.uint64), np.zeros(1, np.uint32))
+    with pytest.raises(emulate.EmulationError, match="not a multiple of the cluster size 4"):
+        module.launch("cluster_exchange_rounds", 6, 32, 64, args)
+
+
 def _pointwise_inputs(cell, rng, batch=3, hidden=5):
     g, s = cell.gates, cell.saved
     r = lambda *shape: rng.standard_normal(shape)  # noqa: E731
