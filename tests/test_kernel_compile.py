@@ -3,6 +3,7 @@ the SASS of its time loop (read with nvdisasm) holds no fence, atomic or L1 inva
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -152,3 +153,21 @@ def test_cached_cubin_is_a_complete_elf(tmp_path, monkeypatch):
                              text=True, timeout=60)
     assert listing.returncode == 0, listing.stderr
     assert "prnn_persistent_forward" in listing.stdout
+
+
+@pytest.mark.parametrize("defines, arch, names", [
+    ({}, "sm_80", ("grid_barrier_rounds", "exchange_rounds")),
+    ({}, "sm_90", ("grid_barrier_rounds", "exchange_rounds")),
+    ({"PRNN_CLUSTER": 8}, "sm_90", ("cluster_exchange_rounds",)),
+])
+def test_exchange_microbenchmark_kernels_compile(defines, arch, names):
+    """The kernels bench/barrier_latency.py launches exist under its names, with zero spills."""
+    log = kernels.compile_source("grid_barrier.cu", defines, arch).log
+    for name in names:
+        assert f"'{name}'" in log
+    assert "bytes spill" in log and all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill", log))
+
+
+def test_cluster_code_is_refused_on_sm_80():
+    with pytest.raises(RuntimeError, match="PRNN_CLUSTER needs sm_90"):
+        kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 2}, "sm_80")
