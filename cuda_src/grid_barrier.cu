@@ -23,14 +23,14 @@ PRNN_DEVICE float exchange_value(int k, int r) { return (float)(k * 8 + (r & 7))
 
 // The rounds of both exchange kernels. In round r every CTA publishes its `width` words of a
 // vector of gridDim.x*width, tagged r+1, into slot r%2 of words[2][len rounded up to even]
-// (publish(word, tagged value)), and gathers the whole vector (load: the pair loader), counting
-// words whose value is wrong in *errors. The block barrier per round is the persistent kernels'
-// too: no thread publishes round r+1 while another still reads round r-1's slot. Returns the
-// last round completed.
-template <class Publish, class Load>
+// (publish(word, tagged value)), and gathers the whole vector (gather(slot, rows, row words,
+// row length, tag, sink), as the persistent kernels do), counting words whose value is wrong in
+// *errors. The block barrier per round is the persistent kernels' too: no thread publishes round
+// r+1 while another still reads round r-1's slot. Returns the last round completed.
+template <class Publish, class Gather>
 PRNN_DEVICE int exchange_loop(unsigned long long* words, PrnnControl* ctl, int rounds, int width,
-                              unsigned long long timeout_ns, const PrnnStall& stall,
-                              unsigned* errors, Publish publish, Load load) {
+                              const PrnnStall& stall, unsigned* errors, Publish publish,
+                              Gather gather) {
   const int len = (int)gridDim.x * width, row_words = len + (len & 1);
   int r = 0;
   for (; r < rounds; ++r) {
@@ -41,27 +41,31 @@ PRNN_DEVICE int exchange_loop(unsigned long long* words, PrnnControl* ctl, int r
       publish(slot + k, prnn_tagged(exchange_value(k, r), (unsigned)r + 1u));
     }
     unsigned wrong = 0;
-    const bool ok = prnn_gather_tagged<4>(
-        slot, 1, row_words, len, (unsigned)r + 1u, ctl, timeout_ns, load,
-        [&](int, int k, float v) { wrong += v != exchange_value(k, r); });
+    const bool ok = gather(slot, 1, row_words, len, (unsigned)r + 1u,
+                           [&](int, int k, float v) { wrong += v != exchange_value(k, r); });
     if (wrong != 0u) prnn_atomic_add_release(errors, wrong);
     if (prnn_sync_block_or(!ok)) break;
   }
   return r - 1;
 }
 
-// The grid's exchange: words in global memory (zeroed by the host). progress[cta] = last round
-// completed.
+// The grid's exchange: words in global memory (zeroed by the host), gathered through a ring of
+// ring_pairs 16-byte slots of dynamic shared memory (the launch's shared bytes / 16), as the
+// persistent kernels do. progress[cta] = last round completed.
 PRNN_KERNEL void exchange_rounds(unsigned long long* exchange, PrnnControl* ctl, int rounds,
-                                 int width, unsigned long long timeout_ns, int stall_block,
-                                 int stall_step, unsigned long long stall_ns,
+                                 int width, int ring_pairs, unsigned long long timeout_ns,
+                                 int stall_block, int stall_step, unsigned long long stall_ns,
                                  unsigned long long* elapsed_ns, unsigned* errors) {
   const PrnnStall stall{stall_block, stall_step, stall_ns};
+  unsigned long long* ring = prnn_shared_memory<unsigned long long>();
   const unsigned long long start = prnn_globaltimer_ns();
   const int done = exchange_loop(
-      exchange, ctl, rounds, width, timeout_ns, stall, errors,
+      exchange, ctl, rounds, width, stall, errors,
       [](unsigned long long* word, unsigned long long v) { prnn_store_relaxed_u64(word, v); },
-      PrnnGlobalPairs{});
+      [&](const unsigned long long* slot, int rows, int row_words, int len, unsigned tag, auto sink) {
+        return prnn_gather_tagged_async(slot, rows, row_words, len, tag, ctl, timeout_ns, ring,
+                                        ring_pairs, sink);
+      });
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;
     elapsed_ns[blockIdx.x] = prnn_globaltimer_ns() - start;
@@ -82,11 +86,14 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS cluster_exchange_rounds(
   prnn_cluster_sync();
   const unsigned long long start = prnn_globaltimer_ns();
   const int done = exchange_loop(
-      words, ctl, rounds, width, timeout_ns, stall, errors,
+      words, ctl, rounds, width, stall, errors,
       [](unsigned long long* word, unsigned long long v) {
         for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u64(word, cta, v);
       },
-      PrnnClusterPairs{});
+      [&](const unsigned long long* slot, int rows, int row_words, int len, unsigned tag, auto sink) {
+        return prnn_gather_tagged<4>(slot, rows, row_words, len, tag, ctl, timeout_ns,
+                                     PrnnClusterPairs{}, sink);
+      });
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;
     elapsed_ns[blockIdx.x] = prnn_globaltimer_ns() - start;

@@ -137,6 +137,20 @@ PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) {
 }
 PRNN_DEVICE void prnn_copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 #endif
+// Copies two tagged 8-byte words (16 bytes, both addresses 16-byte aligned) through L2 only, with
+// no registers. cp.async is a weak read: the gather below uses it only for a first look, taking
+// each aligned 8-byte word whole (as NCCL's LL protocol does with its 16-byte reads), and polls
+// any word whose tag is not there yet with prnn_load_relaxed_u64x2.
+#ifdef PRNN_EMULATION
+PRNN_DEVICE void prnn_copy_pair_to_shared(unsigned long long* dst, const unsigned long long* src) {
+  prnn_load_relaxed_u64x2(src, dst[0], dst[1]);
+}
+#else
+PRNN_DEVICE void prnn_copy_pair_to_shared(unsigned long long* dst, const unsigned long long* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+               "l"(__cvta_generic_to_global(src)) : "memory");
+}
+#endif
 
 // ---- grid barrier with timeout (written once, on the primitives above) ------------------------
 
@@ -281,6 +295,38 @@ PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, int rows, int
         sink(row, k, prnn_value_of(w[2 * i]));
         if (k + 1 < row_len) sink(row, k + 1, prnn_value_of(w[2 * i + 1]));
       }
+    }
+  }
+  return true;
+}
+
+// prnn_gather_tagged for words in global memory and long vectors: the first read of every pair is
+// a cp.async copy into this thread's slots of `ring` (ring_pairs 16-byte slots of shared memory),
+// so up to ring_pairs / blockDim.x copies per thread are in flight with no registers held, and the
+// vector costs ceil(pairs / ring_pairs) L2 round trips rather than one per pair a thread gathers.
+// A pair whose tags are not there yet is polled with relaxed loads until they are (the wait). A
+// thread reads only the ring slots it filled, so no block barrier is needed between chunks. Waits
+// for all of the thread's cp.async copies (prnn_copy_wait).
+template <class Sink>
+PRNN_DEVICE bool prnn_gather_tagged_async(const unsigned long long* src, int rows, int row_words,
+                                          int row_len, unsigned tag, PrnnControl* ctl,
+                                          unsigned long long timeout_ns, unsigned long long* ring,
+                                          int ring_pairs, Sink sink) {
+  const int pairs = rows * row_words / 2;
+  unsigned long long deadline = 0ull;
+  for (int first = 0; first < pairs; first += ring_pairs) {
+    const int n = pairs - first < ring_pairs ? pairs - first : ring_pairs;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) prnn_copy_pair_to_shared(ring + 2 * i, src + 2 * (first + i));
+    prnn_copy_wait();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int m = first + i, row = 2 * m / row_words, k = 2 * m % row_words;
+      unsigned long long a = ring[2 * i], b = ring[2 * i + 1];
+      while (prnn_tag_of(a) != tag || (k + 1 < row_len && prnn_tag_of(b) != tag)) {
+        if (!prnn_keep_waiting(ctl, deadline, timeout_ns)) return false;
+        prnn_load_relaxed_u64x2(src + 2 * m, a, b);
+      }
+      sink(row, k, prnn_value_of(a));
+      if (k + 1 < row_len) sink(row, k + 1, prnn_value_of(b));
     }
   }
   return true;

@@ -132,8 +132,10 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
 // k_len values: rounded up to even, so that every thread loads whole 16-byte pairs.
 PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
 
-// Tagged pairs each thread loads at once while gathering: more in flight means fewer round trips
-// when the vector is long, but each pair holds 4 registers, which the large tiles do not have.
+// Grid: 16-byte ring slots of shared memory the gather's cp.async copies land in, 8 per thread
+// (32 KiB at 8 warps): ceil(batch * K / (2 * kRingPairs)) L2 round trips per step.
+constexpr int kRingPairs = 8 * kWarp * PRNN_WARPS;
+// Cluster: tagged pairs each thread loads from its own shared memory at once (registers).
 constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4;
 
 // The vector every CTA needs each step (forward h_t, backward dgh_t: k_len values per batch row),
@@ -145,6 +147,7 @@ constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4
 // Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
 struct Exchange {
   unsigned long long* words;
+  unsigned long long* ring;  // grid: kRingPairs slots of shared memory for the gather's copies
   int batch, k_len;
 
   PRNN_DEVICE int row_words() const { return exchange_row_words(k_len); }
@@ -165,26 +168,27 @@ struct Exchange {
   // k_len was written once at launch start and is never touched). False on timeout or abort. The
   // caller's next block barrier makes v_s visible to the block.
   PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
+    const auto sink = [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; };
 #ifdef PRNN_CLUSTER
-    const PrnnClusterPairs load;
-#else
-    const PrnnGlobalPairs load;
-#endif
     return prnn_gather_tagged<kGatherPairs>(words + (t & 1) * slot(), batch, row_words(), k_len,
-                                            (unsigned)t + 1u, ctl, timeout_ns, load,
-                                            [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; });
+                                            (unsigned)t + 1u, ctl, timeout_ns, PrnnClusterPairs{}, sink);
+#else
+    return prnn_gather_tagged_async(words + (t & 1) * slot(), batch, row_words(), k_len,
+                                    (unsigned)t + 1u, ctl, timeout_ns, ring, kRingPairs, sink);
+#endif
   }
 };
 
 // The exchange of a launch. `global`: the host's buffer (grid); `shared_end`: the end of the
-// kernel's other shared memory, after which (16-byte aligned) a cluster keeps its copy. In a
-// cluster every CTA zeroes its copy, then the cluster meets once, so no store can land before the
-// zeroing. Every thread calls it.
+// kernel's other shared memory, after which (16-byte aligned) the grid keeps its ring and a
+// cluster its copy of the words. In a cluster every CTA zeroes its copy, then the cluster meets
+// once, so no store can land before the zeroing. Every thread calls it.
 PRNN_DEVICE Exchange begin_exchange(unsigned long long* global, void* shared_end, int batch,
                                     int k_len) {
-  Exchange x{global, batch, k_len};
+  auto* after = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
+  Exchange x{global, after, batch, k_len};
 #ifdef PRNN_CLUSTER
-  x.words = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
+  x.words = after;
   for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0ull;
   prnn_cluster_sync();
 #endif

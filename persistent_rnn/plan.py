@@ -149,7 +149,8 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     [B][ksplit][units], read-only inputs of two steps [2][B][inputs][units] (dy, h, h_prev,
     [c, c_prev], saved), dh and dc carries [2][B][units], lengths [B]. The next step's inputs are
     prefetched during the step, hence two. ``padded = ksplit * 32 * kpt``. Every word is 4 bytes.
-    A cluster tile adds, 16-byte aligned, its exchange copy: [2][B][K rounded up to even] 8-byte
+    Then, 16-byte aligned, a grid tile's gather ring (16-byte slots: 8 per thread, or one step's
+    words if fewer) or a cluster tile's copy of the exchange, [2][B][K rounded up to even] 8-byte
     tagged words (K = ``hidden``, or G * ``hidden`` backward).
     ``tests/test_plan.py`` checks this against an emulated launch.
     """
@@ -163,11 +164,14 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     else:
         per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
         constants = gates * units
-    total = 4 * (batch * per_row + constants + batch)
+    total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
+    k_len = gates * hidden if backward else hidden
+    words = batch * (k_len + k_len % 2)  # one step's exchange
     if tile.cluster:
-        k_len = gates * hidden if backward else hidden
-        total = -(-total // 16) * 16 + 16 * batch * (k_len + k_len % 2)
-    return total
+        return total + 16 * words
+    local_rows = units if backward else gates * units
+    ring_pairs = 8 * WARP * (local_rows // pt.rows * pt.ksplit)
+    return total + 16 * min(ring_pairs, words // 2)
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:

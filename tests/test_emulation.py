@@ -47,21 +47,24 @@ def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
     assert abort == 1 and arrivals < 4 * 5
 
 
-def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):
+def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None,
+              ring_pairs: int = 64):
     module = emulate.get_module("grid_barrier.cu", {})
     length = grid * width
     exchange = np.zeros((2, length + length % 2), np.uint64)
     ctl = np.zeros(2 + grid, np.uint32)
     elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
-    args = (exchange, ctl, np.int32(rounds), np.int32(width), TIMEOUT_NS, np.int32(stall[0]),
-            np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
-    module.launch("exchange_rounds", grid, 64, 0, args, max_resident=max_resident)
+    args = (exchange, ctl, np.int32(rounds), np.int32(width), np.int32(ring_pairs), TIMEOUT_NS,
+            np.int32(stall[0]), np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
+    module.launch("exchange_rounds", grid, 64, 16 * ring_pairs, args, max_resident=max_resident)
     return ctl[0], ctl[1], ctl[2:].view(np.int32), int(errors[0]), exchange
 
 
-@pytest.mark.parametrize("grid, width", [(4, 3), (5, 1), (3, 70)])
-def test_tagged_exchange_delivers_every_round(grid, width):
-    arrivals, abort, progress, errors, exchange = _exchange(grid, rounds=25, width=width)
+# (3, 70, 8): 105 pairs through a ring of 8 slots: many chunks per round, slots reused.
+@pytest.mark.parametrize("grid, width, ring_pairs", [(4, 3, 64), (5, 1, 64), (3, 70, 8), (2, 9, 1)])
+def test_tagged_exchange_delivers_every_round(grid, width, ring_pairs):
+    arrivals, abort, progress, errors, exchange = _exchange(grid, rounds=25, width=width,
+                                                            ring_pairs=ring_pairs)
     assert (arrivals, abort, errors) == (0, 0, 0)  # no counter, no timeout, every value right
     assert progress.tolist() == [24] * grid
     tags = exchange >> np.uint64(32)
@@ -70,7 +73,8 @@ def test_tagged_exchange_delivers_every_round(grid, width):
 
 @pytest.mark.parametrize("step", [0, 4, 9])
 def test_tagged_exchange_times_out_on_a_stalled_cta(step):
-    _, abort, progress, errors, _ = _exchange(grid=4, rounds=10, stall=(2, step, 900_000_000))
+    _, abort, progress, errors, _ = _exchange(grid=4, rounds=10, width=40, ring_pairs=16,
+                                              stall=(2, step, 900_000_000))
     assert errors == 0
     # CTA 2 published nothing of round `step` in time: the others completed step-1 and gave up;
     # CTA 2, late, finds their round `step` words and may complete it before it sees the abort.
@@ -320,7 +324,7 @@ def test_missing_host_compiler_is_a_clear_error(monkeypatch):
         emulate.host_compiler()
 
 
-def _barrier_args(grid, timeout_ns, stall_ns):
+def _barrier_args(grid, timeout_ns, stall_ns):  # grid_barrier_rounds
     return (np.zeros(2 + grid, np.uint32), np.int32(4), np.uint64(timeout_ns), np.int32(1),
             np.int32(2), np.uint64(stall_ns), np.zeros(grid, np.uint64))
 
