@@ -73,6 +73,7 @@ struct Block {
   int or_pending = 0, or_result = 0;  // prnn_sync_block_or
   float* shuffle_slots = nullptr;     // [2][blockDim.x]
   unsigned char* shared = nullptr;
+  unsigned shared_bytes = 0;
 };
 
 inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
@@ -156,6 +157,7 @@ template <class T>
 inline T* prnn_shared_memory() {
   return reinterpret_cast<T*>(prnn_emu::block->shared);
 }
+inline unsigned prnn_shared_bytes() { return prnn_emu::block->shared_bytes; }
 
 // Two slot buffers alternate, so one warp barrier per shuffle suffices: a lane can reuse a buffer
 // only after the next shuffle's barrier, which every lane reaches after reading this one.

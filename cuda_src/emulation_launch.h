@@ -106,6 +106,7 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
   state.warp_gates = warp_gates.data();
   state.shuffle_slots = slots.data();
   state.shared = shared.data();
+  state.shared_bytes = (unsigned)shared_bytes;
   block = &state;
   block_idx.x = b;
   const std::size_t stride = kGuardBytes + kStackBytes;

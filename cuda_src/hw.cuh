@@ -28,6 +28,13 @@ PRNN_DEVICE T* prnn_shared_memory() {
   return reinterpret_cast<T*>(prnn_smem_bytes);
 }
 
+// Bytes of dynamic shared memory this launch gave the block.
+PRNN_DEVICE unsigned prnn_shared_bytes() {
+  unsigned n;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
 // ---- warp-level -----------------------------------------------------------------------------
 PRNN_DEVICE float prnn_shfl_xor(float v, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);

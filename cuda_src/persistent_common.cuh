@@ -132,9 +132,6 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
 // k_len values: rounded up to even, so that every thread loads whole 16-byte pairs.
 PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
 
-// Grid: 16-byte ring slots of shared memory the gather's cp.async copies land in, 8 per thread
-// (32 KiB at 8 warps): ceil(batch * K / (2 * kRingPairs)) L2 round trips per step.
-constexpr int kRingPairs = 8 * kWarp * PRNN_WARPS;
 // Cluster: tagged pairs each thread loads from its own shared memory at once (registers).
 constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4;
 
@@ -147,7 +144,8 @@ constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4
 // Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
 struct Exchange {
   unsigned long long* words;
-  unsigned long long* ring;  // grid: kRingPairs slots of shared memory for the gather's copies
+  unsigned long long* ring;  // grid: 16-byte slots of shared memory for the gather's copies
+  int ring_pairs;            // the rest of the launch's dynamic shared memory, in slots
   int batch, k_len;
 
   PRNN_DEVICE int row_words() const { return exchange_row_words(k_len); }
@@ -174,19 +172,23 @@ struct Exchange {
                                             (unsigned)t + 1u, ctl, timeout_ns, PrnnClusterPairs{}, sink);
 #else
     return prnn_gather_tagged_async(words + (t & 1) * slot(), batch, row_words(), k_len,
-                                    (unsigned)t + 1u, ctl, timeout_ns, ring, kRingPairs, sink);
+                                    (unsigned)t + 1u, ctl, timeout_ns, ring, ring_pairs, sink);
 #endif
   }
 };
 
 // The exchange of a launch. `global`: the host's buffer (grid); `shared_end`: the end of the
-// kernel's other shared memory, after which (16-byte aligned) the grid keeps its ring and a
-// cluster its copy of the words. In a cluster every CTA zeroes its copy, then the cluster meets
+// kernel's other shared memory, after which (16-byte aligned) the grid keeps its ring - the rest
+// of the launch's dynamic shared memory (plan.shared_bytes sizes it: 8 slots per thread where the
+// device has room; ceil(batch * K / (2 * slots)) L2 round trips per step) - and a cluster its copy
+// of the words. In a cluster every CTA zeroes its copy, then the cluster meets
 // once, so no store can land before the zeroing. Every thread calls it.
 PRNN_DEVICE Exchange begin_exchange(unsigned long long* global, void* shared_end, int batch,
                                     int k_len) {
   auto* after = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
-  Exchange x{global, after, batch, k_len};
+  const int used = (int)(reinterpret_cast<unsigned char*>(after) - prnn_shared_memory<unsigned char>());
+  const int ring_pairs = ((int)prnn_shared_bytes() - used) / 16;  // >= 1 as planned
+  Exchange x{global, after, ring_pairs > 1 ? ring_pairs : 1, batch, k_len};
 #ifdef PRNN_CLUSTER
   x.words = after;
   for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0ull;

@@ -139,7 +139,11 @@ def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
     return min(top, tile.units * tile.cluster) if tile.cluster else top
 
 
-def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden: int = 0) -> int:
+RING_SLOTS = 8  # per thread: the gather's cp.async copies in flight (16 bytes each)
+
+
+def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden: int = 0,
+                 ring_slots: int = RING_SLOTS) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
     Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
@@ -149,9 +153,10 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     [B][ksplit][units], read-only inputs of two steps [2][B][inputs][units] (dy, h, h_prev,
     [c, c_prev], saved), dh and dc carries [2][B][units], lengths [B]. The next step's inputs are
     prefetched during the step, hence two. ``padded = ksplit * 32 * kpt``. Every word is 4 bytes.
-    Then, 16-byte aligned, a grid tile's gather ring (16-byte slots: 8 per thread, or one step's
-    words if fewer) or a cluster tile's copy of the exchange, [2][B][K rounded up to even] 8-byte
-    tagged words (K = ``hidden``, or G * ``hidden`` backward).
+    Then, 16-byte aligned, a grid tile's gather ring (``ring_slots`` 16-byte slots per thread, or
+    one step's words if fewer; the kernel takes the rest of its shared memory as the ring) or a
+    cluster tile's copy of the exchange, [2][B][K rounded up to even] 8-byte tagged words
+    (K = ``hidden``, or G * ``hidden`` backward).
     ``tests/test_plan.py`` checks this against an emulated launch.
     """
     pt = tile.backward if backward else tile.forward
@@ -170,12 +175,15 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     if tile.cluster:
         return total + 16 * words
     local_rows = units if backward else gates * units
-    ring_pairs = 8 * WARP * (local_rows // pt.rows * pt.ksplit)
+    ring_pairs = ring_slots * WARP * (local_rows // pt.rows * pt.ksplit)
     return total + 16 * min(ring_pairs, words // 2)
 
 
-def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:
-    """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows."""
+def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
+              shared_limit: int | None = None) -> PassPlan:
+    """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows; with a
+    ``shared_limit``, a grid tile's gather ring shrinks (to one slot per thread at least) to
+    what the limit leaves, trading L2 round trips per step for fitting at all."""
     pt = tile.backward if backward else tile.forward
     local_rows = tile.units if backward else cell.gates * tile.units
     warps = local_rows // pt.rows * pt.ksplit
@@ -185,11 +193,15 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid
+    slots = RING_SLOTS
+    if shared_limit is not None and shared_bytes(cell, tile, backward, batch, hidden) > shared_limit:
+        room = shared_limit - shared_bytes(cell, tile, backward, batch, hidden, ring_slots=0)
+        slots = min(RING_SLOTS, max(1, room // (16 * block)))
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=grid, block=block,
-        shared_bytes=shared_bytes(cell, tile, backward, batch, hidden),
+        shared_bytes=shared_bytes(cell, tile, backward, batch, hidden, slots),
         weights_per_thread=pt.rows * pt.kpt, registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile))
 
@@ -227,8 +239,9 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     tried = []
     candidates = ((cluster_tile_for(cell),) if has_clusters(dev) else ()) + tiles_for(cell)
     for tile in candidates:
-        fwd = pass_plan(cell, tile, False, hidden, batch)
-        bwd = pass_plan(cell, tile, True, hidden, batch)
+        limit = min(dev.shared_per_block, dev.shared_per_sm)
+        fwd = pass_plan(cell, tile, False, hidden, batch, limit)
+        bwd = pass_plan(cell, tile, True, hidden, batch, limit)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return Plan(True, None, tile, fwd, bwd)

@@ -144,9 +144,11 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, cell
         monkeypatch.setattr(plan, "tiles_for", lambda c, tile=tile: () if tile.cluster else (tile,))
         monkeypatch.setattr(plan, "has_clusters", lambda dev, tile=tile: bool(tile.cluster))
         run()
-        planned = plan.shared_bytes(spec, tile, backward, batch, 24)
-        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, h, planned=planned:
-                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n, h))
+        # A grid tile's kernel takes the rest of its shared memory as the gather's ring (at least
+        # one slot), so 4 bytes short of the fixed part (ring_slots=0) must overrun.
+        planned = plan.shared_bytes(spec, tile, backward, batch, 24, ring_slots=0)
+        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, h, slots=8, planned=planned:
+                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n, h, slots))
         with pytest.raises(emulate.EmulationError, match="wrote past its"):
             run()
         monkeypatch.setattr(plan, "shared_bytes", shared_bytes)
