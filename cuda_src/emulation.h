@@ -183,7 +183,6 @@ inline float prnn_load_cg(const float* p) {
   __atomic_load(p, &v, __ATOMIC_RELAXED);
   return v;
 }
-inline void prnn_store_cg(float* p, float v) { __atomic_store(p, &v, __ATOMIC_RELAXED); }
 // The tagged exchange's words: relaxed 4- and 8-byte atomics, single-copy atomic like the GPU's
 // ld/st.relaxed.gpu (the 16-byte load is two such loads, as PTX defines a vector access).
 inline unsigned prnn_load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
