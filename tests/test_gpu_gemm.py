@@ -75,3 +75,22 @@ def test_params_follow_the_data(cupy):
     y_back, _ = layer.forward(x)  # and back to the CPU, gradients included
     assert isinstance(layer.params["weight_hh_l0"], np.ndarray)
     assert isinstance(layer.grads["weight_hh_l0"], np.ndarray) and layer.grads["weight_hh_l0"].any()
+
+
+def test_pointwise_indices_past_two_to_the_31(cupy):
+    """B*G*H > 2^31 (about 36 GB of buffers): the last batch rows match a run of just those rows."""
+    cell, hidden, batch = CELLS["lstm"], 8192, 2**16 + 1  # B * 4H = 2^31 + 32768
+    assert batch * cell.gates * hidden > 2**31
+    rng = cupy.random.default_rng(0)
+    gi = rng.standard_normal((1, batch, cell.gates * hidden), dtype=np.float32)
+    w_hh = rng.standard_normal((cell.gates * hidden, hidden), dtype=np.float32) * 0.01
+    h0 = rng.standard_normal((batch, hidden), dtype=np.float32)
+    c0 = rng.standard_normal((batch, hidden), dtype=np.float32)
+    y, cs, saved = buffers.allocate_forward(cell, gi)
+    gemm.forward_steps(cell, gi, w_hh, None, h0, c0, None, y, cs, saved, start=0)
+    tail = slice(batch - 2, batch)
+    y2, cs2, saved2 = buffers.allocate_forward(cell, gi[:, tail])
+    gemm.forward_steps(cell, cupy.ascontiguousarray(gi[:, tail]), w_hh, None, h0[tail], c0[tail],
+                       None, y2, cs2, saved2, start=0)
+    for big, small in ((y, y2), (cs, cs2), (saved, saved2)):
+        np.testing.assert_allclose(big[:, tail].get(), small.get(), rtol=1e-5, atol=1e-6)
