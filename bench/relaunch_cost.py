@@ -17,7 +17,7 @@ import _study
 import numpy as np
 
 import persistent_rnn as prnn
-from persistent_rnn import runtime, timing
+from persistent_rnn import timing
 from persistent_rnn.cells import CELLS, layer_args
 
 NAME = "relaunch_cost"
@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     layer.load_params({k: cp.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(0)
     xs = [cp.asarray(rng.standard_normal((args.seq_len, args.batch, 64)).astype("float32")) for _ in range(3)]
-    previous = runtime.SETTINGS.gpu_timeout_ms
-    runtime.configure(gpu_timeout_ms=args.timeout_ms)
-    try:
+    with prnn.override_settings(gpu_timeout_ms=args.timeout_ms):
         base, _ = forward_seconds(layer, xs, args.repeats, None)
         rows = []
         for stall in stalls:
@@ -79,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
                          "restarts": restarts, "fallback": layer.last_run.fallback,
                          "cost_us": (seconds - base - stall / 1e3) * 1e6})
             print(f"stall {stall:6.1f} ms: restarts {restarts}, cost {rows[-1]['cost_us']:9.1f} us")
-    finally:
-        runtime.configure(gpu_timeout_ms=previous)
     settings = {"cell": args.cell, "hidden_size": args.hidden, "batch": args.batch, "seq_len": args.seq_len,
                 "input_size": 64, "timeout_ms": args.timeout_ms, "repeats": args.repeats, "stall_block": 0,
                 "stall_step": args.seq_len // 2, "timing": "CUDA events, median, forward pass"}
