@@ -18,6 +18,7 @@ import numpy as np
 
 import persistent_rnn as prnn
 from persistent_rnn import timing
+from persistent_rnn.cells import CELLS, layer_args
 
 NAME = "relaunch_cost"
 
@@ -51,7 +52,7 @@ def draw(ax, doc) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the study; exit status 2 without a GPU."""
     p = _study.parser(NAME, __doc__)
-    p.add_argument("--cell", default="lstm", choices=("rnn_tanh", "gru", "lstm"))
+    p.add_argument("--cell", default="lstm", choices=tuple(CELLS))
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=200)
@@ -62,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     _study.require_gpu(NAME)
     import cupy as cp
     stalls = [float(s) for s in args.stalls_ms.split(",")][: 3 if args.quick else None]
-    rnn = args.cell.startswith("rnn")
-    mode, extra = ("RNN", {"nonlinearity": args.cell[4:]}) if rnn else (args.cell.upper(), {})
+    mode, extra = layer_args(args.cell)
     layer = getattr(prnn, mode)(64, args.hidden, algo="persistent", seed=0, **extra)
     layer.load_params({k: cp.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(0)
