@@ -111,6 +111,7 @@ class Pending:
     control: Array
     stats: RunStats
     finish: Callable[[int], None]  # completes the result from the first step the kernel left
+                                   # (``end``: the kernel did every step)
     launches: int = 0
     start: int = 0                     # the step the latest launch started from
 
@@ -203,7 +204,7 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
 
-    result = BackwardResult(dgi, dgh, dh_carry[0], None)  # dh0/dc0 set by finish
+    result = BackwardResult(dgi, dgh, dh_carry[0], None)  # dh0/dc0 set by finish (settle)
 
     def finish(step: int) -> None:
         stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
@@ -219,7 +220,6 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
              c(h0) if c0 is None else c(c0), buffers.full_lengths(xp, lengths, batch, steps),
              dgi, dgh, dh_carry, dc_carry)
     pending = _start(engine, fixed, (steps, batch, hidden), steps - 1, -1, xp, finish, rerun)
-    finish(-1)  # what a complete pass leaves (stream-ordered after the launch); settle redoes it
     return result, pending.stats, pending
 
 
@@ -237,12 +237,14 @@ def settle(pending: Sequence[tuple[Any, Pending]]) -> Any | None:
     """Check passes launched in order (each tagged with its layer) with one read of all their
     progress; resume every unfinished pass of the first layer that has one, and return that
     layer (``None``: all complete). Passes after that layer are left alone: the caller reruns
-    them. Under CUDA stream capture nothing is read and ``None`` is returned."""
+    them. Every pass checked is finished (``Pending.finish``). Under CUDA stream capture nothing
+    is read: every pass is finished as if complete and ``None`` is returned."""
     if not pending:
         return None
     if _capturing(pending[0][1].control):
         for _, p in pending:
             p.stats.details.append("progress not checked (CUDA stream capture): no restart")
+            p.finish(p.end)
         return None
     words = _read_all([p.control for _, p in pending])
     failed = None
@@ -250,7 +252,9 @@ def settle(pending: Sequence[tuple[Any, Pending]]) -> Any | None:
         if failed is not None and layer != failed:
             break
         step = p.next_step(w)
-        if step != p.end:
+        if step == p.end:
+            p.finish(step)
+        else:
             failed = layer
             p.resume(step)
     return failed
