@@ -86,9 +86,14 @@ class _Control:
 
     @staticmethod
     def reset(words: Array) -> None:
-        """Stream-ordered fills, no host copy: counters zero, progress untouched."""
-        words[:2] = 0
-        words[2:] = _Control.UNTOUCHED
+        """Counters zero, progress untouched: two memsets on the stream (no host copy)."""
+        if isinstance(words, np.ndarray):
+            words[:2], words[2:] = 0, _Control.UNTOUCHED
+            return
+        import cupy
+        stream, ptr = cupy.cuda.get_current_stream().ptr, words.data.ptr
+        cupy.cuda.runtime.memsetAsync(ptr, 0, 8, stream)
+        cupy.cuda.runtime.memsetAsync(ptr + 8, 0xFF, 4 * (words.size - 2), stream)
 
     @staticmethod
     def next_step(words: np.ndarray, start: int, direction: int) -> int:
