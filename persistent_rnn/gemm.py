@@ -26,6 +26,7 @@ Array = Any  # numpy.ndarray or cupy.ndarray
 
 _THREADS = 256  # threads per block of the pointwise kernels
 _MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
+_MAX_INT32 = 2**31 - 1
 
 
 def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
@@ -35,6 +36,7 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``."""
     xp = array_module(gi)
     steps, batch, _ = gi.shape
+    _check_sizes(xp, steps, batch, y.shape[2])
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                   lengths=full_lengths(xp, lengths, batch, steps))
     outputs = dict(y=y, cs=cs, saved=saved)
@@ -57,6 +59,7 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     """
     xp = array_module(dy)
     steps, batch, hidden = dy.shape
+    _check_sizes(xp, steps, batch, hidden)
     dh0 = xp.empty((batch, hidden), dtype=dy.dtype)
     dc0 = xp.empty_like(dh0) if cell.has_cell_state else None
     inputs = dict(dy=dy, w_hh=w_hh, h0=h0, c0=c0, lengths=full_lengths(xp, lengths, batch, steps),
@@ -169,12 +172,19 @@ def _launch(cell: CellSpec, which: str, dtype, threads: int, args: tuple) -> Non
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
     kernel = _module().get_function(f"prnn_pointwise_{which}_{cell.name}_{suffix}")
     blocks = (threads + _THREADS - 1) // _THREADS
-    if blocks == 0:  # an empty batch: CUDA refuses a grid of 0 blocks
+    if blocks:  # an empty batch launches nothing: CUDA refuses a grid of 0 blocks
+        kernel((blocks,), (_THREADS,), args)
+
+
+def _check_sizes(xp, steps: int, batch: int, hidden: int) -> None:
+    """ValueError for sizes the pointwise kernels cannot index: their T, B, H arguments are
+    32-bit and their grid has one thread per (b, j)."""
+    if xp is np:
         return
-    if blocks > _MAX_BLOCKS:
-        raise ValueError(f"batch x hidden_size = {threads} is too large for the GEMM path's "
-                         f"pointwise kernels (at most {_MAX_BLOCKS * _THREADS})")
-    kernel((blocks,), (_THREADS,), args)
+    if max(steps, batch, hidden) > _MAX_INT32 or -(-batch * hidden // _THREADS) > _MAX_BLOCKS:
+        raise ValueError(f"sequence length {steps}, batch {batch}, hidden_size {hidden}: too large "
+                         f"for the GEMM path's pointwise kernels (each at most {_MAX_INT32}, and "
+                         f"batch x hidden_size at most {_MAX_BLOCKS * _THREADS})")
 
 
 @lru_cache(maxsize=None)

@@ -44,6 +44,7 @@ Array = Any
 
 # The emulation plans for the GPU the tiles are sized for, so that it runs the same configurations.
 EMULATED_DEVICE = hardware.PROFILES["h100"]
+_MAX_STEPS = 2**31 - 1
 
 
 @dataclass
@@ -341,6 +342,8 @@ def _why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
     if np.dtype(data.dtype) != np.float32:
         return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
+    if data.shape[0] > _MAX_STEPS:
+        return f"sequence length {data.shape[0]} > {_MAX_STEPS}: the kernels' step index is 32-bit"
     limit = settings.current().auto_max_batch
     if algo == "auto" and batch > limit:
         return f"batch {batch} > {limit} (auto_max_batch): not measured beyond it"

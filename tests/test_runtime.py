@@ -264,3 +264,11 @@ def test_emulated_largest_tiles(emulation, monkeypatch, fresh_plans, cell):
     out = _run_both(CELLS[cell], 26, 2, 3)
     _assert_close(out["got"], out["ref"])
     assert f"'PRNN_UNITS': {tiles_for(CELLS[cell])[-1].units}" in out["got"][2].details[0]
+
+
+def test_sequences_longer_than_the_step_index_are_refused():
+    cell = CELLS["rnn_tanh"]
+    gi = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(2**31, 1, 4),
+                                         strides=(0, 0, 0))  # no memory behind it
+    with pytest.raises(ValueError, match="sequence length 2147483648"):
+        runtime._engine(cell, gi, 4, 1, "persistent", backward=False)
