@@ -99,7 +99,7 @@ def _check(name: str, value: Any) -> Any:
 
 
 def _parse_env(name: str, text: str) -> Any:
-    """The value of environment variable ``text`` for setting ``name`` (checked)."""
+    """Setting ``name`` from the text of its environment variable (checked)."""
     variable, kind, _ = _SPEC[name]
     word = text.strip().lower()
     try:
