@@ -30,7 +30,7 @@ import numpy as np
 from . import info, timing
 from .cells import CELLS, layer_args
 from .plan import resolve_cell
-from .runtime import ALGOS
+from .validation import ALGOS
 
 SCHEMA_VERSION = 1
 PASSES = ("forward", "forward_backward")

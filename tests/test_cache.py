@@ -13,6 +13,9 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -178,6 +181,22 @@ def test_artefact_without_a_record_is_never_loaded(tmp_path):
     (tmp_path / name).write_bytes(b"planted!")
     entry = cache.fetch(tmp_path, "key", ".bin", build)
     assert len(calls) == 2 and entry.path.read_bytes() == b"artefact"
+
+
+def test_concurrent_builders_of_one_key_all_get_a_verified_entry(tmp_path):
+    def build(path: Path) -> dict:
+        path.write_bytes(b"part one ")
+        time.sleep(0.05)  # let the builders overlap
+        with open(path, "ab") as out:
+            out.write(b"part two")
+        return {"kernels": ["k"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cache.CacheWarning)
+        with ThreadPoolExecutor(8) as pool:
+            entries = list(pool.map(lambda _: cache.fetch(tmp_path, "key", ".bin", build), range(8)))
+    assert {e.path.read_bytes() for e in entries} == {b"part one part two"}
+    assert cache.load(tmp_path, "key") in entries
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path):

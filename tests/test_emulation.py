@@ -2,14 +2,13 @@
 kernels through the public API, on NumPy float32 (compared with float64 and torch.nn)."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import emulate, hardware, runtime
+from persistent_rnn import emulate, runtime
 from persistent_rnn.cells import CELLS
 
 pytestmark = pytest.mark.timeout(240)
@@ -208,16 +207,13 @@ def _rel(a, b):
 
 
 # The emulation plans for an H100 (runtime.EMULATED_DEVICE), where small layers run as one
-# thread-block cluster; on a device without clusters (sm_80) the same layers run on the grid.
-NO_CLUSTERS = dataclasses.replace(hardware.PROFILES["h100"], name="h100 as sm_80", arch="sm_80")
-
-
+# thread-block cluster; the grid_path fixture (conftest) plans without clusters.
 @pytest.fixture(params=["cluster", "grid"])
-def path(request, monkeypatch):
+def path(request):
     """Runs the test on both exchange paths: one cluster (distributed shared memory) and the grid
-    (tagged words in global memory); asserts the planner chose it."""
+    (tagged words in global memory); _assert_path checks the planner chose it."""
     if request.param == "grid":
-        monkeypatch.setattr(runtime, "EMULATED_DEVICE", NO_CLUSTERS)
+        request.getfixturevalue("grid_path")
     return request.param
 
 
@@ -292,8 +288,7 @@ def test_stall_restarts_with_bitwise_identical_results(settings, path, name, ste
         assert np.array_equal(a, b)
 
 
-def test_ctas_not_co_resident_end_on_gemm_fallback(settings, monkeypatch):
-    monkeypatch.setattr(runtime, "EMULATED_DEVICE", NO_CLUSTERS)  # a cluster is resident whole
+def test_ctas_not_co_resident_end_on_gemm_fallback(settings, grid_path):  # a cluster runs whole
     prnn.configure(emulation_timeout_ms=200, emulation_max_resident=1, max_restarts=1)
     data = _inputs("gru", np.random.default_rng(4))
     got = _run("gru", "float32", "persistent", **data)
