@@ -218,7 +218,7 @@ PRNN_DEVICE bool prnn_grid_barrier(PrnnControl* ctl, int step, unsigned round,
 // wait (the idea of NCCL's LL protocol). Buffers are [2][...] by step parity: a CTA publishes step t
 // only after it has read all of step t-1, so no CTA overwrites the slot of step t-2 while another
 // still reads it. Tags must not repeat within a buffer's life: the host zeroes it before a run and
-// before every relaunch (tag 0 is never published), and the persistent kernels tag step t with t+1.
+// before every restart (tag 0 is never published), and the persistent kernels tag step t with t+1.
 
 PRNN_DEVICE unsigned long long prnn_tagged(float v, unsigned tag) {
   return ((unsigned long long)tag << 32) | prnn_float_bits(v);
@@ -244,21 +244,8 @@ PRNN_DEVICE bool prnn_keep_waiting(PrnnControl* ctl, unsigned long long& deadlin
   return true;
 }
 
-// Waits for the tagged words src[rows][row_words] (row_words even; words past row_len are padding
-// nobody writes) to carry `tag` and hands each value to sink(row, column, value). load(p, a, b)
-// reads the pair at p: prnn_load_relaxed_u64x2 (global memory) or, in a cluster,
-// prnn_load_shared_relaxed_u64x2 (this CTA's shared memory, which the others store into). The block's
-// threads share the words; each loads N pairs at once (N 16-byte loads in flight, one L2 round
-// trip when the data is there) and reloads its N pairs until all carry the tag. Returns false on
-// timeout or abort. No block barrier: the caller's next one publishes the sink's writes.
-// The two loaders of prnn_gather_tagged.
-struct PrnnGlobalPairs {
-  PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
-                              unsigned long long& b) const {
-    prnn_load_relaxed_u64x2(p, a, b);
-  }
-};
 #ifdef PRNN_CLUSTER
+// prnn_gather_tagged's loader in a cluster: this CTA's own shared memory, which the others store into.
 struct PrnnClusterPairs {
   PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
                               unsigned long long& b) const {
@@ -267,6 +254,13 @@ struct PrnnClusterPairs {
 };
 #endif
 
+// Waits for the tagged words src[rows][row_words] (row_words even; words past row_len are padding
+// nobody writes) to carry `tag` and hands each value to sink(row, column, value). load(p, a, b)
+// reads the pair at p with single-copy atomic 8-byte words (PrnnClusterPairs). The block's threads
+// share the words; each loads N pairs at once into registers and reloads them until all carry the
+// tag: for cheap loads (shared memory). Words in global memory go through
+// prnn_gather_tagged_async, which needs no registers to keep many loads in flight. Returns false
+// on timeout or abort. No block barrier: the caller's next one publishes the sink's writes.
 template <int N, class Load, class Sink>
 PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, int rows, int row_words,
                                     int row_len, unsigned tag, PrnnControl* ctl,

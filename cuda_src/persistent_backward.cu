@@ -12,7 +12,7 @@
 // double-buffered in global memory by step parity, [2][B][H]. A CTA publishes step t only after
 // it has read every CTA's step t+1, so no CTA is more than one step ahead of another: when the
 // slowest CTA last completed step m, none has completed m-2, so the carries of step m (parity m%2)
-// are intact and a relaunch from max(progress)-1 finds them; a replayed step is idempotent.
+// are intact and a restart from max(progress)-1 finds them; a replayed step is idempotent.
 // The host seeds parity T%2 with dh_n / dc_n.
 #include "persistent_common.cuh"
 
@@ -131,7 +131,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
         dgi[row * gh_len + g * hidden + j] = dgiv[g];
         dgh[row * gh_len + g * hidden + j] = dghv[g];
       }
-      // The carries stay in shared memory; the global copies are what a relaunch resumes from.
+      // The carries stay in shared memory; the global copies are what a restart resumes from.
       dh_carry[(t & 1) * plane + at] = carry_s[idx] = dh_prev;
       if (kHasC) dc_carry[(t & 1) * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
     }

@@ -6,7 +6,7 @@
 // of W_hh, apply the cell, write y[t], cs[t], saved[t] for the owned units and publish h_t in the
 // exchange: the publishing is the barrier (hw.cuh, the tagged exchange). A step only reads step
 // t-1's results and writes its own slots, so replaying it is idempotent; each CTA records the last
-// step it completed when it exits and the host relaunches from min(progress)+1.
+// step it completed when it exits and the host restarts from min(progress)+1.
 //
 // Per step: two block barriers (staged h_{t-1} visible + timeout vote; partial sums visible), one
 // L2 round trip (the gather), no fence and no atomic. gi_{t+1} is fetched during step t.
