@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(records, indent=1))
     else:
-        print(f"{'cell':9} {'pass':8} {'arch':6} {'H max':>6} {'block':>5} {'weights':>7} "
+        print(f"{'cell':9} {'pass':8} {'arch':6} {'cl':>2} {'H max':>6} {'block':>5} {'weights':>7} "
               f"{'regs':>4}/{'plan':<4} {'spill':>5} {'smem@B8':>8}  time loop: "
               f"{'BAR':>3} {'LDG':>3} {'STG':>3} {'ATOM':>4} {'MEMBAR':>6} {'CCTL':>4}")
         for r in records:
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {'':11}{loop['block_barriers']:3d} {loop['global_loads']:3d} "
                     f"{loop['global_stores']:3d} {loop['atomics']:4d} {loop['fences']:6d} "
                     f"{loop['l1_invalidates']:4d}")
-            print(f"{r['cell']:9} {r['pass']:8} {r['arch']:6} {r['hidden_size']:6d} {r['block']:5d} "
+            print(f"{r['cell']:9} {r['pass']:8} {r['arch']:6} {r['cluster']:2d} {r['hidden_size']:6d} {r['block']:5d} "
                   f"{r['weights_per_thread']:7d} {r['registers']:4d}/{r['planned_registers']:<4d} "
                   f"{r['spill_bytes']:5d} {r['shared_bytes']:8d}{sass}")
     bad = [r for r in records if r["spill_bytes"] or r["registers"] > r["planned_registers"]]
