@@ -1,0 +1,94 @@
+"""Which implementation runs a module's forward: the library (persistent or GEMM) or torch's own.
+
+``algo="auto"`` runs the persistent kernel where it runs and pays — CUDA float32 tensors, a
+layer that fits the register file, a batch up to ``auto_max_batch`` — and torch's own
+implementation of the same layer everywhere else (cuDNN on the GPU, torch's CPU kernels), so that
+swapping torch.nn for these modules never slows a model down. ``algo="gemm"`` and
+``algo="persistent"`` run the library and raise ``ValueError`` where it cannot run the layer.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import plan as planner
+from ..cells import CellSpec
+from ..runtime import ALGOS, SETTINGS
+
+TORCH = "torch"  # the path name reported in last_run.algo
+LIBRARY_DTYPES = (torch.float32, torch.float64)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The lower precision autocast casts to on ``device_type``, or ``None`` outside autocast."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def library_blocker(x: torch.Tensor, proj_size: int) -> str | None:
+    """Why the library cannot run this layer at all, or ``None``."""
+    if proj_size > 0:
+        return "proj_size > 0: the library has no LSTM projection; torch's kernels run it"
+    if x.dtype not in LIBRARY_DTYPES:
+        return (f"dtype {x.dtype}: the library runs float32 and float64 (its 16-bit kernels have "
+                f"not landed); torch's kernels run it")
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return ("CUDA graph capture: the library reads the kernel's progress back to the host, "
+                "which capture forbids; torch's kernels run it")
+    return None
+
+
+def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
+           batch) -> tuple[str, str | None]:
+    """``(path, why)``: ``path`` is ``"torch"`` or the library ``algo`` to run; ``why`` says why
+    the persistent kernel does not run (``None`` where it may).
+
+    ``batch`` is a callable giving the batch size (read only where it matters: it is a tensor
+    element for packed input).
+    """
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    blocker = library_blocker(x, proj_size)
+    if algo != "auto":
+        if blocker is not None:
+            raise ValueError(f"algo={algo!r} cannot run this layer: {blocker}")
+        return algo, None
+    if blocker is not None:
+        return TORCH, blocker
+    low = autocast_dtype(x.device.type)
+    if low is not None:
+        return TORCH, f"autocast to {low}: torch's kernels run 16-bit layers"
+    if not x.is_cuda:
+        if torch.compiler.is_compiling():
+            # torch's CPU RNN kernel (oneDNN) fails to compile in training (torch 2.13), and
+            # torch.nn graph-breaks on it: the library's GEMM op compiles as one opaque op.
+            return "gemm", None
+        return TORCH, "CPU tensors: torch's CPU kernels"
+    why = persistent_blocker(cell, hidden, x.dtype, int(batch()), x.device.index)
+    return (TORCH, why) if why is not None else ("auto", None)
+
+
+def persistent_blocker(cell: CellSpec, hidden: int, dtype: torch.dtype, batch: int,
+                       device_index: int | None) -> str | None:
+    """Why ``algo="auto"`` would not run the persistent kernel on this CUDA layer, or ``None``."""
+    if dtype != torch.float32:
+        return f"dtype {dtype}: the persistent kernel runs float32; torch's kernels run it"
+    if batch > SETTINGS.auto_max_batch:
+        return (f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): torch's kernels "
+                f"run it")
+    return _plan_blocker(cell, hidden, batch, device_index or 0)
+
+
+@lru_cache(maxsize=1024)
+def _plan_blocker(cell: CellSpec, hidden: int, batch: int, device_index: int) -> str | None:
+    plan = planner.make_plan(cell, hidden, batch, "float32", _device_profile(device_index))
+    return None if plan.fits else f"{plan.reason}; torch's kernels run it"
+
+
+@lru_cache(maxsize=None)
+def _device_profile(device_index: int) -> planner.DeviceProfile:
+    import cupy
+    with cupy.cuda.Device(device_index):
+        return planner.current_device()
