@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from ..runtime import ALGOS
 from . import paths
-from .ops import LastRun, RunRecord, _cell, recurrence
+from .ops import LastRun, RunRecord, _cell, run_recurrence
 
 
 class _RecurrentBase(torch.nn.RNNBase):
@@ -103,18 +103,17 @@ class _RecurrentBase(torch.nn.RNNBase):
         layers, slot = self.num_layers, self._record.slot
         p = float(self.dropout) if self.training else 0.0
         if p == 0.0 or layers == 1:
-            y, hn, cn, _ = recurrence(x, lengths, h0, c0, weights, self.mode, layers,
-                                      self.bidirectional, algo, slot, 0, 1)
-            return y, hn, cn
+            return run_recurrence(x, lengths, h0, c0, weights, self.mode, layers,
+                                  self.bidirectional, algo, (slot, 0, 1))
         dirs = 2 if self.bidirectional else 1
         per_layer = len(weights) // layers
         hs, cs = [], []
         for layer in range(layers):
             states = slice(layer * dirs, (layer + 1) * dirs)
-            x, hn, cn, _ = recurrence(
+            x, hn, cn = run_recurrence(
                 x, lengths, None if h0 is None else h0[states], None if c0 is None else c0[states],
                 weights[layer * per_layer:(layer + 1) * per_layer], self.mode, 1,
-                self.bidirectional, algo, slot, layer, layers)
+                self.bidirectional, algo, (slot, layer, layers))
             hs.append(hn)
             cs.append(cn)
             if layer < layers - 1:

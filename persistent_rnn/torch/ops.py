@@ -210,13 +210,98 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
         dx, dh0, dc0, *dweights = grads
     else:
         dy = torch.zeros_like(y) if dy is None else dy
-        dx, dh0, dc0, dweights = recurrence_backward(dy, dhn, dcn, x, lengths, h0, c0, weights,
-                                                     saved, *ctx.static)
+        batched = any(t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
+                      for t in (dy, dhn, dcn))
+        run = _flat_backward if batched else recurrence_backward
+        dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
+                                     *ctx.static)
     return (dx, None, None if h0 is None else dh0, None if c0 is None else dc0, list(dweights),
             *([None] * len(ctx.static)))
 
 
 recurrence.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Recurrence(torch.autograd.Function):
+    """``recurrence`` with the same autograd formula as a new-style ``autograd.Function``:
+    torch.func transforms (``grad``, ``vmap``) take only those (not ``register_autograd``)."""
+
+    generate_vmap_rule = True  # vmap runs the op's own (loop) rule
+
+    @staticmethod
+    def forward(x, lengths, h0, c0, static, *weights):
+        return recurrence(x, lengths, h0, c0, list(weights), *static)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, lengths, h0, c0, static, *weights = inputs
+        _setup_context(ctx, (x, lengths, h0, c0, weights, *static), output)
+
+    @staticmethod
+    def backward(ctx, dy, dhn, dcn, *dsaved):
+        dx, _, dh0, dc0, dweights, *_ = _backward(ctx, dy, dhn, dcn, dsaved)
+        return dx, None, dh0, dc0, None, *dweights
+
+
+def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
+                   weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
+                   algo: str, stats: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """``recurrence``'s ``(y, h_n, c_n)`` with autograd (``stats``: slot, part, parts)."""
+    y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0,
+                                      (mode, num_layers, bidirectional, algo, *stats), *weights)
+    return y, hn, cn
+
+
+def _flat_backward(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, *static):
+    """``recurrence_backward`` for gradients batched by the legacy vmap (``gradcheck``'s batched
+    gradient check, ``autograd.grad(is_grads_batched=True)``): its for-loop fallback takes only
+    ops without tensor lists, so weights and activations travel as one flat tensor each."""
+    flat_dweights, dx, dh0, dc0 = recurrence_backward_flat(
+        dy, dhn, dcn, x, lengths, h0, c0, _flatten(weights), _flatten(saved), *static)
+    return dx, dh0, dc0, _unflatten(flat_dweights, [w.shape for w in weights])
+
+
+def _flatten(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: Tensor, shapes: list) -> list[Tensor]:
+    sizes = [torch.Size(s).numel() for s in shapes]
+    return [part.view(s) for part, s in zip(flat.split(sizes), shapes)]
+
+
+def _weight_shapes(mode: str, input_size: int, hidden: int, num_layers: int,
+                   bidirectional: bool, bias: bool) -> list[tuple[int, ...]]:
+    """torch.nn's weight shapes, in ``_flat_weights_names`` order."""
+    rows, num_dirs = _cell(mode).gates * hidden, 2 if bidirectional else 1
+    shapes = []
+    for layer in range(num_layers):
+        cols = input_size if layer == 0 else num_dirs * hidden
+        shapes += [(rows, cols), (rows, hidden), *([(rows,), (rows,)] if bias else [])] * num_dirs
+    return shapes
+
+
+@torch.library.custom_op("persistent_rnn::recurrence_backward_flat", mutates_args=(),
+                         tags=(torch.Tag.cudagraph_unsafe,))
+def recurrence_backward_flat(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor],
+                             x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
+                             c0: Optional[Tensor], weights: Tensor, saved: Tensor, mode: str, num_layers: int, bidirectional: bool,
+                             algo: str, stats_slot: int, stats_part: int,
+                             stats_parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``recurrence_backward`` with flat weights and activations: ``(dweights, dx, dh0, dc0)``."""
+    steps, batch, input_size = x.shape
+    num_dirs = 2 if bidirectional else 1
+    hidden = h0.shape[2] if h0 is not None else dy.shape[2] // num_dirs
+    bias = weights.numel() != sum(torch.Size(s).numel() for s in _weight_shapes(
+        mode, input_size, hidden, num_layers, bidirectional, False))
+    shapes = _weight_shapes(mode, input_size, hidden, num_layers, bidirectional, bias)
+    saved_shapes = functional.saved_shapes(_cell(mode), steps, batch, hidden, num_layers,
+                                           bidirectional)
+    dx, dh0, dc0, dweights = recurrence_backward(
+        dy, dhn, dcn, x, lengths, h0, c0, _unflatten(weights, shapes),
+        _unflatten(saved, saved_shapes), mode, num_layers, bidirectional, algo, stats_slot,
+        stats_part, stats_parts)
+    return _flatten(dweights), dx, dh0, dc0
 
 
 def torch_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
