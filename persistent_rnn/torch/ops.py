@@ -210,8 +210,9 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
         dx, dh0, dc0, *dweights = grads
     else:
         dy = torch.zeros_like(y) if dy is None else dy
-        batched = any(t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
-                      for t in (dy, dhn, dcn))
+        batched = not torch.compiler.is_compiling() and any(
+            t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
+            for t in (dy, dhn, dcn))
         run = _flat_backward if batched else recurrence_backward
         dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
                                      *ctx.static)
