@@ -129,12 +129,12 @@ class _RecurrentBase(torch.nn.RNNBase):
 
 
 def _refuse_unsupported_export(name: str) -> None:
-    if torch.jit.is_tracing() or torch.jit.is_scripting():
+    # torch.jit.script never reaches forward (__prepare_scriptable__ refuses first)
+    if torch.jit.is_tracing():
         raise RuntimeError(f"{name} from persistent_rnn.torch does not support TorchScript "
-                           f"(torch.jit.trace/script): use torch.export or torch.compile")
-    if torch.onnx.is_in_onnx_export():
-        raise RuntimeError(f"{name} from persistent_rnn.torch cannot be exported to ONNX: use "
-                           f"torch.nn.{name} for ONNX export (the state_dict is the same)")
+                           f"(torch.jit.trace, and the TorchScript-based ONNX exporter): use "
+                           f"torch.export or torch.compile, or torch.nn.{name} for ONNX (the "
+                           f"state_dict is the same)")
 
 
 def _batch_size(input, batch_first: bool) -> int:
