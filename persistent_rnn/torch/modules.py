@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence
 
 from ..runtime import ALGOS
 from . import paths
+from .packing import PackedLayout
 from .ops import LastRun, RunRecord, _cell, run_recurrence
 
 
@@ -61,8 +62,9 @@ class _RecurrentBase(torch.nn.RNNBase):
         _refuse_unsupported_export(type(self).__name__)
         packed = isinstance(input, PackedSequence)
         data = input.data if packed else input
-        path, why = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
-                                 self.proj_size, lambda: _batch_size(input, self.batch_first))
+        path, why = paths.choose(self.algo, _cell(self.mode), data, self.weight_ih_l0.dtype,
+                                 self.hidden_size, self.proj_size,
+                                 lambda: _batch_size(input, self.batch_first))
         if path == paths.TORCH:
             if not torch.compiler.is_compiling():  # under compile, only the op records runs
                 self._record.last = LastRun(algo=paths.TORCH, fallback=why)
@@ -72,9 +74,11 @@ class _RecurrentBase(torch.nn.RNNBase):
     def _library_forward(self, input, hx, algo: str):
         lstm = self.mode == "LSTM"
         packed = input if isinstance(input, PackedSequence) else None
+        layout = None
         if packed is not None:
             self._check_args(packed.data, hx, packed.batch_sizes)
-            x, lengths = pad_packed_sequence(packed)  # time-major, in the caller's batch order
+            layout = PackedLayout.of(packed)
+            x, lengths = layout.pad(packed.data), layout.lengths  # the caller's batch order
             unbatched = False
         else:
             x, lengths = input, None
@@ -88,16 +92,18 @@ class _RecurrentBase(torch.nn.RNNBase):
         x, hx = _autocast_inputs(x, hx, weights[0].dtype)
         _check_like_input(x, hx, dict(zip(self._flat_weights_names, weights)))
         h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
-        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, packed)
+        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout)
         if packed is not None:
-            return _repack(y, lengths, packed), ((hn, cn) if lstm else hn)
+            out = PackedSequence(layout.pack(y), packed.batch_sizes, packed.sorted_indices,
+                                 packed.unsorted_indices)
+            return out, ((hn, cn) if lstm else hn)
         y = y.transpose(0, 1) if self.batch_first else y
         if unbatched:
             y = y.squeeze(0 if self.batch_first else 1)
             return y, ((hn.squeeze(1), cn.squeeze(1)) if lstm else hn.squeeze(1))
         return y, ((hn, cn) if lstm else hn)
 
-    def _run_layers(self, x, lengths, h0, c0, weights, algo: str, packed: PackedSequence | None):
+    def _run_layers(self, x, lengths, h0, c0, weights, algo: str, layout: PackedLayout | None):
         """The stack in one op call, or (dropout in training) one call per layer with torch's
         dropout between layers, drawn as torch.nn's CPU kernels draw it."""
         layers, slot = self.num_layers, self._record.slot
@@ -117,7 +123,7 @@ class _RecurrentBase(torch.nn.RNNBase):
             hs.append(hn)
             cs.append(cn)
             if layer < layers - 1:
-                x = _dropout_between_layers(x, lengths, packed, p)
+                x = _dropout_between_layers(x, layout, p)
         return x, torch.cat(hs), torch.cat(cs)
 
     def _check_args(self, x: torch.Tensor, hx, batch_sizes: torch.Tensor | None) -> None:
@@ -163,29 +169,14 @@ def _check_like_input(x: torch.Tensor, hx, weights: dict) -> None:
                             f"({x.dtype}, {x.device}), got ({t.dtype}, {t.device})")
 
 
-def _dropout_between_layers(y: torch.Tensor, lengths, packed: PackedSequence | None,
+def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,
                             p: float) -> torch.Tensor:
     """torch's dropout on a layer's time-major output, over the same elements in the same order
     as torch.nn's CPU kernels (the packed data for packed input), so that the same seed drops the
     same units."""
-    if packed is None:
+    if layout is None:
         return F.dropout(y, p, training=True)
-    data = F.dropout(_pack_like(y, lengths, packed), p, training=True)
-    like = PackedSequence(data, packed.batch_sizes, packed.sorted_indices,
-                          packed.unsorted_indices)
-    return pad_packed_sequence(like, total_length=y.shape[0])[0]
-
-
-def _pack_like(y: torch.Tensor, lengths: torch.Tensor, like: PackedSequence) -> torch.Tensor:
-    """The packed data of time-major ``y`` with exactly ``like``'s batch sizes and order."""
-    if like.sorted_indices is not None:
-        y, lengths = y.index_select(1, like.sorted_indices), lengths[like.sorted_indices.cpu()]
-    return pack_padded_sequence(y, lengths, enforce_sorted=True).data
-
-
-def _repack(y: torch.Tensor, lengths: torch.Tensor, like: PackedSequence) -> PackedSequence:
-    return PackedSequence(_pack_like(y, lengths, like), like.batch_sizes, like.sorted_indices,
-                          like.unsorted_indices)
+    return layout.pad(F.dropout(layout.pack(y), p, training=True))
 
 
 def _unsqueeze_hidden(h: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import functional
 from ..cells import CellSpec, cell_spec
 from ..stats import RunStats
+from .packing import PackedLayout
 from .interop import lengths_array, library_stream, to_array, to_tensor
 
 MODES = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")  # torch.nn's mode strings
@@ -321,14 +321,13 @@ def torch_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
     if lengths is None:
         out = run(x, hx, weights, has_bias, num_layers, 0.0, True, bidirectional, False)
         return out[0], out[1], out[2] if lstm else None
-    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
-    order = packed.sorted_indices
+    layout = PackedLayout.from_lengths(lengths, x.device)
+    order = layout.sorted_indices
     hx = tuple(h.index_select(1, order) for h in hx) if lstm else hx.index_select(1, order)
-    out = run(packed.data, packed.batch_sizes, hx, weights, has_bias, num_layers, 0.0, True,
+    out = run(layout.pack(x), layout.batch_sizes, hx, weights, has_bias, num_layers, 0.0, True,
               bidirectional)
-    y, _ = pad_packed_sequence(PackedSequence(out[0], packed.batch_sizes, order,
-                                              packed.unsorted_indices), total_length=x.shape[0])
-    back = packed.unsorted_indices
+    back = layout.unsorted_indices
+    y = layout.pad(out[0], steps=x.shape[0])
     return y, out[1].index_select(1, back), out[2].index_select(1, back) if lstm else None
 
 

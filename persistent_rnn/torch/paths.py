@@ -27,12 +27,12 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def library_blocker(x: torch.Tensor, proj_size: int) -> str | None:
-    """Why the library cannot run this layer at all, or ``None``."""
+def library_blocker(x: torch.Tensor, dtype: torch.dtype, proj_size: int) -> str | None:
+    """Why the library cannot run this layer on ``x`` in ``dtype`` at all, or ``None``."""
     if proj_size > 0:
         return "proj_size > 0: the library has no LSTM projection; torch's kernels run it"
-    if x.dtype not in LIBRARY_DTYPES:
-        return (f"dtype {x.dtype}: the library runs float32 and float64 (its 16-bit kernels have "
+    if dtype not in LIBRARY_DTYPES:
+        return (f"dtype {dtype}: the library runs float32 and float64 (its 16-bit kernels have "
                 f"not landed); torch's kernels run it")
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return ("CUDA graph capture: the library reads the kernel's progress back to the host, "
@@ -40,26 +40,27 @@ def library_blocker(x: torch.Tensor, proj_size: int) -> str | None:
     return None
 
 
-def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
-           batch) -> tuple[str, str | None]:
+def choose(algo: str, cell: CellSpec, x: torch.Tensor, weight_dtype: torch.dtype, hidden: int,
+           proj_size: int, batch) -> tuple[str, str | None]:
     """``(path, why)``: ``path`` is ``"torch"`` or the library ``algo`` to run; ``why`` says why
     the persistent kernel does not run (``None`` where it may).
 
+    Under autocast the library runs in the weights' dtype (the module casts the input to it).
     ``batch`` is a callable giving the batch size (read only where it matters: it is a tensor
     element for packed input).
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    blocker = library_blocker(x, proj_size)
+    low = autocast_dtype(x.device.type)
+    blocker = library_blocker(x, x.dtype if low is None else weight_dtype, proj_size)
     if algo != "auto":
         if blocker is not None:
             raise ValueError(f"algo={algo!r} cannot run this layer: {blocker}")
         return algo, None
-    if blocker is not None:
-        return TORCH, blocker
-    low = autocast_dtype(x.device.type)
     if low is not None:
         return TORCH, f"autocast to {low}: torch's kernels run 16-bit layers"
+    if blocker is not None:
+        return TORCH, blocker
     if not x.is_cuda:
         if torch.compiler.is_compiling():
             # torch's CPU RNN kernel (oneDNN) fails to compile in training (torch 2.13), and
