@@ -169,15 +169,17 @@ MODELS: dict[str, Workload] = {
 
 def train(name: str, rnn: ModuleType, steps: int, size: str = "full", seed: int = 0,
           lr: float = 0.1, layer_kwargs: dict[str, Any] | None = None,
-          dtype: torch.dtype = torch.float32,
+          dtype: torch.dtype = torch.float32, compile: bool = False,
           on_step: Callable[[int], None] | None = None) -> list[float]:
     """Train model ``name`` built from ``rnn`` for ``steps`` SGD steps on fresh synthetic
     batches; return the losses. The same ``seed`` gives the same weights, data and (on the CPU)
-    dropout masks with either namespace. ``on_step(i)`` is called after step ``i``."""
+    dropout masks with either namespace. ``compile`` runs the model through ``torch.compile``;
+    ``on_step(i)`` is called after step ``i``."""
     work = MODELS[name]
     sizes = work.sizes[size]
     torch.manual_seed(seed)
     model = work.build(rnn, sizes, layer_kwargs or {}).to(dtype)
+    run = torch.compile(model) if compile else model
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed + 1)
     carry: dict = {}
@@ -185,7 +187,7 @@ def train(name: str, rnn: ModuleType, steps: int, size: str = "full", seed: int 
     for i in range(steps):
         data = tuple(t.to(dtype) if t.is_floating_point() else t for t in work.batch(gen, sizes))
         opt.zero_grad(set_to_none=True)
-        losses.append(work.step(model, data, carry).item())
+        losses.append(work.step(run, data, carry).item())
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if on_step is not None:
