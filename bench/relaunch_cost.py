@@ -17,7 +17,8 @@ import _study
 import numpy as np
 
 import persistent_rnn as prnn
-from persistent_rnn import runtime, timing
+from persistent_rnn import timing
+from persistent_rnn.cells import CELLS, layer_args
 
 NAME = "relaunch_cost"
 
@@ -51,7 +52,7 @@ def draw(ax, doc) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the study; exit status 2 without a GPU."""
     p = _study.parser(NAME, __doc__)
-    p.add_argument("--cell", default="lstm", choices=("rnn_tanh", "gru", "lstm"))
+    p.add_argument("--cell", default="lstm", choices=tuple(CELLS))
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=200)
@@ -62,15 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     _study.require_gpu(NAME)
     import cupy as cp
     stalls = [float(s) for s in args.stalls_ms.split(",")][: 3 if args.quick else None]
-    rnn = args.cell.startswith("rnn")
-    mode, extra = ("RNN", {"nonlinearity": args.cell[4:]}) if rnn else (args.cell.upper(), {})
+    mode, extra = layer_args(args.cell)
     layer = getattr(prnn, mode)(64, args.hidden, algo="persistent", seed=0, **extra)
     layer.load_params({k: cp.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(0)
     xs = [cp.asarray(rng.standard_normal((args.seq_len, args.batch, 64)).astype("float32")) for _ in range(3)]
-    previous = runtime.SETTINGS.gpu_timeout_ms
-    runtime.configure(gpu_timeout_ms=args.timeout_ms)
-    try:
+    with prnn.override_settings(gpu_timeout_ms=args.timeout_ms):
         base, _ = forward_seconds(layer, xs, args.repeats, None)
         rows = []
         for stall in stalls:
@@ -79,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
                          "restarts": restarts, "fallback": layer.last_run.fallback,
                          "cost_us": (seconds - base - stall / 1e3) * 1e6})
             print(f"stall {stall:6.1f} ms: restarts {restarts}, cost {rows[-1]['cost_us']:9.1f} us")
-    finally:
-        runtime.configure(gpu_timeout_ms=previous)
     settings = {"cell": args.cell, "hidden_size": args.hidden, "batch": args.batch, "seq_len": args.seq_len,
                 "input_size": 64, "timeout_ms": args.timeout_ms, "repeats": args.repeats, "stall_block": 0,
                 "stall_step": args.seq_len // 2, "timing": "CUDA events, median, forward pass"}

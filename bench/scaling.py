@@ -10,11 +10,14 @@ all-reduce of the weight gradients, modelled as a ring all-reduce::
 Within a node (``p <= --gpus-per-node``) the ring runs over NVLink, beyond it the ring crosses
 InfiniBand, whose (slower) link bounds the whole ring. With ``--overlap f`` a fraction ``f`` of the
 backward pass hides all-reduce time (gradients are reduced while earlier steps still run):
-``t_step = t_fwd + t_bwd + max(0, t_allreduce - f * t_bwd)``. Efficiency is the strong-scaling
-efficiency ``t_step(1) / (p * t_step(p))``. See docs/scaling.md.
+``t_step = t_fwd + t_bwd + max(0, t_allreduce - f * t_bwd)``. Efficiency is the throughput of
+``p`` GPUs over ``p`` times the best one-GPU throughput at any per-GPU batch of the sweep, so it
+never exceeds 1 (equal to ``t_step(1) / (p * t_step(p))`` where a larger batch is never slower per
+sample). See docs/scaling.md.
 
     python bench/scaling.py --cell lstm --hidden 1024 --out bench/results/scaling
-    python bench/scaling.py --from-json bench/results/some_bench.json --hidden 1024
+    python bench/scaling.py --from-json bench/results/RUN/bench/bench_results.json \
+        --cell lstm --hidden 1024 --algo persistent
 """
 from __future__ import annotations
 
@@ -24,10 +27,18 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-GATES = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
+from persistent_rnn.bench import gpu_available
+from persistent_rnn.cells import CELLS, layer_args
+
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+# The layer a measurement is of, and its defaults when this script measures it.
+LAYER_DEFAULTS = {"cell": "lstm", "input_size": None, "hidden_size": 1024, "num_layers": 1,
+                  "bidirectional": False, "seq_len": 100, "dtype": "float32", "algo": "auto"}
+FLAGS = {"cell": "--cell", "input_size": "--input-size", "hidden_size": "--hidden",
+         "num_layers": "--layers", "bidirectional": "--bidirectional", "seq_len": "--seq-len",
+         "dtype": "--dtype", "algo": "--algo"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,7 @@ def step_seconds(compute: StepTime, allreduce_s: float, overlap: float) -> float
 def gradient_bytes(cell: str, input_size: int, hidden: int, num_layers: int,
                    bidirectional: bool, dtype: str) -> int:
     """Bytes of all weight gradients of a layer stack (torch.nn parameter shapes, with biases)."""
-    gates, dirs = GATES[cell], 2 if bidirectional else 1
+    gates, dirs = CELLS[cell].gates, 2 if bidirectional else 1
     count = 0
     for layer in range(num_layers):
         in_size = input_size if layer == 0 else hidden * dirs
@@ -102,30 +113,28 @@ def gpu_counts(global_batch: int, min_batch: int, max_gpus: int) -> list[int]:
 def project(compute_at: Callable[[int], StepTime], nbytes: int, global_batch: int,
             counts: Sequence[int], gpus_per_node: int, intra: Fabric, inter: Fabric,
             overlap: float) -> list[dict]:
-    """Projected step time, throughput and efficiency for each GPU count in ``counts``."""
-    rows, base = [], None
+    """Projected step time, throughput and efficiency for each GPU count in ``counts``.
+
+    Efficiency is ``samples/s on p GPUs / (p * best one-GPU samples/s)``, the best taken over the
+    per-GPU batches of ``counts`` (compute only): at most 1, even where a smaller per-GPU batch is
+    faster per sample (caches) and ``t_step(1) / (p * t_step(p))`` would pass 1.
+    """
+    computes = {p: compute_at(global_batch // p) for p in counts}
+    best = max((global_batch // p) / computes[p].total_s for p in counts)
+    rows = []
     for p in counts:
-        compute = compute_at(global_batch // p)
+        compute = computes[p]
         fabric = fabric_for(p, gpus_per_node, intra, inter)
         allreduce = ring_allreduce_seconds(nbytes, p, fabric)
         step = step_seconds(compute, allreduce, overlap)
-        base = step if p == 1 else base
         rows.append({
             "gpus": p, "per_gpu_batch": global_batch // p, "fabric": fabric.name,
             "fwd_ms": compute.fwd_s * 1e3, "bwd_ms": compute.bwd_s * 1e3,
             "allreduce_ms": allreduce * 1e3, "step_ms": step * 1e3,
             "samples_per_s": global_batch / step,
-            "efficiency": base / (p * step) if base is not None else None,
+            "efficiency": global_batch / step / (p * best),
         })
     return rows
-
-
-def _gpu_present() -> bool:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver or no device: measure on the CPU
-        return False
 
 
 def measure_layer(cell: str, input_size: int, hidden: int, num_layers: int, bidirectional: bool,
@@ -135,14 +144,13 @@ def measure_layer(cell: str, input_size: int, hidden: int, num_layers: int, bidi
 
     import persistent_rnn as prnn
 
-    gpu = _gpu_present()
+    gpu = gpu_available()
     if gpu:
         import cupy as xp
         sync = lambda: xp.cuda.get_current_stream().synchronize()  # noqa: E731
     else:
         xp, sync = np, (lambda: None)
-    mode = "RNN" if cell.startswith("rnn") else cell.upper()
-    kwargs = {"nonlinearity": cell[4:]} if mode == "RNN" else {}
+    mode, kwargs = layer_args(cell)
     layer = getattr(prnn, mode)(input_size, hidden, num_layers=num_layers,
                                 bidirectional=bidirectional, dtype=dtype, algo=algo, seed=0, **kwargs)
     if gpu:
@@ -165,29 +173,96 @@ def measure_layer(cell: str, input_size: int, hidden: int, num_layers: int, bidi
     return StepTime(statistics.median(fwd[1:]), statistics.median(bwd[1:]))
 
 
-def load_measurements(path: str | Path) -> dict[int, StepTime]:
-    """Read per-batch forward/backward times from a bench results JSON.
+def load_measurements(path: str | Path,
+                      want: dict[str, Any] | None = None) -> tuple[dict[int, StepTime], dict]:
+    """Per-batch forward/backward times read from a JSON file, and the layer they are of.
 
-    Accepted: a list of records, or an object whose ``"results"`` or ``"measurements"`` is one.
-    Each record has ``batch`` (or ``batch_size``) and either ``fwd_ms`` and ``bwd_ms`` or
-    ``step_ms`` (forward + backward, split 1:2 as for GEMM-bound recurrences).
+    ``want`` maps keys of ``LAYER_DEFAULTS`` to the values asked for (None or missing: any).
+    Read are:
+
+    * ``prnn bench``'s results (``points``): the points of one cell, hidden size, sequence length
+      and dtype (each one the file has several of must be asked for) and one ``algo``; ``auto``
+      takes, per batch, ``persistent`` where it was measured (it fits) and ``gemm`` elsewhere.
+      The forward time is the ``forward`` point's, the backward time ``forward_backward`` minus
+      it; batches without both are left out.
+    * this script's own output (``config`` and ``measured``);
+    * hand-written records: a list, or one under ``"results"`` or ``"measurements"``, each with
+      ``batch`` (or ``batch_size``) and ``fwd_ms`` + ``bwd_ms``, or ``step_ms`` (split 1 : 2).
+
+    Raises ValueError, naming the option, where the file does not hold what ``want`` asks for.
     """
+    want = {key: None for key in LAYER_DEFAULTS} | (want or {})
     data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and "points" in data:
+        return _from_bench(path, data, want)
+    if isinstance(data, dict) and "measured" in data and "config" in data:
+        layer = {key: data["config"].get(key) for key in LAYER_DEFAULTS}
+        _agree(path, layer, want)
+        return {int(b): StepTime(**t) for b, t in data["measured"].items()}, layer
     records = data if isinstance(data, list) else data.get("results", data.get("measurements"))
     if not isinstance(records, list) or not records:
-        raise ValueError(f"{path}: expected a list of records under 'results' or 'measurements'")
-    out = {}
-    for rec in records:
-        batch = rec.get("batch", rec.get("batch_size"))
-        if batch is None:
-            raise ValueError(f"{path}: record without 'batch' or 'batch_size': {rec}")
-        if "fwd_ms" in rec and "bwd_ms" in rec:
-            out[int(batch)] = StepTime(rec["fwd_ms"] / 1e3, rec["bwd_ms"] / 1e3)
-        elif "step_ms" in rec:
-            out[int(batch)] = StepTime(rec["step_ms"] / 3e3, 2 * rec["step_ms"] / 3e3)
-        else:
-            raise ValueError(f"{path}: record needs 'fwd_ms' and 'bwd_ms' or 'step_ms': {rec}")
-    return out
+        raise ValueError(f"{path}: neither prnn bench results, this script's output nor a list of "
+                         f"records under 'results' or 'measurements'")
+    layer = {key: LAYER_DEFAULTS[key] if want[key] is None else want[key] for key in want}
+    return {_batch(path, rec): _record_time(path, rec) for rec in records}, layer
+
+
+def _batch(path: str | Path, rec: dict) -> int:
+    batch = rec.get("batch", rec.get("batch_size"))
+    if batch is None:
+        raise ValueError(f"{path}: record without 'batch' or 'batch_size': {rec}")
+    return int(batch)
+
+
+def _record_time(path: str | Path, rec: dict) -> StepTime:
+    if "fwd_ms" in rec and "bwd_ms" in rec:
+        return StepTime(rec["fwd_ms"] / 1e3, rec["bwd_ms"] / 1e3)
+    if "step_ms" in rec:
+        return StepTime(rec["step_ms"] / 3e3, 2 * rec["step_ms"] / 3e3)
+    raise ValueError(f"{path}: record needs 'fwd_ms' and 'bwd_ms' or 'step_ms': {rec}")
+
+
+def _agree(path: str | Path, layer: dict, want: dict) -> None:
+    """ValueError where an option asks for another layer than the file's."""
+    for key, value in want.items():
+        if value is not None and layer.get(key) is not None and layer[key] != value:
+            raise ValueError(f"{path} measured {key} {layer[key]!r}, but {FLAGS[key]} asks for "
+                             f"{value!r}")
+
+
+def _from_bench(path: str | Path, data: dict, want: dict) -> tuple[dict[int, StepTime], dict]:
+    """``load_measurements`` for ``prnn bench``'s results (one layer, one direction)."""
+    layer = {"input_size": data.get("settings", {}).get("input_size"), "num_layers": 1,
+             "bidirectional": False}
+    _agree(path, layer, want)
+    points = data["points"]
+    for key in ("cell", "hidden_size", "seq_len", "dtype"):
+        values = sorted({p[key] for p in points})
+        chosen = want[key]
+        if chosen is None and len(values) == 1:
+            chosen = values[0]
+        if chosen is None or chosen not in values:
+            raise ValueError(f"{path} has points for {key} {', '.join(map(str, values))}: choose "
+                             f"one with {FLAGS[key]}")
+        points = [p for p in points if p[key] == chosen]
+        layer[key] = chosen
+    layer["algo"] = want["algo"] or "auto"
+    seconds = {(p["algo"], p["pass"], p["batch"]): p["us_per_step"] * p["seq_len"] / 1e6
+               for p in points}
+    measured = {}
+    for batch in sorted({p["batch"] for p in points}):
+        for algo in ("persistent", "gemm") if layer["algo"] == "auto" else (layer["algo"],):
+            fwd = seconds.get((algo, "forward", batch))
+            both = seconds.get((algo, "forward_backward", batch))
+            if fwd is not None and both is not None:
+                measured[batch] = StepTime(fwd, max(both - fwd, 0.0))
+                break
+    if not measured:
+        algos = sorted({p["algo"] for p in points})
+        raise ValueError(f"{path} has no batch with forward and forward_backward points of algo "
+                         f"{layer['algo']!r} for this layer (it has {', '.join(algos)}): choose "
+                         f"one with --algo")
+    return measured, layer
 
 
 def interpolate(measured: dict[int, StepTime]) -> Callable[[int], StepTime]:
@@ -233,17 +308,22 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cell", choices=sorted(GATES), default="lstm")
-    ap.add_argument("--input-size", type=int, default=None, help="default: --hidden")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--bidirectional", action="store_true")
-    ap.add_argument("--seq-len", type=int, default=100)
-    ap.add_argument("--dtype", choices=sorted(ITEMSIZE), default="float32")
-    ap.add_argument("--algo", default="auto", help="persistent_rnn algo for the measurement")
+    ap = argparse.ArgumentParser(prog="bench/scaling.py", description=__doc__.split("\n\n")[0])
+    layer = ap.add_argument_group(
+        "the layer", "measured with these (defaults: lstm, H=1024, T=100, float32, input size H, "
+        "1 layer, algo auto); with --from-json they pick the measurements from the file")
+    layer.add_argument("--cell", choices=sorted(CELLS))
+    layer.add_argument("--input-size", type=int, help="default: the hidden size")
+    layer.add_argument("--hidden", dest="hidden_size", type=int)
+    layer.add_argument("--layers", dest="num_layers", type=int)
+    layer.add_argument("--bidirectional", action="store_true", default=None)
+    layer.add_argument("--seq-len", type=int)
+    layer.add_argument("--dtype", choices=sorted(ITEMSIZE))
+    layer.add_argument("--algo", help="persistent_rnn algo (auto, persistent, gemm; or cudnn in a "
+                                      "prnn bench file)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--global-batch", type=int, default=512)
+    ap.add_argument("--global-batch", type=int,
+                    help="default 512; with --from-json the largest batch in the file")
     ap.add_argument("--min-batch", type=int, default=2, help="smallest per-GPU batch")
     ap.add_argument("--max-gpus", type=int, default=256)
     ap.add_argument("--gpus-per-node", type=int, default=8)
@@ -252,49 +332,79 @@ def _parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{name}-latency", type=float, default=fab.latency, help="seconds per hop")
     ap.add_argument("--overlap", type=float, default=0.0,
                     help="fraction of backward that hides all-reduce time (0..1)")
-    ap.add_argument("--from-json", help="read per-batch times from this JSON instead of measuring")
+    ap.add_argument("--from-json", help="read per-batch times from this JSON instead of measuring: "
+                                        "prnn bench's results, this script's output or records")
     ap.add_argument("--out", default="bench/results/scaling", help="writes OUT.json and OUT.png")
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict]:
-    """Run the study from the command line; returns the projected rows."""
-    args = _parser().parse_args(argv)
-    input_size = args.input_size or args.hidden
-    counts = gpu_counts(args.global_batch, args.min_batch, args.max_gpus)
+def _counts(global_batch: int, min_batch: int, max_gpus: int) -> list[int]:
+    counts = gpu_counts(global_batch, min_batch, max_gpus)
     if not counts:
-        raise ValueError(f"--global-batch {args.global_batch} admits no per-GPU batch >= "
-                         f"--min-batch {args.min_batch}")
-    batches = sorted({args.global_batch // p for p in counts})
+        raise ValueError(f"--global-batch {global_batch} admits no per-GPU batch >= "
+                         f"--min-batch {min_batch}")
+    return counts
+
+
+def _measure(args: argparse.Namespace, want: dict) -> tuple[dict[int, StepTime], dict, str, int]:
+    """Measurements (read or taken), their layer, where they come from, and the global batch."""
     if args.from_json:
-        measured, source = load_measurements(args.from_json), f"json:{args.from_json}"
-    else:
-        measured = {b: measure_layer(args.cell, input_size, args.hidden, args.layers,
-                                     args.bidirectional, args.seq_len, b, args.dtype,
-                                     args.repeats, args.algo) for b in batches}
-        source = "cupy" if _gpu_present() else "numpy"
+        measured, layer = load_measurements(args.from_json, want)
+        global_batch = args.global_batch or max(measured)
+        _counts(global_batch, args.min_batch, args.max_gpus)
+        return measured, layer, f"json:{args.from_json}", global_batch
+    layer = {key: LAYER_DEFAULTS[key] if value is None else value for key, value in want.items()}
+    layer["input_size"] = layer["input_size"] or layer["hidden_size"]
+    global_batch = args.global_batch or 512
+    batches = sorted({global_batch // p for p in _counts(global_batch, args.min_batch, args.max_gpus)})
+    measured = {b: measure_layer(layer["cell"], layer["input_size"], layer["hidden_size"],
+                                 layer["num_layers"], layer["bidirectional"], layer["seq_len"], b,
+                                 layer["dtype"], args.repeats, layer["algo"]) for b in batches}
+    return measured, layer, "cupy" if gpu_available() else "numpy", global_batch
+
+
+def study(args: argparse.Namespace) -> list[dict]:
+    """Measure or read, project, write OUT.json and OUT.png, print one line per GPU count."""
+    want = {key: getattr(args, key) for key in LAYER_DEFAULTS}
+    measured, layer, source, global_batch = _measure(args, want)
+    layer["input_size"] = layer["input_size"] or layer["hidden_size"]
+    counts = _counts(global_batch, max(args.min_batch, min(measured)), args.max_gpus)
     fabrics = {name: Fabric(name, getattr(args, f"{name}_bandwidth"), getattr(args, f"{name}_latency"))
                for name in FABRICS}
-    nbytes = gradient_bytes(args.cell, input_size, args.hidden, args.layers, args.bidirectional,
-                            args.dtype)
-    rows = project(interpolate(measured), nbytes, args.global_batch, counts, args.gpus_per_node,
+    nbytes = gradient_bytes(layer["cell"], layer["input_size"], layer["hidden_size"],
+                            layer["num_layers"], layer["bidirectional"], layer["dtype"])
+    rows = project(interpolate(measured), nbytes, global_batch, counts, args.gpus_per_node,
                    fabrics["nvlink"], fabrics["infiniband"], args.overlap)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k != "out"}
+    config = {**{k: v for k, v in vars(args).items() if k != "out"}, **layer,
+              "global_batch": global_batch}
     report = {"config": config, "source": source, "gradient_bytes": nbytes,
               "fabrics": {k: asdict(v) for k, v in fabrics.items()},
               "measured": {str(b): asdict(t) for b, t in sorted(measured.items())},
               "projection": rows}
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    title = (f"{args.cell} H={args.hidden} T={args.seq_len} {args.dtype}, global batch "
-             f"{args.global_batch}, overlap {args.overlap:g} ({source})")
+    title = (f"{layer['cell']} H={layer['hidden_size']} T={layer['seq_len']} {layer['dtype']} "
+             f"{layer['algo']}, global batch {global_batch}, overlap {args.overlap:g} ({source})")
     plot(rows, title, out.with_suffix(".png"))
     for r in rows:
         print(f"{r['gpus']:4d} GPUs  b={r['per_gpu_batch']:4d}  {r['fabric']:10s} "
               f"step {r['step_ms']:9.3f} ms  all-reduce {r['allreduce_ms']:8.3f} ms  "
               f"eff {100 * r['efficiency']:5.1f} %")
     return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    """Run the study from the command line; returns the projected rows.
+
+    Files that cannot be read or do not hold what was asked for end with a one-line error
+    (``SystemExit(2)``), not a traceback."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return study(args)
+    except (ValueError, OSError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ struct Cell<RNN_RELU> {
   template <class T>
   PRNN_HD static void forward(const T* gi, const T* gh, T h_prev, T c_prev, T& h, T& c, T* saved) {
     const T pre = gi[0] + gh[0];
-    h = pre > T(0) ? pre : T(0);
+    h = pre < T(0) ? T(0) : pre;  // NaN stays NaN, as in torch.nn (pre > 0 ? pre : 0 made it 0)
     c = c_prev;
   }
   template <class T>

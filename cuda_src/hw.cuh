@@ -50,7 +50,6 @@ PRNN_DEVICE unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
 PRNN_DEVICE void prnn_fence() { __threadfence(); }
 // Load that bypasses L1, for data other CTAs wrote during this launch.
 PRNN_DEVICE float prnn_load_cg(const float* p) { return __ldcg(p); }
-PRNN_DEVICE void prnn_store_cg(float* p, float v) { __stcg(p, v); }
 
 // ---- time -----------------------------------------------------------------------------------
 PRNN_DEVICE unsigned long long prnn_globaltimer_ns() {

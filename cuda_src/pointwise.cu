@@ -3,7 +3,8 @@
 // One kernel per step and direction of the recurrence: the GEMM h_{t-1} W_hh^T runs in cuBLAS,
 // everything elementwise around it (recurrent bias, the cell, the lengths mask, gradient sums)
 // runs here in one launch. One thread per (batch row b, hidden unit j); buffers are contiguous,
-// row-major (B, X*H) with gate / saved activation x of unit j at column x*H + j.
+// row-major (B, X*H) with gate / saved activation x of unit j at column x*H + j. Indices are
+// 64-bit: B*G*H passes 2^31 at sizes the GEMM path accepts.
 //
 // The cell math is prnn::cell_forward_masked / cell_backward_masked from cells.cuh, the same
 // code the persistent kernels run. Kernels are extern "C" wrappers (PRNN_KERNEL) over templates,
@@ -21,13 +22,13 @@ PRNN_DEVICE void pointwise_forward(int batch, int hidden, int t, const int* leng
                                    const T* c_prev, T* h, T* c, T* saved) {
   constexpr int G = Cell<CELL>::G;
   constexpr int S = Cell<CELL>::S;
-  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= batch * hidden) return;
-  const int b = idx / hidden, j = idx % hidden;
+  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;  // B*G*H may pass 2^31
+  if (idx >= (size_t)batch * hidden) return;
+  const size_t b = idx / hidden, j = idx % hidden;
   T gi_u[G], gh_u[G], saved_u[S > 0 ? S : 1];
   for (int g = 0; g < G; ++g) {
     gi_u[g] = gi[(b * G + g) * hidden + j];
-    gh_u[g] = gh[(b * G + g) * hidden + j] + (has_bias ? b_hh[g * hidden + j] : T(0));
+    gh_u[g] = gh[(b * G + g) * hidden + j] + (has_bias ? b_hh[(size_t)g * hidden + j] : T(0));
   }
   const T cp = CELL == LSTM ? c_prev[idx] : T(0);
   T hv, cv;
@@ -48,9 +49,9 @@ PRNN_DEVICE void pointwise_backward(int batch, int hidden, int t, const int* len
                                     const T* c_prev, T* dgi, T* dgh, T* dh_direct_out, T* dc_out) {
   constexpr int G = Cell<CELL>::G;
   constexpr int S = Cell<CELL>::S;
-  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= batch * hidden) return;
-  const int b = idx / hidden, j = idx % hidden;
+  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;  // B*G*H may pass 2^31
+  if (idx >= (size_t)batch * hidden) return;
+  const size_t b = idx / hidden, j = idx % hidden;
   T saved_u[S > 0 ? S : 1], dgi_u[G], dgh_u[G];
   for (int s = 0; s < S; ++s) saved_u[s] = saved[(b * S + s) * hidden + j];
   const bool has_c = CELL == LSTM;

@@ -4,9 +4,10 @@ NumPy arrays run on the CPU, CuPy arrays on the GPU; see ``docs/api.md``.
 """
 from .layers import GRU, LSTM, RNN
 from .plan import max_hidden_size
-from .runtime import inject_stall
+from .settings import Settings, configure, inject_stall, override_settings
 from .stats import RunStats
 
 __version__ = "0.1.0"
 
-__all__ = ["GRU", "LSTM", "RNN", "RunStats", "inject_stall", "max_hidden_size", "__version__"]
+__all__ = ["GRU", "LSTM", "RNN", "RunStats", "Settings", "configure", "inject_stall",
+           "max_hidden_size", "override_settings", "__version__"]

@@ -2,7 +2,7 @@
 
 A point is (cell, pass, algo, batch, hidden_size, seq_len, dtype): one single-layer,
 unidirectional layer with ``input_size`` inputs. ``pass`` is ``forward`` or ``forward_backward``;
-``algo`` is ``persistent`` or ``gemm`` (persistent_rnn with that ``algo``) or ``cudnn``
+``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with that ``algo``) or ``cudnn``
 (``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
 input projection included; ``us_per_step`` is it divided by ``seq_len``.
 
@@ -28,12 +28,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import info, timing
+from .cells import CELLS, layer_args
 from .plan import resolve_cell
+from .validation import ALGOS
 
 SCHEMA_VERSION = 1
 PASSES = ("forward", "forward_backward")
-ALGOS = ("persistent", "gemm", "cudnn")
-CELL_NAMES = ("rnn_tanh", "rnn_relu", "gru", "lstm")
+# What a point can measure: each algorithm persistent_rnn can be told to run, and torch's cuDNN.
+BENCH_ALGOS = (*(a for a in ALGOS if a != "auto"), "cudnn")
+CELL_NAMES = tuple(CELLS)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 FLOPS_FORMULA = ("recurrence only, per step: forward 2*G*B*H^2; forward_backward 4*G*B*H^2 "
                  "(forward W_hh h plus backward W_hh^T dgh); G = gates (rnn 1, gru 3, lstm 4)")
@@ -50,7 +53,7 @@ class Sweep:
     seq_lens: tuple[int, ...]
     batches: tuple[int, ...] = BATCHES
     passes: tuple[str, ...] = PASSES
-    algos: tuple[str, ...] = ALGOS
+    algos: tuple[str, ...] = BENCH_ALGOS
     dtype: str = "float32"
     input_size: int = 64
     repeats: int = 10
@@ -117,7 +120,7 @@ def gpu_available() -> bool:
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver or no device all mean: run on the CPU
+    except (ImportError, RuntimeError):  # no CuPy; no driver or device (CUDA errors): the CPU
         return False
 
 
@@ -126,7 +129,7 @@ def torch_cuda_available() -> bool:
     try:
         import torch
         return torch.cuda.is_available()
-    except Exception:  # torch missing or broken: no cudnn column
+    except (ImportError, OSError):  # torch missing, or its libraries do not load: no cudnn
         return False
 
 
@@ -136,7 +139,7 @@ def git_commit() -> str:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                              text=True, timeout=5, check=True)
         return out.stdout.strip() or "unknown"
-    except Exception:  # no git, not a checkout, or an installed wheel
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout (an installed wheel)
         return "unknown"
 
 
@@ -151,7 +154,7 @@ def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, h
                xp) -> tuple[Callable, list, Any]:
     """A call running one persistent_rnn layer with ``algo`` on ``xp`` arrays, its inputs, the layer."""
     import persistent_rnn as prnn
-    mode, extra = ("RNN", {"nonlinearity": cell[4:]}) if cell.startswith("rnn") else (cell.upper(), {})
+    mode, extra = layer_args(cell)
     layer = getattr(prnn, mode)(sweep.input_size, hidden, dtype=sweep.dtype, algo=algo, seed=0, **extra)
     if xp is not np:
         layer.load_params({k: xp.asarray(v) for k, v in layer.params.items()})
@@ -167,10 +170,9 @@ def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, h
 def _torch_case(sweep: Sweep, cell: str, backward: bool, batch: int, hidden: int, seq_len: int):
     """A call running ``torch.nn``'s layer (cuDNN) on CUDA tensors, and its inputs."""
     import torch
-    extra = {"nonlinearity": cell[4:]} if cell.startswith("rnn") else {}
-    cls = {"gru": torch.nn.GRU, "lstm": torch.nn.LSTM}.get(cell, torch.nn.RNN)
+    mode, extra = layer_args(cell)
     dtype = getattr(torch, sweep.dtype)
-    module = cls(sweep.input_size, hidden, **extra).to(device="cuda", dtype=dtype)
+    module = getattr(torch.nn, mode)(sweep.input_size, hidden, **extra).to(device="cuda", dtype=dtype)
     rng = np.random.default_rng(batch * 7919 + hidden)
     pairs = [(torch.as_tensor(x, device="cuda").requires_grad_(backward), torch.as_tensor(dy, device="cuda"))
              for x, dy in _inputs(np, rng, sweep.input_sets, seq_len, batch, sweep.input_size, hidden,
@@ -339,10 +341,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """Write the results JSON and the plot into ``out`` (created); their paths."""
+def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path | None]:
+    """Write the results JSON and, where matplotlib is installed (the ``bench`` extra), the plot
+    into ``out`` (created); their paths (None for a plot not drawn)."""
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / JSON_NAME, out / PLOT_NAME
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, png_path)
+    try:
+        plot(results, png_path)
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        return json_path, None
     return json_path, png_path

@@ -125,3 +125,13 @@ def cell_spec(mode: str, nonlinearity: str = "tanh") -> CellSpec:
     if mode in ("GRU", "LSTM"):
         return CELLS[mode.lower()]
     raise ValueError(f"mode must be 'RNN', 'GRU' or 'LSTM', got {mode!r}")
+
+
+def layer_args(name: str) -> tuple[str, dict[str, str]]:
+    """The layer ``mode`` and keyword arguments that build cell ``name`` (a key of ``CELLS``):
+    ``"rnn_relu"`` -> ``("RNN", {"nonlinearity": "relu"})``, ``"gru"`` -> ``("GRU", {})``.
+    The inverse of ``cell_spec``; ``torch.nn`` takes the same ``mode`` names and arguments."""
+    if name not in CELLS:
+        raise ValueError(f"cell must be one of {', '.join(CELLS)}, got {name!r}")
+    mode, _, nonlinearity = name.partition("_")
+    return mode.upper(), ({"nonlinearity": nonlinearity} if nonlinearity else {})

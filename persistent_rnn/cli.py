@@ -4,18 +4,26 @@
     prnn bench [--quick] [--json] [--out DIR] [sweep options]
     prnn kernels [--arch 80,90] [--json]     compiled kernel configurations (kernel_report)
     prnn demo                                forward/backward of every cell on NumPy
+
+Every command runs with the core dependencies alone (``prnn kernels`` needs NVRTC: without the
+``cuda13`` extra it stops with one line saying so) and ends with a one-line error, never a
+traceback, on bad options, an unwritable ``--out`` or a reader that closed the pipe.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from . import bench
 
 DEFAULT_OUT = "prnn_bench_results"
+# The extra that installs each optional top-level module a command may import.
+EXTRAS = {"cupy": "cuda13", "cupy_backends": "cuda13", "torch": "torch", "matplotlib": "bench"}
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
@@ -71,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hidden", type=_positive_ints, help="hidden sizes, e.g. 256,512")
     b.add_argument("--seq-len", type=_positive_ints, help="sequence lengths T")
     b.add_argument("--passes", type=_choices(bench.PASSES), help="forward,forward_backward")
-    b.add_argument("--algos", type=_choices(bench.ALGOS), help="persistent,gemm,cudnn")
+    b.add_argument("--algos", type=_choices(bench.BENCH_ALGOS), help=",".join(bench.BENCH_ALGOS))
     b.add_argument("--input-size", type=_at_least(1), help="layer input size (default 64)")
     b.add_argument("--repeats", type=_at_least(10), help="timed repetitions per point, >= 10 (default 10)")
     b.add_argument("--max-seconds", type=_at_least(1.0, float), help="time budget; later points are skipped")
@@ -97,30 +105,80 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable(folder: Path) -> None:
+    """OSError unless files can be created in ``folder`` (created if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+
+
 def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     """``prnn bench``: sweep, table (stdout, or stderr with --json), JSON and PNG into --out."""
+    try:
+        _writable(args.out)  # before the sweep, not after minutes of it
+    except OSError as exc:
+        return _error("bench", f"--out {args.out}: cannot write there ({exc.strerror or exc})")
     gpu = not args.cpu and bench.gpu_available()
     try:
         results = bench.benchmark(_sweep_from_args(args, gpu), gpu, ["prnn", *argv],
                                   progress=not args.no_progress)
     except ValueError as exc:
-        print(f"prnn bench: error: {exc}", file=sys.stderr)
-        return 2
-    json_path, png_path = bench.write_outputs(results, args.out)
+        return _error("bench", str(exc))
+    try:
+        json_path, png_path = bench.write_outputs(results, args.out)
+    except OSError as exc:
+        return _error("bench", f"--out {args.out}: cannot write there ({exc.strerror or exc})")
     table = sys.stderr if args.json else sys.stdout
     print(bench.format_table(results), file=table)
-    print(f"wrote {json_path} and {png_path}", file=table)
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else
+                                  ' (no plot: pip install "persistent-rnn[bench]" for it)'),
+          file=table)
     if args.json:
         print(json.dumps(results, indent=1))
     return 0
 
 
+def run_kernels(argv: list[str]) -> int:
+    """``prnn kernels``: kernel_report's own parser and table (``prnn kernels --help``)."""
+    from . import kernel_report
+    try:
+        return kernel_report.main(argv)
+    except ValueError as exc:  # an --arch the kernels cannot be built for
+        return _error("kernels", str(exc))
+
+
+def _error(command: str, message: str, status: int = 2) -> int:
+    print(f"prnn {command}: error: {message}", file=sys.stderr)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``prnn`` console script; returns the exit status."""
+    """Entry point of the ``prnn`` console script; returns the exit status.
+
+    A missing optional dependency ends the command with one line naming the extra to install
+    (status 1); a closed stdout (``prnn kernels | head``) ends it quietly (status 141, as for a
+    process killed by SIGPIPE)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _dispatch(argv)
+        sys.stdout.flush()  # here, so that a closed pipe is seen below and not at exit
+        return status
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        command = argv[0] if argv else "prnn"
+        return _error(command, f"needs the {extra} extra ({exc.name} is not installed): "
+                               f'pip install "persistent-rnn[{extra}]"', status=1)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["kernels"]:  # its own parser, so that `prnn kernels --help` shows its options
-        from . import kernel_report
-        return kernel_report.main(argv[1:])
+        return run_kernels(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "info":
         return run_info(args)

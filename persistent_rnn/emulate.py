@@ -7,8 +7,9 @@ GPU module's call form. Each CTA runs on one host thread with its CUDA threads a
 ``max_resident`` limits how many CTAs run at once, as on a GPU too busy to hold the whole grid.
 It is a test and debug path (``algo="persistent"`` on NumPy arrays), never chosen by ``"auto"``.
 
-Builds are cached on disk by a hash of the sources, options and compiler, in
-``$PRNN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/persistent_rnn`` or ``~/.cache/persistent_rnn``).
+Builds are kept in the verified cache (``cache``, docs/cache.md) under ``<cache>/emulation``,
+keyed by a hash of the sources, options and compiler: a library is ``dlopen``ed only after its
+digest matches the one recorded when it was built.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -26,8 +26,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from . import cache
 from ._sources import cuda_src_dir
-from .kernels import cache_dir
 
 CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-pthread", "-w", "-DPRNN_EMULATION")
 
@@ -138,30 +138,27 @@ def _module(source: str, defines: tuple) -> EmulatedModule:
 
 
 def _build(source: str, defines: dict[str, int]) -> tuple[Path, list[str]]:
+    """The verified cached library of ``source`` with ``defines`` (built if missing or bad) and
+    its kernel names."""
     compiler = host_compiler()
     src_dir = cuda_src_dir()
     options = [*CXX_FLAGS, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
                          .encode()).hexdigest()[:24]
-    out_dir = cache_dir() / "emulation"
-    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    library = out_dir / f"{Path(source).stem}-{key}.so"
-    kernels_file = library.with_suffix(".kernels")
-    if library.is_file():
-        return library, kernels_file.read_text().split()
-    kernels = _kernel_names(compiler, options, src_dir / source)
-    unit = (f'#include "{src_dir / source}"\n#include "emulation_launch.h"\n'
+    entry = cache.fetch(cache.cache_dir("emulation"), f"{Path(source).stem}-{key}", ".so",
+                        lambda out: {"kernels": _compile(compiler, options, src_dir / source, out)})
+    return entry.path, entry.meta["kernels"]
+
+
+def _compile(compiler: str, options: list[str], path: Path, out: Path) -> list[str]:
+    """Build the host library of the kernel source ``path`` into ``out``; its kernel names."""
+    kernels = _kernel_names(compiler, options, path)
+    unit = (f'#include "{path}"\n#include "emulation_launch.h"\n'
             + "".join(f"PRNN_EMU_ENTRY({name})\n" for name in kernels))
-    with tempfile.TemporaryDirectory() as tmp:
-        cpp = Path(tmp) / "unit.cpp"
-        cpp.write_text(unit)
-        built = Path(tmp) / library.name
-        _run([compiler, *options, str(cpp), "-o", str(built)], source)
-        listing = Path(tmp) / kernels_file.name
-        listing.write_text("\n".join(kernels))
-        os.replace(listing, kernels_file)
-        os.replace(built, library)  # last: a library present means a complete build
-    return library, kernels
+    # The unit goes through stdin and the library straight to ``out`` (in the cache folder):
+    # nothing of ours lands in TMPDIR, which may be on another filesystem.
+    _run([compiler, *options, "-x", "c++", "-", "-o", str(out)], path.name, stdin=unit)
+    return kernels
 
 
 def _kernel_names(compiler: str, options: list[str], path: Path) -> list[str]:
@@ -174,8 +171,8 @@ def _kernel_names(compiler: str, options: list[str], path: Path) -> list[str]:
     return names
 
 
-def _run(cmd: list[str], what: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _run(cmd: list[str], what: str, stdin: str | None = None) -> str:
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
     if proc.returncode != 0:
         raise EmulationError(f"host build of {what} failed ({' '.join(cmd)}):\n{proc.stderr}")
     return proc.stdout

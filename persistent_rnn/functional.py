@@ -21,15 +21,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime
+from .buffers import array_module, select_active
 from .cells import CellSpec
-from .gemm import array_module
 from .stats import RunStats
 
 Array = Any  # numpy.ndarray or cupy.ndarray
-
-
-class CallOrderError(RuntimeError, ValueError):
-    """``backward`` called before ``forward``, or twice for one ``forward``."""
 
 
 def param_names(layer: int, reverse: bool, bias: bool) -> list[str]:
@@ -87,7 +83,8 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
         lengths = xp.asarray(lengths, dtype=np.int32)
     ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
                   _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
-    layer_input = x
+    # Padding is selected out, not multiplied away: NaN/Inf there must not reach any result.
+    layer_input = select_active(xp, x, lengths)
     hn, cn = [], []
     for layer in range(num_layers):
         ctx.inputs.append(layer_input)
@@ -104,7 +101,7 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
                 cn.append(d.fwd.cs[-1])
             dirs.append(d)
         ctx.directions.append(dirs)
-        layer_input = _zero_past_lengths(xp, xp.concatenate(outputs, axis=2), lengths)
+        layer_input = select_active(xp, xp.concatenate(outputs, axis=2), lengths)
     y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
     h_n = xp.stack(hn)
     return y, ((h_n, xp.stack(cn)) if cell.has_cell_state else h_n), ctx
@@ -120,7 +117,7 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     xp = array_module(dy)
     stats = RunStats()
     dy = dy.transpose(1, 0, 2) if ctx.batch_first else dy
-    d_out = _zero_past_lengths(xp, xp.array(dy, copy=True), ctx.lengths)
+    d_out = select_active(xp, dy, ctx.lengths)
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
     grads: dict[str, Array] = {}
     dh0, dc0 = {}, {}
@@ -201,13 +198,6 @@ def _gather(index: Array, a: Array) -> Array:
     """``a`` (T, B, X) with step ``t`` of sequence ``b`` taken from step ``index[t, b]``."""
     xp = array_module(a)
     return a[index, xp.arange(a.shape[1])[None, :]]
-
-
-def _zero_past_lengths(xp, a: Array, lengths: Array | None) -> Array:
-    """Zero ``a`` (T, B, X) in place at steps past each sequence's length; return it."""
-    if lengths is not None:
-        a *= (xp.arange(a.shape[0])[:, None] < lengths[None, :])[:, :, None]
-    return a
 
 
 def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:

@@ -6,58 +6,24 @@ module's matmul (cuBLAS on the GPU) and then the cell's pointwise update with th
 the update is ``cells.py``'s reference math; on CuPy it is one fused kernel per step from
 ``cuda_src/pointwise.cu`` (the same ``cells.cuh`` code the persistent kernels run).
 
-Buffers and their layout are described in ``runtime.py``. ``start`` / ``stop`` let the runtime
+Buffers and their layout are described in ``buffers.py``. ``start`` / ``stop`` let the runtime
 finish a persistent run that stopped part-way on this path.
 """
 from __future__ import annotations
 
-import sys
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from ._sources import cuda_src_dir, read_source
+from .buffers import array_module, full_lengths
 from .cells import CellSpec
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
 _THREADS = 256  # threads per block of the pointwise kernels
-
-
-def array_module(*arrays: Array):
-    """Return ``cupy`` if any of ``arrays`` is a CuPy array, else ``numpy``.
-
-    Does not import CuPy: a CuPy array can only exist once CuPy has been imported.
-    """
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays):
-        return cupy
-    return np
-
-
-def separate_dgh(cell: CellSpec) -> bool:
-    """Whether ``dgh`` differs from ``dgi`` (only GRU: r scales its n gate's recurrent part)."""
-    return cell.name == "gru"
-
-
-def allocate_forward(cell: CellSpec, gi: Array) -> tuple[Array, Array | None, Array]:
-    """Allocate ``(y, cs, saved)`` for the forward recurrence over ``gi`` (T, B, G*H)."""
-    xp = array_module(gi)
-    steps, batch, width = gi.shape
-    hidden = width // cell.gates
-    y = xp.empty((steps, batch, hidden), dtype=gi.dtype)
-    cs = xp.empty_like(y) if cell.has_cell_state else None
-    saved = xp.empty((steps, batch, cell.saved * hidden), dtype=gi.dtype)
-    return y, cs, saved
-
-
-def allocate_backward(cell: CellSpec, dy: Array) -> tuple[Array, Array]:
-    """Allocate ``(dgi, dgh)`` (T, B, G*H) for the backward recurrence (one array unless GRU)."""
-    xp = array_module(dy)
-    steps, batch, hidden = dy.shape
-    dgi = xp.empty((steps, batch, cell.gates * hidden), dtype=dy.dtype)
-    return dgi, (xp.empty_like(dgi) if separate_dgh(cell) else dgi)
+_MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
 
 
 def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
@@ -109,14 +75,6 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
             None if cs is None else cs[t], h_prev, c_prev, dgi_t, dgh_t)
         dh_rec = dgh_t @ w_hh
     return dh_direct + dh_rec, dc
-
-
-def full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
-    """``lengths`` as contiguous int32 on ``xp`` (what the kernels read); ``None`` means every
-    sequence runs all ``steps``."""
-    if lengths is None:
-        return xp.full((batch,), steps, dtype=np.int32)
-    return xp.ascontiguousarray(xp.asarray(lengths, dtype=np.int32))
 
 
 def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_out, c_out,
@@ -177,7 +135,13 @@ def _contiguous(xp, a: Array | None, placeholder: Array) -> Array:
 def _launch(cell: CellSpec, which: str, dtype, threads: int, args: tuple) -> None:
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
     kernel = _module().get_function(f"prnn_pointwise_{which}_{cell.name}_{suffix}")
-    kernel(((threads + _THREADS - 1) // _THREADS,), (_THREADS,), args)
+    blocks = (threads + _THREADS - 1) // _THREADS
+    if blocks == 0:  # an empty batch: CUDA refuses a grid of 0 blocks
+        return
+    if blocks > _MAX_BLOCKS:
+        raise ValueError(f"batch x hidden_size = {threads} is too large for the GEMM path's "
+                         f"pointwise kernels (at most {_MAX_BLOCKS * _THREADS})")
+    kernel((blocks,), (_THREADS,), args)
 
 
 @lru_cache(maxsize=None)

@@ -1,7 +1,8 @@
 """``prnn info``: the GPU (through NVML and CuPy), its fp32 peak and what the persistent kernel fits.
 
-Without a GPU (NVML or CUDA cannot initialise, or no device) the report says so and lists the
-planner's named device profiles (h100, h200, a100) instead; it never raises for a missing GPU.
+Without a GPU the report says why (CuPy is not installed or does not import; NVML or CUDA cannot
+initialise, or there is no device) and lists the planner's named device profiles (h100, h200,
+a100) instead; it never raises for a missing GPU.
 
 The fp32 peak is ``SMs x max SM clock x FP32 lanes per SM x 2`` (an FMA counts two FLOPs): 128
 lanes per SM on every supported architecture except sm_80 (A100: 64). The clock is NVML's maximum
@@ -101,18 +102,38 @@ def gpu_info(index: int = 0) -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     """The ``prnn info`` report: the GPU, or why there is none plus the named planner profiles."""
+    import pynvml
+
     from . import __version__
     report: dict[str, Any] = {"persistent_rnn_version": __version__}
     try:
+        import cupy  # noqa: F401  (only whether it imports)
+    except ImportError as exc:
+        return _without_gpu(report, _cupy_missing(exc))
+    try:
         report.update(gpu_info())
-        report["gpu"] = True
-        report["max_hidden_size"] = max_hidden_table(plan.current_device())
-    except Exception as exc:  # no NVML, no driver, no device: the CPU report below instead
-        report.update(gpu=False, reason=f"no GPU: {type(exc).__name__}: {exc}")
-        report["profiles"] = {
-            name: {"sm_count": p.sm_count, "registers_per_sm": p.registers_per_sm, "arch": p.arch,
-                   "max_hidden_size": max_hidden_table(p)}
-            for name, p in plan.PROFILES.items()}
+    # No NVML library or driver; no CUDA driver or device (CuPy's CUDA errors are RuntimeErrors).
+    except (pynvml.NVMLError, RuntimeError) as exc:
+        return _without_gpu(report, f"no GPU: {type(exc).__name__}: {exc}")
+    report["gpu"] = True
+    report["max_hidden_size"] = max_hidden_table(plan.current_device())
+    return report
+
+
+def _cupy_missing(exc: ImportError) -> str:
+    """Why there is no GPU when CuPy does not import."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "cupy":
+        return 'CuPy is not installed, so no GPU is used: pip install "persistent-rnn[cuda13]"'
+    return f"CuPy is installed but does not import ({type(exc).__name__}: {exc}), so no GPU is used"
+
+
+def _without_gpu(report: dict[str, Any], reason: str) -> dict[str, Any]:
+    """``report`` for a machine without a usable GPU: ``reason`` and the planner profiles."""
+    report.update(gpu=False, reason=reason)
+    report["profiles"] = {
+        name: {"sm_count": p.sm_count, "registers_per_sm": p.registers_per_sm, "arch": p.arch,
+               "max_hidden_size": max_hidden_table(p)}
+        for name, p in plan.PROFILES.items()}
     return report
 
 

@@ -2,25 +2,27 @@
 
 Compilation goes through NVRTC's C API (CuPy's low-level binding), which needs neither a GPU nor
 a host compiler, so ``kernel_report`` can compile every shipped configuration anywhere. Cubins
-and the compiler log (with ptxas' register and spill report) are cached under
-``$PRNN_CACHE_DIR``, else ``$XDG_CACHE_HOME/persistent_rnn``, else ``~/.cache/persistent_rnn``
-(created with mode 0o700), keyed by a hash of the source, every header in ``cuda_src/``, the
-options, the architecture and the NVRTC version.
+and the compiler log (with ptxas' register and spill report) are kept in the verified cache
+(``cache``, docs/cache.md) under ``<cache>/nvrtc``, keyed by a hash of the source, every header in
+``cuda_src/``, the options, the architecture and the NVRTC version.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
-import os
+import re
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import cache
 from ._sources import cuda_src_dir, read_source
 from .plan import WARP, register_cap
 
 _LOCK = threading.Lock()
+MIN_ARCH = 80  # the kernels use cp.async and other sm_80 instructions
 
 
 @dataclass(frozen=True)
@@ -29,17 +31,6 @@ class Compiled:
 
     cubin_path: Path
     log: str
-
-
-def cache_dir() -> Path:
-    """The on-disk cache directory (created, mode 0o700)."""
-    root = os.environ.get("PRNN_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "persistent_rnn")
-    path = Path(root)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
 
 
 def compile_options(defines: Mapping[str, int], arch: str) -> list[str]:
@@ -66,18 +57,40 @@ def _headers_digest() -> str:
 def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compiled:
     """Compile ``cuda_src/<source>`` with ``defines`` for ``arch`` to a cubin (cached on disk).
 
-    Raises RuntimeError with NVRTC's full log when the compilation fails.
+    A cached cubin is returned only after its digest matches the one recorded when it was built;
+    a missing or damaged one is compiled again. Raises ValueError for an ``arch`` the kernels
+    cannot be compiled for here, RuntimeError with NVRTC's full log when the compilation fails,
+    and cache.CacheError when the cache directory is not private.
     """
     from cupy_backends.cuda.libs import nvrtc
 
+    check_arch(arch)
     text = read_source(source)
     options = compile_options(defines, arch)
     key = hashlib.sha256("\0".join([text, _headers_digest(), *options, str(nvrtc.getVersion())])
                          .encode()).hexdigest()[:32]
-    folder = cache_dir()
-    cubin_path, log_path = folder / f"{key}.cubin", folder / f"{key}.log"
-    if cubin_path.is_file() and log_path.is_file():
-        return Compiled(cubin_path, log_path.read_text())
+    entry = cache.fetch(cache.cache_dir("nvrtc"), key, ".cubin",
+                        lambda path: {"log": _compile(text, source, options, path)})
+    return Compiled(entry.path, entry.meta["log"])
+
+
+def check_arch(arch: str) -> None:
+    """ValueError unless ``arch`` is ``sm_XY`` with XY >= ``MIN_ARCH`` and known to this NVRTC."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    usable = [a for a in nvrtc.getSupportedArchs() if a >= MIN_ARCH]
+    match = re.fullmatch(r"sm_(\d+)", arch)
+    if match is None or int(match.group(1)) not in usable:
+        major, minor = nvrtc.getVersion()
+        raise ValueError(f"arch {arch!r}: the kernels need sm_{MIN_ARCH} or newer, and NVRTC "
+                         f"{major}.{minor} builds them for "
+                         f"{', '.join(f'sm_{a}' for a in usable)}")
+
+
+def _compile(text: str, source: str, options: list[str], out: Path) -> str:
+    """Compile ``text`` to the cubin ``out``; NVRTC's log."""
+    from cupy_backends.cuda.libs import nvrtc
+
     prog = nvrtc.createProgram(text, source, [], [])
     try:
         try:
@@ -85,15 +98,29 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed to compile {source} with {options}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
-        log, cubin = nvrtc.getProgramLog(prog).rstrip("\0"), nvrtc.getCUBIN(prog)
+        out.write_bytes(_cubin_image(prog))
+        return nvrtc.getProgramLog(prog).rstrip("\0")
     finally:
         nvrtc.destroyProgram(prog)
-    # Write-then-rename so that concurrent processes never read a partial file.
-    for path, data in ((cubin_path, cubin), (log_path, log.encode())):
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    return Compiled(cubin_path, log)
+
+
+def _cubin_image(prog: int) -> bytes:
+    """The whole cubin of the compiled NVRTC program ``prog``.
+
+    CuPy's ``nvrtc.getCUBIN`` drops the image's last byte (it treats it as a NUL-terminated
+    string), which leaves an ELF that cuobjdump and nvdisasm reject; so the image is read through
+    NVRTC's C API, from the library CuPy has already loaded (matched by its soname).
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    lib = ctypes.CDLL(f"libnvrtc.so.{nvrtc.getVersion()[0]}")
+    handle, size = ctypes.c_void_p(prog), ctypes.c_size_t()
+    status = lib.nvrtcGetCUBINSize(handle, ctypes.byref(size))
+    image = ctypes.create_string_buffer(size.value)
+    status = status or lib.nvrtcGetCUBIN(handle, image)
+    if status:
+        raise RuntimeError(f"NVRTC could not return the cubin (nvrtcResult {status})")
+    return image.raw
 
 
 def device_arch() -> str:

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import functional, validation
+from .buffers import array_module
 from .cells import CellSpec, cell_spec
 from .validation import CallOrderError
 from .stats import RunStats
@@ -79,14 +80,21 @@ class _Recurrent:
         ``torch`` state_dict's tensors as NumPy); values are copied in the layer's dtype onto
         the parameters' current device."""
         validation.params_mapping(mapping, self.param_shapes())
-        xp = validation.array_module(**{"params": next(iter(self.params.values()))})
-        for key in self.params:
-            value = mapping[key]
+        xp = self._module()
+        loaded = {key: self._convert(xp, key, mapping[key]) for key in self.params}
+        self.params.update(loaded)  # only once every value converted: all or nothing
+
+    def _convert(self, xp, key: str, value: Any) -> Array:
+        """``value`` copied onto ``xp`` in the layer's dtype; TypeError naming ``params[key]``."""
+        try:
             if xp is not np and not isinstance(value, xp.ndarray):
                 value = np.asarray(value)
             elif xp is np and not isinstance(value, np.ndarray) and hasattr(value, "get"):
                 value = value.get()  # a CuPy array loaded into a layer living on the CPU
-            self.params[key] = xp.array(value, dtype=self.dtype)
+            return xp.array(value, dtype=self.dtype)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"params[{key!r}] cannot be converted to a {self.dtype.name} array: "
+                            f"{exc}") from exc
 
     def zero_grad(self) -> None:
         """Set every gradient to zero."""
@@ -104,9 +112,10 @@ class _Recurrent:
         if x is None:
             raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
         h0, c0 = validation.state("hx", hx, self.cell.has_cell_state)
-        xp = validation.array_module(x=x, hx=h0, **({"hx[1]": c0} if c0 is not None else {}))
+        xp = validation.common_module(x=x, hx=h0, **({"hx[1]": c0} if c0 is not None else {}))
         validation.array("x", x, (None, None, self.input_size), self._x_dims(), self.dtype)
         batch, steps = (x.shape[0], x.shape[1]) if self.batch_first else (x.shape[1], x.shape[0])
+        validation.has_steps("x", x, steps, self._x_dims())
         self._check_state("hx", h0, c0, batch)
         if lengths is not None:
             lengths = validation.lengths(lengths, batch, steps, xp)
@@ -128,8 +137,8 @@ class _Recurrent:
         if dy is None:
             raise TypeError("dy must be a numpy.ndarray or cupy.ndarray, got None")
         dh, dc = validation.state("dhn", dhn, self.cell.has_cell_state)
-        xp = validation.array_module(dy=dy, dhn=dh, **({"dhn[1]": dc} if dc is not None else {}))
-        if xp is not validation.array_module(params=next(iter(self.params.values()))):
+        xp = validation.common_module(dy=dy, dhn=dh, **({"dhn[1]": dc} if dc is not None else {}))
+        if xp is not self._module():
             raise TypeError(f"dy must be on the forward's device ({self._device_name()}), "
                             f"got {xp.__name__}")
         dims = "(B, T, D*H)" if self.batch_first else "(T, B, D*H)"
@@ -154,13 +163,17 @@ class _Recurrent:
             if a is not None:
                 validation.array(label, a, shape, dims, self.dtype)
 
+    def _module(self):
+        """The array module the parameters live on (``numpy`` or ``cupy``)."""
+        return array_module(next(iter(self.params.values())))
+
     def _device_name(self) -> str:
-        xp = validation.array_module(params=next(iter(self.params.values())))
+        xp = self._module()
         return "CuPy/GPU" if xp is not np else "NumPy/CPU"
 
     def _to_device(self, xp) -> None:
         """Move parameters and gradients to ``xp``'s device if they are elsewhere (once)."""
-        if validation.array_module(params=next(iter(self.params.values()))) is xp:
+        if self._module() is xp:
             return
         move = xp.asarray if xp is not np else (lambda a: a.get())
         self.params = {k: move(v) for k, v in self.params.items()}

@@ -13,37 +13,11 @@ lets one CTA of that many threads sit on one SM, and ptxas must fit the weights 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .cells import CELLS, CellSpec
-
-WARP = 32
-REGISTER_ALLOCATION_UNIT = 256  # registers are allocated to a warp in units of 256
-SUB_PARTITIONS = 4  # an SM's register file is split among 4 schedulers; a warp lives in one
-MAX_REGS_PER_THREAD = 255
-SHIPPED_REGISTERS_PER_SM = 65536  # every supported GPU (sm_80, sm_90); the tiles are sized for it
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """The device properties the planner needs."""
-
-    name: str
-    sm_count: int
-    registers_per_sm: int = 65536
-    max_registers_per_thread: int = MAX_REGS_PER_THREAD
-    shared_per_block: int = 232448  # opt-in maximum of dynamic shared memory per block
-    shared_per_sm: int = 233472
-    max_threads_per_block: int = 1024
-    arch: str = "sm_90"
-
-
-PROFILES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile("h100", 132),
-    "h200": DeviceProfile("h200", 132),
-    "a100": DeviceProfile("a100", 108, shared_per_block=166912, shared_per_sm=167936, arch="sm_80"),
-}
-
+from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
+                       REGISTERS_PER_SM, SUB_PARTITIONS, WARP, DeviceProfile, current_device)
 
 @dataclass(frozen=True)
 class PassTile:
@@ -100,11 +74,6 @@ class PassPlan:
     registers: int             # -maxrregcount: the expected (and maximum) registers per thread
     max_hidden: int            # largest H the compiled tile serves
 
-    @property
-    def options(self) -> tuple[str, ...]:
-        """NVRTC options beyond the include path and arch."""
-        return (f"--maxrregcount={self.registers}",)
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -115,10 +84,9 @@ class Plan:
     tile: Tile | None = None
     forward: PassPlan | None = None
     backward: PassPlan | None = None
-    tried: list[str] = field(default_factory=list)
 
 
-def resident_ctas(threads: int, registers: int, registers_per_sm: int = SHIPPED_REGISTERS_PER_SM) -> int:
+def resident_ctas(threads: int, registers: int, registers_per_sm: int = REGISTERS_PER_SM) -> int:
     """CTAs of ``threads`` threads at ``registers`` per thread that an SM's register file holds.
 
     CUDA's occupancy rule: each warp's registers (rounded up to the allocation unit) come from
@@ -130,9 +98,9 @@ def resident_ctas(threads: int, registers: int, registers_per_sm: int = SHIPPED_
     return warps_per_sm // -(-threads // WARP)
 
 
-def register_cap(threads: int, registers_per_sm: int = SHIPPED_REGISTERS_PER_SM) -> int:
+def register_cap(threads: int, registers_per_sm: int = REGISTERS_PER_SM) -> int:
     """Most registers per thread that still let one CTA of ``threads`` threads fit on an SM."""
-    cap = MAX_REGS_PER_THREAD
+    cap = MAX_REGISTERS_PER_THREAD
     while cap > 0 and resident_ctas(threads, cap, registers_per_sm) < 1:
         cap -= 1
     return cap
@@ -144,11 +112,27 @@ def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
     return min(fwd.ksplit * WARP * fwd.kpt, bwd.ksplit * WARP * bwd.kpt // cell.gates)
 
 
-def _pointwise_floats(cell: CellSpec, units: int, backward: bool) -> int:
-    """Shared floats per batch row of the pointwise step (prefetched inputs, local state)."""
-    if backward:  # dy, h, h_prev, [c, c_prev], saved; dh and dc carries
-        return units * (3 + 2 * cell.has_cell_state + cell.saved + 2)
-    return units * (cell.gates + 1)  # gi_t; c_{t-1}
+def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int) -> int:
+    """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
+
+    Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
+    [B][ksplit][G*units], gi_t [B][G][units], c_{t-1} [B][units], b_hh [G][units], lengths [B].
+    Backward (``persistent_backward.cu``): dgh_{t+1} staged [B][padded], partial sums
+    [B][ksplit][units], read-only inputs [B][inputs][units] (dy, h, h_prev, [c, c_prev], saved),
+    dh and dc carries [2][B][units], lengths [B]. ``padded = ksplit * 32 * kpt``. Every word is 4
+    bytes. ``tests/test_plan.py`` checks this against an emulated launch.
+    """
+    pt = tile.backward if backward else tile.forward
+    units, gates = tile.units, cell.gates
+    padded = pt.ksplit * WARP * pt.kpt
+    if backward:
+        inputs = 3 + 2 * cell.has_cell_state + cell.saved
+        per_row = padded + pt.ksplit * units + inputs * units + 2 * units
+        constants = 0
+    else:
+        per_row = padded + pt.ksplit * gates * units + gates * units + units
+        constants = gates * units
+    return 4 * (batch * per_row + constants + batch)
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int) -> PassPlan:
@@ -163,8 +147,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=math.ceil(hidden / tile.units), block=block,
-        shared_bytes=4 * batch * (pt.ksplit * (WARP * pt.kpt + local_rows) + _pointwise_floats(cell, tile.units, backward))
-        + 4 * (batch + (0 if backward else cell.gates * tile.units)),  # lengths; b_hh slice
+        shared_bytes=shared_bytes(cell, tile, backward, batch),
         weights_per_thread=pt.rows * pt.kpt, registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile))
 
@@ -203,10 +186,9 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         bwd = pass_plan(cell, tile, True, hidden, batch)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
-            return Plan(True, None, tile, fwd, bwd, tried)
+            return Plan(True, None, tile, fwd, bwd)
         tried.append(f"{tile}: {reason}")
-    return Plan(False, f"{cell.name} H={hidden} B={batch} does not fit {dev.name}: " + "; ".join(tried),
-                tried=tried)
+    return Plan(False, f"{cell.name} H={hidden} B={batch} does not fit {dev.name}: " + "; ".join(tried))
 
 
 def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,
@@ -252,19 +234,3 @@ def resolve_device(device: DeviceProfile | str | None) -> DeviceProfile:
     if device is not None:
         raise TypeError(f"device must be a profile name, DeviceProfile or None, got {type(device).__name__}")
     return current_device()
-
-
-def current_device() -> DeviceProfile:
-    """The profile of the current CuPy device (raises RuntimeError where there is no GPU)."""
-    try:
-        import cupy
-        dev = cupy.cuda.Device()
-        attrs = dev.attributes
-    except Exception as exc:  # no CuPy, no driver or no GPU: all mean "no current device"
-        raise RuntimeError(f"no CUDA device available to plan for ({exc}); pass device='h100' etc.") from exc
-    return DeviceProfile(
-        name=f"cuda:{dev.id}", sm_count=attrs["MultiProcessorCount"],
-        registers_per_sm=attrs["MaxRegistersPerMultiprocessor"],
-        shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
-        shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
-        max_threads_per_block=attrs["MaxThreadsPerBlock"], arch=f"sm_{dev.compute_capability}")

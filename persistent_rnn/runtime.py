@@ -1,17 +1,10 @@
-"""Run one layer-direction's recurrence: choose the algorithm, launch, relaunch, fall back, report.
+"""Run one layer-direction's recurrence: choose the algorithm, launch, restart, fall back, report.
 
 This is the seam between the layer code (``functional``) and the two recurrence engines: the
 GEMM path (``gemm``) and the persistent kernel (on the GPU, or its CPU emulation). Inputs are
 time-major and already projected: ``gi = x @ W_ih^T + b_ih`` for all steps.
 
-Buffers of one layer-direction (T steps, batch B, hidden H, cell with G gates, S saved):
-
-* ``y``     (T, B, H)   h_t for every step (frozen past a sequence's length), so ``y[T-1]``
-                        is the final state; the layer zeroes outputs past lengths afterwards.
-* ``cs``    (T, B, H)   c_t for every step (LSTM only, else ``None``), frozen likewise.
-* ``saved`` (T, B, S*H) activations the cell's backward needs.
-* ``dgi``, ``dgh`` (T, B, G*H) gradients of the input and recurrent pre-activations (the same
-  array unless the cell is GRU).
+Buffers and their layouts: ``buffers.py``.
 
 Algorithm choice: ``"gemm"`` always runs the GEMM path; ``"persistent"`` runs the persistent
 kernel (CuPy arrays: on the GPU; NumPy arrays: the CPU emulation of the same source, a test and
@@ -20,100 +13,28 @@ float32 data when the plan fits and the batch is at most ``Settings.auto_max_bat
 H200 the persistent kernel beat the GEMM path at every batch up to 32 where it fit, see
 docs/benchmarks.md and bench/results/h200-2026-11-23), else GEMM; ``"auto"`` never emulates.
 
-Relaunch protocol (one loop for GPU and emulation): zero the ``PrnnControl`` words with every
+Restart protocol (one loop for GPU and emulation): zero the ``PrnnControl`` words with every
 CTA's progress set to "nothing done", launch, read the progress back (one small copy per launch),
-and relaunch from the first step not completed by every CTA; after ``max_relaunches`` relaunches
-the remaining steps run on the GEMM path.
+and launch again (a restart) from the first step not completed by every CTA; after
+``Settings.max_restarts`` restarts the remaining steps run on the GEMM path.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from . import gemm, plan as planner
+from . import buffers, gemm, hardware, plan as planner, settings
 from .cells import CellSpec
 from .stats import RunStats
+from .validation import ALGOS
 
 Array = Any
 
-ALGOS = ("auto", "gemm", "persistent")
 # The emulation plans for the GPU the tiles are sized for, so that it runs the same configurations.
-EMULATED_DEVICE = planner.PROFILES["h100"]
-
-
-@dataclass
-class Settings:
-    """Runtime settings; defaults may be overridden by environment variables (in brackets).
-
-    * ``gpu_timeout_ms`` (PRNN_TIMEOUT_MS, 100): barrier wait before a GPU kernel gives up.
-    * ``emulation_timeout_ms`` (PRNN_EMULATION_TIMEOUT_MS, 2000): the same for the emulation,
-      whose CPU threads are scheduled far less predictably.
-    * ``max_relaunches`` (PRNN_MAX_RELAUNCHES, 3): relaunches before the GEMM path takes over.
-    * ``cooperative`` (PRNN_COOPERATIVE, off): launch with cudaLaunchCooperativeKernel, which
-      guarantees co-residency (or fails to launch) instead of relying on the timeout.
-    * ``auto_max_batch`` (PRNN_AUTO_MAX_BATCH, 32): largest batch ``algo="auto"`` runs persistently
-      (the largest batch measured where the persistent kernel fit and beat the GEMM path).
-    * ``emulation_max_resident`` (None = all): CTAs the emulation runs at once (a busy GPU).
-    """
-
-    gpu_timeout_ms: float = float(os.environ.get("PRNN_TIMEOUT_MS", 100.0))
-    emulation_timeout_ms: float = float(os.environ.get("PRNN_EMULATION_TIMEOUT_MS", 2000.0))
-    max_relaunches: int = int(os.environ.get("PRNN_MAX_RELAUNCHES", 3))
-    cooperative: bool = os.environ.get("PRNN_COOPERATIVE", "0") not in ("", "0")
-    auto_max_batch: int = int(os.environ.get("PRNN_AUTO_MAX_BATCH", 32))
-    emulation_max_resident: int | None = None
-
-
-SETTINGS = Settings()
-
-
-def configure(**changes: Any) -> Settings:
-    """Change runtime settings (names of ``Settings`` fields); returns the settings in force."""
-    known = {f.name for f in fields(Settings)}
-    for name, value in changes.items():
-        if name not in known:
-            raise ValueError(f"configure: unknown setting {name!r}; expected one of {sorted(known)}")
-        setattr(SETTINGS, name, value)
-    return SETTINGS
-
-
-@dataclass(frozen=True)
-class Stall:
-    """A stall injected into the first launch of a persistent run (see ``inject_stall``)."""
-
-    block: int = -1
-    step: int = -1
-    duration_ms: float = 0.0
-
-    def args(self) -> tuple:
-        """The kernel's (stall_block, stall_step, stall_ns) arguments."""
-        return (np.int32(self.block), np.int32(self.step), np.uint64(int(self.duration_ms * 1e6)))
-
-
-_NO_STALL = Stall()
-_stall = _NO_STALL
-
-
-@contextlib.contextmanager
-def inject_stall(block: int, step: int, duration_ms: float) -> Iterator[Stall]:
-    """Make CTA ``block`` stall ``duration_ms`` before arriving at the barrier of step ``step``,
-    in the first launch of every persistent run (GPU or emulation) inside the ``with`` block."""
-    global _stall
-    for name, value in (("block", block), ("step", step)):
-        if not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"inject_stall: {name} must be an int >= 0, got {value!r}")
-    if not duration_ms > 0:
-        raise ValueError(f"inject_stall: duration_ms must be > 0, got {duration_ms!r}")
-    previous, _stall = _stall, Stall(int(block), int(step), float(duration_ms))
-    try:
-        yield _stall
-    finally:
-        _stall = previous
+EMULATED_DEVICE = hardware.PROFILES["h100"]
 
 
 @dataclass
@@ -148,25 +69,25 @@ class _Engine:
 def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
                 c0: Array | None, lengths: Array | None, algo: str, stats: RunStats) -> ForwardResult:
     """Run the forward recurrence over all steps of ``gi`` and record what ran in ``stats``."""
-    y, cs, saved = gemm.allocate_forward(cell, gi)
+    y, cs, saved = buffers.allocate_forward(cell, gi)
     steps, batch, _ = gi.shape
     engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False)
     if engine is None:
         gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0)
         stats.merge(RunStats(algo="gemm", fallback=reason))
         return ForwardResult(y, cs, saved)
-    xp = gemm.array_module(gi)
+    xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     hidden = y.shape[2]
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
     c0_arg = c(h0) if c0 is None else c(c0)
-    fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, gemm.full_lengths(xp, lengths, batch, steps),
+    fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
              y, y if cs is None else cs, saved)
-    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp)
+    step, restarts = run_with_restarts(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp)
     run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
                    details=[_describe(engine, restarts)])
     if step < steps:
-        run.fallback = f"barrier timeouts: {restarts} relaunches, steps {step}..{steps - 1} on GEMM"
+        run.fallback = f"barrier timeouts: {restarts} restarts, steps {step}..{steps - 1} on GEMM"
         gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=step)
     stats.merge(run)
     return ForwardResult(y, cs, saved)
@@ -176,7 +97,7 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
                  h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult,
                  algo: str, stats: RunStats) -> BackwardResult:
     """Run backward through time over all steps; ``dy`` must be zero past each length."""
-    dgi, dgh = gemm.allocate_backward(cell, dy)
+    dgi, dgh = buffers.allocate_backward(cell, dy)
     steps, batch, hidden = dy.shape
     engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True)
     if engine is None:
@@ -184,7 +105,7 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps)
         stats.merge(RunStats(algo="gemm", fallback=reason))
         return BackwardResult(dgi, dgh, dh0, dc0)
-    xp = gemm.array_module(dy)
+    xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n).
     dh_carry = xp.zeros((2, batch, hidden), dy.dtype)
@@ -194,16 +115,16 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
     fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
-             c(h0) if c0 is None else c(c0), gemm.full_lengths(xp, lengths, batch, steps),
+             c(h0) if c0 is None else c(c0), buffers.full_lengths(xp, lengths, batch, steps),
              dgi, dgh, dh_carry, dc_carry)
-    step, restarts = relaunch(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp)
+    step, restarts = run_with_restarts(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp)
     run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
                    details=[_describe(engine, restarts)])
     stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
     dh_c = dh_carry[stop % 2] + (dgh[stop] @ w_hh if stop < steps else 0.0)
     dc_c = dc_carry[stop % 2] if cell.has_cell_state else None
     if stop > 0:
-        run.fallback = f"barrier timeouts: {restarts} relaunches, steps {stop - 1}..0 on GEMM"
+        run.fallback = f"barrier timeouts: {restarts} restarts, steps {stop - 1}..0 on GEMM"
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dh_c, dc_carry=dc_c, stop=stop)
     else:
@@ -212,16 +133,17 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
     return BackwardResult(dgi, dgh, dh0, dc0)
 
 
-def relaunch(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int,
+def run_with_restarts(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int,
              xp) -> tuple[int, int]:
-    """Launch the persistent pass from step ``first`` towards ``end`` (exclusive), relaunching
-    after barrier timeouts; returns ``(next step to run, relaunches)``, where the next step equals
+    """Launch the persistent pass from step ``first`` towards ``end`` (exclusive), restarting
+    after barrier timeouts; returns ``(next step to run, restarts)``, where the next step equals
     ``end`` when the kernel completed every step.
 
     ``fixed``: the kernel's leading (buffer) arguments; ``sizes``: (T, B, H). The same loop serves
     the GPU and the emulation: only ``engine.launch`` differs.
     """
     p = engine.pass_plan
+    max_restarts = settings.current().max_restarts
     direction = 1 if end > first else -1
     step, restarts = first, 0
     while True:
@@ -229,14 +151,14 @@ def relaunch(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: 
         control = np.full(2 + p.grid, step - direction, dtype=np.int32)
         control[:2] = 0
         control = xp.asarray(control.view(np.uint32))
-        stall = _stall if restarts == 0 else _NO_STALL
+        stall = settings.current_stall() if restarts == 0 else settings.NO_STALL
         engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
                       (*fixed, control, *(np.int32(s) for s in sizes), np.int32(step),
                        np.uint64(engine.timeout_ns), *stall.args()))
         progress = _to_host(control)[2:].view(np.int32)
         done = int(progress.min()) if direction > 0 else int(progress.max())
         step = done + direction
-        if (end - step) * direction <= 0 or restarts >= SETTINGS.max_relaunches:
+        if (end - step) * direction <= 0 or restarts >= max_restarts:
             return step, restarts
         restarts += 1
 
@@ -260,9 +182,9 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if algo == "gemm":
+    if algo == "gemm" or batch == 0:  # an empty batch has nothing to run, under every algo
         return None, None
-    xp = gemm.array_module(data)
+    xp = buffers.array_module(data)
     on_gpu = xp is not np
     if algo == "auto" and not on_gpu:
         return None, None
@@ -277,26 +199,27 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
         return _gpu_engine(pass_plan, device, algo)
     from . import emulate
     module = emulate.get_module(pass_plan.source, pass_plan.defines)
-    launch = partial(module.launch, max_resident=SETTINGS.emulation_max_resident)
-    return _Engine(pass_plan, launch, int(SETTINGS.emulation_timeout_ms * 1e6), True), None
+    launch = partial(module.launch, max_resident=settings.current().emulation_max_resident)
+    return _Engine(pass_plan, launch, int(settings.current().emulation_timeout_ms * 1e6), True), None
 
 
 def _plan(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
-          device: planner.DeviceProfile) -> tuple[planner.Plan | None, str | None]:
+          device: hardware.DeviceProfile) -> tuple[planner.Plan | None, str | None]:
     """The plan of this layer-direction, or why the persistent kernel cannot (or should not) run."""
     if np.dtype(data.dtype) != np.float32:
         return None, f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
-    if algo == "auto" and batch > SETTINGS.auto_max_batch:
-        return None, f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): not measured beyond it"
+    limit = settings.current().auto_max_batch
+    if algo == "auto" and batch > limit:
+        return None, f"batch {batch} > {limit} (auto_max_batch): not measured beyond it"
     plan = planner.make_plan(cell, hidden, batch, "float32", device)
     return (plan, None) if plan.fits else (None, plan.reason)
 
 
-def _gpu_engine(pass_plan: planner.PassPlan, device: planner.DeviceProfile,
+def _gpu_engine(pass_plan: planner.PassPlan, device: hardware.DeviceProfile,
                 algo: str) -> tuple[_Engine | None, str | None]:
     """The GPU engine, after checking that the whole grid can be resident at once."""
     from . import kernels
-    module = kernels.get_module(pass_plan.source, pass_plan.defines, SETTINGS.cooperative)
+    module = kernels.get_module(pass_plan.source, pass_plan.defines, settings.current().cooperative)
     per_sm = module.max_active_blocks(pass_plan.kernel, pass_plan.block, pass_plan.shared_bytes)
     if pass_plan.grid > device.sm_count * per_sm:
         why = (f"grid {pass_plan.grid} > {device.sm_count} SMs x {per_sm} resident CTAs "
@@ -304,14 +227,14 @@ def _gpu_engine(pass_plan: planner.PassPlan, device: planner.DeviceProfile,
         if algo == "persistent":
             raise ValueError(f"algo='persistent' cannot run this layer: {why}")
         return None, why
-    return _Engine(pass_plan, module.launch, int(SETTINGS.gpu_timeout_ms * 1e6), False), None
+    return _Engine(pass_plan, module.launch, int(settings.current().gpu_timeout_ms * 1e6), False), None
 
 
 @lru_cache(maxsize=None)
-def _device_profile(device_id: int) -> planner.DeviceProfile:
-    return planner.current_device()
+def _device_profile(device_id: int) -> hardware.DeviceProfile:
+    return hardware.current_device()
 
 
-def _current_device() -> planner.DeviceProfile:
+def _current_device() -> hardware.DeviceProfile:
     import cupy
     return _device_profile(cupy.cuda.Device().id)

@@ -9,7 +9,7 @@ class RunStats:
     """Statistics of the last forward or backward call of a layer.
 
     ``algo`` is ``"persistent"`` when the persistent kernel (or its CPU emulation) ran the
-    recurrence and ``"gemm"`` otherwise; ``restarts`` counts relaunches after a barrier timeout;
+    recurrence and ``"gemm"`` otherwise; ``restarts`` counts launches repeated after a barrier timeout;
     ``fallback`` is ``None`` or the reason why (part of) the run went to the GEMM path.
     """
 

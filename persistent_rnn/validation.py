@@ -49,7 +49,7 @@ def float_dtype(name: str, value: Any) -> np.dtype:
     return dtype
 
 
-def array_module(**arrays: Array):
+def common_module(**arrays: Array):
     """The common array module (``numpy`` or ``cupy``) of the named arrays (``None`` skipped).
 
     ``TypeError`` if one is not an array or NumPy and CuPy arrays are mixed.
@@ -81,6 +81,13 @@ def array(name: str, a: Array, shape: tuple[int | None, ...], dims: str, dtype: 
     if a.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype.name} (the layer's dtype), "
                         f"got {a.dtype.name}")
+
+
+def has_steps(name: str, a: Array, steps: int, dims: str) -> None:
+    """ValueError unless the sequence length ``steps`` of ``a`` is at least 1 (as torch.nn)."""
+    if steps < 1:
+        raise ValueError(f"{name} must have at least one time step (T >= 1), got shape "
+                         f"{tuple(a.shape)} for {dims}")
 
 
 def lengths(value: Any, batch: int, steps: int, xp) -> Array:

@@ -1,8 +1,8 @@
-"""Shared test helpers: GPU detection for tests marked ``gpu``.
+"""Shared test helpers: GPU detection for tests marked ``gpu`` and the ``settings`` fixture.
 
 Tests marked ``@pytest.mark.gpu`` are skipped (with the reason) where CuPy is missing or no CUDA
-device is visible; nothing else here touches CuPy, so CPU tests never depend on a GPU. Other test
-modules may also use ``requires_gpu`` (``from conftest import requires_gpu``) or the ``cupy``
+device is visible; nothing else here touches CuPy, so CPU tests never depend on a GPU. Test
+modules call ``gpu_available()`` (``from conftest import gpu_available``) or take the ``cupy``
 fixture, which yields the module or skips.
 """
 from __future__ import annotations
@@ -11,17 +11,19 @@ from functools import lru_cache
 
 import pytest
 
+import persistent_rnn as prnn
+
 
 @lru_cache(maxsize=1)
 def gpu_unavailable_reason() -> str | None:
     """``None`` if CuPy imports and sees at least one CUDA device, else why not."""
     try:
         import cupy
-    except Exception as exc:  # ImportError, or a broken CUDA installation
+    except ImportError as exc:
         return f"cupy not importable ({type(exc).__name__}: {exc})"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver / no device
+    except RuntimeError as exc:  # CuPy's CUDARuntimeError: no driver / no device
         return f"no CUDA device ({type(exc).__name__}: {exc})"
     return None if count > 0 else "no CUDA device (device count 0)"
 
@@ -29,11 +31,6 @@ def gpu_unavailable_reason() -> str | None:
 def gpu_available() -> bool:
     """Whether GPU tests can run here."""
     return gpu_unavailable_reason() is None
-
-
-def requires_gpu(test):
-    """Mark ``test`` as a GPU test that skips cleanly where no GPU is present."""
-    return pytest.mark.gpu(test)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,3 +48,10 @@ def cupy():
         pytest.skip(gpu_unavailable_reason())
     import cupy as cp
     return cp
+
+
+@pytest.fixture
+def settings():
+    """The runtime settings in force; ``prnn.configure`` calls in the test end with it."""
+    with prnn.override_settings() as current:
+        yield current

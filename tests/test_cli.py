@@ -85,3 +85,56 @@ def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "persistent_rnn.cli", "info", "--json"], capture_output=True,
                          text=True, timeout=120, check=True)
     assert "max_hidden_size" in out.stdout
+
+
+def _one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+def test_kernels_with_an_arch_the_kernels_cannot_use_is_one_line(capsys):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    assert cli.main(["kernels", "--arch", "75"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("prnn kernels: error: arch 'sm_75'") and "sm_80" in line
+
+
+def _uninstall(monkeypatch, package: str) -> None:
+    """Make ``import package`` (and its submodules) fail as if it were not installed."""
+    for name in [n for n in sys.modules if n.split(".")[0] == package] + [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_kernels_without_cupy_names_the_extra(monkeypatch, capsys):
+    _uninstall(monkeypatch, "cupy_backends")
+    assert cli.main(["kernels", "--arch", "90"]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert 'pip install "persistent-rnn[cuda13]"' in line
+
+
+def test_bench_refuses_an_unwritable_out_before_measuring(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(cli.bench, "benchmark", lambda *a, **k: pytest.fail("sweep ran"))
+    out = tmp_path / "file" / "results"
+    assert cli.main(["bench", "--cpu", "--out", str(out), "--no-progress"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"prnn bench: error: --out {out}: cannot write there")
+
+
+def test_bench_without_matplotlib_writes_json_and_says_which_extra(tmp_path, monkeypatch, capsys):
+    _uninstall(monkeypatch, "matplotlib")
+    argv = ["bench", "--cpu", "--out", str(tmp_path), "--no-progress", "--cells", "gru",
+            "--batches", "1", "--hidden", "8", "--seq-len", "2", "--passes", "forward"]
+    assert cli.main(argv) == 0
+    assert 'no plot: pip install "persistent-rnn[bench]"' in capsys.readouterr().out
+    assert json.loads((tmp_path / "bench_results.json").read_text())["points"]
+    assert not (tmp_path / "bench_tflops.png").exists()
+
+
+def test_closed_pipe_ends_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "persistent_rnn.cli", "info", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader went away before the first line, as `| head -0` would
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == b"", err.decode()

@@ -8,21 +8,12 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import emulate, runtime
+from persistent_rnn import emulate
 from persistent_rnn.cells import CELLS
 
 pytestmark = pytest.mark.timeout(240)
 
 TIMEOUT_NS = np.uint64(300_000_000)  # 0.3 s: generous for host threads, short for a test
-
-
-@pytest.fixture
-def settings():
-    """Runtime settings restored after each test."""
-    saved = vars(runtime.SETTINGS).copy()
-    yield runtime.SETTINGS
-    for name, value in saved.items():
-        setattr(runtime.SETTINGS, name, value)
 
 
 def _barrier(grid: int, rounds: int, stall=(-1, -1, 0), max_resident=None):
@@ -186,8 +177,8 @@ def test_persistent_bidirectional_two_layers_equals_float64():
         assert _rel(a, b) <= 1e-5
 
 
-def test_stall_relaunches_with_bitwise_identical_results(settings):
-    runtime.configure(emulation_timeout_ms=300)
+def test_stall_restarts_with_bitwise_identical_results(settings):
+    prnn.configure(emulation_timeout_ms=300)
     data = _inputs("lstm", np.random.default_rng(9))
     plain = _run("lstm", "float32", "persistent", **data)
     with prnn.inject_stall(block=1, step=3, duration_ms=1200):
@@ -199,7 +190,7 @@ def test_stall_relaunches_with_bitwise_identical_results(settings):
 
 
 def test_ctas_not_co_resident_end_on_gemm_fallback(settings):
-    runtime.configure(emulation_timeout_ms=200, emulation_max_resident=1, max_relaunches=1)
+    prnn.configure(emulation_timeout_ms=200, emulation_max_resident=1, max_restarts=1)
     data = _inputs("gru", np.random.default_rng(4))
     got = _run("gru", "float32", "persistent", **data)
     ref = _run("gru", "float64", "gemm", **data)

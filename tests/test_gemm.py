@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from persistent_rnn import gemm
+from persistent_rnn import buffers, gemm
 from persistent_rnn._sources import cuda_src_dir, read_source
 from persistent_rnn.cells import CELLS
 
@@ -23,7 +23,7 @@ def _setup(name: str, rng: np.random.Generator):
 
 
 def _forward(cell, gi, w_hh, b_hh, h0, c0, lengths):
-    y, cs, saved = gemm.allocate_forward(cell, gi)
+    y, cs, saved = buffers.allocate_forward(cell, gi)
     gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0)
     return y, cs, saved
 
@@ -34,7 +34,7 @@ def test_forward_resumes_at_start(name):
     cell, gi, w_hh, b_hh, h0, c0 = _setup(name, rng)
     lengths = np.array([7, 2, 5], dtype=np.int32)
     y, cs, saved = _forward(cell, gi, w_hh, b_hh, h0, c0, lengths)
-    y2, cs2, saved2 = gemm.allocate_forward(cell, gi)
+    y2, cs2, saved2 = buffers.allocate_forward(cell, gi)
     y2[:4], saved2[:4] = y[:4], saved[:4]
     if cs is not None:
         cs2[:4] = cs[:4]
@@ -70,14 +70,14 @@ def test_backward_split_at_stop_and_mask(name):
     dy[np.arange(T)[:, None] >= lengths[None, :]] = 0.0
     dhn = rng.standard_normal((B, H))
     dcn = rng.standard_normal((B, H)) if cell.has_cell_state else None
-    dgi, dgh = gemm.allocate_backward(cell, dy)
+    dgi, dgh = buffers.allocate_backward(cell, dy)
     dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, y, cs, saved, dgi, dgh,
                                    dhn, dcn, stop=T)
     assert (dgh is dgi) == (name != "gru")
     past = np.arange(T)[:, None] >= lengths[None, :]
     assert np.all(dgi[past] == 0) and np.all(dgh[past] == 0)
     # run the top 3 steps, then finish from the carries: the same gradients
-    dgi2, dgh2 = gemm.allocate_backward(cell, dy)
+    dgi2, dgh2 = buffers.allocate_backward(cell, dy)
     top_h, top_c = _top_steps(cell, dy, w_hh, h0, c0, lengths, y, cs, saved, dgi2, dgh2, dhn, dcn)
     dh0b, dc0b = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, y, cs, saved, dgi2, dgh2,
                                      top_h, top_c, stop=4)
@@ -85,8 +85,17 @@ def test_backward_split_at_stop_and_mask(name):
     np.testing.assert_allclose(dh0b, dh0, rtol=1e-13, atol=1e-15)
     if dc0 is not None:
         np.testing.assert_allclose(dc0b, dc0, rtol=1e-13, atol=1e-15)
-    # a sequence shorter than T gets dh_n straight through to its last active step
-    assert dh0.shape == (B, H) and np.isfinite(dh0).all()
+    # a sequence shorter than T gets dh_n (dc_n) straight through to its last active step: its
+    # gradients equal those of a run over its own n steps that starts from dh_n (dc_n)
+    b, n = 1, int(lengths[1])
+    part = (lambda a: None if a is None else a[:n])
+    dgi3, dgh3 = buffers.allocate_backward(cell, dy[:n])
+    dh0c, dc0c = gemm.backward_steps(cell, dy[:n], w_hh, h0, c0, np.minimum(lengths, n), y[:n],
+                                     part(cs), saved[:n], dgi3, dgh3, dhn, dcn, stop=n)
+    np.testing.assert_allclose(dgi3[:, b], dgi[:n, b], rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(dh0c[b], dh0[b], rtol=1e-13, atol=1e-15)
+    if dc0 is not None:
+        np.testing.assert_allclose(dc0c[b], dc0[b], rtol=1e-13, atol=1e-15)
 
 
 def _top_steps(cell, dy, w_hh, h0, c0, lengths, y, cs, saved, dgi, dgh, dhn, dcn):
@@ -106,7 +115,7 @@ def test_dh_carry_none_means_zero():
     dy = rng.standard_normal(y.shape)
     out = []
     for carry in (None, np.zeros((B, H))):
-        dgi, dgh = gemm.allocate_backward(cell, dy)
+        dgi, dgh = buffers.allocate_backward(cell, dy)
         out.append(gemm.backward_steps(cell, dy, w_hh, h0, c0, None, y, cs, saved, dgi, dgh,
                                        carry, carry, stop=T))
     np.testing.assert_array_equal(out[0][0], out[1][0])

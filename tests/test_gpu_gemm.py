@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import gemm
+from persistent_rnn import buffers, gemm
 from persistent_rnn.cells import CELLS
 from test_layers import CASES, compare, make_layer, run_pair
 
@@ -41,9 +41,9 @@ def test_fused_kernels_match_numpy_path(cupy, name, dtype):
     def run(xp):
         dev = (lambda a: None if a is None else xp.asarray(a))
         g, w, b, h, c, n = map(dev, (gi, w_hh, b_hh, h0, c0, lengths))
-        y, cs, saved = gemm.allocate_forward(cell, g)
+        y, cs, saved = buffers.allocate_forward(cell, g)
         gemm.forward_steps(cell, g, w, b, h, c, n, y, cs, saved, start=0)
-        dgi, dgh = gemm.allocate_backward(cell, dev(dy))
+        dgi, dgh = buffers.allocate_backward(cell, dev(dy))
         dh0, dc0 = gemm.backward_steps(cell, dev(dy), w, h, c, n, y, cs, saved, dgi, dgh,
                                        dev(dhn), None if c is None else dev(dhn), stop=T)
         out = [y, saved, dgi, dgh, dh0] + ([cs, dc0] if cs is not None else [])

@@ -31,10 +31,27 @@ def test_info_json_without_a_gpu(monkeypatch, capsys):
 
 
 def test_info_text_without_a_gpu(monkeypatch, capsys):
-    monkeypatch.setattr(info, "gpu_info", lambda: (_ for _ in ()).throw(OSError("no driver")))
+    import pynvml
+    no_driver = pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    monkeypatch.setattr(info, "gpu_info", lambda: (_ for _ in ()).throw(no_driver))
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
     assert "no GPU" in text and "a100: 108 SMs" in text and "max_hidden_size float32" in text
+
+
+def test_info_tells_cupy_not_installed_from_no_gpu(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import fails as if not installed
+    monkeypatch.setattr(info, "gpu_info", lambda: pytest.fail("looked for a GPU without CuPy"))
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert 'CuPy is not installed, so no GPU is used: pip install "persistent-rnn[cuda13]"' in text
+    assert "no GPU:" not in text and "h200: 132 SMs" in text
+
+
+def test_info_lets_unexpected_errors_through(monkeypatch):
+    monkeypatch.setattr(info, "gpu_info", lambda: (_ for _ in ()).throw(KeyError("bug")))
+    with pytest.raises(KeyError, match="bug"):
+        info.collect()
 
 
 @pytest.mark.gpu

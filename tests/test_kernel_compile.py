@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-import stat
+import shutil
+import struct
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,9 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
 from persistent_rnn.plan import SHIPPED, resident_ctas, tiles_for
+
+FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4,
+                   "PRNN_KPT": 1, "PRNN_WARPS": 4}
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +67,43 @@ def test_compile_error_raises_with_log():
     assert "error" in str(info.value)
 
 
-def test_cache_dir_is_private_and_hit(tmp_path, monkeypatch):
-    monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path / "cache"))
-    defines = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4, "PRNN_KPT": 1,
-               "PRNN_WARPS": 4}
-    first = kernels.compile_source("persistent_forward.cu", defines, "sm_80")
-    assert first.cubin_path.parent == tmp_path / "cache"
-    assert stat.S_IMODE(os.stat(tmp_path / "cache").st_mode) == 0o700
-    mtime = first.cubin_path.stat().st_mtime_ns
-    again = kernels.compile_source("persistent_forward.cu", defines, "sm_80")
-    assert again.cubin_path == first.cubin_path and again.cubin_path.stat().st_mtime_ns == mtime
-    assert "0 bytes spill stores" in again.log
-    other = kernels.compile_source("persistent_forward.cu", {**defines, "PRNN_CELL": 1}, "sm_80")
-    assert other.cubin_path != first.cubin_path
+def _elf_extent(image: bytes) -> int:
+    """Where the last of an ELF64's header tables and file-backed sections ends."""
+    assert image[:4] == b"\x7fELF" and image[4] == 2, "not an ELF64 image"
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    ends = [phoff + phentsize * phnum, shoff + shentsize * shnum]
+    for i in range(shnum):
+        _, kind, _, _, offset, size = struct.unpack_from("<IIQQQQ", image, shoff + i * shentsize)
+        if kind != 8:  # SHT_NOBITS occupies no bytes of the file
+            ends.append(offset + size)
+    return max(ends)
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump on PATH or from the nvidia-cuda-cuobjdump wheel (the ``test`` extra)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(candidate)
+    return None
+
+
+def test_cached_cubin_is_a_complete_elf(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path))
+    compiled = kernels.compile_source("persistent_forward.cu", FORWARD_DEFINES, "sm_90")
+    image = compiled.cubin_path.read_bytes()
+    assert _elf_extent(image) == len(image)
+    tool = _cuobjdump()
+    if tool is None:
+        return  # the ELF check above already fails on an image one byte short
+    listing = subprocess.run([tool, "-elf", str(compiled.cubin_path)], capture_output=True,
+                             text=True, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    assert "prnn_persistent_forward" in listing.stdout

@@ -1,12 +1,13 @@
 """The planner: sizes it promises, why it refuses, and the register/shared-memory arithmetic."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from persistent_rnn import max_hidden_size
+from persistent_rnn import max_hidden_size, plan
 from persistent_rnn.cells import CELLS
 from persistent_rnn.plan import (PROFILES, SHIPPED, make_plan, register_cap, resident_ctas,
-                                 resolve_cell)
+                                 resolve_cell, shared_bytes)
 
 FLOORS = {"LSTM": 1024, "GRU": 1152, "RNN": 2048}        # required on an H100, fp32
 TARGETS = {"LSTM": 1200, "GRU": 1400, "RNN": 2300}       # DESIGN.md's estimate
@@ -107,3 +108,32 @@ def test_current_device_without_gpu_raises():
     else:
         with pytest.raises(RuntimeError, match="no CUDA device"):
             max_hidden_size("lstm")
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, cell, backward):
+    """Emulated launches (shared memory is followed by a canary the emulation checks): the
+    planned bytes run, 4 bytes fewer are reported as an overrun, so the formula is exact."""
+    emulate = pytest.importorskip("persistent_rnn.emulate")
+    from persistent_rnn import runtime
+    from persistent_rnn.stats import RunStats
+    from test_runtime import _inputs
+
+    spec, batch = CELLS[cell], 3
+    gi, w, b, h0, c0 = _inputs(spec, 24, batch, 3)
+    dy = np.ones((3, batch, 24), np.float32)
+
+    def run():
+        fwd = runtime.run_forward(spec, gi, w, b, h0, c0, None, "persistent", RunStats())
+        runtime.run_backward(spec, dy, None, None, w, h0, c0, None, fwd, "persistent", RunStats())
+
+    for tile in plan.tiles_for(spec):  # every shipped tile, so both formulas meet every layout
+        monkeypatch.setattr(plan, "tiles_for", lambda c, tile=tile: (tile,))
+        run()
+        planned = plan.shared_bytes(spec, tile, backward, batch)
+        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, planned=planned:
+                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n))
+        with pytest.raises(emulate.EmulationError, match="wrote past its"):
+            run()
+        monkeypatch.setattr(plan, "shared_bytes", shared_bytes)

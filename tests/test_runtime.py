@@ -46,15 +46,8 @@ def _engine(fake, backward=False):
 def _relaunch(done, first, end, backward=False):
     fake = FakeKernel(done, 0)
     fixed = tuple(np.zeros(1, np.float32) for _ in range(N_FIXED))
-    result = runtime.relaunch(_engine(fake, backward), fixed, (10, 2, 16), first, end, np)
+    result = runtime.run_with_restarts(_engine(fake, backward), fixed, (10, 2, 16), first, end, np)
     return result, fake.launches
-
-
-@pytest.fixture
-def settings():
-    saved = runtime.Settings(**vars(runtime.SETTINGS))
-    yield runtime.SETTINGS
-    runtime.configure(**vars(saved))
 
 
 def test_one_launch_completes(settings):
@@ -69,13 +62,13 @@ def test_relaunch_resumes_after_the_last_step_every_cta_completed(settings):
 
 
 def test_relaunch_cap_returns_the_step_for_the_gemm_path(settings):
-    runtime.configure(max_relaunches=1)
+    prnn.configure(max_restarts=1)
     (step, restarts), launches = _relaunch([2, 2, 2], 0, 10)
     assert (step, restarts) == (4, 1) and len(launches) == 2
 
 
 def test_no_progress_is_bounded(settings):
-    runtime.configure(max_relaunches=3)
+    prnn.configure(max_restarts=3)
     (step, restarts), launches = _relaunch([0] * 10, 0, 10)
     assert (step, restarts) == (0, 3) and len(launches) == 4
 
@@ -83,7 +76,7 @@ def test_no_progress_is_bounded(settings):
 def test_backward_goes_down(settings):
     (step, restarts), launches = _relaunch([3, 100], 9, -1, backward=True)
     assert (step, restarts) == (-1, 1) and [s for s, _ in launches] == [9, 6]
-    runtime.configure(max_relaunches=0)
+    prnn.configure(max_restarts=0)
     (step, restarts), _ = _relaunch([4], 9, -1, backward=True)
     assert (step, restarts) == (5, 0)
 
@@ -95,23 +88,6 @@ def test_stall_reaches_only_the_first_launch(settings):
     assert launches[1][1] == (-1, -1, 0)
     _, launches = _relaunch([100], 0, 10)
     assert launches[0][1] == (-1, -1, 0)
-
-
-def test_inject_stall_validates():
-    with pytest.raises(ValueError, match="block"):
-        with prnn.inject_stall(block=-1, step=0, duration_ms=1):
-            pass
-    with pytest.raises(ValueError, match="duration_ms"):
-        with prnn.inject_stall(block=0, step=0, duration_ms=0):
-            pass
-
-
-def test_configure(settings):
-    assert runtime.configure(gpu_timeout_ms=50).gpu_timeout_ms == 50
-    with pytest.raises(ValueError, match="timeout_s"):
-        runtime.configure(timeout_s=1)
-    defaults = runtime.Settings()
-    assert defaults.max_relaunches == 3 and not defaults.cooperative
 
 
 def _inputs(cell, hidden, batch, steps, dtype=np.float32, seed=0):
@@ -193,7 +169,7 @@ def test_emulated_kernels_match_float64_gemm(emulation, cell):
 
 
 def test_emulated_stall_relaunches_with_identical_results(emulation):
-    runtime.configure(emulation_timeout_ms=300)
+    prnn.configure(emulation_timeout_ms=300)
     cell = CELLS["lstm"]
     plain = _run_both(cell, 24, 2, 5, seed=3)
     with prnn.inject_stall(block=1, step=2, duration_ms=1500):
@@ -208,7 +184,7 @@ def test_emulated_stall_relaunches_with_identical_results(emulation):
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_emulated_cap_finishes_on_gemm(emulation, cell):
-    runtime.configure(emulation_timeout_ms=300, max_relaunches=0)
+    prnn.configure(emulation_timeout_ms=300, max_restarts=0)
     with prnn.inject_stall(block=0, step=2, duration_ms=1000):
         out = _run_both(CELLS[cell], 16, 2, 5)
     _assert_close(out["got"], out["ref"])
@@ -220,7 +196,7 @@ def test_emulated_busy_gpu_makes_progress_and_stays_correct(emulation):
     # Only 2 of the 6 CTAs run at once, so no launch can pass a barrier with everyone: each
     # launch still completes at least one step (a late CTA finds the count complete), the
     # relaunch cap is reached and the GEMM path finishes; the results must not change.
-    runtime.configure(emulation_timeout_ms=200, emulation_max_resident=2, max_relaunches=2)
+    prnn.configure(emulation_timeout_ms=200, emulation_max_resident=2, max_restarts=2)
     out = _run_both(CELLS["gru"], 24, 2, 6)
     _assert_close(out["got"], out["ref"])
     fs, bs = out["got"][2:]

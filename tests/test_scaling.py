@@ -106,4 +106,76 @@ def test_measured_numpy_run(tmp_path):
     rows = scaling.main(["--hidden", "8", "--seq-len", "3", "--global-batch", "8",
                          "--repeats", "1", "--algo", "gemm", "--out", str(tmp_path / "s")])
     assert [r["gpus"] for r in rows] == [1, 2, 4]
-    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in rows)
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and 0 < r["efficiency"] <= 1 for r in rows)
+
+
+BENCH_JSON = ROOT / "bench" / "results" / "h200-2026-11-23-run2" / "bench" / "bench_results.json"
+
+
+def test_from_json_reads_prnn_bench_results(tmp_path):
+    points = json.loads(BENCH_JSON.read_text())["points"]
+    mine = {(p["pass"], p["batch"]): p["us_per_step"] * p["seq_len"] / 1e6 for p in points
+            if (p["cell"], p["hidden_size"], p["algo"]) == ("lstm", 1024, "persistent")}
+    out = tmp_path / "s"
+    rows = scaling.main(["--from-json", str(BENCH_JSON), "--cell", "lstm", "--hidden", "1024",
+                         "--algo", "persistent", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    measured = {int(b): t for b, t in report["measured"].items()}
+    assert set(measured) == {b for _, b in mine} == {1, 2, 4, 8}
+    for b, t in measured.items():
+        assert t["fwd_s"] == pytest.approx(mine["forward", b])
+        assert t["fwd_s"] + t["bwd_s"] == pytest.approx(mine["forward_backward", b])
+    # the global batch defaults to the largest batch measured; input size from the bench settings
+    assert [r["per_gpu_batch"] for r in rows] == [8, 4, 2]
+    assert report["config"]["input_size"] == 64 and report["config"]["num_layers"] == 1
+    assert report["gradient_bytes"] == 4 * 4 * 1024 * (64 + 1024 + 2)
+    assert all(0 < r["efficiency"] <= 1 for r in rows)
+
+
+def test_from_json_auto_takes_persistent_where_measured_else_gemm(tmp_path):
+    out = tmp_path / "s"
+    scaling.main(["--from-json", str(BENCH_JSON), "--cell", "lstm", "--hidden", "1024",
+                  "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    points = {(p["algo"], p["pass"], p["batch"]): p["us_per_step"] * p["seq_len"] / 1e6
+              for p in json.loads(BENCH_JSON.read_text())["points"]
+              if (p["cell"], p["hidden_size"]) == ("lstm", 1024)}
+    assert report["config"]["algo"] == "auto"
+    for b, t in report["measured"].items():
+        algo = "persistent" if ("persistent", "forward", int(b)) in points else "gemm"
+        assert t["fwd_s"] == pytest.approx(points[algo, "forward", int(b)])
+    assert {int(b) for b in report["measured"]} == {1, 2, 4, 8, 16, 32, 64}
+
+
+def test_from_json_reads_its_own_output(tmp_path):
+    first = scaling.main(["--from-json", str(BENCH_JSON), "--cell", "gru", "--hidden", "512",
+                          "--algo", "gemm", "--out", str(tmp_path / "a")])
+    again = scaling.main(["--from-json", str(tmp_path / "a.json"), "--out", str(tmp_path / "b")])
+    assert again == first
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "choose one with --cell"),
+    (["--cell", "lstm"], "choose one with --hidden"),
+    (["--cell", "lstm", "--hidden", "1024", "--algo", "nope"], "--algo"),
+    (["--cell", "lstm", "--hidden", "1024", "--layers", "2"], "--layers"),
+    (["--cell", "lstm", "--hidden", "1024", "--global-batch", "512"], "outside the measured"),
+])
+def test_from_json_says_what_to_choose(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        scaling.main(["--from-json", str(BENCH_JSON), "--out", str(tmp_path / "s"), *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_efficiency_never_exceeds_one_when_small_batches_are_faster_per_sample():
+    # compute superlinear in the batch (as on a CPU whose caches fit small batches): p GPUs at
+    # b = B/p are more than p times faster, and t_step(1) / (p t_step(p)) would pass 1
+    compute = lambda b: scaling.StepTime(1e-6 * b * b, 2e-6 * b * b)  # noqa: E731
+    rows = scaling.project(compute, nbytes=1e3, global_batch=64, counts=[1, 2, 4, 8],
+                           gpus_per_node=8, intra=FAB, inter=FAB, overlap=0.0)
+    assert all(0 < r["efficiency"] <= 1 for r in rows)
+    best = 8 / compute(8).total_s  # samples/s of one GPU at its best batch
+    assert rows[-1]["efficiency"] == pytest.approx(64 / (rows[-1]["step_ms"] / 1e3) / (8 * best))
+    assert rows[0]["efficiency"] < 1  # one GPU at batch 64 is below its best per-sample rate

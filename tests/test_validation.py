@@ -216,6 +216,17 @@ def test_load_params_keeps_values_and_dtype():
     assert np.all(layer.params["weight_ih_l0"] == 0.5)
 
 
+def test_load_params_is_all_or_nothing():
+    layer = prnn.LSTM(3, 4, num_layers=2)
+    before = {k: v.copy() for k, v in layer.params.items()}
+    new = {k: np.full(v.shape, 0.25) for k, v in layer.params.items()}
+    new["bias_hh_l1"] = np.full(new["bias_hh_l1"].shape, "x")  # the last key fails to convert
+    with _raises(TypeError, "params['bias_hh_l1']", "float32"):
+        layer.load_params(new)
+    for k, v in layer.params.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
 def test_numpy_and_cupy_mixed(monkeypatch):
     """The module check itself, with a stand-in ``cupy`` (the real one needs a GPU to make arrays;
     test_gpu_gemm.py repeats this with real CuPy arrays)."""

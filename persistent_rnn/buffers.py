@@ -1,0 +1,79 @@
+"""Buffers of one layer-direction's recurrence and the array helpers both engines use.
+
+Written once for NumPy and CuPy (the array module of the inputs decides). Buffers (T steps,
+batch B, hidden H, cell with G gates, S saved activations per unit):
+
+* ``y``     (T, B, H)   h_t for every step (frozen past a sequence's length), so ``y[T-1]``
+                        is the final state; the layer zeroes outputs past lengths afterwards.
+* ``cs``    (T, B, H)   c_t for every step (LSTM only, else ``None``), frozen likewise.
+* ``saved`` (T, B, S*H) activations the cell's backward needs.
+* ``dgi``, ``dgh`` (T, B, G*H) gradients of the input and recurrent pre-activations (the same
+  array unless the cell is GRU).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from .cells import CellSpec
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+def array_module(*arrays: Array):
+    """Return ``cupy`` if any of ``arrays`` is a CuPy array, else ``numpy``.
+
+    Does not import CuPy: a CuPy array can only exist once CuPy has been imported.
+    """
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays):
+        return cupy
+    return np
+
+
+def separate_dgh(cell: CellSpec) -> bool:
+    """Whether ``dgh`` differs from ``dgi`` (only GRU: r scales its n gate's recurrent part)."""
+    return cell.name == "gru"
+
+
+def allocate_forward(cell: CellSpec, gi: Array) -> tuple[Array, Array | None, Array]:
+    """Allocate ``(y, cs, saved)`` for the forward recurrence over ``gi`` (T, B, G*H)."""
+    xp = array_module(gi)
+    steps, batch, width = gi.shape
+    hidden = width // cell.gates
+    y = xp.empty((steps, batch, hidden), dtype=gi.dtype)
+    cs = xp.empty_like(y) if cell.has_cell_state else None
+    saved = xp.empty((steps, batch, cell.saved * hidden), dtype=gi.dtype)
+    return y, cs, saved
+
+
+def allocate_backward(cell: CellSpec, dy: Array) -> tuple[Array, Array]:
+    """Allocate ``(dgi, dgh)`` (T, B, G*H) for the backward recurrence (one array unless GRU)."""
+    xp = array_module(dy)
+    steps, batch, hidden = dy.shape
+    dgi = xp.empty((steps, batch, cell.gates * hidden), dtype=dy.dtype)
+    return dgi, (xp.empty_like(dgi) if separate_dgh(cell) else dgi)
+
+
+def full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
+    """``lengths`` as contiguous int32 on ``xp`` (what the kernels read); ``None`` means every
+    sequence runs all ``steps``."""
+    if lengths is None:
+        return xp.full((batch,), steps, dtype=np.int32)
+    return xp.ascontiguousarray(xp.asarray(lengths, dtype=np.int32))
+
+
+def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
+    """(T, B, 1) booleans: step ``t`` of sequence ``b`` is within its length (``None``: all are)."""
+    if lengths is None:
+        return None
+    return (xp.arange(steps)[:, None] < lengths[None, :])[:, :, None]
+
+
+def select_active(xp, a: Array, lengths: Array | None) -> Array:
+    """``a`` (T, B, X) with zeros at steps past each sequence's length, selected (not multiplied,
+    so NaN or Inf there do not survive); ``a`` itself when there are no lengths."""
+    mask = active_steps(xp, a.shape[0], lengths)
+    return a if mask is None else xp.where(mask, a, xp.zeros((), a.dtype))

@@ -1,0 +1,211 @@
+"""Runtime settings (one validated object) and context-local fault injection.
+
+The settings in force are ``current()``: the process-wide settings (the defaults, overridden by
+environment variables when first needed, then by ``configure``), or inside a ``with
+override_settings(...)`` block the values of that block. Blocks and ``inject_stall`` are held in
+``contextvars``, so they apply to the code running in the calling thread (or asyncio task) only:
+they neither leak out of the ``with`` block nor reach other threads.
+
+Every value is checked when it is set: ``configure``/``settings`` raise ``TypeError`` or
+``ValueError`` naming the setting; a malformed environment variable raises ``ValueError``
+naming the variable on the first run that reads the settings (importing the package never
+reads them).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+import threading
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Runtime settings; environment variables in brackets override the defaults.
+
+    * ``gpu_timeout_ms`` (PRNN_TIMEOUT_MS, 100, > 0): barrier wait before a GPU kernel gives up.
+    * ``emulation_timeout_ms`` (PRNN_EMULATION_TIMEOUT_MS, 2000, > 0): the same for the CPU
+      emulation, whose threads are scheduled far less predictably.
+    * ``max_restarts`` (PRNN_MAX_RESTARTS, 3, >= 0): restarts of a persistent pass after barrier
+      timeouts before the GEMM path finishes it (``last_run.restarts`` counts them).
+    * ``cooperative`` (PRNN_COOPERATIVE, off): launch with cudaLaunchCooperativeKernel, which
+      guarantees co-residency (or fails to launch) instead of relying on the timeout.
+    * ``auto_max_batch`` (PRNN_AUTO_MAX_BATCH, 32, >= 0): largest batch ``algo="auto"`` runs
+      persistently (the largest batch measured where the persistent kernel fit and beat GEMM).
+    * ``emulation_max_resident`` (PRNN_EMULATION_MAX_RESIDENT, None = all, >= 1): CTAs the
+      emulation runs at once (models a busy GPU).
+    """
+
+    gpu_timeout_ms: float = 100.0
+    emulation_timeout_ms: float = 2000.0
+    max_restarts: int = 3
+    cooperative: bool = False
+    auto_max_batch: int = 32
+    emulation_max_resident: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _check(f.name, getattr(self, f.name)))
+
+
+# name -> (environment variable, kind, smallest value); kind "float" and "int" take numbers,
+# "bool" takes True/False, "int?" an int or None.
+_SPEC: dict[str, tuple[str, str, float]] = {
+    "gpu_timeout_ms": ("PRNN_TIMEOUT_MS", "float", 0.0),
+    "emulation_timeout_ms": ("PRNN_EMULATION_TIMEOUT_MS", "float", 0.0),
+    "max_restarts": ("PRNN_MAX_RESTARTS", "int", 0),
+    "cooperative": ("PRNN_COOPERATIVE", "bool", 0),
+    "auto_max_batch": ("PRNN_AUTO_MAX_BATCH", "int", 0),
+    "emulation_max_resident": ("PRNN_EMULATION_MAX_RESIDENT", "int?", 1),
+}
+_RENAMED = {"PRNN_MAX_RELAUNCHES": "PRNN_MAX_RESTARTS"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_MAX_TIMEOUT_MS = 3.6e6  # one hour: a longer barrier wait is a mistake, not a setting
+
+
+def _check(name: str, value: Any) -> Any:
+    """``value`` as setting ``name``'s type, or TypeError/ValueError naming the setting."""
+    if name not in _SPEC:
+        raise ValueError(f"unknown setting {name!r}; expected one of {sorted(_SPEC)}")
+    _, kind, low = _SPEC[name]
+    if kind == "bool":
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"setting {name} must be a bool, got {type(value).__name__} {value!r}")
+        return bool(value)
+    if kind == "int?" and value is None:
+        return None
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if kind == "float":
+        if not (is_int or isinstance(value, (float, np.floating))):
+            raise TypeError(f"setting {name} must be a number, got {type(value).__name__} {value!r}")
+        if not low < value <= _MAX_TIMEOUT_MS:
+            raise ValueError(f"setting {name} must be > {low:g} and <= {_MAX_TIMEOUT_MS:g}, got {value!r}")
+        return float(value)
+    if not is_int:
+        what = "an int or None" if kind == "int?" else "an int"
+        raise TypeError(f"setting {name} must be {what}, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"setting {name} must be >= {low}, got {value!r}")
+    return int(value)
+
+
+def _parse_env(name: str, text: str) -> Any:
+    """The value of environment variable ``text`` for setting ``name`` (checked)."""
+    variable, kind, _ = _SPEC[name]
+    word = text.strip().lower()
+    try:
+        if kind == "bool":
+            if word not in _TRUE + _FALSE:
+                raise ValueError(f"expected one of {_TRUE + _FALSE}")
+            return word in _TRUE
+        if kind == "int?" and word in ("", "none"):
+            return None
+        value = float(word) if kind == "float" else int(word)
+        return _check(name, value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"environment variable {variable}={text!r} is invalid for setting "
+                         f"{name}: {exc}") from None
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> Settings:
+    """The defaults overridden by the ``PRNN_*`` environment variables that are set (non-empty)."""
+    environ = os.environ if environ is None else environ
+    for old, new in _RENAMED.items():
+        if old in environ:
+            raise ValueError(f"environment variable {old} was renamed to {new}; set {new} instead")
+    values = {name: _parse_env(name, environ[var]) for name, (var, _, _) in _SPEC.items()
+              if environ.get(var, "") != ""}
+    return Settings(**values)
+
+
+_process: Settings | None = None  # read from the environment on first use
+_process_lock = threading.Lock()
+_scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("prnn_settings", default=None)
+
+
+def current() -> Settings:
+    """The settings in force in the calling context."""
+    global _process
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped
+    with _process_lock:
+        if _process is None:
+            _process = from_environment()
+        return _process
+
+
+def configure(**changes: Any) -> Settings:
+    """Change settings (names of ``Settings`` fields, checked); returns the settings in force.
+
+    Outside a ``with override_settings(...)`` block the change is process-wide; inside one it lasts
+    until the block ends.
+    """
+    global _process
+    updated = replace(current(), **_checked(changes))
+    if _scoped.get() is not None:
+        _scoped.set(updated)
+    else:
+        with _process_lock:
+            _process = updated
+    return updated
+
+
+@contextlib.contextmanager
+def override_settings(**changes: Any) -> Iterator[Settings]:
+    """Within the ``with`` block (and this thread or task only), run with ``changes`` applied;
+    ``configure`` inside the block changes the block's settings only."""
+    token = _scoped.set(replace(current(), **_checked(changes)))
+    try:
+        yield _scoped.get()
+    finally:
+        _scoped.reset(token)
+
+
+def _checked(changes: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: _check(name, value) for name, value in changes.items()}
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A stall injected into the first launch of a persistent pass (see ``inject_stall``)."""
+
+    block: int = -1
+    step: int = -1
+    duration_ms: float = 0.0
+
+    def args(self) -> tuple:
+        """The kernel's (stall_block, stall_step, stall_ns) arguments."""
+        return (np.int32(self.block), np.int32(self.step), np.uint64(int(self.duration_ms * 1e6)))
+
+
+NO_STALL = Stall()
+_stall: contextvars.ContextVar[Stall] = contextvars.ContextVar("prnn_stall", default=NO_STALL)
+
+
+def current_stall() -> Stall:
+    """The stall injected in the calling context (``NO_STALL`` outside ``inject_stall``)."""
+    return _stall.get()
+
+
+@contextlib.contextmanager
+def inject_stall(block: int, step: int, duration_ms: float) -> Iterator[Stall]:
+    """Make CTA ``block`` stall ``duration_ms`` before arriving at the barrier of step ``step``,
+    in the first launch of every persistent pass (GPU or emulation) run inside the ``with``
+    block by this thread (or asyncio task); other threads are not affected."""
+    for name, value in (("block", block), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"inject_stall: {name} must be an int >= 0, got {value!r}")
+    if isinstance(duration_ms, bool) or not isinstance(duration_ms, (int, float, np.integer, np.floating)) \
+            or not 0 < duration_ms < math.inf:
+        raise ValueError(f"inject_stall: duration_ms must be a finite number > 0, got {duration_ms!r}")
+    token = _stall.set(Stall(int(block), int(step), float(duration_ms)))
+    try:
+        yield _stall.get()
+    finally:
+        _stall.reset(token)

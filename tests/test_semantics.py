@@ -1,0 +1,87 @@
+"""torch.nn's semantics at the edges, on every algorithm (``persistent`` on NumPy is the CPU
+emulation of the CUDA kernels): NaN propagation through relu, NaN/Inf in the padding past a
+sequence's length (ignored: not one result changes), T = 0 (a clear error) and B = 0 (empty
+results, as torch.nn)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import persistent_rnn as prnn
+
+ALGOS = ("gemm", "persistent")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _layer(mode, algo, **kw):
+    return getattr(prnn, mode)(5, 16, algo=algo, seed=1, dtype="float32", **kw)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_relu_propagates_nan_like_torch(algo):
+    layer = _layer("RNN", algo, nonlinearity="relu")
+    ref = torch.nn.RNN(5, 16, nonlinearity="relu")
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in layer.params.items()})
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    x[1, 2, 0] = np.nan  # sequence 2 turns NaN from step 1 on, in every unit
+    y, hn = layer.forward(x)
+    with torch.no_grad():
+        y_ref, _ = ref(torch.from_numpy(x))
+    assert layer.last_run.algo == algo
+    np.testing.assert_array_equal(np.isnan(y), torch.isnan(y_ref).numpy())
+    assert np.isnan(y[1:, 2]).all() and not np.isnan(y[:, :2]).any()
+
+
+def _padding_case(mode, algo, poison: float):
+    """forward + backward of a 2-layer bidirectional layer with ``poison`` (0, NaN or Inf) in
+    the padding of ``x`` and ``dy``; returns every result."""
+    layer = _layer(mode, algo, num_layers=2, bidirectional=True)
+    rng = np.random.default_rng(3)
+    steps, lengths = 6, np.array([6, 2, 4], np.int32)
+    x = rng.standard_normal((steps, 3, 5)).astype(np.float32)
+    past = np.arange(steps)[:, None] >= lengths[None, :]
+    x[past] = poison
+    y, hn = layer.forward(x, lengths=lengths)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dy[past] = poison
+    dx, dhx = layer.backward(dy)
+    states = lambda s: list(s) if isinstance(s, tuple) else [s]  # noqa: E731
+    return [y, *states(hn), dx, *states(dhx), *layer.grads.values()], layer.last_run
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_nan_and_inf_in_padding_change_nothing(mode, algo):
+    clean, stats = _padding_case(mode, algo, 0.0)
+    assert stats.algo == algo
+    for poison in (np.nan, np.inf):
+        got, _ = _padding_case(mode, algo, poison)
+        for a, b in zip(got, clean):
+            assert np.isfinite(a).all()
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("algo", ("auto", *ALGOS))
+def test_no_time_steps_is_a_clear_error(algo):
+    layer = _layer("GRU", algo)
+    with pytest.raises(ValueError, match=r"at least one time step"):
+        layer.forward(np.zeros((0, 2, 5), np.float32))
+    first = _layer("GRU", algo, batch_first=True)
+    with pytest.raises(ValueError, match=r"at least one time step"):
+        first.forward(np.zeros((2, 0, 5), np.float32))
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_empty_batch_matches_torch_under_every_algo(mode):
+    ref = getattr(torch.nn, mode)(5, 16, num_layers=2, bidirectional=True)
+    y_ref, hn_ref = ref(torch.zeros(4, 0, 5))
+    h_ref = hn_ref[0] if mode == "LSTM" else hn_ref
+    for algo in ("auto", *ALGOS):
+        layer = _layer(mode, algo, num_layers=2, bidirectional=True)
+        y, hn = layer.forward(np.zeros((4, 0, 5), np.float32), lengths=np.zeros(0, np.int64))
+        h = hn[0] if mode == "LSTM" else hn
+        assert y.shape == tuple(y_ref.shape) and h.shape == tuple(h_ref.shape)
+        dx, _ = layer.backward(np.zeros_like(y))
+        assert dx.shape == (4, 0, 5)
+        assert all(not g.any() for g in layer.grads.values())
