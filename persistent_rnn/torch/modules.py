@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import PackedSequence
 
-from ..runtime import ALGOS
+from ..validation import ALGOS
 from . import paths
 from .packing import PackedLayout
 from .ops import LastRun, RunRecord, _cell, run_recurrence

@@ -13,8 +13,9 @@ from functools import lru_cache
 import torch
 
 from .. import plan as planner
+from .. import settings
 from ..cells import CellSpec
-from ..runtime import ALGOS, SETTINGS
+from ..validation import ALGOS
 
 TORCH = "torch"  # the path name reported in last_run.algo
 LIBRARY_DTYPES = (torch.float32, torch.float64)
@@ -76,9 +77,9 @@ def persistent_blocker(cell: CellSpec, hidden: int, dtype: torch.dtype, batch: i
     """Why ``algo="auto"`` would not run the persistent kernel on this CUDA layer, or ``None``."""
     if dtype != torch.float32:
         return f"dtype {dtype}: the persistent kernel runs float32; torch's kernels run it"
-    if batch > SETTINGS.auto_max_batch:
-        return (f"batch {batch} > {SETTINGS.auto_max_batch} (auto_max_batch): torch's kernels "
-                f"run it")
+    limit = settings.current().auto_max_batch
+    if batch > limit:
+        return f"batch {batch} > {limit} (auto_max_batch): torch's kernels run it"
     return _plan_blocker(cell, hidden, batch, device_index or 0)
 
 
