@@ -2,9 +2,11 @@
 
 Both ops are opaque to the compiler and run the library (``persistent_rnn.functional``) on the
 tensors' memory through DLPack. They have fake implementations (shapes only), an autograd
-formula (``register_autograd``) and a vmap rule, so that ``torch.compile`` (also with
-``fullgraph=True``), ``torch.export`` and ``torch.func`` (``grad``, ``vmap`` of the backward,
-``functional_call``) see an ordinary differentiable operator.
+formula (registered on the op with ``register_autograd`` and, for torch.func, the same formula
+in the ``autograd.Function`` the modules call) and a vmap rule, so that ``torch.compile`` (also
+with ``fullgraph=True``), ``torch.export`` and ``torch.func`` (``grad``, ``vmap``,
+``functional_call``) see an ordinary differentiable operator. Double backward differentiates
+torch's own implementation of the layer (``differentiable_grads``).
 
 All tensors are time-major: ``x`` (T, B, I), ``lengths`` ``None`` or CPU int64 (B,)
 (packed-sequence semantics), ``h0``/``c0`` ``None`` (zeros) or (L*D, B, H), ``weights`` in
