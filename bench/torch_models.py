@@ -8,14 +8,16 @@ seed — once with torch.nn's layers, once with persistent_rnn.torch's — and t
 synthetic batches. Steps alternate between the two so that both see the same machine state; each
 step (forward, backward, SGD update) is timed with ``time.perf_counter`` (after
 ``torch.cuda.synchronize`` on a GPU). Writes ``DIR/torch_models.json`` with device, date, commit,
-command, settings and per model: median and min step time of each, the ratio (persistent_rnn /
-torch.nn) and what ``last_run`` says ran.
+command, settings, the machine's load average (other work skews CPU timings) and per model:
+median, mean and min step time of each, the ratio of medians (persistent_rnn / torch.nn) and
+what ``last_run`` says ran.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import sys
@@ -63,7 +65,8 @@ def time_model(name: str, device: torch.device, steps: int, warmup: int) -> dict
                 times.append(time.perf_counter() - start)
     row = {"model": name, "sizes": sizes}
     for label, (model, _, _, times) in runs.items():
-        row[label] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
+        row[label] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                      "mean_ms": 1e3 * statistics.mean(times)}
     row["ratio"] = row["persistent_rnn.torch"]["median_ms"] / row["torch.nn"]["median_ms"]
     last = runs["persistent_rnn.torch"][0].rnn.last_run
     row["persistent_rnn_last_run"] = {"algo": last.algo, "fallback": last.fallback}
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "cpu": platform.processor() or platform.machine(),
         "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "load_average_1_5_15_min": os.getloadavg(),
         "commit": bench.git_commit(), "command": " ".join(["python", *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"steps": args.steps, "warmup": args.warmup,

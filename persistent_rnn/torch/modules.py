@@ -62,7 +62,7 @@ class _RecurrentBase(torch.nn.RNNBase):
         _refuse_unsupported_export(type(self).__name__)
         packed = isinstance(input, PackedSequence)
         data = input.data if packed else input
-        path, why = paths.choose(self.algo, _cell(self.mode), data, self.weight_ih_l0.dtype,
+        path, why = paths.choose(self.algo, _cell(self.mode), data, self._flat_weights[0].dtype,
                                  self.hidden_size, self.proj_size,
                                  lambda: _batch_size(input, self.batch_first))
         if path == paths.TORCH:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -93,6 +94,7 @@ def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
         record.last.backward.merge(stats)
 
 
+@lru_cache(maxsize=None)
 def _cell(mode: str) -> CellSpec:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
