@@ -1,13 +1,14 @@
 """Whole-model training-step time: persistent_rnn.torch against torch.nn, side by side in one run.
 
     python bench/torch_models.py --out DIR [--device cpu|cuda] [--steps 20] [--warmup 3]
+                                 [--threads N] [--models ...]
 
 The three models of examples/torch_models.py (DeepSpeech2-like GRU+CTC, 2-layer LSTM language
 model with truncated BPTT, LSTM decoder called one step at a time), each built twice from the same
 seed — once with torch.nn's layers, once with persistent_rnn.torch's — and trained on the same
-synthetic batches. Steps alternate between the two so that both see the same machine state; each
-step (forward, backward, SGD update) is timed with ``time.perf_counter`` (after
-``torch.cuda.synchronize`` on a GPU). Writes ``DIR/torch_models.json`` with device, date, commit,
+synthetic batches. Steps alternate between the two (in alternating order) so that both see the
+same machine state; each step (forward, backward, SGD update) is timed with
+``time.perf_counter`` (after ``torch.cuda.synchronize`` on a GPU). Writes ``DIR/torch_models.json`` with device, date, commit,
 command, settings, the machine's load average (other work skews CPU timings) and per model:
 median, mean and min step time of each, the ratio of medians (persistent_rnn / torch.nn) and
 what ``last_run`` says ran.
@@ -54,7 +55,8 @@ def time_model(name: str, device: torch.device, steps: int, warmup: int) -> dict
     gen = torch.Generator().manual_seed(1)
     for i in range(warmup + steps):
         data = tuple(t.to(device) for t in work.batch(gen, sizes))
-        for model, opt, carry, times in runs.values():
+        # alternate which build goes first, so that neither always inherits the other's caches
+        for model, opt, carry, times in list(runs.values())[::1 if i % 2 else -1]:
             _sync(device)
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -80,10 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps per model and namespace")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's own choice)")
     p.add_argument("--models", nargs="+", default=list(torch_models.MODELS),
                    choices=list(torch_models.MODELS))
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rows = []
     for name in args.models:
         row = time_model(name, device, args.steps, args.warmup)
