@@ -1,7 +1,7 @@
 """Whole-model training-step time: persistent_rnn.torch against torch.nn, side by side in one run.
 
     python bench/torch_models.py --out DIR [--device cpu|cuda] [--steps 20] [--warmup 3]
-                                 [--threads N] [--models ...]
+                                 [--algo auto|gemm|persistent] [--threads N] [--models ...]
 
 The three models of examples/torch_models.py (DeepSpeech2-like GRU+CTC, 2-layer LSTM language
 model with truncated BPTT, LSTM decoder called one step at a time), each built twice from the same
@@ -43,14 +43,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_model(name: str, device: torch.device, steps: int, warmup: int) -> dict:
+def time_model(name: str, device: torch.device, steps: int, warmup: int, algo: str) -> dict:
     """Alternate training steps of the two builds of model ``name``; return their timings."""
     work = torch_models.MODELS[name]
     sizes = work.sizes["full"]
     runs = {}
     for label, rnn in NAMESPACES.items():
         torch.manual_seed(0)
-        model = work.build(rnn, sizes, {}).to(device)
+        model = work.build(rnn, sizes, {} if rnn is torch.nn else {"algo": algo}).to(device)
         runs[label] = (model, torch.optim.SGD(model.parameters(), lr=0.01), {}, [])
     gen = torch.Generator().manual_seed(1)
     for i in range(warmup + steps):
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps per model and namespace")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--algo", default="auto", choices=["auto", "gemm", "persistent"],
+                   help="persistent_rnn.torch's algo (the models with projections need auto)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's own choice)")
     p.add_argument("--models", nargs="+", default=list(torch_models.MODELS),
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rows = []
     for name in args.models:
-        row = time_model(name, device, args.steps, args.warmup)
+        row = time_model(name, device, args.steps, args.warmup, args.algo)
         rows.append(row)
         print(f"{name:14s} torch.nn {row['torch.nn']['median_ms']:8.2f} ms  persistent_rnn.torch "
               f"{row['persistent_rnn.torch']['median_ms']:8.2f} ms  ratio {row['ratio']:.3f}  "
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(), "load_average_1_5_15_min": os.getloadavg(),
         "commit": bench.git_commit(), "command": " ".join(["python", *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"steps": args.steps, "warmup": args.warmup,
+        "settings": {"steps": args.steps, "warmup": args.warmup, "algo": args.algo,
                      "timing": "time.perf_counter per training step (zero_grad, forward, "
                                "backward, SGD step), steps alternating between the two builds; "
                                "median and min"},
