@@ -350,3 +350,30 @@ def test_cuda_dropout_on_the_persistent_path_drops_at_the_rate_asked():
     assert abs((y == 0).float().mean().item() - 0.5) < 0.1
     module.eval()
     torch.testing.assert_close(module(x)[0], x)
+
+
+@pytest.mark.parametrize("mode", ["RNN_TANH", "RNN_RELU", "GRU", "LSTM"])
+def test_custom_ops_pass_torch_library_opcheck(mode):
+    """torch's own checks of a custom op: schema (no hidden mutation), fake implementation
+    (shapes and strides of every output, the saved activations included), autograd
+    registration, and tracing through AOT dispatch with dynamic shapes."""
+    from persistent_rnn.torch import ops
+
+    gen = torch.Generator().manual_seed(10)
+    layers, states = 2, 4
+    x = torch.randn(T, 2, I, dtype=D, generator=gen, requires_grad=True)
+    h0 = torch.randn(states, 2, H, dtype=D, generator=gen, requires_grad=True)
+    c0 = torch.randn_like(h0).requires_grad_() if mode == "LSTM" else None
+    cell = ops._cell(mode)
+    weights = [torch.randn(shape, dtype=D, generator=gen, requires_grad=True)
+               for shape in ops._weight_shapes(mode, I, H, layers, True, True)]
+    static = (mode, layers, True, "gemm", -1, 0, 1)
+    args = (x, torch.tensor([T, 3]), h0, c0, weights)
+    torch.library.opcheck(ops.recurrence, (*args, *static))
+    y, hn, cn, saved = ops.recurrence(*args, *static)
+    assert cn.numel() == (hn.numel() if cell.has_cell_state else 0)
+    grads = [torch.randn_like(t) for t in (y, hn, cn)]
+    detached = [t if t is None else t.detach() for t in (x, args[1], h0, c0)]
+    torch.library.opcheck(ops.recurrence_backward, (
+        grads[0], grads[1], grads[2] if cell.has_cell_state else None, *detached,
+        [w.detach() for w in weights], saved, *static))

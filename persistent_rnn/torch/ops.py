@@ -195,6 +195,7 @@ def _setup_context(ctx, inputs, output) -> None:
     x, lengths, h0, c0, weights, *static = inputs
     y, _, _, saved = output
     ctx.set_materialize_grads(False)  # unused outputs (often y or c_n) need no zero gradients
+    ctx.mark_non_differentiable(*saved)
     ctx.static = tuple(static)
     ctx.num_weights = len(weights)
     ctx.save_for_backward(x, lengths, h0, c0, y, *weights, *saved)
