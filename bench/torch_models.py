@@ -8,10 +8,10 @@ model with truncated BPTT, LSTM decoder called one step at a time), each built t
 seed — once with torch.nn's layers, once with persistent_rnn.torch's — and trained on the same
 synthetic batches. Steps alternate between the two (in alternating order) so that both see the
 same machine state; each step (forward, backward, SGD update) is timed with
-``time.perf_counter`` (after ``torch.cuda.synchronize`` on a GPU). Writes ``DIR/torch_models.json`` with device, date, commit,
-command, settings, the machine's load average (other work skews CPU timings) and per model:
-median, mean and min step time of each, the ratio of medians (persistent_rnn / torch.nn) and
-what ``last_run`` says ran.
+``time.perf_counter`` (after ``torch.cuda.synchronize`` on a GPU). Writes
+``DIR/torch_models.json`` with device, date, commit, command, settings, the machine's load
+average (other work skews CPU timings) and per model: median, mean and min step time of each,
+the ratio of medians (persistent_rnn / torch.nn) and what ``last_run`` says ran.
 """
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def test_batch_first_no_bias_and_packed_output_layout(mode, kwargs):
     got, _ = run(ours, x, hx, None, 3)
     want, _ = run(ref, x, hx, None, 3)
     assert_all_close(got, want)
-    packed = pack_padded_sequence(x, torch.tensor([2, 5, 4]), batch_first=True, enforce_sorted=False)
+    packed = pack_padded_sequence(x, torch.tensor([2, 5, 4]), batch_first=True,
+                                  enforce_sorted=False)
     out, _ = ours(packed, hx)
     out_ref, _ = ref(packed, hx)
     torch.testing.assert_close(out.data, out_ref.data, **TOL)
@@ -143,9 +144,9 @@ def test_gradcheck_with_batched_gradients(mode, kwargs):
 
     def fn(x, *state_and_weights):
         state, w = state_and_weights[:len(_flatten(hx))], state_and_weights[len(_flatten(hx)):]
-        packed = pack_padded_sequence(x, lengths)
+        hx_ = tuple(state) if len(state) == 2 else state[0]
         out, hn = torch.func.functional_call(module, dict(zip(weights, w)),
-                                             (packed, tuple(state) if len(state) == 2 else state[0]))
+                                             (pack_padded_sequence(x, lengths), hx_))
         return (pad_packed_sequence(out)[0], *_flatten(hn))
 
     assert torch.autograd.gradcheck(fn, (x, *_flatten(hx), *weights.values()), eps=1e-6,

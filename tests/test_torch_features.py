@@ -66,7 +66,8 @@ def test_proj_size_runs_torch_kernels(packed):
     ours, ref = pair("LSTM", {}, algo="auto", num_layers=2, bidirectional=True, proj_size=2)
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(T, B, I, dtype=D, generator=gen)
-    hx = (torch.randn(4, B, 2, dtype=D, generator=gen), torch.randn(4, B, H, dtype=D, generator=gen))
+    hx = (torch.randn(4, B, 2, dtype=D, generator=gen),
+          torch.randn(4, B, H, dtype=D, generator=gen))
     lengths = torch.tensor([T, 2, 4]) if packed else None
     got_out, got_grad = run(ours, x, hx, lengths, 8)
     ref_out, ref_grad = run(ref, x, hx, lengths, 8)
@@ -377,3 +378,28 @@ def test_custom_ops_pass_torch_library_opcheck(mode):
     torch.library.opcheck(ops.recurrence_backward, (
         grads[0], grads[1], grads[2] if cell.has_cell_state else None, *detached,
         [w.detach() for w in weights], saved, *static))
+
+
+@pytest.mark.slow
+def test_gpu_path_choice_guards_instead_of_tracing_the_planner(monkeypatch):
+    """Under fullgraph compile the persistent kernel's batch limit (pure Python planning) is one
+    constant and a dynamic batch is compared with it. Checked on the CPU with an H100 profile."""
+    from persistent_rnn import plan
+    from persistent_rnn.torch import ops, paths
+
+    monkeypatch.setattr(paths, "_device_profile", lambda index: plan.PROFILES["h100"])
+    paths._largest_fitting_batch.cache_clear()
+    cell = ops._cell("LSTM")
+    assert paths.persistent_batch_limit(ops._cell("GRU"), 256, 0) == 32  # auto_max_batch
+    assert paths.persistent_batch_limit(cell, 256, 0) == 26  # the plan's limit on an H100
+    assert paths.persistent_batch_limit(cell, 99999, 0) == 0
+    assert "does not fit" in paths.persistent_blocker(cell, 256, 30, 0)
+    assert "auto_max_batch" in paths.persistent_blocker(cell, 256, 33, 0)
+
+    def shift(x):
+        return x + (1 if x.shape[1] <= paths.persistent_batch_limit(cell, 256, 0) else 2)
+
+    compiled = torch.compile(shift, fullgraph=True)
+    for batch, want in [(4, 1), (64, 2), (8, 1), (40, 2)]:  # the batch dimension turns dynamic
+        assert compiled(torch.zeros(3, batch)).eq(want).all()
+    paths._largest_fitting_batch.cache_clear()

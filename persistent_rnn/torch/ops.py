@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -94,7 +93,6 @@ def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
         record.last.backward.merge(stats)
 
 
-@lru_cache(maxsize=None)
 def _cell(mode: str) -> CellSpec:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -291,9 +289,9 @@ def _weight_shapes(mode: str, input_size: int, hidden: int, num_layers: int,
                          tags=(torch.Tag.cudagraph_unsafe,))
 def recurrence_backward_flat(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor],
                              x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
-                             c0: Optional[Tensor], weights: Tensor, saved: Tensor, mode: str, num_layers: int, bidirectional: bool,
-                             algo: str, stats_slot: int, stats_part: int,
-                             stats_parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             c0: Optional[Tensor], weights: Tensor, saved: Tensor, mode: str,
+                             num_layers: int, bidirectional: bool, algo: str, stats_slot: int,
+                             stats_part: int, stats_parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``recurrence_backward`` with flat weights and activations: ``(dweights, dx, dh0, dc0)``."""
     steps, batch, input_size = x.shape
     num_dirs = 2 if bidirectional else 1

@@ -35,7 +35,8 @@ def library_blocker(x: torch.Tensor, dtype: torch.dtype, proj_size: int) -> str 
     if dtype not in LIBRARY_DTYPES:
         return (f"dtype {dtype}: the library runs float32 and float64 (its 16-bit kernels have "
                 f"not landed); torch's kernels run it")
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    # (under torch.compile capture is the compiler's business: the ops are tagged unsafe for it)
+    if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
         return ("CUDA graph capture: the library reads the kernel's progress back to the host, "
                 "which capture forbids; torch's kernels run it")
     return None
@@ -68,25 +69,41 @@ def choose(algo: str, cell: CellSpec, x: torch.Tensor, weight_dtype: torch.dtype
             # torch.nn graph-breaks on it: the library's GEMM op compiles as one opaque op.
             return "gemm", None
         return TORCH, "CPU tensors: torch's CPU kernels"
-    why = persistent_blocker(cell, hidden, x.dtype, int(batch()), x.device.index)
-    return (TORCH, why) if why is not None else ("auto", None)
+    if x.dtype != torch.float32:
+        return TORCH, f"dtype {x.dtype}: the persistent kernel runs float32; torch's kernels run it"
+    size = batch()
+    if size <= persistent_batch_limit(cell, hidden, x.device.index or 0):
+        return "auto", None
+    if torch.compiler.is_compiling():  # (last_run is not written for this path while compiled)
+        return TORCH, None
+    return TORCH, persistent_blocker(cell, hidden, int(size), x.device.index or 0)
 
 
-def persistent_blocker(cell: CellSpec, hidden: int, dtype: torch.dtype, batch: int,
-                       device_index: int | None) -> str | None:
-    """Why ``algo="auto"`` would not run the persistent kernel on this CUDA layer, or ``None``."""
-    if dtype != torch.float32:
-        return f"dtype {dtype}: the persistent kernel runs float32; torch's kernels run it"
-    limit = settings.current().auto_max_batch
-    if batch > limit:
-        return f"batch {batch} > {limit} (auto_max_batch): torch's kernels run it"
-    return _plan_blocker(cell, hidden, batch, device_index or 0)
+@torch._dynamo.assume_constant_result  # static arguments: one constant of a compiled graph
+def persistent_batch_limit(cell: CellSpec, hidden: int, device_index: int) -> int:
+    """Largest batch for which ``algo="auto"`` runs this CUDA layer in the persistent kernel
+    (0: none): at most ``auto_max_batch``, and the plan must fit. Under torch.compile the batch
+    (possibly dynamic) is compared with it, which guards the graph instead of tracing the
+    planner."""
+    return _largest_fitting_batch(cell, hidden, device_index, settings.current().auto_max_batch)
 
 
 @lru_cache(maxsize=1024)
-def _plan_blocker(cell: CellSpec, hidden: int, batch: int, device_index: int) -> str | None:
+def _largest_fitting_batch(cell: CellSpec, hidden: int, device_index: int, limit: int) -> int:
+    device = _device_profile(device_index)
+    for batch in range(limit, 0, -1):
+        if planner.make_plan(cell, hidden, batch, "float32", device).fits:
+            return batch
+    return 0
+
+
+def persistent_blocker(cell: CellSpec, hidden: int, batch: int, device_index: int) -> str:
+    """Why ``algo="auto"`` does not run this float32 CUDA layer in the persistent kernel."""
+    limit = settings.current().auto_max_batch
+    if batch > limit:
+        return f"batch {batch} > {limit} (auto_max_batch): torch's kernels run it"
     plan = planner.make_plan(cell, hidden, batch, "float32", _device_profile(device_index))
-    return None if plan.fits else f"{plan.reason}; torch's kernels run it"
+    return f"{plan.reason}; torch's kernels run it"
 
 
 @lru_cache(maxsize=None)
