@@ -291,7 +291,8 @@ def recurrence_backward_flat(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Te
                              x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
                              c0: Optional[Tensor], weights: Tensor, saved: Tensor, mode: str,
                              num_layers: int, bidirectional: bool, algo: str, stats_slot: int,
-                             stats_part: int, stats_parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             stats_part: int,
+                             stats_parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``recurrence_backward`` with flat weights and activations: ``(dweights, dx, dh0, dc0)``."""
     steps, batch, input_size = x.shape
     num_dirs = 2 if bidirectional else 1
