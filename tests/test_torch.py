@@ -197,6 +197,8 @@ def test_bad_arguments_are_torch_nn_errors_or_clear():
             module(torch.randn(T, B, I + 1, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="Expected hidden size"):
             module(x, torch.zeros(2, B, H, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="hx should also be 2-D but got 3-D tensor"):
+            module(x[:, 0], torch.zeros(1, 1, H, dtype=torch.float64))
 
 
 def test_library_algos_refuse_what_they_cannot_run():

@@ -85,7 +85,7 @@ class _RecurrentBase(torch.nn.RNNBase):
             unbatched = x.dim() == 2
             if unbatched:
                 x = x.unsqueeze(0 if self.batch_first else 1)
-                hx = _map(hx, _unsqueeze_hidden)
+                hx = _unsqueeze_hidden(hx)
             self._check_args(x, hx, None)
             x = x.transpose(0, 1) if self.batch_first else x
         weights = [getattr(self, name) for name in self._flat_weights_names]  # fresh every call
@@ -179,11 +179,17 @@ def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,
     return layout.pad(F.dropout(layout.pack(y), p, training=True))
 
 
-def _unsqueeze_hidden(h: torch.Tensor) -> torch.Tensor:
-    if h.dim() != 2:
-        raise ValueError(f"hx must be 2-D (num_layers * num_directions, hidden_size) for "
-                         f"unbatched 2-D input, got a {h.dim()}-D tensor")
-    return h.unsqueeze(1)
+def _unsqueeze_hidden(hx):
+    """The state of unbatched input as a batch of one (torch.nn's check and message)."""
+    if hx is None:
+        return None
+    states = hx if isinstance(hx, tuple) else (hx,)
+    if any(h.dim() != 2 for h in states):
+        dims = ", ".join(f"{h.dim()}-D" for h in states)
+        got = f"({dims}) tensors" if isinstance(hx, tuple) else f"{dims} tensor"
+        what = "hx and cx" if isinstance(hx, tuple) else "hx"
+        raise RuntimeError(f"For unbatched 2-D input, {what} should also be 2-D but got {got}")
+    return _map(hx, lambda h: h.unsqueeze(1))
 
 
 def _map(hx, fn):
