@@ -201,6 +201,19 @@ def test_bad_arguments_are_torch_nn_errors_or_clear():
             module(x[:, 0], torch.zeros(1, 1, H, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("algo", ["auto", "gemm"])
+def test_empty_batch_and_empty_sequence_as_torch_nn(algo):
+    ours, ref = pair("LSTM", {}, algo=algo, num_layers=2, bidirectional=True)
+    x = torch.randn(T, 0, I, dtype=torch.float64, requires_grad=True)
+    y, (hn, cn) = ours(x)
+    assert y.shape == (T, 0, 2 * H) and hn.shape == cn.shape == (4, 0, H)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    for module in (ours, ref):
+        with pytest.raises(RuntimeError, match="Expected sequence length to be larger than 0"):
+            module(torch.randn(0, B, I, dtype=torch.float64))
+
+
 def test_library_algos_refuse_what_they_cannot_run():
     x = torch.randn(T, B, I)
     with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: proj_size"):

@@ -88,6 +88,8 @@ class _RecurrentBase(torch.nn.RNNBase):
                 hx = _unsqueeze_hidden(hx)
             self._check_args(x, hx, None)
             x = x.transpose(0, 1) if self.batch_first else x
+            if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
+                raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         weights = [getattr(self, name) for name in self._flat_weights_names]  # fresh every call
         x, hx = _autocast_inputs(x, hx, weights[0].dtype)
         _check_like_input(x, hx, dict(zip(self._flat_weights_names, weights)))
