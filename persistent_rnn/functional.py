@@ -305,7 +305,7 @@ def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: A
     ctx = Context(cell, params, num_layers, bidirectional, False, algo, lengths,
                   _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
     rest = iter(arrays)
-    ctx.inputs = [x] + [next(rest) for _ in range(num_layers - 1)]
+    ctx.inputs = [select_active(xp, x, lengths)] + [next(rest) for _ in range(num_layers - 1)]
     for layer in range(num_layers):
         dirs = []
         for direction in range(num_dirs):

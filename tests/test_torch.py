@@ -268,3 +268,25 @@ def test_small_model_learns_a_synthetic_task(algo):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_nan_in_padding_reaches_no_result():
+    """Packed semantics: what lies past a sequence's length is never read (the library selects it
+    out, the module pads with zeros), so NaN there changes nothing, gradients included."""
+    from persistent_rnn.torch import ops
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(T, 2, I, dtype=torch.float64, generator=gen, requires_grad=True)
+    weights = [torch.randn(s, dtype=torch.float64, generator=gen, requires_grad=True)
+               for s in ops._weight_shapes("GRU", I, H, 2, True, True)]
+    lengths = torch.tensor([T, 2])
+    results = []
+    for fill in (0.0, float("nan")):
+        xi = x.detach().clone()
+        xi[2:, 1] = fill
+        xi.requires_grad_()
+        y, hn, _ = ops.run_recurrence(xi, lengths, None, None, weights, "GRU", 2, True, "gemm",
+                                      (-1, 0, 1))
+        grads = torch.autograd.grad((y.sum() + hn.sum()), [xi, *weights])
+        results.append([y, hn, grads[0][:, 0], grads[0][:2, 1], *grads[1:]])
+    assert_all_close(*results)
