@@ -283,6 +283,7 @@ def _cuda_parity(mode, kwargs, dtype, tol, batch=B, expect=None):
     lengths = torch.randint(1, T + 1, (batch,))
     lengths[0] = T
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
     results = []
     for module in (ours, ref):
         with torch.cuda.stream(side):  # the library must follow torch's current stream
@@ -315,11 +316,13 @@ def test_cuda_persistent_path_matches_torch_nn(mode, kwargs, true_fp32):
 @pytest.mark.gpu
 def test_cuda_falls_back_to_cudnn_where_the_kernel_does_not_run(true_fp32):
     _cuda_parity("LSTM", {}, torch.float64, TOL, expect="torch")          # dtype
-    _cuda_parity("GRU", {}, torch.float32, {"rtol": 0, "atol": 0}, batch=64, expect="torch")
+    _cuda_parity("GRU", {}, torch.float32, {"rtol": 1e-6, "atol": 1e-7}, batch=64,
+                 expect="torch")                                                 # batch
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_runs_torch_kernels():
+@torch.no_grad()
+def test_cuda_graph_capture_runs_torch_kernels(true_fp32):
     module = prt.LSTM(I, H, num_layers=2).cuda()
     x = torch.randn(T, B, I, device="cuda")
     side = torch.cuda.Stream()
