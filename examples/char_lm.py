@@ -123,6 +123,10 @@ def train(args: argparse.Namespace) -> list[float]:
             running.zero_()
             t0 = time.perf_counter()
     if world > 1:
+        # Drop DDP before the process group: otherwise its reducer holds the group's last reference
+        # and destroys it at return while holding the GIL, which can deadlock with a gloo worker
+        # thread that needs the GIL to release a tensor (pytorch/pytorch#56297; seen here).
+        del ddp
         dist.destroy_process_group()
     return losses
 
