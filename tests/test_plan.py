@@ -72,8 +72,8 @@ def test_plan_prefers_the_cheapest_tile():
 def test_refusals_say_why():
     p = make_plan("lstm", 4000, 1, device="h100")
     assert not p.fits and "4000" in p.reason and p.forward is None
-    half = make_plan("lstm", 512, 1, dtype="float16", device="h100")
-    assert not half.fits and "float16" in half.reason
+    double = make_plan("lstm", 512, 1, dtype="float64", device="h100")
+    assert not double.fits and "float64" in double.reason
     # The backward of a large LSTM stages dgh (4H floats per batch row) in shared memory.
     big_batch = make_plan("lstm", 1250, 64, device="h100")
     assert not big_batch.fits and "shared memory" in big_batch.reason
@@ -129,7 +129,7 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, cell
         runtime.run_backward(spec, dy, None, None, w, h0, c0, None, fwd, "persistent", RunStats())
 
     for tile in plan.tiles_for(spec):  # every shipped tile, so both formulas meet every layout
-        monkeypatch.setattr(plan, "tiles_for", lambda c, tile=tile: (tile,))
+        monkeypatch.setattr(plan, "tiles_for", lambda c, dtype="float32", tile=tile: (tile,))
         run()
         planned = plan.shared_bytes(spec, tile, backward, batch)
         monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, planned=planned:
