@@ -77,3 +77,20 @@ def select_active(xp, a: Array, lengths: Array | None) -> Array:
     so NaN or Inf there do not survive); ``a`` itself when there are no lengths."""
     mask = active_steps(xp, a.shape[0], lengths)
     return a if mask is None else xp.where(mask, a, xp.zeros((), a.dtype))
+
+
+def round_half(xp, a: Array, half: str | None) -> Array:
+    """float32 ``a`` rounded to the nearest ``half`` value ("float16" or "bfloat16"; ties to
+    even, as ml_dtypes and CUDA's conversions round), kept as float32; ``a`` itself for ``None``.
+
+    16-bit layers compute in fp32 and round h_t here every step, where the 16-bit kernels do.
+    bfloat16 is rounded on the float32 bits (CuPy has no bfloat16 arrays); NaN stays NaN.
+    """
+    if half is None:
+        return a
+    if half == "float16":
+        with np.errstate(over="ignore"):  # beyond 65504 rounds to inf, as the cast on a GPU
+            return a.astype(np.float16).astype(np.float32)
+    bits = a.view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return xp.where(xp.isnan(a), a, rounded.view(np.float32))

@@ -55,6 +55,7 @@ class Context:
     bidirectional: bool
     batch_first: bool
     algo: str
+    half: str | None               # None, or a 16-bit layer's dtype (see ``forward``)
     lengths: Array | None          # int32 (B,) on the data's array module, or None
     reverse_index: Array | None    # (T, B) time index of the within-length reversal
     inputs: list[Array] = field(default_factory=list)             # each layer's input (T, B, I)
@@ -65,13 +66,16 @@ class Context:
 
 def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,
             lengths: Array | None = None, *, num_layers: int, bidirectional: bool,
-            batch_first: bool, algo: str = "auto") -> tuple[Array, Any, Context]:
+            batch_first: bool, algo: str = "auto",
+            half: str | None = None) -> tuple[Array, Any, Context]:
     """Run the stack forward; return ``(y, hn, ctx)`` in torch.nn's shapes.
 
     ``x``: (T, B, I), or (B, T, I) if ``batch_first``. ``hx``: ``None`` (zeros), ``h0`` of shape
     (L*D, B, H), or ``(h0, c0)`` for the LSTM. ``lengths``: ``None`` or (B,) integers in 1..T
     (packed-sequence semantics: outputs past a length are zero, states stop at the length).
     ``y``: (T, B, D*H) (batch-first if ``x`` is); ``hn``: ``h_n`` or ``(h_n, c_n)``.
+    ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are float32
+    holding values of that dtype, the recurrence rounds h_t to it every step (docs/api.md).
     """
     xp = array_module(x, *params.values())
     x = x.transpose(1, 0, 2) if batch_first else x
@@ -81,7 +85,7 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, hidden, x.dtype)
     if lengths is not None:
         lengths = xp.asarray(lengths, dtype=np.int32)
-    ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
+    ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, half, lengths,
                   _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
     # Padding is selected out, not multiplied away: NaN/Inf there must not reach any result.
     layer_input = select_active(xp, x, lengths)
@@ -133,7 +137,7 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
             dy_d = _gather(ctx.reverse_index, dy_d) if reverse else xp.ascontiguousarray(dy_d)
             w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
             res = runtime.run_backward(ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0,
-                                       d.c0, ctx.lengths, d.fwd, ctx.algo, stats)
+                                       d.c0, ctx.lengths, d.fwd, ctx.algo, stats, ctx.half)
             dh0[k], dc0[k] = res.dh0, res.dc0
             dgi = _gather(ctx.reverse_index, res.dgi) if reverse else res.dgi
             dgi_2d = dgi.reshape(-1, dgi.shape[2])
@@ -163,7 +167,7 @@ def _run_direction(ctx: Context, layer_input: Array, d: _Direction,
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.run_forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
-                               ctx.stats)
+                               ctx.stats, ctx.half)
 
 
 def _matmul_steps(a: Array, w: Array) -> Array:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._sources import cuda_src_dir, read_source
-from .buffers import array_module, full_lengths
+from .buffers import array_module, full_lengths, round_half
 from .cells import CellSpec
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -28,9 +28,13 @@ _MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
 
 def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
                   c0: Array | None, lengths: Array | None, y: Array, cs: Array | None,
-                  saved: Array, start: int) -> None:
+                  saved: Array, start: int, half: str | None = None) -> None:
     """Run forward steps ``start..T-1`` in place; step ``start`` reads h_{start-1} from
-    ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``."""
+    ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``.
+
+    ``half`` ("float16", "bfloat16" or ``None``): a 16-bit layer's fp32 data; h_t is rounded to
+    it every step, as the 16-bit persistent kernels do (c_t and the saved activations stay fp32).
+    """
     xp = array_module(gi)
     steps, batch, _ = gi.shape
     lengths = full_lengths(xp, lengths, batch, steps)
@@ -42,6 +46,8 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
         xp.matmul(h_prev, w_t, out=gh)
         _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
                            y[t], None if cs is None else cs[t], saved[t])
+        if half is not None:
+            y[t] = round_half(xp, y[t], half)
 
 
 def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array | None,

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from .cells import CELLS, CellSpec
+from .validation import dtype_name
 from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
                        current_device)
@@ -72,17 +73,6 @@ SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
     "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 8), (8, 4, 8)),
             _tile(20, (10, 4, 20), (10, 4, 20)), _tile(28, (14, 4, 28), (14, 4, 28))),
 }
-
-
-def kernel_dtype(dtype) -> str:
-    """The name of ``dtype`` ("float32", "float16", "bfloat16", or another float name such as
-    "float64", which no persistent kernel holds); ValueError for anything else."""
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
-    if name is None:
-        name = getattr(dtype, "__name__", None)  # a scalar type such as numpy.float16
-    if name not in (*KERNEL_DTYPES, "float64"):
-        raise ValueError(f"dtype must be one of {(*KERNEL_DTYPES, 'float64')}, got {dtype!r}")
-    return name
 
 
 def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
@@ -220,7 +210,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
-    dtype = kernel_dtype(dtype)
+    dtype = dtype_name("dtype", dtype)
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
     if dtype not in KERNEL_DTYPES:
@@ -248,7 +238,7 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
     """
     spec = resolve_cell(cell)
     dev = resolve_device(device)
-    dtype = kernel_dtype(dtype)
+    dtype = dtype_name("dtype", dtype)
     if dtype not in KERNEL_DTYPES:
         return 0
     best = 0

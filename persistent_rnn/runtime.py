@@ -67,13 +67,17 @@ class _Engine:
 
 
 def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
-                c0: Array | None, lengths: Array | None, algo: str, stats: RunStats) -> ForwardResult:
-    """Run the forward recurrence over all steps of ``gi`` and record what ran in ``stats``."""
+                c0: Array | None, lengths: Array | None, algo: str, stats: RunStats,
+                half: str | None = None) -> ForwardResult:
+    """Run the forward recurrence over all steps of ``gi`` and record what ran in ``stats``.
+
+    ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer whose fp32 data
+    holds values of that dtype: W_hh is held in it and h_t rounded to it every step."""
     y, cs, saved = buffers.allocate_forward(cell, gi)
     steps, batch, _ = gi.shape
-    engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False)
+    engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False, half=half)
     if engine is None:
-        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0)
+        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0, half=half)
         stats.merge(RunStats(algo="gemm", fallback=reason))
         return ForwardResult(y, cs, saved)
     xp = buffers.array_module(gi)
@@ -88,18 +92,20 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
                    details=[_describe(engine, restarts)])
     if step < steps:
         run.fallback = f"barrier timeouts: {restarts} restarts, steps {step}..{steps - 1} on GEMM"
-        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=step)
+        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=step,
+                           half=half)
     stats.merge(run)
     return ForwardResult(y, cs, saved)
 
 
 def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh: Array,
                  h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult,
-                 algo: str, stats: RunStats) -> BackwardResult:
-    """Run backward through time over all steps; ``dy`` must be zero past each length."""
+                 algo: str, stats: RunStats, half: str | None = None) -> BackwardResult:
+    """Run backward through time over all steps; ``dy`` must be zero past each length.
+    ``half``: as for ``run_forward`` (the backward itself computes in fp32)."""
     dgi, dgh = buffers.allocate_backward(cell, dy)
     steps, batch, hidden = dy.shape
-    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True)
+    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True, half=half)
     if engine is None:
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps)
@@ -175,7 +181,7 @@ def _to_host(a: Array) -> np.ndarray:
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
-            backward: bool) -> tuple[_Engine | None, str | None]:
+            backward: bool, half: str | None = None) -> tuple[_Engine | None, str | None]:
     """The persistent engine for this pass, or ``(None, why the GEMM path runs)``.
 
     Raises ValueError when ``algo="persistent"`` cannot be honoured.
@@ -189,7 +195,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     if algo == "auto" and not on_gpu:
         return None, None
     device = _current_device() if on_gpu else EMULATED_DEVICE
-    plan, why = _plan(cell, data, hidden, batch, algo, device)
+    plan, why = _plan(cell, data, hidden, batch, algo, device, half)
     if why is not None:
         if algo == "persistent":
             raise ValueError(f"algo='persistent' cannot run this layer: {why}")
@@ -204,14 +210,17 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
 
 
 def _plan(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
-          device: hardware.DeviceProfile) -> tuple[planner.Plan | None, str | None]:
+          device: hardware.DeviceProfile,
+          half: str | None) -> tuple[planner.Plan | None, str | None]:
     """The plan of this layer-direction, or why the persistent kernel cannot (or should not) run."""
     if np.dtype(data.dtype) != np.float32:
         return None, f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
+    if half is not None:
+        return None, f"dtype {half}: the 16-bit persistent kernels are not built yet"
     limit = settings.current().auto_max_batch
     if algo == "auto" and batch > limit:
         return None, f"batch {batch} > {limit} (auto_max_batch): not measured beyond it"
-    plan = planner.make_plan(cell, hidden, batch, "float32", device)
+    plan = planner.make_plan(cell, hidden, batch, half or "float32", device)
     return (plan, None) if plan.fits else (None, plan.reason)
 
 

@@ -7,7 +7,7 @@ import pytest
 from persistent_rnn import max_hidden_size
 from persistent_rnn.cells import CELLS
 from persistent_rnn.hardware import WEIGHT_BYTES, WEIGHT_REGISTER_BUDGET
-from persistent_rnn.plan import (KERNEL_DTYPES, SHIPPED, SHIPPED_16BIT, kernel_dtype, make_plan,
+from persistent_rnn.plan import (KERNEL_DTYPES, SHIPPED, SHIPPED_16BIT, make_plan,
                                  tile_max_hidden, tiles_for, weight_registers)
 
 HALF = ("float16", "bfloat16")
@@ -87,7 +87,8 @@ def test_16bit_batch_is_bounded_by_shared_memory():
 
 
 def test_dtype_names_and_refusals():
-    assert kernel_dtype(np.dtype(np.float16)) == kernel_dtype(np.float16) == "float16"
+    assert max_hidden_size("lstm", np.dtype(np.float16), "h100") == max_hidden_size(
+        "lstm", np.float16, "h100") == max_hidden_size("lstm", "bfloat16", "h100")
     assert max_hidden_size("lstm", "float64", "h100") == 0
     with pytest.raises(ValueError, match="dtype must be one of"):
         max_hidden_size("lstm", "int8", "h100")
