@@ -15,7 +15,7 @@ from typing import Any
 from . import plan
 
 CELL_NAMES = ("rnn_tanh", "gru", "lstm")
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_FP32_LANES = 128
 FP32_LANES = {(8, 0): 64}  # FP32 FMA lanes per SM where it differs from the default (compute capability)
 
