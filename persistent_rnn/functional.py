@@ -6,8 +6,9 @@ backward needs goes out in an explicit context. Used by ``layers`` (NumPy/CuPy l
 ``persistent_rnn.torch``.
 
 Per layer and direction: one GEMM projects the input for all steps (``gi = x @ W_ih^T + b_ih``),
-``runtime.run_forward`` runs the recurrence; backward runs ``runtime.run_backward`` and then
-forms ``dW_hh``, ``dW_ih``, the biases and ``dx`` as single GEMMs / reductions over all steps.
+``runtime.forward`` starts the recurrence; backward starts ``runtime.backward`` and then forms
+``dW_hh``, ``dW_ih``, the biases and ``dx`` as single GEMMs / reductions over all steps. The
+progress of all persistent passes of the stack is checked once per call (``runtime.settle``).
 The reverse direction sees each sequence reversed within its own length (a gather with an index
 array), so sequences of any length, in any order, need no sorting or packing.
 
@@ -76,6 +77,10 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     ``y``: (T, B, D*H) (batch-first if ``x`` is); ``hn``: ``h_n`` or ``(h_n, c_n)``.
     ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are float32
     holding values of that dtype, the recurrence rounds h_t to it every step (docs/api.md).
+
+    Every layer-direction is started without waiting for the previous one; their progress is
+    checked once at the end (``runtime.settle``). Where a persistent pass did not finish, it is
+    resumed and the layers above it run again on its completed output.
     """
     xp = array_module(x, *params.values())
     x = x.transpose(1, 0, 2) if batch_first else x
@@ -87,28 +92,35 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
         lengths = xp.asarray(lengths, dtype=np.int32)
     ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, half, lengths,
                   _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
+    ctx.inputs = [None] * num_layers
+    ctx.directions = [[] for _ in range(num_layers)]
+    stats: dict[tuple[int, int], RunStats] = {}
     # Padding is selected out, not multiplied away: NaN/Inf there must not reach any result.
-    layer_input = select_active(xp, x, lengths)
-    hn, cn = [], []
-    for layer in range(num_layers):
-        ctx.inputs.append(layer_input)
-        outputs, dirs = [], []
-        for direction in range(num_dirs):
-            k = layer * num_dirs + direction
-            names = param_names(layer, direction == 1, bias=f"bias_ih_l{layer}" in params)
-            d = _Direction(names, h0_all[k], None if c0_all is None else c0_all[k], None)
-            d.fwd = _run_direction(ctx, layer_input, d, direction == 1)
-            y_d = d.fwd.y if direction == 0 else _gather(ctx.reverse_index, d.fwd.y)
-            outputs.append(y_d)
-            hn.append(d.fwd.y[-1])
-            if d.fwd.cs is not None:
-                cn.append(d.fwd.cs[-1])
-            dirs.append(d)
-        ctx.directions.append(dirs)
-        layer_input = select_active(xp, xp.concatenate(outputs, axis=2), lengths)
+    layer_input, first, rerun = select_active(xp, x, lengths), 0, False
+    while True:
+        pending = []
+        for layer in range(first, num_layers):
+            ctx.inputs[layer] = layer_input
+            ctx.directions[layer] = []
+            for direction in range(num_dirs):
+                k = layer * num_dirs + direction
+                names = param_names(layer, direction == 1, bias=f"bias_ih_l{layer}" in params)
+                d = _Direction(names, h0_all[k], None if c0_all is None else c0_all[k], None)
+                d.fwd, stats[layer, direction], p = _start_direction(ctx, layer_input, d,
+                                                                     direction == 1, rerun)
+                pending += [(layer, p)] if p else []
+                ctx.directions[layer].append(d)
+            layer_input = _layer_output(ctx, layer)
+        failed = runtime.settle(pending)
+        if failed is None:
+            break
+        layer_input, first, rerun = _layer_output(ctx, failed), failed + 1, True
+    ctx.stats = _merged(stats, rerun)
     y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
-    h_n = xp.stack(hn)
-    return y, ((h_n, xp.stack(cn)) if cell.has_cell_state else h_n), ctx
+    h_n = xp.stack([d.fwd.y[-1] for dirs in ctx.directions for d in dirs])
+    if not cell.has_cell_state:
+        return y, h_n, ctx
+    return y, (h_n, xp.stack([d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
 
 
 def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict[str, Array]]:
@@ -116,49 +128,49 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
 
     ``dy`` has ``y``'s shape (entries past a sequence's length are ignored); ``dhn``: ``None``
     (zero), ``dh_n``, or ``(dh_n, dc_n)`` for the LSTM (either may be ``None``). ``dhx`` is
-    ``dh0`` or ``(dh0, dc0)``; ``grads`` has the keys of the parameters.
+    ``dh0`` or ``(dh0, dc0)``; ``grads`` has the keys of the parameters. Progress is checked
+    once, as in ``forward``; layers below a resumed one run again.
     """
     xp = array_module(dy)
-    stats = RunStats()
     dy = dy.transpose(1, 0, 2) if ctx.batch_first else dy
-    d_out = select_active(xp, dy, ctx.lengths)
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
     grads: dict[str, Array] = {}
-    dh0, dc0 = {}, {}
+    results: dict[tuple[int, int], runtime.BackwardResult] = {}
+    stats: dict[tuple[int, int], RunStats] = {}
     num_dirs = len(ctx.directions[0])
-    for layer in range(ctx.num_layers - 1, -1, -1):
-        layer_input = ctx.inputs[layer]
-        d_in = xp.zeros_like(layer_input)
-        for direction, d in enumerate(ctx.directions[layer]):
-            k = layer * num_dirs + direction
-            hidden = d.h0.shape[1]
-            dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
-            reverse = direction == 1
-            dy_d = _gather(ctx.reverse_index, dy_d) if reverse else xp.ascontiguousarray(dy_d)
-            w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
-            res = runtime.run_backward(ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0,
-                                       d.c0, ctx.lengths, d.fwd, ctx.algo, stats, ctx.half)
-            dh0[k], dc0[k] = res.dh0, res.dc0
-            dgi = _gather(ctx.reverse_index, res.dgi) if reverse else res.dgi
-            dgi_2d = dgi.reshape(-1, dgi.shape[2])
-            grads[d.names[0]] = dgi_2d.T @ layer_input.reshape(-1, layer_input.shape[2])
-            grads[d.names[1]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
-            if len(d.names) == 4:
-                grads[d.names[2]] = dgi_2d.sum(axis=0)
-                grads[d.names[3]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
-            d_in += _matmul_steps(dgi, w_ih)
-        d_out = d_in
-    ctx.backward_stats = stats
+    d_out, first, rerun = select_active(xp, dy, ctx.lengths), ctx.num_layers - 1, False
+    while True:
+        pending = []
+        for layer in range(first, -1, -1):
+            for direction, d in enumerate(ctx.directions[layer]):
+                k = layer * num_dirs + direction
+                hidden = d.h0.shape[1]
+                dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
+                dy_d = (_gather(ctx.reverse_index, dy_d) if direction == 1
+                        else xp.ascontiguousarray(dy_d))
+                w_hh = ctx.params[d.names[1]]
+                results[layer, direction], stats[layer, direction], p = runtime.backward(
+                    ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
+                    d.fwd, ctx.algo, rerun, ctx.half)
+                pending += [(layer, p)] if p else []
+            d_out = _layer_gradients(ctx, layer, results, grads)
+        failed = runtime.settle(pending)
+        if failed is None:
+            break
+        d_out, first, rerun = _layer_gradients(ctx, failed, results, grads), failed - 1, True
+        if first < 0:
+            break
+    ctx.backward_stats = _merged(stats, rerun)
     dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
-    order = sorted(dh0)
-    dh = xp.stack([dh0[k] for k in order])
-    dhx = (dh, xp.stack([dc0[k] for k in order])) if ctx.cell.has_cell_state else dh
-    return dx, dhx, grads
+    dh = xp.stack([results[k].dh0 for k in sorted(results)])
+    if not ctx.cell.has_cell_state:
+        return dx, dh, grads
+    return dx, (dh, xp.stack([results[k].dc0 for k in sorted(results)])), grads
 
 
-def _run_direction(ctx: Context, layer_input: Array, d: _Direction,
-                   reverse: bool) -> runtime.ForwardResult:
-    """Project the input for all steps (one GEMM) and run this direction's recurrence."""
+def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: bool,
+                     rerun: bool) -> tuple[runtime.ForwardResult, RunStats, runtime.Pending | None]:
+    """Project the input for all steps (one GEMM) and start this direction's recurrence."""
     w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
     b_ih, b_hh = (ctx.params[n] for n in d.names[2:]) if len(d.names) == 4 else (None, None)
     gi = _matmul_steps(layer_input, w_ih.T)
@@ -166,8 +178,48 @@ def _run_direction(ctx: Context, layer_input: Array, d: _Direction,
         gi += b_ih
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
-    return runtime.run_forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
-                               ctx.stats, ctx.half)
+    return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun,
+                           ctx.half)
+
+
+def _layer_output(ctx: Context, layer: int) -> Array:
+    """The output of ``layer`` (T, B, D*H): its directions side by side, zero past lengths."""
+    xp = array_module(ctx.inputs[layer])
+    ys = [d.fwd.y if i == 0 else _gather(ctx.reverse_index, d.fwd.y)
+          for i, d in enumerate(ctx.directions[layer])]
+    # concatenate copies even one direction: y must not alias the buffers backward reads
+    return select_active(xp, xp.concatenate(ys, axis=2), ctx.lengths)
+
+
+def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int], Any],
+                     grads: dict[str, Array]) -> Array:
+    """Set the parameter gradients of ``layer`` in ``grads``; return the gradient of its input."""
+    layer_input = ctx.inputs[layer]
+    xp = array_module(layer_input)
+    flat_input = layer_input.reshape(-1, layer_input.shape[2])
+    d_in = None
+    for direction, d in enumerate(ctx.directions[layer]):
+        res = results[layer, direction]
+        dgi = _gather(ctx.reverse_index, res.dgi) if direction == 1 else res.dgi
+        dgi_2d = dgi.reshape(-1, dgi.shape[2])
+        grads[d.names[0]] = dgi_2d.T @ flat_input
+        grads[d.names[1]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
+        if len(d.names) == 4:
+            grads[d.names[2]] = dgi_2d.sum(axis=0)
+            grads[d.names[3]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
+        part = _matmul_steps(dgi, ctx.params[d.names[0]])
+        d_in = part if d_in is None else d_in + part
+    return d_in if d_in is not None else xp.zeros_like(layer_input)
+
+
+def _merged(stats: Mapping[tuple[int, int], RunStats], rerun: bool) -> RunStats:
+    """One ``RunStats`` over all layer-directions (in order)."""
+    total = RunStats()
+    for key in sorted(stats):
+        total.merge(stats[key])
+    if rerun:
+        total.details.append("layers after a restarted layer ran again on its completed output")
+    return total
 
 
 def _matmul_steps(a: Array, w: Array) -> Array:

@@ -7,15 +7,17 @@ the update is ``cells.py``'s reference math; on CuPy it is one fused kernel per 
 ``cuda_src/pointwise.cu`` (the same ``cells.cuh`` code the persistent kernels run).
 
 Buffers and their layout are described in ``buffers.py``. ``start`` / ``stop`` let the runtime
-finish a persistent run that stopped part-way on this path.
+finish a persistent run that stopped part-way on this path. Whole passes on CuPy may be replayed
+from a recorded CUDA graph (``step_graphs``, the ``gemm_graphs`` setting).
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
 
+from . import step_graphs
 from ._sources import cuda_src_dir, read_source
 from .buffers import array_module, full_lengths, round_half
 from .cells import CellSpec
@@ -24,6 +26,7 @@ Array = Any  # numpy.ndarray or cupy.ndarray
 
 _THREADS = 256  # threads per block of the pointwise kernels
 _MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
+_MAX_INT32 = 2**31 - 1
 
 
 def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
@@ -37,17 +40,15 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     """
     xp = array_module(gi)
     steps, batch, _ = gi.shape
-    lengths = full_lengths(xp, lengths, batch, steps)
-    gh = xp.empty(gi.shape[1:], dtype=gi.dtype)
-    w_t = w_hh.T
-    for t in range(start, steps):
-        h_prev = y[t - 1] if t > 0 else h0
-        c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
-        xp.matmul(h_prev, w_t, out=gh)
-        _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
-                           y[t], None if cs is None else cs[t], saved[t])
-        if half is not None:
-            y[t] = round_half(xp, y[t], half)
+    _check_sizes(xp, steps, batch, y.shape[2])
+    inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
+                  lengths=full_lengths(xp, lengths, batch, steps))
+    outputs = dict(y=y, cs=cs, saved=saved)
+    loop = partial(_forward_loop, cell, start, half)
+    if start == 0:  # a whole pass: replayed from a recorded CUDA graph where enabled
+        step_graphs.run(f"forward {cell.name} {half or ''}", loop, inputs, outputs)
+    else:
+        loop(**inputs, **outputs)
 
 
 def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array | None,
@@ -62,8 +63,41 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     """
     xp = array_module(dy)
     steps, batch, hidden = dy.shape
-    lengths = full_lengths(xp, lengths, batch, steps)
-    zeros = xp.zeros((batch, hidden), dtype=dy.dtype)
+    _check_sizes(xp, steps, batch, hidden)
+    dh0 = xp.empty((batch, hidden), dtype=dy.dtype)
+    dc0 = xp.empty_like(dh0) if cell.has_cell_state else None
+    inputs = dict(dy=dy, w_hh=w_hh, h0=h0, c0=c0, lengths=full_lengths(xp, lengths, batch, steps),
+                  y=y, cs=cs, saved=saved, dh_carry=dh_carry,
+                  dc_carry=dc_carry if cell.has_cell_state else None)
+    outputs = dict(dgi=dgi, dgh=None if dgh is dgi else dgh, dh0=dh0, dc0=dc0)
+    loop = partial(_backward_loop, cell, stop)
+    if stop == steps:  # a whole pass: replayed from a recorded CUDA graph where enabled
+        step_graphs.run(f"backward {cell.name}", loop, inputs, outputs)
+    else:
+        loop(**inputs, **outputs)
+    return dh0, dc0
+
+
+def _forward_loop(cell: CellSpec, start: int, half: str | None, *, gi, w_hh, b_hh, h0, c0,
+                  lengths, y, cs, saved) -> None:
+    xp = array_module(gi)
+    gh = xp.empty(gi.shape[1:], dtype=gi.dtype)
+    w_t = w_hh.T
+    for t in range(start, gi.shape[0]):
+        h_prev = y[t - 1] if t > 0 else h0
+        c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
+        xp.matmul(h_prev, w_t, out=gh)
+        _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
+                           y[t], None if cs is None else cs[t], saved[t])
+        if half is not None:
+            y[t] = round_half(xp, y[t], half)
+
+
+def _backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, h0, c0, lengths, y, cs, saved,
+                   dh_carry, dc_carry, dgi, dgh, dh0, dc0) -> None:
+    """Backward steps ``stop-1..0``; ``dgh`` is ``None`` where it is ``dgi`` (not GRU)."""
+    xp = array_module(dy)
+    zeros = xp.zeros(dy.shape[1:], dtype=dy.dtype)
     # The gradient reaching h_t is split in three (dy_t, the cell's direct part, the part through
     # W_hh) and summed inside the step's fused pointwise update, saving a kernel per step.
     dh_direct = zeros if dh_carry is None else xp.ascontiguousarray(dh_carry)
@@ -75,12 +109,14 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
         h_prev = y[t - 1] if t > 0 else h0
         c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
         dgi_t = dgi[t]
-        dgh_t = dgi_t if dgh is dgi else dgh[t]
+        dgh_t = dgi_t if dgh is None else dgh[t]
         dh_direct, dc = _pointwise_backward(
             cell, xp, t, lengths, dy[t], dh_direct, dh_rec, dc, saved[t], y[t],
             None if cs is None else cs[t], h_prev, c_prev, dgi_t, dgh_t)
         dh_rec = dgh_t @ w_hh
-    return dh_direct + dh_rec, dc
+    dh0[...] = dh_direct + dh_rec
+    if dc0 is not None:
+        dc0[...] = dc
 
 
 def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_out, c_out,
@@ -142,12 +178,19 @@ def _launch(cell: CellSpec, which: str, dtype, threads: int, args: tuple) -> Non
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
     kernel = _module().get_function(f"prnn_pointwise_{which}_{cell.name}_{suffix}")
     blocks = (threads + _THREADS - 1) // _THREADS
-    if blocks == 0:  # an empty batch: CUDA refuses a grid of 0 blocks
+    if blocks:  # an empty batch launches nothing: CUDA refuses a grid of 0 blocks
+        kernel((blocks,), (_THREADS,), args)
+
+
+def _check_sizes(xp, steps: int, batch: int, hidden: int) -> None:
+    """ValueError for sizes the pointwise kernels cannot index: their T, B, H arguments are
+    32-bit and their grid has one thread per (b, j)."""
+    if xp is np:
         return
-    if blocks > _MAX_BLOCKS:
-        raise ValueError(f"batch x hidden_size = {threads} is too large for the GEMM path's "
-                         f"pointwise kernels (at most {_MAX_BLOCKS * _THREADS})")
-    kernel((blocks,), (_THREADS,), args)
+    if max(steps, batch, hidden) > _MAX_INT32 or -(-batch * hidden // _THREADS) > _MAX_BLOCKS:
+        raise ValueError(f"sequence length {steps}, batch {batch}, hidden_size {hidden}: too large "
+                         f"for the GEMM path's pointwise kernels (each at most {_MAX_INT32}, and "
+                         f"batch x hidden_size at most {_MAX_BLOCKS * _THREADS})")
 
 
 @lru_cache(maxsize=None)

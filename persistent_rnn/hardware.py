@@ -43,12 +43,6 @@ class DeviceProfile:
     max_threads_per_block: int = 1024
     arch: str = "sm_90"
 
-    @property
-    def fp32_lanes_per_sm(self) -> int:
-        """FP32 FMA lanes per SM of this profile's architecture."""
-        digits = self.arch.removeprefix("sm_")
-        return fp32_lanes_per_sm(int(digits[:-1]), int(digits[-1]))
-
 
 PROFILES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile("h100", 132),

@@ -13,16 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import plan
+from .hardware import fp32_lanes_per_sm
 
 CELL_NAMES = ("rnn_tanh", "gru", "lstm")
 DTYPES = ("float32", "float16", "bfloat16")
-DEFAULT_FP32_LANES = 128
-FP32_LANES = {(8, 0): 64}  # FP32 FMA lanes per SM where it differs from the default (compute capability)
-
-
-def fp32_lanes_per_sm(major: int, minor: int) -> int:
-    """FP32 FMA lanes per SM of a compute capability (the peak formula's per-SM width)."""
-    return FP32_LANES.get((major, minor), DEFAULT_FP32_LANES)
 
 
 def fp32_peak_tflops(sm_count: int, clock_mhz: float, major: int, minor: int) -> float:

@@ -13,16 +13,25 @@ float32 data when the plan fits and the batch is at most ``Settings.auto_max_bat
 H200 the persistent kernel beat the GEMM path at every batch up to 32 where it fit, see
 docs/benchmarks.md and bench/results/h200-2026-11-23), else GEMM; ``"auto"`` never emulates.
 
-Restart protocol (one loop for GPU and emulation): zero the ``PrnnControl`` words with every
-CTA's progress set to "nothing done", launch, read the progress back (one small copy per launch),
-and launch again (a restart) from the first step not completed by every CTA; after
-``Settings.max_restarts`` restarts the remaining steps run on the GEMM path.
+Restart protocol (one code for GPU and emulation). Every persistent pass of a stack is launched
+without reading anything back: its control words (``_Control``) live on the device and are reset
+by the stream before the launch. ``settle`` then reads the progress of all passes launched since
+the last call in one copy (once per forward or backward of the whole stack) and resumes the
+first layer that did not finish: each unfinished pass of it is launched again (a restart) from
+the first step not completed by every CTA, reading progress after every launch, and after
+``Settings.max_restarts`` restarts the remaining steps run on the GEMM path. The caller
+(``functional``) then reruns the layers after it, which consumed unfinished input. Under CUDA
+stream capture nothing is read (a graph replay cannot restart): ``RunStats.details`` says so.
+
+Plans and engines (compiled module, occupancy check) are cached per configuration and device;
+the transposed ``W_hh`` of the backward is one small copy per call, because an optimizer may
+update ``W_hh`` in place and nothing cheaper than a copy proves a cached one current.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +44,7 @@ Array = Any
 
 # The emulation plans for the GPU the tiles are sized for, so that it runs the same configurations.
 EMULATED_DEVICE = hardware.PROFILES["h100"]
+_MAX_STEPS = 2**31 - 1
 
 
 @dataclass
@@ -58,28 +68,118 @@ class BackwardResult:
 
 @dataclass(frozen=True)
 class _Engine:
-    """How a persistent pass runs: its plan, a ``launch`` callable and the barrier timeout."""
+    """How a persistent pass runs: its plan and a ``launch`` callable (GPU or emulated module)."""
 
     pass_plan: planner.PassPlan
     launch: Callable[..., None]
-    timeout_ns: int
     emulated: bool
 
 
-def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
-                c0: Array | None, lengths: Array | None, algo: str, stats: RunStats,
-                half: str | None = None) -> ForwardResult:
-    """Run the forward recurrence over all steps of ``gi`` and record what ran in ``stats``.
+class _Control:
+    """The kernels' ``PrnnControl`` words (``cuda_src/hw.cuh``): arrival counter, abort word and
+    one progress word per CTA (the last step it completed). The one place that knows them."""
 
-    ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer whose fp32 data
-    holds values of that dtype: W_hh is held in it and h_t rounded to it every step."""
+    UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
+
+    @staticmethod
+    def new(xp, grid: int) -> Array:
+        return xp.empty(2 + grid, dtype=np.uint32)
+
+    @staticmethod
+    def reset(words: Array) -> None:
+        """Counters zero, progress untouched: two memsets on the stream (no host copy)."""
+        if isinstance(words, np.ndarray):
+            words[:2], words[2:] = 0, _Control.UNTOUCHED
+            return
+        import cupy
+        stream, ptr = cupy.cuda.get_current_stream().ptr, words.data.ptr
+        cupy.cuda.runtime.memsetAsync(ptr, 0, 8, stream)
+        cupy.cuda.runtime.memsetAsync(ptr + 8, 0xFF, 4 * (words.size - 2), stream)
+
+    @staticmethod
+    def next_step(words: np.ndarray, start: int, direction: int) -> int:
+        """The first step not completed by every CTA in a launch from ``start``."""
+        progress = words[2:].view(np.int32)
+        progress = np.where(progress == -1, start - direction, progress)
+        done = int(progress.min()) if direction > 0 else int(progress.max())
+        return done + direction
+
+
+@dataclass
+class Pending:
+    """A persistent pass launched and not yet checked; ``settle`` checks (and repairs) it."""
+
+    engine: _Engine
+    fixed: tuple                       # the kernel's leading (buffer) arguments
+    sizes: tuple[int, int, int]        # (T, B, H)
+    first: int                         # the step the pass started from
+    end: int                           # one past the last step, in the pass's direction
+    control: Array
+    stats: RunStats
+    finish: Callable[[int], None]  # completes the result from the first step the kernel left
+                                   # (``end``: the kernel did every step)
+    launches: int = 0
+    start: int = 0                     # the step the latest launch started from
+
+    @property
+    def direction(self) -> int:
+        return 1 if self.end > self.first else -1
+
+    def launch(self, step: int, stall: settings.Stall) -> None:
+        """Launch the pass from ``step`` (stream-ordered; nothing is read back)."""
+        s, p = settings.current(), self.engine.pass_plan
+        timeout_ms = s.emulation_timeout_ms if self.engine.emulated else s.gpu_timeout_ms
+        extra = {"max_resident": s.emulation_max_resident} if self.engine.emulated else {}
+        _Control.reset(self.control)
+        self.start = step
+        self.engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
+                           (*self.fixed, self.control, *(np.int32(n) for n in self.sizes),
+                            np.int32(step), np.uint64(int(timeout_ms * 1e6)), *stall.args()),
+                           **extra)
+        self.launches += 1
+
+    def next_step(self, words: np.ndarray | None = None) -> int:
+        """The first step not completed by every CTA (``end`` when the pass is complete)."""
+        words = _to_host(self.control) if words is None else words
+        return _Control.next_step(words, self.start, self.direction)
+
+    def resume(self, step: int) -> None:
+        """Restart from ``step`` until complete or out of restarts; the GEMM path runs the rest."""
+        limit = settings.current().max_restarts
+        while step != self.end and self.stats.restarts < limit:
+            self.stats.restarts += 1
+            self.launch(step, settings.NO_STALL)
+            step = self.next_step()
+        self.stats.details[-1] = _describe(self)
+        if step != self.end:
+            last = self.end - self.direction
+            self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
+                                   f"steps {step}..{last} on GEMM")
+        self.finish(step)
+
+
+def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
+            c0: Array | None, lengths: Array | None, algo: str, rerun: bool = False,
+            half: str | None = None) -> tuple[ForwardResult, RunStats, Pending | None]:
+    """Start the forward recurrence over all steps of ``gi``: the GEMM path runs at once, a
+    persistent pass is launched and returned as ``Pending`` (its buffers are complete once
+    ``settle`` has checked it). ``rerun``: a repeat after an earlier layer restarted (no stall
+    is injected). ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer
+    whose fp32 data holds values of that dtype: W_hh is held in it and h_t rounded to it every
+    step."""
     y, cs, saved = buffers.allocate_forward(cell, gi)
+    result = ForwardResult(y, cs, saved)
     steps, batch, _ = gi.shape
     engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False, half=half)
+
+    def finish(start: int) -> None:
+        if start < steps:
+            gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=start,
+                               half=half)
+
     if engine is None:
-        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0, half=half)
-        stats.merge(RunStats(algo="gemm", fallback=reason))
-        return ForwardResult(y, cs, saved)
+        finish(0)
+        return result, RunStats(algo="gemm", fallback=reason), None
     xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     hidden = y.shape[2]
@@ -87,30 +187,23 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
     c0_arg = c(h0) if c0 is None else c(c0)
     fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
              y, y if cs is None else cs, saved)
-    step, restarts = run_with_restarts(engine, fixed, (steps, batch, hidden), first=0, end=steps, xp=xp)
-    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
-                   details=[_describe(engine, restarts)])
-    if step < steps:
-        run.fallback = f"barrier timeouts: {restarts} restarts, steps {step}..{steps - 1} on GEMM"
-        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=step,
-                           half=half)
-    stats.merge(run)
-    return ForwardResult(y, cs, saved)
+    pending = _start(engine, fixed, (steps, batch, hidden), 0, steps, xp, finish, rerun)
+    return result, pending.stats, pending
 
 
-def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh: Array,
-                 h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult,
-                 algo: str, stats: RunStats, half: str | None = None) -> BackwardResult:
-    """Run backward through time over all steps; ``dy`` must be zero past each length.
-    ``half``: as for ``run_forward`` (the backward itself computes in fp32)."""
+def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
+             h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult, algo: str,
+             rerun: bool = False,
+             half: str | None = None) -> tuple[BackwardResult, RunStats, Pending | None]:
+    """Start backward through time over all steps, like ``forward``; ``dy`` must be zero past
+    each length. ``half``: as for ``forward`` (the backward itself computes in fp32)."""
     dgi, dgh = buffers.allocate_backward(cell, dy)
     steps, batch, hidden = dy.shape
     engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True, half=half)
     if engine is None:
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps)
-        stats.merge(RunStats(algo="gemm", fallback=reason))
-        return BackwardResult(dgi, dgh, dh0, dc0)
+        return BackwardResult(dgi, dgh, dh0, dc0), RunStats(algo="gemm", fallback=reason), None
     xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n).
@@ -120,64 +213,110 @@ def run_backward(cell: CellSpec, dy: Array, dhn: Array, dcn: Array | None, w_hh:
         dh_carry[steps % 2] = dhn
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
+
+    result = BackwardResult(dgi, dgh, dh_carry[0], None)  # dh0/dc0 set by finish (settle)
+
+    def finish(step: int) -> None:
+        stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
+        dh = dh_carry[stop % 2] + (dgh[stop] @ w_hh if stop < steps else 0.0)
+        dc = dc_carry[stop % 2] if cell.has_cell_state else None
+        result.dh0, result.dc0 = dh, dc
+        if stop > 0:
+            result.dh0, result.dc0 = gemm.backward_steps(
+                cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved, dgi, dgh,
+                dh_carry=dh, dc_carry=dc, stop=stop)
+
     fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
              c(h0) if c0 is None else c(c0), buffers.full_lengths(xp, lengths, batch, steps),
              dgi, dgh, dh_carry, dc_carry)
-    step, restarts = run_with_restarts(engine, fixed, (steps, batch, hidden), first=steps - 1, end=-1, xp=xp)
-    run = RunStats(algo="persistent", restarts=restarts, emulated=engine.emulated,
-                   details=[_describe(engine, restarts)])
-    stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
-    dh_c = dh_carry[stop % 2] + (dgh[stop] @ w_hh if stop < steps else 0.0)
-    dc_c = dc_carry[stop % 2] if cell.has_cell_state else None
-    if stop > 0:
-        run.fallback = f"barrier timeouts: {restarts} restarts, steps {stop - 1}..0 on GEMM"
-        dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
-                                       dgi, dgh, dh_carry=dh_c, dc_carry=dc_c, stop=stop)
-    else:
-        dh0, dc0 = dh_c, dc_c
+    pending = _start(engine, fixed, (steps, batch, hidden), steps - 1, -1, xp, finish, rerun)
+    return result, pending.stats, pending
+
+
+def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int, xp,
+           finish: Callable[[int], None], rerun: bool) -> Pending:
+    stats = RunStats(algo="persistent", emulated=engine.emulated, details=[""])
+    pending = Pending(engine, fixed, sizes, first, end, _Control.new(xp, engine.pass_plan.grid),
+                      stats, finish)
+    pending.launch(first, settings.NO_STALL if rerun else settings.current_stall())
+    stats.details[-1] = _describe(pending)
+    return pending
+
+
+def settle(pending: Sequence[tuple[Any, Pending]]) -> Any | None:
+    """Check passes launched in order (each tagged with its layer) with one read of all their
+    progress; resume every unfinished pass of the first layer that has one, and return that
+    layer (``None``: all complete). Passes after that layer are left alone: the caller reruns
+    them. Every pass checked is finished (``Pending.finish``). Under CUDA stream capture nothing
+    is read: every pass is finished as if complete and ``None`` is returned."""
+    if not pending:
+        return None
+    if _capturing(pending[0][1].control):
+        for _, p in pending:
+            p.stats.details.append("progress not checked (CUDA stream capture): no restart")
+            p.finish(p.end)
+        return None
+    words = _read_all([p.control for _, p in pending])
+    failed = None
+    for (layer, p), w in zip(pending, words):
+        if failed is not None and layer != failed:
+            break
+        step = p.next_step(w)
+        if step == p.end:
+            p.finish(step)
+        else:
+            failed = layer
+            p.resume(step)
+    return failed
+
+
+def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
+                c0: Array | None, lengths: Array | None, algo: str, stats: RunStats,
+                half: str | None = None) -> ForwardResult:
+    """``forward`` of one layer-direction, checked at once; what ran is merged into ``stats``."""
+    result, run, pending = forward(cell, gi, w_hh, b_hh, h0, c0, lengths, algo, half=half)
+    settle([(0, pending)] if pending else [])
     stats.merge(run)
-    return BackwardResult(dgi, dgh, dh0, dc0)
+    return result
 
 
-def run_with_restarts(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int,
-             xp) -> tuple[int, int]:
-    """Launch the persistent pass from step ``first`` towards ``end`` (exclusive), restarting
-    after barrier timeouts; returns ``(next step to run, restarts)``, where the next step equals
-    ``end`` when the kernel completed every step.
-
-    ``fixed``: the kernel's leading (buffer) arguments; ``sizes``: (T, B, H). The same loop serves
-    the GPU and the emulation: only ``engine.launch`` differs.
-    """
-    p = engine.pass_plan
-    max_restarts = settings.current().max_restarts
-    direction = 1 if end > first else -1
-    step, restarts = first, 0
-    while True:
-        # progress[] = "last step done" = the step before the resume step, in the run's direction.
-        control = np.full(2 + p.grid, step - direction, dtype=np.int32)
-        control[:2] = 0
-        control = xp.asarray(control.view(np.uint32))
-        stall = settings.current_stall() if restarts == 0 else settings.NO_STALL
-        engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                      (*fixed, control, *(np.int32(s) for s in sizes), np.int32(step),
-                       np.uint64(engine.timeout_ns), *stall.args()))
-        progress = _to_host(control)[2:].view(np.int32)
-        done = int(progress.min()) if direction > 0 else int(progress.max())
-        step = done + direction
-        if (end - step) * direction <= 0 or restarts >= max_restarts:
-            return step, restarts
-        restarts += 1
+def run_backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
+                 h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult,
+                 algo: str, stats: RunStats, half: str | None = None) -> BackwardResult:
+    """``backward`` of one layer-direction, checked at once; merged into ``stats``."""
+    result, run, pending = backward(cell, dy, dhn, dcn, w_hh, h0, c0, lengths, fwd, algo,
+                                    half=half)
+    settle([(0, pending)] if pending else [])
+    stats.merge(run)
+    return result
 
 
-def _describe(engine: _Engine, restarts: int) -> str:
-    p = engine.pass_plan
-    where = "emulated" if engine.emulated else "GPU"
-    return (f"{p.kernel} ({where}): {p.defines}, grid {p.grid} x {p.block} threads, "
-            f"{p.shared_bytes} B shared, {restarts + 1} launch(es)")
+def _describe(p: Pending) -> str:
+    pp = p.engine.pass_plan
+    where = "emulated" if p.engine.emulated else "GPU"
+    return (f"{pp.kernel} ({where}): {pp.defines}, grid {pp.grid} x {pp.block} threads, "
+            f"{pp.shared_bytes} B shared, {p.launches} launch(es)")
 
 
 def _to_host(a: Array) -> np.ndarray:
     return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _read_all(arrays: Sequence[Array]) -> list[np.ndarray]:
+    """Host copies of ``arrays`` (NumPy: themselves), in one device-to-host copy."""
+    xp = buffers.array_module(*arrays)
+    if xp is np:
+        return list(arrays)
+    flat = _to_host(xp.concatenate(arrays))
+    return np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
+
+
+def _capturing(a: Array) -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph (never for NumPy)."""
+    if isinstance(a, np.ndarray):
+        return False
+    import cupy
+    return cupy.cuda.get_current_stream().is_capturing()
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
@@ -190,53 +329,58 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
     if algo == "gemm" or batch == 0:  # an empty batch has nothing to run, under every algo
         return None, None
-    xp = buffers.array_module(data)
-    on_gpu = xp is not np
+    on_gpu = buffers.array_module(data) is not np
     if algo == "auto" and not on_gpu:
         return None, None
-    device = _current_device() if on_gpu else EMULATED_DEVICE
-    plan, why = _plan(cell, data, hidden, batch, algo, device, half)
-    if why is not None:
-        if algo == "persistent":
-            raise ValueError(f"algo='persistent' cannot run this layer: {why}")
-        return None, why
-    pass_plan = plan.backward if backward else plan.forward
-    if on_gpu:
-        return _gpu_engine(pass_plan, device, algo)
-    from . import emulate
-    module = emulate.get_module(pass_plan.source, pass_plan.defines)
-    launch = partial(module.launch, max_resident=settings.current().emulation_max_resident)
-    return _Engine(pass_plan, launch, int(settings.current().emulation_timeout_ms * 1e6), True), None
+    why = _why_not_persistent(data, batch, algo, half)
+    if why is None:
+        device = _current_device() if on_gpu else EMULATED_DEVICE
+        engine, why = _cached_engine(cell, hidden, batch, backward, device,
+                                     on_gpu and settings.current().cooperative, not on_gpu,
+                                     half or "float32")
+        if engine is not None:
+            return engine, None
+    if algo == "persistent":
+        raise ValueError(f"algo='persistent' cannot run this layer: {why}")
+    return None, why
 
 
-def _plan(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
-          device: hardware.DeviceProfile,
-          half: str | None) -> tuple[planner.Plan | None, str | None]:
-    """The plan of this layer-direction, or why the persistent kernel cannot (or should not) run."""
+def _why_not_persistent(data: Array, batch: int, algo: str, half: str | None) -> str | None:
+    """Why the persistent kernel should not run, before any plan (or ``None``)."""
     if np.dtype(data.dtype) != np.float32:
-        return None, f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
+        return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
     if half is not None:
-        return None, f"dtype {half}: the 16-bit persistent kernels are not built yet"
+        return f"dtype {half}: the 16-bit persistent kernels are not built yet"
+    if data.shape[0] > _MAX_STEPS:
+        return f"sequence length {data.shape[0]} > {_MAX_STEPS}: the kernels' step index is 32-bit"
     limit = settings.current().auto_max_batch
     if algo == "auto" and batch > limit:
-        return None, f"batch {batch} > {limit} (auto_max_batch): not measured beyond it"
-    plan = planner.make_plan(cell, hidden, batch, half or "float32", device)
-    return (plan, None) if plan.fits else (None, plan.reason)
+        return f"batch {batch} > {limit} (auto_max_batch): not measured beyond it"
+    return None
 
 
-def _gpu_engine(pass_plan: planner.PassPlan, device: hardware.DeviceProfile,
-                algo: str) -> tuple[_Engine | None, str | None]:
-    """The GPU engine, after checking that the whole grid can be resident at once."""
+@lru_cache(maxsize=256)
+def _cached_engine(cell: CellSpec, hidden: int, batch: int, backward: bool,
+                   device: hardware.DeviceProfile, cooperative: bool, emulated: bool,
+                   weights: str) -> tuple[_Engine | None, str | None]:
+    """The engine of one pass configuration on ``device`` with W_hh held in ``weights`` (a
+    dtype name), or why there is none (cached: the plan is pure, the module and the occupancy
+    check depend only on the key)."""
+    plan = planner.make_plan(cell, hidden, batch, weights, device)
+    if not plan.fits:
+        return None, plan.reason
+    pass_plan = plan.backward if backward else plan.forward
+    if emulated:
+        from . import emulate
+        module = emulate.get_module(pass_plan.source, pass_plan.defines)
+        return _Engine(pass_plan, module.launch, True), None
     from . import kernels
-    module = kernels.get_module(pass_plan.source, pass_plan.defines, settings.current().cooperative)
+    module = kernels.get_module(pass_plan.source, pass_plan.defines, cooperative)
     per_sm = module.max_active_blocks(pass_plan.kernel, pass_plan.block, pass_plan.shared_bytes)
     if pass_plan.grid > device.sm_count * per_sm:
-        why = (f"grid {pass_plan.grid} > {device.sm_count} SMs x {per_sm} resident CTAs "
-               f"of {pass_plan.kernel}")
-        if algo == "persistent":
-            raise ValueError(f"algo='persistent' cannot run this layer: {why}")
-        return None, why
-    return _Engine(pass_plan, module.launch, int(settings.current().gpu_timeout_ms * 1e6), False), None
+        return None, (f"grid {pass_plan.grid} > {device.sm_count} SMs x {per_sm} resident CTAs "
+                      f"of {pass_plan.kernel}")
+    return _Engine(pass_plan, module.launch, False), None
 
 
 @lru_cache(maxsize=None)

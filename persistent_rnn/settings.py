@@ -39,6 +39,8 @@ class Settings:
       persistently (the largest batch measured where the persistent kernel fit and beat GEMM).
     * ``emulation_max_resident`` (PRNN_EMULATION_MAX_RESIDENT, None = all, >= 1): CTAs the
       emulation runs at once (models a busy GPU).
+    * ``gemm_graphs`` (PRNN_GEMM_GRAPHS, off): record the CuPy GEMM path's step loops as CUDA
+      graphs and replay them (``step_graphs``; off until measured on a GPU).
     """
 
     gpu_timeout_ms: float = 100.0
@@ -47,6 +49,7 @@ class Settings:
     cooperative: bool = False
     auto_max_batch: int = 32
     emulation_max_resident: int | None = None
+    gemm_graphs: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,6 +65,7 @@ _SPEC: dict[str, tuple[str, str, float]] = {
     "cooperative": ("PRNN_COOPERATIVE", "bool", 0),
     "auto_max_batch": ("PRNN_AUTO_MAX_BATCH", "int", 0),
     "emulation_max_resident": ("PRNN_EMULATION_MAX_RESIDENT", "int?", 1),
+    "gemm_graphs": ("PRNN_GEMM_GRAPHS", "bool", 0),
 }
 _RENAMED = {"PRNN_MAX_RELAUNCHES": "PRNN_MAX_RESTARTS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -95,7 +99,7 @@ def _check(name: str, value: Any) -> Any:
 
 
 def _parse_env(name: str, text: str) -> Any:
-    """The value of environment variable ``text`` for setting ``name`` (checked)."""
+    """Setting ``name`` from the text of its environment variable (checked)."""
     variable, kind, _ = _SPEC[name]
     word = text.strip().lower()
     try:

@@ -55,3 +55,13 @@ def settings():
     """The runtime settings in force; ``prnn.configure`` calls in the test end with it."""
     with prnn.override_settings() as current:
         yield current
+
+
+@pytest.fixture
+def fresh_plans():
+    """For tests that patch the planner: the runtime's cache of plans and engines is emptied
+    before and after (it is keyed by the layer's configuration, not by the planner's code)."""
+    from persistent_rnn import runtime
+    runtime._cached_engine.cache_clear()
+    yield
+    runtime._cached_engine.cache_clear()

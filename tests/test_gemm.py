@@ -138,3 +138,13 @@ def test_pointwise_kernels_compile_without_spills(arch):
     for name in names:
         assert f"entry function '{name}'" in log, name
     assert log.count("0 bytes spill stores, 0 bytes spill loads") >= len(names), log
+
+
+def test_sizes_the_pointwise_kernels_cannot_index_are_refused():
+    """Checked before any allocation (a stand-in module plays CuPy: the sizes are what matters)."""
+    gpu = object()
+    gemm._check_sizes(gpu, 10, 2**16, 2**15)  # B*H = 2^31 threads: fine with 64-bit indices
+    for sizes in ((2**31, 1, 1), (1, 2**31, 1), (1, 2**20, 2**30)):
+        with pytest.raises(ValueError, match="too large"):
+            gemm._check_sizes(gpu, *sizes)
+    gemm._check_sizes(np, 2**31, 1, 1)  # NumPy has no such limit

@@ -75,3 +75,45 @@ def test_params_follow_the_data(cupy):
     y_back, _ = layer.forward(x)  # and back to the CPU, gradients included
     assert isinstance(layer.params["weight_hh_l0"], np.ndarray)
     assert isinstance(layer.grads["weight_hh_l0"], np.ndarray) and layer.grads["weight_hh_l0"].any()
+
+
+def test_pointwise_indices_past_two_to_the_31(cupy):
+    """B*G*H > 2^31 (about 36 GB of buffers): the last batch rows match a run of just those rows."""
+    cell, hidden, batch = CELLS["lstm"], 8192, 2**16 + 1  # B * 4H = 2^31 + 32768
+    assert batch * cell.gates * hidden > 2**31
+    rng = cupy.random.default_rng(0)
+    gi = rng.standard_normal((1, batch, cell.gates * hidden), dtype=np.float32)
+    w_hh = rng.standard_normal((cell.gates * hidden, hidden), dtype=np.float32) * 0.01
+    h0 = rng.standard_normal((batch, hidden), dtype=np.float32)
+    c0 = rng.standard_normal((batch, hidden), dtype=np.float32)
+    y, cs, saved = buffers.allocate_forward(cell, gi)
+    gemm.forward_steps(cell, gi, w_hh, None, h0, c0, None, y, cs, saved, start=0)
+    tail = slice(batch - 2, batch)
+    y2, cs2, saved2 = buffers.allocate_forward(cell, gi[:, tail])
+    gemm.forward_steps(cell, cupy.ascontiguousarray(gi[:, tail]), w_hh, None, h0[tail], c0[tail],
+                       None, y2, cs2, saved2, start=0)
+    for big, small in ((y, y2), (cs, cs2), (saved, saved2)):
+        np.testing.assert_allclose(big[:, tail].get(), small.get(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["lstm", "gru"])
+def test_recorded_cuda_graphs_replay_the_gemm_path(cupy, name):
+    """gemm_graphs on: call 1 runs directly, call 2 records, 3 and 4 replay; each equals the
+    step-by-step run on its own fresh inputs."""
+    from persistent_rnn import step_graphs
+    from test_step_graphs import _both, _case
+    cell, rng = CELLS[name], np.random.default_rng(3)
+    cases = [{k: None if v is None else cupy.asarray(v, np.float32) for k, v in _case(cell, rng).items()}
+             for _ in range(4)]
+    for a in cases:
+        a["lengths"] = a["lengths"].astype(np.int32)
+    direct = [[r.get() for r in _both(cell, a)] for a in cases]
+    step_graphs.clear()
+    with prnn.override_settings(gemm_graphs=True):
+        replayed = [[r.get() for r in _both(cell, a)] for a in cases]
+    assert len(step_graphs._entries) == 2 and all(
+        isinstance(e, step_graphs._Recorded) for e in step_graphs._entries.values())
+    step_graphs.clear()
+    for got, want in zip(replayed, direct):  # cuBLAS may pick another algorithm when captured
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)

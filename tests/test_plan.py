@@ -112,7 +112,8 @@ def test_current_device_without_gpu_raises():
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("cell", sorted(CELLS))
-def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, cell, backward):
+def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fresh_plans, cell,
+                                                    backward):
     """Emulated launches (shared memory is followed by a canary the emulation checks): the
     planned bytes run, 4 bytes fewer are reported as an overrun, so the formula is exact."""
     emulate = pytest.importorskip("persistent_rnn.emulate")
@@ -125,6 +126,7 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, cell
     dy = np.ones((3, batch, 24), np.float32)
 
     def run():
+        runtime._cached_engine.cache_clear()  # plans follow the patched planner
         fwd = runtime.run_forward(spec, gi, w, b, h0, c0, None, "persistent", RunStats())
         runtime.run_backward(spec, dy, None, None, w, h0, c0, None, fwd, "persistent", RunStats())
 

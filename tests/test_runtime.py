@@ -1,4 +1,4 @@
-"""The runtime: relaunch loop (with a fake launcher), algorithm dispatch, settings, inject_stall,
+"""The runtime: restart loop (with a fake launcher), algorithm dispatch, settings, inject_stall,
 and, through the CPU emulation of the same CUDA source, the persistent path end to end."""
 from __future__ import annotations
 
@@ -15,19 +15,20 @@ N_FIXED = 3  # leading buffer arguments the fake kernel is given
 
 class FakeKernel:
     """Plays a persistent kernel: launch i lets every CTA complete ``done[i]`` steps from the
-    resume step (CTA 0 one more, as a CTA may be a step ahead when the barrier times out)."""
+    resume step (CTA 0 one more, as a CTA may be a step ahead when the barrier times out);
+    CTAs in ``idle`` never run (their progress word stays untouched)."""
 
-    def __init__(self, done, grid):
-        self.done, self.grid, self.launches = list(done), grid, []
+    def __init__(self, done, grid, idle=()):
+        self.done, self.grid, self.idle, self.launches = list(done), grid, idle, []
 
-    def __call__(self, kernel, grid, block, shared_bytes, args):
+    def __call__(self, kernel, grid, block, shared_bytes, args, max_resident=None):
         control = args[N_FIXED]
         steps, batch, hidden, start = (int(a) for a in args[N_FIXED + 1:N_FIXED + 5])
         stall = tuple(int(a) for a in args[N_FIXED + 6:])
         assert grid == self.grid and isinstance(args[N_FIXED + 5], np.uint64)
         progress = control[2:].view(np.int32)
         direction = -1 if kernel.endswith("backward") else 1
-        assert control[0] == 0 and control[1] == 0 and (progress == start - direction).all()
+        assert control[0] == 0 and control[1] == 0 and (progress == -1).all()  # reset
         self.launches.append((start, stall))
         n = self.done[len(self.launches) - 1]
         last = start + direction * (n - 1)
@@ -35,59 +36,109 @@ class FakeKernel:
         progress[:] = last if (end - last) * direction > 0 else end - direction
         if n and (end - last - direction) * direction > 0:
             progress[0] += direction
+        progress[list(self.idle)] = -1
 
 
-def _engine(fake, backward=False):
+def _pending(fake, first, end, backward=False, finished=None):
     pp = planner.pass_plan(CELLS["lstm"], planner.SHIPPED["lstm"][0], backward, 16, 2)
     fake.grid = pp.grid
-    return runtime._Engine(pp, fake, 10**6, True)
-
-
-def _relaunch(done, first, end, backward=False):
-    fake = FakeKernel(done, 0)
     fixed = tuple(np.zeros(1, np.float32) for _ in range(N_FIXED))
-    result = runtime.run_with_restarts(_engine(fake, backward), fixed, (10, 2, 16), first, end, np)
-    return result, fake.launches
+    on_finish = (finished if finished is not None else []).append
+    return runtime._start(runtime._Engine(pp, fake, True), fixed, (10, 2, 16), first, end, np,
+                          on_finish, rerun=False)
+
+
+def _restarts(done, first, end, backward=False, idle=()):
+    """Launch and settle one pass; returns ((first step left to GEMM, restarts), launches)."""
+    fake, finished = FakeKernel(done, 0, idle), []
+    p = _pending(fake, first, end, backward, finished)
+    runtime.settle([(0, p)])
+    step = finished[-1] if finished else p.end
+    return (step, p.stats.restarts), fake.launches
 
 
 def test_one_launch_completes(settings):
-    (step, restarts), launches = _relaunch([10], 0, 10)
+    (step, restarts), launches = _restarts([10], 0, 10)
     assert (step, restarts) == (10, 0) and [s for s, _ in launches] == [0]
 
 
-def test_relaunch_resumes_after_the_last_step_every_cta_completed(settings):
-    (step, restarts), launches = _relaunch([3, 2, 100], 0, 10)
+def test_restart_resumes_after_the_last_step_every_cta_completed(settings):
+    (step, restarts), launches = _restarts([3, 2, 100], 0, 10)
     assert (step, restarts) == (10, 2)
     assert [s for s, _ in launches] == [0, 3, 5]
 
 
-def test_relaunch_cap_returns_the_step_for_the_gemm_path(settings):
+def test_a_cta_that_never_ran_resumes_from_the_launch_step(settings):
+    # CTA 1 completed nothing in any launch: its progress word stays untouched, which means
+    # "nothing done since this launch's first step", not "nothing done at all".
+    prnn.configure(max_restarts=2)
+    (step, restarts), launches = _restarts([4, 3, 3], 0, 10, idle=(1,))
+    assert [s for s, _ in launches] == [0, 0, 0] and (step, restarts) == (0, 2)
+    fake = FakeKernel([4, 4, 4], 0)
+    p = _pending(fake, 0, 10)
+    fake.idle = (1,)
+    runtime.settle([(0, p)])  # the restart from step 4 leaves CTA 1 untouched
+    assert [s for s, _ in fake.launches] == [0, 4, 4]
+
+
+def test_restart_cap_returns_the_step_for_the_gemm_path(settings):
     prnn.configure(max_restarts=1)
-    (step, restarts), launches = _relaunch([2, 2, 2], 0, 10)
+    (step, restarts), launches = _restarts([2, 2, 2], 0, 10)
     assert (step, restarts) == (4, 1) and len(launches) == 2
 
 
 def test_no_progress_is_bounded(settings):
     prnn.configure(max_restarts=3)
-    (step, restarts), launches = _relaunch([0] * 10, 0, 10)
+    (step, restarts), launches = _restarts([0] * 10, 0, 10)
     assert (step, restarts) == (0, 3) and len(launches) == 4
 
 
 def test_backward_goes_down(settings):
-    (step, restarts), launches = _relaunch([3, 100], 9, -1, backward=True)
+    (step, restarts), launches = _restarts([3, 100], 9, -1, backward=True)
     assert (step, restarts) == (-1, 1) and [s for s, _ in launches] == [9, 6]
     prnn.configure(max_restarts=0)
-    (step, restarts), _ = _relaunch([4], 9, -1, backward=True)
+    (step, restarts), _ = _restarts([4], 9, -1, backward=True)
     assert (step, restarts) == (5, 0)
 
 
 def test_stall_reaches_only_the_first_launch(settings):
     with prnn.inject_stall(block=1, step=2, duration_ms=5):
-        _, launches = _relaunch([3, 100], 0, 10)
+        _, launches = _restarts([3, 100], 0, 10)
     assert launches[0][1] == (1, 2, 5_000_000)
     assert launches[1][1] == (-1, -1, 0)
-    _, launches = _relaunch([100], 0, 10)
+    _, launches = _restarts([100], 0, 10)
     assert launches[0][1] == (-1, -1, 0)
+
+
+def test_settle_reads_once_and_resumes_only_the_first_unfinished_layer(settings, monkeypatch):
+    reads = []
+    monkeypatch.setattr(runtime, "_read_all", lambda arrays: reads.append(len(arrays)) or list(arrays))
+    fakes = [FakeKernel(done, 0) for done in ([10], [3, 100], [2, 100], [0, 100])]
+    pending = [(layer, _pending(f, 0, 10)) for layer, f in zip((0, 1, 1, 2), fakes)]
+    assert runtime.settle(pending) == 1
+    assert reads == [4]  # one read of every pass's progress
+    assert [len(f.launches) for f in fakes] == [1, 2, 2, 1]  # layer 2 is left to the caller
+    assert [p.stats.restarts for _, p in pending] == [0, 1, 1, 0]
+
+
+def test_a_stall_entered_in_another_thread_does_not_reach_this_one(settings):
+    import threading
+    entered, release = threading.Event(), threading.Event()
+
+    def stall_elsewhere():
+        with prnn.inject_stall(block=0, step=1, duration_ms=50):
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=stall_elsewhere)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        (_, restarts), launches = _restarts([100], 0, 10)
+    finally:
+        release.set()
+        thread.join()
+    assert launches[0][1] == (-1, -1, 0) and restarts == 0
 
 
 def _inputs(cell, hidden, batch, steps, dtype=np.float32, seed=0):
@@ -205,7 +256,7 @@ def test_emulated_busy_gpu_makes_progress_and_stays_correct(emulation):
 
 
 @pytest.mark.parametrize("cell", sorted(CELLS))
-def test_emulated_largest_tiles(emulation, monkeypatch, cell):
+def test_emulated_largest_tiles(emulation, monkeypatch, fresh_plans, cell):
     # The largest tiles (many rows per warp, K split over warps) normally serve H > 512; force
     # them at a small H so that the emulation checks their code path too.
     tiles_for = planner.tiles_for
@@ -213,3 +264,11 @@ def test_emulated_largest_tiles(emulation, monkeypatch, cell):
     out = _run_both(CELLS[cell], 26, 2, 3)
     _assert_close(out["got"], out["ref"])
     assert f"'PRNN_UNITS': {tiles_for(CELLS[cell])[-1].units}" in out["got"][2].details[0]
+
+
+def test_sequences_longer_than_the_step_index_are_refused():
+    cell = CELLS["rnn_tanh"]
+    gi = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(2**31, 1, 4),
+                                         strides=(0, 0, 0))  # no memory behind it
+    with pytest.raises(ValueError, match="sequence length 2147483648"):
+        runtime._engine(cell, gi, 4, 1, "persistent", backward=False)

@@ -18,14 +18,18 @@ def _layer(mode, algo, **kw):
     return getattr(prnn, mode)(5, 16, algo=algo, seed=1, dtype="float32", **kw)
 
 
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
 @pytest.mark.parametrize("algo", ALGOS)
-def test_relu_propagates_nan_like_torch(algo):
+def test_relu_propagates_nan_like_torch(algo, xp=np):
     layer = _layer("RNN", algo, nonlinearity="relu")
     ref = torch.nn.RNN(5, 16, nonlinearity="relu")
     ref.load_state_dict({k: torch.from_numpy(v) for k, v in layer.params.items()})
     x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
     x[1, 2, 0] = np.nan  # sequence 2 turns NaN from step 1 on, in every unit
-    y, hn = layer.forward(x)
+    y = _host(layer.forward(xp.asarray(x))[0])
     with torch.no_grad():
         y_ref, _ = ref(torch.from_numpy(x))
     assert layer.last_run.algo == algo
@@ -33,7 +37,7 @@ def test_relu_propagates_nan_like_torch(algo):
     assert np.isnan(y[1:, 2]).all() and not np.isnan(y[:, :2]).any()
 
 
-def _padding_case(mode, algo, poison: float):
+def _padding_case(mode, algo, poison: float, xp=np):
     """forward + backward of a 2-layer bidirectional layer with ``poison`` (0, NaN or Inf) in
     the padding of ``x`` and ``dy``; returns every result."""
     layer = _layer(mode, algo, num_layers=2, bidirectional=True)
@@ -42,24 +46,38 @@ def _padding_case(mode, algo, poison: float):
     x = rng.standard_normal((steps, 3, 5)).astype(np.float32)
     past = np.arange(steps)[:, None] >= lengths[None, :]
     x[past] = poison
-    y, hn = layer.forward(x, lengths=lengths)
+    y, hn = layer.forward(xp.asarray(x), lengths=lengths)
     dy = rng.standard_normal(y.shape).astype(np.float32)
     dy[past] = poison
-    dx, dhx = layer.backward(dy)
+    dx, dhx = layer.backward(xp.asarray(dy))
     states = lambda s: list(s) if isinstance(s, tuple) else [s]  # noqa: E731
-    return [y, *states(hn), dx, *states(dhx), *layer.grads.values()], layer.last_run
+    results = [y, *states(hn), dx, *states(dhx), *layer.grads.values()]
+    return [_host(a) for a in results], layer.last_run
 
 
 @pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
 @pytest.mark.parametrize("algo", ALGOS)
-def test_nan_and_inf_in_padding_change_nothing(mode, algo):
-    clean, stats = _padding_case(mode, algo, 0.0)
+def test_nan_and_inf_in_padding_change_nothing(mode, algo, xp=np):
+    clean, stats = _padding_case(mode, algo, 0.0, xp)
     assert stats.algo == algo
     for poison in (np.nan, np.inf):
-        got, _ = _padding_case(mode, algo, poison)
+        got, _ = _padding_case(mode, algo, poison, xp)
         for a, b in zip(got, clean):
             assert np.isfinite(a).all()
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ALGOS)
+def test_relu_nan_on_the_gpu(cupy, algo):
+    test_relu_propagates_nan_like_torch(algo, cupy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_padding_on_the_gpu(cupy, mode, algo):
+    test_nan_and_inf_in_padding_change_nothing(mode, algo, cupy)
 
 
 @pytest.mark.parametrize("algo", ("auto", *ALGOS))
