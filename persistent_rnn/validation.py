@@ -44,6 +44,11 @@ def dtype_name(name: str, value: Any) -> str:
     found = value if isinstance(value, str) else getattr(value, "name", None)
     if found is None and isinstance(value, type):
         found = getattr(value, "__name__", None)  # numpy.float16, ml_dtypes.bfloat16
+    if isinstance(found, str) and found not in DTYPES:
+        try:  # NumPy's other spellings: "f4", "single", "half", ...
+            found = np.dtype(found).name
+        except TypeError:
+            pass
     if found not in DTYPES:
         raise ValueError(f"{name} must be one of {DTYPES}, got {value!r}")
     return found

@@ -136,8 +136,9 @@ def test_dtype_checks_name_the_argument():
     y, _ = layer.forward(x.astype(np.float16))
     with pytest.raises(TypeError, match="dy must have dtype float16"):
         layer.backward(np.zeros(y.shape, np.float32))
+    assert prnn.GRU(3, 4, dtype="half").dtype == np.float16  # NumPy's spelling
     with pytest.raises(ValueError, match="dtype must be one of"):
-        prnn.GRU(3, 4, dtype="half")
+        prnn.GRU(3, 4, dtype="bf16")
     with pytest.raises(ValueError, match="dtype must be one of"):
         prnn.GRU(3, 4, dtype="int16")
     assert prnn.GRU(3, 4, dtype=np.float16).dtype == np.float16

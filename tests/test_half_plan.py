@@ -93,4 +93,4 @@ def test_dtype_names_and_refusals():
     with pytest.raises(ValueError, match="dtype must be one of"):
         max_hidden_size("lstm", "int8", "h100")
     with pytest.raises(ValueError, match="dtype must be one of"):
-        make_plan("lstm", 64, 1, "half", "h100")
+        make_plan("lstm", 64, 1, "fp16", "h100")
