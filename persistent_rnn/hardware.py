@@ -15,7 +15,7 @@ SUB_PARTITIONS = 4  # an SM's register file is split among 4 schedulers; a warp 
 MAX_REGISTERS_PER_THREAD = 255
 REGISTERS_PER_SM = 65536  # every supported GPU; the shipped tiles are sized for it
 # Bytes per weight of the dtypes the persistent kernels hold W_hh in: fp32 one weight per 32-bit
-# register, 16-bit a packed pair of adjacent columns per register (cuda_src/hw.cuh).
+# register, 16-bit a packed pair of adjacent columns per register (persistent_common.cuh).
 WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Most registers of weights one thread of a shipped tile holds (8 warps at the 255 cap): the rest
 # (accumulators, staged values, 16-bit conversions, addresses) must fit beside them. ptxas kept

@@ -18,12 +18,13 @@ import math
 from dataclasses import dataclass
 
 from .cells import CELLS, CellSpec
-from .validation import dtype_name
 from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
                        current_device)
+from .validation import dtype_name
 
-# The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE (cuda_src/hw.cuh).
+# The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
+# (cuda_src/persistent_common.cuh).
 KERNEL_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 @dataclass(frozen=True)
