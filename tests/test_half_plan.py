@@ -64,13 +64,13 @@ def test_16bit_tiles_pack_column_pairs():
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_16bit_plan_defines_the_weight_dtype(dtype):
-    p = make_plan("gru", 2000, 2, dtype, "h100")
+    p = make_plan("gru", 1900, 2, dtype, "h100")
     assert p.fits and p.tile == SHIPPED_16BIT["gru"][-1]
     for pp in (p.forward, p.backward):
         assert pp.defines["PRNN_WEIGHT_DTYPE"] == KERNEL_DTYPES[dtype]
         assert pp.weight_registers * 2 == pp.weights_per_thread
         assert pp.max_hidden == tile_max_hidden(CELLS["gru"], p.tile)
-    assert "PRNN_WEIGHT_DTYPE" not in make_plan("gru", 2000 // 2, 2, "float32", "h100").forward.defines
+    assert "PRNN_WEIGHT_DTYPE" not in make_plan("gru", 1000, 2, "float32", "h100").forward.defines
 
 
 def test_16bit_plans_take_the_cheapest_tile():
