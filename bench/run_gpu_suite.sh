@@ -22,11 +22,11 @@ cp "$OUT/info.log" "$OUT/info.json"
 step bench 200 "$PY" -m persistent_rnn.cli bench --out "$OUT/bench" --max-seconds 170 --no-progress
 step batch_sweep 70 "$PY" bench/batch_sweep.py --out "$OUT" --max-seconds 50
 step hidden_sweep 100 "$PY" bench/hidden_sweep.py --out "$OUT" --max-seconds 75
-step relaunch_cost 45 "$PY" bench/relaunch_cost.py --out "$OUT"
+step restart_cost 45 "$PY" bench/restart_cost.py --out "$OUT"
 step barrier_latency 45 "$PY" bench/barrier_latency.py --out "$OUT"
 
 echo "== summary ($OUT)"
-for name in info bench batch_sweep hidden_sweep relaunch_cost barrier_latency; do
+for name in info bench batch_sweep hidden_sweep restart_cost barrier_latency; do
   echo "  $name: exit ${STATUS[$name]}"
 done
 "$PY" bench/summarize.py "$OUT"

@@ -4,7 +4,7 @@
 
 Reads what is there (missing files are reported, not fatal): the device and fp32 peak, the best
 TFLOP/s per algorithm at batch 1, 4 and 8 from the bench sweep, the grid-barrier floor and the
-relaunch cost.
+restart cost.
 """
 from __future__ import annotations
 
@@ -56,11 +56,11 @@ def main(argv: list[str]) -> int:
         last = barrier["rows"][-1]
         print(f"  grid barrier: {last['ns_per_barrier']:.0f} ns at {last['grid']} CTAs "
               f"(1 CTA: {barrier['rows'][0]['ns_per_barrier']:.0f} ns)")
-    relaunch = _load(out / "relaunch_cost.json")
-    if relaunch:
-        costs = [r["cost_us"] for r in relaunch["rows"] if r["restarts"] > 0]
-        print(f"  relaunch cost: median {statistics.median(costs):.0f} us over {len(costs)} stalls"
-              if costs else "  relaunch cost: no run relaunched")
+    restart = _load(out / "restart_cost.json")
+    if restart:
+        costs = [r["cost_us"] for r in restart["rows"] if r["restarts"] > 0]
+        print(f"  restart cost: median {statistics.median(costs):.0f} us over {len(costs)} stalls"
+              if costs else "  restart cost: no run restarted")
     return 0
 
 

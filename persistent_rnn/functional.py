@@ -268,3 +268,57 @@ def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:
 def _pick(a: Array | None, k: int) -> Array | None:
     """Row ``k`` of a (L*D, B, H) state gradient, or ``None``."""
     return None if a is None else a[k]
+
+
+def saved_arrays(ctx: Context) -> list[Array]:
+    """The arrays ``backward`` needs beyond ``forward``'s own arguments, in a fixed order.
+
+    Each later layer's input, then per layer and direction ``y``, ``cs`` (LSTM only) and
+    ``saved``. ``restore_context`` rebuilds the context from them; ``saved_shapes`` gives their
+    shapes without running anything (the torch custom op's fake implementation).
+    """
+    arrays = list(ctx.inputs[1:])
+    for dirs in ctx.directions:
+        for d in dirs:
+            arrays += [d.fwd.y, *([] if d.fwd.cs is None else [d.fwd.cs]), d.fwd.saved]
+    return arrays
+
+
+def saved_shapes(cell: CellSpec, steps: int, batch: int, hidden: int, num_layers: int,
+                 bidirectional: bool) -> list[tuple[int, ...]]:
+    """The shapes of ``saved_arrays`` for a time-major input of ``steps`` x ``batch``."""
+    num_dirs = 2 if bidirectional else 1
+    state = (steps, batch, hidden)
+    per_direction = [state] * (2 if cell.has_cell_state else 1) + [(steps, batch,
+                                                                   cell.saved * hidden)]
+    return [(steps, batch, num_dirs * hidden)] * (num_layers - 1) + per_direction * (
+        num_layers * num_dirs)
+
+
+def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
+                    lengths: Array | None, arrays: list[Array], *, num_layers: int,
+                    bidirectional: bool, algo: str = "auto") -> Context:
+    """The ``Context`` of the time-major ``forward(cell, params, x, hx, lengths, ...)`` call
+    whose ``saved_arrays`` are ``arrays`` (same arguments, nothing recomputed)."""
+    xp = array_module(x, *params.values())
+    steps, batch, _ = x.shape
+    hidden = params["weight_hh_l0"].shape[1]
+    num_dirs = 2 if bidirectional else 1
+    h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, hidden, x.dtype)
+    if lengths is not None:
+        lengths = xp.asarray(lengths, dtype=np.int32)
+    ctx = Context(cell, params, num_layers, bidirectional, False, algo, lengths,
+                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
+    rest = iter(arrays)
+    ctx.inputs = [select_active(xp, x, lengths)] + [next(rest) for _ in range(num_layers - 1)]
+    for layer in range(num_layers):
+        dirs = []
+        for direction in range(num_dirs):
+            k = layer * num_dirs + direction
+            y = next(rest)
+            cs = next(rest) if cell.has_cell_state else None
+            fwd = runtime.ForwardResult(y, cs, next(rest))
+            names = param_names(layer, direction == 1, bias=f"bias_ih_l{layer}" in params)
+            dirs.append(_Direction(names, h0_all[k], None if c0_all is None else c0_all[k], fwd))
+        ctx.directions.append(dirs)
+    return ctx

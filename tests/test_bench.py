@@ -94,7 +94,7 @@ def test_quick_gpu_run(tmp_path, capsys):
     assert all(0 < p["peak_fraction"] < 1 for p in results["points"])
 
 
-STUDIES = ("batch_sweep", "hidden_sweep", "relaunch_cost", "barrier_latency")
+STUDIES = ("batch_sweep", "hidden_sweep", "restart_cost", "barrier_latency")
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -129,7 +129,7 @@ def _point(algo, batch, tflops, peak=None):
             "tflops": tflops, "peak_fraction": peak}
 
 
-def test_summarize_reports_best_points_barrier_and_relaunch(tmp_path, capsys):
+def test_summarize_reports_best_points_barrier_and_restart(tmp_path, capsys):
     (tmp_path / "bench").mkdir()
     (tmp_path / "info.json").write_text(json.dumps(
         {"gpu": True, "device": {"name": "NVIDIA H200", "fp32_peak_tflops": 66.9}}))
@@ -137,7 +137,7 @@ def test_summarize_reports_best_points_barrier_and_relaunch(tmp_path, capsys):
     (tmp_path / "bench" / bench.JSON_NAME).write_text(json.dumps({"points": points, "skipped": [{}]}))
     (tmp_path / "barrier_latency.json").write_text(json.dumps(
         {"rows": [{"grid": 1, "ns_per_barrier": 410.0}, {"grid": 132, "ns_per_barrier": 980.4}]}))
-    (tmp_path / "relaunch_cost.json").write_text(json.dumps(
+    (tmp_path / "restart_cost.json").write_text(json.dumps(
         {"rows": [{"restarts": 0, "cost_us": 1.0}, {"restarts": 1, "cost_us": 30.0},
                   {"restarts": 1, "cost_us": 50.0}, {"restarts": 1, "cost_us": 40.0}]}))
     assert _bench_script("summarize").main([str(tmp_path)]) == 0
@@ -146,7 +146,7 @@ def test_summarize_reports_best_points_barrier_and_relaunch(tmp_path, capsys):
     assert "3 points, 1 skipped" in out
     assert "B=4: gemm 0.25 (lstm H=512), persistent 2.50 (lstm H=512, 3.7% peak)" in out
     assert "980 ns at 132 CTAs (1 CTA: 410 ns)" in out
-    assert "relaunch cost: median 40 us over 3 stalls" in out
+    assert "restart cost: median 40 us over 3 stalls" in out
 
 
 def test_summarize_reports_missing_files(tmp_path, capsys):

@@ -23,8 +23,9 @@ def _model() -> torch.nn.Module:
     import persistent_rnn.torch as prt
 
     torch.manual_seed(0)
+    # algo="gemm": the library's custom op under DDP (on CPU tensors "auto" runs torch's kernels)
     return torch.nn.ModuleDict({"rnn": prt.LSTM(I, H, num_layers=2, bidirectional=True,
-                                                dtype=torch.float64),
+                                                dtype=torch.float64, algo="gemm"),
                                 "head": torch.nn.Linear(2 * H, 1, dtype=torch.float64)})
 
 

@@ -64,3 +64,20 @@ def test_speech_ctc_loss_goes_down():
     assert proc.returncode == 0, log
     losses = _losses(log)
     assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], log
+
+
+def test_torch_models_benchmark_writes_its_record(tmp_path):
+    """bench/torch_models.py (one model, one step): the JSON carries what bench/results needs."""
+    import json
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "torch_models.py"), "--out",
+                             str(tmp_path), "--device", "cpu", "--models", "word_lm", "--steps",
+                             "1", "--warmup", "0"], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    (log,) = _run_all([proc], timeout=120)
+    assert proc.returncode == 0, log
+    doc = json.loads((tmp_path / "torch_models.json").read_text())
+    assert {"device", "date", "commit", "command", "settings", "rows"} <= doc.keys()
+    (row,) = doc["rows"]
+    assert row["model"] == "word_lm" and row["ratio"] > 0
+    assert row["persistent_rnn_last_run"]["algo"] == "torch"

@@ -219,7 +219,7 @@ def test_emulated_kernels_match_float64_gemm(emulation, cell):
         assert stats.fallback is None
 
 
-def test_emulated_stall_relaunches_with_identical_results(emulation):
+def test_emulated_stall_restarts_with_identical_results(emulation):
     prnn.configure(emulation_timeout_ms=300)
     cell = CELLS["lstm"]
     plain = _run_both(cell, 24, 2, 5, seed=3)
@@ -246,7 +246,7 @@ def test_emulated_cap_finishes_on_gemm(emulation, cell):
 def test_emulated_busy_gpu_makes_progress_and_stays_correct(emulation):
     # Only 2 of the 6 CTAs run at once, so no launch can pass a barrier with everyone: each
     # launch still completes at least one step (a late CTA finds the count complete), the
-    # relaunch cap is reached and the GEMM path finishes; the results must not change.
+    # restart cap is reached and the GEMM path finishes; the results must not change.
     prnn.configure(emulation_timeout_ms=200, emulation_max_resident=2, max_restarts=2)
     out = _run_both(CELLS["gru"], 24, 2, 6)
     _assert_close(out["got"], out["ref"])

@@ -3,9 +3,16 @@
     from persistent_rnn.torch import LSTM   # instead of torch.nn.LSTM
     lstm = LSTM(input_size, hidden_size, num_layers=2, batch_first=True)
 
-CPU tensors run on the library's NumPy path and CUDA tensors on its CuPy path (persistent kernel
-where it fits), exchanged through DLPack without copies. See docs/torch.md.
+CUDA float32 layers that fit run the persistent kernel (a ``torch.library`` custom op,
+``torch.ops.persistent_rnn.recurrence``); everything else runs torch's own kernels for the layer.
+``module.last_run`` says which and why. See docs/torch.md.
 """
-from .modules import GRU, LSTM, RNN
+import torch
 
-__all__ = ["RNN", "GRU", "LSTM"]
+from .modules import GRU, LSTM, RNN
+from .ops import LastRun
+
+# Whole-model checkpoints load with torch.load(f, weights_only=True) (torch's default).
+torch.serialization.add_safe_globals([RNN, GRU, LSTM])
+
+__all__ = ["RNN", "GRU", "LSTM", "LastRun"]

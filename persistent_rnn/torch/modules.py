@@ -1,45 +1,132 @@
 """Drop-in ``torch.nn.RNN``, ``GRU`` and ``LSTM`` whose recurrence runs in persistent_rnn.
 
-Each class subclasses its ``torch.nn`` counterpart, so the constructor, the parameters, their
-initialisation, ``state_dict`` keys, ``repr`` and ``isinstance`` checks are torch's own; only
-``forward`` is replaced. Extra keyword: ``algo`` ("auto", "gemm" or "persistent"), passed to
-the library. Not supported (``ValueError`` at construction): ``dropout != 0``, ``proj_size``.
+The classes derive from ``torch.nn.RNNBase`` and take torch.nn's own constructor, checks,
+``forward`` and hidden-state handling from ``torch.nn.RNN/GRU/LSTM``, so that parameters, their
+initialisation, ``state_dict`` keys, ``repr``, error messages and every argument (``dropout``,
+``proj_size``, ``batch_first``, ...) are torch.nn's. They are deliberately not subclasses of
+``torch.nn.RNN/GRU/LSTM``: torch.compile refuses to trace any instance of those (a graph break,
+an error under ``fullgraph=True``).
+
+``forward`` picks a path per call (``paths.choose``): the library's custom op
+(``ops.recurrence``) or torch.nn's own forward, and ``last_run`` says which and why.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+import torch.nn.functional as F
+from torch.nn.utils.rnn import PackedSequence
 
-from ..cells import cell_spec
-from ..runtime import ALGOS
-from ..stats import RunStats
-from .function import RecurrentFunction, RecurrentSpec
+from ..validation import ALGOS
+from . import paths
+from .packing import PackedLayout
+from .ops import LastRun, RunRecord, _cell, run_recurrence
 
 
-class _PersistentRNNMixin:
-    """The forward pass shared by the three modules (mixed in before the torch.nn class)."""
+class _RecurrentBase(torch.nn.RNNBase):
+    """What the three modules share: path choice, the library forward, run records."""
 
-    mode: str
-    nonlinearity: str
-    last_run: RunStats | None
+    _torch_forward: Any  # torch.nn's forward of the same layer (a plain function)
 
-    def _init_persistent(self, algo: str) -> None:
+    def __init__(self, mode: str, *args, algo: str = "auto", **kwargs) -> None:
+        super().__init__(mode, *args, **kwargs)
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-        if self.dropout != 0:
-            raise ValueError(f"dropout must be 0 (inter-layer dropout is not supported by "
-                             f"persistent_rnn), got {self.dropout}")
-        if getattr(self, "proj_size", 0) != 0:
-            raise ValueError(f"proj_size must be 0 (LSTM projections are not supported by "
-                             f"persistent_rnn), got {self.proj_size}")
         self.algo = algo
-        self.last_run = None
+        self._record = RunRecord()
 
-    def _spec(self, batch_first: bool) -> RecurrentSpec:
-        mode = "RNN" if self.mode.startswith("RNN") else self.mode
-        return RecurrentSpec(cell_spec(mode, getattr(self, "nonlinearity", "tanh")),
-                             tuple(self._flat_weights_names), self.num_layers,
-                             self.bidirectional, batch_first, self.algo)
+    @property
+    def last_run(self) -> LastRun | None:
+        """What the last forward (and its backward) ran; see ``ops.LastRun``."""
+        return self._record.last
+
+    def __getstate__(self) -> dict:
+        # The run record is process-local (a registry slot): it is not saved, so that
+        # torch.load(weights_only=True) needs no extra class and a loaded module gets its own.
+        state = super().__getstate__()
+        state.pop("_record", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._record = RunRecord()
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(f"{type(self).__name__} from persistent_rnn.torch cannot be compiled "
+                           f"with TorchScript (torch.jit.script); use torch.compile or "
+                           f"torch.export instead")
+
+    def forward(self, input, hx=None):
+        """torch.nn's forward: ``input, hx -> output, h_n`` (LSTM: ``output, (h_n, c_n)``)."""
+        _refuse_unsupported_export(type(self).__name__)
+        packed = isinstance(input, PackedSequence)
+        data = input.data if packed else input
+        path, why = paths.choose(self.algo, _cell(self.mode), data, self._flat_weights[0].dtype,
+                                 self.hidden_size, self.proj_size,
+                                 lambda: _batch_size(input, self.batch_first))
+        if path == paths.TORCH:
+            if not torch.compiler.is_compiling():  # under compile, only the op records runs
+                self._record.last = LastRun(algo=paths.TORCH, fallback=why)
+            return self._torch_forward(input, hx)
+        return self._library_forward(input, hx, path)
+
+    def _library_forward(self, input, hx, algo: str):
+        lstm = self.mode == "LSTM"
+        packed = input if isinstance(input, PackedSequence) else None
+        layout = None
+        if packed is not None:
+            self._check_args(packed.data, hx, packed.batch_sizes)
+            layout = PackedLayout.of(packed)
+            x, lengths = layout.pad(packed.data), layout.lengths  # the caller's batch order
+            unbatched = False
+        else:
+            x, lengths = input, None
+            unbatched = x.dim() == 2
+            if unbatched:
+                x = x.unsqueeze(0 if self.batch_first else 1)
+                hx = _unsqueeze_hidden(hx)
+            self._check_args(x, hx, None)
+            x = x.transpose(0, 1) if self.batch_first else x
+            if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
+                raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
+        weights = [getattr(self, name) for name in self._flat_weights_names]  # fresh every call
+        x, hx = _autocast_inputs(x, hx, weights[0].dtype)
+        _check_like_input(x, hx, dict(zip(self._flat_weights_names, weights)))
+        h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
+        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout)
+        if packed is not None:
+            out = PackedSequence(layout.pack(y), packed.batch_sizes, packed.sorted_indices,
+                                 packed.unsorted_indices)
+            return out, ((hn, cn) if lstm else hn)
+        y = y.transpose(0, 1) if self.batch_first else y
+        if unbatched:
+            y = y.squeeze(0 if self.batch_first else 1)
+            return y, ((hn.squeeze(1), cn.squeeze(1)) if lstm else hn.squeeze(1))
+        return y, ((hn, cn) if lstm else hn)
+
+    def _run_layers(self, x, lengths, h0, c0, weights, algo: str, layout: PackedLayout | None):
+        """The stack in one op call, or (dropout in training) one call per layer with torch's
+        dropout between layers, drawn as torch.nn's CPU kernels draw it."""
+        layers, slot = self.num_layers, self._record.slot
+        p = float(self.dropout) if self.training else 0.0
+        if p == 0.0 or layers == 1:
+            return run_recurrence(x, lengths, h0, c0, weights, self.mode, layers,
+                                  self.bidirectional, algo, (slot, 0, 1))
+        dirs = 2 if self.bidirectional else 1
+        per_layer = len(weights) // layers
+        hs, cs = [], []
+        for layer in range(layers):
+            states = slice(layer * dirs, (layer + 1) * dirs)
+            x, hn, cn = run_recurrence(
+                x, lengths, None if h0 is None else h0[states], None if c0 is None else c0[states],
+                weights[layer * per_layer:(layer + 1) * per_layer], self.mode, 1,
+                self.bidirectional, algo, (slot, layer, layers))
+            hs.append(hn)
+            cs.append(cn)
+            if layer < layers - 1:
+                x = _dropout_between_layers(x, layout, p)
+        return x, torch.cat(hs), torch.cat(cs)
 
     def _check_args(self, x: torch.Tensor, hx, batch_sizes: torch.Tensor | None) -> None:
         # torch.nn's own shape checks, so that errors read exactly as torch.nn's
@@ -48,50 +135,63 @@ class _PersistentRNNMixin:
         else:
             self.check_forward_args(x, hx, batch_sizes)
 
-    def _check_like_input(self, x: torch.Tensor, hx) -> None:
-        tensors = {"hx": hx} if isinstance(hx, torch.Tensor) else {
-            f"hx[{i}]": h for i, h in enumerate(hx or ())}
-        tensors.update(zip(self._flat_weights_names, self._flat_weights))
-        for name, t in tensors.items():
-            if t.dtype != x.dtype or t.device != x.device:
-                raise TypeError(f"{name} must have the input's dtype and device "
-                                f"({x.dtype}, {x.device}), got ({t.dtype}, {t.device})")
 
-    def forward(self, input, hx=None):
-        """torch.nn's forward: ``input, hx -> output, h_n`` (LSTM: ``output, (h_n, c_n)``)."""
-        lstm = self.mode == "LSTM"
-        if isinstance(input, PackedSequence):
-            self._check_args(input.data, hx, input.batch_sizes)
-            x, lengths = pad_packed_sequence(input)  # time-major, the caller's batch order
-            batch_first, unbatched = False, False
-        else:
-            x, lengths, batch_first = input, None, self.batch_first
-            unbatched = x.dim() == 2
-            if unbatched:
-                x = x.unsqueeze(0 if batch_first else 1)
-                hx = _map(hx, _unsqueeze_hidden)
-            self._check_args(x, hx, None)
-        self._check_like_input(x, hx)
-        h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
-        y, hn, cn, self.last_run = RecurrentFunction.apply(
-            self._spec(batch_first), x, lengths, h0, c0, *self._flat_weights)
-        if isinstance(input, PackedSequence):
-            y = _repack(y, lengths, input)
-        elif unbatched:
-            y = y.squeeze(0 if batch_first else 1)
-            hn, cn = _squeeze_hidden(hn), _map(cn, _squeeze_hidden)
-        return y, ((hn, cn) if lstm else hn)
+def _refuse_unsupported_export(name: str) -> None:
+    # torch.jit.script never reaches forward (__prepare_scriptable__ refuses first)
+    if torch.jit.is_tracing():
+        raise RuntimeError(f"{name} from persistent_rnn.torch does not support TorchScript "
+                           f"(torch.jit.trace, and the TorchScript-based ONNX exporter): use "
+                           f"torch.export or torch.compile, or torch.nn.{name} for ONNX (the "
+                           f"state_dict is the same)")
 
 
-def _unsqueeze_hidden(h: torch.Tensor) -> torch.Tensor:
-    if h.dim() != 2:
-        raise ValueError(f"hx must be 2-D (num_layers * num_directions, hidden_size) for "
-                         f"unbatched 2-D input, got a {h.dim()}-D tensor")
-    return h.unsqueeze(1)
+def _batch_size(input, batch_first: bool) -> int:
+    if isinstance(input, PackedSequence):
+        return int(input.batch_sizes[0])
+    if input.dim() == 2:
+        return 1
+    return input.shape[0 if batch_first else 1]
 
 
-def _squeeze_hidden(h: torch.Tensor) -> torch.Tensor:
-    return h.squeeze(1)
+def _autocast_inputs(x: torch.Tensor, hx, dtype: torch.dtype):
+    """Inside autocast, the library runs in the weights' dtype (its 16-bit kernels have not
+    landed): cast the input and state to it, as autocast casts a float32 op's inputs."""
+    if paths.autocast_dtype(x.device.type) is None:
+        return x, hx
+    return x.to(dtype), _map(hx, lambda h: h.to(dtype))
+
+
+def _check_like_input(x: torch.Tensor, hx, weights: dict) -> None:
+    tensors = {"hx": hx} if isinstance(hx, torch.Tensor) else {
+        f"hx[{i}]": h for i, h in enumerate(hx or ())}
+    tensors.update(weights)
+    for name, t in tensors.items():
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(f"{name} must have the input's dtype and device "
+                            f"({x.dtype}, {x.device}), got ({t.dtype}, {t.device})")
+
+
+def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,
+                            p: float) -> torch.Tensor:
+    """torch's dropout on a layer's time-major output, over the same elements in the same order
+    as torch.nn's CPU kernels (the packed data for packed input), so that the same seed drops the
+    same units."""
+    if layout is None:
+        return F.dropout(y, p, training=True)
+    return layout.pad(F.dropout(layout.pack(y), p, training=True))
+
+
+def _unsqueeze_hidden(hx):
+    """The state of unbatched input as a batch of one (torch.nn's check and message)."""
+    if hx is None:
+        return None
+    states = hx if isinstance(hx, tuple) else (hx,)
+    if any(h.dim() != 2 for h in states):
+        dims = ", ".join(f"{h.dim()}-D" for h in states)
+        got = f"({dims}) tensors" if isinstance(hx, tuple) else f"{dims} tensor"
+        what = "hx and cx" if isinstance(hx, tuple) else "hx"
+        raise RuntimeError(f"For unbatched 2-D input, {what} should also be 2-D but got {got}")
+    return _map(hx, lambda h: h.unsqueeze(1))
 
 
 def _map(hx, fn):
@@ -101,33 +201,42 @@ def _map(hx, fn):
     return tuple(fn(h) for h in hx) if isinstance(hx, tuple) else fn(hx)
 
 
-def _repack(y: torch.Tensor, lengths: torch.Tensor, like: PackedSequence) -> PackedSequence:
-    """Pack time-major ``y`` with exactly ``like``'s batch sizes and permutation."""
-    if like.sorted_indices is not None:
-        y, lengths = y.index_select(1, like.sorted_indices), lengths[like.sorted_indices.cpu()]
-    data = pack_padded_sequence(y, lengths, enforce_sorted=True).data
-    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+class RNN(_RecurrentBase):
+    """Drop-in ``torch.nn.RNN`` (tanh or relu); extra keyword ``algo``."""
 
-
-class RNN(_PersistentRNNMixin, torch.nn.RNN):
-    """Drop-in ``torch.nn.RNN`` (tanh or relu) running on persistent_rnn; extra keyword ``algo``."""
+    _torch_forward = torch.nn.RNN.forward
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_persistent(algo)
+        if "proj_size" in kwargs:
+            raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
+        args, nonlinearity = (args[:3] + args[4:], args[3]) if len(args) > 3 else (
+            args, kwargs.pop("nonlinearity", "tanh"))
+        modes = {"tanh": "RNN_TANH", "relu": "RNN_RELU"}
+        if nonlinearity not in modes:
+            raise ValueError(f"Unknown nonlinearity '{nonlinearity}'. Select from 'tanh' or "
+                             f"'relu'.")
+        self.nonlinearity = nonlinearity
+        super().__init__(modes[nonlinearity], *args, algo=algo, **kwargs)
 
 
-class GRU(_PersistentRNNMixin, torch.nn.GRU):
-    """Drop-in ``torch.nn.GRU`` running on persistent_rnn; extra keyword ``algo``."""
+class GRU(_RecurrentBase):
+    """Drop-in ``torch.nn.GRU``; extra keyword ``algo``."""
+
+    _torch_forward = torch.nn.GRU.forward
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_persistent(algo)
+        if "proj_size" in kwargs:
+            raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
+        super().__init__("GRU", *args, algo=algo, **kwargs)
 
 
-class LSTM(_PersistentRNNMixin, torch.nn.LSTM):
-    """Drop-in ``torch.nn.LSTM`` running on persistent_rnn; extra keyword ``algo``."""
+class LSTM(_RecurrentBase):
+    """Drop-in ``torch.nn.LSTM`` (with ``proj_size``); extra keyword ``algo``."""
+
+    _torch_forward = torch.nn.LSTM.forward
+    get_expected_cell_size = torch.nn.LSTM.get_expected_cell_size
+    check_forward_args = torch.nn.LSTM.check_forward_args
+    permute_hidden = torch.nn.LSTM.permute_hidden
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_persistent(algo)
+        super().__init__("LSTM", *args, algo=algo, **kwargs)

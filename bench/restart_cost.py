@@ -1,12 +1,12 @@
-"""Cost of one relaunch of the persistent kernel: time with a stall minus time without, minus the stall.
+"""Cost of one restart of the persistent kernel: time with a stall minus time without, minus the stall.
 
-    python bench/relaunch_cost.py --out DIR [--cell lstm] [--hidden 512] [--batch 4] [--seq-len 200]
+    python bench/restart_cost.py --out DIR [--cell lstm] [--hidden 512] [--batch 4] [--seq-len 200]
 
 ``prnn.inject_stall(block=0, step=T/2, duration_ms=d)`` makes one CTA sleep ``d`` ms before a
 barrier. With the barrier timeout ``--timeout-ms`` below ``d`` the other CTAs give up, the kernel
-exits and the host relaunches from the last completed step (``last_run.restarts`` == 1), so
-``cost = t(stall) - t(no stall) - d`` is what one relaunch adds (timeout wait, control-block copy,
-launch, weight reload). Stalls shorter than the timeout are the control: no relaunch, cost ~ 0.
+exits and the host restarts from the last completed step (``last_run.restarts`` == 1), so
+``cost = t(stall) - t(no stall) - d`` is what one restart adds (timeout wait, control-block copy,
+launch, weight reload). Stalls shorter than the timeout are the control: no restart, cost ~ 0.
 Times are medians of CUDA-event timings of the forward pass.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import persistent_rnn as prnn
 from persistent_rnn import timing
 from persistent_rnn.cells import CELLS, layer_args
 
-NAME = "relaunch_cost"
+NAME = "restart_cost"
 
 
 def forward_seconds(layer, xs, repeats: int, stall_ms: float | None) -> tuple[float, int]:
@@ -39,11 +39,11 @@ def forward_seconds(layer, xs, repeats: int, stall_ms: float | None) -> tuple[fl
 
 
 def draw(ax, doc) -> None:
-    """Cost per stall duration; relaunched runs and controls in two colours."""
-    for relaunched, colour in ((True, "tab:red"), (False, "tab:blue")):
-        rows = [r for r in doc["rows"] if (r["restarts"] > 0) == relaunched]
+    """Cost per stall duration; restarted runs and controls in two colours."""
+    for restarted, colour in ((True, "tab:red"), (False, "tab:blue")):
+        rows = [r for r in doc["rows"] if (r["restarts"] > 0) == restarted]
         ax.bar([str(r["stall_ms"]) for r in rows], [r["cost_us"] for r in rows], color=colour,
-               label="relaunched" if relaunched else "no relaunch (stall < timeout)")
+               label="restarted" if restarted else "no restart (stall < timeout)")
     ax.set_xlabel(f"stall (ms), barrier timeout {doc['settings']['timeout_ms']} ms")
     ax.set_ylabel("t(stall) - t(none) - stall  (us)")
     ax.legend(fontsize=8)

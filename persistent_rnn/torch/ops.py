@@ -1,0 +1,378 @@
+"""The recurrence as ``torch.library`` custom ops: ``persistent_rnn::recurrence`` and its backward.
+
+Both ops are opaque to the compiler and run the library (``persistent_rnn.functional``) on the
+tensors' memory through DLPack. They have fake implementations (shapes only), an autograd
+formula (registered on the op with ``register_autograd`` and, for torch.func, the same formula
+in the ``autograd.Function`` the modules call) and a vmap rule, so that ``torch.compile`` (also
+with ``fullgraph=True``), ``torch.export`` and ``torch.func`` (``grad``, ``vmap``,
+``functional_call``) see an ordinary differentiable operator. Double backward differentiates
+torch's own implementation of the layer (``differentiable_grads``).
+
+All tensors are time-major: ``x`` (T, B, I), ``lengths`` ``None`` or CPU int64 (B,)
+(packed-sequence semantics), ``h0``/``c0`` ``None`` (zeros) or (L*D, B, H), ``weights`` in
+torch.nn's ``_flat_weights_names`` order. The forward returns ``(y, h_n, c_n, saved)`` where
+``c_n`` is empty unless the cell is an LSTM and ``saved`` are the activations backward needs
+(``functional.saved_arrays``): the op is functional, with nothing kept on the side.
+
+Run statistics: each op call records what ran in the ``RunRecord`` registered under its
+``stats_slot`` (one per module), from inside the op's real implementation, so that the record
+is written at run time in eager mode and under ``torch.compile`` alike without being a traced
+value; ``stats_part`` numbers the calls of one module forward (0 starts a new record, later
+parts merge into it; the backward of part ``stats_parts - 1`` starts the backward record).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import functional
+from ..cells import CellSpec, cell_spec
+from ..stats import RunStats
+from .packing import PackedLayout
+from .interop import lengths_array, library_stream, to_array, to_tensor
+
+MODES = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")  # torch.nn's mode strings
+
+
+@dataclass
+class LastRun(RunStats):
+    """``module.last_run``: what the last forward ran, and what its backward ran.
+
+    ``algo`` is ``"persistent"``, ``"gemm"`` (the library's paths) or ``"torch"`` (torch's own
+    kernels for the layer: cuDNN on the GPU, torch's CPU kernels); ``fallback`` says why the
+    persistent kernel did not run (``None`` where it was not asked for: ``algo="gemm"``).
+    ``backward`` is the ``RunStats`` of the library's backward, ``None`` until it ran (and on
+    the ``"torch"`` path, whose backward is torch's autograd).
+    """
+
+    backward: RunStats | None = None
+
+    @classmethod
+    def of(cls, stats: RunStats) -> "LastRun":
+        """A record holding a copy of ``stats``."""
+        return cls(**{f.name: getattr(stats, f.name) for f in fields(RunStats)})
+
+
+@dataclass
+class RunRecord:
+    """The mutable holder of one module's ``last_run`` (never pickled: see modules)."""
+
+    last: LastRun | None = None
+    slot: int = field(default_factory=lambda: next(_SLOTS))
+
+    def __post_init__(self) -> None:
+        _RECORDS[self.slot] = self
+
+
+_SLOTS = itertools.count()
+_RECORDS: "weakref.WeakValueDictionary[int, RunRecord]" = weakref.WeakValueDictionary()
+
+
+def _record_forward(slot: int, part: int, stats: RunStats) -> None:
+    record = _RECORDS.get(slot)
+    if record is None:
+        return
+    if part == 0 or record.last is None:
+        record.last = LastRun.of(stats)
+    else:
+        record.last.merge(stats)
+
+
+def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
+    record = _RECORDS.get(slot)
+    if record is None or record.last is None:
+        return
+    if first or record.last.backward is None:
+        record.last.backward = stats
+    else:
+        record.last.backward.merge(stats)
+
+
+def _cell(mode: str) -> CellSpec:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return cell_spec("RNN", mode[4:].lower()) if mode.startswith("RNN") else cell_spec(mode)
+
+
+def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
+    """The weights as the library's dict of arrays, under torch.nn's names."""
+    per_direction = len(weights) // (num_layers * (2 if bidirectional else 1))
+    names = [name for layer in range(num_layers) for reverse in (False, True)[:1 + bidirectional]
+             for name in functional.param_names(layer, reverse, bias=per_direction == 4)]
+    return {name: to_array(w) for name, w in zip(names, weights)}
+
+
+def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
+    """A state (or state gradient) as the library takes it: ``h`` or ``(h, c)``; ``None`` = 0."""
+    return (to_array(h), to_array(c)) if cell.has_cell_state else to_array(h)
+
+
+def _empty_like_none(x: Tensor) -> Tensor:
+    """The placeholder returned for ``c_n`` / ``dc0`` of cells without a cell state."""
+    return x.new_empty(0)
+
+
+@torch.library.custom_op("persistent_rnn::recurrence", mutates_args=(),
+                         tags=(torch.Tag.cudagraph_unsafe,))
+def recurrence(x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor], c0: Optional[Tensor],
+               weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
+               algo: str, stats_slot: int, stats_part: int,
+               stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """The stacked recurrence through the library: ``(y, h_n, c_n, saved)``."""
+    cell = _cell(mode)
+    with library_stream(x):
+        xa = to_array(x)
+        y, hn, ctx = functional.forward(
+            cell, _params(weights, num_layers, bidirectional), xa, _hidden_arrays(cell, h0, c0),
+            None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
+            bidirectional=bidirectional, batch_first=False, algo=algo)
+        hn, cn = hn if cell.has_cell_state else (hn, None)
+        saved = [to_tensor(a) for a in functional.saved_arrays(ctx)]
+        outputs = (to_tensor(y), to_tensor(hn),
+                   _empty_like_none(x) if cn is None else to_tensor(cn), saved)
+    _record_forward(stats_slot, stats_part, ctx.stats)
+    return outputs
+
+
+@recurrence.register_fake
+def _(x, lengths, h0, c0, weights, mode, num_layers, bidirectional, algo, stats_slot,
+      stats_part, stats_parts):
+    cell = _cell(mode)
+    steps, batch, _ = x.shape
+    hidden = weights[1].shape[1]
+    num_dirs = 2 if bidirectional else 1
+    y = x.new_empty((steps, batch, num_dirs * hidden))
+    hn = x.new_empty((num_layers * num_dirs, batch, hidden))
+    cn = x.new_empty(hn.shape) if cell.has_cell_state else _empty_like_none(x)
+    saved = [x.new_empty(shape) for shape in functional.saved_shapes(
+        cell, steps, batch, hidden, num_layers, bidirectional)]
+    return y, hn, cn, saved
+
+
+@torch.library.custom_op("persistent_rnn::recurrence_backward", mutates_args=(),
+                         tags=(torch.Tag.cudagraph_unsafe,))
+def recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor], x: Tensor,
+                        lengths: Optional[Tensor], h0: Optional[Tensor], c0: Optional[Tensor],
+                        weights: list[Tensor], saved: list[Tensor], mode: str, num_layers: int,
+                        bidirectional: bool, algo: str, stats_slot: int, stats_part: int,
+                        stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Gradients of ``recurrence``: ``(dx, dh0, dc0, dweights)`` (``dc0`` empty unless LSTM)."""
+    cell = _cell(mode)
+    with library_stream(dy):
+        xa = to_array(x)
+        params = _params(weights, num_layers, bidirectional)
+        ctx = functional.restore_context(
+            cell, params, xa, _hidden_arrays(cell, h0, c0),
+            None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
+            num_layers=num_layers, bidirectional=bidirectional, algo=algo)
+        dx, dh0, grads = functional.backward(ctx, to_array(dy), _hidden_arrays(cell, dhn, dcn))
+        dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
+        outputs = (to_tensor(dx), to_tensor(dh0),
+                   _empty_like_none(x) if dc0 is None else to_tensor(dc0),
+                   [to_tensor(grads[name]) for name in params])
+    _record_backward(stats_slot, stats_part == stats_parts - 1, ctx.backward_stats)
+    return outputs
+
+
+@recurrence_backward.register_fake
+def _(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, mode, num_layers, bidirectional, algo,
+      stats_slot, stats_part, stats_parts):
+    hidden = weights[1].shape[1]
+    states = num_layers * (2 if bidirectional else 1)
+    dh0 = x.new_empty((states, x.shape[1], hidden))
+    dc0 = x.new_empty(dh0.shape) if _cell(mode).has_cell_state else _empty_like_none(x)
+    return torch.empty_like(x), dh0, dc0, [torch.empty_like(w) for w in weights]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, lengths, h0, c0, weights, *static = inputs
+    y, _, _, saved = output
+    ctx.set_materialize_grads(False)  # unused outputs (often y or c_n) need no zero gradients
+    ctx.mark_non_differentiable(*saved)
+    ctx.static = tuple(static)
+    ctx.num_weights = len(weights)
+    ctx.save_for_backward(x, lengths, h0, c0, y, *weights, *saved)
+
+
+def _backward(ctx, dy, dhn, dcn, _dsaved):
+    x, lengths, h0, c0, y, *rest = ctx.saved_tensors
+    weights, saved = rest[:ctx.num_weights], rest[ctx.num_weights:]
+    mode, num_layers, bidirectional, *_ = ctx.static
+    lstm = _cell(mode).has_cell_state
+    dcn = dcn if lstm else None
+    if torch.is_grad_enabled():
+        # create_graph=True (and torch.func.grad, which always builds it): the gradient must be
+        # differentiable, which the library's backward is not; torch's implementation is.
+        grads = differentiable_grads(x, lengths, h0, c0, weights, mode, num_layers,
+                                     bidirectional, (dy, dhn, dcn))
+        dx, dh0, dc0, *dweights = grads
+    else:
+        dy = torch.zeros_like(y) if dy is None else dy
+        batched = not torch.compiler.is_compiling() and any(
+            t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
+            for t in (dy, dhn, dcn))
+        run = _flat_backward if batched else recurrence_backward
+        dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
+                                     *ctx.static)
+    return (dx, None, None if h0 is None else dh0, None if c0 is None else dc0, list(dweights),
+            *([None] * len(ctx.static)))
+
+
+recurrence.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Recurrence(torch.autograd.Function):
+    """``recurrence`` with the same autograd formula as a new-style ``autograd.Function``:
+    torch.func transforms (``grad``, ``vmap``) take only those (not ``register_autograd``)."""
+
+    generate_vmap_rule = True  # vmap runs the op's own (loop) rule
+
+    @staticmethod
+    def forward(x, lengths, h0, c0, static, *weights):
+        return recurrence(x, lengths, h0, c0, list(weights), *static)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, lengths, h0, c0, static, *weights = inputs
+        _setup_context(ctx, (x, lengths, h0, c0, weights, *static), output)
+
+    @staticmethod
+    def backward(ctx, dy, dhn, dcn, *dsaved):
+        dx, _, dh0, dc0, dweights, *_ = _backward(ctx, dy, dhn, dcn, dsaved)
+        return dx, None, dh0, dc0, None, *dweights
+
+
+def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
+                   weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
+                   algo: str, stats: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """``recurrence``'s ``(y, h_n, c_n)`` with autograd (``stats``: slot, part, parts)."""
+    y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0,
+                                      (mode, num_layers, bidirectional, algo, *stats), *weights)
+    return y, hn, cn
+
+
+def _flat_backward(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, *static):
+    """``recurrence_backward`` for gradients batched by the legacy vmap (``gradcheck``'s batched
+    gradient check, ``autograd.grad(is_grads_batched=True)``): its for-loop fallback takes only
+    ops without tensor lists, so weights and activations travel as one flat tensor each."""
+    flat_dweights, dx, dh0, dc0 = recurrence_backward_flat(
+        dy, dhn, dcn, x, lengths, h0, c0, _flatten(weights), _flatten(saved), *static)
+    return dx, dh0, dc0, _unflatten(flat_dweights, [w.shape for w in weights])
+
+
+def _flatten(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: Tensor, shapes: list) -> list[Tensor]:
+    sizes = [torch.Size(s).numel() for s in shapes]
+    return [part.view(s) for part, s in zip(flat.split(sizes), shapes)]
+
+
+def _weight_shapes(mode: str, input_size: int, hidden: int, num_layers: int,
+                   bidirectional: bool, bias: bool) -> list[tuple[int, ...]]:
+    """torch.nn's weight shapes, in ``_flat_weights_names`` order."""
+    rows, num_dirs = _cell(mode).gates * hidden, 2 if bidirectional else 1
+    shapes = []
+    for layer in range(num_layers):
+        cols = input_size if layer == 0 else num_dirs * hidden
+        shapes += [(rows, cols), (rows, hidden), *([(rows,), (rows,)] if bias else [])] * num_dirs
+    return shapes
+
+
+@torch.library.custom_op("persistent_rnn::recurrence_backward_flat", mutates_args=(),
+                         tags=(torch.Tag.cudagraph_unsafe,))
+def recurrence_backward_flat(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor],
+                             x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
+                             c0: Optional[Tensor], weights: Tensor, saved: Tensor, mode: str,
+                             num_layers: int, bidirectional: bool, algo: str, stats_slot: int,
+                             stats_part: int,
+                             stats_parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``recurrence_backward`` with flat weights and activations: ``(dweights, dx, dh0, dc0)``."""
+    steps, batch, input_size = x.shape
+    num_dirs = 2 if bidirectional else 1
+    hidden = h0.shape[2] if h0 is not None else dy.shape[2] // num_dirs
+    bias = weights.numel() != sum(torch.Size(s).numel() for s in _weight_shapes(
+        mode, input_size, hidden, num_layers, bidirectional, False))
+    shapes = _weight_shapes(mode, input_size, hidden, num_layers, bidirectional, bias)
+    saved_shapes = functional.saved_shapes(_cell(mode), steps, batch, hidden, num_layers,
+                                           bidirectional)
+    dx, dh0, dc0, dweights = recurrence_backward(
+        dy, dhn, dcn, x, lengths, h0, c0, _unflatten(weights, shapes),
+        _unflatten(saved, saved_shapes), mode, num_layers, bidirectional, algo, stats_slot,
+        stats_part, stats_parts)
+    return _flatten(dweights), dx, dh0, dc0
+
+
+def torch_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
+                     weights: list[Tensor], mode: str, num_layers: int,
+                     bidirectional: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``recurrence``'s ``(y, h_n, c_n)`` computed by torch's own kernels (``torch._VF``)."""
+    from torch import _VF
+    lstm = mode == "LSTM"
+    run = {"RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu, "GRU": _VF.gru,
+           "LSTM": _VF.lstm}[mode]
+    num_dirs = 2 if bidirectional else 1
+    has_bias = len(weights) == 4 * num_layers * num_dirs
+    shape = (num_layers * num_dirs, x.shape[1], weights[1].shape[1])
+    h0 = x.new_zeros(shape) if h0 is None else h0
+    hx = (h0, x.new_zeros(shape) if c0 is None else c0) if lstm else h0
+    if lengths is None:
+        out = run(x, hx, weights, has_bias, num_layers, 0.0, True, bidirectional, False)
+        return out[0], out[1], out[2] if lstm else None
+    layout = PackedLayout.from_lengths(lengths, x.device)
+    order = layout.sorted_indices
+    hx = tuple(h.index_select(1, order) for h in hx) if lstm else hx.index_select(1, order)
+    out = run(layout.pack(x), layout.batch_sizes, hx, weights, has_bias, num_layers, 0.0, True,
+              bidirectional)
+    back = layout.unsorted_indices
+    y = layout.pad(out[0], steps=x.shape[0])
+    return y, out[1].index_select(1, back), out[2].index_select(1, back) if lstm else None
+
+
+def differentiable_grads(x, lengths, h0, c0, weights, mode, num_layers, bidirectional,
+                         grad_outputs) -> list[Tensor | None]:
+    """``[dx, dh0, dc0, *dweights]`` as differentiable functions of the inputs (``None`` where an
+    input does not require grad), by differentiating ``torch_recurrence`` with a graph."""
+    inputs = [x, h0, c0, *weights]
+    wanted = [i for i, t in enumerate(inputs) if t is not None and t.requires_grad]
+    # cuDNN's RNN backward is not differentiable; torch's native implementation is.
+    with torch.enable_grad(), torch.backends.cudnn.flags(enabled=False):
+        outputs = torch_recurrence(x, lengths, h0, c0, weights, mode, num_layers, bidirectional)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o is not None and g is not None]
+        grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                    [g for _, g in pairs], create_graph=True, allow_unused=True)
+    result: list[Tensor | None] = [None] * len(inputs)
+    for i, g in zip(wanted, grads):
+        result[i] = torch.zeros_like(inputs[i]) if g is None else g
+    return result
+
+
+def _loop_vmap_rule(op):
+    """A vmap rule for ``op`` that calls it once per batch element and stacks the results."""
+    def select(arg, dim, i):
+        if dim is None:
+            return arg
+        if isinstance(arg, list):
+            return [select(a, d, i) for a, d in zip(arg, dim)]
+        return arg.select(dim, i)
+
+    def rule(info, in_dims, *args):
+        results = [op(*(select(a, d, i) for a, d in zip(args, in_dims)))
+                   for i in range(info.batch_size)]
+        stacked = tuple(torch.stack(parts) if isinstance(parts[0], Tensor)
+                        else [torch.stack(p) for p in zip(*parts)]
+                        for parts in zip(*results))
+        dims = tuple(0 if isinstance(s, Tensor) else [0] * len(s) for s in stacked)
+        return stacked, dims
+
+    return rule
+
+
+for _op in (recurrence, recurrence_backward):
+    torch.library.register_vmap(_op, _loop_vmap_rule(_op))

@@ -1,0 +1,113 @@
+"""Which implementation runs a module's forward: the library (persistent or GEMM) or torch's own.
+
+``algo="auto"`` runs the persistent kernel where it runs and pays — CUDA float32 tensors, a
+layer that fits the register file, a batch up to ``auto_max_batch`` — and torch's own
+implementation of the same layer everywhere else (cuDNN on the GPU, torch's CPU kernels), so that
+swapping torch.nn for these modules never slows a model down. ``algo="gemm"`` and
+``algo="persistent"`` run the library and raise ``ValueError`` where it cannot run the layer.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import plan as planner
+from .. import settings
+from ..cells import CellSpec
+from ..validation import ALGOS
+
+TORCH = "torch"  # the path name reported in last_run.algo
+LIBRARY_DTYPES = (torch.float32, torch.float64)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The lower precision autocast casts to on ``device_type``, or ``None`` outside autocast."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def library_blocker(x: torch.Tensor, dtype: torch.dtype, proj_size: int) -> str | None:
+    """Why the library cannot run this layer on ``x`` in ``dtype`` at all, or ``None``."""
+    if proj_size > 0:
+        return "proj_size > 0: the library has no LSTM projection; torch's kernels run it"
+    if dtype not in LIBRARY_DTYPES:
+        return (f"dtype {dtype}: the library runs float32 and float64 (its 16-bit kernels have "
+                f"not landed); torch's kernels run it")
+    # (under torch.compile capture is the compiler's business: the ops are tagged unsafe for it)
+    if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+        return ("CUDA graph capture: the library reads the kernel's progress back to the host, "
+                "which capture forbids; torch's kernels run it")
+    return None
+
+
+def choose(algo: str, cell: CellSpec, x: torch.Tensor, weight_dtype: torch.dtype, hidden: int,
+           proj_size: int, batch) -> tuple[str, str | None]:
+    """``(path, why)``: ``path`` is ``"torch"`` or the library ``algo`` to run; ``why`` says why
+    the persistent kernel does not run (``None`` where it may).
+
+    Under autocast the library runs in the weights' dtype (the module casts the input to it).
+    ``batch`` is a callable giving the batch size (read only where it matters: it is a tensor
+    element for packed input).
+    """
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    low = autocast_dtype(x.device.type)
+    blocker = library_blocker(x, x.dtype if low is None else weight_dtype, proj_size)
+    if algo != "auto":
+        if blocker is not None:
+            raise ValueError(f"algo={algo!r} cannot run this layer: {blocker}")
+        return algo, None
+    if low is not None:
+        return TORCH, f"autocast to {low}: torch's kernels run 16-bit layers"
+    if blocker is not None:
+        return TORCH, blocker
+    if not x.is_cuda:
+        if torch.compiler.is_compiling():
+            # torch's CPU RNN kernel (oneDNN) fails to compile in training (torch 2.13), and
+            # torch.nn graph-breaks on it: the library's GEMM op compiles as one opaque op.
+            return "gemm", None
+        return TORCH, "CPU tensors: torch's CPU kernels"
+    if x.dtype != torch.float32:
+        return TORCH, f"dtype {x.dtype}: the persistent kernel runs float32; torch's kernels run it"
+    size = batch()
+    if size <= persistent_batch_limit(cell, hidden, x.device.index or 0):
+        return "auto", None
+    if torch.compiler.is_compiling():  # (last_run is not written for this path while compiled)
+        return TORCH, None
+    return TORCH, persistent_blocker(cell, hidden, int(size), x.device.index or 0)
+
+
+@torch._dynamo.assume_constant_result  # static arguments: one constant of a compiled graph
+def persistent_batch_limit(cell: CellSpec, hidden: int, device_index: int) -> int:
+    """Largest batch for which ``algo="auto"`` runs this CUDA layer in the persistent kernel
+    (0: none): at most ``auto_max_batch``, and the plan must fit. Under torch.compile the batch
+    (possibly dynamic) is compared with it, which guards the graph instead of tracing the
+    planner."""
+    return _largest_fitting_batch(cell, hidden, device_index, settings.current().auto_max_batch)
+
+
+@lru_cache(maxsize=1024)
+def _largest_fitting_batch(cell: CellSpec, hidden: int, device_index: int, limit: int) -> int:
+    device = _device_profile(device_index)
+    for batch in range(limit, 0, -1):
+        if planner.make_plan(cell, hidden, batch, "float32", device).fits:
+            return batch
+    return 0
+
+
+def persistent_blocker(cell: CellSpec, hidden: int, batch: int, device_index: int) -> str:
+    """Why ``algo="auto"`` does not run this float32 CUDA layer in the persistent kernel."""
+    limit = settings.current().auto_max_batch
+    if batch > limit:
+        return f"batch {batch} > {limit} (auto_max_batch): torch's kernels run it"
+    plan = planner.make_plan(cell, hidden, batch, "float32", _device_profile(device_index))
+    return f"{plan.reason}; torch's kernels run it"
+
+
+@lru_cache(maxsize=None)
+def _device_profile(device_index: int) -> planner.DeviceProfile:
+    import cupy
+    with cupy.cuda.Device(device_index):
+        return planner.current_device()
