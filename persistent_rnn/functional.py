@@ -56,9 +56,9 @@ class Context:
     bidirectional: bool
     batch_first: bool
     algo: str
-    half: str | None               # None, or a 16-bit layer's dtype (see ``forward``)
     lengths: Array | None          # int32 (B,) on the data's array module, or None
     reverse_index: Array | None    # (T, B) time index of the within-length reversal
+    half: str | None = None        # None, or a 16-bit layer's dtype (see ``forward``)
     inputs: list[Array] = field(default_factory=list)             # each layer's input (T, B, I)
     directions: list[list[_Direction]] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)               # of the forward
@@ -90,8 +90,8 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, hidden, x.dtype)
     if lengths is not None:
         lengths = xp.asarray(lengths, dtype=np.int32)
-    ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, half, lengths,
-                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
+    ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
+                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half)
     ctx.inputs = [None] * num_layers
     ctx.directions = [[] for _ in range(num_layers)]
     stats: dict[tuple[int, int], RunStats] = {}
