@@ -1,12 +1,24 @@
-"""Grid-barrier latency: nanoseconds per barrier against grid size (the floor under every step).
+"""Inter-CTA synchronisation latency against grid size: the floor under every persistent step.
 
-    python bench/barrier_latency.py --out DIR [--rounds 20000] [--block 256] [--quick]
+    python bench/barrier_latency.py --out DIR [--rounds 20000] [--block 256] [--width 8] [--quick]
 
-Runs ``grid_barrier_rounds`` (cuda_src/grid_barrier.cu, built with ``kernels.get_module``): every
-CTA passes ``rounds`` consecutive grid barriers of ``hw.cuh`` (no work in between). ``ns_per_barrier``
-is the kernel's own ``%globaltimer`` measurement (``elapsed_ns``, largest over CTAs) divided by the
-rounds; ``event_ns_per_barrier`` is the same from CUDA events around the launch (includes launch
-overhead, a cross-check). Grid sizes: powers of two up to the SM count, and the SM count itself.
+Three protocols of cuda_src/grid_barrier.cu (built with ``kernels.get_module``), each ``rounds``
+times back to back with no work in between, per grid size:
+
+* ``ns_per_barrier``: ``grid_barrier_rounds``, the counter barrier the persistent kernels used
+  first (block barrier, fence, arrival atomic, acquire polling; kept in hw.cuh as the baseline);
+* ``exchange_ns_per_round``: ``exchange_rounds``, the tagged exchange they use now: every CTA
+  publishes ``width`` tagged 8-byte words and gathers all ``grid * width`` of them;
+* ``cluster_ns_per_round``: ``cluster_exchange_rounds``, the same within one thread-block cluster
+  through distributed shared memory (built with ``PRNN_CLUSTER`` = grid; sm_90 and newer, grids of
+  at most 8 CTAs; ``None`` elsewhere).
+
+Each figure is the kernel's own ``%globaltimer`` measurement (``elapsed_ns``, largest over CTAs)
+divided by the rounds, median over ``--repeats`` launches; the ``event_`` columns are the same from
+CUDA events around the launch (launch overhead included, a cross-check). Grid sizes: powers of
+two up to the SM count, and the SM count itself. The row schema of the first version is kept
+(``grid``, ``block``, ``rounds``, ``ns_per_barrier``, ``event_ns_per_barrier``); the exchange
+columns are added to it.
 """
 from __future__ import annotations
 
@@ -19,7 +31,10 @@ from persistent_rnn import kernels, timing
 
 NAME = "barrier_latency"
 KERNEL = "grid_barrier_rounds"
-NO_STALL = np.int32(-1)
+EXCHANGE_KERNEL = "exchange_rounds"
+CLUSTER_KERNEL = "cluster_exchange_rounds"
+MAX_CLUSTER = 8  # portable cluster size
+NO_STALL = (np.int32(-1), np.int32(-1), np.uint64(0))
 
 
 def grid_sizes(sm_count: int, quick: bool) -> list[int]:
@@ -28,31 +43,69 @@ def grid_sizes(sm_count: int, quick: bool) -> list[int]:
     return sorted(set(sizes + [sm_count]))
 
 
-def measure(module, grid: int, block: int, rounds: int, timeout_ns: int) -> dict:
-    """One launch of ``rounds`` barriers on ``grid`` CTAs: kernel-timed and event-timed ns per barrier."""
-    import cupy as cp
+def _control(cp, grid: int):
     ctl = cp.zeros(2 + grid, dtype=cp.uint32)
-    ctl[2:] = np.uint32(0xFFFFFFFF)  # progress[] = -1: nothing done (resume step 0 minus one)
-    elapsed = cp.zeros(grid, dtype=cp.uint64)
-    args = (ctl, np.int32(rounds), np.uint64(timeout_ns), NO_STALL, NO_STALL, np.uint64(0), elapsed)
-    seconds = timing.CudaEventClock().measure(lambda: module.launch(KERNEL, grid, block, 0, args))
+    ctl[2:] = np.uint32(0xFFFFFFFF)  # progress[] = -1: nothing done
+    return ctl
+
+
+def _timed(module, kernel: str, grid: int, block: int, shared: int, args: tuple, ctl, elapsed,
+           rounds: int) -> tuple[float, float]:
+    """(kernel-timed, event-timed) ns per round of one launch; raises if it timed out."""
+    seconds = timing.CudaEventClock().measure(lambda: module.launch(kernel, grid, block, shared, args))
     aborted = int(ctl[1].get())
     if aborted:
-        raise RuntimeError(f"{KERNEL} timed out at grid {grid} (abort word {aborted}); grid not co-resident?")
-    return {"grid": grid, "block": block, "rounds": rounds,
-            "ns_per_barrier": float(elapsed.max().get()) / rounds,
-            "event_ns_per_barrier": seconds * 1e9 / rounds}
+        raise RuntimeError(f"{kernel} timed out at grid {grid} (abort word {aborted}); grid not co-resident?")
+    return float(elapsed.max().get()) / rounds, seconds * 1e9 / rounds
+
+
+def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeout_ns: int) -> dict:
+    """One launch of each protocol on ``grid`` CTAs: ns per round (kernel timer and events)."""
+    import cupy as cp
+    timeout = np.uint64(timeout_ns)
+    elapsed = cp.zeros(grid, dtype=cp.uint64)
+    ctl = _control(cp, grid)
+    barrier = _timed(modules["grid"], KERNEL, grid, block, 0,
+                     (ctl, np.int32(rounds), timeout, *NO_STALL, elapsed), ctl, elapsed, rounds)
+    length = grid * width
+    words, errors, ctl = cp.zeros((2, length + length % 2), cp.uint64), cp.zeros(1, cp.uint32), _control(cp, grid)
+    ring_pairs = min(8 * block, length // 2 + 1)  # the persistent kernels' ring: 8 slots per thread
+    exchange = _timed(modules["grid"], EXCHANGE_KERNEL, grid, block, 16 * ring_pairs,
+                      (words, ctl, np.int32(rounds), np.int32(width), np.int32(ring_pairs), timeout,
+                       *NO_STALL, elapsed, errors), ctl, elapsed, rounds)
+    cluster = (None, None)
+    if grid in modules.get("clusters", {}):
+        ctl = _control(cp, grid)
+        cluster = _timed(modules["clusters"][grid], CLUSTER_KERNEL, grid, block, 16 * (length + length % 2),
+                         (ctl, np.int32(rounds), np.int32(width), timeout, *NO_STALL, elapsed, errors),
+                         ctl, elapsed, rounds)
+    if int(errors.get()[0]):
+        raise RuntimeError(f"the exchange delivered {int(errors.get()[0])} wrong words at grid {grid}")
+    return {"grid": grid, "block": block, "rounds": rounds, "width": width,
+            "ns_per_barrier": barrier[0], "event_ns_per_barrier": barrier[1],
+            "exchange_ns_per_round": exchange[0], "exchange_event_ns_per_round": exchange[1],
+            "cluster_ns_per_round": cluster[0], "cluster_event_ns_per_round": cluster[1]}
+
+
+def _median_row(runs: list[dict]) -> dict:
+    row = dict(runs[0])
+    for key, value in row.items():
+        if key.endswith(("_per_barrier", "_per_round")) and value is not None:
+            row[key] = float(np.median([r[key] for r in runs]))
+    return row
 
 
 def draw(ax, doc) -> None:
-    """ns per barrier against grid size (kernel timer and CUDA events)."""
-    grids = [r["grid"] for r in doc["rows"]]
-    ax.plot(grids, [r["ns_per_barrier"] for r in doc["rows"]], marker="o", label="%globaltimer in kernel")
-    ax.plot(grids, [r["event_ns_per_barrier"] for r in doc["rows"]], marker="x", linestyle="--",
-            label="CUDA events / rounds")
+    """ns per round against grid size, one line per protocol (kernel timer)."""
+    rows = doc["rows"]
+    for key, label in (("ns_per_barrier", "counter barrier"), ("exchange_ns_per_round", "tagged exchange"),
+                       ("cluster_ns_per_round", "cluster exchange (DSMEM)")):
+        points = [(r["grid"], r[key]) for r in rows if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("grid size (CTAs)")
-    ax.set_ylabel("ns per grid barrier")
+    ax.set_ylabel("ns per round (%globaltimer in kernel)")
     ax.legend(fontsize=8)
 
 
@@ -61,27 +114,34 @@ def main(argv: list[str] | None = None) -> int:
     p = _study.parser(NAME, __doc__)
     p.add_argument("--rounds", type=int, default=20000)
     p.add_argument("--block", type=int, default=256)
+    p.add_argument("--width", type=int, default=8, help="words each CTA publishes per round")
     p.add_argument("--timeout-ms", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=5, help="launches per grid size (median)")
     args = p.parse_args(argv)
     _study.require_gpu(NAME)
     import cupy as cp
-    module = kernels.get_module("grid_barrier.cu", {})
-    sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
-    resident = module.max_active_blocks(KERNEL, args.block, 0) * sm_count
+    modules = {"grid": kernels.get_module("grid_barrier.cu", {})}
+    device = cp.cuda.Device()
+    sm_count = device.attributes["MultiProcessorCount"]
+    resident = min(modules["grid"].max_active_blocks(k, args.block, 0) for k in (KERNEL, EXCHANGE_KERNEL)) * sm_count
+    grids = grid_sizes(sm_count, args.quick)
+    if int(device.compute_capability) >= 90:
+        modules["clusters"] = {g: kernels.get_module("grid_barrier.cu", {"PRNN_CLUSTER": g})
+                               for g in grids if g <= MAX_CLUSTER}
     rows = []
-    for grid in grid_sizes(sm_count, args.quick):
+    for grid in grids:
         if grid > resident:
             print(f"grid {grid} > {resident} co-resident CTAs: skipped", file=sys.stderr)
             continue
-        runs = [measure(module, grid, args.block, args.rounds, int(args.timeout_ms * 1e6))
-                for _ in range(args.repeats)]
-        rows.append({**runs[0], **{k: float(np.median([r[k] for r in runs]))
-                                   for k in ("ns_per_barrier", "event_ns_per_barrier")}})
-        print(f"grid {grid:4d}: {rows[-1]['ns_per_barrier']:8.1f} ns per barrier "
-              f"(events {rows[-1]['event_ns_per_barrier']:8.1f})")
-    settings = {"rounds": args.rounds, "block": args.block, "timeout_ms": args.timeout_ms,
-                "repeats": args.repeats, "sm_count": sm_count, "timing": "median over launches"}
+        rows.append(_median_row([measure(modules, grid, args.block, args.rounds, args.width,
+                                         int(args.timeout_ms * 1e6)) for _ in range(args.repeats)]))
+        r = rows[-1]
+        cluster = "-" if r["cluster_ns_per_round"] is None else f"{r['cluster_ns_per_round']:8.1f}"
+        print(f"grid {grid:4d}: counter barrier {r['ns_per_barrier']:8.1f} ns, tagged exchange "
+              f"{r['exchange_ns_per_round']:8.1f} ns, cluster {cluster} ns per round")
+    settings = {"rounds": args.rounds, "block": args.block, "width": args.width,
+                "timeout_ms": args.timeout_ms, "repeats": args.repeats, "sm_count": sm_count,
+                "timing": "median over launches"}
     _study.save(args.out, NAME, _study.document(settings, rows), draw)
     return 0
 

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 
 #define PRNN_HD inline
 #define PRNN_DEVICE inline
@@ -72,6 +73,7 @@ struct Block {
   int or_pending = 0, or_result = 0;  // prnn_sync_block_or
   float* shuffle_slots = nullptr;     // [2][blockDim.x]
   unsigned char* shared = nullptr;
+  unsigned shared_bytes = 0;
 };
 
 inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
@@ -114,6 +116,26 @@ inline void wait_at(Gate& g) {
   switch_out();
 }
 
+// Clusters: each block's shared memory by block index (set by the launcher before the blocks
+// run), and one arrival counter per cluster for the cluster barrier (one launch at a time).
+inline unsigned char** cluster_shared = nullptr;
+inline unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
+inline int cluster_size = 1;
+
+// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive, then wait (with
+// back-off, so that the CTA's OS thread stays responsive) until every CTA of the cluster has
+// arrived as often. Clusters run whole, so this cannot wait for a CTA that never runs.
+inline void cluster_barrier() {
+  unsigned* counter = &cluster_counters[block_idx.x / cluster_size];
+  const unsigned target = (__atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL) + cluster_size - 1) /
+                          cluster_size * cluster_size;
+  while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target) {
+    switch_out();
+    const timespec pause{0, 20000};
+    nanosleep(&pause, nullptr);
+  }
+}
+
 }  // namespace prnn_emu
 
 #define threadIdx (prnn_emu::thread_idx)
@@ -135,6 +157,7 @@ template <class T>
 inline T* prnn_shared_memory() {
   return reinterpret_cast<T*>(prnn_emu::block->shared);
 }
+inline unsigned prnn_shared_bytes() { return prnn_emu::block->shared_bytes; }
 
 // Two slot buffers alternate, so one warp barrier per shuffle suffices: a lane can reuse a buffer
 // only after the next shuffle's barrier, which every lane reaches after reading this one.
@@ -160,7 +183,49 @@ inline float prnn_load_cg(const float* p) {
   __atomic_load(p, &v, __ATOMIC_RELAXED);
   return v;
 }
-inline void prnn_store_cg(float* p, float v) { __atomic_store(p, &v, __ATOMIC_RELAXED); }
+// The tagged exchange's words: relaxed 4- and 8-byte atomics, single-copy atomic like the GPU's
+// ld/st.relaxed.gpu (the 16-byte load is two such loads, as PTX defines a vector access).
+inline unsigned prnn_load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void prnn_store_relaxed(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline void prnn_store_relaxed_u64(unsigned long long* p, unsigned long long v) {
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+inline void prnn_load_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
+                                    unsigned long long& b) {
+  a = __atomic_load_n(p, __ATOMIC_RELAXED);
+  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+}
+// Thread-block clusters (kernels built with -DPRNN_CLUSTER=n): the launcher runs a cluster's
+// CTAs at once and publishes each one's shared memory in cluster_shared[] before any fiber runs.
+#ifdef PRNN_CLUSTER
+#define PRNN_CLUSTER_DIMS
+inline void prnn_cluster_sync() {
+  prnn_sync_block();
+  if (threadIdx.x == 0) prnn_emu::cluster_barrier();
+  prnn_sync_block();
+}
+inline void prnn_store_cluster_u64(unsigned long long* local, int cta, unsigned long long v) {
+  const std::ptrdiff_t offset = reinterpret_cast<unsigned char*>(local) - prnn_emu::block->shared;
+  unsigned char* base = prnn_emu::cluster_shared[blockIdx.x / PRNN_CLUSTER * PRNN_CLUSTER + cta];
+  __atomic_store_n(reinterpret_cast<unsigned long long*>(base + offset), v, __ATOMIC_RELAXED);
+}
+inline void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
+                                           unsigned long long& b) {
+  a = __atomic_load_n(p, __ATOMIC_RELAXED);
+  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+}
+#endif
+
+inline unsigned prnn_float_bits(float v) {
+  unsigned u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+inline float prnn_bits_float(unsigned u) {
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
 
 inline unsigned long long prnn_globaltimer_ns() {
   const unsigned long long now = prnn_emu::steady_ns();

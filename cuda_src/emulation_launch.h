@@ -35,7 +35,7 @@ constexpr std::size_t kGuardBytes = 4096;        // an overflow faults instead o
 constexpr std::size_t kCanaryBytes = 64;         // after shared memory, checked after the block
 constexpr unsigned char kCanary = 0xA5;
 
-enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4 };
+enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4, kBadCluster = 5 };
 
 inline std::mutex error_lock;
 inline int error_code = kOk;
@@ -99,12 +99,14 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
   // NaN-filled, so that reading shared memory nobody wrote shows in the results.
   std::vector<unsigned char> shared(shared_bytes + kCanaryBytes, 0xFF);
   std::memset(shared.data() + shared_bytes, kCanary, kCanaryBytes);
+  if (cluster_shared != nullptr) __atomic_store_n(&cluster_shared[b], shared.data(), __ATOMIC_RELEASE);
   Block state;
   state.fibers = fibers.data();
   state.block_gate.live = threads;
   state.warp_gates = warp_gates.data();
   state.shuffle_slots = slots.data();
   state.shared = shared.data();
+  state.shared_bytes = (unsigned)shared_bytes;
   block = &state;
   block_idx.x = b;
   const std::size_t stride = kGuardBytes + kStackBytes;
@@ -157,7 +159,25 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   }
   watchdog_fired = false;
   watchdog_ns = steady_ns() + (unsigned long long)(watchdog_s * 1e9);
-  const int resident = max_resident > 0 && max_resident < grid ? max_resident : grid;
+  int resident = max_resident > 0 && max_resident < grid ? max_resident : grid;
+#ifdef PRNN_CLUSTER
+  // A cluster's CTAs are resident together (the GPU schedules a cluster whole): whole clusters
+  // only, each block's shared memory published to the others.
+  if (grid % PRNN_CLUSTER != 0) {
+    fail(kBadCluster, "grid %d is not a multiple of the cluster size %d", grid, PRNN_CLUSTER);
+    return error_code;
+  }
+  cluster_size = PRNN_CLUSTER;
+  resident = (resident + PRNN_CLUSTER - 1) / PRNN_CLUSTER * PRNN_CLUSTER;
+  if (resident != grid) {  // workers would start a cluster's blocks at different times
+    fail(kBadCluster, "clusters run only with the whole grid resident (grid %d, resident %d)", grid, resident);
+    return error_code;
+  }
+  std::vector<unsigned char*> shared_of(grid, nullptr);
+  std::vector<unsigned> counters(grid / PRNN_CLUSTER, 0u);
+  cluster_shared = shared_of.data();
+  cluster_counters = counters.data();
+#endif
   std::atomic<int> next{0};
   std::vector<std::thread> workers;
   for (int w = 0; w < resident; ++w) {
@@ -179,6 +199,8 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     });
   }
   for (auto& w : workers) w.join();
+  cluster_shared = nullptr;
+  cluster_counters = nullptr;
   watchdog_ns = ~0ull;
   if (watchdog_fired) fail(kWatchdog, "the launch ran past its %d s watchdog (grid %d); its barrier waits were ended", (int)watchdog_s, grid);
   return error_code;

@@ -28,6 +28,13 @@ PRNN_DEVICE T* prnn_shared_memory() {
   return reinterpret_cast<T*>(prnn_smem_bytes);
 }
 
+// Bytes of dynamic shared memory this launch gave the block.
+PRNN_DEVICE unsigned prnn_shared_bytes() {
+  unsigned n;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
 // ---- warp-level -----------------------------------------------------------------------------
 PRNN_DEVICE float prnn_shfl_xor(float v, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);
@@ -48,6 +55,26 @@ PRNN_DEVICE unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
   return old;
 }
 PRNN_DEVICE void prnn_fence() { __threadfence(); }
+// Relaxed (strong, GPU scope) accesses: they bypass the incoherent L1 and are single-copy atomic,
+// but order nothing else, so they emit neither a fence (MEMBAR) nor an L1 invalidate (CCTL).
+PRNN_DEVICE unsigned prnn_load_relaxed(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+PRNN_DEVICE void prnn_store_relaxed(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+PRNN_DEVICE void prnn_store_relaxed_u64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// Two 8-byte words in one 16-byte load (p 16-byte aligned); each word is read atomically.
+PRNN_DEVICE void prnn_load_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
+                                         unsigned long long& b) {
+  asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p));
+}
+PRNN_DEVICE unsigned prnn_float_bits(float v) { return __float_as_uint(v); }
+PRNN_DEVICE float prnn_bits_float(unsigned v) { return __uint_as_float(v); }
 // Load that bypasses L1, for data other CTAs wrote during this launch.
 PRNN_DEVICE float prnn_load_cg(const float* p) { return __ldcg(p); }
 
@@ -60,7 +87,39 @@ PRNN_DEVICE unsigned long long prnn_globaltimer_ns() {
 // Polling back-off: short enough not to add visible latency to a barrier.
 PRNN_DEVICE void prnn_backoff() { __nanosleep(20); }
 
+// ---- thread-block cluster (sm_90; only in kernels built with -DPRNN_CLUSTER=n) ------------------
+// The kernel is compiled with its cluster shape, so an ordinary launch of a grid of n CTAs runs
+// as one cluster: all n CTAs resident together, each one's shared memory addressable by the others.
+#ifdef PRNN_CLUSTER
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "PRNN_CLUSTER needs sm_90 or newer (thread-block clusters)"
+#endif
+#define PRNN_CLUSTER_DIMS __cluster_dims__(PRNN_CLUSTER, 1, 1)
+// Every thread of every CTA of the cluster arrives, then waits for all: release/acquire at
+// cluster scope. Untimed, so only where every CTA is sure to arrive (launch start and end).
+PRNN_DEVICE void prnn_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Stores v at the address of `local` (in this CTA's shared memory) in CTA `cta` of the cluster.
+PRNN_DEVICE void prnn_store_cluster_u64(unsigned long long* local, int cta, unsigned long long v) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(local)), "r"(cta));
+  asm volatile("st.relaxed.cluster.shared::cluster.u64 [%0], %1;" ::"r"(remote), "l"(v) : "memory");
+}
+// Two 8-byte words of this CTA's shared memory that other CTAs of the cluster store into.
+PRNN_DEVICE void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
+                                                unsigned long long& b) {
+  asm volatile("ld.relaxed.cluster.shared::cta.v2.u64 {%0, %1}, [%2];"
+               : "=l"(a), "=l"(b) : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+#endif
+
 #endif  // PRNN_EMULATION
+
+#ifndef PRNN_CLUSTER_DIMS
+#define PRNN_CLUSTER_DIMS
+#endif
 
 // ---- global -> shared copies that use no registers (sm_80+ cp.async) ----------------------------
 // prnn_copy16_to_shared copies 16 bytes through L2 only, like ld.cg (both addresses 16-byte
@@ -85,26 +144,41 @@ PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) {
 }
 PRNN_DEVICE void prnn_copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 #endif
+// Copies two tagged 8-byte words (16 bytes, both addresses 16-byte aligned) through L2 only, with
+// no registers. cp.async is a weak read: the gather below uses it only for a first look, taking
+// each aligned 8-byte word whole (as NCCL's LL protocol does with its 16-byte reads), and polls
+// any word whose tag is not there yet with prnn_load_relaxed_u64x2.
+#ifdef PRNN_EMULATION
+PRNN_DEVICE void prnn_copy_pair_to_shared(unsigned long long* dst, const unsigned long long* src) {
+  prnn_load_relaxed_u64x2(src, dst[0], dst[1]);
+}
+#else
+PRNN_DEVICE void prnn_copy_pair_to_shared(unsigned long long* dst, const unsigned long long* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+               "l"(__cvta_generic_to_global(src)) : "memory");
+}
+#endif
 
 // ---- grid barrier with timeout (written once, on the primitives above) ------------------------
 
-// Shared by all CTAs of one launch; the host zeroes it (and sets progress[] to the resume step
-// minus one) before every launch.
+// Shared by all CTAs of one launch; the host zeroes it (and sets progress[] to "the step before
+// the resume step" in the run's direction) before every launch.
 struct PrnnControl {
-  unsigned arrivals;  // barrier arrivals in this launch, monotonically increasing (epoch = round)
+  unsigned arrivals;  // prnn_grid_barrier only: arrivals in this launch (epoch = round)
   unsigned abort;     // set by the first CTA whose wait passes its deadline; all CTAs then exit
   int progress[1];    // [gridDim.x]: last step whose results this CTA has written
 };
 
-// A stall injected by prnn.inject_stall: CTA `block` waits `ns` before arriving at step `step`.
+// A stall injected by prnn.inject_stall: CTA `block` waits `ns` before publishing step `step`.
 struct PrnnStall {
   int block;
   int step;
   unsigned long long ns;
 };
 
+// Every thread of the stalled CTA waits (no block barrier needed to hold back its publishing).
 PRNN_DEVICE void prnn_maybe_stall(const PrnnStall& stall, int step) {
-  if (stall.ns != 0ull && (int)blockIdx.x == stall.block && step == stall.step && threadIdx.x == 0) {
+  if (stall.ns != 0ull && (int)blockIdx.x == stall.block && step == stall.step) {
     const unsigned long long until = prnn_globaltimer_ns() + stall.ns;
     while (prnn_globaltimer_ns() < until) prnn_backoff();
   }
@@ -134,4 +208,127 @@ PRNN_DEVICE bool prnn_grid_barrier(PrnnControl* ctl, int step, unsigned round,
     }
   }
   return !prnn_sync_block_or(failed);
+}
+
+// ---- the tagged exchange: publishing a value is the barrier ---------------------------------------
+//
+// A word is {float value (low 32 bits), uint32 tag (high 32 bits)}, written with one 8-byte store
+// (single-copy atomic): a reader that sees the tag it expects has that store's value as well, so
+// there is no fence, no arrival counter and no second L2 round trip - the load of the data is the
+// wait (the idea of NCCL's LL protocol). Buffers are [2][...] by step parity: a CTA publishes step t
+// only after it has read all of step t-1, so no CTA overwrites the slot of step t-2 while another
+// still reads it. Tags must not repeat within a buffer's life: the host zeroes it before a run and
+// before every restart (tag 0 is never published), and the persistent kernels tag step t with t+1.
+
+PRNN_DEVICE unsigned long long prnn_tagged(float v, unsigned tag) {
+  return ((unsigned long long)tag << 32) | prnn_float_bits(v);
+}
+PRNN_DEVICE void prnn_publish(unsigned long long* word, float v, unsigned tag) {
+  prnn_store_relaxed_u64(word, prnn_tagged(v, tag));
+}
+PRNN_DEVICE unsigned prnn_tag_of(unsigned long long w) { return (unsigned)(w >> 32); }
+PRNN_DEVICE float prnn_value_of(unsigned long long w) { return prnn_bits_float((unsigned)w); }
+
+// One wait of a polling loop: false (and the abort word set) once `deadline` (started at the first
+// call, `timeout_ns` ahead) has passed or another CTA aborted. The abort word is read only here, on
+// the slow path, never while the data is already there.
+PRNN_DEVICE bool prnn_keep_waiting(PrnnControl* ctl, unsigned long long& deadline,
+                                   unsigned long long timeout_ns) {
+  const unsigned long long now = prnn_globaltimer_ns();
+  if (deadline == 0ull) deadline = now + timeout_ns;
+  if (prnn_load_relaxed(&ctl->abort) != 0u || now > deadline) {
+    prnn_store_relaxed(&ctl->abort, 1u);
+    return false;
+  }
+  prnn_backoff();
+  return true;
+}
+
+#ifdef PRNN_CLUSTER
+// prnn_gather_tagged's loader in a cluster: this CTA's own shared memory, which the others store into.
+struct PrnnClusterPairs {
+  PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
+                              unsigned long long& b) const {
+    prnn_load_shared_relaxed_u64x2(p, a, b);
+  }
+};
+#endif
+
+// Waits for the tagged words src[rows][row_words] (row_words even; words past row_len are padding
+// nobody writes) to carry `tag` and hands each value to sink(row, column, value). load(p, a, b)
+// reads the pair at p with single-copy atomic 8-byte words (PrnnClusterPairs). The block's threads
+// share the words; each loads N pairs at once into registers and reloads them until all carry the
+// tag: for cheap loads (shared memory). Words in global memory go through
+// prnn_gather_tagged_async, which needs no registers to keep many loads in flight. Returns false
+// on timeout or abort. No block barrier: the caller's next one publishes the sink's writes.
+template <int N, class Load, class Sink>
+PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, int rows, int row_words,
+                                    int row_len, unsigned tag, PrnnControl* ctl,
+                                    unsigned long long timeout_ns, Load load, Sink sink) {
+  const int pairs = rows * row_words / 2;
+  unsigned long long deadline = 0ull;
+  for (int base = threadIdx.x; base < pairs; base += N * (int)blockDim.x) {
+    unsigned long long w[2 * N];
+    bool ready;
+    do {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int m = base + i * (int)blockDim.x;
+        if (m < pairs) {
+          load(src + 2 * m, w[2 * i], w[2 * i + 1]);
+        } else {
+          w[2 * i] = w[2 * i + 1] = prnn_tagged(0.0f, tag);
+        }
+      }
+      ready = true;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int k = (2 * (base + i * (int)blockDim.x)) % row_words;
+        ready = ready && prnn_tag_of(w[2 * i]) == tag && (k + 1 >= row_len || prnn_tag_of(w[2 * i + 1]) == tag);
+      }
+    } while (!ready && prnn_keep_waiting(ctl, deadline, timeout_ns));
+    if (!ready) return false;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int m = base + i * (int)blockDim.x;
+      if (m < pairs) {
+        const int row = 2 * m / row_words, k = 2 * m % row_words;
+        sink(row, k, prnn_value_of(w[2 * i]));
+        if (k + 1 < row_len) sink(row, k + 1, prnn_value_of(w[2 * i + 1]));
+      }
+    }
+  }
+  return true;
+}
+
+// prnn_gather_tagged for words in global memory and long vectors: the first read of every pair is
+// a cp.async copy into this thread's slots of `ring` (ring_pairs 16-byte slots of shared memory),
+// so up to ring_pairs / blockDim.x copies per thread are in flight with no registers held, and the
+// vector costs ceil(pairs / ring_pairs) L2 round trips rather than one per pair a thread gathers.
+// A pair whose tags are not there yet is polled with relaxed loads until they are (the wait). A
+// thread reads only the ring slots it filled, so no block barrier is needed between chunks. Waits
+// for all of the thread's cp.async copies (prnn_copy_wait).
+template <class Sink>
+PRNN_DEVICE bool prnn_gather_tagged_async(const unsigned long long* src, int rows, int row_words,
+                                          int row_len, unsigned tag, PrnnControl* ctl,
+                                          unsigned long long timeout_ns, unsigned long long* ring,
+                                          int ring_pairs, Sink sink) {
+  const int pairs = rows * row_words / 2;
+  unsigned long long deadline = 0ull;
+  for (int first = 0; first < pairs; first += ring_pairs) {
+    const int n = pairs - first < ring_pairs ? pairs - first : ring_pairs;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) prnn_copy_pair_to_shared(ring + 2 * i, src + 2 * (first + i));
+    prnn_copy_wait();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int m = first + i, row = 2 * m / row_words, k = 2 * m % row_words;
+      unsigned long long a = ring[2 * i], b = ring[2 * i + 1];
+      while (prnn_tag_of(a) != tag || (k + 1 < row_len && prnn_tag_of(b) != tag)) {
+        if (!prnn_keep_waiting(ctl, deadline, timeout_ns)) return false;
+        prnn_load_relaxed_u64x2(src + 2 * m, a, b);
+      }
+      sink(row, k, prnn_value_of(a));
+      if (k + 1 < row_len) sink(row, k + 1, prnn_value_of(b));
+    }
+  }
+  return true;
 }

@@ -1,16 +1,19 @@
 // persistent_backward.cu - backward through time of one layer-direction with W_hh^T in registers.
 //
 // CTA c owns hidden units J = j0 .. j0+PRNN_UNITS-1 and holds the columns W_hh[:, J] (rows J of
-// W_hh^T, K = G*H). Going down from step `start`, per step t: stage dgh_{t+1} (all G*H rows, the
-// exchange buffer written by every CTA at step t+1) in shared memory, compute the recurrent part
+// W_hh^T, K = G*H). Going down from step `start`, per step t: wait for dgh_{t+1} (all G*H rows,
+// tagged words of the exchange buffer published by every CTA at step t+1; at a launch's first
+// step from dgh[t+1]) in shared memory, compute the recurrent part
 // dh_rec[J] = sum_k W_hh[k, J] dgh_{t+1}[k], add dy_t and the direct part carried from step t+1,
 // apply the cell's backward, write dgi_t/dgh_t for the owned units' gate rows and the direct
-// carries to step t-1, then meet at the timed grid barrier.
+// carries to step t-1, and publish dgh_t in the exchange (the publishing is the barrier).
 //
 // The carries (direct part of the gradient reaching h_{t-1}; the gradient reaching c_{t-1}) are
-// double-buffered in global memory by step parity, [2][B][H]: a CTA is never more than one step
-// ahead of another, so a relaunch from max(progress)-1 finds the carries of step max(progress)
-// intact, and a replayed step is idempotent. The host seeds parity T%2 with dh_n / dc_n.
+// double-buffered in global memory by step parity, [2][B][H]. A CTA publishes step t only after
+// it has read every CTA's step t+1, so no CTA is more than one step ahead of another: when the
+// slowest CTA last completed step m, none has completed m-2, so the carries of step m (parity m%2)
+// are intact and a restart from max(progress)-1 finds them; a replayed step is idempotent.
+// The host seeds parity T%2 with dh_n / dc_n.
 #include "persistent_common.cuh"
 
 namespace prnn {
@@ -21,7 +24,7 @@ constexpr int kInputs = kSavedSlot + ThisCell::S;
 
 }  // namespace prnn
 
-PRNN_KERNEL void prnn_persistent_backward(
+PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     const float* w_t,       // (H, G*H) = W_hh^T, contiguous
     const float* dy,        // (T, B, H), zero past each length
     const float* y, const float* cs, const float* saved,  // forward buffers (cs: LSTM only)
@@ -29,6 +32,8 @@ PRNN_KERNEL void prnn_persistent_backward(
     const int* lengths,     // (B,) in 1..T
     float* dgi, float* dgh, // (T, B, G*H); the same array unless GRU
     float* dh_carry, float* dc_carry,  // [2][B][H] by step parity (dc_carry: LSTM only)
+    unsigned long long* exchange,  // [2][B][G*H rounded up to even] tagged dgh_t by parity, zeroed
+                                   // (a cluster keeps its own in shared memory instead)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
@@ -40,9 +45,10 @@ PRNN_KERNEL void prnn_persistent_backward(
   const size_t plane = (size_t)batch * hidden;
   float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: dgh_{t+1}
   float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial W_hh^T dgh
-  float* in_s = rec_s + batch * kKsplit * kUnits;  // [batch][kInputs][kUnits]: read-only inputs
-  float* carry_s = in_s + batch * kInputs * kUnits;  // [2][batch][kUnits]: dh (direct), dc carries
-  int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths (see forward)
+  float* in_s = rec_s + batch * kKsplit * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
+  float* carry_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][kUnits]: dh (direct), dc carries
+  int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths
+  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, gh_len);
 
   int rows[kRows];
 #pragma unroll
@@ -53,6 +59,7 @@ PRNN_KERNEL void prnn_persistent_backward(
   RegisterTile tile;
   tile.load(w_t, rows, warp_chunk() * kChunk, gh_len, threadIdx.x % kWarp);
 
+  // The pointwise thread of (b, unit) is the same every step: it keeps that unit's carries.
   for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
     const int b = idx / kUnits, j = j0 + idx % kUnits;
     if (j >= hidden) continue;
@@ -60,16 +67,16 @@ PRNN_KERNEL void prnn_persistent_backward(
     carry_s[idx] = dh_carry[at];
     if (kHasC) carry_s[batch * kUnits + idx] = dc_carry[at];
   }
-
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
 
-  for (int t = start; t >= 0; --t) {
-    // The step's read-only inputs are fetched asynchronously while dgh_{t+1} is staged and multiplied.
+  // Fetches step t's read-only inputs into its parity's buffer (asynchronous, may use L1).
+  auto prefetch_inputs = [&](int t) {
+    float* base = in_s + (t & 1) * batch * kInputs * kUnits;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
       if (j >= hidden) continue;
       const size_t at = ((size_t)t * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
-      float* in = in_s + b * kInputs * kUnits + u;
+      float* in = base + b * kInputs * kUnits + u;
       prnn_copy4_to_shared(in + kDy * kUnits, dy + at);
       prnn_copy4_to_shared(in + kH * kUnits, y + at);
       prnn_copy4_to_shared(in + kHPrev * kUnits, t > 0 ? y + (at - plane) : h0 + at0);
@@ -83,18 +90,32 @@ PRNN_KERNEL void prnn_persistent_backward(
                              saved + ((size_t)t * batch + b) * S * hidden + (size_t)s * hidden + j);
       }
     }
-    const bool recurrent = t + 1 < steps;
-    if (recurrent) {
-      stage_exchanged(v_s, dgh + (size_t)(t + 1) * batch * gh_len, batch, gh_len);
-      multiply_batch(tile, v_s, rec_s, batch, kUnits);
-    } else {
-      finish_copies();
+  };
+  prefetch_inputs(start);
+  if (start + 1 < steps) {
+    stage_exchanged(v_s, dgh + (size_t)(start + 1) * batch * gh_len, batch, gh_len);
+  } else {  // step T-1 has no recurrent input; later gathers rely on the zero padding
+    for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) v_s[idx] = 0.0f;
+    finish_copies();
+  }
+
+  int t = start, failed = 0;
+  for (;;) {
+    // dgh_{t+1} and step t's inputs are in shared memory; any timeout?
+    if (prnn_sync_block_or(failed)) {
+      ++t;  // step t was not completed
+      break;
     }
+    if (t > 0) prefetch_inputs(t - 1);  // its buffer was last read by step t+1's pointwise
+    const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
+    if (recurrent) multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
+    prnn_maybe_stall(stall, t);
+    const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
       if (j >= hidden) continue;
       const size_t row = (size_t)t * batch + b, at = (size_t)b * hidden + j;
-      const float* in = in_s + b * kInputs * kUnits + u;  // slot k at in[k * kUnits]
+      const float* in = in_t + b * kInputs * kUnits + u;  // slot k at in[k * kUnits]
       float sv[kSavedSlots], dgiv[G], dghv[G];
 #pragma unroll
       for (int s = 0; s < S; ++s) sv[s] = in[(kSavedSlot + s) * kUnits];
@@ -106,14 +127,19 @@ PRNN_KERNEL void prnn_persistent_backward(
                                       c_prev, dgiv, dghv, dh_prev, dc_prev);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
+        xch.publish(t, b, g * hidden + j, dghv[g]);
         dgi[row * gh_len + g * hidden + j] = dgiv[g];
         dgh[row * gh_len + g * hidden + j] = dghv[g];
       }
-      // The carries stay in shared memory; the global copies are what a relaunch resumes from.
+      // The carries stay in shared memory; the global copies are what a restart resumes from.
       dh_carry[(t & 1) * plane + at] = carry_s[idx] = dh_prev;
       if (kHasC) dc_carry[(t & 1) * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
     }
-    prnn_maybe_stall(stall, t);
-    if (!prnn_grid_barrier(ctl, t, (unsigned)(start - t + 1), timeout_ns)) return;
+    if (t == 0) break;
+    failed = !xch.gather(v_s, t, ctl, timeout_ns);
+    prnn_copy_wait();  // step t-1's inputs
+    --t;
   }
+  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  end_exchange();
 }

@@ -103,8 +103,8 @@ PRNN_DEVICE void finish_copies() {
   prnn_sync_block();
 }
 
-// Stages `batch` vectors of length k_len (row stride k_len, written by other CTAs during this
-// launch, hence copies through L2 only) into v_s, zero-padded to kPadded each. When rows are
+// Stages `batch` vectors of length k_len (row stride k_len; written by an earlier launch or the
+// host, read through L2 only) into v_s, zero-padded to kPadded each: the first step of a launch. When rows are
 // 16-byte aligned the copies are asynchronous (no registers, all in flight at once): staging is
 // one L2 round trip per step rather than one per element a thread stages.
 PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_len) {
@@ -126,6 +126,84 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
     }
   }
   finish_copies();
+}
+
+// Words per batch row of a tagged exchange buffer ([2][batch][row words] by step parity) of
+// k_len values: rounded up to even, so that every thread loads whole 16-byte pairs.
+PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
+
+// Cluster: tagged pairs each thread loads from its own shared memory at once (registers).
+constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4;
+
+// The vector every CTA needs each step (forward h_t, backward dgh_t: k_len values per batch row),
+// exchanged as tagged words (hw.cuh), step t tagged t+1, in [2][batch][row words] by step parity:
+// * grid: one buffer in global memory, zeroed by the host before every launch that uses it;
+// * cluster (-DPRNN_CLUSTER=grid size, sm_90): a copy in each CTA's shared memory, zeroed at launch
+//   start, which every CTA stores its values into (distributed shared memory): a reader polls its
+//   own shared memory instead of L2.
+// Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
+struct Exchange {
+  unsigned long long* words;
+  unsigned long long* ring;  // grid: 16-byte slots of shared memory for the gather's copies
+  int ring_pairs;            // the rest of the launch's dynamic shared memory, in slots
+  int batch, k_len;
+
+  PRNN_DEVICE int row_words() const { return exchange_row_words(k_len); }
+  PRNN_DEVICE size_t slot() const { return (size_t)batch * row_words(); }
+
+  // Publishes value k of batch row b for step t.
+  PRNN_DEVICE void publish(int t, int b, int k, float v) const {
+    unsigned long long* word = words + (t & 1) * slot() + (size_t)b * row_words() + k;
+#ifdef PRNN_CLUSTER
+    const unsigned long long tagged = prnn_tagged(v, (unsigned)t + 1u);
+    for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u64(word, cta, tagged);
+#else
+    prnn_publish(word, v, (unsigned)t + 1u);
+#endif
+  }
+
+  // Waits for step t's values and writes them into v_s (row stride kPadded; the zero padding past
+  // k_len was written once at launch start and is never touched). False on timeout or abort. The
+  // caller's next block barrier makes v_s visible to the block.
+  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
+    const auto sink = [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; };
+#ifdef PRNN_CLUSTER
+    return prnn_gather_tagged<kGatherPairs>(words + (t & 1) * slot(), batch, row_words(), k_len,
+                                            (unsigned)t + 1u, ctl, timeout_ns, PrnnClusterPairs{}, sink);
+#else
+    return prnn_gather_tagged_async(words + (t & 1) * slot(), batch, row_words(), k_len,
+                                    (unsigned)t + 1u, ctl, timeout_ns, ring, ring_pairs, sink);
+#endif
+  }
+};
+
+// The exchange of a launch. `global`: the host's buffer (grid); `shared_end`: the end of the
+// kernel's other shared memory, after which (16-byte aligned) the grid keeps its ring - the rest
+// of the launch's dynamic shared memory (plan.shared_bytes sizes it: 8 slots per thread where the
+// device has room; ceil(batch * K / (2 * slots)) L2 round trips per step) - and a cluster its copy
+// of the words. In a cluster every CTA zeroes its copy, then the cluster meets
+// once, so no store can land before the zeroing. Every thread calls it.
+PRNN_DEVICE Exchange begin_exchange(unsigned long long* global, void* shared_end, int batch,
+                                    int k_len) {
+  auto* after = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
+  const int used = (int)(reinterpret_cast<unsigned char*>(after) - prnn_shared_memory<unsigned char>());
+  const int ring_pairs = ((int)prnn_shared_bytes() - used) / 16;  // >= 1 as planned
+  Exchange x{global, after, ring_pairs > 1 ? ring_pairs : 1, batch, k_len};
+#ifdef PRNN_CLUSTER
+  x.words = after;
+  for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0ull;
+  prnn_cluster_sync();
+#endif
+  return x;
+}
+
+// At the end of a launch (every thread): in a cluster no CTA may exit while another can still
+// store into its shared memory, so the cluster meets again. Every CTA gets here: its waits are
+// timed.
+PRNN_DEVICE void end_exchange() {
+#ifdef PRNN_CLUSTER
+  prnn_cluster_sync();
+#endif
 }
 
 // For every batch row, multiplies the tile by the staged vector; the partial sum of local row

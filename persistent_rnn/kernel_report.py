@@ -3,7 +3,9 @@
 ``kernel_records`` compiles each cell's forward and backward kernel for every tile the planner
 can choose, for each architecture, with NVRTC (no GPU needed; cached by ``kernels``), and reads
 ptxas' report back: registers per thread and spill bytes. The library requires zero spills and
-registers within the plan. Command line: ``prnn kernels --arch 80,90 --json`` or
+registers within the plan. It also disassembles each cubin with ``nvdisasm`` (the
+``nvidia-cuda-nvdisasm`` wheel, or one on PATH) and counts what the time loop executes per step
+(``sass_loop_counts``). Command line: ``prnn kernels --arch 80,90 --json`` or
 ``python -m persistent_rnn.kernel_report --arch 80,90 --json``.
 """
 from __future__ import annotations
@@ -12,13 +14,18 @@ import argparse
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from . import kernels, plan as planner
 from .cells import CELLS
 
-REPORT_BATCH = 8  # shared memory is reported for the largest batch algo="auto" runs persistently
+# Shared memory is reported at batch 8, the top of the range the latency targets are set for
+# (algo="auto" runs persistently up to runtime.Settings.auto_max_batch, 32, where the plan fits).
+REPORT_BATCH = 8
 
 
 def parse_ptxas(log: str) -> dict[str, int]:
@@ -32,34 +39,197 @@ def parse_ptxas(log: str) -> dict[str, int]:
             "spill_bytes": int(stores.group(1)) + int(loads.group(1))}
 
 
+# ---- SASS of the time loop ---------------------------------------------------------------------
+
+# What the report counts, by SASS opcode (the first dot-separated part decides).
+SASS_KINDS = {
+    "block_barriers": ("BAR",),             # BAR.SYNC, BAR.RED.OR, BAR.ARV (not MEMBAR)
+    "global_loads": ("LDG",),               # incl. LDG.E.STRONG.GPU (relaxed) loads
+    "async_copies": ("LDGSTS",),            # cp.async global -> shared
+    "global_stores": ("STG",),
+    "atomics": ("ATOM", "ATOMG", "RED"),
+    "fences": ("MEMBAR", "FENCE"),
+    "l1_invalidates": ("CCTL",),
+}
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_LABEL = re.compile(r"^\s*(\.L\w+|\$[\w$.]+):")
+_TARGET = re.compile(r"`\(([^)]+)\)")
+
+
+def nvdisasm() -> str | None:
+    """Path of ``nvdisasm``: on PATH, else from the ``nvidia-cuda-nvdisasm`` wheel; None if absent."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for candidate in sorted(Path(root).glob("*/bin/nvdisasm")):
+            if os.access(candidate, os.X_OK):
+                return str(candidate)
+    return None
+
+
+def disassemble(cubin: Path, tool: str) -> str:
+    """``nvdisasm -c`` of a cubin (code sections only, with branch labels)."""
+    proc = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed on {cubin}:\n{proc.stderr}")
+    return proc.stdout
+
+
+def _parse(sass: str) -> tuple[list[tuple[str, str, str | None]], dict[str, int]]:
+    """Instructions as (opcode, predicate, branch target label) and label -> instruction index."""
+    code, labels = [], {}
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(code)
+            continue
+        ins = _INSTRUCTION.search(line)
+        if ins:
+            target = _TARGET.search(ins.group(4))
+            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None))
+    return code, labels
+
+
+def _successors(code, labels) -> list[list[int]]:
+    """Control-flow successors of each instruction. Calls of functions (``$...``) return; a
+    ``CALL.REL.NOINC`` to a local label is how sm_80 code leaves a loop (a jump that may also
+    fall through); EXIT/RET end a path."""
+    succ = []
+    for i, (op, pred, target) in enumerate(code):
+        base = op.split(".")[0]
+        always = pred in ("", "@PT")
+        nxt = [i + 1] if i + 1 < len(code) else []
+        if base in ("BRA", "JMP") and target in labels:
+            succ.append([labels[target]] + ([] if always and op == "BRA" else nxt))
+        elif base == "CALL" and target in labels and target.startswith(".L"):
+            succ.append([labels[target]] + nxt)
+        elif base in ("EXIT", "RET") and always:
+            succ.append([])
+        else:
+            succ.append(nxt)
+    return succ
+
+
+def _natural_loop(succ: list[list[int]], tail: int, head: int) -> set[int]:
+    """Instructions of the natural loop of the back edge tail -> head."""
+    pred: list[list[int]] = [[] for _ in succ]
+    for i, targets in enumerate(succ):
+        for j in targets:
+            pred[j].append(i)
+    body, stack = {head, tail}, [tail]
+    while stack:
+        for p in pred[stack.pop()]:
+            if p not in body:
+                body.add(p)
+                stack.append(p)
+    return body
+
+
+def _dominators(succ: list[list[int]]) -> list[int]:
+    """Per instruction, the set of instructions that dominate it (a bit set; entry: instruction 0;
+    unreachable instructions get the empty set)."""
+    order, seen, stack = [], {0}, [(0, iter(succ[0]))]
+    while stack:  # depth-first, for a reverse postorder
+        node, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            order.append(node)
+            stack.pop()
+        elif child not in seen:
+            seen.add(child)
+            stack.append((child, iter(succ[child])))
+    order.reverse()
+    pred: list[list[int]] = [[] for _ in succ]
+    for i, targets in enumerate(succ):
+        for j in targets:
+            pred[j].append(i)
+    full = (1 << len(succ)) - 1
+    dom = [0] * len(succ)
+    dom[0] = 1
+    changed = True
+    while changed:
+        changed = False
+        for node in order[1:]:
+            new = full
+            for p in pred[node]:
+                if p in seen:
+                    new &= dom[p] if dom[p] else full
+            new |= 1 << node
+            if new != dom[node]:
+                dom[node], changed = new, True
+    return dom
+
+
+def sass_loop_counts(sass: str) -> dict[str, int]:
+    """Static counts of ``SASS_KINDS`` in the time loop: the largest natural loop (back edges -
+    edges to an instruction that dominates their source - to one header merged) that holds a
+    block barrier. Out-of-line code the compiler placed after the kernel's exit (divergent
+    shuffles, slow paths) belongs to the loop when it returns into it. Each instruction of the
+    body counts once, inner loops included, so the counts bound what one step issues."""
+    code, labels = _parse(sass)
+    succ = _successors(code, labels)
+    dom = _dominators(succ)
+    loops: dict[int, set[int]] = {}
+    for tail, targets in enumerate(succ):
+        for head in targets:
+            if dom[tail] >> head & 1:
+                loops.setdefault(head, set()).update(_natural_loop(succ, tail, head))
+    with_barrier = [body for body in loops.values()
+                    if any(code[i][0].split(".")[0] == "BAR" for i in body)]
+    if not with_barrier:
+        raise RuntimeError("no loop with a block barrier in the SASS: is this a persistent kernel?")
+    body = max(with_barrier, key=len)
+    counts = {kind: 0 for kind in SASS_KINDS}
+    for i in body:
+        base = code[i][0].split(".")[0]
+        for kind, opcodes in SASS_KINDS.items():
+            counts[kind] += base in opcodes
+    counts["instructions"] = len(body)
+    return counts
+
+
 def _jobs(archs):
+    """Every shipped (cell, pass plan, arch): the grid tiles on every arch, the cluster tile on
+    the archs with clusters (sm_90 and newer)."""
     for cell in CELLS.values():
-        for tile in planner.tiles_for(cell):
+        for tile in (*planner.tiles_for(cell), planner.cluster_tile_for(cell)):
             hidden = planner.tile_max_hidden(cell, tile)
             for backward in (False, True):
                 p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH)
                 for arch in archs:
-                    yield cell, p, arch
+                    if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
+                        yield cell, p, arch
 
 
 def _record(job) -> dict:
-    cell, p, arch = job
+    cell, p, arch, tool = job
     compiled = kernels.compile_source(p.source, p.defines, arch)
     return {"cell": cell.name, "pass": "backward" if "backward" in p.kernel else "forward",
-            "arch": arch, "config": dict(p.defines), "hidden_size": p.max_hidden,
+            "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
+            "hidden_size": p.max_hidden,
             "block": p.block, "weights_per_thread": p.weights_per_thread,
             **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
-            "planned_registers": p.registers}
+            "planned_registers": p.registers,
+            "time_loop": sass_loop_counts(disassemble(compiled.cubin_path, tool)) if tool else None}
 
 
 def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     """One record per shipped (cell, tile, pass, arch): ``cell``, ``pass``, ``arch``, ``config``
-    (the -D macros), ``hidden_size`` (largest H the configuration serves), ``registers``,
-    ``spill_bytes``, ``shared_bytes`` (dynamic shared memory at batch 8) and
-    ``planned_registers`` (the register cap the planner counts on)."""
+    (the -D macros), ``cluster`` (CTAs of the thread-block cluster, 0 for a grid tile),
+    ``hidden_size`` (largest H the configuration serves), ``registers``,
+    ``spill_bytes``, ``shared_bytes`` (dynamic shared memory at batch 8), ``planned_registers``
+    (the register cap the planner counts on) and ``time_loop``: the SASS counts of the time loop
+    (``sass_loop_counts``: instructions, block_barriers, global_loads, async_copies,
+    global_stores, atomics, fences, l1_invalidates), or None where nvdisasm is not installed."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
+    tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_record, list(_jobs(archs))))
+        return list(pool.map(_record, [(*job, tool) for job in _jobs(archs)]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(records, indent=1))
     else:
-        print(f"{'cell':9} {'pass':8} {'arch':6} {'H max':>6} {'block':>5} {'weights':>7} "
-              f"{'regs':>4}/{'plan':<4} {'spill':>5} {'smem@B8':>8}")
+        print(f"{'cell':9} {'pass':8} {'arch':6} {'cl':>2} {'H max':>6} {'block':>5} {'weights':>7} "
+              f"{'regs':>4}/{'plan':<4} {'spill':>5} {'smem@B8':>8}  time loop: "
+              f"{'BAR':>3} {'LDG':>3} {'STG':>3} {'ATOM':>4} {'MEMBAR':>6} {'CCTL':>4}")
         for r in records:
-            print(f"{r['cell']:9} {r['pass']:8} {r['arch']:6} {r['hidden_size']:6d} {r['block']:5d} "
+            loop = r["time_loop"]
+            sass = ("  (no nvdisasm)" if loop is None else
+                    f"  {'':11}{loop['block_barriers']:3d} {loop['global_loads']:3d} "
+                    f"{loop['global_stores']:3d} {loop['atomics']:4d} {loop['fences']:6d} "
+                    f"{loop['l1_invalidates']:4d}")
+            print(f"{r['cell']:9} {r['pass']:8} {r['arch']:6} {r['cluster']:2d} {r['hidden_size']:6d} {r['block']:5d} "
                   f"{r['weights_per_thread']:7d} {r['registers']:4d}/{r['planned_registers']:<4d} "
-                  f"{r['spill_bytes']:5d} {r['shared_bytes']:8d}")
+                  f"{r['spill_bytes']:5d} {r['shared_bytes']:8d}{sass}")
     bad = [r for r in records if r["spill_bytes"] or r["registers"] > r["planned_registers"]]
     return 1 if bad else 0
 

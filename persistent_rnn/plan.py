@@ -43,10 +43,12 @@ class Tile:
     units: int
     forward: PassTile
     backward: PassTile
+    cluster: int = 0  # CTAs of the one thread-block cluster the layer runs in (0: the whole grid)
 
 
-def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int]) -> Tile:
-    return Tile(units, PassTile(*forward), PassTile(*backward))
+def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int],
+          cluster: int = 0) -> Tile:
+    return Tile(units, PassTile(*forward), PassTile(*backward), cluster)
 
 
 # Per cell kind, tiles from small to large; the planner takes the cheapest one that fits.
@@ -86,6 +88,33 @@ def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
 def weight_registers(tile: PassTile, dtype: str) -> int:
     """Registers one thread's weights occupy: ``rows*kpt`` weights of ``WEIGHT_BYTES[dtype]``."""
     return tile.rows * tile.kpt * WEIGHT_BYTES[dtype] // 4
+
+
+# Small layers on sm_90: the whole layer in one thread-block cluster of up to CLUSTER_CTAS CTAs
+# (the portable maximum; the kernel is compiled for its grid), h exchanged through distributed
+# shared memory instead of L2. More units per
+# CTA than the grid tiles (8 warps x 96-128 weights), so that H up to 256 (LSTM, GRU) or 512 (RNN)
+# fits in 8 SMs. The planner prefers them wherever they fit.
+CLUSTER_CTAS = 8
+CLUSTER_TILES: dict[str, Tile] = {
+    "lstm": _tile(32, (32, 2, 4), (32, 8, 4), CLUSTER_CTAS),
+    "gru": _tile(32, (24, 2, 4), (32, 8, 3), CLUSTER_CTAS),
+    "rnn": _tile(64, (16, 2, 8), (16, 2, 8), CLUSTER_CTAS),
+}
+# 16-bit cluster tiles: the same with an even kpt (GRU's backward 3 -> 4).
+CLUSTER_TILES_16BIT: dict[str, Tile] = {
+    **CLUSTER_TILES, "gru": _tile(32, (24, 2, 4), (32, 8, 4), CLUSTER_CTAS)}
+
+
+def cluster_tile_for(cell: CellSpec, dtype: str = "float32") -> Tile:
+    """The shipped cluster tile of ``cell`` for weights of ``dtype`` (sm_90 and newer)."""
+    shipped = CLUSTER_TILES if WEIGHT_BYTES[dtype] == 4 else CLUSTER_TILES_16BIT
+    return shipped["rnn" if cell.gates == 1 else cell.name]
+
+
+def has_clusters(dev: DeviceProfile) -> bool:
+    """Whether the device runs thread-block clusters (compute capability 9.0 and newer)."""
+    return int(dev.arch.removeprefix("sm_")) >= 90
 
 
 @dataclass(frozen=True)
@@ -136,39 +165,59 @@ def register_cap(threads: int, registers_per_sm: int = REGISTERS_PER_SM) -> int:
 
 
 def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
-    """Largest H both passes of ``tile`` serve (column capacity; the grid is checked per device)."""
+    """Largest H both passes of ``tile`` serve (column capacity, and a cluster's units; the grid
+    is checked per device)."""
     fwd, bwd = tile.forward, tile.backward
-    return min(fwd.ksplit * WARP * fwd.kpt, bwd.ksplit * WARP * bwd.kpt // cell.gates)
+    top = min(fwd.ksplit * WARP * fwd.kpt, bwd.ksplit * WARP * bwd.kpt // cell.gates)
+    return min(top, tile.units * tile.cluster) if tile.cluster else top
 
 
-def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int) -> int:
+RING_SLOTS = 8  # per thread: the gather's cp.async copies in flight (16 bytes each)
+
+
+def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden: int = 0,
+                 ring_slots: int = RING_SLOTS) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
     Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
-    [B][ksplit][G*units], gi_t [B][G][units], c_{t-1} [B][units], b_hh [G][units], lengths [B].
+    [B][ksplit][G*units], gi of two steps [2][B][G][units], c_{t-1} and h_{t-1} [B][units] each,
+    b_hh [G][units], lengths [B].
     Backward (``persistent_backward.cu``): dgh_{t+1} staged [B][padded], partial sums
-    [B][ksplit][units], read-only inputs [B][inputs][units] (dy, h, h_prev, [c, c_prev], saved),
-    dh and dc carries [2][B][units], lengths [B]. ``padded = ksplit * 32 * kpt``. Every word is 4
-    bytes. ``tests/test_plan.py`` checks this against an emulated launch.
+    [B][ksplit][units], read-only inputs of two steps [2][B][inputs][units] (dy, h, h_prev,
+    [c, c_prev], saved), dh and dc carries [2][B][units], lengths [B]. The next step's inputs are
+    prefetched during the step, hence two. ``padded = ksplit * 32 * kpt``. Every word is 4 bytes.
+    Then, 16-byte aligned, a grid tile's gather ring (``ring_slots`` 16-byte slots per thread, or
+    one step's words if fewer; the kernel takes the rest of its shared memory as the ring) or a
+    cluster tile's copy of the exchange, [2][B][K rounded up to even] 8-byte tagged words
+    (K = ``hidden``, or G * ``hidden`` backward).
+    ``tests/test_plan.py`` checks this against an emulated launch.
     """
     pt = tile.backward if backward else tile.forward
     units, gates = tile.units, cell.gates
     padded = pt.ksplit * WARP * pt.kpt
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
-        per_row = padded + pt.ksplit * units + inputs * units + 2 * units
+        per_row = padded + pt.ksplit * units + 2 * inputs * units + 2 * units
         constants = 0
     else:
-        per_row = padded + pt.ksplit * gates * units + gates * units + units
+        per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
         constants = gates * units
-    return 4 * (batch * per_row + constants + batch)
+    total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
+    k_len = gates * hidden if backward else hidden
+    words = batch * (k_len + k_len % 2)  # one step's exchange
+    if tile.cluster:
+        return total + 16 * words
+    local_rows = units if backward else gates * units
+    ring_pairs = ring_slots * WARP * (local_rows // pt.rows * pt.ksplit)
+    return total + 16 * min(ring_pairs, words // 2)
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
-              dtype: str = "float32") -> PassPlan:
+              shared_limit: int | None = None, dtype: str = "float32") -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
     weights held in ``dtype`` (fp32 configurations carry no ``PRNN_WEIGHT_DTYPE``: 0 is the
-    default)."""
+    default); with a ``shared_limit``, a grid tile's gather ring shrinks (to one slot per thread
+    at least) to what the limit leaves, trading L2 round trips per step for fitting at all."""
     pt = tile.backward if backward else tile.forward
     local_rows = tile.units if backward else cell.gates * tile.units
     warps = local_rows // pt.rows * pt.ksplit
@@ -177,11 +226,18 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
                "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    grid = math.ceil(hidden / tile.units)
+    if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
+        defines["PRNN_CLUSTER"] = grid
+    slots = RING_SLOTS
+    if shared_limit is not None and shared_bytes(cell, tile, backward, batch, hidden) > shared_limit:
+        room = shared_limit - shared_bytes(cell, tile, backward, batch, hidden, ring_slots=0)
+        slots = min(RING_SLOTS, max(1, room // (16 * block)))
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
-        defines=defines, grid=math.ceil(hidden / tile.units), block=block,
-        shared_bytes=shared_bytes(cell, tile, backward, batch),
+        defines=defines, grid=grid, block=block,
+        shared_bytes=shared_bytes(cell, tile, backward, batch, hidden, slots),
         weights_per_thread=pt.rows * pt.kpt, weight_registers=weight_registers(pt, dtype),
         registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile))
@@ -206,9 +262,11 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
               device: DeviceProfile | str | None = None) -> Plan:
     """Plan both passes of ``cell`` at ``hidden`` units and ``batch`` rows on ``device``.
 
+    Returns the cluster tile where the device has clusters and it fits (its exchange never
+    leaves the cluster), else the cheapest shipped grid tile (fewest weights per thread, hence
+    least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
+    and the reason.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
-    Returns the cheapest shipped tile (fewest weights per thread, hence least work per step)
-    whose forward and backward both fit, or a ``Plan`` with ``fits=False`` and the reason.
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
@@ -219,9 +277,12 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         return Plan(False, f"dtype {dtype} is not supported by the persistent kernels "
                            f"({', '.join(KERNEL_DTYPES)})")
     tried = []
-    for tile in tiles_for(cell, dtype):
-        fwd = pass_plan(cell, tile, False, hidden, batch, dtype)
-        bwd = pass_plan(cell, tile, True, hidden, batch, dtype)
+    candidates = ((cluster_tile_for(cell, dtype),) if has_clusters(dev) else ())
+    candidates += tiles_for(cell, dtype)
+    for tile in candidates:
+        limit = min(dev.shared_per_block, dev.shared_per_sm)
+        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype)
+        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return Plan(True, None, tile, fwd, bwd)

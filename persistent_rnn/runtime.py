@@ -120,6 +120,7 @@ class Pending:
                                    # (``end``: the kernel did every step)
     launches: int = 0
     start: int = 0                     # the step the latest launch started from
+    exchange: Array | None = None      # the kernel's tagged exchange buffer (one of ``fixed``)
 
     @property
     def direction(self) -> int:
@@ -131,6 +132,8 @@ class Pending:
         timeout_ms = s.emulation_timeout_ms if self.engine.emulated else s.gpu_timeout_ms
         extra = {"max_resident": s.emulation_max_resident} if self.engine.emulated else {}
         _Control.reset(self.control)
+        if self.launches and self.exchange is not None:
+            self.exchange.fill(0)  # a restart must not take a word an earlier launch wrote
         self.start = step
         self.engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
                            (*self.fixed, self.control, *(np.int32(n) for n in self.sizes),
@@ -186,7 +189,7 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
     c0_arg = c(h0) if c0 is None else c(c0)
     fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
-             y, y if cs is None else cs, saved)
+             y, y if cs is None else cs, saved, _exchange(xp, batch, hidden))
     pending = _start(engine, fixed, (steps, batch, hidden), 0, steps, xp, finish, rerun)
     return result, pending.stats, pending
 
@@ -228,16 +231,23 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
 
     fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
              c(h0) if c0 is None else c(c0), buffers.full_lengths(xp, lengths, batch, steps),
-             dgi, dgh, dh_carry, dc_carry)
+             dgi, dgh, dh_carry, dc_carry, _exchange(xp, batch, cell.gates * hidden))
     pending = _start(engine, fixed, (steps, batch, hidden), steps - 1, -1, xp, finish, rerun)
     return result, pending.stats, pending
+
+
+def _exchange(xp, batch: int, k_len: int) -> Array:
+    """The kernel's tagged exchange buffer, [2][batch][k_len rounded up to even] uint64, zeroed
+    (tag 0 is never published, so no launch of this pass can take a word for one it waits on);
+    the kernel's last buffer argument."""
+    return xp.zeros((2, batch, k_len + k_len % 2), np.uint64)
 
 
 def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int, xp,
            finish: Callable[[int], None], rerun: bool) -> Pending:
     stats = RunStats(algo="persistent", emulated=engine.emulated, details=[""])
     pending = Pending(engine, fixed, sizes, first, end, _Control.new(xp, engine.pass_plan.grid),
-                      stats, finish)
+                      stats, finish, exchange=fixed[-1])
     pending.launch(first, settings.NO_STALL if rerun else settings.current_stall())
     stats.details[-1] = _describe(pending)
     return pending

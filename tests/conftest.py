@@ -65,3 +65,15 @@ def fresh_plans():
     runtime._cached_engine.cache_clear()
     yield
     runtime._cached_engine.cache_clear()
+
+
+@pytest.fixture
+def grid_path(monkeypatch):
+    """The emulation planning for an H100 without thread-block clusters, so that layers run on the
+    grid path (several CTAs exchanging through global memory) at any size: what tests of stalls of
+    CTA 1, CTAs held back or forced grid tiles need. (The emulated H100 runs a small layer as one
+    cluster, possibly of one CTA.)"""
+    import dataclasses
+    from persistent_rnn import hardware, runtime
+    monkeypatch.setattr(runtime, "EMULATED_DEVICE", dataclasses.replace(
+        hardware.PROFILES["h100"], name="h100 without clusters", arch="sm_80"))

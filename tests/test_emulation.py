@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import emulate
+from persistent_rnn import emulate, runtime
 from persistent_rnn.cells import CELLS
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,6 +44,80 @@ def test_grid_barrier_times_out_on_a_stalled_cta():
 def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
     arrivals, abort, progress, _ = _barrier(grid=4, rounds=5, max_resident=2)
     assert abort == 1 and arrivals < 4 * 5
+
+
+def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None,
+              ring_pairs: int = 64):
+    module = emulate.get_module("grid_barrier.cu", {})
+    length = grid * width
+    exchange = np.zeros((2, length + length % 2), np.uint64)
+    ctl = np.zeros(2 + grid, np.uint32)
+    elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
+    args = (exchange, ctl, np.int32(rounds), np.int32(width), np.int32(ring_pairs), TIMEOUT_NS,
+            np.int32(stall[0]), np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
+    module.launch("exchange_rounds", grid, 64, 16 * ring_pairs, args, max_resident=max_resident)
+    return ctl[0], ctl[1], ctl[2:].view(np.int32), int(errors[0]), exchange
+
+
+# (3, 70, 8): 105 pairs through a ring of 8 slots: many chunks per round, slots reused.
+@pytest.mark.parametrize("grid, width, ring_pairs", [(4, 3, 64), (5, 1, 64), (3, 70, 8), (2, 9, 1)])
+def test_tagged_exchange_delivers_every_round(grid, width, ring_pairs):
+    arrivals, abort, progress, errors, exchange = _exchange(grid, rounds=25, width=width,
+                                                            ring_pairs=ring_pairs)
+    assert (arrivals, abort, errors) == (0, 0, 0)  # no counter, no timeout, every value right
+    assert progress.tolist() == [24] * grid
+    tags = exchange >> np.uint64(32)
+    assert (tags[0, :grid * width] == 25).all() and (tags[1, :grid * width] == 24).all()
+
+
+@pytest.mark.parametrize("step", [0, 4, 9])
+def test_tagged_exchange_times_out_on_a_stalled_cta(step):
+    _, abort, progress, errors, _ = _exchange(grid=4, rounds=10, width=40, ring_pairs=16,
+                                              stall=(2, step, 900_000_000))
+    assert errors == 0
+    # CTA 2 published nothing of round `step` in time: the others completed step-1 and gave up;
+    # CTA 2, late, finds their round `step` words and may complete it before it sees the abort.
+    assert abort == 1
+    others = np.delete(progress, 2)
+    assert (others == step - 1).all() and progress[2] in (step - 1, step)
+
+
+def test_tagged_exchange_times_out_when_ctas_are_not_co_resident():
+    _, abort, progress, errors, _ = _exchange(grid=4, rounds=5, max_resident=2)
+    assert abort == 1 and errors == 0 and progress.min() < 4
+
+
+def _cluster_exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):
+    module = emulate.get_module("grid_barrier.cu", {"PRNN_CLUSTER": grid})
+    length = grid * width
+    ctl = np.zeros(2 + grid, np.uint32)
+    elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
+    args = (ctl, np.int32(rounds), np.int32(width), TIMEOUT_NS, np.int32(stall[0]),
+            np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
+    module.launch("cluster_exchange_rounds", grid, 64, 16 * (length + length % 2), args,
+                  max_resident=max_resident)
+    return ctl[1], ctl[2:].view(np.int32), int(errors[0])
+
+
+@pytest.mark.parametrize("grid, width", [(4, 3), (8, 1), (2, 67)])
+def test_cluster_exchange_delivers_every_round_even_on_a_busy_gpu(grid, width):
+    # max_resident=1: a cluster is still resident whole (the GPU schedules clusters whole).
+    abort, progress, errors = _cluster_exchange(grid, rounds=25, width=width, max_resident=1)
+    assert (abort, errors) == (0, 0) and progress.tolist() == [24] * grid
+
+
+def test_cluster_exchange_times_out_on_a_stalled_cta():
+    abort, progress, errors = _cluster_exchange(4, rounds=10, stall=(1, 5, 900_000_000))
+    assert abort == 1 and errors == 0
+    assert (np.delete(progress, 1) == 4).all() and progress[1] in (4, 5)
+
+
+def test_cluster_grid_must_be_whole_clusters():
+    module = emulate.get_module("grid_barrier.cu", {"PRNN_CLUSTER": 4})
+    args = (np.zeros(8, np.uint32), np.int32(1), np.int32(1), TIMEOUT_NS, np.int32(-1),
+            np.int32(-1), np.uint64(0), np.zeros(6, np.uint64), np.zeros(1, np.uint32))
+    with pytest.raises(emulate.EmulationError, match="not a multiple of the cluster size 4"):
+        module.launch("cluster_exchange_rounds", 6, 32, 64, args)
 
 
 def _pointwise_inputs(cell, rng, batch=3, hidden=5):
@@ -132,14 +206,32 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+# The emulation plans for an H100 (runtime.EMULATED_DEVICE), where small layers run as one
+# thread-block cluster; the grid_path fixture (conftest) plans without clusters.
+@pytest.fixture(params=["cluster", "grid"])
+def path(request):
+    """Runs the test on both exchange paths: one cluster (distributed shared memory) and the grid
+    (tagged words in global memory); _assert_path checks the planner chose it."""
+    if request.param == "grid":
+        request.getfixturevalue("grid_path")
+    return request.param
+
+
+def _assert_path(stats, path):
+    clustered = any("PRNN_CLUSTER" in d for d in stats.details)
+    assert clustered == (path == "cluster"), stats.details
+
+
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_persistent_equals_float64_reference_and_torch(name):
+def test_persistent_equals_float64_reference_and_torch(name, path):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
     data = _inputs(name, rng)
     got = _run(name, "float32", "persistent", **data)
     ref = _run(name, "float64", "gemm", **data)
     assert got["fwd"].algo == "persistent" and got["fwd"].emulated and got["fwd"].fallback is None
+    _assert_path(got["fwd"], path)
+    _assert_path(got["bwd"], path)
     assert got["bwd"].algo == "persistent" and got["bwd"].restarts == 0
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
@@ -167,35 +259,55 @@ def test_persistent_equals_float64_reference_and_torch(name):
         assert _rel(got["grads"][key], p.grad.numpy()) <= 1e-5, key
 
 
-def test_persistent_bidirectional_two_layers_equals_float64():
+def test_persistent_bidirectional_two_layers_equals_float64(path):
     rng = np.random.default_rng(5)
     data = _inputs("gru", rng, layers=2, directions=2, hidden=24)
     got = _run("gru", "float32", "persistent", **data, hidden=24, num_layers=2, bidirectional=True)
     ref = _run("gru", "float64", "gemm", **data, hidden=24, num_layers=2, bidirectional=True)
     assert got["fwd"].algo == "persistent"
+    _assert_path(got["fwd"], path)
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
 
 
-def test_stall_restarts_with_bitwise_identical_results(settings):
+@pytest.mark.parametrize("name, step", [("lstm", 0), ("lstm", 3), ("gru", 6), ("rnn_tanh", 3)])
+def test_stall_restarts_with_bitwise_identical_results(settings, path, name, step):
+    """A stall at the first, a middle and the last step (T = 7) of the forward; the backward runs
+    down, so its first step is the forward's last. Nobody waits on a pass's final step: a stall
+    there only delays that CTA. (H = 72: CTA 1 owns units on both paths, in the RNN's cluster of
+    64 units per CTA too.)"""
     prnn.configure(emulation_timeout_ms=300)
-    data = _inputs("lstm", np.random.default_rng(9))
-    plain = _run("lstm", "float32", "persistent", **data)
-    with prnn.inject_stall(block=1, step=3, duration_ms=1200):
-        stalled = _run("lstm", "float32", "persistent", **data)
-    assert stalled["fwd"].restarts >= 1 and stalled["fwd"].fallback is None
-    assert stalled["bwd"].restarts >= 1 and stalled["bwd"].fallback is None
+    data = _inputs(name, np.random.default_rng(9), hidden=72)
+    plain = _run(name, "float32", "persistent", **data, hidden=72)
+    with prnn.inject_stall(block=1, step=step, duration_ms=1200):
+        stalled = _run(name, "float32", "persistent", **data, hidden=72)
+    _assert_path(stalled["fwd"], path)
+    assert (stalled["fwd"].restarts >= 1) == (step != 6) and stalled["fwd"].fallback is None
+    assert (stalled["bwd"].restarts >= 1) == (step != 0) and stalled["bwd"].fallback is None
     for a, b in zip(_flat(plain), _flat(stalled)):
         assert np.array_equal(a, b)
 
 
-def test_ctas_not_co_resident_end_on_gemm_fallback(settings):
+def test_ctas_not_co_resident_end_on_gemm_fallback(settings, grid_path):  # a cluster runs whole
     prnn.configure(emulation_timeout_ms=200, emulation_max_resident=1, max_restarts=1)
     data = _inputs("gru", np.random.default_rng(4))
     got = _run("gru", "float32", "persistent", **data)
     ref = _run("gru", "float64", "gemm", **data)
     assert got["fwd"].algo == "persistent" and "GEMM" in got["fwd"].fallback
     assert "GEMM" in got["bwd"].fallback
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_a_cluster_runs_whole_on_a_busy_gpu(settings):
+    """A cluster's CTAs are co-scheduled (the GPU places a cluster whole or not at all): the
+    emulation runs them together however few CTAs it may otherwise hold at once."""
+    prnn.configure(emulation_max_resident=1)
+    data = _inputs("lstm", np.random.default_rng(4))
+    got = _run("lstm", "float32", "persistent", **data)
+    ref = _run("lstm", "float64", "gemm", **data)
+    _assert_path(got["fwd"], "cluster")
+    assert got["fwd"].restarts == 0 and got["fwd"].fallback is None and got["bwd"].fallback is None
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
 
@@ -207,7 +319,7 @@ def test_missing_host_compiler_is_a_clear_error(monkeypatch):
         emulate.host_compiler()
 
 
-def _barrier_args(grid, timeout_ns, stall_ns):
+def _barrier_args(grid, timeout_ns, stall_ns):  # grid_barrier_rounds
     return (np.zeros(2 + grid, np.uint32), np.int32(4), np.uint64(timeout_ns), np.int32(1),
             np.int32(2), np.uint64(stall_ns), np.zeros(grid, np.uint64))
 

@@ -1,7 +1,9 @@
-"""Every shipped kernel configuration compiles with NVRTC (no GPU needed) with zero spills."""
+"""Every shipped kernel configuration compiles with NVRTC (no GPU needed) with zero spills, and
+the SASS of its time loop (read with nvdisasm) holds no fence, atomic or L1 invalidate."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -26,13 +28,16 @@ def records():
 
 
 def test_every_configuration_is_reported(records):
-    expected = sum(len(tiles_for(c)) for c in CELLS.values()) * 2 * 2
+    # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90.
+    expected = sum(len(tiles_for(c)) for c in CELLS.values()) * 2 * 2 + len(CELLS) * 2
     assert len(records) == expected
     for cell in CELLS:
         for pass_ in ("forward", "backward"):
             for arch in ("sm_80", "sm_90"):
                 mine = [r for r in records if (r["cell"], r["pass"], r["arch"]) == (cell, pass_, arch)]
-                assert len(mine) == len(tiles_for(CELLS[cell]))
+                clusters = [r for r in mine if r["cluster"]]
+                assert len(mine) == len(tiles_for(CELLS[cell])) + (arch == "sm_90")
+                assert len(clusters) == (arch == "sm_90")
 
 
 def test_zero_spills_and_registers_within_plan(records):
@@ -58,7 +63,48 @@ def test_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {r["arch"] for r in out} == {"sm_90"}
     assert {"cell", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
-            "shared_bytes", "planned_registers"} <= set(out[0])
+            "shared_bytes", "planned_registers", "time_loop"} <= set(out[0])
+    assert set(kernel_report.SASS_KINDS) <= set(out[0]["time_loop"])
+
+
+# What one step of the time loop may contain (static SASS counts, kernel_report.sass_loop_counts):
+# the tagged exchange needs no fence, no atomic and no L1 invalidate; two block barriers per step
+# (staged vector + timeout vote; partial sums). The old counter barrier had 4-5, 3, 1 and 4.
+LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates": 0}
+
+
+def test_time_loop_sass_stays_short(records):
+    assert kernel_report.nvdisasm(), "nvdisasm missing: install the test extra (nvidia-cuda-nvdisasm)"
+    for r in records:
+        loop = r["time_loop"]
+        for kind, most in LOOP_LIMITS.items():
+            assert loop[kind] <= most, (kind, r)
+        # The loop was found: it publishes (stores) and gathers (loads) every step.
+        assert loop["block_barriers"] >= 1 and loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
+
+
+def test_sass_loop_counts_finds_the_loop_with_the_barrier():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+    .L_x_0:
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   ISETP.NE.AND P0, PT, R2, RZ, PT ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+    .L_x_1:
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/                   MEMBAR.SC.GPU ;
+        /*0060*/                   CCTL.IVALL ;
+        /*0070*/                   ATOMG.E.ADD.STRONG.GPU PT, R3, desc[UR4][R6.64], R0 ;
+        /*0080*/                   STG.E [R8.64], R3 ;
+        /*0090*/              @!P1 BRA `(.L_x_2) ;
+        /*00a0*/                   EXIT ;
+    .L_x_2:
+        /*00b0*/                   LDG.E.STRONG.GPU R2, desc[UR4][R4.64] ;
+        /*00c0*/                   BRA `(.L_x_1) ;
+    """
+    counts = kernel_report.sass_loop_counts(sass)
+    assert counts == {"block_barriers": 1, "global_loads": 1, "async_copies": 0, "global_stores": 1,
+                      "atomics": 1, "fences": 1, "l1_invalidates": 1, "instructions": 8}
 
 
 def test_compile_error_raises_with_log():
@@ -107,3 +153,21 @@ def test_cached_cubin_is_a_complete_elf(tmp_path, monkeypatch):
                              text=True, timeout=60)
     assert listing.returncode == 0, listing.stderr
     assert "prnn_persistent_forward" in listing.stdout
+
+
+@pytest.mark.parametrize("defines, arch, names", [
+    ({}, "sm_80", ("grid_barrier_rounds", "exchange_rounds")),
+    ({}, "sm_90", ("grid_barrier_rounds", "exchange_rounds")),
+    ({"PRNN_CLUSTER": 8}, "sm_90", ("cluster_exchange_rounds",)),
+])
+def test_exchange_microbenchmark_kernels_compile(defines, arch, names):
+    """The kernels bench/barrier_latency.py launches exist under its names, with zero spills."""
+    log = kernels.compile_source("grid_barrier.cu", defines, arch).log
+    for name in names:
+        assert f"'{name}'" in log
+    assert "bytes spill" in log and all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill", log))
+
+
+def test_cluster_code_is_refused_on_sm_80():
+    with pytest.raises(RuntimeError, match="PRNN_CLUSTER needs sm_90"):
+        kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 2}, "sm_80")

@@ -63,10 +63,20 @@ def test_plan_fits_both_passes_within_the_device(cell, hidden, batch):
 
 
 def test_plan_prefers_the_cheapest_tile():
-    small = make_plan("lstm", 64, 4, device="h100")
+    small = make_plan("lstm", 64, 4, device="a100")  # no clusters on sm_80
     large = make_plan("lstm", 1250, 4, device="h100")
     assert small.forward.weights_per_thread < large.forward.weights_per_thread
     assert small.tile == SHIPPED["lstm"][0] and large.tile == SHIPPED["lstm"][-1]
+
+
+@pytest.mark.parametrize("cell, top", [("lstm", 256), ("gru", 256), ("rnn_tanh", 512)])
+def test_plan_prefers_one_cluster_where_it_fits_on_sm_90(cell, top):
+    for hidden in (1, top // 2 + 1, top):
+        p = make_plan(cell, hidden, 4, device="h100")
+        assert p.tile == plan.cluster_tile_for(CELLS[cell])
+        assert p.forward.grid == p.backward.grid == p.forward.defines["PRNN_CLUSTER"] <= 8
+    assert not make_plan(cell, top + 1, 4, device="h100").tile.cluster
+    assert not make_plan(cell, top, 4, device="a100").tile.cluster
 
 
 def test_refusals_say_why():
@@ -130,12 +140,17 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
         fwd = runtime.run_forward(spec, gi, w, b, h0, c0, None, "persistent", RunStats())
         runtime.run_backward(spec, dy, None, None, w, h0, c0, None, fwd, "persistent", RunStats())
 
-    for tile in plan.tiles_for(spec):  # every shipped tile, so both formulas meet every layout
-        monkeypatch.setattr(plan, "tiles_for", lambda c, dtype="float32", tile=tile: (tile,))
+    # Every shipped tile, so both formulas meet every layout: the grid tiles alone, then the
+    # cluster tile (which the planner prefers where it fits).
+    for tile in (*plan.tiles_for(spec), plan.cluster_tile_for(spec)):
+        monkeypatch.setattr(plan, "tiles_for", lambda c, dtype="float32", tile=tile: () if tile.cluster else (tile,))
+        monkeypatch.setattr(plan, "has_clusters", lambda dev, tile=tile: bool(tile.cluster))
         run()
-        planned = plan.shared_bytes(spec, tile, backward, batch)
-        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, planned=planned:
-                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n))
+        # A grid tile's kernel takes the rest of its shared memory as the gather's ring (at least
+        # one slot), so 4 bytes short of the fixed part (ring_slots=0) must overrun.
+        planned = plan.shared_bytes(spec, tile, backward, batch, 24, ring_slots=0)
+        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, h, slots=8, planned=planned:
+                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n, h, slots))
         with pytest.raises(emulate.EmulationError, match="wrote past its"):
             run()
         monkeypatch.setattr(plan, "shared_bytes", shared_bytes)

@@ -205,9 +205,10 @@ def _assert_close(got, ref):
 
 
 @pytest.fixture
-def emulation(settings):
-    emulate = pytest.importorskip("persistent_rnn.emulate")
-    return emulate
+def emulation(settings, grid_path):
+    """The emulation on the grid path: these tests stall CTA 1, hold CTAs back and force grid
+    tiles (tests/test_emulation.py covers the cluster path too)."""
+    return pytest.importorskip("persistent_rnn.emulate")
 
 
 @pytest.mark.parametrize("cell", sorted(CELLS))
