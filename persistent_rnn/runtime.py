@@ -188,7 +188,7 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     hidden = y.shape[2]
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
     c0_arg = c(h0) if c0 is None else c(c0)
-    fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
+    fixed = (buffers.weight_words(xp, w_hh, half), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
              y, y if cs is None else cs, saved, _exchange(xp, batch, hidden))
     pending = _start(engine, fixed, (steps, batch, hidden), 0, steps, xp, finish, rerun)
     return result, pending.stats, pending
@@ -229,7 +229,7 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                 cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved, dgi, dgh,
                 dh_carry=dh, dc_carry=dc, stop=stop)
 
-    fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
+    fixed = (buffers.weight_words(xp, w_hh.T, half), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
              c(h0) if c0 is None else c(c0), buffers.full_lengths(xp, lengths, batch, steps),
              dgi, dgh, dh_carry, dc_carry, _exchange(xp, batch, cell.gates * hidden))
     pending = _start(engine, fixed, (steps, batch, hidden), steps - 1, -1, xp, finish, rerun)
@@ -359,8 +359,6 @@ def _why_not_persistent(data: Array, batch: int, algo: str, half: str | None) ->
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
     if np.dtype(data.dtype) != np.float32:
         return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
-    if half is not None:
-        return f"dtype {half}: the 16-bit persistent kernels are not built yet"
     if data.shape[0] > _MAX_STEPS:
         return f"sequence length {data.shape[0]} > {_MAX_STEPS}: the kernels' step index is 32-bit"
     limit = settings.current().auto_max_batch
