@@ -155,12 +155,11 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
-def test_emulated_largest_16bit_tiles(emulation, monkeypatch, cell, dtype):
+def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_plans, cell, dtype):
     # The largest tiles (14-16 rows per warp, ~390 weights per thread) normally serve H > 1280;
     # force them at a small, odd H (a padded last word per row) so the emulation runs their code.
     tiles_for = planner.tiles_for
     monkeypatch.setattr(planner, "tiles_for", lambda c, d="float32": tiles_for(c, d)[-1:])
-    monkeypatch.setattr(planner, "has_clusters", lambda dev: False)  # not the cluster tile
     mode, kw = {"lstm": ("LSTM", {}), "gru": ("GRU", {}), "rnn_tanh": ("RNN", {})}[cell]
     kern, gemm, _ = _layers(mode, kw, dtype, hidden=31)
     x, hx, dy, dhn = _data(mode, kern, steps=3, batch=2)
@@ -175,10 +174,10 @@ def test_emulated_largest_16bit_tiles(emulation, monkeypatch, cell, dtype):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("mode", ["LSTM", "GRU"])
 @pytest.mark.parametrize("cluster", [True, False])
-def test_stall_restarts_bitwise_identically(emulation, monkeypatch, mode, dtype, cluster):
+def test_stall_restarts_bitwise_identically(emulation, request, mode, dtype, cluster):
     # H 40: a grid of 2 CTAs as one cluster (the small-layer path on sm_90), or of 10 grid tiles.
     if not cluster:
-        monkeypatch.setattr(planner, "has_clusters", lambda dev: False)
+        request.getfixturevalue("grid_path")
     kern, _, _ = _layers(mode, {}, dtype, hidden=40, bidirectional=True)
     x, hx, dy, dhn = _data(mode, kern, steps=6, batch=2)
     clean, fwd, _ = _run(kern, x, hx, [6, 4], dy, dhn)
