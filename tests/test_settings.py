@@ -107,24 +107,6 @@ def test_environment_at_import_in_a_fresh_interpreter():
     assert "PRNN_TIMEOUT_MS='abc'" in bad.stderr.splitlines()[-1], bad.stderr
 
 
-def test_a_stall_in_another_thread_does_not_reach_this_one():
-    entered, release = threading.Event(), threading.Event()
-
-    def stall_elsewhere():
-        with prnn.inject_stall(block=0, step=1, duration_ms=50):
-            entered.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=stall_elsewhere)
-    thread.start()
-    try:
-        assert entered.wait(10)
-        assert settings_module.current_stall() == settings_module.NO_STALL
-    finally:
-        release.set()
-        thread.join()
-
-
 def test_overlapping_stalls_in_two_threads_leave_nothing_behind():
     # Thread A enters, B enters, A leaves, B leaves: with one global slot, A's exit restored
     # "no stall" under B and B's exit reinstalled A's stall for good.
