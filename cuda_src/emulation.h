@@ -243,3 +243,47 @@ inline void prnn_backoff() {
   const timespec pause{0, 20000};
   nanosleep(&pause, nullptr);
 }
+
+// 16-bit storage (hw.cuh): the conversions in software, bit for bit those of the GPU's cvt (round
+// to nearest, ties to even; overflow to infinity; subnormals kept) and of ml_dtypes.
+inline float prnn_f16_to_float(unsigned h) {
+  const unsigned sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in fp32
+    const float v = (float)mant * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  const unsigned bits = exp == 0x1fu ? sign | 0x7f800000u | (mant << 13)  // inf, NaN
+                                     : sign | ((exp + 112u) << 23) | (mant << 13);
+  return prnn_bits_float(bits);
+}
+inline void prnn_f16x2_to_float(unsigned w, float& lo, float& hi) {
+  lo = prnn_f16_to_float(w & 0xffffu);
+  hi = prnn_f16_to_float(w >> 16);
+}
+inline void prnn_bf16x2_to_float(unsigned w, float& lo, float& hi) {
+  lo = prnn_bits_float(w << 16);
+  hi = prnn_bits_float(w & 0xffff0000u);
+}
+inline float prnn_round_f16(float v) {
+  const unsigned x = prnn_float_bits(v), sign = x & 0x80000000u, mag = x & 0x7fffffffu;
+  unsigned h;
+  if (mag > 0x7f800000u) {
+    h = 0x7fffu;  // NaN (the GPU's canonical one)
+  } else if (mag >= 0x477ff000u) {
+    h = 0x7c00u;  // rounds to infinity: 65520 and above
+  } else if (mag >= 0x38800000u) {  // normal: 2^-14 and above
+    h = (mag - 0x38000000u + 0xfffu + ((mag >> 13) & 1u)) >> 13;
+  } else {  // subnormal or zero: an integer number of 2^-24, rounded to even by nearbyint
+    h = (unsigned)std::nearbyint(std::fabs(v) * 16777216.0f);
+  }
+  return prnn_f16_to_float(h | (sign >> 16));
+}
+inline float prnn_round_bf16(float v) {
+  const unsigned x = prnn_float_bits(v);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return v;  // NaN stays NaN
+  return prnn_bits_float((x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u);
+}
+inline void prnn_load_shared_pair(const float* p, float& a, float& b) {
+  a = p[0];
+  b = p[1];
+}

@@ -87,6 +87,38 @@ PRNN_DEVICE unsigned long long prnn_globaltimer_ns() {
 // Polling back-off: short enough not to add visible latency to a barrier.
 PRNN_DEVICE void prnn_backoff() { __nanosleep(20); }
 
+// ---- 16-bit storage (fp16, bf16): packed pairs, fp32 arithmetic ------------------------------
+// A 32-bit word holds two 16-bit values, element 0 in the low half. The unpacking is volatile so
+// that it stays beside its FMA: ptxas would otherwise hoist the conversions of the register-
+// resident weights out of the batch loop and spill the doubled registers. Rounding is to nearest,
+// ties to even (as ml_dtypes), NaN stays NaN.
+PRNN_DEVICE void prnn_f16x2_to_float(unsigned w, float& lo, float& hi) {
+  asm volatile("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
+               : "=f"(lo), "=f"(hi) : "r"(w));
+}
+PRNN_DEVICE void prnn_bf16x2_to_float(unsigned w, float& lo, float& hi) {
+  unsigned l, h;
+  asm volatile("{prmt.b32 %0, %2, 0, 0x1044; and.b32 %1, %2, 0xffff0000;}" : "=r"(l), "=r"(h) : "r"(w));
+  lo = __uint_as_float(l);
+  hi = __uint_as_float(h);
+}
+PRNN_DEVICE float prnn_round_f16(float v) {
+  float r;
+  asm("{.reg .b16 h; cvt.rn.f16.f32 h, %1; cvt.f32.f16 %0, h;}" : "=f"(r) : "f"(v));
+  return r;
+}
+PRNN_DEVICE float prnn_round_bf16(float v) {
+  unsigned r;
+  asm("{.reg .b16 h, z; mov.b16 z, 0; cvt.rn.bf16.f32 h, %1; mov.b32 %0, {z, h};}" : "=r"(r) : "f"(v));
+  return __uint_as_float(r);
+}
+// Two consecutive floats of shared memory (p 8-byte aligned) in one load.
+PRNN_DEVICE void prnn_load_shared_pair(const float* p, float& a, float& b) {
+  const float2 v = *reinterpret_cast<const float2*>(p);
+  a = v.x;
+  b = v.y;
+}
+
 // ---- thread-block cluster (sm_90; only in kernels built with -DPRNN_CLUSTER=n) ------------------
 // The kernel is compiled with its cluster shape, so an ordinary launch of a grid of n CTAs runs
 // as one cluster: all n CTAs resident together, each one's shared memory addressable by the others.

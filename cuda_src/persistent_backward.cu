@@ -25,7 +25,7 @@ constexpr int kInputs = kSavedSlot + ThisCell::S;
 }  // namespace prnn
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
-    const float* w_t,       // (H, G*H) = W_hh^T, contiguous
+    const prnn::WeightWord* w_t,  // (H, G*H) = W_hh^T, contiguous; 16-bit: words of pairs
     const float* dy,        // (T, B, H), zero past each length
     const float* y, const float* cs, const float* saved,  // forward buffers (cs: LSTM only)
     const float* h0, const float* c0,  // (B, H)

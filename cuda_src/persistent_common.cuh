@@ -16,6 +16,14 @@
 //   PRNN_CELL  prnn::CellKind          PRNN_UNITS   hidden units owned by one CTA
 //   PRNN_ROWS  matrix rows per warp    PRNN_KSPLIT  warps sharing a row (column chunks)
 //   PRNN_KPT   columns per lane        PRNN_WARPS   warps per CTA (blockDim.x == 32*PRNN_WARPS)
+//   PRNN_WEIGHT_DTYPE  0 fp32 (default), 1 fp16, 2 bf16: how M is held (below)
+//
+// 16-bit weights: M arrives as 32-bit words of two 16-bit values (columns 2c, 2c+1 of a row, rows
+// padded to an even length), and a register holds one word, so a lane's KPT columns of a row take
+// KPT/2 registers. Lane l holds words chunk/2 + l + 32*i: the two staged values it multiplies
+// are adjacent (one 8-byte shared load). Products and sums are fp32. The forward rounds h_t to the
+// 16-bit type (round_state) where it stores it: the state is what y holds, so a relaunch resumes
+// from exactly the values a run without one uses.
 #pragma once
 #include "cells.cuh"
 
@@ -37,18 +45,47 @@ constexpr int kRowsPow2 = pow2_at_least(kRows);
 static_assert(kRowsPow2 <= kWarp, "at most 32 rows per warp");
 constexpr int kLanesPerRow = kWarp / kRowsPow2;  // lanes that end up holding the same row's sum
 
+#ifndef PRNN_WEIGHT_DTYPE
+#define PRNN_WEIGHT_DTYPE 0
+#endif
+#if PRNN_WEIGHT_DTYPE == 0
+using WeightWord = float;
+constexpr int kPerWord = 1;
+PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[1]) { f[0] = w; }
+PRNN_DEVICE void load_staged(const float* p, float (&x)[1]) { x[0] = *p; }
+PRNN_DEVICE float round_state(float v) { return v; }
+#else
+using WeightWord = unsigned;
+constexpr int kPerWord = 2;
+PRNN_DEVICE void load_staged(const float* p, float (&x)[2]) { prnn_load_shared_pair(p, x[0], x[1]); }
+#if PRNN_WEIGHT_DTYPE == 1
+PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[2]) { prnn_f16x2_to_float(w, f[0], f[1]); }
+PRNN_DEVICE float round_state(float v) { return prnn_round_f16(v); }
+#elif PRNN_WEIGHT_DTYPE == 2
+PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[2]) { prnn_bf16x2_to_float(w, f[0], f[1]); }
+PRNN_DEVICE float round_state(float v) { return prnn_round_bf16(v); }
+#else
+#error "PRNN_WEIGHT_DTYPE must be 0 (fp32), 1 (fp16) or 2 (bf16)"
+#endif
+#endif
+static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
+constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
+
 struct RegisterTile {
-  float w[kRows][kKpt];
+  WeightWord w[kRows][kWordsPerLane];
 
   // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros);
-  // col0: the warp's first column.
-  PRNN_DEVICE void load(const float* m, const int (&rows)[kRows], int col0, int k_len, int lane) {
+  // col0: the warp's first column (a multiple of kPerWord); k_len: M's columns (rows are padded to
+  // a multiple of kPerWord).
+  PRNN_DEVICE void load(const WeightWord* m, const int (&rows)[kRows], int col0, int k_len,
+                        int lane) {
+    const int row_words = (k_len + kPerWord - 1) / kPerWord;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-      for (int i = 0; i < kKpt; ++i) {
-        const int k = col0 + lane + kWarp * i;
-        w[r][i] = (rows[r] >= 0 && k < k_len) ? m[(size_t)rows[r] * k_len + k] : 0.0f;
+      for (int i = 0; i < kWordsPerLane; ++i) {
+        const int k = col0 / kPerWord + lane + kWarp * i;
+        w[r][i] = (rows[r] >= 0 && k < row_words) ? m[(size_t)rows[r] * row_words + k] : WeightWord(0);
       }
     }
   }
@@ -61,10 +98,16 @@ struct RegisterTile {
 #pragma unroll
     for (int r = 0; r < kRowsPow2; ++r) a[r] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kKpt; ++i) {
-      const float x = v[lane + kWarp * i];
+    for (int i = 0; i < kWordsPerLane; ++i) {
+      float x[kPerWord];
+      load_staged(v + kPerWord * (lane + kWarp * i), x);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) a[r] += w[r][i] * x;
+      for (int r = 0; r < kRows; ++r) {
+        float f[kPerWord];
+        unpack_word(w[r][i], f);
+#pragma unroll
+        for (int e = 0; e < kPerWord; ++e) a[r] += f[e] * x[e];
+      }
     }
     int off = kWarp / 2;
 #pragma unroll
@@ -132,8 +175,10 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
 // k_len values: rounded up to even, so that every thread loads whole 16-byte pairs.
 PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
 
-// Cluster: tagged pairs each thread loads from its own shared memory at once (registers).
-constexpr int kGatherPairs = kRows * kKpt > 188 ? 1 : kRows * kKpt > 120 ? 2 : 4;
+// Cluster: tagged pairs each thread loads from its own shared memory at once (registers; a 16-bit
+// tile's weights take half the registers of its weight count).
+constexpr int kWeightRegisters = kRows * kWordsPerLane;
+constexpr int kGatherPairs = kWeightRegisters > 188 ? 1 : kWeightRegisters > 120 ? 2 : 4;
 
 // The vector every CTA needs each step (forward h_t, backward dgh_t: k_len values per batch row),
 // exchanged as tagged words (hw.cuh), step t tagged t+1, in [2][batch][row words] by step parity:

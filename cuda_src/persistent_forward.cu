@@ -13,7 +13,7 @@
 #include "persistent_common.cuh"
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
-    const float* w_hh,      // (G*H, H)
+    const prnn::WeightWord* w_hh,  // (G*H, H), 16-bit: (G*H, ceil(H/2)) words of pairs
     const float* b_hh,      // (G*H,) zeros when the layer has no bias
     const float* gi,        // (T, B, G*H)  W_ih x_t + b_ih
     const float* h0, const float* c0,  // (B, H); c0 only read for LSTM
@@ -96,6 +96,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
       const float c_prev = kHasC ? c_s[idx] : 0.0f;
       float h, c;
       cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[idx], c_prev, h, c, sv);
+      h = round_state(h);  // 16-bit layers: h_t is a 16-bit value (c_t stays fp32)
       xch.publish(t, b, j, h);
       y[row * hidden + j] = hp_s[idx] = h;
       if (kHasC) cs[row * hidden + j] = c_s[idx] = c;

@@ -11,7 +11,12 @@ forward ``2*G*B*H^2`` (``W_hh h_{t-1}``), forward_backward ``4*G*B*H^2`` (plus t
 recurrence's ``W_hh^T dgh_t``; the weight-gradient GEMM ``dW_hh`` is not counted).
 ``tflops = flops_per_step / us_per_step / 1e6``; ``peak_fraction = tflops / fp32 peak``
 (``info.fp32_peak_tflops``). ``activation_bytes`` are those of ``y``, ``cs`` (LSTM) and ``saved``:
-``T*B*H*(1 + [LSTM] + S)*itemsize``.
+``T*B*H*(1 + [LSTM] + S)*itemsize`` (4 for 16-bit layers, which keep them in fp32).
+
+``dtype`` "float16" or "bfloat16" times 16-bit layers against ``torch.nn`` converted to the same
+dtype (``.half()`` / ``.to(torch.bfloat16)``; fp16 is where torch may pick cuDNN's persistent
+kernel). persistent_rnn's bfloat16 layers take NumPy arrays only (CuPy has no bfloat16), so on a
+GPU those points are skipped with the reason.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import numpy as np
 from . import info, timing
 from .cells import CELLS, layer_args
 from .plan import resolve_cell
-from .validation import ALGOS
+from .validation import ALGOS, DTYPES, HALF_DTYPES, float_dtype
 
 SCHEMA_VERSION = 1
 PASSES = ("forward", "forward_backward")
@@ -38,6 +43,7 @@ PASSES = ("forward", "forward_backward")
 BENCH_ALGOS = (*(a for a in ALGOS if a != "auto"), "cudnn")
 CELL_NAMES = tuple(CELLS)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
+BENCH_DTYPES = tuple(d for d in DTYPES if d != "float64")  # what torch's cuDNN runs too
 FLOPS_FORMULA = ("recurrence only, per step: forward 2*G*B*H^2; forward_backward 4*G*B*H^2 "
                  "(forward W_hh h plus backward W_hh^T dgh); G = gates (rnn 1, gru 3, lstm 4)")
 PEAK_FORMULA = "SMs x max SM clock x FP32 lanes per SM (128; 64 on sm_80) x 2"
@@ -112,7 +118,8 @@ def activation_bytes(cell: str, batch: int, hidden: int, seq_len: int, dtype: st
     """Bytes of ``y``, ``cs`` (LSTM) and ``saved`` a persistent_rnn forward keeps for backward."""
     spec = resolve_cell(cell)
     per_unit = 1 + int(spec.has_cell_state) + spec.saved
-    return seq_len * batch * hidden * per_unit * np.dtype(dtype).itemsize
+    itemsize = 4 if dtype in HALF_DTYPES else np.dtype(dtype).itemsize
+    return seq_len * batch * hidden * per_unit * itemsize
 
 
 def gpu_available() -> bool:
@@ -145,8 +152,9 @@ def git_commit() -> str:
 
 def _inputs(xp, rng, sets: int, seq_len: int, batch: int, input_size: int, hidden: int, dtype: str):
     """``sets`` fresh random (x, dy) pairs on the array module ``xp``."""
-    return [(xp.asarray(rng.standard_normal((seq_len, batch, input_size)).astype(dtype)),
-             xp.asarray(rng.standard_normal((seq_len, batch, hidden)).astype(dtype)))
+    np_dtype = float_dtype("dtype", dtype)
+    return [(xp.asarray(rng.standard_normal((seq_len, batch, input_size)).astype(np_dtype)),
+             xp.asarray(rng.standard_normal((seq_len, batch, hidden)).astype(np_dtype)))
             for _ in range(sets)]
 
 
@@ -154,6 +162,8 @@ def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, h
                xp) -> tuple[Callable, list, Any]:
     """A call running one persistent_rnn layer with ``algo`` on ``xp`` arrays, its inputs, the layer."""
     import persistent_rnn as prnn
+    if sweep.dtype == "bfloat16" and xp is not np:
+        raise ValueError("bfloat16 layers take NumPy arrays only (CuPy has no bfloat16 arrays)")
     mode, extra = layer_args(cell)
     layer = getattr(prnn, mode)(sweep.input_size, hidden, dtype=sweep.dtype, algo=algo, seed=0, **extra)
     if xp is not np:
@@ -174,9 +184,11 @@ def _torch_case(sweep: Sweep, cell: str, backward: bool, batch: int, hidden: int
     dtype = getattr(torch, sweep.dtype)
     module = getattr(torch.nn, mode)(sweep.input_size, hidden, **extra).to(device="cuda", dtype=dtype)
     rng = np.random.default_rng(batch * 7919 + hidden)
-    pairs = [(torch.as_tensor(x, device="cuda").requires_grad_(backward), torch.as_tensor(dy, device="cuda"))
+    # fp32 on the host, converted by torch (torch takes no ml_dtypes bfloat16 arrays)
+    pairs = [(torch.as_tensor(x, device="cuda").to(dtype).requires_grad_(backward),
+              torch.as_tensor(dy, device="cuda").to(dtype))
              for x, dy in _inputs(np, rng, sweep.input_sets, seq_len, batch, sweep.input_size, hidden,
-                                  sweep.dtype)]
+                                  "float32")]
 
     def run(pair):
         y, _ = module(pair[0])

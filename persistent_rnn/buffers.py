@@ -77,3 +77,38 @@ def select_active(xp, a: Array, lengths: Array | None) -> Array:
     so NaN or Inf there do not survive); ``a`` itself when there are no lengths."""
     mask = active_steps(xp, a.shape[0], lengths)
     return a if mask is None else xp.where(mask, a, xp.zeros((), a.dtype))
+
+
+def round_half(xp, a: Array, half: str | None) -> Array:
+    """float32 ``a`` rounded to the nearest ``half`` value ("float16" or "bfloat16"; ties to
+    even, as ml_dtypes and CUDA's conversions round), kept as float32; ``a`` itself for ``None``.
+
+    16-bit layers compute in fp32 and round h_t here every step, where the 16-bit kernels do.
+    bfloat16 is rounded on the float32 bits (CuPy has no bfloat16 arrays); NaN stays NaN.
+    """
+    if half is None:
+        return a
+    if half == "float16":
+        with np.errstate(over="ignore"):  # beyond 65504 rounds to inf, as the cast on a GPU
+            return a.astype(np.float16).astype(np.float32)
+    bits = a.view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return xp.where(xp.isnan(a), a, rounded.view(np.float32))
+
+
+def weight_words(xp, m: Array, half: str | None) -> Array:
+    """The matrix ``m`` (float32, rows x K) as the persistent kernels hold it: contiguous float32,
+    or for ``half`` ("float16", "bfloat16") uint32 words of two 16-bit values (columns 2c, 2c+1,
+    element 0 in the low half), rows padded to even K with a zero: (rows, ceil(K/2))."""
+    m = xp.ascontiguousarray(m, dtype=np.float32)
+    if half is None:
+        return m
+    if half == "float16":
+        with np.errstate(over="ignore"):
+            bits = m.astype(np.float16).view(np.uint16)
+    else:
+        bits = (round_half(xp, m, half).view(np.uint32) >> 16).astype(np.uint16)
+    rows, cols = m.shape
+    padded = xp.zeros((rows, cols + cols % 2), np.uint16)
+    padded[:, :cols] = bits
+    return padded.view(np.uint32)

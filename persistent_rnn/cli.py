@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seq-len", type=_positive_ints, help="sequence lengths T")
     b.add_argument("--passes", type=_choices(bench.PASSES), help="forward,forward_backward")
     b.add_argument("--algos", type=_choices(bench.BENCH_ALGOS), help=",".join(bench.BENCH_ALGOS))
+    b.add_argument("--dtype", choices=bench.BENCH_DTYPES,
+                   help="layer dtype, torch.nn in the same dtype (default float32)")
     b.add_argument("--input-size", type=_at_least(1), help="layer input size (default 64)")
     b.add_argument("--repeats", type=_at_least(10), help="timed repetitions per point, >= 10 (default 10)")
     b.add_argument("--max-seconds", type=_at_least(1.0, float), help="time budget; later points are skipped")
@@ -93,7 +95,7 @@ def _sweep_from_args(args: argparse.Namespace, gpu: bool) -> bench.Sweep:
     """The default sweep with the options given on the command line."""
     given = {"cells": args.cells, "batches": args.batches, "hidden_sizes": args.hidden,
              "seq_lens": args.seq_len, "passes": args.passes, "algos": args.algos,
-             "input_size": args.input_size, "repeats": args.repeats, "max_seconds": args.max_seconds}
+             "dtype": args.dtype, "input_size": args.input_size, "repeats": args.repeats, "max_seconds": args.max_seconds}
     return replace(bench.default_sweep(gpu, args.quick), **{k: v for k, v in given.items() if v is not None})
 
 

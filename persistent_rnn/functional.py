@@ -58,6 +58,7 @@ class Context:
     algo: str
     lengths: Array | None          # int32 (B,) on the data's array module, or None
     reverse_index: Array | None    # (T, B) time index of the within-length reversal
+    half: str | None = None        # None, or a 16-bit layer's dtype (see ``forward``)
     inputs: list[Array] = field(default_factory=list)             # each layer's input (T, B, I)
     directions: list[list[_Direction]] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)               # of the forward
@@ -66,13 +67,16 @@ class Context:
 
 def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,
             lengths: Array | None = None, *, num_layers: int, bidirectional: bool,
-            batch_first: bool, algo: str = "auto") -> tuple[Array, Any, Context]:
+            batch_first: bool, algo: str = "auto",
+            half: str | None = None) -> tuple[Array, Any, Context]:
     """Run the stack forward; return ``(y, hn, ctx)`` in torch.nn's shapes.
 
     ``x``: (T, B, I), or (B, T, I) if ``batch_first``. ``hx``: ``None`` (zeros), ``h0`` of shape
     (L*D, B, H), or ``(h0, c0)`` for the LSTM. ``lengths``: ``None`` or (B,) integers in 1..T
     (packed-sequence semantics: outputs past a length are zero, states stop at the length).
     ``y``: (T, B, D*H) (batch-first if ``x`` is); ``hn``: ``h_n`` or ``(h_n, c_n)``.
+    ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are float32
+    holding values of that dtype, the recurrence rounds h_t to it every step (docs/api.md).
 
     Every layer-direction is started without waiting for the previous one; their progress is
     checked once at the end (``runtime.settle``). Where a persistent pass did not finish, it is
@@ -87,7 +91,7 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     if lengths is not None:
         lengths = xp.asarray(lengths, dtype=np.int32)
     ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
-                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
+                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half)
     ctx.inputs = [None] * num_layers
     ctx.directions = [[] for _ in range(num_layers)]
     stats: dict[tuple[int, int], RunStats] = {}
@@ -147,7 +151,7 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
                 w_hh = ctx.params[d.names[1]]
                 results[layer, direction], stats[layer, direction], p = runtime.backward(
                     ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
-                    d.fwd, ctx.algo, rerun)
+                    d.fwd, ctx.algo, rerun, ctx.half)
                 pending += [(layer, p)] if p else []
             d_out = _layer_gradients(ctx, layer, results, grads)
         failed = runtime.settle(pending)
@@ -174,7 +178,8 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: b
         gi += b_ih
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
-    return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun)
+    return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun,
+                           ctx.half)
 
 
 def _layer_output(ctx: Context, layer: int) -> Array:

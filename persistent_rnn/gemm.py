@@ -19,7 +19,7 @@ import numpy as np
 
 from . import step_graphs
 from ._sources import cuda_src_dir, read_source
-from .buffers import array_module, full_lengths
+from .buffers import array_module, full_lengths, round_half
 from .cells import CellSpec
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -31,18 +31,22 @@ _MAX_INT32 = 2**31 - 1
 
 def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
                   c0: Array | None, lengths: Array | None, y: Array, cs: Array | None,
-                  saved: Array, start: int) -> None:
+                  saved: Array, start: int, half: str | None = None) -> None:
     """Run forward steps ``start..T-1`` in place; step ``start`` reads h_{start-1} from
-    ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``."""
+    ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``.
+
+    ``half`` ("float16", "bfloat16" or ``None``): a 16-bit layer's fp32 data; h_t is rounded to
+    it every step, as the 16-bit persistent kernels do (c_t and the saved activations stay fp32).
+    """
     xp = array_module(gi)
     steps, batch, _ = gi.shape
     _check_sizes(xp, steps, batch, y.shape[2])
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                   lengths=full_lengths(xp, lengths, batch, steps))
     outputs = dict(y=y, cs=cs, saved=saved)
-    loop = partial(_forward_loop, cell, start)
+    loop = partial(_forward_loop, cell, start, half)
     if start == 0:  # a whole pass: replayed from a recorded CUDA graph where enabled
-        step_graphs.run(f"forward {cell.name}", loop, inputs, outputs)
+        step_graphs.run(f"forward {cell.name} {half or ''}", loop, inputs, outputs)
     else:
         loop(**inputs, **outputs)
 
@@ -74,8 +78,8 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     return dh0, dc0
 
 
-def _forward_loop(cell: CellSpec, start: int, *, gi, w_hh, b_hh, h0, c0, lengths, y, cs,
-                  saved) -> None:
+def _forward_loop(cell: CellSpec, start: int, half: str | None, *, gi, w_hh, b_hh, h0, c0,
+                  lengths, y, cs, saved) -> None:
     xp = array_module(gi)
     gh = xp.empty(gi.shape[1:], dtype=gi.dtype)
     w_t = w_hh.T
@@ -85,6 +89,8 @@ def _forward_loop(cell: CellSpec, start: int, *, gi, w_hh, b_hh, h0, c0, lengths
         xp.matmul(h_prev, w_t, out=gh)
         _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
                            y[t], None if cs is None else cs[t], saved[t])
+        if half is not None:
+            y[t] = round_half(xp, y[t], half)
 
 
 def _backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, h0, c0, lengths, y, cs, saved,

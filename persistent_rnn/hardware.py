@@ -14,6 +14,13 @@ REGISTER_ALLOCATION_UNIT = 256  # registers are allocated to a warp in units of 
 SUB_PARTITIONS = 4  # an SM's register file is split among 4 schedulers; a warp lives in one
 MAX_REGISTERS_PER_THREAD = 255
 REGISTERS_PER_SM = 65536  # every supported GPU; the shipped tiles are sized for it
+# Bytes per weight of the dtypes the persistent kernels hold W_hh in: fp32 one weight per 32-bit
+# register, 16-bit a packed pair of adjacent columns per register (persistent_common.cuh).
+WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Most registers of weights one thread of a shipped tile holds (8 warps at the 255 cap): the rest
+# (accumulators, staged values, 16-bit conversions, addresses) must fit beside them. ptxas kept
+# every shipped tile within it with zero spills on sm_80 and sm_90 (fp32: 190-200, 16-bit: 180-196).
+WEIGHT_REGISTER_BUDGET = 200
 DEFAULT_FP32_LANES = 128  # FP32 FMA lanes per SM (sm_86, sm_89, sm_90)
 FP32_LANES = {(8, 0): 64}  # where it differs, by compute capability (A100: 64)
 

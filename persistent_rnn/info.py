@@ -16,7 +16,7 @@ from . import plan
 from .hardware import fp32_lanes_per_sm
 
 CELL_NAMES = ("rnn_tanh", "gru", "lstm")
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def fp32_peak_tflops(sm_count: int, clock_mhz: float, major: int, minor: int) -> float:

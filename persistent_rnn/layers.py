@@ -3,6 +3,11 @@
 Shapes, gate order, equations, parameter names and initialisation follow ``torch.nn``. Arrays
 decide the device: NumPy inputs run on the CPU, CuPy inputs on the current GPU, and the
 parameters and gradients follow the data (moved once when the device changes, then kept there).
+
+16-bit layers (``dtype="float16"`` or ``"bfloat16"``) keep parameters and gradients in that
+dtype, as ``torch.nn`` modules after ``.half()`` do; each call computes in fp32 on their values
+(exact), rounds h_t to the dtype every step (where the 16-bit kernels do) and returns 16-bit
+arrays. bfloat16 arrays are NumPy arrays of ``ml_dtypes.bfloat16``; CuPy has none.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class _Recurrent:
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
             bidirectional)
         self.dtype = validation.float_dtype("dtype", dtype)
+        self._half = self.dtype.name if self.dtype.name in validation.HALF_DTYPES else None
         self.algo = validation.choice("algo", algo, validation.ALGOS)
         self.cell: CellSpec = cell_spec(self.mode, self.nonlinearity)
         self.params = self._init_params(seed)
@@ -113,6 +119,7 @@ class _Recurrent:
             raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
         h0, c0 = validation.state("hx", hx, self.cell.has_cell_state)
         xp = validation.common_module(x=x, hx=h0, **({"hx[1]": c0} if c0 is not None else {}))
+        self._check_module(xp)
         validation.array("x", x, (None, None, self.input_size), self._x_dims(), self.dtype)
         batch, steps = (x.shape[0], x.shape[1]) if self.batch_first else (x.shape[1], x.shape[0])
         validation.has_steps("x", x, steps, self._x_dims())
@@ -121,11 +128,13 @@ class _Recurrent:
             lengths = validation.lengths(lengths, batch, steps, xp)
         self._to_device(xp)
         self._ctx = None
+        params = {k: self._compute(v) for k, v in self.params.items()}
         y, hn, ctx = functional.forward(
-            self.cell, self.params, x, hx, lengths, num_layers=self.num_layers,
-            bidirectional=self.bidirectional, batch_first=self.batch_first, algo=self.algo)
+            self.cell, params, self._compute(x), self._compute(hx), lengths,
+            num_layers=self.num_layers, bidirectional=self.bidirectional,
+            batch_first=self.batch_first, algo=self.algo, half=self._half)
         self._ctx, self._y_shape, self.last_run = ctx, tuple(y.shape), ctx.stats
-        return y, hn
+        return self._store(y), self._store(hn)
 
     def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:
         """Backward of the last ``forward``: ``dy`` like ``y``, ``dhn`` like ``hn`` (``None``:
@@ -146,11 +155,38 @@ class _Recurrent:
         batch = self._y_shape[0] if self.batch_first else self._y_shape[1]
         self._check_state("dhn", dh, dc, batch)
         ctx, self._ctx = self._ctx, None
-        dx, dhx, grads = functional.backward(ctx, dy, dhn)
+        dx, dhx, grads = functional.backward(ctx, self._compute(dy), self._compute(dhn))
         for key, g in grads.items():
-            self.grads[key] += g
+            if self._half is None:
+                self.grads[key] += g
+            else:  # summed in fp32, rounded once
+                self.grads[key][...] = (self.grads[key].astype(np.float32) + g).astype(self.dtype)
         self.last_run = ctx.backward_stats
-        return dx, dhx
+        return self._store(dx), self._store(dhx)
+
+    def _compute(self, a: Any) -> Any:
+        """``a`` (an array, a pair of them, or ``None``) in the dtype the layer computes in:
+        float32 for a 16-bit layer (exact), else unchanged."""
+        if self._half is None or a is None:
+            return a
+        if isinstance(a, (tuple, list)):
+            return tuple(self._compute(v) for v in a)
+        return a.astype(np.float32)
+
+    def _store(self, a: Any) -> Any:
+        """A result (an array, a pair of them) in the layer's dtype (16-bit: rounded once)."""
+        if self._half is None:
+            return a
+        if isinstance(a, (tuple, list)):
+            return tuple(self._store(v) for v in a)
+        return a.astype(self.dtype)
+
+    def _check_module(self, xp) -> None:
+        """TypeError for a bfloat16 layer given CuPy arrays (CuPy has no bfloat16 dtype)."""
+        if self._half == "bfloat16" and xp is not np:
+            raise TypeError("dtype='bfloat16' layers take NumPy arrays only (CuPy has no bfloat16 "
+                            "arrays); use dtype='float16' on CuPy, or persistent_rnn.torch with "
+                            "torch.bfloat16 tensors")
 
     def _x_dims(self) -> str:
         return "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"

@@ -6,8 +6,10 @@ set of *tiles* (``SHIPPED``). A tile fixes, per cell, the hidden units owned by 
 CTA's slice of the matrix (forward: ``G*units`` rows of ``W_hh``, ``K = H`` columns; backward:
 ``units`` rows of ``W_hh^T``, ``K = G*H``) is spread over warps (``PassTile``): ``rows`` per warp,
 ``ksplit`` warps sharing a row (each a chunk of ``32*kpt`` columns), ``kpt`` columns per lane.
-A thread holds ``rows*kpt`` fp32 weights; the register cap per thread (``-maxrregcount``) is what
-lets one CTA of that many threads sit on one SM, and ptxas must fit the weights with zero spills
+A thread holds ``rows*kpt`` weights: fp32, one per register, or 16-bit (fp16/bf16, the layer's
+dtype), a packed pair of adjacent columns per register, so 16-bit tiles hold twice the weights in
+the same registers (``kpt`` even). The register cap per thread (``-maxrregcount``) is what lets
+one CTA of that many threads sit on one SM, and ptxas must fit the weights with zero spills
 (checked by ``kernel_report``).
 """
 from __future__ import annotations
@@ -17,7 +19,13 @@ from dataclasses import dataclass
 
 from .cells import CELLS, CellSpec
 from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
-                       REGISTERS_PER_SM, SUB_PARTITIONS, WARP, DeviceProfile, current_device)
+                       REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
+                       current_device)
+from .validation import dtype_name
+
+# The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
+# (cuda_src/persistent_common.cuh).
+KERNEL_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class PassTile:
@@ -57,6 +65,31 @@ SHIPPED: dict[str, tuple[Tile, ...]] = {
 }
 
 
+# 16-bit tiles: kpt even (a register holds columns 2c, 2c+1). The first three are the fp32 tiles
+# (kpt rounded up to even), at half their registers; the last hold 360-392 weights (180-196
+# registers) per thread of 8 warps: on an H100/H200 LSTM H 1792 (grid 128), GRU 1920 (120),
+# RNN 3584 (128). ptxas: 228-254 registers, zero spills on sm_80 and sm_90 (GRU's forward at
+# kpt 32 spilled on sm_80).
+SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
+    "lstm": SHIPPED["lstm"] + (_tile(14, (14, 2, 28), (14, 8, 28)),),
+    "gru": (_tile(4, (3, 1, 4), (4, 4, 4)), _tile(8, (3, 1, 16), (8, 8, 6)),
+            _tile(12, (9, 2, 22), (6, 4, 34)), _tile(16, (12, 2, 30), (8, 4, 46))),
+    "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 8), (8, 4, 8)),
+            _tile(20, (10, 4, 20), (10, 4, 20)), _tile(28, (14, 4, 28), (14, 4, 28))),
+}
+
+
+def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
+    """The shipped tiles of ``cell`` for weights of ``dtype`` (both vanilla RNNs share theirs)."""
+    shipped = SHIPPED if WEIGHT_BYTES[dtype] == 4 else SHIPPED_16BIT
+    return shipped["rnn" if cell.gates == 1 else cell.name]
+
+
+def weight_registers(tile: PassTile, dtype: str) -> int:
+    """Registers one thread's weights occupy: ``rows*kpt`` weights of ``WEIGHT_BYTES[dtype]``."""
+    return tile.rows * tile.kpt * WEIGHT_BYTES[dtype] // 4
+
+
 # Small layers on sm_90: the whole layer in one thread-block cluster of up to CLUSTER_CTAS CTAs
 # (the portable maximum; the kernel is compiled for its grid), h exchanged through distributed
 # shared memory instead of L2. More units per
@@ -68,16 +101,15 @@ CLUSTER_TILES: dict[str, Tile] = {
     "gru": _tile(32, (24, 2, 4), (32, 8, 3), CLUSTER_CTAS),
     "rnn": _tile(64, (16, 2, 8), (16, 2, 8), CLUSTER_CTAS),
 }
+# 16-bit cluster tiles: the same with an even kpt (GRU's backward 3 -> 4).
+CLUSTER_TILES_16BIT: dict[str, Tile] = {
+    **CLUSTER_TILES, "gru": _tile(32, (24, 2, 4), (32, 8, 4), CLUSTER_CTAS)}
 
 
-def tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
-    """The shipped grid tiles of ``cell`` (both vanilla RNNs share theirs)."""
-    return SHIPPED["rnn" if cell.gates == 1 else cell.name]
-
-
-def cluster_tile_for(cell: CellSpec) -> Tile:
-    """The shipped cluster tile of ``cell`` (sm_90 and newer)."""
-    return CLUSTER_TILES["rnn" if cell.gates == 1 else cell.name]
+def cluster_tile_for(cell: CellSpec, dtype: str = "float32") -> Tile:
+    """The shipped cluster tile of ``cell`` for weights of ``dtype`` (sm_90 and newer)."""
+    shipped = CLUSTER_TILES if WEIGHT_BYTES[dtype] == 4 else CLUSTER_TILES_16BIT
+    return shipped["rnn" if cell.gates == 1 else cell.name]
 
 
 def has_clusters(dev: DeviceProfile) -> bool:
@@ -96,6 +128,7 @@ class PassPlan:
     block: int
     shared_bytes: int
     weights_per_thread: int
+    weight_registers: int      # registers those weights occupy (16-bit: two per register)
     registers: int             # -maxrregcount: the expected (and maximum) registers per thread
     max_hidden: int            # largest H the compiled tile serves
 
@@ -180,16 +213,19 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
-              shared_limit: int | None = None) -> PassPlan:
-    """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows; with a
-    ``shared_limit``, a grid tile's gather ring shrinks (to one slot per thread at least) to
-    what the limit leaves, trading L2 round trips per step for fitting at all."""
+              shared_limit: int | None = None, dtype: str = "float32") -> PassPlan:
+    """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
+    weights held in ``dtype`` (fp32 configurations carry no ``PRNN_WEIGHT_DTYPE``: 0 is the
+    default); with a ``shared_limit``, a grid tile's gather ring shrinks (to one slot per thread
+    at least) to what the limit leaves, trading L2 round trips per step for fitting at all."""
     pt = tile.backward if backward else tile.forward
     local_rows = tile.units if backward else cell.gates * tile.units
     warps = local_rows // pt.rows * pt.ksplit
     block = warps * WARP
     defines = {"PRNN_CELL": cell.kind, "PRNN_UNITS": tile.units, "PRNN_ROWS": pt.rows,
                "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
+    if KERNEL_DTYPES[dtype]:
+        defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid
@@ -202,7 +238,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=grid, block=block,
         shared_bytes=shared_bytes(cell, tile, backward, batch, hidden, slots),
-        weights_per_thread=pt.rows * pt.kpt, registers=register_cap(block),
+        weights_per_thread=pt.rows * pt.kpt, weight_registers=weight_registers(pt, dtype),
+        registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile))
 
 
@@ -229,19 +266,23 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     leaves the cluster), else the cheapest shipped grid tile (fewest weights per thread, hence
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason.
+    ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
+    dtype = dtype_name("dtype", dtype)
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
-    if str(dtype) != "float32":
-        return Plan(False, f"dtype {dtype} is not supported by the persistent kernels (float32 only)")
+    if dtype not in KERNEL_DTYPES:
+        return Plan(False, f"dtype {dtype} is not supported by the persistent kernels "
+                           f"({', '.join(KERNEL_DTYPES)})")
     tried = []
-    candidates = ((cluster_tile_for(cell),) if has_clusters(dev) else ()) + tiles_for(cell)
+    candidates = ((cluster_tile_for(cell, dtype),) if has_clusters(dev) else ())
+    candidates += tiles_for(cell, dtype)
     for tile in candidates:
         limit = min(dev.shared_per_block, dev.shared_per_sm)
-        fwd = pass_plan(cell, tile, False, hidden, batch, limit)
-        bwd = pass_plan(cell, tile, True, hidden, batch, limit)
+        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype)
+        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return Plan(True, None, tile, fwd, bwd)
@@ -253,13 +294,18 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
                     batch: int = 1) -> int:
     """Largest hidden size whose persistent forward and backward both fit ``device`` (0 if none).
 
-    ``cell``: "RNN", "GRU", "LSTM" (any case; also "rnn_tanh", "rnn_relu"); ``device``: a profile
-    name ("h100", "h200", "a100"), a ``DeviceProfile``, or None for the current GPU.
+    ``cell``: "RNN", "GRU", "LSTM" (any case; also "rnn_tanh", "rnn_relu"); ``dtype``: the
+    weights' dtype, "float32", "float16" or "bfloat16" (16-bit kernels hold twice the weights in
+    the same registers; "float64": 0); ``device``: a profile name ("h100", "h200", "a100"), a
+    ``DeviceProfile``, or None for the current GPU.
     """
     spec = resolve_cell(cell)
     dev = resolve_device(device)
+    dtype = dtype_name("dtype", dtype)
+    if dtype not in KERNEL_DTYPES:
+        return 0
     best = 0
-    for tile in tiles_for(spec):
+    for tile in tiles_for(spec, dtype):
         top = min(tile_max_hidden(spec, tile), dev.sm_count * tile.units)
         for hidden in range(top, best, -1):
             if make_plan(spec, hidden, batch, dtype, dev).fits:

@@ -162,20 +162,23 @@ class Pending:
 
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
-            c0: Array | None, lengths: Array | None, algo: str,
-            rerun: bool = False) -> tuple[ForwardResult, RunStats, Pending | None]:
+            c0: Array | None, lengths: Array | None, algo: str, rerun: bool = False,
+            half: str | None = None) -> tuple[ForwardResult, RunStats, Pending | None]:
     """Start the forward recurrence over all steps of ``gi``: the GEMM path runs at once, a
     persistent pass is launched and returned as ``Pending`` (its buffers are complete once
     ``settle`` has checked it). ``rerun``: a repeat after an earlier layer restarted (no stall
-    is injected)."""
+    is injected). ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer
+    whose fp32 data holds values of that dtype: W_hh is held in it and h_t rounded to it every
+    step."""
     y, cs, saved = buffers.allocate_forward(cell, gi)
     result = ForwardResult(y, cs, saved)
     steps, batch, _ = gi.shape
-    engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False)
+    engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False, half=half)
 
     def finish(start: int) -> None:
         if start < steps:
-            gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=start)
+            gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=start,
+                               half=half)
 
     if engine is None:
         finish(0)
@@ -185,7 +188,7 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     hidden = y.shape[2]
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
     c0_arg = c(h0) if c0 is None else c(c0)
-    fixed = (c(w_hh), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
+    fixed = (buffers.weight_words(xp, w_hh, half), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
              y, y if cs is None else cs, saved, _exchange(xp, batch, hidden))
     pending = _start(engine, fixed, (steps, batch, hidden), 0, steps, xp, finish, rerun)
     return result, pending.stats, pending
@@ -193,12 +196,13 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
              h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult, algo: str,
-             rerun: bool = False) -> tuple[BackwardResult, RunStats, Pending | None]:
+             rerun: bool = False,
+             half: str | None = None) -> tuple[BackwardResult, RunStats, Pending | None]:
     """Start backward through time over all steps, like ``forward``; ``dy`` must be zero past
-    each length."""
+    each length. ``half``: as for ``forward`` (the backward itself computes in fp32)."""
     dgi, dgh = buffers.allocate_backward(cell, dy)
     steps, batch, hidden = dy.shape
-    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True)
+    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True, half=half)
     if engine is None:
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps)
@@ -225,7 +229,7 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                 cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved, dgi, dgh,
                 dh_carry=dh, dc_carry=dc, stop=stop)
 
-    fixed = (c(w_hh.T), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
+    fixed = (buffers.weight_words(xp, w_hh.T, half), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
              c(h0) if c0 is None else c(c0), buffers.full_lengths(xp, lengths, batch, steps),
              dgi, dgh, dh_carry, dc_carry, _exchange(xp, batch, cell.gates * hidden))
     pending = _start(engine, fixed, (steps, batch, hidden), steps - 1, -1, xp, finish, rerun)
@@ -277,9 +281,10 @@ def settle(pending: Sequence[tuple[Any, Pending]]) -> Any | None:
 
 
 def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
-                c0: Array | None, lengths: Array | None, algo: str, stats: RunStats) -> ForwardResult:
+                c0: Array | None, lengths: Array | None, algo: str, stats: RunStats,
+                half: str | None = None) -> ForwardResult:
     """``forward`` of one layer-direction, checked at once; what ran is merged into ``stats``."""
-    result, run, pending = forward(cell, gi, w_hh, b_hh, h0, c0, lengths, algo)
+    result, run, pending = forward(cell, gi, w_hh, b_hh, h0, c0, lengths, algo, half=half)
     settle([(0, pending)] if pending else [])
     stats.merge(run)
     return result
@@ -287,9 +292,10 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
 
 def run_backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
                  h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult,
-                 algo: str, stats: RunStats) -> BackwardResult:
+                 algo: str, stats: RunStats, half: str | None = None) -> BackwardResult:
     """``backward`` of one layer-direction, checked at once; merged into ``stats``."""
-    result, run, pending = backward(cell, dy, dhn, dcn, w_hh, h0, c0, lengths, fwd, algo)
+    result, run, pending = backward(cell, dy, dhn, dcn, w_hh, h0, c0, lengths, fwd, algo,
+                                    half=half)
     settle([(0, pending)] if pending else [])
     stats.merge(run)
     return result
@@ -324,7 +330,7 @@ def _capturing(a: Array) -> bool:
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
-            backward: bool) -> tuple[_Engine | None, str | None]:
+            backward: bool, half: str | None = None) -> tuple[_Engine | None, str | None]:
     """The persistent engine for this pass, or ``(None, why the GEMM path runs)``.
 
     Raises ValueError when ``algo="persistent"`` cannot be honoured.
@@ -336,11 +342,12 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     on_gpu = buffers.array_module(data) is not np
     if algo == "auto" and not on_gpu:
         return None, None
-    why = _why_not_persistent(data, batch, algo)
+    why = _why_not_persistent(data, batch, algo, half)
     if why is None:
         device = _current_device() if on_gpu else EMULATED_DEVICE
         engine, why = _cached_engine(cell, hidden, batch, backward, device,
-                                     on_gpu and settings.current().cooperative, not on_gpu)
+                                     on_gpu and settings.current().cooperative, not on_gpu,
+                                     half or "float32")
         if engine is not None:
             return engine, None
     if algo == "persistent":
@@ -348,7 +355,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     return None, why
 
 
-def _why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
+def _why_not_persistent(data: Array, batch: int, algo: str, half: str | None) -> str | None:
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
     if np.dtype(data.dtype) != np.float32:
         return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
@@ -362,11 +369,12 @@ def _why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
 
 @lru_cache(maxsize=256)
 def _cached_engine(cell: CellSpec, hidden: int, batch: int, backward: bool,
-                   device: hardware.DeviceProfile, cooperative: bool,
-                   emulated: bool) -> tuple[_Engine | None, str | None]:
-    """The engine of one pass configuration on ``device``, or why there is none (cached: the
-    plan is pure, the module and the occupancy check depend only on the key)."""
-    plan = planner.make_plan(cell, hidden, batch, "float32", device)
+                   device: hardware.DeviceProfile, cooperative: bool, emulated: bool,
+                   weights: str) -> tuple[_Engine | None, str | None]:
+    """The engine of one pass configuration on ``device`` with W_hh held in ``weights`` (a
+    dtype name), or why there is none (cached: the plan is pure, the module and the occupancy
+    check depend only on the key)."""
+    plan = planner.make_plan(cell, hidden, batch, weights, device)
     if not plan.fits:
         return None, plan.reason
     pass_plan = plan.backward if backward else plan.forward

@@ -12,7 +12,8 @@ import numpy as np
 
 ALGOS = ("auto", "gemm", "persistent")
 NONLINEARITIES = ("tanh", "relu")
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+HALF_DTYPES = ("float16", "bfloat16")  # computed in fp32, stored (and h_t rounded) in 16 bits
 
 Array = Any
 
@@ -38,15 +39,33 @@ def choice(name: str, value: Any, options: Iterable[str]) -> str:
     return value
 
 
-def float_dtype(name: str, value: Any) -> np.dtype:
-    """``value`` (a name or dtype-like) as ``float32`` or ``float64``."""
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.name not in DTYPES:
+def dtype_name(name: str, value: Any) -> str:
+    """The name of ``value`` (a name, ``numpy.dtype`` or scalar type), one of ``DTYPES``."""
+    found = value if isinstance(value, str) else getattr(value, "name", None)
+    if found is None and isinstance(value, type):
+        found = getattr(value, "__name__", None)  # numpy.float16, ml_dtypes.bfloat16
+    if isinstance(found, str) and found not in DTYPES:
+        try:  # NumPy's other spellings: "f4", "single", "half", ...
+            found = np.dtype(found).name
+        except TypeError:
+            pass
+    if found not in DTYPES:
         raise ValueError(f"{name} must be one of {DTYPES}, got {value!r}")
-    return dtype
+    return found
+
+
+def float_dtype(name: str, value: Any) -> np.dtype:
+    """``value`` (a name or dtype-like) as a NumPy dtype, one of ``DTYPES``; bfloat16 is
+    ``ml_dtypes.bfloat16`` (NumPy has none), imported only when asked for."""
+    found = dtype_name(name, value)
+    if found != "bfloat16":
+        return np.dtype(found)
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise ImportError(f"{name}='bfloat16' needs the ml_dtypes package for bfloat16 NumPy "
+                          f"arrays (pip install ml_dtypes): {exc}") from exc
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def common_module(**arrays: Array):

@@ -16,7 +16,7 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
-from persistent_rnn.plan import SHIPPED, resident_ctas, tiles_for
+from persistent_rnn.plan import KERNEL_DTYPES, SHIPPED, resident_ctas, tiles_for
 
 FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4,
                    "PRNN_KPT": 1, "PRNN_WARPS": 4}
@@ -28,16 +28,18 @@ def records():
 
 
 def test_every_configuration_is_reported(records):
-    # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90.
-    expected = sum(len(tiles_for(c)) for c in CELLS.values()) * 2 * 2 + len(CELLS) * 2
+    # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90, per dtype.
+    expected = sum(len(tiles_for(c, d)) * 2 * 2 + 2 for c in CELLS.values() for d in KERNEL_DTYPES)
     assert len(records) == expected
-    for cell in CELLS:
-        for pass_ in ("forward", "backward"):
-            for arch in ("sm_80", "sm_90"):
-                mine = [r for r in records if (r["cell"], r["pass"], r["arch"]) == (cell, pass_, arch)]
-                clusters = [r for r in mine if r["cluster"]]
-                assert len(mine) == len(tiles_for(CELLS[cell])) + (arch == "sm_90")
-                assert len(clusters) == (arch == "sm_90")
+    for dtype in KERNEL_DTYPES:
+        for cell in CELLS:
+            for pass_ in ("forward", "backward"):
+                for arch in ("sm_80", "sm_90"):
+                    mine = [r for r in records
+                            if (r["dtype"], r["cell"], r["pass"], r["arch"]) == (dtype, cell, pass_, arch)]
+                    clusters = [r for r in mine if r["cluster"]]
+                    assert len(mine) == len(tiles_for(CELLS[cell], dtype)) + (arch == "sm_90")
+                    assert len(clusters) == (arch == "sm_90")
 
 
 def test_zero_spills_and_registers_within_plan(records):
@@ -46,23 +48,25 @@ def test_zero_spills_and_registers_within_plan(records):
         assert 0 < r["registers"] <= r["planned_registers"], r
         # What the GPU's occupancy calculator will say: one CTA of this block fits an SM.
         assert resident_ctas(r["block"], r["registers"]) >= 1, r
-        # The weights really are in registers: there are more registers than weights.
-        assert r["registers"] > r["weights_per_thread"], r
+        # The weights really are in registers: there are more registers than weight registers.
+        assert r["registers"] > r["weight_registers"], r
 
 
 def test_largest_tiles_use_most_of_the_register_file(records):
-    for cell, tiles in SHIPPED.items():
-        for pass_ in ("forward", "backward"):
-            biggest = max(r["block"] * r["weights_per_thread"] for r in records
-                          if r["pass"] == pass_ and r["cell"].startswith(cell[:3]))
-            assert biggest >= 0.7 * 65536, (cell, pass_)
+    for dtype in KERNEL_DTYPES:  # 16-bit: two weights per register
+        for cell, tiles in SHIPPED.items():
+            for pass_ in ("forward", "backward"):
+                biggest = max(r["block"] * r["weight_registers"] for r in records
+                              if r["pass"] == pass_ and r["cell"].startswith(cell[:3])
+                              and r["dtype"] == dtype)
+                assert biggest >= 0.7 * 65536, (dtype, cell, pass_)
 
 
 def test_cli_json(capsys):
     assert kernel_report.main(["--arch", "90", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {r["arch"] for r in out} == {"sm_90"}
-    assert {"cell", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
+    assert {"cell", "dtype", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
             "shared_bytes", "planned_registers", "time_loop"} <= set(out[0])
     assert set(kernel_report.SASS_KINDS) <= set(out[0]["time_loop"])
 

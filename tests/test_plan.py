@@ -82,8 +82,8 @@ def test_plan_prefers_one_cluster_where_it_fits_on_sm_90(cell, top):
 def test_refusals_say_why():
     p = make_plan("lstm", 4000, 1, device="h100")
     assert not p.fits and "4000" in p.reason and p.forward is None
-    half = make_plan("lstm", 512, 1, dtype="float16", device="h100")
-    assert not half.fits and "float16" in half.reason
+    double = make_plan("lstm", 512, 1, dtype="float64", device="h100")
+    assert not double.fits and "float64" in double.reason
     # The backward of a large LSTM stages dgh (4H floats per batch row) in shared memory.
     big_batch = make_plan("lstm", 1250, 64, device="h100")
     assert not big_batch.fits and "shared memory" in big_batch.reason
@@ -143,7 +143,7 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
     # Every shipped tile, so both formulas meet every layout: the grid tiles alone, then the
     # cluster tile (which the planner prefers where it fits).
     for tile in (*plan.tiles_for(spec), plan.cluster_tile_for(spec)):
-        monkeypatch.setattr(plan, "tiles_for", lambda c, tile=tile: () if tile.cluster else (tile,))
+        monkeypatch.setattr(plan, "tiles_for", lambda c, dtype="float32", tile=tile: () if tile.cluster else (tile,))
         monkeypatch.setattr(plan, "has_clusters", lambda dev, tile=tile: bool(tile.cluster))
         run()
         # A grid tile's kernel takes the rest of its shared memory as the gather's ring (at least

@@ -261,7 +261,7 @@ def test_emulated_largest_tiles(emulation, monkeypatch, fresh_plans, cell):
     # The largest tiles (many rows per warp, K split over warps) normally serve H > 512; force
     # them at a small H so that the emulation checks their code path too.
     tiles_for = planner.tiles_for
-    monkeypatch.setattr(planner, "tiles_for", lambda c: tiles_for(c)[-1:])
+    monkeypatch.setattr(planner, "tiles_for", lambda c, dtype="float32": tiles_for(c, dtype)[-1:])
     out = _run_both(CELLS[cell], 26, 2, 3)
     _assert_close(out["got"], out["ref"])
     assert f"'PRNN_UNITS': {tiles_for(CELLS[cell])[-1].units}" in out["got"][2].details[0]

@@ -1,0 +1,75 @@
+"""16-bit persistent kernels on a GPU (marked ``gpu``: skipped without one; not run where this
+was written). fp16 layers on CuPy up to the new ``max_hidden_size``: against the float64 layer on
+the same parameters (CPU) and the 16-bit GEMM path on the GPU; a stall restarts bitwise
+identically. bfloat16 has no CuPy arrays; its kernels are covered by the emulation and the
+conversion test in tests/test_half_kernels.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+
+pytestmark = pytest.mark.gpu
+
+CELLS = [("LSTM", {}), ("GRU", {}), ("RNN", {"nonlinearity": "tanh"}),
+         ("RNN", {"nonlinearity": "relu"})]
+
+
+def _relerr(a, b) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _run(cupy, layer, x, dy, lengths, gpu=True):
+    """Forward and backward (on CuPy copies of x, dy where ``gpu``); every result on the host."""
+    y, hn = layer.forward(cupy.asarray(x) if gpu else x, lengths=lengths)
+    fwd = layer.last_run
+    dx, dhx = layer.backward(cupy.asarray(dy) if gpu else dy)
+    arrays = [y, *(hn if isinstance(hn, tuple) else (hn,)), dx, *layer.grads.values()]
+    host = [a.get() if hasattr(a, "get") else a for a in arrays]
+    return [np.asarray(a, np.float64) for a in host], fwd, layer.last_run
+
+
+def _layer(mode, kw, hidden, dtype, algo):
+    return getattr(prnn, mode)(64, hidden, dtype=dtype, algo=algo, seed=0, **kw)
+
+
+@pytest.mark.parametrize("mode,kw", CELLS)
+@pytest.mark.parametrize("size", ["small", "max"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fp16_persistent_matches_float64(cupy, mode, kw, size, batch):
+    top = prnn.max_hidden_size(mode if not kw else "rnn_" + kw["nonlinearity"], "float16")
+    hidden = 256 if size == "small" else top
+    kern = _layer(mode, kw, hidden, "float16", "persistent")
+    ref = _layer(mode, kw, hidden, "float64", "gemm")
+    ref.load_params({k: v.astype(np.float64) for k, v in kern.params.items()})
+    gemm = _layer(mode, kw, hidden, "float16", "gemm")
+    gemm.load_params(kern.params)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((12, batch, 64)).astype(np.float16)
+    dy = rng.standard_normal((12, batch, hidden)).astype(np.float16)
+    lengths = [12] + [7] * (batch - 1)
+    got, fwd, bwd = _run(cupy, kern, x, dy, lengths)
+    assert fwd.algo == bwd.algo == "persistent" and not fwd.emulated and fwd.fallback is None
+    want, _, _ = _run(cupy, ref, x.astype(np.float64), dy.astype(np.float64), lengths, gpu=False)
+    same, _, _ = _run(cupy, gemm, x, dy, lengths)
+    for a, r, g in zip(got, want, same):
+        assert _relerr(a, r) <= 5e-3
+        assert _relerr(a, g) <= 2.0**-11
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_fp16_stall_restarts_bitwise_identically(cupy, settings, mode):
+    hidden = prnn.max_hidden_size(mode, "float16")
+    layer = _layer(mode, {}, hidden, "float16", "persistent")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((10, 2, 64)).astype(np.float16)
+    dy = rng.standard_normal((10, 2, hidden)).astype(np.float16)
+    clean, _, _ = _run(cupy, layer, x, dy, None)
+    layer.zero_grad()
+    prnn.configure(gpu_timeout_ms=20)
+    with prnn.inject_stall(block=3, step=5, duration_ms=200):
+        stalled, fwd, bwd = _run(cupy, layer, x, dy, None)
+    assert fwd.restarts >= 1 and bwd.restarts >= 1 and fwd.fallback is None
+    for a, b in zip(stalled, clean):
+        assert np.array_equal(a, b)

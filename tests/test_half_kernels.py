@@ -1,0 +1,192 @@
+"""The 16-bit persistent kernels (W_hh as packed fp16/bf16 pairs in registers), through the CPU
+emulation of the same CUDA source, and the conversions they are built on.
+
+* ``hw.cuh``'s conversions against ml_dtypes, bit for bit (emulated; on a GPU in the gpu suite).
+* Every cell, both dtypes, forward and backward with lengths: against the float64 layer on the
+  same (16-bit) parameters within 5e-3 (fp16) / 3e-2 (bf16) relative error, and against the
+  16-bit GEMM path, which rounds h_t at the same point, within one rounding of the dtype
+  (measured: mostly bitwise equal).
+* The largest 16-bit tiles (forced at a small H), odd H (a padded last word) and a stall that
+  makes the barrier time out: the restarted run is bitwise identical to an undisturbed one.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import emulate, plan as planner
+
+TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+CELLS = [("LSTM", {}), ("GRU", {}), ("RNN", {"nonlinearity": "tanh"}),
+         ("RNN", {"nonlinearity": "relu"})]
+HALF = ("float16", "bfloat16")
+
+
+@pytest.fixture
+def emulation(settings):
+    """A generous barrier timeout: the emulated CTAs share two cores with other work."""
+    prnn.configure(emulation_timeout_ms=20_000)
+
+
+def _special_floats() -> np.ndarray:
+    edges = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.996, 65520, 2.0**-14, 2.0**-24,
+             2.0**-25, 1.5 * 2.0**-24, 2.0**-25 * 1.0000001, 1 + 2.0**-11, 1 + 3 * 2.0**-11,
+             1 + 2.0**-8, 1 + 3 * 2.0**-8, 3.3895314e38, -3.3895314e38, 3.4028235e38]
+    return np.float32(edges)
+
+
+def _random_floats(n: int, seed: int) -> np.ndarray:
+    bits = np.random.default_rng(seed).integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    near_one = np.random.default_rng(seed + 1).standard_normal(n).astype(np.float32)
+    return np.concatenate([bits.view(np.float32), near_one, _special_floats()])
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> bool:
+    """Bitwise equal, NaN matching any NaN."""
+    nan = np.isnan(want)
+    return bool(np.array_equal(np.isnan(got), nan)
+                and np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)))
+
+
+def _convert(launch_module, xp, values: np.ndarray, words: np.ndarray):
+    n = values.size
+    f16, bf16 = xp.empty(n, np.float32), xp.empty(n, np.float32)
+    launch_module.launch("round_to_16bit", 4, 64, 0, (xp.asarray(values), f16, bf16, np.int32(n)))
+    m = words.size
+    p16, pbf = xp.empty(2 * m, np.float32), xp.empty(2 * m, np.float32)
+    launch_module.launch("unpack_16bit_pairs", 4, 64, 0, (xp.asarray(words), p16, pbf, np.int32(m)))
+    return [a if xp is np else a.get() for a in (f16, bf16, p16, pbf)]
+
+
+def _check_conversions(got, values, words):
+    f16, bf16, p16, pbf = got
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert _same(f16, values.astype(np.float16).astype(np.float32))
+        assert _same(bf16, values.astype(ml_dtypes.bfloat16).astype(np.float32))
+    halves = words.view(np.uint16)  # little-endian: element 0 is the low half
+    assert _same(p16, halves.view(np.float16).astype(np.float32))
+    assert _same(pbf, halves.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_emulated_conversions_are_ml_dtypes():
+    values = _random_floats(100_000, 0)
+    words = np.random.default_rng(2).integers(0, 2**32, 50_000, dtype=np.uint64).astype(np.uint32)
+    module = emulate.get_module("half_convert.cu", {})
+    _check_conversions(_convert(module, np, values, words), values, words)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_conversion_source_compiles_for_the_gpu(arch):
+    from persistent_rnn import kernels
+    log = kernels.compile_source("half_convert.cu", {}, arch).log
+    assert log.count("Used") == 2 and "spill" not in log.replace(" 0 bytes spill", "")
+
+
+@pytest.mark.gpu
+def test_gpu_conversions_are_ml_dtypes(cupy):
+    from persistent_rnn import kernels
+    values = _random_floats(1_000_000, 3)
+    words = np.random.default_rng(4).integers(0, 2**32, 500_000, dtype=np.uint64).astype(np.uint32)
+    module = kernels.get_module("half_convert.cu", {})
+    _check_conversions(_convert(module, cupy, values, words), values, words)
+
+
+def _layers(mode, kw, dtype, hidden=13, **layer_kw):
+    """The emulated 16-bit layer, the 16-bit GEMM layer and the float64 layer, same parameters."""
+    kern = getattr(prnn, mode)(5, hidden, dtype=dtype, algo="persistent", seed=11, **kw, **layer_kw)
+    gemm = getattr(prnn, mode)(5, hidden, dtype=dtype, algo="gemm", **kw, **layer_kw)
+    ref = getattr(prnn, mode)(5, hidden, dtype="float64", algo="gemm", **kw, **layer_kw)
+    gemm.load_params(kern.params)
+    ref.load_params({k: v.astype(np.float64) for k, v in kern.params.items()})
+    return kern, gemm, ref
+
+
+def _run(layer, x, hx, lengths, dy, dhn):
+    cast = (lambda a: None if a is None else
+            tuple(v.astype(layer.dtype) for v in a) if isinstance(a, tuple) else a.astype(layer.dtype))
+    y, hn = layer.forward(cast(x), cast(hx), lengths)
+    fwd_stats = layer.last_run
+    dx, dhx = layer.backward(cast(dy), cast(dhn))
+    out = [y, *(hn if isinstance(hn, tuple) else (hn,)), dx, *(dhx if isinstance(dhx, tuple) else (dhx,)),
+           *layer.grads.values()]
+    return [np.asarray(a, np.float64) for a in out], fwd_stats, layer.last_run
+
+
+def _data(mode, layer, steps, batch, seed=5):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((steps, batch, 5)).astype(np.float32)
+    shape = (layer.num_layers * layer.directions, batch, layer.hidden_size)
+    pair = tuple(rng.standard_normal(shape).astype(np.float32) * 0.5 for _ in range(2))
+    hx = pair if mode == "LSTM" else pair[0]
+    dy = rng.standard_normal((steps, batch, layer.directions * layer.hidden_size)).astype(np.float32)
+    dpair = tuple(rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    return x, hx, dy, (dpair if mode == "LSTM" else dpair[0])
+
+
+def _relerr(a, b) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _within_one_rounding(a, b, dtype) -> bool:
+    """Equal up to the unit roundoff of ``dtype`` relative to the array: fp32 sums in another
+    order may flip a rounding of h_t, and the flip propagates."""
+    return _relerr(a, b) <= UNIT_ROUNDOFF[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("mode,kw", CELLS)
+def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode, kw, dtype):
+    kern, gemm, ref = _layers(mode, kw, dtype)
+    x, hx, dy, dhn = _data(mode, kern, steps=7, batch=3)
+    lengths = [7, 2, 5]
+    got, fwd, bwd = _run(kern, x, hx, lengths, dy, dhn)
+    assert fwd.algo == bwd.algo == "persistent" and fwd.emulated and fwd.fallback is None
+    assert f"'PRNN_WEIGHT_DTYPE': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
+    want, _, _ = _run(ref, x, hx, lengths, dy, dhn)
+    same_rounding, _, _ = _run(gemm, x, hx, lengths, dy, dhn)
+    for a, r, g in zip(got, want, same_rounding):
+        assert _relerr(a, r) <= TOLERANCE[dtype]
+        # The GEMM path rounds h_t where the kernel does: equal but for fp32 summation order.
+        assert _within_one_rounding(a, g, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_plans, cell, dtype):
+    # The largest tiles (14-16 rows per warp, ~390 weights per thread) normally serve H > 1280;
+    # force them at a small, odd H (a padded last word per row) so the emulation runs their code.
+    tiles_for = planner.tiles_for
+    monkeypatch.setattr(planner, "tiles_for", lambda c, d="float32": tiles_for(c, d)[-1:])
+    mode, kw = {"lstm": ("LSTM", {}), "gru": ("GRU", {}), "rnn_tanh": ("RNN", {})}[cell]
+    kern, gemm, _ = _layers(mode, kw, dtype, hidden=31)
+    x, hx, dy, dhn = _data(mode, kern, steps=3, batch=2)
+    got, fwd, _ = _run(kern, x, hx, None, dy, dhn)
+    units = tiles_for(prnn.plan.resolve_cell(cell), dtype)[-1].units
+    assert f"'PRNN_UNITS': {units}" in fwd.details[0] and fwd.algo == "persistent"
+    want, _, _ = _run(gemm, x, hx, None, dy, dhn)
+    for a, g in zip(got, want):
+        assert _within_one_rounding(a, g, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+@pytest.mark.parametrize("cluster", [True, False])
+def test_stall_restarts_bitwise_identically(emulation, request, mode, dtype, cluster):
+    # H 40: a grid of 2 CTAs as one cluster (the small-layer path on sm_90), or of 10 grid tiles.
+    if not cluster:
+        request.getfixturevalue("grid_path")
+    kern, _, _ = _layers(mode, {}, dtype, hidden=40, bidirectional=True)
+    x, hx, dy, dhn = _data(mode, kern, steps=6, batch=2)
+    clean, fwd, _ = _run(kern, x, hx, [6, 4], dy, dhn)
+    assert ("PRNN_CLUSTER" in fwd.details[0]) == cluster
+    kern.zero_grad()
+    prnn.configure(emulation_timeout_ms=300)
+    with prnn.inject_stall(block=1, step=3, duration_ms=2000):
+        stalled, fwd, bwd = _run(kern, x, hx, [6, 4], dy, dhn)
+    assert fwd.restarts >= 1 and bwd.restarts >= 1
+    assert fwd.algo == bwd.algo == "persistent" and fwd.fallback is None and bwd.fallback is None
+    for a, b in zip(stalled, clean):
+        assert np.array_equal(a, b)
