@@ -82,16 +82,10 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     checked once at the end (``runtime.settle``). Where a persistent pass did not finish, it is
     resumed and the layers above it run again on its completed output.
     """
-    xp = array_module(x, *params.values())
     x = x.transpose(1, 0, 2) if batch_first else x
-    steps, batch, _ = x.shape
-    hidden = params["weight_hh_l0"].shape[1]
-    num_dirs = 2 if bidirectional else 1
-    h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, hidden, x.dtype)
-    if lengths is not None:
-        lengths = xp.asarray(lengths, dtype=np.int32)
-    ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
-                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half)
+    ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
+                                           batch_first, algo, half)
+    lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     ctx.inputs = [None] * num_layers
     ctx.directions = [[] for _ in range(num_layers)]
     stats: dict[tuple[int, int], RunStats] = {}
@@ -295,11 +289,11 @@ def saved_shapes(cell: CellSpec, steps: int, batch: int, hidden: int, num_layers
         num_layers * num_dirs)
 
 
-def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
-                    lengths: Array | None, arrays: list[Array], *, num_layers: int,
-                    bidirectional: bool, algo: str = "auto") -> Context:
-    """The ``Context`` of the time-major ``forward(cell, params, x, hx, lengths, ...)`` call
-    whose ``saved_arrays`` are ``arrays`` (same arguments, nothing recomputed)."""
+
+def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
+                 lengths: Any, num_layers: int, bidirectional: bool, batch_first: bool, algo: str,
+                 half: Any) -> tuple["Context", Any, Array, Array | None]:
+    """The ``Context`` of a call on time-major ``x``, its array module and the initial states."""
     xp = array_module(x, *params.values())
     steps, batch, _ = x.shape
     hidden = params["weight_hh_l0"].shape[1]
@@ -307,8 +301,18 @@ def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: A
     h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, hidden, x.dtype)
     if lengths is not None:
         lengths = xp.asarray(lengths, dtype=np.int32)
-    ctx = Context(cell, params, num_layers, bidirectional, False, algo, lengths,
-                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None)
+    ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
+                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half)
+    return ctx, xp, h0_all, c0_all
+
+def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
+                    lengths: Array | None, arrays: list[Array], *, num_layers: int,
+                    bidirectional: bool, algo: str = "auto") -> Context:
+    """The ``Context`` of the time-major ``forward(cell, params, x, hx, lengths, ...)`` call
+    whose ``saved_arrays`` are ``arrays`` (same arguments, nothing recomputed)."""
+    ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
+                                           False, algo, None)
+    lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     rest = iter(arrays)
     ctx.inputs = [select_active(xp, x, lengths)] + [next(rest) for _ in range(num_layers - 1)]
     for layer in range(num_layers):
