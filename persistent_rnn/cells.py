@@ -105,13 +105,14 @@ class CellSpec:
     has_cell_state: bool  # LSTM's c
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
+    cpu_autocast: bool = True  # torch's CPU autocast casts this layer (torch.nn.GRU: it does not)
 
 
 CELLS: dict[str, CellSpec] = {
     "rnn_tanh": CellSpec("rnn_tanh", 0, 1, 0, False, _rnn_tanh_forward, _rnn_tanh_backward),
     "rnn_relu": CellSpec("rnn_relu", 1, 1, 0, False, _rnn_relu_forward, _rnn_relu_backward),
     "lstm": CellSpec("lstm", 2, 4, 4, True, _lstm_forward, _lstm_backward),
-    "gru": CellSpec("gru", 3, 3, 4, False, _gru_forward, _gru_backward),
+    "gru": CellSpec("gru", 3, 3, 4, False, _gru_forward, _gru_backward, cpu_autocast=False),
 }
 
 

@@ -216,10 +216,10 @@ def test_empty_batch_and_empty_sequence_as_torch_nn(algo):
 
 def test_library_algos_refuse_what_they_cannot_run():
     x = torch.randn(T, B, I)
-    with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: proj_size"):
-        prt.LSTM(I, H, proj_size=2, algo="gemm")(x)
-    with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: dtype torch.bfloat16"):
-        prt.GRU(I, H, algo="gemm").to(torch.bfloat16)(x.bfloat16())
+    with pytest.raises(ValueError, match="algo='persistent' cannot run this layer: proj_size=2"):
+        prt.LSTM(I, H, proj_size=2, algo="persistent")(x)
+    with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: dtype torch.int32"):
+        prt.GRU(I, H, algo="gemm")(x.int())
     with pytest.raises(ValueError, match="algo='persistent' cannot run this layer"):
         prt.GRU(I, H, algo="persistent", dtype=torch.float64)(x.double())
     module = prt.GRU(I, H, algo="gemm")
