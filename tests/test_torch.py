@@ -11,12 +11,12 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import persistent_rnn.torch as prt
+from persistent_rnn.cells import CELLS, layer_args
 from persistent_rnn.torch.interop import to_array, to_tensor
 
 T, B, I, H = 5, 3, 4, 3
-MODES = [("RNN", {"nonlinearity": "tanh"}), ("RNN", {"nonlinearity": "relu"}), ("GRU", {}),
-         ("LSTM", {})]
-IDS = ["RNN_TANH", "RNN_RELU", "GRU", "LSTM"]
+MODES = [layer_args(name) for name in CELLS]  # (torch.nn class name, its cell arguments)
+IDS = [spec.mode for spec in CELLS.values()]
 TOL = {"rtol": 1e-9, "atol": 1e-12}
 
 
@@ -278,7 +278,7 @@ def test_nan_in_padding_reaches_no_result():
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(T, 2, I, dtype=torch.float64, generator=gen, requires_grad=True)
     weights = [torch.randn(s, dtype=torch.float64, generator=gen, requires_grad=True)
-               for s in ops._weight_shapes("GRU", I, H, 2, True, True)]
+               for s in ops._weight_shapes("GRU", I, H, H, 2, True, True)]
     lengths = torch.tensor([T, 2])
     results = []
     for fill in (0.0, float("nan")):

@@ -72,7 +72,7 @@ class _RecurrentBase(torch.nn.RNNBase):
         return self._library_forward(input, hx, path)
 
     def _library_forward(self, input, hx, algo: str):
-        lstm = self.mode == "LSTM"
+        lstm = _cell(self.mode).has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
         if packed is not None:

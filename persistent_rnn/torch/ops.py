@@ -35,12 +35,12 @@ import torch
 from torch import Tensor
 
 from .. import functional
-from ..cells import CellSpec, cell_spec
+from ..cells import CELLS, CellSpec, from_mode
 from ..stats import RunStats
 from .packing import PackedLayout
 from .interop import Array, lengths_array, library_stream, to_array, to_tensor
 
-MODES = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")  # torch.nn's mode strings
+MODES = tuple(spec.mode for spec in CELLS.values())  # torch.nn's mode strings
 
 
 @dataclass
@@ -100,9 +100,7 @@ def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
 
 
 def _cell(mode: str) -> CellSpec:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return cell_spec("RNN", mode[4:].lower()) if mode.startswith("RNN") else cell_spec(mode)
+    return from_mode(mode)
 
 
 def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
@@ -355,9 +353,8 @@ def torch_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
                      bidirectional: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """``recurrence``'s ``(y, h_n, c_n)`` computed by torch's own kernels (``torch._VF``)."""
     from torch import _VF
-    lstm = mode == "LSTM"
-    run = {"RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu, "GRU": _VF.gru,
-           "LSTM": _VF.lstm}[mode]
+    lstm = _cell(mode).has_cell_state
+    run = getattr(_VF, _cell(mode).name)  # torch's functions are named as the cells
     states = (2 if bidirectional else 1) * num_layers
     has_bias = _layout(weights, num_layers, bidirectional)[0]
     hidden, out = _sizes(weights, mode)
