@@ -1,0 +1,297 @@
+"""PyTorch's own module samples for nn.RNN/GRU/LSTM, run through persistent_rnn.torch with the
+library forced.
+
+``torch.testing._internal.common_modules.module_db`` (shipped in torch's wheel) describes how
+PyTorch tests its recurrent modules: constructor arguments (bias, batch_first, bidirectional,
+nonlinearity, proj_size, two layers), forward inputs (unbatched input with and without h0/c0,
+packed sequences), a no-batch-dim reference and the error inputs. Every sample here builds
+torch.nn's module and ours with the same ``state_dict`` and checks, with ``algo`` forced so that
+the library — not torch's fallback — runs (``last_run`` proves it):
+
+* forward outputs and states, and the gradients of the input, h0/c0 and every parameter, against
+  torch.nn in float64 (float64 samples to 1e-9 relative; float32 ones to float32 round-off);
+* the no-batch-dim reference (an unbatched input equals a batch of one), non-contiguous input and
+  states, eval mode equal to training mode (no dropout in the samples), contiguous results;
+* the error inputs raise torch.nn's exception types and messages;
+* repr, factory kwargs, construction on the meta device, state_dict both ways and a whole-module
+  ``torch.save``/``torch.load`` round trip;
+* on the GEMM path in float64: gradcheck and gradgradcheck (fast mode) of every sample.
+
+``algo="persistent"`` on CPU tensors runs the CUDA kernels' CPU emulation in float32 (the
+kernels hold float32 or 16-bit weights: float64 is refused by design). Until the persistent
+kernels have LSTM projections, ``proj_size`` samples on that path must get the documented refusal.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+import persistent_rnn.torch as prt
+
+# (torch's test helpers import the 'expecttest' package: the project's [test] extra has it)
+from torch.testing._internal import common_modules  # noqa: E402
+
+NAMES = ("RNN", "GRU", "LSTM")
+# (algo, dtype) runs: the GEMM path in both float dtypes, the emulated persistent kernels in float32
+RUNS = [("gemm", torch.float64), ("gemm", torch.float32), ("persistent", torch.float32)]
+RUN_IDS = ["gemm-float64", "gemm-float32", "persistent-float32"]
+# relative tolerances against torch.nn in float64; atol is the same times the largest |value|
+RTOL = {torch.float64: 1e-9, torch.float32: 1e-5}
+PROJECTION_REFUSAL = "proj_size=2: the persistent kernels have no LSTM projection"
+
+
+def module_info(name: str):
+    """torch's ModuleInfo of ``torch.nn.<name>``."""
+    cls = getattr(torch.nn, name)
+    return next(info for info in common_modules.module_db if info.module_cls is cls)
+
+
+def samples(name: str, dtype: torch.dtype, requires_grad: bool = True, seed: int = 0) -> list:
+    """torch's ModuleInputs for ``name`` (RNN and GRU with their packed-sequence samples), drawn
+    from a seeded generator (torch's sample functions use the global one)."""
+    info = module_info(name)
+    extra = {} if name == "LSTM" else {"with_packed_sequence": True}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return info.module_inputs_func(info, device="cpu", dtype=dtype,
+                                       requires_grad=requires_grad, training=True, **extra)
+
+
+def build(name: str, sample, dtype: torch.dtype, algo: str):
+    """Our module and torch.nn's float64 one with the same parameters (ours in ``dtype``)."""
+    args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+    ours = getattr(prt, name)(*args, **kwargs, algo=algo).to(dtype)
+    ref = getattr(torch.nn, name)(*args, **kwargs).double()
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def leaves(obj, dtype: torch.dtype | None = None):
+    """A copy of a forward argument (tensor, tuple of tensors, PackedSequence) whose tensors are
+    new leaves (in ``dtype`` if given) that keep ``requires_grad``."""
+    if isinstance(obj, PackedSequence):
+        return obj._replace(data=leaves(obj.data, dtype))
+    if isinstance(obj, tuple):
+        return tuple(leaves(o, dtype) for o in obj)
+    t = obj.detach().to(dtype or obj.dtype).clone()
+    return t.requires_grad_(obj.requires_grad)
+
+
+def tensors(obj) -> list[torch.Tensor]:
+    """The tensors of a forward argument or result, in order (a PackedSequence's data)."""
+    if isinstance(obj, PackedSequence):
+        return [obj.data]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in tensors(o)]
+    return [obj]
+
+
+def noncontiguous(obj):
+    """The same values in memory with a stride of 2 along the last dimension."""
+    if isinstance(obj, PackedSequence):
+        return obj._replace(data=noncontiguous(obj.data))
+    if isinstance(obj, tuple):
+        return tuple(noncontiguous(o) for o in obj)
+    t = torch.repeat_interleave(obj.detach(), 2, dim=-1)[..., ::2]
+    assert not t.is_contiguous()
+    return t.requires_grad_(obj.requires_grad)
+
+
+def forward_backward(module, args, cotangent_seed: int):
+    """Forward of ``args``, then backward of a fixed random projection of every output:
+    ``(outputs, input gradients, parameter gradients)``."""
+    module.zero_grad(set_to_none=True)
+    outputs = tensors(module(*args))
+    gen = torch.Generator().manual_seed(cotangent_seed)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
+               for o in outputs)
+    loss.backward()
+    inputs = [t.grad for t in tensors(args) if t.requires_grad]
+    return outputs, inputs, [p.grad for p in module.parameters()]
+
+
+def assert_close(got, want, rtol: float, what: str) -> None:
+    """Elementwise within ``rtol`` relative to the largest magnitude of ``want`` (a component
+    that is near zero where the others are not is judged on the layer's scale)."""
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g is not None and w is not None, f"{what}[{i}]: missing gradient"
+        scale = max(float(w.detach().abs().max()), 1.0) if w.numel() else 1.0
+        torch.testing.assert_close(g.double(), w.double(), rtol=rtol, atol=rtol * scale,
+                                   msg=lambda m: f"{what}[{i}]: {m}")
+
+
+def assert_library_ran(module, algo: str, dtype: torch.dtype) -> None:
+    """The forward and its backward ran the library's ``algo``, not torch's kernels."""
+    run = module.last_run
+    assert run is not None and run.algo == algo and run.fallback is None, run
+    assert run.backward is not None and run.backward.algo == algo, run
+    assert run.emulated == (algo == "persistent") and run.restarts == 0, run
+    assert run.dtype == str(dtype).removeprefix("torch."), run
+
+
+def refused(name: str, sample, algo: str) -> bool:
+    """Whether the library refuses this sample on ``algo`` by design (the documented refusal)."""
+    return algo == "persistent" and sample.constructor_input.kwargs.get("proj_size", 0) > 0
+
+
+@pytest.mark.parametrize("algo,dtype", RUNS, ids=RUN_IDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_samples_match_torch_nn(name, algo, dtype):
+    """Every sample: outputs, states and all gradients equal torch.nn's (float64), the library
+    ran, results are contiguous; eval mode equals training mode."""
+    ran = refusals = 0
+    for index, sample in enumerate(samples(name, dtype)):
+        ours, ref = build(name, sample, dtype, algo)
+        args = sample.forward_input.args
+        if refused(name, sample, algo):
+            with pytest.raises(ValueError, match=PROJECTION_REFUSAL):
+                ours(*leaves(args))
+            refusals += 1
+            continue
+        what = f"{name} sample {index} {sample.constructor_input.kwargs}"
+        got = forward_backward(ours, leaves(args), index)
+        assert_library_ran(ours, algo, dtype)
+        want = forward_backward(ref, leaves(args, torch.float64), index)
+        for part, g, w in zip(("outputs", "input grads", "parameter grads"), got, want):
+            assert_close(g, w, RTOL[dtype], f"{what}: {part}")
+        assert all(t.is_contiguous() for t in got[0] + got[1] + got[2]), what
+        ours.eval()
+        with torch.no_grad():
+            assert_close(tensors(ours(*leaves(args))), got[0], 0.0, f"{what}: eval mode")
+        ran += 1
+    assert ran + refusals == len(samples(name, dtype)) and ran > 0
+    if algo == "persistent" and name == "LSTM":
+        assert refusals == 16  # the proj_size=2 samples, until the kernels have projections
+
+
+@pytest.mark.parametrize("algo,dtype", RUNS, ids=RUN_IDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_no_batch_dim_reference_and_noncontiguous_inputs(name, algo, dtype):
+    """torch's no-batch-dim reference (our unbatched result equals our batch of one), and
+    non-contiguous input and states give the contiguous results and gradients."""
+    checked = 0
+    for index, sample in enumerate(samples(name, dtype)):
+        if refused(name, sample, algo):
+            continue
+        ours, _ = build(name, sample, dtype, algo)
+        args = sample.forward_input.args
+        what = f"{name} sample {index} {sample.constructor_input.kwargs}"
+        if sample.reference_fn is not None and not isinstance(args[0], PackedSequence):
+            with torch.no_grad():
+                got = tensors(ours(*leaves(args)))
+                want = tensors(sample.reference_fn(ours, *leaves(args)))
+            assert_close(got, want, 0.0, f"{what}: no-batch-dim reference")
+            assert ours.last_run.algo == algo
+        if isinstance(args[0], PackedSequence) and algo == "persistent":
+            continue  # the packed layout is the same gather for every sample; gemm covers it
+        contiguous = forward_backward(ours, leaves(args), index)
+        strided = forward_backward(ours, noncontiguous(args), index)
+        assert_library_ran(ours, algo, dtype)
+        for part, g, w in zip(("outputs", "input grads", "parameter grads"), strided, contiguous):
+            assert_close(g, w, 0.0, f"{what}: non-contiguous {part}")
+        checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("algo", ["gemm", "persistent"])
+@pytest.mark.parametrize("name", NAMES)
+def test_error_inputs_raise_torch_nn_errors(name, algo):
+    """torch's error inputs: the same exception types and messages as torch.nn, construction and
+    forward (with the library forced: its checks must not pre-empt or replace torch.nn's)."""
+    info = module_info(name)
+    for dtype in (torch.float32, torch.float64):
+        errors = info.module_error_inputs_func(info, device="cpu", dtype=dtype,
+                                               requires_grad=False, training=True)
+        assert errors
+        for error in errors:
+            sample = error.module_error_input
+            c_args, c_kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+            for cls in (getattr(torch.nn, name), getattr(prt, name)):
+                kwargs = c_kwargs if cls.__module__.startswith("torch.nn") else {
+                    **c_kwargs, "algo": algo}
+                with pytest.raises(error.error_type, match=error.error_regex):
+                    module = cls(*c_args, **kwargs)
+                    if error.error_on == common_modules.ModuleErrorEnum.FORWARD_ERROR:
+                        module(*sample.forward_input.args, **sample.forward_input.kwargs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_module_surface_as_torch_nn(name):
+    """repr, factory kwargs, construction on the meta device, the state_dict both ways and a
+    whole-module save/load (torch.load's default weights_only) that runs the same."""
+    for index, sample in enumerate(samples(name, torch.float64)):
+        args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+        ours, ref = build(name, sample, torch.float64, "gemm")
+        assert repr(ours) == repr(ref) and str(ours) == str(ref)
+        made = getattr(prt, name)(*args, **kwargs, dtype=torch.float64, device="cpu")
+        assert all(p.dtype == torch.float64 and p.device.type == "cpu"
+                   for p in made.parameters())
+        with torch.device("meta"):
+            meta = getattr(prt, name)(*args, **kwargs)
+        assert [(n, p.shape, p.dtype, p.is_meta) for n, p in meta.named_parameters()] == [
+            (n, p.shape, torch.float32, True) for n, p in ref.named_parameters()]
+        back = getattr(torch.nn, name)(*args, **kwargs).double()
+        back.load_state_dict(ours.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(back.parameters(), ours.parameters()))
+        buffer = io.BytesIO()
+        torch.save(ours, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)
+        assert type(loaded) is type(ours) and loaded.algo == "gemm" and loaded.last_run is None
+        copied = pickle.loads(pickle.dumps(ours))
+        fwd = sample.forward_input.args
+        with torch.no_grad():
+            want = tensors(ours(*leaves(fwd)))
+            for other in (loaded, copied):
+                assert_close(tensors(other(*leaves(fwd))), want, 0.0, f"{name} {index} pickled")
+                assert other.last_run.algo == "gemm"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_train_flag_is_read_only_where_torch_nn_reads_it(name):
+    """torch's train/eval probe: with ``training`` deleted the forward fails on that attribute
+    (the module's train_and_eval_differ=True: dropout between layers), nowhere else."""
+    assert module_info(name).train_and_eval_differ
+    sample = samples(name, torch.float64)[0]
+    ours, _ = build(name, sample, torch.float64, "gemm")
+    del ours.training
+    with pytest.raises(AttributeError, match="'training'"):
+        ours(*leaves(sample.forward_input.args))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradcheck_and_gradgradcheck_on_gemm(name):
+    """torch's test_grad/test_gradgrad in float64 on the library's GEMM path (fast mode: one
+    random direction per input), input, states and all parameters at once."""
+    for index, sample in enumerate(samples(name, torch.float64)):
+        ours, _ = build(name, sample, torch.float64, "gemm")
+        args = leaves(sample.forward_input.args)
+        flat = tensors(args)
+        params = list(ours.parameters())
+
+        def fn(*inputs):
+            given = inputs[:len(flat)]
+            rebuilt = _rebuild(args, iter(given))
+            with torch.nn.utils.stateless._reparametrize_module(
+                    ours, dict(zip([n for n, _ in ours.named_parameters()],
+                                   inputs[len(flat):]))):
+                return tuple(tensors(ours(*rebuilt)))
+
+        inputs = (*flat, *params)
+        assert torch.autograd.gradcheck(fn, inputs, fast_mode=True), (name, index)
+        assert ours.last_run.algo == "gemm"
+        assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True), (name, index)
+
+
+def _rebuild(template, values):
+    """``template`` (forward arguments) with its tensors replaced, in order, from ``values``."""
+    if isinstance(template, PackedSequence):
+        return template._replace(data=next(values))
+    if isinstance(template, tuple):
+        return tuple(_rebuild(t, values) for t in template)
+    return next(values)
