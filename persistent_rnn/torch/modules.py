@@ -28,6 +28,7 @@ class _RecurrentBase(torch.nn.RNNBase):
     """What the three modules share: path choice, the library forward, run records."""
 
     _torch_forward: Any  # torch.nn's forward of the same layer (a plain function)
+    _input_dims_error: str  # torch.nn's message (its wording differs between the classes)
 
     def __init__(self, mode: str, *args, algo: str = "auto", **kwargs) -> None:
         super().__init__(mode, *args, **kwargs)
@@ -82,10 +83,12 @@ class _RecurrentBase(torch.nn.RNNBase):
             unbatched = False
         else:
             x, lengths = input, None
+            if x.dim() not in (2, 3):  # torch.nn's check, before any other
+                raise ValueError(self._input_dims_error.format(x.dim()))
             unbatched = x.dim() == 2
+            hx = _hidden_as_batch(hx, batched=not unbatched)
             if unbatched:
                 x = x.unsqueeze(0 if self.batch_first else 1)
-                hx = _unsqueeze_hidden(hx)
             self._check_args(x, hx, None)
             x = x.transpose(0, 1) if self.batch_first else x
             if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
@@ -195,17 +198,20 @@ def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,
     return layout.pad(F.dropout(layout.pack(y), p, training=True))
 
 
-def _unsqueeze_hidden(hx):
-    """The state of unbatched input as a batch of one (torch.nn's check and message)."""
+def _hidden_as_batch(hx, batched: bool):
+    """The state checked as torch.nn checks it against batched 3-D or unbatched 2-D input
+    (same exception and message), an unbatched state as a batch of one."""
     if hx is None:
         return None
     states = hx if isinstance(hx, tuple) else (hx,)
-    if any(h.dim() != 2 for h in states):
-        dims = ", ".join(f"{h.dim()}-D" for h in states)
-        got = f"({dims}) tensors" if isinstance(hx, tuple) else f"{dims} tensor"
+    dims = 3 if batched else 2
+    if any(h.dim() != dims for h in states):
+        got = ", ".join(f"{h.dim()}-D" for h in states)
+        got = f"({got}) tensors" if isinstance(hx, tuple) else f"{got} tensor"
         what = "hx and cx" if isinstance(hx, tuple) else "hx"
-        raise RuntimeError(f"For unbatched 2-D input, {what} should also be 2-D but got {got}")
-    return _map(hx, lambda h: h.unsqueeze(1))
+        kind = "batched 3-D" if batched else "unbatched 2-D"
+        raise RuntimeError(f"For {kind} input, {what} should also be {dims}-D but got {got}")
+    return hx if batched else _map(hx, lambda h: h.unsqueeze(1))
 
 
 def _map(hx, fn):
@@ -219,6 +225,7 @@ class RNN(_RecurrentBase):
     """Drop-in ``torch.nn.RNN`` (tanh or relu); extra keyword ``algo``."""
 
     _torch_forward = torch.nn.RNN.forward
+    _input_dims_error = "RNN: Expected input to be 2D or 3D, got {}D tensor instead"
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
         if "proj_size" in kwargs:
@@ -237,6 +244,7 @@ class GRU(_RecurrentBase):
     """Drop-in ``torch.nn.GRU``; extra keyword ``algo``."""
 
     _torch_forward = torch.nn.GRU.forward
+    _input_dims_error = "GRU: Expected input to be 2D or 3D, got {}D instead"
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
         if "proj_size" in kwargs:
@@ -248,6 +256,7 @@ class LSTM(_RecurrentBase):
     """Drop-in ``torch.nn.LSTM`` (with ``proj_size``); extra keyword ``algo``."""
 
     _torch_forward = torch.nn.LSTM.forward
+    _input_dims_error = "LSTM: Expected input to be 2D or 3D, got {}D instead"
     get_expected_cell_size = torch.nn.LSTM.get_expected_cell_size
     check_forward_args = torch.nn.LSTM.check_forward_args
     permute_hidden = torch.nn.LSTM.permute_hidden
