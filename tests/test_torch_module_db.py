@@ -13,8 +13,9 @@ the library — not torch's fallback — runs (``last_run`` proves it):
 * the no-batch-dim reference (an unbatched input equals a batch of one), non-contiguous input and
   states, eval mode equal to training mode (no dropout in the samples), contiguous results;
 * the error inputs raise torch.nn's exception types and messages;
-* repr, factory kwargs, construction on the meta device, state_dict both ways and a whole-module
-  ``torch.save``/``torch.load`` round trip;
+* repr, factory kwargs, construction on the meta device, ``.float()``/``.double()``, the
+  state_dict both ways and a whole-module ``torch.save``/``torch.load`` round trip;
+* test_nn's argument checks: wrong sizes and dimensions raise torch.nn's exceptions and messages;
 * on the GEMM path in float64: gradcheck and gradgradcheck (fast mode) of every sample.
 
 ``algo="persistent"`` on CPU tensors runs the CUDA kernels' CPU emulation in float32 (the
@@ -29,11 +30,9 @@ import pickle
 import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence
+from torch.testing._internal import common_modules  # needs 'expecttest' (the [test] extra)
 
 import persistent_rnn.torch as prt
-
-# (torch's test helpers import the 'expecttest' package: the project's [test] extra has it)
-from torch.testing._internal import common_modules  # noqa: E402
 
 NAMES = ("RNN", "GRU", "LSTM")
 # (algo, dtype) runs: the GEMM path in both float dtypes, the emulated persistent kernels in float32
@@ -259,6 +258,11 @@ def test_module_surface_as_torch_nn(name):
             for other in (loaded, copied):
                 assert_close(tensors(other(*leaves(fwd))), want, 0.0, f"{name} {index} pickled")
                 assert other.last_run.algo == "gemm"
+            for convert, dtype in ((ours.float, torch.float32), (ours.double, torch.float64)):
+                convert()  # torch's test_forward: the conversion methods, then a forward
+                ours(*leaves(fwd, dtype))
+                assert all(p.dtype == dtype for p in ours.parameters())
+                assert ours.last_run.dtype == str(dtype).removeprefix("torch.")
 
 
 @pytest.mark.parametrize("name", NAMES)
