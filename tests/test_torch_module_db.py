@@ -280,10 +280,14 @@ def test_train_flag_is_read_only_where_torch_nn_reads_it(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_gradcheck_and_gradgradcheck_on_gemm(name):
     """torch's test_grad/test_gradgrad in float64 on the library's GEMM path (fast mode: one
-    random direction per input), input, states and all parameters at once: gradcheck on every
-    sample; gradgradcheck, whose graph of the gradient is torch's recompute (docs/torch.md), on
-    the bidirectional samples with biases (every forward-input kind, each nonlinearity)."""
+    random direction per input), input, states and all parameters at once, on the
+    ``batch_first=False`` samples (every sample's gradients equal torch.nn's to 1e-9 above):
+    gradcheck on each; gradgradcheck, whose graph of the gradient is torch's recompute
+    (docs/torch.md), on the bidirectional ones with biases (each input kind and nonlinearity)."""
     for index, sample in enumerate(samples(name, torch.float64)):
+        kwargs = sample.constructor_input.kwargs
+        if kwargs["batch_first"]:
+            continue
         ours, _ = build(name, sample, torch.float64, "gemm")
         args = leaves(sample.forward_input.args)
         flat, names = tensors(args), [n for n, _ in ours.named_parameters()]
@@ -297,8 +301,7 @@ def test_gradcheck_and_gradgradcheck_on_gemm(name):
         inputs = (*flat, *ours.parameters())
         assert torch.autograd.gradcheck(fn, inputs, fast_mode=True), (name, index)
         assert ours.last_run.algo == "gemm"
-        kwargs = sample.constructor_input.kwargs
-        if kwargs["bias"] and kwargs["bidirectional"] and not kwargs["batch_first"]:
+        if kwargs["bias"] and kwargs["bidirectional"]:
             assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True), (name, index)
 
 
