@@ -35,7 +35,7 @@ from torch.testing._internal import common_modules  # needs 'expecttest' (the [t
 import persistent_rnn.torch as prt
 
 NAMES = ("RNN", "GRU", "LSTM")
-# (algo, dtype) runs: the GEMM path in both float dtypes, the emulated persistent kernels in float32
+# (algo, dtype): the GEMM path in both float dtypes, the emulated persistent kernels in float32
 RUNS = [("gemm", torch.float64), ("gemm", torch.float32), ("persistent", torch.float32)]
 RUN_IDS = ["gemm-float64", "gemm-float32", "persistent-float32"]
 # relative tolerances against torch.nn in float64; atol is the same times the largest |value|
@@ -219,11 +219,10 @@ def test_error_inputs_raise_torch_nn_errors(name, algo):
         for error in errors:
             sample = error.module_error_input
             c_args, c_kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
-            for cls in (getattr(torch.nn, name), getattr(prt, name)):
-                kwargs = c_kwargs if cls.__module__.startswith("torch.nn") else {
-                    **c_kwargs, "algo": algo}
+            pairs = ((getattr(torch.nn, name), {}), (getattr(prt, name), {"algo": algo}))
+            for cls, extra in pairs:
                 with pytest.raises(error.error_type, match=error.error_regex):
-                    module = cls(*c_args, **kwargs)
+                    module = cls(*c_args, **c_kwargs, **extra)
                     if error.error_on == common_modules.ModuleErrorEnum.FORWARD_ERROR:
                         module(*sample.forward_input.args, **sample.forward_input.kwargs)
 
@@ -267,8 +266,9 @@ def test_module_surface_as_torch_nn(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_train_flag_is_read_only_where_torch_nn_reads_it(name):
-    """torch's train/eval probe: with ``training`` deleted the forward fails on that attribute
-    (the module's train_and_eval_differ=True: dropout between layers), nowhere else."""
+    """torch's train/eval probe: with ``training`` deleted the library's forward fails on that
+    attribute, as torch.nn's ModuleInfo declares (train_and_eval_differ: dropout between
+    layers), and with no other error."""
     assert module_info(name).train_and_eval_differ
     sample = samples(name, torch.float64)[0]
     ours, _ = build(name, sample, torch.float64, "gemm")
@@ -295,8 +295,7 @@ def test_gradcheck_and_gradgradcheck_on_gemm(name):
         def fn(*inputs):
             rebuilt = _rebuild(args, iter(inputs[:len(flat)]))
             weights = dict(zip(names, inputs[len(flat):]))
-            with torch.nn.utils.stateless._reparametrize_module(ours, weights):
-                return tuple(tensors(ours(*rebuilt)))
+            return tuple(tensors(torch.func.functional_call(ours, weights, rebuilt)))
 
         inputs = (*flat, *ours.parameters())
         assert torch.autograd.gradcheck(fn, inputs, fast_mode=True), (name, index)
