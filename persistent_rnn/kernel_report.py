@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import kernels, plan as planner
@@ -80,8 +81,9 @@ def disassemble(cubin: Path, tool: str) -> str:
     return proc.stdout
 
 
-def _parse(sass: str) -> tuple[list[tuple[str, str, str | None]], dict[str, int]]:
-    """Instructions as (opcode, predicate, branch target label) and label -> instruction index."""
+def _parse(sass: str) -> tuple[list[tuple[str, str, str | None, str]], dict[str, int]]:
+    """Instructions as (opcode, predicate, branch target label, operand text) and label ->
+    instruction index."""
     code, labels = [], {}
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -91,7 +93,8 @@ def _parse(sass: str) -> tuple[list[tuple[str, str, str | None]], dict[str, int]
         ins = _INSTRUCTION.search(line)
         if ins:
             target = _TARGET.search(ins.group(4))
-            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None))
+            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None,
+                         ins.group(4)))
     return code, labels
 
 
@@ -100,7 +103,7 @@ def _successors(code, labels) -> list[list[int]]:
     ``CALL.REL.NOINC`` to a local label is how sm_80 code leaves a loop (a jump that may also
     fall through); EXIT/RET end a path."""
     succ = []
-    for i, (op, pred, target) in enumerate(code):
+    for i, (op, pred, target, _) in enumerate(code):
         base = op.split(".")[0]
         always = pred in ("", "@PT")
         nxt = [i + 1] if i + 1 < len(code) else []
@@ -165,12 +168,22 @@ def _dominators(succ: list[list[int]]) -> list[int]:
     return dom
 
 
-def sass_loop_counts(sass: str) -> dict[str, int]:
-    """Static counts of ``SASS_KINDS`` in the time loop: the largest natural loop (back edges -
-    edges to an instruction that dominates their source - to one header merged) that holds a
-    block barrier. Out-of-line code the compiler placed after the kernel's exit (divergent
-    shuffles, slow paths) belongs to the loop when it returns into it. Each instruction of the
-    body counts once, inner loops included, so the counts bound what one step issues."""
+@dataclass(frozen=True)
+class TimeLoop:
+    """The time loop of a persistent kernel's SASS: ``code`` (every instruction of the cubin's
+    code as ``_parse`` gives it), ``body`` (the loop's instruction indices) and ``inner`` (the
+    natural loops inside it, by header index, each a set of instruction indices)."""
+
+    code: list[tuple[str, str, str | None, str]]
+    body: frozenset[int]
+    inner: dict[int, frozenset[int]]
+
+
+def time_loop(sass: str) -> TimeLoop:
+    """The time loop: the largest natural loop (back edges - edges to an instruction that
+    dominates their source - to one header merged) that holds a block barrier. Out-of-line code
+    the compiler placed after the kernel's exit (divergent shuffles, slow paths) belongs to the
+    loop when it returns into it."""
     code, labels = _parse(sass)
     succ = _successors(code, labels)
     dom = _dominators(succ)
@@ -179,17 +192,25 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
         for head in targets:
             if dom[tail] >> head & 1:
                 loops.setdefault(head, set()).update(_natural_loop(succ, tail, head))
-    with_barrier = [body for body in loops.values()
+    with_barrier = [(head, body) for head, body in loops.items()
                     if any(code[i][0].split(".")[0] == "BAR" for i in body)]
     if not with_barrier:
         raise RuntimeError("no loop with a block barrier in the SASS: is this a persistent kernel?")
-    body = max(with_barrier, key=len)
+    head, body = max(with_barrier, key=lambda hb: len(hb[1]))
+    inner = {h: frozenset(b) for h, b in loops.items() if h != head and h in body and b <= body}
+    return TimeLoop(code, frozenset(body), inner)
+
+
+def sass_loop_counts(sass: str) -> dict[str, int]:
+    """Static counts of ``SASS_KINDS`` in the time loop (``time_loop``). Each instruction of the
+    body counts once, inner loops included, so the counts bound what one step issues."""
+    loop = time_loop(sass)
     counts = {kind: 0 for kind in SASS_KINDS}
-    for i in body:
-        base = code[i][0].split(".")[0]
+    for i in loop.body:
+        base = loop.code[i][0].split(".")[0]
         for kind, opcodes in SASS_KINDS.items():
             counts[kind] += base in opcodes
-    counts["instructions"] = len(body)
+    counts["instructions"] = len(loop.body)
     return counts
 
 
