@@ -86,16 +86,20 @@ SCHEDULERS_PER_SM = SUB_PARTITIONS
 FP_LATENCY = 4                 # dependent FFMA/FADD/integer ALU result
 MUFU_LATENCY = 20              # ex2 / rcp / tanh.approx on the special-function unit
 SHARED_LATENCY = 30            # ld.shared hit
+L1_LATENCY = 35                # ld.local hitting L1 (a stack frame the compiler spills arrays to)
 DSMEM_LATENCY = 200            # a store into another CTA's shared memory (cluster), until visible
 SHUFFLE_LATENCY = 24           # shfl.sync
-L2_LATENCY = 500               # fitted: an L2 round trip under the kernels' load (about 250 ns)
-BLOCK_BARRIER = 60             # fitted: bar.sync once the last warp arrives, plus the warps' skew
+L2_LATENCY = 400               # an L2 round trip under load, 200 ns: the counter barrier of one
+                               # CTA (2 block barriers + fence, atomic, poll: 3 round trips)
+                               # measured 674 ns (bench/results/h200-2026-11-23/barrier_latency.json)
+L2_BANDWIDTH_GBPS = 5500       # L2 -> SM aggregate (H100 class; Chips and Cheese measured 5.5-7 TB/s)
+BLOCK_BARRIER = 300            # fitted (297): bar.sync once the last warp arrives, plus the warps' skew
 ATOMIC_SERIAL_NS = 6.1         # per CTA: same-address atomics queue at one L2 slice (the counter
                                # barrier's growth from 1 to 132 CTAs, 674 -> 1472 ns, recorded in
                                # bench/results/h200-2026-11-23/barrier_latency.json)
 # Per call (a benchmark of T steps pays them once): host work of the layer's call (Python,
 # allocations, fills, the launch, the progress read) and the GEMMs around the recurrence.
-HOST_FORWARD_US = 300.0        # fitted
-HOST_BACKWARD_US = 500.0       # fitted
+HOST_FORWARD_US = 500.0        # fitted (501; the first runtime: progress read after each launch)
+HOST_BACKWARD_US = 775.0       # fitted (775)
 GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches

@@ -35,7 +35,8 @@ from .cells import CellSpec
 from .hardware import DeviceProfile
 
 # The model's error on the recorded H200 runs (bench/results/model-calibration-2026-11-24.json).
-CALIBRATION = "calibrated on 190 recorded H200 points: median |error| 0 %, worst 0 %"
+CALIBRATION = ("calibrated on 324 recorded H200 points (counter-barrier kernels): median |error| 12 %, "
+               "worst 44 %; the current kernels are not yet measured")
 
 # Trip counts of the loops inside the time loop are decided by what each loop holds (its own
 # instructions, nested loops excluded); see ``loop_trips``.
@@ -100,13 +101,17 @@ def _tile_of(shape: PassShape) -> planner.Tile:
 class StepTerms:
     """Predicted microseconds of one step of one pass, by term (a prediction, see ``CALIBRATION``).
 
-    ``issue_us``: instructions of the busiest scheduler; ``barrier_us``: block barriers;
-    ``exchange_us``: dependent round trips of the exchange (L2, DSMEM, counter barrier);
+    ``issue_us``: instructions of the busiest scheduler outside the matrix loop; ``matrix_us``:
+    the matrix loop, per batch row the larger of its issue time and its dependent chain;
+    ``barrier_us``: block barriers;
+    ``exchange_us``: dependent round trips of the exchange (L2, DSMEM, counter barrier) plus,
+    through L2, the time every CTA's copy of the vector takes at L2 bandwidth;
     ``pointwise_us``: the pointwise step's dependent chain. ``instructions``: what one warp
     executes per step; ``exchange``: "counter", "l2" or "cluster"; ``per_row_instructions`` and
     ``per_row_ffma``: the matrix loop's instructions and FFMAs per batch row."""
 
     issue_us: float
+    matrix_us: float
     barrier_us: float
     exchange_us: float
     pointwise_us: float
@@ -118,11 +123,11 @@ class StepTerms:
     @property
     def total_us(self) -> float:
         """The step: the sum of the terms (the phases are separated by barriers)."""
-        return self.issue_us + self.barrier_us + self.exchange_us + self.pointwise_us
+        return self.issue_us + self.matrix_us + self.barrier_us + self.exchange_us + self.pointwise_us
 
     def dominant(self) -> str:
         """The name of the largest term."""
-        terms = {"issue": self.issue_us, "barriers": self.barrier_us,
+        terms = {"issue": self.issue_us, "matrix": self.matrix_us, "barriers": self.barrier_us,
                  "exchange": self.exchange_us, "pointwise": self.pointwise_us}
         return max(terms, key=terms.get)
 
@@ -240,6 +245,8 @@ def _latency(op: str) -> float:
         return hw.MUFU_LATENCY
     if base in ("LDS", "LD"):
         return hw.SHARED_LATENCY
+    if base == "LDL":
+        return hw.L1_LATENCY
     if base == "LDG":
         return hw.L2_LATENCY
     if base == "SHFL":
@@ -249,7 +256,7 @@ def _latency(op: str) -> float:
 
 def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
-    loop = kernel_report.time_loop(sass)
+    loop = _time_loop(sass)
     ops = [loop.code[i][0] for i in loop.body]
     counter = any(_base(op) in ("ATOM", "ATOMG", "RED") for op in ops)
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
@@ -260,33 +267,50 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
             weight[i] *= trips[head]
     instructions = sum(weight.values())
     cycle_us = 1.0 / device.clock_mhz
-    schedulers = hw.SCHEDULERS_PER_SM
-    issue = instructions * math.ceil(shape.warps / schedulers) / hw.ISSUE_PER_CYCLE * cycle_us
+    sharing = math.ceil(shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler
+    matrix_heads = [h for h, k in kinds.items() if k == "matrix"]
+    in_matrix = set().union(*[loop.inner[h] for h in matrix_heads])
+    row_instructions = sum(weight[i] for i in in_matrix) / shape.batch
+    # A batch row's product: issue-bound when the warps sharing a scheduler hide its latency,
+    # else its dependent chain (FFMAs, shuffles, local memory of the reduce-scatter levels).
+    row_chain = sum(critical_path([loop.code[i] for i in sorted(_own(loop, h))], _latency)
+                    * (1 if kinds[h] == "matrix" else trips[h])
+                    for h in loop.inner if kinds[h] in ("matrix", "levels"))
+    matrix = shape.batch * max(sharing * row_instructions / hw.ISSUE_PER_CYCLE, row_chain) * cycle_us
+    issue = (instructions - row_instructions * shape.batch) * sharing / hw.ISSUE_PER_CYCLE * cycle_us
     in_spin = set().union(*[b for h, b in loop.inner.items() if kinds[h] == "spin"])
     barriers = sum(1 for i in loop.body if _base(loop.code[i][0]) == "BAR" and i not in in_spin)
     l2_us = hw.L2_LATENCY * cycle_us
+    # Every CTA reads the whole vector from L2 each step: at large B that is bandwidth, not latency.
+    value_bytes = 4 if counter else 8
+    l2_traffic_us = shape.plan.grid * shape.batch * shape.k_len * value_bytes / (hw.L2_BANDWIDTH_GBPS * 1e3)
     if counter:  # fence waits for the stores, atomic, polls, then the staging copy
-        exchange, exchange_us = "counter", 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000
+        exchange = "counter"
+        exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
     elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory
         rounds = math.ceil(shape.pairs / (32 * shape.warps * shape.cluster_pairs))
         exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
     else:  # the writer's store reaches L2 (half a round trip), then one round trip per chunk
-        exchange, exchange_us = "l2", (0.5 + math.ceil(shape.pairs / shape.ring_pairs)) * l2_us
+        exchange = "l2"
+        exchange_us = (0.5 + math.ceil(shape.pairs / shape.ring_pairs)) * l2_us + l2_traffic_us
     pointwise_us = 0.0
-    matrix_rows, matrix_ffma = 0, 0
+    matrix_ffma = 0
     for head, kind in kinds.items():
         own = sorted(_own(loop, head))
         if kind == "pointwise":
             chain = critical_path([loop.code[i] for i in own], _latency)
             pointwise_us += chain * trips[head] * cycle_us
-        if kind == "matrix":  # per batch row: the loop and what is nested in it, by their trips
-            body = loop.inner[head]
-            matrix_rows = round(sum(weight[i] for i in body) / trips[head])
-            matrix_ffma = sum(1 for i in body if _base(loop.code[i][0]) == "FFMA")
-    return StepTerms(issue_us=issue, barrier_us=barriers * hw.BLOCK_BARRIER * cycle_us,
+        if kind == "matrix":
+            matrix_ffma += sum(1 for i in loop.inner[head] if _base(loop.code[i][0]) == "FFMA")
+    return StepTerms(issue_us=issue, matrix_us=matrix, barrier_us=barriers * hw.BLOCK_BARRIER * cycle_us,
                      exchange_us=exchange_us, pointwise_us=pointwise_us,
                      instructions=round(instructions), exchange=exchange,
-                     per_row_instructions=matrix_rows, per_row_ffma=matrix_ffma)
+                     per_row_instructions=round(row_instructions), per_row_ffma=matrix_ffma)
+
+
+@lru_cache(maxsize=512)
+def _time_loop(sass: str) -> kernel_report.TimeLoop:
+    return kernel_report.time_loop(sass)
 
 
 @lru_cache(maxsize=512)
