@@ -91,13 +91,9 @@ def predict_point(p: dict, src: Path, device) -> dict:
                             seq_len=p["seq_len"], input_size=p["input_size"])
     both = p["pass"] == "forward_backward"
     return {"predicted_us": st.benchmark_us(p["seq_len"], both),
-            "forward_terms": _terms(st.forward), "backward_terms": _terms(st.backward) if both else None,
+            "forward_terms": model.terms_dict(st.forward),
+            "backward_terms": model.terms_dict(st.backward) if both else None,
             "call_us": st.forward_call_us + (st.backward_call_us if both else 0.0)}
-
-
-def _terms(t: model.StepTerms) -> dict:
-    return {"issue_us": t.issue_us, "matrix_us": t.matrix_us, "barrier_us": t.barrier_us, "exchange_us": t.exchange_us,
-            "pointwise_us": t.pointwise_us, "exchange": t.exchange, "instructions": t.instructions}
 
 
 def evaluate(points: list[dict], device) -> list[dict]:

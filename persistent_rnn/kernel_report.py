@@ -231,6 +231,7 @@ def _jobs(archs):
 def _record(job) -> dict:
     cell, dtype, p, arch, tool = job
     compiled = kernels.compile_source(p.source, p.defines, arch)
+    sass = disassemble(compiled.cubin_path, tool) if tool else None
     return {"cell": cell.name, "dtype": dtype,
             "pass": "backward" if "backward" in p.kernel else "forward",
             "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
@@ -238,7 +239,26 @@ def _record(job) -> dict:
             "block": p.block, "weights_per_thread": p.weights_per_thread,
             "weight_registers": p.weight_registers, **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
             "planned_registers": p.registers,
-            "time_loop": sass_loop_counts(disassemble(compiled.cubin_path, tool)) if tool else None}
+            "time_loop": sass_loop_counts(sass) if sass else None,
+            "model": model_fields(cell, dtype, p, arch, sass) if sass else None}
+
+
+# Batch sizes the report predicts a step at (B = 1 and the report's batch).
+MODEL_BATCHES = (1, REPORT_BATCH)
+
+
+def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
+    """The latency model on one configuration (``persistent_rnn.model``): instructions per batch
+    row of the matrix loop against its FFMAs, and the predicted µs per step (a prediction) at
+    ``MODEL_BATCHES`` on the arch's device profile (sm_80: a100, else h100)."""
+    from . import hardware, model
+    device = hardware.PROFILES["a100" if arch == "sm_80" else "h100"]
+    predicted, terms = {}, None
+    for batch in MODEL_BATCHES:
+        terms = model.step_terms(sass, model.shape_at(cell, p, batch, p.max_hidden), device)
+        predicted[str(batch)] = round(terms.total_us, 3)
+    return {"per_row_instructions": terms.per_row_instructions, "per_row_ffma": terms.per_row_ffma,
+            "predicted_us": predicted, "device_profile": device.name, "prediction": True}
 
 
 def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
@@ -250,7 +270,9 @@ def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     ``spill_bytes``, ``shared_bytes`` (dynamic shared memory at batch 8), ``planned_registers``
     (the register cap the planner counts on) and ``time_loop``: the SASS counts of the time loop
     (``sass_loop_counts``: instructions, block_barriers, global_loads, async_copies,
-    global_stores, atomics, fences, l1_invalidates), or None where nvdisasm is not installed."""
+    global_stores, atomics, fences, l1_invalidates), or None where nvdisasm is not installed;
+    ``model``: the latency model's ``model_fields`` (per batch row instructions and FFMAs of the
+    matrix loop, predicted µs per step at B = 1 and 8), or None without nvdisasm."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -95,6 +95,14 @@ def _tile_of(shape: PassShape) -> planner.Tile:
     d = shape.plan.defines
     pt = planner.PassTile(d["PRNN_ROWS"], d["PRNN_KSPLIT"], d["PRNN_KPT"])
     return planner.Tile(d["PRNN_UNITS"], pt, pt, d.get("PRNN_CLUSTER", 0))
+
+
+def shape_at(cell: CellSpec, p: planner.PassPlan, batch: int, hidden: int) -> PassShape:
+    """``p``'s configuration at another batch and hidden size (its shared memory, hence the
+    gather's ring, re-sized as the planner would without a shared-memory limit)."""
+    shaped = replace(p, shared_bytes=planner.shared_bytes(
+        cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch, hidden))
+    return PassShape(cell, shaped, batch, hidden)
 
 
 @dataclass(frozen=True)
@@ -400,3 +408,42 @@ def predict_step_time(cell: str, hidden: int, batch: int, dtype: str = "float32"
     if not plan.fits:
         raise ValueError(plan.reason)
     return predict_plan(spec, hidden, batch, plan, dev)
+
+
+def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: str = "float32",
+                device: DeviceProfile | str | None = "h100") -> dict:
+    """``prnn plan``'s record: the placement (tile, grid or cluster, CTAs, block, registers,
+    shared memory, or why it does not fit) and, where it fits, the model's predicted µs per step
+    (``forward_us``, ``backward_us`` for one layer; ``stack_forward_us`` / ``stack_backward_us``
+    for ``layers`` layers, one launch each, in sequence) with their terms - predictions, labelled
+    with the model's calibration error."""
+    spec = planner.resolve_cell(cell)
+    dev = planner.resolve_device(device)
+    plan = planner.make_plan(spec, hidden, batch, dtype, dev)
+    record: dict = {"cell": spec.name, "hidden_size": hidden, "batch": batch, "layers": layers,
+                    "dtype": dtype, "device": dev.name, "fits": plan.fits, "reason": plan.reason}
+    if not plan.fits:
+        return record
+    record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
+                      "placement": "cluster" if plan.tile.cluster else "grid"}
+    for name, p in (("forward", plan.forward), ("backward", plan.backward)):
+        record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
+                        "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,
+                        "defines": dict(p.defines)}
+    st = predict_plan(spec, hidden, batch, plan, dev)
+    record.update({"prediction": True, "calibration": CALIBRATION,
+                   "forward_us": st.forward_us, "backward_us": st.backward_us,
+                   "stack_forward_us": layers * st.forward_us,
+                   "stack_backward_us": layers * st.backward_us,
+                   "launches_per_pass": layers,
+                   "forward_terms": terms_dict(st.forward), "backward_terms": terms_dict(st.backward),
+                   "forward_dominant": st.forward.dominant(), "backward_dominant": st.backward.dominant()})
+    return record
+
+
+def terms_dict(t: StepTerms) -> dict:
+    """A ``StepTerms`` as a JSON-ready dict (its total included)."""
+    return {"total_us": t.total_us, "issue_us": t.issue_us, "matrix_us": t.matrix_us,
+            "barrier_us": t.barrier_us, "exchange_us": t.exchange_us,
+            "pointwise_us": t.pointwise_us, "exchange": t.exchange, "instructions": t.instructions,
+            "per_row_instructions": t.per_row_instructions, "per_row_ffma": t.per_row_ffma}
