@@ -19,6 +19,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from . import kernels, plan as planner
@@ -179,6 +180,7 @@ class TimeLoop:
     inner: dict[int, frozenset[int]]
 
 
+@lru_cache(maxsize=64)  # the report's counts and the latency model read the same loop
 def time_loop(sass: str) -> TimeLoop:
     """The time loop: the largest natural loop (back edges - edges to an instruction that
     dominates their source - to one header merged) that holds a block barrier. Out-of-line code

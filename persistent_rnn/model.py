@@ -264,7 +264,7 @@ def _latency(op: str) -> float:
 
 def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
-    loop = _time_loop(sass)
+    loop = kernel_report.time_loop(sass)
     ops = [loop.code[i][0] for i in loop.body]
     counter = any(_base(op) in ("ATOM", "ATOMG", "RED") for op in ops)
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
@@ -314,11 +314,6 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
                      exchange_us=exchange_us, pointwise_us=pointwise_us,
                      instructions=round(instructions), exchange=exchange,
                      per_row_instructions=round(row_instructions), per_row_ffma=matrix_ffma)
-
-
-@lru_cache(maxsize=512)
-def _time_loop(sass: str) -> kernel_report.TimeLoop:
-    return kernel_report.time_loop(sass)
 
 
 @lru_cache(maxsize=512)
