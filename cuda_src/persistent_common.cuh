@@ -219,11 +219,12 @@ struct Exchange {
 #endif
   }
 
-  // Waits for step t's values and writes them into v_s (row stride kPadded; the zero padding past
-  // k_len was written once at launch start and is never touched). False on timeout or abort. The
-  // caller's next block barrier makes v_s visible to the block.
-  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
-    const auto sink = [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; };
+  // Waits for step t's values and writes them into v_s (row stride `padded`, default the -D
+  // tile's; the zero padding past k_len was written once at launch start and is never touched).
+  // False on timeout or abort. The caller's next block barrier makes v_s visible to the block.
+  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns,
+                          int padded = kPadded) const {
+    const auto sink = [v_s, padded](int b, int k, float v) { v_s[b * padded + k] = v; };
 #ifdef PRNN_CLUSTER
     return prnn_gather_tagged<kGatherPairs>(words + (t & 1) * slot(), batch, row_words(), k_len,
                                             (unsigned)t + 1u, ctl, timeout_ns, PrnnClusterPairs{}, sink);

@@ -127,7 +127,7 @@ PRNN_KERNEL void prnn_projection_backward(
       // The carry stays in shared memory; the global copy is what a restart resumes from.
       dr_carry[(t & 1) * rplane + (size_t)b * proj + q] = dr_s[idx] = active ? 0.0f : dr;
     }
-    failed = !xr.gather(r_s, t, ctl, timeout_ns);
+    failed = !xr.gather(r_s, t, ctl, timeout_ns, kPaddedB);
     // drs_t is in shared memory; any timeout?
     if (prnn_sync_block_or(failed)) {
       ++t;

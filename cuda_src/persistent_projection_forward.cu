@@ -114,7 +114,7 @@ PRNN_KERNEL void prnn_projection_forward(
 #pragma unroll
       for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
     }
-    failed = !xh.gather(h_s, t, ctl, timeout_ns);
+    failed = !xh.gather(h_s, t, ctl, timeout_ns, kPaddedB);
     // h_t is in shared memory; any timeout?
     if (prnn_sync_block_or(failed)) {
       --t;
