@@ -290,7 +290,7 @@ def _ptile(units: int, proj_rows: int, warps: int, forward, forward_b, backward,
 PROJECTION_TILES: tuple[ProjectionTile, ...] = (
     _ptile(4, 2, 4, (4, 1, 4), (2, 4, 4), (2, 4, 4), (4, 4, 2)),
     _ptile(8, 2, 8, (8, 2, 4), (2, 8, 4), (2, 8, 16), (8, 8, 2)),
-    _ptile(16, 4, 8, (16, 2, 8), (4, 8, 8), (4, 8, 32), (8, 4, 4)),
+    _ptile(16, 4, 8, (8, 1, 16), (4, 8, 8), (4, 8, 32), (8, 4, 4)),
 )
 
 
