@@ -22,6 +22,7 @@ from .cells import CELLS, CellSpec
 from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
                        current_device)
+from . import validation
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -389,7 +390,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     dtype = dtype_name("dtype", dtype)
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
-    _check_proj(cell, hidden, proj_size)
+    proj_size = validation.proj_size(proj_size, hidden, cell.has_cell_state)
     if dtype not in KERNEL_DTYPES:
         return Plan(False, f"dtype {dtype} is not supported by the persistent kernels "
                            f"({', '.join(KERNEL_DTYPES)})")
@@ -422,7 +423,7 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
     spec = resolve_cell(cell)
     dev = resolve_device(device)
     dtype = dtype_name("dtype", dtype)
-    _check_proj(spec, proj_size + 1, proj_size)
+    proj_size = validation.proj_size(proj_size, proj_size + 1, spec.has_cell_state)
     if dtype not in KERNEL_DTYPES:
         return 0
     if proj_size:
@@ -446,16 +447,6 @@ def _max_projected_hidden(proj: int, dtype: str, dev: DeviceProfile, batch: int)
                 best = hidden
                 break
     return best
-
-
-def _check_proj(cell: CellSpec, hidden: int, proj_size: int) -> None:
-    """ValueError for a projection torch.nn refuses: LSTM only, 0 <= proj_size < hidden."""
-    if not isinstance(proj_size, int) or isinstance(proj_size, bool) or proj_size < 0:
-        raise ValueError(f"proj_size must be an int >= 0, got {proj_size!r}")
-    if proj_size and not cell.has_cell_state:
-        raise ValueError(f"proj_size is only supported for LSTM, not {cell.name}")
-    if proj_size >= hidden:
-        raise ValueError(f"proj_size ({proj_size}) has to be smaller than hidden_size ({hidden})")
 
 
 def resolve_cell(cell: CellSpec | str) -> CellSpec:
