@@ -206,7 +206,8 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
                  c(gi), c(h0), c0_arg, lengths_arg, y, result.hs, cs, saved,
                  _exchange(xp, batch, proj_size), _exchange(xp, batch, hidden))
         sizes = (steps, batch, hidden, proj_size)
-    pending = _start(engine, fixed, sizes, 0, steps, xp, finish, rerun)
+    pending = _start(engine, fixed, sizes, 0, steps, xp, finish, rerun,
+                     exchanges=1 if w_hr is None else 2)
     return result, pending.stats, pending
 
 
@@ -267,7 +268,8 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                  c(dy), fwd.cs, fwd.saved, c0_arg, lengths_arg, dgh, drs, dh_carry, dc_carry,
                  _exchange(xp, batch, proj_size), _exchange(xp, batch, cell.gates * hidden))
         sizes = (steps, batch, hidden, proj_size)
-    pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun)
+    pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun,
+                     exchanges=1 if w_hr is None else 2)
     return result, pending.stats, pending
 
 
@@ -279,11 +281,12 @@ def _exchange(xp, batch: int, k_len: int) -> Array:
 
 
 def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, ...], first: int, end: int, xp,
-           finish: Callable[[int], None], rerun: bool) -> Pending:
+           finish: Callable[[int], None], rerun: bool, exchanges: int = 1) -> Pending:
+    """Launch a pass whose kernel takes ``fixed`` then its sizes; the last ``exchanges`` of
+    ``fixed`` are its tagged exchange buffers."""
     stats = RunStats(algo="persistent", emulated=engine.emulated, details=[""])
-    exchanges = tuple(a for a in fixed[-2:] if a.dtype == np.uint64)  # the trailing buffers
     pending = Pending(engine, fixed, sizes, first, end, _Control.new(xp, engine.pass_plan.grid),
-                      stats, finish, exchanges=exchanges)
+                      stats, finish, exchanges=fixed[-exchanges:])
     pending.launch(first, settings.NO_STALL if rerun else settings.current_stall())
     stats.details[-1] = _describe(pending)
     return pending

@@ -105,7 +105,7 @@ TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE))
 def test_16bit_persistent_within_tolerance_of_float64(dtype):
-    hidden, proj = 12, 6
+    hidden, proj = 9, 5  # odd: both matrices' rows end in a padding half of a packed pair
     data = _inputs(np.random.default_rng(6), hidden, proj, 2, 2)
     args = dict(num_layers=2, bidirectional=True)
     got = _run(dtype, "persistent", data, hidden, proj, LENGTHS, **args)
