@@ -36,11 +36,6 @@ def array_module(*arrays: Array):
     return np
 
 
-def separate_dgh(cell: CellSpec) -> bool:
-    """Whether ``dgh`` differs from ``dgi`` (only GRU: r scales its n gate's recurrent part)."""
-    return cell.name == "gru"
-
-
 def allocate_forward(cell: CellSpec, gi: Array,
                      proj_size: int = 0) -> tuple[Array, Array | None, Array]:
     """Allocate ``(y, cs, saved)`` for the forward recurrence over ``gi`` (T, B, G*H); ``y`` is
@@ -61,7 +56,7 @@ def allocate_backward(cell: CellSpec, dy: Array, hidden: int | None = None) -> t
     steps, batch, width = dy.shape
     hidden = hidden or width
     dgi = xp.empty((steps, batch, cell.gates * hidden), dtype=dy.dtype)
-    return dgi, (xp.empty_like(dgi) if separate_dgh(cell) else dgi)
+    return dgi, (xp.empty_like(dgi) if cell.separate_dgh else dgi)
 
 
 def full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:

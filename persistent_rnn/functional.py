@@ -328,11 +328,12 @@ def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
 
 def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
                     lengths: Array | None, arrays: list[Array], *, num_layers: int,
-                    bidirectional: bool, algo: str = "auto") -> Context:
+                    bidirectional: bool, algo: str = "auto",
+                    half: str | None = None) -> Context:
     """The ``Context`` of the time-major ``forward(cell, params, x, hx, lengths, ...)`` call
     whose ``saved_arrays`` are ``arrays`` (same arguments, nothing recomputed)."""
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
-                                           False, algo, None)
+                                           False, algo, half)
     lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     rest = iter(arrays)
     ctx.inputs = [select_active(xp, x, lengths)] + [next(rest) for _ in range(num_layers - 1)]

@@ -37,7 +37,7 @@ class _Recurrent:
         self.hidden_size = validation.positive_int("hidden_size", hidden_size)
         self.cell: CellSpec = cell_spec(self.mode, self.nonlinearity)
         self.proj_size = validation.proj_size(proj_size, self.hidden_size,
-                                              self.cell.has_cell_state)
+                                              self.cell.projection)
         self.num_layers = validation.positive_int("num_layers", num_layers)
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
             bidirectional)

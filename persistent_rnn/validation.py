@@ -10,8 +10,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from .cells import NONLINEARITIES  # the registry's (re-exported for the layers)
+
 ALGOS = ("auto", "gemm", "persistent")
-NONLINEARITIES = ("tanh", "relu")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 HALF_DTYPES = ("float16", "bfloat16")  # computed in fp32, stored (and h_t rounded) in 16 bits
 
