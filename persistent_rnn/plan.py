@@ -391,7 +391,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     dtype = dtype_name("dtype", dtype)
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
-    proj_size = validation.proj_size(proj_size, hidden, cell.has_cell_state)
+    proj_size = validation.proj_size(proj_size, hidden, cell.projection)
     if dtype not in KERNEL_DTYPES:
         return Plan(False, f"dtype {dtype} is not supported by the persistent kernels "
                            f"({', '.join(KERNEL_DTYPES)})")
@@ -424,7 +424,7 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
     spec = resolve_cell(cell)
     dev = resolve_device(device)
     dtype = dtype_name("dtype", dtype)
-    proj_size = validation.proj_size(proj_size, proj_size + 1, spec.has_cell_state)
+    proj_size = validation.proj_size(proj_size, proj_size + 1, spec.projection)
     if dtype not in KERNEL_DTYPES:
         return 0
     if proj_size:

@@ -199,3 +199,28 @@ def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, set
     runtime._cached_engine.cache_clear()
     with pytest.raises(emulate.EmulationError, match="wrote past its"):
         run()
+
+
+def test_torch_module_runs_the_persistent_lstmp_kernels():
+    """``persistent_rnn.torch.LSTM(proj_size=P, algo="persistent")`` on CPU tensors: the emulated
+    kernels, packed input, against torch.nn in float64 (forward and backward)."""
+    from persistent_rnn import torch as prt
+    hidden, proj = 12, 6
+    torch.manual_seed(3)
+    ours = prt.LSTM(I, hidden, num_layers=2, bidirectional=True, proj_size=proj, algo="persistent")
+    ref = torch.nn.LSTM(I, hidden, num_layers=2, bidirectional=True, proj_size=proj,
+                        dtype=torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
+    x = torch.randn(T, B, I)
+    outs = []
+    for module, dtype in ((ours, torch.float32), (ref, torch.float64)):
+        xd = x.to(dtype).detach().requires_grad_()
+        packed = torch.nn.utils.rnn.pack_padded_sequence(xd, torch.from_numpy(LENGTHS),
+                                                         enforce_sorted=False)
+        y, (hn, cn) = module(packed)
+        y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=T)
+        (y.sum() + (hn * hn).sum() + cn.sum()).backward()
+        outs.append([y, hn, cn, xd.grad] + [p.grad for p in module.parameters()])
+    assert ours.last_run.algo == "persistent", ours.last_run
+    for a, b in zip(*outs):
+        assert _rel(a.detach().numpy(), b.detach().numpy()) <= 1e-5
