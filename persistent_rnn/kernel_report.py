@@ -217,8 +217,9 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
 
 
 def _jobs(archs):
-    """Every shipped (dtype, cell, pass plan, arch): the grid tiles on every arch, the cluster
-    tile on the archs with clusters (sm_90 and newer)."""
+    """Every shipped (dtype, cell, pass plan, arch, proj_size): the grid tiles on every arch, the
+    cluster tile on the archs with clusters (sm_90 and newer), the LSTM projection tiles (grid
+    only) at their largest H and P < H."""
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
             for tile in (*planner.tiles_for(cell, dtype), planner.cluster_tile_for(cell, dtype)):
@@ -227,14 +228,22 @@ def _jobs(archs):
                     p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype=dtype)
                     for arch in archs:
                         if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
-                            yield cell, dtype, p, arch
+                            yield cell, dtype, p, arch, 0
+        for ptile in planner.PROJECTION_TILES:
+            hidden, proj = planner.projection_capacity(ptile)
+            proj = min(proj, hidden - 1)
+            for backward in (False, True):
+                p = planner.projection_pass_plan(ptile, backward, hidden, proj, REPORT_BATCH,
+                                                 dtype=dtype)
+                for arch in archs:
+                    yield CELLS["lstm"], dtype, p, arch, proj
 
 
 def _record(job) -> dict:
-    cell, dtype, p, arch, tool = job
+    cell, dtype, p, arch, proj, tool = job
     compiled = kernels.compile_source(p.source, p.defines, arch)
     sass = disassemble(compiled.cubin_path, tool) if tool else None
-    return {"cell": cell.name, "dtype": dtype,
+    return {"cell": cell.name, "dtype": dtype, "proj_size": proj,
             "pass": "backward" if "backward" in p.kernel else "forward",
             "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
             "hidden_size": p.max_hidden,
@@ -265,7 +274,8 @@ def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
 
 def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     """One record per shipped (dtype, cell, tile, pass, arch): ``cell``, ``dtype`` (what W_hh
-    is held in: "float32", "float16", "bfloat16"), ``pass``, ``arch``, ``config``
+    is held in: "float32", "float16", "bfloat16"), ``proj_size`` (an LSTM projection tile's P,
+    else 0), ``pass``, ``arch``, ``config``
     (the -D macros), ``cluster`` (CTAs of the thread-block cluster, 0 for a grid tile),
     ``hidden_size`` (largest H the configuration serves), ``weights_per_thread`` and
     ``weight_registers`` (16-bit: two weights per register), ``registers``,
@@ -291,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(records, indent=1))
     else:
-        print(f"{'dtype':8} {'cell':9} {'pass':8} {'arch':6} {'cl':>2} {'H max':>6} {'block':>5} {'weights':>7} "
+        print(f"{'dtype':8} {'cell':9} {'proj':>4} {'pass':8} {'arch':6} {'cl':>2} {'H max':>6} {'block':>5} {'weights':>7} "
               f"{'regs':>4}/{'plan':<4} {'spill':>5} {'smem@B8':>8}  time loop: "
               f"{'BAR':>3} {'LDG':>3} {'STG':>3} {'ATOM':>4} {'MEMBAR':>6} {'CCTL':>4}")
         for r in records:
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {'':11}{loop['block_barriers']:3d} {loop['global_loads']:3d} "
                     f"{loop['global_stores']:3d} {loop['atomics']:4d} {loop['fences']:6d} "
                     f"{loop['l1_invalidates']:4d}")
-            print(f"{r['dtype']:8} {r['cell']:9} {r['pass']:8} {r['arch']:6} {r['cluster']:2d} {r['hidden_size']:6d} {r['block']:5d} "
+            print(f"{r['dtype']:8} {r['cell']:9} {r['proj_size']:4d} {r['pass']:8} {r['arch']:6} {r['cluster']:2d} {r['hidden_size']:6d} {r['block']:5d} "
                   f"{r['weights_per_thread']:7d} {r['registers']:4d}/{r['planned_registers']:<4d} "
                   f"{r['spill_bytes']:5d} {r['shared_bytes']:8d}{sass}")
     bad = [r for r in records if r["spill_bytes"] or r["registers"] > r["planned_registers"]]

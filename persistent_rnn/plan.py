@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from . import cells
 from .cells import CELLS, CellSpec
 from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
                        current_device)
+from . import validation
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -140,7 +142,7 @@ class Plan:
 
     fits: bool
     reason: str | None = None
-    tile: Tile | None = None
+    tile: Tile | ProjectionTile | None = None
     forward: PassPlan | None = None
     backward: PassPlan | None = None
 
@@ -259,8 +261,121 @@ def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
     return None
 
 
+# LSTM with projection (proj_size P; cuda_src/persistent_projection_*.cu): a CTA owns ``units``
+# hidden units (their 4 gate rows) and ``proj_rows`` rows of r = W_hr h, and holds two register
+# tiles over the same ``warps`` warps (``PassTile``s as above):
+#   forward  ``forward``  gate rows of W_hh (K = P)      ``forward_b``  rows of W_hr (K = H)
+#   backward ``backward`` rows of W_hh^T (K = 4H)        ``backward_b`` rows of W_hr^T (K = P)
+# The grid is max(ceil(H/units), ceil(P/proj_rows)). One set for every dtype (kpt even): 16-bit
+# weights take half the registers.
+@dataclass(frozen=True)
+class ProjectionTile:
+    """One shipped configuration of the LSTM-with-projection kernels (both passes)."""
+
+    units: int
+    proj_rows: int
+    warps: int
+    forward: PassTile
+    forward_b: PassTile
+    backward: PassTile
+    backward_b: PassTile
+
+
+def _ptile(units: int, proj_rows: int, warps: int, forward, forward_b, backward,
+           backward_b) -> ProjectionTile:
+    return ProjectionTile(units, proj_rows, warps, PassTile(*forward), PassTile(*forward_b),
+                          PassTile(*backward), PassTile(*backward_b))
+
+
+# Small (H <= 128, P <= 128), H 1024 / P 256 (40-48 weights per thread), H 2048 / P 512
+# (160 weights per thread of 8 warps: 4H*P + P*H = 5.2 M fp32 weights over 128 CTAs).
+PROJECTION_TILES: tuple[ProjectionTile, ...] = (
+    _ptile(4, 2, 4, (4, 1, 4), (2, 4, 4), (2, 4, 4), (4, 4, 2)),
+    _ptile(8, 2, 8, (8, 2, 4), (2, 8, 4), (2, 8, 16), (8, 8, 2)),
+    _ptile(16, 4, 8, (8, 1, 16), (4, 8, 8), (4, 8, 32), (8, 4, 4)),
+)
+
+
+def projection_capacity(tile: ProjectionTile) -> tuple[int, int]:
+    """Largest ``(H, P)`` both passes of ``tile`` serve by their columns (the grid aside)."""
+    cols = lambda pt: pt.ksplit * WARP * pt.kpt  # noqa: E731
+    hidden = min(cols(tile.forward_b), cols(tile.backward) // 4)
+    return hidden, min(cols(tile.forward), cols(tile.backward_b))
+
+
+def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int, hidden: int,
+                            proj: int, ring_slots: int = RING_SLOTS) -> int:
+    """Dynamic shared memory of one CTA of a projection pass, in the kernel's order.
+
+    Forward: r_{t-1} staged [B][padded A], h_t staged [B][padded B], partial sums
+    [B][ksplit A][4*units] and [B][ksplit B][proj_rows], gi of two steps [2][B][4][units],
+    c_{t-1} and h_{t-1} [B][units] each, r_{t-1} [B][proj_rows], b_hh [4][units], lengths [B].
+    Backward: dg_{t+1} staged [B][padded A], dr_t staged [B][padded B], partial sums
+    [B][ksplit A][proj_rows] and [B][ksplit B][units], inputs of two steps [2][B][6][units]
+    (c, c_prev, saved i f g o) and [2][B][proj_rows] (dy), dc carry [B][units], dr carry
+    [B][proj_rows], lengths [B]. Then, 16-byte aligned, the gather ring both exchanges share
+    (``ring_slots`` slots per thread, or the larger exchange's step if fewer).
+    """
+    a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
+    units, rows = tile.units, tile.proj_rows
+    padded = (a.ksplit * a.kpt + b.ksplit * b.kpt) * WARP
+    if backward:
+        per_row = padded + a.ksplit * rows + b.ksplit * units + 12 * units + 3 * rows + units
+        constants = 0
+    else:
+        per_row = padded + a.ksplit * 4 * units + b.ksplit * rows + 8 * units + 2 * units + rows
+        constants = 4 * units
+    total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
+    k_len = max(proj, 4 * hidden if backward else hidden)
+    words = batch * (k_len + k_len % 2)
+    return total + 16 * min(ring_slots * tile.warps * WARP, words // 2)
+
+
+def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj: int,
+                         batch: int, shared_limit: int | None = None,
+                         dtype: str = "float32") -> PassPlan:
+    """The launch plan of one pass of a projection ``tile`` (like ``pass_plan``)."""
+    a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
+    defines = {"PRNN_CELL": CELLS["lstm"].kind, "PRNN_UNITS": tile.units,
+               "PRNN_PROJ_ROWS": tile.proj_rows, "PRNN_ROWS": a.rows, "PRNN_KSPLIT": a.ksplit,
+               "PRNN_KPT": a.kpt, "PRNN_ROWS_B": b.rows, "PRNN_KSPLIT_B": b.ksplit,
+               "PRNN_KPT_B": b.kpt, "PRNN_WARPS": tile.warps}
+    if KERNEL_DTYPES[dtype]:
+        defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    block = tile.warps * WARP
+    slots = RING_SLOTS
+    size = partial(projection_shared_bytes, tile, backward, batch, hidden, proj)
+    if shared_limit is not None and size() > shared_limit:
+        slots = min(RING_SLOTS, max(1, (shared_limit - size(ring_slots=0)) // (16 * block)))
+    which = "backward" if backward else "forward"
+    return PassPlan(
+        kernel=f"prnn_projection_{which}", source=f"persistent_projection_{which}.cu",
+        defines=defines, grid=max(math.ceil(hidden / tile.units), math.ceil(proj / tile.proj_rows)),
+        block=block, shared_bytes=size(ring_slots=slots),
+        weights_per_thread=a.rows * a.kpt + b.rows * b.kpt,
+        weight_registers=weight_registers(a, dtype) + weight_registers(b, dtype),
+        registers=register_cap(block), max_hidden=projection_capacity(tile)[0])
+
+
+def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
+    """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits."""
+    tried = []
+    limit = min(dev.shared_per_block, dev.shared_per_sm)
+    for tile in PROJECTION_TILES:
+        fwd = projection_pass_plan(tile, False, hidden, proj, batch, limit, dtype)
+        bwd = projection_pass_plan(tile, True, hidden, proj, batch, limit, dtype)
+        top_proj = projection_capacity(tile)[1]
+        reason = (f"proj_size {proj} > {top_proj} served by the tile" if proj > top_proj
+                  else _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden))
+        if reason is None:
+            return Plan(True, None, tile, fwd, bwd)
+        tried.append(f"{tile}: {reason}")
+    return Plan(False, f"lstm H={hidden} proj_size={proj} B={batch} does not fit {dev.name}: "
+                       + "; ".join(tried))
+
+
 def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float32",
-              device: DeviceProfile | str | None = None) -> Plan:
+              device: DeviceProfile | str | None = None, proj_size: int = 0) -> Plan:
     """Plan both passes of ``cell`` at ``hidden`` units and ``batch`` rows on ``device``.
 
     Returns the cluster tile where the device has clusters and it fits (its exchange never
@@ -268,15 +383,20 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
+    ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
+    ``PROJECTION_TILES`` (grid path only).
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
     dtype = dtype_name("dtype", dtype)
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
+    proj_size = validation.proj_size(proj_size, hidden, cell.projection)
     if dtype not in KERNEL_DTYPES:
         return Plan(False, f"dtype {dtype} is not supported by the persistent kernels "
                            f"({', '.join(KERNEL_DTYPES)})")
+    if proj_size:
+        return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried = []
     candidates = ((cluster_tile_for(cell, dtype),) if has_clusters(dev) else ())
     candidates += tiles_for(cell, dtype)
@@ -292,24 +412,39 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
 
 
 def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,
-                    batch: int = 1) -> int:
+                    batch: int = 1, proj_size: int = 0) -> int:
     """Largest hidden size whose persistent forward and backward both fit ``device`` (0 if none).
 
     ``cell``: "RNN", "GRU", "LSTM" (any case; also "rnn_tanh", "rnn_relu"); ``dtype``: the
     weights' dtype, "float32", "float16" or "bfloat16" (16-bit kernels hold twice the weights in
     the same registers; "float64": 0); ``device``: a profile name ("h100", "h200", "a100"), a
-    ``DeviceProfile``, or None for the current GPU.
+    ``DeviceProfile``, or None for the current GPU. ``proj_size``: an LSTM's projection P (0:
+    none): the largest H > P whose W_hh (4H x P) and W_hr (P x H) fit.
     """
     spec = resolve_cell(cell)
     dev = resolve_device(device)
     dtype = dtype_name("dtype", dtype)
+    proj_size = validation.proj_size(proj_size, proj_size + 1, spec.projection)
     if dtype not in KERNEL_DTYPES:
         return 0
+    if proj_size:
+        return _max_projected_hidden(proj_size, dtype, dev, batch)
     best = 0
     for tile in tiles_for(spec, dtype):
         top = min(tile_max_hidden(spec, tile), dev.sm_count * tile.units)
         for hidden in range(top, best, -1):
             if make_plan(spec, hidden, batch, dtype, dev).fits:
+                best = hidden
+                break
+    return best
+
+
+def _max_projected_hidden(proj: int, dtype: str, dev: DeviceProfile, batch: int) -> int:
+    best = 0
+    for tile in PROJECTION_TILES:
+        top = min(projection_capacity(tile)[0], dev.sm_count * tile.units)
+        for hidden in range(top, max(best, proj), -1):
+            if _projection_plan(hidden, proj, batch, dtype, dev).fits:
                 best = hidden
                 break
     return best
