@@ -174,6 +174,24 @@ def emulated_device(path: str):
         runtime.EMULATED_DEVICE = saved
 
 
+def features(case: Case) -> set[str]:
+    """The options a layer case exercises (the CI slice must cover ``LAYER_FEATURES``)."""
+    got = {case.cell, case.dtype, case.algo}
+    if case.algo == "persistent":
+        got.add(case.path)
+        got |= {"stall"} if case.stall else set()
+        got |= {"held back"} if case.max_resident and case.max_resident < _grid(case) else set()
+    flags = {"multi-layer": case.num_layers > 1, "bidirectional": case.bidirectional,
+             "batch_first": case.batch_first, "no bias": not case.bias,
+             "lengths": case.lengths, "hx": case.hx}
+    return got | {name for name, on in flags.items() if on}
+
+
+LAYER_FEATURES = set(CELLS) | {"float32", "float16", "bfloat16", "persistent", "gemm", "auto",
+                               "cluster", "grid", "stall", "held back", "multi-layer",
+                               "bidirectional", "batch_first", "no bias", "lengths", "hx"}
+
+
 # ---- data ------------------------------------------------------------------------------------
 
 def _dtype(name: str) -> np.dtype:
