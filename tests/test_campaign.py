@@ -94,4 +94,4 @@ def test_relu_16bit_gradients_are_exact_along_the_rounded_states(dtype):
     through the run's own states."""
     errors = run_case(RELU_CASE if dtype == "bfloat16" else
                       Case(**{**RELU_CASE.__dict__, "dtype": dtype}))
-    assert errors["trajectory backward"] <= campaign.UNIT_ROUNDOFF[dtype] + campaign.FP32
+    assert errors[f"trajectory backward {dtype}"] <= campaign.UNIT_ROUNDOFF[dtype] + campaign.FP32
