@@ -52,7 +52,9 @@ FREE_RUNNING = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 FP32 = 2e-5  # fp32 arithmetic (one step, or a backward through time) relative to the array
 MODULE_F64 = 1e-9  # torch modules against torch.nn, both float64
 
-STALL_TIMEOUT_MS, STALL_MS = 300, 1000
+# A stalled CTA sleeps past the barrier timeout once; the timeout is long enough that the
+# emulated grid (up to STALL_MAX_GRID host threads on a shared machine) never times out by itself.
+STALL_TIMEOUT_MS, STALL_MS, STALL_MAX_GRID = 1000, 2500, 16
 RESIDENT_TIMEOUT_MS = 200
 
 
@@ -139,7 +141,7 @@ def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
                                    steps=int(rng.integers(1, 3)), lengths=False)
     grid = _grid(case)
     roll = rng.random()
-    if roll < 0.2 and case.steps > 1:
+    if roll < 0.2 and case.steps > 1 and grid <= STALL_MAX_GRID:
         # a stall costs STALL_MS per pass: one or two layer-directions
         return dataclasses.replace(case, stall=(int(rng.integers(0, grid)),
                                                 int(rng.integers(0, case.steps))),
