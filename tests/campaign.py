@@ -134,8 +134,8 @@ def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
                                                          p=[0.5, 0.25, 0.25])))
     if algo != "persistent":
         return case
-    if profile == "long" and rng.random() < 0.04:  # the largest tiles, at a few small shapes
-        top = planner.max_hidden_size(case.cell, case.dtype, _device("grid"))
+    if profile == "long" and rng.random() < 0.08:  # the largest tiles, at a few small shapes
+        top = planner.max_hidden_size(case.cell, case.dtype, emulated_profile("grid"))
         return dataclasses.replace(case, hidden=int(top - rng.integers(0, 3)), path="grid",
                                    num_layers=1, bidirectional=False, batch=1,
                                    steps=int(rng.integers(1, 3)), lengths=False)
@@ -152,7 +152,7 @@ def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
     return case
 
 
-def _device(path: str) -> hardware.DeviceProfile:
+def emulated_profile(path: str) -> hardware.DeviceProfile:
     """The emulated device: an H100 (small layers as one cluster), or one without clusters."""
     h100 = hardware.PROFILES["h100"]
     if path == "cluster":
@@ -162,7 +162,8 @@ def _device(path: str) -> hardware.DeviceProfile:
 
 def _grid(case: Case) -> int:
     """CTAs of the case's persistent forward (0 where no plan fits)."""
-    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype, _device(case.path))
+    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
+                          emulated_profile(case.path))
     return p.forward.grid if p.fits else 0
 
 
@@ -175,7 +176,7 @@ def _held_back(case: Case) -> bool:
 def emulated_device(path: str):
     """Plan the CPU emulation for ``path`` ("cluster" or "grid") inside the block."""
     saved = runtime.EMULATED_DEVICE
-    runtime.EMULATED_DEVICE = _device(path)
+    runtime.EMULATED_DEVICE = emulated_profile(path)
     try:
         yield
     finally:
@@ -420,7 +421,8 @@ def _check_stats(case: Case, fwd, bwd) -> None:
         _require(case, s.algo == "persistent" and s.emulated, f"{name}: last_run {s}")
         clustered = any("PRNN_CLUSTER" in d for d in s.details)
         want = case.path == "cluster" and planner.make_plan(
-            case.cell, case.hidden, case.batch, case.dtype, _device("cluster")).tile.cluster > 0
+            case.cell, case.hidden, case.batch, case.dtype,
+            emulated_profile("cluster")).tile.cluster > 0
         _require(case, clustered == want, f"{name} ran on the wrong exchange path: {s.details}")
         if _held_back(case):  # a launch times out: restarts, and the GEMM path when they run out
             _require(case, s.restarts >= 1 or "GEMM" in (s.fallback or ""),
@@ -506,9 +508,8 @@ def run_module_case(case: Case) -> dict[str, float]:
         gradient = not (key == "y" or key.startswith("hn"))
         err = relerr(got[key], lib[key] if same_layer and gradient else w)
         worst = max(worst, err)
-        _require(case, err <= tol, f"{key}: relative error {err:.3g} against "
-                                   f"{'the library layer' if same_layer and gradient else 'torch.nn'}"
-                                   f" > {tol}")
+        against = "the library layer" if same_layer and gradient else "torch.nn"
+        _require(case, err <= tol, f"{key}: relative error {err:.3g} against {against} > {tol}")
     return {f"torch.nn {case.dtype}": worst}
 
 
@@ -660,7 +661,8 @@ def _configuration(case: Case) -> tuple | None:
     """The emulated kernel build a case ran (cell, weights, exchange, compile-time tile)."""
     if case.algo != "persistent":
         return None
-    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype, _device(case.path))
+    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
+                          emulated_profile(case.path))
     return case.cell, case.dtype, tuple(sorted(p.forward.defines.items()))
 
 
@@ -669,7 +671,8 @@ def _brief(case: Case) -> str:
         return f"{case.cell} {case.bad!r}"
     extra = (f" stall {case.stall}" if case.stall else "") + (
         f" resident {case.max_resident}" if case.max_resident else "")
-    return (f"{case.cell} {case.dtype} {case.algo}{'/' + case.path if case.algo == 'persistent' else ''}"
+    path = "/" + case.path if case.algo == "persistent" else ""
+    return (f"{case.cell} {case.dtype} {case.algo}{path}"
             f" H{case.hidden} B{case.batch} T{case.steps} L{case.num_layers}"
             f"{' bi' if case.bidirectional else ''}{' len' if case.lengths else ''}"
             f"{' hx' if case.hx else ''}{extra}")
