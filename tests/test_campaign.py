@@ -67,7 +67,7 @@ def test_a_failure_names_the_seed_and_the_command(monkeypatch):
 
 # The relu RNN of issue 19: H 160, B 7, T 5, bidirectional, bfloat16 (the GEMM path rounds h_t
 # where the kernels do, and gives the same errors).
-RELU_CASE = Case(seed=19, kind="layer", profile="ci", cell="rnn_relu", input_size=5, hidden=160,
+RELU_CASE = Case(seed=22, kind="layer", profile="ci", cell="rnn_relu", input_size=5, hidden=160,
                  batch=7, steps=5, bidirectional=True, lengths=True, hx=True, dtype="bfloat16",
                  algo="gemm")
 
