@@ -140,6 +140,7 @@ class Pending:
                             np.int32(step), np.uint64(int(timeout_ms * 1e6)), *stall.args()),
                            **extra)
         self.launches += 1
+        self.stats.launches += 1
 
     def next_step(self, words: np.ndarray | None = None) -> int:
         """The first step not completed by every CTA (``end`` when the pass is complete)."""
