@@ -265,11 +265,14 @@ PRNN_DEVICE void multiply_batch(const RegisterTile& tile, const float* v_s, floa
   prnn_sync_block();
 }
 
-// The full sum of local row `row` for batch row `b` (the kKsplit partial sums, in fixed order).
+// The full sum of local row `row` for batch row `b` (the kKsplit partial sums, in fixed order);
+// with kFirst/kLast, the sum over column chunks kFirst..kLast-1 only (the stack kernels keep the
+// two halves of their columns apart).
+template <int kFirst = 0, int kLast = kKsplit>
 PRNN_DEVICE float row_sum(const float* part_s, int b, int row, int local_rows) {
   float s = 0.0f;
 #pragma unroll
-  for (int c = 0; c < kKsplit; ++c) s += part_s[(b * kKsplit + c) * local_rows + row];
+  for (int c = kFirst; c < kLast; ++c) s += part_s[(b * kKsplit + c) * local_rows + row];
   return s;
 }
 

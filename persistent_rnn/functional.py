@@ -21,8 +21,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import runtime
-from .buffers import array_module, select_active
+from . import runtime, stack
+from .buffers import array_module, matmul_steps, select_active
 from .cells import CellSpec
 from .stats import RunStats
 
@@ -78,28 +78,50 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are float32
     holding values of that dtype, the recurrence rounds h_t to it every step (docs/api.md).
 
-    Every layer-direction is started without waiting for the previous one; their progress is
-    checked once at the end (``runtime.settle``). Where a persistent pass did not finish, it is
-    resumed and the layers above it run again on its completed output.
+    Stack mode (``stack``): a unidirectional stack whose layers fit the register files together
+    runs in one launch. Otherwise every layer-direction is started without waiting for the
+    previous one; their progress is checked once at the end (``runtime.settle``). Where a
+    persistent pass did not finish, it is resumed and the layers above it run again on its
+    completed output.
     """
     x = x.transpose(1, 0, 2) if batch_first else x
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
                                            batch_first, algo, half)
-    lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     ctx.inputs = [None] * num_layers
     ctx.directions = [[] for _ in range(num_layers)]
-    stats: dict[tuple[int, int], RunStats] = {}
     # Padding is selected out, not multiplied away: NaN/Inf there must not reach any result.
-    layer_input, first, rerun = select_active(xp, x, lengths), 0, False
+    layer_input = select_active(xp, x, ctx.lengths)
+    engine, why = stack.engine(cell, x, h0_all.shape[2], num_layers, bidirectional, algo, half,
+                               backward=False)
+    if engine is not None:
+        layer_input = _forward_stack(ctx, engine, layer_input, h0_all, c0_all)
+    else:
+        layer_input = _forward_layers(ctx, layer_input, h0_all, c0_all)
+        if why is not None and num_layers > 1:
+            ctx.stats.details.append(f"stack mode not used: {why}")
+    y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
+    h_n = xp.stack([d.fwd.y[-1] for dirs in ctx.directions for d in dirs])
+    if not cell.has_cell_state:
+        return y, h_n, ctx
+    return y, (h_n, xp.stack([d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
+
+
+def _forward_layers(ctx: Context, layer_input: Array, h0_all: Array,
+                    c0_all: Array | None) -> Array:
+    """One launch per layer-direction (or the GEMM path); sets ``ctx``'s layers and stats and
+    returns the last layer's output."""
+    num_dirs = 2 if ctx.bidirectional else 1
+    stats: dict[tuple[int, int], RunStats] = {}
+    first, rerun = 0, False
     while True:
         pending = []
-        for layer in range(first, num_layers):
+        for layer in range(first, ctx.num_layers):
             ctx.inputs[layer] = layer_input
             ctx.directions[layer] = []
             for direction in range(num_dirs):
                 k = layer * num_dirs + direction
-                names = param_names(layer, direction == 1, bias=f"bias_ih_l{layer}" in params)
-                d = _Direction(names, h0_all[k], None if c0_all is None else c0_all[k], None)
+                d = _Direction(_names(ctx, layer, direction == 1), h0_all[k],
+                               None if c0_all is None else c0_all[k], None)
                 d.fwd, stats[layer, direction], p = _start_direction(ctx, layer_input, d,
                                                                      direction == 1, rerun)
                 pending += [(layer, p)] if p else []
@@ -110,11 +132,33 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
             break
         layer_input, first, rerun = _layer_output(ctx, failed), failed + 1, True
     ctx.stats = _merged(stats, rerun)
-    y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
-    h_n = xp.stack([d.fwd.y[-1] for dirs in ctx.directions for d in dirs])
-    if not cell.has_cell_state:
-        return y, h_n, ctx
-    return y, (h_n, xp.stack([d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
+    return layer_input
+
+
+def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
+                   c0_all: Array | None) -> Array:
+    """The whole unidirectional stack in stack mode (``stack.forward``); sets ``ctx``'s layers
+    and stats as ``_forward_layers`` does and returns the last layer's output."""
+    names = [_names(ctx, layer, False) for layer in range(ctx.num_layers)]
+    weights = [_weights(ctx, n) for n in names]
+    results, ctx.stats = stack.forward(ctx.cell, engine, _input_projection(ctx, layer_input, names[0]),
+                                       weights, h0_all, c0_all, ctx.lengths)
+    for layer, fwd in enumerate(results):
+        ctx.inputs[layer] = layer_input
+        ctx.directions[layer] = [_Direction(names[layer], h0_all[layer],
+                                            None if c0_all is None else c0_all[layer], fwd)]
+        layer_input = _layer_output(ctx, layer)
+    return layer_input
+
+
+def _names(ctx: Context, layer: int, reverse: bool) -> list[str]:
+    return param_names(layer, reverse, bias=f"bias_ih_l{layer}" in ctx.params)
+
+
+def _weights(ctx: Context, names: list[str]) -> tuple:
+    """``(w_ih, w_hh, b_ih, b_hh)`` of one layer-direction (biases ``None`` without bias)."""
+    w = [ctx.params[n] for n in names]
+    return (*w, None, None) if len(w) == 2 else tuple(w)
 
 
 def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict[str, Array]]:
@@ -165,15 +209,21 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
 def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: bool,
                      rerun: bool) -> tuple[runtime.ForwardResult, RunStats, runtime.Pending | None]:
     """Project the input for all steps (one GEMM) and start this direction's recurrence."""
-    w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
-    b_ih, b_hh = (ctx.params[n] for n in d.names[2:]) if len(d.names) == 4 else (None, None)
-    gi = _matmul_steps(layer_input, w_ih.T)
-    if b_ih is not None:
-        gi += b_ih
+    _, w_hh, _, b_hh = _weights(ctx, d.names)
+    gi = _input_projection(ctx, layer_input, d.names)
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun,
                            ctx.half)
+
+
+def _input_projection(ctx: Context, layer_input: Array, names: list[str]) -> Array:
+    """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM."""
+    w_ih, _, b_ih, _ = _weights(ctx, names)
+    gi = matmul_steps(layer_input, w_ih.T)
+    if b_ih is not None:
+        gi += b_ih
+    return gi
 
 
 def _layer_output(ctx: Context, layer: int) -> Array:
@@ -201,7 +251,7 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
         if len(d.names) == 4:
             grads[d.names[2]] = dgi_2d.sum(axis=0)
             grads[d.names[3]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
-        part = _matmul_steps(dgi, ctx.params[d.names[0]])
+        part = matmul_steps(dgi, ctx.params[d.names[0]])
         d_in = part if d_in is None else d_in + part
     return d_in if d_in is not None else xp.zeros_like(layer_input)
 
@@ -214,12 +264,6 @@ def _merged(stats: Mapping[tuple[int, int], RunStats], rerun: bool) -> RunStats:
     if rerun:
         total.details.append("layers after a restarted layer ran again on its completed output")
     return total
-
-
-def _matmul_steps(a: Array, w: Array) -> Array:
-    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N)."""
-    steps, batch, width = a.shape
-    return (a.reshape(steps * batch, width) @ w).reshape(steps, batch, w.shape[1])
 
 
 def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, hidden: int,

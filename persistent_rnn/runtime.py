@@ -97,9 +97,9 @@ class _Control:
         cupy.cuda.runtime.memsetAsync(ptr + 8, 0xFF, 4 * (words.size - 2), stream)
 
     @staticmethod
-    def next_step(words: np.ndarray, start: int, direction: int) -> int:
-        """The first step not completed by every CTA in a launch from ``start``."""
-        progress = words[2:].view(np.int32)
+    def next_step(words: np.ndarray, start: int, direction: int, ctas: slice = slice(None)) -> int:
+        """The first step not completed by every CTA (of ``ctas``) in a launch from ``start``."""
+        progress = words[2:].view(np.int32)[ctas]
         progress = np.where(progress == -1, start - direction, progress)
         done = int(progress.min()) if direction > 0 else int(progress.max())
         return done + direction
@@ -378,7 +378,13 @@ def _cached_engine(cell: CellSpec, hidden: int, batch: int, backward: bool,
     plan = planner.make_plan(cell, hidden, batch, weights, device)
     if not plan.fits:
         return None, plan.reason
-    pass_plan = plan.backward if backward else plan.forward
+    return engine_of(plan.backward if backward else plan.forward, device, cooperative, emulated)
+
+
+def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, cooperative: bool,
+              emulated: bool) -> tuple[_Engine | None, str | None]:
+    """The engine of a planned pass: its module built (NVRTC, or g++ for the emulation) and, on
+    the GPU, the grid checked against CUDA's occupancy calculator; or why it cannot run."""
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)

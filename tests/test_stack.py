@@ -42,7 +42,7 @@ def test_progress_is_read_once_per_forward_and_backward(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["LSTM", "RNN"])
 def test_a_restart_reruns_the_later_layers_with_identical_results(settings, grid_path, mode):
-    prnn.configure(emulation_timeout_ms=300)
+    prnn.configure(emulation_timeout_ms=300, stack=False)  # one launch per layer (not stack mode)
     layer = getattr(prnn, mode)(3, 16, num_layers=3, algo="persistent", seed=1)
     x, dy = _data(layer, seed=2)
     plain, _, _ = _run(layer, x, dy)

@@ -47,3 +47,112 @@ def test_launches_count_one_per_layer_direction_without_stack_mode(settings):
     gemm = prnn.GRU(3, 16, num_layers=2, algo="gemm", seed=0)
     gemm.forward(x)
     assert gemm.last_run.launches == 0
+
+
+STEPS, BATCH, HIDDEN, LAYERS = 12, 2, 64, 3
+LENGTHS = [12, 7]
+CTAS_PER_LAYER = HIDDEN // 4  # the emulated H100 plans the 4-unit stack tile at H = 64
+
+
+def _layers(mode, seed=0):
+    persistent = getattr(prnn, mode)(5, HIDDEN, num_layers=LAYERS, algo="persistent", seed=seed)
+    reference = getattr(prnn, mode)(5, HIDDEN, num_layers=LAYERS, algo="gemm", dtype="float64",
+                                    seed=seed)
+    return persistent, reference
+
+
+def _inputs(mode, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((STEPS, BATCH, 5)).astype(np.float32)
+    state = lambda: 0.5 * rng.standard_normal((LAYERS, BATCH, HIDDEN)).astype(np.float32)  # noqa: E731
+    hx = (state(), state()) if mode == "LSTM" else state()
+    dy = rng.standard_normal((STEPS, BATCH, HIDDEN)).astype(np.float32)
+    dhn = (state(), state()) if mode == "LSTM" else state()
+    return x, hx, dy, dhn
+
+
+def _as64(a):
+    return tuple(_as64(v) for v in a) if isinstance(a, tuple) else a.astype(np.float64)
+
+
+def _flat(*arrays):
+    out = []
+    for a in arrays:
+        out += _flat(*a) if isinstance(a, (tuple, list)) else [a.copy()]
+    return out
+
+
+def _forward(layer, x, hx):
+    y, hn = layer.forward(x, hx, lengths=LENGTHS)
+    return _flat(y, hn), layer.last_run
+
+
+def _assert_close(got, ref, rtol=1e-5):
+    for a, b in zip(got, ref):
+        scale = max(np.abs(b).max(), 1e-30)
+        assert np.abs(a - b).max() <= rtol * scale, np.abs(a - b).max() / scale
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+def test_stack_forward_runs_in_one_launch_and_matches_float64(settings, mode):
+    layer, reference = _layers(mode)
+    x, hx, _, _ = _inputs(mode)
+    got, stats = _forward(layer, x, hx)
+    assert (stats.algo, stats.launches, stats.restarts, stats.fallback) == ("persistent", 1, 0, None)
+    assert "prnn_stack_forward" in stats.details[-1]
+    ref, _ = _forward(reference, x.astype(np.float64), _as64(hx))
+    _assert_close(got, ref)
+    with prnn.override_settings(stack=False):  # one launch per layer: the same results
+        apart, per_layer = _forward(layer, x, hx)
+    assert per_layer.launches == LAYERS
+    _assert_close(got, apart, 1e-6)
+
+
+def _stall_cases(mode):
+    if mode == "LSTM":  # every layer at the first, a middle and the last step
+        return [(layer, step) for layer in range(LAYERS) for step in (0, STEPS // 2, STEPS - 1)]
+    return [(0, 0), (1, STEPS // 2), (2, STEPS - 1), (1, STEPS - 1)]
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+def test_stack_forward_stalls_give_bitwise_identical_results(settings, mode):
+    # Restarts replay bitwise; only the GEMM fallback would not, so a loaded machine's spurious
+    # timeouts must not exhaust the restarts.
+    prnn.configure(emulation_timeout_ms=300, max_restarts=50)
+    layer, _ = _layers(mode, seed=2)
+    x, hx, _, _ = _inputs(mode, seed=3)
+    plain, _ = _forward(layer, x, hx)
+    for stalled_layer, step in _stall_cases(mode):
+        block = stalled_layer * CTAS_PER_LAYER + 1
+        with prnn.inject_stall(block=block, step=step, duration_ms=900):
+            stalled, stats = _forward(layer, x, hx)
+        for a, b in zip(plain, stalled):
+            np.testing.assert_array_equal(a, b)
+        assert stats.fallback is None and stats.launches == 1 + stats.restarts
+        if (stalled_layer, step) != (LAYERS - 1, STEPS - 1):  # nobody waits on the very last step
+            assert stats.restarts >= 1, (stalled_layer, step)
+
+
+def test_stack_forward_layers_need_not_be_co_resident(settings):
+    """With room for one layer's CTAs at a time, each layer finds the one below complete in the
+    exchange (a slot per step): no timeout at all."""
+    prnn.configure(emulation_max_resident=CTAS_PER_LAYER)
+    layer, _ = _layers("GRU", seed=4)
+    x, hx, _, _ = _inputs("GRU", seed=5)
+    held, stats = _forward(layer, x, hx)
+    assert (stats.launches, stats.restarts) == (1, 0)
+    prnn.configure(emulation_max_resident=None)
+    free, _ = _forward(layer, x, hx)
+    for a, b in zip(held, free):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stack_forward_finishes_every_layer_on_gemm_after_the_restart_cap(settings):
+    prnn.configure(emulation_timeout_ms=200, emulation_max_resident=6, max_restarts=1)
+    layer, reference = _layers("LSTM", seed=6)
+    x, hx, _, _ = _inputs("LSTM", seed=7)
+    got, stats = _forward(layer, x, hx)
+    assert stats.restarts == 1 and stats.launches == 2
+    assert "on GEMM" in stats.fallback and "layer 2" in stats.fallback
+    ref, _ = _forward(reference, x.astype(np.float64), _as64(hx))
+    _assert_close(got, ref)

@@ -1,0 +1,188 @@
+"""Stack mode: every layer of a unidirectional stack in one persistent launch per pass.
+
+Where the weights of all layers fit the register files together (``plan.make_stack_plan``), the
+forward of an L-layer stack is one launch of ``cuda_src/stack_forward.cu`` and its backward one
+of ``stack_backward.cu`` instead of L each: layer l computes step t while layer l+1 computes
+t-1 (forward; the reverse backward), so a pass takes about T + L - 1 step latencies instead of
+L*T. The input projection of the layers above the first happens inside the kernel; layer 0's is
+the GEMM before the launch, as for one layer.
+
+Restart protocol (the layer kernels', per layer): each CTA records the last step it completed;
+after the launch the host reads the progress once and, where a layer did not finish, launches
+the stack again with each layer starting from its first step not completed by all of its CTAs
+(``starts``; a finished layer's CTAs exit at once). The exchange keeps every step's words
+(``stack_common.cuh``), so a relaunch needs no zeroing and replays bitwise the same results.
+After ``Settings.max_restarts`` restarts the GEMM path finishes every unfinished layer from where
+it stopped, in order (forward bottom-up, backward top-down), each from the completed output of
+its neighbour. ``RunStats.launches`` counts the launches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import buffers, gemm, hardware, plan as planner, runtime, settings
+from .cells import CellSpec
+from .stats import RunStats
+
+Array = Any
+Weights = tuple  # one layer's (w_ih, w_hh, b_ih or None, b_hh or None)
+
+
+def engine(cell: CellSpec, data: Array, hidden: int, layers: int, bidirectional: bool,
+           algo: str, half: str | None,
+           backward: bool) -> tuple[runtime._Engine | None, str | None]:
+    """The stack-mode engine of one pass over ``data`` (T, B, .), or ``(None, why not)``: then
+    the layers run one launch per layer-direction (``None`` reason: stack mode was not asked
+    for, e.g. ``algo="gemm"`` or the ``stack`` setting off)."""
+    batch = data.shape[1]
+    on_gpu = buffers.array_module(data) is not np
+    if algo == "gemm" or batch == 0 or layers < 2 or not settings.current().stack \
+            or (algo == "auto" and not on_gpu):
+        return None, None
+    why = runtime._why_not_persistent(data, batch, algo, half)
+    if why is not None:
+        return None, why
+    device = runtime._current_device() if on_gpu else runtime.EMULATED_DEVICE
+    return _cached_engine(cell, hidden, batch, layers, bidirectional, backward, device,
+                          on_gpu and settings.current().cooperative, not on_gpu, half or "float32")
+
+
+@lru_cache(maxsize=64)
+def _cached_engine(cell: CellSpec, hidden: int, batch: int, layers: int, bidirectional: bool,
+                   backward: bool, device: hardware.DeviceProfile, cooperative: bool,
+                   emulated: bool, weights: str) -> tuple[runtime._Engine | None, str | None]:
+    plan = planner.make_stack_plan(cell, hidden, batch, layers, bidirectional, weights, device)
+    if not plan.fits:
+        return None, plan.reason
+    return runtime.engine_of(plan.backward if backward else plan.forward, device, cooperative,
+                             emulated)
+
+
+@dataclass
+class _StackPass:
+    """One pass of a stack (forward or backward): its launches and their progress."""
+
+    engine: runtime._Engine
+    args: Callable[[Array], tuple]  # the kernel's buffer arguments around ``starts``
+    sizes: tuple[int, int, int]     # (T, B, H)
+    layers: int
+    direction: int                  # +1 forward, -1 backward
+    control: Array
+    stats: RunStats
+
+    @property
+    def end(self) -> int:
+        return self.sizes[0] if self.direction > 0 else -1
+
+    def launch(self, starts: np.ndarray, stall: settings.Stall) -> None:
+        s, p = settings.current(), self.engine.pass_plan
+        timeout_ms = s.emulation_timeout_ms if self.engine.emulated else s.gpu_timeout_ms
+        extra = {"max_resident": s.emulation_max_resident} if self.engine.emulated else {}
+        runtime._Control.reset(self.control)
+        xp = buffers.array_module(self.control)
+        self.engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
+                           (*self.args(xp.asarray(starts, dtype=np.int32)), self.control,
+                            *(np.int32(n) for n in self.sizes),
+                            np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
+        self.stats.launches += 1
+
+    def next_steps(self, starts: np.ndarray) -> np.ndarray:
+        """Per layer, the first step not completed by all of its CTAs (``end``: finished)."""
+        words = runtime._to_host(self.control)
+        per = self.engine.pass_plan.grid // self.layers
+        return np.array([runtime._Control.next_step(words, int(s), self.direction,
+                                                    slice(k * per, (k + 1) * per))
+                         for k, s in enumerate(starts)])
+
+    def run(self, finish: Callable[[np.ndarray], None]) -> None:
+        """Launch from the first step, restart unfinished layers, then ``finish(next steps)``
+        (the GEMM path completes what the kernel left)."""
+        starts = np.full(self.layers, 0 if self.direction > 0 else self.sizes[0] - 1)
+        self.launch(starts, settings.current_stall())
+        if runtime._capturing(self.control):
+            self.stats.details.append("progress not checked (CUDA stream capture): no restart")
+            finish(np.full(self.layers, self.end))
+            return
+        steps = self.next_steps(starts)
+        while (steps != self.end).any() and self.stats.restarts < settings.current().max_restarts:
+            self.stats.restarts += 1
+            self.launch(steps, settings.NO_STALL)
+            steps = self.next_steps(steps)
+        left = [f"layer {k} steps {s}..{self.end - self.direction}"
+                for k, s in enumerate(steps) if s != self.end]
+        if left:
+            self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
+                                   + ", ".join(left) + " on GEMM")
+        self.stats.details.append(self._describe())
+        finish(steps)
+
+    def _describe(self) -> str:
+        pp = self.engine.pass_plan
+        where = "emulated" if self.engine.emulated else "GPU"
+        return (f"{pp.kernel} ({where}, stack of {self.layers} layers): {pp.defines}, "
+                f"grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared, "
+                f"{self.stats.launches} launch(es)")
+
+
+def _new_pass(engine_: runtime._Engine, args: Callable, sizes: tuple[int, int, int], layers: int,
+              direction: int, xp) -> _StackPass:
+    stats = RunStats(algo="persistent", emulated=engine_.emulated)
+    return _StackPass(engine_, args, sizes, layers, direction,
+                      runtime._Control.new(xp, engine_.pass_plan.grid), stats)
+
+
+def _stacked(xp, arrays: Sequence[Array]) -> Array:
+    """``arrays`` stacked on a new first axis as one contiguous float32 array."""
+    return xp.ascontiguousarray(xp.stack(arrays), dtype=np.float32)
+
+
+def _biases(xp, cell: CellSpec, weights: Sequence[Weights], which: int, hidden: int) -> Array:
+    zero = xp.zeros(cell.gates * hidden, np.float32)
+    return _stacked(xp, [zero if w[which] is None else w[which] for w in weights])
+
+
+def _projected(y_below: Array, w: Weights, lengths: Array | None) -> Array:
+    """The input projection of a layer above the first, from the layer below's output as the
+    layer-by-layer path feeds it (zero past each length): ``W_ih y + b_ih`` for all steps."""
+    xp = buffers.array_module(y_below)
+    gi = buffers.matmul_steps(buffers.select_active(xp, y_below, lengths), w[0].T)
+    return gi if w[2] is None else gi + w[2]
+
+
+def forward(cell: CellSpec, engine_: runtime._Engine, gi: Array, weights: Sequence[Weights],
+            h0: Array, c0: Array | None, lengths: Array | None
+            ) -> tuple[list[runtime.ForwardResult], RunStats]:
+    """The forward of a stack in stack mode. ``gi``: layer 0's input projection (T, B, G*H);
+    ``weights``: per layer ``(w_ih, w_hh, b_ih, b_hh)``; ``h0``/``c0``: (L, B, H)."""
+    xp = buffers.array_module(gi)
+    steps, batch, _ = gi.shape
+    layers, hidden = len(weights), weights[0][1].shape[1]
+    y = xp.empty((layers, steps, batch, hidden), np.float32)
+    cs = xp.empty_like(y) if cell.has_cell_state else None
+    saved = xp.empty((layers, steps, batch, cell.saved * hidden), np.float32)
+    results = [runtime.ForwardResult(y[k], None if cs is None else cs[k], saved[k])
+               for k in range(layers)]
+    f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+    lead = (_stacked(xp, [w[0] for w in weights[1:]]), _stacked(xp, [w[1] for w in weights]),
+            _biases(xp, cell, weights, 2, hidden), _biases(xp, cell, weights, 3, hidden), f32(gi),
+            f32(h0), f32(h0 if c0 is None else c0), buffers.full_lengths(xp, lengths, batch, steps))
+    tail = (y, y if cs is None else cs, saved,
+            xp.zeros((layers, steps, batch, hidden + hidden % 2), np.uint64))
+
+    def finish(next_steps: np.ndarray) -> None:
+        for k, start in enumerate(next_steps):  # bottom-up: layer k reads layer k-1's output
+            if start < steps:
+                layer_gi = gi if k == 0 else _projected(y[k - 1], weights[k], lengths)
+                r = results[k]
+                gemm.forward_steps(cell, layer_gi, weights[k][1], weights[k][3], h0[k],
+                                   None if c0 is None else c0[k], lengths, r.y, r.cs, r.saved,
+                                   start=int(start))
+
+    p = _new_pass(engine_, lambda starts: (*lead, starts, *tail), (steps, batch, hidden), layers,
+                  1, xp)
+    p.run(finish)
+    return results, p.stats
