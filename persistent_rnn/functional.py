@@ -174,9 +174,30 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
     grads: dict[str, Array] = {}
     results: dict[tuple[int, int], runtime.BackwardResult] = {}
+    d_out = select_active(xp, dy, ctx.lengths)
+    engine, why = stack.engine(ctx.cell, dy, ctx.directions[0][0].h0.shape[1], ctx.num_layers,
+                               ctx.bidirectional, ctx.algo, ctx.half, backward=True)
+    if engine is not None:
+        d_out = _backward_stack(ctx, engine, d_out, dhn, dcn, results, grads)
+    else:
+        d_out = _backward_layers(ctx, d_out, dhn, dcn, results, grads)
+        if why is not None and ctx.num_layers > 1:
+            ctx.backward_stats.details.append(f"stack mode not used: {why}")
+    dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
+    dh = xp.stack([results[k].dh0 for k in sorted(results)])
+    if not ctx.cell.has_cell_state:
+        return dx, dh, grads
+    return dx, (dh, xp.stack([results[k].dc0 for k in sorted(results)])), grads
+
+
+def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array | None,
+                     results: dict, grads: dict[str, Array]) -> Array:
+    """One launch per layer-direction (or the GEMM path), top-down; fills ``results`` and
+    ``grads``, sets ``ctx.backward_stats`` and returns the gradient of the first layer's input."""
+    xp = array_module(d_out)
     stats: dict[tuple[int, int], RunStats] = {}
     num_dirs = len(ctx.directions[0])
-    d_out, first, rerun = select_active(xp, dy, ctx.lengths), ctx.num_layers - 1, False
+    first, rerun = ctx.num_layers - 1, False
     while True:
         pending = []
         for layer in range(first, -1, -1):
@@ -199,11 +220,26 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
         if first < 0:
             break
     ctx.backward_stats = _merged(stats, rerun)
-    dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
-    dh = xp.stack([results[k].dh0 for k in sorted(results)])
-    if not ctx.cell.has_cell_state:
-        return dx, dh, grads
-    return dx, (dh, xp.stack([results[k].dc0 for k in sorted(results)])), grads
+    return d_out
+
+
+def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
+                    dcn: Array | None, results: dict, grads: dict[str, Array]) -> Array:
+    """The whole unidirectional stack in stack mode (``stack.backward``): the gradient reaching
+    each layer's output from the layer above is formed inside the kernel, so only the first
+    layer's input gradient is a GEMM here. Fills ``results`` and ``grads`` as
+    ``_backward_layers`` does."""
+    xp = array_module(d_out)
+    dirs = [ctx.directions[layer][0] for layer in range(ctx.num_layers)]
+    c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+    per_layer, ctx.backward_stats = stack.backward(
+        ctx.cell, engine, xp.ascontiguousarray(d_out), dhn, dcn,
+        [_weights(ctx, d.names) for d in dirs], xp.stack([d.h0 for d in dirs]), c0, ctx.lengths,
+        [d.fwd for d in dirs])
+    for layer in range(ctx.num_layers - 1, -1, -1):
+        results[layer, 0] = per_layer[layer]
+        d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
+    return d_out
 
 
 def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: bool,
@@ -236,8 +272,9 @@ def _layer_output(ctx: Context, layer: int) -> Array:
 
 
 def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int], Any],
-                     grads: dict[str, Array]) -> Array:
-    """Set the parameter gradients of ``layer`` in ``grads``; return the gradient of its input."""
+                     grads: dict[str, Array], input_grad: bool = True) -> Array | None:
+    """Set the parameter gradients of ``layer`` in ``grads``; return the gradient of its input
+    (``None`` without ``input_grad``: stack mode formed it inside the kernel)."""
     layer_input = ctx.inputs[layer]
     xp = array_module(layer_input)
     flat_input = layer_input.reshape(-1, layer_input.shape[2])
@@ -251,8 +288,11 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
         if len(d.names) == 4:
             grads[d.names[2]] = dgi_2d.sum(axis=0)
             grads[d.names[3]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
-        part = matmul_steps(dgi, ctx.params[d.names[0]])
-        d_in = part if d_in is None else d_in + part
+        if input_grad:
+            part = matmul_steps(dgi, ctx.params[d.names[0]])
+            d_in = part if d_in is None else d_in + part
+    if not input_grad:
+        return None
     return d_in if d_in is not None else xp.zeros_like(layer_input)
 
 

@@ -186,3 +186,51 @@ def forward(cell: CellSpec, engine_: runtime._Engine, gi: Array, weights: Sequen
                   1, xp)
     p.run(finish)
     return results, p.stats
+
+
+def backward(cell: CellSpec, engine_: runtime._Engine, dy: Array, dhn: Array | None,
+             dcn: Array | None, weights: Sequence[Weights], h0: Array, c0: Array | None,
+             lengths: Array | None, fwds: Sequence[runtime.ForwardResult]
+             ) -> tuple[list[runtime.BackwardResult], RunStats]:
+    """The backward of a stack in stack mode. ``dy``: the top layer's output gradient (T, B, H),
+    zero past each length; ``dhn``/``dcn``: (L, B, H) or ``None``; ``fwds``: each layer's
+    forward buffers. Returns each layer's ``BackwardResult`` (``dh0``/``dc0`` included)."""
+    xp = buffers.array_module(dy)
+    steps, batch, hidden = dy.shape
+    layers, width = len(weights), cell.gates * hidden
+    dgi = xp.empty((layers, steps, batch, width), np.float32)
+    dgh = xp.empty_like(dgi) if buffers.separate_dgh(cell) else dgi
+    dh_carry = xp.zeros((layers, steps + 1, batch, hidden), np.float32)
+    dc_carry = xp.zeros_like(dh_carry) if cell.has_cell_state else dh_carry
+    if dhn is not None:
+        dh_carry[:, steps] = dhn
+    if dcn is not None and cell.has_cell_state:
+        dc_carry[:, steps] = dcn
+    exchange_gh = xp.zeros((layers, steps, batch, width + width % 2), np.uint64)
+    exchange_gi = xp.zeros_like(exchange_gh) if dgh is not dgi else exchange_gh
+    y = _stacked(xp, [f.y for f in fwds])
+    f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+    lead = (_stacked(xp, [w[1].T for w in weights]), _stacked(xp, [w[0].T for w in weights[1:]]),
+            f32(dy), y, y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds]),
+            _stacked(xp, [f.saved for f in fwds]), f32(h0), f32(h0 if c0 is None else c0),
+            buffers.full_lengths(xp, lengths, batch, steps))
+    tail = (dgi, dgh, dh_carry, dc_carry, exchange_gh, exchange_gi)
+    results: list[runtime.BackwardResult] = [None] * layers  # type: ignore[list-item]
+
+    def finish(next_steps: np.ndarray) -> None:
+        for k in range(layers - 1, -1, -1):  # top-down: layer k's dy comes from layer k+1's dgi
+            stop, w_hh = int(next_steps[k]) + 1, weights[k][1]  # steps >= stop are complete
+            dh = dh_carry[k, stop] + (dgh[k, stop] @ w_hh if stop < steps else 0.0)
+            dc = dc_carry[k, stop] if cell.has_cell_state else None
+            if stop > 0:
+                dy_k = dy if k == layers - 1 else buffers.matmul_steps(dgi[k + 1], weights[k + 1][0])
+                f = fwds[k]
+                dh, dc = gemm.backward_steps(cell, dy_k, w_hh, h0[k], None if c0 is None else c0[k],
+                                             lengths, f.y, f.cs, f.saved, dgi[k], dgh[k],
+                                             dh_carry=dh, dc_carry=dc, stop=stop)
+            results[k] = runtime.BackwardResult(dgi[k], dgh[k], dh, dc)
+
+    p = _new_pass(engine_, lambda starts: (*lead, starts, *tail), (steps, batch, hidden), layers,
+                  -1, xp)
+    p.run(finish)
+    return results, p.stats

@@ -156,3 +156,59 @@ def test_stack_forward_finishes_every_layer_on_gemm_after_the_restart_cap(settin
     assert "on GEMM" in stats.fallback and "layer 2" in stats.fallback
     ref, _ = _forward(reference, x.astype(np.float64), _as64(hx))
     _assert_close(got, ref)
+
+
+def _backward(layer, x, hx, dy, dhn, stall=None):
+    """Forward (undisturbed), then backward (under ``stall``): the gradients and their stats."""
+    layer.zero_grad()
+    layer.forward(x, hx, lengths=LENGTHS)
+    if stall is None:
+        dx, dhx = layer.backward(dy, dhn)
+    else:
+        with prnn.inject_stall(**stall):
+            dx, dhx = layer.backward(dy, dhn)
+    return _flat(dx, dhx, list(layer.grads.values())), layer.last_run
+
+
+def _backward64(reference, x, hx, dy, dhn):
+    return _backward(reference, x.astype(np.float64), _as64(hx), dy.astype(np.float64),
+                     _as64(dhn))[0]
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+def test_stack_backward_runs_in_one_launch_and_matches_float64(settings, mode):
+    layer, reference = _layers(mode, seed=8)
+    x, hx, dy, dhn = _inputs(mode, seed=9)
+    got, stats = _backward(layer, x, hx, dy, dhn)
+    assert (stats.algo, stats.launches, stats.restarts, stats.fallback) == ("persistent", 1, 0, None)
+    assert "prnn_stack_backward" in stats.details[-1]
+    _assert_close(got, _backward64(reference, x, hx, dy, dhn))
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+def test_stack_backward_stalls_give_bitwise_identical_results(settings, mode):
+    prnn.configure(emulation_timeout_ms=300, max_restarts=50)  # as for the forward
+    layer, _ = _layers(mode, seed=10)
+    x, hx, dy, dhn = _inputs(mode, seed=11)
+    plain, _ = _backward(layer, x, hx, dy, dhn)
+    for stalled_layer, step in _stall_cases(mode):
+        stall = dict(block=stalled_layer * CTAS_PER_LAYER + 1, step=step, duration_ms=900)
+        stalled, stats = _backward(layer, x, hx, dy, dhn, stall)
+        for a, b in zip(plain, stalled):
+            np.testing.assert_array_equal(a, b)
+        assert stats.fallback is None and stats.launches == 1 + stats.restarts
+        if (stalled_layer, step) != (0, 0):  # the backward's very last step: nobody waits on it
+            assert stats.restarts >= 1, (stalled_layer, step)
+
+
+def test_stack_backward_finishes_every_layer_on_gemm_after_the_restart_cap(settings):
+    layer, reference = _layers("GRU", seed=12)
+    x, hx, dy, dhn = _inputs("GRU", seed=13)
+    layer.zero_grad()
+    layer.forward(x, hx, lengths=LENGTHS)
+    with prnn.override_settings(emulation_timeout_ms=200, emulation_max_resident=6, max_restarts=1):
+        dx, dhx = layer.backward(dy, dhn)
+    stats = layer.last_run
+    assert stats.restarts == 1 and stats.launches == 2 and "layer 0" in stats.fallback
+    _assert_close(_flat(dx, dhx, list(layer.grads.values())),
+                  _backward64(reference, x, hx, dy, dhn))
