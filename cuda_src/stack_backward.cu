@@ -27,10 +27,12 @@ constexpr int kInputs = kSavedSlot + ThisCell::S;
 PRNN_KERNEL void prnn_stack_backward(
     const float* w_t,       // (layers, H, G*H): W_hh^T of every layer
     const float* w_ih_t,    // (layers-1, H, G*H): W_ih^T of layers 1.. (row l-1 serves layer l-1)
-    const float* dy,        // (T, B, H): gradient of the top layer's output, zero past each length
+    const float* dy,        // (T, B, H): gradient of the top layer's output, zero past each length;
+                            // unchained: (groups, T, B, H), every group's own
     const float* y, const float* cs, const float* saved,  // forward buffers, (layers, T, B, .)
     const float* h0, const float* c0,  // (layers, B, H)
     const int* lengths,     // (B,) in 1..T
+    int chained,            // 1: a stack; 0: the two directions of one layer side by side
     const int* starts,      // (layers,): each layer's first step in this launch (-1: none left)
     float* dgi, float* dgh,  // (layers, T, B, G*H); the same array unless GRU
     float* dh_carry, float* dc_carry,  // (layers, T+1, B, H); dc_carry: LSTM only
@@ -46,7 +48,8 @@ PRNN_KERNEL void prnn_stack_backward(
   const int per_layer = stack_ctas_per_layer(hidden), layers = gridDim.x / per_layer;
   const int layer = blockIdx.x / per_layer, j0 = (blockIdx.x % per_layer) * kUnits;
   const int gh_len = G * hidden, start = starts[layer];
-  const bool top = layer + 1 == layers;
+  const bool top = !chained || layer + 1 == layers;  // dy given, nothing from above
+  const float* dy_l = dy + (chained ? 0 : layer) * (size_t)steps * batch * hidden;
   const size_t plane = (size_t)batch * hidden, rows_l = (size_t)steps * batch;
   const float* y_l = y + layer * rows_l * hidden;
   const float* cs_l = cs + layer * rows_l * hidden;
@@ -102,7 +105,7 @@ PRNN_KERNEL void prnn_stack_backward(
       if (j >= hidden) continue;
       const size_t at = ((size_t)t * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
       float* in = base + b * kInputs * kUnits + u;
-      if (top) prnn_copy4_to_shared(in + kDy * kUnits, dy + at);
+      if (top) prnn_copy4_to_shared(in + kDy * kUnits, dy_l + at);
       prnn_copy4_to_shared(in + kH * kUnits, y_l + at);
       prnn_copy4_to_shared(in + kHPrev * kUnits, t > 0 ? y_l + (at - plane) : h0_l + at0);
       if (kHasC) {

@@ -20,9 +20,11 @@ PRNN_KERNEL void prnn_stack_forward(
     const float* w_hh,      // (layers, G*H, H)
     const float* b_ih,      // (layers, G*H); layer 0's row unused (gi holds it); zeros without bias
     const float* b_hh,      // (layers, G*H)
-    const float* gi,        // (T, B, G*H): layer 0's W_ih x_t + b_ih
+    const float* gi,        // (T, B, G*H): layer 0's W_ih x_t + b_ih; unchained (groups, T, B, G*H)
     const float* h0, const float* c0,  // (layers, B, H); c0 only read for LSTM
     const int* lengths,     // (B,) in 1..T
+    int chained,            // 1: a stack (group l reads group l-1's output); 0: the two directions
+                            // of one layer side by side, each group reading its own gi
     const int* starts,      // (layers,): each layer's first step in this launch (T: none left)
     float* y, float* cs, float* saved,  // (layers, T, B, H), (layers, T, B, H) LSTM only, (layers, T, B, S*H)
     unsigned long long* exchange,  // (layers, T, B, H rounded up to even) tagged h_t, zeroed once per pass
@@ -36,7 +38,9 @@ PRNN_KERNEL void prnn_stack_forward(
   const int per_layer = stack_ctas_per_layer(hidden);
   const int layer = blockIdx.x / per_layer, j0 = (blockIdx.x % per_layer) * kUnits;
   const int gh_len = G * hidden, start = starts[layer];
+  const bool own_gi = layer == 0 || !chained;  // the input projection was the GEMM before
   const size_t rows_l = (size_t)steps * batch;  // (T, B) rows of one layer's arrays
+  const float* gi_l = gi + (chained ? 0 : layer) * rows_l * G * hidden;
   float* y_l = y + layer * rows_l * hidden;
   float* cs_l = cs + layer * rows_l * hidden;
   float* saved_l = saved + layer * rows_l * S * hidden;
@@ -45,7 +49,7 @@ PRNN_KERNEL void prnn_stack_forward(
 
   float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: [y_{l-1}[t] | h_l[t-1]], halves
   float* part_s = v_s + batch * kPadded;     // [batch][kKsplit][R]: partial sums
-  float* gi_s = part_s + batch * kKsplit * R;  // [2][batch][G][kUnits]: layer 0's gi_t by parity
+  float* gi_s = part_s + batch * kKsplit * R;  // [2][batch][G][kUnits]: gi_t by parity (own_gi)
   float* c_s = gi_s + 2 * batch * G * kUnits;  // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
   float* hp_s = c_s + batch * kUnits;        // [batch][kUnits]: h_{t-1} of the owned units
   float* bias_s = hp_s + batch * kUnits;     // [2][G][kUnits]: b_ih, b_hh of the owned rows
@@ -56,13 +60,14 @@ PRNN_KERNEL void prnn_stack_forward(
     return;
   }
 
-  // Chunks of the first half multiply y_{l-1}[t] by W_ih (none in layer 0), the rest h by W_hh.
+  // Chunks of the first half multiply y_{l-1}[t] by W_ih (none where gi is given), the rest h
+  // by W_hh.
   const bool input_half = warp_chunk() < kHalfChunks;
   int rows[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int local = warp_row_group() * kRows + r, g = local / kUnits, u = local % kUnits;
-    rows[r] = j0 + u < hidden && !(input_half && layer == 0) ? g * hidden + j0 + u : -1;
+    rows[r] = j0 + u < hidden && !(input_half && own_gi) ? g * hidden + j0 + u : -1;
   }
   const float* m = input_half ? w_ih + (size_t)(layer > 0 ? layer - 1 : 0) * gh_len * hidden
                               : w_hh + (size_t)layer * gh_len * hidden;
@@ -84,12 +89,12 @@ PRNN_KERNEL void prnn_stack_forward(
   }
   clear_staged(v_s, batch);  // also publishes len_s to the block
 
-  // Fetches layer 0's gi_t of the owned rows into its parity's buffer (read-only: asynchronous).
+  // Fetches gi_t (own_gi) of the owned rows into its parity's buffer (read-only: asynchronous).
   auto prefetch_gi = [&](int t) {
     float* dst = gi_s + (t & 1) * batch * G * kUnits;
     for (int idx = threadIdx.x; idx < batch * G * kUnits; idx += blockDim.x) {
       const int b = idx / (G * kUnits), g = idx / kUnits % G, j = j0 + idx % kUnits;
-      if (j < hidden) prnn_copy4_to_shared(dst + idx, gi + ((size_t)t * batch + b) * gh_len + g * hidden + j);
+      if (j < hidden) prnn_copy4_to_shared(dst + idx, gi_l + ((size_t)t * batch + b) * gh_len + g * hidden + j);
     }
   };
   // Stages step t's vector: h_l[t-1] into the second half, y_{l-1}[t] into the first.
@@ -102,21 +107,21 @@ PRNN_KERNEL void prnn_stack_forward(
                            [v_s](int b, int k, float v) { v_s[b * kPadded + kHalf + k] = v; })) {
       return false;
     }
-    return layer == 0 || xch.gather(layer - 1, t, ctl, timeout_ns, [v_s, len_s, t](int b, int k, float v) {
+    return own_gi || xch.gather(layer - 1, t, ctl, timeout_ns, [v_s, len_s, t](int b, int k, float v) {
              v_s[b * kPadded + k] = t < len_s[b] ? v : 0.0f;
            });
   };
 
-  if (layer == 0) prefetch_gi(start);
+  if (own_gi) prefetch_gi(start);
   int t = start, failed = !gather(start);
   prnn_copy_wait();
   for (;;) {
-    // step t's vector (and layer 0's gi_t) are in shared memory; any timeout?
+    // step t's vector (and gi_t where own_gi) are in shared memory; any timeout?
     if (prnn_sync_block_or(failed)) {
       --t;  // step t was not completed
       break;
     }
-    if (layer == 0 && t + 1 < steps) prefetch_gi(t + 1);  // its buffer was last read at step t-1
+    if (own_gi && t + 1 < steps) prefetch_gi(t + 1);  // its buffer was last read at step t-1
     multiply_batch(tile, v_s, part_s, batch, R);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
@@ -128,7 +133,7 @@ PRNN_KERNEL void prnn_stack_forward(
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const int r = g * kUnits + u;
-        giv[g] = layer == 0 ? gi_t[(b * G + g) * kUnits + u]
+        giv[g] = own_gi ? gi_t[(b * G + g) * kUnits + u]
                             : row_sum<0, kHalfChunks>(part_s, b, r, R) + bias_s[r];
         ghv[g] = row_sum<kHalfChunks, kKsplit>(part_s, b, r, R) + bias_s[G * kUnits + r];
       }
@@ -143,7 +148,7 @@ PRNN_KERNEL void prnn_stack_forward(
     }
     if (t + 1 == steps) break;
     failed = !gather(t + 1);
-    prnn_copy_wait();  // layer 0's gi_{t+1}
+    prnn_copy_wait();  // gi_{t+1} (own_gi)
     ++t;
   }
   if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;

@@ -139,6 +139,8 @@ def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
                    c0_all: Array | None) -> Array:
     """The whole unidirectional stack in stack mode (``stack.forward``); sets ``ctx``'s layers
     and stats as ``_forward_layers`` does and returns the last layer's output."""
+    if ctx.bidirectional:
+        return _forward_pairs(ctx, engine, layer_input, h0_all, c0_all)
     names = [_names(ctx, layer, False) for layer in range(ctx.num_layers)]
     weights = [_weights(ctx, n) for n in names]
     results, ctx.stats = stack.forward(ctx.cell, engine, _input_projection(ctx, layer_input, names[0]),
@@ -147,6 +149,31 @@ def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
         ctx.inputs[layer] = layer_input
         ctx.directions[layer] = [_Direction(names[layer], h0_all[layer],
                                             None if c0_all is None else c0_all[layer], fwd)]
+        layer_input = _layer_output(ctx, layer)
+    return layer_input
+
+
+def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
+                   c0_all: Array | None) -> Array:
+    """A bidirectional stack in stack mode: per layer, one launch runs both directions side by
+    side (the reverse one on its input reversed within each length, as ``_start_direction``
+    feeds it); the layers one after another. Sets ``ctx`` as ``_forward_layers`` does."""
+    xp = array_module(layer_input)
+    ctx.stats = RunStats()
+    for layer in range(ctx.num_layers):
+        names = [_names(ctx, layer, reverse) for reverse in (False, True)]
+        gi = [_input_projection(ctx, layer_input, n) for n in names]
+        pair = slice(2 * layer, 2 * layer + 2)
+        c0 = None if c0_all is None else c0_all[pair]
+        results, stats = stack.forward(ctx.cell, engine,
+                                       xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])]),
+                                       [_weights(ctx, n) for n in names], h0_all[pair], c0,
+                                       ctx.lengths, chained=False)
+        ctx.stats.merge(stats)
+        ctx.inputs[layer] = layer_input
+        ctx.directions[layer] = [
+            _Direction(names[d], h0_all[2 * layer + d], None if c0 is None else c0[d], results[d])
+            for d in (0, 1)]
         layer_input = _layer_output(ctx, layer)
     return layer_input
 
@@ -230,6 +257,8 @@ def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     layer's input gradient is a GEMM here. Fills ``results`` and ``grads`` as
     ``_backward_layers`` does."""
     xp = array_module(d_out)
+    if ctx.bidirectional:
+        return _backward_pairs(ctx, engine, d_out, dhn, dcn, results, grads)
     dirs = [ctx.directions[layer][0] for layer in range(ctx.num_layers)]
     c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
     per_layer, ctx.backward_stats = stack.backward(
@@ -239,6 +268,28 @@ def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     for layer in range(ctx.num_layers - 1, -1, -1):
         results[layer, 0] = per_layer[layer]
         d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
+    return d_out
+
+
+def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
+                    dcn: Array | None, results: dict, grads: dict[str, Array]) -> Array:
+    """A bidirectional stack in stack mode, top-down: per layer one launch runs the backward of
+    both directions side by side. Fills ``results`` and ``grads`` as ``_backward_layers`` does."""
+    xp = array_module(d_out)
+    ctx.backward_stats = RunStats()
+    for layer in range(ctx.num_layers - 1, -1, -1):
+        dirs, pair = ctx.directions[layer], slice(2 * layer, 2 * layer + 2)
+        hidden = dirs[0].h0.shape[1]
+        dy = xp.stack([d_out[:, :, :hidden], _gather(ctx.reverse_index, d_out[:, :, hidden:])])
+        c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+        per_direction, stats = stack.backward(
+            ctx.cell, engine, dy, None if dhn is None else dhn[pair],
+            None if dcn is None else dcn[pair], [_weights(ctx, d.names) for d in dirs],
+            xp.stack([d.h0 for d in dirs]), c0, ctx.lengths, [d.fwd for d in dirs], chained=False)
+        ctx.backward_stats.merge(stats)
+        for direction, res in enumerate(per_direction):
+            results[layer, direction] = res
+        d_out = _layer_gradients(ctx, layer, results, grads)
     return d_out
 
 

@@ -358,10 +358,13 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
                     device: DeviceProfile | str | None = None) -> StackPlan:
     """Plan a stack of ``layers`` layers of ``cell`` (``hidden`` units, ``batch`` rows).
 
-    Stack mode (one launch per pass) where the weights of all layers fit the register files
-    together: the cheapest ``STACK_TILES`` tile (fewest weights per thread) whose grid,
-    ``layers * ceil(hidden/units)`` CTAs at one per SM, fits the device with both passes.
-    Otherwise the layers run one launch per layer-direction and ``reason`` says why.
+    Stack mode where the weights fit the register files together: a unidirectional stack runs
+    all its layers in one launch per pass (a wavefront); a bidirectional stack runs the two
+    directions of each layer side by side in one launch, layer after layer (layer l+1 needs
+    both directions of layer l at every step). The cheapest ``STACK_TILES`` tile (fewest weights
+    per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or the two
+    directions) at one per SM, fits the device with both passes. Otherwise the layers run one
+    launch per layer-direction and ``reason`` says why.
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
@@ -370,25 +373,26 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
         raise ValueError(f"layers must be >= 1, got {layers}")
     directions = 2 if bidirectional else 1
     apart = partial(StackPlan, False, layers, directions, layers * directions)
-    if bidirectional:
-        return apart("bidirectional stacks run one launch per layer-direction")
-    if layers == 1:
+    if layers == 1 and not bidirectional:
         return apart("one layer: the layer kernel runs it")
     if dtype != "float32":
         return apart(f"the stack kernels hold fp32 weights only (dtype {dtype})")
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
+    groups = 2 if bidirectional else layers
+    what = "the two directions of a layer" if bidirectional else f"{layers} layers"
     tried = []
     limit = min(dev.shared_per_block, dev.shared_per_sm)
     for tile in stack_tiles_for(cell):
-        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype, stack_layers=layers)
-        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype, stack_layers=layers)
+        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype, stack_layers=groups)
+        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype, stack_layers=groups)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
-            return StackPlan(True, layers, 1, 1, None, tile, fwd, bwd)
+            return StackPlan(True, layers, directions, layers if bidirectional else 1, None,
+                             tile, fwd, bwd)
         tried.append(f"units {tile.units}: {reason}")
-    return apart(f"{layers} layers of {cell.name} H={hidden} B={batch} do not fit {dev.name} "
-                 "together: " + "; ".join(tried))
+    return apart(f"{what} of {cell.name} H={hidden} B={batch} do not fit {dev.name} together: "
+                 + "; ".join(tried))
 
 
 def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,

@@ -40,7 +40,8 @@ def engine(cell: CellSpec, data: Array, hidden: int, layers: int, bidirectional:
     for, e.g. ``algo="gemm"`` or the ``stack`` setting off)."""
     batch = data.shape[1]
     on_gpu = buffers.array_module(data) is not np
-    if algo == "gemm" or batch == 0 or layers < 2 or not settings.current().stack \
+    if algo == "gemm" or batch == 0 or (layers < 2 and not bidirectional) \
+            or not settings.current().stack \
             or (algo == "auto" and not on_gpu):
         return None, None
     why = runtime._why_not_persistent(data, batch, algo, half)
@@ -73,6 +74,7 @@ class _StackPass:
     direction: int                  # +1 forward, -1 backward
     control: Array
     stats: RunStats
+    what: str                       # the groups, in words (for ``RunStats.details``)
 
     @property
     def end(self) -> int:
@@ -123,21 +125,27 @@ class _StackPass:
     def _describe(self) -> str:
         pp = self.engine.pass_plan
         where = "emulated" if self.engine.emulated else "GPU"
-        return (f"{pp.kernel} ({where}, stack of {self.layers} layers): {pp.defines}, "
+        return (f"{pp.kernel} ({where}, {self.what}): {pp.defines}, "
                 f"grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared, "
                 f"{self.stats.launches} launch(es)")
 
 
 def _new_pass(engine_: runtime._Engine, args: Callable, sizes: tuple[int, int, int], layers: int,
-              direction: int, xp) -> _StackPass:
+              direction: int, xp, chained: bool) -> _StackPass:
     stats = RunStats(algo="persistent", emulated=engine_.emulated)
+    what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     return _StackPass(engine_, args, sizes, layers, direction,
-                      runtime._Control.new(xp, engine_.pass_plan.grid), stats)
+                      runtime._Control.new(xp, engine_.pass_plan.grid), stats, what)
 
 
 def _stacked(xp, arrays: Sequence[Array]) -> Array:
     """``arrays`` stacked on a new first axis as one contiguous float32 array."""
     return xp.ascontiguousarray(xp.stack(arrays), dtype=np.float32)
+
+
+def _unused(xp) -> Array:
+    """A placeholder for a kernel argument the launch never reads (W_ih of unchained groups)."""
+    return xp.zeros(1, np.float32)
 
 
 def _biases(xp, cell: CellSpec, weights: Sequence[Weights], which: int, hidden: int) -> Array:
@@ -154,12 +162,15 @@ def _projected(y_below: Array, w: Weights, lengths: Array | None) -> Array:
 
 
 def forward(cell: CellSpec, engine_: runtime._Engine, gi: Array, weights: Sequence[Weights],
-            h0: Array, c0: Array | None, lengths: Array | None
+            h0: Array, c0: Array | None, lengths: Array | None, chained: bool = True
             ) -> tuple[list[runtime.ForwardResult], RunStats]:
     """The forward of a stack in stack mode. ``gi``: layer 0's input projection (T, B, G*H);
-    ``weights``: per layer ``(w_ih, w_hh, b_ih, b_hh)``; ``h0``/``c0``: (L, B, H)."""
+    ``weights``: per layer ``(w_ih, w_hh, b_ih, b_hh)``; ``h0``/``c0``: (L, B, H).
+    ``chained=False``: the groups are the two directions of one layer (each in its own time
+    order), ``gi`` (2, T, B, G*H) holds both input projections and nothing passes between
+    them."""
     xp = buffers.array_module(gi)
-    steps, batch, _ = gi.shape
+    steps, batch, _ = gi.shape[-3:]
     layers, hidden = len(weights), weights[0][1].shape[1]
     y = xp.empty((layers, steps, batch, hidden), np.float32)
     cs = xp.empty_like(y) if cell.has_cell_state else None
@@ -167,36 +178,42 @@ def forward(cell: CellSpec, engine_: runtime._Engine, gi: Array, weights: Sequen
     results = [runtime.ForwardResult(y[k], None if cs is None else cs[k], saved[k])
                for k in range(layers)]
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    lead = (_stacked(xp, [w[0] for w in weights[1:]]), _stacked(xp, [w[1] for w in weights]),
+    w_ih = _stacked(xp, [w[0] for w in weights[1:]]) if chained else _unused(xp)
+    lead = (w_ih, _stacked(xp, [w[1] for w in weights]),
             _biases(xp, cell, weights, 2, hidden), _biases(xp, cell, weights, 3, hidden), f32(gi),
-            f32(h0), f32(h0 if c0 is None else c0), buffers.full_lengths(xp, lengths, batch, steps))
+            f32(h0), f32(h0 if c0 is None else c0), buffers.full_lengths(xp, lengths, batch, steps),
+            np.int32(chained))
     tail = (y, y if cs is None else cs, saved,
             xp.zeros((layers, steps, batch, hidden + hidden % 2), np.uint64))
 
     def finish(next_steps: np.ndarray) -> None:
         for k, start in enumerate(next_steps):  # bottom-up: layer k reads layer k-1's output
             if start < steps:
-                layer_gi = gi if k == 0 else _projected(y[k - 1], weights[k], lengths)
+                if not chained:
+                    layer_gi = gi[k]
+                else:
+                    layer_gi = gi if k == 0 else _projected(y[k - 1], weights[k], lengths)
                 r = results[k]
                 gemm.forward_steps(cell, layer_gi, weights[k][1], weights[k][3], h0[k],
                                    None if c0 is None else c0[k], lengths, r.y, r.cs, r.saved,
                                    start=int(start))
 
     p = _new_pass(engine_, lambda starts: (*lead, starts, *tail), (steps, batch, hidden), layers,
-                  1, xp)
+                  1, xp, chained)
     p.run(finish)
     return results, p.stats
 
 
 def backward(cell: CellSpec, engine_: runtime._Engine, dy: Array, dhn: Array | None,
              dcn: Array | None, weights: Sequence[Weights], h0: Array, c0: Array | None,
-             lengths: Array | None, fwds: Sequence[runtime.ForwardResult]
+             lengths: Array | None, fwds: Sequence[runtime.ForwardResult], chained: bool = True
              ) -> tuple[list[runtime.BackwardResult], RunStats]:
     """The backward of a stack in stack mode. ``dy``: the top layer's output gradient (T, B, H),
     zero past each length; ``dhn``/``dcn``: (L, B, H) or ``None``; ``fwds``: each layer's
-    forward buffers. Returns each layer's ``BackwardResult`` (``dh0``/``dc0`` included)."""
+    forward buffers. Returns each layer's ``BackwardResult`` (``dh0``/``dc0`` included).
+    ``chained=False``: the two directions of one layer, ``dy`` (2, T, B, H) both gradients."""
     xp = buffers.array_module(dy)
-    steps, batch, hidden = dy.shape
+    steps, batch, hidden = dy.shape[-3:]
     layers, width = len(weights), cell.gates * hidden
     dgi = xp.empty((layers, steps, batch, width), np.float32)
     dgh = xp.empty_like(dgi) if buffers.separate_dgh(cell) else dgi
@@ -210,10 +227,11 @@ def backward(cell: CellSpec, engine_: runtime._Engine, dy: Array, dhn: Array | N
     exchange_gi = xp.zeros_like(exchange_gh) if dgh is not dgi else exchange_gh
     y = _stacked(xp, [f.y for f in fwds])
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    lead = (_stacked(xp, [w[1].T for w in weights]), _stacked(xp, [w[0].T for w in weights[1:]]),
+    w_ih_t = _stacked(xp, [w[0].T for w in weights[1:]]) if chained else _unused(xp)
+    lead = (_stacked(xp, [w[1].T for w in weights]), w_ih_t,
             f32(dy), y, y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds]),
             _stacked(xp, [f.saved for f in fwds]), f32(h0), f32(h0 if c0 is None else c0),
-            buffers.full_lengths(xp, lengths, batch, steps))
+            buffers.full_lengths(xp, lengths, batch, steps), np.int32(chained))
     tail = (dgi, dgh, dh_carry, dc_carry, exchange_gh, exchange_gi)
     results: list[runtime.BackwardResult] = [None] * layers  # type: ignore[list-item]
 
@@ -223,7 +241,11 @@ def backward(cell: CellSpec, engine_: runtime._Engine, dy: Array, dhn: Array | N
             dh = dh_carry[k, stop] + (dgh[k, stop] @ w_hh if stop < steps else 0.0)
             dc = dc_carry[k, stop] if cell.has_cell_state else None
             if stop > 0:
-                dy_k = dy if k == layers - 1 else buffers.matmul_steps(dgi[k + 1], weights[k + 1][0])
+                if not chained:
+                    dy_k = dy[k]
+                else:
+                    dy_k = dy if k == layers - 1 else buffers.matmul_steps(dgi[k + 1],
+                                                                           weights[k + 1][0])
                 f = fwds[k]
                 dh, dc = gemm.backward_steps(cell, dy_k, w_hh, h0[k], None if c0 is None else c0[k],
                                              lengths, f.y, f.cs, f.saved, dgi[k], dgh[k],
@@ -231,6 +253,6 @@ def backward(cell: CellSpec, engine_: runtime._Engine, dy: Array, dhn: Array | N
             results[k] = runtime.BackwardResult(dgi[k], dgh[k], dh, dc)
 
     p = _new_pass(engine_, lambda starts: (*lead, starts, *tail), (steps, batch, hidden), layers,
-                  -1, xp)
+                  -1, xp, chained)
     p.run(finish)
     return results, p.stats

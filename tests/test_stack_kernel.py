@@ -1,7 +1,8 @@
-"""Stack mode: the planner places every layer of a unidirectional stack in one launch where
-their weights fit the register files together; the wavefront kernels (``cuda_src/stack_*.cu``)
-run the stack through the CPU emulation against the float64 GEMM path, with stalls in any layer
-and CTAs that are not co-resident."""
+"""Stack mode: the planner places every layer of a unidirectional stack in one launch (and the
+two directions of a bidirectional layer side by side) where their weights fit the register
+files together; the wavefront kernels (``cuda_src/stack_*.cu``) run the stack through the CPU
+emulation against the float64 GEMM path, with stalls in any layer and CTAs that are not
+co-resident."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,7 +32,9 @@ def test_stacks_that_do_not_fit_run_one_launch_per_layer_with_the_reason():
     many = planner.make_stack_plan("LSTM", 384, 4, 6, device="h100")  # 6 x 32 CTAs > 132 SMs
     assert not many.fits and "SMs" in many.reason
     bidir = planner.make_stack_plan("GRU", 64, 2, 3, bidirectional=True, device="h100")
-    assert not bidir.fits and bidir.launches == 6
+    assert bidir.fits and bidir.launches == 3 and bidir.forward.grid == 2 * 64 // bidir.tile.units
+    big_bidir = planner.make_stack_plan("LSTM", 1024, 2, 3, bidirectional=True, device="h100")
+    assert not big_bidir.fits and big_bidir.launches == 6 and "two directions" in big_bidir.reason
     half = planner.make_stack_plan("GRU", 64, 2, 3, dtype="float16", device="h100")
     assert not half.fits and "fp32" in half.reason
     with pytest.raises(ValueError, match="layers"):
@@ -212,3 +215,38 @@ def test_stack_backward_finishes_every_layer_on_gemm_after_the_restart_cap(setti
     assert stats.restarts == 1 and stats.launches == 2 and "layer 0" in stats.fallback
     _assert_close(_flat(dx, dhx, list(layer.grads.values())),
                   _backward64(reference, x, hx, dy, dhn))
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+def test_bidirectional_layers_run_both_directions_in_one_launch(settings, mode):
+    layer = getattr(prnn, mode)(5, HIDDEN, num_layers=2, bidirectional=True, algo="persistent",
+                                seed=14)
+    reference = getattr(prnn, mode)(5, HIDDEN, num_layers=2, bidirectional=True, algo="gemm",
+                                    dtype="float64", seed=14)
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((STEPS, BATCH, 5)).astype(np.float32)
+    dy = rng.standard_normal((STEPS, BATCH, 2 * HIDDEN)).astype(np.float32)
+
+    def run(net, x, dy, stall=None):
+        net.zero_grad()
+        y, hn = net.forward(x, lengths=LENGTHS)
+        forward = net.last_run
+        if stall is None:
+            dx, dhx = net.backward(dy)
+        else:
+            with prnn.inject_stall(**stall):
+                dx, dhx = net.backward(dy)
+        return _flat(y, hn, dx, dhx, list(net.grads.values())), forward, net.last_run
+
+    got, fwd, bwd = run(layer, x, dy)
+    for stats, kernel in ((fwd, "prnn_stack_forward"), (bwd, "prnn_stack_backward")):
+        assert (stats.algo, stats.launches, stats.restarts) == ("persistent", 2, 0)  # one per layer
+        assert kernel in stats.details[-1] and "both directions" in stats.details[-1]
+    _assert_close(got, run(reference, x.astype(np.float64), dy.astype(np.float64))[0])
+    # A stall in the reverse direction's CTA 1 of the top layer's backward, at a middle step.
+    prnn.configure(emulation_timeout_ms=300, max_restarts=50)
+    stalled, _, bwd = run(layer, x, dy, dict(block=CTAS_PER_LAYER + 1, step=STEPS // 2,
+                                             duration_ms=900))
+    assert bwd.restarts >= 1 and bwd.fallback is None
+    for a, b in zip(got, stalled):
+        np.testing.assert_array_equal(a, b)
