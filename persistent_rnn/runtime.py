@@ -128,19 +128,13 @@ class Pending:
 
     def launch(self, step: int, stall: settings.Stall) -> None:
         """Launch the pass from ``step`` (stream-ordered; nothing is read back)."""
-        s, p = settings.current(), self.engine.pass_plan
-        timeout_ms = s.emulation_timeout_ms if self.engine.emulated else s.gpu_timeout_ms
-        extra = {"max_resident": s.emulation_max_resident} if self.engine.emulated else {}
-        _Control.reset(self.control)
         if self.launches and self.exchange is not None:
             self.exchange.fill(0)  # a restart must not take a word an earlier launch wrote
         self.start = step
-        self.engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                           (*self.fixed, self.control, *(np.int32(n) for n in self.sizes),
-                            np.int32(step), np.uint64(int(timeout_ms * 1e6)), *stall.args()),
-                           **extra)
+        launch_pass(self.engine, self.control, self.fixed, (*self.sizes, step), stall)
         self.launches += 1
         self.stats.launches += 1
+
 
     def next_step(self, words: np.ndarray | None = None) -> int:
         """The first step not completed by every CTA (``end`` when the pass is complete)."""
@@ -160,6 +154,20 @@ class Pending:
             self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
                                    f"steps {step}..{last} on GEMM")
         self.finish(step)
+
+
+def launch_pass(engine: _Engine, control: Array, buffers_: tuple, ints: tuple,
+                stall: settings.Stall) -> None:
+    """Reset ``control`` and launch ``engine``'s pass with the persistent kernels' argument
+    order: ``(*buffers_, control, *ints as int32, timeout_ns, stall_block, stall_step,
+    stall_ns)``; the timeout is the setting for the GPU or for the emulation."""
+    s, p = settings.current(), engine.pass_plan
+    timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
+    extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
+    _Control.reset(control)
+    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
+                  (*buffers_, control, *(np.int32(n) for n in ints),
+                   np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
 
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,

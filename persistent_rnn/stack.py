@@ -80,16 +80,10 @@ class _StackPass:
     def end(self) -> int:
         return self.sizes[0] if self.direction > 0 else -1
 
-    def launch(self, starts: np.ndarray, stall: settings.Stall) -> None:
-        s, p = settings.current(), self.engine.pass_plan
-        timeout_ms = s.emulation_timeout_ms if self.engine.emulated else s.gpu_timeout_ms
-        extra = {"max_resident": s.emulation_max_resident} if self.engine.emulated else {}
-        runtime._Control.reset(self.control)
-        xp = buffers.array_module(self.control)
-        self.engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                           (*self.args(xp.asarray(starts, dtype=np.int32)), self.control,
-                            *(np.int32(n) for n in self.sizes),
-                            np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
+    def launch(self, starts: Array, stall: settings.Stall) -> None:
+        """Launch the stack with each layer from ``starts[layer]`` (an int32 array on the
+        data's device; stream-ordered, nothing is read back)."""
+        runtime.launch_pass(self.engine, self.control, self.args(starts), self.sizes, stall)
         self.stats.launches += 1
 
     def next_steps(self, starts: np.ndarray) -> np.ndarray:
@@ -103,8 +97,10 @@ class _StackPass:
     def run(self, finish: Callable[[np.ndarray], None]) -> None:
         """Launch from the first step, restart unfinished layers, then ``finish(next steps)``
         (the GEMM path completes what the kernel left)."""
-        starts = np.full(self.layers, 0 if self.direction > 0 else self.sizes[0] - 1)
-        self.launch(starts, settings.current_stall())
+        xp = buffers.array_module(self.control)
+        first = 0 if self.direction > 0 else self.sizes[0] - 1
+        self.launch(xp.full(self.layers, first, np.int32), settings.current_stall())  # capturable
+        starts = np.full(self.layers, first)
         if runtime._capturing(self.control):
             self.stats.details.append("progress not checked (CUDA stream capture): no restart")
             finish(np.full(self.layers, self.end))
@@ -112,7 +108,7 @@ class _StackPass:
         steps = self.next_steps(starts)
         while (steps != self.end).any() and self.stats.restarts < settings.current().max_restarts:
             self.stats.restarts += 1
-            self.launch(steps, settings.NO_STALL)
+            self.launch(xp.asarray(steps, dtype=np.int32), settings.NO_STALL)
             steps = self.next_steps(steps)
         left = [f"layer {k} steps {s}..{self.end - self.direction}"
                 for k, s in enumerate(steps) if s != self.end]
