@@ -33,17 +33,19 @@ Weights = tuple  # one layer's (w_ih, w_hh, b_ih or None, b_hh or None)
 
 
 def engine(cell: CellSpec, data: Array, hidden: int, layers: int, bidirectional: bool,
-           algo: str, half: str | None,
-           backward: bool) -> tuple[runtime._Engine | None, str | None]:
+           algo: str, half: str | None, backward: bool,
+           proj: bool = False) -> tuple[runtime._Engine | None, str | None]:
     """The stack-mode engine of one pass over ``data`` (T, B, .), or ``(None, why not)``: then
     the layers run one launch per layer-direction (``None`` reason: stack mode was not asked
-    for, e.g. ``algo="gemm"`` or the ``stack`` setting off)."""
+    for, e.g. ``algo="gemm"`` or the ``stack`` setting off). ``proj``: an LSTM projection."""
     batch = data.shape[1]
     on_gpu = buffers.array_module(data) is not np
     if algo == "gemm" or batch == 0 or (layers < 2 and not bidirectional) \
             or not settings.current().stack \
             or (algo == "auto" and not on_gpu):
         return None, None
+    if proj:
+        return None, "LSTM projections (proj_size) run one launch per layer-direction"
     why = runtime._why_not_persistent(data, batch, algo, half)
     if why is not None:
         return None, why
@@ -212,7 +214,7 @@ def backward(cell: CellSpec, engine_: runtime._Engine, dy: Array, dhn: Array | N
     steps, batch, hidden = dy.shape[-3:]
     layers, width = len(weights), cell.gates * hidden
     dgi = xp.empty((layers, steps, batch, width), np.float32)
-    dgh = xp.empty_like(dgi) if buffers.separate_dgh(cell) else dgi
+    dgh = xp.empty_like(dgi) if cell.separate_dgh else dgi
     dh_carry = xp.zeros((layers, steps + 1, batch, hidden), np.float32)
     dc_carry = xp.zeros_like(dh_carry) if cell.has_cell_state else dh_carry
     if dhn is not None:
