@@ -357,9 +357,8 @@ class StackPlan:
         """Step latencies a pass of ``steps`` steps waits through one after another: the
         wavefront of a unidirectional stack in stack mode ``steps + layers - 1``; the two
         directions side by side ``layers * steps``; one launch per layer-direction
-        ``layers * directions * steps``. The hook for the per-step latency model: a predicted
-        pass is about this times the predicted step of the pass's tile, plus ``launches`` launch
-        overheads (a prediction; ``prnn.predict_step_time`` has not landed on this branch)."""
+        ``layers * directions * steps``: a pass's time is about this times the step of its
+        kernel, plus per-launch work (``model.predict_stack_time``)."""
         if not self.fits:
             return self.launches * steps
         return steps + self.layers - 1 if self.directions == 1 else self.layers * steps
