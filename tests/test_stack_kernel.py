@@ -274,3 +274,27 @@ def test_predicted_stack_forward_is_at_most_0_4_of_four_launches():
     record = model.plan_report("LSTM", 384, 4, 4, device="h100")["stack_mode"]
     assert record["fits"] and record["launches_per_pass"] == 1 and record["prediction"]
     assert record["forward_pass_us"] == st.forward_us
+
+
+@pytest.mark.parametrize("mode, layers, bidirectional", [("RNN", 2, False), ("GRU", 4, False),
+                                                         ("LSTM", 1, True)])
+def test_stacks_of_other_depths_match_float64(settings, mode, layers, bidirectional):
+    make = getattr(prnn, mode)
+    layer = make(3, 32, num_layers=layers, bidirectional=bidirectional, algo="persistent", seed=16)
+    reference = make(3, 32, num_layers=layers, bidirectional=bidirectional, algo="gemm",
+                     dtype="float64", seed=16)
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((6, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal((6, 3, 32 * (1 + bidirectional))).astype(np.float32)
+
+    def run(net, x, dy):
+        net.zero_grad()
+        y, hn = net.forward(x, lengths=[6, 2, 5])
+        forward = net.last_run
+        dx, dhx = net.backward(dy)
+        return _flat(y, hn, dx, dhx, list(net.grads.values())), forward, net.last_run
+
+    got, fwd, bwd = run(layer, x, dy)
+    for stats in (fwd, bwd):
+        assert stats.launches == (layers if bidirectional else 1) and stats.restarts == 0
+    _assert_close(got, run(reference, x.astype(np.float64), dy.astype(np.float64))[0])
