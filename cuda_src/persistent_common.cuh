@@ -281,12 +281,14 @@ PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_
   prnn_sync_block();
 }
 
-// The full sum of local row `row` for batch row `b` (the Ksplit partial sums, in fixed order).
-template <int Ksplit = kKsplit>
+// The full sum of local row `row` for batch row `b` (the Ksplit partial sums, in fixed order);
+// with First/Last, the sum over column chunks First..Last-1 only (the stack kernels keep the two
+// halves of their columns apart).
+template <int Ksplit = kKsplit, int First = 0, int Last = Ksplit>
 PRNN_DEVICE float row_sum(const float* part_s, int b, int row, int local_rows) {
   float s = 0.0f;
 #pragma unroll
-  for (int c = 0; c < Ksplit; ++c) s += part_s[(b * Ksplit + c) * local_rows + row];
+  for (int c = First; c < Last; ++c) s += part_s[(b * Ksplit + c) * local_rows + row];
   return s;
 }
 

@@ -172,8 +172,17 @@ def run_plan(args: argparse.Namespace) -> int:
               f"{t['matrix_us']:.2f}, barriers {t['barrier_us']:.2f}, exchange {t['exchange_us']:.2f} "
               f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f})")
     if args.layers > 1:
-        print(f"stack of {args.layers}: {args.layers} launches per pass, predicted "
+        print(f"stack of {args.layers}, one launch per layer: predicted "
               f"{record['stack_forward_us']:.2f} / {record['stack_backward_us']:.2f} µs per step")
+        sm = record["stack_mode"]
+        if sm["fits"]:
+            print(f"stack mode: 1 launch per pass, {sm['ctas']} CTAs x {sm['block']} threads "
+                  f"({sm['units']} units per CTA per layer), {sm['steps_in_series']} steps in "
+                  f"series at T={sm['seq_len']}; predicted pass {sm['forward_pass_us']:.0f} / "
+                  f"{sm['backward_pass_us']:.0f} µs (one launch per layer: "
+                  f"{sm['apart_forward_pass_us']:.0f} / {sm['apart_backward_pass_us']:.0f} µs)")
+        else:
+            print(f"stack mode: no ({sm['reason']})")
     print(f"(a prediction of the latency model, not a measurement: {record['calibration']})")
     return 0
 

@@ -28,6 +28,7 @@ from .cells import CELLS
 # Shared memory is reported at batch 8, the top of the range the latency targets are set for
 # (algo="auto" runs persistently up to runtime.Settings.auto_max_batch, 32, where the plan fits).
 REPORT_BATCH = 8
+REPORT_STACK = 4  # layers the stack kernels' records are planned for (the grid only)
 
 
 def parse_ptxas(log: str) -> dict[str, int]:
@@ -237,6 +238,14 @@ def _jobs(archs):
                                                  dtype=dtype)
                 for arch in archs:
                     yield CELLS["lstm"], dtype, p, arch, proj
+    for cell in CELLS.values():  # the stack kernels (fp32), planned for REPORT_STACK layers
+        for tile in planner.stack_tiles_for(cell):
+            hidden = planner.stack_max_hidden(cell, tile)
+            for backward in (False, True):
+                p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
+                                      stack_layers=REPORT_STACK)
+                for arch in archs:
+                    yield cell, "float32", p, arch, 0
 
 
 def _record(job) -> dict:
@@ -246,6 +255,7 @@ def _record(job) -> dict:
     return {"cell": cell.name, "dtype": dtype, "proj_size": proj,
             "pass": "backward" if "backward" in p.kernel else "forward",
             "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
+            "stack": REPORT_STACK if p.source.startswith("stack_") else 0,
             "hidden_size": p.max_hidden,
             "block": p.block, "weights_per_thread": p.weights_per_thread,
             "weight_registers": p.weight_registers, **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
@@ -277,6 +287,7 @@ def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     is held in: "float32", "float16", "bfloat16"), ``proj_size`` (an LSTM projection tile's P,
     else 0), ``pass``, ``arch``, ``config``
     (the -D macros), ``cluster`` (CTAs of the thread-block cluster, 0 for a grid tile),
+    ``stack`` (layers of a stack kernel's record, 0 for the layer kernels),
     ``hidden_size`` (largest H the configuration serves), ``weights_per_thread`` and
     ``weight_registers`` (16-bit: two weights per register), ``registers``,
     ``spill_bytes``, ``shared_bytes`` (dynamic shared memory at batch 8), ``planned_registers``

@@ -65,6 +65,17 @@ class PassShape:
         return self.cell.gates * self.hidden if self.backward else self.hidden
 
     @property
+    def stack(self) -> bool:
+        """Whether the pass is a stack kernel's (``cuda_src/stack_*.cu``)."""
+        return self.plan.source.startswith("stack_")
+
+    @property
+    def gathers(self) -> int:
+        """Vectors of ``k_len`` gathered one after another per step: a stack kernel's layer
+        between two others waits for its own and its neighbour's (counted for every layer)."""
+        return 2 if self.stack else 1
+
+    @property
     def units(self) -> int:
         return self.plan.defines["PRNN_UNITS"]
 
@@ -74,14 +85,15 @@ class PassShape:
 
     @property
     def pairs(self) -> int:
-        """16-byte pairs of tagged words of one step's exchange."""
+        """16-byte pairs of tagged words of one gathered vector of a step's exchange."""
         return self.batch * (self.k_len + self.k_len % 2) // 2
 
     @property
     def ring_pairs(self) -> int:
         """The grid gather's ring slots (what the kernel takes of its shared memory)."""
         tile = _tile_of(self)
-        used = planner.shared_bytes(self.cell, tile, self.backward, self.batch, self.hidden, 0)
+        used = planner.shared_bytes(self.cell, tile, self.backward, self.batch, self.hidden, 0,
+                                    stack=self.stack)
         return max(1, (self.plan.shared_bytes - used) // 16)
 
     @property
@@ -101,7 +113,8 @@ def shape_at(cell: CellSpec, p: planner.PassPlan, batch: int, hidden: int) -> Pa
     """``p``'s configuration at another batch and hidden size (its shared memory, hence the
     gather's ring, re-sized as the planner would without a shared-memory limit)."""
     shaped = replace(p, shared_bytes=planner.shared_bytes(
-        cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch, hidden))
+        cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch, hidden,
+        stack=p.source.startswith("stack_")))
     return PassShape(cell, shaped, batch, hidden)
 
 
@@ -291,7 +304,8 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     l2_us = hw.L2_LATENCY * cycle_us
     # Every CTA reads the whole vector from L2 each step: at large B that is bandwidth, not latency.
     value_bytes = 4 if counter else 8
-    l2_traffic_us = shape.plan.grid * shape.batch * shape.k_len * value_bytes / (hw.L2_BANDWIDTH_GBPS * 1e3)
+    l2_traffic_us = (shape.plan.grid * shape.batch * shape.k_len * shape.gathers * value_bytes
+                     / (hw.L2_BANDWIDTH_GBPS * 1e3))
     if counter:  # fence waits for the stores, atomic, polls, then the staging copy
         exchange = "counter"
         exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
@@ -300,7 +314,8 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
         exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
     else:  # the writer's store reaches L2 (half a round trip), then one round trip per chunk
         exchange = "l2"
-        exchange_us = (0.5 + math.ceil(shape.pairs / shape.ring_pairs)) * l2_us + l2_traffic_us
+        chunks = shape.gathers * math.ceil(shape.pairs / shape.ring_pairs)
+        exchange_us = (0.5 + chunks) * l2_us + l2_traffic_us
     pointwise_us = 0.0
     matrix_ffma = 0
     for head, kind in kinds.items():
@@ -405,6 +420,64 @@ def predict_step_time(cell: str, hidden: int, batch: int, dtype: str = "float32"
     return predict_plan(spec, hidden, batch, plan, dev)
 
 
+STACK_REPORT_STEPS = 100  # the sequence length ``prnn plan`` predicts a stack's pass at
+
+
+@dataclass(frozen=True)
+class StackTime:
+    """``predict_stack_time``'s answer - predictions of the latency model, not measurements.
+
+    ``forward_us`` / ``backward_us``: one pass of the stack as the planner places it (stack
+    mode: ``steps_in_series`` steps of the stack kernel's step, one call's per-call terms);
+    ``apart_forward_us`` / ``apart_backward_us``: the same stack as one launch per
+    layer-direction in sequence (each layer's per-call terms included), where the layer kernel
+    fits (else ``None``); ``plan``: the stack plan."""
+
+    forward_us: float | None
+    backward_us: float | None
+    apart_forward_us: float | None
+    apart_backward_us: float | None
+    plan: planner.StackPlan
+    calibration: str = CALIBRATION
+
+
+def predict_stack_time(cell: str, hidden: int, batch: int, layers: int, seq_len: int,
+                       bidirectional: bool = False, input_size: int = 64,
+                       dtype: str = "float32",
+                       device: DeviceProfile | str | None = None) -> StackTime:
+    """Predicted microseconds of one forward and one backward pass of a stack of ``layers``
+    layers over ``seq_len`` steps, in stack mode (``plan.make_stack_plan``) and as one launch per
+    layer-direction. A prediction (the model's calibration error: ``CALIBRATION``); the stack
+    kernels' step is read from their SASS like the layer kernels'."""
+    spec = planner.resolve_cell(cell)
+    dev = planner.resolve_device(device)
+    sp = planner.make_stack_plan(spec, hidden, batch, layers, bidirectional, dtype, dev)
+    directions = 2 if bidirectional else 1
+    inputs = [input_size] + [directions * hidden] * (layers - 1)
+    apart = [None, None]
+    one = planner.make_plan(spec, hidden, batch, dtype, dev)
+    if one.fits:
+        st = predict_plan(spec, hidden, batch, one, dev, seq_len=seq_len)
+        for k, (step, backward) in enumerate(((st.forward_us, False), (st.backward_us, True))):
+            apart[k] = directions * sum(seq_len * step + call_us(spec, hidden, batch, seq_len, i,
+                                                                 backward, dev) for i in inputs)
+    if not sp.fits:
+        return StackTime(None, None, apart[0], apart[1], sp)
+    passes = []
+    for p, backward in ((sp.forward, False), (sp.backward, True)):
+        step = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev).total_us
+        host = hw.HOST_BACKWARD_US if backward else hw.HOST_FORWARD_US
+        # The GEMMs outside the kernel: a unidirectional stack's forward projects layer 0's input
+        # only (the layers above project theirs inside the kernel); otherwise every
+        # layer-direction's (the backward: its weight gradients; dx counted for every layer, an
+        # overestimate of the unidirectional stack's, whose upper dx are in the kernel).
+        projected = inputs[:1] if not (bidirectional or backward) else inputs
+        gemms = directions * sum(call_us(spec, hidden, batch, seq_len, i, backward, dev) - host
+                                 for i in projected)
+        passes.append(sp.steps_in_series(seq_len) * step + sp.launches * host + gemms)
+    return StackTime(passes[0], passes[1], apart[0], apart[1], sp)
+
+
 def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: str = "float32",
                 device: DeviceProfile | str | None = "h100") -> dict:
     """``prnn plan``'s record: the placement (tile, grid or cluster, CTAs, block, registers,
@@ -433,6 +506,28 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
                    "launches_per_pass": layers,
                    "forward_terms": terms_dict(st.forward), "backward_terms": terms_dict(st.backward),
                    "forward_dominant": st.forward.dominant(), "backward_dominant": st.backward.dominant()})
+    if layers > 1:
+        record["stack_mode"] = stack_report(spec, hidden, batch, layers, dtype, dev)
+    return record
+
+
+def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: str,
+                 device: DeviceProfile, seq_len: int = STACK_REPORT_STEPS) -> dict:
+    """``prnn plan``'s stack-mode record of a unidirectional stack: whether all layers run in one
+    launch per pass, the placement, and the predicted µs of a pass of ``seq_len`` steps in stack
+    mode and as one launch per layer (predictions)."""
+    st = predict_stack_time(cell.name, hidden, batch, layers, seq_len, dtype=dtype, device=device)
+    sp = st.plan
+    record = {"fits": sp.fits, "reason": sp.reason, "launches_per_pass": sp.launches,
+              "steps_in_series": sp.steps_in_series(seq_len), "seq_len": seq_len,
+              "prediction": True, "forward_pass_us": st.forward_us,
+              "backward_pass_us": st.backward_us, "apart_forward_pass_us": st.apart_forward_us,
+              "apart_backward_pass_us": st.apart_backward_us}
+    if sp.fits:
+        record.update({"units": sp.tile.units, "ctas": sp.forward.grid,
+                       "block": sp.forward.block,
+                       "weights_per_thread": [sp.forward.weights_per_thread,
+                                              sp.backward.weights_per_thread]})
     return record
 
 

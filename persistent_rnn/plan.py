@@ -15,7 +15,7 @@ one CTA of that many threads sit on one SM, and ptxas must fit the weights with 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from . import cells
@@ -179,7 +179,7 @@ RING_SLOTS = 8  # per thread: the gather's cp.async copies in flight (16 bytes e
 
 
 def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden: int = 0,
-                 ring_slots: int = RING_SLOTS) -> int:
+                 ring_slots: int = RING_SLOTS, stack: bool = False) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
     Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
@@ -194,6 +194,8 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     cluster tile's copy of the exchange, [2][B][K rounded up to even] 8-byte tagged words
     (K = ``hidden``, or G * ``hidden`` backward).
     ``tests/test_plan.py`` checks this against an emulated launch.
+    ``stack``: the stack kernels (``stack_*.cu``), whose forward keeps b_ih beside b_hh
+    ([2][G][units]) and whose step gathers two vectors (the layer's own and its neighbour's).
     """
     pt = tile.backward if backward else tile.forward
     units, gates = tile.units, cell.gates
@@ -204,10 +206,10 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
         constants = 0
     else:
         per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
-        constants = gates * units
+        constants = (2 if stack else 1) * gates * units
     total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
     k_len = gates * hidden if backward else hidden
-    words = batch * (k_len + k_len % 2)  # one step's exchange
+    words = (2 if stack else 1) * batch * (k_len + k_len % 2)  # one step's exchange
     if tile.cluster:
         return total + 16 * words
     local_rows = units if backward else gates * units
@@ -216,11 +218,25 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
-              shared_limit: int | None = None, dtype: str = "float32") -> PassPlan:
+              shared_limit: int | None = None, dtype: str = "float32",
+              stack_layers: int = 0) -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
     weights held in ``dtype`` (fp32 configurations carry no ``PRNN_WEIGHT_DTYPE``: 0 is the
     default); with a ``shared_limit``, a grid tile's gather ring shrinks (to one slot per thread
-    at least) to what the limit leaves, trading L2 round trips per step for fitting at all."""
+    at least) to what the limit leaves, trading L2 round trips per step for fitting at all.
+    ``stack_layers`` > 0: the stack kernels (``cuda_src/stack_*.cu``) over that many
+    unidirectional layers, one set of ``ceil(hidden/units)`` CTAs per layer (a ``STACK_TILES``
+    tile)."""
+    if stack_layers:
+        plain = pass_plan(cell, tile, backward, hidden, batch, None, dtype)
+        stacked = partial(shared_bytes, cell, tile, backward, batch, hidden, stack=True)
+        slots = RING_SLOTS
+        if shared_limit is not None and stacked() > shared_limit:
+            slots = min(RING_SLOTS, max(1, (shared_limit - stacked(ring_slots=0)) // (16 * plain.block)))
+        name = "backward" if backward else "forward"
+        return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
+                       grid=stack_layers * plain.grid, shared_bytes=stacked(ring_slots=slots),
+                       max_hidden=stack_max_hidden(cell, tile))
     pt = tile.backward if backward else tile.forward
     local_rows = tile.units if backward else cell.gates * tile.units
     warps = local_rows // pt.rows * pt.ksplit
@@ -409,6 +425,104 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
             return Plan(True, None, tile, fwd, bwd)
         tried.append(f"{tile}: {reason}")
     return Plan(False, f"{cell.name} H={hidden} B={batch} does not fit {dev.name}: " + "; ".join(tried))
+
+
+# Stack tiles (cuda_src/stack_forward.cu, stack_backward.cu): every layer of a unidirectional
+# stack at once, one set of CTAs per layer, all compiled with one tile. The columns of the
+# register tile are two halves of ksplit/2 chunks each (chunk-aligned, so that the partial sums
+# of each half stay apart): forward [W_ih | W_hh] times [y_{l-1}[t]; h_l[t-1]] (layer 0 holds
+# zeros in the W_ih half: its input projection is the GEMM before the recurrence, as for one
+# layer), backward rows J of [W_hh,l^T | W_ih,l+1^T] times [dgh_l[t+1]; dgi_{l+1}[t]] (the top
+# layer: zeros). Each half holds H (forward) or G*H (backward) columns, so K = 2H or 2GH;
+# 8 warps (4 for the small RNN tiles) of 16-144 weights per thread. fp32 only.
+STACK_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(4, (4, 2, 4), (4, 8, 4)), _tile(8, (8, 2, 8), (8, 8, 8)),
+             _tile(12, (12, 2, 12), (12, 8, 12))),
+    "gru": (_tile(4, (3, 2, 4), (4, 8, 3)), _tile(8, (6, 2, 8), (8, 8, 6)),
+            _tile(12, (9, 2, 12), (12, 8, 9))),
+    "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 4), (8, 4, 4)),
+            _tile(32, (16, 4, 8), (16, 4, 8))),
+}
+
+
+def stack_tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
+    """The shipped stack tiles of ``cell`` (fp32; both vanilla RNNs share theirs)."""
+    return STACK_TILES["rnn" if cell.gates == 1 else cell.name]
+
+
+def stack_max_hidden(cell: CellSpec, tile: Tile) -> int:
+    """Largest H a stack tile serves: each half of its columns holds H (forward) or G*H
+    (backward) values."""
+    fwd, bwd = tile.forward, tile.backward
+    return min(fwd.ksplit // 2 * WARP * fwd.kpt, bwd.ksplit // 2 * WARP * bwd.kpt // cell.gates)
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """How a stack of ``layers`` layers runs: in stack mode (``fits``) one launch per pass for
+    all layers, else one launch per layer-direction (``reason`` says why not stack mode).
+    ``launches``: persistent kernel launches per forward or backward without restarts."""
+
+    fits: bool
+    layers: int
+    directions: int
+    launches: int
+    reason: str | None = None
+    tile: Tile | None = None
+    forward: PassPlan | None = None
+    backward: PassPlan | None = None
+
+    def steps_in_series(self, steps: int) -> int:
+        """Step latencies a pass of ``steps`` steps waits through one after another: the
+        wavefront of a unidirectional stack in stack mode ``steps + layers - 1``; the two
+        directions side by side ``layers * steps``; one launch per layer-direction
+        ``layers * directions * steps``: a pass's time is about this times the step of its
+        kernel, plus per-launch work (``model.predict_stack_time``)."""
+        if not self.fits:
+            return self.launches * steps
+        return steps + self.layers - 1 if self.directions == 1 else self.layers * steps
+
+
+def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
+                    bidirectional: bool = False, dtype: str = "float32",
+                    device: DeviceProfile | str | None = None) -> StackPlan:
+    """Plan a stack of ``layers`` layers of ``cell`` (``hidden`` units, ``batch`` rows).
+
+    Stack mode where the weights fit the register files together: a unidirectional stack runs
+    all its layers in one launch per pass (a wavefront); a bidirectional stack runs the two
+    directions of each layer side by side in one launch, layer after layer (layer l+1 needs
+    both directions of layer l at every step). The cheapest ``STACK_TILES`` tile (fewest weights
+    per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or the two
+    directions) at one per SM, fits the device with both passes. Otherwise the layers run one
+    launch per layer-direction and ``reason`` says why.
+    """
+    cell = resolve_cell(cell)
+    dev = resolve_device(device)
+    dtype = dtype_name("dtype", dtype)
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    directions = 2 if bidirectional else 1
+    apart = partial(StackPlan, False, layers, directions, layers * directions)
+    if layers == 1 and not bidirectional:
+        return apart("one layer: the layer kernel runs it")
+    if dtype != "float32":
+        return apart(f"the stack kernels hold fp32 weights only (dtype {dtype})")
+    if hidden < 1 or batch < 1:
+        raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
+    groups = 2 if bidirectional else layers
+    what = "the two directions of a layer" if bidirectional else f"{layers} layers"
+    tried = []
+    limit = min(dev.shared_per_block, dev.shared_per_sm)
+    for tile in stack_tiles_for(cell):
+        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype, stack_layers=groups)
+        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype, stack_layers=groups)
+        reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
+        if reason is None:
+            return StackPlan(True, layers, directions, layers if bidirectional else 1, None,
+                             tile, fwd, bwd)
+        tried.append(f"units {tile.units}: {reason}")
+    return apart(f"{what} of {cell.name} H={hidden} B={batch} do not fit {dev.name} together: "
+                 + "; ".join(tried))
 
 
 def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,

@@ -99,9 +99,9 @@ class _Control:
         cupy.cuda.runtime.memsetAsync(ptr + 8, 0xFF, 4 * (words.size - 2), stream)
 
     @staticmethod
-    def next_step(words: np.ndarray, start: int, direction: int) -> int:
-        """The first step not completed by every CTA in a launch from ``start``."""
-        progress = words[2:].view(np.int32)
+    def next_step(words: np.ndarray, start: int, direction: int, ctas: slice = slice(None)) -> int:
+        """The first step not completed by every CTA (of ``ctas``) in a launch from ``start``."""
+        progress = words[2:].view(np.int32)[ctas]
         progress = np.where(progress == -1, start - direction, progress)
         done = int(progress.min()) if direction > 0 else int(progress.max())
         return done + direction
@@ -130,19 +130,14 @@ class Pending:
 
     def launch(self, step: int, stall: settings.Stall) -> None:
         """Launch the pass from ``step`` (stream-ordered; nothing is read back)."""
-        s, p = settings.current(), self.engine.pass_plan
-        timeout_ms = s.emulation_timeout_ms if self.engine.emulated else s.gpu_timeout_ms
-        extra = {"max_resident": s.emulation_max_resident} if self.engine.emulated else {}
-        _Control.reset(self.control)
         if self.launches:
             for words in self.exchanges:
                 words.fill(0)  # a restart must not take a word an earlier launch wrote
         self.start = step
-        self.engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                           (*self.fixed, self.control, *(np.int32(n) for n in self.sizes),
-                            np.int32(step), np.uint64(int(timeout_ms * 1e6)), *stall.args()),
-                           **extra)
+        launch_pass(self.engine, self.control, self.fixed, (*self.sizes, step), stall)
         self.launches += 1
+        self.stats.launches += 1
+
 
     def next_step(self, words: np.ndarray | None = None) -> int:
         """The first step not completed by every CTA (``end`` when the pass is complete)."""
@@ -162,6 +157,20 @@ class Pending:
             self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
                                    f"steps {step}..{last} on GEMM")
         self.finish(step)
+
+
+def launch_pass(engine: _Engine, control: Array, buffers_: tuple, ints: tuple,
+                stall: settings.Stall) -> None:
+    """Reset ``control`` and launch ``engine``'s pass with the persistent kernels' argument
+    order: ``(*buffers_, control, *ints as int32, timeout_ns, stall_block, stall_step,
+    stall_ns)``; the timeout is the setting for the GPU or for the emulation."""
+    s, p = settings.current(), engine.pass_plan
+    timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
+    extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
+    _Control.reset(control)
+    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
+                  (*buffers_, control, *(np.int32(n) for n in ints),
+                   np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
 
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
@@ -417,7 +426,13 @@ def _cached_engine(cell: CellSpec, hidden: int, batch: int, backward: bool,
     plan = planner.make_plan(cell, hidden, batch, weights, device, proj_size)
     if not plan.fits:
         return None, plan.reason
-    pass_plan = plan.backward if backward else plan.forward
+    return engine_of(plan.backward if backward else plan.forward, device, cooperative, emulated)
+
+
+def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, cooperative: bool,
+              emulated: bool) -> tuple[_Engine | None, str | None]:
+    """The engine of a planned pass: its module built (NVRTC, or g++ for the emulation) and, on
+    the GPU, the grid checked against CUDA's occupancy calculator; or why it cannot run."""
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)
