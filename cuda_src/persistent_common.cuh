@@ -71,7 +71,18 @@ PRNN_DEVICE float round_state(float v) { return prnn_round_bf16(v); }
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
 
-struct RegisterTile {
+// A register tile of kRows rows by kKpt columns per lane. A template (defaults: the -D tile) so
+// that a kernel can hold two matrices of different shapes (the LSTM projection's W_hh and W_hr);
+// its parameters hide the namespace constants of the same names, so the body reads the same.
+template <int kRows = PRNN_ROWS, int kKpt = PRNN_KPT>
+struct TileOf {
+  static constexpr int kRowsPow2 = pow2_at_least(kRows);
+  static constexpr int kLanesPerRow = kWarp / kRowsPow2;
+  static constexpr int kWordsPerLane = kKpt / kPerWord;
+  static constexpr int kRowCount = kRows;
+  static constexpr int kChunk = kWarp * kKpt;  // columns per warp
+  static_assert(kRowsPow2 <= kWarp, "at most 32 rows per warp");
+  static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even kpt");
   WeightWord w[kRows][kWordsPerLane];
 
   // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros);
@@ -125,12 +136,13 @@ struct RegisterTile {
     return a[0];
   }
 };
+using RegisterTile = TileOf<>;
 
-// The row whose sum `multiply` leaves in `lane`.
-PRNN_DEVICE int row_of_lane(int lane) {
+// The row whose sum `multiply` leaves in `lane` (of a tile of rows_pow2 rows rounded up to a power of 2).
+PRNN_DEVICE int row_of_lane(int lane, int rows_pow2 = kRowsPow2) {
   int row = 0;
 #pragma unroll
-  for (int half = kRowsPow2 / 2, off = kWarp / 2; half >= 1; half /= 2, off /= 2) {
+  for (int half = rows_pow2 / 2, off = kWarp / 2; half >= 1; half /= 2, off /= 2) {
     if (lane & off) row += half;
   }
   return row;
@@ -207,11 +219,12 @@ struct Exchange {
 #endif
   }
 
-  // Waits for step t's values and writes them into v_s (row stride kPadded; the zero padding past
-  // k_len was written once at launch start and is never touched). False on timeout or abort. The
-  // caller's next block barrier makes v_s visible to the block.
-  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
-    const auto sink = [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; };
+  // Waits for step t's values and writes them into v_s (row stride `padded`, default the -D
+  // tile's; the zero padding past k_len was written once at launch start and is never touched).
+  // False on timeout or abort. The caller's next block barrier makes v_s visible to the block.
+  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns,
+                          int padded = kPadded) const {
+    const auto sink = [v_s, padded](int b, int k, float v) { v_s[b * padded + k] = v; };
 #ifdef PRNN_CLUSTER
     return prnn_gather_tagged<kGatherPairs>(words + (t & 1) * slot(), batch, row_words(), k_len,
                                             (unsigned)t + 1u, ctl, timeout_ns, PrnnClusterPairs{}, sink);
@@ -251,25 +264,31 @@ PRNN_DEVICE void end_exchange() {
 #endif
 }
 
-// For every batch row, multiplies the tile by the staged vector; the partial sum of local row
-// `row` over column chunk `c` goes to part_s[(b * kKsplit + c) * local_rows + row].
-PRNN_DEVICE void multiply_batch(const RegisterTile& tile, const float* v_s, float* part_s, int batch,
-                                int local_rows) {
-  const int lane = threadIdx.x % kWarp, chunk = warp_chunk();
-  const int row = row_of_lane(lane);
-  const bool writer = lane % kLanesPerRow == 0 && row < kRows;
+// For every batch row, multiplies the tile by the staged vector (row stride `padded`); the
+// partial sum of local row `row` over column chunk `c` goes to
+// part_s[(b * ksplit + c) * local_rows + row]. Warp w holds row group w / ksplit, chunk w % ksplit
+// (defaults: the -D tile).
+template <class Tile = RegisterTile>
+PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_s, int batch,
+                                int local_rows, int ksplit = kKsplit, int padded = kPadded) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
+  const int row = row_of_lane(lane, Tile::kRowsPow2);
+  const bool writer = lane % Tile::kLanesPerRow == 0 && row < Tile::kRowCount;
   for (int b = 0; b < batch; ++b) {
-    const float sum = tile.multiply(v_s + b * kPadded + chunk * kChunk, lane);
-    if (writer) part_s[(b * kKsplit + chunk) * local_rows + warp_row_group() * kRows + row] = sum;
+    const float sum = tile.multiply(v_s + b * padded + chunk * Tile::kChunk, lane);
+    if (writer) part_s[(b * ksplit + chunk) * local_rows + warp / ksplit * Tile::kRowCount + row] = sum;
   }
   prnn_sync_block();
 }
 
-// The full sum of local row `row` for batch row `b` (the kKsplit partial sums, in fixed order).
+// The full sum of local row `row` for batch row `b` (the Ksplit partial sums, in fixed order);
+// with First/Last, the sum over column chunks First..Last-1 only (the stack kernels keep the two
+// halves of their columns apart).
+template <int Ksplit = kKsplit, int First = 0, int Last = Ksplit>
 PRNN_DEVICE float row_sum(const float* part_s, int b, int row, int local_rows) {
   float s = 0.0f;
 #pragma unroll
-  for (int c = 0; c < kKsplit; ++c) s += part_s[(b * kKsplit + c) * local_rows + row];
+  for (int c = First; c < Last; ++c) s += part_s[(b * Ksplit + c) * local_rows + row];
   return s;
 }
 

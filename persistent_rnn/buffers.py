@@ -81,6 +81,12 @@ def select_active(xp, a: Array, lengths: Array | None) -> Array:
     return a if mask is None else xp.where(mask, a, xp.zeros((), a.dtype))
 
 
+def matmul_steps(a: Array, w: Array) -> Array:
+    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N)."""
+    steps, batch, width = a.shape
+    return (a.reshape(steps * batch, width) @ w).reshape(steps, batch, w.shape[1])
+
+
 def round_half(xp, a: Array, half: str | None) -> Array:
     """float32 ``a`` rounded to the nearest ``half`` value ("float16" or "bfloat16"; ties to
     even, as ml_dtypes and CUDA's conversions round), kept as float32; ``a`` itself for ``None``.

@@ -21,8 +21,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import runtime
-from .buffers import array_module, select_active
+from . import runtime, stack
+from .buffers import array_module, matmul_steps, select_active
 from .cells import CellSpec
 from .stats import RunStats
 
@@ -88,28 +88,50 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are float32
     holding values of that dtype, the recurrence rounds h_t to it every step (docs/api.md).
 
-    Every layer-direction is started without waiting for the previous one; their progress is
-    checked once at the end (``runtime.settle``). Where a persistent pass did not finish, it is
-    resumed and the layers above it run again on its completed output.
+    Stack mode (``stack``): a unidirectional stack whose layers fit the register files together
+    runs in one launch. Otherwise every layer-direction is started without waiting for the
+    previous one; their progress is checked once at the end (``runtime.settle``). Where a
+    persistent pass did not finish, it is resumed and the layers above it run again on its
+    completed output.
     """
     x = x.transpose(1, 0, 2) if batch_first else x
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
                                            batch_first, algo, half)
-    lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     ctx.inputs = [None] * num_layers
     ctx.directions = [[] for _ in range(num_layers)]
-    stats: dict[tuple[int, int], RunStats] = {}
     # Padding is selected out, not multiplied away: NaN/Inf there must not reach any result.
-    layer_input, first, rerun = select_active(xp, x, lengths), 0, False
+    layer_input = select_active(xp, x, ctx.lengths)
+    engine, why = stack.engine(cell, x, h0_all.shape[2], num_layers, bidirectional, algo, half,
+                               backward=False, proj="weight_hr_l0" in params)
+    if engine is not None:
+        layer_input = _forward_stack(ctx, engine, layer_input, h0_all, c0_all)
+    else:
+        layer_input = _forward_layers(ctx, layer_input, h0_all, c0_all)
+        if why is not None and num_layers > 1:
+            ctx.stats.details.append(f"stack mode not used: {why}")
+    y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
+    h_n = xp.stack([d.fwd.y[-1] for dirs in ctx.directions for d in dirs])
+    if not cell.has_cell_state:
+        return y, h_n, ctx
+    return y, (h_n, xp.stack([d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
+
+
+def _forward_layers(ctx: Context, layer_input: Array, h0_all: Array,
+                    c0_all: Array | None) -> Array:
+    """One launch per layer-direction (or the GEMM path); sets ``ctx``'s layers and stats and
+    returns the last layer's output."""
+    num_dirs = 2 if ctx.bidirectional else 1
+    stats: dict[tuple[int, int], RunStats] = {}
+    first, rerun = 0, False
     while True:
         pending = []
-        for layer in range(first, num_layers):
+        for layer in range(first, ctx.num_layers):
             ctx.inputs[layer] = layer_input
             ctx.directions[layer] = []
             for direction in range(num_dirs):
                 k = layer * num_dirs + direction
-                names = _direction_names(params, layer, direction == 1)
-                d = _Direction(names, h0_all[k], None if c0_all is None else c0_all[k], None)
+                d = _Direction(_names(ctx, layer, direction == 1), h0_all[k],
+                               None if c0_all is None else c0_all[k], None)
                 d.fwd, stats[layer, direction], p = _start_direction(ctx, layer_input, d,
                                                                      direction == 1, rerun)
                 pending += [(layer, p)] if p else []
@@ -120,11 +142,60 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
             break
         layer_input, first, rerun = _layer_output(ctx, failed), failed + 1, True
     ctx.stats = _merged(stats, rerun)
-    y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
-    h_n = xp.stack([d.fwd.y[-1] for dirs in ctx.directions for d in dirs])
-    if not cell.has_cell_state:
-        return y, h_n, ctx
-    return y, (h_n, xp.stack([d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
+    return layer_input
+
+
+def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
+                   c0_all: Array | None) -> Array:
+    """The whole unidirectional stack in stack mode (``stack.forward``); sets ``ctx``'s layers
+    and stats as ``_forward_layers`` does and returns the last layer's output."""
+    if ctx.bidirectional:
+        return _forward_pairs(ctx, engine, layer_input, h0_all, c0_all)
+    names = [_names(ctx, layer, False) for layer in range(ctx.num_layers)]
+    weights = [_weights(ctx, n) for n in names]
+    results, ctx.stats = stack.forward(ctx.cell, engine, _input_projection(ctx, layer_input, names[0]),
+                                       weights, h0_all, c0_all, ctx.lengths)
+    for layer, fwd in enumerate(results):
+        ctx.inputs[layer] = layer_input
+        ctx.directions[layer] = [_Direction(names[layer], h0_all[layer],
+                                            None if c0_all is None else c0_all[layer], fwd)]
+        layer_input = _layer_output(ctx, layer)
+    return layer_input
+
+
+def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
+                   c0_all: Array | None) -> Array:
+    """A bidirectional stack in stack mode: per layer, one launch runs both directions side by
+    side (the reverse one on its input reversed within each length, as ``_start_direction``
+    feeds it); the layers one after another. Sets ``ctx`` as ``_forward_layers`` does."""
+    xp = array_module(layer_input)
+    ctx.stats = RunStats()
+    for layer in range(ctx.num_layers):
+        names = [_names(ctx, layer, reverse) for reverse in (False, True)]
+        gi = [_input_projection(ctx, layer_input, n) for n in names]
+        pair = slice(2 * layer, 2 * layer + 2)
+        c0 = None if c0_all is None else c0_all[pair]
+        results, stats = stack.forward(ctx.cell, engine,
+                                       xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])]),
+                                       [_weights(ctx, n) for n in names], h0_all[pair], c0,
+                                       ctx.lengths, chained=False)
+        ctx.stats.merge(stats)
+        ctx.inputs[layer] = layer_input
+        ctx.directions[layer] = [
+            _Direction(names[d], h0_all[2 * layer + d], None if c0 is None else c0[d], results[d])
+            for d in (0, 1)]
+        layer_input = _layer_output(ctx, layer)
+    return layer_input
+
+
+def _names(ctx: Context, layer: int, reverse: bool) -> dict[str, str]:
+    return _direction_names(ctx.params, layer, reverse)
+
+
+def _weights(ctx: Context, names: Mapping[str, str]) -> tuple:
+    """``(w_ih, w_hh, b_ih, b_hh)`` of one layer-direction (biases ``None`` without bias)."""
+    return tuple(None if kind not in names else ctx.params[names[kind]]
+                 for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
 
 
 def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict[str, Array]]:
@@ -140,9 +211,31 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
     grads: dict[str, Array] = {}
     results: dict[tuple[int, int], runtime.BackwardResult] = {}
+    d_out = select_active(xp, dy, ctx.lengths)
+    engine, why = stack.engine(ctx.cell, dy, ctx.directions[0][0].h0.shape[1], ctx.num_layers,
+                               ctx.bidirectional, ctx.algo, ctx.half, backward=True,
+                               proj="weight_hr_l0" in ctx.params)
+    if engine is not None:
+        d_out = _backward_stack(ctx, engine, d_out, dhn, dcn, results, grads)
+    else:
+        d_out = _backward_layers(ctx, d_out, dhn, dcn, results, grads)
+        if why is not None and ctx.num_layers > 1:
+            ctx.backward_stats.details.append(f"stack mode not used: {why}")
+    dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
+    dh = xp.stack([results[k].dh0 for k in sorted(results)])
+    if not ctx.cell.has_cell_state:
+        return dx, dh, grads
+    return dx, (dh, xp.stack([results[k].dc0 for k in sorted(results)])), grads
+
+
+def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array | None,
+                     results: dict, grads: dict[str, Array]) -> Array:
+    """One launch per layer-direction (or the GEMM path), top-down; fills ``results`` and
+    ``grads``, sets ``ctx.backward_stats`` and returns the gradient of the first layer's input."""
+    xp = array_module(d_out)
     stats: dict[tuple[int, int], RunStats] = {}
     num_dirs = len(ctx.directions[0])
-    d_out, first, rerun = select_active(xp, dy, ctx.lengths), ctx.num_layers - 1, False
+    first, rerun = ctx.num_layers - 1, False
     while True:
         pending = []
         for layer in range(first, -1, -1):
@@ -165,21 +258,57 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
         if first < 0:
             break
     ctx.backward_stats = _merged(stats, rerun)
-    dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
-    dh = xp.stack([results[k].dh0 for k in sorted(results)])
-    if not ctx.cell.has_cell_state:
-        return dx, dh, grads
-    return dx, (dh, xp.stack([results[k].dc0 for k in sorted(results)])), grads
+    return d_out
+
+
+def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
+                    dcn: Array | None, results: dict, grads: dict[str, Array]) -> Array:
+    """The whole unidirectional stack in stack mode (``stack.backward``): the gradient reaching
+    each layer's output from the layer above is formed inside the kernel, so only the first
+    layer's input gradient is a GEMM here. Fills ``results`` and ``grads`` as
+    ``_backward_layers`` does."""
+    xp = array_module(d_out)
+    if ctx.bidirectional:
+        return _backward_pairs(ctx, engine, d_out, dhn, dcn, results, grads)
+    dirs = [ctx.directions[layer][0] for layer in range(ctx.num_layers)]
+    c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+    per_layer, ctx.backward_stats = stack.backward(
+        ctx.cell, engine, xp.ascontiguousarray(d_out), dhn, dcn,
+        [_weights(ctx, d.names) for d in dirs], xp.stack([d.h0 for d in dirs]), c0, ctx.lengths,
+        [d.fwd for d in dirs])
+    for layer in range(ctx.num_layers - 1, -1, -1):
+        results[layer, 0] = per_layer[layer]
+        d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
+    return d_out
+
+
+def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
+                    dcn: Array | None, results: dict, grads: dict[str, Array]) -> Array:
+    """A bidirectional stack in stack mode, top-down: per layer one launch runs the backward of
+    both directions side by side. Fills ``results`` and ``grads`` as ``_backward_layers`` does."""
+    xp = array_module(d_out)
+    ctx.backward_stats = RunStats()
+    for layer in range(ctx.num_layers - 1, -1, -1):
+        dirs, pair = ctx.directions[layer], slice(2 * layer, 2 * layer + 2)
+        hidden = dirs[0].h0.shape[1]
+        dy = xp.stack([d_out[:, :, :hidden], _gather(ctx.reverse_index, d_out[:, :, hidden:])])
+        c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+        per_direction, stats = stack.backward(
+            ctx.cell, engine, dy, None if dhn is None else dhn[pair],
+            None if dcn is None else dcn[pair], [_weights(ctx, d.names) for d in dirs],
+            xp.stack([d.h0 for d in dirs]), c0, ctx.lengths, [d.fwd for d in dirs], chained=False)
+        ctx.backward_stats.merge(stats)
+        for direction, res in enumerate(per_direction):
+            results[layer, direction] = res
+        d_out = _layer_gradients(ctx, layer, results, grads)
+    return d_out
 
 
 def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: bool,
                      rerun: bool) -> tuple[runtime.ForwardResult, RunStats, runtime.Pending | None]:
     """Project the input for all steps (one GEMM) and start this direction's recurrence."""
-    w_ih, w_hh, b_ih, b_hh, w_hr = (_param(ctx, d, kind) for kind in (
-        "weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr"))
-    gi = _matmul_steps(layer_input, w_ih.T)
-    if b_ih is not None:
-        gi += b_ih
+    w_hh, b_hh, w_hr = (_param(ctx, d, kind) for kind in ("weight_hh", "bias_hh", "weight_hr"))
+    gi = _input_projection(ctx, layer_input, d.names)
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun,
@@ -192,6 +321,15 @@ def _param(ctx: Context, d: _Direction, kind: str) -> Array | None:
     return None if name is None else ctx.params[name]
 
 
+def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str]) -> Array:
+    """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM."""
+    w_ih, _, b_ih, _ = _weights(ctx, names)
+    gi = matmul_steps(layer_input, w_ih.T)
+    if b_ih is not None:
+        gi += b_ih
+    return gi
+
+
 def _layer_output(ctx: Context, layer: int) -> Array:
     """The output of ``layer`` (T, B, D*H): its directions side by side, zero past lengths."""
     xp = array_module(ctx.inputs[layer])
@@ -202,8 +340,9 @@ def _layer_output(ctx: Context, layer: int) -> Array:
 
 
 def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int], Any],
-                     grads: dict[str, Array]) -> Array:
-    """Set the parameter gradients of ``layer`` in ``grads``; return the gradient of its input."""
+                     grads: dict[str, Array], input_grad: bool = True) -> Array | None:
+    """Set the parameter gradients of ``layer`` in ``grads``; return the gradient of its input
+    (``None`` without ``input_grad``: stack mode formed it inside the kernel)."""
     layer_input = ctx.inputs[layer]
     xp = array_module(layer_input)
     flat_input = layer_input.reshape(-1, layer_input.shape[2])
@@ -220,8 +359,11 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
         if "weight_hr" in d.names:  # dW_hr = sum_t dr_t^T h_t, one GEMM over all steps
             grads[d.names["weight_hr"]] = (res.drs.reshape(-1, res.drs.shape[2]).T
                                            @ d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
-        part = _matmul_steps(dgi, ctx.params[d.names["weight_ih"]])
-        d_in = part if d_in is None else d_in + part
+        if input_grad:
+            part = matmul_steps(dgi, ctx.params[d.names["weight_ih"]])
+            d_in = part if d_in is None else d_in + part
+    if not input_grad:
+        return None
     return d_in if d_in is not None else xp.zeros_like(layer_input)
 
 
@@ -233,12 +375,6 @@ def _merged(stats: Mapping[tuple[int, int], RunStats], rerun: bool) -> RunStats:
     if rerun:
         total.details.append("layers after a restarted layer ran again on its completed output")
     return total
-
-
-def _matmul_steps(a: Array, w: Array) -> Array:
-    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N)."""
-    steps, batch, width = a.shape
-    return (a.reshape(steps * batch, width) @ w).reshape(steps, batch, w.shape[1])
 
 
 def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, widths: tuple[int, int],

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from . import kernels, plan as planner
@@ -26,6 +28,7 @@ from .cells import CELLS
 # Shared memory is reported at batch 8, the top of the range the latency targets are set for
 # (algo="auto" runs persistently up to runtime.Settings.auto_max_batch, 32, where the plan fits).
 REPORT_BATCH = 8
+REPORT_STACK = 4  # layers the stack kernels' records are planned for (the grid only)
 
 
 def parse_ptxas(log: str) -> dict[str, int]:
@@ -80,8 +83,9 @@ def disassemble(cubin: Path, tool: str) -> str:
     return proc.stdout
 
 
-def _parse(sass: str) -> tuple[list[tuple[str, str, str | None]], dict[str, int]]:
-    """Instructions as (opcode, predicate, branch target label) and label -> instruction index."""
+def _parse(sass: str) -> tuple[list[tuple[str, str, str | None, str]], dict[str, int]]:
+    """Instructions as (opcode, predicate, branch target label, operand text) and label ->
+    instruction index."""
     code, labels = [], {}
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -91,7 +95,8 @@ def _parse(sass: str) -> tuple[list[tuple[str, str, str | None]], dict[str, int]
         ins = _INSTRUCTION.search(line)
         if ins:
             target = _TARGET.search(ins.group(4))
-            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None))
+            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None,
+                         ins.group(4)))
     return code, labels
 
 
@@ -100,7 +105,7 @@ def _successors(code, labels) -> list[list[int]]:
     ``CALL.REL.NOINC`` to a local label is how sm_80 code leaves a loop (a jump that may also
     fall through); EXIT/RET end a path."""
     succ = []
-    for i, (op, pred, target) in enumerate(code):
+    for i, (op, pred, target, _) in enumerate(code):
         base = op.split(".")[0]
         always = pred in ("", "@PT")
         nxt = [i + 1] if i + 1 < len(code) else []
@@ -165,12 +170,23 @@ def _dominators(succ: list[list[int]]) -> list[int]:
     return dom
 
 
-def sass_loop_counts(sass: str) -> dict[str, int]:
-    """Static counts of ``SASS_KINDS`` in the time loop: the largest natural loop (back edges -
-    edges to an instruction that dominates their source - to one header merged) that holds a
-    block barrier. Out-of-line code the compiler placed after the kernel's exit (divergent
-    shuffles, slow paths) belongs to the loop when it returns into it. Each instruction of the
-    body counts once, inner loops included, so the counts bound what one step issues."""
+@dataclass(frozen=True)
+class TimeLoop:
+    """The time loop of a persistent kernel's SASS: ``code`` (every instruction of the cubin's
+    code as ``_parse`` gives it), ``body`` (the loop's instruction indices) and ``inner`` (the
+    natural loops inside it, by header index, each a set of instruction indices)."""
+
+    code: list[tuple[str, str, str | None, str]]
+    body: frozenset[int]
+    inner: dict[int, frozenset[int]]
+
+
+@lru_cache(maxsize=64)  # the report's counts and the latency model read the same loop
+def time_loop(sass: str) -> TimeLoop:
+    """The time loop: the largest natural loop (back edges - edges to an instruction that
+    dominates their source - to one header merged) that holds a block barrier. Out-of-line code
+    the compiler placed after the kernel's exit (divergent shuffles, slow paths) belongs to the
+    loop when it returns into it."""
     code, labels = _parse(sass)
     succ = _successors(code, labels)
     dom = _dominators(succ)
@@ -179,23 +195,32 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
         for head in targets:
             if dom[tail] >> head & 1:
                 loops.setdefault(head, set()).update(_natural_loop(succ, tail, head))
-    with_barrier = [body for body in loops.values()
+    with_barrier = [(head, body) for head, body in loops.items()
                     if any(code[i][0].split(".")[0] == "BAR" for i in body)]
     if not with_barrier:
         raise RuntimeError("no loop with a block barrier in the SASS: is this a persistent kernel?")
-    body = max(with_barrier, key=len)
+    head, body = max(with_barrier, key=lambda hb: len(hb[1]))
+    inner = {h: frozenset(b) for h, b in loops.items() if h != head and h in body and b <= body}
+    return TimeLoop(code, frozenset(body), inner)
+
+
+def sass_loop_counts(sass: str) -> dict[str, int]:
+    """Static counts of ``SASS_KINDS`` in the time loop (``time_loop``). Each instruction of the
+    body counts once, inner loops included, so the counts bound what one step issues."""
+    loop = time_loop(sass)
     counts = {kind: 0 for kind in SASS_KINDS}
-    for i in body:
-        base = code[i][0].split(".")[0]
+    for i in loop.body:
+        base = loop.code[i][0].split(".")[0]
         for kind, opcodes in SASS_KINDS.items():
             counts[kind] += base in opcodes
-    counts["instructions"] = len(body)
+    counts["instructions"] = len(loop.body)
     return counts
 
 
 def _jobs(archs):
-    """Every shipped (dtype, cell, pass plan, arch): the grid tiles on every arch, the cluster
-    tile on the archs with clusters (sm_90 and newer)."""
+    """Every shipped (dtype, cell, pass plan, arch, proj_size): the grid tiles on every arch, the
+    cluster tile on the archs with clusters (sm_90 and newer), the LSTM projection tiles (grid
+    only) at their largest H and P < H."""
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
             for tile in (*planner.tiles_for(cell, dtype), planner.cluster_tile_for(cell, dtype)):
@@ -204,32 +229,73 @@ def _jobs(archs):
                     p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype=dtype)
                     for arch in archs:
                         if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
-                            yield cell, dtype, p, arch
+                            yield cell, dtype, p, arch, 0
+        for ptile in planner.PROJECTION_TILES:
+            hidden, proj = planner.projection_capacity(ptile)
+            proj = min(proj, hidden - 1)
+            for backward in (False, True):
+                p = planner.projection_pass_plan(ptile, backward, hidden, proj, REPORT_BATCH,
+                                                 dtype=dtype)
+                for arch in archs:
+                    yield CELLS["lstm"], dtype, p, arch, proj
+    for cell in CELLS.values():  # the stack kernels (fp32), planned for REPORT_STACK layers
+        for tile in planner.stack_tiles_for(cell):
+            hidden = planner.stack_max_hidden(cell, tile)
+            for backward in (False, True):
+                p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
+                                      stack_layers=REPORT_STACK)
+                for arch in archs:
+                    yield cell, "float32", p, arch, 0
 
 
 def _record(job) -> dict:
-    cell, dtype, p, arch, tool = job
+    cell, dtype, p, arch, proj, tool = job
     compiled = kernels.compile_source(p.source, p.defines, arch)
-    return {"cell": cell.name, "dtype": dtype,
+    sass = disassemble(compiled.cubin_path, tool) if tool else None
+    return {"cell": cell.name, "dtype": dtype, "proj_size": proj,
             "pass": "backward" if "backward" in p.kernel else "forward",
             "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
+            "stack": REPORT_STACK if p.source.startswith("stack_") else 0,
             "hidden_size": p.max_hidden,
             "block": p.block, "weights_per_thread": p.weights_per_thread,
             "weight_registers": p.weight_registers, **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
             "planned_registers": p.registers,
-            "time_loop": sass_loop_counts(disassemble(compiled.cubin_path, tool)) if tool else None}
+            "time_loop": sass_loop_counts(sass) if sass else None,
+            "model": model_fields(cell, dtype, p, arch, sass) if sass else None}
+
+
+# Batch sizes the report predicts a step at (B = 1 and the report's batch).
+MODEL_BATCHES = (1, REPORT_BATCH)
+
+
+def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
+    """The latency model on one configuration (``persistent_rnn.model``): instructions per batch
+    row of the matrix loop against its FFMAs, and the predicted µs per step (a prediction) at
+    ``MODEL_BATCHES`` on the arch's device profile (sm_80: a100, else h100)."""
+    from . import hardware, model
+    device = hardware.PROFILES["a100" if arch == "sm_80" else "h100"]
+    predicted, terms = {}, None
+    for batch in MODEL_BATCHES:
+        terms = model.step_terms(sass, model.shape_at(cell, p, batch, p.max_hidden), device)
+        predicted[str(batch)] = round(terms.total_us, 3)
+    return {"per_row_instructions": terms.per_row_instructions, "per_row_ffma": terms.per_row_ffma,
+            "predicted_us": predicted, "device_profile": device.name, "prediction": True}
 
 
 def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     """One record per shipped (dtype, cell, tile, pass, arch): ``cell``, ``dtype`` (what W_hh
-    is held in: "float32", "float16", "bfloat16"), ``pass``, ``arch``, ``config``
+    is held in: "float32", "float16", "bfloat16"), ``proj_size`` (an LSTM projection tile's P,
+    else 0), ``pass``, ``arch``, ``config``
     (the -D macros), ``cluster`` (CTAs of the thread-block cluster, 0 for a grid tile),
+    ``stack`` (layers of a stack kernel's record, 0 for the layer kernels),
     ``hidden_size`` (largest H the configuration serves), ``weights_per_thread`` and
     ``weight_registers`` (16-bit: two weights per register), ``registers``,
     ``spill_bytes``, ``shared_bytes`` (dynamic shared memory at batch 8), ``planned_registers``
     (the register cap the planner counts on) and ``time_loop``: the SASS counts of the time loop
     (``sass_loop_counts``: instructions, block_barriers, global_loads, async_copies,
-    global_stores, atomics, fences, l1_invalidates), or None where nvdisasm is not installed."""
+    global_stores, atomics, fences, l1_invalidates), or None where nvdisasm is not installed;
+    ``model``: the latency model's ``model_fields`` (per batch row instructions and FFMAs of the
+    matrix loop, predicted µs per step at B = 1 and 8), or None without nvdisasm."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
@@ -246,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(records, indent=1))
     else:
-        print(f"{'dtype':8} {'cell':9} {'pass':8} {'arch':6} {'cl':>2} {'H max':>6} {'block':>5} {'weights':>7} "
+        print(f"{'dtype':8} {'cell':9} {'proj':>4} {'pass':8} {'arch':6} {'cl':>2} {'H max':>6} {'block':>5} {'weights':>7} "
               f"{'regs':>4}/{'plan':<4} {'spill':>5} {'smem@B8':>8}  time loop: "
               f"{'BAR':>3} {'LDG':>3} {'STG':>3} {'ATOM':>4} {'MEMBAR':>6} {'CCTL':>4}")
         for r in records:
@@ -255,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {'':11}{loop['block_barriers']:3d} {loop['global_loads']:3d} "
                     f"{loop['global_stores']:3d} {loop['atomics']:4d} {loop['fences']:6d} "
                     f"{loop['l1_invalidates']:4d}")
-            print(f"{r['dtype']:8} {r['cell']:9} {r['pass']:8} {r['arch']:6} {r['cluster']:2d} {r['hidden_size']:6d} {r['block']:5d} "
+            print(f"{r['dtype']:8} {r['cell']:9} {r['proj_size']:4d} {r['pass']:8} {r['arch']:6} {r['cluster']:2d} {r['hidden_size']:6d} {r['block']:5d} "
                   f"{r['weights_per_thread']:7d} {r['registers']:4d}/{r['planned_registers']:<4d} "
                   f"{r['spill_bytes']:5d} {r['shared_bytes']:8d}{sass}")
     bad = [r for r in records if r["spill_bytes"] or r["registers"] > r["planned_registers"]]

@@ -153,7 +153,7 @@ class _Recurrent:
                                  "call forward first")
         if dy is None:
             raise TypeError("dy must be a numpy.ndarray or cupy.ndarray, got None")
-        dh, dc = validation.state("dhn", dhn, self.cell.has_cell_state)
+        dh, dc = validation.state("dhn", dhn, self.cell.has_cell_state, partial=True)
         xp = validation.common_module(dy=dy, dhn=dh, **({"dhn[1]": dc} if dc is not None else {}))
         if xp is not self._module():
             raise TypeError(f"dy must be on the forward's device ({self._device_name()}), "

@@ -15,13 +15,15 @@ one CTA of that many threads sit on one SM, and ptxas must fit the weights with 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from . import cells
 from .cells import CELLS, CellSpec
 from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
                        current_device)
+from . import validation
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -140,7 +142,7 @@ class Plan:
 
     fits: bool
     reason: str | None = None
-    tile: Tile | None = None
+    tile: Tile | ProjectionTile | None = None
     forward: PassPlan | None = None
     backward: PassPlan | None = None
 
@@ -177,7 +179,7 @@ RING_SLOTS = 8  # per thread: the gather's cp.async copies in flight (16 bytes e
 
 
 def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden: int = 0,
-                 ring_slots: int = RING_SLOTS) -> int:
+                 ring_slots: int = RING_SLOTS, stack: bool = False) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
     Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
@@ -192,6 +194,8 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     cluster tile's copy of the exchange, [2][B][K rounded up to even] 8-byte tagged words
     (K = ``hidden``, or G * ``hidden`` backward).
     ``tests/test_plan.py`` checks this against an emulated launch.
+    ``stack``: the stack kernels (``stack_*.cu``), whose forward keeps b_ih beside b_hh
+    ([2][G][units]) and whose step gathers two vectors (the layer's own and its neighbour's).
     """
     pt = tile.backward if backward else tile.forward
     units, gates = tile.units, cell.gates
@@ -202,10 +206,10 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
         constants = 0
     else:
         per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
-        constants = gates * units
+        constants = (2 if stack else 1) * gates * units
     total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
     k_len = gates * hidden if backward else hidden
-    words = batch * (k_len + k_len % 2)  # one step's exchange
+    words = (2 if stack else 1) * batch * (k_len + k_len % 2)  # one step's exchange
     if tile.cluster:
         return total + 16 * words
     local_rows = units if backward else gates * units
@@ -214,11 +218,25 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
-              shared_limit: int | None = None, dtype: str = "float32") -> PassPlan:
+              shared_limit: int | None = None, dtype: str = "float32",
+              stack_layers: int = 0) -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
     weights held in ``dtype`` (fp32 configurations carry no ``PRNN_WEIGHT_DTYPE``: 0 is the
     default); with a ``shared_limit``, a grid tile's gather ring shrinks (to one slot per thread
-    at least) to what the limit leaves, trading L2 round trips per step for fitting at all."""
+    at least) to what the limit leaves, trading L2 round trips per step for fitting at all.
+    ``stack_layers`` > 0: the stack kernels (``cuda_src/stack_*.cu``) over that many
+    unidirectional layers, one set of ``ceil(hidden/units)`` CTAs per layer (a ``STACK_TILES``
+    tile)."""
+    if stack_layers:
+        plain = pass_plan(cell, tile, backward, hidden, batch, None, dtype)
+        stacked = partial(shared_bytes, cell, tile, backward, batch, hidden, stack=True)
+        slots = RING_SLOTS
+        if shared_limit is not None and stacked() > shared_limit:
+            slots = min(RING_SLOTS, max(1, (shared_limit - stacked(ring_slots=0)) // (16 * plain.block)))
+        name = "backward" if backward else "forward"
+        return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
+                       grid=stack_layers * plain.grid, shared_bytes=stacked(ring_slots=slots),
+                       max_hidden=stack_max_hidden(cell, tile))
     pt = tile.backward if backward else tile.forward
     local_rows = tile.units if backward else cell.gates * tile.units
     warps = local_rows // pt.rows * pt.ksplit
@@ -259,8 +277,121 @@ def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
     return None
 
 
+# LSTM with projection (proj_size P; cuda_src/persistent_projection_*.cu): a CTA owns ``units``
+# hidden units (their 4 gate rows) and ``proj_rows`` rows of r = W_hr h, and holds two register
+# tiles over the same ``warps`` warps (``PassTile``s as above):
+#   forward  ``forward``  gate rows of W_hh (K = P)      ``forward_b``  rows of W_hr (K = H)
+#   backward ``backward`` rows of W_hh^T (K = 4H)        ``backward_b`` rows of W_hr^T (K = P)
+# The grid is max(ceil(H/units), ceil(P/proj_rows)). One set for every dtype (kpt even): 16-bit
+# weights take half the registers.
+@dataclass(frozen=True)
+class ProjectionTile:
+    """One shipped configuration of the LSTM-with-projection kernels (both passes)."""
+
+    units: int
+    proj_rows: int
+    warps: int
+    forward: PassTile
+    forward_b: PassTile
+    backward: PassTile
+    backward_b: PassTile
+
+
+def _ptile(units: int, proj_rows: int, warps: int, forward, forward_b, backward,
+           backward_b) -> ProjectionTile:
+    return ProjectionTile(units, proj_rows, warps, PassTile(*forward), PassTile(*forward_b),
+                          PassTile(*backward), PassTile(*backward_b))
+
+
+# Small (H <= 128, P <= 128), H 1024 / P 256 (40-48 weights per thread), H 2048 / P 512
+# (160 weights per thread of 8 warps: 4H*P + P*H = 5.2 M fp32 weights over 128 CTAs).
+PROJECTION_TILES: tuple[ProjectionTile, ...] = (
+    _ptile(4, 2, 4, (4, 1, 4), (2, 4, 4), (2, 4, 4), (4, 4, 2)),
+    _ptile(8, 2, 8, (8, 2, 4), (2, 8, 4), (2, 8, 16), (8, 8, 2)),
+    _ptile(16, 4, 8, (8, 1, 16), (4, 8, 8), (4, 8, 32), (8, 4, 4)),
+)
+
+
+def projection_capacity(tile: ProjectionTile) -> tuple[int, int]:
+    """Largest ``(H, P)`` both passes of ``tile`` serve by their columns (the grid aside)."""
+    cols = lambda pt: pt.ksplit * WARP * pt.kpt  # noqa: E731
+    hidden = min(cols(tile.forward_b), cols(tile.backward) // 4)
+    return hidden, min(cols(tile.forward), cols(tile.backward_b))
+
+
+def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int, hidden: int,
+                            proj: int, ring_slots: int = RING_SLOTS) -> int:
+    """Dynamic shared memory of one CTA of a projection pass, in the kernel's order.
+
+    Forward: r_{t-1} staged [B][padded A], h_t staged [B][padded B], partial sums
+    [B][ksplit A][4*units] and [B][ksplit B][proj_rows], gi of two steps [2][B][4][units],
+    c_{t-1} and h_{t-1} [B][units] each, r_{t-1} [B][proj_rows], b_hh [4][units], lengths [B].
+    Backward: dg_{t+1} staged [B][padded A], dr_t staged [B][padded B], partial sums
+    [B][ksplit A][proj_rows] and [B][ksplit B][units], inputs of two steps [2][B][6][units]
+    (c, c_prev, saved i f g o) and [2][B][proj_rows] (dy), dc carry [B][units], dr carry
+    [B][proj_rows], lengths [B]. Then, 16-byte aligned, the gather ring both exchanges share
+    (``ring_slots`` slots per thread, or the larger exchange's step if fewer).
+    """
+    a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
+    units, rows = tile.units, tile.proj_rows
+    padded = (a.ksplit * a.kpt + b.ksplit * b.kpt) * WARP
+    if backward:
+        per_row = padded + a.ksplit * rows + b.ksplit * units + 12 * units + 3 * rows + units
+        constants = 0
+    else:
+        per_row = padded + a.ksplit * 4 * units + b.ksplit * rows + 8 * units + 2 * units + rows
+        constants = 4 * units
+    total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
+    k_len = max(proj, 4 * hidden if backward else hidden)
+    words = batch * (k_len + k_len % 2)
+    return total + 16 * min(ring_slots * tile.warps * WARP, words // 2)
+
+
+def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj: int,
+                         batch: int, shared_limit: int | None = None,
+                         dtype: str = "float32") -> PassPlan:
+    """The launch plan of one pass of a projection ``tile`` (like ``pass_plan``)."""
+    a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
+    defines = {"PRNN_CELL": CELLS["lstm"].kind, "PRNN_UNITS": tile.units,
+               "PRNN_PROJ_ROWS": tile.proj_rows, "PRNN_ROWS": a.rows, "PRNN_KSPLIT": a.ksplit,
+               "PRNN_KPT": a.kpt, "PRNN_ROWS_B": b.rows, "PRNN_KSPLIT_B": b.ksplit,
+               "PRNN_KPT_B": b.kpt, "PRNN_WARPS": tile.warps}
+    if KERNEL_DTYPES[dtype]:
+        defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    block = tile.warps * WARP
+    slots = RING_SLOTS
+    size = partial(projection_shared_bytes, tile, backward, batch, hidden, proj)
+    if shared_limit is not None and size() > shared_limit:
+        slots = min(RING_SLOTS, max(1, (shared_limit - size(ring_slots=0)) // (16 * block)))
+    which = "backward" if backward else "forward"
+    return PassPlan(
+        kernel=f"prnn_projection_{which}", source=f"persistent_projection_{which}.cu",
+        defines=defines, grid=max(math.ceil(hidden / tile.units), math.ceil(proj / tile.proj_rows)),
+        block=block, shared_bytes=size(ring_slots=slots),
+        weights_per_thread=a.rows * a.kpt + b.rows * b.kpt,
+        weight_registers=weight_registers(a, dtype) + weight_registers(b, dtype),
+        registers=register_cap(block), max_hidden=projection_capacity(tile)[0])
+
+
+def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
+    """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits."""
+    tried = []
+    limit = min(dev.shared_per_block, dev.shared_per_sm)
+    for tile in PROJECTION_TILES:
+        fwd = projection_pass_plan(tile, False, hidden, proj, batch, limit, dtype)
+        bwd = projection_pass_plan(tile, True, hidden, proj, batch, limit, dtype)
+        top_proj = projection_capacity(tile)[1]
+        reason = (f"proj_size {proj} > {top_proj} served by the tile" if proj > top_proj
+                  else _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden))
+        if reason is None:
+            return Plan(True, None, tile, fwd, bwd)
+        tried.append(f"{tile}: {reason}")
+    return Plan(False, f"lstm H={hidden} proj_size={proj} B={batch} does not fit {dev.name}: "
+                       + "; ".join(tried))
+
+
 def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float32",
-              device: DeviceProfile | str | None = None) -> Plan:
+              device: DeviceProfile | str | None = None, proj_size: int = 0) -> Plan:
     """Plan both passes of ``cell`` at ``hidden`` units and ``batch`` rows on ``device``.
 
     Returns the cluster tile where the device has clusters and it fits (its exchange never
@@ -268,15 +399,20 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
+    ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
+    ``PROJECTION_TILES`` (grid path only).
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
     dtype = dtype_name("dtype", dtype)
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
+    proj_size = validation.proj_size(proj_size, hidden, cell.projection)
     if dtype not in KERNEL_DTYPES:
         return Plan(False, f"dtype {dtype} is not supported by the persistent kernels "
                            f"({', '.join(KERNEL_DTYPES)})")
+    if proj_size:
+        return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried = []
     candidates = ((cluster_tile_for(cell, dtype),) if has_clusters(dev) else ())
     candidates += tiles_for(cell, dtype)
@@ -291,25 +427,138 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     return Plan(False, f"{cell.name} H={hidden} B={batch} does not fit {dev.name}: " + "; ".join(tried))
 
 
+# Stack tiles (cuda_src/stack_forward.cu, stack_backward.cu): every layer of a unidirectional
+# stack at once, one set of CTAs per layer, all compiled with one tile. The columns of the
+# register tile are two halves of ksplit/2 chunks each (chunk-aligned, so that the partial sums
+# of each half stay apart): forward [W_ih | W_hh] times [y_{l-1}[t]; h_l[t-1]] (layer 0 holds
+# zeros in the W_ih half: its input projection is the GEMM before the recurrence, as for one
+# layer), backward rows J of [W_hh,l^T | W_ih,l+1^T] times [dgh_l[t+1]; dgi_{l+1}[t]] (the top
+# layer: zeros). Each half holds H (forward) or G*H (backward) columns, so K = 2H or 2GH;
+# 8 warps (4 for the small RNN tiles) of 16-144 weights per thread. fp32 only.
+STACK_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(4, (4, 2, 4), (4, 8, 4)), _tile(8, (8, 2, 8), (8, 8, 8)),
+             _tile(12, (12, 2, 12), (12, 8, 12))),
+    "gru": (_tile(4, (3, 2, 4), (4, 8, 3)), _tile(8, (6, 2, 8), (8, 8, 6)),
+            _tile(12, (9, 2, 12), (12, 8, 9))),
+    "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 4), (8, 4, 4)),
+            _tile(32, (16, 4, 8), (16, 4, 8))),
+}
+
+
+def stack_tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
+    """The shipped stack tiles of ``cell`` (fp32; both vanilla RNNs share theirs)."""
+    return STACK_TILES["rnn" if cell.gates == 1 else cell.name]
+
+
+def stack_max_hidden(cell: CellSpec, tile: Tile) -> int:
+    """Largest H a stack tile serves: each half of its columns holds H (forward) or G*H
+    (backward) values."""
+    fwd, bwd = tile.forward, tile.backward
+    return min(fwd.ksplit // 2 * WARP * fwd.kpt, bwd.ksplit // 2 * WARP * bwd.kpt // cell.gates)
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """How a stack of ``layers`` layers runs: in stack mode (``fits``) one launch per pass for
+    all layers, else one launch per layer-direction (``reason`` says why not stack mode).
+    ``launches``: persistent kernel launches per forward or backward without restarts."""
+
+    fits: bool
+    layers: int
+    directions: int
+    launches: int
+    reason: str | None = None
+    tile: Tile | None = None
+    forward: PassPlan | None = None
+    backward: PassPlan | None = None
+
+    def steps_in_series(self, steps: int) -> int:
+        """Step latencies a pass of ``steps`` steps waits through one after another: the
+        wavefront of a unidirectional stack in stack mode ``steps + layers - 1``; the two
+        directions side by side ``layers * steps``; one launch per layer-direction
+        ``layers * directions * steps``: a pass's time is about this times the step of its
+        kernel, plus per-launch work (``model.predict_stack_time``)."""
+        if not self.fits:
+            return self.launches * steps
+        return steps + self.layers - 1 if self.directions == 1 else self.layers * steps
+
+
+def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
+                    bidirectional: bool = False, dtype: str = "float32",
+                    device: DeviceProfile | str | None = None) -> StackPlan:
+    """Plan a stack of ``layers`` layers of ``cell`` (``hidden`` units, ``batch`` rows).
+
+    Stack mode where the weights fit the register files together: a unidirectional stack runs
+    all its layers in one launch per pass (a wavefront); a bidirectional stack runs the two
+    directions of each layer side by side in one launch, layer after layer (layer l+1 needs
+    both directions of layer l at every step). The cheapest ``STACK_TILES`` tile (fewest weights
+    per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or the two
+    directions) at one per SM, fits the device with both passes. Otherwise the layers run one
+    launch per layer-direction and ``reason`` says why.
+    """
+    cell = resolve_cell(cell)
+    dev = resolve_device(device)
+    dtype = dtype_name("dtype", dtype)
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    directions = 2 if bidirectional else 1
+    apart = partial(StackPlan, False, layers, directions, layers * directions)
+    if layers == 1 and not bidirectional:
+        return apart("one layer: the layer kernel runs it")
+    if dtype != "float32":
+        return apart(f"the stack kernels hold fp32 weights only (dtype {dtype})")
+    if hidden < 1 or batch < 1:
+        raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
+    groups = 2 if bidirectional else layers
+    what = "the two directions of a layer" if bidirectional else f"{layers} layers"
+    tried = []
+    limit = min(dev.shared_per_block, dev.shared_per_sm)
+    for tile in stack_tiles_for(cell):
+        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype, stack_layers=groups)
+        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype, stack_layers=groups)
+        reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
+        if reason is None:
+            return StackPlan(True, layers, directions, layers if bidirectional else 1, None,
+                             tile, fwd, bwd)
+        tried.append(f"units {tile.units}: {reason}")
+    return apart(f"{what} of {cell.name} H={hidden} B={batch} do not fit {dev.name} together: "
+                 + "; ".join(tried))
+
+
 def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,
-                    batch: int = 1) -> int:
+                    batch: int = 1, proj_size: int = 0) -> int:
     """Largest hidden size whose persistent forward and backward both fit ``device`` (0 if none).
 
     ``cell``: "RNN", "GRU", "LSTM" (any case; also "rnn_tanh", "rnn_relu"); ``dtype``: the
     weights' dtype, "float32", "float16" or "bfloat16" (16-bit kernels hold twice the weights in
     the same registers; "float64": 0); ``device``: a profile name ("h100", "h200", "a100"), a
-    ``DeviceProfile``, or None for the current GPU.
+    ``DeviceProfile``, or None for the current GPU. ``proj_size``: an LSTM's projection P (0:
+    none): the largest H > P whose W_hh (4H x P) and W_hr (P x H) fit.
     """
     spec = resolve_cell(cell)
     dev = resolve_device(device)
     dtype = dtype_name("dtype", dtype)
+    proj_size = validation.proj_size(proj_size, proj_size + 1, spec.projection)
     if dtype not in KERNEL_DTYPES:
         return 0
+    if proj_size:
+        return _max_projected_hidden(proj_size, dtype, dev, batch)
     best = 0
     for tile in tiles_for(spec, dtype):
         top = min(tile_max_hidden(spec, tile), dev.sm_count * tile.units)
         for hidden in range(top, best, -1):
             if make_plan(spec, hidden, batch, dtype, dev).fits:
+                best = hidden
+                break
+    return best
+
+
+def _max_projected_hidden(proj: int, dtype: str, dev: DeviceProfile, batch: int) -> int:
+    best = 0
+    for tile in PROJECTION_TILES:
+        top = min(projection_capacity(tile)[0], dev.sm_count * tile.units)
+        for hidden in range(top, max(best, proj), -1):
+            if _projection_plan(hidden, proj, batch, dtype, dev).fits:
                 best = hidden
                 break
     return best

@@ -99,9 +99,9 @@ class _Control:
         cupy.cuda.runtime.memsetAsync(ptr + 8, 0xFF, 4 * (words.size - 2), stream)
 
     @staticmethod
-    def next_step(words: np.ndarray, start: int, direction: int) -> int:
-        """The first step not completed by every CTA in a launch from ``start``."""
-        progress = words[2:].view(np.int32)
+    def next_step(words: np.ndarray, start: int, direction: int, ctas: slice = slice(None)) -> int:
+        """The first step not completed by every CTA (of ``ctas``) in a launch from ``start``."""
+        progress = words[2:].view(np.int32)[ctas]
         progress = np.where(progress == -1, start - direction, progress)
         done = int(progress.min()) if direction > 0 else int(progress.max())
         return done + direction
@@ -113,7 +113,7 @@ class Pending:
 
     engine: _Engine
     fixed: tuple                       # the kernel's leading (buffer) arguments
-    sizes: tuple[int, int, int]        # (T, B, H)
+    sizes: tuple[int, ...]            # (T, B, H), with a projection (T, B, H, P)
     first: int                         # the step the pass started from
     end: int                           # one past the last step, in the pass's direction
     control: Array
@@ -122,7 +122,7 @@ class Pending:
                                    # (``end``: the kernel did every step)
     launches: int = 0
     start: int = 0                     # the step the latest launch started from
-    exchange: Array | None = None      # the kernel's tagged exchange buffer (one of ``fixed``)
+    exchanges: tuple = ()              # the kernel's tagged exchange buffers (the last of ``fixed``)
 
     @property
     def direction(self) -> int:
@@ -130,18 +130,14 @@ class Pending:
 
     def launch(self, step: int, stall: settings.Stall) -> None:
         """Launch the pass from ``step`` (stream-ordered; nothing is read back)."""
-        s, p = settings.current(), self.engine.pass_plan
-        timeout_ms = s.emulation_timeout_ms if self.engine.emulated else s.gpu_timeout_ms
-        extra = {"max_resident": s.emulation_max_resident} if self.engine.emulated else {}
-        _Control.reset(self.control)
-        if self.launches and self.exchange is not None:
-            self.exchange.fill(0)  # a restart must not take a word an earlier launch wrote
+        if self.launches:
+            for words in self.exchanges:
+                words.fill(0)  # a restart must not take a word an earlier launch wrote
         self.start = step
-        self.engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                           (*self.fixed, self.control, *(np.int32(n) for n in self.sizes),
-                            np.int32(step), np.uint64(int(timeout_ms * 1e6)), *stall.args()),
-                           **extra)
+        launch_pass(self.engine, self.control, self.fixed, (*self.sizes, step), stall)
         self.launches += 1
+        self.stats.launches += 1
+
 
     def next_step(self, words: np.ndarray | None = None) -> int:
         """The first step not completed by every CTA (``end`` when the pass is complete)."""
@@ -161,6 +157,20 @@ class Pending:
             self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
                                    f"steps {step}..{last} on GEMM")
         self.finish(step)
+
+
+def launch_pass(engine: _Engine, control: Array, buffers_: tuple, ints: tuple,
+                stall: settings.Stall) -> None:
+    """Reset ``control`` and launch ``engine``'s pass with the persistent kernels' argument
+    order: ``(*buffers_, control, *ints as int32, timeout_ns, stall_block, stall_step,
+    stall_ns)``; the timeout is the setting for the GPU or for the emulation."""
+    s, p = settings.current(), engine.pass_plan
+    timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
+    extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
+    _Control.reset(control)
+    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
+                  (*buffers_, control, *(np.int32(n) for n in ints),
+                   np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
 
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
@@ -191,12 +201,22 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
         return result, RunStats(algo="gemm", fallback=reason), None
     xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
-    hidden = y.shape[2]
+    hidden = gi.shape[2] // cell.gates
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
-    c0_arg = c(h0) if c0 is None else c(c0)
-    fixed = (buffers.weight_words(xp, w_hh, half), bias, c(gi), c(h0), c0_arg, buffers.full_lengths(xp, lengths, batch, steps),
-             y, y if cs is None else cs, saved, _exchange(xp, batch, hidden))
-    pending = _start(engine, fixed, (steps, batch, hidden), 0, steps, xp, finish, rerun)
+    lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
+    if w_hr is None:
+        c0_arg = c(h0) if c0 is None else c(c0)
+        fixed = (buffers.weight_words(xp, w_hh, half), bias, c(gi), c(h0), c0_arg, lengths_arg,
+                 y, y if cs is None else cs, saved, _exchange(xp, batch, hidden))
+        sizes: tuple[int, ...] = (steps, batch, hidden)
+    else:  # persistent_projection_forward.cu: exchanges of r_t (P) and h_t (H)
+        c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
+        fixed = (buffers.weight_words(xp, w_hh, half), buffers.weight_words(xp, w_hr, half), bias,
+                 c(gi), c(h0), c0_arg, lengths_arg, y, result.hs, cs, saved,
+                 _exchange(xp, batch, proj_size), _exchange(xp, batch, hidden))
+        sizes = (steps, batch, hidden, proj_size)
+    pending = _start(engine, fixed, sizes, 0, steps, xp, finish, rerun,
+                     exchanges=1 if w_hr is None else 2)
     return result, pending.stats, pending
 
 
@@ -222,15 +242,17 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                 None)
     xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
-    # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n).
-    dh_carry = xp.zeros((2, batch, hidden), dy.dtype)
+    # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n). With
+    # a projection the h carry is of r (P wide): what passes through the steps past a length.
+    dh_carry = xp.zeros((2, batch, dy.shape[2]), dy.dtype)
     dc_carry = xp.zeros((2, batch, hidden), dy.dtype) if cell.has_cell_state else dh_carry
     if dhn is not None:
         dh_carry[steps % 2] = dhn
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
-
-    result = BackwardResult(dgi, dgh, dh_carry[0], None)  # dh0/dc0 set by finish (settle)
+    drs = None if w_hr is None else xp.empty_like(dy)
+    # dh0/dc0 set by finish (settle)
+    result = BackwardResult(dgi, dgh, dh_carry[0], None, drs)
 
     def finish(step: int) -> None:
         stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
@@ -240,27 +262,40 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         if stop > 0:
             result.dh0, result.dc0 = gemm.backward_steps(
                 cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved, dgi, dgh,
-                dh_carry=dh, dc_carry=dc, stop=stop)
+                dh_carry=dh, dc_carry=dc, stop=stop, w_hr=w_hr, hs=fwd.hs, drs=drs)
 
-    fixed = (buffers.weight_words(xp, w_hh.T, half), c(dy), fwd.y, fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
-             c(h0) if c0 is None else c(c0), buffers.full_lengths(xp, lengths, batch, steps),
-             dgi, dgh, dh_carry, dc_carry, _exchange(xp, batch, cell.gates * hidden))
-    pending = _start(engine, fixed, (steps, batch, hidden), steps - 1, -1, xp, finish, rerun)
+    lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
+    if w_hr is None:
+        fixed = (buffers.weight_words(xp, w_hh.T, half), c(dy), fwd.y,
+                 fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
+                 c(h0) if c0 is None else c(c0), lengths_arg, dgi, dgh, dh_carry, dc_carry,
+                 _exchange(xp, batch, cell.gates * hidden))
+        sizes: tuple[int, ...] = (steps, batch, hidden)
+    else:  # persistent_projection_backward.cu: exchanges of dr_t (P) and dgates_t (4H)
+        c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
+        fixed = (buffers.weight_words(xp, w_hh.T, half), buffers.weight_words(xp, w_hr.T, half),
+                 c(dy), fwd.cs, fwd.saved, c0_arg, lengths_arg, dgh, drs, dh_carry, dc_carry,
+                 _exchange(xp, batch, proj_size), _exchange(xp, batch, cell.gates * hidden))
+        sizes = (steps, batch, hidden, proj_size)
+    pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun,
+                     exchanges=1 if w_hr is None else 2)
     return result, pending.stats, pending
 
 
 def _exchange(xp, batch: int, k_len: int) -> Array:
     """The kernel's tagged exchange buffer, [2][batch][k_len rounded up to even] uint64, zeroed
     (tag 0 is never published, so no launch of this pass can take a word for one it waits on);
-    the kernel's last buffer argument."""
+    the kernel's last buffer argument (the projection kernels: the last two)."""
     return xp.zeros((2, batch, k_len + k_len % 2), np.uint64)
 
 
-def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, int, int], first: int, end: int, xp,
-           finish: Callable[[int], None], rerun: bool) -> Pending:
+def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, ...], first: int, end: int, xp,
+           finish: Callable[[int], None], rerun: bool, exchanges: int = 1) -> Pending:
+    """Launch a pass whose kernel takes ``fixed`` then its sizes; the last ``exchanges`` of
+    ``fixed`` are its tagged exchange buffers."""
     stats = RunStats(algo="persistent", emulated=engine.emulated, details=[""])
     pending = Pending(engine, fixed, sizes, first, end, _Control.new(xp, engine.pass_plan.grid),
-                      stats, finish, exchange=fixed[-1])
+                      stats, finish, exchanges=fixed[-exchanges:])
     pending.launch(first, settings.NO_STALL if rerun else settings.current_stall())
     stats.details[-1] = _describe(pending)
     return pending
@@ -356,12 +391,12 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     on_gpu = buffers.array_module(data) is not np
     if algo == "auto" and not on_gpu:
         return None, None
-    why = _why_not_persistent(data, batch, algo, half, proj_size)
+    why = _why_not_persistent(data, batch, algo)
     if why is None:
         device = _current_device() if on_gpu else EMULATED_DEVICE
         engine, why = _cached_engine(cell, hidden, batch, backward, device,
                                      on_gpu and settings.current().cooperative, not on_gpu,
-                                     half or "float32")
+                                     half or "float32", proj_size)
         if engine is not None:
             return engine, None
     if algo == "persistent":
@@ -369,12 +404,8 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     return None, why
 
 
-def _why_not_persistent(data: Array, batch: int, algo: str, half: str | None,
-                        proj_size: int = 0) -> str | None:
+def _why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
-    if proj_size:
-        return (f"proj_size={proj_size}: the persistent kernels have no LSTM projection yet "
-                f"(algo='gemm' runs it)")
     if np.dtype(data.dtype) != np.float32:
         return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
     if data.shape[0] > _MAX_STEPS:
@@ -388,14 +419,20 @@ def _why_not_persistent(data: Array, batch: int, algo: str, half: str | None,
 @lru_cache(maxsize=256)
 def _cached_engine(cell: CellSpec, hidden: int, batch: int, backward: bool,
                    device: hardware.DeviceProfile, cooperative: bool, emulated: bool,
-                   weights: str) -> tuple[_Engine | None, str | None]:
-    """The engine of one pass configuration on ``device`` with W_hh held in ``weights`` (a
-    dtype name), or why there is none (cached: the plan is pure, the module and the occupancy
-    check depend only on the key)."""
-    plan = planner.make_plan(cell, hidden, batch, weights, device)
+                   weights: str, proj_size: int = 0) -> tuple[_Engine | None, str | None]:
+    """The engine of one pass configuration on ``device`` with W_hh (and an LSTM projection's
+    W_hr, ``proj_size`` > 0) held in ``weights`` (a dtype name), or why there is none (cached:
+    the plan is pure, the module and the occupancy check depend only on the key)."""
+    plan = planner.make_plan(cell, hidden, batch, weights, device, proj_size)
     if not plan.fits:
         return None, plan.reason
-    pass_plan = plan.backward if backward else plan.forward
+    return engine_of(plan.backward if backward else plan.forward, device, cooperative, emulated)
+
+
+def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, cooperative: bool,
+              emulated: bool) -> tuple[_Engine | None, str | None]:
+    """The engine of a planned pass: its module built (NVRTC, or g++ for the emulation) and, on
+    the GPU, the grid checked against CUDA's occupancy calculator; or why it cannot run."""
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)

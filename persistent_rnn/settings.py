@@ -41,6 +41,9 @@ class Settings:
       emulation runs at once (models a busy GPU).
     * ``gemm_graphs`` (PRNN_GEMM_GRAPHS, off): record the CuPy GEMM path's step loops as CUDA
       graphs and replay them (``step_graphs``; off until measured on a GPU).
+    * ``stack`` (PRNN_STACK, on): run a unidirectional stack whose layers fit the register files
+      together in one persistent launch per pass (``plan.make_stack_plan``); off, every
+      layer-direction is a launch of its own.
     """
 
     gpu_timeout_ms: float = 100.0
@@ -50,6 +53,7 @@ class Settings:
     auto_max_batch: int = 32
     emulation_max_resident: int | None = None
     gemm_graphs: bool = False
+    stack: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -66,6 +70,7 @@ _SPEC: dict[str, tuple[str, str, float]] = {
     "auto_max_batch": ("PRNN_AUTO_MAX_BATCH", "int", 0),
     "emulation_max_resident": ("PRNN_EMULATION_MAX_RESIDENT", "int?", 1),
     "gemm_graphs": ("PRNN_GEMM_GRAPHS", "bool", 0),
+    "stack": ("PRNN_STACK", "bool", 0),
 }
 _RENAMED = {"PRNN_MAX_RELAUNCHES": "PRNN_MAX_RESTARTS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

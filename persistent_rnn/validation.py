@@ -100,7 +100,17 @@ def array(name: str, a: Array, shape: tuple[int | None, ...], dims: str, dtype: 
         raise ValueError(f"{name} must have shape {dims} = ({want}), got {tuple(a.shape)}")
     if a.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype.name} (the layer's dtype), "
-                        f"got {a.dtype.name}")
+                        f"got {_dtype_text(a.dtype)}")
+
+
+def _dtype_text(dtype: np.dtype) -> str:
+    """A dtype's name, with its byte order where that is not the native one (``>f4`` and
+    ``<f4`` are both called float32; only one of them is the layer's dtype)."""
+    if dtype.byteorder not in "=|" and dtype != dtype.newbyteorder("="):
+        order = "big" if dtype.byteorder == ">" else "little"
+        return (f"{dtype.name} in {order}-endian byte order ({dtype.str!r}; convert with "
+                f".astype({dtype.name!r}))")
+    return dtype.name
 
 
 def has_steps(name: str, a: Array, steps: int, dims: str) -> None:
@@ -121,6 +131,8 @@ def lengths(value: Any, batch: int, steps: int, xp) -> Array:
                         "got cupy.ndarray")
     host = value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value
     host = np.asarray(host)
+    if host.size == 0 and not isinstance(value, np.ndarray) and not hasattr(value, "get"):
+        host = host.astype(np.int32)  # an empty list (B = 0) holds no non-integer
     if host.dtype.kind not in "iu":
         raise TypeError(f"lengths must hold integers, got dtype {host.dtype.name}")
     if host.shape != (batch,):
@@ -131,14 +143,23 @@ def lengths(value: Any, batch: int, steps: int, xp) -> Array:
     return xp.asarray(host.astype(np.int32))
 
 
-def state(name: str, hx: Any, has_cell_state: bool) -> tuple[Array | None, Array | None]:
-    """Split an initial state or its gradient: a single array, or an ``(h, c)`` pair for LSTM."""
+def state(name: str, hx: Any, has_cell_state: bool,
+          partial: bool = False) -> tuple[Array | None, Array | None]:
+    """Split an initial state or its gradient: a single array, or an ``(h, c)`` pair for LSTM.
+
+    ``partial``: whether one array of the pair may be ``None`` (a gradient that is zero, as
+    autograd passes ``None``); an initial state is both arrays or ``None``, as in torch.nn.LSTM.
+    """
     if hx is None:
         return None, None
     if has_cell_state:
         if not isinstance(hx, (tuple, list)) or len(hx) != 2:
             raise TypeError(f"{name} must be a pair (h, c) of arrays for LSTM, "
                             f"got {type(hx).__name__}")
+        missing = [f"{name}[{i}]" for i, a in enumerate(hx) if a is None]
+        if missing and not partial:
+            raise TypeError(f"{name} must be None or a pair (h0, c0) of two arrays for LSTM "
+                            f"(as torch.nn.LSTM), got None for {' and '.join(missing)}")
         return hx[0], hx[1]
     if isinstance(hx, (tuple, list)):
         raise TypeError(f"{name} must be a single array (only LSTM takes a pair), got "

@@ -73,7 +73,6 @@ def grid_path(monkeypatch):
     grid path (several CTAs exchanging through global memory) at any size: what tests of stalls of
     CTA 1, CTAs held back or forced grid tiles need. (The emulated H100 runs a small layer as one
     cluster, possibly of one CTA.)"""
-    import dataclasses
-    from persistent_rnn import hardware, runtime
-    monkeypatch.setattr(runtime, "EMULATED_DEVICE", dataclasses.replace(
-        hardware.PROFILES["h100"], name="h100 without clusters", arch="sm_80"))
+    from campaign import emulated_profile
+    from persistent_rnn import runtime
+    monkeypatch.setattr(runtime, "EMULATED_DEVICE", emulated_profile("grid"))

@@ -272,7 +272,8 @@ def test_persistent_odd_hidden_size_equals_float64(name, path):
         assert _rel(a, b) <= 1e-5
 
 
-def test_persistent_bidirectional_two_layers_equals_float64(path):
+def test_persistent_bidirectional_two_layers_equals_float64(path, settings):
+    prnn.configure(stack=False)  # the layer kernels' paths (stack mode: test_stack_kernel)
     rng = np.random.default_rng(5)
     data = _inputs("gru", rng, layers=2, directions=2, hidden=24)
     got = _run("gru", "float32", "persistent", **data, hidden=24, num_layers=2, bidirectional=True)

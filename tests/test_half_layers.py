@@ -3,7 +3,9 @@
 The reference is the float64 layer on the same parameters (the 16-bit values, upcast exactly) and
 the same inputs; it does not round h_t, so the tolerances bound what 16-bit storage of h and of the
 results costs: relative error (max |ours - ref| / max |ref| per array) <= 5e-3 for fp16 and <= 3e-2
-for bf16, forward and backward, with lengths and both directions.
+for bf16, forward and backward, with lengths and both directions; for the relu RNN the forward
+only (docs/api.md, "Accuracy": its gradients are measured along the rounded states instead,
+tests/test_campaign.py).
 """
 from __future__ import annotations
 
@@ -57,13 +59,15 @@ def test_gemm_path_matches_float64(mode, kw, dtype):
     dhn = dhn if mode == "LSTM" else dhn[0]
     dx, dhx = ours.backward(dy, dhn)
     dx_ref, dhx_ref = ref.backward(up(dy), up(dhn))
-    tol = TOLERANCE[dtype]
-    for got, want in zip(_flat([y, hn, dx, dhx]), _flat([y_ref, hn_ref, dx_ref, dhx_ref])):
+    tol, relu = TOLERANCE[dtype], kw.get("nonlinearity") == "relu"
+    forward = len(_flat([y, hn]))
+    for i, (got, want) in enumerate(zip(_flat([y, hn, dx, dhx]),
+                                        _flat([y_ref, hn_ref, dx_ref, dhx_ref]))):
         assert got.dtype == ours.dtype and got.shape == want.shape
-        assert _relerr(got, want) <= tol
+        assert (relu and i >= forward) or _relerr(got, want) <= tol
     for key, g in ours.grads.items():
         assert g.dtype == ours.dtype
-        assert _relerr(g, ref.grads[key]) <= tol, key
+        assert relu or _relerr(g, ref.grads[key]) <= tol, key
     assert ours.last_run.algo == "gemm"
 
 

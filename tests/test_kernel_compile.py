@@ -16,7 +16,8 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
-from persistent_rnn.plan import KERNEL_DTYPES, SHIPPED, resident_ctas, tiles_for
+from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, resident_ctas,
+                                   stack_tiles_for, tiles_for)
 
 FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4,
                    "PRNN_KPT": 1, "PRNN_WARPS": 4}
@@ -28,15 +29,23 @@ def records():
 
 
 def test_every_configuration_is_reported(records):
-    # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90, per dtype.
+    # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90, per dtype;
+    # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs.
     expected = sum(len(tiles_for(c, d)) * 2 * 2 + 2 for c in CELLS.values() for d in KERNEL_DTYPES)
-    assert len(records) == expected
+    projections = len(PROJECTION_TILES) * 2 * 2 * len(KERNEL_DTYPES)
+    stacks = sum(len(stack_tiles_for(c)) * 2 * 2 for c in CELLS.values())
+    assert len(records) == expected + projections + stacks
+    projected = [r for r in records if r["proj_size"]]
+    assert len(projected) == projections
+    assert all(r["cell"] == "lstm" and not r["cluster"] and not r["stack"]
+               and 0 < r["proj_size"] < r["hidden_size"] for r in projected)
+    assert sum(r["stack"] > 0 for r in records) == stacks
     for dtype in KERNEL_DTYPES:
         for cell in CELLS:
             for pass_ in ("forward", "backward"):
                 for arch in ("sm_80", "sm_90"):
-                    mine = [r for r in records
-                            if (r["dtype"], r["cell"], r["pass"], r["arch"]) == (dtype, cell, pass_, arch)]
+                    mine = [r for r in records if not r["stack"] and not r["proj_size"]
+                            and (r["dtype"], r["cell"], r["pass"], r["arch"]) == (dtype, cell, pass_, arch)]
                     clusters = [r for r in mine if r["cluster"]]
                     assert len(mine) == len(tiles_for(CELLS[cell], dtype)) + (arch == "sm_90")
                     assert len(clusters) == (arch == "sm_90")
@@ -73,7 +82,8 @@ def test_cli_json(capsys):
 
 # What one step of the time loop may contain (static SASS counts, kernel_report.sass_loop_counts):
 # the tagged exchange needs no fence, no atomic and no L1 invalidate; two block barriers per step
-# (staged vector + timeout vote; partial sums). The old counter barrier had 4-5, 3, 1 and 4.
+# (staged vector + timeout vote; partial sums) per exchange: the LSTM projection kernels exchange
+# twice per step, so 4. The old counter barrier had 4-5, 3, 1 and 4.
 LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates": 0}
 
 
@@ -82,7 +92,8 @@ def test_time_loop_sass_stays_short(records):
     for r in records:
         loop = r["time_loop"]
         for kind, most in LOOP_LIMITS.items():
-            assert loop[kind] <= most, (kind, r)
+            exchanges = 2 if r["proj_size"] else 1
+            assert loop[kind] <= most * exchanges, (kind, r)
         # The loop was found: it publishes (stores) and gathers (loads) every step.
         assert loop["block_barriers"] >= 1 and loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
 

@@ -29,7 +29,8 @@ def _run(layer, x, dy, lengths=None):
     return [a.copy() for a in flat], fwd, layer.last_run
 
 
-def test_progress_is_read_once_per_forward_and_backward(monkeypatch):
+def test_progress_is_read_once_per_forward_and_backward(monkeypatch, settings):
+    prnn.configure(stack=False)  # one launch per layer-direction (stack mode: test_stack_kernel)
     reads = []
     read_all = runtime._read_all
     monkeypatch.setattr(runtime, "_read_all", lambda arrays: reads.append(len(arrays)) or read_all(arrays))
@@ -42,7 +43,7 @@ def test_progress_is_read_once_per_forward_and_backward(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["LSTM", "RNN"])
 def test_a_restart_reruns_the_later_layers_with_identical_results(settings, grid_path, mode):
-    prnn.configure(emulation_timeout_ms=300)
+    prnn.configure(emulation_timeout_ms=300, stack=False)  # one launch per layer (not stack mode)
     layer = getattr(prnn, mode)(3, 16, num_layers=3, algo="persistent", seed=1)
     x, dy = _data(layer, seed=2)
     plain, _, _ = _run(layer, x, dy)
@@ -57,7 +58,8 @@ def test_a_restart_reruns_the_later_layers_with_identical_results(settings, grid
         assert any("ran again" in d for d in stats.details)
 
 
-def test_plans_and_engines_are_built_once(monkeypatch, fresh_plans):
+def test_plans_and_engines_are_built_once(monkeypatch, fresh_plans, settings):
+    prnn.configure(stack=False)  # the layer kernels' plans (stack mode: test_stack_kernel)
     calls = []
     make_plan = planner.make_plan
     monkeypatch.setattr(planner, "make_plan", lambda *a, **k: calls.append(a[1:3]) or make_plan(*a, **k))

@@ -216,8 +216,9 @@ def test_empty_batch_and_empty_sequence_as_torch_nn(algo):
 
 def test_library_algos_refuse_what_they_cannot_run():
     x = torch.randn(T, B, I)
-    with pytest.raises(ValueError, match="algo='persistent' cannot run this layer: proj_size=2"):
-        prt.LSTM(I, H, proj_size=2, algo="persistent")(x)
+    with pytest.raises(ValueError, match="algo='persistent' cannot run this layer: lstm H=4096 "
+                                         "proj_size=2 B=3 does not fit"):
+        prt.LSTM(I, 4096, proj_size=2, algo="persistent")(x)
     with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: dtype torch.int32"):
         prt.GRU(I, H, algo="gemm")(x.int())
     with pytest.raises(ValueError, match="algo='persistent' cannot run this layer"):

@@ -19,8 +19,8 @@ the library — not torch's fallback — runs (``last_run`` proves it):
 * on the GEMM path in float64: gradcheck and gradgradcheck (fast mode) of every sample.
 
 ``algo="persistent"`` on CPU tensors runs the CUDA kernels' CPU emulation in float32 (the
-kernels hold float32 or 16-bit weights: float64 is refused by design). Until the persistent
-kernels have LSTM projections, ``proj_size`` samples on that path must get the documented refusal.
+kernels hold float32 or 16-bit weights: float64 is refused by design); ``proj_size`` samples run
+its LSTMP kernels.
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ RUNS = [("gemm", torch.float64), ("gemm", torch.float32), ("persistent", torch.f
 RUN_IDS = ["gemm-float64", "gemm-float32", "persistent-float32"]
 # relative tolerances against torch.nn in float64; atol is the same times the largest |value|
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-5}
-PROJECTION_REFUSAL = "proj_size=2: the persistent kernels have no LSTM projection"
 
 
 def module_info(name: str):
@@ -141,26 +140,15 @@ def selected(sample, algo: str) -> bool:
     return algo != "persistent" or not sample.constructor_input.kwargs.get("batch_first")
 
 
-def refused(name: str, sample, algo: str) -> bool:
-    """Whether the library refuses this sample on ``algo`` by design (the documented refusal)."""
-    return algo == "persistent" and sample.constructor_input.kwargs.get("proj_size", 0) > 0
-
-
 @pytest.mark.parametrize("algo,dtype", RUNS, ids=RUN_IDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_samples_match_torch_nn(name, algo, dtype):
     """Every sample: outputs, states and all gradients equal torch.nn's (float64), the library
     ran, results are contiguous; eval mode equals training mode."""
-    ran = refusals = 0
     chosen = [(i, s) for i, s in enumerate(samples(name, dtype)) if selected(s, algo)]
     for index, sample in chosen:
         ours, ref = build(name, sample, dtype, algo)
         args = sample.forward_input.args
-        if refused(name, sample, algo):
-            with pytest.raises(ValueError, match=PROJECTION_REFUSAL):
-                ours(*leaves(args))
-            refusals += 1
-            continue
         what = f"{name} sample {index} {sample.constructor_input.kwargs}"
         got = forward_backward(ours, leaves(args), index)
         assert_library_ran(ours, algo, dtype)
@@ -171,10 +159,9 @@ def test_samples_match_torch_nn(name, algo, dtype):
         ours.eval()
         with torch.no_grad():
             assert_close(tensors(ours(*leaves(args))), got[0], 0.0, f"{what}: eval mode")
-        ran += 1
-    assert ran + refusals == len(chosen) and ran > 0
-    if algo == "persistent" and name == "LSTM":
-        assert refusals == 8  # the proj_size=2 samples, until the kernels have projections
+    # every sample of the run (LSTM: half of them with proj_size=2)
+    assert len(chosen) == {"RNN": 64, "GRU": 32, "LSTM": 32}[name] // (
+        2 if algo == "persistent" else 1)
 
 
 @pytest.mark.parametrize("algo,dtype", RUNS, ids=RUN_IDS)
@@ -184,7 +171,7 @@ def test_no_batch_dim_reference_and_noncontiguous_inputs(name, algo, dtype):
     non-contiguous input and states give the contiguous results and gradients."""
     checked = 0
     for index, sample in enumerate(samples(name, dtype)):
-        if refused(name, sample, algo) or not selected(sample, algo):
+        if not selected(sample, algo):
             continue
         ours, _ = build(name, sample, dtype, algo)
         args = sample.forward_input.args
@@ -352,8 +339,7 @@ def _raised(module, args):
                          ids=["RNN", "GRU", "LSTM", "LSTMP"])
 def test_bad_arguments_raise_as_torch_nn(name, proj, algo):
     """Wrong input sizes and dimensions, wrong h/c shapes: ours raises exactly torch.nn's
-    exception and message with the library forced (torch.nn's checks come before the persistent
-    path's refusal of projections)."""
+    exception and message with the library forced."""
     kwargs = {"proj_size": proj} if proj else {}
     ours = getattr(prt, name)(3, 4, num_layers=2, algo=algo, **kwargs)
     ref = getattr(torch.nn, name)(3, 4, num_layers=2, **kwargs)

@@ -103,6 +103,24 @@ def test_lstm_c0_wrong_shape():
         prnn.LSTM(3, 4).forward(_x(), (h0, np.zeros((1, 2, 5), np.float32)))
 
 
+@pytest.mark.parametrize("missing", [0, 1])
+def test_lstm_hx_pair_with_none_is_refused_as_torch_nn_refuses_it(missing):
+    # torch.nn.LSTM takes hx=None or both states; (h0, None) was taken as c0 = 0 (issue 19)
+    hx = [np.zeros((1, 2, 4), np.float32)] * 2
+    hx[missing] = None
+    with _raises(TypeError, "hx must be None or a pair (h0, c0)", f"None for hx[{missing}]"):
+        prnn.LSTM(3, 4).forward(_x(), tuple(hx))
+
+
+def test_lstm_dhn_pair_may_hold_none():
+    # a zero gradient may be None in the pair, as autograd passes None for an unused output
+    layer, x, results = prnn.LSTM(3, 4, seed=0), _x(), []
+    for dcn in (None, np.zeros((1, 2, 4), np.float32)):
+        y, (hn, _) = layer.forward(x)
+        results.append(layer.backward(np.zeros_like(y), (np.ones_like(hn), dcn))[0])
+    assert np.array_equal(*results) and np.abs(results[0]).max() > 0
+
+
 def test_gru_hx_given_a_pair():
     h0 = np.zeros((1, 2, 4), np.float32)
     with _raises(TypeError, "hx", "single array", "tuple"):
@@ -128,6 +146,34 @@ def test_lengths_wrong_count_or_range(lengths, fragments):
 def test_lengths_not_integers():
     with _raises(TypeError, "lengths", "integers", "float64"):
         prnn.RNN(3, 4).forward(_x(), lengths=np.array([2.0, 5.0]))
+
+
+def test_empty_lengths_list_with_an_empty_batch():
+    # [] becomes a float64 NumPy array; with B = 0 it is an empty integer sequence (issue 19)
+    for lengths in ([], (), np.zeros(0, np.int64)):
+        y, hn = prnn.GRU(3, 4).forward(_x(B=0), lengths=lengths)
+        assert y.shape == (5, 0, 4) and hn.shape == (1, 0, 4)
+    with _raises(ValueError, "lengths", "(2,)", "(0,)"):
+        prnn.GRU(3, 4).forward(_x(), lengths=[])
+
+
+@pytest.mark.parametrize("arg", ["x", "hx", "dy"])
+def test_non_native_byte_order_is_named(arg):
+    # '>f4' is also called float32: the message must say what differs (issue 19)
+    layer = prnn.RNN(3, 4)
+    swapped = np.dtype(np.float32).newbyteorder("S")
+    x, hx = _x(), np.zeros((1, 2, 4), np.float32)
+    order = "big" if swapped.byteorder == ">" else "little"
+    fragments = (f"{arg} must have dtype float32", f"float32 in {order}-endian byte order",
+                 repr(swapped.str), ".astype('float32')")
+    if arg == "dy":
+        y, _ = layer.forward(x)
+        with _raises(TypeError, *fragments):
+            layer.backward(y.astype(swapped))
+        return
+    with _raises(TypeError, *fragments):
+        layer.forward(x.astype(swapped) if arg == "x" else x, hx.astype(swapped) if arg == "hx"
+                      else hx)
 
 
 @pytest.mark.parametrize("shape", [(5, 2, 3), (5, 2), (5, 2, 4, 1), (4, 2, 4)])

@@ -76,8 +76,14 @@ class _RecurrentBase(torch.nn.RNNBase):
         lstm = _cell(self.mode).has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
+        _check_hidden_pair(lstm, hx)
         if packed is not None:
             self._check_args(packed.data, hx, packed.batch_sizes)
+            rows = int(packed.batch_sizes.sum())
+            if rows != packed.data.shape[0]:  # torch.nn's kernels raise RuntimeError here too
+                raise RuntimeError(f"packed input: batch_sizes sum to {rows} rows but its data "
+                                   f"has {packed.data.shape[0]} (lengths past the padded "
+                                   f"length given to pack_padded_sequence?)")
             layout = PackedLayout.of(packed)
             x, lengths = layout.pad(packed.data), layout.lengths  # the caller's batch order
             unbatched = False
@@ -139,6 +145,12 @@ class _RecurrentBase(torch.nn.RNNBase):
             self.check_input(x, batch_sizes)
         else:
             self.check_forward_args(x, hx, batch_sizes)
+
+
+def _check_hidden_pair(lstm: bool, hx) -> None:
+    """torch.nn.LSTM's error for a state that is not a pair (before anything unpacks it)."""
+    if lstm and isinstance(hx, (tuple, list)) and len(hx) != 2:
+        raise RuntimeError("lstm expects two hidden states")
 
 
 def _refuse_unsupported_export(name: str) -> None:

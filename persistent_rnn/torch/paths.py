@@ -82,45 +82,45 @@ def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: i
     if weights is None:
         return TORCH, (f"dtype {dtype}: the persistent kernels run float32, float16 and "
                        f"bfloat16; torch's kernels run it")
-    if proj_size:
-        return TORCH, (f"proj_size={proj_size}: the persistent kernels have no LSTM projection "
-                       f"yet; torch's kernels run it")
     size = batch()
-    if size <= persistent_batch_limit(cell, hidden, x.device.index or 0, weights):
+    if size <= persistent_batch_limit(cell, hidden, x.device.index or 0, weights, proj_size):
         return "auto", None
     if torch.compiler.is_compiling():  # (last_run is not written for this path while compiled)
         return TORCH, None
-    return TORCH, persistent_blocker(cell, hidden, int(size), x.device.index or 0, weights)
+    return TORCH, persistent_blocker(cell, hidden, int(size), x.device.index or 0, weights,
+                                     proj_size)
 
 
 @torch._dynamo.assume_constant_result  # static arguments: one constant of a compiled graph
 def persistent_batch_limit(cell: CellSpec, hidden: int, device_index: int,
-                           weights: str = "float32") -> int:
-    """Largest batch for which ``algo="auto"`` runs this CUDA layer in the persistent kernel
-    with W_hh held in ``weights`` (0: none): at most ``auto_max_batch``, and the plan must fit.
+                           weights: str = "float32", proj_size: int = 0) -> int:
+    """Largest batch for which ``algo="auto"`` runs this CUDA layer (an LSTM projection of
+    ``proj_size``, 0: none) in the persistent kernel with W_hh (and W_hr) held in ``weights``
+    (0: none): at most ``auto_max_batch``, and the plan must fit.
     Under torch.compile the batch (possibly dynamic) is compared with it, which guards the graph
     instead of tracing the planner."""
     return _largest_fitting_batch(cell, hidden, device_index, settings.current().auto_max_batch,
-                                  weights)
+                                  weights, proj_size)
 
 
 @lru_cache(maxsize=1024)
 def _largest_fitting_batch(cell: CellSpec, hidden: int, device_index: int, limit: int,
-                           weights: str) -> int:
+                           weights: str, proj_size: int) -> int:
     device = _device_profile(device_index)
     for batch in range(limit, 0, -1):
-        if planner.make_plan(cell, hidden, batch, weights, device).fits:
+        if planner.make_plan(cell, hidden, batch, weights, device, proj_size).fits:
             return batch
     return 0
 
 
 def persistent_blocker(cell: CellSpec, hidden: int, batch: int, device_index: int,
-                       weights: str = "float32") -> str:
+                       weights: str = "float32", proj_size: int = 0) -> str:
     """Why ``algo="auto"`` does not run this CUDA layer in the persistent kernel."""
     limit = settings.current().auto_max_batch
     if batch > limit:
         return f"batch {batch} > {limit} (auto_max_batch): torch's kernels run it"
-    plan = planner.make_plan(cell, hidden, batch, weights, _device_profile(device_index))
+    plan = planner.make_plan(cell, hidden, batch, weights, _device_profile(device_index),
+                             proj_size)
     return f"{plan.reason}; torch's kernels run it"
 
 

@@ -1,0 +1,164 @@
+// persistent_projection_backward.cu - backward through time of one LSTM-with-projection
+// layer-direction, W_hh^T and W_hr^T in registers (persistent_projection.cuh).
+//
+// CTA c owns rows q0 = c*PRNN_PROJ_ROWS.. of r (rows of W_hh^T, tile A over K = 4H) and hidden
+// units j0 = c*PRNN_UNITS.. (rows of W_hr^T, tile B over K = P). Going down from `start`, per step t:
+//   wait for dg_{t+1} (the gates' gradient, exchange; a launch's first step: dgh[t+1]) ->
+//   dr_t = dy_t + carry + W_hh^T dg_{t+1} for the owned rows; drs[t] = dr_t (0 past a length);
+//   publish it -> wait for drs_t (every row) -> dh_t = W_hr^T drs_t for the owned units (tile B)
+//   -> the LSTM cell's backward -> dgh[t] and the dc carry; publish dg_t.
+// Past a length (r_t = r_{t-1}) the step passes dr_t to step t-1 as the carry and its gates'
+// gradient is zero; within it the carry is zero (dr_{t-1} is then W_hh^T dg_t, next step's
+// product). The carries (dr: [2][B][P], dc: [2][B][H]) are kept by step parity in global memory as
+// in persistent_backward.cu: a CTA publishes step t's dr only after it read every CTA's dg_{t+1},
+// and its dg_t only after every CTA's dr_t, so no CTA is two steps ahead of another and a restart
+// from max(progress)-1 finds the carries of the step above intact. The host seeds parity T%2 with
+// dh_n (of r) and dc_n.
+#include "persistent_projection.cuh"
+
+namespace prnn {
+// Slots of a unit's read-only inputs: c_t, c_{t-1}, then the cell's saved activations.
+constexpr int kC = 0, kCPrev = 1, kSavedSlot = 2, kInputs = kSavedSlot + ThisCell::S;
+}  // namespace prnn
+
+PRNN_KERNEL void prnn_projection_backward(
+    const prnn::WeightWord* w_hh_t,  // (P, 4H) = W_hh^T, contiguous; 16-bit: words of pairs
+    const prnn::WeightWord* w_hr_t,  // (H, P) = W_hr^T, contiguous
+    const float* dy,        // (T, B, P), zero past each length
+    const float* cs, const float* saved, const float* c0,  // forward's (T, B, H), (T, B, 4H), (B, H)
+    const int* lengths,     // (B,) in 1..T
+    float* dgh, float* drs, // (T, B, 4H) gates' gradient; (T, B, P) dr_t, zero past each length
+    float* dr_carry, float* dc_carry,  // [2][B][P], [2][B][H] by step parity
+    unsigned long long* exchange_r,  // [2][B][P rounded up to even] tagged drs_t, zeroed
+    unsigned long long* exchange_g,  // [2][B][4H rounded up to even] tagged dg_t, zeroed
+    unsigned* control,      // PrnnControl, 2 + gridDim.x words
+    int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
+    int stall_block, int stall_step, unsigned long long stall_ns) {
+  using namespace prnn;
+  constexpr int G = ThisCell::G, S = ThisCell::S, V = kProjRows;
+  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  const PrnnStall stall{stall_block, stall_step, stall_ns};
+  const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
+  const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
+  float* g_s = prnn_shared_memory<float>();   // [batch][kPadded]: dg_{t+1}
+  float* r_s = g_s + batch * kPadded;         // [batch][kPaddedB]: drs_t
+  float* pa_s = r_s + batch * kPaddedB;       // [batch][kKsplit][V]: partial W_hh^T dg_{t+1}
+  float* pb_s = pa_s + batch * kKsplit * V;   // [batch][kKsplitB][kUnits]: partial W_hr^T drs_t
+  float* in_s = pb_s + batch * kKsplitB * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
+  float* dy_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][V]: dy_t of the owned rows
+  float* dc_s = dy_s + 2 * batch * V;         // [batch][kUnits]: dc carry
+  float* dr_s = dc_s + batch * kUnits;        // [batch][V]: dr carry
+  int* len_s = reinterpret_cast<int*>(dr_s + batch * V);  // [batch]: lengths
+  const Exchange xr = begin_exchange(exchange_r, len_s + batch, batch, proj);
+  const Exchange xg = begin_exchange(exchange_g, len_s + batch, batch, gh_len);
+
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  int rows_a[kRows];
+  tile_rows(rows_a, warp, kKsplit, V, [&](int local) { return q0 + local < proj ? q0 + local : -1; });
+  RegisterTile rec;
+  rec.load(w_hh_t, rows_a, warp % kKsplit * kChunk, gh_len, lane);
+  int rows_b[TileB::kRowCount];
+  tile_rows(rows_b, warp, kKsplitB, kUnits, [&](int local) { return j0 + local < hidden ? j0 + local : -1; });
+  TileB back;
+  back.load(w_hr_t, rows_b, warp % kKsplitB * TileB::kChunk, proj, lane);
+
+  // The pointwise thread of (b, unit) and of (b, row of r) is the same every step: it keeps the carry.
+  const int parity = (start + 1) & 1;
+  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+    const int b = idx / kUnits, j = j0 + idx % kUnits;
+    if (j < hidden) dc_s[idx] = dc_carry[parity * plane + (size_t)b * hidden + j];
+  }
+  for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
+    const int b = idx / V, q = q0 + idx % V;
+    if (q < proj) dr_s[idx] = dr_carry[parity * rplane + (size_t)b * proj + q];
+  }
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
+  zero_staged(r_s, batch, kPaddedB);
+
+  auto prefetch_inputs = [&](int t) {
+    float* base = in_s + (t & 1) * batch * kInputs * kUnits;
+    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+      if (j >= hidden) continue;
+      const size_t at = ((size_t)t * batch + b) * hidden + j;
+      float* in = base + b * kInputs * kUnits + u;
+      prnn_copy4_to_shared(in + kC * kUnits, cs + at);
+      prnn_copy4_to_shared(in + kCPrev * kUnits, t > 0 ? cs + (at - plane) : c0 + (size_t)b * hidden + j);
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        prnn_copy4_to_shared(in + (kSavedSlot + s) * kUnits,
+                             saved + ((size_t)t * batch + b) * S * hidden + (size_t)s * hidden + j);
+      }
+    }
+    float* dyt = dy_s + (t & 1) * batch * V;
+    for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
+      const int b = idx / V, q = q0 + idx % V;
+      if (q < proj) prnn_copy4_to_shared(dyt + idx, dy + ((size_t)t * batch + b) * proj + q);
+    }
+  };
+  prefetch_inputs(start);
+  if (start + 1 < steps) {
+    stage_exchanged(g_s, dgh + (size_t)(start + 1) * batch * gh_len, batch, gh_len);
+  } else {  // step T-1 has no recurrent input; later gathers rely on the zero padding
+    zero_staged(g_s, batch, kPadded);
+    finish_copies();
+  }
+
+  int t = start, failed = 0;
+  for (;;) {
+    // dg_{t+1} and step t's inputs are in shared memory; any timeout?
+    if (prnn_sync_block_or(failed)) {
+      ++t;  // step t was not completed
+      break;
+    }
+    if (t > 0) prefetch_inputs(t - 1);  // its buffer was last read by step t+1's pointwise
+    const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
+    if (recurrent) multiply_batch(rec, g_s, pa_s, batch, V);  // ends with a block barrier
+    prnn_maybe_stall(stall, t);
+    const float* dyt = dy_s + (t & 1) * batch * V;
+    for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
+      const int b = idx / V, q = q0 + idx % V;
+      if (q >= proj) continue;
+      const float dr = dyt[idx] + dr_s[idx] + (recurrent ? row_sum(pa_s, b, idx % V, V) : 0.0f);
+      const bool active = t < len_s[b];
+      const float through = active ? dr : 0.0f;  // what reaches W_hr h_t
+      xr.publish(t, b, q, through);
+      drs[((size_t)t * batch + b) * proj + q] = through;
+      // The carry stays in shared memory; the global copy is what a restart resumes from.
+      dr_carry[(t & 1) * rplane + (size_t)b * proj + q] = dr_s[idx] = active ? 0.0f : dr;
+    }
+    failed = !xr.gather(r_s, t, ctl, timeout_ns, kPaddedB);
+    // drs_t is in shared memory; any timeout?
+    if (prnn_sync_block_or(failed)) {
+      ++t;
+      break;
+    }
+    multiply_batch(back, r_s, pb_s, batch, kUnits, kKsplitB, kPaddedB);  // ends with a block barrier
+    const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
+    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+      if (j >= hidden) continue;
+      const size_t row = (size_t)t * batch + b;
+      const float* in = in_t + b * kInputs * kUnits + u;  // slot k at in[k * kUnits]
+      float sv[S], dgiv[G], dghv[G], dh_prev, dc_prev;
+#pragma unroll
+      for (int s = 0; s < S; ++s) sv[s] = in[(kSavedSlot + s) * kUnits];
+      const float dh = row_sum<kKsplitB>(pb_s, b, u, kUnits);
+      // The LSTM's backward reads neither h_t nor h_{t-1}; past a length its gradients are zero.
+      cell_backward_masked<PRNN_CELL>(t < len_s[b], dh, dc_s[idx], sv, 0.0f, in[kC * kUnits], 0.0f,
+                                      in[kCPrev * kUnits], dgiv, dghv, dh_prev, dc_prev);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        xg.publish(t, b, g * hidden + j, dghv[g]);
+        dgh[row * gh_len + g * hidden + j] = dghv[g];
+      }
+      dc_carry[(t & 1) * plane + (size_t)b * hidden + j] = dc_s[idx] = dc_prev;
+    }
+    if (t == 0) break;
+    failed = !xg.gather(g_s, t, ctl, timeout_ns);
+    prnn_copy_wait();  // step t-1's inputs
+    --t;
+  }
+  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  end_exchange();
+}

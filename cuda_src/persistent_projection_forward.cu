@@ -1,0 +1,139 @@
+// persistent_projection_forward.cu - forward recurrence of one LSTM-with-projection
+// layer-direction, W_hh and W_hr in registers (persistent_projection.cuh).
+//
+// CTA c owns hidden units j0 = c*PRNN_UNITS.. (all 4 gate rows of them, tile A over K = P) and
+// rows q0 = c*PRNN_PROJ_ROWS.. of r (tile B over K = H). Per step t:
+//   wait for r_{t-1} (exchange; a launch's first step: y[t-1] or h0) -> gates of the owned units
+//   (tile A) -> cell -> hs[t], cs[t], saved[t]; publish h_t -> wait for h_t (every unit) ->
+//   the owned rows of r_t = W_hr h_t (tile B; past a length r_t = r_{t-1}) -> y[t]; publish r_t.
+// Two exchanges, four block barriers per step. A step only reads step t-1's results and writes
+// its own slots, so a replay is idempotent; a CTA records the last step whose r_t it published
+// when it exits and the host restarts from min(progress)+1. 16-bit layers round r_t (the state,
+// what y holds) to the 16-bit type; h_t stays fp32.
+#include "persistent_projection.cuh"
+
+PRNN_KERNEL void prnn_projection_forward(
+    const prnn::WeightWord* w_hh,  // (4H, P); 16-bit: (4H, ceil(P/2)) words of pairs
+    const prnn::WeightWord* w_hr,  // (P, H); 16-bit: (P, ceil(H/2)) words
+    const float* b_hh,      // (4H,) zeros when the layer has no bias
+    const float* gi,        // (T, B, 4H)  W_ih x_t + b_ih
+    const float* h0, const float* c0,  // (B, P) r_{-1}, (B, H)
+    const int* lengths,     // (B,) in 1..T
+    float* y, float* hs, float* cs, float* saved,  // (T, B, P) r_t, (T, B, H) h_t and c_t, (T, B, 4H)
+    unsigned long long* exchange_r,  // [2][B][P rounded up to even] tagged r_t, zeroed
+    unsigned long long* exchange_h,  // [2][B][H rounded up to even] tagged h_t, zeroed
+    unsigned* control,      // PrnnControl, 2 + gridDim.x words
+    int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
+    int stall_block, int stall_step, unsigned long long stall_ns) {
+  using namespace prnn;
+  constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits, V = kProjRows;
+  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  const PrnnStall stall{stall_block, stall_step, stall_ns};
+  const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
+  float* r_s = prnn_shared_memory<float>();   // [batch][kPadded]: r_{t-1}
+  float* h_s = r_s + batch * kPadded;         // [batch][kPaddedB]: h_t
+  float* gh_s = h_s + batch * kPaddedB;       // [batch][kKsplit][R]: partial W_hh r_{t-1}
+  float* pr_s = gh_s + batch * kKsplit * R;   // [batch][kKsplitB][V]: partial W_hr h_t
+  float* gi_s = pr_s + batch * kKsplitB * V;  // [2][batch][G][kUnits]: gi_t by step parity
+  float* c_s = gi_s + 2 * batch * G * kUnits;  // [batch][kUnits]: c_{t-1} of the owned units
+  float* hp_s = c_s + batch * kUnits;         // [batch][kUnits]: h_{t-1} of the owned units
+  float* rp_s = hp_s + batch * kUnits;        // [batch][V]: r_{t-1} of the owned rows
+  float* bias_s = rp_s + batch * V;           // [G][kUnits]: b_hh of the owned rows
+  int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
+  // Both exchanges gather through the same ring (one gather at a time, each complete on return).
+  const Exchange xr = begin_exchange(exchange_r, len_s + batch, batch, proj);
+  const Exchange xh = begin_exchange(exchange_h, len_s + batch, batch, hidden);
+
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  int rows_a[kRows];
+  tile_rows(rows_a, warp, kKsplit, R, [&](int local) {
+    const int g = local / kUnits, j = j0 + local % kUnits;
+    return j < hidden ? g * hidden + j : -1;
+  });
+  RegisterTile gates;
+  gates.load(w_hh, rows_a, warp % kKsplit * kChunk, proj, lane);
+  int rows_b[TileB::kRowCount];
+  tile_rows(rows_b, warp, kKsplitB, V, [&](int local) { return q0 + local < proj ? q0 + local : -1; });
+  TileB projection;
+  projection.load(w_hr, rows_b, warp % kKsplitB * TileB::kChunk, hidden, lane);
+
+  for (int idx = threadIdx.x; idx < G * kUnits; idx += blockDim.x) {
+    const int j = j0 + idx % kUnits;
+    if (j < hidden) bias_s[idx] = b_hh[(idx / kUnits) * hidden + j];
+  }
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
+  // The pointwise thread of (b, unit) and of (b, row of r) is the same every step: it keeps the state.
+  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+    const int b = idx / kUnits, j = j0 + idx % kUnits;
+    if (j >= hidden) continue;
+    const size_t prev = ((size_t)(start - 1) * batch + b) * hidden + j;
+    hp_s[idx] = start > 0 ? hs[prev] : 0.0f;  // only read past a length, never at step 0
+    c_s[idx] = start > 0 ? cs[prev] : c0[(size_t)b * hidden + j];
+  }
+  for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
+    const int b = idx / V, q = q0 + idx % V;
+    if (q < proj) rp_s[idx] = start > 0 ? y[((size_t)(start - 1) * batch + b) * proj + q] : h0[(size_t)b * proj + q];
+  }
+  zero_staged(h_s, batch, kPaddedB);
+  auto prefetch_gi = [&](int t) {
+    float* dst = gi_s + (t & 1) * batch * G * kUnits;
+    for (int idx = threadIdx.x; idx < batch * G * kUnits; idx += blockDim.x) {
+      const int b = idx / (G * kUnits), g = idx / kUnits % G, j = j0 + idx % kUnits;
+      if (j < hidden) prnn_copy4_to_shared(dst + idx, gi + ((size_t)t * batch + b) * gh_len + g * hidden + j);
+    }
+  };
+  prefetch_gi(start);
+  stage_exchanged(r_s, start > 0 ? y + (size_t)(start - 1) * batch * proj : h0, batch, proj);
+
+  int t = start, failed = 0;
+  for (;;) {
+    // r_{t-1} and gi_t are in shared memory; any timeout?
+    if (prnn_sync_block_or(failed)) {
+      --t;  // step t was not completed
+      break;
+    }
+    if (t + 1 < steps) prefetch_gi(t + 1);  // its buffer was last read by step t-1's pointwise
+    multiply_batch(gates, r_s, gh_s, batch, R);  // ends with a block barrier
+    prnn_maybe_stall(stall, t);
+    const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
+    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+      if (j >= hidden) continue;
+      const size_t row = (size_t)t * batch + b;
+      float giv[G], ghv[G], sv[S];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        giv[g] = gi_t[(b * G + g) * kUnits + u];
+        ghv[g] = row_sum(gh_s, b, g * kUnits + u, R) + bias_s[g * kUnits + u];
+      }
+      float h, c;
+      cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[idx], c_s[idx], h, c, sv);
+      xh.publish(t, b, j, h);
+      hs[row * hidden + j] = hp_s[idx] = h;
+      cs[row * hidden + j] = c_s[idx] = c;
+#pragma unroll
+      for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
+    }
+    failed = !xh.gather(h_s, t, ctl, timeout_ns, kPaddedB);
+    // h_t is in shared memory; any timeout?
+    if (prnn_sync_block_or(failed)) {
+      --t;
+      break;
+    }
+    multiply_batch(projection, h_s, pr_s, batch, V, kKsplitB, kPaddedB);  // ends with a block barrier
+    for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
+      const int b = idx / V, q = q0 + idx % V;
+      if (q >= proj) continue;
+      // Past a length r is frozen; 16-bit layers: r_t is a 16-bit value.
+      const float r = t < len_s[b] ? round_state(row_sum<kKsplitB>(pr_s, b, idx % V, V)) : rp_s[idx];
+      xr.publish(t, b, q, r);
+      y[((size_t)t * batch + b) * proj + q] = rp_s[idx] = r;
+    }
+    if (t + 1 == steps) break;
+    failed = !xr.gather(r_s, t, ctl, timeout_ns);
+    prnn_copy_wait();  // gi_{t+1}
+    ++t;
+  }
+  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  end_exchange();
+}

@@ -1,0 +1,177 @@
+// stack_backward.cu - backward through time of a whole unidirectional stack in one launch.
+//
+// Layer l's CTAs (stack_common.cuh) own units J of h_l and hold rows J of
+// [W_hh,l^T | W_ih,l+1^T] (the top layer: [W_hh^T | 0]). Going down from T-1, per step t a CTA
+// waits for dgh_l[t+1] (its own layer's exchange; nothing at T-1) and, below the top layer, for
+// dgi_{l+1}[t] (the layer above's exchange: the gradient reaching y_l[t] through layer l+1's
+// input projection, W_ih,l+1^T dgi_{l+1}[t], is the second half of the same matrix product),
+// adds the top layer's dy_t and the direct carries, and applies the cell's backward exactly as
+// persistent_backward.cu does. The wavefront runs in reverse: layer l works on step t while the
+// layer above works on t-1. LSTM and RNN publish dgh only (dgi is the same); GRU publishes dgi
+// too, into a second exchange of the same shape.
+//
+// The direct carries (dh: the part of the gradient reaching h_{t-1} that bypasses W_hh; dc for
+// the LSTM) are written to global memory at every step, [layers][T+1][B][H] (slot t+1 holds what
+// step t+1 carried down; slot T the host's dh_n/dc_n), so that a restart from step s of a layer
+// finds step s+1's carries whatever the others did; like every other word they are rewritten
+// only with the same bits.
+#include "stack_common.cuh"
+
+namespace prnn {
+// Slots of the pointwise step's read-only inputs, per batch row and owned unit (dy: top layer).
+constexpr int kDy = 0, kH = 1, kHPrev = 2, kC = 3, kCPrev = 4;
+constexpr int kSavedSlot = kHasC ? 5 : 3;
+constexpr int kInputs = kSavedSlot + ThisCell::S;
+}  // namespace prnn
+
+PRNN_KERNEL void prnn_stack_backward(
+    const float* w_t,       // (layers, H, G*H): W_hh^T of every layer
+    const float* w_ih_t,    // (layers-1, H, G*H): W_ih^T of layers 1.. (row l-1 serves layer l-1)
+    const float* dy,        // (T, B, H): gradient of the top layer's output, zero past each length;
+                            // unchained: (groups, T, B, H), every group's own
+    const float* y, const float* cs, const float* saved,  // forward buffers, (layers, T, B, .)
+    const float* h0, const float* c0,  // (layers, B, H)
+    const int* lengths,     // (B,) in 1..T
+    int chained,            // 1: a stack; 0: the two directions of one layer side by side
+    const int* starts,      // (layers,): each layer's first step in this launch (-1: none left)
+    float* dgi, float* dgh,  // (layers, T, B, G*H); the same array unless GRU
+    float* dh_carry, float* dc_carry,  // (layers, T+1, B, H); dc_carry: LSTM only
+    unsigned long long* exchange_gh,  // (layers, T, B, G*H rounded up to even) tagged dgh_t
+    unsigned long long* exchange_gi,  // the same for dgi_t (GRU; otherwise exchange_gh itself)
+    unsigned* control,      // PrnnControl, 2 + gridDim.x words
+    int steps, int batch, int hidden, unsigned long long timeout_ns,
+    int stall_block, int stall_step, unsigned long long stall_ns) {
+  using namespace prnn;
+  constexpr int G = ThisCell::G, S = ThisCell::S;
+  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  const PrnnStall stall{stall_block, stall_step, stall_ns};
+  const int per_layer = stack_ctas_per_layer(hidden), layers = gridDim.x / per_layer;
+  const int layer = blockIdx.x / per_layer, j0 = (blockIdx.x % per_layer) * kUnits;
+  const int gh_len = G * hidden, start = starts[layer];
+  const bool top = !chained || layer + 1 == layers;  // dy given, nothing from above
+  const float* dy_l = dy + (chained ? 0 : layer) * (size_t)steps * batch * hidden;
+  const size_t plane = (size_t)batch * hidden, rows_l = (size_t)steps * batch;
+  const float* y_l = y + layer * rows_l * hidden;
+  const float* cs_l = cs + layer * rows_l * hidden;
+  const float* saved_l = saved + layer * rows_l * S * hidden;
+  const float* h0_l = h0 + layer * plane;
+  const float* c0_l = c0 + layer * plane;
+  float* dgi_l = dgi + layer * rows_l * gh_len;
+  float* dgh_l = dgh + layer * rows_l * gh_len;
+  float* dh_carry_l = dh_carry + (size_t)layer * (steps + 1) * plane;
+  float* dc_carry_l = dc_carry + (size_t)layer * (steps + 1) * plane;
+
+  float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: [dgh_l[t+1] | dgi_{l+1}[t]]
+  float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial sums
+  float* in_s = rec_s + batch * kKsplit * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
+  float* carry_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][kUnits]: dh, dc carries
+  int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths
+  const StackExchange xgh = begin_stack_exchange(exchange_gh, len_s + batch, steps, batch, gh_len);
+  const StackExchange xgi = xgh.with_words(exchange_gi);
+  if (start < 0) {  // this layer finished in an earlier launch
+    if (threadIdx.x == 0) ctl->progress[blockIdx.x] = 0;
+    return;
+  }
+
+  // Chunks of the first half multiply dgh_l[t+1] by W_hh^T, the rest dgi_{l+1}[t] by W_ih,l+1^T.
+  const bool own_half = warp_chunk() < kHalfChunks;
+  int rows[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int j = j0 + warp_row_group() * kRows + r;
+    rows[r] = j < hidden && (own_half || !top) ? j : -1;
+  }
+  const float* m = own_half ? w_t + (size_t)layer * hidden * gh_len
+                            : w_ih_t + (size_t)(top ? 0 : layer) * hidden * gh_len;
+  RegisterTile tile;
+  tile.load(m, rows, warp_chunk() % kHalfChunks * kChunk, gh_len, threadIdx.x % kWarp);
+
+  // The pointwise thread of (b, unit) is the same every step: it keeps that unit's carries.
+  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+    const int b = idx / kUnits, j = j0 + idx % kUnits;
+    if (j >= hidden) continue;
+    const size_t at = (start + 1) * plane + (size_t)b * hidden + j;
+    carry_s[idx] = dh_carry_l[at];
+    if (kHasC) carry_s[batch * kUnits + idx] = dc_carry_l[at];
+  }
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
+  clear_staged(v_s, batch);
+
+  // Fetches step t's read-only inputs into its parity's buffer (asynchronous, may use L1).
+  auto prefetch_inputs = [&](int t) {
+    float* base = in_s + (t & 1) * batch * kInputs * kUnits;
+    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+      if (j >= hidden) continue;
+      const size_t at = ((size_t)t * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
+      float* in = base + b * kInputs * kUnits + u;
+      if (top) prnn_copy4_to_shared(in + kDy * kUnits, dy_l + at);
+      prnn_copy4_to_shared(in + kH * kUnits, y_l + at);
+      prnn_copy4_to_shared(in + kHPrev * kUnits, t > 0 ? y_l + (at - plane) : h0_l + at0);
+      if (kHasC) {
+        prnn_copy4_to_shared(in + kC * kUnits, cs_l + at);
+        prnn_copy4_to_shared(in + kCPrev * kUnits, t > 0 ? cs_l + (at - plane) : c0_l + at0);
+      }
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        prnn_copy4_to_shared(in + (kSavedSlot + s) * kUnits,
+                             saved_l + ((size_t)t * batch + b) * S * hidden + (size_t)s * hidden + j);
+      }
+    }
+  };
+  // Stages step t's vector: dgh_l[t+1] into the first half (zero at T-1), dgi_{l+1}[t] into
+  // the second (zero in the top layer).
+  auto gather = [&](int t) -> bool {
+    if (t + 1 < steps && !xgh.gather(layer, t + 1, ctl, timeout_ns,
+                                     [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; })) {
+      return false;
+    }
+    return top || xgi.gather(layer + 1, t, ctl, timeout_ns,
+                             [v_s](int b, int k, float v) { v_s[b * kPadded + kHalf + k] = v; });
+  };
+
+  prefetch_inputs(start);
+  int t = start, failed = !gather(start);
+  prnn_copy_wait();
+  for (;;) {
+    // step t's vector and inputs are in shared memory; any timeout?
+    if (prnn_sync_block_or(failed)) {
+      ++t;  // step t was not completed
+      break;
+    }
+    if (t > 0) prefetch_inputs(t - 1);  // its buffer was last read by step t+1's pointwise
+    multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
+    prnn_maybe_stall(stall, t);
+    const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
+    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+      if (j >= hidden) continue;
+      const size_t row = (size_t)t * batch + b, at = (size_t)b * hidden + j;
+      const float* in = in_t + b * kInputs * kUnits + u;  // slot k at in[k * kUnits]
+      float sv[kSavedSlots], dgiv[G], dghv[G];
+#pragma unroll
+      for (int s = 0; s < S; ++s) sv[s] = in[(kSavedSlot + s) * kUnits];
+      const float dh = (top ? in[kDy * kUnits] : 0.0f) + carry_s[idx] + row_sum(rec_s, b, u, kUnits);
+      const float dc = kHasC ? carry_s[batch * kUnits + idx] : 0.0f;
+      const float c = kHasC ? in[kC * kUnits] : 0.0f, c_prev = kHasC ? in[kCPrev * kUnits] : 0.0f;
+      float dh_prev, dc_prev;
+      cell_backward_masked<PRNN_CELL>(t < len_s[b], dh, dc, sv, in[kH * kUnits], c, in[kHPrev * kUnits],
+                                      c_prev, dgiv, dghv, dh_prev, dc_prev);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        xgh.publish(layer, t, b, g * hidden + j, dghv[g]);
+        if (exchange_gi != exchange_gh) xgi.publish(layer, t, b, g * hidden + j, dgiv[g]);
+        dgi_l[row * gh_len + g * hidden + j] = dgiv[g];
+        dgh_l[row * gh_len + g * hidden + j] = dghv[g];
+      }
+      // The carries stay in shared memory; the global copies are what a restart resumes from.
+      dh_carry_l[t * plane + at] = carry_s[idx] = dh_prev;
+      if (kHasC) dc_carry_l[t * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
+    }
+    if (t == 0) break;
+    failed = !gather(t - 1);
+    prnn_copy_wait();  // step t-1's inputs
+    --t;
+  }
+  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+}

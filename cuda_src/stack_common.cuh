@@ -1,0 +1,84 @@
+// stack_common.cuh - what the stack kernels (stack_forward.cu, stack_backward.cu) share.
+//
+// A unidirectional stack of `layers` layers runs in one launch: CTAs l*P .. l*P+P-1 (P =
+// ceil(H / PRNN_UNITS)) are layer l's, all built from the one tile of persistent_common.cuh.
+// The tile's columns are two halves of kKsplit/2 column chunks each, chunk-aligned so that the
+// partial sums of each half stay apart: forward [W_ih | W_hh] times [y_{l-1}[t]; h_l[t-1]]
+// (the input projection of the layers above the first inside the kernel; layer 0 holds zeros in
+// its W_ih half and reads gi, the GEMM before the launch), backward [W_hh,l^T | W_ih,l+1^T]
+// times [dgh_l[t+1]; dgi_{l+1}[t]].
+//
+// The exchange (StackExchange) keeps one slot per (layer, step) instead of two by step parity:
+// [layers][steps][batch][row words] tagged words, step t tagged t+1. No slot is ever reused
+// within a pass, so no reader can be overtaken: layer l+1 may fall any number of steps behind
+// layer l (a stalled CTA, CTAs not co-resident) and still finds y_l[t] intact, and the layers
+// need neither a global lockstep nor backpressure. The wavefront emerges from the waits alone:
+// layer l+1 computes step t once layer l has published it, while layer l computes t+1.
+// Every word is written only by the pointwise thread of its (layer, batch row, unit), and every
+// write of it, in any launch of the pass, stores the same bits: a step's inputs are words that
+// are themselves final once tagged, and the arithmetic is deterministic (fixed summation
+// order). So a restart needs no zeroing: the host zeroes the buffer once before the pass, and a
+// relaunch reads the words earlier launches published (the first step of a resumed layer takes
+// h_{t-1} from its own exchange, the layer below's y_{l-1}[t] from that layer's) and replays
+// bitwise the same results. The cost is memory: 8 bytes per value and step (forward B*H, backward
+// B*G*H per layer and step) instead of two steps' worth.
+#pragma once
+#include "persistent_common.cuh"
+
+#ifdef PRNN_CLUSTER
+#error "the stack kernels run on the grid path (no thread-block cluster)"
+#endif
+
+namespace prnn {
+
+static_assert(kKsplit % 2 == 0, "a stack tile splits its column chunks into two halves");
+constexpr int kHalfChunks = kKsplit / 2;
+constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged vector
+
+// CTAs per layer.
+PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }
+
+// The tagged words of every (layer, step) of a stack pass: k_len values per batch row.
+struct StackExchange {
+  unsigned long long* words;
+  unsigned long long* ring;  // the gather's 16-byte slots of shared memory (begin_exchange)
+  int ring_pairs, steps, batch, k_len;
+
+  PRNN_DEVICE int row_words() const { return exchange_row_words(k_len); }
+  PRNN_DEVICE unsigned long long* slot(int layer, int t) const {
+    return words + ((size_t)layer * steps + t) * batch * row_words();
+  }
+  // Publishes value k of batch row b of (layer, t).
+  PRNN_DEVICE void publish(int layer, int t, int b, int k, float v) const {
+    prnn_publish(slot(layer, t) + (size_t)b * row_words() + k, v, (unsigned)t + 1u);
+  }
+  // Waits for the values of (layer, t) and hands each to sink(b, k, v). False on timeout/abort.
+  template <class Sink>
+  PRNN_DEVICE bool gather(int layer, int t, PrnnControl* ctl, unsigned long long timeout_ns,
+                          Sink sink) const {
+    return prnn_gather_tagged_async(slot(layer, t), batch, row_words(), k_len, (unsigned)t + 1u, ctl,
+                                    timeout_ns, ring, ring_pairs, sink);
+  }
+  // The same words in another buffer of the same shape (the GRU backward's dgi beside dgh).
+  PRNN_DEVICE StackExchange with_words(unsigned long long* other) const {
+    StackExchange x = *this;
+    x.words = other;
+    return x;
+  }
+};
+
+// The exchange of a stack launch; its gather ring is the rest of the dynamic shared memory after
+// `shared_end` (begin_exchange). Every thread calls it.
+PRNN_DEVICE StackExchange begin_stack_exchange(unsigned long long* words, void* shared_end,
+                                               int steps, int batch, int k_len) {
+  const Exchange x = begin_exchange(words, shared_end, batch, k_len);
+  return StackExchange{words, x.ring, x.ring_pairs, steps, batch, k_len};
+}
+
+// Zeroes the staged vector (both halves and their padding): the gathers write only the values.
+PRNN_DEVICE void clear_staged(float* v_s, int batch) {
+  for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) v_s[idx] = 0.0f;
+  prnn_sync_block();
+}
+
+}  // namespace prnn

@@ -1,0 +1,52 @@
+"""The persistent LSTM-with-projection kernels on a real GPU (marked ``gpu``): the issue's sizes
+(H 1024 / P 256, H 2048 / P 512) against the float64 GEMM path, and a stall's restart that does
+not change results. CPU evidence for the same kernels: tests/test_projection_persistent.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import plan
+
+pytestmark = pytest.mark.gpu
+I, T = 64, 20
+
+
+def _run(cp, hidden, proj, batch, dtype, algo, params=None):
+    rng = np.random.default_rng(hidden + batch)
+    layer = prnn.LSTM(I, hidden, proj_size=proj, dtype=dtype, algo=algo, seed=5)
+    if params is not None:
+        layer.load_params({k: np.asarray(v, dtype) for k, v in params.items()})
+    x = cp.asarray(rng.standard_normal((T, batch, I)), dtype)
+    lengths = [T - (3 * i) % T for i in range(batch)]
+    y, (hn, cn) = layer.forward(x, None, lengths)
+    fwd = layer.last_run
+    dx, (dh0, dc0) = layer.backward(cp.asarray(rng.standard_normal(y.shape), dtype))
+    return dict(arrays=[y, hn, cn, dx, dh0, dc0, *layer.grads.values()], params=layer.params,
+                fwd=fwd, bwd=layer.last_run)
+
+
+@pytest.mark.parametrize("hidden,proj,batch", [(1024, 256, 1), (1024, 256, 8), (2048, 512, 1),
+                                               (2048, 512, 6)])
+def test_issue_sizes_match_float64(cupy, hidden, proj, batch):
+    assert plan.make_plan("lstm", hidden, batch, proj_size=proj).fits
+    got = _run(cupy, hidden, proj, batch, "float32", "persistent")
+    assert got["fwd"].algo == got["bwd"].algo == "persistent" and not got["fwd"].emulated
+    assert got["fwd"].restarts == got["bwd"].restarts == 0
+    ref = _run(cupy, hidden, proj, batch, "float64", "gemm",
+               {k: cupy.asnumpy(v) for k, v in got["params"].items()})
+    for a, b in zip(got["arrays"], ref["arrays"]):
+        err = float(cupy.abs(a.astype(cupy.float64) - b).max() / cupy.abs(b).max())
+        assert err <= 1e-5, err
+
+
+def test_stall_restarts_with_bitwise_identical_results(cupy, settings):
+    prnn.configure(gpu_timeout_ms=20)
+    plain = _run(cupy, 1024, 256, 4, "float32", "persistent")
+    with prnn.inject_stall(block=3, step=4, duration_ms=200):
+        stalled = _run(cupy, 1024, 256, 4, "float32", "persistent")
+    assert stalled["fwd"].restarts >= 1 and stalled["bwd"].restarts >= 1
+    assert stalled["fwd"].fallback is None and stalled["bwd"].fallback is None
+    for a, b in zip(plain["arrays"], stalled["arrays"]):
+        assert bool(cupy.array_equal(a, b))
