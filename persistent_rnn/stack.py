@@ -46,7 +46,7 @@ def engine(cell: CellSpec, data: Array, hidden: int, layers: int, bidirectional:
         return None, None
     if proj:
         return None, "LSTM projections (proj_size) run one launch per layer-direction"
-    why = runtime._why_not_persistent(data, batch, algo, half)
+    why = runtime._why_not_persistent(data, batch, algo)
     if why is not None:
         return None, why
     device = runtime._current_device() if on_gpu else runtime.EMULATED_DEVICE
