@@ -308,8 +308,9 @@ def _replay_direction(cell, params, ref, layer: int, direction: int, d,
                       u: float) -> tuple[Any, float]:
     """One layer-direction's steps in float64 from the run's states h (rounded with unit
     roundoff ``u``) and c (fp32); returns (ForwardResult, excess)."""
-    w_ih, w_hh = params[d.names[0]], params[d.names[1]]
-    b_ih, b_hh = (params[n] for n in d.names[2:]) if len(d.names) == 4 else (0.0, 0.0)
+    w_ih, w_hh = params[d.names["weight_ih"]], params[d.names["weight_hh"]]
+    b_ih, b_hh = ((params[d.names["bias_ih"]], params[d.names["bias_hh"]])
+                  if "bias_ih" in d.names else (0.0, 0.0))
     gi = functional._matmul_steps(ref.inputs[layer], w_ih.T) + b_ih
     if direction == 1:
         gi = functional._gather(ref.reverse_index, gi)

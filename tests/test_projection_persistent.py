@@ -63,7 +63,7 @@ def _assert_persistent(got: dict, restarts: int = 0) -> None:
     for stats in (got["fwd"], got["bwd"]):
         assert stats.algo == "persistent" and stats.emulated and stats.fallback is None, stats
         assert stats.restarts == restarts, stats
-        assert all("prnn_projection_" in d for d in stats.details if "launch" in d), stats.details
+        assert all("prnn_projection_" in d for d in stats.details if "launch(es)" in d), stats.details
 
 
 # (H, P): the small tile over 3 CTAs; H 9 / P 8: 4 CTAs own rows of r but only 3 own units, and
