@@ -53,8 +53,11 @@ bench_run() {  # bench_run NAME LIMIT_S [prnn bench options...]: prnn bench into
 
 part_tests() {
   step gpu_env 20 bash -c 'nvidia-smi; '"$PY"' -c "import cupy, torch, numpy; print(\"cupy\", cupy.__version__, \"torch\", torch.__version__, \"numpy\", numpy.__version__)"; which compute-sanitizer nvdisasm'
+  # test_torch_module_db.py holds no GPU test and imports torch's test suite, which needs
+  # expecttest (not in the device image): collecting it would stop the whole run.
   step gpu_tests 210 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout=200 -rfEs \
-    --durations=15 -k "not compute_sanitizer" tests/
+    --durations=15 -k "not compute_sanitizer" --ignore=tests/test_torch_module_db.py \
+    --continue-on-collection-errors tests/
   # The sanitizer steps pass no --timeout to pytest: the step's limit ends the whole process group
   # (pytest and the sanitizer under it), where pytest's own would leave the sanitizer running.
   step sanitize_case 45 "$PY" tests/gpu_sanitize_case.py  # unsanitized, and warms the kernel cache
