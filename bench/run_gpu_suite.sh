@@ -2,12 +2,12 @@
 # The GPU suite in bounded time, in parts that each fit one device call (10 minutes):
 #   tests    pytest -m gpu, then compute-sanitizer (memcheck, racecheck, synccheck) on
 #            tests/gpu_sanitize_case.py (grid and cluster, forward and backward, fp32 and fp16,
-#            a stall with restart, LSTMP, a stack)                                 ~8.5 min at most
+#            a stall with restart, LSTMP, a stack)                                 ~9.3 min at most
 #   bench    prnn info --json, the full prnn bench (persistent, GEMM, torch.nn/cuDNN), the
 #            exchange microbenchmark against grid size, the restart cost            ~5 min at most
 #   compare  the 16-bit sweep against torch.nn fp16/bf16, the GEMM path with CUDA graphs on and
 #            off, LSTMP (H 1024/P 256, H 2048/P 512) and stacks of 2-4 layers against torch.nn
-#                                                                                   ~8 min at most
+#                                                                                   ~8.8 min at most
 #   studies  bench/batch_sweep.py and bench/hidden_sweep.py (not in the default)   ~3 min at most
 # Usage: bench/run_gpu_suite.sh [--dry-run] OUT [PART...]   (default parts: tests bench compare)
 #   PYTHON=... picks the interpreter (default python3); PRNN_COMMIT=$(git rev-parse HEAD) names the
@@ -40,7 +40,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAM
   echo "== $name (limit ${limit}s): $*"
   if [ $DRY = 1 ]; then STATUS[$name]=dry; SECONDS_OF[$name]=0; return; fi
   local start=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > >(tee "$OUT/$name.log") 2> >(tee "$OUT/$name.err" >&2)
+  timeout --kill-after=5 "$limit" "$@" > >(tee "$OUT/$name.log") 2> >(tee "$OUT/$name.err" >&2)
   STATUS[$name]=$?
   SECONDS_OF[$name]=$((SECONDS - start))
 }
@@ -55,17 +55,17 @@ part_tests() {
   step gpu_env 20 bash -c 'nvidia-smi; '"$PY"' -c "import cupy, torch, numpy; print(\"cupy\", cupy.__version__, \"torch\", torch.__version__, \"numpy\", numpy.__version__)"; which compute-sanitizer nvdisasm'
   # test_torch_module_db.py holds no GPU test and imports torch's test suite, which needs
   # expecttest (not in the device image): collecting it would stop the whole run.
-  step gpu_tests 210 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout=200 -rfEs \
+  step gpu_tests 190 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout=200 -rfEs \
     --durations=15 -k "not compute_sanitizer" --ignore=tests/test_torch_module_db.py \
     --continue-on-collection-errors tests/
   # The sanitizer steps pass no --timeout to pytest: the step's limit ends the whole process group
   # (pytest and the sanitizer under it), where pytest's own would leave the sanitizer running.
   step sanitize_case 45 "$PY" tests/gpu_sanitize_case.py  # unsanitized, and warms the kernel cache
-  step sanitize_memcheck 90 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+  step sanitize_memcheck 100 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
     tests/test_gpu_persistent.py -k "compute_sanitizer and memcheck"
-  step sanitize_racecheck 100 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+  step sanitize_racecheck 110 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
     tests/test_gpu_persistent.py -k "compute_sanitizer and racecheck"
-  step sanitize_synccheck 80 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+  step sanitize_synccheck 90 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
     tests/test_gpu_persistent.py -k "compute_sanitizer and synccheck"
 }
 
@@ -79,8 +79,9 @@ part_bench() {
 
 part_compare() {
   # fp16: cuDNN's persistent algorithm where torch picks it (H multiple of 128, input 128, B 8 and
-  # 16) and where it cannot (B 1-4, H 192); small H (128, 192) and the H 1024.
-  bench_run bench_fp16 100 --dtype float16 --cells lstm --hidden 128,192,512,1024 \
+  # 16) and where it cannot (B 1-4, H 192); the H 1024 first (points left when the time
+  # budget is spent are skipped), then the small H (128, 192).
+  bench_run bench_fp16 110 --dtype float16 --cells lstm --hidden 1024,512,192,128 \
     --batches 1,2,4,8,16 --input-size 128 --seq-len 100
   bench_run bench_bf16 45 --dtype bfloat16 --cells lstm,gru --hidden 128,1024 --batches 1,8,16 \
     --input-size 128 --seq-len 100
@@ -93,7 +94,7 @@ part_compare() {
   bench_run bench_lstmp_2048_512 60 --cells lstm --hidden 2048 --proj-size 512 \
     --batches 1,2,4,8 --seq-len 100
   for layers in 2 3 4; do
-    bench_run "bench_stack_$layers" 45 --layers "$layers" --cells lstm,gru --hidden 256 \
+    bench_run "bench_stack_$layers" 55 --layers "$layers" --cells lstm,gru --hidden 256 \
       --batches 1,4,8 --seq-len 100
   done
 }
