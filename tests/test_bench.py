@@ -349,3 +349,10 @@ def test_sanitize_case_checks_the_placement_and_launches():
     case = _sanitize_case()
     assert "planned cluster, not grid" in case.layer_case("GRU", 64, placement="grid")(np)[0]
     assert "took 1 launches, not 2" in " ".join(case.layer_case("GRU", 64, num_layers=2, launches=2)(np))
+
+
+def test_sanitize_stall_case_fails_without_a_restart(monkeypatch):
+    import numpy as np
+    case = _sanitize_case()
+    monkeypatch.setattr(case, "STALL_MS", 100.0)  # shorter than the barrier timeout: no restart
+    assert case.stall_case(np) == ["no restart (forward 0, backward 0)"]
