@@ -3,8 +3,8 @@
 A point is (cell, pass, algo, batch, hidden_size, seq_len, dtype, proj_size, num_layers): a
 unidirectional layer with ``input_size`` inputs - one layer, or a stack of ``num_layers`` (which
 persistent_rnn runs in stack mode where the planner places it, ``settings.stack``), and for the
-LSTM an optional projection of width ``proj_size`` (torch.nn's ``proj_size``). ``pass`` is ``forward`` or ``forward_backward``;
-``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with that ``algo``) or ``cudnn``
+LSTM an optional projection of width ``proj_size`` (torch.nn's ``proj_size``). ``pass`` is
+``forward`` or ``forward_backward``; ``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with that ``algo``) or ``cudnn``
 (``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
 input projection included; ``us_per_step`` is it divided by ``seq_len``.
 
@@ -57,7 +57,8 @@ CELL_NAMES = tuple(CELLS)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 BENCH_DTYPES = tuple(d for d in DTYPES if d != "float64")  # what torch's cuDNN runs too
 FLOPS_FORMULA = ("recurrence only, per step: forward 2*G*B*H^2; forward_backward 4*G*B*H^2 "
-                 "(forward W_hh h plus backward W_hh^T dgh); G = gates (rnn 1, gru 3, lstm 4)")
+                 "(forward W_hh h plus backward W_hh^T dgh); G = gates (rnn 1, gru 3, lstm 4); "
+                 "with a projection of width P: 2*B*(G*H*P + P*H) forward; times num_layers")
 PEAK_FORMULA = "SMs x max SM clock x FP32 lanes per SM (128; 64 on sm_80) x 2"
 JSON_NAME, PLOT_NAME = "bench_results.json", "bench_tflops.png"
 COMMIT_ENV = "PRNN_COMMIT"
