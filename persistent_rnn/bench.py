@@ -4,8 +4,8 @@ A point is (cell, pass, algo, batch, hidden_size, seq_len, dtype, proj_size, num
 unidirectional layer with ``input_size`` inputs - one layer, or a stack of ``num_layers`` (which
 persistent_rnn runs in stack mode where the planner places it, ``settings.stack``), and for the
 LSTM an optional projection of width ``proj_size`` (torch.nn's ``proj_size``). ``pass`` is
-``forward`` or ``forward_backward``; ``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with that ``algo``) or ``cudnn``
-(``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
+``forward`` or ``forward_backward``; ``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with
+that ``algo``) or ``cudnn`` (``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
 input projection included; ``us_per_step`` is it divided by ``seq_len``.
 
 FLOPs counted (the recurrence only; G gates, batch B, hidden H), per step and layer:
