@@ -26,7 +26,9 @@ PARTS=("$@")
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PRNN_COMMIT=${PRNN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-[ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"  # nvdisasm, compute-sanitizer
+# nvdisasm (the latency model reads SASS) and compute-sanitizer: where the CUDA toolkit has them
+NVCC=$(command -v nvcc) && export PATH="$PATH:$(dirname "$NVCC")"
+[ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
 export PRNN_SANITIZER_LOGS="$OUT"
 TOTAL=0
 ORDER=()

@@ -356,3 +356,21 @@ def test_sanitize_stall_case_fails_without_a_restart(monkeypatch):
     case = _sanitize_case()
     monkeypatch.setattr(case, "STALL_MS", 100.0)  # shorter than the barrier timeout: no restart
     assert case.stall_case(np) == ["no restart (forward 0, backward 0)"]
+
+
+def test_summarize_checks_the_issue_17_targets():
+    summarize = _bench_script("summarize")
+    fp16 = dict(dtype="float16", hidden_size=1024)
+    runs = [{"points": [
+        _point("persistent", 1, 1.0, us=0.9, hidden_size=256),            # small layer: met
+        _point("persistent", 4, 1.0, us=2.6, hidden_size=1024),           # H 1024 B 4: missed
+        _point("cudnn", 4, 1.0, us=3.0, hidden_size=1024),                # persistent faster: met
+        _point("persistent", 8, 1.0, us=5.0, **fp16), _point("cudnn", 8, 1.0, us=10.0, **fp16),
+        _point("persistent", 16, 1.0, us=8.0, **fp16), _point("cudnn", 16, 1.0, us=10.0, **fp16),
+        _point("persistent", 4, 1.0, us=9.0, hidden_size=1024, num_layers=2)]}]  # a stack: not counted
+    lines = summarize.target_lines(runs)
+    assert "small layers (H <= 256, B 1) forward <= 1.0 us/step: met (1 points)" in lines[1]
+    assert "MISSED (1 points; lstm forward float32 H=1024 T=100 B=4 2.60 > 2.50)" in lines[2]
+    assert "cuDNN at B <= 8, H >= 256 (fp32, us/step): met (1 points)" in lines[3]
+    assert "MISSED (2 points; lstm forward float16 H=1024 T=100 B=16 persistent/cudnn 0.80 > 0.67)" in lines[4]
+    assert summarize.target_lines([{"points": []}])[1].endswith("not measured")
