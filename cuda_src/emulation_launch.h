@@ -13,10 +13,12 @@
 #include <sys/mman.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -31,11 +33,17 @@
 namespace prnn_emu {
 
 constexpr std::size_t kStackBytes = 128 * 1024;  // per CUDA thread; kernels keep small frames
+#ifdef PRNN_EMU_THREAD_LIMIT
+constexpr int kThreadRetries = 3;
+#else
+constexpr int kThreadRetries = 200;                // 10 ms apart: about 2 s of EAGAIN
+#endif
 constexpr std::size_t kGuardBytes = 4096;        // an overflow faults instead of corrupting
 constexpr std::size_t kCanaryBytes = 64;         // after shared memory, checked after the block
 constexpr unsigned char kCanary = 0xA5;
 
-enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4, kBadCluster = 5 };
+enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4, kBadCluster = 5,
+             kNoThreads = 6 };
 
 inline std::mutex error_lock;
 inline int error_code = kOk;
@@ -179,25 +187,50 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   cluster_counters = counters.data();
 #endif
   std::atomic<int> next{0};
+  std::atomic<bool> go{false};
   std::vector<std::thread> workers;
+  auto worker = [&] {
+    while (!go.load()) std::this_thread::yield();
+    const std::size_t bytes = threads * (kGuardBytes + kStackBytes);
+    void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) {
+      fail(kNoMemory, "cannot map stacks for %d threads (%d KiB each)", threads,
+           (int)(kStackBytes / 1024));
+      return;
+    }
+    auto* stacks = static_cast<unsigned char*>(mem);
+    for (int t = 0; t < threads; ++t) mprotect(stacks + t * (kGuardBytes + kStackBytes), kGuardBytes, PROT_NONE);
+    block_dim.x = threads;
+    grid_dim.x = grid;
+    entry = Entry{run, kernel, args};
+    for (int b; (b = next.fetch_add(1)) < grid;) run_block(b, threads, shared_bytes, stacks);
+    munmap(mem, bytes);
+  };
+  // Every worker exists before any block runs: a grid that could start only in part would leave
+  // its started CTAs waiting on the others. Thread creation can fail for a moment on a loaded
+  // machine (EAGAIN): retry for a while, then run no block and report it, never terminate.
   for (int w = 0; w < resident; ++w) {
-    workers.emplace_back([&] {
-      const std::size_t bytes = threads * (kGuardBytes + kStackBytes);
-      void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (mem == MAP_FAILED) {
-        fail(kNoMemory, "cannot map stacks for %d threads (%d KiB each)", threads,
-             (int)(kStackBytes / 1024));
-        return;
+    for (int attempt = 0;; ++attempt) {
+      try {
+#ifdef PRNN_EMU_THREAD_LIMIT  // tests: thread creation fails past this many workers
+        if (w >= PRNN_EMU_THREAD_LIMIT)
+          throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+#endif
+        workers.emplace_back(worker);
+        break;
+      } catch (const std::system_error&) {
+        if (attempt < kThreadRetries) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          continue;
+        }
+        fail(kNoThreads, "cannot start thread %d of %d for the grid's CTAs (the system refused a new thread)", w + 1, resident);
+        next.store(grid);  // the workers already started take no block
+        break;
       }
-      auto* stacks = static_cast<unsigned char*>(mem);
-      for (int t = 0; t < threads; ++t) mprotect(stacks + t * (kGuardBytes + kStackBytes), kGuardBytes, PROT_NONE);
-      block_dim.x = threads;
-      grid_dim.x = grid;
-      entry = Entry{run, kernel, args};
-      for (int b; (b = next.fetch_add(1)) < grid;) run_block(b, threads, shared_bytes, stacks);
-      munmap(mem, bytes);
-    });
+    }
+    if (error_code == kNoThreads) break;
   }
+  go.store(true);
   for (auto& w : workers) w.join();
   cluster_shared = nullptr;
   cluster_counters = nullptr;

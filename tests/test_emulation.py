@@ -41,6 +41,16 @@ def test_grid_barrier_times_out_on_a_stalled_cta():
     assert progress.min() == 3 and progress.max() <= 4 and sorted(progress)[-2] == 3
 
 
+def test_a_grid_whose_threads_cannot_start_is_an_error_not_a_crash():
+    # Thread creation refused (EAGAIN, seen on a loaded machine) used to terminate the process.
+    module = emulate.get_module("grid_barrier.cu", {"PRNN_EMU_THREAD_LIMIT": 2})
+    ctl, elapsed = np.zeros(2 + 4, np.uint32), np.zeros(4, np.uint64)
+    args = (ctl, np.int32(3), TIMEOUT_NS, np.int32(-1), np.int32(-1), np.uint64(0), elapsed)
+    with pytest.raises(emulate.EmulationError, match="cannot start thread 3 of 4"):
+        module.launch("grid_barrier_rounds", 4, 64, 0, args)
+    assert ctl[0] == 0 and (elapsed == 0).all()  # no CTA ran: none waits for the missing ones
+
+
 def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
     arrivals, abort, progress, _ = _barrier(grid=4, rounds=5, max_resident=2)
     assert abort == 1 and arrivals < 4 * 5
