@@ -109,9 +109,18 @@ struct RegisterTile {
         for (int e = 0; e < kPerWord; ++e) a[r] += f[e] * x[e];
       }
     }
-    int off = kWarp / 2;
-#pragma unroll
-    for (int half = kRowsPow2 / 2; half >= 1; half /= 2, off /= 2) {
+    reduce_scatter<kRowsPow2 / 2>(a, lane);
+    return sum_lanes<kLanesPerRow / 2>(a[0]);
+  }
+
+ private:
+  // One halving level of the reduce-scatter, then the next: lanes whose bit `off` is set keep the
+  // upper `half` rows and send the lower ones to their partner (and the reverse), so every index
+  // into `a` is a compile-time constant at every level (a run-time index puts `a` in local memory).
+  template <int half>
+  PRNN_DEVICE static void reduce_scatter(float (&a)[kRowsPow2], int lane) {
+    if constexpr (half >= 1) {
+      constexpr int off = kWarp * half / kRowsPow2;
       const bool upper = (lane & off) != 0;
 #pragma unroll
       for (int r = 0; r < half; ++r) {
@@ -119,10 +128,17 @@ struct RegisterTile {
         const float keep = upper ? a[r + half] : a[r];
         a[r] = keep + prnn_shfl_xor(send, off);
       }
+      reduce_scatter<half / 2>(a, lane);
     }
-#pragma unroll
-    for (; off >= 1; off /= 2) a[0] += prnn_shfl_xor(a[0], off);
-    return a[0];
+  }
+  // The butterfly sum over the kLanesPerRow lanes that hold the same row.
+  template <int off>
+  PRNN_DEVICE static float sum_lanes(float s) {
+    if constexpr (off >= 1) {
+      return sum_lanes<off / 2>(s + prnn_shfl_xor(s, off));
+    } else {
+      return s;
+    }
   }
 };
 

@@ -67,14 +67,17 @@ def test_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {r["arch"] for r in out} == {"sm_90"}
     assert {"cell", "dtype", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
-            "shared_bytes", "planned_registers", "time_loop"} <= set(out[0])
+            "shared_bytes", "planned_registers", "time_loop", "stack_frame", "local_memory"} <= set(out[0])
     assert set(kernel_report.SASS_KINDS) <= set(out[0]["time_loop"])
 
 
 # What one step of the time loop may contain (static SASS counts, kernel_report.sass_loop_counts):
 # the tagged exchange needs no fence, no atomic and no L1 invalidate; two block barriers per step
 # (staged vector + timeout vote; partial sums). The old counter barrier had 4-5, 3, 1 and 4.
-LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates": 0}
+# No local memory: the reduce-scatter's accumulators indexed at run time once cost 64-128 bytes
+# of stack and ~70 LDL/STL per step in most large tiles.
+LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates": 0,
+               "local_memory": 0}
 
 
 def test_time_loop_sass_stays_short(records):
@@ -83,6 +86,7 @@ def test_time_loop_sass_stays_short(records):
         loop = r["time_loop"]
         for kind, most in LOOP_LIMITS.items():
             assert loop[kind] <= most, (kind, r)
+        assert r["stack_frame"] == 0 and r["local_memory"] == 0 and r["spill_bytes"] == 0, r
         # The loop was found: it publishes (stores) and gathers (loads) every step.
         assert loop["block_barriers"] >= 1 and loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
 
@@ -100,6 +104,7 @@ def test_sass_loop_counts_finds_the_loop_with_the_barrier():
         /*0060*/                   CCTL.IVALL ;
         /*0070*/                   ATOMG.E.ADD.STRONG.GPU PT, R3, desc[UR4][R6.64], R0 ;
         /*0080*/                   STG.E [R8.64], R3 ;
+        /*0088*/                   STL [R1+0x4], R3 ;
         /*0090*/              @!P1 BRA `(.L_x_2) ;
         /*00a0*/                   EXIT ;
     .L_x_2:
@@ -108,7 +113,19 @@ def test_sass_loop_counts_finds_the_loop_with_the_barrier():
     """
     counts = kernel_report.sass_loop_counts(sass)
     assert counts == {"block_barriers": 1, "global_loads": 1, "async_copies": 0, "global_stores": 1,
-                      "atomics": 1, "fences": 1, "l1_invalidates": 1, "instructions": 8}
+                      "atomics": 1, "fences": 1, "l1_invalidates": 1, "local_memory": 1,
+                      "instructions": 9}
+
+
+def test_stack_frame_is_read_from_the_ptxas_report():
+    log = ("ptxas info    : Used 240 registers, used 1 barriers, 64 bytes cumulative stack size\n"
+           "ptxas info    : Compile time = 1 ms\n"
+           "ptxas         .     64 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    assert kernel_report.parse_stack_frame(log) == 64
+    assert kernel_report.local_memory_record(log, {"local_memory": 3}) == {"stack_frame": 64,
+                                                                          "local_memory": 3}
+    with pytest.raises(RuntimeError, match="stack frame"):
+        kernel_report.parse_stack_frame("ptxas info    : Used 240 registers")
 
 
 def test_compile_error_raises_with_log():
