@@ -27,6 +27,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   float* h_s = prnn_shared_memory<float>();  // [batch][kPadded]: h_{t-1}

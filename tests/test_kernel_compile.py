@@ -18,6 +18,10 @@ from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
 from persistent_rnn.plan import KERNEL_DTYPES, SHIPPED, resident_ctas, tiles_for
 
+# Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
+# the default per-test timeout on a cold cache and a busy 2-core machine.
+pytestmark = pytest.mark.timeout(1800)
+
 FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4,
                    "PRNN_KPT": 1, "PRNN_WARPS": 4}
 
