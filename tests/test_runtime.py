@@ -220,6 +220,17 @@ def test_emulated_kernels_match_float64_gemm(emulation, cell):
         assert stats.fallback is None
 
 
+@pytest.mark.parametrize("cell", ["rnn_tanh", "gru", "lstm"])
+def test_emulated_odd_widths_publish_whole_pairs(emulation, cell):
+    # H = 25: the forward exchanges 25 values per row (RNN and GRU backward: 25 and 75), so the
+    # writer of a row's last value also publishes the padding word after it; without it every
+    # reader of that pair would wait until the deadline.
+    out = _run_both(CELLS[cell], 25, 2, 4)
+    _assert_close(out["got"], out["ref"])
+    for stats in out["got"][2:]:
+        assert stats.algo == "persistent" and stats.restarts == 0 and stats.fallback is None
+
+
 def test_emulated_stall_restarts_with_identical_results(emulation):
     prnn.configure(emulation_timeout_ms=300)
     cell = CELLS["lstm"]
