@@ -3,6 +3,7 @@
 NumPy arrays run on the CPU, CuPy arrays on the GPU; see ``docs/api.md``.
 """
 from .layers import GRU, LSTM, RNN
+from .model import StepTime, predict_step_time
 from .plan import max_hidden_size
 from .settings import Settings, configure, inject_stall, override_settings
 from .stats import RunStats
@@ -10,4 +11,4 @@ from .stats import RunStats
 __version__ = "0.1.0"
 
 __all__ = ["GRU", "LSTM", "RNN", "RunStats", "Settings", "configure", "inject_stall",
-           "max_hidden_size", "override_settings", "__version__"]
+           "StepTime", "max_hidden_size", "override_settings", "predict_step_time", "__version__"]

@@ -5,10 +5,13 @@ batch B, hidden H, cell with G gates, S saved activations per unit):
 
 * ``y``     (T, B, H)   h_t for every step (frozen past a sequence's length), so ``y[T-1]``
                         is the final state; the layer zeroes outputs past lengths afterwards.
+                        With an LSTM projection of size P: (T, B, P), r_t = W_hr h_t.
+* ``hs``    (T, B, H)   the cell's own h_t, with a projection only.
 * ``cs``    (T, B, H)   c_t for every step (LSTM only, else ``None``), frozen likewise.
 * ``saved`` (T, B, S*H) activations the cell's backward needs.
 * ``dgi``, ``dgh`` (T, B, G*H) gradients of the input and recurrent pre-activations (the same
   array unless the cell is GRU).
+* ``drs``   (T, B, P)   with a projection: the gradient of each r_t, zero past a length.
 """
 from __future__ import annotations
 
@@ -33,28 +36,27 @@ def array_module(*arrays: Array):
     return np
 
 
-def separate_dgh(cell: CellSpec) -> bool:
-    """Whether ``dgh`` differs from ``dgi`` (only GRU: r scales its n gate's recurrent part)."""
-    return cell.name == "gru"
-
-
-def allocate_forward(cell: CellSpec, gi: Array) -> tuple[Array, Array | None, Array]:
-    """Allocate ``(y, cs, saved)`` for the forward recurrence over ``gi`` (T, B, G*H)."""
+def allocate_forward(cell: CellSpec, gi: Array,
+                     proj_size: int = 0) -> tuple[Array, Array | None, Array]:
+    """Allocate ``(y, cs, saved)`` for the forward recurrence over ``gi`` (T, B, G*H); ``y`` is
+    ``proj_size`` wide where that is not 0 (an LSTM projection)."""
     xp = array_module(gi)
     steps, batch, width = gi.shape
     hidden = width // cell.gates
-    y = xp.empty((steps, batch, hidden), dtype=gi.dtype)
-    cs = xp.empty_like(y) if cell.has_cell_state else None
+    y = xp.empty((steps, batch, proj_size or hidden), dtype=gi.dtype)
+    cs = xp.empty((steps, batch, hidden), gi.dtype) if cell.has_cell_state else None
     saved = xp.empty((steps, batch, cell.saved * hidden), dtype=gi.dtype)
     return y, cs, saved
 
 
-def allocate_backward(cell: CellSpec, dy: Array) -> tuple[Array, Array]:
-    """Allocate ``(dgi, dgh)`` (T, B, G*H) for the backward recurrence (one array unless GRU)."""
+def allocate_backward(cell: CellSpec, dy: Array, hidden: int | None = None) -> tuple[Array, Array]:
+    """Allocate ``(dgi, dgh)`` (T, B, G*H) for the backward recurrence (one array unless GRU);
+    ``hidden``: H where ``dy`` is not H wide (an LSTM projection)."""
     xp = array_module(dy)
-    steps, batch, hidden = dy.shape
+    steps, batch, width = dy.shape
+    hidden = hidden or width
     dgi = xp.empty((steps, batch, cell.gates * hidden), dtype=dy.dtype)
-    return dgi, (xp.empty_like(dgi) if separate_dgh(cell) else dgi)
+    return dgi, (xp.empty_like(dgi) if cell.separate_dgh else dgi)
 
 
 def full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:

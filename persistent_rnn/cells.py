@@ -2,7 +2,11 @@
 
 This module and ``cuda_src/cells.cuh`` are the two places where the cell equations are written;
 they follow ``torch.nn.RNN/GRU/LSTM`` exactly (LSTM gates i, f, g, o; GRU gates r, z, n with
-``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``).
+``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``). ``CELLS`` is the one registry of cells: the
+layer modes and nonlinearities, the names and messages of the API, the planner, the demo and the
+tests' cell lists all derive from it, and ``CellSpec.kind`` is the cell's ``prnn::CellKind`` in
+``cells.cuh`` (tests/test_cells.py holds the two together). Adding a cell means its math here
+and in ``cells.cuh``, its entry in ``CELLS``, its tiles in ``plan.py`` and its docs.
 
 The functions are array-module generic: they take NumPy or CuPy arrays and use only operators
 and ``xp`` functions both provide. Shapes, per batch row and hidden unit ``j``:
@@ -98,33 +102,75 @@ class CellSpec:
     ``dh_prev_direct`` excludes the part through ``W_hh`` (added by the caller).
     """
 
-    name: str             # "rnn_tanh", "rnn_relu", "lstm" or "gru"
-    kind: int             # prnn::CellKind in cuda_src/cells.cuh
+    name: str             # "rnn_tanh", "rnn_relu", "lstm" or "gru"; torch.nn's mode lower-cased
+    kind: int             # prnn::CellKind in cuda_src/cells.cuh (enumerator ``name.upper()``)
     gates: int            # G: weight_ih has G*H rows
     saved: int            # S: activations saved per unit for backward
     has_cell_state: bool  # LSTM's c
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
+    label: str = ""                 # how the demo and messages show it ("RNN tanh", "GRU")
+    separate_dgh: bool = False      # dgh differs from dgi (GRU: r scales the n gate's W_hh part)
+    projection: bool = False        # takes torch.nn's proj_size (LSTM)
+    cpu_autocast: bool = True       # torch's CPU autocast casts the layer (torch.nn.GRU: it does not)
+
+    @property
+    def mode(self) -> str:
+        """torch.nn's mode string ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")."""
+        return self.name.upper()
 
 
-CELLS: dict[str, CellSpec] = {
-    "rnn_tanh": CellSpec("rnn_tanh", 0, 1, 0, False, _rnn_tanh_forward, _rnn_tanh_backward),
-    "rnn_relu": CellSpec("rnn_relu", 1, 1, 0, False, _rnn_relu_forward, _rnn_relu_backward),
-    "lstm": CellSpec("lstm", 2, 4, 4, True, _lstm_forward, _lstm_backward),
-    "gru": CellSpec("gru", 3, 3, 4, False, _gru_forward, _gru_backward),
-}
+CELLS: dict[str, CellSpec] = {spec.name: spec for spec in (
+    CellSpec("rnn_tanh", 0, 1, 0, False, _rnn_tanh_forward, _rnn_tanh_backward, "RNN tanh"),
+    CellSpec("rnn_relu", 1, 1, 0, False, _rnn_relu_forward, _rnn_relu_backward, "RNN relu"),
+    CellSpec("lstm", 2, 4, 4, True, _lstm_forward, _lstm_backward, "LSTM", projection=True),
+    CellSpec("gru", 3, 3, 4, False, _gru_forward, _gru_backward, "GRU", separate_dgh=True,
+             cpu_autocast=False),
+)}
+
+# The layer modes ("RNN", "GRU", "LSTM") and the RNN's nonlinearities, from the cells' names.
+NONLINEARITIES: tuple[str, ...] = tuple(n.partition("_")[2] for n in CELLS if "_" in n)
+LAYER_MODES: tuple[str, ...] = tuple(dict.fromkeys(n.partition("_")[0].upper() for n in CELLS))
+
+
+def _quoted(names) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def cell_spec(mode: str, nonlinearity: str = "tanh") -> CellSpec:
     """Return the cell for a layer ``mode`` ("RNN", "GRU", "LSTM") and RNN ``nonlinearity``."""
     mode = mode.upper()
-    if mode == "RNN":
-        if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(f"nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
-        return CELLS["rnn_" + nonlinearity]
-    if mode in ("GRU", "LSTM"):
+    if mode not in LAYER_MODES:
+        raise ValueError(f"mode must be one of {_quoted(LAYER_MODES)}, got {mode!r}")
+    if mode.lower() in CELLS:
         return CELLS[mode.lower()]
-    raise ValueError(f"mode must be 'RNN', 'GRU' or 'LSTM', got {mode!r}")
+    if nonlinearity not in NONLINEARITIES:
+        raise ValueError(f"nonlinearity must be one of {_quoted(NONLINEARITIES)}, "
+                         f"got {nonlinearity!r}")
+    return CELLS[f"{mode.lower()}_{nonlinearity}"]
+
+
+def resolve(cell: "CellSpec | str") -> CellSpec:
+    """A ``CellSpec`` from a spec or a name: a key of ``CELLS`` or a layer mode, any case
+    ("RNN" is the tanh RNN); ValueError listing the names otherwise."""
+    if isinstance(cell, CellSpec):
+        return cell
+    if not isinstance(cell, str):
+        raise TypeError(f"cell must be a str or CellSpec, got {type(cell).__name__}")
+    name = cell.lower()
+    if name in CELLS:
+        return CELLS[name]
+    if name.upper() in LAYER_MODES:
+        return cell_spec(name)
+    raise ValueError(f"cell must be one of {_quoted(LAYER_MODES + tuple(CELLS))}, got {cell!r}")
+
+
+def from_mode(mode: str) -> CellSpec:
+    """The cell of a torch.nn mode string ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")."""
+    modes = {spec.mode: spec for spec in CELLS.values()}
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {tuple(modes)}, got {mode!r}")
+    return modes[mode]
 
 
 def layer_args(name: str) -> tuple[str, dict[str, str]]:

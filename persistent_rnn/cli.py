@@ -63,9 +63,9 @@ def _at_least(low: float, kind=int):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``prnn`` argument parser with its four subcommands."""
+    """The ``prnn`` argument parser with its five subcommands."""
     parser = argparse.ArgumentParser(prog="prnn", description="persistent_rnn command line")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,kernels,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,kernels,plan,demo}")
     p_info = sub.add_parser("info", help="GPU, clocks, driver/CUDA versions, max hidden sizes")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
     b = sub.add_parser("bench", help="sweep batch/hidden/T/cell/pass over the algorithms",
@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-seconds", type=_at_least(1.0, float), help="time budget; later points are skipped")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("kernels", help="compiled kernel configurations (prnn kernels --help)", add_help=False)
+    pl = sub.add_parser("plan", help="placement of a layer and its predicted µs per step (no GPU needed)")
+    pl.add_argument("cell", help="RNN, GRU, LSTM, rnn_tanh, rnn_relu")
+    pl.add_argument("hidden", type=_at_least(1), help="hidden size")
+    pl.add_argument("--batch", type=_at_least(1), default=1, help="batch size (default 1)")
+    pl.add_argument("--layers", type=_at_least(1), default=1, help="stacked layers (default 1)")
+    pl.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    pl.add_argument("--device", choices=("h100", "h200", "a100"), default="h100")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub.add_parser("demo", help="forward/backward of every cell with a summary (NumPy)")
     return parser
 
@@ -140,6 +148,36 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def run_plan(args: argparse.Namespace) -> int:
+    """``prnn plan``: the planner's placement and the latency model's prediction (exit 1: no fit)."""
+    from . import model
+    try:
+        record = model.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype, args.device)
+    except ValueError as exc:
+        return _error("plan", str(exc))
+    if args.json:
+        print(json.dumps(record, indent=1))
+        return 0 if record["fits"] else 1
+    print(f"{record['cell']} H={args.hidden} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
+    if not record["fits"]:
+        print(f"does not fit: {record['reason']}")
+        return 1
+    tile = record["tile"]
+    print(f"placement: {tile['placement']}, {tile['units']} units per CTA")
+    for name in ("forward", "backward"):
+        p, t = record[name], record[f"{name}_terms"]
+        print(f"{name:8}: {p['ctas']} CTAs x {p['block']} threads, {p['registers']} registers "
+              f"({p['weights_per_thread']} weights per thread), {p['shared_bytes']} B shared; "
+              f"predicted {t['total_us']:.2f} µs/step (issue {t['issue_us']:.2f}, matrix "
+              f"{t['matrix_us']:.2f}, barriers {t['barrier_us']:.2f}, exchange {t['exchange_us']:.2f} "
+              f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f})")
+    if args.layers > 1:
+        print(f"stack of {args.layers}: {args.layers} launches per pass, predicted "
+              f"{record['stack_forward_us']:.2f} / {record['stack_backward_us']:.2f} µs per step")
+    print(f"(a prediction of the latency model, not a measurement: {record['calibration']})")
+    return 0
+
+
 def run_kernels(argv: list[str]) -> int:
     """``prnn kernels``: kernel_report's own parser and table (``prnn kernels --help``)."""
     from . import kernel_report
@@ -186,6 +224,8 @@ def _dispatch(argv: list[str]) -> int:
         return run_info(args)
     if args.command == "bench":
         return run_bench(args, argv)
+    if args.command == "plan":
+        return run_plan(args)
     from . import demo
     demo.main()
     return 0

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 import persistent_rnn as prnn
+from persistent_rnn.cells import CELLS, layer_args
 
 T, B, I, H = 16, 4, 8, 32
 
@@ -51,11 +52,9 @@ def main() -> None:
     print(f"persistent_rnn {prnn.__version__} demo on NumPy: T={T} B={B} input={I} hidden={H}, "
           f"2 layers, bidirectional, lengths [16, 5, 11, 1], float64")
     kw = dict(num_layers=2, bidirectional=True, dtype="float64", seed=0)
-    layers = {"RNN tanh": prnn.RNN(I, H, **kw),
-              "RNN relu": prnn.RNN(I, H, nonlinearity="relu", **kw),
-              "GRU": prnn.GRU(I, H, **kw), "LSTM": prnn.LSTM(I, H, **kw)}
-    for name, layer in layers.items():
-        print(run_cell(name, layer))
+    for spec in CELLS.values():
+        mode, args = layer_args(spec.name)
+        print(run_cell(spec.label, getattr(prnn, mode)(I, H, **args, **kw)))
 
 
 if __name__ == "__main__":

@@ -29,19 +29,29 @@ from .stats import RunStats
 Array = Any  # numpy.ndarray or cupy.ndarray
 
 
-def param_names(layer: int, reverse: bool, bias: bool) -> list[str]:
-    """torch.nn's parameter names of one layer-direction, in torch's order."""
+def param_names(layer: int, reverse: bool, bias: bool, proj: bool = False) -> list[str]:
+    """torch.nn's parameter names of one layer-direction, in torch's order (``proj``: an LSTM
+    projection's ``weight_hr`` last)."""
     suffix = f"_l{layer}" + ("_reverse" if reverse else "")
-    kinds = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if bias else ())
+    kinds = (("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if bias else ())
+             + (("weight_hr",) if proj else ()))
     return [kind + suffix for kind in kinds]
+
+
+def _direction_names(params: Mapping[str, Array], layer: int, reverse: bool) -> dict[str, str]:
+    """The parameter names of one layer-direction present in ``params``, by kind
+    (``"weight_ih"``, ``"weight_hh"``, optionally ``"bias_ih"``, ``"bias_hh"``, ``"weight_hr"``)."""
+    names = param_names(layer, reverse, bias=f"bias_ih_l{layer}" in params,
+                        proj=f"weight_hr_l{layer}" in params)
+    return {name.rpartition("_l")[0]: name for name in names}
 
 
 @dataclass
 class _Direction:
     """What backward needs of one layer-direction's forward."""
 
-    names: list[str]               # weight_ih, weight_hh[, bias_ih, bias_hh] keys
-    h0: Array                      # (B, H)
+    names: dict[str, str]          # parameter names by kind (``_direction_names``)
+    h0: Array                      # (B, H), or (B, P) with a projection
     c0: Array | None
     fwd: runtime.ForwardResult     # in this direction's own time order
 
@@ -98,7 +108,7 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
             ctx.directions[layer] = []
             for direction in range(num_dirs):
                 k = layer * num_dirs + direction
-                names = param_names(layer, direction == 1, bias=f"bias_ih_l{layer}" in params)
+                names = _direction_names(params, layer, direction == 1)
                 d = _Direction(names, h0_all[k], None if c0_all is None else c0_all[k], None)
                 d.fwd, stats[layer, direction], p = _start_direction(ctx, layer_input, d,
                                                                      direction == 1, rerun)
@@ -142,10 +152,10 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
                 dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
                 dy_d = (_gather(ctx.reverse_index, dy_d) if direction == 1
                         else xp.ascontiguousarray(dy_d))
-                w_hh = ctx.params[d.names[1]]
+                w_hh, w_hr = (_param(ctx, d, kind) for kind in ("weight_hh", "weight_hr"))
                 results[layer, direction], stats[layer, direction], p = runtime.backward(
                     ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
-                    d.fwd, ctx.algo, rerun, ctx.half)
+                    d.fwd, ctx.algo, rerun, ctx.half, w_hr)
                 pending += [(layer, p)] if p else []
             d_out = _layer_gradients(ctx, layer, results, grads)
         failed = runtime.settle(pending)
@@ -165,15 +175,21 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
 def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: bool,
                      rerun: bool) -> tuple[runtime.ForwardResult, RunStats, runtime.Pending | None]:
     """Project the input for all steps (one GEMM) and start this direction's recurrence."""
-    w_ih, w_hh = (ctx.params[n] for n in d.names[:2])
-    b_ih, b_hh = (ctx.params[n] for n in d.names[2:]) if len(d.names) == 4 else (None, None)
+    w_ih, w_hh, b_ih, b_hh, w_hr = (_param(ctx, d, kind) for kind in (
+        "weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr"))
     gi = _matmul_steps(layer_input, w_ih.T)
     if b_ih is not None:
         gi += b_ih
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun,
-                           ctx.half)
+                           ctx.half, w_hr)
+
+
+def _param(ctx: Context, d: _Direction, kind: str) -> Array | None:
+    """The parameter of ``kind`` of a layer-direction, ``None`` where the layer has none."""
+    name = d.names.get(kind)
+    return None if name is None else ctx.params[name]
 
 
 def _layer_output(ctx: Context, layer: int) -> Array:
@@ -196,12 +212,15 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
         res = results[layer, direction]
         dgi = _gather(ctx.reverse_index, res.dgi) if direction == 1 else res.dgi
         dgi_2d = dgi.reshape(-1, dgi.shape[2])
-        grads[d.names[0]] = dgi_2d.T @ flat_input
-        grads[d.names[1]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
-        if len(d.names) == 4:
-            grads[d.names[2]] = dgi_2d.sum(axis=0)
-            grads[d.names[3]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
-        part = _matmul_steps(dgi, ctx.params[d.names[0]])
+        grads[d.names["weight_ih"]] = dgi_2d.T @ flat_input
+        grads[d.names["weight_hh"]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
+        if "bias_ih" in d.names:
+            grads[d.names["bias_ih"]] = dgi_2d.sum(axis=0)
+            grads[d.names["bias_hh"]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
+        if "weight_hr" in d.names:  # dW_hr = sum_t dr_t^T h_t, one GEMM over all steps
+            grads[d.names["weight_hr"]] = (res.drs.reshape(-1, res.drs.shape[2]).T
+                                           @ d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
+        part = _matmul_steps(dgi, ctx.params[d.names["weight_ih"]])
         d_in = part if d_in is None else d_in + part
     return d_in if d_in is not None else xp.zeros_like(layer_input)
 
@@ -222,15 +241,16 @@ def _matmul_steps(a: Array, w: Array) -> Array:
     return (a.reshape(steps * batch, width) @ w).reshape(steps, batch, w.shape[1])
 
 
-def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, hidden: int,
+def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, widths: tuple[int, int],
                     dtype) -> tuple[Array, Array | None]:
-    """``(h0, c0)`` of shape (L*D, B, H) each (``c0`` only for the LSTM), zeros where not given."""
+    """``(h0, c0)`` of shape (L*D, B, width) each (``widths`` of h and c: (H, H), or (P, H) with
+    a projection; ``c0`` only for the LSTM), zeros where not given."""
     h0, c0 = hx if cell.has_cell_state and hx is not None else (hx, None)
-    zeros = xp.zeros((count, batch, hidden), dtype=dtype)
-    h0 = zeros if h0 is None else xp.ascontiguousarray(h0)
+    h0 = xp.zeros((count, batch, widths[0]), dtype) if h0 is None else xp.ascontiguousarray(h0)
     if not cell.has_cell_state:
         return h0, None
-    return h0, (zeros if c0 is None else xp.ascontiguousarray(c0))
+    c0 = xp.zeros((count, batch, widths[1]), dtype) if c0 is None else xp.ascontiguousarray(c0)
+    return h0, c0
 
 
 def _reverse_index(xp, steps: int, batch: int, lengths: Array | None) -> Array:
@@ -267,25 +287,25 @@ def _pick(a: Array | None, k: int) -> Array | None:
 def saved_arrays(ctx: Context) -> list[Array]:
     """The arrays ``backward`` needs beyond ``forward``'s own arguments, in a fixed order.
 
-    Each later layer's input, then per layer and direction ``y``, ``cs`` (LSTM only) and
-    ``saved``. ``restore_context`` rebuilds the context from them; ``saved_shapes`` gives their
+    Each later layer's input, then per layer and direction ``y``, ``cs`` (LSTM only), ``hs``
+    (LSTM with projection only) and ``saved``. ``restore_context`` rebuilds the context from them; ``saved_shapes`` gives their
     shapes without running anything (the torch custom op's fake implementation).
     """
     arrays = list(ctx.inputs[1:])
     for dirs in ctx.directions:
         for d in dirs:
-            arrays += [d.fwd.y, *([] if d.fwd.cs is None else [d.fwd.cs]), d.fwd.saved]
+            arrays += [d.fwd.y, *(a for a in (d.fwd.cs, d.fwd.hs) if a is not None), d.fwd.saved]
     return arrays
 
 
 def saved_shapes(cell: CellSpec, steps: int, batch: int, hidden: int, num_layers: int,
-                 bidirectional: bool) -> list[tuple[int, ...]]:
+                 bidirectional: bool, proj_size: int = 0) -> list[tuple[int, ...]]:
     """The shapes of ``saved_arrays`` for a time-major input of ``steps`` x ``batch``."""
-    num_dirs = 2 if bidirectional else 1
+    num_dirs, out = 2 if bidirectional else 1, proj_size or hidden
     state = (steps, batch, hidden)
-    per_direction = [state] * (2 if cell.has_cell_state else 1) + [(steps, batch,
-                                                                   cell.saved * hidden)]
-    return [(steps, batch, num_dirs * hidden)] * (num_layers - 1) + per_direction * (
+    per_direction = ([(steps, batch, out)] + [state] * cell.has_cell_state
+                     + [state] * bool(proj_size) + [(steps, batch, cell.saved * hidden)])
+    return [(steps, batch, num_dirs * out)] * (num_layers - 1) + per_direction * (
         num_layers * num_dirs)
 
 
@@ -296,9 +316,10 @@ def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
     """The ``Context`` of a call on time-major ``x``, its array module and the initial states."""
     xp = array_module(x, *params.values())
     steps, batch, _ = x.shape
-    hidden = params["weight_hh_l0"].shape[1]
+    w_hh = params["weight_hh_l0"]
+    widths = (w_hh.shape[1], w_hh.shape[0] // cell.gates)  # h (H, or P), c (H)
     num_dirs = 2 if bidirectional else 1
-    h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, hidden, x.dtype)
+    h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, widths, x.dtype)
     if lengths is not None:
         lengths = xp.asarray(lengths, dtype=np.int32)
     ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
@@ -307,11 +328,12 @@ def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
 
 def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
                     lengths: Array | None, arrays: list[Array], *, num_layers: int,
-                    bidirectional: bool, algo: str = "auto") -> Context:
+                    bidirectional: bool, algo: str = "auto",
+                    half: str | None = None) -> Context:
     """The ``Context`` of the time-major ``forward(cell, params, x, hx, lengths, ...)`` call
     whose ``saved_arrays`` are ``arrays`` (same arguments, nothing recomputed)."""
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
-                                           False, algo, None)
+                                           False, algo, half)
     lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     rest = iter(arrays)
     ctx.inputs = [select_active(xp, x, lengths)] + [next(rest) for _ in range(num_layers - 1)]
@@ -319,10 +341,11 @@ def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: A
         dirs = []
         for direction in range(num_dirs):
             k = layer * num_dirs + direction
+            names = _direction_names(params, layer, direction == 1)
             y = next(rest)
             cs = next(rest) if cell.has_cell_state else None
-            fwd = runtime.ForwardResult(y, cs, next(rest))
-            names = param_names(layer, direction == 1, bias=f"bias_ih_l{layer}" in params)
+            hs = next(rest) if "weight_hr" in names else None
+            fwd = runtime.ForwardResult(y, cs, next(rest), hs)
             dirs.append(_Direction(names, h0_all[k], None if c0_all is None else c0_all[k], fwd))
         ctx.directions.append(dirs)
     return ctx

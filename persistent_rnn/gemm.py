@@ -6,6 +6,12 @@ module's matmul (cuBLAS on the GPU) and then the cell's pointwise update with th
 the update is ``cells.py``'s reference math; on CuPy it is one fused kernel per step from
 ``cuda_src/pointwise.cu`` (the same ``cells.cuh`` code the persistent kernels run).
 
+LSTM projections (``proj_size``, ``w_hr`` given): the recurrent state is ``r_t = W_hr h_t``
+(P wide; ``y`` holds it and ``W_hh`` is G*H x P), the cell's own ``h_t`` (H wide) goes to ``hs``.
+Each step is then two GEMMs (``r_{t-1} @ W_hh^T`` before the pointwise update, ``h_t @ W_hr^T``
+after it); backward likewise (``dr_t @ W_hr`` into the cell's backward, ``dgh_t @ W_hh`` to the
+step before) and records the masked ``dr_t`` so that ``dW_hr`` is one GEMM afterwards.
+
 Buffers and their layout are described in ``buffers.py``. ``start`` / ``stop`` let the runtime
 finish a persistent run that stopped part-way on this path. Whole passes on CuPy may be replayed
 from a recorded CUDA graph (``step_graphs``, the ``gemm_graphs`` setting).
@@ -31,19 +37,22 @@ _MAX_INT32 = 2**31 - 1
 
 def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
                   c0: Array | None, lengths: Array | None, y: Array, cs: Array | None,
-                  saved: Array, start: int, half: str | None = None) -> None:
+                  saved: Array, start: int, half: str | None = None, w_hr: Array | None = None,
+                  hs: Array | None = None) -> None:
     """Run forward steps ``start..T-1`` in place; step ``start`` reads h_{start-1} from
     ``y[start-1]`` (``h0`` if ``start == 0``) and likewise c from ``cs``/``c0``.
 
     ``half`` ("float16", "bfloat16" or ``None``): a 16-bit layer's fp32 data; h_t is rounded to
     it every step, as the 16-bit persistent kernels do (c_t and the saved activations stay fp32).
+    ``w_hr`` (P, H): an LSTM projection; ``y`` (T, B, P) then holds ``r_t`` (the state that
+    recurs, rounded under ``half``) and ``hs`` (T, B, H) the cell's ``h_t`` (module docstring).
     """
     xp = array_module(gi)
     steps, batch, _ = gi.shape
-    _check_sizes(xp, steps, batch, y.shape[2])
+    _check_sizes(xp, steps, batch, saved.shape[2])
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
-                  lengths=full_lengths(xp, lengths, batch, steps))
-    outputs = dict(y=y, cs=cs, saved=saved)
+                  lengths=full_lengths(xp, lengths, batch, steps), w_hr=w_hr)
+    outputs = dict(y=y, cs=cs, saved=saved, hs=hs)
     loop = partial(_forward_loop, cell, start, half)
     if start == 0:  # a whole pass: replayed from a recorded CUDA graph where enabled
         step_graphs.run(f"forward {cell.name} {half or ''}", loop, inputs, outputs)
@@ -54,22 +63,25 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
 def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array | None,
                    lengths: Array | None, y: Array, cs: Array | None, saved: Array, dgi: Array,
                    dgh: Array, dh_carry: Array | None, dc_carry: Array | None,
-                   stop: int) -> tuple[Array, Array | None]:
+                   stop: int, w_hr: Array | None = None, hs: Array | None = None,
+                   drs: Array | None = None) -> tuple[Array, Array | None]:
     """Run backward steps ``stop-1`` down to 0, filling ``dgi``/``dgh``; return ``(dh0, dc0)``.
 
     ``dh_carry``/``dc_carry`` are the gradients reaching h_{stop-1}/c_{stop-1} from steps
     ``>= stop`` (``dh_n``/``dc_n`` when ``stop == T``); ``None`` means zero. ``dy`` must be zero
-    past each sequence's length.
+    past each sequence's length. With a projection (``w_hr``, ``hs`` as in ``forward_steps``)
+    ``dy``, ``dh_carry`` and ``dh0`` are P wide (gradients of r) and ``drs`` (T, B, P) receives
+    each step's gradient of r_t (zero past a sequence's length), for ``dW_hr = sum_t drs_t^T hs_t``.
     """
     xp = array_module(dy)
-    steps, batch, hidden = dy.shape
-    _check_sizes(xp, steps, batch, hidden)
-    dh0 = xp.empty((batch, hidden), dtype=dy.dtype)
-    dc0 = xp.empty_like(dh0) if cell.has_cell_state else None
+    steps, batch, width = dy.shape
+    _check_sizes(xp, steps, batch, saved.shape[2])
+    dh0 = xp.empty((batch, width), dtype=dy.dtype)
+    dc0 = xp.empty((batch, dgi.shape[2] // cell.gates), dy.dtype) if cell.has_cell_state else None
     inputs = dict(dy=dy, w_hh=w_hh, h0=h0, c0=c0, lengths=full_lengths(xp, lengths, batch, steps),
                   y=y, cs=cs, saved=saved, dh_carry=dh_carry,
-                  dc_carry=dc_carry if cell.has_cell_state else None)
-    outputs = dict(dgi=dgi, dgh=None if dgh is dgi else dgh, dh0=dh0, dc0=dc0)
+                  dc_carry=dc_carry if cell.has_cell_state else None, w_hr=w_hr, hs=hs)
+    outputs = dict(dgi=dgi, dgh=None if dgh is dgi else dgh, dh0=dh0, dc0=dc0, drs=drs)
     loop = partial(_backward_loop, cell, stop)
     if stop == steps:  # a whole pass: replayed from a recorded CUDA graph where enabled
         step_graphs.run(f"backward {cell.name}", loop, inputs, outputs)
@@ -79,7 +91,7 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
 
 
 def _forward_loop(cell: CellSpec, start: int, half: str | None, *, gi, w_hh, b_hh, h0, c0,
-                  lengths, y, cs, saved) -> None:
+                  lengths, y, cs, saved, w_hr, hs) -> None:
     xp = array_module(gi)
     gh = xp.empty(gi.shape[1:], dtype=gi.dtype)
     w_t = w_hh.T
@@ -87,15 +99,26 @@ def _forward_loop(cell: CellSpec, start: int, half: str | None, *, gi, w_hh, b_h
         h_prev = y[t - 1] if t > 0 else h0
         c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
         xp.matmul(h_prev, w_t, out=gh)
-        _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
-                           y[t], None if cs is None else cs[t], saved[t])
+        if w_hr is None:
+            _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
+                               y[t], None if cs is None else cs[t], saved[t])
+        else:  # the cell's h_t into hs (its frozen value there is never read), then r_t
+            hs_prev = hs[t - 1] if t > 0 else xp.zeros_like(hs[0])
+            _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, hs_prev, c_prev,
+                               hs[t], cs[t], saved[t])
+            y[t] = xp.where(_active(xp, lengths, t), hs[t] @ w_hr.T, h_prev)
         if half is not None:
             y[t] = round_half(xp, y[t], half)
 
 
 def _backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, h0, c0, lengths, y, cs, saved,
-                   dh_carry, dc_carry, dgi, dgh, dh0, dc0) -> None:
+                   dh_carry, dc_carry, w_hr, hs, dgi, dgh, dh0, dc0, drs) -> None:
     """Backward steps ``stop-1..0``; ``dgh`` is ``None`` where it is ``dgi`` (not GRU)."""
+    if w_hr is not None:
+        _projected_backward_loop(cell, stop, dy=dy, w_hh=w_hh, c0=c0, lengths=lengths, cs=cs,
+                                 saved=saved, dh_carry=dh_carry, dc_carry=dc_carry, w_hr=w_hr,
+                                 hs=hs, dgi=dgi, dh0=dh0, dc0=dc0, drs=drs)
+        return
     xp = array_module(dy)
     zeros = xp.zeros(dy.shape[1:], dtype=dy.dtype)
     # The gradient reaching h_t is split in three (dy_t, the cell's direct part, the part through
@@ -119,6 +142,34 @@ def _backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, h0, c0, lengths, y, c
         dc0[...] = dc
 
 
+def _projected_backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, c0, lengths, cs, saved,
+                             dh_carry, dc_carry, w_hr, hs, dgi, dh0, dc0, drs) -> None:
+    """``_backward_loop`` of an LSTM with projection (``dgh`` is ``dgi``).
+
+    The gradient reaching r_t (dy_t, the part through W_hh from step t+1, and what passes
+    through the frozen steps past a length) is masked into ``drs[t]``, projected back to the
+    cell's h_t (``drs[t] @ W_hr``) and handed to the same pointwise backward as ``dy``."""
+    xp = array_module(dy)
+    no_h = xp.zeros(hs.shape[1:], dtype=dy.dtype)  # h_prev/dh parts the LSTM cell never reads
+    dr = xp.zeros(dy.shape[1:], dy.dtype) if dh_carry is None else xp.array(dh_carry, dy.dtype)
+    dc = xp.zeros(cs.shape[1:], dy.dtype) if dc_carry is None else xp.array(dc_carry, dy.dtype)
+    for t in range(stop - 1, -1, -1):
+        dr = dr + dy[t]
+        active = _active(xp, lengths, t)
+        drs[t] = xp.where(active, dr, 0.0)
+        c_prev = cs[t - 1] if t > 0 else c0
+        _, dc = _pointwise_backward(cell, xp, t, lengths, drs[t] @ w_hr, no_h, no_h, dc, saved[t],
+                                    hs[t], cs[t], no_h, c_prev, dgi[t], dgi[t])
+        dr = xp.where(active, dgi[t] @ w_hh, dr)
+    dh0[...] = dr
+    dc0[...] = dc
+
+
+def _active(xp, lengths: Array, t: int) -> Array:
+    """(B, 1) booleans: step ``t`` is within each sequence's length."""
+    return (lengths > t)[:, None]
+
+
 def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_out, c_out,
                        saved_out) -> None:
     if xp is not np:
@@ -133,7 +184,7 @@ def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_o
     if b_hh is not None:
         gh += b_hh
     h, c, s = cell.forward(np, gi_t, gh, h_prev, c_prev)
-    active = (lengths > t)[:, None]
+    active = _active(np, lengths, t)
     h_out[...] = np.where(active, h, h_prev)
     if c_out is not None:
         c_out[...] = np.where(active, c, c_prev)
@@ -156,7 +207,7 @@ def _pointwise_backward(cell, xp, t, lengths, dy_t, dh_direct, dh_rec, dc, saved
         return dh_next, dc_next
     dh = dy_t + dh_direct + dh_rec
     dgi, dgh, dh_prev, dc_prev = cell.backward(np, dh, dc, saved_t, h, c, h_prev, c_prev)
-    active = (lengths > t)[:, None]
+    active = _active(np, lengths, t)
     dgi_out[...] = np.where(active, dgi, 0.0)
     if dgh_out is not dgi_out:
         dgh_out[...] = np.where(active, dgh, 0.0)

@@ -42,12 +42,14 @@ class DeviceProfile:
     shared_per_sm: int = 233472
     max_threads_per_block: int = 1024
     arch: str = "sm_90"
+    clock_mhz: float = 1980.0  # maximum SM clock (the latency model's cycles -> time)
 
 
 PROFILES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile("h100", 132),
     "h200": DeviceProfile("h200", 132),
-    "a100": DeviceProfile("a100", 108, shared_per_block=166912, shared_per_sm=167936, arch="sm_80"),
+    "a100": DeviceProfile("a100", 108, shared_per_block=166912, shared_per_sm=167936, arch="sm_80",
+                          clock_mhz=1410.0),
 }
 
 
@@ -67,4 +69,37 @@ def current_device() -> DeviceProfile:
         registers_per_sm=attrs["MaxRegistersPerMultiprocessor"],
         shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
         shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
-        max_threads_per_block=attrs["MaxThreadsPerBlock"], arch=f"sm_{dev.compute_capability}")
+        max_threads_per_block=attrs["MaxThreadsPerBlock"], arch=f"sm_{dev.compute_capability}",
+        clock_mhz=attrs["ClockRate"] / 1000.0)
+
+
+# ---- the per-step latency model (persistent_rnn/model.py; docs/design.md, "Latency model") ----
+# Public figures, in SM cycles unless the name says otherwise. Sources: NVIDIA's Hopper tuning guide
+# and CUDA C++ Programming Guide (one warp instruction issued per scheduler and clock, 4 schedulers
+# per SM); Jia et al., "Dissecting the NVIDIA Volta/Turing GPU Architecture via Microbenchmarking"
+# (2018/2019: dependent FP32 latency 4 cycles, MUFU about 20); Luo et al., "Benchmarking and
+# Dissecting the Nvidia Hopper GPU Architecture" (2024: shared memory about 30 cycles, distributed
+# shared memory about 200, L2 hit 200-270 cycles). Figures marked "fitted" are the few that
+# bench/model_calibration.py fits to the recorded H200 runs; each stays within its public range.
+ISSUE_PER_CYCLE = 1.0          # warp instructions a scheduler issues per cycle
+SCHEDULERS_PER_SM = SUB_PARTITIONS
+FP_LATENCY = 4                 # dependent FFMA/FADD/integer ALU result
+MUFU_LATENCY = 20              # ex2 / rcp / tanh.approx on the special-function unit
+SHARED_LATENCY = 30            # ld.shared hit
+L1_LATENCY = 35                # ld.local hitting L1 (a stack frame the compiler spills arrays to)
+DSMEM_LATENCY = 200            # a store into another CTA's shared memory (cluster), until visible
+SHUFFLE_LATENCY = 24           # shfl.sync
+L2_LATENCY = 400               # an L2 round trip under load, 200 ns: the counter barrier of one
+                               # CTA (2 block barriers + fence, atomic, poll: 3 round trips)
+                               # measured 674 ns (bench/results/h200-2026-11-23/barrier_latency.json)
+L2_BANDWIDTH_GBPS = 5500       # L2 -> SM aggregate (H100 class; Chips and Cheese measured 5.5-7 TB/s)
+BLOCK_BARRIER = 300            # fitted (297): bar.sync once the last warp arrives, plus the warps' skew
+ATOMIC_SERIAL_NS = 6.1         # per CTA: same-address atomics queue at one L2 slice (the counter
+                               # barrier's growth from 1 to 132 CTAs, 674 -> 1472 ns, recorded in
+                               # bench/results/h200-2026-11-23/barrier_latency.json)
+# Per call (a benchmark of T steps pays them once): host work of the layer's call (Python,
+# allocations, fills, the launch, the progress read) and the GEMMs around the recurrence.
+HOST_FORWARD_US = 500.0        # fitted (501; the first runtime: progress read after each launch)
+HOST_BACKWARD_US = 775.0       # fitted (775)
+GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
+GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches

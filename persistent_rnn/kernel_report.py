@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from . import kernels, plan as planner
@@ -98,8 +100,9 @@ def disassemble(cubin: Path, tool: str) -> str:
     return proc.stdout
 
 
-def _parse(sass: str) -> tuple[list[tuple[str, str, str | None]], dict[str, int]]:
-    """Instructions as (opcode, predicate, branch target label) and label -> instruction index."""
+def _parse(sass: str) -> tuple[list[tuple[str, str, str | None, str]], dict[str, int]]:
+    """Instructions as (opcode, predicate, branch target label, operand text) and label ->
+    instruction index."""
     code, labels = [], {}
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -109,7 +112,8 @@ def _parse(sass: str) -> tuple[list[tuple[str, str, str | None]], dict[str, int]
         ins = _INSTRUCTION.search(line)
         if ins:
             target = _TARGET.search(ins.group(4))
-            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None))
+            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None,
+                         ins.group(4)))
     return code, labels
 
 
@@ -118,7 +122,7 @@ def _successors(code, labels) -> list[list[int]]:
     ``CALL.REL.NOINC`` to a local label is how sm_80 code leaves a loop (a jump that may also
     fall through); EXIT/RET end a path."""
     succ = []
-    for i, (op, pred, target) in enumerate(code):
+    for i, (op, pred, target, _) in enumerate(code):
         base = op.split(".")[0]
         always = pred in ("", "@PT")
         nxt = [i + 1] if i + 1 < len(code) else []
@@ -183,12 +187,23 @@ def _dominators(succ: list[list[int]]) -> list[int]:
     return dom
 
 
-def sass_loop_counts(sass: str) -> dict[str, int]:
-    """Static counts of ``SASS_KINDS`` in the time loop: the largest natural loop (back edges -
-    edges to an instruction that dominates their source - to one header merged) that holds a
-    block barrier. Out-of-line code the compiler placed after the kernel's exit (divergent
-    shuffles, slow paths) belongs to the loop when it returns into it. Each instruction of the
-    body counts once, inner loops included, so the counts bound what one step issues."""
+@dataclass(frozen=True)
+class TimeLoop:
+    """The time loop of a persistent kernel's SASS: ``code`` (every instruction of the cubin's
+    code as ``_parse`` gives it), ``body`` (the loop's instruction indices) and ``inner`` (the
+    natural loops inside it, by header index, each a set of instruction indices)."""
+
+    code: list[tuple[str, str, str | None, str]]
+    body: frozenset[int]
+    inner: dict[int, frozenset[int]]
+
+
+@lru_cache(maxsize=64)  # the report's counts and the latency model read the same loop
+def time_loop(sass: str) -> TimeLoop:
+    """The time loop: the largest natural loop (back edges - edges to an instruction that
+    dominates their source - to one header merged) that holds a block barrier. Out-of-line code
+    the compiler placed after the kernel's exit (divergent shuffles, slow paths) belongs to the
+    loop when it returns into it."""
     code, labels = _parse(sass)
     succ = _successors(code, labels)
     dom = _dominators(succ)
@@ -197,17 +212,25 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
         for head in targets:
             if dom[tail] >> head & 1:
                 loops.setdefault(head, set()).update(_natural_loop(succ, tail, head))
-    with_barrier = [body for body in loops.values()
+    with_barrier = [(head, body) for head, body in loops.items()
                     if any(code[i][0].split(".")[0] == "BAR" for i in body)]
     if not with_barrier:
         raise RuntimeError("no loop with a block barrier in the SASS: is this a persistent kernel?")
-    body = max(with_barrier, key=len)
+    head, body = max(with_barrier, key=lambda hb: len(hb[1]))
+    inner = {h: frozenset(b) for h, b in loops.items() if h != head and h in body and b <= body}
+    return TimeLoop(code, frozenset(body), inner)
+
+
+def sass_loop_counts(sass: str) -> dict[str, int]:
+    """Static counts of ``SASS_KINDS`` in the time loop (``time_loop``). Each instruction of the
+    body counts once, inner loops included, so the counts bound what one step issues."""
+    loop = time_loop(sass)
     counts = {kind: 0 for kind in SASS_KINDS}
-    for i in body:
-        base = code[i][0].split(".")[0]
+    for i in loop.body:
+        base = loop.code[i][0].split(".")[0]
         for kind, opcodes in SASS_KINDS.items():
             counts[kind] += base in opcodes
-    counts["instructions"] = len(body)
+    counts["instructions"] = len(loop.body)
     return counts
 
 
@@ -228,7 +251,8 @@ def _jobs(archs):
 def _record(job) -> dict:
     cell, dtype, p, arch, tool = job
     compiled = kernels.compile_source(p.source, p.defines, arch)
-    loop = sass_loop_counts(disassemble(compiled.cubin_path, tool)) if tool else None
+    sass = disassemble(compiled.cubin_path, tool) if tool else None
+    loop = sass_loop_counts(sass) if sass else None
     return {"cell": cell.name, "dtype": dtype,
             "pass": "backward" if "backward" in p.kernel else "forward",
             "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
@@ -236,7 +260,26 @@ def _record(job) -> dict:
             "block": p.block, "weights_per_thread": p.weights_per_thread,
             "weight_registers": p.weight_registers, **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
             "planned_registers": p.registers, "time_loop": loop,
-            **local_memory_record(compiled.log, loop)}
+            **local_memory_record(compiled.log, loop),
+            "model": model_fields(cell, dtype, p, arch, sass) if sass else None}
+
+
+# Batch sizes the report predicts a step at (B = 1 and the report's batch).
+MODEL_BATCHES = (1, REPORT_BATCH)
+
+
+def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
+    """The latency model on one configuration (``persistent_rnn.model``): instructions per batch
+    row of the matrix loop against its FFMAs, and the predicted µs per step (a prediction) at
+    ``MODEL_BATCHES`` on the arch's device profile (sm_80: a100, else h100)."""
+    from . import hardware, model
+    device = hardware.PROFILES["a100" if arch == "sm_80" else "h100"]
+    predicted, terms = {}, None
+    for batch in MODEL_BATCHES:
+        terms = model.step_terms(sass, model.shape_at(cell, p, batch, p.max_hidden), device)
+        predicted[str(batch)] = round(terms.total_us, 3)
+    return {"per_row_instructions": terms.per_row_instructions, "per_row_ffma": terms.per_row_ffma,
+            "predicted_us": predicted, "device_profile": device.name, "prediction": True}
 
 
 def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
@@ -249,7 +292,9 @@ def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     (the register cap the planner counts on), ``time_loop``: the SASS counts of the time loop
     (``sass_loop_counts``: instructions, block_barriers, global_loads, async_copies,
     global_stores, atomics, fences, l1_invalidates, local_memory), or None where nvdisasm is not
-    installed, and ``stack_frame``/``local_memory`` (``local_memory_record``)."""
+    installed; ``stack_frame``/``local_memory`` (``local_memory_record``); ``model``: the latency
+    model's ``model_fields`` (per batch row instructions and FFMAs of the matrix loop, predicted
+    µs per step at B = 1 and 8), or None without nvdisasm."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:

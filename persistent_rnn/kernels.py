@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import cache
-from ._sources import cuda_src_dir, read_source
+from ._sources import cuda_src_dir
 from .plan import WARP, register_cap
 
 _LOCK = threading.Lock()
@@ -33,29 +33,34 @@ class Compiled:
     log: str
 
 
-def compile_options(defines: Mapping[str, int], arch: str) -> list[str]:
-    """NVRTC options for ``defines`` on ``arch`` ("sm_90").
+def compile_options(defines: Mapping[str, int], arch: str, src_dir: Path | None = None) -> list[str]:
+    """NVRTC options for ``defines`` on ``arch`` ("sm_90"), headers from ``src_dir`` (default:
+    the package's ``cuda_src``).
 
     A persistent-kernel configuration (``PRNN_WARPS`` defined) is compiled with the register cap
     that lets one CTA of its block size fit an SM, so ptxas must keep the weights within it.
     """
-    options = [f"-arch={arch}", f"-I{cuda_src_dir()}", "--std=c++17", "-Xptxas=-v"]
+    options = [f"-arch={arch}", f"-I{src_dir or cuda_src_dir()}", "--std=c++17", "-Xptxas=-v"]
     if "PRNN_WARPS" in defines:
         options.append(f"--maxrregcount={register_cap(WARP * int(defines['PRNN_WARPS']))}")
     options += [f"-D{name}={int(value)}" for name, value in sorted(defines.items())]
     return options
 
 
-def _headers_digest() -> str:
+def _headers_digest(src_dir: Path) -> str:
     digest = hashlib.sha256()
-    for path in sorted(cuda_src_dir().iterdir()):
+    for path in sorted(src_dir.iterdir()):
         if path.suffix in (".cuh", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
-def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compiled:
+def compile_source(source: str, defines: Mapping[str, int], arch: str,
+                   src_dir: Path | None = None) -> Compiled:
     """Compile ``cuda_src/<source>`` with ``defines`` for ``arch`` to a cubin (cached on disk).
+
+    ``src_dir``: another directory of the same sources (an earlier commit's ``cuda_src``, for
+    ``bench/model_calibration.py``); the cache key covers its text and headers.
 
     A cached cubin is returned only after its digest matches the one recorded when it was built;
     a missing or damaged one is compiled again. Raises ValueError for an ``arch`` the kernels
@@ -65,9 +70,10 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str) -> Compil
     from cupy_backends.cuda.libs import nvrtc
 
     check_arch(arch)
-    text = read_source(source)
-    options = compile_options(defines, arch)
-    key = hashlib.sha256("\0".join([text, _headers_digest(), *options, str(nvrtc.getVersion())])
+    src_dir = src_dir or cuda_src_dir()
+    text = (src_dir / source).read_text()
+    options = compile_options(defines, arch, src_dir)
+    key = hashlib.sha256("\0".join([text, _headers_digest(src_dir), *options, str(nvrtc.getVersion())])
                          .encode()).hexdigest()[:32]
     entry = cache.fetch(cache.cache_dir("nvrtc"), key, ".cubin",
                         lambda path: {"log": _compile(text, source, options, path)})

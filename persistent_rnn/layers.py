@@ -31,17 +31,19 @@ class _Recurrent:
     nonlinearity = "tanh"  # only RNN lets it be chosen
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
-                 batch_first: bool = False, bidirectional: bool = False, dtype: Any = "float32",
-                 algo: str = "auto", seed: int | None = None):
+                 batch_first: bool = False, bidirectional: bool = False, proj_size: int = 0,
+                 dtype: Any = "float32", algo: str = "auto", seed: int | None = None):
         self.input_size = validation.positive_int("input_size", input_size)
         self.hidden_size = validation.positive_int("hidden_size", hidden_size)
+        self.cell: CellSpec = cell_spec(self.mode, self.nonlinearity)
+        self.proj_size = validation.proj_size(proj_size, self.hidden_size,
+                                              self.cell.projection)
         self.num_layers = validation.positive_int("num_layers", num_layers)
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(
             bidirectional)
         self.dtype = validation.float_dtype("dtype", dtype)
         self._half = self.dtype.name if self.dtype.name in validation.HALF_DTYPES else None
         self.algo = validation.choice("algo", algo, validation.ALGOS)
-        self.cell: CellSpec = cell_spec(self.mode, self.nonlinearity)
         self.params = self._init_params(seed)
         self.grads = {k: np.zeros_like(v) for k, v in self.params.items()}
         self.last_run: RunStats | None = None
@@ -51,7 +53,9 @@ class _Recurrent:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.input_size}, {self.hidden_size}, "
                 f"num_layers={self.num_layers}, bias={self.bias}, batch_first={self.batch_first}, "
-                f"bidirectional={self.bidirectional}, dtype={self.dtype.name!r}, "
+                f"bidirectional={self.bidirectional}, "
+                + (f"proj_size={self.proj_size}, " if self.proj_size else "")
+                + f"dtype={self.dtype.name!r}, "
                 f"algo={self.algo!r})")
 
     @property
@@ -62,16 +66,19 @@ class _Recurrent:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Parameter names (``torch.nn``'s, in its order) and shapes."""
         rows, hidden = self.cell.gates * self.hidden_size, self.hidden_size
+        out = self.proj_size or hidden  # the width of h (r with a projection)
         shapes: dict[str, tuple[int, ...]] = {}
         for layer in range(self.num_layers):
-            width = self.input_size if layer == 0 else hidden * self.directions
+            width = self.input_size if layer == 0 else out * self.directions
             for d in range(self.directions):
                 sfx = f"_l{layer}" + ("_reverse" if d else "")
                 shapes["weight_ih" + sfx] = (rows, width)
-                shapes["weight_hh" + sfx] = (rows, hidden)
+                shapes["weight_hh" + sfx] = (rows, out)
                 if self.bias:
                     shapes["bias_ih" + sfx] = (rows,)
                     shapes["bias_hh" + sfx] = (rows,)
+                if self.proj_size:
+                    shapes["weight_hr" + sfx] = (self.proj_size, hidden)
         return shapes
 
     def _init_params(self, seed: int | None) -> dict[str, Array]:
@@ -110,10 +117,11 @@ class _Recurrent:
     def forward(self, x: Array, hx: Any = None, lengths: Any = None) -> tuple[Array, Any]:
         """Run the layer on ``x`` (T, B, input_size), or (B, T, input_size) if ``batch_first``.
 
-        ``hx``: ``None`` (zeros) or h0 (num_layers * D, B, H); LSTM: ``(h0, c0)``.
+        ``hx``: ``None`` (zeros) or h0 (num_layers * D, B, H); LSTM: ``(h0, c0)`` (with
+        ``proj_size`` P: h0 is (num_layers * D, B, P), c0 stays H wide).
         ``lengths``: ``None`` or B integers in 1..T (packed-sequence semantics: a sequence's
         state stops at its length and its outputs past it are zero; any order).
-        Returns ``(y, hn)``: y (T, B, D * H) (batch-first likewise), hn like ``hx``.
+        Returns ``(y, hn)``: y (T, B, D * H), or D * P (batch-first likewise), hn like ``hx``.
         """
         if x is None:
             raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
@@ -192,12 +200,16 @@ class _Recurrent:
         return "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"
 
     def _check_state(self, name: str, h: Array | None, c: Array | None, batch: int) -> None:
-        shape = (self.num_layers * self.directions, batch, self.hidden_size)
-        dims = "(num_layers * num_directions, B, hidden_size)"
-        pairs = ((f"{name}[0]", h), (f"{name}[1]", c)) if self.cell.has_cell_state else ((name, h),)
-        for label, a in pairs:
+        states = self.num_layers * self.directions
+        cell = (f"{name}[1]", c, self.hidden_size, "hidden_size")
+        h_width = (self.proj_size, "proj_size") if self.proj_size else (self.hidden_size,
+                                                                        "hidden_size")
+        pairs = (((f"{name}[0]", h, *h_width), cell) if self.cell.has_cell_state
+                 else ((name, h, *h_width),))
+        for label, a, width, width_name in pairs:
             if a is not None:
-                validation.array(label, a, shape, dims, self.dtype)
+                validation.array(label, a, (states, batch, width),
+                                 f"(num_layers * num_directions, B, {width_name})", self.dtype)
 
     def _module(self):
         """The array module the parameters live on (``numpy`` or ``cupy``)."""
@@ -220,22 +232,25 @@ class RNN(_Recurrent):
     """Elman RNN, ``h_t = act(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)``, act ``tanh`` or ``relu``.
 
     ``RNN(input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
-    bidirectional=False, dtype="float32", algo="auto", seed=None, nonlinearity="tanh")``.
+    bidirectional=False, proj_size=0, dtype="float32", algo="auto", seed=None,
+    nonlinearity="tanh")``; ``proj_size`` must be 0 (torch.nn's rule: LSTM only).
     """
 
     mode = "RNN"
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
-                 batch_first: bool = False, bidirectional: bool = False, dtype: Any = "float32",
-                 algo: str = "auto", seed: int | None = None, nonlinearity: str = "tanh"):
+                 batch_first: bool = False, bidirectional: bool = False, proj_size: int = 0,
+                 dtype: Any = "float32", algo: str = "auto", seed: int | None = None,
+                 nonlinearity: str = "tanh"):
         self.nonlinearity = validation.choice("nonlinearity", nonlinearity,
                                               validation.NONLINEARITIES)
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, bidirectional,
-                         dtype, algo, seed)
+                         proj_size, dtype, algo, seed)
 
 
 class GRU(_Recurrent):
-    """GRU with ``torch.nn.GRU``'s gates r, z, n and equations; same constructor as ``LSTM``."""
+    """GRU with ``torch.nn.GRU``'s gates r, z, n and equations; same constructor as ``LSTM``
+    (``proj_size`` must be 0: torch.nn's rule)."""
 
     mode = "GRU"
 
@@ -244,7 +259,10 @@ class LSTM(_Recurrent):
     """LSTM with ``torch.nn.LSTM``'s gates i, f, g, o; ``hx``/``hn`` are ``(h, c)`` pairs.
 
     ``LSTM(input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
-    bidirectional=False, dtype="float32", algo="auto", seed=None)``.
+    bidirectional=False, proj_size=0, dtype="float32", algo="auto", seed=None)``.
+    ``proj_size`` P (0 < P < hidden_size) projects each step's h_t to ``W_hr h_t`` (P wide), as
+    ``torch.nn.LSTM(proj_size=P)``: that is the state that recurs and the output, ``weight_hr_l{k}``
+    (P, hidden_size) the extra parameter, c stays hidden_size wide.
     """
 
     mode = "LSTM"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import cells
 from .cells import CELLS, CellSpec
 from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
@@ -312,15 +313,7 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
 
 def resolve_cell(cell: CellSpec | str) -> CellSpec:
     """A ``CellSpec`` from a spec or a name ("RNN" = tanh RNN, "GRU", "LSTM", "rnn_relu", ...)."""
-    if isinstance(cell, CellSpec):
-        return cell
-    if not isinstance(cell, str):
-        raise TypeError(f"cell must be a str or CellSpec, got {type(cell).__name__}")
-    name = cell.lower()
-    name = {"rnn": "rnn_tanh"}.get(name, name)
-    if name not in CELLS:
-        raise ValueError(f"cell must be one of 'RNN', 'GRU', 'LSTM', 'rnn_tanh', 'rnn_relu', got {cell!r}")
-    return CELLS[name]
+    return cells.resolve(cell)
 
 
 def resolve_device(device: DeviceProfile | str | None) -> DeviceProfile:

@@ -56,6 +56,7 @@ class ForwardResult:
     y: Array
     cs: Array | None
     saved: Array
+    hs: Array | None = None            # the cell's h_t where y holds an LSTM projection r_t
 
 
 @dataclass
@@ -66,6 +67,7 @@ class BackwardResult:
     dgh: Array
     dh0: Array
     dc0: Array | None
+    drs: Array | None = None           # each step's gradient of r_t (an LSTM projection)
 
 
 @dataclass(frozen=True)
@@ -216,22 +218,26 @@ class Pending:
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
             c0: Array | None, lengths: Array | None, algo: str, rerun: bool = False,
-            half: str | None = None) -> tuple[ForwardResult, RunStats, Pending | None]:
+            half: str | None = None,
+            w_hr: Array | None = None) -> tuple[ForwardResult, RunStats, Pending | None]:
     """Start the forward recurrence over all steps of ``gi``: the GEMM path runs at once, a
     persistent pass is launched and returned as ``Pending`` (its buffers are complete once
     ``settle`` has checked it). ``rerun``: a repeat after an earlier layer restarted (no stall
     is injected). ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer
     whose fp32 data holds values of that dtype: W_hh is held in it and h_t rounded to it every
-    step."""
-    y, cs, saved = buffers.allocate_forward(cell, gi)
-    result = ForwardResult(y, cs, saved)
+    step. ``w_hr``: an LSTM's projection (P, H), or ``None``."""
+    proj_size = 0 if w_hr is None else w_hr.shape[0]
+    y, cs, saved = buffers.allocate_forward(cell, gi, proj_size)
+    result = ForwardResult(y, cs, saved, None if w_hr is None else buffers.array_module(
+        gi).empty_like(cs))
     steps, batch, _ = gi.shape
-    engine, reason = _engine(cell, gi, w_hh.shape[1], batch, algo, backward=False, half=half)
+    engine, reason = _engine(cell, gi, gi.shape[2] // cell.gates, batch, algo, backward=False, half=half,
+                             proj_size=proj_size)
 
     def finish(start: int) -> None:
         if start < steps:
             gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=start,
-                               half=half)
+                               half=half, w_hr=w_hr, hs=result.hs)
 
     if engine is None:
         finish(0)
@@ -249,17 +255,24 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
              h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult, algo: str,
-             rerun: bool = False,
-             half: str | None = None) -> tuple[BackwardResult, RunStats, Pending | None]:
+             rerun: bool = False, half: str | None = None,
+             w_hr: Array | None = None) -> tuple[BackwardResult, RunStats, Pending | None]:
     """Start backward through time over all steps, like ``forward``; ``dy`` must be zero past
-    each length. ``half``: as for ``forward`` (the backward itself computes in fp32)."""
-    dgi, dgh = buffers.allocate_backward(cell, dy)
-    steps, batch, hidden = dy.shape
-    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True, half=half)
+    each length. ``half``, ``w_hr``: as for ``forward`` (the backward itself computes in
+    fp32); with ``w_hr``, ``dy``/``dhn``/``dh0`` are gradients of r (P wide)."""
+    hidden = w_hh.shape[0] // cell.gates
+    dgi, dgh = buffers.allocate_backward(cell, dy, hidden)
+    steps, batch, _ = dy.shape
+    proj_size = 0 if w_hr is None else w_hr.shape[0]
+    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True, half=half,
+                             proj_size=proj_size)
     if engine is None:
+        drs = None if w_hr is None else buffers.array_module(dy).empty_like(dy)
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
-                                       dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps)
-        return BackwardResult(dgi, dgh, dh0, dc0), RunStats(algo="gemm", fallback=reason), None
+                                       dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps,
+                                       w_hr=w_hr, hs=fwd.hs, drs=drs)
+        return (BackwardResult(dgi, dgh, dh0, dc0, drs), RunStats(algo="gemm", fallback=reason),
+                None)
     xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n).
@@ -384,7 +397,8 @@ def _capturing(a: Array) -> bool:
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
-            backward: bool, half: str | None = None) -> tuple[_Engine | None, str | None]:
+            backward: bool, half: str | None = None,
+            proj_size: int = 0) -> tuple[_Engine | None, str | None]:
     """The persistent engine for this pass, or ``(None, why the GEMM path runs)``.
 
     Raises ValueError when ``algo="persistent"`` cannot be honoured.
@@ -396,7 +410,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     on_gpu = buffers.array_module(data) is not np
     if algo == "auto" and not on_gpu:
         return None, None
-    why = _why_not_persistent(data, batch, algo, half)
+    why = _why_not_persistent(data, batch, algo, half, proj_size)
     if why is None:
         device = _current_device() if on_gpu else EMULATED_DEVICE
         engine, why = _cached_engine(cell, hidden, batch, backward, device,
@@ -412,8 +426,12 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     return None, why
 
 
-def _why_not_persistent(data: Array, batch: int, algo: str, half: str | None) -> str | None:
+def _why_not_persistent(data: Array, batch: int, algo: str, half: str | None,
+                        proj_size: int = 0) -> str | None:
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
+    if proj_size:
+        return (f"proj_size={proj_size}: the persistent kernels have no LSTM projection yet "
+                f"(algo='gemm' runs it)")
     if np.dtype(data.dtype) != np.float32:
         return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
     if data.shape[0] > _MAX_STEPS:

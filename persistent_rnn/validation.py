@@ -10,8 +10,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from .cells import NONLINEARITIES  # the registry's (re-exported for the layers)
+
 ALGOS = ("auto", "gemm", "persistent")
-NONLINEARITIES = ("tanh", "relu")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 HALF_DTYPES = ("float16", "bfloat16")  # computed in fp32, stored (and h_t rounded) in 16 bits
 
@@ -160,3 +161,18 @@ def params_mapping(mapping: Mapping[str, Any], expected: Mapping[str, tuple[int,
         got = tuple(np.shape(mapping[key]))
         if got != shape:
             raise ValueError(f"params[{key!r}] must have shape {shape}, got {got}")
+
+
+def proj_size(value: Any, hidden_size: int, has_projection: bool) -> int:
+    """``value`` as an LSTM's ``proj_size``: 0 (none) or 0 < P < ``hidden_size``, with
+    torch.nn's messages; ``has_projection``: whether the cell can have one (LSTM only)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"proj_size must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError("proj_size should be a positive integer or zero to disable projections")
+    if value and not has_projection:
+        raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
+    if value >= hidden_size:
+        raise ValueError(f"proj_size has to be smaller than hidden_size (proj_size={value}, "
+                         f"hidden_size={hidden_size})")
+    return int(value)

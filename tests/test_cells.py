@@ -59,3 +59,43 @@ def test_cell_spec_lookup():
         cell_spec("RNN", "gelu")
     with pytest.raises(ValueError, match="mode"):
         cell_spec("QRNN")
+
+
+def _cuda_cells() -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """``prnn::CellKind``'s enumerators and each ``Cell<KIND>``'s (G, S), read from cells.cuh."""
+    import re
+
+    from persistent_rnn._sources import read_source
+
+    src = read_source("cells.cuh")
+    enum = re.search(r"enum\s+CellKind\s*\{([^}]*)\}", src).group(1)
+    kinds = {k.strip(): int(v) for k, v in re.findall(r"(\w+)\s*=\s*(\d+)", enum)}
+    shapes = {}
+    for kind, body in re.findall(r"struct\s+Cell<(\w+)>\s*\{(.*?)\n\};", src, re.S):
+        gates = re.search(r"constexpr int G = (\d+)", body).group(1)
+        saved = re.search(r"constexpr int S = (\d+)", body).group(1)
+        shapes[kind] = (int(gates), int(saved))
+    return kinds, shapes
+
+
+def test_registry_matches_the_cuda_cells():
+    """Each ``CellSpec.kind`` is the CUDA ``CellKind`` of the same name and its ``Cell<>`` has
+    the spec's gates and saved activations: a mismatch would run another cell's math."""
+    kinds, shapes = _cuda_cells()
+    assert kinds == {spec.mode: spec.kind for spec in CELLS.values()}
+    assert shapes == {spec.mode: (spec.gates, spec.saved) for spec in CELLS.values()}
+
+
+def test_names_and_messages_derive_from_the_registry():
+    from persistent_rnn import plan, validation
+    from persistent_rnn.cells import LAYER_MODES, NONLINEARITIES, from_mode, resolve
+
+    assert LAYER_MODES == ("RNN", "LSTM", "GRU") and NONLINEARITIES == ("tanh", "relu")
+    assert validation.NONLINEARITIES is NONLINEARITIES
+    assert resolve("RNN") is CELLS["rnn_tanh"] and plan.resolve_cell("Gru") is CELLS["gru"]
+    for spec in CELLS.values():
+        assert from_mode(spec.mode) is spec and resolve(spec.name.upper()) is spec
+    with pytest.raises(ValueError, match="'RNN', 'LSTM', 'GRU', 'rnn_tanh'.*got 'lstmp'"):
+        resolve("lstmp")
+    with pytest.raises(ValueError, match="nonlinearity must be one of 'tanh', 'relu'"):
+        cell_spec("RNN", "sigmoid")

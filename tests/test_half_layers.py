@@ -13,10 +13,10 @@ import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn.buffers import round_half
+from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}
-CELLS = [("LSTM", {}), ("GRU", {}), ("RNN", {"nonlinearity": "tanh"}),
-         ("RNN", {"nonlinearity": "relu"})]
+CELLS = [layer_args(name) for name in REGISTRY]
 
 
 def _pair(mode: str, kw: dict, dtype: str, **layer_kw):

@@ -11,12 +11,12 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import persistent_rnn.torch as prt
+from persistent_rnn.cells import CELLS, layer_args
 from persistent_rnn.torch.interop import to_array, to_tensor
 
 T, B, I, H = 5, 3, 4, 3
-MODES = [("RNN", {"nonlinearity": "tanh"}), ("RNN", {"nonlinearity": "relu"}), ("GRU", {}),
-         ("LSTM", {})]
-IDS = ["RNN_TANH", "RNN_RELU", "GRU", "LSTM"]
+MODES = [layer_args(name) for name in CELLS]  # (torch.nn class name, its cell arguments)
+IDS = [spec.mode for spec in CELLS.values()]
 TOL = {"rtol": 1e-9, "atol": 1e-12}
 
 
@@ -216,10 +216,10 @@ def test_empty_batch_and_empty_sequence_as_torch_nn(algo):
 
 def test_library_algos_refuse_what_they_cannot_run():
     x = torch.randn(T, B, I)
-    with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: proj_size"):
-        prt.LSTM(I, H, proj_size=2, algo="gemm")(x)
-    with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: dtype torch.bfloat16"):
-        prt.GRU(I, H, algo="gemm").to(torch.bfloat16)(x.bfloat16())
+    with pytest.raises(ValueError, match="algo='persistent' cannot run this layer: proj_size=2"):
+        prt.LSTM(I, H, proj_size=2, algo="persistent")(x)
+    with pytest.raises(ValueError, match="algo='gemm' cannot run this layer: dtype torch.int32"):
+        prt.GRU(I, H, algo="gemm")(x.int())
     with pytest.raises(ValueError, match="algo='persistent' cannot run this layer"):
         prt.GRU(I, H, algo="persistent", dtype=torch.float64)(x.double())
     module = prt.GRU(I, H, algo="gemm")
@@ -278,7 +278,7 @@ def test_nan_in_padding_reaches_no_result():
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(T, 2, I, dtype=torch.float64, generator=gen, requires_grad=True)
     weights = [torch.randn(s, dtype=torch.float64, generator=gen, requires_grad=True)
-               for s in ops._weight_shapes("GRU", I, H, 2, True, True)]
+               for s in ops._weight_shapes("GRU", I, H, H, 2, True, True)]
     lengths = torch.tensor([T, 2])
     results = []
     for fill in (0.0, float("nan")):

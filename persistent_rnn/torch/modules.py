@@ -62,8 +62,8 @@ class _RecurrentBase(torch.nn.RNNBase):
         _refuse_unsupported_export(type(self).__name__)
         packed = isinstance(input, PackedSequence)
         data = input.data if packed else input
-        path, why = paths.choose(self.algo, _cell(self.mode), data, self._flat_weights[0].dtype,
-                                 self.hidden_size, self.proj_size,
+        path, why = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
+                                 self.proj_size,
                                  lambda: _batch_size(input, self.batch_first))
         if path == paths.TORCH:
             if not torch.compiler.is_compiling():  # under compile, only the op records runs
@@ -72,7 +72,7 @@ class _RecurrentBase(torch.nn.RNNBase):
         return self._library_forward(input, hx, path)
 
     def _library_forward(self, input, hx, algo: str):
-        lstm = self.mode == "LSTM"
+        lstm = _cell(self.mode).has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
         if packed is not None:
@@ -91,10 +91,12 @@ class _RecurrentBase(torch.nn.RNNBase):
             if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
                 raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         weights = [getattr(self, name) for name in self._flat_weights_names]  # fresh every call
-        x, hx = _autocast_inputs(x, hx, weights[0].dtype)
+        c_dtype = _cell_state_dtype(self, x, hx)
+        x, hx, weights = _autocast_inputs(_cell(self.mode), x, hx, weights)
         _check_like_input(x, hx, dict(zip(self._flat_weights_names, weights)))
         h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
         y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout)
+        cn = cn.to(c_dtype)
         if packed is not None:
             out = PackedSequence(layout.pack(y), packed.batch_sizes, packed.sorted_indices,
                                  packed.unsorted_indices)
@@ -153,12 +155,24 @@ def _batch_size(input, batch_first: bool) -> int:
     return input.shape[0 if batch_first else 1]
 
 
-def _autocast_inputs(x: torch.Tensor, hx, dtype: torch.dtype):
-    """Inside autocast, the library runs in the weights' dtype (its 16-bit kernels have not
-    landed): cast the input and state to it, as autocast casts a float32 op's inputs."""
+def _autocast_inputs(cell, x: torch.Tensor, hx, weights: list):
+    """Inside autocast, cast the input, state and weights to the dtype torch.nn computes the
+    layer in (``paths.compute_dtype``), as autocast casts an op's inputs (differentiably: the
+    gradients reach the float32 parameters); outside it, everything as given."""
     if paths.autocast_dtype(x.device.type) is None:
-        return x, hx
-    return x.to(dtype), _map(hx, lambda h: h.to(dtype))
+        return x, hx, weights
+    dtype = paths.compute_dtype(cell, x)
+    return x.to(dtype), _map(hx, lambda h: h.to(dtype)), [w.to(dtype) for w in weights]
+
+
+def _cell_state_dtype(module, x: torch.Tensor, hx) -> torch.dtype:
+    """The dtype torch.nn returns c_n in: the compute dtype, except for an LSTM with projection
+    under CPU autocast, whose c state keeps c0's dtype (the input's when c0 is not given):
+    torch's CPU implementation of projections runs the cell update outside autocast."""
+    dtype = paths.compute_dtype(_cell(module.mode), x)
+    if module.proj_size and x.device.type == "cpu" and dtype != x.dtype:
+        return hx[1].dtype if isinstance(hx, tuple) else x.dtype
+    return dtype
 
 
 def _check_like_input(x: torch.Tensor, hx, weights: dict) -> None:

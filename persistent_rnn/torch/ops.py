@@ -9,8 +9,12 @@ with ``fullgraph=True``), ``torch.export`` and ``torch.func`` (``grad``, ``vmap`
 torch's own implementation of the layer (``differentiable_grads``).
 
 All tensors are time-major: ``x`` (T, B, I), ``lengths`` ``None`` or CPU int64 (B,)
-(packed-sequence semantics), ``h0``/``c0`` ``None`` (zeros) or (L*D, B, H), ``weights`` in
-torch.nn's ``_flat_weights_names`` order. The forward returns ``(y, h_n, c_n, saved)`` where
+(packed-sequence semantics), ``h0``/``c0`` ``None`` (zeros) or (L*D, B, H) (``h0`` (L*D, B, P)
+for an LSTM with projection), ``weights`` in torch.nn's ``_flat_weights_names`` order (with a
+projection ``weight_hr`` last in each layer-direction), all of ``x``'s dtype. float16 and
+bfloat16 tensors run the library's 16-bit layers: computed in fp32 on their values, h_t rounded
+to the dtype every step, W_hh held in it by the persistent kernels; the results come back in the
+dtype, the activations kept for backward stay fp32. The forward returns ``(y, h_n, c_n, saved)`` where
 ``c_n`` is empty unless the cell is an LSTM and ``saved`` are the activations backward needs
 (``functional.saved_arrays``): the op is functional, with nothing kept on the side.
 
@@ -31,12 +35,12 @@ import torch
 from torch import Tensor
 
 from .. import functional
-from ..cells import CellSpec, cell_spec
+from ..cells import CELLS, CellSpec, from_mode
 from ..stats import RunStats
 from .packing import PackedLayout
-from .interop import lengths_array, library_stream, to_array, to_tensor
+from .interop import Array, lengths_array, library_stream, to_array, to_tensor
 
-MODES = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")  # torch.nn's mode strings
+MODES = tuple(spec.mode for spec in CELLS.values())  # torch.nn's mode strings
 
 
 @dataclass
@@ -51,6 +55,7 @@ class LastRun(RunStats):
     """
 
     backward: RunStats | None = None
+    dtype: str | None = None  # what the library computed for ("float32", "bfloat16", ...)
 
     @classmethod
     def of(cls, stats: RunStats) -> "LastRun":
@@ -73,12 +78,13 @@ _SLOTS = itertools.count()
 _RECORDS: "weakref.WeakValueDictionary[int, RunRecord]" = weakref.WeakValueDictionary()
 
 
-def _record_forward(slot: int, part: int, stats: RunStats) -> None:
+def _record_forward(slot: int, part: int, stats: RunStats, dtype: str) -> None:
     record = _RECORDS.get(slot)
     if record is None:
         return
     if part == 0 or record.last is None:
         record.last = LastRun.of(stats)
+        record.last.dtype = dtype
     else:
         record.last.merge(stats)
 
@@ -94,22 +100,51 @@ def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
 
 
 def _cell(mode: str) -> CellSpec:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return cell_spec("RNN", mode[4:].lower()) if mode.startswith("RNN") else cell_spec(mode)
+    return from_mode(mode)
 
 
 def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
-    """The weights as the library's dict of arrays, under torch.nn's names."""
-    per_direction = len(weights) // (num_layers * (2 if bidirectional else 1))
+    """The weights as the library's dict of arrays (float32 for 16-bit weights), under
+    torch.nn's names."""
+    bias, proj = _layout(weights, num_layers, bidirectional)
     names = [name for layer in range(num_layers) for reverse in (False, True)[:1 + bidirectional]
-             for name in functional.param_names(layer, reverse, bias=per_direction == 4)]
-    return {name: to_array(w) for name, w in zip(names, weights)}
+             for name in functional.param_names(layer, reverse, bias=bias, proj=proj)]
+    return {name: _array(w) for name, w in zip(names, weights)}
+
+
+def _layout(weights: list[Tensor], num_layers: int, bidirectional: bool) -> tuple[bool, bool]:
+    """``(bias, proj)``: whether the layers have biases and an LSTM projection (``weight_hr``),
+    from the number of weights per layer-direction (2 or 4, plus 1 with a projection)."""
+    per_direction = len(weights) // (num_layers * (2 if bidirectional else 1))
+    return per_direction >= 4, per_direction % 2 == 1
+
+
+def _sizes(weights: list[Tensor], mode: str) -> tuple[int, int]:
+    """``(hidden, out)``: H and the width of h (P with a projection, else H)."""
+    w_hh = weights[1]
+    return w_hh.shape[0] // _cell(mode).gates, w_hh.shape[1]
+
+
+def _half(t: Tensor) -> str | None:
+    """The library's 16-bit dtype name for a float16/bfloat16 tensor, else ``None``."""
+    return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(t.dtype)
+
+
+def _array(t: Tensor | None) -> Array | None:
+    """``to_array`` of ``t``, converted to float32 first if it is 16-bit (exact)."""
+    if t is not None and _half(t) is not None:
+        t = t.float()
+    return to_array(t)
 
 
 def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
     """A state (or state gradient) as the library takes it: ``h`` or ``(h, c)``; ``None`` = 0."""
-    return (to_array(h), to_array(c)) if cell.has_cell_state else to_array(h)
+    return (_array(h), _array(c)) if cell.has_cell_state else _array(h)
+
+
+def _result(a: Array, dtype: torch.dtype) -> Tensor:
+    """A library result as a tensor of ``dtype`` (16-bit results are rounded once, here)."""
+    return to_tensor(a).to(dtype)
 
 
 def _empty_like_none(x: Tensor) -> Tensor:
@@ -126,16 +161,16 @@ def recurrence(x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor], c0: O
     """The stacked recurrence through the library: ``(y, h_n, c_n, saved)``."""
     cell = _cell(mode)
     with library_stream(x):
-        xa = to_array(x)
+        xa = _array(x)
         y, hn, ctx = functional.forward(
             cell, _params(weights, num_layers, bidirectional), xa, _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
-            bidirectional=bidirectional, batch_first=False, algo=algo)
+            bidirectional=bidirectional, batch_first=False, algo=algo, half=_half(x))
         hn, cn = hn if cell.has_cell_state else (hn, None)
         saved = [to_tensor(a) for a in functional.saved_arrays(ctx)]
-        outputs = (to_tensor(y), to_tensor(hn),
-                   _empty_like_none(x) if cn is None else to_tensor(cn), saved)
-    _record_forward(stats_slot, stats_part, ctx.stats)
+        outputs = (_result(y, x.dtype), _result(hn, x.dtype),
+                   _empty_like_none(x) if cn is None else _result(cn, x.dtype), saved)
+    _record_forward(stats_slot, stats_part, ctx.stats, _half(x) or str(x.dtype)[6:])
     return outputs
 
 
@@ -144,13 +179,15 @@ def _(x, lengths, h0, c0, weights, mode, num_layers, bidirectional, algo, stats_
       stats_part, stats_parts):
     cell = _cell(mode)
     steps, batch, _ = x.shape
-    hidden = weights[1].shape[1]
+    hidden, out = _sizes(weights, mode)
     num_dirs = 2 if bidirectional else 1
-    y = x.new_empty((steps, batch, num_dirs * hidden))
-    hn = x.new_empty((num_layers * num_dirs, batch, hidden))
-    cn = x.new_empty(hn.shape) if cell.has_cell_state else _empty_like_none(x)
-    saved = [x.new_empty(shape) for shape in functional.saved_shapes(
-        cell, steps, batch, hidden, num_layers, bidirectional)]
+    y = x.new_empty((steps, batch, num_dirs * out))
+    hn = x.new_empty((num_layers * num_dirs, batch, out))
+    cn = (x.new_empty((num_layers * num_dirs, batch, hidden)) if cell.has_cell_state
+          else _empty_like_none(x))
+    saved_dtype = torch.float32 if _half(x) else x.dtype  # 16-bit layers keep fp32 activations
+    saved = [x.new_empty(shape, dtype=saved_dtype) for shape in functional.saved_shapes(
+        cell, steps, batch, hidden, num_layers, bidirectional, 0 if out == hidden else out)]
     return y, hn, cn, saved
 
 
@@ -164,17 +201,17 @@ def recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor]
     """Gradients of ``recurrence``: ``(dx, dh0, dc0, dweights)`` (``dc0`` empty unless LSTM)."""
     cell = _cell(mode)
     with library_stream(dy):
-        xa = to_array(x)
+        xa = _array(x)
         params = _params(weights, num_layers, bidirectional)
         ctx = functional.restore_context(
             cell, params, xa, _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
-            num_layers=num_layers, bidirectional=bidirectional, algo=algo)
-        dx, dh0, grads = functional.backward(ctx, to_array(dy), _hidden_arrays(cell, dhn, dcn))
+            num_layers=num_layers, bidirectional=bidirectional, algo=algo, half=_half(x))
+        dx, dh0, grads = functional.backward(ctx, _array(dy), _hidden_arrays(cell, dhn, dcn))
         dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
-        outputs = (to_tensor(dx), to_tensor(dh0),
-                   _empty_like_none(x) if dc0 is None else to_tensor(dc0),
-                   [to_tensor(grads[name]) for name in params])
+        outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
+                   _empty_like_none(x) if dc0 is None else _result(dc0, x.dtype),
+                   [_result(grads[name], x.dtype) for name in params])
     _record_backward(stats_slot, stats_part == stats_parts - 1, ctx.backward_stats)
     return outputs
 
@@ -182,10 +219,11 @@ def recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor]
 @recurrence_backward.register_fake
 def _(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, mode, num_layers, bidirectional, algo,
       stats_slot, stats_part, stats_parts):
-    hidden = weights[1].shape[1]
+    hidden, out = _sizes(weights, mode)
     states = num_layers * (2 if bidirectional else 1)
-    dh0 = x.new_empty((states, x.shape[1], hidden))
-    dc0 = x.new_empty(dh0.shape) if _cell(mode).has_cell_state else _empty_like_none(x)
+    dh0 = x.new_empty((states, x.shape[1], out))
+    dc0 = (x.new_empty((states, x.shape[1], hidden)) if _cell(mode).has_cell_state
+           else _empty_like_none(x))
     return torch.empty_like(x), dh0, dc0, [torch.empty_like(w) for w in weights]
 
 
@@ -260,8 +298,10 @@ def _flat_backward(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, *static):
     """``recurrence_backward`` for gradients batched by the legacy vmap (``gradcheck``'s batched
     gradient check, ``autograd.grad(is_grads_batched=True)``): its for-loop fallback takes only
     ops without tensor lists, so weights and activations travel as one flat tensor each."""
+    mode, num_layers, bidirectional, *_ = static
     flat_dweights, dx, dh0, dc0 = recurrence_backward_flat(
-        dy, dhn, dcn, x, lengths, h0, c0, _flatten(weights), _flatten(saved), *static)
+        dy, dhn, dcn, x, lengths, h0, c0, _flatten(weights), _flatten(saved),
+        *_sizes(weights, mode), _layout(weights, num_layers, bidirectional)[0], *static)
     return dx, dh0, dc0, _unflatten(flat_dweights, [w.shape for w in weights])
 
 
@@ -274,14 +314,16 @@ def _unflatten(flat: Tensor, shapes: list) -> list[Tensor]:
     return [part.view(s) for part, s in zip(flat.split(sizes), shapes)]
 
 
-def _weight_shapes(mode: str, input_size: int, hidden: int, num_layers: int,
+def _weight_shapes(mode: str, input_size: int, hidden: int, out: int, num_layers: int,
                    bidirectional: bool, bias: bool) -> list[tuple[int, ...]]:
-    """torch.nn's weight shapes, in ``_flat_weights_names`` order."""
+    """torch.nn's weight shapes, in ``_flat_weights_names`` order (``out``: the width of h, the
+    projection's P where it is not ``hidden``)."""
     rows, num_dirs = _cell(mode).gates * hidden, 2 if bidirectional else 1
     shapes = []
     for layer in range(num_layers):
-        cols = input_size if layer == 0 else num_dirs * hidden
-        shapes += [(rows, cols), (rows, hidden), *([(rows,), (rows,)] if bias else [])] * num_dirs
+        cols = input_size if layer == 0 else num_dirs * out
+        shapes += [(rows, cols), (rows, out), *([(rows,), (rows,)] if bias else []),
+                   *([(out, hidden)] if out != hidden else [])] * num_dirs
     return shapes
 
 
@@ -289,19 +331,16 @@ def _weight_shapes(mode: str, input_size: int, hidden: int, num_layers: int,
                          tags=(torch.Tag.cudagraph_unsafe,))
 def recurrence_backward_flat(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor],
                              x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
-                             c0: Optional[Tensor], weights: Tensor, saved: Tensor, mode: str,
-                             num_layers: int, bidirectional: bool, algo: str, stats_slot: int,
-                             stats_part: int,
+                             c0: Optional[Tensor], weights: Tensor, saved: Tensor, hidden: int,
+                             out: int, bias: bool, mode: str, num_layers: int,
+                             bidirectional: bool, algo: str, stats_slot: int, stats_part: int,
                              stats_parts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``recurrence_backward`` with flat weights and activations: ``(dweights, dx, dh0, dc0)``."""
+    """``recurrence_backward`` with flat weights and activations: ``(dweights, dx, dh0, dc0)``;
+    ``hidden``, ``out`` (``_sizes``) and ``bias`` give the weights' shapes."""
     steps, batch, input_size = x.shape
-    num_dirs = 2 if bidirectional else 1
-    hidden = h0.shape[2] if h0 is not None else dy.shape[2] // num_dirs
-    bias = weights.numel() != sum(torch.Size(s).numel() for s in _weight_shapes(
-        mode, input_size, hidden, num_layers, bidirectional, False))
-    shapes = _weight_shapes(mode, input_size, hidden, num_layers, bidirectional, bias)
+    shapes = _weight_shapes(mode, input_size, hidden, out, num_layers, bidirectional, bias)
     saved_shapes = functional.saved_shapes(_cell(mode), steps, batch, hidden, num_layers,
-                                           bidirectional)
+                                           bidirectional, 0 if out == hidden else out)
     dx, dh0, dc0, dweights = recurrence_backward(
         dy, dhn, dcn, x, lengths, h0, c0, _unflatten(weights, shapes),
         _unflatten(saved, saved_shapes), mode, num_layers, bidirectional, algo, stats_slot,
@@ -314,14 +353,13 @@ def torch_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
                      bidirectional: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """``recurrence``'s ``(y, h_n, c_n)`` computed by torch's own kernels (``torch._VF``)."""
     from torch import _VF
-    lstm = mode == "LSTM"
-    run = {"RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu, "GRU": _VF.gru,
-           "LSTM": _VF.lstm}[mode]
-    num_dirs = 2 if bidirectional else 1
-    has_bias = len(weights) == 4 * num_layers * num_dirs
-    shape = (num_layers * num_dirs, x.shape[1], weights[1].shape[1])
-    h0 = x.new_zeros(shape) if h0 is None else h0
-    hx = (h0, x.new_zeros(shape) if c0 is None else c0) if lstm else h0
+    lstm = _cell(mode).has_cell_state
+    run = getattr(_VF, _cell(mode).name)  # torch's functions are named as the cells
+    states = (2 if bidirectional else 1) * num_layers
+    has_bias = _layout(weights, num_layers, bidirectional)[0]
+    hidden, out = _sizes(weights, mode)
+    h0 = x.new_zeros((states, x.shape[1], out)) if h0 is None else h0
+    hx = (h0, x.new_zeros((states, x.shape[1], hidden)) if c0 is None else c0) if lstm else h0
     if lengths is None:
         out = run(x, hx, weights, has_bias, num_layers, 0.0, True, bidirectional, False)
         return out[0], out[1], out[2] if lstm else None

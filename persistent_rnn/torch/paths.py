@@ -18,7 +18,9 @@ from ..cells import CellSpec
 from ..validation import ALGOS
 
 TORCH = "torch"  # the path name reported in last_run.algo
-LIBRARY_DTYPES = (torch.float32, torch.float64)
+LIBRARY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+PERSISTENT_DTYPES = {torch.float32: "float32", torch.float16: "float16",
+                     torch.bfloat16: "bfloat16"}  # what the persistent kernels hold W_hh in
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -28,13 +30,22 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def library_blocker(x: torch.Tensor, dtype: torch.dtype, proj_size: int) -> str | None:
+def compute_dtype(cell: CellSpec, x: torch.Tensor) -> torch.dtype:
+    """The dtype torch.nn computes this layer in on ``x``: autocast's lower precision where
+    autocast casts the layer, else the input's dtype (which torch.nn requires the weights to
+    have). CUDA autocast casts every recurrent layer (cuDNN's RNN is on its lower-precision
+    list); torch's CPU autocast casts ``cell.cpu_autocast`` cells only (not GRU)."""
+    low = autocast_dtype(x.device.type)
+    if low is None or (x.device.type == "cpu" and not cell.cpu_autocast):
+        return x.dtype
+    return low
+
+
+def library_blocker(x: torch.Tensor, dtype: torch.dtype) -> str | None:
     """Why the library cannot run this layer on ``x`` in ``dtype`` at all, or ``None``."""
-    if proj_size > 0:
-        return "proj_size > 0: the library has no LSTM projection; torch's kernels run it"
     if dtype not in LIBRARY_DTYPES:
-        return (f"dtype {dtype}: the library runs float32 and float64 (its 16-bit kernels have "
-                f"not landed); torch's kernels run it")
+        return (f"dtype {dtype}: the library runs float32, float64, float16 and bfloat16; "
+                f"torch's kernels run it")
     # (under torch.compile capture is the compiler's business: the ops are tagged unsafe for it)
     if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
         return ("CUDA graph capture: the library reads the kernel's progress back to the host, "
@@ -42,25 +53,23 @@ def library_blocker(x: torch.Tensor, dtype: torch.dtype, proj_size: int) -> str 
     return None
 
 
-def choose(algo: str, cell: CellSpec, x: torch.Tensor, weight_dtype: torch.dtype, hidden: int,
-           proj_size: int, batch) -> tuple[str, str | None]:
+def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
+           batch) -> tuple[str, str | None]:
     """``(path, why)``: ``path`` is ``"torch"`` or the library ``algo`` to run; ``why`` says why
     the persistent kernel does not run (``None`` where it may).
 
-    Under autocast the library runs in the weights' dtype (the module casts the input to it).
-    ``batch`` is a callable giving the batch size (read only where it matters: it is a tensor
-    element for packed input).
+    The library runs in ``compute_dtype`` (under autocast the module casts the input, states
+    and weights to it, as autocast casts an op's inputs). ``batch`` is a callable giving the
+    batch size (read only where it matters: it is a tensor element for packed input).
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    low = autocast_dtype(x.device.type)
-    blocker = library_blocker(x, x.dtype if low is None else weight_dtype, proj_size)
+    dtype = compute_dtype(cell, x)
+    blocker = library_blocker(x, dtype)
     if algo != "auto":
         if blocker is not None:
             raise ValueError(f"algo={algo!r} cannot run this layer: {blocker}")
         return algo, None
-    if low is not None:
-        return TORCH, f"autocast to {low}: torch's kernels run 16-bit layers"
     if blocker is not None:
         return TORCH, blocker
     if not x.is_cuda:
@@ -69,40 +78,49 @@ def choose(algo: str, cell: CellSpec, x: torch.Tensor, weight_dtype: torch.dtype
             # torch.nn graph-breaks on it: the library's GEMM op compiles as one opaque op.
             return "gemm", None
         return TORCH, "CPU tensors: torch's CPU kernels"
-    if x.dtype != torch.float32:
-        return TORCH, f"dtype {x.dtype}: the persistent kernel runs float32; torch's kernels run it"
+    weights = PERSISTENT_DTYPES.get(dtype)
+    if weights is None:
+        return TORCH, (f"dtype {dtype}: the persistent kernels run float32, float16 and "
+                       f"bfloat16; torch's kernels run it")
+    if proj_size:
+        return TORCH, (f"proj_size={proj_size}: the persistent kernels have no LSTM projection "
+                       f"yet; torch's kernels run it")
     size = batch()
-    if size <= persistent_batch_limit(cell, hidden, x.device.index or 0):
+    if size <= persistent_batch_limit(cell, hidden, x.device.index or 0, weights):
         return "auto", None
     if torch.compiler.is_compiling():  # (last_run is not written for this path while compiled)
         return TORCH, None
-    return TORCH, persistent_blocker(cell, hidden, int(size), x.device.index or 0)
+    return TORCH, persistent_blocker(cell, hidden, int(size), x.device.index or 0, weights)
 
 
 @torch._dynamo.assume_constant_result  # static arguments: one constant of a compiled graph
-def persistent_batch_limit(cell: CellSpec, hidden: int, device_index: int) -> int:
+def persistent_batch_limit(cell: CellSpec, hidden: int, device_index: int,
+                           weights: str = "float32") -> int:
     """Largest batch for which ``algo="auto"`` runs this CUDA layer in the persistent kernel
-    (0: none): at most ``auto_max_batch``, and the plan must fit. Under torch.compile the batch
-    (possibly dynamic) is compared with it, which guards the graph instead of tracing the
-    planner."""
-    return _largest_fitting_batch(cell, hidden, device_index, settings.current().auto_max_batch)
+    with W_hh held in ``weights`` (0: none): at most ``auto_max_batch``, and the plan must fit.
+    Under torch.compile the batch (possibly dynamic) is compared with it, which guards the graph
+    instead of tracing the planner."""
+    return _largest_fitting_batch(cell, hidden, device_index, settings.current().auto_max_batch,
+                                  weights)
 
 
 @lru_cache(maxsize=1024)
-def _largest_fitting_batch(cell: CellSpec, hidden: int, device_index: int, limit: int) -> int:
+def _largest_fitting_batch(cell: CellSpec, hidden: int, device_index: int, limit: int,
+                           weights: str) -> int:
     device = _device_profile(device_index)
     for batch in range(limit, 0, -1):
-        if planner.make_plan(cell, hidden, batch, "float32", device).fits:
+        if planner.make_plan(cell, hidden, batch, weights, device).fits:
             return batch
     return 0
 
 
-def persistent_blocker(cell: CellSpec, hidden: int, batch: int, device_index: int) -> str:
-    """Why ``algo="auto"`` does not run this float32 CUDA layer in the persistent kernel."""
+def persistent_blocker(cell: CellSpec, hidden: int, batch: int, device_index: int,
+                       weights: str = "float32") -> str:
+    """Why ``algo="auto"`` does not run this CUDA layer in the persistent kernel."""
     limit = settings.current().auto_max_batch
     if batch > limit:
         return f"batch {batch} > {limit} (auto_max_batch): torch's kernels run it"
-    plan = planner.make_plan(cell, hidden, batch, "float32", _device_profile(device_index))
+    plan = planner.make_plan(cell, hidden, batch, weights, _device_profile(device_index))
     return f"{plan.reason}; torch's kernels run it"
 
 

@@ -1,0 +1,441 @@
+"""A per-step latency model of the persistent kernels, read from their SASS: a *prediction*.
+
+One step of a persistent pass is a chain of phases separated by block barriers (docs/design.md,
+"Latency model"), so its time is modelled as the sum of a few named terms:
+
+* ``issue``: every instruction one warp executes in a step (the time loop's SASS, each inner loop
+  multiplied by its trip count), times the warps that share a scheduler, at one instruction per
+  scheduler and cycle;
+* ``barriers``: the block barriers of the step;
+* ``exchange``: the dependent memory round trips that move h_t (dgh_t) between CTAs - a counter
+  grid barrier (fence, atomic, polls, then the staging copy), tagged words through L2 (one round
+  trip per gather chunk), or tagged words in a cluster's distributed shared memory;
+* ``pointwise``: the dependent chain of the cell's pointwise step (MUFU, FMA and shared loads, the
+  critical path through the registers of its SASS), per pointwise iteration.
+
+A benchmark of T steps adds per-call terms once (``call_us``): the host's work for the call and
+the GEMMs around the recurrence (input projection; backward: weight gradients and dx).
+
+The constants are in ``hardware.py`` with their sources; the few fitted ones come from
+``bench/model_calibration.py``, which also records the model's error on the measured runs
+(``CALIBRATION``). Nothing here needs a GPU: the cubins come from NVRTC (cached).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+from . import hardware as hw
+from . import kernel_report, kernels
+from . import plan as planner
+from .cells import CellSpec
+from .hardware import DeviceProfile
+
+# The model's error on the recorded H200 runs (bench/results/model-calibration-2026-11-24.json).
+CALIBRATION = ("calibrated on 324 recorded H200 points (counter-barrier kernels): median |error| 12 %, "
+               "worst 44 %; the current kernels are not yet measured")
+
+# Trip counts of the loops inside the time loop are decided by what each loop holds (its own
+# instructions, nested loops excluded); see ``loop_trips``.
+_REGISTER = re.compile(r"\b([RP]\d+)\b")
+_NO_DEST = ("ST", "STS", "STG", "STL", "RED", "BAR", "BRA", "BSSY", "BSYNC", "NOP", "EXIT", "LDGSTS",
+            "MEMBAR", "WARPSYNC", "YIELD", "NANOSLEEP", "CCTL", "DEPBAR", "CALL", "RET", "FENCE")
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What the model needs to know of one pass besides its SASS: the cell, the tile's
+    compile-time configuration (``plan.PassPlan``), the batch and the hidden size."""
+
+    cell: CellSpec
+    plan: planner.PassPlan
+    batch: int
+    hidden: int
+
+    @property
+    def backward(self) -> bool:
+        return "backward" in self.plan.kernel
+
+    @property
+    def k_len(self) -> int:
+        """Length of the exchanged vector per batch row (forward H, backward G*H)."""
+        return self.cell.gates * self.hidden if self.backward else self.hidden
+
+    @property
+    def units(self) -> int:
+        return self.plan.defines["PRNN_UNITS"]
+
+    @property
+    def warps(self) -> int:
+        return self.plan.defines["PRNN_WARPS"]
+
+    @property
+    def pairs(self) -> int:
+        """16-byte pairs of tagged words one step publishes (and every CTA loads)."""
+        return self.batch * (self.k_len + self.k_len % 2) // 2
+
+    @property
+    def gather_pairs(self) -> int:
+        """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh)."""
+        return 4 if self.plan.weight_registers > 150 else 8
+
+    @property
+    def gather_rounds(self) -> int:
+        """Batches of ``gather_pairs`` a thread of the gather goes through per step: thread x
+        takes pair slots x, x + threads, ... of the exchange's [B][padded] rows (slots past K are
+        skipped, but hold their place)."""
+        slots = self.batch * self.plan.exchange_row // 2
+        return math.ceil(math.ceil(slots / (32 * self.warps)) / self.gather_pairs)
+
+
+def _tile_of(shape: PassShape) -> planner.Tile:
+    d = shape.plan.defines
+    pt = planner.PassTile(d["PRNN_ROWS"], d["PRNN_KSPLIT"], d["PRNN_KPT"])
+    return planner.Tile(d["PRNN_UNITS"], pt, pt, d.get("PRNN_CLUSTER", 0))
+
+
+def shape_at(cell: CellSpec, p: planner.PassPlan, batch: int, hidden: int) -> PassShape:
+    """``p``'s configuration at another batch and hidden size (its shared memory re-sized as the
+    planner would)."""
+    shaped = replace(p, shared_bytes=planner.shared_bytes(
+        cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch))
+    return PassShape(cell, shaped, batch, hidden)
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """Predicted microseconds of one step of one pass, by term (a prediction, see ``CALIBRATION``).
+
+    ``issue_us``: instructions of the busiest scheduler outside the matrix loop; ``matrix_us``:
+    the matrix loop, per batch row the larger of its issue time and its dependent chain;
+    ``barrier_us``: block barriers;
+    ``exchange_us``: dependent round trips of the exchange (L2, DSMEM, counter barrier) plus,
+    through L2, the time every CTA's copy of the vector takes at L2 bandwidth;
+    ``pointwise_us``: the pointwise step's dependent chain. ``instructions``: what one warp
+    executes per step; ``exchange``: "counter", "l2" or "cluster"; ``per_row_instructions`` and
+    ``per_row_ffma``: the matrix loop's instructions and FFMAs per batch row."""
+
+    issue_us: float
+    matrix_us: float
+    barrier_us: float
+    exchange_us: float
+    pointwise_us: float
+    instructions: int
+    exchange: str
+    per_row_instructions: int
+    per_row_ffma: int
+
+    @property
+    def total_us(self) -> float:
+        """The step: the sum of the terms (the phases are separated by barriers)."""
+        return self.issue_us + self.matrix_us + self.barrier_us + self.exchange_us + self.pointwise_us
+
+    def dominant(self) -> str:
+        """The name of the largest term."""
+        terms = {"issue": self.issue_us, "matrix": self.matrix_us, "barriers": self.barrier_us,
+                 "exchange": self.exchange_us, "pointwise": self.pointwise_us}
+        return max(terms, key=terms.get)
+
+
+def _base(op: str) -> str:
+    return op.split(".")[0]
+
+
+def _own(loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:
+    """Instructions of the inner loop ``head`` that no loop nested in it holds."""
+    body = loop.inner[head]
+    nested = [b for h, b in loop.inner.items() if h != head and b < body]
+    return body.difference(*nested) if nested else body
+
+
+def _children(loop: kernel_report.TimeLoop, head: int) -> list[int]:
+    """Headers of the loops nested directly in the inner loop ``head``."""
+    inside = [h for h, b in loop.inner.items() if b < loop.inner[head]]
+    return [h for h in inside if not any(loop.inner[h] < loop.inner[o] for o in inside)]
+
+
+def _own_kind(loop: kernel_report.TimeLoop, head: int) -> str | None:
+    own = [loop.code[i][0] for i in _own(loop, head)]
+    bases = [_base(op) for op in own]
+    if "NANOSLEEP" in bases:
+        return "spin"
+    if bases.count("FFMA") >= 8 and "MUFU" not in bases:
+        return "matrix"
+    if "MUFU" in bases or "STG" in bases:  # the backward's pointwise step has no MUFU
+        return "pointwise"
+    if any(op.startswith("LDGSTS") and op.endswith(".128") for op in own):
+        return "copy"
+    if "LDGSTS" in bases:
+        return "prefetch"
+    if "LDG" in bases and "STS" in bases:
+        return "fallback"
+    return None
+
+
+def loop_kind(loop: kernel_report.TimeLoop, head: int) -> str:
+    """What an inner loop of the time loop does, from its own instructions (nested loops
+    excluded): "spin" (a wait: NANOSLEEP), "matrix" (FFMAs, no MUFU: one trip per batch row),
+    "pointwise" (MUFU or global stores), "copy" (16-byte cp.async: the exchanged vector), "prefetch" (4-byte
+    cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
+    not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the
+    reduce-scatter's halving levels over a run-time index, before issue 15), "chunks" (holds
+    loops that are not waits: the gather's batches of pairs with their loads and checks), "scan"
+    (holds a wait: the gather's batches of pairs, each with its polling loop), "other"."""
+    kind = _own_kind(loop, head)
+    if kind:
+        return kind
+    if any(loop.inner[head] < b and _own_kind(loop, h) == "matrix" for h, b in loop.inner.items()):
+        return "levels"
+    children = {_own_kind(loop, h) for h in _children(loop, head)}
+    if children - {"spin"}:
+        return "chunks"
+    return "scan" if children else "other"
+
+
+def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
+    """Trip count per step of an inner loop of ``kind`` (see ``loop_kind``) for ``shape``:
+    per-thread loops over n items run ceil(n / threads) times; waits once (the ready check; the
+    wait itself is the ``exchange`` term); the matrix loop once per batch row."""
+    threads = 32 * shape.warps
+    per_thread = lambda n: math.ceil(n / threads)  # noqa: E731
+    cell, b, units = shape.cell, shape.batch, shape.units
+    if kind == "matrix":
+        return b
+    if kind == "levels":
+        return math.log2(_rows_pow2(shape.plan.defines["PRNN_ROWS"]))
+    if kind == "pointwise":
+        return per_thread(b * units)
+    if kind == "prefetch":
+        inputs = 3 + 2 * cell.has_cell_state + cell.saved if shape.backward else cell.gates
+        return per_thread(b * inputs * units)
+    if kind == "copy":  # counter kernels stage 4-byte values as quads; tagged words go as pairs
+        if counter:
+            return per_thread(b * shape.plan.defines["PRNN_KSPLIT"] * 32 * shape.plan.defines["PRNN_KPT"] / 4)
+        return per_thread(shape.pairs)
+    if kind in ("chunks", "scan"):
+        return shape.gather_rounds
+    if kind == "fallback":
+        return 0
+    return 1
+
+
+def _rows_pow2(rows: int) -> int:
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+def critical_path(code: list[tuple[str, str, str | None, str]], latency) -> float:
+    """Cycles of the longest register dependency chain through ``code`` in program order (the
+    first register operand of an instruction that writes one is its destination);
+    ``latency(opcode)`` gives each instruction's latency."""
+    ready: dict[str, float] = {}
+    longest = 0.0
+    for op, _, _, operands in code:
+        regs = _REGISTER.findall(operands)
+        writes = _base(op) not in _NO_DEST and operands.strip()[:1] in ("R", "P") and regs
+        sources = regs[1:] if writes else regs
+        done = max((ready.get(r, 0.0) for r in sources), default=0.0) + latency(op)
+        if writes:
+            ready[regs[0]] = done
+        longest = max(longest, done)
+    return longest
+
+
+def _latency(op: str) -> float:
+    base = _base(op)
+    if base == "MUFU":
+        return hw.MUFU_LATENCY
+    if base in ("LDS", "LD"):
+        return hw.SHARED_LATENCY
+    if base == "LDL":
+        return hw.L1_LATENCY
+    if base == "LDG":
+        return hw.L2_LATENCY
+    if base == "SHFL":
+        return hw.SHUFFLE_LATENCY
+    return hw.FP_LATENCY
+
+
+def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
+    """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
+    loop = kernel_report.time_loop(sass)
+    ops = [loop.code[i][0] for i in loop.body]
+    counter = any(_base(op) in ("ATOM", "ATOMG", "RED") for op in ops)
+    kinds = {h: loop_kind(loop, h) for h in loop.inner}
+    trips = {h: loop_trips(k, shape, counter) for h, k in kinds.items()}
+    weight = {i: 1.0 for i in loop.body}
+    for head, body in loop.inner.items():
+        for i in body:
+            weight[i] *= trips[head]
+    instructions = sum(weight.values())
+    cycle_us = 1.0 / device.clock_mhz
+    sharing = math.ceil(shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler
+    matrix_heads = [h for h, k in kinds.items() if k == "matrix"]
+    in_matrix = set().union(*[loop.inner[h] for h in matrix_heads])
+    row_instructions = sum(weight[i] for i in in_matrix) / shape.batch
+    # A batch row's product: issue-bound when the warps sharing a scheduler hide its latency,
+    # else its dependent chain (FFMAs, shuffles, local memory of the reduce-scatter levels).
+    row_chain = sum(critical_path([loop.code[i] for i in sorted(_own(loop, h))], _latency)
+                    * (1 if kinds[h] == "matrix" else trips[h])
+                    for h in loop.inner if kinds[h] in ("matrix", "levels"))
+    matrix = shape.batch * max(sharing * row_instructions / hw.ISSUE_PER_CYCLE, row_chain) * cycle_us
+    issue = (instructions - row_instructions * shape.batch) * sharing / hw.ISSUE_PER_CYCLE * cycle_us
+    in_spin = set().union(*[b for h, b in loop.inner.items() if kinds[h] == "spin"])
+    barriers = sum(1 for i in loop.body if _base(loop.code[i][0]) == "BAR" and i not in in_spin)
+    l2_us = hw.L2_LATENCY * cycle_us
+    # Every CTA reads the whole vector from L2 each step: at large B that is bandwidth, not latency.
+    value_bytes = 4 if counter else 8
+    l2_traffic_us = shape.plan.grid * shape.batch * shape.k_len * value_bytes / (hw.L2_BANDWIDTH_GBPS * 1e3)
+    if counter:  # fence waits for the stores, atomic, polls, then the staging copy
+        exchange = "counter"
+        exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
+    elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory
+        rounds = shape.gather_rounds
+        exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
+    else:  # the writer's store reaches L2 (half a round trip), then one round trip per batch of
+        # pairs a thread gathers (strong loads, gather_pairs in flight)
+        exchange = "l2"
+        exchange_us = (0.5 + shape.gather_rounds) * l2_us + l2_traffic_us
+    pointwise_us = 0.0
+    matrix_ffma = 0
+    for head, kind in kinds.items():
+        own = sorted(_own(loop, head))
+        if kind == "pointwise":
+            chain = critical_path([loop.code[i] for i in own], _latency)
+            pointwise_us += chain * trips[head] * cycle_us
+        if kind == "matrix":
+            matrix_ffma += sum(1 for i in loop.inner[head] if _base(loop.code[i][0]) == "FFMA")
+    return StepTerms(issue_us=issue, matrix_us=matrix, barrier_us=barriers * hw.BLOCK_BARRIER * cycle_us,
+                     exchange_us=exchange_us, pointwise_us=pointwise_us,
+                     instructions=round(instructions), exchange=exchange,
+                     per_row_instructions=round(row_instructions), per_row_ffma=matrix_ffma)
+
+
+@lru_cache(maxsize=512)
+def _sass(source: str, defines: tuple, arch: str, src_dir: str | None) -> str:
+    compiled = kernels.compile_source(source, dict(defines), arch, Path(src_dir) if src_dir else None)
+    tool = kernel_report.nvdisasm()
+    if tool is None:
+        raise RuntimeError("nvdisasm is not installed (the nvidia-cuda-nvdisasm wheel): the "
+                           "latency model reads the kernels' SASS")
+    return kernel_report.disassemble(compiled.cubin_path, tool)
+
+
+def pass_sass(p: planner.PassPlan, arch: str, src_dir: Path | None = None) -> str:
+    """The SASS of a planned pass (NVRTC, cached; ``src_dir``: another commit's ``cuda_src``)."""
+    return _sass(p.source, tuple(sorted(p.defines.items())), arch, str(src_dir) if src_dir else None)
+
+
+def _gemm_us(flops: float, device: DeviceProfile) -> float:
+    major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
+    peak = device.sm_count * device.clock_mhz * 1e6 * hw.fp32_lanes_per_sm(major, minor) * 2
+    return hw.GEMM_LAUNCH_US + flops / (hw.GEMM_PEAK_FRACTION * peak) * 1e6
+
+
+def call_us(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
+            backward: bool, device: DeviceProfile) -> float:
+    """Per-call microseconds beside the recurrence: host work and the GEMMs (forward: the input
+    projection; backward: dW_hh, dW_ih and dx, plus W_hh's transposed copy)."""
+    rows, gh = seq_len * batch, cell.gates * hidden
+    if not backward:
+        return hw.HOST_FORWARD_US + _gemm_us(2.0 * rows * input_size * gh, device)
+    gemms = [2.0 * rows * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * input_size]
+    return hw.HOST_BACKWARD_US + sum(_gemm_us(f, device) for f in gemms) + hw.GEMM_LAUNCH_US
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """``predict_step_time``'s answer - a prediction of the latency model, not a measurement
+    (its error on the recorded runs: ``calibration``).
+
+    ``forward_us`` / ``backward_us``: microseconds per step of the persistent forward and
+    backward kernels in steady state; ``forward`` / ``backward``: their terms (``StepTerms``);
+    ``forward_call_us`` / ``backward_call_us``: what each call adds once (host work, GEMMs;
+    ``benchmark_us`` spreads it over T steps); ``plan``: the launch plan the figures are for."""
+
+    forward_us: float
+    backward_us: float
+    forward: StepTerms
+    backward: StepTerms
+    forward_call_us: float
+    backward_call_us: float
+    plan: planner.Plan
+    calibration: str = CALIBRATION
+
+    def benchmark_us(self, seq_len: int, backward: bool = False) -> float:
+        """Microseconds per step of a benchmark call of ``seq_len`` steps (forward, or forward
+        and backward), per-call terms included."""
+        fwd = self.forward_us + self.forward_call_us / seq_len
+        return fwd + (self.backward_us + self.backward_call_us / seq_len if backward else 0.0)
+
+
+def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
+                 device: DeviceProfile, src_dir: Path | None = None, seq_len: int = 100,
+                 input_size: int = 64) -> StepTime:
+    """The model's prediction for a fitting ``plan`` (``src_dir``: sources of another commit)."""
+    terms = []
+    for p in (plan.forward, plan.backward):
+        shape = PassShape(cell, p, batch, hidden)
+        terms.append(step_terms(pass_sass(p, device.arch, src_dir), shape, device))
+    return StepTime(terms[0].total_us, terms[1].total_us, terms[0], terms[1],
+                    call_us(cell, hidden, batch, seq_len, input_size, False, device),
+                    call_us(cell, hidden, batch, seq_len, input_size, True, device), plan)
+
+
+def predict_step_time(cell: str, hidden: int, batch: int, dtype: str = "float32",
+                      device: DeviceProfile | str | None = None) -> StepTime:
+    """Predicted microseconds per step of the persistent forward and backward of one layer.
+
+    ``cell``: "RNN", "GRU", "LSTM" (or "rnn_tanh", "rnn_relu"); ``hidden``, ``batch``: sizes;
+    ``dtype``: the weights' dtype; ``device``: "h100", "h200", "a100", a ``DeviceProfile`` or
+    None (the current GPU). Reads the SASS of the kernels the planner picks (compiled with NVRTC,
+    no GPU needed). Raises ValueError where the persistent kernel does not fit (the planner's
+    reason). The figures are the latency model's predictions (docs/design.md, "Latency model").
+    """
+    spec = planner.resolve_cell(cell)
+    dev = planner.resolve_device(device)
+    plan = planner.make_plan(spec, hidden, batch, dtype, dev)
+    if not plan.fits:
+        raise ValueError(plan.reason)
+    return predict_plan(spec, hidden, batch, plan, dev)
+
+
+def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: str = "float32",
+                device: DeviceProfile | str | None = "h100") -> dict:
+    """``prnn plan``'s record: the placement (tile, grid or cluster, CTAs, block, registers,
+    shared memory, or why it does not fit) and, where it fits, the model's predicted µs per step
+    (``forward_us``, ``backward_us`` for one layer; ``stack_forward_us`` / ``stack_backward_us``
+    for ``layers`` layers, one launch each, in sequence) with their terms - predictions, labelled
+    with the model's calibration error."""
+    spec = planner.resolve_cell(cell)
+    dev = planner.resolve_device(device)
+    plan = planner.make_plan(spec, hidden, batch, dtype, dev)
+    record: dict = {"cell": spec.name, "hidden_size": hidden, "batch": batch, "layers": layers,
+                    "dtype": dtype, "device": dev.name, "fits": plan.fits, "reason": plan.reason}
+    if not plan.fits:
+        return record
+    record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
+                      "placement": "cluster" if plan.tile.cluster else "grid"}
+    for name, p in (("forward", plan.forward), ("backward", plan.backward)):
+        record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
+                        "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,
+                        "defines": dict(p.defines)}
+    st = predict_plan(spec, hidden, batch, plan, dev)
+    record.update({"prediction": True, "calibration": CALIBRATION,
+                   "forward_us": st.forward_us, "backward_us": st.backward_us,
+                   "stack_forward_us": layers * st.forward_us,
+                   "stack_backward_us": layers * st.backward_us,
+                   "launches_per_pass": layers,
+                   "forward_terms": terms_dict(st.forward), "backward_terms": terms_dict(st.backward),
+                   "forward_dominant": st.forward.dominant(), "backward_dominant": st.backward.dominant()})
+    return record
+
+
+def terms_dict(t: StepTerms) -> dict:
+    """A ``StepTerms`` as a JSON-ready dict (its total included)."""
+    return {"total_us": t.total_us, "issue_us": t.issue_us, "matrix_us": t.matrix_us,
+            "barrier_us": t.barrier_us, "exchange_us": t.exchange_us,
+            "pointwise_us": t.pointwise_us, "exchange": t.exchange, "instructions": t.instructions,
+            "per_row_instructions": t.per_row_instructions, "per_row_ffma": t.per_row_ffma}

@@ -1,0 +1,124 @@
+"""The per-step latency model (persistent_rnn/model.py): its terms on a synthetic SASS time loop,
+monotonicity, ``prnn plan --json`` and the committed calibration's error."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from persistent_rnn import cli, hardware, kernel_report, model
+from persistent_rnn import plan as planner
+from persistent_rnn.cells import CELLS
+
+ROOT = Path(__file__).resolve().parent.parent
+CALIBRATION_JSON = ROOT / "bench" / "results" / "model-calibration-2026-11-24.json"
+H100 = hardware.PROFILES["h100"]
+
+
+def synthetic_sass(ffma: int = 8, extra: int = 0) -> str:
+    """An nvdisasm-like time loop: a barrier, a matrix loop of ``ffma`` FFMAs (one trip per batch
+    row), ``extra`` more ALU instructions, a pointwise loop with a MUFU chain, a wait, a barrier."""
+    lines = ["        /*0000*/                   MOV R1, c[0x0][0x28] ;", ".L_x_0:",
+             "        BAR.SYNC.DEFER_BLOCKING 0x0 ;", ".L_x_1:", "        LDS R2, [R3] ;"]
+    lines += ["        FFMA R4, R2, R5, R4 ;"] * ffma
+    lines += ["        ISETP.GE.AND P0, PT, R6, R7, PT ;", "        @!P0 BRA `(.L_x_1) ;"]
+    lines += ["        IADD3 R20, R20, 0x1, RZ ;"] * extra
+    lines += [".L_x_3:", "        MUFU.EX2 R8, R4 ;", "        FFMA R9, R8, R8, R8 ;",
+              "        MUFU.RCP R10, R9 ;", "        STG.E [R12.64], R10 ;",
+              "        ISETP.GE.AND P3, PT, R13, R7, PT ;", "        @!P3 BRA `(.L_x_3) ;",
+              ".L_x_2:", "        NANOSLEEP 0x20 ;", "        LDG.E R11, [R12.64] ;",
+              "        ISETP.NE.AND P1, PT, R11, RZ, PT ;", "        @P1 BRA `(.L_x_2) ;",
+              "        BAR.SYNC.DEFER_BLOCKING 0x0 ;", "        ISETP.NE.AND P2, PT, R14, RZ, PT ;",
+              "        @!P2 BRA `(.L_x_0) ;", "        EXIT ;"]
+    return "\n".join(f"        /*{16 * i:04x}*/ {line.strip()}" if not line.startswith(".L") else line
+                     for i, line in enumerate(lines))
+
+
+def shape(batch: int) -> model.PassShape:
+    cell = CELLS["rnn_tanh"]
+    tile = planner.tiles_for(cell)[0]
+    return model.PassShape(cell, planner.pass_plan(cell, tile, False, 128, batch), batch, 128)
+
+
+def test_synthetic_loop_kinds_and_counts():
+    sass = synthetic_sass(ffma=8)
+    loop = kernel_report.time_loop(sass)
+    kinds = sorted(model.loop_kind(loop, h) for h in loop.inner)
+    assert kinds == ["matrix", "pointwise", "spin"]
+    s = shape(batch=3)
+    terms = model.step_terms(sass, s, H100)
+    matrix_body, pointwise_body, spin_body = 8 + 3, 6, 4
+    outside = len(loop.body) - matrix_body - pointwise_body - spin_body
+    pointwise_trips = math.ceil(3 * s.units / (32 * s.warps))
+    assert terms.instructions == outside + 3 * matrix_body + pointwise_trips * pointwise_body + spin_body
+    assert terms.per_row_instructions == matrix_body and terms.per_row_ffma == 8
+    assert terms.exchange == "l2"
+    cycle_us = 1 / H100.clock_mhz
+    assert terms.barrier_us == pytest.approx(2 * hardware.BLOCK_BARRIER * cycle_us)
+    # pointwise chain: MUFU -> FFMA -> MUFU -> the store of its result, per trip
+    chain = 2 * hardware.MUFU_LATENCY + 2 * hardware.FP_LATENCY
+    assert terms.pointwise_us == pytest.approx(pointwise_trips * chain * cycle_us)
+    assert terms.total_us == pytest.approx(terms.issue_us + terms.matrix_us + terms.barrier_us
+                                           + terms.exchange_us + terms.pointwise_us)
+
+
+def test_critical_path_follows_registers():
+    code = [("MUFU.EX2", "", None, " R1, R0 "), ("FADD", "", None, " R2, R5, R6 "),
+            ("FFMA", "", None, " R3, R1, R1, R2 "), ("STS", "", None, " [R7], R3 ")]
+    assert model.critical_path(code, model._latency) == (
+        hardware.MUFU_LATENCY + 2 * hardware.FP_LATENCY)
+
+
+def test_more_instructions_more_time():
+    base = model.step_terms(synthetic_sass(ffma=8), shape(2), H100)
+    more_ffma = model.step_terms(synthetic_sass(ffma=16), shape(2), H100)
+    more_alu = model.step_terms(synthetic_sass(ffma=8, extra=40), shape(2), H100)
+    assert more_ffma.total_us > base.total_us
+    assert more_alu.total_us > base.total_us
+
+
+@pytest.mark.parametrize("sass", [synthetic_sass(ffma=8), None], ids=["synthetic", "lstm-256-cluster"])
+def test_bigger_batch_never_faster(sass):
+    if sass is None:  # a shipped configuration's SASS (NVRTC, no GPU)
+        p = planner.make_plan("lstm", 256, 1, device="h100").forward
+        sass = model.pass_sass(p, "sm_90")
+        shapes = [model.shape_at(CELLS["lstm"], p, b, 256) for b in (1, 2, 4, 8)]
+    else:
+        shapes = [shape(b) for b in (1, 2, 4, 8, 32)]
+    totals = [model.step_terms(sass, s, H100).total_us for s in shapes]
+    assert totals == sorted(totals) and totals[-1] > totals[0]
+
+
+def test_plan_json_keys(capsys):
+    assert cli.main(["plan", "GRU", "256", "--batch", "1", "--device", "h100", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["fits"] and record["prediction"] is True
+    assert record["forward_us"] > 0 and record["backward_us"] > 0
+    assert "calibration" in record and record["tile"]["placement"] == "cluster"
+    assert set(record["forward_terms"]) >= {"issue_us", "matrix_us", "barrier_us", "exchange_us",
+                                            "pointwise_us"}
+
+
+def test_plan_reports_why_not(capsys):
+    assert cli.main(["plan", "LSTM", "4096", "--json"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert not record["fits"] and "4096" in record["reason"] and "forward_us" not in record
+
+
+def test_predict_step_time_top_level():
+    import persistent_rnn as prnn
+    st = prnn.predict_step_time("rnn_tanh", 512, 1, device="h100")
+    assert st.forward_us == pytest.approx(st.forward.total_us)
+    assert st.benchmark_us(100) > st.forward_us
+    with pytest.raises(ValueError, match="does not fit"):
+        prnn.predict_step_time("lstm", 4096, 1, device="h100")
+
+
+def test_committed_calibration_within_target():
+    data = json.loads(CALIBRATION_JSON.read_text())
+    errors = sorted(abs(r["predicted_us"] / r["measured_us"] - 1) for r in data["rows"])
+    assert len(errors) == data["points"] >= 100
+    assert errors[len(errors) // 2] <= 0.25 and errors[-1] <= 0.50
+    assert data["constants"] == {name: getattr(hardware, name) for name in data["constants"]}
