@@ -191,12 +191,17 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
 // even, so that every thread loads whole 16-byte pairs.
 PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
 
-// Tagged pairs a thread of the gather loads at once (four registers each): what the register cap
-// leaves beside the weights with zero spills (ptxas, sm_80 and sm_90; the largest tiles hold
-// 180-200 registers of weights). -DPRNN_GATHER_PAIRS overrides it (experiments).
+// Tagged pairs a thread of the gather loads at once (four registers each). Grid: what the register
+// cap leaves beside the weights with zero spills (ptxas, sm_80 and sm_90; the largest tiles hold
+// 180-200 registers of weights), as L2 round trips are what a step waits on. Cluster: 2, as a
+// small layer gives a thread one or two pairs and every unrolled slot is issued (predicated) each
+// step. persistent_rnn/model.py mirrors this (PassShape.gather_pairs). -DPRNN_GATHER_PAIRS
+// overrides it (experiments).
 constexpr int kWeightRegisters = kRows * kWordsPerLane;
-#ifdef PRNN_GATHER_PAIRS
+#if defined(PRNN_GATHER_PAIRS)
 constexpr int kGatherPairs = PRNN_GATHER_PAIRS;
+#elif defined(PRNN_CLUSTER)
+constexpr int kGatherPairs = 2;  // shared-memory polls are cheap: fewer unrolled (issued) slots
 #else
 constexpr int kGatherPairs = kWeightRegisters > 150 ? 4 : 8;
 #endif

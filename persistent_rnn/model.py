@@ -80,6 +80,8 @@ class PassShape:
     @property
     def gather_pairs(self) -> int:
         """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh)."""
+        if "PRNN_CLUSTER" in self.plan.defines:
+            return 2
         return 4 if self.plan.weight_registers > 150 else 8
 
     @property
