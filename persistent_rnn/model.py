@@ -93,7 +93,7 @@ class PassShape:
         """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh)."""
         if "PRNN_CLUSTER" in self.plan.defines:
             return 2
-        return 4 if self.plan.weight_registers > 150 else 8
+        return 4 if self.plan.weight_registers > 128 else 8
 
     @property
     def gather_rounds(self) -> int:
