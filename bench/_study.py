@@ -7,7 +7,6 @@ why, since its figures only mean something on one.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -37,9 +36,7 @@ def require_gpu(name: str) -> None:
 def document(settings: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
     """A study's results: device, driver, CUDA, commit, command, date, settings and rows."""
     device = bench.device_record(gpu=True)
-    return {"schema_version": SCHEMA_VERSION, **device, "commit": bench.git_commit(),
-            "command": " ".join(["python", *sys.argv]),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    return {"schema_version": SCHEMA_VERSION, **device, **bench.run_stamp(["python", *sys.argv]),
             "settings": settings, "rows": rows}
 
 

@@ -16,7 +16,6 @@ the ratio of medians (persistent_rnn / torch.nn) and what ``last_run`` says ran.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -104,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "load_average_1_5_15_min": os.getloadavg(),
-        "commit": bench.git_commit(), "command": " ".join(["python", *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **bench.run_stamp(["python", *sys.argv]),
         "settings": {"steps": args.steps, "warmup": args.warmup, "algo": args.algo,
                      "timing": "time.perf_counter per training step (zero_grad, forward, "
                                "backward, SGD step), steps alternating between the two builds; "

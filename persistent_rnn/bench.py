@@ -1,17 +1,27 @@
 """The sweep engine behind ``prnn bench``: time one layer per point, write JSON, table and plot.
 
-A point is (cell, pass, algo, batch, hidden_size, seq_len, dtype): one single-layer,
-unidirectional layer with ``input_size`` inputs. ``pass`` is ``forward`` or ``forward_backward``;
-``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with that ``algo``) or ``cudnn``
-(``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
+A point is (cell, pass, algo, batch, hidden_size, seq_len, dtype, proj_size, num_layers): a
+unidirectional layer with ``input_size`` inputs - one layer, or a stack of ``num_layers`` (which
+persistent_rnn runs in stack mode where the planner places it, ``settings.stack``), and for the
+LSTM an optional projection of width ``proj_size`` (torch.nn's ``proj_size``). ``pass`` is
+``forward`` or ``forward_backward``; ``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with
+that ``algo``) or ``cudnn`` (``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
 input projection included; ``us_per_step`` is it divided by ``seq_len``.
 
-FLOPs counted (the recurrence only; G gates, batch B, hidden H), per step:
+FLOPs counted (the recurrence only; G gates, batch B, hidden H), per step and layer:
 forward ``2*G*B*H^2`` (``W_hh h_{t-1}``), forward_backward ``4*G*B*H^2`` (plus the backward
-recurrence's ``W_hh^T dgh_t``; the weight-gradient GEMM ``dW_hh`` is not counted).
+recurrence's ``W_hh^T dgh_t``; the weight-gradient GEMM ``dW_hh`` is not counted); with a
+projection of width P, ``2*B*(G*H*P + P*H)`` forward (``W_hh r_{t-1}`` and ``W_hr h_t``), twice
+that for forward_backward; a stack counts every layer's recurrence (not the input projections of
+the layers above the first).
 ``tflops = flops_per_step / us_per_step / 1e6``; ``peak_fraction = tflops / fp32 peak``
 (``info.fp32_peak_tflops``). ``activation_bytes`` are those of ``y``, ``cs`` (LSTM) and ``saved``:
-``T*B*H*(1 + [LSTM] + S)*itemsize`` (4 for 16-bit layers, which keep them in fp32).
+``T*B*H*(1 + [LSTM] + S)*itemsize`` (4 for 16-bit layers, which keep them in fp32); with a
+projection or a stack, the arrays of ``functional.saved_shapes``.
+
+Each persistent point also carries ``predicted_us_per_step``: the latency model's *prediction*
+(``persistent_rnn.model``, per-call terms spread over T steps as ``StepTime.benchmark_us``), or
+``None`` with ``prediction_note`` saying why (the model does not cover the projection kernels).
 
 ``dtype`` "float16" or "bfloat16" times 16-bit layers against ``torch.nn`` converted to the same
 dtype (``.half()`` / ``.to(torch.bfloat16)``; fp16 is where torch may pick cuDNN's persistent
@@ -23,6 +33,7 @@ from __future__ import annotations
 import datetime as _dt
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,10 +45,11 @@ import numpy as np
 
 from . import info, timing
 from .cells import CELLS, layer_args
+from .functional import saved_shapes
 from .plan import resolve_cell
 from .validation import ALGOS, DTYPES, HALF_DTYPES, float_dtype
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: points gained proj_size, num_layers, predicted_us_per_step, prediction_note
 PASSES = ("forward", "forward_backward")
 # What a point can measure: each algorithm persistent_rnn can be told to run, and torch's cuDNN.
 BENCH_ALGOS = (*(a for a in ALGOS if a != "auto"), "cudnn")
@@ -45,9 +57,12 @@ CELL_NAMES = tuple(CELLS)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 BENCH_DTYPES = tuple(d for d in DTYPES if d != "float64")  # what torch's cuDNN runs too
 FLOPS_FORMULA = ("recurrence only, per step: forward 2*G*B*H^2; forward_backward 4*G*B*H^2 "
-                 "(forward W_hh h plus backward W_hh^T dgh); G = gates (rnn 1, gru 3, lstm 4)")
+                 "(forward W_hh h plus backward W_hh^T dgh); G = gates (rnn 1, gru 3, lstm 4); "
+                 "with a projection of width P: 2*B*(G*H*P + P*H) forward; times num_layers")
 PEAK_FORMULA = "SMs x max SM clock x FP32 lanes per SM (128; 64 on sm_80) x 2"
 JSON_NAME, PLOT_NAME = "bench_results.json", "bench_tflops.png"
+COMMIT_ENV = "PRNN_COMMIT"
+NO_PROJECTION_MODEL = "the latency model does not cover the LSTM projection kernels"
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,8 @@ class Sweep:
     algos: tuple[str, ...] = BENCH_ALGOS
     dtype: str = "float32"
     input_size: int = 64
+    proj_size: int = 0
+    num_layers: int = 1
     repeats: int = 10
     warmup: int = 2
     input_sets: int = 3
@@ -98,6 +115,10 @@ class Point:
     activation_bytes: int | None
     restarts: int
     fallback: str | None
+    proj_size: int = 0
+    num_layers: int = 1
+    predicted_us_per_step: float | None = None
+    prediction_note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON record (``pass_`` is written ``pass``)."""
@@ -106,20 +127,25 @@ class Point:
         return d
 
 
-def recurrence_flops_per_step(cell: str, batch: int, hidden: int, pass_: str) -> int:
-    """FLOPs of one step's recurrent matrix products (see the module docstring)."""
+def recurrence_flops_per_step(cell: str, batch: int, hidden: int, pass_: str, proj_size: int = 0,
+                              num_layers: int = 1) -> int:
+    """FLOPs of one step's recurrent matrix products, over all ``num_layers`` layers (see the
+    module docstring)."""
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
-    forward = 2 * resolve_cell(cell).gates * batch * hidden * hidden
+    gates = resolve_cell(cell).gates
+    per_batch = gates * hidden * proj_size + proj_size * hidden if proj_size else gates * hidden * hidden
+    forward = 2 * batch * per_batch * num_layers
     return forward if pass_ == "forward" else 2 * forward
 
 
-def activation_bytes(cell: str, batch: int, hidden: int, seq_len: int, dtype: str) -> int:
-    """Bytes of ``y``, ``cs`` (LSTM) and ``saved`` a persistent_rnn forward keeps for backward."""
-    spec = resolve_cell(cell)
-    per_unit = 1 + int(spec.has_cell_state) + spec.saved
+def activation_bytes(cell: str, batch: int, hidden: int, seq_len: int, dtype: str, proj_size: int = 0,
+                     num_layers: int = 1) -> int:
+    """Bytes a persistent_rnn forward keeps for backward (``functional.saved_shapes``: ``y``,
+    ``cs`` (LSTM), the projection's ``hs``, ``saved``, the inputs of the layers above the first)."""
+    shapes = saved_shapes(resolve_cell(cell), seq_len, batch, hidden, num_layers, False, proj_size)
     itemsize = 4 if dtype in HALF_DTYPES else np.dtype(dtype).itemsize
-    return seq_len * batch * hidden * per_unit * itemsize
+    return sum(int(np.prod(s)) for s in shapes) * itemsize
 
 
 def gpu_available() -> bool:
@@ -141,7 +167,12 @@ def torch_cuda_available() -> bool:
 
 
 def git_commit() -> str:
-    """``git rev-parse HEAD`` of the source tree, or ``"unknown"``."""
+    """The commit of the code that runs: ``PRNN_COMMIT`` where set (a copy without ``.git``, as
+    on the device machine, is told it), else ``git rev-parse HEAD`` of the source tree, else
+    ``"unknown"``."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                              text=True, timeout=5, check=True)
@@ -150,8 +181,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def run_stamp(argv: Sequence[str]) -> dict[str, str]:
+    """What every recorded result carries about its run: ``commit`` (``git_commit``),
+    ``command`` (``argv`` joined) and ``date`` (UTC, ISO 8601)."""
+    return {"commit": git_commit(), "command": " ".join(argv),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
 def _inputs(xp, rng, sets: int, seq_len: int, batch: int, input_size: int, hidden: int, dtype: str):
-    """``sets`` fresh random (x, dy) pairs on the array module ``xp``."""
+    """``sets`` fresh random (x, dy) pairs on the array module ``xp`` (``hidden``: the output
+    width, P for a projected LSTM)."""
     np_dtype = float_dtype("dtype", dtype)
     return [(xp.asarray(rng.standard_normal((seq_len, batch, input_size)).astype(np_dtype)),
              xp.asarray(rng.standard_normal((seq_len, batch, hidden)).astype(np_dtype)))
@@ -165,7 +204,8 @@ def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, h
     if sweep.dtype == "bfloat16" and xp is not np:
         raise ValueError("bfloat16 layers take NumPy arrays only (CuPy has no bfloat16 arrays)")
     mode, extra = layer_args(cell)
-    layer = getattr(prnn, mode)(sweep.input_size, hidden, dtype=sweep.dtype, algo=algo, seed=0, **extra)
+    layer = getattr(prnn, mode)(sweep.input_size, hidden, dtype=sweep.dtype, algo=algo, seed=0,
+                                **_shape_args(sweep), **extra)
     if xp is not np:
         layer.load_params({k: xp.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(batch * 7919 + hidden)
@@ -174,7 +214,14 @@ def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, h
         layer.forward(pair[0])
         if backward:
             layer.backward(pair[1])
-    return run, _inputs(xp, rng, sweep.input_sets, seq_len, batch, sweep.input_size, hidden, sweep.dtype), layer
+    return run, _inputs(xp, rng, sweep.input_sets, seq_len, batch, sweep.input_size,
+                        sweep.proj_size or hidden, sweep.dtype), layer
+
+
+def _shape_args(sweep: Sweep) -> dict[str, int]:
+    """The layer arguments of the sweep's stack depth and projection (torch.nn's names; the
+    projection only where one is asked for, since only the LSTM takes it)."""
+    return {"num_layers": sweep.num_layers, **({"proj_size": sweep.proj_size} if sweep.proj_size else {})}
 
 
 def _torch_case(sweep: Sweep, cell: str, backward: bool, batch: int, hidden: int, seq_len: int):
@@ -182,13 +229,14 @@ def _torch_case(sweep: Sweep, cell: str, backward: bool, batch: int, hidden: int
     import torch
     mode, extra = layer_args(cell)
     dtype = getattr(torch, sweep.dtype)
-    module = getattr(torch.nn, mode)(sweep.input_size, hidden, **extra).to(device="cuda", dtype=dtype)
+    module = getattr(torch.nn, mode)(sweep.input_size, hidden, **_shape_args(sweep), **extra).to(
+        device="cuda", dtype=dtype)
     rng = np.random.default_rng(batch * 7919 + hidden)
     # fp32 on the host, converted by torch (torch takes no ml_dtypes bfloat16 arrays)
     pairs = [(torch.as_tensor(x, device="cuda").to(dtype).requires_grad_(backward),
               torch.as_tensor(dy, device="cuda").to(dtype))
-             for x, dy in _inputs(np, rng, sweep.input_sets, seq_len, batch, sweep.input_size, hidden,
-                                  "float32")]
+             for x, dy in _inputs(np, rng, sweep.input_sets, seq_len, batch, sweep.input_size,
+                                  sweep.proj_size or hidden, "float32")]
 
     def run(pair):
         y, _ = module(pair[0])
@@ -202,22 +250,61 @@ def measure_point(sweep: Sweep, cell: str, pass_: str, algo: str, batch: int, hi
     """Time one point (raises ValueError where ``algo`` cannot run it, e.g. the plan does not fit)."""
     backward = pass_ == "forward_backward"
     clock: timing.Clock = timing.CudaEventClock() if gpu else timing.CpuClock()
-    restarts, fallback, act = 0, None, None
+    restarts, fallback, act, predicted = 0, None, None, (None, None)
     if algo == "cudnn":
         run, inputs = _torch_case(sweep, cell, backward, batch, hidden, seq_len)
         layer = None
     else:
         xp = __import__("cupy") if gpu else np
         run, inputs, layer = _prnn_case(sweep, cell, algo, backward, batch, hidden, seq_len, xp)
-        act = activation_bytes(cell, batch, hidden, seq_len, sweep.dtype)
+        act = activation_bytes(cell, batch, hidden, seq_len, sweep.dtype, sweep.proj_size,
+                               sweep.num_layers)
     seconds = timing.median_seconds(run, inputs, sweep.repeats, sweep.warmup, clock)
     if layer is not None:
         restarts, fallback = layer.last_run.restarts, layer.last_run.fallback
+    if algo == "persistent" and gpu:
+        predicted = predicted_us_per_step(sweep, cell, pass_, batch, hidden, seq_len)
     us = seconds * 1e6 / seq_len
-    flops = recurrence_flops_per_step(cell, batch, hidden, pass_)
+    flops = recurrence_flops_per_step(cell, batch, hidden, pass_, sweep.proj_size, sweep.num_layers)
     tflops = flops / us / 1e6
     return Point(cell, pass_, algo, batch, hidden, seq_len, sweep.dtype, us, flops, tflops,
-                 tflops / peak_tflops if peak_tflops else None, act, restarts, fallback)
+                 tflops / peak_tflops if peak_tflops else None, act, restarts, fallback,
+                 sweep.proj_size, sweep.num_layers, *predicted)
+
+
+def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidden: int,
+                          seq_len: int, device: Any = None) -> tuple[float | None, str | None]:
+    """The latency model's *prediction* of a persistent point's µs per step - the per-step terms
+    plus each call's terms spread over ``seq_len`` steps (``StepTime.benchmark_us``); a stack as
+    the runtime places it (stack mode where ``settings.stack`` is on and the stack plan fits) -
+    and ``None``, or ``(None, why)`` where the model has no figure. ``device``: a profile or
+    name (``plan.resolve_device``; None: the current GPU). Never raises for a model failure: the
+    measurement stands without its prediction."""
+    from . import model, settings
+    from . import plan as planner
+    if sweep.proj_size:
+        return None, NO_PROJECTION_MODEL
+    backward = pass_ == "forward_backward"
+    try:
+        dev = planner.resolve_device(device)
+        if sweep.num_layers > 1:
+            st = model.predict_stack_time(cell, hidden, batch, sweep.num_layers, seq_len,
+                                          input_size=sweep.input_size, dtype=sweep.dtype, device=dev)
+            stacked = settings.current().stack and st.plan.fits
+            fwd, bwd = ((st.forward_us, st.backward_us) if stacked
+                        else (st.apart_forward_us, st.apart_backward_us))
+            if fwd is None:
+                return None, f"no plan fits: {st.plan.reason}"
+            return (fwd + (bwd if backward else 0.0)) / seq_len, None
+        spec = resolve_cell(cell)
+        plan = planner.make_plan(spec, hidden, batch, sweep.dtype, dev)
+        if not plan.fits:
+            return None, f"no plan fits: {plan.reason}"
+        st = model.predict_plan(spec, hidden, batch, plan, dev, seq_len=seq_len,
+                                input_size=sweep.input_size)
+        return st.benchmark_us(seq_len, backward), None
+    except (RuntimeError, ValueError, OSError) as exc:  # no nvdisasm, a compile failure: no figure
+        return None, f"no prediction: {type(exc).__name__}: {exc}"
 
 
 def run_sweep(sweep: Sweep, gpu: bool, peak_tflops: float | None,
@@ -235,7 +322,7 @@ def run_sweep(sweep: Sweep, gpu: bool, peak_tflops: float | None,
     for cell, hidden, seq_len, pass_, algo, batch in tqdm(combos, file=sys.stderr, disable=not progress,
                                                          desc="prnn bench", unit="pt", leave=False):
         where = {"cell": cell, "pass": pass_, "algo": algo, "batch": batch, "hidden_size": hidden,
-                 "seq_len": seq_len}
+                 "seq_len": seq_len, "proj_size": sweep.proj_size, "num_layers": sweep.num_layers}
         if time.monotonic() > deadline:
             skipped.append({**where, "reason": f"time budget of {sweep.max_seconds:g} s spent"})
             continue
@@ -257,8 +344,11 @@ def device_record(gpu: bool) -> dict[str, Any]:
 
 
 def settings_record(sweep: Sweep, gpu: bool) -> dict[str, Any]:
-    """The sweep and the timing/torch settings it ran with."""
+    """The sweep, persistent_rnn's runtime settings (``gemm_graphs``, ``stack``, ...) and the
+    timing/torch settings it ran with."""
+    from . import settings
     s = {f.name: getattr(sweep, f.name) for f in fields(sweep)}
+    s["prnn_settings"] = asdict(settings.current())
     s["timing"] = ("CUDA events" if gpu else "time.perf_counter") + \
         f", median of {sweep.repeats} after {sweep.warmup} warm-up, rotating {sweep.input_sets} input sets"
     if "cudnn" in sweep.algos:
@@ -295,9 +385,7 @@ def benchmark(sweep: Sweep, gpu: bool, argv: Sequence[str], progress: bool = Tru
     peak = device["device_info"]["device"]["fp32_peak_tflops"] if gpu else None
     points, skipped = run_sweep(sweep, gpu, peak, progress)
     return {
-        "schema_version": SCHEMA_VERSION, **device, "fp32_peak_tflops": peak,
-        "commit": git_commit(), "command": " ".join(argv),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "schema_version": SCHEMA_VERSION, **device, "fp32_peak_tflops": peak, **run_stamp(argv),
         "settings": settings_record(sweep, gpu), "flops_formula": FLOPS_FORMULA, "peak_formula": PEAK_FORMULA,
         "points": [p.to_json() for p in points], "skipped": skipped,
     }
@@ -305,18 +393,24 @@ def benchmark(sweep: Sweep, gpu: bool, argv: Sequence[str], progress: bool = Tru
 
 def format_table(results: dict[str, Any]) -> str:
     """The points as an aligned text table, with a header line naming the device."""
-    head = f"{'cell':8} {'pass':16} {'algo':10} {'B':>3} {'H':>5} {'T':>4} {'us/step':>9} " \
-           f"{'TFLOP/s':>8} {'%peak':>6} {'act MiB':>8} {'rest':>4} fallback"
+    head = f"{'cell':8} {'pass':16} {'algo':10} {'B':>3} {'H':>5} {'P':>4} {'L':>2} {'T':>4} " \
+           f"{'us/step':>9} {'pred':>7} {'TFLOP/s':>8} {'%peak':>6} {'act MiB':>8} {'rest':>4} fallback"
     lines = [f"prnn bench on {results['device']} (commit {results['commit'][:12]}, {results['date']})", head]
     for p in results["points"]:
         peak = f"{100 * p['peak_fraction']:6.2f}" if p["peak_fraction"] is not None else f"{'-':>6}"
         act = f"{p['activation_bytes'] / 2**20:8.2f}" if p["activation_bytes"] is not None else f"{'-':>8}"
+        pred = p.get("predicted_us_per_step")
+        pred = f"{pred:7.2f}" if pred is not None else f"{'-':>7}"
         lines.append(f"{p['cell']:8} {p['pass']:16} {p['algo']:10} {p['batch']:3d} {p['hidden_size']:5d} "
-                     f"{p['seq_len']:4d} {p['us_per_step']:9.2f} {p['tflops']:8.4f} {peak} {act} "
+                     f"{p.get('proj_size', 0):4d} {p.get('num_layers', 1):2d} {p['seq_len']:4d} "
+                     f"{p['us_per_step']:9.2f} {pred} {p['tflops']:8.4f} {peak} {act} "
                      f"{p['restarts']:4d} {p['fallback'] or '-'}")
     if results["skipped"]:
         lines.append(f"{len(results['skipped'])} points skipped (see 'skipped' in the JSON), e.g. "
                      f"{results['skipped'][0]['reason'][:160]}")
+    if any(p.get("predicted_us_per_step") is not None for p in results["points"]):
+        lines.append("pred: the latency model's prediction of us/step (persistent_rnn.model), not a "
+                     "measurement")
     if results["device"] == "cpu":
         lines.append(results["note"])
     return "\n".join(lines)

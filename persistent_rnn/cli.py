@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=bench.BENCH_DTYPES,
                    help="layer dtype, torch.nn in the same dtype (default float32)")
     b.add_argument("--input-size", type=_at_least(1), help="layer input size (default 64)")
+    b.add_argument("--proj-size", type=_at_least(1),
+                   help="LSTM projection width P (torch.nn's proj_size; --cells lstm only)")
+    b.add_argument("--layers", type=_at_least(1),
+                   help="stacked layers per point (default 1; persistent: stack mode where it fits)")
     b.add_argument("--repeats", type=_at_least(10), help="timed repetitions per point, >= 10 (default 10)")
     b.add_argument("--max-seconds", type=_at_least(1.0, float), help="time budget; later points are skipped")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -103,14 +107,21 @@ def _sweep_from_args(args: argparse.Namespace, gpu: bool) -> bench.Sweep:
     """The default sweep with the options given on the command line."""
     given = {"cells": args.cells, "batches": args.batches, "hidden_sizes": args.hidden,
              "seq_lens": args.seq_len, "passes": args.passes, "algos": args.algos,
-             "dtype": args.dtype, "input_size": args.input_size, "repeats": args.repeats, "max_seconds": args.max_seconds}
-    return replace(bench.default_sweep(gpu, args.quick), **{k: v for k, v in given.items() if v is not None})
+             "dtype": args.dtype, "input_size": args.input_size, "proj_size": args.proj_size,
+             "num_layers": args.layers, "repeats": args.repeats, "max_seconds": args.max_seconds}
+    sweep = replace(bench.default_sweep(gpu, args.quick), **{k: v for k, v in given.items() if v is not None})
+    if sweep.proj_size and sweep.cells != ("lstm",):
+        raise ValueError(f"--proj-size needs --cells lstm (only the LSTM has a projection), "
+                         f"got cells {','.join(sweep.cells)}")
+    return sweep
 
 
-def run_info(args: argparse.Namespace) -> int:
-    """``prnn info``."""
+def run_info(args: argparse.Namespace, argv: list[str]) -> int:
+    """``prnn info`` (with ``--json``, stamped with the commit, command and date of the run)."""
     from . import info
     report = info.collect()
+    if args.json:
+        report.update(bench.run_stamp(["prnn", *argv]))
     print(json.dumps(report, indent=1) if args.json else info.format_text(report))
     return 0
 
@@ -230,7 +241,7 @@ def _dispatch(argv: list[str]) -> int:
         return run_kernels(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "info":
-        return run_info(args)
+        return run_info(args, argv)
     if args.command == "bench":
         return run_bench(args, argv)
     if args.command == "plan":

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 import persistent_rnn as prnn
-from persistent_rnn import functional, hardware, plan as planner, runtime
+from persistent_rnn import buffers, functional, hardware, plan as planner, runtime
 from persistent_rnn.buffers import active_steps
 from persistent_rnn.cells import cell_spec, layer_args
 
@@ -85,6 +85,7 @@ class Case:
     path: str = "cluster"                  # exchange of the emulated persistent kernel
     stall: tuple[int, int] | None = None   # (block, step)
     max_resident: int | None = None
+    stack: bool = True                     # the `stack` setting: stack mode where the plan fits
     bad: str = ""                          # name in BAD_INPUTS
 
     def command(self) -> str:
@@ -136,7 +137,7 @@ def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
         return case
     if profile == "long" and rng.random() < 0.08:  # the largest tiles, at a few small shapes
         top = planner.max_hidden_size(case.cell, case.dtype, emulated_profile("grid"))
-        return dataclasses.replace(case, hidden=int(top - rng.integers(0, 3)), path="grid",
+        return dataclasses.replace(case, hidden=int(top - rng.integers(0, 3)), path="grid", stack=False,
                                    num_layers=1, bidirectional=False, batch=1,
                                    steps=int(rng.integers(1, 3)), lengths=False)
     grid = _grid(case)
@@ -145,11 +146,12 @@ def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
         # a stall costs STALL_MS per pass: one or two layer-directions
         return dataclasses.replace(case, stall=(int(rng.integers(0, grid)),
                                                 int(rng.integers(0, case.steps))),
-                                   num_layers=1)
+                                   num_layers=1, stack=False)
     if roll < 0.3 and case.path == "grid" and grid > 1:
         return dataclasses.replace(case, max_resident=int(rng.integers(1, grid + 1)),
-                                   num_layers=1, bidirectional=False)
-    return case
+                                   num_layers=1, bidirectional=False, stack=False)
+    # Drawn from a generator of its own, so that the other fields of the CI seeds stay as they were.
+    return dataclasses.replace(case, stack=bool(np.random.default_rng([seed, 18]).random() < 0.5))
 
 
 def emulated_profile(path: str) -> hardware.DeviceProfile:
@@ -165,6 +167,15 @@ def _grid(case: Case) -> int:
     p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
                           emulated_profile(case.path))
     return p.forward.grid if p.fits else 0
+
+
+def _stacked(case: Case) -> bool:
+    """Whether the case's persistent passes run in stack mode (all layers, or both directions
+    of a layer, in one launch): allowed, more than one layer-direction, and the plan fits."""
+    return (case.algo == "persistent" and case.stack and (case.num_layers > 1 or case.bidirectional)
+            and planner.make_stack_plan(case.cell, case.hidden, case.batch, case.num_layers,
+                                        case.bidirectional, case.dtype,
+                                        emulated_profile(case.path)).fits)
 
 
 def _held_back(case: Case) -> bool:
@@ -190,6 +201,7 @@ def features(case: Case) -> set[str]:
         got.add(case.path)
         got |= {"stall"} if case.stall else set()
         got |= {"held back"} if _held_back(case) else set()
+        got |= {"stack"} if _stacked(case) else set()
     flags = {"multi-layer": case.num_layers > 1, "bidirectional": case.bidirectional,
              "batch_first": case.batch_first, "no bias": not case.bias,
              "lengths": case.lengths, "hx": case.hx}
@@ -197,7 +209,7 @@ def features(case: Case) -> set[str]:
 
 
 LAYER_FEATURES = set(CELLS) | {"float32", "float16", "bfloat16", "persistent", "gemm", "auto",
-                               "cluster", "grid", "stall", "held back", "multi-layer",
+                               "cluster", "grid", "stall", "held back", "stack", "multi-layer",
                                "bidirectional", "batch_first", "no bias", "lengths", "hx"}
 
 
@@ -311,7 +323,7 @@ def _replay_direction(cell, params, ref, layer: int, direction: int, d,
     w_ih, w_hh = params[d.names["weight_ih"]], params[d.names["weight_hh"]]
     b_ih, b_hh = ((params[d.names["bias_ih"]], params[d.names["bias_hh"]])
                   if "bias_ih" in d.names else (0.0, 0.0))
-    gi = functional._matmul_steps(ref.inputs[layer], w_ih.T) + b_ih
+    gi = buffers.matmul_steps(ref.inputs[layer], w_ih.T) + b_ih
     if direction == 1:
         gi = functional._gather(ref.reverse_index, gi)
     y = np.asarray(d.fwd.y, np.float64)
@@ -319,7 +331,7 @@ def _replay_direction(cell, params, ref, layer: int, direction: int, d,
     cs = None if d.fwd.cs is None else np.asarray(d.fwd.cs, np.float64)
     c_prev = None if cs is None else np.concatenate([np.asarray(d.c0, np.float64)[None], cs[:-1]])
     steps, batch, hidden = y.shape
-    gh = functional._matmul_steps(h_prev, w_hh.T) + b_hh
+    gh = buffers.matmul_steps(h_prev, w_hh.T) + b_hh
     flat = lambda a: None if a is None else a.reshape(steps * batch, -1)  # noqa: E731
     h, c, saved = cell.forward(np, flat(gi), flat(gh), flat(h_prev), flat(c_prev))
     h = h.reshape(y.shape)
@@ -383,11 +395,12 @@ def _require(case: Case, ok: bool, what: str) -> None:
 
 def _settings(case: Case) -> dict:
     if case.stall is not None:
-        return dict(emulation_timeout_ms=STALL_TIMEOUT_MS, max_restarts=10)
+        return dict(stack=case.stack, emulation_timeout_ms=STALL_TIMEOUT_MS, max_restarts=10)
     if case.max_resident is not None:
-        return dict(emulation_timeout_ms=RESIDENT_TIMEOUT_MS, max_restarts=1,
+        return dict(stack=case.stack, emulation_timeout_ms=RESIDENT_TIMEOUT_MS, max_restarts=1,
                     emulation_max_resident=case.max_resident)
-    return dict(emulation_timeout_ms=10_000)  # generous: the emulation shares busy cores
+    # generous: the emulation shares busy cores
+    return dict(stack=case.stack, emulation_timeout_ms=10_000)
 
 
 def run_layer_case(case: Case) -> dict[str, float]:
@@ -420,8 +433,11 @@ def _check_stats(case: Case, fwd, bwd) -> None:
             _require(case, s.algo == "gemm" and not s.emulated, f"{name} ran {s}, not gemm")
             continue
         _require(case, s.algo == "persistent" and s.emulated, f"{name}: last_run {s}")
+        stacked = any("prnn_stack_" in d for d in s.details)
+        _require(case, stacked == _stacked(case),
+                 f"{name}: stack mode {'used' if stacked else 'not used'}: {s.details}")
         clustered = any("PRNN_CLUSTER" in d for d in s.details)
-        want = case.path == "cluster" and planner.make_plan(
+        want = not stacked and case.path == "cluster" and planner.make_plan(
             case.cell, case.hidden, case.batch, case.dtype,
             emulated_profile("cluster")).tile.cluster > 0
         _require(case, clustered == want, f"{name} ran on the wrong exchange path: {s.details}")

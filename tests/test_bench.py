@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -124,9 +125,10 @@ def test_study_size_ladders():
     assert barrier_latency.grid_sizes(108, quick=True) == [1, 8, 108]
 
 
-def _point(algo, batch, tflops, peak=None):
+def _point(algo, batch, tflops, peak=None, us=10.0, predicted=None, **extra):
     return {"cell": "lstm", "pass": "forward", "algo": algo, "batch": batch, "hidden_size": 512,
-            "tflops": tflops, "peak_fraction": peak}
+            "seq_len": 100, "tflops": tflops, "peak_fraction": peak, "us_per_step": us,
+            "predicted_us_per_step": predicted, **extra}
 
 
 def test_summarize_reports_best_points_barrier_and_restart(tmp_path, capsys):
@@ -163,3 +165,212 @@ def test_barrier_latency_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
     monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path))
     log = kernels.compile_source("grid_barrier.cu", {}, "sm_90").log
     assert f"'{_bench_script('barrier_latency').KERNEL}'" in log and "0 bytes spill stores" in log
+
+
+# --- projections, stacks, predictions, the commit stamp, the GPU suite's pieces on the CPU ---
+
+def test_flops_with_a_projection_and_a_stack():
+    # LSTM H=8, P=4, B=2: W_hh (32 x 4) r and W_hr (4 x 8) h per batch row, 2 FLOPs a product.
+    assert bench.recurrence_flops_per_step("lstm", 2, 8, "forward", proj_size=4) == 2 * 2 * (128 + 32)
+    assert bench.recurrence_flops_per_step("lstm", 2, 8, "forward_backward", proj_size=4,
+                                           num_layers=3) == 2 * 640 * 3
+    assert bench.recurrence_flops_per_step("gru", 1, 8, "forward", num_layers=2) == 2 * 2 * 3 * 64
+
+
+def test_activation_bytes_with_a_projection_and_a_stack():
+    # LSTMP T=5 B=2 H=8 P=4: y (P wide) 40, cs 80, hs 80, saved 320 values.
+    assert bench.activation_bytes("lstm", 2, 8, 5, "float32", proj_size=4) == (40 + 80 + 80 + 320) * 4
+    # Two GRU layers: layer 1's input (80) + per layer y 80 and saved 320, in fp32 for fp16.
+    assert bench.activation_bytes("gru", 2, 8, 5, "float16", num_layers=2) == (80 + 2 * 400) * 4
+
+
+def test_commit_comes_from_prnn_commit_where_set(monkeypatch):
+    monkeypatch.setenv(bench.COMMIT_ENV, "0123abcd")
+    assert bench.git_commit() == "0123abcd"
+    assert bench.run_stamp(["prnn", "x"])["commit"] == "0123abcd"
+    monkeypatch.setenv(bench.COMMIT_ENV, " ")
+    assert bench.git_commit() != " " and bench.git_commit()
+
+
+def test_cpu_run_of_a_projected_stack_records_its_shape(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(bench.COMMIT_ENV, "feedbeef")
+    out = tmp_path / "res"
+    assert cli.main(["bench", "--json", "--cpu", "--out", str(out), "--cells", "lstm", "--hidden", "16",
+                     "--proj-size", "4", "--layers", "2", "--batches", "1,3", "--seq-len", "5",
+                     "--passes", "forward", "--no-progress"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["commit"] == "feedbeef" and results["schema_version"] == 2
+    assert results["settings"]["prnn_settings"]["gemm_graphs"] is False
+    assert [(p["batch"], p["proj_size"], p["num_layers"]) for p in results["points"]] == [(1, 4, 2), (3, 4, 2)]
+    for p in results["points"]:
+        assert p["flops_per_step"] == bench.recurrence_flops_per_step("lstm", p["batch"], 16, "forward", 4, 2)
+        assert p["activation_bytes"] == bench.activation_bytes("lstm", p["batch"], 16, 5, "float32", 4, 2)
+        assert p["predicted_us_per_step"] is None  # GEMM points carry no prediction
+
+
+def test_projection_needs_the_lstm(capsys):
+    assert cli.main(["bench", "--cpu", "--cells", "gru", "--proj-size", "4"]) == 2
+    assert "--proj-size needs --cells lstm" in capsys.readouterr().err
+
+
+def test_info_json_is_stamped(capsys, monkeypatch):
+    monkeypatch.setenv(bench.COMMIT_ENV, "c0ffee")
+    assert cli.main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["commit"] == "c0ffee" and report["command"] == "prnn info --json" and report["date"]
+
+
+def test_prediction_is_the_models_benchmark_figure():
+    from persistent_rnn import model, plan
+    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(100,))
+    step = model.predict_step_time("lstm", 256, 4, device="h100")
+    for pass_, backward in (("forward", False), ("forward_backward", True)):
+        got, note = bench.predicted_us_per_step(sweep, "lstm", pass_, 4, 256, 100, device="h100")
+        assert note is None and got == pytest.approx(step.benchmark_us(100, backward), rel=1e-12)
+    # Another T (and input size): the per-call GEMMs are of that size, spread over T steps.
+    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(20,), input_size=32)
+    got, _ = bench.predicted_us_per_step(sweep, "lstm", "forward", 4, 256, 20, device="h100")
+    call = model.call_us(plan.resolve_cell("lstm"), 256, 4, 20, 32, False, plan.resolve_device("h100"))
+    assert got == pytest.approx(step.forward_us + call / 20, rel=1e-12)
+
+
+def test_prediction_of_a_stack_follows_the_stack_setting():
+    from persistent_rnn import model, settings
+    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), num_layers=2)
+    st = model.predict_stack_time("lstm", 64, 2, 2, 10, device="h100")
+    assert st.plan.fits
+    got, _ = bench.predicted_us_per_step(sweep, "lstm", "forward_backward", 2, 64, 10, device="h100")
+    assert got == pytest.approx((st.forward_us + st.backward_us) / 10, rel=1e-12)
+    with settings.override_settings(stack=False):
+        apart, _ = bench.predicted_us_per_step(sweep, "lstm", "forward", 2, 64, 10, device="h100")
+    assert apart == pytest.approx(st.apart_forward_us / 10, rel=1e-12) and apart != st.forward_us / 10
+
+
+def test_no_prediction_for_projections_or_when_the_model_fails(monkeypatch):
+    from persistent_rnn import model
+    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), proj_size=16)
+    assert bench.predicted_us_per_step(sweep, "lstm", "forward", 1, 64, 10, "h100") == \
+        (None, bench.NO_PROJECTION_MODEL)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("nvdisasm is not installed")
+    monkeypatch.setattr(model, "predict_plan", broken)
+    got, note = bench.predicted_us_per_step(bench.Sweep(("lstm",), (64,), (10,)), "lstm", "forward",
+                                            1, 64, 10, "h100")
+    assert got is None and "nvdisasm is not installed" in note
+
+
+def test_summarize_prints_every_run_side_by_side_and_the_prediction_error(tmp_path, capsys):
+    for name, graphs, points in (
+            ("bench", False, [_point("persistent", 4, 2.0, us=10.0, predicted=12.0),
+                              _point("persistent", 8, 2.0, us=20.0, predicted=19.0),
+                              _point("cudnn", 4, 1.0, us=16.0), _point("gemm", 4, 0.5, us=40.0)]),
+            ("bench_lstmp", True, [_point("persistent", 1, 1.0, us=5.0, proj_size=128,
+                                          prediction_note=bench.NO_PROJECTION_MODEL)])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / bench.JSON_NAME).write_text(json.dumps(
+            {"points": points, "skipped": [], "commit": "abc", "settings": {
+                "dtype": "float32", "prnn_settings": {"gemm_graphs": graphs}}}))
+    assert _bench_script("summarize").main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bench: 4 points, 0 skipped (float32, gemm_graphs off; commit abc)" in out
+    assert "bench_lstmp: 1 points" in out and "gemm_graphs on" in out
+    assert "persistent    10.00  gemm    40.00  cudnn    16.00  persistent/cudnn 0.62x" in out
+    assert "a prediction" in out and "median |error| 12.5%, worst 20.0% over 2 points" in out
+    assert "measured    10.00  predicted    12.00  error  +20.0%" in out
+    assert "error   -5.0%" in out and "lstm forward float32 H=512 P=128 T=100 B=1" in out
+    assert f"no prediction: {bench.NO_PROJECTION_MODEL}" in out
+
+
+SUITE = BENCH_DIR / "run_gpu_suite.sh"
+DEVICE_CALL_S = 600  # the device tool's limit on one command
+
+
+def _dry_run(*args):
+    return subprocess.run(["bash", str(SUITE), "--dry-run", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_gpu_suite_parses_and_each_part_fits_one_device_call(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SUITE)], timeout=30).returncode == 0
+    steps = {}
+    for part in ("tests", "bench", "compare", "studies"):
+        run = _dry_run(str(tmp_path / "out"), part)
+        assert run.returncode == 0, run.stderr
+        total = int(run.stdout.split("time limits ")[1].split("s in all")[0])
+        assert 0 < total <= DEVICE_CALL_S - 30, (part, total)  # room for the start and the tarball
+        steps[part] = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("== ")][:-1]
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    assert {"gpu_tests", "sanitize_memcheck", "sanitize_racecheck", "sanitize_synccheck"} <= set(steps["tests"])
+    assert {"info", "bench", "barrier_latency", "restart_cost"} <= set(steps["bench"])
+    assert {"bench_fp16", "bench_bf16", "bench_gemm_graphs_on", "bench_gemm_graphs_off",
+            "bench_lstmp_1024_256", "bench_lstmp_2048_512", "bench_stack_2", "bench_stack_3",
+            "bench_stack_4"} <= set(steps["compare"])
+    default = _dry_run(str(tmp_path / "out"))
+    assert [line.split()[1] for line in default.stdout.splitlines() if line.startswith("== ")][:-1] == \
+        steps["tests"] + steps["bench"] + steps["compare"]
+    bad = _dry_run(str(tmp_path / "out"), "everything")
+    assert bad.returncode == 2 and "unknown part" in bad.stderr
+
+
+def test_gpu_suite_bench_steps_parse_with_the_cli(tmp_path):
+    """Every prnn bench command of the suite is accepted by the CLI's parser (no GPU needed)."""
+    run = _dry_run(str(tmp_path), "bench", "compare")
+    commands = [line.split(": ", 1)[1] for line in run.stdout.splitlines()
+                if line.startswith("== bench")]
+    assert len(commands) == 1 + 9
+    for command in commands:
+        args = command.split("persistent_rnn.cli ", 1)[1].split()
+        parsed = cli.build_parser().parse_args(args)
+        sweep = cli._sweep_from_args(parsed, gpu=True)
+        assert sweep.max_seconds >= 15 and sweep.seq_lens in ((100,),)
+
+
+def _sanitize_case():
+    spec = importlib.util.spec_from_file_location("gpu_sanitize_case",
+                                                  Path(__file__).parent / "gpu_sanitize_case.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sanitize_cases_run_in_the_emulation():
+    case = _sanitize_case()
+    names = [c.name for c in case.cases()]
+    assert {"grid-fp32-lstm", "grid-fp16-gru", "cluster-fp16-lstm", "stall-restart-grid-lstm",
+            "lstmp-fp32", "stack-fp32-lstm-2"} <= set(names)
+    assert sum(n.startswith("cluster-fp32-") for n in names) == 4
+    assert case.main(["--cpu", "--only", "cluster-fp32-lstm,lstmp-fp32,stack-fp32-lstm-2"]) == 0
+
+
+def test_sanitize_case_checks_the_placement_and_launches():
+    import numpy as np
+    case = _sanitize_case()
+    assert "planned cluster, not grid" in case.layer_case("GRU", 64, placement="grid")(np)[0]
+    assert "took 1 launches, not 2" in " ".join(case.layer_case("GRU", 64, num_layers=2, launches=2)(np))
+
+
+def test_sanitize_stall_case_fails_without_a_restart(monkeypatch):
+    import numpy as np
+    case = _sanitize_case()
+    monkeypatch.setattr(case, "STALL_MS", 100.0)  # shorter than the barrier timeout: no restart
+    assert case.stall_case(np) == ["no restart (forward 0, backward 0)"]
+
+
+def test_summarize_checks_the_issue_17_targets():
+    summarize = _bench_script("summarize")
+    fp16 = dict(dtype="float16", hidden_size=1024)
+    runs = [{"points": [
+        _point("persistent", 1, 1.0, us=0.9, hidden_size=256),            # small layer: met
+        _point("persistent", 4, 1.0, us=2.6, hidden_size=1024),           # H 1024 B 4: missed
+        _point("cudnn", 4, 1.0, us=3.0, hidden_size=1024),                # persistent faster: met
+        _point("persistent", 8, 1.0, us=5.0, **fp16), _point("cudnn", 8, 1.0, us=10.0, **fp16),
+        _point("persistent", 16, 1.0, us=8.0, **fp16), _point("cudnn", 16, 1.0, us=10.0, **fp16),
+        _point("persistent", 4, 1.0, us=9.0, hidden_size=1024, num_layers=2)]}]  # a stack: not counted
+    lines = summarize.target_lines(runs)
+    assert "small layers (H <= 256, B 1) forward <= 1.0 us/step: met (1 points)" in lines[1]
+    assert "MISSED (1 points; lstm forward float32 H=1024 T=100 B=4 2.60 > 2.50)" in lines[2]
+    assert "cuDNN at B <= 8, H >= 256 (fp32, us/step): met (1 points)" in lines[3]
+    assert "MISSED (2 points; lstm forward float16 H=1024 T=100 B=16 persistent/cudnn 0.80 > 0.67)" in lines[4]
+    assert summarize.target_lines([{"points": []}])[1].endswith("not measured")
