@@ -205,22 +205,18 @@ PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
 
 // Tagged pairs a thread of the gather loads at once (four registers each). Grid: what the register
 // cap leaves beside the weights with zero spills (ptxas, sm_80 and sm_90; the largest tiles hold
-// 180-200 registers of weights; 8 spills on sm_80 from 144, the stack kernels' LSTM 12-unit
-// backward and the LSTM projection's 128 + 32), as L2 round trips are what a step waits on.
+// 180-200 registers of weights; the stack kernels choose their own, stack_common.cuh), as L2
+// round trips are what a step waits on.
 // Cluster: 2, as a small layer gives a thread one or two pairs and every unrolled slot is issued
 // (predicated) each step. persistent_rnn/model.py mirrors this (PassShape.gather_pairs).
 // -DPRNN_GATHER_PAIRS overrides it (experiments).
-#ifdef PRNN_ROWS_B  // the LSTM projection's second tile (persistent_projection.cuh) counts too
-constexpr int kWeightRegisters = kRows * kWordsPerLane + PRNN_ROWS_B * (PRNN_KPT_B / kPerWord);
-#else
 constexpr int kWeightRegisters = kRows * kWordsPerLane;
-#endif
 #if defined(PRNN_GATHER_PAIRS)
 constexpr int kGatherPairs = PRNN_GATHER_PAIRS;
 #elif defined(PRNN_CLUSTER)
 constexpr int kGatherPairs = 2;  // shared-memory polls are cheap: fewer unrolled (issued) slots
 #else
-constexpr int kGatherPairs = kWeightRegisters > 128 ? 4 : 8;
+constexpr int kGatherPairs = kWeightRegisters > 150 ? 4 : 8;
 #endif
 
 // How long a thread with no pointwise work (thread index >= batch * kUnits in both kernels)

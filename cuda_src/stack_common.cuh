@@ -35,6 +35,12 @@ static_assert(kKsplit % 2 == 0, "a stack tile splits its column chunks into two 
 constexpr int kHalfChunks = kKsplit / 2;
 constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged vector
 
+// Tagged pairs a thread of a stack gather loads at once (persistent_common.cuh's kGatherPairs
+// for the layer kernels). ptxas's allocation is not monotonic in it: in the LSTM 12-unit
+// backward (144 registers of weights) 8 spills 32 bytes on sm_80 and 2-5 and 7 spill 136-168,
+// while 6 spills nothing on sm_80 and sm_90. persistent_rnn/model.py mirrors it.
+constexpr int kStackGatherPairs = 6;
+
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }
 
@@ -61,7 +67,7 @@ struct StackExchange {
   template <class Sink>
   PRNN_DEVICE bool gather(int layer, int t, PrnnControl* ctl, unsigned long long timeout_ns,
                           Sink sink) const {
-    return prnn_gather_tagged<kGatherPairs>(
+    return prnn_gather_tagged<kStackGatherPairs>(
         slot(layer, t), rows, (unsigned)t + 1u, ctl, timeout_ns, PrnnGlobalPairs{},
         [sink](int word, float v0, float v1) { sink(word / kHalf, word % kHalf, v0, v1); });
   }

@@ -90,10 +90,13 @@ class PassShape:
 
     @property
     def gather_pairs(self) -> int:
-        """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh)."""
+        """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh,
+        ``kStackGatherPairs`` of stack_common.cuh)."""
         if "PRNN_CLUSTER" in self.plan.defines:
             return 2
-        return 4 if self.plan.weight_registers > 128 else 8
+        if self.stack:
+            return 6  # kStackGatherPairs of stack_common.cuh
+        return 4 if self.plan.weight_registers > 150 else 8
 
     @property
     def gather_rounds(self) -> int:
