@@ -95,7 +95,7 @@ class PassShape:
         if "PRNN_CLUSTER" in self.plan.defines:
             return 2
         if self.stack:
-            return 6  # kStackGatherPairs of stack_common.cuh
+            return 6 if self.plan.weight_registers > 128 else 8  # kStackGatherPairs
         return 4 if self.plan.weight_registers > 150 else 8
 
     @property
