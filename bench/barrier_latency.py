@@ -69,9 +69,8 @@ def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeo
                      (ctl, np.int32(rounds), timeout, *NO_STALL, elapsed), ctl, elapsed, rounds)
     length = grid * width
     words, errors, ctl = cp.zeros((2, length + length % 2), cp.uint64), cp.zeros(1, cp.uint32), _control(cp, grid)
-    ring_pairs = min(8 * block, length // 2 + 1)  # the persistent kernels' ring: 8 slots per thread
-    exchange = _timed(modules["grid"], EXCHANGE_KERNEL, grid, block, 16 * ring_pairs,
-                      (words, ctl, np.int32(rounds), np.int32(width), np.int32(ring_pairs), timeout,
+    exchange = _timed(modules["grid"], EXCHANGE_KERNEL, grid, block, 0,
+                      (words, ctl, np.int32(rounds), np.int32(width), timeout,
                        *NO_STALL, elapsed, errors), ctl, elapsed, rounds)
     cluster = (None, None)
     if grid in modules.get("clusters", {}):

@@ -244,6 +244,10 @@ inline void prnn_backoff() {
   nanosleep(&pause, nullptr);
 }
 
+// A sleep before polling: lets the block's other fibers run (their work is what the GPU's sleep
+// waits out), without the OS-level pause of prnn_backoff.
+inline void prnn_sleep_ns(unsigned) { prnn_emu::switch_out(); }
+
 // 16-bit storage (hw.cuh): the conversions in software, bit for bit those of the GPU's cvt (round
 // to nearest, ties to even; overflow to infinity; subnormals kept) and of ml_dtypes.
 inline float prnn_f16_to_float(unsigned h) {
@@ -286,4 +290,8 @@ inline float prnn_round_bf16(float v) {
 inline void prnn_load_shared_pair(const float* p, float& a, float& b) {
   a = p[0];
   b = p[1];
+}
+inline void prnn_store_shared_pair(float* p, float a, float b) {
+  p[0] = a;
+  p[1] = b;
 }

@@ -86,6 +86,8 @@ PRNN_DEVICE unsigned long long prnn_globaltimer_ns() {
 }
 // Polling back-off: short enough not to add visible latency to a barrier.
 PRNN_DEVICE void prnn_backoff() { __nanosleep(20); }
+// Sleeps about `ns` (the hardware takes it as a hint: 0..2*ns), without occupying an issue slot.
+PRNN_DEVICE void prnn_sleep_ns(unsigned ns) { __nanosleep(ns); }
 
 // ---- 16-bit storage (fp16, bf16): packed pairs, fp32 arithmetic ------------------------------
 // A 32-bit word holds two 16-bit values, element 0 in the low half. The unpacking is volatile so
@@ -112,11 +114,14 @@ PRNN_DEVICE float prnn_round_bf16(float v) {
   asm("{.reg .b16 h, z; mov.b16 z, 0; cvt.rn.bf16.f32 h, %1; mov.b32 %0, {z, h};}" : "=r"(r) : "f"(v));
   return __uint_as_float(r);
 }
-// Two consecutive floats of shared memory (p 8-byte aligned) in one load.
+// Two consecutive floats of shared memory (p 8-byte aligned) in one load, or one store.
 PRNN_DEVICE void prnn_load_shared_pair(const float* p, float& a, float& b) {
   const float2 v = *reinterpret_cast<const float2*>(p);
   a = v.x;
   b = v.y;
+}
+PRNN_DEVICE void prnn_store_shared_pair(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
 
 // ---- thread-block cluster (sm_90; only in kernels built with -DPRNN_CLUSTER=n) ------------------
@@ -176,30 +181,29 @@ PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) {
 }
 PRNN_DEVICE void prnn_copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 #endif
-// Copies two tagged 8-byte words (16 bytes, both addresses 16-byte aligned) through L2 only, with
-// no registers. cp.async is a weak read: the gather below uses it only for a first look, taking
-// each aligned 8-byte word whole (as NCCL's LL protocol does with its 16-byte reads), and polls
-// any word whose tag is not there yet with prnn_load_relaxed_u64x2.
-#ifdef PRNN_EMULATION
-PRNN_DEVICE void prnn_copy_pair_to_shared(unsigned long long* dst, const unsigned long long* src) {
-  prnn_load_relaxed_u64x2(src, dst[0], dst[1]);
-}
-#else
-PRNN_DEVICE void prnn_copy_pair_to_shared(unsigned long long* dst, const unsigned long long* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
-               "l"(__cvta_generic_to_global(src)) : "memory");
-}
-#endif
-
 // ---- grid barrier with timeout (written once, on the primitives above) ------------------------
 
 // Shared by all CTAs of one launch; the host zeroes it (and sets progress[] to "the step before
 // the resume step" in the run's direction) before every launch.
 struct PrnnControl {
-  unsigned arrivals;  // prnn_grid_barrier only: arrivals in this launch (epoch = round)
-  unsigned abort;     // set by the first CTA whose wait passes its deadline; all CTAs then exit
+  unsigned arrivals;  // prnn_grid_barrier: arrivals in this launch (epoch = round); the tagged
+                      // exchange: CTAs that have started (prnn_note_started)
+  unsigned abort;     // set by the first CTA whose wait passes its deadline (a PrnnAbort); all
+                      // CTAs then exit
   int progress[1];    // [gridDim.x]: last step whose results this CTA has written
 };
+
+// Why a launch was aborted (the abort word; the host reads it, runtime._Control).
+enum PrnnAbort : unsigned {
+  kPrnnTimedOut = 1u,     // a wait passed its deadline with every CTA of the grid started
+  kPrnnNotResident = 2u,  // ... while some CTA had not started: the grid is not co-resident
+};
+
+// Counts this CTA as started (thread 0; once, at launch start), so that a wait that times out can
+// tell a grid that is not co-resident from a CTA that stalled.
+PRNN_DEVICE void prnn_note_started(PrnnControl* ctl) {
+  if (threadIdx.x == 0) prnn_atomic_add_release(&ctl->arrivals, 1u);
+}
 
 // A stall injected by prnn.inject_stall: CTA `block` waits `ns` before publishing step `step`.
 struct PrnnStall {
@@ -261,24 +265,72 @@ PRNN_DEVICE void prnn_publish(unsigned long long* word, float v, unsigned tag) {
 PRNN_DEVICE unsigned prnn_tag_of(unsigned long long w) { return (unsigned)(w >> 32); }
 PRNN_DEVICE float prnn_value_of(unsigned long long w) { return prnn_bits_float((unsigned)w); }
 
-// One wait of a polling loop: false (and the abort word set) once `deadline` (started at the first
-// call, `timeout_ns` ahead) has passed or another CTA aborted. The abort word is read only here, on
-// the slow path, never while the data is already there.
-PRNN_DEVICE bool prnn_keep_waiting(PrnnControl* ctl, unsigned long long& deadline,
-                                   unsigned long long timeout_ns) {
+// How a thread waits for tagged words (prnn_gather_tagged): the first kFreePolls polls that find
+// words missing poll again at once - no timer, no abort word, no sleep: the words of a CTA that
+// is on time arrive within a poll or two. After that the deadline starts (`timeout_ns` ahead);
+// every later poll reads the timer (not memory) and sleeps briefly, and every kAbortEvery-th also
+// reads the abort word, so the threads that wait do not queue at its L2 slice on every retry.
+template <int kFreePolls, int kAbortEvery>
+struct PrnnWaitPolicy {
+  static_assert(kFreePolls >= 0 && kAbortEvery >= 1, "bad polling policy");
+  static constexpr int free_polls = kFreePolls;
+  static constexpr int abort_every = kAbortEvery;
+};
+// Words in L2: a poll is a round trip (~0.5 us), so two free polls cover about the first
+// microsecond. Words in this CTA's shared memory (a cluster): a poll is ~30 cycles.
+using PrnnGridWait = PrnnWaitPolicy<2, 8>;
+using PrnnClusterWait = PrnnWaitPolicy<64, 64>;
+
+// One thread's progress through a wait: polls that found words missing, and the deadline (0: not
+// started). A fresh one per wait.
+struct PrnnWait {
+  unsigned polls;
+  unsigned long long deadline;
+};
+
+// Called after a poll that found words missing: true to poll again, false once another CTA
+// aborted or the deadline has passed (then the abort word is set: kPrnnNotResident if some CTA of
+// the grid has not started yet - the CTAs waited for cannot run until these exit - else
+// kPrnnTimedOut). Kernels that use it call prnn_note_started first.
+template <class Policy>
+PRNN_DEVICE bool prnn_keep_polling(PrnnControl* ctl, PrnnWait& wait, unsigned long long timeout_ns) {
+  if (++wait.polls <= (unsigned)Policy::free_polls) return true;
   const unsigned long long now = prnn_globaltimer_ns();
-  if (deadline == 0ull) deadline = now + timeout_ns;
-  if (prnn_load_relaxed(&ctl->abort) != 0u || now > deadline) {
-    prnn_store_relaxed(&ctl->abort, 1u);
+  if (wait.deadline == 0ull) wait.deadline = now + timeout_ns;
+  if (wait.polls % (unsigned)Policy::abort_every == 0u && prnn_load_relaxed(&ctl->abort) != 0u) {
+    return false;
+  }
+  if (now > wait.deadline) {
+    const bool all_started = prnn_load_relaxed(&ctl->arrivals) >= gridDim.x;
+    prnn_store_relaxed(&ctl->abort, all_started ? kPrnnTimedOut : kPrnnNotResident);
     return false;
   }
   prnn_backoff();
   return true;
 }
 
+// The words of a tagged vector: rows of kRowWords words (even; a compile-time constant, so that
+// the column of a word costs no division), of which the first `row_len` (even) of each row are
+// published every step; the rest of a row is never written nor read.
+template <int kRowWords>
+struct PrnnTaggedRows {
+  static_assert(kRowWords % 2 == 0, "rows of whole pairs");
+  int pairs;    // rows * kRowWords / 2
+  int row_len;  // published words per row (even)
+  PRNN_DEVICE bool wanted(int word) const { return word % kRowWords < row_len; }
+};
+
+// Loaders of prnn_gather_tagged: the pair at p as two single-copy atomic 8-byte words.
+struct PrnnGlobalPairs {  // words in global memory (the grid's exchange), through L2
+  using Wait = PrnnGridWait;
+  PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
+                              unsigned long long& b) const {
+    prnn_load_relaxed_u64x2(p, a, b);
+  }
+};
 #ifdef PRNN_CLUSTER
-// prnn_gather_tagged's loader in a cluster: this CTA's own shared memory, which the others store into.
-struct PrnnClusterPairs {
+struct PrnnClusterPairs {  // this CTA's own shared memory, which the cluster's CTAs store into
+  using Wait = PrnnClusterWait;
   PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
                               unsigned long long& b) const {
     prnn_load_shared_relaxed_u64x2(p, a, b);
@@ -286,80 +338,46 @@ struct PrnnClusterPairs {
 };
 #endif
 
-// Waits for the tagged words src[rows][row_words] (row_words even; words past row_len are padding
-// nobody writes) to carry `tag` and hands each value to sink(row, column, value). load(p, a, b)
-// reads the pair at p with single-copy atomic 8-byte words (PrnnClusterPairs). The block's threads
-// share the words; each loads N pairs at once into registers and reloads them until all carry the
-// tag: for cheap loads (shared memory). Words in global memory go through
-// prnn_gather_tagged_async, which needs no registers to keep many loads in flight. Returns false
-// on timeout or abort. No block barrier: the caller's next one publishes the sink's writes.
-template <int N, class Load, class Sink>
-PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, int rows, int row_words,
-                                    int row_len, unsigned tag, PrnnControl* ctl,
-                                    unsigned long long timeout_ns, Load load, Sink sink) {
-  const int pairs = rows * row_words / 2;
-  unsigned long long deadline = 0ull;
-  for (int base = threadIdx.x; base < pairs; base += N * (int)blockDim.x) {
+// Waits for the wanted words of src (`rows`: a PrnnTaggedRows) to carry `tag` and hands each
+// pair to sink(word index, value0, value1). Thread x gathers pairs x, x + blockDim.x, ...: it
+// loads N of them at once into registers (strong loads, all in flight together), polls again only
+// the pairs whose tags were not there yet, under the policy of Load::Wait, then moves on to its
+// next N. Returns false on timeout or abort. No block barrier: the caller's next one publishes
+// the sink's writes.
+template <int N, class Rows, class Load, class Sink>
+PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, const Rows& rows, unsigned tag,
+                                    PrnnControl* ctl, unsigned long long timeout_ns, Load load,
+                                    Sink sink) {
+  static_assert(N >= 1 && N <= 32, "1..32 pairs in flight");
+  const int stride = (int)blockDim.x;
+  PrnnWait wait{0u, 0ull};
+  for (int base = threadIdx.x; base < rows.pairs; base += N * stride) {
     unsigned long long w[2 * N];
-    bool ready;
-    do {
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const int m = base + i * (int)blockDim.x;
-        if (m < pairs) {
-          load(src + 2 * m, w[2 * i], w[2 * i + 1]);
-        } else {
-          w[2 * i] = w[2 * i + 1] = prnn_tagged(0.0f, tag);
-        }
-      }
-      ready = true;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const int k = (2 * (base + i * (int)blockDim.x)) % row_words;
-        ready = ready && prnn_tag_of(w[2 * i]) == tag && (k + 1 >= row_len || prnn_tag_of(w[2 * i + 1]) == tag);
-      }
-    } while (!ready && prnn_keep_waiting(ctl, deadline, timeout_ns));
-    if (!ready) return false;
+    unsigned todo = 0u;  // bit i: pair base + i*stride is still to be (re)loaded
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const int m = base + i * (int)blockDim.x;
-      if (m < pairs) {
-        const int row = 2 * m / row_words, k = 2 * m % row_words;
-        sink(row, k, prnn_value_of(w[2 * i]));
-        if (k + 1 < row_len) sink(row, k + 1, prnn_value_of(w[2 * i + 1]));
-      }
+      const int m = base + i * stride;
+      if (m < rows.pairs && rows.wanted(2 * m)) todo |= 1u << i;
     }
-  }
-  return true;
-}
-
-// prnn_gather_tagged for words in global memory and long vectors: the first read of every pair is
-// a cp.async copy into this thread's slots of `ring` (ring_pairs 16-byte slots of shared memory),
-// so up to ring_pairs / blockDim.x copies per thread are in flight with no registers held, and the
-// vector costs ceil(pairs / ring_pairs) L2 round trips rather than one per pair a thread gathers.
-// A pair whose tags are not there yet is polled with relaxed loads until they are (the wait). A
-// thread reads only the ring slots it filled, so no block barrier is needed between chunks. Waits
-// for all of the thread's cp.async copies (prnn_copy_wait).
-template <class Sink>
-PRNN_DEVICE bool prnn_gather_tagged_async(const unsigned long long* src, int rows, int row_words,
-                                          int row_len, unsigned tag, PrnnControl* ctl,
-                                          unsigned long long timeout_ns, unsigned long long* ring,
-                                          int ring_pairs, Sink sink) {
-  const int pairs = rows * row_words / 2;
-  unsigned long long deadline = 0ull;
-  for (int first = 0; first < pairs; first += ring_pairs) {
-    const int n = pairs - first < ring_pairs ? pairs - first : ring_pairs;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) prnn_copy_pair_to_shared(ring + 2 * i, src + 2 * (first + i));
-    prnn_copy_wait();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const int m = first + i, row = 2 * m / row_words, k = 2 * m % row_words;
-      unsigned long long a = ring[2 * i], b = ring[2 * i + 1];
-      while (prnn_tag_of(a) != tag || (k + 1 < row_len && prnn_tag_of(b) != tag)) {
-        if (!prnn_keep_waiting(ctl, deadline, timeout_ns)) return false;
-        prnn_load_relaxed_u64x2(src + 2 * m, a, b);
+    const unsigned mine = todo;
+    for (;;) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if (todo & 1u << i) load(src + 2 * (base + i * stride), w[2 * i], w[2 * i + 1]);
       }
-      sink(row, k, prnn_value_of(a));
-      if (k + 1 < row_len) sink(row, k + 1, prnn_value_of(b));
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const bool ready = prnn_tag_of(w[2 * i]) == tag && prnn_tag_of(w[2 * i + 1]) == tag;
+        if ((todo & 1u << i) && ready) todo &= ~(1u << i);
+      }
+      if (todo == 0u) break;
+      if (!prnn_keep_polling<typename Load::Wait>(ctl, wait, timeout_ns)) return false;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (mine & 1u << i) {
+        sink(2 * (base + i * stride), prnn_value_of(w[2 * i]), prnn_value_of(w[2 * i + 1]));
+      }
     }
   }
   return true;

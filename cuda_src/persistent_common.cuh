@@ -120,9 +120,18 @@ struct TileOf {
         for (int e = 0; e < kPerWord; ++e) a[r] += f[e] * x[e];
       }
     }
-    int off = kWarp / 2;
-#pragma unroll
-    for (int half = kRowsPow2 / 2; half >= 1; half /= 2, off /= 2) {
+    reduce_scatter<kRowsPow2 / 2>(a, lane);
+    return sum_lanes<kLanesPerRow / 2>(a[0]);
+  }
+
+ private:
+  // One halving level of the reduce-scatter, then the next: lanes whose bit `off` is set keep the
+  // upper `half` rows and send the lower ones to their partner (and the reverse), so every index
+  // into `a` is a compile-time constant at every level (a run-time index puts `a` in local memory).
+  template <int half>
+  PRNN_DEVICE static void reduce_scatter(float (&a)[kRowsPow2], int lane) {
+    if constexpr (half >= 1) {
+      constexpr int off = kWarp * half / kRowsPow2;
       const bool upper = (lane & off) != 0;
 #pragma unroll
       for (int r = 0; r < half; ++r) {
@@ -130,10 +139,17 @@ struct TileOf {
         const float keep = upper ? a[r + half] : a[r];
         a[r] = keep + prnn_shfl_xor(send, off);
       }
+      reduce_scatter<half / 2>(a, lane);
     }
-#pragma unroll
-    for (; off >= 1; off /= 2) a[0] += prnn_shfl_xor(a[0], off);
-    return a[0];
+  }
+  // The butterfly sum over the kLanesPerRow lanes that hold the same row.
+  template <int off>
+  PRNN_DEVICE static float sum_lanes(float s) {
+    if constexpr (off >= 1) {
+      return sum_lanes<off / 2>(s + prnn_shfl_xor(s, off));
+    } else {
+      return s;
+    }
   }
 };
 using RegisterTile = TileOf<>;
@@ -183,72 +199,101 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
   finish_copies();
 }
 
-// Words per batch row of a tagged exchange buffer ([2][batch][row words] by step parity) of
-// k_len values: rounded up to even, so that every thread loads whole 16-byte pairs.
+// Words of a row of the tagged exchange that are published each step: k_len values rounded up to
+// even, so that every thread loads whole 16-byte pairs.
 PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
 
-// Cluster: tagged pairs each thread loads from its own shared memory at once (registers; a 16-bit
-// tile's weights take half the registers of its weight count).
+// Tagged pairs a thread of the gather loads at once (four registers each). Grid: what the register
+// cap leaves beside the weights with zero spills (ptxas, sm_80 and sm_90; the largest tiles hold
+// 180-200 registers of weights; the stack kernels choose their own, stack_common.cuh), as L2
+// round trips are what a step waits on.
+// Cluster: 2, as a small layer gives a thread one or two pairs and every unrolled slot is issued
+// (predicated) each step. persistent_rnn/model.py mirrors this (PassShape.gather_pairs).
+// -DPRNN_GATHER_PAIRS overrides it (experiments).
 constexpr int kWeightRegisters = kRows * kWordsPerLane;
-constexpr int kGatherPairs = kWeightRegisters > 188 ? 1 : kWeightRegisters > 120 ? 2 : 4;
+#if defined(PRNN_GATHER_PAIRS)
+constexpr int kGatherPairs = PRNN_GATHER_PAIRS;
+#elif defined(PRNN_CLUSTER)
+constexpr int kGatherPairs = 2;  // shared-memory polls are cheap: fewer unrolled (issued) slots
+#else
+constexpr int kGatherPairs = kWeightRegisters > 150 ? 4 : 8;
+#endif
+
+// How long a thread with no pointwise work (thread index >= batch * kUnits in both kernels)
+// sleeps before its first poll: it reaches the gather while the other CTAs are still in their
+// pointwise step, so its first polls would only miss and load L2. Not measured on a GPU: about
+// one pointwise step of the large tiles.
+constexpr unsigned kIdleStartNs = 200;
 
 // The vector every CTA needs each step (forward h_t, backward dgh_t: k_len values per batch row),
-// exchanged as tagged words (hw.cuh), step t tagged t+1, in [2][batch][row words] by step parity:
+// exchanged as tagged words (hw.cuh), step t tagged t+1, in [2][batch][Padded] by step parity
+// (Padded: the staged vector's row stride, kPadded but for the LSTM projection's second tile):
+// the staged vector's layout, so that word i of a step lands at v_s[i] with no index arithmetic.
+// The first k_len words of a row are published (where k_len is odd also the word after them, as
+// a zero, by the writer of the row's last value, so that a reader polls whole pairs); the rest of
+// a row is never written nor read.
 // * grid: one buffer in global memory, zeroed by the host before every launch that uses it;
 // * cluster (-DPRNN_CLUSTER=grid size, sm_90): a copy in each CTA's shared memory, zeroed at launch
 //   start, which every CTA stores its values into (distributed shared memory): a reader polls its
 //   own shared memory instead of L2.
 // Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
-struct Exchange {
+template <int Padded = kPadded>
+struct ExchangeOf {
   unsigned long long* words;
-  unsigned long long* ring;  // grid: 16-byte slots of shared memory for the gather's copies
-  int ring_pairs;            // the rest of the launch's dynamic shared memory, in slots
-  int batch, k_len;
+  PrnnTaggedRows<Padded> rows;
+  int k_len;
+  bool idle;  // this thread has no pointwise work: it sleeps before its first poll
 
-  PRNN_DEVICE int row_words() const { return exchange_row_words(k_len); }
-  PRNN_DEVICE size_t slot() const { return (size_t)batch * row_words(); }
+  PRNN_DEVICE size_t slot() const { return (size_t)rows.pairs * 2; }
 
-  // Publishes value k of batch row b for step t.
+  // Publishes value k of batch row b for step t (and the row's padding word after its last value).
   PRNN_DEVICE void publish(int t, int b, int k, float v) const {
-    unsigned long long* word = words + (t & 1) * slot() + (size_t)b * row_words() + k;
+    unsigned long long* word = words + (t & 1) * slot() + b * Padded + k;
+    store(word, prnn_tagged(v, (unsigned)t + 1u));
+    if (k + 1 == k_len && (k_len & 1)) store(word + 1, prnn_tagged(0.0f, (unsigned)t + 1u));
+  }
+
+  // Waits for step t's values and writes them into v_s (row stride Padded; the zero padding past
+  // k_len was written once at launch start, and the padding word writes a zero). False on
+  // timeout or abort. The caller's next block barrier makes v_s visible to the block.
+  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
+    const auto sink = [v_s](int word, float v0, float v1) { prnn_store_shared_pair(v_s + word, v0, v1); };
+    const unsigned long long* src = words + (t & 1) * slot();
 #ifdef PRNN_CLUSTER
-    const unsigned long long tagged = prnn_tagged(v, (unsigned)t + 1u);
-    for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u64(word, cta, tagged);
+    return prnn_gather_tagged<kGatherPairs>(src, rows, (unsigned)t + 1u, ctl, timeout_ns,
+                                            PrnnClusterPairs{}, sink);
 #else
-    prnn_publish(word, v, (unsigned)t + 1u);
+    if (idle) prnn_sleep_ns(kIdleStartNs);
+    return prnn_gather_tagged<kGatherPairs>(src, rows, (unsigned)t + 1u, ctl, timeout_ns,
+                                            PrnnGlobalPairs{}, sink);
 #endif
   }
 
-  // Waits for step t's values and writes them into v_s (row stride `padded`, default the -D
-  // tile's; the zero padding past k_len was written once at launch start and is never touched).
-  // False on timeout or abort. The caller's next block barrier makes v_s visible to the block.
-  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns,
-                          int padded = kPadded) const {
-    const auto sink = [v_s, padded](int b, int k, float v) { v_s[b * padded + k] = v; };
+ private:
+  PRNN_DEVICE static void store(unsigned long long* word, unsigned long long tagged) {
 #ifdef PRNN_CLUSTER
-    return prnn_gather_tagged<kGatherPairs>(words + (t & 1) * slot(), batch, row_words(), k_len,
-                                            (unsigned)t + 1u, ctl, timeout_ns, PrnnClusterPairs{}, sink);
+    for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u64(word, cta, tagged);
 #else
-    return prnn_gather_tagged_async(words + (t & 1) * slot(), batch, row_words(), k_len,
-                                    (unsigned)t + 1u, ctl, timeout_ns, ring, ring_pairs, sink);
+    prnn_store_relaxed_u64(word, tagged);
 #endif
   }
 };
+using Exchange = ExchangeOf<>;
 
-// The exchange of a launch. `global`: the host's buffer (grid); `shared_end`: the end of the
-// kernel's other shared memory, after which (16-byte aligned) the grid keeps its ring - the rest
-// of the launch's dynamic shared memory (plan.shared_bytes sizes it: 8 slots per thread where the
-// device has room; ceil(batch * K / (2 * slots)) L2 round trips per step) - and a cluster its copy
-// of the words. In a cluster every CTA zeroes its copy, then the cluster meets
-// once, so no store can land before the zeroing. Every thread calls it.
-PRNN_DEVICE Exchange begin_exchange(unsigned long long* global, void* shared_end, int batch,
-                                    int k_len) {
-  auto* after = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
-  const int used = (int)(reinterpret_cast<unsigned char*>(after) - prnn_shared_memory<unsigned char>());
-  const int ring_pairs = ((int)prnn_shared_bytes() - used) / 16;  // >= 1 as planned
-  Exchange x{global, after, ring_pairs > 1 ? ring_pairs : 1, batch, k_len};
+// The exchange of a launch, rows of Padded words (the staged vector's row stride; default the
+// -D tile's). `global`: the host's buffer (grid); `shared_end`: the end of the kernel's other
+// shared memory, after which (16-byte aligned) a cluster keeps its copy of the words. In a
+// cluster every CTA zeroes its copy, then the cluster meets once, so no store can land before
+// the zeroing. `busy`: the threads with pointwise work before this exchange's gather (default
+// batch * kUnits). Every thread calls it.
+template <int Padded = kPadded>
+PRNN_DEVICE ExchangeOf<Padded> begin_exchange(unsigned long long* global, void* shared_end,
+                                              int batch, int k_len, int busy = -1) {
+  if (busy < 0) busy = batch * kUnits;
+  ExchangeOf<Padded> x{global, {batch * Padded / 2, exchange_row_words(k_len)}, k_len,
+                       (int)threadIdx.x >= busy};
 #ifdef PRNN_CLUSTER
-  x.words = after;
+  x.words = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
   for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0ull;
   prnn_cluster_sync();
 #endif

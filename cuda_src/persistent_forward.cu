@@ -9,7 +9,8 @@
 // step it completed when it exits and the host restarts from min(progress)+1.
 //
 // Per step: two block barriers (staged h_{t-1} visible + timeout vote; partial sums visible), one
-// L2 round trip (the gather), no fence and no atomic. gi_{t+1} is fetched during step t.
+// L2 round trip per batch of pairs a thread gathers (the gather: one at the large tiles' usual
+// batch sizes), no fence and no atomic. gi_{t+1} is fetched during step t.
 #include "persistent_common.cuh"
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
@@ -19,7 +20,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     const float* h0, const float* c0,  // (B, H); c0 only read for LSTM
     const int* lengths,     // (B,) in 1..T
     float* y, float* cs, float* saved,  // (T, B, H), (T, B, H) LSTM only, (T, B, S*H)
-    unsigned long long* exchange,  // [2][B][H rounded up to even] tagged h_t by step parity, zeroed
+    unsigned long long* exchange,  // [2][B][padded] tagged h_t by step parity, zeroed
                                    // (a cluster keeps its own in shared memory instead)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
@@ -27,6 +28,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   float* h_s = prnn_shared_memory<float>();  // [batch][kPadded]: h_{t-1}

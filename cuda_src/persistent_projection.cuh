@@ -11,8 +11,9 @@
 //   forward   gate rows of W_hh (P)            rows of W_hr (H)
 //   backward  rows of W_hh^T (4H)              rows of W_hr^T (P)
 //
-// Per step two vectors are exchanged (tagged words, persistent_common.cuh's Exchange, both
-// sharing the gather ring): forward r_{t-1} (P) and h_t (H); backward dr_t (P) and dgates_t (4H).
+// Per step two vectors are exchanged (tagged words, persistent_common.cuh's ExchangeOf, each in
+// rows of its staged vector's length: tile A's padded K or tile B's): forward r_{t-1} (P) and h_t
+// (H); backward dr_t (P) and dgates_t (4H).
 // The grid path only: a cluster variant is not built (PRNN_CLUSTER is refused).
 #pragma once
 #include "persistent_common.cuh"

@@ -29,14 +29,15 @@ PRNN_KERNEL void prnn_projection_backward(
     const int* lengths,     // (B,) in 1..T
     float* dgh, float* drs, // (T, B, 4H) gates' gradient; (T, B, P) dr_t, zero past each length
     float* dr_carry, float* dc_carry,  // [2][B][P], [2][B][H] by step parity
-    unsigned long long* exchange_r,  // [2][B][P rounded up to even] tagged drs_t, zeroed
-    unsigned long long* exchange_g,  // [2][B][4H rounded up to even] tagged dg_t, zeroed
+    unsigned long long* exchange_r,  // [2][B][padded B] tagged drs_t, zeroed
+    unsigned long long* exchange_g,  // [2][B][padded A] tagged dg_t, zeroed
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, V = kProjRows;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
@@ -49,7 +50,9 @@ PRNN_KERNEL void prnn_projection_backward(
   float* dc_s = dy_s + 2 * batch * V;         // [batch][kUnits]: dc carry
   float* dr_s = dc_s + batch * kUnits;        // [batch][V]: dr carry
   int* len_s = reinterpret_cast<int*>(dr_s + batch * V);  // [batch]: lengths
-  const Exchange xr = begin_exchange(exchange_r, len_s + batch, batch, proj);
+  // Each exchange's rows are its staged vector's: drs_t in tile B's, dg_t in tile A's.
+  const ExchangeOf<kPaddedB> xr =
+      begin_exchange<kPaddedB>(exchange_r, len_s + batch, batch, proj, batch * V);
   const Exchange xg = begin_exchange(exchange_g, len_s + batch, batch, gh_len);
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -127,7 +130,7 @@ PRNN_KERNEL void prnn_projection_backward(
       // The carry stays in shared memory; the global copy is what a restart resumes from.
       dr_carry[(t & 1) * rplane + (size_t)b * proj + q] = dr_s[idx] = active ? 0.0f : dr;
     }
-    failed = !xr.gather(r_s, t, ctl, timeout_ns, kPaddedB);
+    failed = !xr.gather(r_s, t, ctl, timeout_ns);
     // drs_t is in shared memory; any timeout?
     if (prnn_sync_block_or(failed)) {
       ++t;

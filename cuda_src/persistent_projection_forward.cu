@@ -20,14 +20,15 @@ PRNN_KERNEL void prnn_projection_forward(
     const float* h0, const float* c0,  // (B, P) r_{-1}, (B, H)
     const int* lengths,     // (B,) in 1..T
     float* y, float* hs, float* cs, float* saved,  // (T, B, P) r_t, (T, B, H) h_t and c_t, (T, B, 4H)
-    unsigned long long* exchange_r,  // [2][B][P rounded up to even] tagged r_t, zeroed
-    unsigned long long* exchange_h,  // [2][B][H rounded up to even] tagged h_t, zeroed
+    unsigned long long* exchange_r,  // [2][B][padded A] tagged r_t, zeroed
+    unsigned long long* exchange_h,  // [2][B][padded B] tagged h_t, zeroed
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits, V = kProjRows;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   float* r_s = prnn_shared_memory<float>();   // [batch][kPadded]: r_{t-1}
@@ -40,9 +41,9 @@ PRNN_KERNEL void prnn_projection_forward(
   float* rp_s = hp_s + batch * kUnits;        // [batch][V]: r_{t-1} of the owned rows
   float* bias_s = rp_s + batch * V;           // [G][kUnits]: b_hh of the owned rows
   int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
-  // Both exchanges gather through the same ring (one gather at a time, each complete on return).
-  const Exchange xr = begin_exchange(exchange_r, len_s + batch, batch, proj);
-  const Exchange xh = begin_exchange(exchange_h, len_s + batch, batch, hidden);
+  // Each exchange's rows are its staged vector's: r_t in tile A's, h_t in tile B's.
+  const Exchange xr = begin_exchange(exchange_r, len_s + batch, batch, proj, batch * V);
+  const ExchangeOf<kPaddedB> xh = begin_exchange<kPaddedB>(exchange_h, len_s + batch, batch, hidden);
 
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   int rows_a[kRows];
@@ -114,7 +115,7 @@ PRNN_KERNEL void prnn_projection_forward(
 #pragma unroll
       for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
     }
-    failed = !xh.gather(h_s, t, ctl, timeout_ns, kPaddedB);
+    failed = !xh.gather(h_s, t, ctl, timeout_ns);
     // h_t is in shared memory; any timeout?
     if (prnn_sync_block_or(failed)) {
       --t;

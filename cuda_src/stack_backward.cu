@@ -36,7 +36,7 @@ PRNN_KERNEL void prnn_stack_backward(
     const int* starts,      // (layers,): each layer's first step in this launch (-1: none left)
     float* dgi, float* dgh,  // (layers, T, B, G*H); the same array unless GRU
     float* dh_carry, float* dc_carry,  // (layers, T+1, B, H); dc_carry: LSTM only
-    unsigned long long* exchange_gh,  // (layers, T, B, G*H rounded up to even) tagged dgh_t
+    unsigned long long* exchange_gh,  // (layers, T, B, padded / 2) tagged dgh_t
     unsigned long long* exchange_gi,  // the same for dgi_t (GRU; otherwise exchange_gh itself)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, unsigned long long timeout_ns,
@@ -44,6 +44,7 @@ PRNN_KERNEL void prnn_stack_backward(
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int per_layer = stack_ctas_per_layer(hidden), layers = gridDim.x / per_layer;
   const int layer = blockIdx.x / per_layer, j0 = (blockIdx.x % per_layer) * kUnits;
@@ -66,7 +67,7 @@ PRNN_KERNEL void prnn_stack_backward(
   float* in_s = rec_s + batch * kKsplit * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
   float* carry_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][kUnits]: dh, dc carries
   int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths
-  const StackExchange xgh = begin_stack_exchange(exchange_gh, len_s + batch, steps, batch, gh_len);
+  const StackExchange xgh = begin_stack_exchange(exchange_gh, steps, batch, gh_len);
   const StackExchange xgi = xgh.with_words(exchange_gi);
   if (start < 0) {  // this layer finished in an earlier launch
     if (threadIdx.x == 0) ctl->progress[blockIdx.x] = 0;
@@ -122,12 +123,14 @@ PRNN_KERNEL void prnn_stack_backward(
   // Stages step t's vector: dgh_l[t+1] into the first half (zero at T-1), dgi_{l+1}[t] into
   // the second (zero in the top layer).
   auto gather = [&](int t) -> bool {
-    if (t + 1 < steps && !xgh.gather(layer, t + 1, ctl, timeout_ns,
-                                     [v_s](int b, int k, float v) { v_s[b * kPadded + k] = v; })) {
+    if (t + 1 < steps && !xgh.gather(layer, t + 1, ctl, timeout_ns, [v_s](int b, int k, float v0, float v1) {
+          prnn_store_shared_pair(v_s + b * kPadded + k, v0, v1);
+        })) {
       return false;
     }
-    return top || xgi.gather(layer + 1, t, ctl, timeout_ns,
-                             [v_s](int b, int k, float v) { v_s[b * kPadded + kHalf + k] = v; });
+    return top || xgi.gather(layer + 1, t, ctl, timeout_ns, [v_s](int b, int k, float v0, float v1) {
+             prnn_store_shared_pair(v_s + b * kPadded + kHalf + k, v0, v1);
+           });
   };
 
   prefetch_inputs(start);

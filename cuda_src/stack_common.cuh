@@ -9,7 +9,7 @@
 // times [dgh_l[t+1]; dgi_{l+1}[t]].
 //
 // The exchange (StackExchange) keeps one slot per (layer, step) instead of two by step parity:
-// [layers][steps][batch][row words] tagged words, step t tagged t+1. No slot is ever reused
+// [layers][steps][batch][kHalf] tagged words, step t tagged t+1. No slot is ever reused
 // within a pass, so no reader can be overtaken: layer l+1 may fall any number of steps behind
 // layer l (a stalled CTA, CTAs not co-resident) and still finds y_l[t] intact, and the layers
 // need neither a global lockstep nor backpressure. The wavefront emerges from the waits alone:
@@ -20,8 +20,8 @@
 // order). So a restart needs no zeroing: the host zeroes the buffer once before the pass, and a
 // relaunch reads the words earlier launches published (the first step of a resumed layer takes
 // h_{t-1} from its own exchange, the layer below's y_{l-1}[t] from that layer's) and replays
-// bitwise the same results. The cost is memory: 8 bytes per value and step (forward B*H, backward
-// B*G*H per layer and step) instead of two steps' worth.
+// bitwise the same results. The cost is memory: 8 bytes per staged word and step (forward B*kHalf,
+// kHalf >= H; backward kHalf >= G*H; per layer and step) instead of two steps' worth.
 #pragma once
 #include "persistent_common.cuh"
 
@@ -35,29 +35,42 @@ static_assert(kKsplit % 2 == 0, "a stack tile splits its column chunks into two 
 constexpr int kHalfChunks = kKsplit / 2;
 constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged vector
 
+// Tagged pairs a thread of a stack gather loads at once (persistent_common.cuh's kGatherPairs
+// for the layer kernels): 8, but 6 in the LSTM 12-unit tile (144 registers of weights). ptxas's
+// allocation is not monotonic in it: in that tile's backward 8 spills 32 bytes on sm_80 and 2-5
+// and 7 spill 136-168, 6 nothing (sm_80, sm_90); the RNN 32-unit tile (128 registers) spills
+// 96-152 bytes at 6 and nothing at 8. persistent_rnn/model.py mirrors it.
+constexpr int kStackGatherPairs = kWeightRegisters > 128 ? 6 : 8;
+
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }
 
-// The tagged words of every (layer, step) of a stack pass: k_len values per batch row.
+// The tagged words of every (layer, step) of a stack pass: k_len values per batch row, in rows of
+// kHalf words (a half of the staged vector: word k of row b lands at v_s[b * kPadded + half + k]);
+// where k_len is odd the writer of a row's last value also publishes the word after it (a zero),
+// so that readers poll whole pairs.
 struct StackExchange {
   unsigned long long* words;
-  unsigned long long* ring;  // the gather's 16-byte slots of shared memory (begin_exchange)
-  int ring_pairs, steps, batch, k_len;
+  PrnnTaggedRows<kHalf> rows;
+  int steps, k_len;
 
-  PRNN_DEVICE int row_words() const { return exchange_row_words(k_len); }
   PRNN_DEVICE unsigned long long* slot(int layer, int t) const {
-    return words + ((size_t)layer * steps + t) * batch * row_words();
+    return words + ((size_t)layer * steps + t) * rows.pairs * 2;
   }
-  // Publishes value k of batch row b of (layer, t).
+  // Publishes value k of batch row b of (layer, t) (and the row's padding word after its last).
   PRNN_DEVICE void publish(int layer, int t, int b, int k, float v) const {
-    prnn_publish(slot(layer, t) + (size_t)b * row_words() + k, v, (unsigned)t + 1u);
+    unsigned long long* word = slot(layer, t) + b * kHalf + k;
+    prnn_publish(word, v, (unsigned)t + 1u);
+    if (k + 1 == k_len && (k_len & 1)) prnn_publish(word + 1, 0.0f, (unsigned)t + 1u);
   }
-  // Waits for the values of (layer, t) and hands each to sink(b, k, v). False on timeout/abort.
+  // Waits for the values of (layer, t) and hands each pair to sink(b, k, v0, v1) (k even).
+  // False on timeout/abort.
   template <class Sink>
   PRNN_DEVICE bool gather(int layer, int t, PrnnControl* ctl, unsigned long long timeout_ns,
                           Sink sink) const {
-    return prnn_gather_tagged_async(slot(layer, t), batch, row_words(), k_len, (unsigned)t + 1u, ctl,
-                                    timeout_ns, ring, ring_pairs, sink);
+    return prnn_gather_tagged<kStackGatherPairs>(
+        slot(layer, t), rows, (unsigned)t + 1u, ctl, timeout_ns, PrnnGlobalPairs{},
+        [sink](int word, float v0, float v1) { sink(word / kHalf, word % kHalf, v0, v1); });
   }
   // The same words in another buffer of the same shape (the GRU backward's dgi beside dgh).
   PRNN_DEVICE StackExchange with_words(unsigned long long* other) const {
@@ -67,12 +80,10 @@ struct StackExchange {
   }
 };
 
-// The exchange of a stack launch; its gather ring is the rest of the dynamic shared memory after
-// `shared_end` (begin_exchange). Every thread calls it.
-PRNN_DEVICE StackExchange begin_stack_exchange(unsigned long long* words, void* shared_end,
-                                               int steps, int batch, int k_len) {
-  const Exchange x = begin_exchange(words, shared_end, batch, k_len);
-  return StackExchange{words, x.ring, x.ring_pairs, steps, batch, k_len};
+// The exchange of a stack launch (host buffer [layers][steps][batch][kHalf] words).
+PRNN_DEVICE StackExchange begin_stack_exchange(unsigned long long* words, int steps, int batch,
+                                               int k_len) {
+  return StackExchange{words, {batch * kHalf / 2, exchange_row_words(k_len)}, steps, k_len};
 }
 
 // Zeroes the staged vector (both halves and their padding): the gathers write only the values.

@@ -27,13 +27,14 @@ PRNN_KERNEL void prnn_stack_forward(
                             // of one layer side by side, each group reading its own gi
     const int* starts,      // (layers,): each layer's first step in this launch (T: none left)
     float* y, float* cs, float* saved,  // (layers, T, B, H), (layers, T, B, H) LSTM only, (layers, T, B, S*H)
-    unsigned long long* exchange,  // (layers, T, B, H rounded up to even) tagged h_t, zeroed once per pass
+    unsigned long long* exchange,  // (layers, T, B, padded / 2) tagged h_t, zeroed once per pass
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int per_layer = stack_ctas_per_layer(hidden);
   const int layer = blockIdx.x / per_layer, j0 = (blockIdx.x % per_layer) * kUnits;
@@ -54,7 +55,7 @@ PRNN_KERNEL void prnn_stack_forward(
   float* hp_s = c_s + batch * kUnits;        // [batch][kUnits]: h_{t-1} of the owned units
   float* bias_s = hp_s + batch * kUnits;     // [2][G][kUnits]: b_ih, b_hh of the owned rows
   int* len_s = reinterpret_cast<int*>(bias_s + 2 * G * kUnits);  // [batch]: lengths
-  const StackExchange xch = begin_stack_exchange(exchange, len_s + batch, steps, batch, hidden);
+  const StackExchange xch = begin_stack_exchange(exchange, steps, batch, hidden);
   if (start >= steps) {  // this layer finished in an earlier launch
     if (threadIdx.x == 0) ctl->progress[blockIdx.x] = steps - 1;
     return;
@@ -103,13 +104,17 @@ PRNN_KERNEL void prnn_stack_forward(
       for (int idx = threadIdx.x; idx < batch * hidden; idx += blockDim.x) {
         v_s[idx / hidden * kPadded + kHalf + idx % hidden] = h0_l[idx];
       }
-    } else if (!xch.gather(layer, t - 1, ctl, timeout_ns,
-                           [v_s](int b, int k, float v) { v_s[b * kPadded + kHalf + k] = v; })) {
+    } else if (!xch.gather(layer, t - 1, ctl, timeout_ns, [v_s](int b, int k, float v0, float v1) {
+                 prnn_store_shared_pair(v_s + b * kPadded + kHalf + k, v0, v1);
+               })) {
       return false;
     }
-    return own_gi || xch.gather(layer - 1, t, ctl, timeout_ns, [v_s, len_s, t](int b, int k, float v) {
-             v_s[b * kPadded + k] = t < len_s[b] ? v : 0.0f;
-           });
+    return own_gi || xch.gather(layer - 1, t, ctl, timeout_ns,
+                                [v_s, len_s, t](int b, int k, float v0, float v1) {
+                                  const bool live = t < len_s[b];
+                                  prnn_store_shared_pair(v_s + b * kPadded + k, live ? v0 : 0.0f,
+                                                         live ? v1 : 0.0f);
+                                });
   };
 
   if (own_gi) prefetch_gi(start);

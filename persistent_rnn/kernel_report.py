@@ -42,6 +42,23 @@ def parse_ptxas(log: str) -> dict[str, int]:
             "spill_bytes": int(stores.group(1)) + int(loads.group(1))}
 
 
+def parse_stack_frame(log: str) -> int:
+    """Bytes of stack frame (local memory per thread) from an ``-Xptxas=-v`` log: non-zero when an
+    array is indexed at run time or registers spill, either of which puts loads and stores to
+    local memory (L1/L2 latency) on the step's path."""
+    frame = re.search(r"(\d+) bytes stack frame", log)
+    if frame is None:
+        raise RuntimeError(f"unexpected ptxas report (no stack frame):\n{log}")
+    return int(frame.group(1))
+
+
+def local_memory_record(log: str, time_loop: dict[str, int] | None) -> dict[str, int | None]:
+    """A record's ``stack_frame`` (bytes, ptxas) and ``local_memory`` (LDL/STL instructions in
+    the time loop; None without nvdisasm)."""
+    return {"stack_frame": parse_stack_frame(log),
+            "local_memory": None if time_loop is None else time_loop["local_memory"]}
+
+
 # ---- SASS of the time loop ---------------------------------------------------------------------
 
 # What the report counts, by SASS opcode (the first dot-separated part decides).
@@ -53,6 +70,7 @@ SASS_KINDS = {
     "atomics": ("ATOM", "ATOMG", "RED"),
     "fences": ("MEMBAR", "FENCE"),
     "l1_invalidates": ("CCTL",),
+    "local_memory": ("LDL", "STL"),         # a run-time indexed array or a spill: never wanted
 }
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _LABEL = re.compile(r"^\s*(\.L\w+|\$[\w$.]+):")
@@ -252,6 +270,7 @@ def _record(job) -> dict:
     cell, dtype, p, arch, proj, tool = job
     compiled = kernels.compile_source(p.source, p.defines, arch)
     sass = disassemble(compiled.cubin_path, tool) if tool else None
+    loop = sass_loop_counts(sass) if sass else None
     return {"cell": cell.name, "dtype": dtype, "proj_size": proj,
             "pass": "backward" if "backward" in p.kernel else "forward",
             "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
@@ -259,8 +278,8 @@ def _record(job) -> dict:
             "hidden_size": p.max_hidden,
             "block": p.block, "weights_per_thread": p.weights_per_thread,
             "weight_registers": p.weight_registers, **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
-            "planned_registers": p.registers,
-            "time_loop": sass_loop_counts(sass) if sass else None,
+            "planned_registers": p.registers, "time_loop": loop,
+            **local_memory_record(compiled.log, loop),
             "model": model_fields(cell, dtype, p, arch, sass) if sass else None}
 
 
@@ -291,11 +310,12 @@ def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     ``hidden_size`` (largest H the configuration serves), ``weights_per_thread`` and
     ``weight_registers`` (16-bit: two weights per register), ``registers``,
     ``spill_bytes``, ``shared_bytes`` (dynamic shared memory at batch 8), ``planned_registers``
-    (the register cap the planner counts on) and ``time_loop``: the SASS counts of the time loop
+    (the register cap the planner counts on), ``time_loop``: the SASS counts of the time loop
     (``sass_loop_counts``: instructions, block_barriers, global_loads, async_copies,
-    global_stores, atomics, fences, l1_invalidates), or None where nvdisasm is not installed;
-    ``model``: the latency model's ``model_fields`` (per batch row instructions and FFMAs of the
-    matrix loop, predicted µs per step at B = 1 and 8), or None without nvdisasm."""
+    global_stores, atomics, fences, l1_invalidates, local_memory), or None where nvdisasm is not
+    installed; ``stack_frame``/``local_memory`` (``local_memory_record``); ``model``: the latency
+    model's ``model_fields`` (per batch row instructions and FFMAs of the matrix loop, predicted
+    µs per step at B = 1 and 8), or None without nvdisasm."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
@@ -303,7 +323,8 @@ def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kernels --arch 80,90 [--json]``: print the records (JSON or a table); exit 1 on spills."""
+    """``kernels --arch 80,90 [--json]``: print the records (JSON or a table); exit 1 on spills,
+    a stack frame or registers beyond the plan."""
     parser = argparse.ArgumentParser(prog="prnn kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="80,90", help="comma-separated compute capabilities")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -313,18 +334,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(records, indent=1))
     else:
         print(f"{'dtype':8} {'cell':9} {'proj':>4} {'pass':8} {'arch':6} {'cl':>2} {'H max':>6} {'block':>5} {'weights':>7} "
-              f"{'regs':>4}/{'plan':<4} {'spill':>5} {'smem@B8':>8}  time loop: "
-              f"{'BAR':>3} {'LDG':>3} {'STG':>3} {'ATOM':>4} {'MEMBAR':>6} {'CCTL':>4}")
+              f"{'regs':>4}/{'plan':<4} {'spill':>5} {'frame':>5} {'smem@B8':>8}  time loop: "
+              f"{'BAR':>3} {'LDG':>3} {'STG':>3} {'ATOM':>4} {'MEMBAR':>6} {'CCTL':>4} {'LDL+STL':>7}")
         for r in records:
             loop = r["time_loop"]
             sass = ("  (no nvdisasm)" if loop is None else
                     f"  {'':11}{loop['block_barriers']:3d} {loop['global_loads']:3d} "
                     f"{loop['global_stores']:3d} {loop['atomics']:4d} {loop['fences']:6d} "
-                    f"{loop['l1_invalidates']:4d}")
+                    f"{loop['l1_invalidates']:4d} {loop['local_memory']:7d}")
             print(f"{r['dtype']:8} {r['cell']:9} {r['proj_size']:4d} {r['pass']:8} {r['arch']:6} {r['cluster']:2d} {r['hidden_size']:6d} {r['block']:5d} "
                   f"{r['weights_per_thread']:7d} {r['registers']:4d}/{r['planned_registers']:<4d} "
-                  f"{r['spill_bytes']:5d} {r['shared_bytes']:8d}{sass}")
-    bad = [r for r in records if r["spill_bytes"] or r["registers"] > r["planned_registers"]]
+                  f"{r['spill_bytes']:5d} {r['stack_frame']:5d} {r['shared_bytes']:8d}{sass}")
+    bad = [r for r in records
+           if r["spill_bytes"] or r["stack_frame"] or r["registers"] > r["planned_registers"]]
     return 1 if bad else 0
 
 

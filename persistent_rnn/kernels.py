@@ -159,9 +159,38 @@ class GpuModule:
         fn = self.function(kernel, shared_bytes)
         return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, block, shared_bytes)
 
+    def max_active_clusters(self, kernel: str, grid: int, block: int, shared_bytes: int) -> int:
+        """Clusters of this kernel (built with a cluster shape of ``grid`` CTAs) that the device
+        can hold at once (``cuOccupancyMaxActiveClusters``; 0: none fits)."""
+        fn = self.function(kernel, shared_bytes)
+        return max_active_clusters(fn.kernel.ptr, grid, block, shared_bytes)
+
     def launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple) -> None:
         """Launch ``kernel`` on the current stream (asynchronous)."""
         self.function(kernel, shared_bytes)((grid,), (block,), args, shared_mem=shared_bytes)
+
+
+class LaunchConfig(ctypes.Structure):
+    """The driver API's ``CUlaunchConfig`` (cuda.h): grid, block, dynamic shared memory, stream,
+    launch attributes."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+def max_active_clusters(function: int, grid: int, block: int, shared_bytes: int) -> int:
+    """``cuOccupancyMaxActiveClusters`` for the CUfunction ``function`` launched as one cluster
+    of ``grid`` CTAs (its compiled-in cluster shape; no launch attributes). CuPy's driver
+    bindings lack it, so it is called through ctypes on the driver library CuPy has loaded."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    config = LaunchConfig((grid, 1, 1), (block, 1, 1), shared_bytes, None, None, 0)
+    count = ctypes.c_int()
+    status = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(function),
+                                              ctypes.byref(config))
+    if status:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed (CUresult {status})")
+    return count.value
 
 
 def get_module(source: str, defines: Mapping[str, int], cooperative: bool = False) -> GpuModule:

@@ -85,22 +85,26 @@ class PassShape:
 
     @property
     def pairs(self) -> int:
-        """16-byte pairs of tagged words of one gathered vector of a step's exchange."""
+        """16-byte pairs of tagged words one step publishes (and every CTA loads)."""
         return self.batch * (self.k_len + self.k_len % 2) // 2
 
     @property
-    def ring_pairs(self) -> int:
-        """The grid gather's ring slots (what the kernel takes of its shared memory)."""
-        tile = _tile_of(self)
-        used = planner.shared_bytes(self.cell, tile, self.backward, self.batch, self.hidden, 0,
-                                    stack=self.stack)
-        return max(1, (self.plan.shared_bytes - used) // 16)
+    def gather_pairs(self) -> int:
+        """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh,
+        ``kStackGatherPairs`` of stack_common.cuh)."""
+        if "PRNN_CLUSTER" in self.plan.defines:
+            return 2
+        if self.stack:
+            return 6 if self.plan.weight_registers > 128 else 8  # kStackGatherPairs
+        return 4 if self.plan.weight_registers > 150 else 8
 
     @property
-    def cluster_pairs(self) -> int:
-        """Pairs a cluster thread loads at once (``kGatherPairs`` of persistent_common.cuh)."""
-        regs = self.plan.weight_registers
-        return 1 if regs > 188 else 2 if regs > 120 else 4
+    def gather_rounds(self) -> int:
+        """Batches of ``gather_pairs`` a thread of the gather goes through per step: thread x
+        takes pair slots x, x + threads, ... of the exchange's [B][exchange_row] rows (slots past
+        K are skipped, but hold their place); per gathered vector (``gathers``)."""
+        slots = self.batch * self.plan.exchange_row // 2
+        return math.ceil(math.ceil(slots / (32 * self.warps)) / self.gather_pairs)
 
 
 def _tile_of(shape: PassShape) -> planner.Tile:
@@ -110,10 +114,10 @@ def _tile_of(shape: PassShape) -> planner.Tile:
 
 
 def shape_at(cell: CellSpec, p: planner.PassPlan, batch: int, hidden: int) -> PassShape:
-    """``p``'s configuration at another batch and hidden size (its shared memory, hence the
-    gather's ring, re-sized as the planner would without a shared-memory limit)."""
+    """``p``'s configuration at another batch and hidden size (its shared memory re-sized as the
+    planner would)."""
     shaped = replace(p, shared_bytes=planner.shared_bytes(
-        cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch, hidden,
+        cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch,
         stack=p.source.startswith("stack_")))
     return PassShape(cell, shaped, batch, hidden)
 
@@ -194,8 +198,9 @@ def loop_kind(loop: kernel_report.TimeLoop, head: int) -> str:
     "pointwise" (MUFU or global stores), "copy" (16-byte cp.async: the exchanged vector), "prefetch" (4-byte
     cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
     not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the
-    reduce-scatter's halving levels over a run-time index), "chunks" (holds loops that are not
-    waits: the gather's ring chunks), "scan" (holds a wait: the gather's per-pair check), "other"."""
+    reduce-scatter's halving levels over a run-time index, before issue 15), "chunks" (holds
+    loops that are not waits: the gather's batches of pairs with their loads and checks), "scan"
+    (holds a wait: the gather's batches of pairs, each with its polling loop), "other"."""
     kind = _own_kind(loop, head)
     if kind:
         return kind
@@ -214,7 +219,6 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
     threads = 32 * shape.warps
     per_thread = lambda n: math.ceil(n / threads)  # noqa: E731
     cell, b, units = shape.cell, shape.batch, shape.units
-    cluster = shape.plan.defines.get("PRNN_CLUSTER", 0)
     if kind == "matrix":
         return b
     if kind == "levels":
@@ -227,13 +231,9 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
     if kind == "copy":  # counter kernels stage 4-byte values as quads; tagged words go as pairs
         if counter:
             return per_thread(b * shape.plan.defines["PRNN_KSPLIT"] * 32 * shape.plan.defines["PRNN_KPT"] / 4)
-        return per_thread(min(shape.pairs, shape.ring_pairs))
-    if kind == "chunks":
-        return math.ceil(shape.pairs / shape.ring_pairs)
-    if kind == "scan":
-        if cluster:
-            return per_thread(shape.pairs / shape.cluster_pairs)
-        return per_thread(min(shape.pairs, shape.ring_pairs))
+        return per_thread(shape.pairs)
+    if kind in ("chunks", "scan"):
+        return shape.gather_rounds
     if kind == "fallback":
         return 0
     return 1
@@ -310,12 +310,12 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
         exchange = "counter"
         exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
     elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory
-        rounds = math.ceil(shape.pairs / (32 * shape.warps * shape.cluster_pairs))
+        rounds = shape.gather_rounds
         exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
-    else:  # the writer's store reaches L2 (half a round trip), then one round trip per chunk
+    else:  # the writer's store reaches L2 (half a round trip), then one round trip per batch of
+        # pairs a thread gathers (strong loads, gather_pairs in flight)
         exchange = "l2"
-        chunks = shape.gathers * math.ceil(shape.pairs / shape.ring_pairs)
-        exchange_us = (0.5 + chunks) * l2_us + l2_traffic_us
+        exchange_us = (0.5 + shape.gathers * shape.gather_rounds) * l2_us + l2_traffic_us
     pointwise_us = 0.0
     matrix_ffma = 0
     for head, kind in kinds.items():

@@ -54,27 +54,34 @@ def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, i
     return Tile(units, PassTile(*forward), PassTile(*backward), cluster)
 
 
-# Per cell kind, tiles from small to large; the planner takes the cheapest one that fits.
-# The large tiles use 8 warps (the most that still get 255 registers each, see resident_ctas)
-# holding ~200 weights per thread; each staged value feeds `rows` (10) FMAs, so shared memory
-# keeps pace with the FMA units. ptxas' registers for them: 230-250 of 255, zero spills.
+# Per cell kind, tiles from small to large (weights per thread); the planner takes the cheapest
+# one that fits. The large tiles use 8 warps (the most that still get 255 registers each, see
+# resident_ctas) holding ~200 weights per thread; each staged value feeds `rows` (10) FMAs, so
+# shared memory keeps pace with the FMA units. ptxas' registers for them: 230-255 of 255, zero
+# spills. The middle tiles serve H = 512, 768, 1024 and 1280 with K unpadded (issue 15: LSTM
+# H=1024 ran the 10-unit tile, K padded to 1280, a fifth of its FMAs on zeros): fewer weights per
+# thread, 8 gathered pairs in flight, on up to 128 SMs (an A100's 108 take the larger tiles).
 SHIPPED: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
+             _tile(8, (8, 2, 12), (8, 8, 12)), _tile(8, (8, 2, 16), (8, 8, 16)),
              _tile(10, (10, 2, 20), (10, 8, 20))),
     "gru": (_tile(4, (3, 1, 4), (4, 4, 3)), _tile(8, (3, 1, 16), (8, 8, 6)),
+            _tile(8, (6, 2, 12), (8, 8, 9)), _tile(8, (6, 2, 16), (8, 8, 12)),
             _tile(12, (9, 2, 22), (6, 4, 33))),
-    "rnn": (_tile(4, (4, 4, 1), (4, 4, 1)), _tile(8, (8, 4, 8), (8, 4, 8)),
-            _tile(20, (10, 4, 19), (10, 4, 19))),
+    "rnn": (_tile(4, (4, 4, 1), (4, 4, 1)), _tile(8, (8, 4, 4), (8, 4, 4)),
+            _tile(8, (8, 4, 6), (8, 4, 6)), _tile(8, (8, 4, 8), (8, 4, 8)),
+            _tile(10, (10, 4, 10), (10, 4, 10)), _tile(20, (10, 4, 19), (10, 4, 19))),
 }
 
 
 # 16-bit tiles: kpt even (a register holds columns 2c, 2c+1). The first three are the fp32 tiles
-# (kpt rounded up to even), at half their registers; the last hold 360-392 weights (180-196
-# registers) per thread of 8 warps: on an H100/H200 LSTM H 1792 (grid 128), GRU 1920 (120),
-# RNN 3584 (128). ptxas: 228-254 registers, zero spills on sm_80 and sm_90 (GRU's forward at
-# kpt 32 spilled on sm_80).
+# of before issue 15 (kpt rounded up to even), at half their registers; the last hold 360-392
+# weights (180-196 registers) per thread of 8 warps: on an H100/H200 LSTM H 1792 (grid 128), GRU
+# 1920 (120), RNN 3584 (128). ptxas: 228-254 registers, zero spills on sm_80 and sm_90 (GRU's
+# forward at kpt 32 spilled on sm_80). (The unpadded middle tiles are fp32 only so far.)
 SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
-    "lstm": SHIPPED["lstm"] + (_tile(14, (14, 2, 28), (14, 8, 28)),),
+    "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
+             _tile(10, (10, 2, 20), (10, 8, 20)), _tile(14, (14, 2, 28), (14, 8, 28))),
     "gru": (_tile(4, (3, 1, 4), (4, 4, 4)), _tile(8, (3, 1, 16), (8, 8, 6)),
             _tile(12, (9, 2, 22), (6, 4, 34)), _tile(16, (12, 2, 30), (8, 4, 46))),
     "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 8), (8, 4, 8)),
@@ -134,6 +141,8 @@ class PassPlan:
     weight_registers: int      # registers those weights occupy (16-bit: two per register)
     registers: int             # -maxrregcount: the expected (and maximum) registers per thread
     max_hidden: int            # largest H the compiled tile serves
+    exchange_row: int          # words per batch row of the tagged exchange buffer (padded_length)
+    exchange_row_b: int = 0    # an LSTM projection's: the same for its second tile's exchange
 
 
 @dataclass(frozen=True)
@@ -175,11 +184,14 @@ def tile_max_hidden(cell: CellSpec, tile: Tile) -> int:
     return min(top, tile.units * tile.cluster) if tile.cluster else top
 
 
-RING_SLOTS = 8  # per thread: the gather's cp.async copies in flight (16 bytes each)
+def padded_length(tile: PassTile) -> int:
+    """Columns a pass's register tile spans, ``ksplit * 32 * kpt``: the length of a staged vector
+    row in shared memory and of a row of the tagged exchange (``persistent_common.cuh``)."""
+    return tile.ksplit * WARP * tile.kpt
 
 
-def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden: int = 0,
-                 ring_slots: int = RING_SLOTS, stack: bool = False) -> int:
+def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
+                 stack: bool = False) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
     Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
@@ -189,17 +201,15 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     [B][ksplit][units], read-only inputs of two steps [2][B][inputs][units] (dy, h, h_prev,
     [c, c_prev], saved), dh and dc carries [2][B][units], lengths [B]. The next step's inputs are
     prefetched during the step, hence two. ``padded = ksplit * 32 * kpt``. Every word is 4 bytes.
-    Then, 16-byte aligned, a grid tile's gather ring (``ring_slots`` 16-byte slots per thread, or
-    one step's words if fewer; the kernel takes the rest of its shared memory as the ring) or a
-    cluster tile's copy of the exchange, [2][B][K rounded up to even] 8-byte tagged words
-    (K = ``hidden``, or G * ``hidden`` backward).
+    Then, 16-byte aligned, a cluster tile's copy of the exchange, [2][B][padded] 8-byte tagged
+    words (a grid tile's exchange is in global memory).
     ``tests/test_plan.py`` checks this against an emulated launch.
     ``stack``: the stack kernels (``stack_*.cu``), whose forward keeps b_ih beside b_hh
-    ([2][G][units]) and whose step gathers two vectors (the layer's own and its neighbour's).
+    ([2][G][units]).
     """
     pt = tile.backward if backward else tile.forward
     units, gates = tile.units, cell.gates
-    padded = pt.ksplit * WARP * pt.kpt
+    padded = padded_length(pt)
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
         per_row = padded + pt.ksplit * units + 2 * inputs * units + 2 * units
@@ -207,36 +217,25 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int, hidden:
     else:
         per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
         constants = (2 if stack else 1) * gates * units
-    total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
-    k_len = gates * hidden if backward else hidden
-    words = (2 if stack else 1) * batch * (k_len + k_len % 2)  # one step's exchange
-    if tile.cluster:
-        return total + 16 * words
-    local_rows = units if backward else gates * units
-    ring_pairs = ring_slots * WARP * (local_rows // pt.rows * pt.ksplit)
-    return total + 16 * min(ring_pairs, words // 2)
+    fixed = 4 * (batch * per_row + constants + batch)
+    return -(-fixed // 16) * 16 + 16 * batch * padded if tile.cluster else fixed
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
-              shared_limit: int | None = None, dtype: str = "float32",
-              stack_layers: int = 0) -> PassPlan:
+              dtype: str = "float32", stack_layers: int = 0) -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
     weights held in ``dtype`` (fp32 configurations carry no ``PRNN_WEIGHT_DTYPE``: 0 is the
-    default); with a ``shared_limit``, a grid tile's gather ring shrinks (to one slot per thread
-    at least) to what the limit leaves, trading L2 round trips per step for fitting at all.
-    ``stack_layers`` > 0: the stack kernels (``cuda_src/stack_*.cu``) over that many
+    default). ``stack_layers`` > 0: the stack kernels (``cuda_src/stack_*.cu``) over that many
     unidirectional layers, one set of ``ceil(hidden/units)`` CTAs per layer (a ``STACK_TILES``
-    tile)."""
+    tile), whose exchange rows are half a staged row (``stack_common.cuh``)."""
     if stack_layers:
-        plain = pass_plan(cell, tile, backward, hidden, batch, None, dtype)
-        stacked = partial(shared_bytes, cell, tile, backward, batch, hidden, stack=True)
-        slots = RING_SLOTS
-        if shared_limit is not None and stacked() > shared_limit:
-            slots = min(RING_SLOTS, max(1, (shared_limit - stacked(ring_slots=0)) // (16 * plain.block)))
+        plain = pass_plan(cell, tile, backward, hidden, batch, dtype)
         name = "backward" if backward else "forward"
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
-                       grid=stack_layers * plain.grid, shared_bytes=stacked(ring_slots=slots),
-                       max_hidden=stack_max_hidden(cell, tile))
+                       grid=stack_layers * plain.grid,
+                       shared_bytes=shared_bytes(cell, tile, backward, batch, stack=True),
+                       max_hidden=stack_max_hidden(cell, tile),
+                       exchange_row=plain.exchange_row // 2)
     pt = tile.backward if backward else tile.forward
     local_rows = tile.units if backward else cell.gates * tile.units
     warps = local_rows // pt.rows * pt.ksplit
@@ -248,18 +247,14 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid
-    slots = RING_SLOTS
-    if shared_limit is not None and shared_bytes(cell, tile, backward, batch, hidden) > shared_limit:
-        room = shared_limit - shared_bytes(cell, tile, backward, batch, hidden, ring_slots=0)
-        slots = min(RING_SLOTS, max(1, room // (16 * block)))
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=grid, block=block,
-        shared_bytes=shared_bytes(cell, tile, backward, batch, hidden, slots),
+        shared_bytes=shared_bytes(cell, tile, backward, batch),
         weights_per_thread=pt.rows * pt.kpt, weight_registers=weight_registers(pt, dtype),
         registers=register_cap(block),
-        max_hidden=tile_max_hidden(cell, tile))
+        max_hidden=tile_max_hidden(cell, tile), exchange_row=padded_length(pt))
 
 
 def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
@@ -319,8 +314,7 @@ def projection_capacity(tile: ProjectionTile) -> tuple[int, int]:
     return hidden, min(cols(tile.forward), cols(tile.backward_b))
 
 
-def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int, hidden: int,
-                            proj: int, ring_slots: int = RING_SLOTS) -> int:
+def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int) -> int:
     """Dynamic shared memory of one CTA of a projection pass, in the kernel's order.
 
     Forward: r_{t-1} staged [B][padded A], h_t staged [B][padded B], partial sums
@@ -329,8 +323,7 @@ def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int, hi
     Backward: dg_{t+1} staged [B][padded A], dr_t staged [B][padded B], partial sums
     [B][ksplit A][proj_rows] and [B][ksplit B][units], inputs of two steps [2][B][6][units]
     (c, c_prev, saved i f g o) and [2][B][proj_rows] (dy), dc carry [B][units], dr carry
-    [B][proj_rows], lengths [B]. Then, 16-byte aligned, the gather ring both exchanges share
-    (``ring_slots`` slots per thread, or the larger exchange's step if fewer).
+    [B][proj_rows], lengths [B]. Both exchanges are in global memory.
     """
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
     units, rows = tile.units, tile.proj_rows
@@ -341,16 +334,13 @@ def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int, hi
     else:
         per_row = padded + a.ksplit * 4 * units + b.ksplit * rows + 8 * units + 2 * units + rows
         constants = 4 * units
-    total = -(-4 * (batch * per_row + constants + batch) // 16) * 16
-    k_len = max(proj, 4 * hidden if backward else hidden)
-    words = batch * (k_len + k_len % 2)
-    return total + 16 * min(ring_slots * tile.warps * WARP, words // 2)
+    return 4 * (batch * per_row + constants + batch)
 
 
 def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj: int,
-                         batch: int, shared_limit: int | None = None,
-                         dtype: str = "float32") -> PassPlan:
-    """The launch plan of one pass of a projection ``tile`` (like ``pass_plan``)."""
+                         batch: int, dtype: str = "float32") -> PassPlan:
+    """The launch plan of one pass of a projection ``tile`` (like ``pass_plan``); its exchanges'
+    rows: ``exchange_row`` tile A's padded length, ``exchange_row_b`` tile B's."""
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
     defines = {"PRNN_CELL": CELLS["lstm"].kind, "PRNN_UNITS": tile.units,
                "PRNN_PROJ_ROWS": tile.proj_rows, "PRNN_ROWS": a.rows, "PRNN_KSPLIT": a.ksplit,
@@ -359,27 +349,23 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
     block = tile.warps * WARP
-    slots = RING_SLOTS
-    size = partial(projection_shared_bytes, tile, backward, batch, hidden, proj)
-    if shared_limit is not None and size() > shared_limit:
-        slots = min(RING_SLOTS, max(1, (shared_limit - size(ring_slots=0)) // (16 * block)))
     which = "backward" if backward else "forward"
     return PassPlan(
         kernel=f"prnn_projection_{which}", source=f"persistent_projection_{which}.cu",
         defines=defines, grid=max(math.ceil(hidden / tile.units), math.ceil(proj / tile.proj_rows)),
-        block=block, shared_bytes=size(ring_slots=slots),
+        block=block, shared_bytes=projection_shared_bytes(tile, backward, batch),
         weights_per_thread=a.rows * a.kpt + b.rows * b.kpt,
         weight_registers=weight_registers(a, dtype) + weight_registers(b, dtype),
-        registers=register_cap(block), max_hidden=projection_capacity(tile)[0])
+        registers=register_cap(block), max_hidden=projection_capacity(tile)[0],
+        exchange_row=padded_length(a), exchange_row_b=padded_length(b))
 
 
 def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
     """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits."""
     tried = []
-    limit = min(dev.shared_per_block, dev.shared_per_sm)
     for tile in PROJECTION_TILES:
-        fwd = projection_pass_plan(tile, False, hidden, proj, batch, limit, dtype)
-        bwd = projection_pass_plan(tile, True, hidden, proj, batch, limit, dtype)
+        fwd = projection_pass_plan(tile, False, hidden, proj, batch, dtype)
+        bwd = projection_pass_plan(tile, True, hidden, proj, batch, dtype)
         top_proj = projection_capacity(tile)[1]
         reason = (f"proj_size {proj} > {top_proj} served by the tile" if proj > top_proj
                   else _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden))
@@ -417,9 +403,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     candidates = ((cluster_tile_for(cell, dtype),) if has_clusters(dev) else ())
     candidates += tiles_for(cell, dtype)
     for tile in candidates:
-        limit = min(dev.shared_per_block, dev.shared_per_sm)
-        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype)
-        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype)
+        fwd = pass_plan(cell, tile, False, hidden, batch, dtype)
+        bwd = pass_plan(cell, tile, True, hidden, batch, dtype)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return Plan(True, None, tile, fwd, bwd)
@@ -512,10 +497,9 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     groups = 2 if bidirectional else layers
     what = "the two directions of a layer" if bidirectional else f"{layers} layers"
     tried = []
-    limit = min(dev.shared_per_block, dev.shared_per_sm)
     for tile in stack_tiles_for(cell):
-        fwd = pass_plan(cell, tile, False, hidden, batch, limit, dtype, stack_layers=groups)
-        bwd = pass_plan(cell, tile, True, hidden, batch, limit, dtype, stack_layers=groups)
+        fwd = pass_plan(cell, tile, False, hidden, batch, dtype, stack_layers=groups)
+        bwd = pass_plan(cell, tile, True, hidden, batch, dtype, stack_layers=groups)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return StackPlan(True, layers, directions, layers if bidirectional else 1, None,

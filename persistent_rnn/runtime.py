@@ -29,6 +29,8 @@ update ``W_hh`` in place and nothing cheaper than a copy proves a cached one cur
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any, Callable, Sequence
@@ -70,18 +72,62 @@ class BackwardResult:
 
 @dataclass(frozen=True)
 class _Engine:
-    """How a persistent pass runs: its plan and a ``launch`` callable (GPU or emulated module)."""
+    """How a persistent pass runs: its plan and a ``launch`` callable (GPU or emulated module);
+    ``key`` names the configuration on its device (the residency cooldown's key)."""
 
     pass_plan: planner.PassPlan
     launch: Callable[..., None]
     emulated: bool
+    key: tuple = ()
+
+
+class _Cooldowns:
+    """Configurations whose grid was found not co-resident (a pass ended on the GEMM path after
+    timeouts while some of its CTAs had not started: another stream held SMs), and when. For
+    ``Settings.residency_cooldown_s`` after that such a configuration goes straight to the GEMM
+    path instead of paying the timeouts again; then the persistent kernel is tried again."""
+
+    def __init__(self) -> None:
+        self._since: dict[tuple, float] = {}
+        self._lock = threading.Lock()
+
+    def start(self, key: tuple) -> None:
+        with self._lock:
+            self._since[key] = time.monotonic()
+
+    def reason(self, key: tuple) -> str | None:
+        """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
+        cooldown = settings.current().residency_cooldown_s
+        with self._lock:
+            since = self._since.get(key)
+        if since is None:
+            return None
+        ago = time.monotonic() - since
+        if ago >= cooldown:
+            return None
+        return (f"grid not co-resident {ago:.1f} s ago (another stream held SMs): GEMM path "
+                f"until residency_cooldown_s ({cooldown:g} s) has passed")
+
+    def clear(self) -> None:
+        with self._lock:
+            self._since.clear()
+
+
+COOLDOWNS = _Cooldowns()
 
 
 class _Control:
-    """The kernels' ``PrnnControl`` words (``cuda_src/hw.cuh``): arrival counter, abort word and
-    one progress word per CTA (the last step it completed). The one place that knows them."""
+    """The kernels' ``PrnnControl`` words (``cuda_src/hw.cuh``): arrival counter (CTAs started),
+    abort word and one progress word per CTA (the last step it completed). The one place that
+    knows them."""
 
     UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
+    NOT_RESIDENT = 2  # abort word: a wait timed out while some CTA of the grid had not started
+
+    @staticmethod
+    def not_resident(words: np.ndarray) -> bool:
+        """Whether the launch timed out for lack of residency (``prnn_keep_polling``)."""
+        return int(words[1]) == _Control.NOT_RESIDENT
 
     @staticmethod
     def new(xp, grid: int) -> Array:
@@ -123,6 +169,7 @@ class Pending:
     launches: int = 0
     start: int = 0                     # the step the latest launch started from
     exchanges: tuple = ()              # the kernel's tagged exchange buffers (the last of ``fixed``)
+    not_resident: bool = False         # a launch timed out while some of its CTAs had not started
 
     @property
     def direction(self) -> int:
@@ -142,6 +189,7 @@ class Pending:
     def next_step(self, words: np.ndarray | None = None) -> int:
         """The first step not completed by every CTA (``end`` when the pass is complete)."""
         words = _to_host(self.control) if words is None else words
+        self.not_resident |= _Control.not_resident(words)
         return _Control.next_step(words, self.start, self.direction)
 
     def resume(self, step: int) -> None:
@@ -156,6 +204,11 @@ class Pending:
             last = self.end - self.direction
             self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
                                    f"steps {step}..{last} on GEMM")
+            if self.not_resident:
+                COOLDOWNS.start(self.engine.key)
+                self.stats.fallback += ("; the grid was not co-resident (another stream held "
+                                        "SMs): GEMM path for this configuration for "
+                                        f"{settings.current().residency_cooldown_s:g} s")
         self.finish(step)
 
 
@@ -204,16 +257,17 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     hidden = gi.shape[2] // cell.gates
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
     lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
+    p = engine.pass_plan
     if w_hr is None:
         c0_arg = c(h0) if c0 is None else c(c0)
         fixed = (buffers.weight_words(xp, w_hh, half), bias, c(gi), c(h0), c0_arg, lengths_arg,
-                 y, y if cs is None else cs, saved, _exchange(xp, batch, hidden))
+                 y, y if cs is None else cs, saved, _exchange(xp, batch, p.exchange_row))
         sizes: tuple[int, ...] = (steps, batch, hidden)
-    else:  # persistent_projection_forward.cu: exchanges of r_t (P) and h_t (H)
+    else:  # persistent_projection_forward.cu: exchanges of r_t (tile A's rows), h_t (tile B's)
         c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
         fixed = (buffers.weight_words(xp, w_hh, half), buffers.weight_words(xp, w_hr, half), bias,
                  c(gi), c(h0), c0_arg, lengths_arg, y, result.hs, cs, saved,
-                 _exchange(xp, batch, proj_size), _exchange(xp, batch, hidden))
+                 _exchange(xp, batch, p.exchange_row), _exchange(xp, batch, p.exchange_row_b))
         sizes = (steps, batch, hidden, proj_size)
     pending = _start(engine, fixed, sizes, 0, steps, xp, finish, rerun,
                      exchanges=1 if w_hr is None else 2)
@@ -265,28 +319,31 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                 dh_carry=dh, dc_carry=dc, stop=stop, w_hr=w_hr, hs=fwd.hs, drs=drs)
 
     lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
+    p = engine.pass_plan
     if w_hr is None:
         fixed = (buffers.weight_words(xp, w_hh.T, half), c(dy), fwd.y,
                  fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
                  c(h0) if c0 is None else c(c0), lengths_arg, dgi, dgh, dh_carry, dc_carry,
-                 _exchange(xp, batch, cell.gates * hidden))
+                 _exchange(xp, batch, p.exchange_row))
         sizes: tuple[int, ...] = (steps, batch, hidden)
-    else:  # persistent_projection_backward.cu: exchanges of dr_t (P) and dgates_t (4H)
+    else:  # persistent_projection_backward.cu: exchanges of dr_t (tile B's rows), dgates_t (A's)
         c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
         fixed = (buffers.weight_words(xp, w_hh.T, half), buffers.weight_words(xp, w_hr.T, half),
                  c(dy), fwd.cs, fwd.saved, c0_arg, lengths_arg, dgh, drs, dh_carry, dc_carry,
-                 _exchange(xp, batch, proj_size), _exchange(xp, batch, cell.gates * hidden))
+                 _exchange(xp, batch, p.exchange_row_b), _exchange(xp, batch, p.exchange_row))
         sizes = (steps, batch, hidden, proj_size)
     pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun,
                      exchanges=1 if w_hr is None else 2)
     return result, pending.stats, pending
 
 
-def _exchange(xp, batch: int, k_len: int) -> Array:
-    """The kernel's tagged exchange buffer, [2][batch][k_len rounded up to even] uint64, zeroed
-    (tag 0 is never published, so no launch of this pass can take a word for one it waits on);
-    the kernel's last buffer argument (the projection kernels: the last two)."""
-    return xp.zeros((2, batch, k_len + k_len % 2), np.uint64)
+def _exchange(xp, batch: int, row_words: int) -> Array:
+    """A kernel's tagged exchange buffer, [2][batch][row_words] uint64 (row_words: the pass
+    plan's ``exchange_row`` or ``exchange_row_b``, its staged vector's row), zeroed (tag 0 is
+    never published, so no launch of this pass can take a word for one it waits on); the
+    kernel's last buffer argument (the projection kernels: the last two; a cluster kernel keeps
+    its own in shared memory)."""
+    return xp.zeros((2, batch, row_words), np.uint64)
 
 
 def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, ...], first: int, end: int, xp,
@@ -398,7 +455,10 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
                                      on_gpu and settings.current().cooperative, not on_gpu,
                                      half or "float32", proj_size)
         if engine is not None:
-            return engine, None
+            # A grid found not co-resident is a run-time condition, like a timeout: the GEMM
+            # path runs (also under algo="persistent"), and last_run.fallback says why.
+            cooling = COOLDOWNS.reason(engine.key)
+            return (engine, None) if cooling is None else (None, cooling)
     if algo == "persistent":
         raise ValueError(f"algo='persistent' cannot run this layer: {why}")
     return None, why
@@ -433,17 +493,56 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
               emulated: bool) -> tuple[_Engine | None, str | None]:
     """The engine of a planned pass: its module built (NVRTC, or g++ for the emulation) and, on
     the GPU, the grid checked against CUDA's occupancy calculator; or why it cannot run."""
+    key = (device.name, emulated, pass_plan.kernel, tuple(sorted(pass_plan.defines.items())),
+           pass_plan.grid, pass_plan.block)
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)
-        return _Engine(pass_plan, module.launch, True), None
+        return _Engine(pass_plan, module.launch, True, key), None
     from . import kernels
-    module = kernels.get_module(pass_plan.source, pass_plan.defines, cooperative)
-    per_sm = module.max_active_blocks(pass_plan.kernel, pass_plan.block, pass_plan.shared_bytes)
-    if pass_plan.grid > device.sm_count * per_sm:
-        return None, (f"grid {pass_plan.grid} > {device.sm_count} SMs x {per_sm} resident CTAs "
-                      f"of {pass_plan.kernel}")
-    return _Engine(pass_plan, module.launch, False), None
+    # A cluster kernel is never launched cooperatively: CUDA refuses cooperative launches of
+    # kernels with a cluster shape (CUDA_ERROR_INVALID_CLUSTER_SIZE), and a cluster is
+    # co-scheduled whole anyway.
+    cluster = is_cluster(pass_plan)
+    module = kernels.get_module(pass_plan.source, pass_plan.defines, cooperative and not cluster)
+    shape = (pass_plan.kernel, pass_plan.block, pass_plan.shared_bytes)
+    why = residency_problem(pass_plan, device.sm_count,
+                            lambda: module.max_active_blocks(*shape),
+                            lambda: module.max_active_clusters(pass_plan.kernel, pass_plan.grid,
+                                                               pass_plan.block,
+                                                               pass_plan.shared_bytes))
+    if why is not None:
+        return None, why
+    return _Engine(pass_plan, module.launch, False, key), None
+
+
+def is_cluster(pass_plan: planner.PassPlan) -> bool:
+    """Whether the pass runs as one thread-block cluster (its kernel built with a cluster shape)."""
+    return "PRNN_CLUSTER" in pass_plan.defines
+
+
+def residency_problem(pass_plan: planner.PassPlan, sm_count: int,
+                      blocks_per_sm: Callable[[], int],
+                      active_clusters: Callable[[], int]) -> str | None:
+    """Why the pass's CTAs cannot all be resident at once on an idle device (``None``: they can).
+
+    A cluster kernel needs one cluster of its grid to fit: ``active_clusters()`` is CUDA's
+    cluster occupancy query (``cuOccupancyMaxActiveClusters``), which accounts for the GPCs a
+    cluster must fit in; per-SM block occupancy cannot tell. A grid kernel needs
+    ``grid <= sm_count * blocks_per_sm()`` (``cuOccupancyMaxActiveBlocksPerMultiprocessor``).
+    The queries are callables so that only the one that applies runs (and tests can fake them).
+    """
+    if is_cluster(pass_plan):
+        clusters = active_clusters()
+        if clusters < 1:
+            return (f"a cluster of {pass_plan.grid} CTAs x {pass_plan.block} threads of "
+                    f"{pass_plan.kernel} does not fit the device (cluster occupancy {clusters})")
+        return None
+    per_sm = blocks_per_sm()
+    if pass_plan.grid > sm_count * per_sm:
+        return (f"grid {pass_plan.grid} > {sm_count} SMs x {per_sm} resident CTAs "
+                f"of {pass_plan.kernel}")
+    return None
 
 
 @lru_cache(maxsize=None)

@@ -44,6 +44,10 @@ class Settings:
     * ``stack`` (PRNN_STACK, on): run a unidirectional stack whose layers fit the register files
       together in one persistent launch per pass (``plan.make_stack_plan``); off, every
       layer-direction is a launch of its own.
+    * ``residency_cooldown_s`` (PRNN_RESIDENCY_COOLDOWN_S, 30, >= 0): after a persistent pass
+      ended on the GEMM path because its grid was not co-resident (another stream held SMs), that
+      configuration runs on the GEMM path for this many seconds before the persistent kernel is
+      tried again; 0 tries it on every call.
     """
 
     gpu_timeout_ms: float = 100.0
@@ -54,14 +58,15 @@ class Settings:
     emulation_max_resident: int | None = None
     gemm_graphs: bool = False
     stack: bool = True
+    residency_cooldown_s: float = 30.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, _check(f.name, getattr(self, f.name)))
 
 
-# name -> (environment variable, kind, smallest value); kind "float" and "int" take numbers,
-# "bool" takes True/False, "int?" an int or None.
+# name -> (environment variable, kind, smallest value); kind "float" (> smallest) and "int"
+# (>= smallest) take numbers, "seconds" a number >= 0, "bool" takes True/False, "int?" an int or None.
 _SPEC: dict[str, tuple[str, str, float]] = {
     "gpu_timeout_ms": ("PRNN_TIMEOUT_MS", "float", 0.0),
     "emulation_timeout_ms": ("PRNN_EMULATION_TIMEOUT_MS", "float", 0.0),
@@ -71,10 +76,12 @@ _SPEC: dict[str, tuple[str, str, float]] = {
     "emulation_max_resident": ("PRNN_EMULATION_MAX_RESIDENT", "int?", 1),
     "gemm_graphs": ("PRNN_GEMM_GRAPHS", "bool", 0),
     "stack": ("PRNN_STACK", "bool", 0),
+    "residency_cooldown_s": ("PRNN_RESIDENCY_COOLDOWN_S", "seconds", 0),
 }
 _RENAMED = {"PRNN_MAX_RELAUNCHES": "PRNN_MAX_RESTARTS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _MAX_TIMEOUT_MS = 3.6e6  # one hour: a longer barrier wait is a mistake, not a setting
+_MAX_SECONDS = 86400.0  # one day: a longer cooldown is "never", which is algo="gemm"
 
 
 def _check(name: str, value: Any) -> Any:
@@ -89,11 +96,13 @@ def _check(name: str, value: Any) -> Any:
     if kind == "int?" and value is None:
         return None
     is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if kind == "float":
+    if kind in ("float", "seconds"):
         if not (is_int or isinstance(value, (float, np.floating))):
             raise TypeError(f"setting {name} must be a number, got {type(value).__name__} {value!r}")
-        if not low < value <= _MAX_TIMEOUT_MS:
+        if kind == "float" and not low < value <= _MAX_TIMEOUT_MS:
             raise ValueError(f"setting {name} must be > {low:g} and <= {_MAX_TIMEOUT_MS:g}, got {value!r}")
+        if kind == "seconds" and not low <= value <= _MAX_SECONDS:
+            raise ValueError(f"setting {name} must be >= {low:g} and <= {_MAX_SECONDS:g}, got {value!r}")
         return float(value)
     if not is_int:
         what = "an int or None" if kind == "int?" else "an int"
@@ -114,7 +123,7 @@ def _parse_env(name: str, text: str) -> Any:
             return word in _TRUE
         if kind == "int?" and word in ("", "none"):
             return None
-        value = float(word) if kind == "float" else int(word)
+        value = float(word) if kind in ("float", "seconds") else int(word)
         return _check(name, value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"environment variable {variable}={text!r} is invalid for setting "

@@ -136,6 +136,12 @@ def _new_pass(engine_: runtime._Engine, args: Callable, sizes: tuple[int, int, i
                       runtime._Control.new(xp, engine_.pass_plan.grid), stats, what)
 
 
+def _exchange(xp, engine_: runtime._Engine, layers: int, steps: int, batch: int) -> Array:
+    """A stack pass's tagged exchange, zeroed: one slot per (layer, step), rows of the plan's
+    ``exchange_row`` words (half a staged row, ``stack_common.cuh``)."""
+    return xp.zeros((layers, steps, batch, engine_.pass_plan.exchange_row), np.uint64)
+
+
 def _stacked(xp, arrays: Sequence[Array]) -> Array:
     """``arrays`` stacked on a new first axis as one contiguous float32 array."""
     return xp.ascontiguousarray(xp.stack(arrays), dtype=np.float32)
@@ -182,7 +188,7 @@ def forward(cell: CellSpec, engine_: runtime._Engine, gi: Array, weights: Sequen
             f32(h0), f32(h0 if c0 is None else c0), buffers.full_lengths(xp, lengths, batch, steps),
             np.int32(chained))
     tail = (y, y if cs is None else cs, saved,
-            xp.zeros((layers, steps, batch, hidden + hidden % 2), np.uint64))
+            _exchange(xp, engine_, layers, steps, batch))
 
     def finish(next_steps: np.ndarray) -> None:
         for k, start in enumerate(next_steps):  # bottom-up: layer k reads layer k-1's output
@@ -221,7 +227,7 @@ def backward(cell: CellSpec, engine_: runtime._Engine, dy: Array, dhn: Array | N
         dh_carry[:, steps] = dhn
     if dcn is not None and cell.has_cell_state:
         dc_carry[:, steps] = dcn
-    exchange_gh = xp.zeros((layers, steps, batch, width + width % 2), np.uint64)
+    exchange_gh = _exchange(xp, engine_, layers, steps, batch)
     exchange_gi = xp.zeros_like(exchange_gh) if dgh is not dgi else exchange_gh
     y = _stacked(xp, [f.y for f in fwds])
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731

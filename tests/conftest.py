@@ -57,6 +57,16 @@ def settings():
         yield current
 
 
+@pytest.fixture(autouse=True)
+def _no_residency_cooldowns():
+    """Every test starts and ends with no configuration cooling down after a grid found not
+    co-resident (the runtime remembers them process-wide, ``runtime.COOLDOWNS``)."""
+    from persistent_rnn import runtime
+    runtime.COOLDOWNS.clear()
+    yield
+    runtime.COOLDOWNS.clear()
+
+
 @pytest.fixture
 def fresh_plans():
     """For tests that patch the planner: the runtime's cache of plans and engines is emptied

@@ -56,33 +56,32 @@ def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
     assert abort == 1 and arrivals < 4 * 5
 
 
-def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None,
-              ring_pairs: int = 64):
+def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):
     module = emulate.get_module("grid_barrier.cu", {})
     length = grid * width
     exchange = np.zeros((2, length + length % 2), np.uint64)
     ctl = np.zeros(2 + grid, np.uint32)
     elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
-    args = (exchange, ctl, np.int32(rounds), np.int32(width), np.int32(ring_pairs), TIMEOUT_NS,
+    args = (exchange, ctl, np.int32(rounds), np.int32(width), TIMEOUT_NS,
             np.int32(stall[0]), np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
-    module.launch("exchange_rounds", grid, 64, 16 * ring_pairs, args, max_resident=max_resident)
+    module.launch("exchange_rounds", grid, 64, 0, args, max_resident=max_resident)
     return ctl[0], ctl[1], ctl[2:].view(np.int32), int(errors[0]), exchange
 
 
-# (3, 70, 8): 105 pairs through a ring of 8 slots: many chunks per round, slots reused.
-@pytest.mark.parametrize("grid, width, ring_pairs", [(4, 3, 64), (5, 1, 64), (3, 70, 8), (2, 9, 1)])
-def test_tagged_exchange_delivers_every_round(grid, width, ring_pairs):
-    arrivals, abort, progress, errors, exchange = _exchange(grid, rounds=25, width=width,
-                                                            ring_pairs=ring_pairs)
-    assert (arrivals, abort, errors) == (0, 0, 0)  # no counter, no timeout, every value right
+# 64 threads, 8 pairs in flight each: (3, 70) 105 pairs; (5, 1) and (3, 71) odd lengths (the
+# padding word is published too); (5, 241) 603 pairs, more than one batch of 8 per thread.
+@pytest.mark.parametrize("grid, width", [(4, 3), (5, 1), (3, 70), (3, 71), (5, 241)])
+def test_tagged_exchange_delivers_every_round(grid, width):
+    started, abort, progress, errors, exchange = _exchange(grid, rounds=25, width=width)
+    assert (started, abort, errors) == (grid, 0, 0)  # every CTA started, no timeout, values right
     assert progress.tolist() == [24] * grid
     tags = exchange >> np.uint64(32)
-    assert (tags[0, :grid * width] == 25).all() and (tags[1, :grid * width] == 24).all()
+    assert (tags[0] == 25).all() and (tags[1] == 24).all()  # the padding word of an odd length too
 
 
 @pytest.mark.parametrize("step", [0, 4, 9])
 def test_tagged_exchange_times_out_on_a_stalled_cta(step):
-    _, abort, progress, errors, _ = _exchange(grid=4, rounds=10, width=40, ring_pairs=16,
+    _, abort, progress, errors, _ = _exchange(grid=4, rounds=10, width=40,
                                               stall=(2, step, 900_000_000))
     assert errors == 0
     # CTA 2 published nothing of round `step` in time: the others completed step-1 and gave up;
@@ -93,8 +92,10 @@ def test_tagged_exchange_times_out_on_a_stalled_cta(step):
 
 
 def test_tagged_exchange_times_out_when_ctas_are_not_co_resident():
-    _, abort, progress, errors, _ = _exchange(grid=4, rounds=5, max_resident=2)
-    assert abort == 1 and errors == 0 and progress.min() < 4
+    started, abort, progress, errors, _ = _exchange(grid=4, rounds=5, max_resident=2)
+    # The abort word says why: a wait timed out while CTAs 2 and 3 had not started (2), where a
+    # stalled CTA of a resident grid gives 1 (above).
+    assert abort == 2 and started == 4 and errors == 0 and progress.min() < 4
 
 
 def _cluster_exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):

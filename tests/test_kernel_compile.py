@@ -19,6 +19,10 @@ from persistent_rnn.cells import CELLS
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, resident_ctas,
                                    stack_tiles_for, tiles_for)
 
+# Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
+# the default per-test timeout on a cold cache and a busy 2-core machine.
+pytestmark = pytest.mark.timeout(1800)
+
 FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4,
                    "PRNN_KPT": 1, "PRNN_WARPS": 4}
 
@@ -76,15 +80,18 @@ def test_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {r["arch"] for r in out} == {"sm_90"}
     assert {"cell", "dtype", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
-            "shared_bytes", "planned_registers", "time_loop"} <= set(out[0])
+            "shared_bytes", "planned_registers", "time_loop", "stack_frame", "local_memory"} <= set(out[0])
     assert set(kernel_report.SASS_KINDS) <= set(out[0]["time_loop"])
 
 
 # What one step of the time loop may contain (static SASS counts, kernel_report.sass_loop_counts):
 # the tagged exchange needs no fence, no atomic and no L1 invalidate; two block barriers per step
 # (staged vector + timeout vote; partial sums) per exchange: the LSTM projection kernels exchange
-# twice per step, so 4. The old counter barrier had 4-5, 3, 1 and 4.
-LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates": 0}
+# twice per step, so 4 (the stack kernels gather two vectors before one vote: 2). The old counter
+# barrier had 4-5, 3, 1 and 4. No local memory: the reduce-scatter's accumulators indexed at run
+# time once cost 64-128 bytes of stack and ~70 LDL/STL per step in most large tiles.
+LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates": 0,
+               "local_memory": 0}
 
 
 def test_time_loop_sass_stays_short(records):
@@ -94,6 +101,7 @@ def test_time_loop_sass_stays_short(records):
         for kind, most in LOOP_LIMITS.items():
             exchanges = 2 if r["proj_size"] else 1
             assert loop[kind] <= most * exchanges, (kind, r)
+        assert r["stack_frame"] == 0 and r["local_memory"] == 0 and r["spill_bytes"] == 0, r
         # The loop was found: it publishes (stores) and gathers (loads) every step.
         assert loop["block_barriers"] >= 1 and loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
 
@@ -111,6 +119,7 @@ def test_sass_loop_counts_finds_the_loop_with_the_barrier():
         /*0060*/                   CCTL.IVALL ;
         /*0070*/                   ATOMG.E.ADD.STRONG.GPU PT, R3, desc[UR4][R6.64], R0 ;
         /*0080*/                   STG.E [R8.64], R3 ;
+        /*0088*/                   STL [R1+0x4], R3 ;
         /*0090*/              @!P1 BRA `(.L_x_2) ;
         /*00a0*/                   EXIT ;
     .L_x_2:
@@ -119,7 +128,19 @@ def test_sass_loop_counts_finds_the_loop_with_the_barrier():
     """
     counts = kernel_report.sass_loop_counts(sass)
     assert counts == {"block_barriers": 1, "global_loads": 1, "async_copies": 0, "global_stores": 1,
-                      "atomics": 1, "fences": 1, "l1_invalidates": 1, "instructions": 8}
+                      "atomics": 1, "fences": 1, "l1_invalidates": 1, "local_memory": 1,
+                      "instructions": 9}
+
+
+def test_stack_frame_is_read_from_the_ptxas_report():
+    log = ("ptxas info    : Used 240 registers, used 1 barriers, 64 bytes cumulative stack size\n"
+           "ptxas info    : Compile time = 1 ms\n"
+           "ptxas         .     64 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    assert kernel_report.parse_stack_frame(log) == 64
+    assert kernel_report.local_memory_record(log, {"local_memory": 3}) == {"stack_frame": 64,
+                                                                          "local_memory": 3}
+    with pytest.raises(RuntimeError, match="stack frame"):
+        kernel_report.parse_stack_frame("ptxas info    : Used 240 registers")
 
 
 def test_compile_error_raises_with_log():

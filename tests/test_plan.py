@@ -146,11 +146,9 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
         monkeypatch.setattr(plan, "tiles_for", lambda c, dtype="float32", tile=tile: () if tile.cluster else (tile,))
         monkeypatch.setattr(plan, "has_clusters", lambda dev, tile=tile: bool(tile.cluster))
         run()
-        # A grid tile's kernel takes the rest of its shared memory as the gather's ring (at least
-        # one slot), so 4 bytes short of the fixed part (ring_slots=0) must overrun.
-        planned = plan.shared_bytes(spec, tile, backward, batch, 24, ring_slots=0)
-        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, h, slots=8, planned=planned:
-                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n, h, slots))
+        planned = plan.shared_bytes(spec, tile, backward, batch)
+        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, planned=planned:
+                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n))
         with pytest.raises(emulate.EmulationError, match="wrote past its"):
             run()
         monkeypatch.setattr(plan, "shared_bytes", shared_bytes)

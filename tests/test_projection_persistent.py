@@ -184,7 +184,7 @@ def test_projection_plan_refusals_name_the_reason():
 def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fresh_plans,
                                                                 backward):
     """Emulated launches (a canary follows shared memory): the planned bytes run; 4 bytes short
-    of the fixed part (no ring) is reported as an overrun, so the formula is exact."""
+    is reported as an overrun, so the formula is exact."""
     emulate = pytest.importorskip("persistent_rnn.emulate")
     hidden, proj = 12, 6
     data = _inputs(np.random.default_rng(1), hidden, proj)
@@ -192,7 +192,7 @@ def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, set
     _assert_persistent(run())
     exact = plan.projection_shared_bytes
     tile = plan.PROJECTION_TILES[0]
-    short = exact(tile, backward, B, hidden, proj, ring_slots=0) - 4
+    short = exact(tile, backward, B) - 4
     monkeypatch.setattr(plan, "projection_shared_bytes",
                         lambda t, bwd, *a, **k: short if bwd == backward else exact(t, bwd, *a, **k))
     from persistent_rnn import runtime

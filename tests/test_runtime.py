@@ -220,6 +220,17 @@ def test_emulated_kernels_match_float64_gemm(emulation, cell):
         assert stats.fallback is None
 
 
+@pytest.mark.parametrize("cell", ["rnn_tanh", "gru", "lstm"])
+def test_emulated_odd_widths_publish_whole_pairs(emulation, cell):
+    # H = 25: the forward exchanges 25 values per row (RNN and GRU backward: 25 and 75), so the
+    # writer of a row's last value also publishes the padding word after it; without it every
+    # reader of that pair would wait until the deadline.
+    out = _run_both(CELLS[cell], 25, 2, 4)
+    _assert_close(out["got"], out["ref"])
+    for stats in out["got"][2:]:
+        assert stats.algo == "persistent" and stats.restarts == 0 and stats.fallback is None
+
+
 def test_emulated_stall_restarts_with_identical_results(emulation):
     prnn.configure(emulation_timeout_ms=300)
     cell = CELLS["lstm"]
@@ -242,6 +253,10 @@ def test_emulated_cap_finishes_on_gemm(emulation, cell):
     _assert_close(out["got"], out["ref"])
     fs, bs = out["got"][2:]
     assert fs.algo == "persistent" and "GEMM" in fs.fallback and "GEMM" in bs.fallback
+    # Every CTA was resident (one stalled): no residency cooldown, the next call runs persistent.
+    assert "co-resident" not in fs.fallback
+    again = _run_both(CELLS[cell], 16, 2, 5)
+    assert again["got"][2].algo == "persistent" and again["got"][2].fallback is None
 
 
 def test_emulated_busy_gpu_makes_progress_and_stays_correct(emulation):
@@ -273,3 +288,80 @@ def test_sequences_longer_than_the_step_index_are_refused():
                                          strides=(0, 0, 0))  # no memory behind it
     with pytest.raises(ValueError, match="sequence length 2147483648"):
         runtime._engine(cell, gi, 4, 1, "persistent", backward=False)
+
+
+def test_a_grid_found_not_co_resident_cools_down_on_gemm(emulation):
+    # 2 of 6 CTAs resident: the pass ends on GEMM and says the grid was not co-resident; the next
+    # call of that configuration goes straight to GEMM (no launch, no timeout) while the
+    # cooldown lasts, with the same results; once it has passed, the kernel is tried again.
+    prnn.configure(emulation_timeout_ms=200, emulation_max_resident=2, max_restarts=0,
+                   residency_cooldown_s=3600)
+    first = _run_both(CELLS["gru"], 24, 2, 4)
+    fs = first["got"][2]
+    assert fs.algo == "persistent" and "not co-resident" in fs.fallback
+    cooled = _run_both(CELLS["gru"], 24, 2, 4)
+    _assert_close(cooled["got"], cooled["ref"])
+    for stats in cooled["got"][2:]:
+        assert stats.algo == "gemm" and "residency_cooldown_s" in stats.fallback
+    prnn.configure(residency_cooldown_s=0)
+    retried = _run_both(CELLS["gru"], 24, 2, 4)
+    assert retried["got"][2].algo == "persistent" and "not co-resident" in retried["got"][2].fallback
+
+
+def _pass_plan(cell, cluster):
+    spec = CELLS[cell]
+    tile = planner.cluster_tile_for(spec) if cluster else planner.tiles_for(spec)[0]
+    return planner.pass_plan(spec, tile, False, 64, 2)
+
+
+def test_residency_of_a_cluster_is_the_cluster_occupancy_query():
+    def never():
+        raise AssertionError("per-block occupancy says nothing about a cluster")
+
+    cluster = _pass_plan("lstm", True)
+    assert runtime.residency_problem(cluster, 132, never, lambda: 3) is None
+    why = runtime.residency_problem(cluster, 132, never, lambda: 0)
+    assert "cluster of 2 CTAs" in why and "cluster occupancy 0" in why
+    grid = _pass_plan("lstm", False)  # 16 CTAs
+
+    def no_cluster_query():
+        raise AssertionError("a grid kernel has no cluster shape")
+
+    assert runtime.residency_problem(grid, 16, lambda: 1, no_cluster_query) is None
+    assert "grid 16 > 8 SMs x 1" in runtime.residency_problem(grid, 8, lambda: 1, no_cluster_query)
+
+
+@pytest.mark.parametrize("cell, cluster", [("gru", True), ("gru", False)])
+def test_cluster_kernels_are_never_launched_cooperatively(monkeypatch, fresh_plans, cell, cluster):
+    from persistent_rnn import hardware, kernels
+    asked = []
+
+    class FakeModule:
+        launch = None
+
+        def max_active_blocks(self, *args):
+            return 1
+
+        def max_active_clusters(self, *args):
+            return 1
+
+    def get_module(source, defines, cooperative=False):
+        asked.append(("PRNN_CLUSTER" in defines, cooperative))
+        return FakeModule()
+
+    monkeypatch.setattr(kernels, "get_module", get_module)
+    device = hardware.PROFILES["h100"]
+    if not cluster:
+        monkeypatch.setattr(planner, "has_clusters", lambda dev: False)
+    engine, why = runtime._cached_engine(CELLS[cell], 64, 2, False, device, True, False, "float32")
+    assert why is None and engine is not None
+    assert asked == [(cluster, not cluster)]  # PRNN_COOPERATIVE=1 reaches grid kernels only
+
+
+def test_launch_config_matches_the_driver_struct():
+    import ctypes
+    from persistent_rnn import kernels
+    # CUlaunchConfig on a 64-bit host: 7 unsigned ints, the stream and attribute pointers at 32
+    # and 40, numAttrs at 48, padded to 56.
+    assert ctypes.sizeof(kernels.LaunchConfig) == 56
+    assert kernels.LaunchConfig.stream.offset == 32 and kernels.LaunchConfig.num_attrs.offset == 48

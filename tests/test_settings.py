@@ -30,6 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
     ({"cooperative": 1}, TypeError, "cooperative must be a bool"),
     ({"auto_max_batch": -1}, ValueError, "auto_max_batch must be >= 0"),
     ({"emulation_max_resident": 0}, ValueError, "emulation_max_resident must be >= 1"),
+    ({"residency_cooldown_s": -1}, ValueError, "residency_cooldown_s must be >= 0"),
+    ({"residency_cooldown_s": float("inf")}, ValueError, "residency_cooldown_s must be >= 0"),
+    ({"residency_cooldown_s": float("nan")}, ValueError, "residency_cooldown_s must be >= 0"),
+    ({"residency_cooldown_s": "5"}, TypeError, "residency_cooldown_s must be a number"),
 ])
 def test_configure_rejects_bad_names_types_and_ranges(settings, changes, error, words):
     before = prnn.configure()
@@ -43,8 +47,9 @@ def test_configure_rejects_bad_names_types_and_ranges(settings, changes, error, 
 
 def test_configure_accepts_and_converts(settings):
     s = prnn.configure(gpu_timeout_ms=50, max_restarts=np.int64(2), cooperative=np.bool_(True),
-                       emulation_max_resident=None)
+                       emulation_max_resident=None, residency_cooldown_s=0)
     assert (s.gpu_timeout_ms, s.max_restarts, s.cooperative) == (50.0, 2, True)
+    assert s.residency_cooldown_s == 0.0 and type(s.residency_cooldown_s) is float
     assert type(s.max_restarts) is int and type(s.cooperative) is bool
 
 
@@ -84,8 +89,10 @@ def test_environment_errors_name_the_variable(env):
 
 def test_environment_values_and_the_renamed_variable():
     s = settings_module.from_environment({"PRNN_TIMEOUT_MS": "25", "PRNN_MAX_RESTARTS": "5",
-                                          "PRNN_EMULATION_MAX_RESIDENT": "2"})
+                                          "PRNN_EMULATION_MAX_RESIDENT": "2",
+                                          "PRNN_RESIDENCY_COOLDOWN_S": "0.5"})
     assert (s.gpu_timeout_ms, s.max_restarts, s.emulation_max_resident) == (25.0, 5, 2)
+    assert s.residency_cooldown_s == 0.5
     with pytest.raises(ValueError, match="PRNN_MAX_RELAUNCHES was renamed to PRNN_MAX_RESTARTS"):
         settings_module.from_environment({"PRNN_MAX_RELAUNCHES": "2"})
 
