@@ -255,7 +255,8 @@ def _jobs(archs):
                 p = planner.projection_pass_plan(ptile, backward, hidden, proj, REPORT_BATCH,
                                                  dtype=dtype)
                 for arch in archs:
-                    yield CELLS["lstm"], dtype, p, arch, proj
+                    if planner.projection_tile_ships(ptile, dtype, arch):
+                        yield CELLS["lstm"], dtype, p, arch, proj
     for cell in CELLS.values():  # the stack kernels (fp32), planned for REPORT_STACK layers
         for tile in planner.stack_tiles_for(cell):
             hidden = planner.stack_max_hidden(cell, tile)

@@ -307,6 +307,17 @@ PROJECTION_TILES: tuple[ProjectionTile, ...] = (
 )
 
 
+# (units, dtype, arch) of projection tiles that ptxas cannot build without spilling, so they are
+# not shipped there: the fp32 16-unit backward spills 208 bytes on sm_80 (before the loop) since
+# the batched-poll gather (issue 15); that tile shape, its B tile and the gather width were tried.
+PROJECTION_SPILLS = frozenset({(16, "float32", "sm_80")})
+
+
+def projection_tile_ships(tile: ProjectionTile, dtype: str, arch: str) -> bool:
+    """Whether ``tile`` is a shipped configuration for ``dtype`` weights on ``arch``."""
+    return (tile.units, dtype, arch) not in PROJECTION_SPILLS
+
+
 def projection_capacity(tile: ProjectionTile) -> tuple[int, int]:
     """Largest ``(H, P)`` both passes of ``tile`` serve by their columns (the grid aside)."""
     cols = lambda pt: pt.ksplit * WARP * pt.kpt  # noqa: E731
@@ -364,6 +375,9 @@ def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: Device
     """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits."""
     tried = []
     for tile in PROJECTION_TILES:
+        if not projection_tile_ships(tile, dtype, dev.arch):
+            tried.append(f"{tile}: not built for {dtype} on {dev.arch} (ptxas spills)")
+            continue
         fwd = projection_pass_plan(tile, False, hidden, proj, batch, dtype)
         bwd = projection_pass_plan(tile, True, hidden, proj, batch, dtype)
         top_proj = projection_capacity(tile)[1]

@@ -16,8 +16,8 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
-from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, resident_ctas,
-                                   stack_tiles_for, tiles_for)
+from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, projection_tile_ships,
+                                   resident_ctas, stack_tiles_for, tiles_for)
 
 # Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
 # the default per-test timeout on a cold cache and a busy 2-core machine.
@@ -36,7 +36,8 @@ def test_every_configuration_is_reported(records):
     # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90, per dtype;
     # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs.
     expected = sum(len(tiles_for(c, d)) * 2 * 2 + 2 for c in CELLS.values() for d in KERNEL_DTYPES)
-    projections = len(PROJECTION_TILES) * 2 * 2 * len(KERNEL_DTYPES)
+    projections = sum(2 * projection_tile_ships(t, d, a) for t in PROJECTION_TILES
+                      for d in KERNEL_DTYPES for a in ("sm_80", "sm_90"))
     stacks = sum(len(stack_tiles_for(c)) * 2 * 2 for c in CELLS.values())
     assert len(records) == expected + projections + stacks
     projected = [r for r in records if r["proj_size"]]
