@@ -397,7 +397,10 @@ def _settings(case: Case) -> dict:
     if case.stall is not None:
         return dict(stack=case.stack, emulation_timeout_ms=STALL_TIMEOUT_MS, max_restarts=10)
     if case.max_resident is not None:
-        return dict(stack=case.stack, emulation_timeout_ms=RESIDENT_TIMEOUT_MS, max_restarts=1,
+        # The short timeout only where CTAs are held back: a whole grid of resident CTAs on a
+        # busy machine can take longer than that between two steps (a seed-25 run timed out).
+        timeout_ms = RESIDENT_TIMEOUT_MS if _held_back(case) else 10_000
+        return dict(stack=case.stack, emulation_timeout_ms=timeout_ms, max_restarts=1,
                     emulation_max_resident=case.max_resident)
     # generous: the emulation shares busy cores
     return dict(stack=case.stack, emulation_timeout_ms=10_000)
