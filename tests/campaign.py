@@ -87,11 +87,12 @@ class Case:
     max_resident: int | None = None
     stack: bool = True                     # the `stack` setting: stack mode where the plan fits
     bad: str = ""                          # name in BAD_INPUTS
+    kind_given: bool = True                # drawn for a named kind (else the kind was drawn too)
 
     def command(self) -> str:
         """The one-line command that replays this case."""
-        return (f"PYTHONPATH=. python -m tests.campaign --case {self.seed} --kind {self.kind} "
-                f"--profile {self.profile}")
+        kind = f"--kind {self.kind} " if self.kind_given else ""
+        return f"PYTHONPATH=. python -m tests.campaign --case {self.seed} {kind}--profile {self.profile}"
 
 
 # ---- drawing ---------------------------------------------------------------------------------
@@ -110,9 +111,10 @@ def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
     """The case of ``seed`` (``kind`` None: drawn too). Draw a new option after the others, so
     that the seeds of the CI slice keep their cases."""
     rng = np.random.default_rng(seed)
+    kind_given = kind is not None
     kind = kind or str(rng.choice(KINDS, p=[0.55, 0.2, 0.25]))
     small = profile == "ci"
-    base = dict(seed=seed, kind=kind, profile=profile, cell=str(rng.choice(CELLS)),
+    base = dict(seed=seed, kind=kind, kind_given=kind_given, profile=profile, cell=str(rng.choice(CELLS)),
                 input_size=int(rng.integers(1, 7)), bidirectional=bool(rng.random() < 0.4),
                 batch_first=bool(rng.random() < 0.3), bias=bool(rng.random() < 0.85),
                 lengths=bool(rng.random() < 0.5), hx=bool(rng.random() < 0.7))

@@ -65,6 +65,16 @@ def test_a_failure_names_the_seed_and_the_command(monkeypatch):
         run_case(case)
 
 
+@pytest.mark.parametrize("profile", ["ci", "long"])
+def test_the_replay_command_draws_the_same_case(profile):
+    # a long run draws the kind too: its replay must not name it (naming it skips that draw)
+    for seed in range(20):
+        case = draw_case(seed, profile)
+        args = case.command().split("-m tests.campaign ")[1].split()
+        kind = args[args.index("--kind") + 1] if "--kind" in args else None
+        assert draw_case(int(args[args.index("--case") + 1]), profile, kind) == case
+
+
 # The relu RNN of issue 19: H 160, B 7, T 5, bidirectional, bfloat16 (the GEMM path rounds h_t
 # where the kernels do, and gives the same errors).
 RELU_CASE = Case(seed=22, kind="layer", profile="ci", cell="rnn_relu", input_size=5, hidden=160,
