@@ -127,6 +127,7 @@ def train(args: argparse.Namespace) -> list[float]:
         # and destroys it at return while holding the GIL, which can deadlock with a gloo worker
         # thread that needs the GIL to release a tensor (pytorch/pytorch#56297; seen here).
         del ddp
+        dist.barrier()  # no rank closes its connections while another still uses them
         dist.destroy_process_group()
     return losses
 

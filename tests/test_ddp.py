@@ -83,6 +83,10 @@ def _worker(rank: int, port: int, out: Path) -> None:
         ddp = DistributedDataParallel(_Wrapped(model))
         torch.save(_grads(model, ddp(*_batch(rank))), out / f"rank{rank}.pt")
         del ddp  # before the group it holds (the teardown deadlock noted in examples/char_lm.py)
+        # Neither rank tears its gloo pairs down while the other may still use them: without this
+        # barrier a rank aborted at exit now and then ("terminate called without an active
+        # exception", seen in CI after both ranks had finished the all-reduce).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
