@@ -467,7 +467,8 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
 def _why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
     if np.dtype(data.dtype) != np.float32:
-        return f"dtype is {np.dtype(data.dtype).name}; the persistent kernels run float32 only"
+        return (f"dtype is {np.dtype(data.dtype).name}: the persistent kernels compute in "
+                f"float32 (weights in float32 or 16 bits); algo='gemm' runs it")
     if data.shape[0] > _MAX_STEPS:
         return f"sequence length {data.shape[0]} > {_MAX_STEPS}: the kernels' step index is 32-bit"
     limit = settings.current().auto_max_batch
