@@ -201,6 +201,45 @@ def test_bad_arguments_are_torch_nn_errors_or_clear():
             module(x[:, 0], torch.zeros(1, 1, H, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("algo", ["gemm", "persistent"])
+@pytest.mark.parametrize("mode,kwargs,proj", [(m, k, 0) for m, k in MODES] + [("LSTM", {}, 2)],
+                         ids=[*IDS, "LSTMP"])
+def test_states_of_another_dtype_or_device_raise_runtime_error_as_torch_nn(mode, kwargs, proj,
+                                                                           algo):
+    """h0 (c0) of another dtype than the input, or on another device: torch.nn raises
+    RuntimeError (its kernels' messages for the dtype, its own for the device); so does ours,
+    naming the state. (Batched, unbatched and packed input take the same check.)"""
+    ctor = {"proj_size": proj} if proj else {}
+    ours, ref = pair(mode, kwargs, algo=algo, dtype=torch.float32, **ctor)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(T, B, I, generator=gen)
+    width = proj or H
+
+    def states(dtype_h, dtype_c=torch.float32, device="cpu"):
+        h = torch.randn(1, B, width, generator=gen).to(dtype_h).to(device)
+        return (h, torch.randn(1, B, H, generator=gen).to(dtype_c)) if mode == "LSTM" else h
+
+    calls = [(states(torch.float64), "(hx|h_0) dtype \\(torch.float64\\) does not match")]
+    if mode == "LSTM":
+        calls.append((states(torch.float32, torch.float64), "c_0 dtype \\(torch.float64\\)"))
+    for hx, message in calls:
+        for args in ((x, hx), (x[:, 0], _map_states(hx, lambda t: t[:, 0])),
+                     (pack_padded_sequence(x, [T, T - 1, 2]), hx)):
+            with pytest.raises(RuntimeError):
+                ref(*args)
+            with pytest.raises(RuntimeError, match=message):
+                ours(*args)
+    for module in (ours, ref):
+        with pytest.raises(RuntimeError, match="Input and hidden tensors are not at the same "
+                                               "device, found input tensor at cpu and hidden "
+                                               "tensor at meta"):
+            module(x, states(torch.float32, device="meta"))
+
+
+def _map_states(hx, fn):
+    return tuple(fn(t) for t in hx) if isinstance(hx, tuple) else fn(hx)
+
+
 @pytest.mark.parametrize("algo", ["auto", "gemm"])
 def test_empty_batch_and_empty_sequence_as_torch_nn(algo):
     ours, ref = pair("LSTM", {}, algo=algo, num_layers=2, bidirectional=True)

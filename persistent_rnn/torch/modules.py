@@ -191,13 +191,18 @@ def _cell_state_dtype(module, x: torch.Tensor, hx) -> torch.dtype:
 
 
 def _check_like_input(x: torch.Tensor, hx, weights: dict) -> None:
-    tensors = {"hx": hx} if isinstance(hx, torch.Tensor) else {
-        f"hx[{i}]": h for i, h in enumerate(hx or ())}
-    tensors.update(weights)
-    for name, t in tensors.items():
-        if t.dtype != x.dtype or t.device != x.device:
-            raise TypeError(f"{name} must have the input's dtype and device "
-                            f"({x.dtype}, {x.device}), got ({t.dtype}, {t.device})")
+    """torch.nn's exception (``RuntimeError``) for a state or weight that is not on the input's
+    device (torch.nn's messages) or not of its dtype (where torch.nn's kernels fail, each with its
+    own words, this names the tensor)."""
+    states = {"hx": hx} if isinstance(hx, torch.Tensor) else dict(zip(("h_0", "c_0"), hx or ()))
+    for kind, tensors in (("hidden", states), ("parameter", weights)):
+        for name, t in tensors.items():
+            if t.device != x.device:
+                raise RuntimeError(f"Input and {kind} tensors are not at the same device, found "
+                                   f"input tensor at {x.device} and {kind} tensor at {t.device}")
+            if t.dtype != x.dtype:
+                raise RuntimeError(f"{name} dtype ({t.dtype}) does not match the input dtype "
+                                   f"({x.dtype}): convert it with {name}.to({x.dtype})")
 
 
 def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,
