@@ -201,9 +201,11 @@ def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, set
         run()
 
 
-def test_torch_module_runs_the_persistent_lstmp_kernels():
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "h0-c0"])
+def test_torch_module_runs_the_persistent_lstmp_kernels(initial):
     """``persistent_rnn.torch.LSTM(proj_size=P, algo="persistent")`` on CPU tensors: the emulated
-    kernels, packed input, against torch.nn in float64 (forward and backward)."""
+    kernels, a bidirectional 2-layer stack, packed input, with and without h0/c0, against
+    torch.nn in float64 (forward and backward: input, state and parameter gradients)."""
     from persistent_rnn import torch as prt
     hidden, proj = 12, 6
     torch.manual_seed(3)
@@ -212,15 +214,18 @@ def test_torch_module_runs_the_persistent_lstmp_kernels():
                         dtype=torch.float64)
     ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
     x = torch.randn(T, B, I)
+    h0, c0 = torch.randn(4, B, proj), torch.randn(4, B, hidden)
     outs = []
     for module, dtype in ((ours, torch.float32), (ref, torch.float64)):
-        xd = x.to(dtype).detach().requires_grad_()
-        packed = torch.nn.utils.rnn.pack_padded_sequence(xd, torch.from_numpy(LENGTHS),
+        leaves = [t.to(dtype).detach().requires_grad_() for t in (x, h0, c0)]
+        packed = torch.nn.utils.rnn.pack_padded_sequence(leaves[0], torch.from_numpy(LENGTHS),
                                                          enforce_sorted=False)
-        y, (hn, cn) = module(packed)
+        y, (hn, cn) = module(packed, tuple(leaves[1:]) if initial else None)
         y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=T)
         (y.sum() + (hn * hn).sum() + cn.sum()).backward()
-        outs.append([y, hn, cn, xd.grad] + [p.grad for p in module.parameters()])
+        grads = [t.grad for t in leaves[:3 if initial else 1]]
+        outs.append([y, hn, cn, *grads] + [p.grad for p in module.parameters()])
     assert ours.last_run.algo == "persistent", ours.last_run
+    assert ours.last_run.backward.algo == "persistent", ours.last_run
     for a, b in zip(*outs):
         assert _rel(a.detach().numpy(), b.detach().numpy()) <= 1e-5

@@ -130,15 +130,20 @@ def test_default_hidden_state_unbatched_and_noncontiguous_input(mode, kwargs):
     assert_all_close([y, *_flatten(hn)], [y_ref, *_flatten(hn_ref)])
 
 
-@pytest.mark.parametrize("mode,kwargs", MODES, ids=IDS)
+@pytest.mark.parametrize("mode,kwargs", [*MODES, ("LSTM", {"proj_size": 1})],
+                         ids=[*IDS, "LSTMP"])
 def test_gradcheck_with_batched_gradients(mode, kwargs):
-    """gradcheck with its batched-gradient check: the backward runs under (legacy) vmap."""
+    """gradcheck of a bidirectional 2-layer stack on the GEMM path in float64 (packed input,
+    h0/c0, every weight; LSTMP included) with its batched-gradient check: the backward runs
+    under (legacy) vmap."""
     module = getattr(prt, mode)(2, 2, num_layers=2, bidirectional=True, dtype=torch.float64,
                                 algo="gemm", **kwargs)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 2, 2, dtype=torch.float64, generator=gen, requires_grad=True)
-    h0 = torch.randn(4, 2, 2, dtype=torch.float64, generator=gen, requires_grad=True)
-    hx = (h0, h0.detach().flip(0).clone().requires_grad_()) if mode == "LSTM" else h0
+    h0 = torch.randn(4, 2, kwargs.get("proj_size", 2), dtype=torch.float64, generator=gen,
+                     requires_grad=True)
+    c0 = torch.randn(4, 2, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    hx = (h0, c0) if mode == "LSTM" else h0
     weights = {n: w.detach().clone().requires_grad_() for n, w in module.named_parameters()}
     lengths = torch.tensor([3, 2])
 
