@@ -1,0 +1,92 @@
+"""tests/pytorch_rnn_suite.py, the runner of PyTorch's own RNN tests, on a small test file of
+ours written the way PyTorch's are (torch.nn.LSTM by name, module_db, a float64 case, a CUDA-only
+skip, a cell test), in a subprocess: the counts it prints, and that the library ran."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).with_name("pytorch_rnn_suite.py")
+ROOT = RUNNER.parent.parent
+
+SAMPLE_TESTS = textwrap.dedent('''
+    import unittest
+    import torch
+    import torch.nn as nn
+    from torch.testing._internal.common_modules import module_db
+
+
+    class TestRecurrent(unittest.TestCase):
+        def test_lstm_by_name_runs_the_library(self):
+            lstm = nn.LSTM(3, 4, num_layers=2, bidirectional=True, proj_size=2)
+            self.assertIsInstance(lstm, nn.LSTM)
+            self.assertEqual(repr(lstm), "LSTM(3, 4, proj_size=2, num_layers=2, "
+                                         "bidirectional=True)")
+            out, (h, c) = lstm(torch.randn(5, 2, 3))
+            out.sum().backward()
+            self.assertEqual(lstm.last_run.algo, lstm.algo)
+            self.assertEqual(tuple(out.shape), (5, 2, 4))
+
+        def test_gru_float64(self):
+            gru = nn.GRU(3, 4).double()
+            gru(torch.randn(5, 2, 3, dtype=torch.float64))
+
+        def test_rnn_from_module_db(self):
+            info = next(i for i in module_db if i.module_cls is nn.RNN)
+            rnn = info.module_cls(3, 4)
+            self.assertIsInstance(rnn, nn.RNN)
+            rnn(torch.randn(5, 2, 3))
+
+        def test_rnn_save_load(self):
+            import io
+            buffer = io.BytesIO()
+            torch.save(nn.RNN(3, 4), buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer)
+            self.assertIsInstance(loaded, nn.RNN)
+            loaded(torch.randn(5, 2, 3))
+
+        @unittest.skipIf(True, "CUDA not available")
+        def test_lstm_on_cuda(self):
+            pass
+
+        def test_rnn_cell(self):
+            nn.RNNCell(3, 4)(torch.randn(2, 3))
+
+        def test_lstm_failing(self):
+            self.assertEqual(nn.LSTM(3, 4).hidden_size, 5)
+''')
+
+
+def run_suite(path: Path, algo: str, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.run([sys.executable, str(RUNNER), "--algo", algo, str(path), *extra],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=path.parent)
+
+
+@pytest.mark.parametrize("algo", ["gemm", "persistent"])
+def test_runner_forces_the_library_and_counts(tmp_path, algo):
+    path = tmp_path / "test_sample_recurrent.py"
+    path.write_text(SAMPLE_TESTS)
+    done = run_suite(path, algo)  # the default selection
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr  # the one deliberate failure
+    refused = int(algo == "persistent")
+    assert (f"algo={algo}: {4 - refused} passed, 1 failed, {refused} refused (float64 on the "
+            f"persistent kernels); 1 skipped by torch, 0 selected but built no library "
+            f"module") in out, out
+    assert "test_lstm_failing: AssertionError: 4 != 5" in out
+    assert "skipped by torch here: CUDA not available (1)" in out
+    if algo == "persistent":
+        assert "test_gru_float64: ValueError: algo='persistent' cannot run this layer: dtype " \
+               "is float64" in out
+    # the default selection leaves torch's cells out; -k selects them
+    done = run_suite(path, algo, "-k", "cell")
+    assert f"algo={algo}: 0 passed, 0 failed, 0 refused (float64 on the persistent kernels); " \
+           f"0 skipped by torch, 1 selected but built no library module" in done.stdout
