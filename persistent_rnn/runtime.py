@@ -443,8 +443,10 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if algo == "gemm" or batch == 0:  # an empty batch has nothing to run, under every algo
+    if algo == "gemm":
         return None, None
+    if batch == 0:  # nothing to run under any algo; last_run says so rather than naming no reason
+        return None, "empty batch: nothing to compute (the GEMM path returns the empty results)"
     on_gpu = buffers.array_module(data) is not np
     if algo == "auto" and not on_gpu:
         return None, None

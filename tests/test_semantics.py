@@ -103,3 +103,8 @@ def test_empty_batch_matches_torch_under_every_algo(mode):
         dx, _ = layer.backward(np.zeros_like(y))
         assert dx.shape == (4, 0, 5)
         assert all(not g.any() for g in layer.grads.values())
+        # the GEMM path returned the empty results; under any other algo last_run says why
+        assert layer.last_run.algo == "gemm"
+        assert (layer.last_run.fallback is None) == (algo == "gemm"), layer.last_run
+        if algo != "gemm":
+            assert layer.last_run.fallback.startswith("empty batch: nothing to compute")
