@@ -47,7 +47,8 @@ FLOAT64_REFUSAL = "algo='persistent' cannot run this layer: dtype is float64"
 
 @dataclass
 class Tally:
-    """Per test: how many library modules it constructed (or tried to) and how many forwards ran the library."""
+    """Per test (pytest node id): library modules constructed (or tried: torch.nn's argument
+    checks may refuse them) and forwards that ran the library."""
 
     built: Counter = field(default_factory=Counter)
     ran: Counter = field(default_factory=Counter)
@@ -129,8 +130,11 @@ class ForceLibrary:
 def _last_error_line(text: str) -> str:
     """The ``E   ...`` line that names the exception in a pytest failure report."""
     errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    return next((e for e in reversed(errors) if "Error" in e or "assert" in e.lower()),
-                errors[-1] if errors else text.splitlines()[-1] if text else "")
+    named = [e for e in errors if "Error" in e or "assert" in e.lower()]
+    if named or errors:
+        return (named or errors)[-1]
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def summarize(plugin: ForceLibrary) -> tuple[str, Counter]:
