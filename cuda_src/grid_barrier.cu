@@ -71,7 +71,7 @@ PRNN_KERNEL void exchange_rounds(unsigned* exchange, PrnnControl* ctl, int round
       exchange, ctl, rounds, width, stall, errors,
       [](unsigned* word, unsigned v) { prnn_store_relaxed(word, v); },
       [&](const unsigned* slot, const ExchangeRow& row, unsigned tag, auto sink) {
-        return prnn_gather_tagged<8>(slot, row, tag, ctl, timeout_ns, PrnnGlobalQuads{}, sink);
+        return prnn_gather_tagged<8>(slot, row, tag, (int)blockDim.x, ctl, timeout_ns, PrnnGlobalQuads{}, sink);
       });
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;
@@ -110,7 +110,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS cluster_exchange_rounds(
         for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u32(word, cta, v);
       },
       [&](const unsigned* slot, const ExchangeRow& row, unsigned tag, auto sink) {
-        return prnn_gather_tagged<4>(slot, row, tag, ctl, timeout_ns, PrnnClusterQuads{}, sink);
+        return prnn_gather_tagged<4>(slot, row, tag, (int)blockDim.x, ctl, timeout_ns, PrnnClusterQuads{}, sink);
       });
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;

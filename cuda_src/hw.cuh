@@ -291,11 +291,9 @@ template <class Store>
 PRNN_DEVICE void prnn_publish(unsigned* word, int k, int k_len, float v, unsigned tag, Store store) {
   store(word, prnn_tagged(v, tag));
   if (k + 1 == k_len) {
-    const int zeros = -k_len & 3;
-#pragma unroll
-    for (int i = 1; i <= 3; ++i) {
-      if (i <= zeros) store(word + i, tag);
-    }
+    // A loop, not unrolled: in a cluster each store is one per CTA, and the branch is rarely taken.
+#pragma unroll 1
+    for (int i = 1; i <= (-k_len & 3); ++i) store(word + i, tag);
   }
 }
 
@@ -369,17 +367,19 @@ struct PrnnClusterQuads {  // this CTA's own shared memory, which the cluster's 
 #endif
 
 // Waits for the wanted words of src (`rows`: a PrnnTaggedRows) to carry `tag` and hands each
-// quad to sink(word index, values[4]). Thread x gathers quads x, x + blockDim.x, ...: it loads N
+// quad to sink(word index, values[4]). `threads` is blockDim.x, passed as a compile-time constant
+// where the kernel has one, so that the addresses of a thread's N quads are one register plus
+// immediate offsets. Thread x gathers quads x, x + threads, ...: it loads N
 // of them at once into registers (strong loads, all in flight together), polls again only the
 // quads whose tags were not all there yet, under the policy of Load::Wait, then moves on to its
 // next N. Returns false on timeout or abort. No block barrier: the caller's next one publishes
 // the sink's writes.
 template <int N, class Rows, class Load, class Sink>
-PRNN_DEVICE bool prnn_gather_tagged(const unsigned* src, const Rows& rows, unsigned tag,
+PRNN_DEVICE bool prnn_gather_tagged(const unsigned* src, const Rows& rows, unsigned tag, int threads,
                                     PrnnControl* ctl, unsigned long long timeout_ns, Load load,
                                     Sink sink) {
   static_assert(N >= 1 && N <= 32, "1..32 quads in flight");
-  const int stride = (int)blockDim.x;
+  const int stride = threads;
   PrnnWait wait{0u, 0ull};
   for (int base = threadIdx.x; base < rows.quads; base += N * stride) {
     unsigned w[N][4];

@@ -36,6 +36,7 @@ constexpr int kKsplit = PRNN_KSPLIT;
 constexpr int kKpt = PRNN_KPT;
 constexpr int kChunk = kWarp * kKpt;        // columns per warp
 constexpr int kPadded = kKsplit * kChunk;   // staged vector length per batch row
+constexpr int kThreads = kWarp * PRNN_WARPS;  // blockDim.x
 using ThisCell = Cell<PRNN_CELL>;
 constexpr bool kHasC = PRNN_CELL == LSTM;
 constexpr int kSavedSlots = ThisCell::S > 0 ? ThisCell::S : 1;
@@ -255,11 +256,11 @@ struct ExchangeOf {
     const auto sink = [v_s](int word, const float (&v)[4]) { prnn_store_shared_quad(v_s + word, v); };
     const unsigned* src = words + (t & 1) * slot();
 #ifdef PRNN_CLUSTER
-    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), ctl, timeout_ns,
+    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
                                             PrnnClusterQuads{}, sink);
 #else
     if (idle) prnn_sleep_ns(kIdleStartNs);
-    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), ctl, timeout_ns,
+    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
                                             PrnnGlobalQuads{}, sink);
 #endif
   }

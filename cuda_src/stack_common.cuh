@@ -69,7 +69,7 @@ struct StackExchange {
   PRNN_DEVICE bool gather(int layer, int t, PrnnControl* ctl, unsigned long long timeout_ns,
                           Sink sink) const {
     return prnn_gather_tagged<kStackGatherQuads>(
-        slot(layer, t), rows, prnn_step_tag(t), ctl, timeout_ns, PrnnGlobalQuads{},
+        slot(layer, t), rows, prnn_step_tag(t), kThreads, ctl, timeout_ns, PrnnGlobalQuads{},
         [sink](int word, const float (&v)[4]) { sink(word / kHalf, word % kHalf, v); });
   }
   // The same words in another buffer of the same shape (the GRU backward's dgi beside dgh).
