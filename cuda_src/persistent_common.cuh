@@ -203,8 +203,9 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
 
 // Tagged quads a thread of the gather loads at once (four registers each). Grid: what the register
 // cap leaves beside the weights with zero spills (ptxas, sm_80 and sm_90; the largest tiles hold
-// 180-200 registers of weights; the stack kernels choose their own, stack_common.cuh), as L2
-// round trips are what a step waits on.
+// 190-200 registers of weights: the LSTM backward's (196, 200) spill 16-40 bytes at 4, the RNN
+// backward's (190) 184 bytes at 2 on sm_80, ptxas's allocation not being monotonic; the stack kernels
+// choose their own, stack_common.cuh), as L2 round trips are what a step waits on.
 // Cluster: 2, as a small layer gives a thread one or two quads and every unrolled slot is issued
 // (predicated) each step. persistent_rnn/model.py mirrors this (PassShape.gather_quads).
 // -DPRNN_GATHER_QUADS overrides it (experiments).
@@ -214,7 +215,7 @@ constexpr int kGatherQuads = PRNN_GATHER_QUADS;
 #elif defined(PRNN_CLUSTER)
 constexpr int kGatherQuads = 2;  // shared-memory polls are cheap: fewer unrolled (issued) slots
 #else
-constexpr int kGatherQuads = kWeightRegisters > 150 ? 4 : 8;
+constexpr int kGatherQuads = kWeightRegisters > 192 ? 2 : kWeightRegisters > 150 ? 4 : 8;
 #endif
 
 // How long a thread with no pointwise work (thread index >= batch * kUnits in both kernels)

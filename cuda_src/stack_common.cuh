@@ -37,11 +37,10 @@ constexpr int kHalfChunks = kKsplit / 2;
 constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged vector
 
 // Tagged quads a thread of a stack gather loads at once (persistent_common.cuh's kGatherQuads
-// for the layer kernels): 8, but 6 in the LSTM 12-unit tile (144 registers of weights). ptxas's
-// allocation is not monotonic in it: in that tile's backward 8 spills 32 bytes on sm_80 and 2-5
-// and 7 spill 136-168, 6 nothing (sm_80, sm_90); the RNN 32-unit tile (128 registers) spills
-// 96-152 bytes at 6 and nothing at 8. persistent_rnn/model.py mirrors it.
-constexpr int kStackGatherQuads = kWeightRegisters > 128 ? 6 : 8;
+// for the layer kernels): 8. ptxas's allocation is not monotonic in it: in the LSTM 12-unit
+// tile's backward (144 registers of weights) 1-4 spill 60-112 bytes and 8 nothing (sm_80, sm_90;
+// with the 8-byte words of before, only 6 did not spill). persistent_rnn/model.py mirrors it.
+constexpr int kStackGatherQuads = 8;
 
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }

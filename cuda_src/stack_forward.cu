@@ -112,8 +112,9 @@ PRNN_KERNEL void prnn_stack_forward(
     return own_gi || xch.gather(layer - 1, t, ctl, timeout_ns,
                                 [v_s, len_s, t](int b, int k, const float (&v)[4]) {
                                   const bool live = t < len_s[b];
-                                  const float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                                  prnn_store_shared_quad(v_s + b * kPadded + k, live ? v : z);
+                                  const float w[4] = {live ? v[0] : 0.0f, live ? v[1] : 0.0f,
+                                                      live ? v[2] : 0.0f, live ? v[3] : 0.0f};
+                                  prnn_store_shared_quad(v_s + b * kPadded + k, w);
                                 });
   };
 

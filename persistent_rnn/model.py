@@ -95,8 +95,9 @@ class PassShape:
         if "PRNN_CLUSTER" in self.plan.defines:
             return 2
         if self.stack:
-            return 6 if self.plan.weight_registers > 128 else 8  # kStackGatherQuads
-        return 4 if self.plan.weight_registers > 150 else 8
+            return 8  # kStackGatherQuads
+        w = self.plan.weight_registers
+        return 2 if w > 192 else 4 if w > 150 else 8
 
     @property
     def gather_rounds(self) -> int:
