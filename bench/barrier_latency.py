@@ -68,14 +68,14 @@ def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeo
     barrier = _timed(modules["grid"], KERNEL, grid, block, 0,
                      (ctl, np.int32(rounds), timeout, *NO_STALL, elapsed), ctl, elapsed, rounds)
     length = grid * width
-    words, errors, ctl = cp.zeros((2, length + length % 2), cp.uint64), cp.zeros(1, cp.uint32), _control(cp, grid)
+    words, errors, ctl = cp.zeros((2, -(-length // 4) * 4), cp.uint32), cp.zeros(1, cp.uint32), _control(cp, grid)
     exchange = _timed(modules["grid"], EXCHANGE_KERNEL, grid, block, 0,
                       (words, ctl, np.int32(rounds), np.int32(width), timeout,
                        *NO_STALL, elapsed, errors), ctl, elapsed, rounds)
     cluster = (None, None)
     if grid in modules.get("clusters", {}):
         ctl = _control(cp, grid)
-        cluster = _timed(modules["clusters"][grid], CLUSTER_KERNEL, grid, block, 16 * (length + length % 2),
+        cluster = _timed(modules["clusters"][grid], CLUSTER_KERNEL, grid, block, 8 * -(-length // 4) * 4,
                          (ctl, np.int32(rounds), np.int32(width), timeout, *NO_STALL, elapsed, errors),
                          ctl, elapsed, rounds)
     if int(errors.get()[0]):

@@ -183,17 +183,12 @@ inline float prnn_load_cg(const float* p) {
   __atomic_load(p, &v, __ATOMIC_RELAXED);
   return v;
 }
-// The tagged exchange's words: relaxed 4- and 8-byte atomics, single-copy atomic like the GPU's
-// ld/st.relaxed.gpu (the 16-byte load is two such loads, as PTX defines a vector access).
+// The tagged exchange's words: relaxed 4-byte atomics, single-copy atomic like the GPU's
+// ld/st.relaxed.gpu (the 16-byte load is four such loads, as PTX defines a vector access).
 inline unsigned prnn_load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline void prnn_store_relaxed(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-inline void prnn_store_relaxed_u64(unsigned long long* p, unsigned long long v) {
-  __atomic_store_n(p, v, __ATOMIC_RELAXED);
-}
-inline void prnn_load_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
-                                    unsigned long long& b) {
-  a = __atomic_load_n(p, __ATOMIC_RELAXED);
-  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+inline void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
+  for (int i = 0; i < 4; ++i) w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
 }
 // Thread-block clusters (kernels built with -DPRNN_CLUSTER=n): the launcher runs a cluster's
 // CTAs at once and publishes each one's shared memory in cluster_shared[] before any fiber runs.
@@ -204,15 +199,13 @@ inline void prnn_cluster_sync() {
   if (threadIdx.x == 0) prnn_emu::cluster_barrier();
   prnn_sync_block();
 }
-inline void prnn_store_cluster_u64(unsigned long long* local, int cta, unsigned long long v) {
+inline void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
   const std::ptrdiff_t offset = reinterpret_cast<unsigned char*>(local) - prnn_emu::block->shared;
   unsigned char* base = prnn_emu::cluster_shared[blockIdx.x / PRNN_CLUSTER * PRNN_CLUSTER + cta];
-  __atomic_store_n(reinterpret_cast<unsigned long long*>(base + offset), v, __ATOMIC_RELAXED);
+  __atomic_store_n(reinterpret_cast<unsigned*>(base + offset), v, __ATOMIC_RELAXED);
 }
-inline void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
-                                           unsigned long long& b) {
-  a = __atomic_load_n(p, __ATOMIC_RELAXED);
-  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+inline void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
+  for (int i = 0; i < 4; ++i) w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
 }
 #endif
 
@@ -291,7 +284,6 @@ inline void prnn_load_shared_pair(const float* p, float& a, float& b) {
   a = p[0];
   b = p[1];
 }
-inline void prnn_store_shared_pair(float* p, float a, float b) {
-  p[0] = a;
-  p[1] = b;
+inline void prnn_store_shared_quad(float* p, const float (&v)[4]) {
+  for (int i = 0; i < 4; ++i) p[i] = v[i];
 }

@@ -4,6 +4,7 @@
 //   grid_barrier_rounds  the counter barrier (prnn_grid_barrier: fence, arrival atomic, acquire poll)
 //   exchange_rounds      the tagged exchange the persistent kernels use (prnn_gather_tagged)
 //   cluster_exchange_rounds  the same within one thread-block cluster (-DPRNN_CLUSTER, sm_90)
+//   exchange_word_round_trip  the tagged word format alone (a value in, the value read back out)
 #include "hw.cuh"
 
 PRNN_KERNEL void grid_barrier_rounds(PrnnControl* ctl, int rounds, unsigned long long timeout_ns,
@@ -18,38 +19,38 @@ PRNN_KERNEL void grid_barrier_rounds(PrnnControl* ctl, int rounds, unsigned long
   if (threadIdx.x == 0) elapsed_ns[blockIdx.x] = prnn_globaltimer_ns() - start;
 }
 
-// The value word k of the vector carries in round r: every word differs between rounds.
+// The value word k of the vector carries in round r: every word differs between rounds (small
+// integers, exact in the exchange's rounded fp32).
 PRNN_DEVICE float exchange_value(int k, int r) { return (float)(k * 8 + (r & 7)); }
 
 // The vector of the exchange kernels: one row, every word below the row's length wanted.
 using ExchangeRow = PrnnTaggedRows<(1 << 30)>;
 
 // The rounds of both exchange kernels. In round r every CTA publishes its `width` words of a
-// vector of gridDim.x*width, tagged r+1, into slot r%2 of words[2][len rounded up to even]
-// (publish(word, tagged value); the padding word of an odd length as a zero, as the persistent
-// kernels do), and gathers the whole vector (gather(slot, rows, tag, sink)), counting words whose
-// value is wrong in *errors. The block barrier per round is the persistent kernels' too: no thread
-// publishes round r+1 while another still reads round r-1's slot. Returns the last round completed.
-template <class Publish, class Gather>
-PRNN_DEVICE int exchange_loop(unsigned long long* words, PrnnControl* ctl, int rounds, int width,
-                              const PrnnStall& stall, unsigned* errors, Publish publish,
+// vector of gridDim.x*width, tagged prnn_step_tag(r), into slot r%2 of words[2][len rounded up
+// to a multiple of 4] (store(word, tagged word); with the zeros that end the last quad, as the
+// persistent kernels do), and gathers the whole vector (gather(slot, rows, tag, sink)), counting
+// words whose value is wrong in *errors. The block barrier per round is the persistent kernels'
+// too: no thread publishes round r+1 while another still reads round r-1's slot. Returns the last
+// round completed.
+template <class Store, class Gather>
+PRNN_DEVICE int exchange_loop(unsigned* words, PrnnControl* ctl, int rounds, int width,
+                              const PrnnStall& stall, unsigned* errors, Store store,
                               Gather gather) {
-  const int len = (int)gridDim.x * width, row_words = len + (len & 1);
-  const ExchangeRow row{row_words / 2, row_words};
+  const int len = (int)gridDim.x * width, row_words = exchange_row_words(len);
+  const ExchangeRow row{row_words / 4, row_words};
   int r = 0;
   for (; r < rounds; ++r) {
     prnn_maybe_stall(stall, r);
-    unsigned long long* slot = words + (size_t)(r & 1) * row_words;
-    const unsigned tag = (unsigned)r + 1u;
+    unsigned* slot = words + (size_t)(r & 1) * row_words;
+    const unsigned tag = prnn_step_tag(r);
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
       const int k = (int)blockIdx.x * width + i;
-      publish(slot + k, prnn_tagged(exchange_value(k, r), tag));
-      if (k + 1 == len && (len & 1)) publish(slot + k + 1, prnn_tagged(0.0f, tag));
+      prnn_publish(slot + k, k, len, exchange_value(k, r), tag, store);
     }
     unsigned wrong = 0;
-    const bool ok = gather(slot, row, tag, [&](int k, float v0, float v1) {
-      wrong += v0 != exchange_value(k, r);
-      wrong += v1 != (k + 1 < len ? exchange_value(k + 1, r) : 0.0f);
+    const bool ok = gather(slot, row, tag, [&](int k, const float (&v)[4]) {
+      for (int e = 0; e < 4; ++e) wrong += v[e] != (k + e < len ? exchange_value(k + e, r) : 0.0f);
     });
     if (wrong != 0u) prnn_atomic_add_release(errors, wrong);
     if (prnn_sync_block_or(!ok)) break;
@@ -58,19 +59,19 @@ PRNN_DEVICE int exchange_loop(unsigned long long* words, PrnnControl* ctl, int r
 }
 
 // The grid's exchange: words in global memory (zeroed by the host), gathered with batched strong
-// polls, 8 pairs in flight per thread. progress[cta] = last round completed.
-PRNN_KERNEL void exchange_rounds(unsigned long long* exchange, PrnnControl* ctl, int rounds,
-                                 int width, unsigned long long timeout_ns, int stall_block,
-                                 int stall_step, unsigned long long stall_ns,
-                                 unsigned long long* elapsed_ns, unsigned* errors) {
+// polls, 8 quads in flight per thread. progress[cta] = last round completed.
+PRNN_KERNEL void exchange_rounds(unsigned* exchange, PrnnControl* ctl, int rounds, int width,
+                                 unsigned long long timeout_ns, int stall_block, int stall_step,
+                                 unsigned long long stall_ns, unsigned long long* elapsed_ns,
+                                 unsigned* errors) {
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   prnn_note_started(ctl);
   const unsigned long long start = prnn_globaltimer_ns();
   const int done = exchange_loop(
       exchange, ctl, rounds, width, stall, errors,
-      [](unsigned long long* word, unsigned long long v) { prnn_store_relaxed_u64(word, v); },
-      [&](const unsigned long long* slot, const ExchangeRow& row, unsigned tag, auto sink) {
-        return prnn_gather_tagged<8>(slot, row, tag, ctl, timeout_ns, PrnnGlobalPairs{}, sink);
+      [](unsigned* word, unsigned v) { prnn_store_relaxed(word, v); },
+      [&](const unsigned* slot, const ExchangeRow& row, unsigned tag, auto sink) {
+        return prnn_gather_tagged<8>(slot, row, tag, (int)blockDim.x, ctl, timeout_ns, PrnnGlobalQuads{}, sink);
       });
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;
@@ -78,27 +79,38 @@ PRNN_KERNEL void exchange_rounds(unsigned long long* exchange, PrnnControl* ctl,
   }
 }
 
+// The tagged word format alone: out[i] and tag[i] are in[i] published with tag 1 + i % 3 and read
+// back (prnn_tagged, prnn_value_of, prnn_tag_of), so that tests can hold the exchange's rounding
+// and its NaN and Inf against float64 and torch's semantics.
+PRNN_KERNEL void exchange_word_round_trip(const float* in, float* out, unsigned* tag, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const unsigned w = prnn_tagged(in[i], 1u + (unsigned)i % 3u);
+    out[i] = prnn_value_of(w);
+    tag[i] = prnn_tag_of(w);
+  }
+}
+
 #ifdef PRNN_CLUSTER
 // The cluster's exchange (built with -DPRNN_CLUSTER = the grid size, sm_90): each CTA stores its
-// words into every CTA's copy in shared memory (16 * (len rounded up to even) bytes of dynamic
-// shared memory) and polls its own; the cluster meets after zeroing and before exiting.
+// words into every CTA's copy in shared memory (8 * (len rounded up to a multiple of 4) bytes of
+// dynamic shared memory) and polls its own; the cluster meets after zeroing and before exiting.
 PRNN_KERNEL void PRNN_CLUSTER_DIMS cluster_exchange_rounds(
     PrnnControl* ctl, int rounds, int width, unsigned long long timeout_ns, int stall_block,
     int stall_step, unsigned long long stall_ns, unsigned long long* elapsed_ns, unsigned* errors) {
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int len = (int)gridDim.x * width;
   prnn_note_started(ctl);
-  unsigned long long* words = prnn_shared_memory<unsigned long long>();
-  for (int i = threadIdx.x; i < 2 * (len + (len & 1)); i += blockDim.x) words[i] = 0ull;
+  unsigned* words = prnn_shared_memory<unsigned>();
+  for (int i = threadIdx.x; i < 2 * exchange_row_words(len); i += blockDim.x) words[i] = 0u;
   prnn_cluster_sync();
   const unsigned long long start = prnn_globaltimer_ns();
   const int done = exchange_loop(
       words, ctl, rounds, width, stall, errors,
-      [](unsigned long long* word, unsigned long long v) {
-        for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u64(word, cta, v);
+      [](unsigned* word, unsigned v) {
+        for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u32(word, cta, v);
       },
-      [&](const unsigned long long* slot, const ExchangeRow& row, unsigned tag, auto sink) {
-        return prnn_gather_tagged<4>(slot, row, tag, ctl, timeout_ns, PrnnClusterPairs{}, sink);
+      [&](const unsigned* slot, const ExchangeRow& row, unsigned tag, auto sink) {
+        return prnn_gather_tagged<4>(slot, row, tag, (int)blockDim.x, ctl, timeout_ns, PrnnClusterQuads{}, sink);
       });
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;

@@ -65,13 +65,11 @@ PRNN_DEVICE unsigned prnn_load_relaxed(const unsigned* p) {
 PRNN_DEVICE void prnn_store_relaxed(unsigned* p, unsigned v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-PRNN_DEVICE void prnn_store_relaxed_u64(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-// Two 8-byte words in one 16-byte load (p 16-byte aligned); each word is read atomically.
-PRNN_DEVICE void prnn_load_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
-                                         unsigned long long& b) {
-  asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p));
+// Four 4-byte words in one 16-byte load (p 16-byte aligned); each word is read atomically (PTX
+// models a vector access as one access per element).
+PRNN_DEVICE void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
 }
 PRNN_DEVICE unsigned prnn_float_bits(float v) { return __float_as_uint(v); }
 PRNN_DEVICE float prnn_bits_float(unsigned v) { return __uint_as_float(v); }
@@ -114,14 +112,15 @@ PRNN_DEVICE float prnn_round_bf16(float v) {
   asm("{.reg .b16 h, z; mov.b16 z, 0; cvt.rn.bf16.f32 h, %1; mov.b32 %0, {z, h};}" : "=r"(r) : "f"(v));
   return __uint_as_float(r);
 }
-// Two consecutive floats of shared memory (p 8-byte aligned) in one load, or one store.
+// Two consecutive floats of shared memory (p 8-byte aligned) in one load.
 PRNN_DEVICE void prnn_load_shared_pair(const float* p, float& a, float& b) {
   const float2 v = *reinterpret_cast<const float2*>(p);
   a = v.x;
   b = v.y;
 }
-PRNN_DEVICE void prnn_store_shared_pair(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+// Four consecutive floats of shared memory (p 16-byte aligned) in one store.
+PRNN_DEVICE void prnn_store_shared_quad(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
 // ---- thread-block cluster (sm_90; only in kernels built with -DPRNN_CLUSTER=n) ------------------
@@ -138,17 +137,17 @@ PRNN_DEVICE void prnn_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 // Stores v at the address of `local` (in this CTA's shared memory) in CTA `cta` of the cluster.
-PRNN_DEVICE void prnn_store_cluster_u64(unsigned long long* local, int cta, unsigned long long v) {
+PRNN_DEVICE void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(local)), "r"(cta));
-  asm volatile("st.relaxed.cluster.shared::cluster.u64 [%0], %1;" ::"r"(remote), "l"(v) : "memory");
+  asm volatile("st.relaxed.cluster.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
 }
-// Two 8-byte words of this CTA's shared memory that other CTAs of the cluster store into.
-PRNN_DEVICE void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
-                                                unsigned long long& b) {
-  asm volatile("ld.relaxed.cluster.shared::cta.v2.u64 {%0, %1}, [%2];"
-               : "=l"(a), "=l"(b) : "r"((unsigned)__cvta_generic_to_shared(p)));
+// Four 4-byte words of this CTA's shared memory that other CTAs of the cluster store into.
+PRNN_DEVICE void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
+  asm volatile("ld.relaxed.cluster.shared::cta.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
 }
 #endif
 
@@ -248,22 +247,55 @@ PRNN_DEVICE bool prnn_grid_barrier(PrnnControl* ctl, int step, unsigned round,
 
 // ---- the tagged exchange: publishing a value is the barrier ---------------------------------------
 //
-// A word is {float value (low 32 bits), uint32 tag (high 32 bits)}, written with one 8-byte store
-// (single-copy atomic): a reader that sees the tag it expects has that store's value as well, so
-// there is no fence, no arrival counter and no second L2 round trip - the load of the data is the
-// wait (the idea of NCCL's LL protocol). Buffers are [2][...] by step parity: a CTA publishes step t
-// only after it has read all of step t-1, so no CTA overwrites the slot of step t-2 while another
-// still reads it. Tags must not repeat within a buffer's life: the host zeroes it before a run and
-// before every restart (tag 0 is never published), and the persistent kernels tag step t with t+1.
+// A word is 4 bytes: an fp32 value whose two lowest mantissa bits carry the step's tag, written
+// with one 4-byte store (single-copy atomic): a reader that sees the tag it expects has that
+// store's value as well, so there is no fence, no arrival counter and no second L2 round trip -
+// the load of the data is the wait (the idea of NCCL's LL protocol). Readers load four words at
+// once (a 16-byte vector load, which PTX's memory model treats as four 4-byte accesses: every
+// access is the size of the stores it races with). Buffers are [2][...] by step parity: a CTA
+// publishes step t only after it has read all of step t-1, so no CTA overwrites the slot of step
+// t-2 while another still reads it; a reader of step t finds in its slot step t-2's word or step
+// t's (it read t-2's word itself two steps ago, and a later load of the same location never sees
+// an older store), or zero after the host zeroed the buffer (before a run and every restart).
+// So tags need only differ between steps t-2 and t and from zero: 1, 2, 3, 1, ... (prnn_step_tag).
+//
+// The exchanged value is rounded (prnn_exchange_value): the two tag bits are cleared (truncation
+// toward zero: relative error below 2^-21, no finite value becomes Inf, zero and the sign stay,
+// Inf stays Inf) and a NaN becomes the canonical quiet NaN (a NaN whose payload sits in the tag
+// bits would otherwise read back as Inf). Every CTA, the owner included, multiplies by the value
+// as exchanged, and a launch's first step stages its vector through the same rounding, so results
+// are deterministic and restarts bitwise identical. 16-bit states (fp16, bf16 held as fp32) have
+// their low 13 bits zero: lossless.
+constexpr unsigned kPrnnTagBits = 3u;
 
-PRNN_DEVICE unsigned long long prnn_tagged(float v, unsigned tag) {
-  return ((unsigned long long)tag << 32) | prnn_float_bits(v);
+// The tag of step t's words: never 0 (a zeroed word), and different for t and t-2.
+PRNN_DEVICE unsigned prnn_step_tag(int t) { return 1u + ((unsigned)t >> 1) % 3u; }
+// v as the exchange delivers it (see above).
+PRNN_DEVICE float prnn_exchange_value(float v) {
+  const unsigned bits = prnn_float_bits(v);
+  return prnn_bits_float((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : bits & ~kPrnnTagBits);
 }
-PRNN_DEVICE void prnn_publish(unsigned long long* word, float v, unsigned tag) {
-  prnn_store_relaxed_u64(word, prnn_tagged(v, tag));
+PRNN_DEVICE unsigned prnn_tagged(float v, unsigned tag) {
+  return prnn_float_bits(prnn_exchange_value(v)) | tag;
 }
-PRNN_DEVICE unsigned prnn_tag_of(unsigned long long w) { return (unsigned)(w >> 32); }
-PRNN_DEVICE float prnn_value_of(unsigned long long w) { return prnn_bits_float((unsigned)w); }
+PRNN_DEVICE unsigned prnn_tag_of(unsigned w) { return w & kPrnnTagBits; }
+PRNN_DEVICE float prnn_value_of(unsigned w) { return prnn_bits_float(w & ~kPrnnTagBits); }
+
+// Words per row of a tagged vector of k_len values: whole quads, so that a reader loads 16 bytes.
+PRNN_HD int exchange_row_words(int k_len) { return (k_len + 3) & ~3; }
+
+// Publishes value k of a row of k_len values at `word` with store(word, tagged word) and, after
+// the row's last value, zeros up to the end of its quad (value 0 with the tag), so that readers
+// poll whole quads.
+template <class Store>
+PRNN_DEVICE void prnn_publish(unsigned* word, int k, int k_len, float v, unsigned tag, Store store) {
+  store(word, prnn_tagged(v, tag));
+  if (k + 1 == k_len) {
+    // A loop, not unrolled: in a cluster each store is one per CTA, and the branch is rarely taken.
+#pragma unroll 1
+    for (int i = 1; i <= (-k_len & 3); ++i) store(word + i, tag);
+  }
+}
 
 // How a thread waits for tagged words (prnn_gather_tagged): the first kFreePolls polls that find
 // words missing poll again at once - no timer, no abort word, no sleep: the words of a CTA that
@@ -309,65 +341,64 @@ PRNN_DEVICE bool prnn_keep_polling(PrnnControl* ctl, PrnnWait& wait, unsigned lo
   return true;
 }
 
-// The words of a tagged vector: rows of kRowWords words (even; a compile-time constant, so that
-// the column of a word costs no division), of which the first `row_len` (even) of each row are
-// published every step; the rest of a row is never written nor read.
+// The words of a tagged vector: rows of kRowWords words (a multiple of 4; a compile-time constant,
+// so that the column of a word costs no division), of which the first `row_len` (a multiple of 4)
+// of each row are published every step; the rest of a row is never written nor read.
 template <int kRowWords>
 struct PrnnTaggedRows {
-  static_assert(kRowWords % 2 == 0, "rows of whole pairs");
-  int pairs;    // rows * kRowWords / 2
-  int row_len;  // published words per row (even)
+  static_assert(kRowWords % 4 == 0, "rows of whole quads");
+  int quads;    // rows * kRowWords / 4
+  int row_len;  // published words per row (a multiple of 4)
   PRNN_DEVICE bool wanted(int word) const { return word % kRowWords < row_len; }
 };
 
-// Loaders of prnn_gather_tagged: the pair at p as two single-copy atomic 8-byte words.
-struct PrnnGlobalPairs {  // words in global memory (the grid's exchange), through L2
+// Loaders of prnn_gather_tagged: the quad at p as four single-copy atomic 4-byte words.
+struct PrnnGlobalQuads {  // words in global memory (the grid's exchange), through L2
   using Wait = PrnnGridWait;
-  PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
-                              unsigned long long& b) const {
-    prnn_load_relaxed_u64x2(p, a, b);
-  }
+  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const { prnn_load_relaxed_u32x4(p, w); }
 };
 #ifdef PRNN_CLUSTER
-struct PrnnClusterPairs {  // this CTA's own shared memory, which the cluster's CTAs store into
+struct PrnnClusterQuads {  // this CTA's own shared memory, which the cluster's CTAs store into
   using Wait = PrnnClusterWait;
-  PRNN_DEVICE void operator()(const unsigned long long* p, unsigned long long& a,
-                              unsigned long long& b) const {
-    prnn_load_shared_relaxed_u64x2(p, a, b);
+  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const {
+    prnn_load_shared_relaxed_u32x4(p, w);
   }
 };
 #endif
 
 // Waits for the wanted words of src (`rows`: a PrnnTaggedRows) to carry `tag` and hands each
-// pair to sink(word index, value0, value1). Thread x gathers pairs x, x + blockDim.x, ...: it
-// loads N of them at once into registers (strong loads, all in flight together), polls again only
-// the pairs whose tags were not there yet, under the policy of Load::Wait, then moves on to its
+// quad to sink(word index, values[4]). `threads` is blockDim.x, passed as a compile-time constant
+// where the kernel has one, so that the addresses of a thread's N quads are one register plus
+// immediate offsets. Thread x gathers quads x, x + threads, ...: it loads N
+// of them at once into registers (strong loads, all in flight together), polls again only the
+// quads whose tags were not all there yet, under the policy of Load::Wait, then moves on to its
 // next N. Returns false on timeout or abort. No block barrier: the caller's next one publishes
 // the sink's writes.
 template <int N, class Rows, class Load, class Sink>
-PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, const Rows& rows, unsigned tag,
+PRNN_DEVICE bool prnn_gather_tagged(const unsigned* src, const Rows& rows, unsigned tag, int threads,
                                     PrnnControl* ctl, unsigned long long timeout_ns, Load load,
                                     Sink sink) {
-  static_assert(N >= 1 && N <= 32, "1..32 pairs in flight");
-  const int stride = (int)blockDim.x;
+  static_assert(N >= 1 && N <= 32, "1..32 quads in flight");
+  const int stride = threads;
   PrnnWait wait{0u, 0ull};
-  for (int base = threadIdx.x; base < rows.pairs; base += N * stride) {
-    unsigned long long w[2 * N];
-    unsigned todo = 0u;  // bit i: pair base + i*stride is still to be (re)loaded
+  for (int base = threadIdx.x; base < rows.quads; base += N * stride) {
+    unsigned w[N][4];
+    unsigned todo = 0u;  // bit i: quad base + i*stride is still to be (re)loaded
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       const int m = base + i * stride;
-      if (m < rows.pairs && rows.wanted(2 * m)) todo |= 1u << i;
+      if (m < rows.quads && rows.wanted(4 * m)) todo |= 1u << i;
     }
     const unsigned mine = todo;
     for (;;) {
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        if (todo & 1u << i) load(src + 2 * (base + i * stride), w[2 * i], w[2 * i + 1]);
+        if (todo & 1u << i) load(src + 4 * (base + i * stride), w[i]);
       }
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        const bool ready = prnn_tag_of(w[2 * i]) == tag && prnn_tag_of(w[2 * i + 1]) == tag;
+        const bool ready =
+            prnn_tag_of((w[i][0] ^ tag) | (w[i][1] ^ tag) | (w[i][2] ^ tag) | (w[i][3] ^ tag)) == 0u;
         if ((todo & 1u << i) && ready) todo &= ~(1u << i);
       }
       if (todo == 0u) break;
@@ -376,7 +407,9 @@ PRNN_DEVICE bool prnn_gather_tagged(const unsigned long long* src, const Rows& r
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       if (mine & 1u << i) {
-        sink(2 * (base + i * stride), prnn_value_of(w[2 * i]), prnn_value_of(w[2 * i + 1]));
+        const float v[4] = {prnn_value_of(w[i][0]), prnn_value_of(w[i][1]), prnn_value_of(w[i][2]),
+                            prnn_value_of(w[i][3])};
+        sink(4 * (base + i * stride), v);
       }
     }
   }

@@ -36,6 +36,7 @@ constexpr int kKsplit = PRNN_KSPLIT;
 constexpr int kKpt = PRNN_KPT;
 constexpr int kChunk = kWarp * kKpt;        // columns per warp
 constexpr int kPadded = kKsplit * kChunk;   // staged vector length per batch row
+constexpr int kThreads = kWarp * PRNN_WARPS;  // blockDim.x
 using ThisCell = Cell<PRNN_CELL>;
 constexpr bool kHasC = PRNN_CELL == LSTM;
 constexpr int kSavedSlots = ThisCell::S > 0 ? ThisCell::S : 1;
@@ -175,48 +176,46 @@ PRNN_DEVICE void finish_copies() {
 }
 
 // Stages `batch` vectors of length k_len (row stride k_len; written by an earlier launch or the
-// host, read through L2 only) into v_s, zero-padded to kPadded each: the first step of a launch. When rows are
-// 16-byte aligned the copies are asynchronous (no registers, all in flight at once): staging is
-// one L2 round trip per step rather than one per element a thread stages.
+// host, read through L2 only) into v_s, zero-padded to kPadded each, as the exchange delivers
+// them (prnn_exchange_value: a restarted launch's first step multiplies by exactly the values the
+// gather gave the step it replays): the first step of a launch. When rows are 16-byte aligned the
+// copies are asynchronous (no registers, all in flight at once): staging is one L2 round trip per
+// step rather than one per element a thread stages.
 PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_len) {
-  if (k_len % 4 == 0 && ((size_t)src & 15) == 0) {
-    constexpr int kQuads = kPadded / 4;
-    for (int idx = threadIdx.x; idx < batch * kQuads; idx += blockDim.x) {
-      const int b = idx / kQuads, k = 4 * (idx % kQuads);
-      float* dst = v_s + b * kPadded + k;
-      if (k < k_len) {
-        prnn_copy16_to_shared(dst, src + (size_t)b * k_len + k);
-      } else {
-        dst[0] = dst[1] = dst[2] = dst[3] = 0.0f;
-      }
+  constexpr int kQuads = kPadded / 4;
+  const bool async = k_len % 4 == 0 && ((size_t)src & 15) == 0;
+  for (int idx = threadIdx.x; idx < batch * kQuads; idx += blockDim.x) {
+    const int b = idx / kQuads, k = 4 * (idx % kQuads);
+    float* dst = v_s + b * kPadded + k;
+    for (int e = 0; e < 4; ++e) {
+      if (k + e >= k_len) dst[e] = 0.0f;
+      else if (!async) dst[e] = prnn_load_cg(src + (size_t)b * k_len + k + e);
     }
-  } else {
-    for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) {
-      const int b = idx / kPadded, k = idx % kPadded;
-      v_s[idx] = k < k_len ? prnn_load_cg(src + (size_t)b * k_len + k) : 0.0f;
-    }
+    if (async && k < k_len) prnn_copy16_to_shared(dst, src + (size_t)b * k_len + k);
   }
-  finish_copies();
+  prnn_copy_wait();  // this thread's copies: it rounds the quads it staged
+  for (int idx = threadIdx.x; idx < batch * kQuads; idx += blockDim.x) {
+    float* dst = v_s + idx / kQuads * kPadded + 4 * (idx % kQuads);
+    for (int e = 0; e < 4; ++e) dst[e] = prnn_exchange_value(dst[e]);
+  }
+  prnn_sync_block();
 }
 
-// Words of a row of the tagged exchange that are published each step: k_len values rounded up to
-// even, so that every thread loads whole 16-byte pairs.
-PRNN_HD int exchange_row_words(int k_len) { return k_len + (k_len & 1); }
-
-// Tagged pairs a thread of the gather loads at once (four registers each). Grid: what the register
+// Tagged quads a thread of the gather loads at once (four registers each). Grid: what the register
 // cap leaves beside the weights with zero spills (ptxas, sm_80 and sm_90; the largest tiles hold
-// 180-200 registers of weights; the stack kernels choose their own, stack_common.cuh), as L2
-// round trips are what a step waits on.
-// Cluster: 2, as a small layer gives a thread one or two pairs and every unrolled slot is issued
-// (predicated) each step. persistent_rnn/model.py mirrors this (PassShape.gather_pairs).
-// -DPRNN_GATHER_PAIRS overrides it (experiments).
+// 190-200 registers of weights: the LSTM backward's (196, 200) spill 16-40 bytes at 4, the RNN
+// backward's (190) 184 bytes at 2 on sm_80, ptxas's allocation not being monotonic; the stack kernels
+// choose their own, stack_common.cuh), as L2 round trips are what a step waits on.
+// Cluster: 2, as a small layer gives a thread one or two quads and every unrolled slot is issued
+// (predicated) each step. persistent_rnn/model.py mirrors this (PassShape.gather_quads).
+// -DPRNN_GATHER_QUADS overrides it (experiments).
 constexpr int kWeightRegisters = kRows * kWordsPerLane;
-#if defined(PRNN_GATHER_PAIRS)
-constexpr int kGatherPairs = PRNN_GATHER_PAIRS;
+#if defined(PRNN_GATHER_QUADS)
+constexpr int kGatherQuads = PRNN_GATHER_QUADS;
 #elif defined(PRNN_CLUSTER)
-constexpr int kGatherPairs = 2;  // shared-memory polls are cheap: fewer unrolled (issued) slots
+constexpr int kGatherQuads = 2;  // shared-memory polls are cheap: fewer unrolled (issued) slots
 #else
-constexpr int kGatherPairs = kWeightRegisters > 150 ? 4 : 8;
+constexpr int kGatherQuads = kWeightRegisters > 192 ? 2 : kWeightRegisters > 150 ? 4 : 8;
 #endif
 
 // How long a thread with no pointwise work (thread index >= batch * kUnits in both kernels)
@@ -226,12 +225,12 @@ constexpr int kGatherPairs = kWeightRegisters > 150 ? 4 : 8;
 constexpr unsigned kIdleStartNs = 200;
 
 // The vector every CTA needs each step (forward h_t, backward dgh_t: k_len values per batch row),
-// exchanged as tagged words (hw.cuh), step t tagged t+1, in [2][batch][Padded] by step parity
-// (Padded: the staged vector's row stride, kPadded but for the LSTM projection's second tile):
-// the staged vector's layout, so that word i of a step lands at v_s[i] with no index arithmetic.
-// The first k_len words of a row are published (where k_len is odd also the word after them, as
-// a zero, by the writer of the row's last value, so that a reader polls whole pairs); the rest of
-// a row is never written nor read.
+// exchanged as tagged words (hw.cuh), step t tagged prnn_step_tag(t), in [2][batch][Padded] by
+// step parity (Padded: the staged vector's row stride, kPadded but for the LSTM projection's
+// second tile): the staged vector's layout, so that word i of a step lands at v_s[i] with no index
+// arithmetic. The first k_len words of a row are published (rounded up to whole quads with zeros
+// by the writer of the row's last value, so that a reader polls whole quads); the rest of a row is
+// never written nor read.
 // * grid: one buffer in global memory, zeroed by the host before every launch that uses it;
 // * cluster (-DPRNN_CLUSTER=grid size, sm_90): a copy in each CTA's shared memory, zeroed at launch
 //   start, which every CTA stores its values into (distributed shared memory): a reader polls its
@@ -239,42 +238,40 @@ constexpr unsigned kIdleStartNs = 200;
 // Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
 template <int Padded = kPadded>
 struct ExchangeOf {
-  unsigned long long* words;
+  unsigned* words;
   PrnnTaggedRows<Padded> rows;
   int k_len;
   bool idle;  // this thread has no pointwise work: it sleeps before its first poll
 
-  PRNN_DEVICE size_t slot() const { return (size_t)rows.pairs * 2; }
+  PRNN_DEVICE size_t slot() const { return (size_t)rows.quads * 4; }
 
-  // Publishes value k of batch row b for step t (and the row's padding word after its last value).
+  // Publishes value k of batch row b for step t (and the zeros that end the row's last quad).
   PRNN_DEVICE void publish(int t, int b, int k, float v) const {
-    unsigned long long* word = words + (t & 1) * slot() + b * Padded + k;
-    store(word, prnn_tagged(v, (unsigned)t + 1u));
-    if (k + 1 == k_len && (k_len & 1)) store(word + 1, prnn_tagged(0.0f, (unsigned)t + 1u));
+    prnn_publish(words + (t & 1) * slot() + b * Padded + k, k, k_len, v, prnn_step_tag(t), store);
   }
 
   // Waits for step t's values and writes them into v_s (row stride Padded; the zero padding past
-  // k_len was written once at launch start, and the padding word writes a zero). False on
+  // k_len was written once at launch start, and the padding words write zeros). False on
   // timeout or abort. The caller's next block barrier makes v_s visible to the block.
   PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
-    const auto sink = [v_s](int word, float v0, float v1) { prnn_store_shared_pair(v_s + word, v0, v1); };
-    const unsigned long long* src = words + (t & 1) * slot();
+    const auto sink = [v_s](int word, const float (&v)[4]) { prnn_store_shared_quad(v_s + word, v); };
+    const unsigned* src = words + (t & 1) * slot();
 #ifdef PRNN_CLUSTER
-    return prnn_gather_tagged<kGatherPairs>(src, rows, (unsigned)t + 1u, ctl, timeout_ns,
-                                            PrnnClusterPairs{}, sink);
+    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
+                                            PrnnClusterQuads{}, sink);
 #else
     if (idle) prnn_sleep_ns(kIdleStartNs);
-    return prnn_gather_tagged<kGatherPairs>(src, rows, (unsigned)t + 1u, ctl, timeout_ns,
-                                            PrnnGlobalPairs{}, sink);
+    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
+                                            PrnnGlobalQuads{}, sink);
 #endif
   }
 
  private:
-  PRNN_DEVICE static void store(unsigned long long* word, unsigned long long tagged) {
+  PRNN_DEVICE static void store(unsigned* word, unsigned tagged) {
 #ifdef PRNN_CLUSTER
-    for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u64(word, cta, tagged);
+    for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u32(word, cta, tagged);
 #else
-    prnn_store_relaxed_u64(word, tagged);
+    prnn_store_relaxed(word, tagged);
 #endif
   }
 };
@@ -287,14 +284,14 @@ using Exchange = ExchangeOf<>;
 // the zeroing. `busy`: the threads with pointwise work before this exchange's gather (default
 // batch * kUnits). Every thread calls it.
 template <int Padded = kPadded>
-PRNN_DEVICE ExchangeOf<Padded> begin_exchange(unsigned long long* global, void* shared_end,
-                                              int batch, int k_len, int busy = -1) {
+PRNN_DEVICE ExchangeOf<Padded> begin_exchange(unsigned* global, void* shared_end, int batch,
+                                              int k_len, int busy = -1) {
   if (busy < 0) busy = batch * kUnits;
-  ExchangeOf<Padded> x{global, {batch * Padded / 2, exchange_row_words(k_len)}, k_len,
+  ExchangeOf<Padded> x{global, {batch * Padded / 4, exchange_row_words(k_len)}, k_len,
                        (int)threadIdx.x >= busy};
 #ifdef PRNN_CLUSTER
-  x.words = reinterpret_cast<unsigned long long*>(((size_t)shared_end + 15) & ~(size_t)15);
-  for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0ull;
+  x.words = reinterpret_cast<unsigned*>(((size_t)shared_end + 15) & ~(size_t)15);
+  for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0u;
   prnn_cluster_sync();
 #endif
   return x;

@@ -20,7 +20,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     const float* h0, const float* c0,  // (B, H); c0 only read for LSTM
     const int* lengths,     // (B,) in 1..T
     float* y, float* cs, float* saved,  // (T, B, H), (T, B, H) LSTM only, (T, B, S*H)
-    unsigned long long* exchange,  // [2][B][padded] tagged h_t by step parity, zeroed
+    unsigned* exchange,  // [2][B][padded] tagged h_t by step parity, zeroed
                                    // (a cluster keeps its own in shared memory instead)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,

@@ -29,8 +29,8 @@ PRNN_KERNEL void prnn_projection_backward(
     const int* lengths,     // (B,) in 1..T
     float* dgh, float* drs, // (T, B, 4H) gates' gradient; (T, B, P) dr_t, zero past each length
     float* dr_carry, float* dc_carry,  // [2][B][P], [2][B][H] by step parity
-    unsigned long long* exchange_r,  // [2][B][padded B] tagged drs_t, zeroed
-    unsigned long long* exchange_g,  // [2][B][padded A] tagged dg_t, zeroed
+    unsigned* exchange_r,  // [2][B][padded B] tagged drs_t, zeroed
+    unsigned* exchange_g,  // [2][B][padded A] tagged dg_t, zeroed
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {

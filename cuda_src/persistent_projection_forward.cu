@@ -20,8 +20,8 @@ PRNN_KERNEL void prnn_projection_forward(
     const float* h0, const float* c0,  // (B, P) r_{-1}, (B, H)
     const int* lengths,     // (B,) in 1..T
     float* y, float* hs, float* cs, float* saved,  // (T, B, P) r_t, (T, B, H) h_t and c_t, (T, B, 4H)
-    unsigned long long* exchange_r,  // [2][B][padded A] tagged r_t, zeroed
-    unsigned long long* exchange_h,  // [2][B][padded B] tagged h_t, zeroed
+    unsigned* exchange_r,  // [2][B][padded A] tagged r_t, zeroed
+    unsigned* exchange_h,  // [2][B][padded B] tagged h_t, zeroed
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {

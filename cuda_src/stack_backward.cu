@@ -36,8 +36,8 @@ PRNN_KERNEL void prnn_stack_backward(
     const int* starts,      // (layers,): each layer's first step in this launch (-1: none left)
     float* dgi, float* dgh,  // (layers, T, B, G*H); the same array unless GRU
     float* dh_carry, float* dc_carry,  // (layers, T+1, B, H); dc_carry: LSTM only
-    unsigned long long* exchange_gh,  // (layers, T, B, padded / 2) tagged dgh_t
-    unsigned long long* exchange_gi,  // the same for dgi_t (GRU; otherwise exchange_gh itself)
+    unsigned* exchange_gh,  // (layers, T, B, padded / 2) tagged dgh_t
+    unsigned* exchange_gi,  // the same for dgi_t (GRU; otherwise exchange_gh itself)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
@@ -123,13 +123,13 @@ PRNN_KERNEL void prnn_stack_backward(
   // Stages step t's vector: dgh_l[t+1] into the first half (zero at T-1), dgi_{l+1}[t] into
   // the second (zero in the top layer).
   auto gather = [&](int t) -> bool {
-    if (t + 1 < steps && !xgh.gather(layer, t + 1, ctl, timeout_ns, [v_s](int b, int k, float v0, float v1) {
-          prnn_store_shared_pair(v_s + b * kPadded + k, v0, v1);
+    if (t + 1 < steps && !xgh.gather(layer, t + 1, ctl, timeout_ns, [v_s](int b, int k, const float (&v)[4]) {
+          prnn_store_shared_quad(v_s + b * kPadded + k, v);
         })) {
       return false;
     }
-    return top || xgi.gather(layer + 1, t, ctl, timeout_ns, [v_s](int b, int k, float v0, float v1) {
-             prnn_store_shared_pair(v_s + b * kPadded + kHalf + k, v0, v1);
+    return top || xgi.gather(layer + 1, t, ctl, timeout_ns, [v_s](int b, int k, const float (&v)[4]) {
+             prnn_store_shared_quad(v_s + b * kPadded + kHalf + k, v);
            });
   };
 

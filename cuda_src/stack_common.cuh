@@ -9,7 +9,8 @@
 // times [dgh_l[t+1]; dgi_{l+1}[t]].
 //
 // The exchange (StackExchange) keeps one slot per (layer, step) instead of two by step parity:
-// [layers][steps][batch][kHalf] tagged words, step t tagged t+1. No slot is ever reused
+// [layers][steps][batch][kHalf] tagged words, step t tagged prnn_step_tag(t) (a slot is written
+// once per pass, so any tag but 0 would do). No slot is ever reused
 // within a pass, so no reader can be overtaken: layer l+1 may fall any number of steps behind
 // layer l (a stalled CTA, CTAs not co-resident) and still finds y_l[t] intact, and the layers
 // need neither a global lockstep nor backpressure. The wavefront emerges from the waits alone:
@@ -20,7 +21,7 @@
 // order). So a restart needs no zeroing: the host zeroes the buffer once before the pass, and a
 // relaunch reads the words earlier launches published (the first step of a resumed layer takes
 // h_{t-1} from its own exchange, the layer below's y_{l-1}[t] from that layer's) and replays
-// bitwise the same results. The cost is memory: 8 bytes per staged word and step (forward B*kHalf,
+// bitwise the same results. The cost is memory: 4 bytes per staged word and step (forward B*kHalf,
 // kHalf >= H; backward kHalf >= G*H; per layer and step) instead of two steps' worth.
 #pragma once
 #include "persistent_common.cuh"
@@ -35,45 +36,43 @@ static_assert(kKsplit % 2 == 0, "a stack tile splits its column chunks into two 
 constexpr int kHalfChunks = kKsplit / 2;
 constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged vector
 
-// Tagged pairs a thread of a stack gather loads at once (persistent_common.cuh's kGatherPairs
-// for the layer kernels): 8, but 6 in the LSTM 12-unit tile (144 registers of weights). ptxas's
-// allocation is not monotonic in it: in that tile's backward 8 spills 32 bytes on sm_80 and 2-5
-// and 7 spill 136-168, 6 nothing (sm_80, sm_90); the RNN 32-unit tile (128 registers) spills
-// 96-152 bytes at 6 and nothing at 8. persistent_rnn/model.py mirrors it.
-constexpr int kStackGatherPairs = kWeightRegisters > 128 ? 6 : 8;
+// Tagged quads a thread of a stack gather loads at once (persistent_common.cuh's kGatherQuads
+// for the layer kernels): 8. ptxas's allocation is not monotonic in it: in the LSTM 12-unit
+// tile's backward (144 registers of weights) 1-4 spill 60-112 bytes and 8 nothing (sm_80, sm_90;
+// with the 8-byte words of before, only 6 did not spill). persistent_rnn/model.py mirrors it.
+constexpr int kStackGatherQuads = 8;
 
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }
 
 // The tagged words of every (layer, step) of a stack pass: k_len values per batch row, in rows of
 // kHalf words (a half of the staged vector: word k of row b lands at v_s[b * kPadded + half + k]);
-// where k_len is odd the writer of a row's last value also publishes the word after it (a zero),
-// so that readers poll whole pairs.
+// the writer of a row's last value also publishes zeros up to the end of its quad, so that readers
+// poll whole quads.
 struct StackExchange {
-  unsigned long long* words;
+  unsigned* words;
   PrnnTaggedRows<kHalf> rows;
   int steps, k_len;
 
-  PRNN_DEVICE unsigned long long* slot(int layer, int t) const {
-    return words + ((size_t)layer * steps + t) * rows.pairs * 2;
+  PRNN_DEVICE unsigned* slot(int layer, int t) const {
+    return words + ((size_t)layer * steps + t) * rows.quads * 4;
   }
-  // Publishes value k of batch row b of (layer, t) (and the row's padding word after its last).
+  // Publishes value k of batch row b of (layer, t) (and the zeros that end the row's last quad).
   PRNN_DEVICE void publish(int layer, int t, int b, int k, float v) const {
-    unsigned long long* word = slot(layer, t) + b * kHalf + k;
-    prnn_publish(word, v, (unsigned)t + 1u);
-    if (k + 1 == k_len && (k_len & 1)) prnn_publish(word + 1, 0.0f, (unsigned)t + 1u);
+    prnn_publish(slot(layer, t) + b * kHalf + k, k, k_len, v, prnn_step_tag(t),
+                 [](unsigned* w, unsigned v) { prnn_store_relaxed(w, v); });
   }
-  // Waits for the values of (layer, t) and hands each pair to sink(b, k, v0, v1) (k even).
-  // False on timeout/abort.
+  // Waits for the values of (layer, t) and hands each quad to sink(b, k, values[4]) (k a
+  // multiple of 4). False on timeout/abort.
   template <class Sink>
   PRNN_DEVICE bool gather(int layer, int t, PrnnControl* ctl, unsigned long long timeout_ns,
                           Sink sink) const {
-    return prnn_gather_tagged<kStackGatherPairs>(
-        slot(layer, t), rows, (unsigned)t + 1u, ctl, timeout_ns, PrnnGlobalPairs{},
-        [sink](int word, float v0, float v1) { sink(word / kHalf, word % kHalf, v0, v1); });
+    return prnn_gather_tagged<kStackGatherQuads>(
+        slot(layer, t), rows, prnn_step_tag(t), kThreads, ctl, timeout_ns, PrnnGlobalQuads{},
+        [sink](int word, const float (&v)[4]) { sink(word / kHalf, word % kHalf, v); });
   }
   // The same words in another buffer of the same shape (the GRU backward's dgi beside dgh).
-  PRNN_DEVICE StackExchange with_words(unsigned long long* other) const {
+  PRNN_DEVICE StackExchange with_words(unsigned* other) const {
     StackExchange x = *this;
     x.words = other;
     return x;
@@ -81,9 +80,8 @@ struct StackExchange {
 };
 
 // The exchange of a stack launch (host buffer [layers][steps][batch][kHalf] words).
-PRNN_DEVICE StackExchange begin_stack_exchange(unsigned long long* words, int steps, int batch,
-                                               int k_len) {
-  return StackExchange{words, {batch * kHalf / 2, exchange_row_words(k_len)}, steps, k_len};
+PRNN_DEVICE StackExchange begin_stack_exchange(unsigned* words, int steps, int batch, int k_len) {
+  return StackExchange{words, {batch * kHalf / 4, exchange_row_words(k_len)}, steps, k_len};
 }
 
 // Zeroes the staged vector (both halves and their padding): the gathers write only the values.

@@ -27,7 +27,7 @@ PRNN_KERNEL void prnn_stack_forward(
                             // of one layer side by side, each group reading its own gi
     const int* starts,      // (layers,): each layer's first step in this launch (T: none left)
     float* y, float* cs, float* saved,  // (layers, T, B, H), (layers, T, B, H) LSTM only, (layers, T, B, S*H)
-    unsigned long long* exchange,  // (layers, T, B, padded / 2) tagged h_t, zeroed once per pass
+    unsigned* exchange,  // (layers, T, B, padded / 2) tagged h_t, zeroed once per pass
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
@@ -102,18 +102,19 @@ PRNN_KERNEL void prnn_stack_forward(
   auto gather = [&](int t) -> bool {
     if (t == 0) {
       for (int idx = threadIdx.x; idx < batch * hidden; idx += blockDim.x) {
-        v_s[idx / hidden * kPadded + kHalf + idx % hidden] = h0_l[idx];
+        v_s[idx / hidden * kPadded + kHalf + idx % hidden] = prnn_exchange_value(h0_l[idx]);
       }
-    } else if (!xch.gather(layer, t - 1, ctl, timeout_ns, [v_s](int b, int k, float v0, float v1) {
-                 prnn_store_shared_pair(v_s + b * kPadded + kHalf + k, v0, v1);
+    } else if (!xch.gather(layer, t - 1, ctl, timeout_ns, [v_s](int b, int k, const float (&v)[4]) {
+                 prnn_store_shared_quad(v_s + b * kPadded + kHalf + k, v);
                })) {
       return false;
     }
     return own_gi || xch.gather(layer - 1, t, ctl, timeout_ns,
-                                [v_s, len_s, t](int b, int k, float v0, float v1) {
+                                [v_s, len_s, t](int b, int k, const float (&v)[4]) {
                                   const bool live = t < len_s[b];
-                                  prnn_store_shared_pair(v_s + b * kPadded + k, live ? v0 : 0.0f,
-                                                         live ? v1 : 0.0f);
+                                  const float w[4] = {live ? v[0] : 0.0f, live ? v[1] : 0.0f,
+                                                      live ? v[2] : 0.0f, live ? v[3] : 0.0f};
+                                  prnn_store_shared_quad(v_s + b * kPadded + k, w);
                                 });
   };
 

@@ -84,27 +84,28 @@ class PassShape:
         return self.plan.defines["PRNN_WARPS"]
 
     @property
-    def pairs(self) -> int:
-        """16-byte pairs of tagged words one step publishes (and every CTA loads)."""
-        return self.batch * (self.k_len + self.k_len % 2) // 2
+    def quads(self) -> int:
+        """16-byte quads of 4-byte tagged words one step publishes (and every CTA loads)."""
+        return self.batch * -(-self.k_len // 4)
 
     @property
-    def gather_pairs(self) -> int:
-        """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh,
-        ``kStackGatherPairs`` of stack_common.cuh)."""
+    def gather_quads(self) -> int:
+        """Quads a thread of the gather loads at once (``kGatherQuads`` of persistent_common.cuh,
+        ``kStackGatherQuads`` of stack_common.cuh)."""
         if "PRNN_CLUSTER" in self.plan.defines:
             return 2
         if self.stack:
-            return 6 if self.plan.weight_registers > 128 else 8  # kStackGatherPairs
-        return 4 if self.plan.weight_registers > 150 else 8
+            return 8  # kStackGatherQuads
+        w = self.plan.weight_registers
+        return 2 if w > 192 else 4 if w > 150 else 8
 
     @property
     def gather_rounds(self) -> int:
-        """Batches of ``gather_pairs`` a thread of the gather goes through per step: thread x
-        takes pair slots x, x + threads, ... of the exchange's [B][exchange_row] rows (slots past
+        """Batches of ``gather_quads`` a thread of the gather goes through per step: thread x
+        takes quad slots x, x + threads, ... of the exchange's [B][exchange_row] rows (slots past
         K are skipped, but hold their place); per gathered vector (``gathers``)."""
-        slots = self.batch * self.plan.exchange_row // 2
-        return math.ceil(math.ceil(slots / (32 * self.warps)) / self.gather_pairs)
+        slots = self.batch * self.plan.exchange_row // 4
+        return math.ceil(math.ceil(slots / (32 * self.warps)) / self.gather_quads)
 
 
 def _tile_of(shape: PassShape) -> planner.Tile:
@@ -199,8 +200,8 @@ def loop_kind(loop: kernel_report.TimeLoop, head: int) -> str:
     cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
     not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the
     reduce-scatter's halving levels over a run-time index, before issue 15), "chunks" (holds
-    loops that are not waits: the gather's batches of pairs with their loads and checks), "scan"
-    (holds a wait: the gather's batches of pairs, each with its polling loop), "other"."""
+    loops that are not waits: the gather's batches of quads with their loads and checks), "scan"
+    (holds a wait: the gather's batches of quads, each with its polling loop), "other"."""
     kind = _own_kind(loop, head)
     if kind:
         return kind
@@ -228,10 +229,10 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
     if kind == "prefetch":
         inputs = 3 + 2 * cell.has_cell_state + cell.saved if shape.backward else cell.gates
         return per_thread(b * inputs * units)
-    if kind == "copy":  # counter kernels stage 4-byte values as quads; tagged words go as pairs
+    if kind == "copy":  # counter kernels stage 4-byte values as quads (tagged words: as quads)
         if counter:
             return per_thread(b * shape.plan.defines["PRNN_KSPLIT"] * 32 * shape.plan.defines["PRNN_KPT"] / 4)
-        return per_thread(shape.pairs)
+        return per_thread(shape.quads)
     if kind in ("chunks", "scan"):
         return shape.gather_rounds
     if kind == "fallback":
@@ -275,6 +276,14 @@ def _latency(op: str) -> float:
     return hw.FP_LATENCY
 
 
+def exchange_word_bytes(ops: list[str]) -> int:
+    """Bytes per exchanged value of a tagged exchange, from the width of the strong (relaxed,
+    GPU-scope) stores that publish it in the time loop: 8 for {value, tag} words (``STG.E.64``),
+    4 for values whose low mantissa bits carry the tag."""
+    strong = [op for op in ops if _base(op) == "STG" and ".STRONG." in op]
+    return 8 if any(".64" in op for op in strong) else 4
+
+
 def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
     loop = kernel_report.time_loop(sass)
@@ -303,7 +312,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     barriers = sum(1 for i in loop.body if _base(loop.code[i][0]) == "BAR" and i not in in_spin)
     l2_us = hw.L2_LATENCY * cycle_us
     # Every CTA reads the whole vector from L2 each step: at large B that is bandwidth, not latency.
-    value_bytes = 4 if counter else 8
+    value_bytes = 4 if counter else exchange_word_bytes(ops)
     l2_traffic_us = (shape.plan.grid * shape.batch * shape.k_len * shape.gathers * value_bytes
                      / (hw.L2_BANDWIDTH_GBPS * 1e3))
     if counter:  # fence waits for the stores, atomic, polls, then the staging copy
@@ -313,7 +322,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
         rounds = shape.gather_rounds
         exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
     else:  # the writer's store reaches L2 (half a round trip), then one round trip per batch of
-        # pairs a thread gathers (strong loads, gather_pairs in flight)
+        # quads a thread gathers (strong loads, gather_quads in flight)
         exchange = "l2"
         exchange_us = (0.5 + shape.gathers * shape.gather_rounds) * l2_us + l2_traffic_us
     pointwise_us = 0.0

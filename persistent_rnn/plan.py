@@ -201,7 +201,7 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
     [B][ksplit][units], read-only inputs of two steps [2][B][inputs][units] (dy, h, h_prev,
     [c, c_prev], saved), dh and dc carries [2][B][units], lengths [B]. The next step's inputs are
     prefetched during the step, hence two. ``padded = ksplit * 32 * kpt``. Every word is 4 bytes.
-    Then, 16-byte aligned, a cluster tile's copy of the exchange, [2][B][padded] 8-byte tagged
+    Then, 16-byte aligned, a cluster tile's copy of the exchange, [2][B][padded] 4-byte tagged
     words (a grid tile's exchange is in global memory).
     ``tests/test_plan.py`` checks this against an emulated launch.
     ``stack``: the stack kernels (``stack_*.cu``), whose forward keeps b_ih beside b_hh
@@ -218,7 +218,7 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
         per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
         constants = (2 if stack else 1) * gates * units
     fixed = 4 * (batch * per_row + constants + batch)
-    return -(-fixed // 16) * 16 + 16 * batch * padded if tile.cluster else fixed
+    return -(-fixed // 16) * 16 + 8 * batch * padded if tile.cluster else fixed
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,

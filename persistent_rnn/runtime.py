@@ -338,12 +338,12 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
 
 
 def _exchange(xp, batch: int, row_words: int) -> Array:
-    """A kernel's tagged exchange buffer, [2][batch][row_words] uint64 (row_words: the pass
+    """A kernel's tagged exchange buffer, [2][batch][row_words] uint32 (row_words: the pass
     plan's ``exchange_row`` or ``exchange_row_b``, its staged vector's row), zeroed (tag 0 is
     never published, so no launch of this pass can take a word for one it waits on); the
     kernel's last buffer argument (the projection kernels: the last two; a cluster kernel keeps
     its own in shared memory)."""
-    return xp.zeros((2, batch, row_words), np.uint64)
+    return xp.zeros((2, batch, row_words), np.uint32)
 
 
 def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, ...], first: int, end: int, xp,

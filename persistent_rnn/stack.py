@@ -139,7 +139,7 @@ def _new_pass(engine_: runtime._Engine, args: Callable, sizes: tuple[int, int, i
 def _exchange(xp, engine_: runtime._Engine, layers: int, steps: int, batch: int) -> Array:
     """A stack pass's tagged exchange, zeroed: one slot per (layer, step), rows of the plan's
     ``exchange_row`` words (half a staged row, ``stack_common.cuh``)."""
-    return xp.zeros((layers, steps, batch, engine_.pass_plan.exchange_row), np.uint64)
+    return xp.zeros((layers, steps, batch, engine_.pass_plan.exchange_row), np.uint32)
 
 
 def _stacked(xp, arrays: Sequence[Array]) -> Array:

@@ -59,7 +59,7 @@ def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
 def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):
     module = emulate.get_module("grid_barrier.cu", {})
     length = grid * width
-    exchange = np.zeros((2, length + length % 2), np.uint64)
+    exchange = np.zeros((2, -(-length // 4) * 4), np.uint32)
     ctl = np.zeros(2 + grid, np.uint32)
     elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
     args = (exchange, ctl, np.int32(rounds), np.int32(width), TIMEOUT_NS,
@@ -68,15 +68,16 @@ def _exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_res
     return ctl[0], ctl[1], ctl[2:].view(np.int32), int(errors[0]), exchange
 
 
-# 64 threads, 8 pairs in flight each: (3, 70) 105 pairs; (5, 1) and (3, 71) odd lengths (the
-# padding word is published too); (5, 241) 603 pairs, more than one batch of 8 per thread.
-@pytest.mark.parametrize("grid, width", [(4, 3), (5, 1), (3, 70), (3, 71), (5, 241)])
+# 64 threads, 8 quads in flight each: (3, 70) 53 quads; (5, 1), (3, 71) and (3, 69) lengths that
+# end inside a quad (its zeros are published too); (5, 241) 302 quads, more than one batch of 8
+# per thread.
+@pytest.mark.parametrize("grid, width", [(4, 3), (5, 1), (3, 70), (3, 71), (3, 69), (5, 241)])
 def test_tagged_exchange_delivers_every_round(grid, width):
     started, abort, progress, errors, exchange = _exchange(grid, rounds=25, width=width)
     assert (started, abort, errors) == (grid, 0, 0)  # every CTA started, no timeout, values right
     assert progress.tolist() == [24] * grid
-    tags = exchange >> np.uint64(32)
-    assert (tags[0] == 25).all() and (tags[1] == 24).all()  # the padding word of an odd length too
+    tags = exchange & np.uint32(3)  # round r's tag: 1 + (r // 2) % 3
+    assert (tags[0] == 1 + 12 % 3).all() and (tags[1] == 1 + 11 % 3).all()  # the quad's zeros too
 
 
 @pytest.mark.parametrize("step", [0, 4, 9])
@@ -98,6 +99,36 @@ def test_tagged_exchange_times_out_when_ctas_are_not_co_resident():
     assert abort == 2 and started == 4 and errors == 0 and progress.min() < 4
 
 
+def _special_floats(rng) -> np.ndarray:
+    """fp32 values across the range (normal, subnormal, the largest, zeros) and every kind of NaN
+    and Inf, including NaNs whose payload is only in the two lowest mantissa bits."""
+    normal = rng.standard_normal(600) * np.exp2(rng.integers(-126, 127, 600))
+    bits = np.array([0x7F800000, 0xFF800000, 0x7F800001, 0xFF800002, 0x7F800003, 0x7FC00000,
+                     0xFFFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000003, 0x007FFFFF,
+                     0x00000000, 0x80000000, 0x3F800003, 0xBF7FFFFF], np.uint32)
+    return np.concatenate([normal.astype(np.float32), bits.view(np.float32),
+                           rng.standard_normal(40).astype(np.float32)])
+
+
+def test_tagged_words_round_toward_zero_and_keep_nan_and_inf():
+    module = emulate.get_module("grid_barrier.cu", {})
+    values = _special_floats(np.random.default_rng(5))
+    out, tags = np.empty_like(values), np.empty(values.size, np.uint32)
+    module.launch("exchange_word_round_trip", 2, 64, 0, (values, out, tags, np.int32(values.size)))
+    assert (tags == 1 + np.arange(values.size) % 3).all()
+    nan = np.isnan(values)
+    assert (np.isnan(out) == nan).all()  # a NaN whose payload was only in the tag bits stays NaN
+    v, o = values[~nan].astype(np.float64), out[~nan].astype(np.float64)
+    assert (np.isinf(o) == np.isinf(v)).all() and (o[np.isinf(v)] == v[np.isinf(v)]).all()
+    finite = np.isfinite(v)
+    # The two tag bits are cleared: toward zero, same sign, at most 3 units in the last place of
+    # fp32 (relative error below 2^-21 for normal values; no finite value becomes Inf).
+    assert (np.signbit(o) == np.signbit(v)).all() and (np.abs(o) <= np.abs(v)).all()
+    assert (values[~nan].view(np.uint32) & ~np.uint32(3) == out[~nan].view(np.uint32)).all()
+    normal = finite & (np.abs(v) >= np.finfo(np.float32).tiny)
+    assert (np.abs(o[normal] - v[normal]) < np.exp2(-21) * np.abs(v[normal])).all()
+
+
 def _cluster_exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0), max_resident=None):
     module = emulate.get_module("grid_barrier.cu", {"PRNN_CLUSTER": grid})
     length = grid * width
@@ -105,7 +136,7 @@ def _cluster_exchange(grid: int, rounds: int, width: int = 3, stall=(-1, -1, 0),
     elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
     args = (ctl, np.int32(rounds), np.int32(width), TIMEOUT_NS, np.int32(stall[0]),
             np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
-    module.launch("cluster_exchange_rounds", grid, 64, 16 * (length + length % 2), args,
+    module.launch("cluster_exchange_rounds", grid, 64, 8 * -(-length // 4) * 4, args,
                   max_resident=max_resident)
     return ctl[1], ctl[2:].view(np.int32), int(errors[0])
 

@@ -193,12 +193,13 @@ def test_cached_cubin_is_a_complete_elf(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("defines, arch, names", [
-    ({}, "sm_80", ("grid_barrier_rounds", "exchange_rounds")),
-    ({}, "sm_90", ("grid_barrier_rounds", "exchange_rounds")),
+    ({}, "sm_80", ("grid_barrier_rounds", "exchange_rounds", "exchange_word_round_trip")),
+    ({}, "sm_90", ("grid_barrier_rounds", "exchange_rounds", "exchange_word_round_trip")),
     ({"PRNN_CLUSTER": 8}, "sm_90", ("cluster_exchange_rounds",)),
 ])
 def test_exchange_microbenchmark_kernels_compile(defines, arch, names):
-    """The kernels bench/barrier_latency.py launches exist under its names, with zero spills."""
+    """The kernels bench/barrier_latency.py launches (and the word format's own) exist under their
+    names, with zero spills."""
     log = kernels.compile_source("grid_barrier.cu", defines, arch).log
     for name in names:
         assert f"'{name}'" in log

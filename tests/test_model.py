@@ -17,16 +17,17 @@ CALIBRATION_JSON = ROOT / "bench" / "results" / "model-calibration-2026-11-24.js
 H100 = hardware.PROFILES["h100"]
 
 
-def synthetic_sass(ffma: int = 8, extra: int = 0) -> str:
+def synthetic_sass(ffma: int = 8, extra: int = 0, publish: str = "STG.E.STRONG.GPU") -> str:
     """An nvdisasm-like time loop: a barrier, a matrix loop of ``ffma`` FFMAs (one trip per batch
-    row), ``extra`` more ALU instructions, a pointwise loop with a MUFU chain, a wait, a barrier."""
+    row), ``extra`` more ALU instructions, a pointwise loop with a MUFU chain that publishes with
+    the store ``publish``, a wait, a barrier."""
     lines = ["        /*0000*/                   MOV R1, c[0x0][0x28] ;", ".L_x_0:",
              "        BAR.SYNC.DEFER_BLOCKING 0x0 ;", ".L_x_1:", "        LDS R2, [R3] ;"]
     lines += ["        FFMA R4, R2, R5, R4 ;"] * ffma
     lines += ["        ISETP.GE.AND P0, PT, R6, R7, PT ;", "        @!P0 BRA `(.L_x_1) ;"]
     lines += ["        IADD3 R20, R20, 0x1, RZ ;"] * extra
     lines += [".L_x_3:", "        MUFU.EX2 R8, R4 ;", "        FFMA R9, R8, R8, R8 ;",
-              "        MUFU.RCP R10, R9 ;", "        STG.E [R12.64], R10 ;",
+              "        MUFU.RCP R10, R9 ;", f"        {publish} [R12.64], R10 ;",
               "        ISETP.GE.AND P3, PT, R13, R7, PT ;", "        @!P3 BRA `(.L_x_3) ;",
               ".L_x_2:", "        NANOSLEEP 0x20 ;", "        LDG.E R11, [R12.64] ;",
               "        ISETP.NE.AND P1, PT, R11, RZ, PT ;", "        @P1 BRA `(.L_x_2) ;",
@@ -62,6 +63,28 @@ def test_synthetic_loop_kinds_and_counts():
     assert terms.pointwise_us == pytest.approx(pointwise_trips * chain * cycle_us)
     assert terms.total_us == pytest.approx(terms.issue_us + terms.matrix_us + terms.barrier_us
                                            + terms.exchange_us + terms.pointwise_us)
+
+
+def test_exchange_traffic_follows_the_word_width():
+    # 8-byte {value, tag} words (STG.E.64) against 4-byte values carrying their tag: every CTA
+    # reads B*K words per step at L2 bandwidth, so the difference is 4 bytes of each.
+    s = shape(batch=4)
+    wide = model.step_terms(synthetic_sass(publish="STG.E.64.STRONG.GPU"), s, H100)
+    narrow = model.step_terms(synthetic_sass(), s, H100)
+    assert model.exchange_word_bytes(["STG.E.64.STRONG.GPU", "STG.E"]) == 8
+    assert model.exchange_word_bytes(["STG.E.STRONG.GPU", "STG.E.64"]) == 4
+    saved_us = s.plan.grid * s.batch * s.k_len * 4 / (hardware.L2_BANDWIDTH_GBPS * 1e3)
+    assert wide.exchange_us - narrow.exchange_us == pytest.approx(saved_us)
+
+
+def test_shipped_grid_exchange_is_4_byte_quads():
+    # LSTM H=1024 B=4 backward on the grid: 4 rows of 4096 words, 4096 quads over 256 threads,
+    # 8 in flight per thread (128 registers of weights): 2 rounds of L2 round trips per step.
+    p = planner.make_plan("lstm", 1024, 4, device="h100").backward
+    s = model.PassShape(CELLS["lstm"], p, 4, 1024)
+    assert (s.quads, s.gather_quads, s.gather_rounds) == (4096, 8, 2)
+    loop = kernel_report.time_loop(model.pass_sass(p, "sm_90"))
+    assert model.exchange_word_bytes([loop.code[i][0] for i in loop.body]) == 4
 
 
 def test_critical_path_follows_registers():

@@ -220,12 +220,13 @@ def test_emulated_kernels_match_float64_gemm(emulation, cell):
         assert stats.fallback is None
 
 
-@pytest.mark.parametrize("cell", ["rnn_tanh", "gru", "lstm"])
-def test_emulated_odd_widths_publish_whole_pairs(emulation, cell):
-    # H = 25: the forward exchanges 25 values per row (RNN and GRU backward: 25 and 75), so the
-    # writer of a row's last value also publishes the padding word after it; without it every
-    # reader of that pair would wait until the deadline.
-    out = _run_both(CELLS[cell], 25, 2, 4)
+@pytest.mark.parametrize("cell, hidden", [("rnn_tanh", 25), ("gru", 25), ("lstm", 25), ("gru", 26)])
+def test_emulated_odd_widths_publish_whole_quads(emulation, cell, hidden):
+    # Rows that end inside a quad: H = 25 exchanges 25 values per row forward (3 zeros end the
+    # quad; RNN and GRU backward: 25 and 75, 3 and 1), H = 26 26 (2; GRU backward 78, 2), so the
+    # writer of a row's last value also publishes the zeros after it; without them every reader
+    # of that quad would wait until the deadline.
+    out = _run_both(CELLS[cell], hidden, 2, 4)
     _assert_close(out["got"], out["ref"])
     for stats in out["got"][2:]:
         assert stats.algo == "persistent" and stats.restarts == 0 and stats.fallback is None

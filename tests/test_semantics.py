@@ -1,5 +1,5 @@
 """torch.nn's semantics at the edges, on every algorithm (``persistent`` on NumPy is the CPU
-emulation of the CUDA kernels): NaN propagation through relu, NaN/Inf in the padding past a
+emulation of the CUDA kernels): NaN and Inf propagation through relu, NaN/Inf in the padding past a
 sequence's length (ignored: not one result changes), T = 0 (a clear error) and B = 0 (empty
 results, as torch.nn)."""
 from __future__ import annotations
@@ -37,6 +37,25 @@ def test_relu_propagates_nan_like_torch(algo, xp=np):
     assert np.isnan(y[1:, 2]).all() and not np.isnan(y[:, :2]).any()
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+def test_relu_propagates_inf_like_torch(algo, xp=np):
+    # +Inf in one input turns some units Inf (relu keeps it; the persistent kernels exchange it
+    # as Inf, not as the NaN an Inf with tag bits would be), then NaN where Inf - Inf meet.
+    layer = _layer("RNN", algo, nonlinearity="relu")
+    ref = torch.nn.RNN(5, 16, nonlinearity="relu")
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in layer.params.items()})
+    x = np.random.default_rng(4).standard_normal((4, 3, 5)).astype(np.float32)
+    x[0, 1, 3] = np.inf
+    with np.errstate(invalid="ignore"):  # Inf - Inf in the GEMM path's matmul
+        y = _host(layer.forward(xp.asarray(x))[0])
+    with torch.no_grad():
+        y_ref = ref(torch.from_numpy(x))[0].numpy()
+    assert layer.last_run.algo == algo and np.isposinf(y[0, 1]).any()
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(y_ref))
+    np.testing.assert_array_equal(np.isposinf(y), np.isposinf(y_ref))
+    np.testing.assert_allclose(y[np.isfinite(y_ref)], y_ref[np.isfinite(y_ref)], rtol=1e-5, atol=1e-5)
+
+
 def _padding_case(mode, algo, poison: float, xp=np):
     """forward + backward of a 2-layer bidirectional layer with ``poison`` (0, NaN or Inf) in
     the padding of ``x`` and ``dy``; returns every result."""
@@ -71,6 +90,12 @@ def test_nan_and_inf_in_padding_change_nothing(mode, algo, xp=np):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_relu_nan_on_the_gpu(cupy, algo):
     test_relu_propagates_nan_like_torch(algo, cupy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ALGOS)
+def test_relu_inf_on_the_gpu(cupy, algo):
+    test_relu_propagates_inf_like_torch(algo, cupy)
 
 
 @pytest.mark.gpu
