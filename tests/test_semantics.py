@@ -22,12 +22,17 @@ def _host(a):
     return a.get() if hasattr(a, "get") else a
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_relu_propagates_nan_like_torch(algo, xp=np):
+def _relu_pair(algo, seed):
+    """A relu RNN of the library, torch.nn's with the same weights, and a fresh input."""
     layer = _layer("RNN", algo, nonlinearity="relu")
     ref = torch.nn.RNN(5, 16, nonlinearity="relu")
     ref.load_state_dict({k: torch.from_numpy(v) for k, v in layer.params.items()})
-    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    return layer, ref, np.random.default_rng(seed).standard_normal((4, 3, 5)).astype(np.float32)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_relu_propagates_nan_like_torch(algo, xp=np):
+    layer, ref, x = _relu_pair(algo, seed=0)
     x[1, 2, 0] = np.nan  # sequence 2 turns NaN from step 1 on, in every unit
     y = _host(layer.forward(xp.asarray(x))[0])
     with torch.no_grad():
@@ -41,10 +46,7 @@ def test_relu_propagates_nan_like_torch(algo, xp=np):
 def test_relu_propagates_inf_like_torch(algo, xp=np):
     # +Inf in one input turns some units Inf (relu keeps it; the persistent kernels exchange it
     # as Inf, not as the NaN an Inf with tag bits would be), then NaN where Inf - Inf meet.
-    layer = _layer("RNN", algo, nonlinearity="relu")
-    ref = torch.nn.RNN(5, 16, nonlinearity="relu")
-    ref.load_state_dict({k: torch.from_numpy(v) for k, v in layer.params.items()})
-    x = np.random.default_rng(4).standard_normal((4, 3, 5)).astype(np.float32)
+    layer, ref, x = _relu_pair(algo, seed=4)
     x[0, 1, 3] = np.inf
     with np.errstate(invalid="ignore"):  # Inf - Inf in the GEMM path's matmul
         y = _host(layer.forward(xp.asarray(x))[0])
