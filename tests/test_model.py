@@ -64,6 +64,34 @@ def test_synthetic_loop_kinds_and_counts():
                                            + terms.exchange_us + terms.pointwise_us)
 
 
+def diverged_fallback_sass(fallback: int = 6) -> str:
+    """A time loop whose matrix loop guards its shuffle with ``BRA.DIV`` (as ptxas does): the
+    fallback for a diverged warp sits after the kernel's exit and jumps back into the loop."""
+    lines = ["MOV R1, c[0x0][0x28] ;", ".L_x_0:", "BAR.SYNC.DEFER_BLOCKING 0x0 ;", ".L_x_1:",
+             "LDS R2, [R3] ;"] + ["FFMA R4, R2, R5, R4 ;"] * 8
+    lines += ["BRA.DIV UR4, `(.L_x_9) ;", "SHFL.BFLY PT, R6, R4, 0x1, 0x1f ;", ".L_x_8:",
+              "FADD R4, R4, R6 ;", "ISETP.GE.AND P0, PT, R7, R8, PT ;", "@!P0 BRA `(.L_x_1) ;",
+              "BAR.SYNC.DEFER_BLOCKING 0x0 ;", "ISETP.NE.AND P2, PT, R14, RZ, PT ;",
+              "@!P2 BRA `(.L_x_0) ;", "EXIT ;", ".L_x_9:"]
+    lines += ["IMAD.MOV.U32 R10, RZ, RZ, R4 ;"] * (fallback - 4)
+    lines += ["WARPSYNC.COLLECTIVE R9, `(.L_x_10) ;", "SHFL.BFLY P1, R6, R10, R11, R12 ;",
+              "ENDCOLLECTIVE ;", "BRA `(.L_x_8) ;"]
+    return "\n".join(line if line.startswith(".L") else f"        /*{16 * i:04x}*/ {line}"
+                     for i, line in enumerate(lines))
+
+
+def test_diverged_warp_fallback_is_not_counted():
+    """A converged warp falls through BRA.DIV: the model counts the matrix loop without the
+    fallback; the report's loop (a bound on what may execute) keeps it."""
+    sass = diverged_fallback_sass(fallback=6)
+    terms = model.step_terms(sass, shape(batch=2), H100)
+    assert terms.per_row_instructions == 1 + 8 + 5  # LDS, FFMAs, BRA.DIV .. the loop's branch
+    assert terms.instructions == 2 * 14 + 4  # two batch rows, then barrier, test, branch, BAR
+    whole = kernel_report.time_loop(sass)
+    converged = kernel_report.time_loop(sass, converged=True)
+    assert len(whole.body) - len(converged.body) == 6
+
+
 def test_critical_path_follows_registers():
     code = [("MUFU.EX2", "", None, " R1, R0 "), ("FADD", "", None, " R2, R5, R6 "),
             ("FFMA", "", None, " R3, R1, R1, R2 "), ("STS", "", None, " [R7], R3 ")]
