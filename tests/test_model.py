@@ -92,6 +92,23 @@ def test_diverged_warp_fallback_is_not_counted():
     assert len(whole.body) - len(converged.body) == 6
 
 
+def test_per_thread_loops_issue_only_in_their_warps():
+    """At B = 1 the pointwise loop runs in the first ceil(U / 32) warps only: the busiest scheduler
+    issues it for those of its warps, not for every warp of the block."""
+    sass = synthetic_sass(ffma=8)
+    p = planner.make_plan("gru", 256, 1, device="h100").forward  # 8 warps, 32 units
+    s = model.PassShape(CELLS["gru"], p, 1, 256)
+    loop = kernel_report.time_loop(sass)
+    sharing = math.ceil(s.warps / hardware.SCHEDULERS_PER_SM)
+    pointwise_warps = math.ceil(s.units / 32)
+    assert sharing > 1 and pointwise_warps < s.warps
+    pointwise_body, matrix_body = 6, 8 + 3
+    rest = len(loop.body) - pointwise_body - matrix_body
+    expected = rest * sharing + pointwise_body * math.ceil(pointwise_warps / hardware.SCHEDULERS_PER_SM)
+    assert model.step_terms(sass, s, H100).issue_us == pytest.approx(expected / H100.clock_mhz)
+    assert model.loop_warps("pointwise", s, False) == pointwise_warps
+
+
 def test_critical_path_follows_registers():
     code = [("MUFU.EX2", "", None, " R1, R0 "), ("FADD", "", None, " R2, R5, R6 "),
             ("FFMA", "", None, " R3, R1, R1, R2 "), ("STS", "", None, " [R7], R3 ")]
