@@ -209,6 +209,9 @@ inline void prnn_store_cluster_u64(unsigned long long* local, int cta, unsigned 
   unsigned char* base = prnn_emu::cluster_shared[blockIdx.x / PRNN_CLUSTER * PRNN_CLUSTER + cta];
   __atomic_store_n(reinterpret_cast<unsigned long long*>(base + offset), v, __ATOMIC_RELAXED);
 }
+inline unsigned long long prnn_load_shared_relaxed_u64(const unsigned long long* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
 inline void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
                                            unsigned long long& b) {
   a = __atomic_load_n(p, __ATOMIC_RELAXED);

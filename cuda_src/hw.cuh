@@ -144,6 +144,13 @@ PRNN_DEVICE void prnn_store_cluster_u64(unsigned long long* local, int cta, unsi
                : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(local)), "r"(cta));
   asm volatile("st.relaxed.cluster.shared::cluster.u64 [%0], %1;" ::"r"(remote), "l"(v) : "memory");
 }
+// One 8-byte word of this CTA's shared memory that other CTAs of the cluster store into.
+PRNN_DEVICE unsigned long long prnn_load_shared_relaxed_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.cluster.shared::cta.u64 %0, [%1];"
+               : "=l"(v) : "r"((unsigned)__cvta_generic_to_shared(p)));
+  return v;
+}
 // Two 8-byte words of this CTA's shared memory that other CTAs of the cluster store into.
 PRNN_DEVICE void prnn_load_shared_relaxed_u64x2(const unsigned long long* p, unsigned long long& a,
                                                 unsigned long long& b) {

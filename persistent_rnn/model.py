@@ -90,10 +90,8 @@ class PassShape:
 
     @property
     def gather_pairs(self) -> int:
-        """Pairs a thread of the gather loads at once (``kGatherPairs`` of persistent_common.cuh,
-        ``kStackGatherPairs`` of stack_common.cuh)."""
-        if "PRNN_CLUSTER" in self.plan.defines:
-            return 2
+        """Pairs a thread of the grid's gather loads at once (``kGatherPairs`` of
+        persistent_common.cuh, ``kStackGatherPairs`` of stack_common.cuh)."""
         if self.stack:
             return 6 if self.plan.weight_registers > 128 else 8  # kStackGatherPairs
         return 4 if self.plan.weight_registers > 150 else 8
@@ -331,8 +329,11 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     if counter:  # fence waits for the stores, atomic, polls, then the staging copy
         exchange = "counter"
         exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
-    elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory
-        rounds = shape.gather_rounds
+    elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory;
+        # then a shared-memory poll per round of a gather, or one where the warps read the words
+        # in their product (no gather loop)
+        gathered = any(k in ("scan", "chunks") for k in kinds.values())
+        rounds = shape.gather_rounds if gathered else 1
         exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
     else:  # the writer's store reaches L2 (half a round trip), then one round trip per batch of
         # pairs a thread gathers (strong loads, gather_pairs in flight)
