@@ -207,6 +207,13 @@ inline void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
 inline void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
   for (int i = 0; i < 4; ++i) w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
 }
+inline unsigned prnn_load_shared_relaxed_u32(const unsigned* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+inline void prnn_load_shared_relaxed_u32x2(const unsigned* p, unsigned& a, unsigned& b) {
+  a = __atomic_load_n(p, __ATOMIC_RELAXED);
+  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+}
 #endif
 
 inline unsigned prnn_float_bits(float v) {

@@ -93,23 +93,22 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     }
   };
   prefetch_inputs(start);
-  if (start + 1 < steps) {
-    stage_exchanged(v_s, dgh + (size_t)(start + 1) * batch * gh_len, batch, gh_len);
-  } else {  // step T-1 has no recurrent input; later gathers rely on the zero padding
-    for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) v_s[idx] = 0.0f;
-    finish_copies();
-  }
+  // Step T-1 has no recurrent input.
+  begin_steps(xch, v_s, start + 1,
+              start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr, batch);
+  static_assert(!kDirectRead || kKsplit * kUnits <= kPadded, "odd steps' partial sums fit v_s");
 
   int t = start, failed = 0;
   for (;;) {
-    // dgh_{t+1} and step t's inputs are in shared memory; any timeout?
-    if (prnn_sync_block_or(failed)) {
+    const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
+    float* part_s = step_partials(t, rec_s, v_s);
+    // dgh_{t+1} (and step t's inputs) -> partial sums; any timeout? The inputs of step t-1 go
+    // into the buffer last read by step t+1's pointwise.
+    if (step_product(tile, xch, t + 1, v_s, part_s, recurrent ? batch : 0, kUnits, failed, ctl,
+                     timeout_ns, [&] { if (t > 0) prefetch_inputs(t - 1); })) {
       ++t;  // step t was not completed
       break;
     }
-    if (t > 0) prefetch_inputs(t - 1);  // its buffer was last read by step t+1's pointwise
-    const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
-    if (recurrent) multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
@@ -120,7 +119,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
       float sv[kSavedSlots], dgiv[G], dghv[G];
 #pragma unroll
       for (int s = 0; s < S; ++s) sv[s] = in[(kSavedSlot + s) * kUnits];
-      const float dh = in[kDy * kUnits] + carry_s[idx] + (recurrent ? row_sum(rec_s, b, u, kUnits) : 0.0f);
+      const float dh = in[kDy * kUnits] + carry_s[idx] + (recurrent ? row_sum(part_s, b, u, kUnits) : 0.0f);
       const float dc = kHasC ? carry_s[batch * kUnits + idx] : 0.0f;
       const float c = kHasC ? in[kC * kUnits] : 0.0f, c_prev = kHasC ? in[kCPrev * kUnits] : 0.0f;
       float dh_prev, dc_prev;
@@ -137,7 +136,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
       if (kHasC) dc_carry[(t & 1) * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
     }
     if (t == 0) break;
-    failed = !xch.gather(v_s, t, ctl, timeout_ns);
+    failed = end_step(xch, v_s, t, ctl, timeout_ns);
     prnn_copy_wait();  // step t-1's inputs
     --t;
   }

@@ -106,13 +106,22 @@ struct TileOf {
   // row_of_lane(lane) (a reduce-scatter: each halving step sends half the rows to the partner
   // lane, so kRows rows cost about kRowsPow2 + log2(kLanesPerRow) shuffles, not 5*kRows).
   PRNN_DEVICE float multiply(const float* v, int lane) const {
+    return multiply_values([v, lane](int i, float (&x)[kPerWord]) {
+      load_staged(v + kPerWord * (lane + kWarp * i), x);
+    }, lane);
+  }
+
+  // The same with the lane's values of the chunk given by value(i, x): x = the kPerWord values
+  // at chunk columns kPerWord * (lane + 32 i) (i a compile-time index once unrolled).
+  template <class Value>
+  PRNN_DEVICE float multiply_values(Value value, int lane) const {
     float a[kRowsPow2];
 #pragma unroll
     for (int r = 0; r < kRowsPow2; ++r) a[r] = 0.0f;
 #pragma unroll
     for (int i = 0; i < kWordsPerLane; ++i) {
       float x[kPerWord];
-      load_staged(v + kPerWord * (lane + kWarp * i), x);
+      value(i, x);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         float f[kPerWord];
@@ -201,19 +210,16 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
   prnn_sync_block();
 }
 
-// Tagged quads a thread of the gather loads at once (four registers each). Grid: what the register
-// cap leaves beside the weights with zero spills (ptxas, sm_80 and sm_90; the largest tiles hold
-// 190-200 registers of weights: the LSTM backward's (196, 200) spill 16-40 bytes at 4, the RNN
-// backward's (190) 184 bytes at 2 on sm_80, ptxas's allocation not being monotonic; the stack kernels
-// choose their own, stack_common.cuh), as L2 round trips are what a step waits on.
-// Cluster: 2, as a small layer gives a thread one or two quads and every unrolled slot is issued
-// (predicated) each step. persistent_rnn/model.py mirrors this (PassShape.gather_quads).
-// -DPRNN_GATHER_QUADS overrides it (experiments).
+// Tagged quads a thread of the grid's gather loads at once (four registers each; a cluster has
+// no gather, kDirectRead): what the register cap leaves beside the weights with zero spills
+// (ptxas, sm_80 and sm_90; the largest tiles hold 190-200 registers of weights: the LSTM
+// backward's (196, 200) spill 16-40 bytes at 4, the RNN backward's (190) 184 bytes at 2 on sm_80,
+// ptxas's allocation not being monotonic; the stack kernels choose their own, stack_common.cuh),
+// as L2 round trips are what a step waits on. persistent_rnn/model.py mirrors this
+// (PassShape.gather_quads). -DPRNN_GATHER_QUADS overrides it (experiments).
 constexpr int kWeightRegisters = kRows * kWordsPerLane;
 #if defined(PRNN_GATHER_QUADS)
 constexpr int kGatherQuads = PRNN_GATHER_QUADS;
-#elif defined(PRNN_CLUSTER)
-constexpr int kGatherQuads = 2;  // shared-memory polls are cheap: fewer unrolled (issued) slots
 #else
 constexpr int kGatherQuads = kWeightRegisters > 192 ? 2 : kWeightRegisters > 150 ? 4 : 8;
 #endif
@@ -252,19 +258,67 @@ struct ExchangeOf {
 
   // Waits for step t's values and writes them into v_s (row stride Padded; the zero padding past
   // k_len was written once at launch start, and the padding words write zeros). False on
-  // timeout or abort. The caller's next block barrier makes v_s visible to the block.
+  // timeout or abort. The caller's next block barrier makes v_s visible to the block. The grid's
+  // (global words); a cluster's warps read their words where they are (wait_lane).
   PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
     const auto sink = [v_s](int word, const float (&v)[4]) { prnn_store_shared_quad(v_s + word, v); };
     const unsigned* src = words + (t & 1) * slot();
-#ifdef PRNN_CLUSTER
-    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
-                                            PrnnClusterQuads{}, sink);
-#else
     if (idle) prnn_sleep_ns(kIdleStartNs);
     return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
                                             PrnnGlobalQuads{}, sink);
-#endif
   }
+
+#ifdef PRNN_CLUSTER
+  // Writes step s's vector from src ([batch][k_len], written by an earlier launch or the host)
+  // into this CTA's words of step s, tagged as if published, zeros past k_len: a launch's first
+  // step reads it like any other (kDirectRead). The caller's block barrier makes it visible.
+  PRNN_DEVICE void fill(int s, const float* src, int batch) const {
+    unsigned* dst = words + (s & 1) * slot();
+    for (int idx = threadIdx.x; idx < batch * Padded; idx += blockDim.x) {
+      const int b = idx / Padded, k = idx % Padded;
+      const float v = k < k_len ? prnn_load_cg(src + (size_t)b * k_len + k) : 0.0f;
+      dst[idx] = prnn_tagged(v, prnn_step_tag(s));
+    }
+  }
+
+  // Waits until the words of step s that this lane multiplies (batch row b, columns
+  // col0 + kPerWord * (lane + 32 i) + e) carry step s's tag, and returns their values in x[i][e].
+  // Words past the published row_len are the zero padding: not waited for. All of a lane's
+  // words are loaded at once and reloaded together on a miss. False on timeout or abort, or at
+  // once if they are not there and `give_up` (an earlier wait of the step failed): x then holds
+  // whatever the words held (the step is discarded).
+  template <int kWords>
+  PRNN_DEVICE bool wait_lane(int s, int b, int col0, int lane, float (&x)[kWords][kPerWord],
+                             bool give_up, PrnnControl* ctl, unsigned long long timeout_ns) const {
+    const unsigned* mine = words + (s & 1) * slot() + b * Padded + col0 + kPerWord * lane;
+    const int published = rows.row_len - col0 - kPerWord * lane;  // words of `mine` published
+    const unsigned tag = prnn_step_tag(s);
+    unsigned w[kWords][kPerWord];
+    PrnnWait wait{0u, 0ull};
+    bool ready;
+    for (;;) {
+      ready = true;
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) {
+        constexpr int k = kPerWord * kWarp;  // times i: a compile-time offset
+        if constexpr (kPerWord == 2) {
+          prnn_load_shared_relaxed_u32x2(mine + k * i, w[i][0], w[i][1]);
+        } else {
+          w[i][0] = prnn_load_shared_relaxed_u32(mine + k * i);
+        }
+#pragma unroll
+        for (int e = 0; e < kPerWord; ++e) ready &= k * i + e >= published || prnn_tag_of(w[i][e]) == tag;
+      }
+      if (ready || give_up || !prnn_keep_polling<PrnnClusterWait>(ctl, wait, timeout_ns)) break;
+    }
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+#pragma unroll
+      for (int e = 0; e < kPerWord; ++e) x[i][e] = prnn_value_of(w[i][e]);
+    }
+    return ready;
+  }
+#endif
 
  private:
   PRNN_DEVICE static void store(unsigned* word, unsigned tagged) {
@@ -276,6 +330,19 @@ struct ExchangeOf {
   }
 };
 using Exchange = ExchangeOf<>;
+
+// Whether the matrix loop reads the exchanged vector straight from the tagged words (a cluster:
+// they are in this CTA's shared memory) instead of a staged copy. Each warp then waits for the
+// words it multiplies, and a step needs one block barrier (the partial sums', which also carries
+// the timeout vote) instead of two: no gather, no staging barrier. The partial sums alternate
+// between two buffers by step parity, as a warp may start step t+1's product while the
+// pointwise step t still reads step t's sums (it has read all of step t's words, so every CTA
+// has published step t, but not that every thread of its own CTA has finished).
+#ifdef PRNN_CLUSTER
+constexpr bool kDirectRead = true;
+#else
+constexpr bool kDirectRead = false;
+#endif
 
 // The exchange of a launch, rows of Padded words (the staged vector's row stride; default the
 // -D tile's). `global`: the host's buffer (grid); `shared_end`: the end of the kernel's other
@@ -321,6 +388,92 @@ PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_
     if (writer) part_s[(b * ksplit + chunk) * local_rows + warp / ksplit * Tile::kRowCount + row] = sum;
   }
   prnn_sync_block();
+}
+
+#ifdef PRNN_CLUSTER
+// multiply_batch for kDirectRead: for every batch row, waits for this lane's words of step s in
+// the exchange, multiplies, and stores the partial sums as multiply_batch does; then the block
+// barrier, which returns whether any thread's wait failed (timeout or abort).
+template <class Tile = RegisterTile, int Padded = kPadded>
+PRNN_DEVICE bool multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& xch, int s,
+                                    float* part_s, int batch, int local_rows, PrnnControl* ctl,
+                                    unsigned long long timeout_ns, int ksplit = kKsplit) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
+  const int row = row_of_lane(lane, Tile::kRowsPow2);
+  const bool writer = lane % Tile::kLanesPerRow == 0 && row < Tile::kRowCount;
+  int failed = 0;
+  for (int b = 0; b < batch; ++b) {
+    float x[Tile::kWordsPerLane][kPerWord];  // after a failure: any values (every lane still
+    // takes part in the product's shuffles)
+    failed |= !xch.wait_lane(s, b, chunk * Tile::kChunk, lane, x, failed, ctl, timeout_ns);
+    const float sum = tile.multiply_values([&x](int i, float (&v)[kPerWord]) {
+#pragma unroll
+      for (int e = 0; e < kPerWord; ++e) v[e] = x[i][e];
+    }, lane);
+    if (writer) part_s[(b * ksplit + chunk) * local_rows + warp / ksplit * Tile::kRowCount + row] = sum;
+  }
+  return prnn_sync_block_or(failed);
+}
+#endif
+
+// The steps of the persistent forward and backward, on either exchange (kDirectRead or a staged
+// copy), so that the kernels read the same on both.
+//
+// Before the first step: the vector of step s (src: [batch][k_len], from an earlier launch or
+// the host; nullptr: none, the backward's step T-1) - a cluster writes it into its words of step
+// s, the grid stages it into v_s (zeros for nullptr) - then this thread's copies are waited for
+// and a block barrier makes it all visible.
+PRNN_DEVICE void begin_steps(const Exchange& xch, float* v_s, int s, const float* src, int batch) {
+#ifdef PRNN_CLUSTER
+  if (src != nullptr) xch.fill(s, src, batch);
+  finish_copies();
+#else
+  if (src != nullptr) {
+    stage_exchanged(v_s, src, batch, xch.k_len);
+  } else {  // later gathers rely on the zero padding
+    for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) v_s[idx] = 0.0f;
+    finish_copies();
+  }
+#endif
+}
+
+// Where step t's partial sums go: a cluster alternates between part_s and the staging buffer v_s
+// (unused there) by step parity (kDirectRead); the grid uses part_s.
+PRNN_DEVICE float* step_partials(int t, float* part_s, float* v_s) {
+  return kDirectRead && (t & 1) ? v_s : part_s;
+}
+
+// A step's product of the tile and the vector of step s, for `batch` rows (0: none) into
+// part_s; ends with every thread past a block barrier. `failed`: this thread's wait for the
+// vector failed (grid: the gather after the previous step). Returns true when any thread's
+// wait failed: the step is not done and the kernel must stop. prefetch() runs between the
+// barrier that settles that and the product (grid) or after the product's barrier (cluster),
+// where the buffer it refills has been read by everyone.
+template <class Prefetch>
+PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int s, const float* v_s,
+                              float* part_s, int batch, int local_rows, int failed,
+                              PrnnControl* ctl, unsigned long long timeout_ns, Prefetch prefetch) {
+#ifdef PRNN_CLUSTER
+  if (multiply_exchanged(tile, xch, s, part_s, batch, local_rows, ctl, timeout_ns)) return true;
+  prefetch();
+#else
+  if (prnn_sync_block_or(failed)) return true;  // the staged vector visible, and the vote
+  prefetch();
+  multiply_batch(tile, v_s, part_s, batch, local_rows);  // ends with a block barrier
+#endif
+  return false;
+}
+
+// After a step's pointwise (which published step t): the grid gathers step t into v_s and
+// returns whether this thread's wait failed; a cluster has nothing to do (its warps read the
+// words in the next product).
+PRNN_DEVICE int end_step(const Exchange& xch, float* v_s, int t, PrnnControl* ctl,
+                         unsigned long long timeout_ns) {
+#ifdef PRNN_CLUSTER
+  return 0;
+#else
+  return !xch.gather(v_s, t, ctl, timeout_ns);
+#endif
 }
 
 // The full sum of local row `row` for batch row `b` (the Ksplit partial sums, in fixed order);

@@ -8,9 +8,12 @@
 // t-1's results and writes its own slots, so replaying it is idempotent; each CTA records the last
 // step it completed when it exits and the host restarts from min(progress)+1.
 //
-// Per step: two block barriers (staged h_{t-1} visible + timeout vote; partial sums visible), one
-// L2 round trip per batch of pairs a thread gathers (the gather: one at the large tiles' usual
-// batch sizes), no fence and no atomic. gi_{t+1} is fetched during step t.
+// Per step, grid: two block barriers (staged h_{t-1} visible + timeout vote; partial sums
+// visible), one L2 round trip per batch of pairs a thread gathers (the gather: one at the large
+// tiles' usual batch sizes), no fence and no atomic; gi_{t+1} is fetched during step t's product.
+// Cluster (kDirectRead): each warp reads h_{t-1} straight from the tagged words in its CTA's
+// shared memory: one block barrier (partial sums visible + timeout vote), no gather; gi_{t+1} is
+// fetched after that barrier (persistent_common.cuh, step_product).
 #include "persistent_common.cuh"
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
@@ -72,17 +75,19 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     }
   };
   prefetch_gi(start);
-  stage_exchanged(h_s, start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch, hidden);
+  begin_steps(xch, h_s, start - 1, start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch);
+  static_assert(!kDirectRead || kKsplit * R <= kPadded, "odd steps' partial sums fit h_s");
 
   int t = start, failed = 0;
   for (;;) {
-    // h_{t-1} and gi_t are in shared memory (this thread's copies waited for); any timeout?
-    if (prnn_sync_block_or(failed)) {
+    float* part_s = step_partials(t, gh_s, h_s);
+    // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
+    // gi_{t+1}'s buffer was last read by step t-1's pointwise.
+    if (step_product(tile, xch, t - 1, h_s, part_s, batch, R, failed, ctl, timeout_ns,
+                     [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
       --t;  // step t was not completed
       break;
     }
-    if (t + 1 < steps) prefetch_gi(t + 1);  // its buffer was last read by step t-1's pointwise
-    multiply_batch(tile, h_s, gh_s, batch, R);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
@@ -93,7 +98,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         giv[g] = gi_t[(b * G + g) * kUnits + u];
-        ghv[g] = row_sum(gh_s, b, g * kUnits + u, R) + bias_s[g * kUnits + u];
+        ghv[g] = row_sum(part_s, b, g * kUnits + u, R) + bias_s[g * kUnits + u];
       }
       const float c_prev = kHasC ? c_s[idx] : 0.0f;
       float h, c;
@@ -106,7 +111,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
       for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
     }
     if (t + 1 == steps) break;
-    failed = !xch.gather(h_s, t, ctl, timeout_ns);
+    failed = end_step(xch, h_s, t, ctl, timeout_ns);
     prnn_copy_wait();  // gi_{t+1}
     ++t;
   }

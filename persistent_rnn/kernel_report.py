@@ -118,16 +118,20 @@ def _parse(sass: str) -> tuple[list[tuple[str, str, str | None, str]], dict[str,
     return code, labels
 
 
-def _successors(code, labels) -> list[list[int]]:
+def _successors(code, labels, converged: bool = False) -> list[list[int]]:
     """Control-flow successors of each instruction. Calls of functions (``$...``) return; a
     ``CALL.REL.NOINC`` to a local label is how sm_80 code leaves a loop (a jump that may also
-    fall through); EXIT/RET end a path."""
+    fall through); EXIT/RET end a path. ``BRA.DIV`` branches only when the warp has diverged
+    (the compiler's fallback before a warp-synchronous instruction such as a shuffle): with
+    ``converged`` it falls through, as every warp does that reaches it converged."""
     succ = []
     for i, (op, pred, target, _) in enumerate(code):
         base = op.split(".")[0]
         always = pred in ("", "@PT")
         nxt = [i + 1] if i + 1 < len(code) else []
-        if base in ("BRA", "JMP") and target in labels:
+        if converged and op.startswith("BRA.DIV"):
+            succ.append(nxt)
+        elif base in ("BRA", "JMP") and target in labels:
             succ.append([labels[target]] + ([] if always and op == "BRA" else nxt))
         elif base == "CALL" and target in labels and target.startswith(".L"):
             succ.append([labels[target]] + nxt)
@@ -138,12 +142,14 @@ def _successors(code, labels) -> list[list[int]]:
     return succ
 
 
-def _natural_loop(succ: list[list[int]], tail: int, head: int) -> set[int]:
-    """Instructions of the natural loop of the back edge tail -> head."""
+def _natural_loop(succ: list[list[int]], tail: int, head: int, reachable: list[bool]) -> set[int]:
+    """Instructions of the natural loop of the back edge tail -> head (code that cannot be
+    reached from the entry, such as a fallback no branch leads to, is in no loop)."""
     pred: list[list[int]] = [[] for _ in succ]
     for i, targets in enumerate(succ):
         for j in targets:
-            pred[j].append(i)
+            if reachable[i]:
+                pred[j].append(i)
     body, stack = {head, tail}, [tail]
     while stack:
         for p in pred[stack.pop()]:
@@ -200,19 +206,22 @@ class TimeLoop:
 
 
 @lru_cache(maxsize=64)  # the report's counts and the latency model read the same loop
-def time_loop(sass: str) -> TimeLoop:
+def time_loop(sass: str, converged: bool = False) -> TimeLoop:
     """The time loop: the largest natural loop (back edges - edges to an instruction that
     dominates their source - to one header merged) that holds a block barrier. Out-of-line code
     the compiler placed after the kernel's exit (divergent shuffles, slow paths) belongs to the
-    loop when it returns into it."""
+    loop when it returns into it. ``converged``: only the code a converged warp executes (no
+    ``BRA.DIV`` fallback; ``_successors``) - what a step issues, which the latency model counts;
+    without it, every instruction the loop may execute (the report's bounds)."""
     code, labels = _parse(sass)
-    succ = _successors(code, labels)
+    succ = _successors(code, labels, converged)
     dom = _dominators(succ)
+    reachable = [d != 0 for d in dom]
     loops: dict[int, set[int]] = {}
     for tail, targets in enumerate(succ):
         for head in targets:
-            if dom[tail] >> head & 1:
-                loops.setdefault(head, set()).update(_natural_loop(succ, tail, head))
+            if reachable[tail] and dom[tail] >> head & 1:
+                loops.setdefault(head, set()).update(_natural_loop(succ, tail, head, reachable))
     with_barrier = [(head, body) for head, body in loops.items()
                     if any(code[i][0].split(".")[0] == "BAR" for i in body)]
     if not with_barrier:

@@ -36,7 +36,7 @@ from .hardware import DeviceProfile
 
 # The model's error on the recorded H200 runs (bench/results/model-calibration-2026-11-24.json).
 CALIBRATION = ("calibrated on 324 recorded H200 points (counter-barrier kernels): median |error| 12 %, "
-               "worst 44 %; the current kernels are not yet measured")
+               "worst 48 %; the current kernels are not yet measured")
 
 # Trip counts of the loops inside the time loop are decided by what each loop holds (its own
 # instructions, nested loops excluded); see ``loop_trips``.
@@ -90,10 +90,8 @@ class PassShape:
 
     @property
     def gather_quads(self) -> int:
-        """Quads a thread of the gather loads at once (``kGatherQuads`` of persistent_common.cuh,
-        ``kStackGatherQuads`` of stack_common.cuh)."""
-        if "PRNN_CLUSTER" in self.plan.defines:
-            return 2
+        """Quads a thread of the grid's gather loads at once (``kGatherQuads`` of
+        persistent_common.cuh, ``kStackGatherQuads`` of stack_common.cuh)."""
         if self.stack:
             return 8  # kStackGatherQuads
         w = self.plan.weight_registers
@@ -213,31 +211,47 @@ def loop_kind(loop: kernel_report.TimeLoop, head: int) -> str:
     return "scan" if children else "other"
 
 
-def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
-    """Trip count per step of an inner loop of ``kind`` (see ``loop_kind``) for ``shape``:
-    per-thread loops over n items run ceil(n / threads) times; waits once (the ready check; the
-    wait itself is the ``exchange`` term); the matrix loop once per batch row."""
-    threads = 32 * shape.warps
-    per_thread = lambda n: math.ceil(n / threads)  # noqa: E731
+def loop_items(kind: str, shape: PassShape, counter: bool) -> float | None:
+    """Items a per-thread loop of ``kind`` spreads over the block's threads (thread x takes items
+    x, x + threads, ...) for ``shape``; None for the loops every thread runs alike (the matrix
+    loop, its levels, waits, "other")."""
     cell, b, units = shape.cell, shape.batch, shape.units
-    if kind == "matrix":
-        return b
-    if kind == "levels":
-        return math.log2(_rows_pow2(shape.plan.defines["PRNN_ROWS"]))
     if kind == "pointwise":
-        return per_thread(b * units)
+        return b * units
     if kind == "prefetch":
         inputs = 3 + 2 * cell.has_cell_state + cell.saved if shape.backward else cell.gates
-        return per_thread(b * inputs * units)
+        return b * inputs * units
     if kind == "copy":  # counter kernels stage 4-byte values as quads (tagged words: as quads)
         if counter:
-            return per_thread(b * shape.plan.defines["PRNN_KSPLIT"] * 32 * shape.plan.defines["PRNN_KPT"] / 4)
-        return per_thread(shape.quads)
+            return b * shape.plan.defines["PRNN_KSPLIT"] * 32 * shape.plan.defines["PRNN_KPT"] / 4
+        return shape.quads
+    if kind in ("chunks", "scan"):  # quad slots of the gather
+        return shape.batch * shape.plan.exchange_row / 4
+    return None
+
+
+def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
+    """Trip count per step of an inner loop of ``kind`` (see ``loop_kind``) for ``shape``:
+    per-thread loops over n items (``loop_items``) run ceil(n / threads) times (the gather:
+    ``PassShape.gather_rounds``); waits once (the ready check; the wait itself is the
+    ``exchange`` term); the matrix loop once per batch row."""
+    if kind == "matrix":
+        return shape.batch
+    if kind == "levels":
+        return math.log2(_rows_pow2(shape.plan.defines["PRNN_ROWS"]))
     if kind in ("chunks", "scan"):
         return shape.gather_rounds
     if kind == "fallback":
         return 0
-    return 1
+    items = loop_items(kind, shape, counter)
+    return 1 if items is None else math.ceil(items / (32 * shape.warps))
+
+
+def loop_warps(kind: str, shape: PassShape, counter: bool) -> int:
+    """Warps of the block that execute an inner loop of ``kind``: a per-thread loop over n items
+    only in the first ceil(n / 32) warps (the others skip it), every other loop in all."""
+    items = loop_items(kind, shape, counter)
+    return shape.warps if items is None else max(1, min(shape.warps, math.ceil(items / 32)))
 
 
 def _rows_pow2(rows: int) -> int:
@@ -286,7 +300,7 @@ def exchange_word_bytes(ops: list[str]) -> int:
 
 def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
-    loop = kernel_report.time_loop(sass)
+    loop = kernel_report.time_loop(sass, converged=True)  # what a step issues: no BRA.DIV fallbacks
     ops = [loop.code[i][0] for i in loop.body]
     counter = any(_base(op) in ("ATOM", "ATOMG", "RED") for op in ops)
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
@@ -298,6 +312,11 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     instructions = sum(weight.values())
     cycle_us = 1.0 / device.clock_mhz
     sharing = math.ceil(shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler
+    # The busiest scheduler (warp w issues on scheduler w % 4) runs an instruction for as many of
+    # its warps as execute it: a per-thread loop runs in the first warps only (``loop_warps``).
+    active = {h: loop_warps(k, shape, counter) for h, k in kinds.items()}
+    share = {i: math.ceil(min([shape.warps] + [active[h] for h, b in loop.inner.items() if i in b])
+                          / hw.SCHEDULERS_PER_SM) for i in loop.body}
     matrix_heads = [h for h, k in kinds.items() if k == "matrix"]
     in_matrix = set().union(*[loop.inner[h] for h in matrix_heads])
     row_instructions = sum(weight[i] for i in in_matrix) / shape.batch
@@ -307,7 +326,8 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
                     * (1 if kinds[h] == "matrix" else trips[h])
                     for h in loop.inner if kinds[h] in ("matrix", "levels"))
     matrix = shape.batch * max(sharing * row_instructions / hw.ISSUE_PER_CYCLE, row_chain) * cycle_us
-    issue = (instructions - row_instructions * shape.batch) * sharing / hw.ISSUE_PER_CYCLE * cycle_us
+    issue = (sum(weight[i] * share[i] for i in loop.body if i not in in_matrix)
+             / hw.ISSUE_PER_CYCLE * cycle_us)
     in_spin = set().union(*[b for h, b in loop.inner.items() if kinds[h] == "spin"])
     barriers = sum(1 for i in loop.body if _base(loop.code[i][0]) == "BAR" and i not in in_spin)
     l2_us = hw.L2_LATENCY * cycle_us
@@ -318,8 +338,11 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     if counter:  # fence waits for the stores, atomic, polls, then the staging copy
         exchange = "counter"
         exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
-    elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory
-        rounds = shape.gather_rounds
+    elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory;
+        # then a shared-memory poll per round of a gather, or one where the warps read the words
+        # in their product (no gather loop)
+        gathered = any(k in ("scan", "chunks") for k in kinds.values())
+        rounds = shape.gather_rounds if gathered else 1
         exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
     else:  # the writer's store reaches L2 (half a round trip), then one round trip per batch of
         # quads a thread gathers (strong loads, gather_quads in flight)

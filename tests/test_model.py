@@ -87,6 +87,51 @@ def test_shipped_grid_exchange_is_4_byte_quads():
     assert model.exchange_word_bytes([loop.code[i][0] for i in loop.body]) == 4
 
 
+def diverged_fallback_sass(fallback: int = 6) -> str:
+    """A time loop whose matrix loop guards its shuffle with ``BRA.DIV`` (as ptxas does): the
+    fallback for a diverged warp sits after the kernel's exit and jumps back into the loop."""
+    lines = ["MOV R1, c[0x0][0x28] ;", ".L_x_0:", "BAR.SYNC.DEFER_BLOCKING 0x0 ;", ".L_x_1:",
+             "LDS R2, [R3] ;"] + ["FFMA R4, R2, R5, R4 ;"] * 8
+    lines += ["BRA.DIV UR4, `(.L_x_9) ;", "SHFL.BFLY PT, R6, R4, 0x1, 0x1f ;", ".L_x_8:",
+              "FADD R4, R4, R6 ;", "ISETP.GE.AND P0, PT, R7, R8, PT ;", "@!P0 BRA `(.L_x_1) ;",
+              "BAR.SYNC.DEFER_BLOCKING 0x0 ;", "ISETP.NE.AND P2, PT, R14, RZ, PT ;",
+              "@!P2 BRA `(.L_x_0) ;", "EXIT ;", ".L_x_9:"]
+    lines += ["IMAD.MOV.U32 R10, RZ, RZ, R4 ;"] * (fallback - 4)
+    lines += ["WARPSYNC.COLLECTIVE R9, `(.L_x_10) ;", "SHFL.BFLY P1, R6, R10, R11, R12 ;",
+              "ENDCOLLECTIVE ;", "BRA `(.L_x_8) ;"]
+    return "\n".join(line if line.startswith(".L") else f"        /*{16 * i:04x}*/ {line}"
+                     for i, line in enumerate(lines))
+
+
+def test_diverged_warp_fallback_is_not_counted():
+    """A converged warp falls through BRA.DIV: the model counts the matrix loop without the
+    fallback; the report's loop (a bound on what may execute) keeps it."""
+    sass = diverged_fallback_sass(fallback=6)
+    terms = model.step_terms(sass, shape(batch=2), H100)
+    assert terms.per_row_instructions == 1 + 8 + 5  # LDS, FFMAs, BRA.DIV .. the loop's branch
+    assert terms.instructions == 2 * 14 + 4  # two batch rows, then barrier, test, branch, BAR
+    whole = kernel_report.time_loop(sass)
+    converged = kernel_report.time_loop(sass, converged=True)
+    assert len(whole.body) - len(converged.body) == 6
+
+
+def test_per_thread_loops_issue_only_in_their_warps():
+    """At B = 1 the pointwise loop runs in the first ceil(U / 32) warps only: the busiest scheduler
+    issues it for those of its warps, not for every warp of the block."""
+    sass = synthetic_sass(ffma=8)
+    p = planner.make_plan("gru", 256, 1, device="h100").forward  # 8 warps, 32 units
+    s = model.PassShape(CELLS["gru"], p, 1, 256)
+    loop = kernel_report.time_loop(sass)
+    sharing = math.ceil(s.warps / hardware.SCHEDULERS_PER_SM)
+    pointwise_warps = math.ceil(s.units / 32)
+    assert sharing > 1 and pointwise_warps < s.warps
+    pointwise_body, matrix_body = 6, 8 + 3
+    rest = len(loop.body) - pointwise_body - matrix_body
+    expected = rest * sharing + pointwise_body * math.ceil(pointwise_warps / hardware.SCHEDULERS_PER_SM)
+    assert model.step_terms(sass, s, H100).issue_us == pytest.approx(expected / H100.clock_mhz)
+    assert model.loop_warps("pointwise", s, False) == pointwise_warps
+
+
 def test_critical_path_follows_registers():
     code = [("MUFU.EX2", "", None, " R1, R0 "), ("FADD", "", None, " R2, R5, R6 "),
             ("FFMA", "", None, " R3, R1, R1, R2 "), ("STS", "", None, " [R7], R3 ")]
