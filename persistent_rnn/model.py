@@ -218,9 +218,9 @@ def loop_items(kind: str, shape: PassShape, counter: bool) -> float | None:
     cell, b, units = shape.cell, shape.batch, shape.units
     if kind == "pointwise":
         return b * units
-    if kind == "prefetch":
-        inputs = 3 + 2 * cell.has_cell_state + cell.saved if shape.backward else cell.gates
-        return b * inputs * units
+    if kind == "prefetch":  # the forward copies one gate of gi per item; the backward's items
+        # are (batch row, unit), each copying all of that unit's inputs (dy, h, c, saved)
+        return b * units if shape.backward else b * cell.gates * units
     if kind == "copy":  # counter kernels stage 4-byte values as quads (tagged words: as quads)
         if counter:
             return b * shape.plan.defines["PRNN_KSPLIT"] * 32 * shape.plan.defines["PRNN_KPT"] / 4

@@ -190,3 +190,17 @@ def test_committed_calibration_within_target():
     assert len(errors) == data["points"] >= 100
     assert errors[len(errors) // 2] <= 0.25 and errors[-1] <= 0.50
     assert data["constants"] == {name: getattr(hardware, name) for name in data["constants"]}
+
+
+def test_backward_prefetch_loop_runs_per_unit():
+    """The backward's prefetch loop takes one (batch row, unit) per thread and copies all of that
+    unit's inputs: at LSTM H=1024 B=4 (32 items) one trip in one warp, as its SASS loop is one
+    per-thread loop; the forward's takes one gate of gi per item (B*G*U)."""
+    plan = planner.make_plan("lstm", 1024, 4, device="h100")
+    back = model.PassShape(CELLS["lstm"], plan.backward, 4, 1024)
+    fwd = model.PassShape(CELLS["lstm"], plan.forward, 4, 1024)
+    assert model.loop_items("prefetch", back, False) == 4 * back.units
+    assert (model.loop_trips("prefetch", back, False), model.loop_warps("prefetch", back, False)) == (1, 1)
+    assert model.loop_items("prefetch", fwd, False) == 4 * 4 * fwd.units
+    loop = kernel_report.time_loop(model.pass_sass(plan.backward, "sm_90"), converged=True)
+    assert [model.loop_kind(loop, h) for h in loop.inner].count("prefetch") == 1
