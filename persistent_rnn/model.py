@@ -233,8 +233,9 @@ def loop_items(kind: str, shape: PassShape, counter: bool) -> float | None:
 def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
     """Trip count per step of an inner loop of ``kind`` (see ``loop_kind``) for ``shape``:
     per-thread loops over n items (``loop_items``) run ceil(n / threads) times (the gather:
-    ``PassShape.gather_rounds``); waits once (the ready check; the wait itself is the
-    ``exchange`` term); the matrix loop once per batch row."""
+    ``PassShape.gather_rounds``); waits once, and then only the poll that finds its words
+    (``ready_path``; the wait itself is the ``exchange`` term); the matrix loop once per batch
+    row."""
     if kind == "matrix":
         return shape.batch
     if kind == "levels":
@@ -252,6 +253,33 @@ def loop_warps(kind: str, shape: PassShape, counter: bool) -> int:
     only in the first ceil(n / 32) warps (the others skip it), every other loop in all."""
     items = loop_items(kind, shape, counter)
     return shape.warps if items is None else max(1, min(shape.warps, math.ceil(items / 32)))
+
+
+def ready_path(sass: str, loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:
+    """The instructions of the wait loop ``head`` that a poll which finds its words issues: the
+    shortest control-flow path (fewest instructions, a converged warp) from the loop's header to
+    its exit. The rest of the loop (finding which words are missing, the timer, the abort word,
+    the sleep) runs only on a miss, whose cost is the ``exchange`` term's."""
+    code, labels = kernel_report._parse(sass)
+    succ = kernel_report._successors(code, labels, converged=True)
+    body = loop.inner[head]
+    came_from: dict[int, int | None] = {head: None}
+    frontier = [head]
+    while frontier:
+        nxt = []
+        for i in frontier:
+            if any(j not in body for j in succ[i]):  # leaves the wait: the words were there
+                path = []
+                while i is not None:
+                    path.append(i)
+                    i = came_from[i]
+                return frozenset(path)
+            for j in succ[i]:
+                if j not in came_from:
+                    came_from[j] = i
+                    nxt.append(j)
+        frontier = nxt
+    return body  # no exit (not a wait): every instruction
 
 
 def _rows_pow2(rows: int) -> int:
@@ -309,6 +337,9 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     for head, body in loop.inner.items():
         for i in body:
             weight[i] *= trips[head]
+        if kinds[head] == "spin":  # a wait issues one poll that finds its words
+            for i in body - ready_path(sass, loop, head):
+                weight[i] = 0.0
     instructions = sum(weight.values())
     cycle_us = 1.0 / device.clock_mhz
     sharing = math.ceil(shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler

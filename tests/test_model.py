@@ -204,3 +204,26 @@ def test_backward_prefetch_loop_runs_per_unit():
     assert model.loop_items("prefetch", fwd, False) == 4 * 4 * fwd.units
     loop = kernel_report.time_loop(model.pass_sass(plan.backward, "sm_90"), converged=True)
     assert [model.loop_kind(loop, h) for h in loop.inner].count("prefetch") == 1
+
+
+def wait_with_slow_path_sass(slow: int) -> str:
+    """A time loop whose wait finds its word on the first poll and leaves; only a miss runs the
+    ``slow`` instructions (timer, sleep) before polling again."""
+    lines = ["MOV R1, c[0x0][0x28] ;", ".L_x_0:", "BAR.SYNC.DEFER_BLOCKING 0x0 ;", ".L_x_2:",
+             "LDG.E.STRONG.GPU R11, [R12.64] ;", "ISETP.NE.AND P1, PT, R11, RZ, PT ;",
+             "@P1 BRA `(.L_x_4) ;", "CS2R R20, SR_GLOBALTIMERLO ;"]
+    lines += ["IADD3 R21, R21, 0x1, RZ ;"] * slow
+    lines += ["NANOSLEEP 0x14 ;", "BRA `(.L_x_2) ;", ".L_x_4:", "BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+              "ISETP.NE.AND P2, PT, R14, RZ, PT ;", "@!P2 BRA `(.L_x_0) ;", "EXIT ;"]
+    return "\n".join(line if line.startswith(".L") else f"        /*{16 * i:04x}*/ {line}"
+                     for i, line in enumerate(lines))
+
+
+def test_wait_counts_one_successful_poll():
+    """A wait issues the poll that finds its words (load, check, exit): the code that runs only
+    on a miss is not counted, however long it is (its cost is the exchange term's)."""
+    short, long = (model.step_terms(wait_with_slow_path_sass(n), shape(batch=1), H100) for n in (2, 40))
+    assert short.instructions == long.instructions == 1 + 3 + 3  # BAR; LDG, ISETP, BRA; BAR .. BRA
+    loop = kernel_report.time_loop(wait_with_slow_path_sass(2), converged=True)
+    (head,) = [h for h in loop.inner if model.loop_kind(loop, h) == "spin"]
+    assert len(model.ready_path(wait_with_slow_path_sass(2), loop, head)) == 3
