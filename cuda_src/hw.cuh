@@ -411,9 +411,12 @@ PRNN_DEVICE bool prnn_gather_tagged(const unsigned* src, const Rows& rows, unsig
   for (int base = threadIdx.x; base < rows.quads; base += N * stride) {
     const unsigned* round = src + 4 * base;  // quad i of the round: round + 4 * i * stride
     unsigned w[N][4];
-    const int left = (rows.quads - base + stride - 1) / stride;  // quads of the thread left, >= 1
     // bit i: quad base + i*stride is still to be (re)loaded
-    unsigned todo = (same_columns ? first_columns : columns(base)) & (left >= N ? ~0u : (1u << left) - 1u);
+    unsigned todo = same_columns ? first_columns : columns(base);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (base + i * stride >= rows.quads) todo &= ~(1u << i);
+    }
     const unsigned mine = todo;
     for (;;) {
 #pragma unroll
