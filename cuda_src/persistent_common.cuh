@@ -72,6 +72,16 @@ PRNN_DEVICE float round_state(float v) { return prnn_round_bf16(v); }
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
 
+// The row whose sum `multiply` leaves in `lane` (of a tile of rows_pow2 rows rounded up to a power of 2).
+PRNN_DEVICE int row_of_lane(int lane, int rows_pow2 = kRowsPow2) {
+  int row = 0;
+#pragma unroll
+  for (int half = rows_pow2 / 2, off = kWarp / 2; half >= 1; half /= 2, off /= 2) {
+    if (lane & off) row += half;
+  }
+  return row;
+}
+
 // A register tile of kRows rows by kKpt columns per lane. A template (defaults: the -D tile) so
 // that a kernel can hold two matrices of different shapes (the LSTM projection's W_hh and W_hr);
 // its parameters hide the namespace constants of the same names, so the body reads the same.
@@ -86,18 +96,42 @@ struct TileOf {
   static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even kpt");
   WeightWord w[kRows][kWordsPerLane];
 
+  // The row bits whose reduce-scatter levels need no select: those below the lowest set bit of
+  // kRows (all of them when kRows is a power of 2), as XOR by them maps the rows 0..kRows-1 onto
+  // themselves. Register slot s of a lane holds local row s ^ (row_of_lane(lane) & kPermuted), so
+  // that at such a level every lane sends the same slot and adds into the same slot
+  // (reduce_scatter); the sums are the same additions in the same order as without it.
+  static constexpr int kPermuted = (kRows & -kRows) - 1;
+
   // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros);
   // col0: the warp's first column (a multiple of kPerWord); k_len: M's columns (rows are padded to
   // a multiple of kPerWord).
   PRNN_DEVICE void load(const WeightWord* m, const int (&rows)[kRows], int col0, int k_len,
                         int lane) {
     const int row_words = (k_len + kPerWord - 1) / kPerWord;
+    // held[s] = rows[s ^ perm], one conditional swap of pairs per permuted bit: compile-time
+    // indices only (a run-time index would put the array in local memory).
+    const int perm = row_of_lane(lane, kRowsPow2) & kPermuted;
+    int held[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) held[r] = rows[r];
+#pragma unroll
+    for (int bit = 1; bit <= kPermuted; bit *= 2) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if ((r & bit) == 0 && (perm & bit) != 0) {
+          const int t = held[r];
+          held[r] = held[r | bit];
+          held[r | bit] = t;
+        }
+      }
+    }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int i = 0; i < kWordsPerLane; ++i) {
         const int k = col0 / kPerWord + lane + kWarp * i;
-        w[r][i] = (rows[r] >= 0 && k < row_words) ? m[(size_t)rows[r] * row_words + k] : WeightWord(0);
+        w[r][i] = (held[r] >= 0 && k < row_words) ? m[(size_t)held[r] * row_words + k] : WeightWord(0);
       }
     }
   }
@@ -138,6 +172,12 @@ struct TileOf {
   // One halving level of the reduce-scatter, then the next: lanes whose bit `off` is set keep the
   // upper `half` rows and send the lower ones to their partner (and the reverse), so every index
   // into `a` is a compile-time constant at every level (a run-time index puts `a` in local memory).
+  // * A permuted level (kPermuted): slot r + half holds the rows the partner keeps in slot r, in
+  //   every lane: a shuffle and an add per row, no select.
+  // * The top level where slot r + half is past kRows (a zero row in every lane): lanes keeping
+  //   the lower half need the partner's slot r, and the upper half's slot r is a row past kRows
+  //   whose sum nobody reads, so every lane adds its partner's slot r.
+  // * Otherwise two selects choose what a lane keeps and sends.
   template <int half>
   PRNN_DEVICE static void reduce_scatter(float (&a)[kRowsPow2], int lane) {
     if constexpr (half >= 1) {
@@ -145,9 +185,15 @@ struct TileOf {
       const bool upper = (lane & off) != 0;
 #pragma unroll
       for (int r = 0; r < half; ++r) {
-        const float send = upper ? a[r] : a[r + half];
-        const float keep = upper ? a[r + half] : a[r];
-        a[r] = keep + prnn_shfl_xor(send, off);
+        if ((half & kPermuted) != 0) {
+          a[r] = a[r] + prnn_shfl_xor(a[r + half], off);
+        } else if (2 * half == kRowsPow2 && r + half >= kRows) {
+          a[r] = a[r] + prnn_shfl_xor(a[r], off);
+        } else {
+          const float send = upper ? a[r] : a[r + half];
+          const float keep = upper ? a[r + half] : a[r];
+          a[r] = keep + prnn_shfl_xor(send, off);
+        }
       }
       reduce_scatter<half / 2>(a, lane);
     }
@@ -163,16 +209,6 @@ struct TileOf {
   }
 };
 using RegisterTile = TileOf<>;
-
-// The row whose sum `multiply` leaves in `lane` (of a tile of rows_pow2 rows rounded up to a power of 2).
-PRNN_DEVICE int row_of_lane(int lane, int rows_pow2 = kRowsPow2) {
-  int row = 0;
-#pragma unroll
-  for (int half = rows_pow2 / 2, off = kWarp / 2; half >= 1; half /= 2, off /= 2) {
-    if (lane & off) row += half;
-  }
-  return row;
-}
 
 // Row group and column chunk of this thread's warp.
 PRNN_DEVICE int warp_row_group() { return (int)(threadIdx.x / kWarp) / kKsplit; }
