@@ -42,9 +42,7 @@ constexpr bool kHasC = PRNN_CELL == LSTM;
 constexpr int kSavedSlots = ThisCell::S > 0 ? ThisCell::S : 1;
 
 PRNN_HD constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
-constexpr int kRowsPow2 = pow2_at_least(kRows);
-static_assert(kRowsPow2 <= kWarp, "at most 32 rows per warp");
-constexpr int kLanesPerRow = kWarp / kRowsPow2;  // lanes that end up holding the same row's sum
+PRNN_HD constexpr int log2_of(int pow2) { return pow2 <= 1 ? 0 : 1 + log2_of(pow2 / 2); }
 
 #ifndef PRNN_WEIGHT_DTYPE
 #define PRNN_WEIGHT_DTYPE 0
@@ -72,23 +70,13 @@ PRNN_DEVICE float round_state(float v) { return prnn_round_bf16(v); }
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
 
-// The row whose sum `multiply` leaves in `lane` (of a tile of rows_pow2 rows rounded up to a power of 2).
-PRNN_DEVICE int row_of_lane(int lane, int rows_pow2 = kRowsPow2) {
-  int row = 0;
-#pragma unroll
-  for (int half = rows_pow2 / 2, off = kWarp / 2; half >= 1; half /= 2, off /= 2) {
-    if (lane & off) row += half;
-  }
-  return row;
-}
-
 // A register tile of kRows rows by kKpt columns per lane. A template (defaults: the -D tile) so
 // that a kernel can hold two matrices of different shapes (the LSTM projection's W_hh and W_hr);
 // its parameters hide the namespace constants of the same names, so the body reads the same.
 template <int kRows = PRNN_ROWS, int kKpt = PRNN_KPT>
 struct TileOf {
   static constexpr int kRowsPow2 = pow2_at_least(kRows);
-  static constexpr int kLanesPerRow = kWarp / kRowsPow2;
+  static constexpr int kLanesPerRow = kWarp / kRowsPow2;  // lanes that end with the same row's sum
   static constexpr int kWordsPerLane = kKpt / kPerWord;
   static constexpr int kRowCount = kRows;
   static constexpr int kChunk = kWarp * kKpt;  // columns per warp
@@ -96,12 +84,32 @@ struct TileOf {
   static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even kpt");
   WeightWord w[kRows][kWordsPerLane];
 
-  // The row bits whose reduce-scatter levels need no select: those below the lowest set bit of
-  // kRows (all of them when kRows is a power of 2), as XOR by them maps the rows 0..kRows-1 onto
-  // themselves. Register slot s of a lane holds local row s ^ (row_of_lane(lane) & kPermuted), so
-  // that at such a level every lane sends the same slot and adds into the same slot
-  // (reduce_scatter); the sums are the same additions in the same order as without it.
-  static constexpr int kPermuted = (kRows & -kRows) - 1;
+  // The reduce-scatter's halving levels, k = 0 (lane bit 16) to kLevels - 1: level k takes the
+  // level_rows(k) rows a lane holds to level_half(k) (the lanes with the level's bit keep the
+  // rows from level_half(k) on and a padding row when level_rows(k) is odd: a sum nobody reads).
+  // A level is permuted when it and every level above it split their rows evenly (all of them
+  // when kRows is a power of 2).
+  static constexpr int kLevels = log2_of(kRowsPow2);
+  PRNN_HD static constexpr int level_rows(int k) { return k == 0 ? kRows : (level_rows(k - 1) + 1) / 2; }
+  PRNN_HD static constexpr int level_half(int k) { return (level_rows(k) + 1) / 2; }
+  PRNN_HD static constexpr bool level_permuted(int k) {
+    return level_rows(k) == 2 * level_half(k) && (k == 0 || level_permuted(k - 1));
+  }
+  PRNN_HD static constexpr int level_lane_bit(int k) { return kWarp / 2 >> k; }
+
+  // The row whose sum `multiply` leaves in `lane`, or -1 where it is a padding row's (call with
+  // the lane only; the level functions are evaluated at compile time: they are recursive).
+  template <int k = 0>
+  PRNN_DEVICE static int row_of(int lane, int row = 0, int count = kRows) {
+    if constexpr (k < kLevels) {
+      constexpr int half = level_half(k), off = level_lane_bit(k);
+      const bool upper = (lane & off) != 0;
+      return row_of<k + 1>(lane, upper ? row + half : row,
+                           upper ? count - half : count < half ? count : half);
+    } else {
+      return count >= 1 ? row : -1;
+    }
+  }
 
   // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros);
   // col0: the warp's first column (a multiple of kPerWord); k_len: M's columns (rows are padded to
@@ -109,23 +117,11 @@ struct TileOf {
   PRNN_DEVICE void load(const WeightWord* m, const int (&rows)[kRows], int col0, int k_len,
                         int lane) {
     const int row_words = (k_len + kPerWord - 1) / kPerWord;
-    // held[s] = rows[s ^ perm], one conditional swap of pairs per permuted bit: compile-time
-    // indices only (a run-time index would put the array in local memory).
-    const int perm = row_of_lane(lane, kRowsPow2) & kPermuted;
+    // held[s]: the row register slot s holds in this lane (permute_rows).
     int held[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) held[r] = rows[r];
-#pragma unroll
-    for (int bit = 1; bit <= kPermuted; bit *= 2) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if ((r & bit) == 0 && (perm & bit) != 0) {
-          const int t = held[r];
-          held[r] = held[r | bit];
-          held[r | bit] = t;
-        }
-      }
-    }
+    permute_rows<0>(held, lane);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
@@ -137,8 +133,8 @@ struct TileOf {
   }
 
   // Multiplies by the staged chunk v; returns the sum over the warp's columns of row
-  // row_of_lane(lane) (a reduce-scatter: each halving step sends half the rows to the partner
-  // lane, so kRows rows cost about kRowsPow2 + log2(kLanesPerRow) shuffles, not 5*kRows).
+  // row_of(lane) (a reduce-scatter: each halving level sends half the rows to the partner lane,
+  // so kRows rows cost about kRows + log2(kLanesPerRow) shuffles, not 5*kRows).
   PRNN_DEVICE float multiply(const float* v, int lane) const {
     return multiply_values([v, lane](int i, float (&x)[kPerWord]) {
       load_staged(v + kPerWord * (lane + kWarp * i), x);
@@ -149,9 +145,9 @@ struct TileOf {
   // at chunk columns kPerWord * (lane + 32 i) (i a compile-time index once unrolled).
   template <class Value>
   PRNN_DEVICE float multiply_values(Value value, int lane) const {
-    float a[kRowsPow2];
+    float a[kRows];
 #pragma unroll
-    for (int r = 0; r < kRowsPow2; ++r) a[r] = 0.0f;
+    for (int r = 0; r < kRows; ++r) a[r] = 0.0f;
 #pragma unroll
     for (int i = 0; i < kWordsPerLane; ++i) {
       float x[kPerWord];
@@ -164,38 +160,57 @@ struct TileOf {
         for (int e = 0; e < kPerWord; ++e) a[r] += f[e] * x[e];
       }
     }
-    reduce_scatter<kRowsPow2 / 2>(a, lane);
+    reduce_scatter<0>(a, lane);
     return sum_lanes<kLanesPerRow / 2>(a[0]);
   }
 
  private:
-  // One halving level of the reduce-scatter, then the next: lanes whose bit `off` is set keep the
-  // upper `half` rows and send the lower ones to their partner (and the reverse), so every index
-  // into `a` is a compile-time constant at every level (a run-time index puts `a` in local memory).
-  // * A permuted level (kPermuted): slot r + half holds the rows the partner keeps in slot r, in
-  //   every lane: a shuffle and an add per row, no select.
-  // * The top level where slot r + half is past kRows (a zero row in every lane): lanes keeping
-  //   the lower half need the partner's slot r, and the upper half's slot r is a row past kRows
-  //   whose sum nobody reads, so every lane adds its partner's slot r.
-  // * Otherwise two selects choose what a lane keeps and sends.
-  template <int half>
-  PRNN_DEVICE static void reduce_scatter(float (&a)[kRowsPow2], int lane) {
-    if constexpr (half >= 1) {
-      constexpr int off = kWarp * half / kRowsPow2;
+  // One halving level of the reduce-scatter (level k: n rows to `half`), then the next. Every
+  // lane adds what its partner sends into slot j < half, so every index into `a` is a
+  // compile-time constant (a run-time index puts `a` in local memory). The lane with the level's
+  // bit keeps rows half.. (slot j + half) and sends rows ..half-1 (slot j), its partner the
+  // reverse:
+  // * at a permuted level the lane's registers hold them the other way round already
+  //   (permute_rows): both send slot j + half and keep slot j, no select;
+  // * where j + half is past n (n odd), the lower lane needs its partner's row j and the upper
+  //   lane's slot j becomes the padding row: both send and keep slot j;
+  // * otherwise two selects choose what a lane keeps and sends.
+  template <int k>
+  PRNN_DEVICE static void reduce_scatter(float (&a)[kRows], int lane) {
+    if constexpr (k < kLevels) {
+      constexpr int n = level_rows(k), half = level_half(k), off = level_lane_bit(k);
+      constexpr bool permuted = level_permuted(k);
       const bool upper = (lane & off) != 0;
 #pragma unroll
-      for (int r = 0; r < half; ++r) {
-        if ((half & kPermuted) != 0) {
-          a[r] = a[r] + prnn_shfl_xor(a[r + half], off);
-        } else if (2 * half == kRowsPow2 && r + half >= kRows) {
-          a[r] = a[r] + prnn_shfl_xor(a[r], off);
-        } else {
-          const float send = upper ? a[r] : a[r + half];
-          const float keep = upper ? a[r + half] : a[r];
-          a[r] = keep + prnn_shfl_xor(send, off);
+      for (int j = 0; j < half; ++j) {
+        const int p = j + half < n ? j + half : j;
+        const bool swap = !permuted && p != j && upper;
+        const float keep = swap ? a[p] : a[j];
+        const float send = swap ? a[j] : a[p];
+        a[j] = keep + prnn_shfl_xor(send, off);
+      }
+      reduce_scatter<k + 1>(a, lane);
+    }
+  }
+  // Lays out the rows for the permuted levels from k down: a lane with level k's bit holds row
+  // j + half in slot j and row j in slot j + half (j < half), within every block of level_rows(k)
+  // slots (the levels above split evenly: each block is the rows one lane of a level above keeps
+  // or sends), so that what a lane sends at level k sits where its partner keeps the same row.
+  template <int k>
+  PRNN_DEVICE static void permute_rows(int (&held)[kRows], int lane) {
+    if constexpr (k < kLevels && level_permuted(k)) {
+      constexpr int n = level_rows(k), half = level_half(k), off = level_lane_bit(k);
+      if (lane & off) {
+#pragma unroll
+        for (int s = 0; s < kRows; ++s) {
+          if (s % n < half) {
+            const int t = held[s];
+            held[s] = held[s + half];
+            held[s + half] = t;
+          }
         }
       }
-      reduce_scatter<half / 2>(a, lane);
+      permute_rows<k + 1>(held, lane);
     }
   }
   // The butterfly sum over the kLanesPerRow lanes that hold the same row.
@@ -417,8 +432,8 @@ template <class Tile = RegisterTile>
 PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_s, int batch,
                                 int local_rows, int ksplit = kKsplit, int padded = kPadded) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
-  const int row = row_of_lane(lane, Tile::kRowsPow2);
-  const bool writer = lane % Tile::kLanesPerRow == 0 && row < Tile::kRowCount;
+  const int row = Tile::row_of(lane);
+  const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
   for (int b = 0; b < batch; ++b) {
     const float sum = tile.multiply(v_s + b * padded + chunk * Tile::kChunk, lane);
     if (writer) part_s[(b * ksplit + chunk) * local_rows + warp / ksplit * Tile::kRowCount + row] = sum;
@@ -435,8 +450,8 @@ PRNN_DEVICE bool multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& 
                                     float* part_s, int batch, int local_rows, PrnnControl* ctl,
                                     unsigned long long timeout_ns, int ksplit = kKsplit) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
-  const int row = row_of_lane(lane, Tile::kRowsPow2);
-  const bool writer = lane % Tile::kLanesPerRow == 0 && row < Tile::kRowCount;
+  const int row = Tile::row_of(lane);
+  const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
   int failed = 0;
   for (int b = 0; b < batch; ++b) {
     float x[Tile::kWordsPerLane][kPerWord];  // after a failure: any values (every lane still
