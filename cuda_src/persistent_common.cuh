@@ -285,13 +285,13 @@ constexpr unsigned kIdleStartNs = 200;
 // exchanged as tagged words (hw.cuh), step t tagged prnn_step_tag(t), in [2][batch][Padded] by
 // step parity (Padded: the staged vector's row stride, kPadded but for the LSTM projection's
 // second tile): the staged vector's layout, so that word i of a step lands at v_s[i] with no index
-// arithmetic. The first k_len words of a row are published (rounded up to whole quads with zeros
-// by the writer of the row's last value, so that a reader polls whole quads); the rest of a row is
-// never written nor read.
-// * grid: one buffer in global memory, zeroed by the host before every launch that uses it;
+// arithmetic. The first k_len words of a row are published.
+// * grid: one buffer in global memory, zeroed by the host before every launch that uses it; a
+//   row is rounded up to whole quads with zeros by the writer of the row's last value, so that a
+//   reader polls whole quads; the rest of a row is never written nor read;
 // * cluster (-DPRNN_CLUSTER=grid size, sm_90): a copy in each CTA's shared memory, zeroed at launch
-//   start, which every CTA stores its values into (distributed shared memory): a reader polls its
-//   own shared memory instead of L2.
+//   start, which every CTA stores its values into (distributed shared memory): a lane polls the
+//   words it multiplies in its own shared memory instead of L2, those past k_len never (zeros).
 // Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
 template <int Padded = kPadded>
 struct ExchangeOf {
@@ -302,9 +302,15 @@ struct ExchangeOf {
 
   PRNN_DEVICE size_t slot() const { return (size_t)rows.quads * 4; }
 
-  // Publishes value k of batch row b for step t (and the zeros that end the row's last quad).
+  // Publishes value k of batch row b for step t (the grid: and the zeros that end the row's last
+  // quad; a cluster's lanes wait for the words below k_len only, wait_lane).
   PRNN_DEVICE void publish(int t, int b, int k, float v) const {
-    prnn_publish(words + (t & 1) * slot() + b * Padded + k, k, k_len, v, prnn_step_tag(t), store);
+    unsigned* word = words + (t & 1) * slot() + b * Padded + k;
+#ifdef PRNN_CLUSTER
+    store(word, prnn_tagged(v, prnn_step_tag(t)));
+#else
+    prnn_publish(word, k, k_len, v, prnn_step_tag(t), store);
+#endif
   }
 
   // Waits for step t's values and writes them into v_s (row stride Padded; the zero padding past
@@ -334,7 +340,8 @@ struct ExchangeOf {
 
   // Waits until the words of step s that this lane multiplies (batch row b, columns
   // col0 + kPerWord * (lane + 32 i) + e) carry step s's tag, and returns their values in x[i][e].
-  // Words past the published row_len are the zero padding: not waited for. All of a lane's
+  // Words past k_len are never published in a cluster (publish): zeros since the launch started
+  // (zeroed, or filled as zeros), not waited for. All of a lane's
   // words are loaded at once and reloaded together on a miss. False on timeout or abort, or at
   // once if they are not there and `give_up` (an earlier wait of the step failed): x then holds
   // whatever the words held (the step is discarded).
@@ -342,7 +349,7 @@ struct ExchangeOf {
   PRNN_DEVICE bool wait_lane(int s, int b, int col0, int lane, float (&x)[kWords][kPerWord],
                              bool give_up, PrnnControl* ctl, unsigned long long timeout_ns) const {
     const unsigned* mine = words + (s & 1) * slot() + b * Padded + col0 + kPerWord * lane;
-    const int published = rows.row_len - col0 - kPerWord * lane;  // words of `mine` published
+    const int published = k_len - col0 - kPerWord * lane;  // words of `mine` published
     const unsigned tag = prnn_step_tag(s);
     unsigned w[kWords][kPerWord];
     PrnnWait wait{0u, 0ull};
