@@ -102,6 +102,20 @@ PRNN_HD float prnn_reciprocal(float y) {
 #endif
 }
 
+// e^x on the special-function unit as 2^(x log2 e): one FMUL and one MUFU.EX2, where expf adds
+// an exact range reduction of five dependent instructions. What __expf computes (within
+// 2 + floor(|1.173 x|) ulp, the CUDA C++ Programming Guide), with subnormal inputs and results
+// flushed to zero (ex2.approx.ftz: __expf without -ftz adds the subnormal scaling).
+PRNN_HD float prnn_exp_approx(float x) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950408889634f));
+  return r;
+#else
+  return expf(x);
+#endif
+}
+
 // ---- 16-bit storage (fp16, bf16): packed pairs, fp32 arithmetic ------------------------------
 // A 32-bit word holds two 16-bit values, element 0 in the low half. The unpacking is volatile so
 // that it stays beside its FMA: ptxas would otherwise hoist the conversions of the register-
