@@ -287,6 +287,9 @@ inline float prnn_round_bf16(float v) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return v;  // NaN stays NaN
   return prnn_bits_float((x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u);
 }
+// The GPU's rcp.approx and ex2.approx (hw.cuh) are within 1 and 2 + 1.173|x| ulp of these.
+inline float prnn_reciprocal(float y) { return 1.0f / y; }
+inline float prnn_exp_approx(float x) { return expf(x); }
 inline void prnn_load_shared_pair(const float* p, float& a, float& b) {
   a = p[0];
   b = p[1];

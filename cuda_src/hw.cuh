@@ -87,6 +87,35 @@ PRNN_DEVICE void prnn_backoff() { __nanosleep(20); }
 // Sleeps about `ns` (the hardware takes it as a hint: 0..2*ns), without occupying an issue slot.
 PRNN_DEVICE void prnn_sleep_ns(unsigned ns) { __nanosleep(ns); }
 
+// ---- arithmetic ---------------------------------------------------------------------------
+// 1/y within 1 ulp (rcp.approx: the CUDA C++ Programming Guide gives 1 ulp over the full range
+// for 1/x built with -prec-div=false): one MUFU.RCP, where 1.0f / y (correctly rounded) adds a
+// Newton step and a branch to a slow path for subnormals and infinities. A subnormal y or 1/y
+// flushes to zero: for callers whose y is at least 1 (the sigmoid of cells.cuh).
+PRNN_HD float prnn_reciprocal(float y) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
+#else
+  return 1.0f / y;
+#endif
+}
+
+// e^x on the special-function unit as 2^(x log2 e): one FMUL and one MUFU.EX2, where expf adds
+// an exact range reduction of five dependent instructions. What __expf computes (within
+// 2 + floor(|1.173 x|) ulp, the CUDA C++ Programming Guide), with subnormal inputs and results
+// flushed to zero (ex2.approx.ftz: __expf without -ftz adds the subnormal scaling).
+PRNN_HD float prnn_exp_approx(float x) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950408889634f));
+  return r;
+#else
+  return expf(x);
+#endif
+}
+
 // ---- 16-bit storage (fp16, bf16): packed pairs, fp32 arithmetic ------------------------------
 // A 32-bit word holds two 16-bit values, element 0 in the low half. The unpacking is volatile so
 // that it stays beside its FMA: ptxas would otherwise hoist the conversions of the register-

@@ -42,9 +42,7 @@ constexpr bool kHasC = PRNN_CELL == LSTM;
 constexpr int kSavedSlots = ThisCell::S > 0 ? ThisCell::S : 1;
 
 PRNN_HD constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
-constexpr int kRowsPow2 = pow2_at_least(kRows);
-static_assert(kRowsPow2 <= kWarp, "at most 32 rows per warp");
-constexpr int kLanesPerRow = kWarp / kRowsPow2;  // lanes that end up holding the same row's sum
+PRNN_HD constexpr int log2_of(int pow2) { return pow2 <= 1 ? 0 : 1 + log2_of(pow2 / 2); }
 
 #ifndef PRNN_WEIGHT_DTYPE
 #define PRNN_WEIGHT_DTYPE 0
@@ -78,7 +76,7 @@ constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row 
 template <int kRows = PRNN_ROWS, int kKpt = PRNN_KPT>
 struct TileOf {
   static constexpr int kRowsPow2 = pow2_at_least(kRows);
-  static constexpr int kLanesPerRow = kWarp / kRowsPow2;
+  static constexpr int kLanesPerRow = kWarp / kRowsPow2;  // lanes that end with the same row's sum
   static constexpr int kWordsPerLane = kKpt / kPerWord;
   static constexpr int kRowCount = kRows;
   static constexpr int kChunk = kWarp * kKpt;  // columns per warp
@@ -86,25 +84,57 @@ struct TileOf {
   static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even kpt");
   WeightWord w[kRows][kWordsPerLane];
 
+  // The reduce-scatter's halving levels, k = 0 (lane bit 16) to kLevels - 1: level k takes the
+  // level_rows(k) rows a lane holds to level_half(k) (the lanes with the level's bit keep the
+  // rows from level_half(k) on and a padding row when level_rows(k) is odd: a sum nobody reads).
+  // A level is permuted when it and every level above it split their rows evenly (all of them
+  // when kRows is a power of 2).
+  static constexpr int kLevels = log2_of(kRowsPow2);
+  PRNN_HD static constexpr int level_rows(int k) { return k == 0 ? kRows : (level_rows(k - 1) + 1) / 2; }
+  PRNN_HD static constexpr int level_half(int k) { return (level_rows(k) + 1) / 2; }
+  PRNN_HD static constexpr bool level_permuted(int k) {
+    return level_rows(k) == 2 * level_half(k) && (k == 0 || level_permuted(k - 1));
+  }
+  PRNN_HD static constexpr int level_lane_bit(int k) { return kWarp / 2 >> k; }
+
+  // The row whose sum `multiply` leaves in `lane`, or -1 where it is a padding row's (call with
+  // the lane only; the level functions are evaluated at compile time: they are recursive).
+  template <int k = 0>
+  PRNN_DEVICE static int row_of(int lane, int row = 0, int count = kRows) {
+    if constexpr (k < kLevels) {
+      constexpr int half = level_half(k), off = level_lane_bit(k);
+      const bool upper = (lane & off) != 0;
+      return row_of<k + 1>(lane, upper ? row + half : row,
+                           upper ? count - half : count < half ? count : half);
+    } else {
+      return count >= 1 ? row : -1;
+    }
+  }
+
   // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros);
   // col0: the warp's first column (a multiple of kPerWord); k_len: M's columns (rows are padded to
   // a multiple of kPerWord).
   PRNN_DEVICE void load(const WeightWord* m, const int (&rows)[kRows], int col0, int k_len,
                         int lane) {
     const int row_words = (k_len + kPerWord - 1) / kPerWord;
+    // held[s]: the row register slot s holds in this lane (permute_rows).
+    int held[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) held[r] = rows[r];
+    permute_rows<0>(held, lane);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int i = 0; i < kWordsPerLane; ++i) {
         const int k = col0 / kPerWord + lane + kWarp * i;
-        w[r][i] = (rows[r] >= 0 && k < row_words) ? m[(size_t)rows[r] * row_words + k] : WeightWord(0);
+        w[r][i] = (held[r] >= 0 && k < row_words) ? m[(size_t)held[r] * row_words + k] : WeightWord(0);
       }
     }
   }
 
   // Multiplies by the staged chunk v; returns the sum over the warp's columns of row
-  // row_of_lane(lane) (a reduce-scatter: each halving step sends half the rows to the partner
-  // lane, so kRows rows cost about kRowsPow2 + log2(kLanesPerRow) shuffles, not 5*kRows).
+  // row_of(lane) (a reduce-scatter: each halving level sends half the rows to the partner lane,
+  // so kRows rows cost about kRows + log2(kLanesPerRow) shuffles, not 5*kRows).
   PRNN_DEVICE float multiply(const float* v, int lane) const {
     return multiply_values([v, lane](int i, float (&x)[kPerWord]) {
       load_staged(v + kPerWord * (lane + kWarp * i), x);
@@ -115,9 +145,9 @@ struct TileOf {
   // at chunk columns kPerWord * (lane + 32 i) (i a compile-time index once unrolled).
   template <class Value>
   PRNN_DEVICE float multiply_values(Value value, int lane) const {
-    float a[kRowsPow2];
+    float a[kRows];
 #pragma unroll
-    for (int r = 0; r < kRowsPow2; ++r) a[r] = 0.0f;
+    for (int r = 0; r < kRows; ++r) a[r] = 0.0f;
 #pragma unroll
     for (int i = 0; i < kWordsPerLane; ++i) {
       float x[kPerWord];
@@ -130,26 +160,57 @@ struct TileOf {
         for (int e = 0; e < kPerWord; ++e) a[r] += f[e] * x[e];
       }
     }
-    reduce_scatter<kRowsPow2 / 2>(a, lane);
+    reduce_scatter<0>(a, lane);
     return sum_lanes<kLanesPerRow / 2>(a[0]);
   }
 
  private:
-  // One halving level of the reduce-scatter, then the next: lanes whose bit `off` is set keep the
-  // upper `half` rows and send the lower ones to their partner (and the reverse), so every index
-  // into `a` is a compile-time constant at every level (a run-time index puts `a` in local memory).
-  template <int half>
-  PRNN_DEVICE static void reduce_scatter(float (&a)[kRowsPow2], int lane) {
-    if constexpr (half >= 1) {
-      constexpr int off = kWarp * half / kRowsPow2;
+  // One halving level of the reduce-scatter (level k: n rows to `half`), then the next. Every
+  // lane adds what its partner sends into slot j < half, so every index into `a` is a
+  // compile-time constant (a run-time index puts `a` in local memory). The lane with the level's
+  // bit keeps rows half.. (slot j + half) and sends rows ..half-1 (slot j), its partner the
+  // reverse:
+  // * at a permuted level the lane's registers hold them the other way round already
+  //   (permute_rows): both send slot j + half and keep slot j, no select;
+  // * where j + half is past n (n odd), the lower lane needs its partner's row j and the upper
+  //   lane's slot j becomes the padding row: both send and keep slot j;
+  // * otherwise two selects choose what a lane keeps and sends.
+  template <int k>
+  PRNN_DEVICE static void reduce_scatter(float (&a)[kRows], int lane) {
+    if constexpr (k < kLevels) {
+      constexpr int n = level_rows(k), half = level_half(k), off = level_lane_bit(k);
+      constexpr bool permuted = level_permuted(k);
       const bool upper = (lane & off) != 0;
 #pragma unroll
-      for (int r = 0; r < half; ++r) {
-        const float send = upper ? a[r] : a[r + half];
-        const float keep = upper ? a[r + half] : a[r];
-        a[r] = keep + prnn_shfl_xor(send, off);
+      for (int j = 0; j < half; ++j) {
+        const int p = j + half < n ? j + half : j;
+        const bool swap = !permuted && p != j && upper;
+        const float keep = swap ? a[p] : a[j];
+        const float send = swap ? a[j] : a[p];
+        a[j] = keep + prnn_shfl_xor(send, off);
       }
-      reduce_scatter<half / 2>(a, lane);
+      reduce_scatter<k + 1>(a, lane);
+    }
+  }
+  // Lays out the rows for the permuted levels from k down: a lane with level k's bit holds row
+  // j + half in slot j and row j in slot j + half (j < half), within every block of level_rows(k)
+  // slots (the levels above split evenly: each block is the rows one lane of a level above keeps
+  // or sends), so that what a lane sends at level k sits where its partner keeps the same row.
+  template <int k>
+  PRNN_DEVICE static void permute_rows(int (&held)[kRows], int lane) {
+    if constexpr (k < kLevels && level_permuted(k)) {
+      constexpr int n = level_rows(k), half = level_half(k), off = level_lane_bit(k);
+      if (lane & off) {
+#pragma unroll
+        for (int s = 0; s < kRows; ++s) {
+          if (s % n < half) {
+            const int t = held[s];
+            held[s] = held[s + half];
+            held[s + half] = t;
+          }
+        }
+      }
+      permute_rows<k + 1>(held, lane);
     }
   }
   // The butterfly sum over the kLanesPerRow lanes that hold the same row.
@@ -163,16 +224,6 @@ struct TileOf {
   }
 };
 using RegisterTile = TileOf<>;
-
-// The row whose sum `multiply` leaves in `lane` (of a tile of rows_pow2 rows rounded up to a power of 2).
-PRNN_DEVICE int row_of_lane(int lane, int rows_pow2 = kRowsPow2) {
-  int row = 0;
-#pragma unroll
-  for (int half = rows_pow2 / 2, off = kWarp / 2; half >= 1; half /= 2, off /= 2) {
-    if (lane & off) row += half;
-  }
-  return row;
-}
 
 // Row group and column chunk of this thread's warp.
 PRNN_DEVICE int warp_row_group() { return (int)(threadIdx.x / kWarp) / kKsplit; }
@@ -234,13 +285,13 @@ constexpr unsigned kIdleStartNs = 200;
 // exchanged as tagged words (hw.cuh), step t tagged prnn_step_tag(t), in [2][batch][Padded] by
 // step parity (Padded: the staged vector's row stride, kPadded but for the LSTM projection's
 // second tile): the staged vector's layout, so that word i of a step lands at v_s[i] with no index
-// arithmetic. The first k_len words of a row are published (rounded up to whole quads with zeros
-// by the writer of the row's last value, so that a reader polls whole quads); the rest of a row is
-// never written nor read.
-// * grid: one buffer in global memory, zeroed by the host before every launch that uses it;
+// arithmetic. The first k_len words of a row are published.
+// * grid: one buffer in global memory, zeroed by the host before every launch that uses it; a
+//   row is rounded up to whole quads with zeros by the writer of the row's last value, so that a
+//   reader polls whole quads; the rest of a row is never written nor read;
 // * cluster (-DPRNN_CLUSTER=grid size, sm_90): a copy in each CTA's shared memory, zeroed at launch
-//   start, which every CTA stores its values into (distributed shared memory): a reader polls its
-//   own shared memory instead of L2.
+//   start, which every CTA stores its values into (distributed shared memory): a lane polls the
+//   words it multiplies in its own shared memory instead of L2, those past k_len never (zeros).
 // Either way the words a CTA waits for are the barrier: there is no other per-step synchronisation.
 template <int Padded = kPadded>
 struct ExchangeOf {
@@ -251,9 +302,15 @@ struct ExchangeOf {
 
   PRNN_DEVICE size_t slot() const { return (size_t)rows.quads * 4; }
 
-  // Publishes value k of batch row b for step t (and the zeros that end the row's last quad).
+  // Publishes value k of batch row b for step t (the grid: and the zeros that end the row's last
+  // quad; a cluster's lanes wait for the words below k_len only, wait_lane).
   PRNN_DEVICE void publish(int t, int b, int k, float v) const {
-    prnn_publish(words + (t & 1) * slot() + b * Padded + k, k, k_len, v, prnn_step_tag(t), store);
+    unsigned* word = words + (t & 1) * slot() + b * Padded + k;
+#ifdef PRNN_CLUSTER
+    store(word, prnn_tagged(v, prnn_step_tag(t)));
+#else
+    prnn_publish(word, k, k_len, v, prnn_step_tag(t), store);
+#endif
   }
 
   // Waits for step t's values and writes them into v_s (row stride Padded; the zero padding past
@@ -283,7 +340,8 @@ struct ExchangeOf {
 
   // Waits until the words of step s that this lane multiplies (batch row b, columns
   // col0 + kPerWord * (lane + 32 i) + e) carry step s's tag, and returns their values in x[i][e].
-  // Words past the published row_len are the zero padding: not waited for. All of a lane's
+  // Words past k_len are never published in a cluster (publish): zeros since the launch started
+  // (zeroed, or filled as zeros), not waited for. All of a lane's
   // words are loaded at once and reloaded together on a miss. False on timeout or abort, or at
   // once if they are not there and `give_up` (an earlier wait of the step failed): x then holds
   // whatever the words held (the step is discarded).
@@ -291,7 +349,7 @@ struct ExchangeOf {
   PRNN_DEVICE bool wait_lane(int s, int b, int col0, int lane, float (&x)[kWords][kPerWord],
                              bool give_up, PrnnControl* ctl, unsigned long long timeout_ns) const {
     const unsigned* mine = words + (s & 1) * slot() + b * Padded + col0 + kPerWord * lane;
-    const int published = rows.row_len - col0 - kPerWord * lane;  // words of `mine` published
+    const int published = k_len - col0 - kPerWord * lane;  // words of `mine` published
     const unsigned tag = prnn_step_tag(s);
     unsigned w[kWords][kPerWord];
     PrnnWait wait{0u, 0ull};
@@ -381,8 +439,8 @@ template <class Tile = RegisterTile>
 PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_s, int batch,
                                 int local_rows, int ksplit = kKsplit, int padded = kPadded) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
-  const int row = row_of_lane(lane, Tile::kRowsPow2);
-  const bool writer = lane % Tile::kLanesPerRow == 0 && row < Tile::kRowCount;
+  const int row = Tile::row_of(lane);
+  const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
   for (int b = 0; b < batch; ++b) {
     const float sum = tile.multiply(v_s + b * padded + chunk * Tile::kChunk, lane);
     if (writer) part_s[(b * ksplit + chunk) * local_rows + warp / ksplit * Tile::kRowCount + row] = sum;
@@ -399,8 +457,8 @@ PRNN_DEVICE bool multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& 
                                     float* part_s, int batch, int local_rows, PrnnControl* ctl,
                                     unsigned long long timeout_ns, int ksplit = kKsplit) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
-  const int row = row_of_lane(lane, Tile::kRowsPow2);
-  const bool writer = lane % Tile::kLanesPerRow == 0 && row < Tile::kRowCount;
+  const int row = Tile::row_of(lane);
+  const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
   int failed = 0;
   for (int b = 0; b < batch; ++b) {
     float x[Tile::kWordsPerLane][kPerWord];  // after a failure: any values (every lane still

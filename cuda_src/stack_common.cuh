@@ -37,10 +37,15 @@ constexpr int kHalfChunks = kKsplit / 2;
 constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged vector
 
 // Tagged quads a thread of a stack gather loads at once (persistent_common.cuh's kGatherQuads
-// for the layer kernels): 8. ptxas's allocation is not monotonic in it: in the LSTM 12-unit
-// tile's backward (144 registers of weights) 1-4 spill 60-112 bytes and 8 nothing (sm_80, sm_90;
+// for the layer kernels): 8, or what stack_forward.cu defines first. ptxas's
+// allocation is not monotonic in it: in the LSTM 12-unit tile's backward (144 registers of
+// weights) 1-4 and 7 spill 60-112 bytes and 8 nothing, its forward with 8 spills 4 bytes on sm_80
+// since the reduce-scatter's levels halve to ceil(n/2) rows, 6 or 7 nothing (sm_80, sm_90;
 // with the 8-byte words of before, only 6 did not spill). persistent_rnn/model.py mirrors it.
-constexpr int kStackGatherQuads = 8;
+#ifndef PRNN_STACK_GATHER_QUADS
+#define PRNN_STACK_GATHER_QUADS 8
+#endif
+constexpr int kStackGatherQuads = PRNN_STACK_GATHER_QUADS;
 
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }

@@ -93,7 +93,8 @@ class PassShape:
         """Quads a thread of the grid's gather loads at once (``kGatherQuads`` of
         persistent_common.cuh, ``kStackGatherQuads`` of stack_common.cuh)."""
         if self.stack:
-            return 8  # kStackGatherQuads
+            # kStackGatherQuads (stack_forward.cu: 7 above 140 weights per thread)
+            return 7 if not self.backward and self.plan.weights_per_thread > 140 else 8
         w = self.plan.weight_registers
         return 2 if w > 192 else 4 if w > 150 else 8
 
