@@ -389,11 +389,9 @@ PRNN_DEVICE bool prnn_keep_polling(PrnnControl* ctl, PrnnWait& wait, unsigned lo
 template <int kRowWords>
 struct PrnnTaggedRows {
   static_assert(kRowWords % 4 == 0, "rows of whole quads");
-  static constexpr int kRowQuads = kRowWords / 4;
   int quads;    // rows * kRowWords / 4
   int row_len;  // published words per row (a multiple of 4)
-  // Unsigned: a remainder by a constant power of two is one AND, by another constant a multiply.
-  PRNN_DEVICE bool wanted(int word) const { return (unsigned)word % kRowWords < (unsigned)row_len; }
+  PRNN_DEVICE bool wanted(int word) const { return word % kRowWords < row_len; }
 };
 
 // Loaders of prnn_gather_tagged: the quad at p as four single-copy atomic 4-byte words.
@@ -412,58 +410,40 @@ struct PrnnClusterQuads {  // this CTA's own shared memory, which the cluster's 
 
 // Waits for the wanted words of src (`rows`: a PrnnTaggedRows) to carry `tag` and hands each
 // quad to sink(word index, values[4]). `threads` is blockDim.x, passed as a compile-time constant
-// where the kernel has one, so that a thread's N quads of a round are one address plus immediate
-// offsets. Thread x gathers quads x, x + threads, ...: it loads N of them at once into registers
-// (strong loads, all in flight together); one OR over every loaded word's tag difference says
-// whether all N are there (the usual case: 4 instructions a quad); only when some are not does
-// it find which, and poll again just those, under the policy of Load::Wait, then it moves on to
-// its next N. Returns false on timeout or abort. No block barrier: the caller's next one
-// publishes the sink's writes.
+// where the kernel has one, so that the addresses of a thread's N quads are one register plus
+// immediate offsets. Thread x gathers quads x, x + threads, ...: it loads N
+// of them at once into registers (strong loads, all in flight together), polls again only the
+// quads whose tags were not all there yet, under the policy of Load::Wait, then moves on to its
+// next N. Returns false on timeout or abort. No block barrier: the caller's next one publishes
+// the sink's writes.
 template <int N, class Rows, class Load, class Sink>
 PRNN_DEVICE bool prnn_gather_tagged(const unsigned* src, const Rows& rows, unsigned tag, int threads,
                                     PrnnControl* ctl, unsigned long long timeout_ns, Load load,
                                     Sink sink) {
   static_assert(N >= 1 && N <= 32, "1..32 quads in flight");
   const int stride = threads;
-  // Which of a round's quads are wanted (their column within the row): the same in every round
-  // when a round spans whole rows (N * threads a multiple of the row's quads, decided at compile
-  // time where threads is a constant), so then found once per gather, not per round.
-  const bool same_columns = (N * stride) % Rows::kRowQuads == 0;
-  const auto columns = [&rows, stride](int base) {
-    unsigned bits = 0u;
-#pragma unroll
-    for (int i = 0; i < N; ++i) bits |= (unsigned)rows.wanted(4 * (base + i * stride)) << i;
-    return bits;
-  };
-  const unsigned first_columns = same_columns ? columns((int)threadIdx.x) : 0u;
   PrnnWait wait{0u, 0ull};
   for (int base = threadIdx.x; base < rows.quads; base += N * stride) {
-    const unsigned* round = src + 4 * base;  // quad i of the round: round + 4 * i * stride
     unsigned w[N][4];
-    // bit i: quad base + i*stride is still to be (re)loaded
-    unsigned todo = same_columns ? first_columns : columns(base);
+    unsigned todo = 0u;  // bit i: quad base + i*stride is still to be (re)loaded
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      if (base + i * stride >= rows.quads) todo &= ~(1u << i);
+      const int m = base + i * stride;
+      if (m < rows.quads && rows.wanted(4 * m)) todo |= 1u << i;
     }
     const unsigned mine = todo;
     for (;;) {
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        if (todo & 1u << i) load(round + 4 * i * stride, w[i]);
+        if (todo & 1u << i) load(src + 4 * (base + i * stride), w[i]);
       }
-      unsigned missing = 0u;  // tag bits that differ in some word just loaded
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        if (todo & 1u << i) missing |= (w[i][0] ^ tag) | (w[i][1] ^ tag) | (w[i][2] ^ tag) | (w[i][3] ^ tag);
-      }
-      if (prnn_tag_of(missing) == 0u) break;
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         const bool ready =
             prnn_tag_of((w[i][0] ^ tag) | (w[i][1] ^ tag) | (w[i][2] ^ tag) | (w[i][3] ^ tag)) == 0u;
         if ((todo & 1u << i) && ready) todo &= ~(1u << i);
       }
+      if (todo == 0u) break;
       if (!prnn_keep_polling<typename Load::Wait>(ctl, wait, timeout_ns)) return false;
     }
 #pragma unroll
