@@ -32,8 +32,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     const int* lengths,     // (B,) in 1..T
     float* dgi, float* dgh, // (T, B, G*H); the same array unless GRU
     float* dh_carry, float* dc_carry,  // [2][B][H] by step parity (dc_carry: LSTM only)
-    unsigned* exchange,  // [2][B][padded] tagged dgh_t by parity, zeroed
-                                   // (a cluster keeps its own in shared memory instead)
+    unsigned* exchange,     // [2][B][padded] tagged dgh_t by parity, zeroed
+                            // (a cluster keeps its own in shared memory instead)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {

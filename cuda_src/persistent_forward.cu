@@ -9,7 +9,7 @@
 // step it completed when it exits and the host restarts from min(progress)+1.
 //
 // Per step, grid: two block barriers (staged h_{t-1} visible + timeout vote; partial sums
-// visible), one L2 round trip per batch of pairs a thread gathers (the gather: one at the large
+// visible), one L2 round trip per batch of quads a thread gathers (the gather: one at the large
 // tiles' usual batch sizes), no fence and no atomic; gi_{t+1} is fetched during step t's product.
 // Cluster (kDirectRead): each warp reads h_{t-1} straight from the tagged words in its CTA's
 // shared memory: one block barrier (partial sums visible + timeout vote), no gather; gi_{t+1} is
@@ -23,8 +23,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     const float* h0, const float* c0,  // (B, H); c0 only read for LSTM
     const int* lengths,     // (B,) in 1..T
     float* y, float* cs, float* saved,  // (T, B, H), (T, B, H) LSTM only, (T, B, S*H)
-    unsigned* exchange,  // [2][B][padded] tagged h_t by step parity, zeroed
-                                   // (a cluster keeps its own in shared memory instead)
+    unsigned* exchange,     // [2][B][padded] tagged h_t by step parity, zeroed
+                            // (a cluster keeps its own in shared memory instead)
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {

@@ -197,10 +197,12 @@ def _dominators(succ: list[list[int]]) -> list[int]:
 @dataclass(frozen=True)
 class TimeLoop:
     """The time loop of a persistent kernel's SASS: ``code`` (every instruction of the cubin's
-    code as ``_parse`` gives it), ``body`` (the loop's instruction indices) and ``inner`` (the
-    natural loops inside it, by header index, each a set of instruction indices)."""
+    code as ``_parse`` gives it), ``succ`` (each instruction's successors, as the loop was found
+    with them), ``body`` (the loop's instruction indices) and ``inner`` (the natural loops inside
+    it, by header index, each a set of instruction indices)."""
 
     code: list[tuple[str, str, str | None, str]]
+    succ: list[list[int]]
     body: frozenset[int]
     inner: dict[int, frozenset[int]]
 
@@ -228,7 +230,7 @@ def time_loop(sass: str, converged: bool = False) -> TimeLoop:
         raise RuntimeError("no loop with a block barrier in the SASS: is this a persistent kernel?")
     head, body = max(with_barrier, key=lambda hb: len(hb[1]))
     inner = {h: frozenset(b) for h, b in loops.items() if h != head and h in body and b <= body}
-    return TimeLoop(code, frozenset(body), inner)
+    return TimeLoop(code, succ, frozenset(body), inner)
 
 
 def sass_loop_counts(sass: str) -> dict[str, int]:

@@ -256,13 +256,13 @@ def loop_warps(kind: str, shape: PassShape, counter: bool) -> int:
     return shape.warps if items is None else max(1, min(shape.warps, math.ceil(items / 32)))
 
 
-def ready_path(sass: str, loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:
+def ready_path(loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:
     """The instructions of the wait loop ``head`` that a poll which finds its words issues: the
-    shortest control-flow path (fewest instructions, a converged warp) from the loop's header to
+    shortest control-flow path (fewest instructions, along ``loop.succ``: a converged warp's where
+    the loop was found with ``converged=True``, as ``step_terms`` does) from the loop's header to
     its exit. The rest of the loop (finding which words are missing, the timer, the abort word,
     the sleep) runs only on a miss, whose cost is the ``exchange`` term's."""
-    code, labels = kernel_report._parse(sass)
-    succ = kernel_report._successors(code, labels, converged=True)
+    succ = loop.succ
     body = loop.inner[head]
     came_from: dict[int, int | None] = {head: None}
     frontier = [head]
@@ -339,7 +339,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
         for i in body:
             weight[i] *= trips[head]
         if kinds[head] == "spin":  # a wait issues one poll that finds its words
-            for i in body - ready_path(sass, loop, head):
+            for i in body - ready_path(loop, head):
                 weight[i] = 0.0
     instructions = sum(weight.values())
     cycle_us = 1.0 / device.clock_mhz

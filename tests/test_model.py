@@ -226,4 +226,4 @@ def test_wait_counts_one_successful_poll():
     assert short.instructions == long.instructions == 1 + 3 + 3  # BAR; LDG, ISETP, BRA; BAR .. BRA
     loop = kernel_report.time_loop(wait_with_slow_path_sass(2), converged=True)
     (head,) = [h for h in loop.inner if model.loop_kind(loop, h) == "spin"]
-    assert len(model.ready_path(wait_with_slow_path_sass(2), loop, head)) == 3
+    assert len(model.ready_path(loop, head)) == 3
