@@ -171,6 +171,13 @@ inline float prnn_shfl_xor(float v, int lane_mask) {
   return slots[(t & ~31u) | ((t & 31u) ^ (unsigned)lane_mask)];
 }
 
+// The warp's OR as a butterfly of shuffles (each one a warp barrier).
+inline int prnn_sync_warp_or(int pred) {
+  float any = pred != 0 ? 1.0f : 0.0f;
+  for (int mask = 1; mask < prnn_emu::kWarp; mask <<= 1) any = fmax(any, prnn_shfl_xor(any, mask));
+  return any != 0.0f;
+}
+
 // CTAs are OS threads: memory shared between CTAs goes through __atomic builtins.
 inline unsigned prnn_load_acquire(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void prnn_store_release(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }

@@ -39,6 +39,12 @@ PRNN_DEVICE unsigned prnn_shared_bytes() {
 PRNN_DEVICE float prnn_shfl_xor(float v, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);
 }
+// Warp barrier (orders the warp's shared-memory accesses) that also returns whether `pred` was
+// non-zero in any lane: what a block barrier is to a CTA, for a warp that works alone.
+PRNN_DEVICE int prnn_sync_warp_or(int pred) {
+  __syncwarp();
+  return __any_sync(0xffffffffu, pred);
+}
 
 // ---- memory ordering (GPU scope) ---------------------------------------------------------------
 PRNN_DEVICE unsigned prnn_load_acquire(const unsigned* p) {

@@ -351,22 +351,37 @@ struct ExchangeOf {
     const unsigned* mine = words + (s & 1) * slot() + b * Padded + col0 + kPerWord * lane;
     const int published = k_len - col0 - kPerWord * lane;  // words of `mine` published
     const unsigned tag = prnn_step_tag(s);
+    constexpr int k = kPerWord * kWarp;  // word i's offset from `mine`: k * i + e
+    // Every word of the lane published (H a multiple of the chunk, as at the tile's largest H):
+    // the tags are checked without bounds, one instruction per word.
+    const bool whole = published >= k * kWords;
     unsigned w[kWords][kPerWord];
     PrnnWait wait{0u, 0ull};
     bool ready;
     for (;;) {
-      ready = true;
+      unsigned miss = 0u;  // the tag bits of a word whose tag differs from `tag` are not zero
 #pragma unroll
       for (int i = 0; i < kWords; ++i) {
-        constexpr int k = kPerWord * kWarp;  // times i: a compile-time offset
         if constexpr (kPerWord == 2) {
           prnn_load_shared_relaxed_u32x2(mine + k * i, w[i][0], w[i][1]);
         } else {
           w[i][0] = prnn_load_shared_relaxed_u32(mine + k * i);
         }
-#pragma unroll
-        for (int e = 0; e < kPerWord; ++e) ready &= k * i + e >= published || prnn_tag_of(w[i][e]) == tag;
       }
+      if (whole) {
+#pragma unroll
+        for (int i = 0; i < kWords; ++i) {
+#pragma unroll
+          for (int e = 0; e < kPerWord; ++e) miss |= w[i][e] ^ tag;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kWords; ++i) {
+#pragma unroll
+          for (int e = 0; e < kPerWord; ++e) miss |= k * i + e < published ? w[i][e] ^ tag : 0u;
+        }
+      }
+      ready = prnn_tag_of(miss) == 0u;
       if (ready || give_up || !prnn_keep_polling<PrnnClusterWait>(ctl, wait, timeout_ns)) break;
     }
 #pragma unroll
@@ -450,12 +465,13 @@ PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_
 
 #ifdef PRNN_CLUSTER
 // multiply_batch for kDirectRead: for every batch row, waits for this lane's words of step s in
-// the exchange, multiplies, and stores the partial sums as multiply_batch does; then the block
-// barrier, which returns whether any thread's wait failed (timeout or abort).
+// the exchange, multiplies, and stores the partial sums as multiply_batch does. Returns whether
+// this thread's wait failed (timeout or abort); the caller's barrier (its team's, Team) makes the
+// sums visible and votes.
 template <class Tile = RegisterTile, int Padded = kPadded>
-PRNN_DEVICE bool multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& xch, int s,
-                                    float* part_s, int batch, int local_rows, PrnnControl* ctl,
-                                    unsigned long long timeout_ns, int ksplit = kKsplit) {
+PRNN_DEVICE int multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& xch, int s,
+                                   float* part_s, int batch, int local_rows, PrnnControl* ctl,
+                                   unsigned long long timeout_ns, int ksplit = kKsplit) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
   const int row = Tile::row_of(lane);
   const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
@@ -470,9 +486,71 @@ PRNN_DEVICE bool multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& 
     }, lane);
     if (writer) part_s[(b * ksplit + chunk) * local_rows + warp / ksplit * Tile::kRowCount + row] = sum;
   }
-  return prnn_sync_block_or(failed);
+  return failed;
 }
 #endif
+
+// The threads that finish a step for a set of the CTA's units once the partial sums of those
+// units' rows are complete (the pointwise step and the next step's prefetch), and the barrier
+// that makes the sums visible to them: the whole CTA for all kUnits units (a block barrier), or
+// each warp alone for its own units (a warp barrier, kWarpTeams) - then a step has no block
+// barrier at all. Item i of `count` per unit goes to thread i % size, unit unit0 + i % units.
+struct Team {
+  int thread;  // this thread's index in the team
+  int size;    // threads in the team
+  int unit0;   // the team's first unit (CTA-local)
+  int units;   // units the team finishes
+  int row0;    // the team's first local row of the tile (the partial sums' rows)
+
+  // Local row r of the tile (warp_row_group() * kRows + r') as (gate, CTA-local unit): a team's
+  // rows are gate-major over its units.
+  PRNN_DEVICE int gate_of(int local) const { return (local - row0) / units; }
+  PRNN_DEVICE int unit_of(int local) const { return unit0 + (local - row0) % units; }
+  // The local row of (gate g, CTA-local unit u).
+  PRNN_DEVICE int row_of(int g, int u) const { return row0 + g * units + u - unit0; }
+};
+
+// Whether each warp finishes its own units: a cluster's forward whose warps hold all G gate rows
+// of their units over all of K (PRNN_KSPLIT 1, the direct read: no staged vector that a block
+// barrier must protect). A warp then depends on the other warps only through the exchange.
+template <int G>
+constexpr bool kWarpTeams = kDirectRead && kKsplit == 1 && kRows % G == 0 &&
+                            kRows / G * PRNN_WARPS == kUnits;
+
+template <int G>
+PRNN_DEVICE Team step_team() {
+  if constexpr (kWarpTeams<G>) {
+    const int warp = threadIdx.x / kWarp;
+    return {(int)threadIdx.x % kWarp, kWarp, warp * (kRows / G), kRows / G, warp * kRows};
+  } else {
+    return {(int)threadIdx.x, (int)blockDim.x, 0, kUnits, 0};
+  }
+}
+
+// The team's barrier (a warp's where kWarpTeam): returns whether `pred` was non-zero in any of
+// its threads.
+template <bool kWarpTeam>
+PRNN_DEVICE int team_sync_or(int pred) {
+  if constexpr (kWarpTeam) {
+    return prnn_sync_warp_or(pred);
+  } else {
+    return prnn_sync_block_or(pred);
+  }
+}
+
+// The last step every thread of the CTA completed, from each thread's `t` (warp teams may stop at
+// different steps); `slots`: a word per warp that only this thread's warp reads or writes until
+// every warp is here. Every thread calls it; thread 0 gets the result.
+template <bool kWarpTeam>
+PRNN_DEVICE int cta_last_step(int t, int* slots) {
+  if constexpr (kWarpTeam) {
+    const int warp = threadIdx.x / kWarp;
+    if (threadIdx.x % kWarp == 0) slots[warp * kRows] = t;
+    prnn_sync_block();
+    for (int w = 0; w < PRNN_WARPS; ++w) t = slots[w * kRows] < t ? slots[w * kRows] : t;
+  }
+  return t;
+}
 
 // The steps of the persistent forward and backward, on either exchange (kDirectRead or a staged
 // copy), so that the kernels read the same on both.
@@ -502,19 +580,22 @@ PRNN_DEVICE float* step_partials(int t, float* part_s, float* v_s) {
 }
 
 // A step's product of the tile and the vector of step s, for `batch` rows (0: none) into
-// part_s; ends with every thread past a block barrier. `failed`: this thread's wait for the
-// vector failed (grid: the gather after the previous step). Returns true when any thread's
-// wait failed: the step is not done and the kernel must stop. prefetch() runs between the
-// barrier that settles that and the product (grid) or after the product's barrier (cluster),
-// where the buffer it refills has been read by everyone.
-template <class Prefetch>
+// part_s; ends with every thread past a block barrier (with kWarpTeam, a cluster's: its warp's
+// barrier only, Team). `failed`: this thread's wait for the vector failed (grid: the gather
+// after the previous step). Returns true when any thread's (kWarpTeam: any lane's) wait failed:
+// the step is not done and the kernel (the warp) must stop. prefetch() runs between the barrier
+// that settles that and the product (grid) or after the product's barrier (cluster), where the
+// buffer it refills has been read by every thread that reads it.
+template <bool kWarpTeam = false, class Prefetch>
 PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int s, const float* v_s,
                               float* part_s, int batch, int local_rows, int failed,
                               PrnnControl* ctl, unsigned long long timeout_ns, Prefetch prefetch) {
 #ifdef PRNN_CLUSTER
-  if (multiply_exchanged(tile, xch, s, part_s, batch, local_rows, ctl, timeout_ns)) return true;
+  failed = multiply_exchanged(tile, xch, s, part_s, batch, local_rows, ctl, timeout_ns);
+  if (team_sync_or<kWarpTeam>(failed)) return true;
   prefetch();
 #else
+  static_assert(!kWarpTeam, "warp teams read the exchange directly (a cluster)");
   if (prnn_sync_block_or(failed)) return true;  // the staged vector visible, and the vote
   prefetch();
   multiply_batch(tile, v_s, part_s, batch, local_rows);  // ends with a block barrier

@@ -12,8 +12,9 @@
 // visible), one L2 round trip per batch of quads a thread gathers (the gather: one at the large
 // tiles' usual batch sizes), no fence and no atomic; gi_{t+1} is fetched during step t's product.
 // Cluster (kDirectRead): each warp reads h_{t-1} straight from the tagged words in its CTA's
-// shared memory: one block barrier (partial sums visible + timeout vote), no gather; gi_{t+1} is
-// fetched after that barrier (persistent_common.cuh, step_product).
+// shared memory, no gather; and each warp holds all gate rows of its own units (kWarpTeams): it
+// finishes them itself (pointwise, publish, gi_{t+1}) after a warp barrier, so a step has no
+// block barrier (persistent_common.cuh, Team and step_product).
 #include "persistent_common.cuh"
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
@@ -30,6 +31,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
+  constexpr bool kWarpTeam = kWarpTeams<G>;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
@@ -44,11 +46,12 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
   const Exchange xch = begin_exchange(exchange, len_s + batch, batch, hidden);
 
+  const Team team = step_team<G>();
   int rows[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int local = warp_row_group() * kRows + r, g = local / kUnits, u = local % kUnits;
-    rows[r] = j0 + u < hidden ? g * hidden + j0 + u : -1;
+    const int local = warp_row_group() * kRows + r, u = team.unit_of(local);
+    rows[r] = j0 + u < hidden ? team.gate_of(local) * hidden + j0 + u : -1;
   }
   RegisterTile tile;
   tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
@@ -66,47 +69,56 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     hp_s[idx] = start > 0 ? y[prev] : h0[at0];
     if (kHasC) c_s[idx] = start > 0 ? cs[prev] : c0[at0];
   }
-  // Fetches gi_t of the owned rows into its parity's buffer (read-only: asynchronous, may use L1).
+  // Fetches gi_t of the team's rows into its parity's buffer (read-only: asynchronous, may use L1).
   auto prefetch_gi = [&](int t) {
     float* dst = gi_s + (t & 1) * batch * G * kUnits;
-    for (int idx = threadIdx.x; idx < batch * G * kUnits; idx += blockDim.x) {
-      const int b = idx / (G * kUnits), g = idx / kUnits % G, j = j0 + idx % kUnits;
-      if (j < hidden) prnn_copy4_to_shared(dst + idx, gi + ((size_t)t * batch + b) * gh_len + g * hidden + j);
+#pragma unroll 1  // a warp team's stride is a constant: no unrolled copies (one trip at small B)
+    for (int idx = team.thread; idx < batch * G * team.units; idx += team.size) {
+      const int b = idx / (G * team.units), g = idx / team.units % G, u = team.unit0 + idx % team.units;
+      if (j0 + u < hidden) {
+        prnn_copy4_to_shared(dst + (b * G + g) * kUnits + u,
+                             gi + ((size_t)t * batch + b) * gh_len + g * hidden + j0 + u);
+      }
     }
   };
   prefetch_gi(start);
   begin_steps(xch, h_s, start - 1, start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch);
   static_assert(!kDirectRead || kKsplit * R <= kPadded, "odd steps' partial sums fit h_s");
 
-  int t = start, failed = 0;
-  for (;;) {
+  // A warp team with no unit below `hidden` has nothing to compute: it reports every step done
+  // (the other warps' steps decide the CTA's progress) rather than wait for words it never uses.
+  const bool idle = kWarpTeam && j0 + team.unit0 >= hidden;
+  int t = idle ? steps - 1 : start, failed = 0;
+  while (!idle) {
     float* part_s = step_partials(t, gh_s, h_s);
     // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
     // gi_{t+1}'s buffer was last read by step t-1's pointwise.
-    if (step_product(tile, xch, t - 1, h_s, part_s, batch, R, failed, ctl, timeout_ns,
-                     [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
+    if (step_product<kWarpTeam>(tile, xch, t - 1, h_s, part_s, batch, R, failed, ctl, timeout_ns,
+                                [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
       --t;  // step t was not completed
       break;
     }
     prnn_maybe_stall(stall, t);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
-    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
+#pragma unroll 1
+    for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
+      const int b = idx / team.units, u = team.unit0 + idx % team.units, j = j0 + u;
+      const int own = b * kUnits + u;  // (b, u) in c_s and hp_s
       if (j >= hidden) continue;
       const size_t row = (size_t)t * batch + b;
       float giv[G], ghv[G], sv[kSavedSlots];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         giv[g] = gi_t[(b * G + g) * kUnits + u];
-        ghv[g] = row_sum(part_s, b, g * kUnits + u, R) + bias_s[g * kUnits + u];
+        ghv[g] = row_sum(part_s, b, team.row_of(g, u), R) + bias_s[g * kUnits + u];
       }
-      const float c_prev = kHasC ? c_s[idx] : 0.0f;
+      const float c_prev = kHasC ? c_s[own] : 0.0f;
       float h, c;
-      cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[idx], c_prev, h, c, sv);
+      cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[own], c_prev, h, c, sv);
       h = round_state(h);  // 16-bit layers: h_t is a 16-bit value (c_t stays fp32)
       xch.publish(t, b, j, h);
-      y[row * hidden + j] = hp_s[idx] = h;
-      if (kHasC) cs[row * hidden + j] = c_s[idx] = c;
+      y[row * hidden + j] = hp_s[own] = h;
+      if (kHasC) cs[row * hidden + j] = c_s[own] = c;
 #pragma unroll
       for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
     }
@@ -115,6 +127,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     prnn_copy_wait();  // gi_{t+1}
     ++t;
   }
+  t = cta_last_step<kWarpTeam>(t, reinterpret_cast<int*>(gh_s));
   if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
   end_exchange();
 }

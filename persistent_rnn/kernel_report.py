@@ -210,7 +210,9 @@ class TimeLoop:
 @lru_cache(maxsize=64)  # the report's counts and the latency model read the same loop
 def time_loop(sass: str, converged: bool = False) -> TimeLoop:
     """The time loop: the largest natural loop (back edges - edges to an instruction that
-    dominates their source - to one header merged) that holds a block barrier. Out-of-line code
+    dominates their source - to one header merged) that holds a block barrier, or a warp vote
+    where the warps of a step work alone (a cluster's warp teams: the vote of their warp
+    barrier is the step's only synchronisation inside the CTA). Out-of-line code
     the compiler placed after the kernel's exit (divergent shuffles, slow paths) belongs to the
     loop when it returns into it. ``converged``: only the code a converged warp executes (no
     ``BRA.DIV`` fallback; ``_successors``) - what a step issues, which the latency model counts;
@@ -225,9 +227,10 @@ def time_loop(sass: str, converged: bool = False) -> TimeLoop:
             if reachable[tail] and dom[tail] >> head & 1:
                 loops.setdefault(head, set()).update(_natural_loop(succ, tail, head, reachable))
     with_barrier = [(head, body) for head, body in loops.items()
-                    if any(code[i][0].split(".")[0] == "BAR" for i in body)]
+                    if any(code[i][0].split(".")[0] in ("BAR", "VOTE") for i in body)]
     if not with_barrier:
-        raise RuntimeError("no loop with a block barrier in the SASS: is this a persistent kernel?")
+        raise RuntimeError("no loop with a block barrier or a warp vote in the SASS: is this a "
+                           "persistent kernel?")
     head, body = max(with_barrier, key=lambda hb: len(hb[1]))
     inner = {h: frozenset(b) for h, b in loops.items() if h != head and h in body and b <= body}
     return TimeLoop(code, succ, frozenset(body), inner)

@@ -80,6 +80,24 @@ class PassShape:
         return self.plan.defines["PRNN_UNITS"]
 
     @property
+    def warp_teams(self) -> bool:
+        """Whether each warp finishes its own units (persistent_common.cuh, ``kWarpTeams``): a
+        cluster's forward whose warps hold all gate rows of their units over all of K."""
+        d = self.plan.defines
+        return (not self.backward and not self.stack and d.get("PRNN_CLUSTER", 0) > 0
+                and d["PRNN_KSPLIT"] == 1 and d["PRNN_ROWS"] * self.warps == self.cell.gates * self.units)
+
+    @property
+    def team_units(self) -> int:
+        """Units one team of the pointwise step finishes: a warp's (warp teams) or the CTA's."""
+        return self.units // self.warps if self.warp_teams else self.units
+
+    @property
+    def team_threads(self) -> int:
+        """Threads of one such team."""
+        return 32 if self.warp_teams else 32 * self.warps
+
+    @property
     def warps(self) -> int:
         return self.plan.defines["PRNN_WARPS"]
 
@@ -214,9 +232,10 @@ def loop_kind(loop: kernel_report.TimeLoop, head: int) -> str:
 
 def loop_items(kind: str, shape: PassShape, counter: bool) -> float | None:
     """Items a per-thread loop of ``kind`` spreads over the block's threads (thread x takes items
-    x, x + threads, ...) for ``shape``; None for the loops every thread runs alike (the matrix
-    loop, its levels, waits, "other")."""
-    cell, b, units = shape.cell, shape.batch, shape.units
+    x, x + threads, ...) for ``shape`` (the pointwise step and the prefetch: over a team's
+    threads, ``PassShape.team_threads``, each team its own items); None for the loops every
+    thread runs alike (the matrix loop, its levels, waits, "other")."""
+    cell, b, units = shape.cell, shape.batch, shape.team_units
     if kind == "pointwise":
         return b * units
     if kind == "prefetch":  # the forward copies one gate of gi per item; the backward's items
@@ -246,14 +265,23 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
     if kind == "fallback":
         return 0
     items = loop_items(kind, shape, counter)
-    return 1 if items is None else math.ceil(items / (32 * shape.warps))
+    if items is None:
+        return 1
+    return math.ceil(items / (shape.team_threads if kind in _TEAM_LOOPS else 32 * shape.warps))
+
+
+# The per-thread loops a team runs over its own units (the others spread over the whole block).
+_TEAM_LOOPS = ("pointwise", "prefetch")
 
 
 def loop_warps(kind: str, shape: PassShape, counter: bool) -> int:
     """Warps of the block that execute an inner loop of ``kind``: a per-thread loop over n items
-    only in the first ceil(n / 32) warps (the others skip it), every other loop in all."""
+    only in the first ceil(n / 32) warps (the others skip it), every other loop in all; with
+    warp teams, the team loops in every warp."""
     items = loop_items(kind, shape, counter)
-    return shape.warps if items is None else max(1, min(shape.warps, math.ceil(items / 32)))
+    if items is None or (shape.warp_teams and kind in _TEAM_LOOPS):
+        return shape.warps
+    return max(1, min(shape.warps, math.ceil(items / 32)))
 
 
 def ready_path(loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:

@@ -104,16 +104,18 @@ def weight_registers(tile: PassTile, dtype: str) -> int:
 # (the portable maximum; the kernel is compiled for its grid), h exchanged through distributed
 # shared memory instead of L2. More units per
 # CTA than the grid tiles (8 warps x 96-128 weights), so that H up to 256 (LSTM, GRU) or 512 (RNN)
-# fits in 8 SMs. The planner prefers them wherever they fit.
+# fits in 8 SMs. The planner prefers them wherever they fit. The forward's warps each hold all
+# gate rows of 4 units (RNN: 8) over all of K (KSPLIT 1): a warp finishes its units by
+# itself, and a step has no block barrier (persistent_common.cuh, kWarpTeams).
 CLUSTER_CTAS = 8
 CLUSTER_TILES: dict[str, Tile] = {
-    "lstm": _tile(32, (32, 2, 4), (32, 8, 4), CLUSTER_CTAS),
-    "gru": _tile(32, (24, 2, 4), (32, 8, 3), CLUSTER_CTAS),
-    "rnn": _tile(64, (16, 2, 8), (16, 2, 8), CLUSTER_CTAS),
+    "lstm": _tile(32, (16, 1, 8), (32, 8, 4), CLUSTER_CTAS),
+    "gru": _tile(32, (12, 1, 8), (32, 8, 3), CLUSTER_CTAS),
+    "rnn": _tile(64, (8, 1, 16), (16, 2, 8), CLUSTER_CTAS),
 }
 # 16-bit cluster tiles: the same with an even kpt (GRU's backward 3 -> 4).
 CLUSTER_TILES_16BIT: dict[str, Tile] = {
-    **CLUSTER_TILES, "gru": _tile(32, (24, 2, 4), (32, 8, 4), CLUSTER_CTAS)}
+    **CLUSTER_TILES, "gru": _tile(32, (12, 1, 8), (32, 8, 4), CLUSTER_CTAS)}
 
 
 def cluster_tile_for(cell: CellSpec, dtype: str = "float32") -> Tile:

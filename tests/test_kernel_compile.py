@@ -104,7 +104,11 @@ def test_time_loop_sass_stays_short(records):
             assert loop[kind] <= most * exchanges, (kind, r)
         assert r["stack_frame"] == 0 and r["local_memory"] == 0 and r["spill_bytes"] == 0, r
         # The loop was found: it publishes (stores) and gathers (loads) every step.
-        assert loop["block_barriers"] >= 1 and loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
+        assert loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
+        # A cluster's forward: each warp finishes its own units, no block barrier in a step
+        # (kWarpTeams); every other pass meets at one at least.
+        warp_teams = r["cluster"] and r["pass"] == "forward"
+        assert (loop["block_barriers"] == 0) if warp_teams else (loop["block_barriers"] >= 1), r
 
 
 def test_sass_loop_counts_finds_the_loop_with_the_barrier():

@@ -119,8 +119,9 @@ def test_per_thread_loops_issue_only_in_their_warps():
     """At B = 1 the pointwise loop runs in the first ceil(U / 32) warps only: the busiest scheduler
     issues it for those of its warps, not for every warp of the block."""
     sass = synthetic_sass(ffma=8)
-    p = planner.make_plan("gru", 256, 1, device="h100").forward  # 8 warps, 32 units
-    s = model.PassShape(CELLS["gru"], p, 1, 256)
+    p = planner.make_plan("gru", 1024, 1, device="h100").forward  # a grid tile: 8 warps
+    s = model.PassShape(CELLS["gru"], p, 1, 1024)
+    assert not s.warp_teams
     loop = kernel_report.time_loop(sass)
     sharing = math.ceil(s.warps / hardware.SCHEDULERS_PER_SM)
     pointwise_warps = math.ceil(s.units / 32)
@@ -130,6 +131,20 @@ def test_per_thread_loops_issue_only_in_their_warps():
     expected = rest * sharing + pointwise_body * math.ceil(pointwise_warps / hardware.SCHEDULERS_PER_SM)
     assert model.step_terms(sass, s, H100).issue_us == pytest.approx(expected / H100.clock_mhz)
     assert model.loop_warps("pointwise", s, False) == pointwise_warps
+
+
+def test_warp_teams_issue_their_pointwise_loop_in_every_warp():
+    """A cluster's forward whose warps finish their own units (kWarpTeams): each warp runs the
+    pointwise loop over its own units' items (ceil(B * U / warps / 32) trips), so every warp
+    issues it."""
+    p = planner.make_plan("gru", 256, 3, device="h100").forward  # 8 warps of 4 units each
+    s = model.PassShape(CELLS["gru"], p, 3, 256)
+    assert s.warp_teams and (s.team_units, s.team_threads) == (4, 32)
+    assert model.loop_warps("pointwise", s, False) == s.warps
+    assert model.loop_trips("pointwise", s, False) == 1  # 12 items over one warp's lanes
+    assert model.loop_trips("prefetch", s, False) == 2  # 36 gate inputs
+    wide = model.PassShape(CELLS["gru"], p, 9, 256)
+    assert model.loop_trips("pointwise", wide, False) == 2
 
 
 def test_critical_path_follows_registers():
