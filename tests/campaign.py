@@ -642,7 +642,10 @@ RUNNERS = {"layer": run_layer_case, "module": run_module_case, "bad": run_bad_ca
 
 def run_case(case: Case) -> dict[str, float]:
     """Run one case; raises ``CampaignFailure`` (with the reproducer) where it fails. An
-    unexpected exception is a failure too, reported the same way."""
+    unexpected exception is a failure too, reported the same way. A case starts with no
+    configuration cooling down (``runtime.COOLDOWNS``: an earlier case's CTAs held back would send
+    a later case of the same configuration to the GEMM path), so that its reproducer reproduces it."""
+    runtime.COOLDOWNS.clear()
     try:
         return RUNNERS[case.kind](case)
     except CampaignFailure:

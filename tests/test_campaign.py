@@ -105,3 +105,12 @@ def test_relu_16bit_gradients_are_exact_along_the_rounded_states(dtype):
     errors = run_case(RELU_CASE if dtype == "bfloat16" else
                       Case(**{**RELU_CASE.__dict__, "dtype": dtype}))
     assert errors[f"trajectory backward {dtype}"] <= campaign.UNIT_ROUNDOFF[dtype] + campaign.FP32
+
+
+def test_a_case_starts_with_no_residency_cooldown():
+    """An earlier case's cooldown (CTAs held back) must not send a later case to the GEMM path:
+    the 30-minute run of 2026-11-24 failed so at its 1128th case."""
+    from persistent_rnn import runtime
+    runtime.COOLDOWNS.start(("earlier case",))
+    campaign.run_case(campaign.draw_case(3, "ci", kind="bad"))
+    assert runtime.COOLDOWNS.reason(("earlier case",)) is None
