@@ -494,7 +494,8 @@ PRNN_DEVICE int multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& x
 // units' rows are complete (the pointwise step and the next step's prefetch), and the barrier
 // that makes the sums visible to them: the whole CTA for all kUnits units (a block barrier), or
 // each warp alone for its own units (a warp barrier, kWarpTeams) - then a step has no block
-// barrier at all. Item i of `count` per unit goes to thread i % size, unit unit0 + i % units.
+// barrier at all. A team's loops over (batch row, unit) items give item i to its thread
+// i % size, and unit unit0 + i % units.
 struct Team {
   int thread;  // this thread's index in the team
   int size;    // threads in the team

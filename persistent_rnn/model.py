@@ -230,6 +230,10 @@ def loop_kind(loop: kernel_report.TimeLoop, head: int) -> str:
     return "scan" if children else "other"
 
 
+# The per-thread loops a team runs over its own units (the others spread over the whole block).
+_TEAM_LOOPS = ("pointwise", "prefetch")
+
+
 def loop_items(kind: str, shape: PassShape, counter: bool) -> float | None:
     """Items a per-thread loop of ``kind`` spreads over the block's threads (thread x takes items
     x, x + threads, ...) for ``shape`` (the pointwise step and the prefetch: over a team's
@@ -269,9 +273,6 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
         return 1
     return math.ceil(items / (shape.team_threads if kind in _TEAM_LOOPS else 32 * shape.warps))
 
-
-# The per-thread loops a team runs over its own units (the others spread over the whole block).
-_TEAM_LOOPS = ("pointwise", "prefetch")
 
 
 def loop_warps(kind: str, shape: PassShape, counter: bool) -> int:
