@@ -214,10 +214,11 @@ inline void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
 inline void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
   for (int i = 0; i < 4; ++i) w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
 }
-inline unsigned prnn_load_shared_relaxed_u32(const unsigned* p) {
-  return __atomic_load_n(p, __ATOMIC_RELAXED);
-}
-inline void prnn_load_shared_relaxed_u32x2(const unsigned* p, unsigned& a, unsigned& b) {
+using PrnnSharedWord = const unsigned*;
+inline PrnnSharedWord prnn_shared_word(const unsigned* p) { return p; }
+inline PrnnSharedWord prnn_shared_at(PrnnSharedWord base, int words) { return base + words; }
+inline unsigned prnn_load_shared_relaxed_u32(PrnnSharedWord p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void prnn_load_shared_relaxed_u32x2(PrnnSharedWord p, unsigned& a, unsigned& b) {
   a = __atomic_load_n(p, __ATOMIC_RELAXED);
   b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
 }

@@ -184,18 +184,24 @@ PRNN_DEVICE void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                : "r"((unsigned)__cvta_generic_to_shared(p)));
 }
+// The address of a word of this CTA's shared memory as the loads below take it: a 32-bit
+// shared-window address, so that a constant offset from one base (prnn_shared_at) folds into the
+// load instruction instead of an address computed per word.
+using PrnnSharedWord = unsigned;
+PRNN_DEVICE PrnnSharedWord prnn_shared_word(const unsigned* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+PRNN_DEVICE PrnnSharedWord prnn_shared_at(PrnnSharedWord base, int words) { return base + 4u * words; }
 // One 4-byte word of this CTA's shared memory that other CTAs of the cluster store into.
-PRNN_DEVICE unsigned prnn_load_shared_relaxed_u32(const unsigned* p) {
+PRNN_DEVICE unsigned prnn_load_shared_relaxed_u32(PrnnSharedWord p) {
   unsigned v;
-  asm volatile("ld.relaxed.cluster.shared::cta.u32 %0, [%1];"
-               : "=r"(v) : "r"((unsigned)__cvta_generic_to_shared(p)));
+  asm volatile("ld.relaxed.cluster.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(p));
   return v;
 }
 // Two adjacent 4-byte words (8-byte aligned) of this CTA's shared memory, as above: a vector
 // access is one single-copy-atomic access per element, like the 4-byte stores it races.
-PRNN_DEVICE void prnn_load_shared_relaxed_u32x2(const unsigned* p, unsigned& a, unsigned& b) {
-  asm volatile("ld.relaxed.cluster.shared::cta.v2.u32 {%0, %1}, [%2];"
-               : "=r"(a), "=r"(b) : "r"((unsigned)__cvta_generic_to_shared(p)));
+PRNN_DEVICE void prnn_load_shared_relaxed_u32x2(PrnnSharedWord p, unsigned& a, unsigned& b) {
+  asm volatile("ld.relaxed.cluster.shared::cta.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(p));
 }
 #endif
 

@@ -348,7 +348,8 @@ struct ExchangeOf {
   template <int kWords>
   PRNN_DEVICE bool wait_lane(int s, int b, int col0, int lane, float (&x)[kWords][kPerWord],
                              bool give_up, PrnnControl* ctl, unsigned long long timeout_ns) const {
-    const unsigned* mine = words + (s & 1) * slot() + b * Padded + col0 + kPerWord * lane;
+    const PrnnSharedWord mine =
+        prnn_shared_word(words + (s & 1) * slot() + b * Padded + col0 + kPerWord * lane);
     const int published = k_len - col0 - kPerWord * lane;  // words of `mine` published
     const unsigned tag = prnn_step_tag(s);
     constexpr int k = kPerWord * kWarp;  // word i's offset from `mine`: k * i + e
@@ -363,9 +364,9 @@ struct ExchangeOf {
 #pragma unroll
       for (int i = 0; i < kWords; ++i) {
         if constexpr (kPerWord == 2) {
-          prnn_load_shared_relaxed_u32x2(mine + k * i, w[i][0], w[i][1]);
+          prnn_load_shared_relaxed_u32x2(prnn_shared_at(mine, k * i), w[i][0], w[i][1]);
         } else {
-          w[i][0] = prnn_load_shared_relaxed_u32(mine + k * i);
+          w[i][0] = prnn_load_shared_relaxed_u32(prnn_shared_at(mine, k * i));
         }
       }
       if (whole) {

@@ -21,6 +21,8 @@ WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # (accumulators, staged values, 16-bit conversions, addresses) must fit beside them. ptxas kept
 # every shipped tile within it with zero spills on sm_80 and sm_90 (fp32: 190-200, 16-bit: 180-196).
 WEIGHT_REGISTER_BUDGET = 200
+PORTABLE_CLUSTER_CTAS = 8      # the largest cluster every sm_90+ device runs (CUDA Programming Guide)
+HOPPER_CLUSTER_CTAS = 16       # H100/H200 with CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 DEFAULT_FP32_LANES = 128  # FP32 FMA lanes per SM (sm_86, sm_89, sm_90)
 FP32_LANES = {(8, 0): 64}  # where it differs, by compute capability (A100: 64)
 
@@ -43,11 +45,15 @@ class DeviceProfile:
     max_threads_per_block: int = 1024
     arch: str = "sm_90"
     clock_mhz: float = 1980.0  # maximum SM clock (the latency model's cycles -> time)
+    # CTAs of the largest thread-block cluster the planner may place a layer in (sm_90 and newer):
+    # 8 is CUDA's portable maximum; Hopper runs 16 once a kernel allows a non-portable size
+    # (kernels.py sets the attribute; the runtime re-plans at 8 where a 16-CTA cluster does not fit).
+    max_cluster_ctas: int = PORTABLE_CLUSTER_CTAS
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile("h100", 132),
-    "h200": DeviceProfile("h200", 132),
+    "h100": DeviceProfile("h100", 132, max_cluster_ctas=HOPPER_CLUSTER_CTAS),
+    "h200": DeviceProfile("h200", 132, max_cluster_ctas=HOPPER_CLUSTER_CTAS),
     "a100": DeviceProfile("a100", 108, shared_per_block=166912, shared_per_sm=167936, arch="sm_80",
                           clock_mhz=1410.0),
 }
@@ -70,7 +76,8 @@ def current_device() -> DeviceProfile:
         shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
         shared_per_sm=attrs["MaxSharedMemoryPerMultiprocessor"],
         max_threads_per_block=attrs["MaxThreadsPerBlock"], arch=f"sm_{dev.compute_capability}",
-        clock_mhz=attrs["ClockRate"] / 1000.0)
+        clock_mhz=attrs["ClockRate"] / 1000.0,
+        max_cluster_ctas=HOPPER_CLUSTER_CTAS if dev.compute_capability == "90" else PORTABLE_CLUSTER_CTAS)
 
 
 # ---- the per-step latency model (persistent_rnn/model.py; docs/design.md, "Latency model") ----

@@ -198,13 +198,14 @@ def _dominators(succ: list[list[int]]) -> list[int]:
 class TimeLoop:
     """The time loop of a persistent kernel's SASS: ``code`` (every instruction of the cubin's
     code as ``_parse`` gives it), ``succ`` (each instruction's successors, as the loop was found
-    with them), ``body`` (the loop's instruction indices) and ``inner`` (the natural loops inside
-    it, by header index, each a set of instruction indices)."""
+    with them), ``body`` (the loop's instruction indices), ``inner`` (the natural loops inside
+    it, by header index, each a set of instruction indices) and ``head`` (its header)."""
 
     code: list[tuple[str, str, str | None, str]]
     succ: list[list[int]]
     body: frozenset[int]
     inner: dict[int, frozenset[int]]
+    head: int
 
 
 @lru_cache(maxsize=64)  # the report's counts and the latency model read the same loop
@@ -233,7 +234,7 @@ def time_loop(sass: str, converged: bool = False) -> TimeLoop:
                            "persistent kernel?")
     head, body = max(with_barrier, key=lambda hb: len(hb[1]))
     inner = {h: frozenset(b) for h, b in loops.items() if h != head and h in body and b <= body}
-    return TimeLoop(code, succ, frozenset(body), inner)
+    return TimeLoop(code, succ, frozenset(body), inner, head)
 
 
 def sass_loop_counts(sass: str) -> dict[str, int]:
@@ -255,7 +256,7 @@ def _jobs(archs):
     only) at their largest H and P < H."""
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
-            for tile in (*planner.tiles_for(cell, dtype), planner.cluster_tile_for(cell, dtype)):
+            for tile in (*planner.tiles_for(cell, dtype), *planner.cluster_tiles_for(cell, dtype)):
                 hidden = planner.tile_max_hidden(cell, tile)
                 for backward in (False, True):
                     p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype=dtype)

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import cache
+from . import cache, hardware
 from ._sources import cuda_src_dir
 from .plan import WARP, register_cap
 
@@ -138,17 +138,22 @@ def device_arch() -> str:
 class GpuModule:
     """A compiled source loaded on the current GPU; ``launch`` mirrors the emulated module's."""
 
-    def __init__(self, compiled: Compiled, cooperative: bool = False):
+    def __init__(self, compiled: Compiled, cooperative: bool = False, cluster_ctas: int = 0):
         import cupy
         self._module = cupy.RawModule(path=str(compiled.cubin_path),
                                       enable_cooperative_groups=cooperative)
         self._kernels: dict[str, Any] = {}
+        self._cluster_ctas = cluster_ctas
 
     def function(self, kernel: str, shared_bytes: int = 0):
-        """The CuPy kernel ``kernel``, allowed ``shared_bytes`` of dynamic shared memory."""
+        """The CuPy kernel ``kernel``, allowed ``shared_bytes`` of dynamic shared memory (and a
+        cluster shape above the portable size, where it was compiled with one)."""
         fn = self._kernels.get(kernel)
         if fn is None:
             fn = self._kernels[kernel] = self._module.get_function(kernel)
+            if self._cluster_ctas > hardware.PORTABLE_CLUSTER_CTAS:
+                from cupy_backends.cuda.api import driver
+                driver.funcSetAttribute(fn.kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         if shared_bytes > fn.max_dynamic_shared_size_bytes:
             fn.max_dynamic_shared_size_bytes = shared_bytes
         return fn
@@ -168,6 +173,11 @@ class GpuModule:
     def launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple) -> None:
         """Launch ``kernel`` on the current stream (asynchronous)."""
         self.function(kernel, shared_bytes)((grid,), (block,), args, shared_mem=shared_bytes)
+
+
+# CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h): without it, neither a launch nor
+# the occupancy query accepts a cluster of more than 8 CTAs.
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 class LaunchConfig(ctypes.Structure):
@@ -207,4 +217,5 @@ def _device_id() -> int:
 @lru_cache(maxsize=None)
 def _module(source: str, defines: tuple, arch: str, cooperative: bool, device: int) -> GpuModule:
     with _LOCK:
-        return GpuModule(compile_source(source, dict(defines), arch), cooperative)
+        return GpuModule(compile_source(source, dict(defines), arch), cooperative,
+                         dict(defines).get("PRNN_CLUSTER", 0))

@@ -312,6 +312,26 @@ def ready_path(loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:
     return body  # no exit (not a wait): every instruction
 
 
+def steady_step(loop: kernel_report.TimeLoop, spins: list[int]) -> frozenset[int]:
+    """The instructions of the time loop that a step whose waits succeed can reach: from the
+    loop's header, leaving each wait loop in ``spins`` (headers) only from its ``ready_path``.
+    The code a wait runs after it gave up (the abort word, the status store: ``prnn_keep_polling``
+    failing) often sits outside the wait loop, where the compiler put the branch to it; it runs
+    only on a timeout or abort, so a step neither issues it nor waits on it."""
+    ready = {h: ready_path(loop, h) for h in spins}
+    seen, frontier = {loop.head}, [loop.head]
+    while frontier:
+        i = frontier.pop()
+        for j in loop.succ[i]:
+            if j in seen or j not in loop.body:
+                continue
+            if any(i in loop.inner[h] and j not in loop.inner[h] and i not in ready[h] for h in spins):
+                continue  # a wait that gave up
+            seen.add(j)
+            frontier.append(j)
+    return frozenset(seen)
+
+
 def _rows_pow2(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length())
 
@@ -363,7 +383,8 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     counter = any(_base(op) in ("ATOM", "ATOMG", "RED") for op in ops)
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
     trips = {h: loop_trips(k, shape, counter) for h, k in kinds.items()}
-    weight = {i: 1.0 for i in loop.body}
+    steady = steady_step(loop, [h for h, k in kinds.items() if k == "spin"])
+    weight = {i: 1.0 if i in steady else 0.0 for i in loop.body}
     for head, body in loop.inner.items():
         for i in body:
             weight[i] *= trips[head]
@@ -383,7 +404,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     row_instructions = sum(weight[i] for i in in_matrix) / shape.batch
     # A batch row's product: issue-bound when the warps sharing a scheduler hide its latency,
     # else its dependent chain (FFMAs, shuffles, local memory of the reduce-scatter levels).
-    row_chain = sum(critical_path([loop.code[i] for i in sorted(_own(loop, h))], _latency)
+    row_chain = sum(critical_path([loop.code[i] for i in sorted(_own(loop, h) & steady)], _latency)
                     * (1 if kinds[h] == "matrix" else trips[h])
                     for h in loop.inner if kinds[h] in ("matrix", "levels"))
     matrix = shape.batch * max(sharing * row_instructions / hw.ISSUE_PER_CYCLE, row_chain) * cycle_us
@@ -412,7 +433,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     pointwise_us = 0.0
     matrix_ffma = 0
     for head, kind in kinds.items():
-        own = sorted(_own(loop, head))
+        own = sorted(_own(loop, head) & steady)
         if kind == "pointwise":
             chain = critical_path([loop.code[i] for i in own], _latency)
             pointwise_us += chain * trips[head] * cycle_us

@@ -20,9 +20,9 @@ from functools import partial
 
 from . import cells
 from .cells import CELLS, CellSpec
-from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
-                       REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
-                       current_device)
+from .hardware import (HOPPER_CLUSTER_CTAS, MAX_REGISTERS_PER_THREAD, PORTABLE_CLUSTER_CTAS,
+                       PROFILES, REGISTER_ALLOCATION_UNIT, REGISTERS_PER_SM, SUB_PARTITIONS, WARP,
+                       WEIGHT_BYTES, DeviceProfile, current_device)
 from . import validation
 from .validation import dtype_name
 
@@ -100,26 +100,33 @@ def weight_registers(tile: PassTile, dtype: str) -> int:
     return tile.rows * tile.kpt * WEIGHT_BYTES[dtype] // 4
 
 
-# Small layers on sm_90: the whole layer in one thread-block cluster of up to CLUSTER_CTAS CTAs
-# (the portable maximum; the kernel is compiled for its grid), h exchanged through distributed
-# shared memory instead of L2. More units per
-# CTA than the grid tiles (8 warps x 96-128 weights), so that H up to 256 (LSTM, GRU) or 512 (RNN)
-# fits in 8 SMs. The planner prefers them wherever they fit. The forward's warps each hold all
-# gate rows of 4 units (RNN: 8) over all of K (KSPLIT 1): a warp finishes its units by
-# itself, and a step has no block barrier (persistent_common.cuh, kWarpTeams).
-CLUSTER_CTAS = 8
-CLUSTER_TILES: dict[str, Tile] = {
-    "lstm": _tile(32, (16, 1, 8), (32, 8, 4), CLUSTER_CTAS),
-    "gru": _tile(32, (12, 1, 8), (32, 8, 3), CLUSTER_CTAS),
-    "rnn": _tile(64, (8, 1, 16), (16, 2, 8), CLUSTER_CTAS),
+# Small layers on sm_90: the whole layer in one thread-block cluster (the kernel is compiled for
+# its grid), h exchanged through distributed shared memory instead of L2. More units per CTA than
+# the grid tiles (96-128 weights per thread). The forward's warps each hold all gate rows of 4
+# units (RNN: 8) over all of K (KSPLIT 1): a warp finishes its units by itself, and a step has no
+# block barrier (persistent_common.cuh, kWarpTeams). Per cell, the preferred tile first:
+# * 4 warps (one per scheduler, so nothing a warp issues waits for another warp's) of half the
+#   units, in clusters of up to 16 CTAs (HOPPER_CLUSTER_CTAS: H up to 256, RNN 512, on 16 SMs;
+#   at most 8 CTAs, portable, up to H 128 / 256);
+# * 8 warps (two per scheduler) in clusters of up to 8 (portable): the same H on 8 SMs, where the
+#   device does not run 16-CTA clusters.
+CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS),
+             _tile(32, (16, 1, 8), (32, 8, 4), PORTABLE_CLUSTER_CTAS)),
+    "gru": (_tile(16, (12, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS),
+            _tile(32, (12, 1, 8), (32, 8, 3), PORTABLE_CLUSTER_CTAS)),
+    "rnn": (_tile(32, (8, 1, 16), (16, 2, 8), HOPPER_CLUSTER_CTAS),
+            _tile(64, (8, 1, 16), (16, 2, 8), PORTABLE_CLUSTER_CTAS)),
 }
-# 16-bit cluster tiles: the same with an even kpt (GRU's backward 3 -> 4).
-CLUSTER_TILES_16BIT: dict[str, Tile] = {
-    **CLUSTER_TILES, "gru": _tile(32, (12, 1, 8), (32, 8, 4), CLUSTER_CTAS)}
+# 16-bit cluster tiles: the same with an even kpt (GRU's 8-warp backward 3 -> 4).
+CLUSTER_TILES_16BIT: dict[str, tuple[Tile, ...]] = {
+    **CLUSTER_TILES, "gru": (CLUSTER_TILES["gru"][0],
+                             _tile(32, (12, 1, 8), (32, 8, 4), PORTABLE_CLUSTER_CTAS))}
 
 
-def cluster_tile_for(cell: CellSpec, dtype: str = "float32") -> Tile:
-    """The shipped cluster tile of ``cell`` for weights of ``dtype`` (sm_90 and newer)."""
+def cluster_tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
+    """The shipped cluster tiles of ``cell`` for weights of ``dtype`` (sm_90 and newer), the
+    preferred first."""
     shipped = CLUSTER_TILES if WEIGHT_BYTES[dtype] == 4 else CLUSTER_TILES_16BIT
     return shipped["rnn" if cell.gates == 1 else cell.name]
 
@@ -264,6 +271,8 @@ def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
         return f"hidden_size {hidden} > {p.max_hidden} served by the tile"
     if p.grid > dev.sm_count:
         return f"grid {p.grid} CTAs > {dev.sm_count} SMs (one CTA per SM)"
+    if "PRNN_CLUSTER" in p.defines and p.grid > dev.max_cluster_ctas:
+        return f"a cluster of {p.grid} CTAs > the {dev.max_cluster_ctas} the device runs"
     if p.block > dev.max_threads_per_block:
         return f"block {p.block} threads > {dev.max_threads_per_block}"
     if resident_ctas(p.block, p.registers, dev.registers_per_sm) < 1 \
@@ -416,7 +425,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     if proj_size:
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried = []
-    candidates = ((cluster_tile_for(cell, dtype),) if has_clusters(dev) else ())
+    candidates = cluster_tiles_for(cell, dtype) if has_clusters(dev) else ()
     candidates += tiles_for(cell, dtype)
     for tile in candidates:
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype)

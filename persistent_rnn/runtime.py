@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import Any, Callable, Sequence
 
@@ -489,7 +489,15 @@ def _cached_engine(cell: CellSpec, hidden: int, batch: int, backward: bool,
     plan = planner.make_plan(cell, hidden, batch, weights, device, proj_size)
     if not plan.fits:
         return None, plan.reason
-    return engine_of(plan.backward if backward else plan.forward, device, cooperative, emulated)
+    pass_plan = plan.backward if backward else plan.forward
+    engine, why = engine_of(pass_plan, device, cooperative, emulated)
+    if engine is None and is_cluster(pass_plan) and pass_plan.grid > hardware.PORTABLE_CLUSTER_CTAS:
+        # Not every Hopper part (nor a MIG slice, nor an SM partition) holds a 16-CTA cluster:
+        # plan again with the portable size before the GEMM path.
+        portable = replace(device, max_cluster_ctas=hardware.PORTABLE_CLUSTER_CTAS)
+        return _cached_engine(cell, hidden, batch, backward, portable, cooperative, emulated,
+                              weights, proj_size)
+    return engine, why
 
 
 def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, cooperative: bool,

@@ -159,6 +159,8 @@ def cases() -> list[Case]:
         Case("grid-fp32-lstm", layer_case("LSTM", GRID_HIDDEN, placement="grid")),
         Case("grid-fp32-gru", layer_case("GRU", GRID_HIDDEN, placement="grid")),
         Case("cluster-fp16-lstm", layer_case("LSTM", 64, "float16", placement="cluster")),
+        # H 256: 16 CTAs of 4 warps (a non-portable cluster size), or 8 of 8 where it does not fit
+        Case("cluster16-fp32-gru", layer_case("GRU", 256, placement="cluster")),
         Case("grid-fp16-gru", layer_case("GRU", GRID_HIDDEN, "float16", placement="grid")),
         Case("stall-restart-grid-lstm", stall_case),
         Case("lstmp-fp32", layer_case("LSTM", 128, proj_size=32)),

@@ -9,6 +9,7 @@ import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import emulate, runtime
+from persistent_rnn import plan as planner
 from persistent_rnn.cells import CELLS
 
 pytestmark = pytest.mark.timeout(240)
@@ -250,18 +251,27 @@ def _rel(a, b):
 
 # The emulation plans for an H100 (runtime.EMULATED_DEVICE), where small layers run as one
 # thread-block cluster; the grid_path fixture (conftest) plans without clusters.
-@pytest.fixture(params=["cluster", "grid"])
-def path(request):
-    """Runs the test on both exchange paths: one cluster (distributed shared memory) and the grid
-    (tagged words in global memory); _assert_path checks the planner chose it."""
+@pytest.fixture(params=["cluster", "cluster of 8 warps", "grid"])
+def path(request, monkeypatch, fresh_plans):
+    """Runs the test on every exchange path: one cluster (distributed shared memory) of the
+    preferred 4-warp CTAs, or of 8-warp CTAs (what a device without 16-CTA clusters runs above
+    H 128), and the grid (tagged words in global memory); _assert_path checks the planner chose
+    it."""
     if request.param == "grid":
         request.getfixturevalue("grid_path")
+    if request.param == "cluster of 8 warps":
+        eight_warps = planner.cluster_tiles_for
+        monkeypatch.setattr(planner, "cluster_tiles_for",
+                            lambda cell, dtype="float32": eight_warps(cell, dtype)[1:])
     return request.param
 
 
 def _assert_path(stats, path):
     clustered = any("PRNN_CLUSTER" in d for d in stats.details)
-    assert clustered == (path == "cluster"), stats.details
+    assert clustered == path.startswith("cluster"), stats.details
+    if clustered:
+        warps = 8 if path == "cluster of 8 warps" else 4
+        assert all(f"'PRNN_WARPS': {warps}" in d for d in stats.details if "PRNN_CLUSTER" in d)
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
@@ -299,6 +309,20 @@ def test_persistent_equals_float64_reference_and_torch(name, path):
     assert _rel(got["dx"], x.grad.numpy()) <= 1e-5
     for key, p in module.named_parameters():
         assert _rel(got["grads"][key], p.grad.numpy()) <= 1e-5, key
+
+
+@pytest.mark.parametrize("name, hidden", [("lstm", 250), ("gru", 256), ("rnn_tanh", 500)])
+def test_a_sixteen_cta_cluster_equals_float64(name, hidden):
+    """The largest cluster layers: 16 CTAs of 4 warps (CTA 15 partly past H at 250 and 500),
+    forward and backward, against the float64 GEMM path."""
+    data = _inputs(name, np.random.default_rng(12), steps=4, batch=2, hidden=hidden)
+    got = _run(name, "float32", "persistent", **data, hidden=hidden)
+    ref = _run(name, "float64", "gemm", **data, hidden=hidden)
+    for stats in (got["fwd"], got["bwd"]):
+        assert stats.algo == "persistent" and stats.restarts == 0 and stats.fallback is None
+        assert any("'PRNN_CLUSTER': 16" in d and "x 128 threads" in d for d in stats.details)
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["gru", "rnn_relu"])

@@ -16,8 +16,8 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
-from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, projection_tile_ships,
-                                   resident_ctas, stack_tiles_for, tiles_for)
+from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, cluster_tiles_for,
+                                 projection_tile_ships, resident_ctas, stack_tiles_for, tiles_for)
 
 # Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
 # the default per-test timeout on a cold cache and a busy 2-core machine.
@@ -33,9 +33,11 @@ def records():
 
 
 def test_every_configuration_is_reported(records):
-    # Grid tiles on both archs, plus one cluster tile per cell and pass on sm_90, per dtype;
-    # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs.
-    expected = sum(len(tiles_for(c, d)) * 2 * 2 + 2 for c in CELLS.values() for d in KERNEL_DTYPES)
+    # Grid tiles on both archs, plus the cluster tiles (4 and 8 warps) per cell and pass on
+    # sm_90, per dtype; the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32)
+    # on both archs.
+    expected = sum(len(tiles_for(c, d)) * 2 * 2 + len(cluster_tiles_for(c, d)) * 2
+                   for c in CELLS.values() for d in KERNEL_DTYPES)
     projections = sum(2 * projection_tile_ships(t, d, a) for t in PROJECTION_TILES
                       for d in KERNEL_DTYPES for a in ("sm_80", "sm_90"))
     stacks = sum(len(stack_tiles_for(c)) * 2 * 2 for c in CELLS.values())
@@ -52,8 +54,10 @@ def test_every_configuration_is_reported(records):
                     mine = [r for r in records if not r["stack"] and not r["proj_size"]
                             and (r["dtype"], r["cell"], r["pass"], r["arch"]) == (dtype, cell, pass_, arch)]
                     clusters = [r for r in mine if r["cluster"]]
-                    assert len(mine) == len(tiles_for(CELLS[cell], dtype)) + (arch == "sm_90")
-                    assert len(clusters) == (arch == "sm_90")
+                    shipped = len(cluster_tiles_for(CELLS[cell], dtype)) if arch == "sm_90" else 0
+                    assert len(mine) == len(tiles_for(CELLS[cell], dtype)) + shipped
+                    assert len(clusters) == shipped
+                    assert {r["block"] for r in clusters} == ({128, 256} if shipped else set())
 
 
 def test_zero_spills_and_registers_within_plan(records):

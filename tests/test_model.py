@@ -234,6 +234,35 @@ def wait_with_slow_path_sass(slow: int) -> str:
                      for i, line in enumerate(lines))
 
 
+def wait_that_gives_up_sass(give_up: int) -> str:
+    """A time loop whose wait leaves its polling loop to ``give_up`` instructions of failure
+    handling (the abort word's load, the status store) that then rejoin the step, as the
+    compiler lays out ``prnn_keep_polling`` failing."""
+    lines = ["MOV R1, c[0x0][0x28] ;", ".L_x_0:", "BAR.SYNC.DEFER_BLOCKING 0x0 ;", ".L_x_2:",
+             "LDG.E.STRONG.GPU R11, [R12.64] ;", "ISETP.NE.AND P1, PT, R11, RZ, PT ;",
+             "@P1 BRA `(.L_x_4) ;", "CS2R R20, SR_GLOBALTIMERLO ;",
+             "ISETP.GT.U32.AND P3, PT, R20, R21, PT ;", "@P3 BRA `(.L_x_5) ;", "NANOSLEEP 0x14 ;",
+             "BRA `(.L_x_2) ;", ".L_x_5:", "LDG.E.STRONG.GPU R30, [R32.64] ;"]
+    lines += ["IADD3 R30, R30, 0x1, RZ ;"] * give_up
+    lines += ["STG.E.STRONG.GPU [R32.64], R30 ;", ".L_x_4:", "BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+              "ISETP.NE.AND P2, PT, R14, RZ, PT ;", "@!P2 BRA `(.L_x_0) ;", "EXIT ;"]
+    return "\n".join(line if line.startswith(".L") else f"        /*{16 * i:04x}*/ {line}"
+                     for i, line in enumerate(lines))
+
+
+def test_a_wait_that_gives_up_is_not_part_of_the_step():
+    """The failure handling a wait jumps to outside its polling loop (after a timeout or abort)
+    is neither issued nor waited on by a step whose waits succeed: however long it is, the step
+    counts the barrier, one successful poll and the step's end, and no L2 load on its chain."""
+    short, long = (model.step_terms(wait_that_gives_up_sass(n), shape(batch=1), H100) for n in (1, 40))
+    assert short.instructions == long.instructions == 1 + 3 + 3
+    assert short.pointwise_us == long.pointwise_us == 0.0
+    loop = kernel_report.time_loop(wait_that_gives_up_sass(1), converged=True)
+    (head,) = [h for h in loop.inner if model.loop_kind(loop, h) == "spin"]
+    steady = model.steady_step(loop, [head])
+    assert not any(loop.code[i][0].startswith("STG") for i in steady)
+
+
 def test_wait_counts_one_successful_poll():
     """A wait issues the poll that finds its words (load, check, exit): the code that runs only
     on a miss is not counted, however long it is (its cost is the exchange term's)."""

@@ -1,6 +1,8 @@
 """The planner: sizes it promises, why it refuses, and the register/shared-memory arithmetic."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -71,12 +73,26 @@ def test_plan_prefers_the_cheapest_tile():
 
 @pytest.mark.parametrize("cell, top", [("lstm", 256), ("gru", 256), ("rnn_tanh", 512)])
 def test_plan_prefers_one_cluster_where_it_fits_on_sm_90(cell, top):
+    four_warps, eight_warps = plan.cluster_tiles_for(CELLS[cell])
     for hidden in (1, top // 2 + 1, top):
         p = make_plan(cell, hidden, 4, device="h100")
-        assert p.tile == plan.cluster_tile_for(CELLS[cell])
-        assert p.forward.grid == p.backward.grid == p.forward.defines["PRNN_CLUSTER"] <= 8
+        assert p.tile == four_warps and p.forward.block == 128
+        assert p.forward.grid == p.backward.grid == p.forward.defines["PRNN_CLUSTER"] <= 16
     assert not make_plan(cell, top + 1, 4, device="h100").tile.cluster
     assert not make_plan(cell, top, 4, device="a100").tile.cluster
+
+
+@pytest.mark.parametrize("cell, top", [("lstm", 256), ("gru", 256), ("rnn_tanh", 512)])
+def test_a_device_of_portable_clusters_gets_eight_warps_in_eight_ctas(cell, top):
+    """Where a device runs clusters of 8 CTAs at most (the portable size), the layers that would
+    take 16 CTAs of 4 warps take 8 of 8 warps; those that fit 8 CTAs of 4 warps keep them."""
+    four_warps, eight_warps = plan.cluster_tiles_for(CELLS[cell])
+    portable = replace(PROFILES["h100"], max_cluster_ctas=8)
+    p = make_plan(cell, top, 4, device=portable)
+    assert p.tile == eight_warps and p.forward.grid == 8 and p.forward.block == 256
+    assert "cluster of 16 CTAs > the 8" in plan._why_not(
+        plan.pass_plan(CELLS[cell], four_warps, False, top, 4), portable, top)
+    assert make_plan(cell, top // 2, 4, device=portable).tile == four_warps
 
 
 def test_refusals_say_why():
@@ -141,9 +157,10 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
         runtime.run_backward(spec, dy, None, None, w, h0, c0, None, fwd, "persistent", RunStats())
 
     # Every shipped tile, so both formulas meet every layout: the grid tiles alone, then the
-    # cluster tile (which the planner prefers where it fits).
-    for tile in (*plan.tiles_for(spec), plan.cluster_tile_for(spec)):
+    # cluster tiles (which the planner prefers where they fit).
+    for tile in (*plan.tiles_for(spec), *plan.cluster_tiles_for(spec)):
         monkeypatch.setattr(plan, "tiles_for", lambda c, dtype="float32", tile=tile: () if tile.cluster else (tile,))
+        monkeypatch.setattr(plan, "cluster_tiles_for", lambda c, dtype="float32", tile=tile: (tile,))
         monkeypatch.setattr(plan, "has_clusters", lambda dev, tile=tile: bool(tile.cluster))
         run()
         planned = plan.shared_bytes(spec, tile, backward, batch)

@@ -311,7 +311,7 @@ def test_a_grid_found_not_co_resident_cools_down_on_gemm(emulation):
 
 def _pass_plan(cell, cluster):
     spec = CELLS[cell]
-    tile = planner.cluster_tile_for(spec) if cluster else planner.tiles_for(spec)[0]
+    tile = planner.cluster_tiles_for(spec)[0] if cluster else planner.tiles_for(spec)[0]
     return planner.pass_plan(spec, tile, False, 64, 2)
 
 
@@ -322,7 +322,7 @@ def test_residency_of_a_cluster_is_the_cluster_occupancy_query():
     cluster = _pass_plan("lstm", True)
     assert runtime.residency_problem(cluster, 132, never, lambda: 3) is None
     why = runtime.residency_problem(cluster, 132, never, lambda: 0)
-    assert "cluster of 2 CTAs" in why and "cluster occupancy 0" in why
+    assert "cluster of 4 CTAs" in why and "cluster occupancy 0" in why
     grid = _pass_plan("lstm", False)  # 16 CTAs
 
     def no_cluster_query():
@@ -357,6 +357,37 @@ def test_cluster_kernels_are_never_launched_cooperatively(monkeypatch, fresh_pla
     engine, why = runtime._cached_engine(CELLS[cell], 64, 2, False, device, True, False, "float32")
     assert why is None and engine is not None
     assert asked == [(cluster, not cluster)]  # PRNN_COOPERATIVE=1 reaches grid kernels only
+
+
+@pytest.mark.parametrize("clusters_of_16", [0, 1])
+def test_a_sixteen_cta_cluster_that_does_not_fit_is_planned_again_at_eight(monkeypatch, fresh_plans,
+                                                                           clusters_of_16):
+    """A layer planned as a 16-CTA cluster (4 warps per CTA) on a device whose cluster
+    occupancy query finds no room for one (a part with smaller GPCs, a MIG slice) runs as an
+    8-CTA cluster of 8 warps, not on the GEMM path; where it fits, it stays at 16."""
+    from persistent_rnn import hardware, kernels
+    asked = []
+
+    class FakeModule:
+        launch = None
+
+        def __init__(self, ctas):
+            self.ctas = ctas
+
+        def max_active_clusters(self, *args):
+            return clusters_of_16 if self.ctas > 8 else 1
+
+    def get_module(source, defines, cooperative=False):
+        asked.append(defines["PRNN_CLUSTER"])
+        return FakeModule(defines["PRNN_CLUSTER"])
+
+    monkeypatch.setattr(kernels, "get_module", get_module)
+    engine, why = runtime._cached_engine(CELLS["lstm"], 256, 1, False, hardware.PROFILES["h100"],
+                                         False, False, "float32")
+    assert why is None and engine is not None
+    assert engine.pass_plan.grid == (16 if clusters_of_16 else 8)
+    assert asked == ([16] if clusters_of_16 else [16, 8])
+    assert engine.pass_plan.block == (128 if clusters_of_16 else 256)
 
 
 def test_launch_config_matches_the_driver_struct():
