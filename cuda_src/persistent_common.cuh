@@ -261,18 +261,14 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
   prnn_sync_block();
 }
 
-// Tagged quads a thread of the grid's gather loads at once (four registers each; a cluster has
-// no gather, kDirectRead): what the register cap leaves beside the weights with zero spills
-// (ptxas, sm_80 and sm_90; the largest tiles hold 190-200 registers of weights: the LSTM
-// backward's (196, 200) spill 16-40 bytes at 4, the RNN backward's (190) 184 bytes at 2 on sm_80,
-// ptxas's allocation not being monotonic; the stack kernels choose their own, stack_common.cuh),
-// as L2 round trips are what a step waits on. persistent_rnn/model.py mirrors this
-// (PassShape.gather_quads). -DPRNN_GATHER_QUADS overrides it (experiments).
-constexpr int kWeightRegisters = kRows * kWordsPerLane;
-#if defined(PRNN_GATHER_QUADS)
+// Tagged quads a thread of the grid's gather loads at once (four registers each): chosen by the
+// planner (persistent_rnn/plan.py, gather_quads) from the quads a thread gathers per step and
+// the registers the weights leave. A cluster has no gather (kDirectRead), nor a stack kernel
+// this one (stack_common.cuh, kStackGatherQuads): they leave it undefined.
+#ifdef PRNN_GATHER_QUADS
 constexpr int kGatherQuads = PRNN_GATHER_QUADS;
 #else
-constexpr int kGatherQuads = kWeightRegisters > 192 ? 2 : kWeightRegisters > 150 ? 4 : 8;
+constexpr int kGatherQuads = 0;  // ExchangeOf::gather refuses it, should a gather be compiled
 #endif
 
 // How long a thread with no pointwise work (thread index >= batch * kUnits in both kernels)
@@ -319,6 +315,8 @@ struct ExchangeOf {
   // (global words); a cluster's warps read their words where they are (wait_lane).
   PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
     const auto sink = [v_s](int word, const float (&v)[4]) { prnn_store_shared_quad(v_s + word, v); };
+    static_assert(kGatherQuads > 0 || Padded < 0, "a grid kernel needs -DPRNN_GATHER_QUADS "
+                  "(persistent_rnn/plan.py, gather_quads)");
     const unsigned* src = words + (t & 1) * slot();
     if (idle) prnn_sleep_ns(kIdleStartNs);
     return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
@@ -607,8 +605,9 @@ PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int
 
 // After a step's pointwise (which published step t): the grid gathers step t into v_s and
 // returns whether this thread's wait failed; a cluster has nothing to do (its warps read the
-// words in the next product).
-PRNN_DEVICE int end_step(const Exchange& xch, float* v_s, int t, PrnnControl* ctl,
+// words in the next product). A template, so that only the kernels that call it build a gather.
+template <int Padded>
+PRNN_DEVICE int end_step(const ExchangeOf<Padded>& xch, float* v_s, int t, PrnnControl* ctl,
                          unsigned long long timeout_ns) {
 #ifdef PRNN_CLUSTER
   return 0;

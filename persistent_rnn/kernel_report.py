@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -250,19 +250,36 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
     return counts
 
 
+def gather_variants(p: planner.PassPlan) -> list[planner.PassPlan]:
+    """``p`` with each gather size the planner may build its layer kernel with
+    (``plan.gather_quads``: from what a thread gathers at B=1 up to the tile's cap, by powers of
+    2; the batch picks one), or ``[p]`` where it has no gather (a cluster) or a fixed one."""
+    if p.source not in ("persistent_forward.cu", "persistent_backward.cu") \
+            or "PRNN_GATHER_QUADS" not in p.defines:
+        return [p]
+    n = planner.gather_quads(p.weight_registers, -(-p.exchange_row // (4 * p.block)))
+    variants = []
+    while n <= planner.gather_quads(p.weight_registers):
+        variants.append(replace(p, defines={**p.defines, "PRNN_GATHER_QUADS": n}))
+        n *= 2
+    return variants
+
+
 def _jobs(archs):
-    """Every shipped (dtype, cell, pass plan, arch, proj_size): the grid tiles on every arch, the
-    cluster tile on the archs with clusters (sm_90 and newer), the LSTM projection tiles (grid
-    only) at their largest H and P < H."""
+    """Every shipped (dtype, cell, pass plan, arch, proj_size): the grid tiles on every arch (with
+    every gather size, ``gather_variants``), the cluster tiles on the archs with clusters (sm_90
+    and newer), the LSTM projection tiles (grid only) at their largest H and P < H."""
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
             for tile in (*planner.tiles_for(cell, dtype), *planner.cluster_tiles_for(cell, dtype)):
                 hidden = planner.tile_max_hidden(cell, tile)
                 for backward in (False, True):
-                    p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype=dtype)
-                    for arch in archs:
-                        if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
-                            yield cell, dtype, p, arch, 0
+                    planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
+                                                dtype=dtype)
+                    for p in gather_variants(planned):
+                        for arch in archs:
+                            if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
+                                yield cell, dtype, p, arch, 0
         for ptile in planner.PROJECTION_TILES:
             hidden, proj = planner.projection_capacity(ptile)
             proj = min(proj, hidden - 1)

@@ -113,8 +113,7 @@ class PassShape:
         if self.stack:
             # kStackGatherQuads (stack_forward.cu: 7 above 140 weights per thread)
             return 7 if not self.backward and self.plan.weights_per_thread > 140 else 8
-        w = self.plan.weight_registers
-        return 2 if w > 192 else 4 if w > 150 else 8
+        return self.plan.defines["PRNN_GATHER_QUADS"]  # plan.gather_quads
 
     @property
     def gather_rounds(self) -> int:

@@ -230,6 +230,22 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
     return -(-fixed // 16) * 16 + 8 * batch * padded if tile.cluster else fixed
 
 
+GATHER_QUADS_MAX = 8  # tagged quads in flight per thread of a gather, at most
+
+
+def gather_quads(weight_registers: int, quads_per_thread: int = GATHER_QUADS_MAX) -> int:
+    """Tagged quads a thread of a grid kernel's gather loads at once (``-D PRNN_GATHER_QUADS``,
+    ``kGatherQuads`` of persistent_common.cuh; four registers each): enough for the
+    ``quads_per_thread`` it gathers per step, rounded up to a power of 2 (a step issues every
+    one of the N unrolled slots, wanted or not: at B=1 an LSTM H=1024 thread gathers 1 quad),
+    and at most what the register cap leaves beside the weights with zero spills (ptxas, sm_80
+    and sm_90; the largest tiles hold 190-200 registers of weights: the LSTM backward's (196,
+    200) spill 16-40 bytes at 4, the RNN backward's (190) 184 bytes at 2 on sm_80, ptxas's
+    allocation not being monotonic), as L2 round trips are what a step waits on."""
+    cap = 2 if weight_registers > 192 else 4 if weight_registers > 150 else GATHER_QUADS_MAX
+    return min(cap, 1 << max(0, quads_per_thread - 1).bit_length())
+
+
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
               dtype: str = "float32", stack_layers: int = 0) -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
@@ -240,8 +256,10 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     if stack_layers:
         plain = pass_plan(cell, tile, backward, hidden, batch, dtype)
         name = "backward" if backward else "forward"
+        # the stack kernels size their gather themselves (kStackGatherQuads, stack_common.cuh)
+        defines = {k: v for k, v in plain.defines.items() if k != "PRNN_GATHER_QUADS"}
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
-                       grid=stack_layers * plain.grid,
+                       defines=defines, grid=stack_layers * plain.grid,
                        shared_bytes=shared_bytes(cell, tile, backward, batch, stack=True),
                        max_hidden=stack_max_hidden(cell, tile),
                        exchange_row=plain.exchange_row // 2)
@@ -256,6 +274,9 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid
+    else:  # a cluster has no gather (kDirectRead)
+        quads = -(-batch * padded_length(pt) // (4 * block))
+        defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(pt, dtype), quads)
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
@@ -370,6 +391,7 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
                "PRNN_KPT_B": b.kpt, "PRNN_WARPS": tile.warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
     block = tile.warps * WARP
     which = "backward" if backward else "forward"
     return PassPlan(

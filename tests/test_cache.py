@@ -270,7 +270,7 @@ def test_builds_with_tmpdir_on_another_filesystem(tmp_path):
 # -- NVRTC cubins ------------------------------------------------------------------------------
 
 FORWARD = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4, "PRNN_KPT": 1,
-           "PRNN_WARPS": 4}
+           "PRNN_WARPS": 4, "PRNN_GATHER_QUADS": 1}
 
 
 @pytest.fixture

@@ -16,15 +16,17 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
+from persistent_rnn.kernel_report import gather_variants
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, cluster_tiles_for,
-                                 projection_tile_ships, resident_ctas, stack_tiles_for, tiles_for)
+                                 pass_plan, projection_tile_ships, resident_ctas, stack_tiles_for,
+                                 tile_max_hidden, tiles_for)
 
 # Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
 # the default per-test timeout on a cold cache and a busy 2-core machine.
 pytestmark = pytest.mark.timeout(1800)
 
 FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4,
-                   "PRNN_KPT": 1, "PRNN_WARPS": 4}
+                   "PRNN_KPT": 1, "PRNN_WARPS": 4, "PRNN_GATHER_QUADS": 1}
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +35,15 @@ def records():
 
 
 def test_every_configuration_is_reported(records):
-    # Grid tiles on both archs, plus the cluster tiles (4 and 8 warps) per cell and pass on
-    # sm_90, per dtype; the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32)
-    # on both archs.
-    expected = sum(len(tiles_for(c, d)) * 2 * 2 + len(cluster_tiles_for(c, d)) * 2
-                   for c in CELLS.values() for d in KERNEL_DTYPES)
+    # Grid tiles on both archs, each with every gather size the planner may pick (1 to 8 quads,
+    # by the batch); plus the cluster tiles (4 and 8 warps) per cell and pass on sm_90, per dtype;
+    # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs.
+    grids = sum(len(gather_variants(pass_plan(c, t, bwd, tile_max_hidden(c, t),
+                                              kernel_report.REPORT_BATCH, d))) * 2
+                for c in CELLS.values() for d in KERNEL_DTYPES for t in tiles_for(c, d)
+                for bwd in (False, True))
+    expected = grids + sum(len(cluster_tiles_for(c, d)) * 2 for c in CELLS.values()
+                           for d in KERNEL_DTYPES)
     projections = sum(2 * projection_tile_ships(t, d, a) for t in PROJECTION_TILES
                       for d in KERNEL_DTYPES for a in ("sm_80", "sm_90"))
     stacks = sum(len(stack_tiles_for(c)) * 2 * 2 for c in CELLS.values())
@@ -55,8 +61,10 @@ def test_every_configuration_is_reported(records):
                             and (r["dtype"], r["cell"], r["pass"], r["arch"]) == (dtype, cell, pass_, arch)]
                     clusters = [r for r in mine if r["cluster"]]
                     shipped = len(cluster_tiles_for(CELLS[cell], dtype)) if arch == "sm_90" else 0
-                    assert len(mine) == len(tiles_for(CELLS[cell], dtype)) + shipped
                     assert len(clusters) == shipped
+                    grid = {tuple(sorted((k, v) for k, v in r["config"].items()
+                                         if k != "PRNN_GATHER_QUADS")) for r in mine if not r["cluster"]}
+                    assert len(grid) == len(tiles_for(CELLS[cell], dtype))
                     assert {r["block"] for r in clusters} == ({128, 256} if shipped else set())
 
 

@@ -169,3 +169,19 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
         with pytest.raises(emulate.EmulationError, match="wrote past its"):
             run()
         monkeypatch.setattr(plan, "shared_bytes", shared_bytes)
+
+
+def test_gather_quads_fit_the_batch_within_the_register_cap():
+    """A grid kernel's gather loads as many quads at once as a thread gathers per step, rounded
+    up to a power of 2 (every unrolled slot issues each step), capped by the registers the
+    weights leave; the cluster kernels (no gather) and the stack kernels (their own) have none."""
+    assert [plan.gather_quads(128, q) for q in (1, 2, 3, 4, 5, 8, 16)] == [1, 2, 4, 4, 8, 8, 8]
+    assert plan.gather_quads(160, 16) == 4 and plan.gather_quads(196, 3) == 2
+    lstm = CELLS["lstm"]
+    for batch, quads in ((1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (9, 8)):
+        # LSTM H=1024: 256 threads, 256 quads per batch row of h
+        p = make_plan(lstm, 1024, batch, device="h100").forward
+        assert p.defines["PRNN_GATHER_QUADS"] == quads, batch
+    assert "PRNN_GATHER_QUADS" not in make_plan(lstm, 64, 1, device="h100").forward.defines
+    stack = plan.make_stack_plan(lstm, 384, 4, 2, False, "float32", "h100")
+    assert stack.fits and "PRNN_GATHER_QUADS" not in stack.forward.defines
