@@ -8,7 +8,8 @@
 #   compare  the 16-bit sweep against torch.nn fp16/bf16, the GEMM path with CUDA graphs on and
 #            off, LSTMP (H 1024/P 256, H 2048/P 512) and stacks of 2-4 layers against torch.nn
 #                                                                                   ~8.8 min at most
-#   studies  bench/batch_sweep.py and bench/hidden_sweep.py (not in the default)   ~3 min at most
+#   studies  bench/batch_sweep.py and bench/hidden_sweep.py, and the small layers at clusters
+#            of 16, 8 and none (PRNN_MAX_CLUSTER_CTAS; not in the default)          ~6.5 min at most
 # Usage: bench/run_gpu_suite.sh [--dry-run] OUT [PART...]   (default parts: tests bench compare)
 #   PYTHON=... picks the interpreter (default python3); PRNN_COMMIT=$(git rev-parse HEAD) names the
 #   commit in every JSON where the copy that runs has no .git. --dry-run lists the steps, their
@@ -104,6 +105,13 @@ part_compare() {
 part_studies() {
   step batch_sweep 70 "$PY" bench/batch_sweep.py --out "$OUT" --max-seconds 50
   step hidden_sweep 100 "$PY" bench/hidden_sweep.py --out "$OUT" --max-seconds 75
+  # The cluster placements of the same small layers side by side: 16 CTAs of 4 warps (the
+  # default on H100/H200), 8 of 8 warps (the portable size), the grid path (0), each beside
+  # torch.nn and the model's prediction for that placement.
+  for most in 16 8 0; do
+    PRNN_MAX_CLUSTER_CTAS=$most bench_run "bench_cluster_$most" 70 --cells lstm,gru,rnn_tanh \
+      --hidden 256,512,128 --batches 1,4 --seq-len 100 --algos persistent,cudnn
+  done
 }
 
 [ $DRY = 1 ] || mkdir -p "$OUT" || exit 2

@@ -280,13 +280,14 @@ def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidde
     and ``None``, or ``(None, why)`` where the model has no figure. ``device``: a profile or
     name (``plan.resolve_device``; None: the current GPU). Never raises for a model failure: the
     measurement stands without its prediction."""
-    from . import model, settings
+    from . import model, runtime, settings
     from . import plan as planner
     if sweep.proj_size:
         return None, NO_PROJECTION_MODEL
     backward = pass_ == "forward_backward"
     try:
-        dev = planner.resolve_device(device)
+        # the profile the runtime plans for (clusters capped by settings.max_cluster_ctas)
+        dev = runtime.planning_device(True) if device is None else planner.resolve_device(device)
         if sweep.num_layers > 1:
             st = model.predict_stack_time(cell, hidden, batch, sweep.num_layers, seq_len,
                                           input_size=sweep.input_size, dtype=sweep.dtype, device=dev)

@@ -447,7 +447,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     if proj_size:
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried = []
-    candidates = cluster_tiles_for(cell, dtype) if has_clusters(dev) else ()
+    clusters = has_clusters(dev) and dev.max_cluster_ctas > 0
+    candidates = cluster_tiles_for(cell, dtype) if clusters else ()
     candidates += tiles_for(cell, dtype)
     for tile in candidates:
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype)

@@ -452,7 +452,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
         return None, None
     why = _why_not_persistent(data, batch, algo)
     if why is None:
-        device = _current_device() if on_gpu else EMULATED_DEVICE
+        device = planning_device(on_gpu)
         engine, why = _cached_engine(cell, hidden, batch, backward, device,
                                      on_gpu and settings.current().cooperative, not on_gpu,
                                      half or "float32", proj_size)
@@ -559,6 +559,16 @@ def residency_problem(pass_plan: planner.PassPlan, sm_count: int,
 @lru_cache(maxsize=None)
 def _device_profile(device_id: int) -> hardware.DeviceProfile:
     return hardware.current_device()
+
+
+def planning_device(on_gpu: bool) -> hardware.DeviceProfile:
+    """The device profile a layer is planned for: the current GPU's, or the emulation's
+    (``EMULATED_DEVICE``), with clusters no larger than ``settings.max_cluster_ctas``."""
+    device = _current_device() if on_gpu else EMULATED_DEVICE
+    most = settings.current().max_cluster_ctas
+    if most is None or most >= device.max_cluster_ctas:
+        return device
+    return replace(device, max_cluster_ctas=most)
 
 
 def _current_device() -> hardware.DeviceProfile:

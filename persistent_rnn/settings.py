@@ -48,6 +48,10 @@ class Settings:
       ended on the GEMM path because its grid was not co-resident (another stream held SMs), that
       configuration runs on the GEMM path for this many seconds before the persistent kernel is
       tried again; 0 tries it on every call.
+    * ``max_cluster_ctas`` (PRNN_MAX_CLUSTER_CTAS, None = what the device runs, >= 0): the
+      largest thread-block cluster a layer runs as on sm_90 and newer (None: 16 on H100/H200;
+      8 keeps to CUDA's portable size, which takes the 8-warp cluster tiles above H 128; 0 runs
+      every layer on the grid path).
     """
 
     gpu_timeout_ms: float = 100.0
@@ -59,6 +63,7 @@ class Settings:
     gemm_graphs: bool = False
     stack: bool = True
     residency_cooldown_s: float = 30.0
+    max_cluster_ctas: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -77,6 +82,7 @@ _SPEC: dict[str, tuple[str, str, float]] = {
     "gemm_graphs": ("PRNN_GEMM_GRAPHS", "bool", 0),
     "stack": ("PRNN_STACK", "bool", 0),
     "residency_cooldown_s": ("PRNN_RESIDENCY_COOLDOWN_S", "seconds", 0),
+    "max_cluster_ctas": ("PRNN_MAX_CLUSTER_CTAS", "int?", 0),
 }
 _RENAMED = {"PRNN_MAX_RELAUNCHES": "PRNN_MAX_RESTARTS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -49,7 +49,7 @@ def engine(cell: CellSpec, data: Array, hidden: int, layers: int, bidirectional:
     why = runtime._why_not_persistent(data, batch, algo)
     if why is not None:
         return None, why
-    device = runtime._current_device() if on_gpu else runtime.EMULATED_DEVICE
+    device = runtime.planning_device(on_gpu)
     return _cached_engine(cell, hidden, batch, layers, bidirectional, backward, device,
                           on_gpu and settings.current().cooperative, not on_gpu, half or "float32")
 

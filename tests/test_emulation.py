@@ -325,6 +325,21 @@ def test_a_sixteen_cta_cluster_equals_float64(name, hidden):
         assert _rel(a, b) <= 1e-5
 
 
+@pytest.mark.parametrize("most, placement", [(None, "'PRNN_CLUSTER': 16"), (8, "'PRNN_CLUSTER': 8"),
+                                             (0, "prnn_persistent_forward")])
+def test_max_cluster_ctas_picks_the_placement(settings, most, placement):
+    """``max_cluster_ctas`` caps the cluster a layer runs as: 16 CTAs of 4 warps by default
+    (H 256), 8 of 8 warps at the portable size, the grid path at 0 - the same results."""
+    prnn.configure(max_cluster_ctas=most)
+    data = _inputs("gru", np.random.default_rng(13), steps=3, batch=1, hidden=256)
+    got = _run("gru", "float32", "persistent", **data, hidden=256)
+    ref = _run("gru", "float64", "gemm", **data, hidden=256)
+    (detail,) = [d for d in got["fwd"].details if "prnn_persistent_forward" in d]
+    assert placement in detail and (most != 0 or "PRNN_CLUSTER" not in detail), detail
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
+
+
 @pytest.mark.parametrize("name", ["gru", "rnn_relu"])
 def test_persistent_odd_hidden_size_equals_float64(name, path):
     """H = 13: exchange rows of odd length (H forward, 3H for the GRU backward) end in a padding

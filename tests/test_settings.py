@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
     ({"residency_cooldown_s": float("inf")}, ValueError, "residency_cooldown_s must be >= 0"),
     ({"residency_cooldown_s": float("nan")}, ValueError, "residency_cooldown_s must be >= 0"),
     ({"residency_cooldown_s": "5"}, TypeError, "residency_cooldown_s must be a number"),
+    ({"max_cluster_ctas": -1}, ValueError, "max_cluster_ctas must be >= 0"),
+    ({"max_cluster_ctas": 8.0}, TypeError, "max_cluster_ctas must be an int or None"),
 ])
 def test_configure_rejects_bad_names_types_and_ranges(settings, changes, error, words):
     before = prnn.configure()
@@ -90,9 +92,10 @@ def test_environment_errors_name_the_variable(env):
 def test_environment_values_and_the_renamed_variable():
     s = settings_module.from_environment({"PRNN_TIMEOUT_MS": "25", "PRNN_MAX_RESTARTS": "5",
                                           "PRNN_EMULATION_MAX_RESIDENT": "2",
-                                          "PRNN_RESIDENCY_COOLDOWN_S": "0.5"})
+                                          "PRNN_RESIDENCY_COOLDOWN_S": "0.5",
+                                          "PRNN_MAX_CLUSTER_CTAS": "8"})
     assert (s.gpu_timeout_ms, s.max_restarts, s.emulation_max_resident) == (25.0, 5, 2)
-    assert s.residency_cooldown_s == 0.5
+    assert s.residency_cooldown_s == 0.5 and s.max_cluster_ctas == 8
     with pytest.raises(ValueError, match="PRNN_MAX_RELAUNCHES was renamed to PRNN_MAX_RESTARTS"):
         settings_module.from_environment({"PRNN_MAX_RELAUNCHES": "2"})
 
