@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import bench
+from .hardware import PORTABLE_CLUSTER_CTAS
 
 DEFAULT_OUT = "prnn_bench_results"
 # The extra that installs each optional top-level module a command may import.
@@ -175,6 +176,10 @@ def run_plan(args: argparse.Namespace) -> int:
         return 1
     tile = record["tile"]
     print(f"placement: {tile['placement']}, {tile['units']} units per CTA")
+    if record["forward"]["ctas"] > PORTABLE_CLUSTER_CTAS and tile["cluster"]:
+        print(f"  (a cluster of {record['forward']['ctas']} CTAs: larger than CUDA's portable "
+              f"{PORTABLE_CLUSTER_CTAS}; where the GPU cannot hold it, the layer is planned "
+              f"again at {PORTABLE_CLUSTER_CTAS}, and PRNN_MAX_CLUSTER_CTAS caps it)")
     for name in ("forward", "backward"):
         p, t = record[name], record[f"{name}_terms"]
         print(f"{name:8}: {p['ctas']} CTAs x {p['block']} threads, {p['registers']} registers "

@@ -184,6 +184,13 @@ def test_plan_json_keys(capsys):
                                             "pointwise_us"}
 
 
+def test_plan_text_says_a_cluster_is_larger_than_portable(capsys):
+    assert cli.main(["plan", "GRU", "256", "--device", "h100"]) == 0
+    assert "a cluster of 16 CTAs: larger than CUDA's portable 8" in capsys.readouterr().out
+    assert cli.main(["plan", "GRU", "128", "--device", "h100"]) == 0
+    assert "portable" not in capsys.readouterr().out  # 8 CTAs of 16 units
+
+
 def test_plan_reports_why_not(capsys):
     assert cli.main(["plan", "LSTM", "4096", "--json"]) == 1
     record = json.loads(capsys.readouterr().out)
