@@ -75,6 +75,23 @@ def test_matches_float64_gemm(cupy, name, size, batch, steps):
         assert s.algo == "persistent" and not s.emulated and s.fallback is None
 
 
+@pytest.mark.parametrize("most, ctas", [(None, 16), (8, 8), (0, 0)])
+def test_cluster_placements_match_float64_gemm(cupy, settings, most, ctas):
+    """GRU H=256 as a 16-CTA cluster of 4 warps (a non-portable size: the attribute must be set
+    for the launch), as an 8-CTA cluster of 8 warps, and on the grid path (max_cluster_ctas)."""
+    prnn.configure(max_cluster_ctas=most)
+    cell = CELLS["gru"]
+    host = _host_inputs(cell, 256, 2, 6, seed=16)
+    got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
+    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
+    _assert_close(cupy, got, ref)
+    for s in (fs, bs):
+        assert s.algo == "persistent" and s.fallback is None and s.restarts == 0
+        placed = [d for d in s.details if "prnn_persistent" in d]
+        want = f"'PRNN_CLUSTER': {ctas}" if ctas else "PRNN_GATHER_QUADS"
+        assert placed and all(want in d for d in placed), placed
+
+
 def test_many_steps_at_max_size(cupy):
     cell = CELLS["lstm"]
     host = _host_inputs(cell, prnn.max_hidden_size("lstm"), 4, 48, seed=1)
