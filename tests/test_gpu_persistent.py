@@ -56,6 +56,15 @@ def _assert_close(cp, got, ref, tol=1e-5):
         assert err <= tol, (name, err)
 
 
+def _checked_against_float64(cp, cell, host):
+    """Runs ``host``'s inputs through the persistent path in float32 and the GEMM path in float64,
+    asserts they agree, and returns the persistent forward's and backward's RunStats."""
+    got, fs, bs = _run(cp, cell, host, np.float32, "persistent")
+    ref, _, _ = _run(cp, cell, host, np.float64, "gemm")
+    _assert_close(cp, got, ref)
+    return fs, bs
+
+
 def _cases():
     for name in sorted(CELLS):
         for hidden, batch, steps in (("small", 8, 5), ("mid", 3, 6), ("max", 1, 6), ("max", 8, 4)):
@@ -68,10 +77,7 @@ def test_matches_float64_gemm(cupy, name, size, batch, steps):
     top = prnn.max_hidden_size(name)
     hidden = {"small": 48, "mid": top // 2 + 7, "max": top}[size]
     host = _host_inputs(cell, hidden, batch, steps, seed=hidden + batch)
-    got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
-    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
-    _assert_close(cupy, got, ref)
-    for s in (fs, bs):
+    for s in _checked_against_float64(cupy, cell, host):
         assert s.algo == "persistent" and not s.emulated and s.fallback is None
 
 
@@ -82,10 +88,7 @@ def test_cluster_placements_match_float64_gemm(cupy, settings, most, ctas):
     prnn.configure(max_cluster_ctas=most)
     cell = CELLS["gru"]
     host = _host_inputs(cell, 256, 2, 6, seed=16)
-    got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
-    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
-    _assert_close(cupy, got, ref)
-    for s in (fs, bs):
+    for s in _checked_against_float64(cupy, cell, host):
         assert s.algo == "persistent" and s.fallback is None and s.restarts == 0
         placed = [d for d in s.details if "prnn_persistent" in d]
         want = f"'PRNN_CLUSTER': {ctas}" if ctas else "PRNN_GATHER_QUADS"
@@ -201,9 +204,7 @@ def test_cooperative_launch_option(cupy, settings):
     prnn.configure(cooperative=True)
     cell = CELLS["gru"]
     host = _host_inputs(cell, 300, 2, 5, seed=5)
-    got, fs, bs = _run(cupy, cell, host, np.float32, "persistent")
-    ref, _, _ = _run(cupy, cell, host, np.float64, "gemm")
-    _assert_close(cupy, got, ref)
+    fs, _ = _checked_against_float64(cupy, cell, host)
     assert fs.algo == "persistent" and fs.restarts == 0
 
 
