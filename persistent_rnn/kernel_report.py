@@ -257,7 +257,8 @@ def gather_variants(p: planner.PassPlan) -> list[planner.PassPlan]:
     if p.source not in ("persistent_forward.cu", "persistent_backward.cu") \
             or "PRNN_GATHER_QUADS" not in p.defines:
         return [p]
-    n = planner.gather_quads(p.weight_registers, -(-p.exchange_row // (4 * p.block)))
+    at_batch_1 = planner.quads_per_thread(1, p.exchange_row, p.block)
+    n = planner.gather_quads(p.weight_registers, at_batch_1)
     variants = []
     while n <= planner.gather_quads(p.weight_registers):
         variants.append(replace(p, defines={**p.defines, "PRNN_GATHER_QUADS": n}))

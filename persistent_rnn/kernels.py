@@ -135,6 +135,11 @@ def device_arch() -> str:
     return f"sm_{cupy.cuda.Device().compute_capability}"
 
 
+# CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h): without it, neither a launch nor
+# the occupancy query accepts a cluster of more than 8 CTAs.
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+
+
 class GpuModule:
     """A compiled source loaded on the current GPU; ``launch`` mirrors the emulated module's."""
 
@@ -173,11 +178,6 @@ class GpuModule:
     def launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple) -> None:
         """Launch ``kernel`` on the current stream (asynchronous)."""
         self.function(kernel, shared_bytes)((grid,), (block,), args, shared_mem=shared_bytes)
-
-
-# CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h): without it, neither a launch nor
-# the occupancy query accepts a cluster of more than 8 CTAs.
-NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 class LaunchConfig(ctypes.Structure):

@@ -120,8 +120,8 @@ class PassShape:
         """Batches of ``gather_quads`` a thread of the gather goes through per step: thread x
         takes quad slots x, x + threads, ... of the exchange's [B][exchange_row] rows (slots past
         K are skipped, but hold their place); per gathered vector (``gathers``)."""
-        slots = self.batch * self.plan.exchange_row // 4
-        return math.ceil(math.ceil(slots / (32 * self.warps)) / self.gather_quads)
+        quads = planner.quads_per_thread(self.batch, self.plan.exchange_row, 32 * self.warps)
+        return math.ceil(quads / self.gather_quads)
 
 
 def _tile_of(shape: PassShape) -> planner.Tile:
@@ -271,7 +271,6 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
     if items is None:
         return 1
     return math.ceil(items / (shape.team_threads if kind in _TEAM_LOOPS else 32 * shape.warps))
-
 
 
 def loop_warps(kind: str, shape: PassShape, counter: bool) -> int:

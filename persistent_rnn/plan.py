@@ -132,8 +132,9 @@ def cluster_tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...
 
 
 def has_clusters(dev: DeviceProfile) -> bool:
-    """Whether the device runs thread-block clusters (compute capability 9.0 and newer)."""
-    return int(dev.arch.removeprefix("sm_")) >= 90
+    """Whether layers may run as thread-block clusters on the device: compute capability 9.0
+    and newer, and clusters of at least one CTA allowed (``max_cluster_ctas``)."""
+    return int(dev.arch.removeprefix("sm_")) >= 90 and dev.max_cluster_ctas > 0
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,12 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
 GATHER_QUADS_MAX = 8  # tagged quads in flight per thread of a gather, at most
 
 
+def quads_per_thread(batch: int, row_words: int, threads: int) -> int:
+    """16-byte quads of a [batch][row_words] tagged exchange that each of ``threads`` threads
+    gathers per step (thread x takes quads x, x + threads, ...)."""
+    return -(-batch * row_words // (4 * threads))
+
+
 def gather_quads(weight_registers: int, quads_per_thread: int = GATHER_QUADS_MAX) -> int:
     """Tagged quads a thread of a grid kernel's gather loads at once (``-D PRNN_GATHER_QUADS``,
     ``kGatherQuads`` of persistent_common.cuh; four registers each): enough for the
@@ -275,7 +282,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid
     else:  # a cluster has no gather (kDirectRead)
-        quads = -(-batch * padded_length(pt) // (4 * block))
+        quads = quads_per_thread(batch, padded_length(pt), block)
         defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(pt, dtype), quads)
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
@@ -447,8 +454,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     if proj_size:
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried = []
-    clusters = has_clusters(dev) and dev.max_cluster_ctas > 0
-    candidates = cluster_tiles_for(cell, dtype) if clusters else ()
+    candidates = cluster_tiles_for(cell, dtype) if has_clusters(dev) else ()
     candidates += tiles_for(cell, dtype)
     for tile in candidates:
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype)
