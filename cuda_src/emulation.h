@@ -22,6 +22,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #define PRNN_HD inline
@@ -302,6 +304,11 @@ inline void prnn_load_shared_pair(const float* p, float& a, float& b) {
   a = p[0];
   b = p[1];
 }
+inline void prnn_load_shared_quad(const float* p, float (&v)[4]) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) std::abort();  // a GPU faults: misaligned address
+  for (int i = 0; i < 4; ++i) v[i] = p[i];
+}
 inline void prnn_store_shared_quad(float* p, const float (&v)[4]) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) std::abort();  // a GPU faults: misaligned address
   for (int i = 0; i < 4; ++i) p[i] = v[i];
 }

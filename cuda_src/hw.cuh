@@ -153,6 +153,14 @@ PRNN_DEVICE void prnn_load_shared_pair(const float* p, float& a, float& b) {
   a = v.x;
   b = v.y;
 }
+// Four consecutive floats of shared memory (p 16-byte aligned) in one load.
+PRNN_DEVICE void prnn_load_shared_quad(const float* p, float (&v)[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+}
 // Four consecutive floats of shared memory (p 16-byte aligned) in one store.
 PRNN_DEVICE void prnn_store_shared_quad(float* p, const float (&v)[4]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);

@@ -52,6 +52,7 @@ using WeightWord = float;
 constexpr int kPerWord = 1;
 PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[1]) { f[0] = w; }
 PRNN_DEVICE void load_staged(const float* p, float (&x)[1]) { x[0] = *p; }
+PRNN_DEVICE void load_staged(const float* p, float (&x)[4]) { prnn_load_shared_quad(p, x); }
 PRNN_DEVICE float round_state(float v) { return v; }
 #else
 using WeightWord = unsigned;
@@ -67,6 +68,19 @@ PRNN_DEVICE float round_state(float v) { return prnn_round_bf16(v); }
 #error "PRNN_WEIGHT_DTYPE must be 0 (fp32), 1 (fp16) or 2 (bf16)"
 #endif
 #endif
+// Whether the matrix loop reads the exchanged vector straight from the tagged words (a cluster:
+// they are in this CTA's shared memory) instead of a staged copy. Each warp then waits for the
+// words it multiplies, and a step needs one block barrier (the partial sums', which also carries
+// the timeout vote) instead of two: no gather, no staging barrier. The partial sums alternate
+// between two buffers by step parity, as a warp may start step t+1's product while the
+// pointwise step t still reads step t's sums (it has read all of step t's words, so every CTA
+// has published step t, but not that every thread of its own CTA has finished).
+#ifdef PRNN_CLUSTER
+constexpr bool kDirectRead = true;
+#else
+constexpr bool kDirectRead = false;
+#endif
+
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
 
@@ -82,7 +96,15 @@ struct TileOf {
   static constexpr int kChunk = kWarp * kKpt;  // columns per warp
   static_assert(kRowsPow2 <= kWarp, "at most 32 rows per warp");
   static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even kpt");
-  WeightWord w[kRows][kWordsPerLane];
+  // Columns a lane takes from the staged vector at once (its "span"): an fp32 tile whose lanes
+  // hold a multiple of 4 columns takes them as 16-byte quads, one shared load per 4 columns
+  // instead of 4 (a cluster's direct read polls word by word: kPerWord). Lane l holds columns
+  // kSpan * (l + 32 a) + e of the chunk, span a < kSpans, e < kSpan: a warp's load of span a
+  // covers 32 * kSpan contiguous columns, free of bank conflicts.
+  static constexpr int kSpan = kPerWord == 1 && kKpt % 4 == 0 && !kDirectRead ? 4 : kPerWord;
+  static constexpr int kSpans = kKpt / kSpan;
+  static constexpr int kSpanWords = kSpan / kPerWord;  // weight registers per row and span
+  WeightWord w[kRows][kWordsPerLane];  // w[r][a * kSpanWords + j]: span a's word j
 
   // The reduce-scatter's halving levels, k = 0 (lane bit 16) to kLevels - 1: level k takes the
   // level_rows(k) rows a lane holds to level_half(k) (the lanes with the level's bit keep the
@@ -126,7 +148,7 @@ struct TileOf {
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int i = 0; i < kWordsPerLane; ++i) {
-        const int k = col0 / kPerWord + lane + kWarp * i;
+        const int k = col0 / kPerWord + kSpanWords * (lane + kWarp * (i / kSpanWords)) + i % kSpanWords;
         w[r][i] = (held[r] >= 0 && k < row_words) ? m[(size_t)held[r] * row_words + k] : WeightWord(0);
       }
     }
@@ -136,28 +158,31 @@ struct TileOf {
   // row_of(lane) (a reduce-scatter: each halving level sends half the rows to the partner lane,
   // so kRows rows cost about kRows + log2(kLanesPerRow) shuffles, not 5*kRows).
   PRNN_DEVICE float multiply(const float* v, int lane) const {
-    return multiply_values([v, lane](int i, float (&x)[kPerWord]) {
-      load_staged(v + kPerWord * (lane + kWarp * i), x);
+    return multiply_values([v, lane](int a, float (&x)[kSpan]) {
+      load_staged(v + kSpan * (lane + kWarp * a), x);
     }, lane);
   }
 
-  // The same with the lane's values of the chunk given by value(i, x): x = the kPerWord values
-  // at chunk columns kPerWord * (lane + 32 i) (i a compile-time index once unrolled).
+  // The same with the lane's values of the chunk given by value(a, x): x = the kSpan values at
+  // chunk columns kSpan * (lane + 32 a) (a a compile-time index once unrolled).
   template <class Value>
   PRNN_DEVICE float multiply_values(Value value, int lane) const {
     float a[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) a[r] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kWordsPerLane; ++i) {
-      float x[kPerWord];
-      value(i, x);
+    for (int sp = 0; sp < kSpans; ++sp) {
+      float x[kSpan];
+      value(sp, x);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        float f[kPerWord];
-        unpack_word(w[r][i], f);
 #pragma unroll
-        for (int e = 0; e < kPerWord; ++e) a[r] += f[e] * x[e];
+        for (int j = 0; j < kSpanWords; ++j) {
+          float f[kPerWord];
+          unpack_word(w[r][sp * kSpanWords + j], f);
+#pragma unroll
+          for (int e = 0; e < kPerWord; ++e) a[r] += f[e] * x[j * kPerWord + e];
+        }
       }
     }
     reduce_scatter<0>(a, lane);
@@ -403,19 +428,6 @@ struct ExchangeOf {
 };
 using Exchange = ExchangeOf<>;
 
-// Whether the matrix loop reads the exchanged vector straight from the tagged words (a cluster:
-// they are in this CTA's shared memory) instead of a staged copy. Each warp then waits for the
-// words it multiplies, and a step needs one block barrier (the partial sums', which also carries
-// the timeout vote) instead of two: no gather, no staging barrier. The partial sums alternate
-// between two buffers by step parity, as a warp may start step t+1's product while the
-// pointwise step t still reads step t's sums (it has read all of step t's words, so every CTA
-// has published step t, but not that every thread of its own CTA has finished).
-#ifdef PRNN_CLUSTER
-constexpr bool kDirectRead = true;
-#else
-constexpr bool kDirectRead = false;
-#endif
-
 // The exchange of a launch, rows of Padded words (the staged vector's row stride; default the
 // -D tile's). `global`: the host's buffer (grid); `shared_end`: the end of the kernel's other
 // shared memory, after which (16-byte aligned) a cluster keeps its copy of the words. In a
@@ -448,10 +460,10 @@ PRNN_DEVICE void end_exchange() {
 // For every batch row, multiplies the tile by the staged vector (row stride `padded`); the
 // partial sum of local row `row` over column chunk `c` goes to
 // part_s[(b * ksplit + c) * local_rows + row]. Warp w holds row group w / ksplit, chunk w % ksplit
-// (defaults: the -D tile).
+// (defaults: the -D tile). No barrier: the caller's makes the sums visible (multiply_batch).
 template <class Tile = RegisterTile>
-PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_s, int batch,
-                                int local_rows, int ksplit = kKsplit, int padded = kPadded) {
+PRNN_DEVICE void multiply_rows(const Tile& tile, const float* v_s, float* part_s, int batch,
+                               int local_rows, int ksplit = kKsplit, int padded = kPadded) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
   const int row = Tile::row_of(lane);
   const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
@@ -459,6 +471,13 @@ PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_
     const float sum = tile.multiply(v_s + b * padded + chunk * Tile::kChunk, lane);
     if (writer) part_s[(b * ksplit + chunk) * local_rows + warp / ksplit * Tile::kRowCount + row] = sum;
   }
+}
+
+// multiply_rows, then a block barrier that makes the partial sums visible to every thread.
+template <class Tile = RegisterTile>
+PRNN_DEVICE void multiply_batch(const Tile& tile, const float* v_s, float* part_s, int batch,
+                                int local_rows, int ksplit = kKsplit, int padded = kPadded) {
+  multiply_rows(tile, v_s, part_s, batch, local_rows, ksplit, padded);
   prnn_sync_block();
 }
 
@@ -476,6 +495,7 @@ PRNN_DEVICE int multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& x
   const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
   int failed = 0;
   for (int b = 0; b < batch; ++b) {
+    static_assert(Tile::kSpan == kPerWord, "a direct read takes a lane's columns word by word");
     float x[Tile::kWordsPerLane][kPerWord];  // after a failure: any values (every lane still
     // takes part in the product's shuffles)
     failed |= !xch.wait_lane(s, b, chunk * Tile::kChunk, lane, x, failed, ctl, timeout_ns);
@@ -492,8 +512,8 @@ PRNN_DEVICE int multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& x
 // The threads that finish a step for a set of the CTA's units once the partial sums of those
 // units' rows are complete (the pointwise step and the next step's prefetch), and the barrier
 // that makes the sums visible to them: the whole CTA for all kUnits units (a block barrier), or
-// each warp alone for its own units (a warp barrier, kWarpTeams) - then a step has no block
-// barrier at all. A team's loops over (batch row, unit) items give item i to its thread
+// each warp alone for its own units (a warp barrier, kWarpTeams) - then a cluster's step has no
+// block barrier at all, and the grid's only the staged vector's. A team's loops over (batch row, unit) items give item i to its thread
 // i % size, and unit unit0 + i % units.
 struct Team {
   int thread;  // this thread's index in the team
@@ -510,12 +530,17 @@ struct Team {
   PRNN_DEVICE int row_of(int g, int u) const { return row0 + g * units + u - unit0; }
 };
 
-// Whether each warp finishes its own units: a cluster's forward whose warps hold all G gate rows
-// of their units over all of K (PRNN_KSPLIT 1, the direct read: no staged vector that a block
-// barrier must protect). A warp then depends on the other warps only through the exchange.
+// Whether each warp finishes its own units: a forward whose warps hold all G gate rows of their
+// units over all of K (PRNN_KSPLIT 1). In a cluster a warp then depends on the other warps only
+// through the exchange; on the grid the step keeps one block barrier, the staged vector's (with
+// the timeout vote), and the staged vector alternates between two buffers by step parity
+// (kStagedBuffers), as a warp may gather step t while another still multiplies step t-1's.
 template <int G>
-constexpr bool kWarpTeams = kDirectRead && kKsplit == 1 && kRows % G == 0 &&
-                            kRows / G * PRNN_WARPS == kUnits;
+constexpr bool kWarpTeams = kKsplit == 1 && kRows % G == 0 && kRows / G * PRNN_WARPS == kUnits;
+
+// Staged vectors of the grid's forward (persistent_forward.cu): two with warp teams, else one.
+template <int G>
+constexpr int kStagedBuffers = !kDirectRead && kWarpTeams<G> ? 2 : 1;
 
 template <int G>
 PRNN_DEVICE Team step_team() {
@@ -580,10 +605,10 @@ PRNN_DEVICE float* step_partials(int t, float* part_s, float* v_s) {
 }
 
 // A step's product of the tile and the vector of step s, for `batch` rows (0: none) into
-// part_s; ends with every thread past a block barrier (with kWarpTeam, a cluster's: its warp's
-// barrier only, Team). `failed`: this thread's wait for the vector failed (grid: the gather
+// part_s; ends with every thread past a block barrier (with kWarpTeam: its warp's barrier only,
+// Team). `failed`: this thread's wait for the vector failed (grid: the gather
 // after the previous step). Returns true when any thread's (kWarpTeam: any lane's) wait failed:
-// the step is not done and the kernel (the warp) must stop. prefetch() runs between the barrier
+// the step is not done and the kernel (a cluster's warp team: the warp) must stop. prefetch() runs between the barrier
 // that settles that and the product (grid) or after the product's barrier (cluster), where the
 // buffer it refills has been read by every thread that reads it.
 template <bool kWarpTeam = false, class Prefetch>
@@ -595,10 +620,10 @@ PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int
   if (team_sync_or<kWarpTeam>(failed)) return true;
   prefetch();
 #else
-  static_assert(!kWarpTeam, "warp teams read the exchange directly (a cluster)");
   if (prnn_sync_block_or(failed)) return true;  // the staged vector visible, and the vote
   prefetch();
-  multiply_batch(tile, v_s, part_s, batch, local_rows);  // ends with a block barrier
+  multiply_rows(tile, v_s, part_s, batch, local_rows);
+  team_sync_or<kWarpTeam>(0);  // the sums visible to the team that finishes them
 #endif
   return false;
 }

@@ -9,7 +9,7 @@
 // step it completed when it exits and the host restarts from min(progress)+1.
 //
 // Per step, grid: two block barriers (staged h_{t-1} visible + timeout vote; partial sums
-// visible), one L2 round trip per batch of quads a thread gathers (the gather: one at the large
+// visible; with warp teams, kWarpTeams, a warp barrier instead of the second), one L2 round trip per batch of quads a thread gathers (the gather: one at the large
 // tiles' usual batch sizes), no fence and no atomic; gi_{t+1} is fetched during step t's product.
 // Cluster (kDirectRead): each warp reads h_{t-1} straight from the tagged words in its CTA's
 // shared memory, no gather; and each warp holds all gate rows of its own units (kWarpTeams): it
@@ -32,19 +32,23 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   constexpr bool kWarpTeam = kWarpTeams<G>;
+  constexpr int kStaged = kStagedBuffers<G>;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
-  float* h_s = prnn_shared_memory<float>();  // [batch][kPadded]: h_{t-1}
-  float* gh_s = h_s + batch * kPadded;        // [batch][kKsplit][R]: partial W_hh h_{t-1}
+  float* h_s = prnn_shared_memory<float>();  // [kStaged][batch][kPadded]: h_{t-1} (by parity)
+  float* gh_s = h_s + kStaged * batch * kPadded;  // [batch][kKsplit][R]: partial W_hh h_{t-1}
   float* gi_s = gh_s + batch * kKsplit * R;   // [2][batch][G][kUnits]: gi_t by step parity
   float* c_s = gi_s + 2 * batch * G * kUnits;  // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
   float* hp_s = c_s + batch * kUnits;         // [batch][kUnits]: h_{t-1} of the owned units
   // Constants of the pointwise step, kept in shared memory (no global reload on the step's path).
   float* bias_s = hp_s + batch * kUnits;       // [G][kUnits]: b_hh of the owned rows
   int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
-  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, hidden);
+  // Every warp of a team has pointwise work: none sleeps before its gather.
+  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, hidden, kWarpTeam ? kThreads : -1);
+  // The staged copy of step s's vector (kStagedBuffers).
+  const auto staged = [&](int s) { return h_s + (kStaged == 2 ? (s & 1) * batch * kPadded : 0); };
 
   const Team team = step_team<G>();
   int rows[kRows];
@@ -82,18 +86,23 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     }
   };
   prefetch_gi(start);
-  begin_steps(xch, h_s, start - 1, start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch);
+  if (kStaged == 2) {  // the other buffer's zero padding (gathers write the words below hidden)
+    for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) staged(start)[idx] = 0.0f;
+  }
+  begin_steps(xch, staged(start - 1), start - 1,
+              start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch);
   static_assert(!kDirectRead || kKsplit * R <= kPadded, "odd steps' partial sums fit h_s");
 
-  // A warp team with no unit below `hidden` has nothing to compute: it reports every step done
-  // (the other warps' steps decide the CTA's progress) rather than wait for words it never uses.
-  const bool idle = kWarpTeam && j0 + team.unit0 >= hidden;
+  // A cluster's warp team with no unit below `hidden` has nothing to compute: it reports every
+  // step done (the other warps' steps decide the CTA's progress) rather than wait for words it
+  // never uses. (On the grid every warp gathers and meets the block's barrier.)
+  const bool idle = kDirectRead && kWarpTeam && j0 + team.unit0 >= hidden;
   int t = idle ? steps - 1 : start, failed = 0;
   while (!idle) {
     float* part_s = step_partials(t, gh_s, h_s);
     // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
     // gi_{t+1}'s buffer was last read by step t-1's pointwise.
-    if (step_product<kWarpTeam>(tile, xch, t - 1, h_s, part_s, batch, R, failed, ctl, timeout_ns,
+    if (step_product<kWarpTeam>(tile, xch, t - 1, staged(t - 1), part_s, batch, R, failed, ctl, timeout_ns,
                                 [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
       --t;  // step t was not completed
       break;
@@ -123,7 +132,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
       for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
     }
     if (t + 1 == steps) break;
-    failed = end_step(xch, h_s, t, ctl, timeout_ns);
+    failed = end_step(xch, staged(t), t, ctl, timeout_ns);
     prnn_copy_wait();  // gi_{t+1}
     ++t;
   }

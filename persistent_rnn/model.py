@@ -82,10 +82,9 @@ class PassShape:
     @property
     def warp_teams(self) -> bool:
         """Whether each warp finishes its own units (persistent_common.cuh, ``kWarpTeams``): a
-        cluster's forward whose warps hold all gate rows of their units over all of K."""
-        d = self.plan.defines
-        return (not self.backward and not self.stack and d.get("PRNN_CLUSTER", 0) > 0
-                and d["PRNN_KSPLIT"] == 1 and d["PRNN_ROWS"] * self.warps == self.cell.gates * self.units)
+        layer's forward whose warps hold all gate rows of their units over all of K."""
+        return (self.plan.source == "persistent_forward.cu"
+                and planner.warp_teams(self.cell, _tile_of(self).forward))
 
     @property
     def team_units(self) -> int:

@@ -61,9 +61,11 @@ def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, i
 # spills. The middle tiles serve H = 512, 768, 1024 and 1280 with K unpadded (issue 15: LSTM
 # H=1024 ran the 10-unit tile, K padded to 1280, a fifth of its FMAs on zeros): fewer weights per
 # thread, 8 gathered pairs in flight, on up to 128 SMs (an A100's 108 take the larger tiles).
+# Forward tiles of `rows` a multiple of G over all of K (``warp_teams``: LSTM's and GRU's two
+# smallest, LSTM's 8-unit ones) let each warp finish its own unit: one block barrier per step.
 SHIPPED: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
-             _tile(8, (8, 2, 12), (8, 8, 12)), _tile(8, (8, 2, 16), (8, 8, 16)),
+             _tile(8, (4, 1, 24), (8, 8, 12)), _tile(8, (4, 1, 32), (8, 8, 16)),
              _tile(10, (10, 2, 20), (10, 8, 20))),
     "gru": (_tile(4, (3, 1, 4), (4, 4, 3)), _tile(8, (3, 1, 16), (8, 8, 6)),
             _tile(8, (6, 2, 12), (8, 8, 9)), _tile(8, (6, 2, 16), (8, 8, 12)),
@@ -200,11 +202,19 @@ def padded_length(tile: PassTile) -> int:
     return tile.ksplit * WARP * tile.kpt
 
 
+def warp_teams(cell: CellSpec, tile: PassTile) -> bool:
+    """Whether each warp of a layer's forward with ``tile`` finishes its own units
+    (``kWarpTeams`` of persistent_common.cuh): it holds all G gate rows of them over all of K
+    (``ksplit`` 1), so the partial sums need a warp barrier, not a block barrier."""
+    return tile.ksplit == 1 and tile.rows % cell.gates == 0
+
+
 def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
                  stack: bool = False) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
-    Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded], partial sums
+    Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded] (on the grid with warp
+    teams, ``warp_teams``, two of them: [2][B][padded] by step parity), partial sums
     [B][ksplit][G*units], gi of two steps [2][B][G][units], c_{t-1} and h_{t-1} [B][units] each,
     b_hh [G][units], lengths [B].
     Backward (``persistent_backward.cu``): dgh_{t+1} staged [B][padded], partial sums
@@ -225,7 +235,8 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
         per_row = padded + pt.ksplit * units + 2 * inputs * units + 2 * units
         constants = 0
     else:
-        per_row = padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
+        staged = 2 if warp_teams(cell, pt) and not (tile.cluster or stack) else 1
+        per_row = staged * padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
         constants = (2 if stack else 1) * gates * units
     fixed = 4 * (batch * per_row + constants + batch)
     return -(-fixed // 16) * 16 + 8 * batch * padded if tile.cluster else fixed

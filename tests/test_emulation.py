@@ -383,6 +383,34 @@ def test_stall_restarts_with_bitwise_identical_results(settings, path, name, ste
         assert np.array_equal(a, b)
 
 
+# The grid's forward tiles whose warps finish their own units (plan.warp_teams) beyond the
+# smallest, which the tests above run at H = 40 and 72: LSTM's 8-unit tiles.
+TEAM_TILES = [t for t in planner.tiles_for(CELLS["lstm"])
+              if t.units == 8 and planner.warp_teams(CELLS["lstm"], t.forward)]
+
+
+@pytest.mark.parametrize("tile", TEAM_TILES, ids=lambda t: f"kpt{t.forward.kpt}")
+def test_grid_warp_teams_equal_float64_and_restart_bitwise(settings, grid_path, fresh_plans,
+                                                           monkeypatch, tile):
+    """LSTM on an 8-unit warp-team grid tile (one block barrier per step, h staged by parity),
+    H = 19: the last CTA's warps 3-7 own no unit but still gather and meet the barrier. Equal to
+    float64, and a stall of CTA 1 at step 3 restarts to bitwise the same results."""
+    assert len(TEAM_TILES) >= 2
+    monkeypatch.setattr(planner, "tiles_for", lambda c, dtype="float32": (tile,))
+    prnn.configure(emulation_timeout_ms=300)
+    data = _inputs("lstm", np.random.default_rng(14), steps=5, batch=2, hidden=19)
+    got = _run("lstm", "float32", "persistent", **data, hidden=19)
+    ref = _run("lstm", "float64", "gemm", **data, hidden=19)
+    assert f"'PRNN_KPT': {tile.forward.kpt}" in got["fwd"].details[0], got["fwd"].details
+    for a, b in zip(_flat(got), _flat(ref)):
+        assert _rel(a, b) <= 1e-5
+    with prnn.inject_stall(block=1, step=3, duration_ms=1200):
+        stalled = _run("lstm", "float32", "persistent", **data, hidden=19)
+    assert stalled["fwd"].restarts >= 1 and stalled["fwd"].fallback is None
+    for a, b in zip(_flat(got), _flat(stalled)):
+        assert np.array_equal(a, b)
+
+
 def test_ctas_not_co_resident_end_on_gemm_fallback(settings, grid_path):  # a cluster runs whole
     prnn.configure(emulation_timeout_ms=200, emulation_max_resident=1, max_restarts=1)
     data = _inputs("gru", np.random.default_rng(4))

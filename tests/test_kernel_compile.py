@@ -17,9 +17,10 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 from persistent_rnn import kernel_report, kernels
 from persistent_rnn.cells import CELLS
 from persistent_rnn.kernel_report import gather_variants
-from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, cluster_tiles_for,
-                                 pass_plan, projection_tile_ships, resident_ctas, stack_tiles_for,
-                                 tile_max_hidden, tiles_for)
+from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, PassTile,
+                                 cluster_tiles_for, pass_plan, projection_tile_ships, resident_ctas,
+                                 stack_tiles_for, tile_max_hidden, tiles_for)
+from persistent_rnn.plan import warp_teams as warp_teams_of
 
 # Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
 # the default per-test timeout on a cold cache and a busy 2-core machine.
@@ -117,10 +118,18 @@ def test_time_loop_sass_stays_short(records):
         assert r["stack_frame"] == 0 and r["local_memory"] == 0 and r["spill_bytes"] == 0, r
         # The loop was found: it publishes (stores) and gathers (loads) every step.
         assert loop["global_stores"] >= 1 and loop["global_loads"] >= 1, r
-        # A cluster's forward: each warp finishes its own units, no block barrier in a step
-        # (kWarpTeams); every other pass meets at one at least.
-        warp_teams = r["cluster"] and r["pass"] == "forward"
-        assert (loop["block_barriers"] == 0) if warp_teams else (loop["block_barriers"] >= 1), r
+        # A layer's forward whose warps finish their own units (kWarpTeams): in a cluster no
+        # block barrier in a step, on the grid one (the staged vector's); every other pass meets
+        # at one at least.
+        c = r["config"]
+        warp_teams = (r["pass"] == "forward" and not r["stack"] and not r["proj_size"]
+                      and warp_teams_of(CELLS[r["cell"]], PassTile(
+                          c["PRNN_ROWS"], c["PRNN_KSPLIT"], c["PRNN_KPT"])))
+        if warp_teams:
+            assert loop["block_barriers"] == (0 if r["cluster"] else 1), r
+        else:
+            assert not r["cluster"] or r["pass"] == "backward", r  # every cluster forward has teams
+            assert loop["block_barriers"] >= 1, r
 
 
 def test_sass_loop_counts_finds_the_loop_with_the_barrier():
