@@ -30,6 +30,14 @@
 #define PRNN_EMU_WATCHDOG_S 120
 #endif
 
+// Tests: the last warp of every block runs only every PRNN_EMU_LAGGING_WARP-th round of the
+// scheduler, so the other warps get that far ahead of it between two barriers (a GPU's warps
+// drift apart; here they otherwise move in step): shared memory a warp reads while another may
+// already overwrite it shows in the results. 0: every warp every round.
+#ifndef PRNN_EMU_LAGGING_WARP
+#define PRNN_EMU_LAGGING_WARP 0
+#endif
+
 namespace prnn_emu {
 
 constexpr std::size_t kStackBytes = 128 * 1024;  // per CUDA thread; kernels keep small frames
@@ -127,7 +135,7 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
     makecontext(&c, fiber_main, 0);
   }
   // Round robin over the runnable fibers until all have exited.
-  for (int alive = threads; alive > 0;) {
+  for (int alive = threads, round = 0; alive > 0; ++round) {
     bool ran = false;
     alive = 0;
     for (int t = 0; t < threads; ++t) {
@@ -135,6 +143,10 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
       if (f.done) continue;
       ++alive;
       if (f.wait_gen != nullptr && *f.wait_gen == f.wait_val) continue;
+      if (PRNN_EMU_LAGGING_WARP > 0 && t / kWarp == warps - 1 && round % PRNN_EMU_LAGGING_WARP != 0) {
+        ran = true;  // runnable, held back this round: not a deadlock
+        continue;
+      }
       f.wait_gen = nullptr;
       state.current = t;
       thread_idx.x = t;

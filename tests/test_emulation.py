@@ -393,10 +393,15 @@ TEAM_TILES = [t for t in planner.tiles_for(CELLS["lstm"])
 def test_grid_warp_teams_equal_float64_and_restart_bitwise(settings, grid_path, fresh_plans,
                                                            monkeypatch, tile):
     """LSTM on an 8-unit warp-team grid tile (one block barrier per step, h staged by parity),
-    H = 19: the last CTA's warps 3-7 own no unit but still gather and meet the barrier. Equal to
+    H = 19: the last CTA's warps 3-7 own no unit but still gather and meet the barrier. Each
+    CTA's last warp lags (PRNN_EMU_LAGGING_WARP): the others publish and gather the next h while
+    it still multiplies the last one, which one staged buffer would not survive. Equal to
     float64, and a stall of CTA 1 at step 3 restarts to bitwise the same results."""
     assert len(TEAM_TILES) >= 2
     monkeypatch.setattr(planner, "tiles_for", lambda c, dtype="float32": (tile,))
+    build = emulate.get_module
+    monkeypatch.setattr(emulate, "get_module", lambda source, defines: build(
+        source, {**defines, "PRNN_EMU_LAGGING_WARP": 8}))
     prnn.configure(emulation_timeout_ms=300)
     data = _inputs("lstm", np.random.default_rng(14), steps=5, batch=2, hidden=19)
     got = _run("lstm", "float32", "persistent", **data, hidden=19)
