@@ -304,11 +304,15 @@ inline void prnn_load_shared_pair(const float* p, float& a, float& b) {
   a = p[0];
   b = p[1];
 }
+// A 16-byte shared access the GPU would fault on (misaligned address) ends the process here too.
+inline void prnn_emu_check_quad(const float* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) std::abort();
+}
 inline void prnn_load_shared_quad(const float* p, float (&v)[4]) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) std::abort();  // a GPU faults: misaligned address
+  prnn_emu_check_quad(p);
   for (int i = 0; i < 4; ++i) v[i] = p[i];
 }
 inline void prnn_store_shared_quad(float* p, const float (&v)[4]) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) std::abort();  // a GPU faults: misaligned address
+  prnn_emu_check_quad(p);
   for (int i = 0; i < 4; ++i) p[i] = v[i];
 }

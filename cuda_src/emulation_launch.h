@@ -143,7 +143,8 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
       if (f.done) continue;
       ++alive;
       if (f.wait_gen != nullptr && *f.wait_gen == f.wait_val) continue;
-      if (PRNN_EMU_LAGGING_WARP > 0 && t / kWarp == warps - 1 && round % PRNN_EMU_LAGGING_WARP != 0) {
+      const bool lagging = PRNN_EMU_LAGGING_WARP > 0 && t / kWarp == warps - 1;
+      if (lagging && round % PRNN_EMU_LAGGING_WARP != 0) {
         ran = true;  // runnable, held back this round: not a deadlock
         continue;
       }

@@ -148,7 +148,8 @@ struct TileOf {
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int i = 0; i < kWordsPerLane; ++i) {
-        const int k = col0 / kPerWord + kSpanWords * (lane + kWarp * (i / kSpanWords)) + i % kSpanWords;
+        const int span = i / kSpanWords;  // word i % kSpanWords of the lane's span
+        const int k = col0 / kPerWord + kSpanWords * (lane + kWarp * span) + i % kSpanWords;
         w[r][i] = (held[r] >= 0 && k < row_words) ? m[(size_t)held[r] * row_words + k] : WeightWord(0);
       }
     }
@@ -493,9 +494,9 @@ PRNN_DEVICE int multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& x
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, chunk = warp % ksplit;
   const int row = Tile::row_of(lane);
   const bool writer = lane % Tile::kLanesPerRow == 0 && row >= 0;
+  static_assert(Tile::kSpan == kPerWord, "a direct read takes a lane's columns word by word");
   int failed = 0;
   for (int b = 0; b < batch; ++b) {
-    static_assert(Tile::kSpan == kPerWord, "a direct read takes a lane's columns word by word");
     float x[Tile::kWordsPerLane][kPerWord];  // after a failure: any values (every lane still
     // takes part in the product's shuffles)
     failed |= !xch.wait_lane(s, b, chunk * Tile::kChunk, lane, x, failed, ctl, timeout_ns);
@@ -513,8 +514,8 @@ PRNN_DEVICE int multiply_exchanged(const Tile& tile, const ExchangeOf<Padded>& x
 // units' rows are complete (the pointwise step and the next step's prefetch), and the barrier
 // that makes the sums visible to them: the whole CTA for all kUnits units (a block barrier), or
 // each warp alone for its own units (a warp barrier, kWarpTeams) - then a cluster's step has no
-// block barrier at all, and the grid's only the staged vector's. A team's loops over (batch row, unit) items give item i to its thread
-// i % size, and unit unit0 + i % units.
+// block barrier at all, and the grid's only the staged vector's. A team's loops over (batch row,
+// unit) items give item i to its thread i % size, and unit unit0 + i % units.
 struct Team {
   int thread;  // this thread's index in the team
   int size;    // threads in the team
@@ -606,11 +607,11 @@ PRNN_DEVICE float* step_partials(int t, float* part_s, float* v_s) {
 
 // A step's product of the tile and the vector of step s, for `batch` rows (0: none) into
 // part_s; ends with every thread past a block barrier (with kWarpTeam: its warp's barrier only,
-// Team). `failed`: this thread's wait for the vector failed (grid: the gather
-// after the previous step). Returns true when any thread's (kWarpTeam: any lane's) wait failed:
-// the step is not done and the kernel (a cluster's warp team: the warp) must stop. prefetch() runs between the barrier
-// that settles that and the product (grid) or after the product's barrier (cluster), where the
-// buffer it refills has been read by every thread that reads it.
+// Team). `failed`: this thread's wait for the vector failed (grid: the gather after the previous
+// step). Returns true when any thread's (a cluster's kWarpTeam: any lane's) wait failed: the step
+// is not done and the kernel (a cluster's warp team: the warp) must stop. prefetch() runs between
+// the barrier that settles that and the product (grid) or after the product's barrier (cluster),
+// where the buffer it refills has been read by every thread that reads it.
 template <bool kWarpTeam = false, class Prefetch>
 PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int s, const float* v_s,
                               float* part_s, int batch, int local_rows, int failed,

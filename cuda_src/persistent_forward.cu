@@ -9,8 +9,9 @@
 // step it completed when it exits and the host restarts from min(progress)+1.
 //
 // Per step, grid: two block barriers (staged h_{t-1} visible + timeout vote; partial sums
-// visible; with warp teams, kWarpTeams, a warp barrier instead of the second), one L2 round trip per batch of quads a thread gathers (the gather: one at the large
-// tiles' usual batch sizes), no fence and no atomic; gi_{t+1} is fetched during step t's product.
+// visible; with warp teams, kWarpTeams, a warp barrier instead of the second), one L2 round trip
+// per batch of quads a thread gathers (the gather: one at the large tiles' usual batch sizes), no
+// fence and no atomic; gi_{t+1} is fetched during step t's product.
 // Cluster (kDirectRead): each warp reads h_{t-1} straight from the tagged words in its CTA's
 // shared memory, no gather; and each warp holds all gate rows of its own units (kWarpTeams): it
 // finishes them itself (pointwise, publish, gi_{t+1}) after a warp barrier, so a step has no
@@ -46,9 +47,10 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   float* bias_s = hp_s + batch * kUnits;       // [G][kUnits]: b_hh of the owned rows
   int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
   // Every warp of a team has pointwise work: none sleeps before its gather.
-  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, hidden, kWarpTeam ? kThreads : -1);
-  // The staged copy of step s's vector (kStagedBuffers).
-  const auto staged = [&](int s) { return h_s + (kStaged == 2 ? (s & 1) * batch * kPadded : 0); };
+  const int busy = kWarpTeam ? kThreads : batch * kUnits;
+  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, hidden, busy);
+  // The staged copy of step s's vector (kStagedBuffers: 1 or 2, by step parity).
+  const auto staged = [&](int s) { return h_s + (s & (kStaged - 1)) * batch * kPadded; };
 
   const Team team = step_team<G>();
   int rows[kRows];
@@ -102,8 +104,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     float* part_s = step_partials(t, gh_s, h_s);
     // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
     // gi_{t+1}'s buffer was last read by step t-1's pointwise.
-    if (step_product<kWarpTeam>(tile, xch, t - 1, staged(t - 1), part_s, batch, R, failed, ctl, timeout_ns,
-                                [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
+    if (step_product<kWarpTeam>(tile, xch, t - 1, staged(t - 1), part_s, batch, R, failed, ctl,
+                                timeout_ns, [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
       --t;  // step t was not completed
       break;
     }

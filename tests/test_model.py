@@ -157,12 +157,14 @@ def test_grid_warp_teams_meet_at_one_block_barrier():
     spec = CELLS["lstm"]
     p = planner.make_plan(spec, 1024, 4, device="h100").forward
     s = model.PassShape(spec, p, 4, 1024)
-    assert "PRNN_CLUSTER" not in p.defines and s.warp_teams and (s.team_units, s.team_threads) == (1, 32)
+    assert "PRNN_CLUSTER" not in p.defines and s.warp_teams
+    assert (s.team_units, s.team_threads) == (1, 32)
     sass = model.pass_sass(p, "sm_90")
     assert kernel_report.sass_loop_counts(sass)["block_barriers"] == 1
     loop = kernel_report.time_loop(sass, converged=True)
     (matrix,) = [h for h in loop.inner if model.loop_kind(loop, h) == "matrix"]
-    shared_loads = [loop.code[i][0] for i in loop.inner[matrix] if model._base(loop.code[i][0]) == "LDS"]
+    ops = [loop.code[i][0] for i in loop.inner[matrix]]
+    shared_loads = [op for op in ops if model._base(op) == "LDS"]
     assert shared_loads == ["LDS.128"] * (p.defines["PRNN_KPT"] // 4)
     tile = planner.PassTile(p.defines["PRNN_ROWS"], 1, p.defines["PRNN_KPT"])
     teams = planner.Tile(8, tile, tile)
