@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import PackedSequence
 
 from ..validation import ALGOS
-from . import paths
+from . import onnx, paths
 from .packing import PackedLayout
 from .ops import LastRun, RunRecord, _cell, run_recurrence
 
@@ -61,6 +61,8 @@ class _RecurrentBase(torch.nn.RNNBase):
     def forward(self, input, hx=None):
         """torch.nn's forward: ``input, hx -> output, h_n`` (LSTM: ``output, (h_n, c_n)``)."""
         _refuse_unsupported_export(type(self).__name__)
+        if onnx.exporting():  # ONNX's own nodes, on any device (onnx.py)
+            return self._library_forward(input, hx, onnx.ALGO)
         packed = isinstance(input, PackedSequence)
         data = input.data if packed else input
         path, why = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
@@ -119,6 +121,8 @@ class _RecurrentBase(torch.nn.RNNBase):
     def _run_layers(self, x, lengths, h0, c0, weights, algo: str, layout: PackedLayout | None):
         """The stack in one op call, or (dropout in training) one call per layer with torch's
         dropout between layers, drawn as torch.nn's CPU kernels draw it."""
+        if algo == onnx.ALGO:
+            return onnx.recurrence_nodes(self, x, lengths, h0, c0, weights)
         layers, slot = self.num_layers, self._record.slot
         p = float(self.dropout) if self.training else 0.0
         if p == 0.0 or layers == 1:
@@ -158,8 +162,8 @@ def _refuse_unsupported_export(name: str) -> None:
     if torch.jit.is_tracing():
         raise RuntimeError(f"{name} from persistent_rnn.torch does not support TorchScript "
                            f"(torch.jit.trace, and the TorchScript-based ONNX exporter): use "
-                           f"torch.export or torch.compile, or torch.nn.{name} for ONNX (the "
-                           f"state_dict is the same)")
+                           f"torch.export or torch.compile, and torch.onnx.export(..., "
+                           f"dynamo=True) for ONNX")
 
 
 def _batch_size(input, batch_first: bool) -> int:
