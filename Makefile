@@ -1,4 +1,6 @@
-# make demo: the main job (forward/backward of every cell, then `prnn bench --quick` into out/bench).
+# make demo: the main job: forward/backward of every cell on NumPy; without a GPU, the latency
+# model's predicted persistent step times beside cuDNN's recorded ones (plot in out/); then
+# `prnn bench --quick` into out/bench (on a GPU: persistent, GEMM and cuDNN measured, plotted).
 # make test: the test suite (GPU tests skip where no GPU is present).
 # Both create .venv on first use (torch first, then the package with all extras); idempotent.
 PYTHON ?= python3
@@ -9,7 +11,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test venv
 
 demo: $(STAMP)
-	$(PY) -m persistent_rnn.demo
+	$(PY) -m persistent_rnn.demo --out out
 	$(PY) -m persistent_rnn.cli bench --quick --out out/bench
 
 test: $(STAMP)

@@ -3,7 +3,8 @@
     prnn info [--json]                       GPU, clocks, versions, largest hidden sizes
     prnn bench [--quick] [--json] [--out DIR] [sweep options]
     prnn kernels [--arch 80,90] [--json]     compiled kernel configurations (kernel_report)
-    prnn demo                                forward/backward of every cell on NumPy
+    prnn plan CELL HIDDEN [--batch B] [--verbose] [--json]   placement, predicted µs/step
+    prnn demo [--out DIR]                    every cell on NumPy; predicted vs recorded cuDNN
 
 Every command runs with the core dependencies alone (``prnn kernels`` needs NVRTC: without the
 ``cuda13`` extra it stops with one line saying so) and ends with a one-line error, never a
@@ -100,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     pl.add_argument("--device", choices=("h100", "h200", "a100"), default="h100")
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
-    sub.add_parser("demo", help="forward/backward of every cell with a summary (NumPy)")
+    d = sub.add_parser("demo", help="forward/backward of every cell (NumPy); without a GPU, "
+                                    "predicted persistent step times beside recorded cuDNN ones")
+    d.add_argument("--out", type=Path, default=Path("out"), help="where the plot goes (default out)")
     return parser
 
 
@@ -252,7 +255,7 @@ def _dispatch(argv: list[str]) -> int:
     if args.command == "plan":
         return run_plan(args)
     from . import demo
-    demo.main()
+    demo.main(["--out", str(args.out)])
     return 0
 
 

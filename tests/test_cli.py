@@ -77,8 +77,8 @@ def test_kernels_delegates_to_kernel_report(monkeypatch):
 def test_demo_runs_the_demo_main(monkeypatch):
     from persistent_rnn import demo
     calls = []
-    monkeypatch.setattr(demo, "main", lambda: calls.append(1))
-    assert cli.main(["demo"]) == 0 and calls == [1]
+    monkeypatch.setattr(demo, "main", calls.append)
+    assert cli.main(["demo"]) == 0 and calls == [["--out", "out"]]
 
 
 def test_module_entry_point_runs():

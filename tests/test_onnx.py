@@ -31,7 +31,7 @@ CELLS = {"rnn_tanh": (prt.RNN, {}), "rnn_relu": (prt.RNN, {"nonlinearity": "relu
 # configuration: (module keywords, initial states given, lengths given)
 CONFIGS = {"plain": ({}, False, False),
            "stack": ({"num_layers": 2, "bidirectional": True, "batch_first": True}, True, False),
-           "lengths": ({"num_layers": 2, "bidirectional": True}, True, True)}
+           "lengths": ({"num_layers": 2, "bidirectional": True, "bias": False}, True, True)}
 
 
 class _Model(torch.nn.Module):
