@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import bench
+from .extras import install_hint
 from .hardware import PORTABLE_CLUSTER_CTAS
 
 DEFAULT_OUT = "prnn_bench_results"
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     pl.add_argument("--device", choices=("h100", "h200", "a100"), default="h100")
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
+    pl.add_argument("--verbose", action="store_true",
+                    help="where the layer does not fit, every tile tried and why")
     d = sub.add_parser("demo", help="forward/backward of every cell (NumPy); without a GPU, "
                                     "predicted persistent step times beside recorded cuDNN ones")
     d.add_argument("--out", type=Path, default=Path("out"), help="where the plot goes (default out)")
@@ -156,7 +159,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     table = sys.stderr if args.json else sys.stdout
     print(bench.format_table(results), file=table)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else
-                                  ' (no plot: pip install "persistent-rnn[bench]" for it)'),
+                                  f" (no plot: {install_hint('bench')})"),
           file=table)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -170,13 +173,12 @@ def run_plan(args: argparse.Namespace) -> int:
         record = model.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype, args.device)
     except ValueError as exc:
         return _error("plan", str(exc))
+    if not record["fits"]:
+        return _plan_not_fit(args, record)
     if args.json:
         print(json.dumps(record, indent=1))
-        return 0 if record["fits"] else 1
+        return 0
     print(f"{record['cell']} H={args.hidden} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
-    if not record["fits"]:
-        print(f"does not fit: {record['reason']}")
-        return 1
     tile = record["tile"]
     print(f"placement: {tile['placement']}, {tile['units']} units per CTA")
     if record["forward"]["ctas"] > PORTABLE_CLUSTER_CTAS and tile["cluster"]:
@@ -204,6 +206,23 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"stack mode: no ({sm['reason']})")
     print(f"(a prediction of the latency model, not a measurement: {record['calibration']})")
     return 0
+
+
+def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:
+    """``prnn plan`` of a layer that does not fit (exit 1): what limits it, the largest hidden
+    size that fits and what runs instead (``plan.not_fit_lines``); every tile tried only with
+    ``--json`` or ``--verbose``."""
+    from . import plan
+    lines = plan.not_fit_lines(args.cell, args.hidden, args.batch, args.dtype, args.device)
+    if args.json:
+        print(json.dumps({**record, "explanation": lines}, indent=1))
+        return 1
+    print("\n".join(lines))
+    if args.verbose:
+        print("tiles tried:", *record["tried"], sep="\n  ")
+    else:
+        print("(every tile tried and why: --verbose or --json)")
+    return 1
 
 
 def run_kernels(argv: list[str]) -> int:
@@ -237,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         command = argv[0] if argv else "prnn"
         return _error(command, f"needs the {extra} extra ({exc.name} is not installed): "
-                               f'pip install "persistent-rnn[{extra}]"', status=1)
+                               + install_hint(extra), status=1)
     except BrokenPipeError:
         # Point stdout at /dev/null so that the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

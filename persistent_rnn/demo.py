@@ -20,6 +20,7 @@ import numpy as np
 
 import persistent_rnn as prnn
 from persistent_rnn.cells import CELLS, layer_args
+from persistent_rnn.extras import install_hint
 
 T, B, I, H = 16, 4, 8, 32
 
@@ -205,12 +206,12 @@ def main(argv: list[str] | None = None) -> None:
         rows = compare()
     except ModuleNotFoundError as exc:  # the predictions compile the kernels with NVRTC
         print(f"\nNo predictions: the latency model reads the kernels' SASS, compiled with NVRTC "
-              f'({exc.name} is not installed): pip install "persistent-rnn[cuda13]"')
+              f"({exc.name} is not installed): {install_hint('cuda13')}")
         return
     try:
         print(f"wrote {plot(rows, args.out)}")
     except ModuleNotFoundError:
-        print('no plot: pip install "persistent-rnn[bench]" for it')
+        print(f"no plot: {install_hint('bench')}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import plan
+from .extras import install_hint
 from .hardware import fp32_lanes_per_sm
 
 CELL_NAMES = ("rnn_tanh", "gru", "lstm")
@@ -117,7 +118,7 @@ def collect() -> dict[str, Any]:
 def _cupy_missing(exc: ImportError) -> str:
     """Why there is no GPU when CuPy does not import."""
     if isinstance(exc, ModuleNotFoundError) and exc.name == "cupy":
-        return 'CuPy is not installed, so no GPU is used: pip install "persistent-rnn[cuda13]"'
+        return f"CuPy is not installed, so no GPU is used: {install_hint('cuda13')}"
     return f"CuPy is installed but does not import ({type(exc).__name__}: {exc}), so no GPU is used"
 
 

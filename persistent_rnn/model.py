@@ -602,7 +602,7 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     record: dict = {"cell": spec.name, "hidden_size": hidden, "batch": batch, "layers": layers,
                     "dtype": dtype, "device": dev.name, "fits": plan.fits, "reason": plan.reason}
     if not plan.fits:
-        return record
+        return {**record, "tried": list(plan.tried)}
     record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
                       "placement": "cluster" if plan.tile.cluster else "grid"}
     for name, p in (("forward", plan.forward), ("backward", plan.backward)):

@@ -159,13 +159,15 @@ class PassPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The plan of one layer-direction: both passes, or the reason it does not fit."""
+    """The plan of one layer-direction: both passes, or the reason it does not fit (what
+    limits it, ``not_fit_reason``) and, in ``tried``, why each shipped tile does not."""
 
     fits: bool
     reason: str | None = None
     tile: Tile | ProjectionTile | None = None
     forward: PassPlan | None = None
     backward: PassPlan | None = None
+    tried: tuple[str, ...] = ()
 
 
 def resident_ctas(threads: int, registers: int, registers_per_sm: int = REGISTERS_PER_SM) -> int:
@@ -424,10 +426,10 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
 
 def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
     """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits."""
-    tried = []
+    tried: list[tuple[object, int, str]] = []
     for tile in PROJECTION_TILES:
         if not projection_tile_ships(tile, dtype, dev.arch):
-            tried.append(f"{tile}: not built for {dtype} on {dev.arch} (ptxas spills)")
+            tried.append((tile, 0, f"not built for {dtype} on {dev.arch} (ptxas spills)"))
             continue
         fwd = projection_pass_plan(tile, False, hidden, proj, batch, dtype)
         bwd = projection_pass_plan(tile, True, hidden, proj, batch, dtype)
@@ -436,9 +438,9 @@ def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: Device
                   else _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden))
         if reason is None:
             return Plan(True, None, tile, fwd, bwd)
-        tried.append(f"{tile}: {reason}")
-    return Plan(False, f"lstm H={hidden} proj_size={proj} B={batch} does not fit {dev.name}: "
-                       + "; ".join(tried))
+        tried.append((tile, top_proj, reason))
+    return _no_fit(f"lstm H={hidden} proj_size={proj} B={batch}{_dtype_words(dtype)} does not "
+                   f"fit {dev.name}", tried)
 
 
 def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float32",
@@ -464,7 +466,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
                            f"({', '.join(KERNEL_DTYPES)})")
     if proj_size:
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
-    tried = []
+    tried: list[tuple[object, int, str]] = []
     candidates = cluster_tiles_for(cell, dtype) if has_clusters(dev) else ()
     candidates += tiles_for(cell, dtype)
     for tile in candidates:
@@ -473,8 +475,59 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return Plan(True, None, tile, fwd, bwd)
-        tried.append(f"{tile}: {reason}")
-    return Plan(False, f"{cell.name} H={hidden} B={batch} does not fit {dev.name}: " + "; ".join(tried))
+        tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
+    return _no_fit(f"{cell.name} H={hidden} B={batch}{_dtype_words(dtype)} does not fit "
+                   f"{dev.name}", tried)
+
+
+# What limits a layer, by the words of the reasons ``_why_not`` and the projection planner give
+_LIMITS = (("served by the tile", "registers"), ("not built for", "registers"),
+           ("register file", "registers"), ("shared memory", "shared memory"),
+           ("cluster of", "cluster size"), ("SMs", "SM count"), ("threads >", "block size"))
+
+
+def _dtype_words(dtype: str) -> str:
+    return "" if dtype == "float32" else f" {dtype}"
+
+
+def _no_fit(head: str, tried: list[tuple[object, int, str]]) -> Plan:
+    """The ``Plan`` of a layer no tile runs: ``not_fit_reason`` and every tile's reason."""
+    return Plan(False, not_fit_reason(head, [(top, why) for _, top, why in tried]),
+                tried=tuple(f"{tile}: {why}" for tile, _, why in tried))
+
+
+def not_fit_reason(head: str, tried: list[tuple[int, str]]) -> str:
+    """``head`` and what limits the layer, one line: each limit (registers, shared memory,
+    cluster size, SM count, block size) once, with its first detail, over the tiles whose
+    register tile holds the layer — or, where none does, the registers of the one that holds
+    the most (``tried``: each tile's capacity and reason)."""
+    def limit(why: str) -> str:
+        return next((name for words, name in _LIMITS if words in why), "other")
+
+    holding = [why for _, why in tried if limit(why) != "registers" or "register file" in why]
+    if not holding:
+        holding = [max(tried, key=lambda t: t[0])[1]] if tried else []
+    found: dict[str, str] = {}
+    for why in holding:
+        found.setdefault(limit(why), why)
+    return f"{head}: limited by " + "; ".join(f"{name} ({why})" for name, why in found.items())
+
+
+def not_fit_lines(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float32",
+                  device: DeviceProfile | str | None = None, proj_size: int = 0) -> list[str]:
+    """Why a layer does not fit and what to do, in two lines a person can act on: what limits
+    it (``Plan.reason``), then the largest hidden size that fits at this batch and dtype and
+    what ``algo="auto"`` runs instead. (``[]`` where the layer fits.)"""
+    dev = resolve_device(device)
+    plan = make_plan(cell, hidden, batch, dtype, dev, proj_size)
+    if plan.fits:
+        return []
+    top = max_hidden_size(resolve_cell(cell).name, dtype, dev, batch, proj_size)
+    where = f"at B={batch} {dtype}" + (f" with proj_size={proj_size}" if proj_size else "")
+    largest = (f"the largest hidden size that fits {where} is {top}" if top
+               else f"no hidden size fits {where}")
+    return [plan.reason, f"{largest}; algo=\"auto\" runs the layer on the GEMM path instead "
+                         f"(persistent_rnn.torch: torch's kernels, cuDNN on a GPU)"]
 
 
 # Stack tiles (cuda_src/stack_forward.cu, stack_backward.cu): every layer of a unidirectional

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from persistent_rnn import cli
+from persistent_rnn.extras import install_hint
 
 
 def _parse(*argv):
@@ -110,7 +111,7 @@ def test_kernels_without_cupy_names_the_extra(monkeypatch, capsys):
     _uninstall(monkeypatch, "cupy_backends")
     assert cli.main(["kernels", "--arch", "90"]) == 1
     line = _one_line(capsys.readouterr().err)
-    assert 'pip install "persistent-rnn[cuda13]"' in line
+    assert install_hint("cuda13") in line
 
 
 def test_bench_refuses_an_unwritable_out_before_measuring(tmp_path, monkeypatch, capsys):
@@ -127,7 +128,7 @@ def test_bench_without_matplotlib_writes_json_and_says_which_extra(tmp_path, mon
     argv = ["bench", "--cpu", "--out", str(tmp_path), "--no-progress", "--cells", "gru",
             "--batches", "1", "--hidden", "8", "--seq-len", "2", "--passes", "forward"]
     assert cli.main(argv) == 0
-    assert 'no plot: pip install "persistent-rnn[bench]"' in capsys.readouterr().out
+    assert f"no plot: {install_hint('bench')}" in capsys.readouterr().out
     assert json.loads((tmp_path / "bench_results.json").read_text())["points"]
     assert not (tmp_path / "bench_tflops.png").exists()
 
@@ -138,3 +139,54 @@ def test_closed_pipe_ends_quietly():
     proc.stdout.close()  # the reader went away before the first line, as `| head -0` would
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and err == b"", err.decode()
+
+
+TOO_BIG = ["plan", "LSTM", "768", "--batch", "16", "--dtype", "float16"]  # issue 31's example
+
+
+def test_plan_of_a_layer_that_does_not_fit_is_three_lines(capsys):
+    assert cli.main(TOO_BIG) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(len(line) < 200 for line in lines), lines
+    assert lines[0] == ("lstm H=768 B=16 float16 does not fit h100: limited by shared memory "
+                        "(345664 bytes of shared memory > 232448)")
+    assert lines[1].startswith("the largest hidden size that fits at B=16 float16 is 512; "
+                               'algo="auto" runs the layer on the GEMM path instead')
+    assert "Tile(" not in "".join(lines) and "--verbose" in lines[2]
+
+
+def test_plan_largest_fitting_size_is_the_largest(capsys):
+    from persistent_rnn import plan
+    assert plan.make_plan("lstm", 512, 16, "float16", "h100").fits
+    assert not any(plan.make_plan("lstm", h, 16, "float16", "h100").fits for h in range(513, 769))
+
+
+def test_plan_tile_detail_only_on_request(capsys):
+    assert cli.main(TOO_BIG + ["--verbose"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("\n  Tile(units=") == 6 and "tiles tried:" in out
+    assert cli.main(TOO_BIG + ["--json"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert not record["fits"] and len(record["tried"]) == 6 and len(record["explanation"]) == 2
+    assert record["reason"] == record["explanation"][0]
+
+
+@pytest.mark.parametrize("hidden, batch, limit", [(4096, 1, "registers (hidden_size 4096 > "),
+                                                  (1250, 64, "shared memory (")])
+def test_plan_names_what_limits(capsys, hidden, batch, limit):
+    assert cli.main(["plan", "LSTM", str(hidden), "--batch", str(batch)]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"lstm H={hidden} B={batch} does not fit h100: limited by {limit}" in first
+
+
+def test_a_layers_refusal_uses_the_plans_words():
+    import numpy as np
+
+    import persistent_rnn as prnn
+    from persistent_rnn import plan, runtime
+    reason = plan.make_plan("gru", 1500, 1, device=runtime.EMULATED_DEVICE).reason
+    assert "limited by registers" in reason
+    layer = prnn.GRU(4, 1500, algo="persistent", dtype="float32")
+    with pytest.raises(ValueError) as err:
+        layer.forward(np.zeros((2, 1, 4), np.float32))
+    assert str(err.value) == f"algo='persistent' cannot run this layer: {reason}"

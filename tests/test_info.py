@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from persistent_rnn import cli, info, plan
+from persistent_rnn.extras import install_hint
 
 
 def test_peak_formula():
@@ -44,7 +45,7 @@ def test_info_tells_cupy_not_installed_from_no_gpu(monkeypatch, capsys):
     monkeypatch.setattr(info, "gpu_info", lambda: pytest.fail("looked for a GPU without CuPy"))
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
-    assert 'CuPy is not installed, so no GPU is used: pip install "persistent-rnn[cuda13]"' in text
+    assert f"CuPy is not installed, so no GPU is used: {install_hint('cuda13')}" in text
     assert "no GPU:" not in text and "h200: 132 SMs" in text
 
 
