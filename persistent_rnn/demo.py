@@ -122,10 +122,10 @@ def recorded_cudnn(layer: Layer, results: dict | None) -> dict[str, float]:
     return found
 
 
-def _recorded_results() -> tuple[dict | None, Path]:
+def _recorded_results() -> dict | None:
     """The recorded run (``RECORDED`` in the source tree this package runs from) or ``None``."""
     path = Path(__file__).resolve().parents[1] / RECORDED
-    return (json.loads(path.read_text()) if path.is_file() else None), path
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _figures(values: dict[str, float]) -> str:
@@ -134,10 +134,18 @@ def _figures(values: dict[str, float]) -> str:
 
 def compare(layers: tuple[Layer, ...] | None = None, device: str = PROFILE) -> list[dict]:
     """Print predicted persistent beside measured cuDNN µs per step of ``layers`` (default
-    ``TYPICAL``); return the rows."""
+    ``TYPICAL``); return the rows. (The predictions come first: without NVRTC, the
+    ``ModuleNotFoundError`` leaves nothing half printed.)"""
     from . import model
-    layers = TYPICAL if layers is None else layers
-    results, path = _recorded_results()
+    results = _recorded_results()
+    rows = []
+    for layer in TYPICAL if layers is None else layers:
+        try:
+            predicted, note = predicted_us(layer, device), None
+        except ValueError as exc:  # the planner's reason: it does not fit
+            predicted, note = {}, str(exc)
+        rows.append({"layer": layer.label, "predicted": predicted, "note": note,
+                     "measured": recorded_cudnn(layer, results)})
     source = (f"{RECORDED} ({results['device']}, {results['date'][:10]}, prnn bench, fp32, "
               f"TF32 off, T={SEQ_LEN})" if results else
               f"not in this installation ({RECORDED} of the source tree)")
@@ -147,16 +155,10 @@ def compare(layers: tuple[Layer, ...] | None = None, device: str = PROFILE) -> l
     print(f"  measured  = torch.nn on cuDNN, recorded: {source}")
     print(f"{'':30s}{'predicted persistent':>20s}   {'measured cuDNN':>20s}")
     print(f"{'layer':30s}{'forward':>10s}{'fwd+bwd':>10s}   {'forward':>10s}{'fwd+bwd':>10s}")
-    rows = []
-    for layer in layers:
-        try:
-            predicted = predicted_us(layer, device)
-        except ValueError as exc:  # the planner's reason: it does not fit
-            predicted = {}
-            print(f"  ({layer.label}: does not fit: {exc})")
-        measured = recorded_cudnn(layer, results)
-        rows.append({"layer": layer.label, "predicted": predicted, "measured": measured})
-        print(f"{layer.label:30s}{_figures(predicted)}   {_figures(measured)}")
+    for row in rows:
+        print(f"{row['layer']:30s}{_figures(row['predicted'])}   {_figures(row['measured'])}")
+        if row["note"]:
+            print(f"  ({row['note']})")
     print("  ('-': not recorded. Predictions are not measurements; the recorded cuDNN run was on "
           "an H200, which no H100 run has repeated yet.)")
     return rows

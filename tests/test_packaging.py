@@ -1,15 +1,26 @@
-"""The wheel: built from this checkout and installed into a fresh venv that sees only the core
-dependencies (no extras: no CuPy, torch or matplotlib); the CUDA sources are found inside the
-installed package and every ``prnn`` command runs or stops with a one-line hint."""
+"""Installation as README.md says, into fresh venvs.
+
+* The wheel, built from this checkout, in a venv that sees only the core dependencies (no
+  extras: no CuPy, torch or matplotlib): the CUDA sources are found inside the installed package
+  and every ``prnn`` command runs or stops with a one-line hint.
+* README's install commands, as written (from the clone, and through a wheel), in venvs that see
+  this environment's packages (so that pip finds every dependency installed and downloads
+  nothing) but not its persistent_rnn: ``prnn info`` and a forward from the installed package.
+"""
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
+import shlex
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
+
+from persistent_rnn.extras import install_hint
 
 tomllib = pytest.importorskip("tomllib")
 
@@ -54,20 +65,40 @@ def _link_core_site(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory):
+def dist(tmp_path_factory) -> Path:
+    """A folder holding the wheel built from this checkout (``python -m build --wheel``, without
+    build isolation: hatchling from the test extra, no network)."""
+    dist = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist),
+          str(ROOT)])
+    return dist
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, dist):
     """(python, environment) of a fresh venv holding the wheel and the core dependencies."""
     tmp = tmp_path_factory.mktemp("wheel")
-    dist, venv = tmp / "dist", tmp / "venv"
-    _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT)])
     (wheel,) = dist.glob("persistent_rnn-*.whl")
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    python = venv / "bin" / "python"
+    python = _fresh_venv(tmp / "venv")
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
           "--no-index", str(wheel)])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(PYTHONPATH=str(_link_core_site(tmp / "core")),
-               PRNN_CACHE_DIR=str(tmp / "cache"), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
+    env = _venv_env(python, tmp)
+    env["PYTHONPATH"] = str(_link_core_site(tmp / "core"))
     return python, env
+
+
+def _fresh_venv(path: Path) -> Path:
+    """A venv without pip (pip runs from this environment with ``--python``); its python."""
+    _run([sys.executable, "-m", "venv", "--without-pip", str(path)])
+    return path / "bin" / "python"
+
+
+def _venv_env(python: Path, tmp: Path) -> dict:
+    """The environment of a command run in the venv of ``python``: its bin first, nothing of
+    this environment's Python settings, a private kernel cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PRNN_CACHE_DIR=str(tmp / "cache"), PATH=f"{python.parent}:{env.get('PATH', '')}")
+    return env
 
 
 @pytest.mark.slow
@@ -85,17 +116,87 @@ def test_commands_without_extras(venv, tmp_path):
     python, env = venv
     prnn = str(python.parent / "prnn")
     info = _run([prnn, "info"], cwd=tmp_path, env=env)
-    assert 'CuPy is not installed, so no GPU is used: pip install "persistent-rnn[cuda13]"' in info
+    assert f"CuPy is not installed, so no GPU is used: {install_hint('cuda13')}" in info
     bench = _run([prnn, "bench", "--quick", "--no-progress", "--out", "b"], cwd=tmp_path, env=env)
-    assert 'no plot: pip install "persistent-rnn[bench]"' in bench
+    assert f"no plot: {install_hint('bench')}" in bench
     assert (tmp_path / "b" / "bench_results.json").is_file()
-    assert "|grad - finite diff|" in _run([prnn, "demo"], cwd=tmp_path, env=env)
+    demo = _run([prnn, "demo"], cwd=tmp_path, env=env)
+    assert "|grad - finite diff|" in demo and "predicted" not in demo
+    assert demo.strip().splitlines()[-1] == (
+        "No predictions: the latency model reads the kernels' SASS, compiled with NVRTC "
+        f"(cupy_backends is not installed): {install_hint('cuda13')}")
     kernels = subprocess.run([prnn, "kernels"], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=120)
     assert kernels.returncode == 1 and kernels.stdout == ""
     assert kernels.stderr.strip().splitlines() == [
         "prnn kernels: error: needs the cuda13 extra (cupy_backends is not installed): "
-        'pip install "persistent-rnn[cuda13]"']
+        + install_hint("cuda13")]
+
+
+# What the installed package must do: come from the venv, report, and run a forward (NumPy; and
+# persistent_rnn.torch against torch.nn).
+FORWARD = """
+import sys
+from pathlib import Path
+import numpy as np
+import torch
+import persistent_rnn as prnn
+import persistent_rnn.torch as prt
+assert Path(sys.prefix) in Path(prnn.__file__).resolve().parents, prnn.__file__
+y, _ = prnn.GRU(3, 5, seed=0).forward(np.ones((4, 2, 3), np.float32))
+assert y.shape == (4, 2, 5) and np.isfinite(y).all()
+lstm, ref = prt.LSTM(3, 5), torch.nn.LSTM(3, 5)
+ref.load_state_dict(lstm.state_dict())
+x = torch.randn(4, 2, 3)
+torch.testing.assert_close(lstm(x)[0], ref(x)[0])
+print("forward ok", prnn.__file__)
+"""
+
+
+def _readme_install_commands() -> list[str]:
+    """The command lines of README.md's install block (``pip install ...``, ``python -m ...``)."""
+    section = (ROOT / "README.md").read_text().split("## Install", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    return [line for line in lines if line]
+
+
+def _site_without_this_package(dest: Path) -> Path:
+    """A folder of links to everything this environment has installed but persistent_rnn
+    itself (its editable install would shadow the one under test)."""
+    dest.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not re.match(r"(_editable_impl_)?persistent_rnn|__editable__|__pycache__", entry.name):
+            (dest / entry.name).symlink_to(entry)
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["clone", "wheel"])
+def test_readme_install_commands_work_as_written(route, tmp_path):
+    commands = _readme_install_commands()
+    assert commands == ['pip install ".[cuda13,torch,bench]"', "pip install build",
+                        "python -m build --wheel",
+                        'pip install "dist/persistent_rnn-0.1.0-py3-none-any.whl'
+                        '[cuda13,torch,bench]"']
+    python = _fresh_venv(tmp_path / "venv")
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                         "['purelib'])"]).strip())
+    (site / "installed.pth").write_text(f"{_site_without_this_package(tmp_path / 'site')}\n")
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
+           "--no-build-isolation"]  # every requirement is installed already: nothing to download
+    env = _venv_env(python, tmp_path)
+    if route == "clone":
+        _run(pip + shlex.split(commands[0])[2:], cwd=ROOT)
+    else:  # the wheel into a temporary dist/, built by the venv's python without isolation
+        _run(pip + shlex.split(commands[1])[2:], cwd=ROOT)
+        _run([str(python)] + shlex.split(commands[2])[1:] + [
+            "--no-isolation", "--outdir", str(tmp_path / "dist"), str(ROOT)], cwd=ROOT, env=env)
+        _run(pip + [shlex.split(commands[3])[2].replace("dist/", f"{tmp_path}/dist/")],
+             cwd=tmp_path)
+    info = _run([str(python.parent / "prnn"), "info"], cwd=tmp_path, env=env)
+    assert info.startswith("persistent_rnn 0.1.0\n") and "max_hidden_size" in info, info
+    assert "forward ok" in _run([str(python), "-c", FORWARD], cwd=tmp_path, env=env)
 
 
 def _run(cmd, **kw) -> str:
