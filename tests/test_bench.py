@@ -199,13 +199,47 @@ def test_cpu_run_of_a_projected_stack_records_its_shape(tmp_path, capsys, monkey
                      "--proj-size", "4", "--layers", "2", "--batches", "1,3", "--seq-len", "5",
                      "--passes", "forward", "--no-progress"]) == 0
     results = json.loads(capsys.readouterr().out)
-    assert results["commit"] == "feedbeef" and results["schema_version"] == 2
+    assert results["commit"] == "feedbeef" and results["schema_version"] == 3
+    assert "nvrtc" in results  # None where CuPy's NVRTC does not load
     assert results["settings"]["prnn_settings"]["gemm_graphs"] is False
     assert [(p["batch"], p["proj_size"], p["num_layers"]) for p in results["points"]] == [(1, 4, 2), (3, 4, 2)]
     for p in results["points"]:
         assert p["flops_per_step"] == bench.recurrence_flops_per_step("lstm", p["batch"], 16, "forward", 4, 2)
         assert p["activation_bytes"] == bench.activation_bytes("lstm", p["batch"], 16, 5, "float32", 4, 2)
         assert p["predicted_us_per_step"] is None  # GEMM points carry no prediction
+        # every call's forward was read: 2 warm-up + 10 timed
+        assert p["passes_checked"] == 12 and p["restarts"] == 0 and p["fallback"] is None
+
+
+def test_a_point_reports_the_restarts_and_fallback_of_every_call(monkeypatch):
+    """A fallback in the first (warm-up) call and restarts in a timed one both reach the point,
+    though the last call ran cleanly."""
+    import numpy as np
+    import persistent_rnn as prnn
+    from persistent_rnn.stats import RunStats
+    script = iter([RunStats("gemm", 3, "barrier timeout"), RunStats("persistent", 2),
+                   *[RunStats("persistent")] * 20])
+
+    class ScriptedLSTM:
+        def __init__(self, input_size, hidden, **kwargs):
+            self.params, self.last_run = {}, None
+
+        def forward(self, x):
+            self.last_run = next(script)
+            return np.zeros((x.shape[0], x.shape[1], 8), np.float32), None
+
+    monkeypatch.setattr(prnn, "LSTM", ScriptedLSTM)
+    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(8,), seq_lens=(2,), batches=(1,),
+                        passes=("forward",), algos=("persistent",), repeats=10, warmup=2)
+    point = bench.measure_point(sweep, "lstm", "forward", "persistent", 1, 8, 2, gpu=False,
+                                peak_tflops=None)
+    assert (point.restarts, point.fallback, point.passes_checked) == (5, "barrier timeout", 12)
+
+
+def test_the_full_gpu_sweep_measures_the_headline_first():
+    sweep = bench.default_sweep(gpu=True, quick=False)
+    assert (sweep.cells[0], sweep.hidden_sizes[0]) == ("lstm", 1024)
+    assert "prnn_torch" in bench.BENCH_ALGOS and bench.resolve_sweep(sweep, gpu=False).algos == ("gemm",)
 
 
 def test_projection_needs_the_lstm(capsys):
@@ -218,6 +252,7 @@ def test_info_json_is_stamped(capsys, monkeypatch):
     assert cli.main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["commit"] == "c0ffee" and report["command"] == "prnn info --json" and report["date"]
+    assert report["nvrtc"] == bench.nvrtc_version()
 
 
 def test_prediction_is_the_models_benchmark_figure():
