@@ -122,7 +122,7 @@ def test_study_size_ladders():
     assert hidden_sweep.hidden_sizes(1280, quick=False) == (128, 256, 512, 1024, 1280)
     assert hidden_sweep.hidden_sizes(1280, quick=True) == (128, 512, 1280)
     assert barrier_latency.grid_sizes(132, quick=False) == [1, 2, 4, 8, 16, 32, 64, 128, 132]
-    assert barrier_latency.grid_sizes(108, quick=True) == [1, 8, 108]
+    assert barrier_latency.grid_sizes(108, quick=True) == [1, 8, 16, 108]
 
 
 def _point(algo, batch, tflops, peak=None, us=10.0, predicted=None, **extra):
@@ -164,7 +164,12 @@ def test_barrier_latency_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
         pytest.skip("cuda_src/grid_barrier.cu (the emulation helper's) is not in the tree")
     monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path))
     log = kernels.compile_source("grid_barrier.cu", {}, "sm_90").log
-    assert f"'{_bench_script('barrier_latency').KERNEL}'" in log and "0 bytes spill stores" in log
+    barrier_latency = _bench_script("barrier_latency")
+    assert f"'{barrier_latency.KERNEL}'" in log and "0 bytes spill stores" in log
+    # the cluster exchange at the small layers' cluster size (16 CTAs on H100/H200)
+    assert barrier_latency.MAX_CLUSTER == 16
+    log = kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 16}, "sm_90").log
+    assert f"'{barrier_latency.CLUSTER_KERNEL}'" in log
 
 
 # --- projections, stacks, predictions, the commit stamp, the GPU suite's pieces on the CPU ---
