@@ -270,10 +270,10 @@ def _shape_args(sweep: Sweep) -> dict[str, int]:
 
 
 def _torch_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, hidden: int,
-                seq_len: int, tally: CallTally):
-    """A call running a torch module on CUDA tensors - ``torch.nn``'s (cuDNN) for ``cudnn``,
-    ``persistent_rnn.torch``'s with ``algo="persistent"`` for ``prnn_torch`` (every pass's
-    ``last_run`` counted in ``tally``) - and its inputs."""
+                seq_len: int, tally: CallTally, device: str):
+    """A call running a torch module on ``device`` tensors - ``torch.nn``'s (cuDNN on CUDA) for
+    ``cudnn``, ``persistent_rnn.torch``'s with ``algo="persistent"`` for ``prnn_torch`` (every
+    pass's ``last_run`` counted in ``tally``) - and its inputs."""
     import torch
     mode, extra = layer_args(cell)
     dtype = getattr(torch, sweep.dtype)
@@ -283,12 +283,12 @@ def _torch_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, 
         import persistent_rnn.torch as prnn_torch
         extra = {**extra, "algo": "persistent"}
         make = getattr(prnn_torch, mode)
-    module = make(sweep.input_size, hidden, **_shape_args(sweep), **extra).to(device="cuda",
+    module = make(sweep.input_size, hidden, **_shape_args(sweep), **extra).to(device=device,
                                                                               dtype=dtype)
     rng = np.random.default_rng(batch * 7919 + hidden)
     # fp32 on the host, converted by torch (torch takes no ml_dtypes bfloat16 arrays)
-    pairs = [(torch.as_tensor(x, device="cuda").to(dtype).requires_grad_(backward),
-              torch.as_tensor(dy, device="cuda").to(dtype))
+    pairs = [(torch.as_tensor(x, device=device).to(dtype).requires_grad_(backward),
+              torch.as_tensor(dy, device=device).to(dtype))
              for x, dy in _inputs(np, rng, sweep.input_sets, seq_len, batch, sweep.input_size,
                                   sweep.proj_size or hidden, "float32")]
 
@@ -305,12 +305,16 @@ def _torch_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, 
 
 def measure_point(sweep: Sweep, cell: str, pass_: str, algo: str, batch: int, hidden: int, seq_len: int,
                   gpu: bool, peak_tflops: float | None) -> Point:
-    """Time one point (raises ValueError where ``algo`` cannot run it, e.g. the plan does not fit)."""
+    """Time one point (raises ValueError where ``algo`` cannot run it, e.g. the plan does not fit).
+
+    Without ``gpu`` the library runs on NumPy arrays (``persistent``: the CPU emulation) and the
+    torch algorithms on CPU tensors: a check of the harness, not a measurement of either."""
     backward = pass_ == "forward_backward"
     clock: timing.Clock = timing.CudaEventClock() if gpu else timing.CpuClock()
     tally, act, predicted = CallTally(), None, (None, None)
     if algo in TORCH_ALGOS:
-        run, inputs = _torch_case(sweep, cell, algo, backward, batch, hidden, seq_len, tally)
+        run, inputs = _torch_case(sweep, cell, algo, backward, batch, hidden, seq_len, tally,
+                                  "cuda" if gpu else "cpu")
     else:
         xp = __import__("cupy") if gpu else np
         run, inputs = _prnn_case(sweep, cell, algo, backward, batch, hidden, seq_len, xp, tally)

@@ -382,6 +382,10 @@ def test_sanitize_cases_run_in_the_emulation():
             "lstmp-fp32", "stack-fp32-lstm-2"} <= set(names)
     assert sum(n.startswith("cluster-fp32-") for n in names) == 4
     assert case.main(["--cpu", "--only", "cluster-fp32-lstm,lstmp-fp32,stack-fp32-lstm-2"]) == 0
+    groups = {g: [n for n in names if case.group_of(n) == g] for g in case.GROUPS}
+    assert groups["grid"] == ["grid-fp32-lstm", "grid-fp32-gru", "grid-fp16-gru"]
+    assert len(groups["cluster"]) == 6 and "cluster16-fp32-gru" in groups["cluster"]
+    assert sum(map(len, groups.values())) == len(names)
 
 
 def test_sanitize_case_checks_the_placement_and_launches():
