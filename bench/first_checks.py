@@ -19,7 +19,7 @@ from first_cases import FORCE_GRID, TOLERANCE, Case, Stall
 
 STALL = {"gpu": {"gpu_timeout_ms": 20.0, "stall_ms": 200.0},
          # the emulation's threads get scheduled late on a busy machine: a longer wait
-         "cpu": {"emulation_timeout_ms": 1000.0, "stall_ms": 2500.0}}
+         "cpu": {"emulation_timeout_ms": 600.0, "stall_ms": 1500.0}}
 
 
 @contextlib.contextmanager

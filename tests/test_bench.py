@@ -322,50 +322,6 @@ def test_summarize_prints_every_run_side_by_side_and_the_prediction_error(tmp_pa
     assert f"no prediction: {bench.NO_PROJECTION_MODEL}" in out
 
 
-SUITE = BENCH_DIR / "run_gpu_suite.sh"
-DEVICE_CALL_S = 600  # the device tool's limit on one command
-
-
-def _dry_run(*args):
-    return subprocess.run(["bash", str(SUITE), "--dry-run", *args], capture_output=True, text=True,
-                          timeout=60)
-
-
-def test_gpu_suite_parses_and_each_part_fits_one_device_call(tmp_path):
-    assert subprocess.run(["bash", "-n", str(SUITE)], timeout=30).returncode == 0
-    steps = {}
-    for part in ("tests", "bench", "compare", "studies"):
-        run = _dry_run(str(tmp_path / "out"), part)
-        assert run.returncode == 0, run.stderr
-        total = int(run.stdout.split("time limits ")[1].split("s in all")[0])
-        assert 0 < total <= DEVICE_CALL_S - 30, (part, total)  # room for the start and the tarball
-        steps[part] = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("== ")][:-1]
-    assert not (tmp_path / "out").exists()  # a dry run writes nothing
-    assert {"gpu_tests", "sanitize_memcheck", "sanitize_racecheck", "sanitize_synccheck"} <= set(steps["tests"])
-    assert {"info", "bench", "barrier_latency", "restart_cost"} <= set(steps["bench"])
-    assert {"bench_fp16", "bench_bf16", "bench_gemm_graphs_on", "bench_gemm_graphs_off",
-            "bench_lstmp_1024_256", "bench_lstmp_2048_512", "bench_stack_2", "bench_stack_3",
-            "bench_stack_4"} <= set(steps["compare"])
-    default = _dry_run(str(tmp_path / "out"))
-    assert [line.split()[1] for line in default.stdout.splitlines() if line.startswith("== ")][:-1] == \
-        steps["tests"] + steps["bench"] + steps["compare"]
-    bad = _dry_run(str(tmp_path / "out"), "everything")
-    assert bad.returncode == 2 and "unknown part" in bad.stderr
-
-
-def test_gpu_suite_bench_steps_parse_with_the_cli(tmp_path):
-    """Every prnn bench command of the suite is accepted by the CLI's parser (no GPU needed)."""
-    run = _dry_run(str(tmp_path), "bench", "compare")
-    commands = [line.split(": ", 1)[1] for line in run.stdout.splitlines()
-                if line.startswith("== bench")]
-    assert len(commands) == 1 + 9
-    for command in commands:
-        args = command.split("persistent_rnn.cli ", 1)[1].split()
-        parsed = cli.build_parser().parse_args(args)
-        sweep = cli._sweep_from_args(parsed, gpu=True)
-        assert sweep.max_seconds >= 15 and sweep.seq_lens in ((100,),)
-
-
 def _sanitize_case():
     spec = importlib.util.spec_from_file_location("gpu_sanitize_case",
                                                   Path(__file__).parent / "gpu_sanitize_case.py")
