@@ -6,8 +6,8 @@ Steps, each run by the suite under its own time limit, in the order of what matt
 
 * ``env``      versions (Python, torch, CuPy, NumPy, NVRTC, CUDA, cuDNN), tools (nvidia-smi,
                nvdisasm - also triton's copy -, compute-sanitizer), the GPU, the commit
-* ``predict``  the latency model's prediction of every layer the call runs, in parallel threads
-               (each compiles its kernels with NVRTC: the later steps find them built)
+* ``predict``  the latency model's prediction of every layer the call runs, in parallel
+               processes (each compiles its kernels with NVRTC: the later steps find them built)
 * ``correct``  ``--group``: ``first_checks.check_case`` of each case of the group
 * ``stall``    ``first_checks.check_stall`` of each stall case
 * ``time``     ``first_timing.measure`` of each point
@@ -37,7 +37,8 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -199,9 +200,10 @@ def predict_one(job: dict, device: str | None) -> dict:
     from persistent_rnn import model
     t0 = time.perf_counter()
     try:
-        if job["layers"] > 1:
+        if job["layers"] > 1 or job["bidirectional"]:
             st = model.predict_stack_time(job["cell"], job["hidden"], job["batch"], job["layers"],
-                                          100, dtype=job["dtype"], device=device)
+                                          100, job["bidirectional"], dtype=job["dtype"],
+                                          device=device)
             out = {"stack_fits": st.plan.fits, "forward_pass_us_t100": st.forward_us,
                    "backward_pass_us_t100": st.backward_us}
         else:
@@ -221,13 +223,15 @@ def predict_one(job: dict, device: str | None) -> dict:
 
 
 def step_predict(args, stamp: dict) -> int:
-    """Every prediction, ``--workers`` at a time (NVRTC and nvdisasm run outside the GIL)."""
+    """Every prediction, ``--workers`` processes at a time (each compiles its kernels with NVRTC
+    and disassembles them; spawned, since this process has the GPU open already)."""
     journal = Journal(args.out / FILES["predict"], stamp)
     jobs = first_cases.prediction_jobs(args.cpu)
-    device = "h100" if args.cpu else None
+    devices = ["h100" if args.cpu else None] * len(jobs)
     failed = 0
-    with ThreadPoolExecutor(max_workers=max(1, min(args.workers, len(jobs)))) as pool:
-        for record in pool.map(lambda job: predict_one(job, device), jobs):
+    with ProcessPoolExecutor(max_workers=max(1, min(args.workers, len(jobs))),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        for record in pool.map(predict_one, jobs, devices):
             journal.write({"phase": "done", **record})
             failed += not record["ok"]
             print(first_report.prediction_line(record), flush=True)

@@ -151,16 +151,17 @@ def prediction_jobs(cpu: bool) -> list[dict]:
     repeat the same code."""
     jobs: dict[tuple, dict] = {}
     for t in (TIMING[0], TIMING[-1]) if cpu else TIMING:
-        jobs.setdefault((t.cell, t.hidden, t.batch, t.dtype, 1),
+        jobs.setdefault((t.cell, t.hidden, t.batch, t.dtype, 1, False),
                         {"name": t.name, "timing": True})
     if not cpu:
         for c in CASES:
             if c.options.get("proj_size"):
                 continue  # the model has no projection kernels
-            layers = c.options.get("num_layers", 1) if not c.options.get("bidirectional") else 1
-            jobs.setdefault((c.cell(), c.hidden, c.batch, c.dtype, layers), {"name": c.name})
+            # a stack, or a bidirectional layer (the stack kernel runs both directions at once)
+            jobs.setdefault((c.cell(), c.hidden, c.batch, c.dtype, c.options.get("num_layers", 1),
+                             c.options.get("bidirectional", False)), {"name": c.name})
         for s in STALLS:
-            jobs.setdefault((s.mode.lower(), s.hidden, s.batch, "float32", s.num_layers),
+            jobs.setdefault((s.mode.lower(), s.hidden, s.batch, "float32", s.num_layers, False),
                             {"name": s.name})
-    return [dict(job, cell=k[0], hidden=k[1], batch=k[2], dtype=k[3], layers=k[4])
-            for k, job in jobs.items()]
+    return [dict(job, cell=k[0], hidden=k[1], batch=k[2], dtype=k[3], layers=k[4],
+                 bidirectional=k[5]) for k, job in jobs.items()]

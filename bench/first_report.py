@@ -61,8 +61,10 @@ def prediction_line(r: dict) -> str:
     what = f"{r['name']:36} {r['cell']} H={r['hidden']} B={r['batch']} {r['dtype']}"
     if not r.get("ok"):
         return f"{what}: no prediction: {'; '.join(r.get('problems', []))[:300]}"
-    if r["layers"] > 1:
-        return f"{what} x{r['layers']}: forward pass {_f(r['forward_pass_us_t100'], '.1f')} us at T=100"
+    if "stack_fits" in r:
+        return (f"{what} x{r['layers']}{' bidirectional' if r['bidirectional'] else ''}: stack "
+                f"fits {r['stack_fits']}, forward pass {_f(r['forward_pass_us_t100'], '.1f')} us "
+                "at T=100 (predicted)")
     return (f"{what}: {r['placement']} {r['forward_ctas']} CTAs, {r['forward_us']:.2f} / "
             f"{r['backward_us']:.2f} us per step fwd/bwd (predicted)")
 

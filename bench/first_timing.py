@@ -42,8 +42,6 @@ def measure(config: TimingConfig, seq_len: int, pass_: str, algo: str, cpu: bool
                         dtype=config.dtype, input_size=config.input_size,
                         repeats=CPU_REPEATS if cpu else GPU_REPEATS,
                         warmup=CPU_WARMUP if cpu else GPU_WARMUP)
-    if algo == "cudnn" and config.dtype == "float32" and not cpu:
-        bench.disable_tf32()
     point = bench.measure_point(sweep, config.cell, pass_, algo, config.batch, config.hidden,
                                 seq_len, gpu=not cpu, peak_tflops=None).to_json()
     problems = []
