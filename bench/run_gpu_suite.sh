@@ -62,6 +62,7 @@ if [ $DRY = 0 ] && ! command -v nvdisasm >/dev/null; then
   TRITON_BIN=$("$PY" -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"))' 2>/dev/null)
   [ -n "$TRITON_BIN" ] && [ -x "$TRITON_BIN/nvdisasm" ] && export PATH="$PATH:$TRITON_BIN"
 fi
+export PRNN_SANITIZER_LOGS="$OUT"  # where tests/test_gpu_persistent.py writes a sanitizer log
 FIRST_FLAGS=()
 [ $CPU = 1 ] && FIRST_FLAGS=(--cpu)
 PART_TOTAL=0

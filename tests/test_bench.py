@@ -374,3 +374,12 @@ def test_summarize_checks_the_issue_17_targets():
     assert "cuDNN at B <= 8, H >= 256 (fp32, us/step): met (1 points)" in lines[3]
     assert "MISSED (2 points; lstm forward float16 H=1024 T=100 B=16 persistent/cudnn 0.80 > 0.67)" in lines[4]
     assert summarize.target_lines([{"points": []}])[1].endswith("not measured")
+
+
+def test_summarize_marks_points_that_restarted_or_fell_back():
+    summarize = _bench_script("summarize")
+    lines = summarize.side_by_side_lines({"points": [
+        _point("persistent", 4, 1.0, us=5.0, restarts=2, fallback=None),
+        _point("prnn_torch", 4, 1.0, us=6.0, restarts=0, fallback="barrier timeout"),
+        _point("cudnn", 4, 1.0, us=10.0)]})
+    assert "persistent     5.00!  prnn_torch     6.00!  cudnn    10.00  persistent/cudnn 0.50x" in lines[0]
