@@ -240,9 +240,10 @@ def _inputs(xp, rng, sets: int, seq_len: int, batch: int, input_size: int, hidde
 
 
 def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, hidden: int, seq_len: int,
-               xp, tally: CallTally) -> tuple[Callable, list]:
+               xp, tally: CallTally | None = None) -> tuple[Callable, list]:
     """A call running one persistent_rnn layer with ``algo`` on ``xp`` arrays (every pass's
-    ``last_run`` counted in ``tally``), and its inputs."""
+    ``last_run`` counted in ``tally``, where given), and its inputs."""
+    tally = CallTally() if tally is None else tally
     import persistent_rnn as prnn
     if sweep.dtype == "bfloat16" and xp is not np:
         raise ValueError("bfloat16 layers take NumPy arrays only (CuPy has no bfloat16 arrays)")
