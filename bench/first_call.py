@@ -200,7 +200,9 @@ def predict_one(job: dict, device: str | None) -> dict:
     from persistent_rnn import model
     t0 = time.perf_counter()
     try:
-        if job["layers"] > 1 or job["bidirectional"]:
+        if job.get("proj_size"):
+            out = {"note": bench.NO_PROJECTION_MODEL}
+        elif job["layers"] > 1 or job["bidirectional"]:
             st = model.predict_stack_time(job["cell"], job["hidden"], job["batch"], job["layers"],
                                           100, job["bidirectional"], dtype=job["dtype"],
                                           device=device)

@@ -149,19 +149,19 @@ def prediction_jobs(cpu: bool) -> list[dict]:
     """Every distinct layer the call runs, as the model's arguments (GPU sizes). The ``--cpu``
     check predicts the first and the last timing layer only (on the h100 profile): the rest
     repeat the same code."""
-    jobs: dict[tuple, dict] = {}
+    jobs: dict[tuple, dict] = {}  # (cell, hidden, batch, dtype, layers, bidirectional, proj)
     for t in (TIMING[0], TIMING[-1]) if cpu else TIMING:
-        jobs.setdefault((t.cell, t.hidden, t.batch, t.dtype, 1, False),
+        jobs.setdefault((t.cell, t.hidden, t.batch, t.dtype, 1, False, 0),
                         {"name": t.name, "timing": True})
     if not cpu:
         for c in CASES:
-            if c.options.get("proj_size"):
-                continue  # the model has no projection kernels
-            # a stack, or a bidirectional layer (the stack kernel runs both directions at once)
+            # a stack, or a bidirectional layer (the stack kernel runs both directions at once);
+            # a projection is listed with the model's note (it has no projection kernels)
             jobs.setdefault((c.cell(), c.hidden, c.batch, c.dtype, c.options.get("num_layers", 1),
-                             c.options.get("bidirectional", False)), {"name": c.name})
+                             c.options.get("bidirectional", False), c.options.get("proj_size", 0)),
+                            {"name": c.name})
         for s in STALLS:
-            jobs.setdefault((s.mode.lower(), s.hidden, s.batch, "float32", s.num_layers, False),
+            jobs.setdefault((s.mode.lower(), s.hidden, s.batch, "float32", s.num_layers, False, 0),
                             {"name": s.name})
     return [dict(job, cell=k[0], hidden=k[1], batch=k[2], dtype=k[3], layers=k[4],
-                 bidirectional=k[5]) for k, job in jobs.items()]
+                 bidirectional=k[5], proj_size=k[6]) for k, job in jobs.items()]

@@ -61,6 +61,8 @@ def prediction_line(r: dict) -> str:
     what = f"{r['name']:36} {r['cell']} H={r['hidden']} B={r['batch']} {r['dtype']}"
     if not r.get("ok"):
         return f"{what}: no prediction: {'; '.join(r.get('problems', []))[:300]}"
+    if "note" in r:
+        return f"{what}: no prediction: {r['note']}"
     if "stack_fits" in r:
         return (f"{what} x{r['layers']}{' bidirectional' if r['bidirectional'] else ''}: stack "
                 f"fits {r['stack_fits']}, forward pass {_f(r['forward_pass_us_t100'], '.1f')} us "
