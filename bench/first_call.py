@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -226,14 +226,16 @@ def predict_one(job: dict, device: str | None) -> dict:
 
 def step_predict(args, stamp: dict) -> int:
     """Every prediction, ``--workers`` processes at a time (each compiles its kernels with NVRTC
-    and disassembles them; spawned, since this process has the GPU open already)."""
+    and disassembles them; spawned, since this process has the GPU open already), each recorded
+    as it finishes (a hung one leaves the others' records)."""
     journal = Journal(args.out / FILES["predict"], stamp)
     jobs = first_cases.prediction_jobs(args.cpu)
-    devices = ["h100" if args.cpu else None] * len(jobs)
+    device = "h100" if args.cpu else None
     failed = 0
     with ProcessPoolExecutor(max_workers=max(1, min(args.workers, len(jobs))),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        for record in pool.map(predict_one, jobs, devices):
+        for future in as_completed([pool.submit(predict_one, job, device) for job in jobs]):
+            record = future.result()
             journal.write({"phase": "done", **record})
             failed += not record["ok"]
             print(first_report.prediction_line(record), flush=True)
