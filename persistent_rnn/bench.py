@@ -27,8 +27,9 @@ the layers above the first).
 ``T*B*H*(1 + [LSTM] + S)*itemsize`` (4 for 16-bit layers, which keep them in fp32); with a
 projection or a stack, the arrays of ``functional.saved_shapes``.
 
-Each persistent (and ``prnn_torch``) point also carries ``predicted_us_per_step``: the latency model's *prediction*
-(``persistent_rnn.model``, per-call terms spread over T steps as ``StepTime.benchmark_us``), or
+Each persistent (and ``prnn_torch``) point also carries ``predicted_us_per_step``: the latency
+model's *prediction* (``persistent_rnn.model``, per-call terms spread over T steps as
+``StepTime.benchmark_us``), or
 ``None`` with ``prediction_note`` saying why (the model does not cover the projection kernels).
 
 ``dtype`` "float16" or "bfloat16" times 16-bit layers against ``torch.nn`` converted to the same
