@@ -83,8 +83,11 @@ def _records(out: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
+    """About a minute of CPU on two cores (most of it importing torch once per step, which is
+    how the steps run on the GPU too); the emulated kernels are those other tests build."""
     out = tmp_path / "first"
     run = _suite("--cpu", str(out), "first", env={"PRNN_COMMIT": "feedface"}, timeout=840)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
