@@ -100,6 +100,7 @@ def timing_rows(points: list[dict], predictions: dict[str, dict]) -> list[dict]:
                     continue
                 row[f"{algo}_us_per_step"] = first["us_per_step"]
                 row[f"{algo}_clean"] = all(p["ok"] for p in got.values() if p)
+                row["spread"] = max(row.get("spread", 0.0), first.get("spread", 0.0))
                 last = got.get(seq_lens[-1])
                 if last is not None and len(seq_lens) > 1:
                     slope = (last["call_us"] - first["call_us"]) / (seq_lens[-1] - seq_lens[0])
@@ -132,10 +133,12 @@ def _timing_text(rows: list[dict], seq_lens: list[int]) -> list[str]:
     lo, hi = (seq_lens[0], seq_lens[-1]) if seq_lens else ("-", "-")
     lines = [f"timing (us per step; whole call at T={lo} / T; slope: per-step cost from T={lo} "
              f"and {hi}; call: the per-call cost in us; pred: the latency model's PREDICTION, "
-             "kernel step / whole call per step at T=100; '!': restarts or fallback in a call)",
+             "kernel step / whole call per step at T=100; spread: (max - min) / median of the "
+             "repeats, the worst column's; '!': restarts or fallback in a call)",
              f"{'config':20} {'pass':7} {'path':7} " + " ".join(
                  f"{ALGO_SHORT[a]:>7}" for a in TIMING_ALGOS)
-             + f" {'slope':>7} {'call':>8} {'pred':>6} {'pr.call':>7} {'sl/pr':>6} {'p/cudnn':>7}"]
+             + f" {'slope':>7} {'call':>8} {'pred':>6} {'pr.call':>7} {'sl/pr':>6} {'p/cudnn':>7}"
+             f" {'spread':>6}"]
     for r in rows:
         cells = " ".join(_cell(r, a) for a in TIMING_ALGOS)
         lines.append(f"{r['config']:20} {('fwd' if r['pass'] == 'forward' else 'fwd+bwd'):7} "
@@ -144,7 +147,7 @@ def _timing_text(rows: list[dict], seq_lens: list[int]) -> list[str]:
                      f"{_f(r.get('predicted_step_us'), '6.2f')} "
                      f"{_f(r.get('predicted_call_us_per_step'), '7.2f')} "
                      f"{_f(r.get('slope_over_predicted'), '6.2f')} "
-                     f"{_f(r.get('persistent_over_cudnn'), '7.2f')}")
+                     f"{_f(r.get('persistent_over_cudnn'), '7.2f')} {_f(r.get('spread'), '6.2f')}")
     return lines
 
 

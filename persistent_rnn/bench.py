@@ -14,7 +14,8 @@ divided by ``seq_len``.
 ``restarts`` and ``fallback`` of a library point are those of *every* call it made (warm-up and
 timed, forward and backward: restarts summed, the first fallback), so a point that fell back to
 the GEMM path in any call is never reported as the persistent kernel's time; ``passes_checked``
-says how many passes' ``last_run`` were read.
+says how many passes' ``last_run`` were read. ``spread`` is (slowest - fastest) / median of the
+timed repeats: differences below it are noise.
 
 FLOPs counted (the recurrence only; G gates, batch B, hidden H), per step and layer:
 forward ``2*G*B*H^2`` (``W_hh h_{t-1}``), forward_backward ``4*G*B*H^2`` (plus the backward
@@ -43,6 +44,7 @@ import datetime as _dt
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -59,8 +61,8 @@ from .plan import resolve_cell
 from .validation import ALGOS, DTYPES, HALF_DTYPES, float_dtype
 
 # 2: points gained proj_size, num_layers, predicted_us_per_step, prediction_note; 3: the
-# prnn_torch algorithm, restarts/fallback over all of a point's calls (passes_checked), and
-# nvrtc in the stamp
+# prnn_torch algorithm, restarts/fallback over all of a point's calls (passes_checked), the
+# repeats' spread, and nvrtc in the stamp
 SCHEMA_VERSION = 3
 PASSES = ("forward", "forward_backward")
 # What a point can measure: each algorithm persistent_rnn can be told to run, and torch's cuDNN.
@@ -136,6 +138,7 @@ class Point:
     predicted_us_per_step: float | None = None
     prediction_note: str | None = None
     passes_checked: int = 0
+    spread: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON record (``pass_`` is written ``pass``)."""
@@ -326,7 +329,8 @@ def measure_point(sweep: Sweep, cell: str, pass_: str, algo: str, batch: int, hi
     if algo != "cudnn":
         act = activation_bytes(cell, batch, hidden, seq_len, sweep.dtype, sweep.proj_size,
                                sweep.num_layers)
-    seconds = timing.median_seconds(run, inputs, sweep.repeats, sweep.warmup, clock)
+    samples = timing.sample_seconds(run, inputs, sweep.repeats, sweep.warmup, clock)
+    seconds = statistics.median(samples)
     if algo in ("persistent", "prnn_torch") and gpu:
         predicted = predicted_us_per_step(sweep, cell, pass_, batch, hidden, seq_len)
     us = seconds * 1e6 / seq_len
@@ -334,7 +338,8 @@ def measure_point(sweep: Sweep, cell: str, pass_: str, algo: str, batch: int, hi
     tflops = flops / us / 1e6
     return Point(cell, pass_, algo, batch, hidden, seq_len, sweep.dtype, us, flops, tflops,
                  tflops / peak_tflops if peak_tflops else None, act, tally.restarts,
-                 tally.fallback, sweep.proj_size, sweep.num_layers, *predicted, tally.passes)
+                 tally.fallback, sweep.proj_size, sweep.num_layers, *predicted, tally.passes,
+                 timing.spread(samples))
 
 
 def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidden: int,

@@ -48,6 +48,7 @@ def test_median_seconds_rotates_inputs_and_takes_the_median():
             fn()
             return next(self.ticks)
     assert timing.median_seconds(seen.append, ["a", "b", "c"], repeats=5, warmup=2, clock=FakeClock()) == 3.0
+    assert timing.spread([5.0, 1.0, 3.0, 2.0, 4.0]) == pytest.approx(4.0 / 3.0)
     assert seen == ["a", "b", "a", "b", "c", "a", "b"]
 
 
