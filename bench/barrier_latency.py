@@ -11,7 +11,8 @@ times back to back with no work in between, per grid size:
   publishes ``width`` tagged 8-byte words and gathers all ``grid * width`` of them;
 * ``cluster_ns_per_round``: ``cluster_exchange_rounds``, the same within one thread-block cluster
   through distributed shared memory (built with ``PRNN_CLUSTER`` = grid; sm_90 and newer, grids of
-  at most 8 CTAs; ``None`` elsewhere).
+  at most 16 CTAs - 16 is above CUDA's portable size of 8 and is what the small layers run as on
+  H100/H200 -; ``None`` where the device holds no such cluster).
 
 Each figure is the kernel's own ``%globaltimer`` measurement (``elapsed_ns``, largest over CTAs)
 divided by the rounds, median over ``--repeats`` launches; the ``event_`` columns are the same from
@@ -33,13 +34,13 @@ NAME = "barrier_latency"
 KERNEL = "grid_barrier_rounds"
 EXCHANGE_KERNEL = "exchange_rounds"
 CLUSTER_KERNEL = "cluster_exchange_rounds"
-MAX_CLUSTER = 8  # portable cluster size
+MAX_CLUSTER = 16  # the largest cluster the persistent kernels use (non-portable above 8)
 NO_STALL = (np.int32(-1), np.int32(-1), np.uint64(0))
 
 
 def grid_sizes(sm_count: int, quick: bool) -> list[int]:
     """1, 2, 4, ... below ``sm_count``, then ``sm_count`` (only 1, 8 and all SMs when ``quick``)."""
-    sizes = [1, 8] if quick else [2 ** i for i in range(sm_count.bit_length()) if 2 ** i < sm_count]
+    sizes = [1, 8, 16] if quick else [2 ** i for i in range(sm_count.bit_length()) if 2 ** i < sm_count]
     return sorted(set(sizes + [sm_count]))
 
 
@@ -73,7 +74,8 @@ def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeo
                       (words, ctl, np.int32(rounds), np.int32(width), timeout,
                        *NO_STALL, elapsed, errors), ctl, elapsed, rounds)
     cluster = (None, None)
-    if grid in modules.get("clusters", {}):
+    if grid in modules.get("clusters", {}) and _cluster_fits(modules["clusters"][grid], grid, block,
+                                                             length):
         ctl = _control(cp, grid)
         cluster = _timed(modules["clusters"][grid], CLUSTER_KERNEL, grid, block, 8 * -(-length // 4) * 4,
                          (ctl, np.int32(rounds), np.int32(width), timeout, *NO_STALL, elapsed, errors),
@@ -84,6 +86,16 @@ def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeo
             "ns_per_barrier": barrier[0], "event_ns_per_barrier": barrier[1],
             "exchange_ns_per_round": exchange[0], "exchange_event_ns_per_round": exchange[1],
             "cluster_ns_per_round": cluster[0], "cluster_event_ns_per_round": cluster[1]}
+
+
+def _cluster_fits(module, grid: int, block: int, length: int) -> bool:
+    """Whether the device holds one cluster of ``grid`` CTAs of the cluster kernel (a cluster of
+    16 needs the non-portable size, which not every sm_90 part grants)."""
+    try:
+        return module.max_active_clusters(CLUSTER_KERNEL, grid, block, 8 * -(-length // 4) * 4) > 0
+    except RuntimeError as exc:  # the occupancy query itself failed: say so, measure the rest
+        print(f"cluster of {grid}: {exc}", file=sys.stderr)
+        return False
 
 
 def _median_row(runs: list[dict]) -> dict:

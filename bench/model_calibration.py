@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from persistent_rnn import bench
 from persistent_rnn import hardware as hw
 from persistent_rnn import model
 from persistent_rnn import plan as planner
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate(points, device)
     result = {"device_profile": device.name, "constants": {n: getattr(hw, n) for n in FITTED},
               "command": "PYTHONPATH=$PWD python bench/model_calibration.py --json",
+              "nvrtc": bench.nvrtc_version(),  # the SASS the predictions read depends on it
               **summary(rows), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))

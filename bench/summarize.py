@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ALGO_ORDER = ("persistent", "gemm", "cudnn")
+ALGO_ORDER = ("persistent", "gemm", "prnn_torch", "cudnn")
 
 
 def _load(path: Path) -> dict | None:
@@ -57,13 +57,18 @@ def _label(shape: tuple) -> str:
 
 
 def side_by_side_lines(results: dict) -> list[str]:
-    """µs per step of every algorithm measured at each shape, and persistent over cuDNN."""
+    """µs per step of every algorithm measured at each shape (a '!' after a figure whose calls
+    restarted or fell back), and persistent over cuDNN."""
     table: dict[tuple, dict[str, float]] = {}
+    marked: set[tuple] = set()
     for p in results["points"]:
         table.setdefault(_shape(p), {})[p["algo"]] = p["us_per_step"]
+        if p.get("restarts") or p.get("fallback"):
+            marked.add((_shape(p), p["algo"]))
     lines = []
     for shape, by_algo in sorted(table.items()):
-        algos = "  ".join(f"{a} {by_algo[a]:8.2f}" for a in ALGO_ORDER if a in by_algo)
+        algos = "  ".join(f"{a} {by_algo[a]:8.2f}" + ("!" if (shape, a) in marked else "")
+                          for a in ALGO_ORDER if a in by_algo)
         ratio = (f"  persistent/cudnn {by_algo['persistent'] / by_algo['cudnn']:.2f}x"
                  if {"persistent", "cudnn"} <= set(by_algo) else "")
         lines.append(f"    {_label(shape):52} {algos}{ratio}")

@@ -4,9 +4,18 @@ A point is (cell, pass, algo, batch, hidden_size, seq_len, dtype, proj_size, num
 unidirectional layer with ``input_size`` inputs - one layer, or a stack of ``num_layers`` (which
 persistent_rnn runs in stack mode where the planner places it, ``settings.stack``), and for the
 LSTM an optional projection of width ``proj_size`` (torch.nn's ``proj_size``). ``pass`` is
-``forward`` or ``forward_backward``; ``algo`` is ``gemm`` or ``persistent`` (persistent_rnn with
-that ``algo``) or ``cudnn`` (``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off for fp32). The time covers the layer call,
-input projection included; ``us_per_step`` is it divided by ``seq_len``.
+``forward`` or ``forward_backward``; ``algo`` is ``gemm`` or ``persistent`` (persistent_rnn's
+layers with that ``algo``), ``prnn_torch`` (the drop-in ``persistent_rnn.torch`` module with
+``algo="persistent"`` on CUDA tensors: the same kernels behind torch's dispatch, and the way
+bfloat16 reaches them on a GPU) or ``cudnn`` (``torch.nn``'s RNN/GRU/LSTM on CUDA, with TF32 off
+for fp32). The time covers the layer call, input projection included; ``us_per_step`` is it
+divided by ``seq_len``.
+
+``restarts`` and ``fallback`` of a library point are those of *every* call it made (warm-up and
+timed, forward and backward: restarts summed, the first fallback), so a point that fell back to
+the GEMM path in any call is never reported as the persistent kernel's time; ``passes_checked``
+says how many passes' ``last_run`` were read. ``spread`` is (slowest - fastest) / median of the
+timed repeats: differences below it are noise.
 
 FLOPs counted (the recurrence only; G gates, batch B, hidden H), per step and layer:
 forward ``2*G*B*H^2`` (``W_hh h_{t-1}``), forward_backward ``4*G*B*H^2`` (plus the backward
@@ -19,14 +28,15 @@ the layers above the first).
 ``T*B*H*(1 + [LSTM] + S)*itemsize`` (4 for 16-bit layers, which keep them in fp32); with a
 projection or a stack, the arrays of ``functional.saved_shapes``.
 
-Each persistent point also carries ``predicted_us_per_step``: the latency model's *prediction*
-(``persistent_rnn.model``, per-call terms spread over T steps as ``StepTime.benchmark_us``), or
+Each persistent (and ``prnn_torch``) point also carries ``predicted_us_per_step``: the latency
+model's *prediction* (``persistent_rnn.model``, per-call terms spread over T steps as
+``StepTime.benchmark_us``), or
 ``None`` with ``prediction_note`` saying why (the model does not cover the projection kernels).
 
 ``dtype`` "float16" or "bfloat16" times 16-bit layers against ``torch.nn`` converted to the same
 dtype (``.half()`` / ``.to(torch.bfloat16)``; fp16 is where torch may pick cuDNN's persistent
 kernel). persistent_rnn's bfloat16 layers take NumPy arrays only (CuPy has no bfloat16), so on a
-GPU those points are skipped with the reason.
+GPU their ``persistent``/``gemm`` points are skipped with the reason; ``prnn_torch`` runs them.
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ import datetime as _dt
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -49,10 +60,17 @@ from .functional import saved_shapes
 from .plan import resolve_cell
 from .validation import ALGOS, DTYPES, HALF_DTYPES, float_dtype
 
-SCHEMA_VERSION = 2  # 2: points gained proj_size, num_layers, predicted_us_per_step, prediction_note
+# 2: points gained proj_size, num_layers, predicted_us_per_step, prediction_note; 3: the
+# prnn_torch algorithm, restarts/fallback over all of a point's calls (passes_checked), the
+# repeats' spread, and nvrtc in the stamp
+SCHEMA_VERSION = 3
 PASSES = ("forward", "forward_backward")
 # What a point can measure: each algorithm persistent_rnn can be told to run, and torch's cuDNN.
-BENCH_ALGOS = (*(a for a in ALGOS if a != "auto"), "cudnn")
+BENCH_ALGOS = (*(a for a in ALGOS if a != "auto"), "prnn_torch", "cudnn")
+TORCH_ALGOS = ("prnn_torch", "cudnn")  # the algorithms that run torch modules on CUDA tensors
+# what a sweep measures unless told: prnn_torch (the same kernels behind torch's dispatch) is
+# asked for by name, where the torch modules' path is the question (bf16, the first GPU call)
+DEFAULT_ALGOS = tuple(a for a in BENCH_ALGOS if a != "prnn_torch")
 CELL_NAMES = tuple(CELLS)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 BENCH_DTYPES = tuple(d for d in DTYPES if d != "float64")  # what torch's cuDNN runs too
@@ -74,7 +92,7 @@ class Sweep:
     seq_lens: tuple[int, ...]
     batches: tuple[int, ...] = BATCHES
     passes: tuple[str, ...] = PASSES
-    algos: tuple[str, ...] = BENCH_ALGOS
+    algos: tuple[str, ...] = DEFAULT_ALGOS
     dtype: str = "float32"
     input_size: int = 64
     proj_size: int = 0
@@ -92,8 +110,8 @@ def default_sweep(gpu: bool, quick: bool) -> Sweep:
                      seq_lens=(16,) if quick else (32,), algos=("gemm",), max_seconds=25 if quick else 300)
     if quick:
         return Sweep(cells=("lstm",), hidden_sizes=(512,), seq_lens=(50,), max_seconds=120)
-    # LSTM first: points left when the time budget runs out are skipped, so measure the headline first.
-    return Sweep(cells=("lstm", "gru", "rnn_tanh"), hidden_sizes=(256, 512, 1024), seq_lens=(100,),
+    # The headline (LSTM H=1024) first: points left when the time budget runs out are skipped.
+    return Sweep(cells=("lstm", "gru", "rnn_tanh"), hidden_sizes=(1024, 256, 512), seq_lens=(100,),
                  max_seconds=300)
 
 
@@ -119,6 +137,8 @@ class Point:
     num_layers: int = 1
     predicted_us_per_step: float | None = None
     prediction_note: str | None = None
+    passes_checked: int = 0
+    spread: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON record (``pass_`` is written ``pass``)."""
@@ -181,11 +201,40 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run_stamp(argv: Sequence[str]) -> dict[str, str]:
+def nvrtc_version() -> str | None:
+    """The NVRTC version CuPy compiles with (``"13.0"``; it changes the SASS, and so the kernels'
+    speed and the latency model's predictions), or None where CuPy or NVRTC is missing."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        return ".".join(map(str, nvrtc.getVersion()))
+    except (ImportError, OSError, RuntimeError):  # no CuPy, or libnvrtc does not load
+        return None
+
+
+def run_stamp(argv: Sequence[str]) -> dict[str, str | None]:
     """What every recorded result carries about its run: ``commit`` (``git_commit``),
-    ``command`` (``argv`` joined) and ``date`` (UTC, ISO 8601)."""
+    ``command`` (``argv`` joined), ``date`` (UTC, ISO 8601) and ``nvrtc`` (``nvrtc_version``)."""
     return {"commit": git_commit(), "command": " ".join(argv),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "nvrtc": nvrtc_version()}
+
+
+@dataclass
+class CallTally:
+    """What the library ran in every call of a point: restarts summed, the first fallback."""
+
+    passes: int = 0
+    restarts: int = 0
+    fallback: str | None = None
+
+    def add(self, stats: Any) -> None:
+        """Count one pass's ``last_run`` (a ``RunStats``; None: the pass reported nothing)."""
+        self.passes += 1
+        if stats is None:
+            self.fallback = self.fallback or "the pass left no last_run"
+            return
+        self.restarts += stats.restarts
+        self.fallback = self.fallback or stats.fallback
 
 
 def _inputs(xp, rng, sets: int, seq_len: int, batch: int, input_size: int, hidden: int, dtype: str):
@@ -198,8 +247,10 @@ def _inputs(xp, rng, sets: int, seq_len: int, batch: int, input_size: int, hidde
 
 
 def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, hidden: int, seq_len: int,
-               xp) -> tuple[Callable, list, Any]:
-    """A call running one persistent_rnn layer with ``algo`` on ``xp`` arrays, its inputs, the layer."""
+               xp, tally: CallTally | None = None) -> tuple[Callable, list]:
+    """A call running one persistent_rnn layer with ``algo`` on ``xp`` arrays (every pass's
+    ``last_run`` counted in ``tally``, where given), and its inputs."""
+    tally = CallTally() if tally is None else tally
     import persistent_rnn as prnn
     if sweep.dtype == "bfloat16" and xp is not np:
         raise ValueError("bfloat16 layers take NumPy arrays only (CuPy has no bfloat16 arrays)")
@@ -212,10 +263,12 @@ def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, h
 
     def run(pair):
         layer.forward(pair[0])
+        tally.add(layer.last_run)
         if backward:
             layer.backward(pair[1])
+            tally.add(layer.last_run)
     return run, _inputs(xp, rng, sweep.input_sets, seq_len, batch, sweep.input_size,
-                        sweep.proj_size or hidden, sweep.dtype), layer
+                        sweep.proj_size or hidden, sweep.dtype)
 
 
 def _shape_args(sweep: Sweep) -> dict[str, int]:
@@ -224,52 +277,69 @@ def _shape_args(sweep: Sweep) -> dict[str, int]:
     return {"num_layers": sweep.num_layers, **({"proj_size": sweep.proj_size} if sweep.proj_size else {})}
 
 
-def _torch_case(sweep: Sweep, cell: str, backward: bool, batch: int, hidden: int, seq_len: int):
-    """A call running ``torch.nn``'s layer (cuDNN) on CUDA tensors, and its inputs."""
+def _torch_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, hidden: int,
+                seq_len: int, tally: CallTally, device: str):
+    """A call running a torch module on ``device`` tensors - ``torch.nn``'s (cuDNN on CUDA) for
+    ``cudnn``, ``persistent_rnn.torch``'s with ``algo="persistent"`` for ``prnn_torch`` (every
+    pass's ``last_run`` counted in ``tally``) - and its inputs."""
     import torch
     mode, extra = layer_args(cell)
     dtype = getattr(torch, sweep.dtype)
-    module = getattr(torch.nn, mode)(sweep.input_size, hidden, **_shape_args(sweep), **extra).to(
-        device="cuda", dtype=dtype)
+    if algo == "cudnn":
+        make = getattr(torch.nn, mode)
+    else:
+        import persistent_rnn.torch as prnn_torch
+        extra = {**extra, "algo": "persistent"}
+        make = getattr(prnn_torch, mode)
+    module = make(sweep.input_size, hidden, **_shape_args(sweep), **extra).to(device=device,
+                                                                              dtype=dtype)
     rng = np.random.default_rng(batch * 7919 + hidden)
     # fp32 on the host, converted by torch (torch takes no ml_dtypes bfloat16 arrays)
-    pairs = [(torch.as_tensor(x, device="cuda").to(dtype).requires_grad_(backward),
-              torch.as_tensor(dy, device="cuda").to(dtype))
+    pairs = [(torch.as_tensor(x, device=device).to(dtype).requires_grad_(backward),
+              torch.as_tensor(dy, device=device).to(dtype))
              for x, dy in _inputs(np, rng, sweep.input_sets, seq_len, batch, sweep.input_size,
                                   sweep.proj_size or hidden, "float32")]
 
     def run(pair):
         y, _ = module(pair[0])
+        if algo == "prnn_torch":
+            tally.add(module.last_run)
         if backward:
             y.backward(pair[1])
+            if algo == "prnn_torch":
+                tally.add(module.last_run.backward if module.last_run else None)
     return run, pairs
 
 
 def measure_point(sweep: Sweep, cell: str, pass_: str, algo: str, batch: int, hidden: int, seq_len: int,
                   gpu: bool, peak_tflops: float | None) -> Point:
-    """Time one point (raises ValueError where ``algo`` cannot run it, e.g. the plan does not fit)."""
+    """Time one point (raises ValueError where ``algo`` cannot run it, e.g. the plan does not fit).
+
+    Without ``gpu`` the library runs on NumPy arrays (``persistent``: the CPU emulation) and the
+    torch algorithms on CPU tensors: a check of the harness, not a measurement of either."""
     backward = pass_ == "forward_backward"
     clock: timing.Clock = timing.CudaEventClock() if gpu else timing.CpuClock()
-    restarts, fallback, act, predicted = 0, None, None, (None, None)
-    if algo == "cudnn":
-        run, inputs = _torch_case(sweep, cell, backward, batch, hidden, seq_len)
-        layer = None
+    tally, act, predicted = CallTally(), None, (None, None)
+    if algo in TORCH_ALGOS:
+        run, inputs = _torch_case(sweep, cell, algo, backward, batch, hidden, seq_len, tally,
+                                  "cuda" if gpu else "cpu")
     else:
         xp = __import__("cupy") if gpu else np
-        run, inputs, layer = _prnn_case(sweep, cell, algo, backward, batch, hidden, seq_len, xp)
+        run, inputs = _prnn_case(sweep, cell, algo, backward, batch, hidden, seq_len, xp, tally)
+    if algo != "cudnn":
         act = activation_bytes(cell, batch, hidden, seq_len, sweep.dtype, sweep.proj_size,
                                sweep.num_layers)
-    seconds = timing.median_seconds(run, inputs, sweep.repeats, sweep.warmup, clock)
-    if layer is not None:
-        restarts, fallback = layer.last_run.restarts, layer.last_run.fallback
-    if algo == "persistent" and gpu:
+    samples = timing.sample_seconds(run, inputs, sweep.repeats, sweep.warmup, clock)
+    seconds = statistics.median(samples)
+    if algo in ("persistent", "prnn_torch") and gpu:
         predicted = predicted_us_per_step(sweep, cell, pass_, batch, hidden, seq_len)
     us = seconds * 1e6 / seq_len
     flops = recurrence_flops_per_step(cell, batch, hidden, pass_, sweep.proj_size, sweep.num_layers)
     tflops = flops / us / 1e6
     return Point(cell, pass_, algo, batch, hidden, seq_len, sweep.dtype, us, flops, tflops,
-                 tflops / peak_tflops if peak_tflops else None, act, restarts, fallback,
-                 sweep.proj_size, sweep.num_layers, *predicted)
+                 tflops / peak_tflops if peak_tflops else None, act, tally.restarts,
+                 tally.fallback, sweep.proj_size, sweep.num_layers, *predicted, tally.passes,
+                 timing.spread(samples))
 
 
 def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidden: int,
@@ -352,7 +422,7 @@ def settings_record(sweep: Sweep, gpu: bool) -> dict[str, Any]:
     s["prnn_settings"] = asdict(settings.current())
     s["timing"] = ("CUDA events" if gpu else "time.perf_counter") + \
         f", median of {sweep.repeats} after {sweep.warmup} warm-up, rotating {sweep.input_sets} input sets"
-    if "cudnn" in sweep.algos:
+    if set(TORCH_ALGOS) & set(sweep.algos):
         import torch
         s["torch_version"] = torch.__version__
         s["torch.backends.cuda.matmul.allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
@@ -368,9 +438,10 @@ def disable_tf32() -> None:
 
 
 def resolve_sweep(sweep: Sweep, gpu: bool) -> Sweep:
-    """Drop algorithms this machine cannot run (``cudnn`` without torch CUDA; only ``gemm`` on CPU)."""
+    """Drop algorithms this machine cannot run (``cudnn`` and ``prnn_torch`` without torch CUDA;
+    only ``gemm`` on CPU)."""
     algos = tuple(a for a in sweep.algos
-                  if (a == "gemm" or gpu) and (a != "cudnn" or torch_cuda_available()))
+                  if (a == "gemm" or gpu) and (a not in TORCH_ALGOS or torch_cuda_available()))
     if not algos:
         raise ValueError(f"none of the algorithms {sweep.algos} can run here "
                          f"({'GPU' if gpu else 'CPU: only gemm'})")
@@ -380,7 +451,7 @@ def resolve_sweep(sweep: Sweep, gpu: bool) -> Sweep:
 def benchmark(sweep: Sweep, gpu: bool, argv: Sequence[str], progress: bool = True) -> dict[str, Any]:
     """Run ``sweep`` and return the results document (see docs/benchmarks.md for the schema)."""
     sweep = resolve_sweep(sweep, gpu)
-    if "cudnn" in sweep.algos and sweep.dtype == "float32":
+    if set(TORCH_ALGOS) & set(sweep.algos) and sweep.dtype == "float32":
         disable_tf32()
     device = device_record(gpu)
     peak = device["device_info"]["device"]["fp32_peak_tflops"] if gpu else None
@@ -396,7 +467,8 @@ def format_table(results: dict[str, Any]) -> str:
     """The points as an aligned text table, with a header line naming the device."""
     head = f"{'cell':8} {'pass':16} {'algo':10} {'B':>3} {'H':>5} {'P':>4} {'L':>2} {'T':>4} " \
            f"{'us/step':>9} {'pred':>7} {'TFLOP/s':>8} {'%peak':>6} {'act MiB':>8} {'rest':>4} fallback"
-    lines = [f"prnn bench on {results['device']} (commit {results['commit'][:12]}, {results['date']})", head]
+    lines = [f"prnn bench on {results['device']} (commit {results['commit'][:12]}, {results['date']}, "
+             f"NVRTC {results.get('nvrtc') or '-'})", head]
     for p in results["points"]:
         peak = f"{100 * p['peak_fraction']:6.2f}" if p["peak_fraction"] is not None else f"{'-':>6}"
         act = f"{p['activation_bytes'] / 2**20:8.2f}" if p["activation_bytes"] is not None else f"{'-':>8}"

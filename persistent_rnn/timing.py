@@ -51,12 +51,24 @@ class CudaEventClock:
         return self._cupy.cuda.get_elapsed_time(start, end) / 1e3
 
 
-def median_seconds(fn: Callable[[Any], Any], inputs: Sequence[Any], repeats: int, warmup: int,
-                   clock: Clock) -> float:
-    """Median seconds of ``fn(inputs[i % len(inputs)])`` over ``repeats`` calls after ``warmup`` calls."""
+def sample_seconds(fn: Callable[[Any], Any], inputs: Sequence[Any], repeats: int, warmup: int,
+                   clock: Clock) -> list[float]:
+    """Seconds of each of ``repeats`` calls ``fn(inputs[i % len(inputs)])`` after ``warmup`` calls."""
     if repeats < 1 or warmup < 0 or not inputs:
         raise ValueError(f"need repeats >= 1, warmup >= 0 and inputs, got {repeats}, {warmup}, {len(inputs)}")
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
-    times = [clock.measure(lambda i=i: fn(inputs[i % len(inputs)])) for i in range(repeats)]
-    return statistics.median(times)
+    return [clock.measure(lambda i=i: fn(inputs[i % len(inputs)])) for i in range(repeats)]
+
+
+def median_seconds(fn: Callable[[Any], Any], inputs: Sequence[Any], repeats: int, warmup: int,
+                   clock: Clock) -> float:
+    """Median of ``sample_seconds``."""
+    return statistics.median(sample_seconds(fn, inputs, repeats, warmup, clock))
+
+
+def spread(samples: Sequence[float]) -> float:
+    """(slowest - fastest) / median of ``samples``: how far apart repeats of one thing fall, the
+    noise under which two figures cannot be told apart."""
+    middle = statistics.median(samples)
+    return (max(samples) - min(samples)) / middle if middle > 0 else 0.0

@@ -9,7 +9,9 @@ forward and backward (lengths, h0/c0), fp32 and fp16 weights, a stall that resta
 kernel (results bitwise equal to the run without it), an LSTM with projection and a two-layer
 stack in stack mode (one launch per pass). ``--cpu`` runs the same cases on NumPy arrays (the CPU
 emulation of the same kernels): a check of the case list where there is no GPU.
-``--only NAME[,NAME]`` runs a subset (names as printed).
+``--only NAME[,NAME]`` runs a subset (names as printed); ``--group cluster|grid|other[,...]``
+the cases of a placement (``cluster``: the cluster-placed cases, ``grid``: the grid-placed ones,
+``other``: the stall, LSTMP and stack cases), so that a sanitizer can run over each apart.
 """
 from __future__ import annotations
 
@@ -168,17 +170,31 @@ def cases() -> list[Case]:
     ]
 
 
+GROUPS = ("cluster", "grid", "other")
+
+
+def group_of(name: str) -> str:
+    """The group a case belongs to, by its name's placement prefix."""
+    prefix = name.split("-")[0]
+    return "cluster" if prefix.startswith("cluster") else "grid" if prefix == "grid" else "other"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the cases (``--cpu``: on NumPy, emulated); exit 1 if any failed."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="NumPy arrays: the CPU emulation")
     p.add_argument("--only", help="comma-separated case names")
+    p.add_argument("--group", help=f"comma-separated groups of cases: {', '.join(GROUPS)}")
     args = p.parse_args(argv)
+    groups = args.group.split(",") if args.group else GROUPS
+    if set(groups) - set(GROUPS):
+        p.error(f"--group takes {', '.join(GROUPS)}, got {args.group!r}")
     if args.cpu:
         xp = np
     else:
         import cupy as xp
-    chosen = [c for c in cases() if not args.only or c.name in args.only.split(",")]
+    chosen = [c for c in cases() if (not args.only or c.name in args.only.split(","))
+              and group_of(c.name) in groups]
     status = 0
     for case in chosen:
         problems = case.run(xp)

@@ -48,6 +48,7 @@ def test_median_seconds_rotates_inputs_and_takes_the_median():
             fn()
             return next(self.ticks)
     assert timing.median_seconds(seen.append, ["a", "b", "c"], repeats=5, warmup=2, clock=FakeClock()) == 3.0
+    assert timing.spread([5.0, 1.0, 3.0, 2.0, 4.0]) == pytest.approx(4.0 / 3.0)
     assert seen == ["a", "b", "a", "b", "c", "a", "b"]
 
 
@@ -122,7 +123,7 @@ def test_study_size_ladders():
     assert hidden_sweep.hidden_sizes(1280, quick=False) == (128, 256, 512, 1024, 1280)
     assert hidden_sweep.hidden_sizes(1280, quick=True) == (128, 512, 1280)
     assert barrier_latency.grid_sizes(132, quick=False) == [1, 2, 4, 8, 16, 32, 64, 128, 132]
-    assert barrier_latency.grid_sizes(108, quick=True) == [1, 8, 108]
+    assert barrier_latency.grid_sizes(108, quick=True) == [1, 8, 16, 108]
 
 
 def _point(algo, batch, tflops, peak=None, us=10.0, predicted=None, **extra):
@@ -164,7 +165,12 @@ def test_barrier_latency_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
         pytest.skip("cuda_src/grid_barrier.cu (the emulation helper's) is not in the tree")
     monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path))
     log = kernels.compile_source("grid_barrier.cu", {}, "sm_90").log
-    assert f"'{_bench_script('barrier_latency').KERNEL}'" in log and "0 bytes spill stores" in log
+    barrier_latency = _bench_script("barrier_latency")
+    assert f"'{barrier_latency.KERNEL}'" in log and "0 bytes spill stores" in log
+    # the cluster exchange at the small layers' cluster size (16 CTAs on H100/H200)
+    assert barrier_latency.MAX_CLUSTER == 16
+    log = kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 16}, "sm_90").log
+    assert f"'{barrier_latency.CLUSTER_KERNEL}'" in log
 
 
 # --- projections, stacks, predictions, the commit stamp, the GPU suite's pieces on the CPU ---
@@ -199,13 +205,48 @@ def test_cpu_run_of_a_projected_stack_records_its_shape(tmp_path, capsys, monkey
                      "--proj-size", "4", "--layers", "2", "--batches", "1,3", "--seq-len", "5",
                      "--passes", "forward", "--no-progress"]) == 0
     results = json.loads(capsys.readouterr().out)
-    assert results["commit"] == "feedbeef" and results["schema_version"] == 2
+    assert results["commit"] == "feedbeef" and results["schema_version"] == 3
+    assert "nvrtc" in results  # None where CuPy's NVRTC does not load
     assert results["settings"]["prnn_settings"]["gemm_graphs"] is False
     assert [(p["batch"], p["proj_size"], p["num_layers"]) for p in results["points"]] == [(1, 4, 2), (3, 4, 2)]
     for p in results["points"]:
         assert p["flops_per_step"] == bench.recurrence_flops_per_step("lstm", p["batch"], 16, "forward", 4, 2)
         assert p["activation_bytes"] == bench.activation_bytes("lstm", p["batch"], 16, 5, "float32", 4, 2)
         assert p["predicted_us_per_step"] is None  # GEMM points carry no prediction
+        # every call's forward was read: 2 warm-up + 10 timed
+        assert p["passes_checked"] == 12 and p["restarts"] == 0 and p["fallback"] is None
+
+
+def test_a_point_reports_the_restarts_and_fallback_of_every_call(monkeypatch):
+    """A fallback in the first (warm-up) call and restarts in a timed one both reach the point,
+    though the last call ran cleanly."""
+    import numpy as np
+    import persistent_rnn as prnn
+    from persistent_rnn.stats import RunStats
+    script = iter([RunStats("gemm", 3, "barrier timeout"), RunStats("persistent", 2),
+                   *[RunStats("persistent")] * 20])
+
+    class ScriptedLSTM:
+        def __init__(self, input_size, hidden, **kwargs):
+            self.params, self.last_run = {}, None
+
+        def forward(self, x):
+            self.last_run = next(script)
+            return np.zeros((x.shape[0], x.shape[1], 8), np.float32), None
+
+    monkeypatch.setattr(prnn, "LSTM", ScriptedLSTM)
+    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(8,), seq_lens=(2,), batches=(1,),
+                        passes=("forward",), algos=("persistent",), repeats=10, warmup=2)
+    point = bench.measure_point(sweep, "lstm", "forward", "persistent", 1, 8, 2, gpu=False,
+                                peak_tflops=None)
+    assert (point.restarts, point.fallback, point.passes_checked) == (5, "barrier timeout", 12)
+
+
+def test_the_full_gpu_sweep_measures_the_headline_first():
+    sweep = bench.default_sweep(gpu=True, quick=False)
+    assert (sweep.cells[0], sweep.hidden_sizes[0]) == ("lstm", 1024)
+    assert "prnn_torch" in bench.BENCH_ALGOS and "prnn_torch" not in sweep.algos  # asked by name
+    assert bench.resolve_sweep(sweep, gpu=False).algos == ("gemm",)
 
 
 def test_projection_needs_the_lstm(capsys):
@@ -218,6 +259,7 @@ def test_info_json_is_stamped(capsys, monkeypatch):
     assert cli.main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["commit"] == "c0ffee" and report["command"] == "prnn info --json" and report["date"]
+    assert report["nvrtc"] == bench.nvrtc_version()
 
 
 def test_prediction_is_the_models_benchmark_figure():
@@ -282,50 +324,6 @@ def test_summarize_prints_every_run_side_by_side_and_the_prediction_error(tmp_pa
     assert f"no prediction: {bench.NO_PROJECTION_MODEL}" in out
 
 
-SUITE = BENCH_DIR / "run_gpu_suite.sh"
-DEVICE_CALL_S = 600  # the device tool's limit on one command
-
-
-def _dry_run(*args):
-    return subprocess.run(["bash", str(SUITE), "--dry-run", *args], capture_output=True, text=True,
-                          timeout=60)
-
-
-def test_gpu_suite_parses_and_each_part_fits_one_device_call(tmp_path):
-    assert subprocess.run(["bash", "-n", str(SUITE)], timeout=30).returncode == 0
-    steps = {}
-    for part in ("tests", "bench", "compare", "studies"):
-        run = _dry_run(str(tmp_path / "out"), part)
-        assert run.returncode == 0, run.stderr
-        total = int(run.stdout.split("time limits ")[1].split("s in all")[0])
-        assert 0 < total <= DEVICE_CALL_S - 30, (part, total)  # room for the start and the tarball
-        steps[part] = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("== ")][:-1]
-    assert not (tmp_path / "out").exists()  # a dry run writes nothing
-    assert {"gpu_tests", "sanitize_memcheck", "sanitize_racecheck", "sanitize_synccheck"} <= set(steps["tests"])
-    assert {"info", "bench", "barrier_latency", "restart_cost"} <= set(steps["bench"])
-    assert {"bench_fp16", "bench_bf16", "bench_gemm_graphs_on", "bench_gemm_graphs_off",
-            "bench_lstmp_1024_256", "bench_lstmp_2048_512", "bench_stack_2", "bench_stack_3",
-            "bench_stack_4"} <= set(steps["compare"])
-    default = _dry_run(str(tmp_path / "out"))
-    assert [line.split()[1] for line in default.stdout.splitlines() if line.startswith("== ")][:-1] == \
-        steps["tests"] + steps["bench"] + steps["compare"]
-    bad = _dry_run(str(tmp_path / "out"), "everything")
-    assert bad.returncode == 2 and "unknown part" in bad.stderr
-
-
-def test_gpu_suite_bench_steps_parse_with_the_cli(tmp_path):
-    """Every prnn bench command of the suite is accepted by the CLI's parser (no GPU needed)."""
-    run = _dry_run(str(tmp_path), "bench", "compare")
-    commands = [line.split(": ", 1)[1] for line in run.stdout.splitlines()
-                if line.startswith("== bench")]
-    assert len(commands) == 1 + 9
-    for command in commands:
-        args = command.split("persistent_rnn.cli ", 1)[1].split()
-        parsed = cli.build_parser().parse_args(args)
-        sweep = cli._sweep_from_args(parsed, gpu=True)
-        assert sweep.max_seconds >= 15 and sweep.seq_lens in ((100,),)
-
-
 def _sanitize_case():
     spec = importlib.util.spec_from_file_location("gpu_sanitize_case",
                                                   Path(__file__).parent / "gpu_sanitize_case.py")
@@ -342,6 +340,10 @@ def test_sanitize_cases_run_in_the_emulation():
             "lstmp-fp32", "stack-fp32-lstm-2"} <= set(names)
     assert sum(n.startswith("cluster-fp32-") for n in names) == 4
     assert case.main(["--cpu", "--only", "cluster-fp32-lstm,lstmp-fp32,stack-fp32-lstm-2"]) == 0
+    groups = {g: [n for n in names if case.group_of(n) == g] for g in case.GROUPS}
+    assert groups["grid"] == ["grid-fp32-lstm", "grid-fp32-gru", "grid-fp16-gru"]
+    assert len(groups["cluster"]) == 6 and "cluster16-fp32-gru" in groups["cluster"]
+    assert sum(map(len, groups.values())) == len(names)
 
 
 def test_sanitize_case_checks_the_placement_and_launches():
@@ -374,3 +376,12 @@ def test_summarize_checks_the_issue_17_targets():
     assert "cuDNN at B <= 8, H >= 256 (fp32, us/step): met (1 points)" in lines[3]
     assert "MISSED (2 points; lstm forward float16 H=1024 T=100 B=16 persistent/cudnn 0.80 > 0.67)" in lines[4]
     assert summarize.target_lines([{"points": []}])[1].endswith("not measured")
+
+
+def test_summarize_marks_points_that_restarted_or_fell_back():
+    summarize = _bench_script("summarize")
+    lines = summarize.side_by_side_lines({"points": [
+        _point("persistent", 4, 1.0, us=5.0, restarts=2, fallback=None),
+        _point("prnn_torch", 4, 1.0, us=6.0, restarts=0, fallback="barrier timeout"),
+        _point("cudnn", 4, 1.0, us=10.0)]})
+    assert "persistent     5.00!  prnn_torch     6.00!  cudnn    10.00  persistent/cudnn 0.50x" in lines[0]

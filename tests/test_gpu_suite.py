@@ -1,0 +1,199 @@
+"""bench/run_gpu_suite.sh without a GPU: every part fits its device call (dry run), the first
+call's part runs end to end in the CPU emulation (``--cpu``), and its pieces - a hung item
+recorded and skipped, the report's slope and per-call split, pytest resumed past a hung test -
+do what they say. So the suite cannot rot while no GPU is lent."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "bench" / "run_gpu_suite.sh"
+BENCH = ROOT / "bench"
+FIRST_CALL_S, LATER_CALL_S = 420, 360  # 7 minutes, then 6: 15 minutes with the machine's start
+FIRST_STEPS = ["first_env", "first_predict", "first_correct_fp32", "first_correct_struct",
+               "first_correct_half", "first_stall", "first_time", "first_report"]
+
+
+def _suite(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SUITE), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+
+
+def _steps(stdout: str) -> list[tuple[str, int]]:
+    """(name, limit) of each step a dry run lists."""
+    return [(line.split()[1], int(line.split("(limit ")[1].split("s)")[0]))
+            for line in stdout.splitlines() if line.startswith("== ") and "(limit " in line]
+
+
+@pytest.mark.parametrize("part, call_s", [("first", FIRST_CALL_S), ("tests", LATER_CALL_S),
+                                          ("bench", LATER_CALL_S), ("compare", LATER_CALL_S),
+                                          ("studies", LATER_CALL_S), ("sweeps", LATER_CALL_S)])
+def test_each_part_fits_its_device_call(part, call_s, tmp_path):
+    run = _suite("--dry-run", str(tmp_path / "out"), part)
+    assert run.returncode == 0, run.stderr
+    steps = _steps(run.stdout)
+    assert 0 < sum(limit for _, limit in steps) <= call_s
+    assert f"== part {part}: time limits {sum(limit for _, limit in steps)}s" in run.stdout
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    if part == "first":
+        assert [name for name, _ in steps] == FIRST_STEPS
+    if part == "tests":  # pytest first, then each sanitizer over the cluster and grid cases apart
+        names = [name for name, _ in steps]
+        assert names[0] == "gpu_tests" and {"sanitize_memcheck_cluster", "sanitize_memcheck_grid",
+                                            "sanitize_racecheck_cluster",
+                                            "sanitize_racecheck_grid"} <= set(names)
+        gpu_tests = next(line for line in run.stdout.splitlines() if "== gpu_tests" in line)
+        budget = int(gpu_tests.split("--budget ")[1].split()[0])
+        per_test = int(gpu_tests.split("--timeout=")[1].split()[0])
+        assert per_test < budget < dict(steps)["gpu_tests"]
+
+
+def test_the_default_part_is_first_and_bad_requests_are_refused(tmp_path):
+    assert [n for n, _ in _steps(_suite("--dry-run", str(tmp_path)).stdout)] == FIRST_STEPS
+    bad = _suite("--dry-run", str(tmp_path), "everything")
+    assert bad.returncode == 2 and "unknown part" in bad.stderr
+    cpu = _suite("--dry-run", "--cpu", str(tmp_path), "tests")
+    assert cpu.returncode == 2 and "--cpu runs part 'first' only" in cpu.stderr
+
+
+def test_the_bench_steps_parse_with_the_cli(tmp_path):
+    """Every prnn bench command of the later parts is accepted by the CLI (no GPU needed); the
+    bf16 sweep reaches the library through persistent_rnn.torch."""
+    from persistent_rnn import cli
+    run = _suite("--dry-run", str(tmp_path), "bench", "compare", "studies", "sweeps")
+    commands = [line.split(": ", 1)[1] for line in run.stdout.splitlines()
+                if line.startswith("== bench")]
+    assert len(commands) == 1 + 5 + 5 + 2
+    for command in commands:
+        parsed = cli.build_parser().parse_args(command.split("persistent_rnn.cli ", 1)[1].split())
+        sweep = cli._sweep_from_args(parsed, gpu=True)
+        assert sweep.max_seconds >= 15 and sweep.seq_lens == (100,)
+        if sweep.dtype == "bfloat16":
+            assert sweep.algos == ("prnn_torch", "cudnn")
+
+
+def _records(out: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
+    """About a minute of CPU on two cores (most of it importing torch once per step, which is
+    how the steps run on the GPU too); the emulated kernels are those other tests build."""
+    out = tmp_path / "first"
+    run = _suite("--cpu", str(out), "first", env={"PRNN_COMMIT": "feedface"}, timeout=840)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    steps = _records(out, "steps.jsonl")
+    assert [s["step"] for s in steps] == FIRST_STEPS and {s["status"] for s in steps} == {"ok"}
+    summary = json.loads((out / "first_summary.json").read_text())
+    verdict = summary["verdict"]
+    assert verdict["all_ok"] and not verdict["failed"] and not verdict["hung"]
+    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (15, 3, 80)
+    # every record says where, when, from which commit, with which NVRTC and command it came
+    for name in ("predict.jsonl", "correct.jsonl", "stall.jsonl", "time.jsonl"):
+        for record in _records(out, name):
+            assert record["device"] == "cpu (emulation)" and record["commit"] == "feedface"
+            assert record["date"] and "nvrtc" in record
+            assert record["command"].startswith("python bench/first_call.py")
+    cases = {r["name"]: r for r in summary["correctness"]}
+    assert cases["lstm_h256_b3"]["forward"]["placement"] == "cluster"
+    assert cases["lstm_h1024_b4"]["forward"]["placement"] == "grid"
+    assert all(r["repeat_bitwise"] and r["err_torch_nn"] is not None for r in cases.values())
+    assert {r["name"]: r["restart_bitwise"] for r in summary["stalls"]} == {
+        "stall_grid_lstm_h1024_b4": True, "stall_cluster_gru_h256_b1": True,
+        "stall_stack2_lstm_h256_b3": True}
+    table = {(r["config"], r["pass"]): r for r in summary["timing"]["table"]}
+    headline = table[("lstm_h1024_b4", "forward")]
+    for algo in ("persistent", "gemm", "prnn_torch", "cudnn"):
+        assert headline[f"{algo}_us_per_step"] > 0 and f"{algo}_slope_us" in headline
+    assert headline["predicted_step_us"] > 0  # the model's figure on the h100 profile
+    text = (out / "first_summary.txt").read_text()
+    assert "verdict: cases 15/15 ok, stalls 3/3 ok, timing points 80/80 clean" in text
+    assert text.strip() in run.stdout  # printed, the last thing before the step list
+    assert "parts: first" in (out / "suite-first.txt").read_text()
+
+
+def test_a_hung_item_is_recorded_and_the_rest_still_run(tmp_path):
+    """The watchdog ends a process whose item hangs (status 75, the item recorded as hung); run
+    again, the step skips what finished and goes on; an item the step was killed in (started,
+    never finished) is recorded as hung on the next run."""
+    script = tmp_path / "items.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(BENCH)!r})
+        import first_call
+        from pathlib import Path
+        journal = first_call.Journal(Path({str(tmp_path)!r}) / "items.jsonl", {{"device": "x"}})
+        items = [("a", lambda: {{"ok": True}}), ("b", lambda: time.sleep(60)),
+                 ("c", lambda: {{"ok": False, "problems": ["wrong"]}})]
+        sys.exit(first_call.run_items(journal, items, limit_s=1.0))
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=60, env=env)
+    assert first.returncode == 75 and "b: HUNG after 1 s" in first.stderr
+    second = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert second.returncode == 1  # c ran and failed
+    done = [r for r in _records(tmp_path, "items.jsonl") if r["phase"] == "done"]
+    assert [(r["name"], r["ok"], r.get("hung", False)) for r in done] == [
+        ("a", True, False), ("b", False, True), ("c", False, False)]
+    sys.path.insert(0, str(BENCH))
+    try:
+        import first_report
+    finally:
+        sys.path.remove(str(BENCH))
+    (tmp_path / "correct.jsonl").write_text(json.dumps({"name": "killed", "phase": "start"}) + "\n")
+    doc, text = first_report.build(tmp_path)
+    assert doc["verdict"]["hung"] == ["killed"] and not doc["verdict"]["all_ok"]
+    assert "killed by the step's time limit" in text
+
+
+def test_the_report_splits_slope_and_per_call_cost():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import first_report
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def point(algo, seq_len, call_us, ok=True, predicted=None):
+        return {"config": "lstm_h1024_b4", "pass": "forward", "algo": algo, "seq_len": seq_len,
+                "us_per_step": call_us / seq_len, "call_us": call_us, "ok": ok,
+                "predicted_us_per_step": predicted}
+    points = [point("persistent", 100, 250.0 + 2.5 * 100, predicted=7.1),
+              point("persistent", 300, 250.0 + 2.5 * 300),
+              point("cudnn", 100, 1000.0, ok=False), point("cudnn", 300, 2500.0)]
+    prediction = {"lstm_h1024_b4": {"ok": True, "placement": "grid", "forward_us": 2.0,
+                                    "backward_us": 3.9}}
+    row = first_report.timing_rows(points, prediction)[0]
+    assert row["persistent_slope_us"] == pytest.approx(2.5)
+    assert row["persistent_per_call_us"] == pytest.approx(250.0)
+    assert row["slope_over_predicted"] == pytest.approx(2.5 / 2.0)
+    assert row["persistent_over_cudnn"] == pytest.approx(5.0 / 10.0)
+    assert row["predicted_call_us_per_step"] == 7.1 and row["cudnn_clean"] is False
+
+
+def test_pytest_resume_goes_past_a_hung_test(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_fake.py").write_text(textwrap.dedent("""
+        import time
+        def test_a(): pass
+        def test_hangs(): time.sleep(60)
+        def test_b(): pass
+    """))
+    run = subprocess.run([sys.executable, str(BENCH / "pytest_resume.py"), "--budget", "90",
+                          "--", "-p", "no:cacheprovider", "--timeout=2", "-o",
+                          "timeout_method=thread", "tests/"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    assert "tests/test_fake.py::test_b PASSED" in run.stdout
+    assert run.stdout.rstrip().endswith(
+        "pytest_resume: 2 tests finished; hung: tests/test_fake.py::test_hangs")
