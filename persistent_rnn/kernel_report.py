@@ -93,8 +93,11 @@ def nvdisasm() -> str | None:
     return None
 
 
+@lru_cache(maxsize=1024)
 def disassemble(cubin: Path, tool: str) -> str:
-    """``nvdisasm -c`` of a cubin (code sections only, with branch labels)."""
+    """``nvdisasm -c`` of a cubin (code sections only, with branch labels). Kept per process:
+    a cached cubin's name is the digest of what built it (``kernels``), so the same path is the
+    same code, and the report and the latency model read each one once."""
     proc = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvdisasm failed on {cubin}:\n{proc.stderr}")
@@ -250,10 +253,11 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
     return counts
 
 
-def gather_variants(p: planner.PassPlan) -> list[planner.PassPlan]:
+def gather_variants(p: planner.PassPlan, largest_only: bool = False) -> list[planner.PassPlan]:
     """``p`` with each gather size the planner may build its layer kernel with
     (``plan.gather_quads``: from what a thread gathers at B=1 up to the tile's cap, by powers of
-    2; the batch picks one), or ``[p]`` where it has no gather (a cluster) or a fixed one."""
+    2; the batch picks one), or ``[p]`` where it has no gather (a cluster) or a fixed one.
+    ``largest_only``: the largest gather alone, the variant that holds the most registers."""
     if p.source not in ("persistent_forward.cu", "persistent_backward.cu") \
             or "PRNN_GATHER_QUADS" not in p.defines:
         return [p]
@@ -263,13 +267,14 @@ def gather_variants(p: planner.PassPlan) -> list[planner.PassPlan]:
     while n <= planner.gather_quads(p.weight_registers):
         variants.append(replace(p, defines={**p.defines, "PRNN_GATHER_QUADS": n}))
         n *= 2
-    return variants
+    return variants[-1:] if largest_only else variants
 
 
-def _jobs(archs):
+def _jobs(archs, every_gather: bool = True):
     """Every shipped (dtype, cell, pass plan, arch, proj_size): the grid tiles on every arch (with
-    every gather size, ``gather_variants``), the cluster tiles on the archs with clusters (sm_90
-    and newer), the LSTM projection tiles (grid only) at their largest H and P < H."""
+    every gather size, ``gather_variants``, or with ``every_gather=False`` the largest alone),
+    the cluster tiles on the archs with clusters (sm_90 and newer), the LSTM projection tiles
+    (grid only) at their largest H and P < H."""
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
             for tile in (*planner.tiles_for(cell, dtype), *planner.cluster_tiles_for(cell, dtype)):
@@ -277,7 +282,7 @@ def _jobs(archs):
                 for backward in (False, True):
                     planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
                                                 dtype=dtype)
-                    for p in gather_variants(planned):
+                    for p in gather_variants(planned, largest_only=not every_gather):
                         for arch in archs:
                             if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
                                 yield cell, dtype, p, arch, 0
@@ -335,7 +340,7 @@ def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
             "predicted_us": predicted, "device_profile": device.name, "prediction": True}
 
 
-def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
+def kernel_records(archs=("sm_80", "sm_90"), every_gather: bool = True) -> list[dict]:
     """One record per shipped (dtype, cell, tile, pass, arch): ``cell``, ``dtype`` (what W_hh
     is held in: "float32", "float16", "bfloat16"), ``proj_size`` (an LSTM projection tile's P,
     else 0), ``pass``, ``arch``, ``config``
@@ -349,11 +354,12 @@ def kernel_records(archs=("sm_80", "sm_90")) -> list[dict]:
     global_stores, atomics, fences, l1_invalidates, local_memory), or None where nvdisasm is not
     installed; ``stack_frame``/``local_memory`` (``local_memory_record``); ``model``: the latency
     model's ``model_fields`` (per batch row instructions and FFMAs of the matrix loop, predicted
-    µs per step at B = 1 and 8), or None without nvdisasm."""
+    µs per step at B = 1 and 8), or None without nvdisasm. ``every_gather=False`` builds each
+    grid tile at its largest gather size only (``gather_variants``): the CI's set, about half."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_record, [(*job, tool) for job in _jobs(archs)]))
+        return list(pool.map(_record, [(*job, tool) for job in _jobs(archs, every_gather)]))
 
 
 def main(argv: list[str] | None = None) -> int:
