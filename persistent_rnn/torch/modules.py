@@ -63,16 +63,15 @@ class _RecurrentBase(torch.nn.RNNBase):
         _refuse_unsupported_export(type(self).__name__)
         packed = isinstance(input, PackedSequence)
         data = input.data if packed else input
-        path, why = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
-                                 self.proj_size,
-                                 lambda: _batch_size(input, self.batch_first))
-        if path == paths.TORCH:
+        decision = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
+                                self.proj_size, lambda: _batch_size(input, self.batch_first))
+        if decision.path == paths.TORCH:
             if not torch.compiler.is_compiling():  # under compile, only the op records runs
-                self._record.last = LastRun(algo=paths.TORCH, fallback=why)
+                self._record.last = LastRun(algo=paths.TORCH, fallback=decision.why)
             return self._torch_forward(input, hx)
-        return self._library_forward(input, hx, path)
+        return self._library_forward(input, hx, decision)
 
-    def _library_forward(self, input, hx, algo: str):
+    def _library_forward(self, input, hx, decision: paths.Decision):
         lstm = _cell(self.mode).has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
@@ -100,12 +99,13 @@ class _RecurrentBase(torch.nn.RNNBase):
             if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
                 raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         weights = [getattr(self, name) for name in self._flat_weights_names]  # fresh every call
-        c_dtype = _cell_state_dtype(self, x, hx)
-        x, hx, weights = _autocast_inputs(_cell(self.mode), x, hx, weights)
-        _check_like_input(x, hx, dict(zip(self._flat_weights_names, weights)))
+        c_dtype = _cell_state_dtype(self, x, hx, decision.dtype) if lstm else None
+        if decision.autocast:
+            x, hx, weights = _autocast_inputs(x, hx, weights, decision.dtype)
+        _check_like_input(x, hx, self._flat_weights_names, weights)
         h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
-        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout)
-        cn = cn.to(c_dtype)
+        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, decision.path, layout)
+        cn = cn.to(c_dtype) if lstm else None
         if packed is not None:
             out = PackedSequence(layout.pack(y), packed.batch_sizes, packed.sorted_indices,
                                  packed.unsorted_indices)
@@ -137,7 +137,7 @@ class _RecurrentBase(torch.nn.RNNBase):
             cs.append(cn)
             if layer < layers - 1:
                 x = _dropout_between_layers(x, layout, p)
-        return x, torch.cat(hs), torch.cat(cs)
+        return x, torch.cat(hs), None if cs[0] is None else torch.cat(cs)
 
     def _check_args(self, x: torch.Tensor, hx, batch_sizes: torch.Tensor | None) -> None:
         # torch.nn's own shape checks, so that errors read exactly as torch.nn's
@@ -170,32 +170,32 @@ def _batch_size(input, batch_first: bool) -> int:
     return input.shape[0 if batch_first else 1]
 
 
-def _autocast_inputs(cell, x: torch.Tensor, hx, weights: list):
-    """Inside autocast, cast the input, state and weights to the dtype torch.nn computes the
-    layer in (``paths.compute_dtype``), as autocast casts an op's inputs (differentiably: the
-    gradients reach the float32 parameters); outside it, everything as given."""
-    if paths.autocast_dtype(x.device.type) is None:
-        return x, hx, weights
-    dtype = paths.compute_dtype(cell, x)
+def _autocast_inputs(x: torch.Tensor, hx, weights: list, dtype: torch.dtype):
+    """Inside autocast, the input, state and weights cast to ``dtype``, the dtype torch.nn
+    computes the layer in (``paths.compute_dtype``), as autocast casts an op's inputs
+    (differentiably: the gradients reach the float32 parameters)."""
     return x.to(dtype), _map(hx, lambda h: h.to(dtype)), [w.to(dtype) for w in weights]
 
 
-def _cell_state_dtype(module, x: torch.Tensor, hx) -> torch.dtype:
-    """The dtype torch.nn returns c_n in: the compute dtype, except for an LSTM with projection
-    under CPU autocast, whose c state keeps c0's dtype (the input's when c0 is not given):
-    torch's CPU implementation of projections runs the cell update outside autocast."""
-    dtype = paths.compute_dtype(_cell(module.mode), x)
+def _cell_state_dtype(module, x: torch.Tensor, hx, dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch.nn returns c_n in: the compute dtype ``dtype``, except for an LSTM with
+    projection under CPU autocast, whose c state keeps c0's dtype (the input's when c0 is not
+    given): torch's CPU implementation of projections runs the cell update outside autocast."""
     if module.proj_size and x.device.type == "cpu" and dtype != x.dtype:
         return hx[1].dtype if isinstance(hx, tuple) else x.dtype
     return dtype
 
 
-def _check_like_input(x: torch.Tensor, hx, weights: dict) -> None:
+def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> None:
     """torch.nn's exception (``RuntimeError``) for a state or weight that is not on the input's
     device (torch.nn's messages) or not of its dtype (where torch.nn's kernels fail, each with its
-    own words, this names the tensor)."""
+    own words, this names the tensor); ``names``: the weights' names."""
+    device, dtype = x.device, x.dtype
+    states = (hx,) if isinstance(hx, torch.Tensor) else (hx or ())
+    if all(t.device == device and t.dtype == dtype for t in (*states, *weights)):
+        return  # the usual case, checked without naming anything
     states = {"hx": hx} if isinstance(hx, torch.Tensor) else dict(zip(("h_0", "c_0"), hx or ()))
-    for kind, tensors in (("hidden", states), ("parameter", weights)):
+    for kind, tensors in (("hidden", states), ("parameter", dict(zip(names, weights)))):
         for name, t in tensors.items():
             if t.device != x.device:
                 raise RuntimeError(f"Input and {kind} tensors are not at the same device, found "
