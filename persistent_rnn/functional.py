@@ -205,8 +205,11 @@ def _names(ctx: Context, layer: int, reverse: bool) -> dict[str, str]:
 
 def _weights(ctx: Context, names: Mapping[str, str]) -> tuple:
     """``(w_ih, w_hh, b_ih, b_hh)`` of one layer-direction (biases ``None`` without bias)."""
-    return tuple(None if kind not in names else ctx.params[names[kind]]
-                 for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+    params = ctx.params
+    if "bias_ih" not in names:
+        return params[names["weight_ih"]], params[names["weight_hh"]], None, None
+    return (params[names["weight_ih"]], params[names["weight_hh"]], params[names["bias_ih"]],
+            params[names["bias_hh"]])
 
 
 def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict[str, Array]]:
@@ -318,8 +321,9 @@ def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
 def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: bool,
                      rerun: bool) -> tuple[runtime.ForwardResult, RunStats, runtime.Pending | None]:
     """Project the input for all steps (one GEMM) and start this direction's recurrence."""
-    w_hh, b_hh, w_hr = (_param(ctx, d, kind) for kind in ("weight_hh", "bias_hh", "weight_hr"))
-    gi = _input_projection(ctx, layer_input, d.names)
+    w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
+    w_hr = _param(ctx, d, "weight_hr")
+    gi = _projected(layer_input, w_ih, b_ih)
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun,
@@ -335,6 +339,11 @@ def _param(ctx: Context, d: _Direction, kind: str) -> Array | None:
 def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str]) -> Array:
     """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM."""
     w_ih, _, b_ih, _ = _weights(ctx, names)
+    return _projected(layer_input, w_ih, b_ih)
+
+
+def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None) -> Array:
+    """``_input_projection`` with the weights given."""
     gi = matmul_steps(layer_input, w_ih.T)
     if b_ih is not None:
         gi += b_ih
@@ -380,6 +389,8 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
 
 def _merged(stats: Mapping[tuple[int, int], RunStats], rerun: bool) -> RunStats:
     """One ``RunStats`` over all layer-directions (in order)."""
+    if len(stats) == 1 and not rerun:
+        return next(iter(stats.values()))  # what merging it into an empty one would give
     total = RunStats()
     for key in sorted(stats):
         total.merge(stats[key])

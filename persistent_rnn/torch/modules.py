@@ -192,7 +192,10 @@ def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> N
     own words, this names the tensor); ``names``: the weights' names."""
     device, dtype = x.device, x.dtype
     states = (hx,) if isinstance(hx, torch.Tensor) else (hx or ())
-    if all(t.device == device and t.dtype == dtype for t in (*states, *weights)):
+    for t in (*states, *weights):
+        if t.device != device or t.dtype != dtype:
+            break
+    else:
         return  # the usual case, checked without naming anything
     states = {"hx": hx} if isinstance(hx, torch.Tensor) else dict(zip(("h_0", "c_0"), hx or ()))
     for kind, tensors in (("hidden", states), ("parameter", dict(zip(names, weights)))):

@@ -105,9 +105,12 @@ def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
         record.last.backward.merge(stats)
 
 
-@lru_cache(maxsize=None)
+_BY_MODE = {spec.mode: spec for spec in CELLS.values()}  # (a dict: torch.compile traces it)
+
+
 def _cell(mode: str) -> CellSpec:
-    return from_mode(mode)
+    spec = _BY_MODE.get(mode)
+    return from_mode(mode) if spec is None else spec  # from_mode: its error for a bad mode
 
 
 def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
@@ -154,7 +157,7 @@ def _half(t: Tensor) -> str | None:
 
 def _array(t: Tensor | None) -> Array | None:
     """``to_array`` of ``t``, converted to float32 first if it is 16-bit (exact)."""
-    if t is not None and _half(t) is not None:
+    if t is not None and t.dtype in _HALF:
         t = t.float()
     return to_array(t)
 
@@ -292,7 +295,7 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
             t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
             for t in (dy, dhn, dcn))
         run = _flat_backward if batched else (
-            _recurrence_backward if _direct(dy, dhn, dcn, x, h0, c0, weights, saved)
+            _recurrence_backward if _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
             else recurrence_backward)
         dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
                                      *ctx.static)
@@ -311,7 +314,7 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(x, lengths, h0, c0, static, *weights):
-        run = _recurrence if _direct(x, h0, c0, weights) else recurrence
+        run = _recurrence if _direct(x, (h0, c0), weights) else recurrence
         return run(x, lengths, h0, c0, list(weights), *static)
 
     @staticmethod
@@ -328,22 +331,25 @@ class _Recurrence(torch.autograd.Function):
 _PLAIN = (Tensor, torch.nn.Parameter)  # tensor types no dispatch layer has to see
 
 
-def _direct(x: Tensor, *others) -> bool:
+def _direct(x: Tensor, tensors: tuple, *lists: list[Tensor]) -> bool:
     """Whether an op call may run its implementation (``_recurrence``, ``_recurrence_backward``)
-    at once instead of through torch's dispatcher: plain CPU or CUDA tensors (``others``:
-    tensors, ``None`` or lists of tensors), eager mode, no torch.func transform, no dispatch or
-    function mode, no tracer. The dispatcher's layers (the op's autograd key, its wrappers)
-    would run the same function after about 100 µs of Python per call; whoever must see the
-    op (the compiler, torch.export, torch.func, a TorchDispatchMode, meta or fake tensors)
-    still does."""
+    at once instead of through torch's dispatcher: plain CPU or CUDA tensors (``x``, then
+    ``tensors`` and the ``lists``' tensors; ``None`` skipped), eager mode, no torch.func
+    transform, no dispatch or function mode, no tracer. The dispatcher's layers (the op's
+    autograd key, its wrappers) would run the same function after about 100 µs of Python per
+    call; whoever must see the op (the compiler, torch.export, torch.func, a
+    TorchDispatchMode, meta or fake tensors) still does."""
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._is_torch_function_mode_enabled() or is_in_torch_dispatch_mode()
             or torch.jit.is_tracing() or not (x.is_cpu or x.is_cuda) or type(x) not in _PLAIN):
         return False
-    for t in others:
-        if t is not None and type(t) not in _PLAIN and not (
-                isinstance(t, (list, tuple)) and all(type(u) in _PLAIN for u in t)):
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
             return False
+    for ts in lists:
+        for t in ts:
+            if type(t) not in _PLAIN:
+                return False
     return True
 
 
@@ -353,7 +359,7 @@ def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
     """``recurrence``'s ``(y, h_n, c_n)`` with autograd (``stats``: slot, part, parts);
     ``c_n`` is ``None`` for a cell without a cell state."""
     static = (mode, num_layers, bidirectional, algo, *stats)
-    if not _direct(x, h0, c0, weights):
+    if not _direct(x, (h0, c0), weights):
         y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0, static, *weights)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                          for t in (x, h0, c0, *weights)):
