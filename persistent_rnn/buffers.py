@@ -77,8 +77,9 @@ def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
 def select_active(xp, a: Array, lengths: Array | None) -> Array:
     """``a`` (T, B, X) with zeros at steps past each sequence's length, selected (not multiplied,
     so NaN or Inf there do not survive); ``a`` itself when there are no lengths."""
-    mask = active_steps(xp, a.shape[0], lengths)
-    return a if mask is None else xp.where(mask, a, xp.zeros((), a.dtype))
+    if lengths is None:
+        return a
+    return xp.where(active_steps(xp, a.shape[0], lengths), a, xp.zeros((), a.dtype))
 
 
 def matmul_steps(a: Array, w: Array) -> Array:

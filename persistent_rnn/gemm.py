@@ -53,11 +53,11 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                   lengths=_kernel_lengths(xp, lengths, batch, steps), w_hr=w_hr)
     outputs = dict(y=y, cs=cs, saved=saved, hs=hs)
-    loop = partial(_forward_loop, cell, start, half)
     if start == 0 and xp is not np:  # a whole pass: replayed from a recorded CUDA graph
-        step_graphs.run(f"forward {cell.name} {half or ''}", loop, inputs, outputs)
+        step_graphs.run(f"forward {cell.name} {half or ''}",
+                        partial(_forward_loop, cell, start, half), inputs, outputs)
     else:
-        loop(**inputs, **outputs)
+        _forward_loop(cell, start, half, **inputs, **outputs)
 
 
 def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array | None,
@@ -83,11 +83,11 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
                   dh_carry=dh_carry, dc_carry=dc_carry if cell.has_cell_state else None,
                   w_hr=w_hr, hs=hs)
     outputs = dict(dgi=dgi, dgh=None if dgh is dgi else dgh, dh0=dh0, dc0=dc0, drs=drs)
-    loop = partial(_backward_loop, cell, stop)
     if stop == steps and xp is not np:  # a whole pass: replayed from a recorded CUDA graph
-        step_graphs.run(f"backward {cell.name}", loop, inputs, outputs)
+        step_graphs.run(f"backward {cell.name}", partial(_backward_loop, cell, stop), inputs,
+                        outputs)
     else:
-        loop(**inputs, **outputs)
+        _backward_loop(cell, stop, **inputs, **outputs)
     return dh0, dc0
 
 

@@ -98,7 +98,7 @@ class _RecurrentBase(torch.nn.RNNBase):
             x = x.transpose(0, 1) if self.batch_first else x
             if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
                 raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
-        weights = [getattr(self, name) for name in self._flat_weights_names]  # fresh every call
+        weights = _current_weights(self)
         c_dtype = _cell_state_dtype(self, x, hx, decision.dtype) if lstm else None
         if decision.autocast:
             x, hx, weights = _autocast_inputs(x, hx, weights, decision.dtype)
@@ -145,6 +145,16 @@ class _RecurrentBase(torch.nn.RNNBase):
             self.check_input(x, batch_sizes)
         else:
             self.check_forward_args(x, hx, batch_sizes)
+
+
+def _current_weights(module) -> list:
+    """The module's weights as they are at this call, in ``_flat_weights_names`` order (not
+    torch.nn's cached ``_flat_weights``: ``torch.func.functional_call`` swaps them in
+    ``_parameters``, parametrizations make them properties; ``getattr`` sees both, and a
+    parameter is read from ``_parameters`` at once, as ``getattr`` would find it)."""
+    params = module._parameters
+    return [params[name] if name in params else getattr(module, name)
+            for name in module._flat_weights_names]
 
 
 def _check_hidden_pair(lstm: bool, hx) -> None:

@@ -117,7 +117,8 @@ def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict
     """The weights as the library's dict of arrays (float32 for 16-bit weights), under
     torch.nn's names."""
     names = _param_names(len(weights), num_layers, bidirectional)
-    return {name: _array(w) for name, w in zip(names, weights)}
+    return {name: to_array(w.float() if w.dtype in _HALF else w)  # _array, inlined
+            for name, w in zip(names, weights)}
 
 
 @lru_cache(maxsize=256)
