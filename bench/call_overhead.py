@@ -1,18 +1,21 @@
 """Host cost of one layer call on the CPU: the library's roads against torch.nn, side by side.
 
-    python bench/call_overhead.py [--out DIR] [--calls 2000] [--rounds 5] [--hidden 8]
+    python bench/call_overhead.py [--out DIR] [--calls 200] [--rounds 25] [--hidden 8]
                                   [--batch 1] [--steps 1] [--threads 1]
 
 A small GRU (H=8, B=1, T=1 by default: the arithmetic is negligible, so what is timed is the
 Python and dispatch work of a call) run by every road a user has to the same layer:
 ``torch.nn.GRU``, ``persistent_rnn.torch.GRU`` with ``algo="auto"`` (torch's kernels on the
 CPU) and ``algo="gemm"`` (the library through the custom op), and the layer API
-``persistent_rnn.GRU(algo="gemm")`` on NumPy; forward alone and forward + backward. Every road
-runs in the same process on the same weights; the rounds interleave the roads, so that each
-sees the same machine state, and each round times ``--calls`` calls with
-``time.perf_counter_ns`` per call. The figure is the median over all timed calls (also the
-10th percentile); ``ratio`` is the median over torch.nn's. Writes ``DIR/call_overhead.json``
-(device, date, commit, command, the machine's load average) when ``--out`` is given.
+``persistent_rnn.GRU(algo="gemm")`` on NumPy. Three passes: the forward under
+``torch.no_grad`` (inference), the forward with autograd recording (the parameters require
+grad; the layer API has no such mode and runs its plain forward) and forward + backward. Every
+road runs in the same process on the same weights; the rounds interleave the roads in short
+runs of ``--calls`` calls each (alternating their order), so that every road sees the same
+machine state even on a shared machine, and each call is timed with ``time.perf_counter_ns``.
+The figure is the median over all timed calls (also the 10th percentile); ``ratio`` is the
+median over torch.nn's. Writes ``DIR/call_overhead.json`` (device, date, commit, command,
+the machine's load average before and after) when ``--out`` is given.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def roads(hidden: int, batch: int, steps: int, backward: bool) -> dict[str, Call]:
+def roads(hidden: int, batch: int, steps: int, mode: str) -> dict[str, Call]:
     """One zero-argument call per road, all on the same weights and input."""
     torch.manual_seed(0)
     reference = torch.nn.GRU(hidden, hidden)
@@ -56,21 +59,23 @@ def roads(hidden: int, batch: int, steps: int, backward: bool) -> dict[str, Call
                "persistent_rnn.torch.GRU(algo='gemm')": prt.GRU(hidden, hidden, algo="gemm")}
     for module in modules.values():
         module.load_state_dict(reference.state_dict())
-    x = torch.randn(steps, batch, hidden, requires_grad=backward)
-    calls = {label: _torch_call(module, x, backward) for label, module in modules.items()}
+    x = torch.randn(steps, batch, hidden, requires_grad=mode == "forward+backward")
+    calls = {label: _torch_call(module, x, mode) for label, module in modules.items()}
     layer = prnn.GRU(hidden, hidden, algo="gemm")
     layer.load_params({k: v.detach().numpy() for k, v in reference.state_dict().items()})
-    calls["persistent_rnn.GRU(algo='gemm') (NumPy)"] = _layer_call(layer, x.detach().numpy(),
-                                                                     backward)
+    calls["persistent_rnn.GRU(algo='gemm') (NumPy)"] = _layer_call(
+        layer, x.detach().numpy(), mode == "forward+backward")
     return calls
 
 
-def _torch_call(module: torch.nn.Module, x: torch.Tensor, backward: bool) -> Call:
-    if not backward:
+def _torch_call(module: torch.nn.Module, x: torch.Tensor, mode: str) -> Call:
+    if mode == "forward":
         def forward() -> object:
             with torch.no_grad():
                 return module(x)
         return forward
+    if mode == "forward (autograd)":
+        return lambda: module(x)
 
     def train_step() -> object:
         y, h = module(x)
@@ -91,7 +96,8 @@ def _layer_call(layer: prnn.GRU, x: np.ndarray, backward: bool) -> Call:
 
 
 def time_roads(calls: dict[str, Call], count: int, rounds: int) -> dict[str, list[int]]:
-    """Per road, the ns of each of ``count * rounds`` calls (rounds interleave the roads)."""
+    """Per road, the ns of each of ``count * rounds`` calls (rounds interleave the roads in
+    runs of ``count`` calls)."""
     for call in calls.values():  # warm-up: first-call work (caches, lazy imports) is not timed
         for _ in range(50):
             call()
@@ -125,17 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/call_overhead.py",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="output directory (created)")
-    p.add_argument("--calls", type=int, default=2000, help="timed calls per road and round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=200, help="timed calls per road and round")
+    p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--hidden", type=int, default=8, help="input and hidden size")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=1, help="sequence length T")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     passes = {}
-    for name, backward in (("forward", False), ("forward+backward", True)):
-        calls = roads(args.hidden, args.batch, args.steps, backward)
+    for name in ("forward", "forward (autograd)", "forward+backward"):
+        calls = roads(args.hidden, args.batch, args.steps, name)
         passes[name] = summarize(time_roads(calls, args.calls, args.rounds))
         print(f"{name} (GRU H={args.hidden} B={args.batch} T={args.steps}, CPU)")
         for row in passes[name]:
@@ -145,15 +152,17 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"device": "cpu", "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
                "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
                "numpy_version": np.__version__, "python": platform.python_version(),
-               "load_average_1_5_15_min": os.getloadavg(),
+               "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
                **bench.run_stamp(["python", *sys.argv]),
                "settings": {"cell": "GRU", "hidden": args.hidden, "input": args.hidden,
                             "batch": args.batch, "steps": args.steps, "calls": args.calls,
                             "rounds": args.rounds,
                             "timing": "time.perf_counter_ns per call, rounds interleaving the "
-                                      "roads, 50 untimed warm-up calls per road; median and "
-                                      "10th percentile; forward under torch.no_grad, "
-                                      "forward+backward: y.sum().backward() / layer.backward"},
+                                      "roads in runs of `calls` calls, 50 untimed warm-up "
+                                      "calls per road; median and 10th percentile; forward "
+                                      "under torch.no_grad; forward (autograd): parameters "
+                                      "requiring grad, no backward; forward+backward: "
+                                      "y.sum().backward() / layer.backward"},
                "passes": passes}
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "call_overhead.json").write_text(json.dumps(doc, indent=1) + "\n")
