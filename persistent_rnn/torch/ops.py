@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers
@@ -117,8 +118,8 @@ def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict
     """The weights as the library's dict of arrays (float32 for 16-bit weights), under
     torch.nn's names."""
     names = _param_names(len(weights), num_layers, bidirectional)
-    return {name: to_array(w.float() if w.dtype in _HALF else w)  # _array, inlined
-            for name, w in zip(names, weights)}
+    return {name: w.numpy(force=True) if w.is_cpu and w.dtype not in _HALF and w.is_contiguous()
+            else _array(w) for name, w in zip(names, weights)}  # (the usual case inlined)
 
 
 @lru_cache(maxsize=256)
@@ -170,7 +171,7 @@ def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
 
 def _result(a: Array, dtype: torch.dtype) -> Tensor:
     """A library result as a tensor of ``dtype`` (16-bit results are rounded once, here)."""
-    t = to_tensor(a)
+    t = torch.from_numpy(a) if type(a) is np.ndarray else to_tensor(a)  # to_tensor, inlined
     return t if t.dtype == dtype else t.to(dtype)
 
 

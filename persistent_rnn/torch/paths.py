@@ -84,7 +84,7 @@ def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: i
         return _decide(algo, cell, x, hidden, proj_size, batch)
     device = x.device
     low = autocast_dtype(device.type)
-    key = (algo, cell, x.dtype, device, low, hidden, proj_size)
+    key = (algo, cell.name, x.dtype, device, low, hidden, proj_size)  # (a name hashes fast)
     if x.is_cuda:
         key += (torch.cuda.is_current_stream_capturing(),)
         if algo == "auto":
