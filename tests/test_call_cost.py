@@ -6,7 +6,7 @@ machine; ``bench/call_overhead.py`` reports the times):
 
 * Python function calls: ``sys.setprofile`` "call" events (every Python function entered,
   generator resumptions included, torch's own Python too) during one call;
-* NumPy array allocations: a NumPy memory handler that counts its mallocs (``_numpy_allocs``);
+* NumPy array allocations: a NumPy memory handler that counts its mallocs (``numpy_allocs``);
 * host synchronisations: ``persistent_rnn.launch.counting()`` where that hook exists (the
   device-side restart loop of issue 26); without it the test says so and skips.
 
@@ -28,7 +28,6 @@ import torch
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn.torch import ops
 
 H = 8
 
@@ -287,3 +286,33 @@ def test_steady_state_calls_do_not_synchronise(road, backward):
     """The emulated persistent path (the GPU path's host logic) reads nothing back from the
     device in a steady-state call (skipped where the runtime has no counter)."""
     assert host_syncs(_call(road, "GRU", 1, backward)) == 0
+
+
+def test_benchmark_scripts_record_what_results_need(tmp_path):
+    """bench/call_overhead.py and bench/call_breakdown.py, at a few calls: their JSON holds the
+    device, date, commit and command, every road of every pass (or every entry point)."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        overhead = importlib.import_module("call_overhead")
+        breakdown = importlib.import_module("call_breakdown")
+    finally:
+        sys.path.remove(str(bench_dir))
+    threads = torch.get_num_threads()  # (the scripts run torch on one thread)
+    try:
+        assert overhead.main(["--out", str(tmp_path / "o"), "--calls", "3", "--rounds", "2"]) == 0
+        assert breakdown.main(["--out", str(tmp_path / "b"), "--calls", "3", "--rounds", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads((tmp_path / "o" / "call_overhead.json").read_text())
+    assert {"device", "cpu", "date", "commit", "command"} <= doc.keys()
+    assert list(doc["passes"]) == ["forward", "forward (autograd)", "forward+backward"]
+    for rows in doc["passes"].values():
+        assert [r["road"] for r in rows][0] == "torch.nn.GRU" and len(rows) == 4
+        assert all(r["calls"] == 6 and r["median_us"] > 0 for r in rows)
+    rows = json.loads((tmp_path / "b" / "call_breakdown.json").read_text())["rows"]
+    assert len(rows) == 9 and all(r["median_us"] > 0 for r in rows)
