@@ -47,7 +47,7 @@ def entry_points(hidden: int) -> dict[str, Callable[[], object]]:
         "torch.nn.GRU": lambda: reference(x),
         "module(x)": lambda: module(x),
         "module.forward": lambda: module.forward(x),
-        "module._library_forward": lambda: module._library_forward(x, None, decision),
+        "module._library_forward": lambda: module._library_forward(x, None, "gemm", decision),
         "ops.run_recurrence": lambda: ops.run_recurrence(x, None, None, None, weights, "GRU", 1,
                                                          False, "gemm", (0, 0, 1)),
         "ops._library_forward": lambda: ops._library_forward(x, None, None, None, weights,

@@ -69,9 +69,11 @@ class _RecurrentBase(torch.nn.RNNBase):
             if not torch.compiler.is_compiling():  # under compile, only the op records runs
                 self._record.last = LastRun(algo=paths.TORCH, fallback=decision.why)
             return self._torch_forward(input, hx)
-        return self._library_forward(input, hx, decision)
+        return self._library_forward(input, hx, decision.path, decision)
 
-    def _library_forward(self, input, hx, decision: paths.Decision):
+    def _library_forward(self, input, hx, algo: str, decision: paths.Decision | None = None):
+        """The library's forward with ``algo``; ``decision``: ``paths.choose``'s for this input
+        (its compute dtype and autocast), worked out here where not given."""
         lstm = _cell(self.mode).has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
@@ -99,12 +101,15 @@ class _RecurrentBase(torch.nn.RNNBase):
             if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
                 raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         weights = _current_weights(self)
+        if decision is None:
+            decision = paths.Decision(algo, None, paths.compute_dtype(_cell(self.mode), x),
+                                      paths.autocast_dtype(x.device.type) is not None)
         c_dtype = _cell_state_dtype(self, x, hx, decision.dtype) if lstm else None
         if decision.autocast:
             x, hx, weights = _autocast_inputs(x, hx, weights, decision.dtype)
         _check_like_input(x, hx, self._flat_weights_names, weights)
         h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
-        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, decision.path, layout)
+        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout)
         cn = cn.to(c_dtype) if lstm else None
         if packed is not None:
             out = PackedSequence(layout.pack(y), packed.batch_sizes, packed.sorted_indices,
