@@ -31,8 +31,10 @@ def array_module(*arrays: Array):
     Does not import CuPy: a CuPy array can only exist once CuPy has been imported.
     """
     cupy = sys.modules.get("cupy")
-    if cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays):
-        return cupy
+    if cupy is not None:
+        for a in arrays:  # (a loop, not any(...): no generator to run per array, per call)
+            if isinstance(a, cupy.ndarray):
+                return cupy
     return np
 
 
