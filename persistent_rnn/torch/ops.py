@@ -338,7 +338,7 @@ def _direct(x: Tensor, tensors: tuple, *lists: list[Tensor]) -> bool:
     at once instead of through torch's dispatcher: plain CPU or CUDA tensors (``x``, then
     ``tensors`` and the ``lists``' tensors; ``None`` skipped), eager mode, no torch.func
     transform, no dispatch or function mode, no tracer. The dispatcher's layers (the op's
-    autograd key, its wrappers) would run the same function after about 100 µs of Python per
+    autograd key, its wrappers) would run the same function after about 40 µs of Python per
     call; whoever must see the op (the compiler, torch.export, torch.func, a
     TorchDispatchMode, meta or fake tensors) still does."""
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
