@@ -1,4 +1,4 @@
-"""Zero-copy hand-over between torch tensors and the library's arrays (DLPack).
+"""Zero-copy hand-over between torch tensors and the library's arrays (NumPy views, DLPack).
 
 CPU tensors become NumPy arrays and CUDA tensors CuPy arrays on the same memory; results come
 back to torch the same way. CUDA work runs on torch's current stream, so the library's kernels

@@ -1,7 +1,7 @@
 """The recurrence as ``torch.library`` custom ops: ``persistent_rnn::recurrence`` and its backward.
 
 Both ops are opaque to the compiler and run the library (``persistent_rnn.functional``) on the
-tensors' memory through DLPack. They have fake implementations (shapes only), an autograd
+tensors' memory (``interop``: no copies). They have fake implementations (shapes only), an autograd
 formula (registered on the op with ``register_autograd`` and, for torch.func, the same formula
 in the ``autograd.Function`` the modules call) and a vmap rule, so that ``torch.compile`` (also
 with ``fullgraph=True``), ``torch.export`` and ``torch.func`` (``grad``, ``vmap``,
