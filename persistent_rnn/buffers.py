@@ -31,8 +31,10 @@ def array_module(*arrays: Array):
     Does not import CuPy: a CuPy array can only exist once CuPy has been imported.
     """
     cupy = sys.modules.get("cupy")
-    if cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays):
-        return cupy
+    if cupy is not None:
+        for a in arrays:  # (a loop, not any(...): no generator to run per array, per call)
+            if isinstance(a, cupy.ndarray):
+                return cupy
     return np
 
 
@@ -77,8 +79,9 @@ def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
 def select_active(xp, a: Array, lengths: Array | None) -> Array:
     """``a`` (T, B, X) with zeros at steps past each sequence's length, selected (not multiplied,
     so NaN or Inf there do not survive); ``a`` itself when there are no lengths."""
-    mask = active_steps(xp, a.shape[0], lengths)
-    return a if mask is None else xp.where(mask, a, xp.zeros((), a.dtype))
+    if lengths is None:
+        return a
+    return xp.where(active_steps(xp, a.shape[0], lengths), a, xp.zeros((), a.dtype))
 
 
 def matmul_steps(a: Array, w: Array) -> Array:

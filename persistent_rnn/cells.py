@@ -25,7 +25,12 @@ Array = Any  # numpy.ndarray or cupy.ndarray
 
 
 def _sigmoid(xp, x):
-    return 1.0 / (1.0 + xp.exp(-x))
+    """``1 / (1 + exp(-x))``, the same operations in place on one new array (a third of the
+    allocations: the GEMM path's per-step cost on NumPy)."""
+    s = xp.negative(x)
+    xp.exp(s, out=s)
+    s += 1.0
+    return xp.divide(1.0, s, out=s)
 
 
 def _split(a, parts: int):
@@ -78,7 +83,9 @@ def _gru_forward(xp, gi, gh, h_prev, c_prev):
     r = _sigmoid(xp, gi_r + gh_r)
     z = _sigmoid(xp, gi_z + gh_z)
     n = xp.tanh(gi_n + r * gh_n)
-    h = (1.0 - z) * n + z * h_prev
+    h = 1.0 - z  # h = (1 - z) * n + z * h_prev, in place
+    h *= n
+    h += z * h_prev
     return h, None, xp.concatenate([r, z, n, gh_n], axis=1)
 
 

@@ -51,13 +51,13 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     steps, batch, _ = gi.shape
     _check_sizes(xp, steps, batch, saved.shape[2])
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
-                  lengths=full_lengths(xp, lengths, batch, steps), w_hr=w_hr)
+                  lengths=_kernel_lengths(xp, lengths, batch, steps), w_hr=w_hr)
     outputs = dict(y=y, cs=cs, saved=saved, hs=hs)
-    loop = partial(_forward_loop, cell, start, half)
-    if start == 0:  # a whole pass: replayed from a recorded CUDA graph where enabled
-        step_graphs.run(f"forward {cell.name} {half or ''}", loop, inputs, outputs)
+    if start == 0 and xp is not np:  # a whole pass: replayed from a recorded CUDA graph
+        step_graphs.run(f"forward {cell.name} {half or ''}",
+                        partial(_forward_loop, cell, start, half), inputs, outputs)
     else:
-        loop(**inputs, **outputs)
+        _forward_loop(cell, start, half, **inputs, **outputs)
 
 
 def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array | None,
@@ -78,15 +78,16 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     _check_sizes(xp, steps, batch, saved.shape[2])
     dh0 = xp.empty((batch, width), dtype=dy.dtype)
     dc0 = xp.empty((batch, dgi.shape[2] // cell.gates), dy.dtype) if cell.has_cell_state else None
-    inputs = dict(dy=dy, w_hh=w_hh, h0=h0, c0=c0, lengths=full_lengths(xp, lengths, batch, steps),
-                  y=y, cs=cs, saved=saved, dh_carry=dh_carry,
-                  dc_carry=dc_carry if cell.has_cell_state else None, w_hr=w_hr, hs=hs)
+    inputs = dict(dy=dy, w_hh=w_hh, h0=h0, c0=c0,
+                  lengths=_kernel_lengths(xp, lengths, batch, steps), y=y, cs=cs, saved=saved,
+                  dh_carry=dh_carry, dc_carry=dc_carry if cell.has_cell_state else None,
+                  w_hr=w_hr, hs=hs)
     outputs = dict(dgi=dgi, dgh=None if dgh is dgi else dgh, dh0=dh0, dc0=dc0, drs=drs)
-    loop = partial(_backward_loop, cell, stop)
-    if stop == steps:  # a whole pass: replayed from a recorded CUDA graph where enabled
-        step_graphs.run(f"backward {cell.name}", loop, inputs, outputs)
+    if stop == steps and xp is not np:  # a whole pass: replayed from a recorded CUDA graph
+        step_graphs.run(f"backward {cell.name}", partial(_backward_loop, cell, stop), inputs,
+                        outputs)
     else:
-        loop(**inputs, **outputs)
+        _backward_loop(cell, stop, **inputs, **outputs)
     return dh0, dc0
 
 
@@ -106,7 +107,7 @@ def _forward_loop(cell: CellSpec, start: int, half: str | None, *, gi, w_hh, b_h
             hs_prev = hs[t - 1] if t > 0 else xp.zeros_like(hs[0])
             _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, hs_prev, c_prev,
                                hs[t], cs[t], saved[t])
-            y[t] = xp.where(_active(xp, lengths, t), hs[t] @ w_hr.T, h_prev)
+            y[t] = _where(xp, _active(xp, lengths, t), hs[t] @ w_hr.T, h_prev)
         if half is not None:
             y[t] = round_half(xp, y[t], half)
 
@@ -156,18 +157,29 @@ def _projected_backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, c0, lengths
     for t in range(stop - 1, -1, -1):
         dr = dr + dy[t]
         active = _active(xp, lengths, t)
-        drs[t] = xp.where(active, dr, 0.0)
+        drs[t] = _where(xp, active, dr, 0.0)
         c_prev = cs[t - 1] if t > 0 else c0
         _, dc = _pointwise_backward(cell, xp, t, lengths, drs[t] @ w_hr, no_h, no_h, dc, saved[t],
                                     hs[t], cs[t], no_h, c_prev, dgi[t], dgi[t])
-        dr = xp.where(active, dgi[t] @ w_hh, dr)
+        dr = _where(xp, active, dgi[t] @ w_hh, dr)
     dh0[...] = dr
     dc0[...] = dc
 
 
-def _active(xp, lengths: Array, t: int) -> Array:
-    """(B, 1) booleans: step ``t`` is within each sequence's length."""
-    return (lengths > t)[:, None]
+def _kernel_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array | None:
+    """The lengths the loops take: what the CuPy kernels read (``full_lengths``); on NumPy as
+    given, ``None`` where every sequence runs all steps (no mask is formed then)."""
+    return lengths if xp is np else full_lengths(xp, lengths, batch, steps)
+
+
+def _active(xp, lengths: Array | None, t: int) -> Array | None:
+    """(B, 1) booleans: step ``t`` is within each sequence's length (``None``: all are)."""
+    return None if lengths is None else (lengths > t)[:, None]
+
+
+def _where(xp, active: Array | None, a: Array, b: Any) -> Array:
+    """``xp.where(active, a, b)``, ``a`` itself where every sequence is active."""
+    return a if active is None else xp.where(active, a, b)
 
 
 def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_out, c_out,
@@ -185,9 +197,9 @@ def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_o
         gh += b_hh
     h, c, s = cell.forward(np, gi_t, gh, h_prev, c_prev)
     active = _active(np, lengths, t)
-    h_out[...] = np.where(active, h, h_prev)
+    h_out[...] = _where(np, active, h, h_prev)
     if c_out is not None:
-        c_out[...] = np.where(active, c, c_prev)
+        c_out[...] = _where(np, active, c, c_prev)
     saved_out[...] = s
 
 
@@ -208,11 +220,11 @@ def _pointwise_backward(cell, xp, t, lengths, dy_t, dh_direct, dh_rec, dc, saved
     dh = dy_t + dh_direct + dh_rec
     dgi, dgh, dh_prev, dc_prev = cell.backward(np, dh, dc, saved_t, h, c, h_prev, c_prev)
     active = _active(np, lengths, t)
-    dgi_out[...] = np.where(active, dgi, 0.0)
+    dgi_out[...] = _where(np, active, dgi, 0.0)
     if dgh_out is not dgi_out:
-        dgh_out[...] = np.where(active, dgh, 0.0)
-    dh_prev = np.where(active, dh_prev, dh)
-    return dh_prev, (None if dc is None else np.where(active, dc_prev, dc))
+        dgh_out[...] = _where(np, active, dgh, 0.0)
+    dh_prev = _where(np, active, dh_prev, dh)
+    return dh_prev, (None if dc is None else _where(np, active, dc_prev, dc))
 
 
 def _or(a: Array | None, placeholder: Array) -> Array:

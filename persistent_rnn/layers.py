@@ -136,7 +136,8 @@ class _Recurrent:
             lengths = validation.lengths(lengths, batch, steps, xp)
         self._to_device(xp)
         self._ctx = None
-        params = {k: self._compute(v) for k, v in self.params.items()}
+        params = self.params if self._half is None else {
+            k: self._compute(v) for k, v in self.params.items()}
         y, hn, ctx = functional.forward(
             self.cell, params, self._compute(x), self._compute(hx), lengths,
             num_layers=self.num_layers, bidirectional=self.bidirectional,

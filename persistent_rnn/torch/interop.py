@@ -1,4 +1,4 @@
-"""Zero-copy hand-over between torch tensors and the library's arrays (DLPack).
+"""Zero-copy hand-over between torch tensors and the library's arrays (NumPy views, DLPack).
 
 CPU tensors become NumPy arrays and CUDA tensors CuPy arrays on the same memory; results come
 back to torch the same way. CUDA work runs on torch's current stream, so the library's kernels
@@ -19,26 +19,33 @@ def to_array(t: torch.Tensor | None) -> Array | None:
     """The tensor's memory as a NumPy (CPU) or CuPy (CUDA) array; contiguous first if it is not."""
     if t is None:
         return None
-    t = t.detach()  # DLPack refuses tensors that require grad; detach() shares the memory
     if not t.is_contiguous():
-        t = t.contiguous()
+        t = t.detach().contiguous()
     if t.is_cuda:
         import cupy
-        return cupy.from_dlpack(t)
-    return np.from_dlpack(t)
+        # DLPack refuses tensors that require grad; detach() shares the memory
+        return cupy.from_dlpack(t.detach())
+    return t.numpy(force=True)  # detached: np.from_dlpack's memory, in a third of its time
 
 
 def to_tensor(a: Array | None) -> torch.Tensor | None:
     """The array's memory as a torch tensor (no copy)."""
-    return None if a is None else torch.from_dlpack(a)
+    if a is None:
+        return None
+    # torch.from_numpy shares the memory as DLPack does, in half its time
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+
+
+_HOST = contextlib.nullcontext()  # CPU tensors: no device or stream to enter
+
+
+def library_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Run the enclosed library calls on ``t``'s device and torch's current stream there."""
+    return _cuda_stream(t) if t.is_cuda else _HOST
 
 
 @contextlib.contextmanager
-def library_stream(t: torch.Tensor) -> Iterator[None]:
-    """Run the enclosed library calls on ``t``'s device and torch's current stream there."""
-    if not t.is_cuda:
-        yield
-        return
+def _cuda_stream(t: torch.Tensor) -> Iterator[None]:
     import cupy
     with torch.cuda.device(t.device):
         ptr = torch.cuda.current_stream(t.device).cuda_stream

@@ -65,16 +65,17 @@ class _RecurrentBase(torch.nn.RNNBase):
             return self._library_forward(input, hx, onnx.ALGO)
         packed = isinstance(input, PackedSequence)
         data = input.data if packed else input
-        path, why = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
-                                 self.proj_size,
-                                 lambda: _batch_size(input, self.batch_first))
-        if path == paths.TORCH:
+        decision = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
+                                self.proj_size, lambda: _batch_size(input, self.batch_first))
+        if decision.path == paths.TORCH:
             if not torch.compiler.is_compiling():  # under compile, only the op records runs
-                self._record.last = LastRun(algo=paths.TORCH, fallback=why)
+                self._record.last = LastRun(algo=paths.TORCH, fallback=decision.why)
             return self._torch_forward(input, hx)
-        return self._library_forward(input, hx, path)
+        return self._library_forward(input, hx, decision.path, decision)
 
-    def _library_forward(self, input, hx, algo: str):
+    def _library_forward(self, input, hx, algo: str, decision: paths.Decision | None = None):
+        """The library's forward with ``algo``; ``decision``: ``paths.choose``'s for this input
+        (its compute dtype and autocast), worked out here where not given."""
         lstm = _cell(self.mode).has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
@@ -101,13 +102,17 @@ class _RecurrentBase(torch.nn.RNNBase):
             x = x.transpose(0, 1) if self.batch_first else x
             if x.shape[0] == 0:  # torch.nn's error (its kernels check this)
                 raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
-        weights = [getattr(self, name) for name in self._flat_weights_names]  # fresh every call
-        c_dtype = _cell_state_dtype(self, x, hx)
-        x, hx, weights = _autocast_inputs(_cell(self.mode), x, hx, weights)
-        _check_like_input(x, hx, dict(zip(self._flat_weights_names, weights)))
+        weights = _current_weights(self)
+        if decision is None:
+            decision = paths.Decision(algo, None, paths.compute_dtype(_cell(self.mode), x),
+                                      paths.autocast_dtype(x.device.type) is not None)
+        c_dtype = _cell_state_dtype(self, x, hx, decision.dtype) if lstm else None
+        if decision.autocast:
+            x, hx, weights = _autocast_inputs(x, hx, weights, decision.dtype)
+        _check_like_input(x, hx, self._flat_weights_names, weights)
         h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
         y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout)
-        cn = cn.to(c_dtype)
+        cn = cn.to(c_dtype) if lstm else None
         if packed is not None:
             out = PackedSequence(layout.pack(y), packed.batch_sizes, packed.sorted_indices,
                                  packed.unsorted_indices)
@@ -141,7 +146,7 @@ class _RecurrentBase(torch.nn.RNNBase):
             cs.append(cn)
             if layer < layers - 1:
                 x = _dropout_between_layers(x, layout, p)
-        return x, torch.cat(hs), torch.cat(cs)
+        return x, torch.cat(hs), None if cs[0] is None else torch.cat(cs)
 
     def _check_args(self, x: torch.Tensor, hx, batch_sizes: torch.Tensor | None) -> None:
         # torch.nn's own shape checks, so that errors read exactly as torch.nn's
@@ -149,6 +154,16 @@ class _RecurrentBase(torch.nn.RNNBase):
             self.check_input(x, batch_sizes)
         else:
             self.check_forward_args(x, hx, batch_sizes)
+
+
+def _current_weights(module) -> list:
+    """The module's weights as they are at this call, in ``_flat_weights_names`` order (not
+    torch.nn's cached ``_flat_weights``: ``torch.func.functional_call`` swaps them in
+    ``_parameters``, parametrizations make them properties; ``getattr`` sees both, and a
+    parameter is read from ``_parameters`` at once, as ``getattr`` would find it)."""
+    params = module._parameters
+    return [params[name] if name in params else getattr(module, name)
+            for name in module._flat_weights_names]
 
 
 def _check_hidden_pair(lstm: bool, hx) -> None:
@@ -174,32 +189,35 @@ def _batch_size(input, batch_first: bool) -> int:
     return input.shape[0 if batch_first else 1]
 
 
-def _autocast_inputs(cell, x: torch.Tensor, hx, weights: list):
-    """Inside autocast, cast the input, state and weights to the dtype torch.nn computes the
-    layer in (``paths.compute_dtype``), as autocast casts an op's inputs (differentiably: the
-    gradients reach the float32 parameters); outside it, everything as given."""
-    if paths.autocast_dtype(x.device.type) is None:
-        return x, hx, weights
-    dtype = paths.compute_dtype(cell, x)
+def _autocast_inputs(x: torch.Tensor, hx, weights: list, dtype: torch.dtype):
+    """Inside autocast, the input, state and weights cast to ``dtype``, the dtype torch.nn
+    computes the layer in (``paths.compute_dtype``), as autocast casts an op's inputs
+    (differentiably: the gradients reach the float32 parameters)."""
     return x.to(dtype), _map(hx, lambda h: h.to(dtype)), [w.to(dtype) for w in weights]
 
 
-def _cell_state_dtype(module, x: torch.Tensor, hx) -> torch.dtype:
-    """The dtype torch.nn returns c_n in: the compute dtype, except for an LSTM with projection
-    under CPU autocast, whose c state keeps c0's dtype (the input's when c0 is not given):
-    torch's CPU implementation of projections runs the cell update outside autocast."""
-    dtype = paths.compute_dtype(_cell(module.mode), x)
+def _cell_state_dtype(module, x: torch.Tensor, hx, dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch.nn returns c_n in: the compute dtype ``dtype``, except for an LSTM with
+    projection under CPU autocast, whose c state keeps c0's dtype (the input's when c0 is not
+    given): torch's CPU implementation of projections runs the cell update outside autocast."""
     if module.proj_size and x.device.type == "cpu" and dtype != x.dtype:
         return hx[1].dtype if isinstance(hx, tuple) else x.dtype
     return dtype
 
 
-def _check_like_input(x: torch.Tensor, hx, weights: dict) -> None:
+def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> None:
     """torch.nn's exception (``RuntimeError``) for a state or weight that is not on the input's
     device (torch.nn's messages) or not of its dtype (where torch.nn's kernels fail, each with its
-    own words, this names the tensor)."""
+    own words, this names the tensor); ``names``: the weights' names."""
+    device, dtype = x.device, x.dtype
+    states = (hx,) if isinstance(hx, torch.Tensor) else (hx or ())
+    for t in (*states, *weights):
+        if t.device != device or t.dtype != dtype:
+            break
+    else:
+        return  # the usual case, checked without naming anything
     states = {"hx": hx} if isinstance(hx, torch.Tensor) else dict(zip(("h_0", "c_0"), hx or ()))
-    for kind, tensors in (("hidden", states), ("parameter", weights)):
+    for kind, tensors in (("hidden", states), ("parameter", dict(zip(names, weights)))):
         for name, t in tensors.items():
             if t.device != x.device:
                 raise RuntimeError(f"Input and {kind} tensors are not at the same device, found "

@@ -1,7 +1,7 @@
 """The recurrence as ``torch.library`` custom ops: ``persistent_rnn::recurrence`` and its backward.
 
 Both ops are opaque to the compiler and run the library (``persistent_rnn.functional``) on the
-tensors' memory through DLPack. They have fake implementations (shapes only), an autograd
+tensors' memory (``interop``: no copies). They have fake implementations (shapes only), an autograd
 formula (registered on the op with ``register_autograd`` and, for torch.func, the same formula
 in the ``autograd.Function`` the modules call) and a vmap rule, so that ``torch.compile`` (also
 with ``fullgraph=True``), ``torch.export`` and ``torch.func`` (``grad``, ``vmap``,
@@ -29,10 +29,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch._functorch.utils import unwrap_dead_wrappers
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .. import functional
 from ..cells import CELLS, CellSpec, from_mode
@@ -60,7 +64,10 @@ class LastRun(RunStats):
     @classmethod
     def of(cls, stats: RunStats) -> "LastRun":
         """A record holding a copy of ``stats``."""
-        return cls(**{f.name: getattr(stats, f.name) for f in fields(RunStats)})
+        return cls(**{name: getattr(stats, name) for name in _RUN_FIELDS})
+
+
+_RUN_FIELDS = tuple(f.name for f in fields(RunStats))
 
 
 @dataclass
@@ -99,23 +106,40 @@ def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
         record.last.backward.merge(stats)
 
 
+_BY_MODE = {spec.mode: spec for spec in CELLS.values()}  # (a dict: torch.compile traces it)
+
+
 def _cell(mode: str) -> CellSpec:
-    return from_mode(mode)
+    spec = _BY_MODE.get(mode)
+    return from_mode(mode) if spec is None else spec  # from_mode: its error for a bad mode
 
 
 def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
     """The weights as the library's dict of arrays (float32 for 16-bit weights), under
     torch.nn's names."""
-    bias, proj = _layout(weights, num_layers, bidirectional)
-    names = [name for layer in range(num_layers) for reverse in (False, True)[:1 + bidirectional]
-             for name in functional.param_names(layer, reverse, bias=bias, proj=proj)]
-    return {name: _array(w) for name, w in zip(names, weights)}
+    names = _param_names(len(weights), num_layers, bidirectional)
+    return {name: w.numpy(force=True) if w.is_cpu and w.dtype not in _HALF and w.is_contiguous()
+            else _array(w) for name, w in zip(names, weights)}  # (the usual case inlined)
+
+
+@lru_cache(maxsize=256)
+def _param_names(count: int, num_layers: int, bidirectional: bool) -> tuple[str, ...]:
+    """torch.nn's names of ``count`` weights of a stack, in ``_flat_weights_names`` order."""
+    bias, proj = _layout_of(count, num_layers, bidirectional)
+    return tuple(name for layer in range(num_layers)
+                 for reverse in (False, True)[:1 + bidirectional]
+                 for name in functional.param_names(layer, reverse, bias=bias, proj=proj))
 
 
 def _layout(weights: list[Tensor], num_layers: int, bidirectional: bool) -> tuple[bool, bool]:
     """``(bias, proj)``: whether the layers have biases and an LSTM projection (``weight_hr``),
     from the number of weights per layer-direction (2 or 4, plus 1 with a projection)."""
-    per_direction = len(weights) // (num_layers * (2 if bidirectional else 1))
+    return _layout_of(len(weights), num_layers, bidirectional)
+
+
+def _layout_of(count: int, num_layers: int, bidirectional: bool) -> tuple[bool, bool]:
+    """``_layout`` of a stack of ``count`` weights."""
+    per_direction = count // (num_layers * (2 if bidirectional else 1))
     return per_direction >= 4, per_direction % 2 == 1
 
 
@@ -125,14 +149,17 @@ def _sizes(weights: list[Tensor], mode: str) -> tuple[int, int]:
     return w_hh.shape[0] // _cell(mode).gates, w_hh.shape[1]
 
 
+_HALF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
 def _half(t: Tensor) -> str | None:
     """The library's 16-bit dtype name for a float16/bfloat16 tensor, else ``None``."""
-    return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(t.dtype)
+    return _HALF.get(t.dtype)
 
 
 def _array(t: Tensor | None) -> Array | None:
     """``to_array`` of ``t``, converted to float32 first if it is 16-bit (exact)."""
-    if t is not None and _half(t) is not None:
+    if t is not None and t.dtype in _HALF:
         t = t.float()
     return to_array(t)
 
@@ -144,7 +171,8 @@ def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
 
 def _result(a: Array, dtype: torch.dtype) -> Tensor:
     """A library result as a tensor of ``dtype`` (16-bit results are rounded once, here)."""
-    return to_tensor(a).to(dtype)
+    t = torch.from_numpy(a) if type(a) is np.ndarray else to_tensor(a)  # to_tensor, inlined
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _empty_like_none(x: Tensor) -> Tensor:
@@ -152,26 +180,37 @@ def _empty_like_none(x: Tensor) -> Tensor:
     return x.new_empty(0)
 
 
-@torch.library.custom_op("persistent_rnn::recurrence", mutates_args=(),
-                         tags=(torch.Tag.cudagraph_unsafe,))
-def recurrence(x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor], c0: Optional[Tensor],
-               weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
-               algo: str, stats_slot: int, stats_part: int,
-               stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+def _recurrence(x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
+                c0: Optional[Tensor], weights: list[Tensor], mode: str, num_layers: int,
+                bidirectional: bool, algo: str, stats_slot: int, stats_part: int,
+                stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """The stacked recurrence through the library: ``(y, h_n, c_n, saved)``."""
-    cell = _cell(mode)
     with library_stream(x):
-        xa = _array(x)
-        y, hn, ctx = functional.forward(
-            cell, _params(weights, num_layers, bidirectional), xa, _hidden_arrays(cell, h0, c0),
-            None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
-            bidirectional=bidirectional, batch_first=False, algo=algo, half=_half(x))
-        hn, cn = hn if cell.has_cell_state else (hn, None)
+        y, hn, cn, ctx = _library_forward(x, lengths, h0, c0, weights, mode, num_layers,
+                                          bidirectional, algo, stats_slot, stats_part)
         saved = [to_tensor(a) for a in functional.saved_arrays(ctx)]
-        outputs = (_result(y, x.dtype), _result(hn, x.dtype),
-                   _empty_like_none(x) if cn is None else _result(cn, x.dtype), saved)
+    return y, hn, _empty_like_none(x) if cn is None else cn, saved
+
+
+def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
+                     weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
+                     algo: str, stats_slot: int, stats_part: int):
+    """``(y, h_n, c_n, ctx)`` of ``functional.forward`` on the tensors' memory, in the
+    library's stream (``c_n``: ``None`` for a cell without a cell state); records the run."""
+    cell = _cell(mode)
+    xa = _array(x)
+    y, hn, ctx = functional.forward(
+        cell, _params(weights, num_layers, bidirectional), xa, _hidden_arrays(cell, h0, c0),
+        None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
+        bidirectional=bidirectional, batch_first=False, algo=algo, half=_half(x))
+    hn, cn = hn if cell.has_cell_state else (hn, None)
     _record_forward(stats_slot, stats_part, ctx.stats, _half(x) or str(x.dtype)[6:])
-    return outputs
+    return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
+            _result(cn, x.dtype), ctx)
+
+
+recurrence = torch.library.custom_op("persistent_rnn::recurrence", _recurrence, mutates_args=(),
+                                     tags=(torch.Tag.cudagraph_unsafe,))
 
 
 @recurrence.register_fake
@@ -191,13 +230,11 @@ def _(x, lengths, h0, c0, weights, mode, num_layers, bidirectional, algo, stats_
     return y, hn, cn, saved
 
 
-@torch.library.custom_op("persistent_rnn::recurrence_backward", mutates_args=(),
-                         tags=(torch.Tag.cudagraph_unsafe,))
-def recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor], x: Tensor,
-                        lengths: Optional[Tensor], h0: Optional[Tensor], c0: Optional[Tensor],
-                        weights: list[Tensor], saved: list[Tensor], mode: str, num_layers: int,
-                        bidirectional: bool, algo: str, stats_slot: int, stats_part: int,
-                        stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+def _recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor], x: Tensor,
+                         lengths: Optional[Tensor], h0: Optional[Tensor], c0: Optional[Tensor],
+                         weights: list[Tensor], saved: list[Tensor], mode: str, num_layers: int,
+                         bidirectional: bool, algo: str, stats_slot: int, stats_part: int,
+                         stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Gradients of ``recurrence``: ``(dx, dh0, dc0, dweights)`` (``dc0`` empty unless LSTM)."""
     cell = _cell(mode)
     with library_stream(dy):
@@ -214,6 +251,11 @@ def recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor]
                    [_result(grads[name], x.dtype) for name in params])
     _record_backward(stats_slot, stats_part == stats_parts - 1, ctx.backward_stats)
     return outputs
+
+
+recurrence_backward = torch.library.custom_op(
+    "persistent_rnn::recurrence_backward", _recurrence_backward, mutates_args=(),
+    tags=(torch.Tag.cudagraph_unsafe,))
 
 
 @recurrence_backward.register_fake
@@ -254,7 +296,9 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
         batched = not torch.compiler.is_compiling() and any(
             t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
             for t in (dy, dhn, dcn))
-        run = _flat_backward if batched else recurrence_backward
+        run = _flat_backward if batched else (
+            _recurrence_backward if _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
+            else recurrence_backward)
         dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
                                      *ctx.static)
     return (dx, None, None if h0 is None else dh0, None if c0 is None else dc0, list(dweights),
@@ -272,7 +316,8 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(x, lengths, h0, c0, static, *weights):
-        return recurrence(x, lengths, h0, c0, list(weights), *static)
+        run = _recurrence if _direct(x, (h0, c0), weights) else recurrence
+        return run(x, lengths, h0, c0, list(weights), *static)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -285,13 +330,53 @@ class _Recurrence(torch.autograd.Function):
         return dx, None, dh0, dc0, None, *dweights
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)  # tensor types no dispatch layer has to see
+
+
+def _direct(x: Tensor, tensors: tuple, *lists: list[Tensor]) -> bool:
+    """Whether an op call may run its implementation (``_recurrence``, ``_recurrence_backward``)
+    at once instead of through torch's dispatcher: plain CPU or CUDA tensors (``x``, then
+    ``tensors`` and the ``lists``' tensors; ``None`` skipped), eager mode, no torch.func
+    transform, no dispatch or function mode, no tracer. The dispatcher's layers (the op's
+    autograd key, its wrappers) would run the same function after about 40 µs of Python per
+    call; whoever must see the op (the compiler, torch.export, torch.func, a
+    TorchDispatchMode, meta or fake tensors) still does."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled() or is_in_torch_dispatch_mode()
+            or torch.jit.is_tracing() or not (x.is_cpu or x.is_cuda) or type(x) not in _PLAIN):
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    for ts in lists:
+        for t in ts:
+            if type(t) not in _PLAIN:
+                return False
+    return True
+
+
 def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
                    weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
                    algo: str, stats: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
-    """``recurrence``'s ``(y, h_n, c_n)`` with autograd (``stats``: slot, part, parts)."""
-    y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0,
-                                      (mode, num_layers, bidirectional, algo, *stats), *weights)
-    return y, hn, cn
+    """``recurrence``'s ``(y, h_n, c_n)`` with autograd (``stats``: slot, part, parts);
+    ``c_n`` is ``None`` for a cell without a cell state."""
+    static = (mode, num_layers, bidirectional, algo, *stats)
+    if not _direct(x, (h0, c0), weights):
+        y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0, static, *weights)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                         for t in (x, h0, c0, *weights)):
+        # Function.apply's own course without functorch transforms, less its binding of the
+        # arguments to forward's signature (forward has no defaults to fill): 10 µs a call.
+        y, hn, cn, *_ = _apply_function(*unwrap_dead_wrappers(
+            (x, lengths, h0, c0, static, *weights)))
+    else:  # nothing to differentiate: no autograd node, no activations kept for backward
+        with library_stream(x):
+            y, hn, cn, _ = _library_forward(x, lengths, h0, c0, weights, *static[:-1])
+        return y, hn, cn
+    return y, hn, cn if _cell(mode).has_cell_state else None
+
+
+_apply_function = super(torch.autograd.Function, _Recurrence).apply
 
 
 def _flat_backward(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, *static):

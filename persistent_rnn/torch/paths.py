@@ -9,6 +9,7 @@ swapping torch.nn for these modules never slows a model down. ``algo="gemm"`` an
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -53,18 +54,63 @@ def library_blocker(x: torch.Tensor, dtype: torch.dtype) -> str | None:
     return None
 
 
+class Decision(NamedTuple):
+    """What runs a module's forward (``choose``)."""
+
+    path: str                    # "torch", or the library algo to run
+    why: str | None              # why the persistent kernel does not run (None: it may)
+    dtype: torch.dtype           # compute_dtype: what the layer is computed in
+    autocast: bool               # autocast is on for the input's device (inputs are cast)
+
+
+_DECISIONS: dict[tuple, Decision] = {}
+MAX_DECISIONS = 256  # signatures remembered; the table is emptied when it is full
+
+
 def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
-           batch) -> tuple[str, str | None]:
-    """``(path, why)``: ``path`` is ``"torch"`` or the library ``algo`` to run; ``why`` says why
-    the persistent kernel does not run (``None`` where it may).
+           batch) -> Decision:
+    """The ``Decision`` for a forward on ``x``: ``path`` is ``"torch"`` or the library
+    ``algo`` to run; ``why`` says why the persistent kernel does not run (``None`` where it
+    may).
 
     The library runs in ``compute_dtype`` (under autocast the module casts the input, states
     and weights to it, as autocast casts an op's inputs). ``batch`` is a callable giving the
     batch size (read only where it matters: it is a tensor element for packed input).
+    Outside torch.compile the decision is remembered per signature: everything it depends on
+    (the algo, cell, sizes, dtype, device, autocast, CUDA capture, and for ``"auto"`` on CUDA
+    the batch and ``auto_max_batch``); an error is never remembered.
     """
+    if torch.compiler.is_compiling():  # traced once per graph, guarded by the compiler
+        return _decide(algo, cell, x, hidden, proj_size, batch)
+    device = x.device
+    low = autocast_dtype(device.type)
+    key = (algo, cell.name, x.dtype, device, low, hidden, proj_size)  # (a name hashes fast)
+    if x.is_cuda:
+        key += (torch.cuda.is_current_stream_capturing(),)
+        if algo == "auto":
+            key += (int(batch()), settings.current().auto_max_batch)
+    found = _DECISIONS.get(key)
+    if found is None:
+        found = _decide(algo, cell, x, hidden, proj_size, batch)
+        if len(_DECISIONS) >= MAX_DECISIONS:
+            _DECISIONS.clear()
+        _DECISIONS[key] = found
+    return found
+
+
+def _decide(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
+            batch) -> Decision:
+    """``choose``'s decision, made afresh."""
+    dtype = compute_dtype(cell, x)
+    path, why = _path(algo, cell, x, hidden, proj_size, batch, dtype)
+    return Decision(path, why, dtype, autocast_dtype(x.device.type) is not None)
+
+
+def _path(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int, batch,
+          dtype: torch.dtype) -> tuple[str, str | None]:
+    """``(path, why)`` of ``Decision``: the implementation that runs the layer in ``dtype``."""
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    dtype = compute_dtype(cell, x)
     blocker = library_blocker(x, dtype)
     if algo != "auto":
         if blocker is not None:

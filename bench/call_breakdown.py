@@ -1,0 +1,108 @@
+"""Where a torch module's forward spends its host time: each layer of the call timed alone.
+
+    python bench/call_breakdown.py [--out DIR] [--calls 100] [--rounds 30] [--hidden 8]
+
+``persistent_rnn.torch.GRU(algo="gemm")`` forward under ``torch.no_grad`` (H=I, B=1, T=1),
+entered at each layer of its road, outermost first, beside ``torch.nn.GRU`` and the layer API:
+the difference between two neighbouring rows is what that layer adds. Rows interleave in runs
+of ``--calls`` calls (alternating their order), timed with ``time.perf_counter_ns``; median and
+10th percentile in µs. Internal entry points (``ops._library_forward`` and the like) are called
+with what the layer above would pass them. Writes ``DIR/call_breakdown.json`` with ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+import persistent_rnn as prnn
+import persistent_rnn.torch as prt
+from persistent_rnn import bench, functional
+from persistent_rnn.torch import modules, ops, paths
+
+
+def entry_points(hidden: int) -> dict[str, Callable[[], object]]:
+    """The calls, outermost first (each one layer further in than the row before)."""
+    torch.manual_seed(0)
+    reference = torch.nn.GRU(hidden, hidden)
+    module = prt.GRU(hidden, hidden, algo="gemm")
+    module.load_state_dict(reference.state_dict())
+    x = torch.randn(1, 1, hidden)
+    weights = modules._current_weights(module)
+    cell = ops._cell("GRU")
+    decision = paths.choose("gemm", cell, x, hidden, 0, lambda: 1)
+    params, x_array = ops._params(weights, 1, False), x.numpy()
+    layer = prnn.GRU(hidden, hidden, algo="gemm")
+    layer.load_params({k: v.detach().numpy() for k, v in reference.state_dict().items()})
+    run = dict(num_layers=1, bidirectional=False, batch_first=False, algo="gemm")
+    return {
+        "torch.nn.GRU": lambda: reference(x),
+        "module(x)": lambda: module(x),
+        "module.forward": lambda: module.forward(x),
+        "module._library_forward": lambda: module._library_forward(x, None, "gemm", decision),
+        "ops.run_recurrence": lambda: ops.run_recurrence(x, None, None, None, weights, "GRU", 1,
+                                                         False, "gemm", (0, 0, 1)),
+        "ops._library_forward": lambda: ops._library_forward(x, None, None, None, weights,
+                                                             "GRU", 1, False, "gemm", 0, 0),
+        "functional.forward, tensors converted": lambda: functional.forward(
+            cell, ops._params(weights, 1, False), ops._array(x), **run),
+        "functional.forward, arrays given": lambda: functional.forward(cell, params, x_array,
+                                                                       **run),
+        "layer API forward (NumPy)": lambda: layer.forward(x_array),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time every entry point interleaved; print a table, write the JSON."""
+    p = argparse.ArgumentParser(prog="bench/call_breakdown.py",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=None, help="output directory (created)")
+    p.add_argument("--calls", type=int, default=100, help="timed calls per row and round")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--hidden", type=int, default=8)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    calls = entry_points(args.hidden)
+    times: dict[str, list[int]] = {label: [] for label in calls}
+    clock = time.perf_counter_ns
+    with torch.no_grad():
+        for call in calls.values():
+            for _ in range(200):
+                call()
+        for r in range(args.rounds):
+            for label, call in list(calls.items())[::1 if r % 2 else -1]:
+                record = times[label]
+                for _ in range(args.calls):
+                    start = clock()
+                    call()
+                    record.append(clock() - start)
+    rows = [{"entry": label, "median_us": statistics.median(ns) / 1e3,
+             "p10_us": float(np.percentile(ns, 10)) / 1e3} for label, ns in times.items()]
+    for row in rows:
+        print(f"{row['entry']:40s} {row['median_us']:7.1f} µs  (p10 {row['p10_us']:6.1f})")
+    if args.out is not None:
+        doc = {"device": "cpu", "cpu_count": os.cpu_count(),
+               "torch_version": torch.__version__, "numpy_version": np.__version__,
+               "load_average_1_5_15_min": os.getloadavg(),
+               **bench.run_stamp(["python", *sys.argv]),
+               "settings": {"cell": "GRU", "hidden": args.hidden, "batch": 1, "steps": 1,
+                            "calls": args.calls, "rounds": args.rounds,
+                            "timing": "time.perf_counter_ns per call under torch.no_grad, rows "
+                                      "interleaved in runs of `calls`; median, 10th percentile"},
+               "rows": rows}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "call_breakdown.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.out / 'call_breakdown.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

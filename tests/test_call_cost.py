@@ -1,0 +1,318 @@
+"""The host work of a steady-state call on the CPU paths, counted so that it cannot grow back.
+
+Issue 26: a call of a small layer cost several times torch.nn's, nearly all of it Python on the
+way to the library. What a call does is counted here, not timed (counts are the same on every
+machine; ``bench/call_overhead.py`` reports the times):
+
+* Python function calls: ``sys.setprofile`` "call" events (every Python function entered,
+  generator resumptions included, torch's own Python too) during one call;
+* NumPy array allocations: a NumPy memory handler that counts its mallocs (``numpy_allocs``);
+* host synchronisations: ``persistent_rnn.launch.counting()`` where that hook exists (the
+  device-side restart loop of issue 26); without it the test says so and skips.
+
+Each count is taken after warm-up calls (caches filled), on GRU and LSTM layers of
+H=8, B=1, T=1 (the benchmark's layer) and T=4 (what grows with the steps). The limits are the
+counts after the issue-26 work plus about 10%: a change that adds Python work per call fails
+here and must either remove other work or raise the limit with a reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import persistent_rnn as prnn
+import persistent_rnn.torch as prt
+
+H = 8
+
+
+def python_calls(call: Callable[[], object]) -> int:
+    """Python functions entered during one ``call()`` (after warm-up calls)."""
+    for _ in range(3):
+        call()
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        count += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return count - 1  # the call itself
+
+
+class _Allocator(ctypes.Structure):
+    _fields_ = [("ctx", ctypes.c_void_p), ("malloc", ctypes.c_void_p),
+                ("calloc", ctypes.c_void_p), ("realloc", ctypes.c_void_p),
+                ("free", ctypes.c_void_p)]
+
+
+class _Handler(ctypes.Structure):  # NumPy's PyDataMem_Handler (numpy/_core/include)
+    _fields_ = [("name", ctypes.c_char * 127), ("version", ctypes.c_uint8),
+                ("allocator", _Allocator)]
+
+
+_MALLOC_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)  # result, (ctx, size)
+_CALLOC_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
+_MALLOC, _CALLOC = ctypes.CFUNCTYPE(*_MALLOC_TYPES), ctypes.CFUNCTYPE(*_CALLOC_TYPES)
+_SET_HANDLER, _GET_HANDLER = 304, 305  # indices in NumPy's C-API table (numpy_api.py)
+
+
+def _pointer(capsule, name: bytes | None) -> int:
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return get(capsule, name)
+
+
+class _NumpyAllocCounter:
+    """NumPy's default memory handler with counting malloc and calloc (realloc and free are
+    the default's own C functions, so that arrays outliving the count need no Python to be
+    freed; the handler itself is never freed)."""
+
+    def __init__(self) -> None:
+        api = ctypes.cast(_pointer(np._core._multiarray_umath._ARRAY_API, None),
+                          ctypes.POINTER(ctypes.c_void_p))
+        self._get = ctypes.PYFUNCTYPE(ctypes.py_object)(api[_GET_HANDLER])
+        self._set = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(api[_SET_HANDLER])
+        default = _Handler.from_address(_pointer(self._get(), b"mem_handler"))
+        if default.name != np._core.multiarray.get_handler_name().encode():
+            raise RuntimeError("NumPy's C-API table is not laid out as expected")
+        base = default.allocator
+        # (called from the callbacks with the GIL held: PYFUNCTYPE keeps it; NumPy may call
+        # calloc with the GIL released, which the callbacks take back)
+        malloc = ctypes.PYFUNCTYPE(*_MALLOC_TYPES)(base.malloc)
+        calloc = ctypes.PYFUNCTYPE(*_CALLOC_TYPES)(base.calloc)
+        self.count = 0
+
+        def counted_malloc(ctx, size):
+            self.count += 1
+            return malloc(ctx, size)
+
+        def counted_calloc(ctx, nelem, elsize):
+            self.count += 1
+            return calloc(ctx, nelem, elsize)
+
+        self._callbacks = (_MALLOC(counted_malloc), _CALLOC(counted_calloc))
+        self._handler = _Handler(b"prnn_counting", default.version, _Allocator(
+            base.ctx, ctypes.cast(self._callbacks[0], ctypes.c_void_p).value,
+            ctypes.cast(self._callbacks[1], ctypes.c_void_p).value, base.realloc, base.free))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self))  # arrays may keep the handler
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                       ctypes.c_void_p]
+        self._capsule = new(ctypes.addressof(self._handler), b"mem_handler", None)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        old = self._set(self._capsule)
+        try:
+            yield
+        finally:
+            self._set(old)
+
+
+_COUNTER: _NumpyAllocCounter | None = None
+
+
+def numpy_allocs(call: Callable[[], object]) -> int:
+    """NumPy array data allocations during one ``call()`` (after warm-up calls)."""
+    global _COUNTER
+    if _COUNTER is None:
+        try:
+            _COUNTER = _NumpyAllocCounter()
+        except (AttributeError, RuntimeError) as exc:
+            pytest.skip(f"NumPy's memory handler cannot be replaced here: {exc}")
+    for _ in range(3):
+        call()
+    before = _COUNTER.count
+    with _COUNTER.counting():
+        call()
+    return _COUNTER.count - before
+
+
+def host_syncs(call: Callable[[], object]) -> int:
+    """Host synchronisations of one ``call()``, by the runtime's own counter."""
+    launch = pytest.importorskip("persistent_rnn.launch",
+                                 reason="no host-synchronisation counter (persistent_rnn.launch)")
+    for _ in range(3):
+        call()
+    with launch.counting() as counted:
+        call()
+    return counted.host_syncs
+
+
+# ---- the instruments count what they claim -----------------------------------------------
+
+def test_python_calls_counts_each_function_entered():
+    def leaf():
+        return 1
+
+    def three():
+        return leaf() + leaf() + leaf()
+
+    assert python_calls(three) == 3  # the three calls of leaf
+
+
+def test_numpy_allocs_counts_each_array_made():
+    a = np.ones(16)
+    assert numpy_allocs(lambda: a + a) == 1
+    assert numpy_allocs(lambda: (a + a) * a) == 2
+    assert numpy_allocs(lambda: np.zeros(4)) == 1
+    assert numpy_allocs(lambda: a[2:]) == 0
+
+
+# ---- the paths ------------------------------------------------------------------------------
+
+def _layer_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+    layer = cls(H, H, algo=algo, seed=0)
+    x = np.random.default_rng(0).standard_normal((steps, 1, H)).astype(np.float32)
+    dy = np.ones((steps, 1, H), np.float32)
+    if not backward:
+        return lambda: layer.forward(x)
+
+    def step():
+        layer.forward(x)
+        return layer.backward(dy)
+    return step
+
+
+def _module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+    torch.manual_seed(0)
+    module = cls(H, H, algo=algo)
+    x = torch.randn(steps, 1, H, requires_grad=backward)
+    if not backward:
+        def forward():
+            with torch.no_grad():
+                return module(x)
+        return forward
+
+    def step():
+        y, _ = module(x)
+        y.sum().backward()
+    return step
+
+
+# (road, cell, T, backward) -> limits of (Python calls, NumPy allocations): the counts after
+# issue 26's work plus 10%; in the comments, the counts (after) and (before it).
+LIMITS = {
+    ("layer gemm", "GRU", 1, False): (81, 30),          # (73, 27)    (115, 42)
+    ("layer gemm", "GRU", 4, False): (117, 96),         # (106, 87)   (148, 138)
+    ("layer gemm", "LSTM", 1, False): (83, 37),         # (75, 33)    (125, 50)
+    ("layer gemm", "GRU", 1, True): (150, 74),          # (136, 67)   (202, 95)
+    ("layer gemm", "LSTM", 1, True): (157, 93),         # (142, 84)   (224, 112)
+    ("layer persistent", "GRU", 1, False): (156, 40),   # (141, 36)   (170, 36)
+    ("layer persistent", "GRU", 1, True): (312, 86),    # (283, 78)   (321, 78)
+    ("module gemm", "GRU", 1, False): (120, 30),        # (109, 27)   (352, 42)
+    ("module gemm", "LSTM", 1, False): (127, 37),       # (115, 33)   (369, 50)
+    ("module gemm", "GRU", 4, False): (157, 96),        # (142, 87)   (385, 138)
+    ("module gemm", "GRU", 1, True): (280, 75),         # (254, 68)   (554, 96)
+    ("module gemm", "LSTM", 1, True): (297, 95),        # (270, 86)   (591, 114)
+    ("module auto", "GRU", 1, False): (44, 0),          # (40, 0)     (48, 0)
+    ("module auto", "GRU", 1, True): (51, 0),           # (46, 0)     (54, 0)
+}
+_BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
+          "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
+
+
+def _call(road: str, cell: str, steps: int, backward: bool) -> Callable[[], object]:
+    kind, algo = road.split()
+    build, classes = _BUILD[kind]
+    return build(classes[cell], steps, algo, backward)
+
+
+@pytest.mark.parametrize("road,cell,steps,backward", list(LIMITS),
+                         ids=[f"{r.replace(' ', '-')}-{c}-T{t}-{'fwd+bwd' if b else 'fwd'}"
+                              for r, c, t, b in LIMITS])
+def test_steady_state_call_counts(road, cell, steps, backward):
+    limits = LIMITS[road, cell, steps, backward]
+    call = _call(road, cell, steps, backward)
+    counted = (python_calls(call), numpy_allocs(call))
+    assert all(c <= limit for c, limit in zip(counted, limits)), (
+        f"{road} {cell} T={steps}: (Python calls, NumPy allocations) {counted} > limits {limits}")
+
+
+def test_eager_calls_skip_the_dispatcher_which_modes_still_see():
+    """An eager call runs the op's implementation without torch's dispatcher (no frame of
+    torch's custom-op machinery); under a TorchDispatchMode the mode sees both ops; the
+    results are the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    module = prt.GRU(H, H, algo="gemm")
+    x = torch.randn(3, 2, H, requires_grad=True)
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        y_mode, _ = module(x)
+        y_mode.sum().backward()
+    grad_mode, x.grad = x.grad, None
+    assert "persistent_rnn.recurrence.default" in seen
+    assert "persistent_rnn.recurrence_backward.default" in seen
+
+    files = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            files.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        y, _ = module(x)
+        y.sum().backward()
+    finally:
+        sys.setprofile(None)
+    assert not [f for f in files if "torch/_library" in f or f.endswith("torch/_ops.py")]
+    assert torch.equal(y, y_mode) and torch.equal(x.grad, grad_mode)
+
+
+@pytest.mark.parametrize("road,backward", [("layer persistent", False), ("layer persistent", True),
+                                           ("module persistent", True)],
+                         ids=["layer-fwd", "layer-fwd+bwd", "module-fwd+bwd"])
+def test_steady_state_calls_do_not_synchronise(road, backward):
+    """The emulated persistent path (the GPU path's host logic) reads nothing back from the
+    device in a steady-state call (skipped where the runtime has no counter)."""
+    assert host_syncs(_call(road, "GRU", 1, backward)) == 0
+
+
+def test_benchmark_scripts_record_what_results_need(tmp_path):
+    """bench/call_overhead.py and bench/call_breakdown.py, at a few calls: their JSON holds the
+    device, date, commit and command, every road of every pass (or every entry point)."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        overhead = importlib.import_module("call_overhead")
+        breakdown = importlib.import_module("call_breakdown")
+    finally:
+        sys.path.remove(str(bench_dir))
+    threads = torch.get_num_threads()  # (the scripts run torch on one thread)
+    try:
+        assert overhead.main(["--out", str(tmp_path / "o"), "--calls", "3", "--rounds", "2"]) == 0
+        assert breakdown.main(["--out", str(tmp_path / "b"), "--calls", "3", "--rounds", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads((tmp_path / "o" / "call_overhead.json").read_text())
+    assert {"device", "cpu", "date", "commit", "command"} <= doc.keys()
+    assert list(doc["passes"]) == ["forward", "forward (autograd)", "forward+backward"]
+    for rows in doc["passes"].values():
+        assert [r["road"] for r in rows][0] == "torch.nn.GRU" and len(rows) == 4
+        assert all(r["calls"] == 6 and r["median_us"] > 0 for r in rows)
+    rows = json.loads((tmp_path / "b" / "call_breakdown.json").read_text())["rows"]
+    assert len(rows) == 9 and all(r["median_us"] > 0 for r in rows)
