@@ -265,7 +265,7 @@ class RNNCell(_LibraryCell, torch.nn.RNNCell):
     _torch_cls = torch.nn.RNNCell
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        torch.nn.RNNCell.__init__(self, *args, **kwargs)
+        self._torch_cls.__init__(self, *args, **kwargs)  # torch.nn may be patched by now
         self._init_library(algo)
 
     @property
@@ -285,7 +285,7 @@ class GRUCell(_LibraryCell, torch.nn.GRUCell):
     _mode = "GRU"
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        torch.nn.GRUCell.__init__(self, *args, **kwargs)
+        self._torch_cls.__init__(self, *args, **kwargs)  # torch.nn may be patched by now
         self._init_library(algo)
 
 
@@ -296,5 +296,5 @@ class LSTMCell(_LibraryCell, torch.nn.LSTMCell):
     _mode = "LSTM"
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        torch.nn.LSTMCell.__init__(self, *args, **kwargs)
+        self._torch_cls.__init__(self, *args, **kwargs)  # torch.nn may be patched by now
         self._init_library(algo)
