@@ -145,3 +145,22 @@ def test_unknown_nonlinearity_raises_as_torch_nn():
         cell = cls(3, 6, nonlinearity="gelu")
         with pytest.raises(RuntimeError, match="Unknown nonlinearity: gelu"):
             cell(torch.randn(2, 3))
+
+
+def test_torch_func_and_compile_run_the_library_step():
+    """torch.func.grad and vmap through the cell equal torch.nn's; torch.compile(fullgraph=True)
+    traces the library's op (forward and backward ran it)."""
+    ours, ref = make("LSTMCell", {}, "gemm", torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    grads = [torch.func.grad(lambda p, m=m: torch.func.functional_call(m, p, (x,))[0].sin().sum())(
+        {k: v.detach() for k, v in m.named_parameters()}) for m in (ours, ref)]
+    for k in grads[1]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-12, atol=1e-12)
+    xs = torch.randn(4, 2, 3, dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(lambda a: ours(a)[0])(xs),
+                               torch.stack([ref(a)[0] for a in xs]), rtol=1e-12, atol=1e-12)
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    h, c = compiled(x)
+    (h.sum() + c.sum()).backward()
+    assert ours.last_run.algo == "gemm" and ours.last_run.backward.algo == "gemm"
+    torch.testing.assert_close(h, ref(x)[0], rtol=1e-12, atol=1e-12)

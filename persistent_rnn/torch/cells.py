@@ -25,7 +25,7 @@ from ..cells import CellSpec, from_mode
 from ..validation import ALGOS
 from . import paths
 from .interop import library_stream, to_array, to_tensor
-from .ops import LastRun, RunRecord, _record_backward, _record_forward
+from .ops import LastRun, RunRecord, _loop_vmap_rule, _record_backward, _record_forward
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
 
@@ -117,6 +117,29 @@ def _backward(ctx, dhn, dcn, _dsaved):
 
 
 cell_step_op.register_autograd(_backward, setup_context=_setup_context)
+for _op in (cell_step_op, cell_step_backward):
+    torch.library.register_vmap(_op, _loop_vmap_rule(_op))
+
+
+class _CellStep(torch.autograd.Function):
+    """``cell_step_op`` with the same autograd formula as a new-style ``autograd.Function``:
+    torch.func transforms (``grad``, ``vmap``) take only those (not ``register_autograd``)."""
+
+    generate_vmap_rule = True  # vmap runs the op's own (loop) rule
+
+    @staticmethod
+    def forward(x, h, c, static, *weights):
+        return cell_step_op(x, h, c, list(weights), *static)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, h, c, static, *weights = inputs
+        _setup_context(ctx, (x, h, c, weights, *static), output)
+
+    @staticmethod
+    def backward(ctx, dhn, dcn, dsaved):
+        dx, dh, dc, dweights, *_ = _backward(ctx, dhn, dcn, dsaved)
+        return dx, dh, dc, None, *dweights
 
 
 def torch_cell(x: Tensor, h: Tensor, c: Tensor | None, weights: list[Tensor],
@@ -130,15 +153,19 @@ def torch_cell(x: Tensor, h: Tensor, c: Tensor | None, weights: list[Tensor],
 
 
 def _differentiable_grads(x, h, c, weights, mode, dhn, dcn):
-    """The step's gradients as differentiable functions of its inputs (torch's cell)."""
-    inputs = [x, h, *([c] if c is not None else []), *weights]
+    """The step's gradients as differentiable functions of its inputs (torch's cell); ``None``
+    for an input that does not require grad."""
+    inputs = [x, h, c, *weights]
+    wanted = [i for i, t in enumerate(inputs) if t is not None and t.requires_grad]
+    result: list = [None] * len(inputs)
     with torch.enable_grad():
         outputs = [o for o in torch_cell(x, h, c, weights, mode) if o is not None]
-        grads = torch.autograd.grad(outputs, inputs, [dhn, dcn][:len(outputs)],
-                                    create_graph=True, allow_unused=True,
-                                    materialize_grads=True)
-    lstm = c is not None
-    return grads[0], grads[1], grads[2] if lstm else None, grads[2 + lstm:]
+        grads = torch.autograd.grad(outputs, [inputs[i] for i in wanted],
+                                    [dhn, dcn][:len(outputs)], create_graph=True,
+                                    allow_unused=True, materialize_grads=True)
+    for i, g in zip(wanted, grads):
+        result[i] = g
+    return result[0], result[1], result[2], result[3:]
 
 
 class _LibraryCell:
@@ -201,9 +228,9 @@ class _LibraryCell:
             return self._torch_cls.forward(self, input, hx)
         batched = input.dim() == 2
         x = input if batched else input.unsqueeze(0)
-        if not states:  # torch.nn's default state
-            zeros = torch.zeros(x.size(0), self.hidden_size, dtype=x.dtype, device=x.device)
-            states = (zeros, zeros) if lstm else (zeros,)
+        if not states:  # torch.nn's default state (two tensors: compile refuses one twice)
+            states = tuple(torch.zeros(x.size(0), self.hidden_size, dtype=x.dtype,
+                                       device=x.device) for _ in range(1 + lstm))
         elif not batched:
             states = tuple(s.unsqueeze(0) for s in states)
         weights = [self.weight_ih, self.weight_hh, *([self.bias_ih, self.bias_hh]
@@ -211,8 +238,8 @@ class _LibraryCell:
         if any(t.dtype != x.dtype or t.device != x.device for t in (*states, *weights)):
             return self._torch_cls.forward(self, input, hx)  # torch.nn raises its own error
         torch_cell(*_meta(x, states[0], states[1] if lstm else None, weights), self._mode)
-        hn, cn, _ = cell_step_op(x, states[0], states[1] if lstm else None, weights,
-                                 self._mode, algo, self._record.slot)
+        hn, cn, _ = _CellStep.apply(x, states[0], states[1] if lstm else None,
+                                    (self._mode, algo, self._record.slot), *weights)
         if not batched:
             hn, cn = hn.squeeze(0), cn.squeeze(0) if lstm else cn
         return (hn, cn) if lstm else hn
