@@ -276,19 +276,24 @@ def test_gradcheck_and_gradgradcheck_on_gemm(name):
         if kwargs["batch_first"]:
             continue
         ours, _ = build(name, sample, torch.float64, "gemm")
-        args = leaves(sample.forward_input.args)
-        flat, names = tensors(args), [n for n, _ in ours.named_parameters()]
-
-        def fn(*inputs):
-            rebuilt = _rebuild(args, iter(inputs[:len(flat)]))
-            weights = dict(zip(names, inputs[len(flat):]))
-            return tuple(tensors(torch.func.functional_call(ours, weights, rebuilt)))
-
-        inputs = (*flat, *ours.parameters())
+        fn, inputs = _as_function(ours, leaves(sample.forward_input.args))
         assert torch.autograd.gradcheck(fn, inputs, fast_mode=True), (name, index)
         assert ours.last_run.algo == "gemm"
         if kwargs["bias"] and kwargs["bidirectional"]:
             assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True), (name, index)
+
+
+def _as_function(module, args) -> tuple:
+    """``(fn, inputs)``: ``module`` on ``args`` as a function of the forward's tensors and the
+    parameters (for gradcheck), and the current values of those."""
+    flat, names = tensors(args), [n for n, _ in module.named_parameters()]
+
+    def fn(*inputs):
+        rebuilt = _rebuild(args, iter(inputs[:len(flat)]))
+        weights = dict(zip(names, inputs[len(flat):]))
+        return tuple(tensors(torch.func.functional_call(module, weights, rebuilt)))
+
+    return fn, (*flat, *module.parameters())
 
 
 def _rebuild(template, values):
@@ -455,15 +460,7 @@ def test_cell_gradcheck_and_gradgradcheck_on_gemm(name):
     """torch's test_grad/test_gradgrad for the cells in float64 on the library's GEMM step."""
     for index, sample in enumerate(cell_samples(name, torch.float64)):
         ours, _ = build(name, sample, torch.float64, "gemm")
-        args = leaves(sample.forward_input.args)
-        flat, names = tensors(args), [n for n, _ in ours.named_parameters()]
-
-        def fn(*inputs):
-            rebuilt = _rebuild(args, iter(inputs[:len(flat)]))
-            weights = dict(zip(names, inputs[len(flat):]))
-            return tuple(tensors(torch.func.functional_call(ours, weights, rebuilt)))
-
-        inputs = (*flat, *ours.parameters())
+        fn, inputs = _as_function(ours, leaves(sample.forward_input.args))
         assert torch.autograd.gradcheck(fn, inputs, fast_mode=True), (name, index)
         assert ours.last_run.algo == "gemm"
         assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True), (name, index)

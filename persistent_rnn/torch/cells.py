@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, _VF
 
 from .. import cell_step
-from ..cells import CellSpec, from_mode
+from ..cells import NONLINEARITIES, CellSpec, cell_spec, from_mode
 from ..validation import ALGOS
 from . import paths
 from .interop import library_stream, to_array, to_tensor
@@ -175,7 +175,8 @@ class _LibraryCell:
     _torch_cls: type
     _mode: str  # torch.nn's mode string of the cell
 
-    def _init_library(self, algo: str) -> None:
+    def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
+        self._torch_cls.__init__(self, *args, **kwargs)  # (torch.nn may be patched by now)
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
         self.algo = algo
@@ -291,16 +292,12 @@ class RNNCell(_LibraryCell, torch.nn.RNNCell):
 
     _torch_cls = torch.nn.RNNCell
 
-    def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        self._torch_cls.__init__(self, *args, **kwargs)  # torch.nn may be patched by now
-        self._init_library(algo)
-
     @property
     def _mode(self) -> str:
-        return "RNN_RELU" if self.nonlinearity == "relu" else "RNN_TANH"
+        return cell_spec("RNN", self.nonlinearity).mode
 
     def _choose(self, x: Tensor) -> tuple[str, str | None]:
-        if self.nonlinearity not in ("tanh", "relu"):  # torch.nn's own error
+        if self.nonlinearity not in NONLINEARITIES:  # torch.nn's forward raises its error
             return paths.TORCH, None
         return super()._choose(x)
 
@@ -311,17 +308,9 @@ class GRUCell(_LibraryCell, torch.nn.GRUCell):
     _torch_cls = torch.nn.GRUCell
     _mode = "GRU"
 
-    def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        self._torch_cls.__init__(self, *args, **kwargs)  # torch.nn may be patched by now
-        self._init_library(algo)
-
 
 class LSTMCell(_LibraryCell, torch.nn.LSTMCell):
     """Drop-in ``torch.nn.LSTMCell``; extra keyword ``algo``."""
 
     _torch_cls = torch.nn.LSTMCell
     _mode = "LSTM"
-
-    def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
-        self._torch_cls.__init__(self, *args, **kwargs)  # torch.nn may be patched by now
-        self._init_library(algo)
