@@ -70,7 +70,7 @@ def step_forward(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array
     array module; ``algo`` concrete, see ``step_algo``): ``(h', c', context, stats)``."""
     xp = array_module(x)
     if algo == "persistent":
-        h_new, c_new, saved = _fused(cell, params, x, h, c)
+        h_new, c_new, saved = fused_step(cell, params, x, h, c)
         stats = RunStats(algo="persistent", emulated=xp is np, launches=1)
     else:
         gi, gh = _affine(x, params, "ih"), _affine(h, params, "hh")
@@ -111,25 +111,33 @@ def fused_module(xp):
     return kernels.get_module(FUSED_SOURCE, {})
 
 
-def _fused(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array, c: Array | None):
-    """``(h', c', saved)`` from one launch of the fused step kernel (float32, contiguous)."""
+def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
+               c: Array | None, out: tuple | None = None) -> tuple[Array, Array | None, Array]:
+    """``(h', c', saved)`` from one launch of the fused step kernel: float32 arrays of one module
+    (CuPy: the GPU; NumPy: the emulation), ``saved`` (B, S*H) as ``cells.py`` lays it out.
+
+    ``out``: ``(h', c', saved)`` buffers to write (``c'`` ``None`` unless LSTM); with contiguous
+    inputs the call then allocates nothing and never synchronises, so a CuPy step can be
+    captured in a CUDA graph and replayed."""
     xp = array_module(x)
     batch, hidden = h.shape
-    contiguous = [xp.ascontiguousarray(a) for a in (x, h)]
-    w_ih, w_hh = (xp.ascontiguousarray(params[k]) for k in ("weight_ih", "weight_hh"))
+    if out is None:
+        out = (xp.empty_like(h), xp.empty_like(h) if cell.has_cell_state else None,
+               xp.empty((batch, cell.saved * hidden), dtype=np.float32))
+    h_new, c_new, saved = out
+    x, h, w_ih, w_hh = (xp.ascontiguousarray(a) for a in (x, h, params["weight_ih"],
+                                                           params["weight_hh"]))
     has_bias = "bias_ih" in params
-    b_ih, b_hh = ((params["bias_ih"], params["bias_hh"]) if has_bias else (w_ih, w_hh))
-    h_new = xp.empty_like(contiguous[1])
-    c_new = xp.empty_like(h_new) if cell.has_cell_state else None
-    c_in = xp.ascontiguousarray(c) if c is not None else contiguous[1]
-    saved = xp.empty((batch, cell.saved * hidden), dtype=np.float32)
-    args = (np.int32(batch), np.int32(x.shape[1]), np.int32(hidden), *contiguous, c_in, w_ih,
-            w_hh, xp.ascontiguousarray(b_ih), xp.ascontiguousarray(b_hh), np.int32(has_bias),
-            h_new, h_new if c_new is None else c_new, saved if saved.size else h_new)
-    block = 32 * _WARPS_PER_BLOCK
+    b_ih, b_hh = ((xp.ascontiguousarray(params["bias_ih"]), xp.ascontiguousarray(params["bias_hh"]))
+                  if has_bias else (w_ih, w_hh))
+    args = (np.int32(batch), np.int32(x.shape[1]), np.int32(hidden), x, h,
+            h if c is None else xp.ascontiguousarray(c), w_ih, w_hh, b_ih, b_hh,
+            np.int32(has_bias), h_new, h_new if c_new is None else c_new,
+            saved if saved.size else h_new)  # placeholders: valid buffers the cell never touches
     grid = -(-batch * hidden // _WARPS_PER_BLOCK)
     if grid:  # an empty batch launches nothing
-        fused_module(xp).launch(f"prnn_fused_step_{cell.name}_f32", grid, block, 0, args)
+        fused_module(xp).launch(f"prnn_fused_step_{cell.name}_f32", grid,
+                                32 * _WARPS_PER_BLOCK, 0, args)
     return h_new, c_new, saved
 
 
