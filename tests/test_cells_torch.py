@@ -164,3 +164,23 @@ def test_torch_func_and_compile_run_the_library_step():
     (h.sum() + c.sum()).backward()
     assert ours.last_run.algo == "gemm" and ours.last_run.backward.algo == "gemm"
     torch.testing.assert_close(h, ref(x)[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("algo", ["gemm", "persistent"])
+def test_one_output_gradient_and_empty_sizes(algo):
+    """test_nn's cases: LSTMCell's backward from h' alone or c' alone (the other gradient is
+    undefined) reaches the input; zero hidden size and zero batch give torch.nn's empty results."""
+    cell = prt.LSTMCell(2, 3, algo=algo)
+    for i in range(2):
+        s = torch.randn(1, 2, requires_grad=True)
+        cell(s)[i].sum().backward()
+        assert s.grad is not None and s.grad.abs().sum() > 0, i
+    for name, kwargs in CASES:
+        for shape, hidden in (((3, 10), 0), ((0, 10), 4)):
+            ours = getattr(prt, name)(10, hidden, algo=algo, **kwargs)
+            ref = getattr(torch.nn, name)(10, hidden, **kwargs)
+            ref.load_state_dict(ours.state_dict())
+            x = torch.randn(*shape)
+            got, want = flat(ours(x)), flat(ref(x))
+            assert [g.shape for g in got] == [w.shape for w in want], (name, shape, hidden)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
