@@ -129,7 +129,8 @@ def test_bad_input_raises_as_torch_nn(name, kwargs, algo):
     bad = [(torch.randn(2, 4), state(2, 6)), (torch.randn(2, 3), state(2, 7)),
            (torch.randn(2, 3), state(3, 6)), (torch.randn(1, 2, 3), None),
            (torch.randn(2, 3), state(1, 2, 6)), (torch.randn(3), state(2, 6)),
-           (torch.randn(2, 3), state(2, 6, dtype=torch.float64)), (torch.randn(2, 4), None)]
+           (torch.randn(2, 3), state(2, 6, dtype=torch.float64)), (torch.randn(2, 4), None),
+           (torch.randn(2, 3), state(6))]
     if lstm:
         bad += [(torch.randn(2, 3), (torch.randn(2, 6),) * 3)]
     for i, args in enumerate(bad):

@@ -3,8 +3,8 @@
 The classes derive from torch.nn's cells (constructor, parameters, their initialisation,
 ``state_dict``, ``repr`` are torch.nn's; ``isinstance(cell, torch.nn.LSTMCell)`` holds) and add
 the keyword ``algo``. ``forward`` keeps torch.nn's semantics — unbatched input, the zero default
-state, torch.nn's exceptions and messages for bad input (its own size checks, run on meta
-tensors before the library sees anything) — and runs one step through the library's custom op
+state, torch.nn's exceptions and messages for bad input (its size checks, in its order and words,
+before the library sees anything) — and runs one step through the library's custom op
 ``persistent_rnn::cell_step`` (``persistent_rnn.cell_step``): on CUDA float32 tensors the fused
 step kernel (both matrix products and the cell in one launch), with ``algo="gemm"`` two matrix
 products and the cell's pointwise math, on CPU tensors with ``algo="persistent"`` the fused
@@ -14,6 +14,7 @@ capture, other devices); ``last_run`` says which and why, as for the layers.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -30,6 +31,7 @@ from .ops import LastRun, RunRecord, _loop_vmap_rule, _record_backward, _record_
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
 
 
+@lru_cache(maxsize=None)
 def _cell(mode: str) -> CellSpec:
     return from_mode(mode)
 
@@ -236,9 +238,9 @@ class _LibraryCell:
             states = tuple(s.unsqueeze(0) for s in states)
         weights = [self.weight_ih, self.weight_hh, *([self.bias_ih, self.bias_hh]
                                                      if self.bias else [])]
-        if any(t.dtype != x.dtype or t.device != x.device for t in (*states, *weights)):
-            return self._torch_cls.forward(self, input, hx)  # torch.nn raises its own error
-        torch_cell(*_meta(x, states[0], states[1] if lstm else None, weights), self._mode)
+        if not _plain(x, states, weights):  # torch.nn's forward raises its own error
+            return self._torch_cls.forward(self, input, hx)
+        _check_sizes(x, states, weights)
         hn, cn, _ = _CellStep.apply(x, states[0], states[1] if lstm else None,
                                     (self._mode, algo, self._record.slot), *weights)
         if not batched:
@@ -267,12 +269,29 @@ class _LibraryCell:
         return tuple(hx)
 
 
-def _meta(x: Tensor, h: Tensor, c: Tensor | None, weights: list[Tensor]):
-    """The step's arguments as meta tensors: torch's cell on them raises torch.nn's size errors
-    without computing anything."""
-    def meta(t):
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return meta(x), meta(h), None if c is None else meta(c), [meta(w) for w in weights]
+def _plain(x: Tensor, states: tuple, weights: list[Tensor]) -> bool:
+    """Whether the step's tensors are all 2-D (biases 1-D) and of the input's dtype and device:
+    what the library's step takes; anything else goes to torch.nn's forward, which raises."""
+    tensors = (x, *states, *weights)
+    return (all(t.dtype == x.dtype and t.device == x.device for t in tensors)
+            and all(t.dim() == 2 for t in tensors[:len(states) + 3])
+            and all(b.dim() == 1 for b in weights[2:]))
+
+
+def _check_sizes(x: Tensor, states: tuple, weights: list[Tensor]) -> None:
+    """torch's cell size checks (``check_rnn_cell_forward_input`` / ``_hidden`` in ATen), in
+    their order, with their exception type and messages."""
+    input_size, hidden_size = weights[0].size(1), weights[1].size(1)
+    if x.size(1) != input_size:
+        raise RuntimeError(f"input has inconsistent input_size: got {x.size(1)} expected "
+                           f"{input_size}")
+    for label, h in enumerate(states):
+        if h.size(0) != x.size(0):
+            raise RuntimeError(f"Input batch size {x.size(0)} doesn't match hidden{label} batch "
+                               f"size {h.size(0)}")
+        if h.size(1) != hidden_size:
+            raise RuntimeError(f"hidden{label} has inconsistent hidden_size: got {h.size(1)}, "
+                               f"expected {hidden_size}")
 
 
 def _library_blocker(x: Tensor) -> str | None:
