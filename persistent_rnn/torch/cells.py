@@ -14,7 +14,6 @@ capture, other devices); ``last_run`` says which and why, as for the layers.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -26,14 +25,16 @@ from ..cells import NONLINEARITIES, CellSpec, cell_spec, from_mode
 from ..validation import ALGOS
 from . import paths
 from .interop import library_stream, to_array, to_tensor
-from .ops import LastRun, RunRecord, _loop_vmap_rule, _record_backward, _record_forward
+from .ops import MODES, LastRun, RunRecord, _loop_vmap_rule, _record_backward, _record_forward
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
 
 
-@lru_cache(maxsize=None)
+_BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
+
+
 def _cell(mode: str) -> CellSpec:
-    return from_mode(mode)
+    return _BY_MODE[mode]
 
 
 def _params(weights: list[Tensor]) -> dict:
