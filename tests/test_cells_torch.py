@@ -9,6 +9,7 @@ import torch
 
 import persistent_rnn.torch as prt
 from persistent_rnn.cells import CELLS, layer_args
+from test_torch_module_db import _raised
 
 # (class name, constructor kwargs) per cell of the registry: RNNCell tanh/relu, GRUCell, LSTMCell
 CASES = [(f"{layer_args(n)[0]}Cell", layer_args(n)[1]) for n in CELLS]
@@ -104,14 +105,6 @@ def test_auto_runs_torch_where_the_library_does_not(name, kwargs):
         double(*random_args(name, 2, torch.float64, True, seed=5))
     with pytest.raises(ValueError, match="algo must be one of"):
         getattr(prt, name)(3, 6, algo="fast", **kwargs)
-
-
-def _raised(module, args):
-    try:
-        module(*args)
-    except Exception as exc:  # noqa: BLE001 -- the exception itself is what is compared
-        return type(exc), str(exc)
-    return None
 
 
 @pytest.mark.parametrize("algo", ["gemm", "persistent"])

@@ -132,6 +132,21 @@ def assert_library_ran(module, algo: str, dtype: torch.dtype) -> None:
     assert run.dtype == str(dtype).removeprefix("torch."), run
 
 
+def matches_torch_nn(name: str, index: int, sample, dtype: torch.dtype, algo: str, ran) -> tuple:
+    """Sample ``index``: our module's outputs and every gradient equal torch.nn's float64 ones,
+    and ``ran(module, algo, dtype)`` holds; ``(module, args, (outputs, input grads, parameter
+    grads), label)``."""
+    ours, ref = build(name, sample, dtype, algo)
+    args = sample.forward_input.args
+    what = f"{name} sample {index} {sample.constructor_input.kwargs}"
+    got = forward_backward(ours, leaves(args), index)
+    ran(ours, algo, dtype)
+    want = forward_backward(ref, leaves(args, torch.float64), index)
+    for part, g, w in zip(("outputs", "input grads", "parameter grads"), got, want):
+        assert_close(g, w, RTOL[dtype], f"{what}: {part}")
+    return ours, args, got, what
+
+
 def selected(sample, algo: str) -> bool:
     """Whether ``algo`` runs this sample. The emulated persistent kernels (a few tenths of a
     second a call here) skip the ``batch_first=True`` twin of each sample: the module transposes
@@ -147,14 +162,8 @@ def test_samples_match_torch_nn(name, algo, dtype):
     ran, results are contiguous; eval mode equals training mode."""
     chosen = [(i, s) for i, s in enumerate(samples(name, dtype)) if selected(s, algo)]
     for index, sample in chosen:
-        ours, ref = build(name, sample, dtype, algo)
-        args = sample.forward_input.args
-        what = f"{name} sample {index} {sample.constructor_input.kwargs}"
-        got = forward_backward(ours, leaves(args), index)
-        assert_library_ran(ours, algo, dtype)
-        want = forward_backward(ref, leaves(args, torch.float64), index)
-        for part, g, w in zip(("outputs", "input grads", "parameter grads"), got, want):
-            assert_close(g, w, RTOL[dtype], f"{what}: {part}")
+        ours, args, got, what = matches_torch_nn(name, index, sample, dtype, algo,
+                                                 assert_library_ran)
         assert all(t.is_contiguous() for t in got[0] + got[1] + got[2]), what
         ours.eval()
         with torch.no_grad():
@@ -391,14 +400,8 @@ def test_cell_samples_match_torch_nn(name, algo, dtype):
     torch.nn's float64 ones; the no-batch-dim reference; non-contiguous input and states."""
     chosen = cell_samples(name, dtype)
     for index, sample in enumerate(chosen):
-        ours, ref = build(name, sample, dtype, algo)
-        args = sample.forward_input.args
-        what = f"{name} sample {index} {sample.constructor_input.kwargs}"
-        got = forward_backward(ours, leaves(args), index)
-        assert_cell_step_ran(ours, algo, dtype)
-        want = forward_backward(ref, leaves(args, torch.float64), index)
-        for part, g, w in zip(("outputs", "input grads", "parameter grads"), got, want):
-            assert_close(g, w, RTOL[dtype], f"{what}: {part}")
+        ours, args, got, what = matches_torch_nn(name, index, sample, dtype, algo,
+                                                 assert_cell_step_ran)
         with torch.no_grad():
             reference = tensors(sample.reference_fn(ours, *leaves(args)))
         assert_close(reference, got[0], 0.0, f"{what}: no-batch-dim reference")
