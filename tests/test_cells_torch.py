@@ -9,7 +9,7 @@ import torch
 
 import persistent_rnn.torch as prt
 from persistent_rnn.cells import CELLS, layer_args
-from test_torch_module_db import _raised
+from test_torch_module_db import _raised, forward_backward, tensors
 
 # (class name, constructor kwargs) per cell of the registry: RNNCell tanh/relu, GRUCell, LSTMCell
 CASES = [(f"{layer_args(n)[0]}Cell", layer_args(n)[1]) for n in CELLS]
@@ -38,19 +38,9 @@ def random_args(name: str, batch: int, dtype: torch.dtype, with_state: bool, see
     return (x.to(dtype).requires_grad_(), tuple(states) if name == "LSTMCell" else states[0])
 
 
-def flat(obj) -> list[torch.Tensor]:
-    return [t for o in obj for t in flat(o)] if isinstance(obj, (tuple, list)) else [obj]
-
-
 def run(cell, args, seed: int):
     """Outputs, then the gradients of inputs and parameters of a random projection of them."""
-    cell.zero_grad(set_to_none=True)
-    outputs = flat(cell(*args))
-    gen = torch.Generator().manual_seed(seed)
-    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
-               for o in outputs)
-    loss.backward()
-    return outputs + [a.grad for a in flat(args)] + [p.grad for p in cell.parameters()]
+    return [t for part in forward_backward(cell, args, seed) for t in part]
 
 
 @pytest.mark.parametrize("algo,dtype,rtol", RUNS, ids=["gemm-f64", "gemm-f32", "fused-f32"])
@@ -80,7 +70,7 @@ def test_fused_step_is_bitwise_reproducible(name, kwargs):
     ours, _ = make(name, kwargs, "persistent", torch.float32)
     args = random_args(name, 3, torch.float32, True, seed=3)
     with torch.no_grad():
-        first, second = flat(ours(*args)), flat(ours(*args))
+        first, second = tensors(ours(*args)), tensors(ours(*args))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -95,7 +85,7 @@ def test_auto_runs_torch_where_the_library_does_not(name, kwargs):
         twin.load_state_dict(ours.state_dict())
         args = random_args(name, 2, dtype, True, seed=5)
         with torch.no_grad():
-            assert all(torch.equal(a, b) for a, b in zip(flat(ours(*args)), flat(twin(*args))))
+            assert all(torch.equal(a, b) for a, b in zip(tensors(ours(*args)), tensors(twin(*args))))
         assert ours.last_run.algo == "torch" and why in ours.last_run.fallback
     half, _ = make(name, kwargs, "gemm", torch.float16)
     with pytest.raises(ValueError, match="algo='gemm' cannot run this cell: dtype torch.float16"):
@@ -175,6 +165,6 @@ def test_one_output_gradient_and_empty_sizes(algo):
             ref = getattr(torch.nn, name)(10, hidden, **kwargs)
             ref.load_state_dict(ours.state_dict())
             x = torch.randn(*shape)
-            got, want = flat(ours(x)), flat(ref(x))
+            got, want = tensors(ours(x)), tensors(ref(x))
             assert [g.shape for g in got] == [w.shape for w in want], (name, shape, hidden)
             assert all(torch.equal(g, w) for g, w in zip(got, want))
