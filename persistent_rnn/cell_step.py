@@ -30,7 +30,8 @@ from .validation import CallOrderError
 
 Array = Any
 
-_WARPS_PER_BLOCK = 4  # fused kernel: one warp per (b, j)
+_WARPS_PER_BLOCK = 4  # fused kernel: one warp per (batch tile, j)
+BATCH_TILE = 4  # batch rows per warp of the fused kernel (fused_step.cu's prnn::BATCH_TILE)
 FUSED_SOURCE = "fused_step.cu"
 STEP_ALGOS = validation.ALGOS
 
@@ -134,7 +135,7 @@ def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
             h if c is None else xp.ascontiguousarray(c), w_ih, w_hh, b_ih, b_hh,
             np.int32(has_bias), h_new, h_new if c_new is None else c_new,
             saved if saved.size else h_new)  # placeholders: valid buffers the cell never touches
-    grid = -(-batch * hidden // _WARPS_PER_BLOCK)
+    grid = -(-(-(-batch // BATCH_TILE)) * hidden // _WARPS_PER_BLOCK)  # a warp per (tile, j)
     if grid:  # an empty batch launches nothing
         fused_module(xp).launch(f"prnn_fused_step_{cell.name}_f32", grid,
                                 32 * _WARPS_PER_BLOCK, 0, args)

@@ -74,16 +74,17 @@ def test_step_forward_backward_match_torch_nn_float64(name, mode, kwargs, algo, 
 @pytest.mark.parametrize("name,mode,kwargs", CASES, ids=CASE_IDS)
 def test_fused_kernel_equals_gemm_step_and_is_bitwise_stable(name, mode, kwargs):
     """The emulated fused kernel: the same bits on every call, within float32 round-off of the
-    GEMM step (no bias and a zero default state included)."""
+    GEMM step (no bias and a zero default state included; one partial batch tile, then a full
+    tile and a partial one)."""
     rng = np.random.default_rng(5)
-    for bias in (True, False):
+    for bias, batch in ((True, 3), (False, 3), (True, 6)):
         fused = getattr(prnn, name)(INPUT, HIDDEN, bias=bias, algo="persistent", seed=4, **kwargs)
         gemm = getattr(prnn, name)(INPUT, HIDDEN, bias=bias, algo="gemm", seed=4, **kwargs)
-        x = rng.standard_normal((3, INPUT)).astype(np.float32)
+        x = rng.standard_normal((batch, INPUT)).astype(np.float32)
         first, second = _flat(fused.forward(x)), _flat(fused.forward(x))
         assert all(np.array_equal(a, b) for a, b in zip(first, second))
         for a, b in zip(first, _flat(gemm.forward(x))):
-            _close(a, b, 2e-6, f"{name} bias={bias}")
+            _close(a, b, 2e-6, f"{name} bias={bias} batch={batch}")
 
 
 @pytest.mark.parametrize("algo", ["gemm", "persistent"])
