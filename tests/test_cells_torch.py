@@ -168,3 +168,16 @@ def test_one_output_gradient_and_empty_sizes(algo):
             got, want = tensors(ours(x)), tensors(ref(x))
             assert [g.shape for g in got] == [w.shape for w in want], (name, shape, hidden)
             assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("algo", ["gemm", "persistent"])
+def test_inference_step_equals_the_op(algo):
+    """Under no_grad the step skips the op's dispatch: the same bits and the same record as the
+    op that autograd records."""
+    ours, _ = make("GRUCell", {}, algo, torch.float32)
+    x, h = random_args("GRUCell", 3, torch.float32, True, seed=4)
+    graph = ours(x, h)
+    assert graph.grad_fn is not None and ours.last_run.algo == algo
+    with torch.no_grad():
+        plain = ours(x, h)
+    assert plain.grad_fn is None and torch.equal(plain, graph) and ours.last_run.algo == algo

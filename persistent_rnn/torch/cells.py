@@ -48,10 +48,8 @@ def _tensor(a) -> Tensor:
     return to_tensor(a if a.base is None or a.size else a.copy())
 
 
-@torch.library.custom_op("persistent_rnn::cell_step", mutates_args=(),
-                         tags=(torch.Tag.cudagraph_unsafe,))
-def cell_step_op(x: Tensor, h: Tensor, c: Optional[Tensor], weights: list[Tensor], mode: str,
-                 algo: str, stats_slot: int) -> tuple[Tensor, Tensor, Tensor]:
+def _step(x: Tensor, h: Tensor, c: Optional[Tensor], weights: list[Tensor], mode: str,
+          algo: str, stats_slot: int) -> tuple[Tensor, Tensor, Tensor]:
     """One step of cell ``mode`` (torch.nn's mode string): ``(h', c', saved)``, ``c'`` empty
     unless LSTM; ``x`` (B, I), ``h``/``c`` (B, H); ``algo`` ``"gemm"`` or ``"persistent"``."""
     cell = _cell(mode)
@@ -62,6 +60,10 @@ def cell_step_op(x: Tensor, h: Tensor, c: Optional[Tensor], weights: list[Tensor
                    _tensor(ctx.saved))
     _record_forward(stats_slot, 0, stats, str(x.dtype).removeprefix("torch."))
     return outputs
+
+
+cell_step_op = torch.library.custom_op("persistent_rnn::cell_step", _step, mutates_args=(),
+                                       tags=(torch.Tag.cudagraph_unsafe,))
 
 
 @cell_step_op.register_fake
@@ -242,8 +244,12 @@ class _LibraryCell:
         if not _plain(x, states, weights):  # torch.nn's forward raises its own error
             return self._torch_cls.forward(self, input, hx)
         _check_sizes(x, states, weights)
-        hn, cn, _ = _CellStep.apply(x, states[0], states[1] if lstm else None,
-                                    (self._mode, algo, self._record.slot), *weights)
+        args = (x, states[0], states[1] if lstm else None)
+        static = (self._mode, algo, self._record.slot)
+        if _needs_graph(args, weights):
+            hn, cn, _ = _CellStep.apply(*args, static, *weights)
+        else:  # eager inference: the step itself, without the op's dispatch (most of its cost)
+            hn, cn, _ = _step(*args, weights, *static)
         if not batched:
             hn, cn = hn.squeeze(0), cn.squeeze(0) if lstm else cn
         return (hn, cn) if lstm else hn
@@ -268,6 +274,18 @@ class _LibraryCell:
                 raise ValueError(f"{name}: Expected hx[{idx}] to be 1D or 2D, got "
                                  f"{value.dim()}D instead")
         return tuple(hx)
+
+
+def _needs_graph(args: tuple, weights: list[Tensor]) -> bool:
+    """Whether the step must go through the op: under torch.compile/export, a torch.func
+    transform or fake tensors, or when autograd records it."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True
+    tensors = [t for t in (*args, *weights) if t is not None]
+    if any(isinstance(t, torch._subclasses.FakeTensor) or type(t) is not Tensor and
+           not isinstance(t, torch.nn.Parameter) for t in tensors):
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _plain(x: Tensor, states: tuple, weights: list[Tensor]) -> bool:
