@@ -22,14 +22,13 @@ from torch import Tensor, _VF
 
 from .. import cell_step
 from ..cells import NONLINEARITIES, CellSpec, cell_spec, from_mode
+from ..stats import RunStats
 from ..validation import ALGOS
 from . import paths
 from .interop import library_stream, to_array, to_tensor
 from .ops import MODES, LastRun, RunRecord, _loop_vmap_rule, _record_backward, _record_forward
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
-
-
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
 
 
@@ -88,7 +87,7 @@ def cell_step_backward(dh: Tensor, dc: Optional[Tensor], x: Tensor, h: Tensor,
         dx, dh0, dc0, grads = cell_step.step_backward(ctx, params, to_array(dh), to_array(dc))
         outputs = (_tensor(dx), _tensor(dh0), x.new_empty(0) if dc0 is None else _tensor(dc0),
                    [_tensor(grads[name]) for name in params])
-    _record_backward(stats_slot, True, cell_step.RunStats(algo="gemm"))
+    _record_backward(stats_slot, True, RunStats(algo="gemm"))
     return outputs
 
 
