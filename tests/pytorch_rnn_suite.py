@@ -2,27 +2,27 @@
 nn.LSTMCell) against persistent_rnn.torch.
 
 PyTorch's test files (``test/test_nn.py``, ``test/test_modules.py`` of the PyTorch source tree,
-not shipped in torch's wheel) construct ``torch.nn.RNN/GRU/LSTM`` and the cells by name and take the modules
-of ``torch.testing._internal.common_modules.module_db``. This runner puts this library's modules
-in their place, with ``algo`` forced, so that every forward and backward of those tests runs the
-library (the GEMM path, or the persistent kernels — for the cells the fused step kernel —
-emulated on CPU tensors), then runs the tests
-with pytest and prints a summary::
+not shipped in torch's wheel) construct ``torch.nn.RNN/GRU/LSTM`` and the cells by name and take
+the modules of ``torch.testing._internal.common_modules.module_db``. This runner puts this
+library's modules in their place, with ``algo`` forced, so that every forward and backward of
+those tests runs the library (the GEMM path, or the persistent kernels — for the cells the fused
+step kernel — emulated on CPU tensors), then runs the tests with pytest and prints a summary::
 
     python tests/pytorch_rnn_suite.py --algo gemm PATH/test_nn.py PATH/test_modules.py
     python tests/pytorch_rnn_suite.py --algo persistent PATH/test_nn.py -k lstm
 
 The tests are selected by name (``-k``, pytest's syntax; the default picks the recurrent ones).
 The summary counts, per outcome, the tests that built at least one of the library's modules;
-tests selected by name that never built one are listed apart, as are
-the tests torch itself skips here (CUDA-only, cuDNN-only, multi-GPU). On the persistent path a
+tests selected by name that never built one are listed apart, as are the tests torch itself
+skips here (CUDA-only, cuDNN-only, multi-GPU). On the persistent path a
 float64 test fails with the library's refusal (its kernels hold float32 or 16-bit weights): those
 are counted as refusals, not as failures. The exit status is 1 if any test failed otherwise.
 
 What is replaced: the ``RNN``, ``GRU``, ``LSTM``, ``RNNCell``, ``GRUCell`` and ``LSTMCell``
 attributes of ``torch.nn`` and ``torch.nn.modules``, and the ``module_cls`` of their ``module_db``
-entries. ``torch.nn.RNNBase``, ``torch.nn.RNNCellBase`` and ``torch.nn.utils.rnn`` stay torch's. The replacements are subclasses of
-persistent_rnn.torch's modules named like torch.nn's (same ``repr``) whose ``algo`` defaults to
+entries. ``torch.nn.RNNBase``, ``torch.nn.RNNCellBase`` and ``torch.nn.utils.rnn`` stay torch's.
+The replacements are subclasses of persistent_rnn.torch's modules named like torch.nn's (same
+``repr``) whose ``algo`` defaults to
 the forced one; they pickle by reference to this module and are registered as safe globals for
 ``torch.load``. See docs/torch.md ("PyTorch's own tests") for the files and the counts.
 """
