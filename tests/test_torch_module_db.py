@@ -1,5 +1,5 @@
-"""PyTorch's own module samples for nn.RNN/GRU/LSTM, run through persistent_rnn.torch with the
-library forced.
+"""PyTorch's own module samples for nn.RNN/GRU/LSTM (and, at the end, nn.RNNCell/GRUCell/LSTMCell),
+run through persistent_rnn.torch with the library forced.
 
 ``torch.testing._internal.common_modules.module_db`` (shipped in torch's wheel) describes how
 PyTorch tests its recurrent modules: constructor arguments (bias, batch_first, bidirectional,
