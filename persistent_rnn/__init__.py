@@ -2,6 +2,7 @@
 
 NumPy arrays run on the CPU, CuPy arrays on the GPU; see ``docs/api.md``.
 """
+from .cell_step import GRUCell, LSTMCell, RNNCell
 from .layers import GRU, LSTM, RNN
 from .model import StepTime, predict_step_time
 from .plan import max_hidden_size
@@ -10,5 +11,5 @@ from .stats import RunStats
 
 __version__ = "0.1.0"
 
-__all__ = ["GRU", "LSTM", "RNN", "RunStats", "Settings", "configure", "inject_stall",
+__all__ = ["GRU", "GRUCell", "LSTM", "LSTMCell", "RNN", "RNNCell", "RunStats", "Settings", "configure", "inject_stall",
            "StepTime", "max_hidden_size", "override_settings", "predict_step_time", "__version__"]

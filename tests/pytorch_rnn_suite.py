@@ -1,26 +1,28 @@
-"""Run PyTorch's own tests of nn.RNN, nn.GRU and nn.LSTM against persistent_rnn.torch.
+"""Run PyTorch's own tests of nn.RNN, nn.GRU, nn.LSTM and their cells (nn.RNNCell, nn.GRUCell,
+nn.LSTMCell) against persistent_rnn.torch.
 
 PyTorch's test files (``test/test_nn.py``, ``test/test_modules.py`` of the PyTorch source tree,
-not shipped in torch's wheel) construct ``torch.nn.RNN/GRU/LSTM`` by name and take the modules
-of ``torch.testing._internal.common_modules.module_db``. This runner puts this library's modules
-in their place, with ``algo`` forced, so that every forward and backward of those tests runs the
-library (the GEMM path, or the persistent kernels, emulated on CPU tensors), then runs the tests
-with pytest and prints a summary::
+not shipped in torch's wheel) construct ``torch.nn.RNN/GRU/LSTM`` and the cells by name and take
+the modules of ``torch.testing._internal.common_modules.module_db``. This runner puts this
+library's modules in their place, with ``algo`` forced, so that every forward and backward of
+those tests runs the library (the GEMM path, or the persistent kernels — for the cells the fused
+step kernel — emulated on CPU tensors), then runs the tests with pytest and prints a summary::
 
     python tests/pytorch_rnn_suite.py --algo gemm PATH/test_nn.py PATH/test_modules.py
     python tests/pytorch_rnn_suite.py --algo persistent PATH/test_nn.py -k lstm
 
 The tests are selected by name (``-k``, pytest's syntax; the default picks the recurrent ones).
 The summary counts, per outcome, the tests that built at least one of the library's modules;
-tests selected by name that never built one (e.g. ``nn.RNNCell`` tests) are listed apart, as are
-the tests torch itself skips here (CUDA-only, cuDNN-only, multi-GPU). On the persistent path a
+tests selected by name that never built one are listed apart, as are the tests torch itself
+skips here (CUDA-only, cuDNN-only, multi-GPU). On the persistent path a
 float64 test fails with the library's refusal (its kernels hold float32 or 16-bit weights): those
 are counted as refusals, not as failures. The exit status is 1 if any test failed otherwise.
 
-What is replaced: the ``RNN``, ``GRU`` and ``LSTM`` attributes of ``torch.nn`` and
-``torch.nn.modules``, and the ``module_cls`` of their ``module_db`` entries. ``torch.nn.RNNBase``,
-the cells and ``torch.nn.utils.rnn`` stay torch's. The replacements are subclasses of
-persistent_rnn.torch's modules named like torch.nn's (same ``repr``) whose ``algo`` defaults to
+What is replaced: the ``RNN``, ``GRU``, ``LSTM``, ``RNNCell``, ``GRUCell`` and ``LSTMCell``
+attributes of ``torch.nn`` and ``torch.nn.modules``, and the ``module_cls`` of their ``module_db``
+entries. ``torch.nn.RNNBase``, ``torch.nn.RNNCellBase`` and ``torch.nn.utils.rnn`` stay torch's.
+The replacements are subclasses of persistent_rnn.torch's modules named like torch.nn's (same
+``repr``) whose ``algo`` defaults to
 the forced one; they pickle by reference to this module and are registered as safe globals for
 ``torch.load``. See docs/torch.md ("PyTorch's own tests") for the files and the counts.
 """
@@ -36,13 +38,15 @@ import torch
 
 import persistent_rnn.torch as prt
 
-NAMES = ("RNN", "GRU", "LSTM")
-# The recurrent-layer tests of test_nn.py and test_modules.py by name (pytest -k matches
-# substrings, case-insensitively); the cells (nn.RNNCell, ...) are torch's and left out.
-DEFAULT_SELECTION = ("(rnn or gru or lstm or pack or variable_sequence or cudnn_forward_exception "
-                     "or cudnn_weight or flat_weights or device_mask) and not cell")
-# How the library refuses float64 on the persistent path (runtime.py): a failure by design.
-FLOAT64_REFUSAL = "algo='persistent' cannot run this layer: dtype is float64"
+NAMES = ("RNN", "GRU", "LSTM", "RNNCell", "GRUCell", "LSTMCell")
+# The recurrent-layer and cell tests of test_nn.py and test_modules.py by name (pytest -k matches
+# substrings, case-insensitively).
+DEFAULT_SELECTION = ("rnn or gru or lstm or pack or variable_sequence or cudnn_forward_exception "
+                     "or cudnn_weight or flat_weights or device_mask")
+# How the library refuses float64 on the persistent path (runtime.py for the layers, cell_step.py
+# for the cells' fused kernel): a failure by design.
+FLOAT64_REFUSALS = ("algo='persistent' cannot run this layer: dtype is float64",
+                    "algo='persistent' cannot run this cell: dtype is float64")
 
 
 @dataclass
@@ -120,7 +124,7 @@ class ForceLibrary:
             self.outcomes[report.nodeid] = ("skipped", reason.removeprefix("Skipped: "))
         elif report.failed:
             text = str(report.longrepr)
-            refused = self.algo == "persistent" and FLOAT64_REFUSAL in text
+            refused = self.algo == "persistent" and any(r in text for r in FLOAT64_REFUSALS)
             self.outcomes[report.nodeid] = ("refused" if refused else "failed",
                                             _last_error_line(text))
         elif report.when == "call":

@@ -1,6 +1,6 @@
 """tests/pytorch_rnn_suite.py, the runner of PyTorch's own RNN tests, on a small test file of
 ours written the way PyTorch's are (torch.nn.LSTM by name, module_db, a float64 case, a CUDA-only
-skip, a cell test), in a subprocess: the counts it prints, and that the library ran."""
+skip, cell tests), in a subprocess: the counts it prints, and that the library ran."""
 from __future__ import annotations
 
 import os
@@ -56,7 +56,14 @@ SAMPLE_TESTS = textwrap.dedent('''
             pass
 
         def test_rnn_cell(self):
-            nn.RNNCell(3, 4)(torch.randn(2, 3))
+            info = next(i for i in module_db if i.module_cls is nn.RNNCell)
+            cell = info.module_cls(3, 4)
+            self.assertIsInstance(cell, nn.RNNCell)
+            cell(torch.randn(2, 3)).sum().backward()
+            self.assertEqual(cell.last_run.algo, cell.algo)
+
+        def test_lstm_cell_float64(self):
+            nn.LSTMCell(3, 4).double()(torch.randn(2, 3, dtype=torch.float64))
 
         def test_lstm_failing(self):
             self.assertEqual(nn.LSTM(3, 4).hidden_size, 5)
@@ -77,8 +84,8 @@ def test_runner_forces_the_library_and_counts(tmp_path, algo):
     done = run_suite(path, algo)  # the default selection
     out = done.stdout
     assert done.returncode == 1, out + done.stderr  # the one deliberate failure
-    refused = int(algo == "persistent")
-    assert (f"algo={algo}: {4 - refused} passed, 1 failed, {refused} refused (float64 on the "
+    refused = 2 * int(algo == "persistent")
+    assert (f"algo={algo}: {6 - refused} passed, 1 failed, {refused} refused (float64 on the "
             f"persistent kernels); 1 skipped by torch, 0 selected but built no library "
             f"module") in out, out
     assert "test_lstm_failing: AssertionError: 4 != 5" in out
@@ -86,7 +93,11 @@ def test_runner_forces_the_library_and_counts(tmp_path, algo):
     if algo == "persistent":
         assert "test_gru_float64: ValueError: algo='persistent' cannot run this layer: dtype " \
                "is float64" in out
-    # the default selection leaves torch's cells out; -k selects them
+        assert "test_lstm_cell_float64: ValueError: algo='persistent' cannot run this cell: " \
+               "dtype is float64" in out
+    # the cells alone
     done = run_suite(path, algo, "-k", "cell")
-    assert f"algo={algo}: 0 passed, 0 failed, 0 refused (float64 on the persistent kernels); " \
-           f"0 skipped by torch, 1 selected but built no library module" in done.stdout
+    refused //= 2
+    assert f"algo={algo}: {2 - refused} passed, 0 failed, {refused} refused (float64 on the " \
+           f"persistent kernels); 0 skipped by torch, 0 selected but built no library " \
+           f"module" in done.stdout, done.stdout

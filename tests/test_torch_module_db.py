@@ -1,5 +1,5 @@
-"""PyTorch's own module samples for nn.RNN/GRU/LSTM, run through persistent_rnn.torch with the
-library forced.
+"""PyTorch's own module samples for nn.RNN/GRU/LSTM (and, at the end, nn.RNNCell/GRUCell/LSTMCell),
+run through persistent_rnn.torch with the library forced.
 
 ``torch.testing._internal.common_modules.module_db`` (shipped in torch's wheel) describes how
 PyTorch tests its recurrent modules: constructor arguments (bias, batch_first, bidirectional,
@@ -132,6 +132,21 @@ def assert_library_ran(module, algo: str, dtype: torch.dtype) -> None:
     assert run.dtype == str(dtype).removeprefix("torch."), run
 
 
+def matches_torch_nn(name: str, index: int, sample, dtype: torch.dtype, algo: str, ran) -> tuple:
+    """Sample ``index``: our module's outputs and every gradient equal torch.nn's float64 ones,
+    and ``ran(module, algo, dtype)`` holds; ``(module, args, (outputs, input grads, parameter
+    grads), label)``."""
+    ours, ref = build(name, sample, dtype, algo)
+    args = sample.forward_input.args
+    what = f"{name} sample {index} {sample.constructor_input.kwargs}"
+    got = forward_backward(ours, leaves(args), index)
+    ran(ours, algo, dtype)
+    want = forward_backward(ref, leaves(args, torch.float64), index)
+    for part, g, w in zip(("outputs", "input grads", "parameter grads"), got, want):
+        assert_close(g, w, RTOL[dtype], f"{what}: {part}")
+    return ours, args, got, what
+
+
 def selected(sample, algo: str) -> bool:
     """Whether ``algo`` runs this sample. The emulated persistent kernels (a few tenths of a
     second a call here) skip the ``batch_first=True`` twin of each sample: the module transposes
@@ -147,14 +162,8 @@ def test_samples_match_torch_nn(name, algo, dtype):
     ran, results are contiguous; eval mode equals training mode."""
     chosen = [(i, s) for i, s in enumerate(samples(name, dtype)) if selected(s, algo)]
     for index, sample in chosen:
-        ours, ref = build(name, sample, dtype, algo)
-        args = sample.forward_input.args
-        what = f"{name} sample {index} {sample.constructor_input.kwargs}"
-        got = forward_backward(ours, leaves(args), index)
-        assert_library_ran(ours, algo, dtype)
-        want = forward_backward(ref, leaves(args, torch.float64), index)
-        for part, g, w in zip(("outputs", "input grads", "parameter grads"), got, want):
-            assert_close(g, w, RTOL[dtype], f"{what}: {part}")
+        ours, args, got, what = matches_torch_nn(name, index, sample, dtype, algo,
+                                                 assert_library_ran)
         assert all(t.is_contiguous() for t in got[0] + got[1] + got[2]), what
         ours.eval()
         with torch.no_grad():
@@ -276,19 +285,24 @@ def test_gradcheck_and_gradgradcheck_on_gemm(name):
         if kwargs["batch_first"]:
             continue
         ours, _ = build(name, sample, torch.float64, "gemm")
-        args = leaves(sample.forward_input.args)
-        flat, names = tensors(args), [n for n, _ in ours.named_parameters()]
-
-        def fn(*inputs):
-            rebuilt = _rebuild(args, iter(inputs[:len(flat)]))
-            weights = dict(zip(names, inputs[len(flat):]))
-            return tuple(tensors(torch.func.functional_call(ours, weights, rebuilt)))
-
-        inputs = (*flat, *ours.parameters())
+        fn, inputs = _as_function(ours, leaves(sample.forward_input.args))
         assert torch.autograd.gradcheck(fn, inputs, fast_mode=True), (name, index)
         assert ours.last_run.algo == "gemm"
         if kwargs["bias"] and kwargs["bidirectional"]:
             assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True), (name, index)
+
+
+def _as_function(module, args) -> tuple:
+    """``(fn, inputs)``: ``module`` on ``args`` as a function of the forward's tensors and the
+    parameters (for gradcheck), and the current values of those."""
+    flat, names = tensors(args), [n for n, _ in module.named_parameters()]
+
+    def fn(*inputs):
+        rebuilt = _rebuild(args, iter(inputs[:len(flat)]))
+        weights = dict(zip(names, inputs[len(flat):]))
+        return tuple(tensors(torch.func.functional_call(module, weights, rebuilt)))
+
+    return fn, (*flat, *module.parameters())
 
 
 def _rebuild(template, values):
@@ -351,3 +365,105 @@ def test_bad_arguments_raise_as_torch_nn(name, proj, algo):
         want = _raised(ref, args)
         assert want is not None, what
         assert _raised(ours, args) == want, what
+
+
+# ---- the cells: PyTorch's module_db samples of nn.RNNCell/GRUCell/LSTMCell ----------------------
+# The library's step (persistent_rnn.torch.cells) with algo forced: the GEMM step in both float
+# dtypes and the emulated fused step kernel in float32. A cell's backward is always the GEMM one.
+CELL_NAMES = ("RNNCell", "GRUCell", "LSTMCell")
+
+
+def cell_samples(name: str, dtype: torch.dtype, seed: int = 0) -> list:
+    """torch's ModuleInputs for the cell ``name``, drawn from a seeded generator."""
+    info = module_info(name)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True,
+                                       training=True)
+
+
+def assert_cell_step_ran(cell, algo: str, dtype: torch.dtype) -> None:
+    """The forward ran the library's ``algo`` step (the fused kernel emulated for
+    "persistent") and its backward the library's GEMM backward."""
+    run = cell.last_run
+    assert run is not None and run.algo == algo and run.fallback is None, run
+    assert run.emulated == (algo == "persistent"), run
+    assert run.launches == (1 if algo == "persistent" else 0), run
+    assert run.backward is not None and run.backward.algo == "gemm", run
+    assert run.dtype == str(dtype).removeprefix("torch."), run
+
+
+@pytest.mark.parametrize("algo,dtype", RUNS, ids=RUN_IDS)
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cell_samples_match_torch_nn(name, algo, dtype):
+    """Every cell sample (unbatched, with and without a state): outputs and every gradient equal
+    torch.nn's float64 ones; the no-batch-dim reference; non-contiguous input and states."""
+    chosen = cell_samples(name, dtype)
+    for index, sample in enumerate(chosen):
+        ours, args, got, what = matches_torch_nn(name, index, sample, dtype, algo,
+                                                 assert_cell_step_ran)
+        with torch.no_grad():
+            reference = tensors(sample.reference_fn(ours, *leaves(args)))
+        assert_close(reference, got[0], 0.0, f"{what}: no-batch-dim reference")
+        strided = forward_backward(ours, noncontiguous(args), index)
+        for part, g, w in zip(("outputs", "input grads", "parameter grads"), strided, got):
+            assert_close(g, w, 0.0, f"{what}: non-contiguous {part}")
+    assert len(chosen) == {"RNNCell": 3, "GRUCell": 2, "LSTMCell": 2}[name]
+
+
+@pytest.mark.parametrize("algo", ["gemm", "persistent"])
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cell_error_inputs_raise_torch_nn_errors(name, algo):
+    """torch's error inputs of the cells: the same exception types and messages, the library
+    forced (its checks must neither pre-empt nor replace torch.nn's)."""
+    info = module_info(name)
+    errors = info.module_error_inputs_func(info, device="cpu", dtype=torch.float32,
+                                           requires_grad=False, training=True)
+    assert errors
+    for error in errors:
+        sample = error.module_error_input
+        c_args, c_kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+        for cls, extra in ((getattr(torch.nn, name), {}), (getattr(prt, name), {"algo": algo})):
+            module = cls(*c_args, **c_kwargs, **extra)
+            with pytest.raises(error.error_type, match=error.error_regex):
+                module(*sample.forward_input.args, **sample.forward_input.kwargs)
+
+
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cell_surface_as_torch_nn(name):
+    """repr, isinstance, factory kwargs, meta construction, the state_dict both ways and a
+    whole-module save/load (weights_only) and pickle that run the same."""
+    for index, sample in enumerate(cell_samples(name, torch.float64)):
+        args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+        ours, ref = build(name, sample, torch.float64, "gemm")
+        assert repr(ours) == repr(ref) and isinstance(ours, getattr(torch.nn, name))
+        made = getattr(prt, name)(*args, **kwargs, dtype=torch.float64, device="cpu")
+        assert all(p.dtype == torch.float64 for p in made.parameters())
+        with torch.device("meta"):
+            meta = getattr(prt, name)(*args, **kwargs)
+        assert [(n, p.shape, p.is_meta) for n, p in meta.named_parameters()] == [
+            (n, p.shape, True) for n, p in ref.named_parameters()]
+        back = getattr(torch.nn, name)(*args, **kwargs).double()
+        back.load_state_dict(ours.state_dict())
+        assert list(back.state_dict()) == list(ours.state_dict())
+        buffer = io.BytesIO()
+        torch.save(ours, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)
+        assert type(loaded) is type(ours) and loaded.algo == "gemm" and loaded.last_run is None
+        fwd = sample.forward_input.args
+        with torch.no_grad():
+            want = tensors(ours(*leaves(fwd)))
+            for other in (loaded, pickle.loads(pickle.dumps(ours)), back):
+                assert_close(tensors(other(*leaves(fwd))), want, 1e-12, f"{name} {index}")
+
+
+@pytest.mark.parametrize("name", CELL_NAMES)
+def test_cell_gradcheck_and_gradgradcheck_on_gemm(name):
+    """torch's test_grad/test_gradgrad for the cells in float64 on the library's GEMM step."""
+    for index, sample in enumerate(cell_samples(name, torch.float64)):
+        ours, _ = build(name, sample, torch.float64, "gemm")
+        fn, inputs = _as_function(ours, leaves(sample.forward_input.args))
+        assert torch.autograd.gradcheck(fn, inputs, fast_mode=True), (name, index)
+        assert ours.last_run.algo == "gemm"
+        assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True), (name, index)
