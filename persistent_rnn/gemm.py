@@ -48,12 +48,16 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     recurs, rounded under ``half``) and ``hs`` (T, B, H) the cell's ``h_t`` (module docstring).
     """
     xp = array_module(gi)
+    if xp is np:  # (NumPy: the loop at once, no lengths to convert and no kernel limits)
+        _forward_loop(cell, start, half, gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
+                      lengths=lengths, w_hr=w_hr, y=y, cs=cs, saved=saved, hs=hs)
+        return
     steps, batch, _ = gi.shape
     _check_sizes(xp, steps, batch, saved.shape[2])
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                   lengths=_kernel_lengths(xp, lengths, batch, steps), w_hr=w_hr)
     outputs = dict(y=y, cs=cs, saved=saved, hs=hs)
-    if start == 0 and xp is not np:  # a whole pass: replayed from a recorded CUDA graph
+    if start == 0:  # a whole pass: replayed from a recorded CUDA graph
         step_graphs.run(f"forward {cell.name} {half or ''}",
                         partial(_forward_loop, cell, start, half), inputs, outputs)
     else:

@@ -316,3 +316,53 @@ def test_benchmark_scripts_record_what_results_need(tmp_path):
         assert all(r["calls"] == 6 and r["median_us"] > 0 for r in rows)
     rows = json.loads((tmp_path / "b" / "call_breakdown.json").read_text())["rows"]
     assert len(rows) == 9 and all(r["median_us"] > 0 for r in rows)
+
+
+def test_remembered_weight_views_are_never_stale():
+    """The module's NumPy views of its weights (``ops.WeightViews``), remembered between calls,
+    follow every way the weights change: an in-place update (optimizer.step), load_state_dict,
+    ``.to()`` (new memory, same parameter objects), ``param.data = ...``, a reassigned
+    parameter; each call matches torch.nn.GRU holding the same weights, and a view is reused
+    (the same dict) only while nothing changed."""
+    torch.manual_seed(0)
+    module, ref = prt.GRU(H, H, algo="gemm"), torch.nn.GRU(H, H)
+    x = torch.randn(3, 2, H)
+    views = module._record.views
+
+    def check():
+        ref.load_state_dict(module.state_dict())
+        with torch.no_grad():
+            y, hn = module(x)
+            y_ref, hn_ref = ref(x)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(hn, hn_ref, rtol=1e-5, atol=1e-6)
+
+    check()
+    remembered = views._params
+    check()
+    assert views._params is remembered  # nothing changed: reused
+
+    y, _ = module(x)
+    y.sum().backward()
+    torch.optim.SGD(module.parameters(), lr=0.5).step()  # in place: versions bumped
+    check()
+    assert views._params is not remembered
+
+    state = {k: torch.randn_like(v) for k, v in module.state_dict().items()}
+    module.load_state_dict(state)
+    check()
+    torch.testing.assert_close(module.weight_hh_l0, state["weight_hh_l0"])
+
+    module.to(torch.float64)
+    module.to(torch.float32)  # (same objects, new memory)
+    check()
+
+    module.weight_hh_l0.data = torch.randn_like(module.weight_hh_l0)
+    check()
+
+    module.weight_ih_l0 = torch.nn.Parameter(torch.randn_like(module.weight_ih_l0))
+    check()
+
+    with torch.no_grad():
+        module.bias_hh_l0.mul_(3.0)
+    check()

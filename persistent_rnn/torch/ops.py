@@ -76,6 +76,7 @@ class RunRecord:
 
     last: LastRun | None = None
     slot: int = field(default_factory=lambda: next(_SLOTS))
+    views: "WeightViews" = field(default_factory=lambda: WeightViews())
 
     def __post_init__(self) -> None:
         _RECORDS[self.slot] = self
@@ -114,12 +115,65 @@ def _cell(mode: str) -> CellSpec:
     return from_mode(mode) if spec is None else spec  # from_mode: its error for a bad mode
 
 
-def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
+def _params(weights: list[Tensor], num_layers: int, bidirectional: bool,
+            slot: int | None = None) -> dict:
     """The weights as the library's dict of arrays (float32 for 16-bit weights), under
-    torch.nn's names."""
+    torch.nn's names; ``slot``: the module's ``RunRecord`` slot, whose ``WeightViews`` remembers
+    the dict for the next call on the same weights."""
+    record = None if slot is None else _RECORDS.get(slot)
+    if record is not None:
+        return record.views.get(weights, num_layers, bidirectional)
+    return _fresh_params(weights, num_layers, bidirectional)
+
+
+def _fresh_params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
+    """``_params`` made afresh."""
     names = _param_names(len(weights), num_layers, bidirectional)
     return {name: w.numpy(force=True) if w.is_cpu and w.dtype not in _HALF and w.is_contiguous()
             else _array(w) for name, w in zip(names, weights)}  # (the usual case inlined)
+
+
+class WeightViews:
+    """One module's weights as the library's arrays (``_params``), remembered from the last call
+    and reused while they cannot be stale. Only NumPy views are remembered (contiguous CPU
+    weights of a library dtype, not 16-bit: those are converted copies; CUDA arrays belong to
+    the call's stream): a view shares its tensor's memory, so it holds the current values as
+    long as it is a view of the same tensor at the same memory and shape. Checked per call:
+    the same tensor objects (parameter reassignment, ``functional_call`` and autocast's casts
+    give others), each at the same ``data_ptr`` and shape (``.to()``, ``param.data = ...``) and
+    version counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``'s
+    copies, ``w.mul_(2)``; ``set_``)."""
+
+    __slots__ = ("_weights", "_stamps", "_params")
+
+    def __init__(self) -> None:
+        self._weights: tuple = ()
+        self._stamps: tuple = ()
+        self._params: dict = {}
+
+    def get(self, weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
+        """``_fresh_params(weights, ...)``, from memory where nothing changed since it was made."""
+        if len(self._weights) == len(weights):  # (loops, not comprehensions: no frames per call)
+            for w, known, stamp in zip(weights, self._weights, self._stamps):
+                if w is not known or (w.data_ptr(), w._version, w.shape) != stamp:
+                    break
+            else:
+                return self._params
+        params = _fresh_params(weights, num_layers, bidirectional)
+        self._remember(weights, params)
+        return params
+
+    def _remember(self, weights: list[Tensor], params: dict) -> None:
+        self._weights, self._stamps, self._params = (), (), {}
+        stamps = []
+        for w in weights:
+            if not (w.is_cpu and w.dtype not in _HALF and w.is_contiguous()):
+                return  # a converted copy, not a view: made afresh every call
+            try:
+                stamps.append((w.data_ptr(), w._version, w.shape))
+            except RuntimeError:  # an inference tensor has no version counter to compare
+                return
+        self._weights, self._stamps, self._params = tuple(weights), tuple(stamps), params
 
 
 @lru_cache(maxsize=256)
@@ -200,7 +254,8 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
     cell = _cell(mode)
     xa = _array(x)
     y, hn, ctx = functional.forward(
-        cell, _params(weights, num_layers, bidirectional), xa, _hidden_arrays(cell, h0, c0),
+        cell, _params(weights, num_layers, bidirectional, stats_slot), xa,
+        _hidden_arrays(cell, h0, c0),
         None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
         bidirectional=bidirectional, batch_first=False, algo=algo, half=_half(x))
     hn, cn = hn if cell.has_cell_state else (hn, None)
@@ -239,7 +294,7 @@ def _recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor
     cell = _cell(mode)
     with library_stream(dy):
         xa = _array(x)
-        params = _params(weights, num_layers, bidirectional)
+        params = _params(weights, num_layers, bidirectional, stats_slot)
         ctx = functional.restore_context(
             cell, params, xa, _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
