@@ -213,13 +213,16 @@ def _half(t: Tensor) -> str | None:
 
 def _array(t: Tensor | None) -> Array | None:
     """``to_array`` of ``t``, converted to float32 first if it is 16-bit (exact)."""
-    if t is not None and t.dtype in _HALF:
-        t = t.float()
-    return to_array(t)
+    if t is None:
+        return None
+    if t.is_cpu and t.dtype not in _HALF and t.is_contiguous():
+        return t.numpy(force=True)  # (to_array's usual case inlined: a call less)
+    return to_array(t.float() if t.dtype in _HALF else t)
 
 
 def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
-    """A state (or state gradient) as the library takes it: ``h`` or ``(h, c)``; ``None`` = 0."""
+    """A state (or state gradient) as the library takes it: ``h`` or ``(h, c)``; ``None`` = 0
+    (also for both of an LSTM's; callers test ``h is None and c is None`` first, a call less)."""
     return (_array(h), _array(c)) if cell.has_cell_state else _array(h)
 
 
@@ -251,15 +254,15 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
                      algo: str, stats_slot: int, stats_part: int):
     """``(y, h_n, c_n, ctx)`` of ``functional.forward`` on the tensors' memory, in the
     library's stream (``c_n``: ``None`` for a cell without a cell state); records the run."""
-    cell = _cell(mode)
+    cell, half = _cell(mode), _HALF.get(x.dtype)
     xa = _array(x)
+    hx = None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0)
     y, hn, ctx = functional.forward(
-        cell, _params(weights, num_layers, bidirectional, stats_slot), xa,
-        _hidden_arrays(cell, h0, c0),
+        cell, _params(weights, num_layers, bidirectional, stats_slot), xa, hx,
         None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
-        bidirectional=bidirectional, batch_first=False, algo=algo, half=_half(x))
+        bidirectional=bidirectional, batch_first=False, algo=algo, half=half)
     hn, cn = hn if cell.has_cell_state else (hn, None)
-    _record_forward(stats_slot, stats_part, ctx.stats, _half(x) or str(x.dtype)[6:])
+    _record_forward(stats_slot, stats_part, ctx.stats, half or str(x.dtype)[6:])
     return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
             _result(cn, x.dtype), ctx)
 
@@ -296,10 +299,11 @@ def _recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor
         xa = _array(x)
         params = _params(weights, num_layers, bidirectional, stats_slot)
         ctx = functional.restore_context(
-            cell, params, xa, _hidden_arrays(cell, h0, c0),
+            cell, params, xa, None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
             num_layers=num_layers, bidirectional=bidirectional, algo=algo, half=_half(x))
-        dx, dh0, grads = functional.backward(ctx, _array(dy), _hidden_arrays(cell, dhn, dcn))
+        dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
+        dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
         dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
         outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
                    _empty_like_none(x) if dc0 is None else _result(dc0, x.dtype),
