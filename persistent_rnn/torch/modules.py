@@ -212,12 +212,8 @@ def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> N
     """torch.nn's exception (``RuntimeError``) for a state or weight that is not on the input's
     device (torch.nn's messages) or not of its dtype (where torch.nn's kernels fail, each with its
     own words, this names the tensor); ``names``: the weights' names."""
-    device, dtype = x.device, x.dtype
     states = (hx,) if isinstance(hx, torch.Tensor) else (hx or ())
-    for t in (*states, *weights):
-        if t.device != device or t.dtype != dtype:
-            break
-    else:
+    if _all_like(x, (*states, *weights)):
         return  # the usual case, checked without naming anything
     states = {"hx": hx} if isinstance(hx, torch.Tensor) else dict(zip(("h_0", "c_0"), hx or ()))
     for kind, tensors in (("hidden", states), ("parameter", dict(zip(names, weights)))):
@@ -228,6 +224,22 @@ def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> N
             if t.dtype != x.dtype:
                 raise RuntimeError(f"{name} dtype ({t.dtype}) does not match the input dtype "
                                    f"({x.dtype}): convert it with {name}.to({x.dtype})")
+
+
+def _all_like(x: torch.Tensor, tensors: tuple) -> bool:
+    """Whether every tensor has ``x``'s device and dtype (on the CPU by ``is_cpu``: building a
+    tensor's ``device`` object costs several times that)."""
+    dtype = x.dtype
+    if x.is_cpu:
+        for t in tensors:
+            if not t.is_cpu or t.dtype != dtype:
+                return False
+        return True
+    device = x.device
+    for t in tensors:
+        if t.device != device or t.dtype != dtype:
+            return False
+    return True
 
 
 def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,
