@@ -339,15 +339,15 @@ def test_remembered_weight_views_are_never_stale():
         torch.testing.assert_close(hn, hn_ref, rtol=1e-5, atol=1e-6)
 
     check()
-    remembered = views._params
+    remembered = views.params
     check()
-    assert views._params is remembered  # nothing changed: reused
+    assert views.params is remembered  # nothing changed: reused
 
     y, _ = module(x)
     y.sum().backward()
     torch.optim.SGD(module.parameters(), lr=0.5).step()  # in place: versions bumped
     check()
-    assert views._params is not remembered
+    assert views.params is not remembered
 
     state = {k: torch.randn_like(v) for k, v in module.state_dict().items()}
     module.load_state_dict(state)

@@ -144,36 +144,43 @@ class WeightViews:
     version counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``'s
     copies, ``w.mul_(2)``; ``set_``)."""
 
-    __slots__ = ("_weights", "_stamps", "_params")
+    __slots__ = ("_entry",)
 
     def __init__(self) -> None:
-        self._weights: tuple = ()
-        self._stamps: tuple = ()
-        self._params: dict = {}
+        # (weights, their stamps, the dict): one tuple, read and replaced whole, so that calls
+        # from several threads never mix the parts of two entries
+        self._entry: tuple[tuple, tuple, dict] = ((), (), {})
 
     def get(self, weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
         """``_fresh_params(weights, ...)``, from memory where nothing changed since it was made."""
-        if len(self._weights) == len(weights):  # (loops, not comprehensions: no frames per call)
-            for w, known, stamp in zip(weights, self._weights, self._stamps):
-                if w is not known or (w.data_ptr(), w._version, w.shape) != stamp:
+        known, stamps, params = self._entry
+        if len(known) == len(weights):  # (loops, not comprehensions: no frames per call)
+            for w, k, stamp in zip(weights, known, stamps):
+                if w is not k or (w.data_ptr(), w._version, w.shape) != stamp:
                     break
             else:
-                return self._params
+                return params
         params = _fresh_params(weights, num_layers, bidirectional)
         self._remember(weights, params)
         return params
 
+    @property
+    def params(self) -> dict:
+        """The remembered dict (empty where none is)."""
+        return self._entry[2]
+
     def _remember(self, weights: list[Tensor], params: dict) -> None:
-        self._weights, self._stamps, self._params = (), (), {}
         stamps = []
         for w in weights:
             if not (w.is_cpu and w.dtype not in _HALF and w.is_contiguous()):
-                return  # a converted copy, not a view: made afresh every call
+                self._entry = ((), (), {})  # a converted copy, not a view: made afresh every call
+                return
             try:
                 stamps.append((w.data_ptr(), w._version, w.shape))
             except RuntimeError:  # an inference tensor has no version counter to compare
+                self._entry = ((), (), {})
                 return
-        self._weights, self._stamps, self._params = tuple(weights), tuple(stamps), params
+        self._entry = (tuple(weights), tuple(stamps), params)
 
 
 @lru_cache(maxsize=256)
