@@ -352,10 +352,12 @@ def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None) -> Array:
 
 def _layer_output(ctx: Context, layer: int) -> Array:
     """The output of ``layer`` (T, B, D*H): its directions side by side, zero past lengths."""
+    dirs = ctx.directions[layer]
+    # a copy even of one direction: y must not alias the buffers backward reads
+    if len(dirs) == 1 and ctx.lengths is None:  # (the usual case: the same copy, fewer calls)
+        return dirs[0].fwd.y.copy()
     xp = array_module(ctx.inputs[layer])
-    ys = [d.fwd.y if i == 0 else _gather(ctx.reverse_index, d.fwd.y)
-          for i, d in enumerate(ctx.directions[layer])]
-    # concatenate copies even one direction: y must not alias the buffers backward reads
+    ys = [d.fwd.y if i == 0 else _gather(ctx.reverse_index, d.fwd.y) for i, d in enumerate(dirs)]
     return select_active(xp, xp.concatenate(ys, axis=2), ctx.lengths)
 
 

@@ -48,12 +48,16 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     recurs, rounded under ``half``) and ``hs`` (T, B, H) the cell's ``h_t`` (module docstring).
     """
     xp = array_module(gi)
+    if xp is np:  # (NumPy: the loop at once, no lengths to convert and no kernel limits)
+        _forward_loop(cell, start, half, gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
+                      lengths=lengths, w_hr=w_hr, y=y, cs=cs, saved=saved, hs=hs)
+        return
     steps, batch, _ = gi.shape
     _check_sizes(xp, steps, batch, saved.shape[2])
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                   lengths=_kernel_lengths(xp, lengths, batch, steps), w_hr=w_hr)
     outputs = dict(y=y, cs=cs, saved=saved, hs=hs)
-    if start == 0 and xp is not np:  # a whole pass: replayed from a recorded CUDA graph
+    if start == 0:  # a whole pass: replayed from a recorded CUDA graph
         step_graphs.run(f"forward {cell.name} {half or ''}",
                         partial(_forward_loop, cell, start, half), inputs, outputs)
     else:
@@ -196,10 +200,15 @@ def _pointwise_forward(cell, xp, t, lengths, gi_t, gh, b_hh, h_prev, c_prev, h_o
     if b_hh is not None:
         gh += b_hh
     h, c, s = cell.forward(np, gi_t, gh, h_prev, c_prev)
-    active = _active(np, lengths, t)
-    h_out[...] = _where(np, active, h, h_prev)
-    if c_out is not None:
-        c_out[...] = _where(np, active, c, c_prev)
+    if lengths is None:  # every sequence active: no mask (the usual case, without calls)
+        h_out[...] = h
+        if c_out is not None:
+            c_out[...] = c
+    else:
+        active = _active(np, lengths, t)
+        h_out[...] = np.where(active, h, h_prev)
+        if c_out is not None:
+            c_out[...] = np.where(active, c, c_prev)
     saved_out[...] = s
 
 
@@ -219,6 +228,11 @@ def _pointwise_backward(cell, xp, t, lengths, dy_t, dh_direct, dh_rec, dc, saved
         return dh_next, dc_next
     dh = dy_t + dh_direct + dh_rec
     dgi, dgh, dh_prev, dc_prev = cell.backward(np, dh, dc, saved_t, h, c, h_prev, c_prev)
+    if lengths is None:  # every sequence active: no mask (the usual case, without calls)
+        dgi_out[...] = dgi
+        if dgh_out is not dgi_out:
+            dgh_out[...] = dgh
+        return dh_prev, (None if dc is None else dc_prev)
     active = _active(np, lengths, t)
     dgi_out[...] = _where(np, active, dgi, 0.0)
     if dgh_out is not dgi_out:

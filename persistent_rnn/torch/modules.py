@@ -60,7 +60,8 @@ class _RecurrentBase(torch.nn.RNNBase):
 
     def forward(self, input, hx=None):
         """torch.nn's forward: ``input, hx -> output, h_n`` (LSTM: ``output, (h_n, c_n)``)."""
-        _refuse_unsupported_export(type(self).__name__)
+        if torch.jit.is_tracing():  # (checked here: a call less per forward)
+            _refuse_unsupported_export(type(self).__name__)
         if onnx.exporting():  # ONNX's own nodes, on any device (onnx.py)
             return self._library_forward(input, hx, onnx.ALGO)
         packed = isinstance(input, PackedSequence)
@@ -79,7 +80,8 @@ class _RecurrentBase(torch.nn.RNNBase):
         lstm = _cell(self.mode).has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
-        _check_hidden_pair(lstm, hx)
+        if lstm:
+            _check_hidden_pair(hx)
         if packed is not None:
             self._check_args(packed.data, hx, packed.batch_sizes)
             rows = int(packed.batch_sizes.sum())
@@ -95,7 +97,8 @@ class _RecurrentBase(torch.nn.RNNBase):
             if x.dim() not in (2, 3):  # torch.nn's check, before any other
                 raise ValueError(self._input_dims_error.format(x.dim()))
             unbatched = x.dim() == 2
-            hx = _hidden_as_batch(hx, batched=not unbatched)
+            if hx is not None:
+                hx = _hidden_as_batch(hx, batched=not unbatched)
             if unbatched:
                 x = x.unsqueeze(0 if self.batch_first else 1)
             self._check_args(x, hx, None)
@@ -166,19 +169,19 @@ def _current_weights(module) -> list:
             for name in module._flat_weights_names]
 
 
-def _check_hidden_pair(lstm: bool, hx) -> None:
+def _check_hidden_pair(hx) -> None:
     """torch.nn.LSTM's error for a state that is not a pair (before anything unpacks it)."""
-    if lstm and isinstance(hx, (tuple, list)) and len(hx) != 2:
+    if isinstance(hx, (tuple, list)) and len(hx) != 2:
         raise RuntimeError("lstm expects two hidden states")
 
 
 def _refuse_unsupported_export(name: str) -> None:
-    # torch.jit.script never reaches forward (__prepare_scriptable__ refuses first)
-    if torch.jit.is_tracing():
-        raise RuntimeError(f"{name} from persistent_rnn.torch does not support TorchScript "
-                           f"(torch.jit.trace, and the TorchScript-based ONNX exporter): use "
-                           f"torch.export or torch.compile, and torch.onnx.export(..., "
-                           f"dynamo=True) for ONNX")
+    """The error for a forward under torch.jit.trace (torch.jit.script never reaches forward:
+    ``__prepare_scriptable__`` refuses first)."""
+    raise RuntimeError(f"{name} from persistent_rnn.torch does not support TorchScript "
+                       f"(torch.jit.trace, and the TorchScript-based ONNX exporter): use "
+                       f"torch.export or torch.compile, and torch.onnx.export(..., "
+                       f"dynamo=True) for ONNX")
 
 
 def _batch_size(input, batch_first: bool) -> int:
@@ -209,12 +212,8 @@ def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> N
     """torch.nn's exception (``RuntimeError``) for a state or weight that is not on the input's
     device (torch.nn's messages) or not of its dtype (where torch.nn's kernels fail, each with its
     own words, this names the tensor); ``names``: the weights' names."""
-    device, dtype = x.device, x.dtype
     states = (hx,) if isinstance(hx, torch.Tensor) else (hx or ())
-    for t in (*states, *weights):
-        if t.device != device or t.dtype != dtype:
-            break
-    else:
+    if _all_like(x, (*states, *weights)):
         return  # the usual case, checked without naming anything
     states = {"hx": hx} if isinstance(hx, torch.Tensor) else dict(zip(("h_0", "c_0"), hx or ()))
     for kind, tensors in (("hidden", states), ("parameter", dict(zip(names, weights)))):
@@ -225,6 +224,22 @@ def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> N
             if t.dtype != x.dtype:
                 raise RuntimeError(f"{name} dtype ({t.dtype}) does not match the input dtype "
                                    f"({x.dtype}): convert it with {name}.to({x.dtype})")
+
+
+def _all_like(x: torch.Tensor, tensors: tuple) -> bool:
+    """Whether every tensor has ``x``'s device and dtype (on the CPU by ``is_cpu``: building a
+    tensor's ``device`` object costs several times that)."""
+    dtype = x.dtype
+    if x.is_cpu:
+        for t in tensors:
+            if not t.is_cpu or t.dtype != dtype:
+                return False
+        return True
+    device = x.device
+    for t in tensors:
+        if t.device != device or t.dtype != dtype:
+            return False
+    return True
 
 
 def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,

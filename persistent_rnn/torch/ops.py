@@ -76,6 +76,7 @@ class RunRecord:
 
     last: LastRun | None = None
     slot: int = field(default_factory=lambda: next(_SLOTS))
+    views: "WeightViews" = field(default_factory=lambda: WeightViews())
 
     def __post_init__(self) -> None:
         _RECORDS[self.slot] = self
@@ -114,12 +115,72 @@ def _cell(mode: str) -> CellSpec:
     return from_mode(mode) if spec is None else spec  # from_mode: its error for a bad mode
 
 
-def _params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
+def _params(weights: list[Tensor], num_layers: int, bidirectional: bool,
+            slot: int | None = None) -> dict:
     """The weights as the library's dict of arrays (float32 for 16-bit weights), under
-    torch.nn's names."""
+    torch.nn's names; ``slot``: the module's ``RunRecord`` slot, whose ``WeightViews`` remembers
+    the dict for the next call on the same weights."""
+    record = None if slot is None else _RECORDS.get(slot)
+    if record is not None:
+        return record.views.get(weights, num_layers, bidirectional)
+    return _fresh_params(weights, num_layers, bidirectional)
+
+
+def _fresh_params(weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
+    """``_params`` made afresh."""
     names = _param_names(len(weights), num_layers, bidirectional)
     return {name: w.numpy(force=True) if w.is_cpu and w.dtype not in _HALF and w.is_contiguous()
             else _array(w) for name, w in zip(names, weights)}  # (the usual case inlined)
+
+
+class WeightViews:
+    """One module's weights as the library's arrays (``_params``), remembered from the last call
+    and reused while they cannot be stale. Only NumPy views are remembered (contiguous CPU
+    weights of a library dtype, not 16-bit: those are converted copies; CUDA arrays belong to
+    the call's stream): a view shares its tensor's memory, so it holds the current values as
+    long as it is a view of the same tensor at the same memory and shape. Checked per call:
+    the same tensor objects (parameter reassignment, ``functional_call`` and autocast's casts
+    give others), each at the same ``data_ptr`` and shape (``.to()``, ``param.data = ...``) and
+    version counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``'s
+    copies, ``w.mul_(2)``; ``set_``)."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self) -> None:
+        # (weights, their stamps, the dict): one tuple, read and replaced whole, so that calls
+        # from several threads never mix the parts of two entries
+        self._entry: tuple[tuple, tuple, dict] = ((), (), {})
+
+    def get(self, weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
+        """``_fresh_params(weights, ...)``, from memory where nothing changed since it was made."""
+        known, stamps, params = self._entry
+        if len(known) == len(weights):  # (loops, not comprehensions: no frames per call)
+            for w, k, stamp in zip(weights, known, stamps):
+                if w is not k or (w.data_ptr(), w._version, w.shape) != stamp:
+                    break
+            else:
+                return params
+        params = _fresh_params(weights, num_layers, bidirectional)
+        self._remember(weights, params)
+        return params
+
+    @property
+    def params(self) -> dict:
+        """The remembered dict (empty where none is)."""
+        return self._entry[2]
+
+    def _remember(self, weights: list[Tensor], params: dict) -> None:
+        stamps = []
+        for w in weights:
+            if not (w.is_cpu and w.dtype not in _HALF and w.is_contiguous()):
+                self._entry = ((), (), {})  # a converted copy, not a view: made afresh every call
+                return
+            try:
+                stamps.append((w.data_ptr(), w._version, w.shape))
+            except RuntimeError:  # an inference tensor has no version counter to compare
+                self._entry = ((), (), {})
+                return
+        self._entry = (tuple(weights), tuple(stamps), params)
 
 
 @lru_cache(maxsize=256)
@@ -159,13 +220,16 @@ def _half(t: Tensor) -> str | None:
 
 def _array(t: Tensor | None) -> Array | None:
     """``to_array`` of ``t``, converted to float32 first if it is 16-bit (exact)."""
-    if t is not None and t.dtype in _HALF:
-        t = t.float()
-    return to_array(t)
+    if t is None:
+        return None
+    if t.is_cpu and t.dtype not in _HALF and t.is_contiguous():
+        return t.numpy(force=True)  # (to_array's usual case inlined: a call less)
+    return to_array(t.float() if t.dtype in _HALF else t)
 
 
 def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
-    """A state (or state gradient) as the library takes it: ``h`` or ``(h, c)``; ``None`` = 0."""
+    """A state (or state gradient) as the library takes it: ``h`` or ``(h, c)``; ``None`` = 0
+    (also for both of an LSTM's; callers test ``h is None and c is None`` first, a call less)."""
     return (_array(h), _array(c)) if cell.has_cell_state else _array(h)
 
 
@@ -197,14 +261,15 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
                      algo: str, stats_slot: int, stats_part: int):
     """``(y, h_n, c_n, ctx)`` of ``functional.forward`` on the tensors' memory, in the
     library's stream (``c_n``: ``None`` for a cell without a cell state); records the run."""
-    cell = _cell(mode)
+    cell, half = _cell(mode), _HALF.get(x.dtype)
     xa = _array(x)
+    hx = None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0)
     y, hn, ctx = functional.forward(
-        cell, _params(weights, num_layers, bidirectional), xa, _hidden_arrays(cell, h0, c0),
+        cell, _params(weights, num_layers, bidirectional, stats_slot), xa, hx,
         None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
-        bidirectional=bidirectional, batch_first=False, algo=algo, half=_half(x))
+        bidirectional=bidirectional, batch_first=False, algo=algo, half=half)
     hn, cn = hn if cell.has_cell_state else (hn, None)
-    _record_forward(stats_slot, stats_part, ctx.stats, _half(x) or str(x.dtype)[6:])
+    _record_forward(stats_slot, stats_part, ctx.stats, half or str(x.dtype)[6:])
     return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
             _result(cn, x.dtype), ctx)
 
@@ -239,12 +304,13 @@ def _recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor
     cell = _cell(mode)
     with library_stream(dy):
         xa = _array(x)
-        params = _params(weights, num_layers, bidirectional)
+        params = _params(weights, num_layers, bidirectional, stats_slot)
         ctx = functional.restore_context(
-            cell, params, xa, _hidden_arrays(cell, h0, c0),
+            cell, params, xa, None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
             num_layers=num_layers, bidirectional=bidirectional, algo=algo, half=_half(x))
-        dx, dh0, grads = functional.backward(ctx, _array(dy), _hidden_arrays(cell, dhn, dcn))
+        dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
+        dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
         dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
         outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
                    _empty_like_none(x) if dc0 is None else _result(dc0, x.dtype),

@@ -83,7 +83,9 @@ def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: i
     if torch.compiler.is_compiling():  # traced once per graph, guarded by the compiler
         return _decide(algo, cell, x, hidden, proj_size, batch)
     device = x.device
-    low = autocast_dtype(device.type)
+    # (outside every autocast, as usual, no device type is read: reading it and asking per
+    # device costs more than the rest of this function)
+    low = autocast_dtype(device.type) if torch._C._is_any_autocast_enabled() else None
     key = (algo, cell.name, x.dtype, device, low, hidden, proj_size)  # (a name hashes fast)
     if x.is_cuda:
         key += (torch.cuda.is_current_stream_capturing(),)
