@@ -14,8 +14,10 @@ demo: $(STAMP)
 	$(PY) -m persistent_rnn.demo --out out
 	$(PY) -m persistent_rnn.cli bench --quick --out out/bench
 
+# Two workers, each test file on one of them (module fixtures, e.g. the kernel records, are built
+# once): the suite is builds, emulated launches and subprocesses that leave a core idle alone.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 venv: $(STAMP)
 
