@@ -187,6 +187,11 @@ inline unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
   return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
 }
 inline void prnn_fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
+  unsigned expected = 0u;
+  __atomic_compare_exchange_n(p, &expected, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return expected;
+}
 inline float prnn_load_cg(const float* p) {
   float v;
   __atomic_load(p, &v, __ATOMIC_RELAXED);

@@ -61,6 +61,12 @@ PRNN_DEVICE unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
   return old;
 }
 PRNN_DEVICE void prnn_fence() { __threadfence(); }
+// Stores v at p if p holds 0 (compare-and-swap, relaxed); returns what p held before.
+PRNN_DEVICE unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(0u), "r"(v) : "memory");
+  return old;
+}
 // Relaxed (strong, GPU scope) accesses: they bypass the incoherent L1 and are single-copy atomic,
 // but order nothing else, so they emit neither a fence (MEMBAR) nor an L1 invalidate (CCTL).
 PRNN_DEVICE unsigned prnn_load_relaxed(const unsigned* p) {
@@ -260,6 +266,12 @@ enum PrnnAbort : unsigned {
   kPrnnNotResident = 2u,  // ... while some CTA had not started: the grid is not co-resident
 };
 
+// Records why the launch is aborted: the first reason stays (a compare-and-swap from 0). A later
+// writer must not overwrite it: a CTA that found the grid not co-resident exits, a waiting CTA
+// starts on its SM, and a wait that passes its deadline after that sees every CTA started - its
+// "timed out" would hide the residency problem and no cooldown would start (issue 27).
+PRNN_DEVICE void prnn_abort(PrnnControl* ctl, PrnnAbort why) { prnn_atomic_set_if_zero(&ctl->abort, why); }
+
 // Counts this CTA as started (thread 0; once, at launch start), so that a wait that times out can
 // tell a grid that is not co-resident from a CTA that stalled.
 PRNN_DEVICE void prnn_note_started(PrnnControl* ctl) {
@@ -297,7 +309,7 @@ PRNN_DEVICE bool prnn_grid_barrier(PrnnControl* ctl, int step, unsigned round,
     const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
     while (prnn_load_acquire(&ctl->arrivals) < target) {
       if (prnn_load_acquire(&ctl->abort) != 0u || prnn_globaltimer_ns() > deadline) {
-        prnn_store_release(&ctl->abort, 1u);
+        prnn_abort(ctl, kPrnnTimedOut);  // no-op where another CTA aborted first
         failed = 1;
         break;
       }
@@ -385,7 +397,8 @@ struct PrnnWait {
 // Called after a poll that found words missing: true to poll again, false once another CTA
 // aborted or the deadline has passed (then the abort word is set: kPrnnNotResident if some CTA of
 // the grid has not started yet - the CTAs waited for cannot run until these exit - else
-// kPrnnTimedOut). Kernels that use it call prnn_note_started first.
+// kPrnnTimedOut; the first reason recorded stays, prnn_abort). Kernels that use it call
+// prnn_note_started first.
 template <class Policy>
 PRNN_DEVICE bool prnn_keep_polling(PrnnControl* ctl, PrnnWait& wait, unsigned long long timeout_ns) {
   if (++wait.polls <= (unsigned)Policy::free_polls) return true;
@@ -396,7 +409,7 @@ PRNN_DEVICE bool prnn_keep_polling(PrnnControl* ctl, PrnnWait& wait, unsigned lo
   }
   if (now > wait.deadline) {
     const bool all_started = prnn_load_relaxed(&ctl->arrivals) >= gridDim.x;
-    prnn_store_relaxed(&ctl->abort, all_started ? kPrnnTimedOut : kPrnnNotResident);
+    prnn_abort(ctl, all_started ? kPrnnTimedOut : kPrnnNotResident);
     return false;
   }
   prnn_backoff();

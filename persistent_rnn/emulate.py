@@ -125,23 +125,25 @@ def _marshal(args: tuple) -> tuple[list, ctypes.Array]:
     return keep, argv
 
 
-def get_module(source: str, defines: Mapping[str, int]) -> EmulatedModule:
-    """The host build of ``cuda_src/<source>`` with ``-D`` ``defines`` (built once, cached)."""
-    return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())))
+def get_module(source: str, defines: Mapping[str, int],
+               src_dir: Path | None = None) -> EmulatedModule:
+    """The host build of ``cuda_src/<source>`` with ``-D`` ``defines`` (built once, cached).
+    ``src_dir``: another copy of cuda_src (the sabotage tests build altered kernels from one)."""
+    return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())),
+                   Path(src_dir or cuda_src_dir()))
 
 
 @lru_cache(maxsize=None)
-def _module(source: str, defines: tuple) -> EmulatedModule:
+def _module(source: str, defines: tuple, src_dir: Path) -> EmulatedModule:
     with _BUILD_LOCK:
-        library, kernels = _build(source, dict(defines))
+        library, kernels = _build(source, dict(defines), src_dir)
     return EmulatedModule(library, kernels)
 
 
-def _build(source: str, defines: dict[str, int]) -> tuple[Path, list[str]]:
-    """The verified cached library of ``source`` with ``defines`` (built if missing or bad) and
-    its kernel names."""
+def _build(source: str, defines: dict[str, int], src_dir: Path) -> tuple[Path, list[str]]:
+    """The verified cached library of ``src_dir/source`` with ``defines`` (built if missing or
+    bad) and its kernel names."""
     compiler = host_compiler()
-    src_dir = cuda_src_dir()
     options = [*CXX_FLAGS, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
                          .encode()).hexdigest()[:24]
