@@ -229,15 +229,8 @@ PRNN_DEVICE void prnn_load_shared_relaxed_u32x2(PrnnSharedWord p, unsigned& a, u
 // prnn_copy16_to_shared copies 16 bytes through L2 only, like ld.cg (both addresses 16-byte
 // aligned); prnn_copy4_to_shared copies 4 bytes and may use L1, so only for data no CTA writes
 // during the launch. The copies a thread issued are complete after prnn_copy_wait (visible to the
-// block after a block sync). The host versions are plain copies through prnn_load_cg, so
-// emulation.h need not provide them.
-#ifdef PRNN_EMULATION
-PRNN_DEVICE void prnn_copy16_to_shared(float* dst, const float* src) {
-  for (int i = 0; i < 4; ++i) dst[i] = prnn_load_cg(src + i);
-}
-PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) { *dst = prnn_load_cg(src); }
-PRNN_DEVICE void prnn_copy_wait() {}
-#else
+// block after a block sync).
+#ifndef PRNN_EMULATION  // emulation.h has its own (at once, or at the wait: late copies)
 PRNN_DEVICE void prnn_copy16_to_shared(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
                "l"(__cvta_generic_to_global(src)) : "memory");
@@ -278,6 +271,20 @@ PRNN_DEVICE void prnn_note_started(PrnnControl* ctl) {
   if (threadIdx.x == 0) prnn_atomic_add_release(&ctl->arrivals, 1u);
 }
 
+// Counts this CTA as started (as prnn_note_started) and returns how many CTAs started before it:
+// its place in the order the GPU started the grid's CTAs, which CUDA does not promise to be
+// blockIdx.x's. A kernel whose CTAs wait only for CTAs that started before them (the stack's
+// layers: stack_common.cuh) uses it as its CTA index, so that where the grid is not co-resident no
+// CTA holds an SM while waiting for one that cannot start. Every thread calls it; `scratch` is a
+// word of shared memory no thread uses until the caller's next block barrier.
+PRNN_DEVICE int prnn_start_order(PrnnControl* ctl, unsigned* scratch) {
+  if (threadIdx.x == 0) *scratch = prnn_atomic_add_release(&ctl->arrivals, 1u);
+  prnn_sync_block();
+  const int order = (int)*scratch;
+  prnn_sync_block();  // every thread has read it before the caller reuses the word
+  return order;
+}
+
 // A stall injected by prnn.inject_stall: CTA `block` waits `ns` before publishing step `step`.
 struct PrnnStall {
   int block;
@@ -286,8 +293,9 @@ struct PrnnStall {
 };
 
 // Every thread of the stalled CTA waits (no block barrier needed to hold back its publishing).
-PRNN_DEVICE void prnn_maybe_stall(const PrnnStall& stall, int step) {
-  if (stall.ns != 0ull && (int)blockIdx.x == stall.block && step == stall.step) {
+// `block`: the CTA's index as the host numbers it (blockIdx.x, or a stack's layout index).
+PRNN_DEVICE void prnn_maybe_stall(const PrnnStall& stall, int step, int block = blockIdx.x) {
+  if (stall.ns != 0ull && block == stall.block && step == stall.step) {
     const unsigned long long until = prnn_globaltimer_ns() + stall.ns;
     while (prnn_globaltimer_ns() < until) prnn_backoff();
   }
