@@ -76,6 +76,7 @@ struct Fiber {
   unsigned wait_val = 0;
   int shuffles = 0;  // parity selects the shuffle slot buffer
   bool done = false;
+  bool polling = false;  // switched out in a poll's pause (holding it back holds back no work)
 };
 
 // One CTA: its fibers, barriers, shuffle slots and shared memory.
@@ -86,6 +87,8 @@ struct Block {
   Gate block_gate;
   Gate* warp_gates = nullptr;
   int or_pending = 0, or_result = 0;  // prnn_sync_block_or
+  bool polled = false, worked = false;  // in this scheduler round: a fiber paused polling / did
+                                        // something else (the virtual clock's miss, below)
   float* shuffle_slots = nullptr;     // [2][blockDim.x]
   unsigned char* shared = nullptr;
   unsigned shared_bytes = 0;
@@ -143,11 +146,13 @@ inline bool past_watchdog() {
 // ---- the virtual clock -----------------------------------------------------------------------
 // Deadlines must not depend on the host's load: a CTA descheduled by a busy machine is slow, not
 // stuck. So the timer stands still (but for 1 ns per read, so that it never stays) while CTAs
-// make progress, and advances kIdleQuantumNs each time every resident CTA has polled in vain
-// since the last advance (a "round" of misses): that is, only while no CTA can make progress
-// without time passing - a CTA that will never come, or a stall. A CTA's miss stops counting
-// once it does anything else (a store, a barrier, a copy): a CTA that the host left asleep after
-// its miss cannot complete a round until it has polled again.
+// make progress, and advances kIdleQuantumNs each time every resident CTA has missed since the
+// last advance (a "round" of misses): that is, only while no CTA can make progress without time
+// passing - a CTA that will never come, or a stall. A CTA misses when a round of its scheduler
+// ran fibers that only polled in vain (the others blocked at barriers, none held back: a lagging
+// warp still has work); its miss stops counting once it does anything else (a store, a barrier,
+// a copy): a CTA that the host left asleep after its miss cannot complete a round until it has
+// missed again.
 constexpr unsigned long long kIdleQuantumNs = 1000000;
 constexpr unsigned long long kNoMiss = ~0ull;
 inline std::atomic<unsigned long long> virtual_ns{1};
@@ -175,6 +180,7 @@ inline thread_local unsigned long long missed_in = kNoMiss;  // the round of thi
 
 // Called by every primitive that is not part of a poll: the CTA is making progress.
 inline void working() {
+  if (block != nullptr) block->worked = true;
   if (missed_in == kNoMiss) return;
   if (missed_in == round_no.load(std::memory_order_relaxed)) {
     const Hold hold(clock_lock);
@@ -183,7 +189,8 @@ inline void working() {
   missed_in = kNoMiss;
 }
 
-// A poll found nothing: counts the CTA in this round; the CTA that completes it moves the clock.
+// A scheduler round of the CTA only polled in vain: counts the CTA in this round of misses; the
+// CTA that completes the round moves the clock.
 inline void note_miss() {
   const Hold hold(clock_lock);
   if (missed_in != round_no.load(std::memory_order_relaxed)) {
@@ -197,12 +204,21 @@ inline void note_miss() {
   missed = 0;
 }
 
+// kJumpyTimer: forward jumps of up to kMaxJumpNs, at most kJumpsPerLaunch per launch (the
+// clock is global: unbounded jumps would add up to any timeout in a long launch, where a GPU's
+// preemptions are rare).
+constexpr unsigned kMaxJumpNs = 5000000;
+constexpr int kJumpsPerLaunch = 16;
+inline std::atomic<int> jumps_left{0};
+
 inline unsigned long long timer_ns() {
   if (past_watchdog()) return steady_ns() + (1ull << 62);
   if (on(kRealTime)) return steady_ns();
   unsigned long long t = virtual_ns.fetch_add(1, std::memory_order_relaxed);
-  if (on(kJumpyTimer)) {
-    if (random_below(64) == 0) t = virtual_ns.fetch_add(random_below(5000000), std::memory_order_relaxed);
+  if (on(kJumpyTimer)) {  // a jump, while the launch has some left, at 1 read in 64
+    if (random_below(64) == 0 && jumps_left.fetch_sub(1, std::memory_order_relaxed) > 0) {
+      t = virtual_ns.fetch_add(random_below(kMaxJumpNs), std::memory_order_relaxed);
+    }
     t -= t % 1000;
   }
   return t;
@@ -282,14 +298,17 @@ inline void maybe_stall_cta() {
   nanosleep(&pause, nullptr);
 }
 
-// A polling thread's pause: counts its miss (the virtual clock), lands due stores, lets the
-// block's other fibers run, then sleeps briefly so that spinning CTAs do not burn
+// A polling thread's pause: marks the scheduler round as polled (the virtual clock), lands due
+// stores, lets the block's other fibers run, then sleeps briefly so that spinning CTAs do not burn
 // the few cores of a CI machine.
 inline void pause_polling() {
-  note_miss();
+  block->polled = true;
   drain();
   maybe_stall_cta();
+  Fiber& f = block->fibers[block->current];
+  f.polling = true;
   switch_out();
+  f.polling = false;
   const timespec pause{0, 20000};
   nanosleep(&pause, nullptr);
 }

@@ -166,8 +166,9 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
   }
   // Round robin over the runnable fibers until all have exited.
   for (int alive = threads, round = 0; alive > 0; ++round) {
-    bool ran = false;
+    bool ran = false, held = false;
     alive = 0;
+    state.polled = state.worked = false;
     visiting_order(order);
     for (int t : order) {
       Fiber& f = fibers[t];
@@ -177,6 +178,7 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
       const bool lagging = lag > 0 && t / kWarp == lagging_warp;
       if (lagging && round % lag != 0) {
         ran = true;  // runnable, held back this round: not a deadlock
+        held |= !f.polling;  // nor a round of polls only, if it has work
         continue;
       }
       f.wait_gen = nullptr;
@@ -185,6 +187,7 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
       swapcontext(&state.scheduler, &f.context);
       ran = true;
     }
+    if (state.polled && !state.worked && !held) note_miss();
     if (alive > 0 && !ran) {  // every live thread waits on a barrier nobody else can reach
       fail(kDeadlock, "block %d: %d threads wait at a barrier that can never complete", b, alive);
       break;
@@ -301,6 +304,7 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   }
   live_ctas.store((int)workers.size());
   missed = 0;  // the workers are new threads: none has missed yet
+  jumps_left.store(kJumpsPerLaunch);
   go.store(true);
   for (auto& w : workers) w.join();
   cluster_shared = nullptr;
