@@ -141,8 +141,18 @@ def test_a_stack_runs_whatever_order_its_ctas_start_in(settings, seed):
     _check_stack_in_any_order(settings, seed)
 
 
+@pytest.fixture
+def fresh_stack_engines():
+    """The stack runtime's engines (persistent_rnn.stack caches its own) built afresh."""
+    from persistent_rnn import stack
+    stack._cached_engine.cache_clear()
+    yield
+    stack._cached_engine.cache_clear()
+
+
 def test_a_stack_whose_layers_follow_block_indices_needs_the_order(settings, tmp_path,
-                                                                   monkeypatch, fresh_plans):
+                                                                   monkeypatch, fresh_plans,
+                                                                   fresh_stack_engines):
     src = sabotaged(tmp_path, "stack_forward.cu",
                     "const int order = prnn_start_order(ctl, prnn_shared_memory<unsigned>());",
                     "prnn_note_started(ctl);\n  const int order = blockIdx.x;")
