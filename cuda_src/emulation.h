@@ -146,8 +146,9 @@ inline bool past_watchdog() {
 // ---- the virtual clock -----------------------------------------------------------------------
 // Deadlines must not depend on the host's load: a CTA descheduled by a busy machine is slow, not
 // stuck. So the timer stands still (but for 1 ns per read, so that it never stays) while CTAs
-// make progress, and advances kIdleQuantumNs each time every resident CTA has missed since the
-// last advance (a "round" of misses): that is, only while no CTA can make progress without time
+// make progress, and advances 1-10 kIdleQuantumNs (the host time since the last advance,
+// bounded) each time every resident CTA has missed since the last advance (a "round" of
+// misses): that is, only while no CTA can make progress without time
 // passing - a CTA that will never come, or a stall. A CTA misses when a round of its scheduler
 // ran fibers that only polled in vain (the others blocked at barriers, none held back: a lagging
 // warp still has work); its miss stops counting once it does anything else (a store, a barrier,
@@ -176,6 +177,7 @@ struct Hold {
 inline SpinLock clock_lock;
 inline std::atomic<unsigned long long> round_no{0ull};  // rounds of misses completed
 inline int missed = 0;                      // CTAs whose miss counts in this round (clock_lock)
+inline unsigned long long last_round_ns = 0ull;  // host time the last round completed (clock_lock)
 inline thread_local unsigned long long missed_in = kNoMiss;  // the round of this CTA's miss
 
 // Called by every primitive that is not part of a poll: the CTA is making progress.
@@ -199,7 +201,13 @@ inline void note_miss() {
   }
   // (checked on every miss: the round also completes when CTAs that had not missed exit)
   if (missed < live_ctas.load(std::memory_order_relaxed)) return;
-  virtual_ns.fetch_add(kIdleQuantumNs, std::memory_order_relaxed);
+  // At least a quantum, at most ten: about wall-time speed while everything waits (a CTA's
+  // scheduler round of polls takes milliseconds), never much from a CTA's slow work before its
+  // miss.
+  const unsigned long long now = steady_ns(), idle = now - last_round_ns;
+  last_round_ns = now;
+  virtual_ns.fetch_add(idle < kIdleQuantumNs ? kIdleQuantumNs : idle > 10 * kIdleQuantumNs ? 10 * kIdleQuantumNs : idle,
+                       std::memory_order_relaxed);
   round_no.fetch_add(1, std::memory_order_relaxed);
   missed = 0;
 }

@@ -304,6 +304,7 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   }
   live_ctas.store((int)workers.size());
   missed = 0;  // the workers are new threads: none has missed yet
+  last_round_ns = steady_ns();
   jumps_left.store(kJumpsPerLaunch);
   go.store(true);
   for (auto& w : workers) w.join();
