@@ -11,20 +11,25 @@
 // What is modelled: thread and block identity, per-block dynamic shared memory (filled with NaN,
 // with an overrun check), block barriers (also with an OR-reduction; exited threads count as
 // arrived, as on sm_70+), warp shuffles, acquire/release atomics across CTAs, the global timer
-// (steady clock, in ns) and CTAs that are not co-resident. What is not: the GPU's weaker memory
-// model (L1 incoherence, unordered plain stores), warp-synchronous execution and divergence,
-// timing, and performance.
+// (a virtual clock that runs only while every resident CTA waits, or the steady clock) and CTAs
+// that are not co-resident. Seeded modes (Mode) make the machine weaker than the GPU in one
+// respect each: CTA start order, schedules, cp.async completion, store visibility, the timer's
+// grain. What is not modelled: L1 incoherence and unordered plain stores, warp-synchronous
+// execution and divergence, timing, and performance.
 #pragma once
 #include <math.h>
+#include <sched.h>
 #include <time.h>
 #include <ucontext.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #define PRNN_HD inline
 #define PRNN_DEVICE inline
@@ -57,12 +62,21 @@ struct Gate {
   int live = 0;
 };
 
+// A cp.async issued and not yet waited for (kLateCopies).
+struct Copy {
+  float* dst;
+  const float* src;
+  int n;
+};
+
 struct Fiber {
   ucontext_t context;
+  std::vector<Copy> copies;  // kLateCopies: issued, completed at this fiber's prnn_copy_wait
   const unsigned* wait_gen = nullptr;  // blocked while *wait_gen == wait_val
   unsigned wait_val = 0;
   int shuffles = 0;  // parity selects the shuffle slot buffer
   bool done = false;
+  bool polling = false;  // switched out in a poll's pause (holding it back holds back no work)
 };
 
 // One CTA: its fibers, barriers, shuffle slots and shared memory.
@@ -73,6 +87,8 @@ struct Block {
   Gate block_gate;
   Gate* warp_gates = nullptr;
   int or_pending = 0, or_result = 0;  // prnn_sync_block_or
+  bool polled = false, worked = false;  // in this scheduler round: a fiber paused polling / did
+                                        // something else (the virtual clock's miss, below)
   float* shuffle_slots = nullptr;     // [2][blockDim.x]
   unsigned char* shared = nullptr;
   unsigned shared_bytes = 0;
@@ -81,6 +97,34 @@ struct Block {
 inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
 inline thread_local Block* block = nullptr;
 
+// ---- seeded modes: a machine weaker than the GPU, one respect at a time --------------------------
+// emulate.py's MODES names these bits in this order; prnn_emu_set_modes sets them per launch.
+enum Mode : unsigned {
+  kShuffle = 1u << 0,      // CTAs start in a random order (CUDA promises none)
+  kRealTime = 1u << 1,     // the timer is host wall time instead of the virtual clock
+  kJumpyTimer = 1u << 2,   // the timer in 1 us steps with random forward jumps (preemption)
+  kSchedule = 1u << 3,     // random fiber order, a random lagging warp, switches at shared-memory
+                           // accesses, random mid-step CTA stalls
+  kLateCopies = 1u << 4,   // cp.async completes only at its wait; its destination reads NaN before
+  kDelayed = 1u << 5,      // relaxed and cluster stores become visible after a random delay; a
+                           // reader yields between the words of a quad
+};
+inline unsigned modes = 0u;
+inline unsigned long long mode_seed = 0ull;  // this launch's (emulate.py draws one per launch)
+inline bool on(unsigned m) { return (modes & m) != 0u; }
+
+// The CTA's random numbers (splitmix64), seeded from the launch's seed and the block.
+inline thread_local unsigned long long random_state = 0ull;
+inline unsigned long long mix(unsigned long long x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+inline unsigned random_below(unsigned n) {
+  random_state = mix(random_state);
+  return (unsigned)(random_state % n);
+}
 // Set by the launcher once a launch has run past its watchdog: the timer then jumps far ahead, so
 // every deadline passes and every polling loop ends.
 inline unsigned long long watchdog_ns = ~0ull;
@@ -92,10 +136,189 @@ inline unsigned long long steady_ns() {
       .count();
 }
 
+// Whether the launch has run past its watchdog (host wall time, whatever the timer's mode).
+inline bool past_watchdog() {
+  if (steady_ns() <= __atomic_load_n(&watchdog_ns, __ATOMIC_RELAXED)) return false;
+  __atomic_store_n(&watchdog_fired, true, __ATOMIC_RELAXED);
+  return true;
+}
+
+// ---- the virtual clock -----------------------------------------------------------------------
+// Deadlines must not depend on the host's load: a CTA descheduled by a busy machine is slow, not
+// stuck. So the timer stands still (but for 1 ns per read, so that it never stays) while CTAs
+// make progress, and advances 1-10 kIdleQuantumNs (the host time since the last advance,
+// bounded) each time every resident CTA has missed since the last advance (a "round" of
+// misses): that is, only while no CTA can make progress without time
+// passing - a CTA that will never come, or a stall. A CTA misses when a round of its scheduler
+// ran fibers that only polled in vain (the others blocked at barriers, none held back: a lagging
+// warp still has work); its miss stops counting once it does anything else (a store, a barrier,
+// a copy): a CTA that the host left asleep after its miss cannot complete a round until it has
+// missed again.
+constexpr unsigned long long kIdleQuantumNs = 1000000;
+constexpr unsigned long long kNoMiss = ~0ull;
+inline std::atomic<unsigned long long> virtual_ns{1};
+inline std::atomic<int> live_ctas{0};  // resident workers (set by the launcher)
+// A lock held for a few instructions that yields the core while it waits: with far more CTA
+// threads than cores a holder is often descheduled, and spinning would burn whole time slices.
+// (Not std::mutex: <mutex> declares an extern "C" function, which emulate.py would take for a
+// kernel.)
+struct SpinLock {
+  std::atomic_flag flag = ATOMIC_FLAG_INIT;
+  void lock() {
+    while (flag.test_and_set(std::memory_order_acquire)) sched_yield();
+  }
+  void unlock() { flag.clear(std::memory_order_release); }
+};
+struct Hold {
+  SpinLock& lock;
+  explicit Hold(SpinLock& l) : lock(l) { lock.lock(); }
+  ~Hold() { lock.unlock(); }
+};
+inline SpinLock clock_lock;
+inline std::atomic<unsigned long long> round_no{0ull};  // rounds of misses completed
+inline int missed = 0;                      // CTAs whose miss counts in this round (clock_lock)
+inline unsigned long long last_round_ns = 0ull;  // host time the last round completed (clock_lock)
+inline thread_local unsigned long long missed_in = kNoMiss;  // the round of this CTA's miss
+
+// Called by every primitive that is not part of a poll: the CTA is making progress.
+inline void working() {
+  if (block != nullptr) block->worked = true;
+  if (missed_in == kNoMiss) return;
+  if (missed_in == round_no.load(std::memory_order_relaxed)) {
+    const Hold hold(clock_lock);
+    if (missed_in == round_no.load(std::memory_order_relaxed)) --missed;
+  }
+  missed_in = kNoMiss;
+}
+
+// A scheduler round of the CTA only polled in vain: counts the CTA in this round of misses; the
+// CTA that completes the round moves the clock.
+inline void note_miss() {
+  const Hold hold(clock_lock);
+  if (missed_in != round_no.load(std::memory_order_relaxed)) {
+    missed_in = round_no.load(std::memory_order_relaxed);
+    ++missed;
+  }
+  // (checked on every miss: the round also completes when CTAs that had not missed exit)
+  if (missed < live_ctas.load(std::memory_order_relaxed)) return;
+  // At least a quantum, at most ten: about wall-time speed while everything waits (a CTA's
+  // scheduler round of polls takes milliseconds), never much from a CTA's slow work before its
+  // miss.
+  const unsigned long long now = steady_ns(), idle = now - last_round_ns;
+  last_round_ns = now;
+  virtual_ns.fetch_add(idle < kIdleQuantumNs ? kIdleQuantumNs : idle > 10 * kIdleQuantumNs ? 10 * kIdleQuantumNs : idle,
+                       std::memory_order_relaxed);
+  round_no.fetch_add(1, std::memory_order_relaxed);
+  missed = 0;
+}
+
+// kJumpyTimer: forward jumps of up to kMaxJumpNs, at most kJumpsPerLaunch per launch (the
+// clock is global: unbounded jumps would add up to any timeout in a long launch, where a GPU's
+// preemptions are rare).
+constexpr unsigned kMaxJumpNs = 5000000;
+constexpr int kJumpsPerLaunch = 16;
+inline std::atomic<int> jumps_left{0};
+
+inline unsigned long long timer_ns() {
+  if (past_watchdog()) return steady_ns() + (1ull << 62);
+  if (on(kRealTime)) return steady_ns();
+  unsigned long long t = virtual_ns.fetch_add(1, std::memory_order_relaxed);
+  if (on(kJumpyTimer)) {  // a jump, while the launch has some left, at 1 read in 64
+    if (random_below(64) == 0 && jumps_left.fetch_sub(1, std::memory_order_relaxed) > 0) {
+      t = virtual_ns.fetch_add(random_below(kMaxJumpNs), std::memory_order_relaxed);
+    }
+    t -= t % 1000;
+  }
+  return t;
+}
+
 // Gives the CTA's OS thread to the next runnable fiber; returns when this fiber runs again.
 inline void switch_out() {
   Block* b = block;
   swapcontext(&b->fibers[b->current].context, &b->scheduler);
+}
+
+// ---- delayed visibility (kDelayed) ------------------------------------------------------------
+// A CTA's relaxed and cluster stores wait in its queue and land after a random number of the CTA's
+// ticks (its polls, pauses and barriers), a later store to the same address never before an
+// earlier one; release operations, fences, the cluster barrier and the CTA's exit drain it first.
+struct Pending {
+  unsigned* addr;
+  unsigned value;
+  unsigned due;
+  int cta;  // the cluster CTA whose shared memory holds addr; -1: global memory
+};
+inline thread_local std::vector<Pending> pending;
+inline thread_local unsigned tick = 0u;
+
+// Clusters: each block's shared memory by block index (set by the launcher before the blocks
+// run; kept until the launch ends), which blocks have exited, and one arrival counter per cluster
+// for the cluster barrier (one launch at a time).
+inline unsigned char** cluster_shared = nullptr;
+inline std::atomic<bool>* cluster_exited = nullptr;
+inline unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
+inline int cluster_size = 1;
+// Set to the launcher's error reporter (a store into the shared memory of a CTA that exited).
+inline void (*late_store)(int from, int to) = nullptr;
+
+inline void land(const Pending& s) {
+  if (s.cta >= 0 && cluster_exited[s.cta].load(std::memory_order_acquire)) {
+    late_store((int)block_idx.x, s.cta);
+    return;
+  }
+  __atomic_store_n(s.addr, s.value, __ATOMIC_RELAXED);
+}
+
+// A relaxed store at once, or into the queue (kDelayed).
+inline void store_relaxed(unsigned* p, unsigned v, int cta = -1) {
+  working();
+  const Pending s{p, v, 0u, cta};
+  if (!on(kDelayed)) return land(s);
+  unsigned due = tick + 1u + random_below(64);
+  for (const Pending& q : pending) {
+    if (q.addr == p && q.due > due) due = q.due;  // per-address order
+  }
+  pending.push_back({p, v, due, cta});
+}
+
+// Lands the stores that are due (all: every one), in the order they were made.
+inline void drain(bool all = false) {
+  ++tick;
+  if (pending.empty()) return;
+  std::size_t kept = 0;
+  for (const Pending& s : pending) {
+    if (all || s.due <= tick) land(s);
+    else pending[kept++] = s;
+  }
+  pending.resize(kept);
+}
+
+// ---- random schedules (kSchedule) -------------------------------------------------------------
+// Sometimes gives the OS thread to another fiber at a shared-memory access.
+inline void maybe_switch() {
+  if (on(kSchedule) && random_below(16) == 0) switch_out();
+}
+// Sometimes holds the whole CTA for up to 2 ms (an SM busy with another kernel's warps): the CTA
+// is working, so under the virtual clock its partners wait without timing out.
+inline void maybe_stall_cta() {
+  if (!on(kSchedule) || random_below(4096) != 0) return;
+  const timespec pause{0, (long)random_below(2000000)};
+  nanosleep(&pause, nullptr);
+}
+
+// A polling thread's pause: marks the scheduler round as polled (the virtual clock), lands due
+// stores, lets the block's other fibers run, then sleeps briefly so that spinning CTAs do not burn
+// the few cores of a CI machine.
+inline void pause_polling() {
+  block->polled = true;
+  drain();
+  maybe_stall_cta();
+  Fiber& f = block->fibers[block->current];
+  f.polling = true;
+  switch_out();
+  f.polling = false;
+  const timespec pause{0, 20000};
+  nanosleep(&pause, nullptr);
 }
 
 inline void release(Gate& g) {
@@ -104,6 +327,9 @@ inline void release(Gate& g) {
 }
 
 inline void wait_at(Gate& g) {
+  working();
+  drain();
+  maybe_stall_cta();
   if (++g.arrived >= g.live) {  // the last arrival releases the others and runs on
     if (&g == &block->block_gate) {
       block->or_result = block->or_pending;
@@ -118,24 +344,17 @@ inline void wait_at(Gate& g) {
   switch_out();
 }
 
-// Clusters: each block's shared memory by block index (set by the launcher before the blocks
-// run), and one arrival counter per cluster for the cluster barrier (one launch at a time).
-inline unsigned char** cluster_shared = nullptr;
-inline unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
-inline int cluster_size = 1;
-
-// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive, then wait (with
-// back-off, so that the CTA's OS thread stays responsive) until every CTA of the cluster has
-// arrived as often. Clusters run whole, so this cannot wait for a CTA that never runs.
+// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive (release: the
+// CTA's queued stores land first), then wait (pausing as a poll does) until every CTA of the
+// cluster has arrived as often. Clusters run whole, but a CTA may exit without arriving: the wait
+// ends at the watchdog, which the launcher reports.
 inline void cluster_barrier() {
+  drain(true);
   unsigned* counter = &cluster_counters[block_idx.x / cluster_size];
   const unsigned target = (__atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL) + cluster_size - 1) /
                           cluster_size * cluster_size;
-  while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target) {
-    switch_out();
-    const timespec pause{0, 20000};
-    nanosleep(&pause, nullptr);
-  }
+  while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target && !past_watchdog()) pause_polling();
+  working();
 }
 
 }  // namespace prnn_emu
@@ -180,13 +399,29 @@ inline int prnn_sync_warp_or(int pred) {
   return any != 0.0f;
 }
 
-// CTAs are OS threads: memory shared between CTAs goes through __atomic builtins.
+// CTAs are OS threads: memory shared between CTAs goes through __atomic builtins. A release (and
+// a fence) lands the CTA's queued stores first (kDelayed).
 inline unsigned prnn_load_acquire(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-inline void prnn_store_release(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void prnn_store_release(unsigned* p, unsigned v) {
+  prnn_emu::working();
+  prnn_emu::drain(true);
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
 inline unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
+  prnn_emu::working();
+  prnn_emu::drain(true);
   return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
 }
-inline void prnn_fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void prnn_fence() {
+  prnn_emu::drain(true);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+inline unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
+  prnn_emu::working();
+  unsigned expected = 0u;
+  __atomic_compare_exchange_n(p, &expected, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return expected;
+}
 inline float prnn_load_cg(const float* p) {
   float v;
   __atomic_load(p, &v, __ATOMIC_RELAXED);
@@ -195,10 +430,19 @@ inline float prnn_load_cg(const float* p) {
 // The tagged exchange's words: relaxed 4-byte atomics, single-copy atomic like the GPU's
 // ld/st.relaxed.gpu (the 16-byte load is four such loads, as PTX defines a vector access).
 inline unsigned prnn_load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-inline void prnn_store_relaxed(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-inline void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
-  for (int i = 0; i < 4; ++i) w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
+inline void prnn_store_relaxed(unsigned* p, unsigned v) { prnn_emu::store_relaxed(p, v); }
+namespace prnn_emu {
+// n relaxed words, as PTX defines a vector access: one access per element, which kDelayed
+// separates by a fiber switch (the other fibers' stores may land in between).
+inline void load_words(const unsigned* p, unsigned* w, int n) {
+  drain();
+  for (int i = 0; i < n; ++i) {
+    if (i > 0 && on(kDelayed)) switch_out();
+    w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
+  }
 }
+}  // namespace prnn_emu
+inline void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) { prnn_emu::load_words(p, w, 4); }
 // Thread-block clusters (kernels built with -DPRNN_CLUSTER=n): the launcher runs a cluster's
 // CTAs at once and publishes each one's shared memory in cluster_shared[] before any fiber runs.
 #ifdef PRNN_CLUSTER
@@ -208,21 +452,28 @@ inline void prnn_cluster_sync() {
   if (threadIdx.x == 0) prnn_emu::cluster_barrier();
   prnn_sync_block();
 }
+// A store into a CTA that has exited is an error (its shared memory may already be another CTA's).
 inline void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
   const std::ptrdiff_t offset = reinterpret_cast<unsigned char*>(local) - prnn_emu::block->shared;
-  unsigned char* base = prnn_emu::cluster_shared[blockIdx.x / PRNN_CLUSTER * PRNN_CLUSTER + cta];
-  __atomic_store_n(reinterpret_cast<unsigned*>(base + offset), v, __ATOMIC_RELAXED);
+  const int target = blockIdx.x / PRNN_CLUSTER * PRNN_CLUSTER + cta;
+  unsigned char* base = prnn_emu::cluster_shared[target];
+  prnn_emu::store_relaxed(reinterpret_cast<unsigned*>(base + offset), v, target);
 }
 inline void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
-  for (int i = 0; i < 4; ++i) w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
+  prnn_emu::load_words(p, w, 4);
 }
 using PrnnSharedWord = const unsigned*;
 inline PrnnSharedWord prnn_shared_word(const unsigned* p) { return p; }
 inline PrnnSharedWord prnn_shared_at(PrnnSharedWord base, int words) { return base + words; }
-inline unsigned prnn_load_shared_relaxed_u32(PrnnSharedWord p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline unsigned prnn_load_shared_relaxed_u32(PrnnSharedWord p) {
+  prnn_emu::drain();
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
 inline void prnn_load_shared_relaxed_u32x2(PrnnSharedWord p, unsigned& a, unsigned& b) {
-  a = __atomic_load_n(p, __ATOMIC_RELAXED);
-  b = __atomic_load_n(p + 1, __ATOMIC_RELAXED);
+  unsigned w[2];
+  prnn_emu::load_words(p, w, 2);
+  a = w[0];
+  b = w[1];
 }
 #endif
 
@@ -237,22 +488,9 @@ inline float prnn_bits_float(unsigned u) {
   return v;
 }
 
-inline unsigned long long prnn_globaltimer_ns() {
-  const unsigned long long now = prnn_emu::steady_ns();
-  if (now > __atomic_load_n(&prnn_emu::watchdog_ns, __ATOMIC_RELAXED)) {
-    __atomic_store_n(&prnn_emu::watchdog_fired, true, __ATOMIC_RELAXED);
-    return now + (1ull << 62);
-  }
-  return now;
-}
+inline unsigned long long prnn_globaltimer_ns() { return prnn_emu::timer_ns(); }
 
-// Polling back-off: lets the block's other fibers run, then sleeps briefly so that spinning CTAs
-// do not burn the few cores of a CI machine.
-inline void prnn_backoff() {
-  prnn_emu::switch_out();
-  const timespec pause{0, 20000};
-  nanosleep(&pause, nullptr);
-}
+inline void prnn_backoff() { prnn_emu::pause_polling(); }
 
 // A sleep before polling: lets the block's other fibers run (their work is what the GPU's sleep
 // waits out), without the OS-level pause of prnn_backoff.
@@ -301,6 +539,7 @@ inline float prnn_round_bf16(float v) {
 inline float prnn_reciprocal(float y) { return 1.0f / y; }
 inline float prnn_exp_approx(float x) { return expf(x); }
 inline void prnn_load_shared_pair(const float* p, float& a, float& b) {
+  prnn_emu::maybe_switch();
   a = p[0];
   b = p[1];
 }
@@ -310,9 +549,35 @@ inline void prnn_emu_check_quad(const float* p) {
 }
 inline void prnn_load_shared_quad(const float* p, float (&v)[4]) {
   prnn_emu_check_quad(p);
+  prnn_emu::maybe_switch();
   for (int i = 0; i < 4; ++i) v[i] = p[i];
 }
 inline void prnn_store_shared_quad(float* p, const float (&v)[4]) {
   prnn_emu_check_quad(p);
+  prnn_emu::working();
+  prnn_emu::maybe_switch();
   for (int i = 0; i < 4; ++i) p[i] = v[i];
+}
+
+// cp.async (hw.cuh): the copies land at once, or (kLateCopies) only at the issuing thread's
+// prnn_copy_wait, their destination NaN until then, so that a read before wait-plus-barrier shows.
+namespace prnn_emu {
+inline void copy_async(float* dst, const float* src, int n) {
+  working();
+  if (!on(kLateCopies)) {
+    for (int i = 0; i < n; ++i) dst[i] = prnn_load_cg(src + i);
+    return;
+  }
+  for (int i = 0; i < n; ++i) dst[i] = NAN;
+  block->fibers[block->current].copies.push_back({dst, src, n});
+}
+}  // namespace prnn_emu
+inline void prnn_copy16_to_shared(float* dst, const float* src) { prnn_emu::copy_async(dst, src, 4); }
+inline void prnn_copy4_to_shared(float* dst, const float* src) { prnn_emu::copy_async(dst, src, 1); }
+inline void prnn_copy_wait() {
+  std::vector<prnn_emu::Copy>& copies = prnn_emu::block->fibers[prnn_emu::block->current].copies;
+  for (const prnn_emu::Copy& c : copies) {
+    for (int i = 0; i < c.n; ++i) c.dst[i] = prnn_load_cg(c.src + i);
+  }
+  copies.clear();
 }

@@ -12,12 +12,15 @@
 #pragma once
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <numeric>
 #include <system_error>
 #include <thread>
 #include <type_traits>
@@ -51,7 +54,7 @@ constexpr std::size_t kCanaryBytes = 64;         // after shared memory, checked
 constexpr unsigned char kCanary = 0xA5;
 
 enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4, kBadCluster = 5,
-             kNoThreads = 6 };
+             kNoThreads = 6, kLateClusterStore = 7 };
 
 inline std::mutex error_lock;
 inline int error_code = kOk;
@@ -62,6 +65,11 @@ inline void fail(int code, const char* fmt, int a, int b) {
   if (error_code != kOk) return;  // keep the first error
   error_code = code;
   std::snprintf(error_text, sizeof error_text, fmt, a, b);
+}
+
+inline void report_late_store(int from, int to) {
+  fail(kLateClusterStore, "block %d stored into the shared memory of block %d of its cluster after "
+       "that block exited (a CTA must not exit while the cluster can still store into it)", from, to);
 }
 
 template <class T>
@@ -99,23 +107,45 @@ inline void fiber_main() {
   Block* b = block;
   Fiber& f = b->fibers[b->current];
   f.done = true;
+  f.copies.clear();  // issued and never waited for: nobody may read them
   for (Gate* g : {&b->block_gate, &b->warp_gates[b->current / kWarp]}) {
     if (--g->live <= g->arrived && g->arrived > 0) release(*g);
   }
   setcontext(&b->scheduler);
 }
 
-// Runs block `b` of the launch as `threads` fibers on the calling OS thread.
-inline void run_block(int b, int threads, int shared_bytes, unsigned char* stacks) {
+// The order the scheduler visits a block's fibers in this round: 0, 1, ... or (kSchedule) a
+// random permutation.
+inline void visiting_order(std::vector<int>& order) {
+  std::iota(order.begin(), order.end(), 0);
+  if (!on(kSchedule)) return;
+  for (int i = (int)order.size() - 1; i > 0; --i) std::swap(order[i], order[random_below(i + 1)]);
+}
+
+// Runs block `b` of the launch as `threads` fibers on the calling OS thread, in `shared` (the
+// launcher's, for a cluster) or its own shared memory.
+inline void run_block(int b, int threads, int shared_bytes, unsigned char* stacks,
+                      std::vector<unsigned char>* cluster_buffer) {
+  random_state = mix(mode_seed ^ mix((unsigned long long)b));
   const int warps = (threads + kWarp - 1) / kWarp;
   std::vector<Fiber> fibers(threads);
   std::vector<Gate> warp_gates(warps);
   for (int w = 0; w < warps; ++w) warp_gates[w].live = w + 1 < warps ? kWarp : threads - w * kWarp;
   std::vector<float> slots(2 * threads);
   // NaN-filled, so that reading shared memory nobody wrote shows in the results.
-  std::vector<unsigned char> shared(shared_bytes + kCanaryBytes, 0xFF);
+  std::vector<unsigned char> own;
+  std::vector<unsigned char>& shared = cluster_buffer != nullptr ? *cluster_buffer : own;
+  shared.assign(shared_bytes + kCanaryBytes, 0xFF);
   std::memset(shared.data() + shared_bytes, kCanary, kCanaryBytes);
   if (cluster_shared != nullptr) __atomic_store_n(&cluster_shared[b], shared.data(), __ATOMIC_RELEASE);
+  // The warp held back (PRNN_EMU_LAGGING_WARP: the last, every n-th round; kSchedule: a random
+  // one, every 2nd to 8th round).
+  int lagging_warp = warps - 1, lag = PRNN_EMU_LAGGING_WARP;
+  if (on(kSchedule)) {
+    lagging_warp = (int)random_below(warps);
+    lag = 2 + (int)random_below(7);
+  }
+  std::vector<int> order(threads);
   Block state;
   state.fibers = fibers.data();
   state.block_gate.live = threads;
@@ -136,16 +166,19 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
   }
   // Round robin over the runnable fibers until all have exited.
   for (int alive = threads, round = 0; alive > 0; ++round) {
-    bool ran = false;
+    bool ran = false, held = false;
     alive = 0;
-    for (int t = 0; t < threads; ++t) {
+    state.polled = state.worked = false;
+    visiting_order(order);
+    for (int t : order) {
       Fiber& f = fibers[t];
       if (f.done) continue;
       ++alive;
       if (f.wait_gen != nullptr && *f.wait_gen == f.wait_val) continue;
-      const bool lagging = PRNN_EMU_LAGGING_WARP > 0 && t / kWarp == warps - 1;
-      if (lagging && round % PRNN_EMU_LAGGING_WARP != 0) {
+      const bool lagging = lag > 0 && t / kWarp == lagging_warp;
+      if (lagging && round % lag != 0) {
         ran = true;  // runnable, held back this round: not a deadlock
+        held |= !f.polling;  // nor a round of polls only, if it has work
         continue;
       }
       f.wait_gen = nullptr;
@@ -154,11 +187,15 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
       swapcontext(&state.scheduler, &f.context);
       ran = true;
     }
+    if (state.polled && !state.worked && !held) note_miss();
     if (alive > 0 && !ran) {  // every live thread waits on a barrier nobody else can reach
       fail(kDeadlock, "block %d: %d threads wait at a barrier that can never complete", b, alive);
       break;
     }
   }
+  drain(true);  // a kernel's stores are visible once it has exited
+  working();
+  if (cluster_exited != nullptr) cluster_exited[b].store(true, std::memory_order_release);
   for (int i = 0; i < (int)kCanaryBytes; ++i) {
     if (shared[shared_bytes + i] != kCanary) {
       fail(kSharedOverrun, "block %d wrote past its %d bytes of dynamic shared memory", b,
@@ -169,8 +206,9 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
   block = nullptr;
 }
 
-// The whole grid: `resident` OS threads take blocks in index order, each starting its next
-// block only when the previous one exited, as on a GPU too busy to hold the whole grid.
+// The whole grid: `resident` OS threads take blocks in index order (kShuffle: a random order),
+// each starting its next block only when the previous one exited, as on a GPU too busy to hold
+// the whole grid.
 inline int launch(void (*run)(void*, void**), void* kernel, int grid, int threads,
                   int shared_bytes, int max_resident, void** args, double watchdog_s) {
   {
@@ -178,6 +216,13 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     error_code = kOk;
     error_text[0] = '\0';
   }
+  std::vector<int> order(grid);
+  std::iota(order.begin(), order.end(), 0);
+  if (on(kShuffle)) {
+    random_state = mix(mode_seed);
+    for (int i = grid - 1; i > 0; --i) std::swap(order[i], order[random_below(i + 1)]);
+  }
+  late_store = report_late_store;
   watchdog_fired = false;
   watchdog_ns = steady_ns() + (unsigned long long)(watchdog_s * 1e9);
   int resident = max_resident > 0 && max_resident < grid ? max_resident : grid;
@@ -194,10 +239,19 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     fail(kBadCluster, "clusters run only with the whole grid resident (grid %d, resident %d)", grid, resident);
     return error_code;
   }
+  // Every block's shared memory lives until the launch ends, so that a store into a block that
+  // has exited is found (cluster_exited) instead of corrupting the heap.
   std::vector<unsigned char*> shared_of(grid, nullptr);
+  std::vector<std::vector<unsigned char>> buffers(grid);
+  std::unique_ptr<std::atomic<bool>[]> exited(new std::atomic<bool>[grid]);
+  for (int i = 0; i < grid; ++i) exited[i].store(false);
   std::vector<unsigned> counters(grid / PRNN_CLUSTER, 0u);
   cluster_shared = shared_of.data();
+  cluster_exited = exited.get();
   cluster_counters = counters.data();
+  std::vector<std::vector<unsigned char>>* cluster_buffers = &buffers;
+#else
+  std::vector<std::vector<unsigned char>>* cluster_buffers = nullptr;
 #endif
   std::atomic<int> next{0};
   std::atomic<bool> go{false};
@@ -209,6 +263,7 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     if (mem == MAP_FAILED) {
       fail(kNoMemory, "cannot map stacks for %d threads (%d KiB each)", threads,
            (int)(kStackBytes / 1024));
+      live_ctas.fetch_sub(1);
       return;
     }
     auto* stacks = static_cast<unsigned char*>(mem);
@@ -216,7 +271,11 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     block_dim.x = threads;
     grid_dim.x = grid;
     entry = Entry{run, kernel, args};
-    for (int b; (b = next.fetch_add(1)) < grid;) run_block(b, threads, shared_bytes, stacks);
+    for (int i; (i = next.fetch_add(1)) < grid;) {
+      const int b = order[i];
+      run_block(b, threads, shared_bytes, stacks, cluster_buffers ? &(*cluster_buffers)[b] : nullptr);
+    }
+    live_ctas.fetch_sub(1);  // no block left for this worker
     munmap(mem, bytes);
   };
   // Every worker exists before any block runs: a grid that could start only in part would leave
@@ -243,9 +302,14 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     }
     if (error_code == kNoThreads) break;
   }
+  live_ctas.store((int)workers.size());
+  missed = 0;  // the workers are new threads: none has missed yet
+  last_round_ns = steady_ns();
+  jumps_left.store(kJumpsPerLaunch);
   go.store(true);
   for (auto& w : workers) w.join();
   cluster_shared = nullptr;
+  cluster_exited = nullptr;
   cluster_counters = nullptr;
   watchdog_ns = ~0ull;
   if (watchdog_fired) fail(kWatchdog, "the launch ran past its %d s watchdog (grid %d); its barrier waits were ended", (int)watchdog_s, grid);
@@ -268,6 +332,13 @@ int launch_kernel(void (*kernel)(A...), int grid, int threads, int shared_bytes,
 }  // namespace prnn_emu
 
 extern "C" const char* prnn_emu_error() { return prnn_emu::error_text; }
+
+// The modes of the launches that follow (emulation.h's Mode bits; emulate.py's MODES) and the
+// seed of their random choices (emulate.py sets both before every launch: a seed per launch).
+extern "C" void prnn_emu_set_modes(unsigned modes, unsigned long long seed) {
+  prnn_emu::modes = modes;
+  prnn_emu::mode_seed = seed;
+}
 
 #define PRNN_EMU_ENTRY(name)                                                                      \
   extern "C" int prnn_emu_launch_##name(int grid, int block, int shared_bytes, int max_resident, \

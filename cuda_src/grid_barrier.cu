@@ -5,6 +5,7 @@
 //   exchange_rounds      the tagged exchange the persistent kernels use (prnn_gather_tagged)
 //   cluster_exchange_rounds  the same within one thread-block cluster (-DPRNN_CLUSTER, sm_90)
 //   exchange_word_round_trip  the tagged word format alone (a value in, the value read back out)
+//   abort_reasons        every CTA times out in turn: the abort word keeps the first reason
 #include "hw.cuh"
 
 PRNN_KERNEL void grid_barrier_rounds(PrnnControl* ctl, int rounds, unsigned long long timeout_ns,
@@ -87,6 +88,19 @@ PRNN_KERNEL void exchange_word_round_trip(const float* in, float* out, unsigned*
     const unsigned w = prnn_tagged(in[i], 1u + (unsigned)i % 3u);
     out[i] = prnn_value_of(w);
     tag[i] = prnn_tag_of(w);
+  }
+}
+
+// Thread 0 of every CTA waits for a word that never arrives (prnn_keep_polling), CTA b's
+// deadline at (b + 1) * timeout_ns and the abort word read only every 2^30th poll, so that each
+// CTA passes its own deadline and records its reason in turn. On a grid that is not co-resident
+// the first CTA finds CTAs not started (kPrnnNotResident) and exits; a waiting CTA then starts,
+// and the later deadlines find every CTA started: they must not overwrite the first reason.
+PRNN_KERNEL void abort_reasons(PrnnControl* ctl, unsigned long long timeout_ns) {
+  prnn_note_started(ctl);
+  if (threadIdx.x != 0) return;
+  PrnnWait wait{0u, 0ull};
+  while (prnn_keep_polling<PrnnWaitPolicy<0, (1 << 30)>>(ctl, wait, (blockIdx.x + 1ull) * timeout_ns)) {
   }
 }
 

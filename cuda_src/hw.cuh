@@ -61,6 +61,12 @@ PRNN_DEVICE unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
   return old;
 }
 PRNN_DEVICE void prnn_fence() { __threadfence(); }
+// Stores v at p if p holds 0 (compare-and-swap, relaxed); returns what p held before.
+PRNN_DEVICE unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(0u), "r"(v) : "memory");
+  return old;
+}
 // Relaxed (strong, GPU scope) accesses: they bypass the incoherent L1 and are single-copy atomic,
 // but order nothing else, so they emit neither a fence (MEMBAR) nor an L1 invalidate (CCTL).
 PRNN_DEVICE unsigned prnn_load_relaxed(const unsigned* p) {
@@ -223,15 +229,8 @@ PRNN_DEVICE void prnn_load_shared_relaxed_u32x2(PrnnSharedWord p, unsigned& a, u
 // prnn_copy16_to_shared copies 16 bytes through L2 only, like ld.cg (both addresses 16-byte
 // aligned); prnn_copy4_to_shared copies 4 bytes and may use L1, so only for data no CTA writes
 // during the launch. The copies a thread issued are complete after prnn_copy_wait (visible to the
-// block after a block sync). The host versions are plain copies through prnn_load_cg, so
-// emulation.h need not provide them.
-#ifdef PRNN_EMULATION
-PRNN_DEVICE void prnn_copy16_to_shared(float* dst, const float* src) {
-  for (int i = 0; i < 4; ++i) dst[i] = prnn_load_cg(src + i);
-}
-PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) { *dst = prnn_load_cg(src); }
-PRNN_DEVICE void prnn_copy_wait() {}
-#else
+// block after a block sync).
+#ifndef PRNN_EMULATION  // emulation.h has its own (at once, or at the wait: late copies)
 PRNN_DEVICE void prnn_copy16_to_shared(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
                "l"(__cvta_generic_to_global(src)) : "memory");
@@ -260,10 +259,30 @@ enum PrnnAbort : unsigned {
   kPrnnNotResident = 2u,  // ... while some CTA had not started: the grid is not co-resident
 };
 
+// Records why the launch is aborted: the first reason stays (a compare-and-swap from 0). A later
+// writer must not overwrite it: a CTA that found the grid not co-resident exits, a waiting CTA
+// starts on its SM, and a wait that passes its deadline after that sees every CTA started - its
+// "timed out" would hide the residency problem and no cooldown would start (issue 27).
+PRNN_DEVICE void prnn_abort(PrnnControl* ctl, PrnnAbort why) { prnn_atomic_set_if_zero(&ctl->abort, why); }
+
 // Counts this CTA as started (thread 0; once, at launch start), so that a wait that times out can
 // tell a grid that is not co-resident from a CTA that stalled.
 PRNN_DEVICE void prnn_note_started(PrnnControl* ctl) {
   if (threadIdx.x == 0) prnn_atomic_add_release(&ctl->arrivals, 1u);
+}
+
+// Counts this CTA as started (as prnn_note_started) and returns how many CTAs started before it:
+// its place in the order the GPU started the grid's CTAs, which CUDA does not promise to be
+// blockIdx.x's. A kernel whose CTAs wait only for CTAs that started before them (the stack's
+// layers: stack_common.cuh) uses it as its CTA index, so that where the grid is not co-resident no
+// CTA holds an SM while waiting for one that cannot start. Every thread calls it; `scratch` is a
+// word of shared memory no thread uses until the caller's next block barrier.
+PRNN_DEVICE int prnn_start_order(PrnnControl* ctl, unsigned* scratch) {
+  if (threadIdx.x == 0) *scratch = prnn_atomic_add_release(&ctl->arrivals, 1u);
+  prnn_sync_block();
+  const int order = (int)*scratch;
+  prnn_sync_block();  // every thread has read it before the caller reuses the word
+  return order;
 }
 
 // A stall injected by prnn.inject_stall: CTA `block` waits `ns` before publishing step `step`.
@@ -274,8 +293,9 @@ struct PrnnStall {
 };
 
 // Every thread of the stalled CTA waits (no block barrier needed to hold back its publishing).
-PRNN_DEVICE void prnn_maybe_stall(const PrnnStall& stall, int step) {
-  if (stall.ns != 0ull && (int)blockIdx.x == stall.block && step == stall.step) {
+// `block`: the CTA's index as the host numbers it (blockIdx.x, or a stack's layout index).
+PRNN_DEVICE void prnn_maybe_stall(const PrnnStall& stall, int step, int block = blockIdx.x) {
+  if (stall.ns != 0ull && block == stall.block && step == stall.step) {
     const unsigned long long until = prnn_globaltimer_ns() + stall.ns;
     while (prnn_globaltimer_ns() < until) prnn_backoff();
   }
@@ -297,7 +317,7 @@ PRNN_DEVICE bool prnn_grid_barrier(PrnnControl* ctl, int step, unsigned round,
     const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
     while (prnn_load_acquire(&ctl->arrivals) < target) {
       if (prnn_load_acquire(&ctl->abort) != 0u || prnn_globaltimer_ns() > deadline) {
-        prnn_store_release(&ctl->abort, 1u);
+        prnn_abort(ctl, kPrnnTimedOut);  // no-op where another CTA aborted first
         failed = 1;
         break;
       }
@@ -385,7 +405,8 @@ struct PrnnWait {
 // Called after a poll that found words missing: true to poll again, false once another CTA
 // aborted or the deadline has passed (then the abort word is set: kPrnnNotResident if some CTA of
 // the grid has not started yet - the CTAs waited for cannot run until these exit - else
-// kPrnnTimedOut). Kernels that use it call prnn_note_started first.
+// kPrnnTimedOut; the first reason recorded stays, prnn_abort). Kernels that use it call
+// prnn_note_started first.
 template <class Policy>
 PRNN_DEVICE bool prnn_keep_polling(PrnnControl* ctl, PrnnWait& wait, unsigned long long timeout_ns) {
   if (++wait.polls <= (unsigned)Policy::free_polls) return true;
@@ -396,7 +417,7 @@ PRNN_DEVICE bool prnn_keep_polling(PrnnControl* ctl, PrnnWait& wait, unsigned lo
   }
   if (now > wait.deadline) {
     const bool all_started = prnn_load_relaxed(&ctl->arrivals) >= gridDim.x;
-    prnn_store_relaxed(&ctl->abort, all_started ? kPrnnTimedOut : kPrnnNotResident);
+    prnn_abort(ctl, all_started ? kPrnnTimedOut : kPrnnNotResident);
     return false;
   }
   prnn_backoff();

@@ -44,10 +44,12 @@ PRNN_KERNEL void prnn_stack_backward(
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
-  prnn_note_started(ctl);
+  // The CTAs that started first take the layers that wait for no other (stack_common.cuh).
+  const int order = prnn_start_order(ctl, prnn_shared_memory<unsigned>());
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int per_layer = stack_ctas_per_layer(hidden), layers = gridDim.x / per_layer;
-  const int layer = blockIdx.x / per_layer, j0 = (blockIdx.x % per_layer) * kUnits;
+  const int layer = layers - 1 - order / per_layer, cta = stack_cta(layer, order, per_layer);
+  const int j0 = (order % per_layer) * kUnits;
   const int gh_len = G * hidden, start = starts[layer];
   const bool top = !chained || layer + 1 == layers;  // dy given, nothing from above
   const float* dy_l = dy + (chained ? 0 : layer) * (size_t)steps * batch * hidden;
@@ -70,7 +72,7 @@ PRNN_KERNEL void prnn_stack_backward(
   const StackExchange xgh = begin_stack_exchange(exchange_gh, steps, batch, gh_len);
   const StackExchange xgi = xgh.with_words(exchange_gi);
   if (start < 0) {  // this layer finished in an earlier launch
-    if (threadIdx.x == 0) ctl->progress[blockIdx.x] = 0;
+    if (threadIdx.x == 0) ctl->progress[cta] = 0;
     return;
   }
 
@@ -144,7 +146,7 @@ PRNN_KERNEL void prnn_stack_backward(
     }
     if (t > 0) prefetch_inputs(t - 1);  // its buffer was last read by step t+1's pointwise
     multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
-    prnn_maybe_stall(stall, t);
+    prnn_maybe_stall(stall, t, cta);
     const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
@@ -176,5 +178,5 @@ PRNN_KERNEL void prnn_stack_backward(
     prnn_copy_wait();  // step t-1's inputs
     --t;
   }
-  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  if (threadIdx.x == 0) ctl->progress[cta] = t;
 }

@@ -50,6 +50,18 @@ constexpr int kStackGatherQuads = PRNN_STACK_GATHER_QUADS;
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }
 
+// Which CTA runs which layer: not blockIdx.x, which says nothing about when a CTA starts, but the
+// order CTAs started in (prnn_start_order): the first per_layer CTAs take the layer that waits
+// for no other layer (the forward's first, the backward's top), the next per_layer the layer
+// after it, and so on. A CTA then only ever waits for CTAs of its own layer and for CTAs that
+// started before it, so the stack needs only each layer's CTAs resident together, whatever order
+// the GPU starts CTAs in: where the grid does not fit at once, CTAs of finished layers exit and
+// make room for later ones. The host sees CTA `cta` (progress[], a stall's block) as layer-major,
+// layer * per_layer + the CTA's place in its layer.
+PRNN_DEVICE int stack_cta(int layer, int order, int per_layer) {
+  return layer * per_layer + order % per_layer;
+}
+
 // The tagged words of every (layer, step) of a stack pass: k_len values per batch row, in rows of
 // kHalf words (a half of the staged vector: word k of row b lands at v_s[b * kPadded + half + k]);
 // the writer of a row's last value also publishes zeros up to the end of its quad, so that readers

@@ -37,10 +37,12 @@ PRNN_KERNEL void prnn_stack_forward(
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
-  prnn_note_started(ctl);
+  // The CTAs that started first take the layers that wait for no other (stack_common.cuh).
+  const int order = prnn_start_order(ctl, prnn_shared_memory<unsigned>());
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int per_layer = stack_ctas_per_layer(hidden);
-  const int layer = blockIdx.x / per_layer, j0 = (blockIdx.x % per_layer) * kUnits;
+  const int layer = order / per_layer, cta = stack_cta(layer, order, per_layer);
+  const int j0 = (order % per_layer) * kUnits;
   const int gh_len = G * hidden, start = starts[layer];
   const bool own_gi = layer == 0 || !chained;  // the input projection was the GEMM before
   const size_t rows_l = (size_t)steps * batch;  // (T, B) rows of one layer's arrays
@@ -60,7 +62,7 @@ PRNN_KERNEL void prnn_stack_forward(
   int* len_s = reinterpret_cast<int*>(bias_s + 2 * G * kUnits);  // [batch]: lengths
   const StackExchange xch = begin_stack_exchange(exchange, steps, batch, hidden);
   if (start >= steps) {  // this layer finished in an earlier launch
-    if (threadIdx.x == 0) ctl->progress[blockIdx.x] = steps - 1;
+    if (threadIdx.x == 0) ctl->progress[cta] = steps - 1;
     return;
   }
 
@@ -132,7 +134,7 @@ PRNN_KERNEL void prnn_stack_forward(
     }
     if (own_gi && t + 1 < steps) prefetch_gi(t + 1);  // its buffer was last read at step t-1
     multiply_batch(tile, v_s, part_s, batch, R);  // ends with a block barrier
-    prnn_maybe_stall(stall, t);
+    prnn_maybe_stall(stall, t, cta);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
@@ -160,5 +162,5 @@ PRNN_KERNEL void prnn_stack_forward(
     prnn_copy_wait();  // gi_{t+1} (own_gi)
     ++t;
   }
-  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  if (threadIdx.x == 0) ctl->progress[cta] = t;
 }

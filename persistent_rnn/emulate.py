@@ -13,6 +13,7 @@ digest matches the one recorded when it was built.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -22,7 +23,7 @@ import subprocess
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -30,6 +31,20 @@ from . import cache
 from ._sources import cuda_src_dir
 
 CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-pthread", "-w", "-DPRNN_EMULATION")
+
+# The seeded modes that make the emulated machine weaker than the GPU in one respect each (bit i
+# of emulation.h's Mode is MODES[i]; docs/emulation.md "Weaker than the hardware"):
+MODES = (
+    "shuffle",      # CTAs start in a random order (CUDA promises none)
+    "realtime",     # %globaltimer is host wall time (default: a virtual clock that stands still
+                    # while any resident CTA works, so a busy host never turns a run into restarts)
+    "jumpy_timer",  # the timer in 1 us steps with random forward jumps (preemption)
+    "schedule",     # random fiber order, a random lagging warp, fiber switches at shared-memory
+                    # accesses, random mid-step CTA stalls
+    "late_copies",  # cp.async completes only at its wait, its destination NaN until then
+    "delayed",      # relaxed and cluster stores land after a random delay (per address in
+                    # order); a reader yields between the words of a quad
+)
 
 # Kernel launches share the process-wide blockDim/gridDim of emulation.h: one at a time.
 _LAUNCH_LOCK = threading.Lock()
@@ -42,6 +57,45 @@ _SCALARS = {
 # The letters of emulation_launch.h's prnn_emu_signature_<kernel>(), one per kernel parameter.
 _CODES = {np.int32: "i", np.uint32: "I", np.int64: "q", np.uint64: "Q", np.float32: "f",
           np.float64: "d"}
+
+
+_active_modes: tuple[frozenset, int] | None = None  # set inside a modes() block
+_launches = 0  # emulated launches since the innermost modes() block began (or the process)
+
+
+def _parse_modes(names: str) -> frozenset:
+    chosen = frozenset(n.strip() for n in names.split(",") if n.strip())
+    unknown = chosen - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown emulation mode(s) {sorted(unknown)}; the modes are {MODES}")
+    return chosen
+
+
+def active_modes() -> tuple[frozenset, int]:
+    """The modes and seed of the next emulated launch: those of the innermost ``modes()`` block,
+    else ``$PRNN_EMU_MODES`` (comma-separated names) and ``$PRNN_EMU_SEED``."""
+    if _active_modes is not None:
+        return _active_modes
+    return (_parse_modes(os.environ.get("PRNN_EMU_MODES", "")),
+            int(os.environ.get("PRNN_EMU_SEED", "0")))
+
+
+@contextlib.contextmanager
+def modes(*names: str, seed: int = 0) -> Iterator[None]:
+    """Emulated launches inside run under the named ``MODES`` with random choices drawn from
+    ``seed`` (``modes()``: none, whatever the environment says)."""
+    global _active_modes, _launches
+    chosen = _parse_modes(",".join(names))
+    saved = _active_modes, _launches
+    _active_modes, _launches = (chosen, seed), 0
+    try:
+        yield
+    finally:
+        _active_modes, _launches = saved
+
+
+def _mode_bits(chosen: frozenset) -> int:
+    return sum(1 << i for i, name in enumerate(MODES) if name in chosen)
 
 
 class EmulationError(RuntimeError):
@@ -82,7 +136,15 @@ class EmulatedModule:
         entry = getattr(self._lib, "prnn_emu_launch_" + kernel)
         entry.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p]
         entry.restype = ctypes.c_int
+        global _launches
+        chosen, seed = active_modes()
         with _LAUNCH_LOCK:
+            # Each launch draws its own numbers (a restart does not replay its launch's choices),
+            # the same ones whenever the block of launches is replayed from its seed.
+            _launches += 1
+            launch_seed = hash((seed, _launches)) & (2**64 - 1)
+            self._lib.prnn_emu_set_modes(ctypes.c_uint(_mode_bits(chosen)),
+                                         ctypes.c_ulonglong(launch_seed))
             failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
             message = self._lib.prnn_emu_error().decode() if failed else ""
         del keep
@@ -125,23 +187,25 @@ def _marshal(args: tuple) -> tuple[list, ctypes.Array]:
     return keep, argv
 
 
-def get_module(source: str, defines: Mapping[str, int]) -> EmulatedModule:
-    """The host build of ``cuda_src/<source>`` with ``-D`` ``defines`` (built once, cached)."""
-    return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())))
+def get_module(source: str, defines: Mapping[str, int],
+               src_dir: Path | None = None) -> EmulatedModule:
+    """The host build of ``cuda_src/<source>`` with ``-D`` ``defines`` (built once, cached).
+    ``src_dir``: another copy of cuda_src (the sabotage tests build altered kernels from one)."""
+    return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())),
+                   Path(src_dir or cuda_src_dir()))
 
 
 @lru_cache(maxsize=None)
-def _module(source: str, defines: tuple) -> EmulatedModule:
+def _module(source: str, defines: tuple, src_dir: Path) -> EmulatedModule:
     with _BUILD_LOCK:
-        library, kernels = _build(source, dict(defines))
+        library, kernels = _build(source, dict(defines), src_dir)
     return EmulatedModule(library, kernels)
 
 
-def _build(source: str, defines: dict[str, int]) -> tuple[Path, list[str]]:
-    """The verified cached library of ``source`` with ``defines`` (built if missing or bad) and
-    its kernel names."""
+def _build(source: str, defines: dict[str, int], src_dir: Path) -> tuple[Path, list[str]]:
+    """The verified cached library of ``src_dir/source`` with ``defines`` (built if missing or
+    bad) and its kernel names."""
     compiler = host_compiler()
-    src_dir = cuda_src_dir()
     options = [*CXX_FLAGS, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
                          .encode()).hexdigest()[:24]

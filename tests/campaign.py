@@ -4,7 +4,8 @@ Each case is drawn from one integer seed (``draw_case``) and checked by ``run_ca
 
 * ``layer``: a ``persistent_rnn`` layer (``algo`` "persistent" on the CPU emulation, over one
   thread-block cluster or the grid, with a CTA stalled at a random block and step or CTAs
-  held back by ``emulation_max_resident``; "gemm"; "auto") in float32, float16 or bfloat16,
+  held back by ``emulation_max_resident``, and the emulation's weaker-machine modes drawn too:
+  ``CASE_MODES``, docs/emulation.md; "gemm"; "auto") in float32, float16 or bfloat16,
   multi-layer, bidirectional, batch-first, with lengths and h0/c0, forward and backward,
   against float64 (``check_layer``, the measures of docs/api.md "Accuracy"); a stalled run must
   equal an undisturbed one bit for bit, and ``last_run`` must say what ran.
@@ -39,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 import persistent_rnn as prnn
-from persistent_rnn import buffers, functional, hardware, plan as planner, runtime
+from persistent_rnn import buffers, emulate, functional, hardware, plan as planner, runtime
 from persistent_rnn.buffers import active_steps
 from persistent_rnn.cells import cell_spec, layer_args
 
@@ -56,6 +57,10 @@ MODULE_F64 = 1e-9  # torch modules against torch.nn, both float64
 # emulated grid (up to STALL_MAX_GRID host threads on a shared machine) never times out by itself.
 STALL_TIMEOUT_MS, STALL_MS, STALL_MAX_GRID = 1000, 2500, 16
 RESIDENT_TIMEOUT_MS = 200
+# The emulation modes a persistent case may run under (emulate.MODES but "realtime": the campaign
+# wants deadlines that do not depend on the machine's load), each drawn with this probability.
+CASE_MODES = ("shuffle", "jumpy_timer", "schedule", "late_copies", "delayed")
+MODE_P = 0.35
 
 
 class CampaignFailure(AssertionError):
@@ -87,6 +92,7 @@ class Case:
     max_resident: int | None = None
     stack: bool = True                     # the `stack` setting: stack mode where the plan fits
     bad: str = ""                          # name in BAD_INPUTS
+    modes: tuple[str, ...] = ()            # emulation modes (emulate.modes), seeded by `seed`
     kind_given: bool = True                # drawn for a named kind (else the kind was drawn too)
 
     def command(self) -> str:
@@ -110,6 +116,10 @@ def _hidden(rng: np.random.Generator, profile: str) -> int:
 def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
     """The case of ``seed`` (``kind`` None: drawn too). Draw a new option after the others, so
     that the seeds of the CI slice keep their cases."""
+    return _with_modes(_draw_options(seed, profile, kind))
+
+
+def _draw_options(seed: int, profile: str, kind: str | None) -> Case:
     rng = np.random.default_rng(seed)
     kind_given = kind is not None
     kind = kind or str(rng.choice(KINDS, p=[0.55, 0.2, 0.25]))
@@ -154,6 +164,15 @@ def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
                                    num_layers=1, bidirectional=False, stack=False)
     # Drawn from a generator of its own, so that the other fields of the CI seeds stay as they were.
     return dataclasses.replace(case, stack=bool(np.random.default_rng([seed, 18]).random() < 0.5))
+
+
+def _with_modes(case: Case) -> Case:
+    """A persistent case with its emulation modes, from a generator of its own (the other fields
+    of the CI seeds stay as they were)."""
+    if case.kind != "layer" or case.algo != "persistent":
+        return case
+    rng = np.random.default_rng([case.seed, 27])
+    return dataclasses.replace(case, modes=tuple(m for m in CASE_MODES if rng.random() < MODE_P))
 
 
 def emulated_profile(path: str) -> hardware.DeviceProfile:
@@ -204,6 +223,7 @@ def features(case: Case) -> set[str]:
         got |= {"stall"} if case.stall else set()
         got |= {"held back"} if _held_back(case) else set()
         got |= {"stack"} if _stacked(case) else set()
+        got |= set(case.modes)
     flags = {"multi-layer": case.num_layers > 1, "bidirectional": case.bidirectional,
              "batch_first": case.batch_first, "no bias": not case.bias,
              "lengths": case.lengths, "hx": case.hx}
@@ -212,7 +232,8 @@ def features(case: Case) -> set[str]:
 
 LAYER_FEATURES = set(CELLS) | {"float32", "float16", "bfloat16", "persistent", "gemm", "auto",
                                "cluster", "grid", "stall", "held back", "stack", "multi-layer",
-                               "bidirectional", "batch_first", "no bias", "lengths", "hx"}
+                               "bidirectional", "batch_first", "no bias", "lengths", "hx",
+                               *CASE_MODES}
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -413,7 +434,8 @@ def run_layer_case(case: Case) -> dict[str, float]:
     data = _data(case, np.random.default_rng(case.seed + 1))
     ours = _layer(case, case.dtype, case.algo)
     ref = _layer(case, "float64", "gemm", {k: v.astype(np.float64) for k, v in ours.params.items()})
-    with emulated_device(case.path), prnn.override_settings(**_settings(case)):
+    with emulated_device(case.path), prnn.override_settings(**_settings(case)), \
+            emulate.modes(*case.modes, seed=case.seed):
         plain = None
         if case.stall is not None:
             plain, _, _, _ = _run_layer(ours, data)
@@ -695,7 +717,8 @@ def _brief(case: Case) -> str:
     if case.kind == "bad":
         return f"{case.cell} {case.bad!r}"
     extra = (f" stall {case.stall}" if case.stall else "") + (
-        f" resident {case.max_resident}" if case.max_resident else "")
+        f" resident {case.max_resident}" if case.max_resident else "") + (
+        f" modes {','.join(case.modes)}" if case.modes else "")
     path = "/" + case.path if case.algo == "persistent" else ""
     return (f"{case.cell} {case.dtype} {case.algo}{path}"
             f" H{case.hidden} B{case.batch} T{case.steps} L{case.num_layers}"

@@ -11,6 +11,7 @@ import persistent_rnn as prnn
 from persistent_rnn import emulate, runtime
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import CELLS
+from sabotage import sabotaged
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -98,6 +99,32 @@ def test_tagged_exchange_times_out_when_ctas_are_not_co_resident():
     # The abort word says why: a wait timed out while CTAs 2 and 3 had not started (2), where a
     # stalled CTA of a resident grid gives 1 (above).
     assert abort == 2 and started == 4 and errors == 0 and progress.min() < 4
+
+
+def _abort_reason(src_dir=None) -> tuple[int, int]:
+    """abort_reasons on 4 CTAs of which 3 fit (deadlines 50, 100, 150, 200 ms after each starts):
+    the CTAs that started and the recorded abort word."""
+    module = emulate.get_module("grid_barrier.cu", {}, src_dir)
+    ctl = np.zeros(2 + 4, np.uint32)
+    module.launch("abort_reasons", 4, 32, 0, (ctl, np.uint64(50_000_000)), max_resident=3)
+    return int(ctl[0]), int(ctl[1])
+
+
+def _check_first_abort_reason_stays(src_dir=None) -> None:
+    # The first deadline finds a CTA not started (2); the later ones, after it exited and the last
+    # CTA started, find all four (1): the word must keep 2, or no residency cooldown starts.
+    assert _abort_reason(src_dir) == (4, 2)
+
+
+def test_the_first_abort_reason_stays():
+    _check_first_abort_reason_stays()
+
+
+def test_a_plain_store_of_the_abort_word_loses_the_reason(tmp_path):
+    src = sabotaged(tmp_path, "hw.cuh", "prnn_atomic_set_if_zero(&ctl->abort, why);",
+                    "prnn_store_relaxed(&ctl->abort, why);")
+    with pytest.raises(AssertionError):
+        _check_first_abort_reason_stays(src)
 
 
 def _special_floats(rng) -> np.ndarray:
@@ -421,8 +448,10 @@ def test_ctas_not_co_resident_end_on_gemm_fallback(settings, grid_path):  # a cl
     data = _inputs("gru", np.random.default_rng(4))
     got = _run("gru", "float32", "persistent", **data)
     ref = _run("gru", "float64", "gemm", **data)
-    assert got["fwd"].algo == "persistent" and "GEMM" in got["fwd"].fallback
+    assert got["fwd"].algo == "persistent" and "not co-resident" in got["fwd"].fallback
     assert "GEMM" in got["bwd"].fallback
+    again = _run("gru", "float32", "persistent", **data)  # the cooldown started: no timeouts now
+    assert "residency_cooldown_s" in again["fwd"].fallback and again["fwd"].restarts == 0
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
 

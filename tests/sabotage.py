@@ -1,0 +1,25 @@
+"""Sabotaged copies of cuda_src for the tests that show an emulation mode catches a class of bug:
+each test breaks one thing in a copy of the kernel sources (a barrier removed, a wait dropped, a
+store made plain) and builds the emulation from that copy (``emulate.get_module(..., src_dir)``).
+A replacement must match exactly once, so that a sabotage cannot silently stop applying when the
+kernels change."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from persistent_rnn._sources import cuda_src_dir
+
+
+def sabotaged(root: Path, file: str, old: str, new: str) -> Path:
+    """A copy of cuda_src under ``root`` whose ``file`` has its one ``old`` replaced by ``new``."""
+    dst = root / "cuda_src"
+    if not dst.exists():
+        shutil.copytree(cuda_src_dir(), dst)
+    path = dst / file
+    text = path.read_text()
+    count = text.count(old)
+    if count != 1:
+        raise AssertionError(f"sabotage of {file}: {old!r} occurs {count} times, not once")
+    path.write_text(text.replace(old, new))
+    return dst
