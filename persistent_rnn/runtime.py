@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import buffers, gemm, hardware, plan as planner, settings
+from . import buffers, gemm, hardware, launch, plan as planner, settings
 from .cells import CellSpec
 from .stats import RunStats
 from .validation import ALGOS
@@ -70,50 +70,8 @@ class BackwardResult:
     drs: Array | None = None           # each step's gradient of r_t (an LSTM projection)
 
 
-@dataclass(frozen=True)
-class _Engine:
-    """How a persistent pass runs: its plan and a ``launch`` callable (GPU or emulated module);
-    ``key`` names the configuration on its device (the residency cooldown's key)."""
-
-    pass_plan: planner.PassPlan
-    launch: Callable[..., None]
-    emulated: bool
-    key: tuple = ()
-
-
-class _Cooldowns:
-    """Configurations whose grid was found not co-resident (a pass ended on the GEMM path after
-    timeouts while some of its CTAs had not started: another stream held SMs), and when. For
-    ``Settings.residency_cooldown_s`` after that such a configuration goes straight to the GEMM
-    path instead of paying the timeouts again; then the persistent kernel is tried again."""
-
-    def __init__(self) -> None:
-        self._since: dict[tuple, float] = {}
-        self._lock = threading.Lock()
-
-    def start(self, key: tuple) -> None:
-        with self._lock:
-            self._since[key] = time.monotonic()
-
-    def reason(self, key: tuple) -> str | None:
-        """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
-        cooldown = settings.current().residency_cooldown_s
-        with self._lock:
-            since = self._since.get(key)
-        if since is None:
-            return None
-        ago = time.monotonic() - since
-        if ago >= cooldown:
-            return None
-        return (f"grid not co-resident {ago:.1f} s ago (another stream held SMs): GEMM path "
-                f"until residency_cooldown_s ({cooldown:g} s) has passed")
-
-    def clear(self) -> None:
-        with self._lock:
-            self._since.clear()
-
-
-COOLDOWNS = _Cooldowns()
+_Engine = launch.Engine
+COOLDOWNS = launch.COOLDOWNS
 
 
 class _Control:
@@ -269,9 +227,14 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
                  c(gi), c(h0), c0_arg, lengths_arg, y, result.hs, cs, saved,
                  _exchange(xp, batch, p.exchange_row), _exchange(xp, batch, p.exchange_row_b))
         sizes = (steps, batch, hidden, proj_size)
-    pending = _start(engine, fixed, sizes, 0, steps, xp, finish, rerun,
-                     exchanges=1 if w_hr is None else 2)
-    return result, pending.stats, pending
+    # The completion kernel's arguments: unused ones are given ``bias`` (never read).
+    hs_arg, w_hr_arg = (y, bias) if w_hr is None else (result.hs, fixed[1])
+    tail = (c(h0), c0_arg, lengths_arg, y, hs_arg, y if cs is None else cs, saved)
+    stats = _run_on_device(engine, xp, fixed, sizes, 0, steps, rerun,
+                           exchanges=1 if w_hr is None else 2, complete="prnn_complete_forward",
+                           complete_args=(fixed[0], w_hr_arg, bias, c(gi), bias, bias, *tail),
+                           complete_sizes=(0, steps, batch, hidden, proj_size))
+    return result, stats, None
 
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
@@ -332,9 +295,15 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                  c(dy), fwd.cs, fwd.saved, c0_arg, lengths_arg, dgh, drs, dh_carry, dc_carry,
                  _exchange(xp, batch, p.exchange_row_b), _exchange(xp, batch, p.exchange_row))
         sizes = (steps, batch, hidden, proj_size)
-    pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun,
-                     exchanges=1 if w_hr is None else 2)
-    return result, pending.stats, pending
+    if w_hr is not None:  # no device completion for the projection's backward yet
+        pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun, exchanges=2)
+        return result, pending.stats, pending
+    stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, rerun, exchanges=1,
+                           complete="prnn_complete_backward",
+                           complete_args=(fixed[0], fixed[1], *fixed[1:12]),
+                           complete_sizes=(0, 0, steps, batch, hidden))
+    finish(-1)  # dh0 = carry + W_hh^T dgh_0: stream-ordered GEMM, nothing read back
+    return result, stats, None
 
 
 def _exchange(xp, batch: int, row_words: int) -> Array:
@@ -344,6 +313,34 @@ def _exchange(xp, batch: int, row_words: int) -> Array:
     kernel's last buffer argument (the projection kernels: the last two; a cluster kernel keeps
     its own in shared memory)."""
     return xp.zeros((2, batch, row_words), np.uint32)
+
+
+def _run_on_device(engine: _Engine, xp, fixed: tuple, sizes: tuple[int, ...], first: int,
+                   end: int, rerun: bool, exchanges: int, complete: str, complete_args: tuple,
+                   complete_sizes: tuple[int, ...]) -> RunStats:
+    """Enqueue a layer-direction's whole chain (``launch.run_chain``: the pass, its restarts and
+    its completion decided on the device) and return its stats (read lazily from the device
+    record). ``complete_args``: the completion kernel's arguments before the chain words;
+    ``complete_sizes``: after ``groups`` and ``grid``, its int arguments."""
+    chain = launch.Chain(xp, engine, 1)
+    stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1, details=[""])
+
+    def go(start, stall: settings.Stall) -> None:
+        launch.launch_pass(engine, chain.control, fixed, (*sizes, start), stall)
+
+    def finish() -> None:
+        chain.complete(complete, (*complete_args, chain.words, np.int32(1),
+                                  np.int32(engine.pass_plan.grid),
+                                  *(np.int32(n) for n in complete_sizes)))
+
+    launch.run_chain(chain, go, first, end, settings.NO_STALL if rerun else settings.current_stall(),
+                     fixed[-exchanges:], finish)
+    pp = engine.pass_plan
+    stats.details[-1] = (f"{pp.kernel} ({'emulated' if engine.emulated else 'GPU'}): "
+                         f"{pp.defines}, grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B "
+                         f"shared; restarts and completion on the device")
+    launch.record_of(chain, end, stats)
+    return stats
 
 
 def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, ...], first: int, end: int, xp,
@@ -509,7 +506,8 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)
-        return _Engine(pass_plan, module.launch, True, key), None
+        loop = emulate.get_module(LOOP_SOURCE, loop_defines(pass_plan))
+        return _Engine(pass_plan, module.launch, True, key, loop.launch), None
     from . import kernels
     # A cluster kernel is never launched cooperatively: CUDA refuses cooperative launches of
     # kernels with a cluster shape (CUDA_ERROR_INVALID_CLUSTER_SIZE), and a cluster is
@@ -524,7 +522,17 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
                                                                pass_plan.shared_bytes))
     if why is not None:
         return None, why
-    return _Engine(pass_plan, module.launch, False, key), None
+    loop = kernels.get_module(LOOP_SOURCE, loop_defines(pass_plan))
+    return _Engine(pass_plan, module.launch, False, key, loop.launch), None
+
+
+LOOP_SOURCE = "device_loop.cu"  # the settle and completion kernels of every pass (launch.py)
+
+
+def loop_defines(pass_plan: planner.PassPlan) -> dict[str, int]:
+    """The ``-D`` of a pass's settle and completion kernels: its cell and weights' dtype."""
+    return {k: v for k, v in pass_plan.defines.items()
+            if k in ("PRNN_CELL", "PRNN_WEIGHT_DTYPE")}
 
 
 def is_cluster(pass_plan: planner.PassPlan) -> bool:
