@@ -172,16 +172,9 @@ class Pending:
 
 def launch_pass(engine: _Engine, control: Array, buffers_: tuple, ints: tuple,
                 stall: settings.Stall) -> None:
-    """Reset ``control`` and launch ``engine``'s pass with the persistent kernels' argument
-    order: ``(*buffers_, control, *ints as int32, timeout_ns, stall_block, stall_step,
-    stall_ns)``; the timeout is the setting for the GPU or for the emulation."""
-    s, p = settings.current(), engine.pass_plan
-    timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
-    extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
+    """Reset ``control`` and launch ``engine``'s pass (``launch.launch_pass``)."""
     _Control.reset(control)
-    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                  (*buffers_, control, *(np.int32(n) for n in ints),
-                   np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
+    launch.launch_pass(engine, control, buffers_, ints, stall)
 
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
@@ -410,25 +403,20 @@ def _describe(p: Pending) -> str:
             f"{pp.shared_bytes} B shared, {p.launches} launch(es)")
 
 
-def _to_host(a: Array) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
+_to_host = launch.to_host
 
 
 def _read_all(arrays: Sequence[Array]) -> list[np.ndarray]:
     """Host copies of ``arrays`` (NumPy: themselves), in one device-to-host copy."""
     xp = buffers.array_module(*arrays)
     if xp is np:
+        launch.COUNTERS.add("host_syncs")  # on the GPU this read waits for the device
         return list(arrays)
     flat = _to_host(xp.concatenate(arrays))
     return np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
 
 
-def _capturing(a: Array) -> bool:
-    """Whether CuPy's current stream is being captured into a CUDA graph (never for NumPy)."""
-    if isinstance(a, np.ndarray):
-        return False
-    import cupy
-    return cupy.cuda.get_current_stream().is_capturing()
+_capturing = launch.capturing
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,

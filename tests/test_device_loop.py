@@ -1,0 +1,109 @@
+"""The restart loop and completion on the device (launch.py, cuda_src/device_loop.cu), through the
+CPU emulation: restarts bitwise equal to an undisturbed run, the completion kernel against the
+GEMM path, a sabotaged completion caught, and no host synchronisation in a call."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import launch, runtime
+
+
+def _layer(cell, algo="persistent", **kw):
+    return getattr(prnn, cell)(3, 16, algo=algo, seed=0, **kw)
+
+
+def _data(layer, steps=7, batch=2, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((steps, batch, 3)).astype(np.float32)
+    out = layer.hidden_size * (2 if layer.bidirectional else 1)
+    return x, rng.standard_normal((steps, batch, out)).astype(np.float32)
+
+
+def _call(layer, x, dy, lengths=(7, 4)):
+    layer.zero_grad()
+    y, hn = layer.forward(x, lengths=list(lengths))
+    fwd = layer.last_run
+    dx, dhx = layer.backward(dy)
+    flat = [y, *(hn if isinstance(hn, tuple) else [hn]), dx,
+            *(dhx if isinstance(dhx, tuple) else [dhx]), *layer.grads.values()]
+    return [np.array(a) for a in flat], fwd, layer.last_run
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM", "RNN"])
+@pytest.mark.parametrize("step", [0, 3, 6])
+def test_a_stall_restarts_on_the_device_bitwise(settings, grid_path, cell, step):
+    prnn.configure(emulation_timeout_ms=200, stack=False)
+    layer = _layer(cell)
+    x, dy = _data(layer)
+    plain, _, _ = _call(layer, x, dy)
+    with prnn.inject_stall(block=1, step=step, duration_ms=700):
+        stalled, fwd, bwd = _call(layer, x, dy)
+    for a, b in zip(plain, stalled):
+        np.testing.assert_array_equal(a, b)
+    # a stall at a pass's last step (forward 6, backward 0) holds back no CTA: nothing waits
+    assert fwd.restarts == int(step != 6) and fwd.fallback is None
+    assert bwd.restarts == int(step != 0) and bwd.fallback is None
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+@pytest.mark.parametrize("layers,bidirectional", [(1, False), (2, True)])
+def test_the_restart_cap_ends_on_the_completion_kernel(settings, grid_path, cell, layers,
+                                                       bidirectional):
+    prnn.configure(emulation_timeout_ms=200, stack=False, max_restarts=0)
+    layer = _layer(cell, num_layers=layers, bidirectional=bidirectional)
+    reference = _layer(cell, algo="gemm", num_layers=layers, bidirectional=bidirectional)
+    x, dy = _data(layer)
+    expected, _, _ = _call(reference, x, dy)
+    with prnn.inject_stall(block=1, step=3, duration_ms=700):
+        got, fwd, bwd = _call(layer, x, dy)
+    for a, b in zip(expected, got):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5)
+    assert "completion kernel" in fwd.fallback and "completion kernel" in bwd.fallback
+
+
+def test_ctas_not_co_resident_end_on_the_completion_and_cool_down(settings, grid_path):
+    prnn.configure(emulation_timeout_ms=100, stack=False, emulation_max_resident=1,
+                   max_restarts=1)
+    layer, reference = _layer("GRU"), _layer("GRU", algo="gemm")
+    x, dy = _data(layer)
+    expected, _, _ = _call(reference, x, dy)
+    got, fwd, _ = _call(layer, x, dy)
+    for a, b in zip(expected, got):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5)
+    assert "not co-resident" in fwd.fallback and fwd.restarts == 1
+    layer.forward(x)
+    assert layer.last_run.algo == "gemm" and "co-resident" in layer.last_run.fallback
+
+
+def test_a_sabotaged_completion_fails(settings, grid_path, monkeypatch):
+    prnn.configure(emulation_timeout_ms=200, stack=False, max_restarts=0)
+    layer, reference = _layer("LSTM"), _layer("LSTM", algo="gemm")
+    x, dy = _data(layer)
+    expected, _, _ = _call(reference, x, dy)
+    monkeypatch.setattr(launch.Chain, "complete", lambda self, kernel, args: None)
+    with prnn.inject_stall(block=1, step=3, duration_ms=700):
+        got, _, _ = _call(layer, x, dy)
+    assert not all(np.allclose(a, b, rtol=2e-5, atol=2e-5) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("cell,kw", [("GRU", {}), ("LSTM", {"num_layers": 2}),
+                                     ("LSTM", {"dtype": "float16"}),
+                                     ("LSTM", {"proj_size": 8})])
+def test_a_steady_state_call_does_not_synchronise(settings, cell, kw):
+    prnn.configure(stack=False)
+    layer = _layer(cell, **kw)
+    x, dy = (a.astype(kw.get("dtype", np.float32)) for a in _data(layer))
+    dy = dy[..., :kw["proj_size"]] if "proj_size" in kw else dy
+    layer.forward(x)
+    with launch.counting() as n:
+        layer.forward(x)
+    assert n.host_syncs == 0 and n.launches > 0
+    with launch.counting() as n:
+        layer.backward(dy)
+    syncs = 0 if "proj_size" not in kw else 1  # the projection's backward: host settle (not yet)
+    assert n.host_syncs == syncs
+    with launch.counting() as n:
+        assert layer.last_run.restarts == 0  # reading last_run waits for the device record
+    assert n.host_syncs == 0  # emulated: the records are complete when the call returns
