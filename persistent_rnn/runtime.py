@@ -494,8 +494,7 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)
-        loop = emulate.get_module(LOOP_SOURCE, loop_defines(pass_plan))
-        return _Engine(pass_plan, module.launch, True, key, loop.launch), None
+        return _Engine(pass_plan, module.launch, True, key, _loop_launcher(pass_plan, True)), None
     from . import kernels
     # A cluster kernel is never launched cooperatively: CUDA refuses cooperative launches of
     # kernels with a cluster shape (CUDA_ERROR_INVALID_CLUSTER_SIZE), and a cluster is
@@ -510,11 +509,23 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
                                                                pass_plan.shared_bytes))
     if why is not None:
         return None, why
-    loop = kernels.get_module(LOOP_SOURCE, loop_defines(pass_plan))
-    return _Engine(pass_plan, module.launch, False, key, loop.launch), None
+    return _Engine(pass_plan, module.launch, False, key, _loop_launcher(pass_plan, False)), None
 
 
 LOOP_SOURCE = "device_loop.cu"  # the settle and completion kernels of every pass (launch.py)
+
+
+def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[..., None]:
+    """The launcher of a pass's settle and completion kernels (built on first use)."""
+    defines = loop_defines(pass_plan)
+
+    def launch_(*args, **kw) -> None:
+        if emulated:
+            from . import emulate as builder
+        else:
+            from . import kernels as builder  # type: ignore[no-redef]
+        builder.get_module(LOOP_SOURCE, defines).launch(*args, **kw)
+    return launch_
 
 
 def loop_defines(pass_plan: planner.PassPlan) -> dict[str, int]:
