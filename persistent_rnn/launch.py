@@ -255,6 +255,25 @@ def launch_pass(engine: Engine, control: Array, buffers_: tuple, ints: tuple,
                    np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
 
 
+_FIRST_STARTS: dict[tuple, Array] = {}
+_FIRST_LOCK = threading.Lock()
+
+
+def first_starts(xp, groups: int, first: int) -> Array:
+    """An int32 array of ``groups`` times ``first`` on the data's device: the stack kernels'
+    ``starts`` for a pass's first launch. Cached on the GPU (read-only; no fill per call)."""
+    if xp is np:
+        return np.full(groups, first, np.int32)
+    key = (xp.cuda.Device().id, groups, first)
+    with _FIRST_LOCK:
+        found = _FIRST_STARTS.get(key)
+        if found is None:
+            if len(_FIRST_STARTS) >= 1024:  # a bound: sequence lengths of a long training run
+                _FIRST_STARTS.clear()
+            found = _FIRST_STARTS[key] = xp.full(groups, first, np.int32)
+        return found
+
+
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
               stall: settings.Stall, exchanges: tuple, complete: Callable[[], None]) -> None:
     """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:

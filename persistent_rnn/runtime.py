@@ -435,7 +435,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     on_gpu = buffers.array_module(data) is not np
     if algo == "auto" and not on_gpu:
         return None, None
-    why = _why_not_persistent(data, batch, algo)
+    why = why_not_persistent(data, batch, algo)
     if why is None:
         device = planning_device(on_gpu)
         engine, why = _cached_engine(cell, hidden, batch, backward, device,
@@ -451,7 +451,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     return None, why
 
 
-def _why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
+def why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
     if np.dtype(data.dtype) != np.float32:
         return (f"dtype is {np.dtype(data.dtype).name}: the persistent kernels compute in "
