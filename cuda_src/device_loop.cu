@@ -256,3 +256,47 @@ PRNN_KERNEL void prnn_complete_backward(
     }
   }
 }
+
+// One block: completes the backward of an LSTM with projection (one layer-direction) from
+// starts[0] down to step 0, as persistent_projection_backward.cu computes it: per step t,
+// dr_t = dy_t + the carry of step t+1 + W_hh^T dg_{t+1} (P wide); drs[t] = dr_t within the
+// length (0 past it, where dr_t passes to step t-1 as the carry instead); then dh_t = W_hr^T drs_t
+// and the cell's backward give dg_t (dgh[t]) and the dc carry. Carries by step parity.
+PRNN_KERNEL void prnn_complete_projection_backward(
+    const void* w_hh_t, const void* w_hr_t, const float* dy, const float* cs, const float* saved,
+    const float* c0, const int* lengths, float* dgh, float* drs, float* dr_carry,
+    float* dc_carry, const unsigned* chain, int groups, int grid, int steps, int batch,
+    int hidden, int proj) {
+  using namespace prnn;
+  constexpr int G = StepCell::G, S = StepCell::S;
+  const int start = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid)[0];
+  const int gh_len = G * hidden;
+  const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
+  for (int t = start; t >= 0; --t) {
+    const size_t into = (size_t)((t + 1) & 1), out = (size_t)(t & 1);
+    for (int idx = threadIdx.x; idx < batch * proj; idx += blockDim.x) {
+      const int b = idx / proj, q = idx % proj;
+      const size_t row = (size_t)t * batch + b;
+      float dr = dy[row * proj + q] + dr_carry[into * rplane + idx];
+      if (t + 1 < steps) dr += row_dot(w_hh_t, q, dgh + (row + batch) * gh_len, gh_len);
+      const bool active = t < lengths[b];
+      drs[row * proj + q] = active ? dr : 0.0f;
+      dr_carry[out * rplane + idx] = active ? 0.0f : dr;
+    }
+    prnn_sync_block();
+    for (int idx = threadIdx.x; idx < batch * hidden; idx += blockDim.x) {
+      const int b = idx / hidden, j = idx % hidden;
+      const size_t row = (size_t)t * batch + b;
+      const float dh = row_dot(w_hr_t, j, drs + row * proj, proj);
+      const float c_prev = t > 0 ? cs[(row - batch) * hidden + j] : c0[idx];
+      float sv[kLoopSaved], dgv[G], unused[G], dh_prev, dc_prev;
+      for (int s = 0; s < S; ++s) sv[s] = saved[row * S * hidden + s * hidden + j];
+      cell_backward_masked<PRNN_CELL>(t < lengths[b], dh, dc_carry[into * plane + idx], sv, 0.0f,
+                                      cs[row * hidden + j], 0.0f, c_prev, dgv, unused, dh_prev,
+                                      dc_prev);
+      for (int q = 0; q < G; ++q) dgh[row * gh_len + q * hidden + j] = dgv[q];
+      dc_carry[out * plane + idx] = dc_prev;
+    }
+    prnn_sync_block();
+  }
+}

@@ -288,13 +288,16 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                  c(dy), fwd.cs, fwd.saved, c0_arg, lengths_arg, dgh, drs, dh_carry, dc_carry,
                  _exchange(xp, batch, p.exchange_row_b), _exchange(xp, batch, p.exchange_row))
         sizes = (steps, batch, hidden, proj_size)
-    if w_hr is not None:  # no device completion for the projection's backward yet
-        pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun, exchanges=2)
-        return result, pending.stats, pending
-    stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, rerun, exchanges=1,
-                           complete="prnn_complete_backward",
-                           complete_args=(fixed[0], fixed[1], *fixed[1:12]),
-                           complete_sizes=(0, 0, steps, batch, hidden))
+    if w_hr is None:
+        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, rerun, exchanges=1,
+                               complete="prnn_complete_backward",
+                               complete_args=(fixed[0], fixed[1], *fixed[1:12]),
+                               complete_sizes=(0, 0, steps, batch, hidden))
+    else:
+        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, rerun, exchanges=2,
+                               complete="prnn_complete_projection_backward",
+                               complete_args=fixed[:11],
+                               complete_sizes=(steps, batch, hidden, proj_size))
     finish(-1)  # dh0 = carry + W_hh^T dgh_0: stream-ordered GEMM, nothing read back
     return result, stats, None
 
