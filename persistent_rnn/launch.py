@@ -288,25 +288,26 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     complete()
 
 
-def record_of(chain: Chain, end: int, stats) -> DeviceRecord | None:
+def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | None:
     """Attach the chain's lazily read record to ``stats`` (``RunStats.defer``) and to the
-    cooldowns; under CUDA stream capture nothing is recorded (``stats.details`` says so)."""
+    cooldowns; under CUDA stream capture nothing is recorded (``stats.details`` says so).
+    ``group``: what a group is called in ``fallback`` ("layer" in a stack; "": one pass)."""
     if capturing(chain.words):
         stats.details.append("captured: restarts and completion run on the device at replay; "
                              "last_run does not report them")
         return None
     record = DeviceRecord(chain.words, chain.groups, end, chain.engine.key, chain.engine.emulated)
     COOLDOWNS.watch(chain.engine.key, record)
-    stats.defer(lambda s: _report(record, s))
+    stats.defer(lambda s: _report(record, s, group))
     return record
 
 
-def _report(record: DeviceRecord, stats) -> None:
+def _report(record: DeviceRecord, stats, group: str) -> None:
     """Fold a decoded record into ``stats`` (restarts, launches, fallback)."""
     r = record.read()
     stats.restarts += r["restarts"]
     stats.launches += r["restarts"]
-    left = [f"group {g} steps {s}..{record.end - (1 if record.end > 0 else -1)}"
+    left = [(f"{group} {g} " if group else "") + f"steps {s}..{record.end - (1 if record.end > 0 else -1)}"
             for g, s in enumerate(r["completed_from"]) if s != record.end]
     if left:
         stats.fallback = (f"barrier timeouts: {r['restarts']} restarts, "

@@ -74,109 +74,6 @@ _Engine = launch.Engine
 COOLDOWNS = launch.COOLDOWNS
 
 
-class _Control:
-    """The kernels' ``PrnnControl`` words (``cuda_src/hw.cuh``): arrival counter (CTAs started),
-    abort word and one progress word per CTA (the last step it completed). The one place that
-    knows them."""
-
-    UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
-    NOT_RESIDENT = 2  # abort word: a wait timed out while some CTA of the grid had not started
-
-    @staticmethod
-    def not_resident(words: np.ndarray) -> bool:
-        """Whether the launch timed out for lack of residency (``prnn_keep_polling``)."""
-        return int(words[1]) == _Control.NOT_RESIDENT
-
-    @staticmethod
-    def new(xp, grid: int) -> Array:
-        return xp.empty(2 + grid, dtype=np.uint32)
-
-    @staticmethod
-    def reset(words: Array) -> None:
-        """Counters zero, progress untouched: two memsets on the stream (no host copy)."""
-        if isinstance(words, np.ndarray):
-            words[:2], words[2:] = 0, _Control.UNTOUCHED
-            return
-        import cupy
-        stream, ptr = cupy.cuda.get_current_stream().ptr, words.data.ptr
-        cupy.cuda.runtime.memsetAsync(ptr, 0, 8, stream)
-        cupy.cuda.runtime.memsetAsync(ptr + 8, 0xFF, 4 * (words.size - 2), stream)
-
-    @staticmethod
-    def next_step(words: np.ndarray, start: int, direction: int, ctas: slice = slice(None)) -> int:
-        """The first step not completed by every CTA (of ``ctas``) in a launch from ``start``."""
-        progress = words[2:].view(np.int32)[ctas]
-        progress = np.where(progress == -1, start - direction, progress)
-        done = int(progress.min()) if direction > 0 else int(progress.max())
-        return done + direction
-
-
-@dataclass
-class Pending:
-    """A persistent pass launched and not yet checked; ``settle`` checks (and repairs) it."""
-
-    engine: _Engine
-    fixed: tuple                       # the kernel's leading (buffer) arguments
-    sizes: tuple[int, ...]            # (T, B, H), with a projection (T, B, H, P)
-    first: int                         # the step the pass started from
-    end: int                           # one past the last step, in the pass's direction
-    control: Array
-    stats: RunStats
-    finish: Callable[[int], None]  # completes the result from the first step the kernel left
-                                   # (``end``: the kernel did every step)
-    launches: int = 0
-    start: int = 0                     # the step the latest launch started from
-    exchanges: tuple = ()              # the kernel's tagged exchange buffers (the last of ``fixed``)
-    not_resident: bool = False         # a launch timed out while some of its CTAs had not started
-
-    @property
-    def direction(self) -> int:
-        return 1 if self.end > self.first else -1
-
-    def launch(self, step: int, stall: settings.Stall) -> None:
-        """Launch the pass from ``step`` (stream-ordered; nothing is read back)."""
-        if self.launches:
-            for words in self.exchanges:
-                words.fill(0)  # a restart must not take a word an earlier launch wrote
-        self.start = step
-        launch_pass(self.engine, self.control, self.fixed, (*self.sizes, step), stall)
-        self.launches += 1
-        self.stats.launches += 1
-
-
-    def next_step(self, words: np.ndarray | None = None) -> int:
-        """The first step not completed by every CTA (``end`` when the pass is complete)."""
-        words = _to_host(self.control) if words is None else words
-        self.not_resident |= _Control.not_resident(words)
-        return _Control.next_step(words, self.start, self.direction)
-
-    def resume(self, step: int) -> None:
-        """Restart from ``step`` until complete or out of restarts; the GEMM path runs the rest."""
-        limit = settings.current().max_restarts
-        while step != self.end and self.stats.restarts < limit:
-            self.stats.restarts += 1
-            self.launch(step, settings.NO_STALL)
-            step = self.next_step()
-        self.stats.details[-1] = _describe(self)
-        if step != self.end:
-            last = self.end - self.direction
-            self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
-                                   f"steps {step}..{last} on GEMM")
-            if self.not_resident:
-                COOLDOWNS.start(self.engine.key)
-                self.stats.fallback += ("; the grid was not co-resident (another stream held "
-                                        "SMs): GEMM path for this configuration for "
-                                        f"{settings.current().residency_cooldown_s:g} s")
-        self.finish(step)
-
-
-def launch_pass(engine: _Engine, control: Array, buffers_: tuple, ints: tuple,
-                stall: settings.Stall) -> None:
-    """Reset ``control`` and launch ``engine``'s pass (``launch.launch_pass``)."""
-    _Control.reset(control)
-    launch.launch_pass(engine, control, buffers_, ints, stall)
-
-
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
             c0: Array | None, lengths: Array | None, algo: str, rerun: bool = False,
             half: str | None = None,
@@ -339,51 +236,11 @@ def _run_on_device(engine: _Engine, xp, fixed: tuple, sizes: tuple[int, ...], fi
     return stats
 
 
-def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, ...], first: int, end: int, xp,
-           finish: Callable[[int], None], rerun: bool, exchanges: int = 1) -> Pending:
-    """Launch a pass whose kernel takes ``fixed`` then its sizes; the last ``exchanges`` of
-    ``fixed`` are its tagged exchange buffers."""
-    stats = RunStats(algo="persistent", emulated=engine.emulated, details=[""])
-    pending = Pending(engine, fixed, sizes, first, end, _Control.new(xp, engine.pass_plan.grid),
-                      stats, finish, exchanges=fixed[-exchanges:])
-    pending.launch(first, settings.NO_STALL if rerun else settings.current_stall())
-    stats.details[-1] = _describe(pending)
-    return pending
-
-
-def settle(pending: Sequence[tuple[Any, Pending]]) -> Any | None:
-    """Check passes launched in order (each tagged with its layer) with one read of all their
-    progress; resume every unfinished pass of the first layer that has one, and return that
-    layer (``None``: all complete). Passes after that layer are left alone: the caller reruns
-    them. Every pass checked is finished (``Pending.finish``). Under CUDA stream capture nothing
-    is read: every pass is finished as if complete and ``None`` is returned."""
-    if not pending:
-        return None
-    if _capturing(pending[0][1].control):
-        for _, p in pending:
-            p.stats.details.append("progress not checked (CUDA stream capture): no restart")
-            p.finish(p.end)
-        return None
-    words = _read_all([p.control for _, p in pending])
-    failed = None
-    for (layer, p), w in zip(pending, words):
-        if failed is not None and layer != failed:
-            break
-        step = p.next_step(w)
-        if step == p.end:
-            p.finish(step)
-        else:
-            failed = layer
-            p.resume(step)
-    return failed
-
-
 def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
                 c0: Array | None, lengths: Array | None, algo: str, stats: RunStats,
                 half: str | None = None) -> ForwardResult:
-    """``forward`` of one layer-direction, checked at once; what ran is merged into ``stats``."""
-    result, run, pending = forward(cell, gi, w_hh, b_hh, h0, c0, lengths, algo, half=half)
-    settle([(0, pending)] if pending else [])
+    """``forward`` of one layer-direction; what ran is merged into ``stats``."""
+    result, run = forward(cell, gi, w_hh, b_hh, h0, c0, lengths, algo, half=half)
     stats.merge(run)
     return result
 
@@ -391,35 +248,10 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
 def run_backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
                  h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult,
                  algo: str, stats: RunStats, half: str | None = None) -> BackwardResult:
-    """``backward`` of one layer-direction, checked at once; merged into ``stats``."""
-    result, run, pending = backward(cell, dy, dhn, dcn, w_hh, h0, c0, lengths, fwd, algo,
-                                    half=half)
-    settle([(0, pending)] if pending else [])
+    """``backward`` of one layer-direction; merged into ``stats``."""
+    result, run = backward(cell, dy, dhn, dcn, w_hh, h0, c0, lengths, fwd, algo, half=half)
     stats.merge(run)
     return result
-
-
-def _describe(p: Pending) -> str:
-    pp = p.engine.pass_plan
-    where = "emulated" if p.engine.emulated else "GPU"
-    return (f"{pp.kernel} ({where}): {pp.defines}, grid {pp.grid} x {pp.block} threads, "
-            f"{pp.shared_bytes} B shared, {p.launches} launch(es)")
-
-
-_to_host = launch.to_host
-
-
-def _read_all(arrays: Sequence[Array]) -> list[np.ndarray]:
-    """Host copies of ``arrays`` (NumPy: themselves), in one device-to-host copy."""
-    xp = buffers.array_module(*arrays)
-    if xp is np:
-        launch.COUNTERS.add("host_syncs")  # on the GPU this read waits for the device
-        return list(arrays)
-    flat = _to_host(xp.concatenate(arrays))
-    return np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
-
-
-_capturing = launch.capturing
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,

@@ -92,7 +92,7 @@ def _run(engine_: launch.Engine, lead: tuple, tail: tuple, sizes: tuple[int, int
         f"{pp.kernel} ({'emulated' if engine_.emulated else 'GPU'}, {what}): {pp.defines}, "
         f"grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; restarts and "
         "completion on the device"])
-    launch.record_of(chain, end, stats)
+    launch.record_of(chain, end, stats, group="layer")
     return stats
 
 

@@ -160,13 +160,13 @@ def test_stack_forward_layers_need_not_be_co_resident(settings):
         np.testing.assert_array_equal(a, b)
 
 
-def test_stack_forward_finishes_every_layer_on_gemm_after_the_restart_cap(settings):
+def test_stack_forward_finishes_every_layer_on_the_completion_after_the_restart_cap(settings):
     prnn.configure(emulation_timeout_ms=200, emulation_max_resident=6, max_restarts=1)
     layer, reference = _layers("LSTM", seed=6)
     x, hx, _, _ = _inputs("LSTM", seed=7)
     got, stats = _forward(layer, x, hx)
     assert stats.restarts == 1 and stats.launches == 2
-    assert "on GEMM" in stats.fallback and "layer 2" in stats.fallback
+    assert "completion kernel" in stats.fallback and "layer 2" in stats.fallback
     ref, _ = _forward(reference, x.astype(np.float64), _as64(hx))
     _assert_close(got, ref)
 
@@ -214,7 +214,7 @@ def test_stack_backward_stalls_give_bitwise_identical_results(settings, mode):
             assert stats.restarts >= 1, (stalled_layer, step)
 
 
-def test_stack_backward_finishes_every_layer_on_gemm_after_the_restart_cap(settings):
+def test_stack_backward_finishes_every_layer_on_the_completion_after_the_restart_cap(settings):
     layer, reference = _layers("GRU", seed=12)
     x, hx, dy, dhn = _inputs("GRU", seed=13)
     layer.zero_grad()
