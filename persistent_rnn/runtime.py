@@ -13,15 +13,12 @@ float32 data when the plan fits and the batch is at most ``Settings.auto_max_bat
 H200 the persistent kernel beat the GEMM path at every batch up to 32 where it fit, see
 docs/benchmarks.md and bench/results/h200-2026-11-23), else GEMM; ``"auto"`` never emulates.
 
-Restart protocol (one code for GPU and emulation). Every persistent pass of a stack is launched
-without reading anything back: its control words (``_Control``) live on the device and are reset
-by the stream before the launch. ``settle`` then reads the progress of all passes launched since
-the last call in one copy (once per forward or backward of the whole stack) and resumes the
-first layer that did not finish: each unfinished pass of it is launched again (a restart) from
-the first step not completed by every CTA, reading progress after every launch, and after
-``Settings.max_restarts`` restarts the remaining steps run on the GEMM path. The caller
-(``functional``) then reruns the layers after it, which consumed unfinished input. Under CUDA
-stream capture nothing is read (a graph replay cannot restart): ``RunStats.details`` says so.
+Restarts and completion (one code for GPU and emulation): a persistent pass is enqueued as a
+fixed chain (``launch.run_chain``): the launch, up to ``Settings.max_restarts`` resume launches
+each after a settle kernel that computes on the device the first step not completed by every
+CTA, and a one-CTA completion kernel for whatever is left after the cap
+(``cuda_src/device_loop.cu``). Nothing is read back during a call; ``RunStats`` reads the chain's
+record when asked. Under CUDA stream capture the whole chain is captured.
 
 Plans and engines (compiled module, occupancy check) are cached per configuration and device;
 the transposed ``W_hh`` of the backward is one small copy per call, because an optimizer may
@@ -75,13 +72,10 @@ COOLDOWNS = launch.COOLDOWNS
 
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
-            c0: Array | None, lengths: Array | None, algo: str, rerun: bool = False,
-            half: str | None = None,
-            w_hr: Array | None = None) -> tuple[ForwardResult, RunStats, Pending | None]:
-    """Start the forward recurrence over all steps of ``gi``: the GEMM path runs at once, a
-    persistent pass is launched and returned as ``Pending`` (its buffers are complete once
-    ``settle`` has checked it). ``rerun``: a repeat after an earlier layer restarted (no stall
-    is injected). ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer
+            c0: Array | None, lengths: Array | None, algo: str, half: str | None = None,
+            w_hr: Array | None = None) -> tuple[ForwardResult, RunStats]:
+    """Enqueue the forward recurrence over all steps of ``gi`` (the GEMM path, or a persistent
+    pass with its restarts and completion on the device: nothing is read back). ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer
     whose fp32 data holds values of that dtype: W_hh is held in it and h_t rounded to it every
     step. ``w_hr``: an LSTM's projection (P, H), or ``None``."""
     proj_size = 0 if w_hr is None else w_hr.shape[0]
@@ -92,14 +86,10 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     engine, reason = _engine(cell, gi, gi.shape[2] // cell.gates, batch, algo, backward=False, half=half,
                              proj_size=proj_size)
 
-    def finish(start: int) -> None:
-        if start < steps:
-            gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=start,
-                               half=half, w_hr=w_hr, hs=result.hs)
-
     if engine is None:
-        finish(0)
-        return result, RunStats(algo="gemm", fallback=reason), None
+        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0,
+                           half=half, w_hr=w_hr, hs=result.hs)
+        return result, RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     hidden = gi.shape[2] // cell.gates
@@ -120,18 +110,18 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     # The completion kernel's arguments: unused ones are given ``bias`` (never read).
     hs_arg, w_hr_arg = (y, bias) if w_hr is None else (result.hs, fixed[1])
     tail = (c(h0), c0_arg, lengths_arg, y, hs_arg, y if cs is None else cs, saved)
-    stats = _run_on_device(engine, xp, fixed, sizes, 0, steps, rerun,
+    stats = _run_on_device(engine, xp, fixed, sizes, 0, steps,
                            exchanges=1 if w_hr is None else 2, complete="prnn_complete_forward",
                            complete_args=(fixed[0], w_hr_arg, bias, c(gi), bias, bias, *tail),
                            complete_sizes=(0, steps, batch, hidden, proj_size))
-    return result, stats, None
+    return result, stats
 
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
              h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult, algo: str,
-             rerun: bool = False, half: str | None = None,
-             w_hr: Array | None = None) -> tuple[BackwardResult, RunStats, Pending | None]:
-    """Start backward through time over all steps, like ``forward``; ``dy`` must be zero past
+             half: str | None = None,
+             w_hr: Array | None = None) -> tuple[BackwardResult, RunStats]:
+    """Backward through time over all steps, enqueued like ``forward``; ``dy`` must be zero past
     each length. ``half``, ``w_hr``: as for ``forward`` (the backward itself computes in
     fp32); with ``w_hr``, ``dy``/``dhn``/``dh0`` are gradients of r (P wide)."""
     hidden = w_hh.shape[0] // cell.gates
@@ -145,8 +135,7 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps,
                                        w_hr=w_hr, hs=fwd.hs, drs=drs)
-        return (BackwardResult(dgi, dgh, dh0, dc0, drs), RunStats(algo="gemm", fallback=reason),
-                None)
+        return BackwardResult(dgi, dgh, dh0, dc0, drs), RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n). With
@@ -158,19 +147,6 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
     drs = None if w_hr is None else xp.empty_like(dy)
-    # dh0/dc0 set by finish (settle)
-    result = BackwardResult(dgi, dgh, dh_carry[0], None, drs)
-
-    def finish(step: int) -> None:
-        stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
-        dh = dh_carry[stop % 2] + (dgh[stop] @ w_hh if stop < steps else 0.0)
-        dc = dc_carry[stop % 2] if cell.has_cell_state else None
-        result.dh0, result.dc0 = dh, dc
-        if stop > 0:
-            result.dh0, result.dc0 = gemm.backward_steps(
-                cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved, dgi, dgh,
-                dh_carry=dh, dc_carry=dc, stop=stop, w_hr=w_hr, hs=fwd.hs, drs=drs)
-
     lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
     p = engine.pass_plan
     if w_hr is None:
@@ -186,17 +162,19 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                  _exchange(xp, batch, p.exchange_row_b), _exchange(xp, batch, p.exchange_row))
         sizes = (steps, batch, hidden, proj_size)
     if w_hr is None:
-        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, rerun, exchanges=1,
+        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, exchanges=1,
                                complete="prnn_complete_backward",
                                complete_args=(fixed[0], fixed[1], *fixed[1:12]),
                                complete_sizes=(0, 0, steps, batch, hidden))
     else:
-        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, rerun, exchanges=2,
+        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, exchanges=2,
                                complete="prnn_complete_projection_backward",
                                complete_args=fixed[:11],
                                complete_sizes=(steps, batch, hidden, proj_size))
-    finish(-1)  # dh0 = carry + W_hh^T dgh_0: stream-ordered GEMM, nothing read back
-    return result, stats, None
+    # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
+    dh0 = dh_carry[0] + dgh[0] @ w_hh
+    return BackwardResult(dgi, dgh, dh0, dc_carry[0] if cell.has_cell_state else None,
+                          drs), stats
 
 
 def _exchange(xp, batch: int, row_words: int) -> Array:
@@ -209,7 +187,7 @@ def _exchange(xp, batch: int, row_words: int) -> Array:
 
 
 def _run_on_device(engine: _Engine, xp, fixed: tuple, sizes: tuple[int, ...], first: int,
-                   end: int, rerun: bool, exchanges: int, complete: str, complete_args: tuple,
+                   end: int, exchanges: int, complete: str, complete_args: tuple,
                    complete_sizes: tuple[int, ...]) -> RunStats:
     """Enqueue a layer-direction's whole chain (``launch.run_chain``: the pass, its restarts and
     its completion decided on the device) and return its stats (read lazily from the device
@@ -226,8 +204,7 @@ def _run_on_device(engine: _Engine, xp, fixed: tuple, sizes: tuple[int, ...], fi
                                   np.int32(engine.pass_plan.grid),
                                   *(np.int32(n) for n in complete_sizes)))
 
-    launch.run_chain(chain, go, first, end, settings.NO_STALL if rerun else settings.current_stall(),
-                     fixed[-exchanges:], finish)
+    launch.run_chain(chain, go, first, end, settings.current_stall(), fixed[-exchanges:], finish)
     pp = engine.pass_plan
     stats.details[-1] = (f"{pp.kernel} ({'emulated' if engine.emulated else 'GPU'}): "
                          f"{pp.defines}, grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B "
