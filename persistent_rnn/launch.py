@@ -274,6 +274,16 @@ def first_starts(xp, groups: int, first: int) -> Array:
         return found
 
 
+def chain_launches(max_restarts: int) -> int:
+    """Kernel launches ``run_chain`` enqueues per pass: the pass, ``max_restarts`` times a settle
+    and a resume launch, the final settle and the completion (held by tests against
+    ``counting``; the latency model's per-call term counts them)."""
+    return 2 * max_restarts + 3
+
+
+CHAIN_MEMSETS = 2  # Chain.reset
+
+
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
               stall: settings.Stall, exchanges: tuple, complete: Callable[[], None]) -> None:
     """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:

@@ -109,3 +109,34 @@ def test_a_steady_state_call_does_not_synchronise(settings, cell, kw):
     with launch.counting() as n:
         assert layer.last_run.restarts == 0  # reading last_run waits for the device record
     assert n.host_syncs == 0  # emulated: the records are complete when the call returns
+
+
+def test_the_chain_launches_what_the_latency_model_counts(settings):
+    from persistent_rnn import settings as prnn_settings
+    layer = _layer("GRU")
+    x, _ = _data(layer)
+    for restarts in (0, 3):
+        prnn.configure(max_restarts=restarts)
+        with launch.counting() as n:
+            layer.forward(x)
+        assert n.launches == launch.chain_launches(prnn_settings.current().max_restarts)
+        assert n.memsets == launch.CHAIN_MEMSETS
+
+
+def test_per_call_predictions_hold_issue_26s_end_to_end_targets():
+    """Predictions (h100, T=100, input size 64): the device-side chain's API calls at the public
+    launch cost, host work overlapping the GPU (no call synchronises). The host term counts API
+    calls only (not the Python of the call): 17 per forward, 25 per backward call."""
+    from persistent_rnn import model, plan
+    h100 = plan.resolve_device("h100")
+    for cell, hidden, batch, fwd_max, both_max in (("gru", 256, 1, 1.0, None),
+                                                    ("lstm", 1024, 4, 2.6, 8.5)):
+        spec = plan.resolve_cell(cell)
+        p = plan.make_plan(spec, hidden, batch, "float32", h100)
+        st = model.predict_plan(spec, hidden, batch, p, h100, seq_len=100, input_size=64)
+        assert st.benchmark_us(100) <= fwd_max
+        assert both_max is None or st.benchmark_us(100, True) <= both_max
+        fwd = model.call_costs(spec, hidden, batch, 100, 64, False, h100)
+        bwd = model.call_costs(spec, hidden, batch, 100, 64, True, h100)
+        assert fwd.api_calls == launch.chain_launches(3) + launch.CHAIN_MEMSETS + 6 + (cell == "lstm")
+        assert fwd.host_us < 70 and bwd.host_us < 110  # issue 26's 30 / 50 need one graph per call
