@@ -17,18 +17,22 @@ memsets, so that tests hold a steady-state call to 0 synchronisations.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from . import settings
+from ._sources import cuda_src_dir
 
 Array = Any
 
 RESUME = np.int32(-2**31)  # kResumeFromChain: a resume launch reads its start from the chain
+LOOP_SOURCE = "device_loop.cu"  # the settle and completion kernels
 HEAD = 4                   # record words before the per-group completion starts (device_loop.cu)
 DONE, NOT_RESIDENT = 1, 2  # record flags
 UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
@@ -222,37 +226,63 @@ class Chain:
 
     def settle(self, end: int, first: int, resumed: bool, restart: bool,
                exchanges: tuple = ()) -> None:
-        """Launch ``prnn_settle`` (device_loop.cu) after a launch of the pass."""
+        """Launch ``prnn_settle`` (device_loop.cu) after a launch of the pass; ``exchanges``:
+        the tagged exchange buffers a restart zeroes (at most two)."""
         xs = list(exchanges) + [self.words] * (2 - len(exchanges))
-        sizes = [np.int64(x.size if i < len(exchanges) else 0) for i, x in enumerate(xs)]
-        args = (self.words, np.int32(self.groups), np.int32(self.grid), np.int32(end),
-                np.int32(first), np.int32(resumed), np.int32(restart),
-                xs[0], sizes[0], xs[1], sizes[1])
-        self._loop("prnn_settle", SETTLE_THREADS, args)
+        sizes = [x.size if i < len(exchanges) else 0 for i, x in enumerate(xs)]
+        self._loop("prnn_settle", SETTLE_THREADS, chain=self.words, groups=self.groups,
+                   grid=self.grid, end=end, first=first, resumed=resumed, restart=restart,
+                   exchange_a=xs[0], words_a=sizes[0], exchange_b=xs[1], words_b=sizes[1])
 
-    def complete(self, kernel: str, args: tuple) -> None:
-        """Launch a completion kernel (``prnn_complete_forward`` / ``_backward``) with ``args``
-        (its arguments before ``chain``, then the chain words and the sizes after them)."""
-        self._loop(kernel, COMPLETE_THREADS[self.engine.emulated], args)
+    def complete(self, kernel: str, **named: Any) -> None:
+        """Launch a completion kernel (``prnn_complete_*``, device_loop.cu) with ``named``
+        arguments (the chain's own are added)."""
+        self._loop(kernel, COMPLETE_THREADS[self.engine.emulated], chain=self.words,
+                   groups=self.groups, grid=self.grid, **named)
 
-    def _loop(self, kernel: str, threads: int, args: tuple) -> None:
+    def _loop(self, kernel: str, threads: int, **named: Any) -> None:
         COUNTERS.add("launches")
+        keep_alive(self.words, *named.values())
         extra = {"max_resident": 1} if self.engine.emulated else {}
-        self.engine.loop(kernel, 1, threads, 0, args, **extra)
+        self.engine.loop(kernel, 1, threads, 0, arguments(LOOP_SOURCE, kernel, **named), **extra)
 
 
-def launch_pass(engine: Engine, control: Array, buffers_: tuple, ints: tuple,
-                stall: settings.Stall) -> None:
-    """Launch ``engine``'s pass with the persistent kernels' argument order: ``(*buffers_,
-    control, *ints as int32, timeout_ns, stall_block, stall_step, stall_ns)``; the timeout is the
-    setting for the GPU or for the emulation. ``control`` must have been reset."""
+def launch_pass(engine: Engine, control: Array, named: dict, stall: settings.Stall) -> None:
+    """Launch ``engine``'s pass with its kernel's ``named`` arguments (``arguments``) plus the
+    control words, the timeout (the setting for the GPU or for the emulation) and ``stall``."""
     s, p = settings.current(), engine.pass_plan
     timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
     extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
+    block, step, ns = stall.args()
+    args = arguments(p.source, p.kernel, **named, control=control,
+                     timeout_ns=int(timeout_ms * 1e6), stall_block=block, stall_step=step,
+                     stall_ns=ns)
     COUNTERS.add("launches")
-    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                  (*buffers_, control, *(np.int32(n) for n in ints),
-                   np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
+    keep_alive(control, *named.values())
+    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes, args, **extra)
+
+
+_CAPTURED: list[Array] = []
+_CAPTURED_LOCK = threading.Lock()
+
+
+def keep_alive(*arrays: Any) -> None:
+    """Under CUDA stream capture, hold the device arrays a captured launch uses (the graph reads
+    and writes them on every replay, so they must outlive it; CuPy would otherwise return them
+    to its pool when the call's references go). ``release_captured`` lets them go."""
+    if not arrays or not capturing(arrays[0]):
+        return
+    with _CAPTURED_LOCK:
+        _CAPTURED.extend(a for a in arrays if not isinstance(a, (int, np.generic)))
+
+
+def release_captured() -> int:
+    """Let go of the arrays held for captured launches (call once every graph that captured a
+    persistent_rnn call is destroyed); returns how many were held."""
+    with _CAPTURED_LOCK:
+        n = len(_CAPTURED)
+        _CAPTURED.clear()
+    return n
 
 
 _FIRST_STARTS: dict[tuple, Array] = {}
@@ -326,3 +356,35 @@ def _report(record: DeviceRecord, stats, group: str) -> None:
             stats.fallback += ("; the grid was not co-resident (another stream held SMs): GEMM "
                                f"path for this configuration for "
                                f"{settings.current().residency_cooldown_s:g} s")
+
+
+_SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64,
+                 "unsigned long long": np.uint64, "float": np.float32}
+
+
+@lru_cache(maxsize=None)
+def parameters(source: str, kernel: str) -> tuple[tuple[str, type | None], ...]:
+    """The parameters of ``kernel`` in ``cuda_src/<source>``, read from its declaration: per
+    parameter its name and its NumPy scalar type (``None``: a pointer, an array is passed)."""
+    text = re.sub(r"//[^\n]*", "", (cuda_src_dir() / source).read_text())
+    match = re.search(rf"PRNN_KERNEL\s+void\s+(?:\w+\s+)*{kernel}\s*\(([^)]*)\)", text)
+    if match is None:
+        raise ValueError(f"{source} declares no kernel {kernel!r}")
+    params = []
+    for declaration in match.group(1).split(","):
+        words = declaration.replace("*", " * ").split()
+        name, kind = words[-1], " ".join(w for w in words[:-1] if w != "const")
+        params.append((name, None if "*" in kind else _SCALAR_TYPES[kind]))
+    return tuple(params)
+
+
+def arguments(source: str, kernel: str, **named: Any) -> tuple:
+    """``kernel``'s arguments in its parameter order, from ``named`` (one value per parameter,
+    scalars converted to the parameter's type). Raises TypeError naming what is missing or
+    unknown: the builders of every kernel family are checked against the CUDA declaration."""
+    params = parameters(source, kernel)
+    names = [n for n, _ in params]
+    missing, unknown = [n for n in names if n not in named], [n for n in named if n not in names]
+    if missing or unknown:
+        raise TypeError(f"{kernel}: missing arguments {missing}, unknown arguments {unknown}")
+    return tuple(named[n] if kind is None else kind(named[n]) for n, kind in params)

@@ -75,45 +75,46 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
             c0: Array | None, lengths: Array | None, algo: str, half: str | None = None,
             w_hr: Array | None = None) -> tuple[ForwardResult, RunStats]:
     """Enqueue the forward recurrence over all steps of ``gi`` (the GEMM path, or a persistent
-    pass with its restarts and completion on the device: nothing is read back). ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer
-    whose fp32 data holds values of that dtype: W_hh is held in it and h_t rounded to it every
-    step. ``w_hr``: an LSTM's projection (P, H), or ``None``."""
+    pass with its restarts and completion on the device: nothing is read back). ``half``:
+    ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer whose fp32 data holds values
+    of that dtype: W_hh is held in it and h_t rounded to it every step. ``w_hr``: an LSTM's
+    projection (P, H), or ``None``."""
     proj_size = 0 if w_hr is None else w_hr.shape[0]
     y, cs, saved = buffers.allocate_forward(cell, gi, proj_size)
     result = ForwardResult(y, cs, saved, None if w_hr is None else buffers.array_module(
         gi).empty_like(cs))
     steps, batch, _ = gi.shape
-    engine, reason = _engine(cell, gi, gi.shape[2] // cell.gates, batch, algo, backward=False, half=half,
+    hidden = gi.shape[2] // cell.gates
+    engine, reason = _engine(cell, gi, hidden, batch, algo, backward=False, half=half,
                              proj_size=proj_size)
-
     if engine is None:
         gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0,
                            half=half, w_hr=w_hr, hs=result.hs)
         return result, RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
-    hidden = gi.shape[2] // cell.gates
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
-    lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
     p = engine.pass_plan
-    if w_hr is None:
-        c0_arg = c(h0) if c0 is None else c(c0)
-        fixed = (buffers.weight_words(xp, w_hh, half), bias, c(gi), c(h0), c0_arg, lengths_arg,
-                 y, y if cs is None else cs, saved, _exchange(xp, batch, p.exchange_row))
-        sizes: tuple[int, ...] = (steps, batch, hidden)
+    args = dict(w_hh=buffers.weight_words(xp, w_hh, half), b_hh=bias, gi=c(gi), h0=c(h0),
+                lengths=buffers.full_lengths(xp, lengths, batch, steps), y=y, saved=saved,
+                steps=steps, batch=batch, hidden=hidden)
+    if w_hr is None:  # persistent_forward.cu
+        args.update(c0=c(h0) if c0 is None else c(c0), cs=y if cs is None else cs,
+                    exchange=_exchange(xp, batch, p.exchange_row))
+        exchanges = (args["exchange"],)
     else:  # persistent_projection_forward.cu: exchanges of r_t (tile A's rows), h_t (tile B's)
-        c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
-        fixed = (buffers.weight_words(xp, w_hh, half), buffers.weight_words(xp, w_hr, half), bias,
-                 c(gi), c(h0), c0_arg, lengths_arg, y, result.hs, cs, saved,
-                 _exchange(xp, batch, p.exchange_row), _exchange(xp, batch, p.exchange_row_b))
-        sizes = (steps, batch, hidden, proj_size)
-    # The completion kernel's arguments: unused ones are given ``bias`` (never read).
-    hs_arg, w_hr_arg = (y, bias) if w_hr is None else (result.hs, fixed[1])
-    tail = (c(h0), c0_arg, lengths_arg, y, hs_arg, y if cs is None else cs, saved)
-    stats = _run_on_device(engine, xp, fixed, sizes, 0, steps,
-                           exchanges=1 if w_hr is None else 2, complete="prnn_complete_forward",
-                           complete_args=(fixed[0], w_hr_arg, bias, c(gi), bias, bias, *tail),
-                           complete_sizes=(0, steps, batch, hidden, proj_size))
+        args.update(w_hr=buffers.weight_words(xp, w_hr, half), hs=result.hs, cs=cs, proj=proj_size,
+                    c0=xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0),
+                    exchange_r=_exchange(xp, batch, p.exchange_row),
+                    exchange_h=_exchange(xp, batch, p.exchange_row_b))
+        exchanges = (args["exchange_r"], args["exchange_h"])
+    # The completion kernel (device_loop.cu); arguments it does not read are given ``bias``.
+    complete = {k: args[k] for k in ("w_hh", "b_hh", "gi", "h0", "c0", "lengths", "y", "cs",
+                                     "saved", "steps", "batch", "hidden")}
+    complete.update(w_hr=args.get("w_hr", bias), hs=args.get("hs", y), w_ih=bias, b_ih=bias,
+                    chained=0, proj=proj_size)
+    stats = _run_on_device(engine, xp, args, 0, steps, exchanges, "prnn_complete_forward",
+                           complete)
     return result, stats
 
 
@@ -147,30 +148,28 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
     drs = None if w_hr is None else xp.empty_like(dy)
-    lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
     p = engine.pass_plan
-    if w_hr is None:
-        fixed = (buffers.weight_words(xp, w_hh.T, half), c(dy), fwd.y,
-                 fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
-                 c(h0) if c0 is None else c(c0), lengths_arg, dgi, dgh, dh_carry, dc_carry,
-                 _exchange(xp, batch, p.exchange_row))
-        sizes: tuple[int, ...] = (steps, batch, hidden)
+    args = dict(dy=c(dy), saved=fwd.saved, lengths=buffers.full_lengths(xp, lengths, batch, steps),
+                dgh=dgh, dc_carry=dc_carry, steps=steps, batch=batch, hidden=hidden)
+    if w_hr is None:  # persistent_backward.cu
+        args.update(w_t=buffers.weight_words(xp, w_hh.T, half), y=fwd.y,
+                    cs=fwd.y if fwd.cs is None else fwd.cs, h0=c(h0),
+                    c0=c(h0) if c0 is None else c(c0), dgi=dgi, dh_carry=dh_carry,
+                    exchange=_exchange(xp, batch, p.exchange_row))
+        exchanges = (args["exchange"],)
+        complete, kernel = dict(args, w_ih_t=args["dy"], chained=0, per_step=0), "prnn_complete_backward"
     else:  # persistent_projection_backward.cu: exchanges of dr_t (tile B's rows), dgates_t (A's)
-        c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
-        fixed = (buffers.weight_words(xp, w_hh.T, half), buffers.weight_words(xp, w_hr.T, half),
-                 c(dy), fwd.cs, fwd.saved, c0_arg, lengths_arg, dgh, drs, dh_carry, dc_carry,
-                 _exchange(xp, batch, p.exchange_row_b), _exchange(xp, batch, p.exchange_row))
-        sizes = (steps, batch, hidden, proj_size)
-    if w_hr is None:
-        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, exchanges=1,
-                               complete="prnn_complete_backward",
-                               complete_args=(fixed[0], fixed[1], *fixed[1:12]),
-                               complete_sizes=(0, 0, steps, batch, hidden))
-    else:
-        stats = _run_on_device(engine, xp, fixed, sizes, steps - 1, -1, exchanges=2,
-                               complete="prnn_complete_projection_backward",
-                               complete_args=fixed[:11],
-                               complete_sizes=(steps, batch, hidden, proj_size))
+        args.update(w_hh_t=buffers.weight_words(xp, w_hh.T, half),
+                    w_hr_t=buffers.weight_words(xp, w_hr.T, half), cs=fwd.cs, drs=drs,
+                    c0=xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0),
+                    dr_carry=dh_carry, proj=proj_size,
+                    exchange_r=_exchange(xp, batch, p.exchange_row_b),
+                    exchange_g=_exchange(xp, batch, p.exchange_row))
+        exchanges = (args["exchange_r"], args["exchange_g"])
+        complete, kernel = dict(args), "prnn_complete_projection_backward"
+    for name in ("exchange", "exchange_r", "exchange_g"):
+        complete.pop(name, None)
+    stats = _run_on_device(engine, xp, args, steps - 1, -1, exchanges, kernel, complete)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
     dh0 = dh_carry[0] + dgh[0] @ w_hh
     return BackwardResult(dgi, dgh, dh0, dc_carry[0] if cell.has_cell_state else None,
@@ -180,35 +179,28 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
 def _exchange(xp, batch: int, row_words: int) -> Array:
     """A kernel's tagged exchange buffer, [2][batch][row_words] uint32 (row_words: the pass
     plan's ``exchange_row`` or ``exchange_row_b``, its staged vector's row), zeroed (tag 0 is
-    never published, so no launch of this pass can take a word for one it waits on); the
-    kernel's last buffer argument (the projection kernels: the last two; a cluster kernel keeps
-    its own in shared memory)."""
+    never published, so no launch of this pass can take a word for one it waits on); a cluster
+    kernel keeps its own in shared memory and never reads it."""
     return xp.zeros((2, batch, row_words), np.uint32)
 
 
-def _run_on_device(engine: _Engine, xp, fixed: tuple, sizes: tuple[int, ...], first: int,
-                   end: int, exchanges: int, complete: str, complete_args: tuple,
-                   complete_sizes: tuple[int, ...]) -> RunStats:
-    """Enqueue a layer-direction's whole chain (``launch.run_chain``: the pass, its restarts and
-    its completion decided on the device) and return its stats (read lazily from the device
-    record). ``complete_args``: the completion kernel's arguments before the chain words;
-    ``complete_sizes``: after ``groups`` and ``grid``, its int arguments."""
+def _run_on_device(engine: _Engine, xp, args: dict, first: int, end: int, exchanges: tuple,
+                   complete: str, complete_args: dict) -> RunStats:
+    """Enqueue a layer-direction's whole chain (``launch.run_chain``: the pass with ``args``,
+    its restarts and its completion kernel ``complete`` with ``complete_args``, decided on the
+    device) and return its stats (read lazily from the chain's record)."""
     chain = launch.Chain(xp, engine, 1)
-    stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1, details=[""])
 
     def go(start, stall: settings.Stall) -> None:
-        launch.launch_pass(engine, chain.control, fixed, (*sizes, start), stall)
+        launch.launch_pass(engine, chain.control, dict(args, start=start), stall)
 
-    def finish() -> None:
-        chain.complete(complete, (*complete_args, chain.words, np.int32(1),
-                                  np.int32(engine.pass_plan.grid),
-                                  *(np.int32(n) for n in complete_sizes)))
-
-    launch.run_chain(chain, go, first, end, settings.current_stall(), fixed[-exchanges:], finish)
+    launch.run_chain(chain, go, first, end, settings.current_stall(), exchanges,
+                     lambda: chain.complete(complete, **complete_args))
     pp = engine.pass_plan
-    stats.details[-1] = (f"{pp.kernel} ({'emulated' if engine.emulated else 'GPU'}): "
-                         f"{pp.defines}, grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B "
-                         f"shared; restarts and completion on the device")
+    stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1, details=[
+        f"{pp.kernel} ({'emulated' if engine.emulated else 'GPU'}): {pp.defines}, grid "
+        f"{pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; restarts and completion "
+        "on the device"])
     launch.record_of(chain, end, stats)
     return stats
 
@@ -324,9 +316,6 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
     return _Engine(pass_plan, module.launch, False, key, _loop_launcher(pass_plan, False)), None
 
 
-LOOP_SOURCE = "device_loop.cu"  # the settle and completion kernels of every pass (launch.py)
-
-
 def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[..., None]:
     """The launcher of a pass's settle and completion kernels (built on first use)."""
     defines = loop_defines(pass_plan)
@@ -336,7 +325,7 @@ def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[...,
             from . import emulate as builder
         else:
             from . import kernels as builder  # type: ignore[no-redef]
-        builder.get_module(LOOP_SOURCE, defines).launch(*args, **kw)
+        builder.get_module(launch.LOOP_SOURCE, defines).launch(*args, **kw)
     return launch_
 
 

@@ -65,27 +65,22 @@ def _cached_engine(cell: CellSpec, hidden: int, batch: int, layers: int, bidirec
                              emulated)
 
 
-def _run(engine_: launch.Engine, lead: tuple, tail: tuple, sizes: tuple[int, int, int],
-         layers: int, direction: int, xp, chained: bool, complete: str,
-         complete_args: tuple, complete_sizes: tuple[int, ...]) -> RunStats:
-    """Enqueue a stack pass's whole chain (``launch.run_chain``): the stack kernel takes ``lead``,
-    the layers' ``starts``, ``tail``; its completion kernel ``complete_args``, the chain words,
-    ``layers``, the grid and ``complete_sizes``. Nothing is read back."""
+def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, chained: bool,
+         complete: str, complete_args: dict) -> RunStats:
+    """Enqueue a stack pass's whole chain (``launch.run_chain``): the stack kernel with ``args``
+    and each launch's ``starts``, its completion kernel ``complete`` with ``complete_args``.
+    Nothing is read back."""
     chain = launch.Chain(xp, engine_, layers)
-    steps = sizes[0]
+    steps = args["steps"]
     first, end = (0, steps) if direction > 0 else (steps - 1, -1)
     first_starts = launch.first_starts(xp, layers, first)
 
     def go(start, stall: settings.Stall) -> None:
         starts = first_starts if start is not launch.RESUME else chain.starts
-        launch.launch_pass(engine_, chain.control, (*lead, starts, *tail), sizes, stall)
+        launch.launch_pass(engine_, chain.control, dict(args, starts=starts), stall)
 
-    def finish() -> None:
-        chain.complete(complete, (*complete_args, chain.words, np.int32(layers),
-                                  np.int32(engine_.pass_plan.grid),
-                                  *(np.int32(n) for n in complete_sizes)))
-
-    launch.run_chain(chain, go, first, end, settings.current_stall(), (), finish)
+    launch.run_chain(chain, go, first, end, settings.current_stall(), (),
+                     lambda: chain.complete(complete, **complete_args))
     pp = engine_.pass_plan
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     stats = RunStats(algo="persistent", emulated=engine_.emulated, launches=1, details=[
@@ -135,18 +130,15 @@ def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence
                for k in range(layers)]
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
     w_ih = _stacked(xp, [w[0] for w in weights[1:]]) if chained else _unused(xp)
-    lead = (w_ih, _stacked(xp, [w[1] for w in weights]),
-            _biases(xp, cell, weights, 2, hidden), _biases(xp, cell, weights, 3, hidden), f32(gi),
-            f32(h0), f32(h0 if c0 is None else c0), buffers.full_lengths(xp, lengths, batch, steps),
-            np.int32(chained))
-    tail = (y, y if cs is None else cs, saved,
-            _exchange(xp, engine_, layers, steps, batch))
-
-    # The completion kernel's arguments (device_loop.cu; W_hh stands in for the unused W_hr).
-    complete_args = (lead[1], lead[1], lead[3], lead[4], lead[0], lead[2], *lead[5:8], y, y,
-                     y if cs is None else cs, saved)
-    stats = _run(engine_, lead, tail, (steps, batch, hidden), layers, 1, xp, chained,
-                 "prnn_complete_forward", complete_args, (int(chained), steps, batch, hidden, 0))
+    args = dict(w_ih=w_ih, w_hh=_stacked(xp, [w[1] for w in weights]),
+                b_ih=_biases(xp, cell, weights, 2, hidden), b_hh=_biases(xp, cell, weights, 3, hidden),
+                gi=f32(gi), h0=f32(h0), c0=f32(h0 if c0 is None else c0),
+                lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, y=y,
+                cs=y if cs is None else cs, saved=saved, steps=steps, batch=batch, hidden=hidden)
+    # The completion kernel (device_loop.cu; W_hh stands in for the W_hr it does not read).
+    complete = dict(args, w_hr=args["w_hh"], hs=y, proj=0)
+    stats = _run(engine_, dict(args, exchange=_exchange(xp, engine_, layers, steps, batch)),
+                 layers, 1, xp, chained, "prnn_complete_forward", complete)
     return results, stats
 
 
@@ -174,14 +166,15 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
     y = _stacked(xp, [f.y for f in fwds])
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
     w_ih_t = _stacked(xp, [w[0].T for w in weights[1:]]) if chained else _unused(xp)
-    lead = (_stacked(xp, [w[1].T for w in weights]), w_ih_t,
-            f32(dy), y, y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds]),
-            _stacked(xp, [f.saved for f in fwds]), f32(h0), f32(h0 if c0 is None else c0),
-            buffers.full_lengths(xp, lengths, batch, steps), np.int32(chained))
-    tail = (dgi, dgh, dh_carry, dc_carry, exchange_gh, exchange_gi)
-    stats = _run(engine_, lead, tail, (steps, batch, hidden), layers, -1, xp, chained,
-                 "prnn_complete_backward", (*lead[:9], dgi, dgh, dh_carry, dc_carry),
-                 (int(chained), 1, steps, batch, hidden))
+    args = dict(w_t=_stacked(xp, [w[1].T for w in weights]), w_ih_t=w_ih_t, dy=f32(dy), y=y,
+                cs=y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds]),
+                saved=_stacked(xp, [f.saved for f in fwds]), h0=f32(h0),
+                c0=f32(h0 if c0 is None else c0),
+                lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, dgi=dgi,
+                dgh=dgh, dh_carry=dh_carry, dc_carry=dc_carry, steps=steps, batch=batch,
+                hidden=hidden)
+    stats = _run(engine_, dict(args, exchange_gh=exchange_gh, exchange_gi=exchange_gi), layers,
+                 -1, xp, chained, "prnn_complete_backward", dict(args, per_step=1))
     # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back.
     results = [runtime.BackwardResult(dgi[k], dgh[k], dh_carry[k, 0] + dgh[k, 0] @ weights[k][1],
                                       dc_carry[k, 0] if cell.has_cell_state else None)

@@ -85,7 +85,7 @@ def test_a_sabotaged_completion_fails(settings, grid_path, monkeypatch):
     layer, reference = _layer("LSTM"), _layer("LSTM", algo="gemm")
     x, dy = _data(layer)
     expected, _, _ = _call(reference, x, dy)
-    monkeypatch.setattr(launch.Chain, "complete", lambda self, kernel, args: None)
+    monkeypatch.setattr(launch.Chain, "complete", lambda self, kernel, **named: None)
     with prnn.inject_stall(block=1, step=3, duration_ms=700):
         got, _, _ = _call(layer, x, dy)
     assert not all(np.allclose(a, b, rtol=2e-5, atol=2e-5) for a, b in zip(expected, got))
@@ -140,3 +140,28 @@ def test_per_call_predictions_hold_issue_26s_end_to_end_targets():
         bwd = model.call_costs(spec, hidden, batch, 100, 64, True, h100)
         assert fwd.api_calls == launch.chain_launches(3) + launch.CHAIN_MEMSETS + 6 + (cell == "lstm")
         assert fwd.host_us < 70 and bwd.host_us < 110  # issue 26's 30 / 50 need one graph per call
+
+
+def test_named_arguments_follow_the_kernel_declarations(settings):
+    """Every kernel family's parameters as ``launch.parameters`` reads them from its CUDA
+    declaration match the emulated build's own signature (pointer or scalar type, in order);
+    a missing or unknown name is refused."""
+    from persistent_rnn import emulate, plan as planner
+    from persistent_rnn.cells import CELLS
+    letters = {None: "p", np.int32: "i", np.uint32: "I", np.int64: "q", np.uint64: "Q"}
+    fwd = planner.pass_plan(CELLS["gru"], planner.SHIPPED["gru"][0], False, 16, 2)
+    for source, defines, kernels in (
+            (fwd.source, fwd.defines, [fwd.kernel]),
+            (launch.LOOP_SOURCE, runtime.loop_defines(fwd),
+             ["prnn_settle", "prnn_complete_forward", "prnn_complete_backward",
+              "prnn_complete_projection_backward"])):
+        module = emulate.get_module(source, defines)
+        for kernel in kernels:
+            got = "".join(letters[kind] for _, kind in launch.parameters(source, kernel))
+            assert got == module._signature(kernel), kernel
+    with pytest.raises(TypeError, match=r"missing arguments \['chain'"):
+        launch.arguments(launch.LOOP_SOURCE, "prnn_settle", groups=1)
+    with pytest.raises(TypeError, match=r"unknown arguments \['bogus'\]"):
+        launch.arguments(launch.LOOP_SOURCE, "prnn_complete_forward", bogus=1,
+                         **{n: 0 for n, _ in launch.parameters(launch.LOOP_SOURCE,
+                                                               "prnn_complete_forward")})

@@ -10,7 +10,6 @@ from persistent_rnn import launch, plan as planner, runtime
 from persistent_rnn.cells import CELLS
 from persistent_rnn.stats import RunStats
 
-N_FIXED = 3  # leading buffer arguments the fake kernel is given
 
 
 class FakeKernel:
@@ -24,10 +23,11 @@ class FakeKernel:
         self.done, self.grid, self.idle, self.launches = list(done), grid, idle, []
 
     def __call__(self, kernel, grid, block, shared_bytes, args, max_resident=None):
-        control = args[N_FIXED]
-        steps, batch, hidden, start = (int(a) for a in args[N_FIXED + 1:N_FIXED + 5])
-        stall = tuple(int(a) for a in args[N_FIXED + 6:])
-        assert grid == self.grid and isinstance(args[N_FIXED + 5], np.uint64)
+        source = "persistent_backward.cu" if kernel.endswith("backward") else "persistent_forward.cu"
+        a = dict(zip((n for n, _ in launch.parameters(source, kernel)), args))
+        control, steps, start = a["control"], int(a["steps"]), int(a["start"])
+        stall = (int(a["stall_block"]), int(a["stall_step"]), int(a["stall_ns"]))
+        assert grid == self.grid and isinstance(a["timeout_ns"], np.uint64)
         progress = control[2:2 + grid].view(np.int32)
         direction = -1 if kernel.endswith("backward") else 1
         end = steps if direction > 0 else -1
@@ -52,10 +52,12 @@ def _chain(fake, first, end, backward=False):
     fake.grid = pp.grid
     engine = launch.Engine(pp, fake, True, ("fake",), runtime._loop_launcher(pp, True))
     chain, completed = launch.Chain(np, engine, 1), []
-    fixed = tuple(np.zeros(1, np.float32) for _ in range(N_FIXED))
+    buffers = {n: np.zeros(1, np.float32) for n, kind in launch.parameters(pp.source, pp.kernel)
+               if kind is None and n != "control"}
 
     def go(start, stall):
-        launch.launch_pass(engine, chain.control, fixed, (10, 2, 16, start), stall)
+        launch.launch_pass(engine, chain.control,
+                           dict(buffers, steps=10, batch=2, hidden=16, start=start), stall)
 
     launch.run_chain(chain, go, first, end, prnn.settings.current_stall(), (),
                      lambda: completed.append(int(chain.starts[0])))
