@@ -48,6 +48,7 @@ class Counters:
     host_syncs: int = 0
     launches: int = 0
     memsets: int = 0
+    allocations: int = 0  # CuPy device allocations (from its pool or not); only under counting()
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, what: str, n: int = 1) -> None:
@@ -55,7 +56,8 @@ class Counters:
             setattr(self, what, getattr(self, what) + n)
 
     def snapshot(self) -> dict[str, int]:
-        return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets}
+        return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets,
+                "allocations": self.allocations}
 
 
 COUNTERS = Counters()
@@ -63,14 +65,37 @@ COUNTERS = Counters()
 
 @contextlib.contextmanager
 def counting() -> Iterator[Counters]:
-    """Count what the runtime does inside the block: yields a ``Counters`` of the difference."""
+    """Count what the runtime does inside the block: yields a ``Counters`` of the difference.
+    Where CuPy sees a GPU, its device allocations in this thread are counted too (through
+    ``cupy.cuda.using_allocator``); NumPy allocations are not device allocations."""
     before = COUNTERS.snapshot()
     out = Counters()
     try:
-        yield out
+        with _counting_allocations():
+            yield out
     finally:
         for k, v in COUNTERS.snapshot().items():
             setattr(out, k, v - before[k])
+
+
+@contextlib.contextmanager
+def _counting_allocations() -> Iterator[None]:
+    try:
+        import cupy
+        has_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or no driver: nothing allocates on a device
+        has_gpu = False
+    if not has_gpu:
+        yield
+        return
+    allocate = cupy.cuda.get_allocator()
+
+    def counted(size: int):
+        COUNTERS.add("allocations")
+        return allocate(size)
+
+    with cupy.cuda.using_allocator(counted):
+        yield
 
 
 @dataclass(frozen=True)
