@@ -165,3 +165,20 @@ def test_named_arguments_follow_the_kernel_declarations(settings):
         launch.arguments(launch.LOOP_SOURCE, "prnn_complete_forward", bogus=1,
                          **{n: 0 for n, _ in launch.parameters(launch.LOOP_SOURCE,
                                                                "prnn_complete_forward")})
+
+
+def test_a_torch_module_call_does_not_synchronise(settings):
+    torch = pytest.importorskip("torch")
+    from persistent_rnn.torch import GRU
+    prnn.configure(stack=False)
+    module = GRU(3, 16, num_layers=2, algo="persistent")
+    x = torch.randn(7, 2, 3, requires_grad=True)
+    module(x)[0].sum().backward()
+    with launch.counting() as n:
+        y, _ = module(x)
+        y.sum().backward()
+    assert n.host_syncs == 0 and n.launches == 4 * launch.chain_launches(3)
+    with launch.counting() as n:
+        run = module.last_run
+        assert run.algo == "persistent" and run.restarts == 0 and run.backward.restarts == 0
+    assert n.host_syncs == 0  # emulated: the records are complete when the call returns

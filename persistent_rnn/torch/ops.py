@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -59,8 +59,11 @@ class LastRun(RunStats):
 
     @classmethod
     def of(cls, stats: RunStats) -> "LastRun":
-        """A record holding a copy of ``stats``."""
-        return cls(**{f.name: getattr(stats, f.name) for f in fields(RunStats)})
+        """A record holding a copy of ``stats`` (its device records still unread: reading them
+        would wait for the GPU, which a call never does)."""
+        record = cls(algo=stats.algo)
+        record.merge(stats)
+        return record
 
 
 @dataclass
