@@ -337,6 +337,7 @@ def chain_launches(max_restarts: int) -> int:
 
 
 CHAIN_MEMSETS = 2  # Chain.reset
+RECORD_CALLS = 2   # on the GPU: the record's copy to pinned memory and its event (DeviceRecord)
 
 
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,

@@ -476,7 +476,7 @@ BACKWARD_OTHER_CALLS = 14
 @dataclass(frozen=True)
 class CallCost:
     """What one layer-direction call costs beside its recurrence's steps - a prediction:
-    ``api_calls`` (kernel launches and memsets, the chain's included), ``host_us`` (their host
+    ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us`` (their host
     time, ``hw.API_CALL_HOST_US`` each; the Python around them is not included) and
     ``device_us`` (GPU time beside the steps: the chain's launches that exit at once, the GEMMs,
     the small kernels)."""
@@ -501,8 +501,8 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
         other = BACKWARD_OTHER_CALLS + 2 * lstm
-    calls = chain + launch.CHAIN_MEMSETS + other
-    small = calls - chain - len(gemms)  # fills, copies, adds: short kernels
+    calls = chain + launch.CHAIN_MEMSETS + launch.RECORD_CALLS + other
+    small = calls - chain - launch.RECORD_CALLS - len(gemms)  # fills, copies, adds: short kernels
     device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US + sum(_gemm_us(f, device) for f in gemms)
                  + small * hw.EMPTY_LAUNCH_US)
     return CallCost(calls, calls * hw.API_CALL_HOST_US, device_us)
