@@ -26,11 +26,9 @@ update ``W_hh`` in place and nothing cheaper than a copy proves a cached one cur
 """
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import launch, plan as planner, runtime
+from persistent_rnn import launch, plan as planner
 
 pytestmark = pytest.mark.timeout(300)
 
