@@ -183,3 +183,27 @@ def test_a_torch_module_call_does_not_synchronise(settings):
         run = module.last_run
         assert run.algo == "persistent" and run.restarts == 0 and run.backward.restarts == 0
     assert n.host_syncs == 0  # emulated: the records are complete when the call returns
+
+
+def test_a_captured_call_keeps_its_buffers_and_restarts_at_replay(cupy, settings):
+    """GPU: a forward captured with a stall in it restarts on the device at every replay and
+    gives the eager results, with the pool churned between capture and replay (the arrays the
+    graph uses are held, launch.keep_alive); nothing is read back during the capture."""
+    prnn.configure(gpu_timeout_ms=20, stack=False)
+    layer = prnn.GRU(12, 64, num_layers=2, algo="persistent", seed=3)
+    x = cupy.asarray(np.random.default_rng(1).standard_normal((9, 4, 12)), np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        eager = layer.forward(x)[0].get()
+        stream.begin_capture()
+        with launch.counting() as n, prnn.inject_stall(block=1, step=3, duration_ms=60):
+            y, _ = layer.forward(x)
+        graph = stream.end_capture()
+        assert n.host_syncs == 0
+        churn = [cupy.full(1 << 16, np.nan, np.float32) for _ in range(64)]  # reuse freed blocks
+        y[...] = 0
+        graph.launch(stream)
+        stream.synchronize()
+    del churn
+    np.testing.assert_array_equal(y.get(), eager)
+    assert launch.release_captured() > 0
