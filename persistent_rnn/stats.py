@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # Fields a device record may still have to fill in (``defer``): reading one folds them in first.
-_LAZY = frozenset({"restarts", "fallback", "launches", "details"})
+# (``details`` is not among them: notes are appended during a call, which must not wait.)
+_LAZY = frozenset({"restarts", "fallback", "launches"})
 
 
 @dataclass
@@ -18,7 +19,8 @@ class RunStats:
     kernel; ``launches`` counts the persistent kernel launches of the pass that ran steps
     (restarts included; 0 on the GEMM path): a stack in stack mode takes one, otherwise one per
     layer-direction. The restart loop runs on the device (``launch``): ``restarts``, ``fallback``
-    and ``launches`` are read from its record when first asked for, not during the call.
+    and ``launches`` are read from its record when first asked for (on the GPU that waits for
+    the call's work), not during the call.
     """
 
     algo: str = "gemm"

@@ -208,3 +208,17 @@ def test_a_captured_call_keeps_its_buffers_and_restarts_at_replay(cupy, settings
     del churn
     np.testing.assert_array_equal(y.get(), eager)
     assert launch.release_captured() > 0
+
+
+def test_notes_during_a_call_do_not_read_the_device_record(settings):
+    """A call appends notes to its stats (``details``) while its records are unread: that must
+    not fold them in (on the GPU it would wait for the device)."""
+    from persistent_rnn.stats import RunStats
+    folded = []
+    stats = RunStats(algo="persistent")
+    stats.defer(lambda s: folded.append(1))
+    stats.details.append("stack mode not used: ...")
+    total = RunStats()
+    total.merge(stats)
+    assert folded == []
+    assert total.restarts == 0 and folded == [1]
