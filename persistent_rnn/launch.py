@@ -49,6 +49,7 @@ class Counters:
     launches: int = 0
     memsets: int = 0
     allocations: int = 0  # CuPy device allocations (from its pool or not); only under counting()
+    record_reads: int = 0  # device records folded into stats (on the GPU: may wait for it)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, what: str, n: int = 1) -> None:
@@ -57,7 +58,7 @@ class Counters:
 
     def snapshot(self) -> dict[str, int]:
         return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets,
-                "allocations": self.allocations}
+                "allocations": self.allocations, "record_reads": self.record_reads}
 
 
 COUNTERS = Counters()
@@ -205,6 +206,7 @@ class DeviceRecord:
     def read(self) -> dict:
         """The decoded record: ``restarts``, ``completed_from`` (per group, ``end``: none),
         ``not_resident``; waits for the device if it has not finished (counted)."""
+        COUNTERS.add("record_reads")
         if not self.poll():
             COUNTERS.add("host_syncs")
             self._event.synchronize()

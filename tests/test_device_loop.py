@@ -92,21 +92,24 @@ def test_a_sabotaged_completion_fails(settings, grid_path, monkeypatch):
     assert not all(np.allclose(a, b, rtol=2e-5, atol=2e-5) for a, b in zip(expected, got))
 
 
-@pytest.mark.parametrize("cell,kw", [("GRU", {}), ("LSTM", {"num_layers": 2}),
-                                     ("LSTM", {"dtype": "float16"}),
-                                     ("LSTM", {"proj_size": 8})])
-def test_a_steady_state_call_does_not_synchronise(settings, cell, kw):
-    prnn.configure(stack=False)
+@pytest.mark.parametrize("cell,kw,stack", [("GRU", {}, False), ("LSTM", {"num_layers": 2}, False),
+                                           ("LSTM", {"num_layers": 3}, True),
+                                           ("GRU", {"num_layers": 2, "bidirectional": True}, True),
+                                           ("LSTM", {"dtype": "float16"}, False),
+                                           ("LSTM", {"proj_size": 8}, False)])
+def test_a_steady_state_call_does_not_synchronise(settings, cell, kw, stack):
+    prnn.configure(stack=stack)
     layer = _layer(cell, **kw)
     x, dy = (a.astype(kw.get("dtype", np.float32)) for a in _data(layer))
     dy = dy[..., :kw["proj_size"]] if "proj_size" in kw else dy
     layer.forward(x)
     with launch.counting() as n:
         layer.forward(x)
-    assert n.host_syncs == 0 and n.launches > 0
+    assert n.host_syncs == n.record_reads == 0 and n.launches > 0
+    assert stack == any("prnn_stack" in d for d in layer.last_run.details)
     with launch.counting() as n:
         layer.backward(dy)
-    assert n.host_syncs == 0 and n.launches > 0
+    assert n.host_syncs == n.record_reads == 0 and n.launches > 0
     with launch.counting() as n:
         assert layer.last_run.restarts == 0  # reading last_run waits for the device record
     assert n.host_syncs == 0  # emulated: the records are complete when the call returns
@@ -179,7 +182,7 @@ def test_a_torch_module_call_does_not_synchronise(settings):
     with launch.counting() as n:
         y, _ = module(x)
         y.sum().backward()
-    assert n.host_syncs == 0 and n.launches == 4 * launch.chain_launches(3)
+    assert n.host_syncs == n.record_reads == 0 and n.launches == 4 * launch.chain_launches(3)
     with launch.counting() as n:
         run = module.last_run
         assert run.algo == "persistent" and run.restarts == 0 and run.backward.restarts == 0
