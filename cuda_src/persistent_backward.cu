@@ -59,6 +59,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   }
   RegisterTile tile;
   tile.load(w_t, rows, warp_chunk() * kChunk, gh_len, threadIdx.x % kWarp);
+  start = launch_start_late(control, start);
+  if (start < 0) return;  // a resume launch of a pass already complete
 
   // The pointwise thread of (b, unit) is the same every step: it keeps that unit's carries.
   for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {

@@ -34,6 +34,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
   constexpr bool kWarpTeam = kWarpTeams<G>;
   constexpr int kStaged = kStagedBuffers<G>;
+  start = launch_start(control, start);
+  if (start >= steps) return;  // a resume launch of a pass already complete
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};

@@ -27,6 +27,8 @@ PRNN_KERNEL void prnn_projection_forward(
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits, V = kProjRows;
+  start = launch_start(control, start);
+  if (start >= steps) return;  // a resume launch of a pass already complete
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
   prnn_note_started(ctl);
   const PrnnStall stall{stall_block, stall_step, stall_ns};

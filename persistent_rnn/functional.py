@@ -7,8 +7,9 @@ backward needs goes out in an explicit context. Used by ``layers`` (NumPy/CuPy l
 
 Per layer and direction: one GEMM projects the input for all steps (``gi = x @ W_ih^T + b_ih``),
 ``runtime.forward`` starts the recurrence; backward starts ``runtime.backward`` and then forms
-``dW_hh``, ``dW_ih``, the biases and ``dx`` as single GEMMs / reductions over all steps. The
-progress of all persistent passes of the stack is checked once per call (``runtime.settle``).
+``dW_hh``, ``dW_ih``, the biases and ``dx`` as single GEMMs / reductions over all steps. A
+persistent pass's restarts and completion are decided on the device (``launch``): nothing is
+read back during a call.
 The reverse direction sees each sequence reversed within its own length (a gather with an index
 array), so sequences of any length, in any order, need no sorting or packing.
 
@@ -95,10 +96,8 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     holding values of that dtype, the recurrence rounds h_t to it every step (docs/api.md).
 
     Stack mode (``stack``): a unidirectional stack whose layers fit the register files together
-    runs in one launch. Otherwise every layer-direction is started without waiting for the
-    previous one; their progress is checked once at the end (``runtime.settle``). Where a
-    persistent pass did not finish, it is resumed and the layers above it run again on its
-    completed output.
+    runs in one launch. Otherwise every layer-direction is enqueued without waiting for the
+    previous one; restarts and the completion of an unfinished pass happen on the device.
     """
     x = x.transpose(1, 0, 2) if batch_first else x
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
@@ -133,26 +132,17 @@ def _forward_layers(ctx: Context, layer_input: Array, h0_all: Array,
     returns the last layer's output."""
     num_dirs = 2 if ctx.bidirectional else 1
     stats: dict[tuple[int, int], RunStats] = {}
-    first, rerun = 0, False
-    while True:
-        pending = []
-        for layer in range(first, ctx.num_layers):
-            ctx.inputs[layer] = layer_input
-            ctx.directions[layer] = []
-            for direction in range(num_dirs):
-                k = layer * num_dirs + direction
-                d = _Direction(_names(ctx, layer, direction == 1), h0_all[k],
-                               None if c0_all is None else c0_all[k], None)
-                d.fwd, stats[layer, direction], p = _start_direction(ctx, layer_input, d,
-                                                                     direction == 1, rerun)
-                pending += [(layer, p)] if p else []
-                ctx.directions[layer].append(d)
-            layer_input = _layer_output(ctx, layer)
-        failed = runtime.settle(pending)
-        if failed is None:
-            break
-        layer_input, first, rerun = _layer_output(ctx, failed), failed + 1, True
-    ctx.stats = _merged(stats, rerun)
+    for layer in range(ctx.num_layers):
+        ctx.inputs[layer] = layer_input
+        ctx.directions[layer] = []
+        for direction in range(num_dirs):
+            k = layer * num_dirs + direction
+            d = _Direction(_names(ctx, layer, direction == 1), h0_all[k],
+                           None if c0_all is None else c0_all[k], None)
+            d.fwd, stats[layer, direction] = _start_direction(ctx, layer_input, d, direction == 1)
+            ctx.directions[layer].append(d)
+        layer_input = _layer_output(ctx, layer)
+    ctx.stats = _merged(stats)
     return layer_input
 
 
@@ -217,8 +207,7 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
 
     ``dy`` has ``y``'s shape (entries past a sequence's length are ignored); ``dhn``: ``None``
     (zero), ``dh_n``, or ``(dh_n, dc_n)`` for the LSTM (either may be ``None``). ``dhx`` is
-    ``dh0`` or ``(dh0, dc0)``; ``grads`` has the keys of the parameters. Progress is checked
-    once, as in ``forward``; layers below a resumed one run again.
+    ``dh0`` or ``(dh0, dc0)``; ``grads`` has the keys of the parameters.
     """
     xp = array_module(dy)
     dy = dy.transpose(1, 0, 2) if ctx.batch_first else dy
@@ -249,29 +238,19 @@ def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array |
     xp = array_module(d_out)
     stats: dict[tuple[int, int], RunStats] = {}
     num_dirs = len(ctx.directions[0])
-    first, rerun = ctx.num_layers - 1, False
-    while True:
-        pending = []
-        for layer in range(first, -1, -1):
-            for direction, d in enumerate(ctx.directions[layer]):
-                k = layer * num_dirs + direction
-                hidden = d.h0.shape[1]
-                dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
-                dy_d = (_gather(ctx.reverse_index, dy_d) if direction == 1
-                        else xp.ascontiguousarray(dy_d))
-                w_hh, w_hr = (_param(ctx, d, kind) for kind in ("weight_hh", "weight_hr"))
-                results[layer, direction], stats[layer, direction], p = runtime.backward(
-                    ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
-                    d.fwd, ctx.algo, rerun, ctx.half, w_hr)
-                pending += [(layer, p)] if p else []
-            d_out = _layer_gradients(ctx, layer, results, grads)
-        failed = runtime.settle(pending)
-        if failed is None:
-            break
-        d_out, first, rerun = _layer_gradients(ctx, failed, results, grads), failed - 1, True
-        if first < 0:
-            break
-    ctx.backward_stats = _merged(stats, rerun)
+    for layer in range(ctx.num_layers - 1, -1, -1):
+        for direction, d in enumerate(ctx.directions[layer]):
+            k = layer * num_dirs + direction
+            hidden = d.h0.shape[1]
+            dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
+            dy_d = (_gather(ctx.reverse_index, dy_d) if direction == 1
+                    else xp.ascontiguousarray(dy_d))
+            w_hh, w_hr = (_param(ctx, d, kind) for kind in ("weight_hh", "weight_hr"))
+            results[layer, direction], stats[layer, direction] = runtime.backward(
+                ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
+                d.fwd, ctx.algo, ctx.half, w_hr)
+        d_out = _layer_gradients(ctx, layer, results, grads)
+    ctx.backward_stats = _merged(stats)
     return d_out
 
 
@@ -318,15 +297,15 @@ def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     return d_out
 
 
-def _start_direction(ctx: Context, layer_input: Array, d: _Direction, reverse: bool,
-                     rerun: bool) -> tuple[runtime.ForwardResult, RunStats, runtime.Pending | None]:
-    """Project the input for all steps (one GEMM) and start this direction's recurrence."""
+def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
+                     reverse: bool) -> tuple[runtime.ForwardResult, RunStats]:
+    """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
     w_hr = _param(ctx, d, "weight_hr")
     gi = _projected(layer_input, w_ih, b_ih)
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
-    return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo, rerun,
+    return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
                            ctx.half, w_hr)
 
 
@@ -389,15 +368,11 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
     return d_in if d_in is not None else xp.zeros_like(layer_input)
 
 
-def _merged(stats: Mapping[tuple[int, int], RunStats], rerun: bool) -> RunStats:
+def _merged(stats: Mapping[tuple[int, int], RunStats]) -> RunStats:
     """One ``RunStats`` over all layer-directions (in order)."""
-    if len(stats) == 1 and not rerun:
-        return next(iter(stats.values()))  # what merging it into an empty one would give
     total = RunStats()
     for key in sorted(stats):
         total.merge(stats[key])
-    if rerun:
-        total.details.append("layers after a restarted layer ran again on its completed output")
     return total
 
 

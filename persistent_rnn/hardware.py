@@ -104,9 +104,17 @@ BLOCK_BARRIER = 300            # fitted (297): bar.sync once the last warp arriv
 ATOMIC_SERIAL_NS = 6.1         # per CTA: same-address atomics queue at one L2 slice (the counter
                                # barrier's growth from 1 to 132 CTAs, 674 -> 1472 ns, recorded in
                                # bench/results/h200-2026-11-23/barrier_latency.json)
-# Per call (a benchmark of T steps pays them once): host work of the layer's call (Python,
-# allocations, fills, the launch, the progress read) and the GEMMs around the recurrence.
+# Per call (a benchmark of T steps pays them once). The recorded runs' host work per call, fitted
+# on the runtime that read progress back after every launch (a host sync per call): kept for
+# bench/model_calibration.py's comparison with those runs only.
 HOST_FORWARD_US = 500.0        # fitted (501; the first runtime: progress read after each launch)
 HOST_BACKWARD_US = 775.0       # fitted (775)
+# The model's per-call terms now (model.call_costs): counted API calls times public costs.
+# NVIDIA, "Getting Started with CUDA Graphs" (A. Gray, 2019): kernels of 2.9 us launched back to
+# back without a sync take 3.8 us each (the host's launch rate bounds them), 3.4 us as a graph.
+API_CALL_HOST_US = 3.8         # host time of one kernel launch or memset call (runtime API)
+GRAPH_GAP_US = 0.5             # device time between kernels in a stream or graph (3.4 - 2.9 us)
+EMPTY_LAUNCH_US = 2.0          # device time of a launch that exits at once (estimate: dispatch and
+                               # retire of its CTAs plus the gap); settle and resume launches
 GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches

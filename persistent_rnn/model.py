@@ -463,15 +463,57 @@ def _gemm_us(flops: float, device: DeviceProfile) -> float:
     return hw.GEMM_LAUNCH_US + flops / (hw.GEMM_PEAK_FRACTION * peak) * 1e6
 
 
+# API calls of one layer-direction call beside its chain (persistent_rnn/launch.py), read from
+# the code path (functional, runtime): forward - the input GEMM, its bias add, the lengths fill,
+# the exchange's zero fill, the output's concatenation, h_n's stack (LSTM: c_n's too); backward -
+# the carries' zero fills (LSTM: two), W_hh^T's copy, the lengths fill, the exchange's zero fill,
+# dh0's GEMM and add, dW_ih, dW_hh (two GEMMs and an add), the two bias sums, dx, dh0's stack
+# (LSTM: dc0's too). Each is a kernel launch or memset through the runtime API.
+FORWARD_OTHER_CALLS = 6
+BACKWARD_OTHER_CALLS = 14
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """What one layer-direction call costs beside its recurrence's steps - a prediction:
+    ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us`` (their host
+    time, ``hw.API_CALL_HOST_US`` each; the Python around them is not included) and
+    ``device_us`` (GPU time beside the steps: the chain's launches that exit at once, the GEMMs,
+    the small kernels)."""
+
+    api_calls: int
+    host_us: float
+    device_us: float
+
+
+def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
+               backward: bool, device: DeviceProfile) -> CallCost:
+    """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass
+    runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``)."""
+    from . import launch, settings
+    rows, gh = seq_len * batch, cell.gates * hidden
+    chain = launch.chain_launches(settings.current().max_restarts)
+    lstm = int(cell.has_cell_state)
+    if not backward:
+        gemms = [2.0 * rows * input_size * gh]
+        other = FORWARD_OTHER_CALLS + lstm
+    else:
+        gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
+                 2.0 * rows * gh * input_size]
+        other = BACKWARD_OTHER_CALLS + 2 * lstm
+    calls = chain + launch.CHAIN_MEMSETS + launch.RECORD_CALLS + other
+    small = calls - chain - launch.RECORD_CALLS - len(gemms)  # fills, copies, adds: short kernels
+    device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US + sum(_gemm_us(f, device) for f in gemms)
+                 + small * hw.EMPTY_LAUNCH_US)
+    return CallCost(calls, calls * hw.API_CALL_HOST_US, device_us)
+
+
 def call_us(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
             backward: bool, device: DeviceProfile) -> float:
-    """Per-call microseconds beside the recurrence: host work and the GEMMs (forward: the input
-    projection; backward: dW_hh, dW_ih and dx, plus W_hh's transposed copy)."""
-    rows, gh = seq_len * batch, cell.gates * hidden
-    if not backward:
-        return hw.HOST_FORWARD_US + _gemm_us(2.0 * rows * input_size * gh, device)
-    gemms = [2.0 * rows * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * input_size]
-    return hw.HOST_BACKWARD_US + sum(_gemm_us(f, device) for f in gemms) + hw.GEMM_LAUNCH_US
+    """Per-call device microseconds beside the recurrence (``CallCost.device_us``): what a call
+    adds to its steps on the GPU. Its host work overlaps the GPU (nothing is read back), so a
+    call's end-to-end time is the larger of the two (``StepTime.call_time_us``)."""
+    return call_costs(cell, hidden, batch, seq_len, input_size, backward, device).device_us
 
 
 @dataclass(frozen=True)
@@ -492,12 +534,24 @@ class StepTime:
     backward_call_us: float
     plan: planner.Plan
     calibration: str = CALIBRATION
+    forward_host_us: float = 0.0
+    backward_host_us: float = 0.0
+
+    def call_time_us(self, seq_len: int, backward: bool = False) -> float:
+        """End-to-end microseconds of one call of ``seq_len`` steps among back-to-back calls: the
+        GPU's work (steps and per-call terms) or the host's, whichever is longer - no call
+        waits for the GPU, so the host queues the next while this one runs."""
+        def one(step: float, device: float, host: float) -> float:
+            return max(seq_len * step + device, host)
+        total = one(self.forward_us, self.forward_call_us, self.forward_host_us)
+        if backward:
+            total += one(self.backward_us, self.backward_call_us, self.backward_host_us)
+        return total
 
     def benchmark_us(self, seq_len: int, backward: bool = False) -> float:
         """Microseconds per step of a benchmark call of ``seq_len`` steps (forward, or forward
-        and backward), per-call terms included."""
-        fwd = self.forward_us + self.forward_call_us / seq_len
-        return fwd + (self.backward_us + self.backward_call_us / seq_len if backward else 0.0)
+        and backward), per-call terms included (``call_time_us`` / ``seq_len``)."""
+        return self.call_time_us(seq_len, backward) / seq_len
 
 
 def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
@@ -508,9 +562,10 @@ def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
     for p in (plan.forward, plan.backward):
         shape = PassShape(cell, p, batch, hidden)
         terms.append(step_terms(pass_sass(p, device.arch, src_dir), shape, device))
+    calls = [call_costs(cell, hidden, batch, seq_len, input_size, b, device) for b in (False, True)]
     return StepTime(terms[0].total_us, terms[1].total_us, terms[0], terms[1],
-                    call_us(cell, hidden, batch, seq_len, input_size, False, device),
-                    call_us(cell, hidden, batch, seq_len, input_size, True, device), plan)
+                    calls[0].device_us, calls[1].device_us, plan,
+                    forward_host_us=calls[0].host_us, backward_host_us=calls[1].host_us)
 
 
 def predict_step_time(cell: str, hidden: int, batch: int, dtype: str = "float32",
@@ -577,15 +632,15 @@ def predict_stack_time(cell: str, hidden: int, batch: int, layers: int, seq_len:
     passes = []
     for p, backward in ((sp.forward, False), (sp.backward, True)):
         step = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev).total_us
-        host = hw.HOST_BACKWARD_US if backward else hw.HOST_FORWARD_US
-        # The GEMMs outside the kernel: a unidirectional stack's forward projects layer 0's input
-        # only (the layers above project theirs inside the kernel); otherwise every
+        # The device time beside the steps (``call_us``: chain, GEMMs, small kernels; the host's
+        # work overlaps it): a unidirectional stack's forward projects layer 0's input only
+        # (the layers above project theirs inside the kernel); otherwise every
         # layer-direction's (the backward: its weight gradients; dx counted for every layer, an
         # overestimate of the unidirectional stack's, whose upper dx are in the kernel).
         projected = inputs[:1] if not (bidirectional or backward) else inputs
-        gemms = directions * sum(call_us(spec, hidden, batch, seq_len, i, backward, dev) - host
+        extra = directions * sum(call_us(spec, hidden, batch, seq_len, i, backward, dev)
                                  for i in projected)
-        passes.append(sp.steps_in_series(seq_len) * step + sp.launches * host + gemms)
+        passes.append(sp.steps_in_series(seq_len) * step + extra)
     return StackTime(passes[0], passes[1], apart[0], apart[1], sp)
 
 
@@ -616,10 +671,37 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
                    "stack_backward_us": layers * st.backward_us,
                    "launches_per_pass": layers,
                    "forward_terms": terms_dict(st.forward), "backward_terms": terms_dict(st.backward),
-                   "forward_dominant": st.forward.dominant(), "backward_dominant": st.backward.dominant()})
+                   "forward_dominant": st.forward.dominant(), "backward_dominant": st.backward.dominant(),
+                   "per_call": per_call_report(spec, hidden, batch, plan, dev)})
     if layers > 1:
         record["stack_mode"] = stack_report(spec, hidden, batch, layers, dtype, dev)
     return record
+
+
+PER_CALL_STEPS = (10, 100, 1000)  # the sequence lengths ``prnn plan`` predicts a call at
+PER_CALL_INPUT = 64                # ... with this input size
+
+
+def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
+                    device: DeviceProfile) -> dict:
+    """``prnn plan``'s per-call record of one layer-direction (predictions): per T in
+    ``PER_CALL_STEPS`` the host µs and API calls of a forward and a backward call, the device
+    µs beside the steps, and the end-to-end µs per step of a forward and of a forward+backward
+    call (``StepTime.benchmark_us``: back-to-back calls, the longer of host and GPU)."""
+    rows = []
+    for steps in PER_CALL_STEPS:
+        st = predict_plan(cell, hidden, batch, plan, device, seq_len=steps,
+                          input_size=PER_CALL_INPUT)
+        fwd, bwd = (call_costs(cell, hidden, batch, steps, PER_CALL_INPUT, b, device)
+                    for b in (False, True))
+        rows.append({"seq_len": steps, "forward_host_us": fwd.host_us,
+                     "backward_host_us": bwd.host_us, "forward_api_calls": fwd.api_calls,
+                     "backward_api_calls": bwd.api_calls, "forward_device_us": fwd.device_us,
+                     "backward_device_us": bwd.device_us,
+                     "forward_us_per_step": st.benchmark_us(steps),
+                     "forward_backward_us_per_step": st.benchmark_us(steps, True)})
+    return {"prediction": True, "input_size": PER_CALL_INPUT, "python_included": False,
+            "rows": rows}
 
 
 def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: str,

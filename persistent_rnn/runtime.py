@@ -13,15 +13,12 @@ float32 data when the plan fits and the batch is at most ``Settings.auto_max_bat
 H200 the persistent kernel beat the GEMM path at every batch up to 32 where it fit, see
 docs/benchmarks.md and bench/results/h200-2026-11-23), else GEMM; ``"auto"`` never emulates.
 
-Restart protocol (one code for GPU and emulation). Every persistent pass of a stack is launched
-without reading anything back: its control words (``_Control``) live on the device and are reset
-by the stream before the launch. ``settle`` then reads the progress of all passes launched since
-the last call in one copy (once per forward or backward of the whole stack) and resumes the
-first layer that did not finish: each unfinished pass of it is launched again (a restart) from
-the first step not completed by every CTA, reading progress after every launch, and after
-``Settings.max_restarts`` restarts the remaining steps run on the GEMM path. The caller
-(``functional``) then reruns the layers after it, which consumed unfinished input. Under CUDA
-stream capture nothing is read (a graph replay cannot restart): ``RunStats.details`` says so.
+Restarts and completion (one code for GPU and emulation): a persistent pass is enqueued as a
+fixed chain (``launch.run_chain``): the launch, up to ``Settings.max_restarts`` resume launches
+each after a settle kernel that computes on the device the first step not completed by every
+CTA, and a one-CTA completion kernel for whatever is left after the cap
+(``cuda_src/device_loop.cu``). Nothing is read back during a call; ``RunStats`` reads the chain's
+record when asked. Under CUDA stream capture the whole chain is captured.
 
 Plans and engines (compiled module, occupancy check) are cached per configuration and device;
 the transposed ``W_hh`` of the backward is one small copy per call, because an optimizer may
@@ -29,15 +26,13 @@ update ``W_hh`` in place and nothing cheaper than a copy proves a cached one cur
 """
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
-from . import buffers, gemm, hardware, plan as planner, settings
+from . import buffers, gemm, hardware, launch, plan as planner, settings
 from .cells import CellSpec
 from .stats import RunStats
 from .validation import ALGOS
@@ -70,215 +65,62 @@ class BackwardResult:
     drs: Array | None = None           # each step's gradient of r_t (an LSTM projection)
 
 
-@dataclass(frozen=True)
-class _Engine:
-    """How a persistent pass runs: its plan and a ``launch`` callable (GPU or emulated module);
-    ``key`` names the configuration on its device (the residency cooldown's key)."""
-
-    pass_plan: planner.PassPlan
-    launch: Callable[..., None]
-    emulated: bool
-    key: tuple = ()
-
-
-class _Cooldowns:
-    """Configurations whose grid was found not co-resident (a pass ended on the GEMM path after
-    timeouts while some of its CTAs had not started: another stream held SMs), and when. For
-    ``Settings.residency_cooldown_s`` after that such a configuration goes straight to the GEMM
-    path instead of paying the timeouts again; then the persistent kernel is tried again."""
-
-    def __init__(self) -> None:
-        self._since: dict[tuple, float] = {}
-        self._lock = threading.Lock()
-
-    def start(self, key: tuple) -> None:
-        with self._lock:
-            self._since[key] = time.monotonic()
-
-    def reason(self, key: tuple) -> str | None:
-        """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
-        cooldown = settings.current().residency_cooldown_s
-        with self._lock:
-            since = self._since.get(key)
-        if since is None:
-            return None
-        ago = time.monotonic() - since
-        if ago >= cooldown:
-            return None
-        return (f"grid not co-resident {ago:.1f} s ago (another stream held SMs): GEMM path "
-                f"until residency_cooldown_s ({cooldown:g} s) has passed")
-
-    def clear(self) -> None:
-        with self._lock:
-            self._since.clear()
-
-
-COOLDOWNS = _Cooldowns()
-
-
-class _Control:
-    """The kernels' ``PrnnControl`` words (``cuda_src/hw.cuh``): arrival counter (CTAs started),
-    abort word and one progress word per CTA (the last step it completed). The one place that
-    knows them."""
-
-    UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
-    NOT_RESIDENT = 2  # abort word: a wait timed out while some CTA of the grid had not started
-
-    @staticmethod
-    def not_resident(words: np.ndarray) -> bool:
-        """Whether the launch timed out for lack of residency (``prnn_keep_polling``)."""
-        return int(words[1]) == _Control.NOT_RESIDENT
-
-    @staticmethod
-    def new(xp, grid: int) -> Array:
-        return xp.empty(2 + grid, dtype=np.uint32)
-
-    @staticmethod
-    def reset(words: Array) -> None:
-        """Counters zero, progress untouched: two memsets on the stream (no host copy)."""
-        if isinstance(words, np.ndarray):
-            words[:2], words[2:] = 0, _Control.UNTOUCHED
-            return
-        import cupy
-        stream, ptr = cupy.cuda.get_current_stream().ptr, words.data.ptr
-        cupy.cuda.runtime.memsetAsync(ptr, 0, 8, stream)
-        cupy.cuda.runtime.memsetAsync(ptr + 8, 0xFF, 4 * (words.size - 2), stream)
-
-    @staticmethod
-    def next_step(words: np.ndarray, start: int, direction: int, ctas: slice = slice(None)) -> int:
-        """The first step not completed by every CTA (of ``ctas``) in a launch from ``start``."""
-        progress = words[2:].view(np.int32)[ctas]
-        progress = np.where(progress == -1, start - direction, progress)
-        done = int(progress.min()) if direction > 0 else int(progress.max())
-        return done + direction
-
-
-@dataclass
-class Pending:
-    """A persistent pass launched and not yet checked; ``settle`` checks (and repairs) it."""
-
-    engine: _Engine
-    fixed: tuple                       # the kernel's leading (buffer) arguments
-    sizes: tuple[int, ...]            # (T, B, H), with a projection (T, B, H, P)
-    first: int                         # the step the pass started from
-    end: int                           # one past the last step, in the pass's direction
-    control: Array
-    stats: RunStats
-    finish: Callable[[int], None]  # completes the result from the first step the kernel left
-                                   # (``end``: the kernel did every step)
-    launches: int = 0
-    start: int = 0                     # the step the latest launch started from
-    exchanges: tuple = ()              # the kernel's tagged exchange buffers (the last of ``fixed``)
-    not_resident: bool = False         # a launch timed out while some of its CTAs had not started
-
-    @property
-    def direction(self) -> int:
-        return 1 if self.end > self.first else -1
-
-    def launch(self, step: int, stall: settings.Stall) -> None:
-        """Launch the pass from ``step`` (stream-ordered; nothing is read back)."""
-        if self.launches:
-            for words in self.exchanges:
-                words.fill(0)  # a restart must not take a word an earlier launch wrote
-        self.start = step
-        launch_pass(self.engine, self.control, self.fixed, (*self.sizes, step), stall)
-        self.launches += 1
-        self.stats.launches += 1
-
-
-    def next_step(self, words: np.ndarray | None = None) -> int:
-        """The first step not completed by every CTA (``end`` when the pass is complete)."""
-        words = _to_host(self.control) if words is None else words
-        self.not_resident |= _Control.not_resident(words)
-        return _Control.next_step(words, self.start, self.direction)
-
-    def resume(self, step: int) -> None:
-        """Restart from ``step`` until complete or out of restarts; the GEMM path runs the rest."""
-        limit = settings.current().max_restarts
-        while step != self.end and self.stats.restarts < limit:
-            self.stats.restarts += 1
-            self.launch(step, settings.NO_STALL)
-            step = self.next_step()
-        self.stats.details[-1] = _describe(self)
-        if step != self.end:
-            last = self.end - self.direction
-            self.stats.fallback = (f"barrier timeouts: {self.stats.restarts} restarts, "
-                                   f"steps {step}..{last} on GEMM")
-            if self.not_resident:
-                COOLDOWNS.start(self.engine.key)
-                self.stats.fallback += ("; the grid was not co-resident (another stream held "
-                                        "SMs): GEMM path for this configuration for "
-                                        f"{settings.current().residency_cooldown_s:g} s")
-        self.finish(step)
-
-
-def launch_pass(engine: _Engine, control: Array, buffers_: tuple, ints: tuple,
-                stall: settings.Stall) -> None:
-    """Reset ``control`` and launch ``engine``'s pass with the persistent kernels' argument
-    order: ``(*buffers_, control, *ints as int32, timeout_ns, stall_block, stall_step,
-    stall_ns)``; the timeout is the setting for the GPU or for the emulation."""
-    s, p = settings.current(), engine.pass_plan
-    timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
-    extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
-    _Control.reset(control)
-    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes,
-                  (*buffers_, control, *(np.int32(n) for n in ints),
-                   np.uint64(int(timeout_ms * 1e6)), *stall.args()), **extra)
+_Engine = launch.Engine
+COOLDOWNS = launch.COOLDOWNS
 
 
 def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
-            c0: Array | None, lengths: Array | None, algo: str, rerun: bool = False,
-            half: str | None = None,
-            w_hr: Array | None = None) -> tuple[ForwardResult, RunStats, Pending | None]:
-    """Start the forward recurrence over all steps of ``gi``: the GEMM path runs at once, a
-    persistent pass is launched and returned as ``Pending`` (its buffers are complete once
-    ``settle`` has checked it). ``rerun``: a repeat after an earlier layer restarted (no stall
-    is injected). ``half``: ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer
-    whose fp32 data holds values of that dtype: W_hh is held in it and h_t rounded to it every
-    step. ``w_hr``: an LSTM's projection (P, H), or ``None``."""
+            c0: Array | None, lengths: Array | None, algo: str, half: str | None = None,
+            w_hr: Array | None = None) -> tuple[ForwardResult, RunStats]:
+    """Enqueue the forward recurrence over all steps of ``gi`` (the GEMM path, or a persistent
+    pass with its restarts and completion on the device: nothing is read back). ``half``:
+    ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer whose fp32 data holds values
+    of that dtype: W_hh is held in it and h_t rounded to it every step. ``w_hr``: an LSTM's
+    projection (P, H), or ``None``."""
     proj_size = 0 if w_hr is None else w_hr.shape[0]
     y, cs, saved = buffers.allocate_forward(cell, gi, proj_size)
     result = ForwardResult(y, cs, saved, None if w_hr is None else buffers.array_module(
         gi).empty_like(cs))
     steps, batch, _ = gi.shape
-    engine, reason = _engine(cell, gi, gi.shape[2] // cell.gates, batch, algo, backward=False, half=half,
+    hidden = gi.shape[2] // cell.gates
+    engine, reason = _engine(cell, gi, hidden, batch, algo, backward=False, half=half,
                              proj_size=proj_size)
-
-    def finish(start: int) -> None:
-        if start < steps:
-            gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=start,
-                               half=half, w_hr=w_hr, hs=result.hs)
-
     if engine is None:
-        finish(0)
-        return result, RunStats(algo="gemm", fallback=reason), None
+        gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0,
+                           half=half, w_hr=w_hr, hs=result.hs)
+        return result, RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
-    hidden = gi.shape[2] // cell.gates
     bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
-    lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
     p = engine.pass_plan
-    if w_hr is None:
-        c0_arg = c(h0) if c0 is None else c(c0)
-        fixed = (buffers.weight_words(xp, w_hh, half), bias, c(gi), c(h0), c0_arg, lengths_arg,
-                 y, y if cs is None else cs, saved, _exchange(xp, batch, p.exchange_row))
-        sizes: tuple[int, ...] = (steps, batch, hidden)
+    args = dict(w_hh=buffers.weight_words(xp, w_hh, half), b_hh=bias, gi=c(gi), h0=c(h0),
+                lengths=buffers.full_lengths(xp, lengths, batch, steps), y=y, saved=saved,
+                steps=steps, batch=batch, hidden=hidden)
+    if w_hr is None:  # persistent_forward.cu
+        args.update(c0=c(h0) if c0 is None else c(c0), cs=y if cs is None else cs,
+                    exchange=_exchange(xp, batch, p.exchange_row))
+        exchanges = (args["exchange"],)
     else:  # persistent_projection_forward.cu: exchanges of r_t (tile A's rows), h_t (tile B's)
-        c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
-        fixed = (buffers.weight_words(xp, w_hh, half), buffers.weight_words(xp, w_hr, half), bias,
-                 c(gi), c(h0), c0_arg, lengths_arg, y, result.hs, cs, saved,
-                 _exchange(xp, batch, p.exchange_row), _exchange(xp, batch, p.exchange_row_b))
-        sizes = (steps, batch, hidden, proj_size)
-    pending = _start(engine, fixed, sizes, 0, steps, xp, finish, rerun,
-                     exchanges=1 if w_hr is None else 2)
-    return result, pending.stats, pending
+        args.update(w_hr=buffers.weight_words(xp, w_hr, half), hs=result.hs, cs=cs, proj=proj_size,
+                    c0=xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0),
+                    exchange_r=_exchange(xp, batch, p.exchange_row),
+                    exchange_h=_exchange(xp, batch, p.exchange_row_b))
+        exchanges = (args["exchange_r"], args["exchange_h"])
+    # The completion kernel (device_loop.cu); arguments it does not read are given ``bias``.
+    complete = {k: args[k] for k in ("w_hh", "b_hh", "gi", "h0", "c0", "lengths", "y", "cs",
+                                     "saved", "steps", "batch", "hidden")}
+    complete.update(w_hr=args.get("w_hr", bias), hs=args.get("hs", y), w_ih=bias, b_ih=bias,
+                    chained=0, proj=proj_size)
+    stats = _run_on_device(engine, xp, args, 0, steps, exchanges, "prnn_complete_forward",
+                           complete)
+    return result, stats
 
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
              h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult, algo: str,
-             rerun: bool = False, half: str | None = None,
-             w_hr: Array | None = None) -> tuple[BackwardResult, RunStats, Pending | None]:
-    """Start backward through time over all steps, like ``forward``; ``dy`` must be zero past
+             half: str | None = None,
+             w_hr: Array | None = None) -> tuple[BackwardResult, RunStats]:
+    """Backward through time over all steps, enqueued like ``forward``; ``dy`` must be zero past
     each length. ``half``, ``w_hr``: as for ``forward`` (the backward itself computes in
     fp32); with ``w_hr``, ``dy``/``dhn``/``dh0`` are gradients of r (P wide)."""
     hidden = w_hh.shape[0] // cell.gates
@@ -292,8 +134,7 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps,
                                        w_hr=w_hr, hs=fwd.hs, drs=drs)
-        return (BackwardResult(dgi, dgh, dh0, dc0, drs), RunStats(algo="gemm", fallback=reason),
-                None)
+        return BackwardResult(dgi, dgh, dh0, dc0, drs), RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n). With
@@ -305,92 +146,68 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
     drs = None if w_hr is None else xp.empty_like(dy)
-    # dh0/dc0 set by finish (settle)
-    result = BackwardResult(dgi, dgh, dh_carry[0], None, drs)
-
-    def finish(step: int) -> None:
-        stop = step + 1  # steps >= stop are complete, with their carries at parity stop % 2
-        dh = dh_carry[stop % 2] + (dgh[stop] @ w_hh if stop < steps else 0.0)
-        dc = dc_carry[stop % 2] if cell.has_cell_state else None
-        result.dh0, result.dc0 = dh, dc
-        if stop > 0:
-            result.dh0, result.dc0 = gemm.backward_steps(
-                cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved, dgi, dgh,
-                dh_carry=dh, dc_carry=dc, stop=stop, w_hr=w_hr, hs=fwd.hs, drs=drs)
-
-    lengths_arg = buffers.full_lengths(xp, lengths, batch, steps)
     p = engine.pass_plan
-    if w_hr is None:
-        fixed = (buffers.weight_words(xp, w_hh.T, half), c(dy), fwd.y,
-                 fwd.y if fwd.cs is None else fwd.cs, fwd.saved, c(h0),
-                 c(h0) if c0 is None else c(c0), lengths_arg, dgi, dgh, dh_carry, dc_carry,
-                 _exchange(xp, batch, p.exchange_row))
-        sizes: tuple[int, ...] = (steps, batch, hidden)
+    args = dict(dy=c(dy), saved=fwd.saved, lengths=buffers.full_lengths(xp, lengths, batch, steps),
+                dgh=dgh, dc_carry=dc_carry, steps=steps, batch=batch, hidden=hidden)
+    if w_hr is None:  # persistent_backward.cu
+        args.update(w_t=buffers.weight_words(xp, w_hh.T, half), y=fwd.y,
+                    cs=fwd.y if fwd.cs is None else fwd.cs, h0=c(h0),
+                    c0=c(h0) if c0 is None else c(c0), dgi=dgi, dh_carry=dh_carry,
+                    exchange=_exchange(xp, batch, p.exchange_row))
+        exchanges = (args["exchange"],)
+        complete, kernel = dict(args, w_ih_t=args["dy"], chained=0, per_step=0), "prnn_complete_backward"
     else:  # persistent_projection_backward.cu: exchanges of dr_t (tile B's rows), dgates_t (A's)
-        c0_arg = xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0)
-        fixed = (buffers.weight_words(xp, w_hh.T, half), buffers.weight_words(xp, w_hr.T, half),
-                 c(dy), fwd.cs, fwd.saved, c0_arg, lengths_arg, dgh, drs, dh_carry, dc_carry,
-                 _exchange(xp, batch, p.exchange_row_b), _exchange(xp, batch, p.exchange_row))
-        sizes = (steps, batch, hidden, proj_size)
-    pending = _start(engine, fixed, sizes, steps - 1, -1, xp, finish, rerun,
-                     exchanges=1 if w_hr is None else 2)
-    return result, pending.stats, pending
+        args.update(w_hh_t=buffers.weight_words(xp, w_hh.T, half),
+                    w_hr_t=buffers.weight_words(xp, w_hr.T, half), cs=fwd.cs, drs=drs,
+                    c0=xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0),
+                    dr_carry=dh_carry, proj=proj_size,
+                    exchange_r=_exchange(xp, batch, p.exchange_row_b),
+                    exchange_g=_exchange(xp, batch, p.exchange_row))
+        exchanges = (args["exchange_r"], args["exchange_g"])
+        complete, kernel = dict(args), "prnn_complete_projection_backward"
+    for name in ("exchange", "exchange_r", "exchange_g"):
+        complete.pop(name, None)
+    stats = _run_on_device(engine, xp, args, steps - 1, -1, exchanges, kernel, complete)
+    # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
+    dh0 = dh_carry[0] + dgh[0] @ w_hh
+    return BackwardResult(dgi, dgh, dh0, dc_carry[0] if cell.has_cell_state else None,
+                          drs), stats
 
 
 def _exchange(xp, batch: int, row_words: int) -> Array:
     """A kernel's tagged exchange buffer, [2][batch][row_words] uint32 (row_words: the pass
     plan's ``exchange_row`` or ``exchange_row_b``, its staged vector's row), zeroed (tag 0 is
-    never published, so no launch of this pass can take a word for one it waits on); the
-    kernel's last buffer argument (the projection kernels: the last two; a cluster kernel keeps
-    its own in shared memory)."""
+    never published, so no launch of this pass can take a word for one it waits on); a cluster
+    kernel keeps its own in shared memory and never reads it."""
     return xp.zeros((2, batch, row_words), np.uint32)
 
 
-def _start(engine: _Engine, fixed: tuple, sizes: tuple[int, ...], first: int, end: int, xp,
-           finish: Callable[[int], None], rerun: bool, exchanges: int = 1) -> Pending:
-    """Launch a pass whose kernel takes ``fixed`` then its sizes; the last ``exchanges`` of
-    ``fixed`` are its tagged exchange buffers."""
-    stats = RunStats(algo="persistent", emulated=engine.emulated, details=[""])
-    pending = Pending(engine, fixed, sizes, first, end, _Control.new(xp, engine.pass_plan.grid),
-                      stats, finish, exchanges=fixed[-exchanges:])
-    pending.launch(first, settings.NO_STALL if rerun else settings.current_stall())
-    stats.details[-1] = _describe(pending)
-    return pending
+def _run_on_device(engine: _Engine, xp, args: dict, first: int, end: int, exchanges: tuple,
+                   complete: str, complete_args: dict) -> RunStats:
+    """Enqueue a layer-direction's whole chain (``launch.run_chain``: the pass with ``args``,
+    its restarts and its completion kernel ``complete`` with ``complete_args``, decided on the
+    device) and return its stats (read lazily from the chain's record)."""
+    chain = launch.Chain(xp, engine, 1)
 
+    def go(start, stall: settings.Stall) -> None:
+        launch.launch_pass(engine, chain.control, dict(args, start=start), stall)
 
-def settle(pending: Sequence[tuple[Any, Pending]]) -> Any | None:
-    """Check passes launched in order (each tagged with its layer) with one read of all their
-    progress; resume every unfinished pass of the first layer that has one, and return that
-    layer (``None``: all complete). Passes after that layer are left alone: the caller reruns
-    them. Every pass checked is finished (``Pending.finish``). Under CUDA stream capture nothing
-    is read: every pass is finished as if complete and ``None`` is returned."""
-    if not pending:
-        return None
-    if _capturing(pending[0][1].control):
-        for _, p in pending:
-            p.stats.details.append("progress not checked (CUDA stream capture): no restart")
-            p.finish(p.end)
-        return None
-    words = _read_all([p.control for _, p in pending])
-    failed = None
-    for (layer, p), w in zip(pending, words):
-        if failed is not None and layer != failed:
-            break
-        step = p.next_step(w)
-        if step == p.end:
-            p.finish(step)
-        else:
-            failed = layer
-            p.resume(step)
-    return failed
+    launch.run_chain(chain, go, first, end, settings.current_stall(), exchanges,
+                     lambda: chain.complete(complete, **complete_args))
+    pp = engine.pass_plan
+    stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1, details=[
+        f"{pp.kernel} ({'emulated' if engine.emulated else 'GPU'}): {pp.defines}, grid "
+        f"{pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; restarts and completion "
+        "on the device"])
+    launch.record_of(chain, end, stats)
+    return stats
 
 
 def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,
                 c0: Array | None, lengths: Array | None, algo: str, stats: RunStats,
                 half: str | None = None) -> ForwardResult:
-    """``forward`` of one layer-direction, checked at once; what ran is merged into ``stats``."""
-    result, run, pending = forward(cell, gi, w_hh, b_hh, h0, c0, lengths, algo, half=half)
-    settle([(0, pending)] if pending else [])
+    """``forward`` of one layer-direction; what ran is merged into ``stats``."""
+    result, run = forward(cell, gi, w_hh, b_hh, h0, c0, lengths, algo, half=half)
     stats.merge(run)
     return result
 
@@ -398,40 +215,10 @@ def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: 
 def run_backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
                  h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult,
                  algo: str, stats: RunStats, half: str | None = None) -> BackwardResult:
-    """``backward`` of one layer-direction, checked at once; merged into ``stats``."""
-    result, run, pending = backward(cell, dy, dhn, dcn, w_hh, h0, c0, lengths, fwd, algo,
-                                    half=half)
-    settle([(0, pending)] if pending else [])
+    """``backward`` of one layer-direction; merged into ``stats``."""
+    result, run = backward(cell, dy, dhn, dcn, w_hh, h0, c0, lengths, fwd, algo, half=half)
     stats.merge(run)
     return result
-
-
-def _describe(p: Pending) -> str:
-    pp = p.engine.pass_plan
-    where = "emulated" if p.engine.emulated else "GPU"
-    return (f"{pp.kernel} ({where}): {pp.defines}, grid {pp.grid} x {pp.block} threads, "
-            f"{pp.shared_bytes} B shared, {p.launches} launch(es)")
-
-
-def _to_host(a: Array) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
-def _read_all(arrays: Sequence[Array]) -> list[np.ndarray]:
-    """Host copies of ``arrays`` (NumPy: themselves), in one device-to-host copy."""
-    xp = buffers.array_module(*arrays)
-    if xp is np:
-        return list(arrays)
-    flat = _to_host(xp.concatenate(arrays))
-    return np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
-
-
-def _capturing(a: Array) -> bool:
-    """Whether CuPy's current stream is being captured into a CUDA graph (never for NumPy)."""
-    if isinstance(a, np.ndarray):
-        return False
-    import cupy
-    return cupy.cuda.get_current_stream().is_capturing()
 
 
 def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
@@ -450,7 +237,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     on_gpu = buffers.array_module(data) is not np
     if algo == "auto" and not on_gpu:
         return None, None
-    why = _why_not_persistent(data, batch, algo)
+    why = why_not_persistent(data, batch, algo)
     if why is None:
         device = planning_device(on_gpu)
         engine, why = _cached_engine(cell, hidden, batch, backward, device,
@@ -466,7 +253,7 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
     return None, why
 
 
-def _why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
+def why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
     """Why the persistent kernel should not run, before any plan (or ``None``)."""
     if np.dtype(data.dtype) != np.float32:
         return (f"dtype is {np.dtype(data.dtype).name}: the persistent kernels compute in "
@@ -509,7 +296,7 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)
-        return _Engine(pass_plan, module.launch, True, key), None
+        return _Engine(pass_plan, module.launch, True, key, _loop_launcher(pass_plan, True)), None
     from . import kernels
     # A cluster kernel is never launched cooperatively: CUDA refuses cooperative launches of
     # kernels with a cluster shape (CUDA_ERROR_INVALID_CLUSTER_SIZE), and a cluster is
@@ -524,7 +311,26 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
                                                                pass_plan.shared_bytes))
     if why is not None:
         return None, why
-    return _Engine(pass_plan, module.launch, False, key), None
+    return _Engine(pass_plan, module.launch, False, key, _loop_launcher(pass_plan, False)), None
+
+
+def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[..., None]:
+    """The launcher of a pass's settle and completion kernels (built on first use)."""
+    defines = loop_defines(pass_plan)
+
+    def launch_(*args, **kw) -> None:
+        if emulated:
+            from . import emulate as builder
+        else:
+            from . import kernels as builder  # type: ignore[no-redef]
+        builder.get_module(launch.LOOP_SOURCE, defines).launch(*args, **kw)
+    return launch_
+
+
+def loop_defines(pass_plan: planner.PassPlan) -> dict[str, int]:
+    """The ``-D`` of a pass's settle and completion kernels: its cell and weights' dtype."""
+    return {k: v for k, v in pass_plan.defines.items()
+            if k in ("PRNN_CELL", "PRNN_WEIGHT_DTYPE")}
 
 
 def is_cluster(pass_plan: planner.PassPlan) -> bool:

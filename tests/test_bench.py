@@ -272,8 +272,9 @@ def test_prediction_is_the_models_benchmark_figure():
     # Another T (and input size): the per-call GEMMs are of that size, spread over T steps.
     sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(20,), input_size=32)
     got, _ = bench.predicted_us_per_step(sweep, "lstm", "forward", 4, 256, 20, device="h100")
-    call = model.call_us(plan.resolve_cell("lstm"), 256, 4, 20, 32, False, plan.resolve_device("h100"))
-    assert got == pytest.approx(step.forward_us + call / 20, rel=1e-12)
+    at20 = model.predict_plan(plan.resolve_cell("lstm"), 256, 4, step.plan,
+                              plan.resolve_device("h100"), seq_len=20, input_size=32)
+    assert got == pytest.approx(at20.benchmark_us(20), rel=1e-12)
 
 
 def test_prediction_of_a_stack_follows_the_stack_setting():

@@ -448,8 +448,8 @@ def test_ctas_not_co_resident_end_on_gemm_fallback(settings, grid_path):  # a cl
     data = _inputs("gru", np.random.default_rng(4))
     got = _run("gru", "float32", "persistent", **data)
     ref = _run("gru", "float64", "gemm", **data)
-    assert got["fwd"].algo == "persistent" and "not co-resident" in got["fwd"].fallback
-    assert "GEMM" in got["bwd"].fallback
+    assert got["fwd"].algo == "persistent" and "barrier timeouts" in got["fwd"].fallback
+    assert "barrier timeouts" in got["bwd"].fallback
     again = _run("gru", "float32", "persistent", **data)  # the cooldown started: no timeouts now
     assert "residency_cooldown_s" in again["fwd"].fallback and again["fwd"].restarts == 0
     for a, b in zip(_flat(got), _flat(ref)):

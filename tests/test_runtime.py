@@ -6,55 +6,72 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import plan as planner, runtime
+from persistent_rnn import launch, plan as planner, runtime
 from persistent_rnn.cells import CELLS
 from persistent_rnn.stats import RunStats
 
-N_FIXED = 3  # leading buffer arguments the fake kernel is given
 
 
 class FakeKernel:
-    """Plays a persistent kernel: launch i lets every CTA complete ``done[i]`` steps from the
-    resume step (CTA 0 one more, as a CTA may be a step ahead when the barrier times out);
-    CTAs in ``idle`` never run (their progress word stays untouched)."""
+    """Plays a persistent kernel in the device-side chain (launch.run_chain, whose settle kernel
+    is the emulated device_loop.cu): launch i that runs steps lets every CTA complete
+    ``done[i]`` steps from its start (CTA 0 one more, as a CTA may be a step ahead when the
+    barrier times out); CTAs in ``idle`` never run (their progress word stays untouched). A
+    resume launch reads its start from the chain and exits at once when the pass is done."""
 
     def __init__(self, done, grid, idle=()):
         self.done, self.grid, self.idle, self.launches = list(done), grid, idle, []
 
     def __call__(self, kernel, grid, block, shared_bytes, args, max_resident=None):
-        control = args[N_FIXED]
-        steps, batch, hidden, start = (int(a) for a in args[N_FIXED + 1:N_FIXED + 5])
-        stall = tuple(int(a) for a in args[N_FIXED + 6:])
-        assert grid == self.grid and isinstance(args[N_FIXED + 5], np.uint64)
-        progress = control[2:].view(np.int32)
+        source = "persistent_backward.cu" if kernel.endswith("backward") else "persistent_forward.cu"
+        a = dict(zip((n for n, _ in launch.parameters(source, kernel)), args))
+        control, steps, start = a["control"], int(a["steps"]), int(a["start"])
+        stall = (int(a["stall_block"]), int(a["stall_step"]), int(a["stall_ns"]))
+        assert grid == self.grid and isinstance(a["timeout_ns"], np.uint64)
+        progress = control[2:2 + grid].view(np.int32)
         direction = -1 if kernel.endswith("backward") else 1
+        end = steps if direction > 0 else -1
+        if start == launch.RESUME:
+            start = int(control[2 + grid:].view(np.int32)[0])
+        if start == end:
+            return  # the pass is done: a resume launch exits at once
         assert control[0] == 0 and control[1] == 0 and (progress == -1).all()  # reset
         self.launches.append((start, stall))
         n = self.done[len(self.launches) - 1]
         last = start + direction * (n - 1)
-        end = steps if direction > 0 else -1
         progress[:] = last if (end - last) * direction > 0 else end - direction
         if n and (end - last - direction) * direction > 0:
             progress[0] += direction
         progress[list(self.idle)] = -1
 
 
-def _pending(fake, first, end, backward=False, finished=None):
+def _chain(fake, first, end, backward=False):
+    """Run one pass's chain with ``fake``; its ``RunStats`` and the completion's start per run
+    (``end``: the completion had nothing to do)."""
     pp = planner.pass_plan(CELLS["lstm"], planner.SHIPPED["lstm"][0], backward, 16, 2)
     fake.grid = pp.grid
-    fixed = tuple(np.zeros(1, np.float32) for _ in range(N_FIXED))
-    on_finish = (finished if finished is not None else []).append
-    return runtime._start(runtime._Engine(pp, fake, True), fixed, (10, 2, 16), first, end, np,
-                          on_finish, rerun=False)
+    engine = launch.Engine(pp, fake, True, ("fake",), runtime._loop_launcher(pp, True))
+    chain, completed = launch.Chain(np, engine, 1), []
+    buffers = {n: np.zeros(1, np.float32) for n, kind in launch.parameters(pp.source, pp.kernel)
+               if kind is None and n != "control"}
+
+    def go(start, stall):
+        launch.launch_pass(engine, chain.control,
+                           dict(buffers, steps=10, batch=2, hidden=16, start=start), stall)
+
+    launch.run_chain(chain, go, first, end, prnn.settings.current_stall(), (),
+                     lambda: completed.append(int(chain.starts[0])))
+    stats = RunStats()
+    launch.record_of(chain, end, stats)
+    return stats, completed[-1]
 
 
 def _restarts(done, first, end, backward=False, idle=()):
-    """Launch and settle one pass; returns ((first step left to GEMM, restarts), launches)."""
-    fake, finished = FakeKernel(done, 0, idle), []
-    p = _pending(fake, first, end, backward, finished)
-    runtime.settle([(0, p)])
-    step = finished[-1] if finished else p.end
-    return (step, p.stats.restarts), fake.launches
+    """One pass's chain; returns ((first step left to the completion, restarts), launches that
+    ran steps)."""
+    fake = FakeKernel(done, 0, idle)
+    stats, step = _chain(fake, first, end, backward)
+    return (step, stats.restarts), fake.launches
 
 
 def test_one_launch_completes(settings):
@@ -74,14 +91,11 @@ def test_a_cta_that_never_ran_resumes_from_the_launch_step(settings):
     prnn.configure(max_restarts=2)
     (step, restarts), launches = _restarts([4, 3, 3], 0, 10, idle=(1,))
     assert [s for s, _ in launches] == [0, 0, 0] and (step, restarts) == (0, 2)
-    fake = FakeKernel([4, 4, 4], 0)
-    p = _pending(fake, 0, 10)
-    fake.idle = (1,)
-    runtime.settle([(0, p)])  # the restart from step 4 leaves CTA 1 untouched
-    assert [s for s, _ in fake.launches] == [0, 4, 4]
+    (step, restarts), launches = _restarts([4, 4, 4], 0, 10)
+    assert [s for s, _ in launches] == [0, 4, 8] and (step, restarts) == (10, 2)
 
 
-def test_restart_cap_returns_the_step_for_the_gemm_path(settings):
+def test_restart_cap_returns_the_step_for_the_completion(settings):
     prnn.configure(max_restarts=1)
     (step, restarts), launches = _restarts([2, 2, 2], 0, 10)
     assert (step, restarts) == (4, 1) and len(launches) == 2
@@ -110,15 +124,13 @@ def test_stall_reaches_only_the_first_launch(settings):
     assert launches[0][1] == (-1, -1, 0)
 
 
-def test_settle_reads_once_and_resumes_only_the_first_unfinished_layer(settings, monkeypatch):
-    reads = []
-    monkeypatch.setattr(runtime, "_read_all", lambda arrays: reads.append(len(arrays)) or list(arrays))
-    fakes = [FakeKernel(done, 0) for done in ([10], [3, 100], [2, 100], [0, 100])]
-    pending = [(layer, _pending(f, 0, 10)) for layer, f in zip((0, 1, 1, 2), fakes)]
-    assert runtime.settle(pending) == 1
-    assert reads == [4]  # one read of every pass's progress
-    assert [len(f.launches) for f in fakes] == [1, 2, 2, 1]  # layer 2 is left to the caller
-    assert [p.stats.restarts for _, p in pending] == [0, 1, 1, 0]
+def test_the_chain_reads_nothing_back(settings):
+    with launch.counting() as n:
+        (step, restarts), launches = _restarts([3, 2, 100], 0, 10)
+    assert (step, restarts) == (10, 2) and n.host_syncs == 0
+    # max_restarts 3: the pass, 3 x (settle, resume), the final settle (the completion is the
+    # test's own callable here)
+    assert n.launches == 1 + 2 * 3 + 1 and n.memsets == 2
 
 
 def test_a_stall_entered_in_another_thread_does_not_reach_this_one(settings):
@@ -253,7 +265,7 @@ def test_emulated_cap_finishes_on_gemm(emulation, cell):
         out = _run_both(CELLS[cell], 16, 2, 5)
     _assert_close(out["got"], out["ref"])
     fs, bs = out["got"][2:]
-    assert fs.algo == "persistent" and "GEMM" in fs.fallback and "GEMM" in bs.fallback
+    assert fs.algo == "persistent" and "barrier timeouts" in fs.fallback and "barrier timeouts" in bs.fallback
     # Every CTA was resident (one stalled): no residency cooldown, the next call runs persistent.
     assert "co-resident" not in fs.fallback
     again = _run_both(CELLS[cell], 16, 2, 5)
@@ -268,8 +280,8 @@ def test_emulated_busy_gpu_makes_progress_and_stays_correct(emulation):
     out = _run_both(CELLS["gru"], 24, 2, 6)
     _assert_close(out["got"], out["ref"])
     fs, bs = out["got"][2:]
-    assert fs.algo == "persistent" and fs.restarts == 2 and "GEMM" in fs.fallback
-    assert bs.restarts == 2 and "GEMM" in bs.fallback
+    assert fs.algo == "persistent" and fs.restarts == 2 and "barrier timeouts" in fs.fallback
+    assert bs.restarts == 2 and "barrier timeouts" in bs.fallback
 
 
 @pytest.mark.parametrize("cell", sorted(CELLS))

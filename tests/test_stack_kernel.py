@@ -160,13 +160,13 @@ def test_stack_forward_layers_need_not_be_co_resident(settings):
         np.testing.assert_array_equal(a, b)
 
 
-def test_stack_forward_finishes_every_layer_on_gemm_after_the_restart_cap(settings):
+def test_stack_forward_finishes_every_layer_on_the_completion_after_the_restart_cap(settings):
     prnn.configure(emulation_timeout_ms=200, emulation_max_resident=6, max_restarts=1)
     layer, reference = _layers("LSTM", seed=6)
     x, hx, _, _ = _inputs("LSTM", seed=7)
     got, stats = _forward(layer, x, hx)
     assert stats.restarts == 1 and stats.launches == 2
-    assert "on GEMM" in stats.fallback and "layer 2" in stats.fallback
+    assert "completion kernel" in stats.fallback and "layer 2" in stats.fallback
     ref, _ = _forward(reference, x.astype(np.float64), _as64(hx))
     _assert_close(got, ref)
 
@@ -214,7 +214,7 @@ def test_stack_backward_stalls_give_bitwise_identical_results(settings, mode):
             assert stats.restarts >= 1, (stalled_layer, step)
 
 
-def test_stack_backward_finishes_every_layer_on_gemm_after_the_restart_cap(settings):
+def test_stack_backward_finishes_every_layer_on_the_completion_after_the_restart_cap(settings):
     layer, reference = _layers("GRU", seed=12)
     x, hx, dy, dhn = _inputs("GRU", seed=13)
     layer.zero_grad()
@@ -262,14 +262,15 @@ def test_bidirectional_layers_run_both_directions_in_one_launch(settings, mode):
         np.testing.assert_array_equal(a, b)
 
 
-def test_predicted_stack_forward_is_at_most_0_4_of_four_launches():
+def test_predicted_stack_forward_is_at_most_half_of_four_launches():
     """The latency model's prediction (not a measurement) for 4 LSTM layers of 384, T = 100,
     B = 4 on an H100: the wavefront (103 steps of the stack kernel's heavier step) against four
-    single-layer launches of 100 steps each."""
+    single-layer launches of 100 steps each (0.45x forward since the per-call host work overlaps
+    the GPU and is no longer counted per launch: issue 26)."""
     model = pytest.importorskip("persistent_rnn.model")
     st = model.predict_stack_time("LSTM", 384, 4, 4, 100, device="h100")
     assert st.plan.fits and st.plan.launches == 1
-    assert st.forward_us <= 0.4 * st.apart_forward_us, (st.forward_us, st.apart_forward_us)
+    assert st.forward_us <= 0.5 * st.apart_forward_us, (st.forward_us, st.apart_forward_us)
     assert st.backward_us < st.apart_backward_us
     record = model.plan_report("LSTM", 384, 4, 4, device="h100")["stack_mode"]
     assert record["fits"] and record["launches_per_pass"] == 1 and record["prediction"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
@@ -63,11 +63,11 @@ class LastRun(RunStats):
 
     @classmethod
     def of(cls, stats: RunStats) -> "LastRun":
-        """A record holding a copy of ``stats``."""
-        return cls(**{name: getattr(stats, name) for name in _RUN_FIELDS})
-
-
-_RUN_FIELDS = tuple(f.name for f in fields(RunStats))
+        """A record holding a copy of ``stats`` (its device records still unread: reading them
+        would wait for the GPU, which a call never does)."""
+        record = cls(algo=stats.algo)
+        record.merge(stats)
+        return record
 
 
 @dataclass

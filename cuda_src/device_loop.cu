@@ -1,0 +1,302 @@
+// device_loop.cu - the restart loop and the completion of a persistent pass, decided on the device.
+//
+// A call enqueues a fixed chain per pass (persistent_rnn/launch.py) and reads nothing back:
+//   pass launch (from the first step) -> settle -> resume launch -> ... (max_restarts of them)
+//   -> final settle + completion.
+// prnn_settle reads the control words the launch before it left and writes, per group (a layer of
+// a stack, or the one layer-direction), the first step not completed by all of its CTAs into the
+// chain's `starts`; a resume launch reads its start there (launch_start, persistent_common.cuh)
+// and exits at once where the pass is done. When a resume launch will run steps, settle zeroes the
+// tagged exchange first (a restart must not take a word an earlier launch wrote) and resets the
+// control words. After the last resume launch, prnn_complete_forward / prnn_complete_backward
+// (one CTA: no co-residency needed, slow - they only run after the restart cap) finish every group
+// that is still unfinished, from where it stopped, on a plain per-step loop in global memory.
+//
+// The chain buffer (uint32 words; the host zeroes it and fills progress with 0xFF before a pass):
+//   [0] restarts (resume launches that ran steps)   [1] flags (kChainDone, kChainNotResident)
+//   [2] completions (groups the completion ran)      [3] unused
+//   [4 .. 4+groups) the step the completion started each group from (`end`: none; written only
+//   when the completion ran, [2] > 0)
+//   [4+groups ..): PrnnControl of the launches (arrivals, abort, progress[grid]), then
+//   starts[groups] (int32).
+// The host reads the record lazily (launch.DeviceRecord), never in the call's path.
+//
+// -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are held, as for the
+// persistent kernels; the completion rounds the recurrent state to that type where they do).
+#include "cells.cuh"
+
+#ifndef PRNN_WEIGHT_DTYPE
+#define PRNN_WEIGHT_DTYPE 0
+#endif
+
+namespace prnn {
+
+constexpr unsigned kChainDone = 1u, kChainNotResident = 2u;
+constexpr int kChainHead = 4;  // record words before the per-group completion starts
+using StepCell = Cell<PRNN_CELL>;
+constexpr int kLoopSaved = StepCell::S > 0 ? StepCell::S : 1;
+
+// Element (row, col) of a matrix of `cols` columns held as the persistent kernels take it: fp32,
+// or 32-bit words of two 16-bit values (rows padded to an even length).
+PRNN_DEVICE float matrix_at(const void* m, size_t row, int col, int cols) {
+#if PRNN_WEIGHT_DTYPE == 0
+  return static_cast<const float*>(m)[row * cols + col];
+#else
+  const unsigned w = static_cast<const unsigned*>(m)[row * ((cols + 1) / 2) + col / 2];
+  float lo, hi;
+#if PRNN_WEIGHT_DTYPE == 1
+  prnn_f16x2_to_float(w, lo, hi);
+#else
+  prnn_bf16x2_to_float(w, lo, hi);
+#endif
+  return (col & 1) ? hi : lo;
+#endif
+}
+
+// The recurrent state as the persistent kernels store it (a 16-bit value in 16-bit layers).
+PRNN_DEVICE float stored_state(float v) {
+#if PRNN_WEIGHT_DTYPE == 1
+  return prnn_round_f16(v);
+#elif PRNN_WEIGHT_DTYPE == 2
+  return prnn_round_bf16(v);
+#else
+  return v;
+#endif
+}
+
+// sum_k m[row, k] * v[k] over k < cols (m as matrix_at holds it; v fp32).
+PRNN_DEVICE float row_dot(const void* m, size_t row, const float* v, int cols) {
+  float acc = 0.0f;
+  for (int k = 0; k < cols; ++k) acc += matrix_at(m, row, k, cols) * v[k];
+  return acc;
+}
+
+// The same over an fp32 matrix whatever the weights' type (a stack's W_ih).
+PRNN_DEVICE float row_dot_f32(const float* m, size_t row, const float* v, int cols) {
+  float acc = 0.0f;
+  for (int k = 0; k < cols; ++k) acc += m[row * cols + k] * v[k];
+  return acc;
+}
+
+}  // namespace prnn
+
+// One block. Reads the progress the launch before it left (it started each unfinished group from
+// `first` if `resumed` is 0, else from starts[g]) and writes each group's next step to starts;
+// `restart`: 1 when a resume launch follows (it counts as a restart if some group is unfinished;
+// the exchanges are then zeroed and the control words reset), 0 when the completion follows (the
+// groups left are recorded as the completion's). `end`: one past the last step in the pass's
+// direction (T forward, -1 backward).
+PRNN_KERNEL void prnn_settle(unsigned* chain, int groups, int grid, int end, int first,
+                             int resumed, int restart, unsigned* exchange_a, long long words_a,
+                             unsigned* exchange_b, long long words_b) {
+  using namespace prnn;
+  unsigned* ctl = chain + kChainHead + groups;
+  int* progress = reinterpret_cast<int*>(ctl + 2);
+  int* starts = reinterpret_cast<int*>(ctl + 2 + grid);
+  int* completed_from = reinterpret_cast<int*>(chain + kChainHead);
+  const int direction = end < 0 ? -1 : 1;
+  int unfinished = 0;
+  if (threadIdx.x == 0 && !(chain[1] & kChainDone)) {
+    if (ctl[1] == (unsigned)kPrnnNotResident) chain[1] |= kChainNotResident;
+    const int per = grid / groups;
+    for (int g = 0; g < groups; ++g) {
+      const int from = resumed ? starts[g] : first;
+      int next = end;
+      if (from != end) {
+        int done = direction > 0 ? 0x7fffffff : -0x7fffffff;
+        for (int c = g * per; c < (g + 1) * per; ++c) {
+          const int p = progress[c] == -1 ? from - direction : progress[c];
+          done = direction > 0 ? (p < done ? p : done) : (p > done ? p : done);
+        }
+        next = done + direction;
+      }
+      starts[g] = next;
+      unfinished |= next != end;
+      if (!restart) completed_from[g] = next;
+    }
+    if (!unfinished) chain[1] |= kChainDone;
+    if (unfinished && restart) chain[0] += 1u;
+    if (unfinished && !restart) chain[2] += 1u;
+    ctl[0] = 0u;
+    ctl[1] = 0u;
+    for (int c = 0; c < grid; ++c) progress[c] = -1;
+  }
+  if (!prnn_sync_block_or(unfinished && restart)) return;
+  for (long long i = threadIdx.x; i < words_a; i += blockDim.x) exchange_a[i] = 0u;
+  for (long long i = threadIdx.x; i < words_b; i += blockDim.x) exchange_b[i] = 0u;
+}
+
+// One block: completes the forward of every group whose starts[g] is not `steps` (a stack's layers
+// bottom-up, as the layer above reads the one below). Per group g (strides: its slice of each
+// buffer): h_{t-1} from y (h0 at t = 0) and c from cs (c0); gi from `gi` (group 0 of a chained
+// stack, every group otherwise) or W_ih y_{g-1}[t] + b_ih (a chained stack's groups above 0).
+// With a projection (`proj` > 0, LSTM): y holds r_t = W_hr h_t (P wide), hs the cell's h_t.
+PRNN_KERNEL void prnn_complete_forward(
+    const void* w_hh, const void* w_hr, const float* b_hh, const float* gi, const float* w_ih,
+    const float* b_ih, const float* h0, const float* c0, const int* lengths, float* y, float* hs,
+    float* cs, float* saved, const unsigned* chain, int groups, int grid, int chained, int steps,
+    int batch, int hidden, int proj) {
+  using namespace prnn;
+  constexpr int G = StepCell::G, S = StepCell::S;
+  constexpr bool kHasC = PRNN_CELL == LSTM;
+  const int* starts = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid);
+  const int gh_len = G * hidden, width = proj > 0 ? proj : hidden;  // width: the state's
+  const size_t state = (size_t)steps * batch;
+  for (int g = 0; g < groups; ++g) {
+    const int start = starts[g];
+    if (start >= steps) continue;
+    const void* w_hh_g = static_cast<const char*>(w_hh) + g * (size_t)gh_len * width * sizeof(float);
+    const float* y_below = y + (g - 1) * state * width;
+    float* y_g = y + g * state * width;
+    float* cs_g = cs + g * state * hidden;
+    float* saved_g = saved + g * state * S * hidden;
+    const float* gi_g = gi + (chained ? 0 : g) * state * gh_len;
+    for (int t = start; t < steps; ++t) {
+      for (int idx = threadIdx.x; idx < batch * hidden; idx += blockDim.x) {
+        const int b = idx / hidden, j = idx % hidden;
+        const size_t at0 = ((size_t)g * batch + b) * width, row = (size_t)t * batch + b;
+        const float* prev = t > 0 ? y_g + (row - batch) * width : h0 + at0;
+        const size_t c_at = ((size_t)g * batch + b) * hidden + j;
+        const float c_prev = kHasC ? (t > 0 ? cs_g[(row - batch) * hidden + j] : c0[c_at]) : 0.0f;
+        // The cell's own h_{t-1}: the state itself, or (projection) the previous hs (LSTM does
+        // not read it, and a frozen step takes r from y, not from hs).
+        const float h_prev = proj > 0 ? (t > 0 ? hs[(row - batch) * hidden + j] : 0.0f) : prev[j];
+        float giv[G], ghv[G], sv[kLoopSaved], h, c;
+        for (int q = 0; q < G; ++q) {
+          const size_t r = (size_t)q * hidden + j;
+          ghv[q] = b_hh[g * gh_len + r] + row_dot(w_hh_g, r, prev, width);
+          giv[q] = (g == 0 || !chained)
+                       ? gi_g[row * gh_len + r]
+                       : b_ih[g * gh_len + r] + row_dot_f32(w_ih + (g - 1) * (size_t)gh_len * hidden,
+                                                            r, y_below + row * hidden, hidden);
+        }
+        cell_forward_masked<PRNN_CELL>(t < lengths[b], giv, ghv, h_prev, c_prev, h, c, sv);
+        if (proj > 0) {
+          hs[row * hidden + j] = h;
+        } else {
+          y_g[row * hidden + j] = stored_state(h);
+        }
+        if (kHasC) cs_g[row * hidden + j] = c;
+        for (int s = 0; s < S; ++s) saved_g[row * S * hidden + s * hidden + j] = sv[s];
+      }
+      prnn_sync_block();
+      if (proj > 0) {  // r_t = W_hr h_t (r_{t-1} past a length)
+        for (int idx = threadIdx.x; idx < batch * proj; idx += blockDim.x) {
+          const int b = idx / proj, p = idx % proj;
+          const size_t row = (size_t)t * batch + b;
+          const float r_prev = t > 0 ? y[(row - batch) * proj + p] : h0[(size_t)b * proj + p];
+          y[row * proj + p] = t < lengths[b]
+                                  ? stored_state(row_dot(w_hr, p, hs + row * hidden, hidden))
+                                  : r_prev;
+        }
+        prnn_sync_block();
+      }
+    }
+  }
+}
+
+// One block: completes the backward of every group whose starts[g] is not -1 (a stack's layers
+// top-down), as persistent_backward.cu / stack_backward.cu compute it: per step t (down to 0) dh =
+// dy_t (the top group's, or W_ih,g+1^T dgi_{g+1}[t] in a chained stack) + the direct carry of step
+// t+1 + W_hh^T dgh[t+1]; the carries are kept in dh_carry / dc_carry at slot t & 1 (`per_step` 0,
+// one layer-direction: [2][B][H]) or slot t ([T+1][B][H] per group, a stack).
+PRNN_KERNEL void prnn_complete_backward(
+    const void* w_t, const float* w_ih_t, const float* dy, const float* y, const float* cs,
+    const float* saved, const float* h0, const float* c0, const int* lengths, float* dgi,
+    float* dgh, float* dh_carry, float* dc_carry, const unsigned* chain, int groups, int grid,
+    int chained, int per_step, int steps, int batch, int hidden) {
+  using namespace prnn;
+  constexpr int G = StepCell::G, S = StepCell::S;
+  constexpr bool kHasC = PRNN_CELL == LSTM;
+  const int* starts = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid);
+  const int gh_len = G * hidden;
+  const size_t plane = (size_t)batch * hidden, rows = (size_t)steps * batch;
+  const size_t carry_len = (per_step ? steps + 1 : 2) * plane;
+  for (int g = groups - 1; g >= 0; --g) {
+    const int start = starts[g];
+    if (start < 0) continue;
+    const void* w_g = static_cast<const char*>(w_t) + g * (size_t)hidden * gh_len * sizeof(float);
+    const bool top = !chained || g + 1 == groups;
+    const float* dy_g = dy + (chained ? 0 : g) * rows * hidden;
+    const float* y_g = y + g * rows * hidden;
+    const float* cs_g = cs + g * rows * hidden;
+    const float* saved_g = saved + g * rows * S * hidden;
+    float* dgi_g = dgi + g * rows * gh_len;
+    float* dgh_g = dgh + g * rows * gh_len;
+    float* dh_g = dh_carry + g * carry_len;
+    float* dc_g = dc_carry + g * carry_len;
+    for (int t = start; t >= 0; --t) {
+      const size_t into = (size_t)(per_step ? t + 1 : (t + 1) & 1) * plane;
+      const size_t out = (size_t)(per_step ? t : t & 1) * plane;
+      for (int idx = threadIdx.x; idx < batch * hidden; idx += blockDim.x) {
+        const int b = idx / hidden, j = idx % hidden;
+        const size_t row = (size_t)t * batch + b, at = (size_t)b * hidden + j;
+        float dh = dh_g[into + at];
+        dh += top ? dy_g[row * hidden + j]
+                  : row_dot_f32(w_ih_t + g * (size_t)hidden * gh_len, j,
+                                dgi + ((g + 1) * rows + row) * gh_len, gh_len);
+        if (t + 1 < steps) dh += row_dot(w_g, j, dgh_g + (row + batch) * gh_len, gh_len);
+        const float dc = kHasC ? dc_g[into + at] : 0.0f;
+        const size_t at0 = ((size_t)g * batch + b) * hidden + j;
+        const float h_prev = t > 0 ? y_g[(row - batch) * hidden + j] : h0[at0];
+        const float c = kHasC ? cs_g[row * hidden + j] : 0.0f;
+        const float c_prev = kHasC ? (t > 0 ? cs_g[(row - batch) * hidden + j] : c0[at0]) : 0.0f;
+        float sv[kLoopSaved], dgiv[G], dghv[G], dh_prev, dc_prev;
+        for (int s = 0; s < S; ++s) sv[s] = saved_g[row * S * hidden + s * hidden + j];
+        cell_backward_masked<PRNN_CELL>(t < lengths[b], dh, dc, sv, y_g[row * hidden + j], c,
+                                        h_prev, c_prev, dgiv, dghv, dh_prev, dc_prev);
+        for (int q = 0; q < G; ++q) {
+          dgi_g[row * gh_len + q * hidden + j] = dgiv[q];
+          dgh_g[row * gh_len + q * hidden + j] = dghv[q];
+        }
+        dh_g[out + at] = dh_prev;
+        if (kHasC) dc_g[out + at] = dc_prev;
+      }
+      prnn_sync_block();
+    }
+  }
+}
+
+// One block: completes the backward of an LSTM with projection (one layer-direction) from
+// starts[0] down to step 0, as persistent_projection_backward.cu computes it: per step t,
+// dr_t = dy_t + the carry of step t+1 + W_hh^T dg_{t+1} (P wide); drs[t] = dr_t within the
+// length (0 past it, where dr_t passes to step t-1 as the carry instead); then dh_t = W_hr^T drs_t
+// and the cell's backward give dg_t (dgh[t]) and the dc carry. Carries by step parity.
+PRNN_KERNEL void prnn_complete_projection_backward(
+    const void* w_hh_t, const void* w_hr_t, const float* dy, const float* cs, const float* saved,
+    const float* c0, const int* lengths, float* dgh, float* drs, float* dr_carry,
+    float* dc_carry, const unsigned* chain, int groups, int grid, int steps, int batch,
+    int hidden, int proj) {
+  using namespace prnn;
+  constexpr int G = StepCell::G, S = StepCell::S;
+  const int start = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid)[0];
+  const int gh_len = G * hidden;
+  const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
+  for (int t = start; t >= 0; --t) {
+    const size_t into = (size_t)((t + 1) & 1), out = (size_t)(t & 1);
+    for (int idx = threadIdx.x; idx < batch * proj; idx += blockDim.x) {
+      const int b = idx / proj, q = idx % proj;
+      const size_t row = (size_t)t * batch + b;
+      float dr = dy[row * proj + q] + dr_carry[into * rplane + idx];
+      if (t + 1 < steps) dr += row_dot(w_hh_t, q, dgh + (row + batch) * gh_len, gh_len);
+      const bool active = t < lengths[b];
+      drs[row * proj + q] = active ? dr : 0.0f;
+      dr_carry[out * rplane + idx] = active ? 0.0f : dr;
+    }
+    prnn_sync_block();
+    for (int idx = threadIdx.x; idx < batch * hidden; idx += blockDim.x) {
+      const int b = idx / hidden, j = idx % hidden;
+      const size_t row = (size_t)t * batch + b;
+      const float dh = row_dot(w_hr_t, j, drs + row * proj, proj);
+      const float c_prev = t > 0 ? cs[(row - batch) * hidden + j] : c0[idx];
+      float sv[kLoopSaved], dgv[G], unused[G], dh_prev, dc_prev;
+      for (int s = 0; s < S; ++s) sv[s] = saved[row * S * hidden + s * hidden + j];
+      cell_backward_masked<PRNN_CELL>(t < lengths[b], dh, dc_carry[into * plane + idx], sv, 0.0f,
+                                      cs[row * hidden + j], 0.0f, c_prev, dgv, unused, dh_prev,
+                                      dc_prev);
+      for (int q = 0; q < G; ++q) dgh[row * gh_len + q * hidden + j] = dgv[q];
+      dc_carry[out * plane + idx] = dc_prev;
+    }
+    prnn_sync_block();
+  }
+}

@@ -1,0 +1,418 @@
+"""Launching a persistent pass with its restart loop and completion decided on the device.
+
+A call enqueues, per persistent pass, a fixed chain and reads nothing back (``cuda_src/
+device_loop.cu``): the pass launch, then ``max_restarts`` times a settle kernel (each group's
+next step, from the control words) and a resume launch (which exits at once when the pass is
+done), then a final settle and a one-CTA completion kernel that finishes whatever the launches
+left (only after the restart cap; it needs no co-residency). So a call never returns a partial
+result and never synchronises. What happened (restarts, the completion, a grid found not
+co-resident) is in the chain's device record, read lazily by ``DeviceRecord``: when ``last_run``
+is asked for, or - without blocking - at the next call of the same configuration, which is when
+the residency cooldown (``COOLDOWNS``) learns of a grid found not co-resident.
+
+``COUNTERS`` / ``counting()`` count what the runtime paths do: host synchronisations
+(device-to-host reads of control words or records that wait for the device), kernel launches and
+memsets, so that tests hold a steady-state call to 0 synchronisations.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from . import settings
+from ._sources import cuda_src_dir
+
+Array = Any
+
+RESUME = np.int32(-2**31)  # kResumeFromChain: a resume launch reads its start from the chain
+LOOP_SOURCE = "device_loop.cu"  # the settle and completion kernels
+HEAD = 4                   # record words before the per-group completion starts (device_loop.cu)
+DONE, NOT_RESIDENT = 1, 2  # record flags
+UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
+SETTLE_THREADS = 128
+COMPLETE_THREADS = {False: 256, True: 32}  # GPU, emulation
+
+
+@dataclass
+class Counters:
+    """What the runtime paths did since ``reset``: host synchronisations (reads of device words
+    that wait for the device), kernel launches (persistent, settle, completion) and memsets."""
+
+    host_syncs: int = 0
+    launches: int = 0
+    memsets: int = 0
+    allocations: int = 0  # CuPy device allocations (from its pool or not); only under counting()
+    record_reads: int = 0  # device records folded into stats (on the GPU: may wait for it)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + n)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets,
+                "allocations": self.allocations, "record_reads": self.record_reads}
+
+
+COUNTERS = Counters()
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Counters]:
+    """Count what the runtime does inside the block: yields a ``Counters`` of the difference.
+    Where CuPy sees a GPU, its device allocations in this thread are counted too (through
+    ``cupy.cuda.using_allocator``); NumPy allocations are not device allocations."""
+    before = COUNTERS.snapshot()
+    out = Counters()
+    try:
+        with _counting_allocations():
+            yield out
+    finally:
+        for k, v in COUNTERS.snapshot().items():
+            setattr(out, k, v - before[k])
+
+
+@contextlib.contextmanager
+def _counting_allocations() -> Iterator[None]:
+    try:
+        import cupy
+        has_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or no driver: nothing allocates on a device
+        has_gpu = False
+    if not has_gpu:
+        yield
+        return
+    allocate = cupy.cuda.get_allocator()
+
+    def counted(size: int):
+        COUNTERS.add("allocations")
+        return allocate(size)
+
+    with cupy.cuda.using_allocator(counted):
+        yield
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How a persistent pass runs: its plan, a ``launch`` callable (GPU or emulated module) and
+    ``loop``, the module of its settle and completion kernels (``device_loop.cu``); ``key``
+    names the configuration on its device (the residency cooldown's key)."""
+
+    pass_plan: Any
+    launch: Callable[..., None]
+    emulated: bool
+    key: tuple = ()
+    loop: Callable[..., None] | None = None
+
+
+class Cooldowns:
+    """Configurations whose grid was found not co-resident (a pass ended on the completion path
+    after timeouts while some of its CTAs had not started: another stream held SMs), and when.
+    For ``Settings.residency_cooldown_s`` after that such a configuration goes straight to the
+    GEMM path instead of paying the timeouts again. The records of earlier calls are read here
+    without blocking (those the device has finished)."""
+
+    def __init__(self) -> None:
+        self._since: dict[tuple, float] = {}
+        self._unread: dict[tuple, list[DeviceRecord]] = {}
+        self._lock = threading.Lock()
+
+    def start(self, key: tuple) -> None:
+        with self._lock:
+            self._since[key] = time.monotonic()
+
+    def watch(self, key: tuple, record: "DeviceRecord") -> None:
+        """Read ``record`` at a later ``reason(key)`` once the device has written it."""
+        with self._lock:
+            self._unread.setdefault(key, []).append(record)
+
+    def reason(self, key: tuple) -> str | None:
+        """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
+        with self._lock:
+            unread = self._unread.pop(key, [])
+        left = [r for r in unread if not r.poll()]
+        if left:
+            with self._lock:
+                self._unread.setdefault(key, []).extend(left)
+        cooldown = settings.current().residency_cooldown_s
+        with self._lock:
+            since = self._since.get(key)
+        if since is None:
+            return None
+        ago = time.monotonic() - since
+        if ago >= cooldown:
+            return None
+        return (f"grid not co-resident {ago:.1f} s ago (another stream held SMs): GEMM path "
+                f"until residency_cooldown_s ({cooldown:g} s) has passed")
+
+    def clear(self) -> None:
+        with self._lock:
+            self._since.clear()
+            self._unread.clear()
+
+
+COOLDOWNS = Cooldowns()
+
+
+def to_host(a: Array) -> np.ndarray:
+    """A host copy of device words (NumPy: itself); counted as a host synchronisation."""
+    COUNTERS.add("host_syncs")
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def capturing(a: Array) -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph (never for NumPy)."""
+    if isinstance(a, np.ndarray):
+        return False
+    import cupy
+    return cupy.cuda.get_current_stream().is_capturing()
+
+
+class DeviceRecord:
+    """The record of one pass's chain (restarts, completion per group, flags), copied to the
+    host asynchronously at the end of the chain and decoded on first ``read``. ``poll`` reads
+    it only if the device has finished (never blocks); ``read`` waits (a counted sync)."""
+
+    def __init__(self, words: Array, groups: int, end: int, key: tuple, emulated: bool):
+        self.groups, self.end, self.key = groups, end, key
+        self._host: np.ndarray | None = None
+        self._event = None
+        self._decoded: dict | None = None
+        self._lock = threading.Lock()
+        if isinstance(words, np.ndarray):
+            self._host = words[:HEAD + groups].copy()
+        else:
+            import cupy
+            self._host = cupy.cuda.alloc_pinned_memory(4 * (HEAD + groups))
+            self._host = np.frombuffer(self._host, np.uint32, HEAD + groups)
+            stream = cupy.cuda.get_current_stream()
+            cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, words.data.ptr,
+                                          4 * (HEAD + groups), 2, stream.ptr)  # device to host
+            self._event = stream.record()
+
+    def poll(self) -> bool:
+        """Decode the record if the device has written it (no wait); whether it is decoded."""
+        if self._decoded is None and (self._event is None or self._event.done):
+            self._decode()
+        return self._decoded is not None
+
+    def read(self) -> dict:
+        """The decoded record: ``restarts``, ``completed_from`` (per group, ``end``: none),
+        ``not_resident``; waits for the device if it has not finished (counted)."""
+        COUNTERS.add("record_reads")
+        if not self.poll():
+            COUNTERS.add("host_syncs")
+            self._event.synchronize()
+            self._decode()
+        return self._decoded  # type: ignore[return-value]
+
+    def _decode(self) -> None:
+        with self._lock:
+            if self._decoded is not None:
+                return
+            w = self._host
+            # The per-group starts are written only when the completion ran (``completions``).
+            completed = ([int(v) for v in w[HEAD:HEAD + self.groups].view(np.int32)]
+                         if int(w[2]) else [self.end] * self.groups)
+            not_resident = bool(int(w[1]) & NOT_RESIDENT)
+            self._decoded = {"restarts": int(w[0]), "completions": int(w[2]),
+                             "completed_from": completed, "not_resident": not_resident}
+            if not_resident and any(c != self.end for c in completed):
+                COOLDOWNS.start(self.key)
+
+
+class Chain:
+    """The device words of one pass's chain (record, control words, starts; device_loop.cu) and
+    the launches that drive it."""
+
+    def __init__(self, xp, engine: Engine, groups: int):
+        grid = engine.pass_plan.grid
+        self.engine, self.groups, self.grid = engine, groups, grid
+        self.words = xp.empty(HEAD + groups + 2 + grid + groups, dtype=np.uint32)
+        self.control = self.words[HEAD + groups:]
+        self.starts = self.words[HEAD + groups + 2 + grid:].view(np.int32)
+
+    def reset(self) -> None:
+        """Record and counters zero, progress untouched: two memsets on the stream."""
+        w, head, grid = self.words, HEAD + self.groups + 2, self.grid
+        COUNTERS.add("memsets", 2)
+        if isinstance(w, np.ndarray):
+            w[:head], w[head:head + grid] = 0, UNTOUCHED
+            return
+        import cupy
+        stream = cupy.cuda.get_current_stream().ptr
+        cupy.cuda.runtime.memsetAsync(w.data.ptr, 0, 4 * head, stream)
+        cupy.cuda.runtime.memsetAsync(w.data.ptr + 4 * head, 0xFF, 4 * grid, stream)
+
+    def settle(self, end: int, first: int, resumed: bool, restart: bool,
+               exchanges: tuple = ()) -> None:
+        """Launch ``prnn_settle`` (device_loop.cu) after a launch of the pass; ``exchanges``:
+        the tagged exchange buffers a restart zeroes (at most two)."""
+        xs = list(exchanges) + [self.words] * (2 - len(exchanges))
+        sizes = [x.size if i < len(exchanges) else 0 for i, x in enumerate(xs)]
+        self._loop("prnn_settle", SETTLE_THREADS, chain=self.words, groups=self.groups,
+                   grid=self.grid, end=end, first=first, resumed=resumed, restart=restart,
+                   exchange_a=xs[0], words_a=sizes[0], exchange_b=xs[1], words_b=sizes[1])
+
+    def complete(self, kernel: str, **named: Any) -> None:
+        """Launch a completion kernel (``prnn_complete_*``, device_loop.cu) with ``named``
+        arguments (the chain's own are added)."""
+        self._loop(kernel, COMPLETE_THREADS[self.engine.emulated], chain=self.words,
+                   groups=self.groups, grid=self.grid, **named)
+
+    def _loop(self, kernel: str, threads: int, **named: Any) -> None:
+        COUNTERS.add("launches")
+        keep_alive(self.words, *named.values())
+        extra = {"max_resident": 1} if self.engine.emulated else {}
+        self.engine.loop(kernel, 1, threads, 0, arguments(LOOP_SOURCE, kernel, **named), **extra)
+
+
+def launch_pass(engine: Engine, control: Array, named: dict, stall: settings.Stall) -> None:
+    """Launch ``engine``'s pass with its kernel's ``named`` arguments (``arguments``) plus the
+    control words, the timeout (the setting for the GPU or for the emulation) and ``stall``."""
+    s, p = settings.current(), engine.pass_plan
+    timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
+    extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
+    block, step, ns = stall.args()
+    args = arguments(p.source, p.kernel, **named, control=control,
+                     timeout_ns=int(timeout_ms * 1e6), stall_block=block, stall_step=step,
+                     stall_ns=ns)
+    COUNTERS.add("launches")
+    keep_alive(control, *named.values())
+    engine.launch(p.kernel, p.grid, p.block, p.shared_bytes, args, **extra)
+
+
+_CAPTURED: list[Array] = []
+_CAPTURED_LOCK = threading.Lock()
+
+
+def keep_alive(*arrays: Any) -> None:
+    """Under CUDA stream capture, hold the device arrays a captured launch uses (the graph reads
+    and writes them on every replay, so they must outlive it; CuPy would otherwise return them
+    to its pool when the call's references go). ``release_captured`` lets them go."""
+    if not arrays or not capturing(arrays[0]):
+        return
+    with _CAPTURED_LOCK:
+        _CAPTURED.extend(a for a in arrays if not isinstance(a, (int, np.generic)))
+
+
+def release_captured() -> int:
+    """Let go of the arrays held for captured launches (call once every graph that captured a
+    persistent_rnn call is destroyed); returns how many were held."""
+    with _CAPTURED_LOCK:
+        n = len(_CAPTURED)
+        _CAPTURED.clear()
+    return n
+
+
+_FIRST_STARTS: dict[tuple, Array] = {}
+_FIRST_LOCK = threading.Lock()
+
+
+def first_starts(xp, groups: int, first: int) -> Array:
+    """An int32 array of ``groups`` times ``first`` on the data's device: the stack kernels'
+    ``starts`` for a pass's first launch. Cached on the GPU (read-only; no fill per call)."""
+    if xp is np:
+        return np.full(groups, first, np.int32)
+    key = (xp.cuda.Device().id, groups, first)
+    with _FIRST_LOCK:
+        found = _FIRST_STARTS.get(key)
+        if found is None:
+            if len(_FIRST_STARTS) >= 1024:  # a bound: sequence lengths of a long training run
+                _FIRST_STARTS.clear()
+            found = _FIRST_STARTS[key] = xp.full(groups, first, np.int32)
+        return found
+
+
+def chain_launches(max_restarts: int) -> int:
+    """Kernel launches ``run_chain`` enqueues per pass: the pass, ``max_restarts`` times a settle
+    and a resume launch, the final settle and the completion (held by tests against
+    ``counting``; the latency model's per-call term counts them)."""
+    return 2 * max_restarts + 3
+
+
+CHAIN_MEMSETS = 2  # Chain.reset
+RECORD_CALLS = 2   # on the GPU: the record's copy to pinned memory and its event (DeviceRecord)
+
+
+def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
+              stall: settings.Stall, exchanges: tuple, complete: Callable[[], None]) -> None:
+    """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:
+    ``first``, then ``RESUME``), ``complete()`` the completion kernel. Nothing is read back."""
+    chain.reset()
+    launch(first, stall)
+    restarts = settings.current().max_restarts
+    for i in range(restarts):
+        chain.settle(end, first, resumed=i > 0, restart=True, exchanges=exchanges)
+        launch(RESUME, settings.NO_STALL)
+    chain.settle(end, first, resumed=restarts > 0, restart=False)
+    complete()
+
+
+def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | None:
+    """Attach the chain's lazily read record to ``stats`` (``RunStats.defer``) and to the
+    cooldowns; under CUDA stream capture nothing is recorded (``stats.details`` says so).
+    ``group``: what a group is called in ``fallback`` ("layer" in a stack; "": one pass)."""
+    if capturing(chain.words):
+        stats.details.append("captured: restarts and completion run on the device at replay; "
+                             "last_run does not report them")
+        return None
+    record = DeviceRecord(chain.words, chain.groups, end, chain.engine.key, chain.engine.emulated)
+    COOLDOWNS.watch(chain.engine.key, record)
+    stats.defer(lambda s: _report(record, s, group))
+    return record
+
+
+def _report(record: DeviceRecord, stats, group: str) -> None:
+    """Fold a decoded record into ``stats`` (restarts, launches, fallback)."""
+    r = record.read()
+    stats.restarts += r["restarts"]
+    stats.launches += r["restarts"]
+    left = [(f"{group} {g} " if group else "") + f"steps {s}..{record.end - (1 if record.end > 0 else -1)}"
+            for g, s in enumerate(r["completed_from"]) if s != record.end]
+    if left:
+        stats.fallback = (f"barrier timeouts: {r['restarts']} restarts, "
+                          + ", ".join(left) + " finished by the completion kernel")
+        if r["not_resident"]:
+            stats.fallback += ("; the grid was not co-resident (another stream held SMs): GEMM "
+                               f"path for this configuration for "
+                               f"{settings.current().residency_cooldown_s:g} s")
+
+
+_SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64,
+                 "unsigned long long": np.uint64, "float": np.float32}
+
+
+@lru_cache(maxsize=None)
+def parameters(source: str, kernel: str) -> tuple[tuple[str, type | None], ...]:
+    """The parameters of ``kernel`` in ``cuda_src/<source>``, read from its declaration: per
+    parameter its name and its NumPy scalar type (``None``: a pointer, an array is passed)."""
+    text = re.sub(r"//[^\n]*", "", (cuda_src_dir() / source).read_text())
+    match = re.search(rf"PRNN_KERNEL\s+void\s+(?:\w+\s+)*{kernel}\s*\(([^)]*)\)", text)
+    if match is None:
+        raise ValueError(f"{source} declares no kernel {kernel!r}")
+    params = []
+    for declaration in match.group(1).split(","):
+        words = declaration.replace("*", " * ").split()
+        name, kind = words[-1], " ".join(w for w in words[:-1] if w != "const")
+        params.append((name, None if "*" in kind else _SCALAR_TYPES[kind]))
+    return tuple(params)
+
+
+def arguments(source: str, kernel: str, **named: Any) -> tuple:
+    """``kernel``'s arguments in its parameter order, from ``named`` (one value per parameter,
+    scalars converted to the parameter's type). Raises TypeError naming what is missing or
+    unknown: the builders of every kernel family are checked against the CUDA declaration."""
+    params = parameters(source, kernel)
+    names = [n for n, _ in params]
+    missing, unknown = [n for n in names if n not in named], [n for n in named if n not in names]
+    if missing or unknown:
+        raise TypeError(f"{kernel}: missing arguments {missing}, unknown arguments {unknown}")
+    return tuple(named[n] if kind is None else kind(named[n]) for n, kind in params)
