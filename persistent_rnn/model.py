@@ -478,8 +478,9 @@ class CallCost:
     """What one layer-direction call costs beside its recurrence's steps - a prediction:
     ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us`` (their host
     time, ``hw.API_CALL_HOST_US`` each; the Python around them is not included) and
-    ``device_us`` (GPU time beside the steps: the chain's launches that exit at once, the GEMMs,
-    the small kernels)."""
+    ``device_us`` (GPU time beside the steps: the chain's launches that exit at once - the
+    backward's after loading its weights, ``launch_start_late`` -, the GEMMs, the small
+    kernels)."""
 
     api_calls: int
     host_us: float
@@ -505,6 +506,9 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     small = calls - chain - launch.RECORD_CALLS - len(gemms)  # fills, copies, adds: short kernels
     device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US + sum(_gemm_us(f, device) for f in gemms)
                  + small * hw.EMPTY_LAUNCH_US)
+    if backward:  # its resume launches load W_hh^T (fp32, from L2) before they exit
+        resumes = settings.current().max_restarts
+        device_us += resumes * gh * hidden * 4 / (hw.L2_BANDWIDTH_GBPS * 1e3)
     return CallCost(calls, calls * hw.API_CALL_HOST_US, device_us)
 
 
