@@ -117,10 +117,13 @@ PRNN_KERNEL void prnn_settle(unsigned* chain, int groups, int grid, int end, int
     if (!unfinished) chain[1] |= kChainDone;
     if (unfinished && restart) chain[0] += 1u;
     if (unfinished && !restart) chain[2] += 1u;
-    ctl[0] = 0u;
     ctl[1] = 0u;
     for (int c = 0; c < grid; ++c) progress[c] = -1;
   }
+  // The arrival counter also numbers the CTAs of a stack launch in the order they start
+  // (prnn_start_order): a resume launch of a finished pass must count from 0 as well, or its CTAs
+  // would take layers past the last.
+  if (threadIdx.x == 0) ctl[0] = 0u;
   if (!prnn_sync_block_or(unfinished && restart)) return;
   for (long long i = threadIdx.x; i < words_a; i += blockDim.x) exchange_a[i] = 0u;
   for (long long i = threadIdx.x; i < words_b; i += blockDim.x) exchange_b[i] = 0u;
