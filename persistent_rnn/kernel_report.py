@@ -72,6 +72,15 @@ SASS_KINDS = {
     "l1_invalidates": ("CCTL",),
     "local_memory": ("LDL", "STL"),         # a run-time indexed array or a spill: never wanted
 }
+
+
+def step_atomic(opcode: str) -> bool:
+    """Whether an atomic of the time loop is one a step runs: not the compare-and-swap of
+    ``prnn_abort`` (cuda_src/hw.cuh: the first abort reason wins), which only a wait that gives up
+    runs, once per launch."""
+    return opcode.split(".")[0] in SASS_KINDS["atomics"] and ".CAS" not in opcode
+
+
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _LABEL = re.compile(r"^\s*(\.L\w+|\$[\w$.]+):")
 _TARGET = re.compile(r"`\(([^)]+)\)")
@@ -246,9 +255,10 @@ def sass_loop_counts(sass: str) -> dict[str, int]:
     loop = time_loop(sass)
     counts = {kind: 0 for kind in SASS_KINDS}
     for i in loop.body:
-        base = loop.code[i][0].split(".")[0]
+        opcode = loop.code[i][0]
+        base = opcode.split(".")[0]
         for kind, opcodes in SASS_KINDS.items():
-            counts[kind] += base in opcodes
+            counts[kind] += base in opcodes and (kind != "atomics" or step_atomic(opcode))
     counts["instructions"] = len(loop.body)
     return counts
 

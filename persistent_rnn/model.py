@@ -377,7 +377,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
     loop = kernel_report.time_loop(sass, converged=True)  # what a step issues: no BRA.DIV fallbacks
     ops = [loop.code[i][0] for i in loop.body]
-    counter = any(_base(op) in ("ATOM", "ATOMG", "RED") for op in ops)
+    counter = any(kernel_report.step_atomic(op) for op in ops)  # an arrival counter
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
     trips = {h: loop_trips(k, shape, counter) for h, k in kinds.items()}
     steady = steady_step(loop, [h for h, k in kinds.items() if k == "spin"])
