@@ -48,7 +48,8 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     recurs, rounded under ``half``) and ``hs`` (T, B, H) the cell's ``h_t`` (module docstring).
     """
     xp = array_module(gi)
-    if xp is np:  # (NumPy: the loop at once, no lengths to convert and no kernel limits)
+    if xp is np and not step_graphs.eligible(xp):  # (the loop at once: no lengths to convert,
+        # no kernel limits)
         _forward_loop(cell, start, half, gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                       lengths=lengths, w_hr=w_hr, y=y, cs=cs, saved=saved, hs=hs)
         return
@@ -87,7 +88,8 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
                   dh_carry=dh_carry, dc_carry=dc_carry if cell.has_cell_state else None,
                   w_hr=w_hr, hs=hs)
     outputs = dict(dgi=dgi, dgh=None if dgh is dgi else dgh, dh0=dh0, dc0=dc0, drs=drs)
-    if stop == steps and xp is not np:  # a whole pass: replayed from a recorded CUDA graph
+    if stop == steps and (xp is not np or step_graphs.eligible(xp)):  # a whole pass: replayed
+        # from a recorded CUDA graph
         step_graphs.run(f"backward {cell.name}", partial(_backward_loop, cell, stop), inputs,
                         outputs)
     else:

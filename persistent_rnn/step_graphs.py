@@ -54,7 +54,7 @@ def run(name: str, loop: Callable[..., None], inputs: Mapping[str, Array | None]
     """``loop(**inputs, **outputs)``, from a recorded graph where possible (module docstring)."""
     arrays = {**inputs, **outputs}
     xp = array_module(*(a for a in arrays.values() if a is not None))
-    if not (settings.current().gemm_graphs and _eligible(xp)):
+    if not (settings.current().gemm_graphs and eligible(xp)):
         loop(**arrays)
         return
     key = (name, _where(xp), tuple((k, None if a is None else (a.shape, a.dtype.str))
@@ -105,7 +105,7 @@ def _record(xp, loop: Callable[..., None], arrays: Mapping[str, Array | None]) -
     return _Recorded(workspace, replay, keep)
 
 
-def _eligible(xp) -> bool:
+def eligible(xp) -> bool:
     """CuPy arrays on a stream that is not being captured already."""
     if xp is np:
         return False

@@ -24,7 +24,7 @@ def fake_capture(monkeypatch):
         recorded.append(1)
         return issue
 
-    monkeypatch.setattr(step_graphs, "_eligible", lambda xp: True)
+    monkeypatch.setattr(step_graphs, "eligible", lambda xp: True)
     monkeypatch.setattr(step_graphs, "_where", lambda xp: (0, 0))
     monkeypatch.setattr(step_graphs, "_private_memory", lambda xp: contextlib.nullcontext())
     monkeypatch.setattr(step_graphs, "_capture", capture)
