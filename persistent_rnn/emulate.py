@@ -202,9 +202,11 @@ def _module(source: str, defines: tuple, src_dir: Path) -> EmulatedModule:
     return EmulatedModule(library, kernels)
 
 
-def _build(source: str, defines: dict[str, int], src_dir: Path) -> tuple[Path, list[str]]:
-    """The verified cached library of ``src_dir/source`` with ``defines`` (built if missing or
-    bad) and its kernel names."""
+def _build(source: str, defines: dict[str, int],
+           src_dir: Path | None = None) -> tuple[Path, list[str]]:
+    """The verified cached library of ``src_dir/source`` (the package's cuda_src by default) with
+    ``defines`` (built if missing or bad) and its kernel names."""
+    src_dir = Path(src_dir or cuda_src_dir())
     compiler = host_compiler()
     options = [*CXX_FLAGS, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
