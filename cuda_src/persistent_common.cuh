@@ -88,15 +88,6 @@ constexpr int kResumeFromChain = -2147483647 - 1;
 PRNN_DEVICE int launch_start(const unsigned* control, int start) {
   return start != kResumeFromChain ? start : reinterpret_cast<const int*>(control)[2 + gridDim.x];
 }
-// launch_start as a volatile load, for the backward, which reads its start only after its weight
-// load: read at entry, the step (and the early exit) cost the largest 16-bit backward tiles on
-// sm_80 a register they did not have (224-240 spill bytes), where the `start` parameter costs none.
-// So a resume launch of a finished backward pass loads its weights before it exits.
-PRNN_DEVICE int launch_start_late(const unsigned* control, int start) {
-  return start != kResumeFromChain
-             ? start
-             : *reinterpret_cast<const volatile int*>(control + 2 + gridDim.x);
-}
 
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane

@@ -479,7 +479,7 @@ class CallCost:
     ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us`` (their host
     time, ``hw.API_CALL_HOST_US`` each; the Python around them is not included) and
     ``device_us`` (GPU time beside the steps: the chain's launches that exit at once - the
-    backward's after loading its weights, ``launch_start_late`` -, the GEMMs, the small
+    backward's after loading its weights (persistent_backward.cu) -, the GEMMs, the small
     kernels)."""
 
     api_calls: int
