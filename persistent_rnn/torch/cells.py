@@ -23,10 +23,9 @@ from torch import Tensor, _VF
 from .. import cell_step
 from ..cells import NONLINEARITIES, CellSpec, cell_spec, from_mode
 from ..stats import RunStats
-from ..validation import ALGOS
 from . import paths
 from .interop import library_stream, to_array, to_tensor
-from .ops import MODES, LastRun, RunRecord, _loop_vmap_rule, _record_backward, _record_forward
+from .ops import MODES, LastRun, Recorded, _loop_vmap_rule, _record_backward, _record_forward
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
@@ -172,7 +171,7 @@ def _differentiable_grads(x, h, c, weights, mode, dhn, dcn):
     return result[0], result[1], result[2], result[3:]
 
 
-class _LibraryCell:
+class _LibraryCell(Recorded):
     """What the three cells share: path choice, torch.nn's checks, the library step, run
     records. Mixed into a subclass of the torch.nn cell ``_torch_cls``."""
 
@@ -181,24 +180,7 @@ class _LibraryCell:
 
     def __init__(self, *args, algo: str = "auto", **kwargs) -> None:
         self._torch_cls.__init__(self, *args, **kwargs)  # (torch.nn may be patched by now)
-        if algo not in ALGOS:
-            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-        self.algo = algo
-        self._record = RunRecord()
-
-    @property
-    def last_run(self) -> LastRun | None:
-        """What the last forward (and its backward) ran; see ``persistent_rnn.torch.LastRun``."""
-        return self._record.last
-
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()  # the run record is process-local: not saved
-        state.pop("_record", None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._record = RunRecord()
+        self._start_recording(algo)
 
     def forward(self, input, hx=None):
         """torch.nn's forward: ``input, hx -> h'`` (LSTMCell: ``(h', c')``)."""

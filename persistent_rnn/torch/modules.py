@@ -18,13 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import PackedSequence
 
-from ..validation import ALGOS
 from . import onnx, paths
 from .packing import PackedLayout
-from .ops import LastRun, RunRecord, _cell, run_recurrence
+from .ops import LastRun, Recorded, _cell, run_recurrence
 
 
-class _RecurrentBase(torch.nn.RNNBase):
+class _RecurrentBase(Recorded, torch.nn.RNNBase):
     """What the three modules share: path choice, the library forward, run records."""
 
     _torch_forward: Any  # torch.nn's forward of the same layer (a plain function)
@@ -32,26 +31,7 @@ class _RecurrentBase(torch.nn.RNNBase):
 
     def __init__(self, mode: str, *args, algo: str = "auto", **kwargs) -> None:
         super().__init__(mode, *args, **kwargs)
-        if algo not in ALGOS:
-            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-        self.algo = algo
-        self._record = RunRecord()
-
-    @property
-    def last_run(self) -> LastRun | None:
-        """What the last forward (and its backward) ran; see ``ops.LastRun``."""
-        return self._record.last
-
-    def __getstate__(self) -> dict:
-        # The run record is process-local (a registry slot): it is not saved, so that
-        # torch.load(weights_only=True) needs no extra class and a loaded module gets its own.
-        state = super().__getstate__()
-        state.pop("_record", None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._record = RunRecord()
+        self._start_recording(algo)
 
     def __prepare_scriptable__(self):
         raise RuntimeError(f"{type(self).__name__} from persistent_rnn.torch cannot be compiled "

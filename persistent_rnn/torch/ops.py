@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from .. import functional
 from ..cells import CELLS, CellSpec, from_mode
 from ..stats import RunStats
+from ..validation import ALGOS
 from .packing import PackedLayout
 from .interop import Array, lengths_array, library_stream, to_array, to_tensor
 
@@ -80,6 +81,32 @@ class RunRecord:
 
     def __post_init__(self) -> None:
         _RECORDS[self.slot] = self
+
+
+class Recorded:
+    """What every module of the library keeps beside torch.nn's: ``algo`` and a ``RunRecord``
+    behind ``last_run``. The record is process-local (a registry slot): it is not saved, so
+    that torch.load(weights_only=True) needs no extra class and a loaded module gets its own."""
+
+    def _start_recording(self, algo: str) -> None:
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+        self.algo = algo
+        self._record = RunRecord()
+
+    @property
+    def last_run(self) -> "LastRun | None":
+        """What the last forward (and its backward) ran; see ``persistent_rnn.torch.LastRun``."""
+        return self._record.last
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_record", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._record = RunRecord()
 
 
 _SLOTS = itertools.count()
