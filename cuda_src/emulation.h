@@ -147,17 +147,18 @@ inline bool past_watchdog() {
 // Deadlines must not depend on the host's load: a CTA descheduled by a busy machine is slow, not
 // stuck. So the timer stands still (but for 1 ns per read, so that it never stays) while CTAs
 // make progress, and advances 1-10 kIdleQuantumNs (the host time since the last advance,
-// bounded) each time every resident CTA has missed since the last advance (a "round" of
-// misses): that is, only while no CTA can make progress without time
-// passing - a CTA that will never come, or a stall. A CTA misses when a round of its scheduler
-// ran fibers that only polled in vain (the others blocked at barriers, none held back: a lagging
-// warp still has work); its miss stops counting once it does anything else (a store, a barrier,
-// a copy): a CTA that the host left asleep after its miss cannot complete a round until it has
-// missed again.
+// bounded) each time every resident CTA has missed: that is, only while no CTA can make progress
+// without time passing - a CTA that will never come, or a stall. A CTA misses when a round of its
+// scheduler ran fibers that only polled in vain (the others blocked at barriers, none held back:
+// a lagging warp still has work). Progress anywhere voids the misses counted so far: a CTA whose
+// round did anything else (a store, a barrier, a copy) moves `progress` on at the round's end,
+// and a miss counts only if `progress` is where it was when the missing round began - a poll that
+// failed before another CTA published is no evidence that the wait needs time.
 constexpr unsigned long long kIdleQuantumNs = 1000000;
 constexpr unsigned long long kNoMiss = ~0ull;
 inline std::atomic<unsigned long long> virtual_ns{1};
 inline std::atomic<int> live_ctas{0};  // resident workers (set by the launcher)
+inline std::atomic<unsigned long long> progress{0ull};  // rounds, over all CTAs, that did work
 // A lock held for a few instructions that yields the core while it waits: with far more CTA
 // threads than cores a holder is often descheduled, and spinning would burn whole time slices.
 // (Not std::mutex: <mutex> declares an extern "C" function, which emulate.py would take for a
@@ -175,41 +176,47 @@ struct Hold {
   ~Hold() { lock.unlock(); }
 };
 inline SpinLock clock_lock;
-inline std::atomic<unsigned long long> round_no{0ull};  // rounds of misses completed
-inline int missed = 0;                      // CTAs whose miss counts in this round (clock_lock)
-inline unsigned long long last_round_ns = 0ull;  // host time the last round completed (clock_lock)
-inline thread_local unsigned long long missed_in = kNoMiss;  // the round of this CTA's miss
+// Under clock_lock: the progress value the current count of misses belongs to, the count, and a
+// number for each count (a CTA counts once per count: `counted_in`).
+inline unsigned long long miss_progress = ~0ull;
+inline int missed = 0;
+inline unsigned long long count_no = 0ull;
+inline unsigned long long last_round_ns = 0ull;  // host time the clock last moved
+inline thread_local unsigned long long counted_in = kNoMiss;
 
-// Called by every primitive that is not part of a poll: the CTA is making progress.
+// Called by every primitive that is not part of a poll: the CTA's round makes progress.
 inline void working() {
   if (block != nullptr) block->worked = true;
-  if (missed_in == kNoMiss) return;
-  if (missed_in == round_no.load(std::memory_order_relaxed)) {
-    const Hold hold(clock_lock);
-    if (missed_in == round_no.load(std::memory_order_relaxed)) --missed;
-  }
-  missed_in = kNoMiss;
 }
 
-// A scheduler round of the CTA only polled in vain: counts the CTA in this round of misses; the
-// CTA that completes the round moves the clock.
-inline void note_miss() {
+// Called at the end of each scheduler round of a CTA; `began` is `progress` when it began.
+inline void end_round(bool worked, bool missed_round, unsigned long long began) {
+  if (worked) {
+    progress.fetch_add(1, std::memory_order_acq_rel);
+    return;
+  }
+  if (!missed_round) return;
   const Hold hold(clock_lock);
-  if (missed_in != round_no.load(std::memory_order_relaxed)) {
-    missed_in = round_no.load(std::memory_order_relaxed);
+  if (progress.load(std::memory_order_acquire) != began) return;  // someone moved on meanwhile
+  if (miss_progress != began) {  // the first miss since the last progress: a new count
+    miss_progress = began;
+    missed = 0;
+    ++count_no;
+  }
+  if (counted_in != count_no) {
+    counted_in = count_no;
     ++missed;
   }
-  // (checked on every miss: the round also completes when CTAs that had not missed exit)
+  // (checked on every miss: the count also completes when CTAs that had not missed exit)
   if (missed < live_ctas.load(std::memory_order_relaxed)) return;
-  // At least a quantum, at most ten: about wall-time speed while everything waits (a CTA's
-  // scheduler round of polls takes milliseconds), never much from a CTA's slow work before its
-  // miss.
+  // At least a quantum, at most ten: about wall-time speed while everything waits, never much
+  // from a CTA's slow work before its miss.
   const unsigned long long now = steady_ns(), idle = now - last_round_ns;
   last_round_ns = now;
   virtual_ns.fetch_add(idle < kIdleQuantumNs ? kIdleQuantumNs : idle > 10 * kIdleQuantumNs ? 10 * kIdleQuantumNs : idle,
                        std::memory_order_relaxed);
-  round_no.fetch_add(1, std::memory_order_relaxed);
-  missed = 0;
+  missed = 0;  // every CTA misses again before the next move
+  ++count_no;
 }
 
 // kJumpyTimer: forward jumps of up to kMaxJumpNs, at most kJumpsPerLaunch per launch (the
@@ -262,6 +269,7 @@ inline int cluster_size = 1;
 inline void (*late_store)(int from, int to) = nullptr;
 
 inline void land(const Pending& s) {
+  working();  // a store becoming visible is progress (kDelayed lands them during polls too)
   if (s.cta >= 0 && cluster_exited[s.cta].load(std::memory_order_acquire)) {
     late_store((int)block_idx.x, s.cta);
     return;
@@ -307,8 +315,9 @@ inline void maybe_stall_cta() {
 }
 
 // A polling thread's pause: marks the scheduler round as polled (the virtual clock), lands due
-// stores, lets the block's other fibers run, then sleeps briefly so that spinning CTAs do not burn
-// the few cores of a CI machine.
+// stores and lets the block's other fibers run. A round in which the CTA only polled ends with a
+// short sleep (run_block), once for the CTA rather than once per polling fiber, so that spinning
+// CTAs neither burn the few cores of a CI machine nor make a stalled CTA's rounds slow.
 inline void pause_polling() {
   block->polled = true;
   drain();
@@ -317,6 +326,9 @@ inline void pause_polling() {
   f.polling = true;
   switch_out();
   f.polling = false;
+}
+
+inline void sleep_after_polls() {
   const timespec pause{0, 20000};
   nanosleep(&pause, nullptr);
 }
@@ -349,6 +361,7 @@ inline void wait_at(Gate& g) {
 // cluster has arrived as often. Clusters run whole, but a CTA may exit without arriving: the wait
 // ends at the watchdog, which the launcher reports.
 inline void cluster_barrier() {
+  working();
   drain(true);
   unsigned* counter = &cluster_counters[block_idx.x / cluster_size];
   const unsigned target = (__atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL) + cluster_size - 1) /

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -169,6 +170,7 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
     bool ran = false, held = false;
     alive = 0;
     state.polled = state.worked = false;
+    const unsigned long long began = progress.load(std::memory_order_acquire);
     visiting_order(order);
     for (int t : order) {
       Fiber& f = fibers[t];
@@ -187,14 +189,15 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
       swapcontext(&state.scheduler, &f.context);
       ran = true;
     }
-    if (state.polled && !state.worked && !held) note_miss();
+    end_round(state.worked, state.polled && !held, began);
+    if (state.polled && !state.worked) sleep_after_polls();
     if (alive > 0 && !ran) {  // every live thread waits on a barrier nobody else can reach
       fail(kDeadlock, "block %d: %d threads wait at a barrier that can never complete", b, alive);
       break;
     }
   }
   drain(true);  // a kernel's stores are visible once it has exited
-  working();
+  progress.fetch_add(1, std::memory_order_acq_rel);
   if (cluster_exited != nullptr) cluster_exited[b].store(true, std::memory_order_release);
   for (int i = 0; i < (int)kCanaryBytes; ++i) {
     if (shared[shared_bytes + i] != kCanary) {
@@ -204,6 +207,44 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
     }
   }
   block = nullptr;
+}
+
+// Fiber stacks (each below a guard page) are kept between launches: mapping, guarding and
+// faulting in a CTA's stacks anew cost more than a launch whose CTAs exit at once (a resume
+// launch after a finished pass). Kept at most kPooledStackSets sets of each size.
+constexpr std::size_t kPooledStackSets = 160;  // a whole H100 grid (132 CTAs) and more
+inline std::mutex stack_pool_lock;
+inline std::vector<std::pair<int, unsigned char*>> stack_pool;  // (threads, stacks)
+
+inline unsigned char* take_stacks(int threads) {
+  {
+    std::lock_guard<std::mutex> hold(stack_pool_lock);
+    for (std::size_t i = 0; i < stack_pool.size(); ++i) {
+      if (stack_pool[i].first == threads) {
+        unsigned char* stacks = stack_pool[i].second;
+        stack_pool[i] = stack_pool.back();
+        stack_pool.pop_back();
+        return stacks;
+      }
+    }
+  }
+  const std::size_t bytes = threads * (kGuardBytes + kStackBytes);
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return nullptr;
+  auto* stacks = static_cast<unsigned char*>(mem);
+  for (int t = 0; t < threads; ++t) mprotect(stacks + t * (kGuardBytes + kStackBytes), kGuardBytes, PROT_NONE);
+  return stacks;
+}
+
+inline void give_back_stacks(unsigned char* stacks, int threads) {
+  {
+    std::lock_guard<std::mutex> hold(stack_pool_lock);
+    if (stack_pool.size() < kPooledStackSets) {
+      stack_pool.emplace_back(threads, stacks);
+      return;
+    }
+  }
+  munmap(stacks, threads * (kGuardBytes + kStackBytes));
 }
 
 // The whole grid: `resident` OS threads take blocks in index order (kShuffle: a random order),
@@ -254,20 +295,24 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   std::vector<std::vector<unsigned char>>* cluster_buffers = nullptr;
 #endif
   std::atomic<int> next{0};
-  std::atomic<bool> go{false};
+  // The workers sleep until all exist (spinning would take the cores from the thread creating
+  // them: dozens of CTAs on a 2-core machine).
+  std::mutex start_lock;
+  std::condition_variable started;
+  bool go = false;
   std::vector<std::thread> workers;
   auto worker = [&] {
-    while (!go.load()) std::this_thread::yield();
-    const std::size_t bytes = threads * (kGuardBytes + kStackBytes);
-    void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mem == MAP_FAILED) {
+    {
+      std::unique_lock<std::mutex> wait(start_lock);
+      started.wait(wait, [&] { return go; });
+    }
+    unsigned char* stacks = take_stacks(threads);
+    if (stacks == nullptr) {
       fail(kNoMemory, "cannot map stacks for %d threads (%d KiB each)", threads,
            (int)(kStackBytes / 1024));
       live_ctas.fetch_sub(1);
       return;
     }
-    auto* stacks = static_cast<unsigned char*>(mem);
-    for (int t = 0; t < threads; ++t) mprotect(stacks + t * (kGuardBytes + kStackBytes), kGuardBytes, PROT_NONE);
     block_dim.x = threads;
     grid_dim.x = grid;
     entry = Entry{run, kernel, args};
@@ -276,7 +321,7 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
       run_block(b, threads, shared_bytes, stacks, cluster_buffers ? &(*cluster_buffers)[b] : nullptr);
     }
     live_ctas.fetch_sub(1);  // no block left for this worker
-    munmap(mem, bytes);
+    give_back_stacks(stacks, threads);
   };
   // Every worker exists before any block runs: a grid that could start only in part would leave
   // its started CTAs waiting on the others. Thread creation can fail for a moment on a loaded
@@ -304,9 +349,14 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   }
   live_ctas.store((int)workers.size());
   missed = 0;  // the workers are new threads: none has missed yet
+  miss_progress = ~0ull;
   last_round_ns = steady_ns();
   jumps_left.store(kJumpsPerLaunch);
-  go.store(true);
+  {
+    std::lock_guard<std::mutex> hold(start_lock);
+    go = true;
+  }
+  started.notify_all();
   for (auto& w : workers) w.join();
   cluster_shared = nullptr;
   cluster_exited = nullptr;

@@ -212,7 +212,8 @@ def _build(source: str, defines: dict[str, int],
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
                          .encode()).hexdigest()[:24]
     entry = cache.fetch(cache.cache_dir("emulation"), f"{Path(source).stem}-{key}", ".so",
-                        lambda out: {"kernels": _compile(compiler, options, src_dir / source, out)})
+                        lambda out: {"kernels": _compile(compiler, options, src_dir / source, out),
+                                     "options": options})
     return entry.path, entry.meta["kernels"]
 
 

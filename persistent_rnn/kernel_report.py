@@ -280,11 +280,39 @@ def gather_variants(p: planner.PassPlan, largest_only: bool = False) -> list[pla
     return variants[-1:] if largest_only else variants
 
 
-def _jobs(archs, every_gather: bool = True):
+def _jobs(archs, edges_only: bool = False):
     """Every shipped (dtype, cell, pass plan, arch, proj_size): the grid tiles on every arch (with
-    every gather size, ``gather_variants``, or with ``every_gather=False`` the largest alone),
-    the cluster tiles on the archs with clusters (sm_90 and newer), the LSTM projection tiles
-    (grid only) at their largest H and P < H."""
+    every gather size, ``gather_variants``), the cluster tiles on the archs with clusters (sm_90
+    and newer), the LSTM projection tiles (grid only) at their largest H and P < H, the stack
+    tiles. ``edges_only``: the configurations at the register file's edge alone (``_edges``)."""
+    jobs = list(_every_job(archs, largest_gather_only=edges_only))
+    return _edges(jobs) if edges_only else jobs
+
+
+def _family(job) -> str:
+    _, _, p, _, proj = job
+    if p.source.startswith("stack_"):
+        return "stack"
+    return "projection" if proj else "cluster" if p.defines.get("PRNN_CLUSTER") else "grid"
+
+
+def _edges(jobs: list) -> list:
+    """Of each (kernel family, cell, dtype, pass, arch), the tile holding the most weight
+    registers per CTA and the tile with the fewest registers to spare beyond its weights (where a
+    spill or a stack frame shows first), in ``jobs``' order: about a third of the
+    configurations, the CI's set (the full set is ``prnn kernels``)."""
+    groups: dict[tuple, list] = {}
+    for job in jobs:
+        cell, dtype, p, arch, _ = job
+        groups.setdefault((_family(job), cell.name, dtype, p.kernel, arch), []).append(job)
+    keep = set()
+    for group in groups.values():
+        keep.add(id(max(group, key=lambda j: j[2].weight_registers * j[2].block)))
+        keep.add(id(min(group, key=lambda j: j[2].registers - j[2].weight_registers)))
+    return [job for job in jobs if id(job) in keep]
+
+
+def _every_job(archs, largest_gather_only: bool):
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
             for tile in (*planner.tiles_for(cell, dtype), *planner.cluster_tiles_for(cell, dtype)):
@@ -292,7 +320,7 @@ def _jobs(archs, every_gather: bool = True):
                 for backward in (False, True):
                     planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
                                                 dtype=dtype)
-                    for p in gather_variants(planned, largest_only=not every_gather):
+                    for p in gather_variants(planned, largest_only=largest_gather_only):
                         for arch in archs:
                             if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
                                 yield cell, dtype, p, arch, 0
@@ -315,19 +343,26 @@ def _jobs(archs, every_gather: bool = True):
                     yield cell, "float32", p, arch, 0
 
 
-def _record(job) -> dict:
-    cell, dtype, p, arch, proj, tool = job
-    compiled = kernels.compile_source(p.source, p.defines, arch)
-    sass = disassemble(compiled.cubin_path, tool) if tool else None
-    loop = sass_loop_counts(sass) if sass else None
+def describe(job) -> dict:
+    """The planned fields of a configuration of ``_jobs`` (what ``kernel_records`` reports before
+    it compiles anything)."""
+    cell, dtype, p, arch, proj = job
     return {"cell": cell.name, "dtype": dtype, "proj_size": proj,
             "pass": "backward" if "backward" in p.kernel else "forward",
             "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
             "stack": REPORT_STACK if p.source.startswith("stack_") else 0,
             "hidden_size": p.max_hidden,
             "block": p.block, "weights_per_thread": p.weights_per_thread,
-            "weight_registers": p.weight_registers, **parse_ptxas(compiled.log), "shared_bytes": p.shared_bytes,
-            "planned_registers": p.registers, "time_loop": loop,
+            "weight_registers": p.weight_registers, "shared_bytes": p.shared_bytes,
+            "planned_registers": p.registers}
+
+
+def _record(job) -> dict:
+    cell, dtype, p, arch, proj, tool = job
+    compiled = kernels.compile_source(p.source, p.defines, arch)
+    sass = disassemble(compiled.cubin_path, tool) if tool else None
+    loop = sass_loop_counts(sass) if sass else None
+    return {**describe(job[:5]), **parse_ptxas(compiled.log), "time_loop": loop,
             **local_memory_record(compiled.log, loop),
             "model": model_fields(cell, dtype, p, arch, sass) if sass else None}
 
@@ -350,7 +385,7 @@ def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
             "predicted_us": predicted, "device_profile": device.name, "prediction": True}
 
 
-def kernel_records(archs=("sm_80", "sm_90"), every_gather: bool = True) -> list[dict]:
+def kernel_records(archs=("sm_80", "sm_90"), edges_only: bool = False) -> list[dict]:
     """One record per shipped (dtype, cell, tile, pass, arch): ``cell``, ``dtype`` (what W_hh
     is held in: "float32", "float16", "bfloat16"), ``proj_size`` (an LSTM projection tile's P,
     else 0), ``pass``, ``arch``, ``config``
@@ -364,12 +399,12 @@ def kernel_records(archs=("sm_80", "sm_90"), every_gather: bool = True) -> list[
     global_stores, atomics, fences, l1_invalidates, local_memory), or None where nvdisasm is not
     installed; ``stack_frame``/``local_memory`` (``local_memory_record``); ``model``: the latency
     model's ``model_fields`` (per batch row instructions and FFMAs of the matrix loop, predicted
-    µs per step at B = 1 and 8), or None without nvdisasm. ``every_gather=False`` builds each
-    grid tile at its largest gather size only (``gather_variants``): the CI's set, about half."""
+    µs per step at B = 1 and 8), or None without nvdisasm. ``edges_only``: the configurations at
+    the register file's edge alone (``_edges``), the CI's set."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_record, [(*job, tool) for job in _jobs(archs, every_gather)]))
+        return list(pool.map(_record, [(*job, tool) for job in _jobs(archs, edges_only)]))
 
 
 def main(argv: list[str] | None = None) -> int:

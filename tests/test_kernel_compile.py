@@ -30,43 +30,48 @@ FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT
                    "PRNN_KPT": 1, "PRNN_WARPS": 4, "PRNN_GATHER_QUADS": 1}
 
 
-# CI builds every shipped tile at its largest gather size (the variant holding the most
-# registers: where a spill would show first), about half of the configurations; the full set is
-# one command, `PRNN_TEST_EVERY_GATHER=1 pytest tests/test_kernel_compile.py` (or
-# `prnn kernels --arch 80,90`, which exits 1 on a spill), run before a kernel change lands.
-EVERY_GATHER = os.environ.get("PRNN_TEST_EVERY_GATHER", "") not in ("", "0")
+# CI builds the configurations at the register file's edge (kernel_report._edges: of each kernel
+# family, cell, dtype, pass and arch, the tile with the most weight registers and the tile with the
+# fewest registers to spare, at its largest gather): where a spill, a stack frame or a longer time
+# loop would show first, about a third of the set. The full set is one command,
+# `PRNN_TEST_EVERY_KERNEL=1 pytest tests/test_kernel_compile.py` (or `prnn kernels --arch 80,90`,
+# which exits 1 on a spill), run before a kernel change lands.
+EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 
 
 @pytest.fixture(scope="module")
 def records():
-    return kernel_report.kernel_records(("sm_80", "sm_90"), every_gather=EVERY_GATHER)
+    return kernel_report.kernel_records(("sm_80", "sm_90"), edges_only=not EVERY_KERNEL)
 
 
-def test_every_configuration_is_reported(records):
+ARCHS = ("sm_80", "sm_90")
+
+
+def test_every_configuration_is_listed():
     # Grid tiles on both archs, each with every gather size the planner may pick (1 to 8 quads,
     # by the batch); plus the cluster tiles (4 and 8 warps) per cell and pass on sm_90, per dtype;
     # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs.
+    listed = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
     grids = sum(len(gather_variants(pass_plan(c, t, bwd, tile_max_hidden(c, t),
-                                              kernel_report.REPORT_BATCH, d),
-                                    largest_only=not EVERY_GATHER)) * 2
+                                              kernel_report.REPORT_BATCH, d))) * 2
                 for c in CELLS.values() for d in KERNEL_DTYPES for t in tiles_for(c, d)
                 for bwd in (False, True))
     expected = grids + sum(len(cluster_tiles_for(c, d)) * 2 for c in CELLS.values()
                            for d in KERNEL_DTYPES)
     projections = sum(2 * projection_tile_ships(t, d, a) for t in PROJECTION_TILES
-                      for d in KERNEL_DTYPES for a in ("sm_80", "sm_90"))
+                      for d in KERNEL_DTYPES for a in ARCHS)
     stacks = sum(len(stack_tiles_for(c)) * 2 * 2 for c in CELLS.values())
-    assert len(records) == expected + projections + stacks
-    projected = [r for r in records if r["proj_size"]]
+    assert len(listed) == expected + projections + stacks
+    projected = [r for r in listed if r["proj_size"]]
     assert len(projected) == projections
     assert all(r["cell"] == "lstm" and not r["cluster"] and not r["stack"]
                and 0 < r["proj_size"] < r["hidden_size"] for r in projected)
-    assert sum(r["stack"] > 0 for r in records) == stacks
+    assert sum(r["stack"] > 0 for r in listed) == stacks
     for dtype in KERNEL_DTYPES:
         for cell in CELLS:
             for pass_ in ("forward", "backward"):
-                for arch in ("sm_80", "sm_90"):
-                    mine = [r for r in records if not r["stack"] and not r["proj_size"]
+                for arch in ARCHS:
+                    mine = [r for r in listed if not r["stack"] and not r["proj_size"]
                             and (r["dtype"], r["cell"], r["pass"], r["arch"]) == (dtype, cell, pass_, arch)]
                     clusters = [r for r in mine if r["cluster"]]
                     shipped = len(cluster_tiles_for(CELLS[cell], dtype)) if arch == "sm_90" else 0
@@ -75,6 +80,27 @@ def test_every_configuration_is_reported(records):
                                          if k != "PRNN_GATHER_QUADS")) for r in mine if not r["cluster"]}
                     assert len(grid) == len(tiles_for(CELLS[cell], dtype))
                     assert {r["block"] for r in clusters} == ({128, 256} if shipped else set())
+
+
+def _group(r: dict) -> tuple:
+    family = "stack" if r["stack"] else "projection" if r["proj_size"] else \
+        "cluster" if r["cluster"] else "grid"
+    return family, r["cell"], r["dtype"], r["pass"], r["arch"]
+
+
+def test_the_records_cover_every_kernel_family_cell_dtype_pass_and_arch(records):
+    every = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
+    assert {_group(r) for r in records} == {_group(r) for r in every}
+    if not EVERY_KERNEL:  # each group's register edges: the most weights, the least to spare
+        for key in {_group(r) for r in every}:
+            mine = [r for r in every if _group(r) == key]
+            kept = [r for r in records if _group(r) == key]
+            most = max(r["weight_registers"] * r["block"] for r in mine)
+            least = min(r["planned_registers"] - r["weight_registers"] for r in mine)
+            assert most in {r["weight_registers"] * r["block"] for r in kept}, key
+            assert least in {r["planned_registers"] - r["weight_registers"] for r in kept}, key
+    else:
+        assert len(records) == len(every)
 
 
 def test_zero_spills_and_registers_within_plan(records):
@@ -99,7 +125,7 @@ def test_largest_tiles_use_most_of_the_register_file(records):
 
 def test_cli_json(capsys, monkeypatch):
     every = kernel_report._jobs
-    monkeypatch.setattr(kernel_report, "_jobs", lambda archs, *_: list(every(archs, False))[:6])
+    monkeypatch.setattr(kernel_report, "_jobs", lambda archs, *_: list(every(archs, True))[:6])
     assert kernel_report.main(["--arch", "90", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {r["arch"] for r in out} == {"sm_90"}
