@@ -30,7 +30,9 @@ import numpy as np
 from . import cache
 from ._sources import cuda_src_dir
 
-CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-pthread", "-w", "-DPRNN_EMULATION")
+# -O1: the emulated runs are as fast as at -O2 (fiber switches and polls dominate them), the
+# build takes half as long.
+CXX_FLAGS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-DPRNN_EMULATION")
 
 # The seeded modes that make the emulated machine weaker than the GPU in one respect each (bit i
 # of emulation.h's Mode is MODES[i]; docs/emulation.md "Weaker than the hardware"):
@@ -211,20 +213,56 @@ def _build(source: str, defines: dict[str, int],
     options = [*CXX_FLAGS, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
                          .encode()).hexdigest()[:24]
-    entry = cache.fetch(cache.cache_dir("emulation"), f"{Path(source).stem}-{key}", ".so",
-                        lambda out: {"kernels": _compile(compiler, options, src_dir / source, out),
-                                     "options": options})
+    folder = cache.cache_dir("emulation")
+
+    def build(out: Path) -> dict:
+        prelude = _prelude(folder, compiler, src_dir)
+        return {"kernels": _compile(compiler, options, src_dir / source, out, prelude),
+                "options": options}
+
+    entry = cache.fetch(folder, f"{Path(source).stem}-{key}", ".so", build)
     return entry.path, entry.meta["kernels"]
 
 
-def _compile(compiler: str, options: list[str], path: Path, out: Path) -> list[str]:
-    """Build the host library of the kernel source ``path`` into ``out``; its kernel names."""
+def _prelude(folder: Path, compiler: str, src_dir: Path) -> Path:
+    """The precompiled prelude of the emulated builds: the C++ and system headers that the
+    sources of ``src_dir`` include (parsing them was a third of a build), compiled once per
+    compiler, flags and header list into the verified cache. Returns the name to ``-include``:
+    the compiler finds ``<name>.gch`` beside it and needs no header of that name."""
+    headers = sorted({name for path in sorted(src_dir.glob("*.h*"))
+                      for name in re.findall(r"^#include <([^>]+)>", path.read_text(), re.M)})
+    text = "".join(f"#include <{name}>\n" for name in headers)
+    flags = [f for f in CXX_FLAGS if f != "-shared"]
+    key = hashlib.sha256("\n".join([compiler, _compiler_version(compiler), *flags, text])
+                         .encode()).hexdigest()[:24]
+
+    def build(out: Path) -> dict:
+        header = out.with_name(out.name + ".h")  # g++ precompiles only a named file
+        header.write_text(text)
+        try:
+            _run([compiler, *flags, "-x", "c++-header", str(header), "-o", str(out)], "the prelude")
+        finally:
+            header.unlink()
+        return {"headers": headers}
+
+    return cache.fetch(folder, f"prelude-{key}", ".gch", build).path.with_suffix("")
+
+
+@lru_cache(maxsize=None)
+def _compiler_version(compiler: str) -> str:
+    return _run([compiler, "--version"], "the compiler's version")
+
+
+def _compile(compiler: str, options: list[str], path: Path, out: Path, prelude: Path) -> list[str]:
+    """Build the host library of the kernel source ``path`` into ``out`` (with the precompiled
+    ``prelude``); its kernel names."""
     kernels = _kernel_names(compiler, options, path)
     unit = (f'#include "{path}"\n#include "emulation_launch.h"\n'
             + "".join(f"PRNN_EMU_ENTRY({name})\n" for name in kernels))
     # The unit goes through stdin and the library straight to ``out`` (in the cache folder):
     # nothing of ours lands in TMPDIR, which may be on another filesystem.
-    _run([compiler, *options, "-x", "c++", "-", "-o", str(out)], path.name, stdin=unit)
+    _run([compiler, *options, "-include", str(prelude), "-x", "c++", "-", "-o", str(out)],
+         path.name, stdin=unit)
     return kernels
 
 
