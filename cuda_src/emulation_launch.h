@@ -51,11 +51,19 @@ constexpr int kThreadRetries = 3;
 constexpr int kThreadRetries = 200;                // 10 ms apart: about 2 s of EAGAIN
 #endif
 constexpr std::size_t kGuardBytes = 4096;        // an overflow faults instead of corrupting
+// Each guard page splits the stacks' mapping in two: guards for at most this many fibers at a
+// time (in use or pooled), far below vm.max_map_count (65530 mappings, past which mprotect fails;
+// a 132-CTA grid of 256 threads alone would need 67716). Stacks beyond it have the canary alone.
+#ifndef PRNN_EMU_GUARDED_FIBERS  // tests: 0 leaves every stack to its canary
+#define PRNN_EMU_GUARDED_FIBERS 12288
+#endif
+constexpr int kGuardedFibers = PRNN_EMU_GUARDED_FIBERS;
+constexpr std::size_t kStackCanaryBytes = 256;   // at each stack's far end, checked after the block
 constexpr std::size_t kCanaryBytes = 64;         // after shared memory, checked after the block
 constexpr unsigned char kCanary = 0xA5;
 
 enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4, kBadCluster = 5,
-             kNoThreads = 6, kLateClusterStore = 7 };
+             kNoThreads = 6, kLateClusterStore = 7, kStackOverflow = 8 };
 
 inline std::mutex error_lock;
 inline int error_code = kOk;
@@ -123,9 +131,20 @@ inline void visiting_order(std::vector<int>& order) {
   for (int i = (int)order.size() - 1; i > 0; --i) std::swap(order[i], order[random_below(i + 1)]);
 }
 
+// A CTA's fiber stacks: one mapping of `threads` stacks, each above a gap of kGuardBytes that is
+// a guard page (PROT_NONE) where the budget allows, and each with a canary at its far end.
+struct StackSet {
+  unsigned char* base = nullptr;
+  int threads = 0;
+  bool guarded = false;
+
+  unsigned char* stack(int t) const { return base + t * (kGuardBytes + kStackBytes) + kGuardBytes; }
+  std::size_t bytes() const { return threads * (kGuardBytes + kStackBytes); }
+};
+
 // Runs block `b` of the launch as `threads` fibers on the calling OS thread, in `shared` (the
 // launcher's, for a cluster) or its own shared memory.
-inline void run_block(int b, int threads, int shared_bytes, unsigned char* stacks,
+inline void run_block(int b, int threads, int shared_bytes, const StackSet& stacks,
                       std::vector<unsigned char>* cluster_buffer) {
   random_state = mix(mode_seed ^ mix((unsigned long long)b));
   const int warps = (threads + kWarp - 1) / kWarp;
@@ -156,11 +175,10 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
   state.shared_bytes = (unsigned)shared_bytes;
   block = &state;
   block_idx.x = b;
-  const std::size_t stride = kGuardBytes + kStackBytes;
   for (int t = 0; t < threads; ++t) {
     ucontext_t& c = fibers[t].context;
     getcontext(&c);
-    c.uc_stack.ss_sp = stacks + t * stride + kGuardBytes;
+    c.uc_stack.ss_sp = stacks.stack(t);
     c.uc_stack.ss_size = kStackBytes;
     c.uc_link = nullptr;
     makecontext(&c, fiber_main, 0);
@@ -209,42 +227,65 @@ inline void run_block(int b, int threads, int shared_bytes, unsigned char* stack
   block = nullptr;
 }
 
-// Fiber stacks (each below a guard page) are kept between launches: mapping, guarding and
-// faulting in a CTA's stacks anew cost more than a launch whose CTAs exit at once (a resume
-// launch after a finished pass). Kept at most kPooledStackSets sets of each size.
+// Sets are kept between launches: mapping, guarding and faulting in a CTA's stacks anew cost
+// more than a launch whose CTAs exit at once (a resume launch after a finished pass).
 constexpr std::size_t kPooledStackSets = 160;  // a whole H100 grid (132 CTAs) and more
 inline std::mutex stack_pool_lock;
-inline std::vector<std::pair<int, unsigned char*>> stack_pool;  // (threads, stacks)
+inline std::vector<StackSet> stack_pool;
+inline int guarded_fibers = 0;  // fibers of the sets with guard pages (stack_pool_lock)
 
-inline unsigned char* take_stacks(int threads) {
+inline StackSet take_stacks(int threads) {
+  StackSet set;
+  set.threads = threads;
   {
     std::lock_guard<std::mutex> hold(stack_pool_lock);
     for (std::size_t i = 0; i < stack_pool.size(); ++i) {
-      if (stack_pool[i].first == threads) {
-        unsigned char* stacks = stack_pool[i].second;
+      if (stack_pool[i].threads == threads) {
+        set = stack_pool[i];
         stack_pool[i] = stack_pool.back();
         stack_pool.pop_back();
-        return stacks;
+        return set;
+      }
+    }
+    set.guarded = guarded_fibers + threads <= kGuardedFibers;
+    if (set.guarded) guarded_fibers += threads;
+  }
+  void* mem = mmap(nullptr, set.bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) {
+    std::lock_guard<std::mutex> hold(stack_pool_lock);
+    if (set.guarded) guarded_fibers -= threads;
+    return StackSet{};
+  }
+  set.base = static_cast<unsigned char*>(mem);
+  for (int t = 0; t < threads; ++t) {
+    if (set.guarded) mprotect(set.stack(t) - kGuardBytes, kGuardBytes, PROT_NONE);
+    std::memset(set.stack(t), kCanary, kStackCanaryBytes);
+  }
+  return set;
+}
+
+inline void give_back_stacks(const StackSet& set) {
+  std::lock_guard<std::mutex> hold(stack_pool_lock);
+  if (stack_pool.size() < kPooledStackSets) {
+    stack_pool.push_back(set);
+    return;
+  }
+  munmap(set.base, set.bytes());
+  if (set.guarded) guarded_fibers -= set.threads;
+}
+
+// After a block: a fiber whose frames reached its stack's canary overflowed (where no guard
+// page stopped it, it may have written into the gap below).
+inline void check_stacks(const StackSet& set, int b) {
+  for (int t = 0; t < set.threads; ++t) {
+    const unsigned char* canary = set.stack(t);
+    for (std::size_t i = 0; i < kStackCanaryBytes; ++i) {
+      if (canary[i] != kCanary) {
+        fail(kStackOverflow, "block %d: thread %d overflowed its fiber stack (128 KiB)", b, t);
+        return;
       }
     }
   }
-  const std::size_t bytes = threads * (kGuardBytes + kStackBytes);
-  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (mem == MAP_FAILED) return nullptr;
-  auto* stacks = static_cast<unsigned char*>(mem);
-  for (int t = 0; t < threads; ++t) mprotect(stacks + t * (kGuardBytes + kStackBytes), kGuardBytes, PROT_NONE);
-  return stacks;
-}
-
-inline void give_back_stacks(unsigned char* stacks, int threads) {
-  {
-    std::lock_guard<std::mutex> hold(stack_pool_lock);
-    if (stack_pool.size() < kPooledStackSets) {
-      stack_pool.emplace_back(threads, stacks);
-      return;
-    }
-  }
-  munmap(stacks, threads * (kGuardBytes + kStackBytes));
 }
 
 // The whole grid: `resident` OS threads take blocks in index order (kShuffle: a random order),
@@ -306,8 +347,8 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
       std::unique_lock<std::mutex> wait(start_lock);
       started.wait(wait, [&] { return go; });
     }
-    unsigned char* stacks = take_stacks(threads);
-    if (stacks == nullptr) {
+    const StackSet stacks = take_stacks(threads);
+    if (stacks.base == nullptr) {
       fail(kNoMemory, "cannot map stacks for %d threads (%d KiB each)", threads,
            (int)(kStackBytes / 1024));
       live_ctas.fetch_sub(1);
@@ -319,9 +360,10 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     for (int i; (i = next.fetch_add(1)) < grid;) {
       const int b = order[i];
       run_block(b, threads, shared_bytes, stacks, cluster_buffers ? &(*cluster_buffers)[b] : nullptr);
+      check_stacks(stacks, b);
     }
     live_ctas.fetch_sub(1);  // no block left for this worker
-    give_back_stacks(stacks, threads);
+    give_back_stacks(stacks);
   };
   // Every worker exists before any block runs: a grid that could start only in part would leave
   // its started CTAs waiting on the others. Thread creation can fail for a moment on a loaded

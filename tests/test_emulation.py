@@ -2,6 +2,7 @@
 kernels through the public API, on NumPy float32 (compared with float64 and torch.nn)."""
 from __future__ import annotations
 
+import shutil
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import persistent_rnn as prnn
 from persistent_rnn import emulate, runtime
 from persistent_rnn import plan as planner
+from persistent_rnn._sources import cuda_src_dir
 from persistent_rnn.cells import CELLS
 from sabotage import sabotaged
 
@@ -51,6 +53,40 @@ def test_a_grid_whose_threads_cannot_start_is_an_error_not_a_crash():
     with pytest.raises(emulate.EmulationError, match="cannot start thread 3 of 4"):
         module.launch("grid_barrier_rounds", 4, 64, 0, args)
     assert ctl[0] == 0 and (elapsed == 0).all()  # no CTA ran: none waits for the missing ones
+
+
+def test_a_whole_h100_grid_of_256_threads_gets_its_fiber_stacks():
+    # 33792 fibers: a guard page each would need 67716 mappings, past vm.max_map_count (65530),
+    # where mprotect fails and stacks go unguarded unnoticed; guards now stop at a budget and
+    # every stack has a canary (below).
+    module = emulate.get_module("grid_barrier.cu", {})
+    grid = 132
+    ctl, elapsed = np.zeros(2 + grid, np.uint32), np.zeros(grid, np.uint64)
+    args = (ctl, np.int32(2), TIMEOUT_NS, np.int32(-1), np.int32(-1), np.uint64(0), elapsed)
+    module.launch("grid_barrier_rounds", grid, 256, 0, args)
+    assert (ctl[0], ctl[1]) == (2 * grid, 0)
+
+
+STACK_HOG = """
+#include "hw.cuh"
+// Writes the top `bytes` of a local array larger than a fiber's 128 KiB stack, downwards.
+PRNN_KERNEL void stack_hog(float* out, int bytes) {
+  volatile unsigned char big[130 * 1024];
+  for (int i = 0; i < bytes; i += 64) big[sizeof(big) - 1 - i] = 1;
+  out[threadIdx.x] = big[sizeof(big) - 1];
+}
+"""
+
+
+def test_a_fiber_that_overflows_an_unguarded_stack_is_reported(tmp_path):
+    src = tmp_path / "cuda_src"
+    shutil.copytree(cuda_src_dir(), src)
+    (src / "stack_hog.cu").write_text(STACK_HOG)
+    module = emulate.get_module("stack_hog.cu", {"PRNN_EMU_GUARDED_FIBERS": 0}, src)
+    out = np.zeros(32, np.float32)
+    module.launch("stack_hog", 1, 32, 0, (out, np.int32(1024)))  # within its stack: fine
+    with pytest.raises(emulate.EmulationError, match="block 0: thread 0 overflowed its fiber stack"):
+        module.launch("stack_hog", 1, 32, 0, (out, np.int32(130 * 1024)))
 
 
 def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
