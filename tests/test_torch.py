@@ -17,6 +17,12 @@ from persistent_rnn.torch.interop import to_array, to_tensor
 T, B, I, H = 5, 3, 4, 3
 MODES = [layer_args(name) for name in CELLS]  # (torch.nn class name, its cell arguments)
 IDS = [spec.mode for spec in CELLS.values()]
+
+
+def modes(*cells: str) -> list:
+    """(torch.nn class name, cell arguments) of ``cells``, each with its id: the class name, or
+    the class name and nonlinearity where two cells share a class."""
+    return [pytest.param(*layer_args(c), id=CELLS[c].mode) for c in cells]
 TOL = {"rtol": 1e-9, "atol": 1e-12}
 
 
@@ -97,7 +103,7 @@ def test_auto_on_cpu_runs_torch_kernels_and_says_so(mode, kwargs):
     assert ours.last_run.algo == "torch" and "CPU tensors" in ours.last_run.fallback
 
 
-@pytest.mark.parametrize("mode,kwargs", [MODES[2], MODES[3]], ids=["GRU", "LSTM"])
+@pytest.mark.parametrize("mode,kwargs", modes("gru", "lstm"))
 def test_batch_first_no_bias_and_packed_output_layout(mode, kwargs):
     ours, ref = pair(mode, kwargs, batch_first=True, bias=False, num_layers=2)
     gen = torch.Generator().manual_seed(2)
@@ -115,7 +121,7 @@ def test_batch_first_no_bias_and_packed_output_layout(mode, kwargs):
     assert torch.equal(out.unsorted_indices, out_ref.unsorted_indices)
 
 
-@pytest.mark.parametrize("mode,kwargs", [MODES[0], MODES[3]], ids=["RNN", "LSTM"])
+@pytest.mark.parametrize("mode,kwargs", modes("rnn_tanh", "lstm"))
 def test_default_hidden_state_unbatched_and_noncontiguous_input(mode, kwargs):
     ours, ref = pair(mode, kwargs, num_layers=2, bidirectional=True)
     gen = torch.Generator().manual_seed(4)
@@ -158,7 +164,7 @@ def test_gradcheck_with_batched_gradients(mode, kwargs):
                                     atol=1e-7, check_batched_grad=True)
 
 
-@pytest.mark.parametrize("mode,kwargs", [MODES[0], MODES[2], MODES[3]], ids=["RNN", "GRU", "LSTM"])
+@pytest.mark.parametrize("mode,kwargs", modes("rnn_tanh", "gru", "lstm"))
 def test_persistent_algo_on_cpu_runs_the_emulated_kernel(mode, kwargs):
     """algo="persistent" on CPU tensors: the CUDA source's CPU emulation, float32, vs torch.nn."""
     torch.manual_seed(0)
