@@ -18,7 +18,8 @@
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
 #   --dry-run lists the steps, their time limits and each part's total, and runs nothing.
 #   --cpu runs part `first` without a GPU (the CPU emulation at tiny sizes: a check of the harness,
-#   its figures mean nothing). PYTHON=... picks the interpreter (default python3);
+#   its figures mean nothing), each step's limit times CPU_LIMIT_SCALE (the emulation builds its
+#   kernels with g++, on a machine that may be running other tests). PYTHON=... picks the interpreter (default python3);
 #   PRNN_COMMIT=$(git rev-parse HEAD) names the commit in every record where the copy that runs
 #   has no .git. Each step has its own time limit (a hung step is killed and reported, the rest
 #   run); the item steps of `first` also end a hung item after its own limit and go on with the
@@ -74,8 +75,11 @@ record() {  # record NAME STATUS RC SECONDS LIMIT: one line of $OUT/steps.jsonl
   printf '{"step": "%s", "status": "%s", "rc": %s, "seconds": %s, "limit": %s}\n' "$@" >> "$OUT/steps.jsonl"
 }
 
+CPU_LIMIT_SCALE=3
+
 step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log to $OUT/NAME.log and .err
   local name=$1 limit=$2; shift 2
+  [ $CPU = 1 ] && limit=$((limit * CPU_LIMIT_SCALE))
   TOTAL=$((TOTAL + limit))
   PART_TOTAL=$((PART_TOTAL + limit))
   ORDER+=("$name")
