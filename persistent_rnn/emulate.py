@@ -57,7 +57,7 @@ MODES = (
 # sets both.
 RACE_DETECTOR_ENV = "PRNN_EMU_RACE_DETECTOR"
 RACE_LOG_ENV = "PRNN_EMU_RACE_LOG"
-_TSAN_FLAGS = ("-fsanitize=thread", "-g", "-DPRNN_EMU_TSAN")
+_TSAN_FLAGS = ("-fsanitize=thread", "-g1", "-DPRNN_EMU_TSAN")
 
 # Kernel launches share the process-wide blockDim/gridDim of emulation.h: one at a time.
 _LAUNCH_LOCK = threading.Lock()
@@ -141,8 +141,9 @@ class EmulatedModule:
                max_resident: int | None = None) -> None:
         """Run ``kernel`` over ``grid`` CTAs of ``block`` threads and wait for it to finish.
 
-        Raises TypeError when ``args`` do not match the kernel's parameters, and EmulationError
-        when the launch deadlocks, overruns its shared memory or outlives the watchdog."""
+        Raises TypeError when ``args`` do not match the kernel's parameters, EmulationError
+        when the launch deadlocks, overruns its shared memory or outlives the watchdog, and
+        RaceError when the race detector (a build it instruments) reported a race."""
         with _LAUNCH_LOCK:
             seen = _log_size(self._race_log)
             self._launch(kernel, grid, block, shared_bytes, args, max_resident)
@@ -350,6 +351,8 @@ def _check_races(log: Path | None, seen: int, kernel: str) -> None:
         return
     with open(log, "rb") as f:
         f.seek(seen)
-        report = f.read().decode(errors="replace")
-    raise RaceError(f"the race detector reported a data race in the emulated launch of {kernel} "
-                    f"(accesses that no barrier or acquire/release orders):\n{report}")
+        reports = [r for r in f.read().decode(errors="replace").split("=" * 18 + "\n")
+                   if r.strip()]
+    raise RaceError(f"the race detector reported {len(reports)} data race(s) in the emulated "
+                    f"launch of {kernel} (accesses that no barrier or acquire/release orders); "
+                    f"the first:\n{reports[0]}")

@@ -2,10 +2,11 @@
 tests/test_race_detector.py runs in a child process under the race detector
 (``emulate.run_with_race_detector``), where a race fails the launch with ``RaceError``.
 
-    python tests/race_scenario.py PATH HIDDEN [--forward-only] [--src DIR]
+    python tests/race_scenario.py PATH:HIDDEN... [--forward-only] [--src DIR]
 
 PATH: "grid" or "cluster" (campaign.emulated_profile); ``--src``: build persistent_forward from
-that copy of cuda_src (a sabotaged one, tests/sabotage.py). Prints "ok" when the results match.
+that copy of cuda_src (a sabotaged one, tests/sabotage.py). Prints "ok PATH:HIDDEN" for each case
+whose results match.
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ def _run(hidden: int, algo: str, dtype: str, backward: bool) -> list[np.ndarray]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("path", choices=("grid", "cluster"))
-    parser.add_argument("hidden", type=int)
+    parser.add_argument("cases", nargs="+", help="PATH:HIDDEN, PATH grid or cluster")
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--src", type=Path)
     args = parser.parse_args()
@@ -47,12 +47,14 @@ def main() -> None:
         emulate.get_module = lambda source, defines: build(
             source, defines, args.src if source.startswith("persistent_forward") else None)
     backward = not args.forward_only
-    with emulated_device(args.path), prnn.override_settings(emulation_timeout_ms=10_000):
-        got = _run(args.hidden, "persistent", "float32", backward)
-    ref = _run(args.hidden, "gemm", "float64", backward)
-    for a, b in zip(got, ref):
-        assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30), "results differ"
-    print("ok")
+    for case in args.cases:
+        path, hidden = case.split(":")
+        with emulated_device(path), prnn.override_settings(emulation_timeout_ms=10_000):
+            got = _run(int(hidden), "persistent", "float32", backward)
+        ref = _run(int(hidden), "gemm", "float64", backward)
+        for a, b in zip(got, ref):
+            assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30), f"{case} differs"
+        print("ok", case, flush=True)
 
 
 if __name__ == "__main__":
