@@ -326,15 +326,16 @@ def race_detector_env(sources: Sequence[str], log_prefix: Path) -> dict[str, str
 
 
 def run_with_race_detector(argv: Sequence[str], sources: Sequence[str] = ("all",),
-                           timeout: float | None = None) -> subprocess.CompletedProcess:
+                           timeout: float | None = None,
+                           capture: bool = True) -> subprocess.CompletedProcess:
     """Run ``python argv...`` in a child process whose emulated launches of ``sources`` run
     under the race detector (a race fails that launch with ``RaceError``, which names the kernel
-    and holds ThreadSanitizer's report); its output is captured. ThreadSanitizer must be loaded
-    before anything else, hence the child process."""
+    and holds ThreadSanitizer's report); its output is captured (``capture``) or goes to this
+    process's. ThreadSanitizer must be loaded before anything else, hence the child process."""
     with tempfile.TemporaryDirectory(prefix="prnn-race-") as folder:
         env = race_detector_env(sources, Path(folder) / "tsan")
-        return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run([sys.executable, *argv], env=env, capture_output=capture,
+                              text=True, timeout=timeout)
 
 
 def _race_log() -> Path:

@@ -38,10 +38,10 @@ def _detect(*argv: str, sources: tuple[str, ...]) -> subprocess.CompletedProcess
 def test_a_gru_forward_and_backward_have_no_race():
     """A small GRU's forward and backward on the grid (CTAs exchanging through global memory)
     and as a cluster of several CTAs (distributed shared memory), against float64."""
-    proc = _detect("grid:24", "cluster:72",
+    proc = _detect("grid:24", "cluster:40",
                    sources=("persistent_forward", "persistent_backward"))
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert proc.stdout.split("\n")[:2] == ["ok grid:24", "ok cluster:72"], proc.stdout
+    assert proc.stdout.split("\n")[:2] == ["ok grid:24", "ok cluster:40"], proc.stdout
 
 
 def test_a_missing_block_barrier_is_a_race_in_the_plain_schedule(tmp_path):
