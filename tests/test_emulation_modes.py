@@ -11,7 +11,7 @@ import persistent_rnn as prnn
 from persistent_rnn import emulate, runtime
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import CELLS
-from sabotage import sabotaged
+from sabotage import STAGED_BUFFERS, TEAM_BARRIER, sabotaged
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -262,14 +262,8 @@ def test_a_single_staged_buffer_shows_in_a_random_schedule(settings, grid_path, 
     without the sabotage: test_random_schedules_keep_results_bitwise.)"""
     plan = planner.make_plan("GRU", 24, BATCH, device=runtime.EMULATED_DEVICE)
     assert planner.warp_teams(CELLS["gru"], plan.tile.forward)  # two staged buffers unsabotaged
-    src = sabotaged(tmp_path, "persistent_common.cuh",
-                    "constexpr int kStagedBuffers = !kDirectRead && kWarpTeams<G> ? 2 : 1;",
-                    "constexpr int kStagedBuffers = 1;")
-    _from(monkeypatch, src, "persistent_forward")
-    data = _data(24)
-    with emulate.modes("schedule", seed=3):
-        got, _ = _run(24, data, backward=False)
-    assert not np.allclose(got[0], _reference(24, data)[0], rtol=1e-4, atol=1e-5)
+    _check_sabotaged_forward_is_wrong(tmp_path, monkeypatch, STAGED_BUFFERS,
+                                      "constexpr int kStagedBuffers = 1;")
 
 
 def test_the_exchange_survives_random_schedules():
@@ -294,12 +288,15 @@ def test_a_missing_block_barrier_shows_in_a_random_schedule(settings, grid_path,
                                                             monkeypatch, fresh_plans):
     """The grid step's product without the barrier after it: the pointwise threads sum partials
     that other warps have not written yet."""
-    src = sabotaged(tmp_path, "persistent_common.cuh",
-                    "  team_sync_or<kWarpTeam>(0);  // the sums visible to the team that finishes them\n",
-                    "")
-    _from(monkeypatch, src, "persistent_forward")
+    _check_sabotaged_forward_is_wrong(tmp_path, monkeypatch, TEAM_BARRIER, "")
+
+
+def _check_sabotaged_forward_is_wrong(tmp_path, monkeypatch, old: str, new: str) -> None:
+    """The GRU H = 24 forward built from persistent_common.cuh with `old` replaced by `new` gives
+    wrong results in a random schedule (the seed of test_random_schedules_keep_results_bitwise,
+    where the unsabotaged kernel is bitwise the plain one)."""
+    _from(monkeypatch, sabotaged(tmp_path, "persistent_common.cuh", old, new), "persistent_forward")
     data = _data(24)
     with emulate.modes("schedule", seed=3):
         got, _ = _run(24, data, backward=False)
-    ref = _reference(24, data)
-    assert not np.allclose(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got[0], _reference(24, data)[0], rtol=1e-4, atol=1e-5)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from persistent_rnn import emulate
-from sabotage import sabotaged
+from sabotage import TEAM_BARRIER, sabotaged
 
 SCENARIO = str(Path(__file__).with_name("race_scenario.py"))
 
@@ -50,9 +50,7 @@ def test_a_missing_block_barrier_is_a_race_in_the_plain_schedule(tmp_path):
     move in step and the results come out right, but the pointwise threads' reads of the partial
     sums are ordered after other warps' writes by nothing, which the detector reports, naming
     the kernel and the summing function."""
-    src = sabotaged(tmp_path, "persistent_common.cuh",
-                    "  team_sync_or<kWarpTeam>(0);  // the sums visible to the team that finishes them\n",
-                    "")
+    src = sabotaged(tmp_path, "persistent_common.cuh", TEAM_BARRIER, "")
     proc = _detect("grid:24", "--forward-only", "--src", str(src), sources=("persistent_forward",))
     assert proc.returncode != 0, proc.stdout
     assert "RaceError: the race detector reported" in proc.stderr, proc.stderr[-6000:]
