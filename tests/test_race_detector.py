@@ -57,3 +57,11 @@ def test_a_missing_block_barrier_is_a_race_in_the_plain_schedule(tmp_path):
     assert "in the emulated launch of prnn_persistent_forward" in proc.stderr
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr
     assert "row_sum" in proc.stderr
+
+
+def test_a_detector_build_needs_the_runtime_preloaded(monkeypatch):
+    """In a process without ThreadSanitizer's runtime (this one) a detector build is refused
+    before it is compiled, with the way to run it."""
+    monkeypatch.setenv(emulate.RACE_DETECTOR_ENV, "grid_barrier")
+    with pytest.raises(emulate.EmulationError, match="run_with_race_detector"):
+        emulate.get_module("grid_barrier.cu", {})
