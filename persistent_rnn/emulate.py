@@ -269,10 +269,25 @@ def _kernel_names(compiler: str, options: list[str], path: Path) -> list[str]:
 
 
 def _run(cmd: list[str], what: str, stdin: str | None = None) -> str:
-    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=_compiler_env())
     if proc.returncode != 0:
         raise EmulationError(f"host build of {what} failed ({' '.join(cmd)}):\n{proc.stderr}")
     return proc.stdout
+
+
+def _compiler_env() -> dict[str, str] | None:
+    """The host compiler's environment: this process's (None), but for a preloaded
+    ThreadSanitizer runtime (the race detector's child process), which would more than double the
+    compiler's time."""
+    preload = re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "").strip())
+    kept = [p for p in preload if p and not os.path.basename(p).startswith("libtsan")]
+    if len(kept) == len([p for p in preload if p]):
+        return None
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD")
+    if kept:
+        env["LD_PRELOAD"] = " ".join(kept)
+    return env
 
 
 def _sources_digest(src_dir: Path) -> str:
