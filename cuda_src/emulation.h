@@ -61,7 +61,8 @@ constexpr int kWarp = 32;
 // release atomics (instrumented by the compiler) - so a pair of shared-memory accesses that no
 // barrier orders is a reported race whatever the schedule. The emulator's own bookkeeping, which a
 // CTA's fibers and its scheduler share without such edges (gates, queues, the scheduler's state,
-// random numbers), runs unobserved inside a Quiet scope; the kernels' accesses never do.
+// random numbers), runs unobserved inside a Quiet scope; the kernels' accesses never do (but for
+// the stores kDelayed lands from its queue).
 #ifdef PRNN_EMU_TSAN
 extern "C" {
 void __tsan_ignore_thread_begin(void);
