@@ -31,6 +31,10 @@
 #include <cstring>
 #include <vector>
 
+#ifdef PRNN_EMU_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
 #define PRNN_HD inline
 #define PRNN_DEVICE inline
 #define PRNN_KERNEL extern "C"
@@ -50,6 +54,46 @@ namespace prnn_emu {
 
 constexpr int kWarp = 32;
 
+// ---- the race detector (PRNN_EMU_TSAN: emulate.py's race-detector builds, -fsanitize=thread) ----
+// Every CUDA thread is a ThreadSanitizer fiber, and switching between fibers is no happens-before
+// edge: a CTA's threads are ordered only by what orders them on the GPU - the block and warp
+// barriers (an arrival releases, leaving acquires: wait_at), the cluster barrier and the acquire /
+// release atomics (instrumented by the compiler) - so a pair of shared-memory accesses that no
+// barrier orders is a reported race whatever the schedule. The emulator's own bookkeeping, which a
+// CTA's fibers and its scheduler share without such edges (gates, queues, the scheduler's state,
+// random numbers), runs unobserved inside a Quiet scope; the kernels' accesses never do (but for
+// the stores kDelayed lands from its queue).
+#ifdef PRNN_EMU_TSAN
+extern "C" {
+void __tsan_ignore_thread_begin(void);
+void __tsan_ignore_thread_end(void);
+}
+struct Quiet {
+  Quiet() { __tsan_ignore_thread_begin(); }
+  ~Quiet() { __tsan_ignore_thread_end(); }
+  Quiet(const Quiet&) = delete;
+  Quiet& operator=(const Quiet&) = delete;
+};
+inline void happens_before(const void* sync) { __tsan_release(const_cast<void*>(sync)); }
+inline void happens_after(const void* sync) { __tsan_acquire(const_cast<void*>(sync)); }
+inline void* race_fiber_create() { return __tsan_create_fiber(0); }
+inline void race_fiber_destroy(void* fiber) { __tsan_destroy_fiber(fiber); }
+inline void* race_fiber_current() { return __tsan_get_current_fiber(); }
+// Called right before the context switch to `fiber`; `joined`: the switch is a happens-before
+// edge (a fiber's exit, which its scheduler joins).
+inline void race_fiber_switch(void* fiber, bool joined = false) {
+  __tsan_switch_to_fiber(fiber, joined ? 0u : __tsan_switch_to_fiber_no_sync);
+}
+#else
+struct Quiet {};
+inline void happens_before(const void*) {}
+inline void happens_after(const void*) {}
+inline void* race_fiber_create() { return nullptr; }
+inline void race_fiber_destroy(void*) {}
+inline void* race_fiber_current() { return nullptr; }
+inline void race_fiber_switch(void*, bool = false) {}
+#endif
+
 struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
@@ -60,6 +104,9 @@ struct Gate {
   unsigned gen = 0;
   int arrived = 0;
   int live = 0;
+  // The race detector's sync objects, by generation parity: a thread arriving at the next
+  // generation must not release into the one its slower partners have yet to acquire.
+  char sync[2] = {};
 };
 
 // A cp.async issued and not yet waited for (kLateCopies).
@@ -77,6 +124,7 @@ struct Fiber {
   int shuffles = 0;  // parity selects the shuffle slot buffer
   bool done = false;
   bool polling = false;  // switched out in a poll's pause (holding it back holds back no work)
+  void* race_fiber = nullptr;  // its ThreadSanitizer fiber (PRNN_EMU_TSAN)
 };
 
 // One CTA: its fibers, barriers, shuffle slots and shared memory.
@@ -92,6 +140,7 @@ struct Block {
   float* shuffle_slots = nullptr;     // [2][blockDim.x]
   unsigned char* shared = nullptr;
   unsigned shared_bytes = 0;
+  void* race_scheduler = nullptr;  // the OS thread's ThreadSanitizer fiber (PRNN_EMU_TSAN)
 };
 
 inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
@@ -122,6 +171,7 @@ inline unsigned long long mix(unsigned long long x) {
   return x ^ (x >> 31);
 }
 inline unsigned random_below(unsigned n) {
+  const Quiet quiet;  // one state for the CTA's fibers
   random_state = mix(random_state);
   return (unsigned)(random_state % n);
 }
@@ -186,6 +236,7 @@ inline thread_local unsigned long long counted_in = kNoMiss;
 
 // Called by every primitive that is not part of a poll: the CTA's round makes progress.
 inline void working() {
+  const Quiet quiet;
   if (block != nullptr) block->worked = true;
 }
 
@@ -242,6 +293,7 @@ inline unsigned long long timer_ns() {
 // Gives the CTA's OS thread to the next runnable fiber; returns when this fiber runs again.
 inline void switch_out() {
   Block* b = block;
+  race_fiber_switch(b->race_scheduler);
   swapcontext(&b->fibers[b->current].context, &b->scheduler);
 }
 
@@ -282,6 +334,7 @@ inline void store_relaxed(unsigned* p, unsigned v, int cta = -1) {
   working();
   const Pending s{p, v, 0u, cta};
   if (!on(kDelayed)) return land(s);
+  const Quiet quiet;  // (the race detector does not see stores landed from the queue)
   unsigned due = tick + 1u + random_below(64);
   for (const Pending& q : pending) {
     if (q.addr == p && q.due > due) due = q.due;  // per-address order
@@ -291,6 +344,7 @@ inline void store_relaxed(unsigned* p, unsigned v, int cta = -1) {
 
 // Lands the stores that are due (all: every one), in the order they were made.
 inline void drain(bool all = false) {
+  const Quiet quiet;
   ++tick;
   if (pending.empty()) return;
   std::size_t kept = 0;
@@ -319,6 +373,7 @@ inline void maybe_stall_cta() {
 // short sleep (run_block), once for the CTA rather than once per polling fiber, so that spinning
 // CTAs neither burn the few cores of a CI machine nor make a stalled CTA's rounds slow.
 inline void pause_polling() {
+  const Quiet quiet;
   block->polled = true;
   drain();
   maybe_stall_cta();
@@ -339,34 +394,47 @@ inline void release(Gate& g) {
 }
 
 inline void wait_at(Gate& g) {
+  const Quiet quiet;
   working();
   drain();
   maybe_stall_cta();
+  const char* sync = &g.sync[g.gen & 1u];
+  happens_before(sync);
   if (++g.arrived >= g.live) {  // the last arrival releases the others and runs on
     if (&g == &block->block_gate) {
       block->or_result = block->or_pending;
       block->or_pending = 0;
     }
     release(g);
-    return;
+  } else {
+    Fiber& f = block->fibers[block->current];
+    f.wait_gen = &g.gen;
+    f.wait_val = g.gen;
+    switch_out();
   }
-  Fiber& f = block->fibers[block->current];
-  f.wait_gen = &g.gen;
-  f.wait_val = g.gen;
-  switch_out();
+  happens_after(sync);
 }
 
 // The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive (release: the
 // CTA's queued stores land first), then wait (pausing as a poll does) until every CTA of the
 // cluster has arrived as often. Clusters run whole, but a CTA may exit without arriving: the wait
-// ends at the watchdog, which the launcher reports.
+// ends at the watchdog, which the launcher reports. The counter is relaxed between a release and
+// an acquire fence, so that the race detector (which does not model fences) takes its edges
+// from the barrier's generation alone, not from a partner's later arrivals on the same counter:
+// the counter's two bytes stand for the sync objects of even and odd generations.
 inline void cluster_barrier() {
   working();
   drain(true);
   unsigned* counter = &cluster_counters[block_idx.x / cluster_size];
-  const unsigned target = (__atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL) + cluster_size - 1) /
-                          cluster_size * cluster_size;
-  while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target && !past_watchdog()) pause_polling();
+  const unsigned generation = __atomic_load_n(counter, __ATOMIC_RELAXED) / cluster_size;
+  const char* sync = reinterpret_cast<const char*>(counter) + (generation & 1u);
+  happens_before(sync);
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  __atomic_fetch_add(counter, 1u, __ATOMIC_RELAXED);
+  const unsigned target = (generation + 1u) * cluster_size;
+  while (__atomic_load_n(counter, __ATOMIC_RELAXED) < target && !past_watchdog()) pause_polling();
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  happens_after(sync);
   working();
 }
 
@@ -380,6 +448,7 @@ inline void cluster_barrier() {
 inline void prnn_sync_block() { prnn_emu::wait_at(prnn_emu::block->block_gate); }
 
 inline int prnn_sync_block_or(int pred) {
+  const prnn_emu::Quiet quiet;
   prnn_emu::Block* b = prnn_emu::block;
   b->or_pending |= pred != 0;
   prnn_emu::wait_at(b->block_gate);
@@ -471,6 +540,10 @@ inline void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
   const int target = blockIdx.x / PRNN_CLUSTER * PRNN_CLUSTER + cta;
   unsigned char* base = prnn_emu::cluster_shared[target];
   prnn_emu::store_relaxed(reinterpret_cast<unsigned*>(base + offset), v, target);
+}
+inline void prnn_store_shared_relaxed_u32(unsigned* p, unsigned v) {
+  prnn_emu::working();
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
 }
 inline void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
   prnn_emu::load_words(p, w, 4);

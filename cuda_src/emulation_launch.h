@@ -114,12 +114,17 @@ inline thread_local Entry entry;
 inline void fiber_main() {
   entry.run(entry.kernel, entry.args);
   Block* b = block;
-  Fiber& f = b->fibers[b->current];
-  f.done = true;
-  f.copies.clear();  // issued and never waited for: nobody may read them
-  for (Gate* g : {&b->block_gate, &b->warp_gates[b->current / kWarp]}) {
-    if (--g->live <= g->arrived && g->arrived > 0) release(*g);
+  {
+    const Quiet quiet;  // (ended before the last switch: a fiber must not end Quiet)
+    Fiber& f = b->fibers[b->current];
+    f.done = true;
+    f.copies.clear();  // issued and never waited for: nobody may read them
+    for (Gate* g : {&b->block_gate, &b->warp_gates[b->current / kWarp]}) {
+      happens_before(&g->sync[g->gen & 1u]);  // counts as arrived: its accesses come before
+      if (--g->live <= g->arrived && g->arrived > 0) release(*g);
+    }
   }
+  race_fiber_switch(b->race_scheduler, true);  // the scheduler joins it
   setcontext(&b->scheduler);
 }
 
@@ -146,6 +151,7 @@ struct StackSet {
 // launcher's, for a cluster) or its own shared memory.
 inline void run_block(int b, int threads, int shared_bytes, const StackSet& stacks,
                       std::vector<unsigned char>* cluster_buffer) {
+  const Quiet quiet;  // the scheduler's state is shared with the fibers (a fiber is not Quiet)
   random_state = mix(mode_seed ^ mix((unsigned long long)b));
   const int warps = (threads + kWarp - 1) / kWarp;
   std::vector<Fiber> fibers(threads);
@@ -173,6 +179,7 @@ inline void run_block(int b, int threads, int shared_bytes, const StackSet& stac
   state.shuffle_slots = slots.data();
   state.shared = shared.data();
   state.shared_bytes = (unsigned)shared_bytes;
+  state.race_scheduler = race_fiber_current();
   block = &state;
   block_idx.x = b;
   for (int t = 0; t < threads; ++t) {
@@ -182,6 +189,7 @@ inline void run_block(int b, int threads, int shared_bytes, const StackSet& stac
     c.uc_stack.ss_size = kStackBytes;
     c.uc_link = nullptr;
     makecontext(&c, fiber_main, 0);
+    fibers[t].race_fiber = race_fiber_create();  // after the block's set-up: ordered after it
   }
   // Round robin over the runnable fibers until all have exited.
   for (int alive = threads, round = 0; alive > 0; ++round) {
@@ -204,6 +212,7 @@ inline void run_block(int b, int threads, int shared_bytes, const StackSet& stac
       f.wait_gen = nullptr;
       state.current = t;
       thread_idx.x = t;
+      race_fiber_switch(f.race_fiber);
       swapcontext(&state.scheduler, &f.context);
       ran = true;
     }
@@ -214,6 +223,7 @@ inline void run_block(int b, int threads, int shared_bytes, const StackSet& stac
       break;
     }
   }
+  for (Fiber& f : fibers) race_fiber_destroy(f.race_fiber);
   drain(true);  // a kernel's stores are visible once it has exited
   progress.fetch_add(1, std::memory_order_acq_rel);
   if (cluster_exited != nullptr) cluster_exited[b].store(true, std::memory_order_release);

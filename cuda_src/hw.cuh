@@ -192,6 +192,13 @@ PRNN_DEVICE void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
                : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(local)), "r"(cta));
   asm volatile("st.relaxed.cluster.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
 }
+// A 4-byte word of this CTA's shared memory that other CTAs of the cluster store into (relaxed,
+// cluster scope: every access to such a word is single-copy atomic, so that no formal argument
+// needs the plain store's physical behaviour).
+PRNN_DEVICE void prnn_store_shared_relaxed_u32(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.cluster.shared::cta.u32 [%0], %1;"
+               ::"r"((unsigned)__cvta_generic_to_shared(p)), "r"(v) : "memory");
+}
 // Four 4-byte words of this CTA's shared memory that other CTAs of the cluster store into.
 PRNN_DEVICE void prnn_load_shared_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
   asm volatile("ld.relaxed.cluster.shared::cta.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -366,7 +366,8 @@ struct ExchangeOf {
     for (int idx = threadIdx.x; idx < batch * Padded; idx += blockDim.x) {
       const int b = idx / Padded, k = idx % Padded;
       const float v = k < k_len ? prnn_load_cg(src + (size_t)b * k_len + k) : 0.0f;
-      dst[idx] = prnn_tagged(v, prnn_step_tag(s));
+      // (relaxed, like the other CTAs' stores into these words two steps on)
+      prnn_store_shared_relaxed_u32(dst + idx, prnn_tagged(v, prnn_step_tag(s)));
     }
   }
 

@@ -7,6 +7,10 @@ GPU module's call form. Each CTA runs on one host thread with its CUDA threads a
 ``max_resident`` limits how many CTAs run at once, as on a GPU too busy to hold the whole grid.
 It is a test and debug path (``algo="persistent"`` on NumPy arrays), never chosen by ``"auto"``.
 
+The race detector (``run_with_race_detector``; docs/emulation.md) builds the sources named in
+``$PRNN_EMU_RACE_DETECTOR`` with ThreadSanitizer, in a child process that has its runtime
+preloaded: a pair of accesses that no barrier orders fails the launch with ``RaceError``.
+
 Builds are kept in the verified cache (``cache``, docs/cache.md) under ``<cache>/emulation``,
 keyed by a hash of the sources, options and compiler: a library is ``dlopen``ed only after its
 digest matches the one recorded when it was built.
@@ -20,6 +24,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -47,6 +53,13 @@ MODES = (
     "delayed",      # relaxed and cluster stores land after a random delay (per address in
                     # order); a reader yields between the words of a quad
 )
+
+# The race detector: the kernel sources (stems, or "all") built with ThreadSanitizer, and the file
+# prefix its reports go to (the child process's log is <prefix>.<pid>); run_with_race_detector
+# sets both.
+RACE_DETECTOR_ENV = "PRNN_EMU_RACE_DETECTOR"
+RACE_LOG_ENV = "PRNN_EMU_RACE_LOG"
+_TSAN_FLAGS = ("-fsanitize=thread", "-g1", "-DPRNN_EMU_TSAN")
 
 # Kernel launches share the process-wide blockDim/gridDim of emulation.h: one at a time.
 _LAUNCH_LOCK = threading.Lock()
@@ -104,6 +117,10 @@ class EmulationError(RuntimeError):
     """The host build of a kernel source failed, or no host compiler exists."""
 
 
+class RaceError(EmulationError):
+    """The race detector saw a pair of accesses to the same memory that nothing orders."""
+
+
 def host_compiler() -> str:
     """The C++ compiler for the emulation: ``$CXX``, else ``g++``, else ``c++``."""
     for candidate in (os.environ.get("CXX"), "g++", "c++"):
@@ -116,7 +133,8 @@ def host_compiler() -> str:
 class EmulatedModule:
     """A kernel source compiled for the host; ``launch`` mirrors the GPU module's."""
 
-    def __init__(self, library: Path, kernels: Sequence[str]):
+    def __init__(self, library: Path, kernels: Sequence[str], race_detector: bool = False):
+        self._race_log = _race_log() if race_detector else None
         self._lib = ctypes.CDLL(str(library))
         self._lib.prnn_emu_error.restype = ctypes.c_char_p
         self.kernels = tuple(kernels)
@@ -125,8 +143,16 @@ class EmulatedModule:
                max_resident: int | None = None) -> None:
         """Run ``kernel`` over ``grid`` CTAs of ``block`` threads and wait for it to finish.
 
-        Raises TypeError when ``args`` do not match the kernel's parameters, and EmulationError
-        when the launch deadlocks, overruns its shared memory or outlives the watchdog."""
+        Raises TypeError when ``args`` do not match the kernel's parameters, EmulationError
+        when the launch deadlocks, overruns its shared memory or outlives the watchdog, and
+        RaceError when the race detector (a build it instruments) reported a race."""
+        with _LAUNCH_LOCK:
+            seen = _log_size(self._race_log)
+            self._launch(kernel, grid, block, shared_bytes, args, max_resident)
+            _check_races(self._race_log, seen, kernel)
+
+    def _launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple,
+                max_resident: int | None) -> None:
         if kernel not in self.kernels:
             raise ValueError(f"kernel {kernel!r} is not in this module; it has {self.kernels}")
         for name, value, low, high in (("grid", grid, 1, 2**31 - 1), ("block", block, 1, 1024),
@@ -140,15 +166,14 @@ class EmulatedModule:
         entry.restype = ctypes.c_int
         global _launches
         chosen, seed = active_modes()
-        with _LAUNCH_LOCK:
-            # Each launch draws its own numbers (a restart does not replay its launch's choices),
-            # the same ones whenever the block of launches is replayed from its seed.
-            _launches += 1
-            launch_seed = hash((seed, _launches)) & (2**64 - 1)
-            self._lib.prnn_emu_set_modes(ctypes.c_uint(_mode_bits(chosen)),
-                                         ctypes.c_ulonglong(launch_seed))
-            failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
-            message = self._lib.prnn_emu_error().decode() if failed else ""
+        # Each launch draws its own numbers (a restart does not replay its launch's choices), the
+        # same ones whenever the block of launches is replayed from its seed.
+        _launches += 1
+        launch_seed = hash((seed, _launches)) & (2**64 - 1)
+        self._lib.prnn_emu_set_modes(ctypes.c_uint(_mode_bits(chosen)),
+                                     ctypes.c_ulonglong(launch_seed))
+        failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
+        message = self._lib.prnn_emu_error().decode() if failed else ""
         del keep
         if failed:
             raise EmulationError(f"emulated launch of {kernel} failed: {message}")
@@ -192,25 +217,30 @@ def _marshal(args: tuple) -> tuple[list, ctypes.Array]:
 def get_module(source: str, defines: Mapping[str, int],
                src_dir: Path | None = None) -> EmulatedModule:
     """The host build of ``cuda_src/<source>`` with ``-D`` ``defines`` (built once, cached).
-    ``src_dir``: another copy of cuda_src (the sabotage tests build altered kernels from one)."""
+    ``src_dir``: another copy of cuda_src (the sabotage tests build altered kernels from one).
+    A source that ``$PRNN_EMU_RACE_DETECTOR`` names is built with the race detector."""
     return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())),
-                   Path(src_dir or cuda_src_dir()))
+                   Path(src_dir or cuda_src_dir()), _race_detected(source))
 
 
 @lru_cache(maxsize=None)
-def _module(source: str, defines: tuple, src_dir: Path) -> EmulatedModule:
+def _module(source: str, defines: tuple, src_dir: Path, race_detector: bool) -> EmulatedModule:
+    if race_detector:
+        _require_tsan_runtime(source)  # before the build: a clear error, not minutes later
     with _BUILD_LOCK:
-        library, kernels = _build(source, dict(defines), src_dir)
-    return EmulatedModule(library, kernels)
+        library, kernels = _build(source, dict(defines), src_dir, race_detector)
+    return EmulatedModule(library, kernels, race_detector)
 
 
-def _build(source: str, defines: dict[str, int],
-           src_dir: Path | None = None) -> tuple[Path, list[str]]:
+def _build(source: str, defines: dict[str, int], src_dir: Path | None = None,
+           race_detector: bool = False) -> tuple[Path, list[str]]:
     """The verified cached library of ``src_dir/source`` (the package's cuda_src by default) with
-    ``defines`` (built if missing or bad) and its kernel names."""
+    ``defines`` (built if missing or bad) and its kernel names; ``race_detector``: instrumented
+    with ThreadSanitizer."""
     src_dir = Path(src_dir or cuda_src_dir())
     compiler = host_compiler()
-    options = [*CXX_FLAGS, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
+    options = [*CXX_FLAGS, *(_TSAN_FLAGS if race_detector else ()), f"-I{src_dir}",
+               *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
                          .encode()).hexdigest()[:24]
     folder = cache.cache_dir("emulation")
@@ -277,10 +307,25 @@ def _kernel_names(compiler: str, options: list[str], path: Path) -> list[str]:
 
 
 def _run(cmd: list[str], what: str, stdin: str | None = None) -> str:
-    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=_compiler_env())
     if proc.returncode != 0:
         raise EmulationError(f"host build of {what} failed ({' '.join(cmd)}):\n{proc.stderr}")
     return proc.stdout
+
+
+def _compiler_env() -> dict[str, str] | None:
+    """The host compiler's environment: this process's (None), but for a preloaded
+    ThreadSanitizer runtime (the race detector's child process), which would more than double the
+    compiler's time."""
+    preload = re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "").strip())
+    kept = [p for p in preload if p and not os.path.basename(p).startswith("libtsan")]
+    if len(kept) == len([p for p in preload if p]):
+        return None
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD")
+    if kept:
+        env["LD_PRELOAD"] = " ".join(kept)
+    return env
 
 
 def _sources_digest(src_dir: Path) -> str:
@@ -289,3 +334,79 @@ def _sources_digest(src_dir: Path) -> str:
         if path.suffix in (".cu", ".cuh", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
+
+
+# ---- the race detector ---------------------------------------------------------------------------
+
+def _race_detected(source: str) -> bool:
+    """Whether ``$PRNN_EMU_RACE_DETECTOR`` (source stems, comma-separated, or "all") names
+    ``source``."""
+    named = {n.strip() for n in os.environ.get(RACE_DETECTOR_ENV, "").split(",") if n.strip()}
+    return "all" in named or Path(source).stem in named
+
+
+def tsan_runtime() -> str:
+    """The path of the host compiler's ThreadSanitizer runtime (EmulationError if it has none)."""
+    path = _run([host_compiler(), "-print-file-name=libtsan.so"], "libtsan.so").strip()
+    if not os.path.isabs(path) or not os.path.exists(path):
+        raise EmulationError(f"the host compiler {host_compiler()} has no ThreadSanitizer runtime "
+                             "(libtsan.so): the race detector needs one (g++ 11 or newer)")
+    return os.path.realpath(path)
+
+
+def _require_tsan_runtime(source: str) -> None:
+    """EmulationError unless this process runs with the ThreadSanitizer runtime loaded first."""
+    if not hasattr(ctypes.CDLL(None), "__tsan_init") or not os.environ.get(RACE_LOG_ENV):
+        raise EmulationError(
+            f"{source} is to be built with the race detector (${RACE_DETECTOR_ENV}), which runs "
+            "only in a process started with the ThreadSanitizer runtime preloaded: use "
+            "emulate.run_with_race_detector")
+
+
+def race_detector_env(sources: Sequence[str], log_prefix: Path) -> dict[str, str]:
+    """The environment of a child process whose emulated builds of ``sources`` (stems, or "all")
+    run under ThreadSanitizer, its reports written to ``<log_prefix>.<pid>``."""
+    env = dict(os.environ)
+    env.update({
+        "LD_PRELOAD": " ".join(filter(None, [tsan_runtime(), env.get("LD_PRELOAD")])),
+        # Reports go to the log, which each launch checks (RaceError); the process goes on, so
+        # that the error names the launch and its kernel.
+        "TSAN_OPTIONS": f"log_path={log_prefix} halt_on_error=0 exitcode=0",
+        RACE_DETECTOR_ENV: ",".join(sources),
+        RACE_LOG_ENV: str(log_prefix),
+    })
+    return env
+
+
+def run_with_race_detector(argv: Sequence[str], sources: Sequence[str] = ("all",),
+                           timeout: float | None = None,
+                           capture: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python argv...`` in a child process whose emulated launches of ``sources`` run
+    under the race detector (a race fails that launch with ``RaceError``, which names the kernel
+    and holds ThreadSanitizer's report); its output is captured (``capture``) or goes to this
+    process's. ThreadSanitizer must be loaded before anything else, hence the child process."""
+    with tempfile.TemporaryDirectory(prefix="prnn-race-") as folder:
+        env = race_detector_env(sources, Path(folder) / "tsan")
+        return subprocess.run([sys.executable, *argv], env=env, capture_output=capture,
+                              text=True, timeout=timeout)
+
+
+def _race_log() -> Path:
+    return Path(f"{os.environ[RACE_LOG_ENV]}.{os.getpid()}")
+
+
+def _log_size(log: Path | None) -> int:
+    return log.stat().st_size if log is not None and log.exists() else 0
+
+
+def _check_races(log: Path | None, seen: int, kernel: str) -> None:
+    """RaceError if ThreadSanitizer reported anything since the log had ``seen`` bytes."""
+    if log is None or _log_size(log) <= seen:
+        return
+    with open(log, "rb") as f:
+        f.seek(seen)
+        reports = [r for r in f.read().decode(errors="replace").split("=" * 18 + "\n")
+                   if r.strip()]
+    raise RaceError(f"the race detector reported {len(reports)} data race(s) in the emulated "
+                    f"launch of {kernel} (accesses that no barrier or acquire/release orders); "
+                    f"the first:\n{reports[0]}")

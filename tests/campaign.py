@@ -22,6 +22,12 @@ then the largest tiles at ``max_hidden_size``)::
 
     python -m tests.campaign --minutes 30 [--seed S] [--profile long]
     python -m tests.campaign --case SEED --kind layer --profile long     # replay one case
+    python -m tests.campaign --minutes 30 --race-detector    # every emulated kernel under TSan
+
+``--race-detector`` runs the campaign again in a child process with every emulated kernel built
+with the race detector (docs/emulation.md): a race fails its case. It is not drawn per case (the
+detector is process-wide) and not in the CI slice: each kernel configuration costs a
+ThreadSanitizer build and its launches run about 20 times slower.
 
 A new layer option is one field of ``Case``, one line in ``draw_case`` and its use in
 ``_layer``/``_module`` (and the references follow the library's own functional code).
@@ -32,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -98,7 +105,9 @@ class Case:
     def command(self) -> str:
         """The one-line command that replays this case."""
         kind = f"--kind {self.kind} " if self.kind_given else ""
-        return f"PYTHONPATH=. python -m tests.campaign --case {self.seed} {kind}--profile {self.profile}"
+        detector = " --race-detector" if os.environ.get(emulate.RACE_DETECTOR_ENV) else ""
+        return (f"PYTHONPATH=. python -m tests.campaign --case {self.seed} {kind}"
+                f"--profile {self.profile}{detector}")
 
 
 # ---- drawing ---------------------------------------------------------------------------------
@@ -733,7 +742,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", choices=("ci", "long"), default="long")
     p.add_argument("--case", type=int, default=None, help="replay one case of this seed")
     p.add_argument("--kind", choices=KINDS, default=None, help="with --case: its kind")
+    p.add_argument("--race-detector", action="store_true",
+                   help="every emulated kernel under the race detector (a child process; slow)")
     args = p.parse_args(argv)
+    if args.race_detector and not os.environ.get(emulate.RACE_DETECTOR_ENV):
+        argv = sys.argv[1:] if argv is None else argv
+        return emulate.run_with_race_detector(["-m", "tests.campaign", *argv],
+                                              capture=False).returncode
     if args.case is not None:
         case = draw_case(args.case, args.profile, args.kind)
         print(case)

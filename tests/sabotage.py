@@ -10,6 +10,11 @@ from pathlib import Path
 
 from persistent_rnn._sources import cuda_src_dir
 
+# persistent_common.cuh's lines that sabotages remove or change: the grid step's barrier after its
+# product, and the number of staged vectors (two by step parity for the grid's warp teams).
+TEAM_BARRIER = "  team_sync_or<kWarpTeam>(0);  // the sums visible to the team that finishes them\n"
+STAGED_BUFFERS = "constexpr int kStagedBuffers = !kDirectRead && kWarpTeams<G> ? 2 : 1;"
+
 
 def sabotaged(root: Path, file: str, old: str, new: str) -> Path:
     """A copy of cuda_src under ``root`` whose ``file`` has its one ``old`` replaced by ``new``."""

@@ -10,7 +10,8 @@ import pytest
 import persistent_rnn as prnn
 from persistent_rnn import emulate, runtime
 from persistent_rnn import plan as planner
-from sabotage import sabotaged
+from persistent_rnn.cells import CELLS
+from sabotage import STAGED_BUFFERS, TEAM_BARRIER, sabotaged
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -209,8 +210,10 @@ def test_a_cta_that_leaves_the_cluster_early_is_an_error(settings, tmp_path, mon
 
 # ---- delayed visibility -------------------------------------------------------------------------
 
-def _exchange_errors(src_dir=None, grid: int = 4, width: int = 9) -> tuple[int, int]:
-    """exchange_rounds (grid_barrier.cu) under delayed visibility: (abort word, wrong values)."""
+def _exchange_errors(src_dir=None, grid: int = 4, width: int = 9,
+                     mode: str = "delayed") -> tuple[int, int]:
+    """exchange_rounds (grid_barrier.cu) under `mode` (delayed visibility by default): (abort
+    word, wrong values)."""
     module = emulate.get_module("grid_barrier.cu", {}, src_dir)
     length = grid * width
     exchange = np.zeros((2, -(-length // 4) * 4), np.uint32)
@@ -218,7 +221,7 @@ def _exchange_errors(src_dir=None, grid: int = 4, width: int = 9) -> tuple[int, 
     elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
     args = (exchange, ctl, np.int32(40), np.int32(width), np.uint64(10**9), np.int32(-1),
             np.int32(-1), np.uint64(0), elapsed, errors)
-    with emulate.modes("delayed", seed=5):
+    with emulate.modes(mode, seed=5):
         module.launch("exchange_rounds", grid, 64, 0, args)
     return int(ctl[1]), int(errors[0])
 
@@ -249,16 +252,51 @@ def test_random_schedules_keep_results_bitwise(settings, grid_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_single_staged_buffer_shows_in_a_random_schedule(settings, grid_path, tmp_path,
+                                                          monkeypatch, fresh_plans):
+    """The grid's warp teams (GRU H = 24's tile) with one staged vector instead of two by step
+    parity: a warp that has finished step t-1 gathers step t into the buffer that a slower warp
+    still multiplies step t-1's vector from. The plain schedule moves the warps in step and the
+    results come out right; a random lagging warp (schedule) reads a vector overwritten under it.
+    (The race detector would report it too, at the cost of a ThreadSanitizer build; the same run
+    without the sabotage: test_random_schedules_keep_results_bitwise.)"""
+    plan = planner.make_plan("GRU", 24, BATCH, device=runtime.EMULATED_DEVICE)
+    assert planner.warp_teams(CELLS["gru"], plan.tile.forward)  # two staged buffers unsabotaged
+    _check_sabotaged_forward_is_wrong(tmp_path, monkeypatch, STAGED_BUFFERS,
+                                      "constexpr int kStagedBuffers = 1;")
+
+
+def test_the_exchange_survives_random_schedules():
+    assert _exchange_errors(mode="schedule") == (0, 0)
+
+
+def test_a_publish_before_the_last_read_of_a_slot_fails(tmp_path):
+    """exchange_rounds without its block barrier per round, the rule the persistent kernels
+    keep too (hw.cuh: a CTA publishes step t only after it has read all of step t-1): a thread
+    that has read round r publishes round r+1 into the slot a slower thread of its CTA still
+    reads round r-1 from, which then waits for a tag that never comes back (a timeout) or takes
+    a later round's word for its own (wrong values). The slot's words are relaxed atomics, which
+    the race detector does not judge; a random schedule (a lagging warp) shows it, and here the
+    plain schedule already does (the threads with no words to publish only gather, and drift
+    from the publishers at their polls)."""
+    src = sabotaged(tmp_path, "grid_barrier.cu", "    if (prnn_sync_block_or(!ok)) break;\n",
+                    "    if (!ok) break;\n")
+    assert _exchange_errors(src, mode="schedule") != (0, 0)
+
+
 def test_a_missing_block_barrier_shows_in_a_random_schedule(settings, grid_path, tmp_path,
                                                             monkeypatch, fresh_plans):
     """The grid step's product without the barrier after it: the pointwise threads sum partials
     that other warps have not written yet."""
-    src = sabotaged(tmp_path, "persistent_common.cuh",
-                    "  team_sync_or<kWarpTeam>(0);  // the sums visible to the team that finishes them\n",
-                    "")
-    _from(monkeypatch, src, "persistent_forward")
+    _check_sabotaged_forward_is_wrong(tmp_path, monkeypatch, TEAM_BARRIER, "")
+
+
+def _check_sabotaged_forward_is_wrong(tmp_path, monkeypatch, old: str, new: str) -> None:
+    """The GRU H = 24 forward built from persistent_common.cuh with `old` replaced by `new` gives
+    wrong results in a random schedule (the seed of test_random_schedules_keep_results_bitwise,
+    where the unsabotaged kernel is bitwise the plain one)."""
+    _from(monkeypatch, sabotaged(tmp_path, "persistent_common.cuh", old, new), "persistent_forward")
     data = _data(24)
     with emulate.modes("schedule", seed=3):
         got, _ = _run(24, data, backward=False)
-    ref = _reference(24, data)
-    assert not np.allclose(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got[0], _reference(24, data)[0], rtol=1e-4, atol=1e-5)
