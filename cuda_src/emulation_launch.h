@@ -249,8 +249,10 @@ inline StackSet take_stacks(int threads) {
   set.threads = threads;
   {
     std::lock_guard<std::mutex> hold(stack_pool_lock);
+    // (The pool is one for the process: g++ makes inline variables unique across the emulated
+    // libraries loaded. A library built without guards takes no guarded set.)
     for (std::size_t i = 0; i < stack_pool.size(); ++i) {
-      if (stack_pool[i].threads == threads) {
+      if (stack_pool[i].threads == threads && (kGuardedFibers > 0 || !stack_pool[i].guarded)) {
         set = stack_pool[i];
         stack_pool[i] = stack_pool.back();
         stack_pool.pop_back();
@@ -274,9 +276,10 @@ inline StackSet take_stacks(int threads) {
   return set;
 }
 
-inline void give_back_stacks(const StackSet& set) {
+// `intact`: no stack overflowed (a set with a broken canary is never used again).
+inline void give_back_stacks(const StackSet& set, bool intact) {
   std::lock_guard<std::mutex> hold(stack_pool_lock);
-  if (stack_pool.size() < kPooledStackSets) {
+  if (intact && stack_pool.size() < kPooledStackSets) {
     stack_pool.push_back(set);
     return;
   }
@@ -286,16 +289,17 @@ inline void give_back_stacks(const StackSet& set) {
 
 // After a block: a fiber whose frames reached its stack's canary overflowed (where no guard
 // page stopped it, it may have written into the gap below).
-inline void check_stacks(const StackSet& set, int b) {
+inline bool check_stacks(const StackSet& set, int b) {
   for (int t = 0; t < set.threads; ++t) {
     const unsigned char* canary = set.stack(t);
     for (std::size_t i = 0; i < kStackCanaryBytes; ++i) {
       if (canary[i] != kCanary) {
         fail(kStackOverflow, "block %d: thread %d overflowed its fiber stack (128 KiB)", b, t);
-        return;
+        return false;
       }
     }
   }
+  return true;
 }
 
 // The whole grid: `resident` OS threads take blocks in index order (kShuffle: a random order),
@@ -367,13 +371,14 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     block_dim.x = threads;
     grid_dim.x = grid;
     entry = Entry{run, kernel, args};
+    bool intact = true;
     for (int i; (i = next.fetch_add(1)) < grid;) {
       const int b = order[i];
       run_block(b, threads, shared_bytes, stacks, cluster_buffers ? &(*cluster_buffers)[b] : nullptr);
-      check_stacks(stacks, b);
+      intact = intact && check_stacks(stacks, b);
     }
     live_ctas.fetch_sub(1);  // no block left for this worker
-    give_back_stacks(stacks);
+    give_back_stacks(stacks, intact);
   };
   // Every worker exists before any block runs: a grid that could start only in part would leave
   // its started CTAs waiting on the others. Thread creation can fail for a moment on a loaded

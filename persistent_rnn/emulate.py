@@ -239,14 +239,14 @@ def _build(source: str, defines: dict[str, int], src_dir: Path | None = None,
     with ThreadSanitizer."""
     src_dir = Path(src_dir or cuda_src_dir())
     compiler = host_compiler()
-    options = [*CXX_FLAGS, *(_TSAN_FLAGS if race_detector else ()), f"-I{src_dir}",
-               *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
+    flags = [*CXX_FLAGS, *(_TSAN_FLAGS if race_detector else ())]
+    options = [*flags, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
                          .encode()).hexdigest()[:24]
     folder = cache.cache_dir("emulation")
 
     def build(out: Path) -> dict:
-        prelude = _prelude(folder, compiler, src_dir)
+        prelude = _prelude(folder, compiler, src_dir, flags)
         return {"kernels": _compile(compiler, options, src_dir / source, out, prelude),
                 "options": options}
 
@@ -254,15 +254,16 @@ def _build(source: str, defines: dict[str, int], src_dir: Path | None = None,
     return entry.path, entry.meta["kernels"]
 
 
-def _prelude(folder: Path, compiler: str, src_dir: Path) -> Path:
+def _prelude(folder: Path, compiler: str, src_dir: Path, build_flags: list[str]) -> Path:
     """The precompiled prelude of the emulated builds: the C++ and system headers that the
     sources of ``src_dir`` include (parsing them was a third of a build), compiled once per
-    compiler, flags and header list into the verified cache. Returns the name to ``-include``:
-    the compiler finds ``<name>.gch`` beside it and needs no header of that name."""
+    compiler, flags (``build_flags``: a build's flags but its -I and -D) and header list into
+    the verified cache. Returns the name to ``-include``: the compiler finds ``<name>.gch``
+    beside it and needs no header of that name."""
     headers = sorted({name for path in sorted(src_dir.glob("*.h*"))
-                      for name in re.findall(r"^#include <([^>]+)>", path.read_text(), re.M)})
+                      for name in re.findall(r"^\s*#\s*include <([^>]+)>", path.read_text(), re.M)})
     text = "".join(f"#include <{name}>\n" for name in headers)
-    flags = [f for f in CXX_FLAGS if f != "-shared"]
+    flags = [f for f in build_flags if f != "-shared"]
     key = hashlib.sha256("\n".join([compiler, _compiler_version(compiler), *flags, text])
                          .encode()).hexdigest()[:24]
 

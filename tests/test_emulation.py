@@ -71,7 +71,7 @@ STACK_HOG = """
 #include "hw.cuh"
 // Writes the top `bytes` of a local array larger than a fiber's 128 KiB stack, downwards.
 PRNN_KERNEL void stack_hog(float* out, int bytes) {
-  volatile unsigned char big[130 * 1024];
+  volatile unsigned char big[129 * 1024];
   for (int i = 0; i < bytes; i += 64) big[sizeof(big) - 1 - i] = 1;
   out[threadIdx.x] = big[sizeof(big) - 1];
 }
@@ -86,7 +86,8 @@ def test_a_fiber_that_overflows_an_unguarded_stack_is_reported(tmp_path):
     out = np.zeros(32, np.float32)
     module.launch("stack_hog", 1, 32, 0, (out, np.int32(1024)))  # within its stack: fine
     with pytest.raises(emulate.EmulationError, match="block 0: thread 0 overflowed its fiber stack"):
-        module.launch("stack_hog", 1, 32, 0, (out, np.int32(130 * 1024)))
+        module.launch("stack_hog", 1, 32, 0, (out, np.int32(129 * 1024)))
+    module.launch("stack_hog", 1, 32, 0, (out, np.int32(1024)))  # the broken set is not reused
 
 
 def test_grid_barrier_times_out_when_ctas_are_not_co_resident():
