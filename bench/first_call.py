@@ -138,8 +138,8 @@ def _tools() -> dict[str, str | None]:
     except ImportError:
         found["triton nvdisasm"] = None
     try:  # the one the latency model runs (PATH, else the nvidia-cuda-nvdisasm wheel)
-        from persistent_rnn import kernel_report
-        found["model nvdisasm"] = kernel_report.nvdisasm()
+        from persistent_rnn import sass_analysis
+        found["model nvdisasm"] = sass_analysis.nvdisasm()
     except (ImportError, AttributeError):
         found["model nvdisasm"] = None
     return found

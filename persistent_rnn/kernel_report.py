@@ -14,16 +14,13 @@ import argparse
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from functools import lru_cache
-from pathlib import Path
+from dataclasses import replace
 
-from . import kernels, plan as planner
+from . import hardware, kernels, model, plan as planner
 from .cells import CELLS
+from .sass_analysis import SASS_KINDS, disassemble, nvdisasm, sass_loop_counts
 
 # Shared memory is reported at batch 8, the top of the range the latency targets are set for
 # (algo="auto" runs persistently up to runtime.Settings.auto_max_batch, 32, where the plan fits).
@@ -57,210 +54,6 @@ def local_memory_record(log: str, time_loop: dict[str, int] | None) -> dict[str,
     the time loop; None without nvdisasm)."""
     return {"stack_frame": parse_stack_frame(log),
             "local_memory": None if time_loop is None else time_loop["local_memory"]}
-
-
-# ---- SASS of the time loop ---------------------------------------------------------------------
-
-# What the report counts, by SASS opcode (the first dot-separated part decides).
-SASS_KINDS = {
-    "block_barriers": ("BAR",),             # BAR.SYNC, BAR.RED.OR, BAR.ARV (not MEMBAR)
-    "global_loads": ("LDG",),               # incl. LDG.E.STRONG.GPU (relaxed) loads
-    "async_copies": ("LDGSTS",),            # cp.async global -> shared
-    "global_stores": ("STG",),
-    "atomics": ("ATOM", "ATOMG", "RED"),
-    "fences": ("MEMBAR", "FENCE"),
-    "l1_invalidates": ("CCTL",),
-    "local_memory": ("LDL", "STL"),         # a run-time indexed array or a spill: never wanted
-}
-
-
-def step_atomic(opcode: str) -> bool:
-    """Whether an atomic of the time loop is one a step runs: not the compare-and-swap of
-    ``prnn_abort`` (cuda_src/hw.cuh: the first abort reason wins), which only a wait that gives up
-    runs, once per launch."""
-    return opcode.split(".")[0] in SASS_KINDS["atomics"] and ".CAS" not in opcode
-
-
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-_LABEL = re.compile(r"^\s*(\.L\w+|\$[\w$.]+):")
-_TARGET = re.compile(r"`\(([^)]+)\)")
-
-
-def nvdisasm() -> str | None:
-    """Path of ``nvdisasm``: on PATH, else from the ``nvidia-cuda-nvdisasm`` wheel; None if absent."""
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in getattr(nvidia, "__path__", []):
-        for candidate in sorted(Path(root).glob("*/bin/nvdisasm")):
-            if os.access(candidate, os.X_OK):
-                return str(candidate)
-    return None
-
-
-@lru_cache(maxsize=1024)
-def disassemble(cubin: Path, tool: str) -> str:
-    """``nvdisasm -c`` of a cubin (code sections only, with branch labels). Kept per process:
-    a cached cubin's name is the digest of what built it (``kernels``), so the same path is the
-    same code, and the report and the latency model read each one once."""
-    proc = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvdisasm failed on {cubin}:\n{proc.stderr}")
-    return proc.stdout
-
-
-def _parse(sass: str) -> tuple[list[tuple[str, str, str | None, str]], dict[str, int]]:
-    """Instructions as (opcode, predicate, branch target label, operand text) and label ->
-    instruction index."""
-    code, labels = [], {}
-    for line in sass.splitlines():
-        label = _LABEL.match(line)
-        if label:
-            labels[label.group(1)] = len(code)
-            continue
-        ins = _INSTRUCTION.search(line)
-        if ins:
-            target = _TARGET.search(ins.group(4))
-            code.append((ins.group(3), (ins.group(2) or "").strip(), target.group(1) if target else None,
-                         ins.group(4)))
-    return code, labels
-
-
-def _successors(code, labels, converged: bool = False) -> list[list[int]]:
-    """Control-flow successors of each instruction. Calls of functions (``$...``) return; a
-    ``CALL.REL.NOINC`` to a local label is how sm_80 code leaves a loop (a jump that may also
-    fall through); EXIT/RET end a path. ``BRA.DIV`` branches only when the warp has diverged
-    (the compiler's fallback before a warp-synchronous instruction such as a shuffle): with
-    ``converged`` it falls through, as every warp does that reaches it converged."""
-    succ = []
-    for i, (op, pred, target, _) in enumerate(code):
-        base = op.split(".")[0]
-        always = pred in ("", "@PT")
-        nxt = [i + 1] if i + 1 < len(code) else []
-        if converged and op.startswith("BRA.DIV"):
-            succ.append(nxt)
-        elif base in ("BRA", "JMP") and target in labels:
-            succ.append([labels[target]] + ([] if always and op == "BRA" else nxt))
-        elif base == "CALL" and target in labels and target.startswith(".L"):
-            succ.append([labels[target]] + nxt)
-        elif base in ("EXIT", "RET") and always:
-            succ.append([])
-        else:
-            succ.append(nxt)
-    return succ
-
-
-def _natural_loop(succ: list[list[int]], tail: int, head: int, reachable: list[bool]) -> set[int]:
-    """Instructions of the natural loop of the back edge tail -> head (code that cannot be
-    reached from the entry, such as a fallback no branch leads to, is in no loop)."""
-    pred: list[list[int]] = [[] for _ in succ]
-    for i, targets in enumerate(succ):
-        for j in targets:
-            if reachable[i]:
-                pred[j].append(i)
-    body, stack = {head, tail}, [tail]
-    while stack:
-        for p in pred[stack.pop()]:
-            if p not in body:
-                body.add(p)
-                stack.append(p)
-    return body
-
-
-def _dominators(succ: list[list[int]]) -> list[int]:
-    """Per instruction, the set of instructions that dominate it (a bit set; entry: instruction 0;
-    unreachable instructions get the empty set)."""
-    order, seen, stack = [], {0}, [(0, iter(succ[0]))]
-    while stack:  # depth-first, for a reverse postorder
-        node, children = stack[-1]
-        child = next(children, None)
-        if child is None:
-            order.append(node)
-            stack.pop()
-        elif child not in seen:
-            seen.add(child)
-            stack.append((child, iter(succ[child])))
-    order.reverse()
-    pred: list[list[int]] = [[] for _ in succ]
-    for i, targets in enumerate(succ):
-        for j in targets:
-            pred[j].append(i)
-    full = (1 << len(succ)) - 1
-    dom = [0] * len(succ)
-    dom[0] = 1
-    changed = True
-    while changed:
-        changed = False
-        for node in order[1:]:
-            new = full
-            for p in pred[node]:
-                if p in seen:
-                    new &= dom[p] if dom[p] else full
-            new |= 1 << node
-            if new != dom[node]:
-                dom[node], changed = new, True
-    return dom
-
-
-@dataclass(frozen=True)
-class TimeLoop:
-    """The time loop of a persistent kernel's SASS: ``code`` (every instruction of the cubin's
-    code as ``_parse`` gives it), ``succ`` (each instruction's successors, as the loop was found
-    with them), ``body`` (the loop's instruction indices), ``inner`` (the natural loops inside
-    it, by header index, each a set of instruction indices) and ``head`` (its header)."""
-
-    code: list[tuple[str, str, str | None, str]]
-    succ: list[list[int]]
-    body: frozenset[int]
-    inner: dict[int, frozenset[int]]
-    head: int
-
-
-@lru_cache(maxsize=64)  # the report's counts and the latency model read the same loop
-def time_loop(sass: str, converged: bool = False) -> TimeLoop:
-    """The time loop: the largest natural loop (back edges - edges to an instruction that
-    dominates their source - to one header merged) that holds a block barrier, or a warp vote
-    where the warps of a step work alone (a cluster's warp teams: the vote of their warp
-    barrier is the step's only synchronisation inside the CTA). Out-of-line code
-    the compiler placed after the kernel's exit (divergent shuffles, slow paths) belongs to the
-    loop when it returns into it. ``converged``: only the code a converged warp executes (no
-    ``BRA.DIV`` fallback; ``_successors``) - what a step issues, which the latency model counts;
-    without it, every instruction the loop may execute (the report's bounds)."""
-    code, labels = _parse(sass)
-    succ = _successors(code, labels, converged)
-    dom = _dominators(succ)
-    reachable = [d != 0 for d in dom]
-    loops: dict[int, set[int]] = {}
-    for tail, targets in enumerate(succ):
-        for head in targets:
-            if reachable[tail] and dom[tail] >> head & 1:
-                loops.setdefault(head, set()).update(_natural_loop(succ, tail, head, reachable))
-    with_barrier = [(head, body) for head, body in loops.items()
-                    if any(code[i][0].split(".")[0] in ("BAR", "VOTE") for i in body)]
-    if not with_barrier:
-        raise RuntimeError("no loop with a block barrier or a warp vote in the SASS: is this a "
-                           "persistent kernel?")
-    head, body = max(with_barrier, key=lambda hb: len(hb[1]))
-    inner = {h: frozenset(b) for h, b in loops.items() if h != head and h in body and b <= body}
-    return TimeLoop(code, succ, frozenset(body), inner, head)
-
-
-def sass_loop_counts(sass: str) -> dict[str, int]:
-    """Static counts of ``SASS_KINDS`` in the time loop (``time_loop``). Each instruction of the
-    body counts once, inner loops included, so the counts bound what one step issues."""
-    loop = time_loop(sass)
-    counts = {kind: 0 for kind in SASS_KINDS}
-    for i in loop.body:
-        opcode = loop.code[i][0]
-        base = opcode.split(".")[0]
-        for kind, opcodes in SASS_KINDS.items():
-            counts[kind] += base in opcodes and (kind != "atomics" or step_atomic(opcode))
-    counts["instructions"] = len(loop.body)
-    return counts
 
 
 def gather_variants(p: planner.PassPlan, largest_only: bool = False) -> list[planner.PassPlan]:
@@ -375,7 +168,6 @@ def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
     """The latency model on one configuration (``persistent_rnn.model``): instructions per batch
     row of the matrix loop against its FFMAs, and the predicted µs per step (a prediction) at
     ``MODEL_BATCHES`` on the arch's device profile (sm_80: a100, else h100)."""
-    from . import hardware, model
     device = hardware.PROFILES["a100" if arch == "sm_80" else "h100"]
     predicted, terms = {}, None
     for batch in MODEL_BATCHES:

@@ -29,21 +29,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import hardware as hw
-from . import kernel_report, kernels
+from . import kernels
 from . import plan as planner
 from .cells import CellSpec
 from .hardware import DeviceProfile
+from .sass_analysis import (critical_path, disassemble, exchange_word_bytes, loop_kind, nvdisasm,
+                            opcode_base, own_instructions, ready_path, steady_step, step_atomic,
+                            time_loop)
 
 # The model's error on the recorded H200 runs (bench/results/model-calibration-2026-11-24.json).
 CALIBRATION = ("calibrated on 324 recorded H200 points (counter-barrier kernels): median |error| 12 %, "
                "worst 48 %; the current kernels are not yet measured")
-
-# Trip counts of the loops inside the time loop are decided by what each loop holds (its own
-# instructions, nested loops excluded); see ``loop_trips``.
-_REGISTER = re.compile(r"\b([RP]\d+)\b")
-_NO_DEST = ("ST", "STS", "STG", "STL", "RED", "BAR", "BRA", "BSSY", "BSYNC", "NOP", "EXIT", "LDGSTS",
-            "MEMBAR", "WARPSYNC", "YIELD", "NANOSLEEP", "CCTL", "DEPBAR", "CALL", "RET", "FENCE")
-
 
 @dataclass(frozen=True)
 class PassShape:
@@ -173,61 +169,6 @@ class StepTerms:
         return max(terms, key=terms.get)
 
 
-def _base(op: str) -> str:
-    return op.split(".")[0]
-
-
-def _own(loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:
-    """Instructions of the inner loop ``head`` that no loop nested in it holds."""
-    body = loop.inner[head]
-    nested = [b for h, b in loop.inner.items() if h != head and b < body]
-    return body.difference(*nested) if nested else body
-
-
-def _children(loop: kernel_report.TimeLoop, head: int) -> list[int]:
-    """Headers of the loops nested directly in the inner loop ``head``."""
-    inside = [h for h, b in loop.inner.items() if b < loop.inner[head]]
-    return [h for h in inside if not any(loop.inner[h] < loop.inner[o] for o in inside)]
-
-
-def _own_kind(loop: kernel_report.TimeLoop, head: int) -> str | None:
-    own = [loop.code[i][0] for i in _own(loop, head)]
-    bases = [_base(op) for op in own]
-    if "NANOSLEEP" in bases:
-        return "spin"
-    if bases.count("FFMA") >= 8 and "MUFU" not in bases:
-        return "matrix"
-    if "MUFU" in bases or "STG" in bases:  # the backward's pointwise step has no MUFU
-        return "pointwise"
-    if any(op.startswith("LDGSTS") and op.endswith(".128") for op in own):
-        return "copy"
-    if "LDGSTS" in bases:
-        return "prefetch"
-    if "LDG" in bases and "STS" in bases:
-        return "fallback"
-    return None
-
-
-def loop_kind(loop: kernel_report.TimeLoop, head: int) -> str:
-    """What an inner loop of the time loop does, from its own instructions (nested loops
-    excluded): "spin" (a wait: NANOSLEEP), "matrix" (FFMAs, no MUFU: one trip per batch row),
-    "pointwise" (MUFU or global stores), "copy" (16-byte cp.async: the exchanged vector), "prefetch" (4-byte
-    cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
-    not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the
-    reduce-scatter's halving levels over a run-time index, before issue 15), "chunks" (holds
-    loops that are not waits: the gather's batches of quads with their loads and checks), "scan"
-    (holds a wait: the gather's batches of quads, each with its polling loop), "other"."""
-    kind = _own_kind(loop, head)
-    if kind:
-        return kind
-    if any(loop.inner[head] < b and _own_kind(loop, h) == "matrix" for h, b in loop.inner.items()):
-        return "levels"
-    children = {_own_kind(loop, h) for h in _children(loop, head)}
-    if children - {"spin"}:
-        return "chunks"
-    return "scan" if children else "other"
-
-
 # The per-thread loops a team runs over its own units (the others spread over the whole block).
 _TEAM_LOOPS = ("pointwise", "prefetch")
 
@@ -282,76 +223,12 @@ def loop_warps(kind: str, shape: PassShape, counter: bool) -> int:
     return max(1, min(shape.warps, math.ceil(items / 32)))
 
 
-def ready_path(loop: kernel_report.TimeLoop, head: int) -> frozenset[int]:
-    """The instructions of the wait loop ``head`` that a poll which finds its words issues: the
-    shortest control-flow path (fewest instructions, along ``loop.succ``: a converged warp's where
-    the loop was found with ``converged=True``, as ``step_terms`` does) from the loop's header to
-    its exit. The rest of the loop (finding which words are missing, the timer, the abort word,
-    the sleep) runs only on a miss, whose cost is the ``exchange`` term's."""
-    succ = loop.succ
-    body = loop.inner[head]
-    came_from: dict[int, int | None] = {head: None}
-    frontier = [head]
-    while frontier:
-        nxt = []
-        for i in frontier:
-            if any(j not in body for j in succ[i]):  # leaves the wait: the words were there
-                path = []
-                while i is not None:
-                    path.append(i)
-                    i = came_from[i]
-                return frozenset(path)
-            for j in succ[i]:
-                if j not in came_from:
-                    came_from[j] = i
-                    nxt.append(j)
-        frontier = nxt
-    return body  # no exit (not a wait): every instruction
-
-
-def steady_step(loop: kernel_report.TimeLoop, spins: list[int]) -> frozenset[int]:
-    """The instructions of the time loop that a step whose waits succeed can reach: from the
-    loop's header, leaving each wait loop in ``spins`` (headers) only from its ``ready_path``.
-    The code a wait runs after it gave up (the abort word, the status store: ``prnn_keep_polling``
-    failing) often sits outside the wait loop, where the compiler put the branch to it; it runs
-    only on a timeout or abort, so a step neither issues it nor waits on it."""
-    ready = {h: ready_path(loop, h) for h in spins}
-    seen, frontier = {loop.head}, [loop.head]
-    while frontier:
-        i = frontier.pop()
-        for j in loop.succ[i]:
-            if j in seen or j not in loop.body:
-                continue
-            if any(i in loop.inner[h] and j not in loop.inner[h] and i not in ready[h] for h in spins):
-                continue  # a wait that gave up
-            seen.add(j)
-            frontier.append(j)
-    return frozenset(seen)
-
-
 def _rows_pow2(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length())
 
 
-def critical_path(code: list[tuple[str, str, str | None, str]], latency) -> float:
-    """Cycles of the longest register dependency chain through ``code`` in program order (the
-    first register operand of an instruction that writes one is its destination);
-    ``latency(opcode)`` gives each instruction's latency."""
-    ready: dict[str, float] = {}
-    longest = 0.0
-    for op, _, _, operands in code:
-        regs = _REGISTER.findall(operands)
-        writes = _base(op) not in _NO_DEST and operands.strip()[:1] in ("R", "P") and regs
-        sources = regs[1:] if writes else regs
-        done = max((ready.get(r, 0.0) for r in sources), default=0.0) + latency(op)
-        if writes:
-            ready[regs[0]] = done
-        longest = max(longest, done)
-    return longest
-
-
 def _latency(op: str) -> float:
-    base = _base(op)
+    base = opcode_base(op)
     if base == "MUFU":
         return hw.MUFU_LATENCY
     if base in ("LDS", "LD"):
@@ -365,19 +242,11 @@ def _latency(op: str) -> float:
     return hw.FP_LATENCY
 
 
-def exchange_word_bytes(ops: list[str]) -> int:
-    """Bytes per exchanged value of a tagged exchange, from the width of the strong (relaxed,
-    GPU-scope) stores that publish it in the time loop: 8 for {value, tag} words (``STG.E.64``),
-    4 for values whose low mantissa bits carry the tag."""
-    strong = [op for op in ops if _base(op) == "STG" and ".STRONG." in op]
-    return 8 if any(".64" in op for op in strong) else 4
-
-
 def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
-    loop = kernel_report.time_loop(sass, converged=True)  # what a step issues: no BRA.DIV fallbacks
+    loop = time_loop(sass, converged=True)  # what a step issues: no BRA.DIV fallbacks
     ops = [loop.code[i][0] for i in loop.body]
-    counter = any(kernel_report.step_atomic(op) for op in ops)  # an arrival counter
+    counter = any(step_atomic(op) for op in ops)  # an arrival counter
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
     trips = {h: loop_trips(k, shape, counter) for h, k in kinds.items()}
     steady = steady_step(loop, [h for h, k in kinds.items() if k == "spin"])
@@ -401,14 +270,14 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     row_instructions = sum(weight[i] for i in in_matrix) / shape.batch
     # A batch row's product: issue-bound when the warps sharing a scheduler hide its latency,
     # else its dependent chain (FFMAs, shuffles, local memory of the reduce-scatter levels).
-    row_chain = sum(critical_path([loop.code[i] for i in sorted(_own(loop, h) & steady)], _latency)
+    row_chain = sum(critical_path([loop.code[i] for i in sorted(own_instructions(loop, h) & steady)], _latency)
                     * (1 if kinds[h] == "matrix" else trips[h])
                     for h in loop.inner if kinds[h] in ("matrix", "levels"))
     matrix = shape.batch * max(sharing * row_instructions / hw.ISSUE_PER_CYCLE, row_chain) * cycle_us
     issue = (sum(weight[i] * share[i] for i in loop.body if i not in in_matrix)
              / hw.ISSUE_PER_CYCLE * cycle_us)
     in_spin = set().union(*[b for h, b in loop.inner.items() if kinds[h] == "spin"])
-    barriers = sum(1 for i in loop.body if _base(loop.code[i][0]) == "BAR" and i not in in_spin)
+    barriers = sum(1 for i in loop.body if opcode_base(loop.code[i][0]) == "BAR" and i not in in_spin)
     l2_us = hw.L2_LATENCY * cycle_us
     # Every CTA reads the whole vector from L2 each step: at large B that is bandwidth, not latency.
     value_bytes = 4 if counter else exchange_word_bytes(ops)
@@ -417,7 +286,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     if counter:  # fence waits for the stores, atomic, polls, then the staging copy
         exchange = "counter"
         exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
-    elif "ST" in {_base(op) for op in ops}:  # generic stores: into the cluster's shared memory;
+    elif "ST" in {opcode_base(op) for op in ops}:  # generic stores: into the cluster's shared memory;
         # then a shared-memory poll per round of a gather, or one where the warps read the words
         # in their product (no gather loop)
         gathered = any(k in ("scan", "chunks") for k in kinds.values())
@@ -430,12 +299,12 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     pointwise_us = 0.0
     matrix_ffma = 0
     for head, kind in kinds.items():
-        own = sorted(_own(loop, head) & steady)
+        own = sorted(own_instructions(loop, head) & steady)
         if kind == "pointwise":
             chain = critical_path([loop.code[i] for i in own], _latency)
             pointwise_us += chain * trips[head] * cycle_us
         if kind == "matrix":
-            matrix_ffma += sum(1 for i in loop.inner[head] if _base(loop.code[i][0]) == "FFMA")
+            matrix_ffma += sum(1 for i in loop.inner[head] if opcode_base(loop.code[i][0]) == "FFMA")
     return StepTerms(issue_us=issue, matrix_us=matrix, barrier_us=barriers * hw.BLOCK_BARRIER * cycle_us,
                      exchange_us=exchange_us, pointwise_us=pointwise_us,
                      instructions=round(instructions), exchange=exchange,
@@ -445,11 +314,11 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
 @lru_cache(maxsize=512)
 def _sass(source: str, defines: tuple, arch: str, src_dir: str | None) -> str:
     compiled = kernels.compile_source(source, dict(defines), arch, Path(src_dir) if src_dir else None)
-    tool = kernel_report.nvdisasm()
+    tool = nvdisasm()
     if tool is None:
         raise RuntimeError("nvdisasm is not installed (the nvidia-cuda-nvdisasm wheel): the "
                            "latency model reads the kernels' SASS")
-    return kernel_report.disassemble(compiled.cubin_path, tool)
+    return disassemble(compiled.cubin_path, tool)
 
 
 def pass_sass(p: planner.PassPlan, arch: str, src_dir: Path | None = None) -> str:

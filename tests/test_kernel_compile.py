@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from persistent_rnn import kernel_report, kernels
+from persistent_rnn import kernel_report, kernels, sass_analysis
 from persistent_rnn.cells import CELLS
 from persistent_rnn.kernel_report import gather_variants
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, PassTile,
@@ -131,10 +131,10 @@ def test_cli_json(capsys, monkeypatch):
     assert {r["arch"] for r in out} == {"sm_90"}
     assert {"cell", "dtype", "pass", "arch", "config", "hidden_size", "registers", "spill_bytes",
             "shared_bytes", "planned_registers", "time_loop", "stack_frame", "local_memory"} <= set(out[0])
-    assert set(kernel_report.SASS_KINDS) <= set(out[0]["time_loop"])
+    assert set(sass_analysis.SASS_KINDS) <= set(out[0]["time_loop"])
 
 
-# What one step of the time loop may contain (static SASS counts, kernel_report.sass_loop_counts):
+# What one step of the time loop may contain (static SASS counts, sass_analysis.sass_loop_counts):
 # the tagged exchange needs no fence, no atomic and no L1 invalidate; two block barriers per step
 # (staged vector + timeout vote; partial sums) per exchange: the LSTM projection kernels exchange
 # twice per step, so 4 (the stack kernels gather two vectors before one vote: 2). The old counter
@@ -145,7 +145,7 @@ LOOP_LIMITS = {"block_barriers": 2, "atomics": 0, "fences": 0, "l1_invalidates":
 
 
 def test_time_loop_sass_stays_short(records):
-    assert kernel_report.nvdisasm(), "nvdisasm missing: install the test extra (nvidia-cuda-nvdisasm)"
+    assert sass_analysis.nvdisasm(), "nvdisasm missing: install the test extra (nvidia-cuda-nvdisasm)"
     for r in records:
         loop = r["time_loop"]
         for kind, most in LOOP_LIMITS.items():
@@ -188,7 +188,7 @@ def test_sass_loop_counts_finds_the_loop_with_the_barrier():
         /*00b0*/                   LDG.E.STRONG.GPU R2, desc[UR4][R4.64] ;
         /*00c0*/                   BRA `(.L_x_1) ;
     """
-    counts = kernel_report.sass_loop_counts(sass)
+    counts = sass_analysis.sass_loop_counts(sass)
     assert counts == {"block_barriers": 1, "global_loads": 1, "async_copies": 0, "global_stores": 1,
                       "atomics": 1, "fences": 1, "l1_invalidates": 1, "local_memory": 1,
                       "instructions": 9}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from persistent_rnn import cli, hardware, kernel_report, model
+from persistent_rnn import cli, hardware, model, sass_analysis
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import CELLS
 
@@ -46,8 +46,8 @@ def shape(batch: int) -> model.PassShape:
 
 def test_synthetic_loop_kinds_and_counts():
     sass = synthetic_sass(ffma=8)
-    loop = kernel_report.time_loop(sass)
-    kinds = sorted(model.loop_kind(loop, h) for h in loop.inner)
+    loop = sass_analysis.time_loop(sass)
+    kinds = sorted(sass_analysis.loop_kind(loop, h) for h in loop.inner)
     assert kinds == ["matrix", "pointwise", "spin"]
     s = shape(batch=3)
     terms = model.step_terms(sass, s, H100)
@@ -72,8 +72,8 @@ def test_exchange_traffic_follows_the_word_width():
     s = shape(batch=4)
     wide = model.step_terms(synthetic_sass(publish="STG.E.64.STRONG.GPU"), s, H100)
     narrow = model.step_terms(synthetic_sass(), s, H100)
-    assert model.exchange_word_bytes(["STG.E.64.STRONG.GPU", "STG.E"]) == 8
-    assert model.exchange_word_bytes(["STG.E.STRONG.GPU", "STG.E.64"]) == 4
+    assert sass_analysis.exchange_word_bytes(["STG.E.64.STRONG.GPU", "STG.E"]) == 8
+    assert sass_analysis.exchange_word_bytes(["STG.E.STRONG.GPU", "STG.E.64"]) == 4
     saved_us = s.plan.grid * s.batch * s.k_len * 4 / (hardware.L2_BANDWIDTH_GBPS * 1e3)
     assert wide.exchange_us - narrow.exchange_us == pytest.approx(saved_us)
 
@@ -84,8 +84,8 @@ def test_shipped_grid_exchange_is_4_byte_quads():
     p = planner.make_plan("lstm", 1024, 4, device="h100").backward
     s = model.PassShape(CELLS["lstm"], p, 4, 1024)
     assert (s.quads, s.gather_quads, s.gather_rounds) == (4096, 8, 2)
-    loop = kernel_report.time_loop(model.pass_sass(p, "sm_90"))
-    assert model.exchange_word_bytes([loop.code[i][0] for i in loop.body]) == 4
+    loop = sass_analysis.time_loop(model.pass_sass(p, "sm_90"))
+    assert sass_analysis.exchange_word_bytes([loop.code[i][0] for i in loop.body]) == 4
 
 
 def diverged_fallback_sass(fallback: int = 6) -> str:
@@ -111,8 +111,8 @@ def test_diverged_warp_fallback_is_not_counted():
     terms = model.step_terms(sass, shape(batch=2), H100)
     assert terms.per_row_instructions == 1 + 8 + 5  # LDS, FFMAs, BRA.DIV .. the loop's branch
     assert terms.instructions == 2 * 14 + 4  # two batch rows, then barrier, test, branch, BAR
-    whole = kernel_report.time_loop(sass)
-    converged = kernel_report.time_loop(sass, converged=True)
+    whole = sass_analysis.time_loop(sass)
+    converged = sass_analysis.time_loop(sass, converged=True)
     assert len(whole.body) - len(converged.body) == 6
 
 
@@ -123,7 +123,7 @@ def test_per_thread_loops_issue_only_in_their_warps():
     p = planner.make_plan("gru", 1024, 1, device="h100").forward  # a grid tile: 8 warps
     s = model.PassShape(CELLS["gru"], p, 1, 1024)
     assert not s.warp_teams
-    loop = kernel_report.time_loop(sass)
+    loop = sass_analysis.time_loop(sass)
     sharing = math.ceil(s.warps / hardware.SCHEDULERS_PER_SM)
     pointwise_warps = math.ceil(s.units / 32)
     assert sharing > 1 and pointwise_warps < s.warps
@@ -160,11 +160,11 @@ def test_grid_warp_teams_meet_at_one_block_barrier():
     assert "PRNN_CLUSTER" not in p.defines and s.warp_teams
     assert (s.team_units, s.team_threads) == (1, 32)
     sass = model.pass_sass(p, "sm_90")
-    assert kernel_report.sass_loop_counts(sass)["block_barriers"] == 1
-    loop = kernel_report.time_loop(sass, converged=True)
-    (matrix,) = [h for h in loop.inner if model.loop_kind(loop, h) == "matrix"]
+    assert sass_analysis.sass_loop_counts(sass)["block_barriers"] == 1
+    loop = sass_analysis.time_loop(sass, converged=True)
+    (matrix,) = [h for h in loop.inner if sass_analysis.loop_kind(loop, h) == "matrix"]
     ops = [loop.code[i][0] for i in loop.inner[matrix]]
-    shared_loads = [op for op in ops if model._base(op) == "LDS"]
+    shared_loads = [op for op in ops if sass_analysis.opcode_base(op) == "LDS"]
     assert shared_loads == ["LDS.128"] * (p.defines["PRNN_KPT"] // 4)
     tile = planner.PassTile(p.defines["PRNN_ROWS"], 1, p.defines["PRNN_KPT"])
     teams = planner.Tile(8, tile, tile)
@@ -190,7 +190,7 @@ def test_predicted_step_times_meet_the_targets(config):
 def test_critical_path_follows_registers():
     code = [("MUFU.EX2", "", None, " R1, R0 "), ("FADD", "", None, " R2, R5, R6 "),
             ("FFMA", "", None, " R3, R1, R1, R2 "), ("STS", "", None, " [R7], R3 ")]
-    assert model.critical_path(code, model._latency) == (
+    assert sass_analysis.critical_path(code, model._latency) == (
         hardware.MUFU_LATENCY + 2 * hardware.FP_LATENCY)
 
 
@@ -264,8 +264,8 @@ def test_backward_prefetch_loop_runs_per_unit():
     assert model.loop_items("prefetch", back, False) == 4 * back.units
     assert (model.loop_trips("prefetch", back, False), model.loop_warps("prefetch", back, False)) == (1, 1)
     assert model.loop_items("prefetch", fwd, False) == 4 * 4 * fwd.team_units  # a warp's unit
-    loop = kernel_report.time_loop(model.pass_sass(plan.backward, "sm_90"), converged=True)
-    assert [model.loop_kind(loop, h) for h in loop.inner].count("prefetch") == 1
+    loop = sass_analysis.time_loop(model.pass_sass(plan.backward, "sm_90"), converged=True)
+    assert [sass_analysis.loop_kind(loop, h) for h in loop.inner].count("prefetch") == 1
 
 
 def wait_with_slow_path_sass(slow: int) -> str:
@@ -304,9 +304,9 @@ def test_a_wait_that_gives_up_is_not_part_of_the_step():
     short, long = (model.step_terms(wait_that_gives_up_sass(n), shape(batch=1), H100) for n in (1, 40))
     assert short.instructions == long.instructions == 1 + 3 + 3
     assert short.pointwise_us == long.pointwise_us == 0.0
-    loop = kernel_report.time_loop(wait_that_gives_up_sass(1), converged=True)
-    (head,) = [h for h in loop.inner if model.loop_kind(loop, h) == "spin"]
-    steady = model.steady_step(loop, [head])
+    loop = sass_analysis.time_loop(wait_that_gives_up_sass(1), converged=True)
+    (head,) = [h for h in loop.inner if sass_analysis.loop_kind(loop, h) == "spin"]
+    steady = sass_analysis.steady_step(loop, [head])
     assert not any(loop.code[i][0].startswith("STG") for i in steady)
 
 
@@ -315,6 +315,6 @@ def test_wait_counts_one_successful_poll():
     on a miss is not counted, however long it is (its cost is the exchange term's)."""
     short, long = (model.step_terms(wait_with_slow_path_sass(n), shape(batch=1), H100) for n in (2, 40))
     assert short.instructions == long.instructions == 1 + 3 + 3  # BAR; LDG, ISETP, BRA; BAR .. BRA
-    loop = kernel_report.time_loop(wait_with_slow_path_sass(2), converged=True)
-    (head,) = [h for h in loop.inner if model.loop_kind(loop, h) == "spin"]
-    assert len(model.ready_path(loop, head)) == 3
+    loop = sass_analysis.time_loop(wait_with_slow_path_sass(2), converged=True)
+    (head,) = [h for h in loop.inner if sass_analysis.loop_kind(loop, h) == "spin"]
+    assert len(sass_analysis.ready_path(loop, head)) == 3
