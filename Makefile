@@ -17,7 +17,7 @@ demo: $(STAMP)
 # Two workers, each test file on one of them (module fixtures, e.g. the kernel records, are built
 # once): the suite is builds, emulated launches and subprocesses that leave a core idle alone.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 venv: $(STAMP)
 
