@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from . import hardware, kernels, model, plan as planner
 from .cells import CELLS
-from .sass_analysis import SASS_KINDS, disassemble, nvdisasm, sass_loop_counts
+from .sass_analysis import disassemble, nvdisasm, sass_loop_counts
 
 # Shared memory is reported at batch 8, the top of the range the latency targets are set for
 # (algo="auto" runs persistently up to runtime.Settings.auto_max_batch, 32, where the plan fits).
@@ -82,26 +82,26 @@ def _jobs(archs, edges_only: bool = False):
     return _edges(jobs) if edges_only else jobs
 
 
-def _family(job) -> str:
-    _, _, p, _, proj = job
-    if p.source.startswith("stack_"):
-        return "stack"
-    return "projection" if proj else "cluster" if p.defines.get("PRNN_CLUSTER") else "grid"
+def group(record: dict) -> tuple:
+    """(kernel family, cell, dtype, pass, arch) of a record (or of ``describe``'s fields): the
+    groups ``_edges`` picks its configurations from."""
+    family = "stack" if record["stack"] else "projection" if record["proj_size"] else \
+        "cluster" if record["cluster"] else "grid"
+    return family, record["cell"], record["dtype"], record["pass"], record["arch"]
 
 
 def _edges(jobs: list) -> list:
-    """Of each (kernel family, cell, dtype, pass, arch), the tile holding the most weight
-    registers per CTA and the tile with the fewest registers to spare beyond its weights (where a
-    spill or a stack frame shows first), in ``jobs``' order: about a third of the
-    configurations, the CI's set (the full set is ``prnn kernels``)."""
+    """Of each ``group``, the tile holding the most weight registers per CTA and the tile with
+    the fewest registers to spare beyond its weights (where a spill or a stack frame shows
+    first), in ``jobs``' order: about a third of the configurations, the CI's set (the full set
+    is ``prnn kernels``)."""
     groups: dict[tuple, list] = {}
     for job in jobs:
-        cell, dtype, p, arch, _ = job
-        groups.setdefault((_family(job), cell.name, dtype, p.kernel, arch), []).append(job)
+        groups.setdefault(group(describe(job)), []).append(job)
     keep = set()
-    for group in groups.values():
-        keep.add(id(max(group, key=lambda j: j[2].weight_registers * j[2].block)))
-        keep.add(id(min(group, key=lambda j: j[2].registers - j[2].weight_registers)))
+    for members in groups.values():
+        keep.add(id(max(members, key=lambda j: j[2].weight_registers * j[2].block)))
+        keep.add(id(min(members, key=lambda j: j[2].registers - j[2].weight_registers)))
     return [job for job in jobs if id(job) in keep]
 
 

@@ -23,7 +23,6 @@ The constants are in ``hardware.py`` with their sources; the few fitted ones com
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path

@@ -42,9 +42,10 @@ _LABEL = re.compile(r"^\s*(\.L\w+|\$[\w$.]+):")
 _TARGET = re.compile(r"`\(([^)]+)\)")
 
 
-def nvdisasm() -> str | None:
-    """Path of ``nvdisasm``: on PATH, else from the ``nvidia-cuda-nvdisasm`` wheel; None if absent."""
-    found = shutil.which("nvdisasm")
+def cuda_tool(name: str) -> str | None:
+    """Path of a CUDA binary tool (``nvdisasm``, ``cuobjdump``): on PATH, else from its
+    ``nvidia-cuda-<name>`` wheel; None if absent."""
+    found = shutil.which(name)
     if found:
         return found
     try:
@@ -52,10 +53,15 @@ def nvdisasm() -> str | None:
     except ImportError:
         return None
     for root in getattr(nvidia, "__path__", []):
-        for candidate in sorted(Path(root).glob("*/bin/nvdisasm")):
+        for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
             if os.access(candidate, os.X_OK):
                 return str(candidate)
     return None
+
+
+def nvdisasm() -> str | None:
+    """Path of ``nvdisasm`` (``cuda_tool``)."""
+    return cuda_tool("nvdisasm")
 
 
 @lru_cache(maxsize=1024)

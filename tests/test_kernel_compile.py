@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import re
 import os
-import shutil
 import struct
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -82,19 +80,13 @@ def test_every_configuration_is_listed():
                     assert {r["block"] for r in clusters} == ({128, 256} if shipped else set())
 
 
-def _group(r: dict) -> tuple:
-    family = "stack" if r["stack"] else "projection" if r["proj_size"] else \
-        "cluster" if r["cluster"] else "grid"
-    return family, r["cell"], r["dtype"], r["pass"], r["arch"]
-
-
 def test_the_records_cover_every_kernel_family_cell_dtype_pass_and_arch(records):
     every = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
-    assert {_group(r) for r in records} == {_group(r) for r in every}
+    assert {kernel_report.group(r) for r in records} == {kernel_report.group(r) for r in every}
     if not EVERY_KERNEL:  # each group's register edges: the most weights, the least to spare
-        for key in {_group(r) for r in every}:
-            mine = [r for r in every if _group(r) == key]
-            kept = [r for r in records if _group(r) == key]
+        for key in {kernel_report.group(r) for r in every}:
+            mine = [r for r in every if kernel_report.group(r) == key]
+            kept = [r for r in records if kernel_report.group(r) == key]
             most = max(r["weight_registers"] * r["block"] for r in mine)
             least = min(r["planned_registers"] - r["weight_registers"] for r in mine)
             assert most in {r["weight_registers"] * r["block"] for r in kept}, key
@@ -224,27 +216,12 @@ def _elf_extent(image: bytes) -> int:
     return max(ends)
 
 
-def _cuobjdump() -> str | None:
-    """cuobjdump on PATH or from the nvidia-cuda-cuobjdump wheel (the ``test`` extra)."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in nvidia.__path__:
-        for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump")):
-            return str(candidate)
-    return None
-
-
 def test_cached_cubin_is_a_complete_elf(tmp_path, monkeypatch):
     monkeypatch.setenv("PRNN_CACHE_DIR", str(tmp_path))
     compiled = kernels.compile_source("persistent_forward.cu", FORWARD_DEFINES, "sm_90")
     image = compiled.cubin_path.read_bytes()
     assert _elf_extent(image) == len(image)
-    tool = _cuobjdump()
+    tool = sass_analysis.cuda_tool("cuobjdump")
     if tool is None:
         return  # the ELF check above already fails on an image one byte short
     listing = subprocess.run([tool, "-elf", str(compiled.cubin_path)], capture_output=True,
