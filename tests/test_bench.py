@@ -386,3 +386,20 @@ def test_summarize_marks_points_that_restarted_or_fell_back():
         _point("prnn_torch", 4, 1.0, us=6.0, restarts=0, fallback="barrier timeout"),
         _point("cudnn", 4, 1.0, us=10.0)]})
     assert "persistent     5.00!  prnn_torch     6.00!  cudnn    10.00  persistent/cudnn 0.50x" in lines[0]
+
+
+def test_gpu_call_cost_runs_on_the_cpu(tmp_path, capsys):
+    """bench/gpu_call_cost.py --cpu: every road and pass has a row with its counters, the slope
+    and both profiles are written (a check of the script; its CPU figures mean nothing)."""
+    gpu_call_cost = _bench_script("gpu_call_cost")
+    assert gpu_call_cost.main(["--cpu", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "gpu_call_cost.json").read_text())
+    rows = record["rows"]
+    assert {(r["road"], r["passes"]) for r in rows} == {
+        (road, p) for road in gpu_call_cost.ROADS for p in ("fwd", "fwd+bwd")}
+    assert all("error" not in r and r["host_us"] > 0 for r in rows), rows
+    persistent = [r for r in rows if r["road"] == "persistent"]
+    assert all(r["per_call"]["launches"] >= 1 for r in persistent)
+    assert len(record["slopes"]) == 1 and record["commit"]
+    for name in ("profile_gru_fwd.txt", "profile_gru_fwd_bwd.txt"):
+        assert "function calls" in (tmp_path / name).read_text()

@@ -9,7 +9,7 @@ import torch
 
 import persistent_rnn.torch as prt
 from persistent_rnn.cells import CELLS, layer_args
-from test_torch_module_db import _raised, forward_backward, tensors
+from torch_calls import forward_backward, raised, tensors
 
 # (class name, constructor kwargs) per cell of the registry: RNNCell tanh/relu, GRUCell, LSTMCell
 CASES = [(f"{layer_args(n)[0]}Cell", layer_args(n)[1]) for n in CELLS]
@@ -118,9 +118,9 @@ def test_bad_input_raises_as_torch_nn(name, kwargs, algo):
         bad += [(torch.randn(2, 3), (torch.randn(2, 6),) * 3)]
     for i, args in enumerate(bad):
         args = args if args[1] is not None else args[:1]
-        want = _raised(ref, args)
+        want = raised(ref, args)
         assert want is not None, i
-        assert _raised(ours, args) == want, i
+        assert raised(ours, args) == want, i
 
 
 def test_unknown_nonlinearity_raises_as_torch_nn():

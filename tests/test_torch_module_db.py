@@ -33,6 +33,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.testing._internal import common_modules  # needs 'expecttest' (the [test] extra)
 
 import persistent_rnn.torch as prt
+from torch_calls import forward_backward, raised, tensors
 
 NAMES = ("RNN", "GRU", "LSTM")
 # (algo, dtype): the GEMM path in both float dtypes, the emulated persistent kernels in float32
@@ -79,13 +80,6 @@ def leaves(obj, dtype: torch.dtype | None = None):
     return t.requires_grad_(obj.requires_grad)
 
 
-def tensors(obj) -> list[torch.Tensor]:
-    """The tensors of a forward argument or result, in order (a PackedSequence's data)."""
-    if isinstance(obj, PackedSequence):
-        return [obj.data]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in tensors(o)]
-    return [obj]
 
 
 def noncontiguous(obj):
@@ -99,17 +93,6 @@ def noncontiguous(obj):
     return t.requires_grad_(obj.requires_grad)
 
 
-def forward_backward(module, args, cotangent_seed: int):
-    """Forward of ``args``, then backward of a fixed random projection of every output:
-    ``(outputs, input gradients, parameter gradients)``."""
-    module.zero_grad(set_to_none=True)
-    outputs = tensors(module(*args))
-    gen = torch.Generator().manual_seed(cotangent_seed)
-    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
-               for o in outputs)
-    loss.backward()
-    inputs = [t.grad for t in tensors(args) if t.requires_grad]
-    return outputs, inputs, [p.grad for p in module.parameters()]
 
 
 def assert_close(got, want, rtol: float, what: str) -> None:
@@ -340,12 +323,6 @@ def _bad_call_args(name: str, width: int, x_shape, h_shape, c_shape, gen):
     return make(x_shape), hx
 
 
-def _raised(module, args):
-    try:
-        module(*args)
-    except Exception as exc:  # noqa: BLE001 -- the exception itself is what is compared
-        return type(exc), str(exc)
-    return None
 
 
 @pytest.mark.parametrize("algo", ["gemm", "persistent"])
@@ -362,9 +339,9 @@ def test_bad_arguments_raise_as_torch_nn(name, proj, algo):
         if name != "LSTM" and what.startswith("c "):
             continue
         args = _bad_call_args(name, proj or 4, *shapes, gen)
-        want = _raised(ref, args)
+        want = raised(ref, args)
         assert want is not None, what
-        assert _raised(ours, args) == want, what
+        assert raised(ours, args) == want, what
 
 
 # ---- the cells: PyTorch's module_db samples of nn.RNNCell/GRUCell/LSTMCell ----------------------

@@ -1,0 +1,215 @@
+"""Where a layer call's time goes on a GPU: host submission, the device's own work, the library's
+synchronisations, and the kernel's per-step cost apart from the call's.
+
+    python bench/gpu_call_cost.py --out DIR [--cpu]
+
+For each layer (GRU H=256 B=1, LSTM H=1024 B=4, RNN-tanh H=512 B=1; T=100, input 64) and each
+road - the CuPy layer with ``algo="persistent"`` and ``"gemm"``, ``persistent_rnn.torch`` with
+``algo="persistent"`` and torch.nn (cuDNN) - forward and forward+backward:
+
+* ``host_us``: the call alone on the host clock, the device idle before it (a synchronisation
+  before each call, none after): what the call costs the CPU, its own waits for the device
+  included;
+* ``loop_us``: ``--calls`` calls back to back and one synchronisation at the end, per call: what
+  a training or inference loop sees;
+* ``event_us``: CUDA events around one call, then a synchronisation: the device's time from the
+  call's first to its last work, host gaps between them included;
+* the library's counters per call (host synchronisations, launches, memsets, allocations).
+
+``last_run`` is never read (reading it waits for the device). Then the persistent forward's
+per-step slope from back-to-back loops at T=1000 and T=3000 (the per-call cost cancels), and a
+cProfile of persistent GRU forward calls (``profile_*.txt``). ``--cpu`` runs the same on NumPy
+arrays and CPU tensors at tiny sizes: a check of the script, its figures mean nothing.
+Writes ``DIR/gpu_call_cost.json`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+import persistent_rnn as prnn
+from persistent_rnn import bench, timing
+from persistent_rnn.cells import layer_args
+from persistent_rnn.launch import COUNTERS
+
+LAYERS = [("gru", 256, 1), ("lstm", 1024, 4), ("rnn_tanh", 512, 1)]
+CPU_LAYERS = [("gru", 16, 1)]
+ROADS = ("persistent", "gemm", "prnn_torch", "cudnn")
+INPUT, STEPS = 64, 100
+
+
+class Device:
+    """The array module and synchronisation of the run (CuPy and CUDA, or NumPy and nothing)."""
+
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+        self.xp = np if cpu else __import__("cupy")
+        import torch
+        self.torch = torch
+        self.torch_device = "cpu" if cpu else "cuda"
+
+    def sync(self) -> None:
+        if not self.cpu:
+            self.xp.cuda.get_current_stream().synchronize()
+            self.torch.cuda.synchronize()
+
+    def event_seconds(self, call: Callable[[], object]) -> float:
+        """One call between two CUDA events (the host clock on the CPU)."""
+        if self.cpu:
+            t0 = time.perf_counter()
+            call()
+            return time.perf_counter() - t0
+        stream = self.xp.cuda.get_current_stream()
+        start, end = self.xp.cuda.Event(), self.xp.cuda.Event()
+        start.record(stream)
+        call()
+        end.record(stream)
+        end.synchronize()
+        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
+
+
+def make_call(dev: Device, road: str, cell: str, hidden: int, batch: int, steps: int,
+              backward: bool) -> Callable[[], object]:
+    """One call of ``road`` on fixed random inputs (never reading ``last_run``)."""
+    mode, extra = layer_args(cell)
+    rng = np.random.default_rng(hidden + batch)
+    x = rng.standard_normal((steps, batch, INPUT)).astype(np.float32)
+    dy = rng.standard_normal((steps, batch, hidden)).astype(np.float32)
+    if road in ("persistent", "gemm"):
+        layer = getattr(prnn, mode)(INPUT, hidden, algo=road, seed=0, **extra)
+        if not dev.cpu:
+            layer.load_params({k: dev.xp.asarray(v) for k, v in layer.params.items()})
+        xa, dya = dev.xp.asarray(x), dev.xp.asarray(dy)
+
+        def run_layer():
+            layer.forward(xa)
+            if backward:
+                layer.backward(dya)
+        return run_layer
+    torch = dev.torch
+    if road == "cudnn":
+        module = getattr(torch.nn, mode)(INPUT, hidden, **extra)
+    else:
+        import persistent_rnn.torch as prt
+        module = getattr(prt, mode)(INPUT, hidden, algo="persistent", **extra)
+    module = module.to(dev.torch_device)
+    xt = torch.as_tensor(x, device=dev.torch_device).requires_grad_(backward)
+    dyt = torch.as_tensor(dy, device=dev.torch_device)
+
+    def run_module():
+        if backward:
+            y, _ = module(xt)
+            y.backward(dyt)
+        else:
+            with torch.no_grad():
+                module(xt)
+    return run_module
+
+
+def measure(dev: Device, call: Callable[[], object], calls: int) -> dict:
+    """host_us, loop_us, event_us (medians; µs) and the library's counters per call."""
+    for _ in range(1 if dev.cpu else 3):
+        call()
+    dev.sync()
+    host = []
+    for _ in range(calls):
+        dev.sync()
+        t0 = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t0)
+    dev.sync()
+    before = COUNTERS.snapshot()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    dev.sync()
+    loop = (time.perf_counter() - t0) / calls
+    after = COUNTERS.snapshot()
+    events = [dev.event_seconds(call) for _ in range(calls)]
+    return {"host_us": statistics.median(host) * 1e6, "loop_us": loop * 1e6,
+            "event_us": statistics.median(events) * 1e6,
+            "event_spread": timing.spread(events),
+            "per_call": {k: (after[k] - before[k]) / calls for k in after}}
+
+
+def slope(dev: Device, cell: str, hidden: int, batch: int, lengths: tuple[int, int],
+          calls: int) -> dict:
+    """The persistent forward's µs per step from back-to-back loops at two sequence lengths."""
+    loops = []
+    for steps in lengths:
+        call = make_call(dev, "persistent", cell, hidden, batch, steps, False)
+        loops.append(measure(dev, call, calls)["loop_us"])
+    return {"lengths": lengths, "loop_us": loops,
+            "us_per_step": (loops[1] - loops[0]) / (lengths[1] - lengths[0])}
+
+
+def profile(dev: Device, cell: str, hidden: int, batch: int, backward: bool, calls: int) -> str:
+    """cProfile of ``calls`` persistent calls: the top functions by own time and by total."""
+    call = make_call(dev, "persistent", cell, hidden, batch, STEPS, backward)
+    for _ in range(3):
+        call()
+    dev.sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    dev.sync()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cpu", action="store_true", help="NumPy and CPU tensors, tiny sizes")
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args(argv)
+    dev = Device(args.cpu)
+    calls = 2 if args.cpu else args.calls
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {**bench.run_stamp(sys.argv), **bench.device_record(not args.cpu), "rows": []}
+    print(f"{'layer':18} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  per call")
+    for cell, hidden, batch in (CPU_LAYERS if args.cpu else LAYERS):
+        for backward in (False, True):
+            for road in ROADS:
+                steps = 3 if args.cpu else STEPS
+                try:
+                    row = measure(dev, make_call(dev, road, cell, hidden, batch, steps, backward),
+                                  calls)
+                except Exception as exc:  # noqa: BLE001 -- a road that cannot run is reported
+                    row = {"error": f"{type(exc).__name__}: {exc}"}
+                row.update(layer=f"{cell}_h{hidden}_b{batch}", steps=steps, road=road,
+                           passes="fwd+bwd" if backward else "fwd")
+                record["rows"].append(row)
+                print(f"{row['layer']:18} {row['passes']:8} {road:11} "
+                      + (f"{row['host_us']:8.1f} {row['loop_us']:8.1f} {row['event_us']:8.1f}  "
+                         f"{row['per_call']}" if "error" not in row else row["error"]), flush=True)
+    lengths = (3, 9) if args.cpu else (1000, 3000)
+    record["slopes"] = [dict(layer=f"{c}_h{h}_b{b}", **slope(dev, c, h, b, lengths, max(2, calls // 6)))
+                        for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]
+    for s in record["slopes"]:
+        print(f"slope {s['layer']}: {s['us_per_step']:.3f} us/step (loops {s['loop_us']})")
+    cell, hidden, batch = (CPU_LAYERS if args.cpu else LAYERS)[0]
+    for backward in (False, True):
+        name = f"profile_{cell}_{'fwd_bwd' if backward else 'fwd'}.txt"
+        (args.out / name).write_text(profile(dev, cell, hidden, batch, backward, calls))
+    (args.out / "gpu_call_cost.json").write_text(json.dumps(record, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
