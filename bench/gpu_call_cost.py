@@ -17,7 +17,8 @@ road - the CuPy layer with ``algo="persistent"`` and ``"gemm"``, ``persistent_rn
 * the library's counters per call (host synchronisations, launches, memsets, allocations).
 
 ``last_run`` is never read (reading it waits for the device). Then the persistent forward's
-per-step slope from back-to-back loops at T=1000 and T=3000 (the per-call cost cancels), and a
+per-step slope from back-to-back loops at T=1000 and T=3000 (the per-call cost cancels), its
+forward at T=100 captured into a CUDA graph and replayed (``graph_us``: no host work), and a
 cProfile of persistent GRU forward calls (``profile_*.txt``). ``--cpu`` runs the same on NumPy
 arrays and CPU tensors at tiny sizes: a check of the script, its figures mean nothing.
 Writes ``DIR/gpu_call_cost.json`` and prints a table.
@@ -153,6 +154,36 @@ def slope(dev: Device, cell: str, hidden: int, batch: int, lengths: tuple[int, i
             "us_per_step": (loops[1] - loops[0]) / (lengths[1] - lengths[0])}
 
 
+def graph_replay(dev: Device, cell: str, hidden: int, batch: int, calls: int) -> dict:
+    """The persistent forward captured once into a CUDA graph (CuPy stream capture) and replayed
+    ``calls`` times back to back: the device's time per call with no host work in it."""
+    if dev.cpu:
+        return {"graph_us": None, "note": "no CUDA graphs on the CPU"}
+    cupy = dev.xp
+    mode, extra = layer_args(cell)
+    layer = getattr(prnn, mode)(INPUT, hidden, algo="persistent", seed=0, **extra)
+    layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
+    x = cupy.asarray(np.random.default_rng(hidden).standard_normal((STEPS, batch, INPUT)),
+                     np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            layer.forward(x)
+            stream.begin_capture()
+            layer.forward(x)
+            graph = stream.end_capture()
+            graph.launch(stream)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(calls):
+                graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+    except Exception as exc:  # noqa: BLE001 -- a capture that fails is what is reported
+        return {"graph_us": None, "error": f"{type(exc).__name__}: {exc}"}
+    return {"graph_us": cupy.cuda.get_elapsed_time(start, end) * 1e3 / calls}
+
+
 def profile(dev: Device, cell: str, hidden: int, batch: int, backward: bool, calls: int) -> str:
     """cProfile of ``calls`` persistent calls: the top functions by own time and by total."""
     call = make_call(dev, "persistent", cell, hidden, batch, STEPS, backward)
@@ -201,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = (3, 9) if args.cpu else (1000, 3000)
     record["slopes"] = [dict(layer=f"{c}_h{h}_b{b}", **slope(dev, c, h, b, lengths, max(2, calls // 6)))
                         for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]
+    record["graphs"] = [dict(layer=f"{c}_h{h}_b{b}", steps=STEPS, **graph_replay(dev, c, h, b, calls))
+                        for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]
+    for g in record["graphs"]:
+        print(f"graph replay {g['layer']} forward T={g['steps']}: {g}")
     for s in record["slopes"]:
         print(f"slope {s['layer']}: {s['us_per_step']:.3f} us/step (loops {s['loop_us']})")
     cell, hidden, batch = (CPU_LAYERS if args.cpu else LAYERS)[0]
