@@ -34,6 +34,19 @@ using ExchangeRow = PrnnTaggedRows<(1 << 30)>;
 // words whose value is wrong in *errors. The block barrier per round is the persistent kernels'
 // too: no thread publishes round r+1 while another still reads round r-1's slot. Returns the last
 // round completed.
+// The gather of both exchange kernels: prnn_gather_tagged of N quads in flight through Load. A
+// functor, not a generic lambda: NVRTC 13.0 compiles a lambda with an `auto` parameter as a host
+// function inside a kernel (13.5 accepts it), and the H100 image has 13.0.
+template <int N, class Load>
+struct TaggedGather {
+  PrnnControl* ctl;
+  unsigned long long timeout_ns;
+  template <class Sink>
+  PRNN_DEVICE bool operator()(const unsigned* slot, const ExchangeRow& row, unsigned tag, Sink sink) const {
+    return prnn_gather_tagged<N>(slot, row, tag, (int)blockDim.x, ctl, timeout_ns, Load{}, sink);
+  }
+};
+
 template <class Store, class Gather>
 PRNN_DEVICE int exchange_loop(unsigned* words, PrnnControl* ctl, int rounds, int width,
                               const PrnnStall& stall, unsigned* errors, Store store,
@@ -71,9 +84,7 @@ PRNN_KERNEL void exchange_rounds(unsigned* exchange, PrnnControl* ctl, int round
   const int done = exchange_loop(
       exchange, ctl, rounds, width, stall, errors,
       [](unsigned* word, unsigned v) { prnn_store_relaxed(word, v); },
-      [&](const unsigned* slot, const ExchangeRow& row, unsigned tag, auto sink) {
-        return prnn_gather_tagged<8>(slot, row, tag, (int)blockDim.x, ctl, timeout_ns, PrnnGlobalQuads{}, sink);
-      });
+      TaggedGather<8, PrnnGlobalQuads>{ctl, timeout_ns});
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;
     elapsed_ns[blockIdx.x] = prnn_globaltimer_ns() - start;
@@ -123,9 +134,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS cluster_exchange_rounds(
       [](unsigned* word, unsigned v) {
         for (int cta = 0; cta < PRNN_CLUSTER; ++cta) prnn_store_cluster_u32(word, cta, v);
       },
-      [&](const unsigned* slot, const ExchangeRow& row, unsigned tag, auto sink) {
-        return prnn_gather_tagged<4>(slot, row, tag, (int)blockDim.x, ctl, timeout_ns, PrnnClusterQuads{}, sink);
-      });
+      TaggedGather<4, PrnnClusterQuads>{ctl, timeout_ns});
   if (threadIdx.x == 0) {
     ctl->progress[blockIdx.x] = done;
     elapsed_ns[blockIdx.x] = prnn_globaltimer_ns() - start;
