@@ -44,9 +44,9 @@ def test_captured_products_replay_within_round_off(cupy, dtype):
     rng = np.random.default_rng(1)
     stream = cupy.cuda.Stream(non_blocking=True)
     for m, k, n, a_t, b_t in SHAPES:
-        a, b = _operands(cupy, rng, m, k, n, a_t, b_t, dtype)
-        into = cupy.full((m, n), np.nan, dtype)
-        with stream:
+        with stream:  # (operands made on the stream that replays: ordered before the graph)
+            a, b = _operands(cupy, rng, m, k, n, a_t, b_t, dtype)
+            into = cupy.full((m, n), np.nan, dtype)
             stream.begin_capture()
             fresh = matmul.matmul(a, b)
             matmul.matmul(a, b, out=into)
