@@ -6,8 +6,8 @@
 // so that transposed operands and views need no copy. Each CTA of MM_THREADS threads computes one
 // MM_TILE x MM_TILE tile of C (1-D grid, tiles of a row of C side by side), staging MM_TILE-wide
 // slices of K of A and B in shared memory; each thread owns MM_TILE / MM_ROW_STEP rows of one
-// column of the tile. Sums are in T (fp32 for float, as cuBLAS's fp32 GEMM; fp64 for double), in order of
-// k. Kernels are extern "C" (prnn_matmul_f32, prnn_matmul_f64) so that the host emulation compiles
+// column of the tile. Sums are in T (fp32 for float, as cuBLAS's fp32 GEMM; fp64 for double),
+// in order of k. Kernels are extern "C" (prnn_matmul_f32, prnn_matmul_f64) so that the host emulation compiles
 // this file unchanged; the dynamic shared memory is 2 * MM_TILE * (MM_TILE + 1) * sizeof(T).
 #include "hw.cuh"
 
