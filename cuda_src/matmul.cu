@@ -3,12 +3,13 @@
 //
 // A (m x k), B (k x n) and C (m x n) are strided matrices: element (i, j) of A is
 // a[i * a_row + j * a_col], strides in elements, 64-bit, any sign (zero for broadcast operands),
-// so that transposed operands and views need no copy. Each CTA of MM_THREADS threads computes one
-// MM_TILE x MM_TILE tile of C (1-D grid, tiles of a row of C side by side), staging MM_TILE-wide
-// slices of K of A and B in shared memory; each thread owns MM_TILE / MM_ROW_STEP rows of one
-// column of the tile. Sums are in T (fp32 for float, as cuBLAS's fp32 GEMM; fp64 for double),
-// in order of k. Kernels are extern "C" (prnn_matmul_f32, prnn_matmul_f64) so that the host emulation compiles
-// this file unchanged; the dynamic shared memory is 2 * MM_TILE * (MM_TILE + 1) * sizeof(T).
+// so that transposed operands and views need no copy. Each CTA of MM_THREADS threads computes
+// one MM_TILE x MM_TILE tile of C (1-D grid, tiles of a row of C side by side), staging
+// MM_TILE-wide slices of K of A and B in shared memory; each thread owns MM_TILE / MM_ROW_STEP
+// rows of one column of the tile. Sums are in T (fp32 for float, as cuBLAS's fp32 GEMM; fp64
+// for double), in order of k. Kernels are extern "C" (prnn_matmul_f32, prnn_matmul_f64) so that
+// the host emulation compiles this file unchanged; the dynamic shared memory is
+// 2 * MM_TILE * (MM_TILE + 1) * sizeof(T).
 #include "hw.cuh"
 
 namespace prnn {
