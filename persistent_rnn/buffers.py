@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .cells import CellSpec
+from .matmul import matmul
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -87,7 +88,7 @@ def select_active(xp, a: Array, lengths: Array | None) -> Array:
 def matmul_steps(a: Array, w: Array) -> Array:
     """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N)."""
     steps, batch, width = a.shape
-    return (a.reshape(steps * batch, width) @ w).reshape(steps, batch, w.shape[1])
+    return matmul(a.reshape(steps * batch, width), w).reshape(steps, batch, w.shape[1])
 
 
 def round_half(xp, a: Array, half: str | None) -> Array:

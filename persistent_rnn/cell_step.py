@@ -25,6 +25,7 @@ import numpy as np
 from . import validation
 from .buffers import array_module
 from .cells import CellSpec, cell_spec
+from .matmul import matmul
 from .stats import RunStats
 from .validation import CallOrderError
 
@@ -81,7 +82,7 @@ def step_forward(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array
 
 
 def _affine(a: Array, params: Mapping[str, Array], kind: str) -> Array:
-    out = a @ params[f"weight_{kind}"].T
+    out = matmul(a, params[f"weight_{kind}"].T)
     bias = params.get(f"bias_{kind}")
     return out if bias is None else out + bias
 
@@ -95,11 +96,11 @@ def step_backward(ctx: StepContext, params: Mapping[str, Array], dh: Array,
         dc = xp.zeros_like(ctx.c)
     dgi, dgh, dh_direct, dc_prev = ctx.cell.backward(xp, dh, dc, ctx.saved, ctx.h, ctx.c,
                                                      ctx.h_prev, ctx.c_prev)
-    grads = {"weight_ih": dgi.T @ ctx.x, "weight_hh": dgh.T @ ctx.h_prev}
+    grads = {"weight_ih": matmul(dgi.T, ctx.x), "weight_hh": matmul(dgh.T, ctx.h_prev)}
     if "bias_ih" in params:
         grads["bias_ih"], grads["bias_hh"] = dgi.sum(axis=0), dgh.sum(axis=0)
-    dx = dgi @ params["weight_ih"]
-    dh_prev = dgh @ params["weight_hh"] + dh_direct
+    dx = matmul(dgi, params["weight_ih"])
+    dh_prev = matmul(dgh, params["weight_hh"]) + dh_direct
     return dx, dh_prev, dc_prev, grads
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from . import runtime, stack
 from .buffers import array_module, matmul_steps, select_active
 from .cells import CellSpec
+from .matmul import matmul
 from .stats import RunStats
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -352,14 +353,14 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
         res = results[layer, direction]
         dgi = _gather(ctx.reverse_index, res.dgi) if direction == 1 else res.dgi
         dgi_2d = dgi.reshape(-1, dgi.shape[2])
-        grads[d.names["weight_ih"]] = dgi_2d.T @ flat_input
+        grads[d.names["weight_ih"]] = matmul(dgi_2d.T, flat_input)
         grads[d.names["weight_hh"]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
         if "bias_ih" in d.names:
             grads[d.names["bias_ih"]] = dgi_2d.sum(axis=0)
             grads[d.names["bias_hh"]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
         if "weight_hr" in d.names:  # dW_hr = sum_t dr_t^T h_t, one GEMM over all steps
-            grads[d.names["weight_hr"]] = (res.drs.reshape(-1, res.drs.shape[2]).T
-                                           @ d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
+            grads[d.names["weight_hr"]] = matmul(res.drs.reshape(-1, res.drs.shape[2]).T,
+                                                  d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
         if input_grad:
             part = matmul_steps(dgi, ctx.params[d.names["weight_ih"]])
             d_in = part if d_in is None else d_in + part
@@ -408,9 +409,9 @@ def _gather(index: Array, a: Array) -> Array:
 def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:
     """``dW_hh = sum_t dgh_t^T h_{t-1}`` as two GEMMs (step 0 reads ``h0``, the rest ``y``)."""
     width = dgh.shape[2]
-    grad = dgh[0].T @ h0
+    grad = matmul(dgh[0].T, h0)
     if dgh.shape[0] > 1:
-        grad += dgh[1:].reshape(-1, width).T @ y[:-1].reshape(-1, y.shape[2])
+        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]))
     return grad
 
 

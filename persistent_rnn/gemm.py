@@ -1,10 +1,11 @@
 """The GEMM path: one layer-direction's recurrence as one GEMM plus one pointwise update per step.
 
-Written once for NumPy and CuPy. Each step computes ``h_{t-1} @ W_hh^T`` with the array
-module's matmul (cuBLAS on the GPU) and then the cell's pointwise update with the lengths mask
-(past a sequence's length its state is frozen and gradients pass straight through). On NumPy
-the update is ``cells.py``'s reference math; on CuPy it is one fused kernel per step from
-``cuda_src/pointwise.cu`` (the same ``cells.cuh`` code the persistent kernels run).
+Written once for NumPy and CuPy. Each step computes ``h_{t-1} @ W_hh^T`` with ``matmul.matmul``
+(cuBLAS on the GPU; the library's own GEMM while the stream is being captured) and then the
+cell's pointwise update with the lengths mask (past a sequence's length its state is frozen and
+gradients pass straight through). On NumPy the update is ``cells.py``'s reference math; on
+CuPy it is one fused kernel per step from ``cuda_src/pointwise.cu`` (the same ``cells.cuh`` code
+the persistent kernels run).
 
 LSTM projections (``proj_size``, ``w_hr`` given): the recurrent state is ``r_t = W_hr h_t``
 (P wide; ``y`` holds it and ``W_hh`` is G*H x P), the cell's own ``h_t`` (H wide) goes to ``hs``.
@@ -27,6 +28,7 @@ from . import step_graphs
 from ._sources import cuda_src_dir, read_source
 from .buffers import array_module, full_lengths, round_half
 from .cells import CellSpec
+from .matmul import matmul
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -105,7 +107,7 @@ def _forward_loop(cell: CellSpec, start: int, half: str | None, *, gi, w_hh, b_h
     for t in range(start, gi.shape[0]):
         h_prev = y[t - 1] if t > 0 else h0
         c_prev = None if cs is None else (cs[t - 1] if t > 0 else c0)
-        xp.matmul(h_prev, w_t, out=gh)
+        matmul(h_prev, w_t, out=gh)
         if w_hr is None:
             _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, h_prev, c_prev,
                                y[t], None if cs is None else cs[t], saved[t])
@@ -113,7 +115,7 @@ def _forward_loop(cell: CellSpec, start: int, half: str | None, *, gi, w_hh, b_h
             hs_prev = hs[t - 1] if t > 0 else xp.zeros_like(hs[0])
             _pointwise_forward(cell, xp, t, lengths, gi[t], gh, b_hh, hs_prev, c_prev,
                                hs[t], cs[t], saved[t])
-            y[t] = _where(xp, _active(xp, lengths, t), hs[t] @ w_hr.T, h_prev)
+            y[t] = _where(xp, _active(xp, lengths, t), matmul(hs[t], w_hr.T), h_prev)
         if half is not None:
             y[t] = round_half(xp, y[t], half)
 
@@ -143,7 +145,7 @@ def _backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, h0, c0, lengths, y, c
         dh_direct, dc = _pointwise_backward(
             cell, xp, t, lengths, dy[t], dh_direct, dh_rec, dc, saved[t], y[t],
             None if cs is None else cs[t], h_prev, c_prev, dgi_t, dgh_t)
-        dh_rec = dgh_t @ w_hh
+        dh_rec = matmul(dgh_t, w_hh)
     dh0[...] = dh_direct + dh_rec
     if dc0 is not None:
         dc0[...] = dc
@@ -165,9 +167,9 @@ def _projected_backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, c0, lengths
         active = _active(xp, lengths, t)
         drs[t] = _where(xp, active, dr, 0.0)
         c_prev = cs[t - 1] if t > 0 else c0
-        _, dc = _pointwise_backward(cell, xp, t, lengths, drs[t] @ w_hr, no_h, no_h, dc, saved[t],
-                                    hs[t], cs[t], no_h, c_prev, dgi[t], dgi[t])
-        dr = _where(xp, active, dgi[t] @ w_hh, dr)
+        _, dc = _pointwise_backward(cell, xp, t, lengths, matmul(drs[t], w_hr), no_h, no_h, dc,
+                                    saved[t], hs[t], cs[t], no_h, c_prev, dgi[t], dgi[t])
+        dr = _where(xp, active, matmul(dgi[t], w_hh), dr)
     dh0[...] = dr
     dc0[...] = dc
 

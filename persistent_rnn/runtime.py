@@ -34,6 +34,7 @@ import numpy as np
 
 from . import buffers, gemm, hardware, launch, plan as planner, settings
 from .cells import CellSpec
+from .matmul import matmul
 from .stats import RunStats
 from .validation import ALGOS
 
@@ -169,7 +170,7 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         complete.pop(name, None)
     stats = _run_on_device(engine, xp, args, steps - 1, -1, exchanges, kernel, complete)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
-    dh0 = dh_carry[0] + dgh[0] @ w_hh
+    dh0 = dh_carry[0] + matmul(dgh[0], w_hh)
     return BackwardResult(dgi, dgh, dh0, dc_carry[0] if cell.has_cell_state else None,
                           drs), stats
 

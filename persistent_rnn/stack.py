@@ -26,6 +26,7 @@ import numpy as np
 
 from . import buffers, hardware, launch, plan as planner, runtime, settings
 from .cells import CellSpec
+from .matmul import matmul
 from .stats import RunStats
 
 Array = Any
@@ -176,7 +177,7 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
     stats = _run(engine_, dict(args, exchange_gh=exchange_gh, exchange_gi=exchange_gi), layers,
                  -1, xp, chained, "prnn_complete_backward", dict(args, per_step=1))
     # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back.
-    results = [runtime.BackwardResult(dgi[k], dgh[k], dh_carry[k, 0] + dgh[k, 0] @ weights[k][1],
+    results = [runtime.BackwardResult(dgi[k], dgh[k], dh_carry[k, 0] + matmul(dgh[k, 0], weights[k][1]),
                                       dc_carry[k, 0] if cell.has_cell_state else None)
                for k in range(layers)]
     return results, stats

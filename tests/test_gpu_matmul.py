@@ -1,0 +1,66 @@
+"""GPU variants (CuPy arrays) of the capture-safe matmul (persistent_rnn/matmul.py): eager products
+are cuBLAS's, bit for bit; products on a capturing stream run matmul.cu's kernel, record, replay
+and equal float64 products within the round-off of a k-term sum."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from persistent_rnn import matmul
+
+pytestmark = pytest.mark.gpu
+
+# (m, k, n, A transposed, B transposed): not multiples of the tile, K = 1, K over several slices.
+SHAPES = [(5, 7, 3, False, True), (33, 1, 65, True, False), (64, 70, 96, False, True),
+          (1, 300, 1, True, True), (128, 64, 256, False, False)]
+UNIT_ROUNDOFF = {np.float32: 2.0**-24, np.float64: 2.0**-53}
+
+
+def _operands(cupy, rng, m, k, n, a_t, b_t, dtype):
+    """(a, b) of shapes (m, k), (k, n) on the GPU, transposed views where asked."""
+    a = rng.standard_normal((k, m) if a_t else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if b_t else (k, n)).astype(dtype)
+    a, b = cupy.asarray(a), cupy.asarray(b)
+    return (a.T if a_t else a), (b.T if b_t else b)
+
+
+def _assert_close_to_float64(got, a, b, dtype):
+    a64, b64 = a.get().astype(np.float64), b.get().astype(np.float64)
+    bound = (a.shape[1] + 1) * UNIT_ROUNDOFF[dtype] * (np.abs(a64) @ np.abs(b64))
+    assert np.all(np.abs(got.get() - a64 @ b64) <= bound)
+
+
+def test_eager_products_are_cublas_bit_for_bit(cupy):
+    rng = np.random.default_rng(0)
+    for m, k, n, a_t, b_t in SHAPES:
+        a, b = _operands(cupy, rng, m, k, n, a_t, b_t, np.float32)
+        np.testing.assert_array_equal(matmul.matmul(a, b).get(), (a @ b).get())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_captured_products_replay_within_round_off(cupy, dtype):
+    """Recorded on a capturing stream (where cupy.matmul refuses), into a fresh array and into
+    ``out``; the replays equal float64 products, and cuBLAS's within the same bound."""
+    rng = np.random.default_rng(1)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for m, k, n, a_t, b_t in SHAPES:
+        with stream:  # (operands made on the stream that replays: ordered before the graph)
+            a, b = _operands(cupy, rng, m, k, n, a_t, b_t, dtype)
+            into = cupy.full((m, n), np.nan, dtype)
+            stream.begin_capture()
+            fresh = matmul.matmul(a, b)
+            matmul.matmul(a, b, out=into)
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        for got in (fresh, into):
+            _assert_close_to_float64(got, a, b, dtype)
+        _assert_close_to_float64(a @ b, a, b, dtype)  # (the bound holds for cuBLAS as well)
+
+
+def test_the_kernel_runs_outside_capture_too(cupy):
+    """``captured_matmul`` only enqueues: on an ordinary stream it gives the same values."""
+    rng = np.random.default_rng(2)
+    for m, k, n, a_t, b_t in SHAPES:
+        a, b = _operands(cupy, rng, m, k, n, a_t, b_t, np.float32)
+        _assert_close_to_float64(matmul.captured_matmul(cupy, a, b), a, b, np.float32)
