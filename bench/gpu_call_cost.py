@@ -19,8 +19,9 @@ road - the CuPy layer with ``algo="persistent"`` and ``"gemm"``, ``persistent_rn
 ``last_run`` is never read (reading it waits for the device). Then the persistent forward's
 per-step slope from back-to-back loops at T=1000 and T=3000 (the per-call cost cancels), its
 forward at T=100 captured into a CUDA graph and replayed (``graph_us``: no host work), and a
-cProfile of persistent GRU forward calls (``profile_*.txt``). ``--cpu`` runs the same on NumPy
-arrays and CPU tensors at tiny sizes: a check of the script, its figures mean nothing.
+cProfile of GRU calls through the CuPy layer and the torch module (``profile_*.txt``).
+``--cpu`` runs the same on NumPy arrays and CPU tensors at tiny sizes: a check of the script,
+its figures mean nothing.
 Writes ``DIR/gpu_call_cost.json`` and prints a table.
 """
 from __future__ import annotations
@@ -184,9 +185,10 @@ def graph_replay(dev: Device, cell: str, hidden: int, batch: int, calls: int) ->
     return {"graph_us": cupy.cuda.get_elapsed_time(start, end) * 1e3 / calls}
 
 
-def profile(dev: Device, cell: str, hidden: int, batch: int, backward: bool, calls: int) -> str:
-    """cProfile of ``calls`` persistent calls: the top functions by own time and by total."""
-    call = make_call(dev, "persistent", cell, hidden, batch, STEPS, backward)
+def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward: bool,
+            calls: int) -> str:
+    """cProfile of ``calls`` calls of ``road``: the top functions by own time and by total."""
+    call = make_call(dev, road, cell, hidden, batch, STEPS, backward)
     for _ in range(3):
         call()
     dev.sync()
@@ -239,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in record["slopes"]:
         print(f"slope {s['layer']}: {s['us_per_step']:.3f} us/step (loops {s['loop_us']})")
     cell, hidden, batch = (CPU_LAYERS if args.cpu else LAYERS)[0]
-    for backward in (False, True):
-        name = f"profile_{cell}_{'fwd_bwd' if backward else 'fwd'}.txt"
-        (args.out / name).write_text(profile(dev, cell, hidden, batch, backward, calls))
+    for road in ("persistent", "prnn_torch"):
+        for backward in (False, True):
+            name = f"profile_{road}_{cell}_{'fwd_bwd' if backward else 'fwd'}.txt"
+            (args.out / name).write_text(profile(dev, road, cell, hidden, batch, backward, calls))
     (args.out / "gpu_call_cost.json").write_text(json.dumps(record, indent=1, default=str))
     return 0
 

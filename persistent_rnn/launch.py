@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import settings
+from . import chain_graphs, settings
 from ._sources import cuda_src_dir
 
 Array = Any
@@ -43,13 +43,15 @@ COMPLETE_THREADS = {False: 256, True: 32}  # GPU, emulation
 @dataclass
 class Counters:
     """What the runtime paths did since ``reset``: host synchronisations (reads of device words
-    that wait for the device), kernel launches (persistent, settle, completion) and memsets."""
+    that wait for the device), kernel launches (persistent, settle, completion; those enqueued
+    while a chain is captured included), memsets and chains launched as one CUDA graph."""
 
     host_syncs: int = 0
     launches: int = 0
     memsets: int = 0
     allocations: int = 0  # CuPy device allocations (from its pool or not); only under counting()
     record_reads: int = 0  # device records folded into stats (on the GPU: may wait for it)
+    graph_launches: int = 0  # chains replayed as one CUDA graph (chain_graphs)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, what: str, n: int = 1) -> None:
@@ -58,7 +60,8 @@ class Counters:
 
     def snapshot(self) -> dict[str, int]:
         return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets,
-                "allocations": self.allocations, "record_reads": self.record_reads}
+                "allocations": self.allocations, "record_reads": self.record_reads,
+                "graph_launches": self.graph_launches}
 
 
 COUNTERS = Counters()
@@ -297,7 +300,7 @@ def keep_alive(*arrays: Any) -> None:
     """Under CUDA stream capture, hold the device arrays a captured launch uses (the graph reads
     and writes them on every replay, so they must outlive it; CuPy would otherwise return them
     to its pool when the call's references go). ``release_captured`` lets them go."""
-    if not arrays or not capturing(arrays[0]):
+    if not arrays or getattr(_OWN_CAPTURE, "active", False) or not capturing(arrays[0]):
         return
     with _CAPTURED_LOCK:
         _CAPTURED.extend(a for a in arrays if not isinstance(a, (int, np.generic)))
@@ -343,9 +346,29 @@ RECORD_CALLS = 2   # on the GPU: the record's copy to pinned memory and its even
 
 
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
-              stall: settings.Stall, exchanges: tuple, complete: Callable[[], None]) -> None:
+              stall: settings.Stall, exchanges: tuple, complete: Callable[[], None],
+              arguments_key: Callable[[], tuple] | None = None) -> None:
     """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:
-    ``first``, then ``RESUME``), ``complete()`` the completion kernel. Nothing is read back."""
+    ``first``, then ``RESUME``), ``complete()`` the completion kernel. Nothing is read back.
+    ``arguments_key``: builds a key of every argument the pass's and the completion's launches
+    take beyond the chain's own (``chain_graphs.arguments_key``; None: the chain is never a
+    graph); with it, a chain seen before is replayed as one CUDA graph (``chain_graphs``)."""
+    def issue() -> None:
+        _issue_chain(chain, launch, first, end, stall, exchanges, complete)
+
+    if arguments_key is None or not chain_graphs.eligible(chain.words):
+        issue()
+        return
+    s = settings.current()
+    key = (chain.engine.key, s.cooperative, s.max_restarts, s.gpu_timeout_ms, stall, first, end,
+           chain_graphs.value(chain.words), chain_graphs.value(exchanges), arguments_key())
+    if chain_graphs.run(key, _holding_nothing(issue)):
+        COUNTERS.add("graph_launches")
+
+
+def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int,
+                 end: int, stall: settings.Stall, exchanges: tuple,
+                 complete: Callable[[], None]) -> None:
     chain.reset()
     launch(first, stall)
     restarts = settings.current().max_restarts
@@ -354,6 +377,21 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
         launch(RESUME, settings.NO_STALL)
     chain.settle(end, first, resumed=restarts > 0, restart=False)
     complete()
+
+
+_OWN_CAPTURE = threading.local()
+
+
+def _holding_nothing(issue: Callable[[], None]) -> Callable[[], None]:
+    """``issue`` marked as the library's own capture: ``keep_alive`` holds no arrays for it (a
+    chain graph is keyed by the addresses of the call that replays it, not tied to arrays)."""
+    def marked() -> None:
+        _OWN_CAPTURE.active = True
+        try:
+            issue()
+        finally:
+            _OWN_CAPTURE.active = False
+    return marked
 
 
 def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | None:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import buffers, gemm, hardware, launch, plan as planner, settings
+from . import buffers, chain_graphs, gemm, hardware, launch, plan as planner, settings
 from .cells import CellSpec
 from .matmul import matmul
 from .stats import RunStats
@@ -194,7 +194,9 @@ def _run_on_device(engine: _Engine, xp, args: dict, first: int, end: int, exchan
         launch.launch_pass(engine, chain.control, dict(args, start=start), stall)
 
     launch.run_chain(chain, go, first, end, settings.current_stall(), exchanges,
-                     lambda: chain.complete(complete, **complete_args))
+                     lambda: chain.complete(complete, **complete_args),
+                     lambda: (complete, chain_graphs.arguments_key(args),
+                              chain_graphs.arguments_key(complete_args)))
     pp = engine.pass_plan
     stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1, details=[
         f"{pp.kernel} ({'emulated' if engine.emulated else 'GPU'}): {pp.defines}, grid "

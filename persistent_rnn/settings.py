@@ -41,6 +41,9 @@ class Settings:
       emulation runs at once (models a busy GPU).
     * ``gemm_graphs`` (PRNN_GEMM_GRAPHS, off): record the CuPy GEMM path's step loops as CUDA
       graphs and replay them (``step_graphs``; off until measured on a GPU).
+    * ``chain_graphs`` (PRNN_CHAIN_GRAPHS, on): replay a persistent pass's chain of launches
+      (the pass, its restarts and completion) as one CUDA graph where the same call was seen
+      before (``chain_graphs``); off, every call enqueues the chain's launches one by one.
     * ``stack`` (PRNN_STACK, on): run a unidirectional stack whose layers fit the register files
       together in one persistent launch per pass (``plan.make_stack_plan``); off, every
       layer-direction is a launch of its own.
@@ -61,6 +64,7 @@ class Settings:
     auto_max_batch: int = 32
     emulation_max_resident: int | None = None
     gemm_graphs: bool = False
+    chain_graphs: bool = True
     stack: bool = True
     residency_cooldown_s: float = 30.0
     max_cluster_ctas: int | None = None
@@ -80,6 +84,7 @@ _SPEC: dict[str, tuple[str, str, float]] = {
     "auto_max_batch": ("PRNN_AUTO_MAX_BATCH", "int", 0),
     "emulation_max_resident": ("PRNN_EMULATION_MAX_RESIDENT", "int?", 1),
     "gemm_graphs": ("PRNN_GEMM_GRAPHS", "bool", 0),
+    "chain_graphs": ("PRNN_CHAIN_GRAPHS", "bool", 0),
     "stack": ("PRNN_STACK", "bool", 0),
     "residency_cooldown_s": ("PRNN_RESIDENCY_COOLDOWN_S", "seconds", 0),
     "max_cluster_ctas": ("PRNN_MAX_CLUSTER_CTAS", "int?", 0),

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import buffers, hardware, launch, plan as planner, runtime, settings
+from . import buffers, chain_graphs, hardware, launch, plan as planner, runtime, settings
 from .cells import CellSpec
 from .matmul import matmul
 from .stats import RunStats
@@ -81,7 +81,10 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
         launch.launch_pass(engine_, chain.control, dict(args, starts=starts), stall)
 
     launch.run_chain(chain, go, first, end, settings.current_stall(), (),
-                     lambda: chain.complete(complete, **complete_args))
+                     lambda: chain.complete(complete, **complete_args),
+                     lambda: (complete, chain_graphs.value(first_starts),
+                              chain_graphs.arguments_key(args),
+                              chain_graphs.arguments_key(complete_args)))
     pp = engine_.pass_plan
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     stats = RunStats(algo="persistent", emulated=engine_.emulated, launches=1, details=[

@@ -401,5 +401,6 @@ def test_gpu_call_cost_runs_on_the_cpu(tmp_path, capsys):
     persistent = [r for r in rows if r["road"] == "persistent"]
     assert all(r["per_call"]["launches"] >= 1 for r in persistent)
     assert len(record["slopes"]) == 1 and record["commit"]
-    for name in ("profile_gru_fwd.txt", "profile_gru_fwd_bwd.txt"):
-        assert "function calls" in (tmp_path / name).read_text()
+    for road in ("persistent", "prnn_torch"):
+        for name in (f"profile_{road}_gru_fwd.txt", f"profile_{road}_gru_fwd_bwd.txt"):
+            assert "function calls" in (tmp_path / name).read_text()

@@ -1,0 +1,137 @@
+"""A persistent pass's chain, captured once as a CUDA graph and replayed: one launch a call.
+
+A pass enqueues a fixed chain (``launch.run_chain``): two memsets, the persistent launch,
+``max_restarts`` settle and resume launches (which exit at once unless a barrier timed out) and
+the completion kernel - eleven stream operations, each a CuPy call of its own with its
+arguments marshalled in Python. Nothing in the chain depends on the host after it is enqueued,
+so the whole chain is a CUDA graph: ``run(key, issue)`` replays the graph recorded for ``key``
+in one ``cudaGraphLaunch`` on the caller's stream.
+
+``key`` holds every value the chain's operations read - the engine, the pass's first and end
+step, the stall, the settings the launches read, and each argument array's address, shape,
+strides and dtype (``value``) - so a replay issues exactly what ``issue()`` would issue now:
+memory at those addresses belongs to the arrays of this call, whoever held it before. A key
+seen for the first time runs ``issue()`` directly (most keys of a run repeat: CuPy's pool hands
+a loop the same blocks call after call, but a one-off call should not pay a capture); the
+second time it is captured on a side stream (the caller's may be the legacy stream, which
+cannot be captured), instantiated, and from then on replayed. The most recent ``MAX_GRAPHS``
+keys are kept.
+
+Only on CuPy arrays (the emulation has no graphs), with ``Settings.chain_graphs`` on, and never
+while the caller's stream is itself being captured (the chain then becomes part of the caller's
+graph, as before).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable
+
+import numpy as np
+
+from . import settings
+
+MAX_GRAPHS = 64
+_SEEN, _EAGER = "seen once", "capture failed"
+
+_graphs: OrderedDict[tuple, Any] = OrderedDict()
+_lock = threading.Lock()
+_side = threading.local()  # per thread: device id -> the stream chains are captured on
+
+
+def value(v: Any) -> Any:
+    """What a chain reads of one argument: an array's address, shape, strides and dtype, or the
+    scalar itself (a tuple's items in turn)."""
+    data = getattr(v, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return (data.ptr, v.shape, v.strides, v.dtype.char)
+    if isinstance(v, tuple):
+        return tuple(value(x) for x in v)
+    if isinstance(v, np.ndarray):  # never in a CuPy chain: a host array would be copied, not read
+        raise TypeError("a chain's arguments are device arrays and scalars")
+    return v
+
+
+def arguments_key(named: dict) -> tuple:
+    """``value`` of each named argument, in order."""
+    return tuple((name, value(v)) for name, v in named.items())
+
+
+def eligible(words: Any) -> bool:
+    """Whether a chain on these device words runs through a graph (module docstring)."""
+    if isinstance(words, np.ndarray) or not settings.current().chain_graphs:
+        return False
+    import cupy
+    return not cupy.cuda.get_current_stream().is_capturing()
+
+
+def run(key: tuple, issue: Callable[[], None]) -> bool:
+    """Enqueue the chain ``issue()`` enqueues, from the graph recorded for ``key`` where there is
+    one (module docstring); whether a graph was launched."""
+    device, stream = _where()
+    full = (device, stream.ptr, key)
+    with _lock:
+        found = _graphs.get(full)
+        if found is not None:
+            _graphs.move_to_end(full)
+        else:
+            _graphs[full] = _SEEN
+            _trim()
+    if found is _SEEN:
+        found = _capture(device, issue)
+        with _lock:
+            _graphs[full] = found
+    if found is None or found is _EAGER:
+        issue()
+        return False
+    found.launch(stream)
+    return True
+
+
+def clear() -> None:
+    """Forget every recorded chain (their graphs are destroyed when no longer referenced)."""
+    with _lock:
+        _graphs.clear()
+
+
+def recorded() -> int:
+    """How many chains are held as graphs (not counting keys seen once or failed)."""
+    with _lock:
+        return sum(1 for g in _graphs.values() if g is not _SEEN and g is not _EAGER)
+
+
+def _where() -> tuple[int, Any]:
+    """The current CuPy device's id and its current stream."""
+    import cupy
+    return cupy.cuda.Device().id, cupy.cuda.get_current_stream()
+
+
+def _trim() -> None:
+    while len(_graphs) > MAX_GRAPHS:
+        _graphs.popitem(last=False)
+
+
+def _capture(device: int, issue: Callable[[], None]) -> Any:
+    """``issue()`` captured on this thread's side stream of ``device`` and instantiated, or
+    ``_EAGER`` (with a warning) where the capture failed: that key then always runs directly."""
+    import cupy
+    streams = getattr(_side, "streams", None)
+    if streams is None:
+        streams = _side.streams = {}
+    side = streams.get(device)
+    if side is None:
+        side = streams[device] = cupy.cuda.Stream(non_blocking=True)
+    try:
+        with side:
+            side.begin_capture()
+            try:
+                issue()
+            finally:
+                graph = side.end_capture()
+    except Exception as exc:  # noqa: BLE001 -- any failure leaves the chain to run directly
+        warnings.warn(f"persistent_rnn: a pass's chain could not be captured as a CUDA graph "
+                      f"({type(exc).__name__}: {exc}); it runs launch by launch", RuntimeWarning,
+                      stacklevel=4)
+        return _EAGER
+    return graph

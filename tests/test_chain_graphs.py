@@ -1,0 +1,131 @@
+"""The chain graph cache (persistent_rnn.chain_graphs) without a GPU: what a key holds, the
+policy (a key runs directly the first time, is captured the second, replayed after), the bound,
+a capture that fails, and that the library's own capture holds no arrays. The replay itself runs
+on a GPU in tests/test_gpu_chain_graphs.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import chain_graphs, launch, settings
+
+
+class _Pointer:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class _DeviceArray:
+    """What ``value`` reads of a CuPy array."""
+
+    def __init__(self, ptr: int, shape=(2, 3), strides=(12, 4), dtype=np.float32):
+        self.data, self.shape, self.strides = _Pointer(ptr), shape, strides
+        self.dtype = np.dtype(dtype)
+
+
+class _Graph:
+    def __init__(self):
+        self.launched = []
+
+    def launch(self, stream):
+        self.launched.append(stream.ptr)
+
+
+class _Stream:
+    ptr = 77
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """chain_graphs on a fake device: captures return a _Graph after running ``issue`` (as a
+    capture records what it issues); yields the list of captures."""
+    captures = []
+
+    def capture(device, issue):
+        issue()
+        captures.append(_Graph())
+        return captures[-1]
+
+    monkeypatch.setattr(chain_graphs, "_where", lambda: (0, _Stream()))
+    monkeypatch.setattr(chain_graphs, "_capture", capture)
+    chain_graphs.clear()
+    yield captures
+    chain_graphs.clear()
+
+
+def test_value_is_address_shape_strides_and_dtype():
+    a = _DeviceArray(4096)
+    assert chain_graphs.value(a) == (4096, (2, 3), (12, 4), "f")
+    assert chain_graphs.value(_DeviceArray(4096, strides=(4, 8))) != chain_graphs.value(a)
+    assert chain_graphs.value(_DeviceArray(8192)) != chain_graphs.value(a)
+    assert chain_graphs.value((a, 3, None)) == (chain_graphs.value(a), 3, None)
+    assert chain_graphs.value(np.int32(5)) == 5
+    with pytest.raises(TypeError, match="device arrays"):
+        chain_graphs.value(np.zeros(3))
+    key = chain_graphs.arguments_key({"x": a, "steps": 4})
+    assert key == (("x", chain_graphs.value(a)), ("steps", 4))
+
+
+def test_first_call_direct_second_captured_then_replayed(fake_gpu):
+    issued = []
+    assert chain_graphs.run(("k",), lambda: issued.append(1)) is False
+    assert issued == [1] and fake_gpu == []
+    assert chain_graphs.run(("k",), lambda: issued.append(2)) is True
+    assert issued == [1, 2] and len(fake_gpu) == 1 and fake_gpu[0].launched == [77]
+    assert chain_graphs.run(("k",), lambda: issued.append(3)) is True
+    assert issued == [1, 2] and fake_gpu[0].launched == [77, 77]
+    assert chain_graphs.recorded() == 1
+    assert chain_graphs.run(("other",), lambda: issued.append(4)) is False  # a new key: direct
+    assert issued == [1, 2, 4]
+
+
+def test_the_cache_keeps_the_most_recent_keys(fake_gpu, monkeypatch):
+    monkeypatch.setattr(chain_graphs, "MAX_GRAPHS", 3)
+    for k in range(5):
+        chain_graphs.run((k,), lambda: None)
+        chain_graphs.run((k,), lambda: None)
+    assert chain_graphs.recorded() == 3
+    issued = []
+    assert chain_graphs.run((0,), lambda: issued.append(0)) is False  # evicted: seen anew
+    assert chain_graphs.run((4,), lambda: issued.append(4)) is True
+    assert issued == [0]
+
+
+def test_a_failed_capture_runs_the_chain_directly_from_then_on(monkeypatch):
+    monkeypatch.setattr(chain_graphs, "_where", lambda: (0, _Stream()))
+    chain_graphs.clear()
+    monkeypatch.setattr(chain_graphs, "_capture", lambda device, issue: chain_graphs._EAGER)
+    issued = []
+    for i in range(3):
+        assert chain_graphs.run(("k",), lambda i=i: issued.append(i)) is False
+    assert issued == [0, 1, 2] and chain_graphs.recorded() == 0
+    chain_graphs.clear()
+
+
+def test_not_eligible_on_numpy_or_with_the_setting_off():
+    assert not chain_graphs.eligible(np.zeros(4, np.uint32))
+    with prnn.override_settings(chain_graphs=False):
+        assert not chain_graphs.eligible(_DeviceArray(64))
+
+
+def test_the_librarys_own_capture_holds_no_arrays(monkeypatch):
+    monkeypatch.setattr(launch, "capturing", lambda a: True)
+    launch.release_captured()
+    launch._holding_nothing(lambda: launch.keep_alive(_DeviceArray(64)))()
+    assert launch.release_captured() == 0
+    launch.keep_alive(_DeviceArray(64))  # a user's capture: held until released
+    assert launch.release_captured() == 1
+
+
+def test_an_emulated_chain_is_never_keyed(monkeypatch):
+    """run_chain on NumPy words issues directly and never builds the key (whose ``value`` refuses
+    host arrays)."""
+    chain = type("C", (), {"words": np.zeros(8, np.uint32)})()
+    ran = []
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: ran.append(a))
+
+    def key():
+        raise AssertionError("the key is built only for a chain that may be a graph")
+    launch.run_chain(chain, None, 0, 4, settings.NO_STALL, (), lambda: None, key)
+    assert len(ran) == 1

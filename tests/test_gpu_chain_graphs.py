@@ -1,0 +1,84 @@
+"""Chains replayed as CUDA graphs on a GPU (marked ``gpu``): the replays give the bits the
+launch-by-launch chains give, forward and backward, for a layer, a stack in one launch and the
+torch module; a stall inside a replayed chain still restarts it. See tests/test_chain_graphs.py
+for the cache's policy without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import chain_graphs, launch
+
+pytestmark = pytest.mark.gpu
+CALLS = 6  # CuPy's pool alternates two sets of blocks while a layer holds its last forward
+
+
+def _layer(cupy, mode: str, layers: int):
+    layer = getattr(prnn, mode)(16, 64, num_layers=layers, algo="persistent", seed=1)
+    layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
+    rng = np.random.default_rng(2)
+    x = cupy.asarray(rng.standard_normal((9, 3, 16)), np.float32)
+    dy = cupy.asarray(rng.standard_normal((9, 3, 64)), np.float32)
+    return layer, x, dy
+
+
+def _call(layer, x, dy) -> list[np.ndarray]:
+    y, hn = layer.forward(x, lengths=[9, 7, 4])
+    fwd = layer.last_run
+    dx, _ = layer.backward(dy)
+    assert fwd.algo == layer.last_run.algo == "persistent" and fwd.fallback is None
+    return [a.get() for a in (y, *(hn if isinstance(hn, tuple) else (hn,)), dx,
+                              *layer.grads.values())]
+
+
+@pytest.mark.parametrize("mode,layers", [("GRU", 1), ("LSTM", 1), ("LSTM", 2), ("RNN", 3)])
+def test_replayed_chains_give_the_direct_bits(cupy, mode, layers):
+    layer, x, dy = _layer(cupy, mode, layers)
+    with prnn.override_settings(chain_graphs=False):
+        want = _call(layer, x, dy)
+    chain_graphs.clear()
+    with launch.counting() as counts:
+        got = [_call(layer, x, dy) for _ in range(CALLS)]
+    assert counts.graph_launches >= 2, counts
+    for results in got:
+        for a, b in zip(results, want):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_stall_in_a_replayed_chain_restarts_it(cupy):
+    layer, x, dy = _layer(cupy, "GRU", 1)
+    want = _call(layer, x, dy)
+    chain_graphs.clear()
+    with prnn.override_settings(gpu_timeout_ms=20.0), prnn.inject_stall(0, 3, 200.0):
+        with launch.counting() as counts:
+            for _ in range(CALLS):
+                y, _ = layer.forward(x, lengths=[9, 7, 4])
+                assert layer.last_run.restarts == 1 and layer.last_run.fallback is None
+                np.testing.assert_array_equal(y.get(), want[0])
+    assert counts.graph_launches >= 2, counts
+
+
+def test_the_torch_module_replays_its_chains(cupy):
+    torch = pytest.importorskip("torch")
+    import persistent_rnn.torch as prt
+    torch.manual_seed(0)
+    module = prt.LSTM(16, 64, algo="persistent").cuda()
+    x = torch.randn(9, 3, 16, device="cuda", requires_grad=True)
+
+    def call():
+        x.grad = None
+        module.zero_grad()
+        y, _ = module(x)
+        y.square().sum().backward()
+        return [t.detach().cpu().numpy() for t in (y, x.grad, *(p.grad for p in module.parameters()))]
+
+    with prnn.override_settings(chain_graphs=False):
+        want = call()
+    chain_graphs.clear()
+    with launch.counting() as counts:
+        got = [call() for _ in range(CALLS)]
+    assert counts.graph_launches >= 2, counts
+    for results in got:
+        for a, b in zip(results, want):
+            np.testing.assert_array_equal(a, b)
