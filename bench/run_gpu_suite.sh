@@ -8,7 +8,8 @@
 #            bitwise equal; stalls and restarts, bitwise; timing at T=100 and T=300 of persistent,
 #            GEMM, persistent_rnn.torch and torch.nn (cuDNN) beside the predictions (bench/first_*.py)
 #   tests    (call 2)  pytest -m gpu (a hung test costs only itself: bench/pytest_resume.py), then
-#            compute-sanitizer memcheck and racecheck on the cluster and the grid cases apart, and
+#            compute-sanitizer memcheck and racecheck on the cluster and the grid cases apart (racecheck
+#            through bench/racecheck.py: only the cluster exchange's deliberate pairs pass), and
 #            synccheck (tests/gpu_sanitize_case.py --group)
 #   bench    prnn info; the full prnn bench (LSTM H=1024 first); the exchange microbenchmark up to
 #            clusters of 16; the restart cost
