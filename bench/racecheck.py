@@ -200,6 +200,9 @@ def case_verdicts(output: str, code: dict[str, dict[int, Instruction]] | None = 
     findings = [f"unrecognised sanitizer report: {line}" for line in other]
     if code is None:
         code = {}
+        if races and not cubins_of(output):
+            findings.append("the case listed no cubin (gpu_sanitize_case.py --cubins): "
+                            "its races cannot be told apart")
         for cubin in cubins_of(output):
             for kernel, insns in instructions(disassemble_with_lines(cubin)).items():
                 if kernel in code:
