@@ -8,7 +8,8 @@
 #            bitwise equal; stalls and restarts, bitwise; timing at T=100 and T=300 of persistent,
 #            GEMM, persistent_rnn.torch and torch.nn (cuDNN) beside the predictions (bench/first_*.py)
 #   tests    (call 2)  pytest -m gpu (a hung test costs only itself: bench/pytest_resume.py), then
-#            compute-sanitizer memcheck and racecheck on the cluster and the grid cases apart, and
+#            compute-sanitizer memcheck and racecheck on the cluster and the grid cases apart (racecheck
+#            through bench/racecheck.py: only the cluster exchange's deliberate pairs pass), and
 #            synccheck (tests/gpu_sanitize_case.py --group)
 #   bench    prnn info; the full prnn bench (LSTM H=1024 first); the exchange microbenchmark up to
 #            clusters of 16; the restart cost
@@ -116,8 +117,14 @@ bench_run() {  # bench_run NAME LIMIT_S [prnn bench options...]: prnn bench into
 sanitize() {  # sanitize TOOL GROUP LIMIT_S: compute-sanitizer over one group of the cases
   local tool=$1 group=$2 limit=$3
   # the sanitizer slows the kernels far past the barrier timeout: no restarts under it
-  step "sanitize_${tool}_${group//,/_}" "$limit" env PRNN_TIMEOUT_MS=30000 compute-sanitizer \
-    --tool "$tool" --error-exitcode 3 "$PY" tests/gpu_sanitize_case.py --group "$group"
+  step "sanitize_${tool}_${group//,/_}" "$limit" env PRNN_TIMEOUT_MS=30000 PRNN_LINEINFO=1 \
+    compute-sanitizer --tool "$tool" --error-exitcode 3 "$PY" tests/gpu_sanitize_case.py --group "$group"
+}
+
+racecheck() {  # racecheck GROUP LIMIT_S CASE_LIMIT_S CASES: bench/racecheck.py over CASES
+  local group=$1 limit=$2 case_limit=$3 cases=$4
+  step "sanitize_racecheck_$group" "$limit" env PRNN_TIMEOUT_MS=30000 PRNN_LINEINFO=1 "$PY" \
+    bench/racecheck.py run --cases "$cases" --case-limit "$case_limit" --budget $((limit - 5))
 }
 
 part_first() {  # limits 390 s: the call's timeout_s 420 leaves room for the start of each step
@@ -131,22 +138,25 @@ part_first() {  # limits 390 s: the call's timeout_s 420 leaves room for the sta
   first_step first_report 15 report
 }
 
-part_tests() {  # limits 355 s
+part_tests() {  # limits 305 s
   # test_torch_module_db.py holds no GPU test and imports torch's test suite, which needs
   # expecttest (not in the device image): collecting it would stop the whole run.
   step gpu_tests 140 "$PY" bench/pytest_resume.py --budget 130 -- -m gpu -p no:cacheprovider \
     --timeout=60 -rfEs --durations=15 -k "not compute_sanitizer" \
     --ignore=tests/test_torch_module_db.py --continue-on-collection-errors tests/
-  # unsanitized (the stall, LSTMP and stack cases are in pytest -m gpu): builds the kernels the
-  # sanitizers then load from the cache
-  step sanitize_case 45 "$PY" tests/gpu_sanitize_case.py --group cluster,grid
-  sanitize memcheck cluster 35
-  sanitize memcheck grid 30
-  # racecheck may flag the cluster exchange's deliberate pairs (a DSMEM store polled with a
-  # plain load): read those in the log, do not change the kernels for them
-  sanitize racecheck cluster 45
-  sanitize racecheck grid 35
-  sanitize synccheck cluster,grid 25
+  # The sanitizer steps load kernels built with a line table (PRNN_LINEINFO=1: same SASS), so
+  # reports name source lines. Unsanitized first: builds those kernels for the later steps.
+  step sanitize_case 45 env PRNN_LINEINFO=1 "$PY" tests/gpu_sanitize_case.py --group cluster,grid
+  sanitize memcheck cluster 20
+  sanitize memcheck grid 15
+  # racecheck reports the cluster exchange's deliberate pairs (an LDS poll of this CTA's words
+  # against another CTA's DSMEM store): bench/racecheck.py runs a process per case (2-5 s each
+  # on an H100) and passes only those pairs, from the SASS and line table of the cubin the case
+  # ran; anything else fails the step, named. Not cluster-fp16-lstm nor cluster16-fp32-gru: under
+  # racecheck their exchange waits time out (docs/benchmarks.md).
+  racecheck cluster 40 15 cluster-fp32-gru,cluster-fp32-lstm,cluster-fp32-rnn_tanh,cluster-fp32-rnn_relu
+  racecheck grid 30 15 grid-fp32-lstm,grid-fp16-gru,grid-fp32-gru
+  sanitize synccheck cluster,grid 15
 }
 
 part_bench() {  # limits 300 s

@@ -5,11 +5,16 @@ a host compiler, so ``kernel_report`` can compile every shipped configuration an
 and the compiler log (with ptxas' register and spill report) are kept in the verified cache
 (``cache``, docs/cache.md) under ``<cache>/nvrtc``, keyed by a hash of the source, every header in
 ``cuda_src/``, the options, the architecture and the NVRTC version.
+
+``PRNN_LINEINFO=1`` (read when a kernel is built) adds ``-lineinfo``: a line table beside the same
+SASS (checked for every cluster kernel of tests/gpu_sanitize_case.py), so that compute-sanitizer
+and ``nvdisasm -g`` name the source line of an instruction (bench/racecheck.py needs it).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -23,6 +28,8 @@ from .plan import WARP, register_cap
 
 _LOCK = threading.Lock()
 MIN_ARCH = 80  # the kernels use cp.async and other sm_80 instructions
+LINEINFO_ENV = "PRNN_LINEINFO"
+_LOADED: list[Path] = []  # the cubin of every module loaded in this process, in load order
 
 
 @dataclass(frozen=True)
@@ -33,14 +40,17 @@ class Compiled:
     log: str
 
 
-def compile_options(defines: Mapping[str, int], arch: str, src_dir: Path | None = None) -> list[str]:
+def compile_options(defines: Mapping[str, int], arch: str, src_dir: Path | None = None,
+                    lineinfo: bool = False) -> list[str]:
     """NVRTC options for ``defines`` on ``arch`` ("sm_90"), headers from ``src_dir`` (default:
-    the package's ``cuda_src``).
+    the package's ``cuda_src``); ``lineinfo`` adds ``-lineinfo`` (source lines, same code).
 
     A persistent-kernel configuration (``PRNN_WARPS`` defined) is compiled with the register cap
     that lets one CTA of its block size fit an SM, so ptxas must keep the weights within it.
     """
     options = [f"-arch={arch}", f"-I{src_dir or cuda_src_dir()}", "--std=c++17", "-Xptxas=-v"]
+    if lineinfo:
+        options.append("-lineinfo")
     if "PRNN_WARPS" in defines:
         options.append(f"--maxrregcount={register_cap(WARP * int(defines['PRNN_WARPS']))}")
     options += [f"-D{name}={int(value)}" for name, value in sorted(defines.items())]
@@ -65,19 +75,34 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str,
     A cached cubin is returned only after its digest matches the one recorded when it was built;
     a missing or damaged one is compiled again. Raises ValueError for an ``arch`` the kernels
     cannot be compiled for here, RuntimeError with NVRTC's full log when the compilation fails,
-    and cache.CacheError when the cache directory is not private.
+    and cache.CacheError when the cache directory is not private. With ``PRNN_LINEINFO=1`` in
+    the environment the cubin carries a line table (``compile_options``).
     """
     from cupy_backends.cuda.libs import nvrtc
 
     check_arch(arch)
     src_dir = src_dir or cuda_src_dir()
     text = (src_dir / source).read_text()
-    options = compile_options(defines, arch, src_dir)
+    options = compile_options(defines, arch, src_dir, lineinfo_requested())
     key = hashlib.sha256("\0".join([text, _headers_digest(src_dir), *options, str(nvrtc.getVersion())])
                          .encode()).hexdigest()[:32]
     entry = cache.fetch(cache.cache_dir("nvrtc"), key, ".cubin",
                         lambda path: {"log": _compile(text, source, options, path)})
     return Compiled(entry.path, entry.meta["log"])
+
+
+def lineinfo_requested() -> bool:
+    """Whether ``PRNN_LINEINFO`` asks for line tables ("1"; unset, "" or "0": no)."""
+    value = os.environ.get(LINEINFO_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{LINEINFO_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def loaded_cubins() -> list[Path]:
+    """The cubin of every module this process has loaded on the GPU, in load order: what a
+    compute-sanitizer report's ``kernel+offset`` refers to (bench/racecheck.py)."""
+    return list(_LOADED)
 
 
 def check_arch(arch: str) -> None:
@@ -217,5 +242,7 @@ def _device_id() -> int:
 @lru_cache(maxsize=None)
 def _module(source: str, defines: tuple, arch: str, cooperative: bool, device: int) -> GpuModule:
     with _LOCK:
-        return GpuModule(compile_source(source, dict(defines), arch), cooperative,
-                         dict(defines).get("PRNN_CLUSTER", 0))
+        compiled = compile_source(source, dict(defines), arch)
+        module = GpuModule(compiled, cooperative, dict(defines).get("PRNN_CLUSTER", 0))
+        _LOADED.append(compiled.cubin_path)
+        return module

@@ -12,6 +12,8 @@ emulation of the same kernels): a check of the case list where there is no GPU.
 ``--only NAME[,NAME]`` runs a subset (names as printed); ``--group cluster|grid|other[,...]``
 the cases of a placement (``cluster``: the cluster-placed cases, ``grid``: the grid-placed ones,
 ``other``: the stall, LSTMP and stack cases), so that a sanitizer can run over each apart.
+``--cubins`` prints ``cubin: PATH`` after each case for every kernel module it loaded first (on
+the GPU): what a racecheck report's ``kernel+offset`` refers to (bench/racecheck.py).
 """
 from __future__ import annotations
 
@@ -185,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="NumPy arrays: the CPU emulation")
     p.add_argument("--only", help="comma-separated case names")
     p.add_argument("--group", help=f"comma-separated groups of cases: {', '.join(GROUPS)}")
+    p.add_argument("--cubins", action="store_true",
+                   help="after each case, print the cubins of the kernel modules it loaded")
     args = p.parse_args(argv)
     groups = args.group.split(",") if args.group else GROUPS
     if set(groups) - set(GROUPS):
@@ -196,10 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [c for c in cases() if (not args.only or c.name in args.only.split(","))
               and group_of(c.name) in groups]
     status = 0
+    printed = 0
     for case in chosen:
         problems = case.run(xp)
         print(f"{case.name}: {'ok' if not problems else '; '.join(problems)}", flush=True)
         status |= bool(problems)
+        if args.cubins and xp is not np:
+            from persistent_rnn import kernels
+            loaded = kernels.loaded_cubins()
+            for path in loaded[printed:]:
+                print(f"cubin: {path}", flush=True)
+            printed = len(loaded)
     if xp is not np:
         xp.cuda.Device().synchronize()
     print(f"{len(chosen)} cases, {'all passed' if not status else 'FAILED'}")
