@@ -51,9 +51,11 @@ SANITIZER_FLAGS = ("--tool", "racecheck", "--kernel-name", "kns=prnn_", "--print
 CASE_MARK = "== racecheck case "
 INCOMPLETE = 124
 
-_ACCESS = r"(Read|Write) access at ([^\s+]+)\+0x([0-9a-fA-F]+)"
+# ``kernel+0xOFF``; with a line table the name is the inlined device function's (its signature
+# may hold spaces) and ``in FILE:LINE`` follows; the offset is the kernel's either way
+_ACCESS = r"(Read|Write) access at (.+?)\+0x([0-9a-fA-F]+)(?: in (\S+):(\d+))?"
 _RACE = re.compile(r"(Error|Warning): Race reported between " + _ACCESS)
-_AND = re.compile(r"^=+\s+and " + _ACCESS + r".*\[(\d+) hazards?\]")
+_AND = re.compile(r"^=+\s+and " + _ACCESS + r"\s*\[(\d+) hazards?\]")
 _REPORT = re.compile(r"^=+ (Error|Warning)")
 _CUBIN = re.compile(r"^cubin: (.+)$")
 _RESULT = re.compile(r"^(\S+): (ok|.+)$")
@@ -64,11 +66,14 @@ _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"
 
 @dataclass(frozen=True)
 class Access:
-    """One side of a race: read or write, at ``kernel+offset``."""
+    """One side of a race: read or write, at ``kernel+offset`` (``kernel``: the name racecheck
+    printed, an inlined function's where the cubin has a line table, with ``file``/``line``)."""
 
     kind: str
     kernel: str
     offset: int
+    file: str | None = None
+    line: int | None = None
 
     def __str__(self) -> str:
         return f"{self.kind} at {self.kernel}+{self.offset:#x}"
@@ -103,13 +108,16 @@ def parse_races(text: str) -> tuple[list[Race], list[str]]:
     for line in text.splitlines():
         start, more = _RACE.search(line), _AND.search(line)
         if start:
-            first = Access(start.group(2), start.group(3), int(start.group(4), 16))
+            first = _access(*start.groups()[1:])
         elif more and first is not None:
-            second = Access(more.group(1), more.group(2), int(more.group(3), 16))
-            races.append(Race(first, second, int(more.group(4))))
+            races.append(Race(first, _access(*more.groups()[:5]), int(more.group(6))))
         elif _REPORT.search(line) or " access at " in line:  # a report line not understood
             other.append(line.strip("= ").strip())
     return races, other
+
+
+def _access(kind: str, name: str, offset: str, file: str | None, line: str | None) -> Access:
+    return Access(kind, name, int(offset, 16), file, None if line is None else int(line))
 
 
 def cubins_of(text: str) -> list[Path]:
@@ -178,18 +186,34 @@ def role(ins: Instruction, line_text: Callable[[str, int], str] = source_line) -
 def verdict(race: Race, code: dict[str, dict[int, Instruction]],
             line_text: Callable[[str, int], str] = source_line) -> str | None:
     """None for a deliberate race (the exchange's poll read against a DSMEM store), else what
-    it is."""
-    sides = []
+    it is. Where racecheck named an inlined function rather than the kernel, the race is looked
+    up in every kernel the case loaded whose instructions at both offsets are on the source
+    lines racecheck printed; it is deliberate if one of them shows the two roles."""
+    named = race.first.kernel if race.first.kernel == race.second.kernel else None
+    kernels = [named] if named in code else [k for k in code if _located(race, code[k])]
     for access in (race.first, race.second):
-        ins = code.get(access.kernel, {}).get(access.offset)
-        if ins is None:
+        if not any(access.offset in code[k] for k in kernels):
             return f"{access}: no such instruction in the cubins the case loaded"
-        sides.append((access, ins, role(ins, line_text)))
-    roles = {access.kind: r for access, _, r in sides}
-    if roles != {"Read": "poll", "Write": "dsmem store"}:
-        return " vs ".join(f"{a} ({ins.opcode}, {ins.where()}, {r or 'not the exchange'})"
-                           for a, ins, r in sides)
-    return None
+    why = ""
+    for kernel in kernels:
+        sides = [(a, code[kernel][a.offset]) for a in (race.first, race.second)]
+        roles = {a.kind: role(ins, line_text) for a, ins in sides}
+        if roles == {"Read": "poll", "Write": "dsmem store"}:
+            return None
+        why = " vs ".join(f"{a} ({ins.opcode}, {ins.where()}, {roles[a.kind] or 'not the exchange'})"
+                          for a, ins in sides)
+    return why
+
+
+def _located(race: Race, insns: dict[int, Instruction]) -> bool:
+    """Whether ``insns`` has an instruction at both of the race's offsets, each on the source
+    line racecheck printed for it (if it printed one)."""
+    for access in (race.first, race.second):
+        ins = insns.get(access.offset)
+        if ins is None or (access.line is not None and (
+                ins.line != access.line or Path(ins.file or "").name != Path(access.file).name)):
+            return False
+    return True
 
 
 def case_verdicts(output: str, code: dict[str, dict[int, Instruction]] | None = None,

@@ -24,6 +24,8 @@ def _layer(cupy, mode: str, layers: int):
 
 
 def _call(layer, x, dy) -> list[np.ndarray]:
+    """One forward and backward from zeroed gradients (the layer API adds into ``grads``)."""
+    layer.zero_grad()
     y, hn = layer.forward(x, lengths=[9, 7, 4])
     fwd = layer.last_run
     dx, _ = layer.backward(dy)

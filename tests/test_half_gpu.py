@@ -38,10 +38,14 @@ def _layer(mode, kw, hidden, dtype, algo):
 @pytest.mark.parametrize("size", ["small", "max"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_fp16_persistent_matches_float64(cupy, mode, kw, size, batch):
-    """Within 5e-3 of float64, and within two fp16 units of the largest value (2^-10) of the
-    16-bit GEMM path: both round at the same places, but the register tile and cuBLAS sum in
-    different orders, so an intermediate's rounding can flip and carry through the steps (the
-    H100 run of 2026-11-26 measured 6.4e-4 for the RNN cells at their largest H)."""
+    """Within 5e-3 of float64 (docs/api.md's bound: y and h_n for every cell, the gradients too
+    except the relu RNN's, which have none: a rounded pre-activation near zero flips relu's
+    derivative), and within two fp16 units of the largest value (2^-10) of the 16-bit GEMM path:
+    both round at the same places, but the register tile and cuBLAS sum in different orders, so
+    an intermediate's rounding can flip and carry through the steps (the H100 run of 2026-11-26
+    measured 6.4e-4 for the RNN cells at their largest H). The relu RNN's gradients must be no
+    further from float64 than the 16-bit GEMM path's (at H 3584, B 4 both are ~0.15 away on the
+    weights; the emulated kernel was 4.3e-4 from the GEMM path)."""
     top = prnn.max_hidden_size(mode if not kw else "rnn_" + kw["nonlinearity"], "float16")
     hidden = 256 if size == "small" else top
     kern = _layer(mode, kw, hidden, "float16", "persistent")
@@ -57,9 +61,13 @@ def test_fp16_persistent_matches_float64(cupy, mode, kw, size, batch):
     assert fwd.algo == bwd.algo == "persistent" and not fwd.emulated and fwd.fallback is None
     want, _, _ = _run(cupy, ref, x.astype(np.float64), dy.astype(np.float64), lengths, gpu=False)
     same, _, _ = _run(cupy, gemm, x, dy, lengths)
-    for a, r, g in zip(got, want, same):
-        assert _relerr(a, r) <= 5e-3
-        assert _relerr(a, g) <= 2.0**-10
+    relu_gradients = kw.get("nonlinearity") == "relu"
+    forward_outputs = 3 if mode == "LSTM" else 2  # y, h_n (and c_n), then the gradients
+    for i, (a, r, g) in enumerate(zip(got, want, same)):
+        gradient = i >= forward_outputs
+        bound = 1.25 * _relerr(g, r) + 2.0**-10 if gradient and relu_gradients else 5e-3
+        assert _relerr(a, r) <= bound, i
+        assert _relerr(a, g) <= 2.0**-10, i
 
 
 @pytest.mark.parametrize("mode", ["LSTM", "GRU"])

@@ -145,3 +145,27 @@ def test_lineinfo_setting_is_checked(monkeypatch):
     assert kernels.lineinfo_requested()
     assert "-lineinfo" in kernels.compile_options({}, "sm_90", lineinfo=True)
     assert "-lineinfo" not in kernels.compile_options({}, "sm_90")
+
+
+def test_a_log_with_line_tables_names_inlined_functions_and_lines():
+    """With PRNN_LINEINFO=1 racecheck names the inlined device function and the source line
+    (``prnn_load_shared_relaxed_u32(unsigned int)+0x3280 in hw.cuh:219``; the H100 run of
+    2026-11-26): the same pairs are found in the kernels the case loaded and are deliberate; a
+    write on another line, or on a line that is not the exchange's, is a finding."""
+    log = (FIXTURE / "cluster-fp32-gru-lineinfo.log").read_text()
+    races, other = racecheck.parse_races(log)
+    assert not other and len(races) == 24
+    assert races[0].first == racecheck.Access(
+        "Read", "prnn_load_shared_relaxed_u32(unsigned int)", 0x3280, "hw.cuh", 219)
+    assert (races[0].second.offset, races[0].second.line) == (0x4eb0, 193)
+    assert racecheck.case_verdicts(log, fixture_code(), fixture_line) == ([], 24)
+    wrong_line = log.replace("+0x4ee0 in hw.cuh:193 [944", "+0x4ee0 in hw.cuh:219 [944", 1)
+    assert wrong_line != log
+    findings, deliberate = racecheck.case_verdicts(wrong_line, fixture_code(), fixture_line)
+    assert deliberate == 23 and len(findings) == 1
+    not_exchange = log.replace("prnn_store_cluster_u32(unsigned int *, int, unsigned int)+0x4ee0 in "
+                               "hw.cuh:193 [944", "prnn_forward_step+0x4f50 in persistent_forward.cu:133 [944",
+                               1)
+    assert not_exchange != log
+    findings, deliberate = racecheck.case_verdicts(not_exchange, fixture_code(), fixture_line)
+    assert deliberate == 23 and "not the exchange" in findings[0]
