@@ -162,10 +162,12 @@ def _fresh_params(weights: list[Tensor], num_layers: int, bidirectional: bool) -
 
 class WeightViews:
     """One module's weights as the library's arrays (``_params``), remembered from the last call
-    and reused while they cannot be stale. Only NumPy views are remembered (contiguous CPU
-    weights of a library dtype, not 16-bit: those are converted copies; CUDA arrays belong to
-    the call's stream): a view shares its tensor's memory, so it holds the current values as
-    long as it is a view of the same tensor at the same memory and shape. Checked per call:
+    and reused while they cannot be stale. Only views are remembered (contiguous weights of a
+    library dtype, on the CPU as NumPy arrays, on a GPU as CuPy arrays over the same memory;
+    not 16-bit ones: those are converted copies): a view shares its tensor's memory, so it
+    holds the current values as long as it is a view of the same tensor at the same memory and
+    shape (the library reads it on torch's current stream, after whatever torch enqueued there
+    to update it). Checked per call:
     the same tensor objects (parameter reassignment, ``functional_call`` and autocast's casts
     give others), each at the same ``data_ptr`` and shape (``.to()``, ``param.data = ...``) and
     version counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``'s
@@ -199,7 +201,7 @@ class WeightViews:
     def _remember(self, weights: list[Tensor], params: dict) -> None:
         stamps = []
         for w in weights:
-            if not (w.is_cpu and w.dtype not in _HALF and w.is_contiguous()):
+            if w.dtype in _HALF or not w.is_contiguous():
                 self._entry = ((), (), {})  # a converted copy, not a view: made afresh every call
                 return
             try:
