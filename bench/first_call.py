@@ -197,13 +197,13 @@ def step_env(args, stamp: dict) -> int:
 def predict_one(job: dict, device: str | None) -> dict:
     """The model's figures for one layer (or stack) of ``prediction_jobs`` (a prediction)."""
     import persistent_rnn as prnn
-    from persistent_rnn import model
+    from persistent_rnn import latency
     t0 = time.perf_counter()
     try:
         if job.get("proj_size"):
             out = {"note": bench.NO_PROJECTION_MODEL}
         elif job["layers"] > 1 or job["bidirectional"]:
-            st = model.predict_stack_time(job["cell"], job["hidden"], job["batch"], job["layers"],
+            st = latency.predict_stack_time(job["cell"], job["hidden"], job["batch"], job["layers"],
                                           100, job["bidirectional"], dtype=job["dtype"],
                                           device=device)
             out = {"stack_fits": st.plan.fits, "forward_pass_us_t100": st.forward_us,

@@ -168,9 +168,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``prnn plan``: the planner's placement and the latency model's prediction (exit 1: no fit)."""
-    from . import model
+    from . import latency
     try:
-        record = model.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype, args.device)
+        record = latency.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype, args.device)
     except ValueError as exc:
         return _error("plan", str(exc))
     if not record["fits"]:

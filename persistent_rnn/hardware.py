@@ -80,7 +80,7 @@ def current_device() -> DeviceProfile:
         max_cluster_ctas=HOPPER_CLUSTER_CTAS if dev.compute_capability == "90" else PORTABLE_CLUSTER_CTAS)
 
 
-# ---- the per-step latency model (persistent_rnn/model.py; docs/design.md, "Latency model") ----
+# ---- the per-step latency model (persistent_rnn/latency.py; docs/design.md, "Latency model") ----
 # Public figures, in SM cycles unless the name says otherwise. Sources: NVIDIA's Hopper tuning guide
 # and CUDA C++ Programming Guide (one warp instruction issued per scheduler and clock, 4 schedulers
 # per SM); Jia et al., "Dissecting the NVIDIA Volta/Turing GPU Architecture via Microbenchmarking"
@@ -109,7 +109,7 @@ ATOMIC_SERIAL_NS = 6.1         # per CTA: same-address atomics queue at one L2 s
 # bench/model_calibration.py's comparison with those runs only.
 HOST_FORWARD_US = 500.0        # fitted (501; the first runtime: progress read after each launch)
 HOST_BACKWARD_US = 775.0       # fitted (775)
-# The model's per-call terms now (model.call_costs): counted API calls times public costs.
+# The model's per-call terms now (latency.call_costs): counted API calls times public costs.
 # NVIDIA, "Getting Started with CUDA Graphs" (A. Gray, 2019): kernels of 2.9 us launched back to
 # back without a sync take 3.8 us each (the host's launch rate bounds them), 3.4 us as a graph.
 API_CALL_HOST_US = 3.8         # host time of one kernel launch or memset call (runtime API)

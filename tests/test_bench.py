@@ -263,24 +263,24 @@ def test_info_json_is_stamped(capsys, monkeypatch):
 
 
 def test_prediction_is_the_models_benchmark_figure():
-    from persistent_rnn import model, plan
+    from persistent_rnn import latency, plan
     sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(100,))
-    step = model.predict_step_time("lstm", 256, 4, device="h100")
+    step = latency.predict_step_time("lstm", 256, 4, device="h100")
     for pass_, backward in (("forward", False), ("forward_backward", True)):
         got, note = bench.predicted_us_per_step(sweep, "lstm", pass_, 4, 256, 100, device="h100")
         assert note is None and got == pytest.approx(step.benchmark_us(100, backward), rel=1e-12)
     # Another T (and input size): the per-call GEMMs are of that size, spread over T steps.
     sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(20,), input_size=32)
     got, _ = bench.predicted_us_per_step(sweep, "lstm", "forward", 4, 256, 20, device="h100")
-    at20 = model.predict_plan(plan.resolve_cell("lstm"), 256, 4, step.plan,
+    at20 = latency.predict_plan(plan.resolve_cell("lstm"), 256, 4, step.plan,
                               plan.resolve_device("h100"), seq_len=20, input_size=32)
     assert got == pytest.approx(at20.benchmark_us(20), rel=1e-12)
 
 
 def test_prediction_of_a_stack_follows_the_stack_setting():
-    from persistent_rnn import model, settings
+    from persistent_rnn import latency, settings
     sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), num_layers=2)
-    st = model.predict_stack_time("lstm", 64, 2, 2, 10, device="h100")
+    st = latency.predict_stack_time("lstm", 64, 2, 2, 10, device="h100")
     assert st.plan.fits
     got, _ = bench.predicted_us_per_step(sweep, "lstm", "forward_backward", 2, 64, 10, device="h100")
     assert got == pytest.approx((st.forward_us + st.backward_us) / 10, rel=1e-12)
@@ -290,14 +290,14 @@ def test_prediction_of_a_stack_follows_the_stack_setting():
 
 
 def test_no_prediction_for_projections_or_when_the_model_fails(monkeypatch):
-    from persistent_rnn import model
+    from persistent_rnn import latency
     sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), proj_size=16)
     assert bench.predicted_us_per_step(sweep, "lstm", "forward", 1, 64, 10, "h100") == \
         (None, bench.NO_PROJECTION_MODEL)
 
     def broken(*args, **kwargs):
         raise RuntimeError("nvdisasm is not installed")
-    monkeypatch.setattr(model, "predict_plan", broken)
+    monkeypatch.setattr(latency, "predict_plan", broken)
     got, note = bench.predicted_us_per_step(bench.Sweep(("lstm",), (64,), (10,)), "lstm", "forward",
                                             1, 64, 10, "h100")
     assert got is None and "nvdisasm is not installed" in note
