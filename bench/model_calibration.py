@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 from persistent_rnn import hardware as hw
 from persistent_rnn import latency
 from persistent_rnn import plan as planner
@@ -89,7 +89,7 @@ def predict_point(p: dict, src: Path, device) -> dict:
     cell = planner.resolve_cell(p["cell"])
     plan = grid_plan(cell, p["hidden_size"], p["batch"], device)
     st = latency.predict_plan(cell, p["hidden_size"], p["batch"], plan, device, src,
-                            seq_len=p["seq_len"], input_size=p["input_size"])
+                              seq_len=p["seq_len"], input_size=p["input_size"])
     both = p["pass"] == "forward_backward"
     return {"predicted_us": st.benchmark_us(p["seq_len"], both),
             "forward_terms": latency.terms_dict(st.forward),
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate(points, device)
     result = {"device_profile": device.name, "constants": {n: getattr(hw, n) for n in FITTED},
               "command": "PYTHONPATH=$PWD python bench/model_calibration.py --json",
-              "nvrtc": bench.nvrtc_version(),  # the SASS the predictions read depends on it
+              "nvrtc": benchmark.nvrtc_version(),  # the SASS the predictions read depends on it
               **summary(rows), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))

@@ -102,8 +102,8 @@ def predicted_us(layer: Layer, device: str = PROFILE) -> dict[str, float]:
         st = latency.predict_step_time(layer.cell, layer.hidden, layer.batch, layer.dtype, device)
         return {p: st.benchmark_us(SEQ_LEN, backward=p != "forward") for p in PASSES}
     stack = latency.predict_stack_time(layer.cell, layer.hidden, layer.batch, layer.layers,
-                                     SEQ_LEN, input_size=INPUT_SIZE, dtype=layer.dtype,
-                                     device=device)
+                                       SEQ_LEN, input_size=INPUT_SIZE, dtype=layer.dtype,
+                                       device=device)
     fwd = stack.forward_us if stack.plan.fits else stack.apart_forward_us
     bwd = stack.backward_us if stack.plan.fits else stack.apart_backward_us
     return {"forward": fwd / SEQ_LEN, "forward_backward": (fwd + bwd) / SEQ_LEN}
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("out"), help="where the plot goes")
     args = parser.parse_args(argv)
     run_cells()
-    from .bench import gpu_available
+    from .benchmark import gpu_available
     if gpu_available():
         print("\nA GPU is present: `prnn bench --quick` (make demo runs it next) measures the "
               "persistent kernels beside cuDNN on it.")

@@ -32,8 +32,8 @@ SASS_KINDS = {
 
 def step_atomic(opcode: str) -> bool:
     """Whether an atomic of the time loop is one a step runs: not the compare-and-swap of
-    ``prnn_abort`` (cuda_src/exchange.cuh: the first abort reason wins), which only a wait that gives up
-    runs, once per launch."""
+    ``prnn_abort`` (cuda_src/exchange.cuh: the first abort reason wins), which only a wait that
+    gives up runs, once per launch."""
     return opcode.split(".")[0] in SASS_KINDS["atomics"] and ".CAS" not in opcode
 
 

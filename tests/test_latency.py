@@ -262,7 +262,8 @@ def test_backward_prefetch_loop_runs_per_unit():
     back = latency.PassShape(CELLS["lstm"], plan.backward, 4, 1024)
     fwd = latency.PassShape(CELLS["lstm"], plan.forward, 4, 1024)
     assert latency.loop_items("prefetch", back, False) == 4 * back.units
-    assert (latency.loop_trips("prefetch", back, False), latency.loop_warps("prefetch", back, False)) == (1, 1)
+    assert latency.loop_trips("prefetch", back, False) == 1
+    assert latency.loop_warps("prefetch", back, False) == 1
     assert latency.loop_items("prefetch", fwd, False) == 4 * 4 * fwd.team_units  # a warp's unit
     loop = sass_analysis.time_loop(latency.pass_sass(plan.backward, "sm_90"), converged=True)
     assert [sass_analysis.loop_kind(loop, h) for h in loop.inner].count("prefetch") == 1

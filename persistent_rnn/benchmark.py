@@ -360,7 +360,8 @@ def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidde
         dev = runtime.planning_device(True) if device is None else planner.resolve_device(device)
         if sweep.num_layers > 1:
             st = latency.predict_stack_time(cell, hidden, batch, sweep.num_layers, seq_len,
-                                          input_size=sweep.input_size, dtype=sweep.dtype, device=dev)
+                                            input_size=sweep.input_size, dtype=sweep.dtype,
+                                            device=dev)
             stacked = settings.current().stack and st.plan.fits
             fwd, bwd = ((st.forward_us, st.backward_us) if stacked
                         else (st.apart_forward_us, st.apart_backward_us))
@@ -372,7 +373,7 @@ def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidde
         if not plan.fits:
             return None, f"no plan fits: {plan.reason}"
         st = latency.predict_plan(spec, hidden, batch, plan, dev, seq_len=seq_len,
-                                input_size=sweep.input_size)
+                                  input_size=sweep.input_size)
         return st.benchmark_us(seq_len, backward), None
     except (RuntimeError, ValueError, OSError) as exc:  # no nvdisasm, a compile failure: no figure
         return None, f"no prediction: {type(exc).__name__}: {exc}"
