@@ -4,8 +4,8 @@
 // * the control words a launch shares with the host (PrnnControl: arrivals, the abort reason,
 //   each CTA's progress, from which the restart resumes), the CTAs' start order;
 // * injected stalls (prnn.inject_stall);
-// * the counter grid barrier with timeout (the first kernels' exchange, kept as the baseline of
-//   bench/barrier_latency.py);
+// * the counter grid barrier with timeout (a fence, an arrival atomic and polls per step: the
+//   baseline bench/barrier_latency.py measures the tagged exchange against);
 // * the tagged exchange: step tags, publishing, bounded waits and the gather of tagged words.
 #pragma once
 

@@ -273,9 +273,10 @@ def loop_kind(loop: TimeLoop, head: int) -> str:
     "pointwise" (MUFU or global stores), "copy" (16-byte cp.async: the exchanged vector), "prefetch" (4-byte
     cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
     not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the
-    reduce-scatter's halving levels over a run-time index, before issue 15), "chunks" (holds
-    loops that are not waits: the gather's batches of quads with their loads and checks), "scan"
-    (holds a wait: the gather's batches of quads, each with its polling loop), "other"."""
+    reduce-scatter's halving levels, where a tile indexes its accumulators at run time),
+    "chunks" (holds loops that are not waits: the gather's batches of quads with their loads and
+    checks), "scan" (holds a wait: the gather's batches of quads, each with its polling loop),
+    "other"."""
     kind = _own_kind(loop, head)
     if kind:
         return kind
