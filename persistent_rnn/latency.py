@@ -1,11 +1,13 @@
 """A per-step latency model of the persistent kernels, read from their SASS: a *prediction*.
 
 One step of a persistent pass is a chain of phases separated by block barriers (docs/design.md,
-"Latency model"), so its time is modelled as the sum of a few named terms:
+"Latency model"), so its time is modelled as the sum of a few named terms, each one function of
+the ``StepLoop`` that ``step_loop`` reads from the SASS once:
 
-* ``issue``: every instruction one warp executes in a step (the time loop's SASS, each inner loop
-  multiplied by its trip count), times the warps that share a scheduler, at one instruction per
-  scheduler and cycle;
+* ``issue``: every instruction one warp executes in a step outside the matrix loop (the time
+  loop's SASS, each inner loop multiplied by its trip count), times the warps that share a
+  scheduler, at one instruction per scheduler and cycle;
+* ``matrix``: the matrix loop, per batch row the larger of its issue time and its dependent chain;
 * ``barriers``: the block barriers of the step;
 * ``exchange``: the dependent memory round trips that move h_t (dgh_t) between CTAs - a counter
   grid barrier (fence, atomic, polls, then the staging copy), tagged words through L2 (one round
