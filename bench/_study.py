@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 
 SCHEMA_VERSION = 1
 
@@ -28,15 +28,16 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
 
 def require_gpu(name: str) -> None:
     """Exit with status 2 and a clear message where no CUDA device is visible."""
-    if not bench.gpu_available():
+    if not benchmark.gpu_available():
         print(f"bench/{name}.py: needs a CUDA GPU (CuPy sees none); nothing measured", file=sys.stderr)
         sys.exit(2)
 
 
 def document(settings: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
     """A study's results: device, driver, CUDA, commit, command, date, settings and rows."""
-    device = bench.device_record(gpu=True)
-    return {"schema_version": SCHEMA_VERSION, **device, **bench.run_stamp(["python", *sys.argv]),
+    device = benchmark.device_record(gpu=True)
+    return {"schema_version": SCHEMA_VERSION, **device,
+            **benchmark.run_stamp(["python", *sys.argv]),
             "settings": settings, "rows": rows}
 
 

@@ -6,7 +6,8 @@ Three protocols of cuda_src/grid_barrier.cu (built with ``kernels.get_module``),
 times back to back with no work in between, per grid size:
 
 * ``ns_per_barrier``: ``grid_barrier_rounds``, the counter barrier the persistent kernels used
-  first (block barrier, fence, arrival atomic, acquire polling; kept in hw.cuh as the baseline);
+  first (block barrier, fence, arrival atomic, acquire polling; kept in exchange.cuh as the
+  baseline);
 * ``exchange_ns_per_round``: ``exchange_rounds``, the tagged exchange they use now: every CTA
   publishes ``width`` tagged 8-byte words and gathers all ``grid * width`` of them;
 * ``cluster_ns_per_round``: ``cluster_exchange_rounds``, the same within one thread-block cluster

@@ -10,7 +10,7 @@ import sys
 
 import _study
 
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 
 NAME = "batch_sweep"
 
@@ -23,12 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _study.require_gpu(NAME)
     cells = ("lstm",) if args.quick else ("lstm", "gru", "rnn_tanh")  # headline first (time budget)
-    sweep = bench.Sweep(cells=cells, hidden_sizes=(args.hidden,), seq_lens=(args.seq_len,),
-                        max_seconds=args.max_seconds)
-    results = bench.benchmark(sweep, True, sys.argv, progress=True)
+    sweep = benchmark.Sweep(cells=cells, hidden_sizes=(args.hidden,), seq_lens=(args.seq_len,),
+                            max_seconds=args.max_seconds)
+    results = benchmark.benchmark(sweep, True, sys.argv, progress=True)
     doc = _study.document(results["settings"], results["points"])
     doc.update(fp32_peak_tflops=results["fp32_peak_tflops"], skipped=results["skipped"],
-               flops_formula=bench.FLOPS_FORMULA)
+               flops_formula=benchmark.FLOPS_FORMULA)
     _study.save(args.out, NAME, doc, _study.tflops_lines("batch", "batch size"))
     return 0
 

@@ -25,7 +25,7 @@ import torch
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import bench, functional
+from persistent_rnn import benchmark, functional
 from persistent_rnn.torch import modules, ops, paths
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"device": "cpu", "cpu_count": os.cpu_count(),
                "torch_version": torch.__version__, "numpy_version": np.__version__,
                "load_average_1_5_15_min": os.getloadavg(),
-               **bench.run_stamp(["python", *sys.argv]),
+               **benchmark.run_stamp(["python", *sys.argv]),
                "settings": {"cell": "GRU", "hidden": args.hidden, "batch": 1, "steps": 1,
                             "calls": args.calls, "rounds": args.rounds,
                             "timing": "time.perf_counter_ns per call under torch.no_grad, rows "

@@ -34,7 +34,7 @@ import torch
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 
 Call = Callable[[], object]
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
                "numpy_version": np.__version__, "python": platform.python_version(),
                "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
-               **bench.run_stamp(["python", *sys.argv]),
+               **benchmark.run_stamp(["python", *sys.argv]),
                "settings": {"cell": "GRU", "hidden": args.hidden, "input": args.hidden,
                             "batch": args.batch, "steps": args.steps, "calls": args.calls,
                             "rounds": args.rounds,

@@ -48,7 +48,7 @@ import first_checks
 import first_report
 import first_timing
 
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 
 FILES = {"correct": "correct.jsonl", "stall": "stall.jsonl", "time": "time.jsonl",
          "predict": "predict.jsonl", "env": "env.json"}
@@ -148,7 +148,7 @@ def _tools() -> dict[str, str | None]:
 def _versions() -> dict[str, Any]:
     import importlib.metadata as md
     out: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
-                           "nvrtc": bench.nvrtc_version()}
+                           "nvrtc": benchmark.nvrtc_version()}
     for name in ("torch", "cupy-cuda13x", "cupy-cuda12x", "numpy", "ml_dtypes", "triton",
                  "pytest", "pytest-timeout", "nvidia-cuda-nvrtc"):
         try:
@@ -197,15 +197,15 @@ def step_env(args, stamp: dict) -> int:
 def predict_one(job: dict, device: str | None) -> dict:
     """The model's figures for one layer (or stack) of ``prediction_jobs`` (a prediction)."""
     import persistent_rnn as prnn
-    from persistent_rnn import model
+    from persistent_rnn import latency
     t0 = time.perf_counter()
     try:
         if job.get("proj_size"):
-            out = {"note": bench.NO_PROJECTION_MODEL}
+            out = {"note": benchmark.NO_PROJECTION_MODEL}
         elif job["layers"] > 1 or job["bidirectional"]:
-            st = model.predict_stack_time(job["cell"], job["hidden"], job["batch"], job["layers"],
-                                          100, job["bidirectional"], dtype=job["dtype"],
-                                          device=device)
+            st = latency.predict_stack_time(job["cell"], job["hidden"], job["batch"], job["layers"],
+                                            100, job["bidirectional"], dtype=job["dtype"],
+                                            device=device)
             out = {"stack_fits": st.plan.fits, "forward_pass_us_t100": st.forward_us,
                    "backward_pass_us_t100": st.backward_us}
         else:
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("correct needs --group")
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = {"device": device_name(args.cpu),
-             **bench.run_stamp(["python", "bench/first_call.py", *(argv or sys.argv[1:])])}
+             **benchmark.run_stamp(["python", "bench/first_call.py", *(argv or sys.argv[1:])])}
     return STEPS[args.step](args, stamp)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from first_cases import TIMING, TIMING_ALGOS
 
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 
 ALGO_SHORT = {"persistent": "pers", "gemm": "gemm", "prnn_torch": "prt", "cudnn": "cudnn"}
 
@@ -91,7 +91,7 @@ def timing_rows(points: list[dict], predictions: dict[str, dict]) -> list[dict]:
     by_key = {(p["config"], p["pass"], p["algo"], p["seq_len"]): p for p in points if "us_per_step" in p}
     seq_lens = sorted({p["seq_len"] for p in points if "seq_len" in p})
     for config in TIMING:
-        for pass_ in bench.PASSES:
+        for pass_ in benchmark.PASSES:
             row: dict[str, Any] = {"config": config.name, "pass": pass_}
             for algo in TIMING_ALGOS:
                 got = {t: by_key.get((config.name, pass_, algo, t)) for t in seq_lens}

@@ -3,7 +3,7 @@
 Each timing layer (``first_cases.TIMING``) at T = 100 and T = 300, forward and
 forward+backward, with the persistent kernel and the GEMM path (CuPy layers), the drop-in
 ``persistent_rnn.torch`` module (algo="persistent") and torch.nn (cuDNN), in one process:
-``persistent_rnn.bench.measure_point`` (CUDA events, the median of the repeats after warm-up,
+``persistent_rnn.benchmark.measure_point`` (CUDA events, the median of the repeats after warm-up,
 rotating three input sets; restarts and fallback over every call). The per-step slope
 ``(t(300) - t(100)) / 200`` is the recurrence's own cost per step, the intercept the per-call
 cost (input projection, host work, launches); ``first_report`` sets both beside the model.
@@ -14,7 +14,7 @@ from typing import Iterator
 
 from first_cases import CPU_SEQ_LENS, SEQ_LENS, TIMING, TIMING_ALGOS, TimingConfig
 
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 
 GPU_REPEATS, GPU_WARMUP = 15, 3
 CPU_REPEATS, CPU_WARMUP = 1, 0
@@ -24,7 +24,7 @@ def points(cpu: bool) -> Iterator[tuple[TimingConfig, int, str, str]]:
     """(config, T, pass, algo) in the order they are measured: the headline layer first."""
     for config in TIMING:
         for seq_len in (CPU_SEQ_LENS if cpu else SEQ_LENS):
-            for pass_ in bench.PASSES:
+            for pass_ in benchmark.PASSES:
                 for algo in TIMING_ALGOS:
                     yield config.sized(cpu), seq_len, pass_, algo
 
@@ -35,15 +35,15 @@ def point_key(config: TimingConfig, seq_len: int, pass_: str, algo: str) -> str:
 
 
 def measure(config: TimingConfig, seq_len: int, pass_: str, algo: str, cpu: bool) -> dict:
-    """One point: its ``persistent_rnn.bench`` record (µs per step, restarts, fallback, the
+    """One point: its ``persistent_rnn.benchmark`` record (µs per step, restarts, fallback, the
     model's per-call-included prediction at this T), and whether it ran cleanly."""
-    sweep = bench.Sweep(cells=(config.cell,), hidden_sizes=(config.hidden,), seq_lens=(seq_len,),
-                        batches=(config.batch,), passes=(pass_,), algos=(algo,),
-                        dtype=config.dtype, input_size=config.input_size,
+    sweep = benchmark.Sweep(cells=(config.cell,), hidden_sizes=(config.hidden,),
+                            seq_lens=(seq_len,), batches=(config.batch,), passes=(pass_,),
+                            algos=(algo,), dtype=config.dtype, input_size=config.input_size,
                         repeats=CPU_REPEATS if cpu else GPU_REPEATS,
                         warmup=CPU_WARMUP if cpu else GPU_WARMUP)
-    point = bench.measure_point(sweep, config.cell, pass_, algo, config.batch, config.hidden,
-                                seq_len, gpu=not cpu, peak_tflops=None).to_json()
+    point = benchmark.measure_point(sweep, config.cell, pass_, algo, config.batch, config.hidden,
+                                    seq_len, gpu=not cpu, peak_tflops=None).to_json()
     problems = []
     if algo != "cudnn" and (point["restarts"] or point["fallback"]):
         problems.append(f"restarts {point['restarts']}, fallback {point['fallback']} over "

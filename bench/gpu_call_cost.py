@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 import persistent_rnn as prnn
-from persistent_rnn import bench, timing
+from persistent_rnn import benchmark, timing
 from persistent_rnn.cells import layer_args
 from persistent_rnn.launch import COUNTERS
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = Device(args.cpu)
     calls = 2 if args.cpu else args.calls
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {**bench.run_stamp(sys.argv), **bench.device_record(not args.cpu), "rows": []}
+    record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu), "rows": []}
     print(f"{'layer':18} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  per call")
     for cell, hidden, batch in (CPU_LAYERS if args.cpu else LAYERS):
         for backward in (False, True):

@@ -12,7 +12,7 @@ import sys
 import _study
 
 import persistent_rnn as prnn
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 
 NAME = "hidden_sweep"
 
@@ -37,15 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     cells = ("lstm",) if args.quick else ("rnn_tanh", "gru", "lstm")
     for cell in cells:
         largest = prnn.max_hidden_size(cell)
-        sweep = bench.Sweep(cells=(cell,), hidden_sizes=hidden_sizes(largest, args.quick),
-                            seq_lens=(args.seq_len,), batches=(args.batch,),
-                            max_seconds=args.max_seconds / len(cells))
-        results = bench.benchmark(sweep, True, sys.argv, progress=True)
+        sweep = benchmark.Sweep(cells=(cell,), hidden_sizes=hidden_sizes(largest, args.quick),
+                                seq_lens=(args.seq_len,), batches=(args.batch,),
+                                max_seconds=args.max_seconds / len(cells))
+        results = benchmark.benchmark(sweep, True, sys.argv, progress=True)
         rows += results["points"]
         skipped += results["skipped"]
         settings[cell] = {**results["settings"], "max_hidden_size": largest}
     doc = _study.document(settings, rows)
-    doc.update(skipped=skipped, flops_formula=bench.FLOPS_FORMULA)
+    doc.update(skipped=skipped, flops_formula=benchmark.FLOPS_FORMULA)
     _study.save(args.out, NAME, doc, _study.tflops_lines("hidden_size", "hidden size"))
     return 0
 

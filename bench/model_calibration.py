@@ -1,4 +1,4 @@
-"""Calibrate the per-step latency model (persistent_rnn/model.py) on the recorded H200 runs.
+"""Calibrate the per-step latency model (persistent_rnn/latency.py) on the recorded H200 runs.
 
 For every recorded run under ``bench/results/h200-2026-11-23*`` that measured persistent points,
 the kernels of the commit that ran (named in the run's README.md) are rebuilt from that commit's
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from persistent_rnn import bench
+from persistent_rnn import benchmark
 from persistent_rnn import hardware as hw
-from persistent_rnn import model
+from persistent_rnn import latency
 from persistent_rnn import plan as planner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,12 +88,12 @@ def predict_point(p: dict, src: Path, device) -> dict:
     """The model's µs per step for a recorded point, with the terms of both passes."""
     cell = planner.resolve_cell(p["cell"])
     plan = grid_plan(cell, p["hidden_size"], p["batch"], device)
-    st = model.predict_plan(cell, p["hidden_size"], p["batch"], plan, device, src,
-                            seq_len=p["seq_len"], input_size=p["input_size"])
+    st = latency.predict_plan(cell, p["hidden_size"], p["batch"], plan, device, src,
+                              seq_len=p["seq_len"], input_size=p["input_size"])
     both = p["pass"] == "forward_backward"
     return {"predicted_us": st.benchmark_us(p["seq_len"], both),
-            "forward_terms": model.terms_dict(st.forward),
-            "backward_terms": model.terms_dict(st.backward) if both else None,
+            "forward_terms": latency.terms_dict(st.forward),
+            "backward_terms": latency.terms_dict(st.backward) if both else None,
             "call_us": st.forward_call_us + (st.backward_call_us if both else 0.0)}
 
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate(points, device)
     result = {"device_profile": device.name, "constants": {n: getattr(hw, n) for n in FITTED},
               "command": "PYTHONPATH=$PWD python bench/model_calibration.py --json",
-              "nvrtc": bench.nvrtc_version(),  # the SASS the predictions read depends on it
+              "nvrtc": benchmark.nvrtc_version(),  # the SASS the predictions read depends on it
               **summary(rows), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))

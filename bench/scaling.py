@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from persistent_rnn.bench import gpu_available
+from persistent_rnn.benchmark import gpu_available
 from persistent_rnn.cells import CELLS, layer_args
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}

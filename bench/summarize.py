@@ -90,7 +90,7 @@ def prediction_lines(results: dict) -> list[str]:
     unpredicted = {p.get("prediction_note") for p in results["points"]
                    if p["algo"] == "persistent" and p.get("predicted_us_per_step") is None}
     if errors:
-        lines.insert(0, f"  latency model (a prediction, persistent_rnn.model) vs measured, "
+        lines.insert(0, f"  latency model (a prediction, persistent_rnn.latency) vs measured, "
                         f"us/step: median |error| {100 * statistics.median(errors):.1f}%, "
                         f"worst {100 * max(errors):.1f}% over {len(errors)} points")
     lines += [f"  no prediction: {note}" for note in sorted(n for n in unpredicted if n)]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import torch_models  # noqa: E402  (examples/torch_models.py)
 
 import persistent_rnn.torch as prt  # noqa: E402
-from persistent_rnn import bench  # noqa: E402
+from persistent_rnn import benchmark  # noqa: E402
 
 NAMESPACES = {"torch.nn": torch.nn, "persistent_rnn.torch": prt}
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "load_average_1_5_15_min": os.getloadavg(),
-        **bench.run_stamp(["python", *sys.argv]),
+        **benchmark.run_stamp(["python", *sys.argv]),
         "settings": {"steps": args.steps, "warmup": args.warmup, "algo": args.algo,
                      "timing": "time.perf_counter per training step (zero_grad, forward, "
                                "backward, SGD step), steps alternating between the two builds; "

@@ -24,6 +24,7 @@
 // -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are held, as for the
 // persistent kernels; the completion rounds the recurrent state to that type where they do).
 #include "cells.cuh"
+#include "exchange.cuh"
 
 #ifndef PRNN_WEIGHT_DTYPE
 #define PRNN_WEIGHT_DTYPE 0

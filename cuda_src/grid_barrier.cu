@@ -6,7 +6,7 @@
 //   cluster_exchange_rounds  the same within one thread-block cluster (-DPRNN_CLUSTER, sm_90)
 //   exchange_word_round_trip  the tagged word format alone (a value in, the value read back out)
 //   abort_reasons        every CTA times out in turn: the abort word keeps the first reason
-#include "hw.cuh"
+#include "exchange.cuh"
 
 PRNN_KERNEL void grid_barrier_rounds(PrnnControl* ctl, int rounds, unsigned long long timeout_ns,
                                      int stall_block, int stall_step, unsigned long long stall_ns,

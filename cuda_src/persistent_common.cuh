@@ -26,6 +26,7 @@
 // from exactly the values a run without one uses.
 #pragma once
 #include "cells.cuh"
+#include "exchange.cuh"
 
 namespace prnn {
 
@@ -312,7 +313,7 @@ constexpr int kGatherQuads = 0;  // ExchangeOf::gather refuses it, should a gath
 constexpr unsigned kIdleStartNs = 200;
 
 // The vector every CTA needs each step (forward h_t, backward dgh_t: k_len values per batch row),
-// exchanged as tagged words (hw.cuh), step t tagged prnn_step_tag(t), in [2][batch][Padded] by
+// exchanged as tagged words (exchange.cuh), step t tagged prnn_step_tag(t), in [2][batch][Padded] by
 // step parity (Padded: the staged vector's row stride, kPadded but for the LSTM projection's
 // second tile): the staged vector's layout, so that word i of a step lands at v_s[i] with no index
 // arithmetic. The first k_len words of a row are published.

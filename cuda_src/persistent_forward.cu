@@ -4,7 +4,7 @@
 // the cell update is local. Per step t: wait for h_{t-1} (every unit, tagged words of the exchange
 // buffer; at a launch's first step from y[t-1] or h0) in shared memory, multiply by the CTA's rows
 // of W_hh, apply the cell, write y[t], cs[t], saved[t] for the owned units and publish h_t in the
-// exchange: the publishing is the barrier (hw.cuh, the tagged exchange). A step only reads step
+// exchange: the publishing is the barrier (exchange.cuh, the tagged exchange). A step only reads step
 // t-1's results and writes its own slots, so replaying it is idempotent; each CTA records the last
 // step it completed when it exits and the host restarts from min(progress)+1.
 //

@@ -41,7 +41,7 @@ constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged v
 // allocation is not monotonic in it: in the LSTM 12-unit tile's backward (144 registers of
 // weights) 1-4 and 7 spill 60-112 bytes and 8 nothing, its forward with 8 spills 4 bytes on sm_80
 // since the reduce-scatter's levels halve to ceil(n/2) rows, 6 or 7 nothing (sm_80, sm_90;
-// with the 8-byte words of before, only 6 did not spill). persistent_rnn/model.py mirrors it.
+// with the 8-byte words of before, only 6 did not spill). persistent_rnn/latency.py mirrors it.
 #ifndef PRNN_STACK_GATHER_QUADS
 #define PRNN_STACK_GATHER_QUADS 8
 #endif

@@ -4,7 +4,7 @@ NumPy arrays run on the CPU, CuPy arrays on the GPU; see ``docs/api.md``.
 """
 from .cell_step import GRUCell, LSTMCell, RNNCell
 from .layers import GRU, LSTM, RNN
-from .model import StepTime, predict_step_time
+from .latency import StepTime, predict_step_time
 from .plan import max_hidden_size
 from .settings import Settings, configure, inject_stall, override_settings
 from .stats import RunStats

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from . import bench
+from . import benchmark
 from .extras import install_hint
 from .hardware import PORTABLE_CLUSTER_CTAS
 
@@ -77,13 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="results JSON to stdout, table to stderr")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
     b.add_argument("--cpu", action="store_true", help="run the NumPy GEMM path even where a GPU is present")
-    b.add_argument("--cells", type=_choices(bench.CELL_NAMES), help="e.g. lstm,gru")
-    b.add_argument("--batches", type=_positive_ints, help=f"default {','.join(map(str, bench.BATCHES))}")
+    b.add_argument("--cells", type=_choices(benchmark.CELL_NAMES), help="e.g. lstm,gru")
+    b.add_argument("--batches", type=_positive_ints, help=f"default {','.join(map(str, benchmark.BATCHES))}")
     b.add_argument("--hidden", type=_positive_ints, help="hidden sizes, e.g. 256,512")
     b.add_argument("--seq-len", type=_positive_ints, help="sequence lengths T")
-    b.add_argument("--passes", type=_choices(bench.PASSES), help="forward,forward_backward")
-    b.add_argument("--algos", type=_choices(bench.BENCH_ALGOS), help=",".join(bench.BENCH_ALGOS))
-    b.add_argument("--dtype", choices=bench.BENCH_DTYPES,
+    b.add_argument("--passes", type=_choices(benchmark.PASSES), help="forward,forward_backward")
+    b.add_argument("--algos", type=_choices(benchmark.BENCH_ALGOS),
+                   help=",".join(benchmark.BENCH_ALGOS))
+    b.add_argument("--dtype", choices=benchmark.BENCH_DTYPES,
                    help="layer dtype, torch.nn in the same dtype (default float32)")
     b.add_argument("--input-size", type=_at_least(1), help="layer input size (default 64)")
     b.add_argument("--proj-size", type=_at_least(1),
@@ -110,13 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sweep_from_args(args: argparse.Namespace, gpu: bool) -> bench.Sweep:
+def _sweep_from_args(args: argparse.Namespace, gpu: bool) -> benchmark.Sweep:
     """The default sweep with the options given on the command line."""
     given = {"cells": args.cells, "batches": args.batches, "hidden_sizes": args.hidden,
              "seq_lens": args.seq_len, "passes": args.passes, "algos": args.algos,
              "dtype": args.dtype, "input_size": args.input_size, "proj_size": args.proj_size,
              "num_layers": args.layers, "repeats": args.repeats, "max_seconds": args.max_seconds}
-    sweep = replace(bench.default_sweep(gpu, args.quick), **{k: v for k, v in given.items() if v is not None})
+    sweep = replace(benchmark.default_sweep(gpu, args.quick), **{k: v for k, v in given.items() if v is not None})
     if sweep.proj_size and sweep.cells != ("lstm",):
         raise ValueError(f"--proj-size needs --cells lstm (only the LSTM has a projection), "
                          f"got cells {','.join(sweep.cells)}")
@@ -128,7 +129,7 @@ def run_info(args: argparse.Namespace, argv: list[str]) -> int:
     from . import info
     report = info.collect()
     if args.json:
-        report.update(bench.run_stamp(["prnn", *argv]))
+        report.update(benchmark.run_stamp(["prnn", *argv]))
     print(json.dumps(report, indent=1) if args.json else info.format_text(report))
     return 0
 
@@ -146,18 +147,18 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         _writable(args.out)  # before the sweep, not after minutes of it
     except OSError as exc:
         return _error("bench", f"--out {args.out}: cannot write there ({exc.strerror or exc})")
-    gpu = not args.cpu and bench.gpu_available()
+    gpu = not args.cpu and benchmark.gpu_available()
     try:
-        results = bench.benchmark(_sweep_from_args(args, gpu), gpu, ["prnn", *argv],
-                                  progress=not args.no_progress)
+        results = benchmark.benchmark(_sweep_from_args(args, gpu), gpu, ["prnn", *argv],
+                                      progress=not args.no_progress)
     except ValueError as exc:
         return _error("bench", str(exc))
     try:
-        json_path, png_path = bench.write_outputs(results, args.out)
+        json_path, png_path = benchmark.write_outputs(results, args.out)
     except OSError as exc:
         return _error("bench", f"--out {args.out}: cannot write there ({exc.strerror or exc})")
     table = sys.stderr if args.json else sys.stdout
-    print(bench.format_table(results), file=table)
+    print(benchmark.format_table(results), file=table)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else
                                   f" (no plot: {install_hint('bench')})"),
           file=table)
@@ -168,9 +169,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``prnn plan``: the planner's placement and the latency model's prediction (exit 1: no fit)."""
-    from . import model
+    from . import latency
     try:
-        record = model.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype, args.device)
+        record = latency.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype, args.device)
     except ValueError as exc:
         return _error("plan", str(exc))
     if not record["fits"]:

@@ -97,13 +97,13 @@ PASSES = ("forward", "forward_backward")
 def predicted_us(layer: Layer, device: str = PROFILE) -> dict[str, float]:
     """The latency model's predicted µs per step of ``layer``'s persistent forward and
     forward+backward at ``SEQ_LEN`` steps (per-call terms included), on ``device``'s profile."""
-    from . import model
+    from . import latency
     if layer.layers == 1:
-        st = model.predict_step_time(layer.cell, layer.hidden, layer.batch, layer.dtype, device)
+        st = latency.predict_step_time(layer.cell, layer.hidden, layer.batch, layer.dtype, device)
         return {p: st.benchmark_us(SEQ_LEN, backward=p != "forward") for p in PASSES}
-    stack = model.predict_stack_time(layer.cell, layer.hidden, layer.batch, layer.layers,
-                                     SEQ_LEN, input_size=INPUT_SIZE, dtype=layer.dtype,
-                                     device=device)
+    stack = latency.predict_stack_time(layer.cell, layer.hidden, layer.batch, layer.layers,
+                                       SEQ_LEN, input_size=INPUT_SIZE, dtype=layer.dtype,
+                                       device=device)
     fwd = stack.forward_us if stack.plan.fits else stack.apart_forward_us
     bwd = stack.backward_us if stack.plan.fits else stack.apart_backward_us
     return {"forward": fwd / SEQ_LEN, "forward_backward": (fwd + bwd) / SEQ_LEN}
@@ -136,7 +136,7 @@ def compare(layers: tuple[Layer, ...] | None = None, device: str = PROFILE) -> l
     """Print predicted persistent beside measured cuDNN µs per step of ``layers`` (default
     ``TYPICAL``); return the rows. (The predictions come first: without NVRTC, the
     ``ModuleNotFoundError`` leaves nothing half printed.)"""
-    from . import model
+    from . import latency
     results = _recorded_results()
     rows = []
     for layer in TYPICAL if layers is None else layers:
@@ -151,7 +151,7 @@ def compare(layers: tuple[Layer, ...] | None = None, device: str = PROFILE) -> l
               f"not in this installation ({RECORDED} of the source tree)")
     print(f"\nWhat the GPU kernels are for, without a GPU: microseconds per step at T={SEQ_LEN}")
     print(f"  predicted = persistent kernels, latency model on the {device.upper()} profile "
-          f"({model.CALIBRATION})")
+          f"({latency.CALIBRATION})")
     print(f"  measured  = torch.nn on cuDNN, recorded: {source}")
     print(f"{'':30s}{'predicted persistent':>20s}   {'measured cuDNN':>20s}")
     print(f"{'layer':30s}{'forward':>10s}{'fwd+bwd':>10s}   {'forward':>10s}{'fwd+bwd':>10s}")
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("out"), help="where the plot goes")
     args = parser.parse_args(argv)
     run_cells()
-    from .bench import gpu_available
+    from .benchmark import gpu_available
     if gpu_available():
         print("\nA GPU is present: `prnn bench --quick` (make demo runs it next) measures the "
               "persistent kernels beside cuDNN on it.")

@@ -220,6 +220,8 @@ def get_module(source: str, defines: Mapping[str, int],
                src_dir: Path | None = None) -> EmulatedModule:
     """The host build of ``cuda_src/<source>`` with ``-D`` ``defines`` (built once, cached).
     ``src_dir``: another copy of cuda_src (the sabotage tests build altered kernels from one).
+    ``source`` may also be the absolute path of a kernel outside it (the tests' own kernels,
+    tests/cuda), which includes cuda_src's headers.
     A source that ``$PRNN_EMU_RACE_DETECTOR`` names is built with the race detector."""
     return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())),
                    Path(src_dir or cuda_src_dir()), _race_detected(source))
@@ -243,8 +245,8 @@ def _build(source: str, defines: dict[str, int], src_dir: Path | None = None,
     compiler = host_compiler()
     flags = [*CXX_FLAGS, *(_TSAN_FLAGS if race_detector else ())]
     options = [*flags, f"-I{src_dir}", *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
-    key = hashlib.sha256("\n".join([compiler, source, *options, _sources_digest(src_dir)])
-                         .encode()).hexdigest()[:24]
+    key = hashlib.sha256("\n".join([compiler, source, (src_dir / source).read_text(), *options,
+                                    _sources_digest(src_dir)]).encode()).hexdigest()[:24]
     folder = cache.cache_dir("emulation")
 
     def build(out: Path) -> dict:

@@ -80,7 +80,7 @@ def current_device() -> DeviceProfile:
         max_cluster_ctas=HOPPER_CLUSTER_CTAS if dev.compute_capability == "90" else PORTABLE_CLUSTER_CTAS)
 
 
-# ---- the per-step latency model (persistent_rnn/model.py; docs/design.md, "Latency model") ----
+# ---- the per-step latency model (persistent_rnn/latency.py; docs/design.md, "Latency model") ----
 # Public figures, in SM cycles unless the name says otherwise. Sources: NVIDIA's Hopper tuning guide
 # and CUDA C++ Programming Guide (one warp instruction issued per scheduler and clock, 4 schedulers
 # per SM); Jia et al., "Dissecting the NVIDIA Volta/Turing GPU Architecture via Microbenchmarking"
@@ -104,12 +104,13 @@ BLOCK_BARRIER = 300            # fitted (297): bar.sync once the last warp arriv
 ATOMIC_SERIAL_NS = 6.1         # per CTA: same-address atomics queue at one L2 slice (the counter
                                # barrier's growth from 1 to 132 CTAs, 674 -> 1472 ns, recorded in
                                # bench/results/h200-2026-11-23/barrier_latency.json)
-# Per call (a benchmark of T steps pays them once). The recorded runs' host work per call, fitted
-# on the runtime that read progress back after every launch (a host sync per call): kept for
-# bench/model_calibration.py's comparison with those runs only.
-HOST_FORWARD_US = 500.0        # fitted (501; the first runtime: progress read after each launch)
+# Per call (a benchmark of T steps pays them once). HOST_*: the host work per call of the runtime
+# the recorded H200 runs measured (a host sync per call, docs/design.md "Latency model"), fitted;
+# only bench/model_calibration.py uses them, to predict those runs.
+HOST_FORWARD_US = 500.0        # fitted (501)
 HOST_BACKWARD_US = 775.0       # fitted (775)
-# The model's per-call terms now (model.call_costs): counted API calls times public costs.
+# The per-call terms of the library's runtime (latency.call_costs): counted API calls times
+# public costs.
 # NVIDIA, "Getting Started with CUDA Graphs" (A. Gray, 2019): kernels of 2.9 us launched back to
 # back without a sync take 3.8 us each (the host's launch rate bounds them), 3.4 us as a graph.
 API_CALL_HOST_US = 3.8         # host time of one kernel launch or memset call (runtime API)

@@ -18,7 +18,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from . import hardware, kernels, model, plan as planner
+from . import hardware, kernels, latency, plan as planner
 from .cells import CELLS
 from .sass_analysis import disassemble, nvdisasm, sass_loop_counts
 
@@ -165,13 +165,13 @@ MODEL_BATCHES = (1, REPORT_BATCH)
 
 
 def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
-    """The latency model on one configuration (``persistent_rnn.model``): instructions per batch
+    """The latency model on one configuration (``persistent_rnn.latency``): instructions per batch
     row of the matrix loop against its FFMAs, and the predicted µs per step (a prediction) at
     ``MODEL_BATCHES`` on the arch's device profile (sm_80: a100, else h100)."""
     device = hardware.PROFILES["a100" if arch == "sm_80" else "h100"]
     predicted, terms = {}, None
     for batch in MODEL_BATCHES:
-        terms = model.step_terms(sass, model.shape_at(cell, p, batch, p.max_hidden), device)
+        terms = latency.step_terms(sass, latency.shape_at(cell, p, batch, p.max_hidden), device)
         predicted[str(batch)] = round(terms.total_us, 3)
     return {"per_row_instructions": terms.per_row_instructions, "per_row_ffma": terms.per_row_ffma,
             "predicted_us": predicted, "device_profile": device.name, "prediction": True}

@@ -70,7 +70,9 @@ def compile_source(source: str, defines: Mapping[str, int], arch: str,
     """Compile ``cuda_src/<source>`` with ``defines`` for ``arch`` to a cubin (cached on disk).
 
     ``src_dir``: another directory of the same sources (an earlier commit's ``cuda_src``, for
-    ``bench/model_calibration.py``); the cache key covers its text and headers.
+    ``bench/model_calibration.py``); the cache key covers its text and headers. ``source`` may
+    also be the absolute path of a kernel outside it (the tests' own kernels, tests/cuda), which
+    includes its headers.
 
     A cached cubin is returned only after its digest matches the one recorded when it was built;
     a missing or damaged one is compiled again. Raises ValueError for an ``arch`` the kernels
@@ -229,7 +231,8 @@ def max_active_clusters(function: int, grid: int, block: int, shared_bytes: int)
 
 
 def get_module(source: str, defines: Mapping[str, int], cooperative: bool = False) -> GpuModule:
-    """The GPU module of ``cuda_src/<source>`` built with ``defines`` for the current device."""
+    """The GPU module of ``cuda_src/<source>`` (or of a kernel at an absolute path that includes
+    cuda_src's headers) built with ``defines`` for the current device."""
     return _module(source, tuple(sorted((k, int(v)) for k, v in defines.items())), device_arch(),
                    cooperative, _device_id())
 

@@ -580,7 +580,7 @@ class StackPlan:
         wavefront of a unidirectional stack in stack mode ``steps + layers - 1``; the two
         directions side by side ``layers * steps``; one launch per layer-direction
         ``layers * directions * steps``: a pass's time is about this times the step of its
-        kernel, plus per-launch work (``model.predict_stack_time``)."""
+        kernel, plus per-launch work (``latency.predict_stack_time``)."""
         if not self.fits:
             return self.launches * steps
         return steps + self.layers - 1 if self.directions == 1 else self.layers * steps

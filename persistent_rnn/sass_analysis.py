@@ -32,8 +32,8 @@ SASS_KINDS = {
 
 def step_atomic(opcode: str) -> bool:
     """Whether an atomic of the time loop is one a step runs: not the compare-and-swap of
-    ``prnn_abort`` (cuda_src/hw.cuh: the first abort reason wins), which only a wait that gives up
-    runs, once per launch."""
+    ``prnn_abort`` (cuda_src/exchange.cuh: the first abort reason wins), which only a wait that
+    gives up runs, once per launch."""
     return opcode.split(".")[0] in SASS_KINDS["atomics"] and ".CAS" not in opcode
 
 
@@ -273,9 +273,10 @@ def loop_kind(loop: TimeLoop, head: int) -> str:
     "pointwise" (MUFU or global stores), "copy" (16-byte cp.async: the exchanged vector), "prefetch" (4-byte
     cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
     not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the
-    reduce-scatter's halving levels over a run-time index, before issue 15), "chunks" (holds
-    loops that are not waits: the gather's batches of quads with their loads and checks), "scan"
-    (holds a wait: the gather's batches of quads, each with its polling loop), "other"."""
+    reduce-scatter's halving levels, where a tile indexes its accumulators at run time),
+    "chunks" (holds loops that are not waits: the gather's batches of quads with their loads and
+    checks), "scan" (holds a wait: the gather's batches of quads, each with its polling loop),
+    "other"."""
     kind = _own_kind(loop, head)
     if kind:
         return kind

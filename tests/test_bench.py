@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from persistent_rnn import bench, cli, timing
+from persistent_rnn import benchmark, cli, timing
 
 
 @pytest.mark.parametrize("cell, batch, hidden, pass_, flops", [
@@ -22,19 +22,19 @@ from persistent_rnn import bench, cli, timing
     ("rnn_relu", 3, 7, "forward_backward", 588),
 ])
 def test_flops_formula(cell, batch, hidden, pass_, flops):
-    assert bench.recurrence_flops_per_step(cell, batch, hidden, pass_) == flops
+    assert benchmark.recurrence_flops_per_step(cell, batch, hidden, pass_) == flops
 
 
 def test_flops_formula_rejects_an_unknown_pass():
     with pytest.raises(ValueError, match="pass must be one of"):
-        bench.recurrence_flops_per_step("lstm", 1, 8, "backward")
+        benchmark.recurrence_flops_per_step("lstm", 1, 8, "backward")
 
 
 def test_activation_bytes():
     # LSTM keeps y, cs and 4 saved gates: 6 values per unit; GRU y + 4; RNN y only.
-    assert bench.activation_bytes("lstm", 2, 8, 5, "float32") == 5 * 2 * 8 * 6 * 4
-    assert bench.activation_bytes("gru", 2, 8, 5, "float64") == 5 * 2 * 8 * 5 * 8
-    assert bench.activation_bytes("rnn_tanh", 1, 4, 3, "float32") == 48
+    assert benchmark.activation_bytes("lstm", 2, 8, 5, "float32") == 5 * 2 * 8 * 6 * 4
+    assert benchmark.activation_bytes("gru", 2, 8, 5, "float64") == 5 * 2 * 8 * 5 * 8
+    assert benchmark.activation_bytes("rnn_tanh", 1, 4, 3, "float32") == 48
 
 
 def test_median_seconds_rotates_inputs_and_takes_the_median():
@@ -59,9 +59,9 @@ def test_quick_cpu_run_writes_results_json_and_png(tmp_path, capsys):
     captured = capsys.readouterr()
     printed = json.loads(captured.out)
     assert "GPU figures need a GPU" in captured.err and "us/step" in captured.err
-    written = json.loads((out / bench.JSON_NAME).read_text())
+    written = json.loads((out / benchmark.JSON_NAME).read_text())
     assert written == printed
-    assert written["schema_version"] == bench.SCHEMA_VERSION and written["device"] == "cpu"
+    assert written["schema_version"] == benchmark.SCHEMA_VERSION and written["device"] == "cpu"
     assert written["commit"] and written["date"] and written["command"].startswith("prnn bench --quick")
     assert written["settings"]["repeats"] >= 10 and "perf_counter" in written["settings"]["timing"]
     assert "2*G*B*H^2" in written["flops_formula"]
@@ -71,16 +71,17 @@ def test_quick_cpu_run_writes_results_json_and_png(tmp_path, capsys):
         assert {"cell", "pass", "algo", "batch", "hidden_size", "seq_len", "dtype", "us_per_step", "tflops",
                 "peak_fraction", "activation_bytes", "restarts", "fallback"} <= set(p)
         assert p["algo"] == "gemm" and p["us_per_step"] > 0 and p["peak_fraction"] is None
-        flops = bench.recurrence_flops_per_step(p["cell"], p["batch"], p["hidden_size"], p["pass"])
+        flops = benchmark.recurrence_flops_per_step(p["cell"], p["batch"], p["hidden_size"],
+                                                    p["pass"])
         assert p["tflops"] == pytest.approx(flops / p["us_per_step"] / 1e6)
     assert {(p["batch"], p["hidden_size"]) for p in points} == {(1, 64), (4, 64)}
-    assert (out / bench.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / benchmark.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_time_budget_skips_the_rest(monkeypatch):
-    sweep = bench.Sweep(cells=("rnn_tanh",), hidden_sizes=(8,), seq_lens=(2,), batches=(1, 2),
-                        passes=("forward",), algos=("gemm",), max_seconds=0.0)
-    points, skipped = bench.run_sweep(sweep, gpu=False, peak_tflops=None, progress=False)
+    sweep = benchmark.Sweep(cells=("rnn_tanh",), hidden_sizes=(8,), seq_lens=(2,), batches=(1, 2),
+                            passes=("forward",), algos=("gemm",), max_seconds=0.0)
+    points, skipped = benchmark.run_sweep(sweep, gpu=False, peak_tflops=None, progress=False)
     assert points == [] and len(skipped) == 2 and "time budget" in skipped[0]["reason"]
 
 
@@ -100,7 +101,7 @@ STUDIES = ("batch_sweep", "hidden_sweep", "restart_cost", "barrier_latency")
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
-@pytest.mark.skipif(bench.gpu_available(), reason="checks the no-GPU exit; a GPU is present")
+@pytest.mark.skipif(benchmark.gpu_available(), reason="checks the no-GPU exit; a GPU is present")
 @pytest.mark.parametrize("study", STUDIES)
 def test_studies_exit_2_with_a_message_without_a_gpu(study, tmp_path):
     run = subprocess.run([sys.executable, str(BENCH_DIR / f"{study}.py"), "--out", str(tmp_path)],
@@ -137,7 +138,7 @@ def test_summarize_reports_best_points_barrier_and_restart(tmp_path, capsys):
     (tmp_path / "info.json").write_text(json.dumps(
         {"gpu": True, "device": {"name": "NVIDIA H200", "fp32_peak_tflops": 66.9}}))
     points = [_point("persistent", 4, 2.5, 0.0374), _point("persistent", 4, 1.5, 0.02), _point("gemm", 4, 0.25)]
-    (tmp_path / "bench" / bench.JSON_NAME).write_text(json.dumps({"points": points, "skipped": [{}]}))
+    (tmp_path / "bench" / benchmark.JSON_NAME).write_text(json.dumps({"points": points, "skipped": [{}]}))
     (tmp_path / "barrier_latency.json").write_text(json.dumps(
         {"rows": [{"grid": 1, "ns_per_barrier": 410.0}, {"grid": 132, "ns_per_barrier": 980.4}]}))
     (tmp_path / "restart_cost.json").write_text(json.dumps(
@@ -177,29 +178,31 @@ def test_barrier_latency_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
 
 def test_flops_with_a_projection_and_a_stack():
     # LSTM H=8, P=4, B=2: W_hh (32 x 4) r and W_hr (4 x 8) h per batch row, 2 FLOPs a product.
-    assert bench.recurrence_flops_per_step("lstm", 2, 8, "forward", proj_size=4) == 2 * 2 * (128 + 32)
-    assert bench.recurrence_flops_per_step("lstm", 2, 8, "forward_backward", proj_size=4,
-                                           num_layers=3) == 2 * 640 * 3
-    assert bench.recurrence_flops_per_step("gru", 1, 8, "forward", num_layers=2) == 2 * 2 * 3 * 64
+    assert (benchmark.recurrence_flops_per_step("lstm", 2, 8, "forward", proj_size=4)
+            == 2 * 2 * (128 + 32))
+    assert benchmark.recurrence_flops_per_step("lstm", 2, 8, "forward_backward", proj_size=4,
+                                               num_layers=3) == 2 * 640 * 3
+    assert (benchmark.recurrence_flops_per_step("gru", 1, 8, "forward", num_layers=2)
+            == 2 * 2 * 3 * 64)
 
 
 def test_activation_bytes_with_a_projection_and_a_stack():
     # LSTMP T=5 B=2 H=8 P=4: y (P wide) 40, cs 80, hs 80, saved 320 values.
-    assert bench.activation_bytes("lstm", 2, 8, 5, "float32", proj_size=4) == (40 + 80 + 80 + 320) * 4
+    assert benchmark.activation_bytes("lstm", 2, 8, 5, "float32", proj_size=4) == (40 + 80 + 80 + 320) * 4
     # Two GRU layers: layer 1's input (80) + per layer y 80 and saved 320, in fp32 for fp16.
-    assert bench.activation_bytes("gru", 2, 8, 5, "float16", num_layers=2) == (80 + 2 * 400) * 4
+    assert benchmark.activation_bytes("gru", 2, 8, 5, "float16", num_layers=2) == (80 + 2 * 400) * 4
 
 
 def test_commit_comes_from_prnn_commit_where_set(monkeypatch):
-    monkeypatch.setenv(bench.COMMIT_ENV, "0123abcd")
-    assert bench.git_commit() == "0123abcd"
-    assert bench.run_stamp(["prnn", "x"])["commit"] == "0123abcd"
-    monkeypatch.setenv(bench.COMMIT_ENV, " ")
-    assert bench.git_commit() != " " and bench.git_commit()
+    monkeypatch.setenv(benchmark.COMMIT_ENV, "0123abcd")
+    assert benchmark.git_commit() == "0123abcd"
+    assert benchmark.run_stamp(["prnn", "x"])["commit"] == "0123abcd"
+    monkeypatch.setenv(benchmark.COMMIT_ENV, " ")
+    assert benchmark.git_commit() != " " and benchmark.git_commit()
 
 
 def test_cpu_run_of_a_projected_stack_records_its_shape(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv(bench.COMMIT_ENV, "feedbeef")
+    monkeypatch.setenv(benchmark.COMMIT_ENV, "feedbeef")
     out = tmp_path / "res"
     assert cli.main(["bench", "--json", "--cpu", "--out", str(out), "--cells", "lstm", "--hidden", "16",
                      "--proj-size", "4", "--layers", "2", "--batches", "1,3", "--seq-len", "5",
@@ -210,8 +213,8 @@ def test_cpu_run_of_a_projected_stack_records_its_shape(tmp_path, capsys, monkey
     assert results["settings"]["prnn_settings"]["gemm_graphs"] is False
     assert [(p["batch"], p["proj_size"], p["num_layers"]) for p in results["points"]] == [(1, 4, 2), (3, 4, 2)]
     for p in results["points"]:
-        assert p["flops_per_step"] == bench.recurrence_flops_per_step("lstm", p["batch"], 16, "forward", 4, 2)
-        assert p["activation_bytes"] == bench.activation_bytes("lstm", p["batch"], 16, 5, "float32", 4, 2)
+        assert p["flops_per_step"] == benchmark.recurrence_flops_per_step("lstm", p["batch"], 16, "forward", 4, 2)
+        assert p["activation_bytes"] == benchmark.activation_bytes("lstm", p["batch"], 16, 5, "float32", 4, 2)
         assert p["predicted_us_per_step"] is None  # GEMM points carry no prediction
         # every call's forward was read: 2 warm-up + 10 timed
         assert p["passes_checked"] == 12 and p["restarts"] == 0 and p["fallback"] is None
@@ -235,18 +238,19 @@ def test_a_point_reports_the_restarts_and_fallback_of_every_call(monkeypatch):
             return np.zeros((x.shape[0], x.shape[1], 8), np.float32), None
 
     monkeypatch.setattr(prnn, "LSTM", ScriptedLSTM)
-    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(8,), seq_lens=(2,), batches=(1,),
-                        passes=("forward",), algos=("persistent",), repeats=10, warmup=2)
-    point = bench.measure_point(sweep, "lstm", "forward", "persistent", 1, 8, 2, gpu=False,
-                                peak_tflops=None)
+    sweep = benchmark.Sweep(cells=("lstm",), hidden_sizes=(8,), seq_lens=(2,), batches=(1,),
+                            passes=("forward",), algos=("persistent",), repeats=10, warmup=2)
+    point = benchmark.measure_point(sweep, "lstm", "forward", "persistent", 1, 8, 2, gpu=False,
+                                    peak_tflops=None)
     assert (point.restarts, point.fallback, point.passes_checked) == (5, "barrier timeout", 12)
 
 
 def test_the_full_gpu_sweep_measures_the_headline_first():
-    sweep = bench.default_sweep(gpu=True, quick=False)
+    sweep = benchmark.default_sweep(gpu=True, quick=False)
     assert (sweep.cells[0], sweep.hidden_sizes[0]) == ("lstm", 1024)
-    assert "prnn_torch" in bench.BENCH_ALGOS and "prnn_torch" not in sweep.algos  # asked by name
-    assert bench.resolve_sweep(sweep, gpu=False).algos == ("gemm",)
+    # prnn_torch runs only when asked for by name
+    assert "prnn_torch" in benchmark.BENCH_ALGOS and "prnn_torch" not in sweep.algos
+    assert benchmark.resolve_sweep(sweep, gpu=False).algos == ("gemm",)
 
 
 def test_projection_needs_the_lstm(capsys):
@@ -255,51 +259,53 @@ def test_projection_needs_the_lstm(capsys):
 
 
 def test_info_json_is_stamped(capsys, monkeypatch):
-    monkeypatch.setenv(bench.COMMIT_ENV, "c0ffee")
+    monkeypatch.setenv(benchmark.COMMIT_ENV, "c0ffee")
     assert cli.main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["commit"] == "c0ffee" and report["command"] == "prnn info --json" and report["date"]
-    assert report["nvrtc"] == bench.nvrtc_version()
+    assert report["nvrtc"] == benchmark.nvrtc_version()
 
 
 def test_prediction_is_the_models_benchmark_figure():
-    from persistent_rnn import model, plan
-    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(100,))
-    step = model.predict_step_time("lstm", 256, 4, device="h100")
+    from persistent_rnn import latency, plan
+    sweep = benchmark.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(100,))
+    step = latency.predict_step_time("lstm", 256, 4, device="h100")
     for pass_, backward in (("forward", False), ("forward_backward", True)):
-        got, note = bench.predicted_us_per_step(sweep, "lstm", pass_, 4, 256, 100, device="h100")
+        got, note = benchmark.predicted_us_per_step(sweep, "lstm", pass_, 4, 256, 100,
+                                                    device="h100")
         assert note is None and got == pytest.approx(step.benchmark_us(100, backward), rel=1e-12)
     # Another T (and input size): the per-call GEMMs are of that size, spread over T steps.
-    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(20,), input_size=32)
-    got, _ = bench.predicted_us_per_step(sweep, "lstm", "forward", 4, 256, 20, device="h100")
-    at20 = model.predict_plan(plan.resolve_cell("lstm"), 256, 4, step.plan,
-                              plan.resolve_device("h100"), seq_len=20, input_size=32)
+    sweep = benchmark.Sweep(cells=("lstm",), hidden_sizes=(256,), seq_lens=(20,), input_size=32)
+    got, _ = benchmark.predicted_us_per_step(sweep, "lstm", "forward", 4, 256, 20, device="h100")
+    at20 = latency.predict_plan(plan.resolve_cell("lstm"), 256, 4, step.plan,
+                                plan.resolve_device("h100"), seq_len=20, input_size=32)
     assert got == pytest.approx(at20.benchmark_us(20), rel=1e-12)
 
 
 def test_prediction_of_a_stack_follows_the_stack_setting():
-    from persistent_rnn import model, settings
-    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), num_layers=2)
-    st = model.predict_stack_time("lstm", 64, 2, 2, 10, device="h100")
+    from persistent_rnn import latency, settings
+    sweep = benchmark.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), num_layers=2)
+    st = latency.predict_stack_time("lstm", 64, 2, 2, 10, device="h100")
     assert st.plan.fits
-    got, _ = bench.predicted_us_per_step(sweep, "lstm", "forward_backward", 2, 64, 10, device="h100")
+    got, _ = benchmark.predicted_us_per_step(sweep, "lstm", "forward_backward", 2, 64, 10, device="h100")
     assert got == pytest.approx((st.forward_us + st.backward_us) / 10, rel=1e-12)
     with settings.override_settings(stack=False):
-        apart, _ = bench.predicted_us_per_step(sweep, "lstm", "forward", 2, 64, 10, device="h100")
+        apart, _ = benchmark.predicted_us_per_step(sweep, "lstm", "forward", 2, 64, 10,
+                                                   device="h100")
     assert apart == pytest.approx(st.apart_forward_us / 10, rel=1e-12) and apart != st.forward_us / 10
 
 
 def test_no_prediction_for_projections_or_when_the_model_fails(monkeypatch):
-    from persistent_rnn import model
-    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), proj_size=16)
-    assert bench.predicted_us_per_step(sweep, "lstm", "forward", 1, 64, 10, "h100") == \
-        (None, bench.NO_PROJECTION_MODEL)
+    from persistent_rnn import latency
+    sweep = benchmark.Sweep(cells=("lstm",), hidden_sizes=(64,), seq_lens=(10,), proj_size=16)
+    assert benchmark.predicted_us_per_step(sweep, "lstm", "forward", 1, 64, 10, "h100") == \
+        (None, benchmark.NO_PROJECTION_MODEL)
 
     def broken(*args, **kwargs):
         raise RuntimeError("nvdisasm is not installed")
-    monkeypatch.setattr(model, "predict_plan", broken)
-    got, note = bench.predicted_us_per_step(bench.Sweep(("lstm",), (64,), (10,)), "lstm", "forward",
-                                            1, 64, 10, "h100")
+    monkeypatch.setattr(latency, "predict_plan", broken)
+    got, note = benchmark.predicted_us_per_step(benchmark.Sweep(("lstm",), (64,), (10,)), "lstm",
+                                                "forward", 1, 64, 10, "h100")
     assert got is None and "nvdisasm is not installed" in note
 
 
@@ -309,9 +315,9 @@ def test_summarize_prints_every_run_side_by_side_and_the_prediction_error(tmp_pa
                               _point("persistent", 8, 2.0, us=20.0, predicted=19.0),
                               _point("cudnn", 4, 1.0, us=16.0), _point("gemm", 4, 0.5, us=40.0)]),
             ("bench_lstmp", True, [_point("persistent", 1, 1.0, us=5.0, proj_size=128,
-                                          prediction_note=bench.NO_PROJECTION_MODEL)])):
+                                          prediction_note=benchmark.NO_PROJECTION_MODEL)])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / bench.JSON_NAME).write_text(json.dumps(
+        (tmp_path / name / benchmark.JSON_NAME).write_text(json.dumps(
             {"points": points, "skipped": [], "commit": "abc", "settings": {
                 "dtype": "float32", "prnn_settings": {"gemm_graphs": graphs}}}))
     assert _bench_script("summarize").main([str(tmp_path)]) == 0
@@ -322,7 +328,7 @@ def test_summarize_prints_every_run_side_by_side_and_the_prediction_error(tmp_pa
     assert "a prediction" in out and "median |error| 12.5%, worst 20.0% over 2 points" in out
     assert "measured    10.00  predicted    12.00  error  +20.0%" in out
     assert "error   -5.0%" in out and "lstm forward float32 H=512 P=128 T=100 B=1" in out
-    assert f"no prediction: {bench.NO_PROJECTION_MODEL}" in out
+    assert f"no prediction: {benchmark.NO_PROJECTION_MODEL}" in out
 
 
 def _sanitize_case():

@@ -116,7 +116,7 @@ def test_kernels_without_cupy_names_the_extra(monkeypatch, capsys):
 
 def test_bench_refuses_an_unwritable_out_before_measuring(tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(cli.bench, "benchmark", lambda *a, **k: pytest.fail("sweep ran"))
+    monkeypatch.setattr(cli.benchmark, "benchmark", lambda *a, **k: pytest.fail("sweep ran"))
     out = tmp_path / "file" / "results"
     assert cli.main(["bench", "--cpu", "--out", str(out), "--no-progress"]) == 2
     line = _one_line(capsys.readouterr().err)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from persistent_rnn import bench, demo, model
+from persistent_rnn import benchmark, demo, latency
 
 ROOT = Path(__file__).resolve().parents[1]
 GRU = demo.Layer("gru", 256, 1)
@@ -24,7 +24,7 @@ def test_recorded_cudnn_figures_are_the_cited_runs():
 
 
 def test_prediction_is_the_latency_models_at_the_recorded_length():
-    st = model.predict_step_time("GRU", 256, 1, device="h100")
+    st = latency.predict_step_time("GRU", 256, 1, device="h100")
     got = demo.predicted_us(GRU)
     assert got["forward"] == pytest.approx(st.forward_us + st.forward_call_us / demo.SEQ_LEN)
     assert got["forward_backward"] == pytest.approx(st.benchmark_us(demo.SEQ_LEN, backward=True))
@@ -32,7 +32,7 @@ def test_prediction_is_the_latency_models_at_the_recorded_length():
 
 @pytest.mark.slow
 def test_demo_without_gpu_prints_labelled_figures_and_plots(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(bench, "gpu_available", lambda: False)
+    monkeypatch.setattr(benchmark, "gpu_available", lambda: False)
     monkeypatch.setattr(demo, "TYPICAL", (GRU,))
     demo.main(["--out", str(tmp_path)])
     out = capsys.readouterr().out

@@ -131,17 +131,17 @@ def test_per_call_predictions_hold_issue_26s_end_to_end_targets():
     """Predictions (h100, T=100, input size 64): the device-side chain's API calls at the public
     launch cost, host work overlapping the GPU (no call synchronises). The host term counts API
     calls only (not the Python of the call): 19 per forward, 27 per backward call."""
-    from persistent_rnn import model, plan
+    from persistent_rnn import latency, plan
     h100 = plan.resolve_device("h100")
     for cell, hidden, batch, fwd_max, both_max in (("gru", 256, 1, 1.0, None),
                                                     ("lstm", 1024, 4, 2.6, 8.5)):
         spec = plan.resolve_cell(cell)
         p = plan.make_plan(spec, hidden, batch, "float32", h100)
-        st = model.predict_plan(spec, hidden, batch, p, h100, seq_len=100, input_size=64)
+        st = latency.predict_plan(spec, hidden, batch, p, h100, seq_len=100, input_size=64)
         assert st.benchmark_us(100) <= fwd_max
         assert both_max is None or st.benchmark_us(100, True) <= both_max
-        fwd = model.call_costs(spec, hidden, batch, 100, 64, False, h100)
-        bwd = model.call_costs(spec, hidden, batch, 100, 64, True, h100)
+        fwd = latency.call_costs(spec, hidden, batch, 100, 64, False, h100)
+        bwd = latency.call_costs(spec, hidden, batch, 100, 64, True, h100)
         assert fwd.api_calls == (launch.chain_launches(3) + launch.CHAIN_MEMSETS
                                  + launch.RECORD_CALLS + 6 + (cell == "lstm"))
         assert fwd.host_us < 80 and bwd.host_us < 115  # issue 26's 30 / 50 need one graph per call

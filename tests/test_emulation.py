@@ -158,7 +158,7 @@ def test_the_first_abort_reason_stays():
 
 
 def test_a_plain_store_of_the_abort_word_loses_the_reason(tmp_path):
-    src = sabotaged(tmp_path, "hw.cuh", "prnn_atomic_set_if_zero(&ctl->abort, why);",
+    src = sabotaged(tmp_path, "exchange.cuh", "prnn_atomic_set_if_zero(&ctl->abort, why);",
                     "prnn_store_relaxed(&ctl->abort, why);")
     with pytest.raises(AssertionError):
         _check_first_abort_reason_stays(src)

@@ -237,7 +237,7 @@ def test_a_quad_judged_by_one_tag_reads_stale_words(tmp_path):
     """Words a thread stores land in any order in delayed mode: a reader that took the last
     word's tag for the whole quad (stores made in order are not seen in order) reads stale
     values, where it passes on the emulation's in-order stores."""
-    src = sabotaged(tmp_path, "hw.cuh",
+    src = sabotaged(tmp_path, "exchange.cuh",
                     "prnn_tag_of((w[i][0] ^ tag) | (w[i][1] ^ tag) | (w[i][2] ^ tag) | (w[i][3] ^ tag))",
                     "prnn_tag_of(w[i][3] ^ tag)")
     assert _exchange_errors(src)[1] > 0
@@ -275,7 +275,7 @@ def test_the_exchange_survives_random_schedules():
 
 def test_a_publish_before_the_last_read_of_a_slot_fails(tmp_path):
     """exchange_rounds without its block barrier per round, the rule the persistent kernels
-    keep too (hw.cuh: a CTA publishes step t only after it has read all of step t-1): a thread
+    keep too (exchange.cuh: a CTA publishes step t only after it has read all of step t-1): a thread
     that has read round r publishes round r+1 into the slot a slower thread of its CTA still
     reads round r-1 from, which then waits for a tag that never comes back (a timeout) or takes
     a later round's word for its own (wrong values). The slot's words are relaxed atomics, which

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from persistent_rnn import bench, cli
+from persistent_rnn import benchmark, cli
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -23,15 +23,15 @@ def test_cpu_bench_runs_16bit_layers(dtype, tmp_path, capsys):
 
 def test_16bit_activation_bytes_are_fp32():
     # 16-bit layers keep y, cs and saved in fp32 (h_t rounded to 16 bits in place)
-    full = bench.activation_bytes("lstm", 2, 8, 3, "float32")
-    assert bench.activation_bytes("lstm", 2, 8, 3, "float16") == full
-    assert bench.activation_bytes("lstm", 2, 8, 3, "bfloat16") == full
+    full = benchmark.activation_bytes("lstm", 2, 8, 3, "float32")
+    assert benchmark.activation_bytes("lstm", 2, 8, 3, "float16") == full
+    assert benchmark.activation_bytes("lstm", 2, 8, 3, "bfloat16") == full
 
 
 def test_bfloat16_on_cupy_is_skipped_with_the_reason():
-    sweep = bench.Sweep(cells=("lstm",), hidden_sizes=(8,), seq_lens=(2,), dtype="bfloat16")
+    sweep = benchmark.Sweep(cells=("lstm",), hidden_sizes=(8,), seq_lens=(2,), dtype="bfloat16")
     with pytest.raises(ValueError, match="CuPy has no bfloat16"):
-        bench._prnn_case(sweep, "lstm", "gemm", False, 1, 8, 2, xp=object())
+        benchmark._prnn_case(sweep, "lstm", "gemm", False, 1, 8, 2, xp=object())
 
 
 def test_dtype_option_is_checked(capsys):
@@ -40,5 +40,5 @@ def test_dtype_option_is_checked(capsys):
     assert "--dtype" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["bench", "--dtype", "float16"])
     assert cli._sweep_from_args(args, gpu=True).dtype == "float16"
-    assert bench.BENCH_DTYPES == ("float32", "float16", "bfloat16")
-    assert np.dtype(np.float16).name in bench.BENCH_DTYPES
+    assert benchmark.BENCH_DTYPES == ("float32", "float16", "bfloat16")
+    assert np.dtype(np.float16).name in benchmark.BENCH_DTYPES

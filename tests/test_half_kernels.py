@@ -1,7 +1,8 @@
 """The 16-bit persistent kernels (W_hh as packed fp16/bf16 pairs in registers), through the CPU
 emulation of the same CUDA source, and the conversions they are built on.
 
-* ``hw.cuh``'s conversions against ml_dtypes, bit for bit (emulated; on a GPU in the gpu suite).
+* ``hw.cuh``'s conversions (tests/cuda/half_convert.cu) against ml_dtypes, bit for bit (emulated;
+  on a GPU in the gpu suite).
 * Every cell, both dtypes, forward and backward with lengths: against the float64 layer on the
   same (16-bit) parameters within 5e-3 (fp16) / 3e-2 (bf16) relative error (the relu RNN: its
   forward; docs/api.md, "Accuracy"), and against the 16-bit GEMM path, which rounds h_t at the
@@ -12,6 +13,8 @@ emulation of the same CUDA source, and the conversions they are built on.
   makes the barrier time out: the restarted run is bitwise identical to an undisturbed one.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +28,8 @@ UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 CELLS = [("LSTM", {}), ("GRU", {}), ("RNN", {"nonlinearity": "tanh"}),
          ("RNN", {"nonlinearity": "relu"})]
 HALF = ("float16", "bfloat16")
+# The conversions alone, a test-only kernel (not shipped) on cuda_src's headers.
+CONVERSIONS = str(Path(__file__).resolve().parent / "cuda" / "half_convert.cu")
 
 
 @pytest.fixture
@@ -76,14 +81,14 @@ def _check_conversions(got, values, words):
 def test_emulated_conversions_are_ml_dtypes():
     values = _random_floats(100_000, 0)
     words = np.random.default_rng(2).integers(0, 2**32, 50_000, dtype=np.uint64).astype(np.uint32)
-    module = emulate.get_module("half_convert.cu", {})
+    module = emulate.get_module(CONVERSIONS, {})
     _check_conversions(_convert(module, np, values, words), values, words)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_conversion_source_compiles_for_the_gpu(arch):
     from persistent_rnn import kernels
-    log = kernels.compile_source("half_convert.cu", {}, arch).log
+    log = kernels.compile_source(CONVERSIONS, {}, arch).log
     assert log.count("Used") == 2 and "spill" not in log.replace(" 0 bytes spill", "")
 
 
@@ -92,7 +97,7 @@ def test_gpu_conversions_are_ml_dtypes(cupy):
     from persistent_rnn import kernels
     values = _random_floats(1_000_000, 3)
     words = np.random.default_rng(4).integers(0, 2**32, 500_000, dtype=np.uint64).astype(np.uint32)
-    module = kernels.get_module("half_convert.cu", {})
+    module = kernels.get_module(CONVERSIONS, {})
     _check_conversions(_convert(module, cupy, values, words), values, words)
 
 

@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,18 @@ def test_wheel_installs_and_finds_cuda_sources(venv, tmp_path):
     installed = next(python.parents[1].glob("lib/python*/site-packages/persistent_rnn/cuda_src"))
     shipped = {p.name for p in (ROOT / "cuda_src").iterdir() if p.suffix in (".cu", ".cuh", ".h")}
     assert shipped <= {p.name for p in installed.iterdir()}
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_no_test_kernel(dist):
+    """The kernels only tests compile (tests/cuda: the register tile alone, the 16-bit
+    conversions alone) stay out of the wheel; the library's own sources are all in it."""
+    (wheel,) = dist.glob("persistent_rnn-*.whl")
+    names = {Path(n).name for n in zipfile.ZipFile(wheel).namelist()}
+    test_only = {p.name for p in (ROOT / "tests" / "cuda").iterdir()}
+    assert {"register_tile.cu", "half_convert.cu"} <= test_only
+    assert not test_only & names, sorted(test_only & names)
+    assert {p.name for p in (ROOT / "cuda_src").iterdir()} <= names
 
 
 @pytest.mark.slow

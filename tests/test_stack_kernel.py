@@ -267,12 +267,12 @@ def test_predicted_stack_forward_is_at_most_half_of_four_launches():
     B = 4 on an H100: the wavefront (103 steps of the stack kernel's heavier step) against four
     single-layer launches of 100 steps each (0.45x forward since the per-call host work overlaps
     the GPU and is no longer counted per launch: issue 26)."""
-    model = pytest.importorskip("persistent_rnn.model")
-    st = model.predict_stack_time("LSTM", 384, 4, 4, 100, device="h100")
+    latency = pytest.importorskip("persistent_rnn.latency")
+    st = latency.predict_stack_time("LSTM", 384, 4, 4, 100, device="h100")
     assert st.plan.fits and st.plan.launches == 1
     assert st.forward_us <= 0.5 * st.apart_forward_us, (st.forward_us, st.apart_forward_us)
     assert st.backward_us < st.apart_backward_us
-    record = model.plan_report("LSTM", 384, 4, 4, device="h100")["stack_mode"]
+    record = latency.plan_report("LSTM", 384, 4, 4, device="h100")["stack_mode"]
     assert record["fits"] and record["launches_per_pass"] == 1 and record["prediction"]
     assert record["forward_pass_us"] == st.forward_us
 

@@ -1,4 +1,4 @@
-"""The per-step latency model (persistent_rnn/model.py): its terms on a synthetic SASS time loop,
+"""The per-step latency model (persistent_rnn/latency.py): its terms on a synthetic SASS time loop,
 monotonicity, ``prnn plan --json`` and the committed calibration's error."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from persistent_rnn import cli, hardware, model, sass_analysis
+from persistent_rnn import cli, hardware, latency, sass_analysis
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import CELLS
 
@@ -38,10 +38,10 @@ def synthetic_sass(ffma: int = 8, extra: int = 0, publish: str = "STG.E.STRONG.G
                      for i, line in enumerate(lines))
 
 
-def shape(batch: int) -> model.PassShape:
+def shape(batch: int) -> latency.PassShape:
     cell = CELLS["rnn_tanh"]
     tile = planner.tiles_for(cell)[0]
-    return model.PassShape(cell, planner.pass_plan(cell, tile, False, 128, batch), batch, 128)
+    return latency.PassShape(cell, planner.pass_plan(cell, tile, False, 128, batch), batch, 128)
 
 
 def test_synthetic_loop_kinds_and_counts():
@@ -50,7 +50,7 @@ def test_synthetic_loop_kinds_and_counts():
     kinds = sorted(sass_analysis.loop_kind(loop, h) for h in loop.inner)
     assert kinds == ["matrix", "pointwise", "spin"]
     s = shape(batch=3)
-    terms = model.step_terms(sass, s, H100)
+    terms = latency.step_terms(sass, s, H100)
     matrix_body, pointwise_body, spin_body = 8 + 3, 6, 4
     outside = len(loop.body) - matrix_body - pointwise_body - spin_body
     pointwise_trips = math.ceil(3 * s.units / (32 * s.warps))
@@ -70,8 +70,8 @@ def test_exchange_traffic_follows_the_word_width():
     # 8-byte {value, tag} words (STG.E.64) against 4-byte values carrying their tag: every CTA
     # reads B*K words per step at L2 bandwidth, so the difference is 4 bytes of each.
     s = shape(batch=4)
-    wide = model.step_terms(synthetic_sass(publish="STG.E.64.STRONG.GPU"), s, H100)
-    narrow = model.step_terms(synthetic_sass(), s, H100)
+    wide = latency.step_terms(synthetic_sass(publish="STG.E.64.STRONG.GPU"), s, H100)
+    narrow = latency.step_terms(synthetic_sass(), s, H100)
     assert sass_analysis.exchange_word_bytes(["STG.E.64.STRONG.GPU", "STG.E"]) == 8
     assert sass_analysis.exchange_word_bytes(["STG.E.STRONG.GPU", "STG.E.64"]) == 4
     saved_us = s.plan.grid * s.batch * s.k_len * 4 / (hardware.L2_BANDWIDTH_GBPS * 1e3)
@@ -82,9 +82,9 @@ def test_shipped_grid_exchange_is_4_byte_quads():
     # LSTM H=1024 B=4 backward on the grid: 4 rows of 4096 words, 4096 quads over 256 threads,
     # 8 in flight per thread (128 registers of weights): 2 rounds of L2 round trips per step.
     p = planner.make_plan("lstm", 1024, 4, device="h100").backward
-    s = model.PassShape(CELLS["lstm"], p, 4, 1024)
+    s = latency.PassShape(CELLS["lstm"], p, 4, 1024)
     assert (s.quads, s.gather_quads, s.gather_rounds) == (4096, 8, 2)
-    loop = sass_analysis.time_loop(model.pass_sass(p, "sm_90"))
+    loop = sass_analysis.time_loop(latency.pass_sass(p, "sm_90"))
     assert sass_analysis.exchange_word_bytes([loop.code[i][0] for i in loop.body]) == 4
 
 
@@ -108,7 +108,7 @@ def test_diverged_warp_fallback_is_not_counted():
     """A converged warp falls through BRA.DIV: the model counts the matrix loop without the
     fallback; the report's loop (a bound on what may execute) keeps it."""
     sass = diverged_fallback_sass(fallback=6)
-    terms = model.step_terms(sass, shape(batch=2), H100)
+    terms = latency.step_terms(sass, shape(batch=2), H100)
     assert terms.per_row_instructions == 1 + 8 + 5  # LDS, FFMAs, BRA.DIV .. the loop's branch
     assert terms.instructions == 2 * 14 + 4  # two batch rows, then barrier, test, branch, BAR
     whole = sass_analysis.time_loop(sass)
@@ -121,7 +121,7 @@ def test_per_thread_loops_issue_only_in_their_warps():
     issues it for those of its warps, not for every warp of the block."""
     sass = synthetic_sass(ffma=8)
     p = planner.make_plan("gru", 1024, 1, device="h100").forward  # a grid tile: 8 warps
-    s = model.PassShape(CELLS["gru"], p, 1, 1024)
+    s = latency.PassShape(CELLS["gru"], p, 1, 1024)
     assert not s.warp_teams
     loop = sass_analysis.time_loop(sass)
     sharing = math.ceil(s.warps / hardware.SCHEDULERS_PER_SM)
@@ -130,8 +130,8 @@ def test_per_thread_loops_issue_only_in_their_warps():
     pointwise_body, matrix_body = 6, 8 + 3
     rest = len(loop.body) - pointwise_body - matrix_body
     expected = rest * sharing + pointwise_body * math.ceil(pointwise_warps / hardware.SCHEDULERS_PER_SM)
-    assert model.step_terms(sass, s, H100).issue_us == pytest.approx(expected / H100.clock_mhz)
-    assert model.loop_warps("pointwise", s, False) == pointwise_warps
+    assert latency.step_terms(sass, s, H100).issue_us == pytest.approx(expected / H100.clock_mhz)
+    assert latency.loop_warps("pointwise", s, False) == pointwise_warps
 
 
 def test_warp_teams_issue_their_pointwise_loop_in_every_warp():
@@ -139,13 +139,13 @@ def test_warp_teams_issue_their_pointwise_loop_in_every_warp():
     pointwise loop over its own units' items (ceil(B * U / warps / 32) trips), so every warp
     issues it."""
     p = planner.make_plan("gru", 256, 3, device="h100").forward  # 8 warps of 4 units each
-    s = model.PassShape(CELLS["gru"], p, 3, 256)
+    s = latency.PassShape(CELLS["gru"], p, 3, 256)
     assert s.warp_teams and (s.team_units, s.team_threads) == (4, 32)
-    assert model.loop_warps("pointwise", s, False) == s.warps
-    assert model.loop_trips("pointwise", s, False) == 1  # 12 items over one warp's lanes
-    assert model.loop_trips("prefetch", s, False) == 2  # 36 gate inputs
-    wide = model.PassShape(CELLS["gru"], p, 9, 256)
-    assert model.loop_trips("pointwise", wide, False) == 2
+    assert latency.loop_warps("pointwise", s, False) == s.warps
+    assert latency.loop_trips("pointwise", s, False) == 1  # 12 items over one warp's lanes
+    assert latency.loop_trips("prefetch", s, False) == 2  # 36 gate inputs
+    wide = latency.PassShape(CELLS["gru"], p, 9, 256)
+    assert latency.loop_trips("pointwise", wide, False) == 2
 
 
 def test_grid_warp_teams_meet_at_one_block_barrier():
@@ -156,10 +156,10 @@ def test_grid_warp_teams_meet_at_one_block_barrier():
     and no 4-byte shared load."""
     spec = CELLS["lstm"]
     p = planner.make_plan(spec, 1024, 4, device="h100").forward
-    s = model.PassShape(spec, p, 4, 1024)
+    s = latency.PassShape(spec, p, 4, 1024)
     assert "PRNN_CLUSTER" not in p.defines and s.warp_teams
     assert (s.team_units, s.team_threads) == (1, 32)
-    sass = model.pass_sass(p, "sm_90")
+    sass = latency.pass_sass(p, "sm_90")
     assert sass_analysis.sass_loop_counts(sass)["block_barriers"] == 1
     loop = sass_analysis.time_loop(sass, converged=True)
     (matrix,) = [h for h in loop.inner if sass_analysis.loop_kind(loop, h) == "matrix"]
@@ -182,7 +182,7 @@ PREDICTED_TARGETS = {("lstm", 1024, 4): (2.0, 4.0), ("gru", 256, 1): (0.7, None)
 @pytest.mark.parametrize("config", sorted(PREDICTED_TARGETS))
 def test_predicted_step_times_meet_the_targets(config):
     forward, backward = PREDICTED_TARGETS[config]
-    st = model.predict_step_time(*config, device="h100")
+    st = latency.predict_step_time(*config, device="h100")
     assert st.forward_us <= forward, st.forward
     assert backward is None or st.backward_us <= backward, st.backward
 
@@ -190,14 +190,14 @@ def test_predicted_step_times_meet_the_targets(config):
 def test_critical_path_follows_registers():
     code = [("MUFU.EX2", "", None, " R1, R0 "), ("FADD", "", None, " R2, R5, R6 "),
             ("FFMA", "", None, " R3, R1, R1, R2 "), ("STS", "", None, " [R7], R3 ")]
-    assert sass_analysis.critical_path(code, model._latency) == (
+    assert sass_analysis.critical_path(code, latency._latency) == (
         hardware.MUFU_LATENCY + 2 * hardware.FP_LATENCY)
 
 
 def test_more_instructions_more_time():
-    base = model.step_terms(synthetic_sass(ffma=8), shape(2), H100)
-    more_ffma = model.step_terms(synthetic_sass(ffma=16), shape(2), H100)
-    more_alu = model.step_terms(synthetic_sass(ffma=8, extra=40), shape(2), H100)
+    base = latency.step_terms(synthetic_sass(ffma=8), shape(2), H100)
+    more_ffma = latency.step_terms(synthetic_sass(ffma=16), shape(2), H100)
+    more_alu = latency.step_terms(synthetic_sass(ffma=8, extra=40), shape(2), H100)
     assert more_ffma.total_us > base.total_us
     assert more_alu.total_us > base.total_us
 
@@ -206,11 +206,11 @@ def test_more_instructions_more_time():
 def test_bigger_batch_never_faster(sass):
     if sass is None:  # a shipped configuration's SASS (NVRTC, no GPU)
         p = planner.make_plan("lstm", 256, 1, device="h100").forward
-        sass = model.pass_sass(p, "sm_90")
-        shapes = [model.shape_at(CELLS["lstm"], p, b, 256) for b in (1, 2, 4, 8)]
+        sass = latency.pass_sass(p, "sm_90")
+        shapes = [latency.shape_at(CELLS["lstm"], p, b, 256) for b in (1, 2, 4, 8)]
     else:
         shapes = [shape(b) for b in (1, 2, 4, 8, 32)]
-    totals = [model.step_terms(sass, s, H100).total_us for s in shapes]
+    totals = [latency.step_terms(sass, s, H100).total_us for s in shapes]
     assert totals == sorted(totals) and totals[-1] > totals[0]
 
 
@@ -259,12 +259,13 @@ def test_backward_prefetch_loop_runs_per_unit():
     unit's inputs: at LSTM H=1024 B=4 (32 items) one trip in one warp, as its SASS loop is one
     per-thread loop; the forward's takes one gate of gi per item (B*G*U, U a warp team's)."""
     plan = planner.make_plan("lstm", 1024, 4, device="h100")
-    back = model.PassShape(CELLS["lstm"], plan.backward, 4, 1024)
-    fwd = model.PassShape(CELLS["lstm"], plan.forward, 4, 1024)
-    assert model.loop_items("prefetch", back, False) == 4 * back.units
-    assert (model.loop_trips("prefetch", back, False), model.loop_warps("prefetch", back, False)) == (1, 1)
-    assert model.loop_items("prefetch", fwd, False) == 4 * 4 * fwd.team_units  # a warp's unit
-    loop = sass_analysis.time_loop(model.pass_sass(plan.backward, "sm_90"), converged=True)
+    back = latency.PassShape(CELLS["lstm"], plan.backward, 4, 1024)
+    fwd = latency.PassShape(CELLS["lstm"], plan.forward, 4, 1024)
+    assert latency.loop_items("prefetch", back, False) == 4 * back.units
+    assert latency.loop_trips("prefetch", back, False) == 1
+    assert latency.loop_warps("prefetch", back, False) == 1
+    assert latency.loop_items("prefetch", fwd, False) == 4 * 4 * fwd.team_units  # a warp's unit
+    loop = sass_analysis.time_loop(latency.pass_sass(plan.backward, "sm_90"), converged=True)
     assert [sass_analysis.loop_kind(loop, h) for h in loop.inner].count("prefetch") == 1
 
 
@@ -301,7 +302,7 @@ def test_a_wait_that_gives_up_is_not_part_of_the_step():
     """The failure handling a wait jumps to outside its polling loop (after a timeout or abort)
     is neither issued nor waited on by a step whose waits succeed: however long it is, the step
     counts the barrier, one successful poll and the step's end, and no L2 load on its chain."""
-    short, long = (model.step_terms(wait_that_gives_up_sass(n), shape(batch=1), H100) for n in (1, 40))
+    short, long = (latency.step_terms(wait_that_gives_up_sass(n), shape(batch=1), H100) for n in (1, 40))
     assert short.instructions == long.instructions == 1 + 3 + 3
     assert short.pointwise_us == long.pointwise_us == 0.0
     loop = sass_analysis.time_loop(wait_that_gives_up_sass(1), converged=True)
@@ -313,7 +314,7 @@ def test_a_wait_that_gives_up_is_not_part_of_the_step():
 def test_wait_counts_one_successful_poll():
     """A wait issues the poll that finds its words (load, check, exit): the code that runs only
     on a miss is not counted, however long it is (its cost is the exchange term's)."""
-    short, long = (model.step_terms(wait_with_slow_path_sass(n), shape(batch=1), H100) for n in (2, 40))
+    short, long = (latency.step_terms(wait_with_slow_path_sass(n), shape(batch=1), H100) for n in (2, 40))
     assert short.instructions == long.instructions == 1 + 3 + 3  # BAR; LDG, ISETP, BRA; BAR .. BRA
     loop = sass_analysis.time_loop(wait_with_slow_path_sass(2), converged=True)
     (head,) = [h for h in loop.inner if sass_analysis.loop_kind(loop, h) == "spin"]

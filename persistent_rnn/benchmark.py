@@ -29,7 +29,7 @@ the layers above the first).
 projection or a stack, the arrays of ``functional.saved_shapes``.
 
 Each persistent (and ``prnn_torch``) point also carries ``predicted_us_per_step``: the latency
-model's *prediction* (``persistent_rnn.model``, per-call terms spread over T steps as
+model's *prediction* (``persistent_rnn.latency``, per-call terms spread over T steps as
 ``StepTime.benchmark_us``), or
 ``None`` with ``prediction_note`` saying why (the model does not cover the projection kernels).
 
@@ -350,7 +350,7 @@ def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidde
     and ``None``, or ``(None, why)`` where the model has no figure. ``device``: a profile or
     name (``plan.resolve_device``; None: the current GPU). Never raises for a model failure: the
     measurement stands without its prediction."""
-    from . import model, runtime, settings
+    from . import latency, runtime, settings
     from . import plan as planner
     if sweep.proj_size:
         return None, NO_PROJECTION_MODEL
@@ -359,8 +359,9 @@ def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidde
         # the profile the runtime plans for (clusters capped by settings.max_cluster_ctas)
         dev = runtime.planning_device(True) if device is None else planner.resolve_device(device)
         if sweep.num_layers > 1:
-            st = model.predict_stack_time(cell, hidden, batch, sweep.num_layers, seq_len,
-                                          input_size=sweep.input_size, dtype=sweep.dtype, device=dev)
+            st = latency.predict_stack_time(cell, hidden, batch, sweep.num_layers, seq_len,
+                                            input_size=sweep.input_size, dtype=sweep.dtype,
+                                            device=dev)
             stacked = settings.current().stack and st.plan.fits
             fwd, bwd = ((st.forward_us, st.backward_us) if stacked
                         else (st.apart_forward_us, st.apart_backward_us))
@@ -371,8 +372,8 @@ def predicted_us_per_step(sweep: Sweep, cell: str, pass_: str, batch: int, hidde
         plan = planner.make_plan(spec, hidden, batch, sweep.dtype, dev)
         if not plan.fits:
             return None, f"no plan fits: {plan.reason}"
-        st = model.predict_plan(spec, hidden, batch, plan, dev, seq_len=seq_len,
-                                input_size=sweep.input_size)
+        st = latency.predict_plan(spec, hidden, batch, plan, dev, seq_len=seq_len,
+                                  input_size=sweep.input_size)
         return st.benchmark_us(seq_len, backward), None
     except (RuntimeError, ValueError, OSError) as exc:  # no nvdisasm, a compile failure: no figure
         return None, f"no prediction: {type(exc).__name__}: {exc}"
@@ -482,7 +483,7 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"{len(results['skipped'])} points skipped (see 'skipped' in the JSON), e.g. "
                      f"{results['skipped'][0]['reason'][:160]}")
     if any(p.get("predicted_us_per_step") is not None for p in results["points"]):
-        lines.append("pred: the latency model's prediction of us/step (persistent_rnn.model), not a "
+        lines.append("pred: the latency model's prediction of us/step (persistent_rnn.latency), not a "
                      "measurement")
     if results["device"] == "cpu":
         lines.append(results["note"])

@@ -1,11 +1,13 @@
 """A per-step latency model of the persistent kernels, read from their SASS: a *prediction*.
 
 One step of a persistent pass is a chain of phases separated by block barriers (docs/design.md,
-"Latency model"), so its time is modelled as the sum of a few named terms:
+"Latency model"), so its time is modelled as the sum of a few named terms, each one function of
+the ``StepLoop`` that ``step_loop`` reads from the SASS once:
 
-* ``issue``: every instruction one warp executes in a step (the time loop's SASS, each inner loop
-  multiplied by its trip count), times the warps that share a scheduler, at one instruction per
-  scheduler and cycle;
+* ``issue``: every instruction one warp executes in a step outside the matrix loop (the time
+  loop's SASS, each inner loop multiplied by its trip count), times the warps that share a
+  scheduler, at one instruction per scheduler and cycle;
+* ``matrix``: the matrix loop, per batch row the larger of its issue time and its dependent chain;
 * ``barriers``: the block barriers of the step;
 * ``exchange``: the dependent memory round trips that move h_t (dgh_t) between CTAs - a counter
   grid barrier (fence, atomic, polls, then the staging copy), tagged words through L2 (one round
@@ -32,9 +34,9 @@ from . import kernels
 from . import plan as planner
 from .cells import CellSpec
 from .hardware import DeviceProfile
-from .sass_analysis import (critical_path, disassemble, exchange_word_bytes, loop_kind, nvdisasm,
-                            opcode_base, own_instructions, ready_path, steady_step, step_atomic,
-                            time_loop)
+from .sass_analysis import (TimeLoop, critical_path, disassemble, exchange_word_bytes, loop_kind,
+                            nvdisasm, opcode_base, own_instructions, ready_path, steady_step,
+                            step_atomic, time_loop)
 
 # The model's error on the recorded H200 runs (bench/results/model-calibration-2026-11-24.json).
 CALIBRATION = ("calibrated on 324 recorded H200 points (counter-barrier kernels): median |error| 12 %, "
@@ -241,11 +243,41 @@ def _latency(op: str) -> float:
     return hw.FP_LATENCY
 
 
-def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
-    """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
+@dataclass(frozen=True)
+class StepLoop:
+    """One pass's time loop as the terms read it: ``kinds`` and ``trips`` of its inner loops
+    (``loop_kind``, ``loop_trips``; by header), ``steady``: what a step whose waits succeed
+    reaches (``steady_step``), ``weight``: how often such a step executes each instruction of the
+    loop's body, ``counter``: whether the exchange is a counter grid barrier (an arrival atomic
+    per step)."""
+
+    loop: TimeLoop
+    shape: PassShape
+    counter: bool
+    kinds: dict[int, str]
+    trips: dict[int, float]
+    steady: frozenset[int]
+    weight: dict[int, float]
+
+    def ops(self) -> list[str]:
+        """The opcodes of the loop's body."""
+        return [self.loop.code[i][0] for i in self.loop.body]
+
+    def inside(self, kind: str) -> set[int]:
+        """The instructions of the inner loops of ``kind``."""
+        return set().union(*[b for h, b in self.loop.inner.items() if self.kinds[h] == kind])
+
+    def chain(self, head: int) -> float:
+        """Cycles of the dependent chain through the steady instructions of the inner loop at
+        ``head`` (not those of loops nested in it)."""
+        own = sorted(own_instructions(self.loop, head) & self.steady)
+        return critical_path([self.loop.code[i] for i in own], _latency)
+
+
+def step_loop(sass: str, shape: PassShape) -> StepLoop:
+    """The ``StepLoop`` of the pass ``shape`` whose cubin disassembles to ``sass``."""
     loop = time_loop(sass, converged=True)  # what a step issues: no BRA.DIV fallbacks
-    ops = [loop.code[i][0] for i in loop.body]
-    counter = any(step_atomic(op) for op in ops)  # an arrival counter
+    counter = any(step_atomic(loop.code[i][0]) for i in loop.body)  # an arrival counter
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
     trips = {h: loop_trips(k, shape, counter) for h, k in kinds.items()}
     steady = steady_step(loop, [h for h, k in kinds.items() if k == "spin"])
@@ -256,58 +288,115 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
         if kinds[head] == "spin":  # a wait issues one poll that finds its words
             for i in body - ready_path(loop, head):
                 weight[i] = 0.0
-    instructions = sum(weight.values())
-    cycle_us = 1.0 / device.clock_mhz
-    sharing = math.ceil(shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler
-    # The busiest scheduler (warp w issues on scheduler w % 4) runs an instruction for as many of
-    # its warps as execute it: a per-thread loop runs in the first warps only (``loop_warps``).
-    active = {h: loop_warps(k, shape, counter) for h, k in kinds.items()}
+    return StepLoop(loop, shape, counter, kinds, trips, steady, weight)
+
+
+def _cycle_us(device: DeviceProfile) -> float:
+    return 1.0 / device.clock_mhz
+
+
+def issue_us(step: StepLoop, device: DeviceProfile) -> float:
+    """The ``issue`` term: the busiest scheduler's instructions outside the matrix loop (warp w
+    issues on scheduler w % 4, and runs an instruction for as many of its warps as execute it: a
+    per-thread loop runs in the first warps only, ``loop_warps``)."""
+    loop, shape = step.loop, step.shape
+    active = {h: loop_warps(k, shape, step.counter) for h, k in step.kinds.items()}
     share = {i: math.ceil(min([shape.warps] + [active[h] for h, b in loop.inner.items() if i in b])
                           / hw.SCHEDULERS_PER_SM) for i in loop.body}
-    matrix_heads = [h for h, k in kinds.items() if k == "matrix"]
-    in_matrix = set().union(*[loop.inner[h] for h in matrix_heads])
-    row_instructions = sum(weight[i] for i in in_matrix) / shape.batch
-    # A batch row's product: issue-bound when the warps sharing a scheduler hide its latency,
-    # else its dependent chain (FFMAs, shuffles, local memory of the reduce-scatter levels).
-    row_chain = sum(critical_path([loop.code[i] for i in sorted(own_instructions(loop, h) & steady)], _latency)
-                    * (1 if kinds[h] == "matrix" else trips[h])
-                    for h in loop.inner if kinds[h] in ("matrix", "levels"))
-    matrix = shape.batch * max(sharing * row_instructions / hw.ISSUE_PER_CYCLE, row_chain) * cycle_us
-    issue = (sum(weight[i] * share[i] for i in loop.body if i not in in_matrix)
-             / hw.ISSUE_PER_CYCLE * cycle_us)
-    in_spin = set().union(*[b for h, b in loop.inner.items() if kinds[h] == "spin"])
-    barriers = sum(1 for i in loop.body if opcode_base(loop.code[i][0]) == "BAR" and i not in in_spin)
+    in_matrix = step.inside("matrix")
+    return (sum(step.weight[i] * share[i] for i in loop.body if i not in in_matrix)
+            / hw.ISSUE_PER_CYCLE * _cycle_us(device))
+
+
+def row_instructions(step: StepLoop) -> float:
+    """Instructions of the matrix loop per batch row."""
+    return sum(step.weight[i] for i in step.inside("matrix")) / step.shape.batch
+
+
+def row_chain(step: StepLoop) -> float:
+    """Cycles of a batch row's dependent chain: the matrix loop's FFMAs and the shuffles and
+    local memory of the reduce-scatter levels."""
+    return sum(step.chain(h) * (1 if step.kinds[h] == "matrix" else step.trips[h])
+               for h in step.loop.inner if step.kinds[h] in ("matrix", "levels"))
+
+
+def matrix_us(step: StepLoop, device: DeviceProfile) -> float:
+    """The ``matrix`` term: a batch row's product is issue-bound when the warps sharing a
+    scheduler hide its latency, else its dependent chain (``row_chain``)."""
+    sharing = math.ceil(step.shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler
+    per_row = max(sharing * row_instructions(step) / hw.ISSUE_PER_CYCLE, row_chain(step))
+    return step.shape.batch * per_row * _cycle_us(device)
+
+
+def matrix_ffma(step: StepLoop) -> int:
+    """FFMAs of the matrix loop's body (per batch row)."""
+    return sum(1 for h, kind in step.kinds.items() if kind == "matrix"
+               for i in step.loop.inner[h] if opcode_base(step.loop.code[i][0]) == "FFMA")
+
+
+def block_barriers(step: StepLoop) -> int:
+    """Block barriers a step passes (those of a wait's slow path aside)."""
+    loop, in_spin = step.loop, step.inside("spin")
+    return sum(1 for i in loop.body if opcode_base(loop.code[i][0]) == "BAR" and i not in in_spin)
+
+
+def barrier_us(step: StepLoop, device: DeviceProfile) -> float:
+    """The ``barriers`` term."""
+    return block_barriers(step) * hw.BLOCK_BARRIER * _cycle_us(device)
+
+
+def l2_traffic_us(step: StepLoop) -> float:
+    """Every CTA reads the whole vector from L2 each step: at large B that is bandwidth, not
+    latency."""
+    shape = step.shape
+    value_bytes = 4 if step.counter else exchange_word_bytes(step.ops())
+    return (shape.plan.grid * shape.batch * shape.k_len * shape.gathers * value_bytes
+            / (hw.L2_BANDWIDTH_GBPS * 1e3))
+
+
+def exchange_kind(step: StepLoop) -> str:
+    """How h_t moves between CTAs: "counter" (an arrival atomic), "cluster" (generic stores into
+    the cluster's shared memory) or "l2" (tagged words through L2)."""
+    if step.counter:
+        return "counter"
+    return "cluster" if "ST" in {opcode_base(op) for op in step.ops()} else "l2"
+
+
+def exchange_us(step: StepLoop, device: DeviceProfile) -> float:
+    """The ``exchange`` term, by ``exchange_kind``."""
+    cycle_us, shape = _cycle_us(device), step.shape
     l2_us = hw.L2_LATENCY * cycle_us
-    # Every CTA reads the whole vector from L2 each step: at large B that is bandwidth, not latency.
-    value_bytes = 4 if counter else exchange_word_bytes(ops)
-    l2_traffic_us = (shape.plan.grid * shape.batch * shape.k_len * shape.gathers * value_bytes
-                     / (hw.L2_BANDWIDTH_GBPS * 1e3))
-    if counter:  # fence waits for the stores, atomic, polls, then the staging copy
-        exchange = "counter"
-        exchange_us = 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us
-    elif "ST" in {opcode_base(op) for op in ops}:  # generic stores: into the cluster's shared memory;
-        # then a shared-memory poll per round of a gather, or one where the warps read the words
-        # in their product (no gather loop)
-        gathered = any(k in ("scan", "chunks") for k in kinds.values())
+    kind = exchange_kind(step)
+    if kind == "counter":  # fence waits for the stores, atomic, polls, then the staging copy
+        return 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us(step)
+    if kind == "cluster":  # a shared-memory poll per round of a gather, or one where the warps
+        # read the words in their product (no gather loop)
+        gathered = any(k in ("scan", "chunks") for k in step.kinds.values())
         rounds = shape.gather_rounds if gathered else 1
-        exchange, exchange_us = "cluster", (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
-    else:  # the writer's store reaches L2 (half a round trip), then one round trip per batch of
-        # quads a thread gathers (strong loads, gather_quads in flight)
-        exchange = "l2"
-        exchange_us = (0.5 + shape.gathers * shape.gather_rounds) * l2_us + l2_traffic_us
-    pointwise_us = 0.0
-    matrix_ffma = 0
-    for head, kind in kinds.items():
-        own = sorted(own_instructions(loop, head) & steady)
+        return (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
+    # The writer's store reaches L2 (half a round trip), then one round trip per batch of quads
+    # a thread gathers (strong loads, gather_quads in flight).
+    return (0.5 + shape.gathers * shape.gather_rounds) * l2_us + l2_traffic_us(step)
+
+
+def pointwise_us(step: StepLoop, device: DeviceProfile) -> float:
+    """The ``pointwise`` term: the dependent chain of each pointwise loop, per iteration."""
+    total = 0.0
+    for head, kind in step.kinds.items():
         if kind == "pointwise":
-            chain = critical_path([loop.code[i] for i in own], _latency)
-            pointwise_us += chain * trips[head] * cycle_us
-        if kind == "matrix":
-            matrix_ffma += sum(1 for i in loop.inner[head] if opcode_base(loop.code[i][0]) == "FFMA")
-    return StepTerms(issue_us=issue, matrix_us=matrix, barrier_us=barriers * hw.BLOCK_BARRIER * cycle_us,
-                     exchange_us=exchange_us, pointwise_us=pointwise_us,
-                     instructions=round(instructions), exchange=exchange,
-                     per_row_instructions=round(row_instructions), per_row_ffma=matrix_ffma)
+            total += step.chain(head) * step.trips[head] * _cycle_us(device)
+    return total
+
+
+def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
+    """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
+    step = step_loop(sass, shape)
+    return StepTerms(issue_us=issue_us(step, device), matrix_us=matrix_us(step, device),
+                     barrier_us=barrier_us(step, device), exchange_us=exchange_us(step, device),
+                     pointwise_us=pointwise_us(step, device),
+                     instructions=round(sum(step.weight.values())), exchange=exchange_kind(step),
+                     per_row_instructions=round(row_instructions(step)),
+                     per_row_ffma=matrix_ffma(step))
 
 
 @lru_cache(maxsize=512)
