@@ -447,10 +447,13 @@ class CallCost:
 def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
                backward: bool, device: DeviceProfile) -> CallCost:
     """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass
-    runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``)."""
+    runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
+    steady state: with ``chain_graphs`` on, the chain is one graph launch from the host (its
+    nodes still run on the device)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden
     chain = launch.chain_launches(settings.current().max_restarts)
+    chain_calls = 1 if settings.current().chain_graphs else chain + launch.CHAIN_MEMSETS
     lstm = int(cell.has_cell_state)
     if not backward:
         gemms = [2.0 * rows * input_size * gh]
@@ -459,8 +462,8 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
         other = BACKWARD_OTHER_CALLS + 2 * lstm
-    calls = chain + launch.CHAIN_MEMSETS + launch.RECORD_CALLS + other
-    small = calls - chain - launch.RECORD_CALLS - len(gemms)  # fills, copies, adds: short kernels
+    calls = chain_calls + launch.RECORD_CALLS + other
+    small = other - len(gemms) + launch.CHAIN_MEMSETS  # fills, copies, adds: short kernels
     device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US + sum(_gemm_us(f, device) for f in gemms)
                  + small * hw.EMPTY_LAUNCH_US)
     if backward:  # its resume launches load W_hh^T (fp32, from L2) before they exit
