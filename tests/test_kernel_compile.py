@@ -7,6 +7,7 @@ import re
 import os
 import struct
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -247,3 +248,17 @@ def test_exchange_microbenchmark_kernels_compile(defines, arch, names):
 def test_cluster_code_is_refused_on_sm_80():
     with pytest.raises(RuntimeError, match="PRNN_CLUSTER needs sm_90"):
         kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 2}, "sm_80")
+
+
+def test_no_generic_lambda_in_the_cuda_sources():
+    """NVRTC 13.0 (the H100 image's of 2026-11-26) compiles a lambda with an ``auto`` parameter
+    inside a kernel as a host function and refuses it; 13.5 (CI's) accepts it. CI compiles with
+    13.5 only, so the sources are held to what 13.0 takes: functors instead."""
+    from persistent_rnn._sources import cuda_src_dir
+    generic = re.compile(r"\[[^\]\n]*\]\s*\([^)]*\bauto\b")
+    tests_cuda = Path(__file__).resolve().parent / "cuda"  # the test-only kernels
+    found = [f"{path.name}:{n}" for folder in (cuda_src_dir(), tests_cuda)
+             for path in sorted(folder.glob("*.cu*"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if generic.search(line)]
+    assert not found, f"generic lambdas (NVRTC 13.0 refuses them in kernels): {found}"
+    assert generic.search("[&](const unsigned* slot, auto sink) {")  # the pattern finds one
