@@ -33,6 +33,7 @@ import json
 import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -146,13 +147,57 @@ def measure(dev: Device, call: Callable[[], object], calls: int) -> dict:
 
 def slope(dev: Device, cell: str, hidden: int, batch: int, lengths: tuple[int, int],
           calls: int) -> dict:
-    """The persistent forward's µs per step from back-to-back loops at two sequence lengths."""
-    loops = []
+    """The persistent forward's µs per step from back-to-back loops at two sequence lengths, and
+    the SM clock NVML reported while the longer one ran (the latency model assumes the boost
+    clock: a step measured at a lower one is not the model's error)."""
+    loops, clocks = [], []
     for steps in lengths:
         call = make_call(dev, "persistent", cell, hidden, batch, steps, False)
-        loops.append(measure(dev, call, calls)["loop_us"])
-    return {"lengths": lengths, "loop_us": loops,
+        with SmClock(dev) as clock:
+            loops.append(measure(dev, call, calls)["loop_us"])
+        clocks.append(clock.mhz)
+    return {"lengths": lengths, "loop_us": loops, "sm_clock_mhz": clocks,
             "us_per_step": (loops[1] - loops[0]) / (lengths[1] - lengths[0])}
+
+
+class SmClock:
+    """The SM clocks NVML reports every 10 ms while the block runs: ``mhz`` = (min, median,
+    max), or None without a GPU or NVML."""
+
+    def __init__(self, dev: Device):
+        self.mhz: tuple[int, int, int] | None = None
+        self._samples: list[int] = []
+        self._handle = None if dev.cpu else _nvml_handle(dev.xp.cuda.Device().id)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> "SmClock":
+        if self._handle is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._stop.set()
+            self._thread.join()
+        if self._samples:
+            self.mhz = (min(self._samples), int(statistics.median(self._samples)),
+                        max(self._samples))
+
+    def _sample(self) -> None:
+        import pynvml
+        while not self._stop.wait(0.01):
+            self._samples.append(pynvml.nvmlDeviceGetClockInfo(self._handle, pynvml.NVML_CLOCK_SM))
+
+
+def _nvml_handle(index: int):
+    """NVML's handle of CUDA device ``index`` (None where NVML cannot be used)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001 -- no NVML: the clock is simply not reported
+        return None
 
 
 def graph_replay(dev: Device, cell: str, hidden: int, batch: int, calls: int) -> dict:
@@ -239,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     for g in record["graphs"]:
         print(f"graph replay {g['layer']} forward T={g['steps']}: {g}")
     for s in record["slopes"]:
-        print(f"slope {s['layer']}: {s['us_per_step']:.3f} us/step (loops {s['loop_us']})")
+        print(f"slope {s['layer']}: {s['us_per_step']:.3f} us/step (loops {s['loop_us']}, "
+              f"SM clock MHz (min, median, max) {s['sm_clock_mhz']})")
     cell, hidden, batch = (CPU_LAYERS if args.cpu else LAYERS)[0]
     for road in ("persistent", "prnn_torch"):
         for backward in (False, True):
