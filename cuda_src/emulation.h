@@ -319,7 +319,7 @@ inline std::atomic<bool>* cluster_exited = nullptr;
 inline unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
 inline int cluster_size = 1;
 // Set to the launcher's error reporters: a store into the shared memory of a CTA that exited; a
-// whole-warp collective (mma) with fewer than 32 live lanes.
+// whole-warp collective (mma, ldmatrix) with fewer than 32 live lanes.
 inline void (*late_store)(int from, int to) = nullptr;
 inline void (*partial_warp)(int block, int warp) = nullptr;
 
@@ -652,8 +652,8 @@ inline float prnn_round_bf16(float v) {
 namespace prnn_emu {
 constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;
 
-// The GPU's .aligned collectives need every lane of the warp: a lane that exited, or a warp of
-// fewer than 32 threads, is reported (the launch fails).
+// The GPU's .aligned collectives (mma, ldmatrix) need every lane of the warp: a lane that exited,
+// or a warp of fewer than 32 threads, is reported (the launch fails).
 inline void require_whole_warp() {
   const Quiet quiet;  // (the gates are the emulator's)
   const int w = (int)(threadIdx.x / kWarp);
@@ -727,6 +727,27 @@ inline void prnn_store_shared_quad(float* p, const float (&v)[4]) {
   prnn_emu::working();
   prnn_emu::maybe_switch();
   for (int i = 0; i < 4; ++i) p[i] = v[i];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (hw.cuh's prnn_ldmatrix_x4) as a warp collective, with
+// the layout of the PTX ISA, "Warp-level matrix load instruction: ldmatrix"
+// (docs.nvidia.com/cuda/parallel-thread-execution/#warp-level-matrix-instructions-ldmatrix):
+// lanes 8j..8j+7 give the rows of matrix j, and lane l receives in r[j] the word of columns
+// 2(l % 4), 2(l % 4) + 1 of row l / 4 of matrix j. Each lane reads its row when it arrives, before
+// the others do: a row written by another lane of the warp without a barrier in between may be
+// missed, as the GPU (a weak load) does not promise it either. A row outside the block's shared
+// memory or not 16-byte aligned ends the process, as a misaligned quad does.
+inline void prnn_ldmatrix_x4(unsigned (&r)[4], const unsigned* row) {
+  prnn_emu::require_whole_warp();
+  const unsigned char* at = reinterpret_cast<const unsigned char*>(row);
+  if (at < prnn_emu::block->shared || at + 16 > prnn_emu::block->shared + prnn_emu::block->shared_bytes) {
+    std::abort();
+  }
+  prnn_emu_check_quad(reinterpret_cast<const float*>(row));
+  const unsigned mine[4] = {row[0], row[1], row[2], row[3]};
+  const unsigned* warp = prnn_emu::warp_collective(mine, 4);
+  const unsigned lane = threadIdx.x % prnn_emu::kWarp;
+  for (int j = 0; j < 4; ++j) r[j] = warp[(8 * j + lane / 4) * prnn_emu::kSlotWords + lane % 4];
 }
 
 // cp.async (hw.cuh): the copies land at once, or (kLateCopies) only at the issuing thread's

@@ -82,8 +82,8 @@ inline void report_late_store(int from, int to) {
 }
 
 inline void report_partial_warp(int b, int warp) {
-  fail(kPartialWarp, "block %d: warp %d ran mma.sync without all 32 of its lanes (an .aligned warp "
-       "collective: every lane must take part)", b, warp);
+  fail(kPartialWarp, "block %d: warp %d ran an .aligned warp collective (mma, ldmatrix) without "
+       "all 32 of its lanes (every lane must take part)", b, warp);
 }
 
 template <class T>

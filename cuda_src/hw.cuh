@@ -175,6 +175,17 @@ PRNN_DEVICE void prnn_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsi
   PRNN_MMA_M16N8K16("bf16");
 }
 #undef PRNN_MMA_M16N8K16
+// Four 8 x 8 matrices of 16-bit values from shared memory, a fragment of each per lane:
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16, a warp collective. Lane l passes the start of row
+// l % 8 of matrix l / 8 (8 values, 16 bytes, 16-byte aligned) and gets in r[j] the word of
+// columns 2(l % 4), 2(l % 4) + 1 of row l / 4 of matrix j (the PTX ISA, "Warp-level matrix load
+// instruction: ldmatrix"): with rows 0-7 / 8-15 and columns 0-7 / 8-15 of a 16 x 16 A as the four
+// matrices, r is A's mma fragment.
+PRNN_DEVICE void prnn_ldmatrix_x4(unsigned (&r)[4], const unsigned* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(row)) : "memory");
+}
 // Two consecutive floats of shared memory (p 8-byte aligned) in one load.
 PRNN_DEVICE void prnn_load_shared_pair(const float* p, float& a, float& b) {
   const float2 v = *reinterpret_cast<const float2*>(p);

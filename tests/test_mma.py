@@ -6,7 +6,8 @@ in the PTX ISA's layout and compute D = A B + C, then E = A B + D.
   emulation's fp32 k-sum; bitwise the sum in the documented order; under the ``schedule`` mode.
 * The layout test fails when two lanes swap a fragment (A, B or C), and an mma without all 32
   lanes of its warp fails the launch.
-* The source compiles with NVRTC for sm_80 and sm_90 to HMMA.16816.F32 (and .BF16).
+* ``prnn_ldmatrix_x4`` (ldmatrix .m8n8.x4) loads A's fragments from shared memory as well.
+* The source compiles with NVRTC for sm_80 and sm_90 to HMMA.16816.F32 (and .BF16) and LDSM.
 * On a GPU (``gpu``): the hardware's D and E against the same float64 products.
 """
 from __future__ import annotations
@@ -46,13 +47,15 @@ def _words(ops: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return a, bt
 
 
-def _launch(module, xp, ops, dtype, warps_per_block=2, swap=(0, 0, 0), block=None):
+def _launch(module, xp, ops, dtype, warps_per_block=2, swap=(0, 0, 0), block=None,
+            ldmatrix=False):
     warps = ops["a"].shape[0]
     a, bt = _words(ops)
     d, e = xp.full((warps, 16, 8), np.nan, np.float32), xp.full((warps, 16, 8), np.nan, np.float32)
     args = (xp.asarray(a), xp.asarray(bt), xp.asarray(ops["c"]), d, e, np.int32(DTYPES[dtype][1]),
-            *(np.int32(s) for s in swap))
-    module.launch("mma_m16n8k16", warps // warps_per_block, block or 32 * warps_per_block, 0, args)
+            np.int32(ldmatrix), *(np.int32(s) for s in swap))
+    module.launch("mma_m16n8k16", warps // warps_per_block, block or 32 * warps_per_block,
+                  512 * warps_per_block, args)
     return [x if xp is np else x.get() for x in (d, e)]
 
 
@@ -77,11 +80,12 @@ def module():
     return emulate.get_module(SOURCE, {})
 
 
+@pytest.mark.parametrize("ldmatrix", [False, True], ids=["global", "ldmatrix"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(4))
-def test_emulated_mma_is_a_plain_product(module, dtype, seed):
+def test_emulated_mma_is_a_plain_product(module, dtype, seed, ldmatrix):
     ops = _operands(dtype, warps=4, seed=seed)  # 2 blocks of 2 warps, each warp its own matrices
-    d, e = _launch(module, np, ops, dtype)
+    d, e = _launch(module, np, ops, dtype, ldmatrix=ldmatrix)
     assert _matches(ops, d, e, EMULATED_ULPS)
 
 
@@ -103,23 +107,25 @@ def test_emulated_mma_under_random_schedules(module, dtype):
     for seed in range(3):
         ops = _operands(dtype, warps=4, seed=10 + seed)
         with emulate.modes("schedule", seed=seed):
-            d, e = _launch(module, np, ops, dtype, warps_per_block=4)
+            d, e = _launch(module, np, ops, dtype, warps_per_block=4, ldmatrix=seed % 2 == 1)
         assert _matches(ops, d, e, EMULATED_ULPS)
 
 
-@pytest.mark.parametrize("operand", SWAPS)
+@pytest.mark.parametrize("operand", [*SWAPS, "A by ldmatrix"])
 @pytest.mark.parametrize("lanes", [(0, 1), (3, 20), (9, 31)])
 def test_swapped_fragments_fail_the_layout_test(module, operand, lanes):
     ops = _operands("float16", warps=2, seed=3)
-    d, e = _launch(module, np, ops, "float16", swap=(SWAPS[operand], *lanes))
+    ldmatrix = operand == "A by ldmatrix"  # two lanes pass each other's row of A
+    swap = SWAPS[operand[0]]
+    d, e = _launch(module, np, ops, "float16", swap=(swap, *lanes), ldmatrix=ldmatrix)
     assert not _matches(ops, d, e, EMULATED_ULPS)
-    d, e = _launch(module, np, ops, "float16", swap=(SWAPS[operand], lanes[0], lanes[0]))
+    d, e = _launch(module, np, ops, "float16", swap=(swap, lanes[0], lanes[0]), ldmatrix=ldmatrix)
     assert _matches(ops, d, e, EMULATED_ULPS)  # a lane "swapped" with itself: nothing moved
 
 
 def test_mma_without_the_whole_warp_fails_the_launch(module):
     ops = _operands("float16", warps=2, seed=0)
-    with pytest.raises(emulate.EmulationError, match="warp 1 ran mma.sync without all 32"):
+    with pytest.raises(emulate.EmulationError, match="warp 1 ran an .aligned warp collective"):
         _launch(module, np, ops, "float16", block=48)  # the second warp has 16 lanes
 
 
@@ -135,6 +141,7 @@ def test_mma_compiles_to_hmma(arch):
     opcodes = [op for op, *_ in code]
     assert opcodes.count("HMMA.16816.F32") == 2, opcodes  # fp16: D, then E
     assert opcodes.count("HMMA.16816.F32.BF16") == 2, opcodes
+    assert opcodes.count("LDSM.16.M88.4") == 1, opcodes  # prnn_ldmatrix_x4
     assert not any(op.startswith(("LDL", "STL")) for op in opcodes)
 
 
@@ -145,7 +152,7 @@ def test_gpu_mma_is_a_plain_product(cupy, dtype):
     gpu = kernels.get_module(SOURCE, {})
     for seed in range(4):
         ops = _operands(dtype, warps=8, seed=seed)
-        d, e = _launch(gpu, cupy, ops, dtype)
+        d, e = _launch(gpu, cupy, ops, dtype, ldmatrix=seed % 2 == 1)
         assert _matches(ops, d, e, GPU_ULPS), seed
     d, e = _launch(gpu, cupy, ops, dtype, swap=(SWAPS["A"], 3, 20))
     assert not _matches(ops, d, e, GPU_ULPS)
