@@ -10,12 +10,12 @@
 //
 // What is modelled: thread and block identity, per-block dynamic shared memory (filled with NaN,
 // with an overrun check), block barriers (also with an OR-reduction; exited threads count as
-// arrived, as on sm_70+), warp shuffles, acquire/release atomics across CTAs, the global timer
-// (a virtual clock that runs only while every resident CTA waits, or the steady clock) and CTAs
-// that are not co-resident. Seeded modes (Mode) make the machine weaker than the GPU in one
-// respect each: CTA start order, schedules, cp.async completion, store visibility, the timer's
-// grain. What is not modelled: L1 incoherence and unordered plain stores, warp-synchronous
-// execution and divergence, timing, and performance.
+// arrived, as on sm_70+), warp collectives (shuffles, tensor-core mma, ldmatrix), acquire/release
+// atomics across CTAs, the global timer (a virtual clock that runs only while every resident CTA
+// waits, or the steady clock) and CTAs that are not co-resident. Seeded modes (Mode) make the
+// machine weaker than the GPU in one respect each: CTA start order, schedules, cp.async
+// completion, store visibility, the timer's grain. What is not modelled: L1 incoherence and
+// unordered plain stores, warp-synchronous execution and divergence, timing, and performance.
 #pragma once
 #include <math.h>
 #include <sched.h>
