@@ -2,7 +2,7 @@
 //
 // Kernels in cuda_src/ use only what this header provides for thread identity beyond
 // threadIdx/blockIdx/blockDim/gridDim, block synchronisation, shared memory, warp exchange,
-// tensor cores, memory ordering, timers and the grid barrier. Compiled with NVRTC the functions below map
+// memory ordering, timers and the grid barrier. Compiled with NVRTC the functions below map
 // onto PTX; compiled for the host with PRNN_EMULATION defined, emulation.h supplies the same
 // primitives for CPU threads, so the kernels themselves carry no #ifdef of their own.
 #pragma once
