@@ -477,11 +477,12 @@ inline float prnn_bits_float(unsigned u) {
 }
 
 namespace prnn_emu {
-// A warp collective (shuffles, mma): each lane publishes its `n` words (n <= kSlotWords), waits
-// until every lane of its warp has, and gets the warp's slots back: lane l's words at
-// [l * kSlotWords]. Two slot buffers alternate, so one warp barrier per collective suffices: a lane
-// can reuse a buffer only after the next collective's barrier, which every lane reaches after
-// reading this one. Lanes that exited count as arrived: their slots hold what they last published.
+// A warp collective (shuffles, mma, ldmatrix): each lane publishes its `n` words (at most
+// kSlotWords), waits until every lane of its warp has, and gets the warp's slots back: lane l's
+// words at [l * kSlotWords]. Two slot buffers alternate, so one warp barrier per collective
+// suffices: a lane can reuse a buffer only after the next collective's barrier, which every lane
+// reaches after reading this one. Lanes that exited count as arrived: their slots hold what they
+// last published.
 inline const unsigned* warp_collective(const unsigned* words, int n) {
   Block* b = block;
   const unsigned t = threadIdx.x;
@@ -635,6 +636,7 @@ inline float prnn_round_bf16(float v) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return v;  // NaN stays NaN
   return prnn_bits_float((x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u);
 }
+
 // ---- tensor-core mma (hw.cuh's prnn_mma_f16, prnn_mma_bf16) ----------------------------------
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 as a warp collective, with the
 // fragment layouts of the PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"
@@ -678,10 +680,12 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (
     const unsigned* regs = warp + lane * kSlotWords;
     const int g = lane / 4, t = lane % 4;
     for (int i = 0; i < 8; ++i) {
-      ma[g + 8 * (i / 2 % 2)][2 * t + i % 2 + 8 * (i / 4)] = fragment_half<Unpack>(regs[i / 2], i % 2);
+      const float v = fragment_half<Unpack>(regs[i / 2], i % 2);
+      ma[g + 8 * (i / 2 % 2)][2 * t + i % 2 + 8 * (i / 4)] = v;
     }
     for (int i = 0; i < 4; ++i) {
-      mb[2 * t + i % 2 + 8 * (i / 2)][g] = fragment_half<Unpack>(regs[4 + i / 2], i % 2);
+      const float v = fragment_half<Unpack>(regs[4 + i / 2], i % 2);
+      mb[2 * t + i % 2 + 8 * (i / 2)][g] = v;
     }
   }
   const int lane = (int)(threadIdx.x % kWarp), g = lane / 4, t = lane % 4;
@@ -698,10 +702,12 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (
 }
 }  // namespace prnn_emu
 
-inline void prnn_mma_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+inline void prnn_mma_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                         const float (&c)[4]) {
   prnn_emu::mma_m16n8k16<prnn_f16x2_to_float>(d, a, b, c);
 }
-inline void prnn_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+inline void prnn_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                          const float (&c)[4]) {
   prnn_emu::mma_m16n8k16<prnn_bf16x2_to_float>(d, a, b, c);
 }
 
@@ -740,9 +746,8 @@ inline void prnn_store_shared_quad(float* p, const float (&v)[4]) {
 inline void prnn_ldmatrix_x4(unsigned (&r)[4], const unsigned* row) {
   prnn_emu::require_whole_warp();
   const unsigned char* at = reinterpret_cast<const unsigned char*>(row);
-  if (at < prnn_emu::block->shared || at + 16 > prnn_emu::block->shared + prnn_emu::block->shared_bytes) {
-    std::abort();
-  }
+  const prnn_emu::Block* b = prnn_emu::block;
+  if (at < b->shared || at + 16 > b->shared + b->shared_bytes) std::abort();
   prnn_emu_check_quad(reinterpret_cast<const float*>(row));
   const unsigned mine[4] = {row[0], row[1], row[2], row[3]};
   const unsigned* warp = prnn_emu::warp_collective(mine, 4);

@@ -72,7 +72,8 @@ def _within(got, a, b, c, ulps: int) -> bool:
 
 def _matches(ops, d, e, ulps: int) -> bool:
     """D = A B + C, and E = A B + D (on the D that came back)."""
-    return _within(d, ops["a"], ops["b"], ops["c"], ulps) and _within(e, ops["a"], ops["b"], d, ulps)
+    a, b = ops["a"], ops["b"]
+    return _within(d, a, b, ops["c"], ulps) and _within(e, a, b, d, ulps)
 
 
 @pytest.fixture(scope="module")
