@@ -10,12 +10,12 @@
 //
 // What is modelled: thread and block identity, per-block dynamic shared memory (filled with NaN,
 // with an overrun check), block barriers (also with an OR-reduction; exited threads count as
-// arrived, as on sm_70+), warp shuffles, acquire/release atomics across CTAs, the global timer
-// (a virtual clock that runs only while every resident CTA waits, or the steady clock) and CTAs
-// that are not co-resident. Seeded modes (Mode) make the machine weaker than the GPU in one
-// respect each: CTA start order, schedules, cp.async completion, store visibility, the timer's
-// grain. What is not modelled: L1 incoherence and unordered plain stores, warp-synchronous
-// execution and divergence, timing, and performance.
+// arrived, as on sm_70+), warp collectives (shuffles, tensor-core mma, ldmatrix), acquire/release
+// atomics across CTAs, the global timer (a virtual clock that runs only while every resident CTA
+// waits, or the steady clock) and CTAs that are not co-resident. Seeded modes (Mode) make the
+// machine weaker than the GPU in one respect each: CTA start order, schedules, cp.async
+// completion, store visibility, the timer's grain. What is not modelled: L1 incoherence and
+// unordered plain stores, warp-synchronous execution and divergence, timing, and performance.
 #pragma once
 #include <math.h>
 #include <sched.h>
@@ -53,6 +53,7 @@ using std::tanh;
 namespace prnn_emu {
 
 constexpr int kWarp = 32;
+constexpr int kSlotWords = 6;  // the most words a lane gives a warp collective (mma: A and B)
 
 // ---- the race detector (PRNN_EMU_TSAN: emulate.py's race-detector builds, -fsanitize=thread) ----
 // Every CUDA thread is a ThreadSanitizer fiber, and switching between fibers is no happens-before
@@ -121,7 +122,7 @@ struct Fiber {
   std::vector<Copy> copies;  // kLateCopies: issued, completed at this fiber's prnn_copy_wait
   const unsigned* wait_gen = nullptr;  // blocked while *wait_gen == wait_val
   unsigned wait_val = 0;
-  int shuffles = 0;  // parity selects the shuffle slot buffer
+  int shuffles = 0;  // warp collectives so far: the parity selects the slot buffer
   bool done = false;
   bool polling = false;  // switched out in a poll's pause (holding it back holds back no work)
   void* race_fiber = nullptr;  // its ThreadSanitizer fiber (PRNN_EMU_TSAN)
@@ -137,7 +138,7 @@ struct Block {
   int or_pending = 0, or_result = 0;  // prnn_sync_block_or
   bool polled = false, worked = false;  // in this scheduler round: a fiber paused polling / did
                                         // something else (the virtual clock's miss, below)
-  float* shuffle_slots = nullptr;     // [2][blockDim.x]
+  unsigned* warp_slots = nullptr;     // [2][blockDim.x][kSlotWords] (warp_collective)
   unsigned char* shared = nullptr;
   unsigned shared_bytes = 0;
   void* race_scheduler = nullptr;  // the OS thread's ThreadSanitizer fiber (PRNN_EMU_TSAN)
@@ -317,8 +318,10 @@ inline unsigned char** cluster_shared = nullptr;
 inline std::atomic<bool>* cluster_exited = nullptr;
 inline unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
 inline int cluster_size = 1;
-// Set to the launcher's error reporter (a store into the shared memory of a CTA that exited).
+// Set to the launcher's error reporters: a store into the shared memory of a CTA that exited; a
+// whole-warp collective (mma, ldmatrix) with fewer than 32 live lanes.
 inline void (*late_store)(int from, int to) = nullptr;
+inline void (*partial_warp)(int block, int warp) = nullptr;
 
 inline void land(const Pending& s) {
   working();  // a store becoming visible is progress (kDelayed lands them during polls too)
@@ -462,16 +465,39 @@ inline T* prnn_shared_memory() {
 }
 inline unsigned prnn_shared_bytes() { return prnn_emu::block->shared_bytes; }
 
-// Two slot buffers alternate, so one warp barrier per shuffle suffices: a lane can reuse a buffer
-// only after the next shuffle's barrier, which every lane reaches after reading this one.
-inline float prnn_shfl_xor(float v, int lane_mask) {
-  prnn_emu::Block* b = prnn_emu::block;
+inline unsigned prnn_float_bits(float v) {
+  unsigned u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+inline float prnn_bits_float(unsigned u) {
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+namespace prnn_emu {
+// A warp collective (shuffles, mma, ldmatrix): each lane publishes its `n` words (at most
+// kSlotWords), waits until every lane of its warp has, and gets the warp's slots back: lane l's
+// words at [l * kSlotWords]. Two slot buffers alternate, so one warp barrier per collective
+// suffices: a lane can reuse a buffer only after the next collective's barrier, which every lane
+// reaches after reading this one. Lanes that exited count as arrived: their slots hold what they
+// last published.
+inline const unsigned* warp_collective(const unsigned* words, int n) {
+  Block* b = block;
   const unsigned t = threadIdx.x;
-  prnn_emu::Fiber& f = b->fibers[b->current];
-  float* slots = b->shuffle_slots + (f.shuffles++ & 1) * blockDim.x;
-  slots[t] = v;
-  prnn_emu::wait_at(b->warp_gates[t / prnn_emu::kWarp]);
-  return slots[(t & ~31u) | ((t & 31u) ^ (unsigned)lane_mask)];
+  Fiber& f = b->fibers[b->current];
+  unsigned* slots = b->warp_slots + (f.shuffles++ & 1) * blockDim.x * kSlotWords;
+  std::memcpy(slots + t * kSlotWords, words, n * sizeof(unsigned));
+  wait_at(b->warp_gates[t / kWarp]);
+  return slots + (t & ~31u) * kSlotWords;
+}
+}  // namespace prnn_emu
+
+inline float prnn_shfl_xor(float v, int lane_mask) {
+  const unsigned bits = prnn_float_bits(v);
+  const unsigned* warp = prnn_emu::warp_collective(&bits, 1);
+  return prnn_bits_float(warp[((threadIdx.x & 31u) ^ (unsigned)lane_mask) * prnn_emu::kSlotWords]);
 }
 
 // The warp's OR as a butterfly of shuffles (each one a warp barrier).
@@ -563,17 +589,6 @@ inline void prnn_load_shared_relaxed_u32x2(PrnnSharedWord p, unsigned& a, unsign
 }
 #endif
 
-inline unsigned prnn_float_bits(float v) {
-  unsigned u;
-  std::memcpy(&u, &v, sizeof u);
-  return u;
-}
-inline float prnn_bits_float(unsigned u) {
-  float v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
 inline unsigned long long prnn_globaltimer_ns() { return prnn_emu::timer_ns(); }
 
 inline void prnn_backoff() { prnn_emu::pause_polling(); }
@@ -621,6 +636,81 @@ inline float prnn_round_bf16(float v) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return v;  // NaN stays NaN
   return prnn_bits_float((x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u);
 }
+
+// ---- tensor-core mma (hw.cuh's prnn_mma_f16, prnn_mma_bf16) ----------------------------------
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 as a warp collective, with the
+// fragment layouts of the PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"
+// (docs.nvidia.com/cuda/parallel-thread-execution/#warp-level-matrix-fragment-mma-16816-float).
+// With g = lane / 4 (groupID) and t = lane % 4 (threadID_in_group), element i of a fragment is
+// half i % 2 (the low half first) of register i / 2, and lies at
+//   A (16 x 16, .row), a0..a7: row g + 8 * (i / 2 % 2), column 2t + i % 2 + 8 * (i / 4)
+//   B (16 x 8, .col),  b0..b3: row 2t + i % 2 + 8 * (i / 2), column g
+//   C, D (16 x 8),     c0..c3: row g + 8 * (i / 2),      column 2t + i % 2
+// Each lane rebuilds the whole of A and B from the warp's registers (the layout written here
+// apart from any kernel's loads: a loader that has it wrong fails against a plain product) and sums
+// its four elements of D in fp32 in this order: d = c + a[r][0] b[0][n] + ... + a[r][15] b[15][n],
+// each product exact in fp32 (significands of 11 or 8 bits), each addition rounded to nearest
+// even. The tensor cores order and round the k-sum their own way: compare with a tolerance.
+namespace prnn_emu {
+constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;
+
+// The GPU's .aligned collectives (mma, ldmatrix) need every lane of the warp: a lane that exited,
+// or a warp of fewer than 32 threads, is reported (the launch fails).
+inline void require_whole_warp() {
+  const Quiet quiet;  // (the gates are the emulator's)
+  const int w = (int)(threadIdx.x / kWarp);
+  if (block->warp_gates[w].live != kWarp) partial_warp((int)block_idx.x, w);
+}
+
+template <void (*Unpack)(unsigned, float&, float&)>
+inline float fragment_half(unsigned word, int half) {
+  float lo, hi;
+  Unpack(word, lo, hi);
+  return half == 0 ? lo : hi;
+}
+
+template <void (*Unpack)(unsigned, float&, float&)>
+inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                         const float (&c)[4]) {
+  require_whole_warp();
+  const unsigned mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const unsigned* warp = warp_collective(mine, 6);
+  float ma[kMmaM][kMmaK], mb[kMmaK][kMmaN];
+  for (int lane = 0; lane < kWarp; ++lane) {
+    const unsigned* regs = warp + lane * kSlotWords;
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 8; ++i) {
+      const float v = fragment_half<Unpack>(regs[i / 2], i % 2);
+      ma[g + 8 * (i / 2 % 2)][2 * t + i % 2 + 8 * (i / 4)] = v;
+    }
+    for (int i = 0; i < 4; ++i) {
+      const float v = fragment_half<Unpack>(regs[4 + i / 2], i % 2);
+      mb[2 * t + i % 2 + 8 * (i / 2)][g] = v;
+    }
+  }
+  const int lane = (int)(threadIdx.x % kWarp), g = lane / 4, t = lane % 4;
+  float sum[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    sum[i] = c[i];
+    for (int k = 0; k < kMmaK; ++k) {
+      const float product = ma[row][k] * mb[k][col];
+      sum[i] += product;
+    }
+  }
+  for (int i = 0; i < 4; ++i) d[i] = sum[i];  // (d may be c)
+}
+}  // namespace prnn_emu
+
+inline void prnn_mma_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                         const float (&c)[4]) {
+  prnn_emu::mma_m16n8k16<prnn_f16x2_to_float>(d, a, b, c);
+}
+inline void prnn_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                          const float (&c)[4]) {
+  prnn_emu::mma_m16n8k16<prnn_bf16x2_to_float>(d, a, b, c);
+}
+
 // The GPU's rcp.approx and ex2.approx (hw.cuh) are within 1 and 2 + 1.173|x| ulp of these.
 inline float prnn_reciprocal(float y) { return 1.0f / y; }
 inline float prnn_exp_approx(float x) { return expf(x); }
@@ -643,6 +733,26 @@ inline void prnn_store_shared_quad(float* p, const float (&v)[4]) {
   prnn_emu::working();
   prnn_emu::maybe_switch();
   for (int i = 0; i < 4; ++i) p[i] = v[i];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (hw.cuh's prnn_ldmatrix_x4) as a warp collective, with
+// the layout of the PTX ISA, "Warp-level matrix load instruction: ldmatrix"
+// (docs.nvidia.com/cuda/parallel-thread-execution/#warp-level-matrix-instructions-ldmatrix):
+// lanes 8j..8j+7 give the rows of matrix j, and lane l receives in r[j] the word of columns
+// 2(l % 4), 2(l % 4) + 1 of row l / 4 of matrix j. Each lane reads its row when it arrives, before
+// the others do: a row written by another lane of the warp without a barrier in between may be
+// missed, as the GPU (a weak load) does not promise it either. A row outside the block's shared
+// memory or not 16-byte aligned ends the process, as a misaligned quad does.
+inline void prnn_ldmatrix_x4(unsigned (&r)[4], const unsigned* row) {
+  prnn_emu::require_whole_warp();
+  const unsigned char* at = reinterpret_cast<const unsigned char*>(row);
+  const prnn_emu::Block* b = prnn_emu::block;
+  if (at < b->shared || at + 16 > b->shared + b->shared_bytes) std::abort();
+  prnn_emu_check_quad(reinterpret_cast<const float*>(row));
+  const unsigned mine[4] = {row[0], row[1], row[2], row[3]};
+  const unsigned* warp = prnn_emu::warp_collective(mine, 4);
+  const unsigned lane = threadIdx.x % prnn_emu::kWarp;
+  for (int j = 0; j < 4; ++j) r[j] = warp[(8 * j + lane / 4) * prnn_emu::kSlotWords + lane % 4];
 }
 
 // cp.async (hw.cuh): the copies land at once, or (kLateCopies) only at the issuing thread's

@@ -63,7 +63,7 @@ constexpr std::size_t kCanaryBytes = 64;         // after shared memory, checked
 constexpr unsigned char kCanary = 0xA5;
 
 enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4, kBadCluster = 5,
-             kNoThreads = 6, kLateClusterStore = 7, kStackOverflow = 8 };
+             kNoThreads = 6, kLateClusterStore = 7, kStackOverflow = 8, kPartialWarp = 9 };
 
 inline std::mutex error_lock;
 inline int error_code = kOk;
@@ -79,6 +79,11 @@ inline void fail(int code, const char* fmt, int a, int b) {
 inline void report_late_store(int from, int to) {
   fail(kLateClusterStore, "block %d stored into the shared memory of block %d of its cluster after "
        "that block exited (a CTA must not exit while the cluster can still store into it)", from, to);
+}
+
+inline void report_partial_warp(int b, int warp) {
+  fail(kPartialWarp, "block %d: warp %d ran an .aligned warp collective (mma, ldmatrix) without "
+       "all 32 of its lanes (every lane must take part)", b, warp);
 }
 
 template <class T>
@@ -157,7 +162,7 @@ inline void run_block(int b, int threads, int shared_bytes, const StackSet& stac
   std::vector<Fiber> fibers(threads);
   std::vector<Gate> warp_gates(warps);
   for (int w = 0; w < warps; ++w) warp_gates[w].live = w + 1 < warps ? kWarp : threads - w * kWarp;
-  std::vector<float> slots(2 * threads);
+  std::vector<unsigned> slots(2 * threads * kSlotWords);
   // NaN-filled, so that reading shared memory nobody wrote shows in the results.
   std::vector<unsigned char> own;
   std::vector<unsigned char>& shared = cluster_buffer != nullptr ? *cluster_buffer : own;
@@ -176,7 +181,7 @@ inline void run_block(int b, int threads, int shared_bytes, const StackSet& stac
   state.fibers = fibers.data();
   state.block_gate.live = threads;
   state.warp_gates = warp_gates.data();
-  state.shuffle_slots = slots.data();
+  state.warp_slots = slots.data();
   state.shared = shared.data();
   state.shared_bytes = (unsigned)shared_bytes;
   state.race_scheduler = race_fiber_current();
@@ -319,6 +324,7 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
     for (int i = grid - 1; i > 0; --i) std::swap(order[i], order[random_below(i + 1)]);
   }
   late_store = report_late_store;
+  partial_warp = report_partial_warp;
   watchdog_fired = false;
   watchdog_ns = steady_ns() + (unsigned long long)(watchdog_s * 1e9);
   int resident = max_resident > 0 && max_resident < grid ? max_resident : grid;

@@ -155,6 +155,39 @@ PRNN_DEVICE float prnn_round_bf16(float v) {
   asm("{.reg .b16 h, z; mov.b16 z, 0; cvt.rn.bf16.f32 h, %1; mov.b32 %0, {z, h};}" : "=r"(r) : "f"(v));
   return __uint_as_float(r);
 }
+// ---- tensor cores (sm_80+): a warp's 16x8x16 matrix multiply-accumulate ----------------------
+// d = A B + c, A 16 x 16 and B 16 x 8 in fp16 (prnn_mma_f16) or bf16 (prnn_mma_bf16), c and d
+// 16 x 8 in fp32: one mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 (HMMA). A
+// warp collective: every lane of the warp calls it together, passing its fragments in the PTX
+// ISA's layout ("Matrix Fragments for mma.m16n8k16 with floating point type"; emulation.h spells
+// it out): `a` 8 elements of A and `b` 4 of B, two per word (element 2j in the low half), `c` and
+// `d` 4 elements of C and D. d may be c. Volatile: a collective stays where every lane reaches it.
+#define PRNN_MMA_M16N8K16(type)                                                                   \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." type "." type ".f32 "                     \
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"             \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),     \
+                 "f"(c[1]), "f"(c[2]), "f"(c[3]))
+PRNN_DEVICE void prnn_mma_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                              const float (&c)[4]) {
+  PRNN_MMA_M16N8K16("f16");
+}
+PRNN_DEVICE void prnn_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                               const float (&c)[4]) {
+  PRNN_MMA_M16N8K16("bf16");
+}
+#undef PRNN_MMA_M16N8K16
+// Four 8 x 8 matrices of 16-bit values from shared memory, a fragment of each per lane:
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16, a warp collective. Lane l passes the start of row
+// l % 8 of matrix l / 8 (8 values, 16 bytes, 16-byte aligned) and gets in r[j] the word of
+// columns 2(l % 4), 2(l % 4) + 1 of row l / 4 of matrix j (the PTX ISA, "Warp-level matrix load
+// instruction: ldmatrix"): with rows 0-7 / 8-15 and columns 0-7 / 8-15 of a 16 x 16 A as the four
+// matrices, r is A's mma fragment.
+PRNN_DEVICE void prnn_ldmatrix_x4(unsigned (&r)[4], const unsigned* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(row)) : "memory");
+}
 // Two consecutive floats of shared memory (p 8-byte aligned) in one load.
 PRNN_DEVICE void prnn_load_shared_pair(const float* p, float& a, float& b) {
   const float2 v = *reinterpret_cast<const float2*>(p);
