@@ -16,6 +16,7 @@ batch B, hidden H, cell with G gates, S saved activations per unit):
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -63,11 +64,33 @@ def allocate_backward(cell: CellSpec, dy: Array, hidden: int | None = None) -> t
 
 
 def full_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array:
-    """``lengths`` as contiguous int32 on ``xp`` (what the kernels read); ``None`` means every
-    sequence runs all ``steps``."""
+    """``lengths`` as contiguous int32 on ``xp`` (what the kernels read, never write); ``None``
+    means every sequence runs all ``steps`` (``constant_ints``)."""
     if lengths is None:
-        return xp.full((batch,), steps, dtype=np.int32)
+        return constant_ints(xp, batch, steps)
     return xp.ascontiguousarray(xp.asarray(lengths, dtype=np.int32))
+
+
+_CONSTANTS: dict[tuple, Array] = {}
+_CONSTANTS_LOCK = threading.Lock()
+MAX_CONSTANTS = 1024  # a bound: the sequence lengths of a long run with varying T
+
+
+def constant_ints(xp, count: int, value: int) -> Array:
+    """An int32 array of ``count`` times ``value`` for the kernels to read (never to write). On
+    a GPU it is made once per (device, count, value) and shared: no allocation and fill per
+    call, and the same address call after call (so a chain graph's key repeats); NumPy: a new
+    array (as cheap as a lookup)."""
+    if xp is np:
+        return np.full(count, value, np.int32)
+    key = (xp.cuda.Device().id, count, value)
+    with _CONSTANTS_LOCK:
+        found = _CONSTANTS.get(key)
+        if found is None:
+            if len(_CONSTANTS) >= MAX_CONSTANTS:
+                _CONSTANTS.clear()
+            found = _CONSTANTS[key] = xp.full(count, value, np.int32)
+        return found
 
 
 def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:

@@ -53,9 +53,14 @@ def value(v: Any) -> Any:
     return v
 
 
+_SCALAR_TYPES = frozenset({int, float, bool, type(None), np.int32, np.int64, np.uint32, np.uint64,
+                           np.float32})
+
+
 def arguments_key(named: dict) -> tuple:
-    """``value`` of each named argument, in order."""
-    return tuple((name, value(v)) for name, v in named.items())
+    """``value`` of each named argument, in order (a list, not a generator: this runs on every
+    call, and scalars are taken as they are without a call)."""
+    return tuple([(name, v if type(v) in _SCALAR_TYPES else value(v)) for name, v in named.items()])
 
 
 def eligible(words: Any) -> bool:

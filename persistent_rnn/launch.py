@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import chain_graphs, settings
+from . import buffers, chain_graphs, settings
 from ._sources import cuda_src_dir
 
 Array = Any
@@ -315,23 +315,10 @@ def release_captured() -> int:
     return n
 
 
-_FIRST_STARTS: dict[tuple, Array] = {}
-_FIRST_LOCK = threading.Lock()
-
-
 def first_starts(xp, groups: int, first: int) -> Array:
     """An int32 array of ``groups`` times ``first`` on the data's device: the stack kernels'
-    ``starts`` for a pass's first launch. Cached on the GPU (read-only; no fill per call)."""
-    if xp is np:
-        return np.full(groups, first, np.int32)
-    key = (xp.cuda.Device().id, groups, first)
-    with _FIRST_LOCK:
-        found = _FIRST_STARTS.get(key)
-        if found is None:
-            if len(_FIRST_STARTS) >= 1024:  # a bound: sequence lengths of a long training run
-                _FIRST_STARTS.clear()
-            found = _FIRST_STARTS[key] = xp.full(groups, first, np.int32)
-        return found
+    ``starts`` for a pass's first launch (``buffers.constant_ints``: no fill per call)."""
+    return buffers.constant_ints(xp, groups, first)
 
 
 def chain_launches(max_restarts: int) -> int:
