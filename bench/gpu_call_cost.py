@@ -234,7 +234,7 @@ def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward
             calls: int) -> str:
     """cProfile of ``calls`` calls of ``road``: the top functions by own time and by total."""
     call = make_call(dev, road, cell, hidden, batch, STEPS, backward)
-    for _ in range(3):
+    for _ in range(1 if dev.cpu else 3):
         call()
     dev.sync()
     prof = cProfile.Profile()
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=30)
     args = p.parse_args(argv)
     dev = Device(args.cpu)
-    calls = 2 if args.cpu else args.calls
+    calls = 1 if args.cpu else args.calls
     args.out.mkdir(parents=True, exist_ok=True)
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu), "rows": []}
     print(f"{'layer':18} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  per call")
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"{row['host_us']:8.1f} {row['loop_us']:8.1f} {row['event_us']:8.1f}  "
                          f"{row['per_call']}" if "error" not in row else row["error"]), flush=True)
     lengths = (3, 9) if args.cpu else (1000, 3000)
-    record["slopes"] = [dict(layer=f"{c}_h{h}_b{b}", **slope(dev, c, h, b, lengths, max(2, calls // 6)))
+    record["slopes"] = [dict(layer=f"{c}_h{h}_b{b}", **slope(dev, c, h, b, lengths, 1 if args.cpu else max(2, calls // 6)))
                         for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]
     record["graphs"] = [dict(layer=f"{c}_h{h}_b{b}", steps=STEPS, **graph_replay(dev, c, h, b, calls))
                         for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]
