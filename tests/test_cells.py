@@ -5,22 +5,21 @@ import numpy as np
 import pytest
 import torch
 
-from persistent_rnn.cells import CELLS, cell_spec
+from persistent_rnn.cells import CELLS, cell_spec, layer_args
 
 B, I, H = 4, 3, 6
 
-TORCH_CELLS = {
-    "rnn_tanh": lambda: torch.nn.RNNCell(I, H, nonlinearity="tanh"),
-    "rnn_relu": lambda: torch.nn.RNNCell(I, H, nonlinearity="relu"),
-    "gru": lambda: torch.nn.GRUCell(I, H),
-    "lstm": lambda: torch.nn.LSTMCell(I, H),
-}
+
+def torch_cell(name: str) -> torch.nn.Module:
+    """torch.nn's single-step cell of ``name`` (``torch.nn.RNNCell(I, H, nonlinearity=...)``)."""
+    mode, kwargs = layer_args(name)
+    return getattr(torch.nn, f"{mode}Cell")(I, H, **kwargs)
 
 
-@pytest.mark.parametrize("name", sorted(CELLS))
+@pytest.mark.parametrize("name", sorted(n for n, spec in CELLS.items() if spec.in_torch))
 def test_step_matches_torch_cell(name):
     torch.manual_seed(0)
-    cell, ref = CELLS[name], TORCH_CELLS[name]().double()
+    cell, ref = CELLS[name], torch_cell(name).double()
     rng = np.random.default_rng(0)
     x, h_prev, c_prev = (rng.standard_normal(s) for s in ((B, I), (B, H), (B, H)))
     w_ih, w_hh, b_ih, b_hh = (p.detach().numpy() for p in
@@ -61,8 +60,9 @@ def test_cell_spec_lookup():
         cell_spec("QRNN")
 
 
-def _cuda_cells() -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
-    """``prnn::CellKind``'s enumerators and each ``Cell<KIND>``'s (G, S), read from cells.cuh."""
+def _cuda_cells() -> tuple[dict[str, int], dict[str, tuple[int, int, bool]]]:
+    """``prnn::CellKind``'s enumerators and each ``Cell<KIND>``'s (G, S, has_c), read from
+    cells.cuh: its own body, or the body of the template it derives from (``ElmanCell<Act>``)."""
     import re
 
     from persistent_rnn._sources import read_source
@@ -70,20 +70,26 @@ def _cuda_cells() -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
     src = read_source("cells.cuh")
     enum = re.search(r"enum\s+CellKind\s*\{([^}]*)\}", src).group(1)
     kinds = {k.strip(): int(v) for k, v in re.findall(r"(\w+)\s*=\s*(\d+)", enum)}
+    bodies = dict(re.findall(r"struct\s+(\w+)\s*\{(.*?)\n\};", src, re.S))
     shapes = {}
-    for kind, body in re.findall(r"struct\s+Cell<(\w+)>\s*\{(.*?)\n\};", src, re.S):
+    for kind, base, body in re.findall(
+            r"struct\s+Cell<(\w+)>\s*(?::\s*(\w+)<\w+>\s*)?\{(.*?)\};", src, re.S):
+        body = bodies[base] if base else body
         gates = re.search(r"constexpr int G = (\d+)", body).group(1)
         saved = re.search(r"constexpr int S = (\d+)", body).group(1)
-        shapes[kind] = (int(gates), int(saved))
+        has_c = re.search(r"constexpr bool has_c = (true|false)", body).group(1)
+        shapes[kind] = (int(gates), int(saved), has_c == "true")
     return kinds, shapes
 
 
 def test_registry_matches_the_cuda_cells():
     """Each ``CellSpec.kind`` is the CUDA ``CellKind`` of the same name and its ``Cell<>`` has
-    the spec's gates and saved activations: a mismatch would run another cell's math."""
+    the spec's gates, saved activations and cell state: a mismatch would run another cell's
+    math."""
     kinds, shapes = _cuda_cells()
     assert kinds == {spec.mode: spec.kind for spec in CELLS.values()}
-    assert shapes == {spec.mode: (spec.gates, spec.saved) for spec in CELLS.values()}
+    assert shapes == {spec.mode: (spec.gates, spec.saved, spec.has_cell_state)
+                      for spec in CELLS.values()}
 
 
 def test_names_and_messages_derive_from_the_registry():
