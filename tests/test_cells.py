@@ -51,6 +51,36 @@ def test_step_matches_torch_cell(name):
         np.testing.assert_allclose(dc_prev, ct.grad.numpy(), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("name", sorted(CELLS))
+def test_backward_is_the_gradient_of_the_forward(name):
+    """Every cell, torch.nn's or not: the backward's dgi, dgh, direct dh_prev and dc_prev are the
+    central differences of ``sum(dh * h) + sum(dc * c)`` in gi, gh, h_prev and c_prev (float64)."""
+    cell, rng = CELLS[name], np.random.default_rng(1)
+    gi, gh = rng.standard_normal((B, cell.gates * H)), rng.standard_normal((B, cell.gates * H))
+    h_prev, c_prev, dh, dc = (rng.standard_normal((B, H)) for _ in range(4))
+    if not cell.has_cell_state:
+        c_prev = dc = None
+
+    def loss(gi, gh, h_prev, c_prev):
+        h, c, _ = cell.forward(np, gi, gh, h_prev, c_prev)
+        return (dh * h).sum() + ((dc * c).sum() if cell.has_cell_state else 0.0)
+
+    def numeric(k):
+        args, grad, eps = [gi, gh, h_prev, c_prev], np.zeros_like((gi, gh, h_prev, c_prev)[k]), 1e-6
+        for idx in np.ndindex(grad.shape):
+            step = np.zeros_like(grad)
+            step[idx] = eps
+            up, down = list(args), list(args)
+            up[k], down[k] = args[k] + step, args[k] - step
+            grad[idx] = (loss(*up) - loss(*down)) / (2 * eps)
+        return grad
+
+    h, c, saved = cell.forward(np, gi, gh, h_prev, c_prev)
+    got = cell.backward(np, dh, dc, saved, h, c, h_prev, c_prev)
+    for k, g in enumerate(got if cell.has_cell_state else got[:3]):
+        np.testing.assert_allclose(g, numeric(k), rtol=1e-6, atol=1e-8, err_msg=str(k))
+
+
 def test_cell_spec_lookup():
     assert cell_spec("rnn", "relu") is CELLS["rnn_relu"]
     assert cell_spec("LSTM").gates == 4 and cell_spec("GRU").gates == 3
