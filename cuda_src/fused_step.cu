@@ -15,12 +15,13 @@
 // (B, S*H) with activation s of unit j at column s*H + j (persistent_rnn/cells.py's layout).
 // Pointers a cell does not use may be any valid buffer. Launch: blockDim.x a multiple of 32,
 // at least ceil(B / BATCH_TILE) * H warps in all (extra warps return at once). One cell per
-// build: -D PRNN_CELL (its prnn::CellKind).
+// build: -D PRNN_CELL (its prnn::CellKind) and -D PRNN_BATCH_TILE (cell_step.BATCH_TILE, which
+// sizes the grid).
 #include "cells.cuh"
 
 namespace prnn {
 
-constexpr int BATCH_TILE = 4;  // batch rows per warp: each weight load serves this many
+constexpr int BATCH_TILE = PRNN_BATCH_TILE;  // batch rows per warp: a weight load serves each
 
 // Lane 0 gets out[r] = sum_k w[k] * v[r*n + k] for the tile's rows r < rows (fp32, fixed order;
 // rows past the batch stay 0); the other lanes partial sums.

@@ -32,7 +32,7 @@ from .validation import CallOrderError
 Array = Any
 
 _WARPS_PER_BLOCK = 4  # fused kernel: one warp per (batch tile, j)
-BATCH_TILE = 4  # batch rows per warp of the fused kernel (fused_step.cu's prnn::BATCH_TILE)
+BATCH_TILE = 4  # batch rows per warp of the fused kernel (-D PRNN_BATCH_TILE of fused_step.cu)
 FUSED_SOURCE = "fused_step.cu"
 STEP_ALGOS = validation.ALGOS
 
@@ -106,7 +106,7 @@ def step_backward(ctx: StepContext, params: Mapping[str, Array], dh: Array,
 
 def fused_module(xp, cell: CellSpec):
     """The fused step kernel of ``cell``: the GPU build for CuPy, the CPU emulation for NumPy."""
-    defines = {"PRNN_CELL": cell.kind}
+    defines = {"PRNN_CELL": cell.kind, "PRNN_BATCH_TILE": BATCH_TILE}
     if xp is np:
         from . import emulate
         return emulate.get_module(FUSED_SOURCE, defines)

@@ -154,7 +154,8 @@ def test_fused_step_compiles_without_spills_or_local_memory():
     from persistent_rnn import kernels
     for arch in ("sm_80", "sm_90"):
         for cell in CELLS.values():
-            log = kernels.compile_source(cell_step.FUSED_SOURCE, {"PRNN_CELL": cell.kind}, arch).log
+            defines = {"PRNN_CELL": cell.kind, "PRNN_BATCH_TILE": cell_step.BATCH_TILE}
+            log = kernels.compile_source(cell_step.FUSED_SOURCE, defines, arch).log
             assert "'prnn_fused_step_f32'" in log, (arch, cell.name)
             frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) "
                                 r"bytes spill loads", log)
