@@ -49,7 +49,7 @@ import numpy as np
 import persistent_rnn as prnn
 from persistent_rnn import buffers, emulate, functional, hardware, plan as planner, runtime
 from persistent_rnn.buffers import active_steps
-from persistent_rnn.cells import CELLS as REGISTRY, cell_spec, layer_args
+from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 
 # Every cell of the registry, most gates first (the order the CI slice's seeds were chosen in).
 CELLS = tuple(sorted(REGISTRY, key=lambda name: -REGISTRY[name].gates))
