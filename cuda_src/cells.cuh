@@ -7,7 +7,7 @@
 // Per hidden unit and batch row, a cell sees
 //   gi[G]   input part of the pre-activations, W_ih x_t + b_ih (gate g of unit j is row g*H+j)
 //   gh[G]   recurrent part, W_hh h_{t-1} + b_hh
-//   h_prev, c_prev (c only for LSTM)
+//   h_prev, c_prev (c only where Cell<>::has_c: LSTM)
 // and produces h, c and S saved activations that its backward needs (layout [s*H + j]); h and c
 // are kept for every step by the caller, so saved holds only what they do not give.
 // Backward takes the total gradients dh (to h_t) and dc (to c_t) and returns the gradients of
@@ -32,48 +32,53 @@ PRNN_HD double act_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 template <int CELL>
 struct Cell;
 
-template <>
-struct Cell<RNN_TANH> {
+// Elman RNN, h = act(gi + gh), one template for every activation: Act::apply(pre) and
+// Act::grad(dh, h), the gradient through act written with its output h (the cell saves nothing).
+template <class Act>
+struct ElmanCell {
   static constexpr int G = 1;  // gates
   static constexpr int S = 0;  // saved activations per unit (h_t itself is the output)
+  static constexpr bool has_c = false;  // a cell state c beside h (LSTM)
   template <class T>
   PRNN_HD static void forward(const T* gi, const T* gh, T h_prev, T c_prev, T& h, T& c, T* saved) {
-    h = act_tanh(gi[0] + gh[0]);
+    h = Act::apply(gi[0] + gh[0]);
     c = c_prev;
   }
   template <class T>
   PRNN_HD static void backward(T dh, T dc, const T* saved, T h, T c, T h_prev, T c_prev, T* dgi, T* dgh,
                                T& dh_prev, T& dc_prev) {
-    dgi[0] = dgh[0] = dh * (T(1) - h * h);
+    dgi[0] = dgh[0] = Act::grad(dh, h);
     dh_prev = T(0);
     dc_prev = T(0);
   }
 };
 
-template <>
-struct Cell<RNN_RELU> {
-  static constexpr int G = 1;
-  static constexpr int S = 0;
+struct TanhAct {
   template <class T>
-  PRNN_HD static void forward(const T* gi, const T* gh, T h_prev, T c_prev, T& h, T& c, T* saved) {
-    const T pre = gi[0] + gh[0];
-    h = pre < T(0) ? T(0) : pre;  // NaN stays NaN, as in torch.nn (pre > 0 ? pre : 0 made it 0)
-    c = c_prev;
-  }
+  PRNN_HD static T apply(T pre) { return act_tanh(pre); }
   template <class T>
-  PRNN_HD static void backward(T dh, T dc, const T* saved, T h, T c, T h_prev, T c_prev, T* dgi, T* dgh,
-                               T& dh_prev, T& dc_prev) {
-    dgi[0] = dgh[0] = h > T(0) ? dh : T(0);
-    dh_prev = T(0);
-    dc_prev = T(0);
-  }
+  PRNN_HD static T grad(T dh, T h) { return dh * (T(1) - h * h); }
 };
+
+// NaN stays NaN, as in torch.nn (pre > 0 ? pre : 0 made it 0).
+struct ReluAct {
+  template <class T>
+  PRNN_HD static T apply(T pre) { return pre < T(0) ? T(0) : pre; }
+  template <class T>
+  PRNN_HD static T grad(T dh, T h) { return h > T(0) ? dh : T(0); }
+};
+
+template <>
+struct Cell<RNN_TANH> : ElmanCell<TanhAct> {};
+template <>
+struct Cell<RNN_RELU> : ElmanCell<ReluAct> {};
 
 // LSTM, gates i, f, g, o; saved: i, f, g, o.
 template <>
 struct Cell<LSTM> {
   static constexpr int G = 4;
   static constexpr int S = 4;
+  static constexpr bool has_c = true;
   template <class T>
   PRNN_HD static void forward(const T* gi, const T* gh, T h_prev, T c_prev, T& h, T& c, T* saved) {
     const T i = act_sigmoid(gi[0] + gh[0]);
@@ -104,6 +109,7 @@ template <>
 struct Cell<GRU> {
   static constexpr int G = 3;
   static constexpr int S = 4;
+  static constexpr bool has_c = false;
   template <class T>
   PRNN_HD static void forward(const T* gi, const T* gh, T h_prev, T c_prev, T& h, T& c, T* saved) {
     const T r = act_sigmoid(gi[0] + gh[0]);

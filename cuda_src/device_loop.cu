@@ -142,7 +142,7 @@ PRNN_KERNEL void prnn_complete_forward(
     int batch, int hidden, int proj) {
   using namespace prnn;
   constexpr int G = StepCell::G, S = StepCell::S;
-  constexpr bool kHasC = PRNN_CELL == LSTM;
+  constexpr bool kHasC = StepCell::has_c;
   const int* starts = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid);
   const int gh_len = G * hidden, width = proj > 0 ? proj : hidden;  // width: the state's
   const size_t state = (size_t)steps * batch;
@@ -211,7 +211,7 @@ PRNN_KERNEL void prnn_complete_backward(
     int chained, int per_step, int steps, int batch, int hidden) {
   using namespace prnn;
   constexpr int G = StepCell::G, S = StepCell::S;
-  constexpr bool kHasC = PRNN_CELL == LSTM;
+  constexpr bool kHasC = StepCell::has_c;
   const int* starts = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid);
   const int gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden, rows = (size_t)steps * batch;

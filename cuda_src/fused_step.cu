@@ -10,16 +10,18 @@
 // the saved activations. The summation order is fixed, so results are bitwise reproducible.
 // Nothing is allocated and nothing is read back: the launch can be captured in a CUDA graph.
 //
-// Layouts (row-major, contiguous): x (B, I), h_prev and h (B, H), c_prev and c (B, H; LSTM only),
+// Layouts (row-major, contiguous): x (B, I), h_prev and h (B, H), c_prev and c (B, H; has_c only),
 // w_ih (G*H, I), w_hh (G*H, H), b_ih and b_hh (G*H; read only when has_bias != 0), saved
 // (B, S*H) with activation s of unit j at column s*H + j (persistent_rnn/cells.py's layout).
 // Pointers a cell does not use may be any valid buffer. Launch: blockDim.x a multiple of 32,
-// at least ceil(B / BATCH_TILE) * H warps in all (extra warps return at once).
+// at least ceil(B / BATCH_TILE) * H warps in all (extra warps return at once). One cell per
+// build: -D PRNN_CELL (its prnn::CellKind) and -D PRNN_BATCH_TILE (cell_step.BATCH_TILE, which
+// sizes the grid).
 #include "cells.cuh"
 
 namespace prnn {
 
-constexpr int BATCH_TILE = 4;  // batch rows per warp: each weight load serves this many
+constexpr int BATCH_TILE = PRNN_BATCH_TILE;  // batch rows per warp: a weight load serves each
 
 // Lane 0 gets out[r] = sum_k w[k] * v[r*n + k] for the tile's rows r < rows (fp32, fixed order;
 // rows past the batch stay 0); the other lanes partial sums.
@@ -73,10 +75,10 @@ PRNN_DEVICE void fused_step(int batch, int input, int hidden, const float* x, co
       gh_u[g] = gh[g][r] + (has_bias ? b_hh[(size_t)g * hidden + j] : 0.0f);
     }
     float hv, cv;
-    Cell<CELL>::forward(gi_u, gh_u, h_prev[unit], CELL == LSTM ? c_prev[unit] : 0.0f, hv, cv,
+    Cell<CELL>::forward(gi_u, gh_u, h_prev[unit], Cell<CELL>::has_c ? c_prev[unit] : 0.0f, hv, cv,
                         saved_u);
     h[unit] = hv;
-    if (CELL == LSTM) c[unit] = cv;
+    if (Cell<CELL>::has_c) c[unit] = cv;
 #pragma unroll
     for (int s = 0; s < S; ++s) saved[(b * S + s) * hidden + j] = saved_u[s];
   }
@@ -84,16 +86,10 @@ PRNN_DEVICE void fused_step(int batch, int input, int hidden, const float* x, co
 
 }  // namespace prnn
 
-#define PRNN_FUSED_STEP(NAME, CELL)                                                              \
-  PRNN_KERNEL void prnn_fused_step_##NAME##_f32(                                                \
-      int batch, int input, int hidden, const float* x, const float* h_prev, const float* c_prev, \
-      const float* w_ih, const float* w_hh, const float* b_ih, const float* b_hh, int has_bias,  \
-      float* h, float* c, float* saved) {                                                        \
-    prnn::fused_step<CELL>(batch, input, hidden, x, h_prev, c_prev, w_ih, w_hh, b_ih, b_hh,      \
-                           has_bias, h, c, saved);                                               \
-  }
-
-PRNN_FUSED_STEP(rnn_tanh, prnn::RNN_TANH)
-PRNN_FUSED_STEP(rnn_relu, prnn::RNN_RELU)
-PRNN_FUSED_STEP(lstm, prnn::LSTM)
-PRNN_FUSED_STEP(gru, prnn::GRU)
+PRNN_KERNEL void prnn_fused_step_f32(int batch, int input, int hidden, const float* x,
+                                     const float* h_prev, const float* c_prev, const float* w_ih,
+                                     const float* w_hh, const float* b_ih, const float* b_hh,
+                                     int has_bias, float* h, float* c, float* saved) {
+  prnn::fused_step<PRNN_CELL>(batch, input, hidden, x, h_prev, c_prev, w_ih, w_hh, b_ih, b_hh,
+                              has_bias, h, c, saved);
+}

@@ -39,7 +39,7 @@ constexpr int kChunk = kWarp * kKpt;        // columns per warp
 constexpr int kPadded = kKsplit * kChunk;   // staged vector length per batch row
 constexpr int kThreads = kWarp * PRNN_WARPS;  // blockDim.x
 using ThisCell = Cell<PRNN_CELL>;
-constexpr bool kHasC = PRNN_CELL == LSTM;
+constexpr bool kHasC = ThisCell::has_c;
 constexpr int kSavedSlots = ThisCell::S > 0 ? ThisCell::S : 1;
 
 PRNN_HD constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
@@ -297,9 +297,9 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
 }
 
 // Tagged quads a thread of the grid's gather loads at once (four registers each): chosen by the
-// planner (persistent_rnn/plan.py, gather_quads) from the quads a thread gathers per step and
-// the registers the weights leave. A cluster has no gather (kDirectRead), nor a stack kernel
-// this one (stack_common.cuh, kStackGatherQuads): they leave it undefined.
+// planner (persistent_rnn/plan.py: gather_quads for the layer kernels, stack_gather_quads for
+// the stack kernels) from the quads a thread gathers per step and the registers the weights
+// leave. A cluster has no gather (kDirectRead): it leaves it undefined.
 #ifdef PRNN_GATHER_QUADS
 constexpr int kGatherQuads = PRNN_GATHER_QUADS;
 #else
@@ -541,21 +541,31 @@ struct Team {
   PRNN_DEVICE int row_of(int g, int u) const { return row0 + g * units + u - unit0; }
 };
 
-// Whether each warp finishes its own units: a forward whose warps hold all G gate rows of their
-// units over all of K (PRNN_KSPLIT 1). In a cluster a warp then depends on the other warps only
-// through the exchange; on the grid the step keeps one block barrier, the staged vector's (with
-// the timeout vote), and the staged vector alternates between two buffers by step parity
-// (kStagedBuffers), as a warp may gather step t while another still multiplies step t-1's.
-template <int G>
-constexpr bool kWarpTeams = kKsplit == 1 && kRows % G == 0 && kRows / G * PRNN_WARPS == kUnits;
+// Whether each warp finishes its own units (-D PRNN_WARP_TEAMS, the planner's plan.warp_teams):
+// a forward whose warps hold all G gate rows of their units over all of K (PRNN_KSPLIT 1). In a
+// cluster a warp then depends on the other warps only through the exchange; on the grid the step
+// keeps one block barrier, the staged vector's (with the timeout vote), and the staged vector
+// alternates between two buffers by step parity (-D PRNN_STAGED_BUFFERS 2, plan.staged_buffers),
+// as a warp may gather step t while another still multiplies step t-1's. Both are the layer
+// forward's (persistent_forward.cu); other kernels take the defaults.
+#ifndef PRNN_WARP_TEAMS
+#define PRNN_WARP_TEAMS 0
+#endif
+#ifndef PRNN_STAGED_BUFFERS
+#define PRNN_STAGED_BUFFERS 1
+#endif
+constexpr bool kWarpTeams = PRNN_WARP_TEAMS;
+constexpr int kStagedBuffers = PRNN_STAGED_BUFFERS;
 
-// Staged vectors of the grid's forward (persistent_forward.cu): two with warp teams, else one.
+// What warp teams need of a tile of G gate rows per unit: each warp all G rows of whole units.
 template <int G>
-constexpr int kStagedBuffers = !kDirectRead && kWarpTeams<G> ? 2 : 1;
+constexpr bool kWholeUnitsPerWarp = kKsplit == 1 && kRows % G == 0 && kRows / G * PRNN_WARPS == kUnits;
 
 template <int G>
 PRNN_DEVICE Team step_team() {
-  if constexpr (kWarpTeams<G>) {
+  static_assert(!kWarpTeams || kWholeUnitsPerWarp<G>, "PRNN_WARP_TEAMS on a tile without whole "
+                "units per warp");
+  if constexpr (kWarpTeams) {
     const int warp = threadIdx.x / kWarp;
     return {(int)threadIdx.x % kWarp, kWarp, warp * (kRows / G), kRows / G, warp * kRows};
   } else {

@@ -32,8 +32,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
-  constexpr bool kWarpTeam = kWarpTeams<G>;
-  constexpr int kStaged = kStagedBuffers<G>;
+  constexpr bool kWarpTeam = kWarpTeams;
+  constexpr int kStaged = kStagedBuffers;
   start = launch_start(control, start);
   if (start >= steps) return;  // a resume launch of a pass already complete
   PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);

@@ -7,9 +7,10 @@
 // 64-bit: B*G*H passes 2^31 at sizes the GEMM path accepts.
 //
 // The cell math is prnn::cell_forward_masked / cell_backward_masked from cells.cuh, the same
-// code the persistent kernels run. Kernels are extern "C" wrappers (PRNN_KERNEL) over templates,
-// named prnn_pointwise_{forward,backward}_<cell>_<f32|f64>, so that the host emulation can
-// compile this file unchanged. Pointers a cell does not use (c for cells without a cell state,
+// code the persistent kernels run. One cell per build, -D PRNN_CELL (its prnn::CellKind), as for
+// the persistent kernels: no list of cells here. Kernels are extern "C" wrappers (PRNN_KERNEL)
+// over templates, named prnn_pointwise_{forward,backward}_<f32|f64>, so that the host emulation
+// can compile this file unchanged. Pointers a cell does not use (c for cells without a cell state,
 // b_hh when has_bias == 0) may be any valid buffer; they are not read or written.
 #include "cells.cuh"
 
@@ -30,11 +31,12 @@ PRNN_DEVICE void pointwise_forward(int batch, int hidden, int t, const int* leng
     gi_u[g] = gi[(b * G + g) * hidden + j];
     gh_u[g] = gh[(b * G + g) * hidden + j] + (has_bias ? b_hh[(size_t)g * hidden + j] : T(0));
   }
-  const T cp = CELL == LSTM ? c_prev[idx] : T(0);
+  constexpr bool has_c = Cell<CELL>::has_c;
+  const T cp = has_c ? c_prev[idx] : T(0);
   T hv, cv;
   cell_forward_masked<CELL, T>(t < lengths[b], gi_u, gh_u, h_prev[idx], cp, hv, cv, saved_u);
   h[idx] = hv;
-  if (CELL == LSTM) c[idx] = cv;
+  if (has_c) c[idx] = cv;
   for (int s = 0; s < S; ++s) saved[(b * S + s) * hidden + j] = saved_u[s];
 }
 
@@ -54,7 +56,7 @@ PRNN_DEVICE void pointwise_backward(int batch, int hidden, int t, const int* len
   const size_t b = idx / hidden, j = idx % hidden;
   T saved_u[S > 0 ? S : 1], dgi_u[G], dgh_u[G];
   for (int s = 0; s < S; ++s) saved_u[s] = saved[(b * S + s) * hidden + j];
-  const bool has_c = CELL == LSTM;
+  constexpr bool has_c = Cell<CELL>::has_c;
   const T dhv = dy[idx] + dh_direct[idx] + dh_rec[idx];
   T dh_prev, dc_prev;
   cell_backward_masked<CELL, T>(t < lengths[b], dhv, has_c ? dc[idx] : T(0), saved_u, h[idx],
@@ -70,26 +72,21 @@ PRNN_DEVICE void pointwise_backward(int batch, int hidden, int t, const int* len
 
 }  // namespace prnn
 
-#define PRNN_POINTWISE_KERNELS(NAME, CELL, T, SUFFIX)                                             \
-  PRNN_KERNEL void prnn_pointwise_forward_##NAME##_##SUFFIX(                                      \
+#define PRNN_POINTWISE_KERNELS(T, SUFFIX)                                                        \
+  PRNN_KERNEL void prnn_pointwise_forward_##SUFFIX(                                                \
       int batch, int hidden, int t, const int* lengths, const T* gi, const T* gh, const T* b_hh,   \
       int has_bias, const T* h_prev, const T* c_prev, T* h, T* c, T* saved) {                     \
-    prnn::pointwise_forward<CELL, T>(batch, hidden, t, lengths, gi, gh, b_hh, has_bias, h_prev,    \
-                                     c_prev, h, c, saved);                                        \
+    prnn::pointwise_forward<PRNN_CELL, T>(batch, hidden, t, lengths, gi, gh, b_hh, has_bias,       \
+                                          h_prev, c_prev, h, c, saved);                           \
   }                                                                                                \
-  PRNN_KERNEL void prnn_pointwise_backward_##NAME##_##SUFFIX(                                     \
+  PRNN_KERNEL void prnn_pointwise_backward_##SUFFIX(                                               \
       int batch, int hidden, int t, const int* lengths, const T* dy, const T* dh_direct,           \
       const T* dh_rec, const T* dc, const T* saved, const T* h, const T* c, const T* h_prev,      \
       const T* c_prev, T* dgi, T* dgh, T* dh_direct_out, T* dc_out) {                             \
-    prnn::pointwise_backward<CELL, T>(batch, hidden, t, lengths, dy, dh_direct, dh_rec, dc, saved, \
-                                      h, c, h_prev, c_prev, dgi, dgh, dh_direct_out, dc_out);     \
+    prnn::pointwise_backward<PRNN_CELL, T>(batch, hidden, t, lengths, dy, dh_direct, dh_rec, dc,   \
+                                           saved, h, c, h_prev, c_prev, dgi, dgh, dh_direct_out,  \
+                                           dc_out);                                               \
   }
 
-#define PRNN_POINTWISE_CELL(NAME, CELL)            \
-  PRNN_POINTWISE_KERNELS(NAME, CELL, float, f32)   \
-  PRNN_POINTWISE_KERNELS(NAME, CELL, double, f64)
-
-PRNN_POINTWISE_CELL(rnn_tanh, prnn::RNN_TANH)
-PRNN_POINTWISE_CELL(rnn_relu, prnn::RNN_RELU)
-PRNN_POINTWISE_CELL(lstm, prnn::LSTM)
-PRNN_POINTWISE_CELL(gru, prnn::GRU)
+PRNN_POINTWISE_KERNELS(float, f32)
+PRNN_POINTWISE_KERNELS(double, f64)

@@ -36,16 +36,9 @@ static_assert(kKsplit % 2 == 0, "a stack tile splits its column chunks into two 
 constexpr int kHalfChunks = kKsplit / 2;
 constexpr int kHalf = kHalfChunks * kChunk;  // columns per half of the staged vector
 
-// Tagged quads a thread of a stack gather loads at once (persistent_common.cuh's kGatherQuads
-// for the layer kernels): 8, or what stack_forward.cu defines first. ptxas's
-// allocation is not monotonic in it: in the LSTM 12-unit tile's backward (144 registers of
-// weights) 1-4 and 7 spill 60-112 bytes and 8 nothing, its forward with 8 spills 4 bytes on sm_80
-// since the reduce-scatter's levels halve to ceil(n/2) rows, 6 or 7 nothing (sm_80, sm_90;
-// with the 8-byte words of before, only 6 did not spill). persistent_rnn/latency.py mirrors it.
-#ifndef PRNN_STACK_GATHER_QUADS
-#define PRNN_STACK_GATHER_QUADS 8
-#endif
-constexpr int kStackGatherQuads = PRNN_STACK_GATHER_QUADS;
+// Tagged quads a thread of a stack gather loads at once: persistent_common.cuh's kGatherQuads,
+// -D PRNN_GATHER_QUADS from the planner (plan.stack_gather_quads).
+static_assert(kGatherQuads > 0, "a stack kernel needs -DPRNN_GATHER_QUADS (plan.pass_plan)");
 
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }
@@ -84,7 +77,7 @@ struct StackExchange {
   template <class Sink>
   PRNN_DEVICE bool gather(int layer, int t, PrnnControl* ctl, unsigned long long timeout_ns,
                           Sink sink) const {
-    return prnn_gather_tagged<kStackGatherQuads>(
+    return prnn_gather_tagged<kGatherQuads>(
         slot(layer, t), rows, prnn_step_tag(t), kThreads, ctl, timeout_ns, PrnnGlobalQuads{},
         [sink](int word, const float (&v)[4]) { sink(word / kHalf, word % kHalf, v); });
   }

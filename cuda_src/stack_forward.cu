@@ -13,9 +13,6 @@
 // first step some CTA of it has not completed (`starts`, per layer; T for a finished layer) in
 // the same exchange buffer (never zeroed between launches, see stack_common.cuh), so a resumed
 // step reads exactly the words its first run read.
-// stack_common.cuh: 7 where the tile holds more than 140 weights (the LSTM 12-unit tile: 8
-// spills there), 8 elsewhere (7 spills in the RNN 16-row tile).
-#define PRNN_STACK_GATHER_QUADS (PRNN_ROWS * PRNN_KPT > 140 ? 7 : 8)
 #include "stack_common.cuh"
 
 PRNN_KERNEL void prnn_stack_forward(

@@ -32,7 +32,7 @@ from .validation import CallOrderError
 Array = Any
 
 _WARPS_PER_BLOCK = 4  # fused kernel: one warp per (batch tile, j)
-BATCH_TILE = 4  # batch rows per warp of the fused kernel (fused_step.cu's prnn::BATCH_TILE)
+BATCH_TILE = 4  # batch rows per warp of the fused kernel (-D PRNN_BATCH_TILE of fused_step.cu)
 FUSED_SOURCE = "fused_step.cu"
 STEP_ALGOS = validation.ALGOS
 
@@ -104,13 +104,14 @@ def step_backward(ctx: StepContext, params: Mapping[str, Array], dh: Array,
     return dx, dh_prev, dc_prev, grads
 
 
-def fused_module(xp):
-    """The fused step kernels: the GPU build for CuPy, the CPU emulation for NumPy."""
+def fused_module(xp, cell: CellSpec):
+    """The fused step kernel of ``cell``: the GPU build for CuPy, the CPU emulation for NumPy."""
+    defines = {"PRNN_CELL": cell.kind, "PRNN_BATCH_TILE": BATCH_TILE}
     if xp is np:
         from . import emulate
-        return emulate.get_module(FUSED_SOURCE, {})
+        return emulate.get_module(FUSED_SOURCE, defines)
     from . import kernels
-    return kernels.get_module(FUSED_SOURCE, {})
+    return kernels.get_module(FUSED_SOURCE, defines)
 
 
 def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
@@ -138,8 +139,7 @@ def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
             saved if saved.size else h_new)  # placeholders: valid buffers the cell never touches
     grid = -(-(-(-batch // BATCH_TILE)) * hidden // _WARPS_PER_BLOCK)  # a warp per (tile, j)
     if grid:  # an empty batch launches nothing
-        fused_module(xp).launch(f"prnn_fused_step_{cell.name}_f32", grid,
-                                32 * _WARPS_PER_BLOCK, 0, args)
+        fused_module(xp, cell).launch("prnn_fused_step_f32", grid, 32 * _WARPS_PER_BLOCK, 0, args)
     return h_new, c_new, saved
 
 

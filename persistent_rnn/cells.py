@@ -6,7 +6,8 @@ they follow ``torch.nn.RNN/GRU/LSTM`` exactly (LSTM gates i, f, g, o; GRU gates 
 layer modes and nonlinearities, the names and messages of the API, the planner, the demo and the
 tests' cell lists all derive from it, and ``CellSpec.kind`` is the cell's ``prnn::CellKind`` in
 ``cells.cuh`` (tests/test_cells.py holds the two together). Adding a cell means its math here
-and in ``cells.cuh``, its entry in ``CELLS``, its tiles in ``plan.py`` and its docs.
+and in ``cells.cuh``, its entry in ``CELLS`` (its kernel tiles: a family of ``tiles.py``), its
+docs and its test (docs/design.md, "How to add a cell").
 
 The functions are array-module generic: they take NumPy or CuPy arrays and use only operators
 and ``xp`` functions both provide. Shapes, per batch row and hidden unit ``j``:
@@ -116,10 +117,12 @@ class CellSpec:
     has_cell_state: bool  # LSTM's c
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
+    tiles: str            # its family of kernel tiles in tiles.py ("rnn": both Elman cells)
     label: str = ""                 # how the demo and messages show it ("RNN tanh", "GRU")
     separate_dgh: bool = False      # dgh differs from dgi (GRU: r scales the n gate's W_hh part)
     projection: bool = False        # takes torch.nn's proj_size (LSTM)
     cpu_autocast: bool = True       # torch's CPU autocast casts the layer (torch.nn.GRU: it does not)
+    in_torch: bool = True           # torch.nn has it (the drop-in modules and torch comparisons)
 
     @property
     def mode(self) -> str:
@@ -128,12 +131,29 @@ class CellSpec:
 
 
 CELLS: dict[str, CellSpec] = {spec.name: spec for spec in (
-    CellSpec("rnn_tanh", 0, 1, 0, False, _rnn_tanh_forward, _rnn_tanh_backward, "RNN tanh"),
-    CellSpec("rnn_relu", 1, 1, 0, False, _rnn_relu_forward, _rnn_relu_backward, "RNN relu"),
-    CellSpec("lstm", 2, 4, 4, True, _lstm_forward, _lstm_backward, "LSTM", projection=True),
-    CellSpec("gru", 3, 3, 4, False, _gru_forward, _gru_backward, "GRU", separate_dgh=True,
+    CellSpec("rnn_tanh", 0, 1, 0, False, _rnn_tanh_forward, _rnn_tanh_backward, "rnn", "RNN tanh"),
+    CellSpec("rnn_relu", 1, 1, 0, False, _rnn_relu_forward, _rnn_relu_backward, "rnn", "RNN relu"),
+    CellSpec("lstm", 2, 4, 4, True, _lstm_forward, _lstm_backward, "lstm", "LSTM",
+             projection=True),
+    CellSpec("gru", 3, 3, 4, False, _gru_forward, _gru_backward, "gru", "GRU", separate_dgh=True,
              cpu_autocast=False),
 )}
+
+# The cell that takes torch.nn's proj_size (its kernels: cuda_src/persistent_projection_*.cu).
+PROJECTION_CELL: CellSpec = next(spec for spec in CELLS.values() if spec.projection)
+
+
+
+def _first_of_each_family() -> tuple[str, ...]:
+    first: dict[str, str] = {}
+    for spec in CELLS.values():
+        first.setdefault(spec.tiles, spec.name)
+    return tuple(first.values())
+
+
+# One cell per family of kernel tiles (``CellSpec.tiles``), the first of each in CELLS: the cells
+# whose plans differ (``prnn info``'s table, the benchmarks' default sweeps).
+FAMILY_CELLS: tuple[str, ...] = _first_of_each_family()
 
 # The layer modes ("RNN", "GRU", "LSTM") and the RNN's nonlinearities, from the cells' names.
 NONLINEARITIES: tuple[str, ...] = tuple(n.partition("_")[2] for n in CELLS if "_" in n)

@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import benchmark
+from .cells import PROJECTION_CELL
 from .extras import install_hint
 from .hardware import PORTABLE_CLUSTER_CTAS
 
@@ -118,9 +119,10 @@ def _sweep_from_args(args: argparse.Namespace, gpu: bool) -> benchmark.Sweep:
              "dtype": args.dtype, "input_size": args.input_size, "proj_size": args.proj_size,
              "num_layers": args.layers, "repeats": args.repeats, "max_seconds": args.max_seconds}
     sweep = replace(benchmark.default_sweep(gpu, args.quick), **{k: v for k, v in given.items() if v is not None})
-    if sweep.proj_size and sweep.cells != ("lstm",):
-        raise ValueError(f"--proj-size needs --cells lstm (only the LSTM has a projection), "
-                         f"got cells {','.join(sweep.cells)}")
+    if sweep.proj_size and sweep.cells != (PROJECTION_CELL.name,):
+        raise ValueError(f"--proj-size needs --cells {PROJECTION_CELL.name} (only the "
+                         f"{PROJECTION_CELL.label} has a projection), got cells "
+                         f"{','.join(sweep.cells)}")
     return sweep
 
 

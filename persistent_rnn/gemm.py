@@ -257,7 +257,7 @@ def _contiguous(xp, a: Array | None, placeholder: Array) -> Array:
 
 def _launch(cell: CellSpec, which: str, dtype, threads: int, args: tuple) -> None:
     suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}[np.dtype(dtype)]
-    kernel = _module().get_function(f"prnn_pointwise_{which}_{cell.name}_{suffix}")
+    kernel = _module(cell.kind).get_function(f"prnn_pointwise_{which}_{suffix}")
     blocks = (threads + _THREADS - 1) // _THREADS
     if blocks:  # an empty batch launches nothing: CUDA refuses a grid of 0 blocks
         kernel((blocks,), (_THREADS,), args)
@@ -275,8 +275,9 @@ def _check_sizes(xp, steps: int, batch: int, hidden: int) -> None:
 
 
 @lru_cache(maxsize=None)
-def _module():
-    """The compiled ``pointwise.cu`` (one NVRTC build per process, per device via CuPy's cache)."""
+def _module(kind: int):
+    """``pointwise.cu`` compiled for the cell of ``prnn::CellKind`` ``kind`` (one NVRTC build per
+    process and cell, per device via CuPy's cache)."""
     import cupy
-    return cupy.RawModule(code=read_source("pointwise.cu"),
-                          options=("-I" + str(cuda_src_dir()), "--std=c++17"))
+    return cupy.RawModule(code=read_source("pointwise.cu"), options=(
+        "-I" + str(cuda_src_dir()), "--std=c++17", f"-DPRNN_CELL={kind}"))

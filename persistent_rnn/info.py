@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import plan
+from .cells import FAMILY_CELLS
 from .extras import install_hint
 from .hardware import fp32_lanes_per_sm
-
-CELL_NAMES = ("rnn_tanh", "gru", "lstm")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -26,8 +25,11 @@ def fp32_peak_tflops(sm_count: int, clock_mhz: float, major: int, minor: int) ->
 
 
 def max_hidden_table(device: plan.DeviceProfile | str | None) -> dict[str, dict[str, int]]:
-    """``max_hidden_size`` per cell and dtype on ``device`` (0: the persistent kernel does not run it)."""
-    return {cell: {dt: plan.max_hidden_size(cell, dt, device) for dt in DTYPES} for cell in CELL_NAMES}
+    """``max_hidden_size`` per cell and dtype on ``device`` (0: the persistent kernel does not run
+    it): one cell per family of tiles (``cells.FAMILY_CELLS``; the others plan as their family's
+    first)."""
+    return {cell: {dt: plan.max_hidden_size(cell, dt, device) for dt in DTYPES}
+            for cell in FAMILY_CELLS}
 
 
 def _nvml_device(pynvml, index: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from . import hardware, kernels, latency, plan as planner
-from .cells import CELLS
+from .cells import CELLS, PROJECTION_CELL
 from .sass_analysis import disassemble, nvdisasm, sass_loop_counts
 
 # Shared memory is reported at batch 8, the top of the range the latency targets are set for
@@ -125,7 +125,7 @@ def _every_job(archs, largest_gather_only: bool):
                                                  dtype=dtype)
                 for arch in archs:
                     if planner.projection_tile_ships(ptile, dtype, arch):
-                        yield CELLS["lstm"], dtype, p, arch, proj
+                        yield PROJECTION_CELL, dtype, p, arch, proj
     for cell in CELLS.values():  # the stack kernels (fp32), planned for REPORT_STACK layers
         for tile in planner.stack_tiles_for(cell):
             hidden = planner.stack_max_hidden(cell, tile)

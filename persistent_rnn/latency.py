@@ -104,12 +104,9 @@ class PassShape:
 
     @property
     def gather_quads(self) -> int:
-        """Quads a thread of the grid's gather loads at once (``kGatherQuads`` of
-        persistent_common.cuh, ``kStackGatherQuads`` of stack_common.cuh)."""
-        if self.stack:
-            # kStackGatherQuads (stack_forward.cu: 7 above 140 weights per thread)
-            return 7 if not self.backward and self.plan.weights_per_thread > 140 else 8
-        return self.plan.defines["PRNN_GATHER_QUADS"]  # plan.gather_quads
+        """Quads a thread of the gather loads at once: the planner's ``PRNN_GATHER_QUADS``
+        (``plan.gather_quads``, ``plan.stack_gather_quads``), the kernels' ``kGatherQuads``."""
+        return self.plan.defines["PRNN_GATHER_QUADS"]
 
     @property
     def gather_rounds(self) -> int:

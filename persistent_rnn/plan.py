@@ -1,7 +1,7 @@
 """Register-file partition of the persistent kernels: the launch plan, or why a layer does not fit.
 
 Pure Python, no GPU needed. The kernels in ``cuda_src/persistent_*.cu`` are compiled in a finite
-set of *tiles* (``SHIPPED``). A tile fixes, per cell, the hidden units owned by one CTA
+set of *tiles* (``tiles.py``). A tile fixes, per cell, the hidden units owned by one CTA
 (``units``: all G gate rows of them; the grid is ``ceil(H/units)``) and, for each pass, how the
 CTA's slice of the matrix (forward: ``G*units`` rows of ``W_hh``, ``K = H`` columns; backward:
 ``units`` rows of ``W_hh^T``, ``K = G*H``) is spread over warps (``PassTile``): ``rows`` per warp,
@@ -19,118 +19,23 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from . import cells
-from .cells import CELLS, CellSpec
-from .hardware import (HOPPER_CLUSTER_CTAS, MAX_REGISTERS_PER_THREAD, PORTABLE_CLUSTER_CTAS,
-                       PROFILES, REGISTER_ALLOCATION_UNIT, REGISTERS_PER_SM, SUB_PARTITIONS, WARP,
-                       WEIGHT_BYTES, DeviceProfile, current_device)
+from .cells import PROJECTION_CELL, CellSpec
+from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_UNIT,
+                       REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
+                       current_device)
 from . import validation
+from .tiles import (PROJECTION_TILES, PassTile, ProjectionTile, Tile, cluster_tiles_for,
+                    projection_tile_ships, stack_tiles_for, tiles_for)
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
 # (cuda_src/persistent_common.cuh).
 KERNEL_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
-@dataclass(frozen=True)
-class PassTile:
-    """How one pass spreads the CTA's matrix slice over warps (see the module docstring)."""
-
-    rows: int
-    ksplit: int
-    kpt: int
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One shipped compile-time configuration of a cell's kernels: both passes."""
-
-    units: int
-    forward: PassTile
-    backward: PassTile
-    cluster: int = 0  # CTAs of the one thread-block cluster the layer runs in (0: the whole grid)
-
-
-def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int],
-          cluster: int = 0) -> Tile:
-    return Tile(units, PassTile(*forward), PassTile(*backward), cluster)
-
-
-# Per cell kind, tiles from small to large (weights per thread); the planner takes the cheapest
-# one that fits. The large tiles use 8 warps (the most that still get 255 registers each, see
-# resident_ctas) holding ~200 weights per thread; each staged value feeds `rows` (10) FMAs, so
-# shared memory keeps pace with the FMA units. ptxas' registers for them: 230-255 of 255, zero
-# spills. The middle tiles serve H = 512, 768, 1024 and 1280 with K unpadded (issue 15: LSTM
-# H=1024 ran the 10-unit tile, K padded to 1280, a fifth of its FMAs on zeros): fewer weights per
-# thread, 8 gathered pairs in flight, on up to 128 SMs (an A100's 108 take the larger tiles).
-# Forward tiles of `rows` a multiple of G over all of K (``warp_teams``: LSTM's and GRU's two
-# smallest, LSTM's 8-unit ones) let each warp finish its own unit: one block barrier per step.
-SHIPPED: dict[str, tuple[Tile, ...]] = {
-    "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
-             _tile(8, (4, 1, 24), (8, 8, 12)), _tile(8, (4, 1, 32), (8, 8, 16)),
-             _tile(10, (10, 2, 20), (10, 8, 20))),
-    "gru": (_tile(4, (3, 1, 4), (4, 4, 3)), _tile(8, (3, 1, 16), (8, 8, 6)),
-            _tile(8, (6, 2, 12), (8, 8, 9)), _tile(8, (6, 2, 16), (8, 8, 12)),
-            _tile(12, (9, 2, 22), (6, 4, 33))),
-    "rnn": (_tile(4, (4, 4, 1), (4, 4, 1)), _tile(8, (8, 4, 4), (8, 4, 4)),
-            _tile(8, (8, 4, 6), (8, 4, 6)), _tile(8, (8, 4, 8), (8, 4, 8)),
-            _tile(10, (10, 4, 10), (10, 4, 10)), _tile(20, (10, 4, 19), (10, 4, 19))),
-}
-
-
-# 16-bit tiles: kpt even (a register holds columns 2c, 2c+1). The first three are the fp32 tiles
-# of before issue 15 (kpt rounded up to even), at half their registers; the last hold 360-392
-# weights (180-196 registers) per thread of 8 warps: on an H100/H200 LSTM H 1792 (grid 128), GRU
-# 1920 (120), RNN 3584 (128). ptxas: 228-254 registers, zero spills on sm_80 and sm_90 (GRU's
-# forward at kpt 32 spilled on sm_80). (The unpadded middle tiles are fp32 only so far.)
-SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
-    "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
-             _tile(10, (10, 2, 20), (10, 8, 20)), _tile(14, (14, 2, 28), (14, 8, 28))),
-    "gru": (_tile(4, (3, 1, 4), (4, 4, 4)), _tile(8, (3, 1, 16), (8, 8, 6)),
-            _tile(12, (9, 2, 22), (6, 4, 34)), _tile(16, (12, 2, 30), (8, 4, 46))),
-    "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 8), (8, 4, 8)),
-            _tile(20, (10, 4, 20), (10, 4, 20)), _tile(28, (14, 4, 28), (14, 4, 28))),
-}
-
-
-def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
-    """The shipped tiles of ``cell`` for weights of ``dtype`` (both vanilla RNNs share theirs)."""
-    shipped = SHIPPED if WEIGHT_BYTES[dtype] == 4 else SHIPPED_16BIT
-    return shipped["rnn" if cell.gates == 1 else cell.name]
-
 
 def weight_registers(tile: PassTile, dtype: str) -> int:
     """Registers one thread's weights occupy: ``rows*kpt`` weights of ``WEIGHT_BYTES[dtype]``."""
     return tile.rows * tile.kpt * WEIGHT_BYTES[dtype] // 4
-
-
-# Small layers on sm_90: the whole layer in one thread-block cluster (the kernel is compiled for
-# its grid), h exchanged through distributed shared memory instead of L2. More units per CTA than
-# the grid tiles (96-128 weights per thread). The forward's warps each hold all gate rows of 4
-# units (RNN: 8) over all of K (KSPLIT 1): a warp finishes its units by itself, and a step has no
-# block barrier (persistent_common.cuh, kWarpTeams). Per cell, the preferred tile first:
-# * 4 warps (one per scheduler, so nothing a warp issues waits for another warp's) of half the
-#   units, in clusters of up to 16 CTAs (HOPPER_CLUSTER_CTAS: H up to 256, RNN 512, on 16 SMs;
-#   at most 8 CTAs, portable, up to H 128 / 256);
-# * 8 warps (two per scheduler) in clusters of up to 8 (portable): the same H on 8 SMs, where the
-#   device does not run 16-CTA clusters.
-CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
-    "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS),
-             _tile(32, (16, 1, 8), (32, 8, 4), PORTABLE_CLUSTER_CTAS)),
-    "gru": (_tile(16, (12, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS),
-            _tile(32, (12, 1, 8), (32, 8, 3), PORTABLE_CLUSTER_CTAS)),
-    "rnn": (_tile(32, (8, 1, 16), (16, 2, 8), HOPPER_CLUSTER_CTAS),
-            _tile(64, (8, 1, 16), (16, 2, 8), PORTABLE_CLUSTER_CTAS)),
-}
-# 16-bit cluster tiles: the same with an even kpt (GRU's 8-warp backward 3 -> 4).
-CLUSTER_TILES_16BIT: dict[str, tuple[Tile, ...]] = {
-    **CLUSTER_TILES, "gru": (CLUSTER_TILES["gru"][0],
-                             _tile(32, (12, 1, 8), (32, 8, 4), PORTABLE_CLUSTER_CTAS))}
-
-
-def cluster_tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
-    """The shipped cluster tiles of ``cell`` for weights of ``dtype`` (sm_90 and newer), the
-    preferred first."""
-    shipped = CLUSTER_TILES if WEIGHT_BYTES[dtype] == 4 else CLUSTER_TILES_16BIT
-    return shipped["rnn" if cell.gates == 1 else cell.name]
 
 
 def has_clusters(dev: DeviceProfile) -> bool:
@@ -206,17 +111,26 @@ def padded_length(tile: PassTile) -> int:
 
 def warp_teams(cell: CellSpec, tile: PassTile) -> bool:
     """Whether each warp of a layer's forward with ``tile`` finishes its own units
-    (``kWarpTeams`` of persistent_common.cuh): it holds all G gate rows of them over all of K
-    (``ksplit`` 1), so the partial sums need a warp barrier, not a block barrier."""
+    (``-D PRNN_WARP_TEAMS``, ``kWarpTeams`` of persistent_common.cuh): it holds all G gate rows
+    of them over all of K (``ksplit`` 1), so the partial sums need a warp barrier, not a block
+    barrier."""
     return tile.ksplit == 1 and tile.rows % cell.gates == 0
+
+
+def staged_buffers(cell: CellSpec, tile: Tile, stack: bool = False) -> int:
+    """Staged copies of h_{t-1} a layer's forward keeps (``-D PRNN_STAGED_BUFFERS``,
+    ``kStagedBuffers``): two, by step parity, on the grid with warp teams (a warp may gather
+    step t while another still multiplies step t-1's), else one (a cluster reads the exchange
+    in its own shared memory; the stack kernels keep one)."""
+    return 2 if warp_teams(cell, tile.forward) and not (tile.cluster or stack) else 1
 
 
 def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
                  stack: bool = False) -> int:
     """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
 
-    Forward (``persistent_forward.cu``): h_{t-1} staged [B][padded] (on the grid with warp
-    teams, ``warp_teams``, two of them: [2][B][padded] by step parity), partial sums
+    Forward (``persistent_forward.cu``): h_{t-1} staged [``staged_buffers``][B][padded] (two
+    by step parity on the grid with warp teams), partial sums
     [B][ksplit][G*units], gi of two steps [2][B][G][units], c_{t-1} and h_{t-1} [B][units] each,
     b_hh [G][units], lengths [B].
     Backward (``persistent_backward.cu``): dgh_{t+1} staged [B][padded], partial sums
@@ -237,8 +151,8 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
         per_row = padded + pt.ksplit * units + 2 * inputs * units + 2 * units
         constants = 0
     else:
-        staged = 2 if warp_teams(cell, pt) and not (tile.cluster or stack) else 1
-        per_row = staged * padded + pt.ksplit * gates * units + 2 * gates * units + 2 * units
+        per_row = (staged_buffers(cell, tile, stack) * padded + pt.ksplit * gates * units
+                   + 2 * gates * units + 2 * units)
         constants = (2 if stack else 1) * gates * units
     fixed = 4 * (batch * per_row + constants + batch)
     return -(-fixed // 16) * 16 + 8 * batch * padded if tile.cluster else fixed
@@ -266,18 +180,35 @@ def gather_quads(weight_registers: int, quads_per_thread: int = GATHER_QUADS_MAX
     return min(cap, 1 << max(0, quads_per_thread - 1).bit_length())
 
 
+STACK_GATHER_QUADS = 8  # a stack kernel's gather: tagged quads in flight per thread
+# What only the layer forward (persistent_forward.cu) reads: not passed to the stack kernels.
+_LAYER_FORWARD_DEFINES = ("PRNN_WARP_TEAMS", "PRNN_STAGED_BUFFERS")
+
+
+def stack_gather_quads(tile: Tile, backward: bool) -> int:
+    """Tagged quads a thread of a stack kernel's gather loads at once (``-D PRNN_GATHER_QUADS``
+    of ``stack_*.cu``): 8, but 7 in a forward of more than 140 weights per thread. ptxas's
+    allocation is not monotonic in it: the LSTM 12-unit tile's forward (144 weights) spills 4
+    bytes at 8 on sm_80 (the reduce-scatter's levels halve to ceil(n/2) rows), 6 or 7 nothing;
+    its backward spills 60-112 bytes at 1-4 and 7, nothing at 8; the RNN 16-row tile's forward
+    spills at 7 (sm_80, sm_90)."""
+    pt = tile.backward if backward else tile.forward
+    return STACK_GATHER_QUADS - 1 if not backward and pt.rows * pt.kpt > 140 else STACK_GATHER_QUADS
+
+
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
               dtype: str = "float32", stack_layers: int = 0) -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
     weights held in ``dtype`` (fp32 configurations carry no ``PRNN_WEIGHT_DTYPE``: 0 is the
     default). ``stack_layers`` > 0: the stack kernels (``cuda_src/stack_*.cu``) over that many
-    unidirectional layers, one set of ``ceil(hidden/units)`` CTAs per layer (a ``STACK_TILES``
-    tile), whose exchange rows are half a staged row (``stack_common.cuh``)."""
+    unidirectional layers, one set of ``ceil(hidden/units)`` CTAs per layer (a
+    ``tiles.STACK_TILES`` tile), whose exchange rows are half a staged row
+    (``stack_common.cuh``)."""
     if stack_layers:
         plain = pass_plan(cell, tile, backward, hidden, batch, dtype)
         name = "backward" if backward else "forward"
-        # the stack kernels size their gather themselves (kStackGatherQuads, stack_common.cuh)
-        defines = {k: v for k, v in plain.defines.items() if k != "PRNN_GATHER_QUADS"}
+        defines = {k: v for k, v in plain.defines.items() if k not in _LAYER_FORWARD_DEFINES}
+        defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward)
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
                        defines=defines, grid=stack_layers * plain.grid,
                        shared_bytes=shared_bytes(cell, tile, backward, batch, stack=True),
@@ -291,6 +222,9 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
                "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    if not backward:
+        defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
+        defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid
@@ -323,51 +257,6 @@ def _why_not(p: PassPlan, dev: DeviceProfile, hidden: int) -> str | None:
         return f"{p.shared_bytes} bytes of shared memory > {dev.shared_per_block}"
     return None
 
-
-# LSTM with projection (proj_size P; cuda_src/persistent_projection_*.cu): a CTA owns ``units``
-# hidden units (their 4 gate rows) and ``proj_rows`` rows of r = W_hr h, and holds two register
-# tiles over the same ``warps`` warps (``PassTile``s as above):
-#   forward  ``forward``  gate rows of W_hh (K = P)      ``forward_b``  rows of W_hr (K = H)
-#   backward ``backward`` rows of W_hh^T (K = 4H)        ``backward_b`` rows of W_hr^T (K = P)
-# The grid is max(ceil(H/units), ceil(P/proj_rows)). One set for every dtype (kpt even): 16-bit
-# weights take half the registers.
-@dataclass(frozen=True)
-class ProjectionTile:
-    """One shipped configuration of the LSTM-with-projection kernels (both passes)."""
-
-    units: int
-    proj_rows: int
-    warps: int
-    forward: PassTile
-    forward_b: PassTile
-    backward: PassTile
-    backward_b: PassTile
-
-
-def _ptile(units: int, proj_rows: int, warps: int, forward, forward_b, backward,
-           backward_b) -> ProjectionTile:
-    return ProjectionTile(units, proj_rows, warps, PassTile(*forward), PassTile(*forward_b),
-                          PassTile(*backward), PassTile(*backward_b))
-
-
-# Small (H <= 128, P <= 128), H 1024 / P 256 (40-48 weights per thread), H 2048 / P 512
-# (160 weights per thread of 8 warps: 4H*P + P*H = 5.2 M fp32 weights over 128 CTAs).
-PROJECTION_TILES: tuple[ProjectionTile, ...] = (
-    _ptile(4, 2, 4, (4, 1, 4), (2, 4, 4), (2, 4, 4), (4, 4, 2)),
-    _ptile(8, 2, 8, (8, 2, 4), (2, 8, 4), (2, 8, 16), (8, 8, 2)),
-    _ptile(16, 4, 8, (8, 1, 16), (4, 8, 8), (4, 8, 32), (8, 4, 4)),
-)
-
-
-# (units, dtype, arch) of projection tiles that ptxas cannot build without spilling, so they are
-# not shipped there: the fp32 16-unit backward spills 208 bytes on sm_80 (before the loop) since
-# the batched-poll gather (issue 15); that tile shape, its B tile and the gather width were tried.
-PROJECTION_SPILLS = frozenset({(16, "float32", "sm_80")})
-
-
-def projection_tile_ships(tile: ProjectionTile, dtype: str, arch: str) -> bool:
-    """Whether ``tile`` is a shipped configuration for ``dtype`` weights on ``arch``."""
-    return (tile.units, dtype, arch) not in PROJECTION_SPILLS
 
 
 def projection_capacity(tile: ProjectionTile) -> tuple[int, int]:
@@ -405,7 +294,7 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
     """The launch plan of one pass of a projection ``tile`` (like ``pass_plan``); its exchanges'
     rows: ``exchange_row`` tile A's padded length, ``exchange_row_b`` tile B's."""
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
-    defines = {"PRNN_CELL": CELLS["lstm"].kind, "PRNN_UNITS": tile.units,
+    defines = {"PRNN_CELL": PROJECTION_CELL.kind, "PRNN_UNITS": tile.units,
                "PRNN_PROJ_ROWS": tile.proj_rows, "PRNN_ROWS": a.rows, "PRNN_KSPLIT": a.ksplit,
                "PRNN_KPT": a.kpt, "PRNN_ROWS_B": b.rows, "PRNN_KSPLIT_B": b.ksplit,
                "PRNN_KPT_B": b.kpt, "PRNN_WARPS": tile.warps}
@@ -439,8 +328,8 @@ def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: Device
         if reason is None:
             return Plan(True, None, tile, fwd, bwd)
         tried.append((tile, top_proj, reason))
-    return _no_fit(f"lstm H={hidden} proj_size={proj} B={batch}{_dtype_words(dtype)} does not "
-                   f"fit {dev.name}", tried)
+    return _no_fit(f"{PROJECTION_CELL.name} H={hidden} proj_size={proj} B={batch}"
+                   f"{_dtype_words(dtype)} does not fit {dev.name}", tried)
 
 
 def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float32",
@@ -530,28 +419,6 @@ def not_fit_lines(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "f
                          f"(persistent_rnn.torch: torch's kernels, cuDNN on a GPU)"]
 
 
-# Stack tiles (cuda_src/stack_forward.cu, stack_backward.cu): every layer of a unidirectional
-# stack at once, one set of CTAs per layer, all compiled with one tile. The columns of the
-# register tile are two halves of ksplit/2 chunks each (chunk-aligned, so that the partial sums
-# of each half stay apart): forward [W_ih | W_hh] times [y_{l-1}[t]; h_l[t-1]] (layer 0 holds
-# zeros in the W_ih half: its input projection is the GEMM before the recurrence, as for one
-# layer), backward rows J of [W_hh,l^T | W_ih,l+1^T] times [dgh_l[t+1]; dgi_{l+1}[t]] (the top
-# layer: zeros). Each half holds H (forward) or G*H (backward) columns, so K = 2H or 2GH;
-# 8 warps (4 for the small RNN tiles) of 16-144 weights per thread. fp32 only.
-STACK_TILES: dict[str, tuple[Tile, ...]] = {
-    "lstm": (_tile(4, (4, 2, 4), (4, 8, 4)), _tile(8, (8, 2, 8), (8, 8, 8)),
-             _tile(12, (12, 2, 12), (12, 8, 12))),
-    "gru": (_tile(4, (3, 2, 4), (4, 8, 3)), _tile(8, (6, 2, 8), (8, 8, 6)),
-            _tile(12, (9, 2, 12), (12, 8, 9))),
-    "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 4), (8, 4, 4)),
-            _tile(32, (16, 4, 8), (16, 4, 8))),
-}
-
-
-def stack_tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
-    """The shipped stack tiles of ``cell`` (fp32; both vanilla RNNs share theirs)."""
-    return STACK_TILES["rnn" if cell.gates == 1 else cell.name]
-
 
 def stack_max_hidden(cell: CellSpec, tile: Tile) -> int:
     """Largest H a stack tile serves: each half of its columns holds H (forward) or G*H
@@ -594,10 +461,10 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     Stack mode where the weights fit the register files together: a unidirectional stack runs
     all its layers in one launch per pass (a wavefront); a bidirectional stack runs the two
     directions of each layer side by side in one launch, layer after layer (layer l+1 needs
-    both directions of layer l at every step). The cheapest ``STACK_TILES`` tile (fewest weights
-    per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or the two
-    directions) at one per SM, fits the device with both passes. Otherwise the layers run one
-    launch per layer-direction and ``reason`` says why.
+    both directions of layer l at every step). The cheapest ``tiles.STACK_TILES`` tile (fewest
+    weights per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or
+    the two directions) at one per SM, fits the device with both passes. Otherwise the layers
+    run one launch per layer-direction and ``reason`` says why.
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)

@@ -49,9 +49,11 @@ import numpy as np
 import persistent_rnn as prnn
 from persistent_rnn import buffers, emulate, functional, hardware, plan as planner, runtime
 from persistent_rnn.buffers import active_steps
-from persistent_rnn.cells import cell_spec, layer_args
+from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 
-CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+# Every cell of the registry, most gates first (the order the CI slice's seeds were chosen in).
+CELLS = tuple(sorted(REGISTRY, key=lambda name: -REGISTRY[name].gates))
+TORCH_CELLS = tuple(name for name in CELLS if REGISTRY[name].in_torch)  # module and bad cases
 KINDS = ("layer", "module", "bad")
 # Unit roundoff of the 16-bit dtypes (half the spacing of values in [1, 2)); 0 for fp32.
 UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -133,7 +135,8 @@ def _draw_options(seed: int, profile: str, kind: str | None) -> Case:
     kind_given = kind is not None
     kind = kind or str(rng.choice(KINDS, p=[0.55, 0.2, 0.25]))
     small = profile == "ci"
-    base = dict(seed=seed, kind=kind, kind_given=kind_given, profile=profile, cell=str(rng.choice(CELLS)),
+    cells = CELLS if kind == "layer" else TORCH_CELLS  # the others run torch.nn's modules
+    base = dict(seed=seed, kind=kind, kind_given=kind_given, profile=profile, cell=str(rng.choice(cells)),
                 input_size=int(rng.integers(1, 7)), bidirectional=bool(rng.random() < 0.4),
                 batch_first=bool(rng.random() < 0.3), bias=bool(rng.random() < 0.85),
                 lengths=bool(rng.random() < 0.5), hx=bool(rng.random() < 0.7))
@@ -256,7 +259,7 @@ def _data(case: Case, rng: np.random.Generator) -> dict[str, Any]:
     dirs = 2 if case.bidirectional else 1
     lead = (case.batch, case.steps) if case.batch_first else (case.steps, case.batch)
     state = (case.num_layers * dirs, case.batch, case.hidden)
-    pair = case.cell == "lstm"
+    pair = REGISTRY[case.cell].has_cell_state
     q = lambda a: a.astype(_dtype(case.dtype)).astype(np.float64)  # noqa: E731
     states = lambda scale: (tuple(q(scale * rng.standard_normal(state))  # noqa: E731
                                   for _ in range(2 if pair else 1)))
@@ -620,7 +623,8 @@ def run_bad_case(case: Case) -> dict[str, float]:
     dirs = 2 if case.bidirectional else 1
     good = Good(rng.standard_normal(lead + (case.input_size,)).astype(np.float32),
                 rng.standard_normal((case.num_layers * dirs, case.batch, case.hidden)).astype(
-                    np.float32), case.cell == "lstm", case.batch, case.steps, case.batch_first)
+                    np.float32), REGISTRY[case.cell].has_cell_state, case.batch, case.steps,
+                case.batch_first)
     (x, hx, lengths), name = BAD_INPUTS[case.bad](good)
     layer = _layer(case, "float32", case.algo)
     try:

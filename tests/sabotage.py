@@ -13,7 +13,7 @@ from persistent_rnn._sources import cuda_src_dir
 # persistent_common.cuh's lines that sabotages remove or change: the grid step's barrier after its
 # product, and the number of staged vectors (two by step parity for the grid's warp teams).
 TEAM_BARRIER = "  team_sync_or<kWarpTeam>(0);  // the sums visible to the team that finishes them\n"
-STAGED_BUFFERS = "constexpr int kStagedBuffers = !kDirectRead && kWarpTeams<G> ? 2 : 1;"
+STAGED_BUFFERS = "constexpr int kStagedBuffers = PRNN_STAGED_BUFFERS;"
 
 
 def sabotaged(root: Path, file: str, old: str, new: str) -> Path:

@@ -155,10 +155,10 @@ def test_named_arguments_follow_the_kernel_declarations(settings):
     """Every kernel family's parameters as ``launch.parameters`` reads them from its CUDA
     declaration match the emulated build's own signature (pointer or scalar type, in order);
     a missing or unknown name is refused."""
-    from persistent_rnn import emulate, plan as planner
+    from persistent_rnn import emulate, plan as planner, tiles
     from persistent_rnn.cells import CELLS
     letters = {None: "p", np.int32: "i", np.uint32: "I", np.int64: "q", np.uint64: "Q"}
-    fwd = planner.pass_plan(CELLS["gru"], planner.SHIPPED["gru"][0], False, 16, 2)
+    fwd = planner.pass_plan(CELLS["gru"], tiles.SHIPPED["gru"][0], False, 16, 2)
     for source, defines, kernels in (
             (fwd.source, fwd.defines, [fwd.kernel]),
             (launch.LOOP_SOURCE, runtime.loop_defines(fwd),

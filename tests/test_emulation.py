@@ -12,7 +12,7 @@ import persistent_rnn as prnn
 from persistent_rnn import emulate, runtime
 from persistent_rnn import plan as planner
 from persistent_rnn._sources import cuda_src_dir
-from persistent_rnn.cells import CELLS
+from persistent_rnn.cells import CELLS, layer_args
 from sabotage import sabotaged
 
 pytestmark = pytest.mark.timeout(240)
@@ -240,11 +240,11 @@ def _pointwise_inputs(cell, rng, batch=3, hidden=5):
 def test_pointwise_kernels_equal_numpy_reference(name):
     cell, rng = CELLS[name], np.random.default_rng(7)
     a = _pointwise_inputs(cell, rng)
-    module = emulate.get_module("pointwise.cu", {})
+    module = emulate.get_module("pointwise.cu", {"PRNN_CELL": cell.kind})
     batch, hidden, t = a["batch"], a["hidden"], 1
     h, c = np.zeros((batch, hidden)), np.zeros((batch, hidden))
     saved = np.zeros((batch, max(a["s"], 1) * hidden))
-    module.launch(f"prnn_pointwise_forward_{name}_f64", 1, 32, 0,
+    module.launch("prnn_pointwise_forward_f64", 1, 32, 0,
                   (np.int32(batch), np.int32(hidden), np.int32(t), a["lengths"], a["gi"], a["gh"],
                    a["b_hh"], np.int32(1), a["h_prev"], a["c_prev"], h, c, saved))
     c_prev = a["c_prev"] if cell.has_cell_state else None
@@ -257,7 +257,7 @@ def test_pointwise_kernels_equal_numpy_reference(name):
 
     dgi, dgh = np.zeros_like(a["gi"]), np.zeros_like(a["gi"])
     dh_out, dc_out = np.zeros((batch, hidden)), np.zeros((batch, hidden))
-    module.launch(f"prnn_pointwise_backward_{name}_f64", 1, 32, 0,
+    module.launch("prnn_pointwise_backward_f64", 1, 32, 0,
                   (np.int32(batch), np.int32(hidden), np.int32(t), a["lengths"], a["dy"],
                    a["dh_direct"], a["dh_rec"], a["dc"], saved, h_ref, c_ref if c_ref is not None
                    else h_ref, a["h_prev"], a["c_prev"], dgi, dgh, dh_out, dc_out))
@@ -273,14 +273,10 @@ def test_pointwise_kernels_equal_numpy_reference(name):
 
 # ---- the persistent kernels through the public API -------------------------------------------
 
-LAYERS = {"rnn_tanh": (prnn.RNN, {}), "rnn_relu": (prnn.RNN, {"nonlinearity": "relu"}),
-          "gru": (prnn.GRU, {}), "lstm": (prnn.LSTM, {})}
-
-
-def _run(name, dtype, algo, x, lengths, hx, dy, dhn, **layer_args):
-    cls, kwargs = LAYERS[name]
-    layer = cls(x.shape[2], layer_args.pop("hidden", 40), dtype=dtype, algo=algo, seed=11,
-                **kwargs, **layer_args)
+def _run(name, dtype, algo, x, lengths, hx, dy, dhn, **options):
+    mode, kwargs = layer_args(name)
+    layer = getattr(prnn, mode)(x.shape[2], options.pop("hidden", 40), dtype=dtype, algo=algo,
+                                seed=11, **kwargs, **options)
     cast = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
     hx = tuple(cast(a) for a in hx) if isinstance(hx, tuple) else cast(hx)
     dhn = tuple(cast(a) for a in dhn) if isinstance(dhn, tuple) else cast(dhn)
@@ -294,8 +290,9 @@ def _run(name, dtype, algo, x, lengths, hx, dy, dhn, **layer_args):
 def _inputs(name, rng, steps=7, batch=3, inputs=6, hidden=40, layers=1, directions=1):
     states = layers * directions
     h0 = rng.standard_normal((states, batch, hidden))
-    hx = (h0, rng.standard_normal((states, batch, hidden))) if name == "lstm" else h0
-    dhn = ((rng.standard_normal((states, batch, hidden)),) * 2 if name == "lstm"
+    pair = CELLS[name].has_cell_state
+    hx = (h0, rng.standard_normal((states, batch, hidden))) if pair else h0
+    dhn = ((rng.standard_normal((states, batch, hidden)),) * 2 if pair
            else rng.standard_normal((states, batch, hidden)))
     return dict(x=rng.standard_normal((steps, batch, inputs)),
                 lengths=np.array([steps, 2, steps - 3][:batch]), hx=hx,
@@ -338,7 +335,7 @@ def _assert_path(stats, path):
         assert all(f"'PRNN_WARPS': {warps}" in d for d in stats.details if "PRNN_CLUSTER" in d)
 
 
-@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("name", sorted(CELLS))
 def test_persistent_equals_float64_reference_and_torch(name, path):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
@@ -352,21 +349,22 @@ def test_persistent_equals_float64_reference_and_torch(name, path):
     for a, b in zip(_flat(got), _flat(ref)):
         assert _rel(a, b) <= 1e-5
 
-    cls, kwargs = {"rnn_tanh": (torch.nn.RNN, {}), "rnn_relu": (torch.nn.RNN,
-                   {"nonlinearity": "relu"}), "gru": (torch.nn.GRU, {}),
-                   "lstm": (torch.nn.LSTM, {})}[name]
-    module = cls(6, 40, dtype=torch.float64, **kwargs)
+    if not CELLS[name].in_torch:
+        return  # torch.nn has no such layer: the float64 layer above is its reference
+    mode, kwargs = layer_args(name)
+    module = getattr(torch.nn, mode)(6, 40, dtype=torch.float64, **kwargs)
     module.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64))
                             for k, v in got["layer"].params.items()})
     x = torch.from_numpy(data["x"]).requires_grad_()
     packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.from_numpy(data["lengths"]),
                                                      enforce_sorted=False)
-    hx = (tuple(torch.from_numpy(h) for h in data["hx"]) if name == "lstm"
+    pair = CELLS[name].has_cell_state
+    hx = (tuple(torch.from_numpy(h) for h in data["hx"]) if pair
           else torch.from_numpy(data["hx"]))
     y, hn = module(packed, hx)
     y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, total_length=x.shape[0])
     loss = (y * torch.from_numpy(data["dy"])).sum()
-    for h, dh in zip(hn if name == "lstm" else (hn,), data["dhn"] if name == "lstm" else (data["dhn"],)):
+    for h, dh in zip(hn if pair else (hn,), data["dhn"] if pair else (data["dhn"],)):
         loss = loss + (h * torch.from_numpy(dh)).sum()
     loss.backward()
     assert _rel(got["y"], y.detach().numpy()) <= 1e-5

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
+from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 
 pytestmark = pytest.mark.gpu
 
-CELLS = [("LSTM", {}), ("GRU", {}), ("RNN", {"nonlinearity": "tanh"}),
-         ("RNN", {"nonlinearity": "relu"})]
+CELLS = [layer_args(name) for name in REGISTRY]
 
 
 def _relerr(a, b) -> float:

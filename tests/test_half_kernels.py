@@ -22,11 +22,11 @@ import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import emulate, plan as planner
+from persistent_rnn.cells import CELLS as REGISTRY, FAMILY_CELLS, layer_args
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
-CELLS = [("LSTM", {}), ("GRU", {}), ("RNN", {"nonlinearity": "tanh"}),
-         ("RNN", {"nonlinearity": "relu"})]
+CELLS = [layer_args(name) for name in REGISTRY]
 HALF = ("float16", "bfloat16")
 # The conversions alone, a test-only kernel (not shipped) on cuda_src's headers.
 CONVERSIONS = str(Path(__file__).resolve().parent / "cuda" / "half_convert.cu")
@@ -127,10 +127,10 @@ def _data(mode, layer, steps, batch, seed=5):
     x = rng.standard_normal((steps, batch, 5)).astype(np.float32)
     shape = (layer.num_layers * layer.directions, batch, layer.hidden_size)
     pair = tuple(rng.standard_normal(shape).astype(np.float32) * 0.5 for _ in range(2))
-    hx = pair if mode == "LSTM" else pair[0]
+    hx = pair if layer.cell.has_cell_state else pair[0]
     dy = rng.standard_normal((steps, batch, layer.directions * layer.hidden_size)).astype(np.float32)
     dpair = tuple(rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    return x, hx, dy, (dpair if mode == "LSTM" else dpair[0])
+    return x, hx, dy, (dpair if layer.cell.has_cell_state else dpair[0])
 
 
 def _relerr(a, b) -> float:
@@ -154,7 +154,7 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
     assert f"'PRNN_WEIGHT_DTYPE': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
     want, _, _ = _run(ref, x, hx, lengths, dy, dhn)
     same_rounding, _, _ = _run(gemm, x, hx, lengths, dy, dhn)
-    forward = 3 if mode == "LSTM" else 2  # y, hn (, cn): the relu RNN's bound is its forward
+    forward = 3 if kern.cell.has_cell_state else 2  # y, hn (, cn): relu's bound is its forward
     for i, (a, r, g) in enumerate(zip(got, want, same_rounding)):
         relu_gradient = kw.get("nonlinearity") == "relu" and i >= forward
         assert relu_gradient or _relerr(a, r) <= TOLERANCE[dtype]
@@ -163,13 +163,13 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("cell", FAMILY_CELLS)
 def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_plans, cell, dtype):
     # The largest tiles (14-16 rows per warp, ~390 weights per thread) normally serve H > 1280;
     # force them at a small, odd H (a padded last word per row) so the emulation runs their code.
     tiles_for = planner.tiles_for
     monkeypatch.setattr(planner, "tiles_for", lambda c, d="float32": tiles_for(c, d)[-1:])
-    mode, kw = {"lstm": ("LSTM", {}), "gru": ("GRU", {}), "rnn_tanh": ("RNN", {})}[cell]
+    mode, kw = layer_args(cell)
     kern, gemm, _ = _layers(mode, kw, dtype, hidden=31)
     x, hx, dy, dhn = _data(mode, kern, steps=3, batch=2)
     got, fwd, _ = _run(kern, x, hx, None, dy, dhn)

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from persistent_rnn import max_hidden_size
-from persistent_rnn.cells import CELLS
+from persistent_rnn.cells import CELLS, FAMILY_CELLS
 from persistent_rnn.hardware import WEIGHT_BYTES, WEIGHT_REGISTER_BUDGET
-from persistent_rnn.plan import (KERNEL_DTYPES, SHIPPED, SHIPPED_16BIT, cluster_tiles_for, make_plan,
-                                 tile_max_hidden, tiles_for, weight_registers)
+from persistent_rnn.plan import (KERNEL_DTYPES, cluster_tiles_for, make_plan, tile_max_hidden,
+                                 tiles_for, weight_registers)
+from persistent_rnn.tiles import SHIPPED, SHIPPED_16BIT
 
 HALF = ("float16", "bfloat16")
 FLOORS_16BIT = {"LSTM": 1792, "GRU": 1920, "RNN": 3328}  # issue 11, on an H100/H200
@@ -24,7 +25,7 @@ def test_16bit_max_hidden_size_meets_the_floor(cell, device, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+@pytest.mark.parametrize("cell", list(CELLS))
 @pytest.mark.parametrize("device", ["h100", "a100"])
 def test_16bit_max_hidden_size_is_the_boundary(cell, device, dtype):
     h = max_hidden_size(cell, dtype, device)
@@ -33,7 +34,7 @@ def test_16bit_max_hidden_size_is_the_boundary(cell, device, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("cell", FAMILY_CELLS)
 def test_every_hidden_size_up_to_the_maximum_fits(cell, dtype):
     top = max_hidden_size(cell, dtype, "h100")
     for hidden in np.unique(np.linspace(1, top, 97).astype(int)):

@@ -16,9 +16,10 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 from persistent_rnn import kernel_report, kernels, sass_analysis
 from persistent_rnn.cells import CELLS
 from persistent_rnn.kernel_report import gather_variants
-from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, SHIPPED, PassTile,
-                                 cluster_tiles_for, pass_plan, projection_tile_ships, resident_ctas,
-                                 stack_tiles_for, tile_max_hidden, tiles_for)
+from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, PassTile, cluster_tiles_for,
+                                 pass_plan, projection_tile_ships, resident_ctas, stack_tiles_for,
+                                 tile_max_hidden, tiles_for)
+from persistent_rnn.tiles import SHIPPED
 from persistent_rnn.plan import warp_teams as warp_teams_of
 
 # Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import persistent_rnn.torch as prt
+from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 from persistent_rnn.torch.onnx import padded_forward
 
 ort = pytest.importorskip("onnxruntime")
@@ -26,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 I, H = 5, 6
 EXAMPLE = (4, 2)     # (T, B) the model is exported with
 RUNS = ((7, 3), (1, 1), (3, 5))  # (T, B) onnxruntime runs it with
-CELLS = {"rnn_tanh": (prt.RNN, {}), "rnn_relu": (prt.RNN, {"nonlinearity": "relu"}),
-         "gru": (prt.GRU, {}), "lstm": (prt.LSTM, {})}
+# torch.nn's cells (what torch.onnx exports): the drop-in module class and its keywords
+CELLS = {name: (getattr(prt, layer_args(name)[0]), layer_args(name)[1])
+         for name, spec in REGISTRY.items() if spec.in_torch}
 # configuration: (module keywords, initial states given, lengths given)
 CONFIGS = {"plain": ({}, False, False),
            "stack": ({"num_layers": 2, "bidirectional": True, "batch_first": True}, True, False),
@@ -121,7 +123,7 @@ def test_graph_is_one_standard_node_per_layer(exported, cell):
     import onnx
     graph = onnx.load_from_string(exported(cell, "lengths")[1]).graph
     kinds = [n.op_type for n in graph.node]
-    node = {"rnn_tanh": "RNN", "rnn_relu": "RNN", "gru": "GRU", "lstm": "LSTM"}[cell]
+    node = layer_args(cell)[0]  # ONNX's RNN, GRU, LSTM: torch.nn's layer modes
     assert kinds.count(node) == 2, kinds
     assert all(n.domain in ("", "ai.onnx") for n in graph.node)
     nodes = [n for n in graph.node if n.op_type == node]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import launch, plan as planner, runtime
+from persistent_rnn import launch, plan as planner, runtime, tiles
 from persistent_rnn.cells import CELLS
 from persistent_rnn.stats import RunStats
 
@@ -48,7 +48,7 @@ class FakeKernel:
 def _chain(fake, first, end, backward=False):
     """Run one pass's chain with ``fake``; its ``RunStats`` and the completion's start per run
     (``end``: the completion had nothing to do)."""
-    pp = planner.pass_plan(CELLS["lstm"], planner.SHIPPED["lstm"][0], backward, 16, 2)
+    pp = planner.pass_plan(CELLS["lstm"], tiles.SHIPPED["lstm"][0], backward, 16, 2)
     fake.grid = pp.grid
     engine = launch.Engine(pp, fake, True, ("fake",), runtime._loop_launcher(pp, True))
     chain, completed = launch.Chain(np, engine, 1), []

@@ -45,7 +45,7 @@ from ..validation import ALGOS
 from .packing import PackedLayout
 from .interop import Array, lengths_array, library_stream, to_array, to_tensor
 
-MODES = tuple(spec.mode for spec in CELLS.values())  # torch.nn's mode strings
+MODES = tuple(spec.mode for spec in CELLS.values() if spec.in_torch)  # torch.nn's mode strings
 
 
 @dataclass
@@ -134,7 +134,7 @@ def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
         record.last.backward.merge(stats)
 
 
-_BY_MODE = {spec.mode: spec for spec in CELLS.values()}  # (a dict: torch.compile traces it)
+_BY_MODE = {mode: from_mode(mode) for mode in MODES}  # (a dict: torch.compile traces it)
 
 
 def _cell(mode: str) -> CellSpec:

@@ -1,0 +1,182 @@
+"""The shipped tiles of the persistent kernels: the finite set of compile-time configurations.
+
+A tile fixes, per family of cells (``CellSpec.tiles``: both Elman RNNs share the family "rnn"),
+the hidden units owned by one CTA (``units``: all G gate rows of them; the grid is
+``ceil(H/units)``) and, for each pass, how the CTA's slice of the matrix is spread over warps
+(``PassTile``: ``rows`` per warp, ``ksplit`` warps sharing a row, ``kpt`` columns per lane).
+``plan.py`` chooses among them; ``kernel_report`` compiles every one. Tables only: what a tile
+costs and whether it fits is the planner's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cells import CellSpec
+from .hardware import HOPPER_CLUSTER_CTAS, PORTABLE_CLUSTER_CTAS, WEIGHT_BYTES
+
+
+@dataclass(frozen=True)
+class PassTile:
+    """How one pass spreads the CTA's matrix slice over warps (see the module docstring)."""
+
+    rows: int
+    ksplit: int
+    kpt: int
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One shipped compile-time configuration of a cell's kernels: both passes."""
+
+    units: int
+    forward: PassTile
+    backward: PassTile
+    cluster: int = 0  # CTAs of the one thread-block cluster the layer runs in (0: the whole grid)
+
+
+def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int],
+          cluster: int = 0) -> Tile:
+    return Tile(units, PassTile(*forward), PassTile(*backward), cluster)
+
+
+# Per family of cells, tiles from small to large (weights per thread); the planner takes the
+# cheapest one that fits. The large tiles use 8 warps (the most that still get 255 registers each,
+# see resident_ctas) holding ~200 weights per thread; each staged value feeds `rows` (10) FMAs, so
+# shared memory keeps pace with the FMA units. ptxas' registers for them: 230-255 of 255, zero
+# spills. The middle tiles serve H = 512, 768, 1024 and 1280 with K unpadded (issue 15: LSTM H=1024
+# ran the 10-unit tile, K padded to 1280, a fifth of its FMAs on zeros): fewer weights per thread, 8
+# gathered pairs in flight, on up to 128 SMs (an A100's 108 take the larger tiles). Forward tiles of
+# `rows` a multiple of G over all of K (``warp_teams``: LSTM's and GRU's two smallest, LSTM's 8-unit
+# ones) let each warp finish its own unit: one block barrier per step.
+SHIPPED: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
+             _tile(8, (4, 1, 24), (8, 8, 12)), _tile(8, (4, 1, 32), (8, 8, 16)),
+             _tile(10, (10, 2, 20), (10, 8, 20))),
+    "gru": (_tile(4, (3, 1, 4), (4, 4, 3)), _tile(8, (3, 1, 16), (8, 8, 6)),
+            _tile(8, (6, 2, 12), (8, 8, 9)), _tile(8, (6, 2, 16), (8, 8, 12)),
+            _tile(12, (9, 2, 22), (6, 4, 33))),
+    "rnn": (_tile(4, (4, 4, 1), (4, 4, 1)), _tile(8, (8, 4, 4), (8, 4, 4)),
+            _tile(8, (8, 4, 6), (8, 4, 6)), _tile(8, (8, 4, 8), (8, 4, 8)),
+            _tile(10, (10, 4, 10), (10, 4, 10)), _tile(20, (10, 4, 19), (10, 4, 19))),
+}
+
+
+# 16-bit tiles: kpt even (a register holds columns 2c, 2c+1). The first three are the fp32 tiles
+# of before issue 15 (kpt rounded up to even), at half their registers; the last hold 360-392
+# weights (180-196 registers) per thread of 8 warps: on an H100/H200 LSTM H 1792 (grid 128), GRU
+# 1920 (120), RNN 3584 (128). ptxas: 228-254 registers, zero spills on sm_80 and sm_90 (GRU's
+# forward at kpt 32 spilled on sm_80). (The unpadded middle tiles are fp32 only so far.)
+SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
+             _tile(10, (10, 2, 20), (10, 8, 20)), _tile(14, (14, 2, 28), (14, 8, 28))),
+    "gru": (_tile(4, (3, 1, 4), (4, 4, 4)), _tile(8, (3, 1, 16), (8, 8, 6)),
+            _tile(12, (9, 2, 22), (6, 4, 34)), _tile(16, (12, 2, 30), (8, 4, 46))),
+    "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 8), (8, 4, 8)),
+            _tile(20, (10, 4, 20), (10, 4, 20)), _tile(28, (14, 4, 28), (14, 4, 28))),
+}
+
+
+def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
+    """The shipped tiles of ``cell`` for weights of ``dtype`` (both vanilla RNNs share theirs)."""
+    shipped = SHIPPED if WEIGHT_BYTES[dtype] == 4 else SHIPPED_16BIT
+    return shipped[cell.tiles]
+
+
+# Small layers on sm_90: the whole layer in one thread-block cluster (the kernel is compiled for
+# its grid), h exchanged through distributed shared memory instead of L2. More units per CTA than
+# the grid tiles (96-128 weights per thread). The forward's warps each hold all gate rows of 4
+# units (RNN: 8) over all of K (KSPLIT 1): a warp finishes its units by itself, and a step has no
+# block barrier (persistent_common.cuh, kWarpTeams). Per cell, the preferred tile first:
+# * 4 warps (one per scheduler, so nothing a warp issues waits for another warp's) of half the
+#   units, in clusters of up to 16 CTAs (HOPPER_CLUSTER_CTAS: H up to 256, RNN 512, on 16 SMs;
+#   at most 8 CTAs, portable, up to H 128 / 256);
+# * 8 warps (two per scheduler) in clusters of up to 8 (portable): the same H on 8 SMs, where the
+#   device does not run 16-CTA clusters.
+CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS),
+             _tile(32, (16, 1, 8), (32, 8, 4), PORTABLE_CLUSTER_CTAS)),
+    "gru": (_tile(16, (12, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS),
+            _tile(32, (12, 1, 8), (32, 8, 3), PORTABLE_CLUSTER_CTAS)),
+    "rnn": (_tile(32, (8, 1, 16), (16, 2, 8), HOPPER_CLUSTER_CTAS),
+            _tile(64, (8, 1, 16), (16, 2, 8), PORTABLE_CLUSTER_CTAS)),
+}
+# 16-bit cluster tiles: the same with an even kpt (GRU's 8-warp backward 3 -> 4).
+CLUSTER_TILES_16BIT: dict[str, tuple[Tile, ...]] = {
+    **CLUSTER_TILES, "gru": (CLUSTER_TILES["gru"][0],
+                             _tile(32, (12, 1, 8), (32, 8, 4), PORTABLE_CLUSTER_CTAS))}
+
+
+def cluster_tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
+    """The shipped cluster tiles of ``cell`` for weights of ``dtype`` (sm_90 and newer), the
+    preferred first."""
+    shipped = CLUSTER_TILES if WEIGHT_BYTES[dtype] == 4 else CLUSTER_TILES_16BIT
+    return shipped[cell.tiles]
+
+
+# LSTM with projection (proj_size P; cuda_src/persistent_projection_*.cu): a CTA owns ``units``
+# hidden units (their 4 gate rows) and ``proj_rows`` rows of r = W_hr h, and holds two register
+# tiles over the same ``warps`` warps (``PassTile``s as above):
+#   forward  ``forward``  gate rows of W_hh (K = P)      ``forward_b``  rows of W_hr (K = H)
+#   backward ``backward`` rows of W_hh^T (K = 4H)        ``backward_b`` rows of W_hr^T (K = P)
+# The grid is max(ceil(H/units), ceil(P/proj_rows)). One set for every dtype (kpt even): 16-bit
+# weights take half the registers.
+@dataclass(frozen=True)
+class ProjectionTile:
+    """One shipped configuration of the LSTM-with-projection kernels (both passes)."""
+
+    units: int
+    proj_rows: int
+    warps: int
+    forward: PassTile
+    forward_b: PassTile
+    backward: PassTile
+    backward_b: PassTile
+
+
+def _ptile(units: int, proj_rows: int, warps: int, forward, forward_b, backward,
+           backward_b) -> ProjectionTile:
+    return ProjectionTile(units, proj_rows, warps, PassTile(*forward), PassTile(*forward_b),
+                          PassTile(*backward), PassTile(*backward_b))
+
+
+# Small (H <= 128, P <= 128), H 1024 / P 256 (40-48 weights per thread), H 2048 / P 512
+# (160 weights per thread of 8 warps: 4H*P + P*H = 5.2 M fp32 weights over 128 CTAs).
+PROJECTION_TILES: tuple[ProjectionTile, ...] = (
+    _ptile(4, 2, 4, (4, 1, 4), (2, 4, 4), (2, 4, 4), (4, 4, 2)),
+    _ptile(8, 2, 8, (8, 2, 4), (2, 8, 4), (2, 8, 16), (8, 8, 2)),
+    _ptile(16, 4, 8, (8, 1, 16), (4, 8, 8), (4, 8, 32), (8, 4, 4)),
+)
+
+
+# (units, dtype, arch) of projection tiles that ptxas cannot build without spilling, so they are
+# not shipped there: the fp32 16-unit backward spills 208 bytes on sm_80 (before the loop) since
+# the batched-poll gather (issue 15); that tile shape, its B tile and the gather width were tried.
+PROJECTION_SPILLS = frozenset({(16, "float32", "sm_80")})
+
+
+def projection_tile_ships(tile: ProjectionTile, dtype: str, arch: str) -> bool:
+    """Whether ``tile`` is a shipped configuration for ``dtype`` weights on ``arch``."""
+    return (tile.units, dtype, arch) not in PROJECTION_SPILLS
+
+
+# Stack tiles (cuda_src/stack_forward.cu, stack_backward.cu): every layer of a unidirectional
+# stack at once, one set of CTAs per layer, all compiled with one tile. The columns of the
+# register tile are two halves of ksplit/2 chunks each (chunk-aligned, so that the partial sums
+# of each half stay apart): forward [W_ih | W_hh] times [y_{l-1}[t]; h_l[t-1]] (layer 0 holds
+# zeros in the W_ih half: its input projection is the GEMM before the recurrence, as for one
+# layer), backward rows J of [W_hh,l^T | W_ih,l+1^T] times [dgh_l[t+1]; dgi_{l+1}[t]] (the top
+# layer: zeros). Each half holds H (forward) or G*H (backward) columns, so K = 2H or 2GH;
+# 8 warps (4 for the small RNN tiles) of 16-144 weights per thread. fp32 only.
+STACK_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(4, (4, 2, 4), (4, 8, 4)), _tile(8, (8, 2, 8), (8, 8, 8)),
+             _tile(12, (12, 2, 12), (12, 8, 12))),
+    "gru": (_tile(4, (3, 2, 4), (4, 8, 3)), _tile(8, (6, 2, 8), (8, 8, 6)),
+            _tile(12, (9, 2, 12), (12, 8, 9))),
+    "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 4), (8, 4, 4)),
+            _tile(32, (16, 4, 8), (16, 4, 8))),
+}
+
+
+def stack_tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
+    """The shipped stack tiles of ``cell`` (fp32; both vanilla RNNs share theirs)."""
+    return STACK_TILES[cell.tiles]
