@@ -14,15 +14,7 @@
 // slowest CTA last completed step m, none has completed m-2, so the carries of step m (parity m%2)
 // are intact and a restart from max(progress)-1 finds them; a replayed step is idempotent.
 // The host seeds parity T%2 with dh_n / dc_n.
-#include "persistent_common.cuh"
-
-namespace prnn {
-// Slots of the pointwise step's read-only inputs, per batch row and owned unit.
-constexpr int kDy = 0, kH = 1, kHPrev = 2, kC = 3, kCPrev = 4;
-constexpr int kSavedSlot = kHasC ? 5 : 3;
-constexpr int kInputs = kSavedSlot + ThisCell::S;
-
-}  // namespace prnn
+#include "backward_inputs.cuh"
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     const prnn::WeightWord* w_t,  // (H, G*H) = W_hh^T, contiguous; 16-bit: words of pairs
@@ -77,25 +69,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
 
   // Fetches step t's read-only inputs into its parity's buffer (asynchronous, may use L1).
   auto prefetch_inputs = [&](int t) {
-    float* base = in_s + (t & 1) * batch * kInputs * kUnits;
-    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
-      if (j >= hidden) continue;
-      const size_t at = ((size_t)t * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
-      float* in = base + b * kInputs * kUnits + u;
-      prnn_copy4_to_shared(in + kDy * kUnits, dy + at);
-      prnn_copy4_to_shared(in + kH * kUnits, y + at);
-      prnn_copy4_to_shared(in + kHPrev * kUnits, t > 0 ? y + (at - plane) : h0 + at0);
-      if (kHasC) {
-        prnn_copy4_to_shared(in + kC * kUnits, cs + at);
-        prnn_copy4_to_shared(in + kCPrev * kUnits, t > 0 ? cs + (at - plane) : c0 + at0);
-      }
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        prnn_copy4_to_shared(in + (kSavedSlot + s) * kUnits,
-                             saved + ((size_t)t * batch + b) * S * hidden + (size_t)s * hidden + j);
-      }
-    }
+    prefetch_backward_inputs(in_s, t, batch, hidden, j0, plane, true, dy, y, h0, cs, c0, saved);
   };
   prefetch_inputs(start);
   // Step T-1 has no recurrent input.

@@ -15,14 +15,8 @@
 // step t+1 carried down; slot T the host's dh_n/dc_n), so that a restart from step s of a layer
 // finds step s+1's carries whatever the others did; like every other word they are rewritten
 // only with the same bits.
+#include "backward_inputs.cuh"
 #include "stack_common.cuh"
-
-namespace prnn {
-// Slots of the pointwise step's read-only inputs, per batch row and owned unit (dy: top layer).
-constexpr int kDy = 0, kH = 1, kHPrev = 2, kC = 3, kCPrev = 4;
-constexpr int kSavedSlot = kHasC ? 5 : 3;
-constexpr int kInputs = kSavedSlot + ThisCell::S;
-}  // namespace prnn
 
 PRNN_KERNEL void prnn_stack_backward(
     const float* w_t,       // (layers, H, G*H): W_hh^T of every layer
@@ -102,25 +96,8 @@ PRNN_KERNEL void prnn_stack_backward(
 
   // Fetches step t's read-only inputs into its parity's buffer (asynchronous, may use L1).
   auto prefetch_inputs = [&](int t) {
-    float* base = in_s + (t & 1) * batch * kInputs * kUnits;
-    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
-      if (j >= hidden) continue;
-      const size_t at = ((size_t)t * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
-      float* in = base + b * kInputs * kUnits + u;
-      if (top) prnn_copy4_to_shared(in + kDy * kUnits, dy_l + at);
-      prnn_copy4_to_shared(in + kH * kUnits, y_l + at);
-      prnn_copy4_to_shared(in + kHPrev * kUnits, t > 0 ? y_l + (at - plane) : h0_l + at0);
-      if (kHasC) {
-        prnn_copy4_to_shared(in + kC * kUnits, cs_l + at);
-        prnn_copy4_to_shared(in + kCPrev * kUnits, t > 0 ? cs_l + (at - plane) : c0_l + at0);
-      }
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        prnn_copy4_to_shared(in + (kSavedSlot + s) * kUnits,
-                             saved_l + ((size_t)t * batch + b) * S * hidden + (size_t)s * hidden + j);
-      }
-    }
+    prefetch_backward_inputs(in_s, t, batch, hidden, j0, plane, top, dy_l, y_l, h0_l,
+                             cs_l, c0_l, saved_l);
   };
   // Stages step t's vector: dgh_l[t+1] into the first half (zero at T-1), dgi_{l+1}[t] into
   // the second (zero in the top layer).
