@@ -43,9 +43,10 @@ def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, i
 # cheapest one that fits. The large tiles use 8 warps (the most that still get 255 registers each,
 # see resident_ctas) holding ~200 weights per thread; each staged value feeds `rows` (10) FMAs, so
 # shared memory keeps pace with the FMA units. ptxas' registers for them: 230-255 of 255, zero
-# spills. The middle tiles serve H = 512, 768, 1024 and 1280 with K unpadded (issue 15: LSTM H=1024
-# ran the 10-unit tile, K padded to 1280, a fifth of its FMAs on zeros): fewer weights per thread, 8
-# gathered pairs in flight, on up to 128 SMs (an A100's 108 take the larger tiles). Forward tiles of
+# spills. The middle tiles serve H = 512, 768, 1024 and 1280 with K unpadded (a larger tile would
+# pad K, e.g. LSTM H=1024 to 1280 on the 10-unit tile, a fifth of its FMAs on zeros): fewer
+# weights per thread, 8 gathered pairs in flight, on up to 128 SMs (an A100's 108 take the larger
+# tiles). Forward tiles of
 # `rows` a multiple of G over all of K (``warp_teams``: LSTM's and GRU's two smallest, LSTM's 8-unit
 # ones) let each warp finish its own unit: one block barrier per step.
 SHIPPED: dict[str, tuple[Tile, ...]] = {
@@ -61,11 +62,12 @@ SHIPPED: dict[str, tuple[Tile, ...]] = {
 }
 
 
-# 16-bit tiles: kpt even (a register holds columns 2c, 2c+1). The first three are the fp32 tiles
-# of before issue 15 (kpt rounded up to even), at half their registers; the last hold 360-392
-# weights (180-196 registers) per thread of 8 warps: on an H100/H200 LSTM H 1792 (grid 128), GRU
-# 1920 (120), RNN 3584 (128). ptxas: 228-254 registers, zero spills on sm_80 and sm_90 (GRU's
-# forward at kpt 32 spilled on sm_80). (The unpadded middle tiles are fp32 only so far.)
+# 16-bit tiles: kpt even (a register holds columns 2c, 2c+1). The first three are fp32 tile
+# shapes (kpt rounded up to even; docs/design.md, "16-bit weights"), at half their registers; the
+# last hold 360-392 weights (180-196 registers) per thread of 8 warps: on an H100/H200 LSTM
+# H 1792 (grid 128), GRU 1920 (120), RNN 3584 (128). ptxas: 228-254 registers, zero spills on
+# sm_80 and sm_90 (GRU's forward at kpt 32 spilled on sm_80). (The unpadded middle tiles are
+# fp32 only.)
 SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(4, (4, 1, 4), (4, 4, 4)), _tile(8, (4, 1, 16), (8, 8, 8)),
              _tile(10, (10, 2, 20), (10, 8, 20)), _tile(14, (14, 2, 28), (14, 8, 28))),
@@ -149,8 +151,9 @@ PROJECTION_TILES: tuple[ProjectionTile, ...] = (
 
 
 # (units, dtype, arch) of projection tiles that ptxas cannot build without spilling, so they are
-# not shipped there: the fp32 16-unit backward spills 208 bytes on sm_80 (before the loop) since
-# the batched-poll gather (issue 15); that tile shape, its B tile and the gather width were tried.
+# not shipped there: the fp32 16-unit backward spills 208 bytes on sm_80 (before the loop) with
+# the batched-poll gather, whatever its B tile and gather width (docs/design.md, "LSTM with
+# projection").
 PROJECTION_SPILLS = frozenset({(16, "float32", "sm_80")})
 
 
