@@ -251,10 +251,8 @@ def step_items(args, stamp: dict) -> int:
     journal = Journal(args.out / FILES[args.step], stamp)
     limit = CPU_ITEM_LIMIT_S if args.cpu else ITEM_LIMIT_S[args.step]
     if args.step == "correct":
-        cases = [c for c in first_cases.CASES if c.group == args.group]
-        items = [(c.name, lambda c=c: {"group": c.group,
-                                       **first_checks.check_case(c.sized(args.cpu), args.cpu)})
-                 for c in cases]
+        items = [(c.name, lambda c=c: {"group": c.group, **first_checks.check_case(c, args.cpu)})
+                 for c in first_cases.group_cases(args.group, args.cpu)]
     elif args.step == "stall":
         items = [(s.name, lambda s=s: first_checks.check_stall(s.sized(args.cpu), args.cpu))
                  for s in first_cases.STALLS]

@@ -90,6 +90,24 @@ CASES = (
 )
 
 
+def group_cases(group: str, cpu: bool) -> list[Case]:
+    """The cases of ``group`` as they run: on a GPU all of them; at the ``--cpu`` check's tiny
+    sizes, one case per distinct run (several GPU cases shrink to the same layer there, e.g. the
+    two tanh RNNs or the two fp16 LSTMs, and would only repeat it; a placement stays distinct:
+    the grid cases run with clusters off)."""
+    seen, out = set(), []
+    for case in CASES:
+        if case.group != group:
+            continue
+        sized = case.sized(cpu)
+        run = (sized.mode, sized.hidden, sized.batch, sized.dtype, sized.placement, sized.lengths,
+               sized.steps, sized.input_size, tuple(sorted(sized.options.items())))
+        if not cpu or run not in seen:
+            seen.add(run)
+            out.append(sized)
+    return out
+
+
 @dataclass(frozen=True)
 class Stall:
     """A stall injected into CTA ``block`` of a layer (CuPy arrays; NumPy in the emulation):

@@ -83,11 +83,13 @@ def _jobs(archs, edges_only: bool = False):
 
 
 def group(record: dict) -> tuple:
-    """(kernel family, cell, dtype, pass, arch) of a record (or of ``describe``'s fields): the
-    groups ``_edges`` picks its configurations from."""
+    """(kernel family, tile family, dtype, pass, arch) of a record (or of ``describe``'s
+    fields): the groups ``_edges`` picks its configurations from. Cells of one tile family
+    (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
+    alone, so a group's edge is built for the family's first cell in ``CELLS``."""
     family = "stack" if record["stack"] else "projection" if record["proj_size"] else \
         "cluster" if record["cluster"] else "grid"
-    return family, record["cell"], record["dtype"], record["pass"], record["arch"]
+    return family, CELLS[record["cell"]].tiles, record["dtype"], record["pass"], record["arch"]
 
 
 def _edges(jobs: list) -> list:

@@ -96,7 +96,8 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
     summary = json.loads((out / "first_summary.json").read_text())
     verdict = summary["verdict"]
     assert verdict["all_ok"] and not verdict["failed"] and not verdict["hung"]
-    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (15, 3, 80)
+    # the 15 GPU cases shrink to 13 distinct runs at the --cpu sizes (first_cases.group_cases)
+    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (13, 3, 80)
     # every record says where, when, from which commit, with which NVRTC and command it came
     for name in ("predict.jsonl", "correct.jsonl", "stall.jsonl", "time.jsonl"):
         for record in _records(out, name):
@@ -116,7 +117,7 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
         assert headline[f"{algo}_us_per_step"] > 0 and f"{algo}_slope_us" in headline
     assert headline["predicted_step_us"] > 0  # the model's figure on the h100 profile
     text = (out / "first_summary.txt").read_text()
-    assert "verdict: cases 15/15 ok, stalls 3/3 ok, timing points 80/80 clean" in text
+    assert "verdict: cases 13/13 ok, stalls 3/3 ok, timing points 80/80 clean" in text
     assert text.strip() in run.stdout  # printed, the last thing before the step list
     assert "parts: first" in (out / "suite-first.txt").read_text()
 
@@ -197,3 +198,24 @@ def test_pytest_resume_goes_past_a_hung_test(tmp_path):
     assert "tests/test_fake.py::test_b PASSED" in run.stdout
     assert run.stdout.rstrip().endswith(
         "pytest_resume: 2 tests finished; hung: tests/test_fake.py::test_hangs")
+
+
+def test_the_cpu_check_runs_each_distinct_case_once_and_the_gpu_every_case():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import first_cases
+    finally:
+        sys.path.remove(str(BENCH))
+    for group in first_cases.GROUPS:
+        gpu = first_cases.group_cases(group, False)
+        assert gpu == [c for c in first_cases.CASES if c.group == group]
+        cpu = first_cases.group_cases(group, True)
+        names = {c.name for c in cpu}
+        # every GPU case is represented by a CPU case that runs the same tiny layer
+        for case in gpu:
+            tiny = case.sized(True)
+            assert any((c.mode, c.hidden, c.dtype, c.placement, c.options, c.lengths)
+                       == (tiny.mode, tiny.hidden, tiny.dtype, tiny.placement, tiny.options,
+                           tiny.lengths) for c in cpu), case.name
+        assert len(names) == len(cpu)
+    assert sum(len(first_cases.group_cases(g, True)) for g in first_cases.GROUPS) == 13
