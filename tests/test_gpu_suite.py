@@ -96,8 +96,9 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
     summary = json.loads((out / "first_summary.json").read_text())
     verdict = summary["verdict"]
     assert verdict["all_ok"] and not verdict["failed"] and not verdict["hung"]
-    # the 15 GPU cases shrink to 13 distinct runs at the --cpu sizes (first_cases.group_cases)
-    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (13, 3, 80)
+    # the 15 GPU cases shrink to 13 distinct runs at the --cpu sizes (first_cases.group_cases);
+    # the --cpu check times 2 of the 5 layers (first_timing.points): 2 x 2 T x 2 passes x 4 roads
+    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (13, 3, 32)
     # every record says where, when, from which commit, with which NVRTC and command it came
     for name in ("predict.jsonl", "correct.jsonl", "stall.jsonl", "time.jsonl"):
         for record in _records(out, name):
@@ -117,7 +118,7 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
         assert headline[f"{algo}_us_per_step"] > 0 and f"{algo}_slope_us" in headline
     assert headline["predicted_step_us"] > 0  # the model's figure on the h100 profile
     text = (out / "first_summary.txt").read_text()
-    assert "verdict: cases 13/13 ok, stalls 3/3 ok, timing points 80/80 clean" in text
+    assert "verdict: cases 13/13 ok, stalls 3/3 ok, timing points 32/32 clean" in text
     assert text.strip() in run.stdout  # printed, the last thing before the step list
     assert "parts: first" in (out / "suite-first.txt").read_text()
 

@@ -62,8 +62,8 @@ def test_launches_count_one_per_layer_direction_without_stack_mode(settings):
     assert gemm.last_run.launches == 0
 
 
-STEPS, BATCH, HIDDEN, LAYERS = 12, 2, 64, 3
-LENGTHS = [12, 7]
+STEPS, BATCH, HIDDEN, LAYERS = 8, 2, 64, 3
+LENGTHS = [8, 5]
 CTAS_PER_LAYER = HIDDEN // 4  # the emulated H100 plans the 4-unit stack tile at H = 64
 
 
