@@ -60,25 +60,13 @@ class Device:
         import torch
         self.torch = torch
         self.torch_device = "cpu" if cpu else "cuda"
+        # CUDA events around one call on the current stream; the host clock on the CPU
+        self.clock: timing.Clock = timing.CpuClock() if cpu else timing.CudaEventClock()
 
     def sync(self) -> None:
         if not self.cpu:
             self.xp.cuda.get_current_stream().synchronize()
             self.torch.cuda.synchronize()
-
-    def event_seconds(self, call: Callable[[], object]) -> float:
-        """One call between two CUDA events (the host clock on the CPU)."""
-        if self.cpu:
-            t0 = time.perf_counter()
-            call()
-            return time.perf_counter() - t0
-        stream = self.xp.cuda.get_current_stream()
-        start, end = self.xp.cuda.Event(), self.xp.cuda.Event()
-        start.record(stream)
-        call()
-        end.record(stream)
-        end.synchronize()
-        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
 
 
 def make_call(dev: Device, road: str, cell: str, hidden: int, batch: int, steps: int,
@@ -138,7 +126,7 @@ def measure(dev: Device, call: Callable[[], object], calls: int) -> dict:
     dev.sync()
     loop = (time.perf_counter() - t0) / calls
     after = COUNTERS.snapshot()
-    events = [dev.event_seconds(call) for _ in range(calls)]
+    events = [dev.clock.measure(call) for _ in range(calls)]
     return {"host_us": statistics.median(host) * 1e6, "loop_us": loop * 1e6,
             "event_us": statistics.median(events) * 1e6,
             "event_spread": timing.spread(events),

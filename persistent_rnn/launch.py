@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import buffers, chain_graphs, settings
+from . import chain_graphs, settings
 from ._sources import cuda_src_dir
 
 Array = Any
@@ -313,12 +313,6 @@ def release_captured() -> int:
         n = len(_CAPTURED)
         _CAPTURED.clear()
     return n
-
-
-def first_starts(xp, groups: int, first: int) -> Array:
-    """An int32 array of ``groups`` times ``first`` on the data's device: the stack kernels'
-    ``starts`` for a pass's first launch (``buffers.constant_ints``: no fill per call)."""
-    return buffers.constant_ints(xp, groups, first)
 
 
 def chain_launches(max_restarts: int) -> int:

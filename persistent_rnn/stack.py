@@ -74,7 +74,7 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
     chain = launch.Chain(xp, engine_, layers)
     steps = args["steps"]
     first, end = (0, steps) if direction > 0 else (steps - 1, -1)
-    first_starts = launch.first_starts(xp, layers, first)
+    first_starts = buffers.constant_ints(xp, layers, first)  # the first launch's starts
 
     def go(start, stall: settings.Stall) -> None:
         starts = first_starts if start is not launch.RESUME else chain.starts
