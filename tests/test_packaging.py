@@ -155,6 +155,7 @@ import numpy as np
 import torch
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
+assert "torch._dynamo" not in sys.modules  # 1.4 s of import that only torch.compile needs
 assert Path(sys.prefix) in Path(prnn.__file__).resolve().parents, prnn.__file__
 y, _ = prnn.GRU(3, 5, seed=0).forward(np.ones((4, 2, 3), np.float32))
 assert y.shape == (4, 2, 5) and np.isfinite(y).all()

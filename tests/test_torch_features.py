@@ -412,6 +412,10 @@ def test_gpu_path_choice_guards_instead_of_tracing_the_planner(monkeypatch):
     assert "does not fit" in paths.persistent_blocker(cell, 256, 30, 0)
     assert "auto_max_batch" in paths.persistent_blocker(cell, 256, 33, 0)
 
+    def marked(): pass  # what torch's own decorator does to a function, done without it
+    torch.compiler.assume_constant_result(marked)
+    assert vars(marked) and vars(marked).items() <= vars(paths.persistent_batch_limit).items()
+
     def shift(x):
         return x + (1 if x.shape[1] <= paths.persistent_batch_limit(cell, 256, 0) else 2)
 

@@ -139,7 +139,15 @@ def _path(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: in
                                      proj_size)
 
 
-@torch._dynamo.assume_constant_result  # static arguments: one constant of a compiled graph
+def _constant_under_compile(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (1.4 s,
+    which every ``import persistent_rnn.torch`` paid): that function only sets this marker, which
+    dynamo reads when it meets ``fn`` (tests/test_torch_features.py checks the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile  # static arguments: one constant of a compiled graph
 def persistent_batch_limit(cell: CellSpec, hidden: int, device_index: int,
                            weights: str = "float32", proj_size: int = 0) -> int:
     """Largest batch for which ``algo="auto"`` runs this CUDA layer (an LSTM projection of
