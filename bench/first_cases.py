@@ -90,14 +90,21 @@ CASES = (
 )
 
 
-def group_cases(group: str, cpu: bool) -> list[Case]:
+# The cases the test suite's run of the ``--cpu`` check takes (``sample=True``): each road of
+# the harness once - a cluster and a grid layer, a projection, a bidirectional stack with
+# lengths, 16-bit through the module. Before a GPU slot the whole check runs (docs/benchmarks.md).
+CPU_SAMPLE = ("lstm_h256_b3", "lstm_h1024_b4", "lstmp_h1024_p256_b4",
+              "lstm_stack2_bidir_h128_b4_lengths", "gru_h256_b3_bf16")
+
+
+def group_cases(group: str, cpu: bool, sample: bool = False) -> list[Case]:
     """The cases of ``group`` as they run: on a GPU all of them; at the ``--cpu`` check's tiny
     sizes, one case per distinct run (several GPU cases shrink to the same layer there, e.g. the
     two tanh RNNs or the two fp16 LSTMs, and would only repeat it; a placement stays distinct:
-    the grid cases run with clusters off)."""
+    the grid cases run with clusters off); ``sample``: the ``CPU_SAMPLE`` cases alone."""
     seen, out = set(), []
     for case in CASES:
-        if case.group != group:
+        if case.group != group or (sample and case.name not in CPU_SAMPLE):
             continue
         sized = case.sized(cpu)
         run = (sized.mode, sized.hidden, sized.batch, sized.dtype, sized.placement, sized.lengths,

@@ -86,19 +86,21 @@ def _records(out: Path, name: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
-    """About a minute of CPU on two cores (most of it importing torch once per step, which is
-    how the steps run on the GPU too); the emulated kernels are those other tests build."""
+    """The harness end to end on the sample of cases that takes each of its roads once (the
+    whole ``--cpu`` check, 13 cases, runs before a GPU slot); the emulated kernels are those
+    other tests build."""
     out = tmp_path / "first"
-    run = _suite("--cpu", str(out), "first", env={"PRNN_COMMIT": "feedface"}, timeout=840)
+    run = _suite("--cpu", str(out), "first", timeout=840,
+                 env={"PRNN_COMMIT": "feedface", "PRNN_FIRST_CPU_SAMPLE": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     steps = _records(out, "steps.jsonl")
     assert [s["step"] for s in steps] == FIRST_STEPS and {s["status"] for s in steps} == {"ok"}
     summary = json.loads((out / "first_summary.json").read_text())
     verdict = summary["verdict"]
     assert verdict["all_ok"] and not verdict["failed"] and not verdict["hung"]
-    # the 15 GPU cases shrink to 13 distinct runs at the --cpu sizes (first_cases.group_cases);
+    # the harness's roads once (first_cases.CPU_SAMPLE; the whole --cpu check runs 13 cases);
     # the --cpu check times 2 of the 5 layers (first_timing.points): 2 x 2 T x 2 passes x 4 roads
-    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (13, 3, 32)
+    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (5, 3, 32)
     # every record says where, when, from which commit, with which NVRTC and command it came
     for name in ("predict.jsonl", "correct.jsonl", "stall.jsonl", "time.jsonl"):
         for record in _records(out, name):
@@ -118,7 +120,7 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
         assert headline[f"{algo}_us_per_step"] > 0 and f"{algo}_slope_us" in headline
     assert headline["predicted_step_us"] > 0  # the model's figure on the h100 profile
     text = (out / "first_summary.txt").read_text()
-    assert "verdict: cases 13/13 ok, stalls 3/3 ok, timing points 32/32 clean" in text
+    assert "verdict: cases 5/5 ok, stalls 3/3 ok, timing points 32/32 clean" in text
     assert text.strip() in run.stdout  # printed, the last thing before the step list
     assert "parts: first" in (out / "suite-first.txt").read_text()
 
@@ -220,3 +222,5 @@ def test_the_cpu_check_runs_each_distinct_case_once_and_the_gpu_every_case():
                            tiny.lengths) for c in cpu), case.name
         assert len(names) == len(cpu)
     assert sum(len(first_cases.group_cases(g, True)) for g in first_cases.GROUPS) == 13
+    sample = [c.name for g in first_cases.GROUPS for c in first_cases.group_cases(g, True, True)]
+    assert sample == list(first_cases.CPU_SAMPLE)  # each named case exists, in the order run
