@@ -157,7 +157,9 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
     def run():
         runtime._cached_engine.cache_clear()  # plans follow the patched planner
         fwd = runtime.run_forward(spec, gi, w, b, h0, c0, None, "persistent", RunStats())
-        runtime.run_backward(spec, dy, None, None, w, h0, c0, None, fwd, "persistent", RunStats())
+        if backward:
+            runtime.run_backward(spec, dy, None, None, w, h0, c0, None, fwd, "persistent",
+                                 RunStats())
 
     # Every shipped tile, so both formulas meet every layout: the grid tiles alone, then the
     # cluster tiles (which the planner prefers where they fit).
