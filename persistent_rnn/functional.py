@@ -370,7 +370,11 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
 
 
 def _merged(stats: Mapping[tuple[int, int], RunStats]) -> RunStats:
-    """One ``RunStats`` over all layer-directions (in order)."""
+    """One ``RunStats`` over all layer-directions (in order); a single layer-direction's own
+    (made for this call: nothing else holds it)."""
+    if len(stats) == 1:
+        for only in stats.values():
+            return only
     total = RunStats()
     for key in sorted(stats):
         total.merge(stats[key])

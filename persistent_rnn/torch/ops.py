@@ -63,11 +63,17 @@ class LastRun(RunStats):
     dtype: str | None = None  # what the library computed for ("float32", "bfloat16", ...)
 
     @classmethod
-    def of(cls, stats: RunStats) -> "LastRun":
+    def of(cls, stats: RunStats, dtype: str | None = None) -> "LastRun":
         """A record holding a copy of ``stats`` (its device records still unread: reading them
-        would wait for the GPU, which a call never does)."""
-        record = cls(algo=stats.algo)
-        record.merge(stats)
+        would wait for the GPU, which a call never does) and ``dtype``. (Copied field by field,
+        not built by ``__init__`` and ``merge``: once per forward.)"""
+        record = cls.__new__(cls)
+        state = record.__dict__
+        state.update(stats.__dict__)
+        state["details"], state["_deferred"] = list(stats.details), list(stats._deferred)
+        if "_held" in state:
+            state["_held"] = dict(state["_held"])
+        state["backward"], state["dtype"] = None, dtype
         return record
 
 
@@ -118,8 +124,7 @@ def _record_forward(slot: int, part: int, stats: RunStats, dtype: str) -> None:
     if record is None:
         return
     if part == 0 or record.last is None:
-        record.last = LastRun.of(stats)
-        record.last.dtype = dtype
+        record.last = LastRun.of(stats, dtype)
     else:
         record.last.merge(stats)
 
