@@ -290,6 +290,28 @@ def _recurrence(x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
     return y, hn, _empty_like_none(x) if cn is None else cn, saved
 
 
+class _Eager(tuple):
+    """The static arguments of an eager call that ``run_recurrence`` found ``_direct`` and
+    hands to ``_Recurrence`` with autograd: its forward returns the library's ``Context`` in
+    place of the saved activations (``_eager_forward``), which its backward then uses as it is
+    (``_eager_backward``) rather than rebuilding it from saved tensors."""
+
+    __slots__ = ()
+
+
+def _eager_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
+                   weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
+                   algo: str, stats_slot: int, stats_part: int, stats_parts: int):
+    """``_recurrence`` of an eager autograd call: ``(y, h_n, c_n, ctx)``, the library's
+    ``functional.Context`` last (not a tensor: autograd passes it through untracked). Nothing
+    outside holds the context's arrays, so nothing can change them before the backward; the
+    weights and ``x`` they view are saved tensors, whose version counters autograd checks."""
+    with library_stream(x):
+        y, hn, cn, ctx = _library_forward(x, lengths, h0, c0, weights, mode, num_layers,
+                                          bidirectional, algo, stats_slot, stats_part)
+    return y, hn, _empty_like_none(x) if cn is None else cn, ctx
+
+
 def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
                      weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
                      algo: str, stats_slot: int, stats_part: int):
@@ -338,18 +360,36 @@ def _recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor
     cell = _cell(mode)
     with library_stream(dy):
         xa = _array(x)
-        params = _params(weights, num_layers, bidirectional, stats_slot)
         ctx = functional.restore_context(
-            cell, params, xa, None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0),
+            cell, _params(weights, num_layers, bidirectional, stats_slot), xa,
+            None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
             num_layers=num_layers, bidirectional=bidirectional, algo=algo, half=_half(x))
-        dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
-        dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
-        dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
-        outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
-                   _empty_like_none(x) if dc0 is None else _result(dc0, x.dtype),
-                   [_result(grads[name], x.dtype) for name in params])
-    _record_backward(stats_slot, stats_part == stats_parts - 1, ctx.backward_stats)
+        return _library_backward(ctx, dy, dhn, dcn, x, stats_slot, stats_part == stats_parts - 1)
+
+
+def _eager_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None, dcn: Tensor | None,
+                    x: Tensor, stats_slot: int, stats_part: int,
+                    stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``_recurrence_backward`` of an eager call whose forward's ``Context`` is at hand
+    (``_eager_forward``): the same gradients, nothing rebuilt."""
+    with library_stream(dy):
+        return _library_backward(ctx, dy, dhn, dcn, x, stats_slot, stats_part == stats_parts - 1)
+
+
+def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
+                      dcn: Tensor | None, x: Tensor, stats_slot: int,
+                      first: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``functional.backward`` of ``ctx`` on the gradients' memory: ``(dx, dh0, dc0,
+    dweights)`` as tensors of ``x``'s dtype (weights in ``ctx.params`` order); records it."""
+    cell = ctx.cell
+    dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
+    dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
+    dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
+    outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
+               _empty_like_none(x) if dc0 is None else _result(dc0, x.dtype),
+               [_result(grads[name], x.dtype) for name in ctx.params])
+    _record_backward(stats_slot, first, ctx.backward_stats)
     return outputs
 
 
@@ -373,7 +413,11 @@ def _setup_context(ctx, inputs, output) -> None:
     x, lengths, h0, c0, weights, *static = inputs
     y, _, _, saved = output
     ctx.set_materialize_grads(False)  # unused outputs (often y or c_n) need no zero gradients
-    ctx.mark_non_differentiable(*saved)
+    if isinstance(saved, functional.Context):  # (_eager_forward's)
+        ctx.library, saved = saved, ()
+    else:
+        ctx.library = None
+        ctx.mark_non_differentiable(*saved)
     ctx.static = tuple(static)
     ctx.num_weights = len(weights)
     ctx.save_for_backward(x, lengths, h0, c0, y, *weights, *saved)
@@ -396,11 +440,17 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
         batched = not torch.compiler.is_compiling() and any(
             t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
             for t in (dy, dhn, dcn))
-        run = _flat_backward if batched else (
-            _recurrence_backward if _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
-            else recurrence_backward)
-        dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
-                                     *ctx.static)
+        direct = not batched and _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
+        if direct and ctx.library is not None:
+            dx, dh0, dc0, dweights = _eager_backward(ctx.library, dy, dhn, dcn, x,
+                                                     *ctx.static[-3:])
+        else:
+            if ctx.library is not None:  # an eager forward, a backward someone must see
+                saved = [to_tensor(a) for a in functional.saved_arrays(ctx.library)]
+            run = _flat_backward if batched else (
+                _recurrence_backward if direct else recurrence_backward)
+            dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
+                                         *ctx.static)
     return (dx, None, None if h0 is None else dh0, None if c0 is None else dc0, list(dweights),
             *([None] * len(ctx.static)))
 
@@ -416,6 +466,8 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(x, lengths, h0, c0, static, *weights):
+        if type(static) is _Eager:  # run_recurrence found the call _direct
+            return _eager_forward(x, lengths, h0, c0, list(weights), *static)
         run = _recurrence if _direct(x, (h0, c0), weights) else recurrence
         return run(x, lengths, h0, c0, list(weights), *static)
 
@@ -468,7 +520,7 @@ def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
         # Function.apply's own course without functorch transforms, less its binding of the
         # arguments to forward's signature (forward has no defaults to fill): 10 µs a call.
         y, hn, cn, *_ = _apply_function(*unwrap_dead_wrappers(
-            (x, lengths, h0, c0, static, *weights)))
+            (x, lengths, h0, c0, _Eager(static), *weights)))
     else:  # nothing to differentiate: no autograd node, no activations kept for backward
         with library_stream(x):
             y, hn, cn, _ = _library_forward(x, lengths, h0, c0, weights, *static[:-1])
