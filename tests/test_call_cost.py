@@ -366,6 +366,11 @@ def test_remembered_weight_views_are_never_stale():
     module.weight_hh_l0.data = torch.randn_like(module.weight_hh_l0)
     check()
 
+    w = module.weight_ih_l0  # the same memory, pointer, shape and version, other strides
+    rows, cols = w.shape
+    w.data = w.data.as_strided((rows, cols), (1, rows))
+    check()
+
     module.weight_ih_l0 = torch.nn.Parameter(torch.randn_like(module.weight_ih_l0))
     check()
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
@@ -77,16 +77,58 @@ class LastRun(RunStats):
         return record
 
 
-@dataclass
 class RunRecord:
-    """The mutable holder of one module's ``last_run`` (never pickled: see modules)."""
+    """The mutable holder of one module's ``last_run`` (never pickled: see modules), its
+    registry ``slot`` and its remembered weight views (``views``). A forward's stats are kept as
+    they come and made a ``LastRun`` when ``last`` is first read (a copy per call otherwise)."""
 
-    last: LastRun | None = None
-    slot: int = field(default_factory=lambda: next(_SLOTS))
-    views: "WeightViews" = field(default_factory=lambda: WeightViews())
+    __slots__ = ("_last", "_pending", "slot", "views", "__weakref__")
 
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        self._last: LastRun | None = None
+        self._pending: tuple | None = None  # (stats, dtype, backward stats or None)
+        self.slot = next(_SLOTS)
+        self.views = WeightViews()
         _RECORDS[self.slot] = self
+
+    @property
+    def last(self) -> LastRun | None:
+        """The last run (see ``LastRun``), ``None`` before the first forward."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._last = LastRun.of(pending[0], pending[1])
+            self._last.backward = pending[2]
+        return self._last
+
+    @last.setter
+    def last(self, value: LastRun | None) -> None:
+        self._last, self._pending = value, None
+
+    def forward(self, part: int, stats: RunStats, dtype: str) -> None:
+        """Record part ``part`` of a forward (0 starts a new record, later parts merge in)."""
+        if part == 0:
+            self._last, self._pending = None, (stats, dtype, None)
+            return
+        last = self.last
+        if last is None:
+            self._pending = (stats, dtype, None)
+        else:
+            last.merge(stats)
+
+    def backward(self, first: bool, stats: RunStats) -> None:
+        """Record a backward's stats (``first``: it starts the backward record)."""
+        pending = self._pending
+        if pending is not None and (first or pending[2] is None):
+            self._pending = (pending[0], pending[1], stats)
+            return
+        last = self.last
+        if last is None:
+            return
+        if first or last.backward is None:
+            last.backward = stats
+        else:
+            last.backward.merge(stats)
 
 
 class Recorded:
@@ -121,22 +163,14 @@ _RECORDS: "weakref.WeakValueDictionary[int, RunRecord]" = weakref.WeakValueDicti
 
 def _record_forward(slot: int, part: int, stats: RunStats, dtype: str) -> None:
     record = _RECORDS.get(slot)
-    if record is None:
-        return
-    if part == 0 or record.last is None:
-        record.last = LastRun.of(stats, dtype)
-    else:
-        record.last.merge(stats)
+    if record is not None:
+        record.forward(part, stats, dtype)
 
 
 def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
     record = _RECORDS.get(slot)
-    if record is None or record.last is None:
-        return
-    if first or record.last.backward is None:
-        record.last.backward = stats
-    else:
-        record.last.backward.merge(stats)
+    if record is not None:
+        record.backward(first, stats)
 
 
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # (a dict: torch.compile traces it)
@@ -174,7 +208,8 @@ class WeightViews:
     shape (the library reads it on torch's current stream, after whatever torch enqueued there
     to update it). Checked per call:
     the same tensor objects (parameter reassignment, ``functional_call`` and autocast's casts
-    give others), each at the same ``data_ptr`` and shape (``.to()``, ``param.data = ...``) and
+    give others), each at the same ``data_ptr`` and shape and still contiguous (``.to()``,
+    ``param.data = ...``, also a strided view of the same memory) and
     version counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``'s
     copies, ``w.mul_(2)``; ``set_``)."""
 
@@ -190,7 +225,10 @@ class WeightViews:
         known, stamps, params = self._entry
         if len(known) == len(weights):  # (loops, not comprehensions: no frames per call)
             for w, k, stamp in zip(weights, known, stamps):
-                if w is not k or (w.data_ptr(), w._version, w.shape) != stamp:
+                # (contiguous again: ``param.data = `` a strided view of the same memory keeps
+                # the pointer, shape and version)
+                if w is not k or (w.data_ptr(), w._version, w.shape) != stamp \
+                        or not w.is_contiguous():
                     break
             else:
                 return params
@@ -257,7 +295,14 @@ def _array(t: Tensor | None) -> Array | None:
     if t is None:
         return None
     if t.is_cpu and t.dtype not in _HALF and t.is_contiguous():
-        return t.numpy(force=True)  # (to_array's usual case inlined: a call less)
+        # (to_array's usual case inlined: a call less; ``force`` only where it is needed, for
+        # a tensor requiring grad or with a negative bit: it costs a detach)
+        if not t.requires_grad:
+            try:
+                return t.numpy()
+            except RuntimeError:
+                pass
+        return t.numpy(force=True)
     return to_array(t.float() if t.dtype in _HALF else t)
 
 
@@ -320,12 +365,15 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
     cell, half = _cell(mode), _HALF.get(x.dtype)
     xa = _array(x)
     hx = None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0)
+    record = _RECORDS.get(stats_slot)
     y, hn, ctx = functional.forward(
-        cell, _params(weights, num_layers, bidirectional, stats_slot), xa, hx,
+        cell, _fresh_params(weights, num_layers, bidirectional) if record is None
+        else record.views.get(weights, num_layers, bidirectional), xa, hx,
         None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
         bidirectional=bidirectional, batch_first=False, algo=algo, half=half)
     hn, cn = hn if cell.has_cell_state else (hn, None)
-    _record_forward(stats_slot, stats_part, ctx.stats, half or str(x.dtype)[6:])
+    if record is not None:
+        record.forward(stats_part, ctx.stats, half or str(x.dtype)[6:])
     return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
             _result(cn, x.dtype), ctx)
 
