@@ -35,7 +35,6 @@ from typing import Optional
 import numpy as np
 import torch
 from torch import Tensor
-from torch._functorch.utils import unwrap_dead_wrappers
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .. import functional
@@ -348,13 +347,14 @@ def _eager_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
                    weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
                    algo: str, stats_slot: int, stats_part: int, stats_parts: int):
     """``_recurrence`` of an eager autograd call: ``(y, h_n, c_n, ctx)``, the library's
-    ``functional.Context`` last (not a tensor: autograd passes it through untracked). Nothing
+    ``functional.Context`` last (not a tensor: autograd passes it through untracked; so is
+    ``c_n``, ``None`` for a cell without a cell state, rather than a placeholder). Nothing
     outside holds the context's arrays, so nothing can change them before the backward; the
     weights and ``x`` they view are saved tensors, whose version counters autograd checks."""
     with library_stream(x):
         y, hn, cn, ctx = _library_forward(x, lengths, h0, c0, weights, mode, num_layers,
                                           bidirectional, algo, stats_slot, stats_part)
-    return y, hn, _empty_like_none(x) if cn is None else cn, ctx
+    return y, hn, cn, ctx
 
 
 def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
@@ -413,14 +413,17 @@ def _recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor
             None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
             num_layers=num_layers, bidirectional=bidirectional, algo=algo, half=_half(x))
-        return _library_backward(ctx, dy, dhn, dcn, x, stats_slot, stats_part == stats_parts - 1)
+        dx, dh0, dc0, dweights = _library_backward(ctx, dy, dhn, dcn, x, stats_slot,
+                                                   stats_part == stats_parts - 1)
+    return dx, dh0, _empty_like_none(x) if dc0 is None else dc0, dweights
 
 
 def _eager_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None, dcn: Tensor | None,
                     x: Tensor, stats_slot: int, stats_part: int,
                     stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """``_recurrence_backward`` of an eager call whose forward's ``Context`` is at hand
-    (``_eager_forward``): the same gradients, nothing rebuilt."""
+    (``_eager_forward``): the same gradients, nothing rebuilt (``dc0``: ``None`` without a
+    cell state)."""
     with library_stream(dy):
         return _library_backward(ctx, dy, dhn, dcn, x, stats_slot, stats_part == stats_parts - 1)
 
@@ -429,13 +432,14 @@ def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
                       dcn: Tensor | None, x: Tensor, stats_slot: int,
                       first: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """``functional.backward`` of ``ctx`` on the gradients' memory: ``(dx, dh0, dc0,
-    dweights)`` as tensors of ``x``'s dtype (weights in ``ctx.params`` order); records it."""
+    dweights)`` as tensors of ``x``'s dtype (weights in ``ctx.params`` order; ``dc0`` ``None``
+    without a cell state); records it."""
     cell = ctx.cell
     dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
     dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
     dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
     outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
-               _empty_like_none(x) if dc0 is None else _result(dc0, x.dtype),
+               None if dc0 is None else _result(dc0, x.dtype),
                [_result(grads[name], x.dtype) for name in ctx.params])
     _record_backward(stats_slot, first, ctx.backward_stats)
     return outputs
@@ -485,9 +489,7 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
         dx, dh0, dc0, *dweights = grads
     else:
         dy = torch.zeros_like(y) if dy is None else dy
-        batched = not torch.compiler.is_compiling() and any(
-            t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
-            for t in (dy, dhn, dcn))
+        batched = not torch.compiler.is_compiling() and _any_batched((dy, dhn, dcn))
         direct = not batched and _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
         if direct and ctx.library is not None:
             dx, dh0, dc0, dweights = _eager_backward(ctx.library, dy, dhn, dcn, x,
@@ -504,6 +506,14 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
 
 
 recurrence.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _any_batched(grads: tuple) -> bool:
+    """Whether a gradient is batched by the legacy vmap (``_flat_backward``)."""
+    for t in grads:
+        if t is not None and torch._C._functorch.is_legacy_batchedtensor(t):
+            return True
+    return False
 
 
 class _Recurrence(torch.autograd.Function):
@@ -563,12 +573,14 @@ def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
     static = (mode, num_layers, bidirectional, algo, *stats)
     if not _direct(x, (h0, c0), weights):
         y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0, static, *weights)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                         for t in (x, h0, c0, *weights)):
+    elif torch.is_grad_enabled() and _any_requires_grad(x, h0, c0, weights):
         # Function.apply's own course without functorch transforms, less its binding of the
-        # arguments to forward's signature (forward has no defaults to fill): 10 µs a call.
-        y, hn, cn, *_ = _apply_function(*unwrap_dead_wrappers(
-            (x, lengths, h0, c0, _Eager(static), *weights)))
+        # arguments to forward's signature (forward has no defaults to fill): 10 µs a call;
+        # tensors that escaped a torch.func transform unwrapped as apply does
+        # (``unwrap_dead_wrappers``, without its generator's resumption per argument)
+        y, hn, cn, *_ = _apply_function(*[
+            _unwrap_if_dead(a) if isinstance(a, Tensor) else a
+            for a in (x, lengths, h0, c0, _Eager(static), *weights)])
     else:  # nothing to differentiate: no autograd node, no activations kept for backward
         with library_stream(x):
             y, hn, cn, _ = _library_forward(x, lengths, h0, c0, weights, *static[:-1])
@@ -577,6 +589,19 @@ def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
 
 
 _apply_function = super(torch.autograd.Function, _Recurrence).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _any_requires_grad(x: Tensor, h0: Tensor | None, c0: Tensor | None,
+                       weights: list[Tensor]) -> bool:
+    """Whether any input of the recurrence requires grad (loops: no generator per call)."""
+    if x.requires_grad or (h0 is not None and h0.requires_grad) or (
+            c0 is not None and c0.requires_grad):
+        return True
+    for w in weights:
+        if w.requires_grad:
+            return True
+    return False
 
 
 def _flat_backward(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, *static):
