@@ -311,7 +311,8 @@ def test_benchmark_scripts_record_what_results_need(tmp_path):
     threads = torch.get_num_threads()  # (the scripts run torch on one thread)
     try:
         assert overhead.main(["--out", str(tmp_path / "o"), "--calls", "3", "--rounds", "2"]) == 0
-        assert breakdown.main(["--out", str(tmp_path / "b"), "--calls", "3", "--rounds", "2"]) == 0
+        assert breakdown.main(["--out", str(tmp_path / "b"), "--calls", "3", "--rounds", "2",
+                               "--stubbed"]) == 0
     finally:
         torch.set_num_threads(threads)
     doc = json.loads((tmp_path / "o" / "call_overhead.json").read_text())
@@ -321,7 +322,9 @@ def test_benchmark_scripts_record_what_results_need(tmp_path):
         assert [r["road"] for r in rows][0] == "torch.nn.GRU" and len(rows) == 4
         assert all(r["calls"] == 6 and r["median_us"] > 0 for r in rows)
     rows = json.loads((tmp_path / "b" / "call_breakdown.json").read_text())["rows"]
-    assert len(rows) == 9 and all(r["median_us"] > 0 for r in rows)
+    assert len(rows) == 11 and all(r["median_us"] > 0 for r in rows)
+    from persistent_rnn import emulate
+    assert emulate.EmulatedModule._launch.__name__ == "_launch"  # the stub is gone
 
 
 def test_remembered_weight_views_are_never_stale():
