@@ -10,12 +10,13 @@ of ``--calls`` calls (alternating their order), timed with ``time.perf_counter_n
 10th percentile in µs. Internal entry points (``ops._library_forward`` and the like) are called
 with what the layer above would pass them. Writes ``DIR/call_breakdown.json`` with ``--out``.
 
-``--stubbed`` adds two rows: the layer API's persistent forward and forward + backward on the
-emulated path with the emulated launcher stubbed (``EmulatedModule._launch`` returns at once: no
-kernel runs, every other line of the call does), i.e. the Python of a persistent call before any
-API call - the figure the latency model's per-call host term takes (``hardware.PYTHON_*_US``).
-That path issues the chain launch by launch (a GPU call in steady state replays it as one graph
-and skips the launches' argument building), so it bounds the GPU path's Python from above.
+``--stubbed`` adds four rows: the layer API's persistent forward and forward + backward on the
+emulated path (1) with the emulated launcher stubbed (``EmulatedModule._launch`` returns at
+once: no kernel runs, every other line of the call does, the chain issued launch by launch with
+each launch's arguments built), and (2) with the whole chain stubbed (``launch._issue_chain``,
+what a GPU call in steady state replaces by one graph launch; the graph's key, built on the GPU
+path only, is not in it). (2) is the Python the latency model's per-call host term takes
+(``hardware.PYTHON_*_US``), (1) bounds it from above.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import benchmark, emulate, functional
+from persistent_rnn import benchmark, emulate, functional, launch
 from persistent_rnn.torch import modules, ops, paths
 
 
@@ -70,7 +71,8 @@ def entry_points(hidden: int) -> dict[str, Callable[[], object]]:
 
 def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
     """The layer API's persistent forward and forward + backward (emulated path), for timing
-    with the launcher stubbed (``main --stubbed``)."""
+    with the launcher stubbed (``main --stubbed``, which stubs ``EmulatedModule._launch``) and
+    with the whole chain stubbed (stubbed here, around each call: about 1 µs of its own)."""
     layer = prnn.GRU(hidden, hidden, algo="persistent", seed=0)
     x = np.random.default_rng(0).standard_normal((1, 1, hidden)).astype(np.float32)
     dy = np.ones((1, 1, hidden), np.float32)
@@ -78,8 +80,20 @@ def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
     def train_step() -> object:
         layer.forward(x)
         return layer.backward(dy)
+
+    def no_chain(call: Callable[[], object]) -> Callable[[], object]:
+        def stubbed() -> object:
+            issue = launch._issue_chain
+            launch._issue_chain = lambda *a: None
+            try:
+                return call()
+            finally:
+                launch._issue_chain = issue
+        return stubbed
     return {"persistent forward, launcher stubbed (layer API)": lambda: layer.forward(x),
-            "persistent forward+backward, launcher stubbed (layer API)": train_step}
+            "persistent forward+backward, launcher stubbed (layer API)": train_step,
+            "persistent forward, chain stubbed (layer API)": no_chain(lambda: layer.forward(x)),
+            "persistent forward+backward, chain stubbed (layer API)": no_chain(train_step)}
 
 
 def main(argv: list[str] | None = None) -> int:
