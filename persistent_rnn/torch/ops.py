@@ -373,9 +373,15 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
         bidirectional=bidirectional, batch_first=False, algo=algo, half=half)
     hn, cn = hn if cell.has_cell_state else (hn, None)
     if record is not None:
-        record.forward(stats_part, ctx.stats, half or str(x.dtype)[6:])
+        record.forward(stats_part, ctx.stats, half or _dtype_name(x.dtype))
     return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
             _result(cn, x.dtype), ctx)
+
+
+@lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32`` (what ``last_run.dtype`` says)."""
+    return str(dtype).removeprefix("torch.")
 
 
 recurrence = torch.library.custom_op("persistent_rnn::recurrence", _recurrence, mutates_args=(),
