@@ -204,28 +204,28 @@ def _module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], obj
 # (road, cell, T, backward) -> limits of (Python calls, NumPy allocations): the counts after
 # issue 26's work plus about 10%; in the comments, the counts now (branch call26: the eager
 # autograd call keeps the library's forward context for its backward, lazy run records and
-# stats, one sigmoid for GRU's r, z and LSTM's i, f, the NumPy loops entered at once), after the
-# second round (callcost2) and before issue 26. Every matrix product goes through
+# stats, one sigmoid for GRU's r, z and LSTM's i, f, the NumPy loops entered at once), on main
+# before it (1e4d6bd) and before issue 26. Every matrix product goes through
 # matmul.matmul, the capture-safe dispatch (a call each).
 LIMITS = {
-    ("layer gemm", "GRU", 1, False): (60, 23),          # (54, 21)   (65, 27)  (115, 42)
-    ("layer gemm", "GRU", 4, False): (76, 70),          # (69, 63)   (92, 87)  (148, 138)
-    ("layer gemm", "LSTM", 1, False): (63, 31),         # (57, 28)   (66, 33)  (125, 50)
-    ("layer gemm", "GRU", 1, True): (120, 67),          # (109, 61)  (124, 67) (202, 95)
-    ("layer gemm", "LSTM", 1, True): (128, 87),         # (116, 79)  (129, 84) (224, 112)
+    ("layer gemm", "GRU", 1, False): (60, 23),          # (54, 21)   (72, 27)  (115, 42)
+    ("layer gemm", "GRU", 4, False): (76, 70),          # (69, 63)   (102, 87) (148, 138)
+    ("layer gemm", "LSTM", 1, False): (63, 31),         # (57, 28)   (73, 33)  (125, 50)
+    ("layer gemm", "GRU", 1, True): (120, 67),          # (109, 61)  (141, 67) (202, 95)
+    ("layer gemm", "LSTM", 1, True): (128, 87),         # (116, 79)  (146, 84) (224, 112)
     # The emulated persistent path enqueues the device-side chain: 9 emulated launches a pass
     # (pass, 3 x settle + resume, settle, completion), each through the launcher's Python, where
     # the host restart loop launched once and read back (137, 36) / (279, 78). Of the 168
     # allocations of a forward, 154 are the launches' scalar arguments (launch.arguments,
     # emulate._marshal, the stall's), the rest buffers (docs/design.md, "Where a call's host
     # time goes").
-    ("layer persistent", "GRU", 1, False): (933, 185),  # (917, 168) (848, 168) (170, 36)
-    ("layer persistent", "GRU", 1, True): (1913, 376),  # (1880, 342) (1739, 342) (321, 78)
-    ("module gemm", "GRU", 1, False): (88, 23),         # (80, 21)   (96, 27)  (352, 42)
-    ("module gemm", "LSTM", 1, False): (95, 31),        # (86, 28)   (100, 33) (369, 50)
-    ("module gemm", "GRU", 4, False): (105, 70),        # (95, 63)   (123, 87) (385, 138)
-    ("module gemm", "GRU", 1, True): (182, 67),         # (165, 61)  (231, 68) (554, 96)
-    ("module gemm", "LSTM", 1, True): (194, 87),        # (176, 79)  (241, 86) (591, 114)
+    ("layer persistent", "GRU", 1, False): (933, 185),  # (917, 168) (927, 168) (170, 36)
+    ("layer persistent", "GRU", 1, True): (1913, 376),  # (1880, 342) (1900, 342) (321, 78)
+    ("module gemm", "GRU", 1, False): (88, 23),         # (80, 21)   (108, 27) (352, 42)
+    ("module gemm", "LSTM", 1, False): (95, 31),        # (86, 28)   (112, 33) (369, 50)
+    ("module gemm", "GRU", 4, False): (105, 70),        # (95, 63)   (138, 87) (385, 138)
+    ("module gemm", "GRU", 1, True): (182, 67),         # (165, 61)  (253, 68) (554, 96)
+    ("module gemm", "LSTM", 1, True): (194, 87),        # (176, 79)  (263, 86) (591, 114)
     ("module auto", "GRU", 1, False): (46, 0),          # (42, 0)    (41, 0)   (48, 0)
     ("module auto", "GRU", 1, True): (52, 0),           # (48, 0)    (47, 0)   (54, 0)
 }
