@@ -95,8 +95,8 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
                   lengths=full_lengths(xp, lengths, batch, steps), y=y, cs=cs, saved=saved,
                   dh_carry=dh_carry, dc_carry=dc_carry, w_hr=w_hr, hs=hs)
     outputs = dict(dgi=dgi, dgh=dgh, dh0=dh0, dc0=dc0, drs=drs)
-    if stop == steps and step_graphs.eligible(xp):  # a whole pass: replayed from a recorded
-        # CUDA graph
+    if stop == steps:  # a whole pass: replayed from a recorded CUDA graph (step_graphs.run runs
+        # the loop itself where it cannot)
         step_graphs.run(f"backward {cell.name}", partial(_backward_loop, cell, stop), inputs,
                         outputs)
     else:
