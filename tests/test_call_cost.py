@@ -289,6 +289,37 @@ def test_eager_calls_skip_the_dispatcher_which_modes_still_see():
     assert torch.equal(y, y_mode) and torch.equal(x.grad, grad_mode)
 
 
+def test_eager_forward_keeps_its_context_for_a_backward_a_mode_sees():
+    """An eager forward hands the library's context to its backward (no saved activations as
+    tensors); a backward run under a TorchDispatchMode still reaches the op, with the
+    activations made tensors from that context, and gives the same gradients bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    module = prt.LSTM(H, H, algo="gemm")
+    x = torch.randn(3, 2, H, requires_grad=True)
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    grads = []
+    for mode in (None, Log):
+        x.grad = None
+        module.zero_grad()
+        y, (h, c) = module(x)
+        loss = y.square().sum() + h.sum() + c.sum()
+        with contextlib.nullcontext() if mode is None else mode():
+            loss.backward()
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in module.parameters())])
+    assert "persistent_rnn.recurrence_backward.default" in seen
+    assert "persistent_rnn.recurrence.default" not in seen  # the forward ran eagerly
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert module.last_run.backward is not None and module.last_run.backward.algo == "gemm"
+
+
 @pytest.mark.parametrize("road,backward", [("layer persistent", False), ("layer persistent", True),
                                            ("module persistent", True)],
                          ids=["layer-fwd", "layer-fwd+bwd", "module-fwd+bwd"])
