@@ -1,6 +1,7 @@
 """Where a torch module's forward spends its host time: each layer of the call timed alone.
 
     python bench/call_breakdown.py [--out DIR] [--calls 100] [--rounds 30] [--hidden 8]
+                                   [--stubbed]
 
 ``persistent_rnn.torch.GRU(algo="gemm")`` forward under ``torch.no_grad`` (H=I, B=1, T=1),
 entered at each layer of its road, outermost first, beside ``torch.nn.GRU`` and the layer API:
@@ -8,6 +9,14 @@ the difference between two neighbouring rows is what that layer adds. Rows inter
 of ``--calls`` calls (alternating their order), timed with ``time.perf_counter_ns``; median and
 10th percentile in µs. Internal entry points (``ops._library_forward`` and the like) are called
 with what the layer above would pass them. Writes ``DIR/call_breakdown.json`` with ``--out``.
+
+``--stubbed`` adds four rows: the layer API's persistent forward and forward + backward on the
+emulated path (1) with the emulated launcher stubbed (``EmulatedModule._launch`` returns at
+once: no kernel runs, every other line of the call does, the chain issued launch by launch with
+each launch's arguments built), and (2) with the whole chain stubbed (``launch._issue_chain``,
+what a GPU call in steady state replaces by one graph launch; the graph's key, built on the GPU
+path only, is not in it). (2) is the Python the latency model's per-call host term takes
+(``hardware.PYTHON_*_US``), (1) bounds it from above.
 """
 from __future__ import annotations
 
@@ -25,7 +34,7 @@ import torch
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import benchmark, functional
+from persistent_rnn import benchmark, emulate, functional, launch
 from persistent_rnn.torch import modules, ops, paths
 
 
@@ -60,6 +69,33 @@ def entry_points(hidden: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
+    """The layer API's persistent forward and forward + backward (emulated path), for timing
+    with the launcher stubbed (``main --stubbed``, which stubs ``EmulatedModule._launch``) and
+    with the whole chain stubbed (stubbed here, around each call: about 1 µs of its own)."""
+    layer = prnn.GRU(hidden, hidden, algo="persistent", seed=0)
+    x = np.random.default_rng(0).standard_normal((1, 1, hidden)).astype(np.float32)
+    dy = np.ones((1, 1, hidden), np.float32)
+
+    def train_step() -> object:
+        layer.forward(x)
+        return layer.backward(dy)
+
+    def no_chain(call: Callable[[], object]) -> Callable[[], object]:
+        def stubbed() -> object:
+            issue = launch._issue_chain
+            launch._issue_chain = lambda *a: None
+            try:
+                return call()
+            finally:
+                launch._issue_chain = issue
+        return stubbed
+    return {"persistent forward, launcher stubbed (layer API)": lambda: layer.forward(x),
+            "persistent forward+backward, launcher stubbed (layer API)": train_step,
+            "persistent forward, chain stubbed (layer API)": no_chain(lambda: layer.forward(x)),
+            "persistent forward+backward, chain stubbed (layer API)": no_chain(train_step)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time every entry point interleaved; print a table, write the JSON."""
     p = argparse.ArgumentParser(prog="bench/call_breakdown.py",
@@ -68,22 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=100, help="timed calls per row and round")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--hidden", type=int, default=8)
+    p.add_argument("--stubbed", action="store_true",
+                   help="also the persistent layer call with the emulated launcher stubbed")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     calls = entry_points(args.hidden)
-    times: dict[str, list[int]] = {label: [] for label in calls}
-    clock = time.perf_counter_ns
-    with torch.no_grad():
-        for call in calls.values():
-            for _ in range(200):
-                call()
-        for r in range(args.rounds):
-            for label, call in list(calls.items())[::1 if r % 2 else -1]:
-                record = times[label]
-                for _ in range(args.calls):
-                    start = clock()
-                    call()
-                    record.append(clock() - start)
+    launcher = emulate.EmulatedModule._launch
+    if args.stubbed:
+        stubbed = stubbed_entry_points(args.hidden)
+        for call in stubbed.values():  # the kernels built and every cache filled for real
+            call()
+        emulate.EmulatedModule._launch = lambda self, *a, **kw: None
+        calls.update(stubbed)
+    try:
+        times = _timed(calls, args.calls, args.rounds)
+    finally:
+        emulate.EmulatedModule._launch = launcher
     rows = [{"entry": label, "median_us": statistics.median(ns) / 1e3,
              "p10_us": float(np.percentile(ns, 10)) / 1e3} for label, ns in times.items()]
     for row in rows:
@@ -95,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                **benchmark.run_stamp(["python", *sys.argv]),
                "settings": {"cell": "GRU", "hidden": args.hidden, "batch": 1, "steps": 1,
                             "calls": args.calls, "rounds": args.rounds,
+                            "stubbed": args.stubbed,
                             "timing": "time.perf_counter_ns per call under torch.no_grad, rows "
                                       "interleaved in runs of `calls`; median, 10th percentile"},
                "rows": rows}
@@ -102,6 +139,26 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "call_breakdown.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.out / 'call_breakdown.json'}")
     return 0
+
+
+def _timed(calls: dict[str, Callable[[], object]], count: int,
+           rounds: int) -> dict[str, list[int]]:
+    """Per entry, the ns of each timed call (rounds interleave the entries in runs of
+    ``count``; 200 untimed warm-up calls each)."""
+    times: dict[str, list[int]] = {label: [] for label in calls}
+    clock = time.perf_counter_ns
+    with torch.no_grad():
+        for call in calls.values():
+            for _ in range(200):
+                call()
+        for r in range(rounds):
+            for label, call in list(calls.items())[::1 if r % 2 else -1]:
+                record = times[label]
+                for _ in range(count):
+                    start = clock()
+                    call()
+                    record.append(clock() - start)
+    return times
 
 
 if __name__ == "__main__":

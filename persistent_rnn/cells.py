@@ -60,11 +60,15 @@ def _rnn_relu_backward(xp, dh, dc, saved, h, c, h_prev, c_prev):
 
 
 def _lstm_forward(xp, gi, gh, h_prev, c_prev):
-    pi, pf, pg, po = _split(gi + gh, 4)
-    i, f, g, o = _sigmoid(xp, pi), _sigmoid(xp, pf), xp.tanh(pg), _sigmoid(xp, po)
+    pre = gi + gh
+    width = pre.shape[-1] // 4
+    # i and f in one sigmoid (elementwise: the same values as two; fewer operations per step)
+    i_f = _sigmoid(xp, pre[..., :2 * width])
+    i, f, g = i_f[..., :width], i_f[..., width:], xp.tanh(pre[..., 2 * width:3 * width])
+    o = _sigmoid(xp, pre[..., 3 * width:])
     c = f * c_prev + i * g
     h = o * xp.tanh(c)
-    return h, c, xp.concatenate([i, f, g, o], axis=1)
+    return h, c, xp.concatenate([i_f, g, o], axis=1)
 
 
 def _lstm_backward(xp, dh, dc, saved, h, c, h_prev, c_prev):
@@ -79,15 +83,15 @@ def _lstm_backward(xp, dh, dc, saved, h, c, h_prev, c_prev):
 
 
 def _gru_forward(xp, gi, gh, h_prev, c_prev):
-    gi_r, gi_z, gi_n = _split(gi, 3)
-    gh_r, gh_z, gh_n = _split(gh, 3)
-    r = _sigmoid(xp, gi_r + gh_r)
-    z = _sigmoid(xp, gi_z + gh_z)
-    n = xp.tanh(gi_n + r * gh_n)
+    width = gi.shape[-1] // 3
+    # r and z in one sigmoid (elementwise: the same values as two; fewer operations per step)
+    rz = _sigmoid(xp, gi[..., :2 * width] + gh[..., :2 * width])
+    r, z, gh_n = rz[..., :width], rz[..., width:], gh[..., 2 * width:]
+    n = xp.tanh(gi[..., 2 * width:] + r * gh_n)
     h = 1.0 - z  # h = (1 - z) * n + z * h_prev, in place
     h *= n
     h += z * h_prev
-    return h, None, xp.concatenate([r, z, n, gh_n], axis=1)
+    return h, None, xp.concatenate([rz, n, gh_n], axis=1)
 
 
 def _gru_backward(xp, dh, dc, saved, h, c, h_prev, c_prev):

@@ -196,12 +196,13 @@ def run_plan(args: argparse.Namespace) -> int:
               f"{t['matrix_us']:.2f}, barriers {t['barrier_us']:.2f}, exchange {t['exchange_us']:.2f} "
               f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f})")
     calls = record["per_call"]
-    print(f"per call (predicted; input size {calls['input_size']}, host: API calls only, the "
-          f"Python around them not included):")
+    print(f"per call (predicted; input size {calls['input_size']}, host: API calls plus the "
+          f"library's Python, measured on the CPU with the launcher stubbed):")
     for row in calls["rows"]:
         print(f"  T={row['seq_len']:<5} host {row['forward_host_us']:.0f} / "
               f"{row['backward_host_us']:.0f} µs ({row['forward_api_calls']} / "
-              f"{row['backward_api_calls']} calls), GPU beside the steps "
+              f"{row['backward_api_calls']} calls + {row['forward_python_us']:.0f} / "
+              f"{row['backward_python_us']:.0f} µs Python), GPU beside the steps "
               f"{row['forward_device_us']:.0f} / {row['backward_device_us']:.0f} µs; end to end "
               f"{row['forward_us_per_step']:.2f} µs/step forward, "
               f"{row['forward_backward_us_per_step']:.2f} forward+backward")

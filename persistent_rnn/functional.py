@@ -64,6 +64,9 @@ class _Direction:
     fwd: runtime.ForwardResult     # in this direction's own time order
 
 
+_NO_STATS = RunStats()  # a forward's stats until its pass sets them (never merged into)
+
+
 @dataclass
 class Context:
     """Everything ``backward`` needs from one ``forward`` call (reusable: backward keeps it)."""
@@ -103,10 +106,8 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     x = x.transpose(1, 0, 2) if batch_first else x
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
                                            batch_first, algo, half)
-    ctx.inputs = [None] * num_layers
-    ctx.directions = [[] for _ in range(num_layers)]
     # Padding is selected out, not multiplied away: NaN/Inf there must not reach any result.
-    layer_input = select_active(xp, x, ctx.lengths)
+    layer_input = x if ctx.lengths is None else select_active(xp, x, ctx.lengths)
     engine, why = stack.engine(cell, x, h0_all.shape[2], num_layers, bidirectional, algo, half,
                                backward=False, proj="weight_hr_l0" in params)
     if engine is not None:
@@ -138,7 +139,7 @@ def _forward_layers(ctx: Context, layer_input: Array, h0_all: Array,
         ctx.directions[layer] = []
         for direction in range(num_dirs):
             k = layer * num_dirs + direction
-            d = _Direction(_names(ctx, layer, direction == 1), h0_all[k],
+            d = _Direction(_direction_names(ctx.params, layer, direction == 1), h0_all[k],
                            None if c0_all is None else c0_all[k], None)
             d.fwd, stats[layer, direction] = _start_direction(ctx, layer_input, d, direction == 1)
             ctx.directions[layer].append(d)
@@ -153,7 +154,7 @@ def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
     and stats as ``_forward_layers`` does and returns the last layer's output."""
     if ctx.bidirectional:
         return _forward_pairs(ctx, engine, layer_input, h0_all, c0_all)
-    names = [_names(ctx, layer, False) for layer in range(ctx.num_layers)]
+    names = [_direction_names(ctx.params, layer, False) for layer in range(ctx.num_layers)]
     weights = [_weights(ctx, n) for n in names]
     results, ctx.stats = stack.forward(ctx.cell, engine, _input_projection(ctx, layer_input, names[0]),
                                        weights, h0_all, c0_all, ctx.lengths)
@@ -173,7 +174,7 @@ def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
     xp = array_module(layer_input)
     ctx.stats = RunStats()
     for layer in range(ctx.num_layers):
-        names = [_names(ctx, layer, reverse) for reverse in (False, True)]
+        names = [_direction_names(ctx.params, layer, reverse) for reverse in (False, True)]
         gi = [_input_projection(ctx, layer_input, n) for n in names]
         pair = slice(2 * layer, 2 * layer + 2)
         c0 = None if c0_all is None else c0_all[pair]
@@ -188,10 +189,6 @@ def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
             for d in (0, 1)]
         layer_input = _layer_output(ctx, layer)
     return layer_input
-
-
-def _names(ctx: Context, layer: int, reverse: bool) -> dict[str, str]:
-    return _direction_names(ctx.params, layer, reverse)
 
 
 def _weights(ctx: Context, names: Mapping[str, str]) -> tuple:
@@ -215,7 +212,7 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
     grads: dict[str, Array] = {}
     results: dict[tuple[int, int], runtime.BackwardResult] = {}
-    d_out = select_active(xp, dy, ctx.lengths)
+    d_out = dy if ctx.lengths is None else select_active(xp, dy, ctx.lengths)
     engine, why = stack.engine(ctx.cell, dy, ctx.directions[0][0].h0.shape[1], ctx.num_layers,
                                ctx.bidirectional, ctx.algo, ctx.half, backward=True,
                                proj="weight_hr_l0" in ctx.params)
@@ -246,7 +243,7 @@ def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array |
             dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
             dy_d = (_gather(ctx.reverse_index, dy_d) if direction == 1
                     else xp.ascontiguousarray(dy_d))
-            w_hh, w_hr = (_param(ctx, d, kind) for kind in ("weight_hh", "weight_hr"))
+            w_hh, w_hr = _param(ctx, d, "weight_hh"), _param(ctx, d, "weight_hr")
             results[layer, direction], stats[layer, direction] = runtime.backward(
                 ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
                 d.fwd, ctx.algo, ctx.half, w_hr)
@@ -302,7 +299,7 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
                      reverse: bool) -> tuple[runtime.ForwardResult, RunStats]:
     """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
-    w_hr = _param(ctx, d, "weight_hr")
+    w_hr = None if "weight_hr" not in d.names else ctx.params[d.names["weight_hr"]]
     gi = _projected(layer_input, w_ih, b_ih)
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
@@ -370,7 +367,11 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
 
 
 def _merged(stats: Mapping[tuple[int, int], RunStats]) -> RunStats:
-    """One ``RunStats`` over all layer-directions (in order)."""
+    """One ``RunStats`` over all layer-directions (in order); a single layer-direction's own
+    (made for this call: nothing else holds it)."""
+    if len(stats) == 1:
+        for only in stats.values():
+            return only
     total = RunStats()
     for key in sorted(stats):
         total.merge(stats[key])
@@ -458,8 +459,10 @@ def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
     h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, widths, x.dtype)
     if lengths is not None:
         lengths = xp.asarray(lengths, dtype=np.int32)
+    # (every field given: no default factory runs per call; ``stats`` is set by the pass)
     ctx = Context(cell, params, num_layers, bidirectional, batch_first, algo, lengths,
-                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half)
+                  _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half,
+                  [None] * num_layers, [[] for _ in range(num_layers)], _NO_STATS)
     return ctx, xp, h0_all, c0_all
 
 def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
@@ -473,6 +476,7 @@ def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: A
     lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     rest = iter(arrays)
     ctx.inputs = [select_active(xp, x, lengths)] + [next(rest) for _ in range(num_layers - 1)]
+    ctx.directions, ctx.stats = [], RunStats()
     for layer in range(num_layers):
         dirs = []
         for direction in range(num_dirs):

@@ -50,15 +50,14 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     recurs, rounded under ``half``) and ``hs`` (T, B, H) the cell's ``h_t`` (module docstring).
     """
     xp = array_module(gi)
-    if xp is np and not step_graphs.eligible(xp):  # (the loop at once: no lengths to convert,
-        # no kernel limits)
+    if xp is np:  # (the loop at once: no graphs, no lengths to convert, no kernel limits)
         _forward_loop(cell, start, half, gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                       lengths=lengths, w_hr=w_hr, y=y, cs=cs, saved=saved, hs=hs)
         return
     steps, batch, _ = gi.shape
     _check_sizes(xp, steps, batch, saved.shape[2])
     inputs = dict(gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
-                  lengths=_kernel_lengths(xp, lengths, batch, steps), w_hr=w_hr)
+                  lengths=full_lengths(xp, lengths, batch, steps), w_hr=w_hr)
     outputs = dict(y=y, cs=cs, saved=saved, hs=hs)
     if start == 0:  # a whole pass: replayed from a recorded CUDA graph
         step_graphs.run(f"forward {cell.name} {half or ''}",
@@ -85,13 +84,19 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     _check_sizes(xp, steps, batch, saved.shape[2])
     dh0 = xp.empty((batch, width), dtype=dy.dtype)
     dc0 = xp.empty((batch, dgi.shape[2] // cell.gates), dy.dtype) if cell.has_cell_state else None
+    dc_carry = dc_carry if cell.has_cell_state else None
+    dgh = None if dgh is dgi else dgh
+    if xp is np:  # (the loop at once, as forward_steps)
+        _backward_loop(cell, stop, dy=dy, w_hh=w_hh, h0=h0, c0=c0, lengths=lengths, y=y, cs=cs,
+                       saved=saved, dh_carry=dh_carry, dc_carry=dc_carry, w_hr=w_hr, hs=hs,
+                       dgi=dgi, dgh=dgh, dh0=dh0, dc0=dc0, drs=drs)
+        return dh0, dc0
     inputs = dict(dy=dy, w_hh=w_hh, h0=h0, c0=c0,
-                  lengths=_kernel_lengths(xp, lengths, batch, steps), y=y, cs=cs, saved=saved,
-                  dh_carry=dh_carry, dc_carry=dc_carry if cell.has_cell_state else None,
-                  w_hr=w_hr, hs=hs)
-    outputs = dict(dgi=dgi, dgh=None if dgh is dgi else dgh, dh0=dh0, dc0=dc0, drs=drs)
-    if stop == steps and (xp is not np or step_graphs.eligible(xp)):  # a whole pass: replayed
-        # from a recorded CUDA graph
+                  lengths=full_lengths(xp, lengths, batch, steps), y=y, cs=cs, saved=saved,
+                  dh_carry=dh_carry, dc_carry=dc_carry, w_hr=w_hr, hs=hs)
+    outputs = dict(dgi=dgi, dgh=dgh, dh0=dh0, dc0=dc0, drs=drs)
+    if stop == steps:  # a whole pass: replayed from a recorded CUDA graph (step_graphs.run runs
+        # the loop itself where it cannot)
         step_graphs.run(f"backward {cell.name}", partial(_backward_loop, cell, stop), inputs,
                         outputs)
     else:
@@ -172,12 +177,6 @@ def _projected_backward_loop(cell: CellSpec, stop: int, *, dy, w_hh, c0, lengths
         dr = _where(xp, active, matmul(dgi[t], w_hh), dr)
     dh0[...] = dr
     dc0[...] = dc
-
-
-def _kernel_lengths(xp, lengths: Array | None, batch: int, steps: int) -> Array | None:
-    """The lengths the loops take: what the CuPy kernels read (``full_lengths``); on NumPy as
-    given, ``None`` where every sequence runs all steps (no mask is formed then)."""
-    return lengths if xp is np else full_lengths(xp, lengths, batch, steps)
 
 
 def _active(xp, lengths: Array | None, t: int) -> Array | None:

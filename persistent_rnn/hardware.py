@@ -118,4 +118,12 @@ GRAPH_GAP_US = 0.5             # device time between kernels in a stream or grap
 EMPTY_LAUNCH_US = 2.0          # device time of a launch that exits at once (estimate: dispatch and
                                # retire of its CTAs plus the gap); settle and resume launches
 GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
+# The Python of one steady-state layer call besides its API calls: the layer API's persistent
+# GRU (H=8, B=1, T=1) on the CPU with the pass's whole chain stubbed (what a GPU call replays as
+# one graph), medians, measured: `bench/call_breakdown.py --stubbed`,
+# bench/results/cpu-2026-11-26/stubbed/call_breakdown.json (the shared 2-core development CPU,
+# 2026-11-26). NumPy stands for CuPy there: CuPy's own Python per array and launch, and the chain
+# graph's key, are not in it (measured on an H100 the whole forward's host time was 341 us).
+PYTHON_FORWARD_US = 63.2       # measured (forward)
+PYTHON_BACKWARD_US = 84.7      # measured (forward+backward 147.9 - forward)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches

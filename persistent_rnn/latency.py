@@ -430,15 +430,22 @@ BACKWARD_OTHER_CALLS = 14
 @dataclass(frozen=True)
 class CallCost:
     """What one layer-direction call costs beside its recurrence's steps - a prediction:
-    ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us`` (their host
-    time, ``hw.API_CALL_HOST_US`` each; the Python around them is not included) and
-    ``device_us`` (GPU time beside the steps: the chain's launches that exit at once - the
-    backward's after loading its weights (persistent_backward.cu) -, the GEMMs, the small
-    kernels)."""
+    ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us``
+    (the host's time: those calls at ``hw.API_CALL_HOST_US`` each plus ``python_us``, the
+    library's Python of the call measured on the CPU with the launcher stubbed,
+    ``hw.PYTHON_FORWARD_US`` / ``PYTHON_BACKWARD_US``) and ``device_us`` (GPU time beside the
+    steps: the chain's launches that exit at once - the backward's after loading its weights
+    (persistent_backward.cu) -, the GEMMs, the small kernels)."""
 
     api_calls: int
     host_us: float
     device_us: float
+    python_us: float = 0.0
+
+    @property
+    def api_us(self) -> float:
+        """The host time of the API calls alone (``host_us`` less the Python)."""
+        return self.host_us - self.python_us
 
 
 def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
@@ -466,7 +473,8 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     if backward:  # its resume launches load W_hh^T (fp32, from L2) before they exit
         resumes = settings.current().max_restarts
         device_us += resumes * gh * hidden * 4 / (hw.L2_BANDWIDTH_GBPS * 1e3)
-    return CallCost(calls, calls * hw.API_CALL_HOST_US, device_us)
+    python = hw.PYTHON_BACKWARD_US if backward else hw.PYTHON_FORWARD_US
+    return CallCost(calls, calls * hw.API_CALL_HOST_US + python, device_us, python)
 
 
 def call_us(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
@@ -656,12 +664,13 @@ def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
         fwd, bwd = (call_costs(cell, hidden, batch, steps, PER_CALL_INPUT, b, device)
                     for b in (False, True))
         rows.append({"seq_len": steps, "forward_host_us": fwd.host_us,
-                     "backward_host_us": bwd.host_us, "forward_api_calls": fwd.api_calls,
+                     "backward_host_us": bwd.host_us, "forward_python_us": fwd.python_us,
+                     "backward_python_us": bwd.python_us, "forward_api_calls": fwd.api_calls,
                      "backward_api_calls": bwd.api_calls, "forward_device_us": fwd.device_us,
                      "backward_device_us": bwd.device_us,
                      "forward_us_per_step": st.benchmark_us(steps),
                      "forward_backward_us_per_step": st.benchmark_us(steps, True)})
-    return {"prediction": True, "input_size": PER_CALL_INPUT, "python_included": False,
+    return {"prediction": True, "input_size": PER_CALL_INPUT, "python_included": True,
             "rows": rows}
 
 

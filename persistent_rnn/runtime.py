@@ -84,8 +84,8 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
         gi).empty_like(cs))
     steps, batch, _ = gi.shape
     hidden = gi.shape[2] // cell.gates
-    engine, reason = _engine(cell, gi, hidden, batch, algo, backward=False, half=half,
-                             proj_size=proj_size)
+    engine, reason = (None, None) if algo == "gemm" else _engine(
+        cell, gi, hidden, batch, algo, backward=False, half=half, proj_size=proj_size)
     if engine is None:
         gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0,
                            half=half, w_hr=w_hr, hs=result.hs)
@@ -128,8 +128,8 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     dgi, dgh = buffers.allocate_backward(cell, dy, hidden)
     steps, batch, _ = dy.shape
     proj_size = 0 if w_hr is None else w_hr.shape[0]
-    engine, reason = _engine(cell, dy, hidden, batch, algo, backward=True, half=half,
-                             proj_size=proj_size)
+    engine, reason = (None, None) if algo == "gemm" else _engine(
+        cell, dy, hidden, batch, algo, backward=True, half=half, proj_size=proj_size)
     if engine is None:
         drs = None if w_hr is None else buffers.array_module(dy).empty_like(dy)
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,

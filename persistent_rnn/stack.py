@@ -39,11 +39,11 @@ def engine(cell: CellSpec, data: Array, hidden: int, layers: int, bidirectional:
     """The stack-mode engine of one pass over ``data`` (T, B, .), or ``(None, why not)``: then
     the layers run one launch per layer-direction (``None`` reason: stack mode was not asked
     for, e.g. ``algo="gemm"`` or the ``stack`` setting off). ``proj``: an LSTM projection."""
+    if algo == "gemm" or (layers < 2 and not bidirectional):  # (first: no work per call)
+        return None, None
     batch = data.shape[1]
     on_gpu = buffers.array_module(data) is not np
-    if algo == "gemm" or batch == 0 or (layers < 2 and not bidirectional) \
-            or not settings.current().stack \
-            or (algo == "auto" and not on_gpu):
+    if batch == 0 or not settings.current().stack or (algo == "auto" and not on_gpu):
         return None, None
     if proj:
         return None, "LSTM projections (proj_size) run one launch per layer-direction"

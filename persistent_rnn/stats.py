@@ -6,7 +6,7 @@ from typing import Callable
 
 # Fields a device record may still have to fill in (``defer``): reading one folds them in first.
 # (``details`` is not among them: notes are appended during a call, which must not wait.)
-_LAZY = frozenset({"restarts", "fallback", "launches"})
+_LAZY = ("restarts", "fallback", "launches")
 
 
 @dataclass
@@ -32,29 +32,58 @@ class RunStats:
     _deferred: list[Callable[["RunStats"], None]] = field(default_factory=list, repr=False,
                                                           compare=False)
 
-    def __getattribute__(self, name: str):
-        if name in _LAZY:
-            pending = object.__getattribute__(self, "_deferred")
-            if pending:
-                object.__setattr__(self, "_deferred", [])
-                for fold in pending:
-                    fold(self)
-        return object.__getattribute__(self, name)
+    # While a device record is pending, the lazy fields are kept in ``_held`` and absent from
+    # the instance (and, below, from the class), so that reading one reaches ``__getattr__``,
+    # which folds the records in first; every other read is a plain attribute read (the GEMM
+    # path, and a persistent call's stats once read, never pass through Python here).
+    def __getattr__(self, name: str):
+        held = self.__dict__.get("_held")
+        if held is None or name not in _LAZY:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self._fold()
+        return self.__dict__[name]
+
+    def _fold(self) -> None:
+        """Put the held fields back and fold every pending record into them."""
+        self.__dict__.update(self.__dict__.pop("_held"))
+        pending, self._deferred = self._deferred, []
+        for fold in pending:  # (they read and write the fields as attributes: all are back)
+            fold(self)
 
     def defer(self, fold: Callable[["RunStats"], None]) -> None:
         """Fold a device record into these stats when one of them is first read."""
-        object.__getattribute__(self, "_deferred").append(fold)
+        self._hold()
+        self._deferred.append(fold)
+
+    def _hold(self) -> None:
+        """Move the lazy fields into ``_held`` (once: reads then reach ``__getattr__``)."""
+        state = self.__dict__
+        if "_held" not in state:
+            state["_held"] = {name: state.pop(name) for name in _LAZY}
+
+    def _fields(self) -> dict:
+        """The lazy fields as they are now, pending records not folded in."""
+        held = self.__dict__.get("_held")
+        state = self.__dict__ if held is None else held
+        return {name: state[name] for name in _LAZY}
 
     def merge(self, other: "RunStats") -> None:
         """Fold the stats of one layer-direction's recurrence into this run's (device records
         still unread stay unread: they are folded in when these stats are read)."""
-        get, put = object.__getattribute__, object.__setattr__
+        mine, theirs = self._fields(), other._fields()
         if other.algo == "persistent":
             self.algo = "persistent"
-        put(self, "restarts", get(self, "restarts") + get(other, "restarts"))
-        put(self, "launches", get(self, "launches") + get(other, "launches"))
+        target = self.__dict__.get("_held") or self.__dict__
+        target["restarts"] = mine["restarts"] + theirs["restarts"]
+        target["launches"] = mine["launches"] + theirs["launches"]
+        if theirs["fallback"] and not mine["fallback"]:
+            target["fallback"] = theirs["fallback"]
         self.emulated = self.emulated or other.emulated
-        if get(other, "fallback") and not get(self, "fallback"):
-            put(self, "fallback", get(other, "fallback"))
-        get(self, "details").extend(get(other, "details"))
-        get(self, "_deferred").extend(get(other, "_deferred"))
+        self.details.extend(other.details)
+        if other._deferred:
+            self._hold()
+            self._deferred.extend(other._deferred)
+
+
+for _name in _LAZY:  # (the dataclass's defaults live in __init__; see __getattr__)
+    delattr(RunStats, _name)

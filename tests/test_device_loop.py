@@ -129,10 +129,12 @@ def test_the_chain_launches_what_the_latency_model_counts(settings):
 
 def test_per_call_predictions_hold_issue_26s_end_to_end_targets():
     """Predictions (h100, T=100, input size 64): the device-side chain's API calls at the public
-    launch cost, host work overlapping the GPU (no call synchronises). The host term counts API
-    calls only (not the Python of the call): with the chain one graph launch, 9 per forward and
-    17 per backward call (19 and 27 launch by launch)."""
-    from persistent_rnn import latency, plan
+    launch cost plus the library's Python measured on the CPU with the launcher stubbed
+    (``hardware.PYTHON_*_US``), host work overlapping the GPU (no call synchronises). With the
+    chain one graph launch, 9 API calls per forward and 17 per backward call (19 and 27 launch by
+    launch); their part meets issue 26's host targets (30 / 50 µs), the Python does not (63 / 85
+    µs measured): the host term is 97 / 149 µs."""
+    from persistent_rnn import hardware as hw, latency, plan
     h100 = plan.resolve_device("h100")
     for cell, hidden, batch, fwd_max, both_max in (("gru", 256, 1, 1.0, None),
                                                     ("lstm", 1024, 4, 2.6, 8.5)):
@@ -144,7 +146,9 @@ def test_per_call_predictions_hold_issue_26s_end_to_end_targets():
         fwd = latency.call_costs(spec, hidden, batch, 100, 64, False, h100)
         bwd = latency.call_costs(spec, hidden, batch, 100, 64, True, h100)
         assert fwd.api_calls == 1 + launch.RECORD_CALLS + 6 + (cell == "lstm")
-        assert fwd.host_us < 40 and bwd.host_us < 75  # issue 26's targets: 30 / 50
+        assert fwd.api_us < 40 and bwd.api_us < 75  # issue 26's targets: 30 / 50
+        assert (fwd.python_us, bwd.python_us) == (hw.PYTHON_FORWARD_US, hw.PYTHON_BACKWARD_US)
+        assert fwd.host_us == fwd.api_us + fwd.python_us
         with prnn.override_settings(chain_graphs=False):
             direct = latency.call_costs(spec, hidden, batch, 100, 64, False, h100)
         assert direct.api_calls == fwd.api_calls - 1 + launch.chain_launches(3) + launch.CHAIN_MEMSETS

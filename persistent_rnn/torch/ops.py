@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch._functorch.utils import unwrap_dead_wrappers
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .. import functional
@@ -63,24 +62,72 @@ class LastRun(RunStats):
     dtype: str | None = None  # what the library computed for ("float32", "bfloat16", ...)
 
     @classmethod
-    def of(cls, stats: RunStats) -> "LastRun":
+    def of(cls, stats: RunStats, dtype: str | None = None) -> "LastRun":
         """A record holding a copy of ``stats`` (its device records still unread: reading them
-        would wait for the GPU, which a call never does)."""
-        record = cls(algo=stats.algo)
-        record.merge(stats)
+        would wait for the GPU, which a call never does) and ``dtype``. (Copied field by field,
+        not built by ``__init__`` and ``merge``: once per forward.)"""
+        record = cls.__new__(cls)
+        state = record.__dict__
+        state.update(stats.__dict__)
+        state["details"], state["_deferred"] = list(stats.details), list(stats._deferred)
+        if "_held" in state:
+            state["_held"] = dict(state["_held"])
+        state["backward"], state["dtype"] = None, dtype
         return record
 
 
-@dataclass
 class RunRecord:
-    """The mutable holder of one module's ``last_run`` (never pickled: see modules)."""
+    """The mutable holder of one module's ``last_run`` (never pickled: see modules), its
+    registry ``slot`` and its remembered weight views (``views``). A forward's stats are kept as
+    they come and made a ``LastRun`` when ``last`` is first read (a copy per call otherwise)."""
 
-    last: LastRun | None = None
-    slot: int = field(default_factory=lambda: next(_SLOTS))
-    views: "WeightViews" = field(default_factory=lambda: WeightViews())
+    __slots__ = ("_last", "_pending", "slot", "views", "__weakref__")
 
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        self._last: LastRun | None = None
+        self._pending: tuple | None = None  # (stats, dtype, backward stats or None)
+        self.slot = next(_SLOTS)
+        self.views = WeightViews()
         _RECORDS[self.slot] = self
+
+    @property
+    def last(self) -> LastRun | None:
+        """The last run (see ``LastRun``), ``None`` before the first forward."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._last = LastRun.of(pending[0], pending[1])
+            self._last.backward = pending[2]
+        return self._last
+
+    @last.setter
+    def last(self, value: LastRun | None) -> None:
+        self._last, self._pending = value, None
+
+    def forward(self, part: int, stats: RunStats, dtype: str) -> None:
+        """Record part ``part`` of a forward (0 starts a new record, later parts merge in)."""
+        if part == 0:
+            self._last, self._pending = None, (stats, dtype, None)
+            return
+        last = self.last
+        if last is None:
+            self._pending = (stats, dtype, None)
+        else:
+            last.merge(stats)
+
+    def backward(self, first: bool, stats: RunStats) -> None:
+        """Record a backward's stats (``first``: it starts the backward record)."""
+        pending = self._pending
+        if pending is not None and (first or pending[2] is None):
+            self._pending = (pending[0], pending[1], stats)
+            return
+        last = self.last
+        if last is None:
+            return
+        if first or last.backward is None:
+            last.backward = stats
+        else:
+            last.backward.merge(stats)
 
 
 class Recorded:
@@ -115,23 +162,14 @@ _RECORDS: "weakref.WeakValueDictionary[int, RunRecord]" = weakref.WeakValueDicti
 
 def _record_forward(slot: int, part: int, stats: RunStats, dtype: str) -> None:
     record = _RECORDS.get(slot)
-    if record is None:
-        return
-    if part == 0 or record.last is None:
-        record.last = LastRun.of(stats)
-        record.last.dtype = dtype
-    else:
-        record.last.merge(stats)
+    if record is not None:
+        record.forward(part, stats, dtype)
 
 
 def _record_backward(slot: int, first: bool, stats: RunStats) -> None:
     record = _RECORDS.get(slot)
-    if record is None or record.last is None:
-        return
-    if first or record.last.backward is None:
-        record.last.backward = stats
-    else:
-        record.last.backward.merge(stats)
+    if record is not None:
+        record.backward(first, stats)
 
 
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # (a dict: torch.compile traces it)
@@ -169,7 +207,8 @@ class WeightViews:
     shape (the library reads it on torch's current stream, after whatever torch enqueued there
     to update it). Checked per call:
     the same tensor objects (parameter reassignment, ``functional_call`` and autocast's casts
-    give others), each at the same ``data_ptr`` and shape (``.to()``, ``param.data = ...``) and
+    give others), each at the same ``data_ptr`` and shape and still contiguous (``.to()``,
+    ``param.data = ...``, also a strided view of the same memory) and
     version counter (bumped by every in-place update: ``optimizer.step``, ``load_state_dict``'s
     copies, ``w.mul_(2)``; ``set_``)."""
 
@@ -185,7 +224,10 @@ class WeightViews:
         known, stamps, params = self._entry
         if len(known) == len(weights):  # (loops, not comprehensions: no frames per call)
             for w, k, stamp in zip(weights, known, stamps):
-                if w is not k or (w.data_ptr(), w._version, w.shape) != stamp:
+                # (contiguous again: ``param.data = `` a strided view of the same memory keeps
+                # the pointer, shape and version)
+                if w is not k or (w.data_ptr(), w._version, w.shape) != stamp \
+                        or not w.is_contiguous():
                     break
             else:
                 return params
@@ -252,7 +294,14 @@ def _array(t: Tensor | None) -> Array | None:
     if t is None:
         return None
     if t.is_cpu and t.dtype not in _HALF and t.is_contiguous():
-        return t.numpy(force=True)  # (to_array's usual case inlined: a call less)
+        # (to_array's usual case inlined: a call less; ``force`` only where it is needed, for
+        # a tensor requiring grad or with a negative bit: it costs a detach)
+        if not t.requires_grad:
+            try:
+                return t.numpy()
+            except RuntimeError:
+                pass
+        return t.numpy(force=True)
     return to_array(t.float() if t.dtype in _HALF else t)
 
 
@@ -285,6 +334,29 @@ def _recurrence(x: Tensor, lengths: Optional[Tensor], h0: Optional[Tensor],
     return y, hn, _empty_like_none(x) if cn is None else cn, saved
 
 
+class _Eager(tuple):
+    """The static arguments of an eager call that ``run_recurrence`` found ``_direct`` and
+    hands to ``_Recurrence`` with autograd: its forward returns the library's ``Context`` in
+    place of the saved activations (``_eager_forward``), which its backward then uses as it is
+    (``_eager_backward``) rather than rebuilding it from saved tensors."""
+
+    __slots__ = ()
+
+
+def _eager_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
+                   weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
+                   algo: str, stats_slot: int, stats_part: int, stats_parts: int):
+    """``_recurrence`` of an eager autograd call: ``(y, h_n, c_n, ctx)``, the library's
+    ``functional.Context`` last (not a tensor: autograd passes it through untracked; so is
+    ``c_n``, ``None`` for a cell without a cell state, rather than a placeholder). Nothing
+    outside holds the context's arrays, so nothing can change them before the backward; the
+    weights and ``x`` they view are saved tensors, whose version counters autograd checks."""
+    with library_stream(x):
+        y, hn, cn, ctx = _library_forward(x, lengths, h0, c0, weights, mode, num_layers,
+                                          bidirectional, algo, stats_slot, stats_part)
+    return y, hn, cn, ctx
+
+
 def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
                      weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
                      algo: str, stats_slot: int, stats_part: int):
@@ -293,14 +365,23 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
     cell, half = _cell(mode), _HALF.get(x.dtype)
     xa = _array(x)
     hx = None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0)
+    record = _RECORDS.get(stats_slot)
     y, hn, ctx = functional.forward(
-        cell, _params(weights, num_layers, bidirectional, stats_slot), xa, hx,
+        cell, _fresh_params(weights, num_layers, bidirectional) if record is None
+        else record.views.get(weights, num_layers, bidirectional), xa, hx,
         None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
         bidirectional=bidirectional, batch_first=False, algo=algo, half=half)
     hn, cn = hn if cell.has_cell_state else (hn, None)
-    _record_forward(stats_slot, stats_part, ctx.stats, half or str(x.dtype)[6:])
+    if record is not None:
+        record.forward(stats_part, ctx.stats, half or _dtype_name(x.dtype))
     return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
             _result(cn, x.dtype), ctx)
+
+
+@lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32`` (what ``last_run.dtype`` says)."""
+    return str(dtype).removeprefix("torch.")
 
 
 recurrence = torch.library.custom_op("persistent_rnn::recurrence", _recurrence, mutates_args=(),
@@ -333,18 +414,40 @@ def _recurrence_backward(dy: Tensor, dhn: Optional[Tensor], dcn: Optional[Tensor
     cell = _cell(mode)
     with library_stream(dy):
         xa = _array(x)
-        params = _params(weights, num_layers, bidirectional, stats_slot)
         ctx = functional.restore_context(
-            cell, params, xa, None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0),
+            cell, _params(weights, num_layers, bidirectional, stats_slot), xa,
+            None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0),
             None if lengths is None else lengths_array(lengths, xa), [to_array(s) for s in saved],
             num_layers=num_layers, bidirectional=bidirectional, algo=algo, half=_half(x))
-        dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
-        dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
-        dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
-        outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
-                   _empty_like_none(x) if dc0 is None else _result(dc0, x.dtype),
-                   [_result(grads[name], x.dtype) for name in params])
-    _record_backward(stats_slot, stats_part == stats_parts - 1, ctx.backward_stats)
+        dx, dh0, dc0, dweights = _library_backward(ctx, dy, dhn, dcn, x, stats_slot,
+                                                   stats_part == stats_parts - 1)
+    return dx, dh0, _empty_like_none(x) if dc0 is None else dc0, dweights
+
+
+def _eager_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None, dcn: Tensor | None,
+                    x: Tensor, stats_slot: int, stats_part: int,
+                    stats_parts: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``_recurrence_backward`` of an eager call whose forward's ``Context`` is at hand
+    (``_eager_forward``): the same gradients, nothing rebuilt (``dc0``: ``None`` without a
+    cell state)."""
+    with library_stream(dy):
+        return _library_backward(ctx, dy, dhn, dcn, x, stats_slot, stats_part == stats_parts - 1)
+
+
+def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
+                      dcn: Tensor | None, x: Tensor, stats_slot: int,
+                      first: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """``functional.backward`` of ``ctx`` on the gradients' memory: ``(dx, dh0, dc0,
+    dweights)`` as tensors of ``x``'s dtype (weights in ``ctx.params`` order; ``dc0`` ``None``
+    without a cell state); records it."""
+    cell = ctx.cell
+    dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
+    dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
+    dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
+    outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
+               None if dc0 is None else _result(dc0, x.dtype),
+               [_result(grads[name], x.dtype) for name in ctx.params])
+    _record_backward(stats_slot, first, ctx.backward_stats)
     return outputs
 
 
@@ -368,7 +471,11 @@ def _setup_context(ctx, inputs, output) -> None:
     x, lengths, h0, c0, weights, *static = inputs
     y, _, _, saved = output
     ctx.set_materialize_grads(False)  # unused outputs (often y or c_n) need no zero gradients
-    ctx.mark_non_differentiable(*saved)
+    if isinstance(saved, functional.Context):  # (_eager_forward's)
+        ctx.library, saved = saved, ()
+    else:
+        ctx.library = None
+        ctx.mark_non_differentiable(*saved)
     ctx.static = tuple(static)
     ctx.num_weights = len(weights)
     ctx.save_for_backward(x, lengths, h0, c0, y, *weights, *saved)
@@ -388,19 +495,31 @@ def _backward(ctx, dy, dhn, dcn, _dsaved):
         dx, dh0, dc0, *dweights = grads
     else:
         dy = torch.zeros_like(y) if dy is None else dy
-        batched = not torch.compiler.is_compiling() and any(
-            t is not None and torch._C._functorch.is_legacy_batchedtensor(t)
-            for t in (dy, dhn, dcn))
-        run = _flat_backward if batched else (
-            _recurrence_backward if _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
-            else recurrence_backward)
-        dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
-                                     *ctx.static)
+        batched = not torch.compiler.is_compiling() and _any_batched((dy, dhn, dcn))
+        direct = not batched and _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
+        if direct and ctx.library is not None:
+            dx, dh0, dc0, dweights = _eager_backward(ctx.library, dy, dhn, dcn, x,
+                                                     *ctx.static[-3:])
+        else:
+            if ctx.library is not None:  # an eager forward, a backward someone must see
+                saved = [to_tensor(a) for a in functional.saved_arrays(ctx.library)]
+            run = _flat_backward if batched else (
+                _recurrence_backward if direct else recurrence_backward)
+            dx, dh0, dc0, dweights = run(dy, dhn, dcn, x, lengths, h0, c0, weights, saved,
+                                         *ctx.static)
     return (dx, None, None if h0 is None else dh0, None if c0 is None else dc0, list(dweights),
             *([None] * len(ctx.static)))
 
 
 recurrence.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _any_batched(grads: tuple) -> bool:
+    """Whether a gradient is batched by the legacy vmap (``_flat_backward``)."""
+    for t in grads:
+        if t is not None and torch._C._functorch.is_legacy_batchedtensor(t):
+            return True
+    return False
 
 
 class _Recurrence(torch.autograd.Function):
@@ -411,6 +530,8 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(x, lengths, h0, c0, static, *weights):
+        if type(static) is _Eager:  # run_recurrence found the call _direct
+            return _eager_forward(x, lengths, h0, c0, list(weights), *static)
         run = _recurrence if _direct(x, (h0, c0), weights) else recurrence
         return run(x, lengths, h0, c0, list(weights), *static)
 
@@ -458,12 +579,14 @@ def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
     static = (mode, num_layers, bidirectional, algo, *stats)
     if not _direct(x, (h0, c0), weights):
         y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0, static, *weights)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                         for t in (x, h0, c0, *weights)):
+    elif torch.is_grad_enabled() and _any_requires_grad(x, h0, c0, weights):
         # Function.apply's own course without functorch transforms, less its binding of the
-        # arguments to forward's signature (forward has no defaults to fill): 10 µs a call.
-        y, hn, cn, *_ = _apply_function(*unwrap_dead_wrappers(
-            (x, lengths, h0, c0, static, *weights)))
+        # arguments to forward's signature (forward has no defaults to fill): 10 µs a call;
+        # tensors that escaped a torch.func transform unwrapped as apply does
+        # (``unwrap_dead_wrappers``, without its generator's resumption per argument)
+        y, hn, cn, *_ = _apply_function(*[
+            _unwrap_if_dead(a) if isinstance(a, Tensor) else a
+            for a in (x, lengths, h0, c0, _Eager(static), *weights)])
     else:  # nothing to differentiate: no autograd node, no activations kept for backward
         with library_stream(x):
             y, hn, cn, _ = _library_forward(x, lengths, h0, c0, weights, *static[:-1])
@@ -472,6 +595,19 @@ def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
 
 
 _apply_function = super(torch.autograd.Function, _Recurrence).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _any_requires_grad(x: Tensor, h0: Tensor | None, c0: Tensor | None,
+                       weights: list[Tensor]) -> bool:
+    """Whether any input of the recurrence requires grad (loops: no generator per call)."""
+    if x.requires_grad or (h0 is not None and h0.requires_grad) or (
+            c0 is not None and c0.requires_grad):
+        return True
+    for w in weights:
+        if w.requires_grad:
+            return True
+    return False
 
 
 def _flat_backward(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, *static):
