@@ -7,10 +7,11 @@
 //   step waits - bounded by timeout_ns since its last step - for the step's post in the mailbox,
 //   computes its units of h_t (and c_t) and reports them done in its state word. Idle past the
 //   deadline, it marks itself gone and exits.
-// * prnn_decoder_step: enqueued per step on the caller's stream (one launch: the post and the
-//   wait). CTA c posts the step (the same words from every CTA), then waits until slice c is done;
-//   if the resident CTA c is gone it takes the slice over itself - loads the same rows and runs
-//   the same step code - so a step's result never depends on who computed it.
+// * prnn_decoder_step: one CTA of the same block, enqueued per step on the caller's stream (one
+//   launch: the post and the wait). It posts the step, then waits until each slice c (the units
+//   of resident CTA c) is done; a slice whose resident CTA is gone it computes itself - loads
+//   that CTA's rows and runs the same step code - so a step's result never depends on who
+//   computed it. One CTA: it fits beside any resident grid smaller than the GPU.
 //
 // A step is the forward's step on the grid (persistent_forward.cu, not a cluster: a cluster's
 // lanes hold their columns in another order): h_{t-1} staged as the exchange delivers it
@@ -89,8 +90,9 @@ PRNN_DEVICE DecoderShared decoder_shared(int batch) {
 
 // The CTA's rows of W_hh in registers, as persistent_forward.cu loads them (the same rows in
 // the same registers: the product sums in the same order).
-PRNN_DEVICE void load_rows(RegisterTile& tile, const Team& team, const WeightWord* w_hh, int hidden) {
-  const int j0 = blockIdx.x * kUnits;
+PRNN_DEVICE void load_rows(RegisterTile& tile, const Team& team, const WeightWord* w_hh, int slice,
+                           int hidden) {
+  const int j0 = slice * kUnits;
   int rows[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -100,11 +102,13 @@ PRNN_DEVICE void load_rows(RegisterTile& tile, const Team& team, const WeightWor
   tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
 }
 
-// The CTA's units of one step (every thread; ends past a block barrier, the outputs written).
+// The units of slice `slice` (the resident kernel's CTA of that index: its rows in `tile`) of
+// one step (every thread; ends past a block barrier, the outputs written).
 PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const DecoderShared& sm,
-                              const float* b_hh, const StepIo& io, int batch, int hidden) {
+                              const float* b_hh, const StepIo& io, int slice, int batch,
+                              int hidden) {
   constexpr int G = ThisCell::G, R = G * kUnits;
-  const int j0 = blockIdx.x * kUnits;
+  const int j0 = slice * kUnits;
   stage_exchanged(sm.h_s, io.h_prev, batch, hidden);  // (ends with a block barrier)
   multiply_batch(tile, sm.h_s, sm.part_s, batch, R);
 #pragma unroll 1
@@ -174,7 +178,7 @@ PRNN_KERNEL void prnn_resident_decoder(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const Team team = step_team<ThisCell::G>();
   RegisterTile tile;
-  load_rows(tile, team, w_hh, hidden);
+  load_rows(tile, team, w_hh, blockIdx.x, hidden);
   for (;;) {
     prnn_sync_block();  // every thread has read word_s of the step before
     if (threadIdx.x == 0) {
@@ -186,7 +190,8 @@ PRNN_KERNEL void prnn_resident_decoder(
     prnn_sync_block();
     if (!sm.word_s[0]) break;
     prnn_maybe_stall(stall, (int)last + 1);
-    decoder_step(tile, team, sm, b_hh, io_of_words(sm.word_s + 1, false), batch, hidden);
+    decoder_step(tile, team, sm, b_hh, io_of_words(sm.word_s + 1, false), blockIdx.x, batch,
+                 hidden);
     ++last;
     if (threadIdx.x == 0) {
       prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
@@ -201,45 +206,49 @@ PRNN_KERNEL void prnn_decoder_step(
     const prnn::WeightWord* w_hh, const float* b_hh, unsigned* box, unsigned* state,
     unsigned* fault,
     const float* gi, const float* h_prev, const float* c_prev, float* h_out, float* c_out,
-    unsigned step, int batch, int hidden, unsigned long long timeout_ns) {
+    unsigned step, int slices, int batch, int hidden, unsigned long long timeout_ns) {
   using namespace prnn;
   enum : unsigned { kDone = 1u, kTake = 2u, kFailed = 3u };
   const StepIo io{gi, h_prev, c_prev, h_out, c_out};
   const DecoderShared sm = decoder_shared(batch);
-  unsigned* mine = state + blockIdx.x;
   if (threadIdx.x == 0) {
-    // The post (every CTA stores the same words: none waits for another CTA of this launch).
     io_to_words(io, box + 2, true);
     prnn_store_release(box, step);
-    unsigned decision = kFailed;
-    const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
-    for (;;) {
-      const unsigned v = prnn_load_acquire(mine);
-      if ((v >> 2) >= step) {
-        decision = kDone;
-        break;
-      }
-      if ((v & 3u) == kGone && prnn_atomic_cas_acq_rel(mine, v, decoder_word(step - 1u, kBusy)) == v) {
-        decision = kTake;
-        break;
-      }
-      if (prnn_globaltimer_ns() > deadline) break;
-      prnn_backoff();
-    }
-    sm.word_s[0] = decision;
   }
-  prnn_sync_block();
-  const unsigned decision = sm.word_s[0];
-  if (decision == kTake) {  // the resident CTA is gone: the same rows, the same step
-    const Team team = step_team<ThisCell::G>();
-    RegisterTile tile;
-    load_rows(tile, team, w_hh, hidden);
-    decoder_step(tile, team, sm, b_hh, io, batch, hidden);
+  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+  for (int slice = 0; slice < slices; ++slice) {
+    unsigned* word = state + slice;
     if (threadIdx.x == 0) {
-      prnn_fence();
-      prnn_store_release(mine, decoder_word(step, kGone));
+      unsigned decision = kFailed;
+      for (;;) {
+        const unsigned v = prnn_load_acquire(word);
+        if ((v >> 2) >= step) {
+          decision = kDone;
+          break;
+        }
+        if ((v & 3u) == kGone && prnn_atomic_cas_acq_rel(word, v, decoder_word(step - 1u, kBusy)) == v) {
+          decision = kTake;
+          break;
+        }
+        if (prnn_globaltimer_ns() > deadline) break;
+        prnn_backoff();
+      }
+      sm.word_s[0] = decision;
+      if (decision == kFailed) prnn_atomic_set_if_zero(fault, step);
     }
-  } else if (decision == kFailed && threadIdx.x == 0) {
-    prnn_atomic_set_if_zero(fault, step);
+    prnn_sync_block();
+    const unsigned decision = sm.word_s[0];
+    if (decision == kFailed) return;  // (recorded; the later slices are not waited for)
+    if (decision == kTake) {  // the resident CTA is gone: its rows, the same step code
+      const Team team = step_team<ThisCell::G>();
+      RegisterTile tile;
+      load_rows(tile, team, w_hh, slice, hidden);
+      decoder_step(tile, team, sm, b_hh, io, slice, batch, hidden);
+      if (threadIdx.x == 0) {
+        prnn_fence();
+        prnn_store_release(word, decoder_word(step, kGone));
+      }
+    }
+    prnn_sync_block();  // word_s[0] read by every thread before the next slice's decision
   }
 }

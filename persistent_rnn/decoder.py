@@ -24,10 +24,13 @@ wait is bounded, and a step kernel whose wait ran past ``WAIT_DEADLINES`` deadli
 CTA stuck inside a step) records the step in a fault word that the host raises on (at once in
 the emulation, at ``check()``/``close()`` on a GPU).
 
-The rule for big layers: the step kernel runs over the resident kernel's grid beside it, so a
-decoder is resident only where ``2 * grid <= SM count`` (on an H100 every fp32 tile up to 66
-CTAs); otherwise, and for float64, the decoder says why (``reason``, a ``ResourceWarning``) and
+The rule for big layers: the step kernel's one CTA must find an SM beside the resident grid (one
+CTA per SM, as the planner sizes the tiles), so a decoder is resident only where grid < SM count
+(an H100's 132 SMs: every fp32 LSTM and GRU up to H = 1024 at B = 1, whose grid tile is 128
+CTAs). Otherwise, and for float64, the decoder says why (``reason``, a ``ResourceWarning``) and
 runs the fused step kernel (``cell_step.fused_step``) on the GPU, or the GEMM step elsewhere.
+The resident kernel holds its ``grid`` SMs (``sms_held``) for the decoder's life: the caller's
+own kernels get the rest.
 
 On NumPy arrays the decoder runs in the CPU emulation (a test path, as ``algo="persistent"``):
 the resident kernel is an asynchronous emulated launch (``emulate.EmulatedModule.launch_async``).
@@ -74,16 +77,17 @@ def plan(cell: CellSpec, hidden: int, batch: int,
          device: hardware.DeviceProfile) -> tuple[DecoderPlan | None, str | None]:
     """The resident plan of a layer on ``device``, or ``(None, why not)``. The grid tile, not a
     cluster: a cluster's lanes hold their columns in another order (its steps would not be the
-    grid kernel's bits), and the step kernel would need a second cluster beside it."""
+    grid kernel's bits). The rule for big layers: the step kernel's one CTA needs an SM beside
+    the resident grid (one CTA per SM, as the planner sizes the tiles), so grid < SM count."""
     grid_only = replace(device, max_cluster_ctas=0)
     layer_plan = planner.make_plan(cell, hidden, batch, "float32", grid_only)
     if not layer_plan.fits:
         return None, f"the layer's persistent kernel does not fit: {layer_plan.reason}"
     fwd = layer_plan.forward
-    if 2 * fwd.grid > device.sm_count:
-        return None, (f"its kernel needs {fwd.grid} of the {device.sm_count} SMs: the resident "
-                      f"kernel and the step kernel beside it need 2 x {fwd.grid} "
-                      f"(the rule: 2 * grid <= SM count)")
+    if fwd.grid >= device.sm_count:
+        return None, (f"its kernel takes the whole GPU ({fwd.grid} CTAs, one per SM, on "
+                      f"{device.sm_count} SMs): the step kernel's CTA would have no SM beside it "
+                      f"(the rule: grid < SM count)")
     d = fwd.defines
     words = batch * fwd.exchange_row + batch * d["PRNN_KSPLIT"] * cell.gates * d["PRNN_UNITS"]
     return DecoderPlan(dict(d), fwd.grid, fwd.block, 4 * (words + CONTROL_WORDS)), None
@@ -151,8 +155,8 @@ class _Resident:
         wait_ns = np.uint64(WAIT_DEADLINES * int(_timeout_ns(self.xp)))
         args = (self.w_hh, self.b_hh, self.box, self.state, self.fault, gi, h,
                 h if c is None else c, h_out, h_out if c_out is None else c_out, np.uint32(k),
-                np.int32(self.batch), np.int32(self.hidden), wait_ns)
-        self.module.launch("prnn_decoder_step", dp.grid, dp.block, dp.shared_bytes, args)
+                np.int32(dp.grid), np.int32(self.batch), np.int32(self.hidden), wait_ns)
+        self.module.launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
         launch.COUNTERS.add("launches")
         if self.xp is np and self.fault[0]:  # (free to read in the emulation; a GPU: check())
             self.raise_fault()
@@ -224,6 +228,11 @@ class Decoder:
     def resident(self) -> bool:
         """Whether the steps run on the resident kernel."""
         return bool(self._residents)
+
+    @property
+    def sms_held(self) -> int:
+        """SMs the resident kernels hold while the decoder is open (one CTA per SM)."""
+        return sum(r.dp.grid for r in self._residents)
 
     @property
     def relaunches(self) -> int:

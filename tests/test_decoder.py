@@ -1,0 +1,251 @@
+"""The resident decoder (``persistent_rnn.decoder``, ``cuda_src/resident_decoder.cu``) in the CPU
+emulation: its steps bitwise equal to the layer's persistent kernel (T=1 calls of the grid path,
+the whole-sequence kernel on the same projected inputs), across idle exits, takeovers by the step
+kernel and stalls inside steps; its lifetimes (close, garbage collection, an exception in the
+loop, two decoders on one module, decoders on two threads) leave no emulated kernel running;
+bad input gets errors naming the argument; a step is one launch here (the GPU adds the input
+projection's GEMM) and no host synchronisation; the big-layer rule.
+
+Cheap on purpose (CI): LSTM and GRU at H=24, B=2 (two builds of the resident kernel), a few steps.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import decoder as decoding
+from persistent_rnn import emulate, hardware, launch, runtime
+from persistent_rnn.cells import CELLS
+from persistent_rnn.functional import _projected
+
+IN, H, B, T = 8, 24, 2, 4
+GRID_ONLY = dict(max_cluster_ctas=0, stack=False)  # the layer runs the grid kernel, per layer
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """Every test ends with no emulated resident kernel running."""
+    yield
+    gc.collect()
+    left = emulate.running_launches()
+    for handle in left:  # (so that one failure does not spill into the next test)
+        handle.join(30)
+    assert not left, f"emulated launches still running: {[h.kernel for h in left]}"
+
+
+def _inputs(seed: int = 1, steps: int = T):
+    return np.random.default_rng(seed).standard_normal((steps, B, IN)).astype(np.float32)
+
+
+def _cell_loop(layer, xs):
+    """The layer's persistent kernel one step per call (T=1, grid path): each step's output."""
+    out, state = [], None
+    with prnn.override_settings(**GRID_ONLY):
+        for x in xs:
+            y, state = layer.forward(x[None], state)
+            out.append(y[0])
+    return out
+
+
+def _decode(dec, xs, between=None):
+    out, state = [], None
+    for t, x in enumerate(xs):
+        if between is not None:
+            between(t)
+        y, state = dec.step(x, state)
+        out.append(y)
+    return out
+
+
+def _equal(got, want) -> None:
+    for t, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"step {t}: max |diff| {np.abs(a - b).max()}"
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_steps_equal_the_cell_loop_and_the_sequence_kernel(mode):
+    layer = getattr(prnn, mode)(IN, H, algo="persistent", seed=0)
+    xs = _inputs()
+    with layer.decoder(batch=B) as dec:
+        assert dec.resident and dec.reason is None
+        got = _decode(dec, xs)
+    _equal(got, _cell_loop(layer, xs))
+    # The whole-sequence kernel on the same inputs: the decoder's projections of each step.
+    p = layer.params
+    gi = np.stack([_projected(x[None], p["weight_ih_l0"], p["bias_ih_l0"])[0] for x in xs])
+    zeros = np.zeros((B, H), np.float32)
+    with prnn.override_settings(**GRID_ONLY):
+        res, stats = runtime.forward(layer.cell, gi, p["weight_hh_l0"], p["bias_hh_l0"], zeros,
+                                     zeros, None, "persistent")
+    assert stats.algo == "persistent" and "prnn_persistent_forward" in stats.details[0]
+    _equal(got, list(res.y))
+    # and the float64 reference, to a float32 tolerance (the comparisons above cannot both be
+    # of a wrong kernel)
+    twin = getattr(prnn, mode)(IN, H, algo="gemm", dtype="float64")
+    twin.load_params({k: v.astype(np.float64) for k, v in p.items()})
+    y64, _ = twin.forward(xs.astype(np.float64))
+    assert np.abs(np.stack(got) - y64).max() < 2e-6
+
+
+def test_a_two_layer_decoder_equals_the_per_layer_kernels():
+    layer = prnn.GRU(IN, H, num_layers=2, algo="persistent", seed=3)
+    xs = _inputs(seed=2, steps=3)
+    with layer.decoder(batch=B) as dec:
+        got = _decode(dec, xs)
+        h0 = np.random.default_rng(4).standard_normal((2, B, H)).astype(np.float32)
+        y, hn = dec.step(xs[0], h0)  # any state, not only the last output
+    _equal(got, _cell_loop(layer, xs))
+    with prnn.override_settings(**GRID_ONLY):
+        y_ref, hn_ref = layer.forward(xs[:1], h0)
+    assert np.array_equal(y, y_ref[0]) and np.array_equal(hn, hn_ref)
+
+
+def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
+    """Idle past the deadline between steps (the kernel exits, the next step relaunches it or
+    takes its slices over), steps taken over by the step kernel alone, and a CTA stalled inside
+    a step for longer than the idle deadline: the same bits as an undisturbed decoder."""
+    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    xs = _inputs(steps=5)
+    with layer.decoder(batch=B) as dec:
+        want = _decode(dec, xs)
+    prnn.configure(emulation_timeout_ms=20)
+    with layer.decoder(batch=B) as dec:
+        got = _decode(dec, xs, between=lambda t: time.sleep(0.15))  # 0.15 s idle > 20 ms
+        assert dec.relaunches >= 1
+    _equal(got, want)
+    with layer.decoder(batch=B) as dec:
+        resident = dec._residents[0]
+        dec.step(xs[0])
+        resident.running.join(10)  # idle exit; no relaunch: the step kernel takes every slice
+        resident.ensure = lambda: None
+        got = _decode(dec, xs)
+        assert all(int(w) & 3 == decoding.GONE for w in resident.state)
+    _equal(got, want)
+    prnn.configure(emulation_timeout_ms=50)
+    with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1
+        with layer.decoder(batch=B) as dec:
+            got = _decode(dec, xs)
+            assert dec.relaunches >= 1  # the other CTAs went idle while CTA 1 stalled
+    _equal(got, want)
+
+
+def test_close_gc_and_an_exception_leave_nothing_running():
+    cell = prnn.LSTMCell(IN, H, seed=0)
+    x = _inputs()[0]
+    dec = cell.decoder(batch=B)
+    state = weakref.ref(dec._residents[0].state)
+    h, c = dec.step(x)
+    dec.close()
+    dec.close()  # idempotent
+    assert dec.closed and not emulate.running_launches() and state() is None
+    with pytest.raises(RuntimeError, match="closed decoder"):
+        dec.step(x, (h, c))
+    dec = cell.decoder(batch=B)
+    dec.step(x)
+    del dec
+    gc.collect()
+    assert not emulate.running_launches()
+    with pytest.raises(KeyError):
+        with cell.decoder(batch=B) as dec:
+            dec.step(x)
+            raise KeyError("the caller's loop failed")
+    assert dec.closed and not emulate.running_launches()
+
+
+def test_two_decoders_on_one_module_and_on_two_threads():
+    cell = prnn.GRUCell(IN, H, seed=5)
+    xs = _inputs(steps=3)
+
+    def loop(dec, out):
+        h = None
+        for x in xs:
+            h = dec.step(x, h)
+            out.append(h)
+
+    want: list = []
+    with cell.decoder(batch=B) as dec:
+        loop(dec, want)
+    a, b = cell.decoder(batch=B), cell.decoder(batch=B)  # interleaved, one module
+    got_a, got_b, h_a, h_b = [], [], None, None
+    for x in xs:
+        h_a = a.step(x, h_a)
+        h_b = b.step(x, h_b)
+        got_a.append(h_a)
+        got_b.append(h_b)
+    a.close()
+    b.close()
+    _equal(got_a, want)
+    _equal(got_b, want)
+    outs = [[], []]
+    decs = [cell.decoder(batch=B) for _ in outs]
+    threads = [threading.Thread(target=loop, args=(d, o)) for d, o in zip(decs, outs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for d in decs:
+        d.close()
+    for out in outs:
+        _equal(out, want)
+
+
+def test_bad_input_gets_errors_naming_the_argument():
+    cell = prnn.LSTMCell(IN, H, seed=0)
+    x = _inputs()[0]
+    hc = (np.zeros((B, H), np.float32), np.zeros((B, H), np.float32))
+    with pytest.raises(ValueError, match="batch"):
+        cell.decoder(batch=0)
+    with cell.decoder(batch=B) as dec:
+        with pytest.raises(ValueError, match="x has batch size 3.*batch=2"):
+            dec.step(np.zeros((3, IN), np.float32))
+        with pytest.raises(ValueError, match=r"x must have shape \(batch, input_size\)"):
+            dec.step(np.zeros((B, IN + 1), np.float32))
+        with pytest.raises(TypeError, match="x must have dtype float32"):
+            dec.step(x.astype(np.float64))
+        with pytest.raises(TypeError, match="x must be a numpy.ndarray or cupy.ndarray"):
+            dec.step(x.tolist())
+        with pytest.raises(ValueError, match=r"state\[1\] must have shape \(batch, hidden_size\)"):
+            dec.step(x, (hc[0], np.zeros((B, H + 1), np.float32)))
+        with pytest.raises(TypeError, match="state must be a pair"):
+            dec.step(x, hc[0])
+        with pytest.raises(TypeError, match=r"state\[0\] must have dtype float32"):
+            dec.step(x, (hc[0].astype(np.float64), hc[1]))
+        dec.step(x, hc)  # still usable after the errors
+
+
+def test_a_step_is_one_launch_and_no_host_synchronisation():
+    cell = prnn.GRUCell(IN, H, seed=5)
+    xs = _inputs()
+    with cell.decoder(batch=B) as dec:
+        h = dec.step(xs[0])
+        before = dec.relaunches  # (idle exits: the virtual clock runs while every CTA waits)
+        with launch.counting() as n:
+            for x in xs[1:]:
+                h = dec.step(x, h)
+        relaunched = dec.relaunches - before
+    # (the GPU adds the input projection's GEMM: two launches a step)
+    assert n.launches == len(xs) - 1 + relaunched and n.host_syncs == 0
+
+
+def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
+    lstm = CELLS["lstm"]
+    h100 = hardware.PROFILES["h100"]
+    for hidden in (640, 1024):  # grids of 80 and 128 CTAs: one SM left for the step kernel
+        fits, why = decoding.plan(lstm, hidden, 1, h100)
+        assert fits is not None and why is None and fits.grid < h100.sm_count
+    whole, why = decoding.plan(lstm, 1024, 1, replace(h100, sm_count=128))
+    assert whole is None and "grid < SM count" in why
+    cell = prnn.GRUCell(IN, H, dtype="float64", seed=0)
+    x = _inputs()[0].astype(np.float64)
+    with pytest.warns(ResourceWarning, match="float64"):
+        dec = cell.decoder(batch=B)
+    with dec:
+        assert not dec.resident
+        assert np.array_equal(dec.step(x), cell.forward(x))
