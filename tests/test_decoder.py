@@ -132,7 +132,10 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
     with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1
         with layer.decoder(batch=B) as dec:
             got = _decode(dec, xs)
-            assert dec.relaunches >= 1  # the other CTAs went idle while CTA 1 stalled
+            # the other CTAs went idle while CTA 1 stalled: their slices were taken over (and
+            # the launch relaunched once CTA 1 left too)
+            gone = [int(w) & 3 == decoding.GONE for w in dec._residents[0].state]
+            assert dec.relaunches >= 1 or any(gone)
     _equal(got, want)
 
 
