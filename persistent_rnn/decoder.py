@@ -203,8 +203,9 @@ class Decoder:
         self.batch = validation.positive_int("batch", batch)
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
-        self._params = [{k: array_module(v).ascontiguousarray(v) for k, v in p.items()}
-                        for p in layers]
+        # Copies: the resident kernel holds W_hh as it is now, so the projection's W_ih must
+        # stay as it is too (an optimizer updating the caller's arrays changes neither).
+        self._params = [{k: array_module(v).array(v) for k, v in p.items()} for p in layers]
         xp = self._xp = array_module(self._params[0]["weight_hh"])
         self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
         self._k = 0
