@@ -197,7 +197,7 @@ class _Cell:
         those of this call. A context manager."""
         from .decoder import Decoder
         return Decoder(self.cell, [self.params], batch, self.input_size, self.hidden_size,
-                       stacked=False)
+                       stacked=False, fallback=step_forward)
 
     def forward(self, x: Array, hx: Any = None) -> Any:
         """One step: ``x`` (B, input_size) or unbatched (input_size,); ``hx`` ``None`` (zeros),

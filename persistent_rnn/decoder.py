@@ -28,7 +28,8 @@ The rule for big layers: the step kernel's one CTA must find an SM beside the re
 CTA per SM, as the planner sizes the tiles), so a decoder is resident only where grid < SM count
 (an H100's 132 SMs: every fp32 LSTM and GRU up to H = 1024 at B = 1, whose grid tile is 128
 CTAs). Otherwise, and for float64, the decoder says why (``reason``, a ``ResourceWarning``) and
-runs the fused step kernel (``cell_step.fused_step``) on the GPU, or the GEMM step elsewhere.
+runs the fused step kernel (``cell_step.fused_step``) on the GPU, or the GEMM step elsewhere
+(``fallback``: ``cell_step.step_forward``).
 The resident kernel holds its ``grid`` SMs (``sms_held``) for the decoder's life: the caller's
 own kernels get the rest.
 
@@ -41,11 +42,11 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from . import cell_step, hardware, launch, plan as planner, settings
+from . import hardware, launch, plan as planner, settings
 from .buffers import array_module, weight_words
 from .cells import CellSpec
 from .functional import _projected
@@ -198,11 +199,12 @@ class Decoder:
     the decoder's creation (the resident kernel holds them)."""
 
     def __init__(self, cell: CellSpec, layers: Sequence[Mapping[str, Array]], batch: int,
-                 input_size: int, hidden: int, stacked: bool):
+                 input_size: int, hidden: int, stacked: bool, fallback: Callable[..., tuple]):
         from . import validation
         self.batch = validation.positive_int("batch", batch)
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
+        self._fallback = fallback  # cell_step.step_forward (passed in: no import cycle)
         # Copies: the resident kernel holds W_hh as it is now, so the projection's W_ih must
         # stay as it is too (an optimizer updating the caller's arrays changes neither).
         self._params = [{k: array_module(v).array(v) for k, v in p.items()} for p in layers]
@@ -295,7 +297,7 @@ class Decoder:
         xp = self._xp
         if not self._residents:
             algo = "persistent" if self._fused() else "gemm"
-            hn, cn, _, _ = cell_step.step_forward(self.cell, p, x, h, c, algo)
+            hn, cn, _, _ = self._fallback(self.cell, p, x, h, c, algo)
             return hn, cn
         gi = _projected(x[None], p["weight_ih"], p.get("bias_ih"))[0]
         h_out = xp.empty((self.batch, self.hidden), np.float32)

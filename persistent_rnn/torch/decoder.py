@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..cell_step import step_forward
 from ..cells import CellSpec
 from ..decoder import Decoder
 from .interop import library_stream, to_array, to_tensor
@@ -49,7 +50,8 @@ class TorchDecoder:
             w = layers[0]["weight_hh"]
             with torch.no_grad(), library_stream(w):
                 arrays = [{k: to_array(v.detach()) for k, v in p.items()} for p in layers]
-                self._dec = Decoder(cell, arrays, batch, input_size, hidden, stacked)
+                self._dec = Decoder(cell, arrays, batch, input_size, hidden, stacked,
+                                    fallback=step_forward)
             self.reason = self._dec.reason
 
     @property
