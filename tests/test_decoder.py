@@ -11,6 +11,7 @@ Cheap on purpose (CI): LSTM and GRU at H=24, B=2 (two builds of the resident ker
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 import weakref
@@ -252,3 +253,16 @@ def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
     with dec:
         assert not dec.resident
         assert np.array_equal(dec.step(x), cell.forward(x))
+
+
+def test_the_kernels_compile_for_the_gpu_without_spills():
+    """NVRTC builds both kernels of the largest resident tile (LSTM H=1024, B=1: its weights take
+    the most registers) for sm_90 with no stack frame and no spills."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from persistent_rnn import kernels
+    dp, _ = decoding.plan(CELLS["lstm"], 1024, 1, hardware.PROFILES["h100"])
+    log = kernels.compile_source(decoding.SOURCE, dp.defines, "sm_90").log
+    frames = re.findall(r"Function properties for (\w+)\n[^\n]*?(\d+) bytes stack frame, (\d+) bytes "
+                        r"spill stores, (\d+) bytes spill loads", log)
+    assert sorted(f[0] for f in frames) == ["prnn_decoder_step", "prnn_resident_decoder"]
+    assert all(f[1:] == ("0", "0", "0") for f in frames), log
