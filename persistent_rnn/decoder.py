@@ -273,16 +273,20 @@ class Decoder:
         (num_layers, batch, H); a cell: (batch, H)), for LSTM ``(h, c)``. Returns a cell's
         ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM ``(y, (h', c'))``; y (batch, H)
         is the last layer's h')."""
+        return self._step(self._checked_input(x), state, None)
+
+    def _step(self, x: Array | None, state: Any, gi: Array | None) -> Any:
+        """A step from ``x`` or, for the first layer, its projection ``gi`` (both checked)."""
         if self.closed:
             raise RuntimeError("step() on a closed decoder")
-        x = self._checked_input(x)
         h, c = self._checked_state(state)
         with self._lock:  # one step at a time through the decoder's mailbox
             self._k += 1
             hs, cs = [], []
             inp = x
             for n, p in enumerate(self._params):
-                hn, cn = self._layer_step(n, p, inp, h[n], None if c is None else c[n])
+                hn, cn = self._layer_step(n, p, inp, h[n], None if c is None else c[n],
+                                          gi if n == 0 else None)
                 hs.append(hn)
                 cs.append(cn)
                 inp = hn
@@ -292,14 +296,29 @@ class Decoder:
         hn = xp.stack(hs)
         return (hs[-1], (hn, xp.stack(cs))) if self.cell.has_cell_state else (hs[-1], hn)
 
+    def step_projected(self, gi: Array, state: Any = None) -> Any:
+        """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
+        G*hidden_size) instead of x - e.g. rows of a table projected once per token of a
+        vocabulary: the step is then the step kernel alone (one launch). Resident decoders only
+        (ValueError otherwise)."""
+        if not self._residents:
+            raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
+        self._check_array("gi", gi)
+        rows = self.cell.gates * self.hidden
+        if tuple(gi.shape) != (self.batch, rows):
+            raise ValueError(f"gi must have shape (batch, G*hidden_size) = ({self.batch}, {rows}), "
+                             f"got {tuple(gi.shape)}")
+        return self._step(None, state, self._xp.ascontiguousarray(gi))
+
     def _layer_step(self, n: int, p: Mapping[str, Array], x: Array, h: Array,
-                    c: Array | None) -> tuple[Array, Array | None]:
+                    c: Array | None, gi: Array | None = None) -> tuple[Array, Array | None]:
         xp = self._xp
         if not self._residents:
             algo = "persistent" if self._fused() else "gemm"
             hn, cn, _, _ = self._fallback(self.cell, p, x, h, c, algo)
             return hn, cn
-        gi = _projected(x[None], p["weight_ih"], p.get("bias_ih"))[0]
+        if gi is None:
+            gi = _projected(x[None], p["weight_ih"], p.get("bias_ih"))[0]
         h_out = xp.empty((self.batch, self.hidden), np.float32)
         c_out = xp.empty_like(h_out) if self.cell.has_cell_state else None
         self._residents[n].step(self._k, gi, xp.ascontiguousarray(h),

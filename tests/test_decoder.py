@@ -87,6 +87,14 @@ def test_steps_equal_the_cell_loop_and_the_sequence_kernel(mode):
                                      zeros, None, "persistent")
     assert stats.algo == "persistent" and "prnn_persistent_forward" in stats.details[0]
     _equal(got, list(res.y))
+    with layer.decoder(batch=B) as dec:  # the caller's projections: the step kernel alone
+        state, projected = None, []
+        for g in gi:
+            y, state = dec.step_projected(g, state)
+            projected.append(y)
+        with pytest.raises(ValueError, match=r"gi must have shape \(batch, G\*hidden_size\)"):
+            dec.step_projected(gi[0][:, 1:])
+    _equal(projected, got)
     # and the float64 reference, to a float32 tolerance (the comparisons above cannot both be
     # of a wrong kernel)
     twin = getattr(prnn, mode)(IN, H, algo="gemm", dtype="float64")
@@ -266,3 +274,22 @@ def test_the_kernels_compile_for_the_gpu_without_spills():
                         r"spill stores, (\d+) bytes spill loads", log)
     assert sorted(f[0] for f in frames) == ["prnn_decoder_step", "prnn_resident_decoder"]
     assert all(f[1:] == ("0", "0", "0") for f in frames), log
+
+
+def test_prnn_plan_predicts_a_decoder_step(capsys):
+    """The latency model's decoder terms add up (predictions; the SASS of LSTM H=640 B=1's grid
+    forward), and the CLI prints them."""
+    from persistent_rnn import latency
+    from persistent_rnn.sass_analysis import nvdisasm
+    if nvdisasm() is None:
+        pytest.skip("nvdisasm is not installed")
+    d = latency.predict_decoder_step("LSTM", 640, 1, device="h100")
+    assert d["prediction"] and d["resident"] and d["ctas"] == 80 and d["launches_per_step"] == 2
+    gap = hardware.GRAPH_GAP_US
+    assert d["projected_us"] == pytest.approx(gap + d["handoff_us"] + d["resident_step_us"])
+    assert d["captured_us"] == pytest.approx(gap + d["projection_us"] + d["projected_us"])
+    assert 0 < d["resident_step_us"] < d["fused_step_us"] < d["captured_us"]
+    from persistent_rnn import cli
+    assert cli.main(["plan", "LSTM", "640", "--decoder"]) == 0
+    out = capsys.readouterr().out
+    assert "resident decoder: 80 CTAs held; predicted per step" in out and "fused step" in out
