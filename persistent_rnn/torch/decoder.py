@@ -85,6 +85,15 @@ class TorchDecoder:
             return _tensors(out)
 
 
+    def step_projected(self, gi: Tensor, state: Any = None) -> Any:
+        """``Decoder.step_projected`` with tensors: ``gi = x W_ih^T + b_ih`` (batch, G*H) given
+        (one launch a step). Resident decoders only."""
+        if self._dec is None:
+            raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
+        with torch.no_grad(), library_stream(gi):
+            return _tensors(self._dec.step_projected(to_array(gi), _arrays(state)))
+
+
 def _arrays(obj: Any) -> Any:
     if isinstance(obj, (tuple, list)):
         return tuple(_arrays(o) for o in obj)
