@@ -124,11 +124,19 @@ class _Resident:
         self.closed = False
 
     def ended(self) -> bool:
-        """Whether the resident launch has ended (asked without waiting)."""
-        return self.running is None or self.running.done()
+        """Whether the resident launch has ended (asked without waiting: the emulated launch's
+        ``done()``, a CuPy stream's ``done``, cudaStreamQuery)."""
+        if self.running is None:
+            return True
+        return self.running.done() if self.xp is np else self.running.done
 
     def ensure(self) -> None:
-        """Launch the resident kernel if its last launch has ended (idle past its deadline)."""
+        """Launch the resident kernel if its last launch has ended (idle past its deadline).
+        Not while the current stream is being captured (the query is not allowed then, and a
+        launch on another stream would not be in the graph): a replayed step whose resident
+        kernel has gone takes its slices over."""
+        if self.xp is not np and self.xp.cuda.get_current_stream().is_capturing():
+            return
         if not self.ended():
             return
         stall = settings.current_stall()
