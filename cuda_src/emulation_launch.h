@@ -88,6 +88,16 @@ inline void report_partial_warp(int b, int warp) {
        "all 32 of its lanes (every lane must take part)", b, warp);
 }
 
+// emulation.h's hooks into the launcher's error reports, installed by the first launch only
+// (launches that run at once would race on them).
+inline std::once_flag hooks_installed;
+inline void install_hooks() {
+  std::call_once(hooks_installed, [] {
+    late_store = report_late_store;
+    partial_warp = report_partial_warp;
+  });
+}
+
 template <class T>
 constexpr char type_code() {
   if constexpr (std::is_pointer_v<T>) return 'p';
@@ -315,6 +325,7 @@ inline bool check_stacks(const StackSet& set, int b) {
 inline int launch_grid(void (*run)(void*, void**), void* kernel, int grid, int threads,
                        int shared_bytes, int max_resident, void** args, double watchdog_s) {
   LaunchState& state = *launch_state;
+  install_hooks();
   const unsigned launch_modes = modes;
   const unsigned long long launch_seed = mode_seed;
   std::vector<int> order(grid);
@@ -323,8 +334,6 @@ inline int launch_grid(void (*run)(void*, void**), void* kernel, int grid, int t
     random_state = mix(mode_seed);
     for (int i = grid - 1; i > 0; --i) std::swap(order[i], order[random_below(i + 1)]);
   }
-  late_store = report_late_store;
-  partial_warp = report_partial_warp;
   state.watchdog_ns = steady_ns() + (unsigned long long)(watchdog_s * 1e9);
   int resident = max_resident > 0 && max_resident < grid ? max_resident : grid;
 #ifdef PRNN_CLUSTER

@@ -163,19 +163,24 @@ class EmulatedModule:
         stream of its own, running while the caller's launches run (a resident kernel that
         waits for their posts) - and return at once. ``AsyncLaunch.join`` waits (bounded) and
         raises what ``launch`` would. The arrays in ``args`` are kept alive until it ends.
-        Not under the race detector (its log is checked per synchronous launch)."""
-        if self._race_log is not None:
-            raise EmulationError("launch_async does not run under the race detector")
+        Under the race detector, a report logged while it ran fails it (and may fail a
+        synchronous launch that ran beside it too: the log is the process's)."""
         entry, keep, argv = self._prepare(kernel, grid, block, shared_bytes, args)
         bits, seed = self._draw_modes()
         handle = AsyncLaunch(kernel, args)
+        seen = _log_size(self._race_log)
 
         def run() -> None:
             self._lib.prnn_emu_set_modes(ctypes.c_uint(bits), ctypes.c_ulonglong(seed))
             failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
             message = self._lib.prnn_emu_error().decode() if failed else ""
             del keep[:]
-            handle._finish(f"emulated launch of {kernel} failed: {message}" if failed else None)
+            error = f"emulated launch of {kernel} failed: {message}" if failed else None
+            try:
+                _check_races(self._race_log, seen, kernel)
+            except RaceError as exc:
+                error = error or str(exc)
+            handle._finish(error)
 
         with _ASYNC_LOCK:
             _running.add(handle)

@@ -351,3 +351,28 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     assert "resident decoder: 80 CTAs held; predicted per step 7.40 µs captured" in out
     assert "step_projected 1.80 µs" in out and "fused step kernel: predicted 3.30 µs" in out
     assert "resident decoder: no (its kernel takes the whole GPU)" in out
+
+
+RACE_SCENARIO = """
+import time
+import numpy as np
+import persistent_rnn as prnn
+cell = prnn.LSTMCell(8, 24, seed=0)
+xs = np.random.default_rng(1).standard_normal((4, 2, 8)).astype(np.float32)
+with prnn.override_settings(emulation_timeout_ms=20), cell.decoder(batch=2) as dec:
+    state = None
+    for t, x in enumerate(xs):
+        state = dec.step(x, state)
+        time.sleep(0.2 * (t == 1))  # idle: exits, takeovers, a relaunch
+print("decoded")
+"""
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="a race-detector build and child process (~15 s): "
+                    "PRNN_TEST_EVERY_KERNEL=1")
+def test_the_decoder_has_no_race():
+    """The resident kernel (an asynchronous launch) and the step kernels beside it under
+    ThreadSanitizer: no pair of accesses that nothing orders (docs/emulation.md)."""
+    proc = emulate.run_with_race_detector(["-c", RACE_SCENARIO], sources=(decoding.SOURCE[:-3],),
+                                          timeout=600)
+    assert proc.returncode == 0 and "decoded" in proc.stdout, proc.stderr[-4000:]
