@@ -23,8 +23,8 @@
 //
 // Words (uint32, zeroed by the host: step 0 posted, every CTA gone at step 0 - see kGone):
 //   box[0]     the step posted last (1, 2, ...); box[2 + 2i], box[3 + 2i]: pointer i of the step
-//              (gi, h_prev, c_prev, h_out, c_out) as low and high words, stored before box[0]
-//              is released
+//              (gi, h_prev, c_prev, h_out, c_out, b_ih) as low and high words, stored before
+//              box[0] is released
 //   state[c]   (step << 2) | mode: the last step whose slice c is done, and who holds the slice:
 //              kLive the resident CTA c (it alone writes the word then), kGone nobody (the
 //              resident CTA exited; the step kernel may take the slice, and a relaunched
@@ -38,20 +38,24 @@ namespace prnn {
 constexpr unsigned kLive = 0u, kGone = 1u, kBusy = 2u;
 PRNN_HD constexpr unsigned decoder_word(unsigned step, unsigned mode) { return step << 2 | mode; }
 
-// What a step reads and writes: gi_t (B, G*H), h_{t-1} and c_{t-1} (B, H), h_t and c_t (B, H)
-// (c pointers unused without a cell state).
+// What a step reads and writes: x_t W_ih^T (B, G*H), h_{t-1} and c_{t-1} (B, H), h_t and c_t
+// (B, H) (c pointers unused without a cell state), b_ih (G*H) or nullptr: gi_t = x_t W_ih^T +
+// b_ih is that one fp32 addition, as the sequence path's `gi += b_ih` after its GEMM (so the
+// host issues no launch for it); nullptr where the caller's gi holds the bias already.
 struct StepIo {
   const float* gi;
   const float* h_prev;
   const float* c_prev;
   float* h_out;
   float* c_out;
+  const float* b_ih;
 };
-constexpr int kIoWords = 10;  // StepIo as five pairs of words
+constexpr int kIoPointers = 6;
+constexpr int kIoWords = 2 * kIoPointers;  // StepIo as pairs of words
 
 PRNN_DEVICE void io_to_words(const StepIo& io, unsigned* out, bool relaxed) {
-  const void* p[5] = {io.gi, io.h_prev, io.c_prev, io.h_out, io.c_out};
-  for (int i = 0; i < 5; ++i) {
+  const void* p[kIoPointers] = {io.gi, io.h_prev, io.c_prev, io.h_out, io.c_out, io.b_ih};
+  for (int i = 0; i < kIoPointers; ++i) {
     const unsigned long long v = (unsigned long long)(size_t)p[i];
     if (relaxed) {
       prnn_store_relaxed(out + 2 * i, (unsigned)v);
@@ -64,14 +68,15 @@ PRNN_DEVICE void io_to_words(const StepIo& io, unsigned* out, bool relaxed) {
 }
 
 PRNN_DEVICE StepIo io_of_words(const unsigned* in, bool relaxed) {
-  void* p[5];
-  for (int i = 0; i < 5; ++i) {
+  void* p[kIoPointers];
+  for (int i = 0; i < kIoPointers; ++i) {
     const unsigned lo = relaxed ? prnn_load_relaxed(in + 2 * i) : in[2 * i];
     const unsigned hi = relaxed ? prnn_load_relaxed(in + 2 * i + 1) : in[2 * i + 1];
     p[i] = (void*)(size_t)((unsigned long long)hi << 32 | lo);
   }
   return {static_cast<const float*>(p[0]), static_cast<const float*>(p[1]),
-          static_cast<const float*>(p[2]), static_cast<float*>(p[3]), static_cast<float*>(p[4])};
+          static_cast<const float*>(p[2]), static_cast<float*>(p[3]), static_cast<float*>(p[4]),
+          static_cast<const float*>(p[5])};
 }
 
 // Shared memory: h_{t-1} staged [batch][kPadded], partial sums [batch][kKsplit][G*kUnits], then
@@ -120,6 +125,7 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       giv[g] = io.gi[(size_t)b * G * hidden + g * hidden + j];
+      if (io.b_ih != nullptr) giv[g] += io.b_ih[g * hidden + j];
       ghv[g] = row_sum(sm.part_s, b, team.row_of(g, u), R) + b_hh[g * hidden + j];
     }
     float h, c;
@@ -206,10 +212,11 @@ PRNN_KERNEL void prnn_decoder_step(
     const prnn::WeightWord* w_hh, const float* b_hh, unsigned* box, unsigned* state,
     unsigned* fault,
     const float* gi, const float* h_prev, const float* c_prev, float* h_out, float* c_out,
+    const float* b_ih, int with_bias,  // with_bias 0: gi holds b_ih already (b_ih unread)
     unsigned step, int slices, int batch, int hidden, unsigned long long timeout_ns) {
   using namespace prnn;
   enum : unsigned { kDone = 1u, kTake = 2u, kFailed = 3u };
-  const StepIo io{gi, h_prev, c_prev, h_out, c_out};
+  const StepIo io{gi, h_prev, c_prev, h_out, c_out, with_bias ? b_ih : nullptr};
   const DecoderShared sm = decoder_shared(batch);
   if (threadIdx.x == 0) {
     io_to_words(io, box + 2, true);

@@ -8,9 +8,10 @@ W_hh into registers as the whole-sequence forward does and waits - bounded by th
 deadline (``gpu_timeout_ms``, ``emulation_timeout_ms``) - for each step's post. A step enqueues
 on the caller's stream:
 
-1. the input projection ``gi = x W_ih^T + b_ih`` with the library's matrix product (``matmul``,
-   the sequence path's ``functional._projected``: the same products as a layer's forward, so the
-   decoder's steps are bitwise the sequence kernel's on the same inputs);
+1. the input projection ``x W_ih^T`` with the library's matrix product (``matmul``, the product a
+   layer's forward computes for all steps at once: the same sums), whose ``+ b_ih`` - one fp32
+   addition, as the sequence path's ``gi += b_ih`` - the kernels do, so the decoder's steps are
+   bitwise the sequence kernel's on the same inputs;
 2. one step kernel (``prnn_decoder_step``) that posts the step's pointers to the mailbox and waits
    until every CTA of the resident kernel has written its units of h_t; a slice whose resident
    CTA has gone (idle past its deadline) the step kernel computes itself with the same rows and
@@ -49,13 +50,13 @@ import numpy as np
 from . import hardware, launch, plan as planner, settings
 from .buffers import array_module, weight_words
 from .cells import CellSpec
-from .functional import _projected
+from .matmul import matmul
 from .validation import state as split_state
 
 Array = Any
 
 SOURCE = "resident_decoder.cu"
-BOX_WORDS = 12      # the mailbox: the posted step, a spare word, five pointers as word pairs
+BOX_WORDS = 14      # the mailbox: the posted step, a spare word, six pointers as word pairs
 CONTROL_WORDS = 16  # the kernels' shared words after the staged vector and the partial sums
 GONE = 1            # state word of a slice nobody holds, at step 0 (resident_decoder.cu, kGone)
 STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and exits
@@ -112,8 +113,9 @@ class _Resident:
     ended), and its stop. Holds no reference to the decoder, so that garbage collection of the
     decoder can stop it (``weakref.finalize``)."""
 
-    def __init__(self, xp, dp: DecoderPlan, w_hh: Array, b_hh: Array, batch: int, hidden: int):
-        self.xp, self.dp, self.w_hh, self.b_hh = xp, dp, w_hh, b_hh
+    def __init__(self, xp, dp: DecoderPlan, w_hh: Array, b_hh: Array, b_ih: Array | None,
+                 batch: int, hidden: int):
+        self.xp, self.dp, self.w_hh, self.b_hh, self.b_ih = xp, dp, w_hh, b_hh, b_ih
         self.batch, self.hidden = batch, hidden
         self.module = _module(xp, dp.defines)
         self.box = xp.zeros(BOX_WORDS, np.uint32)
@@ -156,14 +158,18 @@ class _Resident:
         self.launches += 1
         launch.COUNTERS.add("launches")
 
-    def step(self, k: int, gi: Array, h: Array, c: Array | None, h_out: Array,
+    def step(self, k: int, gi: Array, with_bias: bool, h: Array, c: Array | None, h_out: Array,
              c_out: Array | None) -> None:
-        """Enqueue step ``k`` (1, 2, ...): the post and the wait, one launch."""
+        """Enqueue step ``k`` (1, 2, ...): the post and the wait, one launch. ``gi``: x W_ih^T,
+        to which the kernels add b_ih where ``with_bias`` (the layer has one and the caller's
+        gi does not hold it)."""
         self.ensure()
         dp = self.dp
         wait_ns = np.uint64(WAIT_DEADLINES * int(_timeout_ns(self.xp)))
+        with_bias = with_bias and self.b_ih is not None
         args = (self.w_hh, self.b_hh, self.box, self.state, self.fault, gi, h,
-                h if c is None else c, h_out, h_out if c_out is None else c_out, np.uint32(k),
+                h if c is None else c, h_out, h_out if c_out is None else c_out,
+                self.b_ih if with_bias else self.b_hh, np.int32(with_bias), np.uint32(k),
                 np.int32(dp.grid), np.int32(self.batch), np.int32(self.hidden), wait_ns)
         self.module.launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
         launch.COUNTERS.add("launches")
@@ -226,7 +232,7 @@ class Decoder:
         self._residents = [] if dp is None else [
             _Resident(xp, dp, weight_words(xp, p["weight_hh"], None),
                       p.get("bias_hh", xp.zeros(cell.gates * hidden, np.float32)),
-                      self.batch, hidden) for p in self._params]
+                      p.get("bias_ih"), self.batch, hidden) for p in self._params]
         self._finalizer = weakref.finalize(self, stop_all, self._residents)
         if why is not None:
             warnings.warn(f"decoder not resident: {why}; each step runs the "
@@ -288,21 +294,46 @@ class Decoder:
         if self.closed:
             raise RuntimeError("step() on a closed decoder")
         h, c = self._checked_state(state)
+        xp, lstm = self._xp, self.cell.has_cell_state
         with self._lock:  # one step at a time through the decoder's mailbox
             self._k += 1
-            hs, cs = [], []
-            inp = x
-            for n, p in enumerate(self._params):
-                hn, cn = self._layer_step(n, p, inp, h[n], None if c is None else c[n],
-                                          gi if n == 0 else None)
-                hs.append(hn)
-                cs.append(cn)
-                inp = hn
+            hn, cn = (self._resident_step if self._residents else self._fallback_step)(
+                x, h, c, gi)
         if not self._stacked:
-            return (hs[0], cs[0]) if self.cell.has_cell_state else hs[0]
+            return (hn[0], cn[0]) if lstm else hn[0]
+        return (hn[-1], (hn, cn)) if lstm else (hn[-1], hn)
+
+    def _resident_step(self, x: Array | None, h: list, c: list | None,
+                       gi: Array | None) -> tuple[Array, Array | None]:
+        """Every layer's step on its resident kernel, h' and c' written straight into row n of
+        (num_layers, batch, H) outputs (no stacking copy); ``gi``: the caller's projection of
+        the first layer's input (b_ih included), else each layer projects its input."""
         xp = self._xp
-        hn = xp.stack(hs)
-        return (hs[-1], (hn, xp.stack(cs))) if self.cell.has_cell_state else (hs[-1], hn)
+        shape = (len(self._params), self.batch, self.hidden)
+        hn = xp.empty(shape, self.dtype)
+        cn = xp.empty(shape, self.dtype) if self.cell.has_cell_state else None
+        for n, (p, resident) in enumerate(zip(self._params, self._residents)):
+            projected = n == 0 and gi is not None
+            g = gi if projected else matmul(x if n == 0 else hn[n - 1], p["weight_ih"].T)
+            resident.step(self._k, g, not projected, xp.ascontiguousarray(h[n]),
+                          None if c is None else xp.ascontiguousarray(c[n]), hn[n],
+                          None if cn is None else cn[n])
+        return hn, cn
+
+    def _fallback_step(self, x: Array, h: list, c: list | None,
+                       gi: Array | None) -> tuple[Any, Any]:
+        """Every layer's step by the fused step kernel (CuPy float32) or the GEMM step."""
+        algo = "persistent" if self._fused() else "gemm"
+        hs, cs = [], []
+        for n, p in enumerate(self._params):
+            hn, cn, _, _ = self._fallback(self.cell, p, x if n == 0 else hs[-1], h[n],
+                                          None if c is None else c[n], algo)
+            hs.append(hn)
+            cs.append(cn)
+        if not self._stacked:  # (a cell: its arrays as they are, no copy)
+            return hs, cs
+        xp = self._xp
+        return xp.stack(hs), xp.stack(cs) if self.cell.has_cell_state else None
 
     def step_projected(self, gi: Array, state: Any = None) -> Any:
         """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
@@ -317,21 +348,6 @@ class Decoder:
             raise ValueError(f"gi must have shape (batch, G*hidden_size) = ({self.batch}, {rows}), "
                              f"got {tuple(gi.shape)}")
         return self._step(None, state, self._xp.ascontiguousarray(gi))
-
-    def _layer_step(self, n: int, p: Mapping[str, Array], x: Array, h: Array,
-                    c: Array | None, gi: Array | None = None) -> tuple[Array, Array | None]:
-        xp = self._xp
-        if not self._residents:
-            algo = "persistent" if self._fused() else "gemm"
-            hn, cn, _, _ = self._fallback(self.cell, p, x, h, c, algo)
-            return hn, cn
-        if gi is None:
-            gi = _projected(x[None], p["weight_ih"], p.get("bias_ih"))[0]
-        h_out = xp.empty((self.batch, self.hidden), np.float32)
-        c_out = xp.empty_like(h_out) if self.cell.has_cell_state else None
-        self._residents[n].step(self._k, gi, xp.ascontiguousarray(h),
-                                None if c is None else xp.ascontiguousarray(c), h_out, c_out)
-        return h_out, c_out
 
     def _fused(self) -> bool:
         return self._xp is not np and self.dtype == np.float32
