@@ -17,8 +17,8 @@ on the caller's stream:
    CTA has gone (idle past its deadline) the step kernel computes itself with the same rows and
    the same code.
 
-So a step is two launches and no host synchronisation, and capturable in a CUDA graph (on a GPU;
-fresh outputs per step, as torch.nn's cell). Before a step the host asks, without waiting,
+So a step is two launches (two per layer) and no host synchronisation, and capturable in a CUDA
+graph (on a GPU; fresh outputs per step, as torch.nn's cell; not yet run on one). Before a step the host asks, without waiting,
 whether the resident launch has ended (a stream query; the emulation's ``AsyncLaunch.done``) and
 relaunches it; a relaunched CTA takes its slice back from the state word. Nothing hangs: every
 wait is bounded, and a step kernel whose wait ran past ``WAIT_DEADLINES`` deadlines (a resident
