@@ -122,15 +122,17 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
     if (j >= hidden) continue;
     const size_t at = (size_t)b * hidden + j;
     float giv[G], ghv[G], sv[kSavedSlots];
+    // The step's inputs through L2 (prnn_load_cg): the caller's buffers come back at the same
+    // addresses steps apart (a memory pool), and this SM's L1 may still hold older lines.
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      giv[g] = io.gi[(size_t)b * G * hidden + g * hidden + j];
+      giv[g] = prnn_load_cg(io.gi + (size_t)b * G * hidden + g * hidden + j);
       if (io.b_ih != nullptr) giv[g] += io.b_ih[g * hidden + j];
       ghv[g] = row_sum(sm.part_s, b, team.row_of(g, u), R) + b_hh[g * hidden + j];
     }
     float h, c;
-    cell_forward_masked<PRNN_CELL>(true, giv, ghv, io.h_prev[at], kHasC ? io.c_prev[at] : 0.0f,
-                                   h, c, sv);
+    cell_forward_masked<PRNN_CELL>(true, giv, ghv, prnn_load_cg(io.h_prev + at),
+                                   kHasC ? prnn_load_cg(io.c_prev + at) : 0.0f, h, c, sv);
     io.h_out[at] = round_state(h);
     if (kHasC) io.c_out[at] = c;
   }
