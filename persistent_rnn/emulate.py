@@ -113,6 +113,7 @@ def modes(*names: str, seed: int = 0) -> Iterator[None]:
         _active_modes, _launches = saved
 
 
+@lru_cache(maxsize=None)  # (per launch: a cached answer enters no Python frame)
 def _mode_bits(chosen: frozenset) -> int:
     return sum(1 << i for i, name in enumerate(MODES) if name in chosen)
 
