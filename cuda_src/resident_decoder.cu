@@ -13,11 +13,12 @@
 //   that CTA's rows and runs the same step code - so a step's result never depends on who
 //   computed it. One CTA: it fits beside any resident grid smaller than the GPU.
 //
-// A step is the forward's step on the grid (persistent_forward.cu, not a cluster: a cluster's
-// lanes hold their columns in another order): h_{t-1} staged as the exchange delivers it
-// (stage_exchanged), the tile's product (multiply_rows), the partial sums in the same order
-// (row_sum), b_hh and gi_t added, the cell's pointwise math (cell_forward_masked): bitwise the
-// sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}. h_{t-1} comes from the caller each
+// A step is the forward's step (persistent_forward.cu) on the layer's tile: h_{t-1} staged as the
+// exchange delivers it (stage_exchanged), the tile's product (multiply_rows), the partial sums
+// in the same order (row_sum), b_hh and gi_t added, the cell's pointwise math
+// (cell_forward_masked): bitwise the sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}.
+// A cluster tile is built as a grid (no PRNN_CLUSTER) with PRNN_WORD_SPAN, so that its lanes
+// take their columns word by word as the cluster kernel's direct read does (the same sums). h_{t-1} comes from the caller each
 // step (any state, not only the last output), so the CTAs exchange nothing: each waits only for
 // the post.
 //

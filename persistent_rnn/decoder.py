@@ -42,7 +42,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -66,7 +66,7 @@ JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (
 
 @dataclass(frozen=True)
 class DecoderPlan:
-    """The resident kernel's launch: the layer forward's grid tile (its -D), grid, block and
+    """The resident kernel's launch: the layer forward's tile (its -D), grid, block and
     shared memory (the staged vector, the partial sums and CONTROL_WORDS)."""
 
     defines: dict[str, int]
@@ -77,12 +77,13 @@ class DecoderPlan:
 
 def plan(cell: CellSpec, hidden: int, batch: int,
          device: hardware.DeviceProfile) -> tuple[DecoderPlan | None, str | None]:
-    """The resident plan of a layer on ``device``, or ``(None, why not)``. The grid tile, not a
-    cluster: a cluster's lanes hold their columns in another order (its steps would not be the
-    grid kernel's bits). The rule for big layers: the step kernel's one CTA needs an SM beside
-    the resident grid (one CTA per SM, as the planner sizes the tiles), so grid < SM count."""
-    grid_only = replace(device, max_cluster_ctas=0)
-    layer_plan = planner.make_plan(cell, hidden, batch, "float32", grid_only)
+    """The resident plan of a layer on ``device``, or ``(None, why not)``: the tile of the
+    layer's own forward there (``plan.make_plan``), so that a step sums as that kernel does. A
+    cluster tile is built without ``PRNN_CLUSTER`` (the step kernel's one CTA could not launch
+    as a cluster) and with ``PRNN_WORD_SPAN`` (its lanes take their columns as the cluster
+    kernel's do). The rule for big layers: the step kernel's CTA needs an SM beside the resident
+    grid (one CTA per SM, as the planner sizes the tiles), so grid < SM count."""
+    layer_plan = planner.make_plan(cell, hidden, batch, "float32", device)
     if not layer_plan.fits:
         return None, f"the layer's persistent kernel does not fit: {layer_plan.reason}"
     fwd = layer_plan.forward
@@ -90,9 +91,11 @@ def plan(cell: CellSpec, hidden: int, batch: int,
         return None, (f"its kernel takes the whole GPU ({fwd.grid} CTAs, one per SM, on "
                       f"{device.sm_count} SMs): the step kernel's CTA would have no SM beside it "
                       f"(the rule: grid < SM count)")
-    d = fwd.defines
+    d = dict(fwd.defines)
+    if d.pop("PRNN_CLUSTER", None) is not None:
+        d["PRNN_WORD_SPAN"] = 1
     words = batch * fwd.exchange_row + batch * d["PRNN_KSPLIT"] * cell.gates * d["PRNN_UNITS"]
-    return DecoderPlan(dict(d), fwd.grid, fwd.block, 4 * (words + CONTROL_WORDS)), None
+    return DecoderPlan(d, fwd.grid, fwd.block, 4 * (words + CONTROL_WORDS)), None
 
 
 def _module(xp, defines: Mapping[str, int]):

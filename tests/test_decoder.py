@@ -1,6 +1,6 @@
 """The resident decoder (``persistent_rnn.decoder``, ``cuda_src/resident_decoder.cu``) in the CPU
-emulation: its steps bitwise equal to the layer's persistent kernel (T=1 calls of the grid path,
-the whole-sequence kernel on the same projected inputs), across idle exits, takeovers by the step
+emulation: its steps bitwise equal to the layer's persistent kernel (T=1 calls, the
+whole-sequence kernel on the same projected inputs; the cluster tile and the grid tile), across idle exits, takeovers by the step
 kernel and stalls inside steps; its lifetimes (close, garbage collection, an exception in the
 loop, two decoders on one module, decoders on two threads) leave no emulated kernel running;
 bad input gets errors naming the argument; a step is one launch here (the GPU adds the input
@@ -29,7 +29,8 @@ from persistent_rnn.cells import CELLS
 from persistent_rnn.functional import _projected
 
 IN, H, B, T = 8, 24, 2, 4
-GRID_ONLY = dict(max_cluster_ctas=0, stack=False)  # the layer runs the grid kernel, per layer
+PER_LAYER = dict(stack=False)  # the sequence path: the layer kernel per layer (not stack mode's)
+PLACEMENTS = {"cluster": {}, "grid": dict(max_cluster_ctas=0)}  # the emulated H100's, and grid
 EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 
 
@@ -50,9 +51,9 @@ def _inputs(seed: int = 1, steps: int = T):
 
 
 def _cell_loop(layer, xs):
-    """The layer's persistent kernel one step per call (T=1, grid path): each step's output."""
+    """The layer's persistent kernel one step per call (T=1): each step's output."""
     out, state = [], None
-    with prnn.override_settings(**GRID_ONLY):
+    with prnn.override_settings(**PER_LAYER):
         for x in xs:
             y, state = layer.forward(x[None], state)
             out.append(y[0])
@@ -74,19 +75,23 @@ def _equal(got, want) -> None:
         assert np.array_equal(a, b), f"step {t}: max |diff| {np.abs(a - b).max()}"
 
 
-def test_steps_equal_the_cell_loop_and_the_sequence_kernel():
-    """LSTM (GRU: the torch decoder against torch.nn, test_decoder_torch.py)."""
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_steps_equal_the_cell_loop_and_the_sequence_kernel(placement, settings):
+    """LSTM (GRU: the torch decoder against torch.nn, test_decoder_torch.py), on the tile the
+    layer runs: a cluster's (built as a grid, PRNN_WORD_SPAN) and the grid's."""
+    prnn.configure(**PLACEMENTS[placement])
     layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
     xs = _inputs()
     with layer.decoder(batch=B) as dec:
         assert dec.resident and dec.reason is None
+        assert ("PRNN_WORD_SPAN" in dec._residents[0].dp.defines) == (placement == "cluster")
         got = _decode(dec, xs)
     _equal(got, _cell_loop(layer, xs))
     # The whole-sequence kernel on the same inputs: the decoder's projections of each step.
     p = layer.params
     gi = np.stack([_projected(x[None], p["weight_ih_l0"], p["bias_ih_l0"])[0] for x in xs])
     zeros = np.zeros((B, H), np.float32)
-    with prnn.override_settings(**GRID_ONLY):
+    with prnn.override_settings(**PER_LAYER):
         res, stats = runtime.forward(layer.cell, gi, p["weight_hh_l0"], p["bias_hh_l0"], zeros,
                                      zeros, None, "persistent")
     assert stats.algo == "persistent" and "prnn_persistent_forward" in stats.details[0]
@@ -116,7 +121,7 @@ def test_a_two_layer_decoder_equals_the_per_layer_kernels():
         h0 = tuple(rng.standard_normal((2, B, H)).astype(np.float32) for _ in range(2))
         y, hn = dec.step(xs[0], h0)  # any state, not only the last output
     _equal(got, _cell_loop(layer, xs))
-    with prnn.override_settings(**GRID_ONLY):
+    with prnn.override_settings(**PER_LAYER):
         y_ref, hn_ref = layer.forward(xs[:1], h0)
     assert np.array_equal(y, y_ref[0])
     assert all(np.array_equal(a, b) for a, b in zip(hn, hn_ref))
@@ -305,12 +310,15 @@ def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
         assert np.array_equal(dec.step(x), cell.forward(x))
 
 
-def test_the_kernels_compile_for_the_gpu_without_spills():
-    """NVRTC builds both kernels of the largest resident tile (LSTM H=1024, B=1: its weights take
-    the most registers) for sm_90 with no stack frame and no spills."""
+@pytest.mark.parametrize("hidden,batch", [(1024, 1), (256, 4)])
+def test_the_kernels_compile_for_the_gpu_without_spills(hidden, batch):
+    """NVRTC builds both kernels of the largest resident grid tile (LSTM H=1024, B=1: its weights
+    take the most registers) and of a cluster tile (H=256, B=4, PRNN_WORD_SPAN) for sm_90 with
+    no stack frame and no spills."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from persistent_rnn import kernels
-    dp, _ = decoding.plan(CELLS["lstm"], 1024, 1, hardware.PROFILES["h100"])
+    dp, _ = decoding.plan(CELLS["lstm"], hidden, batch, hardware.PROFILES["h100"])
+    assert ("PRNN_WORD_SPAN" in dp.defines) == (hidden == 256)
     log = kernels.compile_source(decoding.SOURCE, dp.defines, "sm_90").log
     frames = re.findall(r"Function properties for (\w+)\n[^\n]*?(\d+) bytes stack frame, (\d+) bytes "
                         r"spill stores, (\d+) bytes spill loads", log)

@@ -1,5 +1,6 @@
 """The resident decoder on a real GPU (marked ``gpu``; written without a GPU - not yet run): its
-steps bitwise equal to the layer's persistent grid kernel called with T=1, across an idle exit;
+steps bitwise equal to the layer's persistent kernel called with T=1 (a grid tile at H=640),
+across an idle exit;
 two launches a step and no host synchronisation; a greedy loop captured in a CUDA graph and
 replayed gives the eager loop's bits; close leaves nothing running."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from persistent_rnn.matmul import matmul
 
 pytestmark = pytest.mark.gpu
 IN, H, B, T = 64, 640, 1, 6
-GRID_ONLY = dict(max_cluster_ctas=0, stack=False)
+PER_LAYER = dict(stack=False)
 
 
 def _layer(cp, mode="LSTM"):
@@ -30,7 +31,7 @@ def _inputs(cp):
 
 def _cell_loop(layer, xs):
     out, state = [], None
-    with prnn.override_settings(**GRID_ONLY):
+    with prnn.override_settings(**PER_LAYER):
         for x in xs:
             y, state = layer.forward(x[None], state)
             out.append(y[0].get())
