@@ -702,8 +702,8 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     measurements. A decoder step in a captured loop: the input projection's GEMM
     (``_gemm_us``), the gaps before it and the step kernel (``GRAPH_GAP_US`` each), three
     dependent L2 round trips (the post seen by the resident CTAs, h_{t-1} staged, the done words
-    seen by the step kernel) and the resident step: the layer forward's grid step from its SASS
-    without its exchange (issue, matrix, barriers, pointwise). Eagerly the host issues two API
+    seen by the step kernel) and the resident step: the layer forward's step (its tile, as the
+    decoder runs it) from its SASS without its exchange (issue, matrix, barriers, pointwise). Eagerly the host issues two API
     calls a step (``API_CALL_HOST_US`` each) and a step takes the longer of host and GPU.
     ``projected_us``: a captured ``step_projected`` (the caller gives x W_ih^T + b_ih, e.g. from
     a per-token table: the step kernel alone). ``post_projection_us``: the same step were the projection done inside the step kernel (its
@@ -726,8 +726,7 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     record.update(resident=dp is not None, reason=why)
     if dp is None:
         return record
-    grid_dev = replace(dev, max_cluster_ctas=0)
-    p = planner.make_plan(spec, hidden, batch, "float32", grid_dev).forward
+    p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
     t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
     compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us
     projection = _gemm_us(2.0 * batch * inputs * gh, dev)
