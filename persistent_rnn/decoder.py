@@ -28,7 +28,7 @@ the emulation, at ``check()``/``close()`` on a GPU).
 The rule for big layers: the step kernel's one CTA must find an SM beside the resident grid (one
 CTA per SM, as the planner sizes the tiles), so a decoder is resident only where grid < SM count
 (an H100's 132 SMs: every fp32 LSTM and GRU up to H = 1024 at B = 1, whose grid tile is 128
-CTAs). Otherwise, and for float64, the decoder says why (``reason``, a ``ResourceWarning``) and
+CTAs). Otherwise, and for float64, the decoder says why (``reason``, a ``RuntimeWarning``) and
 runs the fused step kernel (``cell_step.fused_step``) on the GPU, or the GEMM step elsewhere
 (``fallback``: ``cell_step.step_forward``).
 The resident kernel holds its ``grid`` SMs (``sms_held``) for the decoder's life: the caller's
@@ -240,7 +240,7 @@ class Decoder:
         if why is not None:
             warnings.warn(f"decoder not resident: {why}; each step runs the "
                           f"{'fused step kernel' if self._fused() else 'GEMM step'}",
-                          ResourceWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=3)
         for r in self._residents:  # launched now: the first step finds the weights loaded
             r.ensure()
 
@@ -261,6 +261,7 @@ class Decoder:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` (or the end of the ``with`` block) has stopped the decoder."""
         return not self._finalizer.alive
 
     def __enter__(self) -> "Decoder":

@@ -303,7 +303,7 @@ def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
     assert whole is None and "grid < SM count" in why
     cell = prnn.GRUCell(IN, H, dtype="float64", seed=0)
     x = _inputs()[0].astype(np.float64)
-    with pytest.warns(ResourceWarning, match="float64"):
+    with pytest.warns(RuntimeWarning, match="float64"):
         dec = cell.decoder(batch=B)
     with dec:
         assert not dec.resident
