@@ -148,9 +148,10 @@ class _Resident:
         args = (self.w_hh, self.b_hh, self.box, self.state, np.int32(self.batch),
                 np.int32(self.hidden), _timeout_ns(self.xp), *stall.args())
         dp = self.dp
-        if self.xp is np:
-            self.running = self.module.launch_async("prnn_resident_decoder", dp.grid, dp.block,
-                                                    dp.shared_bytes, args)
+        if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
+            self.running = self.module.launch_async(
+                "prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args,
+                max_resident=settings.current().emulation_max_resident)
         else:
             stream = self.running or self.xp.cuda.Stream(non_blocking=True)
             stream.wait_event(self.xp.cuda.get_current_stream().record())  # the words, zeroed

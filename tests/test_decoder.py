@@ -179,6 +179,19 @@ def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
     assert not np.array_equal(y, want[1])
 
 
+def test_a_busy_gpu_runs_the_decoder_partly_resident(settings):
+    """One resident CTA at a time (``emulation_max_resident``: a GPU whose other work holds the
+    SMs): the slices whose CTAs cannot start are the step kernel's, the same bits."""
+    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    xs = _inputs(steps=3)
+    want = _cell_loop(layer, xs)
+    prnn.configure(emulation_max_resident=1, emulation_timeout_ms=50)
+    with layer.decoder(batch=B) as dec:
+        assert dec._residents[0].dp.grid > 1
+        got = _decode(dec, xs)
+    _equal(got, want)
+
+
 @pytest.mark.parametrize("seed", [3])  # (seeds 0-12 pass: run by hand)
 def test_a_weaker_machine_keeps_the_results_bitwise(seed, settings):
     """Every seeded mode of the emulation at once (random fiber order and stalls, stores landing
