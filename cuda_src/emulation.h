@@ -159,8 +159,10 @@ enum Mode : unsigned {
   kDelayed = 1u << 5,      // relaxed and cluster stores become visible after a random delay; a
                            // reader yields between the words of a quad
 };
-inline unsigned modes = 0u;
-inline unsigned long long mode_seed = 0ull;  // this launch's (emulate.py draws one per launch)
+// Per launch (thread-local: prnn_emu_set_modes sets the launching thread's, the launcher copies
+// them into its CTAs' threads), so that launches running at once keep their own.
+inline thread_local unsigned modes = 0u;
+inline thread_local unsigned long long mode_seed = 0ull;  // this launch's (emulate.py draws one per launch)
 inline bool on(unsigned m) { return (modes & m) != 0u; }
 
 // The CTA's random numbers (splitmix64), seeded from the launch's seed and the block.
@@ -176,10 +178,35 @@ inline unsigned random_below(unsigned n) {
   random_state = mix(random_state);
   return (unsigned)(random_state % n);
 }
-// Set by the launcher once a launch has run past its watchdog: the timer then jumps far ahead, so
-// every deadline passes and every polling loop ends.
-inline unsigned long long watchdog_ns = ~0ull;
-inline bool watchdog_fired = false;
+// A lock held for a few instructions that yields the core while it waits: with far more CTA
+// threads than cores a holder is often descheduled, and spinning would burn whole time slices.
+// (Not std::mutex: <mutex> declares an extern "C" function, which emulate.py would take for a
+// kernel.)
+struct SpinLock {
+  std::atomic_flag flag = ATOMIC_FLAG_INIT;
+  void lock() {
+    while (flag.test_and_set(std::memory_order_acquire)) sched_yield();
+  }
+  void unlock() { flag.clear(std::memory_order_release); }
+};
+struct Hold {
+  SpinLock& lock;
+  explicit Hold(SpinLock& l) : lock(l) { lock.lock(); }
+  ~Hold() { lock.unlock(); }
+};
+// One launch's own state, shared by its launching thread and its CTAs' threads (each holds a
+// pointer, `launch_state`): launches that run at once (an asynchronous launch beside synchronous
+// ones, emulate.py's launch_async) keep apart their watchdog and their first error.
+// watchdog_ns: once a launch has run past it, the timer jumps far ahead, so every deadline passes
+// and every polling loop ends.
+struct LaunchState {
+  unsigned long long watchdog_ns = ~0ull;
+  bool watchdog_fired = false;
+  SpinLock error_lock;
+  int error_code = 0;  // emulation_launch.h's Error
+  char error_text[512] = "";
+};
+inline thread_local LaunchState* launch_state = nullptr;
 
 inline unsigned long long steady_ns() {
   using namespace std::chrono;
@@ -189,8 +216,9 @@ inline unsigned long long steady_ns() {
 
 // Whether the launch has run past its watchdog (host wall time, whatever the timer's mode).
 inline bool past_watchdog() {
-  if (steady_ns() <= __atomic_load_n(&watchdog_ns, __ATOMIC_RELAXED)) return false;
-  __atomic_store_n(&watchdog_fired, true, __ATOMIC_RELAXED);
+  LaunchState* state = launch_state;
+  if (state == nullptr || steady_ns() <= state->watchdog_ns) return false;
+  __atomic_store_n(&state->watchdog_fired, true, __ATOMIC_RELAXED);
   return true;
 }
 
@@ -208,24 +236,8 @@ inline bool past_watchdog() {
 constexpr unsigned long long kIdleQuantumNs = 1000000;
 constexpr unsigned long long kNoMiss = ~0ull;
 inline std::atomic<unsigned long long> virtual_ns{1};
-inline std::atomic<int> live_ctas{0};  // resident workers (set by the launcher)
+inline std::atomic<int> live_ctas{0};  // resident workers of every launch running (launchers add theirs)
 inline std::atomic<unsigned long long> progress{0ull};  // rounds, over all CTAs, that did work
-// A lock held for a few instructions that yields the core while it waits: with far more CTA
-// threads than cores a holder is often descheduled, and spinning would burn whole time slices.
-// (Not std::mutex: <mutex> declares an extern "C" function, which emulate.py would take for a
-// kernel.)
-struct SpinLock {
-  std::atomic_flag flag = ATOMIC_FLAG_INIT;
-  void lock() {
-    while (flag.test_and_set(std::memory_order_acquire)) sched_yield();
-  }
-  void unlock() { flag.clear(std::memory_order_release); }
-};
-struct Hold {
-  SpinLock& lock;
-  explicit Hold(SpinLock& l) : lock(l) { lock.lock(); }
-  ~Hold() { lock.unlock(); }
-};
 inline SpinLock clock_lock;
 // Under clock_lock: the progress value the current count of misses belongs to, the count, and a
 // number for each count (a CTA counts once per count: `counted_in`).
@@ -314,10 +326,12 @@ inline thread_local unsigned tick = 0u;
 // Clusters: each block's shared memory by block index (set by the launcher before the blocks
 // run; kept until the launch ends), which blocks have exited, and one arrival counter per cluster
 // for the cluster barrier (one launch at a time).
-inline unsigned char** cluster_shared = nullptr;
-inline std::atomic<bool>* cluster_exited = nullptr;
-inline unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
-inline int cluster_size = 1;
+// (Thread-local: the launcher sets them in each of its CTAs' threads, so a launch without
+// clusters running at the same time sees none.)
+inline thread_local unsigned char** cluster_shared = nullptr;
+inline thread_local std::atomic<bool>* cluster_exited = nullptr;
+inline thread_local unsigned* cluster_counters = nullptr;  // [clusters]: arrivals, monotonically increasing
+inline thread_local int cluster_size = 1;
 // Set to the launcher's error reporters: a store into the shared memory of a CTA that exited; a
 // whole-warp collective (mma, ldmatrix) with fewer than 32 live lanes.
 inline void (*late_store)(int from, int to) = nullptr;
@@ -528,6 +542,12 @@ inline unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
   prnn_emu::working();
   unsigned expected = 0u;
   __atomic_compare_exchange_n(p, &expected, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return expected;
+}
+inline unsigned prnn_atomic_cas_acq_rel(unsigned* p, unsigned expected, unsigned v) {
+  prnn_emu::working();
+  prnn_emu::drain(true);
+  __atomic_compare_exchange_n(p, &expected, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
   return expected;
 }
 inline float prnn_load_cg(const float* p) {

@@ -65,15 +65,17 @@ constexpr unsigned char kCanary = 0xA5;
 enum Error { kOk = 0, kDeadlock = 1, kSharedOverrun = 2, kWatchdog = 3, kNoMemory = 4, kBadCluster = 5,
              kNoThreads = 6, kLateClusterStore = 7, kStackOverflow = 8, kPartialWarp = 9 };
 
-inline std::mutex error_lock;
-inline int error_code = kOk;
-inline char error_text[512] = "";
+// The text of the last launch this thread ran (prnn_emu_error).
+inline thread_local char last_error[512] = "";
 
+// Records the launch's first error (launch_state: the launch of the calling thread).
 inline void fail(int code, const char* fmt, int a, int b) {
-  std::lock_guard<std::mutex> hold(error_lock);
-  if (error_code != kOk) return;  // keep the first error
-  error_code = code;
-  std::snprintf(error_text, sizeof error_text, fmt, a, b);
+  LaunchState* state = launch_state;
+  if (state == nullptr) return;
+  const Hold hold(state->error_lock);
+  if (state->error_code != kOk) return;  // keep the first error
+  state->error_code = code;
+  std::snprintf(state->error_text, sizeof state->error_text, fmt, a, b);
 }
 
 inline void report_late_store(int from, int to) {
@@ -84,6 +86,16 @@ inline void report_late_store(int from, int to) {
 inline void report_partial_warp(int b, int warp) {
   fail(kPartialWarp, "block %d: warp %d ran an .aligned warp collective (mma, ldmatrix) without "
        "all 32 of its lanes (every lane must take part)", b, warp);
+}
+
+// emulation.h's hooks into the launcher's error reports, installed by the first launch only
+// (launches that run at once would race on them).
+inline std::once_flag hooks_installed;
+inline void install_hooks() {
+  std::call_once(hooks_installed, [] {
+    late_store = report_late_store;
+    partial_warp = report_partial_warp;
+  });
 }
 
 template <class T>
@@ -310,36 +322,31 @@ inline bool check_stacks(const StackSet& set, int b) {
 // The whole grid: `resident` OS threads take blocks in index order (kShuffle: a random order),
 // each starting its next block only when the previous one exited, as on a GPU too busy to hold
 // the whole grid.
-inline int launch(void (*run)(void*, void**), void* kernel, int grid, int threads,
-                  int shared_bytes, int max_resident, void** args, double watchdog_s) {
-  {
-    std::lock_guard<std::mutex> hold(error_lock);
-    error_code = kOk;
-    error_text[0] = '\0';
-  }
+inline int launch_grid(void (*run)(void*, void**), void* kernel, int grid, int threads,
+                       int shared_bytes, int max_resident, void** args, double watchdog_s) {
+  LaunchState& state = *launch_state;
+  install_hooks();
+  const unsigned launch_modes = modes;
+  const unsigned long long launch_seed = mode_seed;
   std::vector<int> order(grid);
   std::iota(order.begin(), order.end(), 0);
   if (on(kShuffle)) {
     random_state = mix(mode_seed);
     for (int i = grid - 1; i > 0; --i) std::swap(order[i], order[random_below(i + 1)]);
   }
-  late_store = report_late_store;
-  partial_warp = report_partial_warp;
-  watchdog_fired = false;
-  watchdog_ns = steady_ns() + (unsigned long long)(watchdog_s * 1e9);
+  state.watchdog_ns = steady_ns() + (unsigned long long)(watchdog_s * 1e9);
   int resident = max_resident > 0 && max_resident < grid ? max_resident : grid;
 #ifdef PRNN_CLUSTER
   // A cluster's CTAs are resident together (the GPU schedules a cluster whole): whole clusters
   // only, each block's shared memory published to the others.
   if (grid % PRNN_CLUSTER != 0) {
     fail(kBadCluster, "grid %d is not a multiple of the cluster size %d", grid, PRNN_CLUSTER);
-    return error_code;
+    return state.error_code;
   }
-  cluster_size = PRNN_CLUSTER;
   resident = (resident + PRNN_CLUSTER - 1) / PRNN_CLUSTER * PRNN_CLUSTER;
   if (resident != grid) {  // workers would start a cluster's blocks at different times
     fail(kBadCluster, "clusters run only with the whole grid resident (grid %d, resident %d)", grid, resident);
-    return error_code;
+    return state.error_code;
   }
   // Every block's shared memory lives until the launch ends, so that a store into a block that
   // has exited is found (cluster_exited) instead of corrupting the heap.
@@ -348,11 +355,14 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   std::unique_ptr<std::atomic<bool>[]> exited(new std::atomic<bool>[grid]);
   for (int i = 0; i < grid; ++i) exited[i].store(false);
   std::vector<unsigned> counters(grid / PRNN_CLUSTER, 0u);
-  cluster_shared = shared_of.data();
-  cluster_exited = exited.get();
-  cluster_counters = counters.data();
+  unsigned char** const launch_shared = shared_of.data();
+  std::atomic<bool>* const launch_exited = exited.get();
+  unsigned* const launch_counters = counters.data();
   std::vector<std::vector<unsigned char>>* cluster_buffers = &buffers;
 #else
+  unsigned char** const launch_shared = nullptr;
+  std::atomic<bool>* const launch_exited = nullptr;
+  unsigned* const launch_counters = nullptr;
   std::vector<std::vector<unsigned char>>* cluster_buffers = nullptr;
 #endif
   std::atomic<int> next{0};
@@ -367,6 +377,15 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
       std::unique_lock<std::mutex> wait(start_lock);
       started.wait(wait, [&] { return go; });
     }
+    launch_state = &state;  // this launch's, in the CTA's thread
+    modes = launch_modes;
+    mode_seed = launch_seed;
+#ifdef PRNN_CLUSTER
+    cluster_size = PRNN_CLUSTER;
+#endif
+    cluster_shared = launch_shared;
+    cluster_exited = launch_exited;
+    cluster_counters = launch_counters;
     const StackSet stacks = take_stacks(threads);
     if (stacks.base == nullptr) {
       fail(kNoMemory, "cannot map stacks for %d threads (%d KiB each)", threads,
@@ -408,12 +427,15 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
         break;
       }
     }
-    if (error_code == kNoThreads) break;
+    if (state.error_code == kNoThreads) break;
   }
-  live_ctas.store((int)workers.size());
-  missed = 0;  // the workers are new threads: none has missed yet
-  miss_progress = ~0ull;
-  last_round_ns = steady_ns();
+  {
+    const Hold hold(clock_lock);
+    live_ctas.fetch_add((int)workers.size());
+    missed = 0;  // the workers are new threads: none has missed yet
+    miss_progress = ~0ull;
+    last_round_ns = steady_ns();
+  }
   jumps_left.store(kJumpsPerLaunch);
   {
     std::lock_guard<std::mutex> hold(start_lock);
@@ -421,12 +443,21 @@ inline int launch(void (*run)(void*, void**), void* kernel, int grid, int thread
   }
   started.notify_all();
   for (auto& w : workers) w.join();
-  cluster_shared = nullptr;
-  cluster_exited = nullptr;
-  cluster_counters = nullptr;
-  watchdog_ns = ~0ull;
-  if (watchdog_fired) fail(kWatchdog, "the launch ran past its %d s watchdog (grid %d); its barrier waits were ended", (int)watchdog_s, grid);
-  return error_code;
+  if (state.watchdog_fired) fail(kWatchdog, "the launch ran past its %d s watchdog (grid %d); its barrier waits were ended", (int)watchdog_s, grid);
+  return state.error_code;
+}
+
+// Launches may run at once (emulate.py's launch_async beside synchronous launches): what one
+// launch owns lives in its LaunchState and in its CTAs' thread-locals; the virtual clock and its
+// count of live CTAs are the machine's.
+inline int launch(void (*run)(void*, void**), void* kernel, int grid, int threads,
+                  int shared_bytes, int max_resident, void** args, double watchdog_s) {
+  LaunchState state;
+  launch_state = &state;
+  const int code = launch_grid(run, kernel, grid, threads, shared_bytes, max_resident, args, watchdog_s);
+  std::snprintf(last_error, sizeof last_error, "%s", state.error_text);
+  launch_state = nullptr;
+  return code;
 }
 
 template <class... A>
@@ -444,10 +475,12 @@ int launch_kernel(void (*kernel)(A...), int grid, int threads, int shared_bytes,
 
 }  // namespace prnn_emu
 
-extern "C" const char* prnn_emu_error() { return prnn_emu::error_text; }
+// The error of the last launch the calling thread ran.
+extern "C" const char* prnn_emu_error() { return prnn_emu::last_error; }
 
-// The modes of the launches that follow (emulation.h's Mode bits; emulate.py's MODES) and the
-// seed of their random choices (emulate.py sets both before every launch: a seed per launch).
+// The modes of the launches the calling thread runs next (emulation.h's Mode bits; emulate.py's
+// MODES) and the seed of their random choices (emulate.py sets both before every launch, in the
+// thread that launches: a seed per launch).
 extern "C" void prnn_emu_set_modes(unsigned modes, unsigned long long seed) {
   prnn_emu::modes = modes;
   prnn_emu::mode_seed = seed;

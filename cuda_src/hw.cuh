@@ -69,6 +69,13 @@ PRNN_DEVICE unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
   asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(0u), "r"(v) : "memory");
   return old;
 }
+// Stores v at p if p holds `expected` (compare-and-swap, acquire and release: the winner sees
+// what was released before the word took `expected`); returns what p held before.
+PRNN_DEVICE unsigned prnn_atomic_cas_acq_rel(unsigned* p, unsigned expected, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(v) : "memory");
+  return old;
+}
 // Relaxed (strong, GPU scope) accesses: they bypass the incoherent L1 and are single-copy atomic,
 // but order nothing else, so they emit neither a fence (MEMBAR) nor an L1 invalidate (CCTL).
 PRNN_DEVICE unsigned prnn_load_relaxed(const unsigned* p) {

@@ -90,6 +90,15 @@ PRNN_DEVICE int launch_start(const unsigned* control, int start) {
   return start != kResumeFromChain ? start : reinterpret_cast<const int*>(control)[2 + gridDim.x];
 }
 
+// Whether a tile's lanes take their columns word by word (TileOf::kSpan = kPerWord), as a
+// cluster's direct read needs: in a cluster, and in a kernel that must sum as a cluster kernel
+// does without being launched as one (-D PRNN_WORD_SPAN=1: the resident decoder's build of a
+// cluster tile, resident_decoder.cu).
+#ifndef PRNN_WORD_SPAN
+#define PRNN_WORD_SPAN 0
+#endif
+constexpr bool kWordSpan = kDirectRead || PRNN_WORD_SPAN;
+
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
 
@@ -110,7 +119,7 @@ struct TileOf {
   // instead of 4 (a cluster's direct read polls word by word: kPerWord). Lane l holds columns
   // kSpan * (l + 32 a) + e of the chunk, span a < kSpans, e < kSpan: a warp's load of span a
   // covers 32 * kSpan contiguous columns, free of bank conflicts.
-  static constexpr int kSpan = kPerWord == 1 && kKpt % 4 == 0 && !kDirectRead ? 4 : kPerWord;
+  static constexpr int kSpan = kPerWord == 1 && kKpt % 4 == 0 && !kWordSpan ? 4 : kPerWord;
   static constexpr int kSpans = kKpt / kSpan;
   static constexpr int kSpanWords = kSpan / kPerWord;  // weight registers per row and span
   WeightWord w[kRows][kWordsPerLane];  // w[r][a * kSpanWords + j]: span a's word j

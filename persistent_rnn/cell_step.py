@@ -191,6 +191,14 @@ class _Cell:
         for g in self.grads.values():
             g[...] = 0
 
+    def decoder(self, batch: int):
+        """A resident decoder of this cell for ``batch`` rows: single steps with W_hh held in
+        registers between them (``persistent_rnn.decoder``; docs/api.md); the weights are
+        those of this call. A context manager."""
+        from .decoder import Decoder
+        return Decoder(self.cell, [self.params], batch, self.input_size, self.hidden_size,
+                       stacked=False, fallback=step_forward)
+
     def forward(self, x: Array, hx: Any = None) -> Any:
         """One step: ``x`` (B, input_size) or unbatched (input_size,); ``hx`` ``None`` (zeros),
         h (B, H) (unbatched (H,)) or, for LSTM, ``(h, c)``. Returns h' (LSTM: ``(h', c')``),

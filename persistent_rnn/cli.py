@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
     pl.add_argument("--verbose", action="store_true",
                     help="where the layer does not fit, every tile tried and why")
+    pl.add_argument("--decoder", action="store_true",
+                    help="also predict a resident decoder's step and the fused step (float32)")
     d = sub.add_parser("demo", help="forward/backward of every cell (NumPy); without a GPU, "
                                     "predicted persistent step times beside recorded cuDNN ones")
     d.add_argument("--out", type=Path, default=Path("out"), help="where the plot goes (default out)")
@@ -178,6 +180,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return _error("plan", str(exc))
     if not record["fits"]:
         return _plan_not_fit(args, record)
+    if getattr(args, "decoder", False) and args.dtype == "float32":
+        record["decoder"] = latency.predict_decoder_step(args.cell, args.hidden, args.batch,
+                                                         device=args.device)
     if args.json:
         print(json.dumps(record, indent=1))
         return 0
@@ -218,8 +223,23 @@ def run_plan(args: argparse.Namespace) -> int:
                   f"{sm['apart_forward_pass_us']:.0f} / {sm['apart_backward_pass_us']:.0f} µs)")
         else:
             print(f"stack mode: no ({sm['reason']})")
+    if "decoder" in record:
+        _print_decoder(record["decoder"])
     print(f"(a prediction of the latency model, not a measurement: {record['calibration']})")
     return 0
+
+
+def _print_decoder(d: dict) -> None:
+    """``prnn plan --decoder``'s lines (predictions)."""
+    print(f"fused step kernel: predicted {d['fused_step_us']:.2f} µs a step (input size "
+          f"{d['input_size']})")
+    if not d["resident"]:
+        print(f"resident decoder: no ({d['reason']})")
+        return
+    print(f"resident decoder: {d['ctas']} CTAs held; predicted per step {d['captured_us']:.2f} µs "
+          f"captured in a CUDA graph (projection GEMM {d['projection_us']:.2f}, hand-offs "
+          f"{d['handoff_us']:.2f}, resident step {d['resident_step_us']:.2f}), "
+          f"{d['eager_us']:.2f} µs eager; step_projected {d['projected_us']:.2f} µs captured")
 
 
 def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:

@@ -61,8 +61,12 @@ RACE_DETECTOR_ENV = "PRNN_EMU_RACE_DETECTOR"
 RACE_LOG_ENV = "PRNN_EMU_RACE_LOG"
 _TSAN_FLAGS = ("-fsanitize=thread", "-g1", "-DPRNN_EMU_TSAN")
 
-# Kernel launches share the process-wide blockDim/gridDim of emulation.h: one at a time.
+# Synchronous launches run one at a time (the modes' launch count and the race detector's log are
+# the process's); an asynchronous one (launch_async) runs beside them: the launcher keeps each
+# launch's own state apart (emulation_launch.h).
 _LAUNCH_LOCK = threading.Lock()
+_ASYNC_LOCK = threading.Lock()
+_running: set["AsyncLaunch"] = set()  # asynchronous launches not yet finished
 _BUILD_LOCK = threading.Lock()
 
 _SCALARS = {
@@ -109,6 +113,7 @@ def modes(*names: str, seed: int = 0) -> Iterator[None]:
         _active_modes, _launches = saved
 
 
+@lru_cache(maxsize=None)  # (per launch: a cached answer enters no Python frame)
 def _mode_bits(chosen: frozenset) -> int:
     return sum(1 << i for i, name in enumerate(MODES) if name in chosen)
 
@@ -153,8 +158,40 @@ class EmulatedModule:
             self._launch(kernel, grid, block, shared_bytes, args, max_resident)
             _check_races(self._race_log, seen, kernel)
 
-    def _launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple,
-                max_resident: int | None) -> None:
+    def launch_async(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple,
+                     max_resident: int | None = None) -> "AsyncLaunch":
+        """Start ``kernel`` like ``launch`` but on a background host thread - a kernel on a
+        stream of its own, running while the caller's launches run (a resident kernel that
+        waits for their posts) - and return at once. ``AsyncLaunch.join`` waits (bounded) and
+        raises what ``launch`` would. The arrays in ``args`` are kept alive until it ends.
+        Under the race detector, a report logged while it ran fails it (and may fail a
+        synchronous launch that ran beside it too: the log is the process's)."""
+        entry, keep, argv = self._prepare(kernel, grid, block, shared_bytes, args)
+        bits, seed = self._draw_modes()
+        handle = AsyncLaunch(kernel, args)
+        seen = _log_size(self._race_log)
+
+        def run() -> None:
+            self._lib.prnn_emu_set_modes(ctypes.c_uint(bits), ctypes.c_ulonglong(seed))
+            failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
+            message = self._lib.prnn_emu_error().decode() if failed else ""
+            del keep[:]
+            error = f"emulated launch of {kernel} failed: {message}" if failed else None
+            try:
+                _check_races(self._race_log, seen, kernel)
+            except RaceError as exc:
+                error = error or str(exc)
+            handle._finish(error)
+
+        with _ASYNC_LOCK:
+            _running.add(handle)
+        handle._thread = threading.Thread(target=run, name=f"prnn-emu-{kernel}", daemon=True)
+        handle._thread.start()
+        return handle
+
+    def _prepare(self, kernel: str, grid: int, block: int, shared_bytes: int,
+                 args: tuple) -> tuple:
+        """The checked launch's entry point, the marshalled arguments and what keeps them."""
         if kernel not in self.kernels:
             raise ValueError(f"kernel {kernel!r} is not in this module; it has {self.kernels}")
         for name, value, low, high in (("grid", grid, 1, 2**31 - 1), ("block", block, 1, 1024),
@@ -166,14 +203,23 @@ class EmulatedModule:
         entry = getattr(self._lib, "prnn_emu_launch_" + kernel)
         entry.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p]
         entry.restype = ctypes.c_int
+        return entry, keep, argv
+
+    @staticmethod
+    def _draw_modes() -> tuple[int, int]:
+        """The next launch's mode bits and seed. Each launch draws its own numbers (a restart
+        does not replay its launch's choices), the same ones whenever the block of launches is
+        replayed from its seed."""
         global _launches
         chosen, seed = active_modes()
-        # Each launch draws its own numbers (a restart does not replay its launch's choices), the
-        # same ones whenever the block of launches is replayed from its seed.
         _launches += 1
-        launch_seed = hash((seed, _launches)) & (2**64 - 1)
-        self._lib.prnn_emu_set_modes(ctypes.c_uint(_mode_bits(chosen)),
-                                     ctypes.c_ulonglong(launch_seed))
+        return _mode_bits(chosen), hash((seed, _launches)) & (2**64 - 1)
+
+    def _launch(self, kernel: str, grid: int, block: int, shared_bytes: int, args: tuple,
+                max_resident: int | None) -> None:
+        entry, keep, argv = self._prepare(kernel, grid, block, shared_bytes, args)
+        bits, launch_seed = self._draw_modes()
+        self._lib.prnn_emu_set_modes(ctypes.c_uint(bits), ctypes.c_ulonglong(launch_seed))
         failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
         message = self._lib.prnn_emu_error().decode() if failed else ""
         del keep
@@ -184,6 +230,45 @@ class EmulatedModule:
         fn = getattr(self._lib, "prnn_emu_signature_" + kernel)
         fn.restype = ctypes.c_char_p
         return fn().decode()
+
+
+class AsyncLaunch:
+    """An emulated launch running on a background thread (``EmulatedModule.launch_async``)."""
+
+    def __init__(self, kernel: str, args: tuple):
+        self.kernel = kernel
+        self._args = args  # the arrays the kernel reads and writes live while it runs
+        self._ended = threading.Event()
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def _finish(self, error: str | None) -> None:
+        self._error = error
+        self._args = ()
+        with _ASYNC_LOCK:
+            _running.discard(self)
+        self._ended.set()
+
+    def done(self) -> bool:
+        """Whether the launch has ended (its kernel exited; a stream query, no waiting)."""
+        return self._ended.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds (None: until the watchdog ends it) for the launch to
+        end; TimeoutError if it is still running, EmulationError if it failed."""
+        if not self._ended.wait(timeout):
+            raise TimeoutError(f"the emulated launch of {self.kernel} is still running after "
+                               f"{timeout} s")
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise EmulationError(self._error)
+
+
+def running_launches() -> list[AsyncLaunch]:
+    """The asynchronous emulated launches that have not ended (tests: nothing left spinning)."""
+    with _ASYNC_LOCK:
+        return list(_running)
 
 
 def _check_signature(kernel: str, signature: str, args: tuple) -> None:

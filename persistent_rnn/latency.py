@@ -700,3 +700,49 @@ def terms_dict(t: StepTerms) -> dict:
             "barrier_us": t.barrier_us, "exchange_us": t.exchange_us,
             "pointwise_us": t.pointwise_us, "exchange": t.exchange, "instructions": t.instructions,
             "per_row_instructions": t.per_row_instructions, "per_row_ffma": t.per_row_ffma}
+
+
+# ---- the resident decoder (persistent_rnn/decoder.py): predictions ----------------------------
+
+def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | None = None,
+                         device: DeviceProfile | str | None = None) -> dict:
+    """Predicted GPU microseconds of one step of a resident decoder (``decoder.py``) and of the
+    fused step kernel (``cell_step.fused_step``) - the latency model's predictions, not
+    measurements. A decoder step in a captured loop: the input projection's GEMM
+    (``_gemm_us``), the gaps before it and the step kernel (``GRAPH_GAP_US`` each), three
+    dependent L2 round trips (the post seen by the resident CTAs, h_{t-1} staged, the done words
+    seen by the step kernel) and the resident step: the layer forward's step (its tile, as the
+    decoder runs it) from its SASS without its exchange (issue, matrix, barriers, pointwise). Eagerly the host issues two API
+    calls a step (``API_CALL_HOST_US`` each) and a step takes the longer of host and GPU.
+    ``projected_us``: a captured ``step_projected`` (the caller gives x W_ih^T + b_ih, e.g. from
+    a per-token table: the step kernel alone). ``post_projection_us``: the same step were the projection done inside the step kernel (its
+    weights read from L2; not built: its sums would not be the sequence path's bits). The fused
+    step: a gap, W_ih and W_hh read from L2 at ``L2_BANDWIDTH_GBPS``, two L2 round trips."""
+    from . import decoder
+    spec = planner.resolve_cell(cell)
+    dev = planner.resolve_device(device)
+    inputs = hidden if input_size is None else input_size
+    gh = spec.gates * hidden
+    round_trip = hw.L2_LATENCY * _cycle_us(dev)
+
+    def weights_us(columns: int) -> float:  # G*H rows of fp32 weights read from L2
+        return 4.0 * gh * columns / (hw.L2_BANDWIDTH_GBPS * 1e3)
+
+    record = {"prediction": True, "calibration": CALIBRATION, "cell": spec.name,
+              "hidden_size": hidden, "batch": batch, "input_size": inputs, "device": dev.name,
+              "fused_step_us": hw.GRAPH_GAP_US + weights_us(inputs + hidden) + 2 * round_trip}
+    dp, why = decoder.plan(spec, hidden, batch, dev)
+    record.update(resident=dp is not None, reason=why)
+    if dp is None:
+        return record
+    p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
+    t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
+    compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us
+    projection = _gemm_us(2.0 * batch * inputs * gh, dev)
+    kernel = hw.GRAPH_GAP_US + 3 * round_trip + compute
+    record.update(ctas=dp.grid, resident_step_us=compute, handoff_us=3 * round_trip,
+                  projection_us=projection, captured_us=hw.GRAPH_GAP_US + projection + kernel,
+                  eager_us=max(hw.GRAPH_GAP_US + projection + kernel, 2 * hw.API_CALL_HOST_US),
+                  projected_us=kernel, post_projection_us=kernel + weights_us(inputs) + round_trip,
+                  launches_per_step=2)
+    return record

@@ -212,6 +212,21 @@ class _Recurrent:
                 validation.array(label, a, (states, batch, width),
                                  f"(num_layers * num_directions, B, {width_name})", self.dtype)
 
+    def decoder(self, batch: int):
+        """A resident decoder of this layer for ``batch`` rows: single steps with W_hh held in
+        registers between them (``persistent_rnn.decoder``; docs/api.md). Unidirectional, no
+        projection; the weights are those of this call. A context manager."""
+        from .cell_step import step_forward
+        from .decoder import Decoder
+        if self.bidirectional or self.proj_size:
+            raise ValueError("decoder(): a decoder steps a unidirectional layer without a "
+                             "projection (bidirectional=False, proj_size=0)")
+        names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        layers = [{n: self.params[f"{n}_l{i}"] for n in names if f"{n}_l{i}" in self.params}
+                  for i in range(self.num_layers)]
+        return Decoder(self.cell, layers, batch, self.input_size, self.hidden_size, stacked=True,
+                       fallback=step_forward)
+
     def _module(self):
         """The array module the parameters live on (``numpy`` or ``cupy``)."""
         return array_module(next(iter(self.params.values())))

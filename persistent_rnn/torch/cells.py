@@ -191,6 +191,16 @@ class _LibraryCell(Recorded):
             return self._torch_cls.forward(self, input, hx)
         return self._library_forward(input, hx, path)
 
+    def decoder(self, batch: int):
+        """A decoder of this cell for ``batch`` rows (``persistent_rnn.torch.decoder``): single
+        steps with W_hh resident between them (inference); the weights are those of this call."""
+        from .decoder import TorchDecoder
+        params = {"weight_ih": self.weight_ih, "weight_hh": self.weight_hh}
+        if self.bias:
+            params.update(bias_ih=self.bias_ih, bias_hh=self.bias_hh)
+        return TorchDecoder(self, batch, _cell(self._mode), [params], self.input_size,
+                            self.hidden_size, stacked=False)
+
     def _choose(self, x: Tensor) -> tuple[str, str | None]:
         """``(path, why)``: torch's cell or the library's step algorithm, and why the fused
         kernel does not run (``None`` where it may or was not asked for)."""

@@ -33,6 +33,17 @@ class _RecurrentBase(Recorded, torch.nn.RNNBase):
         super().__init__(mode, *args, **kwargs)
         self._start_recording(algo)
 
+    def decoder(self, batch: int):
+        """A decoder of this layer for ``batch`` rows (``persistent_rnn.torch.decoder``): single
+        steps with W_hh resident between them (inference; unidirectional, no projection); the
+        weights are those of this call."""
+        from .decoder import TorchDecoder, module_layers
+        if self.bidirectional or self.proj_size:
+            raise ValueError("decoder(): a decoder steps a unidirectional layer without a "
+                             "projection (bidirectional=False, proj_size=0)")
+        return TorchDecoder(self, batch, _cell(self.mode), module_layers(self, self.num_layers),
+                            self.input_size, self.hidden_size, stacked=True)
+
     def __prepare_scriptable__(self):
         raise RuntimeError(f"{type(self).__name__} from persistent_rnn.torch cannot be compiled "
                            f"with TorchScript (torch.jit.script); use torch.compile or "

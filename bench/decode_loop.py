@@ -1,0 +1,191 @@
+"""A step-at-a-time decode loop (issue 29): the resident decoder against torch.nn's ways to run it.
+
+    python bench/decode_loop.py --out DIR [--steps 1000] [--cpu]
+
+For LSTM and GRU at H in {256, 640, 1024} and B in {1, 4, 16} (input size H, each step's input
+the last step's h, so the loop is a true recurrence through the host's calls), microseconds per
+step of ``--steps`` steps, side by side in one process:
+
+* ``decoder``: ``persistent_rnn.torch``'s cell ``.decoder(batch=B)``, eager (two launches a step);
+* ``decoder_graph``: the same loop captured once in a CUDA graph and replayed;
+* ``decoder_projected``: ``step_projected`` with the input's projection given (one launch a step;
+  the projection is computed once before the loop - what a per-token table gives a real decoder);
+* ``fused``: the cell with ``algo="persistent"`` (the fused step kernel, one launch a step);
+* ``torch_cell``: ``torch.nn`` cell in a Python loop (two GEMMs and a pointwise kernel);
+* ``torch_cell_graph``: that loop captured in a CUDA graph;
+* ``torch_layer_t1``: ``torch.nn.LSTM``/``GRU`` called with T=1 (cuDNN) every step.
+
+Each row has the latency model's prediction of the decoder's and the fused kernel's step beside
+it (``latency.predict_decoder_step``; labelled a prediction). A road that fails records its error
+and the run goes on. ``--cpu`` runs the roads that exist without a GPU (the decoder and the fused
+kernel in the CPU emulation, torch's cell and layer) at one tiny size for a few steps: a check of
+the script, its figures mean nothing. Writes ``DIR/decode_loop.json`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import persistent_rnn.torch as prt
+from persistent_rnn import benchmark, latency
+
+CELLS = ("LSTM", "GRU")
+HIDDEN = (256, 640, 1024)
+BATCH = (1, 4, 16)
+CPU_SIZES = [("LSTM", 16, 2), ("GRU", 16, 2)]
+ROADS = ("decoder", "decoder_graph", "decoder_projected", "fused", "torch_cell",
+         "torch_cell_graph", "torch_layer_t1")
+CPU_ROADS = ("decoder", "decoder_projected", "fused", "torch_cell", "torch_layer_t1")
+
+
+def _cell_step(mode: str, cell: Callable):
+    """A step function ``x, state -> (next input, state)`` over a cell (LSTM: state (h, c))."""
+    if mode == "LSTM":
+        def step(x, state):
+            state = cell(x, state)
+            return state[0], state
+    else:
+        def step(x, state):
+            h = cell(x, state)
+            return h, h
+    return step
+
+
+def _decoder_step(mode: str, dec) -> Callable:
+    def step(x, state):
+        state = dec.step(x, state)
+        return (state[0] if mode == "LSTM" else state), state
+    return step
+
+
+def _projected_step(mode: str, dec, gi: torch.Tensor) -> Callable:
+    def step(x, state):  # x unused: the projection of the loop's first input, every step
+        state = dec.step_projected(gi, state)
+        return (state[0] if mode == "LSTM" else state), state
+    return step
+
+
+def _layer_step(layer) -> Callable:
+    def step(x, state):
+        y, state = layer(x.unsqueeze(0), state)
+        return y[0], state
+    return step
+
+
+def run_loop(step: Callable, x0: torch.Tensor, steps: int) -> torch.Tensor:
+    x, state = x0, None
+    for _ in range(steps):
+        x, state = step(x, state)
+    return x
+
+
+def timed(fn: Callable[[], object], cuda: bool) -> float:
+    """Seconds of ``fn()`` (one warm-up run first), synchronised on the GPU."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured once in a CUDA graph (after a warm-up on a side stream), then replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, device: str) -> float:
+    """Seconds of one ``steps``-step loop of ``road``."""
+    cuda = device == "cuda"
+    torch.manual_seed(0)
+    cell_cls = getattr(prt, f"{mode}Cell")
+    x0 = torch.randn(batch, hidden, device=device)
+    with torch.no_grad():
+        if road.startswith("decoder"):
+            cell = cell_cls(hidden, hidden, algo="persistent", device=device)
+            with cell.decoder(batch=batch) as dec:
+                if road == "decoder_projected":
+                    gi = torch.nn.functional.linear(x0, cell.weight_ih, cell.bias_ih)
+                    step = _projected_step(mode, dec, gi)
+                else:
+                    step = _decoder_step(mode, dec)
+                return _timed_loop(road, step, x0, steps, cuda)
+        if road == "fused":
+            step = _cell_step(mode, cell_cls(hidden, hidden, algo="persistent", device=device))
+        elif road.startswith("torch_cell"):
+            step = _cell_step(mode, getattr(torch.nn, f"{mode}Cell")(hidden, hidden, device=device))
+        else:
+            step = _layer_step(getattr(torch.nn, mode)(hidden, hidden, device=device))
+        return _timed_loop(road, step, x0, steps, cuda)
+
+
+def _timed_loop(road: str, step: Callable, x0: torch.Tensor, steps: int, cuda: bool) -> float:
+    def loop():
+        return run_loop(step, x0, steps)
+    return timed(graphed(loop) if road.endswith("_graph") else loop, cuda)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--cpu", action="store_true", help="CPU tensors (the emulation), tiny sizes")
+    args = p.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("decode_loop: no CUDA device (use --cpu for a check of the script)", file=sys.stderr)
+        return 2
+    steps = min(args.steps, 4) if args.cpu else args.steps
+    sizes = CPU_SIZES if args.cpu else [(c, h, b) for c in CELLS for h in HIDDEN for b in BATCH]
+    roads = CPU_ROADS if args.cpu else ROADS
+    device = "cpu" if args.cpu else "cuda"
+    record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu),
+              "steps": steps, "rows": []}
+    for mode, hidden, batch in sizes:
+        row: dict = {"cell": mode, "hidden": hidden, "batch": batch,
+                     "prediction_h100": _prediction(mode, hidden, batch)}
+        for road in roads:
+            try:
+                row[road] = road_seconds(road, mode, hidden, batch, steps, device) / steps * 1e6
+            except Exception as exc:  # a road that cannot run is recorded, the others go on
+                row[road] = None
+                row[f"{road}_error"] = f"{type(exc).__name__}: {exc}"
+        record["rows"].append(row)
+        print(" ".join([f"{mode} H={hidden} B={batch}:"] + [
+            f"{r} {row[r]:.1f}" if row[r] is not None else f"{r} -" for r in roads]) + " µs/step",
+            flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_loop.json").write_text(json.dumps(record, indent=1))
+    if args.cpu:
+        print("(--cpu: the emulation and torch's CPU kernels; a check of the script, not figures)")
+    return 0
+
+
+def _prediction(mode: str, hidden: int, batch: int) -> dict | None:
+    """The latency model's decoder and fused-step predictions on an H100 (None where the model
+    cannot run: no NVRTC or nvdisasm)."""
+    try:
+        d = latency.predict_decoder_step(mode, hidden, batch, device="h100")
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    keys = ("resident", "fused_step_us", "captured_us", "eager_us", "projected_us")
+    return {"prediction": True, **{k: d.get(k) for k in keys}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+// resident_decoder.cu - the resident decoder (persistent_rnn/decoder.py): one layer-direction's
+// W_hh stays in registers between single steps, and the kernel waits for each step's input.
+//
+// Two kernels over the same grid and tile (the -D of the layer's forward on the grid, plan.py):
+// * prnn_resident_decoder: launched once (and again after it went idle), on a stream of its own.
+//   CTA c loads its rows of W_hh into registers exactly as persistent_forward.cu does, then per
+//   step waits - bounded by timeout_ns since its last step - for the step's post in the mailbox,
+//   computes its units of h_t (and c_t) and reports them done in its state word. Idle past the
+//   deadline, it marks itself gone and exits.
+// * prnn_decoder_step: one CTA of the same block, enqueued per step on the caller's stream (one
+//   launch: the post and the wait). It posts the step, then waits until each slice c (the units
+//   of resident CTA c) is done; a slice whose resident CTA is gone it computes itself - loads
+//   that CTA's rows and runs the same step code - so a step's result never depends on who
+//   computed it. One CTA: it fits beside any resident grid smaller than the GPU.
+//
+// A step is the forward's step (persistent_forward.cu) on the layer's tile: h_{t-1} staged as the
+// exchange delivers it (stage_exchanged), the tile's product (multiply_rows), the partial sums
+// in the same order (row_sum), b_hh and gi_t added, the cell's pointwise math
+// (cell_forward_masked): bitwise the sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}.
+// A cluster tile is built as a grid (no PRNN_CLUSTER) with PRNN_WORD_SPAN, so that its lanes
+// take their columns word by word as the cluster kernel's direct read does (the same sums). h_{t-1} comes from the caller each
+// step (any state, not only the last output), so the CTAs exchange nothing: each waits only for
+// the post.
+//
+// Words (uint32, zeroed by the host: step 0 posted, every CTA gone at step 0 - see kGone):
+//   box[0]     the step posted last (1, 2, ...); box[2 + 2i], box[3 + 2i]: pointer i of the step
+//              (gi, h_prev, c_prev, h_out, c_out, b_ih) as low and high words, stored before
+//              box[0] is released
+//   state[c]   (step << 2) | mode: the last step whose slice c is done, and who holds the slice:
+//              kLive the resident CTA c (it alone writes the word then), kGone nobody (the
+//              resident CTA exited; the step kernel may take the slice, and a relaunched
+//              resident CTA may revive it), kBusy a step kernel's CTA computing it
+//   fault[0]   0, or the first step whose wait ran past its deadline (a resident CTA neither
+//              finished nor left: the step's outputs are not written; the host raises)
+#include "persistent_common.cuh"
+
+namespace prnn {
+
+constexpr unsigned kLive = 0u, kGone = 1u, kBusy = 2u;
+PRNN_HD constexpr unsigned decoder_word(unsigned step, unsigned mode) { return step << 2 | mode; }
+
+// What a step reads and writes: x_t W_ih^T (B, G*H), h_{t-1} and c_{t-1} (B, H), h_t and c_t
+// (B, H) (c pointers unused without a cell state), b_ih (G*H) or nullptr: gi_t = x_t W_ih^T +
+// b_ih is that one fp32 addition, as the sequence path's `gi += b_ih` after its GEMM (so the
+// host issues no launch for it); nullptr where the caller's gi holds the bias already.
+struct StepIo {
+  const float* gi;
+  const float* h_prev;
+  const float* c_prev;
+  float* h_out;
+  float* c_out;
+  const float* b_ih;
+};
+constexpr int kIoPointers = 6;
+constexpr int kIoWords = 2 * kIoPointers;  // StepIo as pairs of words
+
+PRNN_DEVICE void io_to_words(const StepIo& io, unsigned* out, bool relaxed) {
+  const void* p[kIoPointers] = {io.gi, io.h_prev, io.c_prev, io.h_out, io.c_out, io.b_ih};
+  for (int i = 0; i < kIoPointers; ++i) {
+    const unsigned long long v = (unsigned long long)(size_t)p[i];
+    if (relaxed) {
+      prnn_store_relaxed(out + 2 * i, (unsigned)v);
+      prnn_store_relaxed(out + 2 * i + 1, (unsigned)(v >> 32));
+    } else {
+      out[2 * i] = (unsigned)v;
+      out[2 * i + 1] = (unsigned)(v >> 32);
+    }
+  }
+}
+
+PRNN_DEVICE StepIo io_of_words(const unsigned* in, bool relaxed) {
+  void* p[kIoPointers];
+  for (int i = 0; i < kIoPointers; ++i) {
+    const unsigned lo = relaxed ? prnn_load_relaxed(in + 2 * i) : in[2 * i];
+    const unsigned hi = relaxed ? prnn_load_relaxed(in + 2 * i + 1) : in[2 * i + 1];
+    p[i] = (void*)(size_t)((unsigned long long)hi << 32 | lo);
+  }
+  return {static_cast<const float*>(p[0]), static_cast<const float*>(p[1]),
+          static_cast<const float*>(p[2]), static_cast<float*>(p[3]), static_cast<float*>(p[4]),
+          static_cast<const float*>(p[5])};
+}
+
+// Shared memory: h_{t-1} staged [batch][kPadded], partial sums [batch][kKsplit][G*kUnits], then
+// 16 words for thread 0's decisions and the posted pointers (persistent_rnn/decoder.py sizes it).
+struct DecoderShared {
+  float* h_s;
+  float* part_s;
+  unsigned* word_s;
+};
+
+PRNN_DEVICE DecoderShared decoder_shared(int batch) {
+  float* h_s = prnn_shared_memory<float>();
+  float* part_s = h_s + batch * kPadded;
+  return {h_s, part_s, reinterpret_cast<unsigned*>(part_s + batch * kKsplit * ThisCell::G * kUnits)};
+}
+
+// The CTA's rows of W_hh in registers, as persistent_forward.cu loads them (the same rows in
+// the same registers: the product sums in the same order).
+PRNN_DEVICE void load_rows(RegisterTile& tile, const Team& team, const WeightWord* w_hh, int slice,
+                           int hidden) {
+  const int j0 = slice * kUnits;
+  int rows[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int local = warp_row_group() * kRows + r, u = team.unit_of(local);
+    rows[r] = j0 + u < hidden ? team.gate_of(local) * hidden + j0 + u : -1;
+  }
+  tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
+}
+
+// The units of slice `slice` (the resident kernel's CTA of that index: its rows in `tile`) of
+// one step (every thread; ends past a block barrier, the outputs written).
+PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const DecoderShared& sm,
+                              const float* b_hh, const StepIo& io, int slice, int batch,
+                              int hidden) {
+  constexpr int G = ThisCell::G, R = G * kUnits;
+  const int j0 = slice * kUnits;
+  stage_exchanged(sm.h_s, io.h_prev, batch, hidden);  // (ends with a block barrier)
+  multiply_batch(tile, sm.h_s, sm.part_s, batch, R);
+#pragma unroll 1
+  for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
+    const int b = idx / team.units, u = team.unit0 + idx % team.units, j = j0 + u;
+    if (j >= hidden) continue;
+    const size_t at = (size_t)b * hidden + j;
+    float giv[G], ghv[G], sv[kSavedSlots];
+    // The step's inputs through L2 (prnn_load_cg): the caller's buffers come back at the same
+    // addresses steps apart (a memory pool), and this SM's L1 may still hold older lines.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      giv[g] = prnn_load_cg(io.gi + (size_t)b * G * hidden + g * hidden + j);
+      if (io.b_ih != nullptr) giv[g] += io.b_ih[g * hidden + j];
+      ghv[g] = row_sum(sm.part_s, b, team.row_of(g, u), R) + b_hh[g * hidden + j];
+    }
+    float h, c;
+    cell_forward_masked<PRNN_CELL>(true, giv, ghv, prnn_load_cg(io.h_prev + at),
+                                   kHasC ? prnn_load_cg(io.c_prev + at) : 0.0f, h, c, sv);
+    io.h_out[at] = round_state(h);
+    if (kHasC) io.c_out[at] = c;
+  }
+  prnn_sync_block();
+}
+
+// Thread 0 of a resident CTA at its launch: takes slice c back from kGone (the step it was left
+// at + 1), or 0 when it cannot - another resident CTA holds it (kLive), or a step kernel's
+// takeover (kBusy) did not end within timeout_ns.
+PRNN_DEVICE unsigned revive(unsigned* word, unsigned long long timeout_ns) {
+  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+  for (;;) {
+    const unsigned v = prnn_load_acquire(word);
+    if ((v & 3u) == kGone) {
+      if (prnn_atomic_cas_acq_rel(word, v, decoder_word(v >> 2, kLive)) == v) return (v >> 2) + 1u;
+      continue;
+    }
+    if ((v & 3u) == kLive || prnn_globaltimer_ns() > deadline) return 0u;
+    prnn_backoff();
+  }
+}
+
+// Thread 0 of a resident CTA: whether step `step` is posted within timeout_ns (false: idle past
+// the deadline, or a later step posted - this CTA is stale).
+PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long long timeout_ns) {
+  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+  for (;;) {
+    const unsigned posted = prnn_load_acquire(box);
+    if (posted == step) return true;
+    if (posted > step || prnn_globaltimer_ns() > deadline) return false;
+    prnn_backoff();
+  }
+}
+
+}  // namespace prnn
+
+PRNN_KERNEL void prnn_resident_decoder(
+    const prnn::WeightWord* w_hh,  // (G*H, H) as persistent_forward.cu takes it
+    const float* b_hh,             // (G*H,) zeros when the layer has no bias
+    unsigned* box, unsigned* state,  // the mailbox and the CTAs' state words (above)
+    int batch, int hidden, unsigned long long timeout_ns,
+    int stall_block, int stall_step, unsigned long long stall_ns) {
+  using namespace prnn;
+  const DecoderShared sm = decoder_shared(batch);
+  unsigned* mine = state + blockIdx.x;
+  if (threadIdx.x == 0) sm.word_s[0] = revive(mine, timeout_ns);
+  prnn_sync_block();
+  unsigned last = sm.word_s[0];
+  if (last == 0u) return;
+  --last;
+  const PrnnStall stall{stall_block, stall_step, stall_ns};
+  const Team team = step_team<ThisCell::G>();
+  RegisterTile tile;
+  load_rows(tile, team, w_hh, blockIdx.x, hidden);
+  for (;;) {
+    prnn_sync_block();  // every thread has read word_s of the step before
+    if (threadIdx.x == 0) {
+      sm.word_s[0] = wait_for_post(box, last + 1u, timeout_ns);
+      if (sm.word_s[0]) {
+        for (int i = 0; i < kIoWords; ++i) sm.word_s[1 + i] = prnn_load_relaxed(box + 2 + i);
+      }
+    }
+    prnn_sync_block();
+    if (!sm.word_s[0]) break;
+    prnn_maybe_stall(stall, (int)last + 1);
+    decoder_step(tile, team, sm, b_hh, io_of_words(sm.word_s + 1, false), blockIdx.x, batch,
+                 hidden);
+    ++last;
+    if (threadIdx.x == 0) {
+      prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
+      prnn_store_release(mine, decoder_word(last, kLive));
+    }
+  }
+  // Idle (or stale): nobody holds the slice now. Only this CTA writes the word while it is live.
+  if (threadIdx.x == 0) prnn_atomic_cas_acq_rel(mine, decoder_word(last, kLive), decoder_word(last, kGone));
+}
+
+PRNN_KERNEL void prnn_decoder_step(
+    const prnn::WeightWord* w_hh, const float* b_hh, unsigned* box, unsigned* state,
+    unsigned* fault,
+    const float* gi, const float* h_prev, const float* c_prev, float* h_out, float* c_out,
+    const float* b_ih, int with_bias,  // with_bias 0: gi holds b_ih already (b_ih unread)
+    unsigned step, int slices, int batch, int hidden, unsigned long long timeout_ns) {
+  using namespace prnn;
+  enum : unsigned { kDone = 1u, kTake = 2u, kFailed = 3u };
+  const StepIo io{gi, h_prev, c_prev, h_out, c_out, with_bias ? b_ih : nullptr};
+  const DecoderShared sm = decoder_shared(batch);
+  if (threadIdx.x == 0) {
+    io_to_words(io, box + 2, true);
+    prnn_store_release(box, step);
+  }
+  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+  for (int slice = 0; slice < slices; ++slice) {
+    unsigned* word = state + slice;
+    if (threadIdx.x == 0) {
+      unsigned decision = kFailed;
+      for (;;) {
+        const unsigned v = prnn_load_acquire(word);
+        if ((v >> 2) >= step) {
+          decision = kDone;
+          break;
+        }
+        if ((v & 3u) == kGone && prnn_atomic_cas_acq_rel(word, v, decoder_word(step - 1u, kBusy)) == v) {
+          decision = kTake;
+          break;
+        }
+        if (prnn_globaltimer_ns() > deadline) break;
+        prnn_backoff();
+      }
+      sm.word_s[0] = decision;
+      if (decision == kFailed) prnn_atomic_set_if_zero(fault, step);
+    }
+    prnn_sync_block();
+    const unsigned decision = sm.word_s[0];
+    if (decision == kFailed) return;  // (recorded; the later slices are not waited for)
+    if (decision == kTake) {  // the resident CTA is gone: its rows, the same step code
+      const Team team = step_team<ThisCell::G>();
+      RegisterTile tile;
+      load_rows(tile, team, w_hh, slice, hidden);
+      decoder_step(tile, team, sm, b_hh, io, slice, batch, hidden);
+      if (threadIdx.x == 0) {
+        prnn_fence();
+        prnn_store_release(word, decoder_word(step, kGone));
+      }
+    }
+    prnn_sync_block();  // word_s[0] read by every thread before the next slice's decision
+  }
+}

@@ -1,0 +1,400 @@
+"""The resident decoder: a layer's W_hh stays in registers between single steps.
+
+``cell.decoder(batch=B)`` (``prnn.RNNCell``/``GRUCell``/``LSTMCell``) and ``layer.decoder(batch=B)``
+(``prnn.RNN``/``GRU``/``LSTM``, unidirectional, no projection) return a decoder whose
+``step(x, state)`` advances one step (docs/api.md, "The resident decoder"). Its persistent kernel
+(``cuda_src/resident_decoder.cu``) is launched once on a stream of its own, loads its rows of
+W_hh into registers as the whole-sequence forward does and waits - bounded by the exchange's
+deadline (``gpu_timeout_ms``, ``emulation_timeout_ms``) - for each step's post. A step enqueues
+on the caller's stream:
+
+1. the input projection ``x W_ih^T`` with the library's matrix product (``matmul``, the product a
+   layer's forward computes for all steps at once: the same sums), whose ``+ b_ih`` - one fp32
+   addition, as the sequence path's ``gi += b_ih`` - the kernels do, so the decoder's steps are
+   bitwise the sequence kernel's on the same inputs;
+2. one step kernel (``prnn_decoder_step``) that posts the step's pointers to the mailbox and waits
+   until every CTA of the resident kernel has written its units of h_t; a slice whose resident
+   CTA has gone (idle past its deadline) the step kernel computes itself with the same rows and
+   the same code.
+
+So a step is two launches (two per layer) and no host synchronisation, and capturable in a CUDA
+graph (on a GPU; fresh outputs per step, as torch.nn's cell; not yet run on one). Before a step the host asks, without waiting,
+whether the resident launch has ended (a stream query; the emulation's ``AsyncLaunch.done``) and
+relaunches it; a relaunched CTA takes its slice back from the state word. Nothing hangs: every
+wait is bounded, and a step kernel whose wait ran past ``WAIT_DEADLINES`` deadlines (a resident
+CTA stuck inside a step) records the step in a fault word that the host raises on (at once in
+the emulation, at ``check()``/``close()`` on a GPU).
+
+The rule for big layers: the step kernel's one CTA must find an SM beside the resident grid (one
+CTA per SM, as the planner sizes the tiles), so a decoder is resident only where grid < SM count
+(an H100's 132 SMs: every fp32 LSTM and GRU up to H = 1024 at B = 1, whose grid tile is 128
+CTAs). Otherwise, and for float64, the decoder says why (``reason``, a ``RuntimeWarning``) and
+runs the fused step kernel (``cell_step.fused_step``) on the GPU, or the GEMM step elsewhere
+(``fallback``: ``cell_step.step_forward``).
+The resident kernel holds its ``grid`` SMs (``sms_held``) for the decoder's life: the caller's
+own kernels get the rest.
+
+On NumPy arrays the decoder runs in the CPU emulation (a test path, as ``algo="persistent"``):
+the resident kernel is an asynchronous emulated launch (``emulate.EmulatedModule.launch_async``).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from . import hardware, launch, plan as planner, settings
+from .buffers import array_module, weight_words
+from .cells import CellSpec
+from .matmul import matmul
+from .validation import state as split_state
+
+Array = Any
+
+SOURCE = "resident_decoder.cu"
+BOX_WORDS = 14      # the mailbox: the posted step, a spare word, six pointers as word pairs
+CONTROL_WORDS = 16  # the kernels' shared words after the staged vector and the partial sums
+GONE = 1            # state word of a slice nobody holds, at step 0 (resident_decoder.cu, kGone)
+STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and exits
+WAIT_DEADLINES = 4  # a step kernel waits this many idle deadlines for a resident CTA
+JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (emulation)
+
+
+@dataclass(frozen=True)
+class DecoderPlan:
+    """The resident kernel's launch: the layer forward's tile (its -D), grid, block and
+    shared memory (the staged vector, the partial sums and CONTROL_WORDS)."""
+
+    defines: dict[str, int]
+    grid: int
+    block: int
+    shared_bytes: int
+
+
+def plan(cell: CellSpec, hidden: int, batch: int,
+         device: hardware.DeviceProfile) -> tuple[DecoderPlan | None, str | None]:
+    """The resident plan of a layer on ``device``, or ``(None, why not)``: the tile of the
+    layer's own forward there (``plan.make_plan``), so that a step sums as that kernel does. A
+    cluster tile is built without ``PRNN_CLUSTER`` (the step kernel's one CTA could not launch
+    as a cluster) and with ``PRNN_WORD_SPAN`` (its lanes take their columns as the cluster
+    kernel's do). The rule for big layers: the step kernel's CTA needs an SM beside the resident
+    grid (one CTA per SM, as the planner sizes the tiles), so grid < SM count."""
+    layer_plan = planner.make_plan(cell, hidden, batch, "float32", device)
+    if not layer_plan.fits:
+        return None, f"the layer's persistent kernel does not fit: {layer_plan.reason}"
+    fwd = layer_plan.forward
+    if fwd.grid >= device.sm_count:
+        return None, (f"its kernel takes the whole GPU ({fwd.grid} CTAs, one per SM, on "
+                      f"{device.sm_count} SMs): the step kernel's CTA would have no SM beside it "
+                      f"(the rule: grid < SM count)")
+    d = dict(fwd.defines)
+    if d.pop("PRNN_CLUSTER", None) is not None:
+        d["PRNN_WORD_SPAN"] = 1
+    words = batch * fwd.exchange_row + batch * d["PRNN_KSPLIT"] * cell.gates * d["PRNN_UNITS"]
+    return DecoderPlan(d, fwd.grid, fwd.block, 4 * (words + CONTROL_WORDS)), None
+
+
+def _module(xp, defines: Mapping[str, int]):
+    if xp is np:
+        from . import emulate
+        return emulate.get_module(SOURCE, defines)
+    from . import kernels
+    return kernels.get_module(SOURCE, defines)
+
+
+def _timeout_ns(xp) -> np.uint64:
+    s = settings.current()
+    return np.uint64((s.emulation_timeout_ms if xp is np else s.gpu_timeout_ms) * 1e6)
+
+
+class _Resident:
+    """The resident kernel of one decoder-layer: its words, its launch (relaunched when it has
+    ended), and its stop. Holds no reference to the decoder, so that garbage collection of the
+    decoder can stop it (``weakref.finalize``)."""
+
+    def __init__(self, xp, dp: DecoderPlan, w_hh: Array, b_hh: Array, b_ih: Array | None,
+                 batch: int, hidden: int):
+        self.xp, self.dp, self.w_hh, self.b_hh, self.b_ih = xp, dp, w_hh, b_hh, b_ih
+        self.batch, self.hidden = batch, hidden
+        self.module = _module(xp, dp.defines)
+        self.box = xp.zeros(BOX_WORDS, np.uint32)
+        self.state = xp.full(dp.grid, GONE, np.uint32)
+        self.fault = xp.zeros(1, np.uint32)
+        self.running: Any = None  # emulate.AsyncLaunch, or the CuPy stream of the launch
+        self.launches = 0
+        self.closed = False
+
+    def ended(self) -> bool:
+        """Whether the resident launch has ended (asked without waiting: the emulated launch's
+        ``done()``, a CuPy stream's ``done``, cudaStreamQuery)."""
+        if self.running is None:
+            return True
+        return self.running.done() if self.xp is np else self.running.done
+
+    def ensure(self) -> None:
+        """Launch the resident kernel if its last launch has ended (idle past its deadline).
+        Not while the current stream is being captured (the query is not allowed then, and a
+        launch on another stream would not be in the graph): a replayed step whose resident
+        kernel has gone takes its slices over."""
+        if self.xp is not np and self.xp.cuda.get_current_stream().is_capturing():
+            return
+        if not self.ended():
+            return
+        stall = settings.current_stall()
+        args = (self.w_hh, self.b_hh, self.box, self.state, np.int32(self.batch),
+                np.int32(self.hidden), _timeout_ns(self.xp), *stall.args())
+        dp = self.dp
+        if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
+            self.running = self.module.launch_async(
+                "prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args,
+                max_resident=settings.current().emulation_max_resident)
+        else:
+            stream = self.running or self.xp.cuda.Stream(non_blocking=True)
+            stream.wait_event(self.xp.cuda.get_current_stream().record())  # the words, zeroed
+            with stream:
+                self.module.launch("prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes,
+                                   args)
+            self.running = stream
+        self.launches += 1
+        launch.COUNTERS.add("launches")
+
+    def step(self, k: int, gi: Array, with_bias: bool, h: Array, c: Array | None, h_out: Array,
+             c_out: Array | None) -> None:
+        """Enqueue step ``k`` (1, 2, ...): the post and the wait, one launch. ``gi``: x W_ih^T,
+        to which the kernels add b_ih where ``with_bias`` (the layer has one and the caller's
+        gi does not hold it)."""
+        self.ensure()
+        dp = self.dp
+        wait_ns = np.uint64(WAIT_DEADLINES * int(_timeout_ns(self.xp)))
+        with_bias = with_bias and self.b_ih is not None
+        args = (self.w_hh, self.b_hh, self.box, self.state, self.fault, gi, h,
+                h if c is None else c, h_out, h_out if c_out is None else c_out,
+                self.b_ih if with_bias else self.b_hh, np.int32(with_bias), np.uint32(k),
+                np.int32(dp.grid), np.int32(self.batch), np.int32(self.hidden), wait_ns)
+        self.module.launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
+        launch.COUNTERS.add("launches")
+        if self.xp is np and self.fault[0]:  # (free to read in the emulation; a GPU: check())
+            self.raise_fault()
+
+    def raise_fault(self) -> None:
+        if int(self.fault[0]):
+            raise RuntimeError(f"resident decoder: the wait of step {int(self.fault[0])} ran past "
+                               f"{WAIT_DEADLINES} deadlines (a resident CTA neither finished the "
+                               "step nor left); its outputs are not written")
+
+    def stop(self) -> None:
+        """Post STOP and wait (bounded) for the resident launch to end. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.running is None:
+            return
+        if self.xp is np:
+            self.box[0] = STOP  # (the CTAs read it with acquire loads)
+            self.running.join(JOIN_S)
+        else:
+            self.box[0:1].fill(STOP)  # on the current stream, not the resident one
+            self.running.synchronize()
+        self.running = None
+
+
+def stop_all(residents: Sequence[_Resident]) -> None:
+    """Stop every resident kernel (a decoder's finaliser)."""
+    for r in residents:
+        r.stop()
+
+
+class Decoder:
+    """Single steps of a cell or a unidirectional layer with its recurrent weights resident.
+
+    Made by ``cell.decoder(batch=B)`` or ``layer.decoder(batch=B)``; a context manager
+    (``close()`` on exit). ``resident``: whether the resident kernel runs; ``reason``: why not
+    (the fused step kernel or the GEMM step runs each step instead). The weights are those of
+    the decoder's creation (the resident kernel holds them)."""
+
+    def __init__(self, cell: CellSpec, layers: Sequence[Mapping[str, Array]], batch: int,
+                 input_size: int, hidden: int, stacked: bool, fallback: Callable[..., tuple]):
+        from . import validation
+        self.batch = validation.positive_int("batch", batch)
+        self.cell, self.input_size, self.hidden = cell, input_size, hidden
+        self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
+        self._fallback = fallback  # cell_step.step_forward (passed in: no import cycle)
+        # Copies: the resident kernel holds W_hh as it is now, so the projection's W_ih must
+        # stay as it is too (an optimizer updating the caller's arrays changes neither).
+        self._params = [{k: array_module(v).array(v) for k, v in p.items()} for p in layers]
+        xp = self._xp = array_module(self._params[0]["weight_hh"])
+        self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
+        self._k = 0
+        self._lock = threading.Lock()
+        dp, why = (None, f"dtype is {self.dtype.name}: the resident kernel computes float32") \
+            if self.dtype != np.float32 else plan(cell, hidden, self.batch, _device(xp))
+        self.reason = why
+        self._residents = [] if dp is None else [
+            _Resident(xp, dp, weight_words(xp, p["weight_hh"], None),
+                      p.get("bias_hh", xp.zeros(cell.gates * hidden, np.float32)),
+                      p.get("bias_ih"), self.batch, hidden) for p in self._params]
+        self._finalizer = weakref.finalize(self, stop_all, self._residents)
+        if why is not None:
+            warnings.warn(f"decoder not resident: {why}; each step runs the "
+                          f"{'fused step kernel' if self._fused() else 'GEMM step'}",
+                          RuntimeWarning, stacklevel=3)
+        for r in self._residents:  # launched now: the first step finds the weights loaded
+            r.ensure()
+
+    @property
+    def resident(self) -> bool:
+        """Whether the steps run on the resident kernel."""
+        return bool(self._residents)
+
+    @property
+    def sms_held(self) -> int:
+        """SMs the resident kernels hold while the decoder is open (one CTA per SM)."""
+        return sum(r.dp.grid for r in self._residents)
+
+    @property
+    def relaunches(self) -> int:
+        """Launches of the resident kernels after their first (each after an idle exit)."""
+        return sum(r.launches - 1 for r in self._residents)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` (or the end of the ``with`` block) has stopped the decoder."""
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "Decoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the resident kernels (each ends within its step) and free the decoder's words;
+        later steps raise. Raises what ``check`` raises."""
+        residents = list(self._residents)
+        self._finalizer()
+        try:
+            for r in residents:
+                r.raise_fault()
+        finally:
+            self._residents = []
+
+    def check(self) -> None:
+        """RuntimeError if a step's wait ran past its deadline (reads the device: synchronises)."""
+        for r in self._residents:
+            r.raise_fault()
+
+    def step(self, x: Array, state: Any = None) -> Any:
+        """One step: ``x`` (batch, input_size); ``state`` ``None`` (zeros) or h (a layer:
+        (num_layers, batch, H); a cell: (batch, H)), for LSTM ``(h, c)``. Returns a cell's
+        ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM ``(y, (h', c'))``; y (batch, H)
+        is the last layer's h')."""
+        return self._step(self._checked_input(x), state, None)
+
+    def _step(self, x: Array | None, state: Any, gi: Array | None) -> Any:
+        """A step from ``x`` or, for the first layer, its projection ``gi`` (both checked)."""
+        if self.closed:
+            raise RuntimeError("step() on a closed decoder")
+        h, c = self._checked_state(state)
+        xp, lstm = self._xp, self.cell.has_cell_state
+        with self._lock:  # one step at a time through the decoder's mailbox
+            self._k += 1
+            hn, cn = (self._resident_step if self._residents else self._fallback_step)(
+                x, h, c, gi)
+        if not self._stacked:
+            return (hn[0], cn[0]) if lstm else hn[0]
+        return (hn[-1], (hn, cn)) if lstm else (hn[-1], hn)
+
+    def _resident_step(self, x: Array | None, h: list, c: list | None,
+                       gi: Array | None) -> tuple[Array, Array | None]:
+        """Every layer's step on its resident kernel, h' and c' written straight into row n of
+        (num_layers, batch, H) outputs (no stacking copy); ``gi``: the caller's projection of
+        the first layer's input (b_ih included), else each layer projects its input."""
+        xp = self._xp
+        shape = (len(self._params), self.batch, self.hidden)
+        hn = xp.empty(shape, self.dtype)
+        cn = xp.empty(shape, self.dtype) if self.cell.has_cell_state else None
+        for n, (p, resident) in enumerate(zip(self._params, self._residents)):
+            projected = n == 0 and gi is not None
+            g = gi if projected else matmul(x if n == 0 else hn[n - 1], p["weight_ih"].T)
+            resident.step(self._k, g, not projected, xp.ascontiguousarray(h[n]),
+                          None if c is None else xp.ascontiguousarray(c[n]), hn[n],
+                          None if cn is None else cn[n])
+        return hn, cn
+
+    def _fallback_step(self, x: Array, h: list, c: list | None,
+                       gi: Array | None) -> tuple[Any, Any]:
+        """Every layer's step by the fused step kernel (CuPy float32) or the GEMM step."""
+        algo = "persistent" if self._fused() else "gemm"
+        hs, cs = [], []
+        for n, p in enumerate(self._params):
+            hn, cn, _, _ = self._fallback(self.cell, p, x if n == 0 else hs[-1], h[n],
+                                          None if c is None else c[n], algo)
+            hs.append(hn)
+            cs.append(cn)
+        if not self._stacked:  # (a cell: its arrays as they are, no copy)
+            return hs, cs
+        xp = self._xp
+        return xp.stack(hs), xp.stack(cs) if self.cell.has_cell_state else None
+
+    def step_projected(self, gi: Array, state: Any = None) -> Any:
+        """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
+        G*hidden_size) instead of x - e.g. rows of a table projected once per token of a
+        vocabulary: the step is then the step kernel alone (one launch). Resident decoders only
+        (ValueError otherwise)."""
+        if not self._residents:
+            raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
+        self._check_array("gi", gi)
+        rows = self.cell.gates * self.hidden
+        if tuple(gi.shape) != (self.batch, rows):
+            raise ValueError(f"gi must have shape (batch, G*hidden_size) = ({self.batch}, {rows}), "
+                             f"got {tuple(gi.shape)}")
+        return self._step(None, state, self._xp.ascontiguousarray(gi))
+
+    def _fused(self) -> bool:
+        return self._xp is not np and self.dtype == np.float32
+
+    def _checked_input(self, x: Array) -> Array:
+        self._check_array("x", x)
+        if x.ndim != 2 or x.shape[1] != self.input_size:
+            raise ValueError(f"x must have shape (batch, input_size) = ({self.batch}, "
+                             f"{self.input_size}), got {tuple(x.shape)}")
+        if x.shape[0] != self.batch:
+            raise ValueError(f"x has batch size {x.shape[0]}, but the decoder was made for "
+                             f"batch={self.batch}")
+        return x
+
+    def _checked_state(self, state: Any) -> tuple[list, list | None]:
+        """The state per layer: h and (LSTM) c, zeros where ``state`` is None."""
+        xp, lstm = self._xp, self.cell.has_cell_state
+        shape = ((len(self._params), self.batch, self.hidden) if self._stacked
+                 else (self.batch, self.hidden))
+        h, c = split_state("state", state, lstm)
+        if h is None:
+            h, c = xp.zeros(shape, self.dtype), xp.zeros(shape, self.dtype) if lstm else None
+        for name, a in ((("state[0]", h), ("state[1]", c)) if lstm else (("state", h),)):
+            self._check_array(name, a)
+            if tuple(a.shape) != shape:
+                dims = "(num_layers, batch, hidden_size)" if self._stacked else "(batch, hidden_size)"
+                raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(a.shape)}")
+        if not self._stacked:
+            return [h], None if c is None else [c]
+        return list(h), None if c is None else list(c)
+
+    def _check_array(self, name: str, a: Array) -> None:
+        from . import validation
+        if validation.common_module(**{name: a}) is not self._xp:
+            where = "the CPU (NumPy)" if self._xp is np else "the GPU (CuPy)"
+            raise TypeError(f"{name} must be on the decoder's device, {where}, got "
+                            f"{type(a).__module__}.{type(a).__name__}")
+        if a.dtype != self.dtype:
+            raise TypeError(f"{name} must have dtype {self.dtype.name} (the decoder's), got "
+                            f"{np.dtype(a.dtype).name}")
+
+
+def _device(xp) -> hardware.DeviceProfile:
+    from .runtime import planning_device
+    return planning_device(xp is not np)

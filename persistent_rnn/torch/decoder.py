@@ -1,0 +1,113 @@
+"""``decoder(batch=B)`` of the torch modules (``RNNCell``/``GRUCell``/``LSTMCell`` and the
+unidirectional ``RNN``/``GRU``/``LSTM``): the resident decoder (``persistent_rnn.decoder``) on
+tensors, for inference (no autograd history; docs/torch.md, "The resident decoder").
+
+Which path runs: CUDA float32 tensors the library's decoder on the GPU (resident where the rule
+allows, else the fused step kernel), CPU float32 tensors with ``algo="persistent"`` the same
+decoder in the CPU emulation (a test path), everything else the module's own forward one step at
+a time (torch's kernels), with ``reason`` saying why.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..cell_step import step_forward
+from ..cells import CellSpec
+from ..decoder import Decoder
+from .interop import library_stream, to_array, to_tensor
+
+TORCH = "torch"      # the module's own forward per step
+LIBRARY = "library"  # persistent_rnn.decoder.Decoder
+
+
+def _path(algo: str, weight: Tensor) -> tuple[str, str | None]:
+    """``(path, why torch's kernels run)`` for a module's weights."""
+    if algo == "gemm":
+        return TORCH, "algo='gemm': the module's own step"
+    if weight.dtype != torch.float32:
+        return TORCH, f"dtype {weight.dtype}: the resident kernel computes float32"
+    if weight.is_cuda:
+        return LIBRARY, None
+    if weight.device.type == "cpu" and algo == "persistent":
+        return LIBRARY, None  # the CPU emulation (a test path)
+    return TORCH, (f"{weight.device.type} tensors: torch's kernels step the module "
+                   "(algo='persistent' on the CPU runs the emulated decoder)")
+
+
+class TorchDecoder:
+    """Single steps of a torch module with its recurrent weights resident (``Decoder``) or,
+    where the library cannot run them, by the module's own forward. A context manager."""
+
+    def __init__(self, module: torch.nn.Module, batch: int, cell: CellSpec,
+                 layers: list[dict[str, Tensor]], input_size: int, hidden: int, stacked: bool):
+        self._module, self._stacked = module, stacked
+        self.path, self.reason = _path(module.algo, layers[0]["weight_hh"])
+        self._dec: Decoder | None = None
+        if self.path == LIBRARY:
+            w = layers[0]["weight_hh"]
+            with torch.no_grad(), library_stream(w):
+                arrays = [{k: to_array(v.detach()) for k, v in p.items()} for p in layers]
+                self._dec = Decoder(cell, arrays, batch, input_size, hidden, stacked,
+                                    fallback=step_forward)
+            self.reason = self._dec.reason
+
+    @property
+    def resident(self) -> bool:
+        """Whether the steps run on the resident kernel."""
+        return self._dec is not None and self._dec.resident
+
+    def __enter__(self) -> "TorchDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the resident kernels (``Decoder.close``)."""
+        if self._dec is not None:
+            self._dec.close()
+
+    def step(self, x: Tensor, state: Any = None) -> Any:
+        """One step, as ``Decoder.step`` with tensors: a cell's ``h'`` (LSTM ``(h', c')``), a
+        layer's ``(y, h')`` (LSTM ``(y, (h', c'))``)."""
+        with torch.no_grad():
+            if self._dec is None:
+                if not self._stacked:
+                    return self._module(x, state)
+                time = 1 if self._module.batch_first else 0
+                y, hn = self._module(x.unsqueeze(time), state)
+                return y.squeeze(time), hn
+            with library_stream(x):
+                out = self._dec.step(to_array(x), _arrays(state))
+            return _tensors(out)
+
+
+    def step_projected(self, gi: Tensor, state: Any = None) -> Any:
+        """``Decoder.step_projected`` with tensors: ``gi = x W_ih^T + b_ih`` (batch, G*H) given
+        (one launch a step). Resident decoders only."""
+        if self._dec is None:
+            raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
+        with torch.no_grad(), library_stream(gi):
+            return _tensors(self._dec.step_projected(to_array(gi), _arrays(state)))
+
+
+def _arrays(obj: Any) -> Any:
+    if isinstance(obj, (tuple, list)):
+        return tuple(_arrays(o) for o in obj)
+    return to_array(obj) if isinstance(obj, Tensor) else obj
+
+
+def _tensors(obj: Any) -> Any:
+    if isinstance(obj, tuple):
+        return tuple(_tensors(o) for o in obj)
+    return to_tensor(obj)
+
+
+def module_layers(module: torch.nn.Module, layers: int) -> list[dict[str, Tensor]]:
+    """A torch.nn layer's parameters per layer under the cell's names (weight_ih, ...)."""
+    names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    return [{n: getattr(module, f"{n}_l{i}") for n in names if hasattr(module, f"{n}_l{i}")}
+            for i in range(layers)]

@@ -1,0 +1,401 @@
+"""The resident decoder (``persistent_rnn.decoder``, ``cuda_src/resident_decoder.cu``) in the CPU
+emulation: its steps bitwise equal to the layer's persistent kernel (T=1 calls, the
+whole-sequence kernel on the same projected inputs; the cluster tile and the grid tile), across idle exits, takeovers by the step
+kernel and stalls inside steps; its lifetimes (close, garbage collection, an exception in the
+loop, two decoders on one module, decoders on two threads) leave no emulated kernel running;
+bad input gets errors naming the argument; a step is one launch here (the GPU adds the input
+projection's GEMM) and no host synchronisation; the big-layer rule.
+
+Cheap on purpose (CI): LSTM (and GRU for the launch count) at H=24, B=2, a few steps; the
+latency model's decoder prediction (SASS), the sabotaged step kernel and the race detector's
+scenario run with PRNN_TEST_EVERY_KERNEL=1.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import re
+import threading
+import time
+import weakref
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import decoder as decoding
+from persistent_rnn import emulate, hardware, launch, runtime
+from persistent_rnn.cells import CELLS
+from persistent_rnn.functional import _projected
+
+IN, H, B, T = 8, 24, 2, 4
+PER_LAYER = dict(stack=False)  # the sequence path: the layer kernel per layer (not stack mode's)
+PLACEMENTS = {"cluster": {}, "grid": dict(max_cluster_ctas=0)}  # the emulated H100's, and grid
+EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """Every test ends with no emulated resident kernel running."""
+    yield
+    if emulate.running_launches():  # (a decoder in a reference cycle: collected first)
+        gc.collect()
+    left = emulate.running_launches()
+    for handle in left:  # (so that one failure does not spill into the next test)
+        handle.join(30)
+    assert not left, f"emulated launches still running: {[h.kernel for h in left]}"
+
+
+def _inputs(seed: int = 1, steps: int = T):
+    return np.random.default_rng(seed).standard_normal((steps, B, IN)).astype(np.float32)
+
+
+def _cell_loop(layer, xs):
+    """The layer's persistent kernel one step per call (T=1): each step's output."""
+    out, state = [], None
+    with prnn.override_settings(**PER_LAYER):
+        for x in xs:
+            y, state = layer.forward(x[None], state)
+            out.append(y[0])
+    return out
+
+
+def _decode(dec, xs, between=None):
+    out, state = [], None
+    for t, x in enumerate(xs):
+        if between is not None:
+            between(t)
+        y, state = dec.step(x, state)
+        out.append(y)
+    return out
+
+
+def _equal(got, want) -> None:
+    for t, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"step {t}: max |diff| {np.abs(a - b).max()}"
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_steps_equal_the_cell_loop_and_the_sequence_kernel(placement, settings):
+    """LSTM (GRU: the torch decoder against torch.nn, test_decoder_torch.py), on the tile the
+    layer runs: a cluster's (built as a grid, PRNN_WORD_SPAN) and the grid's."""
+    prnn.configure(**PLACEMENTS[placement])
+    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    xs = _inputs()
+    with layer.decoder(batch=B) as dec:
+        assert dec.resident and dec.reason is None
+        assert ("PRNN_WORD_SPAN" in dec._residents[0].dp.defines) == (placement == "cluster")
+        got = _decode(dec, xs)
+    _equal(got, _cell_loop(layer, xs))
+    # The whole-sequence kernel on the same inputs: the decoder's projections of each step.
+    p = layer.params
+    gi = np.stack([_projected(x[None], p["weight_ih_l0"], p["bias_ih_l0"])[0] for x in xs])
+    zeros = np.zeros((B, H), np.float32)
+    with prnn.override_settings(**PER_LAYER):
+        res, stats = runtime.forward(layer.cell, gi, p["weight_hh_l0"], p["bias_hh_l0"], zeros,
+                                     zeros, None, "persistent")
+    assert stats.algo == "persistent" and "prnn_persistent_forward" in stats.details[0]
+    _equal(got, list(res.y))
+    with layer.decoder(batch=B) as dec:  # the caller's projections: the step kernel alone
+        state, projected = None, []
+        for g in gi:
+            y, state = dec.step_projected(g, state)
+            projected.append(y)
+        with pytest.raises(ValueError, match=r"gi must have shape \(batch, G\*hidden_size\)"):
+            dec.step_projected(gi[0][:, 1:])
+    _equal(projected, got)
+    # and the float64 reference, to a float32 tolerance (the comparisons above cannot both be
+    # of a wrong kernel)
+    twin = prnn.LSTM(IN, H, algo="gemm", dtype="float64")
+    twin.load_params({k: v.astype(np.float64) for k, v in p.items()})
+    y64, _ = twin.forward(xs.astype(np.float64))
+    assert np.abs(np.stack(got) - y64).max() < 2e-6
+
+
+def test_a_two_layer_decoder_equals_the_per_layer_kernels():
+    layer = prnn.LSTM(IN, H, num_layers=2, algo="persistent", seed=3)
+    xs = _inputs(seed=2, steps=3)
+    with layer.decoder(batch=B) as dec:
+        got = _decode(dec, xs)
+        rng = np.random.default_rng(4)
+        h0 = tuple(rng.standard_normal((2, B, H)).astype(np.float32) for _ in range(2))
+        y, hn = dec.step(xs[0], h0)  # any state, not only the last output
+    _equal(got, _cell_loop(layer, xs))
+    with prnn.override_settings(**PER_LAYER):
+        y_ref, hn_ref = layer.forward(xs[:1], h0)
+    assert np.array_equal(y, y_ref[0])
+    assert all(np.array_equal(a, b) for a, b in zip(hn, hn_ref))
+
+
+def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
+    """Idle past the deadline between steps (the kernel exits, the next step relaunches it or
+    takes its slices over), steps taken over by the step kernel alone, and a CTA stalled inside
+    a step for longer than the idle deadline: the same bits as an undisturbed decoder."""
+    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    xs = _inputs(steps=5)
+    with layer.decoder(batch=B) as dec:
+        want = _decode(dec, xs)
+    prnn.configure(emulation_timeout_ms=20)
+    with layer.decoder(batch=B) as dec:
+        got = _decode(dec, xs, between=lambda t: time.sleep(0.15))  # 0.15 s idle > 20 ms
+        assert dec.relaunches >= 1
+    _equal(got, want)
+    with layer.decoder(batch=B) as dec:
+        resident = dec._residents[0]
+        dec.step(xs[0])
+        resident.running.join(10)  # idle exit; no relaunch: the step kernel takes every slice
+        resident.ensure = lambda: None
+        got = _decode(dec, xs)
+        assert all(int(w) & 3 == decoding.GONE for w in resident.state)
+    _equal(got, want)
+    prnn.configure(emulation_timeout_ms=50)
+    with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1
+        with layer.decoder(batch=B) as dec:
+            got = _decode(dec, xs)
+            # the other CTAs went idle while CTA 1 stalled: their slices were taken over (and
+            # the launch relaunched once CTA 1 left too)
+            gone = [int(w) & 3 == decoding.GONE for w in dec._residents[0].state]
+            assert dec.relaunches >= 1 or any(gone)
+    _equal(got, want)
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="a sabotaged build (~4 s): PRNN_TEST_EVERY_KERNEL=1")
+def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
+    """The takeover check above fails on a sabotaged step kernel that counts a gone slice as done
+    (its outputs are then never written)."""
+    from sabotage import sabotaged
+    src = sabotaged(tmp_path, decoding.SOURCE, "if ((v >> 2) >= step) {",
+                    "if ((v >> 2) >= step || (v & 3u) == kGone) {")
+    monkeypatch.setattr(decoding, "_module",
+                        lambda xp, defines: emulate.get_module(decoding.SOURCE, defines, src))
+    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    xs = _inputs(steps=2)
+    want = _cell_loop(layer, xs)
+    with layer.decoder(batch=B) as dec:
+        resident = dec._residents[0]
+        state = dec.step(xs[0])[1]
+        resident.running.join(30)  # idle exit, and no relaunch: every slice gone
+        resident.ensure = lambda: None
+        y, _ = dec.step(xs[1], state)
+    assert not np.array_equal(y, want[1])
+
+
+def test_a_busy_gpu_runs_the_decoder_partly_resident(settings):
+    """One resident CTA at a time (``emulation_max_resident``: a GPU whose other work holds the
+    SMs): the slices whose CTAs cannot start are the step kernel's, the same bits."""
+    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    xs = _inputs(steps=3)
+    want = _cell_loop(layer, xs)
+    prnn.configure(emulation_max_resident=1, emulation_timeout_ms=50)
+    with layer.decoder(batch=B) as dec:
+        assert dec._residents[0].dp.grid > 1
+        got = _decode(dec, xs)
+    _equal(got, want)
+
+
+@pytest.mark.parametrize("seed", [3])  # (seeds 0-12 pass: run by hand)
+def test_a_weaker_machine_keeps_the_results_bitwise(seed, settings):
+    """Every seeded mode of the emulation at once (random fiber order and stalls, stores landing
+    late, cp.async late, a jumpy timer, CTAs started in random order) with a short deadline: the
+    post, the takeovers and the relaunches still give the undisturbed bits."""
+    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    xs = _inputs(steps=4)
+    with layer.decoder(batch=B) as dec:
+        want = _decode(dec, xs)
+    prnn.configure(emulation_timeout_ms=20)
+    with emulate.modes("shuffle", "schedule", "delayed", "late_copies", "jumpy_timer", seed=seed):
+        with layer.decoder(batch=B) as dec:
+            got = _decode(dec, xs, between=lambda t: time.sleep(0.05 * (t % 2)))
+    _equal(got, want)
+
+
+def test_close_gc_and_an_exception_leave_nothing_running():
+    cell = prnn.LSTMCell(IN, H, seed=0)
+    x = _inputs()[0]
+    dec = cell.decoder(batch=B)
+    state = weakref.ref(dec._residents[0].state)
+    h, c = dec.step(x)
+    dec.close()
+    dec.close()  # idempotent
+    assert dec.closed and not emulate.running_launches() and state() is None
+    with pytest.raises(RuntimeError, match="closed decoder"):
+        dec.step(x, (h, c))
+    dec = cell.decoder(batch=B)
+    dec.step(x)
+    del dec
+    gc.collect()
+    assert not emulate.running_launches()
+    with pytest.raises(KeyError):
+        with cell.decoder(batch=B) as dec:
+            dec.step(x)
+            raise KeyError("the caller's loop failed")
+    assert dec.closed and not emulate.running_launches()
+
+
+def test_two_decoders_on_one_module_and_on_two_threads():
+    cell = prnn.LSTMCell(IN, H, seed=5)
+    xs = _inputs(steps=3)
+
+    def loop(dec, out):
+        h = None
+        for x in xs:
+            h = dec.step(x, h)
+            out.append(h)
+
+    want: list = []
+    with cell.decoder(batch=B) as dec:
+        loop(dec, want)
+    a, b = cell.decoder(batch=B), cell.decoder(batch=B)  # interleaved, one module
+    got_a, got_b, h_a, h_b = [], [], None, None
+    for x in xs:
+        h_a = a.step(x, h_a)
+        h_b = b.step(x, h_b)
+        got_a.append(h_a)
+        got_b.append(h_b)
+    a.close()
+    b.close()
+    _equal(got_a, want)
+    _equal(got_b, want)
+    outs = [[], []]
+    decs = [cell.decoder(batch=B) for _ in outs]
+    threads = [threading.Thread(target=loop, args=(d, o)) for d, o in zip(decs, outs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for d in decs:
+        d.close()
+    for out in outs:
+        _equal(out, want)
+
+
+def test_bad_input_gets_errors_naming_the_argument():
+    cell = prnn.LSTMCell(IN, H, seed=0)
+    x = _inputs()[0]
+    hc = (np.zeros((B, H), np.float32), np.zeros((B, H), np.float32))
+    with pytest.raises(ValueError, match="batch"):
+        cell.decoder(batch=0)
+    with cell.decoder(batch=B) as dec:
+        with pytest.raises(ValueError, match="x has batch size 3.*batch=2"):
+            dec.step(np.zeros((3, IN), np.float32))
+        with pytest.raises(ValueError, match=r"x must have shape \(batch, input_size\)"):
+            dec.step(np.zeros((B, IN + 1), np.float32))
+        with pytest.raises(TypeError, match="x must have dtype float32"):
+            dec.step(x.astype(np.float64))
+        with pytest.raises(TypeError, match="x must be a numpy.ndarray or cupy.ndarray"):
+            dec.step(x.tolist())
+        with pytest.raises(ValueError, match=r"state\[1\] must have shape \(batch, hidden_size\)"):
+            dec.step(x, (hc[0], np.zeros((B, H + 1), np.float32)))
+        with pytest.raises(TypeError, match="state must be a pair"):
+            dec.step(x, hc[0])
+        with pytest.raises(TypeError, match=r"state\[0\] must have dtype float32"):
+            dec.step(x, (hc[0].astype(np.float64), hc[1]))
+        dec.step(x, hc)  # still usable after the errors
+
+
+def test_a_step_is_one_launch_and_no_host_synchronisation():
+    cell = prnn.GRUCell(IN, H, seed=5)
+    xs = _inputs()
+    with cell.decoder(batch=B) as dec:
+        h = dec.step(xs[0])
+        before = dec.relaunches  # (idle exits: the virtual clock runs while every CTA waits)
+        with launch.counting() as n:
+            for x in xs[1:]:
+                h = dec.step(x, h)
+        relaunched = dec.relaunches - before
+    # (the GPU adds the input projection's GEMM: two launches a step)
+    assert n.launches == len(xs) - 1 + relaunched and n.host_syncs == 0
+
+
+def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
+    lstm = CELLS["lstm"]
+    h100 = hardware.PROFILES["h100"]
+    for hidden in (640, 1024):  # grids of 80 and 128 CTAs: one SM left for the step kernel
+        fits, why = decoding.plan(lstm, hidden, 1, h100)
+        assert fits is not None and why is None and fits.grid < h100.sm_count
+    whole, why = decoding.plan(lstm, 1024, 1, replace(h100, sm_count=128))
+    assert whole is None and "grid < SM count" in why
+    cell = prnn.GRUCell(IN, H, dtype="float64", seed=0)
+    x = _inputs()[0].astype(np.float64)
+    with pytest.warns(RuntimeWarning, match="float64"):
+        dec = cell.decoder(batch=B)
+    with dec:
+        assert not dec.resident
+        assert np.array_equal(dec.step(x), cell.forward(x))
+
+
+@pytest.mark.parametrize("hidden,batch", [(1024, 1), (256, 4)])
+def test_the_kernels_compile_for_the_gpu_without_spills(hidden, batch):
+    """NVRTC builds both kernels of the largest resident grid tile (LSTM H=1024, B=1: its weights
+    take the most registers) and of a cluster tile (H=256, B=4, PRNN_WORD_SPAN) for sm_90 with
+    no stack frame and no spills."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from persistent_rnn import kernels
+    dp, _ = decoding.plan(CELLS["lstm"], hidden, batch, hardware.PROFILES["h100"])
+    assert ("PRNN_WORD_SPAN" in dp.defines) == (hidden == 256)
+    log = kernels.compile_source(decoding.SOURCE, dp.defines, "sm_90").log
+    frames = re.findall(r"Function properties for (\w+)\n[^\n]*?(\d+) bytes stack frame, (\d+) bytes "
+                        r"spill stores, (\d+) bytes spill loads", log)
+    assert sorted(f[0] for f in frames) == ["prnn_decoder_step", "prnn_resident_decoder"]
+    assert all(f[1:] == ("0", "0", "0") for f in frames), log
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="reads SASS (NVRTC and nvdisasm, ~5 s): "
+                    "PRNN_TEST_EVERY_KERNEL=1")
+def test_prnn_plan_predicts_a_decoder_step(capsys):
+    """The latency model's decoder terms add up (predictions; the SASS of LSTM H=640 B=1's grid
+    forward), and the CLI prints them."""
+    from persistent_rnn import latency
+    from persistent_rnn.sass_analysis import nvdisasm
+    if nvdisasm() is None:
+        pytest.skip("nvdisasm is not installed")
+    d = latency.predict_decoder_step("LSTM", 640, 1, device="h100")
+    assert d["prediction"] and d["resident"] and d["ctas"] == 80 and d["launches_per_step"] == 2
+    gap = hardware.GRAPH_GAP_US
+    assert d["projected_us"] == pytest.approx(gap + d["handoff_us"] + d["resident_step_us"])
+    assert d["captured_us"] == pytest.approx(gap + d["projection_us"] + d["projected_us"])
+    assert 0 < d["resident_step_us"] < d["fused_step_us"] < d["captured_us"]
+    from persistent_rnn import cli
+    cli._print_decoder(d)  # (prnn plan --decoder's lines; the whole plan is test_cli's)
+    out = capsys.readouterr().out
+    assert "resident decoder: 80 CTAs held; predicted per step" in out and "fused step" in out
+
+
+def test_prnn_plan_prints_the_decoder_prediction(capsys):
+    """``prnn plan --decoder``'s lines from a record (the model's own figures: the test above)."""
+    from persistent_rnn import cli
+    record = {"input_size": 640, "fused_step_us": 3.3, "resident": True, "ctas": 80,
+              "captured_us": 7.4, "projection_us": 5.1, "handoff_us": 0.6, "resident_step_us": 0.7,
+              "eager_us": 7.6, "projected_us": 1.8}
+    cli._print_decoder(record)
+    cli._print_decoder({**record, "resident": False, "reason": "its kernel takes the whole GPU"})
+    out = capsys.readouterr().out
+    assert "resident decoder: 80 CTAs held; predicted per step 7.40 µs captured" in out
+    assert "step_projected 1.80 µs" in out and "fused step kernel: predicted 3.30 µs" in out
+    assert "resident decoder: no (its kernel takes the whole GPU)" in out
+
+
+RACE_SCENARIO = """
+import time
+import numpy as np
+import persistent_rnn as prnn
+cell = prnn.LSTMCell(8, 24, seed=0)
+xs = np.random.default_rng(1).standard_normal((4, 2, 8)).astype(np.float32)
+with prnn.override_settings(emulation_timeout_ms=20), cell.decoder(batch=2) as dec:
+    state = None
+    for t, x in enumerate(xs):
+        state = dec.step(x, state)
+        time.sleep(0.2 * (t == 1))  # idle: exits, takeovers, a relaunch
+print("decoded")
+"""
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="a race-detector build and child process (~15 s): "
+                    "PRNN_TEST_EVERY_KERNEL=1")
+def test_the_decoder_has_no_race():
+    """The resident kernel (an asynchronous launch) and the step kernels beside it under
+    ThreadSanitizer: no pair of accesses that nothing orders (docs/emulation.md)."""
+    proc = emulate.run_with_race_detector(["-c", RACE_SCENARIO], sources=(decoding.SOURCE[:-3],),
+                                          timeout=600)
+    assert proc.returncode == 0 and "decoded" in proc.stdout, proc.stderr[-4000:]

@@ -1,0 +1,98 @@
+"""The resident decoder on a real GPU (marked ``gpu``; written without a GPU - not yet run): its
+steps bitwise equal to the layer's persistent kernel called with T=1 (a grid tile at H=640),
+across an idle exit;
+two launches a step and no host synchronisation; a greedy loop captured in a CUDA graph and
+replayed gives the eager loop's bits; close leaves nothing running."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import launch
+from persistent_rnn.matmul import matmul
+
+pytestmark = pytest.mark.gpu
+IN, H, B, T = 64, 640, 1, 6
+PER_LAYER = dict(stack=False)
+
+
+def _layer(cp, mode="LSTM"):
+    layer = getattr(prnn, mode)(IN, H, algo="persistent", seed=0)
+    layer.load_params({k: cp.asarray(v) for k, v in layer.params.items()})
+    return layer
+
+
+def _inputs(cp):
+    return cp.asarray(np.random.default_rng(1).standard_normal((T, B, IN)).astype(np.float32))
+
+
+def _cell_loop(layer, xs):
+    out, state = [], None
+    with prnn.override_settings(**PER_LAYER):
+        for x in xs:
+            y, state = layer.forward(x[None], state)
+            out.append(y[0].get())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_gpu_decoder_equals_the_grid_kernel_across_an_idle_exit(cupy, mode, settings):
+    cp = cupy
+    layer, xs = _layer(cp, mode), _inputs(cp)
+    want = _cell_loop(layer, xs)
+    prnn.configure(gpu_timeout_ms=5)
+    with layer.decoder(batch=B) as dec:
+        assert dec.resident, dec.reason
+        state = None
+        for t, x in enumerate(xs):
+            y, state = dec.step(x, state)
+            assert np.array_equal(y.get(), want[t]), t
+            if t == 2:
+                time.sleep(0.05)  # idle past the deadline: the kernel exits, the next step relaunches
+        assert dec.relaunches >= 1
+        dec.check()
+
+
+def test_gpu_decoder_step_is_two_launches_without_a_host_sync(cupy):
+    cp = cupy
+    layer, xs = _layer(cp), _inputs(cp)
+    with layer.decoder(batch=B) as dec:
+        y, state = dec.step(xs[0])
+        before = dec.relaunches
+        with launch.counting() as n:
+            for x in xs[1:]:
+                y, state = dec.step(x, state)
+        relaunched = dec.relaunches - before
+    # the counters see the step kernel (and relaunches); the projection's GEMM is cuBLAS's
+    assert n.launches == len(xs) - 1 + relaunched and n.host_syncs == 0
+
+
+def test_gpu_decoder_loop_captured_in_a_cuda_graph(cupy):
+    """A 4-step loop (the step's output fed back) captured once and replayed: the eager loop's
+    bits. The resident kernel runs outside the graph (launched by the decoder before the
+    capture); a replay whose kernel has gone takes its slices over."""
+    cp = cupy
+    layer = _layer(cp)
+    w = cp.asarray(np.random.default_rng(2).standard_normal((H, IN)).astype(np.float32) * 0.05)
+    x0 = _inputs(cp)[0]
+
+    def loop(dec):
+        x, state = x0, None
+        for _ in range(4):
+            y, state = dec.step(x, state)
+            x = matmul(y, w)  # (the library's GEMM under capture)
+        return y
+
+    with layer.decoder(batch=B) as dec:
+        want = loop(dec).get()
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            out = loop(dec)
+            graph = stream.end_capture()
+            graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(out.get(), want)
