@@ -27,6 +27,9 @@
 #pragma once
 #include "cells.cuh"
 #include "exchange.cuh"
+#ifdef PRNN_MMA
+#include "mma_tile.cuh"  // the tensor-core tile: RegisterTile below (issue 28)
+#endif
 
 namespace prnn {
 
@@ -258,7 +261,11 @@ struct TileOf {
     }
   }
 };
+#ifdef PRNN_MMA
+using RegisterTile = MmaTile;
+#else
 using RegisterTile = TileOf<>;
+#endif
 
 // Row group and column chunk of this thread's warp.
 PRNN_DEVICE int warp_row_group() { return (int)(threadIdx.x / kWarp) / kKsplit; }

@@ -25,7 +25,7 @@ from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_U
                        current_device)
 from . import validation
 from .tiles import (PROJECTION_TILES, PassTile, ProjectionTile, Tile, cluster_tiles_for,
-                    projection_tile_ships, stack_tiles_for, tiles_for)
+                    mma_tiles_for, projection_tile_ships, stack_tiles_for, tiles_for)
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -222,6 +222,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
                "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    if tile.mma and not backward:  # the tensor-core forward (cuda_src/mma_tile.cuh)
+        defines["PRNN_MMA"] = 1
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
         defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)
@@ -357,7 +359,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried: list[tuple[object, int, str]] = []
     candidates = cluster_tiles_for(cell, dtype) if has_clusters(dev) else ()
-    candidates += tiles_for(cell, dtype)
+    candidates += mma_tiles_for(cell, dtype) + tiles_for(cell, dtype)
     for tile in candidates:
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype)
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype)

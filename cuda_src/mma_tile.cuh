@@ -1,0 +1,160 @@
+// mma_tile.cuh - the forward's matrix product on the tensor cores (issue 28): a 16-bit W_hh slice
+// held in registers as A fragments of mma.sync.m16n8k16 (fp32 accumulation) for the whole launch.
+//
+// -D PRNN_MMA=1 (a 16-bit layer forward, plan.py) makes it persistent_common.cuh's RegisterTile;
+// the kernel's code is unchanged: it loads the tile with the same rows and column chunk, and
+// multiply_rows / multiply_exchanged below (picked by overload) leave the same partial sums
+// part_s[(b * ksplit + chunk) * local_rows + row] as the CUDA-core tile's reduce-scatter does.
+//
+// Shape (docs/design.md, "Tensor-core tiles"): warp w holds PRNN_ROWS local rows (row group
+// w / PRNN_KSPLIT, in 16-row m-tiles) over column chunk w % PRNN_KSPLIT of 32 * PRNN_KPT columns
+// (2 * PRNN_KPT 16-column k-steps): the CUDA-core tile's shape, ROWS * KPT weights per lane.
+// The batch is the mma's N: n-tiles of 8 batch rows, a run-time loop (B = 1..8: one n-tile).
+//
+// k order: the mma sums over k, so any permutation of a k-step's 16 columns applied to both A and
+// B gives the same product. Lane (g = lane / 4, t = lane % 4) takes B's k-rows 2t, 2t+1, 8+2t,
+// 8+2t+1 from columns 4t .. 4t+3 of the k-step: one 16-byte shared load of the staged fp32
+// vector, packed to two 16-bit pairs (F2FP; exact: h is a 16-bit value), instead of four 4-byte
+// loads; its A registers hold the matching weight words (pairs 2t and 2t+1 of the k-step's 8).
+// Accumulation: even and odd k-steps in two sets of accumulators (two dependent HMMA chains per
+// m-tile instead of one), added at the end: a fixed order, so results are deterministic.
+#pragma once
+#include "hw.cuh"
+
+#if !defined(PRNN_WEIGHT_DTYPE) || (PRNN_WEIGHT_DTYPE != 1 && PRNN_WEIGHT_DTYPE != 2)
+#error "PRNN_MMA needs 16-bit weights (-D PRNN_WEIGHT_DTYPE=1 or 2)"
+#endif
+
+namespace prnn {
+
+// d = A B + c in the layer's 16-bit type.
+PRNN_DEVICE void mma_16bit(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                           const float (&c)[4]) {
+#if PRNN_WEIGHT_DTYPE == 2
+  prnn_mma_bf16(d, a, b, c);
+#else
+  prnn_mma_f16(d, a, b, c);
+#endif
+}
+
+// Two fp32 values as a word of the layer's 16-bit type (lo in the low half).
+PRNN_DEVICE unsigned pack_16bit(float lo, float hi) {
+#if PRNN_WEIGHT_DTYPE == 2
+  return prnn_pack_bf16x2(lo, hi);
+#else
+  return prnn_pack_f16x2(lo, hi);
+#endif
+}
+
+template <int kRows = PRNN_ROWS, int kKpt = PRNN_KPT>
+struct MmaTileOf {
+  static constexpr int kLanes = 32;
+  static constexpr int kMTiles = kRows / 16;
+  static constexpr int kKSteps = 2 * kKpt;
+  static constexpr int kChunk = kLanes * kKpt;  // columns per warp
+  static constexpr int kRowCount = kRows;
+  static constexpr int kSets = kKSteps > 1 ? 2 : 1;  // accumulator sets (even / odd k-steps)
+  static_assert(kRows % 16 == 0, "an mma tile's warp holds whole 16-row m-tiles");
+  unsigned a[kMTiles][kKSteps][4];  // A fragments: a[m][s][j], the PTX ISA's register j
+
+  // rows[r]: row of M (words of two 16-bit columns, rows padded to an even length) for the warp's
+  // r-th row, or -1 (zeros); col0: the warp's first column; k_len: M's columns. Register j of
+  // (m, s): row 16m + g + 8 (j % 2), word pair 2t + j / 2 of k-step s (the k order above).
+  PRNN_DEVICE void load(const unsigned* m, const int (&rows)[kRows], int col0, int k_len,
+                        int lane) {
+    const int row_words = (k_len + 1) / 2, g = lane / 4, t = lane % 4;
+    // rows[16m + g + 8h] by compile-time indices (a run-time index would put `rows` in local memory)
+    int held[kMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        held[mt][h] = -1;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) held[mt][h] = q == g ? rows[16 * mt + q + 8 * h] : held[mt][h];
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = held[mt][j % 2], k = col0 / 2 + 8 * s + 2 * t + j / 2;
+          a[mt][s][j] = row >= 0 && k < row_words ? m[(size_t)row * row_words + k] : 0u;
+        }
+      }
+    }
+  }
+
+  // The product of the tile and n-tile columns given by fragment(s, b): B's registers of k-step
+  // s for this lane (a compile-time s once unrolled); the sums of (row 16m + g + 8 (i / 2), batch
+  // column 2t + i % 2) end in d[m][i].
+  template <class Fragment>
+  PRNN_DEVICE void multiply(Fragment fragment, float (&d)[kMTiles][4]) const {
+    float acc[kSets][kMTiles][4];
+#pragma unroll
+    for (int e = 0; e < kSets; ++e) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[e][mt][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kKSteps; ++s) {
+      unsigned b[2];
+      fragment(s, b);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) mma_16bit(acc[s % kSets][mt], a[mt][s], b, acc[s % kSets][mt]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[mt][i] = kSets == 2 ? acc[0][mt][i] + acc[1][mt][i] : acc[0][mt][i];
+    }
+  }
+
+  // Stores an n-tile's sums (columns n0 + 2t + i % 2 below `batch`) as partial sums of chunk
+  // `chunk` for the warp's rows from `row0`, where the CUDA-core tile puts them.
+  PRNN_DEVICE static void store(const float (&d)[kMTiles][4], float* part_s, int n0, int batch,
+                                int row0, int chunk, int ksplit, int local_rows, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int b = n0 + 2 * t + i % 2, row = row0 + 16 * mt + g + 8 * (i / 2);
+        if (b < batch) part_s[(b * ksplit + chunk) * local_rows + row] = d[mt][i];
+      }
+    }
+  }
+};
+using MmaTile = MmaTileOf<>;
+
+// multiply_rows (persistent_common.cuh) for an mma tile: per n-tile of 8 batch rows, B from the
+// staged vector (row stride `padded`; columns past the batch multiply the last row again, their
+// sums are not stored), the partial sums into part_s. No barrier: the caller's makes them visible.
+template <int kRows, int kKpt>
+PRNN_DEVICE void multiply_rows(const MmaTileOf<kRows, kKpt>& tile, const float* v_s, float* part_s,
+                               int batch, int local_rows, int ksplit = PRNN_KSPLIT,
+                               int padded = PRNN_KSPLIT * 32 * PRNN_KPT) {
+  using Tile = MmaTileOf<kRows, kKpt>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll 1  // one n-tile per trip: at B <= 8 the only one
+  for (int n0 = 0; n0 < batch; n0 += 8) {
+    const int b = n0 + g < batch ? n0 + g : batch - 1;
+    const float* x = v_s + b * padded + chunk * Tile::kChunk + 4 * t;
+    float d[Tile::kMTiles][4];
+    tile.multiply([x](int s, unsigned (&f)[2]) {
+      float q[4];
+      prnn_load_shared_quad(x + 16 * s, q);
+      f[0] = pack_16bit(q[0], q[1]);
+      f[1] = pack_16bit(q[2], q[3]);
+    }, d);
+    Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
+  }
+}
+
+}  // namespace prnn
