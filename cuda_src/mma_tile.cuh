@@ -16,10 +16,10 @@
 // 8+2t+1 from columns 4t .. 4t+3 of the k-step: one 16-byte shared load of the staged fp32
 // vector, packed to two 16-bit pairs (F2FP; exact: h is a 16-bit value), instead of four 4-byte
 // loads; its A registers hold the matching weight words (pairs 2t and 2t+1 of the k-step's 8).
-// Accumulation: even and odd k-steps in two sets of accumulators (two dependent HMMA chains per
-// m-tile instead of one), added at the end: a fixed order, so results are deterministic.
+// Accumulation: k-steps round-robin into 2 or 4 sets of accumulators (as many dependent HMMA
+// chains per m-tile), added at the end in a fixed order, so results are deterministic.
 #pragma once
-#include "hw.cuh"
+#include "exchange.cuh"
 
 #if !defined(PRNN_WEIGHT_DTYPE) || (PRNN_WEIGHT_DTYPE != 1 && PRNN_WEIGHT_DTYPE != 2)
 #error "PRNN_MMA needs 16-bit weights (-D PRNN_WEIGHT_DTYPE=1 or 2)"
@@ -53,7 +53,9 @@ struct MmaTileOf {
   static constexpr int kKSteps = 2 * kKpt;
   static constexpr int kChunk = kLanes * kKpt;  // columns per warp
   static constexpr int kRowCount = kRows;
-  static constexpr int kSets = kKSteps > 1 ? 2 : 1;  // accumulator sets (even / odd k-steps)
+  // Accumulator sets: k-step s adds into set s % kSets, so an m-tile's HMMAs form kSets
+  // independent chains (the HMMA latency is ~8 issue slots, docs/design.md).
+  static constexpr int kSets = kKSteps >= 8 ? 4 : kKSteps >= 2 ? 2 : 1;
   static_assert(kRows % 16 == 0, "an mma tile's warp holds whole 16-row m-tiles");
   unsigned a[kMTiles][kKSteps][4];  // A fragments: a[m][s][j], the PTX ISA's register j
 
@@ -111,7 +113,11 @@ struct MmaTileOf {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) d[mt][i] = kSets == 2 ? acc[0][mt][i] + acc[1][mt][i] : acc[0][mt][i];
+      for (int i = 0; i < 4; ++i) {  // a fixed order: (set 0 + set 1) + (set 2 + set 3)
+        float sum = kSets >= 2 ? acc[0][mt][i] + acc[kSets / 2][mt][i] : acc[0][mt][i];
+        if (kSets == 4) sum = (acc[0][mt][i] + acc[1][mt][i]) + (acc[2][mt][i] + acc[3][mt][i]);
+        d[mt][i] = sum;
+      }
     }
   }
 
@@ -156,5 +162,65 @@ PRNN_DEVICE void multiply_rows(const MmaTileOf<kRows, kKpt>& tile, const float* 
     Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
   }
 }
+
+#ifdef PRNN_CLUSTER
+template <int Padded>
+struct ExchangeOf;  // persistent_common.cuh
+
+// Waits until the kQuads quads of step s's words at batch row b, columns col + 16 q .. +3, carry
+// step s's tag (those at or past k_len are never published: zeros, not waited for), as
+// ExchangeOf::wait_lane does for the CUDA-core tile, and leaves them in w. False on timeout or
+// abort, or at once if they are not there and `give_up`.
+template <int kQuads, int Padded>
+PRNN_DEVICE bool wait_mma_quads(const ExchangeOf<Padded>& xch, int s, int b, int col,
+                                unsigned (&w)[kQuads][4], bool give_up, PrnnControl* ctl,
+                                unsigned long long timeout_ns) {
+  const unsigned* mine = xch.words + (s & 1) * xch.slot() + b * Padded + col;
+  const int published = xch.k_len - col;
+  const unsigned tag = prnn_step_tag(s);
+  PrnnWait wait{0u, 0ull};
+  bool ready;
+  for (;;) {
+    unsigned miss = 0u;  // the tag bits of a word whose tag differs from `tag` are not zero
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) prnn_load_shared_relaxed_u32x4(mine + 16 * q, w[q]);
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) miss |= 16 * q + e < published ? w[q][e] ^ tag : 0u;
+    }
+    ready = prnn_tag_of(miss) == 0u;
+    if (ready || give_up || !prnn_keep_polling<PrnnClusterWait>(ctl, wait, timeout_ns)) break;
+  }
+  return ready;
+}
+
+// multiply_exchanged (persistent_common.cuh, kDirectRead) for an mma tile: per n-tile, each lane
+// waits for its B words of step s in the cluster's copy of the exchange and multiplies them;
+// returns whether this thread's wait failed (the caller's barrier votes).
+template <int kRows, int kKpt, int Padded>
+PRNN_DEVICE int multiply_exchanged(const MmaTileOf<kRows, kKpt>& tile, const ExchangeOf<Padded>& xch,
+                                   int s, float* part_s, int batch, int local_rows,
+                                   PrnnControl* ctl, unsigned long long timeout_ns,
+                                   int ksplit = PRNN_KSPLIT) {
+  using Tile = MmaTileOf<kRows, kKpt>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
+  const int g = lane / 4, t = lane % 4;
+  int failed = 0;
+#pragma unroll 1
+  for (int n0 = 0; n0 < batch; n0 += 8) {
+    const int b = n0 + g < batch ? n0 + g : batch - 1;
+    unsigned w[Tile::kKSteps][4];  // after a failure: any values (the step is discarded)
+    failed |= !wait_mma_quads(xch, s, b, chunk * Tile::kChunk + 4 * t, w, failed, ctl, timeout_ns);
+    float d[Tile::kMTiles][4];
+    tile.multiply([&w](int k, unsigned (&f)[2]) {
+      f[0] = pack_16bit(prnn_value_of(w[k][0]), prnn_value_of(w[k][1]));
+      f[1] = pack_16bit(prnn_value_of(w[k][2]), prnn_value_of(w[k][3]));
+    }, d);
+    Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
+  }
+  return failed;
+}
+#endif
 
 }  // namespace prnn

@@ -358,7 +358,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     if proj_size:
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried: list[tuple[object, int, str]] = []
-    candidates = cluster_tiles_for(cell, dtype) if has_clusters(dev) else ()
+    candidates = (mma_tiles_for(cell, dtype, cluster=True) + cluster_tiles_for(cell, dtype)
+                  if has_clusters(dev) else ())
     candidates += mma_tiles_for(cell, dtype) + tiles_for(cell, dtype)
     for tile in candidates:
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype)

@@ -94,10 +94,22 @@ MMA_TILES: dict[str, tuple[Tile, ...]] = {
             _tile(16, (16, 8, 8), (16, 8, 8), mma=True)),
 }
 
+# On sm_90, small layers as one cluster (as CLUSTER_TILES; the backward is CLUSTER_TILES_16BIT's):
+# LSTM the fp32 cluster forward's shape (16,1,8), 4 warp teams of 4 units; GRU 3 warps of one
+# m-tile each (16 rows, not whole units: no warp teams); RNN 2 warp teams of 16 units.
+MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+    "gru": (_tile(16, (16, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS, mma=True),),
+    "rnn": (_tile(32, (16, 1, 16), (16, 2, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+}
 
-def mma_tiles_for(cell: CellSpec, dtype: str) -> tuple[Tile, ...]:
-    """The shipped tensor-core tiles of ``cell`` for weights of ``dtype`` (none for fp32)."""
-    return () if WEIGHT_BYTES[dtype] == 4 else MMA_TILES[cell.tiles]
+
+def mma_tiles_for(cell: CellSpec, dtype: str, cluster: bool = False) -> tuple[Tile, ...]:
+    """The shipped tensor-core tiles of ``cell`` for weights of ``dtype`` (none for fp32), grid
+    or (``cluster``) cluster placement."""
+    if WEIGHT_BYTES[dtype] == 4:
+        return ()
+    return (MMA_CLUSTER_TILES if cluster else MMA_TILES)[cell.tiles]
 
 
 def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
