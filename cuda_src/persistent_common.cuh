@@ -93,7 +93,9 @@ PRNN_DEVICE int launch_start(const unsigned* control, int start) {
   return start != kResumeFromChain ? start : reinterpret_cast<const int*>(control)[2 + gridDim.x];
 }
 
+#ifndef PRNN_MMA  // an mma tile's chunk is 2 * PRNN_KPT k-steps of 16 columns: any KPT
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
+#endif
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
 
 // A register tile of kRows rows by kKpt columns per lane. A template (defaults: the -D tile) so

@@ -83,11 +83,12 @@ SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
 # holds W_hh as mma.m16n8k16 A fragments (-D PRNN_MMA, cuda_src/mma_tile.cuh). The forward's
 # PassTile reads as the CUDA-core one's - ``rows`` per warp (whole 16-row m-tiles), ``ksplit``
 # warps sharing a row, a chunk of 32 * ``kpt`` columns (2 * kpt k-steps), rows * kpt weights per
-# lane - with G * units = rows * (warps / ksplit): no padding rows. The backward stays on the CUDA
-# cores (its own PassTile, as in SHIPPED_16BIT). Grid placement only.
+# lane; kpt may be odd) - with G * units = rows * (warps / ksplit): no padding rows. The backward
+# stays on the CUDA cores (its own PassTile, a 16-bit one). LSTM's 8-unit tile at kpt 3 serves
+# H 768 with a backward whose staged dgh (K = 4H padded to 3072) still fits at B = 16.
 MMA_TILES: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(4, (16, 4, 2), (4, 4, 4), mma=True), _tile(8, (32, 8, 2), (8, 8, 8), mma=True),
-             _tile(8, (32, 8, 4), (8, 8, 16), mma=True)),
+             _tile(8, (32, 8, 3), (8, 8, 12), mma=True), _tile(8, (32, 8, 4), (8, 8, 16), mma=True)),
     "gru": (_tile(16, (48, 8, 2), (16, 8, 6), mma=True),
             _tile(16, (48, 8, 4), (16, 8, 12), mma=True)),
     "rnn": (_tile(16, (16, 8, 2), (16, 8, 2), mma=True), _tile(16, (16, 8, 4), (16, 8, 4), mma=True),

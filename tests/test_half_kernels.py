@@ -169,6 +169,7 @@ def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_p
     # force them at a small, odd H (a padded last word per row) so the emulation runs their code.
     tiles_for = planner.tiles_for
     monkeypatch.setattr(planner, "tiles_for", lambda c, d="float32": tiles_for(c, d)[-1:])
+    monkeypatch.setattr(planner, "mma_tiles_for", lambda *_, **__: ())  # (tests/test_mma_tiles.py)
     mode, kw = layer_args(cell)
     kern, gemm, _ = _layers(mode, kw, dtype, hidden=31)
     x, hx, dy, dhn = _data(mode, kern, steps=3, batch=2)
