@@ -97,11 +97,13 @@ MMA_TILES: dict[str, tuple[Tile, ...]] = {
 
 # On sm_90, small layers as one cluster (as CLUSTER_TILES; the backward is CLUSTER_TILES_16BIT's):
 # LSTM the fp32 cluster forward's shape (16,1,8), 4 warp teams of 4 units; GRU 3 warps of one
-# m-tile each (16 rows, not whole units: no warp teams); RNN 2 warp teams of 16 units.
+# m-tile each (16 rows, not whole units: no warp teams); RNN 4 warps, 2 m-tiles x 2 chunks (no
+# teams: 2 warp teams over all of K, (16,1,16), spill 108 bytes - 128 weight registers beside the
+# 128 words a lane waits for per n-tile).
 MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS, mma=True),),
     "gru": (_tile(16, (16, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS, mma=True),),
-    "rnn": (_tile(32, (16, 1, 16), (16, 2, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+    "rnn": (_tile(32, (16, 2, 8), (16, 2, 8), HOPPER_CLUSTER_CTAS, mma=True),),
 }
 
 
