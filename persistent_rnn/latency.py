@@ -647,7 +647,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     if not plan.fits:
         return {**record, "tried": list(plan.tried)}
     record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
-                      "placement": "cluster" if plan.tile.cluster else "grid"}
+                      "placement": "cluster" if plan.tile.cluster else "grid",
+                      "tensor_cores": getattr(plan.tile, "mma", False)}
     for name, p in (("forward", plan.forward), ("backward", plan.backward)):
         record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
                         "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,
