@@ -526,7 +526,8 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
     if proj_size:
         return _max_projected_hidden(proj_size, dtype, dev, batch)
     best = 0
-    for tile in tiles_for(spec, dtype):
+    mma = mma_tiles_for(spec, dtype) if batch >= MMA_MIN_BATCH else ()
+    for tile in mma + tiles_for(spec, dtype):  # (the mma tiles: where a CUDA-core one may not)
         top = min(tile_max_hidden(spec, tile), dev.sm_count * tile.units)
         for hidden in range(top, best, -1):
             if make_plan(spec, hidden, batch, dtype, dev).fits:
