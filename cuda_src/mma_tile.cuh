@@ -16,6 +16,8 @@
 // 8+2t+1 from columns 4t .. 4t+3 of the k-step: one 16-byte shared load of the staged fp32
 // vector, packed to two 16-bit pairs (F2FP; exact: h is a 16-bit value), instead of four 4-byte
 // loads; its A registers hold the matching weight words (pairs 2t and 2t+1 of the k-step's 8).
+// On the grid the odd batch rows load a pair of k-steps in the other order (and select), so that
+// no two lanes of a quarter-warp's 16-byte load share a bank.
 // Accumulation: k-steps round-robin into 2 or 4 sets of accumulators (as many dependent HMMA
 // chains per m-tile), added at the end in a fixed order, so results are deterministic.
 #pragma once
@@ -147,17 +149,36 @@ PRNN_DEVICE void multiply_rows(const MmaTileOf<kRows, kKpt>& tile, const float* 
                                int padded = PRNN_KSPLIT * 32 * PRNN_KPT) {
   using Tile = MmaTileOf<kRows, kKpt>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
-  const int g = lane / 4, t = lane % 4;
+  const int g = lane / 4, t = lane % 4, odd = g & 1;
 #pragma unroll 1  // one n-tile per trip: at B <= 8 the only one
   for (int n0 = 0; n0 < batch; n0 += 8) {
     const int b = n0 + g < batch ? n0 + g : batch - 1;
     const float* x = v_s + b * padded + chunk * Tile::kChunk + 4 * t;
     float d[Tile::kMTiles][4];
-    tile.multiply([x](int s, unsigned (&f)[2]) {
-      float q[4];
-      prnn_load_shared_quad(x + 16 * s, q);
-      f[0] = pack_16bit(q[0], q[1]);
-      f[1] = pack_16bit(q[2], q[3]);
+    unsigned held[2];  // the odd k-step's B words, loaded with the even one's
+    tile.multiply([x, odd, &held](int s, unsigned (&f)[2]) {
+      if (s % 2 == 1) {
+        f[0] = held[0];
+        f[1] = held[1];
+        return;
+      }
+      // k-steps s and s+1 by two loads, each taking one k-step in the even batch rows (g) and
+      // the other in the odd ones: the two rows of a quarter-warp then read different banks
+      // (rows are a multiple of 32 words apart).
+      float q[2][4];
+      prnn_load_shared_quad(x + 16 * (s + odd), q[0]);
+      prnn_load_shared_quad(x + 16 * (s + 1 - odd), q[1]);
+      unsigned w[2][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        w[i][0] = pack_16bit(q[i][0], q[i][1]);
+        w[i][1] = pack_16bit(q[i][2], q[i][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        f[j] = odd ? w[1][j] : w[0][j];
+        held[j] = odd ? w[0][j] : w[1][j];
+      }
     }, d);
     Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
   }
@@ -170,7 +191,9 @@ struct ExchangeOf;  // persistent_common.cuh
 // Waits until the kQuads quads of step s's words at batch row b, columns col + 16 q .. +3, carry
 // step s's tag (those at or past k_len are never published: zeros, not waited for), as
 // ExchangeOf::wait_lane does for the CUDA-core tile, and leaves them in w. False on timeout or
-// abort, or at once if they are not there and `give_up`.
+// abort, or at once if they are not there and `give_up`. (In the plain order: a quarter-warp's
+// two batch rows share banks, but a cluster tile's few warps leave shared memory idle enough
+// that multiply_rows' swap would cost more issue than it saves - the latency model.)
 template <int kQuads, int Padded>
 PRNN_DEVICE bool wait_mma_quads(const ExchangeOf<Padded>& xch, int s, int b, int col,
                                 unsigned (&w)[kQuads][4], bool give_up, PrnnControl* ctl,

@@ -105,8 +105,10 @@ SHUFFLE_LATENCY = 24           # shfl.sync
 HMMA_INTERVAL = 4              # cycles between HMMA.16816 of one sub-partition's tensor core
 HMMA_LATENCY = 33              # dependent HMMA.16816.F32 (accumulator to accumulator)
 SHARED_BYTES_PER_CYCLE = 128   # shared memory bandwidth per SM: 32 banks x 4 bytes (CUDA Guide)
-MMA_B_LOAD_CONFLICT = 2        # the mma tile's LDS.128 of B: two batch rows per quarter-warp hit
-                               # the same banks (rows a multiple of 32 words apart; design.md)
+# Wavefronts of an mma tile's 16-byte B load per conflict-free one: the grid's are conflict-free (a
+# quarter-warp's two batch rows read a pair of k-steps in opposite orders), a cluster's words are
+# read in the plain order, two rows on the same banks (docs/design.md, "Tensor-core tiles").
+MMA_B_LOAD_CONFLICT = {"l2": 1, "cluster": 2}
 L2_LATENCY = 400               # an L2 round trip under load, 200 ns: the counter barrier of one
                                # CTA (2 block barriers + fence, atomic, poll: 3 round trips)
                                # measured 674 ns (bench/results/h200-2026-11-23/barrier_latency.json)

@@ -324,8 +324,9 @@ def row_chain(step: StepLoop) -> float:
 def mma_tile_cycles(step: StepLoop, head: int) -> float:
     """Cycles of one n-tile of an mma tile's product (the loop ``head``), the largest of: the
     busiest scheduler's issue (its warps' instructions), its tensor core (their HMMAs, one per
-    ``HMMA_INTERVAL``), the SM's shared memory (every warp's 16-byte B loads, with their bank
-    conflict) and the dependent chain (HMMA latency along an accumulator set)."""
+    ``HMMA_INTERVAL``), the SM's shared memory (every warp's 16-byte B loads, ``MMA_B_LOAD_CONFLICT``
+    of the placement times the 4 wavefronts of a conflict-free one) and the dependent chain (HMMA latency along an
+    accumulator set)."""
     loop, warps = step.loop, step.shape.warps
     sharing = math.ceil(warps / hw.SCHEDULERS_PER_SM)
     body = loop.inner[head]
@@ -334,7 +335,8 @@ def mma_tile_cycles(step: StepLoop, head: int) -> float:
     hmma = sum(w for i, w in per_trip.items() if opcode_base(ops[i]) == "HMMA")
     quads = sum(w for i, w in per_trip.items()
                 if opcode_base(ops[i]) in ("LDS", "LD") and ops[i].endswith(".128"))
-    wavefronts = warps * quads * 4 * hw.MMA_B_LOAD_CONFLICT  # 512 bytes a warp: 4 at best
+    conflict = hw.MMA_B_LOAD_CONFLICT[exchange_kind(step)]
+    wavefronts = warps * quads * 4 * conflict  # 512 bytes a warp: 4 at best
     return max(sharing * sum(per_trip.values()) / hw.ISSUE_PER_CYCLE,
                sharing * hmma * hw.HMMA_INTERVAL,
                wavefronts * 128 / hw.SHARED_BYTES_PER_CYCLE, step.chain(head))
