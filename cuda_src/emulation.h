@@ -637,7 +637,8 @@ inline void prnn_bf16x2_to_float(unsigned w, float& lo, float& hi) {
   lo = prnn_bits_float(w << 16);
   hi = prnn_bits_float(w & 0xffff0000u);
 }
-inline float prnn_round_f16(float v) {
+// fp16 bits of v rounded to nearest even (the GPU's cvt.rn.f16.f32).
+inline unsigned prnn_f16_bits(float v) {
   const unsigned x = prnn_float_bits(v), sign = x & 0x80000000u, mag = x & 0x7fffffffu;
   unsigned h;
   if (mag > 0x7f800000u) {
@@ -649,12 +650,23 @@ inline float prnn_round_f16(float v) {
   } else {  // subnormal or zero: an integer number of 2^-24, rounded to even by nearbyint
     h = (unsigned)std::nearbyint(std::fabs(v) * 16777216.0f);
   }
-  return prnn_f16_to_float(h | (sign >> 16));
+  return h | (sign >> 16);
 }
+inline float prnn_round_f16(float v) { return prnn_f16_to_float(prnn_f16_bits(v)); }
 inline float prnn_round_bf16(float v) {
   const unsigned x = prnn_float_bits(v);
   if ((x & 0x7fffffffu) > 0x7f800000u) return v;  // NaN stays NaN
   return prnn_bits_float((x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u);
+}
+// hw.cuh's cvt.rn.{f16,bf16}x2.f32: two values rounded to 16 bits in one word, lo in the low half.
+inline unsigned prnn_pack_f16x2(float lo, float hi) {
+  return prnn_f16_bits(lo) | prnn_f16_bits(hi) << 16;
+}
+inline unsigned prnn_bf16_bits(float v) {  // a NaN becomes the GPU's canonical one
+  return v != v ? 0x7fffu : prnn_float_bits(prnn_round_bf16(v)) >> 16;
+}
+inline unsigned prnn_pack_bf16x2(float lo, float hi) {
+  return prnn_bf16_bits(lo) | prnn_bf16_bits(hi) << 16;
 }
 
 // ---- tensor-core mma (hw.cuh's prnn_mma_f16, prnn_mma_bf16) ----------------------------------

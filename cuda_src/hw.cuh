@@ -162,6 +162,18 @@ PRNN_DEVICE float prnn_round_bf16(float v) {
   asm("{.reg .b16 h, z; mov.b16 z, 0; cvt.rn.bf16.f32 h, %1; mov.b32 %0, {z, h};}" : "=r"(r) : "f"(v));
   return __uint_as_float(r);
 }
+// A word of two 16-bit values (lo in the low half), each rounded to nearest even: the B operand
+// of an mma from fp32 values (cvt.rn.{f16,bf16}x2.f32: F2FP; exact for values already 16-bit).
+PRNN_DEVICE unsigned prnn_pack_f16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+PRNN_DEVICE unsigned prnn_pack_bf16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 // ---- tensor cores (sm_80+): a warp's 16x8x16 matrix multiply-accumulate ----------------------
 // d = A B + c, A 16 x 16 and B 16 x 8 in fp16 (prnn_mma_f16) or bf16 (prnn_mma_bf16), c and d
 // 16 x 8 in fp32: one mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 (HMMA). A

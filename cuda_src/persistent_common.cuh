@@ -27,6 +27,9 @@
 #pragma once
 #include "cells.cuh"
 #include "exchange.cuh"
+#ifdef PRNN_MMA
+#include "mma_tile.cuh"  // the tensor-core tile: RegisterTile below (issue 28)
+#endif
 
 namespace prnn {
 
@@ -99,7 +102,9 @@ PRNN_DEVICE int launch_start(const unsigned* control, int start) {
 #endif
 constexpr bool kWordSpan = kDirectRead || PRNN_WORD_SPAN;
 
+#ifndef PRNN_MMA  // an mma tile's chunk is 2 * PRNN_KPT k-steps of 16 columns: any KPT
 static_assert(kKpt % kPerWord == 0, "16-bit tiles need an even PRNN_KPT");
+#endif
 constexpr int kWordsPerLane = kKpt / kPerWord;  // registers of weights per row and lane
 
 // A register tile of kRows rows by kKpt columns per lane. A template (defaults: the -D tile) so
@@ -267,7 +272,11 @@ struct TileOf {
     }
   }
 };
+#ifdef PRNN_MMA
+using RegisterTile = MmaTile;
+#else
 using RegisterTile = TileOf<>;
+#endif
 
 // Row group and column chunk of this thread's warp.
 PRNN_DEVICE int warp_row_group() { return (int)(threadIdx.x / kWarp) / kKsplit; }

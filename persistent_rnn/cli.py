@@ -188,7 +188,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"{record['cell']} H={args.hidden} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
     tile = record["tile"]
-    print(f"placement: {tile['placement']}, {tile['units']} units per CTA")
+    mma = ", forward on the tensor cores (mma.m16n8k16)" if tile.get("tensor_cores") else ""
+    print(f"placement: {tile['placement']}, {tile['units']} units per CTA{mma}")
     if record["forward"]["ctas"] > PORTABLE_CLUSTER_CTAS and tile["cluster"]:
         print(f"  (a cluster of {record['forward']['ctas']} CTAs: larger than CUDA's portable "
               f"{PORTABLE_CLUSTER_CTAS}; where the GPU cannot hold it, the layer is planned "

@@ -96,6 +96,19 @@ SHARED_LATENCY = 30            # ld.shared hit
 L1_LATENCY = 35                # ld.local hitting L1 (a stack frame the compiler spills arrays to)
 DSMEM_LATENCY = 200            # a store into another CTA's shared memory (cluster), until visible
 SHUFFLE_LATENCY = 24           # shfl.sync
+# Tensor cores (the mma tiles' HMMA.16816.F32: mma.sync.m16n8k16, fp16/bf16 in, fp32 accumulate).
+# Issue interval: NVIDIA's H100 whitepaper, 989.4 dense fp16 TFLOPS (fp32 accumulate) at 1830 MHz
+# on 132 SMs = 512 FMA per cycle per sub-partition, so a 16x8x16 mma (2048 FMA) every 4 cycles -
+# the peak, which mma.sync is reported not to reach on Hopper (Luo et al. 2024: wgmma's), so a
+# bound. Latency: about 33 cycles for m16n8k16 with fp32 accumulation, measured on A100 by Sun et
+# al., "Dissecting Tensor Cores via Microbenchmarks" (IEEE TPDS 2022); taken for Hopper's mma.sync.
+HMMA_INTERVAL = 4              # cycles between HMMA.16816 of one sub-partition's tensor core
+HMMA_LATENCY = 33              # dependent HMMA.16816.F32 (accumulator to accumulator)
+SHARED_BYTES_PER_CYCLE = 128   # shared memory bandwidth per SM: 32 banks x 4 bytes (CUDA Guide)
+# Wavefronts of an mma tile's 16-byte B load per conflict-free one: the grid's are conflict-free (a
+# quarter-warp's two batch rows read a pair of k-steps in opposite orders), a cluster's words are
+# read in the plain order, two rows on the same banks (docs/design.md, "Tensor-core tiles").
+MMA_B_LOAD_CONFLICT = {"l2": 1, "cluster": 2}
 L2_LATENCY = 400               # an L2 round trip under load, 200 ns: the counter barrier of one
                                # CTA (2 block barriers + fence, atomic, poll: 3 round trips)
                                # measured 674 ns (bench/results/h200-2026-11-23/barrier_latency.json)

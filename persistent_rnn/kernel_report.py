@@ -86,9 +86,14 @@ def group(record: dict) -> tuple:
     """(kernel family, tile family, dtype, pass, arch) of a record (or of ``describe``'s
     fields): the groups ``_edges`` picks its configurations from. Cells of one tile family
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
-    alone, so a group's edge is built for the family's first cell in ``CELLS``."""
+    alone, so a group's edge is built for the family's first cell in ``CELLS``. The mma tiles'
+    forwards (``tiles.MMA_TILES``, ``MMA_CLUSTER_TILES``) form one group per placement and arch
+    (CI: a few configurations; their backwards are CUDA-core 16-bit tiles, in the 16-bit
+    groups)."""
     family = "stack" if record["stack"] else "projection" if record["proj_size"] else \
         "cluster" if record["cluster"] else "grid"
+    if record["config"].get("PRNN_MMA"):  # the tensor-core forwards: one group per placement
+        return "mma " + family, "all", "16-bit", record["pass"], record["arch"]
     return family, CELLS[record["cell"]].tiles, record["dtype"], record["pass"], record["arch"]
 
 
@@ -110,9 +115,12 @@ def _edges(jobs: list) -> list:
 def _every_job(archs, largest_gather_only: bool):
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
-            for tile in (*planner.tiles_for(cell, dtype), *planner.cluster_tiles_for(cell, dtype)):
+            for tile in (*planner.tiles_for(cell, dtype), *planner.cluster_tiles_for(cell, dtype),
+                         *planner.mma_tiles_for(cell, dtype),
+                         *planner.mma_tiles_for(cell, dtype, cluster=True)):
                 hidden = planner.tile_max_hidden(cell, tile)
-                for backward in (False, True):
+                # an mma tile's backward is a CUDA-core 16-bit pass: its forward is what is new
+                for backward in (False,) if tile.mma else (False, True):
                     planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
                                                 dtype=dtype)
                     for p in gather_variants(planned, largest_only=largest_gather_only):

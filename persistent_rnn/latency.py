@@ -199,6 +199,8 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
     row."""
     if kind == "matrix":
         return shape.batch
+    if kind == "mma":  # n-tiles of 8 batch rows
+        return math.ceil(shape.batch / 8)
     if kind == "levels":
         return math.log2(_rows_pow2(shape.plan.defines["PRNN_ROWS"]))
     if kind in ("chunks", "scan"):
@@ -237,6 +239,8 @@ def _latency(op: str) -> float:
         return hw.L2_LATENCY
     if base == "SHFL":
         return hw.SHUFFLE_LATENCY
+    if base == "HMMA":
+        return hw.HMMA_LATENCY
     return hw.FP_LATENCY
 
 
@@ -300,14 +304,14 @@ def issue_us(step: StepLoop, device: DeviceProfile) -> float:
     active = {h: loop_warps(k, shape, step.counter) for h, k in step.kinds.items()}
     share = {i: math.ceil(min([shape.warps] + [active[h] for h, b in loop.inner.items() if i in b])
                           / hw.SCHEDULERS_PER_SM) for i in loop.body}
-    in_matrix = step.inside("matrix")
+    in_matrix = step.inside("matrix") | step.inside("mma")
     return (sum(step.weight[i] * share[i] for i in loop.body if i not in in_matrix)
             / hw.ISSUE_PER_CYCLE * _cycle_us(device))
 
 
 def row_instructions(step: StepLoop) -> float:
-    """Instructions of the matrix loop per batch row."""
-    return sum(step.weight[i] for i in step.inside("matrix")) / step.shape.batch
+    """Instructions of the matrix loop (an mma tile's: its n-tile loop) per batch row."""
+    return sum(step.weight[i] for i in step.inside("matrix") | step.inside("mma")) / step.shape.batch
 
 
 def row_chain(step: StepLoop) -> float:
@@ -317,9 +321,34 @@ def row_chain(step: StepLoop) -> float:
                for h in step.loop.inner if step.kinds[h] in ("matrix", "levels"))
 
 
+def mma_tile_cycles(step: StepLoop, head: int) -> float:
+    """Cycles of one n-tile of an mma tile's product (the loop ``head``), the largest of: the
+    busiest scheduler's issue (its warps' instructions), its tensor core (their HMMAs, one per
+    ``HMMA_INTERVAL``), the SM's shared memory (every warp's 16-byte B loads, ``MMA_B_LOAD_CONFLICT``
+    of the placement times the 4 wavefronts of a conflict-free one) and the dependent chain (HMMA latency along an
+    accumulator set)."""
+    loop, warps = step.loop, step.shape.warps
+    sharing = math.ceil(warps / hw.SCHEDULERS_PER_SM)
+    body = loop.inner[head]
+    per_trip = {i: step.weight[i] / step.trips[head] for i in body}
+    ops = {i: loop.code[i][0] for i in body}
+    hmma = sum(w for i, w in per_trip.items() if opcode_base(ops[i]) == "HMMA")
+    quads = sum(w for i, w in per_trip.items()
+                if opcode_base(ops[i]) in ("LDS", "LD") and ops[i].endswith(".128"))
+    conflict = hw.MMA_B_LOAD_CONFLICT[exchange_kind(step)]
+    wavefronts = warps * quads * 4 * conflict  # 512 bytes a warp: 4 at best
+    return max(sharing * sum(per_trip.values()) / hw.ISSUE_PER_CYCLE,
+               sharing * hmma * hw.HMMA_INTERVAL,
+               wavefronts * 128 / hw.SHARED_BYTES_PER_CYCLE, step.chain(head))
+
+
 def matrix_us(step: StepLoop, device: DeviceProfile) -> float:
     """The ``matrix`` term: a batch row's product is issue-bound when the warps sharing a
-    scheduler hide its latency, else its dependent chain (``row_chain``)."""
+    scheduler hide its latency, else its dependent chain (``row_chain``); an mma tile's, per
+    n-tile of 8 rows, ``mma_tile_cycles``."""
+    mma = [h for h, kind in step.kinds.items() if kind == "mma"]
+    if mma:
+        return sum(step.trips[h] * mma_tile_cycles(step, h) for h in mma) * _cycle_us(device)
     sharing = math.ceil(step.shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler
     per_row = max(sharing * row_instructions(step) / hw.ISSUE_PER_CYCLE, row_chain(step))
     return step.shape.batch * per_row * _cycle_us(device)
@@ -628,7 +657,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     if not plan.fits:
         return {**record, "tried": list(plan.tried)}
     record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
-                      "placement": "cluster" if plan.tile.cluster else "grid"}
+                      "placement": "cluster" if plan.tile.cluster else "grid",
+                      "tensor_cores": getattr(plan.tile, "mma", False)}
     for name, p in (("forward", plan.forward), ("backward", plan.backward)):
         record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
                         "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,

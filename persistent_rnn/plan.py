@@ -25,7 +25,7 @@ from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_U
                        current_device)
 from . import validation
 from .tiles import (PROJECTION_TILES, PassTile, ProjectionTile, Tile, cluster_tiles_for,
-                    projection_tile_ships, stack_tiles_for, tiles_for)
+                    mma_tiles_for, projection_tile_ships, stack_tiles_for, tiles_for)
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -158,6 +158,14 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
     return -(-fixed // 16) * 16 + 8 * batch * padded if tile.cluster else fixed
 
 
+# The smallest batch whose 16-bit layers take the tensor-core tiles first (``tiles.MMA_TILES``,
+# ``MMA_CLUSTER_TILES``): at B = 1 the latency model predicts the CUDA-core tiles faster (an n-tile
+# of 8 columns costs an mma chain whatever B; the CUDA-core grid tiles with warp teams pass one
+# block barrier a step, the mma tiles two), from B = 2 the mma tiles (tests/test_half_plan.py holds
+# the model to it; docs/design.md, "Tensor-core tiles").
+MMA_MIN_BATCH = 2
+
+
 GATHER_QUADS_MAX = 8  # tagged quads in flight per thread of a gather, at most
 
 
@@ -222,6 +230,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
                "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    if tile.mma and not backward:  # the tensor-core forward (cuda_src/mma_tile.cuh)
+        defines["PRNN_MMA"] = 1
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
         defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)
@@ -339,7 +349,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     Returns the cluster tile where the device has clusters and it fits (its exchange never
     leaves the cluster), else the cheapest shipped grid tile (fewest weights per thread, hence
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
-    and the reason.
+    and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
+    first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``).
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_TILES`` (grid path only).
@@ -356,8 +367,10 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     if proj_size:
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried: list[tuple[object, int, str]] = []
-    candidates = cluster_tiles_for(cell, dtype) if has_clusters(dev) else ()
-    candidates += tiles_for(cell, dtype)
+    mma = batch >= MMA_MIN_BATCH
+    candidates = ((mma_tiles_for(cell, dtype, cluster=True) if mma else ())
+                  + cluster_tiles_for(cell, dtype) if has_clusters(dev) else ())
+    candidates += (mma_tiles_for(cell, dtype) if mma else ()) + tiles_for(cell, dtype)
     for tile in candidates:
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype)
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype)
@@ -513,7 +526,8 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
     if proj_size:
         return _max_projected_hidden(proj_size, dtype, dev, batch)
     best = 0
-    for tile in tiles_for(spec, dtype):
+    mma = mma_tiles_for(spec, dtype) if batch >= MMA_MIN_BATCH else ()
+    for tile in mma + tiles_for(spec, dtype):  # (the mma tiles: where a CUDA-core one may not)
         top = min(tile_max_hidden(spec, tile), dev.sm_count * tile.units)
         for hidden in range(top, best, -1):
             if make_plan(spec, hidden, batch, dtype, dev).fits:

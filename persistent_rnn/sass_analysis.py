@@ -27,6 +27,7 @@ SASS_KINDS = {
     "fences": ("MEMBAR", "FENCE"),
     "l1_invalidates": ("CCTL",),
     "local_memory": ("LDL", "STL"),         # a run-time indexed array or a spill: never wanted
+    "tensor_core_mma": ("HMMA",),           # the mma tiles' product (cuda_src/mma_tile.cuh)
 }
 
 
@@ -254,6 +255,8 @@ def _own_kind(loop: TimeLoop, head: int) -> str | None:
     bases = [opcode_base(op) for op in own]
     if "NANOSLEEP" in bases:
         return "spin"
+    if "HMMA" in bases:
+        return "mma"
     if bases.count("FFMA") >= 8 and "MUFU" not in bases:
         return "matrix"
     if "MUFU" in bases or "STG" in bases:  # the backward's pointwise step has no MUFU
@@ -269,7 +272,8 @@ def _own_kind(loop: TimeLoop, head: int) -> str | None:
 
 def loop_kind(loop: TimeLoop, head: int) -> str:
     """What an inner loop of the time loop does, from its own instructions (nested loops
-    excluded): "spin" (a wait: NANOSLEEP), "matrix" (FFMAs, no MUFU: one trip per batch row),
+    excluded): "spin" (a wait: NANOSLEEP), "mma" (HMMA: an mma tile's product, one trip per
+    n-tile of 8 batch rows), "matrix" (FFMAs, no MUFU: one trip per batch row),
     "pointwise" (MUFU or global stores), "copy" (16-byte cp.async: the exchanged vector), "prefetch" (4-byte
     cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
     not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the

@@ -32,11 +32,12 @@ class Tile:
     forward: PassTile
     backward: PassTile
     cluster: int = 0  # CTAs of the one thread-block cluster the layer runs in (0: the whole grid)
+    mma: bool = False  # the forward on the tensor cores (16-bit; cuda_src/mma_tile.cuh)
 
 
 def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int],
-          cluster: int = 0) -> Tile:
-    return Tile(units, PassTile(*forward), PassTile(*backward), cluster)
+          cluster: int = 0, mma: bool = False) -> Tile:
+    return Tile(units, PassTile(*forward), PassTile(*backward), cluster, mma)
 
 
 # Per family of cells, tiles from small to large (weights per thread); the planner takes the
@@ -76,6 +77,42 @@ SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
     "rnn": (_tile(4, (4, 4, 2), (4, 4, 2)), _tile(8, (8, 4, 8), (8, 4, 8)),
             _tile(20, (10, 4, 20), (10, 4, 20)), _tile(28, (14, 4, 28), (14, 4, 28))),
 }
+
+
+# Tensor-core tiles (issue 28; docs/design.md, "Tensor-core tiles"): 16-bit layers whose forward
+# holds W_hh as mma.m16n8k16 A fragments (-D PRNN_MMA, cuda_src/mma_tile.cuh). The forward's
+# PassTile reads as the CUDA-core one's - ``rows`` per warp (whole 16-row m-tiles), ``ksplit``
+# warps sharing a row, a chunk of 32 * ``kpt`` columns (2 * kpt k-steps), rows * kpt weights per
+# lane; kpt may be odd) - with G * units = rows * (warps / ksplit): no padding rows. The backward
+# stays on the CUDA cores (its own PassTile, a 16-bit one). LSTM's 8-unit tile at kpt 3 serves
+# H 768 with a backward whose staged dgh (K = 4H padded to 3072) still fits at B = 16.
+MMA_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(4, (16, 4, 2), (4, 4, 4), mma=True), _tile(8, (32, 8, 2), (8, 8, 8), mma=True),
+             _tile(8, (32, 8, 3), (8, 8, 12), mma=True), _tile(8, (32, 8, 4), (8, 8, 16), mma=True)),
+    "gru": (_tile(16, (48, 8, 2), (16, 8, 6), mma=True),
+            _tile(16, (48, 8, 4), (16, 8, 12), mma=True)),
+    "rnn": (_tile(16, (16, 8, 2), (16, 8, 2), mma=True), _tile(16, (16, 8, 4), (16, 8, 4), mma=True),
+            _tile(16, (16, 8, 8), (16, 8, 8), mma=True)),
+}
+
+# On sm_90, small layers as one cluster (as CLUSTER_TILES; the backward is CLUSTER_TILES_16BIT's):
+# LSTM the fp32 cluster forward's shape (16,1,8), 4 warp teams of 4 units; GRU 3 warps of one
+# m-tile each (16 rows, not whole units: no warp teams); RNN 4 warps, 2 m-tiles x 2 chunks (no
+# teams: 2 warp teams over all of K, (16,1,16), spill 108 bytes - 128 weight registers beside the
+# 128 words a lane waits for per n-tile).
+MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+    "gru": (_tile(16, (16, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS, mma=True),),
+    "rnn": (_tile(32, (16, 2, 8), (16, 2, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+}
+
+
+def mma_tiles_for(cell: CellSpec, dtype: str, cluster: bool = False) -> tuple[Tile, ...]:
+    """The shipped tensor-core tiles of ``cell`` for weights of ``dtype`` (none for fp32), grid
+    or (``cluster``) cluster placement."""
+    if WEIGHT_BYTES[dtype] == 4:
+        return ()
+    return (MMA_CLUSTER_TILES if cluster else MMA_TILES)[cell.tiles]
 
 
 def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:

@@ -11,6 +11,9 @@ emulation of the same CUDA source, and the conversions they are built on.
   tests/campaign.py checks every path against float64 along its own rounded states.
 * The largest 16-bit tiles (forced at a small H), odd H (a padded last word) and a stall that
   makes the barrier time out: the restarted run is bitwise identical to an undisturbed one.
+* From B = 2 (``plan.MMA_MIN_BATCH``) the forwards run on the tensor-core tiles
+  (cuda_src/mma_tile.cuh; tests/test_mma_tiles.py): the layer tests above (B = 3, a cluster) and
+  the stalls (B = 2, grid and cluster) run them.
 """
 from __future__ import annotations
 
@@ -152,6 +155,7 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
     got, fwd, bwd = _run(kern, x, hx, lengths, dy, dhn)
     assert fwd.algo == bwd.algo == "persistent" and fwd.emulated and fwd.fallback is None
     assert f"'PRNN_WEIGHT_DTYPE': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
+    assert "'PRNN_MMA': 1" in fwd.details[0]  # B >= plan.MMA_MIN_BATCH: the tensor-core forward
     want, _, _ = _run(ref, x, hx, lengths, dy, dhn)
     same_rounding, _, _ = _run(gemm, x, hx, lengths, dy, dhn)
     forward = 3 if kern.cell.has_cell_state else 2  # y, hn (, cn): relu's bound is its forward
@@ -169,6 +173,7 @@ def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_p
     # force them at a small, odd H (a padded last word per row) so the emulation runs their code.
     tiles_for = planner.tiles_for
     monkeypatch.setattr(planner, "tiles_for", lambda c, d="float32": tiles_for(c, d)[-1:])
+    monkeypatch.setattr(planner, "mma_tiles_for", lambda *_, **__: ())  # (tests/test_mma_tiles.py)
     mode, kw = layer_args(cell)
     kern, gemm, _ = _layers(mode, kw, dtype, hidden=31)
     x, hx, dy, dhn = _data(mode, kern, steps=3, batch=2)
@@ -190,7 +195,7 @@ def test_stall_restarts_bitwise_identically(emulation, request, mode, dtype, clu
     kern, _, _ = _layers(mode, {}, dtype, hidden=40, bidirectional=True)
     x, hx, dy, dhn = _data(mode, kern, steps=6, batch=2)
     clean, fwd, _ = _run(kern, x, hx, [6, 4], dy, dhn)
-    assert ("PRNN_CLUSTER" in fwd.details[0]) == cluster
+    assert ("PRNN_CLUSTER" in fwd.details[0]) == cluster and "'PRNN_MMA': 1" in fwd.details[0]
     kern.zero_grad()
     prnn.configure(emulation_timeout_ms=300)
     with prnn.inject_stall(block=1, step=3, duration_ms=2000):

@@ -1,4 +1,6 @@
-"""The planner's 16-bit (fp16/bf16) tiles: floors, register budget, boundaries, refusals."""
+"""The planner's 16-bit (fp16/bf16) tiles: floors, register budget, boundaries, refusals, and the
+tensor-core tiles it takes from ``plan.MMA_MIN_BATCH`` rows (where the latency model predicts them
+faster)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,9 +8,9 @@ import pytest
 
 from persistent_rnn import max_hidden_size
 from persistent_rnn.cells import CELLS, FAMILY_CELLS
-from persistent_rnn.hardware import WEIGHT_BYTES, WEIGHT_REGISTER_BUDGET
-from persistent_rnn.plan import (KERNEL_DTYPES, cluster_tiles_for, make_plan, tile_max_hidden,
-                                 tiles_for, weight_registers)
+from persistent_rnn.hardware import PROFILES, WEIGHT_BYTES, WEIGHT_REGISTER_BUDGET
+from persistent_rnn.plan import (KERNEL_DTYPES, cluster_tiles_for, make_plan, mma_tiles_for,
+                                 tile_max_hidden, tiles_for, weight_registers)
 from persistent_rnn.tiles import SHIPPED, SHIPPED_16BIT
 
 HALF = ("float16", "bfloat16")
@@ -97,3 +99,49 @@ def test_dtype_names_and_refusals():
         max_hidden_size("lstm", "int8", "h100")
     with pytest.raises(ValueError, match="dtype must be one of"):
         make_plan("lstm", 64, 1, "fp16", "h100")
+
+
+def test_mma_tiles_hold_whole_m_tiles_within_the_budget():
+    for cluster in (False, True):
+        for cell in CELLS.values():
+            for tile in mma_tiles_for(cell, "float16", cluster):
+                fwd, bwd = tile.forward, tile.backward
+                assert tile.mma and fwd.rows % 16 == 0 and bool(tile.cluster) == cluster
+                assert cell.gates * tile.units % fwd.rows == 0  # no padding rows
+                assert bwd.kpt % 2 == 0  # the backward is a CUDA-core 16-bit tile
+                for pt in (fwd, bwd):
+                    assert weight_registers(pt, "float16") <= WEIGHT_REGISTER_BUDGET
+    assert mma_tiles_for(CELLS["lstm"], "float32") == ()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_16bit_plans_take_mma_tiles_from_batch_2(dtype):
+    for cell, hidden, batch, device in (("lstm", 768, 16, "h100"), ("lstm", 1024, 8, "h100"),
+                                        ("gru", 1000, 4, "a100"), ("rnn_relu", 2000, 2, "h100"),
+                                        ("lstm", 200, 8, "h100")):
+        p = make_plan(cell, hidden, batch, dtype, device)
+        assert p.fits and p.tile.mma, (cell, hidden, batch, p.reason)
+        assert p.forward.defines["PRNN_MMA"] == 1 and "PRNN_MMA" not in p.backward.defines
+        assert bool(p.tile.cluster) == (hidden <= 256 and device == "h100")
+        assert not make_plan(cell, hidden, 1, dtype, device).tile.mma
+    assert not make_plan("lstm", 1024, 8, "float32", "h100").tile.mma
+    # Past the mma tiles' H, the CUDA-core 16-bit tiles serve every batch.
+    assert not make_plan("lstm", 1280, 4, "float16", "h100").tile.mma
+
+
+def test_the_model_predicts_the_planned_16bit_tile_faster(monkeypatch):
+    # Where plan.MMA_MIN_BATCH puts the line (predictions of the latency model, h100, forward):
+    # at B = 1 the CUDA-core tile, from B = 2 the mma tile - in a cluster and on the grid.
+    from persistent_rnn import latency, plan as planner
+    pytest.importorskip("persistent_rnn.sass_analysis").nvdisasm() or pytest.skip("no nvdisasm")
+
+    def forward_us(hidden, batch, mma):  # the forward alone (the backward is the same tile)
+        monkeypatch.setattr(planner, "MMA_MIN_BATCH", 1 if mma else 10**6)
+        p = make_plan("lstm", hidden, batch, "float16", "h100").forward
+        sass = latency.pass_sass(p, "sm_90")
+        return latency.step_terms(sass, latency.PassShape(CELLS["lstm"], p, batch, hidden),
+                                  PROFILES["h100"]).total_us
+
+    for hidden in (256, 512):
+        assert forward_us(hidden, 1, mma=False) < forward_us(hidden, 1, mma=True)
+        assert forward_us(hidden, 2, mma=True) < forward_us(hidden, 2, mma=False)

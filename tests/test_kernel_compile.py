@@ -17,8 +17,8 @@ from persistent_rnn import kernel_report, kernels, sass_analysis
 from persistent_rnn.cells import CELLS
 from persistent_rnn.kernel_report import gather_variants
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, PassTile, cluster_tiles_for,
-                                 pass_plan, projection_tile_ships, resident_ctas, stack_tiles_for,
-                                 tile_max_hidden, tiles_for)
+                                 mma_tiles_for, pass_plan, projection_tile_ships, resident_ctas,
+                                 stack_tiles_for, tile_max_hidden, tiles_for)
 from persistent_rnn.tiles import SHIPPED
 from persistent_rnn.plan import warp_teams as warp_teams_of
 
@@ -62,6 +62,15 @@ def test_every_configuration_is_listed():
                 for bwd in (False, True))
     expected = grids + sum(len(cluster_tiles_for(c, d)) * 2 for c in CELLS.values()
                            for d in KERNEL_DTYPES)
+    # The mma tiles' forwards (their backwards are CUDA-core 16-bit passes): grid on both archs,
+    # with every gather size; cluster on sm_90.
+    mma = sum(len(gather_variants(pass_plan(c, t, False, tile_max_hidden(c, t),
+                                            kernel_report.REPORT_BATCH, d))) * 2
+              for c in CELLS.values() for d in KERNEL_DTYPES for t in mma_tiles_for(c, d))
+    mma += sum(len(mma_tiles_for(c, d, cluster=True)) for c in CELLS.values() for d in KERNEL_DTYPES)
+    assert sum(bool(r["config"].get("PRNN_MMA")) for r in listed) == mma
+    assert {r["pass"] for r in listed if r["config"].get("PRNN_MMA")} == {"forward"}
+    expected += mma
     projections = sum(2 * projection_tile_ships(t, d, a) for t in PROJECTION_TILES
                       for d in KERNEL_DTYPES for a in ARCHS)
     stacks = sum(len(stack_tiles_for(c)) * 2 * 2 for c in CELLS.values())
@@ -76,6 +85,7 @@ def test_every_configuration_is_listed():
             for pass_ in ("forward", "backward"):
                 for arch in ARCHS:
                     mine = [r for r in listed if not r["stack"] and not r["proj_size"]
+                            and not r["config"].get("PRNN_MMA")
                             and (r["dtype"], r["cell"], r["pass"], r["arch"]) == (dtype, cell, pass_, arch)]
                     clusters = [r for r in mine if r["cluster"]]
                     shipped = len(cluster_tiles_for(CELLS[cell], dtype)) if arch == "sm_90" else 0
@@ -161,9 +171,11 @@ def test_time_loop_sass_stays_short(records):
                           c["PRNN_ROWS"], c["PRNN_KSPLIT"], c["PRNN_KPT"])))
         if warp_teams:
             assert loop["block_barriers"] == (0 if r["cluster"] else 1), r
-        else:
-            assert not r["cluster"] or r["pass"] == "backward", r  # every cluster forward has teams
+        else:  # every CUDA-core cluster forward has teams (GRU's and RNN's mma ones do not)
+            assert not r["cluster"] or r["pass"] == "backward" or c.get("PRNN_MMA"), r
             assert loop["block_barriers"] >= 1, r
+        # An mma tile's product is on the tensor cores (and only an mma tile's).
+        assert (loop["tensor_core_mma"] > 0) == bool(c.get("PRNN_MMA")), r
 
 
 def test_sass_loop_counts_finds_the_loop_with_the_barrier():
@@ -189,7 +201,7 @@ def test_sass_loop_counts_finds_the_loop_with_the_barrier():
     counts = sass_analysis.sass_loop_counts(sass)
     assert counts == {"block_barriers": 1, "global_loads": 1, "async_copies": 0, "global_stores": 1,
                       "atomics": 1, "fences": 1, "l1_invalidates": 1, "local_memory": 1,
-                      "instructions": 9}
+                      "tensor_core_mma": 0, "instructions": 9}
 
 
 def test_stack_frame_is_read_from_the_ptxas_report():

@@ -1,0 +1,249 @@
+// mma_tile.cuh - the forward's matrix product on the tensor cores (issue 28): a 16-bit W_hh slice
+// held in registers as A fragments of mma.sync.m16n8k16 (fp32 accumulation) for the whole launch.
+//
+// -D PRNN_MMA=1 (a 16-bit layer forward, plan.py) makes it persistent_common.cuh's RegisterTile;
+// the kernel's code is unchanged: it loads the tile with the same rows and column chunk, and
+// multiply_rows / multiply_exchanged below (picked by overload) leave the same partial sums
+// part_s[(b * ksplit + chunk) * local_rows + row] as the CUDA-core tile's reduce-scatter does.
+//
+// Shape (docs/design.md, "Tensor-core tiles"): warp w holds PRNN_ROWS local rows (row group
+// w / PRNN_KSPLIT, in 16-row m-tiles) over column chunk w % PRNN_KSPLIT of 32 * PRNN_KPT columns
+// (2 * PRNN_KPT 16-column k-steps): the CUDA-core tile's shape, ROWS * KPT weights per lane.
+// The batch is the mma's N: n-tiles of 8 batch rows, a run-time loop (B = 1..8: one n-tile).
+//
+// k order: the mma sums over k, so any permutation of a k-step's 16 columns applied to both A and
+// B gives the same product. Lane (g = lane / 4, t = lane % 4) takes B's k-rows 2t, 2t+1, 8+2t,
+// 8+2t+1 from columns 4t .. 4t+3 of the k-step: one 16-byte shared load of the staged fp32
+// vector, packed to two 16-bit pairs (F2FP; exact: h is a 16-bit value), instead of four 4-byte
+// loads; its A registers hold the matching weight words (pairs 2t and 2t+1 of the k-step's 8).
+// On the grid the odd batch rows load a pair of k-steps in the other order (and select), so that
+// no two lanes of a quarter-warp's 16-byte load share a bank.
+// Accumulation: k-steps round-robin into 2 or 4 sets of accumulators (as many dependent HMMA
+// chains per m-tile), added at the end in a fixed order, so results are deterministic.
+#pragma once
+#include "exchange.cuh"
+
+#if !defined(PRNN_WEIGHT_DTYPE) || (PRNN_WEIGHT_DTYPE != 1 && PRNN_WEIGHT_DTYPE != 2)
+#error "PRNN_MMA needs 16-bit weights (-D PRNN_WEIGHT_DTYPE=1 or 2)"
+#endif
+
+namespace prnn {
+
+// d = A B + c in the layer's 16-bit type.
+PRNN_DEVICE void mma_16bit(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                           const float (&c)[4]) {
+#if PRNN_WEIGHT_DTYPE == 2
+  prnn_mma_bf16(d, a, b, c);
+#else
+  prnn_mma_f16(d, a, b, c);
+#endif
+}
+
+// Two fp32 values as a word of the layer's 16-bit type (lo in the low half).
+PRNN_DEVICE unsigned pack_16bit(float lo, float hi) {
+#if PRNN_WEIGHT_DTYPE == 2
+  return prnn_pack_bf16x2(lo, hi);
+#else
+  return prnn_pack_f16x2(lo, hi);
+#endif
+}
+
+template <int kRows = PRNN_ROWS, int kKpt = PRNN_KPT>
+struct MmaTileOf {
+  static constexpr int kLanes = 32;
+  static constexpr int kMTiles = kRows / 16;
+  static constexpr int kKSteps = 2 * kKpt;
+  static constexpr int kChunk = kLanes * kKpt;  // columns per warp
+  static constexpr int kRowCount = kRows;
+  // Accumulator sets: k-step s adds into set s % kSets, so an m-tile's HMMAs form kSets
+  // independent chains (the HMMA latency is ~8 issue slots, docs/design.md).
+  static constexpr int kSets = kKSteps >= 8 ? 4 : kKSteps >= 2 ? 2 : 1;
+  static_assert(kRows % 16 == 0, "an mma tile's warp holds whole 16-row m-tiles");
+  unsigned a[kMTiles][kKSteps][4];  // A fragments: a[m][s][j], the PTX ISA's register j
+
+  // rows[r]: row of M (words of two 16-bit columns, rows padded to an even length) for the warp's
+  // r-th row, or -1 (zeros); col0: the warp's first column; k_len: M's columns. Register j of
+  // (m, s): row 16m + g + 8 (j % 2), word pair 2t + j / 2 of k-step s (the k order above).
+  PRNN_DEVICE void load(const unsigned* m, const int (&rows)[kRows], int col0, int k_len,
+                        int lane) {
+    const int row_words = (k_len + 1) / 2, g = lane / 4, t = lane % 4;
+    // rows[16m + g + 8h] by compile-time indices (a run-time index would put `rows` in local memory)
+    int held[kMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        held[mt][h] = -1;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) held[mt][h] = q == g ? rows[16 * mt + q + 8 * h] : held[mt][h];
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = held[mt][j % 2], k = col0 / 2 + 8 * s + 2 * t + j / 2;
+          a[mt][s][j] = row >= 0 && k < row_words ? m[(size_t)row * row_words + k] : 0u;
+        }
+      }
+    }
+  }
+
+  // The product of the tile and n-tile columns given by fragment(s, b): B's registers of k-step
+  // s for this lane (a compile-time s once unrolled); the sums of (row 16m + g + 8 (i / 2), batch
+  // column 2t + i % 2) end in d[m][i].
+  template <class Fragment>
+  PRNN_DEVICE void multiply(Fragment fragment, float (&d)[kMTiles][4]) const {
+    float acc[kSets][kMTiles][4];
+#pragma unroll
+    for (int e = 0; e < kSets; ++e) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[e][mt][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kKSteps; ++s) {
+      unsigned b[2];
+      fragment(s, b);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) mma_16bit(acc[s % kSets][mt], a[mt][s], b, acc[s % kSets][mt]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // a fixed order: (set 0 + set 1) + (set 2 + set 3)
+        float sum = kSets >= 2 ? acc[0][mt][i] + acc[kSets / 2][mt][i] : acc[0][mt][i];
+        if (kSets == 4) sum = (acc[0][mt][i] + acc[1][mt][i]) + (acc[2][mt][i] + acc[3][mt][i]);
+        d[mt][i] = sum;
+      }
+    }
+  }
+
+  // Stores an n-tile's sums (columns n0 + 2t + i % 2 below `batch`) as partial sums of chunk
+  // `chunk` for the warp's rows from `row0`, where the CUDA-core tile puts them.
+  PRNN_DEVICE static void store(const float (&d)[kMTiles][4], float* part_s, int n0, int batch,
+                                int row0, int chunk, int ksplit, int local_rows, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int b = n0 + 2 * t + i % 2, row = row0 + 16 * mt + g + 8 * (i / 2);
+        if (b < batch) part_s[(b * ksplit + chunk) * local_rows + row] = d[mt][i];
+      }
+    }
+  }
+};
+using MmaTile = MmaTileOf<>;
+
+// multiply_rows (persistent_common.cuh) for an mma tile: per n-tile of 8 batch rows, B from the
+// staged vector (row stride `padded`; columns past the batch multiply the last row again, their
+// sums are not stored), the partial sums into part_s. No barrier: the caller's makes them visible.
+template <int kRows, int kKpt>
+PRNN_DEVICE void multiply_rows(const MmaTileOf<kRows, kKpt>& tile, const float* v_s, float* part_s,
+                               int batch, int local_rows, int ksplit = PRNN_KSPLIT,
+                               int padded = PRNN_KSPLIT * 32 * PRNN_KPT) {
+  using Tile = MmaTileOf<kRows, kKpt>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
+  const int g = lane / 4, t = lane % 4, odd = g & 1;
+#pragma unroll 1  // one n-tile per trip: at B <= 8 the only one
+  for (int n0 = 0; n0 < batch; n0 += 8) {
+    const int b = n0 + g < batch ? n0 + g : batch - 1;
+    const float* x = v_s + b * padded + chunk * Tile::kChunk + 4 * t;
+    float d[Tile::kMTiles][4];
+    unsigned held[2];  // the odd k-step's B words, loaded with the even one's
+    tile.multiply([x, odd, &held](int s, unsigned (&f)[2]) {
+      if (s % 2 == 1) {
+        f[0] = held[0];
+        f[1] = held[1];
+        return;
+      }
+      // k-steps s and s+1 by two loads, each taking one k-step in the even batch rows (g) and
+      // the other in the odd ones: the two rows of a quarter-warp then read different banks
+      // (rows are a multiple of 32 words apart).
+      float q[2][4];
+      prnn_load_shared_quad(x + 16 * (s + odd), q[0]);
+      prnn_load_shared_quad(x + 16 * (s + 1 - odd), q[1]);
+      unsigned w[2][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        w[i][0] = pack_16bit(q[i][0], q[i][1]);
+        w[i][1] = pack_16bit(q[i][2], q[i][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        f[j] = odd ? w[1][j] : w[0][j];
+        held[j] = odd ? w[0][j] : w[1][j];
+      }
+    }, d);
+    Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
+  }
+}
+
+#ifdef PRNN_CLUSTER
+template <int Padded>
+struct ExchangeOf;  // persistent_common.cuh
+
+// Waits until the kQuads quads of step s's words at batch row b, columns col + 16 q .. +3, carry
+// step s's tag (those at or past k_len are never published: zeros, not waited for), as
+// ExchangeOf::wait_lane does for the CUDA-core tile, and leaves them in w. False on timeout or
+// abort, or at once if they are not there and `give_up`. (In the plain order: a quarter-warp's
+// two batch rows share banks, but a cluster tile's few warps leave shared memory idle enough
+// that multiply_rows' swap would cost more issue than it saves - the latency model.)
+template <int kQuads, int Padded>
+PRNN_DEVICE bool wait_mma_quads(const ExchangeOf<Padded>& xch, int s, int b, int col,
+                                unsigned (&w)[kQuads][4], bool give_up, PrnnControl* ctl,
+                                unsigned long long timeout_ns) {
+  const unsigned* mine = xch.words + (s & 1) * xch.slot() + b * Padded + col;
+  const int published = xch.k_len - col;
+  const unsigned tag = prnn_step_tag(s);
+  PrnnWait wait{0u, 0ull};
+  bool ready;
+  for (;;) {
+    unsigned miss = 0u;  // the tag bits of a word whose tag differs from `tag` are not zero
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) prnn_load_shared_relaxed_u32x4(mine + 16 * q, w[q]);
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) miss |= 16 * q + e < published ? w[q][e] ^ tag : 0u;
+    }
+    ready = prnn_tag_of(miss) == 0u;
+    if (ready || give_up || !prnn_keep_polling<PrnnClusterWait>(ctl, wait, timeout_ns)) break;
+  }
+  return ready;
+}
+
+// multiply_exchanged (persistent_common.cuh, kDirectRead) for an mma tile: per n-tile, each lane
+// waits for its B words of step s in the cluster's copy of the exchange and multiplies them;
+// returns whether this thread's wait failed (the caller's barrier votes).
+template <int kRows, int kKpt, int Padded>
+PRNN_DEVICE int multiply_exchanged(const MmaTileOf<kRows, kKpt>& tile, const ExchangeOf<Padded>& xch,
+                                   int s, float* part_s, int batch, int local_rows,
+                                   PrnnControl* ctl, unsigned long long timeout_ns,
+                                   int ksplit = PRNN_KSPLIT) {
+  using Tile = MmaTileOf<kRows, kKpt>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
+  const int g = lane / 4, t = lane % 4;
+  int failed = 0;
+#pragma unroll 1
+  for (int n0 = 0; n0 < batch; n0 += 8) {
+    const int b = n0 + g < batch ? n0 + g : batch - 1;
+    unsigned w[Tile::kKSteps][4];  // after a failure: any values (the step is discarded)
+    failed |= !wait_mma_quads(xch, s, b, chunk * Tile::kChunk + 4 * t, w, failed, ctl, timeout_ns);
+    float d[Tile::kMTiles][4];
+    tile.multiply([&w](int k, unsigned (&f)[2]) {
+      f[0] = pack_16bit(prnn_value_of(w[k][0]), prnn_value_of(w[k][1]));
+      f[1] = pack_16bit(prnn_value_of(w[k][2]), prnn_value_of(w[k][3]));
+    }, d);
+    Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
+  }
+  return failed;
+}
+#endif
+
+}  // namespace prnn
