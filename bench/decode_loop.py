@@ -1,6 +1,6 @@
 """A step-at-a-time decode loop (issue 29): the resident decoder against torch.nn's ways to run it.
 
-    python bench/decode_loop.py --out DIR [--steps 1000] [--cpu]
+    python bench/decode_loop.py --out DIR [--steps 1000] [--max-seconds S] [--cpu]
 
 For LSTM and GRU at H in {256, 640, 1024} and B in {1, 4, 16} (input size H, each step's input
 the last step's h, so the loop is a true recurrence through the host's calls), microseconds per
@@ -19,7 +19,9 @@ Each row has the latency model's prediction of the decoder's and the fused kerne
 it (``latency.predict_decoder_step``; labelled a prediction). A road that fails records its error
 and the run goes on. ``--cpu`` runs the roads that exist without a GPU (the decoder and the fused
 kernel in the CPU emulation, torch's cell and layer) at one tiny size for a few steps: a check of
-the script, its figures mean nothing. Writes ``DIR/decode_loop.json`` and prints a table.
+the script, its figures mean nothing. Writes ``DIR/decode_loop.json`` after every size (so a run
+cut short keeps what it measured) and prints a table. The sizes run LSTM H=640 B=1 (the issue's
+headline) first; ``--max-seconds`` lists the sizes not started within it as skipped.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from persistent_rnn import benchmark, latency
 CELLS = ("LSTM", "GRU")
 HIDDEN = (256, 640, 1024)
 BATCH = (1, 4, 16)
+HEADLINE = ("LSTM", 640, 1)
 CPU_SIZES = [("LSTM", 16, 2), ("GRU", 16, 2)]
 ROADS = ("decoder", "decoder_graph", "decoder_projected", "fused", "torch_cell",
          "torch_cell_graph", "torch_layer_t1")
@@ -145,18 +148,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no size after this many seconds (the rest listed as skipped)")
     p.add_argument("--cpu", action="store_true", help="CPU tensors (the emulation), tiny sizes")
     args = p.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("decode_loop: no CUDA device (use --cpu for a check of the script)", file=sys.stderr)
         return 2
     steps = min(args.steps, 4) if args.cpu else args.steps
-    sizes = CPU_SIZES if args.cpu else [(c, h, b) for c in CELLS for h in HIDDEN for b in BATCH]
+    sizes = CPU_SIZES if args.cpu else sorted(
+        [(c, h, b) for c in CELLS for h in HIDDEN for b in BATCH], key=lambda s: s != HEADLINE)
     roads = CPU_ROADS if args.cpu else ROADS
     device = "cpu" if args.cpu else "cuda"
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu),
-              "steps": steps, "rows": []}
+              "steps": steps, "rows": [], "skipped": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     for mode, hidden, batch in sizes:
+        if args.max_seconds is not None and time.perf_counter() - start > args.max_seconds:
+            record["skipped"].append({"cell": mode, "hidden": hidden, "batch": batch})
+            continue
         row: dict = {"cell": mode, "hidden": hidden, "batch": batch,
                      "prediction_h100": _prediction(mode, hidden, batch)}
         for road in roads:
@@ -169,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join([f"{mode} H={hidden} B={batch}:"] + [
             f"{r} {row[r]:.1f}" if row[r] is not None else f"{r} -" for r in roads]) + " µs/step",
             flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode_loop.json").write_text(json.dumps(record, indent=1))
     (args.out / "decode_loop.json").write_text(json.dumps(record, indent=1))
+    if record["skipped"]:
+        print(f"skipped (past --max-seconds): {len(record['skipped'])} sizes", flush=True)
     if args.cpu:
         print("(--cpu: the emulation and torch's CPU kernels; a check of the script, not figures)")
     return 0

@@ -16,6 +16,8 @@
 #   compare  fp16 and bf16 (persistent_rnn.torch) against torch.nn; LSTMP; a stack of 2
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
+#   fresh    what has never run on a GPU (the tests of the mma tiles, the resident decoder, torch
+#            interop, chain graphs, allocations), then the call cost, the decode loop, the exchange
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
 #   --dry-run lists the steps, their time limits and each part's total, and runs nothing.
 #   --cpu runs part `first` without a GPU (the CPU emulation at tiny sizes: a check of the harness,
@@ -38,7 +40,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-ALL_PARTS="first tests bench compare studies sweeps"
+ALL_PARTS="first tests bench compare studies sweeps fresh"
 if [ $# -lt 1 ]; then echo "usage: $0 [--dry-run] [--cpu] OUT [${ALL_PARTS// /|} ...]" >&2; exit 2; fi
 OUT=$(realpath -m "$1")
 shift
@@ -203,6 +205,17 @@ part_sweeps() {  # limits 260 s
     --hidden 1024,256 --batches 1,8 --seq-len 100
   PRNN_GEMM_GRAPHS=0 bench_run bench_gemm_graphs_off 45 --algos gemm --cells lstm,gru \
     --hidden 1024,256 --batches 1,8 --seq-len 100
+}
+
+part_fresh() {  # limits 345 s: the work of 2026-11-26's second session, none of it run on a GPU
+  # 16-bit forwards now run on the tensor cores from batch 2 (test_half_gpu's layers take them)
+  step fresh_tests 150 "$PY" bench/pytest_resume.py --budget 140 -- -m gpu -p no:cacheprovider \
+    --timeout=60 -rfEs --durations=15 tests/test_mma.py tests/test_half_gpu.py \
+    tests/test_gpu_decoder.py tests/test_gpu_torch_interop.py tests/test_gpu_chain_graphs.py \
+    tests/test_call_allocations.py
+  step gpu_call_cost 60 "$PY" bench/gpu_call_cost.py --out "$OUT"
+  step decode_loop 90 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 70
+  step barrier_latency 45 "$PY" bench/barrier_latency.py --out "$OUT"
 }
 
 [ $DRY = 1 ] || mkdir -p "$OUT" || exit 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,7 +35,8 @@ def _steps(stdout: str) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("part, call_s", [("first", FIRST_CALL_S), ("tests", LATER_CALL_S),
                                           ("bench", LATER_CALL_S), ("compare", LATER_CALL_S),
-                                          ("studies", LATER_CALL_S), ("sweeps", LATER_CALL_S)])
+                                          ("studies", LATER_CALL_S), ("sweeps", LATER_CALL_S),
+                                          ("fresh", LATER_CALL_S)])
 def test_each_part_fits_its_device_call(part, call_s, tmp_path):
     run = _suite("--dry-run", str(tmp_path / "out"), part)
     assert run.returncode == 0, run.stderr
@@ -224,3 +226,12 @@ def test_the_cpu_check_runs_each_distinct_case_once_and_the_gpu_every_case():
     assert sum(len(first_cases.group_cases(g, True)) for g in first_cases.GROUPS) == 13
     sample = [c.name for g in first_cases.GROUPS for c in first_cases.group_cases(g, True, True)]
     assert sample == list(first_cases.CPU_SAMPLE)  # each named case exists, in the order run
+
+
+def test_every_test_file_and_script_the_suite_names_exists():
+    """A path the GPU suite names that does not exist would cost a step of a device call."""
+    text = SUITE.read_text()
+    named = set(re.findall(r"\b((?:tests|bench)/[\w/]+\.(?:py|sh))\b", text))
+    assert "tests/test_gpu_decoder.py" in named and len(named) > 10
+    root = SUITE.parents[1]
+    assert [p for p in sorted(named) if not (root / p).is_file()] == []
