@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime, stack
-from .buffers import array_module, matmul_steps, select_active
+from .buffers import array_module, constant_zeros, matmul_steps, select_active, workspace
 from .cells import CellSpec
 from .matmul import matmul
 from .stats import RunStats
@@ -123,9 +123,12 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     return y, (h_n, _stacked(xp, [d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
 
 
-def _stacked(xp, arrays: list[Array]) -> Array:
-    """``xp.stack(arrays)``: a new array, in a fifth of the time for the usual single one."""
-    return arrays[0][None].copy() if len(arrays) == 1 else xp.stack(arrays)
+def _stacked(xp, arrays: list[Array], fresh: bool = False) -> Array:
+    """``xp.stack(arrays)``: a new array, in a fifth of the time for the usual single one;
+    ``fresh``: a single array that nothing else holds is returned as a view of itself."""
+    if len(arrays) == 1:
+        return arrays[0][None] if fresh else arrays[0][None].copy()
+    return xp.stack(arrays)
 
 
 def _forward_layers(ctx: Context, layer_input: Array, h0_all: Array,
@@ -212,7 +215,8 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
     grads: dict[str, Array] = {}
     results: dict[tuple[int, int], runtime.BackwardResult] = {}
-    d_out = dy if ctx.lengths is None else select_active(xp, dy, ctx.lengths)
+    d_out = dy if ctx.lengths is None else select_active(
+        xp, dy, ctx.lengths, workspace(xp, "dy", dy.shape, dy.dtype))  # (read, never kept)
     engine, why = stack.engine(ctx.cell, dy, ctx.directions[0][0].h0.shape[1], ctx.num_layers,
                                ctx.bidirectional, ctx.algo, ctx.half, backward=True,
                                proj="weight_hr_l0" in ctx.params)
@@ -223,10 +227,12 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
         if why is not None and ctx.num_layers > 1:
             ctx.backward_stats.details.append(f"stack mode not used: {why}")
     dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
-    dh = _stacked(xp, [results[k].dh0 for k in sorted(results)])
+    # runtime.backward's dh0 and dc0 are the call's own (nothing else holds them): no copy
+    fresh = engine is None
+    dh = _stacked(xp, [results[k].dh0 for k in sorted(results)], fresh)
     if not ctx.cell.has_cell_state:
         return dx, dh, grads
-    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)])), grads
+    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)], fresh)), grads
 
 
 def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array | None,
@@ -246,7 +252,7 @@ def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array |
             w_hh, w_hr = _param(ctx, d, "weight_hh"), _param(ctx, d, "weight_hr")
             results[layer, direction], stats[layer, direction] = runtime.backward(
                 ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
-                d.fwd, ctx.algo, ctx.half, w_hr)
+                d.fwd, ctx.algo, ctx.half, w_hr, slot=direction)
         d_out = _layer_gradients(ctx, layer, results, grads)
     ctx.backward_stats = _merged(stats)
     return d_out
@@ -300,7 +306,12 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
     """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
     w_hr = None if "weight_hr" not in d.names else ctx.params[d.names["weight_hr"]]
-    gi = _projected(layer_input, w_ih, b_ih)
+    # gi is read by the recurrence alone (never kept): a reused workspace per direction
+    steps, batch, _ = layer_input.shape
+    out = (workspace(array_module(layer_input), "gi_reverse" if reverse else "gi",
+                     (steps * batch, w_ih.shape[0]), w_ih.dtype)
+           if layer_input.dtype == w_ih.dtype else None)
+    gi = _projected(layer_input, w_ih, b_ih, out)
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
@@ -319,9 +330,10 @@ def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str]
     return _projected(layer_input, w_ih, b_ih)
 
 
-def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None) -> Array:
-    """``_input_projection`` with the weights given."""
-    gi = matmul_steps(layer_input, w_ih.T)
+def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None,
+               out: Array | None = None) -> Array:
+    """``_input_projection`` with the weights given (into ``out``, (T*B, G*H), where given)."""
+    gi = matmul_steps(layer_input, w_ih.T, out)
     if b_ih is not None:
         gi += b_ih
     return gi
@@ -334,6 +346,8 @@ def _layer_output(ctx: Context, layer: int) -> Array:
     if len(dirs) == 1 and ctx.lengths is None:  # (the usual case: the same copy, fewer calls)
         return dirs[0].fwd.y.copy()
     xp = array_module(ctx.inputs[layer])
+    if len(dirs) == 1:  # (selected into a new array: no concatenated copy first)
+        return select_active(xp, dirs[0].fwd.y, ctx.lengths)
     ys = [d.fwd.y if i == 0 else _gather(ctx.reverse_index, d.fwd.y) for i, d in enumerate(dirs)]
     return select_active(xp, xp.concatenate(ys, axis=2), ctx.lengths)
 
@@ -383,10 +397,13 @@ def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, widths:
     """``(h0, c0)`` of shape (L*D, B, width) each (``widths`` of h and c: (H, H), or (P, H) with
     a projection; ``c0`` only for the LSTM), zeros where not given."""
     h0, c0 = hx if cell.has_cell_state and hx is not None else (hx, None)
-    h0 = xp.zeros((count, batch, widths[0]), dtype) if h0 is None else xp.ascontiguousarray(h0)
+    # Zeros not given are a shared read-only constant: nothing writes an initial state.
+    h0 = (constant_zeros(xp, (count, batch, widths[0]), dtype) if h0 is None
+          else xp.ascontiguousarray(h0))
     if not cell.has_cell_state:
         return h0, None
-    c0 = xp.zeros((count, batch, widths[1]), dtype) if c0 is None else xp.ascontiguousarray(c0)
+    c0 = (constant_zeros(xp, (count, batch, widths[1]), dtype) if c0 is None
+          else xp.ascontiguousarray(c0))
     return h0, c0
 
 
@@ -411,8 +428,9 @@ def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:
     """``dW_hh = sum_t dgh_t^T h_{t-1}`` as two GEMMs (step 0 reads ``h0``, the rest ``y``)."""
     width = dgh.shape[2]
     grad = matmul(dgh[0].T, h0)
-    if dgh.shape[0] > 1:
-        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]))
+    if dgh.shape[0] > 1:  # (the second product in a reused workspace: only grad is new)
+        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]),
+                       workspace(array_module(grad), "dw_hh", grad.shape, grad.dtype))
     return grad
 
 
