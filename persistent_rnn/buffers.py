@@ -87,7 +87,9 @@ def constant_ints(xp, count: int, value: int) -> Array:
 def constant_zeros(xp, shape: tuple[int, ...], dtype) -> Array:
     """Zeros of ``shape`` and ``dtype`` to be read, never written (a layer's initial states
     where none are given, a kernel's absent bias): a shared constant (``constant``)."""
-    return constant(xp, shape, dtype, 0)
+    key = ("cpu" if xp is np else xp.cuda.Device().id, shape, np.dtype(dtype).char, 0)
+    found = _CONSTANTS.get(key)  # (inline: the initial states of every call ask for these)
+    return found if found is not None else constant(xp, shape, dtype, 0)
 
 
 def constant(xp, shape: tuple[int, ...], dtype, value: int) -> Array:
@@ -95,30 +97,34 @@ def constant(xp, shape: tuple[int, ...], dtype, value: int) -> Array:
     shared: no allocation and fill per call, and on a GPU the same address call after call (so
     a chain graph's key repeats). NumPy's is read-only (a write raises); a CuPy array has no
     such flag, so every user of one must only read it. At most ``MAX_CONSTANTS`` are kept."""
-    return _constant(xp, ("full", shape, np.dtype(dtype).char, value),
-                     lambda: xp.full(shape, value, dtype))
+    key = ("cpu" if xp is np else xp.cuda.Device().id, shape, np.dtype(dtype).char, value)
+    found = _CONSTANTS.get(key)  # (a dict read is atomic; the lock guards the insertion)
+    if found is None:
+        found = _constant(xp, key, lambda: xp.full(shape, value, dtype))
+    return found
 
 
 def step_indices(xp, steps: int) -> Array:
     """int32 ``0 .. steps-1`` as (steps, 1, 1), a shared read-only constant (``constant``)."""
-    return _constant(xp, ("steps", steps),
-                     lambda: xp.arange(steps, dtype=np.int32).reshape(steps, 1, 1))
+    key = ("cpu" if xp is np else xp.cuda.Device().id, "steps", steps)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _constant(xp, key, lambda: xp.arange(steps, dtype=np.int32).reshape(
+            steps, 1, 1))
+    return found
 
 
 def _constant(xp, key: tuple, make: Callable[[], Array]) -> Array:
-    full = ("cpu" if xp is np else xp.cuda.Device().id, key)
-    found = _CONSTANTS.get(full)  # (a dict read is atomic; the lock guards the insertion)
-    if found is not None:
-        return found
+    """The constant of ``key``, made by ``make()`` (read-only on NumPy) if there is none."""
     with _CONSTANTS_LOCK:
-        found = _CONSTANTS.get(full)
+        found = _CONSTANTS.get(key)
         if found is None:
             if len(_CONSTANTS) >= MAX_CONSTANTS:
                 _CONSTANTS.clear()
             found = make()
             if xp is np:
                 found.flags.writeable = False
-            _CONSTANTS[full] = found
+            _CONSTANTS[key] = found
         return found
 
 
@@ -159,8 +165,7 @@ def reused(xp, key: tuple, make: Callable[[], T]) -> T:
 def workspace(xp, name: str, shape: tuple[int, ...], dtype) -> Array:
     """An uninitialised scratch array of ``shape`` and ``dtype`` that this thread's calls on
     this stream reuse (``reused``); ``name`` tells apart the arrays one call holds at once."""
-    return reused(xp, ("workspace", name, shape, np.dtype(dtype).char),
-                  lambda: xp.empty(shape, dtype))
+    return reused(xp, ("workspace", name, shape, np.dtype(dtype)), lambda: xp.empty(shape, dtype))
 
 
 def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
