@@ -467,4 +467,22 @@ def arguments(source: str, kernel: str, **named: Any) -> tuple:
     missing, unknown = [n for n in names if n not in named], [n for n in named if n not in names]
     if missing or unknown:
         raise TypeError(f"{kernel}: missing arguments {missing}, unknown arguments {unknown}")
-    return tuple(named[n] if kind is None else kind(named[n]) for n, kind in params)
+    values = []
+    for n, kind in params:  # (a loop, not a generator: no Python frame per argument)
+        value = named[n]
+        if kind is not None:
+            # NumPy scalars are immutable: one per (type, value) serves every launch, where
+            # making them cost an allocation each (about 70 a pass)
+            key = (kind, value)
+            made = _SCALARS_MADE.get(key)
+            if made is None:
+                if len(_SCALARS_MADE) >= MAX_SCALARS:
+                    _SCALARS_MADE.clear()
+                made = _SCALARS_MADE[key] = kind(value)
+            value = made
+        values.append(value)
+    return tuple(values)
+
+
+MAX_SCALARS = 4096  # converted scalars kept (steps and starts vary with the sequences)
+_SCALARS_MADE: dict[tuple, Any] = {}
