@@ -92,13 +92,16 @@ class _NumpyAllocCounter:
         malloc = ctypes.PYFUNCTYPE(*_MALLOC_TYPES)(base.malloc)
         calloc = ctypes.PYFUNCTYPE(*_CALLOC_TYPES)(base.calloc)
         self.count = 0
+        self.sizes: list[int] = []  # bytes of each allocation counted
 
         def counted_malloc(ctx, size):
             self.count += 1
+            self.sizes.append(size)
             return malloc(ctx, size)
 
         def counted_calloc(ctx, nelem, elsize):
             self.count += 1
+            self.sizes.append(nelem * elsize)
             return calloc(ctx, nelem, elsize)
 
         self._callbacks = (_MALLOC(counted_malloc), _CALLOC(counted_calloc))
@@ -125,6 +128,11 @@ _COUNTER: _NumpyAllocCounter | None = None
 
 def numpy_allocs(call: Callable[[], object]) -> int:
     """NumPy array data allocations during one ``call()`` (after warm-up calls)."""
+    return len(numpy_alloc_sizes(call))
+
+
+def numpy_alloc_sizes(call: Callable[[], object]) -> list[int]:
+    """The bytes of each NumPy data allocation during one ``call()`` (after warm-up calls)."""
     global _COUNTER
     if _COUNTER is None:
         try:
@@ -133,10 +141,10 @@ def numpy_allocs(call: Callable[[], object]) -> int:
             pytest.skip(f"NumPy's memory handler cannot be replaced here: {exc}")
     for _ in range(3):
         call()
-    before = _COUNTER.count
+    before = len(_COUNTER.sizes)
     with _COUNTER.counting():
         call()
-    return _COUNTER.count - before
+    return _COUNTER.sizes[before:]
 
 
 def host_syncs(call: Callable[[], object]) -> int:
