@@ -23,6 +23,11 @@ record when asked. Under CUDA stream capture the whole chain is captured.
 Plans and engines (compiled module, occupancy check) are cached per configuration and device;
 the transposed ``W_hh`` of the backward is one small copy per call, because an optimizer may
 update ``W_hh`` in place and nothing cheaper than a copy proves a cached one current.
+
+Scratch memory (a pass's chain words and exchanges, ``launch.chain_for``; the backward's
+``dgi``/``dgh``, carry and ``W_hh^T`` where the caller gives a ``slot``) is reused per thread
+and stream (``buffers.reused``): a steady-state call allocates only what it returns and what
+the forward's context keeps (docs/design.md, "Allocations of a persistent call").
 """
 from __future__ import annotations
 
