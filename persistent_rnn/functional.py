@@ -131,6 +131,13 @@ def _stacked(xp, arrays: list[Array], fresh: bool = False) -> Array:
     return xp.stack(arrays)
 
 
+def _stacked_scratch(xp, arrays: list[Array], name: str) -> Array:
+    """``xp.stack(arrays)`` into the reused workspace ``name`` (what a kernel reads during this
+    call and nothing keeps: the initial states of a stack's backward)."""
+    out = workspace(xp, name, (len(arrays), *arrays[0].shape), arrays[0].dtype)
+    return xp.stack(arrays, out=out)
+
+
 def _forward_layers(ctx: Context, layer_input: Array, h0_all: Array,
                     c0_all: Array | None) -> Array:
     """One launch per layer-direction (or the GEMM path); sets ``ctx``'s layers and stats and
@@ -159,7 +166,8 @@ def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
         return _forward_pairs(ctx, engine, layer_input, h0_all, c0_all)
     names = [_direction_names(ctx.params, layer, False) for layer in range(ctx.num_layers)]
     weights = [_weights(ctx, n) for n in names]
-    results, ctx.stats = stack.forward(ctx.cell, engine, _input_projection(ctx, layer_input, names[0]),
+    results, ctx.stats = stack.forward(ctx.cell, engine,
+                                       _input_projection(ctx, layer_input, names[0], "gi"),
                                        weights, h0_all, c0_all, ctx.lengths)
     for layer, fwd in enumerate(results):
         ctx.inputs[layer] = layer_input
@@ -178,11 +186,14 @@ def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
     ctx.stats = RunStats()
     for layer in range(ctx.num_layers):
         names = [_direction_names(ctx.params, layer, reverse) for reverse in (False, True)]
-        gi = [_input_projection(ctx, layer_input, n) for n in names]
+        gi = [_input_projection(ctx, layer_input, n, slot) for n, slot in
+              zip(names, ("gi", "gi_reverse"))]
         pair = slice(2 * layer, 2 * layer + 2)
         c0 = None if c0_all is None else c0_all[pair]
+        both = workspace(xp, "gi_pair", (2, *gi[0].shape), gi[0].dtype)
         results, stats = stack.forward(ctx.cell, engine,
-                                       xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])]),
+                                       xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])],
+                                                out=both),
                                        [_weights(ctx, n) for n in names], h0_all[pair], c0,
                                        ctx.lengths, chained=False)
         ctx.stats.merge(stats)
@@ -268,11 +279,11 @@ def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     if ctx.bidirectional:
         return _backward_pairs(ctx, engine, d_out, dhn, dcn, results, grads)
     dirs = [ctx.directions[layer][0] for layer in range(ctx.num_layers)]
-    c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+    c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
     per_layer, ctx.backward_stats = stack.backward(
         ctx.cell, engine, xp.ascontiguousarray(d_out), dhn, dcn,
-        [_weights(ctx, d.names) for d in dirs], xp.stack([d.h0 for d in dirs]), c0, ctx.lengths,
-        [d.fwd for d in dirs])
+        [_weights(ctx, d.names) for d in dirs], _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"),
+        c0, ctx.lengths, [d.fwd for d in dirs])
     for layer in range(ctx.num_layers - 1, -1, -1):
         results[layer, 0] = per_layer[layer]
         d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
@@ -289,11 +300,12 @@ def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
         dirs, pair = ctx.directions[layer], slice(2 * layer, 2 * layer + 2)
         hidden = dirs[0].h0.shape[1]
         dy = xp.stack([d_out[:, :, :hidden], _gather(ctx.reverse_index, d_out[:, :, hidden:])])
-        c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+        c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
         per_direction, stats = stack.backward(
             ctx.cell, engine, dy, None if dhn is None else dhn[pair],
             None if dcn is None else dcn[pair], [_weights(ctx, d.names) for d in dirs],
-            xp.stack([d.h0 for d in dirs]), c0, ctx.lengths, [d.fwd for d in dirs], chained=False)
+            _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths,
+            [d.fwd for d in dirs], chained=False)
         ctx.backward_stats.merge(stats)
         for direction, res in enumerate(per_direction):
             results[layer, direction] = res
@@ -307,11 +319,7 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
     w_hr = None if "weight_hr" not in d.names else ctx.params[d.names["weight_hr"]]
     # gi is read by the recurrence alone (never kept): a reused workspace per direction
-    steps, batch, _ = layer_input.shape
-    out = (workspace(array_module(layer_input), "gi_reverse" if reverse else "gi",
-                     (steps * batch, w_ih.shape[0]), w_ih.dtype)
-           if layer_input.dtype == w_ih.dtype else None)
-    gi = _projected(layer_input, w_ih, b_ih, out)
+    gi = _projected(layer_input, w_ih, b_ih, "gi_reverse" if reverse else "gi")
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
@@ -324,15 +332,19 @@ def _param(ctx: Context, d: _Direction, kind: str) -> Array | None:
     return None if name is None else ctx.params[name]
 
 
-def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str]) -> Array:
-    """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM."""
+def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str],
+                      slot: str) -> Array:
+    """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM (``_projected``)."""
     w_ih, _, b_ih, _ = _weights(ctx, names)
-    return _projected(layer_input, w_ih, b_ih)
+    return _projected(layer_input, w_ih, b_ih, slot)
 
 
-def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None,
-               out: Array | None = None) -> Array:
-    """``_input_projection`` with the weights given (into ``out``, (T*B, G*H), where given)."""
+def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None, slot: str) -> Array:
+    """``_input_projection`` with the weights given, into the reused workspace ``slot`` (the
+    recurrence reads it and nothing keeps it; ``buffers.workspace``) where the dtypes agree."""
+    steps, batch, _ = layer_input.shape
+    out = (workspace(array_module(layer_input), slot, (steps * batch, w_ih.shape[0]), w_ih.dtype)
+           if layer_input.dtype == w_ih.dtype else None)
     gi = matmul_steps(layer_input, w_ih.T, out)
     if b_ih is not None:
         gi += b_ih

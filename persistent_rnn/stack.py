@@ -102,19 +102,23 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
     return stats
 
 
-def _stacked(xp, arrays: Sequence[Array]) -> Array:
-    """``arrays`` stacked on a new first axis as one contiguous float32 array."""
-    return xp.ascontiguousarray(xp.stack(arrays), dtype=np.float32)
+def _stacked(xp, arrays: Sequence[Array], name: str) -> Array:
+    """``arrays`` stacked on a new first axis as one contiguous float32 array: the workspace
+    ``name`` (``buffers.workspace``; what the kernels read of this call's weights and forward
+    buffers, copied every call because an optimizer may change the weights in place)."""
+    out = buffers.workspace(xp, name, (len(arrays), *arrays[0].shape), np.float32)
+    return xp.stack(arrays, out=out)
 
 
 def _unused(xp) -> Array:
     """A placeholder for a kernel argument the launch never reads (W_ih of unchained groups)."""
-    return xp.zeros(1, np.float32)
+    return buffers.constant_zeros(xp, (1,), np.float32)
 
 
 def _biases(xp, cell: CellSpec, weights: Sequence[Weights], which: int, hidden: int) -> Array:
-    zero = xp.zeros(cell.gates * hidden, np.float32)
-    return _stacked(xp, [zero if w[which] is None else w[which] for w in weights])
+    zero = buffers.constant_zeros(xp, (cell.gates * hidden,), np.float32)
+    return _stacked(xp, [zero if w[which] is None else w[which] for w in weights],
+                    f"stack_bias{which}")
 
 
 def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence[Weights],
@@ -134,8 +138,8 @@ def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence
     results = [runtime.ForwardResult(y[k], None if cs is None else cs[k], saved[k])
                for k in range(layers)]
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    w_ih = _stacked(xp, [w[0] for w in weights[1:]]) if chained else _unused(xp)
-    args = dict(w_ih=w_ih, w_hh=_stacked(xp, [w[1] for w in weights]),
+    w_ih = _stacked(xp, [w[0] for w in weights[1:]], "stack_w_ih") if chained else _unused(xp)
+    args = dict(w_ih=w_ih, w_hh=_stacked(xp, [w[1] for w in weights], "stack_w_hh"),
                 b_ih=_biases(xp, cell, weights, 2, hidden), b_hh=_biases(xp, cell, weights, 3, hidden),
                 gi=f32(gi), h0=f32(h0), c0=f32(h0 if c0 is None else c0),
                 lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, y=y,
@@ -172,12 +176,12 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
         dh_carry[:, steps] = dhn
     if dcn is not None and cell.has_cell_state:
         dc_carry[:, steps] = dcn
-    y = _stacked(xp, [f.y for f in fwds])
+    y = _stacked(xp, [f.y for f in fwds], "stack_y")
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    w_ih_t = _stacked(xp, [w[0].T for w in weights[1:]]) if chained else _unused(xp)
-    args = dict(w_t=_stacked(xp, [w[1].T for w in weights]), w_ih_t=w_ih_t, dy=f32(dy), y=y,
-                cs=y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds]),
-                saved=_stacked(xp, [f.saved for f in fwds]), h0=f32(h0),
+    w_ih_t = _stacked(xp, [w[0].T for w in weights[1:]], "stack_w_ih_t") if chained else _unused(xp)
+    args = dict(w_t=_stacked(xp, [w[1].T for w in weights], "stack_w_t"), w_ih_t=w_ih_t, dy=f32(dy), y=y,
+                cs=y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds], "stack_cs"),
+                saved=_stacked(xp, [f.saved for f in fwds], "stack_saved"), h0=f32(h0),
                 c0=f32(h0 if c0 is None else c0),
                 lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, dgi=dgi,
                 dgh=dgh, dh_carry=dh_carry, dc_carry=dc_carry, steps=steps, batch=batch,
@@ -188,7 +192,15 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
     stats = _run(engine_, args, layers, -1, xp, chained, "prnn_complete_backward",
                  dict(args, per_step=1), exchanges)
     # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back.
-    results = [runtime.BackwardResult(dgi[k], dgh[k], dh_carry[k, 0] + matmul(dgh[k, 0], weights[k][1]),
+    results = [runtime.BackwardResult(dgi[k], dgh[k], _dh0(dh_carry[k, 0], dgh[k, 0],
+                                                            weights[k][1]),
                                       dc_carry[k, 0] if cell.has_cell_state else None)
                for k in range(layers)]
     return results, stats
+
+
+def _dh0(carry: Array, dgh0: Array, w_hh: Array) -> Array:
+    """``carry + dgh0 @ W_hh`` as one new array (the sum in place: the same values)."""
+    dh0 = matmul(dgh0, w_hh)
+    dh0 += carry
+    return dh0

@@ -77,6 +77,42 @@ def test_a_steady_state_call_allocates_only_what_it_returns_and_keeps(settings, 
     assert array_allocations(call) == len(want), want
 
 
+# Stack mode (two unidirectional layers in one launch per pass): the same, per layer, except
+# what is not yet removed: the backward's per-layer dh0 (LSTM: and its dc carry) before they are
+# stacked into the returned dh (dc).
+STACK_FORWARD = {"GRU": ["y of both layers (context)", "saved of both (context)",
+                         "layer 0's output (context: layer 1's input)", "output", "h_n"],
+                 "LSTM": ["y of both layers (context)", "cs of both (context)",
+                          "saved of both (context)", "layer 0's output (context: layer 1's input)",
+                          "output", "h_n", "c_n"]}
+STACK_BACKWARD = {"GRU": ["dx", "dh"] + [f"{g} of layer {k}" for g in ("dW_ih", "dW_hh", "db_ih",
+                                                                           "db_hh") for k in (0, 1)]
+                  + ["not yet removed: dh0 of layer 0", "not yet removed: dh0 of layer 1"]}
+STACK_BACKWARD["LSTM"] = STACK_BACKWARD["GRU"] + ["dc", "not yet removed: the dc carry"]
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_a_stack_mode_call_allocates_only_what_it_returns_keeps_and_lists(settings, grid_path,
+                                                                          cell, backward):
+    prnn.configure(stack=True)
+    layer = getattr(prnn, cell)(I, H, num_layers=2, algo="persistent", seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+
+    def call():
+        layer.zero_grad()
+        layer.forward(x)
+        if backward:
+            layer.backward(dy)
+
+    call()
+    assert "stack" in layer.last_run.details[0]  # (stack mode ran)
+    want = STACK_FORWARD[cell] + (STACK_BACKWARD[cell] if backward else [])
+    assert array_allocations(call) == len(want), want
+
+
 def test_a_per_call_exchange_is_counted(settings, grid_path, monkeypatch):
     """The count fails where a call allocates its chain (words and exchange) afresh again."""
     call = _call("GRU", False, False)
