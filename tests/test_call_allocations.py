@@ -195,3 +195,30 @@ def test_shared_constants_are_read_only():
         zeros[0, 0, 0] = 1.0
     with pytest.raises(ValueError):
         buffers.step_indices(np, T)[0] = 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_a_steady_state_gpu_call_allocates_only_what_it_returns_and_keeps(cupy, backward):
+    """On the GPU, counted by CuPy's allocator (``launch.counting().allocations``): the same
+    list as the emulated GRU call's (chain graphs on: the third call on is a replay)."""
+    layer = prnn.GRU(I, H, algo="persistent", seed=0)
+    layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
+    rng = np.random.default_rng(0)
+    x = cupy.asarray(rng.standard_normal((T, B, I)), np.float32)
+    dy = cupy.asarray(rng.standard_normal((T, B, H)), np.float32)
+
+    def call():
+        layer.zero_grad()
+        layer.forward(x)
+        if backward:
+            layer.backward(dy)
+
+    for _ in range(4):
+        call()
+    cupy.cuda.get_current_stream().synchronize()
+    with launch.counting() as counts:
+        call()
+    assert layer.last_run.algo == "persistent"
+    want = expected("GRU", backward, False)
+    assert counts.allocations == len(want), (counts, want)
