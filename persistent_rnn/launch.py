@@ -306,7 +306,9 @@ def chain_for(xp, engine: Engine, groups: int,
     same one call after call, per thread and stream (``buffers.reused``: concurrent calls never
     share one; under a user's CUDA stream capture a new one, which ``keep_alive`` holds with
     the graph). Its ``reset``, the chain's first operation, zeroes what a pass reads."""
-    return buffers.reused(xp, ("chain", engine.key, groups, exchanges),
+    # (keyed by the engine object, not its ``key``: a re-planned engine of the same key may
+    # differ, e.g. in shared bytes; the chain holds its engine, so the id is not reused)
+    return buffers.reused(xp, ("chain", id(engine), groups, exchanges),
                           lambda: Chain(xp, engine, groups, exchanges))
 
 

@@ -222,3 +222,14 @@ def test_a_steady_state_gpu_call_allocates_only_what_it_returns_and_keeps(cupy, 
     assert layer.last_run.algo == "persistent"
     want = expected("GRU", backward, False)
     assert counts.allocations == len(want), (counts, want)
+
+
+def test_a_chain_belongs_to_its_engine():
+    """Two engines of one configuration key (re-planned, e.g. with other shared bytes) never
+    share a chain: the chain launches with its own engine; one engine gets the same chain."""
+    from types import SimpleNamespace
+    first, second = (launch.Engine(SimpleNamespace(grid=2), print, True, ("same",))
+                     for _ in range(2))
+    a = launch.chain_for(np, first, 1, ((2, 3, 4),))
+    assert launch.chain_for(np, first, 1, ((2, 3, 4),)) is a and a.engine is first
+    assert launch.chain_for(np, second, 1, ((2, 3, 4),)).engine is second
