@@ -162,6 +162,15 @@ def reused(xp, key: tuple, make: Callable[[], T]) -> T:
     return found
 
 
+def release_workspaces() -> int:
+    """Let go of every kept scratch array and chain (``reused``; calls under way keep theirs),
+    e.g. after a run of long sequences; later calls make new ones. Returns how many were kept."""
+    with _REUSED_LOCK:
+        n = len(_REUSED)
+        _REUSED.clear()
+    return n
+
+
 def workspace(xp, name: str, shape: tuple[int, ...], dtype) -> Array:
     """An uninitialised scratch array of ``shape`` and ``dtype`` that this thread's calls on
     this stream reuse (``reused``); ``name`` tells apart the arrays one call holds at once."""

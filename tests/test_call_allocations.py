@@ -184,6 +184,9 @@ def test_threads_never_share_a_workspace(settings, grid_path):
         t.join(timeout=60)
     assert made[0][0] is made[0][1] and made[1][0] is made[1][1]
     assert made[0][0] is not made[1][0]
+    kept = buffers.workspace(np, "gi", (4, 2), np.float32)
+    assert buffers.release_workspaces() >= 1
+    assert buffers.workspace(np, "gi", (4, 2), np.float32) is not kept
 
 
 def test_shared_constants_are_read_only():
