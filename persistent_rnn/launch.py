@@ -247,7 +247,9 @@ class Chain:
     before the words, each padded to ``EXCHANGE_ALIGN`` words, so that ``reset``'s first memset
     zeroes them with the record and the counters: a chain reused call after call
     (``chain_for``) starts every pass from zeroed exchanges, also after a stalled or aborted
-    one, without an allocation."""
+    one, without an allocation. (An exchange must start zeroed: tag 0 is never published, so
+    no launch of the pass can take a stale word for one it waits on. A cluster kernel keeps its
+    exchange in shared memory and never reads this one.)"""
 
     def __init__(self, xp, engine: Engine, groups: int,
                  exchanges: tuple[tuple[int, ...], ...] = ()):
