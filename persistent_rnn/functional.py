@@ -124,11 +124,30 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
 
 
 def _stacked(xp, arrays: list[Array], fresh: bool = False) -> Array:
-    """``xp.stack(arrays)``: a new array, in a fifth of the time for the usual single one;
-    ``fresh``: a single array that nothing else holds is returned as a view of itself."""
+    """``xp.stack(arrays)``: a new array, in a fifth of the time for the usual single one.
+    ``fresh``: arrays that nothing else holds, so a single one is returned as a view of itself
+    and the rows, in order, of one array (a stack's) as that array."""
     if len(arrays) == 1:
         return arrays[0][None] if fresh else arrays[0][None].copy()
-    return xp.stack(arrays)
+    whole = _rows_of(arrays) if fresh else None
+    return xp.stack(arrays) if whole is None else whole
+
+
+def _rows_of(arrays: list[Array]) -> Array | None:
+    """The contiguous array whose rows 0, 1, ... ``arrays`` are, or ``None``."""
+    whole = arrays[0].base
+    if (whole is None or whole.shape != (len(arrays), *arrays[0].shape)
+            or not whole.flags.c_contiguous):
+        return None
+    start, step = _address(whole), whole.strides[0]
+    if all(a.base is whole and _address(a) == start + k * step for k, a in enumerate(arrays)):
+        return whole
+    return None
+
+
+def _address(a: Array) -> int:
+    """The address of ``a``'s first element (NumPy or CuPy)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
 
 
 def _stacked_scratch(xp, arrays: list[Array], name: str) -> Array:
@@ -238,12 +257,13 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
         if why is not None and ctx.num_layers > 1:
             ctx.backward_stats.details.append(f"stack mode not used: {why}")
     dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
-    # runtime.backward's dh0 and dc0 are the call's own (nothing else holds them): no copy
-    fresh = engine is None
-    dh = _stacked(xp, [results[k].dh0 for k in sorted(results)], fresh)
+    # runtime.backward's dh0 and dc0 are the call's own (nothing else holds them), as is the
+    # array whose rows a stack's are: no copy
+    dh = _stacked(xp, [results[k].dh0 for k in sorted(results)], fresh=True)
     if not ctx.cell.has_cell_state:
         return dx, dh, grads
-    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)], fresh)), grads
+    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)],
+                             fresh=engine is None)), grads
 
 
 def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array | None,

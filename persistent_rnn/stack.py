@@ -191,16 +191,13 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
                  else (("exchange_gh", "exchange_gi"),))
     stats = _run(engine_, args, layers, -1, xp, chained, "prnn_complete_backward",
                  dict(args, per_step=1), exchanges)
-    # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back.
-    results = [runtime.BackwardResult(dgi[k], dgh[k], _dh0(dh_carry[k, 0], dgh[k, 0],
-                                                            weights[k][1]),
+    # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back;
+    # the layers' rows of one new array (the layer returns it as it is)
+    dh0 = xp.empty((layers, batch, hidden), np.float32)
+    for k in range(layers):
+        matmul(dgh[k, 0], weights[k][1], out=dh0[k])
+        dh0[k] += dh_carry[k, 0]  # (in place: the same sum)
+    results = [runtime.BackwardResult(dgi[k], dgh[k], dh0[k],
                                       dc_carry[k, 0] if cell.has_cell_state else None)
                for k in range(layers)]
     return results, stats
-
-
-def _dh0(carry: Array, dgh0: Array, w_hh: Array) -> Array:
-    """``carry + dgh0 @ W_hh`` as one new array (the sum in place: the same values)."""
-    dh0 = matmul(dgh0, w_hh)
-    dh0 += carry
-    return dh0

@@ -78,16 +78,15 @@ def test_a_steady_state_call_allocates_only_what_it_returns_and_keeps(settings, 
 
 
 # Stack mode (two unidirectional layers in one launch per pass): the same, per layer, except
-# what is not yet removed: the backward's per-layer dh0 (LSTM: and its dc carry) before they are
-# stacked into the returned dh (dc).
+# what is not yet removed: the LSTM backward's dc carry (its rows are copied into the returned
+# dc).
 STACK_FORWARD = {"GRU": ["y of both layers (context)", "saved of both (context)",
                          "layer 0's output (context: layer 1's input)", "output", "h_n"],
                  "LSTM": ["y of both layers (context)", "cs of both (context)",
                           "saved of both (context)", "layer 0's output (context: layer 1's input)",
                           "output", "h_n", "c_n"]}
 STACK_BACKWARD = {"GRU": ["dx", "dh"] + [f"{g} of layer {k}" for g in ("dW_ih", "dW_hh", "db_ih",
-                                                                           "db_hh") for k in (0, 1)]
-                  + ["not yet removed: dh0 of layer 0", "not yet removed: dh0 of layer 1"]}
+                                                                           "db_hh") for k in (0, 1)]}
 STACK_BACKWARD["LSTM"] = STACK_BACKWARD["GRU"] + ["dc", "not yet removed: the dc carry"]
 
 
