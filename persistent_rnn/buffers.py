@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from .cells import CellSpec
 from .matmul import matmul
 
 Array = Any  # numpy.ndarray or cupy.ndarray
+T = TypeVar("T")
 
 
 def array_module(*arrays: Array):
@@ -77,20 +79,102 @@ MAX_CONSTANTS = 1024  # a bound: the sequence lengths of a long run with varying
 
 
 def constant_ints(xp, count: int, value: int) -> Array:
-    """An int32 array of ``count`` times ``value`` for the kernels to read (never to write). On
-    a GPU it is made once per (device, count, value) and shared: no allocation and fill per
-    call, and the same address call after call (so a chain graph's key repeats); NumPy: a new
-    array (as cheap as a lookup)."""
-    if xp is np:
-        return np.full(count, value, np.int32)
-    key = (xp.cuda.Device().id, count, value)
+    """An int32 array of ``count`` times ``value`` for the kernels to read (never to write):
+    a shared constant (``constant``)."""
+    return constant(xp, (count,), np.int32, value)
+
+
+def constant_zeros(xp, shape: tuple[int, ...], dtype) -> Array:
+    """Zeros of ``shape`` and ``dtype`` to be read, never written (a layer's initial states
+    where none are given, a kernel's absent bias): a shared constant (``constant``)."""
+    key = ("cpu" if xp is np else xp.cuda.Device().id, shape, np.dtype(dtype).char, 0)
+    found = _CONSTANTS.get(key)  # (inline: the initial states of every call ask for these)
+    return found if found is not None else constant(xp, shape, dtype, 0)
+
+
+def constant(xp, shape: tuple[int, ...], dtype, value: int) -> Array:
+    """An array of ``value`` that nobody writes, made once per (device, shape, dtype, value) and
+    shared: no allocation and fill per call, and on a GPU the same address call after call (so
+    a chain graph's key repeats). NumPy's is read-only (a write raises); a CuPy array has no
+    such flag, so every user of one must only read it. At most ``MAX_CONSTANTS`` are kept."""
+    key = ("cpu" if xp is np else xp.cuda.Device().id, shape, np.dtype(dtype).char, value)
+    found = _CONSTANTS.get(key)  # (a dict read is atomic; the lock guards the insertion)
+    if found is None:
+        found = _constant(xp, key, lambda: xp.full(shape, value, dtype))
+    return found
+
+
+def step_indices(xp, steps: int) -> Array:
+    """int32 ``0 .. steps-1`` as (steps, 1, 1), a shared read-only constant (``constant``)."""
+    key = ("cpu" if xp is np else xp.cuda.Device().id, "steps", steps)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _constant(xp, key, lambda: xp.arange(steps, dtype=np.int32).reshape(
+            steps, 1, 1))
+    return found
+
+
+def _constant(xp, key: tuple, make: Callable[[], Array]) -> Array:
+    """The constant of ``key``, made by ``make()`` (read-only on NumPy) if there is none."""
     with _CONSTANTS_LOCK:
         found = _CONSTANTS.get(key)
         if found is None:
             if len(_CONSTANTS) >= MAX_CONSTANTS:
                 _CONSTANTS.clear()
-            found = _CONSTANTS[key] = xp.full(count, value, np.int32)
+            found = make()
+            if xp is np:
+                found.flags.writeable = False
+            _CONSTANTS[key] = found
         return found
+
+
+MAX_REUSED = 128  # objects kept by ``reused``; the least recently used is let go first
+_REUSED: "OrderedDict[tuple, Any]" = OrderedDict()
+_REUSED_LOCK = threading.Lock()
+
+
+def reused(xp, key: tuple, make: Callable[[], T]) -> T:
+    """``make()``'s result, made once per ``key``, thread, device and stream and returned again
+    to the later calls of the same thread on the same stream: a call's scratch memory (a pass's
+    chain words and exchanges, the input GEMM's output) without an allocation per call. Another
+    thread or stream gets its own, so concurrent calls never share it, and the calls of one
+    stream are ordered on it (the next call writes it after this one's work has read it). Under
+    CUDA stream capture ``make()`` every time: a captured graph keeps what it was captured with
+    (``launch.keep_alive``) and never shares memory with eager calls."""
+    if xp is np:
+        stream = None
+    else:
+        current = xp.cuda.get_current_stream()
+        if current.is_capturing():
+            return make()
+        stream = (xp.cuda.Device().id, current.ptr)
+    full = (key, threading.get_ident(), stream)
+    with _REUSED_LOCK:
+        found = _REUSED.get(full)
+        if found is not None:
+            _REUSED.move_to_end(full)
+            return found
+    found = make()
+    with _REUSED_LOCK:
+        _REUSED[full] = found
+        while len(_REUSED) > MAX_REUSED:
+            _REUSED.popitem(last=False)
+    return found
+
+
+def release_workspaces() -> int:
+    """Let go of every kept scratch array and chain (``reused``; calls under way keep theirs),
+    e.g. after a run of long sequences; later calls make new ones. Returns how many were kept."""
+    with _REUSED_LOCK:
+        n = len(_REUSED)
+        _REUSED.clear()
+    return n
+
+
+def workspace(xp, name: str, shape: tuple[int, ...], dtype) -> Array:
+    """An uninitialised scratch array of ``shape`` and ``dtype`` that this thread's calls on
+    this stream reuse (``reused``); ``name`` tells apart the arrays one call holds at once."""
+    return reused(xp, ("workspace", name, shape, np.dtype(dtype)), lambda: xp.empty(shape, dtype))
 
 
 def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
@@ -100,18 +184,27 @@ def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
     return (xp.arange(steps)[:, None] < lengths[None, :])[:, :, None]
 
 
-def select_active(xp, a: Array, lengths: Array | None) -> Array:
+def select_active(xp, a: Array, lengths: Array | None, out: Array | None = None) -> Array:
     """``a`` (T, B, X) with zeros at steps past each sequence's length, selected (not multiplied,
-    so NaN or Inf there do not survive); ``a`` itself when there are no lengths."""
+    so NaN or Inf there do not survive), into ``out`` (a new array where not given); ``a``
+    itself when there are no lengths. The mask is formed in a reused workspace from shared step
+    indices: no array is made but the result."""
     if lengths is None:
         return a
-    return xp.where(active_steps(xp, a.shape[0], lengths), a, xp.zeros((), a.dtype))
+    steps, batch = a.shape[:2]
+    past = workspace(xp, "past", (steps, batch, 1), np.bool_)
+    xp.greater_equal(step_indices(xp, steps), lengths[None, :, None], out=past)
+    out = xp.empty_like(a) if out is None else out
+    xp.copyto(out, a)
+    xp.copyto(out, constant_zeros(xp, (), a.dtype), where=past)
+    return out
 
 
-def matmul_steps(a: Array, w: Array) -> Array:
-    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N)."""
+def matmul_steps(a: Array, w: Array, out: Array | None = None) -> Array:
+    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N) (into
+    ``out``, (T*B, N), where given)."""
     steps, batch, width = a.shape
-    return matmul(a.reshape(steps * batch, width), w).reshape(steps, batch, w.shape[1])
+    return matmul(a.reshape(steps * batch, width), w, out).reshape(steps, batch, w.shape[1])
 
 
 def round_half(xp, a: Array, half: str | None) -> Array:

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime, stack
-from .buffers import array_module, matmul_steps, select_active
+from .buffers import array_module, constant_zeros, matmul_steps, select_active, workspace
 from .cells import CellSpec
 from .matmul import matmul
 from .stats import RunStats
@@ -123,9 +123,38 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     return y, (h_n, _stacked(xp, [d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
 
 
-def _stacked(xp, arrays: list[Array]) -> Array:
-    """``xp.stack(arrays)``: a new array, in a fifth of the time for the usual single one."""
-    return arrays[0][None].copy() if len(arrays) == 1 else xp.stack(arrays)
+def _stacked(xp, arrays: list[Array], fresh: bool = False) -> Array:
+    """``xp.stack(arrays)``: a new array, in a fifth of the time for the usual single one.
+    ``fresh``: arrays that nothing else holds, so a single one is returned as a view of itself
+    and the rows, in order, of one array (a stack's) as that array."""
+    if len(arrays) == 1:
+        return arrays[0][None] if fresh else arrays[0][None].copy()
+    whole = _rows_of(arrays) if fresh else None
+    return xp.stack(arrays) if whole is None else whole
+
+
+def _rows_of(arrays: list[Array]) -> Array | None:
+    """The contiguous array whose rows 0, 1, ... ``arrays`` are, or ``None``."""
+    whole = arrays[0].base
+    if (whole is None or whole.shape != (len(arrays), *arrays[0].shape)
+            or not whole.flags.c_contiguous):
+        return None
+    start, step = _address(whole), whole.strides[0]
+    if all(a.base is whole and _address(a) == start + k * step for k, a in enumerate(arrays)):
+        return whole
+    return None
+
+
+def _address(a: Array) -> int:
+    """The address of ``a``'s first element (NumPy or CuPy)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
+
+
+def _stacked_scratch(xp, arrays: list[Array], name: str) -> Array:
+    """``xp.stack(arrays)`` into the reused workspace ``name`` (what a kernel reads during this
+    call and nothing keeps: the initial states of a stack's backward)."""
+    out = workspace(xp, name, (len(arrays), *arrays[0].shape), arrays[0].dtype)
+    return xp.stack(arrays, out=out)
 
 
 def _forward_layers(ctx: Context, layer_input: Array, h0_all: Array,
@@ -156,7 +185,8 @@ def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
         return _forward_pairs(ctx, engine, layer_input, h0_all, c0_all)
     names = [_direction_names(ctx.params, layer, False) for layer in range(ctx.num_layers)]
     weights = [_weights(ctx, n) for n in names]
-    results, ctx.stats = stack.forward(ctx.cell, engine, _input_projection(ctx, layer_input, names[0]),
+    results, ctx.stats = stack.forward(ctx.cell, engine,
+                                       _input_projection(ctx, layer_input, names[0], "gi"),
                                        weights, h0_all, c0_all, ctx.lengths)
     for layer, fwd in enumerate(results):
         ctx.inputs[layer] = layer_input
@@ -175,11 +205,14 @@ def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
     ctx.stats = RunStats()
     for layer in range(ctx.num_layers):
         names = [_direction_names(ctx.params, layer, reverse) for reverse in (False, True)]
-        gi = [_input_projection(ctx, layer_input, n) for n in names]
+        gi = [_input_projection(ctx, layer_input, n, slot) for n, slot in
+              zip(names, ("gi", "gi_reverse"))]
         pair = slice(2 * layer, 2 * layer + 2)
         c0 = None if c0_all is None else c0_all[pair]
+        both = workspace(xp, "gi_pair", (2, *gi[0].shape), gi[0].dtype)
         results, stats = stack.forward(ctx.cell, engine,
-                                       xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])]),
+                                       xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])],
+                                                out=both),
                                        [_weights(ctx, n) for n in names], h0_all[pair], c0,
                                        ctx.lengths, chained=False)
         ctx.stats.merge(stats)
@@ -212,7 +245,8 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
     grads: dict[str, Array] = {}
     results: dict[tuple[int, int], runtime.BackwardResult] = {}
-    d_out = dy if ctx.lengths is None else select_active(xp, dy, ctx.lengths)
+    d_out = dy if ctx.lengths is None else select_active(
+        xp, dy, ctx.lengths, workspace(xp, "dy", dy.shape, dy.dtype))  # (read, never kept)
     engine, why = stack.engine(ctx.cell, dy, ctx.directions[0][0].h0.shape[1], ctx.num_layers,
                                ctx.bidirectional, ctx.algo, ctx.half, backward=True,
                                proj="weight_hr_l0" in ctx.params)
@@ -223,10 +257,13 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
         if why is not None and ctx.num_layers > 1:
             ctx.backward_stats.details.append(f"stack mode not used: {why}")
     dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
-    dh = _stacked(xp, [results[k].dh0 for k in sorted(results)])
+    # runtime.backward's dh0 and dc0 are the call's own (nothing else holds them), as is the
+    # array whose rows a stack's are: no copy
+    dh = _stacked(xp, [results[k].dh0 for k in sorted(results)], fresh=True)
     if not ctx.cell.has_cell_state:
         return dx, dh, grads
-    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)])), grads
+    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)],
+                             fresh=engine is None)), grads
 
 
 def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array | None,
@@ -246,7 +283,7 @@ def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array |
             w_hh, w_hr = _param(ctx, d, "weight_hh"), _param(ctx, d, "weight_hr")
             results[layer, direction], stats[layer, direction] = runtime.backward(
                 ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
-                d.fwd, ctx.algo, ctx.half, w_hr)
+                d.fwd, ctx.algo, ctx.half, w_hr, slot=direction)
         d_out = _layer_gradients(ctx, layer, results, grads)
     ctx.backward_stats = _merged(stats)
     return d_out
@@ -262,11 +299,11 @@ def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     if ctx.bidirectional:
         return _backward_pairs(ctx, engine, d_out, dhn, dcn, results, grads)
     dirs = [ctx.directions[layer][0] for layer in range(ctx.num_layers)]
-    c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+    c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
     per_layer, ctx.backward_stats = stack.backward(
         ctx.cell, engine, xp.ascontiguousarray(d_out), dhn, dcn,
-        [_weights(ctx, d.names) for d in dirs], xp.stack([d.h0 for d in dirs]), c0, ctx.lengths,
-        [d.fwd for d in dirs])
+        [_weights(ctx, d.names) for d in dirs], _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"),
+        c0, ctx.lengths, [d.fwd for d in dirs])
     for layer in range(ctx.num_layers - 1, -1, -1):
         results[layer, 0] = per_layer[layer]
         d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
@@ -283,11 +320,12 @@ def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
         dirs, pair = ctx.directions[layer], slice(2 * layer, 2 * layer + 2)
         hidden = dirs[0].h0.shape[1]
         dy = xp.stack([d_out[:, :, :hidden], _gather(ctx.reverse_index, d_out[:, :, hidden:])])
-        c0 = None if dirs[0].c0 is None else xp.stack([d.c0 for d in dirs])
+        c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
         per_direction, stats = stack.backward(
             ctx.cell, engine, dy, None if dhn is None else dhn[pair],
             None if dcn is None else dcn[pair], [_weights(ctx, d.names) for d in dirs],
-            xp.stack([d.h0 for d in dirs]), c0, ctx.lengths, [d.fwd for d in dirs], chained=False)
+            _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths,
+            [d.fwd for d in dirs], chained=False)
         ctx.backward_stats.merge(stats)
         for direction, res in enumerate(per_direction):
             results[layer, direction] = res
@@ -300,7 +338,8 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
     """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
     w_hr = None if "weight_hr" not in d.names else ctx.params[d.names["weight_hr"]]
-    gi = _projected(layer_input, w_ih, b_ih)
+    # gi is read by the recurrence alone (never kept): a reused workspace per direction
+    gi = _projected(layer_input, w_ih, b_ih, "gi_reverse" if reverse else "gi")
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
@@ -313,15 +352,20 @@ def _param(ctx: Context, d: _Direction, kind: str) -> Array | None:
     return None if name is None else ctx.params[name]
 
 
-def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str]) -> Array:
-    """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM."""
+def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str],
+                      slot: str) -> Array:
+    """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM (``_projected``)."""
     w_ih, _, b_ih, _ = _weights(ctx, names)
-    return _projected(layer_input, w_ih, b_ih)
+    return _projected(layer_input, w_ih, b_ih, slot)
 
 
-def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None) -> Array:
-    """``_input_projection`` with the weights given."""
-    gi = matmul_steps(layer_input, w_ih.T)
+def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None, slot: str) -> Array:
+    """``_input_projection`` with the weights given, into the reused workspace ``slot`` (the
+    recurrence reads it and nothing keeps it; ``buffers.workspace``) where the dtypes agree."""
+    steps, batch, _ = layer_input.shape
+    out = (workspace(array_module(layer_input), slot, (steps * batch, w_ih.shape[0]), w_ih.dtype)
+           if layer_input.dtype == w_ih.dtype else None)
+    gi = matmul_steps(layer_input, w_ih.T, out)
     if b_ih is not None:
         gi += b_ih
     return gi
@@ -334,6 +378,8 @@ def _layer_output(ctx: Context, layer: int) -> Array:
     if len(dirs) == 1 and ctx.lengths is None:  # (the usual case: the same copy, fewer calls)
         return dirs[0].fwd.y.copy()
     xp = array_module(ctx.inputs[layer])
+    if len(dirs) == 1:  # (selected into a new array: no concatenated copy first)
+        return select_active(xp, dirs[0].fwd.y, ctx.lengths)
     ys = [d.fwd.y if i == 0 else _gather(ctx.reverse_index, d.fwd.y) for i, d in enumerate(dirs)]
     return select_active(xp, xp.concatenate(ys, axis=2), ctx.lengths)
 
@@ -383,10 +429,13 @@ def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, widths:
     """``(h0, c0)`` of shape (L*D, B, width) each (``widths`` of h and c: (H, H), or (P, H) with
     a projection; ``c0`` only for the LSTM), zeros where not given."""
     h0, c0 = hx if cell.has_cell_state and hx is not None else (hx, None)
-    h0 = xp.zeros((count, batch, widths[0]), dtype) if h0 is None else xp.ascontiguousarray(h0)
+    # Zeros not given are a shared read-only constant: nothing writes an initial state.
+    h0 = (constant_zeros(xp, (count, batch, widths[0]), dtype) if h0 is None
+          else xp.ascontiguousarray(h0))
     if not cell.has_cell_state:
         return h0, None
-    c0 = xp.zeros((count, batch, widths[1]), dtype) if c0 is None else xp.ascontiguousarray(c0)
+    c0 = (constant_zeros(xp, (count, batch, widths[1]), dtype) if c0 is None
+          else xp.ascontiguousarray(c0))
     return h0, c0
 
 
@@ -411,8 +460,9 @@ def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:
     """``dW_hh = sum_t dgh_t^T h_{t-1}`` as two GEMMs (step 0 reads ``h0``, the rest ``y``)."""
     width = dgh.shape[2]
     grad = matmul(dgh[0].T, h0)
-    if dgh.shape[0] > 1:
-        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]))
+    if dgh.shape[0] > 1:  # (the second product in a reused workspace: only grad is new)
+        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]),
+                       workspace(array_module(grad), "dw_hh", grad.shape, grad.dtype))
     return grad
 
 

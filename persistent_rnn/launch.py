@@ -17,6 +17,8 @@ memsets, so that tests hold a steady-state call to 0 synchronisations.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import re
 import threading
 import time
@@ -26,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import chain_graphs, settings
+from . import buffers, chain_graphs, settings
 from ._sources import cuda_src_dir
 
 Array = Any
@@ -37,6 +39,7 @@ HEAD = 4                   # record words before the per-group completion starts
 DONE, NOT_RESIDENT = 1, 2  # record flags
 UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
 SETTLE_THREADS = 128
+EXCHANGE_ALIGN = 64        # words (256 bytes): each exchange of a chain starts aligned
 COMPLETE_THREADS = {False: 256, True: 32}  # GPU, emulation
 
 
@@ -185,12 +188,12 @@ class DeviceRecord:
 
     def __init__(self, words: Array, groups: int, end: int, key: tuple, emulated: bool):
         self.groups, self.end, self.key = groups, end, key
-        self._host: np.ndarray | None = None
+        self._host: np.ndarray | list[int] | None = None
         self._event = None
         self._decoded: dict | None = None
         self._lock = threading.Lock()
         if isinstance(words, np.ndarray):
-            self._host = words[:HEAD + groups].copy()
+            self._host = words[:HEAD + groups].tolist()  # values: the words are reused
         else:
             import cupy
             self._host = cupy.cuda.alloc_pinned_memory(4 * (HEAD + groups))
@@ -222,7 +225,7 @@ class DeviceRecord:
                 return
             w = self._host
             # The per-group starts are written only when the completion ran (``completions``).
-            completed = ([int(v) for v in w[HEAD:HEAD + self.groups].view(np.int32)]
+            completed = ([_int32(int(v)) for v in w[HEAD:HEAD + self.groups]]
                          if int(w[2]) else [self.end] * self.groups)
             not_resident = bool(int(w[1]) & NOT_RESIDENT)
             self._decoded = {"restarts": int(w[0]), "completions": int(w[2]),
@@ -231,23 +234,45 @@ class DeviceRecord:
                 COOLDOWNS.start(self.key)
 
 
-class Chain:
-    """The device words of one pass's chain (record, control words, starts; device_loop.cu) and
-    the launches that drive it."""
+def _int32(word: int) -> int:
+    """A uint32 word's value as int32."""
+    return word - (1 << 32) if word >= 1 << 31 else word
 
-    def __init__(self, xp, engine: Engine, groups: int):
+
+class Chain:
+    """The device words of one pass's chain (record, control words, starts; device_loop.cu),
+    the pass's tagged exchange buffers, and the launches that drive it.
+
+    The exchanges (``exchanges``: their shapes, uint32 words) lie in the same allocation just
+    before the words, each padded to ``EXCHANGE_ALIGN`` words, so that ``reset``'s first memset
+    zeroes them with the record and the counters: a chain reused call after call
+    (``chain_for``) starts every pass from zeroed exchanges, also after a stalled or aborted
+    one, without an allocation. (An exchange must start zeroed: tag 0 is never published, so
+    no launch of the pass can take a stale word for one it waits on. A cluster kernel keeps its
+    exchange in shared memory and never reads this one.)"""
+
+    def __init__(self, xp, engine: Engine, groups: int,
+                 exchanges: tuple[tuple[int, ...], ...] = ()):
         grid = engine.pass_plan.grid
         self.engine, self.groups, self.grid = engine, groups, grid
-        self.words = xp.empty(HEAD + groups + 2 + grid + groups, dtype=np.uint32)
+        sizes = [math.prod(shape) for shape in exchanges]
+        padded = [-(-n // EXCHANGE_ALIGN) * EXCHANGE_ALIGN for n in sizes]
+        self._lead = sum(padded)
+        self._buffer = xp.empty(self._lead + HEAD + groups + 2 + grid + groups, dtype=np.uint32)
+        offsets = list(itertools.accumulate([0] + padded[:-1]))
+        self.exchanges = tuple(self._buffer[o:o + n].reshape(shape)
+                               for o, n, shape in zip(offsets, sizes, exchanges))
+        self.words = self._buffer[self._lead:]
         self.control = self.words[HEAD + groups:]
         self.starts = self.words[HEAD + groups + 2 + grid:].view(np.int32)
 
     def reset(self) -> None:
-        """Record and counters zero, progress untouched: two memsets on the stream."""
-        w, head, grid = self.words, HEAD + self.groups + 2, self.grid
+        """Exchanges, record and counters zero, progress untouched: two memsets on the stream."""
+        w, head, grid = self._buffer, self._lead + HEAD + self.groups + 2, self.grid
         COUNTERS.add("memsets", 2)
-        if isinstance(w, np.ndarray):
-            w[:head], w[head:head + grid] = 0, UNTOUCHED
+        if isinstance(w, np.ndarray):  # (fill: no temporary array)
+            w[:head].fill(0)
+            w[head:head + grid].fill(UNTOUCHED)
             return
         import cupy
         stream = cupy.cuda.get_current_stream().ptr
@@ -275,6 +300,18 @@ class Chain:
         keep_alive(self.words, *named.values())
         extra = {"max_resident": 1} if self.engine.emulated else {}
         self.engine.loop(kernel, 1, threads, 0, arguments(LOOP_SOURCE, kernel, **named), **extra)
+
+
+def chain_for(xp, engine: Engine, groups: int,
+              exchanges: tuple[tuple[int, ...], ...] = ()) -> Chain:
+    """The ``Chain`` (words and exchanges) a pass of ``engine`` runs with: in steady state the
+    same one call after call, per thread and stream (``buffers.reused``: concurrent calls never
+    share one; under a user's CUDA stream capture a new one, which ``keep_alive`` holds with
+    the graph). Its ``reset``, the chain's first operation, zeroes what a pass reads."""
+    # (keyed by the engine object, not its ``key``: a re-planned engine of the same key may
+    # differ, e.g. in shared bytes; the chain holds its engine, so the id is not reused)
+    return buffers.reused(xp, ("chain", id(engine), groups, exchanges),
+                          lambda: Chain(xp, engine, groups, exchanges))
 
 
 def launch_pass(engine: Engine, control: Array, named: dict, stall: settings.Stall) -> None:
@@ -434,4 +471,22 @@ def arguments(source: str, kernel: str, **named: Any) -> tuple:
     missing, unknown = [n for n in names if n not in named], [n for n in named if n not in names]
     if missing or unknown:
         raise TypeError(f"{kernel}: missing arguments {missing}, unknown arguments {unknown}")
-    return tuple(named[n] if kind is None else kind(named[n]) for n, kind in params)
+    values = []
+    for n, kind in params:  # (a loop, not a generator: no Python frame per argument)
+        value = named[n]
+        if kind is not None:
+            # NumPy scalars are immutable: one per (type, value) serves every launch, where
+            # making them cost an allocation each (about 70 a pass)
+            key = (kind, value)
+            made = _SCALARS_MADE.get(key)
+            if made is None:
+                if len(_SCALARS_MADE) >= MAX_SCALARS:
+                    _SCALARS_MADE.clear()
+                made = _SCALARS_MADE[key] = kind(value)
+            value = made
+        values.append(value)
+    return tuple(values)
+
+
+MAX_SCALARS = 4096  # converted scalars kept (steps and starts vary with the sequences)
+_SCALARS_MADE: dict[tuple, Any] = {}

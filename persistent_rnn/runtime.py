@@ -23,6 +23,11 @@ record when asked. Under CUDA stream capture the whole chain is captured.
 Plans and engines (compiled module, occupancy check) are cached per configuration and device;
 the transposed ``W_hh`` of the backward is one small copy per call, because an optimizer may
 update ``W_hh`` in place and nothing cheaper than a copy proves a cached one current.
+
+Scratch memory (a pass's chain words and exchanges, ``launch.chain_for``; the backward's
+``dgi``/``dgh``, carry and ``W_hh^T`` where the caller gives a ``slot``) is reused per thread
+and stream (``buffers.reused``): a steady-state call allocates only what it returns and what
+the forward's context keeps (docs/design.md, "Allocations of a persistent call").
 """
 from __future__ import annotations
 
@@ -92,44 +97,45 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
         return result, RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
-    bias = xp.zeros(cell.gates * hidden, gi.dtype) if b_hh is None else c(b_hh)
+    bias = _zeros(xp, (cell.gates * hidden,)) if b_hh is None else c(b_hh)
     p = engine.pass_plan
+    rows = (p.exchange_row,) if w_hr is None else (p.exchange_row, p.exchange_row_b)
+    chain = launch.chain_for(xp, engine, 1, tuple((2, batch, r) for r in rows))
     args = dict(w_hh=buffers.weight_words(xp, w_hh, half), b_hh=bias, gi=c(gi), h0=c(h0),
                 lengths=buffers.full_lengths(xp, lengths, batch, steps), y=y, saved=saved,
                 steps=steps, batch=batch, hidden=hidden)
     if w_hr is None:  # persistent_forward.cu
         args.update(c0=c(h0) if c0 is None else c(c0), cs=y if cs is None else cs,
-                    exchange=_exchange(xp, batch, p.exchange_row))
-        exchanges = (args["exchange"],)
+                    exchange=chain.exchanges[0])
     else:  # persistent_projection_forward.cu: exchanges of r_t (tile A's rows), h_t (tile B's)
         args.update(w_hr=buffers.weight_words(xp, w_hr, half), hs=result.hs, cs=cs, proj=proj_size,
-                    c0=xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0),
-                    exchange_r=_exchange(xp, batch, p.exchange_row),
-                    exchange_h=_exchange(xp, batch, p.exchange_row_b))
-        exchanges = (args["exchange_r"], args["exchange_h"])
+                    c0=_zeros(xp, (batch, hidden)) if c0 is None else c(c0),
+                    exchange_r=chain.exchanges[0], exchange_h=chain.exchanges[1])
     # The completion kernel (device_loop.cu); arguments it does not read are given ``bias``.
     complete = {k: args[k] for k in ("w_hh", "b_hh", "gi", "h0", "c0", "lengths", "y", "cs",
                                      "saved", "steps", "batch", "hidden")}
     complete.update(w_hr=args.get("w_hr", bias), hs=args.get("hs", y), w_ih=bias, b_ih=bias,
                     chained=0, proj=proj_size)
-    stats = _run_on_device(engine, xp, args, 0, steps, exchanges, "prnn_complete_forward",
-                           complete)
+    stats = _run_on_device(chain, args, 0, steps, "prnn_complete_forward", complete)
     return result, stats
 
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
              h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult, algo: str,
-             half: str | None = None,
-             w_hr: Array | None = None) -> tuple[BackwardResult, RunStats]:
+             half: str | None = None, w_hr: Array | None = None,
+             slot: int | None = None) -> tuple[BackwardResult, RunStats]:
     """Backward through time over all steps, enqueued like ``forward``; ``dy`` must be zero past
     each length. ``half``, ``w_hr``: as for ``forward`` (the backward itself computes in
-    fp32); with ``w_hr``, ``dy``/``dhn``/``dh0`` are gradients of r (P wide)."""
+    fp32); with ``w_hr``, ``dy``/``dhn``/``dh0`` are gradients of r (P wide). ``slot``: where
+    given, the persistent pass's ``dgi``/``dgh`` and scratch are reused workspaces of that
+    number (``buffers.workspace``; the caller reads ``dgi``/``dgh`` before the next backward
+    of the same slot on this thread and stream); ``None``: new arrays."""
     hidden = w_hh.shape[0] // cell.gates
-    dgi, dgh = buffers.allocate_backward(cell, dy, hidden)
     steps, batch, _ = dy.shape
     proj_size = 0 if w_hr is None else w_hr.shape[0]
     engine, reason = (None, None) if algo == "gemm" else _engine(
         cell, dy, hidden, batch, algo, backward=True, half=half, proj_size=proj_size)
+    dgi, dgh = _gradient_buffers(cell, dy, hidden, None if engine is None else slot)
     if engine is None:
         drs = None if w_hr is None else buffers.array_module(dy).empty_like(dy)
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
@@ -140,7 +146,8 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n). With
     # a projection the h carry is of r (P wide): what passes through the steps past a length.
-    dh_carry = xp.zeros((2, batch, dy.shape[2]), dy.dtype)
+    dh_carry = _scratch(xp, slot, "dh_carry", (2, batch, dy.shape[2]), dy.dtype)
+    dh_carry.fill(0)
     dc_carry = xp.zeros((2, batch, hidden), dy.dtype) if cell.has_cell_state else dh_carry
     if dhn is not None:
         dh_carry[steps % 2] = dhn
@@ -148,52 +155,81 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         dc_carry[steps % 2] = dcn
     drs = None if w_hr is None else xp.empty_like(dy)
     p = engine.pass_plan
+    rows = (p.exchange_row,) if w_hr is None else (p.exchange_row_b, p.exchange_row)
+    chain = launch.chain_for(xp, engine, 1, tuple((2, batch, r) for r in rows))
     args = dict(dy=c(dy), saved=fwd.saved, lengths=buffers.full_lengths(xp, lengths, batch, steps),
                 dgh=dgh, dc_carry=dc_carry, steps=steps, batch=batch, hidden=hidden)
     if w_hr is None:  # persistent_backward.cu
-        args.update(w_t=buffers.weight_words(xp, w_hh.T, half), y=fwd.y,
+        args.update(w_t=_transposed(xp, w_hh, half, slot), y=fwd.y,
                     cs=fwd.y if fwd.cs is None else fwd.cs, h0=c(h0),
                     c0=c(h0) if c0 is None else c(c0), dgi=dgi, dh_carry=dh_carry,
-                    exchange=_exchange(xp, batch, p.exchange_row))
-        exchanges = (args["exchange"],)
+                    exchange=chain.exchanges[0])
         complete, kernel = dict(args, w_ih_t=args["dy"], chained=0, per_step=0), "prnn_complete_backward"
     else:  # persistent_projection_backward.cu: exchanges of dr_t (tile B's rows), dgates_t (A's)
         args.update(w_hh_t=buffers.weight_words(xp, w_hh.T, half),
                     w_hr_t=buffers.weight_words(xp, w_hr.T, half), cs=fwd.cs, drs=drs,
-                    c0=xp.zeros((batch, hidden), np.float32) if c0 is None else c(c0),
+                    c0=_zeros(xp, (batch, hidden)) if c0 is None else c(c0),
                     dr_carry=dh_carry, proj=proj_size,
-                    exchange_r=_exchange(xp, batch, p.exchange_row_b),
-                    exchange_g=_exchange(xp, batch, p.exchange_row))
-        exchanges = (args["exchange_r"], args["exchange_g"])
+                    exchange_r=chain.exchanges[0], exchange_g=chain.exchanges[1])
         complete, kernel = dict(args), "prnn_complete_projection_backward"
     for name in ("exchange", "exchange_r", "exchange_g"):
         complete.pop(name, None)
-    stats = _run_on_device(engine, xp, args, steps - 1, -1, exchanges, kernel, complete)
+    stats = _run_on_device(chain, args, steps - 1, -1, kernel, complete)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
-    dh0 = dh_carry[0] + matmul(dgh[0], w_hh)
+    dh0 = matmul(dgh[0], w_hh)
+    dh0 += dh_carry[0]  # (in place: the same sum, one array)
     return BackwardResult(dgi, dgh, dh0, dc_carry[0] if cell.has_cell_state else None,
                           drs), stats
 
 
-def _exchange(xp, batch: int, row_words: int) -> Array:
-    """A kernel's tagged exchange buffer, [2][batch][row_words] uint32 (row_words: the pass
-    plan's ``exchange_row`` or ``exchange_row_b``, its staged vector's row), zeroed (tag 0 is
-    never published, so no launch of this pass can take a word for one it waits on); a cluster
-    kernel keeps its own in shared memory and never reads it."""
-    return xp.zeros((2, batch, row_words), np.uint32)
+def _gradient_buffers(cell: CellSpec, dy: Array, hidden: int,
+                      slot: int | None) -> tuple[Array, Array]:
+    """``(dgi, dgh)`` of a backward: new (``buffers.allocate_backward``), or for ``slot`` the
+    workspaces of that slot."""
+    if slot is None:
+        return buffers.allocate_backward(cell, dy, hidden)
+    xp = buffers.array_module(dy)
+    shape = (*dy.shape[:2], cell.gates * hidden)
+    dgi = buffers.workspace(xp, f"dgi{slot}", shape, dy.dtype)
+    return dgi, (buffers.workspace(xp, f"dgh{slot}", shape, dy.dtype) if cell.separate_dgh
+                 else dgi)
 
 
-def _run_on_device(engine: _Engine, xp, args: dict, first: int, end: int, exchanges: tuple,
-                   complete: str, complete_args: dict) -> RunStats:
+def _scratch(xp, slot: int | None, name: str, shape: tuple[int, ...], dtype) -> Array:
+    """An uninitialised array a pass uses and lets go: the workspace ``name`` of ``slot``, or
+    a new one without a slot."""
+    if slot is None:
+        return xp.empty(shape, dtype)
+    return buffers.workspace(xp, f"{name}{slot}", shape, dtype)
+
+
+def _transposed(xp, w_hh: Array, half: str | None, slot: int | None) -> Array:
+    """``W_hh^T`` as the backward kernel holds it (``buffers.weight_words``), copied every call
+    (an optimizer may change ``W_hh`` in place): for float32 weights into a workspace."""
+    if half is not None:
+        return buffers.weight_words(xp, w_hh.T, half)
+    w_t = _scratch(xp, slot, "w_t", w_hh.shape[::-1], np.float32)
+    xp.copyto(w_t, w_hh.T)
+    return w_t
+
+
+def _zeros(xp, shape: tuple[int, ...]) -> Array:
+    """float32 zeros that a kernel reads and never writes (a shared constant, ``buffers``)."""
+    return buffers.constant_zeros(xp, shape, np.float32)
+
+
+def _run_on_device(chain: launch.Chain, args: dict, first: int, end: int, complete: str,
+                   complete_args: dict) -> RunStats:
     """Enqueue a layer-direction's whole chain (``launch.run_chain``: the pass with ``args``,
     its restarts and its completion kernel ``complete`` with ``complete_args``, decided on the
-    device) and return its stats (read lazily from the chain's record)."""
-    chain = launch.Chain(xp, engine, 1)
+    device) with ``chain``'s words and exchanges (``launch.chain_for``), and return its stats
+    (read lazily from the chain's record)."""
+    engine = chain.engine
 
     def go(start, stall: settings.Stall) -> None:
         launch.launch_pass(engine, chain.control, dict(args, start=start), stall)
 
-    launch.run_chain(chain, go, first, end, settings.current_stall(), exchanges,
+    launch.run_chain(chain, go, first, end, settings.current_stall(), chain.exchanges,
                      lambda: chain.complete(complete, **complete_args),
                      lambda: (complete, chain_graphs.arguments_key(args),
                               chain_graphs.arguments_key(complete_args)))

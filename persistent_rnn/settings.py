@@ -18,7 +18,7 @@ import contextvars
 import math
 import os
 import threading
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -207,10 +207,16 @@ class Stall:
     block: int = -1
     step: int = -1
     duration_ms: float = 0.0
+    _args: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # made once: a call's launches pass them without making NumPy scalars each time
+        object.__setattr__(self, "_args", (np.int32(self.block), np.int32(self.step),
+                                           np.uint64(int(self.duration_ms * 1e6))))
 
     def args(self) -> tuple:
         """The kernel's (stall_block, stall_step, stall_ns) arguments."""
-        return (np.int32(self.block), np.int32(self.step), np.uint64(int(self.duration_ms * 1e6)))
+        return self._args
 
 
 NO_STALL = Stall()

@@ -67,11 +67,18 @@ def _cached_engine(cell: CellSpec, hidden: int, batch: int, layers: int, bidirec
 
 
 def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, chained: bool,
-         complete: str, complete_args: dict) -> RunStats:
+         complete: str, complete_args: dict, exchanges: tuple[tuple[str, ...], ...]) -> RunStats:
     """Enqueue a stack pass's whole chain (``launch.run_chain``): the stack kernel with ``args``
     and each launch's ``starts``, its completion kernel ``complete`` with ``complete_args``.
-    Nothing is read back."""
-    chain = launch.Chain(xp, engine_, layers)
+    ``exchanges``: per tagged exchange buffer, the kernel arguments given it. Each has one slot
+    per (layer, step) of the plan's ``exchange_row`` words (half a staged row,
+    ``stack_common.cuh``) and is the chain's own (``launch.chain_for``: reused per thread and
+    stream, zeroed by the chain's first memset, once per pass as the kernels need). Nothing is
+    read back."""
+    shape = (layers, args["steps"], args["batch"], engine_.pass_plan.exchange_row)
+    chain = launch.chain_for(xp, engine_, layers, (shape,) * len(exchanges))
+    args = dict(args, **{name: buffer for names, buffer in zip(exchanges, chain.exchanges)
+                         for name in names})
     steps = args["steps"]
     first, end = (0, steps) if direction > 0 else (steps - 1, -1)
     first_starts = buffers.constant_ints(xp, layers, first)  # the first launch's starts
@@ -95,25 +102,23 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
     return stats
 
 
-def _exchange(xp, engine_: launch.Engine, layers: int, steps: int, batch: int) -> Array:
-    """A stack pass's tagged exchange, zeroed: one slot per (layer, step), rows of the plan's
-    ``exchange_row`` words (half a staged row, ``stack_common.cuh``)."""
-    return xp.zeros((layers, steps, batch, engine_.pass_plan.exchange_row), np.uint32)
-
-
-def _stacked(xp, arrays: Sequence[Array]) -> Array:
-    """``arrays`` stacked on a new first axis as one contiguous float32 array."""
-    return xp.ascontiguousarray(xp.stack(arrays), dtype=np.float32)
+def _stacked(xp, arrays: Sequence[Array], name: str) -> Array:
+    """``arrays`` stacked on a new first axis as one contiguous float32 array: the workspace
+    ``name`` (``buffers.workspace``; what the kernels read of this call's weights and forward
+    buffers, copied every call because an optimizer may change the weights in place)."""
+    out = buffers.workspace(xp, name, (len(arrays), *arrays[0].shape), np.float32)
+    return xp.stack(arrays, out=out)
 
 
 def _unused(xp) -> Array:
     """A placeholder for a kernel argument the launch never reads (W_ih of unchained groups)."""
-    return xp.zeros(1, np.float32)
+    return buffers.constant_zeros(xp, (1,), np.float32)
 
 
 def _biases(xp, cell: CellSpec, weights: Sequence[Weights], which: int, hidden: int) -> Array:
-    zero = xp.zeros(cell.gates * hidden, np.float32)
-    return _stacked(xp, [zero if w[which] is None else w[which] for w in weights])
+    zero = buffers.constant_zeros(xp, (cell.gates * hidden,), np.float32)
+    return _stacked(xp, [zero if w[which] is None else w[which] for w in weights],
+                    f"stack_bias{which}")
 
 
 def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence[Weights],
@@ -133,16 +138,16 @@ def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence
     results = [runtime.ForwardResult(y[k], None if cs is None else cs[k], saved[k])
                for k in range(layers)]
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    w_ih = _stacked(xp, [w[0] for w in weights[1:]]) if chained else _unused(xp)
-    args = dict(w_ih=w_ih, w_hh=_stacked(xp, [w[1] for w in weights]),
+    w_ih = _stacked(xp, [w[0] for w in weights[1:]], "stack_w_ih") if chained else _unused(xp)
+    args = dict(w_ih=w_ih, w_hh=_stacked(xp, [w[1] for w in weights], "stack_w_hh"),
                 b_ih=_biases(xp, cell, weights, 2, hidden), b_hh=_biases(xp, cell, weights, 3, hidden),
                 gi=f32(gi), h0=f32(h0), c0=f32(h0 if c0 is None else c0),
                 lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, y=y,
                 cs=y if cs is None else cs, saved=saved, steps=steps, batch=batch, hidden=hidden)
     # The completion kernel (device_loop.cu; W_hh stands in for the W_hr it does not read).
     complete = dict(args, w_hr=args["w_hh"], hs=y, proj=0)
-    stats = _run(engine_, dict(args, exchange=_exchange(xp, engine_, layers, steps, batch)),
-                 layers, 1, xp, chained, "prnn_complete_forward", complete)
+    stats = _run(engine_, args, layers, 1, xp, chained, "prnn_complete_forward", complete,
+                 (("exchange",),))
     return results, stats
 
 
@@ -157,30 +162,42 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
     xp = buffers.array_module(dy)
     steps, batch, hidden = dy.shape[-3:]
     layers, width = len(weights), cell.gates * hidden
-    dgi = xp.empty((layers, steps, batch, width), np.float32)
-    dgh = xp.empty_like(dgi) if cell.separate_dgh else dgi
-    dh_carry = xp.zeros((layers, steps + 1, batch, hidden), np.float32)
-    dc_carry = xp.zeros_like(dh_carry) if cell.has_cell_state else dh_carry
+    # dgi, dgh and the h carry are scratch (reused workspaces): the caller reads dgi and dgh
+    # before the next stack backward of this thread and stream; dh0 is a new array
+    shape = (layers, steps, batch, width)
+    dgi = buffers.workspace(xp, "stack_dgi", shape, np.float32)
+    dgh = buffers.workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh else dgi
+    dh_carry = buffers.workspace(xp, "stack_dh_carry", (layers, steps + 1, batch, hidden),
+                                 np.float32)
+    dh_carry.fill(0)
+    dc_carry = (xp.zeros((layers, steps + 1, batch, hidden), np.float32)  # (dc0: its rows)
+                if cell.has_cell_state else dh_carry)
     if dhn is not None:
         dh_carry[:, steps] = dhn
     if dcn is not None and cell.has_cell_state:
         dc_carry[:, steps] = dcn
-    exchange_gh = _exchange(xp, engine_, layers, steps, batch)
-    exchange_gi = xp.zeros_like(exchange_gh) if dgh is not dgi else exchange_gh
-    y = _stacked(xp, [f.y for f in fwds])
+    y = _stacked(xp, [f.y for f in fwds], "stack_y")
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    w_ih_t = _stacked(xp, [w[0].T for w in weights[1:]]) if chained else _unused(xp)
-    args = dict(w_t=_stacked(xp, [w[1].T for w in weights]), w_ih_t=w_ih_t, dy=f32(dy), y=y,
-                cs=y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds]),
-                saved=_stacked(xp, [f.saved for f in fwds]), h0=f32(h0),
+    w_ih_t = _stacked(xp, [w[0].T for w in weights[1:]], "stack_w_ih_t") if chained else _unused(xp)
+    args = dict(w_t=_stacked(xp, [w[1].T for w in weights], "stack_w_t"), w_ih_t=w_ih_t, dy=f32(dy), y=y,
+                cs=y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds], "stack_cs"),
+                saved=_stacked(xp, [f.saved for f in fwds], "stack_saved"), h0=f32(h0),
                 c0=f32(h0 if c0 is None else c0),
                 lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, dgi=dgi,
                 dgh=dgh, dh_carry=dh_carry, dc_carry=dc_carry, steps=steps, batch=batch,
                 hidden=hidden)
-    stats = _run(engine_, dict(args, exchange_gh=exchange_gh, exchange_gi=exchange_gi), layers,
-                 -1, xp, chained, "prnn_complete_backward", dict(args, per_step=1))
-    # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back.
-    results = [runtime.BackwardResult(dgi[k], dgh[k], dh_carry[k, 0] + matmul(dgh[k, 0], weights[k][1]),
+    # (GRU's dgi and dgh are exchanged separately; otherwise one exchange serves both)
+    exchanges = ((("exchange_gh",), ("exchange_gi",)) if dgh is not dgi
+                 else (("exchange_gh", "exchange_gi"),))
+    stats = _run(engine_, args, layers, -1, xp, chained, "prnn_complete_backward",
+                 dict(args, per_step=1), exchanges)
+    # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back;
+    # the layers' rows of one new array (the layer returns it as it is)
+    dh0 = xp.empty((layers, batch, hidden), np.float32)
+    for k in range(layers):
+        matmul(dgh[k, 0], weights[k][1], out=dh0[k])
+        dh0[k] += dh_carry[k, 0]  # (in place: the same sum)
+    results = [runtime.BackwardResult(dgi[k], dgh[k], dh0[k],
                                       dc_carry[k, 0] if cell.has_cell_state else None)
                for k in range(layers)]
     return results, stats
