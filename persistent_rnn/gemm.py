@@ -50,7 +50,8 @@ def forward_steps(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0
     recurs, rounded under ``half``) and ``hs`` (T, B, H) the cell's ``h_t`` (module docstring).
     """
     xp = array_module(gi)
-    if xp is np:  # (the loop at once: no graphs, no lengths to convert, no kernel limits)
+    if xp is np and not step_graphs.eligible(xp):  # (the loop at once: no lengths to
+        # convert, no kernel limits; eligible: tests/test_step_graphs.py's stand-in capture)
         _forward_loop(cell, start, half, gi=gi, w_hh=w_hh, b_hh=b_hh, h0=h0, c0=c0,
                       lengths=lengths, w_hr=w_hr, y=y, cs=cs, saved=saved, hs=hs)
         return
@@ -86,7 +87,7 @@ def backward_steps(cell: CellSpec, dy: Array, w_hh: Array, h0: Array, c0: Array 
     dc0 = xp.empty((batch, dgi.shape[2] // cell.gates), dy.dtype) if cell.has_cell_state else None
     dc_carry = dc_carry if cell.has_cell_state else None
     dgh = None if dgh is dgi else dgh
-    if xp is np:  # (the loop at once, as forward_steps)
+    if xp is np and not step_graphs.eligible(xp):  # (the loop at once, as forward_steps)
         _backward_loop(cell, stop, dy=dy, w_hh=w_hh, h0=h0, c0=c0, lengths=lengths, y=y, cs=cs,
                        saved=saved, dh_carry=dh_carry, dc_carry=dc_carry, w_hr=w_hr, hs=hs,
                        dgi=dgi, dgh=dgh, dh0=dh0, dc0=dc0, drs=drs)
