@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Iterator, NamedTuple
 
@@ -90,8 +90,8 @@ class Job(NamedTuple):
 def _jobs(archs, edges_only: bool = False) -> list[Job]:
     """Every shipped configuration of every kernel family (``KERNEL_FAMILIES``, in its order).
     ``edges_only``: the configurations at the register file's edge alone (``_edges``)."""
-    jobs = [Job(*job, family=name) for name, family_jobs in KERNEL_FAMILIES.items()
-            for job in family_jobs(archs, edges_only)]
+    jobs = [Job(*job, family=name) for name, family in KERNEL_FAMILIES.items()
+            for job in family.jobs(archs, edges_only)]
     return _edges(jobs) if edges_only else jobs
 
 
@@ -167,15 +167,24 @@ def _stack_jobs(archs, largest_gather_only: bool):
                     yield cell, "float32", p, arch, 0
 
 
-# The kernel families `prnn kernels` compiles, each a generator of its shipped configurations
-# ``(cell, dtype, pass plan, arch, proj_size)`` for the given archs (and whether only the
-# largest gather of a grid tile is wanted): a new family is one entry here
+@dataclass(frozen=True)
+class KernelFamily:
+    """A family of kernels ``prnn kernels`` compiles: ``jobs(archs, largest_gather_only)``
+    yields its shipped configurations ``(cell, dtype, pass plan, arch, proj_size)`` (whether
+    only the largest gather of a grid tile is wanted: the CI's edges); ``modelled``: whether the
+    latency model (``latency``) predicts its steps (its records' ``model``)."""
+
+    jobs: Callable[..., Iterator[tuple]]
+    modelled: bool = True
+
+
+# The kernel families, each with its configurations: a new family is one entry here
 # (docs/design.md, "How to add a kernel family"). A record's ``family`` is its key.
-KERNEL_FAMILIES: dict[str, Callable[..., Iterator[tuple]]] = {
-    "grid": partial(_layer_jobs, cluster=False),
-    "cluster": partial(_layer_jobs, cluster=True),
-    "projection": _projection_jobs,
-    "stack": _stack_jobs,
+KERNEL_FAMILIES: dict[str, KernelFamily] = {
+    "grid": KernelFamily(partial(_layer_jobs, cluster=False)),
+    "cluster": KernelFamily(partial(_layer_jobs, cluster=True)),
+    "projection": KernelFamily(_projection_jobs),
+    "stack": KernelFamily(_stack_jobs),
 }
 
 
@@ -201,7 +210,8 @@ def _record(job: Job, tool: str | None) -> dict:
     loop = sass_loop_counts(sass) if sass else None
     return {**describe(job), **parse_ptxas(compiled.log), "time_loop": loop,
             **local_memory_record(compiled.log, loop),
-            "model": model_fields(job.cell, job.dtype, p, job.arch, sass) if sass else None}
+            "model": model_fields(job.cell, job.dtype, p, job.arch, sass)
+            if sass and KERNEL_FAMILIES[job.family].modelled else None}
 
 
 # Batch sizes the report predicts a step at (B = 1 and the report's batch).
@@ -236,7 +246,7 @@ def kernel_records(archs=("sm_80", "sm_90"), edges_only: bool = False) -> list[d
     global_stores, atomics, fences, l1_invalidates, local_memory), or None where nvdisasm is not
     installed; ``stack_frame``/``local_memory`` (``local_memory_record``); ``model``: the latency
     model's ``model_fields`` (per batch row instructions and FFMAs of the matrix loop, predicted
-    µs per step at B = 1 and 8), or None without nvdisasm. ``edges_only``: the configurations at
+    µs per step at B = 1 and 8), or None without nvdisasm or for a family the model does not cover. ``edges_only``: the configurations at
     the register file's edge alone (``_edges``), the CI's set."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
