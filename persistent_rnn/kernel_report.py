@@ -246,8 +246,9 @@ def kernel_records(archs=("sm_80", "sm_90"), edges_only: bool = False) -> list[d
     global_stores, atomics, fences, l1_invalidates, local_memory), or None where nvdisasm is not
     installed; ``stack_frame``/``local_memory`` (``local_memory_record``); ``model``: the latency
     model's ``model_fields`` (per batch row instructions and FFMAs of the matrix loop, predicted
-    µs per step at B = 1 and 8), or None without nvdisasm or for a family the model does not cover. ``edges_only``: the configurations at
-    the register file's edge alone (``_edges``), the CI's set."""
+    µs per step at B = 1 and 8), or None without nvdisasm or for a family the model does not
+    cover. ``edges_only``: the configurations at the register file's edge alone (``_edges``),
+    the CI's set."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
