@@ -48,14 +48,13 @@ PRNN_DEVICE void prefetch_backward_inputs(float* in_s, int t, int batch, int hid
 // barrier): dh = dy_t (`with_dy`) + the direct carry + the recurrent sum (`recurrent`), the
 // cell's backward on step t's inputs (in_s, prefetch_backward_inputs), then for each gate row
 // k = g * hidden + j publish(b, k, dgi, dgh) and dgi_t, dgh_t (T, B, G*H) written, and the
-// carries to step t-1 kept in carry_s and written at dh_carry/dc_carry[carry_slot + b*H + j]
-// (what a restart resumes from). Force-inlined with the callers' constants, it compiles as the
-// two kernels' own loops did.
+// carries to step t-1 kept in carry_s and written at dh_carry/dc_carry[carry_step * plane +
+// b*H + j] (what a restart resumes from; plane = B*H).
 template <class Publish>
 PRNN_DEVICE void backward_pointwise(const float* in_s, const float* part_s, float* carry_s,
                                     const int* len_s, int t, int batch, int hidden, int j0,
                                     bool with_dy, bool recurrent, float* dgi, float* dgh,
-                                    float* dh_carry, float* dc_carry, size_t carry_slot,
+                                    float* dh_carry, float* dc_carry, size_t plane, int carry_step,
                                     Publish publish) {
   constexpr int G = ThisCell::G, S = ThisCell::S;
   const int gh_len = G * hidden;
@@ -82,8 +81,8 @@ PRNN_DEVICE void backward_pointwise(const float* in_s, const float* part_s, floa
       dgh[row * gh_len + g * hidden + j] = dghv[g];
     }
     // The carries stay in shared memory; the global copies are what a restart resumes from.
-    dh_carry[carry_slot + at] = carry_s[idx] = dh_prev;
-    if (kHasC) dc_carry[carry_slot + at] = carry_s[batch * kUnits + idx] = dc_prev;
+    dh_carry[carry_step * plane + at] = carry_s[idx] = dh_prev;
+    if (kHasC) dc_carry[carry_step * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
   }
 }
 }  // namespace prnn

@@ -694,17 +694,21 @@ PRNN_DEVICE void load_owned_rows(float* dst, const float* src, int groups, int j
 }
 
 // The owned units' state before a launch's first step, into hp_s and (a cell with a cell
-// state) c_s, [batch][kUnits]: from h_prev and c_prev, (B, H) planes (y[start-1] and cs[start-1],
-// or h0 and c0); h_prev nullptr: zeros (a state nothing reads at the first step). The pointwise
-// thread of (b, unit) is the same every step: it keeps that unit's state.
-PRNN_DEVICE void load_unit_state(float* hp_s, float* c_s, const float* h_prev, const float* c_prev,
-                                 int batch, int hidden, int j0) {
+// state) c_s, [batch][kUnits]: step start-1's from y and cs ((T, B, H)), or at step 0 h0 and c0
+// ((B, H); kH0 false: h zeros, a state nothing reads at the first step). The pointwise thread of
+// (b, unit) is the same every step: it keeps that unit's state. (Indexed per element as the
+// kernels' own loops were: planes selected first cost the LSTM H=1024 forward an instruction a
+// step.)
+template <bool kH0 = true>
+PRNN_DEVICE void load_unit_state(float* hp_s, float* c_s, const float* y, const float* cs,
+                                 const float* h0, const float* c0, int start, int batch,
+                                 int hidden, int j0) {
   for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
     const int b = idx / kUnits, j = j0 + idx % kUnits;
     if (j >= hidden) continue;
-    const size_t at = (size_t)b * hidden + j;
-    hp_s[idx] = h_prev != nullptr ? h_prev[at] : 0.0f;
-    if (kHasC) c_s[idx] = c_prev[at];
+    const size_t prev = ((size_t)(start - 1) * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
+    hp_s[idx] = start > 0 ? y[prev] : kH0 ? h0[at0] : 0.0f;
+    if (kHasC) c_s[idx] = start > 0 ? cs[prev] : c0[at0];
   }
 }
 
@@ -713,8 +717,8 @@ PRNN_DEVICE void load_unit_state(float* hp_s, float* c_s, const float* h_prev, c
 // recurrent parts, the cell runs (state frozen past a length), and h_t - rounded to the 16-bit
 // state where kRoundState (round_state) - is published (publish(b, j, h)) and stored with c_t
 // and the saved activations into y, cs, saved ((T, B, H), (T, B, H), (T, B, S*H)); hp_s and c_s
-// ([batch][kUnits], load_unit_state) keep the unit's state. Force-inlined with the callers'
-// constants, it compiles as the kernels' own loops did.
+// ([batch][kUnits], load_unit_state) keep the unit's state. Force-inlined: the callers'
+// constants (the team, kRoundState) fold away.
 template <bool kRoundState, class Gates, class Publish>
 PRNN_DEVICE void forward_pointwise(const Team& team, int t, int batch, int hidden, int j0,
                                    const int* len_s, float* hp_s, float* c_s, float* y, float* cs,

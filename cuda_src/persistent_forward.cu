@@ -65,8 +65,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
 
   load_owned_rows(bias_s, b_hh, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  const size_t prev = (size_t)(start - 1) * batch * hidden;  // y[start-1], cs[start-1]
-  load_unit_state(hp_s, c_s, start > 0 ? y + prev : h0, start > 0 ? cs + prev : c0, batch, hidden, j0);
+  load_unit_state(hp_s, c_s, y, cs, h0, c0, start, batch, hidden, j0);
   // Fetches gi_t of the team's rows into its parity's buffer (read-only: asynchronous, may use L1).
   auto prefetch_gi = [&](int t) {
     float* dst = gi_s + (t & 1) * batch * G * kUnits;

@@ -57,11 +57,9 @@ PRNN_KERNEL void prnn_projection_forward(
 
   load_owned_rows(bias_s, b_hh, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  // h_{t-1} of the units is only read past a length, never at step 0. The pointwise thread of
-  // (b, row of r) is the same every step too: it keeps r's state.
-  const size_t prev = (size_t)(start - 1) * batch * hidden;  // hs[start-1], cs[start-1]
-  load_unit_state(hp_s, c_s, start > 0 ? hs + prev : nullptr, start > 0 ? cs + prev : c0, batch,
-                  hidden, j0);
+  // h_{t-1} of the units is only read past a length, never at step 0 (h0 is r's). The
+  // pointwise thread of (b, row of r) is the same every step too: it keeps r's state.
+  load_unit_state<false>(hp_s, c_s, hs, cs, nullptr, c0, start, batch, hidden, j0);
   for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
     const int b = idx / V, q = q0 + idx % V;
     if (q < proj) rp_s[idx] = start > 0 ? y[((size_t)(start - 1) * batch + b) * proj + q] : h0[(size_t)b * proj + q];

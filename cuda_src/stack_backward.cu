@@ -125,7 +125,7 @@ PRNN_KERNEL void prnn_stack_backward(
     multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
     prnn_maybe_stall(stall, t, cta);
     backward_pointwise(in_s, rec_s, carry_s, len_s, t, batch, hidden, j0, top, true, dgi_l, dgh_l,
-                       dh_carry_l, dc_carry_l, t * plane, [&](int b, int k, float dgi_k, float dgh_k) {
+                       dh_carry_l, dc_carry_l, plane, t, [&](int b, int k, float dgi_k, float dgh_k) {
                          xgh.publish(layer, t, b, k, dgh_k);
                          if (exchange_gi != exchange_gh) xgi.publish(layer, t, b, k, dgi_k);
                        });

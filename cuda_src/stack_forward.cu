@@ -80,9 +80,7 @@ PRNN_KERNEL void prnn_stack_forward(
   load_owned_rows(bias_s, b_ih + (size_t)layer * gh_len, G, j0, hidden);
   load_owned_rows(bias_s + G * kUnits, b_hh + (size_t)layer * gh_len, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  const size_t prev = (size_t)(start - 1) * batch * hidden;  // y_l[start-1], cs_l[start-1]
-  load_unit_state(hp_s, c_s, start > 0 ? y_l + prev : h0_l, start > 0 ? cs_l + prev : c0_l, batch,
-                  hidden, j0);
+  load_unit_state(hp_s, c_s, y_l, cs_l, h0_l, c0_l, start, batch, hidden, j0);
   clear_staged(v_s, batch);  // also publishes len_s to the block
 
   // Fetches gi_t (own_gi) of the owned rows into its parity's buffer (read-only: asynchronous).
