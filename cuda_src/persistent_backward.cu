@@ -88,8 +88,9 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
       break;
     }
     prnn_maybe_stall(stall, t);
-    backward_pointwise(in_s, part_s, carry_s, len_s, t, batch, hidden, j0, true, recurrent, dgi, dgh,
-                       dh_carry, dc_carry, plane, t & 1,
+    const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
+    backward_pointwise(in_t, gh_len, part_s, carry_s, len_s, t, batch, hidden, j0, true, recurrent,
+                       dgi, dgh, dh_carry, dc_carry, plane, t & 1,
                        [&](int b, int k, float, float dgh_k) { xch.publish(t, b, k, dgh_k); });
     if (t == 0) break;
     failed = end_step(xch, v_s, t, ctl, timeout_ns);

@@ -124,8 +124,10 @@ PRNN_KERNEL void prnn_stack_backward(
     if (t > 0) prefetch_inputs(t - 1);  // its buffer was last read by step t+1's pointwise
     multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
     prnn_maybe_stall(stall, t, cta);
-    backward_pointwise(in_s, rec_s, carry_s, len_s, t, batch, hidden, j0, top, true, dgi_l, dgh_l,
-                       dh_carry_l, dc_carry_l, plane, t, [&](int b, int k, float dgi_k, float dgh_k) {
+    const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
+    backward_pointwise(in_t, gh_len, rec_s, carry_s, len_s, t, batch, hidden, j0, top, true,
+                       dgi_l, dgh_l, dh_carry_l, dc_carry_l, plane, t,
+                       [&](int b, int k, float dgi_k, float dgh_k) {
                          xgh.publish(layer, t, b, k, dgh_k);
                          if (exchange_gi != exchange_gh) xgi.publish(layer, t, b, k, dgi_k);
                        });
