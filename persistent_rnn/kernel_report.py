@@ -3,8 +3,8 @@
 ``kernel_records`` compiles the configurations of every kernel family (``KERNEL_FAMILIES``:
 the layer kernels on the grid and as clusters, the LSTM projection, the stack), each cell's
 forward and backward kernel for every tile the planner can choose, for each architecture,
-with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers per thread and spill bytes. The library requires zero spills and
-registers within the plan. It also disassembles each cubin with ``nvdisasm`` (the
+with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers
+per thread and spill bytes. The library requires zero spills and registers within the plan. It also disassembles each cubin with ``nvdisasm`` (the
 ``nvidia-cuda-nvdisasm`` wheel, or one on PATH) and counts what the time loop executes per step
 (``sass_loop_counts``). Command line: ``prnn kernels --arch 80,90 --json`` or
 ``python -m persistent_rnn.kernel_report --arch 80,90 --json``.
