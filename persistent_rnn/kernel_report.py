@@ -6,8 +6,9 @@ forward and backward kernel for every tile the planner can choose, for each arch
 with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers
 per thread and spill bytes. The library requires zero spills and registers within the plan.
 It also disassembles each cubin with ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel, or one
-on PATH) and counts what the time loop executes per step (``sass_loop_counts``). Command line: ``prnn kernels --arch 80,90 --json`` or
-``python -m persistent_rnn.kernel_report --arch 80,90 --json``.
+on PATH) and counts what the time loop executes per step (``sass_loop_counts``). Command line:
+``prnn kernels --arch 80,90 --json`` or ``python -m persistent_rnn.kernel_report --arch 80,90
+--json``.
 """
 from __future__ import annotations
 
