@@ -107,9 +107,9 @@ struct Cell<LSTM> {
 // GRU, gates r, z, n with n = tanh(gi_n + r * gh_n); saved: r, z, n, gh_n.
 template <>
 struct Cell<GRU> {
+  static constexpr bool has_c = false;  // h is the whole state: z interpolates it
   static constexpr int G = 3;
   static constexpr int S = 4;
-  static constexpr bool has_c = false;
   template <class T>
   PRNN_HD static void forward(const T* gi, const T* gh, T h_prev, T c_prev, T& h, T& c, T* saved) {
     const T r = act_sigmoid(gi[0] + gh[0]);

@@ -14,7 +14,7 @@
 // slowest CTA last completed step m, none has completed m-2, so the carries of step m (parity m%2)
 // are intact and a restart from max(progress)-1 finds them; a replayed step is idempotent.
 // The host seeds parity T%2 with dh_n / dc_n.
-#include "backward_inputs.cuh"
+#include "backward_pointwise.cuh"
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     const prnn::WeightWord* w_t,  // (H, G*H) = W_hh^T, contiguous; 16-bit: words of pairs
@@ -30,9 +30,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
-  constexpr int G = ThisCell::G, S = ThisCell::S;
-  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
-  prnn_note_started(ctl);
+  constexpr int G = ThisCell::G;
+  PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden;
@@ -90,30 +89,9 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     }
     prnn_maybe_stall(stall, t);
     const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
-    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
-      if (j >= hidden) continue;
-      const size_t row = (size_t)t * batch + b, at = (size_t)b * hidden + j;
-      const float* in = in_t + b * kInputs * kUnits + u;  // slot k at in[k * kUnits]
-      float sv[kSavedSlots], dgiv[G], dghv[G];
-#pragma unroll
-      for (int s = 0; s < S; ++s) sv[s] = in[(kSavedSlot + s) * kUnits];
-      const float dh = in[kDy * kUnits] + carry_s[idx] + (recurrent ? row_sum(part_s, b, u, kUnits) : 0.0f);
-      const float dc = kHasC ? carry_s[batch * kUnits + idx] : 0.0f;
-      const float c = kHasC ? in[kC * kUnits] : 0.0f, c_prev = kHasC ? in[kCPrev * kUnits] : 0.0f;
-      float dh_prev, dc_prev;
-      cell_backward_masked<PRNN_CELL>(t < len_s[b], dh, dc, sv, in[kH * kUnits], c, in[kHPrev * kUnits],
-                                      c_prev, dgiv, dghv, dh_prev, dc_prev);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        xch.publish(t, b, g * hidden + j, dghv[g]);
-        dgi[row * gh_len + g * hidden + j] = dgiv[g];
-        dgh[row * gh_len + g * hidden + j] = dghv[g];
-      }
-      // The carries stay in shared memory; the global copies are what a restart resumes from.
-      dh_carry[(t & 1) * plane + at] = carry_s[idx] = dh_prev;
-      if (kHasC) dc_carry[(t & 1) * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
-    }
+    backward_pointwise(in_t, gh_len, part_s, carry_s, len_s, t, batch, hidden, j0, true, recurrent,
+                       dgi, dgh, dh_carry, dc_carry, plane, t & 1,
+                       [&](int b, int k, float, float dgh_k) { xch.publish(t, b, k, dgh_k); });
     if (t == 0) break;
     failed = end_step(xch, v_s, t, ctl, timeout_ns);
     prnn_copy_wait();  // step t-1's inputs

@@ -691,4 +691,89 @@ PRNN_DEVICE float row_sum(const float* part_s, int b, int row, int local_rows) {
   return s;
 }
 
+
+// A launch's control words (PrnnControl), once this CTA has noted that it started (the host's
+// check that the grid was co-resident). The layer and projection kernels' first act after
+// their start step.
+PRNN_DEVICE PrnnControl* started_launch(unsigned* control) {
+  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
+  prnn_note_started(ctl);
+  return ctl;
+}
+
+// Copies the CTA's rows g * hidden + j0 + u of src (g < groups, u < kUnits, below `hidden`)
+// into dst [groups][kUnits]: a pass's per-row constants (b_hh), read from shared memory at
+// every step.
+PRNN_DEVICE void load_owned_rows(float* dst, const float* src, int groups, int j0, int hidden) {
+  for (int idx = threadIdx.x; idx < groups * kUnits; idx += blockDim.x) {
+    const int j = j0 + idx % kUnits;
+    if (j < hidden) dst[idx] = src[(idx / kUnits) * hidden + j];
+  }
+}
+
+// The owned units' state before a launch's first step, into hp_s and (a cell with a cell
+// state) c_s, [batch][kUnits]: step start-1's from y and cs ((T, B, H)), or at step 0 h0 and c0
+// ((B, H); kH0 false: h zeros, a state nothing reads at the first step). The pointwise thread of
+// (b, unit) is the same every step: it keeps that unit's state. (Indexed per element as the
+// kernels' own loops were: planes selected first cost the LSTM H=1024 forward an instruction a
+// step.)
+template <bool kH0 = true>
+PRNN_DEVICE void load_unit_state(float* hp_s, float* c_s, const float* y, const float* cs,
+                                 const float* h0, const float* c0, int start, int batch,
+                                 int hidden, int j0) {
+  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
+    const int b = idx / kUnits, j = j0 + idx % kUnits;
+    if (j >= hidden) continue;
+    const size_t prev = ((size_t)(start - 1) * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
+    hp_s[idx] = start > 0 ? y[prev] : kH0 ? h0[at0] : 0.0f;
+    if (kHasC) c_s[idx] = start > 0 ? cs[prev] : c0[at0];
+  }
+}
+
+// The forward's pointwise step t for the team's (batch row b, unit u) items (Team), once their
+// partial sums are complete: gates(b, u, gi, gh) gives the G pre-activations' input and
+// recurrent parts, the cell runs (state frozen past a length), and h_t - rounded to the 16-bit
+// state where kRoundState (round_state) - is published (publish(b, j, h)) and stored with c_t
+// and the saved activations into y, cs, saved ((T, B, H), (T, B, H), (T, B, S*H)); hp_s and c_s
+// ([batch][kUnits], load_unit_state) keep the unit's state. Force-inlined: the callers'
+// constants (the team, kRoundState) fold away.
+template <bool kRoundState, class Gates, class Publish>
+PRNN_DEVICE void forward_pointwise(const Team& team, int t, int batch, int hidden, int j0,
+                                   const int* len_s, float* hp_s, float* c_s, float* y, float* cs,
+                                   float* saved, Gates gates, Publish publish) {
+  constexpr int G = ThisCell::G, S = ThisCell::S;
+#pragma unroll 1  // a warp team's stride is a constant: no unrolled copies (one trip at small B)
+  for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
+    const int b = idx / team.units, u = team.unit0 + idx % team.units, j = j0 + u;
+    const int own = b * kUnits + u;  // (b, u) in c_s and hp_s
+    if (j >= hidden) continue;
+    const size_t row = (size_t)t * batch + b;
+    float giv[G], ghv[G], sv[kSavedSlots];
+    gates(b, u, giv, ghv);
+    const float c_prev = kHasC ? c_s[own] : 0.0f;
+    float h, c;
+    cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[own], c_prev, h, c, sv);
+    if (kRoundState) h = round_state(h);  // 16-bit layers: h_t is a 16-bit value (c_t stays fp32)
+    publish(b, j, h);
+    y[row * hidden + j] = hp_s[own] = h;
+    if (kHasC) cs[row * hidden + j] = c_s[own] = c;
+#pragma unroll
+    for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
+  }
+}
+
+// forward_pointwise's gates of a layer kernel: gi_t staged [batch][G][kUnits], gh the sum of
+// the team's partial sums (part_s, local_rows rows) + b_hh (bias_s [G][kUnits]).
+PRNN_DEVICE auto staged_gates(const float* gi_t, const float* part_s, const float* bias_s,
+                              const Team& team, int local_rows) {
+  constexpr int G = ThisCell::G;
+  return [=](int b, int u, float (&giv)[G], float (&ghv)[G]) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      giv[g] = gi_t[(b * G + g) * kUnits + u];
+      ghv[g] = row_sum(part_s, b, team.row_of(g, u), local_rows) + bias_s[g * kUnits + u];
+    }
+  };
+}
+
 }  // namespace prnn

@@ -31,13 +31,12 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     int steps, int batch, int hidden, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
-  constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits;
+  constexpr int G = ThisCell::G, R = G * kUnits;
   constexpr bool kWarpTeam = kWarpTeams;
   constexpr int kStaged = kStagedBuffers;
   start = launch_start(control, start);
   if (start >= steps) return;  // a resume launch of a pass already complete
-  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
-  prnn_note_started(ctl);
+  PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   float* h_s = prnn_shared_memory<float>();  // [kStaged][batch][kPadded]: h_{t-1} (by parity)
@@ -64,19 +63,9 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   RegisterTile tile;
   tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
 
-  for (int idx = threadIdx.x; idx < G * kUnits; idx += blockDim.x) {
-    const int j = j0 + idx % kUnits;
-    if (j < hidden) bias_s[idx] = b_hh[(idx / kUnits) * hidden + j];
-  }
+  load_owned_rows(bias_s, b_hh, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  // The pointwise thread of (b, unit) is the same every step: it keeps that unit's state.
-  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-    const int b = idx / kUnits, j = j0 + idx % kUnits;
-    if (j >= hidden) continue;
-    const size_t prev = ((size_t)(start - 1) * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
-    hp_s[idx] = start > 0 ? y[prev] : h0[at0];
-    if (kHasC) c_s[idx] = start > 0 ? cs[prev] : c0[at0];
-  }
+  load_unit_state(hp_s, c_s, y, cs, h0, c0, start, batch, hidden, j0);
   // Fetches gi_t of the team's rows into its parity's buffer (read-only: asynchronous, may use L1).
   auto prefetch_gi = [&](int t) {
     float* dst = gi_s + (t & 1) * batch * G * kUnits;
@@ -113,28 +102,9 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     }
     prnn_maybe_stall(stall, t);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
-#pragma unroll 1
-    for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
-      const int b = idx / team.units, u = team.unit0 + idx % team.units, j = j0 + u;
-      const int own = b * kUnits + u;  // (b, u) in c_s and hp_s
-      if (j >= hidden) continue;
-      const size_t row = (size_t)t * batch + b;
-      float giv[G], ghv[G], sv[kSavedSlots];
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        giv[g] = gi_t[(b * G + g) * kUnits + u];
-        ghv[g] = row_sum(part_s, b, team.row_of(g, u), R) + bias_s[g * kUnits + u];
-      }
-      const float c_prev = kHasC ? c_s[own] : 0.0f;
-      float h, c;
-      cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[own], c_prev, h, c, sv);
-      h = round_state(h);  // 16-bit layers: h_t is a 16-bit value (c_t stays fp32)
-      xch.publish(t, b, j, h);
-      y[row * hidden + j] = hp_s[own] = h;
-      if (kHasC) cs[row * hidden + j] = c_s[own] = c;
-#pragma unroll
-      for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
-    }
+    forward_pointwise<true>(team, t, batch, hidden, j0, len_s, hp_s, c_s, y, cs, saved,
+                            staged_gates(gi_t, part_s, bias_s, team, R),
+                            [&](int b, int j, float h) { xch.publish(t, b, j, h); });
     if (t + 1 == steps) break;
     failed = end_step(xch, staged(t), t, ctl, timeout_ns);
     prnn_copy_wait();  // gi_{t+1}

@@ -30,15 +30,20 @@ constexpr int kKsplitB = PRNN_KSPLIT_B;
 using TileB = TileOf<PRNN_ROWS_B, PRNN_KPT_B>;
 constexpr int kPaddedB = kKsplitB * TileB::kChunk;  // tile B's staged vector length per batch row
 
-// The rows of a matrix that warp `warp` holds in a tile of `Rows` rows per warp and `ksplit`
-// warps per row group: global row row_of(local) for local rows < local_rows, -1 past them.
-template <int Rows, class RowOf>
-PRNN_DEVICE void tile_rows(int (&rows)[Rows], int warp, int ksplit, int local_rows, RowOf row_of) {
+// Loads `tile` (a TileOf, spread over the CTA's warps, `ksplit` warps per row group) from m
+// (k_len columns): the warp's local rows r < local_rows are m's rows row_of(r), those past them
+// zeros.
+template <class Tile, class RowOf>
+PRNN_DEVICE void load_tile(Tile& tile, const WeightWord* m, int k_len, int ksplit, int local_rows,
+                           RowOf row_of) {
+  const int warp = threadIdx.x / kWarp;
+  int rows[Tile::kRowCount];
 #pragma unroll
-  for (int r = 0; r < Rows; ++r) {
-    const int local = warp / ksplit * Rows + r;
+  for (int r = 0; r < Tile::kRowCount; ++r) {
+    const int local = warp / ksplit * Tile::kRowCount + r;
     rows[r] = local < local_rows ? row_of(local) : -1;
   }
+  tile.load(m, rows, warp % ksplit * Tile::kChunk, k_len, threadIdx.x % kWarp);
 }
 
 // Zeroes a staged vector's buffer [batch][padded] once per launch: the gathers write the first

@@ -32,14 +32,13 @@ PRNN_KERNEL void prnn_projection_backward(
     unsigned* exchange_r,  // [2][B][padded B] tagged drs_t, zeroed
     unsigned* exchange_g,  // [2][B][padded A] tagged dg_t, zeroed
     unsigned* control,      // PrnnControl, 2 + gridDim.x words
-    int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
-    int stall_block, int stall_step, unsigned long long stall_ns) {
+    int steps, int batch, int hidden, int proj, int start,
+    unsigned long long timeout_ns, int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, V = kProjRows;
   start = launch_start(control, start);
   if (start < 0) return;  // a resume launch of a pass already complete
-  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
-  prnn_note_started(ctl);
+  PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
@@ -57,15 +56,10 @@ PRNN_KERNEL void prnn_projection_backward(
       begin_exchange<kPaddedB>(exchange_r, len_s + batch, batch, proj, batch * V);
   const Exchange xg = begin_exchange(exchange_g, len_s + batch, batch, gh_len);
 
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  int rows_a[kRows];
-  tile_rows(rows_a, warp, kKsplit, V, [&](int local) { return q0 + local < proj ? q0 + local : -1; });
   RegisterTile rec;
-  rec.load(w_hh_t, rows_a, warp % kKsplit * kChunk, gh_len, lane);
-  int rows_b[TileB::kRowCount];
-  tile_rows(rows_b, warp, kKsplitB, kUnits, [&](int local) { return j0 + local < hidden ? j0 + local : -1; });
+  load_tile(rec, w_hh_t, gh_len, kKsplit, V, [&](int q) { return q0 + q < proj ? q0 + q : -1; });
   TileB back;
-  back.load(w_hr_t, rows_b, warp % kKsplitB * TileB::kChunk, proj, lane);
+  load_tile(back, w_hr_t, proj, kKsplitB, kUnits, [&](int u) { return j0 + u < hidden ? j0 + u : -1; });
 
   // The pointwise thread of (b, unit) and of (b, row of r) is the same every step: it keeps the carry.
   const int parity = (start + 1) & 1;

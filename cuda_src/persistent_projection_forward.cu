@@ -26,11 +26,10 @@ PRNN_KERNEL void prnn_projection_forward(
     int steps, int batch, int hidden, int proj, int start, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
-  constexpr int G = ThisCell::G, S = ThisCell::S, R = G * kUnits, V = kProjRows;
+  constexpr int G = ThisCell::G, R = G * kUnits, V = kProjRows;
   start = launch_start(control, start);
   if (start >= steps) return;  // a resume launch of a pass already complete
-  PrnnControl* ctl = reinterpret_cast<PrnnControl*>(control);
-  prnn_note_started(ctl);
+  PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   float* r_s = prnn_shared_memory<float>();   // [batch][kPadded]: r_{t-1}
@@ -47,32 +46,20 @@ PRNN_KERNEL void prnn_projection_forward(
   const Exchange xr = begin_exchange(exchange_r, len_s + batch, batch, proj, batch * V);
   const ExchangeOf<kPaddedB> xh = begin_exchange<kPaddedB>(exchange_h, len_s + batch, batch, hidden);
 
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  int rows_a[kRows];
-  tile_rows(rows_a, warp, kKsplit, R, [&](int local) {
+  const Team team = step_team<G>();  // the whole CTA
+  RegisterTile gates;
+  load_tile(gates, w_hh, proj, kKsplit, R, [&](int local) {
     const int g = local / kUnits, j = j0 + local % kUnits;
     return j < hidden ? g * hidden + j : -1;
   });
-  RegisterTile gates;
-  gates.load(w_hh, rows_a, warp % kKsplit * kChunk, proj, lane);
-  int rows_b[TileB::kRowCount];
-  tile_rows(rows_b, warp, kKsplitB, V, [&](int local) { return q0 + local < proj ? q0 + local : -1; });
   TileB projection;
-  projection.load(w_hr, rows_b, warp % kKsplitB * TileB::kChunk, hidden, lane);
+  load_tile(projection, w_hr, hidden, kKsplitB, V, [&](int q) { return q0 + q < proj ? q0 + q : -1; });
 
-  for (int idx = threadIdx.x; idx < G * kUnits; idx += blockDim.x) {
-    const int j = j0 + idx % kUnits;
-    if (j < hidden) bias_s[idx] = b_hh[(idx / kUnits) * hidden + j];
-  }
+  load_owned_rows(bias_s, b_hh, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  // The pointwise thread of (b, unit) and of (b, row of r) is the same every step: it keeps the state.
-  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-    const int b = idx / kUnits, j = j0 + idx % kUnits;
-    if (j >= hidden) continue;
-    const size_t prev = ((size_t)(start - 1) * batch + b) * hidden + j;
-    hp_s[idx] = start > 0 ? hs[prev] : 0.0f;  // only read past a length, never at step 0
-    c_s[idx] = start > 0 ? cs[prev] : c0[(size_t)b * hidden + j];
-  }
+  // h_{t-1} of the units is only read past a length, never at step 0 (h0 is r's). The
+  // pointwise thread of (b, row of r) is the same every step too: it keeps r's state.
+  load_unit_state<false>(hp_s, c_s, hs, cs, nullptr, c0, start, batch, hidden, j0);
   for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
     const int b = idx / V, q = q0 + idx % V;
     if (q < proj) rp_s[idx] = start > 0 ? y[((size_t)(start - 1) * batch + b) * proj + q] : h0[(size_t)b * proj + q];
@@ -99,24 +86,10 @@ PRNN_KERNEL void prnn_projection_forward(
     multiply_batch(gates, r_s, gh_s, batch, R);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
-    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
-      if (j >= hidden) continue;
-      const size_t row = (size_t)t * batch + b;
-      float giv[G], ghv[G], sv[S];
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        giv[g] = gi_t[(b * G + g) * kUnits + u];
-        ghv[g] = row_sum(gh_s, b, g * kUnits + u, R) + bias_s[g * kUnits + u];
-      }
-      float h, c;
-      cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[idx], c_s[idx], h, c, sv);
-      xh.publish(t, b, j, h);
-      hs[row * hidden + j] = hp_s[idx] = h;
-      cs[row * hidden + j] = c_s[idx] = c;
-#pragma unroll
-      for (int s = 0; s < S; ++s) saved[row * S * hidden + s * hidden + j] = sv[s];
-    }
+    // h_t stays fp32 (r_t is the state); hs holds it.
+    forward_pointwise<false>(team, t, batch, hidden, j0, len_s, hp_s, c_s, hs, cs, saved,
+                             staged_gates(gi_t, gh_s, bias_s, team, R),
+                             [&](int b, int j, float h) { xh.publish(t, b, j, h); });
     failed = !xh.gather(h_s, t, ctl, timeout_ns);
     // h_t is in shared memory; any timeout?
     if (prnn_sync_block_or(failed)) {

@@ -15,7 +15,7 @@
 // step t+1 carried down; slot T the host's dh_n/dc_n), so that a restart from step s of a layer
 // finds step s+1's carries whatever the others did; like every other word they are rewritten
 // only with the same bits.
-#include "backward_inputs.cuh"
+#include "backward_pointwise.cuh"
 #include "stack_common.cuh"
 
 PRNN_KERNEL void prnn_stack_backward(
@@ -125,31 +125,12 @@ PRNN_KERNEL void prnn_stack_backward(
     multiply_batch(tile, v_s, rec_s, batch, kUnits);  // ends with a block barrier
     prnn_maybe_stall(stall, t, cta);
     const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
-    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
-      if (j >= hidden) continue;
-      const size_t row = (size_t)t * batch + b, at = (size_t)b * hidden + j;
-      const float* in = in_t + b * kInputs * kUnits + u;  // slot k at in[k * kUnits]
-      float sv[kSavedSlots], dgiv[G], dghv[G];
-#pragma unroll
-      for (int s = 0; s < S; ++s) sv[s] = in[(kSavedSlot + s) * kUnits];
-      const float dh = (top ? in[kDy * kUnits] : 0.0f) + carry_s[idx] + row_sum(rec_s, b, u, kUnits);
-      const float dc = kHasC ? carry_s[batch * kUnits + idx] : 0.0f;
-      const float c = kHasC ? in[kC * kUnits] : 0.0f, c_prev = kHasC ? in[kCPrev * kUnits] : 0.0f;
-      float dh_prev, dc_prev;
-      cell_backward_masked<PRNN_CELL>(t < len_s[b], dh, dc, sv, in[kH * kUnits], c, in[kHPrev * kUnits],
-                                      c_prev, dgiv, dghv, dh_prev, dc_prev);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        xgh.publish(layer, t, b, g * hidden + j, dghv[g]);
-        if (exchange_gi != exchange_gh) xgi.publish(layer, t, b, g * hidden + j, dgiv[g]);
-        dgi_l[row * gh_len + g * hidden + j] = dgiv[g];
-        dgh_l[row * gh_len + g * hidden + j] = dghv[g];
-      }
-      // The carries stay in shared memory; the global copies are what a restart resumes from.
-      dh_carry_l[t * plane + at] = carry_s[idx] = dh_prev;
-      if (kHasC) dc_carry_l[t * plane + at] = carry_s[batch * kUnits + idx] = dc_prev;
-    }
+    backward_pointwise(in_t, gh_len, rec_s, carry_s, len_s, t, batch, hidden, j0, top, true,
+                       dgi_l, dgh_l, dh_carry_l, dc_carry_l, plane, t,
+                       [&](int b, int k, float dgi_k, float dgh_k) {
+                         xgh.publish(layer, t, b, k, dgh_k);
+                         if (exchange_gi != exchange_gh) xgi.publish(layer, t, b, k, dgi_k);
+                       });
     if (t == 0) break;
     failed = !gather(t - 1);
     prnn_copy_wait();  // step t-1's inputs

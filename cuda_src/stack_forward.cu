@@ -77,19 +77,10 @@ PRNN_KERNEL void prnn_stack_forward(
   RegisterTile tile;
   tile.load(m, rows, warp_chunk() % kHalfChunks * kChunk, hidden, threadIdx.x % kWarp);
 
-  for (int idx = threadIdx.x; idx < 2 * G * kUnits; idx += blockDim.x) {
-    const int half = idx / (G * kUnits), g = idx / kUnits % G, j = j0 + idx % kUnits;
-    if (j < hidden) bias_s[idx] = (half ? b_hh : b_ih)[(size_t)layer * gh_len + g * hidden + j];
-  }
+  load_owned_rows(bias_s, b_ih + (size_t)layer * gh_len, G, j0, hidden);
+  load_owned_rows(bias_s + G * kUnits, b_hh + (size_t)layer * gh_len, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  // The pointwise thread of (b, unit) is the same every step: it keeps that unit's state.
-  for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-    const int b = idx / kUnits, j = j0 + idx % kUnits;
-    if (j >= hidden) continue;
-    const size_t prev = ((size_t)(start - 1) * batch + b) * hidden + j, at0 = (size_t)b * hidden + j;
-    hp_s[idx] = start > 0 ? y_l[prev] : h0_l[at0];
-    if (kHasC) c_s[idx] = start > 0 ? cs_l[prev] : c0_l[at0];
-  }
+  load_unit_state(hp_s, c_s, y_l, cs_l, h0_l, c0_l, start, batch, hidden, j0);
   clear_staged(v_s, batch);  // also publishes len_s to the block
 
   // Fetches gi_t (own_gi) of the owned rows into its parity's buffer (read-only: asynchronous).
@@ -133,27 +124,18 @@ PRNN_KERNEL void prnn_stack_forward(
     multiply_batch(tile, v_s, part_s, batch, R);  // ends with a block barrier
     prnn_maybe_stall(stall, t, cta);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
-    for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
-      const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
-      if (j >= hidden) continue;
-      const size_t row = (size_t)t * batch + b;
-      float giv[G], ghv[G], sv[kSavedSlots];
+    // gi = W_ih y_{l-1}[t] + b_ih (the first half's sums) unless given, gh = W_hh h + b_hh.
+    const auto gates = [&](int b, int u, float (&giv)[G], float (&ghv)[G]) {
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const int r = g * kUnits + u;
         giv[g] = own_gi ? gi_t[(b * G + g) * kUnits + u]
-                            : row_sum<kKsplit, 0, kHalfChunks>(part_s, b, r, R) + bias_s[r];
+                        : row_sum<kKsplit, 0, kHalfChunks>(part_s, b, r, R) + bias_s[r];
         ghv[g] = row_sum<kKsplit, kHalfChunks, kKsplit>(part_s, b, r, R) + bias_s[G * kUnits + r];
       }
-      const float c_prev = kHasC ? c_s[idx] : 0.0f;
-      float h, c;
-      cell_forward_masked<PRNN_CELL>(t < len_s[b], giv, ghv, hp_s[idx], c_prev, h, c, sv);
-      xch.publish(layer, t, b, j, h);
-      y_l[row * hidden + j] = hp_s[idx] = h;
-      if (kHasC) cs_l[row * hidden + j] = c_s[idx] = c;
-#pragma unroll
-      for (int s = 0; s < S; ++s) saved_l[row * S * hidden + s * hidden + j] = sv[s];
-    }
+    };
+    forward_pointwise<true>(step_team<G>(), t, batch, hidden, j0, len_s, hp_s, c_s, y_l, cs_l, saved_l,
+                            gates, [&](int b, int j, float h) { xch.publish(layer, t, b, j, h); });
     if (t + 1 == steps) break;
     failed = !gather(t + 1);
     prnn_copy_wait();  // gi_{t+1} (own_gi)

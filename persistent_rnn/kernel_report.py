@@ -1,12 +1,14 @@
 """Compile every shipped persistent-kernel configuration and report its resource use.
 
-``kernel_records`` compiles each cell's forward and backward kernel for every tile the planner
-can choose, for each architecture, with NVRTC (no GPU needed; cached by ``kernels``), and reads
-ptxas' report back: registers per thread and spill bytes. The library requires zero spills and
-registers within the plan. It also disassembles each cubin with ``nvdisasm`` (the
-``nvidia-cuda-nvdisasm`` wheel, or one on PATH) and counts what the time loop executes per step
-(``sass_loop_counts``). Command line: ``prnn kernels --arch 80,90 --json`` or
-``python -m persistent_rnn.kernel_report --arch 80,90 --json``.
+``kernel_records`` compiles the configurations of every kernel family (``KERNEL_FAMILIES``:
+the layer kernels on the grid and as clusters, the LSTM projection, the stack), each cell's
+forward and backward kernel for every tile the planner can choose, for each architecture,
+with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers
+per thread and spill bytes. The library requires zero spills and registers within the plan.
+It also disassembles each cubin with ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel, or one
+on PATH) and counts what the time loop executes per step (``sass_loop_counts``). Command line:
+``prnn kernels --arch 80,90 --json`` or ``python -m persistent_rnn.kernel_report --arch 80,90
+--json``.
 """
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable, Iterator, NamedTuple
 
 from . import hardware, kernels, latency, plan as planner
-from .cells import CELLS, PROJECTION_CELL
+from .cells import CELLS, PROJECTION_CELL, CellSpec
 from .sass_analysis import disassemble, nvdisasm, sass_loop_counts
 
 # Shared memory is reported at batch 8, the top of the range the latency targets are set for
@@ -73,12 +77,23 @@ def gather_variants(p: planner.PassPlan, largest_only: bool = False) -> list[pla
     return variants[-1:] if largest_only else variants
 
 
-def _jobs(archs, edges_only: bool = False):
-    """Every shipped (dtype, cell, pass plan, arch, proj_size): the grid tiles on every arch (with
-    every gather size, ``gather_variants``), the cluster tiles on the archs with clusters (sm_90
-    and newer), the LSTM projection tiles (grid only) at their largest H and P < H, the stack
-    tiles. ``edges_only``: the configurations at the register file's edge alone (``_edges``)."""
-    jobs = list(_every_job(archs, largest_gather_only=edges_only))
+class Job(NamedTuple):
+    """One configuration ``prnn kernels`` compiles: a pass plan of a kernel family, for a cell,
+    dtype and arch (``proj``: an LSTM projection's P, else 0)."""
+
+    cell: CellSpec
+    dtype: str
+    plan: planner.PassPlan
+    arch: str
+    proj: int
+    family: str
+
+
+def _jobs(archs, edges_only: bool = False) -> list[Job]:
+    """Every shipped configuration of every kernel family (``KERNEL_FAMILIES``, in its order).
+    ``edges_only``: the configurations at the register file's edge alone (``_edges``)."""
+    jobs = [Job(*job, family=name) for name, family in KERNEL_FAMILIES.items()
+            for job in family.jobs(archs, edges_only)]
     return _edges(jobs) if edges_only else jobs
 
 
@@ -86,18 +101,16 @@ def group(record: dict) -> tuple:
     """(kernel family, tile family, dtype, pass, arch) of a record (or of ``describe``'s
     fields): the groups ``_edges`` picks its configurations from. Cells of one tile family
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
-    alone, so a group's edge is built for the family's first cell in ``CELLS``. The mma tiles'
-    forwards (``tiles.MMA_TILES``, ``MMA_CLUSTER_TILES``) form one group per placement and arch
-    (CI: a few configurations; their backwards are CUDA-core 16-bit tiles, in the 16-bit
-    groups)."""
-    family = "stack" if record["stack"] else "projection" if record["proj_size"] else \
-        "cluster" if record["cluster"] else "grid"
-    if record["config"].get("PRNN_MMA"):  # the tensor-core forwards: one group per placement
-        return "mma " + family, "all", "16-bit", record["pass"], record["arch"]
-    return family, CELLS[record["cell"]].tiles, record["dtype"], record["pass"], record["arch"]
+    alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
+    forwards (the ``mma`` families) form one group per placement and arch (CI: a few
+    configurations)."""
+    if record["family"].startswith("mma"):
+        return record["family"], "all", "16-bit", record["pass"], record["arch"]
+    return (record["family"], CELLS[record["cell"]].tiles, record["dtype"], record["pass"],
+            record["arch"])
 
 
-def _edges(jobs: list) -> list:
+def _edges(jobs: list[Job]) -> list[Job]:
     """Of each ``group``, the tile holding the most weight registers per CTA and the tile with
     the fewest registers to spare beyond its weights (where a spill or a stack frame shows
     first), in ``jobs``' order: about a third of the configurations, the CI's set (the full set
@@ -107,26 +120,40 @@ def _edges(jobs: list) -> list:
         groups.setdefault(group(describe(job)), []).append(job)
     keep = set()
     for members in groups.values():
-        keep.add(id(max(members, key=lambda j: j[2].weight_registers * j[2].block)))
-        keep.add(id(min(members, key=lambda j: j[2].registers - j[2].weight_registers)))
+        keep.add(id(max(members, key=lambda j: j.plan.weight_registers * j.plan.block)))
+        keep.add(id(min(members, key=lambda j: j.plan.registers - j.plan.weight_registers)))
     return [job for job in jobs if id(job) in keep]
 
 
-def _every_job(archs, largest_gather_only: bool):
+def _has_clusters(arch: str) -> bool:
+    return int(arch.removeprefix("sm_")) >= 90
+
+
+def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = False):
+    """The layer kernels (``persistent_forward.cu``, ``persistent_backward.cu``): the grid tiles
+    on every arch with every gather size (``gather_variants``), or the cluster tiles on the
+    archs with clusters (sm_90 and newer). ``mma``: the tensor-core tiles' forwards
+    (``mma_tile.cuh``) instead; their backward is a CUDA-core 16-bit pass, listed with those."""
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
-            for tile in (*planner.tiles_for(cell, dtype), *planner.cluster_tiles_for(cell, dtype),
-                         *planner.mma_tiles_for(cell, dtype),
-                         *planner.mma_tiles_for(cell, dtype, cluster=True)):
+            if mma:
+                tiles = planner.mma_tiles_for(cell, dtype, cluster=cluster)
+            else:
+                tiles = (planner.cluster_tiles_for if cluster else planner.tiles_for)(cell, dtype)
+            for tile in tiles:
                 hidden = planner.tile_max_hidden(cell, tile)
-                # an mma tile's backward is a CUDA-core 16-bit pass: its forward is what is new
-                for backward in (False,) if tile.mma else (False, True):
+                for backward in (False,) if mma else (False, True):
                     planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
                                                 dtype=dtype)
                     for p in gather_variants(planned, largest_only=largest_gather_only):
                         for arch in archs:
-                            if not tile.cluster or int(arch.removeprefix("sm_")) >= 90:
+                            if not cluster or _has_clusters(arch):
                                 yield cell, dtype, p, arch, 0
+
+
+def _projection_jobs(archs, largest_gather_only: bool):
+    """The LSTM projection kernels (grid only) at their tiles' largest H and P < H."""
+    for dtype in planner.KERNEL_DTYPES:
         for ptile in planner.PROJECTION_TILES:
             hidden, proj = planner.projection_capacity(ptile)
             proj = min(proj, hidden - 1)
@@ -136,7 +163,11 @@ def _every_job(archs, largest_gather_only: bool):
                 for arch in archs:
                     if planner.projection_tile_ships(ptile, dtype, arch):
                         yield PROJECTION_CELL, dtype, p, arch, proj
-    for cell in CELLS.values():  # the stack kernels (fp32), planned for REPORT_STACK layers
+
+
+def _stack_jobs(archs, largest_gather_only: bool):
+    """The stack kernels (fp32), planned for ``REPORT_STACK`` layers."""
+    for cell in CELLS.values():
         for tile in planner.stack_tiles_for(cell):
             hidden = planner.stack_max_hidden(cell, tile)
             for backward in (False, True):
@@ -146,13 +177,37 @@ def _every_job(archs, largest_gather_only: bool):
                     yield cell, "float32", p, arch, 0
 
 
-def describe(job) -> dict:
+@dataclass(frozen=True)
+class KernelFamily:
+    """A family of kernels ``prnn kernels`` compiles: ``jobs(archs, largest_gather_only)``
+    yields its shipped configurations ``(cell, dtype, pass plan, arch, proj_size)`` (whether
+    only the largest gather of a grid tile is wanted: the CI's edges); ``modelled``: whether the
+    latency model (``latency``) predicts its steps (its records' ``model``)."""
+
+    jobs: Callable[..., Iterator[tuple]]
+    modelled: bool = True
+
+
+# The kernel families, each with its configurations: a new family is one entry here
+# (docs/design.md, "How to add a kernel family"). A record's ``family`` is its key.
+KERNEL_FAMILIES: dict[str, KernelFamily] = {
+    "grid": KernelFamily(partial(_layer_jobs, cluster=False)),
+    "cluster": KernelFamily(partial(_layer_jobs, cluster=True)),
+    "mma grid": KernelFamily(partial(_layer_jobs, cluster=False, mma=True)),
+    "mma cluster": KernelFamily(partial(_layer_jobs, cluster=True, mma=True)),
+    "projection": KernelFamily(_projection_jobs),
+    "stack": KernelFamily(_stack_jobs),
+}
+
+
+def describe(job: Job) -> dict:
     """The planned fields of a configuration of ``_jobs`` (what ``kernel_records`` reports before
     it compiles anything)."""
-    cell, dtype, p, arch, proj = job
-    return {"cell": cell.name, "dtype": dtype, "proj_size": proj,
+    p = job.plan
+    return {"family": job.family, "cell": job.cell.name, "dtype": job.dtype,
+            "proj_size": job.proj,
             "pass": "backward" if "backward" in p.kernel else "forward",
-            "arch": arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
+            "arch": job.arch, "config": dict(p.defines), "cluster": p.defines.get("PRNN_CLUSTER", 0),
             "stack": REPORT_STACK if p.source.startswith("stack_") else 0,
             "hidden_size": p.max_hidden,
             "block": p.block, "weights_per_thread": p.weights_per_thread,
@@ -160,14 +215,15 @@ def describe(job) -> dict:
             "planned_registers": p.registers}
 
 
-def _record(job) -> dict:
-    cell, dtype, p, arch, proj, tool = job
-    compiled = kernels.compile_source(p.source, p.defines, arch)
+def _record(job: Job, tool: str | None) -> dict:
+    p = job.plan
+    compiled = kernels.compile_source(p.source, p.defines, job.arch)
     sass = disassemble(compiled.cubin_path, tool) if tool else None
     loop = sass_loop_counts(sass) if sass else None
-    return {**describe(job[:5]), **parse_ptxas(compiled.log), "time_loop": loop,
+    return {**describe(job), **parse_ptxas(compiled.log), "time_loop": loop,
             **local_memory_record(compiled.log, loop),
-            "model": model_fields(cell, dtype, p, arch, sass) if sass else None}
+            "model": model_fields(job.cell, job.dtype, p, job.arch, sass)
+            if sass and KERNEL_FAMILIES[job.family].modelled else None}
 
 
 # Batch sizes the report predicts a step at (B = 1 and the report's batch).
@@ -188,7 +244,8 @@ def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
 
 
 def kernel_records(archs=("sm_80", "sm_90"), edges_only: bool = False) -> list[dict]:
-    """One record per shipped (dtype, cell, tile, pass, arch): ``cell``, ``dtype`` (what W_hh
+    """One record per shipped (dtype, cell, tile, pass, arch): ``family`` (its
+    ``KERNEL_FAMILIES`` key), ``cell``, ``dtype`` (what W_hh
     is held in: "float32", "float16", "bfloat16"), ``proj_size`` (an LSTM projection tile's P,
     else 0), ``pass``, ``arch``, ``config``
     (the -D macros), ``cluster`` (CTAs of the thread-block cluster, 0 for a grid tile),
@@ -201,12 +258,13 @@ def kernel_records(archs=("sm_80", "sm_90"), edges_only: bool = False) -> list[d
     global_stores, atomics, fences, l1_invalidates, local_memory), or None where nvdisasm is not
     installed; ``stack_frame``/``local_memory`` (``local_memory_record``); ``model``: the latency
     model's ``model_fields`` (per batch row instructions and FFMAs of the matrix loop, predicted
-    µs per step at B = 1 and 8), or None without nvdisasm. ``edges_only``: the configurations at
-    the register file's edge alone (``_edges``), the CI's set."""
+    µs per step at B = 1 and 8), or None without nvdisasm or for a family the model does not
+    cover. ``edges_only``: the configurations at the register file's edge alone (``_edges``),
+    the CI's set."""
     archs = [a if str(a).startswith("sm_") else f"sm_{a}" for a in archs]
     tool = nvdisasm()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_record, [(*job, tool) for job in _jobs(archs, edges_only)]))
+        return list(pool.map(partial(_record, tool=tool), _jobs(archs, edges_only)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,3 +63,24 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The persistent kernels whose pointwise steps are written once (issue 30): the forward's in
+# persistent_common.cuh (forward_pointwise), the backward's in backward_pointwise.cuh. (The LSTM
+# projection's backward runs its own step: dh comes from the W_hr^T product.)
+SHARED_STEP_KERNELS = ("persistent_forward.cu", "persistent_backward.cu",
+                       "persistent_projection_forward.cu", "stack_forward.cu", "stack_backward.cu")
+
+
+def test_the_persistent_kernels_run_the_cells_through_the_shared_steps():
+    """None of these kernels calls a cell's masked forward or backward itself: a copy of the
+    pointwise loop, the near-copy that ``duplicates`` found, would have to."""
+    from persistent_rnn._sources import read_source
+
+    for source in SHARED_STEP_KERNELS:
+        text = read_source(source)
+        assert "forward_pointwise" in text or "backward_pointwise" in text, source
+        for call in ("cell_forward_masked", "cell_backward_masked"):
+            assert call not in text, f"{source} calls {call} itself"
+    assert "cell_forward_masked" in read_source("persistent_common.cuh")
+    assert "cell_backward_masked" in read_source("backward_pointwise.cuh")
