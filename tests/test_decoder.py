@@ -90,7 +90,8 @@ def test_steps_equal_the_cell_loop_and_the_sequence_kernel(placement, settings):
     _equal(got, _cell_loop(layer, xs))
     # The whole-sequence kernel on the same inputs: the decoder's projections of each step.
     p = layer.params
-    gi = np.stack([_projected(x[None], p["weight_ih_l0"], p["bias_ih_l0"])[0] for x in xs])
+    gi = np.stack([_projected(x[None], p["weight_ih_l0"], p["bias_ih_l0"], "test")[0].copy()
+                   for x in xs])  # (a copy: the product lands in a reused workspace)
     zeros = np.zeros((B, H), np.float32)
     with prnn.override_settings(**PER_LAYER):
         res, stats = runtime.forward(layer.cell, gi, p["weight_hh_l0"], p["bias_hh_l0"], zeros,

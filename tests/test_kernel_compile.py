@@ -46,6 +46,9 @@ ARCHS = ("sm_80", "sm_90")
 COMPILED_ARCHS = ARCHS if EVERY_KERNEL else ("sm_90",)
 
 
+LAYER_FAMILIES = ("grid", "cluster", "mma grid", "mma cluster")  # persistent_forward/backward.cu
+
+
 @pytest.fixture(scope="module")
 def records():
     return kernel_report.kernel_records(COMPILED_ARCHS, edges_only=not EVERY_KERNEL)
@@ -57,7 +60,7 @@ def test_every_configuration_is_listed():
     # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs.
     # (Each other family's test checks its own configurations.)
     every = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
-    listed = [r for r in every if r["family"] in ("grid", "cluster", "projection", "stack")]
+    listed = [r for r in every if r["family"] in (*LAYER_FAMILIES, "projection", "stack")]
     grids = sum(len(gather_variants(pass_plan(c, t, bwd, tile_max_hidden(c, t),
                                               kernel_report.REPORT_BATCH, d))) * 2
                 for c in CELLS.values() for d in KERNEL_DTYPES for t in tiles_for(c, d)
@@ -71,6 +74,7 @@ def test_every_configuration_is_listed():
               for c in CELLS.values() for d in KERNEL_DTYPES for t in mma_tiles_for(c, d))
     mma += sum(len(mma_tiles_for(c, d, cluster=True)) for c in CELLS.values() for d in KERNEL_DTYPES)
     assert sum(bool(r["config"].get("PRNN_MMA")) for r in listed) == mma
+    assert all(r["family"].startswith("mma") == bool(r["config"].get("PRNN_MMA")) for r in listed)
     assert {r["pass"] for r in listed if r["config"].get("PRNN_MMA")} == {"forward"}
     expected += mma
     projections = sum(2 * projection_tile_ships(t, d, a) for t in PROJECTION_TILES
@@ -168,7 +172,7 @@ def test_time_loop_sass_stays_short(records):
         # block barrier in a step, on the grid one (the staged vector's); every other pass meets
         # at one at least.
         c = r["config"]
-        warp_teams = (r["pass"] == "forward" and r["family"] in ("grid", "cluster")
+        warp_teams = (r["pass"] == "forward" and r["family"] in LAYER_FAMILIES
                       and warp_teams_of(CELLS[r["cell"]], PassTile(
                           c["PRNN_ROWS"], c["PRNN_KSPLIT"], c["PRNN_KPT"])))
         if warp_teams:
