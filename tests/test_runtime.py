@@ -409,3 +409,18 @@ def test_launch_config_matches_the_driver_struct():
     # and 40, numAttrs at 48, padded to 56.
     assert ctypes.sizeof(kernels.LaunchConfig) == 56
     assert kernels.LaunchConfig.stream.offset == 32 and kernels.LaunchConfig.num_attrs.offset == 48
+
+
+def test_an_engines_key_tells_apart_launches_of_other_shared_bytes(monkeypatch):
+    """The key names a launch's whole shape: a chain graph keyed by it replays that shape, and
+    the residency cooldown follows it. Two passes that differ only in their shared bytes (the
+    same kernel, defines, grid and block: another batch) have two keys."""
+    from dataclasses import replace
+
+    from persistent_rnn import emulate, hardware
+    monkeypatch.setattr(emulate, "get_module", lambda source, defines: type("M", (), {"launch": None}))
+    pass_plan = planner.make_plan("gru", 64, 2, device="h100").forward
+    keys = {runtime.engine_of(replace(pass_plan, shared_bytes=n), hardware.PROFILES["h100"],
+                              False, True)[0].key
+            for n in (pass_plan.shared_bytes, pass_plan.shared_bytes + 16)}
+    assert len(keys) == 2
