@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +35,8 @@ import persistent_rnn as prnn
 import persistent_rnn.torch as prt
 from persistent_rnn import benchmark, emulate, functional, launch
 from persistent_rnn.torch import modules, ops, paths
+
+from call_overhead import time_roads  # (bench/ is the script's folder)
 
 
 def entry_points(hidden: int) -> dict[str, Callable[[], object]]:
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         emulate.EmulatedModule._launch = lambda self, *a, **kw: None
         calls.update(stubbed)
     try:
-        times = _timed(calls, args.calls, args.rounds)
+        with torch.no_grad():
+            times = time_roads(calls, args.calls, args.rounds, warmup=200)
     finally:
         emulate.EmulatedModule._launch = launcher
     rows = [{"entry": label, "median_us": statistics.median(ns) / 1e3,
@@ -139,26 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "call_breakdown.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.out / 'call_breakdown.json'}")
     return 0
-
-
-def _timed(calls: dict[str, Callable[[], object]], count: int,
-           rounds: int) -> dict[str, list[int]]:
-    """Per entry, the ns of each timed call (rounds interleave the entries in runs of
-    ``count``; 200 untimed warm-up calls each)."""
-    times: dict[str, list[int]] = {label: [] for label in calls}
-    clock = time.perf_counter_ns
-    with torch.no_grad():
-        for call in calls.values():
-            for _ in range(200):
-                call()
-        for r in range(rounds):
-            for label, call in list(calls.items())[::1 if r % 2 else -1]:
-                record = times[label]
-                for _ in range(count):
-                    start = clock()
-                    call()
-                    record.append(clock() - start)
-    return times
 
 
 if __name__ == "__main__":

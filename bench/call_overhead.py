@@ -95,11 +95,12 @@ def _layer_call(layer: prnn.GRU, x: np.ndarray, backward: bool) -> Call:
     return train_step
 
 
-def time_roads(calls: dict[str, Call], count: int, rounds: int) -> dict[str, list[int]]:
+def time_roads(calls: dict[str, Call], count: int, rounds: int,
+               warmup: int = 50) -> dict[str, list[int]]:
     """Per road, the ns of each of ``count * rounds`` calls (rounds interleave the roads in
-    runs of ``count`` calls)."""
+    runs of ``count`` calls), after ``warmup`` untimed calls of each."""
     for call in calls.values():  # warm-up: first-call work (caches, lazy imports) is not timed
-        for _ in range(50):
+        for _ in range(warmup):
             call()
     times: dict[str, list[int]] = {label: [] for label in calls}
     clock = time.perf_counter_ns

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
@@ -259,28 +260,32 @@ def test_steady_state_call_counts(road, cell, steps, backward):
         f"{road} {cell} T={steps}: (Python calls, NumPy allocations) {counted} > limits {limits}")
 
 
+class _OpLog(TorchDispatchMode):
+    """Names every op torch dispatches while the mode is active (``seen``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_eager_calls_skip_the_dispatcher_which_modes_still_see():
     """An eager call runs the op's implementation without torch's dispatcher (no frame of
     torch's custom-op machinery); under a TorchDispatchMode the mode sees both ops; the
     results are the same."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     torch.manual_seed(0)
     module = prt.GRU(H, H, algo="gemm")
     x = torch.randn(3, 2, H, requires_grad=True)
-    seen = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Log():
+    log = _OpLog()
+    with log:
         y_mode, _ = module(x)
         y_mode.sum().backward()
     grad_mode, x.grad = x.grad, None
-    assert "persistent_rnn.recurrence.default" in seen
-    assert "persistent_rnn.recurrence_backward.default" in seen
+    assert "persistent_rnn.recurrence.default" in log.seen
+    assert "persistent_rnn.recurrence_backward.default" in log.seen
 
     files = set()
 
@@ -302,29 +307,21 @@ def test_eager_forward_keeps_its_context_for_a_backward_a_mode_sees():
     """An eager forward hands the library's context to its backward (no saved activations as
     tensors); a backward run under a TorchDispatchMode still reaches the op, with the
     activations made tensors from that context, and gives the same gradients bit for bit."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     torch.manual_seed(0)
     module = prt.LSTM(H, H, algo="gemm")
     x = torch.randn(3, 2, H, requires_grad=True)
-    seen = []
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
+    log = _OpLog()
     grads = []
-    for mode in (None, Log):
+    for mode in (None, log):
         x.grad = None
         module.zero_grad()
         y, (h, c) = module(x)
         loss = y.square().sum() + h.sum() + c.sum()
-        with contextlib.nullcontext() if mode is None else mode():
+        with contextlib.nullcontext() if mode is None else mode:
             loss.backward()
         grads.append([x.grad.clone(), *(p.grad.clone() for p in module.parameters())])
-    assert "persistent_rnn.recurrence_backward.default" in seen
-    assert "persistent_rnn.recurrence.default" not in seen  # the forward ran eagerly
+    assert "persistent_rnn.recurrence_backward.default" in log.seen
+    assert "persistent_rnn.recurrence.default" not in log.seen  # the forward ran eagerly
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert module.last_run.backward is not None and module.last_run.backward.algo == "gemm"
 
