@@ -87,9 +87,7 @@ def constant_ints(xp, count: int, value: int) -> Array:
 def constant_zeros(xp, shape: tuple[int, ...], dtype) -> Array:
     """Zeros of ``shape`` and ``dtype`` to be read, never written (a layer's initial states
     where none are given, a kernel's absent bias): a shared constant (``constant``)."""
-    key = ("cpu" if xp is np else xp.cuda.Device().id, shape, np.dtype(dtype).char, 0)
-    found = _CONSTANTS.get(key)  # (inline: the initial states of every call ask for these)
-    return found if found is not None else constant(xp, shape, dtype, 0)
+    return constant(xp, shape, dtype, 0)
 
 
 def constant(xp, shape: tuple[int, ...], dtype, value: int) -> Array:
