@@ -106,11 +106,6 @@ def _module(xp, defines: Mapping[str, int]):
     return kernels.get_module(SOURCE, defines)
 
 
-def _timeout_ns(xp) -> np.uint64:
-    s = settings.current()
-    return np.uint64((s.emulation_timeout_ms if xp is np else s.gpu_timeout_ms) * 1e6)
-
-
 class _Resident:
     """The resident kernel of one decoder-layer: its words, its launch (relaunched when it has
     ended), and its stop. Holds no reference to the decoder, so that garbage collection of the
@@ -146,7 +141,7 @@ class _Resident:
             return
         stall = settings.current_stall()
         args = (self.w_hh, self.b_hh, self.box, self.state, np.int32(self.batch),
-                np.int32(self.hidden), _timeout_ns(self.xp), *stall.args())
+                np.int32(self.hidden), np.uint64(launch.timeout_ns(self.xp is np)), *stall.args())
         dp = self.dp
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
             self.running = self.module.launch_async(
@@ -169,7 +164,7 @@ class _Resident:
         gi does not hold it)."""
         self.ensure()
         dp = self.dp
-        wait_ns = np.uint64(WAIT_DEADLINES * int(_timeout_ns(self.xp)))
+        wait_ns = np.uint64(WAIT_DEADLINES * launch.timeout_ns(self.xp is np))
         with_bias = with_bias and self.b_ih is not None
         args = (self.w_hh, self.b_hh, self.box, self.state, self.fault, gi, h,
                 h if c is None else c, h_out, h_out if c_out is None else c_out,

@@ -314,15 +314,20 @@ def chain_for(xp, engine: Engine, groups: int,
                           lambda: Chain(xp, engine, groups, exchanges))
 
 
+def timeout_ns(emulated: bool) -> int:
+    """A kernel's bounded wait, in ns: the setting for the emulation or for the GPU."""
+    s = settings.current()
+    return int((s.emulation_timeout_ms if emulated else s.gpu_timeout_ms) * 1e6)
+
+
 def launch_pass(engine: Engine, control: Array, named: dict, stall: settings.Stall) -> None:
     """Launch ``engine``'s pass with its kernel's ``named`` arguments (``arguments``) plus the
-    control words, the timeout (the setting for the GPU or for the emulation) and ``stall``."""
+    control words, the timeout (``timeout_ns``) and ``stall``."""
     s, p = settings.current(), engine.pass_plan
-    timeout_ms = s.emulation_timeout_ms if engine.emulated else s.gpu_timeout_ms
     extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
     block, step, ns = stall.args()
     args = arguments(p.source, p.kernel, **named, control=control,
-                     timeout_ns=int(timeout_ms * 1e6), stall_block=block, stall_step=step,
+                     timeout_ns=timeout_ns(engine.emulated), stall_block=block, stall_step=step,
                      stall_ns=ns)
     COUNTERS.add("launches")
     keep_alive(control, *named.values())
