@@ -172,11 +172,9 @@ class EmulatedModule:
         seen = _log_size(self._race_log)
 
         def run() -> None:
-            self._lib.prnn_emu_set_modes(ctypes.c_uint(bits), ctypes.c_ulonglong(seed))
-            failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
-            message = self._lib.prnn_emu_error().decode() if failed else ""
+            error = self._run(kernel, entry, argv, bits, seed, (grid, block, shared_bytes,
+                                                               max_resident))
             del keep[:]
-            error = f"emulated launch of {kernel} failed: {message}" if failed else None
             try:
                 _check_races(self._race_log, seen, kernel)
             except RaceError as exc:
@@ -219,12 +217,20 @@ class EmulatedModule:
                 max_resident: int | None) -> None:
         entry, keep, argv = self._prepare(kernel, grid, block, shared_bytes, args)
         bits, launch_seed = self._draw_modes()
-        self._lib.prnn_emu_set_modes(ctypes.c_uint(bits), ctypes.c_ulonglong(launch_seed))
-        failed = entry(grid, block, shared_bytes, max_resident or 0, argv)
-        message = self._lib.prnn_emu_error().decode() if failed else ""
+        error = self._run(kernel, entry, argv, bits, launch_seed,
+                          (grid, block, shared_bytes, max_resident))
         del keep
-        if failed:
-            raise EmulationError(f"emulated launch of {kernel} failed: {message}")
+        if error is not None:
+            raise EmulationError(error)
+
+    def _run(self, kernel: str, entry, argv, bits: int, seed: int, shape: tuple) -> str | None:
+        """Run a prepared launch (``shape``: grid, block, shared bytes, max_resident) under its
+        modes; the error it ended with, or None."""
+        grid, block, shared_bytes, max_resident = shape
+        self._lib.prnn_emu_set_modes(ctypes.c_uint(bits), ctypes.c_ulonglong(seed))
+        if not entry(grid, block, shared_bytes, max_resident or 0, argv):
+            return None
+        return f"emulated launch of {kernel} failed: {self._lib.prnn_emu_error().decode()}"
 
     def _signature(self, kernel: str) -> str:
         fn = getattr(self._lib, "prnn_emu_signature_" + kernel)
