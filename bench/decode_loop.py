@@ -116,12 +116,14 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object]:
 def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, device: str) -> float:
     """Seconds of one ``steps``-step loop of ``road``."""
     cuda = device == "cuda"
+    # Weights and inputs drawn on the CPU: a capture that failed leaves the CUDA generator
+    # unusable, and the next road must still run.
     torch.manual_seed(0)
     cell_cls = getattr(prt, f"{mode}Cell")
-    x0 = torch.randn(batch, hidden, device=device)
+    x0 = torch.randn(batch, hidden).to(device)
     with torch.no_grad():
         if road.startswith("decoder"):
-            cell = cell_cls(hidden, hidden, algo="persistent", device=device)
+            cell = cell_cls(hidden, hidden, algo="persistent").to(device)
             with cell.decoder(batch=batch) as dec:
                 if road == "decoder_projected":
                     gi = torch.nn.functional.linear(x0, cell.weight_ih, cell.bias_ih)
@@ -130,11 +132,11 @@ def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, devi
                     step = _decoder_step(mode, dec)
                 return _timed_loop(road, step, x0, steps, cuda)
         if road == "fused":
-            step = _cell_step(mode, cell_cls(hidden, hidden, algo="persistent", device=device))
+            step = _cell_step(mode, cell_cls(hidden, hidden, algo="persistent").to(device))
         elif road.startswith("torch_cell"):
-            step = _cell_step(mode, getattr(torch.nn, f"{mode}Cell")(hidden, hidden, device=device))
+            step = _cell_step(mode, getattr(torch.nn, f"{mode}Cell")(hidden, hidden).to(device))
         else:
-            step = _layer_step(getattr(torch.nn, mode)(hidden, hidden, device=device))
+            step = _layer_step(getattr(torch.nn, mode)(hidden, hidden).to(device))
         return _timed_loop(road, step, x0, steps, cuda)
 
 

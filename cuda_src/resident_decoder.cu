@@ -218,47 +218,58 @@ PRNN_KERNEL void prnn_decoder_step(
     const float* b_ih, int with_bias,  // with_bias 0: gi holds b_ih already (b_ih unread)
     unsigned step, int slices, int batch, int hidden, unsigned long long timeout_ns) {
   using namespace prnn;
-  enum : unsigned { kDone = 1u, kTake = 2u, kFailed = 3u };
+  constexpr int kMaxOwned = 32;  // slices a thread watches: the bits of `pending`
   const StepIo io{gi, h_prev, c_prev, h_out, c_out, with_bias ? b_ih : nullptr};
   const DecoderShared sm = decoder_shared(batch);
   if (threadIdx.x == 0) {
     io_to_words(io, box + 2, true);
     prnn_store_release(box, step);
   }
+  if (slices > kMaxOwned * (int)blockDim.x) {  // (the host plans grids below the SM count)
+    if (threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
+    return;
+  }
+  // Every thread watches its own slices (bit i: slice threadIdx.x + i * blockDim.x), so a step
+  // waits about as long as its slowest CTA, not one load round trip per slice in turn.
+  unsigned pending = 0u, taken = 0u;
+  for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) pending |= 1u << i;
   const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
-  for (int slice = 0; slice < slices; ++slice) {
-    unsigned* word = state + slice;
-    if (threadIdx.x == 0) {
-      unsigned decision = kFailed;
-      for (;;) {
-        const unsigned v = prnn_load_acquire(word);
-        if ((v >> 2) >= step) {
-          decision = kDone;
-          break;
-        }
-        if ((v & 3u) == kGone && prnn_atomic_cas_acq_rel(word, v, decoder_word(step - 1u, kBusy)) == v) {
-          decision = kTake;
-          break;
-        }
-        if (prnn_globaltimer_ns() > deadline) break;
-        prnn_backoff();
+  for (;;) {
+    for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) {
+      if (!(pending >> i & 1u)) continue;
+      unsigned* word = state + s;
+      const unsigned v = prnn_load_acquire(word);
+      if ((v >> 2) >= step) {
+        pending &= ~(1u << i);
+      } else if ((v & 3u) == kGone &&
+                 prnn_atomic_cas_acq_rel(word, v, decoder_word(step - 1u, kBusy)) == v) {
+        pending &= ~(1u << i);
+        taken |= 1u << i;
       }
-      sm.word_s[0] = decision;
-      if (decision == kFailed) prnn_atomic_set_if_zero(fault, step);
     }
-    prnn_sync_block();
-    const unsigned decision = sm.word_s[0];
-    if (decision == kFailed) return;  // (recorded; the later slices are not waited for)
-    if (decision == kTake) {  // the resident CTA is gone: its rows, the same step code
+    const bool waiting = pending != 0u && prnn_globaltimer_ns() <= deadline;
+    if (!prnn_sync_block_or(waiting)) break;  // (the same decision in every thread)
+    prnn_backoff();
+  }
+  const bool failed = prnn_sync_block_or(pending != 0u);
+  // The slices taken over, one at a time with the whole CTA (their words say kBusy until done,
+  // even in a step that failed: a later step or relaunch may take them again).
+  if (prnn_sync_block_or(taken != 0u)) {
+    for (int s = 0; s < slices; ++s) {
+      if (threadIdx.x == s % blockDim.x) sm.word_s[0] = taken >> (s / blockDim.x) & 1u;
+      prnn_sync_block();
+      const bool take = sm.word_s[0] != 0u;
+      prnn_sync_block();  // word_s[0] read by every thread before the next slice's owner writes it
+      if (!take) continue;
       const Team team = step_team<ThisCell::G>();
       RegisterTile tile;
-      load_rows(tile, team, w_hh, slice, hidden);
-      decoder_step(tile, team, sm, b_hh, io, slice, batch, hidden);
+      load_rows(tile, team, w_hh, s, hidden);
+      decoder_step(tile, team, sm, b_hh, io, s, batch, hidden);
       if (threadIdx.x == 0) {
         prnn_fence();
-        prnn_store_release(word, decoder_word(step, kGone));
+        prnn_store_release(state + s, decoder_word(step, kGone));
       }
     }
-    prnn_sync_block();  // word_s[0] read by every thread before the next slice's decision
   }
+  if (failed && threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
 }

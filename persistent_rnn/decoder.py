@@ -50,7 +50,7 @@ import numpy as np
 from . import hardware, launch, plan as planner, settings
 from .buffers import array_module, weight_words
 from .cells import CellSpec
-from .matmul import matmul
+from .matmul import load_captured_kernel, matmul
 from .validation import state as split_state
 
 Array = Any
@@ -239,6 +239,8 @@ class Decoder:
                           RuntimeWarning, stacklevel=3)
         for r in self._residents:  # launched now: the first step finds the weights loaded
             r.ensure()
+        if self._residents and xp is not np:  # its steps' products are capturable from the first
+            load_captured_kernel(self.dtype)
 
     @property
     def resident(self) -> bool:

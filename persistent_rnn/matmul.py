@@ -62,6 +62,12 @@ def captured_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Array
     return out
 
 
+def load_captured_kernel(dtype) -> None:
+    """Compile and load the kernel ``matmul`` runs under capture for ``dtype`` now, outside any
+    capture (a caller that will capture its first products: the resident decoder)."""
+    _module().get_function(f"prnn_matmul_{_SUFFIX[np.dtype(dtype)]}")
+
+
 def launch_sizes(a: Array, b: Array, out: Array) -> tuple:
     """The kernel's scalar arguments: m, n, k (int32) and the element strides (int64) of
     ``a``, ``b``, ``out``, row then column."""

@@ -410,3 +410,24 @@ def test_gpu_call_cost_runs_on_the_cpu(tmp_path, capsys):
     for road in ("persistent", "prnn_torch"):
         for name in (f"profile_{road}_gru_fwd.txt", f"profile_{road}_gru_fwd_bwd.txt"):
             assert "function calls" in (tmp_path / name).read_text()
+
+
+def test_decode_loop_runs_on_the_cpu(tmp_path):
+    """bench/decode_loop.py --cpu: every CPU road of every size has a figure and no error (a
+    check of the script; its CPU figures mean nothing)."""
+    decode_loop = _bench_script("decode_loop")
+    assert decode_loop.main(["--cpu", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "decode_loop.json").read_text())
+    assert len(record["rows"]) == len(decode_loop.CPU_SIZES) and not record["skipped"]
+    for row in record["rows"]:
+        assert all(row[road] > 0 for road in decode_loop.CPU_ROADS), row
+
+
+def test_call_kernels_runs_on_the_cpu(tmp_path):
+    """bench/call_kernels.py --cpu: a row per layer, pass and road, each with its host time."""
+    call_kernels = _bench_script("call_kernels")
+    assert call_kernels.main(["--cpu", "--calls", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "call_kernels.json").read_text())["rows"]
+    assert len(rows) == len(call_kernels.LAYERS) * 2 * 2
+    assert all("error" not in r and r["host_us_per_call"] > 0 for r in rows), rows
+    assert "us/call" in (tmp_path / "call_kernels.txt").read_text()

@@ -21,7 +21,7 @@ PER_LAYER = dict(stack=False)
 
 def _layer(cp, mode="LSTM"):
     layer = getattr(prnn, mode)(IN, H, algo="persistent", seed=0)
-    layer.load_params({k: cp.asarray(v) for k, v in layer.params.items()})
+    layer.forward(_inputs(cp)[:1])  # a layer's parameters follow its first input to the GPU
     return layer
 
 
@@ -96,3 +96,42 @@ def test_gpu_decoder_loop_captured_in_a_cuda_graph(cupy):
             graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(out.get(), want)
+
+
+def test_gpu_torch_decoder_loop_captured_by_torch_replays_after_other_allocations(cupy):
+    """The torch cell's decoder in ``torch.cuda.graph``: the library's arrays come from the
+    graph's pool (``interop.library_stream``), so a replay after other CuPy and torch
+    allocations still gives the eager loop's bits."""
+    import torch
+    import persistent_rnn.torch as prt
+    torch.manual_seed(0)
+    cell = prt.LSTMCell(H, H, algo="persistent").cuda()
+    x0 = torch.randn(B, H).cuda()
+
+    def loop(dec):
+        x, state = x0, None
+        for _ in range(4):
+            state = dec.step(x, state)
+            x = state[0]
+        return x
+
+    with torch.no_grad(), cell.decoder(batch=B) as dec:
+        assert dec.resident, dec.reason
+        want = loop(dec).clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loop(dec)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = loop(dec)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        clutter = [cupy.full((B, 4 * H), -7.0, np.float32) for _ in range(8)]
+        clutter += [torch.full((B, 4 * H), -7.0, device="cuda") for _ in range(8)]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        del clutter

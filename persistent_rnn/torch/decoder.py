@@ -80,9 +80,8 @@ class TorchDecoder:
                 time = 1 if self._module.batch_first else 0
                 y, hn = self._module(x.unsqueeze(time), state)
                 return y.squeeze(time), hn
-            with library_stream(x):
-                out = self._dec.step(to_array(x), _arrays(state))
-            return _tensors(out)
+            with library_stream(x):  # (the outputs' hand-over too: on torch's stream)
+                return _tensors(self._dec.step(to_array(x), _arrays(state)))
 
 
     def step_projected(self, gi: Tensor, state: Any = None) -> Any:

@@ -71,8 +71,36 @@ def _cuda_stream(t: torch.Tensor) -> Iterator[None]:
         # torch's default stream is the legacy null stream (pointer 0): CuPy's null stream.
         stream = (cupy.cuda.Stream.null if ptr == 0
                   else cupy.cuda.ExternalStream(ptr, t.device.index))
-        with cupy.cuda.Device(t.device.index), stream:
+        # Under the caller's CUDA-graph capture the library's arrays come from torch's allocator:
+        # the graph's private pool keeps them for every replay, where CuPy's pool would hand a
+        # freed one to the next allocation while the graph still writes it.
+        memory = (cupy.cuda.using_allocator(_torch_allocation)
+                  if torch.cuda.is_current_stream_capturing() else _HOST)
+        with cupy.cuda.Device(t.device.index), stream, memory:
             yield
+
+
+class _TorchBlock:
+    """A block of torch's caching allocator, returned to it when CuPy lets go of its memory."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __del__(self) -> None:
+        torch.cuda.caching_allocator_delete(self.ptr)
+
+
+def _torch_allocation(size: int) -> Any:
+    """A CuPy allocator (``cupy.cuda.using_allocator``) over torch's caching allocator, on
+    torch's current device and stream."""
+    import cupy
+    device = torch.cuda.current_device()
+    if size == 0:
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
+    ptr = torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device))
+    memory = cupy.cuda.UnownedMemory(ptr, size, _TorchBlock(ptr), device)
+    return cupy.cuda.MemoryPointer(memory, 0)
 
 
 def lengths_array(lengths: torch.Tensor, like: Array) -> Array:
