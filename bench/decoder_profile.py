@@ -1,0 +1,106 @@
+"""Where a decoding step's time goes: the host's functions in eager steps, the device's kernels
+in a captured loop.
+
+    python bench/decoder_profile.py --out DIR [--cpu]
+
+For ``persistent_rnn.torch.LSTMCell`` (H=640, B=1, ``algo="persistent"``): its resident decoder
+(``decoder.step``) and the cell's own call (the fused step kernel), and ``torch.nn.LSTMCell``
+beside them. For each: a cProfile of ``--steps`` eager steps (the top functions by own time) and
+``torch.profiler``'s device time per kernel per step over a CUDA-graph replay of the same loop
+(the device alone, no host work). Writes ``DIR/decoder_profile.txt``. ``--cpu``: CPU tensors,
+the emulation, tiny sizes, no graph (a check of the script).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+import persistent_rnn.torch as prt
+
+HIDDEN, BATCH = 640, 1
+CPU_HIDDEN = 16
+
+
+def _loop(step, x0: torch.Tensor, steps: int):
+    def loop():
+        x, state = x0, None
+        for _ in range(steps):
+            state = step(x, state)
+            x = state[0]
+        return x
+    return loop
+
+
+def host_profile(loop) -> str:
+    """cProfile of one call of ``loop`` (after one warm-up call): the top 25 by own time."""
+    loop()
+    prof = cProfile.Profile()
+    prof.enable()
+    loop()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def device_profile(loop, steps: int) -> str:
+    """Device µs per step by kernel over a CUDA-graph replay of ``loop``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loop()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loop()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+        if us:
+            rows.append((us / steps, e.count / steps, e.key))
+    return "\n".join(f"{us:9.2f} us/step x{n:.2f}  {k[:110]}" for us, n, k in sorted(rows)[::-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--cpu", action="store_true", help="CPU tensors, the emulation, tiny sizes")
+    args = p.parse_args(argv)
+    device, hidden = ("cpu", CPU_HIDDEN) if args.cpu else ("cuda", HIDDEN)
+    steps = min(args.steps, 3) if args.cpu else args.steps
+    torch.manual_seed(0)
+    x0 = torch.randn(BATCH, hidden).to(device)
+    ours = prt.LSTMCell(hidden, hidden, algo="persistent").to(device)
+    theirs = torch.nn.LSTMCell(hidden, hidden).to(device)
+    sections = []
+    with torch.no_grad(), ours.decoder(batch=BATCH) as dec:
+        for name, step in (("decoder.step", dec.step), ("prt.LSTMCell (fused step)", ours),
+                           ("torch.nn.LSTMCell", theirs)):
+            loop = _loop(step, x0, steps)
+            sections.append(f"== {name}: host, {steps} eager steps\n{host_profile(loop)}")
+            if not args.cpu:
+                try:
+                    text = device_profile(loop, steps)
+                except Exception as exc:  # noqa: BLE001 -- a capture that fails is reported
+                    text = f"{type(exc).__name__}: {exc}"
+                sections.append(f"== {name}: device, a captured loop replayed\n{text}")
+            print(sections[-1][:3000], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decoder_profile.txt").write_text("\n\n".join(sections) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
