@@ -431,3 +431,12 @@ def test_call_kernels_runs_on_the_cpu(tmp_path):
     assert len(rows) == len(call_kernels.LAYERS) * 2 * 2
     assert all("error" not in r and r["host_us_per_call"] > 0 for r in rows), rows
     assert "us/call" in (tmp_path / "call_kernels.txt").read_text()
+
+
+def test_interop_cost_runs_on_the_cpu(tmp_path):
+    """bench/interop_cost.py --cpu: a positive host time for every operation it names."""
+    interop_cost = _bench_script("interop_cost")
+    assert interop_cost.main(["--cpu", "--out", str(tmp_path)]) == 0
+    us = json.loads((tmp_path / "interop_cost.json").read_text())["us"]
+    assert {"library_stream", "to_array", "to_tensor", "decoder.step",
+            "torch.nn.LSTMCell step"} <= set(us) and all(v > 0 for v in us.values()), us

@@ -85,3 +85,17 @@ def test_remembered_cuda_weights_see_an_optimizer_step(cupy):
         with torch.no_grad(), torch.backends.cudnn.flags(enabled=False):
             torch.testing.assert_close(ours(x)[0], ref(x)[0], rtol=1e-5, atol=1e-5)
         assert ours.last_run.algo == "persistent"
+
+
+def test_library_stream_is_torchs_current_stream_and_made_once(cupy):
+    from persistent_rnn.torch.interop import library_stream
+    x = torch.ones(4, device="cuda")
+    side = torch.cuda.Stream()
+    views = []
+    for _ in range(2):
+        with torch.cuda.stream(side), library_stream(x):
+            views.append(cupy.cuda.get_current_stream())
+            assert views[-1].ptr == side.cuda_stream
+    assert views[0] is views[1]  # one CuPy view per torch stream, not one per call
+    with library_stream(x):
+        assert cupy.cuda.get_current_stream().ptr == torch.cuda.current_stream().cuda_stream

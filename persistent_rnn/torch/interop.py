@@ -67,10 +67,7 @@ def library_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
 def _cuda_stream(t: torch.Tensor) -> Iterator[None]:
     import cupy
     with torch.cuda.device(t.device):
-        ptr = torch.cuda.current_stream(t.device).cuda_stream
-        # torch's default stream is the legacy null stream (pointer 0): CuPy's null stream.
-        stream = (cupy.cuda.Stream.null if ptr == 0
-                  else cupy.cuda.ExternalStream(ptr, t.device.index))
+        stream = _cupy_stream(cupy, torch.cuda.current_stream(t.device), t.device.index)
         # Under the caller's CUDA-graph capture the library's arrays come from torch's allocator:
         # the graph's private pool keeps them for every replay, where CuPy's pool would hand a
         # freed one to the next allocation while the graph still writes it.
@@ -78,6 +75,26 @@ def _cuda_stream(t: torch.Tensor) -> Iterator[None]:
                   if torch.cuda.is_current_stream_capturing() else _HOST)
         with cupy.cuda.Device(t.device.index), stream, memory:
             yield
+
+
+_CUPY_STREAMS: dict[tuple[int, int], Any] = {}  # (stream pointer, device): CuPy's view of it
+_MAX_CUPY_STREAMS = 256
+
+
+def _cupy_stream(cupy, stream: torch.cuda.Stream, device: int) -> Any:
+    """CuPy's view of a torch stream, made once per stream: a call's hand-over then costs a
+    lookup, not a wrapper's construction (and, for ``ExternalStream``, a deprecation warning)."""
+    ptr = stream.cuda_stream
+    if ptr == 0:  # torch's default stream is the legacy null stream: CuPy's null stream
+        return cupy.cuda.Stream.null
+    view = _CUPY_STREAMS.get((ptr, device))
+    if view is None:
+        if len(_CUPY_STREAMS) >= _MAX_CUPY_STREAMS:  # (a program making streams without end)
+            _CUPY_STREAMS.clear()
+        view = (cupy.cuda.Stream.from_external(stream) if hasattr(stream, "__cuda_stream__")
+                else cupy.cuda.ExternalStream(ptr, device))
+        _CUPY_STREAMS[(ptr, device)] = view
+    return view
 
 
 class _TorchBlock:
