@@ -136,7 +136,8 @@ PRNN_DEVICE void stage_input(float* x_s, const float* x, int batch, int input) {
   }
 }
 
-constexpr int kProjBatch = 4;  // batch rows one pass over a W_ih row serves (accumulators)
+constexpr int kProjBatch = 4;  // batch rows one pass over a W_ih row serves (accumulators;
+                               // decoder.PROJ_BATCH for the latency model)
 constexpr int kProjLoads = 4;  // W_ih loads a lane has in flight at once
 
 // gi_s[b][g*kUnits + u] = x_b . W_ih[g*H + j0 + u, :] (+ b_ih) for the slice's rows (every
@@ -335,11 +336,13 @@ PRNN_KERNEL void prnn_decoder_step(
     return;
   }
   // Every thread watches its own slices (bit i: slice threadIdx.x + i * blockDim.x), so a step
-  // waits about as long as its slowest CTA, not one load round trip per slice in turn.
+  // waits about as long as its slowest CTA, not one load round trip per slice in turn. No block
+  // barrier inside the wait: a thread polls until its slices are done or its deadline passed
+  // (the emulation's virtual clock moves only while every CTA merely polls - a barrier is work).
   unsigned pending = 0u, taken = 0u;
   for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) pending |= 1u << i;
   const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
-  for (;;) {
+  while (pending != 0u) {
     for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) {
       if (!(pending >> i & 1u)) continue;
       unsigned* word = state + s;
@@ -352,8 +355,7 @@ PRNN_KERNEL void prnn_decoder_step(
         taken |= 1u << i;
       }
     }
-    const bool waiting = pending != 0u && prnn_globaltimer_ns() <= deadline;
-    if (!prnn_sync_block_or(waiting)) break;  // (the same decision in every thread)
+    if (pending == 0u || prnn_globaltimer_ns() > deadline) break;
     prnn_backoff();
   }
   const bool failed = prnn_sync_block_or(pending != 0u);

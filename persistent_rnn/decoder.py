@@ -61,6 +61,7 @@ GONE = 1            # state word of a slice nobody holds, at step 0 (resident_de
 STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and exits
 WAIT_DEADLINES = 4  # a step kernel waits this many idle deadlines for a resident CTA
 JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (emulation)
+PROJ_BATCH = 4      # batch rows one pass over a CTA's W_ih rows serves (kProjBatch; the model)
 
 
 @dataclass(frozen=True)
