@@ -6,19 +6,20 @@
 (``cuda_src/resident_decoder.cu``) is launched once on a stream of its own, loads its rows of
 W_hh into registers as the whole-sequence forward does and waits - bounded by the exchange's
 deadline (``gpu_timeout_ms``, ``emulation_timeout_ms``) - for each step's post. A step enqueues
-on the caller's stream:
+on the caller's stream one step kernel (``prnn_decoder_step``, one launch per layer) that posts
+the step's pointers to the mailbox and waits until every CTA of the resident kernel has written
+its units of h_t; a slice whose resident CTA has gone (idle past its deadline) the step kernel
+computes itself with the same rows and the same code, so a step's bits never depend on who
+computed it. Each CTA computes its own rows of the input projection ``x W_ih^T + b_ih`` inside
+the step (W_ih's rows read from global memory - L2 - each step, x staged in shared memory,
+fp32 sums in one fixed order), so the step needs no matrix product of its own; a further layer's
+x is the h' the layer below wrote in the launch before. Those sums are not the whole-sequence
+path's GEMM's: ``step(x)`` matches the float64 reference and torch.nn to float32 round-off, not
+the sequence kernel's bits. ``step_projected(gi)`` takes the caller's projection (b_ih
+included) and is bitwise the sequence kernel's step on the same gi.
 
-1. the input projection ``x W_ih^T`` with the library's matrix product (``matmul``, the product a
-   layer's forward computes for all steps at once: the same sums), whose ``+ b_ih`` - one fp32
-   addition, as the sequence path's ``gi += b_ih`` - the kernels do, so the decoder's steps are
-   bitwise the sequence kernel's on the same inputs;
-2. one step kernel (``prnn_decoder_step``) that posts the step's pointers to the mailbox and waits
-   until every CTA of the resident kernel has written its units of h_t; a slice whose resident
-   CTA has gone (idle past its deadline) the step kernel computes itself with the same rows and
-   the same code.
-
-So a step is two launches (two per layer) and no host synchronisation, and capturable in a CUDA
-graph (on a GPU; fresh outputs per step, as torch.nn's cell; not yet run on one). Before a step the host asks, without waiting,
+So a step is one launch per layer and no host synchronisation, and capturable in a CUDA graph
+(fresh outputs per step, as torch.nn's cell). Before a step the host asks, without waiting,
 whether the resident launch has ended (a stream query; the emulation's ``AsyncLaunch.done``) and
 relaunches it; a relaunched CTA takes its slice back from the state word. Nothing hangs: every
 wait is bounded, and a step kernel whose wait ran past ``WAIT_DEADLINES`` deadlines (a resident
@@ -30,7 +31,8 @@ CTA per SM, as the planner sizes the tiles), so a decoder is resident only where
 (an H100's 132 SMs: every fp32 LSTM and GRU up to H = 1024 at B = 1, whose grid tile is 128
 CTAs). Otherwise, and for float64, the decoder says why (``reason``, a ``RuntimeWarning``) and
 runs the fused step kernel (``cell_step.fused_step``) on the GPU, or the GEMM step elsewhere
-(``fallback``: ``cell_step.step_forward``).
+(``fallback``: ``cell_step.step_forward``); so does a layer whose staged x (batch x input_size
+floats) leaves the kernel's shared memory past a block's (``plan``).
 The resident kernel holds its ``grid`` SMs (``sms_held``) for the decoder's life: the caller's
 own kernels get the rest.
 
@@ -313,10 +315,11 @@ class Decoder:
             r.raise_fault()
 
     def step(self, x: Array, state: Any = None) -> Any:
-        """One step: ``x`` (batch, input_size); ``state`` ``None`` (zeros) or h (a layer:
-        (num_layers, batch, H); a cell: (batch, H)), for LSTM ``(h, c)``. Returns a cell's
-        ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM ``(y, (h', c'))``; y (batch, H)
-        is the last layer's h')."""
+        """One step: ``x`` (batch, input_size), projected by the kernels themselves (within
+        float32 round-off of the float64 step; not the sequence path's GEMM bits); ``state``
+        ``None`` (zeros) or h (a layer: (num_layers, batch, H); a cell: (batch, H)), for LSTM
+        ``(h, c)``. Returns a cell's ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM
+        ``(y, (h', c'))``; y (batch, H) is the last layer's h')."""
         return self._step(self._checked_input(x), state, None)
 
     def _step(self, x: Array | None, state: Any, gi: Array | None) -> Any:
@@ -370,8 +373,9 @@ class Decoder:
     def step_projected(self, gi: Array, state: Any = None) -> Any:
         """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
         G*hidden_size) instead of x - e.g. rows of a table projected once per token of a
-        vocabulary: the step is then the step kernel alone (one launch). Resident decoders only
-        (ValueError otherwise)."""
+        vocabulary: the step then skips the kernels' own projection, and is bitwise the
+        whole-sequence kernel's step on the same gi. Resident decoders only (ValueError
+        otherwise)."""
         if not self._residents:
             raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
         self._check_array("gi", gi)
