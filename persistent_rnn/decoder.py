@@ -58,7 +58,7 @@ Array = Any
 
 SOURCE = "resident_decoder.cu"
 BOX_WORDS = 16      # the mailbox: the posted step, a spare word, seven pointers as word pairs
-CONTROL_WORDS = 16  # the kernels' shared words after the staged vector and the partial sums
+CONTROL_WORDS = 16  # the kernels' shared words after the staged vectors, partial sums and gi rows
 GONE = 1            # state word of a slice nobody holds, at step 0 (resident_decoder.cu, kGone)
 STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and exits
 WAIT_DEADLINES = 4  # a step kernel waits this many idle deadlines for a resident CTA
