@@ -6,10 +6,12 @@ For LSTM and GRU at H in {256, 640, 1024} and B in {1, 4, 16} (input size H, eac
 the last step's h, so the loop is a true recurrence through the host's calls), microseconds per
 step of ``--steps`` steps, side by side in one process:
 
-* ``decoder``: ``persistent_rnn.torch``'s cell ``.decoder(batch=B)``, eager (two launches a step);
+* ``decoder``: ``persistent_rnn.torch``'s cell ``.decoder(batch=B)``, eager (one launch a step:
+  the resident CTAs project x themselves);
 * ``decoder_graph``: the same loop captured once in a CUDA graph and replayed;
-* ``decoder_projected``: ``step_projected`` with the input's projection given (one launch a step;
-  the projection is computed once before the loop - what a per-token table gives a real decoder);
+* ``decoder_projected``: ``step_projected`` with the input's projection given (one launch a step,
+  without the in-kernel projection; the projection is computed once before the loop - what a
+  per-token table gives a real decoder);
 * ``fused``: the cell with ``algo="persistent"`` (the fused step kernel, one launch a step);
 * ``torch_cell``: ``torch.nn`` cell in a Python loop (two GEMMs and a pointwise kernel);
 * ``torch_cell_graph``: that loop captured in a CUDA graph;
@@ -198,7 +200,8 @@ def _prediction(mode: str, hidden: int, batch: int) -> dict | None:
         d = latency.predict_decoder_step(mode, hidden, batch, device="h100")
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    keys = ("resident", "fused_step_us", "captured_us", "eager_us", "projected_us")
+    keys = ("resident", "fused_step_us", "captured_us", "eager_us", "projected_us",
+            "projection_us")
     return {"prediction": True, **{k: d.get(k) for k in keys}}
 
 

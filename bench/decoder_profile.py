@@ -4,7 +4,8 @@ in a captured loop.
     python bench/decoder_profile.py --out DIR [--cpu]
 
 For ``persistent_rnn.torch.LSTMCell`` (H=640, B=1, ``algo="persistent"``): its resident decoder
-(``decoder.step``) and the cell's own call (the fused step kernel), and ``torch.nn.LSTMCell``
+(``decoder.step``: one step kernel a step, the input projection inside the resident CTAs) and
+the cell's own call (the fused step kernel), and ``torch.nn.LSTMCell``
 beside them. For each: a cProfile of ``--steps`` eager steps (the top functions by own time) and
 ``torch.profiler``'s device time per kernel per step over a CUDA-graph replay of the same loop
 (the device alone, no host work). Writes ``DIR/decoder_profile.txt``. ``--cpu``: CPU tensors,

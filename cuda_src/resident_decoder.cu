@@ -16,16 +16,25 @@
 // A step is the forward's step (persistent_forward.cu) on the layer's tile: h_{t-1} staged as the
 // exchange delivers it (stage_exchanged), the tile's product (multiply_rows), the partial sums
 // in the same order (row_sum), b_hh and gi_t added, the cell's pointwise math
-// (cell_forward_masked): bitwise the sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}.
-// A cluster tile is built as a grid (no PRNN_CLUSTER) with PRNN_WORD_SPAN, so that its lanes
-// take their columns word by word as the cluster kernel's direct read does (the same sums). h_{t-1} comes from the caller each
-// step (any state, not only the last output), so the CTAs exchange nothing: each waits only for
-// the post.
+// (cell_forward_masked). A cluster tile is built as a grid (no PRNN_CLUSTER) with
+// PRNN_WORD_SPAN, so that its lanes take their columns word by word as the cluster kernel's
+// direct read does (the same sums). h_{t-1} comes from the caller each step (any state, not only
+// the last output), so the CTAs exchange nothing: each waits only for the post.
+//
+// gi_t comes one of two ways, the post's mode: which of StepIo's x and gi is non-null (the
+// step kernel's `project` flag picks which its pointer x_or_gi is):
+// * x (decoder.step): each CTA projects its own rows, gi = x W_ih^T + b_ih for the G gates x
+//   kUnits units it owns (project_rows): x staged in shared memory beside h_{t-1}, W_ih's rows
+//   read from global memory every step (they stay in L2), one warp per row, its lanes' partial
+//   sums in column order and a butterfly - one fixed order, the same in a resident CTA and a
+//   takeover. The whole step is then one launch; its sums are not the sequence path's GEMM's.
+// * gi (decoder.step_projected): the caller's projection, b_ih added where posted: bitwise the
+//   sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}.
 //
 // Words (uint32, zeroed by the host: step 0 posted, every CTA gone at step 0 - see kGone):
 //   box[0]     the step posted last (1, 2, ...); box[2 + 2i], box[3 + 2i]: pointer i of the step
-//              (gi, h_prev, c_prev, h_out, c_out, b_ih) as low and high words, stored before
-//              box[0] is released
+//              (x, gi, h_prev, c_prev, h_out, c_out, b_ih: StepIo) as low and high words,
+//              stored before box[0] is released
 //   state[c]   (step << 2) | mode: the last step whose slice c is done, and who holds the slice:
 //              kLive the resident CTA c (it alone writes the word then), kGone nobody (the
 //              resident CTA exited; the step kernel may take the slice, and a relaunched
@@ -39,11 +48,13 @@ namespace prnn {
 constexpr unsigned kLive = 0u, kGone = 1u, kBusy = 2u;
 PRNN_HD constexpr unsigned decoder_word(unsigned step, unsigned mode) { return step << 2 | mode; }
 
-// What a step reads and writes: x_t W_ih^T (B, G*H), h_{t-1} and c_{t-1} (B, H), h_t and c_t
-// (B, H) (c pointers unused without a cell state), b_ih (G*H) or nullptr: gi_t = x_t W_ih^T +
-// b_ih is that one fp32 addition, as the sequence path's `gi += b_ih` after its GEMM (so the
-// host issues no launch for it); nullptr where the caller's gi holds the bias already.
+// What a step reads and writes: x_t (B, input) or gi_t = x_t W_ih^T (B, G*H) - exactly one
+// non-null (the post's mode, above) -, h_{t-1} and c_{t-1} (B, H), h_t and c_t (B, H) (c
+// pointers unused without a cell state), b_ih (G*H) or nullptr. b_ih is added to the sum as one
+// fp32 addition, as the sequence path's `gi += b_ih` after its GEMM; nullptr where the caller's
+// gi holds the bias already (or the layer has none).
 struct StepIo {
+  const float* x;
   const float* gi;
   const float* h_prev;
   const float* c_prev;
@@ -51,11 +62,11 @@ struct StepIo {
   float* c_out;
   const float* b_ih;
 };
-constexpr int kIoPointers = 6;
+constexpr int kIoPointers = 7;
 constexpr int kIoWords = 2 * kIoPointers;  // StepIo as pairs of words
 
 PRNN_DEVICE void io_to_words(const StepIo& io, unsigned* out, bool relaxed) {
-  const void* p[kIoPointers] = {io.gi, io.h_prev, io.c_prev, io.h_out, io.c_out, io.b_ih};
+  const void* p[kIoPointers] = {io.x, io.gi, io.h_prev, io.c_prev, io.h_out, io.c_out, io.b_ih};
   for (int i = 0; i < kIoPointers; ++i) {
     const unsigned long long v = (unsigned long long)(size_t)p[i];
     if (relaxed) {
@@ -76,22 +87,97 @@ PRNN_DEVICE StepIo io_of_words(const unsigned* in, bool relaxed) {
     p[i] = (void*)(size_t)((unsigned long long)hi << 32 | lo);
   }
   return {static_cast<const float*>(p[0]), static_cast<const float*>(p[1]),
-          static_cast<const float*>(p[2]), static_cast<float*>(p[3]), static_cast<float*>(p[4]),
-          static_cast<const float*>(p[5])};
+          static_cast<const float*>(p[2]), static_cast<const float*>(p[3]),
+          static_cast<float*>(p[4]), static_cast<float*>(p[5]), static_cast<const float*>(p[6])};
 }
 
-// Shared memory: h_{t-1} staged [batch][kPadded], partial sums [batch][kKsplit][G*kUnits], then
-// 16 words for thread 0's decisions and the posted pointers (persistent_rnn/decoder.py sizes it).
+// A staged row of x: input_size floats padded to whole quads (16-byte rows in shared memory).
+PRNN_HD constexpr int padded_input(int input) { return (input + 3) / 4 * 4; }
+
+// Shared memory, in this order (persistent_rnn/decoder.py's plan() sizes it, the one place that
+// does: these regions in floats, CONTROL_WORDS words after them):
+//   h_s     [batch][kPadded]                  h_{t-1} staged
+//   x_s     [batch][padded_input(input)]      x_t staged (a step of mode x)
+//   part_s  [batch][kKsplit][G*kUnits]        the product's partial sums
+//   gi_s    [batch][G*kUnits]                 the CTA's rows of gi_t (mode x)
+//   word_s  16 words: thread 0's decisions and the posted pointers
 struct DecoderShared {
   float* h_s;
+  float* x_s;
   float* part_s;
+  float* gi_s;
   unsigned* word_s;
 };
 
-PRNN_DEVICE DecoderShared decoder_shared(int batch) {
+PRNN_DEVICE DecoderShared decoder_shared(int batch, int input) {
+  constexpr int R = ThisCell::G * kUnits;
   float* h_s = prnn_shared_memory<float>();
-  float* part_s = h_s + batch * kPadded;
-  return {h_s, part_s, reinterpret_cast<unsigned*>(part_s + batch * kKsplit * ThisCell::G * kUnits)};
+  float* x_s = h_s + batch * kPadded;
+  float* part_s = x_s + batch * padded_input(input);
+  float* gi_s = part_s + batch * kKsplit * R;
+  return {h_s, x_s, part_s, gi_s, reinterpret_cast<unsigned*>(gi_s + batch * R)};
+}
+
+// Starts staging x (B, input) into x_s, zero-padded: asynchronous copies where the rows are
+// 16-byte aligned. The caller's stage_exchanged waits for them (cp.async.wait_all: every copy of
+// the thread) and its block barrier makes them visible.
+PRNN_DEVICE void stage_input(float* x_s, const float* x, int batch, int input) {
+  const int padded = padded_input(input), quads = padded / 4;
+  const bool async = input % 4 == 0 && ((size_t)x & 15) == 0;
+  for (int idx = threadIdx.x; idx < batch * quads; idx += blockDim.x) {
+    const int b = idx / quads, k = 4 * (idx % quads);
+    float* dst = x_s + b * padded + k;
+    const float* src = x + (size_t)b * input + k;
+    if (async) {
+      prnn_copy16_to_shared(dst, src);
+    } else {
+      for (int e = 0; e < 4; ++e) dst[e] = k + e < input ? prnn_load_cg(src + e) : 0.0f;
+    }
+  }
+}
+
+constexpr int kProjBatch = 4;  // batch rows one pass over a W_ih row serves (accumulators;
+                               // decoder.PROJ_BATCH for the latency model)
+constexpr int kProjLoads = 4;  // W_ih loads a lane has in flight at once
+
+// gi_s[b][g*kUnits + u] = x_b . W_ih[g*H + j0 + u, :] (+ b_ih) for the slice's rows (every
+// thread; the caller's barrier makes them visible). One warp per (row, kProjBatch batch rows):
+// its loads of the row are coalesced and serve kProjBatch staged rows; lane l sums columns
+// l + 32 i in increasing i, then a butterfly: one fixed order, whoever computes the slice.
+PRNN_DEVICE void project_rows(const float* w_ih, const float* b_ih, const float* x_s,
+                              float* gi_s, int slice, int batch, int input, int hidden) {
+  constexpr int R = ThisCell::G * kUnits;
+  const int lane = threadIdx.x % kWarp, padded = padded_input(input);
+  const int items = R * ((batch + kProjBatch - 1) / kProjBatch);
+  for (int item = threadIdx.x / kWarp; item < items; item += blockDim.x / kWarp) {
+    const int local = item % R, b0 = item / R * kProjBatch;
+    const int g = local / kUnits, j = slice * kUnits + local % kUnits;
+    if (j >= hidden) continue;  // (the whole warp)
+    const float* w = w_ih + ((size_t)g * hidden + j) * input;
+    float acc[kProjBatch];
+#pragma unroll
+    for (int r = 0; r < kProjBatch; ++r) acc[r] = 0.0f;
+    for (int k0 = lane; k0 < input; k0 += kProjLoads * kWarp) {
+      float wv[kProjLoads];
+#pragma unroll
+      for (int e = 0; e < kProjLoads; ++e) wv[e] = k0 + e * kWarp < input ? w[k0 + e * kWarp] : 0.0f;
+#pragma unroll
+      for (int e = 0; e < kProjLoads; ++e) {
+        const int k = k0 + e * kWarp;
+#pragma unroll
+        for (int r = 0; r < kProjBatch; ++r) {
+          if (k < input && b0 + r < batch) acc[r] += wv[e] * x_s[(b0 + r) * padded + k];
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kProjBatch; ++r) {
+      for (int mask = kWarp / 2; mask > 0; mask >>= 1) acc[r] += prnn_shfl_xor(acc[r], mask);
+      if (lane == 0 && b0 + r < batch) {
+        gi_s[(b0 + r) * R + local] = b_ih != nullptr ? acc[r] + b_ih[g * hidden + j] : acc[r];
+      }
+    }
+  }
 }
 
 // The CTA's rows of W_hh in registers, as persistent_forward.cu loads them (the same rows in
@@ -108,15 +194,27 @@ PRNN_DEVICE void load_rows(RegisterTile& tile, const Team& team, const WeightWor
   tile.load(w_hh, rows, warp_chunk() * kChunk, hidden, threadIdx.x % kWarp);
 }
 
+// A layer's constant operands of a step: W_hh (its rows also in registers: RegisterTile), b_hh,
+// W_ih (G*H, input) read each step of mode x, and the sizes.
+struct DecoderWeights {
+  const WeightWord* w_hh;
+  const float* b_hh;
+  const float* w_ih;
+  int input;
+  int hidden;
+};
+
 // The units of slice `slice` (the resident kernel's CTA of that index: its rows in `tile`) of
 // one step (every thread; ends past a block barrier, the outputs written).
 PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const DecoderShared& sm,
-                              const float* b_hh, const StepIo& io, int slice, int batch,
-                              int hidden) {
+                              const DecoderWeights& wt, const StepIo& io, int slice, int batch) {
   constexpr int G = ThisCell::G, R = G * kUnits;
-  const int j0 = slice * kUnits;
-  stage_exchanged(sm.h_s, io.h_prev, batch, hidden);  // (ends with a block barrier)
-  multiply_batch(tile, sm.h_s, sm.part_s, batch, R);
+  const int j0 = slice * kUnits, hidden = wt.hidden;
+  const bool project = io.x != nullptr;
+  if (project) stage_input(sm.x_s, io.x, batch, wt.input);
+  stage_exchanged(sm.h_s, io.h_prev, batch, hidden);  // (ends with a block barrier: x_s too)
+  if (project) project_rows(wt.w_ih, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
+  multiply_batch(tile, sm.h_s, sm.part_s, batch, R);  // (its barrier: gi_s too)
 #pragma unroll 1
   for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
     const int b = idx / team.units, u = team.unit0 + idx % team.units, j = j0 + u;
@@ -127,9 +225,13 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
     // addresses steps apart (a memory pool), and this SM's L1 may still hold older lines.
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      giv[g] = prnn_load_cg(io.gi + (size_t)b * G * hidden + g * hidden + j);
-      if (io.b_ih != nullptr) giv[g] += io.b_ih[g * hidden + j];
-      ghv[g] = row_sum(sm.part_s, b, team.row_of(g, u), R) + b_hh[g * hidden + j];
+      if (project) {
+        giv[g] = sm.gi_s[b * R + g * kUnits + u];
+      } else {
+        giv[g] = prnn_load_cg(io.gi + (size_t)b * G * hidden + g * hidden + j);
+        if (io.b_ih != nullptr) giv[g] += io.b_ih[g * hidden + j];
+      }
+      ghv[g] = row_sum(sm.part_s, b, team.row_of(g, u), R) + wt.b_hh[g * hidden + j];
     }
     float h, c;
     cell_forward_masked<PRNN_CELL>(true, giv, ghv, prnn_load_cg(io.h_prev + at),
@@ -173,11 +275,13 @@ PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long
 PRNN_KERNEL void prnn_resident_decoder(
     const prnn::WeightWord* w_hh,  // (G*H, H) as persistent_forward.cu takes it
     const float* b_hh,             // (G*H,) zeros when the layer has no bias
+    const float* w_ih,             // (G*H, input) (steps of mode x)
     unsigned* box, unsigned* state,  // the mailbox and the CTAs' state words (above)
-    int batch, int hidden, unsigned long long timeout_ns,
+    int batch, int input, int hidden, unsigned long long timeout_ns,
     int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
-  const DecoderShared sm = decoder_shared(batch);
+  const DecoderShared sm = decoder_shared(batch, input);
+  const DecoderWeights wt{w_hh, b_hh, w_ih, input, hidden};
   unsigned* mine = state + blockIdx.x;
   if (threadIdx.x == 0) sm.word_s[0] = revive(mine, timeout_ns);
   prnn_sync_block();
@@ -199,8 +303,7 @@ PRNN_KERNEL void prnn_resident_decoder(
     prnn_sync_block();
     if (!sm.word_s[0]) break;
     prnn_maybe_stall(stall, (int)last + 1);
-    decoder_step(tile, team, sm, b_hh, io_of_words(sm.word_s + 1, false), blockIdx.x, batch,
-                 hidden);
+    decoder_step(tile, team, sm, wt, io_of_words(sm.word_s + 1, false), blockIdx.x, batch);
     ++last;
     if (threadIdx.x == 0) {
       prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
@@ -212,15 +315,18 @@ PRNN_KERNEL void prnn_resident_decoder(
 }
 
 PRNN_KERNEL void prnn_decoder_step(
-    const prnn::WeightWord* w_hh, const float* b_hh, unsigned* box, unsigned* state,
-    unsigned* fault,
-    const float* gi, const float* h_prev, const float* c_prev, float* h_out, float* c_out,
-    const float* b_ih, int with_bias,  // with_bias 0: gi holds b_ih already (b_ih unread)
-    unsigned step, int slices, int batch, int hidden, unsigned long long timeout_ns) {
+    const prnn::WeightWord* w_hh, const float* b_hh, const float* w_ih, unsigned* box,
+    unsigned* state, unsigned* fault,
+    const float* x_or_gi, int project,  // project != 0: x_t (B, input), else gi_t (B, G*H)
+    const float* h_prev, const float* c_prev, float* h_out, float* c_out,
+    const float* b_ih, int with_bias,  // with_bias 0: no b_ih to add (b_ih unread)
+    unsigned step, int slices, int batch, int input, int hidden, unsigned long long timeout_ns) {
   using namespace prnn;
   constexpr int kMaxOwned = 32;  // slices a thread watches: the bits of `pending`
-  const StepIo io{gi, h_prev, c_prev, h_out, c_out, with_bias ? b_ih : nullptr};
-  const DecoderShared sm = decoder_shared(batch);
+  const StepIo io{project ? x_or_gi : nullptr, project ? nullptr : x_or_gi, h_prev, c_prev,
+                  h_out, c_out, with_bias ? b_ih : nullptr};
+  const DecoderShared sm = decoder_shared(batch, input);
+  const DecoderWeights wt{w_hh, b_hh, w_ih, input, hidden};
   if (threadIdx.x == 0) {
     io_to_words(io, box + 2, true);
     prnn_store_release(box, step);
@@ -230,11 +336,13 @@ PRNN_KERNEL void prnn_decoder_step(
     return;
   }
   // Every thread watches its own slices (bit i: slice threadIdx.x + i * blockDim.x), so a step
-  // waits about as long as its slowest CTA, not one load round trip per slice in turn.
+  // waits about as long as its slowest CTA, not one load round trip per slice in turn. No block
+  // barrier inside the wait: a thread polls until its slices are done or its deadline passed
+  // (the emulation's virtual clock moves only while every CTA merely polls - a barrier is work).
   unsigned pending = 0u, taken = 0u;
   for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) pending |= 1u << i;
   const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
-  for (;;) {
+  while (pending != 0u) {
     for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) {
       if (!(pending >> i & 1u)) continue;
       unsigned* word = state + s;
@@ -247,8 +355,7 @@ PRNN_KERNEL void prnn_decoder_step(
         taken |= 1u << i;
       }
     }
-    const bool waiting = pending != 0u && prnn_globaltimer_ns() <= deadline;
-    if (!prnn_sync_block_or(waiting)) break;  // (the same decision in every thread)
+    if (pending == 0u || prnn_globaltimer_ns() > deadline) break;
     prnn_backoff();
   }
   const bool failed = prnn_sync_block_or(pending != 0u);
@@ -264,7 +371,7 @@ PRNN_KERNEL void prnn_decoder_step(
       const Team team = step_team<ThisCell::G>();
       RegisterTile tile;
       load_rows(tile, team, w_hh, s, hidden);
-      decoder_step(tile, team, sm, b_hh, io, s, batch, hidden);
+      decoder_step(tile, team, sm, wt, io, s, batch);
       if (threadIdx.x == 0) {
         prnn_fence();
         prnn_store_release(state + s, decoder_word(step, kGone));

@@ -238,7 +238,7 @@ def _print_decoder(d: dict) -> None:
         print(f"resident decoder: no ({d['reason']})")
         return
     print(f"resident decoder: {d['ctas']} CTAs held; predicted per step {d['captured_us']:.2f} µs "
-          f"captured in a CUDA graph (projection GEMM {d['projection_us']:.2f}, hand-offs "
+          f"captured in a CUDA graph (projection {d['projection_us']:.2f}, hand-offs "
           f"{d['handoff_us']:.2f}, resident step {d['resident_step_us']:.2f}), "
           f"{d['eager_us']:.2f} µs eager; step_projected {d['projected_us']:.2f} µs captured")
 

@@ -6,19 +6,20 @@
 (``cuda_src/resident_decoder.cu``) is launched once on a stream of its own, loads its rows of
 W_hh into registers as the whole-sequence forward does and waits - bounded by the exchange's
 deadline (``gpu_timeout_ms``, ``emulation_timeout_ms``) - for each step's post. A step enqueues
-on the caller's stream:
+on the caller's stream one step kernel (``prnn_decoder_step``, one launch per layer) that posts
+the step's pointers to the mailbox and waits until every CTA of the resident kernel has written
+its units of h_t; a slice whose resident CTA has gone (idle past its deadline) the step kernel
+computes itself with the same rows and the same code, so a step's bits never depend on who
+computed it. Each CTA computes its own rows of the input projection ``x W_ih^T + b_ih`` inside
+the step (W_ih's rows read from global memory - L2 - each step, x staged in shared memory,
+fp32 sums in one fixed order), so the step needs no matrix product of its own; a further layer's
+x is the h' the layer below wrote in the launch before. Those sums are not the whole-sequence
+path's GEMM's: ``step(x)`` matches the float64 reference and torch.nn to float32 round-off, not
+the sequence kernel's bits. ``step_projected(gi)`` takes the caller's projection (b_ih
+included) and is bitwise the sequence kernel's step on the same gi.
 
-1. the input projection ``x W_ih^T`` with the library's matrix product (``matmul``, the product a
-   layer's forward computes for all steps at once: the same sums), whose ``+ b_ih`` - one fp32
-   addition, as the sequence path's ``gi += b_ih`` - the kernels do, so the decoder's steps are
-   bitwise the sequence kernel's on the same inputs;
-2. one step kernel (``prnn_decoder_step``) that posts the step's pointers to the mailbox and waits
-   until every CTA of the resident kernel has written its units of h_t; a slice whose resident
-   CTA has gone (idle past its deadline) the step kernel computes itself with the same rows and
-   the same code.
-
-So a step is two launches (two per layer) and no host synchronisation, and capturable in a CUDA
-graph (on a GPU; fresh outputs per step, as torch.nn's cell; not yet run on one). Before a step the host asks, without waiting,
+So a step is one launch per layer and no host synchronisation, and capturable in a CUDA graph
+(fresh outputs per step, as torch.nn's cell). Before a step the host asks, without waiting,
 whether the resident launch has ended (a stream query; the emulation's ``AsyncLaunch.done``) and
 relaunches it; a relaunched CTA takes its slice back from the state word. Nothing hangs: every
 wait is bounded, and a step kernel whose wait ran past ``WAIT_DEADLINES`` deadlines (a resident
@@ -30,7 +31,8 @@ CTA per SM, as the planner sizes the tiles), so a decoder is resident only where
 (an H100's 132 SMs: every fp32 LSTM and GRU up to H = 1024 at B = 1, whose grid tile is 128
 CTAs). Otherwise, and for float64, the decoder says why (``reason``, a ``RuntimeWarning``) and
 runs the fused step kernel (``cell_step.fused_step``) on the GPU, or the GEMM step elsewhere
-(``fallback``: ``cell_step.step_forward``).
+(``fallback``: ``cell_step.step_forward``); so does a layer whose staged x (batch x input_size
+floats) leaves the kernel's shared memory past a block's (``plan``).
 The resident kernel holds its ``grid`` SMs (``sms_held``) for the decoder's life: the caller's
 own kernels get the rest.
 
@@ -50,39 +52,44 @@ import numpy as np
 from . import hardware, launch, plan as planner, settings
 from .buffers import array_module, weight_words
 from .cells import CellSpec
-from .matmul import load_captured_kernel, matmul
 from .validation import state as split_state
 
 Array = Any
 
 SOURCE = "resident_decoder.cu"
-BOX_WORDS = 14      # the mailbox: the posted step, a spare word, six pointers as word pairs
-CONTROL_WORDS = 16  # the kernels' shared words after the staged vector and the partial sums
+BOX_WORDS = 16      # the mailbox: the posted step, a spare word, seven pointers as word pairs
+CONTROL_WORDS = 16  # the kernels' shared words after the staged vectors, partial sums and gi rows
 GONE = 1            # state word of a slice nobody holds, at step 0 (resident_decoder.cu, kGone)
 STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and exits
 WAIT_DEADLINES = 4  # a step kernel waits this many idle deadlines for a resident CTA
 JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (emulation)
+PROJ_BATCH = 4      # batch rows one pass over a CTA's W_ih rows serves (kProjBatch; the model)
 
 
 @dataclass(frozen=True)
 class DecoderPlan:
-    """The resident kernel's launch: the layer forward's tile (its -D), grid, block and
-    shared memory (the staged vector, the partial sums and CONTROL_WORDS)."""
+    """The resident kernel's launch for one layer: the layer forward's tile (its -D), grid,
+    block, the layer's input size and the shared memory (``resident_decoder.cu``'s layout:
+    ``plan`` is the one place that sizes it)."""
 
     defines: dict[str, int]
     grid: int
     block: int
+    input_size: int
     shared_bytes: int
 
 
-def plan(cell: CellSpec, hidden: int, batch: int,
-         device: hardware.DeviceProfile) -> tuple[DecoderPlan | None, str | None]:
-    """The resident plan of a layer on ``device``, or ``(None, why not)``: the tile of the
-    layer's own forward there (``plan.make_plan``), so that a step sums as that kernel does. A
-    cluster tile is built without ``PRNN_CLUSTER`` (the step kernel's one CTA could not launch
-    as a cluster) and with ``PRNN_WORD_SPAN`` (its lanes take their columns as the cluster
-    kernel's do). The rule for big layers: the step kernel's CTA needs an SM beside the resident
-    grid (one CTA per SM, as the planner sizes the tiles), so grid < SM count."""
+def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile,
+         input_size: int | None = None) -> tuple[DecoderPlan | None, str | None]:
+    """The resident plan of a layer (``input_size``: its input's width, default ``hidden``) on
+    ``device``, or ``(None, why not)``: the tile of the layer's own forward there
+    (``plan.make_plan``), so that a step sums W_hh's product as that kernel does. A cluster tile
+    is built without ``PRNN_CLUSTER`` (the step kernel's one CTA could not launch as a cluster)
+    and with ``PRNN_WORD_SPAN`` (its lanes take their columns as the cluster kernel's do). The
+    rule for big layers: the step kernel's CTA needs an SM beside the resident grid (one CTA
+    per SM, as the planner sizes the tiles), so grid < SM count. The shared memory - h_{t-1} and
+    x staged, the partial sums, the CTA's rows of gi, CONTROL_WORDS - must fit one block."""
+    inputs = hidden if input_size is None else input_size
     layer_plan = planner.make_plan(cell, hidden, batch, "float32", device)
     if not layer_plan.fits:
         return None, f"the layer's persistent kernel does not fit: {layer_plan.reason}"
@@ -94,8 +101,15 @@ def plan(cell: CellSpec, hidden: int, batch: int,
     d = dict(fwd.defines)
     if d.pop("PRNN_CLUSTER", None) is not None:
         d["PRNN_WORD_SPAN"] = 1
-    words = batch * fwd.exchange_row + batch * d["PRNN_KSPLIT"] * cell.gates * d["PRNN_UNITS"]
-    return DecoderPlan(d, fwd.grid, fwd.block, 4 * (words + CONTROL_WORDS)), None
+    rows = cell.gates * d["PRNN_UNITS"]  # the CTA's rows of W_hh and W_ih
+    padded_input = -(-inputs // 4) * 4  # (resident_decoder.cu, padded_input)
+    floats = batch * (fwd.exchange_row + padded_input + d["PRNN_KSPLIT"] * rows + rows)
+    shared = 4 * (floats + CONTROL_WORDS)
+    limit = min(device.shared_per_block, device.shared_per_sm)
+    if shared > limit:
+        return None, (f"its shared memory ({shared} bytes: h and x staged, input_size {inputs}, "
+                      f"batch {batch}) exceeds the {limit} bytes of a block on {device.name}")
+    return DecoderPlan(d, fwd.grid, fwd.block, inputs, shared), None
 
 
 def _module(xp, defines: Mapping[str, int]):
@@ -111,9 +125,10 @@ class _Resident:
     ended), and its stop. Holds no reference to the decoder, so that garbage collection of the
     decoder can stop it (``weakref.finalize``)."""
 
-    def __init__(self, xp, dp: DecoderPlan, w_hh: Array, b_hh: Array, b_ih: Array | None,
-                 batch: int, hidden: int):
-        self.xp, self.dp, self.w_hh, self.b_hh, self.b_ih = xp, dp, w_hh, b_hh, b_ih
+    def __init__(self, xp, dp: DecoderPlan, w_hh: Array, b_hh: Array, w_ih: Array,
+                 b_ih: Array | None, batch: int, hidden: int):
+        self.xp, self.dp, self.w_hh, self.b_hh = xp, dp, w_hh, b_hh
+        self.w_ih, self.b_ih = w_ih, b_ih
         self.batch, self.hidden = batch, hidden
         self.module = _module(xp, dp.defines)
         self.box = xp.zeros(BOX_WORDS, np.uint32)
@@ -140,9 +155,10 @@ class _Resident:
         if not self.ended():
             return
         stall = settings.current_stall()
-        args = (self.w_hh, self.b_hh, self.box, self.state, np.int32(self.batch),
-                np.int32(self.hidden), np.uint64(launch.timeout_ns(self.xp is np)), *stall.args())
         dp = self.dp
+        args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, np.int32(self.batch),
+                np.int32(dp.input_size), np.int32(self.hidden),
+                np.uint64(launch.timeout_ns(self.xp is np)), *stall.args())
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
             self.running = self.module.launch_async(
                 "prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args,
@@ -157,19 +173,21 @@ class _Resident:
         self.launches += 1
         launch.COUNTERS.add("launches")
 
-    def step(self, k: int, gi: Array, with_bias: bool, h: Array, c: Array | None, h_out: Array,
-             c_out: Array | None) -> None:
-        """Enqueue step ``k`` (1, 2, ...): the post and the wait, one launch. ``gi``: x W_ih^T,
-        to which the kernels add b_ih where ``with_bias`` (the layer has one and the caller's
-        gi does not hold it)."""
+    def step(self, k: int, x: Array | None, gi: Array | None, h: Array, c: Array | None,
+             h_out: Array, c_out: Array | None) -> None:
+        """Enqueue step ``k`` (1, 2, ...): the post and the wait, one launch. Exactly one of
+        ``x`` (batch, input_size; the kernels project it and add b_ih) and ``gi`` (the
+        caller's x W_ih^T + b_ih, b_ih included) is given."""
         self.ensure()
         dp = self.dp
         wait_ns = np.uint64(WAIT_DEADLINES * launch.timeout_ns(self.xp is np))
-        with_bias = with_bias and self.b_ih is not None
-        args = (self.w_hh, self.b_hh, self.box, self.state, self.fault, gi, h,
+        with_bias = x is not None and self.b_ih is not None
+        args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.fault,
+                gi if x is None else x, np.int32(x is not None), h,
                 h if c is None else c, h_out, h_out if c_out is None else c_out,
                 self.b_ih if with_bias else self.b_hh, np.int32(with_bias), np.uint32(k),
-                np.int32(dp.grid), np.int32(self.batch), np.int32(self.hidden), wait_ns)
+                np.int32(dp.grid), np.int32(self.batch), np.int32(dp.input_size),
+                np.int32(self.hidden), wait_ns)
         self.module.launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
         launch.COUNTERS.add("launches")
         if self.xp is np and self.fault[0]:  # (free to read in the emulation; a GPU: check())
@@ -218,20 +236,20 @@ class Decoder:
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
         self._fallback = fallback  # cell_step.step_forward (passed in: no import cycle)
-        # Copies: the resident kernel holds W_hh as it is now, so the projection's W_ih must
-        # stay as it is too (an optimizer updating the caller's arrays changes neither).
+        # Copies: the resident kernel holds W_hh as it is now, and reads W_ih each step from
+        # its own copy (an optimizer updating the caller's arrays changes neither).
         self._params = [{k: array_module(v).array(v) for k, v in p.items()} for p in layers]
         xp = self._xp = array_module(self._params[0]["weight_hh"])
         self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
         self._k = 0
         self._lock = threading.Lock()
-        dp, why = (None, f"dtype is {self.dtype.name}: the resident kernel computes float32") \
-            if self.dtype != np.float32 else plan(cell, hidden, self.batch, _device(xp))
+        plans, why = self._plans(cell, hidden, xp)
         self.reason = why
-        self._residents = [] if dp is None else [
+        self._residents = [
             _Resident(xp, dp, weight_words(xp, p["weight_hh"], None),
                       p.get("bias_hh", xp.zeros(cell.gates * hidden, np.float32)),
-                      p.get("bias_ih"), self.batch, hidden) for p in self._params]
+                      p["weight_ih"], p.get("bias_ih"), self.batch, hidden)
+            for dp, p in zip(plans, self._params)]
         self._finalizer = weakref.finalize(self, stop_all, self._residents)
         if why is not None:
             warnings.warn(f"decoder not resident: {why}; each step runs the "
@@ -239,8 +257,20 @@ class Decoder:
                           RuntimeWarning, stacklevel=3)
         for r in self._residents:  # launched now: the first step finds the weights loaded
             r.ensure()
-        if self._residents and xp is not np:  # its steps' products are capturable from the first
-            load_captured_kernel(self.dtype)
+
+    def _plans(self, cell: CellSpec, hidden: int, xp) -> tuple[list[DecoderPlan], str | None]:
+        """Every layer's resident plan (the first layer's input is x, a further layer's the
+        h' below it), or ``([], why not)``."""
+        if self.dtype != np.float32:
+            return [], f"dtype is {self.dtype.name}: the resident kernel computes float32"
+        plans = []
+        for n in range(len(self._params)):
+            dp, why = plan(cell, hidden, self.batch, _device(xp),
+                           self.input_size if n == 0 else hidden)
+            if dp is None:
+                return [], why if n == 0 else f"layer {n}: {why}"
+            plans.append(dp)
+        return plans, None
 
     @property
     def resident(self) -> bool:
@@ -285,10 +315,11 @@ class Decoder:
             r.raise_fault()
 
     def step(self, x: Array, state: Any = None) -> Any:
-        """One step: ``x`` (batch, input_size); ``state`` ``None`` (zeros) or h (a layer:
-        (num_layers, batch, H); a cell: (batch, H)), for LSTM ``(h, c)``. Returns a cell's
-        ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM ``(y, (h', c'))``; y (batch, H)
-        is the last layer's h')."""
+        """One step: ``x`` (batch, input_size), projected by the kernels themselves (within
+        float32 round-off of the float64 step; not the sequence path's GEMM bits); ``state``
+        ``None`` (zeros) or h (a layer: (num_layers, batch, H); a cell: (batch, H)), for LSTM
+        ``(h, c)``. Returns a cell's ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM
+        ``(y, (h', c'))``; y (batch, H) is the last layer's h')."""
         return self._step(self._checked_input(x), state, None)
 
     def _step(self, x: Array | None, state: Any, gi: Array | None) -> Any:
@@ -307,17 +338,19 @@ class Decoder:
 
     def _resident_step(self, x: Array | None, h: list, c: list | None,
                        gi: Array | None) -> tuple[Array, Array | None]:
-        """Every layer's step on its resident kernel, h' and c' written straight into row n of
-        (num_layers, batch, H) outputs (no stacking copy); ``gi``: the caller's projection of
-        the first layer's input (b_ih included), else each layer projects its input."""
+        """Every layer's step on its resident kernel, one launch each, h' and c' written
+        straight into row n of (num_layers, batch, H) outputs (no stacking copy). The first
+        layer's input: ``x`` (its kernels project it) or the caller's projection ``gi`` (b_ih
+        included); a further layer's: the h' of the layer below (the launch before, on the
+        same stream)."""
         xp = self._xp
         shape = (len(self._params), self.batch, self.hidden)
         hn = xp.empty(shape, self.dtype)
         cn = xp.empty(shape, self.dtype) if self.cell.has_cell_state else None
-        for n, (p, resident) in enumerate(zip(self._params, self._residents)):
-            projected = n == 0 and gi is not None
-            g = gi if projected else matmul(x if n == 0 else hn[n - 1], p["weight_ih"].T)
-            resident.step(self._k, g, not projected, xp.ascontiguousarray(h[n]),
+        for n, resident in enumerate(self._residents):
+            given = gi if n == 0 else None
+            below = (None if gi is not None else xp.ascontiguousarray(x)) if n == 0 else hn[n - 1]
+            resident.step(self._k, below, given, xp.ascontiguousarray(h[n]),
                           None if c is None else xp.ascontiguousarray(c[n]), hn[n],
                           None if cn is None else cn[n])
         return hn, cn
@@ -340,8 +373,9 @@ class Decoder:
     def step_projected(self, gi: Array, state: Any = None) -> Any:
         """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
         G*hidden_size) instead of x - e.g. rows of a table projected once per token of a
-        vocabulary: the step is then the step kernel alone (one launch). Resident decoders only
-        (ValueError otherwise)."""
+        vocabulary: the step then skips the kernels' own projection, and is bitwise the
+        whole-sequence kernel's step on the same gi. Resident decoders only (ValueError
+        otherwise)."""
         if not self._residents:
             raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
         self._check_array("gi", gi)

@@ -738,16 +738,17 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
                          device: DeviceProfile | str | None = None) -> dict:
     """Predicted GPU microseconds of one step of a resident decoder (``decoder.py``) and of the
     fused step kernel (``cell_step.fused_step``) - the latency model's predictions, not
-    measurements. A decoder step in a captured loop: the input projection's GEMM
-    (``_gemm_us``), the gaps before it and the step kernel (``GRAPH_GAP_US`` each), three
-    dependent L2 round trips (the post seen by the resident CTAs, h_{t-1} staged, the done words
-    seen by the step kernel) and the resident step: the layer forward's step (its tile, as the
-    decoder runs it) from its SASS without its exchange (issue, matrix, barriers, pointwise). Eagerly the host issues two API
-    calls a step (``API_CALL_HOST_US`` each) and a step takes the longer of host and GPU.
+    measurements. A decoder step in a captured loop is one launch: the gap before the step
+    kernel (``GRAPH_GAP_US``), three dependent L2 round trips (the post seen by the resident
+    CTAs, h_{t-1} and x staged, the done words seen by the step kernel), the projection inside
+    each CTA (``projection_us``: its G*units rows of W_ih read from L2 at its SM's share of
+    ``L2_BANDWIDTH_GBPS``, once per ``PROJ_BATCH`` batch rows, after one more round trip) and
+    the resident step: the layer forward's step (its tile, as the decoder runs it) from its SASS
+    without its exchange (issue, matrix, barriers, pointwise). Eagerly the host issues one API
+    call a step (``API_CALL_HOST_US``) and a step takes the longer of host and GPU.
     ``projected_us``: a captured ``step_projected`` (the caller gives x W_ih^T + b_ih, e.g. from
-    a per-token table: the step kernel alone). ``post_projection_us``: the same step were the projection done inside the step kernel (its
-    weights read from L2; not built: its sums would not be the sequence path's bits). The fused
-    step: a gap, W_ih and W_hh read from L2 at ``L2_BANDWIDTH_GBPS``, two L2 round trips."""
+    a per-token table: no projection). The fused step: a gap, W_ih and W_hh read from L2 at
+    ``L2_BANDWIDTH_GBPS``, two L2 round trips."""
     from . import decoder
     spec = planner.resolve_cell(cell)
     dev = planner.resolve_device(device)
@@ -761,10 +762,24 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     record = {"prediction": True, "calibration": CALIBRATION, "cell": spec.name,
               "hidden_size": hidden, "batch": batch, "input_size": inputs, "device": dev.name,
               "fused_step_us": hw.GRAPH_GAP_US + weights_us(inputs + hidden) + 2 * round_trip}
-    dp, why = decoder.plan(spec, hidden, batch, dev)
+    dp, why = decoder.plan(spec, hidden, batch, dev, inputs)
     record.update(resident=dp is not None, reason=why)
     if dp is None:
         return record
+    p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
+    t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
+    compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us
+    rows = spec.gates * dp.defines["PRNN_UNITS"]  # a CTA's rows of W_ih
+    passes = -(-batch // decoder.PROJ_BATCH)
+    sm_share_gbps = hw.L2_BANDWIDTH_GBPS / dev.sm_count
+    projection = round_trip + passes * 4.0 * rows * inputs / (sm_share_gbps * 1e3)
+    projected = hw.GRAPH_GAP_US + 3 * round_trip + compute
+    captured = projected + projection
+    record.update(ctas=dp.grid, resident_step_us=compute, handoff_us=3 * round_trip,
+                  projection_us=projection, captured_us=captured,
+                  eager_us=max(captured, hw.API_CALL_HOST_US), projected_us=projected,
+                  launches_per_step=1)
+    return record
     p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
     t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
     compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us

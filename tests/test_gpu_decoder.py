@@ -1,8 +1,10 @@
-"""The resident decoder on a real GPU (marked ``gpu``; written without a GPU - not yet run): its
-steps bitwise equal to the layer's persistent kernel called with T=1 (a grid tile at H=640),
-across an idle exit;
-two launches a step and no host synchronisation; a greedy loop captured in a CUDA graph and
-replayed gives the eager loop's bits; close leaves nothing running."""
+"""The resident decoder on a real GPU (marked ``gpu``): ``step(x)`` (the resident CTAs project x
+themselves) within float32 round-off of the float64 reference and of the layer's persistent
+kernel called with T=1 (a grid tile at H=640), and bitwise the same across an idle exit as
+undisturbed; ``step_projected`` bitwise the T=1 kernel on its own projection; one launch a step
+and no host synchronisation; a greedy loop captured in a CUDA graph and replayed gives the
+eager loop's bits (the decoder's steps are the same kernels either way); close leaves nothing
+running."""
 from __future__ import annotations
 
 import time
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import launch
+from persistent_rnn import launch, runtime
 from persistent_rnn.matmul import matmul
 
 pytestmark = pytest.mark.gpu
@@ -38,25 +40,62 @@ def _cell_loop(layer, xs):
     return out
 
 
+def _float64(layer, xs):
+    twin = type(layer)(IN, H, algo="gemm", dtype="float64")
+    twin.load_params({k: v.get().astype(np.float64) for k, v in layer.params.items()})
+    return twin.forward(xs.get().astype(np.float64))[0]
+
+
+def _decode(dec, xs, idle_after=None):
+    out, state = [], None
+    for t, x in enumerate(xs):
+        y, state = dec.step(x, state)
+        out.append(y.get())
+        if t == idle_after:
+            time.sleep(0.05)  # idle past the deadline: the kernel exits, the next step relaunches
+    return out
+
+
 @pytest.mark.parametrize("mode", ["LSTM", "GRU"])
-def test_gpu_decoder_equals_the_grid_kernel_across_an_idle_exit(cupy, mode, settings):
+def test_gpu_decoder_matches_float64_and_is_bitwise_across_an_idle_exit(cupy, mode, settings):
     cp = cupy
     layer, xs = _layer(cp, mode), _inputs(cp)
-    want = _cell_loop(layer, xs)
-    prnn.configure(gpu_timeout_ms=5)
     with layer.decoder(batch=B) as dec:
         assert dec.resident, dec.reason
-        state = None
-        for t, x in enumerate(xs):
-            y, state = dec.step(x, state)
-            assert np.array_equal(y.get(), want[t]), t
-            if t == 2:
-                time.sleep(0.05)  # idle past the deadline: the kernel exits, the next step relaunches
+        want = _decode(dec, xs)
+    y64 = _float64(layer, xs)
+    cells = _cell_loop(layer, xs)  # (the sequence path's projection: cuBLAS)
+    for t in range(T):
+        assert np.abs(want[t] - y64[t]).max() < 1e-5, t
+        assert np.abs(want[t] - cells[t]).max() < 1e-5, t
+    prnn.configure(gpu_timeout_ms=5)
+    with layer.decoder(batch=B) as dec:
+        got = _decode(dec, xs, idle_after=2)
         assert dec.relaunches >= 1
         dec.check()
+    for t in range(T):
+        assert np.array_equal(got[t], want[t]), t
 
 
-def test_gpu_decoder_step_is_two_launches_without_a_host_sync(cupy):
+def test_gpu_step_projected_equals_the_sequence_kernel_on_the_same_projections(cupy):
+    """The caller's projections (b_ih included): the whole-sequence kernel's bits on them."""
+    cp = cupy
+    layer, xs = _layer(cp), _inputs(cp)
+    p = layer.params
+    gi = cp.stack([x @ p["weight_ih_l0"].T + p["bias_ih_l0"] for x in xs])
+    zeros = cp.zeros((B, H), np.float32)
+    with prnn.override_settings(**PER_LAYER):
+        res, stats = runtime.forward(layer.cell, gi, p["weight_hh_l0"], p["bias_hh_l0"], zeros,
+                                     zeros, None, "persistent")
+    assert stats.algo == "persistent"
+    with layer.decoder(batch=B) as dec:
+        state = None
+        for t in range(T):
+            y, state = dec.step_projected(gi[t], state)
+            assert np.array_equal(y.get(), res.y[t].get()), t
+
+
+def test_gpu_decoder_step_is_one_launch_without_a_host_sync(cupy):
     cp = cupy
     layer, xs = _layer(cp), _inputs(cp)
     with layer.decoder(batch=B) as dec:
@@ -66,14 +105,16 @@ def test_gpu_decoder_step_is_two_launches_without_a_host_sync(cupy):
             for x in xs[1:]:
                 y, state = dec.step(x, state)
         relaunched = dec.relaunches - before
-    # the counters see the step kernel (and relaunches); the projection's GEMM is cuBLAS's
+    # the step kernel (and relaunches): the projection is the resident CTAs' own work
     assert n.launches == len(xs) - 1 + relaunched and n.host_syncs == 0
 
 
 def test_gpu_decoder_loop_captured_in_a_cuda_graph(cupy):
-    """A 4-step loop (the step's output fed back) captured once and replayed: every replay the
-    same bits, the eager loop's within the products' round-off. The resident kernel runs outside the graph (launched by the decoder before the
-    capture); a replay whose kernel has gone takes its slices over."""
+    """A 4-step loop (the step's output fed back through the caller's product) captured once
+    and replayed: every replay the same bits, the eager loop's within the caller's product's
+    round-off (cuBLAS eagerly, matmul.cu captured). The resident kernel runs outside the graph
+    (launched by the decoder before the capture); a replay whose kernel has gone takes its
+    slices over."""
     cp = cupy
     layer = _layer(cp)
     w = cp.asarray(np.random.default_rng(2).standard_normal((H, IN)).astype(np.float32) * 0.05)
@@ -99,14 +140,15 @@ def test_gpu_decoder_loop_captured_in_a_cuda_graph(cupy):
         graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(out.get(), first)  # replays: the same bits
-    # captured, the products are matmul.cu's, not cuBLAS's: equal within their round-off
+    # captured, the caller's products are matmul.cu's, not cuBLAS's: within their round-off
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-7)
 
 
 def test_gpu_torch_decoder_loop_captured_by_torch_replays_after_other_allocations(cupy):
     """The torch cell's decoder in ``torch.cuda.graph``: the library's arrays come from the
     graph's pool (``interop.library_stream``), so a replay after other CuPy and torch
-    allocations gives the first replay's bits."""
+    allocations gives the first replay's bits; the loop has no product but the decoder's (its
+    kernels' own projection, the same eager and captured), so the eager loop's bits too."""
     import torch
     import persistent_rnn.torch as prt
     torch.manual_seed(0)
@@ -134,8 +176,7 @@ def test_gpu_torch_decoder_loop_captured_by_torch_replays_after_other_allocation
         graph.replay()
         torch.cuda.synchronize()
         first = out.clone()
-        # captured, the products are matmul.cu's, not cuBLAS's: equal within their round-off
-        torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-7)
+        assert torch.equal(first, want)  # the same kernels as the eager loop's
         clutter = [cupy.full((B, 4 * H), -7.0, np.float32) for _ in range(8)]
         clutter += [torch.full((B, 4 * H), -7.0, device="cuda") for _ in range(8)]
         graph.replay()

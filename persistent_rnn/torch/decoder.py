@@ -83,10 +83,9 @@ class TorchDecoder:
             with library_stream(x):  # (the outputs' hand-over too: on torch's stream)
                 return _tensors(self._dec.step(to_array(x), _arrays(state)))
 
-
     def step_projected(self, gi: Tensor, state: Any = None) -> Any:
         """``Decoder.step_projected`` with tensors: ``gi = x W_ih^T + b_ih`` (batch, G*H) given
-        (one launch a step). Resident decoders only."""
+        (the kernels' own projection skipped). Resident decoders only."""
         if self._dec is None:
             raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
         with torch.no_grad(), library_stream(gi):
