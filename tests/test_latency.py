@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from persistent_rnn import cli, hardware, latency, sass_analysis
@@ -269,6 +270,28 @@ def test_model_reproduces_the_recorded_points():
         assert committed["predicted_us"] == pytest.approx(now["predicted_us"], rel=1e-9)
     before = sorted(abs(r["baseline_error"]) for r in record["rows"])
     assert before[len(before) // 2] > 5 * errors[len(errors) // 2]  # 68 % before, 3 % now
+
+
+def test_calibration_fit_recovers_constants_and_holds_ranges(monkeypatch):
+    """bench/model_calibration.py's least squares: on figures linear in two constants it finds
+    the values that made them; a value past its range is held at the bound and the other refitted."""
+    mc = _calibration_script()
+    names = ("BLOCK_BARRIER", "EXCHANGE_TRAFFIC_EXPOSED")
+
+    def predict():
+        return [hardware.BLOCK_BARRIER / 50 * k + 3 * hardware.EXCHANGE_TRAFFIC_EXPOSED + 1
+                for k in (1, 2, 3, 4)]
+
+    monkeypatch.setattr(hardware, "BLOCK_BARRIER", 150)
+    monkeypatch.setattr(hardware, "EXCHANGE_TRAFFIC_EXPOSED", 0.2)
+    measured = np.array(predict())
+    monkeypatch.setattr(hardware, "BLOCK_BARRIER", 300)
+    monkeypatch.setattr(hardware, "EXCHANGE_TRAFFIC_EXPOSED", 0.9)
+    got = mc.fit(names, predict, measured)
+    assert got == pytest.approx({"BLOCK_BARRIER": 150, "EXCHANGE_TRAFFIC_EXPOSED": 0.2})
+    held = mc.fit(names, predict, measured, {"BLOCK_BARRIER": (20, 100)})
+    assert held["BLOCK_BARRIER"] == 100 and held["EXCHANGE_TRAFFIC_EXPOSED"] > 0.2
+    assert (hardware.BLOCK_BARRIER, hardware.EXCHANGE_TRAFFIC_EXPOSED) == (300, 0.9)  # restored
 
 
 def test_exchange_rounds_are_the_measured_ones():
