@@ -9,14 +9,17 @@ the ``StepLoop`` that ``step_loop`` reads from the SASS once:
   scheduler, at one instruction per scheduler and cycle;
 * ``matrix``: the matrix loop, per batch row the larger of its issue time and its dependent chain;
 * ``barriers``: the block barriers of the step;
-* ``exchange``: the dependent memory round trips that move h_t (dgh_t) between CTAs - a counter
-  grid barrier (fence, atomic, polls, then the staging copy), tagged words through L2 (one round
-  trip per gather chunk), or tagged words in a cluster's distributed shared memory;
+* ``exchange``: moving h_t (dgh_t) between CTAs - a counter grid barrier (fence, atomic, polls,
+  then the staging copy: public round trips), or tagged words through L2 or in a cluster's
+  distributed shared memory: the exchange round measured on the device at the pass's CTA count
+  (``hardware.EXCHANGE_ROUND_NS`` / ``CLUSTER_ROUND_NS``) plus what the step moves beyond it;
 * ``pointwise``: the dependent chain of the cell's pointwise step (MUFU, FMA and shared loads, the
-  critical path through the registers of its SASS), per pointwise iteration.
+  critical path through the registers of its SASS), per pointwise iteration;
+* ``prefetch``: the wait for the next step's inputs where their copy is issued too late to hide.
 
 A benchmark of T steps adds per-call terms once (``call_us``): the host's work for the call and
-the GEMMs around the recurrence (input projection; backward: weight gradients and dx).
+the GEMMs around the recurrence (input projection; backward: weight gradients and dx); a pass's
+kernel in one call adds its launches and its weights' load (``pass_kernel_us``).
 
 The constants are in ``hardware.py`` with their sources; the few fitted ones come from
 ``bench/model_calibration.py``, which also records the model's error on the measured runs
@@ -141,8 +144,9 @@ class StepTerms:
     ``issue_us``: instructions of the busiest scheduler outside the matrix loop; ``matrix_us``:
     the matrix loop, per batch row the larger of its issue time and its dependent chain;
     ``barrier_us``: block barriers;
-    ``exchange_us``: dependent round trips of the exchange (L2, DSMEM, counter barrier) plus,
-    through L2, the time every CTA's copy of the vector takes at L2 bandwidth;
+    ``exchange_us``: the exchange (``exchange_us``: a measured round for the tagged ones, round
+    trips for the counter barrier) plus, through L2, the exposed time every CTA's copy of the
+    vector takes at L2 bandwidth;
     ``pointwise_us``: the pointwise step's dependent chain. ``instructions``: what one warp
     executes per step; ``exchange``: "counter", "l2" or "cluster"; ``per_row_instructions`` and
     ``per_row_ffma``: the matrix loop's instructions and FFMAs per batch row; ``prefetch_us``: the
