@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from persistent_rnn import cli, hardware, latency, sass_analysis
+from persistent_rnn import benchmark, cli, hardware, latency, sass_analysis
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import CELLS
 
@@ -265,9 +265,11 @@ def test_model_reproduces_the_recorded_points():
     assert all(lo <= getattr(hardware, n) <= hi for n, (lo, hi) in mc.FIT_RANGES.items())
     assert [(r["file"], r["layer"], r["pass"]) for r in record["rows"]] == [
         (r["file"], r["layer"], r["pass"]) for r in rows]
+    # the SASS the model reads is NVRTC's: another version may schedule the loop differently
+    same_nvrtc = record["nvrtc"] == benchmark.nvrtc_version()
     for committed, now in zip(record["rows"], rows):
         assert committed["measured_us"] == now["measured_us"]
-        assert committed["predicted_us"] == pytest.approx(now["predicted_us"], rel=1e-9)
+        assert committed["predicted_us"] == pytest.approx(now["predicted_us"], rel=1e-9 if same_nvrtc else 0.05)
     before = sorted(abs(r["baseline_error"]) for r in record["rows"])
     assert before[len(before) // 2] > 5 * errors[len(errors) // 2]  # 68 % before, 3 % now
 
