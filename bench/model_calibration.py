@@ -1,16 +1,20 @@
-"""Calibrate the per-step latency model (persistent_rnn/latency.py) on the recorded H200 runs.
+"""Calibrate the per-step latency model (persistent_rnn/latency.py) on recorded GPU runs.
 
-For every recorded run under ``bench/results/h200-2026-11-23*`` that measured persistent points,
-the kernels of the commit that ran (named in the run's README.md) are rebuilt from that commit's
-``cuda_src`` with NVRTC through the current builder (no GPU needed), the model predicts each
-recorded persistent point (microseconds per step of a call of T steps: the steps plus the
-per-call terms spread over T), and the script prints predicted against measured per point with
-the median and worst relative error. ``--fit`` refits the few fitted constants of
-``hardware.py`` (block barrier, host work per forward and backward call) by least
-squares on the relative errors and prints them; ``--json`` prints the whole comparison as JSON
-(the committed record is ``bench/results/model-calibration-2026-11-24.json``).
+Default (``--runs current``): the runs of today's kernels, 2026-11-26 (``CURRENT_RUNS``): the H200's
+(``bench/results/h200-2026-11-26``: the persistent forward's per-step slope between T=1000 and
+T=3000, ``gpu_call_cost.json``; the device time of the persistent kernels per T=100 call from
+torch.profiler, ``call_kernels.json``; the whole T=100 forward replayed as a CUDA graph) and the
+H100's (``bench/results/h100-2026-11-26``: slopes and graph replays of commits ef140d4 and 31db1e5,
+predicted with today's kernels' SASS: the persistent kernels' code changed little since, the SASS
+not at all for the moves that followed). The model predicts each point from the kernels the planner
+picks (NVRTC, no GPU) and the script prints predicted against measured with the median and worst
+relative error. ``--fit`` refits ``FITTED`` (least squares on the relative errors, each clipped to
+its range in ``FIT_RANGES``) and prints them; ``--json`` prints the comparison as JSON (the
+committed record: ``bench/results/model-calibration-2026-11-26.json``). ``--runs old``: the
+counter-barrier kernels' runs of 2026-11-23 (rebuilt from their commits' ``cuda_src``; the record
+``bench/results/model-calibration-2026-11-24.json``, fitted then on ``OLD_FITTED``).
 
-    PYTHONPATH=$PWD python bench/model_calibration.py [--json] [--fit]
+    PYTHONPATH=$PWD python bench/model_calibration.py [--runs current|old] [--json] [--fit]
 """
 from __future__ import annotations
 
@@ -36,7 +40,27 @@ from persistent_rnn import plan as planner
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 RUN_GLOB = "h200-2026-11-23*"
-FITTED = ("BLOCK_BARRIER", "HOST_FORWARD_US", "HOST_BACKWARD_US")
+OLD_FITTED = ("BLOCK_BARRIER", "HOST_FORWARD_US", "HOST_BACKWARD_US")
+# The runs of today's kernels: (run, device profile, kind, file). Kinds: "slope" (gpu_call_cost's
+# per-step slopes of the persistent forward), "graph" (its T=100 forward replayed as a CUDA graph:
+# the whole call on the device), "kernels" (torch.profiler's device time of the persistent kernels
+# per T=100 call, call_kernels.json).
+CURRENT_RUNS = (
+    ("h200-2026-11-26", "h200", "slope", "call1-fresh/gpu_call_cost.json"),
+    ("h200-2026-11-26", "h200", "graph", "call1-fresh/gpu_call_cost.json"),
+    ("h200-2026-11-26", "h200", "kernels", "call2/call_kernels.json"),
+    ("h100-2026-11-26", "h100", "slope", "call_cost_after/gpu_call_cost.json"),
+    ("h100-2026-11-26", "h100", "slope", "call_cost_before/gpu_call_cost.json"),
+    ("h100-2026-11-26", "h100", "graph", "call_cost_after/gpu_call_cost.json"),
+)
+CALL_STEPS, CALL_INPUT = 100, 64  # gpu_call_cost.py's graph replay: T and input size
+FITTED = ("BLOCK_BARRIER", "EXCHANGE_TRAFFIC_EXPOSED", "PREFETCH_LATENCY")
+# Each fitted constant stays within what public figures or our measurements allow (hardware.py
+# says why): a block barrier from a bare bar.sync (~20 cycles) to twice the earlier fit; a share;
+# an L2 hit unloaded (222 cycles) to the measured one-CTA exchange round (1713).
+FIT_RANGES = {"BLOCK_BARRIER": (20.0, 600.0), "EXCHANGE_TRAFFIC_EXPOSED": (0.0, 1.0),
+              "PREFETCH_LATENCY": (222.0, 1713.0)}
+LAYER = re.compile(r"^(?P<cell>[a-z_]+?)_h(?P<hidden>\d+)_b(?P<batch>\d+)(?:_(?P<dtype>float\d+|bfloat16))?$")
 
 
 def run_commit(run: Path) -> str | None:
@@ -110,36 +134,118 @@ def evaluate(points: list[dict], device) -> list[dict]:
     return rows
 
 
-def fit(points: list[dict], device) -> dict[str, float]:
-    """Least squares on the relative errors for the ``FITTED`` constants. The model is linear in
-    them (piecewise, through the pointwise critical path), so each point's sensitivity is taken
-    from one evaluation per constant."""
-    base = {name: getattr(hw, name) for name in FITTED}
-    pred0 = np.array([r["predicted_us"] for r in evaluate(points, device)])
+def layer_of(name: str) -> tuple[str, int, int, str]:
+    """(cell, H, B, dtype) of a recorded layer name: "gru_h256_b1", "lstm_h1024_b8_float16"."""
+    m = LAYER.match(name)
+    if m is None:
+        raise ValueError(f"not a layer name: {name!r}")
+    return m["cell"], int(m["hidden"]), int(m["batch"]), m["dtype"] or "float32"
+
+
+def current_points() -> list[dict]:
+    """Every measured point of ``CURRENT_RUNS``: what was measured (``measured_us``, µs per step,
+    per call or per call's kernels), of which layer, pass and kernel launches."""
+    points = []
+    for run, device, kind, name in CURRENT_RUNS:
+        data = json.loads((RESULTS / run / name).read_text())
+        base = {"run": run, "device": device, "kind": kind, "file": f"{run}/{name}",
+                "commit": data.get("commit")}
+        if kind == "slope":
+            points += [{**base, "layer": s["layer"], "pass": "forward", "measured_us": s["us_per_step"]}
+                       for s in data["slopes"]]
+        elif kind == "graph":
+            points += [{**base, "layer": g["layer"], "pass": "forward", "measured_us": g["graph_us"]}
+                       for g in data["graphs"] if g.get("graph_us")]
+        else:
+            for row in data["rows"]:
+                layer, passes, road = row["case"].split()
+                for kernel, cost in row["kernels"].items():
+                    which = {"prnn_persistent_forward": "forward",
+                             "prnn_persistent_backward": "backward"}.get(kernel)
+                    # the forward's once, from the forward-only call
+                    if which and road == "prnn_torch" and (which == "backward" or passes == "fwd"):
+                        points.append({**base, "layer": layer, "pass": which,
+                                       "measured_us": cost["us_per_call"],
+                                       "launches": round(cost["count_per_call"])})
+    return points
+
+
+def predict_current(p: dict) -> dict:
+    """The model's figure for a point of ``current_points`` with the constants now in hardware:
+    the kernel step (slope), the whole T=100 forward on the device (graph: steps and the per-call
+    device terms) or the persistent kernel's device time per T=100 call (kernels:
+    ``latency.pass_kernel_us``)."""
+    cell, hidden, batch, dtype = layer_of(p["layer"])
+    spec, device = planner.resolve_cell(cell), hw.PROFILES[p["device"]]
+    plan = planner.make_plan(spec, hidden, batch, dtype, device)
+    backward = p["pass"] == "backward"
+    pp = plan.backward if backward else plan.forward
+    terms = latency.step_terms(latency.pass_sass(pp, device.arch),
+                               latency.PassShape(spec, pp, batch, hidden), device)
+    if p["kind"] == "slope":
+        predicted = terms.total_us
+    elif p["kind"] == "graph":
+        predicted = CALL_STEPS * terms.total_us + latency.call_us(
+            spec, hidden, batch, CALL_STEPS, CALL_INPUT, False, device)
+    else:
+        predicted = latency.pass_kernel_us(terms.total_us, pp, CALL_STEPS, backward, p["launches"])
+    return {"predicted_us": predicted, "terms": latency.terms_dict(terms),
+            "placement": "cluster" if pp.defines.get("PRNN_CLUSTER") else "grid"}
+
+
+def evaluate_current(points: list[dict]) -> list[dict]:
+    """``current_points`` with the model's figure and its relative error."""
+    rows = []
+    for p in points:
+        pred = predict_current(p)
+        rows.append({**p, **pred, "error": pred["predicted_us"] / p["measured_us"] - 1.0})
+    return rows
+
+
+def fit(names: tuple[str, ...], predict, measured: np.ndarray,
+        ranges: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
+    """Least squares on the relative errors for the constants ``names`` of hardware.py;
+    ``predict()`` gives every point's figure with the constants now set. The model is linear in
+    each (piecewise: the pointwise critical path, the prefetch's max), so each point's
+    sensitivity is taken from one evaluation per constant; a value outside its range is clipped
+    and the others refitted with it held."""
+    ranges = ranges or {}
+    base = {name: getattr(hw, name) for name in names}
+    pred0 = np.asarray(predict())
     columns = []
-    for name in FITTED:
-        setattr(hw, name, base[name] * 2)
-        columns.append((np.array([r["predicted_us"] for r in evaluate(points, device)]) - pred0) / base[name])
+    for name in names:
+        step = base[name] if base[name] else 1.0
+        setattr(hw, name, base[name] + step)
+        columns.append((np.asarray(predict()) - pred0) / step)
         setattr(hw, name, base[name])
     a = np.stack(columns, axis=1)
-    free = pred0 - a @ np.array([base[n] for n in FITTED])
-    measured = np.array([p["us_per_step"] for p in points])
+    free = pred0 - a @ np.array([base[n] for n in names])
     weights = 1.0 / measured
-    x, *_ = np.linalg.lstsq(a * weights[:, None], (measured - free) * weights, rcond=None)
-    return dict(zip(FITTED, (float(v) for v in x)))
+    held: dict[int, float] = {}
+    while True:
+        fixed = free + sum(a[:, i] * v for i, v in held.items())
+        cols = [i for i in range(len(names)) if i not in held]
+        x = dict(held)
+        if cols:
+            sol, *_ = np.linalg.lstsq(a[:, cols] * weights[:, None], (measured - fixed) * weights,
+                                      rcond=None)
+            x.update(zip(cols, sol))
+        out = [i for i in cols if not ranges.get(names[i], (-np.inf, np.inf))[0] <= x[i]
+               <= ranges.get(names[i], (-np.inf, np.inf))[1]]
+        if not out:
+            return {names[i]: float(x[i]) for i in range(len(names))}
+        lo, hi = ranges[names[out[0]]]
+        held[out[0]] = float(min(max(x[out[0]], lo), hi))
 
 
-def summary(rows: list[dict]) -> dict:
-    errors = [abs(r["error"]) for r in rows]
+def summary(rows: list[dict], key: str = "error") -> dict:
+    errors = [abs(r[key]) for r in rows]
     return {"points": len(rows), "median_abs_error": statistics.median(errors),
             "worst_abs_error": max(errors)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    parser.add_argument("--fit", action="store_true", help="refit the fitted constants first")
-    args = parser.parse_args(argv)
+def old_main(args) -> int:
+    """The counter-barrier kernels' runs of 2026-11-23 (``RUN_GLOB``)."""
     device = hw.PROFILES["h200"]
     with tempfile.TemporaryDirectory() as tmp:
         points = []
@@ -150,15 +256,16 @@ def main(argv: list[str] | None = None) -> int:
                 src = checkout_sources(commit, Path(tmp) / commit)
                 points += [{**p, "run": run.name, "commit": commit, "src": src} for p in found]
         if args.fit:
-            fitted = fit(points, device)
+            measured = np.array([p["us_per_step"] for p in points])
+            fitted = fit(OLD_FITTED, lambda: [r["predicted_us"] for r in evaluate(points, device)],
+                         measured)
             for name, value in fitted.items():
                 setattr(hw, name, value)
             print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in fitted.items()), file=sys.stderr)
         rows = evaluate(points, device)
-    result = {"device_profile": device.name, "constants": {n: getattr(hw, n) for n in FITTED},
-              "command": "PYTHONPATH=$PWD python bench/model_calibration.py --json",
-              "nvrtc": benchmark.nvrtc_version(),  # the SASS the predictions read depends on it
-              **summary(rows), "rows": rows}
+    result = {"device_profile": device.name, "constants": {n: getattr(hw, n) for n in OLD_FITTED},
+              "command": "PYTHONPATH=$PWD python bench/model_calibration.py --runs old --json",
+              "nvrtc": benchmark.nvrtc_version(), **summary(rows), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -168,6 +275,73 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['measured_us']:9.2f} {r['predicted_us']:9.2f} {100 * r['error']:+6.1f}%")
         print(f"{result['points']} points: median |error| {100 * result['median_abs_error']:.1f} %, "
               f"worst {100 * result['worst_abs_error']:.1f} %")
+    return 0
+
+
+def current_result(fit_first: bool) -> dict:
+    """The comparison on ``CURRENT_RUNS`` (fitting ``FITTED`` first if asked): the constants, the
+    exchange constants measured, and per point the figure before (``baseline_us``: the model as
+    committed before this calibration, when given) and after."""
+    points = current_points()
+    if fit_first:
+        measured = np.array([p["measured_us"] for p in points])
+        fitted = fit(FITTED, lambda: [predict_current(p)["predicted_us"] for p in points],
+                     measured, FIT_RANGES)
+        for name, value in fitted.items():
+            setattr(hw, name, round(value, 3))
+        print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in fitted.items()), file=sys.stderr)
+    rows = evaluate_current(points)
+    return {"device_profiles": sorted({p["device"] for p in points}),
+            "constants": {n: getattr(hw, n) for n in FITTED}, "fit_ranges": FIT_RANGES,
+            "measured_constants": {"EXCHANGE_ROUND_NS": hw.EXCHANGE_ROUND_NS,
+                                   "CLUSTER_ROUND_NS": hw.CLUSTER_ROUND_NS,
+                                   "DSMEM_STORE_NS": hw.DSMEM_STORE_NS},
+            "command": "PYTHONPATH=$PWD python bench/model_calibration.py --json --baseline "
+                       "<the model before this calibration's figures>",
+            "notes": ["every figure but measured_us is the latency model's prediction",
+                      "h100 points: commits ef140d4 / 31db1e5, predicted from today's kernels' SASS",
+                      "baseline_us: the model before the 2026-11-26 calibration (commit eda4312); "
+                      "on 'kernels' points it had no launch term: its steps only"],
+            "nvrtc": benchmark.nvrtc_version(), **summary(rows), "rows": rows}
+
+
+def cluster_store_slope(table: dict[int, float]) -> float:
+    """ns per store instruction into another CTA's shared memory: the least-squares slope of a
+    measured cluster round against its CTA count (``hw.DSMEM_STORE_NS``)."""
+    ctas = np.array(sorted(table), dtype=float)
+    return float(np.polyfit(ctas, [table[int(n)] for n in ctas], 1)[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", choices=("current", "old"), default="current",
+                        help="today's kernels' runs (2026-11-26) or the counter-barrier kernels'")
+    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument("--fit", action="store_true", help="refit the fitted constants first")
+    parser.add_argument("--baseline", type=Path,
+                        help="a committed record whose rows' figures to show as 'before'")
+    args = parser.parse_args(argv)
+    if args.runs == "old":
+        return old_main(args)
+    result = current_result(args.fit)
+    if args.baseline:
+        before = {(r["file"], r["kind"], r["layer"], r["pass"]): r.get("baseline_us", r["predicted_us"])
+                  for r in json.loads(args.baseline.read_text())["rows"]}
+        for r in result["rows"]:
+            r["baseline_us"] = before.get((r["file"], r["kind"], r["layer"], r["pass"]))
+            if r["baseline_us"] is not None:
+                r["baseline_error"] = r["baseline_us"] / r["measured_us"] - 1.0
+    result["dsmem_store_slope_ns"] = cluster_store_slope(hw.CLUSTER_ROUND_NS)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"{'run':16} {'kind':8} {'layer':22} {'pass':8} {'measured':>9} {'before':>9} {'after':>9} {'error':>7}")
+    for r in result["rows"]:
+        before = f"{r['baseline_us']:9.2f}" if r.get("baseline_us") is not None else f"{'':9}"
+        print(f"{r['run']:16} {r['kind']:8} {r['layer']:22} {r['pass']:8} {r['measured_us']:9.2f} "
+              f"{before} {r['predicted_us']:9.2f} {100 * r['error']:+6.1f}%")
+    print(f"{result['points']} points: median |error| {100 * result['median_abs_error']:.1f} %, "
+          f"worst {100 * result['worst_abs_error']:.1f} %")
     return 0
 
 

@@ -200,7 +200,8 @@ def run_plan(args: argparse.Namespace) -> int:
               f"({p['weights_per_thread']} weights per thread), {p['shared_bytes']} B shared; "
               f"predicted {t['total_us']:.2f} µs/step (issue {t['issue_us']:.2f}, matrix "
               f"{t['matrix_us']:.2f}, barriers {t['barrier_us']:.2f}, exchange {t['exchange_us']:.2f} "
-              f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f})")
+              f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f}, prefetch "
+              f"{t['prefetch_us']:.2f})")
     calls = record["per_call"]
     print(f"per call (predicted; input size {calls['input_size']}, host: API calls plus the "
           f"library's Python, measured on the CPU with the launcher stubbed):")

@@ -7,6 +7,7 @@ Guide (compute capability tables) and the A100/H100 whitepapers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 WARP = 32
@@ -87,7 +88,8 @@ def current_device() -> DeviceProfile:
 # (2018/2019: dependent FP32 latency 4 cycles, MUFU about 20); Luo et al., "Benchmarking and
 # Dissecting the Nvidia Hopper GPU Architecture" (2024: shared memory about 30 cycles, distributed
 # shared memory about 200, L2 hit 200-270 cycles). Figures marked "fitted" are the few that
-# bench/model_calibration.py fits to the recorded H200 runs; each stays within its public range.
+# bench/model_calibration.py fits to the recorded runs of today's kernels (H200 and H100,
+# 2026-11-26); each stays within its public or measured range (FIT_RANGES there).
 ISSUE_PER_CYCLE = 1.0          # warp instructions a scheduler issues per cycle
 SCHEDULERS_PER_SM = SUB_PARTITIONS
 FP_LATENCY = 4                 # dependent FFMA/FADD/integer ALU result
@@ -113,10 +115,50 @@ L2_LATENCY = 400               # an L2 round trip under load, 200 ns: the counte
                                # CTA (2 block barriers + fence, atomic, poll: 3 round trips)
                                # measured 674 ns (bench/results/h200-2026-11-23/barrier_latency.json)
 L2_BANDWIDTH_GBPS = 5500       # L2 -> SM aggregate (H100 class; Chips and Cheese measured 5.5-7 TB/s)
-BLOCK_BARRIER = 300            # fitted (297): bar.sync once the last warp arrives, plus the warps' skew
+BLOCK_BARRIER = 205            # fitted (205; 297 on the counter-barrier kernels): bar.sync once the
+                               # last warp arrives, plus the warps' skew
 ATOMIC_SERIAL_NS = 6.1         # per CTA: same-address atomics queue at one L2 slice (the counter
                                # barrier's growth from 1 to 132 CTAs, 674 -> 1472 ns, recorded in
                                # bench/results/h200-2026-11-23/barrier_latency.json)
+# The exchange rounds of today's kernels, measured on the H200 by bench/barrier_latency.py
+# (bench/results/h200-2026-11-26/call1-fresh/barrier_latency.json; tests/test_latency.py holds
+# these tables to that file): ns per round of grid_barrier.cu's exchange loop by CTA count. A round
+# is what a step's exchange is with no work around it: every CTA publishes 8 tagged words (one warp,
+# one store instruction per destination), waits until it has seen every CTA's words - the
+# store's way to L2 or into the cluster's shared memory, the poll that sees them, and a poll that
+# missed them by a little costing a whole poll more - and meets its block's barrier. The tagged
+# exchange through L2 grows from 865 ns (up to 8 CTAs) to 1638 ns (128): the round ends when the
+# last CTA's words are seen, the L2 round trips of CTAs far from the words' L2 partition included.
+EXCHANGE_ROUND_NS = {1: 864.9, 2: 868.2, 4: 867.0, 8: 877.7, 16: 1283.8, 32: 1427.1, 64: 1467.5,
+                     128: 1638.2, 132: 1654.5}
+CLUSTER_ROUND_NS = {1: 547.0, 2: 630.7, 4: 571.5, 8: 592.8, 16: 626.3}
+EXCHANGE_ROUND_WORDS = 8       # words each CTA publishes per round there (--width)
+# A store instruction into another CTA's shared memory (the cluster's publish: one per destination
+# CTA) after the first: the least-squares slope of CLUSTER_ROUND_NS against the CTA count, whose
+# round publishes one more per CTA (measured, 3.0 ns; bench/model_calibration.py derives it).
+DSMEM_STORE_NS = 3.0
+# Cycles from a 4-byte cp.async of the next step's gi (an L2 hit: the input GEMM wrote it just
+# before) to its data in shared memory (fitted; public L2 hit latencies are 222-339 cycles unloaded
+# (an L40 mapped SM by SM, arXiv 2606.22588), the measured one-CTA tagged-exchange round, a store
+# and a load through L2 with a block barrier, is 865 ns = 1713 cycles: the range 222..1713).
+PREFETCH_LATENCY = 812         # fitted (812)
+# The share of the gather's L2 traffic beyond the measured round's that a step waits for (fitted,
+# 0..1: 0 where the loads' bandwidth hides under their round trips, 1 where it adds to them).
+EXCHANGE_TRAFFIC_EXPOSED = 0.47  # fitted (0.47)
+
+
+def exchange_round_ns(table: dict[int, float], ctas: int) -> float:
+    """A measured round at ``ctas`` CTAs, interpolated in log2 of the CTA count between the
+    recorded sizes (held at the ends)."""
+    sizes = sorted(table)
+    if ctas <= sizes[0] or ctas >= sizes[-1]:
+        return table[sizes[0] if ctas <= sizes[0] else sizes[-1]]
+    hi = next(n for n in sizes if n >= ctas)
+    lo = sizes[sizes.index(hi) - 1]
+    share = (math.log2(ctas) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return table[lo] + share * (table[hi] - table[lo])
+
+
 # Per call (a benchmark of T steps pays them once). HOST_*: the host work per call of the runtime
 # the recorded H200 runs measured (a host sync per call, docs/design.md "Latency model"), fitted;
 # only bench/model_calibration.py uses them, to predict those runs.

@@ -9,14 +9,17 @@ the ``StepLoop`` that ``step_loop`` reads from the SASS once:
   scheduler, at one instruction per scheduler and cycle;
 * ``matrix``: the matrix loop, per batch row the larger of its issue time and its dependent chain;
 * ``barriers``: the block barriers of the step;
-* ``exchange``: the dependent memory round trips that move h_t (dgh_t) between CTAs - a counter
-  grid barrier (fence, atomic, polls, then the staging copy), tagged words through L2 (one round
-  trip per gather chunk), or tagged words in a cluster's distributed shared memory;
+* ``exchange``: moving h_t (dgh_t) between CTAs - a counter grid barrier (fence, atomic, polls,
+  then the staging copy: public round trips), or tagged words through L2 or in a cluster's
+  distributed shared memory: the exchange round measured on the device at the pass's CTA count
+  (``hardware.EXCHANGE_ROUND_NS`` / ``CLUSTER_ROUND_NS``) plus what the step moves beyond it;
 * ``pointwise``: the dependent chain of the cell's pointwise step (MUFU, FMA and shared loads, the
-  critical path through the registers of its SASS), per pointwise iteration.
+  critical path through the registers of its SASS), per pointwise iteration;
+* ``prefetch``: the wait for the next step's inputs where their copy is issued too late to hide.
 
 A benchmark of T steps adds per-call terms once (``call_us``): the host's work for the call and
-the GEMMs around the recurrence (input projection; backward: weight gradients and dx).
+the GEMMs around the recurrence (input projection; backward: weight gradients and dx); a pass's
+kernel in one call adds its launches and its weights' load (``pass_kernel_us``).
 
 The constants are in ``hardware.py`` with their sources; the few fitted ones come from
 ``bench/model_calibration.py``, which also records the model's error on the measured runs
@@ -38,9 +41,11 @@ from .sass_analysis import (TimeLoop, critical_path, disassemble, exchange_word_
                             nvdisasm, opcode_base, own_instructions, ready_path, steady_step,
                             step_atomic, time_loop)
 
-# The model's error on the recorded H200 runs (bench/results/model-calibration-2026-11-24.json).
-CALIBRATION = ("calibrated on 324 recorded H200 points (counter-barrier kernels): median |error| 12 %, "
-               "worst 48 %; the current kernels are not yet measured")
+# The model's error on the recorded runs of today's kernels
+# (bench/results/model-calibration-2026-11-26.json; tests/test_latency.py holds it to the model).
+CALIBRATION = ("calibrated on 19 points of today's kernels measured on an H200 and an H100 "
+               "(2026-11-26): median |error| 3 %, worst 25 % (fp16 LSTM H=1024 B=8 forward over, "
+               "fp32 LSTM H=1024 B=4 forward 11-16 % under)")
 
 @dataclass(frozen=True)
 class PassShape:
@@ -139,11 +144,13 @@ class StepTerms:
     ``issue_us``: instructions of the busiest scheduler outside the matrix loop; ``matrix_us``:
     the matrix loop, per batch row the larger of its issue time and its dependent chain;
     ``barrier_us``: block barriers;
-    ``exchange_us``: dependent round trips of the exchange (L2, DSMEM, counter barrier) plus,
-    through L2, the time every CTA's copy of the vector takes at L2 bandwidth;
+    ``exchange_us``: the exchange (``exchange_us``: a measured round for the tagged ones, round
+    trips for the counter barrier) plus, through L2, the exposed time every CTA's copy of the
+    vector takes at L2 bandwidth;
     ``pointwise_us``: the pointwise step's dependent chain. ``instructions``: what one warp
     executes per step; ``exchange``: "counter", "l2" or "cluster"; ``per_row_instructions`` and
-    ``per_row_ffma``: the matrix loop's instructions and FFMAs per batch row."""
+    ``per_row_ffma``: the matrix loop's instructions and FFMAs per batch row; ``prefetch_us``: the
+    wait for the next step's gi where its copy is issued too late to be hidden (``prefetch_us``)."""
 
     issue_us: float
     matrix_us: float
@@ -154,16 +161,19 @@ class StepTerms:
     exchange: str
     per_row_instructions: int
     per_row_ffma: int
+    prefetch_us: float = 0.0
 
     @property
     def total_us(self) -> float:
         """The step: the sum of the terms (the phases are separated by barriers)."""
-        return self.issue_us + self.matrix_us + self.barrier_us + self.exchange_us + self.pointwise_us
+        return (self.issue_us + self.matrix_us + self.barrier_us + self.exchange_us
+                + self.pointwise_us + self.prefetch_us)
 
     def dominant(self) -> str:
         """The name of the largest term."""
         terms = {"issue": self.issue_us, "matrix": self.matrix_us, "barriers": self.barrier_us,
-                 "exchange": self.exchange_us, "pointwise": self.pointwise_us}
+                 "exchange": self.exchange_us, "pointwise": self.pointwise_us,
+                 "prefetch": self.prefetch_us}
         return max(terms, key=terms.get)
 
 
@@ -389,20 +399,58 @@ def exchange_kind(step: StepLoop) -> str:
 
 
 def exchange_us(step: StepLoop, device: DeviceProfile) -> float:
-    """The ``exchange`` term, by ``exchange_kind``."""
+    """The ``exchange`` term, by ``exchange_kind``: the counter barrier from public round trips;
+    the tagged exchanges from the rounds measured on the device (``hw.EXCHANGE_ROUND_NS``,
+    ``hw.CLUSTER_ROUND_NS``) at the pass's CTA count, plus what the step moves beyond a round."""
     cycle_us, shape = _cycle_us(device), step.shape
     l2_us = hw.L2_LATENCY * cycle_us
     kind = exchange_kind(step)
     if kind == "counter":  # fence waits for the stores, atomic, polls, then the staging copy
         return 4 * l2_us + shape.plan.grid * hw.ATOMIC_SERIAL_NS / 1000 + l2_traffic_us(step)
-    if kind == "cluster":  # a shared-memory poll per round of a gather, or one where the warps
-        # read the words in their product (no gather loop)
-        gathered = any(k in ("scan", "chunks") for k in step.kinds.values())
-        rounds = shape.gather_rounds if gathered else 1
-        return (hw.DSMEM_LATENCY + rounds * hw.SHARED_LATENCY) * cycle_us
-    # The writer's store reaches L2 (half a round trip), then one round trip per batch of quads
-    # a thread gathers (strong loads, gather_quads in flight).
-    return (0.5 + shape.gathers * shape.gather_rounds) * l2_us + l2_traffic_us(step)
+    if kind == "cluster":
+        return cluster_exchange_us(step)
+    # A measured round (its one batch of quads per thread), one more round trip per further
+    # batch a thread gathers (gather_quads in flight; a stack's layer gathers two vectors), and
+    # the exposed part of the L2 traffic beyond the round's.
+    extra_rounds = shape.gathers * shape.gather_rounds - 1
+    round_bytes = shape.plan.grid ** 2 * hw.EXCHANGE_ROUND_WORDS * 4
+    extra_traffic = max(0.0, l2_traffic_us(step) - round_bytes / (hw.L2_BANDWIDTH_GBPS * 1e3))
+    return (hw.exchange_round_ns(hw.EXCHANGE_ROUND_NS, shape.plan.grid) / 1000
+            + extra_rounds * l2_us + hw.EXCHANGE_TRAFFIC_EXPOSED * extra_traffic)
+
+
+def remote_stores(step: StepLoop) -> float:
+    """Store instructions into the cluster's shared memory one CTA issues per step: the generic
+    stores (``ST``) of the step, per warp that runs them (``loop_warps``)."""
+    loop, shape = step.loop, step.shape
+    total = 0.0
+    for i in loop.body:
+        if opcode_base(loop.code[i][0]) != "ST" or not step.weight[i]:
+            continue
+        warps = [loop_warps(step.kinds[h], shape, step.counter) for h, b in loop.inner.items() if i in b]
+        total += step.weight[i] * min([shape.warps] + warps)
+    return total
+
+
+def cluster_exchange_us(step: StepLoop) -> float:
+    """A cluster's exchange: the measured cluster round at the pass's CTA count (one store
+    instruction per destination CTA from one warp) plus the CTA's further store instructions
+    into the cluster's shared memory (``remote_stores``), ``hw.DSMEM_STORE_NS`` each: every
+    warp of a warp team publishes its own units to every CTA."""
+    ctas = step.shape.plan.grid
+    extra = max(0.0, remote_stores(step) - ctas)
+    return (hw.exchange_round_ns(hw.CLUSTER_ROUND_NS, ctas) + extra * hw.DSMEM_STORE_NS) / 1000
+
+
+def prefetch_us(step: StepLoop, device: DeviceProfile) -> float:
+    """The ``prefetch`` term: the wait at the step's end for the next step's gi (a 4-byte
+    ``cp.async`` per item from L2, ``hw.PREFETCH_LATENCY``) where it is not hidden. A cluster's forward
+    issues it after its product (``step_product``: the buffer is free only then) and waits for it
+    after the pointwise step, so only the pointwise chain hides it; the grid's issues it before its
+    product, under the product, the pointwise step and the gather (longer than a round trip)."""
+    if exchange_kind(step) != "cluster" or "prefetch" not in step.kinds.values():
+        return 0.0
+    return max(0.0, hw.PREFETCH_LATENCY * _cycle_us(device) - pointwise_us(step, device))
 
 
 def pointwise_us(step: StepLoop, device: DeviceProfile) -> float:
@@ -422,7 +470,7 @@ def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
                      pointwise_us=pointwise_us(step, device),
                      instructions=round(sum(step.weight.values())), exchange=exchange_kind(step),
                      per_row_instructions=round(row_instructions(step)),
-                     per_row_ffma=matrix_ffma(step))
+                     per_row_ffma=matrix_ffma(step), prefetch_us=prefetch_us(step, device))
 
 
 @lru_cache(maxsize=512)
@@ -504,6 +552,19 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         device_us += resumes * gh * hidden * 4 / (hw.L2_BANDWIDTH_GBPS * 1e3)
     python = hw.PYTHON_BACKWARD_US if backward else hw.PYTHON_FORWARD_US
     return CallCost(calls, calls * hw.API_CALL_HOST_US + python, device_us, python)
+
+
+def pass_kernel_us(step_us: float, p: planner.PassPlan, seq_len: int, backward: bool,
+                   launches: int) -> float:
+    """Device microseconds of a pass's persistent kernel in one call (what a profiler shows for
+    it): ``seq_len`` steps, the weights' load of its first launch (every CTA's register tile,
+    from L2, where the previous call left them) and ``launches`` launches (the pass and the
+    chain's resume launches, ``launch.chain_launches``), each ``hw.EMPTY_LAUNCH_US``. A forward
+    resume launch of a complete pass exits before it loads its weights (persistent_forward.cu);
+    a backward one loads them first (persistent_backward.cu)."""
+    weights_us = p.weight_registers * 4 * p.block * p.grid / (hw.L2_BANDWIDTH_GBPS * 1e3)
+    loads = launches if backward else 1
+    return seq_len * step_us + loads * weights_us + launches * hw.EMPTY_LAUNCH_US
 
 
 def call_us(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
@@ -728,7 +789,8 @@ def terms_dict(t: StepTerms) -> dict:
     """A ``StepTerms`` as a JSON-ready dict (its total included)."""
     return {"total_us": t.total_us, "issue_us": t.issue_us, "matrix_us": t.matrix_us,
             "barrier_us": t.barrier_us, "exchange_us": t.exchange_us,
-            "pointwise_us": t.pointwise_us, "exchange": t.exchange, "instructions": t.instructions,
+            "pointwise_us": t.pointwise_us, "prefetch_us": t.prefetch_us, "exchange": t.exchange,
+            "instructions": t.instructions,
             "per_row_instructions": t.per_row_instructions, "per_row_ffma": t.per_row_ffma}
 
 
