@@ -32,7 +32,9 @@
 //   sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}.
 //
 // Words (uint32, zeroed by the host: step 0 posted, every CTA gone at step 0 - see kGone):
-//   box[0]     the step posted last (1, 2, ...); box[2 + 2i], box[3 + 2i]: pointer i of the step
+//   box[0]     the step posted last (1, 2, ...); box[1] the step a step kernel issued last (the
+//              count lives here, not in a launch argument: a captured graph replays its launches
+//              with their arguments); box[2 + 2i], box[3 + 2i]: pointer i of the step
 //              (x, gi, h_prev, c_prev, h_out, c_out, b_ih: StepIo) as low and high words,
 //              stored before box[0] is released
 //   state[c]   (step << 2) | mode: the last step whose slice c is done, and who holds the slice:
@@ -320,17 +322,25 @@ PRNN_KERNEL void prnn_decoder_step(
     const float* x_or_gi, int project,  // project != 0: x_t (B, input), else gi_t (B, G*H)
     const float* h_prev, const float* c_prev, float* h_out, float* c_out,
     const float* b_ih, int with_bias,  // with_bias 0: no b_ih to add (b_ih unread)
-    unsigned step, int slices, int batch, int input, int hidden, unsigned long long timeout_ns) {
+    int slices, int batch, int input, int hidden, unsigned long long timeout_ns) {
   using namespace prnn;
   constexpr int kMaxOwned = 32;  // slices a thread watches: the bits of `pending`
   const StepIo io{project ? x_or_gi : nullptr, project ? nullptr : x_or_gi, h_prev, c_prev,
                   h_out, c_out, with_bias ? b_ih : nullptr};
   const DecoderShared sm = decoder_shared(batch, input);
   const DecoderWeights wt{w_hh, b_hh, w_ih, input, hidden};
+  // The step's number comes from the device (box[1], the last one issued; the step kernels of
+  // a decoder run in stream order), so a CUDA graph's replay continues the count.
   if (threadIdx.x == 0) {
+    const unsigned issued = box[1] + 1u;
+    box[1] = issued;
+    sm.word_s[0] = issued;
     io_to_words(io, box + 2, true);
-    prnn_store_release(box, step);
+    prnn_store_release(box, issued);
   }
+  prnn_sync_block();
+  const unsigned step = sm.word_s[0];
+  prnn_sync_block();  // word_s[0] read by every thread before the takeover reuses it
   if (slices > kMaxOwned * (int)blockDim.x) {  // (the host plans grids below the SM count)
     if (threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
     return;

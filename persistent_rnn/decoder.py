@@ -173,9 +173,10 @@ class _Resident:
         self.launches += 1
         launch.COUNTERS.add("launches")
 
-    def step(self, k: int, x: Array | None, gi: Array | None, h: Array, c: Array | None,
+    def step(self, x: Array | None, gi: Array | None, h: Array, c: Array | None,
              h_out: Array, c_out: Array | None) -> None:
-        """Enqueue step ``k`` (1, 2, ...): the post and the wait, one launch. Exactly one of
+        """Enqueue the next step (the kernel numbers it: box[1]): the post and the wait, one
+        launch. Exactly one of
         ``x`` (batch, input_size; the kernels project it and add b_ih) and ``gi`` (the
         caller's x W_ih^T + b_ih, b_ih included) is given."""
         self.ensure()
@@ -185,8 +186,7 @@ class _Resident:
         args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.fault,
                 gi if x is None else x, np.int32(x is not None), h,
                 h if c is None else c, h_out, h_out if c_out is None else c_out,
-                self.b_ih if with_bias else self.b_hh, np.int32(with_bias), np.uint32(k),
-                np.int32(dp.grid), np.int32(self.batch), np.int32(dp.input_size),
+                self.b_ih if with_bias else self.b_hh, np.int32(with_bias), np.int32(dp.grid), np.int32(self.batch), np.int32(dp.input_size),
                 np.int32(self.hidden), wait_ns)
         self.module.launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
         launch.COUNTERS.add("launches")
@@ -241,7 +241,6 @@ class Decoder:
         self._params = [{k: array_module(v).array(v) for k, v in p.items()} for p in layers]
         xp = self._xp = array_module(self._params[0]["weight_hh"])
         self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
-        self._k = 0
         self._lock = threading.Lock()
         plans, why = self._plans(cell, hidden, xp)
         self.reason = why
@@ -329,7 +328,6 @@ class Decoder:
         h, c = self._checked_state(state)
         xp, lstm = self._xp, self.cell.has_cell_state
         with self._lock:  # one step at a time through the decoder's mailbox
-            self._k += 1
             hn, cn = (self._resident_step if self._residents else self._fallback_step)(
                 x, h, c, gi)
         if not self._stacked:
@@ -350,7 +348,7 @@ class Decoder:
         for n, resident in enumerate(self._residents):
             given = gi if n == 0 else None
             below = (None if gi is not None else xp.ascontiguousarray(x)) if n == 0 else hn[n - 1]
-            resident.step(self._k, below, given, xp.ascontiguousarray(h[n]),
+            resident.step(below, given, xp.ascontiguousarray(h[n]),
                           None if c is None else xp.ascontiguousarray(c[n]), hn[n],
                           None if cn is None else cn[n])
         return hn, cn

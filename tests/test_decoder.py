@@ -463,3 +463,22 @@ def test_the_decoder_has_no_race():
     proc = emulate.run_with_race_detector(["-c", RACE_SCENARIO], sources=(decoding.SOURCE[:-3],),
                                           timeout=600)
     assert proc.returncode == 0 and "decoded" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_a_replayed_step_launch_is_the_next_step():
+    """A CUDA graph replays a step's launch with its arguments unchanged: the kernel numbers
+    the step itself (the mailbox's counter), so the replayed launch is a new step that the
+    resident CTAs compute - the same outputs from the same inputs - not a stale one."""
+    cell = prnn.LSTMCell(IN, H, seed=3)
+    x = _inputs()[0]
+    with cell.decoder(batch=B) as dec:
+        want_h, want_c = dec.step(x)
+        resident = dec._residents[0]
+        h0, c0 = np.zeros((B, H), np.float32), np.zeros((B, H), np.float32)
+        outputs = [(np.full((B, H), np.nan, np.float32), np.full((B, H), np.nan, np.float32))
+                   for _ in range(2)]
+        for h_out, c_out in outputs:  # (the same x, state and step arguments twice)
+            resident.step(x, None, h0, c0, h_out, c_out)
+        dec.check()
+    for h_out, c_out in outputs:
+        assert np.array_equal(h_out, want_h) and np.array_equal(c_out, want_c)
