@@ -41,7 +41,7 @@ from . import buffers, chain_graphs, gemm, hardware, launch, plan as planner, se
 from .cells import CellSpec
 from .matmul import matmul
 from .stats import RunStats
-from .validation import ALGOS
+from .validation import ALGOS, HALF_DTYPES
 
 Array = Any
 
@@ -293,8 +293,9 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
 
 
 def why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
-    """Why the persistent kernel should not run, before any plan (or ``None``)."""
-    if np.dtype(data.dtype) != np.float32:
+    """Why the persistent kernel should not run, before any plan (or ``None``). ``data``: the
+    layer's float32 data, or a 16-bit layer's 16-bit input (its arrays as the layer holds them)."""
+    if np.dtype(data.dtype) != np.float32 and np.dtype(data.dtype).name not in HALF_DTYPES:
         return (f"dtype is {np.dtype(data.dtype).name}: the persistent kernels compute in "
                 f"float32 (weights in float32 or 16 bits); algo='gemm' runs it")
     if data.shape[0] > _MAX_STEPS:
