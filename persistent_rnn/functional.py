@@ -16,9 +16,10 @@ array), so sequences of any length, in any order, need no sorting or packing.
 16-bit layers (``half``): the arrays given (input, states, parameters, output gradients) may be
 of the 16-bit dtype, as the layer keeps them, or float32 holding its values. The input
 projection multiplies the 16-bit input and ``W_ih`` as they are (``matmul.matmul_half``: the
-tensor cores on a GPU); everything else computes on float32 values, converted where it needs
-them (``halves.widen``: a no-op for float32): the recurrence's weights and states per call, the
-input and ``W_ih`` only in backward (its float32 GEMMs with the fp32 gradients).
+tensor cores on a GPU); ``W_hh`` and ``W_hr`` go to ``runtime`` as they are (the persistent
+kernels hold their bits); everything else computes on float32 values, converted where it needs
+them (``halves.widen``: a no-op for float32): the states and biases per call, stack mode's
+weights, and in backward the input and ``W_ih`` (its float32 GEMMs with the fp32 gradients).
 
 Arguments are assumed valid (``layers`` and the torch modules check them).
 """
@@ -31,7 +32,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime, stack
-from .buffers import array_module, constant_zeros, matmul_steps, select_active, workspace
+from .buffers import (address, array_module, constant_zeros, matmul_steps, select_active,
+                      workspace)
 from .cells import CellSpec
 from .halves import widen
 from .matmul import matmul, matmul_half
@@ -156,15 +158,10 @@ def _rows_of(arrays: list[Array]) -> Array | None:
     if (whole is None or whole.shape != (len(arrays), *arrays[0].shape)
             or not whole.flags.c_contiguous):
         return None
-    start, step = _address(whole), whole.strides[0]
-    if all(a.base is whole and _address(a) == start + k * step for k, a in enumerate(arrays)):
+    start, step = address(whole), whole.strides[0]
+    if all(a.base is whole and address(a) == start + k * step for k, a in enumerate(arrays)):
         return whole
     return None
-
-
-def _address(a: Array) -> int:
-    """The address of ``a``'s first element (NumPy or CuPy)."""
-    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
 
 
 def _stacked_scratch(xp, arrays: list[Array], name: str) -> Array:
@@ -310,8 +307,6 @@ def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array |
             dy_d = (_gather(ctx.reverse_index, dy_d) if direction == 1
                     else xp.ascontiguousarray(dy_d))
             w_hh, w_hr = _param(ctx, d, "weight_hh"), _param(ctx, d, "weight_hr")
-            if ctx.half is not None:
-                w_hh, w_hr = _wide(ctx, (w_hh, w_hr))
             results[layer, direction], stats[layer, direction] = runtime.backward(
                 ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
                 d.fwd, ctx.algo, ctx.half, w_hr, slot=direction)
@@ -370,8 +365,8 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
     """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
     w_hr = None if "weight_hr" not in d.names else ctx.params[d.names["weight_hr"]]
-    if ctx.half is not None:
-        w_hh, b_hh, w_hr = _wide(ctx, (w_hh, b_hh, w_hr))
+    if ctx.half is not None:  # (W_hh and W_hr as they are: runtime takes 16-bit weights)
+        b_hh = widen(b_hh)
     # gi is read by the recurrence alone (never kept): a reused workspace per direction
     gi = _projected(layer_input, w_ih, b_ih, "gi_reverse" if reverse else "gi", ctx.half)
     if reverse:
