@@ -100,26 +100,36 @@ def tensor_core_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Ar
 
 
 def _gemm_ex(cupy, a: Array, b: Array, out: Array, ldc: int) -> None:
-    """``out = a @ b`` through ``cublasGemmEx``. cuBLAS is column-major: the row-major ``out``
-    (m, n) is the column-major ``out^T`` (n, m), so it computes ``out^T = b^T a^T``, each
-    operand's memory read as the column-major matrix it is (``_operand``)."""
+    """``out = a @ b`` through ``cublasGemmEx`` (``_column_major_problem``), alpha 1 and beta 0
+    from host memory, on the handle CuPy keeps per device."""
     from cupy_backends.cuda.libs import cublas
-    (m, k), n = a.shape, b.shape[1]
-    a, op_a, lda = _operand(cupy, a, cublas)
-    b, op_b, ldb = _operand(cupy, b, cublas)
+    op_1, op_2, m, n, k, first, ld_1, second, ld_2, c, ldc = _column_major_problem(
+        cupy, cublas, a, b, out, ldc)
     kind = getattr(cupy.cuda.runtime, _CUDA_TYPES[a.dtype.name])
     handle = cupy.cuda.device.get_cublas_handle()  # (each cuBLAS call takes CuPy's current stream)
     mode = cublas.getPointerMode(handle)
     if mode != cublas.CUBLAS_POINTER_MODE_HOST:
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     try:
-        cublas.gemmEx(handle, op_b, op_a, n, m, k, _ONE.ctypes.data, b.data.ptr, kind, ldb,
-                      a.data.ptr, kind, lda, _ZERO.ctypes.data, out.data.ptr,
+        cublas.gemmEx(handle, op_1, op_2, m, n, k, _ONE.ctypes.data, first.data.ptr, kind, ld_1,
+                      second.data.ptr, kind, ld_2, _ZERO.ctypes.data, c.data.ptr,
                       cupy.cuda.runtime.CUDA_R_32F, ldc, cublas.CUBLAS_COMPUTE_32F,
                       cublas.CUBLAS_GEMM_DEFAULT)
     finally:
         if mode != cublas.CUBLAS_POINTER_MODE_HOST:
             cublas.setPointerMode(handle, mode)
+
+
+def _column_major_problem(cupy, cublas, a: Array, b: Array, out: Array, ldc: int) -> tuple:
+    """cuBLAS's arguments for ``out = a @ b``: ``(op_1, op_2, m', n', k, first, ld_1, second,
+    ld_2, out, ldc)`` of ``C = op_1(first) op_2(second)``. cuBLAS is column-major: the
+    row-major ``out`` (m, n) of row stride ``ldc`` is the column-major ``out^T`` (n, m), so it
+    computes ``out^T = b^T a^T``, each operand's memory read as the column-major matrix it is
+    (``_operand``)."""
+    (m, k), n = a.shape, b.shape[1]
+    b, op_b, ldb = _operand(cupy, b, cublas)
+    a, op_a, lda = _operand(cupy, a, cublas)
+    return op_b, op_a, n, m, k, b, ldb, a, lda, out, ldc
 
 
 def _operand(cupy, x: Array, cublas) -> tuple[Array, int, int]:
