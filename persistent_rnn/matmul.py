@@ -136,14 +136,14 @@ def _operand(cupy, x: Array, cublas) -> tuple[Array, int, int]:
     """``(x, op, ld)``: a 2-D operand (r, c) for ``_gemm_ex``, which needs its transpose in
     column-major order. Rows of a stride (``ld >= c``) are that transpose as they are (op N);
     columns of a stride (a transposed view, ``ld >= r``) are ``x`` itself (op T); anything else
-    is copied contiguous first."""
+    is copied contiguous first (by its 16 bits: no arithmetic on the dtype)."""
     item = x.itemsize
     (r, c), (s0, s1) = x.shape, (x.strides[0] // item, x.strides[1] // item)
     if (s1 == 1 or c <= 1) and (r <= 1 or s0 >= max(c, 1)):
         return x, cublas.CUBLAS_OP_N, max(c, 1) if r <= 1 else s0
     if (s0 == 1 or r <= 1) and (c <= 1 or s1 >= max(r, 1)):
         return x, cublas.CUBLAS_OP_T, max(r, 1) if c <= 1 else s1
-    return cupy.ascontiguousarray(x), cublas.CUBLAS_OP_N, max(c, 1)
+    return cupy.ascontiguousarray(x.view(np.uint16)).view(x.dtype), cublas.CUBLAS_OP_N, max(c, 1)
 
 
 def _row_stride(out: Array) -> int | None:

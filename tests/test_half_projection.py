@@ -271,7 +271,6 @@ def test_torch_weights_are_16bit_views_that_see_in_place_updates():
     module, ``ops.WeightViews``); an in-place update after a call is seen by the next call."""
     torch = pytest.importorskip("torch")
     import persistent_rnn.torch as prt
-    from persistent_rnn.torch import ops
     torch.manual_seed(0)
     module = prt.GRU(4, 6, algo="gemm").to(torch.bfloat16)
     ref = torch.nn.GRU(4, 6).double()
@@ -285,7 +284,6 @@ def test_torch_weights_are_16bit_views_that_see_in_place_updates():
         y, _ = module(x)
         want, _ = ref(x.double())
         assert (y.double() - want).abs().max() < 2e-2
-    params = next(r for r in ops._RECORDS.values() if r.views.params).views.params
-    weight = params["weight_ih_l0"]
+    weight = module._record.views.params["weight_ih_l0"]  # (ops.WeightViews)
     assert weight.dtype == half_dtype("bfloat16")
     assert np.shares_memory(weight, module.weight_ih_l0.detach().view(torch.int16).numpy())

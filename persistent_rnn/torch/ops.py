@@ -310,11 +310,12 @@ def _array(t: Tensor | None) -> Array | None:
 
 def _half_array(t: Tensor) -> Array:
     """A float16 or bfloat16 tensor's memory as an array of that dtype (``halves``; no copy
-    where it is contiguous). bfloat16 goes by its bits: NumPy has no bfloat16 of its own, and
-    CuPy's DLPack import costs tens of µs a tensor (``interop._cuda_array``)."""
+    where it is contiguous). bfloat16 goes by its bits, carried as float16: NumPy has no
+    bfloat16 of its own, and CuPy's DLPack import costs tens of µs a tensor where a float16 one
+    is wrapped directly (``interop._cuda_array``)."""
     if t.dtype == torch.float16:
         return to_array(t)
-    return to_array(t.detach().view(torch.int16)).view(half_dtype("bfloat16"))
+    return to_array(t.detach().view(torch.float16)).view(half_dtype("bfloat16"))
 
 
 def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
