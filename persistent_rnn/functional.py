@@ -328,8 +328,8 @@ def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
     per_layer, ctx.backward_stats = stack.backward(
         ctx.cell, engine, xp.ascontiguousarray(d_out), dhn, dcn,
-        [_wide(ctx, _weights(ctx, d.names)) for d in dirs], _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"),
-        c0, ctx.lengths, [d.fwd for d in dirs])
+        [_wide(ctx, _weights(ctx, d.names)) for d in dirs],
+        _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths, [d.fwd for d in dirs])
     for layer in range(ctx.num_layers - 1, -1, -1):
         results[layer, 0] = per_layer[layer]
         d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
@@ -558,6 +558,7 @@ def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
                   _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half,
                   [None] * num_layers, [[] for _ in range(num_layers)], _NO_STATS)
     return ctx, xp, h0_all, c0_all
+
 
 def _widened_states(hx: Any) -> Any:
     """``hx`` (``None``, ``h0`` or ``(h0, c0)``, any of them ``None``) in float32 values."""
