@@ -304,3 +304,11 @@ def test_the_model_projects_a_16bit_forward_on_the_tensor_cores():
     assert abs(saved - (fp32 - tensor)) < 1e-9
     assert calls[True][1] == calls[False][1]
     assert calls[True][0].api_calls == calls[False][0].api_calls
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_a_16bit_input_does_not_keep_the_persistent_kernels_away(dtype):
+    """Stack mode's and the runtime's first check sees a 16-bit layer's input as it is now."""
+    from persistent_rnn import runtime
+    assert runtime.why_not_persistent(np.zeros((2, 1, 3), dtype), 1, "persistent") is None
+    assert "float64" in runtime.why_not_persistent(np.zeros((2, 1, 3)), 1, "persistent")
