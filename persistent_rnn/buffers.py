@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from .cells import CellSpec
+from .halves import half_dtype
 from .matmul import matmul
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -223,18 +224,34 @@ def round_half(xp, a: Array, half: str | None) -> Array:
 
 
 def weight_words(xp, m: Array, half: str | None) -> Array:
-    """The matrix ``m`` (float32, rows x K) as the persistent kernels hold it: contiguous float32,
-    or for ``half`` ("float16", "bfloat16") uint32 words of two 16-bit values (columns 2c, 2c+1,
-    element 0 in the low half), rows padded to even K with a zero: (rows, ceil(K/2))."""
-    m = xp.ascontiguousarray(m, dtype=np.float32)
+    """The matrix ``m`` (rows x K) as the persistent kernels hold it: contiguous float32, or for
+    ``half`` ("float16", "bfloat16") uint32 words of two 16-bit values (columns 2c, 2c+1,
+    element 0 in the low half), rows padded to even K with a zero: (rows, ceil(K/2)).
+
+    A 16-bit layer's ``m`` is float32 holding values of ``half`` (rounded here) or an array of
+    ``half`` (its bits as they are: no conversion); a contiguous one of even K, 4-byte aligned,
+    is its own words (a view: the kernels read, never write, them)."""
     if half is None:
-        return m
-    if half == "float16":
+        return xp.ascontiguousarray(m, dtype=np.float32)
+    if m.dtype.itemsize == 2:
+        if m.dtype != half_dtype(half):
+            raise TypeError(f"m: the weights of a {half} layer must be {half} or float32, "
+                            f"got {m.dtype}")
+        bits = m.view(np.uint16)
+    elif half == "float16":
         with np.errstate(over="ignore"):
-            bits = m.astype(np.float16).view(np.uint16)
+            bits = xp.ascontiguousarray(m, dtype=np.float32).astype(np.float16).view(np.uint16)
     else:
+        m = xp.ascontiguousarray(m, dtype=np.float32)
         bits = (round_half(xp, m, half).view(np.uint32) >> 16).astype(np.uint16)
-    rows, cols = m.shape
+    rows, cols = bits.shape
+    if cols % 2 == 0 and bits.flags.c_contiguous and address(bits) % 4 == 0:
+        return bits.view(np.uint32)
     padded = xp.zeros((rows, cols + cols % 2), np.uint16)
     padded[:, :cols] = bits
     return padded.view(np.uint32)
+
+
+def address(a: Array) -> int:
+    """The address of ``a``'s first element (NumPy or CuPy)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]

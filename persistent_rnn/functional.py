@@ -13,6 +13,14 @@ read back during a call.
 The reverse direction sees each sequence reversed within its own length (a gather with an index
 array), so sequences of any length, in any order, need no sorting or packing.
 
+16-bit layers (``half``): the arrays given (input, states, parameters, output gradients) may be
+of the 16-bit dtype, as the layer keeps them, or float32 holding its values. The input
+projection multiplies the 16-bit input and ``W_ih`` as they are (``matmul.matmul_half``: the
+tensor cores on a GPU); ``W_hh`` and ``W_hr`` go to ``runtime`` as they are (the persistent
+kernels hold their bits); everything else computes on float32 values, converted where it needs
+them (``halves.widen``: a no-op for float32): the states and biases per call, stack mode's
+weights, and in backward the input and ``W_ih`` (its float32 GEMMs with the fp32 gradients).
+
 Arguments are assumed valid (``layers`` and the torch modules check them).
 """
 from __future__ import annotations
@@ -24,9 +32,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime, stack
-from .buffers import array_module, constant_zeros, matmul_steps, select_active, workspace
+from .buffers import (address, array_module, constant_zeros, matmul_steps, select_active,
+                      workspace)
 from .cells import CellSpec
-from .matmul import matmul
+from .halves import widen
+from .matmul import matmul, matmul_half
 from .stats import RunStats
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -96,8 +106,9 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     (L*D, B, H), or ``(h0, c0)`` for the LSTM. ``lengths``: ``None`` or (B,) integers in 1..T
     (packed-sequence semantics: outputs past a length are zero, states stop at the length).
     ``y``: (T, B, D*H) (batch-first if ``x`` is); ``hn``: ``h_n`` or ``(h_n, c_n)``.
-    ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are float32
-    holding values of that dtype, the recurrence rounds h_t to it every step (docs/api.md).
+    ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are of that
+    dtype or float32 holding its values (module docstring), the recurrence computes in float32
+    and rounds h_t to the dtype every step (docs/api.md).
 
     Stack mode (``stack``): a unidirectional stack whose layers fit the register files together
     runs in one launch. Otherwise every layer-direction is enqueued without waiting for the
@@ -106,8 +117,7 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     x = x.transpose(1, 0, 2) if batch_first else x
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
                                            batch_first, algo, half)
-    # Padding is selected out, not multiplied away: NaN/Inf there must not reach any result.
-    layer_input = x if ctx.lengths is None else select_active(xp, x, ctx.lengths)
+    layer_input = x if ctx.lengths is None else _selected_input(xp, x, ctx.lengths)
     engine, why = stack.engine(cell, x, h0_all.shape[2], num_layers, bidirectional, algo, half,
                                backward=False, proj="weight_hr_l0" in params)
     if engine is not None:
@@ -121,6 +131,15 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     if not cell.has_cell_state:
         return y, h_n, ctx
     return y, (h_n, _stacked(xp, [d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
+
+
+def _selected_input(xp, x: Array, lengths: Array) -> Array:
+    """The layer's input with zeros past each length: padding is selected out, not multiplied
+    away (NaN/Inf there must not reach any result). A 16-bit input is selected on its bits
+    (+0.0 is all zero bits in every float format)."""
+    if x.dtype.itemsize == 2:
+        return select_active(xp, x.view(np.uint16), lengths).view(x.dtype)
+    return select_active(xp, x, lengths)
 
 
 def _stacked(xp, arrays: list[Array], fresh: bool = False) -> Array:
@@ -139,15 +158,10 @@ def _rows_of(arrays: list[Array]) -> Array | None:
     if (whole is None or whole.shape != (len(arrays), *arrays[0].shape)
             or not whole.flags.c_contiguous):
         return None
-    start, step = _address(whole), whole.strides[0]
-    if all(a.base is whole and _address(a) == start + k * step for k, a in enumerate(arrays)):
+    start, step = address(whole), whole.strides[0]
+    if all(a.base is whole and address(a) == start + k * step for k, a in enumerate(arrays)):
         return whole
     return None
-
-
-def _address(a: Array) -> int:
-    """The address of ``a``'s first element (NumPy or CuPy)."""
-    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
 
 
 def _stacked_scratch(xp, arrays: list[Array], name: str) -> Array:
@@ -184,7 +198,7 @@ def _forward_stack(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
     if ctx.bidirectional:
         return _forward_pairs(ctx, engine, layer_input, h0_all, c0_all)
     names = [_direction_names(ctx.params, layer, False) for layer in range(ctx.num_layers)]
-    weights = [_weights(ctx, n) for n in names]
+    weights = [_wide(ctx, _weights(ctx, n)) for n in names]
     results, ctx.stats = stack.forward(ctx.cell, engine,
                                        _input_projection(ctx, layer_input, names[0], "gi"),
                                        weights, h0_all, c0_all, ctx.lengths)
@@ -213,7 +227,8 @@ def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
         results, stats = stack.forward(ctx.cell, engine,
                                        xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])],
                                                 out=both),
-                                       [_weights(ctx, n) for n in names], h0_all[pair], c0,
+                                       [_wide(ctx, _weights(ctx, n)) for n in names],
+                                       h0_all[pair], c0,
                                        ctx.lengths, chained=False)
         ctx.stats.merge(stats)
         ctx.inputs[layer] = layer_input
@@ -224,8 +239,17 @@ def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
     return layer_input
 
 
+def _wide(ctx: Context, arrays: tuple) -> tuple:
+    """``arrays`` (any may be ``None``) as the float32 values a 16-bit layer computes on
+    (``halves.widen``); as they are for other layers."""
+    if ctx.half is None:
+        return arrays
+    return tuple(widen(a) for a in arrays)
+
+
 def _weights(ctx: Context, names: Mapping[str, str]) -> tuple:
-    """``(w_ih, w_hh, b_ih, b_hh)`` of one layer-direction (biases ``None`` without bias)."""
+    """``(w_ih, w_hh, b_ih, b_hh)`` of one layer-direction (biases ``None`` without bias), as
+    the layer holds them (a 16-bit layer's possibly 16-bit: ``_wide``)."""
     params = ctx.params
     if "bias_ih" not in names:
         return params[names["weight_ih"]], params[names["weight_hh"]], None, None
@@ -243,6 +267,8 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     xp = array_module(dy)
     dy = dy.transpose(1, 0, 2) if ctx.batch_first else dy
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
+    if ctx.half is not None:  # (the gradients are fp32 from here on)
+        dy, dhn, dcn = _wide(ctx, (dy, dhn, dcn))
     grads: dict[str, Array] = {}
     results: dict[tuple[int, int], runtime.BackwardResult] = {}
     d_out = dy if ctx.lengths is None else select_active(
@@ -302,8 +328,8 @@ def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
     per_layer, ctx.backward_stats = stack.backward(
         ctx.cell, engine, xp.ascontiguousarray(d_out), dhn, dcn,
-        [_weights(ctx, d.names) for d in dirs], _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"),
-        c0, ctx.lengths, [d.fwd for d in dirs])
+        [_wide(ctx, _weights(ctx, d.names)) for d in dirs],
+        _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths, [d.fwd for d in dirs])
     for layer in range(ctx.num_layers - 1, -1, -1):
         results[layer, 0] = per_layer[layer]
         d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
@@ -323,7 +349,8 @@ def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
         c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
         per_direction, stats = stack.backward(
             ctx.cell, engine, dy, None if dhn is None else dhn[pair],
-            None if dcn is None else dcn[pair], [_weights(ctx, d.names) for d in dirs],
+            None if dcn is None else dcn[pair],
+            [_wide(ctx, _weights(ctx, d.names)) for d in dirs],
             _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths,
             [d.fwd for d in dirs], chained=False)
         ctx.backward_stats.merge(stats)
@@ -338,8 +365,10 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
     """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
     w_hr = None if "weight_hr" not in d.names else ctx.params[d.names["weight_hr"]]
+    if ctx.half is not None:  # (W_hh and W_hr as they are: runtime takes 16-bit weights)
+        b_hh = widen(b_hh)
     # gi is read by the recurrence alone (never kept): a reused workspace per direction
-    gi = _projected(layer_input, w_ih, b_ih, "gi_reverse" if reverse else "gi")
+    gi = _projected(layer_input, w_ih, b_ih, "gi_reverse" if reverse else "gi", ctx.half)
     if reverse:
         gi = _gather(ctx.reverse_index, gi)
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
@@ -356,16 +385,25 @@ def _input_projection(ctx: Context, layer_input: Array, names: Mapping[str, str]
                       slot: str) -> Array:
     """``layer_input @ W_ih^T + b_ih`` for all steps: one GEMM (``_projected``)."""
     w_ih, _, b_ih, _ = _weights(ctx, names)
-    return _projected(layer_input, w_ih, b_ih, slot)
+    return _projected(layer_input, w_ih, b_ih, slot, ctx.half)
 
 
-def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None, slot: str) -> Array:
+def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None, slot: str,
+               half: str | None) -> Array:
     """``_input_projection`` with the weights given, into the reused workspace ``slot`` (the
-    recurrence reads it and nothing keeps it; ``buffers.workspace``) where the dtypes agree."""
+    recurrence reads it and nothing keeps it; ``buffers.workspace``) where the dtypes agree.
+    A 16-bit layer's: a float32 product of the 16-bit operands (``matmul.matmul_half``)."""
     steps, batch, _ = layer_input.shape
-    out = (workspace(array_module(layer_input), slot, (steps * batch, w_ih.shape[0]), w_ih.dtype)
-           if layer_input.dtype == w_ih.dtype else None)
-    gi = matmul_steps(layer_input, w_ih.T, out)
+    if half is not None:
+        out = workspace(array_module(layer_input), slot, (steps * batch, w_ih.shape[0]),
+                        np.float32)
+        gi = matmul_half(layer_input.reshape(steps * batch, -1), w_ih.T, half, out).reshape(
+            steps, batch, w_ih.shape[0])
+        b_ih = widen(b_ih)
+    else:
+        out = (workspace(array_module(layer_input), slot, (steps * batch, w_ih.shape[0]),
+                         w_ih.dtype) if layer_input.dtype == w_ih.dtype else None)
+        gi = matmul_steps(layer_input, w_ih.T, out)
     if b_ih is not None:
         gi += b_ih
     return gi
@@ -391,6 +429,8 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
     layer_input = ctx.inputs[layer]
     xp = array_module(layer_input)
     flat_input = layer_input.reshape(-1, layer_input.shape[2])
+    if ctx.half is not None:  # (a 16-bit first input: float32 for the GEMM with fp32 dgi)
+        flat_input = widen(flat_input)
     d_in = None
     for direction, d in enumerate(ctx.directions[layer]):
         res = results[layer, direction]
@@ -405,11 +445,12 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
             grads[d.names["weight_hr"]] = matmul(res.drs.reshape(-1, res.drs.shape[2]).T,
                                                   d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
         if input_grad:
-            part = matmul_steps(dgi, ctx.params[d.names["weight_ih"]])
+            w_ih = ctx.params[d.names["weight_ih"]]
+            part = matmul_steps(dgi, w_ih if ctx.half is None else widen(w_ih))
             d_in = part if d_in is None else d_in + part
     if not input_grad:
         return None
-    return d_in if d_in is not None else xp.zeros_like(layer_input)
+    return d_in if d_in is not None else xp.zeros(layer_input.shape, flat_input.dtype)
 
 
 def _merged(stats: Mapping[tuple[int, int], RunStats]) -> RunStats:
@@ -506,7 +547,10 @@ def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
     w_hh = params["weight_hh_l0"]
     widths = (w_hh.shape[1], w_hh.shape[0] // cell.gates)  # h (H, or P), c (H)
     num_dirs = 2 if bidirectional else 1
-    h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, widths, x.dtype)
+    if half is not None:  # (the recurrence's states are float32)
+        hx = _widened_states(hx)
+    h0_all, c0_all = _initial_states(cell, xp, hx, num_layers * num_dirs, batch, widths,
+                                     np.float32 if half is not None else x.dtype)
     if lengths is not None:
         lengths = xp.asarray(lengths, dtype=np.int32)
     # (every field given: no default factory runs per call; ``stats`` is set by the pass)
@@ -514,6 +558,14 @@ def _new_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
                   _reverse_index(xp, steps, batch, lengths) if bidirectional else None, half,
                   [None] * num_layers, [[] for _ in range(num_layers)], _NO_STATS)
     return ctx, xp, h0_all, c0_all
+
+
+def _widened_states(hx: Any) -> Any:
+    """``hx`` (``None``, ``h0`` or ``(h0, c0)``, any of them ``None``) in float32 values."""
+    if isinstance(hx, (tuple, list)):
+        return tuple(widen(h) for h in hx)
+    return widen(hx)
+
 
 def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any,
                     lengths: Array | None, arrays: list[Array], *, num_layers: int,
@@ -525,7 +577,8 @@ def restore_context(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: A
                                            False, algo, half)
     lengths, num_dirs = ctx.lengths, 2 if bidirectional else 1
     rest = iter(arrays)
-    ctx.inputs = [select_active(xp, x, lengths)] + [next(rest) for _ in range(num_layers - 1)]
+    ctx.inputs = ([x if lengths is None else _selected_input(xp, x, lengths)]
+                  + [next(rest) for _ in range(num_layers - 1)])
     ctx.directions, ctx.stats = [], RunStats()
     for layer in range(num_layers):
         dirs = []

@@ -106,6 +106,7 @@ SHUFFLE_LATENCY = 24           # shfl.sync
 # al., "Dissecting Tensor Cores via Microbenchmarks" (IEEE TPDS 2022); taken for Hopper's mma.sync.
 HMMA_INTERVAL = 4              # cycles between HMMA.16816 of one sub-partition's tensor core
 HMMA_LATENCY = 33              # dependent HMMA.16816.F32 (accumulator to accumulator)
+MMA_FMA = 16 * 8 * 16          # FMA of one m16n8k16
 SHARED_BYTES_PER_CYCLE = 128   # shared memory bandwidth per SM: 32 banks x 4 bytes (CUDA Guide)
 # Wavefronts of an mma tile's 16-byte B load per conflict-free one: the grid's are conflict-free (a
 # quarter-warp's two batch rows read a pair of k-steps in opposite orders), a cluster's words are
@@ -182,3 +183,8 @@ GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 PYTHON_FORWARD_US = 63.2       # measured (forward)
 PYTHON_BACKWARD_US = 84.7      # measured (forward+backward 147.9 - forward)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches
+# Of the tensor-core peak above, a cuBLAS GEMM of fp16 operands with fp32 output reaches: measured
+# on the H200, torch.mm(..., out_dtype=torch.float32) of 800x1024 @ 1024x4096 in 55.9 us (its fp32
+# GEMM of the same operands 210 us, 0.53 of the fp32 peak), bench/call_kernels.py,
+# bench/results/h200-2026-11-26. One shape, one GPU: cuDNN's own fp16 GEMM of it took 13 us.
+TENSOR_GEMM_PEAK_FRACTION = 0.125

@@ -488,10 +488,18 @@ def pass_sass(p: planner.PassPlan, arch: str, src_dir: Path | None = None) -> st
     return _sass(p.source, tuple(sorted(p.defines.items())), arch, str(src_dir) if src_dir else None)
 
 
-def _gemm_us(flops: float, device: DeviceProfile) -> float:
-    major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
-    peak = device.sm_count * device.clock_mhz * 1e6 * hw.fp32_lanes_per_sm(major, minor) * 2
-    return hw.GEMM_LAUNCH_US + flops / (hw.GEMM_PEAK_FRACTION * peak) * 1e6
+def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) -> float:
+    """A cuBLAS GEMM of ``flops``: fp32 (SGEMM on the FP32 lanes), or with ``tensor_cores``
+    16-bit operands summed in fp32 (gemmEx: a 16-bit layer's input projection), each at its
+    fraction of the peak (``hw.GEMM_PEAK_FRACTION``, ``hw.TENSOR_GEMM_PEAK_FRACTION``)."""
+    if tensor_cores:  # the mma's FMA per cycle of a sub-partition (hw.HMMA_INTERVAL)
+        per_sm, fraction = hw.SUB_PARTITIONS * hw.MMA_FMA / hw.HMMA_INTERVAL, \
+            hw.TENSOR_GEMM_PEAK_FRACTION
+    else:
+        major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
+        per_sm, fraction = hw.fp32_lanes_per_sm(major, minor), hw.GEMM_PEAK_FRACTION
+    peak = device.sm_count * device.clock_mhz * 1e6 * per_sm * 2
+    return hw.GEMM_LAUNCH_US + flops / (fraction * peak) * 1e6
 
 
 # API calls of one layer-direction call beside its chain (persistent_rnn/launch.py), read from
@@ -526,11 +534,12 @@ class CallCost:
 
 
 def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
-               backward: bool, device: DeviceProfile) -> CallCost:
+               backward: bool, device: DeviceProfile, half: bool = False) -> CallCost:
     """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass
     runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
     steady state: with ``chain_graphs`` on, the chain is one graph launch from the host (its
-    nodes still run on the device)."""
+    nodes still run on the device). ``half``: a 16-bit layer, whose forward projects its input
+    on the tensor cores (its backward's GEMMs take the fp32 gradients: fp32)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden
     chain = launch.chain_launches(settings.current().max_restarts)
@@ -545,7 +554,9 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         other = BACKWARD_OTHER_CALLS + 2 * lstm
     calls = chain_calls + launch.RECORD_CALLS + other
     small = other - len(gemms) + launch.CHAIN_MEMSETS  # fills, copies, adds: short kernels
-    device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US + sum(_gemm_us(f, device) for f in gemms)
+    tensor_cores = half and not backward
+    device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US
+                 + sum(_gemm_us(f, device, tensor_cores) for f in gemms)
                  + small * hw.EMPTY_LAUNCH_US)
     if backward:  # its resume launches load W_hh^T (fp32, from L2) before they exit
         resumes = settings.current().max_restarts
@@ -568,11 +579,12 @@ def pass_kernel_us(step_us: float, p: planner.PassPlan, seq_len: int, backward: 
 
 
 def call_us(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
-            backward: bool, device: DeviceProfile) -> float:
+            backward: bool, device: DeviceProfile, half: bool = False) -> float:
     """Per-call device microseconds beside the recurrence (``CallCost.device_us``): what a call
     adds to its steps on the GPU. Its host work overlaps the GPU (nothing is read back), so a
     call's end-to-end time is the larger of the two (``StepTime.call_time_us``)."""
-    return call_costs(cell, hidden, batch, seq_len, input_size, backward, device).device_us
+    return call_costs(cell, hidden, batch, seq_len, input_size, backward, device,
+                      half).device_us
 
 
 @dataclass(frozen=True)
@@ -621,10 +633,16 @@ def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
     for p in (plan.forward, plan.backward):
         shape = PassShape(cell, p, batch, hidden)
         terms.append(step_terms(pass_sass(p, device.arch, src_dir), shape, device))
-    calls = [call_costs(cell, hidden, batch, seq_len, input_size, b, device) for b in (False, True)]
+    calls = [call_costs(cell, hidden, batch, seq_len, input_size, b, device, _half(plan))
+             for b in (False, True)]
     return StepTime(terms[0].total_us, terms[1].total_us, terms[0], terms[1],
                     calls[0].device_us, calls[1].device_us, plan,
                     forward_host_us=calls[0].host_us, backward_host_us=calls[1].host_us)
+
+
+def _half(plan: planner.Plan) -> bool:
+    """Whether ``plan`` holds its weights in 16 bits (a 16-bit layer)."""
+    return bool(plan.forward.defines.get("PRNN_WEIGHT_DTYPE"))
 
 
 def predict_step_time(cell: str, hidden: int, batch: int, dtype: str = "float32",
@@ -684,8 +702,8 @@ def predict_stack_time(cell: str, hidden: int, batch: int, layers: int, seq_len:
     if one.fits:
         st = predict_plan(spec, hidden, batch, one, dev, seq_len=seq_len)
         for k, (step, backward) in enumerate(((st.forward_us, False), (st.backward_us, True))):
-            apart[k] = directions * sum(seq_len * step + call_us(spec, hidden, batch, seq_len, i,
-                                                                 backward, dev) for i in inputs)
+            apart[k] = directions * sum(seq_len * step + call_us(
+                spec, hidden, batch, seq_len, i, backward, dev, _half(one)) for i in inputs)
     if not sp.fits:
         return StackTime(None, None, apart[0], apart[1], sp)
     passes = []
@@ -752,8 +770,8 @@ def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
     for steps in PER_CALL_STEPS:
         st = predict_plan(cell, hidden, batch, plan, device, seq_len=steps,
                           input_size=PER_CALL_INPUT)
-        fwd, bwd = (call_costs(cell, hidden, batch, steps, PER_CALL_INPUT, b, device)
-                    for b in (False, True))
+        fwd, bwd = (call_costs(cell, hidden, batch, steps, PER_CALL_INPUT, b, device,
+                               _half(plan)) for b in (False, True))
         rows.append({"seq_len": steps, "forward_host_us": fwd.host_us,
                      "backward_host_us": bwd.host_us, "forward_python_us": fwd.python_us,
                      "backward_python_us": bwd.python_us, "forward_api_calls": fwd.api_calls,

@@ -5,9 +5,10 @@ decide the device: NumPy inputs run on the CPU, CuPy inputs on the current GPU, 
 parameters and gradients follow the data (moved once when the device changes, then kept there).
 
 16-bit layers (``dtype="float16"`` or ``"bfloat16"``) keep parameters and gradients in that
-dtype, as ``torch.nn`` modules after ``.half()`` do; each call computes in fp32 on their values
-(exact), rounds h_t to the dtype every step (where the 16-bit kernels do) and returns 16-bit
-arrays. bfloat16 arrays are NumPy arrays of ``ml_dtypes.bfloat16``; CuPy has none.
+dtype, as ``torch.nn`` modules after ``.half()`` do; each call multiplies the 16-bit input by
+``W_ih`` as they are (on a GPU on the tensor cores, fp32 accumulation), computes the rest in fp32
+on their values (exact), rounds h_t to the dtype every step (where the 16-bit kernels do) and
+returns 16-bit arrays. bfloat16 arrays are NumPy arrays of ``ml_dtypes.bfloat16``; CuPy has none.
 """
 from __future__ import annotations
 
@@ -136,10 +137,9 @@ class _Recurrent:
             lengths = validation.lengths(lengths, batch, steps, xp)
         self._to_device(xp)
         self._ctx = None
-        params = self.params if self._half is None else {
-            k: self._compute(v) for k, v in self.params.items()}
+        # (16-bit arrays as they are: functional converts what it computes on)
         y, hn, ctx = functional.forward(
-            self.cell, params, self._compute(x), self._compute(hx), lengths,
+            self.cell, self.params, x, hx, lengths,
             num_layers=self.num_layers, bidirectional=self.bidirectional,
             batch_first=self.batch_first, algo=self.algo, half=self._half)
         self._ctx, self._y_shape, self.last_run = ctx, tuple(y.shape), ctx.stats
@@ -164,7 +164,7 @@ class _Recurrent:
         batch = self._y_shape[0] if self.batch_first else self._y_shape[1]
         self._check_state("dhn", dh, dc, batch)
         ctx, self._ctx = self._ctx, None
-        dx, dhx, grads = functional.backward(ctx, self._compute(dy), self._compute(dhn))
+        dx, dhx, grads = functional.backward(ctx, dy, dhn)
         for key, g in grads.items():
             if self._half is None:
                 self.grads[key] += g
@@ -172,15 +172,6 @@ class _Recurrent:
                 self.grads[key][...] = (self.grads[key].astype(np.float32) + g).astype(self.dtype)
         self.last_run = ctx.backward_stats
         return self._store(dx), self._store(dhx)
-
-    def _compute(self, a: Any) -> Any:
-        """``a`` (an array, a pair of them, or ``None``) in the dtype the layer computes in:
-        float32 for a 16-bit layer (exact), else unchanged."""
-        if self._half is None or a is None:
-            return a
-        if isinstance(a, (tuple, list)):
-            return tuple(self._compute(v) for v in a)
-        return a.astype(np.float32)
 
     def _store(self, a: Any) -> Any:
         """A result (an array, a pair of them) in the layer's dtype (16-bit: rounded once)."""

@@ -13,9 +13,18 @@ use ``cupy.matmul`` then. ``matmul(a, b, out=None)`` dispatches:
   transposes and views are not copied), which rounds differently from cuBLAS within the usual
   fp round-off of a K-term sum.
 
-The kernel path takes 2-D float32 or float64 operands of one dtype (what the library's paths
-issue; its 16-bit layers compute on float32 arrays); anything else under capture is a TypeError
-or ValueError naming the argument.
+The kernel path takes 2-D float32 or float64 operands of one dtype; anything else under
+capture is a TypeError or ValueError naming the argument.
+
+``matmul_half(a, b, half, out=None)`` is the product of 16-bit operands (a 16-bit layer's input
+projection), float32 out; it dispatches:
+
+* NumPy arrays: ``numpy.matmul`` of their float32 values (exact: what the CPU emulation always
+  computed);
+* CuPy arrays, not capturing: cuBLAS ``gemmEx`` on the tensor cores, 16-bit operands, fp32
+  accumulation and output (``CUBLAS_COMPUTE_32F``); fp16 and bf16 products are exact in fp32,
+  so this is the fp32 GEMM of the converted operands up to the order of the sums;
+* CuPy arrays, capturing: ``captured_matmul`` of their float32 values.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ._sources import cuda_src_dir, read_source
+from .halves import half_dtype, narrow, widen
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -33,6 +43,8 @@ TILE = 32  # rows and columns of C per CTA (MM_TILE of matmul.cu)
 THREADS = 256  # threads per CTA (MM_THREADS)
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _MAX_INT32 = 2**31 - 1
+_CUDA_TYPES = {"float16": "CUDA_R_16F", "bfloat16": "CUDA_R_16BF"}  # cudaDataType names
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemmEx's alpha and beta (host)
 
 
 def matmul(a: Array, b: Array, out: Array | None = None) -> Array:
@@ -43,6 +55,104 @@ def matmul(a: Array, b: Array, out: Array | None = None) -> Array:
     if not cupy.cuda.get_current_stream().is_capturing():
         return cupy.matmul(a, b, out=out)
     return captured_matmul(cupy, a, b, out)
+
+
+def matmul_half(a: Array, b: Array, half: str, out: Array | None = None) -> Array:
+    """``a @ b`` of 16-bit operands as float32 (into ``out``, float32, where given), by the
+    module docstring's dispatch. ``a``, ``b``: 2-D arrays of ``half`` ("float16", "bfloat16"),
+    or float32 arrays holding values of it (a lower layer's output: narrowed, exactly, where the
+    tensor cores take it). TypeError / ValueError naming the argument otherwise."""
+    dtype = half_dtype(half)
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype != dtype and x.dtype != np.float32:
+            raise TypeError(f"{name}: matmul_half takes {half} (or float32 holding {half} values) "
+                            f"operands, got {x.dtype}")
+    if isinstance(a, np.ndarray):
+        return np.matmul(widen(a), widen(b), out=out)
+    cupy = sys.modules["cupy"]
+    if cupy.cuda.get_current_stream().is_capturing():
+        return captured_matmul(cupy, widen(a), widen(b), out)
+    return tensor_core_matmul(cupy, narrow(a, half), narrow(b, half), out)
+
+
+def tensor_core_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Array:
+    """``a @ b`` of two CuPy arrays of one 16-bit dtype as float32, by cuBLAS ``gemmEx``
+    (tensor cores, fp32 accumulation) on the current stream; ``out``: float32 (m, n)."""
+    m, n, k = _sizes(a, b)
+    if a.dtype != b.dtype or a.dtype.name not in _CUDA_TYPES:
+        raise TypeError(f"a, b: the tensor-core matmul takes two float16 or two bfloat16 "
+                        f"operands, got {a.dtype} and {b.dtype}")
+    if out is None:
+        out = cupy.empty((m, n), np.float32)
+    elif out.shape != (m, n) or out.dtype != np.float32:
+        raise ValueError(f"out: expected shape {(m, n)} and dtype float32, got {out.shape} "
+                         f"and {out.dtype}")
+    rows = _row_stride(out)  # cuBLAS writes rows of a stride; anything else via a copy
+    target = out if rows is not None else cupy.empty((m, n), np.float32)
+    if m and n:
+        if k == 0:  # an empty sum: zeros (cuBLAS would be asked for a 0-deep product)
+            target.fill(0)
+        else:
+            _gemm_ex(cupy, a, b, target, rows or max(n, 1))
+    if target is not out:
+        out[...] = target
+    return out
+
+
+def _gemm_ex(cupy, a: Array, b: Array, out: Array, ldc: int) -> None:
+    """``out = a @ b`` through ``cublasGemmEx`` (``_column_major_problem``), alpha 1 and beta 0
+    from host memory, on the handle CuPy keeps per device."""
+    from cupy_backends.cuda.libs import cublas
+    op_1, op_2, m, n, k, first, ld_1, second, ld_2, c, ldc = _column_major_problem(
+        cupy, cublas, a, b, out, ldc)
+    kind = getattr(cupy.cuda.runtime, _CUDA_TYPES[a.dtype.name])
+    handle = cupy.cuda.device.get_cublas_handle()  # (each cuBLAS call takes CuPy's current stream)
+    mode = cublas.getPointerMode(handle)
+    if mode != cublas.CUBLAS_POINTER_MODE_HOST:
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmEx(handle, op_1, op_2, m, n, k, _ONE.ctypes.data, first.data.ptr, kind, ld_1,
+                      second.data.ptr, kind, ld_2, _ZERO.ctypes.data, c.data.ptr,
+                      cupy.cuda.runtime.CUDA_R_32F, ldc, cublas.CUBLAS_COMPUTE_32F,
+                      cublas.CUBLAS_GEMM_DEFAULT)
+    finally:
+        if mode != cublas.CUBLAS_POINTER_MODE_HOST:
+            cublas.setPointerMode(handle, mode)
+
+
+def _column_major_problem(cupy, cublas, a: Array, b: Array, out: Array, ldc: int) -> tuple:
+    """cuBLAS's arguments for ``out = a @ b``: ``(op_1, op_2, m', n', k, first, ld_1, second,
+    ld_2, out, ldc)`` of ``C = op_1(first) op_2(second)``. cuBLAS is column-major: the
+    row-major ``out`` (m, n) of row stride ``ldc`` is the column-major ``out^T`` (n, m), so it
+    computes ``out^T = b^T a^T``, each operand's memory read as the column-major matrix it is
+    (``_operand``)."""
+    (m, k), n = a.shape, b.shape[1]
+    b, op_b, ldb = _operand(cupy, b, cublas)
+    a, op_a, lda = _operand(cupy, a, cublas)
+    return op_b, op_a, n, m, k, b, ldb, a, lda, out, ldc
+
+
+def _operand(cupy, x: Array, cublas) -> tuple[Array, int, int]:
+    """``(x, op, ld)``: a 2-D operand (r, c) for ``_gemm_ex``, which needs its transpose in
+    column-major order. Rows of a stride (``ld >= c``) are that transpose as they are (op N);
+    columns of a stride (a transposed view, ``ld >= r``) are ``x`` itself (op T); anything else
+    is copied contiguous first (by its 16 bits: no arithmetic on the dtype)."""
+    item = x.itemsize
+    (r, c), (s0, s1) = x.shape, (x.strides[0] // item, x.strides[1] // item)
+    if (s1 == 1 or c <= 1) and (r <= 1 or s0 >= max(c, 1)):
+        return x, cublas.CUBLAS_OP_N, max(c, 1) if r <= 1 else s0
+    if (s0 == 1 or r <= 1) and (c <= 1 or s1 >= max(r, 1)):
+        return x, cublas.CUBLAS_OP_T, max(r, 1) if c <= 1 else s1
+    return cupy.ascontiguousarray(x.view(np.uint16)).view(x.dtype), cublas.CUBLAS_OP_N, max(c, 1)
+
+
+def _row_stride(out: Array) -> int | None:
+    """The row stride (in elements) of an (m, n) ``out`` whose rows cuBLAS can write, else
+    ``None``."""
+    (m, n), (s0, s1) = out.shape, (out.strides[0] // out.itemsize, out.strides[1] // out.itemsize)
+    if (s1 == 1 or n <= 1) and (m <= 1 or s0 >= max(n, 1)):
+        return max(n, 1) if m <= 1 else s0
+    return None
 
 
 def captured_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Array:
@@ -82,18 +192,27 @@ def shared_bytes(dtype) -> int:
 
 def _checked(a: Array, b: Array) -> tuple[int, int, int, np.dtype]:
     """``(m, n, k, dtype)`` of ``a @ b`` for the kernel; TypeError / ValueError otherwise."""
-    if a.ndim != 2 or b.ndim != 2:
-        raise ValueError(f"a, b: the capture-safe matmul takes 2-D operands, got {a.ndim}-D and "
-                         f"{b.ndim}-D")
     if a.dtype != b.dtype or a.dtype not in _SUFFIX:
         raise TypeError(f"a, b: the capture-safe matmul takes two float32 or two float64 "
                         f"operands, got {a.dtype} and {b.dtype}")
+    m, n, k = _sizes(a, b)
+    if -(-m // TILE) * -(-n // TILE) > _MAX_INT32:
+        raise ValueError(f"a, b: {a.shape} @ {b.shape} is too large for the capture-safe matmul")
+    return m, n, k, a.dtype
+
+
+def _sizes(a: Array, b: Array) -> tuple[int, int, int]:
+    """``(m, n, k)`` of ``a @ b``: 2-D operands of matching inner sizes, each size a 32-bit
+    int (what the kernel and cuBLAS take); ValueError naming the operands otherwise."""
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"a, b: the library's matmul takes 2-D operands, got {a.ndim}-D and "
+                         f"{b.ndim}-D")
     (m, k), (k_b, n) = a.shape, b.shape
     if k != k_b:
         raise ValueError(f"a, b: inner sizes differ, {a.shape} @ {b.shape}")
-    if max(m, n, k) > _MAX_INT32 or -(-m // TILE) * -(-n // TILE) > _MAX_INT32:
-        raise ValueError(f"a, b: {a.shape} @ {b.shape} is too large for the capture-safe matmul")
-    return m, n, k, a.dtype
+    if max(m, n, k) > _MAX_INT32:
+        raise ValueError(f"a, b: {a.shape} @ {b.shape} is too large for a 32-bit GEMM")
+    return m, n, k
 
 
 @lru_cache(maxsize=None)

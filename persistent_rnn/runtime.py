@@ -39,9 +39,10 @@ import numpy as np
 
 from . import buffers, chain_graphs, gemm, hardware, launch, plan as planner, settings
 from .cells import CellSpec
+from .halves import widen
 from .matmul import matmul
 from .stats import RunStats
-from .validation import ALGOS
+from .validation import ALGOS, HALF_DTYPES
 
 Array = Any
 
@@ -81,8 +82,9 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     """Enqueue the forward recurrence over all steps of ``gi`` (the GEMM path, or a persistent
     pass with its restarts and completion on the device: nothing is read back). ``half``:
     ``None``, or the 16-bit dtype ("float16", "bfloat16") of a layer whose fp32 data holds values
-    of that dtype: W_hh is held in it and h_t rounded to it every step. ``w_hr``: an LSTM's
-    projection (P, H), or ``None``."""
+    of that dtype: W_hh is held in it and h_t rounded to it every step; its ``w_hh`` and ``w_hr``
+    may be arrays of that dtype (the persistent kernels take their bits as they are, the GEMM
+    path their float32 values). ``w_hr``: an LSTM's projection (P, H), or ``None``."""
     proj_size = 0 if w_hr is None else w_hr.shape[0]
     y, cs, saved = buffers.allocate_forward(cell, gi, proj_size)
     result = ForwardResult(y, cs, saved, None if w_hr is None else buffers.array_module(
@@ -92,6 +94,8 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     engine, reason = (None, None) if algo == "gemm" else _engine(
         cell, gi, hidden, batch, algo, backward=False, half=half, proj_size=proj_size)
     if engine is None:
+        if half is not None:
+            w_hh, w_hr = widen(w_hh), widen(w_hr)
         gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0,
                            half=half, w_hr=w_hr, hs=result.hs)
         return result, RunStats(algo="gemm", fallback=reason)
@@ -137,6 +141,8 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         cell, dy, hidden, batch, algo, backward=True, half=half, proj_size=proj_size)
     dgi, dgh = _gradient_buffers(cell, dy, hidden, None if engine is None else slot)
     if engine is None:
+        if half is not None:
+            w_hh, w_hr = widen(w_hh), widen(w_hr)
         drs = None if w_hr is None else buffers.array_module(dy).empty_like(dy)
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps,
@@ -176,7 +182,7 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         complete.pop(name, None)
     stats = _run_on_device(chain, args, steps - 1, -1, kernel, complete)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
-    dh0 = matmul(dgh[0], w_hh)
+    dh0 = matmul(dgh[0], w_hh if half is None else widen(w_hh))
     dh0 += dh_carry[0]  # (in place: the same sum, one array)
     return BackwardResult(dgi, dgh, dh0, dc_carry[0] if cell.has_cell_state else None,
                           drs), stats
@@ -293,8 +299,9 @@ def _engine(cell: CellSpec, data: Array, hidden: int, batch: int, algo: str,
 
 
 def why_not_persistent(data: Array, batch: int, algo: str) -> str | None:
-    """Why the persistent kernel should not run, before any plan (or ``None``)."""
-    if np.dtype(data.dtype) != np.float32:
+    """Why the persistent kernel should not run, before any plan (or ``None``). ``data``: the
+    layer's float32 data, or a 16-bit layer's 16-bit input (its arrays as the layer holds them)."""
+    if np.dtype(data.dtype) != np.float32 and np.dtype(data.dtype).name not in HALF_DTYPES:
         return (f"dtype is {np.dtype(data.dtype).name}: the persistent kernels compute in "
                 f"float32 (weights in float32 or 16 bits); algo='gemm' runs it")
     if data.shape[0] > _MAX_STEPS:

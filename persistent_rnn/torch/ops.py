@@ -12,9 +12,11 @@ All tensors are time-major: ``x`` (T, B, I), ``lengths`` ``None`` or CPU int64 (
 (packed-sequence semantics), ``h0``/``c0`` ``None`` (zeros) or (L*D, B, H) (``h0`` (L*D, B, P)
 for an LSTM with projection), ``weights`` in torch.nn's ``_flat_weights_names`` order (with a
 projection ``weight_hr`` last in each layer-direction), all of ``x``'s dtype. float16 and
-bfloat16 tensors run the library's 16-bit layers: computed in fp32 on their values, h_t rounded
-to the dtype every step, W_hh held in it by the persistent kernels; the results come back in the
-dtype, the activations kept for backward stay fp32. The forward returns ``(y, h_n, c_n, saved)`` where
+bfloat16 tensors run the library's 16-bit layers on their memory as 16-bit arrays (no copy): the
+input projection multiplies the 16-bit x and W_ih (on a GPU on the tensor cores, fp32
+accumulation), the rest computes in fp32 on their values, h_t rounded to the dtype every step,
+W_hh held in it by the persistent kernels; the results come back in the dtype, the activations
+kept for backward stay fp32. The forward returns ``(y, h_n, c_n, saved)`` where
 ``c_n`` is empty unless the cell is an LSTM and ``saved`` are the activations backward needs
 (``functional.saved_arrays``): the op is functional, with nothing kept on the side.
 
@@ -39,6 +41,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .. import functional
 from ..cells import CELLS, CellSpec, from_mode
+from ..halves import half_dtype
 from ..stats import RunStats
 from ..validation import ALGOS
 from .packing import PackedLayout
@@ -182,7 +185,7 @@ def _cell(mode: str) -> CellSpec:
 
 def _params(weights: list[Tensor], num_layers: int, bidirectional: bool,
             slot: int | None = None) -> dict:
-    """The weights as the library's dict of arrays (float32 for 16-bit weights), under
+    """The weights as the library's dict of arrays (``_array``: views of their memory), under
     torch.nn's names; ``slot``: the module's ``RunRecord`` slot, whose ``WeightViews`` remembers
     the dict for the next call on the same weights."""
     record = None if slot is None else _RECORDS.get(slot)
@@ -200,9 +203,9 @@ def _fresh_params(weights: list[Tensor], num_layers: int, bidirectional: bool) -
 
 class WeightViews:
     """One module's weights as the library's arrays (``_params``), remembered from the last call
-    and reused while they cannot be stale. Only views are remembered (contiguous weights of a
-    library dtype, on the CPU as NumPy arrays, on a GPU as CuPy arrays over the same memory;
-    not 16-bit ones: those are converted copies): a view shares its tensor's memory, so it
+    and reused while they cannot be stale. Only views are remembered (contiguous weights, on the
+    CPU as NumPy arrays, on a GPU as CuPy arrays over the same memory, 16-bit ones as 16-bit
+    arrays): a view shares its tensor's memory, so it
     holds the current values as long as it is a view of the same tensor at the same memory and
     shape (the library reads it on torch's current stream, after whatever torch enqueued there
     to update it). Checked per call:
@@ -243,8 +246,8 @@ class WeightViews:
     def _remember(self, weights: list[Tensor], params: dict) -> None:
         stamps = []
         for w in weights:
-            if w.dtype in _HALF or not w.is_contiguous():
-                self._entry = ((), (), {})  # a converted copy, not a view: made afresh every call
+            if not w.is_contiguous():
+                self._entry = ((), (), {})  # a contiguous copy, not a view: made afresh every call
                 return
             try:
                 stamps.append((w.data_ptr(), w._version, w.shape))
@@ -290,7 +293,7 @@ def _half(t: Tensor) -> str | None:
 
 
 def _array(t: Tensor | None) -> Array | None:
-    """``to_array`` of ``t``, converted to float32 first if it is 16-bit (exact)."""
+    """``to_array`` of ``t``; a 16-bit tensor as the library's 16-bit array (``_half_array``)."""
     if t is None:
         return None
     if t.is_cpu and t.dtype not in _HALF and t.is_contiguous():
@@ -302,7 +305,17 @@ def _array(t: Tensor | None) -> Array | None:
             except RuntimeError:
                 pass
         return t.numpy(force=True)
-    return to_array(t.float() if t.dtype in _HALF else t)
+    return _half_array(t) if t.dtype in _HALF else to_array(t)
+
+
+def _half_array(t: Tensor) -> Array:
+    """A float16 or bfloat16 tensor's memory as an array of that dtype (``halves``; no copy
+    where it is contiguous). bfloat16 goes by its bits, carried as float16: NumPy has no
+    bfloat16 of its own, and CuPy's DLPack import costs tens of µs a tensor where a float16 one
+    is wrapped directly (``interop._cuda_array``)."""
+    if t.dtype == torch.float16:
+        return to_array(t)
+    return to_array(t.detach().view(torch.float16)).view(half_dtype("bfloat16"))
 
 
 def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
