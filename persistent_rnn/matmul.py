@@ -174,7 +174,7 @@ def captured_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Array
 
 def load_captured_kernel(dtype) -> None:
     """Compile and load the kernel ``matmul`` runs under capture for ``dtype`` now, outside any
-    capture (a caller that will capture its first products: the resident decoder)."""
+    capture (for a caller about to capture its first products)."""
     _module().get_function(f"prnn_matmul_{_SUFFIX[np.dtype(dtype)]}")
 
 
