@@ -16,8 +16,9 @@
 #   compare  fp16 and bf16 (persistent_rnn.torch) against torch.nn; LSTMP; a stack of 2
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
-#   fresh    what has never run on a GPU (the tests of the mma tiles, the resident decoder, torch
-#            interop, chain graphs, allocations), then the call cost, the decode loop, the exchange
+#   fresh    what has not yet run on a GPU (the decoder's in-kernel projection, the 16-bit
+#            projection on the tensor cores, the torch hand-over), then the device time of a call
+#            by kernel, the decode loop, the hand-over's host costs, a decoding step's profile
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
 #   --dry-run lists the steps, their time limits and each part's total, and runs nothing.
 #   --cpu runs part `first` without a GPU (the CPU emulation at tiny sizes: a check of the harness,
@@ -207,15 +208,16 @@ part_sweeps() {  # limits 260 s
     --hidden 1024,256 --batches 1,8 --seq-len 100
 }
 
-part_fresh() {  # limits 345 s: the work of 2026-11-26's second session, none of it run on a GPU
-  # 16-bit forwards now run on the tensor cores from batch 2 (test_half_gpu's layers take them)
-  step fresh_tests 150 "$PY" bench/pytest_resume.py --budget 140 -- -m gpu -p no:cacheprovider \
-    --timeout=60 -rfEs --durations=15 tests/test_mma.py tests/test_half_gpu.py \
-    tests/test_gpu_decoder.py tests/test_gpu_torch_interop.py tests/test_gpu_chain_graphs.py \
-    tests/test_call_allocations.py
-  step gpu_call_cost 60 "$PY" bench/gpu_call_cost.py --out "$OUT"
-  step decode_loop 90 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 70
-  step barrier_latency 45 "$PY" bench/barrier_latency.py --out "$OUT"
+part_fresh() {  # limits 220 s: what has not yet run on a GPU, in the order to learn it
+  # the in-kernel projection and device step count of the decoder; the 16-bit projection on the
+  # tensor cores (cuBLAS gemmEx); the torch hand-over's cached streams and graph-pool arrays
+  step fresh_tests 100 "$PY" bench/pytest_resume.py --budget 90 -- -m gpu -p no:cacheprovider \
+    --timeout=60 -rfEs --durations=10 tests/test_gpu_decoder.py tests/test_gpu_half_projection.py \
+    tests/test_half_gpu.py tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py
+  step call_kernels 40 "$PY" bench/call_kernels.py --out "$OUT"
+  step decode_loop 35 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 12
+  step interop_cost 20 "$PY" bench/interop_cost.py --out "$OUT"
+  step decoder_profile 25 "$PY" bench/decoder_profile.py --out "$OUT"
 }
 
 [ $DRY = 1 ] || mkdir -p "$OUT" || exit 2

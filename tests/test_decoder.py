@@ -109,7 +109,8 @@ def test_steps_match_float64_and_step_projected_equals_the_sequence_kernel(place
     _close(got, _cell_loop(layer, xs))
     # step_projected: the caller's projections, bitwise the whole-sequence kernel on them
     p = layer.params
-    gi = np.stack([_projected(x[None], p["weight_ih_l0"], p["bias_ih_l0"], "test")[0].copy()
+    w, b = p["weight_ih_l0"], p["bias_ih_l0"]
+    gi = np.stack([_projected(x[None], w, b, "test", None)[0].copy()
                    for x in xs])  # (a copy: the product lands in a reused workspace)
     zeros = np.zeros((B, H), np.float32)
     with prnn.override_settings(**PER_LAYER):
