@@ -102,19 +102,6 @@ def timed(fn: Callable[[], object], cuda: bool) -> float:
     return time.perf_counter() - t0
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured once in a CUDA graph (after a warm-up on a side stream), then replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, device: str) -> float:
     """Seconds of one ``steps``-step loop of ``road``."""
     cuda = device == "cuda"
@@ -132,7 +119,7 @@ def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, devi
                     step = _projected_step(mode, dec, gi)
                 else:
                     step = _decoder_step(mode, dec)
-                return _timed_loop(road, step, x0, steps, cuda)
+                return _timed_loop(road, step, x0, steps, cuda, dec.resume)
         if road == "fused":
             step = _cell_step(mode, cell_cls(hidden, hidden, algo="persistent").to(device))
         elif road.startswith("torch_cell"):
@@ -142,10 +129,13 @@ def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, devi
         return _timed_loop(road, step, x0, steps, cuda)
 
 
-def _timed_loop(road: str, step: Callable, x0: torch.Tensor, steps: int, cuda: bool) -> float:
+def _timed_loop(road: str, step: Callable, x0: torch.Tensor, steps: int, cuda: bool,
+                before_replay: Callable[[], object] | None = None) -> float:
     def loop():
         return run_loop(step, x0, steps)
-    return timed(graphed(loop) if road.endswith("_graph") else loop, cuda)
+    if road.endswith("_graph"):
+        return timed(benchmark.torch_graph_replay(loop, before_replay), cuda)
+    return timed(loop, cuda)
 
 
 def main(argv: list[str] | None = None) -> int:

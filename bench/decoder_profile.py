@@ -19,10 +19,12 @@ import io
 import pstats
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 import persistent_rnn.torch as prt
+from persistent_rnn import benchmark
 
 HIDDEN, BATCH = 640, 1
 CPU_HIDDEN = 16
@@ -50,20 +52,14 @@ def host_profile(loop) -> str:
     return out.getvalue()
 
 
-def device_profile(loop, steps: int) -> str:
-    """Device µs per step by kernel over a CUDA-graph replay of ``loop``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        loop()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loop()
-    graph.replay()
+def device_profile(loop, steps: int, before_replay: Callable[[], object] | None) -> str:
+    """Device µs per step by kernel over a CUDA-graph replay of ``loop`` (the second replay,
+    each after ``before_replay()``)."""
+    replay = benchmark.torch_graph_replay(loop, before_replay)
+    replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
@@ -87,13 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     theirs = torch.nn.LSTMCell(hidden, hidden).to(device)
     sections = []
     with torch.no_grad(), ours.decoder(batch=BATCH) as dec:
-        for name, step in (("decoder.step", dec.step), ("prt.LSTMCell (fused step)", ours),
-                           ("torch.nn.LSTMCell", theirs)):
+        for name, step, before_replay in (
+                ("decoder.step", dec.step, dec.resume), ("prt.LSTMCell (fused step)", ours, None),
+                ("torch.nn.LSTMCell", theirs, None)):
             loop = _loop(step, x0, steps)
             sections.append(f"== {name}: host, {steps} eager steps\n{host_profile(loop)}")
             if not args.cpu:
                 try:
-                    text = device_profile(loop, steps)
+                    text = device_profile(loop, steps, before_replay)
                 except Exception as exc:  # noqa: BLE001 -- a capture that fails is reported
                     text = f"{type(exc).__name__}: {exc}"
                 sections.append(f"== {name}: device, a captured loop replayed\n{text}")

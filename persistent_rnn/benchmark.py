@@ -440,6 +440,28 @@ def disable_tf32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def torch_graph_replay(fn: Callable[[], object],
+                       before_replay: Callable[[], object] | None = None) -> Callable[[], None]:
+    """``fn`` (torch CUDA work) captured once in a ``torch.cuda.CUDAGraph`` after a warm-up run
+    on a side stream; returns a replay, preceded by ``before_replay()`` where given (a
+    decoder's ``resume``: a replay runs no host code)."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def replay() -> None:
+        if before_replay is not None:
+            before_replay()
+        graph.replay()
+    return replay
+
+
 def resolve_sweep(sweep: Sweep, gpu: bool) -> Sweep:
     """Drop algorithms this machine cannot run (``cudnn`` and ``prnn_torch`` without torch CUDA;
     only ``gemm`` on CPU)."""

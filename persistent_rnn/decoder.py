@@ -308,6 +308,16 @@ class Decoder:
         finally:
             self._residents = []
 
+    def resume(self) -> None:
+        """Relaunch each resident kernel that has exited (idle past its deadline). A step does
+        this itself before it enqueues; a replay of a captured loop runs no host code, so call
+        ``resume()`` before ``graph.replay()``: without it, steps whose resident kernel is gone
+        still compute, by the step kernel alone (one CTA: much slower)."""
+        if self.closed:
+            raise RuntimeError("resume() on a closed decoder")
+        for r in self._residents:
+            r.ensure()
+
     def check(self) -> None:
         """RuntimeError if a step's wait ran past its deadline (reads the device: synchronises)."""
         for r in self._residents:

@@ -440,3 +440,11 @@ def test_interop_cost_runs_on_the_cpu(tmp_path):
     us = json.loads((tmp_path / "interop_cost.json").read_text())["us"]
     assert {"library_stream", "to_array", "to_tensor", "decoder.step",
             "torch.nn.LSTMCell step"} <= set(us) and all(v > 0 for v in us.values()), us
+
+
+def test_decoder_profile_runs_on_the_cpu(tmp_path):
+    """bench/decoder_profile.py --cpu: a host profile of each stepping road."""
+    decoder_profile = _bench_script("decoder_profile")
+    assert decoder_profile.main(["--cpu", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "decoder_profile.txt").read_text()
+    assert text.count("eager steps") == 3 and "function calls" in text

@@ -483,3 +483,24 @@ def test_a_replayed_step_launch_is_the_next_step():
         dec.check()
     for h_out, c_out in outputs:
         assert np.array_equal(h_out, want_h) and np.array_equal(c_out, want_c)
+
+
+def test_resume_relaunches_an_idle_resident_kernel(settings):
+    """``resume()`` (before a captured loop's replay, which runs no host code) relaunches the
+    resident kernel that went idle, so the next steps run resident, not taken over; on a closed
+    decoder it raises."""
+    cell = prnn.LSTMCell(IN, H, seed=2)
+    xs = _inputs()
+    prnn.configure(emulation_timeout_ms=20)
+    with cell.decoder(batch=B) as dec:
+        state = dec.step(xs[0])
+        resident = dec._residents[0]
+        resident.running.join(10)  # idle past its deadline: exited
+        assert resident.ended()
+        prnn.configure(emulation_timeout_ms=2000)  # (the relaunched kernel stays up meanwhile)
+        dec.resume()
+        assert not resident.ended() and dec.relaunches == 1
+        dec.resume()  # running: nothing to do
+        assert dec.relaunches == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        dec.resume()

@@ -45,6 +45,7 @@ def test_cell_decoder_runs_resident_in_the_emulation_and_matches_torch():
             assert isinstance(state[0], torch.Tensor) and state[0].dtype == torch.float32
             for got, w in zip(state, want):
                 assert (got.double() - w).abs().max() < 2e-6
+        dec.resume()  # (running: nothing to relaunch)
         with pytest.raises(ValueError, match="x has batch size 3"):
             dec.step(torch.zeros(3, IN))
         with pytest.raises(TypeError, match=r"state\[0\] must have dtype float32"):
@@ -68,6 +69,7 @@ def test_layer_decoder_matches_torch_and_auto_on_cpu_runs_torchs_step():
     auto.load_state_dict(gru.state_dict())
     with auto.decoder(batch=B) as dec:
         assert not dec.resident and dec.path == "torch" and "CPU" in dec.reason
+        dec.resume()  # (nothing resident: nothing to relaunch)
         y, hn = dec.step(xs[0])
     plain = torch.nn.GRU(IN, H, num_layers=2)
     plain.load_state_dict(gru.state_dict())

@@ -137,9 +137,12 @@ def test_gpu_decoder_loop_captured_in_a_cuda_graph(cupy):
             graph.launch(stream)
         stream.synchronize()
         first = out.get()
+        dec.resume()  # (a replay runs no host code: the resident kernel relaunched first)
         graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(out.get(), first)  # replays: the same bits
+        live = [int(w) & 3 == 0 for w in dec._residents[0].state.get()]
+        assert all(live), "a resumed replay's steps ran on the step kernel, not resident"
     # captured, the caller's products are matmul.cu's, not cuBLAS's: within their round-off
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-7)
 
@@ -173,12 +176,14 @@ def test_gpu_torch_decoder_loop_captured_by_torch_replays_after_other_allocation
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = loop(dec)
+        dec.resume()  # (a replay runs no host code: the resident kernel relaunched first)
         graph.replay()
         torch.cuda.synchronize()
         first = out.clone()
         assert torch.equal(first, want)  # the same kernels as the eager loop's
         clutter = [cupy.full((B, 4 * H), -7.0, np.float32) for _ in range(8)]
         clutter += [torch.full((B, 4 * H), -7.0, device="cuda") for _ in range(8)]
+        dec.resume()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, first)  # nothing the graph uses was handed out again

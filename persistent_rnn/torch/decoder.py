@@ -46,9 +46,9 @@ class TorchDecoder:
         self._module, self._stacked = module, stacked
         self.path, self.reason = _path(module.algo, layers[0]["weight_hh"])
         self._dec: Decoder | None = None
+        self._anchor = layers[0]["weight_hh"]  # (its device and stream: where resume() runs)
         if self.path == LIBRARY:
-            w = layers[0]["weight_hh"]
-            with torch.no_grad(), library_stream(w):
+            with torch.no_grad(), library_stream(self._anchor):
                 arrays = [{k: to_array(v.detach()) for k, v in p.items()} for p in layers]
                 self._dec = Decoder(cell, arrays, batch, input_size, hidden, stacked,
                                     fallback=step_forward)
@@ -64,6 +64,13 @@ class TorchDecoder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def resume(self) -> None:
+        """Relaunch exited resident kernels before a captured loop's replay
+        (``Decoder.resume``); nothing to do for a decoder that runs torch's kernels."""
+        if self._dec is not None:
+            with library_stream(self._anchor):
+                self._dec.resume()
 
     def close(self) -> None:
         """Stop the resident kernels (``Decoder.close``)."""
