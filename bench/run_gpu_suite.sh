@@ -213,7 +213,8 @@ part_fresh() {  # limits 220 s: what has not yet run on a GPU, in the order to l
   # tensor cores (cuBLAS gemmEx); the torch hand-over's cached streams and graph-pool arrays
   step fresh_tests 100 "$PY" bench/pytest_resume.py --budget 90 -- -m gpu -p no:cacheprovider \
     --timeout=60 -rfEs --durations=10 tests/test_gpu_decoder.py tests/test_gpu_half_projection.py \
-    tests/test_half_gpu.py tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py
+    tests/test_half_gpu.py tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py \
+    tests/test_call_allocations.py
   step call_kernels 40 "$PY" bench/call_kernels.py --out "$OUT"
   step decode_loop 35 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 12
   step interop_cost 20 "$PY" bench/interop_cost.py --out "$OUT"
