@@ -16,9 +16,9 @@
 #   compare  fp16 and bf16 (persistent_rnn.torch) against torch.nn; LSTMP; a stack of 2
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
-#   fresh    what has not yet run on a GPU (the decoder's in-kernel projection, the 16-bit
-#            projection on the tensor cores, the torch hand-over), then the device time of a call
-#            by kernel, the decode loop, the hand-over's host costs, a decoding step's profile
+#   fresh    what has not yet run on a GPU (the decoder resumed before a replay, its eager step,
+#            the allocation counts), then the device time of a call by kernel, the decode loop,
+#            the hand-over's host costs, a decoding step's profile
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
 #   --dry-run lists the steps, their time limits and each part's total, and runs nothing.
 #   --cpu runs part `first` without a GPU (the CPU emulation at tiny sizes: a check of the harness,
@@ -209,8 +209,8 @@ part_sweeps() {  # limits 260 s
 }
 
 part_fresh() {  # limits 220 s: what has not yet run on a GPU, in the order to learn it
-  # the in-kernel projection and device step count of the decoder; the 16-bit projection on the
-  # tensor cores (cuBLAS gemmEx); the torch hand-over's cached streams and graph-pool arrays
+  # the decoder's captured loop after resume() (resident) and its eager step; the per-call
+  # allocations of more paths; the 16-bit projection and the hand-over again (run once, 1c83a04)
   step fresh_tests 100 "$PY" bench/pytest_resume.py --budget 90 -- -m gpu -p no:cacheprovider \
     --timeout=60 -rfEs --durations=10 tests/test_gpu_decoder.py tests/test_gpu_half_projection.py \
     tests/test_half_gpu.py tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py \
