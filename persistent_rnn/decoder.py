@@ -24,7 +24,14 @@ whether the resident launch has ended (a stream query; the emulation's ``AsyncLa
 relaunches it; a relaunched CTA takes its slice back from the state word. Nothing hangs: every
 wait is bounded, and a step kernel whose wait ran past ``WAIT_DEADLINES`` deadlines (a resident
 CTA stuck inside a step) records the step in a fault word that the host raises on (at once in
-the emulation, at ``check()``/``close()`` on a GPU).
+the emulation, at ``check()``/``close()`` on a GPU). The deadlines are the settings read when
+the resident kernel is launched (the decoder's creation, each relaunch), not at every step.
+
+A steady-state step is cheap on the host (an eager step is host-bound on a GPU): what a loop
+passes back - arrays of the decoder's type, dtype and shape, C-contiguous - passes identity and
+shape checks, anything else the full checks and their errors; the step kernel's constant
+arguments are made once per launch of the resident kernel (docs/design.md, "The host's share
+of a step").
 
 The rule for big layers: the step kernel's one CTA must find an SM beside the resident grid (one
 CTA per SM, as the planner sizes the tiles), so a decoder is resident only where grid < SM count
@@ -52,7 +59,7 @@ import numpy as np
 from . import hardware, launch, plan as planner, settings
 from .buffers import array_module, weight_words
 from .cells import CellSpec
-from .validation import state as split_state
+from . import validation
 
 Array = Any
 
@@ -251,7 +258,6 @@ class Decoder:
 
     def __init__(self, cell: CellSpec, layers: Sequence[Mapping[str, Array]], batch: int,
                  input_size: int, hidden: int, stacked: bool, fallback: Callable[..., tuple]):
-        from . import validation
         self.batch = validation.positive_int("batch", batch)
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
@@ -457,9 +463,9 @@ class Decoder:
     def _checked_state(self, state: Any) -> tuple[Array, Array | None]:
         """The state h and (LSTM) c, checked and C-contiguous; zeros where ``state`` is None."""
         xp, lstm, shape = self._xp, self._lstm, self._state_shape
-        h, c = split_state("state", state, lstm)
+        h, c = validation.state("state", state, lstm)
         if h is None:
-            h, c = xp.zeros(shape, self.dtype), xp.zeros(shape, self.dtype) if lstm else None
+            return xp.zeros(shape, self.dtype), xp.zeros(shape, self.dtype) if lstm else None
         for name, a in ((("state[0]", h), ("state[1]", c)) if lstm else (("state", h),)):
             self._check_array(name, a)
             if tuple(a.shape) != shape:
@@ -468,7 +474,6 @@ class Decoder:
         return xp.ascontiguousarray(h), None if c is None else xp.ascontiguousarray(c)
 
     def _check_array(self, name: str, a: Array) -> None:
-        from . import validation
         if validation.common_module(**{name: a}) is not self._xp:
             where = "the CPU (NumPy)" if self._xp is np else "the GPU (CuPy)"
             raise TypeError(f"{name} must be on the decoder's device, {where}, got "
