@@ -24,7 +24,14 @@ whether the resident launch has ended (a stream query; the emulation's ``AsyncLa
 relaunches it; a relaunched CTA takes its slice back from the state word. Nothing hangs: every
 wait is bounded, and a step kernel whose wait ran past ``WAIT_DEADLINES`` deadlines (a resident
 CTA stuck inside a step) records the step in a fault word that the host raises on (at once in
-the emulation, at ``check()``/``close()`` on a GPU).
+the emulation, at ``check()``/``close()`` on a GPU). The deadlines are the settings read when
+the resident kernel is launched (the decoder's creation, each relaunch), not at every step.
+
+A steady-state step is cheap on the host (an eager step is host-bound on a GPU): what a loop
+passes back - arrays of the decoder's type, dtype and shape, C-contiguous - passes identity and
+shape checks, anything else the full checks and their errors; the step kernel's constant
+arguments are made once per launch of the resident kernel (docs/design.md, "The host's share
+of a step").
 
 The rule for big layers: the step kernel's one CTA must find an SM beside the resident grid (one
 CTA per SM, as the planner sizes the tiles), so a decoder is resident only where grid < SM count
@@ -52,7 +59,7 @@ import numpy as np
 from . import hardware, launch, plan as planner, settings
 from .buffers import array_module, weight_words
 from .cells import CellSpec
-from .validation import state as split_state
+from . import validation
 
 Array = Any
 
@@ -64,6 +71,7 @@ STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and ex
 WAIT_DEADLINES = 4  # a step kernel waits this many idle deadlines for a resident CTA
 JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (emulation)
 PROJ_BATCH = 4      # batch rows one pass over a CTA's W_ih rows serves (kProjBatch; the model)
+_GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x given, or gi
 
 
 @dataclass(frozen=True)
@@ -131,12 +139,21 @@ class _Resident:
         self.w_ih, self.b_ih = w_ih, b_ih
         self.batch, self.hidden = batch, hidden
         self.module = _module(xp, dp.defines)
+        self._launch = self.module.launch
         self.box = xp.zeros(BOX_WORDS, np.uint32)
         self.state = xp.full(dp.grid, GONE, np.uint32)
         self.fault = xp.zeros(1, np.uint32)
         self.running: Any = None  # emulate.AsyncLaunch, or the CuPy stream of the launch
         self.launches = 0
         self.closed = False
+        # The step kernel's arguments that no step changes, made once (a step then only joins
+        # tuples): the words; x's bias (b_ih where there is one) and its flag, gi's (none, as
+        # the caller's gi holds b_ih); the sizes and the wait deadline (``_step_tail``, made
+        # again at each launch of the resident kernel from the settings read then).
+        self._words = (w_hh, b_hh, w_ih, self.box, self.state, self.fault)
+        self._x_bias = ((b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0)))
+        self._gi_bias = (b_hh, np.int32(0))
+        self._step_tail = self._tail(launch.timeout_ns(xp is np))
 
     def ended(self) -> bool:
         """Whether the resident launch has ended (asked without waiting: the emulated launch's
@@ -152,13 +169,18 @@ class _Resident:
         kernel has gone takes its slices over."""
         if self.xp is not np and self.xp.cuda.get_current_stream().is_capturing():
             return
-        if not self.ended():
-            return
+        if self.ended():
+            self._relaunch()
+
+    def _relaunch(self) -> None:
+        """Launch the resident kernel, reading the settings now: its idle deadline and the
+        step kernel's wait (``WAIT_DEADLINES`` of them), the stall, the emulation's residency."""
         stall = settings.current_stall()
-        dp = self.dp
+        dp, timeout = self.dp, launch.timeout_ns(self.xp is np)
         args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, np.int32(self.batch),
-                np.int32(dp.input_size), np.int32(self.hidden),
-                np.uint64(launch.timeout_ns(self.xp is np)), *stall.args())
+                np.int32(dp.input_size), np.int32(self.hidden), np.uint64(timeout),
+                *stall.args())
+        self._step_tail = self._tail(timeout)
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
             self.running = self.module.launch_async(
                 "prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args,
@@ -167,28 +189,33 @@ class _Resident:
             stream = self.running or self.xp.cuda.Stream(non_blocking=True)
             stream.wait_event(self.xp.cuda.get_current_stream().record())  # the words, zeroed
             with stream:
-                self.module.launch("prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes,
-                                   args)
+                self._launch("prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args)
             self.running = stream
         self.launches += 1
         launch.COUNTERS.add("launches")
 
+    def _tail(self, timeout_ns: int) -> tuple:
+        """The step kernel's last arguments: the sizes, and its wait (``WAIT_DEADLINES`` idle
+        deadlines of the resident kernel, ``timeout_ns`` each)."""
+        return (np.int32(self.dp.grid), np.int32(self.batch), np.int32(self.dp.input_size),
+                np.int32(self.hidden), np.uint64(WAIT_DEADLINES * timeout_ns))
+
     def step(self, x: Array | None, gi: Array | None, h: Array, c: Array | None,
              h_out: Array, c_out: Array | None) -> None:
         """Enqueue the next step (the kernel numbers it: box[1]): the post and the wait, one
-        launch. Exactly one of
-        ``x`` (batch, input_size; the kernels project it and add b_ih) and ``gi`` (the
-        caller's x W_ih^T + b_ih, b_ih included) is given."""
+        launch. Exactly one of ``x`` (batch, input_size; the kernels project it and add b_ih)
+        and ``gi`` (the caller's x W_ih^T + b_ih, b_ih included) is given; every array
+        C-contiguous."""
         self.ensure()
         dp = self.dp
-        wait_ns = np.uint64(WAIT_DEADLINES * launch.timeout_ns(self.xp is np))
-        with_bias = x is not None and self.b_ih is not None
-        args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.fault,
-                gi if x is None else x, np.int32(x is not None), h,
-                h if c is None else c, h_out, h_out if c_out is None else c_out,
-                self.b_ih if with_bias else self.b_hh, np.int32(with_bias), np.int32(dp.grid), np.int32(self.batch), np.int32(dp.input_size),
-                np.int32(self.hidden), wait_ns)
-        self.module.launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
+        if x is None:
+            given, bias = (gi, _GIVEN_GI), self._gi_bias
+        else:
+            given, bias = (x, _GIVEN_X), self._x_bias
+        args = (self._words + given
+                + (h, h if c is None else c, h_out, h_out if c_out is None else c_out)
+                + bias + self._step_tail)
+        self._launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
         launch.COUNTERS.add("launches")
         if self.xp is np and self.fault[0]:  # (free to read in the emulation; a GPU: check())
             self.raise_fault()
@@ -231,7 +258,6 @@ class Decoder:
 
     def __init__(self, cell: CellSpec, layers: Sequence[Mapping[str, Array]], batch: int,
                  input_size: int, hidden: int, stacked: bool, fallback: Callable[..., tuple]):
-        from . import validation
         self.batch = validation.positive_int("batch", batch)
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
@@ -242,6 +268,13 @@ class Decoder:
         xp = self._xp = array_module(self._params[0]["weight_hh"])
         self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
         self._lock = threading.Lock()
+        # What a step's fast checks compare with (``_plain``)
+        self._array_type = type(self._params[0]["weight_hh"])
+        self._lstm = cell.has_cell_state
+        self._x_shape = (self.batch, input_size)
+        self._gi_shape = (self.batch, cell.gates * hidden)
+        self._out_shape = (len(layers), self.batch, hidden)
+        self._state_shape = self._out_shape if stacked else (self.batch, hidden)
         plans, why = self._plans(cell, hidden, xp)
         self.reason = why
         self._residents = [
@@ -329,41 +362,58 @@ class Decoder:
         ``None`` (zeros) or h (a layer: (num_layers, batch, H); a cell: (batch, H)), for LSTM
         ``(h, c)``. Returns a cell's ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM
         ``(y, (h', c'))``; y (batch, H) is the last layer's h')."""
-        return self._step(self._checked_input(x), state, None)
+        if not self._plain(x, self._x_shape):
+            x = self._checked_input(x)
+        return self._step(x, state, None)
+
+    def _plain(self, a: Any, shape: tuple[int, ...]) -> bool:
+        """Whether ``a`` is an array of the decoder's kind, dtype and ``shape``, C-contiguous:
+        what a steady-state step passes, accepted by identity and shape checks (anything else
+        takes the full checks, which raise or make it so)."""
+        return (type(a) is self._array_type and a.dtype == self.dtype and a.shape == shape
+                and a.flags.c_contiguous)
 
     def _step(self, x: Array | None, state: Any, gi: Array | None) -> Any:
-        """A step from ``x`` or, for the first layer, its projection ``gi`` (both checked)."""
-        if self.closed:
-            raise RuntimeError("step() on a closed decoder")
-        h, c = self._checked_state(state)
-        xp, lstm = self._xp, self.cell.has_cell_state
+        """A step from ``x`` or, for the first layer, its projection ``gi`` (both checked and
+        C-contiguous)."""
+        h = c = None
+        if self._lstm:
+            if type(state) is tuple and len(state) == 2:
+                h, c = state
+                if not (self._plain(h, self._state_shape) and self._plain(c, self._state_shape)):
+                    h = None
+        elif self._plain(state, self._state_shape):
+            h = state
+        residents = self._residents
+        if h is None or not residents or residents[0].closed:  # (close() leaves none)
+            if self.closed:
+                raise RuntimeError("step() on a closed decoder")
+            h, c = self._checked_state(state)
+        hs, cs = (h, c) if self._stacked else ((h,), None if c is None else (c,))
         with self._lock:  # one step at a time through the decoder's mailbox
-            hn, cn = (self._resident_step if self._residents else self._fallback_step)(
-                x, h, c, gi)
+            hn, cn = (self._resident_step if residents else self._fallback_step)(x, hs, cs, gi)
         if not self._stacked:
-            return (hn[0], cn[0]) if lstm else hn[0]
-        return (hn[-1], (hn, cn)) if lstm else (hn[-1], hn)
+            return (hn[0], cn[0]) if self._lstm else hn[0]
+        return (hn[-1], (hn, cn)) if self._lstm else (hn[-1], hn)
 
-    def _resident_step(self, x: Array | None, h: list, c: list | None,
+    def _resident_step(self, x: Array | None, h: Sequence[Array], c: Sequence[Array] | None,
                        gi: Array | None) -> tuple[Array, Array | None]:
         """Every layer's step on its resident kernel, one launch each, h' and c' written
-        straight into row n of (num_layers, batch, H) outputs (no stacking copy). The first
-        layer's input: ``x`` (its kernels project it) or the caller's projection ``gi`` (b_ih
-        included); a further layer's: the h' of the layer below (the launch before, on the
-        same stream)."""
-        xp = self._xp
-        shape = (len(self._params), self.batch, self.hidden)
-        hn = xp.empty(shape, self.dtype)
-        cn = xp.empty(shape, self.dtype) if self.cell.has_cell_state else None
-        for n, resident in enumerate(self._residents):
-            given = gi if n == 0 else None
-            below = (None if gi is not None else xp.ascontiguousarray(x)) if n == 0 else hn[n - 1]
-            resident.step(below, given, xp.ascontiguousarray(h[n]),
-                          None if c is None else xp.ascontiguousarray(c[n]), hn[n],
+        straight into row n of (num_layers, batch, H) outputs (no stacking copy). ``h``, ``c``:
+        each layer's state (C-contiguous). The first layer's input: ``x`` (its kernels project
+        it) or the caller's projection ``gi`` (b_ih included); a further layer's: the h' of
+        the layer below (the launch before, on the same stream)."""
+        empty = self._xp.empty
+        hn = empty(self._out_shape, self.dtype)
+        cn = empty(self._out_shape, self.dtype) if self._lstm else None
+        n = 0
+        for resident in self._residents:
+            resident.step(x, gi, h[n], None if c is None else c[n], hn[n],
                           None if cn is None else cn[n])
+            x, gi, n = hn[n], None, n + 1
         return hn, cn
 
-    def _fallback_step(self, x: Array, h: list, c: list | None,
+    def _fallback_step(self, x: Array, h: Sequence[Array], c: Sequence[Array] | None,
                        gi: Array | None) -> tuple[Any, Any]:
         """Every layer's step by the fused step kernel (CuPy float32) or the GEMM step."""
         algo = "persistent" if self._fused() else "gemm"
@@ -376,7 +426,7 @@ class Decoder:
         if not self._stacked:  # (a cell: its arrays as they are, no copy)
             return hs, cs
         xp = self._xp
-        return xp.stack(hs), xp.stack(cs) if self.cell.has_cell_state else None
+        return xp.stack(hs), xp.stack(cs) if self._lstm else None
 
     def step_projected(self, gi: Array, state: Any = None) -> Any:
         """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
@@ -384,14 +434,18 @@ class Decoder:
         vocabulary: the step then skips the kernels' own projection, and is bitwise the
         whole-sequence kernel's step on the same gi. Resident decoders only (ValueError
         otherwise)."""
+        if not self._plain(gi, self._gi_shape) or not self._residents:
+            gi = self._checked_projection(gi)
+        return self._step(None, state, gi)
+
+    def _checked_projection(self, gi: Array) -> Array:
         if not self._residents:
             raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
         self._check_array("gi", gi)
-        rows = self.cell.gates * self.hidden
-        if tuple(gi.shape) != (self.batch, rows):
-            raise ValueError(f"gi must have shape (batch, G*hidden_size) = ({self.batch}, {rows}), "
+        if tuple(gi.shape) != self._gi_shape:
+            raise ValueError(f"gi must have shape (batch, G*hidden_size) = {self._gi_shape}, "
                              f"got {tuple(gi.shape)}")
-        return self._step(None, state, self._xp.ascontiguousarray(gi))
+        return self._xp.ascontiguousarray(gi)
 
     def _fused(self) -> bool:
         return self._xp is not np and self.dtype == np.float32
@@ -404,27 +458,22 @@ class Decoder:
         if x.shape[0] != self.batch:
             raise ValueError(f"x has batch size {x.shape[0]}, but the decoder was made for "
                              f"batch={self.batch}")
-        return x
+        return self._xp.ascontiguousarray(x)
 
-    def _checked_state(self, state: Any) -> tuple[list, list | None]:
-        """The state per layer: h and (LSTM) c, zeros where ``state`` is None."""
-        xp, lstm = self._xp, self.cell.has_cell_state
-        shape = ((len(self._params), self.batch, self.hidden) if self._stacked
-                 else (self.batch, self.hidden))
-        h, c = split_state("state", state, lstm)
+    def _checked_state(self, state: Any) -> tuple[Array, Array | None]:
+        """The state h and (LSTM) c, checked and C-contiguous; zeros where ``state`` is None."""
+        xp, lstm, shape = self._xp, self._lstm, self._state_shape
+        h, c = validation.state("state", state, lstm)
         if h is None:
-            h, c = xp.zeros(shape, self.dtype), xp.zeros(shape, self.dtype) if lstm else None
+            return xp.zeros(shape, self.dtype), xp.zeros(shape, self.dtype) if lstm else None
         for name, a in ((("state[0]", h), ("state[1]", c)) if lstm else (("state", h),)):
             self._check_array(name, a)
             if tuple(a.shape) != shape:
                 dims = "(num_layers, batch, hidden_size)" if self._stacked else "(batch, hidden_size)"
                 raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(a.shape)}")
-        if not self._stacked:
-            return [h], None if c is None else [c]
-        return list(h), None if c is None else list(c)
+        return xp.ascontiguousarray(h), None if c is None else xp.ascontiguousarray(c)
 
     def _check_array(self, name: str, a: Array) -> None:
-        from . import validation
         if validation.common_module(**{name: a}) is not self._xp:
             where = "the CPU (NumPy)" if self._xp is np else "the GPU (CuPy)"
             raise TypeError(f"{name} must be on the decoder's device, {where}, got "

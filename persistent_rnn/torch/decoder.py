@@ -9,7 +9,7 @@ a time (torch's kernels), with ``reason`` saying why.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -47,6 +47,7 @@ class TorchDecoder:
         self.path, self.reason = _path(module.algo, layers[0]["weight_hh"])
         self._dec: Decoder | None = None
         self._anchor = layers[0]["weight_hh"]  # (its device and stream: where resume() runs)
+        self._cuda = self._anchor.is_cuda  # (a CPU decoder has no device or stream to enter)
         if self.path == LIBRARY:
             with torch.no_grad(), library_stream(self._anchor):
                 arrays = [{k: to_array(v.detach()) for k, v in p.items()} for p in layers]
@@ -80,35 +81,55 @@ class TorchDecoder:
     def step(self, x: Tensor, state: Any = None) -> Any:
         """One step, as ``Decoder.step`` with tensors: a cell's ``h'`` (LSTM ``(h', c')``), a
         layer's ``(y, h')`` (LSTM ``(y, (h', c'))``)."""
+        if self._dec is not None:
+            return self._library(self._dec.step, x, state)
         with torch.no_grad():
-            if self._dec is None:
-                if not self._stacked:
-                    return self._module(x, state)
-                time = 1 if self._module.batch_first else 0
-                y, hn = self._module(x.unsqueeze(time), state)
-                return y.squeeze(time), hn
-            with library_stream(x):  # (the outputs' hand-over too: on torch's stream)
-                return _tensors(self._dec.step(to_array(x), _arrays(state)))
+            if not self._stacked:
+                return self._module(x, state)
+            time = 1 if self._module.batch_first else 0
+            y, hn = self._module(x.unsqueeze(time), state)
+            return y.squeeze(time), hn
 
     def step_projected(self, gi: Tensor, state: Any = None) -> Any:
         """``Decoder.step_projected`` with tensors: ``gi = x W_ih^T + b_ih`` (batch, G*H) given
         (the kernels' own projection skipped). Resident decoders only."""
         if self._dec is None:
             raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
-        with torch.no_grad(), library_stream(gi):
-            return _tensors(self._dec.step_projected(to_array(gi), _arrays(state)))
+        return self._library(self._dec.step_projected, gi, state)
+
+    def _library(self, step: Callable[[Any, Any], Any], t: Tensor, state: Any) -> Any:
+        """``step`` (the decoder's ``step`` or ``step_projected``) on ``t`` and ``state`` as
+        arrays, its outputs as tensors; on a GPU on ``t``'s stream (the outputs' hand-over
+        too). No ``torch.no_grad()``: nothing here is recorded by autograd (the hand-over reads
+        a tensor's memory detached) and it cost five Python calls a step."""
+        if not self._cuda:
+            return _tensors(step(to_array(t), _arrays(state)))
+        with library_stream(t):
+            return _tensors(step(to_array(t), _arrays(state)))
 
 
-def _arrays(obj: Any) -> Any:
-    if isinstance(obj, (tuple, list)):
-        return tuple(_arrays(o) for o in obj)
-    return to_array(obj) if isinstance(obj, Tensor) else obj
+def _arrays(state: Any) -> Any:
+    """A state's tensors as arrays: h, an (h, c) pair (the steady state: no recursion), or
+    anything else element by element (for the decoder's own checks and errors)."""
+    if isinstance(state, Tensor):
+        return to_array(state)
+    if type(state) is tuple and len(state) == 2:
+        h, c = state
+        if isinstance(h, Tensor) and isinstance(c, Tensor):
+            return to_array(h), to_array(c)
+    if isinstance(state, (tuple, list)):
+        return tuple([_arrays(o) for o in state])
+    return state
 
 
-def _tensors(obj: Any) -> Any:
-    if isinstance(obj, tuple):
-        return tuple(_tensors(o) for o in obj)
-    return to_tensor(obj)
+def _tensors(out: Any) -> Any:
+    """A step's outputs as tensors: an array, a pair of arrays, or ``(y, (h, c))``."""
+    if not isinstance(out, tuple):
+        return to_tensor(out)
+    first, second = out
+    if isinstance(second, tuple):
+        return to_tensor(first), (to_tensor(second[0]), to_tensor(second[1]))
+    return to_tensor(first), to_tensor(second)
 
 
 def module_layers(module: torch.nn.Module, layers: int) -> list[dict[str, Tensor]]:
