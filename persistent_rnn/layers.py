@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import functional, validation
-from .buffers import array_module
+from .buffers import array_module, widened
 from .cells import CellSpec, cell_spec
 from .validation import CallOrderError
 from .stats import RunStats
@@ -168,8 +168,9 @@ class _Recurrent:
         for key, g in grads.items():
             if self._half is None:
                 self.grads[key] += g
-            else:  # summed in fp32, rounded once
-                self.grads[key][...] = (self.grads[key].astype(np.float32) + g).astype(self.dtype)
+            else:  # summed in fp32 (into g, the call's own), rounded once
+                g += widened(xp, self.grads[key], "grad_wide")
+                self.grads[key][...] = g
         self.last_run = ctx.backward_stats
         return self._store(dx), self._store(dhx)
 
