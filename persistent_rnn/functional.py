@@ -19,7 +19,13 @@ projection multiplies the 16-bit input and ``W_ih`` as they are (``matmul.matmul
 tensor cores on a GPU); ``W_hh`` and ``W_hr`` go to ``runtime`` as they are (the persistent
 kernels hold their bits); everything else computes on float32 values, converted where it needs
 them (``halves.widen``: a no-op for float32): the states and biases per call, stack mode's
-weights, and in backward the input and ``W_ih`` (its float32 GEMMs with the fp32 gradients).
+weights, and in backward ``dy``, the input and ``W_ih`` (its float32 GEMMs with the fp32
+gradients); what nothing keeps into reused workspaces (``buffers.widened``).
+
+The reverse direction's arrays are gathered by rows (``_gather``) into reused workspaces, and
+the call's ``dh0``/``dc0`` are one array each whose rows every layer-direction's backward
+writes: a steady-state call allocates what it returns and what its context keeps
+(docs/design.md, "Allocations of a persistent call").
 
 Arguments are assumed valid (``layers`` and the torch modules check them).
 """

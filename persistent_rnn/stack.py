@@ -170,11 +170,13 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
     shape = (layers, steps, batch, width)
     dgi = buffers.workspace(xp, "stack_dgi", shape, np.float32)
     dgh = buffers.workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh else dgi
-    carries = ("stack_dh_carry", "stack_dc_carry") if cell.has_cell_state else ("stack_dh_carry",)
-    for name in carries:
-        buffers.workspace(xp, name, (layers, steps + 1, batch, hidden), np.float32).fill(0)
-    dh_carry = buffers.workspace(xp, carries[0], (layers, steps + 1, batch, hidden), np.float32)
-    dc_carry = buffers.workspace(xp, carries[-1], (layers, steps + 1, batch, hidden), np.float32)
+    carry = (layers, steps + 1, batch, hidden)
+    dh_carry = buffers.workspace(xp, "stack_dh_carry", carry, np.float32)
+    dh_carry.fill(0)
+    dc_carry = dh_carry
+    if cell.has_cell_state:
+        dc_carry = buffers.workspace(xp, "stack_dc_carry", carry, np.float32)
+        dc_carry.fill(0)
     if dhn is not None:
         dh_carry[:, steps] = dhn
     if dcn is not None and cell.has_cell_state:
