@@ -100,12 +100,13 @@ class Context:
     directions: list[list[_Direction]] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)               # of the forward
     backward_stats: RunStats | None = None                          # of the last backward
+    scratch_results: bool = False  # results in reused workspaces (see ``forward``)
 
 
 def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,
             lengths: Array | None = None, *, num_layers: int, bidirectional: bool,
-            batch_first: bool, algo: str = "auto",
-            half: str | None = None) -> tuple[Array, Any, Context]:
+            batch_first: bool, algo: str = "auto", half: str | None = None,
+            scratch_results: bool = False) -> tuple[Array, Any, Context]:
     """Run the stack forward; return ``(y, hn, ctx)`` in torch.nn's shapes.
 
     ``x``: (T, B, I), or (B, T, I) if ``batch_first``. ``hx``: ``None`` (zeros), ``h0`` of shape
@@ -115,6 +116,10 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are of that
     dtype or float32 holding its values (module docstring), the recurrence computes in float32
     and rounds h_t to the dtype every step (docs/api.md).
+    ``scratch_results``: the caller converts the results at once and keeps none of them (a
+    16-bit layer rounding them into its dtype), so ``y``, ``hn`` and ``backward``'s ``dx``,
+    ``dhx`` are reused workspaces (``buffers.workspace``: valid until this thread's next call
+    on this stream), not new arrays.
 
     Stack mode (``stack``): a unidirectional stack whose layers fit the register files together
     runs in one launch. Otherwise every layer-direction is enqueued without waiting for the
@@ -123,6 +128,7 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     x = x.transpose(1, 0, 2) if batch_first else x
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
                                            batch_first, algo, half)
+    ctx.scratch_results = scratch_results
     layer_input = x if ctx.lengths is None else _selected_input(xp, x, ctx.lengths)
     engine, why = stack.engine(cell, x, h0_all.shape[2], num_layers, bidirectional, algo, half,
                                backward=False, proj="weight_hr_l0" in params)
@@ -133,10 +139,26 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
         if why is not None and num_layers > 1:
             ctx.stats.details.append(f"stack mode not used: {why}")
     y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
-    h_n = _stacked(xp, [d.fwd.y[-1] for dirs in ctx.directions for d in dirs])
+    h_n = _final_states(ctx, xp, [d.fwd.y[-1] for dirs in ctx.directions for d in dirs], "h_n")
     if not cell.has_cell_state:
         return y, h_n, ctx
-    return y, (h_n, _stacked(xp, [d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
+    return y, (h_n, _final_states(ctx, xp, [d.fwd.cs[-1] for dirs in ctx.directions
+                                            for d in dirs], "c_n")), ctx
+
+
+def _final_states(ctx: Context, xp, arrays: list[Array], name: str) -> Array:
+    """``h_n`` or ``c_n`` (``name``) stacked from ``arrays``: a new array, or the workspace of
+    ``name`` for ``scratch_results``."""
+    if ctx.scratch_results:
+        return _stacked_scratch(xp, arrays, f"result_{name}")
+    return _stacked(xp, arrays)
+
+
+def _result_array(ctx: Context, xp, name: str, shape: tuple[int, ...], dtype) -> Array:
+    """An array the call returns: new, or for ``scratch_results`` the workspace of ``name``."""
+    if ctx.scratch_results:
+        return workspace(xp, f"result_{name}", shape, dtype)
+    return xp.empty(shape, dtype)
 
 
 def _selected_input(xp, x: Array, lengths: Array) -> Array:
@@ -318,14 +340,15 @@ def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array |
 
 
 def _state_gradients(ctx: Context, xp, d_out: Array) -> tuple[Array, Array | None]:
-    """The call's ``dh0`` (L*D, B, width of h) and, for the LSTM, ``dc0`` (L*D, B, H): new
-    arrays whose rows each layer-direction's backward writes (returned as they are)."""
+    """The call's ``dh0`` (L*D, B, width of h) and, for the LSTM, ``dc0`` (L*D, B, H): arrays
+    (``_result_array``) whose rows each layer-direction's backward writes (returned as they
+    are)."""
     first = ctx.directions[0][0]
     count, batch = ctx.num_layers * len(ctx.directions[0]), first.h0.shape[0]
-    dh = xp.empty((count, batch, first.h0.shape[1]), d_out.dtype)
+    dh = _result_array(ctx, xp, "dh0", (count, batch, first.h0.shape[1]), d_out.dtype)
     if first.c0 is None:
         return dh, None
-    return dh, xp.empty((count, batch, first.c0.shape[1]), d_out.dtype)
+    return dh, _result_array(ctx, xp, "dc0", (count, batch, first.c0.shape[1]), d_out.dtype)
 
 
 def _direction_gradient(ctx: Context, xp, d_out: Array, direction: int, width: int) -> Array:
@@ -451,15 +474,22 @@ def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None, slot: str,
 def _layer_output(ctx: Context, layer: int) -> Array:
     """The output of ``layer`` (T, B, D*H): its directions side by side, zero past lengths."""
     dirs = ctx.directions[layer]
+    returned = ctx.scratch_results and layer == ctx.num_layers - 1
     # a copy even of one direction: y must not alias the buffers backward reads
-    if len(dirs) == 1 and ctx.lengths is None:  # (the usual case: the same copy, fewer calls)
+    if len(dirs) == 1 and ctx.lengths is None and not returned:  # (the usual case: fewer calls)
         return dirs[0].fwd.y.copy()
-    xp = array_module(ctx.inputs[layer])
-    if len(dirs) == 1:  # (selected into a new array: no concatenated copy first)
-        return select_active(xp, dirs[0].fwd.y, ctx.lengths)
-    forward, backward = dirs[0].fwd.y, dirs[1].fwd.y
+    forward = dirs[0].fwd.y
+    xp = array_module(forward)
     width = forward.shape[2]
-    out = xp.empty((*forward.shape[:2], 2 * width), forward.dtype)  # (the one new array)
+    # (the one array made: the call's output, or the layer above's input)
+    out = (_result_array(ctx, xp, "y", (*forward.shape[:2], len(dirs) * width), forward.dtype)
+           if returned else xp.empty((*forward.shape[:2], len(dirs) * width), forward.dtype))
+    if len(dirs) == 1:  # (selected into out: no copy first)
+        if ctx.lengths is None:
+            xp.copyto(out, forward)
+            return out
+        return select_active(xp, forward, ctx.lengths, out)
+    backward = dirs[1].fwd.y
     out[:, :, :width] = forward
     out[:, :, width:] = _gather(ctx.reverse_index, backward,
                                 workspace(xp, "y_reversed", backward.shape, backward.dtype))
@@ -492,7 +522,8 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
                                                   d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
         if input_grad:
             w_ih = widened(xp, ctx.params[d.names["weight_ih"]], f"w_ih_wide{direction}")
-            part = matmul_steps(dgi, w_ih, _input_gradient_target(xp, layer, d_in, dgi, w_ih))
+            part = matmul_steps(dgi, w_ih, _input_gradient_target(ctx, xp, layer, d_in, dgi,
+                                                                  w_ih))
             if d_in is None:
                 d_in = part
             else:  # (in place: the same sum)
@@ -502,15 +533,15 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
     return d_in if d_in is not None else xp.zeros(layer_input.shape, flat_input.dtype)
 
 
-def _input_gradient_target(xp, layer: int, d_in: Array | None, dgi: Array,
+def _input_gradient_target(ctx: Context, xp, layer: int, d_in: Array | None, dgi: Array,
                            w_ih: Array) -> Array | None:
     """Where a direction's part of a layer's input gradient goes (2-D): a new array for the
-    first layer's (the call's ``dx``), reused workspaces for what is read within the call (the
-    second direction's part, added in place; a higher layer's input gradient, the output
-    gradient of the layer below)."""
-    if d_in is None and layer == 0:
+    first layer's (the call's ``dx``; a workspace for ``scratch_results``), reused workspaces
+    for what is read within the call (the second direction's part, added in place; a higher
+    layer's input gradient, the output gradient of the layer below)."""
+    if d_in is None and layer == 0 and not ctx.scratch_results:
         return None
-    name = "d_in_part" if d_in is not None else "d_layer_input"
+    name = ("d_in_part" if d_in is not None else "d_layer_input" if layer else "result_dx")
     return workspace(xp, name, (dgi.shape[0] * dgi.shape[1], w_ih.shape[1]), dgi.dtype)
 
 

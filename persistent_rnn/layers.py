@@ -141,7 +141,8 @@ class _Recurrent:
         y, hn, ctx = functional.forward(
             self.cell, self.params, x, hx, lengths,
             num_layers=self.num_layers, bidirectional=self.bidirectional,
-            batch_first=self.batch_first, algo=self.algo, half=self._half)
+            batch_first=self.batch_first, algo=self.algo, half=self._half,
+            scratch_results=self._half is not None)  # (rounded into new arrays by _store)
         self._ctx, self._y_shape, self.last_run = ctx, tuple(y.shape), ctx.stats
         return self._store(y), self._store(hn)
 

@@ -167,16 +167,10 @@ def test_a_projection_call_allocates_only_what_it_returns_and_keeps(settings, gr
     assert array_allocations(call) == len(want), want
 
 
-# 16-bit layers: the float32 list, and the 16-bit arrays the layer returns. Not yet removed,
-# each for a reason outside this change's reach: the float32 results (counted in the float32
-# list) are functional's, shared with the torch modules, and the layer rounds each into the
-# 16-bit array it returns (functional writing 16 bits would change what the modules receive);
-# and, on NumPy only, matmul.matmul_half's float32 copies of its 16-bit operands.
-_SIXTEEN = "in 16 bits (beside functional's float32 one: not yet removed, see above)"
-HALF_FORWARD = {"GRU": [f"the output {_SIXTEEN}", f"h_n {_SIXTEEN}"],
-                "LSTM": [f"the output {_SIXTEEN}", f"h_n {_SIXTEEN}", f"c_n {_SIXTEEN}"]}
-HALF_BACKWARD = {"GRU": [f"dx {_SIXTEEN}", f"dh0 {_SIXTEEN}"],
-                 "LSTM": [f"dx {_SIXTEEN}", f"dh0 {_SIXTEEN}", f"dc0 {_SIXTEEN}"]}
+# 16-bit layers: the float32 list, its results being the 16-bit arrays the layer returns
+# (functional's float32 results are workspaces: ``scratch_results``). Not yet removed, on NumPy
+# only: matmul.matmul_half's float32 copies of its 16-bit operands (matmul.py, outside this
+# change).
 HALF_EMULATION = [
     "emulation only: matmul.matmul_half on NumPy multiplies x's float32 values (a new array; "
     "on a GPU the tensor cores read the 16-bit operands as they are)",
@@ -189,8 +183,7 @@ HALF_EMULATION = [
 def test_a_16_bit_call_allocates_only_what_it_returns_keeps_and_lists(settings, grid_path, cell,
                                                                       half, lengths):
     call = _call(cell, True, lengths, dtype=half)
-    want = (expected(cell, True, lengths) + HALF_FORWARD[cell] + HALF_BACKWARD[cell]
-            + HALF_EMULATION)
+    want = expected(cell, True, lengths) + HALF_EMULATION
     assert array_allocations(call) == len(want), want
 
 
