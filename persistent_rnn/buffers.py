@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from .cells import CellSpec
-from .halves import half_dtype
+from .halves import half_dtype, is_half, widen
 from .matmul import matmul
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -176,6 +176,23 @@ def workspace(xp, name: str, shape: tuple[int, ...], dtype) -> Array:
     return reused(xp, ("workspace", name, shape, np.dtype(dtype)), lambda: xp.empty(shape, dtype))
 
 
+def widened(xp, a: Array | None, name: str) -> Array | None:
+    """A 16-bit ``a``'s float32 values in the workspace ``name`` (``halves.widen``): what a
+    call computes on and nothing keeps; ``a`` itself where it is not 16-bit or ``None``."""
+    if not is_half(a):
+        return a
+    return widen(a, workspace(xp, name, a.shape, np.float32))
+
+
+def reversed_rows(xp, steps: int, batch: int) -> Array:
+    """The (T*B,) row index reversing every sequence of ``steps`` in time (row ``t*B + b`` from
+    row ``(T-1-t)*B + b``), made once per thread and stream (``reused``) and never written.
+    (Not a read-only ``constant``: NumPy's ``take`` copies read-only indices.)"""
+    return reused(xp, ("reversed rows", steps, batch), lambda: (
+        (steps - 1 - xp.arange(steps))[:, None] * batch + xp.arange(batch)[None, :]
+    ).astype(np.intp).reshape(-1))
+
+
 def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
     """(T, B, 1) booleans: step ``t`` of sequence ``b`` is within its length (``None``: all are)."""
     if lengths is None:
@@ -223,16 +240,22 @@ def round_half(xp, a: Array, half: str | None) -> Array:
     return xp.where(xp.isnan(a), a, rounded.view(np.float32))
 
 
-def weight_words(xp, m: Array, half: str | None) -> Array:
+def weight_words(xp, m: Array, half: str | None, scratch: str | None = None) -> Array:
     """The matrix ``m`` (rows x K) as the persistent kernels hold it: contiguous float32, or for
     ``half`` ("float16", "bfloat16") uint32 words of two 16-bit values (columns 2c, 2c+1,
     element 0 in the low half), rows padded to even K with a zero: (rows, ceil(K/2)).
 
     A 16-bit layer's ``m`` is float32 holding values of ``half`` (rounded here) or an array of
     ``half`` (its bits as they are: no conversion); a contiguous one of even K, 4-byte aligned,
-    is its own words (a view: the kernels read, never write, them)."""
+    is its own words (a view: the kernels read, never write, them). ``scratch``: where a copy
+    is made, into the workspace of that name (what a call reads and nothing keeps: a transposed
+    matrix of the backward), else a new array."""
     if half is None:
-        return xp.ascontiguousarray(m, dtype=np.float32)
+        if scratch is None or (m.dtype == np.float32 and m.flags.c_contiguous):
+            return xp.ascontiguousarray(m, dtype=np.float32)
+        out = workspace(xp, scratch, m.shape, np.float32)
+        xp.copyto(out, m)
+        return out
     if m.dtype.itemsize == 2:
         if m.dtype != half_dtype(half):
             raise TypeError(f"m: the weights of a {half} layer must be {half} or float32, "
@@ -247,7 +270,12 @@ def weight_words(xp, m: Array, half: str | None) -> Array:
     rows, cols = bits.shape
     if cols % 2 == 0 and bits.flags.c_contiguous and address(bits) % 4 == 0:
         return bits.view(np.uint32)
-    padded = xp.zeros((rows, cols + cols % 2), np.uint16)
+    shape = (rows, cols + cols % 2)
+    if scratch is None:
+        padded = xp.zeros(shape, np.uint16)
+    else:
+        padded = workspace(xp, scratch, shape, np.uint16)
+        padded[:, cols:] = 0
     padded[:, :cols] = bits
     return padded.view(np.uint32)
 

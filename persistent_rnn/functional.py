@@ -19,7 +19,13 @@ projection multiplies the 16-bit input and ``W_ih`` as they are (``matmul.matmul
 tensor cores on a GPU); ``W_hh`` and ``W_hr`` go to ``runtime`` as they are (the persistent
 kernels hold their bits); everything else computes on float32 values, converted where it needs
 them (``halves.widen``: a no-op for float32): the states and biases per call, stack mode's
-weights, and in backward the input and ``W_ih`` (its float32 GEMMs with the fp32 gradients).
+weights, and in backward ``dy``, the input and ``W_ih`` (its float32 GEMMs with the fp32
+gradients); what nothing keeps into reused workspaces (``buffers.widened``).
+
+The reverse direction's arrays are gathered by rows (``_gather``) into reused workspaces, and
+the call's ``dh0``/``dc0`` are one array each whose rows every layer-direction's backward
+writes: a steady-state call allocates what it returns and what its context keeps
+(docs/design.md, "Allocations of a persistent call").
 
 Arguments are assumed valid (``layers`` and the torch modules check them).
 """
@@ -32,8 +38,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime, stack
-from .buffers import (address, array_module, constant_zeros, matmul_steps, select_active,
-                      workspace)
+from .buffers import (address, array_module, constant_zeros, matmul_steps, reversed_rows,
+                      select_active, step_indices, widened, workspace)
 from .cells import CellSpec
 from .halves import widen
 from .matmul import matmul, matmul_half
@@ -88,18 +94,19 @@ class Context:
     batch_first: bool
     algo: str
     lengths: Array | None          # int32 (B,) on the data's array module, or None
-    reverse_index: Array | None    # (T, B) time index of the within-length reversal
+    reverse_index: Array | None    # (T*B,) row index of the within-length reversal
     half: str | None = None        # None, or a 16-bit layer's dtype (see ``forward``)
     inputs: list[Array] = field(default_factory=list)             # each layer's input (T, B, I)
     directions: list[list[_Direction]] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)               # of the forward
     backward_stats: RunStats | None = None                          # of the last backward
+    scratch_results: bool = False  # results in reused workspaces (see ``forward``)
 
 
 def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,
             lengths: Array | None = None, *, num_layers: int, bidirectional: bool,
-            batch_first: bool, algo: str = "auto",
-            half: str | None = None) -> tuple[Array, Any, Context]:
+            batch_first: bool, algo: str = "auto", half: str | None = None,
+            scratch_results: bool = False) -> tuple[Array, Any, Context]:
     """Run the stack forward; return ``(y, hn, ctx)`` in torch.nn's shapes.
 
     ``x``: (T, B, I), or (B, T, I) if ``batch_first``. ``hx``: ``None`` (zeros), ``h0`` of shape
@@ -109,6 +116,10 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     ``half``: ``None``, or "float16"/"bfloat16" for a 16-bit layer: the arrays are of that
     dtype or float32 holding its values (module docstring), the recurrence computes in float32
     and rounds h_t to the dtype every step (docs/api.md).
+    ``scratch_results``: the caller converts the results at once and keeps none of them (a
+    16-bit layer rounding them into its dtype), so ``y``, ``hn`` and ``backward``'s ``dx``,
+    ``dhx`` are reused workspaces (``buffers.workspace``: valid until this thread's next call
+    on this stream), not new arrays.
 
     Stack mode (``stack``): a unidirectional stack whose layers fit the register files together
     runs in one launch. Otherwise every layer-direction is enqueued without waiting for the
@@ -117,6 +128,7 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
     x = x.transpose(1, 0, 2) if batch_first else x
     ctx, xp, h0_all, c0_all = _new_context(cell, params, x, hx, lengths, num_layers, bidirectional,
                                            batch_first, algo, half)
+    ctx.scratch_results = scratch_results
     layer_input = x if ctx.lengths is None else _selected_input(xp, x, ctx.lengths)
     engine, why = stack.engine(cell, x, h0_all.shape[2], num_layers, bidirectional, algo, half,
                                backward=False, proj="weight_hr_l0" in params)
@@ -127,10 +139,26 @@ def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = Non
         if why is not None and num_layers > 1:
             ctx.stats.details.append(f"stack mode not used: {why}")
     y = layer_input.transpose(1, 0, 2) if batch_first else layer_input
-    h_n = _stacked(xp, [d.fwd.y[-1] for dirs in ctx.directions for d in dirs])
+    h_n = _final_states(ctx, xp, [d.fwd.y[-1] for dirs in ctx.directions for d in dirs], "h_n")
     if not cell.has_cell_state:
         return y, h_n, ctx
-    return y, (h_n, _stacked(xp, [d.fwd.cs[-1] for dirs in ctx.directions for d in dirs])), ctx
+    return y, (h_n, _final_states(ctx, xp, [d.fwd.cs[-1] for dirs in ctx.directions
+                                            for d in dirs], "c_n")), ctx
+
+
+def _final_states(ctx: Context, xp, arrays: list[Array], name: str) -> Array:
+    """``h_n`` or ``c_n`` (``name``) stacked from ``arrays``: a new array, or the workspace of
+    ``name`` for ``scratch_results``."""
+    if ctx.scratch_results:
+        return _stacked_scratch(xp, arrays, f"result_{name}")
+    return _stacked(xp, arrays)
+
+
+def _result_array(ctx: Context, xp, name: str, shape: tuple[int, ...], dtype) -> Array:
+    """An array the call returns: new, or for ``scratch_results`` the workspace of ``name``."""
+    if ctx.scratch_results:
+        return workspace(xp, f"result_{name}", shape, dtype)
+    return xp.empty(shape, dtype)
 
 
 def _selected_input(xp, x: Array, lengths: Array) -> Array:
@@ -224,9 +252,9 @@ def _forward_pairs(ctx: Context, engine: Any, layer_input: Array, h0_all: Array,
         pair = slice(2 * layer, 2 * layer + 2)
         c0 = None if c0_all is None else c0_all[pair]
         both = workspace(xp, "gi_pair", (2, *gi[0].shape), gi[0].dtype)
-        results, stats = stack.forward(ctx.cell, engine,
-                                       xp.stack([gi[0], _gather(ctx.reverse_index, gi[1])],
-                                                out=both),
+        xp.copyto(both[0], gi[0])
+        _gather(ctx.reverse_index, gi[1], both[1])
+        results, stats = stack.forward(ctx.cell, engine, both,
                                        [_wide(ctx, _weights(ctx, n)) for n in names],
                                        h0_all[pair], c0,
                                        ctx.lengths, chained=False)
@@ -267,8 +295,8 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
     xp = array_module(dy)
     dy = dy.transpose(1, 0, 2) if ctx.batch_first else dy
     dhn, dcn = dhn if ctx.cell.has_cell_state and dhn is not None else (dhn, None)
-    if ctx.half is not None:  # (the gradients are fp32 from here on)
-        dy, dhn, dcn = _wide(ctx, (dy, dhn, dcn))
+    if ctx.half is not None:  # (the gradients are fp32 from here on; dy read, never kept)
+        dy, dhn, dcn = widened(xp, dy, "dy_wide"), widen(dhn), widen(dcn)
     grads: dict[str, Array] = {}
     results: dict[tuple[int, int], runtime.BackwardResult] = {}
     d_out = dy if ctx.lengths is None else select_active(
@@ -283,13 +311,11 @@ def backward(ctx: Context, dy: Array, dhn: Any = None) -> tuple[Array, Any, dict
         if why is not None and ctx.num_layers > 1:
             ctx.backward_stats.details.append(f"stack mode not used: {why}")
     dx = d_out.transpose(1, 0, 2) if ctx.batch_first else d_out
-    # runtime.backward's dh0 and dc0 are the call's own (nothing else holds them), as is the
-    # array whose rows a stack's are: no copy
+    # dh0 and dc0 are rows of the call's own arrays (``_state_gradients``): no copy
     dh = _stacked(xp, [results[k].dh0 for k in sorted(results)], fresh=True)
     if not ctx.cell.has_cell_state:
         return dx, dh, grads
-    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)],
-                             fresh=engine is None)), grads
+    return dx, (dh, _stacked(xp, [results[k].dc0 for k in sorted(results)], fresh=True)), grads
 
 
 def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array | None,
@@ -299,20 +325,50 @@ def _backward_layers(ctx: Context, d_out: Array, dhn: Array | None, dcn: Array |
     xp = array_module(d_out)
     stats: dict[tuple[int, int], RunStats] = {}
     num_dirs = len(ctx.directions[0])
+    dh, dc = _state_gradients(ctx, xp, d_out)
     for layer in range(ctx.num_layers - 1, -1, -1):
         for direction, d in enumerate(ctx.directions[layer]):
             k = layer * num_dirs + direction
-            hidden = d.h0.shape[1]
-            dy_d = d_out[:, :, direction * hidden:(direction + 1) * hidden]
-            dy_d = (_gather(ctx.reverse_index, dy_d) if direction == 1
-                    else xp.ascontiguousarray(dy_d))
             w_hh, w_hr = _param(ctx, d, "weight_hh"), _param(ctx, d, "weight_hr")
             results[layer, direction], stats[layer, direction] = runtime.backward(
-                ctx.cell, dy_d, _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths,
-                d.fwd, ctx.algo, ctx.half, w_hr, slot=direction)
+                ctx.cell, _direction_gradient(ctx, xp, d_out, direction, d.h0.shape[1]),
+                _pick(dhn, k), _pick(dcn, k), w_hh, d.h0, d.c0, ctx.lengths, d.fwd, ctx.algo,
+                ctx.half, w_hr, slot=direction, out=(dh[k], _pick(dc, k)))
         d_out = _layer_gradients(ctx, layer, results, grads)
     ctx.backward_stats = _merged(stats)
     return d_out
+
+
+def _state_gradients(ctx: Context, xp, d_out: Array) -> tuple[Array, Array | None]:
+    """The call's ``dh0`` (L*D, B, width of h) and, for the LSTM, ``dc0`` (L*D, B, H): arrays
+    (``_result_array``) whose rows each layer-direction's backward writes (returned as they
+    are)."""
+    first = ctx.directions[0][0]
+    count, batch = ctx.num_layers * len(ctx.directions[0]), first.h0.shape[0]
+    dh = _result_array(ctx, xp, "dh0", (count, batch, first.h0.shape[1]), d_out.dtype)
+    if first.c0 is None:
+        return dh, None
+    return dh, _result_array(ctx, xp, "dc0", (count, batch, first.c0.shape[1]), d_out.dtype)
+
+
+def _direction_gradient(ctx: Context, xp, d_out: Array, direction: int, width: int) -> Array:
+    """The gradient of one direction's output (its part of ``d_out``), contiguous and, for the
+    reverse direction, in its own time order: a reused workspace per direction (the backward
+    reads it, nothing keeps it)."""
+    part = d_out[:, :, direction * width:(direction + 1) * width]
+    if direction == 1:
+        return _gather(ctx.reverse_index, part,
+                       workspace(xp, "dy_reversed", part.shape, part.dtype))
+    if len(ctx.directions[0]) == 1 and part.flags.c_contiguous:
+        return part
+    return _copied(xp, part, "dy_direction")
+
+
+def _copied(xp, a: Array, name: str) -> Array:
+    """A contiguous copy of ``a`` in the workspace ``name`` (read within the call, never kept)."""
+    out = workspace(xp, name, a.shape, a.dtype)
+    xp.copyto(out, a)
+    return out
 
 
 def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
@@ -329,7 +385,8 @@ def _backward_stack(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     per_layer, ctx.backward_stats = stack.backward(
         ctx.cell, engine, xp.ascontiguousarray(d_out), dhn, dcn,
         [_wide(ctx, _weights(ctx, d.names)) for d in dirs],
-        _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths, [d.fwd for d in dirs])
+        _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths, [d.fwd for d in dirs],
+        out=_state_gradients(ctx, xp, d_out))
     for layer in range(ctx.num_layers - 1, -1, -1):
         results[layer, 0] = per_layer[layer]
         d_out = _layer_gradients(ctx, layer, results, grads, input_grad=layer == 0)
@@ -342,17 +399,20 @@ def _backward_pairs(ctx: Context, engine: Any, d_out: Array, dhn: Array | None,
     both directions side by side. Fills ``results`` and ``grads`` as ``_backward_layers`` does."""
     xp = array_module(d_out)
     ctx.backward_stats = RunStats()
+    dh, dc = _state_gradients(ctx, xp, d_out)
     for layer in range(ctx.num_layers - 1, -1, -1):
         dirs, pair = ctx.directions[layer], slice(2 * layer, 2 * layer + 2)
         hidden = dirs[0].h0.shape[1]
-        dy = xp.stack([d_out[:, :, :hidden], _gather(ctx.reverse_index, d_out[:, :, hidden:])])
+        dy = workspace(xp, "dy_pair", (2, *d_out.shape[:2], hidden), d_out.dtype)
+        xp.copyto(dy[0], d_out[:, :, :hidden])
+        _gather(ctx.reverse_index, d_out[:, :, hidden:], dy[1])
         c0 = None if dirs[0].c0 is None else _stacked_scratch(xp, [d.c0 for d in dirs], "c0s")
         per_direction, stats = stack.backward(
             ctx.cell, engine, dy, None if dhn is None else dhn[pair],
             None if dcn is None else dcn[pair],
             [_wide(ctx, _weights(ctx, d.names)) for d in dirs],
             _stacked_scratch(xp, [d.h0 for d in dirs], "h0s"), c0, ctx.lengths,
-            [d.fwd for d in dirs], chained=False)
+            [d.fwd for d in dirs], chained=False, out=(dh[pair], None if dc is None else dc[pair]))
         ctx.backward_stats.merge(stats)
         for direction, res in enumerate(per_direction):
             results[layer, direction] = res
@@ -365,12 +425,14 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
     """Project the input for all steps (one GEMM) and run this direction's recurrence."""
     w_ih, w_hh, b_ih, b_hh = _weights(ctx, d.names)
     w_hr = None if "weight_hr" not in d.names else ctx.params[d.names["weight_hr"]]
-    if ctx.half is not None:  # (W_hh and W_hr as they are: runtime takes 16-bit weights)
-        b_hh = widen(b_hh)
+    xp = array_module(layer_input)
+    slot = "gi_reverse" if reverse else "gi"
+    # (W_hh and W_hr as they are: runtime takes 16-bit weights; a 16-bit b_hh widened)
+    b_hh = widened(xp, b_hh, f"b_hh_{slot}")
     # gi is read by the recurrence alone (never kept): a reused workspace per direction
-    gi = _projected(layer_input, w_ih, b_ih, "gi_reverse" if reverse else "gi", ctx.half)
+    gi = _projected(layer_input, w_ih, b_ih, slot, ctx.half)
     if reverse:
-        gi = _gather(ctx.reverse_index, gi)
+        gi = _gather(ctx.reverse_index, gi, workspace(xp, "gi_reversed", gi.shape, gi.dtype))
     return runtime.forward(ctx.cell, gi, w_hh, b_hh, d.h0, d.c0, ctx.lengths, ctx.algo,
                            ctx.half, w_hr)
 
@@ -395,11 +457,11 @@ def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None, slot: str,
     A 16-bit layer's: a float32 product of the 16-bit operands (``matmul.matmul_half``)."""
     steps, batch, _ = layer_input.shape
     if half is not None:
-        out = workspace(array_module(layer_input), slot, (steps * batch, w_ih.shape[0]),
-                        np.float32)
+        xp = array_module(layer_input)
+        out = workspace(xp, slot, (steps * batch, w_ih.shape[0]), np.float32)
         gi = matmul_half(layer_input.reshape(steps * batch, -1), w_ih.T, half, out).reshape(
             steps, batch, w_ih.shape[0])
-        b_ih = widen(b_ih)
+        b_ih = widened(xp, b_ih, f"b_ih_{slot}")
     else:
         out = (workspace(array_module(layer_input), slot, (steps * batch, w_ih.shape[0]),
                          w_ih.dtype) if layer_input.dtype == w_ih.dtype else None)
@@ -412,14 +474,26 @@ def _projected(layer_input: Array, w_ih: Array, b_ih: Array | None, slot: str,
 def _layer_output(ctx: Context, layer: int) -> Array:
     """The output of ``layer`` (T, B, D*H): its directions side by side, zero past lengths."""
     dirs = ctx.directions[layer]
+    returned = ctx.scratch_results and layer == ctx.num_layers - 1
     # a copy even of one direction: y must not alias the buffers backward reads
-    if len(dirs) == 1 and ctx.lengths is None:  # (the usual case: the same copy, fewer calls)
+    if len(dirs) == 1 and ctx.lengths is None and not returned:  # (the usual case: fewer calls)
         return dirs[0].fwd.y.copy()
-    xp = array_module(ctx.inputs[layer])
-    if len(dirs) == 1:  # (selected into a new array: no concatenated copy first)
-        return select_active(xp, dirs[0].fwd.y, ctx.lengths)
-    ys = [d.fwd.y if i == 0 else _gather(ctx.reverse_index, d.fwd.y) for i, d in enumerate(dirs)]
-    return select_active(xp, xp.concatenate(ys, axis=2), ctx.lengths)
+    forward = dirs[0].fwd.y
+    xp = array_module(forward)
+    width = forward.shape[2]
+    # (the one array made: the call's output, or the layer above's input)
+    out = (_result_array(ctx, xp, "y", (*forward.shape[:2], len(dirs) * width), forward.dtype)
+           if returned else xp.empty((*forward.shape[:2], len(dirs) * width), forward.dtype))
+    if len(dirs) == 1:  # (selected into out: no copy first)
+        if ctx.lengths is None:
+            xp.copyto(out, forward)
+            return out
+        return select_active(xp, forward, ctx.lengths, out)
+    backward = dirs[1].fwd.y
+    out[:, :, :width] = forward
+    out[:, :, width:] = _gather(ctx.reverse_index, backward,
+                                workspace(xp, "y_reversed", backward.shape, backward.dtype))
+    return select_active(xp, out, ctx.lengths, out)
 
 
 def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int], Any],
@@ -429,12 +503,14 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
     layer_input = ctx.inputs[layer]
     xp = array_module(layer_input)
     flat_input = layer_input.reshape(-1, layer_input.shape[2])
-    if ctx.half is not None:  # (a 16-bit first input: float32 for the GEMM with fp32 dgi)
-        flat_input = widen(flat_input)
+    # (a 16-bit first input: float32 for the GEMM with fp32 dgi)
+    flat_input = widened(xp, flat_input, "input_wide")
     d_in = None
     for direction, d in enumerate(ctx.directions[layer]):
         res = results[layer, direction]
-        dgi = _gather(ctx.reverse_index, res.dgi) if direction == 1 else res.dgi
+        dgi = res.dgi if direction == 0 else _gather(
+            ctx.reverse_index, res.dgi, workspace(xp, "dgi_reversed", res.dgi.shape,
+                                                  res.dgi.dtype))
         dgi_2d = dgi.reshape(-1, dgi.shape[2])
         grads[d.names["weight_ih"]] = matmul(dgi_2d.T, flat_input)
         grads[d.names["weight_hh"]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
@@ -445,12 +521,28 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
             grads[d.names["weight_hr"]] = matmul(res.drs.reshape(-1, res.drs.shape[2]).T,
                                                   d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
         if input_grad:
-            w_ih = ctx.params[d.names["weight_ih"]]
-            part = matmul_steps(dgi, w_ih if ctx.half is None else widen(w_ih))
-            d_in = part if d_in is None else d_in + part
+            w_ih = widened(xp, ctx.params[d.names["weight_ih"]], f"w_ih_wide{direction}")
+            part = matmul_steps(dgi, w_ih, _input_gradient_target(ctx, xp, layer, d_in, dgi,
+                                                                  w_ih))
+            if d_in is None:
+                d_in = part
+            else:  # (in place: the same sum)
+                d_in += part
     if not input_grad:
         return None
     return d_in if d_in is not None else xp.zeros(layer_input.shape, flat_input.dtype)
+
+
+def _input_gradient_target(ctx: Context, xp, layer: int, d_in: Array | None, dgi: Array,
+                           w_ih: Array) -> Array | None:
+    """Where a direction's part of a layer's input gradient goes (2-D): a new array for the
+    first layer's (the call's ``dx``; a workspace for ``scratch_results``), reused workspaces
+    for what is read within the call (the second direction's part, added in place; a higher
+    layer's input gradient, the output gradient of the layer below)."""
+    if d_in is None and layer == 0 and not ctx.scratch_results:
+        return None
+    name = ("d_in_part" if d_in is not None else "d_layer_input" if layer else "result_dx")
+    return workspace(xp, name, (dgi.shape[0] * dgi.shape[1], w_ih.shape[1]), dgi.dtype)
 
 
 def _merged(stats: Mapping[tuple[int, int], RunStats]) -> RunStats:
@@ -481,20 +573,40 @@ def _initial_states(cell: CellSpec, xp, hx: Any, count: int, batch: int, widths:
 
 
 def _reverse_index(xp, steps: int, batch: int, lengths: Array | None) -> Array:
-    """(T, B) index reversing each sequence within its length; later steps stay in place.
+    """The (T*B,) row index reversing each sequence within its length (later steps stay in
+    place): row ``t*B + b`` of a (T, B, X) array seen as (T*B, X) rows comes from row
+    ``s*B + b``, ``s = lengths[b]-1-t``. Without lengths a shared constant; with them the one
+    new array (the context keeps it), formed in workspaces.
 
     The mapping is its own inverse, so the same gather reverses and un-reverses.
     """
-    t = xp.arange(steps, dtype=np.int32)[:, None]
     if lengths is None:
-        return xp.broadcast_to(steps - 1 - t, (steps, batch))
-    return xp.where(t < lengths[None, :], lengths[None, :] - 1 - t, t)
+        return reversed_rows(xp, steps, batch)
+    t = step_indices(xp, steps)[:, :, 0]  # (T, 1)
+    rows = workspace(xp, "reverse_rows", (steps, batch), np.intp)
+    xp.subtract(lengths[None, :], t, out=rows)
+    rows -= 1
+    past = workspace(xp, "reverse_past", (steps, batch), np.bool_)
+    xp.greater_equal(t, lengths[None, :], out=past)
+    xp.copyto(rows, t, where=past)
+    rows *= batch
+    rows += step_indices(xp, batch).reshape(1, batch)
+    return rows.reshape(-1).copy()
 
 
-def _gather(index: Array, a: Array) -> Array:
-    """``a`` (T, B, X) with step ``t`` of sequence ``b`` taken from step ``index[t, b]``."""
+def _gather(index: Array, a: Array, out: Array | None = None) -> Array:
+    """``a`` (T, B, X) with its rows (as (T*B, X)) taken by ``index`` (``_reverse_index``),
+    into ``out`` (contiguous, ``a``'s shape) where given, else a new array."""
     xp = array_module(a)
-    return a[index, xp.arange(a.shape[1])[None, :]]
+    steps, batch, width = a.shape
+    out = xp.empty(a.shape, a.dtype) if out is None else out
+    if not a.flags.c_contiguous:  # (a direction's part of a gradient: take would copy it)
+        a = _copied(xp, a, "gather_source")
+    # (NumPy: "clip", valid indices anyway, gathers into out without a buffer)
+    extra = {"mode": "clip"} if xp is np else {}
+    xp.take(a.reshape(steps * batch, width), index, axis=0, out=out.reshape(steps * batch, width),
+            **extra)
+    return out
 
 
 def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:

@@ -26,14 +26,28 @@ def half_dtype(half: str) -> np.dtype:
     raise ValueError(f"half must be one of {HALF_DTYPES}, got {half!r}")
 
 
-def widen(a: Array | None) -> Array | None:
-    """The float32 values of a 16-bit array (exact; a new array), ``a`` itself where it is not
-    16-bit or ``None``."""
-    if a is None or a.dtype.itemsize != 2 or a.dtype.kind not in "fV":
+def is_half(a: Array | None) -> bool:
+    """Whether ``a`` is an array of a 16-bit float dtype (float16, bfloat16)."""
+    return a is not None and a.dtype.itemsize == 2 and a.dtype.kind in "fV"
+
+
+def widen(a: Array | None, out: Array | None = None) -> Array | None:
+    """The float32 values of a 16-bit array (exact; into ``out``, float32 of ``a``'s shape,
+    where given, else a new array), ``a`` itself where it is not 16-bit or ``None``."""
+    if not is_half(a):
         return a
     if a.dtype.name == "bfloat16":  # a bfloat16 is the high half of its float32
-        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32)
+        if out is None:  # (the shift in place: one new array)
+            words = a.view(np.uint16).astype(np.uint32)
+        else:
+            words = out.view(np.uint32)
+            words[...] = a.view(np.uint16)
+        words <<= 16
+        return words.view(np.float32) if out is None else out
+    if out is None:
+        return a.astype(np.float32)
+    out[...] = a
+    return out
 
 
 def narrow(a: Array, half: str) -> Array:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import functional, validation
-from .buffers import array_module
+from .buffers import array_module, widened
 from .cells import CellSpec, cell_spec
 from .validation import CallOrderError
 from .stats import RunStats
@@ -141,7 +141,8 @@ class _Recurrent:
         y, hn, ctx = functional.forward(
             self.cell, self.params, x, hx, lengths,
             num_layers=self.num_layers, bidirectional=self.bidirectional,
-            batch_first=self.batch_first, algo=self.algo, half=self._half)
+            batch_first=self.batch_first, algo=self.algo, half=self._half,
+            scratch_results=self._half is not None)  # (rounded into new arrays by _store)
         self._ctx, self._y_shape, self.last_run = ctx, tuple(y.shape), ctx.stats
         return self._store(y), self._store(hn)
 
@@ -168,8 +169,9 @@ class _Recurrent:
         for key, g in grads.items():
             if self._half is None:
                 self.grads[key] += g
-            else:  # summed in fp32, rounded once
-                self.grads[key][...] = (self.grads[key].astype(np.float32) + g).astype(self.dtype)
+            else:  # summed in fp32 (into g, the call's own), rounded once
+                g += widened(xp, self.grads[key], "grad_wide")
+                self.grads[key][...] = g
         self.last_run = ctx.backward_stats
         return self._store(dx), self._store(dhx)
 

@@ -126,14 +126,16 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
              h0: Array, c0: Array | None, lengths: Array | None, fwd: ForwardResult, algo: str,
-             half: str | None = None, w_hr: Array | None = None,
-             slot: int | None = None) -> tuple[BackwardResult, RunStats]:
+             half: str | None = None, w_hr: Array | None = None, slot: int | None = None,
+             out: tuple[Array, Array | None] | None = None) -> tuple[BackwardResult, RunStats]:
     """Backward through time over all steps, enqueued like ``forward``; ``dy`` must be zero past
     each length. ``half``, ``w_hr``: as for ``forward`` (the backward itself computes in
     fp32); with ``w_hr``, ``dy``/``dhn``/``dh0`` are gradients of r (P wide). ``slot``: where
     given, the persistent pass's ``dgi``/``dgh`` and scratch are reused workspaces of that
     number (``buffers.workspace``; the caller reads ``dgi``/``dgh`` before the next backward
-    of the same slot on this thread and stream); ``None``: new arrays."""
+    of the same slot on this thread and stream); ``None``: new arrays. ``out``: ``(dh0, dc0)``
+    arrays (``dc0`` ``None`` but for the LSTM) the result's ``dh0``/``dc0`` are written into
+    (rows of the caller's stacked gradients: no array of their own), else new ones."""
     hidden = w_hh.shape[0] // cell.gates
     steps, batch, _ = dy.shape
     proj_size = 0 if w_hr is None else w_hr.shape[0]
@@ -147,6 +149,8 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         dh0, dc0 = gemm.backward_steps(cell, dy, w_hh, h0, c0, lengths, fwd.y, fwd.cs, fwd.saved,
                                        dgi, dgh, dh_carry=dhn, dc_carry=dcn, stop=steps,
                                        w_hr=w_hr, hs=fwd.hs, drs=drs)
+        if out is not None:
+            dh0, dc0 = _copied_into(out, dh0, dc0)
         return BackwardResult(dgi, dgh, dh0, dc0, drs), RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
@@ -154,12 +158,15 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     # a projection the h carry is of r (P wide): what passes through the steps past a length.
     dh_carry = _scratch(xp, slot, "dh_carry", (2, batch, dy.shape[2]), dy.dtype)
     dh_carry.fill(0)
-    dc_carry = xp.zeros((2, batch, hidden), dy.dtype) if cell.has_cell_state else dh_carry
+    dc_carry = dh_carry
+    if cell.has_cell_state:
+        dc_carry = _scratch(xp, slot, "dc_carry", (2, batch, hidden), dy.dtype)
+        dc_carry.fill(0)
     if dhn is not None:
         dh_carry[steps % 2] = dhn
     if dcn is not None and cell.has_cell_state:
         dc_carry[steps % 2] = dcn
-    drs = None if w_hr is None else xp.empty_like(dy)
+    drs = None if w_hr is None else _scratch(xp, slot, "drs", dy.shape, dy.dtype)
     p = engine.pass_plan
     rows = (p.exchange_row,) if w_hr is None else (p.exchange_row_b, p.exchange_row)
     chain = launch.chain_for(xp, engine, 1, tuple((2, batch, r) for r in rows))
@@ -172,8 +179,9 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
                     exchange=chain.exchanges[0])
         complete, kernel = dict(args, w_ih_t=args["dy"], chained=0, per_step=0), "prnn_complete_backward"
     else:  # persistent_projection_backward.cu: exchanges of dr_t (tile B's rows), dgates_t (A's)
-        args.update(w_hh_t=buffers.weight_words(xp, w_hh.T, half),
-                    w_hr_t=buffers.weight_words(xp, w_hr.T, half), cs=fwd.cs, drs=drs,
+        args.update(w_hh_t=buffers.weight_words(xp, w_hh.T, half, _name(slot, "w_t")),
+                    w_hr_t=buffers.weight_words(xp, w_hr.T, half, _name(slot, "w_hr_t")),
+                    cs=fwd.cs, drs=drs,
                     c0=_zeros(xp, (batch, hidden)) if c0 is None else c(c0),
                     dr_carry=dh_carry, proj=proj_size,
                     exchange_r=chain.exchanges[0], exchange_g=chain.exchanges[1])
@@ -182,10 +190,28 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         complete.pop(name, None)
     stats = _run_on_device(chain, args, steps - 1, -1, kernel, complete)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
-    dh0 = matmul(dgh[0], w_hh if half is None else widen(w_hh))
+    wide = w_hh if half is None else (widen(w_hh) if slot is None else buffers.widened(
+        xp, w_hh, f"w_hh_wide{slot}"))
+    dh0 = matmul(dgh[0], wide, None if out is None else out[0])
     dh0 += dh_carry[0]  # (in place: the same sum, one array)
-    return BackwardResult(dgi, dgh, dh0, dc_carry[0] if cell.has_cell_state else None,
-                          drs), stats
+    dc0 = dc_carry[0] if cell.has_cell_state else None
+    if dc0 is not None and out is not None:
+        dc0 = _copied_into(out, dh0, dc0)[1]
+    elif dc0 is not None and slot is not None:  # (a row of a workspace: the result's own copy)
+        dc0 = dc0.copy()
+    return BackwardResult(dgi, dgh, dh0, dc0, drs), stats
+
+
+def _copied_into(out: tuple[Array, Array | None], dh0: Array,
+                 dc0: Array | None) -> tuple[Array, Array | None]:
+    """``dh0`` and ``dc0`` (``None`` but for the LSTM) copied into ``out`` (a no-op for an
+    array already there); returns ``out``'s arrays."""
+    if out[0] is not dh0:
+        out[0][...] = dh0
+    if dc0 is None:
+        return out[0], None
+    out[1][...] = dc0
+    return out
 
 
 def _gradient_buffers(cell: CellSpec, dy: Array, hidden: int,
@@ -201,6 +227,11 @@ def _gradient_buffers(cell: CellSpec, dy: Array, hidden: int,
                  else dgi)
 
 
+def _name(slot: int | None, name: str) -> str | None:
+    """The workspace name of ``name`` for ``slot``, ``None`` without a slot (new arrays)."""
+    return None if slot is None else f"{name}{slot}"
+
+
 def _scratch(xp, slot: int | None, name: str, shape: tuple[int, ...], dtype) -> Array:
     """An uninitialised array a pass uses and lets go: the workspace ``name`` of ``slot``, or
     a new one without a slot."""
@@ -213,7 +244,7 @@ def _transposed(xp, w_hh: Array, half: str | None, slot: int | None) -> Array:
     """``W_hh^T`` as the backward kernel holds it (``buffers.weight_words``), copied every call
     (an optimizer may change ``W_hh`` in place): for float32 weights into a workspace."""
     if half is not None:
-        return buffers.weight_words(xp, w_hh.T, half)
+        return buffers.weight_words(xp, w_hh.T, half, _name(slot, "w_t"))
     w_t = _scratch(xp, slot, "w_t", w_hh.shape[::-1], np.float32)
     xp.copyto(w_t, w_hh.T)
     return w_t

@@ -153,25 +153,30 @@ def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence
 
 def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | None,
              dcn: Array | None, weights: Sequence[Weights], h0: Array, c0: Array | None,
-             lengths: Array | None, fwds: Sequence[runtime.ForwardResult], chained: bool = True
+             lengths: Array | None, fwds: Sequence[runtime.ForwardResult], chained: bool = True,
+             out: tuple[Array, Array | None] | None = None
              ) -> tuple[list[runtime.BackwardResult], RunStats]:
     """The backward of a stack in stack mode. ``dy``: the top layer's output gradient (T, B, H),
     zero past each length; ``dhn``/``dcn``: (L, B, H) or ``None``; ``fwds``: each layer's
     forward buffers. Returns each layer's ``BackwardResult`` (``dh0``/``dc0`` included).
-    ``chained=False``: the two directions of one layer, ``dy`` (2, T, B, H) both gradients."""
+    ``chained=False``: the two directions of one layer, ``dy`` (2, T, B, H) both gradients.
+    ``out``: ``(dh0, dc0)`` (L, B, H) arrays (``dc0`` ``None`` but for the LSTM) the layers'
+    ``dh0``/``dc0`` are rows of (the caller's stacked gradients), else new ones."""
     xp = buffers.array_module(dy)
     steps, batch, hidden = dy.shape[-3:]
     layers, width = len(weights), cell.gates * hidden
-    # dgi, dgh and the h carry are scratch (reused workspaces): the caller reads dgi and dgh
-    # before the next stack backward of this thread and stream; dh0 is a new array
+    # dgi, dgh and the carries are scratch (reused workspaces): the caller reads dgi and dgh
+    # before the next stack backward of this thread and stream; dh0 and dc0 go to ``out``
     shape = (layers, steps, batch, width)
     dgi = buffers.workspace(xp, "stack_dgi", shape, np.float32)
     dgh = buffers.workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh else dgi
-    dh_carry = buffers.workspace(xp, "stack_dh_carry", (layers, steps + 1, batch, hidden),
-                                 np.float32)
+    carry = (layers, steps + 1, batch, hidden)
+    dh_carry = buffers.workspace(xp, "stack_dh_carry", carry, np.float32)
     dh_carry.fill(0)
-    dc_carry = (xp.zeros((layers, steps + 1, batch, hidden), np.float32)  # (dc0: its rows)
-                if cell.has_cell_state else dh_carry)
+    dc_carry = dh_carry
+    if cell.has_cell_state:
+        dc_carry = buffers.workspace(xp, "stack_dc_carry", carry, np.float32)
+        dc_carry.fill(0)
     if dhn is not None:
         dh_carry[:, steps] = dhn
     if dcn is not None and cell.has_cell_state:
@@ -192,12 +197,15 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
     stats = _run(engine_, args, layers, -1, xp, chained, "prnn_complete_backward",
                  dict(args, per_step=1), exchanges)
     # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back;
-    # the layers' rows of one new array (the layer returns it as it is)
-    dh0 = xp.empty((layers, batch, hidden), np.float32)
+    # the layers' rows of one array (the layer returns it as it is)
+    dh0 = xp.empty((layers, batch, hidden), np.float32) if out is None else out[0]
     for k in range(layers):
         matmul(dgh[k, 0], weights[k][1], out=dh0[k])
         dh0[k] += dh_carry[k, 0]  # (in place: the same sum)
-    results = [runtime.BackwardResult(dgi[k], dgh[k], dh0[k],
-                                      dc_carry[k, 0] if cell.has_cell_state else None)
+    dc0 = None
+    if cell.has_cell_state:
+        dc0 = xp.empty((layers, batch, hidden), np.float32) if out is None else out[1]
+        xp.copyto(dc0, dc_carry[:, 0])
+    results = [runtime.BackwardResult(dgi[k], dgh[k], dh0[k], None if dc0 is None else dc0[k])
                for k in range(layers)]
     return results, stats

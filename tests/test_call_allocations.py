@@ -1,7 +1,10 @@
 """Issue 26, deliverable 2: a steady-state persistent call allocates only the arrays it returns
 and those its context keeps for the backward; its scratch memory (the chain's words and tagged
 exchanges, the input GEMM's output, the backward's dgi/dgh, carries and W_hh^T) is reused call
-after call, per thread and stream (``buffers.reused``).
+after call, per thread and stream (``buffers.reused``). Held for single layers and stacks (GRU,
+LSTM), bidirectional layers (one launch per direction, or both side by side), LSTM projections
+and 16-bit layers, each against its explicit list (anything not yet removed named there with
+its reason).
 
 Counted on the emulated persistent path (the GPU path's host logic) with NumPy's memory handler
 (``test_call_cost.numpy_alloc_sizes``): every array data allocation of more than 8 bytes. NumPy
@@ -30,8 +33,7 @@ LENGTHS = np.array([3, 1, 2], np.int32)
 FORWARD = {"GRU": ["y (context)", "saved (context)", "output", "h_n"],
            "LSTM": ["y (context)", "cs (context)", "saved (context)", "output", "h_n", "c_n"]}
 BACKWARD = {"GRU": ["dx", "dh0", "dW_ih", "dW_hh", "db_ih", "db_hh"],
-            "LSTM": ["dx", "dh0", "dc carry (dc0 is its row)", "dW_ih", "dW_hh", "db_ih",
-                     "db_hh"]}
+            "LSTM": ["dx", "dh0", "dc0", "dW_ih", "dW_hh", "db_ih", "db_hh"]}
 WITH_LENGTHS = ["the lengths as int32 (context: the backward reads them; a copy, so that the "
                 "caller may change theirs)",
                 "x with padding selected out (context: the weight gradient reads it)"]
@@ -47,11 +49,14 @@ def array_allocations(call) -> int:
     return sum(size > 8 for size in numpy_alloc_sizes(call))
 
 
-def _call(cell: str, backward: bool, lengths: bool, seed: int = 0):
-    layer = getattr(prnn, cell)(I, H, algo="persistent", seed=0)
+def _call(cell: str, backward: bool, lengths: bool, seed: int = 0, **options):
+    """One steady-state call (forward, or forward and backward) of a new layer; ``options``:
+    the layer's (``bidirectional``, ``num_layers``, ``proj_size``, ``dtype``)."""
+    layer = getattr(prnn, cell)(I, H, algo="persistent", seed=0, **options)
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((T, B, I)).astype(np.float32)
-    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    x = rng.standard_normal((T, B, I)).astype(layer.dtype)
+    width = (layer.proj_size or H) * layer.directions
+    dy = rng.standard_normal((T, B, width)).astype(layer.dtype)
     given = LENGTHS if lengths else None
 
     def call():
@@ -77,9 +82,8 @@ def test_a_steady_state_call_allocates_only_what_it_returns_and_keeps(settings, 
     assert array_allocations(call) == len(want), want
 
 
-# Stack mode (two unidirectional layers in one launch per pass): the same, per layer, except
-# what is not yet removed: the LSTM backward's dc carry (its rows are copied into the returned
-# dc).
+# Stack mode (two unidirectional layers in one launch per pass): the same, per layer (dh and dc
+# each one array whose rows are the layers').
 STACK_FORWARD = {"GRU": ["y of both layers (context)", "saved of both (context)",
                          "layer 0's output (context: layer 1's input)", "output", "h_n"],
                  "LSTM": ["y of both layers (context)", "cs of both (context)",
@@ -87,7 +91,7 @@ STACK_FORWARD = {"GRU": ["y of both layers (context)", "saved of both (context)"
                           "output", "h_n", "c_n"]}
 STACK_BACKWARD = {"GRU": ["dx", "dh"] + [f"{g} of layer {k}" for g in ("dW_ih", "dW_hh", "db_ih",
                                                                            "db_hh") for k in (0, 1)]}
-STACK_BACKWARD["LSTM"] = STACK_BACKWARD["GRU"] + ["dc", "not yet removed: the dc carry"]
+STACK_BACKWARD["LSTM"] = STACK_BACKWARD["GRU"] + ["dc"]
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
@@ -109,6 +113,77 @@ def test_a_stack_mode_call_allocates_only_what_it_returns_keeps_and_lists(settin
     call()
     assert "stack" in layer.last_run.details[0]  # (stack mode ran)
     want = STACK_FORWARD[cell] + (STACK_BACKWARD[cell] if backward else [])
+    assert array_allocations(call) == len(want), want
+
+
+# Bidirectional layers (with lengths: the within-length reversal), one launch per direction
+# (stack mode off) or both directions of a layer side by side in one (stack mode, "pairs").
+# Per layer-direction the forward's buffers; the pairs' are one array per layer for both.
+REVERSE_INDEX = ["the reversal's row index (context: the backward's gathers; without lengths a "
+                 "reused constant)"]
+
+
+def bidirectional_expected(cell: str, layers: int, pairs: bool) -> list[str]:
+    """What a bidirectional fwd+bwd call with lengths may allocate."""
+    kept = ["y", "saved"] + (["cs"] if cell == "LSTM" else [])
+    per_layer = ([f"{a} of both directions (context)" for a in kept] if pairs
+                 else [f"{a} (context)" for a in kept for _ in range(2)])
+    forward = (WITH_LENGTHS + REVERSE_INDEX + per_layer * layers
+               + ["layer 0's output (context: layer 1's input)"] * (layers - 1)
+               + ["output", "h_n"] + (["c_n"] if cell == "LSTM" else []))
+    backward = (["dx", "dh0 (every layer-direction's rows)"]
+                + (["dc0 (likewise)"] if cell == "LSTM" else [])
+                + [g for g in ("dW_ih", "dW_hh", "db_ih", "db_hh")] * (2 * layers))
+    return forward + backward
+
+
+BIDIRECTIONAL = [("GRU", 1, True), ("GRU", 1, False), ("LSTM", 2, True), ("LSTM", 2, False)]
+
+
+@pytest.mark.parametrize("cell,layers,pairs", BIDIRECTIONAL,
+                         ids=[f"{c}-{n}layer-{'pairs' if p else 'per-direction'}"
+                              for c, n, p in BIDIRECTIONAL])
+def test_a_bidirectional_call_allocates_only_what_it_returns_and_keeps(settings, grid_path, cell,
+                                                                       layers, pairs):
+    prnn.configure(stack=pairs)
+    call = _call(cell, True, True, bidirectional=True, num_layers=layers)
+    call()
+    assert ("side by side" in call.layer.last_run.details[0]) == pairs  # (the path asked for)
+    want = bidirectional_expected(cell, layers, pairs)
+    assert array_allocations(call) == len(want), want
+
+
+# LSTM projections (proj_size P: y holds r_t, the context keeps the cell's h_t too).
+PROJECTION_FORWARD = ["y (r_t; context)", "hs (the cell's h_t; context)", "cs (context)",
+                      "saved (context)", "output", "h_n", "c_n"]
+PROJECTION_BACKWARD = BACKWARD["LSTM"] + ["dW_hr"]
+
+
+@pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
+def test_a_projection_call_allocates_only_what_it_returns_and_keeps(settings, grid_path,
+                                                                    lengths):
+    call = _call("LSTM", True, lengths, proj_size=4)
+    want = PROJECTION_FORWARD + (WITH_LENGTHS if lengths else []) + PROJECTION_BACKWARD
+    assert array_allocations(call) == len(want), want
+
+
+# 16-bit layers: the float32 list, its results being the 16-bit arrays the layer returns
+# (functional's float32 results are workspaces: ``scratch_results``). Not yet removed, on NumPy
+# only: matmul.matmul_half's float32 copies of its 16-bit operands (matmul.py, outside this
+# change).
+HALF_EMULATION = [
+    "emulation only: matmul.matmul_half on NumPy multiplies x's float32 values (a new array; "
+    "on a GPU the tensor cores read the 16-bit operands as they are)",
+    "emulation only: likewise W_ih's float32 values"]
+
+
+@pytest.mark.parametrize("cell,half,lengths", [("GRU", "float16", False),
+                                               ("LSTM", "bfloat16", True)],
+                         ids=["GRU-float16-full", "LSTM-bfloat16-lengths"])
+def test_a_16_bit_call_allocates_only_what_it_returns_keeps_and_lists(settings, grid_path, cell,
+                                                                      half, lengths):
+    call = _call(cell, True, lengths, dtype=half)
+    want = expected(cell, True, lengths) + HALF_EMULATION
     assert array_allocations(call) == len(want), want
 
 
