@@ -428,7 +428,8 @@ def _start_direction(ctx: Context, layer_input: Array, d: _Direction,
     xp = array_module(layer_input)
     slot = "gi_reverse" if reverse else "gi"
     # (W_hh and W_hr as they are: runtime takes 16-bit weights; a 16-bit b_hh widened)
-    b_hh = widened(xp, b_hh, f"b_hh_{slot}")
+    if ctx.half is not None:
+        b_hh = widened(xp, b_hh, f"b_hh_{slot}")
     # gi is read by the recurrence alone (never kept): a reused workspace per direction
     gi = _projected(layer_input, w_ih, b_ih, slot, ctx.half)
     if reverse:
@@ -503,8 +504,8 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
     layer_input = ctx.inputs[layer]
     xp = array_module(layer_input)
     flat_input = layer_input.reshape(-1, layer_input.shape[2])
-    # (a 16-bit first input: float32 for the GEMM with fp32 dgi)
-    flat_input = widened(xp, flat_input, "input_wide")
+    if ctx.half is not None:  # (a 16-bit first input: float32 for the GEMM with fp32 dgi)
+        flat_input = widened(xp, flat_input, "input_wide")
     d_in = None
     for direction, d in enumerate(ctx.directions[layer]):
         res = results[layer, direction]
@@ -521,7 +522,9 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
             grads[d.names["weight_hr"]] = matmul(res.drs.reshape(-1, res.drs.shape[2]).T,
                                                   d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
         if input_grad:
-            w_ih = widened(xp, ctx.params[d.names["weight_ih"]], f"w_ih_wide{direction}")
+            w_ih = ctx.params[d.names["weight_ih"]]
+            if ctx.half is not None:
+                w_ih = widened(xp, w_ih, f"w_ih_wide{direction}")
             part = matmul_steps(dgi, w_ih, _input_gradient_target(ctx, xp, layer, d_in, dgi,
                                                                   w_ih))
             if d_in is None:
