@@ -3,7 +3,8 @@ emulation of the same CUDA source, and the conversions they are built on.
 
 * ``hw.cuh``'s conversions (tests/cuda/half_convert.cu) against ml_dtypes, bit for bit (emulated;
   on a GPU in the gpu suite).
-* Every cell, both dtypes, forward and backward with lengths: against the float64 layer on the
+* Every cell in float16 and the LSTM in bfloat16 (every cell in both with
+  PRNN_TEST_EVERY_KERNEL=1), forward and backward with lengths: against the float64 layer on the
   same (16-bit) parameters within 5e-3 (fp16) / 3e-2 (bf16) relative error (the relu RNN: its
   forward; docs/api.md, "Accuracy"), and against the 16-bit GEMM path, which rounds h_t at the
   same point, within one rounding of the dtype (measured: mostly bitwise equal; at these seeds
