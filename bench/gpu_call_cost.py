@@ -3,7 +3,8 @@ synchronisations, and the kernel's per-step cost apart from the call's.
 
     python bench/gpu_call_cost.py --out DIR [--cpu]
 
-For each layer (GRU H=256 B=1, LSTM H=1024 B=4, RNN-tanh H=512 B=1; T=100, input 64) and each
+For each layer (GRU H=256 B=1, LSTM H=1024 B=4, RNN-tanh H=512 B=1; T=100, or each of
+``--steps``; input 64) and each
 road - the CuPy layer with ``algo="persistent"`` and ``"gemm"``, ``persistent_rnn.torch`` with
 ``algo="persistent"`` and torch.nn (cuDNN) - forward and forward+backward:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import statistics
@@ -243,27 +245,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cpu", action="store_true", help="NumPy and CPU tensors, tiny sizes")
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--steps", default=str(STEPS),
+                   help="the sequence lengths T of the per-call rows, comma-separated "
+                        f"(default {STEPS}; issue 26 asks for 10,100,1000)")
     args = p.parse_args(argv)
+    lengths_t = [3] if args.cpu else [int(t) for t in args.steps.split(",")]
     dev = Device(args.cpu)
     calls = 1 if args.cpu else args.calls
     args.out.mkdir(parents=True, exist_ok=True)
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu), "rows": []}
-    print(f"{'layer':18} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  per call")
+    print(f"{'layer':18} {'T':>5} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  "
+          "per call")
     for cell, hidden, batch in (CPU_LAYERS if args.cpu else LAYERS):
-        for backward in (False, True):
-            for road in ROADS:
-                steps = 3 if args.cpu else STEPS
-                try:
-                    row = measure(dev, make_call(dev, road, cell, hidden, batch, steps, backward),
-                                  calls)
-                except Exception as exc:  # noqa: BLE001 -- a road that cannot run is reported
-                    row = {"error": f"{type(exc).__name__}: {exc}"}
-                row.update(layer=f"{cell}_h{hidden}_b{batch}", steps=steps, road=road,
-                           passes="fwd+bwd" if backward else "fwd")
-                record["rows"].append(row)
-                print(f"{row['layer']:18} {row['passes']:8} {road:11} "
-                      + (f"{row['host_us']:8.1f} {row['loop_us']:8.1f} {row['event_us']:8.1f}  "
-                         f"{row['per_call']}" if "error" not in row else row["error"]), flush=True)
+        for steps, backward, road in itertools.product(lengths_t, (False, True), ROADS):
+            try:
+                row = measure(dev, make_call(dev, road, cell, hidden, batch, steps, backward),
+                              calls)
+            except Exception as exc:  # noqa: BLE001 -- a road that cannot run is reported
+                row = {"error": f"{type(exc).__name__}: {exc}"}
+            row.update(layer=f"{cell}_h{hidden}_b{batch}", steps=steps, road=road,
+                       passes="fwd+bwd" if backward else "fwd")
+            record["rows"].append(row)
+            print(f"{row['layer']:18} {steps:5d} {row['passes']:8} {road:11} "
+                  + (f"{row['host_us']:8.1f} {row['loop_us']:8.1f} {row['event_us']:8.1f}  "
+                     f"{row['per_call']}" if "error" not in row else row["error"]), flush=True)
     lengths = (3, 9) if args.cpu else (1000, 3000)
     record["slopes"] = [dict(layer=f"{c}_h{h}_b{b}", **slope(dev, c, h, b, lengths, 1 if args.cpu else max(2, calls // 6)))
                         for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]

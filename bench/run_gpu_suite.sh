@@ -17,8 +17,8 @@
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
 #   fresh    what has not yet run on a GPU (the decoder resumed before a replay, its eager step,
-#            the allocation counts), then the device time of a call by kernel, the decode loop,
-#            the hand-over's host costs, a decoding step's profile
+#            the allocation counts), then the device time of a call by kernel, the call cost at
+#            T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding step's profile
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
 #   --dry-run lists the steps, their time limits and each part's total, and runs nothing.
 #   --cpu runs part `first` without a GPU (the CPU emulation at tiny sizes: a check of the harness,
@@ -208,7 +208,7 @@ part_sweeps() {  # limits 260 s
     --hidden 1024,256 --batches 1,8 --seq-len 100
 }
 
-part_fresh() {  # limits 220 s: what has not yet run on a GPU, in the order to learn it
+part_fresh() {  # limits 295 s: what has not yet run on a GPU, in the order to learn it
   # the decoder's captured loop after resume() (resident) and its eager step; the per-call
   # allocations of more paths; the 16-bit projection and the hand-over again (run once, 1c83a04)
   step fresh_tests 100 "$PY" bench/pytest_resume.py --budget 90 -- -m gpu -p no:cacheprovider \
@@ -216,6 +216,8 @@ part_fresh() {  # limits 220 s: what has not yet run on a GPU, in the order to l
     tests/test_half_gpu.py tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py \
     tests/test_call_allocations.py
   step call_kernels 40 "$PY" bench/call_kernels.py --out "$OUT"
+  # issue 26: per call at T = 10, 100 and 1000 beside torch.nn (cuDNN), one process
+  step gpu_call_cost 75 "$PY" bench/gpu_call_cost.py --out "$OUT" --steps 10,100,1000 --calls 15
   step decode_loop 35 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 12
   step interop_cost 20 "$PY" bench/interop_cost.py --out "$OUT"
   step decoder_profile 25 "$PY" bench/decoder_profile.py --out "$OUT"
