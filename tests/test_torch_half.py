@@ -141,3 +141,21 @@ def test_cpu_autocast_lstmp_follows_torch_nn_dtypes():
 
 def _tuple(hn):
     return hn if isinstance(hn, tuple) else (hn,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_results_are_not_reused_by_the_next_call(dtype):
+    """A 16-bit module's results are copies in its dtype (the library's float32 results live in
+    reused workspaces): a second call, forward and backward, leaves the first call's intact."""
+    torch.manual_seed(0)
+    gru = prt.GRU(6, 8, algo="gemm").to(dtype)
+    x1 = torch.randn(3, 2, 6).to(dtype).requires_grad_()
+    x2 = torch.randn(3, 2, 6).to(dtype).requires_grad_()
+    y1, h1 = gru(x1)
+    y1.float().sum().backward()
+    kept = (y1.detach().clone(), h1.detach().clone(), x1.grad.clone())
+    y2, h2 = gru(x2)
+    (2 * y2.float()).sum().backward()
+    assert not torch.equal(y1, y2)
+    for before, now in zip(kept, (y1, h1, x1.grad)):
+        assert torch.equal(before, now)

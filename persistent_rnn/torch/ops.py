@@ -383,7 +383,8 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
         cell, _fresh_params(weights, num_layers, bidirectional) if record is None
         else record.views.get(weights, num_layers, bidirectional), xa, hx,
         None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
-        bidirectional=bidirectional, batch_first=False, algo=algo, half=half)
+        bidirectional=bidirectional, batch_first=False, algo=algo, half=half,
+        scratch_results=half is not None)  # (16-bit results: copied into x's dtype below)
     hn, cn = hn if cell.has_cell_state else (hn, None)
     if record is not None:
         record.forward(stats_part, ctx.stats, half or _dtype_name(x.dtype))
