@@ -61,11 +61,8 @@ def profile_call(call, calls: int, cuda: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
     host_us = (time.perf_counter() - t0) / calls * 1e6
-    kernels = {}
-    for e in prof.key_averages():
-        device_us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
-        if device_us and e.key and not e.key.startswith(("aten::", "cuda", "cupy", "Profiler")):
-            kernels[e.key] = {"us_per_call": device_us / calls, "count_per_call": e.count / calls}
+    kernels = {name: {"us_per_call": us, "count_per_call": n}
+               for name, (us, n) in benchmark.device_activities(prof, calls).items()}
     total = sum(k["us_per_call"] for k in kernels.values())
     return {"host_us_per_call": host_us, "device_us_per_call": total, "kernels": kernels}
 

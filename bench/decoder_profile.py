@@ -14,9 +14,6 @@ the emulation, tiny sizes, no graph (a check of the script).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 from pathlib import Path
 from typing import Callable
@@ -43,13 +40,7 @@ def _loop(step, x0: torch.Tensor, steps: int):
 def host_profile(loop) -> str:
     """cProfile of one call of ``loop`` (after one warm-up call): the top 25 by own time."""
     loop()
-    prof = cProfile.Profile()
-    prof.enable()
-    loop()
-    prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-    return out.getvalue()
+    return benchmark.profile_text(loop)
 
 
 def device_profile(loop, steps: int, before_replay: Callable[[], object] | None) -> str:
@@ -61,12 +52,9 @@ def device_profile(loop, steps: int, before_replay: Callable[[], object] | None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         replay()
         torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
-        if us:
-            rows.append((us / steps, e.count / steps, e.key))
-    return "\n".join(f"{us:9.2f} us/step x{n:.2f}  {k[:110]}" for us, n, k in sorted(rows)[::-1])
+    rows = sorted(((us, n, name) for name, (us, n)
+                   in benchmark.device_activities(prof, steps).items()), reverse=True)
+    return "\n".join(f"{us:9.2f} us/step x{n:.2f}  {name[:110]}" for us, n, name in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

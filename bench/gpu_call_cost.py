@@ -28,11 +28,8 @@ Writes ``DIR/gpu_call_cost.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import itertools
 import json
-import pstats
 import statistics
 import sys
 import threading
@@ -227,17 +224,12 @@ def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward
     for _ in range(1 if dev.cpu else 3):
         call()
     dev.sync()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        call()
-    dev.sync()
-    prof.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(40)
-    return out.getvalue()
+
+    def calls_then_sync() -> None:
+        for _ in range(calls):
+            call()
+        dev.sync()
+    return benchmark.profile_text(calls_then_sync, (("tottime", 30), ("cumulative", 40)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the sequence lengths T of the per-call rows, comma-separated "
                         f"(default {STEPS}; issue 26 asks for 10,100,1000)")
     args = p.parse_args(argv)
-    lengths_t = [3] if args.cpu else [int(t) for t in args.steps.split(",")]
+    seq_lens = [3] if args.cpu else [int(t) for t in args.steps.split(",")]
     dev = Device(args.cpu)
     calls = 1 if args.cpu else args.calls
     args.out.mkdir(parents=True, exist_ok=True)
@@ -257,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'layer':18} {'T':>5} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  "
           "per call")
     for cell, hidden, batch in (CPU_LAYERS if args.cpu else LAYERS):
-        for steps, backward, road in itertools.product(lengths_t, (False, True), ROADS):
+        for steps, backward, road in itertools.product(seq_lens, (False, True), ROADS):
             try:
                 row = measure(dev, make_call(dev, road, cell, hidden, batch, steps, backward),
                               calls)

@@ -462,6 +462,37 @@ def torch_graph_replay(fn: Callable[[], object],
     return replay
 
 
+def device_activities(prof: Any, per: int) -> dict[str, tuple[float, float]]:
+    """From a ``torch.profiler`` run: each device activity (kernel, memory copy or set) by name,
+    its µs and its count per ``per`` (calls, steps). Host ranges are left out: their device
+    time is the sum of their kernels', which would count those twice."""
+    from torch.autograd import DeviceType
+    found = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us and e.device_type != DeviceType.CPU:
+            found[e.key] = (us / per, e.count / per)
+    return found
+
+
+def profile_text(fn: Callable[[], object],
+                 sorts: Sequence[tuple[str, int]] = (("tottime", 25),)) -> str:
+    """cProfile of one ``fn()`` (warm it up first): the top functions under each ``(key,
+    count)`` of ``sorts``."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    for key, count in sorts:
+        stats.sort_stats(key).print_stats(count)
+    return out.getvalue()
+
+
 def resolve_sweep(sweep: Sweep, gpu: bool) -> Sweep:
     """Drop algorithms this machine cannot run (``cudnn`` and ``prnn_torch`` without torch CUDA;
     only ``gemm`` on CPU)."""
