@@ -35,7 +35,7 @@ model's *prediction* (``persistent_rnn.latency``, per-call terms spread over T s
 
 ``dtype`` "float16" or "bfloat16" times 16-bit layers against ``torch.nn`` converted to the same
 dtype (``.half()`` / ``.to(torch.bfloat16)``; fp16 is where torch may pick cuDNN's persistent
-kernel). persistent_rnn's bfloat16 layers take NumPy arrays only (CuPy has no bfloat16), so on a
+kernel). persistent_rnn's bfloat16 layers take NumPy arrays only (the layer API's CuPy path does not take bfloat16), so on a
 GPU their ``persistent``/``gemm`` points are skipped with the reason; ``prnn_torch`` runs them.
 """
 from __future__ import annotations
@@ -255,7 +255,7 @@ def _prnn_case(sweep: Sweep, cell: str, algo: str, backward: bool, batch: int, h
     tally = CallTally() if tally is None else tally
     import persistent_rnn as prnn
     if sweep.dtype == "bfloat16" and xp is not np:
-        raise ValueError("bfloat16 layers take NumPy arrays only (CuPy has no bfloat16 arrays)")
+        raise ValueError("bfloat16 layers take NumPy arrays only (the layer API's CuPy path does not take bfloat16)")
     mode, extra = layer_args(cell)
     layer = getattr(prnn, mode)(sweep.input_size, hidden, dtype=sweep.dtype, algo=algo, seed=0,
                                 **_shape_args(sweep), **extra)

@@ -228,7 +228,7 @@ def round_half(xp, a: Array, half: str | None) -> Array:
     even, as ml_dtypes and CUDA's conversions round), kept as float32; ``a`` itself for ``None``.
 
     16-bit layers compute in fp32 and round h_t here every step, where the 16-bit kernels do.
-    bfloat16 is rounded on the float32 bits (CuPy has no bfloat16 arrays); NaN stays NaN.
+    bfloat16 is rounded on the float32 bits (the same on NumPy and CuPy); NaN stays NaN.
     """
     if half is None:
         return a

@@ -8,7 +8,8 @@ parameters and gradients follow the data (moved once when the device changes, th
 dtype, as ``torch.nn`` modules after ``.half()`` do; each call multiplies the 16-bit input by
 ``W_ih`` as they are (on a GPU on the tensor cores, fp32 accumulation), computes the rest in fp32
 on their values (exact), rounds h_t to the dtype every step (where the 16-bit kernels do) and
-returns 16-bit arrays. bfloat16 arrays are NumPy arrays of ``ml_dtypes.bfloat16``; CuPy has none.
+returns 16-bit arrays. bfloat16 layers take NumPy arrays of ``ml_dtypes.bfloat16`` only: the
+layer API's CuPy path has not been run with CuPy's bfloat16 arrays (on a GPU, use the torch modules).
 """
 from __future__ import annotations
 
@@ -184,11 +185,11 @@ class _Recurrent:
         return a.astype(self.dtype)
 
     def _check_module(self, xp) -> None:
-        """TypeError for a bfloat16 layer given CuPy arrays (CuPy has no bfloat16 dtype)."""
+        """TypeError for a bfloat16 layer given CuPy arrays (a path never run on a GPU)."""
         if self._half == "bfloat16" and xp is not np:
-            raise TypeError("dtype='bfloat16' layers take NumPy arrays only (CuPy has no bfloat16 "
-                            "arrays); use dtype='float16' on CuPy, or persistent_rnn.torch with "
-                            "torch.bfloat16 tensors")
+            raise TypeError("dtype='bfloat16' layers take NumPy arrays only (the layer API's "
+                            "CuPy path does not take bfloat16); use dtype='float16' on CuPy, or "
+                            "persistent_rnn.torch with torch.bfloat16 tensors")
 
     def _x_dims(self) -> str:
         return "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"

@@ -1,7 +1,7 @@
 """16-bit persistent kernels on a GPU (marked ``gpu``: skipped without one; not run where this
 was written). fp16 layers on CuPy up to the new ``max_hidden_size``: against the float64 layer on
 the same parameters (CPU) and the 16-bit GEMM path on the GPU; a stall restarts bitwise
-identically. bfloat16 has no CuPy arrays; its kernels are covered by the emulation and the
+identically. The layer API takes bfloat16 on NumPy only; its kernels are covered by the emulation and the
 conversion test in tests/test_half_kernels.py."""
 from __future__ import annotations
 
