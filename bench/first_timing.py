@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from first_cases import CPU_SEQ_LENS, SEQ_LENS, TIMING, TIMING_ALGOS, TimingConfig
+from first_cases import CPU_SEQ_LENS, CPU_TIMING, SEQ_LENS, TIMING, TIMING_ALGOS, TimingConfig
 
 from persistent_rnn import benchmark
 
@@ -22,9 +22,9 @@ CPU_REPEATS, CPU_WARMUP = 1, 0
 
 def points(cpu: bool) -> Iterator[tuple[TimingConfig, int, str, str]]:
     """(config, T, pass, algo) in the order they are measured: the headline layer first. The
-    ``--cpu`` check times the first and the last layer only (the fp32 grid headline and the
-    16-bit one; the others repeat the same code at the tiny sizes)."""
-    for config in (TIMING[0], TIMING[-1]) if cpu else TIMING:
+    ``--cpu`` check times ``CPU_TIMING`` only (the fp32 grid headline and the 16-bit one; the
+    others repeat the same code at the tiny sizes)."""
+    for config in CPU_TIMING if cpu else TIMING:
         for seq_len in (CPU_SEQ_LENS if cpu else SEQ_LENS):
             for pass_ in benchmark.PASSES:
                 for algo in TIMING_ALGOS:

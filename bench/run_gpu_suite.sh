@@ -130,14 +130,14 @@ racecheck() {  # racecheck GROUP LIMIT_S CASE_LIMIT_S CASES: bench/racecheck.py 
     bench/racecheck.py run --cases "$cases" --case-limit "$case_limit" --budget $((limit - 5))
 }
 
-part_first() {  # limits 390 s: the call's timeout_s 420 leaves room for the start of each step
+part_first() {  # limits 420 s: the call's timeout_s 450 leaves room for the start of each step
   first_step first_env 20 env
-  first_step first_predict 75 predict
-  first_step first_correct_fp32 55 correct --group fp32
-  first_step first_correct_struct 45 correct --group struct
+  first_step first_predict 55 predict
+  first_step first_correct_fp32 45 correct --group fp32
+  first_step first_correct_struct 40 correct --group struct
   first_step first_correct_half 40 correct --group half
   first_step first_stall 35 stall
-  first_step first_time 105 time
+  first_step first_time 170 time
   first_step first_report 15 report
 }
 
