@@ -242,6 +242,8 @@ def _print_decoder(d: dict) -> None:
           f"captured in a CUDA graph (projection {d['projection_us']:.2f}, hand-offs "
           f"{d['handoff_us']:.2f}, resident step {d['resident_step_us']:.2f}), "
           f"{d['eager_us']:.2f} µs eager; step_projected {d['projected_us']:.2f} µs captured")
+    if "w_ih" in d:
+        print(f"  projection: {d['w_ih']}")
 
 
 def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:

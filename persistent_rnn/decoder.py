@@ -11,8 +11,9 @@ the step's pointers to the mailbox and waits until every CTA of the resident ker
 its units of h_t; a slice whose resident CTA has gone (idle past its deadline) the step kernel
 computes itself with the same rows and the same code, so a step's bits never depend on who
 computed it. Each CTA computes its own rows of the input projection ``x W_ih^T + b_ih`` inside
-the step (W_ih's rows read from global memory - L2 - each step, x staged in shared memory,
-fp32 sums in one fixed order), so the step needs no matrix product of its own; a further layer's
+the step (its rows of W_ih held in its shared memory from its launch on where they fit a block,
+``DecoderPlan.w_ih_held``, else read from L2 each step; x staged in shared memory; fp32 sums in
+one fixed order either way), so the step needs no matrix product of its own; a further layer's
 x is the h' the layer below wrote in the launch before. Those sums are not the whole-sequence
 path's GEMM's: ``step(x)`` matches the float64 reference and torch.nn to float32 round-off, not
 the sequence kernel's bits. ``step_projected(gi)`` takes the caller's projection (b_ih
@@ -71,6 +72,7 @@ STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and ex
 WAIT_DEADLINES = 4  # a step kernel waits this many idle deadlines for a resident CTA
 JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (emulation)
 PROJ_BATCH = 4      # batch rows one pass over a CTA's W_ih rows serves (kProjBatch; the model)
+PROJ_ROWS = 4       # W_ih rows one pass over the staged x serves (kProjRows; the model)
 _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x given, or gi
 
 
@@ -78,13 +80,29 @@ _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x give
 class DecoderPlan:
     """The resident kernel's launch for one layer: the layer forward's tile (its -D), grid,
     block, the layer's input size and the shared memory (``resident_decoder.cu``'s layout:
-    ``plan`` is the one place that sizes it)."""
+    ``plan`` is the one place that sizes it): ``shared_bytes`` the step kernel's, and
+    ``resident_shared_bytes`` the resident kernel's - with its CTA's rows of W_ih
+    (``w_ih_rows`` of them) where they fit a block (``w_ih_held``), so that a step's projection
+    reads them from shared memory, not L2."""
 
     defines: dict[str, int]
     grid: int
     block: int
     input_size: int
     shared_bytes: int
+    resident_shared_bytes: int
+    w_ih_held: bool
+    w_ih_rows: int
+
+    def w_ih_note(self) -> str:
+        """Where a step's projection reads W_ih from, and why (``prnn plan --decoder``)."""
+        held = 4 * self.w_ih_rows * self.input_size
+        if self.w_ih_held:
+            return (f"W_ih held in shared memory ({self.w_ih_rows} rows x {self.input_size} "
+                    f"columns, {held} B a CTA, loaded at each launch)")
+        return (f"W_ih read from L2 each step: its {self.w_ih_rows} rows x {self.input_size} "
+                f"columns ({held} B a CTA) do not fit a block's shared memory beside the "
+                f"step's {self.shared_bytes} B")
 
 
 def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile,
@@ -96,7 +114,8 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
     and with ``PRNN_WORD_SPAN`` (its lanes take their columns as the cluster kernel's do). The
     rule for big layers: the step kernel's CTA needs an SM beside the resident grid (one CTA
     per SM, as the planner sizes the tiles), so grid < SM count. The shared memory - h_{t-1} and
-    x staged, the partial sums, the CTA's rows of gi, CONTROL_WORDS - must fit one block."""
+    x staged, the partial sums, the CTA's rows of gi, CONTROL_WORDS - must fit one block; the
+    resident kernel's CTA adds its rows of W_ih where they fit too (``w_ih_held``)."""
     inputs = hidden if input_size is None else input_size
     layer_plan = planner.make_plan(cell, hidden, batch, "float32", device)
     if not layer_plan.fits:
@@ -117,7 +136,10 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
     if shared > limit:
         return None, (f"its shared memory ({shared} bytes: h and x staged, input_size {inputs}, "
                       f"batch {batch}) exceeds the {limit} bytes of a block on {device.name}")
-    return DecoderPlan(d, fwd.grid, fwd.block, inputs, shared), None
+    held = shared + 4 * rows * inputs  # (resident_decoder.cu's w_s after the control words)
+    fits = held <= limit
+    return DecoderPlan(d, fwd.grid, fwd.block, inputs, shared, held if fits else shared, fits,
+                       rows), None
 
 
 def _module(xp, defines: Mapping[str, int]):
@@ -178,18 +200,19 @@ class _Resident:
         stall = settings.current_stall()
         dp, timeout = self.dp, launch.timeout_ns(self.xp is np)
         args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, np.int32(self.batch),
-                np.int32(dp.input_size), np.int32(self.hidden), np.uint64(timeout),
-                *stall.args())
+                np.int32(dp.input_size), np.int32(self.hidden), np.int32(dp.w_ih_held),
+                np.uint64(timeout), *stall.args())
         self._step_tail = self._tail(timeout)
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
             self.running = self.module.launch_async(
-                "prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args,
+                "prnn_resident_decoder", dp.grid, dp.block, dp.resident_shared_bytes, args,
                 max_resident=settings.current().emulation_max_resident)
         else:
             stream = self.running or self.xp.cuda.Stream(non_blocking=True)
             stream.wait_event(self.xp.cuda.get_current_stream().record())  # the words, zeroed
             with stream:
-                self._launch("prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args)
+                self._launch("prnn_resident_decoder", dp.grid, dp.block, dp.resident_shared_bytes,
+                             args)
             self.running = stream
         self.launches += 1
         launch.COUNTERS.add("launches")

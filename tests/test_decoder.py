@@ -172,6 +172,43 @@ def test_an_odd_input_size_and_batch_project_as_float64_and_take_over_bitwise():
         _equal(a, b)
 
 
+def test_w_ih_held_in_shared_memory_or_read_from_l2_gives_the_same_bits(monkeypatch):
+    """The plan holds a resident CTA's rows of W_ih in shared memory where they fit a block
+    beside the step's (LSTM H=640: 32 rows x 640 columns), else the projection reads them from
+    L2; at B=1 (passes of one batch row) both give the same bits, and the float64 step's."""
+    lstm, h100 = CELLS["lstm"], hardware.PROFILES["h100"]
+    held, _ = decoding.plan(lstm, 640, 1, h100)
+    assert held.w_ih_held and held.resident_shared_bytes == held.shared_bytes + 4 * 32 * 640
+    wide, _ = decoding.plan(lstm, 640, 1, h100, input_size=2000)  # 256000 B of rows
+    assert not wide.w_ih_held and wide.resident_shared_bytes == wide.shared_bytes
+    assert "do not fit" in wide.w_ih_note() and "81920 B a CTA" in held.w_ih_note()
+    cell = prnn.LSTMCell(37, H, seed=4)
+    xs = np.random.default_rng(5).standard_normal((3, 1, 37)).astype(np.float32)
+
+    def decode():
+        with cell.decoder(batch=1) as dec:
+            states, state = [], None
+            for x in xs:
+                state = dec.step(x, state)
+                states.append(state)
+            return dec._residents[0].dp.w_ih_held, states
+
+    was_held, want = decode()
+    plan = decoding.plan  # the same tile, its rows not held (as a plan whose rows do not fit)
+    monkeypatch.setattr(decoding, "plan", lambda *a: (
+        replace(plan(*a)[0], w_ih_held=False, resident_shared_bytes=plan(*a)[0].shared_bytes), None))
+    now_held, got = decode()
+    assert was_held and not now_held
+    for a, b in zip(got, want):
+        _equal(a, b)
+    twin = prnn.LSTMCell(37, H, algo="gemm", dtype="float64")
+    twin.load_params({k: v.astype(np.float64) for k, v in cell.params.items()})
+    state = None
+    for x, hc in zip(xs, got):
+        state = twin.forward(x.astype(np.float64), state)
+        _close(hc, state)
+
+
 def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
     """Idle past the deadline between steps (the kernel exits, the next step relaunches it or
     takes its slices over), steps taken over by the step kernel alone, and a CTA stalled inside
@@ -398,6 +435,29 @@ def test_the_kernels_compile_for_the_gpu_without_spills(hidden, batch):
     assert all(f[1:] == ("0", "0", "0") for f in frames), log
 
 
+@pytest.mark.skipif(not EVERY_KERNEL, reason="reads SASS (NVRTC and nvdisasm, ~3 s): "
+                    "PRNN_TEST_EVERY_KERNEL=1")
+def test_the_held_rows_of_w_ih_are_read_from_shared_memory():
+    """The resident kernel's SASS (sm_90, LSTM H=640 B=1): the projection's column loops over
+    the held rows (passes of 1 and of 4 batch rows: 8 and 32 FFMA, unrolled twice) load from
+    shared memory only; those over rows in global memory (a plan that does not hold them) load
+    W_ih with LDG."""
+    from persistent_rnn import kernels
+    from persistent_rnn.sass_analysis import disassemble, nvdisasm, parse
+    if nvdisasm() is None:
+        pytest.skip("nvdisasm is not installed")
+    dp, _ = decoding.plan(CELLS["lstm"], 640, 1, hardware.PROFILES["h100"])
+    cubin = kernels.compile_source(decoding.SOURCE, dp.defines, "sm_90").cubin_path
+    code, labels = parse(disassemble(cubin, nvdisasm()).split(".text.prnn_resident_decoder")[-1])
+    loops = [[op.split(".")[0] for op, *_ in code[labels[to]:i + 1]]
+             for i, (op, _, to, _) in enumerate(code)
+             if op.startswith("BRA") and to in labels and labels[to] < i]
+    columns = [ops for ops in loops if ops.count("FFMA") >= 8 and "SHFL" not in ops and len(ops) < 100]
+    held = [ops.count("FFMA") for ops in columns if "LDS" in ops and not {"LDG", "LD"} & set(ops)]
+    from_l2 = [ops.count("FFMA") for ops in columns if "LDG" in ops]
+    assert sorted(held) == [8, 32] and sorted(from_l2) == [8, 32], columns
+
+
 @pytest.mark.skipif(not EVERY_KERNEL, reason="reads SASS (NVRTC and nvdisasm, ~5 s): "
                     "PRNN_TEST_EVERY_KERNEL=1")
 def test_prnn_plan_predicts_a_decoder_step(capsys):
@@ -413,17 +473,27 @@ def test_prnn_plan_predicts_a_decoder_step(capsys):
     assert d["projected_us"] == pytest.approx(gap + d["handoff_us"] + d["resident_step_us"])
     assert d["captured_us"] == pytest.approx(d["projection_us"] + d["projected_us"])
     assert 0 < d["resident_step_us"] < d["projected_us"] < d["captured_us"]
-    # the projection: the CTA's 32 rows of W_ih (640 columns) at its SM's share of L2, and a
-    # round trip; two passes over them at B=5
-    share = hardware.L2_BANDWIDTH_GBPS / hardware.PROFILES["h100"].sm_count * 1e3  # bytes/µs
-    trip = d["handoff_us"] / 3
-    assert d["projection_us"] == pytest.approx(trip + 4 * 32 * 640 / share)
+    # the projection from W_ih's rows held in shared memory: one wavefront a cycle - the CTA's
+    # 32 rows x 20 column steps, and x's row once for each warp's 4 rows (8 warps) - after a
+    # shared-memory latency and the sums' butterflies; two passes at B=5, of 4 batch rows each
+    cycle = 1 / hardware.PROFILES["h100"].clock_mhz
+    tail = hardware.SHARED_LATENCY + 5 * (hardware.SHUFFLE_LATENCY + hardware.FP_LATENCY)
+    assert d["w_ih_held"] and "81920 B a CTA" in d["w_ih"]
+    assert d["projection_us"] == pytest.approx((20 * (32 + 8) + tail) * cycle)
     d5 = latency.predict_decoder_step("LSTM", 640, 5, device="h100")
-    assert d5["projection_us"] == pytest.approx(trip + 2 * 4 * 32 * 640 / share)
+    assert d5["projection_us"] == pytest.approx((2 * 20 * (32 + 8 * 4) + tail) * cycle)
+    # rows too wide to hold (32 x 2000 columns: 256000 B): from L2 at the SM's share of it, after
+    # a round trip
+    wide = latency.predict_decoder_step("LSTM", 640, 1, input_size=2000, device="h100")
+    share = hardware.L2_BANDWIDTH_GBPS / hardware.PROFILES["h100"].sm_count * 1e3  # bytes/µs
+    tail += hardware.L2_LATENCY - hardware.SHARED_LATENCY
+    assert not wide["w_ih_held"] and "read from L2 each step" in wide["w_ih"]
+    assert wide["projection_us"] == pytest.approx(tail * cycle + 4 * 32 * 2000 / share)
     from persistent_rnn import cli
     cli._print_decoder(d)  # (prnn plan --decoder's lines; the whole plan is test_cli's)
     out = capsys.readouterr().out
     assert "resident decoder: 80 CTAs held; predicted per step" in out and "fused step" in out
+    assert "projection: W_ih held in shared memory (32 rows x 640 columns" in out
 
 
 def test_prnn_plan_prints_the_decoder_prediction(capsys):
@@ -431,7 +501,7 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     from persistent_rnn import cli
     record = {"input_size": 640, "fused_step_us": 3.3, "resident": True, "ctas": 80,
               "captured_us": 4.1, "projection_us": 2.3, "handoff_us": 0.6, "resident_step_us": 0.7,
-              "eager_us": 4.1, "projected_us": 1.8}
+              "eager_us": 4.1, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why"}
     cli._print_decoder(record)
     cli._print_decoder({**record, "resident": False, "reason": "its kernel takes the whole GPU"})
     out = capsys.readouterr().out
@@ -439,6 +509,7 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     assert "projection 2.30" in out
     assert "step_projected 1.80 µs" in out and "fused step kernel: predicted 3.30 µs" in out
     assert "resident decoder: no (its kernel takes the whole GPU)" in out
+    assert "  projection: W_ih read from L2 each step: why" in out
 
 
 RACE_SCENARIO = """
