@@ -8,10 +8,12 @@
 //   computes its units of h_t (and c_t) and reports them done in its state word. Idle past the
 //   deadline, it marks itself gone and exits.
 // * prnn_decoder_step: one CTA of the same block, enqueued per step on the caller's stream (one
-//   launch: the post and the wait). It posts the step, then waits until each slice c (the units
-//   of resident CTA c) is done; a slice whose resident CTA is gone it computes itself - loads
-//   that CTA's rows and runs the same step code - so a step's result never depends on who
-//   computed it. One CTA: it fits beside any resident grid smaller than the GPU.
+//   launch: the post and the wait, for every layer of a stack in turn). It posts the step, then
+//   waits until each slice c (the units of resident CTA c) is done; a slice whose resident CTA
+//   is gone it computes itself - loads that CTA's rows and runs the same step code - so a
+//   step's result never depends on who computed it. One CTA: it fits beside any resident grids
+//   smaller together than the GPU. A stack's layers share the tile (one build), each with its
+//   own resident kernel, mailbox and state words.
 //
 // A step is the forward's step (persistent_forward.cu) on the layer's tile: h_{t-1} staged as the
 // exchange delivers it (stage_exchanged), the tile's product (multiply_rows), the partial sums
@@ -342,6 +344,79 @@ PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long
   }
 }
 
+constexpr int kBoxWords = 16;  // a layer's mailbox (decoder.BOX_WORDS)
+
+// One layer of a step kernel's step: posts step box[1] + 1 to the layer's mailbox, waits until
+// each slice is done and computes the slices whose resident CTA is gone (every thread; `wt`,
+// `io`: the layer's). Whether every slice was done within timeout_ns of the post; if not, the
+// step is recorded in the layer's fault word (its outputs are not all written).
+PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, const StepIo& io,
+                            unsigned* box, unsigned* state, unsigned* fault, int slices,
+                            int batch, unsigned long long timeout_ns) {
+  constexpr int kMaxOwned = 32;  // slices a thread watches: the bits of `pending`
+  // The step's number comes from the device (box[1], the last one issued; the step kernels of
+  // a decoder run in stream order), so a CUDA graph's replay continues the count.
+  if (threadIdx.x == 0) {
+    const unsigned issued = box[1] + 1u;
+    box[1] = issued;
+    sm.word_s[0] = issued;
+    io_to_words(io, box + 2, true);
+    prnn_store_release(box, issued);
+  }
+  prnn_sync_block();
+  const unsigned step = sm.word_s[0];
+  prnn_sync_block();  // word_s[0] read by every thread before the takeover reuses it
+  if (slices > kMaxOwned * (int)blockDim.x) {  // (the host plans grids below the SM count)
+    if (threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
+    return false;
+  }
+  // Every thread watches its own slices (bit i: slice threadIdx.x + i * blockDim.x), so a step
+  // waits about as long as its slowest CTA, not one load round trip per slice in turn. No block
+  // barrier inside the wait: a thread polls until its slices are done or its deadline passed
+  // (the emulation's virtual clock moves only while every CTA merely polls - a barrier is work).
+  unsigned pending = 0u, taken = 0u;
+  for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) pending |= 1u << i;
+  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+  while (pending != 0u) {
+    for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) {
+      if (!(pending >> i & 1u)) continue;
+      unsigned* word = state + s;
+      const unsigned v = prnn_load_acquire(word);
+      if ((v >> 2) >= step) {
+        pending &= ~(1u << i);
+      } else if ((v & 3u) == kGone &&
+                 prnn_atomic_cas_acq_rel(word, v, decoder_word(step - 1u, kBusy)) == v) {
+        pending &= ~(1u << i);
+        taken |= 1u << i;
+      }
+    }
+    if (pending == 0u || prnn_globaltimer_ns() > deadline) break;
+    prnn_backoff();
+  }
+  const bool failed = prnn_sync_block_or(pending != 0u);
+  // The slices taken over, one at a time with the whole CTA (their words say kBusy until done,
+  // even in a step that failed: a later step or relaunch may take them again).
+  if (prnn_sync_block_or(taken != 0u)) {
+    for (int s = 0; s < slices; ++s) {
+      if (threadIdx.x == s % blockDim.x) sm.word_s[0] = taken >> (s / blockDim.x) & 1u;
+      prnn_sync_block();
+      const bool take = sm.word_s[0] != 0u;
+      prnn_sync_block();  // word_s[0] read by every thread before the next slice's owner writes it
+      if (!take) continue;
+      const Team team = step_team<ThisCell::G>();
+      RegisterTile tile;
+      load_rows(tile, team, wt.w_hh, s, wt.hidden);
+      decoder_step(tile, team, sm, wt, io, s, batch);
+      if (threadIdx.x == 0) {
+        prnn_fence();
+        prnn_store_release(state + s, decoder_word(step, kGone));
+      }
+    }
+  }
+  if (failed && threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
+  return !failed;
+}
+
 }  // namespace prnn
 
 PRNN_KERNEL void prnn_resident_decoder(
@@ -388,77 +463,41 @@ PRNN_KERNEL void prnn_resident_decoder(
   if (threadIdx.x == 0) prnn_atomic_cas_acq_rel(mine, decoder_word(last, kLive), decoder_word(last, kGone));
 }
 
+// The step kernel of a decoder of `layers` layers (a cell: 1), one CTA: each layer's step in
+// turn (step_layer), layer n > 0 projecting the h' that layer n - 1 wrote. Every operand is the
+// layers' stacked: W_hh (layers, G*H, H words), b_hh (layers, G*H), W_ih (G*H, input) then
+// (layers - 1, G*H, H), b_ih (layers, G*H) or unread, the mailboxes (layers, kBoxWords), the
+// state words (layers, slices), the fault words (layers), h_{t-1}, c_{t-1}, h_t, c_t
+// (layers, B, H). A layer whose wait failed ends the step: the layers above it are not posted.
 PRNN_KERNEL void prnn_decoder_step(
     const prnn::WeightWord* w_hh, const float* b_hh, const float* w_ih, unsigned* box,
     unsigned* state, unsigned* fault,
     const float* x_or_gi, int project,  // project != 0: x_t (B, input), else gi_t (B, G*H)
     const float* h_prev, const float* c_prev, float* h_out, float* c_out,
-    const float* b_ih, int with_bias,  // with_bias 0: no b_ih to add (b_ih unread)
-    int slices, int batch, int input, int hidden, unsigned long long timeout_ns) {
+    const float* b_ih, int with_bias,  // with_bias 0: no b_ih (unread); layer 0 adds it to its
+                                       // projection of x only (a given gi holds it)
+    int layers, int slices, int batch, int input, int hidden, unsigned long long timeout_ns) {
   using namespace prnn;
-  constexpr int kMaxOwned = 32;  // slices a thread watches: the bits of `pending`
-  const StepIo io{project ? x_or_gi : nullptr, project ? nullptr : x_or_gi, h_prev, c_prev,
-                  h_out, c_out, with_bias ? b_ih : nullptr};
-  const DecoderShared sm = decoder_shared(batch, input);
-  const DecoderWeights wt{w_hh, b_hh, w_ih, false, input, hidden};  // (W_ih's rows: global)
-  // The step's number comes from the device (box[1], the last one issued; the step kernels of
-  // a decoder run in stream order), so a CUDA graph's replay continues the count.
-  if (threadIdx.x == 0) {
-    const unsigned issued = box[1] + 1u;
-    box[1] = issued;
-    sm.word_s[0] = issued;
-    io_to_words(io, box + 2, true);
-    prnn_store_release(box, issued);
-  }
-  prnn_sync_block();
-  const unsigned step = sm.word_s[0];
-  prnn_sync_block();  // word_s[0] read by every thread before the takeover reuses it
-  if (slices > kMaxOwned * (int)blockDim.x) {  // (the host plans grids below the SM count)
-    if (threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
-    return;
-  }
-  // Every thread watches its own slices (bit i: slice threadIdx.x + i * blockDim.x), so a step
-  // waits about as long as its slowest CTA, not one load round trip per slice in turn. No block
-  // barrier inside the wait: a thread polls until its slices are done or its deadline passed
-  // (the emulation's virtual clock moves only while every CTA merely polls - a barrier is work).
-  unsigned pending = 0u, taken = 0u;
-  for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) pending |= 1u << i;
-  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
-  while (pending != 0u) {
-    for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) {
-      if (!(pending >> i & 1u)) continue;
-      unsigned* word = state + s;
-      const unsigned v = prnn_load_acquire(word);
-      if ((v >> 2) >= step) {
-        pending &= ~(1u << i);
-      } else if ((v & 3u) == kGone &&
-                 prnn_atomic_cas_acq_rel(word, v, decoder_word(step - 1u, kBusy)) == v) {
-        pending &= ~(1u << i);
-        taken |= 1u << i;
-      }
-    }
-    if (pending == 0u || prnn_globaltimer_ns() > deadline) break;
-    prnn_backoff();
-  }
-  const bool failed = prnn_sync_block_or(pending != 0u);
-  // The slices taken over, one at a time with the whole CTA (their words say kBusy until done,
-  // even in a step that failed: a later step or relaunch may take them again).
-  if (prnn_sync_block_or(taken != 0u)) {
-    for (int s = 0; s < slices; ++s) {
-      if (threadIdx.x == s % blockDim.x) sm.word_s[0] = taken >> (s / blockDim.x) & 1u;
-      prnn_sync_block();
-      const bool take = sm.word_s[0] != 0u;
-      prnn_sync_block();  // word_s[0] read by every thread before the next slice's owner writes it
-      if (!take) continue;
-      const Team team = step_team<ThisCell::G>();
-      RegisterTile tile;
-      load_rows(tile, team, w_hh, s, hidden);
-      decoder_step(tile, team, sm, wt, io, s, batch);
-      if (threadIdx.x == 0) {
-        prnn_fence();
-        prnn_store_release(state + s, decoder_word(step, kGone));
-      }
+  constexpr int G = ThisCell::G;
+  const size_t gh = (size_t)G * hidden, bh = (size_t)batch * hidden;
+  // x_s holds the widest input of the layers (the carve's other regions do not depend on it)
+  const DecoderShared sm = decoder_shared(batch, layers > 1 && hidden > input ? hidden : input);
+  for (int n = 0; n < layers; ++n) {
+    const int in = n == 0 ? input : hidden;
+    const size_t w_ih_at = n == 0 ? 0 : gh * input + (n - 1) * gh * hidden;
+    const DecoderWeights wt{w_hh + n * gh * ((hidden + kPerWord - 1) / kPerWord), b_hh + n * gh,
+                            w_ih + w_ih_at, false, in, hidden};  // (W_ih's rows: global)
+    const bool x_given = n > 0 || project != 0;
+    const float* x = n == 0 ? x_or_gi : h_out + (n - 1) * bh;
+    const StepIo io{x_given ? x : nullptr, x_given ? nullptr : x_or_gi, h_prev + n * bh,
+                    c_prev + n * bh, h_out + n * bh, c_out + n * bh,
+                    with_bias && x_given ? b_ih + n * gh : nullptr};
+    // The layer below's h' (written by this CTA's threads before its barrier, or by resident
+    // CTAs whose done words they acquired) before the post that lets this layer's CTAs read it
+    if (n > 0 && threadIdx.x == 0) prnn_fence();
+    if (!step_layer(sm, wt, io, box + n * kBoxWords, state + n * slices, fault + n, slices, batch,
+                    timeout_ns)) {
+      return;
     }
   }
-  if (failed && threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
 }

@@ -845,7 +845,7 @@ def decoder_projection_us(rows: int, inputs: int, batch: int, held: bool,
 
 
 def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | None = None,
-                         device: DeviceProfile | str | None = None) -> dict:
+                         device: DeviceProfile | str | None = None, layers: int = 1) -> dict:
     """Predicted GPU microseconds of one step of a resident decoder (``decoder.py``) and of the
     fused step kernel (``cell_step.fused_step``) - the latency model's predictions, not
     measurements. A decoder step in a captured loop is one launch: the gap before the step
@@ -854,11 +854,14 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     each CTA (``decoder_projection_us``: its G*units rows of W_ih from shared memory where the
     plan holds them there, ``w_ih_held``, else from L2) and the resident step: the layer
     forward's step (its tile, as the decoder runs it) from its SASS without its exchange (issue,
-    matrix, barriers, pointwise). Eagerly the host issues one API call a step
-    (``API_CALL_HOST_US``) and a step takes the longer of host and GPU. ``projected_us``: a
-    captured ``step_projected`` (the caller gives x W_ih^T + b_ih, e.g. from a per-token table:
-    no projection). The fused step: a gap, W_ih and W_hh read from L2 at ``L2_BANDWIDTH_GBPS``,
-    two L2 round trips."""
+    matrix, barriers, pointwise). A stack of ``layers`` is still one launch a step: the step
+    kernel posts each layer after the one below has finished, so every layer adds its hand-offs,
+    projection (layer n > 0 projects the h' below it: input size ``hidden``) and resident step
+    to the one gap. Eagerly the host issues one API call a step (``API_CALL_HOST_US``) and a
+    step takes the longer of host and GPU. ``projected_us``: a captured ``step_projected`` (the
+    caller gives layer 0's x W_ih^T + b_ih, e.g. from a per-token table: no projection there).
+    The fused step (one layer): a gap, W_ih and W_hh read from L2 at ``L2_BANDWIDTH_GBPS``, two
+    L2 round trips."""
     from . import decoder
     spec = planner.resolve_cell(cell)
     dev = planner.resolve_device(device)
@@ -870,20 +873,23 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
         return 4.0 * gh * columns / (hw.L2_BANDWIDTH_GBPS * 1e3)
 
     record = {"prediction": True, "calibration": CALIBRATION, "cell": spec.name,
-              "hidden_size": hidden, "batch": batch, "input_size": inputs, "device": dev.name,
+              "hidden_size": hidden, "batch": batch, "input_size": inputs, "layers": layers,
+              "device": dev.name,
               "fused_step_us": hw.GRAPH_GAP_US + weights_us(inputs + hidden) + 2 * round_trip}
-    dp, why = decoder.plan(spec, hidden, batch, dev, inputs)
-    record.update(resident=dp is not None, reason=why)
-    if dp is None:
+    plans, why = decoder.plan_layers(spec, hidden, batch, dev, inputs, layers)
+    record.update(resident=why is None, reason=why)
+    if why is not None:
         return record
     p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
     t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
     compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us
-    projection = decoder_projection_us(dp.w_ih_rows, inputs, batch, dp.w_ih_held, dev)
-    projected = hw.GRAPH_GAP_US + 3 * round_trip + compute
-    captured = projected + projection
-    record.update(ctas=dp.grid, resident_step_us=compute, handoff_us=3 * round_trip,
-                  projection_us=projection, w_ih_held=dp.w_ih_held, w_ih=dp.w_ih_note(),
-                  captured_us=captured, eager_us=max(captured, hw.API_CALL_HOST_US),
-                  projected_us=projected, launches_per_step=1)
+    projections = [decoder_projection_us(q.w_ih_rows, q.input_size, batch, q.w_ih_held, dev)
+                   for q in plans]
+    projected = hw.GRAPH_GAP_US + layers * (3 * round_trip + compute) + sum(projections[1:])
+    captured = projected + projections[0]
+    record.update(ctas=sum(q.grid for q in plans), resident_step_us=layers * compute,
+                  handoff_us=layers * 3 * round_trip, projection_us=sum(projections),
+                  w_ih_held=plans[0].w_ih_held, w_ih=plans[0].w_ih_note(), captured_us=captured,
+                  eager_us=max(captured, hw.API_CALL_HOST_US), projected_us=projected,
+                  launches_per_step=1)
     return record

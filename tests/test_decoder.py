@@ -143,6 +143,61 @@ def test_a_two_layer_decoder_matches_float64_and_the_per_layer_kernels():
     _close([y, *hn[0], *hn[1]], [y_ref[0], *hn_ref[0], *hn_ref[1]])
 
 
+def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(settings):
+    """A 2-layer decoder's step is one step kernel launch that posts and waits layer after layer;
+    its outputs are bitwise those of two cell decoders chained (layer 1 fed layer 0's h'), also
+    with idle exits between steps, every slice of both layers taken over by the step kernel, a
+    CTA stalled inside a step past the idle deadline, and with step_projected."""
+    layer = prnn.LSTM(IN, H, num_layers=2, seed=3)
+    p = layer.params
+    cells = [prnn.LSTMCell(IN if n == 0 else H, H) for n in range(2)]
+    for n, cell in enumerate(cells):
+        cell.load_params({k: p[f"{k}_l{n}"] for k in cell.params})
+    xs = _inputs(seed=2, steps=3)
+    decs = [cell.decoder(batch=B) for cell in cells]
+    want, states = [], [None, None]
+    for x in xs:
+        for n, dec in enumerate(decs):
+            states[n] = dec.step(x if n == 0 else states[0][0], states[n])
+        want.append([states[1][0], *(np.stack([s[i] for s in states]) for i in range(2))])
+    gi = np.random.default_rng(6).standard_normal((B, 4 * H)).astype(np.float32)
+    want_gi = decs[0].step_projected(gi)
+    want_gi = [decs[1].step(want_gi[0])[0], want_gi[0]]
+    for dec in decs:
+        dec.close()
+
+    def decode(between=None, take_over=False):
+        with layer.decoder(batch=B) as dec:
+            if take_over:  # both resident kernels idle past their deadline, never relaunched
+                dec.step(xs[0])
+                for r in dec._residents:
+                    r.running.join(10)
+                dec._layers.ensure = lambda: None
+            got, state, launches = [], None, dec.relaunches
+            with launch.counting() as count:
+                for t, x in enumerate(xs):
+                    if between is not None:
+                        between(t)
+                    y, state = dec.step(x, state)
+                    got.append([y, *state])
+            relaunched = dec.relaunches - launches
+            assert count.launches == len(xs) + relaunched  # one step kernel a step
+            if not take_over:
+                y, (h, _) = dec.step_projected(gi)
+                _equal([y, h[0]], want_gi)
+        for a, b in zip(got, want):
+            _equal(a, b)
+        return relaunched
+
+    decode()
+    prnn.configure(emulation_timeout_ms=20)
+    assert decode(between=lambda t: time.sleep(0.1)) >= 1
+    decode(take_over=True)
+    prnn.configure(emulation_timeout_ms=50)
+    with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1 of each layer
+        decode()
+
+
 def test_an_odd_input_size_and_batch_project_as_float64_and_take_over_bitwise():
     """input_size 131 (not whole quads: x staged element by element; more than one pass of a
     warp's loads), batch 5 (two passes of the projection's batch rows), no bias; a decoder whose
@@ -163,7 +218,7 @@ def test_an_odd_input_size_and_batch_project_as_float64_and_take_over_bitwise():
         resident = dec._residents[0]
         dec.step(xs[0])
         resident.running.join(30)  # idle exit; no relaunch: the step kernel takes every slice
-        resident.ensure = lambda: None
+        dec._layers.ensure = lambda: None
         got, state = [], None
         for x in xs:
             state = dec.step(x, state)
@@ -226,7 +281,7 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
         resident = dec._residents[0]
         dec.step(xs[0])
         resident.running.join(10)  # idle exit; no relaunch: the step kernel takes every slice
-        resident.ensure = lambda: None
+        dec._layers.ensure = lambda: None
         got = _decode(dec, xs)
         assert all(int(w) & 3 == decoding.GONE for w in resident.state)
     _equal(got, want)
@@ -257,7 +312,7 @@ def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
         resident = dec._residents[0]
         state = dec.step(xs[0])[1]
         resident.running.join(30)  # idle exit, and no relaunch: every slice gone
-        resident.ensure = lambda: None
+        dec._layers.ensure = lambda: None
         y, _ = dec.step(xs[1], state)
     assert not np.allclose(y, want[1], atol=1e-3)
 
@@ -398,6 +453,11 @@ def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
         assert fits is not None and why is None and fits.grid < h100.sm_count
     whole, why = decoding.plan(lstm, 1024, 1, replace(h100, sm_count=128))
     assert whole is None and "grid < SM count" in why
+    # a stack: its layers' grids together (2 x 80 CTAs at H=640; 2 x 16 at H=256)
+    plans, why = decoding.plan_layers(lstm, 640, 1, h100, 640, 2)
+    assert plans == [] and "its 2 layers' kernels take the whole GPU (160 CTAs" in why
+    plans, why = decoding.plan_layers(lstm, 256, 1, h100, 64, 2)
+    assert why is None and [p.input_size for p in plans] == [64, 256]
     # the staged x grows the shared memory with input_size and batch: past a block, refused
     small, _ = decoding.plan(lstm, 256, 4, h100, input_size=14000)
     big, why = decoding.plan(lstm, 256, 4, h100, input_size=15000)
@@ -489,6 +549,13 @@ def test_prnn_plan_predicts_a_decoder_step(capsys):
     tail += hardware.L2_LATENCY - hardware.SHARED_LATENCY
     assert not wide["w_ih_held"] and "read from L2 each step" in wide["w_ih"]
     assert wide["projection_us"] == pytest.approx(tail * cycle + 4 * 32 * 2000 / share)
+    # a stack of 2 (input size H: the same layer twice) is one launch: one gap, each layer's
+    # hand-offs, projection and resident step
+    d2 = latency.predict_decoder_step("LSTM", 640, 1, device=replace(hardware.PROFILES["h100"],
+                                                                     sm_count=200), layers=2)
+    assert d2["launches_per_step"] == 1 and d2["ctas"] == 160
+    assert d2["captured_us"] == pytest.approx(gap + 2 * (d["captured_us"] - gap), rel=1e-3)
+    assert d2["projected_us"] == pytest.approx(d2["captured_us"] - d["projection_us"], rel=1e-3)
     from persistent_rnn import cli
     cli._print_decoder(d)  # (prnn plan --decoder's lines; the whole plan is test_cli's)
     out = capsys.readouterr().out
@@ -516,13 +583,14 @@ RACE_SCENARIO = """
 import time
 import numpy as np
 import persistent_rnn as prnn
-cell = prnn.LSTMCell(8, 24, seed=0)
 xs = np.random.default_rng(1).standard_normal((4, 2, 8)).astype(np.float32)
-with prnn.override_settings(emulation_timeout_ms=20), cell.decoder(batch=2) as dec:
-    state = None
-    for t, x in enumerate(xs):
-        state = dec.step(x, state)
-        time.sleep(0.2 * (t == 1))  # idle: exits, takeovers, a relaunch
+for layer in (prnn.LSTMCell(8, 24, seed=0), prnn.LSTM(8, 24, num_layers=2, seed=0)):
+    with prnn.override_settings(emulation_timeout_ms=20), layer.decoder(batch=2) as dec:
+        state = None
+        for t, x in enumerate(xs):
+            state = dec.step(x, state)  # (a stack's: layer 1 reads layer 0's h' in one launch)
+            state = state[1] if isinstance(layer, prnn.LSTM) else state
+            time.sleep(0.2 * (t == 1))  # idle: exits, takeovers, a relaunch
 print("decoded")
 """
 
@@ -531,7 +599,8 @@ print("decoded")
                     "PRNN_TEST_EVERY_KERNEL=1")
 def test_the_decoder_has_no_race():
     """The resident kernel (an asynchronous launch) and the step kernels beside it under
-    ThreadSanitizer: no pair of accesses that nothing orders (docs/emulation.md)."""
+    ThreadSanitizer - a cell's, and a 2-layer stack's, whose step kernel posts layer 1 after
+    layer 0's outputs: no pair of accesses that nothing orders (docs/emulation.md)."""
     proc = emulate.run_with_race_detector(["-c", RACE_SCENARIO], sources=(decoding.SOURCE[:-3],),
                                           timeout=600)
     assert proc.returncode == 0 and "decoded" in proc.stdout, proc.stderr[-4000:]
@@ -550,7 +619,7 @@ def test_a_replayed_step_launch_is_the_next_step():
         outputs = [(np.full((B, H), np.nan, np.float32), np.full((B, H), np.nan, np.float32))
                    for _ in range(2)]
         for h_out, c_out in outputs:  # (the same x, state and step arguments twice)
-            resident.step(x, None, h0, c0, h_out, c_out)
+            dec._layers.step(x, None, h0, c0, h_out, c_out)
         dec.check()
     for h_out, c_out in outputs:
         assert np.array_equal(h_out, want_h) and np.array_equal(c_out, want_c)
