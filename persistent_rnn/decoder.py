@@ -334,8 +334,9 @@ class Decoder:
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
         self._fallback = fallback  # cell_step.step_forward (passed in: no import cycle)
-        # Copies: the resident kernel holds W_hh as it is now, and reads W_ih each step from
-        # its own copy (an optimizer updating the caller's arrays changes neither).
+        # Copies: the resident kernel holds W_hh as it is now, and reads W_ih from its own copy
+        # (an optimizer updating the caller's arrays changes neither). A resident decoder keeps
+        # only the layers' stacked copy (``_Layers``), the fallback the per-layer ones.
         self._params = [{k: array_module(v).array(v) for k, v in p.items()} for p in layers]
         xp = self._xp = array_module(self._params[0]["weight_hh"])
         self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
@@ -352,6 +353,8 @@ class Decoder:
         self._layers = (_Layers(xp, plans, self._params, cell, self.batch, hidden)
                         if plans else None)
         self._residents = self._layers.residents if plans else []
+        if plans:
+            self._params = []  # (in _Layers' stacked arrays now)
         self._finalizer = weakref.finalize(self, stop_all, self._residents)
         if why is not None:
             warnings.warn(f"decoder not resident: {why}; each step runs the "
