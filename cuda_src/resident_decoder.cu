@@ -480,7 +480,8 @@ PRNN_KERNEL void prnn_decoder_step(
   using namespace prnn;
   constexpr int G = ThisCell::G;
   const size_t gh = (size_t)G * hidden, bh = (size_t)batch * hidden;
-  // x_s holds the widest input of the layers (the carve's other regions do not depend on it)
+  // x_s holds the widest input of the layers (the regions after it follow; a layer's rows of
+  // x_s are its own input wide)
   const DecoderShared sm = decoder_shared(batch, layers > 1 && hidden > input ? hidden : input);
   for (int n = 0; n < layers; ++n) {
     const int in = n == 0 ? input : hidden;
