@@ -8,10 +8,12 @@
 //   computes its units of h_t (and c_t) and reports them done in its state word. Idle past the
 //   deadline, it marks itself gone and exits.
 // * prnn_decoder_step: one CTA of the same block, enqueued per step on the caller's stream (one
-//   launch: the post and the wait). It posts the step, then waits until each slice c (the units
-//   of resident CTA c) is done; a slice whose resident CTA is gone it computes itself - loads
-//   that CTA's rows and runs the same step code - so a step's result never depends on who
-//   computed it. One CTA: it fits beside any resident grid smaller than the GPU.
+//   launch: the post and the wait, for every layer of a stack in turn). It posts the step, then
+//   waits until each slice c (the units of resident CTA c) is done; a slice whose resident CTA
+//   is gone it computes itself - loads that CTA's rows and runs the same step code - so a
+//   step's result never depends on who computed it. One CTA: it fits beside any resident grids
+//   smaller together than the GPU. A stack's layers share the tile (one build), each with its
+//   own resident kernel, mailbox and state words.
 //
 // A step is the forward's step (persistent_forward.cu) on the layer's tile: h_{t-1} staged as the
 // exchange delivers it (stage_exchanged), the tile's product (multiply_rows), the partial sums
@@ -25,9 +27,11 @@
 // step kernel's `project` flag picks which its pointer x_or_gi is):
 // * x (decoder.step): each CTA projects its own rows, gi = x W_ih^T + b_ih for the G gates x
 //   kUnits units it owns (project_rows): x staged in shared memory beside h_{t-1}, W_ih's rows
-//   read from global memory every step (they stay in L2), one warp per row, its lanes' partial
-//   sums in column order and a butterfly - one fixed order, the same in a resident CTA and a
-//   takeover. The whole step is then one launch; its sums are not the sequence path's GEMM's.
+//   held in the resident CTA's shared memory (loaded once per launch: hold_w_ih) where the plan
+//   fits them, else - and in a takeover - read from global memory (L2) every step; one warp
+//   per 4 rows, its lanes' partial sums in column order and a butterfly - one fixed order, the
+//   same in a resident CTA and a takeover, held or not. The whole step is then one launch; its
+//   sums are not the sequence path's GEMM's.
 // * gi (decoder.step_projected): the caller's projection, b_ih added where posted: bitwise the
 //   sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}.
 //
@@ -96,19 +100,25 @@ PRNN_DEVICE StepIo io_of_words(const unsigned* in, bool relaxed) {
 // A staged row of x: input_size floats padded to whole quads (16-byte rows in shared memory).
 PRNN_HD constexpr int padded_input(int input) { return (input + 3) / 4 * 4; }
 
+constexpr int kControlWords = 16;  // word_s (decoder.CONTROL_WORDS)
+
 // Shared memory, in this order (persistent_rnn/decoder.py's plan() sizes it, the one place that
-// does: these regions in floats, CONTROL_WORDS words after them):
+// does: these regions in floats, CONTROL_WORDS words after them, then the held rows of W_ih):
 //   h_s     [batch][kPadded]                  h_{t-1} staged
 //   x_s     [batch][padded_input(input)]      x_t staged (a step of mode x)
 //   part_s  [batch][kKsplit][G*kUnits]        the product's partial sums
 //   gi_s    [batch][G*kUnits]                 the CTA's rows of gi_t (mode x)
-//   word_s  16 words: thread 0's decisions and the posted pointers
+//   word_s  kControlWords words: thread 0's decisions and the posted pointers
+//   w_s     [G*kUnits][input]                 the resident CTA's rows of W_ih, where the plan
+//                                             holds them (hold_w_ih; the step kernel's shared
+//                                             memory ends before w_s)
 struct DecoderShared {
   float* h_s;
   float* x_s;
   float* part_s;
   float* gi_s;
   unsigned* word_s;
+  float* w_s;
 };
 
 PRNN_DEVICE DecoderShared decoder_shared(int batch, int input) {
@@ -117,7 +127,8 @@ PRNN_DEVICE DecoderShared decoder_shared(int batch, int input) {
   float* x_s = h_s + batch * kPadded;
   float* part_s = x_s + batch * padded_input(input);
   float* gi_s = part_s + batch * kKsplit * R;
-  return {h_s, x_s, part_s, gi_s, reinterpret_cast<unsigned*>(gi_s + batch * R)};
+  unsigned* word_s = reinterpret_cast<unsigned*>(gi_s + batch * R);
+  return {h_s, x_s, part_s, gi_s, word_s, reinterpret_cast<float*>(word_s + kControlWords)};
 }
 
 // Starts staging x (B, input) into x_s, zero-padded: asynchronous copies where the rows are
@@ -138,47 +149,102 @@ PRNN_DEVICE void stage_input(float* x_s, const float* x, int batch, int input) {
   }
 }
 
-constexpr int kProjBatch = 4;  // batch rows one pass over a W_ih row serves (accumulators;
-                               // decoder.PROJ_BATCH for the latency model)
-constexpr int kProjLoads = 4;  // W_ih loads a lane has in flight at once
+constexpr int kProjBatch = 4;  // batch rows one pass over a W_ih row serves (decoder.PROJ_BATCH;
+                               // 1 where the batch is 1)
+constexpr int kProjRows = 4;   // W_ih rows one pass over x serves (decoder.PROJ_ROWS)
+
+// The CTA's row `local` (gate g, unit j) of W_ih: in global memory (W_ih itself, (G*H, input)),
+// or, kHeld, in the resident CTA's copy in shared memory (w_s, [G*kUnits][input]).
+template <bool kHeld>
+PRNN_DEVICE const float* w_ih_row(const float* w, int local, int g, int j, int input, int hidden) {
+  return kHeld ? w + (size_t)local * input : w + ((size_t)g * hidden + j) * input;
+}
 
 // gi_s[b][g*kUnits + u] = x_b . W_ih[g*H + j0 + u, :] (+ b_ih) for the slice's rows (every
-// thread; the caller's barrier makes them visible). One warp per (row, kProjBatch batch rows):
-// its loads of the row are coalesced and serve kProjBatch staged rows; lane l sums columns
-// l + 32 i in increasing i, then a butterfly: one fixed order, whoever computes the slice.
-PRNN_DEVICE void project_rows(const float* w_ih, const float* b_ih, const float* x_s,
-                              float* gi_s, int slice, int batch, int input, int hidden) {
-  constexpr int R = ThisCell::G * kUnits;
+// thread; the caller's barrier makes them visible), from W_ih (w: global memory) or its held rows
+// (kHeld: w = w_s). One warp per (kProjRows rows, kBatch batch rows): a load of a row serves
+// kBatch staged rows of x and a load of x kProjRows rows of W_ih; lane l sums columns l + 32 i
+// in increasing i, then a butterfly: one fixed order for each (row, batch row), whoever computes
+// the slice and wherever its rows are read from. A row past the slice's units (or past the CTA's
+// rows) reads the slice's first row and a batch row past the batch reads the pass's first, so
+// the sums need no predicate; their results are dropped.
+template <bool kHeld, int kBatch>
+PRNN_DEVICE void project_pass(const float* w, const float* b_ih, const float* x_s, float* gi_s,
+                              int slice, int batch, int input, int hidden) {
+  constexpr int R = ThisCell::G * kUnits, kGroups = (R + kProjRows - 1) / kProjRows;
   const int lane = threadIdx.x % kWarp, padded = padded_input(input);
-  const int items = R * ((batch + kProjBatch - 1) / kProjBatch);
+  const int items = kGroups * ((batch + kBatch - 1) / kBatch);
   for (int item = threadIdx.x / kWarp; item < items; item += blockDim.x / kWarp) {
-    const int local = item % R, b0 = item / R * kProjBatch;
-    const int g = local / kUnits, j = slice * kUnits + local % kUnits;
-    if (j >= hidden) continue;  // (the whole warp)
-    const float* w = w_ih + ((size_t)g * hidden + j) * input;
-    float acc[kProjBatch];
+    const int l0 = item % kGroups * kProjRows, b0 = item / kGroups * kBatch;
+    const float* row[kProjRows];
+    const float* xr[kBatch];
+    bool mine[kProjRows];
+    float bias[kProjRows];  // (loaded first: its latency hides under the sums)
 #pragma unroll
-    for (int r = 0; r < kProjBatch; ++r) acc[r] = 0.0f;
-    for (int k0 = lane; k0 < input; k0 += kProjLoads * kWarp) {
-      float wv[kProjLoads];
+    for (int q = 0; q < kProjRows; ++q) {
+      const int local = l0 + q, g = local / kUnits, j = slice * kUnits + local % kUnits;
+      mine[q] = local < R && j < hidden;
+      row[q] = mine[q] ? w_ih_row<kHeld>(w, local, g, j, input, hidden)
+                       : w_ih_row<kHeld>(w, 0, 0, slice * kUnits, input, hidden);
+      bias[q] = mine[q] && b_ih != nullptr ? b_ih[g * hidden + j] : 0.0f;
+    }
 #pragma unroll
-      for (int e = 0; e < kProjLoads; ++e) wv[e] = k0 + e * kWarp < input ? w[k0 + e * kWarp] : 0.0f;
+    for (int r = 0; r < kBatch; ++r) xr[r] = x_s + (b0 + r < batch ? b0 + r : b0) * padded;
+    float acc[kProjRows][kBatch];
 #pragma unroll
-      for (int e = 0; e < kProjLoads; ++e) {
-        const int k = k0 + e * kWarp;
+    for (int q = 0; q < kProjRows; ++q) {
 #pragma unroll
-        for (int r = 0; r < kProjBatch; ++r) {
-          if (k < input && b0 + r < batch) acc[r] += wv[e] * x_s[(b0 + r) * padded + k];
+      for (int r = 0; r < kBatch; ++r) acc[q][r] = 0.0f;
+    }
+#pragma unroll 2
+    for (int k = lane; k < input; k += kWarp) {
+      float xv[kBatch], wv[kProjRows];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) xv[r] = xr[r][k];
+#pragma unroll
+      for (int q = 0; q < kProjRows; ++q) wv[q] = row[q][k];
+#pragma unroll
+      for (int q = 0; q < kProjRows; ++q) {
+#pragma unroll
+        for (int r = 0; r < kBatch; ++r) acc[q][r] += wv[q] * xv[r];
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kProjRows; ++q) {
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        for (int mask = kWarp / 2; mask > 0; mask >>= 1) acc[q][r] += prnn_shfl_xor(acc[q][r], mask);
+        if (lane == 0 && mine[q] && b0 + r < batch) {
+          gi_s[(b0 + r) * R + l0 + q] = b_ih != nullptr ? acc[q][r] + bias[q] : acc[q][r];
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < kProjBatch; ++r) {
-      for (int mask = kWarp / 2; mask > 0; mask >>= 1) acc[r] += prnn_shfl_xor(acc[r], mask);
-      if (lane == 0 && b0 + r < batch) {
-        gi_s[(b0 + r) * R + local] = b_ih != nullptr ? acc[r] + b_ih[g * hidden + j] : acc[r];
-      }
-    }
+  }
+}
+
+// The slice's rows of gi (project_pass): passes of one batch row where the batch is 1 (no
+// accumulator idle), of kProjBatch otherwise.
+template <bool kHeld>
+PRNN_DEVICE void project_rows(const float* w, const float* b_ih, const float* x_s, float* gi_s,
+                              int slice, int batch, int input, int hidden) {
+  if (batch == 1) {
+    project_pass<kHeld, 1>(w, b_ih, x_s, gi_s, slice, batch, input, hidden);
+  } else {
+    project_pass<kHeld, kProjBatch>(w, b_ih, x_s, gi_s, slice, batch, input, hidden);
+  }
+}
+
+// The resident CTA's rows of W_ih (slice `slice`) into w_s, once per launch (zeros past the
+// layer's units: never read); the loop's block barrier makes them visible.
+PRNN_DEVICE void hold_w_ih(float* w_s, const float* w_ih, int slice, int input, int hidden) {
+  constexpr int R = ThisCell::G * kUnits;
+  const int lane = threadIdx.x % kWarp;
+  for (int local = threadIdx.x / kWarp; local < R; local += blockDim.x / kWarp) {
+    const int g = local / kUnits, j = slice * kUnits + local % kUnits;
+    const float* src = w_ih_row<false>(w_ih, local, g, j, input, hidden);
+    float* dst = w_s + (size_t)local * input;
+#pragma unroll 4
+    for (int k = lane; k < input; k += kWarp) dst[k] = j < hidden ? src[k] : 0.0f;
   }
 }
 
@@ -197,11 +263,13 @@ PRNN_DEVICE void load_rows(RegisterTile& tile, const Team& team, const WeightWor
 }
 
 // A layer's constant operands of a step: W_hh (its rows also in registers: RegisterTile), b_hh,
-// W_ih (G*H, input) read each step of mode x, and the sizes.
+// W_ih (G*H, input), whose rows a step of mode x reads from the CTA's shared w_s where w_ih_held
+// (a resident CTA of a plan that holds them) or else from global memory, and the sizes.
 struct DecoderWeights {
   const WeightWord* w_hh;
   const float* b_hh;
   const float* w_ih;
+  bool w_ih_held;
   int input;
   int hidden;
 };
@@ -215,7 +283,11 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
   const bool project = io.x != nullptr;
   if (project) stage_input(sm.x_s, io.x, batch, wt.input);
   stage_exchanged(sm.h_s, io.h_prev, batch, hidden);  // (ends with a block barrier: x_s too)
-  if (project) project_rows(wt.w_ih, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
+  if (project && wt.w_ih_held) {
+    project_rows<true>(sm.w_s, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
+  } else if (project) {
+    project_rows<false>(wt.w_ih, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
+  }
   multiply_batch(tile, sm.h_s, sm.part_s, batch, R);  // (its barrier: gi_s too)
 #pragma unroll 1
   for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
@@ -272,63 +344,16 @@ PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long
   }
 }
 
-}  // namespace prnn
+constexpr int kBoxWords = 16;  // a layer's mailbox (decoder.BOX_WORDS)
 
-PRNN_KERNEL void prnn_resident_decoder(
-    const prnn::WeightWord* w_hh,  // (G*H, H) as persistent_forward.cu takes it
-    const float* b_hh,             // (G*H,) zeros when the layer has no bias
-    const float* w_ih,             // (G*H, input) (steps of mode x)
-    unsigned* box, unsigned* state,  // the mailbox and the CTAs' state words (above)
-    int batch, int input, int hidden, unsigned long long timeout_ns,
-    int stall_block, int stall_step, unsigned long long stall_ns) {
-  using namespace prnn;
-  const DecoderShared sm = decoder_shared(batch, input);
-  const DecoderWeights wt{w_hh, b_hh, w_ih, input, hidden};
-  unsigned* mine = state + blockIdx.x;
-  if (threadIdx.x == 0) sm.word_s[0] = revive(mine, timeout_ns);
-  prnn_sync_block();
-  unsigned last = sm.word_s[0];
-  if (last == 0u) return;
-  --last;
-  const PrnnStall stall{stall_block, stall_step, stall_ns};
-  const Team team = step_team<ThisCell::G>();
-  RegisterTile tile;
-  load_rows(tile, team, w_hh, blockIdx.x, hidden);
-  for (;;) {
-    prnn_sync_block();  // every thread has read word_s of the step before
-    if (threadIdx.x == 0) {
-      sm.word_s[0] = wait_for_post(box, last + 1u, timeout_ns);
-      if (sm.word_s[0]) {
-        for (int i = 0; i < kIoWords; ++i) sm.word_s[1 + i] = prnn_load_relaxed(box + 2 + i);
-      }
-    }
-    prnn_sync_block();
-    if (!sm.word_s[0]) break;
-    prnn_maybe_stall(stall, (int)last + 1);
-    decoder_step(tile, team, sm, wt, io_of_words(sm.word_s + 1, false), blockIdx.x, batch);
-    ++last;
-    if (threadIdx.x == 0) {
-      prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
-      prnn_store_release(mine, decoder_word(last, kLive));
-    }
-  }
-  // Idle (or stale): nobody holds the slice now. Only this CTA writes the word while it is live.
-  if (threadIdx.x == 0) prnn_atomic_cas_acq_rel(mine, decoder_word(last, kLive), decoder_word(last, kGone));
-}
-
-PRNN_KERNEL void prnn_decoder_step(
-    const prnn::WeightWord* w_hh, const float* b_hh, const float* w_ih, unsigned* box,
-    unsigned* state, unsigned* fault,
-    const float* x_or_gi, int project,  // project != 0: x_t (B, input), else gi_t (B, G*H)
-    const float* h_prev, const float* c_prev, float* h_out, float* c_out,
-    const float* b_ih, int with_bias,  // with_bias 0: no b_ih to add (b_ih unread)
-    int slices, int batch, int input, int hidden, unsigned long long timeout_ns) {
-  using namespace prnn;
+// One layer of a step kernel's step: posts step box[1] + 1 to the layer's mailbox, waits until
+// each slice is done and computes the slices whose resident CTA is gone (every thread; `wt`,
+// `io`: the layer's). Whether every slice was done within timeout_ns of the post; if not, the
+// step is recorded in the layer's fault word (its outputs are not all written).
+PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, const StepIo& io,
+                            unsigned* box, unsigned* state, unsigned* fault, int slices,
+                            int batch, unsigned long long timeout_ns) {
   constexpr int kMaxOwned = 32;  // slices a thread watches: the bits of `pending`
-  const StepIo io{project ? x_or_gi : nullptr, project ? nullptr : x_or_gi, h_prev, c_prev,
-                  h_out, c_out, with_bias ? b_ih : nullptr};
-  const DecoderShared sm = decoder_shared(batch, input);
-  const DecoderWeights wt{w_hh, b_hh, w_ih, input, hidden};
   // The step's number comes from the device (box[1], the last one issued; the step kernels of
   // a decoder run in stream order), so a CUDA graph's replay continues the count.
   if (threadIdx.x == 0) {
@@ -343,7 +368,7 @@ PRNN_KERNEL void prnn_decoder_step(
   prnn_sync_block();  // word_s[0] read by every thread before the takeover reuses it
   if (slices > kMaxOwned * (int)blockDim.x) {  // (the host plans grids below the SM count)
     if (threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
-    return;
+    return false;
   }
   // Every thread watches its own slices (bit i: slice threadIdx.x + i * blockDim.x), so a step
   // waits about as long as its slowest CTA, not one load round trip per slice in turn. No block
@@ -380,7 +405,7 @@ PRNN_KERNEL void prnn_decoder_step(
       if (!take) continue;
       const Team team = step_team<ThisCell::G>();
       RegisterTile tile;
-      load_rows(tile, team, w_hh, s, hidden);
+      load_rows(tile, team, wt.w_hh, s, wt.hidden);
       decoder_step(tile, team, sm, wt, io, s, batch);
       if (threadIdx.x == 0) {
         prnn_fence();
@@ -389,4 +414,91 @@ PRNN_KERNEL void prnn_decoder_step(
     }
   }
   if (failed && threadIdx.x == 0) prnn_atomic_set_if_zero(fault, step);
+  return !failed;
+}
+
+}  // namespace prnn
+
+PRNN_KERNEL void prnn_resident_decoder(
+    const prnn::WeightWord* w_hh,  // (G*H, H) as persistent_forward.cu takes it
+    const float* b_hh,             // (G*H,) zeros when the layer has no bias
+    const float* w_ih,             // (G*H, input) (steps of mode x)
+    unsigned* box, unsigned* state,  // the mailbox and the CTAs' state words (above)
+    int batch, int input, int hidden,
+    int w_ih_held,  // != 0: the CTA holds its rows of W_ih in shared memory (w_s; the plan's)
+    unsigned long long timeout_ns, int stall_block, int stall_step, unsigned long long stall_ns) {
+  using namespace prnn;
+  const DecoderShared sm = decoder_shared(batch, input);
+  const DecoderWeights wt{w_hh, b_hh, w_ih, w_ih_held != 0, input, hidden};
+  unsigned* mine = state + blockIdx.x;
+  if (threadIdx.x == 0) sm.word_s[0] = revive(mine, timeout_ns);
+  prnn_sync_block();
+  unsigned last = sm.word_s[0];
+  if (last == 0u) return;
+  --last;
+  const PrnnStall stall{stall_block, stall_step, stall_ns};
+  const Team team = step_team<ThisCell::G>();
+  RegisterTile tile;
+  load_rows(tile, team, w_hh, blockIdx.x, hidden);
+  if (wt.w_ih_held) hold_w_ih(sm.w_s, w_ih, blockIdx.x, input, hidden);
+  for (;;) {
+    prnn_sync_block();  // every thread has read word_s of the step before
+    if (threadIdx.x == 0) {
+      sm.word_s[0] = wait_for_post(box, last + 1u, timeout_ns);
+      if (sm.word_s[0]) {
+        for (int i = 0; i < kIoWords; ++i) sm.word_s[1 + i] = prnn_load_relaxed(box + 2 + i);
+      }
+    }
+    prnn_sync_block();
+    if (!sm.word_s[0]) break;
+    prnn_maybe_stall(stall, (int)last + 1);
+    decoder_step(tile, team, sm, wt, io_of_words(sm.word_s + 1, false), blockIdx.x, batch);
+    ++last;
+    if (threadIdx.x == 0) {
+      prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
+      prnn_store_release(mine, decoder_word(last, kLive));
+    }
+  }
+  // Idle (or stale): nobody holds the slice now. Only this CTA writes the word while it is live.
+  if (threadIdx.x == 0) prnn_atomic_cas_acq_rel(mine, decoder_word(last, kLive), decoder_word(last, kGone));
+}
+
+// The step kernel of a decoder of `layers` layers (a cell: 1), one CTA: each layer's step in
+// turn (step_layer), layer n > 0 projecting the h' that layer n - 1 wrote. Every operand is the
+// layers' stacked: W_hh (layers, G*H, H words), b_hh (layers, G*H), W_ih (G*H, input) then
+// (layers - 1, G*H, H), b_ih (layers, G*H) or unread, the mailboxes (layers, kBoxWords), the
+// state words (layers, slices), the fault words (layers), h_{t-1}, c_{t-1}, h_t, c_t
+// (layers, B, H). A layer whose wait failed ends the step: the layers above it are not posted.
+PRNN_KERNEL void prnn_decoder_step(
+    const prnn::WeightWord* w_hh, const float* b_hh, const float* w_ih, unsigned* box,
+    unsigned* state, unsigned* fault,
+    const float* x_or_gi, int project,  // project != 0: x_t (B, input), else gi_t (B, G*H)
+    const float* h_prev, const float* c_prev, float* h_out, float* c_out,
+    const float* b_ih, int with_bias,  // with_bias 0: no b_ih (unread); layer 0 adds it to its
+                                       // projection of x only (a given gi holds it)
+    int layers, int slices, int batch, int input, int hidden, unsigned long long timeout_ns) {
+  using namespace prnn;
+  constexpr int G = ThisCell::G;
+  const size_t gh = (size_t)G * hidden, bh = (size_t)batch * hidden;
+  // x_s holds the widest input of the layers (the regions after it follow; a layer's rows of
+  // x_s are its own input wide)
+  const DecoderShared sm = decoder_shared(batch, layers > 1 && hidden > input ? hidden : input);
+  for (int n = 0; n < layers; ++n) {
+    const int in = n == 0 ? input : hidden;
+    const size_t w_ih_at = n == 0 ? 0 : gh * input + (n - 1) * gh * hidden;
+    const DecoderWeights wt{w_hh + n * gh * ((hidden + kPerWord - 1) / kPerWord), b_hh + n * gh,
+                            w_ih + w_ih_at, false, in, hidden};  // (W_ih's rows: global)
+    const bool x_given = n > 0 || project != 0;
+    const float* x = n == 0 ? x_or_gi : h_out + (n - 1) * bh;
+    const StepIo io{x_given ? x : nullptr, x_given ? nullptr : x_or_gi, h_prev + n * bh,
+                    c_prev + n * bh, h_out + n * bh, c_out + n * bh,
+                    with_bias && x_given ? b_ih + n * gh : nullptr};
+    // The layer below's h' (written by this CTA's threads before its barrier, or by resident
+    // CTAs whose done words they acquired) before the post that lets this layer's CTAs read it
+    if (n > 0 && threadIdx.x == 0) prnn_fence();
+    if (!step_layer(sm, wt, io, box + n * kBoxWords, state + n * slices, fault + n, slices, batch,
+                    timeout_ns)) {
+      return;
+    }
+  }
 }

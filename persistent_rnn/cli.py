@@ -182,7 +182,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return _plan_not_fit(args, record)
     if getattr(args, "decoder", False) and args.dtype == "float32":
         record["decoder"] = latency.predict_decoder_step(args.cell, args.hidden, args.batch,
-                                                         device=args.device)
+                                                         device=args.device, layers=args.layers)
     if args.json:
         print(json.dumps(record, indent=1))
         return 0
@@ -238,10 +238,13 @@ def _print_decoder(d: dict) -> None:
     if not d["resident"]:
         print(f"resident decoder: no ({d['reason']})")
         return
-    print(f"resident decoder: {d['ctas']} CTAs held; predicted per step {d['captured_us']:.2f} µs "
+    stack = f" ({d['layers']} layers, one launch a step)" if d.get("layers", 1) > 1 else ""
+    print(f"resident decoder{stack}: {d['ctas']} CTAs held; predicted per step {d['captured_us']:.2f} µs "
           f"captured in a CUDA graph (projection {d['projection_us']:.2f}, hand-offs "
           f"{d['handoff_us']:.2f}, resident step {d['resident_step_us']:.2f}), "
           f"{d['eager_us']:.2f} µs eager; step_projected {d['projected_us']:.2f} µs captured")
+    if "w_ih" in d:
+        print(f"  projection: {d['w_ih']}")
 
 
 def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:

@@ -6,19 +6,20 @@
 (``cuda_src/resident_decoder.cu``) is launched once on a stream of its own, loads its rows of
 W_hh into registers as the whole-sequence forward does and waits - bounded by the exchange's
 deadline (``gpu_timeout_ms``, ``emulation_timeout_ms``) - for each step's post. A step enqueues
-on the caller's stream one step kernel (``prnn_decoder_step``, one launch per layer) that posts
-the step's pointers to the mailbox and waits until every CTA of the resident kernel has written
-its units of h_t; a slice whose resident CTA has gone (idle past its deadline) the step kernel
+on the caller's stream one step kernel (``prnn_decoder_step``; one launch for all the layers of
+a stack) that posts the step's pointers to the mailbox and waits until every CTA of the
+resident kernel has written its units of h_t, then does the same for the next layer; a slice whose resident CTA has gone (idle past its deadline) the step kernel
 computes itself with the same rows and the same code, so a step's bits never depend on who
 computed it. Each CTA computes its own rows of the input projection ``x W_ih^T + b_ih`` inside
-the step (W_ih's rows read from global memory - L2 - each step, x staged in shared memory,
-fp32 sums in one fixed order), so the step needs no matrix product of its own; a further layer's
-x is the h' the layer below wrote in the launch before. Those sums are not the whole-sequence
+the step (its rows of W_ih held in its shared memory from its launch on where they fit a block,
+``DecoderPlan.w_ih_held``, else read from L2 each step; x staged in shared memory; fp32 sums in
+one fixed order either way), so the step needs no matrix product of its own; a further layer's
+x is the h' the layer below wrote earlier in the same launch. Those sums are not the whole-sequence
 path's GEMM's: ``step(x)`` matches the float64 reference and torch.nn to float32 round-off, not
 the sequence kernel's bits. ``step_projected(gi)`` takes the caller's projection (b_ih
 included) and is bitwise the sequence kernel's step on the same gi.
 
-So a step is one launch per layer and no host synchronisation, and capturable in a CUDA graph
+So a step is one launch and no host synchronisation, and capturable in a CUDA graph
 (fresh outputs per step, as torch.nn's cell). Before a step the host asks, without waiting,
 whether the resident launch has ended (a stream query; the emulation's ``AsyncLaunch.done``) and
 relaunches it; a relaunched CTA takes its slice back from the state word. Nothing hangs: every
@@ -71,6 +72,7 @@ STOP = 0xFFFFFFFF   # posted by close(): every resident CTA is then stale and ex
 WAIT_DEADLINES = 4  # a step kernel waits this many idle deadlines for a resident CTA
 JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (emulation)
 PROJ_BATCH = 4      # batch rows one pass over a CTA's W_ih rows serves (kProjBatch; the model)
+PROJ_ROWS = 4       # W_ih rows one pass over the staged x serves (kProjRows; the model)
 _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x given, or gi
 
 
@@ -78,13 +80,29 @@ _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x give
 class DecoderPlan:
     """The resident kernel's launch for one layer: the layer forward's tile (its -D), grid,
     block, the layer's input size and the shared memory (``resident_decoder.cu``'s layout:
-    ``plan`` is the one place that sizes it)."""
+    ``plan`` is the one place that sizes it): ``shared_bytes`` the step kernel's, and
+    ``resident_shared_bytes`` the resident kernel's - with its CTA's rows of W_ih
+    (``w_ih_rows`` of them) where they fit a block (``w_ih_held``), so that a step's projection
+    reads them from shared memory, not L2."""
 
     defines: dict[str, int]
     grid: int
     block: int
     input_size: int
     shared_bytes: int
+    resident_shared_bytes: int
+    w_ih_held: bool
+    w_ih_rows: int
+
+    def w_ih_note(self) -> str:
+        """Where a step's projection reads W_ih from, and why (``prnn plan --decoder``)."""
+        held = 4 * self.w_ih_rows * self.input_size
+        if self.w_ih_held:
+            return (f"W_ih held in shared memory ({self.w_ih_rows} rows x {self.input_size} "
+                    f"columns, {held} B a CTA, loaded at each launch)")
+        return (f"W_ih read from L2 each step: its {self.w_ih_rows} rows x {self.input_size} "
+                f"columns ({held} B a CTA) do not fit a block's shared memory beside the "
+                f"step's {self.shared_bytes} B")
 
 
 def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile,
@@ -96,7 +114,8 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
     and with ``PRNN_WORD_SPAN`` (its lanes take their columns as the cluster kernel's do). The
     rule for big layers: the step kernel's CTA needs an SM beside the resident grid (one CTA
     per SM, as the planner sizes the tiles), so grid < SM count. The shared memory - h_{t-1} and
-    x staged, the partial sums, the CTA's rows of gi, CONTROL_WORDS - must fit one block."""
+    x staged, the partial sums, the CTA's rows of gi, CONTROL_WORDS - must fit one block; the
+    resident kernel's CTA adds its rows of W_ih where they fit too (``w_ih_held``)."""
     inputs = hidden if input_size is None else input_size
     layer_plan = planner.make_plan(cell, hidden, batch, "float32", device)
     if not layer_plan.fits:
@@ -117,7 +136,30 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
     if shared > limit:
         return None, (f"its shared memory ({shared} bytes: h and x staged, input_size {inputs}, "
                       f"batch {batch}) exceeds the {limit} bytes of a block on {device.name}")
-    return DecoderPlan(d, fwd.grid, fwd.block, inputs, shared), None
+    held = shared + 4 * rows * inputs  # (resident_decoder.cu's w_s after the control words)
+    fits = held <= limit
+    return DecoderPlan(d, fwd.grid, fwd.block, inputs, shared, held if fits else shared, fits,
+                       rows), None
+
+
+def plan_layers(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile,
+                input_size: int, layers: int) -> tuple[list[DecoderPlan], str | None]:
+    """Every layer's resident plan (``plan``: layer 0's input is x, a further layer's the h'
+    below it), or ``([], why not)``. The rule for big layers holds for the stack: all its
+    resident grids and the step kernel's CTA each need an SM, so their CTAs together stay
+    below the SM count."""
+    plans = []
+    for n in range(layers):
+        dp, why = plan(cell, hidden, batch, device, input_size if n == 0 else hidden)
+        if dp is None:
+            return [], why if n == 0 else f"layer {n}: {why}"
+        plans.append(dp)
+    held = sum(dp.grid for dp in plans)
+    if layers > 1 and held >= device.sm_count:
+        return [], (f"its {layers} layers' kernels take the whole GPU ({held} CTAs, one per SM, "
+                    f"on {device.sm_count} SMs): the step kernel's CTA would have no SM beside "
+                    f"them (the rule: the layers' CTAs < SM count)")
+    return plans, None
 
 
 def _module(xp, defines: Mapping[str, int]):
@@ -129,31 +171,19 @@ def _module(xp, defines: Mapping[str, int]):
 
 
 class _Resident:
-    """The resident kernel of one decoder-layer: its words, its launch (relaunched when it has
-    ended), and its stop. Holds no reference to the decoder, so that garbage collection of the
-    decoder can stop it (``weakref.finalize``)."""
+    """The resident kernel of one layer of a decoder: its launch (relaunched when it has ended)
+    and its stop. Its weights and words are the layer's rows of the decoder's stacked ones
+    (``_Layers``). Holds no reference to the decoder, so that garbage collection of the decoder
+    can stop it (``weakref.finalize``)."""
 
-    def __init__(self, xp, dp: DecoderPlan, w_hh: Array, b_hh: Array, w_ih: Array,
-                 b_ih: Array | None, batch: int, hidden: int):
-        self.xp, self.dp, self.w_hh, self.b_hh = xp, dp, w_hh, b_hh
-        self.w_ih, self.b_ih = w_ih, b_ih
-        self.batch, self.hidden = batch, hidden
-        self.module = _module(xp, dp.defines)
-        self._launch = self.module.launch
-        self.box = xp.zeros(BOX_WORDS, np.uint32)
-        self.state = xp.full(dp.grid, GONE, np.uint32)
-        self.fault = xp.zeros(1, np.uint32)
+    def __init__(self, xp, module, dp: DecoderPlan, operands: tuple, batch: int, hidden: int):
+        self.xp, self.dp, self.batch, self.hidden = xp, dp, batch, hidden
+        self.module = module
+        # W_hh's words, b_hh, W_ih, the mailbox, the state words and the fault word
+        self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.fault = operands
         self.running: Any = None  # emulate.AsyncLaunch, or the CuPy stream of the launch
         self.launches = 0
         self.closed = False
-        # The step kernel's arguments that no step changes, made once (a step then only joins
-        # tuples): the words; x's bias (b_ih where there is one) and its flag, gi's (none, as
-        # the caller's gi holds b_ih); the sizes and the wait deadline (``_step_tail``, made
-        # again at each launch of the resident kernel from the settings read then).
-        self._words = (w_hh, b_hh, w_ih, self.box, self.state, self.fault)
-        self._x_bias = ((b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0)))
-        self._gi_bias = (b_hh, np.int32(0))
-        self._step_tail = self._tail(launch.timeout_ns(xp is np))
 
     def ended(self) -> bool:
         """Whether the resident launch has ended (asked without waiting: the emulated launch's
@@ -162,63 +192,29 @@ class _Resident:
             return True
         return self.running.done() if self.xp is np else self.running.done
 
-    def ensure(self) -> None:
-        """Launch the resident kernel if its last launch has ended (idle past its deadline).
-        Not while the current stream is being captured (the query is not allowed then, and a
-        launch on another stream would not be in the graph): a replayed step whose resident
-        kernel has gone takes its slices over."""
-        if self.xp is not np and self.xp.cuda.get_current_stream().is_capturing():
-            return
-        if self.ended():
-            self._relaunch()
-
-    def _relaunch(self) -> None:
-        """Launch the resident kernel, reading the settings now: its idle deadline and the
-        step kernel's wait (``WAIT_DEADLINES`` of them), the stall, the emulation's residency."""
+    def relaunch(self) -> int:
+        """Launch the resident kernel, reading the settings now: its idle deadline (returned:
+        the step kernel's wait is ``WAIT_DEADLINES`` of them), the stall, the emulation's
+        residency."""
         stall = settings.current_stall()
         dp, timeout = self.dp, launch.timeout_ns(self.xp is np)
         args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, np.int32(self.batch),
-                np.int32(dp.input_size), np.int32(self.hidden), np.uint64(timeout),
-                *stall.args())
-        self._step_tail = self._tail(timeout)
+                np.int32(dp.input_size), np.int32(self.hidden), np.int32(dp.w_ih_held),
+                np.uint64(timeout), *stall.args())
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
             self.running = self.module.launch_async(
-                "prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args,
+                "prnn_resident_decoder", dp.grid, dp.block, dp.resident_shared_bytes, args,
                 max_resident=settings.current().emulation_max_resident)
         else:
             stream = self.running or self.xp.cuda.Stream(non_blocking=True)
             stream.wait_event(self.xp.cuda.get_current_stream().record())  # the words, zeroed
             with stream:
-                self._launch("prnn_resident_decoder", dp.grid, dp.block, dp.shared_bytes, args)
+                self.module.launch("prnn_resident_decoder", dp.grid, dp.block,
+                                   dp.resident_shared_bytes, args)
             self.running = stream
         self.launches += 1
         launch.COUNTERS.add("launches")
-
-    def _tail(self, timeout_ns: int) -> tuple:
-        """The step kernel's last arguments: the sizes, and its wait (``WAIT_DEADLINES`` idle
-        deadlines of the resident kernel, ``timeout_ns`` each)."""
-        return (np.int32(self.dp.grid), np.int32(self.batch), np.int32(self.dp.input_size),
-                np.int32(self.hidden), np.uint64(WAIT_DEADLINES * timeout_ns))
-
-    def step(self, x: Array | None, gi: Array | None, h: Array, c: Array | None,
-             h_out: Array, c_out: Array | None) -> None:
-        """Enqueue the next step (the kernel numbers it: box[1]): the post and the wait, one
-        launch. Exactly one of ``x`` (batch, input_size; the kernels project it and add b_ih)
-        and ``gi`` (the caller's x W_ih^T + b_ih, b_ih included) is given; every array
-        C-contiguous."""
-        self.ensure()
-        dp = self.dp
-        if x is None:
-            given, bias = (gi, _GIVEN_GI), self._gi_bias
-        else:
-            given, bias = (x, _GIVEN_X), self._x_bias
-        args = (self._words + given
-                + (h, h if c is None else c, h_out, h_out if c_out is None else c_out)
-                + bias + self._step_tail)
-        self._launch("prnn_decoder_step", 1, dp.block, dp.shared_bytes, args)
-        launch.COUNTERS.add("launches")
-        if self.xp is np and self.fault[0]:  # (free to read in the emulation; a GPU: check())
-            self.raise_fault()
+        return timeout
 
     def raise_fault(self) -> None:
         if int(self.fault[0]):
@@ -242,6 +238,82 @@ class _Resident:
         self.running = None
 
 
+class _Layers:
+    """A resident decoder's layers (a cell: one): their weights and words stacked - what the one
+    step kernel of a step reads, layer n at its offsets (``resident_decoder.cu``,
+    ``prnn_decoder_step``) - and each layer's resident kernel (``residents``) on its rows. All
+    layers share the tile (it depends on the cell, hidden size and batch, not the input size),
+    so one module serves them."""
+
+    def __init__(self, xp, plans: Sequence[DecoderPlan], params: Sequence[Mapping[str, Array]],
+                 cell: CellSpec, batch: int, hidden: int):
+        layers, gh, dp = len(plans), cell.gates * hidden, plans[0]
+        self.xp, self.batch, self.hidden, self.input_size = xp, batch, hidden, dp.input_size
+        self.module = _module(xp, dp.defines)
+        self._launch = self.module.launch
+        w_hh = xp.stack([weight_words(xp, p["weight_hh"], None) for p in params])
+        b_hh = xp.stack([p.get("bias_hh", xp.zeros(gh, np.float32)) for p in params])
+        w_ih = xp.concatenate([p["weight_ih"].reshape(-1) for p in params])  # (input, then H)
+        b_ih = xp.stack([p["bias_ih"] for p in params]) if "bias_ih" in params[0] else None
+        box = xp.zeros((layers, BOX_WORDS), np.uint32)
+        state = xp.full((layers, dp.grid), GONE, np.uint32)
+        fault = xp.zeros(layers, np.uint32)
+        at = np.cumsum([0] + [gh * q.input_size for q in plans])
+        self.residents = [
+            _Resident(xp, self.module, q, (w_hh[n], b_hh[n], w_ih[at[n]:at[n + 1]].reshape(gh, -1),
+                                           box[n], state[n], fault[n:n + 1]), batch, hidden)
+            for n, q in enumerate(plans)]
+        # The step kernel's arguments that no step changes, made once (a step then only joins
+        # tuples): the words, b_ih and its flag (layer 0 adds it only to its own projection of
+        # x), the block and shared memory (the widest layer's: its staged x), and the tail - the
+        # sizes and the wait deadline (``_step_tail``: made again at each launch of a resident
+        # kernel from the settings read then).
+        self._words = (w_hh, b_hh, w_ih, box, state, fault)
+        self._bias = (b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0))
+        self._block = dp.block
+        self._shared = max(q.shared_bytes for q in plans)
+        self._count = np.int32(layers)
+        self._step_tail = self._tail(launch.timeout_ns(xp is np))
+
+    def ensure(self) -> None:
+        """Relaunch each resident kernel whose last launch has ended (idle past its deadline);
+        the step kernel's wait then follows the deadline of the latest launch. Not while the
+        current stream is being captured (the query is not allowed then, and a launch on
+        another stream would not be in the graph): a replayed step whose resident kernel has
+        gone takes its slices over."""
+        if self.xp is not np and self.xp.cuda.get_current_stream().is_capturing():
+            return
+        for r in self.residents:
+            if r.ended():
+                self._step_tail = self._tail(r.relaunch())
+
+    def _tail(self, timeout_ns: int) -> tuple:
+        """The step kernel's last arguments: the layers and sizes, and its wait
+        (``WAIT_DEADLINES`` idle deadlines of the resident kernels, ``timeout_ns`` each)."""
+        return (self._count, np.int32(self.residents[0].dp.grid), np.int32(self.batch),
+                np.int32(self.input_size), np.int32(self.hidden),
+                np.uint64(WAIT_DEADLINES * timeout_ns))
+
+    def step(self, x: Array | None, gi: Array | None, h: Array, c: Array | None,
+             h_out: Array, c_out: Array | None) -> None:
+        """Enqueue the next step of every layer (the kernel numbers it: each mailbox's box[1]):
+        one launch. Exactly one of ``x`` (batch, input_size; the kernels project it and add
+        b_ih) and ``gi`` (the caller's x W_ih^T + b_ih for layer 0, b_ih included) is given;
+        ``h``, ``c``: (layers, batch, H) or a cell's (batch, H), ``h_out``, ``c_out``
+        (layers, batch, H); every array C-contiguous."""
+        self.ensure()
+        given = (gi, _GIVEN_GI) if x is None else (x, _GIVEN_X)
+        args = (self._words + given
+                + (h, h if c is None else c, h_out, h_out if c_out is None else c_out)
+                + self._bias + self._step_tail)
+        self._launch("prnn_decoder_step", 1, self._block, self._shared, args)
+        launch.COUNTERS.add("launches")
+        if self.xp is np:  # (free to read in the emulation; a GPU: check())
+            for r in self.residents:
+                if r.fault[0]:
+                    r.raise_fault()
+
+
 def stop_all(residents: Sequence[_Resident]) -> None:
     """Stop every resident kernel (a decoder's finaliser)."""
     for r in residents:
@@ -262,8 +334,9 @@ class Decoder:
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
         self._fallback = fallback  # cell_step.step_forward (passed in: no import cycle)
-        # Copies: the resident kernel holds W_hh as it is now, and reads W_ih each step from
-        # its own copy (an optimizer updating the caller's arrays changes neither).
+        # Copies: the resident kernel holds W_hh as it is now, and reads W_ih from its own copy
+        # (an optimizer updating the caller's arrays changes neither). A resident decoder keeps
+        # only the layers' stacked copy (``_Layers``), the fallback the per-layer ones.
         self._params = [{k: array_module(v).array(v) for k, v in p.items()} for p in layers]
         xp = self._xp = array_module(self._params[0]["weight_hh"])
         self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
@@ -277,32 +350,26 @@ class Decoder:
         self._state_shape = self._out_shape if stacked else (self.batch, hidden)
         plans, why = self._plans(cell, hidden, xp)
         self.reason = why
-        self._residents = [
-            _Resident(xp, dp, weight_words(xp, p["weight_hh"], None),
-                      p.get("bias_hh", xp.zeros(cell.gates * hidden, np.float32)),
-                      p["weight_ih"], p.get("bias_ih"), self.batch, hidden)
-            for dp, p in zip(plans, self._params)]
+        self._layers = (_Layers(xp, plans, self._params, cell, self.batch, hidden)
+                        if plans else None)
+        self._residents = self._layers.residents if plans else []
+        if plans:
+            self._params = []  # (in _Layers' stacked arrays now)
         self._finalizer = weakref.finalize(self, stop_all, self._residents)
         if why is not None:
             warnings.warn(f"decoder not resident: {why}; each step runs the "
                           f"{'fused step kernel' if self._fused() else 'GEMM step'}",
                           RuntimeWarning, stacklevel=3)
-        for r in self._residents:  # launched now: the first step finds the weights loaded
-            r.ensure()
+        if self._layers is not None:  # launched now: the first step finds the weights loaded
+            self._layers.ensure()
 
     def _plans(self, cell: CellSpec, hidden: int, xp) -> tuple[list[DecoderPlan], str | None]:
         """Every layer's resident plan (the first layer's input is x, a further layer's the
         h' below it), or ``([], why not)``."""
         if self.dtype != np.float32:
             return [], f"dtype is {self.dtype.name}: the resident kernel computes float32"
-        plans = []
-        for n in range(len(self._params)):
-            dp, why = plan(cell, hidden, self.batch, _device(xp),
-                           self.input_size if n == 0 else hidden)
-            if dp is None:
-                return [], why if n == 0 else f"layer {n}: {why}"
-            plans.append(dp)
-        return plans, None
+        return plan_layers(cell, hidden, self.batch, _device(xp), self.input_size,
+                           len(self._params))
 
     @property
     def resident(self) -> bool:
@@ -339,7 +406,7 @@ class Decoder:
             for r in residents:
                 r.raise_fault()
         finally:
-            self._residents = []
+            self._residents, self._layers = [], None
 
     def resume(self) -> None:
         """Relaunch each resident kernel that has exited (idle past its deadline). A step does
@@ -348,8 +415,8 @@ class Decoder:
         still compute, by the step kernel alone (one CTA: much slower)."""
         if self.closed:
             raise RuntimeError("resume() on a closed decoder")
-        for r in self._residents:
-            r.ensure()
+        if self._layers is not None:
+            self._layers.ensure()
 
     def check(self) -> None:
         """RuntimeError if a step's wait ran past its deadline (reads the device: synchronises)."""
@@ -384,33 +451,32 @@ class Decoder:
                     h = None
         elif self._plain(state, self._state_shape):
             h = state
-        residents = self._residents
-        if h is None or not residents or residents[0].closed:  # (close() leaves none)
+        layers = self._layers
+        if h is None or layers is None or layers.residents[0].closed:  # (close() leaves none)
             if self.closed:
                 raise RuntimeError("step() on a closed decoder")
             h, c = self._checked_state(state)
-        hs, cs = (h, c) if self._stacked else ((h,), None if c is None else (c,))
-        with self._lock:  # one step at a time through the decoder's mailbox
-            hn, cn = (self._resident_step if residents else self._fallback_step)(x, hs, cs, gi)
+        with self._lock:  # one step at a time through the decoder's mailboxes
+            if layers is not None:
+                hn, cn = self._resident_step(layers, x, h, c, gi)
+            else:
+                hs, cs = (h, c) if self._stacked else ((h,), None if c is None else (c,))
+                hn, cn = self._fallback_step(x, hs, cs, gi)
         if not self._stacked:
             return (hn[0], cn[0]) if self._lstm else hn[0]
         return (hn[-1], (hn, cn)) if self._lstm else (hn[-1], hn)
 
-    def _resident_step(self, x: Array | None, h: Sequence[Array], c: Sequence[Array] | None,
+    def _resident_step(self, layers: _Layers, x: Array | None, h: Array, c: Array | None,
                        gi: Array | None) -> tuple[Array, Array | None]:
-        """Every layer's step on its resident kernel, one launch each, h' and c' written
-        straight into row n of (num_layers, batch, H) outputs (no stacking copy). ``h``, ``c``:
-        each layer's state (C-contiguous). The first layer's input: ``x`` (its kernels project
-        it) or the caller's projection ``gi`` (b_ih included); a further layer's: the h' of
-        the layer below (the launch before, on the same stream)."""
+        """Every layer's step on its resident kernel - one launch for all of them - h' and c'
+        written straight into row n of (num_layers, batch, H) outputs (no stacking copy). ``h``,
+        ``c``: the state ((num_layers, batch, H), a cell's (batch, H); C-contiguous). The
+        first layer's input: ``x`` (its kernels project it) or the caller's projection ``gi``
+        (b_ih included); a further layer's: the h' the layer below wrote in the same launch."""
         empty = self._xp.empty
         hn = empty(self._out_shape, self.dtype)
         cn = empty(self._out_shape, self.dtype) if self._lstm else None
-        n = 0
-        for resident in self._residents:
-            resident.step(x, gi, h[n], None if c is None else c[n], hn[n],
-                          None if cn is None else cn[n])
-            x, gi, n = hn[n], None, n + 1
+        layers.step(x, gi, h, c, hn, cn)
         return hn, cn
 
     def _fallback_step(self, x: Array, h: Sequence[Array], c: Sequence[Array] | None,

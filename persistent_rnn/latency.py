@@ -814,21 +814,54 @@ def terms_dict(t: StepTerms) -> dict:
 
 # ---- the resident decoder (persistent_rnn/decoder.py): predictions ----------------------------
 
+def decoder_projection_us(rows: int, inputs: int, batch: int, held: bool,
+                          device: DeviceProfile) -> float:
+    """Predicted microseconds of a resident CTA's projection of one step (``resident_decoder.cu``'s
+    ``project_pass``): its ``rows`` rows of W_ih (``inputs`` columns) against the batch's staged
+    x, one warp per ``PROJ_ROWS`` rows and ``kBatch`` batch rows (1 where the batch is 1, else
+    ``PROJ_BATCH``), then each sum's butterfly (5 dependent shuffles and additions). ``held``
+    (the rows in shared memory): every load is a shared-memory wavefront, one a cycle
+    (``SHARED_BYTES_PER_CYCLE``: 128 bytes, a warp's 32 floats) - each pass reads every row once
+    and each warp's group of rows reads its kBatch rows of x - or the warps' instructions at one
+    per scheduler and cycle where those are more, after a shared-memory latency. Otherwise the
+    rows come from L2 each step: an L2 round trip, and their bytes at the SM's share of
+    ``L2_BANDWIDTH_GBPS`` once per pass."""
+    from . import decoder
+    k_batch = 1 if batch == 1 else decoder.PROJ_BATCH
+    passes = -(-batch // k_batch)
+    columns = -(-inputs // hw.WARP)  # a lane's column steps
+    butterfly = 5 * (hw.SHUFFLE_LATENCY + hw.FP_LATENCY)
+    cycle = _cycle_us(device)
+    if not held:
+        share_gbps = hw.L2_BANDWIDTH_GBPS / device.sm_count
+        return (hw.L2_LATENCY + butterfly) * cycle + passes * 4.0 * rows * inputs / (share_gbps * 1e3)
+    groups = -(-rows // decoder.PROJ_ROWS)
+    items = groups * passes  # one warp each
+    loads = items * columns * (decoder.PROJ_ROWS + k_batch)  # a warp's loads: one wavefront each
+    ffma = items * columns * decoder.PROJ_ROWS * k_batch
+    issue = (loads + ffma) / (hw.SCHEDULERS_PER_SM * hw.ISSUE_PER_CYCLE)
+    return (max(loads * hw.WARP * 4 / hw.SHARED_BYTES_PER_CYCLE, issue) + hw.SHARED_LATENCY
+            + butterfly) * cycle
+
+
 def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | None = None,
-                         device: DeviceProfile | str | None = None) -> dict:
+                         device: DeviceProfile | str | None = None, layers: int = 1) -> dict:
     """Predicted GPU microseconds of one step of a resident decoder (``decoder.py``) and of the
     fused step kernel (``cell_step.fused_step``) - the latency model's predictions, not
     measurements. A decoder step in a captured loop is one launch: the gap before the step
     kernel (``GRAPH_GAP_US``), three dependent L2 round trips (the post seen by the resident
     CTAs, h_{t-1} and x staged, the done words seen by the step kernel), the projection inside
-    each CTA (``projection_us``: its G*units rows of W_ih read from L2 at its SM's share of
-    ``L2_BANDWIDTH_GBPS``, once per ``PROJ_BATCH`` batch rows, after one more round trip) and
-    the resident step: the layer forward's step (its tile, as the decoder runs it) from its SASS
-    without its exchange (issue, matrix, barriers, pointwise). Eagerly the host issues one API
-    call a step (``API_CALL_HOST_US``) and a step takes the longer of host and GPU.
-    ``projected_us``: a captured ``step_projected`` (the caller gives x W_ih^T + b_ih, e.g. from
-    a per-token table: no projection). The fused step: a gap, W_ih and W_hh read from L2 at
-    ``L2_BANDWIDTH_GBPS``, two L2 round trips."""
+    each CTA (``decoder_projection_us``: its G*units rows of W_ih from shared memory where the
+    plan holds them there, ``w_ih_held``, else from L2) and the resident step: the layer
+    forward's step (its tile, as the decoder runs it) from its SASS without its exchange (issue,
+    matrix, barriers, pointwise). A stack of ``layers`` is still one launch a step: the step
+    kernel posts each layer after the one below has finished, so every layer adds its hand-offs,
+    projection (layer n > 0 projects the h' below it: input size ``hidden``) and resident step
+    to the one gap. Eagerly the host issues one API call a step (``API_CALL_HOST_US``) and a
+    step takes the longer of host and GPU. ``projected_us``: a captured ``step_projected`` (the
+    caller gives layer 0's x W_ih^T + b_ih, e.g. from a per-token table: no projection there).
+    The fused step (one layer): a gap, W_ih and W_hh read from L2 at ``L2_BANDWIDTH_GBPS``, two
+    L2 round trips."""
     from . import decoder
     spec = planner.resolve_cell(cell)
     dev = planner.resolve_device(device)
@@ -840,34 +873,23 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
         return 4.0 * gh * columns / (hw.L2_BANDWIDTH_GBPS * 1e3)
 
     record = {"prediction": True, "calibration": CALIBRATION, "cell": spec.name,
-              "hidden_size": hidden, "batch": batch, "input_size": inputs, "device": dev.name,
+              "hidden_size": hidden, "batch": batch, "input_size": inputs, "layers": layers,
+              "device": dev.name,
               "fused_step_us": hw.GRAPH_GAP_US + weights_us(inputs + hidden) + 2 * round_trip}
-    dp, why = decoder.plan(spec, hidden, batch, dev, inputs)
-    record.update(resident=dp is not None, reason=why)
-    if dp is None:
+    plans, why = decoder.plan_layers(spec, hidden, batch, dev, inputs, layers)
+    record.update(resident=why is None, reason=why)
+    if why is not None:
         return record
     p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
     t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
     compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us
-    rows = spec.gates * dp.defines["PRNN_UNITS"]  # a CTA's rows of W_ih
-    passes = -(-batch // decoder.PROJ_BATCH)
-    sm_share_gbps = hw.L2_BANDWIDTH_GBPS / dev.sm_count
-    projection = round_trip + passes * 4.0 * rows * inputs / (sm_share_gbps * 1e3)
-    projected = hw.GRAPH_GAP_US + 3 * round_trip + compute
-    captured = projected + projection
-    record.update(ctas=dp.grid, resident_step_us=compute, handoff_us=3 * round_trip,
-                  projection_us=projection, captured_us=captured,
+    projections = [decoder_projection_us(q.w_ih_rows, q.input_size, batch, q.w_ih_held, dev)
+                   for q in plans]
+    projected = hw.GRAPH_GAP_US + layers * (3 * round_trip + compute) + sum(projections[1:])
+    captured = projected + projections[0]
+    record.update(ctas=sum(q.grid for q in plans), resident_step_us=layers * compute,
+                  handoff_us=layers * 3 * round_trip, projection_us=sum(projections),
+                  w_ih_held=plans[0].w_ih_held, w_ih=plans[0].w_ih_note(), captured_us=captured,
                   eager_us=max(captured, hw.API_CALL_HOST_US), projected_us=projected,
                   launches_per_step=1)
-    return record
-    p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
-    t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
-    compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us
-    projection = _gemm_us(2.0 * batch * inputs * gh, dev)
-    kernel = hw.GRAPH_GAP_US + 3 * round_trip + compute
-    record.update(ctas=dp.grid, resident_step_us=compute, handoff_us=3 * round_trip,
-                  projection_us=projection, captured_us=hw.GRAPH_GAP_US + projection + kernel,
-                  eager_us=max(hw.GRAPH_GAP_US + projection + kernel, 2 * hw.API_CALL_HOST_US),
-                  projected_us=kernel, post_projection_us=kernel + weights_us(inputs) + round_trip,
-                  launches_per_step=2)
     return record

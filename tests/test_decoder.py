@@ -143,6 +143,61 @@ def test_a_two_layer_decoder_matches_float64_and_the_per_layer_kernels():
     _close([y, *hn[0], *hn[1]], [y_ref[0], *hn_ref[0], *hn_ref[1]])
 
 
+def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(settings):
+    """A 2-layer decoder's step is one step kernel launch that posts and waits layer after layer;
+    its outputs are bitwise those of two cell decoders chained (layer 1 fed layer 0's h'), also
+    with idle exits between steps, every slice of both layers taken over by the step kernel, a
+    CTA stalled inside a step past the idle deadline, and with step_projected."""
+    layer = prnn.LSTM(IN, H, num_layers=2, seed=3)
+    p = layer.params
+    cells = [prnn.LSTMCell(IN if n == 0 else H, H) for n in range(2)]
+    for n, cell in enumerate(cells):
+        cell.load_params({k: p[f"{k}_l{n}"] for k in cell.params})
+    xs = _inputs(seed=2, steps=3)
+    decs = [cell.decoder(batch=B) for cell in cells]
+    want, states = [], [None, None]
+    for x in xs:
+        for n, dec in enumerate(decs):
+            states[n] = dec.step(x if n == 0 else states[0][0], states[n])
+        want.append([states[1][0], *(np.stack([s[i] for s in states]) for i in range(2))])
+    gi = np.random.default_rng(6).standard_normal((B, 4 * H)).astype(np.float32)
+    want_gi = decs[0].step_projected(gi)
+    want_gi = [decs[1].step(want_gi[0])[0], want_gi[0]]
+    for dec in decs:
+        dec.close()
+
+    def decode(between=None, take_over=False):
+        with layer.decoder(batch=B) as dec:
+            if take_over:  # both resident kernels idle past their deadline, never relaunched
+                dec.step(xs[0])
+                for r in dec._residents:
+                    r.running.join(10)
+                dec._layers.ensure = lambda: None
+            got, state, launches = [], None, dec.relaunches
+            with launch.counting() as count:
+                for t, x in enumerate(xs):
+                    if between is not None:
+                        between(t)
+                    y, state = dec.step(x, state)
+                    got.append([y, *state])
+            relaunched = dec.relaunches - launches
+            assert count.launches == len(xs) + relaunched  # one step kernel a step
+            if not take_over:
+                y, (h, _) = dec.step_projected(gi)
+                _equal([y, h[0]], want_gi)
+        for a, b in zip(got, want):
+            _equal(a, b)
+        return relaunched
+
+    decode()
+    prnn.configure(emulation_timeout_ms=20)
+    assert decode(between=lambda t: time.sleep(0.1)) >= 1
+    decode(take_over=True)
+    prnn.configure(emulation_timeout_ms=50)
+    with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1 of each layer
+        decode()
+
+
 def test_an_odd_input_size_and_batch_project_as_float64_and_take_over_bitwise():
     """input_size 131 (not whole quads: x staged element by element; more than one pass of a
     warp's loads), batch 5 (two passes of the projection's batch rows), no bias; a decoder whose
@@ -163,13 +218,50 @@ def test_an_odd_input_size_and_batch_project_as_float64_and_take_over_bitwise():
         resident = dec._residents[0]
         dec.step(xs[0])
         resident.running.join(30)  # idle exit; no relaunch: the step kernel takes every slice
-        resident.ensure = lambda: None
+        dec._layers.ensure = lambda: None
         got, state = [], None
         for x in xs:
             state = dec.step(x, state)
             got.append(state)
     for a, b in zip(got, want):
         _equal(a, b)
+
+
+def test_w_ih_held_in_shared_memory_or_read_from_l2_gives_the_same_bits(monkeypatch):
+    """The plan holds a resident CTA's rows of W_ih in shared memory where they fit a block
+    beside the step's (LSTM H=640: 32 rows x 640 columns), else the projection reads them from
+    L2; at B=1 (passes of one batch row) both give the same bits, and the float64 step's."""
+    lstm, h100 = CELLS["lstm"], hardware.PROFILES["h100"]
+    held, _ = decoding.plan(lstm, 640, 1, h100)
+    assert held.w_ih_held and held.resident_shared_bytes == held.shared_bytes + 4 * 32 * 640
+    wide, _ = decoding.plan(lstm, 640, 1, h100, input_size=2000)  # 256000 B of rows
+    assert not wide.w_ih_held and wide.resident_shared_bytes == wide.shared_bytes
+    assert "do not fit" in wide.w_ih_note() and "81920 B a CTA" in held.w_ih_note()
+    cell = prnn.LSTMCell(37, H, seed=4)
+    xs = np.random.default_rng(5).standard_normal((3, 1, 37)).astype(np.float32)
+
+    def decode():
+        with cell.decoder(batch=1) as dec:
+            states, state = [], None
+            for x in xs:
+                state = dec.step(x, state)
+                states.append(state)
+            return dec._residents[0].dp.w_ih_held, states
+
+    was_held, want = decode()
+    plan = decoding.plan  # the same tile, its rows not held (as a plan whose rows do not fit)
+    monkeypatch.setattr(decoding, "plan", lambda *a: (
+        replace(plan(*a)[0], w_ih_held=False, resident_shared_bytes=plan(*a)[0].shared_bytes), None))
+    now_held, got = decode()
+    assert was_held and not now_held
+    for a, b in zip(got, want):
+        _equal(a, b)
+    twin = prnn.LSTMCell(37, H, algo="gemm", dtype="float64")
+    twin.load_params({k: v.astype(np.float64) for k, v in cell.params.items()})
+    state = None
+    for x, hc in zip(xs, got):
+        state = twin.forward(x.astype(np.float64), state)
+        _close(hc, state)
 
 
 def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
@@ -189,7 +281,7 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
         resident = dec._residents[0]
         dec.step(xs[0])
         resident.running.join(10)  # idle exit; no relaunch: the step kernel takes every slice
-        resident.ensure = lambda: None
+        dec._layers.ensure = lambda: None
         got = _decode(dec, xs)
         assert all(int(w) & 3 == decoding.GONE for w in resident.state)
     _equal(got, want)
@@ -220,7 +312,7 @@ def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
         resident = dec._residents[0]
         state = dec.step(xs[0])[1]
         resident.running.join(30)  # idle exit, and no relaunch: every slice gone
-        resident.ensure = lambda: None
+        dec._layers.ensure = lambda: None
         y, _ = dec.step(xs[1], state)
     assert not np.allclose(y, want[1], atol=1e-3)
 
@@ -361,6 +453,11 @@ def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
         assert fits is not None and why is None and fits.grid < h100.sm_count
     whole, why = decoding.plan(lstm, 1024, 1, replace(h100, sm_count=128))
     assert whole is None and "grid < SM count" in why
+    # a stack: its layers' grids together (2 x 80 CTAs at H=640; 2 x 16 at H=256)
+    plans, why = decoding.plan_layers(lstm, 640, 1, h100, 640, 2)
+    assert plans == [] and "its 2 layers' kernels take the whole GPU (160 CTAs" in why
+    plans, why = decoding.plan_layers(lstm, 256, 1, h100, 64, 2)
+    assert why is None and [p.input_size for p in plans] == [64, 256]
     # the staged x grows the shared memory with input_size and batch: past a block, refused
     small, _ = decoding.plan(lstm, 256, 4, h100, input_size=14000)
     big, why = decoding.plan(lstm, 256, 4, h100, input_size=15000)
@@ -398,6 +495,29 @@ def test_the_kernels_compile_for_the_gpu_without_spills(hidden, batch):
     assert all(f[1:] == ("0", "0", "0") for f in frames), log
 
 
+@pytest.mark.skipif(not EVERY_KERNEL, reason="reads SASS (NVRTC and nvdisasm, ~3 s): "
+                    "PRNN_TEST_EVERY_KERNEL=1")
+def test_the_held_rows_of_w_ih_are_read_from_shared_memory():
+    """The resident kernel's SASS (sm_90, LSTM H=640 B=1): the projection's column loops over
+    the held rows (passes of 1 and of 4 batch rows: 8 and 32 FFMA, unrolled twice) load from
+    shared memory only; those over rows in global memory (a plan that does not hold them) load
+    W_ih with LDG."""
+    from persistent_rnn import kernels
+    from persistent_rnn.sass_analysis import disassemble, nvdisasm, parse
+    if nvdisasm() is None:
+        pytest.skip("nvdisasm is not installed")
+    dp, _ = decoding.plan(CELLS["lstm"], 640, 1, hardware.PROFILES["h100"])
+    cubin = kernels.compile_source(decoding.SOURCE, dp.defines, "sm_90").cubin_path
+    code, labels = parse(disassemble(cubin, nvdisasm()).split(".text.prnn_resident_decoder")[-1])
+    loops = [[op.split(".")[0] for op, *_ in code[labels[to]:i + 1]]
+             for i, (op, _, to, _) in enumerate(code)
+             if op.startswith("BRA") and to in labels and labels[to] < i]
+    columns = [ops for ops in loops if ops.count("FFMA") >= 8 and "SHFL" not in ops and len(ops) < 100]
+    held = [ops.count("FFMA") for ops in columns if "LDS" in ops and not {"LDG", "LD"} & set(ops)]
+    from_l2 = [ops.count("FFMA") for ops in columns if "LDG" in ops]
+    assert sorted(held) == [8, 32] and sorted(from_l2) == [8, 32], columns
+
+
 @pytest.mark.skipif(not EVERY_KERNEL, reason="reads SASS (NVRTC and nvdisasm, ~5 s): "
                     "PRNN_TEST_EVERY_KERNEL=1")
 def test_prnn_plan_predicts_a_decoder_step(capsys):
@@ -413,17 +533,34 @@ def test_prnn_plan_predicts_a_decoder_step(capsys):
     assert d["projected_us"] == pytest.approx(gap + d["handoff_us"] + d["resident_step_us"])
     assert d["captured_us"] == pytest.approx(d["projection_us"] + d["projected_us"])
     assert 0 < d["resident_step_us"] < d["projected_us"] < d["captured_us"]
-    # the projection: the CTA's 32 rows of W_ih (640 columns) at its SM's share of L2, and a
-    # round trip; two passes over them at B=5
-    share = hardware.L2_BANDWIDTH_GBPS / hardware.PROFILES["h100"].sm_count * 1e3  # bytes/µs
-    trip = d["handoff_us"] / 3
-    assert d["projection_us"] == pytest.approx(trip + 4 * 32 * 640 / share)
+    # the projection from W_ih's rows held in shared memory: one wavefront a cycle - the CTA's
+    # 32 rows x 20 column steps, and x's row once for each warp's 4 rows (8 warps) - after a
+    # shared-memory latency and the sums' butterflies; two passes at B=5, of 4 batch rows each
+    cycle = 1 / hardware.PROFILES["h100"].clock_mhz
+    tail = hardware.SHARED_LATENCY + 5 * (hardware.SHUFFLE_LATENCY + hardware.FP_LATENCY)
+    assert d["w_ih_held"] and "81920 B a CTA" in d["w_ih"]
+    assert d["projection_us"] == pytest.approx((20 * (32 + 8) + tail) * cycle)
     d5 = latency.predict_decoder_step("LSTM", 640, 5, device="h100")
-    assert d5["projection_us"] == pytest.approx(trip + 2 * 4 * 32 * 640 / share)
+    assert d5["projection_us"] == pytest.approx((2 * 20 * (32 + 8 * 4) + tail) * cycle)
+    # rows too wide to hold (32 x 2000 columns: 256000 B): from L2 at the SM's share of it, after
+    # a round trip
+    wide = latency.predict_decoder_step("LSTM", 640, 1, input_size=2000, device="h100")
+    share = hardware.L2_BANDWIDTH_GBPS / hardware.PROFILES["h100"].sm_count * 1e3  # bytes/µs
+    tail += hardware.L2_LATENCY - hardware.SHARED_LATENCY
+    assert not wide["w_ih_held"] and "read from L2 each step" in wide["w_ih"]
+    assert wide["projection_us"] == pytest.approx(tail * cycle + 4 * 32 * 2000 / share)
+    # a stack of 2 (input size H: the same layer twice) is one launch: one gap, each layer's
+    # hand-offs, projection and resident step
+    d2 = latency.predict_decoder_step("LSTM", 640, 1, device=replace(hardware.PROFILES["h100"],
+                                                                     sm_count=200), layers=2)
+    assert d2["launches_per_step"] == 1 and d2["ctas"] == 160
+    assert d2["captured_us"] == pytest.approx(gap + 2 * (d["captured_us"] - gap), rel=1e-3)
+    assert d2["projected_us"] == pytest.approx(d2["captured_us"] - d["projection_us"], rel=1e-3)
     from persistent_rnn import cli
     cli._print_decoder(d)  # (prnn plan --decoder's lines; the whole plan is test_cli's)
     out = capsys.readouterr().out
     assert "resident decoder: 80 CTAs held; predicted per step" in out and "fused step" in out
+    assert "projection: W_ih held in shared memory (32 rows x 640 columns" in out
 
 
 def test_prnn_plan_prints_the_decoder_prediction(capsys):
@@ -431,7 +568,7 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     from persistent_rnn import cli
     record = {"input_size": 640, "fused_step_us": 3.3, "resident": True, "ctas": 80,
               "captured_us": 4.1, "projection_us": 2.3, "handoff_us": 0.6, "resident_step_us": 0.7,
-              "eager_us": 4.1, "projected_us": 1.8}
+              "eager_us": 4.1, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why"}
     cli._print_decoder(record)
     cli._print_decoder({**record, "resident": False, "reason": "its kernel takes the whole GPU"})
     out = capsys.readouterr().out
@@ -439,19 +576,21 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     assert "projection 2.30" in out
     assert "step_projected 1.80 µs" in out and "fused step kernel: predicted 3.30 µs" in out
     assert "resident decoder: no (its kernel takes the whole GPU)" in out
+    assert "  projection: W_ih read from L2 each step: why" in out
 
 
 RACE_SCENARIO = """
 import time
 import numpy as np
 import persistent_rnn as prnn
-cell = prnn.LSTMCell(8, 24, seed=0)
 xs = np.random.default_rng(1).standard_normal((4, 2, 8)).astype(np.float32)
-with prnn.override_settings(emulation_timeout_ms=20), cell.decoder(batch=2) as dec:
-    state = None
-    for t, x in enumerate(xs):
-        state = dec.step(x, state)
-        time.sleep(0.2 * (t == 1))  # idle: exits, takeovers, a relaunch
+for layer in (prnn.LSTMCell(8, 24, seed=0), prnn.LSTM(8, 24, num_layers=2, seed=0)):
+    with prnn.override_settings(emulation_timeout_ms=20), layer.decoder(batch=2) as dec:
+        state = None
+        for t, x in enumerate(xs):
+            state = dec.step(x, state)  # (a stack's: layer 1 reads layer 0's h' in one launch)
+            state = state[1] if isinstance(layer, prnn.LSTM) else state
+            time.sleep(0.2 * (t == 1))  # idle: exits, takeovers, a relaunch
 print("decoded")
 """
 
@@ -460,7 +599,8 @@ print("decoded")
                     "PRNN_TEST_EVERY_KERNEL=1")
 def test_the_decoder_has_no_race():
     """The resident kernel (an asynchronous launch) and the step kernels beside it under
-    ThreadSanitizer: no pair of accesses that nothing orders (docs/emulation.md)."""
+    ThreadSanitizer - a cell's, and a 2-layer stack's, whose step kernel posts layer 1 after
+    layer 0's outputs: no pair of accesses that nothing orders (docs/emulation.md)."""
     proc = emulate.run_with_race_detector(["-c", RACE_SCENARIO], sources=(decoding.SOURCE[:-3],),
                                           timeout=600)
     assert proc.returncode == 0 and "decoded" in proc.stdout, proc.stderr[-4000:]
@@ -479,7 +619,7 @@ def test_a_replayed_step_launch_is_the_next_step():
         outputs = [(np.full((B, H), np.nan, np.float32), np.full((B, H), np.nan, np.float32))
                    for _ in range(2)]
         for h_out, c_out in outputs:  # (the same x, state and step arguments twice)
-            resident.step(x, None, h0, c0, h_out, c_out)
+            dec._layers.step(x, None, h0, c0, h_out, c_out)
         dec.check()
     for h_out, c_out in outputs:
         assert np.array_equal(h_out, want_h) and np.array_equal(c_out, want_c)
