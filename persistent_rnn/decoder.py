@@ -162,6 +162,21 @@ def plan_layers(cell: CellSpec, hidden: int, batch: int, device: hardware.Device
     return plans, None
 
 
+class DecoderContextLost(RuntimeError):
+    """The CUDA context of a resident decoder was reset (``cudaDeviceReset``) or failed (a
+    sticky error): its kernels, weights and words are gone. The decoder is closed (its
+    ``close()`` and garbage collection touch the device no more); make a new one, from weights
+    and a state on the new context."""
+
+
+def _lost_errors(xp) -> tuple[type[BaseException], ...]:
+    """What a query of the resident launch raises once its context is gone."""
+    if xp is np:
+        from . import emulate
+        return (emulate.ContextReset,)
+    return (xp.cuda.runtime.CUDARuntimeError,)
+
+
 def _module(xp, defines: Mapping[str, int]):
     if xp is np:
         from . import emulate
@@ -184,13 +199,23 @@ class _Resident:
         self.running: Any = None  # emulate.AsyncLaunch, or the CuPy stream of the launch
         self.launches = 0
         self.closed = False
+        self.lost: str | None = None  # why the context is gone (DecoderContextLost)
+        self._lost_errors = _lost_errors(xp)
 
     def ended(self) -> bool:
         """Whether the resident launch has ended (asked without waiting: the emulated launch's
-        ``done()``, a CuPy stream's ``done``, cudaStreamQuery)."""
+        ``done()``, a CuPy stream's ``done``, cudaStreamQuery). DecoderContextLost where the
+        query says the context was reset or failed: the launch and the words are gone, so the
+        resident kernel is then closed, with nothing left to stop or free."""
         if self.running is None:
             return True
-        return self.running.done() if self.xp is np else self.running.done
+        try:
+            return self.running.done() if self.xp is np else self.running.done
+        except self._lost_errors as exc:
+            self.running, self.closed = None, True
+            self.lost = (f"its CUDA context was reset or failed ({type(exc).__name__}: {exc}); "
+                         "its kernels, weights and words are gone - make a new decoder")
+            raise DecoderContextLost(f"resident decoder: {self.lost}") from exc
 
     def relaunch(self) -> int:
         """Launch the resident kernel, reading the settings now: its idle deadline (returned:
@@ -217,7 +242,7 @@ class _Resident:
         return timeout
 
     def raise_fault(self) -> None:
-        if int(self.fault[0]):
+        if self.lost is None and int(self.fault[0]):
             raise RuntimeError(f"resident decoder: the wait of step {int(self.fault[0])} ran past "
                                f"{WAIT_DEADLINES} deadlines (a resident CTA neither finished the "
                                "step nor left); its outputs are not written")
@@ -225,6 +250,10 @@ class _Resident:
     def stop(self) -> None:
         """Post STOP and wait (bounded) for the resident launch to end. Idempotent."""
         if self.closed:
+            return
+        try:
+            self.ended()  # (a context lost since the last step: nothing to stop or free)
+        except DecoderContextLost:
             return
         self.closed = True
         if self.running is None:
@@ -341,6 +370,7 @@ class Decoder:
         xp = self._xp = array_module(self._params[0]["weight_hh"])
         self.dtype = np.dtype(self._params[0]["weight_hh"].dtype)
         self._lock = threading.Lock()
+        self._lost: str | None = None  # why the decoder closed itself (DecoderContextLost)
         # What a step's fast checks compare with (``_plain``)
         self._array_type = type(self._params[0]["weight_hh"])
         self._lstm = cell.has_cell_state
@@ -408,6 +438,13 @@ class Decoder:
         finally:
             self._residents, self._layers = [], None
 
+    def _lose(self, exc: DecoderContextLost) -> None:
+        """Close the decoder whose context was lost (nothing on the device to stop or free) and
+        raise ``exc``."""
+        self._lost = str(exc)
+        self.close()
+        raise exc
+
     def resume(self) -> None:
         """Relaunch each resident kernel that has exited (idle past its deadline). A step does
         this itself before it enqueues; a replay of a captured loop runs no host code, so call
@@ -416,10 +453,19 @@ class Decoder:
         if self.closed:
             raise RuntimeError("resume() on a closed decoder")
         if self._layers is not None:
-            self._layers.ensure()
+            try:
+                self._layers.ensure()
+            except DecoderContextLost as exc:
+                self._lose(exc)
 
     def check(self) -> None:
-        """RuntimeError if a step's wait ran past its deadline (reads the device: synchronises)."""
+        """RuntimeError if a step's wait ran past its deadline (reads the device: synchronises);
+        DecoderContextLost if the decoder's context was reset or failed."""
+        try:
+            for r in self._residents:
+                r.ended()
+        except DecoderContextLost as exc:
+            self._lose(exc)
         for r in self._residents:
             r.raise_fault()
 
@@ -454,11 +500,15 @@ class Decoder:
         layers = self._layers
         if h is None or layers is None or layers.residents[0].closed:  # (close() leaves none)
             if self.closed:
-                raise RuntimeError("step() on a closed decoder")
+                raise RuntimeError("step() on a closed decoder" + (
+                    f": {self._lost}" if self._lost else ""))
             h, c = self._checked_state(state)
         with self._lock:  # one step at a time through the decoder's mailboxes
             if layers is not None:
-                hn, cn = self._resident_step(layers, x, h, c, gi)
+                try:
+                    hn, cn = self._resident_step(layers, x, h, c, gi)
+                except DecoderContextLost as exc:
+                    self._lose(exc)
             else:
                 hs, cs = (h, c) if self._stacked else ((h,), None if c is None else (c,))
                 hn, cn = self._fallback_step(x, hs, cs, gi)

@@ -67,6 +67,7 @@ _TSAN_FLAGS = ("-fsanitize=thread", "-g1", "-DPRNN_EMU_TSAN")
 _LAUNCH_LOCK = threading.Lock()
 _ASYNC_LOCK = threading.Lock()
 _running: set["AsyncLaunch"] = set()  # asynchronous launches not yet finished
+_context = 0  # the emulated device context: reset_context() starts a new one
 _BUILD_LOCK = threading.Lock()
 
 _SCALARS = {
@@ -120,6 +121,11 @@ def _mode_bits(chosen: frozenset) -> int:
 
 class EmulationError(RuntimeError):
     """The host build of a kernel source failed, or no host compiler exists."""
+
+
+class ContextReset(EmulationError):
+    """A query of an asynchronous launch made before ``reset_context()`` (as cudaStreamQuery on
+    a stream of a destroyed context)."""
 
 
 class RaceError(EmulationError):
@@ -247,6 +253,7 @@ class AsyncLaunch:
         self._ended = threading.Event()
         self._error: str | None = None
         self._thread: threading.Thread | None = None
+        self._context = _context
 
     def _finish(self, error: str | None) -> None:
         self._error = error
@@ -256,7 +263,11 @@ class AsyncLaunch:
         self._ended.set()
 
     def done(self) -> bool:
-        """Whether the launch has ended (its kernel exited; a stream query, no waiting)."""
+        """Whether the launch has ended (its kernel exited; a stream query, no waiting).
+        ContextReset if ``reset_context()`` has reset its context since it started."""
+        if self._context != _context:
+            raise ContextReset(f"the emulated launch of {self.kernel} belongs to a context that "
+                               "reset_context() reset")
         return self._ended.is_set()
 
     def join(self, timeout: float | None = None) -> None:
@@ -275,6 +286,27 @@ def running_launches() -> list[AsyncLaunch]:
     """The asynchronous emulated launches that have not ended (tests: nothing left spinning)."""
     with _ASYNC_LOCK:
         return list(_running)
+
+
+def reset_context(timeout: float = 30.0) -> None:
+    """Emulate a reset of the device's context (cudaDeviceReset; a test hook): every running
+    asynchronous launch is killed - its array arguments, device memory that the reset frees, are
+    overwritten with 0xFF bytes (a resident decoder's CTAs then read a stale mailbox and exit)
+    and it is joined (``timeout`` seconds at most) - and every launch made before the reset
+    raises ContextReset when queried (``AsyncLaunch.done``). Arrays that no running launch
+    holds are left as they are."""
+    global _context
+    with _ASYNC_LOCK:
+        _context += 1
+        killed = list(_running)
+    for handle in killed:
+        for a in handle._args:
+            if isinstance(a, np.ndarray) and a.flags.c_contiguous:
+                a.view(np.uint8).fill(0xFF)
+    for handle in killed:
+        handle._ended.wait(timeout)
+        if handle._thread is not None:
+            handle._thread.join(timeout)
 
 
 def _check_signature(kernel: str, signature: str, args: tuple) -> None:

@@ -4,7 +4,8 @@ reference and the layer's persistent kernel (T=1 calls) to float32 round-off, ``
 (the caller's projection) bitwise equal to the whole-sequence kernel on the same projected
 inputs (the cluster tile and the grid tile); every step bitwise the same run to run and across
 idle exits, takeovers by the step kernel and stalls inside steps; its lifetimes (close, garbage
-collection, an exception in the loop, two decoders on one module, decoders on two threads)
+collection, an exception in the loop, two decoders on one module, decoders on two threads, a
+reset of the context)
 leave no emulated kernel running; bad input gets errors naming the argument; a step is one
 launch and no host synchronisation; the big-layer rule and the shared-memory limit.
 
@@ -368,6 +369,47 @@ def test_close_gc_and_an_exception_leave_nothing_running():
             dec.step(x)
             raise KeyError("the caller's loop failed")
     assert dec.closed and not emulate.running_launches()
+
+
+def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, settings):
+    """A device reset (emulate.reset_context: the resident launch killed, its device memory
+    poisoned, later queries failing as cudaStreamQuery does on a destroyed context): the next
+    step raises DecoderContextLost naming what happened and what to do, the decoder is closed,
+    close() and garbage collection neither hang nor raise, whether the resident kernel was
+    waiting or had gone idle; a new decoder then steps as before."""
+    unraisable: list = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    cell = prnn.LSTMCell(IN, H, seed=0)
+    x = _inputs()[0]
+    with cell.decoder(batch=B) as dec:
+        want = dec.step(x, dec.step(x))
+    dec = cell.decoder(batch=B)
+    state = dec.step(x)
+    resident = dec._residents[0]
+    emulate.reset_context()
+    assert not emulate.running_launches()
+    assert int(resident.box[0]) == 0xFFFFFFFF  # (the resident kernel's memory: poisoned)
+    with pytest.raises(decoding.DecoderContextLost, match="context was reset.*make a new decoder"):
+        dec.step(x, state)
+    assert dec.closed and not emulate.running_launches()
+    with pytest.raises(RuntimeError, match="closed decoder: .*context was reset"):
+        dec.step(x, state)
+    dec.close()
+    prnn.configure(emulation_timeout_ms=20)
+    idle = cell.decoder(batch=B)  # reset while idle: its launch ended before the reset
+    idle._residents[0].running.join(10)
+    emulate.reset_context()
+    with pytest.raises(decoding.DecoderContextLost):
+        idle.check()
+    assert idle.closed
+    idle = cell.decoder(batch=B)
+    idle._residents[0].running.join(10)
+    emulate.reset_context()
+    del idle
+    gc.collect()
+    assert not unraisable and not emulate.running_launches()
+    with cell.decoder(batch=B) as dec:
+        _equal(dec.step(x, dec.step(x)), want)
 
 
 def test_two_decoders_on_one_module_and_on_two_threads():
