@@ -49,6 +49,15 @@
 //              finished nor left: the step's outputs are not written; the host raises)
 #include "persistent_common.cuh"
 
+#ifdef PRNN_EMULATION
+// The emulation's count of resident steps that found their recurrent half computed ahead and
+// used it ([0]) or recomputed it (the caller's h_{t-1} was not the layer's last h': [1]), for
+// tests (read through ctypes); the GPU build has no such count.
+extern "C" {
+unsigned long long prnn_emu_decoder_ahead[2];
+}
+#endif
+
 namespace prnn {
 
 constexpr unsigned kLive = 0u, kGone = 1u, kBusy = 2u;
@@ -264,31 +273,79 @@ PRNN_DEVICE void load_rows(RegisterTile& tile, const Team& team, const WeightWor
 
 // A layer's constant operands of a step: W_hh (its rows also in registers: RegisterTile), b_hh,
 // W_ih (G*H, input), whose rows a step of mode x reads from the CTA's shared w_s where w_ih_held
-// (a resident CTA of a plan that holds them) or else from global memory, and the sizes.
+// (a resident CTA of a plan that holds them) or else from global memory, the layer's own copy
+// of its last two steps' h (keep: [2][B][H], step t's h_t at (t & 1)) and the sizes.
 struct DecoderWeights {
   const WeightWord* w_hh;
   const float* b_hh;
   const float* w_ih;
   bool w_ih_held;
+  float* keep;
   int input;
   int hidden;
 };
 
+// The recurrent half of the slice's step, for the h staged in h_s (every thread; no trailing
+// barrier): the tile's product (multiply_rows, partial sums in part_s), then W_hh h + b_hh of
+// each row summed as the forward sums it (row_sum, then b_hh) into the row's chunk-0 slot of
+// part_s, in place (a row's slots are read and written by one thread). It depends only on
+// h_{t-1}, so a resident CTA computes it ahead, between steps (resident_step).
+PRNN_DEVICE void recurrent_sums(const RegisterTile& tile, const Team& team, const DecoderShared& sm,
+                                const DecoderWeights& wt, int slice, int batch) {
+  constexpr int G = ThisCell::G, R = G * kUnits;
+  const int j0 = slice * kUnits;
+  multiply_batch(tile, sm.h_s, sm.part_s, batch, R);
+#pragma unroll 1
+  for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
+    const int b = idx / team.units, u = team.unit0 + idx % team.units, j = j0 + u;
+    if (j >= wt.hidden) continue;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int row = team.row_of(g, u);
+      sm.part_s[b * kKsplit * R + row] = row_sum(sm.part_s, b, row, R) + wt.b_hh[g * wt.hidden + j];
+    }
+  }
+}
+
+// Whether h (B, H: the caller's h_{t-1}) as the exchange delivers it differs, in any bit, from
+// the h staged in h_s (every thread: waits for its copies - x's - and ends with a block barrier).
+PRNN_DEVICE bool differs_from_staged(const float* h_s, const float* h, int batch, int hidden) {
+  bool differs = false;
+#pragma unroll 4
+  for (int idx = threadIdx.x; idx < batch * hidden; idx += blockDim.x) {
+    const float v = prnn_exchange_value(prnn_load_cg(h + idx));
+    differs |= prnn_float_bits(v) != prnn_float_bits(h_s[idx / hidden * kPadded + idx % hidden]);
+  }
+  prnn_copy_wait();
+  return prnn_sync_block_or(differs);
+}
+
 // The units of slice `slice` (the resident kernel's CTA of that index: its rows in `tile`) of
-// one step (every thread; ends past a block barrier, the outputs written).
+// step `step` (every thread; ends past a block barrier, the outputs written, h_t also to the
+// layer's keep). `ahead`: h_s and part_s hold the recurrent half (recurrent_sums) for some
+// h_{t-1} - the layer's own last h' -, used where the caller's h_{t-1} is that one, bit for bit
+// (else, and without `ahead`, it is computed here from the caller's: the same sums either way).
 PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const DecoderShared& sm,
-                              const DecoderWeights& wt, const StepIo& io, int slice, int batch) {
+                              const DecoderWeights& wt, const StepIo& io, int slice, int batch,
+                              unsigned step, bool ahead) {
   constexpr int G = ThisCell::G, R = G * kUnits;
   const int j0 = slice * kUnits, hidden = wt.hidden;
   const bool project = io.x != nullptr;
   if (project) stage_input(sm.x_s, io.x, batch, wt.input);
-  stage_exchanged(sm.h_s, io.h_prev, batch, hidden);  // (ends with a block barrier: x_s too)
+  // (either way past a block barrier, x_s staged)
+  const bool fresh = !ahead || differs_from_staged(sm.h_s, io.h_prev, batch, hidden);
+#ifdef PRNN_EMULATION
+  if (ahead && threadIdx.x == 0) __atomic_add_fetch(&prnn_emu_decoder_ahead[fresh], 1, __ATOMIC_RELAXED);
+#endif
+  if (fresh) stage_exchanged(sm.h_s, io.h_prev, batch, hidden);
   if (project && wt.w_ih_held) {
     project_rows<true>(sm.w_s, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
   } else if (project) {
     project_rows<false>(wt.w_ih, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
   }
-  multiply_batch(tile, sm.h_s, sm.part_s, batch, R);  // (its barrier: gi_s too)
+  if (fresh) recurrent_sums(tile, team, sm, wt, slice, batch);
+  prnn_sync_block();  // gi_s and the sums
+  float* keep = wt.keep + (step & 1u) * (size_t)batch * hidden;
 #pragma unroll 1
   for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
     const int b = idx / team.units, u = team.unit0 + idx % team.units, j = j0 + u;
@@ -305,12 +362,12 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
         giv[g] = prnn_load_cg(io.gi + (size_t)b * G * hidden + g * hidden + j);
         if (io.b_ih != nullptr) giv[g] += io.b_ih[g * hidden + j];
       }
-      ghv[g] = row_sum(sm.part_s, b, team.row_of(g, u), R) + wt.b_hh[g * hidden + j];
+      ghv[g] = sm.part_s[b * kKsplit * R + team.row_of(g, u)];  // (recurrent_sums)
     }
     float h, c;
     cell_forward_masked<PRNN_CELL>(true, giv, ghv, prnn_load_cg(io.h_prev + at),
                                    kHasC ? prnn_load_cg(io.c_prev + at) : 0.0f, h, c, sv);
-    io.h_out[at] = round_state(h);
+    io.h_out[at] = keep[at] = round_state(h);
     if (kHasC) io.c_out[at] = c;
   }
   prnn_sync_block();
@@ -332,16 +389,62 @@ PRNN_DEVICE unsigned revive(unsigned* word, unsigned long long timeout_ns) {
   }
 }
 
-// Thread 0 of a resident CTA: whether step `step` is posted within timeout_ns (false: idle past
-// the deadline, or a later step posted - this CTA is stale).
-PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long long timeout_ns) {
-  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+// Thread 0 of a resident CTA: whether step `step` is posted by `deadline` (false: idle past
+// it, or a later step posted - this CTA is stale).
+PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long long deadline) {
   for (;;) {
     const unsigned posted = prnn_load_acquire(box);
     if (posted == step) return true;
     if (posted > step || prnn_globaltimer_ns() > deadline) return false;
     prnn_backoff();
   }
+}
+
+// A resident CTA between steps, `last` done (every thread): whether every slice of the layer has
+// done step `last` - its h_last whole in the layer's keep - before step last + 1 is posted (then
+// its recurrent half can be computed ahead) and by `deadline`. Each thread watches its own
+// slices (a slice's step only grows: taken over, it says `last` until done); no barrier inside
+// the wait (step_layer's reason).
+PRNN_DEVICE bool wait_for_layer(const unsigned* box, const unsigned* state, unsigned last,
+                                unsigned long long deadline) {
+  bool done = true;
+  for (int s = threadIdx.x; s < (int)gridDim.x; s += blockDim.x) {
+    for (;;) {
+      if ((prnn_load_acquire(state + s) >> 2) >= last) break;
+      if (prnn_load_acquire(box) != last || prnn_globaltimer_ns() > deadline) {
+        done = false;
+        break;
+      }
+      prnn_backoff();
+    }
+    if (!done) break;
+  }
+  return !prnn_sync_block_or(!done);
+}
+
+// A resident CTA's wait for step last + 1 (every thread), with the recurrent half computed ahead
+// where it can be: once every slice has done step `last` (wait_for_layer), the layer's own h_last
+// (keep) is staged and recurrent_sums computes on it while the post is awaited - in a decode loop
+// the caller's kernels run then - so that a step whose h_{t-1} is that h (decoder_step checks)
+// is left the projection and the pointwise math. Whether the step was posted (false: idle past
+// timeout_ns since the call, or stale), and in *ahead whether h_s and part_s hold the ahead part.
+PRNN_DEVICE bool await_step(const RegisterTile& tile, const Team& team, const DecoderShared& sm,
+                            const DecoderWeights& wt, const unsigned* box, const unsigned* state,
+                            unsigned last, int batch, unsigned long long timeout_ns, bool* ahead) {
+  const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+  *ahead = last > 0u && wait_for_layer(box, state, last, deadline);
+  if (*ahead) {
+    stage_exchanged(sm.h_s, wt.keep + (last & 1u) * (size_t)batch * wt.hidden, batch, wt.hidden);
+    recurrent_sums(tile, team, sm, wt, blockIdx.x, batch);
+  }
+  if (threadIdx.x == 0) {
+    sm.word_s[0] = wait_for_post(box, last + 1u, deadline);
+    if (sm.word_s[0]) {
+      for (int i = 0; i < kIoWords; ++i) sm.word_s[1 + i] = prnn_load_relaxed(box + 2 + i);
+    }
+  }
+  prnn_sync_block();  // (the ahead sums too)
+  return sm.word_s[0] != 0u;
 }
 
 constexpr int kBoxWords = 16;  // a layer's mailbox (decoder.BOX_WORDS)
@@ -406,7 +509,7 @@ PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, c
       const Team team = step_team<ThisCell::G>();
       RegisterTile tile;
       load_rows(tile, team, wt.w_hh, s, wt.hidden);
-      decoder_step(tile, team, sm, wt, io, s, batch);
+      decoder_step(tile, team, sm, wt, io, s, batch, step, false);
       if (threadIdx.x == 0) {
         prnn_fence();
         prnn_store_release(state + s, decoder_word(step, kGone));
@@ -424,12 +527,13 @@ PRNN_KERNEL void prnn_resident_decoder(
     const float* b_hh,             // (G*H,) zeros when the layer has no bias
     const float* w_ih,             // (G*H, input) (steps of mode x)
     unsigned* box, unsigned* state,  // the mailbox and the CTAs' state words (above)
+    float* keep,                     // [2][B][H]: the layer's last two h' (DecoderWeights)
     int batch, int input, int hidden,
     int w_ih_held,  // != 0: the CTA holds its rows of W_ih in shared memory (w_s; the plan's)
     unsigned long long timeout_ns, int stall_block, int stall_step, unsigned long long stall_ns) {
   using namespace prnn;
   const DecoderShared sm = decoder_shared(batch, input);
-  const DecoderWeights wt{w_hh, b_hh, w_ih, w_ih_held != 0, input, hidden};
+  const DecoderWeights wt{w_hh, b_hh, w_ih, w_ih_held != 0, keep, input, hidden};
   unsigned* mine = state + blockIdx.x;
   if (threadIdx.x == 0) sm.word_s[0] = revive(mine, timeout_ns);
   prnn_sync_block();
@@ -443,16 +547,11 @@ PRNN_KERNEL void prnn_resident_decoder(
   if (wt.w_ih_held) hold_w_ih(sm.w_s, w_ih, blockIdx.x, input, hidden);
   for (;;) {
     prnn_sync_block();  // every thread has read word_s of the step before
-    if (threadIdx.x == 0) {
-      sm.word_s[0] = wait_for_post(box, last + 1u, timeout_ns);
-      if (sm.word_s[0]) {
-        for (int i = 0; i < kIoWords; ++i) sm.word_s[1 + i] = prnn_load_relaxed(box + 2 + i);
-      }
-    }
-    prnn_sync_block();
-    if (!sm.word_s[0]) break;
+    bool ahead;
+    if (!await_step(tile, team, sm, wt, box, state, last, batch, timeout_ns, &ahead)) break;
     prnn_maybe_stall(stall, (int)last + 1);
-    decoder_step(tile, team, sm, wt, io_of_words(sm.word_s + 1, false), blockIdx.x, batch);
+    decoder_step(tile, team, sm, wt, io_of_words(sm.word_s + 1, false), blockIdx.x, batch,
+                 last + 1u, ahead);
     ++last;
     if (threadIdx.x == 0) {
       prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
@@ -471,7 +570,7 @@ PRNN_KERNEL void prnn_resident_decoder(
 // (layers, B, H). A layer whose wait failed ends the step: the layers above it are not posted.
 PRNN_KERNEL void prnn_decoder_step(
     const prnn::WeightWord* w_hh, const float* b_hh, const float* w_ih, unsigned* box,
-    unsigned* state, unsigned* fault,
+    unsigned* state, unsigned* fault, float* keep,
     const float* x_or_gi, int project,  // project != 0: x_t (B, input), else gi_t (B, G*H)
     const float* h_prev, const float* c_prev, float* h_out, float* c_out,
     const float* b_ih, int with_bias,  // with_bias 0: no b_ih (unread); layer 0 adds it to its
@@ -487,7 +586,7 @@ PRNN_KERNEL void prnn_decoder_step(
     const int in = n == 0 ? input : hidden;
     const size_t w_ih_at = n == 0 ? 0 : gh * input + (n - 1) * gh * hidden;
     const DecoderWeights wt{w_hh + n * gh * ((hidden + kPerWord - 1) / kPerWord), b_hh + n * gh,
-                            w_ih + w_ih_at, false, in, hidden};  // (W_ih's rows: global)
+                            w_ih + w_ih_at, false, keep + 2 * n * bh, in, hidden};  // (W_ih: global)
     const bool x_given = n > 0 || project != 0;
     const float* x = n == 0 ? x_or_gi : h_out + (n - 1) * bh;
     const StepIo io{x_given ? x : nullptr, x_given ? nullptr : x_or_gi, h_prev + n * bh,

@@ -194,8 +194,9 @@ class _Resident:
     def __init__(self, xp, module, dp: DecoderPlan, operands: tuple, batch: int, hidden: int):
         self.xp, self.dp, self.batch, self.hidden = xp, dp, batch, hidden
         self.module = module
-        # W_hh's words, b_hh, W_ih, the mailbox, the state words and the fault word
-        self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.fault = operands
+        # W_hh's words, b_hh, W_ih, the mailbox, the state words, the fault word and the
+        # layer's own copy of its last two steps' h' (the recurrent half computed ahead reads it)
+        self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.fault, self.keep = operands
         self.running: Any = None  # emulate.AsyncLaunch, or the CuPy stream of the launch
         self.launches = 0
         self.closed = False
@@ -223,7 +224,8 @@ class _Resident:
         residency."""
         stall = settings.current_stall()
         dp, timeout = self.dp, launch.timeout_ns(self.xp is np)
-        args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, np.int32(self.batch),
+        args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.keep,
+                np.int32(self.batch),
                 np.int32(dp.input_size), np.int32(self.hidden), np.int32(dp.w_ih_held),
                 np.uint64(timeout), *stall.args())
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
@@ -287,17 +289,19 @@ class _Layers:
         box = xp.zeros((layers, BOX_WORDS), np.uint32)
         state = xp.full((layers, dp.grid), GONE, np.uint32)
         fault = xp.zeros(layers, np.uint32)
+        keep = xp.zeros((layers, 2, batch, hidden), np.float32)  # each layer's last two h'
         at = np.cumsum([0] + [gh * q.input_size for q in plans])
         self.residents = [
             _Resident(xp, self.module, q, (w_hh[n], b_hh[n], w_ih[at[n]:at[n + 1]].reshape(gh, -1),
-                                           box[n], state[n], fault[n:n + 1]), batch, hidden)
+                                           box[n], state[n], fault[n:n + 1], keep[n]), batch,
+                      hidden)
             for n, q in enumerate(plans)]
         # The step kernel's arguments that no step changes, made once (a step then only joins
         # tuples): the words, b_ih and its flag (layer 0 adds it only to its own projection of
         # x), the block and shared memory (the widest layer's: its staged x), and the tail - the
         # sizes and the wait deadline (``_step_tail``: made again at each launch of a resident
         # kernel from the settings read then).
-        self._words = (w_hh, b_hh, w_ih, box, state, fault)
+        self._words = (w_hh, b_hh, w_ih, box, state, fault, keep)
         self._bias = (b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0))
         self._block = dp.block
         self._shared = max(q.shared_bytes for q in plans)

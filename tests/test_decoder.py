@@ -297,6 +297,64 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
     _equal(got, want)
 
 
+def _ahead_counts(dec) -> tuple[int, int]:
+    """The emulation's count of resident steps that used their recurrent half computed ahead,
+    and that recomputed it (resident_decoder.cu, prnn_emu_decoder_ahead): the module's, all
+    decoders on it together."""
+    import ctypes
+    counts = (ctypes.c_ulonglong * 2).in_dll(dec._layers.module._lib, "prnn_emu_decoder_ahead")
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("kind,placement", [("LSTMCell", "cluster"), ("LSTMCell", "grid"),
+                                            ("GRUCell", "cluster"), ("RNNCell", "cluster")])
+def test_the_recurrent_half_computed_ahead_gives_todays_bits(kind, placement, settings):
+    """Between steps each resident CTA computes W_hh h_{t-1} + b_hh from the layer's own last h'
+    (the post's h_{t-1} is compared with it, bit for bit, before use): the steps are bitwise the
+    step kernel's alone (every slice taken over: the whole step computed at once, as before),
+    whether the caller passes back the decoder's last output (the ahead sums used), that output
+    changed in place (the same address, other bits: recomputed), another array, or a new state."""
+    prnn.configure(**PLACEMENTS[placement])
+    cell = getattr(prnn, kind)(IN, H, seed=4)
+    lstm = kind == "LSTMCell"
+    xs = _inputs(seed=9, steps=6)
+    fresh = np.random.default_rng(10).standard_normal((B, H)).astype(np.float32)
+
+    def decode(dec):
+        out, state = [], None
+        for t, x in enumerate(xs):
+            h = None if state is None else state[0] if lstm else state
+            if t == 3:
+                h[0, 1] += 0.5  # in place: the ahead sums are for the old bits
+            elif t == 4:
+                state = (h.copy(), state[1]) if lstm else h.copy()  # the same bits, elsewhere
+            elif t == 5:
+                state = (fresh, state[1]) if lstm else fresh
+            time.sleep(0.02)  # (the caller's kernels: time for the ahead sums)
+            state = dec.step(x, state)
+            out.append(state)
+        return out
+
+    idle_ms = prnn.settings.current().emulation_timeout_ms
+    prnn.configure(emulation_timeout_ms=20)
+    with cell.decoder(batch=B) as dec:
+        dec.step(xs[0])
+        dec._residents[0].running.join(30)  # idle exit: the step kernel takes every slice
+        dec._layers.ensure = lambda: None
+        want = decode(dec)
+    prnn.configure(emulation_timeout_ms=idle_ms)
+    with cell.decoder(batch=B) as dec:
+        before = _ahead_counts(dec)
+        got = decode(dec)
+        used, recomputed = (a - b for a, b in zip(_ahead_counts(dec), before))
+        grid = dec._residents[0].dp.grid
+    for a, b in zip(got, want):
+        _equal(a if lstm else [a], b if lstm else [b])
+    # steps 1, 2 and 4 (the last output's bits) used the ahead sums in every CTA (at least
+    # those that were not late), steps 3 and 5 recomputed them in every CTA
+    assert used >= 2 * grid and recomputed == 2 * grid, (used, recomputed, grid)
+
+
 @pytest.mark.skipif(not EVERY_KERNEL, reason="a sabotaged build (~4 s): PRNN_TEST_EVERY_KERNEL=1")
 def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
     """The takeover check above fails on a sabotaged step kernel that counts a gone slice as done
