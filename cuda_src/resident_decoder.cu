@@ -21,7 +21,11 @@
 // (cell_forward_masked). A cluster tile is built as a grid (no PRNN_CLUSTER) with
 // PRNN_WORD_SPAN, so that its lanes take their columns word by word as the cluster kernel's
 // direct read does (the same sums). h_{t-1} comes from the caller each step (any state, not only
-// the last output), so the CTAs exchange nothing: each waits only for the post.
+// the last output). Its half of the step, W_hh h_{t-1} + b_hh (recurrent_sums), a resident CTA
+// computes ahead, between steps, from the layer's own last h' (keep: written by every step),
+// once every slice has done the step before (the CTAs read each other's state words, nothing
+// else); at the post it checks, bit for bit, that the caller's h_{t-1} is that h, and computes
+// the half in the step where it is not (await_step, decoder_step).
 //
 // gi_t comes one of two ways, the post's mode: which of StepIo's x and gi is non-null (the
 // step kernel's `project` flag picks which its pointer x_or_gi is):
@@ -115,7 +119,8 @@ constexpr int kControlWords = 16;  // word_s (decoder.CONTROL_WORDS)
 // does: these regions in floats, CONTROL_WORDS words after them, then the held rows of W_ih):
 //   h_s     [batch][kPadded]                  h_{t-1} staged
 //   x_s     [batch][padded_input(input)]      x_t staged (a step of mode x)
-//   part_s  [batch][kKsplit][G*kUnits]        the product's partial sums
+//   part_s  [batch][kKsplit][G*kUnits]        the product's partial sums (then each row's
+//                                             W_hh h + b_hh in its chunk-0 slot)
 //   gi_s    [batch][G*kUnits]                 the CTA's rows of gi_t (mode x)
 //   word_s  kControlWords words: thread 0's decisions and the posted pointers
 //   w_s     [G*kUnits][input]                 the resident CTA's rows of W_ih, where the plan
@@ -335,7 +340,9 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
   // (either way past a block barrier, x_s staged)
   const bool fresh = !ahead || differs_from_staged(sm.h_s, io.h_prev, batch, hidden);
 #ifdef PRNN_EMULATION
-  if (ahead && threadIdx.x == 0) __atomic_add_fetch(&prnn_emu_decoder_ahead[fresh], 1, __ATOMIC_RELAXED);
+  if (ahead && threadIdx.x == 0) {
+    __atomic_add_fetch(&prnn_emu_decoder_ahead[fresh], 1, __ATOMIC_RELAXED);
+  }
 #endif
   if (fresh) stage_exchanged(sm.h_s, io.h_prev, batch, hidden);
   if (project && wt.w_ih_held) {
@@ -566,8 +573,9 @@ PRNN_KERNEL void prnn_resident_decoder(
 // turn (step_layer), layer n > 0 projecting the h' that layer n - 1 wrote. Every operand is the
 // layers' stacked: W_hh (layers, G*H, H words), b_hh (layers, G*H), W_ih (G*H, input) then
 // (layers - 1, G*H, H), b_ih (layers, G*H) or unread, the mailboxes (layers, kBoxWords), the
-// state words (layers, slices), the fault words (layers), h_{t-1}, c_{t-1}, h_t, c_t
-// (layers, B, H). A layer whose wait failed ends the step: the layers above it are not posted.
+// state words (layers, slices), the fault words (layers), keep (layers, 2, B, H), h_{t-1},
+// c_{t-1}, h_t, c_t (layers, B, H). A layer whose wait failed ends the step: the layers above
+// it are not posted.
 PRNN_KERNEL void prnn_decoder_step(
     const prnn::WeightWord* w_hh, const float* b_hh, const float* w_ih, unsigned* box,
     unsigned* state, unsigned* fault, float* keep,
@@ -586,7 +594,8 @@ PRNN_KERNEL void prnn_decoder_step(
     const int in = n == 0 ? input : hidden;
     const size_t w_ih_at = n == 0 ? 0 : gh * input + (n - 1) * gh * hidden;
     const DecoderWeights wt{w_hh + n * gh * ((hidden + kPerWord - 1) / kPerWord), b_hh + n * gh,
-                            w_ih + w_ih_at, false, keep + 2 * n * bh, in, hidden};  // (W_ih: global)
+                            w_ih + w_ih_at, false,  // (W_ih's rows: global)
+                            keep + 2 * n * bh, in, hidden};
     const bool x_given = n > 0 || project != 0;
     const float* x = n == 0 ? x_or_gi : h_out + (n - 1) * bh;
     const StepIo io{x_given ? x : nullptr, x_given ? nullptr : x_or_gi, h_prev + n * bh,

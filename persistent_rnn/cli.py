@@ -241,8 +241,15 @@ def _print_decoder(d: dict) -> None:
     stack = f" ({d['layers']} layers, one launch a step)" if d.get("layers", 1) > 1 else ""
     print(f"resident decoder{stack}: {d['ctas']} CTAs held; predicted per step {d['captured_us']:.2f} µs "
           f"captured in a CUDA graph (projection {d['projection_us']:.2f}, hand-offs "
-          f"{d['handoff_us']:.2f}, resident step {d['resident_step_us']:.2f}), "
+          f"{d['handoff_us']:.2f}, resident step after the post {d['resident_step_us']:.2f}), "
           f"{d['eager_us']:.2f} µs eager; step_projected {d['projected_us']:.2f} µs captured")
+    left = d["ahead_left_us"]
+    when = ("the graph's gap hides it back to back" if left == 0 else
+            f"{left:.2f} µs of it left back to back; {d['captured_between_us']:.2f} µs a step with "
+            f"the caller's kernels between steps (assumed to take >= {d['ahead_us']:.2f} µs)")
+    print(f"  recurrent half (W_hh h + b_hh, {d['ahead_us']:.2f} µs) computed between steps from "
+          f"the decoder's last h': {when}; a state other than the last output recomputes it "
+          "inside the step")
     if "w_ih" in d:
         print(f"  projection: {d['w_ih']}")
 

@@ -14,7 +14,10 @@ computed it. Each CTA computes its own rows of the input projection ``x W_ih^T +
 the step (its rows of W_ih held in its shared memory from its launch on where they fit a block,
 ``DecoderPlan.w_ih_held``, else read from L2 each step; x staged in shared memory; fp32 sums in
 one fixed order either way), so the step needs no matrix product of its own; a further layer's
-x is the h' the layer below wrote earlier in the same launch. Those sums are not the whole-sequence
+x is the h' the layer below wrote earlier in the same launch. Each resident CTA computes its
+recurrent half (W_hh h_{t-1} + b_hh) ahead, between steps, from the layer's own last h' (a
+``keep`` buffer every step writes), and uses it when the caller's h_{t-1} is bitwise that h
+(else computes it in the step: the same sums either way). Those sums are not the whole-sequence
 path's GEMM's: ``step(x)`` matches the float64 reference and torch.nn to float32 round-off, not
 the sequence kernel's bits. ``step_projected(gi)`` takes the caller's projection (b_ih
 included) and is bitwise the sequence kernel's step on the same gi.

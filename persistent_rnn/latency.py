@@ -306,16 +306,18 @@ def _cycle_us(device: DeviceProfile) -> float:
     return 1.0 / device.clock_mhz
 
 
-def issue_us(step: StepLoop, device: DeviceProfile) -> float:
+def issue_us(step: StepLoop, device: DeviceProfile, only: str | None = None) -> float:
     """The ``issue`` term: the busiest scheduler's instructions outside the matrix loop (warp w
     issues on scheduler w % 4, and runs an instruction for as many of its warps as execute it: a
-    per-thread loop runs in the first warps only, ``loop_warps``)."""
+    per-thread loop runs in the first warps only, ``loop_warps``); ``only``: those of the inner
+    loops of that kind alone (the decoder's model: its pointwise loop)."""
     loop, shape = step.loop, step.shape
     active = {h: loop_warps(k, shape, step.counter) for h, k in step.kinds.items()}
     share = {i: math.ceil(min([shape.warps] + [active[h] for h, b in loop.inner.items() if i in b])
                           / hw.SCHEDULERS_PER_SM) for i in loop.body}
     in_matrix = step.inside("matrix") | step.inside("mma")
-    return (sum(step.weight[i] * share[i] for i in loop.body if i not in in_matrix)
+    counted = loop.body if only is None else step.inside(only)
+    return (sum(step.weight[i] * share[i] for i in counted if i not in in_matrix)
             / hw.ISSUE_PER_CYCLE * _cycle_us(device))
 
 
@@ -850,18 +852,29 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     fused step kernel (``cell_step.fused_step``) - the latency model's predictions, not
     measurements. A decoder step in a captured loop is one launch: the gap before the step
     kernel (``GRAPH_GAP_US``), three dependent L2 round trips (the post seen by the resident
-    CTAs, h_{t-1} and x staged, the done words seen by the step kernel), the projection inside
-    each CTA (``decoder_projection_us``: its G*units rows of W_ih from shared memory where the
-    plan holds them there, ``w_ih_held``, else from L2) and the resident step: the layer
-    forward's step (its tile, as the decoder runs it) from its SASS without its exchange (issue,
-    matrix, barriers, pointwise). A stack of ``layers`` is still one launch a step: the step
-    kernel posts each layer after the one below has finished, so every layer adds its hand-offs,
-    projection (layer n > 0 projects the h' below it: input size ``hidden``) and resident step
-    to the one gap. Eagerly the host issues one API call a step (``API_CALL_HOST_US``) and a
-    step takes the longer of host and GPU. ``projected_us``: a captured ``step_projected`` (the
-    caller gives layer 0's x W_ih^T + b_ih, e.g. from a per-token table: no projection there).
-    The fused step (one layer): a gap, W_ih and W_hh read from L2 at ``L2_BANDWIDTH_GBPS``, two
-    L2 round trips."""
+    CTAs, x staged beside the caller's h_{t-1} compared with the CTA's own, the done words seen
+    by the step kernel), the projection inside each CTA (``decoder_projection_us``: its G*units
+    rows of W_ih from shared memory where the plan holds them there, ``w_ih_held``, else from
+    L2) and what is left of the resident step after the post (``resident_step_us``): the layer
+    forward's step (its tile, as the decoder runs it) from its SASS without its exchange -
+    its pointwise loop (issue and dependent chain) and its barriers. The rest of that step (the
+    product, the row sums, staging h: ``ahead_us``, with one more barrier) is the recurrent half,
+    which each resident CTA computes between steps from the layer's own last h' (the caller's
+    h_{t-1} when it passes back the last output); it starts when the step kernel does (both see
+    the done words one round trip after the last one, and its staging round trip matches the
+    post's), so it delays a step only by what the gap between steps leaves of it:
+    ``captured_us`` back to back (a gap of ``GRAPH_GAP_US``), ``captured_between_us`` with the
+    caller's kernels between steps (an embedding, a joint, an argmax: assumed to take at least
+    ``ahead_us`` - the gap alone, not: the graph's gaps between them as well - so none is
+    left). A stack of ``layers`` is still one launch a step: the step kernel posts each layer
+    after the one below has finished, so every layer adds its hand-offs, projection (layer n > 0
+    projects the h' below it: input size ``hidden``) and resident step to the one gap; a
+    further layer's recurrent half has that layer's wait too, so only layer 0's can be left
+    over. Eagerly the host issues one API call a step (``API_CALL_HOST_US``: far longer than
+    the recurrent half) and a step takes the longer of host and GPU. ``projected_us``: a
+    captured ``step_projected`` back to back (the caller gives layer 0's x W_ih^T + b_ih, e.g.
+    from a per-token table: no projection there). The fused step (one layer): a gap, W_ih and
+    W_hh read from L2 at ``L2_BANDWIDTH_GBPS``, two L2 round trips."""
     from . import decoder
     spec = planner.resolve_cell(cell)
     dev = planner.resolve_device(device)
@@ -881,15 +894,23 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     if why is not None:
         return record
     p = planner.make_plan(spec, hidden, batch, "float32", dev).forward  # the decoder's tile
-    t = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev)
+    shape = PassShape(spec, p, batch, hidden)
+    sass = pass_sass(p, dev.arch)
+    t = step_terms(sass, shape, dev)
     compute = t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us
+    after_post = (issue_us(step_loop(sass, shape), dev, only="pointwise") + t.pointwise_us
+                  + t.barrier_us)
+    ahead = compute - after_post + hw.BLOCK_BARRIER * _cycle_us(dev)
+    left_over = max(0.0, ahead - hw.GRAPH_GAP_US)  # (back to back; layer 0's only)
     projections = [decoder_projection_us(q.w_ih_rows, q.input_size, batch, q.w_ih_held, dev)
                    for q in plans]
-    projected = hw.GRAPH_GAP_US + layers * (3 * round_trip + compute) + sum(projections[1:])
-    captured = projected + projections[0]
-    record.update(ctas=sum(q.grid for q in plans), resident_step_us=layers * compute,
-                  handoff_us=layers * 3 * round_trip, projection_us=sum(projections),
-                  w_ih_held=plans[0].w_ih_held, w_ih=plans[0].w_ih_note(), captured_us=captured,
-                  eager_us=max(captured, hw.API_CALL_HOST_US), projected_us=projected,
-                  launches_per_step=1)
+    between = hw.GRAPH_GAP_US + layers * (3 * round_trip + after_post) + sum(projections[1:])
+    captured_between = between + projections[0]
+    record.update(ctas=sum(q.grid for q in plans), resident_step_us=layers * after_post,
+                  ahead_us=ahead, ahead_left_us=left_over, handoff_us=layers * 3 * round_trip,
+                  projection_us=sum(projections), w_ih_held=plans[0].w_ih_held,
+                  w_ih=plans[0].w_ih_note(), captured_us=captured_between + left_over,
+                  captured_between_us=captured_between,
+                  eager_us=max(captured_between, hw.API_CALL_HOST_US),
+                  projected_us=between + left_over, launches_per_step=1)
     return record

@@ -620,7 +620,7 @@ def test_the_held_rows_of_w_ih_are_read_from_shared_memory():
 
 @pytest.mark.skipif(not EVERY_KERNEL, reason="reads SASS (NVRTC and nvdisasm, ~5 s): "
                     "PRNN_TEST_EVERY_KERNEL=1")
-def test_prnn_plan_predicts_a_decoder_step(capsys):
+def test_prnn_plan_predicts_a_decoder_step(capsys, monkeypatch):
     """The latency model's decoder terms add up (predictions; the SASS of LSTM H=640 B=1's grid
     forward), and the CLI prints them."""
     from persistent_rnn import latency
@@ -633,6 +633,23 @@ def test_prnn_plan_predicts_a_decoder_step(capsys):
     assert d["projected_us"] == pytest.approx(gap + d["handoff_us"] + d["resident_step_us"])
     assert d["captured_us"] == pytest.approx(d["projection_us"] + d["projected_us"])
     assert 0 < d["resident_step_us"] < d["projected_us"] < d["captured_us"]
+    # the recurrent half, computed between steps: the forward step's terms but its pointwise
+    # loop and barriers, and one barrier of its own; the graph's gap hides it back to back
+    p = prnn.plan.make_plan(CELLS["lstm"], 640, 1, "float32", hardware.PROFILES["h100"]).forward
+    shape = latency.PassShape(CELLS["lstm"], p, 1, 640)
+    t = latency.step_terms(latency.pass_sass(p, "sm_90"), shape, hardware.PROFILES["h100"])
+    barrier = hardware.BLOCK_BARRIER / hardware.PROFILES["h100"].clock_mhz
+    assert d["ahead_us"] + d["resident_step_us"] == pytest.approx(
+        t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us + barrier)
+    assert t.pointwise_us + t.barrier_us < d["resident_step_us"] < d["ahead_us"] < gap
+    assert d["ahead_left_us"] == 0 and d["captured_between_us"] == d["captured_us"] < 2.0
+    monkeypatch.setattr(hardware, "GRAPH_GAP_US", 0.1)  # back to back, less than it is left
+    short = latency.predict_decoder_step("LSTM", 640, 1, device="h100")
+    assert short["ahead_left_us"] == pytest.approx(d["ahead_us"] - 0.1)
+    assert short["captured_us"] == pytest.approx(short["captured_between_us"]
+                                                 + short["ahead_left_us"])
+    assert short["captured_between_us"] == pytest.approx(d["captured_us"] - gap + 0.1)
+    monkeypatch.undo()
     # the projection from W_ih's rows held in shared memory: one wavefront a cycle - the CTA's
     # 32 rows x 20 column steps, and x's row once for each warp's 4 rows (8 warps) - after a
     # shared-memory latency and the sums' butterflies; two passes at B=5, of 4 batch rows each
@@ -661,6 +678,7 @@ def test_prnn_plan_predicts_a_decoder_step(capsys):
     out = capsys.readouterr().out
     assert "resident decoder: 80 CTAs held; predicted per step" in out and "fused step" in out
     assert "projection: W_ih held in shared memory (32 rows x 640 columns" in out
+    assert "computed between steps from the decoder's last h': the graph's gap hides it" in out
 
 
 def test_prnn_plan_prints_the_decoder_prediction(capsys):
@@ -668,7 +686,8 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     from persistent_rnn import cli
     record = {"input_size": 640, "fused_step_us": 3.3, "resident": True, "ctas": 80,
               "captured_us": 4.1, "projection_us": 2.3, "handoff_us": 0.6, "resident_step_us": 0.7,
-              "eager_us": 4.1, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why"}
+              "eager_us": 4.1, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why",
+              "ahead_us": 0.9, "ahead_left_us": 0.4, "captured_between_us": 3.7}
     cli._print_decoder(record)
     cli._print_decoder({**record, "resident": False, "reason": "its kernel takes the whole GPU"})
     out = capsys.readouterr().out
@@ -676,6 +695,9 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     assert "projection 2.30" in out
     assert "step_projected 1.80 µs" in out and "fused step kernel: predicted 3.30 µs" in out
     assert "resident decoder: no (its kernel takes the whole GPU)" in out
+    assert ("recurrent half (W_hh h + b_hh, 0.90 µs) computed between steps from the decoder's "
+            "last h': 0.40 µs of it left back to back; 3.70 µs a step with the caller's kernels "
+            "between steps (assumed to take >= 0.90 µs)") in out
     assert "  projection: W_ih read from L2 each step: why" in out
 
 
