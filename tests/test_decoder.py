@@ -3,11 +3,12 @@ emulation: ``step(x)`` (each CTA projects its own rows of x W_ih^T) against the 
 reference and the layer's persistent kernel (T=1 calls) to float32 round-off, ``step_projected``
 (the caller's projection) bitwise equal to the whole-sequence kernel on the same projected
 inputs (the cluster tile and the grid tile); every step bitwise the same run to run and across
-idle exits, takeovers by the step kernel and stalls inside steps; its lifetimes (close, garbage
-collection, an exception in the loop, two decoders on one module, decoders on two threads, a
-reset of the context)
-leave no emulated kernel running; bad input gets errors naming the argument; a step is one
-launch and no host synchronisation; the big-layer rule and the shared-memory limit.
+idle exits, takeovers by the step kernel and stalls inside steps; the recurrent half computed
+ahead between steps bitwise the step computed whole (every cell, a stack, whatever state the
+caller passes); its lifetimes (close, garbage collection, an exception in the loop, two
+decoders on one module, decoders on two threads, a reset of the context) leave no emulated
+kernel running; bad input gets errors naming the argument; a step is one launch and no host
+synchronisation; the big-layer rule and the shared-memory limit.
 
 Cheap on purpose (CI): LSTM (and GRU for the launch count) at H=24, B=2, a few steps; the
 latency model's decoder prediction (SASS), the sabotaged step kernel and the race detector's
