@@ -355,30 +355,34 @@ class PreparedPass:
 
     def run(self, arrays: dict[str, Array | None] | None = None) -> RunStats:
         """Enqueue the pass with this call's ``arrays`` (by role; ``None``: the first call's,
-        which the arguments hold); its stats."""
-        args, complete_args = self.args, self.complete_args
+        which the arguments hold); its stats. The launches' arguments are substituted only
+        where the chain is issued launch by launch (a replayed chain graph needs its key only)."""
         if arrays is None:
             arrays = self._arrays
-        else:
-            roles, complete_roles = self._role_lists()
-            args, complete_args = dict(args), dict(complete_args)
-            for name, role in roles:
-                args[name] = arrays[role]
-            for name, role in complete_roles:
-                complete_args[name] = arrays[role]
         chain, engine = self.chain, self.chain.engine
 
         def go(start, stall: settings.Stall) -> None:
-            launch.launch_pass(engine, chain.control, dict(args, start=start), stall)
+            launch.launch_pass(engine, chain.control,
+                               dict(self._arguments(0, arrays), start=start), stall)
 
         launch.run_chain(chain, go, self.first, self.end, settings.current_stall(),
                          chain.exchanges,
-                         lambda: chain.complete(self.complete, **complete_args),
+                         lambda: chain.complete(self.complete, **self._arguments(1, arrays)),
                          lambda: self._key(arrays))
         stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1,
                          details=[self._detail])
         launch.record_of(chain, self.end, stats)
         return stats
+
+    def _arguments(self, which: int, arrays: dict[str, Array | None]) -> dict:
+        """The pass's (``which`` 0) or the completion's (1) arguments with ``arrays``."""
+        given = (self.args, self.complete_args)[which]
+        if arrays is self._arrays:
+            return given
+        given = dict(given)
+        for name, role in self._role_lists()[which]:
+            given[name] = arrays[role]
+        return given
 
     def _role_lists(self) -> tuple:
         """The (argument, role) pairs of ``args`` and of ``complete_args`` that hold one of the
