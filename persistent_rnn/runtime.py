@@ -360,10 +360,12 @@ class PreparedPass:
         if arrays is None:
             arrays = self._arrays
         chain, engine = self.chain, self.chain.engine
+        made: list[dict] = []  # the pass's arguments, made by its first launch
 
         def go(start, stall: settings.Stall) -> None:
-            launch.launch_pass(engine, chain.control,
-                               dict(self._arguments(0, arrays), start=start), stall)
+            if not made:
+                made.append(self._arguments(0, arrays))
+            launch.launch_pass(engine, chain.control, dict(made[0], start=start), stall)
 
         launch.run_chain(chain, go, self.first, self.end, settings.current_stall(),
                          chain.exchanges,
