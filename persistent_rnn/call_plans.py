@@ -17,7 +17,9 @@ persistent engine ran (on the GPU, or its emulation); forward and backward. Neve
 stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs
-the GEMM path and says why).
+the GEMM path and says why). A layer keeps one plan, the last planned signature's (planned when
+two calls in a row that ran the whole way had it), and the plan keeps its scratch (workspaces,
+chain) while it lives, also past ``buffers.MAX_REUSED``'s bound.
 """
 from __future__ import annotations
 
@@ -143,8 +145,8 @@ class Plan:
         the later ones (where its persistent engine ran)."""
         if ctx.backward_stats is None or ctx.backward_stats.algo != "persistent":
             return
-        d, xp = ctx.directions[0][0], self.xp
-        steps, batch, hidden = dy.shape
+        d = ctx.directions[0][0]
+        _, batch, hidden = dy.shape
         engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True)
         if engine is None:
             return
