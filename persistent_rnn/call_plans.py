@@ -63,7 +63,7 @@ class Plan:
 
     def __init__(self, ctx: functional.Context, x: Array):
         d = ctx.directions[0][0]
-        self.cell, self.params, self.algo = ctx.cell, ctx.params, ctx.algo
+        self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
         self.where, self.settings = _where(xp), settings.current()
@@ -105,8 +105,10 @@ class Plan:
                 return False
         return True
 
-    def forward(self, x: Array) -> tuple[Array, Array | tuple, functional.Context]:
-        """``functional.forward(cell, params, x, algo=...)`` of a matching call (``matches``)."""
+    def forward(self, x: Array,
+                params: Mapping[str, Array]) -> tuple[Array, Array | tuple, functional.Context]:
+        """``functional.forward(cell, params, x, algo=...)`` of a matching call (``matches``:
+        ``params`` holds the planned weights)."""
         xp, cell = self.xp, self.cell
         gi = matmul_steps(x, self.w_ih_t, self.gi)
         if self.b_ih is not None:
@@ -114,7 +116,7 @@ class Plan:
         y, cs, saved = buffers.allocate_forward(cell, gi)
         fwd = runtime.ForwardResult(y, cs, saved)
         stats = self.forward_pass.run({"y": y, "cs": cs, "saved": saved, "hs": None})
-        ctx = functional.Context(cell, self.params, 1, False, False, self.algo, None, None, None,
+        ctx = functional.Context(cell, params, 1, False, False, self.algo, None, None, None,
                                  [x], [[functional._Direction(self.names, self.h0, self.c0, fwd)]],
                                  stats)
         ctx.plan = self
@@ -126,7 +128,7 @@ class Plan:
         of the output's shape and dtype (``layers`` checks), no ``dhn``."""
         xp, cell, d = self.xp, self.cell, ctx.directions[0][0]
         prepared = self.backward_pass
-        if prepared is None or not self._backward_current():
+        if prepared is None or not self._backward_current(ctx):
             result = functional.backward(ctx, dy)
             if prepared is None:
                 self.plan_backward(ctx, dy)
@@ -155,9 +157,9 @@ class Plan:
                                                       d.c0, None, d.fwd, None, None, 0, dgi, dgh)
         self.backward_engine = engine
 
-    def _backward_current(self) -> bool:
+    def _backward_current(self, ctx: functional.Context) -> bool:
         """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""
         return (settings.current() is self.settings and buffers.generation() == self.generation
-                and _where(self.xp) == self.where and self._same_weights(self.params)
+                and _where(self.xp) == self.where and self._same_weights(ctx.params)
                 and launch.COOLDOWNS.reason(self.backward_engine.key) is None)
 

@@ -130,7 +130,7 @@ class _Recurrent:
         if (plan is not None and hx is None and lengths is None and not self.batch_first
                 and plan.matches(x, self.params, self.algo)):  # (identity checks: call_plans)
             self._ctx = None
-            y, hn, ctx = plan.forward(x)
+            y, hn, ctx = plan.forward(x, self.params)
             self._ctx, self._y_shape, self.last_run = ctx, y.shape, ctx.stats
             return y, hn
         if x is None:

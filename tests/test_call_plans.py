@@ -48,9 +48,9 @@ class _Hits:
         self.forwards = self.backwards = 0
         forward, backward_call = call_plans.Plan.forward, runtime.backward_call
 
-        def counted_forward(plan, x):
+        def counted_forward(plan, x, params):
             self.forwards += 1
-            return forward(plan, x)
+            return forward(plan, x, params)
 
         def counted_backward(prepared, *a, **kw):
             self.backwards += len(a) > 4 and a[4] is not None  # (a later call: arrays given)
