@@ -127,10 +127,10 @@ class _Recurrent:
         Returns ``(y, hn)``: y (T, B, D * H), or D * P (batch-first likewise), hn like ``hx``.
         """
         plan = self._plan
-        if (plan is not None and hx is None and lengths is None and not self.batch_first
-                and plan.matches(x, self.params, self.algo)):  # (identity checks: call_plans)
+        if (plan is not None and lengths is None and not self.batch_first
+                and plan.matches(x, hx, self.params, self.algo)):  # (identity checks: call_plans)
             self._ctx = None
-            y, hn, ctx = plan.forward(x, self.params)
+            y, hn, ctx = plan.forward(x, hx, self.params)
             self._ctx, self._y_shape, self.last_run = ctx, y.shape, ctx.stats
             return y, hn
         if x is None:

@@ -103,9 +103,12 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     return result, prepared.run()
 
 
-def forward_arrays(result: ForwardResult) -> dict[str, Array | None]:
-    """The arrays of a forward's results by role (``PreparedPass.run``'s ``arrays``)."""
-    return {"y": result.y, "cs": result.cs, "saved": result.saved, "hs": result.hs}
+def forward_arrays(result: ForwardResult, h0: Array,
+                   c0: Array | None) -> dict[str, Array | None]:
+    """The arrays a forward call supplies anew by role (``PreparedPass.run``'s ``arrays``): its
+    results and its initial states (contiguous float32: as the kernels read them)."""
+    return {"y": result.y, "cs": result.cs, "saved": result.saved, "hs": result.hs, "h0": h0,
+            "c0": c0}
 
 
 def prepare_forward(cell: CellSpec, engine: _Engine, gi: Array, w_hh: Array, b_hh: Array | None,
@@ -139,7 +142,7 @@ def prepare_forward(cell: CellSpec, engine: _Engine, gi: Array, w_hh: Array, b_h
     complete.update(w_hr=args.get("w_hr", bias), hs=args.get("hs", y), w_ih=bias, b_ih=bias,
                     chained=0, proj=proj_size)
     return PreparedPass(chain, args, 0, steps, "prnn_complete_forward", complete,
-                        forward_arrays(result))
+                        forward_arrays(result, args["h0"], args["c0"]))
 
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
@@ -177,10 +180,12 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     return backward_call(prepared, w_hh, dhn, dcn, out)
 
 
-def backward_arrays(dy: Array, fwd: ForwardResult) -> dict[str, Array | None]:
+def backward_arrays(dy: Array, fwd: ForwardResult, h0: Array,
+                    c0: Array | None) -> dict[str, Array | None]:
     """The arrays a backward call supplies anew by role (``PreparedPass.run``'s ``arrays``):
-    the output gradient (contiguous float32) and the forward's results."""
-    return {"dy": dy, "y": fwd.y, "cs": fwd.cs, "saved": fwd.saved, "hs": fwd.hs}
+    the output gradient, the forward's results and its initial states (contiguous float32)."""
+    return {"dy": dy, "y": fwd.y, "cs": fwd.cs, "saved": fwd.saved, "hs": fwd.hs, "h0": h0,
+            "c0": c0}
 
 
 def prepare_backward(cell: CellSpec, engine: _Engine, dy: Array, w_hh: Array, h0: Array,
@@ -223,7 +228,8 @@ def prepare_backward(cell: CellSpec, engine: _Engine, dy: Array, w_hh: Array, h0
         complete, kernel = dict(args), "prnn_complete_projection_backward"
     for name in ("exchange", "exchange_r", "exchange_g"):
         complete.pop(name, None)
-    prepared = PreparedPass(chain, args, steps - 1, -1, kernel, complete, backward_arrays(dy, fwd))
+    prepared = PreparedPass(chain, args, steps - 1, -1, kernel, complete,
+                            backward_arrays(dy, fwd, args.get("h0"), args["c0"]))
     prepared.backward = _BackwardScratch(cell, xp, dgi, dgh, dh_carry, dc_carry, drs, half, slot,
                                          w_hr)
     return prepared

@@ -48,9 +48,9 @@ class _Hits:
         self.forwards = self.backwards = 0
         forward, backward_call = call_plans.Plan.forward, runtime.backward_call
 
-        def counted_forward(plan, x, params):
+        def counted_forward(plan, x, hx, params):
             self.forwards += 1
-            return forward(plan, x, params)
+            return forward(plan, x, hx, params)
 
         def counted_backward(prepared, *a, **kw):
             self.backwards += len(a) > 4 and a[4] is not None  # (a later call: arrays given)
@@ -72,6 +72,43 @@ def test_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch
             np.testing.assert_array_equal(a, b)
         assert planned.last_run.algo == "persistent"
     assert (hits.forwards, hits.backwards) == (2, 1)
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_planned_calls_with_initial_states(settings, grid_path, monkeypatch, cell):
+    """Calls giving initial states are planned too (as given: an array, an LSTM's tuple), bitwise
+    the full path's; a list pair, a state of another shape or dtype, none: the full path."""
+    hits = _Hits(monkeypatch)
+    planned, full = _layer(cell), _layer(cell)
+    rng = np.random.default_rng(5)
+
+    def state():
+        h = rng.standard_normal((1, 2, H)).astype(np.float32)
+        return h if cell == "GRU" else (h, rng.standard_normal((1, 2, H)).astype(np.float32))
+
+    for seed in range(4):
+        x, dy = _data(seed)
+        hx = state()
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (2, 1)
+    x, _ = _data(0)
+    if cell == "LSTM":
+        planned.forward(x, list(state()))
+        with pytest.raises(TypeError, match=r"hx\[1\] must have dtype float32"):
+            planned.forward(x, (state()[0], state()[1].astype(np.float64)))
+    else:
+        with pytest.raises(ValueError, match="hx must have shape"):
+            planned.forward(x, state()[:, :1])
+    planned.forward(x)
+    assert hits.forwards == 2
 
 
 def test_bad_input_after_planning_gets_the_full_checks(settings):
@@ -205,9 +242,10 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
         layer.forward(x)
         kept.append(layer._ctx)
     (static, *_), planned = keys[2], keys[3]  # (calls 3 and 4 planned)
-    assert planned[0] is static and keys[2][1] != planned[1]
-    assert len(planned[1]) == 2  # y and saved: the arrays of this call
+    assert planned[0] is static and static[1] == ("h0", "saved", "y")
+    assert planned[1][0] == keys[2][1][0]  # h0: the shared zeros
+    assert planned[1][1:] != keys[2][1][1:]  # saved and y: the arrays of this call
     prepared = layer._plan.forward_pass
     per_call = {name for name, _ in prepared._role_lists()[0]}
-    assert per_call == {"y", "saved", "cs"}  # (a GRU's cs argument is y)
+    assert per_call == {"y", "saved", "cs", "h0", "c0"}  # (a GRU's cs is y, its c0 h0)
     assert {n for n, _ in static[2]} | per_call == set(prepared.args)
