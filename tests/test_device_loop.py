@@ -136,7 +136,7 @@ def test_per_call_predictions_hold_issue_26s_end_to_end_targets():
     chain one graph launch, 7 API calls per GRU forward and 14 per backward call (LSTM 8 / 16;
     17 / 24 launch by launch, 9 / 17 before 2026-11-27); the forward's part meets issue 26's host
     target (30 µs), the backward's does not (50 µs); with the planned call's Python
-    (``call_plans``, 22 / 50 µs) the host term is 49 / 103 µs (its targets: 30 / 50)."""
+    (``call_plans``, 22 / 47 µs) the host term is 48 / 100 µs (its targets: 30 / 50)."""
     from persistent_rnn import hardware as hw, latency, plan
     h100 = plan.resolve_device("h100")
     # End to end per step: issue 26 asked 1.0 (GRU) and 2.6 / 8.5 (LSTM); the model calibrated on
