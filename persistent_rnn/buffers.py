@@ -163,11 +163,23 @@ def reused(xp, key: tuple, make: Callable[[], T]) -> T:
 
 def release_workspaces() -> int:
     """Let go of every kept scratch array and chain (``reused``; calls under way keep theirs),
-    e.g. after a run of long sequences; later calls make new ones. Returns how many were kept."""
+    e.g. after a run of long sequences; later calls make new ones (the layers' call plans,
+    which hold theirs, are planned anew: ``generation``). Returns how many were kept."""
+    global _GENERATION
     with _REUSED_LOCK:
         n = len(_REUSED)
         _REUSED.clear()
+        _GENERATION += 1
     return n
+
+
+_GENERATION = 0
+
+
+def generation() -> int:
+    """How many times ``release_workspaces`` ran: what holds scratch beyond a call
+    (``call_plans``) holds it only within one generation."""
+    return _GENERATION
 
 
 def workspace(xp, name: str, shape: tuple[int, ...], dtype) -> Array:

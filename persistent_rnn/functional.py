@@ -101,6 +101,7 @@ class Context:
     stats: RunStats = field(default_factory=RunStats)               # of the forward
     backward_stats: RunStats | None = None                          # of the last backward
     scratch_results: bool = False  # results in reused workspaces (see ``forward``)
+    plan: Any = None               # the ``call_plans.Plan`` that ran the forward, if one did
 
 
 def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,

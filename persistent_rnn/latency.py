@@ -505,13 +505,14 @@ def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) ->
 
 
 # API calls of one layer-direction call beside its chain (persistent_rnn/launch.py), read from
-# the code path (functional, runtime): forward - the input GEMM, its bias add, the lengths fill,
-# the exchange's zero fill, the output's concatenation, h_n's stack (LSTM: c_n's too); backward -
-# the carries' zero fills (LSTM: two), W_hh^T's copy, the lengths fill, the exchange's zero fill,
-# dh0's GEMM and add, dW_ih, dW_hh (two GEMMs and an add), the two bias sums, dx, dh0's stack
-# (LSTM: dc0's too). Each is a kernel launch or memset through the runtime API.
-FORWARD_OTHER_CALLS = 6
-BACKWARD_OTHER_CALLS = 14
+# the code path (functional, runtime, call_plans; counted 2026-11-27): forward - the input GEMM,
+# its bias add, the output's copy, h_n's copy (LSTM: c_n's too); backward - the carries' zero
+# fills (LSTM: two), W_hh^T's copy, dh0's GEMM and add (LSTM: dc0's copy), dW_ih, dW_hh (two
+# GEMMs and an add), the two bias sums, dx. Each is a kernel launch or memset through the runtime
+# API. (The lengths and the exchange are no longer filled per call - a shared constant, and the
+# chain's own memset -, and dh0 is written in place of its stack: 6 / 14 before.)
+FORWARD_OTHER_CALLS = 4
+BACKWARD_OTHER_CALLS = 11
 
 
 @dataclass(frozen=True)

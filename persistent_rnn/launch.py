@@ -141,6 +141,8 @@ class Cooldowns:
 
     def reason(self, key: tuple) -> str | None:
         """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
+        if not self._since and not self._unread:  # (the usual case; dict reads are atomic)
+            return None
         with self._lock:
             unread = self._unread.pop(key, [])
         left = [r for r in unread if not r.poll()]
@@ -194,6 +196,7 @@ class DeviceRecord:
         self._lock = threading.Lock()
         if isinstance(words, np.ndarray):
             self._host = words[:HEAD + groups].tolist()  # values: the words are reused
+            self._decode()  # (the emulated chain has run: nothing to wait for)
         else:
             import cupy
             self._host = cupy.cuda.alloc_pinned_memory(4 * (HEAD + groups))
@@ -426,7 +429,8 @@ def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | 
                              "last_run does not report them")
         return None
     record = DeviceRecord(chain.words, chain.groups, end, chain.engine.key, chain.engine.emulated)
-    COOLDOWNS.watch(chain.engine.key, record)
+    if record._decoded is None:  # (a decoded record has started its cooldown if it must)
+        COOLDOWNS.watch(chain.engine.key, record)
     stats.defer(lambda s: _report(record, s, group))
     return record
 

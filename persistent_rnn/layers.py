@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import functional, validation
+from . import call_plans, functional, validation
 from .buffers import array_module, widened
 from .cells import CellSpec, cell_spec
 from .validation import CallOrderError
@@ -51,6 +51,8 @@ class _Recurrent:
         self.last_run: RunStats | None = None
         self._ctx: functional.Context | None = None
         self._y_shape: tuple[int, ...] = ()
+        self._plan: call_plans.Plan | None = None  # the steady-state call's (``call_plans``)
+        self._last_signature: tuple = ()  # of the last call that ran the whole way
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.input_size}, {self.hidden_size}, "
@@ -125,6 +127,13 @@ class _Recurrent:
         state stops at its length and its outputs past it are zero; any order).
         Returns ``(y, hn)``: y (T, B, D * H), or D * P (batch-first likewise), hn like ``hx``.
         """
+        plan = self._plan
+        if (plan is not None and lengths is None and not self.batch_first
+                and plan.matches(x, hx, self.params, self.algo)):  # (identity checks: call_plans)
+            self._ctx = None
+            y, hn, ctx = plan.forward(x, hx, self.params)
+            self._ctx, self._y_shape, self.last_run = ctx, y.shape, ctx.stats
+            return y, hn
         if x is None:
             raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
         h0, c0 = validation.state("hx", hx, self.cell.has_cell_state)
@@ -145,13 +154,29 @@ class _Recurrent:
             batch_first=self.batch_first, algo=self.algo, half=self._half,
             scratch_results=self._half is not None)  # (rounded into new arrays by _store)
         self._ctx, self._y_shape, self.last_run = ctx, tuple(y.shape), ctx.stats
+        self._plan_calls(ctx, x, hx, lengths)
         return self._store(y), self._store(hn)
+
+    def _plan_calls(self, ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> None:
+        """Plan this call's signature (``call_plans``) when the call before that ran the whole
+        way had it too (a one-off call plans nothing)."""
+        signature = (type(x), x.shape, x.dtype, hx is None, lengths is None)
+        if signature == self._last_signature and not self.batch_first:
+            self._plan = call_plans.plan_of(ctx, x, hx, lengths)
+        self._last_signature = signature
 
     def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:
         """Backward of the last ``forward``: ``dy`` like ``y``, ``dhn`` like ``hn`` (``None``:
         zero). Adds the parameter gradients into ``grads``; returns ``(dx, dhx)`` with dhx like
         ``hx`` (zeros-initial states get gradients too). Once per forward."""
-        if self._ctx is None:
+        ctx = self._ctx
+        plan = None if ctx is None else ctx.plan
+        if (plan is not None and dhn is None and type(dy) is plan.x_type
+                and dy.shape == self._y_shape and dy.dtype == self.dtype
+                and dy.flags.c_contiguous):  # (what the checks below read: call_plans)
+            self._ctx = None
+            return self._gradients(ctx, *plan.backward(ctx, dy))
+        if ctx is None:
             raise CallOrderError("backward needs a preceding forward (and runs once per forward); "
                                  "call forward first")
         if dy is None:
@@ -165,15 +190,21 @@ class _Recurrent:
         validation.array("dy", dy, self._y_shape, dims, self.dtype)
         batch = self._y_shape[0] if self.batch_first else self._y_shape[1]
         self._check_state("dhn", dh, dc, batch)
-        ctx, self._ctx = self._ctx, None
-        dx, dhx, grads = functional.backward(ctx, dy, dhn)
+        self._ctx = None
+        return self._gradients(ctx, *functional.backward(ctx, dy, dhn))
+
+    def _gradients(self, ctx: functional.Context, dx: Array, dhx: Any,
+                   grads: dict[str, Array]) -> tuple[Array, Any]:
+        """Add a backward's parameter gradients into ``grads``; its ``(dx, dhx)`` as returned."""
         for key, g in grads.items():
             if self._half is None:
                 self.grads[key] += g
             else:  # summed in fp32 (into g, the call's own), rounded once
-                g += widened(xp, self.grads[key], "grad_wide")
+                g += widened(self._module(), self.grads[key], "grad_wide")
                 self.grads[key][...] = g
         self.last_run = ctx.backward_stats
+        if self._half is None:
+            return dx, dhx
         return self._store(dx), self._store(dhx)
 
     def _store(self, a: Any) -> Any:

@@ -99,6 +99,27 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
         gemm.forward_steps(cell, gi, w_hh, b_hh, h0, c0, lengths, y, cs, saved, start=0,
                            half=half, w_hr=w_hr, hs=result.hs)
         return result, RunStats(algo="gemm", fallback=reason)
+    prepared = prepare_forward(cell, engine, gi, w_hh, b_hh, h0, c0, lengths, half, w_hr, result)
+    return result, prepared.run()
+
+
+def forward_arrays(result: ForwardResult, h0: Array,
+                   c0: Array | None) -> dict[str, Array | None]:
+    """The arrays a forward call supplies anew by role (``PreparedPass.run``'s ``arrays``): its
+    results and its initial states (contiguous float32: as the kernels read them)."""
+    return {"y": result.y, "cs": result.cs, "saved": result.saved, "hs": result.hs, "h0": h0,
+            "c0": c0}
+
+
+def prepare_forward(cell: CellSpec, engine: _Engine, gi: Array, w_hh: Array, b_hh: Array | None,
+                    h0: Array, c0: Array | None, lengths: Array | None, half: str | None,
+                    w_hr: Array | None, result: ForwardResult) -> "PreparedPass":
+    """The persistent forward pass of ``forward``'s arguments with its launches' arguments built;
+    ``result``'s arrays are the ones a call supplies anew (``forward_arrays``)."""
+    steps, batch, _ = gi.shape
+    hidden = gi.shape[2] // cell.gates
+    proj_size = 0 if w_hr is None else w_hr.shape[0]
+    y, cs, saved = result.y, result.cs, result.saved
     xp = buffers.array_module(gi)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     bias = _zeros(xp, (cell.gates * hidden,)) if b_hh is None else c(b_hh)
@@ -120,8 +141,8 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
                                      "saved", "steps", "batch", "hidden")}
     complete.update(w_hr=args.get("w_hr", bias), hs=args.get("hs", y), w_ih=bias, b_ih=bias,
                     chained=0, proj=proj_size)
-    stats = _run_on_device(chain, args, 0, steps, "prnn_complete_forward", complete)
-    return result, stats
+    return PreparedPass(chain, args, 0, steps, "prnn_complete_forward", complete,
+                        forward_arrays(result, args["h0"], args["c0"]))
 
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
@@ -153,24 +174,43 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
             dh0, dc0 = _copied_into(out, dh0, dc0)
         return BackwardResult(dgi, dgh, dh0, dc0, drs), RunStats(algo="gemm", fallback=reason)
     xp = buffers.array_module(dy)
+    dy = xp.ascontiguousarray(dy, dtype=np.float32)  # a no-op for the usual float32 input
+    prepared = prepare_backward(cell, engine, dy, w_hh, h0, c0, lengths, fwd, half, w_hr, slot,
+                                dgi, dgh)
+    return backward_call(prepared, w_hh, dhn, dcn, out)
+
+
+def backward_arrays(dy: Array, fwd: ForwardResult, h0: Array,
+                    c0: Array | None) -> dict[str, Array | None]:
+    """The arrays a backward call supplies anew by role (``PreparedPass.run``'s ``arrays``):
+    the output gradient, the forward's results and its initial states (contiguous float32)."""
+    return {"dy": dy, "y": fwd.y, "cs": fwd.cs, "saved": fwd.saved, "hs": fwd.hs, "h0": h0,
+            "c0": c0}
+
+
+def prepare_backward(cell: CellSpec, engine: _Engine, dy: Array, w_hh: Array, h0: Array,
+                     c0: Array | None, lengths: Array | None, fwd: ForwardResult,
+                     half: str | None, w_hr: Array | None, slot: int | None, dgi: Array,
+                     dgh: Array) -> "PreparedPass":
+    """The persistent backward pass of ``backward``'s arguments (``dy`` contiguous float32)
+    with its launches' arguments and scratch (carries, ``W_hh^T``) in place; what a call does
+    before and after the chain is ``backward_call``'s."""
+    hidden = w_hh.shape[0] // cell.gates
+    steps, batch, _ = dy.shape
+    proj_size = 0 if w_hr is None else w_hr.shape[0]
+    xp = buffers.array_module(dy)
     c = partial(xp.ascontiguousarray, dtype=np.float32)  # a no-op for the usual float32 input
     # Direct carries by step parity; the kernel's step T-1 reads parity T % 2 (dh_n, dc_n). With
     # a projection the h carry is of r (P wide): what passes through the steps past a length.
     dh_carry = _scratch(xp, slot, "dh_carry", (2, batch, dy.shape[2]), dy.dtype)
-    dh_carry.fill(0)
     dc_carry = dh_carry
     if cell.has_cell_state:
         dc_carry = _scratch(xp, slot, "dc_carry", (2, batch, hidden), dy.dtype)
-        dc_carry.fill(0)
-    if dhn is not None:
-        dh_carry[steps % 2] = dhn
-    if dcn is not None and cell.has_cell_state:
-        dc_carry[steps % 2] = dcn
     drs = None if w_hr is None else _scratch(xp, slot, "drs", dy.shape, dy.dtype)
     p = engine.pass_plan
     rows = (p.exchange_row,) if w_hr is None else (p.exchange_row_b, p.exchange_row)
     chain = launch.chain_for(xp, engine, 1, tuple((2, batch, r) for r in rows))
-    args = dict(dy=c(dy), saved=fwd.saved, lengths=buffers.full_lengths(xp, lengths, batch, steps),
+    args = dict(dy=dy, saved=fwd.saved, lengths=buffers.full_lengths(xp, lengths, batch, steps),
                 dgh=dgh, dc_carry=dc_carry, steps=steps, batch=batch, hidden=hidden)
     if w_hr is None:  # persistent_backward.cu
         args.update(w_t=_transposed(xp, w_hh, half, slot), y=fwd.y,
@@ -188,18 +228,60 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
         complete, kernel = dict(args), "prnn_complete_projection_backward"
     for name in ("exchange", "exchange_r", "exchange_g"):
         complete.pop(name, None)
-    stats = _run_on_device(chain, args, steps - 1, -1, kernel, complete)
+    prepared = PreparedPass(chain, args, steps - 1, -1, kernel, complete,
+                            backward_arrays(dy, fwd, args.get("h0"), args["c0"]))
+    prepared.backward = _BackwardScratch(cell, xp, dgi, dgh, dh_carry, dc_carry, drs, half, slot,
+                                         w_hr)
+    return prepared
+
+
+@dataclass
+class _BackwardScratch:
+    """What ``backward_call`` writes around a prepared backward's chain."""
+
+    cell: CellSpec
+    xp: Any
+    dgi: Array
+    dgh: Array
+    dh_carry: Array
+    dc_carry: Array
+    drs: Array | None
+    half: str | None
+    slot: int | None
+    w_hr: Array | None
+
+
+def backward_call(prepared: "PreparedPass", w_hh: Array, dhn: Array | None, dcn: Array | None,
+                 out: tuple[Array, Array | None] | None,
+                 arrays: dict[str, Array | None] | None = None) -> tuple[BackwardResult, RunStats]:
+    """One backward call of ``prepared`` (``prepare_backward``) with this call's ``arrays``
+    (``backward_arrays``; ``None``: the first call, whose arrays the arguments hold): the
+    carries zeroed and given ``dhn``/``dcn``, the chain, then ``dh0``/``dc0``. A later call of
+    the same prepared pass (float32, no projection: ``call_plans``) copies ``W_hh^T`` anew (an
+    optimizer may have changed ``W_hh`` in place; ``prepare_backward`` made the first copy)."""
+    s = prepared.backward
+    xp, cell, steps = s.xp, s.cell, prepared.first + 1
+    s.dh_carry.fill(0)
+    if cell.has_cell_state:
+        s.dc_carry.fill(0)
+    if dhn is not None:
+        s.dh_carry[steps % 2] = dhn
+    if dcn is not None and cell.has_cell_state:
+        s.dc_carry[steps % 2] = dcn
+    if arrays is not None:  # (a later call; prepare_backward copied it for the first)
+        xp.copyto(prepared.args["w_t"], w_hh.T)
+    stats = prepared.run(arrays)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
-    wide = w_hh if half is None else (widen(w_hh) if slot is None else buffers.widened(
-        xp, w_hh, f"w_hh_wide{slot}"))
-    dh0 = matmul(dgh[0], wide, None if out is None else out[0])
-    dh0 += dh_carry[0]  # (in place: the same sum, one array)
-    dc0 = dc_carry[0] if cell.has_cell_state else None
+    wide = w_hh if s.half is None else (widen(w_hh) if s.slot is None else buffers.widened(
+        xp, w_hh, f"w_hh_wide{s.slot}"))
+    dh0 = matmul(s.dgh[0], wide, None if out is None else out[0])
+    dh0 += s.dh_carry[0]  # (in place: the same sum, one array)
+    dc0 = s.dc_carry[0] if cell.has_cell_state else None
     if dc0 is not None and out is not None:
         dc0 = _copied_into(out, dh0, dc0)[1]
-    elif dc0 is not None and slot is not None:  # (a row of a workspace: the result's own copy)
+    elif dc0 is not None and s.slot is not None:  # (a row of a workspace: the result's own copy)
         dc0 = dc0.copy()
-    return BackwardResult(dgi, dgh, dh0, dc0, drs), stats
+    return BackwardResult(s.dgi, s.dgh, dh0, dc0, s.drs), stats
 
 
 def _copied_into(out: tuple[Array, Array | None], dh0: Array,
@@ -255,28 +337,92 @@ def _zeros(xp, shape: tuple[int, ...]) -> Array:
     return buffers.constant_zeros(xp, shape, np.float32)
 
 
-def _run_on_device(chain: launch.Chain, args: dict, first: int, end: int, complete: str,
-                   complete_args: dict) -> RunStats:
-    """Enqueue a layer-direction's whole chain (``launch.run_chain``: the pass with ``args``,
-    its restarts and its completion kernel ``complete`` with ``complete_args``, decided on the
-    device) with ``chain``'s words and exchanges (``launch.chain_for``), and return its stats
-    (read lazily from the chain's record)."""
-    engine = chain.engine
+class PreparedPass:
+    """A persistent pass's chain (``launch.chain_for``) with its launches' arguments built
+    (``prepare_forward``, ``prepare_backward``): ``run`` enqueues it (``launch.run_chain``: the
+    pass, its restarts and its completion kernel, decided on the device) and returns its stats
+    (read lazily from the chain's record). The arrays a call supplies anew are given to ``run``
+    by role (``forward_arrays``, ``backward_arrays``): the arguments that held the first call's
+    arrays of a role take this call's, so one prepared pass serves the calls of one signature
+    (``call_plans``)."""
 
-    def go(start, stall: settings.Stall) -> None:
-        launch.launch_pass(engine, chain.control, dict(args, start=start), stall)
+    def __init__(self, chain: launch.Chain, args: dict, first: int, end: int, complete: str,
+                 complete_args: dict, arrays: dict[str, Array | None]):
+        self.chain, self.args, self.first, self.end = chain, args, first, end
+        self.complete, self.complete_args = complete, complete_args
+        self.backward: _BackwardScratch | None = None
+        self._arrays = arrays  # the first call's, which ``args`` hold
+        self._roles: tuple | None = None  # (argument, role) pairs (``_role_lists``)
+        self._static_key: tuple | None = None  # the chain graph's key but the per-call arrays
+        pp = chain.engine.pass_plan
+        self._detail = (f"{pp.kernel} ({'emulated' if chain.engine.emulated else 'GPU'}): "
+                        f"{pp.defines}, grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B "
+                        "shared; restarts and completion on the device")
 
-    launch.run_chain(chain, go, first, end, settings.current_stall(), chain.exchanges,
-                     lambda: chain.complete(complete, **complete_args),
-                     lambda: (complete, chain_graphs.arguments_key(args),
-                              chain_graphs.arguments_key(complete_args)))
-    pp = engine.pass_plan
-    stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1, details=[
-        f"{pp.kernel} ({'emulated' if engine.emulated else 'GPU'}): {pp.defines}, grid "
-        f"{pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; restarts and completion "
-        "on the device"])
-    launch.record_of(chain, end, stats)
-    return stats
+    def run(self, arrays: dict[str, Array | None] | None = None) -> RunStats:
+        """Enqueue the pass with this call's ``arrays`` (by role; ``None``: the first call's,
+        which the arguments hold); its stats. The launches' arguments are substituted only
+        where the chain is issued launch by launch (a replayed chain graph needs its key only)."""
+        if arrays is None:
+            arrays = self._arrays
+        chain, engine = self.chain, self.chain.engine
+        made: list[dict] = []  # the pass's arguments, made by its first launch
+
+        def go(start, stall: settings.Stall) -> None:
+            if not made:
+                made.append(self._arguments(0, arrays))
+            launch.launch_pass(engine, chain.control, dict(made[0], start=start), stall)
+
+        launch.run_chain(chain, go, self.first, self.end, settings.current_stall(),
+                         chain.exchanges,
+                         lambda: chain.complete(self.complete, **self._arguments(1, arrays)),
+                         lambda: self._key(arrays))
+        stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1,
+                         details=[self._detail])
+        launch.record_of(chain, self.end, stats)
+        return stats
+
+    def _arguments(self, which: int, arrays: dict[str, Array | None]) -> dict:
+        """The pass's (``which`` 0) or the completion's (1) arguments with ``arrays``."""
+        given = (self.args, self.complete_args)[which]
+        if arrays is self._arrays:
+            return given
+        given = dict(given)
+        for name, role in self._role_lists()[which]:
+            given[name] = arrays[role]
+        return given
+
+    def _role_lists(self) -> tuple:
+        """The (argument, role) pairs of ``args`` and of ``complete_args`` that hold one of the
+        first call's arrays (found by identity, once)."""
+        if self._roles is None:
+            self._roles = (tuple(_roles(self.args, self._arrays)),
+                           tuple(_roles(self.complete_args, self._arrays)))
+        return self._roles
+
+    def _key(self, arrays: dict[str, Array | None]) -> tuple:
+        """What a chain graph of this pass is keyed by (``launch.run_chain``): the arguments
+        but the per-call arrays, keyed once (the prepared pass holds them), and those arrays."""
+        if self._static_key is None:
+            roles, complete_roles = self._role_lists()
+            per_call = {name for name, _ in roles + complete_roles}
+            used = sorted({role for _, role in roles + complete_roles})
+            self._static_key = (self.complete, tuple(used), chain_graphs.arguments_key(
+                {k: v for k, v in self.args.items() if k not in per_call}),
+                chain_graphs.arguments_key(
+                {k: v for k, v in self.complete_args.items() if k not in per_call}))
+        return self._static_key, tuple([chain_graphs.value(arrays[role])
+                                        for role in self._static_key[1]])
+
+
+def _roles(args: dict, arrays: dict[str, Array | None]):
+    """(argument, role) of each of ``args`` that is one of ``arrays`` (the first role whose
+    array it is)."""
+    for name, value in args.items():
+        for role, a in arrays.items():
+            if a is not None and value is a:
+                yield name, role
+                break
 
 
 def run_forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Array,

@@ -84,3 +84,27 @@ def test_the_torch_module_replays_its_chains(cupy):
     for results in got:
         for a, b in zip(results, want):
             np.testing.assert_array_equal(a, b)
+
+
+def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy):
+    """A layer's planned calls (``call_plans``: no lengths, no initial state) on a GPU: the bits
+    of calls that run the whole way, their chains replayed as graphs keyed by the prepared
+    passes."""
+    layer, x, dy = _layer(cupy, "GRU", 1)
+
+    def call():
+        layer.zero_grad()
+        y, hn = layer.forward(x)
+        dx, _ = layer.backward(dy)
+        return [a.get() for a in (y, hn, dx, *layer.grads.values())]
+
+    with prnn.override_settings(chain_graphs=False):
+        want = call()
+    chain_graphs.clear()
+    with launch.counting() as counts:
+        got = [call() for _ in range(CALLS)]
+    assert layer._plan is not None and layer._plan.backward_pass is not None
+    assert counts.graph_launches >= 2 and counts.host_syncs == 0, counts
+    for results in got:
+        for a, b in zip(results, want):
+            np.testing.assert_array_equal(a, b)

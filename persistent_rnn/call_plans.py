@@ -1,0 +1,183 @@
+"""A layer's steady-state persistent call, planned once per call signature (issue 26).
+
+A call of a layer re-derives, every time, what depends only on its signature: the argument
+checks, the initial states, the engine, the workspaces, the chain, the launches' arguments and
+the chain graph's key over every argument. A ``Plan`` keeps all of that for one signature of a
+layer (``layers``) after a call that ran the whole way: a later call whose every input is
+identical where it matters (the same array type, shape and dtype; the same parameter objects;
+the same settings object, thread, device and stream; initial states given as they were when
+planned, of the same shapes, or none; no lengths) does
+identity checks, then only what differs from call to call - the input GEMM into the same
+workspace, the new result arrays, the prepared pass (``runtime.PreparedPass``, whose chain
+graph key is the static part kept plus the new arrays' addresses), the output copies - and
+builds the same ``functional.Context``. Anything else (``matches`` false) takes the full path
+with its checks, so bad input still gets torch.nn's errors.
+
+Planned: a single unidirectional layer-direction of a float32 layer without projection whose
+persistent engine ran (on the GPU, or its emulation); forward and backward. Never under CUDA
+stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
+after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
+while the configuration cools down after a grid found not co-resident (the full path then runs
+the GEMM path and says why). A layer keeps one plan, the last planned signature's (planned when
+two calls in a row that ran the whole way had it), and the plan keeps its scratch (workspaces,
+chain) while it lives, also past ``buffers.MAX_REUSED``'s bound.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import buffers, functional, launch, runtime, settings
+from .buffers import matmul_steps
+
+Array = Any
+
+
+def _where(xp) -> tuple:
+    """What scratch memory is keyed by beside its name (``buffers.reused``): the thread, and on
+    a GPU the device and stream; ``None`` while the stream is being captured."""
+    if xp is np:
+        return (threading.get_ident(),)
+    stream = xp.cuda.get_current_stream()
+    if stream.is_capturing():
+        return None
+    return threading.get_ident(), xp.cuda.Device().id, stream.ptr
+
+
+def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan | None":
+    """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
+    ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned."""
+    if not (lengths is None and ctx.num_layers == 1 and not ctx.bidirectional
+            and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
+            and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
+            and _where(buffers.array_module(x)) is not None):
+        return None
+    plan = Plan(ctx, x, hx is not None)
+    return plan if plan.engine is not None else None
+
+
+class Plan:
+    """One layer's persistent call of one signature (module docstring): ``matches`` says whether
+    a call may use it, ``forward`` / ``backward`` run it."""
+
+    def __init__(self, ctx: functional.Context, x: Array, states: bool):
+        d = ctx.directions[0][0]
+        self.states = states  # whether the calls give initial states (else zeros)
+        self.cell, self.algo = ctx.cell, ctx.algo
+        self.xp = xp = buffers.array_module(x)
+        self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
+        self.where, self.settings = _where(xp), settings.current()
+        self.generation = buffers.generation()
+        self.names = d.names
+        w_ih, w_hh, b_ih, b_hh = functional._weights(ctx, d.names)
+        self.weights = tuple(ctx.params[name] for name in d.names.values())
+        self.w_hh, self.b_ih, self.w_ih_t = w_hh, b_ih, w_ih.T
+        self.h0, self.c0 = d.h0, d.c0  # (the zeros of calls without initial states)
+        self.state_shape = (1, *d.h0.shape)
+        steps, batch, _ = x.shape
+        self.gi = buffers.workspace(xp, "gi", (steps * batch, w_ih.shape[0]), w_ih.dtype)
+        gi = self.gi.reshape(steps, batch, w_ih.shape[0])
+        hidden = w_hh.shape[1]
+        engine, _ = runtime._engine(ctx.cell, gi, hidden, batch, ctx.algo, backward=False)
+        self.engine = engine
+        self.backward_pass: runtime.PreparedPass | None = None
+        self.backward_engine: Any = None
+        if engine is None:  # (cooling down since the call: no plan, ``plan_of``)
+            return
+        self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh, b_hh, d.h0, d.c0,
+                                                    None, None, None, d.fwd)
+
+    def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str) -> bool:
+        """Whether a forward of ``x`` and ``hx`` (no lengths) with ``params`` may run this plan:
+        everything the full path would check or derive is as when it was planned."""
+        if (type(x) is not self.x_type or x.shape != self.x_shape or x.dtype != self.x_dtype
+                or (hx is not None) != self.states or (hx is not None and not self._states(hx))
+                or algo != self.algo or settings.current() is not self.settings
+                or buffers.generation() != self.generation
+                or (self.xp is not np and _where(self.xp) != self.where)
+                or (self.xp is np and threading.get_ident() != self.where[0])):
+            return False
+        return self._same_weights(params) and launch.COOLDOWNS.reason(self.engine.key) is None
+
+    def _states(self, hx: Any) -> bool:
+        """Whether ``hx`` holds initial states the full path's checks would pass: an array (the
+        LSTM: a tuple of two) of the input's type and dtype and the planned shape."""
+        if self.c0 is None:
+            return (type(hx) is self.x_type and hx.shape == self.state_shape
+                    and hx.dtype == self.x_dtype)
+        return (type(hx) is tuple and len(hx) == 2 and type(hx[0]) is self.x_type
+                and type(hx[1]) is self.x_type and hx[0].shape == self.state_shape
+                and hx[1].shape == self.state_shape and hx[0].dtype == self.x_dtype
+                and hx[1].dtype == self.x_dtype)
+
+    def _same_weights(self, params: Mapping[str, Array]) -> bool:
+        """Whether ``params`` holds the planned weight objects (an array object keeps its
+        memory: in-place updates are read by the plan's arguments as by a new call's)."""
+        for name, w in zip(self.names.values(), self.weights):
+            if params.get(name) is not w:
+                return False
+        return True
+
+    def forward(self, x: Array, hx: Any,
+                params: Mapping[str, Array]) -> tuple[Array, Array | tuple, functional.Context]:
+        """``functional.forward(cell, params, x, hx, algo=...)`` of a matching call
+        (``matches``: ``params`` holds the planned weights)."""
+        xp, cell = self.xp, self.cell
+        h0, c0 = self.h0, self.c0
+        if hx is not None:  # (as functional's initial states: contiguous, row 0 of a layer)
+            h0, c0 = ((xp.ascontiguousarray(hx)[0], None) if c0 is None else
+                      (xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0]))
+        gi = matmul_steps(x, self.w_ih_t, self.gi)
+        if self.b_ih is not None:
+            gi += self.b_ih
+        y, cs, saved = buffers.allocate_forward(cell, gi)
+        fwd = runtime.ForwardResult(y, cs, saved)
+        stats = self.forward_pass.run(runtime.forward_arrays(fwd, h0, c0))
+        ctx = functional.Context(cell, params, 1, False, False, self.algo, None, None, None,
+                                 [x], [[functional._Direction(self.names, h0, c0, fwd)]], stats)
+        ctx.plan = self
+        h_n = y[-1][None].copy()
+        return y.copy(), (h_n if cs is None else (h_n, cs[-1][None].copy())), ctx
+
+    def backward(self, ctx: functional.Context, dy: Array) -> tuple[Array, Any, dict]:
+        """``functional.backward(ctx, dy)`` of this plan's forward's context, ``dy`` contiguous
+        of the output's shape and dtype (``layers`` checks), no ``dhn``."""
+        xp, cell, d = self.xp, self.cell, ctx.directions[0][0]
+        prepared = self.backward_pass
+        if prepared is None or not self._backward_current(ctx):
+            result = functional.backward(ctx, dy)
+            if prepared is None:
+                self.plan_backward(ctx, dy)
+            return result
+        arrays = runtime.backward_arrays(dy, d.fwd, d.h0, d.c0)
+        dh = xp.empty(self.state_shape, dy.dtype)
+        dc = None if self.c0 is None else xp.empty(self.state_shape, dy.dtype)
+        res, ctx.backward_stats = runtime.backward_call(
+            prepared, self.w_hh, None, None, (dh[0], None if dc is None else dc[0]), arrays)
+        grads: dict[str, Array] = {}
+        dx = functional._layer_gradients(ctx, 0, {(0, 0): res}, grads)
+        return dx, (dh if dc is None else (dh, dc)), grads
+
+    def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
+        """After a backward of this plan's context that ran the whole way: prepare its pass for
+        the later ones (where its persistent engine ran)."""
+        if ctx.backward_stats is None or ctx.backward_stats.algo != "persistent":
+            return
+        d = ctx.directions[0][0]
+        _, batch, hidden = dy.shape
+        engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True)
+        if engine is None:
+            return
+        dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
+        self.backward_pass = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0,
+                                                      d.c0, None, d.fwd, None, None, 0, dgi, dgh)
+        self.backward_engine = engine
+
+    def _backward_current(self, ctx: functional.Context) -> bool:
+        """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""
+        return (settings.current() is self.settings and buffers.generation() == self.generation
+                and _where(self.xp) == self.where and self._same_weights(ctx.params)
+                and launch.COOLDOWNS.reason(self.backward_engine.key) is None)
+

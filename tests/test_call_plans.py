@@ -1,0 +1,251 @@
+"""A layer's planned steady-state call (persistent_rnn.call_plans) on the emulated path: bitwise
+the full path's results, used only while every input is as planned (anything else takes the full
+path: its checks and errors), across stalls, cooldowns, settings, new weights and released
+workspaces; and the chain graph's key of a prepared pass (what a GPU replay is keyed by), built
+once but for the call's own arrays. The GPU's graphs themselves: tests/test_gpu_chain_graphs.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime
+from persistent_rnn.validation import CallOrderError
+
+H, I = 16, 3
+
+
+def _layer(cell: str, seed: int = 0, **kw):
+    return getattr(prnn, cell)(I, H, algo="persistent", seed=seed, **kw)
+
+
+def _data(seed: int, steps: int = 4, batch: int = 2):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((steps, batch, I)).astype(np.float32),
+            rng.standard_normal((steps, batch, H)).astype(np.float32))
+
+
+def _flat(*results) -> list[np.ndarray]:
+    out = []
+    for r in results:
+        out += [np.array(a) for a in (r if isinstance(r, tuple) else (r,))]
+    return out
+
+
+def _step(layer, x, dy) -> list[np.ndarray]:
+    """Forward and backward; every result and the accumulated gradients, copied."""
+    layer.zero_grad()
+    y, hn = layer.forward(x)
+    dx, dhx = layer.backward(dy)
+    return _flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()]
+
+
+class _Hits:
+    """Counts the planned forwards and backwards that ran (``Plan.forward`` / ``backward``
+    without falling back to ``functional.backward``)."""
+
+    def __init__(self, monkeypatch):
+        self.forwards = self.backwards = 0
+        forward, backward_call = call_plans.Plan.forward, runtime.backward_call
+
+        def counted_forward(plan, x, hx, params):
+            self.forwards += 1
+            return forward(plan, x, hx, params)
+
+        def counted_backward(prepared, *a, **kw):
+            self.backwards += len(a) > 4 and a[4] is not None  # (a later call: arrays given)
+            return backward_call(prepared, *a, **kw)
+        monkeypatch.setattr(call_plans.Plan, "forward", counted_forward)
+        monkeypatch.setattr(runtime, "backward_call", counted_backward)
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])  # (an Elman cell's plan is a GRU's: no c)
+def test_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch, cell):
+    hits = _Hits(monkeypatch)
+    planned, full = _layer(cell), _layer(cell)
+    for seed in range(4):  # call 1 full, call 2 full and planned, then planned
+        x, dy = _data(seed)
+        got = _step(planned, x, dy)
+        full._plan = None  # (the reference never plans)
+        want = _step(full, x, dy)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        assert planned.last_run.algo == "persistent"
+    assert (hits.forwards, hits.backwards) == (2, 1)
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_planned_calls_with_initial_states(settings, grid_path, monkeypatch, cell):
+    """Calls giving initial states are planned too (as given: an array, an LSTM's tuple), bitwise
+    the full path's; a list pair, a state of another shape or dtype, none: the full path."""
+    hits = _Hits(monkeypatch)
+    planned, full = _layer(cell), _layer(cell)
+    rng = np.random.default_rng(5)
+
+    def state():
+        h = rng.standard_normal((1, 2, H)).astype(np.float32)
+        return h if cell == "GRU" else (h, rng.standard_normal((1, 2, H)).astype(np.float32))
+
+    for seed in range(4):
+        x, dy = _data(seed)
+        hx = state()
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (2, 1)
+    x, _ = _data(0)
+    if cell == "LSTM":
+        planned.forward(x, list(state()))
+        with pytest.raises(TypeError, match=r"hx\[1\] must have dtype float32"):
+            planned.forward(x, (state()[0], state()[1].astype(np.float64)))
+    else:
+        with pytest.raises(ValueError, match="hx must have shape"):
+            planned.forward(x, state()[:, :1])
+    planned.forward(x)
+    assert hits.forwards == 2
+
+
+def test_bad_input_after_planning_gets_the_full_checks(settings):
+    layer = _layer("GRU")
+    x, dy = _data(0)
+    for _ in range(3):
+        layer.forward(x)
+        layer.backward(dy)
+    assert layer._plan is not None
+    with pytest.raises(TypeError, match="x must have dtype float32"):
+        layer.forward(x.astype(np.float64))
+    with pytest.raises(ValueError, match=r"x must have shape"):
+        layer.forward(x[..., :2])
+    with pytest.raises(TypeError, match="x must be a numpy.ndarray"):
+        layer.forward(None)
+    with pytest.raises(TypeError, match="x must be a numpy.ndarray"):
+        layer.forward(x.tolist())
+    layer.forward(x)
+    with pytest.raises(ValueError, match="dy must have shape"):
+        layer.backward(dy[:2])
+    with pytest.raises(TypeError, match="dy must have dtype float32"):
+        layer.backward(dy.astype(np.float64))
+    layer.backward(np.asfortranarray(dy))  # (not contiguous: the full path, the same values)
+    with pytest.raises(CallOrderError):
+        layer.backward(dy)
+
+
+def test_a_changed_input_or_state_takes_the_full_path(settings, monkeypatch):
+    hits = _Hits(monkeypatch)
+    layer, full = _layer("LSTM"), _layer("LSTM")
+    x, dy = _data(0)
+    for _ in range(3):
+        layer.forward(x)
+    assert hits.forwards == 1
+    h0 = np.ones((1, 2, H), np.float32)
+    for call in (lambda l: l.forward(x, (h0, h0)), lambda l: l.forward(x, lengths=[4, 2]),
+                 lambda l: l.forward(_data(1, steps=3)[0])):
+        for a, b in zip(_flat(*call(layer)), _flat(*call(full))):
+            np.testing.assert_array_equal(a, b)
+    assert hits.forwards == 1
+
+
+def test_new_weights_settings_and_released_workspaces_are_seen(settings, grid_path,
+                                                                monkeypatch):
+    hits = _Hits(monkeypatch)
+    layer = _layer("GRU")
+    x, dy = _data(0)
+    for _ in range(3):
+        _step(layer, x, dy)
+    assert hits.forwards == 1
+    reference = _layer("GRU", seed=1)
+
+    def check():
+        reference.load_params(layer.params)
+        reference._plan = None
+        for a, b in zip(_step(layer, x, dy), _step(reference, x, dy)):
+            np.testing.assert_array_equal(a, b)
+
+    layer.params["weight_hh_l0"] *= 0.5  # in place: the planned call reads it
+    check()
+    assert hits.forwards == 2
+    layer.load_params(_layer("GRU", seed=2).params)  # new arrays: the full path (planned anew)
+    check()
+    assert hits.forwards == 2
+    check()
+    assert hits.forwards == 3
+    with prnn.override_settings(max_restarts=1):  # other settings: the full path
+        check()
+    check()  # (and back: the full path again)
+    assert hits.forwards == 3
+    buffers.release_workspaces()  # the plan's scratch let go: the full path
+    check()
+    assert hits.forwards == 3
+    check()
+    assert hits.forwards == 4
+    assert layer._plan.generation == buffers.generation()
+
+
+def test_a_stall_in_a_planned_call_restarts_bitwise(settings, grid_path, monkeypatch):
+    prnn.configure(emulation_timeout_ms=200, stack=False)
+    hits = _Hits(monkeypatch)
+    layer = _layer("GRU")
+    x, dy = _data(0, steps=7)
+    for _ in range(3):
+        plain = _step(layer, x, dy)
+    layer.zero_grad()
+    with prnn.inject_stall(block=1, step=3, duration_ms=700):
+        y, hn = layer.forward(x)
+        forward = layer.last_run
+        dx, dhx = layer.backward(dy)
+    stalled = _flat(y, hn, dx, dhx) + list(layer.grads.values())
+    for a, b in zip(plain, stalled):
+        np.testing.assert_array_equal(a, b)
+    for stats in (forward, layer.last_run):
+        assert stats.restarts >= 1 and stats.fallback is None
+    assert (hits.forwards, hits.backwards) == (2, 1)  # (the stalled pair planned)
+
+
+def test_a_cooling_configuration_is_not_planned(settings, grid_path):
+    layer = _layer("GRU")
+    x, _ = _data(0)
+    for _ in range(3):
+        layer.forward(x)
+    launch.COOLDOWNS.start(layer._plan.engine.key)
+    layer.forward(x)
+    assert layer.last_run.algo == "gemm" and "co-resident" in layer.last_run.fallback
+
+
+def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(settings,
+                                                                          monkeypatch):
+    """What a GPU replay is keyed by (``PreparedPass._key``), with NumPy addresses standing in
+    for device pointers: the planned calls' static part is one object, built once; the key
+    differs between calls only by the new arrays, and names every argument the full path's
+    key names."""
+    monkeypatch.setattr(chain_graphs, "value", lambda v: (
+        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
+        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
+        if isinstance(v, tuple) else v))
+    keys = []
+
+    def run(key, issue):  # (the chain issued as it is: a replay would issue the same)
+        keys.append(key[-1])
+        issue()
+        return False
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "run", run)
+    layer = _layer("GRU")
+    x, _ = _data(0)
+    kept = []  # (the contexts hold each call's arrays: new addresses every call)
+    for _ in range(4):
+        layer.forward(x)
+        kept.append(layer._ctx)
+    (static, *_), planned = keys[2], keys[3]  # (calls 3 and 4 planned)
+    assert planned[0] is static and static[1] == ("h0", "saved", "y")
+    assert planned[1][0] == keys[2][1][0]  # h0: the shared zeros
+    assert planned[1][1:] != keys[2][1][1:]  # saved and y: the arrays of this call
+    prepared = layer._plan.forward_pass
+    per_call = {name for name, _ in prepared._role_lists()[0]}
+    assert per_call == {"y", "saved", "cs", "h0", "c0"}  # (a GRU's cs is y, its c0 h0)
+    assert {n for n, _ in static[2]} | per_call == set(prepared.args)
