@@ -17,6 +17,7 @@
 //   PRNN_ROWS  matrix rows per warp    PRNN_KSPLIT  warps sharing a row (column chunks)
 //   PRNN_KPT   columns per lane        PRNN_WARPS   warps per CTA (blockDim.x == 32*PRNN_WARPS)
 //   PRNN_WEIGHT_DTYPE  0 fp32 (default), 1 fp16, 2 bf16: how M is held (below)
+//   PRNN_SMEM_<REGION>  the dynamic shared memory's regions, carved in order (shared_layout.cuh)
 //
 // 16-bit weights: M arrives as 32-bit words of two 16-bit values (columns 2c, 2c+1 of a row, rows
 // padded to an even length), and a register holds one word, so a lane's KPT columns of a row take

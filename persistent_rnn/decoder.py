@@ -78,7 +78,7 @@ _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x give
 class DecoderPlan:
     """The resident kernel's launch for one layer: the layer forward's tile (its -D), grid,
     block, the layer's input size and the shared memory (``resident_decoder.cu``'s layout:
-    ``plan`` is the one place that sizes it)."""
+    ``shared_layout`` is the one place that sizes it)."""
 
     defines: dict[str, int]
     grid: int
