@@ -35,12 +35,13 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden;
-  float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: dgh_{t+1}
-  float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial W_hh^T dgh
-  float* in_s = rec_s + batch * kKsplit * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
-  float* carry_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][kUnits]: dh (direct), dc carries
-  int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths
-  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, gh_len);
+  SharedCarver sh(batch);  // (plan.shared_layout)
+  float* v_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dgh_{t+1}
+  float* rec_s = sh.rows(PRNN_SMEM_PARTIAL);  // [batch][kKsplit][kUnits]: partial W_hh^T dgh
+  float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [2][batch][kInputs][kUnits]: inputs by parity
+  float* carry_s = sh.rows(PRNN_SMEM_CARRIES);  // [2][batch][kUnits]: dh (direct), dc carries
+  int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
+  const Exchange xch = begin_exchange(exchange, sh, batch, gh_len);
 
   int rows[kRows];
 #pragma unroll

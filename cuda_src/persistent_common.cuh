@@ -17,6 +17,7 @@
 //   PRNN_ROWS  matrix rows per warp    PRNN_KSPLIT  warps sharing a row (column chunks)
 //   PRNN_KPT   columns per lane        PRNN_WARPS   warps per CTA (blockDim.x == 32*PRNN_WARPS)
 //   PRNN_WEIGHT_DTYPE  0 fp32 (default), 1 fp16, 2 bf16: how M is held (below)
+//   PRNN_SMEM_<REGION>  the dynamic shared memory's regions, carved in order (shared_layout.cuh)
 //
 // 16-bit weights: M arrives as 32-bit words of two 16-bit values (columns 2c, 2c+1 of a row, rows
 // padded to an even length), and a register holds one word, so a lane's KPT columns of a row take
@@ -27,6 +28,7 @@
 #pragma once
 #include "cells.cuh"
 #include "exchange.cuh"
+#include "shared_layout.cuh"
 #ifdef PRNN_MMA
 #include "mma_tile.cuh"  // the tensor-core tile: RegisterTile below (issue 28)
 #endif
@@ -458,19 +460,19 @@ struct ExchangeOf {
 using Exchange = ExchangeOf<>;
 
 // The exchange of a launch, rows of Padded words (the staged vector's row stride; default the
-// -D tile's). `global`: the host's buffer (grid); `shared_end`: the end of the kernel's other
-// shared memory, after which (16-byte aligned) a cluster keeps its copy of the words. In a
-// cluster every CTA zeroes its copy, then the cluster meets once, so no store can land before
-// the zeroing. `busy`: the threads with pointwise work before this exchange's gather (default
-// batch * kUnits). Every thread calls it.
+// -D tile's). `global`: the host's buffer (grid); `sh`: the kernel's shared memory, carved up to
+// here, whose next region (EXCHANGE, plan.shared_layout) a cluster keeps its copy of the words
+// in. In a cluster every CTA zeroes its copy, then the cluster meets once, so no store can land
+// before the zeroing. `busy`: the threads with pointwise work before this exchange's gather
+// (default batch * kUnits). Every thread calls it.
 template <int Padded = kPadded>
-PRNN_DEVICE ExchangeOf<Padded> begin_exchange(unsigned* global, void* shared_end, int batch,
+PRNN_DEVICE ExchangeOf<Padded> begin_exchange(unsigned* global, SharedCarver& sh, int batch,
                                               int k_len, int busy = -1) {
   if (busy < 0) busy = batch * kUnits;
   ExchangeOf<Padded> x{global, {batch * Padded / 4, exchange_row_words(k_len)}, k_len,
                        (int)threadIdx.x >= busy};
 #ifdef PRNN_CLUSTER
-  x.words = reinterpret_cast<unsigned*>(((size_t)shared_end + 15) & ~(size_t)15);
+  x.words = sh.aligned_rows<unsigned>(PRNN_SMEM_EXCHANGE, PRNN_SMEM_EXCHANGE_ALIGN);
   for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0u;
   prnn_cluster_sync();
 #endif

@@ -39,17 +39,18 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
-  float* h_s = prnn_shared_memory<float>();  // [kStaged][batch][kPadded]: h_{t-1} (by parity)
-  float* gh_s = h_s + kStaged * batch * kPadded;  // [batch][kKsplit][R]: partial W_hh h_{t-1}
-  float* gi_s = gh_s + batch * kKsplit * R;   // [2][batch][G][kUnits]: gi_t by step parity
-  float* c_s = gi_s + 2 * batch * G * kUnits;  // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
-  float* hp_s = c_s + batch * kUnits;         // [batch][kUnits]: h_{t-1} of the owned units
+  SharedCarver sh(batch);  // (plan.shared_layout)
+  float* h_s = sh.rows(PRNN_SMEM_STAGED);     // [kStaged][batch][kPadded]: h_{t-1} (by parity)
+  float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh h_{t-1}
+  float* gi_s = sh.rows(PRNN_SMEM_GI);        // [2][batch][G][kUnits]: gi_t by step parity
+  float* c_s = sh.rows(PRNN_SMEM_C);          // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
+  float* hp_s = sh.rows(PRNN_SMEM_H);         // [batch][kUnits]: h_{t-1} of the owned units
   // Constants of the pointwise step, kept in shared memory (no global reload on the step's path).
-  float* bias_s = hp_s + batch * kUnits;       // [G][kUnits]: b_hh of the owned rows
-  int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
+  float* bias_s = sh.fixed(PRNN_SMEM_BIAS);   // [G][kUnits]: b_hh of the owned rows
+  int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   // Every warp of a team has pointwise work: none sleeps before its gather.
   const int busy = kWarpTeam ? kThreads : batch * kUnits;
-  const Exchange xch = begin_exchange(exchange, len_s + batch, batch, hidden, busy);
+  const Exchange xch = begin_exchange(exchange, sh, batch, hidden, busy);
   // The staged copy of step s's vector (kStagedBuffers: 1 or 2, by step parity).
   const auto staged = [&](int s) { return h_s + (s & (kStaged - 1)) * batch * kPadded; };
 

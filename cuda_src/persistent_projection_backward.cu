@@ -42,19 +42,19 @@ PRNN_KERNEL void prnn_projection_backward(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
-  float* g_s = prnn_shared_memory<float>();   // [batch][kPadded]: dg_{t+1}
-  float* r_s = g_s + batch * kPadded;         // [batch][kPaddedB]: drs_t
-  float* pa_s = r_s + batch * kPaddedB;       // [batch][kKsplit][V]: partial W_hh^T dg_{t+1}
-  float* pb_s = pa_s + batch * kKsplit * V;   // [batch][kKsplitB][kUnits]: partial W_hr^T drs_t
-  float* in_s = pb_s + batch * kKsplitB * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
-  float* dy_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][V]: dy_t of the owned rows
-  float* dc_s = dy_s + 2 * batch * V;         // [batch][kUnits]: dc carry
-  float* dr_s = dc_s + batch * kUnits;        // [batch][V]: dr carry
-  int* len_s = reinterpret_cast<int*>(dr_s + batch * V);  // [batch]: lengths
+  SharedCarver sh(batch);  // (plan.projection_shared_layout)
+  float* g_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dg_{t+1}
+  float* r_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: drs_t
+  float* pa_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][V]: partial W_hh^T dg_{t+1}
+  float* pb_s = sh.rows(PRNN_SMEM_PARTIAL_B);  // [batch][kKsplitB][kUnits]: partial W_hr^T drs_t
+  float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [2][batch][kInputs][kUnits]: inputs by parity
+  float* dy_s = sh.rows(PRNN_SMEM_DY);        // [2][batch][V]: dy_t of the owned rows
+  float* dc_s = sh.rows(PRNN_SMEM_DC);        // [batch][kUnits]: dc carry
+  float* dr_s = sh.rows(PRNN_SMEM_DR);        // [batch][V]: dr carry
+  int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   // Each exchange's rows are its staged vector's: drs_t in tile B's, dg_t in tile A's.
-  const ExchangeOf<kPaddedB> xr =
-      begin_exchange<kPaddedB>(exchange_r, len_s + batch, batch, proj, batch * V);
-  const Exchange xg = begin_exchange(exchange_g, len_s + batch, batch, gh_len);
+  const ExchangeOf<kPaddedB> xr = begin_exchange<kPaddedB>(exchange_r, sh, batch, proj, batch * V);
+  const Exchange xg = begin_exchange(exchange_g, sh, batch, gh_len);
 
   RegisterTile rec;
   load_tile(rec, w_hh_t, gh_len, kKsplit, V, [&](int q) { return q0 + q < proj ? q0 + q : -1; });

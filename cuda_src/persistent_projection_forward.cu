@@ -32,19 +32,20 @@ PRNN_KERNEL void prnn_projection_forward(
   PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
-  float* r_s = prnn_shared_memory<float>();   // [batch][kPadded]: r_{t-1}
-  float* h_s = r_s + batch * kPadded;         // [batch][kPaddedB]: h_t
-  float* gh_s = h_s + batch * kPaddedB;       // [batch][kKsplit][R]: partial W_hh r_{t-1}
-  float* pr_s = gh_s + batch * kKsplit * R;   // [batch][kKsplitB][V]: partial W_hr h_t
-  float* gi_s = pr_s + batch * kKsplitB * V;  // [2][batch][G][kUnits]: gi_t by step parity
-  float* c_s = gi_s + 2 * batch * G * kUnits;  // [batch][kUnits]: c_{t-1} of the owned units
-  float* hp_s = c_s + batch * kUnits;         // [batch][kUnits]: h_{t-1} of the owned units
-  float* rp_s = hp_s + batch * kUnits;        // [batch][V]: r_{t-1} of the owned rows
-  float* bias_s = rp_s + batch * V;           // [G][kUnits]: b_hh of the owned rows
-  int* len_s = reinterpret_cast<int*>(bias_s + G * kUnits);  // [batch]: lengths
+  SharedCarver sh(batch);  // (plan.projection_shared_layout)
+  float* r_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: r_{t-1}
+  float* h_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: h_t
+  float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh r_{t-1}
+  float* pr_s = sh.rows(PRNN_SMEM_PARTIAL_B);  // [batch][kKsplitB][V]: partial W_hr h_t
+  float* gi_s = sh.rows(PRNN_SMEM_GI);        // [2][batch][G][kUnits]: gi_t by step parity
+  float* c_s = sh.rows(PRNN_SMEM_C);          // [batch][kUnits]: c_{t-1} of the owned units
+  float* hp_s = sh.rows(PRNN_SMEM_H);         // [batch][kUnits]: h_{t-1} of the owned units
+  float* rp_s = sh.rows(PRNN_SMEM_R);         // [batch][V]: r_{t-1} of the owned rows
+  float* bias_s = sh.fixed(PRNN_SMEM_BIAS);   // [G][kUnits]: b_hh of the owned rows
+  int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   // Each exchange's rows are its staged vector's: r_t in tile A's, h_t in tile B's.
-  const Exchange xr = begin_exchange(exchange_r, len_s + batch, batch, proj, batch * V);
-  const ExchangeOf<kPaddedB> xh = begin_exchange<kPaddedB>(exchange_h, len_s + batch, batch, hidden);
+  const Exchange xr = begin_exchange(exchange_r, sh, batch, proj, batch * V);
+  const ExchangeOf<kPaddedB> xh = begin_exchange<kPaddedB>(exchange_h, sh, batch, hidden);
 
   const Team team = step_team<G>();  // the whole CTA
   RegisterTile gates;

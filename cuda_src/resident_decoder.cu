@@ -113,16 +113,15 @@ PRNN_DEVICE StepIo io_of_words(const unsigned* in, bool relaxed) {
 // A staged row of x: input_size floats padded to whole quads (16-byte rows in shared memory).
 PRNN_HD constexpr int padded_input(int input) { return (input + 3) / 4 * 4; }
 
-constexpr int kControlWords = 16;  // word_s (decoder.CONTROL_WORDS)
-
-// Shared memory, in this order (persistent_rnn/decoder.py's plan() sizes it, the one place that
-// does: these regions in floats, CONTROL_WORDS words after them, then the held rows of W_ih):
-//   h_s     [batch][kPadded]                  h_{t-1} staged
+// Shared memory, in this order (persistent_rnn/decoder.py's shared_layout sizes it, the one place
+// that does: -D PRNN_SMEM_<REGION>, shared_layout.cuh; x's row and W_ih's rows take their width
+// from a launch argument):
+//   h_s     [batch][kPadded]                  h_{t-1} staged (STAGED)
 //   x_s     [batch][padded_input(input)]      x_t staged (a step of mode x)
-//   part_s  [batch][kKsplit][G*kUnits]        the product's partial sums (then each row's
-//                                             W_hh h + b_hh in its chunk-0 slot)
-//   gi_s    [batch][G*kUnits]                 the CTA's rows of gi_t (mode x)
-//   word_s  kControlWords words: thread 0's decisions and the posted pointers
+//   part_s  [batch][kKsplit][G*kUnits]        the product's partial sums (PARTIAL; then each
+//                                             row's W_hh h + b_hh in its chunk-0 slot)
+//   gi_s    [batch][G*kUnits]                 the CTA's rows of gi_t (mode x) (GI)
+//   word_s  16 words: thread 0's decisions and the posted pointers (WORDS)
 //   w_s     [G*kUnits][input]                 the resident CTA's rows of W_ih, where the plan
 //                                             holds them (hold_w_ih; the step kernel's shared
 //                                             memory ends before w_s)
@@ -136,13 +135,13 @@ struct DecoderShared {
 };
 
 PRNN_DEVICE DecoderShared decoder_shared(int batch, int input) {
-  constexpr int R = ThisCell::G * kUnits;
-  float* h_s = prnn_shared_memory<float>();
-  float* x_s = h_s + batch * kPadded;
-  float* part_s = x_s + batch * padded_input(input);
-  float* gi_s = part_s + batch * kKsplit * R;
-  unsigned* word_s = reinterpret_cast<unsigned*>(gi_s + batch * R);
-  return {h_s, x_s, part_s, gi_s, word_s, reinterpret_cast<float*>(word_s + kControlWords)};
+  SharedCarver sh(batch);
+  float* h_s = sh.rows(PRNN_SMEM_STAGED);
+  float* x_s = sh.rows(padded_input(input));
+  float* part_s = sh.rows(PRNN_SMEM_PARTIAL);
+  float* gi_s = sh.rows(PRNN_SMEM_GI);
+  unsigned* word_s = sh.fixed<unsigned>(PRNN_SMEM_WORDS);
+  return {h_s, x_s, part_s, gi_s, word_s, sh.fixed(ThisCell::G * kUnits * input)};
 }
 
 // Starts staging x (B, input) into x_s, zero-padded: asynchronous copies where the rows are

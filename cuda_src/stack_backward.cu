@@ -58,11 +58,12 @@ PRNN_KERNEL void prnn_stack_backward(
   float* dh_carry_l = dh_carry + (size_t)layer * (steps + 1) * plane;
   float* dc_carry_l = dc_carry + (size_t)layer * (steps + 1) * plane;
 
-  float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: [dgh_l[t+1] | dgi_{l+1}[t]]
-  float* rec_s = v_s + batch * kPadded;       // [batch][kKsplit][kUnits]: partial sums
-  float* in_s = rec_s + batch * kKsplit * kUnits;  // [2][batch][kInputs][kUnits]: inputs by parity
-  float* carry_s = in_s + 2 * batch * kInputs * kUnits;  // [2][batch][kUnits]: dh, dc carries
-  int* len_s = reinterpret_cast<int*>(carry_s + 2 * batch * kUnits);  // [batch]: lengths
+  SharedCarver sh(batch);  // (plan.shared_layout)
+  float* v_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: [dgh_l[t+1] | dgi_{l+1}[t]]
+  float* rec_s = sh.rows(PRNN_SMEM_PARTIAL);  // [batch][kKsplit][kUnits]: partial sums
+  float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [2][batch][kInputs][kUnits]: inputs by parity
+  float* carry_s = sh.rows(PRNN_SMEM_CARRIES);  // [2][batch][kUnits]: dh, dc carries
+  int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   const StackExchange xgh = begin_stack_exchange(exchange_gh, steps, batch, gh_len);
   const StackExchange xgi = xgh.with_words(exchange_gi);
   if (start < 0) {  // this layer finished in an earlier launch

@@ -50,13 +50,14 @@ PRNN_KERNEL void prnn_stack_forward(
   const float* h0_l = h0 + (size_t)layer * batch * hidden;
   const float* c0_l = c0 + (size_t)layer * batch * hidden;
 
-  float* v_s = prnn_shared_memory<float>();  // [batch][kPadded]: [y_{l-1}[t] | h_l[t-1]], halves
-  float* part_s = v_s + batch * kPadded;     // [batch][kKsplit][R]: partial sums
-  float* gi_s = part_s + batch * kKsplit * R;  // [2][batch][G][kUnits]: gi_t by parity (own_gi)
-  float* c_s = gi_s + 2 * batch * G * kUnits;  // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
-  float* hp_s = c_s + batch * kUnits;        // [batch][kUnits]: h_{t-1} of the owned units
-  float* bias_s = hp_s + batch * kUnits;     // [2][G][kUnits]: b_ih, b_hh of the owned rows
-  int* len_s = reinterpret_cast<int*>(bias_s + 2 * G * kUnits);  // [batch]: lengths
+  SharedCarver sh(batch);  // (plan.shared_layout)
+  float* v_s = sh.rows(PRNN_SMEM_STAGED);    // [batch][kPadded]: [y_{l-1}[t] | h_l[t-1]], halves
+  float* part_s = sh.rows(PRNN_SMEM_PARTIAL);  // [batch][kKsplit][R]: partial sums
+  float* gi_s = sh.rows(PRNN_SMEM_GI);       // [2][batch][G][kUnits]: gi_t by parity (own_gi)
+  float* c_s = sh.rows(PRNN_SMEM_C);         // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
+  float* hp_s = sh.rows(PRNN_SMEM_H);        // [batch][kUnits]: h_{t-1} of the owned units
+  float* bias_s = sh.fixed(PRNN_SMEM_BIAS);  // [2][G][kUnits]: b_ih, b_hh of the owned rows
+  int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   const StackExchange xch = begin_stack_exchange(exchange, steps, batch, hidden);
   if (start >= steps) {  // this layer finished in an earlier launch
     if (threadIdx.x == 0) ctl->progress[cta] = steps - 1;

@@ -83,7 +83,7 @@ _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x give
 class DecoderPlan:
     """The resident kernel's launch for one layer: the layer forward's tile (its -D), grid,
     block, the layer's input size and the shared memory (``resident_decoder.cu``'s layout:
-    ``plan`` is the one place that sizes it): ``shared_bytes`` the step kernel's, and
+    ``shared_layout`` is the one place that sizes it): ``shared_bytes`` the step kernel's, and
     ``resident_shared_bytes`` the resident kernel's - with its CTA's rows of W_ih
     (``w_ih_rows`` of them) where they fit a block (``w_ih_held``), so that a step's projection
     reads them from shared memory, not L2."""
@@ -128,18 +128,18 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
         return None, (f"its kernel takes the whole GPU ({fwd.grid} CTAs, one per SM, on "
                       f"{device.sm_count} SMs): the step kernel's CTA would have no SM beside it "
                       f"(the rule: grid < SM count)")
-    d = dict(fwd.defines)
+    d = {k: v for k, v in fwd.defines.items() if not k.startswith("PRNN_SMEM_")}
     if d.pop("PRNN_CLUSTER", None) is not None:
         d["PRNN_WORD_SPAN"] = 1
-    rows = cell.gates * d["PRNN_UNITS"]  # the CTA's rows of W_hh and W_ih
-    padded_input = -(-inputs // 4) * 4  # (resident_decoder.cu, padded_input)
-    floats = batch * (fwd.exchange_row + padded_input + d["PRNN_KSPLIT"] * rows + rows)
-    shared = 4 * (floats + CONTROL_WORDS)
+    layout = shared_layout(cell, d, fwd.exchange_row, inputs)
+    d.update(planner.layout_defines(layout))
+    shared = planner.layout_bytes(layout, batch)
     limit = min(device.shared_per_block, device.shared_per_sm)
     if shared > limit:
         return None, (f"its shared memory ({shared} bytes: h and x staged, input_size {inputs}, "
                       f"batch {batch}) exceeds the {limit} bytes of a block on {device.name}")
-    held = shared + 4 * rows * inputs  # (resident_decoder.cu's w_s after the control words)
+    rows = cell.gates * d["PRNN_UNITS"]  # the CTA's rows of W_hh and W_ih
+    held = planner.layout_bytes(layout + (held_w_ih(rows, inputs),), batch)
     fits = held <= limit
     return DecoderPlan(d, fwd.grid, fwd.block, inputs, shared, held if fits else shared, fits,
                        rows), None
@@ -178,6 +178,27 @@ def _lost_errors(xp) -> tuple[type[BaseException], ...]:
         from . import emulate
         return (emulate.ContextReset,)
     return (xp.cuda.runtime.CUDARuntimeError,)
+
+
+def shared_layout(cell: CellSpec, defines: Mapping[str, int], padded: int,
+                  inputs: int) -> tuple[planner.SharedRegion, ...]:
+    """``resident_decoder.cu``'s shared memory, region by region in its order (per batch row
+    unless said; the kernel carves it from ``-D PRNN_SMEM_<name>``, ``plan.shared_layout``):
+    h_{t-1} staged, STAGED [padded] (the forward tile's row); x_t staged, input_size floats
+    padded to whole quads (a launch argument's row: the kernel's ``padded_input``, no define);
+    the product's partial sums, PARTIAL [ksplit][G*units]; the CTA's rows of gi, GI [G*units];
+    CONTROL_WORDS words in all, WORDS."""
+    rows = cell.gates * defines["PRNN_UNITS"]  # the CTA's rows of W_hh and W_ih
+    region = planner.SharedRegion
+    return (region("STAGED", padded), region("X", -(-inputs // 4) * 4, argument=True),
+            region("PARTIAL", defines["PRNN_KSPLIT"] * rows), region("GI", rows),
+            region("WORDS", CONTROL_WORDS, per_row=False))
+
+
+def held_w_ih(rows: int, inputs: int) -> planner.SharedRegion:
+    """The resident kernel's region after ``shared_layout``'s: its CTA's ``rows`` rows of W_ih,
+    ``inputs`` floats each (a launch argument's width: no define), where the plan holds them."""
+    return planner.SharedRegion("W_IH", rows * inputs, per_row=False, argument=True)
 
 
 def _module(xp, defines: Mapping[str, int]):

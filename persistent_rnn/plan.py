@@ -125,37 +125,83 @@ def staged_buffers(cell: CellSpec, tile: Tile, stack: bool = False) -> int:
     return 2 if warp_teams(cell, tile.forward) and not (tile.cluster or stack) else 1
 
 
-def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
-                 stack: bool = False) -> int:
-    """Dynamic shared memory of one CTA of a pass: what the kernel carves out, in its order.
+@dataclass(frozen=True)
+class SharedRegion:
+    """One region of a kernel's dynamic shared memory, passed as ``-D PRNN_SMEM_<name>=words``
+    (``cuda_src/shared_layout.cuh``): ``words`` 4-byte words per batch row, or in all where not
+    ``per_row`` (per-CTA constants); ``align``: bytes its start is rounded up to (``>4``: also
+    ``-D PRNN_SMEM_<name>_ALIGN``); ``argument``: a row the kernel takes from a launch argument
+    instead (the resident decoder's staged x, whose width is the layer's input size), no define."""
 
-    Forward (``persistent_forward.cu``): h_{t-1} staged [``staged_buffers``][B][padded] (two
-    by step parity on the grid with warp teams), partial sums
-    [B][ksplit][G*units], gi of two steps [2][B][G][units], c_{t-1} and h_{t-1} [B][units] each,
-    b_hh [G][units], lengths [B].
-    Backward (``persistent_backward.cu``): dgh_{t+1} staged [B][padded], partial sums
-    [B][ksplit][units], read-only inputs of two steps [2][B][inputs][units] (dy, h, h_prev,
-    [c, c_prev], saved), dh and dc carries [2][B][units], lengths [B]. The next step's inputs are
-    prefetched during the step, hence two. ``padded = ksplit * 32 * kpt``. Every word is 4 bytes.
-    Then, 16-byte aligned, a cluster tile's copy of the exchange, [2][B][padded] 4-byte tagged
-    words (a grid tile's exchange is in global memory).
-    ``tests/test_plan.py`` checks this against an emulated launch.
-    ``stack``: the stack kernels (``stack_*.cu``), whose forward keeps b_ih beside b_hh
-    ([2][G][units]).
+    name: str
+    words: int
+    per_row: bool = True
+    align: int = 4
+    argument: bool = False
+
+
+def layout_bytes(layout: tuple[SharedRegion, ...], batch: int) -> int:
+    """Bytes of dynamic shared memory ``layout`` takes at ``batch`` rows: its regions one after
+    another, each start rounded up to its alignment (as ``SharedCarver`` carves them)."""
+    end = 0
+    for region in layout:
+        end = -(-end // region.align) * region.align
+        end += 4 * region.words * (batch if region.per_row else 1)
+    return end
+
+
+def layout_defines(layout: tuple[SharedRegion, ...]) -> dict[str, int]:
+    """The ``-D`` macros that give a kernel ``layout``: ``PRNN_SMEM_<name>`` (and ``_ALIGN``)."""
+    defines = {}
+    for region in (r for r in layout if not r.argument):
+        defines[f"PRNN_SMEM_{region.name}"] = region.words
+        if region.align > 4:
+            defines[f"PRNN_SMEM_{region.name}_ALIGN"] = region.align
+    return defines
+
+
+def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
+                  stack: bool = False) -> tuple[SharedRegion, ...]:
+    """The dynamic shared memory of one CTA of a pass, region by region in the kernel's order:
+    the one place it is sized (the kernels carve it from ``layout_defines``).
+
+    Forward (``persistent_forward.cu``): h_{t-1} staged, STAGED [``staged_buffers``][padded]
+    per batch row (two by step parity on the grid with warp teams); the product's partial sums,
+    PARTIAL [ksplit][G*units]; gi of two steps, GI [2][G][units]; c_{t-1} and h_{t-1} of the
+    owned units, C and H [units] each; b_hh, BIAS [G][units] in all; the lengths, LENGTHS [1].
+    Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded]; PARTIAL
+    [ksplit][units]; the read-only inputs of two steps (dy, h, h_prev, [c, c_prev], saved:
+    prefetched during the step before), INPUTS [2][inputs][units]; the dh and dc carries,
+    CARRIES [2][units]; LENGTHS [1]. ``padded = ksplit * 32 * kpt``.
+    Then a cluster tile's copy of the exchange, EXCHANGE [2][padded] tagged words per batch row,
+    16-byte aligned (a grid tile's exchange is in global memory).
+    ``stack``: the stack kernels (``stack_*.cu``): one staged buffer, and the forward keeps b_ih
+    beside b_hh (BIAS [2][G][units]).
     """
     pt = tile.backward if backward else tile.forward
-    units, gates = tile.units, cell.gates
-    padded = padded_length(pt)
+    units, padded = tile.units, padded_length(pt)
+    region = SharedRegion
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
-        per_row = padded + pt.ksplit * units + 2 * inputs * units + 2 * units
-        constants = 0
+        layout = (region("STAGED", padded), region("PARTIAL", pt.ksplit * units),
+                  region("INPUTS", 2 * inputs * units), region("CARRIES", 2 * units),
+                  region("LENGTHS", 1))
     else:
-        per_row = (staged_buffers(cell, tile, stack) * padded + pt.ksplit * gates * units
-                   + 2 * gates * units + 2 * units)
-        constants = (2 if stack else 1) * gates * units
-    fixed = 4 * (batch * per_row + constants + batch)
-    return -(-fixed // 16) * 16 + 8 * batch * padded if tile.cluster else fixed
+        rows = cell.gates * units
+        layout = (region("STAGED", staged_buffers(cell, tile, stack) * padded),
+                  region("PARTIAL", pt.ksplit * rows), region("GI", 2 * rows),
+                  region("C", units), region("H", units),
+                  region("BIAS", (2 if stack else 1) * rows, per_row=False),
+                  region("LENGTHS", 1))
+    return layout + ((region("EXCHANGE", 2 * padded, align=16),) if tile.cluster else ())
+
+
+def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
+                 stack: bool = False) -> int:
+    """Dynamic shared memory of one CTA of a pass at ``batch`` rows: ``shared_layout``'s bytes.
+    ``tests/test_plan.py`` checks with emulated launches that the kernel carves and uses exactly
+    this."""
+    return layout_bytes(shared_layout(cell, tile, backward, stack), batch)
 
 
 # The smallest batch whose 16-bit layers take the tensor-core tiles first (``tiles.MMA_TILES``,
@@ -215,8 +261,10 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     if stack_layers:
         plain = pass_plan(cell, tile, backward, hidden, batch, dtype)
         name = "backward" if backward else "forward"
-        defines = {k: v for k, v in plain.defines.items() if k not in _LAYER_FORWARD_DEFINES}
+        defines = {k: v for k, v in plain.defines.items()
+                   if k not in _LAYER_FORWARD_DEFINES and not k.startswith("PRNN_SMEM_")}
         defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward)
+        defines.update(layout_defines(shared_layout(cell, tile, backward, stack=True)))
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
                        defines=defines, grid=stack_layers * plain.grid,
                        shared_bytes=shared_bytes(cell, tile, backward, batch, stack=True),
@@ -241,6 +289,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     else:  # a cluster has no gather (kDirectRead)
         quads = quads_per_thread(batch, padded_length(pt), block)
         defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(pt, dtype), quads)
+    defines.update(layout_defines(shared_layout(cell, tile, backward)))
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
@@ -276,27 +325,41 @@ def projection_capacity(tile: ProjectionTile) -> tuple[int, int]:
     return hidden, min(cols(tile.forward), cols(tile.backward_b))
 
 
-def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int) -> int:
-    """Dynamic shared memory of one CTA of a projection pass, in the kernel's order.
+def projection_shared_layout(tile: ProjectionTile, backward: bool) -> tuple[SharedRegion, ...]:
+    """The dynamic shared memory of one CTA of a projection pass, region by region in the
+    kernel's order (as ``shared_layout``; tile A's padded K is ``padded A``, tile B's
+    ``padded B``; per batch row unless said).
 
-    Forward: r_{t-1} staged [B][padded A], h_t staged [B][padded B], partial sums
-    [B][ksplit A][4*units] and [B][ksplit B][proj_rows], gi of two steps [2][B][4][units],
-    c_{t-1} and h_{t-1} [B][units] each, r_{t-1} [B][proj_rows], b_hh [4][units], lengths [B].
-    Backward: dg_{t+1} staged [B][padded A], dr_t staged [B][padded B], partial sums
-    [B][ksplit A][proj_rows] and [B][ksplit B][units], inputs of two steps [2][B][6][units]
-    (c, c_prev, saved i f g o) and [2][B][proj_rows] (dy), dc carry [B][units], dr carry
-    [B][proj_rows], lengths [B]. Both exchanges are in global memory.
+    Forward: r_{t-1} staged STAGED [padded A], h_t staged STAGED_B [padded B], partial sums
+    PARTIAL [ksplit A][4*units] and PARTIAL_B [ksplit B][proj_rows], gi of two steps
+    GI [2][4][units], c_{t-1} and h_{t-1} of the owned units C, H [units] each, r_{t-1} of the
+    owned rows R [proj_rows], b_hh BIAS [4][units] in all, LENGTHS [1].
+    Backward: dg_{t+1} staged STAGED [padded A], dr_t staged STAGED_B [padded B], partial sums
+    PARTIAL [ksplit A][proj_rows] and PARTIAL_B [ksplit B][units], inputs of two steps
+    INPUTS [2][6][units] (c, c_prev, saved i f g o) and DY [2][proj_rows], the dc carry
+    DC [units], the dr carry DR [proj_rows], LENGTHS [1]. Both exchanges are in global memory.
     """
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
-    units, rows = tile.units, tile.proj_rows
-    padded = (a.ksplit * a.kpt + b.ksplit * b.kpt) * WARP
+    units, rows, cell = tile.units, tile.proj_rows, PROJECTION_CELL
+    region = SharedRegion
+    staged = (region("STAGED", padded_length(a)), region("STAGED_B", padded_length(b)))
     if backward:
-        per_row = padded + a.ksplit * rows + b.ksplit * units + 12 * units + 3 * rows + units
-        constants = 0
-    else:
-        per_row = padded + a.ksplit * 4 * units + b.ksplit * rows + 8 * units + 2 * units + rows
-        constants = 4 * units
-    return 4 * (batch * per_row + constants + batch)
+        inputs = 2 * cell.has_cell_state + cell.saved
+        return staged + (region("PARTIAL", a.ksplit * rows), region("PARTIAL_B", b.ksplit * units),
+                         region("INPUTS", 2 * inputs * units), region("DY", 2 * rows),
+                         region("DC", units), region("DR", rows), region("LENGTHS", 1))
+    gate_rows = cell.gates * units
+    return staged + (region("PARTIAL", a.ksplit * gate_rows), region("PARTIAL_B", b.ksplit * rows),
+                     region("GI", 2 * gate_rows), region("C", units), region("H", units),
+                     region("R", rows), region("BIAS", gate_rows, per_row=False),
+                     region("LENGTHS", 1))
+
+
+def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int) -> int:
+    """Dynamic shared memory of one CTA of a projection pass at ``batch`` rows:
+    ``projection_shared_layout``'s bytes (``tests/test_projection_persistent.py`` checks them
+    with emulated launches)."""
+    return layout_bytes(projection_shared_layout(tile, backward), batch)
 
 
 def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj: int,
@@ -311,6 +374,7 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
     defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
+    defines.update(layout_defines(projection_shared_layout(tile, backward)))
     block = tile.warps * WARP
     which = "backward" if backward else "forward"
     return PassPlan(

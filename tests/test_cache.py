@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 
 from persistent_rnn import cache, emulate
+from persistent_rnn.cells import CELLS
+from persistent_rnn.plan import layout_defines, shared_layout
+from persistent_rnn.tiles import PassTile, Tile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -269,8 +272,10 @@ def test_builds_with_tmpdir_on_another_filesystem(tmp_path):
 
 # -- NVRTC cubins ------------------------------------------------------------------------------
 
+_SMALL = Tile(4, PassTile(4, 4, 1), PassTile(4, 4, 1))  # a small tanh RNN forward
 FORWARD = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4, "PRNN_KPT": 1,
-           "PRNN_WARPS": 4, "PRNN_GATHER_QUADS": 1}
+           "PRNN_WARPS": 4, "PRNN_GATHER_QUADS": 1,
+           **layout_defines(shared_layout(CELLS["rnn_tanh"], _SMALL, False))}
 
 
 @pytest.fixture

@@ -19,15 +19,18 @@ from persistent_rnn.kernel_report import gather_variants
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, PassTile, cluster_tiles_for,
                                  mma_tiles_for, pass_plan, projection_tile_ships, resident_ctas,
                                  stack_tiles_for, tile_max_hidden, tiles_for)
-from persistent_rnn.tiles import SHIPPED
+from persistent_rnn.tiles import SHIPPED, Tile
+from persistent_rnn.plan import layout_defines, shared_layout
 from persistent_rnn.plan import warp_teams as warp_teams_of
 
 # Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
 # the default per-test timeout on a cold cache and a busy 2-core machine.
 pytestmark = pytest.mark.timeout(1800)
 
+_SMALL = Tile(4, PassTile(4, 4, 1), PassTile(4, 4, 1))  # a small tanh RNN forward
 FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT": 4,
-                   "PRNN_KPT": 1, "PRNN_WARPS": 4, "PRNN_GATHER_QUADS": 1}
+                   "PRNN_KPT": 1, "PRNN_WARPS": 4, "PRNN_GATHER_QUADS": 1,
+                   **layout_defines(shared_layout(CELLS["rnn_tanh"], _SMALL, False))}
 
 
 # CI builds the configurations at the register file's edge (kernel_report._edges: of each kernel

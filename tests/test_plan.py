@@ -176,6 +176,37 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
         monkeypatch.setattr(plan, "shared_bytes", shared_bytes)
 
 
+def test_shared_layout_reaches_the_kernels_as_defines_and_sums_to_the_launch_bytes():
+    """One source for a kernel's shared memory (docs/design.md, "Shared-memory layout"): each
+    region of the planner's layout is a -D PRNN_SMEM_<REGION> of the pass plan, and the launch's
+    bytes are those numbers summed - per batch row or fixed, each start rounded up to its
+    alignment; the resident decoder takes its own layout, not the forward's, and its staged x
+    (a launch argument's row) has no define."""
+    region = plan.SharedRegion
+    odd = (region("A", 3), region("B", 5, per_row=False), region("C", 2, align=16),
+           region("D", 7, argument=True))
+    assert plan.layout_bytes(odd, 1) == 12 + 20 + 8 + 28 == 68  # 32 is 16-byte aligned
+    assert plan.layout_bytes(odd, 2) == 24 + 20 + 4 + 16 + 56  # 44 rounded up to 48
+    assert plan.layout_defines(odd) == {"PRNN_SMEM_A": 3, "PRNN_SMEM_B": 5, "PRNN_SMEM_C": 2,
+                                        "PRNN_SMEM_C_ALIGN": 16}
+    lstm = CELLS["lstm"]
+    grid, cluster = make_plan(lstm, 1024, 3, device="h100"), make_plan(lstm, 256, 3, device="h100")
+    assert cluster.tile.cluster and not grid.tile.cluster
+    for p, tile, backward in ((grid.forward, grid.tile, False), (grid.backward, grid.tile, True),
+                              (cluster.forward, cluster.tile, False)):
+        layout = plan.shared_layout(lstm, tile, backward)
+        smem = {k: v for k, v in p.defines.items() if k.startswith("PRNN_SMEM_")}
+        assert smem == plan.layout_defines(layout) and p.shared_bytes == plan.layout_bytes(layout, 3)
+    assert "PRNN_SMEM_EXCHANGE_ALIGN" in cluster.forward.defines
+    assert "PRNN_SMEM_EXCHANGE" not in grid.forward.defines
+    from persistent_rnn import decoder
+    dp, _ = decoder.plan(lstm, 256, 3, plan.resolve_device("h100"), input_size=10)
+    assert {k for k in dp.defines if k.startswith("PRNN_SMEM_")} == {
+        "PRNN_SMEM_STAGED", "PRNN_SMEM_PARTIAL", "PRNN_SMEM_GI", "PRNN_SMEM_WORDS"}
+    assert dp.shared_bytes == plan.layout_bytes(decoder.shared_layout(
+        lstm, dp.defines, cluster.forward.exchange_row, 10), 3)
+
+
 def test_gather_quads_fit_the_batch_within_the_register_cap():
     """A grid kernel's gather loads as many quads at once as a thread gathers per step, rounded
     up to a power of 2 (every unrolled slot issues each step), capped by the registers the
