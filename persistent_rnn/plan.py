@@ -230,8 +230,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
                "PRNN_KSPLIT": pt.ksplit, "PRNN_KPT": pt.kpt, "PRNN_WARPS": warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
-    if tile.mma and not backward:  # the tensor-core forward (cuda_src/mma_tile.cuh)
-        defines["PRNN_MMA"] = 1
+    if tile.mma:  # the tensor cores: forward cuda_src/mma_tile.cuh, backward mma_split_tile.cuh
+        defines["PRNN_MMA"] = 2 if backward else 1
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
         defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)
