@@ -12,9 +12,9 @@ emulation of the same CUDA source, and the conversions they are built on.
   tests/campaign.py checks every path against float64 along its own rounded states.
 * The largest 16-bit tiles (forced at a small H), odd H (a padded last word) and a stall that
   makes the barrier time out: the restarted run is bitwise identical to an undisturbed one.
-* From B = 2 (``plan.MMA_MIN_BATCH``) the forwards run on the tensor-core tiles
-  (cuda_src/mma_tile.cuh; tests/test_mma_tiles.py): the layer tests above (B = 3, a cluster) and
-  the stalls (B = 2, grid and cluster) run them.
+* From B = 2 (``plan.MMA_MIN_BATCH``) the forwards and backwards run on the tensor-core tiles
+  (cuda_src/mma_tile.cuh, mma_split_tile.cuh; tests/test_mma_tiles.py, tests/test_mma_backward.py):
+  the layer tests above (B = 3, a cluster) and the stalls (B = 2, grid and cluster) run them.
 """
 from __future__ import annotations
 
@@ -170,6 +170,7 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
     assert fwd.algo == bwd.algo == "persistent" and fwd.emulated and fwd.fallback is None
     assert f"'PRNN_WEIGHT_DTYPE': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
     assert "'PRNN_MMA': 1" in fwd.details[0]  # B >= plan.MMA_MIN_BATCH: the tensor-core forward
+    assert "'PRNN_MMA': 2" in bwd.details[0]  # and backward
     want, _, _ = _run(ref, x, hx, lengths, dy, dhn)
     same_rounding, _, _ = _run(gemm, x, hx, lengths, dy, dhn)
     forward = 3 if kern.cell.has_cell_state else 2  # y, hn (, cn): relu's bound is its forward
@@ -213,7 +214,7 @@ def test_stall_restarts_bitwise_identically(emulation, request, mode, dtype, clu
     prnn.configure(emulation_timeout_ms=300)
     with prnn.inject_stall(block=1, step=3, duration_ms=2000):
         stalled, fwd, bwd = _run(kern, x, hx, [6, 4], dy, dhn)
-    assert fwd.restarts >= 1 and bwd.restarts >= 1
+    assert fwd.restarts >= 1 and bwd.restarts >= 1 and "'PRNN_MMA': 2" in bwd.details[0]
     assert fwd.algo == bwd.algo == "persistent" and fwd.fallback is None and bwd.fallback is None
     for a, b in zip(stalled, clean):
         assert np.array_equal(a, b)

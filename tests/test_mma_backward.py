@@ -1,0 +1,120 @@
+"""The tensor-core backward tile (cuda_src/mma_split_tile.cuh, ``-D PRNN_MMA=2``: W_hh^T as B
+fragments, each fp32 dgh value split into a 16-bit part and the 16-bit rounding of the rest)
+through the CPU emulation, whose mma follows the PTX ISA's fragment layouts.
+
+docs/api.md promises fp32 gradients, so these tests read the backward's fp32 results
+(``functional.backward``, before the layer rounds them to its dtype):
+
+* against float64 along the run's own states (tests/campaign.py's ``trajectory_reference``: the
+  exact gradient of the rounded computation) within ``FP32_BOUND`` - the CUDA-core 16-bit
+  backward's fp32 FMAs measure 1-4e-7 on these cases, the split 2-6e-7 (bf16: 16 significant
+  bits a value instead of 22; docs/design.md, "Tensor-core tiles");
+* against the CUDA-core 16-bit backward of the same tile (``plan.MMA_BACKWARD`` off) within
+  the same bound;
+* fp16 gradients of 2^-20 (below fp16's normal range, 2^-14): the split's per-row power-of-two
+  scale keeps them to the same bound (without it the low part would be subnormal or zero).
+
+The layer-level tests run it too: tests/test_half_kernels.py's 16-bit layers (B = 3, every cell
+in fp16, the LSTM in bf16) against float64 and the GEMM path, and its stalls (B = 2, grid and
+cluster) restarting bitwise identical. CI: the LSTM, fp16 on the grid and bf16 in a cluster, on
+kernels that test builds; ``PRNN_TEST_EVERY_KERNEL=1`` runs every cell, both dtypes, both
+placements and B = 3 and 17 (three n-tiles, a partial last one).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import functional, plan as planner
+from persistent_rnn.cells import layer_args
+
+from campaign import relerr, trajectory_reference
+
+EVERY = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
+FP32_BOUND = 2e-6  # relative error of the fp32 gradients (measured: <= 6e-7 fp16, 1.9e-6 bf16)
+# (cell, dtype, placement, hidden, batch). CI: the layers tests/test_half_kernels.py builds (its
+# grid stall's LSTM H 40 B 2, its cluster layer at H 13 B 3), so only the CUDA-core reference
+# backward is a new build.
+CASES = [("lstm", "float16", "grid", 40, 2), ("lstm", "bfloat16", "cluster", 13, 3)]
+CORE_CASES = CASES[:1]
+if EVERY:
+    CASES = CORE_CASES = [(c, d, p, 40 if p == "grid" else 24, b)
+                          for c in ("lstm", "gru", "rnn_tanh") for d in ("float16", "bfloat16")
+                          for p in ("grid", "cluster") for b in (3, 17)]
+
+
+@pytest.fixture
+def emulation(settings, fresh_plans, monkeypatch):
+    """A generous barrier timeout, and the mma tiles taken at every batch."""
+    prnn.configure(emulation_timeout_ms=20_000)
+    monkeypatch.setattr(planner, "MMA_MIN_BATCH", 1)
+
+
+def _backward(name: str, dtype: str, hidden: int, batch: int, scale: float = 1.0):
+    """The fp32 gradients of an emulated 16-bit layer's backward (unrounded), the float64 ones
+    along the run's states, and the backward's RunStats."""
+    mode, kw = layer_args(name)
+    layer = getattr(prnn, mode)(5, hidden, dtype=dtype, algo="persistent", seed=7, **kw)
+    rng = np.random.default_rng(batch)
+    cast = lambda a: a.astype(layer.dtype)  # noqa: E731
+    shape = (1, batch, hidden)
+    pair = lambda s: tuple(cast(rng.standard_normal(shape) * s) for _ in range(2))  # noqa: E731
+    one = layer.cell.has_cell_state is False
+    x = cast(rng.standard_normal((4, batch, 5)))
+    hx = pair(0.5)[0] if one else pair(0.5)
+    dy = cast(rng.standard_normal((4, batch, hidden)) * scale)
+    dhn = pair(scale)[0] if one else pair(scale)
+    layer.forward(x, hx)
+    ctx = layer._ctx
+    dx, dhx, grads = functional.backward(ctx, dy, dhn)
+    f64 = lambda a: tuple(v.astype(np.float64) for v in a) if isinstance(a, tuple) else a.astype(np.float64)  # noqa: E731
+    _, want = trajectory_reference(ctx, {"dy": f64(dy), "dhn": f64(dhn)})
+    dhx = dhx if isinstance(dhx, tuple) else (dhx,)
+    got = {"dx": dx, **{f"dhx[{i}]": a for i, a in enumerate(dhx)}, **grads}
+    return {k: np.asarray(v, np.float64) for k, v in got.items()}, want, ctx.backward_stats
+
+
+def _ran(stats, cluster: bool, mma: bool) -> None:
+    assert stats.algo == "persistent" and stats.emulated and stats.fallback is None
+    assert ("'PRNN_MMA': 2" in stats.details[0]) == mma, stats.details
+    assert ("PRNN_CLUSTER" in stats.details[0]) == cluster, stats.details
+
+
+def _placed(request, placement: str) -> bool:
+    if placement == "grid":
+        request.getfixturevalue("grid_path")
+    return placement == "cluster"
+
+
+@pytest.mark.parametrize("name,dtype,placement,hidden,batch", CASES)
+def test_mma_backward_matches_float64(emulation, request, name, dtype, placement, hidden, batch):
+    cluster = _placed(request, placement)
+    got, want, stats = _backward(name, dtype, hidden, batch)
+    _ran(stats, cluster, mma=True)
+    for key, ref in want.items():
+        assert relerr(got[key], ref) <= FP32_BOUND, key
+
+
+@pytest.mark.parametrize("name,dtype,placement,hidden,batch", CORE_CASES)
+def test_mma_backward_matches_the_cuda_core_backward(emulation, request, monkeypatch, name, dtype,
+                                                     placement, hidden, batch):
+    cluster = _placed(request, placement)
+    got, _, stats = _backward(name, dtype, hidden, batch)
+    _ran(stats, cluster, mma=True)
+    monkeypatch.setattr(planner, "MMA_BACKWARD", False)
+    prnn.runtime._cached_engine.cache_clear()
+    core, _, stats = _backward(name, dtype, hidden, batch)
+    _ran(stats, cluster, mma=False)
+    for key, ref in core.items():
+        assert relerr(got[key], ref) <= FP32_BOUND, key
+
+
+def test_mma_backward_keeps_small_fp16_gradients(emulation, grid_path):
+    # dy, dhn of 2^-20: dgh far below fp16's normal range; the split scales each row into it.
+    got, want, stats = _backward("lstm", "float16", 40, 2, scale=2.0**-20)
+    _ran(stats, cluster=False, mma=True)
+    for key, ref in want.items():
+        assert relerr(got[key], ref) <= FP32_BOUND, key
