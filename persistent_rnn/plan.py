@@ -164,11 +164,13 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
 # block barrier a step, the mma tiles two), from B = 2 the mma tiles (tests/test_half_plan.py holds
 # the model to it; docs/design.md, "Tensor-core tiles").
 MMA_MIN_BATCH = 2
-# Whether the mma tiles' backward is on the tensor cores too (``-D PRNN_MMA=2``,
-# cuda_src/mma_split_tile.cuh: W_hh^T as B fragments, dgh split into two 16-bit parts): the latency
-# model predicts it faster than their CUDA-core 16-bit backward at every batch they serve
-# (tests/test_half_plan.py); False plans that CUDA-core backward (the tests' reference).
-MMA_BACKWARD = True
+# The smallest batch whose mma tiles run their backward on the tensor cores too (``-D PRNN_MMA=2``,
+# cuda_src/mma_split_tile.cuh: W_hh^T as B fragments, dgh split into two 16-bit parts); below it
+# their CUDA-core 16-bit backward. The latency model (h100) predicts the CUDA-core backward
+# faster or equal at B = 2 (LSTM H 512: 2.54 against 2.70 µs; the n-tile of 8 rows costs the
+# same at any B) and 3 (LSTM H 512), the mma backward faster from B = 4 at every shape sampled
+# (tests/test_half_plan.py holds both sides).
+MMA_BACKWARD_MIN_BATCH = 4
 
 
 GATHER_QUADS_MAX = 8  # tagged quads in flight per thread of a gather, at most
@@ -237,7 +239,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
     if tile.mma and not backward:  # the tensor-core forward (cuda_src/mma_tile.cuh)
         defines["PRNN_MMA"] = 1
-    if tile.mma and backward and MMA_BACKWARD:  # the tensor-core backward (mma_split_tile.cuh)
+    if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH:  # (mma_split_tile.cuh)
         defines["PRNN_MMA"] = 2
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
