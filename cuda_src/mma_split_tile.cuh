@@ -13,8 +13,9 @@
 // then holds the dgh of 8 batch rows twice: rows g take the 16-bit rounding of each value
 // (hi), rows g + 8 the 16-bit rounding of what is left (lo = x - hi, exact in fp32), so ONE
 // HMMA per k-step and unit n-tile gives both products and D's rows g and g + 8 are added at the
-// end: x ~ hi + lo to about 22 significant bits for fp16 and 16 for bf16, against the 24 of the
-// fp32 FMA of the CUDA-core tile (docs/design.md has the error measured against float64).
+// end: x ~ hi + lo to about 22 significant bits for fp16, against the 24 of the fp32 FMA of the
+// CUDA-core tile. bf16 (8 bits a part) splits off a third part, the rounding of x - hi - lo, in
+// a second HMMA (rows g + 8 zero): 24 bits (docs/design.md has the errors against float64).
 //
 // fp16's range (|x| from 2^-14 to 65504; 2^-24 at the least) would lose small gradients and
 // overflow large ones, so for fp16 each batch row's values are scaled by a power of two chosen
@@ -45,19 +46,38 @@ PRNN_DEVICE void unpack_16bit(unsigned w, float& lo, float& hi) {
 // Whether the dgh split is scaled (fp16's range).
 constexpr bool kScaledSplit = PRNN_WEIGHT_DTYPE == 1;
 
-// The A fragment of one k-step from a lane's four values x (columns 4t .. 4t+3 of batch row g)
-// times `scale`: registers 0 and 2 (rows g) their 16-bit roundings, 1 and 3 (rows g + 8) the
-// roundings of the remainders.
-PRNN_DEVICE void split_fragment(const float (&x)[4], float scale, unsigned (&a)[4]) {
+// Parts a value is split into: fp16 two (11 + 11 significant bits, about 22), bf16 three (8 + 8
+// + 8: the whole fp32 significand), the third in a second HMMA whose rows g + 8 are zero.
+constexpr int kSplitParts = PRNN_WEIGHT_DTYPE == 2 ? 3 : 2;
+
+// y as two 16-bit words: a word of the 16-bit roundings of (y0, y1), and the rests y - those,
+// exact in fp32 (left in y).
+PRNN_DEVICE unsigned split_off(float (&y)[2]) {
+  const unsigned w = pack_16bit(y[0], y[1]);
+  float h0, h1;
+  unpack_16bit(w, h0, h1);
+  y[0] -= h0;
+  y[1] -= h1;
+  return w;
+}
+
+// The A fragments of one k-step from a lane's four values x (columns 4t .. 4t+3 of batch row g)
+// times `scale`: a[0] registers 0 and 2 (rows g) their 16-bit roundings, 1 and 3 (rows g + 8)
+// the roundings of the remainders; bf16 (kSplitParts 3): a[1] registers 0 and 2 the roundings
+// of what is left then, 1 and 3 zero.
+PRNN_DEVICE void split_fragment(const float (&x)[4], float scale, unsigned (&a)[kSplitParts - 1][4]) {
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
-    const float y0 = kScaledSplit ? x[2 * p] * scale : x[2 * p];
-    const float y1 = kScaledSplit ? x[2 * p + 1] * scale : x[2 * p + 1];
-    const unsigned hi = pack_16bit(y0, y1);
-    float h0, h1;
-    unpack_16bit(hi, h0, h1);
-    a[2 * p] = hi;
-    a[2 * p + 1] = pack_16bit(y0 - h0, y1 - h1);
+    float y[2] = {kScaledSplit ? x[2 * p] * scale : x[2 * p],
+                  kScaledSplit ? x[2 * p + 1] * scale : x[2 * p + 1]};
+    a[0][2 * p] = split_off(y);
+    if constexpr (kSplitParts == 3) {
+      a[0][2 * p + 1] = split_off(y);
+      a[kSplitParts - 2][2 * p] = pack_16bit(y[0], y[1]);
+      a[kSplitParts - 2][2 * p + 1] = 0u;
+    } else {
+      a[0][2 * p + 1] = pack_16bit(y[0], y[1]);
+    }
   }
 }
 
@@ -130,10 +150,17 @@ struct MmaSplitTileOf {
     for (int s = 0; s < kKSteps; ++s) {
       float x[4];
       value(s, x);
-      unsigned a[4];
+      unsigned a[kSplitParts - 1][4];
       split_fragment(x, scale, a);
 #pragma unroll
-      for (int n = 0; n < kNTiles; ++n) mma_16bit(acc[s % kSets][n], a, w[n][s], acc[s % kSets][n]);
+      for (int n = 0; n < kNTiles; ++n) {
+        // bf16's third part into the next set: its own chain (every set's rows are added at the end)
+#pragma unroll
+        for (int part = 0; part < kSplitParts - 1; ++part) {
+          float (&c)[4] = acc[(s + part) % kSets][n];
+          mma_16bit(c, a[part], w[n][s], c);
+        }
+      }
     }
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n) {
