@@ -12,7 +12,9 @@ docs/api.md promises fp32 gradients, so these tests read the backward's fp32 res
 * against the CUDA-core 16-bit backward of the same tile (``plan.MMA_BACKWARD_MIN_BATCH``
   raised) within the same bound;
 * fp16 gradients of 2^-20 (below fp16's normal range, 2^-14): the split's per-row power-of-two
-  scale keeps them to the same bound (without it the low part would be subnormal or zero).
+  scale keeps them to the same bound (without it the low part would be subnormal or zero);
+* the layer's 16-bit results: against the float64 layer within docs/api.md's 16-bit bounds and
+  against the 16-bit GEMM path within one rounding.
 
 tests/test_half_kernels.py's stalls (B = 2, the backward forced on the tensor cores, grid and
 cluster) restart it bitwise identically. CI: the LSTM, fp16 on the grid and bf16 in a cluster,
@@ -37,6 +39,8 @@ EVERY = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 # Relative error of the fp32 gradients held (measured, every cell and placement, B 3 to 17:
 # <= 6e-7, as the CUDA-core backward's).
 FP32_BOUND = 2e-6
+TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}  # docs/api.md, "Accuracy" (16-bit)
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 # (cell, dtype, placement, hidden, batch). CI: the layers tests/test_half_kernels.py's stalls
 # build (LSTM H 40 B 2, the mma backward forced), so only the CUDA-core reference is a new build.
 CASES = [("lstm", "float16", "grid", 40, 2), ("lstm", "bfloat16", "cluster", 40, 2)]
@@ -79,6 +83,17 @@ def _backward(name: str, dtype: str, hidden: int, batch: int, scale: float = 1.0
     return {k: np.asarray(v, np.float64) for k, v in got.items()}, want, ctx.backward_stats
 
 
+def _layer_run(layer, data) -> list[np.ndarray]:
+    """A layer's forward and backward on ``data`` (x, hx, dy, dhn): its results (16-bit arrays
+    but for float64) as float64."""
+    cast = lambda a: tuple(v.astype(layer.dtype) for v in a) if isinstance(a, tuple) else a.astype(layer.dtype)  # noqa: E731
+    x, hx, dy, dhn = (cast(a) for a in data)
+    flat = lambda a: list(a) if isinstance(a, tuple) else [a]  # noqa: E731
+    y, hn = layer.forward(x, hx)
+    dx, dhx = layer.backward(dy, dhn)
+    return [np.asarray(a, np.float64) for a in [y, *flat(hn), dx, *flat(dhx), *layer.grads.values()]]
+
+
 def _ran(stats, cluster: bool, mma: bool) -> None:
     assert stats.algo == "persistent" and stats.emulated and stats.fallback is None
     assert ("'PRNN_MMA': 2" in stats.details[0]) == mma, stats.details
@@ -112,6 +127,31 @@ def test_mma_backward_matches_the_cuda_core_backward(emulation, request, monkeyp
     _ran(stats, cluster, mma=False)
     for key, ref in core.items():
         assert relerr(got[key], ref) <= FP32_BOUND, key
+
+
+@pytest.mark.parametrize("name,dtype,placement,hidden,batch", CASES)
+def test_mma_backward_layer_within_the_16bit_bounds(emulation, request, name, dtype, placement,
+                                                    hidden, batch):
+    # What the layer returns (16-bit): against the float64 layer within docs/api.md's 16-bit
+    # bound, against the 16-bit GEMM path (h_t rounded where the kernel rounds it) within one
+    # rounding of the dtype.
+    cluster = _placed(request, placement)
+    mode, kw = layer_args(name)
+    kern = getattr(prnn, mode)(5, hidden, dtype=dtype, algo="persistent", seed=7, **kw)
+    gemm = getattr(prnn, mode)(5, hidden, dtype=dtype, algo="gemm", **kw)
+    ref = getattr(prnn, mode)(5, hidden, dtype="float64", algo="gemm", **kw)
+    gemm.load_params(kern.params)
+    ref.load_params({k: v.astype(np.float64) for k, v in kern.params.items()})
+    rng = np.random.default_rng(batch)
+    shape = (1, batch, hidden)
+    state = lambda s: tuple(rng.standard_normal(shape) * s for _ in range(2))  # noqa: E731
+    hx, dhn = (state(0.5), state(1.0)) if kern.cell.has_cell_state else (state(0.5)[0], state(1.0)[0])
+    data = (rng.standard_normal((4, batch, 5)), hx, rng.standard_normal((4, batch, hidden)), dhn)
+    got = _layer_run(kern, data)
+    _ran(kern.last_run, cluster, mma=True)
+    for a, r, g in zip(got, _layer_run(ref, data), _layer_run(gemm, data)):
+        assert relerr(a, r) <= TOLERANCE[dtype]
+        assert relerr(a, g) <= UNIT_ROUNDOFF[dtype]
 
 
 def test_mma_backward_keeps_small_fp16_gradients(emulation, grid_path):
