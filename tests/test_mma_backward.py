@@ -34,13 +34,12 @@ from persistent_rnn import functional, plan as planner
 from persistent_rnn.cells import layer_args
 
 from campaign import relerr, trajectory_reference
+from test_mma_tiles import TOLERANCE, UNIT_ROUNDOFF, _layers as forward_layers
 
 EVERY = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 # Relative error of the fp32 gradients held (measured, every cell and placement, B 3 to 17:
 # <= 6e-7, as the CUDA-core backward's).
 FP32_BOUND = 2e-6
-TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}  # docs/api.md, "Accuracy" (16-bit)
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 # (cell, dtype, placement, hidden, batch). CI: the layers tests/test_half_kernels.py's stalls
 # build (LSTM H 40 B 2, the mma backward forced), so only the CUDA-core reference is a new build.
 CASES = [("lstm", "float16", "grid", 40, 2), ("lstm", "bfloat16", "cluster", 40, 2)]
@@ -136,12 +135,7 @@ def test_mma_backward_layer_within_the_16bit_bounds(emulation, request, name, dt
     # bound, against the 16-bit GEMM path (h_t rounded where the kernel rounds it) within one
     # rounding of the dtype.
     cluster = _placed(request, placement)
-    mode, kw = layer_args(name)
-    kern = getattr(prnn, mode)(5, hidden, dtype=dtype, algo="persistent", seed=7, **kw)
-    gemm = getattr(prnn, mode)(5, hidden, dtype=dtype, algo="gemm", **kw)
-    ref = getattr(prnn, mode)(5, hidden, dtype="float64", algo="gemm", **kw)
-    gemm.load_params(kern.params)
-    ref.load_params({k: v.astype(np.float64) for k, v in kern.params.items()})
+    kern, gemm, ref = forward_layers(name, dtype, hidden)  # (tests/test_mma_tiles.py's)
     rng = np.random.default_rng(batch)
     shape = (1, batch, hidden)
     state = lambda s: tuple(rng.standard_normal(shape) * s for _ in range(2))  # noqa: E731
