@@ -1,7 +1,8 @@
 // mma_tile.cuh - the forward's matrix product on the tensor cores (issue 28): a 16-bit W_hh slice
 // held in registers as A fragments of mma.sync.m16n8k16 (fp32 accumulation) for the whole launch.
 //
-// -D PRNN_MMA=1 (a 16-bit layer forward, plan.py) makes it persistent_common.cuh's RegisterTile;
+// -D PRNN_MMA=1 (a 16-bit layer forward, plan.py) makes it persistent_common.cuh's RegisterTile
+// (-D PRNN_MMA=2: the backward's, mma_split_tile.cuh);
 // the kernel's code is unchanged: it loads the tile with the same rows and column chunk, and
 // multiply_rows / multiply_exchanged below (picked by overload) leave the same partial sums
 // part_s[(b * ksplit + chunk) * local_rows + row] as the CUDA-core tile's reduce-scatter does.
@@ -138,7 +139,9 @@ struct MmaTileOf {
     }
   }
 };
+#if PRNN_MMA != 2  // 2: the backward's tile (mma_split_tile.cuh, included below)
 using MmaTile = MmaTileOf<>;
+#endif
 
 // multiply_rows (persistent_common.cuh) for an mma tile: per n-tile of 8 batch rows, B from the
 // staged vector (row stride `padded`; columns past the batch multiply the last row again, their
@@ -247,3 +250,7 @@ PRNN_DEVICE int multiply_exchanged(const MmaTileOf<kRows, kKpt>& tile, const Exc
 #endif
 
 }  // namespace prnn
+
+#if PRNN_MMA == 2
+#include "mma_split_tile.cuh"
+#endif

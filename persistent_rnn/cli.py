@@ -188,7 +188,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"{record['cell']} H={args.hidden} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
     tile = record["tile"]
-    mma = ", forward on the tensor cores (mma.m16n8k16)" if tile.get("tensor_cores") else ""
+    mma = (", forward and backward on the tensor cores (mma.m16n8k16)"
+           if tile.get("tensor_cores_backward") else
+           ", forward on the tensor cores (mma.m16n8k16)" if tile.get("tensor_cores") else "")
     print(f"placement: {tile['placement']}, {tile['units']} units per CTA{mma}")
     if record["forward"]["ctas"] > PORTABLE_CLUSTER_CTAS and tile["cluster"]:
         print(f"  (a cluster of {record['forward']['ctas']} CTAs: larger than CUDA's portable "

@@ -102,7 +102,7 @@ def group(record: dict) -> tuple:
     fields): the groups ``_edges`` picks its configurations from. Cells of one tile family
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
-    forwards (the ``mma`` families) form one group per placement and arch (CI: a few
+    tiles (the ``mma`` families) form one group per placement, pass and arch (CI: a few
     configurations)."""
     if record["family"].startswith("mma"):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
@@ -132,8 +132,9 @@ def _has_clusters(arch: str) -> bool:
 def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = False):
     """The layer kernels (``persistent_forward.cu``, ``persistent_backward.cu``): the grid tiles
     on every arch with every gather size (``gather_variants``), or the cluster tiles on the
-    archs with clusters (sm_90 and newer). ``mma``: the tensor-core tiles' forwards
-    (``mma_tile.cuh``) instead; their backward is a CUDA-core 16-bit pass, listed with those."""
+    archs with clusters (sm_90 and newer). ``mma``: the tensor-core tiles instead (forward
+    ``mma_tile.cuh``, backward ``mma_split_tile.cuh`` as planned at ``REPORT_BATCH``, from
+    ``plan.MMA_BACKWARD_MIN_BATCH`` rows; below it the CUDA-core 16-bit backward, not listed)."""
     for dtype in planner.KERNEL_DTYPES:
         for cell in CELLS.values():
             if mma:
@@ -142,7 +143,7 @@ def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = Fal
                 tiles = (planner.cluster_tiles_for if cluster else planner.tiles_for)(cell, dtype)
             for tile in tiles:
                 hidden = planner.tile_max_hidden(cell, tile)
-                for backward in (False,) if mma else (False, True):
+                for backward in (False, True):
                     planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
                                                 dtype=dtype)
                     for p in gather_variants(planned, largest_only=largest_gather_only):

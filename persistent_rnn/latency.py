@@ -740,7 +740,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
         return {**record, "tried": list(plan.tried)}
     record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
                       "placement": "cluster" if plan.tile.cluster else "grid",
-                      "tensor_cores": getattr(plan.tile, "mma", False)}
+                      "tensor_cores": getattr(plan.tile, "mma", False),
+                      "tensor_cores_backward": plan.backward.defines.get("PRNN_MMA") == 2}
     for name, p in (("forward", plan.forward), ("backward", plan.backward)):
         record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
                         "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,

@@ -210,6 +210,13 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
 # block barrier a step, the mma tiles two), from B = 2 the mma tiles (tests/test_half_plan.py holds
 # the model to it; docs/design.md, "Tensor-core tiles").
 MMA_MIN_BATCH = 2
+# The smallest batch whose mma tiles run their backward on the tensor cores too (``-D PRNN_MMA=2``,
+# cuda_src/mma_split_tile.cuh: W_hh^T as B fragments, dgh split into two 16-bit parts); below it
+# their CUDA-core 16-bit backward. The latency model (h100) predicts the CUDA-core backward
+# faster or equal at B = 2 (LSTM H 512: 2.54 against 2.70 µs; the n-tile of 8 rows costs the
+# same at any B) and 3 (LSTM H 512), the mma backward faster from B = 4 at every shape sampled
+# (tests/test_half_plan.py holds both sides).
+MMA_BACKWARD_MIN_BATCH = 4
 
 
 GATHER_QUADS_MAX = 8  # tagged quads in flight per thread of a gather, at most
@@ -280,6 +287,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
     if tile.mma and not backward:  # the tensor-core forward (cuda_src/mma_tile.cuh)
         defines["PRNN_MMA"] = 1
+    if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH:  # (mma_split_tile.cuh)
+        defines["PRNN_MMA"] = 2
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
         defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)
@@ -414,7 +423,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     leaves the cluster), else the cheapest shipped grid tile (fewest weights per thread, hence
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
-    first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``).
+    first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
+    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_TILES`` (grid path only).

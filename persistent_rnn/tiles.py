@@ -32,7 +32,7 @@ class Tile:
     forward: PassTile
     backward: PassTile
     cluster: int = 0  # CTAs of the one thread-block cluster the layer runs in (0: the whole grid)
-    mma: bool = False  # the forward on the tensor cores (16-bit; cuda_src/mma_tile.cuh)
+    mma: bool = False  # on the tensor cores (16-bit; cuda_src/mma_tile.cuh, mma_split_tile.cuh)
 
 
 def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int],
@@ -84,7 +84,9 @@ SHIPPED_16BIT: dict[str, tuple[Tile, ...]] = {
 # PassTile reads as the CUDA-core one's - ``rows`` per warp (whole 16-row m-tiles), ``ksplit``
 # warps sharing a row, a chunk of 32 * ``kpt`` columns (2 * kpt k-steps), rows * kpt weights per
 # lane; kpt may be odd) - with G * units = rows * (warps / ksplit): no padding rows. The backward
-# stays on the CUDA cores (its own PassTile, a 16-bit one). LSTM's 8-unit tile at kpt 3 serves
+# has its own PassTile, a 16-bit one: from plan.MMA_BACKWARD_MIN_BATCH rows it holds W_hh^T as B
+# fragments (-D PRNN_MMA=2, cuda_src/mma_split_tile.cuh; any rows, in n-tiles of 8), below on the
+# CUDA cores. LSTM's 8-unit tile at kpt 3 serves
 # H 768 with a backward whose staged dgh (K = 4H padded to 3072) still fits at B = 16.
 MMA_TILES: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(4, (16, 4, 2), (4, 4, 4), mma=True), _tile(8, (32, 8, 2), (8, 8, 8), mma=True),

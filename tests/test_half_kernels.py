@@ -13,8 +13,10 @@ emulation of the same CUDA source, and the conversions they are built on.
 * The largest 16-bit tiles (forced at a small H), odd H (a padded last word) and a stall that
   makes the barrier time out: the restarted run is bitwise identical to an undisturbed one.
 * From B = 2 (``plan.MMA_MIN_BATCH``) the forwards run on the tensor-core tiles
-  (cuda_src/mma_tile.cuh; tests/test_mma_tiles.py): the layer tests above (B = 3, a cluster) and
-  the stalls (B = 2, grid and cluster) run them.
+  (cuda_src/mma_tile.cuh; tests/test_mma_tiles.py), from B = 4 (``MMA_BACKWARD_MIN_BATCH``) the
+  backwards too (mma_split_tile.cuh; tests/test_mma_backward.py): the layer tests above (B = 3, a
+  cluster) run the mma forward and the CUDA-core backward, the stalls (B = 2, grid and cluster)
+  both on the tensor cores (the backward forced at B = 2).
 """
 from __future__ import annotations
 
@@ -170,6 +172,7 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
     assert fwd.algo == bwd.algo == "persistent" and fwd.emulated and fwd.fallback is None
     assert f"'PRNN_WEIGHT_DTYPE': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
     assert "'PRNN_MMA': 1" in fwd.details[0]  # B >= plan.MMA_MIN_BATCH: the tensor-core forward
+    assert "PRNN_MMA" not in bwd.details[0]  # B < plan.MMA_BACKWARD_MIN_BATCH: CUDA-core backward
     want, _, _ = _run(ref, x, hx, lengths, dy, dhn)
     same_rounding, _, _ = _run(gemm, x, hx, lengths, dy, dhn)
     forward = 3 if kern.cell.has_cell_state else 2  # y, hn (, cn): relu's bound is its forward
@@ -201,8 +204,11 @@ def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_p
 @pytest.mark.parametrize("mode,dtype", [(m, d) for m in ("LSTM", "GRU") for d in HALF
                                          if _in_ci(m.lower(), d)])
 @pytest.mark.parametrize("cluster", [True, False])
-def test_stall_restarts_bitwise_identically(emulation, request, mode, dtype, cluster):
+def test_stall_restarts_bitwise_identically(emulation, request, monkeypatch, fresh_plans, mode,
+                                            dtype, cluster):
     # H 40: a grid of 2 CTAs as one cluster (the small-layer path on sm_90), or of 10 grid tiles.
+    # The backward on the tensor cores at B 2 (planned from plan.MMA_BACKWARD_MIN_BATCH rows).
+    monkeypatch.setattr(planner, "MMA_BACKWARD_MIN_BATCH", 2)
     if not cluster:
         request.getfixturevalue("grid_path")
     kern, _, _ = _layers(mode, {}, dtype, hidden=40, bidirectional=True)
@@ -213,7 +219,7 @@ def test_stall_restarts_bitwise_identically(emulation, request, mode, dtype, clu
     prnn.configure(emulation_timeout_ms=300)
     with prnn.inject_stall(block=1, step=3, duration_ms=2000):
         stalled, fwd, bwd = _run(kern, x, hx, [6, 4], dy, dhn)
-    assert fwd.restarts >= 1 and bwd.restarts >= 1
+    assert fwd.restarts >= 1 and bwd.restarts >= 1 and "'PRNN_MMA': 2" in bwd.details[0]
     assert fwd.algo == bwd.algo == "persistent" and fwd.fallback is None and bwd.fallback is None
     for a, b in zip(stalled, clean):
         assert np.array_equal(a, b)

@@ -1,7 +1,9 @@
 """The planner's 16-bit (fp16/bf16) tiles: floors, register budget, boundaries, refusals, and the
-tensor-core tiles it takes from ``plan.MMA_MIN_BATCH`` rows (where the latency model predicts them
-faster)."""
+tensor-core tiles it takes from ``plan.MMA_MIN_BATCH`` rows, and their tensor-core backward from
+``plan.MMA_BACKWARD_MIN_BATCH`` rows (where the latency model predicts them faster)."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -9,11 +11,13 @@ import pytest
 from persistent_rnn import max_hidden_size
 from persistent_rnn.cells import CELLS, FAMILY_CELLS
 from persistent_rnn.hardware import PROFILES, WEIGHT_BYTES, WEIGHT_REGISTER_BUDGET
-from persistent_rnn.plan import (KERNEL_DTYPES, cluster_tiles_for, make_plan, mma_tiles_for,
-                                 tile_max_hidden, tiles_for, weight_registers)
+from persistent_rnn.plan import (KERNEL_DTYPES, MMA_BACKWARD_MIN_BATCH, cluster_tiles_for,
+                                 make_plan, mma_tiles_for, tile_max_hidden, tiles_for,
+                                 weight_registers)
 from persistent_rnn.tiles import SHIPPED, SHIPPED_16BIT
 
 HALF = ("float16", "bfloat16")
+EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 FLOORS_16BIT = {"LSTM": 1792, "GRU": 1920, "RNN": 3328}  # issue 11, on an H100/H200
 
 
@@ -121,7 +125,9 @@ def test_16bit_plans_take_mma_tiles_from_batch_2(dtype):
                                         ("lstm", 200, 8, "h100")):
         p = make_plan(cell, hidden, batch, dtype, device)
         assert p.fits and p.tile.mma, (cell, hidden, batch, p.reason)
-        assert p.forward.defines["PRNN_MMA"] == 1 and "PRNN_MMA" not in p.backward.defines
+        assert p.forward.defines["PRNN_MMA"] == 1
+        # the backward on the tensor cores too from plan.MMA_BACKWARD_MIN_BATCH rows
+        assert p.backward.defines.get("PRNN_MMA") == (2 if batch >= MMA_BACKWARD_MIN_BATCH else None)
         assert bool(p.tile.cluster) == (hidden <= 256 and device == "h100")
         assert not make_plan(cell, hidden, 1, dtype, device).tile.mma
     assert not make_plan("lstm", 1024, 8, "float32", "h100").tile.mma
@@ -148,3 +154,28 @@ def test_the_model_predicts_the_planned_16bit_tile_faster(monkeypatch):
     for hidden in (256, 512):
         assert forward_us(hidden, 1, mma=False) <= 1.05 * forward_us(hidden, 1, mma=True)
         assert forward_us(hidden, 2, mma=True) < forward_us(hidden, 2, mma=False)
+
+
+def test_the_model_predicts_the_planned_16bit_backward_faster(monkeypatch):
+    # Where plan.MMA_BACKWARD_MIN_BATCH puts the line (predictions of the latency model, h100):
+    # an mma tile's backward on the CUDA cores below it, on the tensor cores from it. LSTM H 512
+    # at B = 3 and 4 (the same kernels: the gather loads 8 quads at both); the full set also the
+    # shapes of docs/design.md's table.
+    from persistent_rnn import latency, plan as planner
+    pytest.importorskip("persistent_rnn.sass_analysis").nvdisasm() or pytest.skip("no nvdisasm")
+
+    def backward_us(cell, hidden, batch, mma):
+        monkeypatch.setattr(planner, "MMA_BACKWARD_MIN_BATCH", 1 if mma else 10**6)
+        p = make_plan(cell, hidden, batch, "float16", "h100").backward
+        assert p.defines.get("PRNN_MMA") == (2 if mma else None)
+        sass = latency.pass_sass(p, "sm_90")
+        return latency.step_terms(sass, latency.PassShape(CELLS[cell], p, batch, hidden),
+                                  PROFILES["h100"]).total_us
+
+    assert MMA_BACKWARD_MIN_BATCH == 4
+    assert backward_us("lstm", 512, 3, mma=False) < backward_us("lstm", 512, 3, mma=True)
+    assert backward_us("lstm", 512, 4, mma=True) < backward_us("lstm", 512, 4, mma=False)
+    if EVERY_KERNEL:
+        for cell, hidden, batch in (("lstm", 768, 16), ("lstm", 1024, 8), ("lstm", 512, 16),
+                                    ("gru", 1024, 8), ("lstm", 256, 4)):
+            assert backward_us(cell, hidden, batch, True) < backward_us(cell, hidden, batch, False)

@@ -70,15 +70,18 @@ def test_every_configuration_is_listed():
                 for bwd in (False, True))
     expected = grids + sum(len(cluster_tiles_for(c, d)) * 2 for c in CELLS.values()
                            for d in KERNEL_DTYPES)
-    # The mma tiles' forwards (their backwards are CUDA-core 16-bit passes): grid on both archs,
-    # with every gather size; cluster on sm_90.
-    mma = sum(len(gather_variants(pass_plan(c, t, False, tile_max_hidden(c, t),
+    # The mma tiles, forward (PRNN_MMA 1) and backward (2): grid on both archs, with every
+    # gather size; cluster on sm_90.
+    mma = sum(len(gather_variants(pass_plan(c, t, bwd, tile_max_hidden(c, t),
                                             kernel_report.REPORT_BATCH, d))) * 2
-              for c in CELLS.values() for d in KERNEL_DTYPES for t in mma_tiles_for(c, d))
-    mma += sum(len(mma_tiles_for(c, d, cluster=True)) for c in CELLS.values() for d in KERNEL_DTYPES)
+              for c in CELLS.values() for d in KERNEL_DTYPES for t in mma_tiles_for(c, d)
+              for bwd in (False, True))
+    mma += 2 * sum(len(mma_tiles_for(c, d, cluster=True)) for c in CELLS.values()
+                   for d in KERNEL_DTYPES)
     assert sum(bool(r["config"].get("PRNN_MMA")) for r in listed) == mma
     assert all(r["family"].startswith("mma") == bool(r["config"].get("PRNN_MMA")) for r in listed)
-    assert {r["pass"] for r in listed if r["config"].get("PRNN_MMA")} == {"forward"}
+    assert all(r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
+               for r in listed if r["family"].startswith("mma"))
     expected += mma
     projections = sum(2 * projection_tile_ships(t, d, a) for t in PROJECTION_TILES
                       for d in KERNEL_DTYPES for a in ARCHS)
