@@ -558,7 +558,11 @@ PRNN_KERNEL void prnn_resident_decoder(
     int w_ih_held, unsigned long long timeout_ns, int stall_block, int stall_step,
     unsigned long long stall_ns) {
   using namespace prnn;
-  const int n = (int)blockIdx.x / slices, slice = (int)blockIdx.x % slices;
+  // (n by subtraction, not a division: a division by a runtime value goes through the FP
+  // reciprocal, off the uniform datapath, and the layer's pointers then took ~20 registers -
+  // 255 at LSTM H=1024 B=1 - where the loop's integer steps leave them uniform: 234)
+  int n = 0, slice = (int)blockIdx.x;
+  for (; slice >= slices; slice -= slices) ++n;
   const DecoderWeights wt = layer_weights(w_hh, b_hh, w_ih, keep, n, batch, input, hidden,
                                           (w_ih_held >> (n == 0 ? 0 : 1) & 1) != 0);
   box += n * kBoxWords;

@@ -82,7 +82,8 @@ _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x give
 
 @dataclass(frozen=True)
 class DecoderPlan:
-    """The resident kernel's launch for one layer: the layer forward's tile (its -D), grid,
+    """One layer's part of the resident kernel's launch (a stack's layers side by side in one
+    launch: ``_Resident``): the layer forward's tile (its -D), grid,
     block, the layer's input size and the shared memory (``resident_decoder.cu``'s layout:
     ``plan`` is the one place that sizes it): ``shared_bytes`` the step kernel's, and
     ``resident_shared_bytes`` the resident kernel's - with its CTA's rows of W_ih
@@ -149,9 +150,9 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
 def plan_layers(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile,
                 input_size: int, layers: int) -> tuple[list[DecoderPlan], str | None]:
     """Every layer's resident plan (``plan``: layer 0's input is x, a further layer's the h'
-    below it), or ``([], why not)``. The rule for big layers holds for the stack: all its
-    resident grids and the step kernel's CTA each need an SM, so their CTAs together stay
-    below the SM count."""
+    below it), or ``([], why not)``. The rule for big layers holds for the stack: the one
+    resident launch's CTAs (every layer's grid) and the step kernel's CTA each need an SM, so
+    the layers' CTAs together stay below the SM count."""
     plans = []
     for n in range(layers):
         dp, why = plan(cell, hidden, batch, device, input_size if n == 0 else hidden)
@@ -277,12 +278,12 @@ class _Resident:
         self.closed = True
         if self.running is None:
             return
-        posted = self.box[::BOX_WORDS]  # each layer's mailbox's posted step
+        # each layer's mailbox's posted step (the CTAs read it with acquire loads; on a GPU
+        # the fill runs on the current stream, not the resident one)
+        self.box[::BOX_WORDS].fill(STOP)
         if self.xp is np:
-            posted[...] = STOP  # (the CTAs read it with acquire loads)
             self.running.join(JOIN_S)
         else:
-            posted.fill(STOP)  # on the current stream, not the resident one
             self.running.synchronize()
         self.running = None
 

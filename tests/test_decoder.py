@@ -145,28 +145,37 @@ def test_a_two_layer_decoder_matches_float64_and_the_per_layer_kernels():
     _close([y, *hn[0], *hn[1]], [y_ref[0], *hn_ref[0], *hn_ref[1]])
 
 
-def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(settings):
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(kind, settings):
     """A 2-layer decoder's resident side is one launch (both layers' CTAs side by side) and its
     step one step kernel launch that posts and waits layer after layer; its outputs are bitwise
-    those of two cell decoders chained (layer 1 fed layer 0's h'), also with idle exits between
-    steps (one relaunch for both layers), every slice of both layers taken over by the step
-    kernel, a CTA of each layer stalled inside a step past the idle deadline, and with
-    step_projected."""
-    layer = prnn.LSTM(IN, H, num_layers=2, seed=3)
+    those of two cell decoders chained (layer 1 fed layer 0's h'), also with every slice of both
+    layers taken over by the step kernel, and with step_projected; LSTM also with idle exits
+    between steps (one relaunch for both layers) and a CTA of each layer stalled inside a step
+    past the idle deadline (GRU and RNN: those too with PRNN_TEST_EVERY_KERNEL=1)."""
+    lstm = kind == "LSTM"
+    layer = getattr(prnn, kind)(IN, H, num_layers=2, seed=3)
     p = layer.params
-    cells = [prnn.LSTMCell(IN if n == 0 else H, H) for n in range(2)]
+    cells = [getattr(prnn, f"{kind}Cell")(IN if n == 0 else H, H) for n in range(2)]
     for n, cell in enumerate(cells):
         cell.load_params({k: p[f"{k}_l{n}"] for k in cell.params})
+
+    def h_of(state):
+        return state[0] if lstm else state
+
+    def parts(state):  # a stack's state as a list of arrays
+        return list(state) if lstm else [state]
+
     xs = _inputs(seed=2, steps=3)
     decs = [cell.decoder(batch=B) for cell in cells]
     want, states = [], [None, None]
     for x in xs:
         for n, dec in enumerate(decs):
-            states[n] = dec.step(x if n == 0 else states[0][0], states[n])
-        want.append([states[1][0], *(np.stack([s[i] for s in states]) for i in range(2))])
-    gi = np.random.default_rng(6).standard_normal((B, 4 * H)).astype(np.float32)
-    want_gi = decs[0].step_projected(gi)
-    want_gi = [decs[1].step(want_gi[0])[0], want_gi[0]]
+            states[n] = dec.step(x if n == 0 else h_of(states[0]), states[n])
+        want.append([h_of(states[1]), *(np.stack(s) for s in zip(*map(parts, states)))])
+    gi = np.random.default_rng(6).standard_normal((B, layer.cell.gates * H)).astype(np.float32)
+    below = h_of(decs[0].step_projected(gi))
+    want_gi = [h_of(decs[1].step(below)), below]
     for dec in decs:
         dec.close()
 
@@ -184,20 +193,22 @@ def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(settings):
                     if between is not None:
                         between(t)
                     y, state = dec.step(x, state)
-                    got.append([y, *state])
+                    got.append([y, *parts(state)])
             relaunched = dec.relaunches - launches
             assert count.launches == len(xs) + relaunched  # one step kernel a step
             if not take_over:
-                y, (h, _) = dec.step_projected(gi)
-                _equal([y, h[0]], want_gi)
+                y, hn = dec.step_projected(gi)
+                _equal([y, h_of(hn)[0]], want_gi)
         for a, b in zip(got, want):
             _equal(a, b)
         return relaunched
 
     decode()
+    decode(take_over=True)
+    if not (lstm or EVERY_KERNEL):
+        return
     prnn.configure(emulation_timeout_ms=20)
     assert decode(between=lambda t: time.sleep(0.1)) >= 1
-    decode(take_over=True)
     prnn.configure(emulation_timeout_ms=50)
     with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1 of each layer
         decode()
@@ -397,16 +408,18 @@ def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
     assert not np.allclose(y, want[1], atol=1e-3)
 
 
-def test_a_busy_gpu_runs_the_decoder_partly_resident(settings):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_busy_gpu_runs_the_decoder_partly_resident(layers, settings):
     """One resident CTA at a time (``emulation_max_resident``: a GPU whose other work holds the
-    SMs): the slices whose CTAs cannot start are the step kernel's, the same bits."""
-    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    SMs; a stack's upper layer's CTAs start only after its lower layer's have left): the slices
+    whose CTAs cannot start are the step kernel's, the same bits."""
+    layer = prnn.LSTM(IN, H, num_layers=layers, algo="persistent", seed=0)
     xs = _inputs(steps=3)
     with layer.decoder(batch=B) as dec:
         want = _decode(dec, xs)
     prnn.configure(emulation_max_resident=1, emulation_timeout_ms=50)
     with layer.decoder(batch=B) as dec:
-        assert dec._resident.grid > 1
+        assert dec._resident.grid > layers
         got = _decode(dec, xs)
     _equal(got, want)
 
@@ -448,6 +461,13 @@ def test_close_gc_and_an_exception_leave_nothing_running():
             dec.step(x)
             raise KeyError("the caller's loop failed")
     assert dec.closed and not emulate.running_launches()
+    # a stack: close() posts STOP to every layer's mailbox - the upper layer's CTAs end at once,
+    # not at their idle deadline (a minute of wall time: the realtime clock)
+    with prnn.override_settings(emulation_timeout_ms=60_000), emulate.modes("realtime"):
+        dec = prnn.LSTM(IN, H, num_layers=2, seed=0).decoder(batch=B)
+        dec.step(x)
+        dec.close()  # (joins for at most decoder.JOIN_S: 30 s)
+        assert not emulate.running_launches()
 
 
 def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, settings):
