@@ -1,19 +1,21 @@
 // resident_decoder.cu - the resident decoder (persistent_rnn/decoder.py): one layer-direction's
 // W_hh stays in registers between single steps, and the kernel waits for each step's input.
 //
-// Two kernels over the same grid and tile (the -D of the layer's forward on the grid, plan.py):
-// * prnn_resident_decoder: launched once (and again after it went idle), on a stream of its own.
-//   CTA c loads its rows of W_hh into registers exactly as persistent_forward.cu does, then per
-//   step waits - bounded by timeout_ns since its last step - for the step's post in the mailbox,
-//   computes its units of h_t (and c_t) and reports them done in its state word. Idle past the
-//   deadline, it marks itself gone and exits.
+// Two kernels on the same tile (the -D of the layer's forward on the grid, plan.py):
+// * prnn_resident_decoder: launched once (and again after it went idle), on a stream of its own,
+//   one launch for all the layers of a stack: its grid is the layers' grids side by side, CTA
+//   n * slices + c being slice c of layer n (layer_weights: its operands in the stacked ones).
+//   It loads its rows of W_hh into registers exactly as persistent_forward.cu does, then per
+//   step waits - bounded by timeout_ns since its last step - for the step's post in its layer's
+//   mailbox, computes its units of h_t (and c_t) and reports them done in its state word. Idle
+//   past the deadline, it marks itself gone and exits.
 // * prnn_decoder_step: one CTA of the same block, enqueued per step on the caller's stream (one
 //   launch: the post and the wait, for every layer of a stack in turn). It posts the step, then
 //   waits until each slice c (the units of resident CTA c) is done; a slice whose resident CTA
 //   is gone it computes itself - loads that CTA's rows and runs the same step code - so a
 //   step's result never depends on who computed it. One CTA: it fits beside any resident grids
-//   smaller together than the GPU. A stack's layers share the tile (one build), each with its
-//   own resident kernel, mailbox and state words.
+//   smaller together than the GPU. A stack's layers share the tile (one build) and the resident
+//   launch, each with its own mailbox, state words and fault word.
 //
 // A step is the forward's step (persistent_forward.cu) on the layer's tile: h_{t-1} staged as the
 // exchange delivers it (stage_exchanged), the tile's product (multiply_rows), the partial sums
@@ -39,14 +41,15 @@
 // * gi (decoder.step_projected): the caller's projection, b_ih added where posted: bitwise the
 //   sequence kernel's step on the same gi_t, h_{t-1}, c_{t-1}.
 //
-// Words (uint32, zeroed by the host: step 0 posted, every CTA gone at step 0 - see kGone):
+// Words (uint32, zeroed by the host: step 0 posted, every CTA gone at step 0 - see kGone), each
+// layer's own (a stack's: the layers' side by side):
 //   box[0]     the step posted last (1, 2, ...); box[1] the step a step kernel issued last (the
 //              count lives here, not in a launch argument: a captured graph replays its launches
 //              with their arguments); box[2 + 2i], box[3 + 2i]: pointer i of the step
 //              (x, gi, h_prev, c_prev, h_out, c_out, b_ih: StepIo) as low and high words,
 //              stored before box[0] is released
 //   state[c]   (step << 2) | mode: the last step whose slice c is done, and who holds the slice:
-//              kLive the resident CTA c (it alone writes the word then), kGone nobody (the
+//              kLive its resident CTA (it alone writes the word then), kGone nobody (the
 //              resident CTA exited; the step kernel may take the slice, and a relaunched
 //              resident CTA may revive it), kBusy a step kernel's CTA computing it
 //   fault[0]   0, or the first step whose wait ran past its deadline (a resident CTA neither
@@ -289,6 +292,18 @@ struct DecoderWeights {
   int hidden;
 };
 
+// Layer n's operands within the stacked ones that both kernels take (prnn_decoder_step's list):
+// W_ih is layer 0's (G*H, input) then each further layer's (G*H, H); `held`: whether its rows
+// are read from the CTA's w_s.
+PRNN_DEVICE DecoderWeights layer_weights(const WeightWord* w_hh, const float* b_hh,
+                                         const float* w_ih, float* keep, int n, int batch,
+                                         int input, int hidden, bool held) {
+  const size_t gh = (size_t)ThisCell::G * hidden, bh = (size_t)batch * hidden;
+  const size_t w_ih_at = n == 0 ? 0 : gh * input + (n - 1) * gh * hidden;
+  return {w_hh + n * gh * ((hidden + kPerWord - 1) / kPerWord), b_hh + n * gh, w_ih + w_ih_at,
+          held, keep + 2 * n * bh, n == 0 ? input : hidden, hidden};
+}
+
 // The recurrent half of the slice's step, for the h staged in h_s (every thread; no trailing
 // barrier): the tile's product (multiply_rows, partial sums in part_s), then W_hh h + b_hh of
 // each row summed as the forward sums it (row_sum, then b_hh) into the row's chunk-0 slot of
@@ -406,15 +421,16 @@ PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long
   }
 }
 
-// A resident CTA between steps, `last` done (every thread): whether every slice of the layer has
+// A resident CTA between steps, `last` done (every thread): whether every slice of its layer
+// (`state`: the layer's `slices` words) has
 // done step `last` - its h_last whole in the layer's keep - before step last + 1 is posted (then
 // its recurrent half can be computed ahead) and by `deadline`. Each thread watches its own
 // slices (a slice's step only grows: taken over, it says `last` until done); no barrier inside
 // the wait (step_layer's reason).
-PRNN_DEVICE bool wait_for_layer(const unsigned* box, const unsigned* state, unsigned last,
-                                unsigned long long deadline) {
+PRNN_DEVICE bool wait_for_layer(const unsigned* box, const unsigned* state, int slices,
+                                unsigned last, unsigned long long deadline) {
   bool done = true;
-  for (int s = threadIdx.x; s < (int)gridDim.x; s += blockDim.x) {
+  for (int s = threadIdx.x; s < slices; s += blockDim.x) {
     for (;;) {
       if ((prnn_load_acquire(state + s) >> 2) >= last) break;
       if (prnn_load_acquire(box) != last || prnn_globaltimer_ns() > deadline) {
@@ -428,7 +444,8 @@ PRNN_DEVICE bool wait_for_layer(const unsigned* box, const unsigned* state, unsi
   return !prnn_sync_block_or(!done);
 }
 
-// A resident CTA's wait for step last + 1 (every thread), with the recurrent half computed ahead
+// A resident CTA's wait (slice `slice` of its layer) for step last + 1 (every thread), with the
+// recurrent half computed ahead
 // where it can be: once every slice has done step `last` (wait_for_layer), the layer's own h_last
 // (keep) is staged and recurrent_sums computes on it while the post is awaited - in a decode loop
 // the caller's kernels run then - so that a step whose h_{t-1} is that h (decoder_step checks)
@@ -436,12 +453,13 @@ PRNN_DEVICE bool wait_for_layer(const unsigned* box, const unsigned* state, unsi
 // timeout_ns since the call, or stale), and in *ahead whether h_s and part_s hold the ahead part.
 PRNN_DEVICE bool await_step(const RegisterTile& tile, const Team& team, const DecoderShared& sm,
                             const DecoderWeights& wt, const unsigned* box, const unsigned* state,
-                            unsigned last, int batch, unsigned long long timeout_ns, bool* ahead) {
+                            int slice, int slices, unsigned last, int batch,
+                            unsigned long long timeout_ns, bool* ahead) {
   const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
-  *ahead = last > 0u && wait_for_layer(box, state, last, deadline);
+  *ahead = last > 0u && wait_for_layer(box, state, slices, last, deadline);
   if (*ahead) {
     stage_exchanged(sm.h_s, wt.keep + (last & 1u) * (size_t)batch * wt.hidden, batch, wt.hidden);
-    recurrent_sums(tile, team, sm, wt, blockIdx.x, batch);
+    recurrent_sums(tile, team, sm, wt, slice, batch);
   }
   if (threadIdx.x == 0) {
     sm.word_s[0] = wait_for_post(box, last + 1u, deadline);
@@ -528,36 +546,48 @@ PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, c
 
 }  // namespace prnn
 
+// The resident kernel of a decoder's layers (a cell: 1), `slices` CTAs a layer (its grid: the
+// layers' CTAs side by side): CTA n * slices + c computes slice c of layer n, on operands
+// stacked as the step kernel's (below); each CTA carves its shared memory for its layer's input
+// size (the launch's: the largest layer's). w_ih_held: bit 0, layer 0's CTAs hold their rows of
+// W_ih in shared memory (w_s; the plan's); bit 1, the further layers' (whose input is hidden).
 PRNN_KERNEL void prnn_resident_decoder(
-    const prnn::WeightWord* w_hh,  // (G*H, H) as persistent_forward.cu takes it
-    const float* b_hh,             // (G*H,) zeros when the layer has no bias
-    const float* w_ih,             // (G*H, input) (steps of mode x)
-    unsigned* box, unsigned* state,  // the mailbox and the CTAs' state words (above)
-    float* keep,                     // [2][B][H]: the layer's last two h' (DecoderWeights)
-    int batch, int input, int hidden,
-    int w_ih_held,  // != 0: the CTA holds its rows of W_ih in shared memory (w_s; the plan's)
-    unsigned long long timeout_ns, int stall_block, int stall_step, unsigned long long stall_ns) {
+    const prnn::WeightWord* w_hh, const float* b_hh, const float* w_ih, unsigned* box,
+    unsigned* state, float* keep, int slices, int batch, int input, int hidden,
+    int w_ih_held, unsigned long long timeout_ns, int stall_block, int stall_step,
+    unsigned long long stall_ns) {
   using namespace prnn;
-  const DecoderShared sm = decoder_shared(batch, input);
-  const DecoderWeights wt{w_hh, b_hh, w_ih, w_ih_held != 0, keep, input, hidden};
-  unsigned* mine = state + blockIdx.x;
+  // (n by subtraction, not a division: a division by a runtime value goes through the FP
+  // reciprocal, off the uniform datapath, and the layer's pointers then took ~20 registers -
+  // 255 at LSTM H=1024 B=1 - where the loop's integer steps leave them uniform: 234)
+  int n = 0, slice = (int)blockIdx.x;
+  for (; slice >= slices; slice -= slices) ++n;
+  const DecoderWeights wt = layer_weights(w_hh, b_hh, w_ih, keep, n, batch, input, hidden,
+                                          (w_ih_held >> (n == 0 ? 0 : 1) & 1) != 0);
+  box += n * kBoxWords;
+  state += n * slices;
+  const DecoderShared sm = decoder_shared(batch, wt.input);
+  unsigned* mine = state + slice;
   if (threadIdx.x == 0) sm.word_s[0] = revive(mine, timeout_ns);
   prnn_sync_block();
   unsigned last = sm.word_s[0];
   if (last == 0u) return;
   --last;
-  const PrnnStall stall{stall_block, stall_step, stall_ns};
+  const PrnnStall stall{stall_block, stall_step, stall_ns};  // (stall_block: a slice, any layer)
   const Team team = step_team<ThisCell::G>();
   RegisterTile tile;
-  load_rows(tile, team, w_hh, blockIdx.x, hidden);
-  if (wt.w_ih_held) hold_w_ih(sm.w_s, w_ih, blockIdx.x, input, hidden);
+  load_rows(tile, team, wt.w_hh, slice, hidden);
+  if (wt.w_ih_held) hold_w_ih(sm.w_s, wt.w_ih, slice, wt.input, hidden);
   for (;;) {
     prnn_sync_block();  // every thread has read word_s of the step before
     bool ahead;
-    if (!await_step(tile, team, sm, wt, box, state, last, batch, timeout_ns, &ahead)) break;
-    prnn_maybe_stall(stall, (int)last + 1);
-    decoder_step(tile, team, sm, wt, io_of_words(sm.word_s + 1, false), blockIdx.x, batch,
-                 last + 1u, ahead);
+    if (!await_step(tile, team, sm, wt, box, state, slice, slices, last, batch, timeout_ns,
+                    &ahead)) {
+      break;
+    }
+    prnn_maybe_stall(stall, (int)last + 1, slice);
+    decoder_step(tile, team, sm, wt, io_of_words(sm.word_s + 1, false), slice, batch, last + 1u,
+                 ahead);
     ++last;
     if (threadIdx.x == 0) {
       prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
@@ -590,11 +620,8 @@ PRNN_KERNEL void prnn_decoder_step(
   // x_s are its own input wide)
   const DecoderShared sm = decoder_shared(batch, layers > 1 && hidden > input ? hidden : input);
   for (int n = 0; n < layers; ++n) {
-    const int in = n == 0 ? input : hidden;
-    const size_t w_ih_at = n == 0 ? 0 : gh * input + (n - 1) * gh * hidden;
-    const DecoderWeights wt{w_hh + n * gh * ((hidden + kPerWord - 1) / kPerWord), b_hh + n * gh,
-                            w_ih + w_ih_at, false,  // (W_ih's rows: global)
-                            keep + 2 * n * bh, in, hidden};
+    const DecoderWeights wt = layer_weights(w_hh, b_hh, w_ih, keep, n, batch, input, hidden,
+                                            false);  // (W_ih's rows: global)
     const bool x_given = n > 0 || project != 0;
     const float* x = n == 0 ? x_or_gi : h_out + (n - 1) * bh;
     const StepIo io{x_given ? x : nullptr, x_given ? nullptr : x_or_gi, h_prev + n * bh,

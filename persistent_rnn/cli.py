@@ -240,7 +240,8 @@ def _print_decoder(d: dict) -> None:
     if not d["resident"]:
         print(f"resident decoder: no ({d['reason']})")
         return
-    stack = f" ({d['layers']} layers, one launch a step)" if d.get("layers", 1) > 1 else ""
+    stack = (f" ({d['layers']} layers: one resident launch, one launch a step)"
+             if d.get("layers", 1) > 1 else "")
     print(f"resident decoder{stack}: {d['ctas']} CTAs held; predicted per step {d['captured_us']:.2f} µs "
           f"captured in a CUDA graph (projection {d['projection_us']:.2f}, hand-offs "
           f"{d['handoff_us']:.2f}, resident step after the post {d['resident_step_us']:.2f}), "

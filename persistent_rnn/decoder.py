@@ -3,14 +3,15 @@
 ``cell.decoder(batch=B)`` (``prnn.RNNCell``/``GRUCell``/``LSTMCell``) and ``layer.decoder(batch=B)``
 (``prnn.RNN``/``GRU``/``LSTM``, unidirectional, no projection) return a decoder whose
 ``step(x, state)`` advances one step (docs/api.md, "The resident decoder"). Its persistent kernel
-(``cuda_src/resident_decoder.cu``) is launched once on a stream of its own, loads its rows of
-W_hh into registers as the whole-sequence forward does and waits - bounded by the exchange's
+(``cuda_src/resident_decoder.cu``; one launch for all the layers of a stack, its grid the
+layers' grids side by side) is launched once on a stream of its own, loads its rows of W_hh
+into registers as the whole-sequence forward does and waits - bounded by the exchange's
 deadline (``gpu_timeout_ms``, ``emulation_timeout_ms``) - for each step's post. A step enqueues
 on the caller's stream one step kernel (``prnn_decoder_step``; one launch for all the layers of
-a stack) that posts the step's pointers to the mailbox and waits until every CTA of the
-resident kernel has written its units of h_t, then does the same for the next layer; a slice whose resident CTA has gone (idle past its deadline) the step kernel
-computes itself with the same rows and the same code, so a step's bits never depend on who
-computed it. Each CTA computes its own rows of the input projection ``x W_ih^T + b_ih`` inside
+a stack) that posts the step's pointers to the layer's mailbox and waits until every resident
+CTA of the layer has written its units of h_t, then does the same for the next layer; a slice
+whose resident CTA has gone (idle past its deadline) the step kernel computes itself with the
+same rows and the same code, so a step's bits never depend on who computed it. Each CTA computes its own rows of the input projection ``x W_ih^T + b_ih`` inside
 the step (its rows of W_ih held in its shared memory from its launch on where they fit a block,
 ``DecoderPlan.w_ih_held``, else read from L2 each step; x staged in shared memory; fp32 sums in
 one fixed order either way), so the step needs no matrix product of its own; a further layer's
@@ -81,7 +82,8 @@ _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x give
 
 @dataclass(frozen=True)
 class DecoderPlan:
-    """The resident kernel's launch for one layer: the layer forward's tile (its -D), grid,
+    """One layer's part of the resident kernel's launch (a stack's layers side by side in one
+    launch: ``_Resident``): the layer forward's tile (its -D), grid,
     block, the layer's input size and the shared memory (``resident_decoder.cu``'s layout:
     ``shared_layout`` is the one place that sizes it): ``shared_bytes`` the step kernel's, and
     ``resident_shared_bytes`` the resident kernel's - with its CTA's rows of W_ih
@@ -148,9 +150,9 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
 def plan_layers(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile,
                 input_size: int, layers: int) -> tuple[list[DecoderPlan], str | None]:
     """Every layer's resident plan (``plan``: layer 0's input is x, a further layer's the h'
-    below it), or ``([], why not)``. The rule for big layers holds for the stack: all its
-    resident grids and the step kernel's CTA each need an SM, so their CTAs together stay
-    below the SM count."""
+    below it), or ``([], why not)``. The rule for big layers holds for the stack: the one
+    resident launch's CTAs (every layer's grid) and the step kernel's CTA each need an SM, so
+    the layers' CTAs together stay below the SM count."""
     plans = []
     for n in range(layers):
         dp, why = plan(cell, hidden, batch, device, input_size if n == 0 else hidden)
@@ -210,15 +212,22 @@ def _module(xp, defines: Mapping[str, int]):
 
 
 class _Resident:
-    """The resident kernel of one layer of a decoder: its launch (relaunched when it has ended)
-    and its stop. Its weights and words are the layer's rows of the decoder's stacked ones
-    (``_Layers``). Holds no reference to the decoder, so that garbage collection of the decoder
-    can stop it (``weakref.finalize``)."""
+    """The resident kernel of a decoder: one launch for all its layers (its grid the layers'
+    grids side by side, CTA ``n * slices + c`` slice c of layer n), relaunched when it has ended,
+    and its stop. Its operands are the layers' stacked ones (``_Layers``). Holds no reference to
+    the decoder, so that garbage collection of the decoder can stop it (``weakref.finalize``)."""
 
-    def __init__(self, xp, module, dp: DecoderPlan, operands: tuple, batch: int, hidden: int):
-        self.xp, self.dp, self.batch, self.hidden = xp, dp, batch, hidden
+    def __init__(self, xp, module, plans: Sequence[DecoderPlan], operands: tuple, batch: int,
+                 hidden: int):
+        self.xp, self.plans, self.batch, self.hidden = xp, list(plans), batch, hidden
         self.module = module
-        # W_hh's words, b_hh, W_ih, the mailbox, the state words, the fault word and the
+        self.slices = plans[0].grid  # (every layer's: the tile depends on the cell, H and B)
+        self.grid = len(plans) * self.slices
+        # Each CTA carves its layer's shared memory: the launch's is the largest layer's
+        self.shared_bytes = max(q.resident_shared_bytes for q in plans)
+        # Layer 0's held rows of W_ih (bit 0) and the further layers' (bit 1: input size H)
+        self.w_ih_held = int(plans[0].w_ih_held) | int(plans[-1].w_ih_held and len(plans) > 1) << 1
+        # W_hh's words, b_hh, W_ih, the mailboxes, the state words, the fault words and each
         # layer's own copy of its last two steps' h' (the recurrent half computed ahead reads it)
         self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.fault, self.keep = operands
         self.running: Any = None  # emulate.AsyncLaunch, or the CuPy stream of the launch
@@ -247,31 +256,37 @@ class _Resident:
         the step kernel's wait is ``WAIT_DEADLINES`` of them), the stall, the emulation's
         residency."""
         stall = settings.current_stall()
-        dp, timeout = self.dp, launch.timeout_ns(self.xp is np)
+        timeout = launch.timeout_ns(self.xp is np)
         args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.keep,
-                np.int32(self.batch),
-                np.int32(dp.input_size), np.int32(self.hidden), np.int32(dp.w_ih_held),
-                np.uint64(timeout), *stall.args())
+                np.int32(self.slices), np.int32(self.batch), np.int32(self.plans[0].input_size),
+                np.int32(self.hidden), np.int32(self.w_ih_held), np.uint64(timeout),
+                *stall.args())
+        block = self.plans[0].block
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
             self.running = self.module.launch_async(
-                "prnn_resident_decoder", dp.grid, dp.block, dp.resident_shared_bytes, args,
+                "prnn_resident_decoder", self.grid, block, self.shared_bytes, args,
                 max_resident=settings.current().emulation_max_resident)
         else:
             stream = self.running or self.xp.cuda.Stream(non_blocking=True)
             stream.wait_event(self.xp.cuda.get_current_stream().record())  # the words, zeroed
             with stream:
-                self.module.launch("prnn_resident_decoder", dp.grid, dp.block,
-                                   dp.resident_shared_bytes, args)
+                self.module.launch("prnn_resident_decoder", self.grid, block, self.shared_bytes,
+                                   args)
             self.running = stream
         self.launches += 1
         launch.COUNTERS.add("launches")
         return timeout
 
     def raise_fault(self) -> None:
-        if self.lost is None and int(self.fault[0]):
-            raise RuntimeError(f"resident decoder: the wait of step {int(self.fault[0])} ran past "
-                               f"{WAIT_DEADLINES} deadlines (a resident CTA neither finished the "
-                               "step nor left); its outputs are not written")
+        """RuntimeError naming the first layer whose fault word records a step (reads them)."""
+        if self.lost is not None:
+            return
+        for n, step in enumerate(int(f) for f in self.fault):
+            if step:
+                where = f" of layer {n}" if len(self.plans) > 1 else ""
+                raise RuntimeError(f"resident decoder: the wait{where} of step {step} ran past "
+                                   f"{WAIT_DEADLINES} deadlines (a resident CTA neither finished "
+                                   "the step nor left); its outputs are not written")
 
     def stop(self) -> None:
         """Post STOP and wait (bounded) for the resident launch to end. Idempotent."""
@@ -284,21 +299,21 @@ class _Resident:
         self.closed = True
         if self.running is None:
             return
+        # each layer's mailbox's posted step (the CTAs read it with acquire loads; on a GPU
+        # the fill runs on the current stream, not the resident one)
+        self.box[::BOX_WORDS].fill(STOP)
         if self.xp is np:
-            self.box[0] = STOP  # (the CTAs read it with acquire loads)
             self.running.join(JOIN_S)
         else:
-            self.box[0:1].fill(STOP)  # on the current stream, not the resident one
             self.running.synchronize()
         self.running = None
 
 
 class _Layers:
     """A resident decoder's layers (a cell: one): their weights and words stacked - what the one
-    step kernel of a step reads, layer n at its offsets (``resident_decoder.cu``,
-    ``prnn_decoder_step``) - and each layer's resident kernel (``residents``) on its rows. All
-    layers share the tile (it depends on the cell, hidden size and batch, not the input size),
-    so one module serves them."""
+    step kernel of a step and the one resident launch (``resident``) read, layer n at its
+    offsets (``resident_decoder.cu``, ``layer_weights``). All layers share the tile (it depends
+    on the cell, hidden size and batch, not the input size), so one module serves them."""
 
     def __init__(self, xp, plans: Sequence[DecoderPlan], params: Sequence[Mapping[str, Array]],
                  cell: CellSpec, batch: int, hidden: int):
@@ -310,22 +325,18 @@ class _Layers:
         b_hh = xp.stack([p.get("bias_hh", xp.zeros(gh, np.float32)) for p in params])
         w_ih = xp.concatenate([p["weight_ih"].reshape(-1) for p in params])  # (input, then H)
         b_ih = xp.stack([p["bias_ih"] for p in params]) if "bias_ih" in params[0] else None
-        box = xp.zeros((layers, BOX_WORDS), np.uint32)
-        state = xp.full((layers, dp.grid), GONE, np.uint32)
+        box = xp.zeros(layers * BOX_WORDS, np.uint32)  # layer n's at n * BOX_WORDS
+        state = xp.full(layers * dp.grid, GONE, np.uint32)  # layer n's at n * grid
         fault = xp.zeros(layers, np.uint32)
         keep = xp.zeros((layers, 2, batch, hidden), np.float32)  # each layer's last two h'
-        at = np.cumsum([0] + [gh * q.input_size for q in plans])
-        self.residents = [
-            _Resident(xp, self.module, q, (w_hh[n], b_hh[n], w_ih[at[n]:at[n + 1]].reshape(gh, -1),
-                                           box[n], state[n], fault[n:n + 1], keep[n]), batch,
-                      hidden)
-            for n, q in enumerate(plans)]
+        words = (w_hh, b_hh, w_ih, box, state, fault, keep)
+        self.resident = _Resident(xp, self.module, plans, words, batch, hidden)
         # The step kernel's arguments that no step changes, made once (a step then only joins
         # tuples): the words, b_ih and its flag (layer 0 adds it only to its own projection of
         # x), the block and shared memory (the widest layer's: its staged x), and the tail - the
         # sizes and the wait deadline (``_step_tail``: made again at each launch of a resident
         # kernel from the settings read then).
-        self._words = (w_hh, b_hh, w_ih, box, state, fault, keep)
+        self._words = words
         self._bias = (b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0))
         self._block = dp.block
         self._shared = max(q.shared_bytes for q in plans)
@@ -333,21 +344,20 @@ class _Layers:
         self._step_tail = self._tail(launch.timeout_ns(xp is np))
 
     def ensure(self) -> None:
-        """Relaunch each resident kernel whose last launch has ended (idle past its deadline);
-        the step kernel's wait then follows the deadline of the latest launch. Not while the
-        current stream is being captured (the query is not allowed then, and a launch on
-        another stream would not be in the graph): a replayed step whose resident kernel has
-        gone takes its slices over."""
+        """Relaunch the resident kernel if its last launch has ended (every CTA idle past its
+        deadline); the step kernel's wait then follows the deadline of the new launch. Not
+        while the current stream is being captured (the query is not allowed then, and a launch
+        on another stream would not be in the graph): a replayed step whose resident CTAs have
+        gone takes their slices over."""
         if self.xp is not np and self.xp.cuda.get_current_stream().is_capturing():
             return
-        for r in self.residents:
-            if r.ended():
-                self._step_tail = self._tail(r.relaunch())
+        if self.resident.ended():
+            self._step_tail = self._tail(self.resident.relaunch())
 
     def _tail(self, timeout_ns: int) -> tuple:
         """The step kernel's last arguments: the layers and sizes, and its wait
-        (``WAIT_DEADLINES`` idle deadlines of the resident kernels, ``timeout_ns`` each)."""
-        return (self._count, np.int32(self.residents[0].dp.grid), np.int32(self.batch),
+        (``WAIT_DEADLINES`` idle deadlines of the resident kernel, ``timeout_ns`` each)."""
+        return (self._count, np.int32(self.resident.slices), np.int32(self.batch),
                 np.int32(self.input_size), np.int32(self.hidden),
                 np.uint64(WAIT_DEADLINES * timeout_ns))
 
@@ -365,16 +375,14 @@ class _Layers:
                 + self._bias + self._step_tail)
         self._launch("prnn_decoder_step", 1, self._block, self._shared, args)
         launch.COUNTERS.add("launches")
-        if self.xp is np:  # (free to read in the emulation; a GPU: check())
-            for r in self.residents:
-                if r.fault[0]:
-                    r.raise_fault()
+        if self.xp is np and self.resident.fault.any():  # (free to read in the emulation;
+            self.resident.raise_fault()                  # a GPU: check())
 
 
-def stop_all(residents: Sequence[_Resident]) -> None:
-    """Stop every resident kernel (a decoder's finaliser)."""
-    for r in residents:
-        r.stop()
+def stop(resident: _Resident | None) -> None:
+    """Stop the resident kernel, if any (a decoder's finaliser)."""
+    if resident is not None:
+        resident.stop()
 
 
 class Decoder:
@@ -410,10 +418,10 @@ class Decoder:
         self.reason = why
         self._layers = (_Layers(xp, plans, self._params, cell, self.batch, hidden)
                         if plans else None)
-        self._residents = self._layers.residents if plans else []
+        self._resident = self._layers.resident if plans else None
         if plans:
             self._params = []  # (in _Layers' stacked arrays now)
-        self._finalizer = weakref.finalize(self, stop_all, self._residents)
+        self._finalizer = weakref.finalize(self, stop, self._resident)
         if why is not None:
             warnings.warn(f"decoder not resident: {why}; each step runs the "
                           f"{'fused step kernel' if self._fused() else 'GEMM step'}",
@@ -432,17 +440,18 @@ class Decoder:
     @property
     def resident(self) -> bool:
         """Whether the steps run on the resident kernel."""
-        return bool(self._residents)
+        return self._resident is not None
 
     @property
     def sms_held(self) -> int:
-        """SMs the resident kernels hold while the decoder is open (one CTA per SM)."""
-        return sum(r.dp.grid for r in self._residents)
+        """SMs the resident kernel holds while the decoder is open (one CTA per SM: every
+        layer's)."""
+        return 0 if self._resident is None else self._resident.grid
 
     @property
     def relaunches(self) -> int:
-        """Launches of the resident kernels after their first (each after an idle exit)."""
-        return sum(r.launches - 1 for r in self._residents)
+        """Launches of the resident kernel after its first (each after an idle exit)."""
+        return 0 if self._resident is None else self._resident.launches - 1
 
     @property
     def closed(self) -> bool:
@@ -456,15 +465,15 @@ class Decoder:
         self.close()
 
     def close(self) -> None:
-        """Stop the resident kernels (each ends within its step) and free the decoder's words;
-        later steps raise. Raises what ``check`` raises."""
-        residents = list(self._residents)
+        """Stop the resident kernel (each CTA ends within its step) and free the decoder's
+        words; later steps raise. Raises what ``check`` raises."""
+        resident = self._resident
         self._finalizer()
         try:
-            for r in residents:
-                r.raise_fault()
+            if resident is not None:
+                resident.raise_fault()
         finally:
-            self._residents, self._layers = [], None
+            self._resident, self._layers = None, None
 
     def _lose(self, exc: DecoderContextLost) -> None:
         """Close the decoder whose context was lost (nothing on the device to stop or free) and
@@ -474,10 +483,10 @@ class Decoder:
         raise exc
 
     def resume(self) -> None:
-        """Relaunch each resident kernel that has exited (idle past its deadline). A step does
-        this itself before it enqueues; a replay of a captured loop runs no host code, so call
-        ``resume()`` before ``graph.replay()``: without it, steps whose resident kernel is gone
-        still compute, by the step kernel alone (one CTA: much slower)."""
+        """Relaunch the resident kernel if it has exited (every CTA of every layer idle past its
+        deadline). A step does this itself before it enqueues; a replay of a captured loop runs
+        no host code, so call ``resume()`` before ``graph.replay()``: without it, steps whose
+        resident CTAs are gone still compute, by the step kernel alone (one CTA: much slower)."""
         if self.closed:
             raise RuntimeError("resume() on a closed decoder")
         if self._layers is not None:
@@ -489,13 +498,13 @@ class Decoder:
     def check(self) -> None:
         """RuntimeError if a step's wait ran past its deadline (reads the device: synchronises);
         DecoderContextLost if the decoder's context was reset or failed."""
+        if self._resident is None:
+            return
         try:
-            for r in self._residents:
-                r.ended()
+            self._resident.ended()
         except DecoderContextLost as exc:
             self._lose(exc)
-        for r in self._residents:
-            r.raise_fault()
+        self._resident.raise_fault()
 
     def step(self, x: Array, state: Any = None) -> Any:
         """One step: ``x`` (batch, input_size), projected by the kernels themselves (within
@@ -526,7 +535,7 @@ class Decoder:
         elif self._plain(state, self._state_shape):
             h = state
         layers = self._layers
-        if h is None or layers is None or layers.residents[0].closed:  # (close() leaves none)
+        if h is None or layers is None or layers.resident.closed:  # (close() leaves none)
             if self.closed:
                 raise RuntimeError("step() on a closed decoder" + (
                     f": {self._lost}" if self._lost else ""))
@@ -578,12 +587,12 @@ class Decoder:
         vocabulary: the step then skips the kernels' own projection, and is bitwise the
         whole-sequence kernel's step on the same gi. Resident decoders only (ValueError
         otherwise)."""
-        if not self._plain(gi, self._gi_shape) or not self._residents:
+        if not self._plain(gi, self._gi_shape) or self._resident is None:
             gi = self._checked_projection(gi)
         return self._step(None, state, gi)
 
     def _checked_projection(self, gi: Array) -> Array:
-        if not self._residents:
+        if self._resident is None:
             raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
         self._check_array("gi", gi)
         if tuple(gi.shape) != self._gi_shape:

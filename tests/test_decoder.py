@@ -102,7 +102,7 @@ def test_steps_match_float64_and_step_projected_equals_the_sequence_kernel(place
     xs = _inputs()
     with layer.decoder(batch=B) as dec:
         assert dec.resident and dec.reason is None
-        assert ("PRNN_WORD_SPAN" in dec._residents[0].dp.defines) == (placement == "cluster")
+        assert ("PRNN_WORD_SPAN" in dec._resident.plans[0].defines) == (placement == "cluster")
         got = _decode(dec, xs)
     # step(x): the projection is the kernel's own (not the sequence path's GEMM): float64's
     # result and the per-step layer kernel's to float32 round-off
@@ -145,35 +145,47 @@ def test_a_two_layer_decoder_matches_float64_and_the_per_layer_kernels():
     _close([y, *hn[0], *hn[1]], [y_ref[0], *hn_ref[0], *hn_ref[1]])
 
 
-def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(settings):
-    """A 2-layer decoder's step is one step kernel launch that posts and waits layer after layer;
-    its outputs are bitwise those of two cell decoders chained (layer 1 fed layer 0's h'), also
-    with idle exits between steps, every slice of both layers taken over by the step kernel, a
-    CTA stalled inside a step past the idle deadline, and with step_projected."""
-    layer = prnn.LSTM(IN, H, num_layers=2, seed=3)
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(kind, settings):
+    """A 2-layer decoder's resident side is one launch (both layers' CTAs side by side) and its
+    step one step kernel launch that posts and waits layer after layer; its outputs are bitwise
+    those of two cell decoders chained (layer 1 fed layer 0's h'), also with every slice of both
+    layers taken over by the step kernel, and with step_projected; LSTM also with idle exits
+    between steps (one relaunch for both layers) and a CTA of each layer stalled inside a step
+    past the idle deadline (GRU and RNN: those too with PRNN_TEST_EVERY_KERNEL=1)."""
+    lstm = kind == "LSTM"
+    layer = getattr(prnn, kind)(IN, H, num_layers=2, seed=3)
     p = layer.params
-    cells = [prnn.LSTMCell(IN if n == 0 else H, H) for n in range(2)]
+    cells = [getattr(prnn, f"{kind}Cell")(IN if n == 0 else H, H) for n in range(2)]
     for n, cell in enumerate(cells):
         cell.load_params({k: p[f"{k}_l{n}"] for k in cell.params})
+
+    def h_of(state):
+        return state[0] if lstm else state
+
+    def parts(state):  # a stack's state as a list of arrays
+        return list(state) if lstm else [state]
+
     xs = _inputs(seed=2, steps=3)
     decs = [cell.decoder(batch=B) for cell in cells]
     want, states = [], [None, None]
     for x in xs:
         for n, dec in enumerate(decs):
-            states[n] = dec.step(x if n == 0 else states[0][0], states[n])
-        want.append([states[1][0], *(np.stack([s[i] for s in states]) for i in range(2))])
-    gi = np.random.default_rng(6).standard_normal((B, 4 * H)).astype(np.float32)
-    want_gi = decs[0].step_projected(gi)
-    want_gi = [decs[1].step(want_gi[0])[0], want_gi[0]]
+            states[n] = dec.step(x if n == 0 else h_of(states[0]), states[n])
+        want.append([h_of(states[1]), *(np.stack(s) for s in zip(*map(parts, states)))])
+    gi = np.random.default_rng(6).standard_normal((B, layer.cell.gates * H)).astype(np.float32)
+    below = h_of(decs[0].step_projected(gi))
+    want_gi = [h_of(decs[1].step(below)), below]
     for dec in decs:
         dec.close()
 
     def decode(between=None, take_over=False):
         with layer.decoder(batch=B) as dec:
-            if take_over:  # both resident kernels idle past their deadline, never relaunched
+            resident = dec._resident
+            assert resident.grid == 2 * resident.slices == dec.sms_held and resident.launches == 1
+            if take_over:  # every resident CTA idle past its deadline, never relaunched
                 dec.step(xs[0])
-                for r in dec._residents:
-                    r.running.join(10)
+                dec._resident.running.join(10)
                 dec._layers.ensure = lambda: None
             got, state, launches = [], None, dec.relaunches
             with launch.counting() as count:
@@ -181,20 +193,22 @@ def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(settings):
                     if between is not None:
                         between(t)
                     y, state = dec.step(x, state)
-                    got.append([y, *state])
+                    got.append([y, *parts(state)])
             relaunched = dec.relaunches - launches
             assert count.launches == len(xs) + relaunched  # one step kernel a step
             if not take_over:
-                y, (h, _) = dec.step_projected(gi)
-                _equal([y, h[0]], want_gi)
+                y, hn = dec.step_projected(gi)
+                _equal([y, h_of(hn)[0]], want_gi)
         for a, b in zip(got, want):
             _equal(a, b)
         return relaunched
 
     decode()
+    decode(take_over=True)
+    if not (lstm or EVERY_KERNEL):
+        return
     prnn.configure(emulation_timeout_ms=20)
     assert decode(between=lambda t: time.sleep(0.1)) >= 1
-    decode(take_over=True)
     prnn.configure(emulation_timeout_ms=50)
     with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1 of each layer
         decode()
@@ -217,7 +231,7 @@ def test_an_odd_input_size_and_batch_project_as_float64_and_take_over_bitwise():
             want.append(state)
             _close(state, ref)
     with cell.decoder(batch=5) as dec:
-        resident = dec._residents[0]
+        resident = dec._resident
         dec.step(xs[0])
         resident.running.join(30)  # idle exit; no relaunch: the step kernel takes every slice
         dec._layers.ensure = lambda: None
@@ -248,7 +262,7 @@ def test_w_ih_held_in_shared_memory_or_read_from_l2_gives_the_same_bits(monkeypa
             for x in xs:
                 state = dec.step(x, state)
                 states.append(state)
-            return dec._residents[0].dp.w_ih_held, states
+            return dec._resident.plans[0].w_ih_held, states
 
     was_held, want = decode()
     plan = decoding.plan  # the same tile, its rows not held (as a plan whose rows do not fit)
@@ -280,7 +294,7 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
         assert dec.relaunches >= 1
     _equal(got, want)
     with layer.decoder(batch=B) as dec:
-        resident = dec._residents[0]
+        resident = dec._resident
         dec.step(xs[0])
         resident.running.join(10)  # idle exit; no relaunch: the step kernel takes every slice
         dec._layers.ensure = lambda: None
@@ -293,7 +307,7 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
             got = _decode(dec, xs)
             # the other CTAs went idle while CTA 1 stalled: their slices were taken over (and
             # the launch relaunched once CTA 1 left too)
-            gone = [int(w) & 3 == decoding.GONE for w in dec._residents[0].state]
+            gone = [int(w) & 3 == decoding.GONE for w in dec._resident.state]
             assert dec.relaunches >= 1 or any(gone)
     _equal(got, want)
 
@@ -354,8 +368,7 @@ def test_the_recurrent_half_computed_ahead_gives_todays_bits(kind, placement, se
     prnn.configure(emulation_timeout_ms=20)
     with module.decoder(batch=B) as dec:
         dec.step(xs[0])
-        for r in dec._residents:
-            r.running.join(30)  # idle exits: the step kernel takes every slice
+        dec._resident.running.join(30)  # idle exits: the step kernel takes every slice
         dec._layers.ensure = lambda: None
         want = decode(dec)
     prnn.configure(emulation_timeout_ms=idle_ms)
@@ -363,7 +376,7 @@ def test_the_recurrent_half_computed_ahead_gives_todays_bits(kind, placement, se
         before = _ahead_counts(dec)
         got = decode(dec)
         used, recomputed = (a - b for a, b in zip(_ahead_counts(dec), before))
-        grid, layers = dec._residents[0].dp.grid, len(dec._residents)
+        grid, layers = dec._resident.slices, len(dec._resident.plans)
     for a, b in zip(got, want):
         _equal(a, b)
     # both paths ran: steps 1, 2 and 4 (the last output's bits) use the ahead sums in each CTA
@@ -387,7 +400,7 @@ def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
     xs = _inputs(steps=2)
     want = _cell_loop(layer, xs)  # (as the decoder's to round-off: test_steps_match_float64...)
     with layer.decoder(batch=B) as dec:
-        resident = dec._residents[0]
+        resident = dec._resident
         state = dec.step(xs[0])[1]
         resident.running.join(30)  # idle exit, and no relaunch: every slice gone
         dec._layers.ensure = lambda: None
@@ -395,16 +408,18 @@ def test_a_step_kernel_that_skips_the_takeover_is_caught(tmp_path, monkeypatch):
     assert not np.allclose(y, want[1], atol=1e-3)
 
 
-def test_a_busy_gpu_runs_the_decoder_partly_resident(settings):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_busy_gpu_runs_the_decoder_partly_resident(layers, settings):
     """One resident CTA at a time (``emulation_max_resident``: a GPU whose other work holds the
-    SMs): the slices whose CTAs cannot start are the step kernel's, the same bits."""
-    layer = prnn.LSTM(IN, H, algo="persistent", seed=0)
+    SMs; a stack's upper layer's CTAs start only after its lower layer's have left): the slices
+    whose CTAs cannot start are the step kernel's, the same bits."""
+    layer = prnn.LSTM(IN, H, num_layers=layers, algo="persistent", seed=0)
     xs = _inputs(steps=3)
     with layer.decoder(batch=B) as dec:
         want = _decode(dec, xs)
     prnn.configure(emulation_max_resident=1, emulation_timeout_ms=50)
     with layer.decoder(batch=B) as dec:
-        assert dec._residents[0].dp.grid > 1
+        assert dec._resident.grid > layers
         got = _decode(dec, xs)
     _equal(got, want)
 
@@ -429,7 +444,7 @@ def test_close_gc_and_an_exception_leave_nothing_running():
     cell = prnn.LSTMCell(IN, H, seed=0)
     x = _inputs()[0]
     dec = cell.decoder(batch=B)
-    state = weakref.ref(dec._residents[0].state)
+    state = weakref.ref(dec._resident.state)
     h, c = dec.step(x)
     dec.close()
     dec.close()  # idempotent
@@ -446,6 +461,13 @@ def test_close_gc_and_an_exception_leave_nothing_running():
             dec.step(x)
             raise KeyError("the caller's loop failed")
     assert dec.closed and not emulate.running_launches()
+    # a stack: close() posts STOP to every layer's mailbox - the upper layer's CTAs end at once,
+    # not at their idle deadline (a minute of wall time: the realtime clock)
+    with prnn.override_settings(emulation_timeout_ms=60_000), emulate.modes("realtime"):
+        dec = prnn.LSTM(IN, H, num_layers=2, seed=0).decoder(batch=B)
+        dec.step(x)
+        dec.close()  # (joins for at most decoder.JOIN_S: 30 s)
+        assert not emulate.running_launches()
 
 
 def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, settings):
@@ -462,7 +484,7 @@ def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, sett
         want = dec.step(x, dec.step(x))
     dec = cell.decoder(batch=B)
     state = dec.step(x)
-    resident = dec._residents[0]
+    resident = dec._resident
     emulate.reset_context()
     assert not emulate.running_launches()
     assert int(resident.box[0]) == 0xFFFFFFFF  # (the resident kernel's memory: poisoned)
@@ -474,13 +496,13 @@ def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, sett
     dec.close()
     prnn.configure(emulation_timeout_ms=20)
     idle = cell.decoder(batch=B)  # reset while idle: its launch ended before the reset
-    idle._residents[0].running.join(10)
+    idle._resident.running.join(10)
     emulate.reset_context()
     with pytest.raises(decoding.DecoderContextLost):
         idle.check()
     assert idle.closed
     idle = cell.decoder(batch=B)
-    idle._residents[0].running.join(10)
+    idle._resident.running.join(10)
     emulate.reset_context()
     del idle
     gc.collect()
@@ -755,7 +777,7 @@ def test_a_replayed_step_launch_is_the_next_step():
     x = _inputs()[0]
     with cell.decoder(batch=B) as dec:
         want_h, want_c = dec.step(x)
-        resident = dec._residents[0]
+        resident = dec._resident
         h0, c0 = np.zeros((B, H), np.float32), np.zeros((B, H), np.float32)
         outputs = [(np.full((B, H), np.nan, np.float32), np.full((B, H), np.nan, np.float32))
                    for _ in range(2)]
@@ -776,7 +798,7 @@ def test_resume_relaunches_an_idle_resident_kernel(settings):
     prnn.configure(emulation_timeout_ms=20)
     with cell.decoder(batch=B) as dec:
         state = dec.step(xs[0])
-        resident = dec._residents[0]
+        resident = dec._resident
         resident.running.join(10)  # idle past its deadline: exited
         assert resident.ended()
         prnn.configure(emulation_timeout_ms=2000)  # (the relaunched kernel stays up meanwhile)
@@ -787,7 +809,7 @@ def test_resume_relaunches_an_idle_resident_kernel(settings):
         before = _ahead_counts(dec)
         time.sleep(0.02)
         got = dec.step(xs[1], state)
-        assert 0 < _ahead_counts(dec)[0] - before[0] <= resident.dp.grid  # (grid: undisturbed)
+        assert 0 < _ahead_counts(dec)[0] - before[0] <= resident.grid  # (grid: undisturbed)
     with cell.decoder(batch=B) as dec:  # undisturbed
         _equal(got, dec.step(xs[1], dec.step(xs[0])))
     with pytest.raises(RuntimeError, match="closed"):

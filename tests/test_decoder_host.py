@@ -121,7 +121,7 @@ def test_the_wait_deadline_is_read_at_each_launch_of_the_resident_kernel(setting
     cell = prnn.GRUCell(IN, H, seed=0)
     x = np.zeros((B, IN), np.float32)
     with cell.decoder(batch=B) as dec:
-        resident, layers = dec._residents[0], dec._layers
+        resident, layers = dec._resident, dec._layers
         assert layers._step_tail[-1] == decoding.WAIT_DEADLINES * 20_000_000
         prnn.configure(emulation_timeout_ms=2000)
         h = dec.step(x)

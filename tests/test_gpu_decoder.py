@@ -141,7 +141,7 @@ def test_gpu_decoder_loop_captured_in_a_cuda_graph(cupy):
         graph.launch(stream)
         stream.synchronize()
         assert np.array_equal(out.get(), first)  # replays: the same bits
-        live = [int(w) & 3 == 0 for w in dec._residents[0].state.get()]
+        live = [int(w) & 3 == 0 for w in dec._resident.state.get()]
         assert all(live), "a resumed replay's steps ran on the step kernel, not resident"
     # captured, the caller's products are matmul.cu's, not cuBLAS's: within their round-off
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-7)
