@@ -304,12 +304,23 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
     prnn.configure(emulation_timeout_ms=50)
     with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1
         with layer.decoder(batch=B) as dec:
+            _await_resident(dec)
             got = _decode(dec, xs)
             # the other CTAs went idle while CTA 1 stalled: their slices were taken over (and
             # the launch relaunched once CTA 1 left too)
             gone = [int(w) & 3 == decoding.GONE for w in dec._resident.state]
             assert dec.relaunches >= 1 or any(gone)
     _equal(got, want)
+
+
+def _await_resident(dec, timeout_s: float = 20.0) -> None:
+    """Until every resident CTA has taken its slice (an emulated CTA's thread may start late on
+    a loaded machine: its slice's first steps are then the step kernel's, and a stall injected
+    there would never happen)."""
+    deadline = time.monotonic() + timeout_s
+    while any(int(w) & 3 == decoding.GONE for w in dec._resident.state):
+        assert time.monotonic() < deadline, "the resident CTAs did not start"
+        time.sleep(0.001)
 
 
 def _ahead_counts(dec) -> tuple[int, int]:
