@@ -14,8 +14,10 @@
 
 namespace prnn {
 
-constexpr int MM_TILE = 32;                          // rows and columns of C per CTA; K per slice
-constexpr int MM_THREADS = 256;                      // threads per CTA
+// The shape, from persistent_rnn/matmul.py (its DEFINES: the launch's grid, block and shared
+// bytes are computed there from the same numbers)
+constexpr int MM_TILE = PRNN_MM_TILE;                // rows and columns of C per CTA; K per slice
+constexpr int MM_THREADS = PRNN_MM_THREADS;          // threads per CTA
 constexpr int MM_ROW_STEP = MM_THREADS / MM_TILE;    // rows between one thread's outputs
 constexpr int MM_PITCH = MM_TILE + 1;                // padded shared rows: no bank conflicts
 

@@ -41,6 +41,7 @@ Array = Any  # numpy.ndarray or cupy.ndarray
 
 TILE = 32  # rows and columns of C per CTA (MM_TILE of matmul.cu)
 THREADS = 256  # threads per CTA (MM_THREADS)
+DEFINES = {"PRNN_MM_TILE": TILE, "PRNN_MM_THREADS": THREADS}  # matmul.cu's shape: from here only
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _MAX_INT32 = 2**31 - 1
 _CUDA_TYPES = {"float16": "CUDA_R_16F", "bfloat16": "CUDA_R_16BF"}  # cudaDataType names
@@ -219,5 +220,10 @@ def _sizes(a: Array, b: Array) -> tuple[int, int, int]:
 def _module():
     """The compiled ``matmul.cu`` (one NVRTC build per process, per device via CuPy's cache)."""
     import cupy
-    return cupy.RawModule(code=read_source("matmul.cu"),
-                          options=("-I" + str(cuda_src_dir()), "--std=c++17"))
+    return cupy.RawModule(code=read_source("matmul.cu"), options=compile_options())
+
+
+def compile_options() -> tuple[str, ...]:
+    """NVRTC's options for ``matmul.cu``: the include path and its shape (``DEFINES``)."""
+    return ("-I" + str(cuda_src_dir()), "--std=c++17",
+            *(f"-D{name}={value}" for name, value in DEFINES.items()))

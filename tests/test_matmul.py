@@ -12,7 +12,7 @@ import pytest
 
 import persistent_rnn
 from persistent_rnn import emulate, matmul
-from persistent_rnn._sources import cuda_src_dir, read_source
+from persistent_rnn._sources import read_source
 from sabotage import sabotaged
 
 pytestmark = pytest.mark.timeout(240)
@@ -61,7 +61,7 @@ def _check(module, case, dtype, rng) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_emulated_kernel_equals_float64_products(dtype):
-    module = emulate.get_module("matmul.cu", {})
+    module = emulate.get_module("matmul.cu", matmul.DEFINES)
     rng = np.random.default_rng(5)
     for case in CASES:
         _check(module, case, dtype, rng)
@@ -76,7 +76,7 @@ def test_a_sabotaged_kernel_fails_the_check(tmp_path, old, new):
     """A slice's last k dropped, a tile staged transposed, the output's column stride ignored:
     each fails the bound of the test above on at least one case."""
     src = sabotaged(tmp_path, "matmul.cu", old, new)
-    module = emulate.get_module("matmul.cu", {}, src_dir=src)
+    module = emulate.get_module("matmul.cu", matmul.DEFINES, src_dir=src)
     failures = 0
     for case in CASES:
         try:
@@ -93,8 +93,7 @@ def test_kernel_compiles_without_spills(arch):
     from cupy.cuda import nvrtc
     prog = nvrtc.createProgram(read_source("matmul.cu"), "matmul.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, [f"-arch={arch}", "-I" + str(cuda_src_dir()), "--std=c++17",
-                                    "-Xptxas=-v"])
+        nvrtc.compileProgram(prog, [f"-arch={arch}", *matmul.compile_options(), "-Xptxas=-v"])
     finally:
         log = nvrtc.getProgramLog(prog)
     for name in ("prnn_matmul_f32", "prnn_matmul_f64"):
