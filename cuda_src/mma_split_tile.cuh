@@ -110,24 +110,14 @@ struct MmaSplitTileOf {
   PRNN_DEVICE void load(const unsigned* m, const int (&rows)[kRows], int col0, int k_len,
                         int lane) {
     const int row_words = (k_len + 1) / 2, g = lane / 4, t = lane % 4;
-    int held[kNTiles];  // rows[8n + g] by compile-time indices (else `rows` goes to local memory)
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n) {
-      held[n] = -1;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        if (8 * n + q < kRows) held[n] = q == g ? rows[8 * n + q] : held[n];
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < kNTiles; ++n) {
+      const int row = lane_row(rows, 8 * n, g);
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int k = col0 / 2 + 8 * s + 2 * t + j;
-          w[n][s][j] = held[n] >= 0 && k < row_words ? m[(size_t)held[n] * row_words + k] : 0u;
-        }
+        const int k = col0 / 2 + 8 * s + 2 * t;
+        w[n][s][0] = row_word(m, row, k, row_words);
+        w[n][s][1] = row_word(m, row, k + 1, row_words);
       }
     }
   }
@@ -137,17 +127,7 @@ struct MmaSplitTileOf {
   // 8n + 2t + i) end in d[n][i] (hi part) and d[n][i + 2] (lo part).
   template <class Value>
   PRNN_DEVICE void multiply(Value value, float scale, float (&d)[kNTiles][4]) const {
-    float acc[kSets][kNTiles][4];
-#pragma unroll
-    for (int e = 0; e < kSets; ++e) {
-#pragma unroll
-      for (int n = 0; n < kNTiles; ++n) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[e][n][i] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < kKSteps; ++s) {
+    mma_chain<kSets, kNTiles, kKSteps>([&](int s, float (&acc)[kSets][kNTiles][4]) {
       float x[4];
       value(s, x);
       unsigned a[kSplitParts - 1][4];
@@ -161,16 +141,7 @@ struct MmaSplitTileOf {
           mma_16bit(c, a[part], w[n][s], c);
         }
       }
-    }
-#pragma unroll
-    for (int n = 0; n < kNTiles; ++n) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // a fixed order: (set 0 + set 1) + (set 2 + set 3)
-        float sum = kSets >= 2 ? acc[0][n][i] + acc[kSets / 2][n][i] : acc[0][n][i];
-        if (kSets == 4) sum = (acc[0][n][i] + acc[1][n][i]) + (acc[2][n][i] + acc[3][n][i]);
-        d[n][i] = sum;
-      }
-    }
+    }, d);
   }
 
   // Stores the sums of batch row n0 + g (below `batch`): hi + lo parts, times `inverse` (the
@@ -238,32 +209,26 @@ PRNN_DEVICE int multiply_exchanged(const MmaSplitTileOf<kRows, kKpt>& tile,
                                    int ksplit = PRNN_KSPLIT) {
   using Tile = MmaSplitTileOf<kRows, kKpt>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
-  const int g = lane / 4, t = lane % 4;
-  int failed = 0;
-#pragma unroll 1
-  for (int n0 = 0; n0 < batch; n0 += 8) {
-    const int b = n0 + g < batch ? n0 + g : batch - 1;
-    unsigned w[Tile::kKSteps][4];  // after a failure: any values (the step is discarded)
-    failed |= !wait_mma_quads(xch, s, b, chunk * Tile::kChunk + 4 * t, w, failed, ctl, timeout_ns);
-    float scale = 1.0f, inverse = 1.0f;
-    if constexpr (kScaledSplit) {
-      float m = 0.0f;
+  return for_exchanged_ntiles<Tile::kKSteps, Tile::kChunk>(
+      xch, s, batch, ctl, timeout_ns, ksplit, [&](int n0, const unsigned (&w)[Tile::kKSteps][4]) {
+        float scale = 1.0f, inverse = 1.0f;
+        if constexpr (kScaledSplit) {
+          float m = 0.0f;
 #pragma unroll
-      for (int k = 0; k < Tile::kKSteps; ++k) {
+          for (int k = 0; k < Tile::kKSteps; ++k) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(prnn_value_of(w[k][e])));
-      }
-      split_scale(m, scale, inverse);
-    }
-    float d[Tile::kNTiles][4];
-    tile.multiply([&w](int k, float (&q)[4]) {
+            for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(prnn_value_of(w[k][e])));
+          }
+          split_scale(m, scale, inverse);
+        }
+        float d[Tile::kNTiles][4];
+        tile.multiply([&w](int k, float (&q)[4]) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) q[e] = prnn_value_of(w[k][e]);
-    }, scale, d);
-    Tile::store(d, inverse, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows,
-                lane);
-  }
-  return failed;
+          for (int e = 0; e < 4; ++e) q[e] = prnn_value_of(w[k][e]);
+        }, scale, d);
+        Tile::store(d, inverse, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit,
+                    local_rows, lane);
+      });
 }
 #endif
 

@@ -49,6 +49,51 @@ PRNN_DEVICE unsigned pack_16bit(float lo, float hi) {
 #endif
 }
 
+// rows[base + g] for the lane's g = lane / 4 (-1 past kRows), chosen by compile-time indices: a
+// run-time index would put `rows` in local memory. `base` is a compile-time value once unrolled.
+template <int kRows>
+PRNN_DEVICE int lane_row(const int (&rows)[kRows], int base, int g) {
+  int row = -1;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    if (base + q < kRows) row = q == g ? rows[base + q] : row;
+  }
+  return row;
+}
+
+// Word k of row `row` of a matrix of row_words words a row, or 0 (a padding row: -1; a column
+// past the matrix).
+PRNN_DEVICE unsigned row_word(const unsigned* m, int row, int k, int row_words) {
+  return row >= 0 && k < row_words ? m[(size_t)row * row_words + k] : 0u;
+}
+
+// An mma product over kKSteps k-steps: step(s, acc) issues k-step s's HMMAs into the kSets
+// accumulator sets of kTiles fragments (independent chains, the k-steps round-robin); the sets
+// start at zero and end added in a fixed order, (set 0 + set 1) + (set 2 + set 3), into d.
+template <int kSets, int kTiles, int kKSteps, class Step>
+PRNN_DEVICE void mma_chain(Step step, float (&d)[kTiles][4]) {
+  float acc[kSets][kTiles][4];
+#pragma unroll
+  for (int e = 0; e < kSets; ++e) {
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[e][n][i] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kKSteps; ++s) step(s, acc);
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float sum = kSets >= 2 ? acc[0][n][i] + acc[kSets / 2][n][i] : acc[0][n][i];
+      if (kSets == 4) sum = (acc[0][n][i] + acc[1][n][i]) + (acc[2][n][i] + acc[3][n][i]);
+      d[n][i] = sum;
+    }
+  }
+}
+
 template <int kRows = PRNN_ROWS, int kKpt = PRNN_KPT>
 struct MmaTileOf {
   static constexpr int kLanes = 32;
@@ -69,15 +114,11 @@ struct MmaTileOf {
                         int lane) {
     const int row_words = (k_len + 1) / 2, g = lane / 4, t = lane % 4;
     // rows[16m + g + 8h] by compile-time indices (a run-time index would put `rows` in local memory)
-    int held[kMTiles][2];
+    int held[kMTiles][2];  // rows g and g + 8 of each m-tile
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        held[mt][h] = -1;
-#pragma unroll
-        for (int q = 0; q < 8; ++q) held[mt][h] = q == g ? rows[16 * mt + q + 8 * h] : held[mt][h];
-      }
+      for (int h = 0; h < 2; ++h) held[mt][h] = lane_row(rows, 16 * mt + 8 * h, g);
     }
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -85,8 +126,7 @@ struct MmaTileOf {
       for (int s = 0; s < kKSteps; ++s) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int row = held[mt][j % 2], k = col0 / 2 + 8 * s + 2 * t + j / 2;
-          a[mt][s][j] = row >= 0 && k < row_words ? m[(size_t)row * row_words + k] : 0u;
+          a[mt][s][j] = row_word(m, held[mt][j % 2], col0 / 2 + 8 * s + 2 * t + j / 2, row_words);
         }
       }
     }
@@ -97,31 +137,12 @@ struct MmaTileOf {
   // column 2t + i % 2) end in d[m][i].
   template <class Fragment>
   PRNN_DEVICE void multiply(Fragment fragment, float (&d)[kMTiles][4]) const {
-    float acc[kSets][kMTiles][4];
-#pragma unroll
-    for (int e = 0; e < kSets; ++e) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[e][mt][i] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < kKSteps; ++s) {
+    mma_chain<kSets, kMTiles, kKSteps>([&](int s, float (&acc)[kSets][kMTiles][4]) {
       unsigned b[2];
       fragment(s, b);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) mma_16bit(acc[s % kSets][mt], a[mt][s], b, acc[s % kSets][mt]);
-    }
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // a fixed order: (set 0 + set 1) + (set 2 + set 3)
-        float sum = kSets >= 2 ? acc[0][mt][i] + acc[kSets / 2][mt][i] : acc[0][mt][i];
-        if (kSets == 4) sum = (acc[0][mt][i] + acc[1][mt][i]) + (acc[2][mt][i] + acc[3][mt][i]);
-        d[mt][i] = sum;
-      }
-    }
+    }, d);
   }
 
   // Stores an n-tile's sums (columns n0 + 2t + i % 2 below `batch`) as partial sums of chunk
@@ -221,6 +242,27 @@ PRNN_DEVICE bool wait_mma_quads(const ExchangeOf<Padded>& xch, int s, int b, int
   return ready;
 }
 
+// A cluster mma tile's step over the exchange, per n-tile of 8 batch rows: each lane waits for
+// its kKSteps quads of step s (from column kChunk x its warp's chunk) in the cluster's copy of
+// the exchange (wait_mma_quads) and hands them to multiply(n0, w); returns whether this
+// thread's wait failed (the caller's barrier votes).
+template <int kKSteps, int kChunk, int Padded, class Multiply>
+PRNN_DEVICE int for_exchanged_ntiles(const ExchangeOf<Padded>& xch, int s, int batch,
+                                     PrnnControl* ctl, unsigned long long timeout_ns, int ksplit,
+                                     Multiply multiply) {
+  const int lane = threadIdx.x % 32, chunk = threadIdx.x / 32 % ksplit;
+  const int g = lane / 4, t = lane % 4;
+  int failed = 0;
+#pragma unroll 1
+  for (int n0 = 0; n0 < batch; n0 += 8) {
+    const int b = n0 + g < batch ? n0 + g : batch - 1;
+    unsigned w[kKSteps][4];  // after a failure: any values (the step is discarded)
+    failed |= !wait_mma_quads(xch, s, b, chunk * kChunk + 4 * t, w, failed, ctl, timeout_ns);
+    multiply(n0, w);
+  }
+  return failed;
+}
+
 // multiply_exchanged (persistent_common.cuh, kDirectRead) for an mma tile: per n-tile, each lane
 // waits for its B words of step s in the cluster's copy of the exchange and multiplies them;
 // returns whether this thread's wait failed (the caller's barrier votes).
@@ -231,21 +273,15 @@ PRNN_DEVICE int multiply_exchanged(const MmaTileOf<kRows, kKpt>& tile, const Exc
                                    int ksplit = PRNN_KSPLIT) {
   using Tile = MmaTileOf<kRows, kKpt>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
-  const int g = lane / 4, t = lane % 4;
-  int failed = 0;
-#pragma unroll 1
-  for (int n0 = 0; n0 < batch; n0 += 8) {
-    const int b = n0 + g < batch ? n0 + g : batch - 1;
-    unsigned w[Tile::kKSteps][4];  // after a failure: any values (the step is discarded)
-    failed |= !wait_mma_quads(xch, s, b, chunk * Tile::kChunk + 4 * t, w, failed, ctl, timeout_ns);
-    float d[Tile::kMTiles][4];
-    tile.multiply([&w](int k, unsigned (&f)[2]) {
-      f[0] = pack_16bit(prnn_value_of(w[k][0]), prnn_value_of(w[k][1]));
-      f[1] = pack_16bit(prnn_value_of(w[k][2]), prnn_value_of(w[k][3]));
-    }, d);
-    Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
-  }
-  return failed;
+  return for_exchanged_ntiles<Tile::kKSteps, Tile::kChunk>(
+      xch, s, batch, ctl, timeout_ns, ksplit, [&](int n0, const unsigned (&w)[Tile::kKSteps][4]) {
+        float d[Tile::kMTiles][4];
+        tile.multiply([&w](int k, unsigned (&f)[2]) {
+          f[0] = pack_16bit(prnn_value_of(w[k][0]), prnn_value_of(w[k][1]));
+          f[1] = pack_16bit(prnn_value_of(w[k][2]), prnn_value_of(w[k][3]));
+        }, d);
+        Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
+      });
 }
 #endif
 
