@@ -46,6 +46,11 @@ def _where(xp) -> tuple:
     return threading.get_ident(), xp.cuda.Device().id, stream.ptr
 
 
+def signature(x: Array, hx: Any, lengths: Any) -> tuple:
+    """What two calls in a row must share for the second to plan its signature (``plan_of``)."""
+    return type(x), x.shape, x.dtype, hx is None, lengths is None
+
+
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan | None":
     """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
     ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned."""
@@ -56,6 +61,16 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan |
         return None
     plan = Plan(ctx, x, hx is not None)
     return plan if plan.engine is not None else None
+
+
+def _same_memory(a: Any, b: Array) -> bool:
+    """Whether ``a`` is an array of ``b``'s type over the memory ``b`` covers, laid out alike."""
+    if type(a) is not type(b) or a.shape != b.shape or a.strides != b.strides \
+            or a.dtype != b.dtype:
+        return False
+    if type(b) is np.ndarray:
+        return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    return a.data.ptr == b.data.ptr  # (CuPy)
 
 
 class Plan:
@@ -80,6 +95,7 @@ class Plan:
         self.gi = buffers.workspace(xp, "gi", (steps * batch, w_ih.shape[0]), w_ih.dtype)
         gi = self.gi.reshape(steps, batch, w_ih.shape[0])
         hidden = w_hh.shape[1]
+        self.y_shape = (steps, batch, hidden)  # (what a backward's dy must be)
         engine, _ = runtime._engine(ctx.cell, gi, hidden, batch, ctx.algo, backward=False)
         self.engine = engine
         self.backward_pass: runtime.PreparedPass | None = None
@@ -114,10 +130,25 @@ class Plan:
 
     def _same_weights(self, params: Mapping[str, Array]) -> bool:
         """Whether ``params`` holds the planned weight objects (an array object keeps its
-        memory: in-place updates are read by the plan's arguments as by a new call's)."""
+        memory: in-place updates are read by the plan's arguments as by a new call's), or new
+        arrays over the very memory of the planned ones (``_same_memory``: the torch modules'
+        views of parameters an optimizer updated in place), which the plan then keeps."""
         for name, w in zip(self.names.values(), self.weights):
             if params.get(name) is not w:
+                return self._rebind(params)
+        return True
+
+    def _rebind(self, params: Mapping[str, Array]) -> bool:
+        """``_same_weights`` of new array objects: where each is over the planned one's memory
+        (the same address, shape, strides and dtype) the plan's arguments read what the new
+        arrays hold, and the plan keeps the new objects; else ``False``."""
+        weights = tuple(params.get(name) for name in self.names.values())
+        for new, old in zip(weights, self.weights):
+            if not _same_memory(new, old):
                 return False
+        w_ih, w_hh = weights[0], weights[1]
+        self.weights, self.w_hh, self.w_ih_t = weights, w_hh, w_ih.T
+        self.b_ih = weights[2] if self.b_ih is not None else None
         return True
 
     def forward(self, x: Array, hx: Any,
