@@ -3,8 +3,10 @@
 A call of a layer re-derives, every time, what depends only on its signature: the argument
 checks, the initial states, the engine, the workspaces, the chain, the launches' arguments and
 the chain graph's key over every argument. A ``Plan`` keeps all of that for one signature of a
-layer (``layers``) after a call that ran the whole way: a later call whose every input is
-identical where it matters (the same array type, shape and dtype; the same parameter objects;
+layer (``layers``; a torch module's ``RunRecord``, ``torch.ops``) after a call that ran the whole
+way: a later call whose every input is identical where it matters (the same array type, shape
+and dtype; the same parameter objects, or arrays over exactly their memory (``_same_memory``:
+the torch modules' new views of weights an optimizer updated in place);
 the same settings object, thread, device and stream; initial states given as they were when
 planned, of the same shapes, or none; no lengths) does
 identity checks, then only what differs from call to call - the input GEMM into the same
@@ -47,19 +49,26 @@ def _where(xp) -> tuple:
 
 
 def signature(x: Array, hx: Any, lengths: Any) -> tuple:
-    """What two calls in a row must share for the second to plan its signature (``plan_of``)."""
-    return type(x), x.shape, x.dtype, hx is None, lengths is None
+    """What two calls in a row must share for the second to plan its signature (``plan_of``):
+    also the thread (and on a GPU the device and stream) a plan serves, so that calls from two
+    threads in turn never replace each other's plan (a plan costs a pass's preparation)."""
+    return type(x), x.shape, x.dtype, hx is None, lengths is None, _where(buffers.array_module(x))
 
 
-def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan | None":
+def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
+            key: tuple = ()) -> "Plan | None":
     """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
-    ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned."""
+    ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned; ``key``: the
+    caller's signature of the call (``signature``), which the plan keeps (``Plan.key``): a planned
+    call is the last call of its signature (so that another thread's calls in between plan
+    nothing rather than taking the plan over every other call)."""
     if not (lengths is None and ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
             and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
             and _where(buffers.array_module(x)) is not None):
         return None
     plan = Plan(ctx, x, hx is not None)
+    plan.key = key
     return plan if plan.engine is not None else None
 
 
@@ -80,6 +89,7 @@ class Plan:
     def __init__(self, ctx: functional.Context, x: Array, states: bool):
         d = ctx.directions[0][0]
         self.states = states  # whether the calls give initial states (else zeros)
+        self.key: tuple = ()  # the signature of its calls as its holder knows it (``plan_of``)
         self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype

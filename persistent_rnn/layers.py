@@ -132,6 +132,7 @@ class _Recurrent:
                 and plan.matches(x, hx, self.params, self.algo)):  # (identity checks: call_plans)
             self._ctx = None
             y, hn, ctx = plan.forward(x, hx, self.params)
+            self._last_signature = plan.key
             self._ctx, self._y_shape, self.last_run = ctx, y.shape, ctx.stats
             return y, hn
         if x is None:
@@ -160,9 +161,9 @@ class _Recurrent:
     def _plan_calls(self, ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> None:
         """Plan this call's signature (``call_plans``) when the call before that ran the whole
         way had it too (a one-off call plans nothing)."""
-        signature = (type(x), x.shape, x.dtype, hx is None, lengths is None)
+        signature = call_plans.signature(x, hx, lengths)
         if signature == self._last_signature and not self.batch_first:
-            self._plan = call_plans.plan_of(ctx, x, hx, lengths)
+            self._plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
         self._last_signature = signature
 
     def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:

@@ -127,8 +127,10 @@ def test_other_calls_take_the_full_path_with_torch_errors(settings, monkeypatch)
         for module, _ in pairs:  # new parameter objects (new memory): the full path
             module.weight_hh_l0 = torch.nn.Parameter(torch.full((4 * H, H), 0.01))
     pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m, _ in pairs]
-    _assert_steps_equal(pairs, "LSTM", range(5, 7), False)  # (the second: planned anew)
-    assert hits.forwards == 3
+    # (the first the full path, which plans anew - the call before had its signature -, the
+    # second planned)
+    _assert_steps_equal(pairs, "LSTM", range(5, 7), False)
+    assert hits.forwards == 4
 
 
 def test_new_weight_memory_is_caught_by_the_bitwise_check(settings, monkeypatch):
@@ -161,3 +163,25 @@ def test_a_stall_in_a_planned_module_call_restarts_bitwise(settings, grid_path, 
     for stats in (run, run.backward):
         assert stats.restarts >= 1 and stats.fallback is None
     assert (hits.forwards, hits.backwards) == (2, 1)  # (the stalled pair planned)
+
+
+def test_calls_from_another_thread_in_turn_leave_the_plan(settings, monkeypatch):
+    """A plan serves its own thread; another thread's calls in between take the full path (the
+    same results) and plan nothing: no plan is prepared per call while two threads take turns."""
+    import threading
+    hits, made = _Hits(monkeypatch), []
+    plan_of = call_plans.plan_of
+    monkeypatch.setattr(call_plans, "plan_of", lambda *a: made.append(1) or plan_of(*a))
+    torch.manual_seed(0)
+    module = prt.GRU(I, H, algo="persistent")
+    x = torch.randn(4, 2, I)
+    with torch.no_grad():
+        want = [module(x)[0] for _ in range(3)][-1]
+        assert (hits.forwards, len(made)) == (1, 1)
+        for _ in range(3):
+            got = []
+            worker = threading.Thread(target=lambda: got.append(module(x)[0]))
+            worker.start()
+            worker.join()
+            assert torch.equal(got[0], want) and torch.equal(module(x)[0], want)
+    assert (hits.forwards, len(made)) == (4, 1)

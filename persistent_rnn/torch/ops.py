@@ -386,6 +386,7 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
     plan = None if record is None or lengths is not None else record.plan
     if plan is not None and plan.matches(xa, hx, params, algo):  # (identity checks: call_plans)
         y, hn, ctx = plan.forward(xa, hx, params)
+        record.signature = plan.key
     else:
         y, hn, ctx = functional.forward(
             cell, params, xa, hx, None if lengths is None else lengths_array(lengths, xa),
@@ -408,7 +409,7 @@ def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, length
     never plan, rather than each replacing the other's plan)."""
     signature = (*call_plans.signature(x, hx, lengths), part)
     if signature == record.signature:
-        record.plan = call_plans.plan_of(ctx, x, hx, lengths)
+        record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
     record.signature = signature
 
 
