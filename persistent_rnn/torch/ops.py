@@ -407,6 +407,8 @@ def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, length
     forward before this one had it too (as the layer API plans: ``layers``); ``part``: the
     call's part of its module forward (one op call per layer with dropout: alternating parts
     never plan, rather than each replacing the other's plan)."""
+    if ctx.stats.algo != "persistent":  # (nothing to plan: no signature made)
+        return
     signature = (*call_plans.signature(x, hx, lengths), part)
     if signature == record.signature:
         record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
