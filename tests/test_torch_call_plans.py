@@ -185,3 +185,29 @@ def test_calls_from_another_thread_in_turn_leave_the_plan(settings, monkeypatch)
             worker.join()
             assert torch.equal(got[0], want) and torch.equal(module(x)[0], want)
     assert (hits.forwards, len(made)) == (4, 1)
+
+
+@pytest.mark.parametrize("kw,shape", [({"batch_first": True}, (2, 4, I)), ({}, (4, I)),
+                                      ({"bias": False}, (4, 2, I))],
+                         ids=["batch-first", "unbatched", "no-bias"])
+def test_other_module_layouts_plan_bitwise(settings, monkeypatch, kw, shape):
+    """Batch-first input (a strided view of it reaches the plan), unbatched input and a layer
+    without biases: planned, bitwise a module that never plans (with a ``h_n`` gradient too:
+    that backward takes the full path)."""
+    hits = _Hits(monkeypatch)
+    torch.manual_seed(0)
+    planned, full = (prt.LSTM(I, H, algo="persistent", **kw) for _ in range(2))
+    full.load_state_dict(planned.state_dict())
+    for seed in range(5):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+        results = []
+        for module in (planned, full):
+            full._record.plan = None
+            module.zero_grad()
+            x_ = x.clone().requires_grad_()
+            y, (h, c) = module(x_)
+            (y.sin().sum() + (h.sum() if seed == 4 else 0)).backward()
+            results.append([y, h, c, x_.grad, *(p.grad for p in module.parameters())])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+    assert (hits.forwards, hits.backwards) == (3, 1)
