@@ -12,27 +12,11 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import call_plans, runtime
+from persistent_rnn import call_plans
+
+from test_call_plans import _Hits  # (the planned forwards and backwards that ran)
 
 H, I = 16, 3
-
-
-class _Hits:
-    """Counts the planned forwards and backwards that ran (as tests/test_call_plans.py's)."""
-
-    def __init__(self, monkeypatch):
-        self.forwards = self.backwards = 0
-        forward, backward_call = call_plans.Plan.forward, runtime.backward_call
-
-        def counted_forward(plan, *a):
-            self.forwards += 1
-            return forward(plan, *a)
-
-        def counted_backward(prepared, *a, **kw):
-            self.backwards += len(a) > 4 and a[4] is not None  # (a later call: arrays given)
-            return backward_call(prepared, *a, **kw)
-        monkeypatch.setattr(call_plans.Plan, "forward", counted_forward)
-        monkeypatch.setattr(runtime, "backward_call", counted_backward)
 
 
 def _pair(cell: str):
