@@ -56,18 +56,20 @@ def signature(x: Array, hx: Any, lengths: Any) -> tuple:
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
-            key: tuple = ()) -> "Plan | None":
+            key: tuple = (), with_lengths: bool = False) -> "Plan | None":
     """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
     ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned; ``key``: the
     caller's signature of the call (``signature``), which the plan keeps (``Plan.key``): a planned
     call is the last call of its signature (so that another thread's calls in between plan
-    nothing rather than taking the plan over every other call)."""
-    if not (lengths is None and ctx.num_layers == 1 and not ctx.bidirectional
+    nothing rather than taking the plan over every other call). ``with_lengths``: calls with
+    lengths are planned too (their caller gives valid lengths: the torch modules' packed input,
+    whose lengths ``PackedLayout`` derives; the layer API checks them on its full path only)."""
+    if not ((lengths is None or with_lengths) and ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
             and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
             and _where(buffers.array_module(x)) is not None):
         return None
-    plan = Plan(ctx, x, hx is not None)
+    plan = Plan(ctx, x, hx is not None, lengths is not None)
     plan.key = key
     return plan if plan.engine is not None else None
 
@@ -86,9 +88,10 @@ class Plan:
     """One layer's persistent call of one signature (module docstring): ``matches`` says whether
     a call may use it, ``forward`` / ``backward`` run it."""
 
-    def __init__(self, ctx: functional.Context, x: Array, states: bool):
+    def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool = False):
         d = ctx.directions[0][0]
         self.states = states  # whether the calls give initial states (else zeros)
+        self.lengths = lengths  # whether the calls give lengths (else all T steps)
         self.key: tuple = ()  # the signature of its calls as its holder knows it (``plan_of``)
         self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
@@ -113,12 +116,15 @@ class Plan:
         if engine is None:  # (cooling down since the call: no plan, ``plan_of``)
             return
         self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh, b_hh, d.h0, d.c0,
-                                                    None, None, None, d.fwd)
+                                                    ctx.lengths, None, None, d.fwd)
 
-    def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str) -> bool:
-        """Whether a forward of ``x`` and ``hx`` (no lengths) with ``params`` may run this plan:
-        everything the full path would check or derive is as when it was planned."""
+    def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
+                lengths: Any = None) -> bool:
+        """Whether a forward of ``x``, ``hx`` and ``lengths`` (valid ones: the caller's) with
+        ``params`` may run this plan: everything the full path would check or derive is as
+        when it was planned."""
         if (type(x) is not self.x_type or x.shape != self.x_shape or x.dtype != self.x_dtype
+                or (lengths is not None) != self.lengths
                 or (hx is not None) != self.states or (hx is not None and not self._states(hx))
                 or algo != self.algo or settings.current() is not self.settings
                 or buffers.generation() != self.generation
@@ -161,26 +167,32 @@ class Plan:
         self.b_ih = weights[2] if self.b_ih is not None else None
         return True
 
-    def forward(self, x: Array, hx: Any,
-                params: Mapping[str, Array]) -> tuple[Array, Array | tuple, functional.Context]:
-        """``functional.forward(cell, params, x, hx, algo=...)`` of a matching call
+    def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
+                lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
+        """``functional.forward(cell, params, x, hx, lengths, algo=...)`` of a matching call
         (``matches``: ``params`` holds the planned weights)."""
         xp, cell = self.xp, self.cell
         h0, c0 = self.h0, self.c0
         if hx is not None:  # (as functional's initial states: contiguous, row 0 of a layer)
             h0, c0 = ((xp.ascontiguousarray(hx)[0], None) if c0 is None else
                       (xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0]))
-        gi = matmul_steps(x, self.w_ih_t, self.gi)
+        layer_input = x
+        if lengths is not None:  # (as functional's: int32, the input zero past each length)
+            lengths = buffers.full_lengths(xp, lengths, 0, 0)
+            layer_input = functional._selected_input(xp, x, lengths)
+        gi = matmul_steps(layer_input, self.w_ih_t, self.gi)
         if self.b_ih is not None:
             gi += self.b_ih
         y, cs, saved = buffers.allocate_forward(cell, gi)
         fwd = runtime.ForwardResult(y, cs, saved)
-        stats = self.forward_pass.run(runtime.forward_arrays(fwd, h0, c0))
-        ctx = functional.Context(cell, params, 1, False, False, self.algo, None, None, None,
-                                 [x], [[functional._Direction(self.names, h0, c0, fwd)]], stats)
+        stats = self.forward_pass.run(runtime.forward_arrays(fwd, h0, c0, lengths))
+        ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None, None,
+                                 [layer_input], [[functional._Direction(self.names, h0, c0, fwd)]],
+                                 stats)
         ctx.plan = self
-        h_n = y[-1][None].copy()
-        return y.copy(), (h_n if cs is None else (h_n, cs[-1][None].copy())), ctx
+        h_n = y[-1][None].copy()  # (a state stays as it was past its length)
+        out = y.copy() if lengths is None else buffers.select_active(xp, y, lengths)
+        return out, (h_n if cs is None else (h_n, cs[-1][None].copy())), ctx
 
     def backward(self, ctx: functional.Context, dy: Array) -> tuple[Array, Any, dict]:
         """``functional.backward(ctx, dy)`` of this plan's forward's context, ``dy`` contiguous
@@ -192,7 +204,11 @@ class Plan:
             if prepared is None:
                 self.plan_backward(ctx, dy)
             return result
-        arrays = runtime.backward_arrays(dy, d.fwd, d.h0, d.c0)
+        lengths = ctx.lengths
+        if lengths is not None:  # (as functional.backward's: zero past each length)
+            dy = buffers.select_active(xp, dy, lengths,
+                                       buffers.workspace(xp, "dy", dy.shape, dy.dtype))
+        arrays = runtime.backward_arrays(dy, d.fwd, d.h0, d.c0, lengths)
         dh = xp.empty(self.state_shape, dy.dtype)
         dc = None if self.c0 is None else xp.empty(self.state_shape, dy.dtype)
         res, ctx.backward_stats = runtime.backward_call(
@@ -211,9 +227,14 @@ class Plan:
         engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True)
         if engine is None:
             return
+        xp, lengths = self.xp, ctx.lengths
+        if lengths is not None:  # (the dy the chain reads: ``backward``'s workspace)
+            dy = buffers.select_active(xp, dy, lengths,
+                                       buffers.workspace(xp, "dy", dy.shape, dy.dtype))
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         self.backward_pass = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0,
-                                                      d.c0, None, d.fwd, None, None, 0, dgi, dgh)
+                                                      d.c0, lengths, d.fwd, None, None, 0, dgi,
+                                                      dgh)
         self.backward_engine = engine
 
     def _backward_current(self, ctx: functional.Context) -> bool:

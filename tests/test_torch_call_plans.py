@@ -155,7 +155,8 @@ def test_calls_from_another_thread_in_turn_leave_the_plan(settings, monkeypatch)
     import threading
     hits, made = _Hits(monkeypatch), []
     plan_of = call_plans.plan_of
-    monkeypatch.setattr(call_plans, "plan_of", lambda *a: made.append(1) or plan_of(*a))
+    monkeypatch.setattr(call_plans, "plan_of",
+                        lambda *a, **kw: made.append(1) or plan_of(*a, **kw))
     torch.manual_seed(0)
     module = prt.GRU(I, H, algo="persistent")
     x = torch.randn(4, 2, I)
@@ -195,3 +196,46 @@ def test_other_module_layouts_plan_bitwise(settings, monkeypatch, kw, shape):
         for a, b in zip(*results):
             assert torch.equal(a, b)
     assert (hits.forwards, hits.backwards) == (3, 1)
+
+
+def _packed_steps(cell: str, seeds) -> None:
+    """Training steps on packed sequences of other lengths every call (the first always the
+    longest), bitwise a module that never plans."""
+    pairs = _pair(cell)
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(5, 3, I, generator=g)
+        lengths = torch.randint(1, 6, (3,), generator=g)
+        lengths[0] = 5
+        results = []
+        for module, optimizer in pairs:
+            pairs[1][0]._record.plan = None
+            optimizer.zero_grad()
+            x_ = x.clone().requires_grad_()
+            y, hn = module(pack_padded_sequence(x_, lengths, enforce_sorted=False))
+            y.data.sin().sum().backward()
+            results.append([y.data, *(hn if isinstance(hn, tuple) else (hn,)), x_.grad,
+                            *(p.grad for p in module.parameters())])
+            optimizer.step()
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_packed_sequences_plan_bitwise(settings, monkeypatch, cell):
+    """Packed input (lengths: a per-call array of the prepared passes) is planned, forward and
+    backward, bitwise the full path with the lengths of each call."""
+    hits = _Hits(monkeypatch)
+    _packed_steps(cell, range(5))
+    assert (hits.forwards, hits.backwards) == (3, 2)
+
+
+def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeypatch):
+    """Sabotage: prepared passes that keep the first call's lengths (not a per-call role) give
+    other results than the full path with the lengths of the call: the check above fails."""
+    from persistent_rnn import runtime
+    forward_arrays = runtime.forward_arrays
+    monkeypatch.setattr(runtime, "forward_arrays",
+                        lambda result, h0, c0, lengths=None: forward_arrays(result, h0, c0))
+    with pytest.raises(AssertionError):
+        _packed_steps("GRU", range(5))

@@ -383,17 +383,18 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
     record = _RECORDS.get(stats_slot)
     params = (_fresh_params(weights, num_layers, bidirectional) if record is None
               else record.views.get(weights, num_layers, bidirectional))
-    plan = None if record is None or lengths is not None else record.plan
-    if plan is not None and plan.matches(xa, hx, params, algo):  # (identity checks: call_plans)
-        y, hn, ctx = plan.forward(xa, hx, params)
+    la = None if lengths is None else lengths_array(lengths, xa)
+    plan = None if record is None else record.plan
+    if plan is not None and plan.matches(xa, hx, params, algo, la):  # (call_plans)
+        y, hn, ctx = plan.forward(xa, hx, params, la)
         record.signature = plan.key
     else:
         y, hn, ctx = functional.forward(
-            cell, params, xa, hx, None if lengths is None else lengths_array(lengths, xa),
-            num_layers=num_layers, bidirectional=bidirectional, batch_first=False, algo=algo,
-            half=half, scratch_results=half is not None)  # (16-bit: copied into x's dtype below)
+            cell, params, xa, hx, la, num_layers=num_layers, bidirectional=bidirectional,
+            batch_first=False, algo=algo, half=half,
+            scratch_results=half is not None)  # (16-bit: copied into x's dtype below)
         if record is not None:
-            _plan_calls(record, ctx, xa, hx, lengths, stats_part)
+            _plan_calls(record, ctx, xa, hx, la, stats_part)
     hn, cn = hn if cell.has_cell_state else (hn, None)
     if record is not None:
         record.forward(stats_part, ctx.stats, half or _dtype_name(x.dtype))
@@ -411,7 +412,8 @@ def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, length
         return
     signature = (*call_plans.signature(x, hx, lengths), part)
     if signature == record.signature:
-        record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
+        # (lengths planned too: the op's come from torch's packed sequences, valid)
+        record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature, with_lengths=True)
     record.signature = signature
 
 
