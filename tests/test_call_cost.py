@@ -254,8 +254,29 @@ LIMITS = {
     ('module auto', 'GRU', 1, False): (47, 0),          # (42, 0) (42, 0) (42, 0)    (41, 0)   (48, 0)
     ('module auto', 'GRU', 1, True): (53, 0),           # (48, 0) (48, 0) (48, 0)    (47, 0)   (54, 0)
 }
+def _packed_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+    """A module's call on a packed batch of two sequences (lengths ``steps`` and one less, at
+    least 1), packed in the call as a user's loop packs its batch."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    torch.manual_seed(0)
+    module = cls(H, H, algo=algo)
+    x = torch.randn(steps, 2, H, requires_grad=backward)
+    lengths = torch.tensor([steps, max(1, steps - 1)])
+    if not backward:
+        def forward():
+            with torch.no_grad():
+                return module(pack_padded_sequence(x, lengths))
+        return forward
+
+    def step():
+        y, _ = module(pack_padded_sequence(x, lengths))
+        y.data.sum().backward()
+    return step
+
+
 _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
-          "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
+          "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
+          "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
 
 
 def _call(road: str, cell: str, steps: int, backward: bool) -> Callable[[], object]:
@@ -279,7 +300,8 @@ def test_steady_state_call_counts(road, cell, steps, backward):
 # what a GPU call replays as one graph launch): the layer API's is the Python the latency model's
 # per-call term takes (``hardware.PYTHON_*_US``, timed by bench/call_breakdown.py --stubbed); a
 # torch module's (algo="persistent", CPU tensors: the emulated path; forward under no_grad,
-# forward+backward through autograd) adds torch's road to it.
+# forward+backward through autograd) adds torch's road to it; "packed": the module on a
+# PackedSequence of two sequences (B=2, T=1).
 # (road, cell, backward) -> limit of Python calls, about 10% above the count of the planned
 # call (call_plans: the layer API's 2026-11-27, the torch modules' 2026-11-27 call26b); in the
 # comments that count, then the full path's before it.
@@ -292,6 +314,7 @@ PLANNED_LIMITS = {
     ("module", "GRU", True): 173,   # 157 (242)
     ("module", "LSTM", False): 86,  # 78  (124)
     ("module", "LSTM", True): 178,  # 162 (256)
+    ("packed", "GRU", True): 227,   # 206 (288) (a module on packed input: lengths planned)
 }
 
 
