@@ -8,7 +8,8 @@ way: a later call whose every input is identical where it matters (the same arra
 and dtype; the same parameter objects, or arrays over exactly their memory (``_same_memory``:
 the torch modules' new views of weights an optimizer updated in place);
 the same settings object, thread, device and stream; initial states given as they were when
-planned, of the same shapes, or none; no lengths) does
+planned, of the same shapes, or none; no lengths, or - from the torch modules, whose packed
+input's lengths are valid by construction - lengths of the same shape, any values) does
 identity checks, then only what differs from call to call - the input GEMM into the same
 workspace, the new result arrays, the prepared pass (``runtime.PreparedPass``, whose chain
 graph key is the static part kept plus the new arrays' addresses), the output copies - and
@@ -16,7 +17,8 @@ builds the same ``functional.Context``. Anything else (``matches`` false) takes 
 with its checks, so bad input still gets torch.nn's errors.
 
 Planned: a single unidirectional layer-direction of a float32 layer without projection whose
-persistent engine ran (on the GPU, or its emulation); forward and backward. Never under CUDA
+persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths from
+the torch modules (``plan_of``'s ``with_lengths``: a per-call role of the prepared passes). Never under CUDA
 stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs
