@@ -8,8 +8,8 @@ way: a later call whose every input is identical where it matters (the same arra
 and dtype; the same parameter objects, or arrays over exactly their memory (``_same_memory``:
 the torch modules' new views of weights an optimizer updated in place);
 the same settings object, thread, device and stream; initial states given as they were when
-planned, of the same shapes, or none; no lengths, or - from the torch modules, whose packed
-input's lengths are valid by construction - lengths of the same shape, any values) does
+planned, of the same shapes, or none; no lengths, or lengths of the same shape, any valid
+values: the caller's to check) does
 identity checks, then only what differs from call to call - the input GEMM into the same
 workspace, the new result arrays, the prepared pass (``runtime.PreparedPass``, whose chain
 graph key is the static part kept plus the new arrays' addresses), the output copies - and
@@ -17,8 +17,8 @@ builds the same ``functional.Context``. Anything else (``matches`` false) takes 
 with its checks, so bad input still gets torch.nn's errors.
 
 Planned: a single unidirectional layer-direction of a float32 layer without projection whose
-persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths from
-the torch modules (``plan_of``'s ``with_lengths``: a per-call role of the prepared passes). Never under CUDA
+persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths
+(``plan_of``'s ``with_lengths``: a per-call role of the prepared passes). Never under CUDA
 stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs
@@ -64,8 +64,9 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
     caller's signature of the call (``signature``), which the plan keeps (``Plan.key``): a planned
     call is the last call of its signature (so that another thread's calls in between plan
     nothing rather than taking the plan over every other call). ``with_lengths``: calls with
-    lengths are planned too (their caller gives valid lengths: the torch modules' packed input,
-    whose lengths ``PackedLayout`` derives; the layer API checks them on its full path only)."""
+    lengths are planned too (their caller gives the plan valid lengths: the torch modules'
+    packed input, whose lengths ``PackedLayout`` derives; the layer API checks them before a
+    planned call as its full path does)."""
     if not ((lengths is None or with_lengths) and ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
             and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
