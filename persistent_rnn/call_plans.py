@@ -17,8 +17,8 @@ builds the same ``functional.Context``. Anything else (``matches`` false) takes 
 with its checks, so bad input still gets torch.nn's errors.
 
 Planned: a single unidirectional layer-direction of a float32 layer without projection whose
-persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths
-(``plan_of``'s ``with_lengths``: a per-call role of the prepared passes). Never under CUDA
+persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths or
+without (lengths: a per-call role of the prepared passes). Never under CUDA
 stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs
@@ -58,16 +58,16 @@ def signature(x: Array, hx: Any, lengths: Any) -> tuple:
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
-            key: tuple = (), with_lengths: bool = False) -> "Plan | None":
+            key: tuple = ()) -> "Plan | None":
     """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
     ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned; ``key``: the
     caller's signature of the call (``signature``), which the plan keeps (``Plan.key``): a planned
     call is the last call of its signature (so that another thread's calls in between plan
-    nothing rather than taking the plan over every other call). ``with_lengths``: calls with
-    lengths are planned too (their caller gives the plan valid lengths: the torch modules'
-    packed input, whose lengths ``PackedLayout`` derives; the layer API checks them before a
-    planned call as its full path does)."""
-    if not ((lengths is None or with_lengths) and ctx.num_layers == 1 and not ctx.bidirectional
+    nothing rather than taking the plan over every other call). Calls with lengths are planned
+    too: a plan's caller gives it valid lengths (the torch modules' packed input, whose lengths
+    ``PackedLayout`` derives; the layer API checks them before a planned call as its full path
+    does)."""
+    if not (ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
             and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
             and _where(buffers.array_module(x)) is not None):

@@ -167,7 +167,7 @@ class _Recurrent:
             return
         signature = call_plans.signature(x, hx, lengths)
         if signature == self._last_signature and not self.batch_first:
-            self._plan = call_plans.plan_of(ctx, x, hx, lengths, signature, with_lengths=True)
+            self._plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
         self._last_signature = signature
 
     def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:

@@ -413,7 +413,7 @@ def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, length
     signature = (*call_plans.signature(x, hx, lengths), part)
     if signature == record.signature:
         # (lengths planned too: the op's come from torch's packed sequences, valid)
-        record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature, with_lengths=True)
+        record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
     record.signature = signature
 
 
