@@ -10,13 +10,15 @@ of ``--calls`` calls (alternating their order), timed with ``time.perf_counter_n
 10th percentile in µs. Internal entry points (``ops._library_forward`` and the like) are called
 with what the layer above would pass them. Writes ``DIR/call_breakdown.json`` with ``--out``.
 
-``--stubbed`` adds four rows: the layer API's persistent forward and forward + backward on the
+``--stubbed`` adds six rows: the layer API's persistent forward and forward + backward on the
 emulated path (1) with the emulated launcher stubbed (``EmulatedModule._launch`` returns at
 once: no kernel runs, every other line of the call does, the chain issued launch by launch with
 each launch's arguments built), and (2) with the whole chain stubbed (``launch._issue_chain``,
 what a GPU call in steady state replaces by one graph launch; the graph's key, built on the GPU
-path only, is not in it). (2) is the Python the latency model's per-call host term takes
-(``hardware.PYTHON_*_US``), (1) bounds it from above.
+path only, is not in it); and (3) ``persistent_rnn.torch.GRU(algo="persistent")`` on CPU tensors
+(the emulated path) as (2): the forward under ``torch.no_grad``, forward + backward through
+autograd (``y.sum().backward()``). (2) is the Python the latency model's per-call host term
+takes (``hardware.PYTHON_*_US``), (1) bounds it from above; (3) is what the torch road adds.
 """
 from __future__ import annotations
 
@@ -91,10 +93,24 @@ def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
             finally:
                 launch._issue_chain = issue
         return stubbed
+    torch.manual_seed(0)
+    module = prt.GRU(hidden, hidden, algo="persistent")
+    xt = torch.from_numpy(x).requires_grad_()
+
+    def module_forward() -> object:
+        with torch.no_grad():
+            return module(xt)
+
+    def module_step() -> object:
+        with torch.enable_grad():  # (the timing runs under no_grad)
+            y, _ = module(xt)
+            return y.sum().backward()
     return {"persistent forward, launcher stubbed (layer API)": lambda: layer.forward(x),
             "persistent forward+backward, launcher stubbed (layer API)": train_step,
             "persistent forward, chain stubbed (layer API)": no_chain(lambda: layer.forward(x)),
-            "persistent forward+backward, chain stubbed (layer API)": no_chain(train_step)}
+            "persistent forward+backward, chain stubbed (layer API)": no_chain(train_step),
+            "persistent forward, chain stubbed (torch module)": no_chain(module_forward),
+            "persistent forward+backward, chain stubbed (torch module)": no_chain(module_step)}
 
 
 def main(argv: list[str] | None = None) -> int:

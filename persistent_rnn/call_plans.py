@@ -3,10 +3,13 @@
 A call of a layer re-derives, every time, what depends only on its signature: the argument
 checks, the initial states, the engine, the workspaces, the chain, the launches' arguments and
 the chain graph's key over every argument. A ``Plan`` keeps all of that for one signature of a
-layer (``layers``) after a call that ran the whole way: a later call whose every input is
-identical where it matters (the same array type, shape and dtype; the same parameter objects;
+layer (``layers``; a torch module's ``RunRecord``, ``torch.ops``) after a call that ran the whole
+way: a later call whose every input is identical where it matters (the same array type, shape
+and dtype; the same parameter objects, or arrays over exactly their memory (``_same_memory``:
+the torch modules' new views of weights an optimizer updated in place);
 the same settings object, thread, device and stream; initial states given as they were when
-planned, of the same shapes, or none; no lengths) does
+planned, of the same shapes, or none; no lengths, or lengths of the same shape, any valid
+values: the caller's to check) does
 identity checks, then only what differs from call to call - the input GEMM into the same
 workspace, the new result arrays, the prepared pass (``runtime.PreparedPass``, whose chain
 graph key is the static part kept plus the new arrays' addresses), the output copies - and
@@ -14,7 +17,8 @@ builds the same ``functional.Context``. Anything else (``matches`` false) takes 
 with its checks, so bad input still gets torch.nn's errors.
 
 Planned: a single unidirectional layer-direction of a float32 layer without projection whose
-persistent engine ran (on the GPU, or its emulation); forward and backward. Never under CUDA
+persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths or
+without (lengths: a per-call role of the prepared passes). Never under CUDA
 stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs
@@ -46,25 +50,52 @@ def _where(xp) -> tuple:
     return threading.get_ident(), xp.cuda.Device().id, stream.ptr
 
 
-def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan | None":
+def signature(x: Array, hx: Any, lengths: Any) -> tuple:
+    """What two calls in a row must share for the second to plan its signature (``plan_of``):
+    also the thread (and on a GPU the device and stream) a plan serves, so that calls from two
+    threads in turn never replace each other's plan (a plan costs a pass's preparation)."""
+    return type(x), x.shape, x.dtype, hx is None, lengths is None, _where(buffers.array_module(x))
+
+
+def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
+            key: tuple = ()) -> "Plan | None":
     """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
-    ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned."""
-    if not (lengths is None and ctx.num_layers == 1 and not ctx.bidirectional
+    ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned; ``key``: the
+    caller's signature of the call (``signature``), which the plan keeps (``Plan.key``): a planned
+    call is the last call of its signature (so that another thread's calls in between plan
+    nothing rather than taking the plan over every other call). Calls with lengths are planned
+    too: a plan's caller gives it valid lengths (the torch modules' packed input, whose lengths
+    ``PackedLayout`` derives; the layer API checks them before a planned call as its full path
+    does)."""
+    if not (ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
             and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
             and _where(buffers.array_module(x)) is not None):
         return None
-    plan = Plan(ctx, x, hx is not None)
+    plan = Plan(ctx, x, hx is not None, lengths is not None)
+    plan.key = key
     return plan if plan.engine is not None else None
+
+
+def _same_memory(a: Any, b: Array) -> bool:
+    """Whether ``a`` is an array of ``b``'s type over the memory ``b`` covers, laid out alike."""
+    if type(a) is not type(b) or a.shape != b.shape or a.strides != b.strides \
+            or a.dtype != b.dtype:
+        return False
+    if type(b) is np.ndarray:
+        return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    return a.data.ptr == b.data.ptr  # (CuPy)
 
 
 class Plan:
     """One layer's persistent call of one signature (module docstring): ``matches`` says whether
     a call may use it, ``forward`` / ``backward`` run it."""
 
-    def __init__(self, ctx: functional.Context, x: Array, states: bool):
+    def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool = False):
         d = ctx.directions[0][0]
         self.states = states  # whether the calls give initial states (else zeros)
+        self.lengths = lengths  # whether the calls give lengths (else all T steps)
+        self.key: tuple = ()  # the signature of its calls as its holder knows it (``plan_of``)
         self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
@@ -80,6 +111,7 @@ class Plan:
         self.gi = buffers.workspace(xp, "gi", (steps * batch, w_ih.shape[0]), w_ih.dtype)
         gi = self.gi.reshape(steps, batch, w_ih.shape[0])
         hidden = w_hh.shape[1]
+        self.y_shape = (steps, batch, hidden)  # (what a backward's dy must be)
         engine, _ = runtime._engine(ctx.cell, gi, hidden, batch, ctx.algo, backward=False)
         self.engine = engine
         self.backward_pass: runtime.PreparedPass | None = None
@@ -87,12 +119,15 @@ class Plan:
         if engine is None:  # (cooling down since the call: no plan, ``plan_of``)
             return
         self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh, b_hh, d.h0, d.c0,
-                                                    None, None, None, d.fwd)
+                                                    ctx.lengths, None, None, d.fwd)
 
-    def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str) -> bool:
-        """Whether a forward of ``x`` and ``hx`` (no lengths) with ``params`` may run this plan:
-        everything the full path would check or derive is as when it was planned."""
+    def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
+                lengths: Any = None) -> bool:
+        """Whether a forward of ``x``, ``hx`` and ``lengths`` (valid ones: the caller's) with
+        ``params`` may run this plan: everything the full path would check or derive is as
+        when it was planned."""
         if (type(x) is not self.x_type or x.shape != self.x_shape or x.dtype != self.x_dtype
+                or (lengths is not None) != self.lengths
                 or (hx is not None) != self.states or (hx is not None and not self._states(hx))
                 or algo != self.algo or settings.current() is not self.settings
                 or buffers.generation() != self.generation
@@ -114,32 +149,53 @@ class Plan:
 
     def _same_weights(self, params: Mapping[str, Array]) -> bool:
         """Whether ``params`` holds the planned weight objects (an array object keeps its
-        memory: in-place updates are read by the plan's arguments as by a new call's)."""
+        memory: in-place updates are read by the plan's arguments as by a new call's), or new
+        arrays over the very memory of the planned ones (``_same_memory``: the torch modules'
+        views of parameters an optimizer updated in place), which the plan then keeps."""
         for name, w in zip(self.names.values(), self.weights):
             if params.get(name) is not w:
-                return False
+                return self._rebind(params)
         return True
 
-    def forward(self, x: Array, hx: Any,
-                params: Mapping[str, Array]) -> tuple[Array, Array | tuple, functional.Context]:
-        """``functional.forward(cell, params, x, hx, algo=...)`` of a matching call
+    def _rebind(self, params: Mapping[str, Array]) -> bool:
+        """``_same_weights`` of new array objects: where each is over the planned one's memory
+        (the same address, shape, strides and dtype) the plan's arguments read what the new
+        arrays hold, and the plan keeps the new objects; else ``False``."""
+        weights = tuple(params.get(name) for name in self.names.values())
+        for new, old in zip(weights, self.weights):
+            if not _same_memory(new, old):
+                return False
+        w_ih, w_hh = weights[0], weights[1]
+        self.weights, self.w_hh, self.w_ih_t = weights, w_hh, w_ih.T
+        self.b_ih = weights[2] if self.b_ih is not None else None
+        return True
+
+    def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
+                lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
+        """``functional.forward(cell, params, x, hx, lengths, algo=...)`` of a matching call
         (``matches``: ``params`` holds the planned weights)."""
         xp, cell = self.xp, self.cell
         h0, c0 = self.h0, self.c0
         if hx is not None:  # (as functional's initial states: contiguous, row 0 of a layer)
             h0, c0 = ((xp.ascontiguousarray(hx)[0], None) if c0 is None else
                       (xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0]))
-        gi = matmul_steps(x, self.w_ih_t, self.gi)
+        layer_input = x
+        if lengths is not None:  # (as functional's: int32, the input zero past each length)
+            lengths = buffers.full_lengths(xp, lengths, 0, 0)
+            layer_input = functional._selected_input(xp, x, lengths)
+        gi = matmul_steps(layer_input, self.w_ih_t, self.gi)
         if self.b_ih is not None:
             gi += self.b_ih
         y, cs, saved = buffers.allocate_forward(cell, gi)
         fwd = runtime.ForwardResult(y, cs, saved)
-        stats = self.forward_pass.run(runtime.forward_arrays(fwd, h0, c0))
-        ctx = functional.Context(cell, params, 1, False, False, self.algo, None, None, None,
-                                 [x], [[functional._Direction(self.names, h0, c0, fwd)]], stats)
+        stats = self.forward_pass.run(runtime.forward_arrays(fwd, h0, c0, lengths))
+        ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None, None,
+                                 [layer_input], [[functional._Direction(self.names, h0, c0, fwd)]],
+                                 stats)
         ctx.plan = self
-        h_n = y[-1][None].copy()
-        return y.copy(), (h_n if cs is None else (h_n, cs[-1][None].copy())), ctx
+        h_n = y[-1][None].copy()  # (a state stays as it was past its length)
+        out = y.copy() if lengths is None else buffers.select_active(xp, y, lengths)
+        return out, (h_n if cs is None else (h_n, cs[-1][None].copy())), ctx
 
     def backward(self, ctx: functional.Context, dy: Array) -> tuple[Array, Any, dict]:
         """``functional.backward(ctx, dy)`` of this plan's forward's context, ``dy`` contiguous
@@ -151,7 +207,11 @@ class Plan:
             if prepared is None:
                 self.plan_backward(ctx, dy)
             return result
-        arrays = runtime.backward_arrays(dy, d.fwd, d.h0, d.c0)
+        lengths = ctx.lengths
+        if lengths is not None:  # (as functional.backward's: zero past each length)
+            dy = buffers.select_active(xp, dy, lengths,
+                                       buffers.workspace(xp, "dy", dy.shape, dy.dtype))
+        arrays = runtime.backward_arrays(dy, d.fwd, d.h0, d.c0, lengths)
         dh = xp.empty(self.state_shape, dy.dtype)
         dc = None if self.c0 is None else xp.empty(self.state_shape, dy.dtype)
         res, ctx.backward_stats = runtime.backward_call(
@@ -170,9 +230,14 @@ class Plan:
         engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True)
         if engine is None:
             return
+        xp, lengths = self.xp, ctx.lengths
+        if lengths is not None:  # (the dy the chain reads: ``backward``'s workspace)
+            dy = buffers.select_active(xp, dy, lengths,
+                                       buffers.workspace(xp, "dy", dy.shape, dy.dtype))
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         self.backward_pass = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0,
-                                                      d.c0, None, d.fwd, None, None, 0, dgi, dgh)
+                                                      d.c0, lengths, d.fwd, None, None, 0, dgi,
+                                                      dgh)
         self.backward_engine = engine
 
     def _backward_current(self, ctx: functional.Context) -> bool:

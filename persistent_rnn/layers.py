@@ -128,10 +128,13 @@ class _Recurrent:
         Returns ``(y, hn)``: y (T, B, D * H), or D * P (batch-first likewise), hn like ``hx``.
         """
         plan = self._plan
-        if (plan is not None and lengths is None and not self.batch_first
-                and plan.matches(x, hx, self.params, self.algo)):  # (identity checks: call_plans)
+        if (plan is not None and not self.batch_first
+                and plan.matches(x, hx, self.params, self.algo, lengths)):  # (call_plans)
+            if lengths is not None:  # (x and hx are as planned: checked as the full path does)
+                lengths = validation.lengths(lengths, x.shape[1], x.shape[0], plan.xp)
             self._ctx = None
-            y, hn, ctx = plan.forward(x, hx, self.params)
+            y, hn, ctx = plan.forward(x, hx, self.params, lengths)
+            self._last_signature = plan.key
             self._ctx, self._y_shape, self.last_run = ctx, y.shape, ctx.stats
             return y, hn
         if x is None:
@@ -160,9 +163,11 @@ class _Recurrent:
     def _plan_calls(self, ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> None:
         """Plan this call's signature (``call_plans``) when the call before that ran the whole
         way had it too (a one-off call plans nothing)."""
-        signature = (type(x), x.shape, x.dtype, hx is None, lengths is None)
+        if ctx.stats.algo != "persistent":  # (nothing to plan: no signature made)
+            return
+        signature = call_plans.signature(x, hx, lengths)
         if signature == self._last_signature and not self.batch_first:
-            self._plan = call_plans.plan_of(ctx, x, hx, lengths)
+            self._plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
         self._last_signature = signature
 
     def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:

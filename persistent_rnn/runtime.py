@@ -103,12 +103,13 @@ def forward(cell: CellSpec, gi: Array, w_hh: Array, b_hh: Array | None, h0: Arra
     return result, prepared.run()
 
 
-def forward_arrays(result: ForwardResult, h0: Array,
-                   c0: Array | None) -> dict[str, Array | None]:
+def forward_arrays(result: ForwardResult, h0: Array, c0: Array | None,
+                   lengths: Array | None = None) -> dict[str, Array | None]:
     """The arrays a forward call supplies anew by role (``PreparedPass.run``'s ``arrays``): its
-    results and its initial states (contiguous float32: as the kernels read them)."""
+    results, its initial states (contiguous float32: as the kernels read them) and its lengths
+    where it has them (contiguous int32; ``None``: the shared full lengths, not a role)."""
     return {"y": result.y, "cs": result.cs, "saved": result.saved, "hs": result.hs, "h0": h0,
-            "c0": c0}
+            "c0": c0, "lengths": lengths}
 
 
 def prepare_forward(cell: CellSpec, engine: _Engine, gi: Array, w_hh: Array, b_hh: Array | None,
@@ -142,7 +143,8 @@ def prepare_forward(cell: CellSpec, engine: _Engine, gi: Array, w_hh: Array, b_h
     complete.update(w_hr=args.get("w_hr", bias), hs=args.get("hs", y), w_ih=bias, b_ih=bias,
                     chained=0, proj=proj_size)
     return PreparedPass(chain, args, 0, steps, "prnn_complete_forward", complete,
-                        forward_arrays(result, args["h0"], args["c0"]))
+                        forward_arrays(result, args["h0"], args["c0"],
+                                       None if lengths is None else args["lengths"]))
 
 
 def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_hh: Array,
@@ -180,12 +182,13 @@ def backward(cell: CellSpec, dy: Array, dhn: Array | None, dcn: Array | None, w_
     return backward_call(prepared, w_hh, dhn, dcn, out)
 
 
-def backward_arrays(dy: Array, fwd: ForwardResult, h0: Array,
-                    c0: Array | None) -> dict[str, Array | None]:
+def backward_arrays(dy: Array, fwd: ForwardResult, h0: Array, c0: Array | None,
+                    lengths: Array | None = None) -> dict[str, Array | None]:
     """The arrays a backward call supplies anew by role (``PreparedPass.run``'s ``arrays``):
-    the output gradient, the forward's results and its initial states (contiguous float32)."""
+    the output gradient, the forward's results and initial states (contiguous float32) and
+    lengths (as ``forward_arrays``)."""
     return {"dy": dy, "y": fwd.y, "cs": fwd.cs, "saved": fwd.saved, "hs": fwd.hs, "h0": h0,
-            "c0": c0}
+            "c0": c0, "lengths": lengths}
 
 
 def prepare_backward(cell: CellSpec, engine: _Engine, dy: Array, w_hh: Array, h0: Array,
@@ -229,7 +232,8 @@ def prepare_backward(cell: CellSpec, engine: _Engine, dy: Array, w_hh: Array, h0
     for name in ("exchange", "exchange_r", "exchange_g"):
         complete.pop(name, None)
     prepared = PreparedPass(chain, args, steps - 1, -1, kernel, complete,
-                            backward_arrays(dy, fwd, args.get("h0"), args["c0"]))
+                            backward_arrays(dy, fwd, args.get("h0"), args["c0"],
+                                            None if lengths is None else args["lengths"]))
     prepared.backward = _BackwardScratch(cell, xp, dgi, dgh, dh_carry, dc_carry, drs, half, slot,
                                          w_hr)
     return prepared

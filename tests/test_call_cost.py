@@ -254,8 +254,29 @@ LIMITS = {
     ('module auto', 'GRU', 1, False): (47, 0),          # (42, 0) (42, 0) (42, 0)    (41, 0)   (48, 0)
     ('module auto', 'GRU', 1, True): (53, 0),           # (48, 0) (48, 0) (48, 0)    (47, 0)   (54, 0)
 }
+def _packed_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+    """A module's call on a packed batch of two sequences (lengths ``steps`` and one less, at
+    least 1), packed in the call as a user's loop packs its batch."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    torch.manual_seed(0)
+    module = cls(H, H, algo=algo)
+    x = torch.randn(steps, 2, H, requires_grad=backward)
+    lengths = torch.tensor([steps, max(1, steps - 1)])
+    if not backward:
+        def forward():
+            with torch.no_grad():
+                return module(pack_padded_sequence(x, lengths))
+        return forward
+
+    def step():
+        y, _ = module(pack_padded_sequence(x, lengths))
+        y.data.sum().backward()
+    return step
+
+
 _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
-          "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
+          "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
+          "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
 
 
 def _call(road: str, cell: str, steps: int, backward: bool) -> Callable[[], object]:
@@ -275,27 +296,38 @@ def test_steady_state_call_counts(road, cell, steps, backward):
         f"{road} {cell} T={steps}: (Python calls, NumPy allocations) {counted} > limits {limits}")
 
 
-# The layer API's steady-state persistent call with the pass's whole chain stubbed
-# (``launch._issue_chain``: what a GPU call replays as one graph launch) - the Python the latency
-# model's per-call term takes (``hardware.PYTHON_*_US``, timed by bench/call_breakdown.py
-# --stubbed): (cell, backward) -> limit of Python calls, about 10% above the count of the planned
-# call (call_plans, 2026-11-27); in the comments that count, then the full path's before it.
+# A steady-state persistent call with the pass's whole chain stubbed (``launch._issue_chain``:
+# what a GPU call replays as one graph launch): the layer API's is the Python the latency model's
+# per-call term takes (``hardware.PYTHON_*_US``, timed by bench/call_breakdown.py --stubbed); a
+# torch module's (algo="persistent", CPU tensors: the emulated path; forward under no_grad,
+# forward+backward through autograd) adds torch's road to it; "packed": the module on a
+# PackedSequence of two sequences (B=2, T=1).
+# (road, cell, backward) -> limit of Python calls, about 10% above the count of the planned
+# call (call_plans: the layer API's 2026-11-27, the torch modules' 2026-11-27 call26b); in the
+# comments that count, then the full path's before it.
 PLANNED_LIMITS = {
-    ("GRU", False): 32,   # 29  (86)
-    ("GRU", True): 75,    # 67  (178)
-    ("LSTM", False): 32,  # 29  (91)
-    ("LSTM", True): 76,   # 68  (188)
+    ("layer", "GRU", False): 32,    # 29  (86)
+    ("layer", "GRU", True): 75,     # 67  (178)
+    ("layer", "LSTM", False): 32,   # 29  (91)
+    ("layer", "LSTM", True): 76,    # 68  (188)
+    ("module", "GRU", False): 83,   # 75  (116)
+    ("module", "GRU", True): 173,   # 157 (242)
+    ("module", "LSTM", False): 86,  # 78  (124)
+    ("module", "LSTM", True): 178,  # 162 (256)
+    ("packed", "GRU", True): 227,   # 206 (288) (a module on packed input: lengths planned)
 }
 
 
-@pytest.mark.parametrize("cell,backward", list(PLANNED_LIMITS),
-                         ids=[f"{c}-{'fwd+bwd' if b else 'fwd'}" for c, b in PLANNED_LIMITS])
-def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, cell, backward):
+@pytest.mark.parametrize("road,cell,backward", list(PLANNED_LIMITS),
+                         ids=[f"{r}-{c}-{'fwd+bwd' if b else 'fwd'}"
+                              for r, c, b in PLANNED_LIMITS])
+def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, road, cell,
+                                                     backward):
     """The Python of a planned call (``call_plans``) beside its chain is held; one chain per pass
     (the launches ``launch.chain_launches`` counts, two memsets), no host synchronisation. (On
     the grid path: the kernels test_call_allocations builds.)"""
     from persistent_rnn import launch, settings
-    call = _call("layer persistent", cell, 1, backward)
+    call = _call(f"{road} persistent", cell, 1, backward)
     for _ in range(3):
         call()
     passes = 1 + backward
@@ -305,7 +337,7 @@ def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, cel
     assert (counted.memsets, counted.host_syncs) == (passes * launch.CHAIN_MEMSETS, 0)
     monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
     count = python_calls(call)
-    assert count <= PLANNED_LIMITS[cell, backward], (cell, backward, count)
+    assert count <= PLANNED_LIMITS[road, cell, backward], (road, cell, backward, count)
 
 
 class _OpLog(TorchDispatchMode):
@@ -411,7 +443,7 @@ def test_benchmark_scripts_record_what_results_need(tmp_path):
         assert [r["road"] for r in rows][0] == "torch.nn.GRU" and len(rows) == 4
         assert all(r["calls"] == 6 and r["median_us"] > 0 for r in rows)
     rows = json.loads((tmp_path / "b" / "call_breakdown.json").read_text())["rows"]
-    assert len(rows) == 13 and all(r["median_us"] > 0 for r in rows)
+    assert len(rows) == 15 and all(r["median_us"] > 0 for r in rows)
     from persistent_rnn import emulate, launch
     # the stubs are gone
     assert emulate.EmulatedModule._launch.__name__ == "_launch"

@@ -48,9 +48,9 @@ class _Hits:
         self.forwards = self.backwards = 0
         forward, backward_call = call_plans.Plan.forward, runtime.backward_call
 
-        def counted_forward(plan, x, hx, params):
+        def counted_forward(plan, *args):
             self.forwards += 1
-            return forward(plan, x, hx, params)
+            return forward(plan, *args)
 
         def counted_backward(prepared, *a, **kw):
             self.backwards += len(a) > 4 and a[4] is not None  # (a later call: arrays given)
@@ -249,3 +249,48 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     per_call = {name for name, _ in prepared._role_lists()[0]}
     assert per_call == {"y", "saved", "cs", "h0", "c0"}  # (a GRU's cs is y, its c0 h0)
     assert {n for n, _ in static[2]} | per_call == set(prepared.args)
+
+
+def _lengths_steps(cell: str, planned, full, seeds) -> None:
+    """Forward and backward with other lengths every call (a list, then an array), bitwise."""
+    for seed in seeds:
+        x, dy = _data(seed, steps=5)
+        lengths = np.random.default_rng(seed).integers(1, 6, 2)
+        lengths[0] = 5
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, lengths=lengths.tolist() if seed % 2 else lengths)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_calls_with_lengths_are_planned_bitwise(settings, monkeypatch, cell):
+    """Lengths (a per-call role of the prepared passes) of other values every call: planned,
+    bitwise the full path; bad lengths after planning get the full path's errors."""
+    hits = _Hits(monkeypatch)
+    planned, full = _layer(cell), _layer(cell)
+    _lengths_steps(cell, planned, full, range(5))
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    x, _ = _data(0, steps=5)
+    with pytest.raises(ValueError, match=r"lengths must be in 1\.\.5"):
+        planned.forward(x, lengths=[5, 0])
+    with pytest.raises(ValueError, match=r"lengths must have shape \(batch,\) = \(2,\)"):
+        planned.forward(x, lengths=[5, 2, 1])
+    with pytest.raises(TypeError, match="lengths must hold integers"):
+        planned.forward(x, lengths=[5.0, 2.0])
+    assert hits.forwards == 3
+
+
+def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeypatch):
+    """Sabotage: a prepared backward that keeps the first call's lengths (not a per-call role)
+    fails the check above."""
+    backward_arrays = runtime.backward_arrays
+    monkeypatch.setattr(runtime, "backward_arrays",
+                        lambda dy, fwd, h0, c0, lengths=None: backward_arrays(dy, fwd, h0, c0))
+    with pytest.raises(AssertionError):
+        _lengths_steps("GRU", _layer("GRU"), _layer("GRU"), range(5))

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from .. import functional
+from .. import call_plans, functional
 from ..cells import CELLS, CellSpec, from_mode
 from ..halves import half_dtype
 from ..stats import RunStats
@@ -84,13 +84,15 @@ class RunRecord:
     registry ``slot`` and its remembered weight views (``views``). A forward's stats are kept as
     they come and made a ``LastRun`` when ``last`` is first read (a copy per call otherwise)."""
 
-    __slots__ = ("_last", "_pending", "slot", "views", "__weakref__")
+    __slots__ = ("_last", "_pending", "slot", "views", "plan", "signature", "__weakref__")
 
     def __init__(self) -> None:
         self._last: LastRun | None = None
         self._pending: tuple | None = None  # (stats, dtype, backward stats or None)
         self.slot = next(_SLOTS)
         self.views = WeightViews()
+        self.plan: call_plans.Plan | None = None  # the steady-state call's (``_planned``)
+        self.signature: tuple = ()  # of the last library forward that ran the whole way
         _RECORDS[self.slot] = self
 
     @property
@@ -379,17 +381,40 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
     xa = _array(x)
     hx = None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0)
     record = _RECORDS.get(stats_slot)
-    y, hn, ctx = functional.forward(
-        cell, _fresh_params(weights, num_layers, bidirectional) if record is None
-        else record.views.get(weights, num_layers, bidirectional), xa, hx,
-        None if lengths is None else lengths_array(lengths, xa), num_layers=num_layers,
-        bidirectional=bidirectional, batch_first=False, algo=algo, half=half,
-        scratch_results=half is not None)  # (16-bit results: copied into x's dtype below)
+    params = (_fresh_params(weights, num_layers, bidirectional) if record is None
+              else record.views.get(weights, num_layers, bidirectional))
+    la = None if lengths is None else lengths_array(lengths, xa)
+    plan = None if record is None else record.plan
+    if plan is not None and plan.matches(xa, hx, params, algo, la):  # (call_plans)
+        y, hn, ctx = plan.forward(xa, hx, params, la)
+        record.signature = plan.key
+    else:
+        y, hn, ctx = functional.forward(
+            cell, params, xa, hx, la, num_layers=num_layers, bidirectional=bidirectional,
+            batch_first=False, algo=algo, half=half,
+            scratch_results=half is not None)  # (16-bit: copied into x's dtype below)
+        if record is not None:
+            _plan_calls(record, ctx, xa, hx, la, stats_part)
     hn, cn = hn if cell.has_cell_state else (hn, None)
     if record is not None:
         record.forward(stats_part, ctx.stats, half or _dtype_name(x.dtype))
     return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
             _result(cn, x.dtype), ctx)
+
+
+def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, lengths,
+                part: int) -> None:
+    """Plan this call's signature in the module's record (``call_plans``) when its library
+    forward before this one had it too (as the layer API plans: ``layers``); ``part``: the
+    call's part of its module forward (one op call per layer with dropout: alternating parts
+    never plan, rather than each replacing the other's plan)."""
+    if ctx.stats.algo != "persistent":  # (nothing to plan: no signature made)
+        return
+    signature = (*call_plans.signature(x, hx, lengths), part)
+    if signature == record.signature:
+        # (lengths planned too: the op's come from torch's packed sequences, valid)
+        record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
+    record.signature = signature
 
 
 @lru_cache(maxsize=None)
@@ -454,9 +479,17 @@ def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
     """``functional.backward`` of ``ctx`` on the gradients' memory: ``(dx, dh0, dc0,
     dweights)`` as tensors of ``x``'s dtype (weights in ``ctx.params`` order; ``dc0`` ``None``
     without a cell state); records it."""
-    cell = ctx.cell
-    dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
-    dx, dh0, grads = functional.backward(ctx, _array(dy), dhx)
+    cell, dya = ctx.cell, _array(dy)
+    plan = ctx.plan
+    if (plan is not None and dhn is None and dcn is None and type(dya) is plan.x_type
+            and dya.shape == plan.y_shape and dya.dtype == plan.x_dtype):  # (call_plans)
+        # (a batch-first module's dy is a transposed view: the persistent backward reads it
+        # contiguous, as functional.backward's would)
+        dx, dh0, grads = plan.backward(ctx, dya if dya.flags.c_contiguous
+                                       else plan.xp.ascontiguousarray(dya))
+    else:
+        dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
+        dx, dh0, grads = functional.backward(ctx, dya, dhx)
     dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
     outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
                None if dc0 is None else _result(dc0, x.dtype),
