@@ -19,20 +19,20 @@ from test_call_plans import _Hits  # (the planned forwards and backwards that ra
 H, I = 16, 3
 
 
-def _pair(cell: str):
+def _pair(cell: str, device: str = "cpu"):
     """A module that plans and one that never does (its record's plan dropped every call), with
     the same weights, each with its optimizer."""
     torch.manual_seed(0)
-    planned = getattr(prt, cell)(I, H, algo="persistent")
-    full = getattr(prt, cell)(I, H, algo="persistent")
+    planned = getattr(prt, cell)(I, H, algo="persistent").to(device)
+    full = getattr(prt, cell)(I, H, algo="persistent").to(device)
     full.load_state_dict(planned.state_dict())
     return [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (planned, full)]
 
 
-def _states(cell: str, seed: int):
+def _states(cell: str, seed: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(100 + seed)
-    h = torch.randn(1, 2, H, generator=g)
-    return h if cell == "GRU" else (h, torch.randn(1, 2, H, generator=g))
+    h = torch.randn(1, 2, H, generator=g).to(device)
+    return h if cell == "GRU" else (h, torch.randn(1, 2, H, generator=g).to(device))
 
 
 def _train_step(module, optimizer, x, hx) -> list[torch.Tensor]:
@@ -52,10 +52,10 @@ def _train_step(module, optimizer, x, hx) -> list[torch.Tensor]:
     return got
 
 
-def _assert_steps_equal(pairs, cell: str, seeds, states: bool) -> None:
+def _assert_steps_equal(pairs, cell: str, seeds, states: bool, device: str = "cpu") -> None:
     for seed in seeds:
-        x = torch.randn(4, 2, I, generator=torch.Generator().manual_seed(seed))
-        hx = _states(cell, seed) if states else None
+        x = torch.randn(4, 2, I, generator=torch.Generator().manual_seed(seed)).to(device)
+        hx = _states(cell, seed, device) if states else None
         results = []
         for module, optimizer in pairs:
             pairs[1][0]._record.plan = None  # (the reference never plans)
@@ -77,6 +77,19 @@ def test_planned_module_calls_equal_full_calls_bitwise(settings, monkeypatch, ce
     with torch.no_grad():  # (no autograd: the same plan)
         pairs[0][0](torch.randn(4, 2, I), _states(cell, 0) if states else None)
     assert hits.forwards == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_planned_module_calls_on_cuda_equal_full_calls_bitwise(cupy, settings, monkeypatch, cell):
+    """The same on CUDA tensors (the plan's stream and device checks, CuPy memory in the weight
+    rule, the replayed chain graphs): planned from the third call on, bitwise the module that
+    never plans."""
+    hits = _Hits(monkeypatch)
+    pairs = _pair(cell, "cuda")
+    _assert_steps_equal(pairs, cell, range(5), True, "cuda")
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    assert not pairs[0][0].last_run.emulated
 
 
 def test_other_calls_take_the_full_path_with_torch_errors(settings, monkeypatch):
