@@ -130,9 +130,7 @@ class Plan:
                 or (lengths is not None) != self.lengths
                 or (hx is not None) != self.states or (hx is not None and not self._states(hx))
                 or algo != self.algo or settings.current() is not self.settings
-                or buffers.generation() != self.generation
-                or (self.xp is not np and _where(self.xp) != self.where)
-                or (self.xp is np and threading.get_ident() != self.where[0])):
+                or buffers.generation() != self.generation or _where(self.xp) != self.where):
             return False
         return self._same_weights(params) and launch.COOLDOWNS.reason(self.engine.key) is None
 
