@@ -212,20 +212,30 @@ def active_steps(xp, steps: int, lengths: Array | None) -> Array | None:
     return (xp.arange(steps)[:, None] < lengths[None, :])[:, :, None]
 
 
-def select_active(xp, a: Array, lengths: Array | None, out: Array | None = None) -> Array:
+def select_active(xp, a: Array, lengths: Array | None, out: Array | None = None,
+                  mask: tuple[Array, Array, Array] | None = None) -> Array:
     """``a`` (T, B, X) with zeros at steps past each sequence's length, selected (not multiplied,
     so NaN or Inf there do not survive), into ``out`` (a new array where not given); ``a``
     itself when there are no lengths. The mask is formed in a reused workspace from shared step
-    indices: no array is made but the result."""
+    indices: no array is made but the result. ``mask``: those arrays (``mask_arrays``) where
+    the caller holds them (a call plan, whose chain graph reads them: no look-up while it is
+    captured); else looked up."""
     if lengths is None:
         return a
-    steps, batch = a.shape[:2]
-    past = workspace(xp, "past", (steps, batch, 1), np.bool_)
-    xp.greater_equal(step_indices(xp, steps), lengths[None, :, None], out=past)
+    past, steps, zero = mask_arrays(xp, a) if mask is None else mask
+    xp.greater_equal(steps, lengths[None, :, None], out=past)
     out = xp.empty_like(a) if out is None else out
     xp.copyto(out, a)
-    xp.copyto(out, constant_zeros(xp, (), a.dtype), where=past)
+    xp.copyto(out, zero, where=past)
     return out
+
+
+def mask_arrays(xp, a: Array) -> tuple[Array, Array, Array]:
+    """What ``select_active`` selects ``a`` (T, B, X) with: the mask's workspace (``"past"``),
+    the step indices and ``a``'s dtype's zero (shared constants)."""
+    steps, batch = a.shape[:2]
+    return (workspace(xp, "past", (steps, batch, 1), np.bool_), step_indices(xp, steps),
+            constant_zeros(xp, (), a.dtype))
 
 
 def matmul_steps(a: Array, w: Array, out: Array | None = None) -> Array:

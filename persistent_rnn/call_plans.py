@@ -116,10 +116,16 @@ class Plan:
         self.engine = engine
         self.backward_pass: runtime.PreparedPass | None = None
         self.backward_engine: Any = None
+        self.dy_selected: Array | None = None  # (with lengths: the dy the backward's pass reads)
         if engine is None:  # (cooling down since the call: no plan, ``plan_of``)
             return
         self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh, b_hh, d.h0, d.c0,
                                                     ctx.lengths, None, None, d.fwd)
+        # what a call's output selection reads (held: no look-up inside a captured chain)
+        self.mask = buffers.mask_arrays(xp, gi) if lengths else None
+        self.forward_pass.around = runtime.Around(
+            self._before_forward, self._after_forward, {"gi": gi, "b_ih": b_ih, "mask": self.mask},
+            ("out", "h_n") if self.c0 is None else ("out", "h_n", "c_n"))
 
     def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
                 lengths: Any = None) -> bool:
@@ -166,6 +172,9 @@ class Plan:
         w_ih, w_hh = weights[0], weights[1]
         self.weights, self.w_hh, self.w_ih_t = weights, w_hh, w_ih.T
         self.b_ih = weights[2] if self.b_ih is not None else None
+        self.forward_pass.around.fixed["b_ih"] = self.b_ih  # (the same memory: the same keys)
+        if self.backward_pass is not None:
+            self.backward_pass.around.fixed["w_hh"] = w_hh
         return True
 
     def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
@@ -181,19 +190,39 @@ class Plan:
         if lengths is not None:  # (as functional's: int32, the input zero past each length)
             lengths = buffers.full_lengths(xp, lengths, 0, 0)
             layer_input = functional._selected_input(xp, x, lengths)
-        gi = matmul_steps(layer_input, self.w_ih_t, self.gi)
-        if self.b_ih is not None:
-            gi += self.b_ih
+        gi = matmul_steps(layer_input, self.w_ih_t, self.gi)  # (its bias: in the chain)
         y, cs, saved = buffers.allocate_forward(cell, gi)
         fwd = runtime.ForwardResult(y, cs, saved)
-        stats = self.forward_pass.run(runtime.forward_arrays(fwd, h0, c0, lengths))
+        arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
+        arrays["out"] = out = xp.empty(self.y_shape, y.dtype)  # (written in the chain)
+        arrays["h_n"] = h_n = xp.empty(self.state_shape, y.dtype)
+        if cs is not None:
+            arrays["c_n"] = c_n = xp.empty(self.state_shape, y.dtype)
+        stats = self.forward_pass.run(arrays)
         ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None, None,
                                  [layer_input], [[functional._Direction(self.names, h0, c0, fwd)]],
                                  stats)
         ctx.plan = self
-        h_n = y[-1][None].copy()  # (a state stays as it was past its length)
-        out = y.copy() if lengths is None else buffers.select_active(xp, y, lengths)
-        return out, (h_n if cs is None else (h_n, cs[-1][None].copy())), ctx
+        return out, (h_n if cs is None else (h_n, c_n)), ctx
+
+    def _before_forward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the forward's chain, before its pass (``runtime.Around``): the input GEMM's
+        bias, ``gi += b_ih``, as ``functional.forward`` adds it."""
+        if fixed["b_ih"] is not None:
+            fixed["gi"] += fixed["b_ih"]
+
+    def _after_forward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the forward's chain, after its completion: the output (``y`` copied, or
+        selected with lengths) and ``h_n`` (LSTM: ``c_n``; a state stays as it was past its
+        length), into this call's new arrays, as ``functional.forward`` makes them."""
+        xp, y, lengths = self.xp, arrays["y"], arrays["lengths"]
+        if lengths is None:
+            xp.copyto(arrays["out"], y)
+        else:
+            buffers.select_active(xp, y, lengths, arrays["out"], fixed["mask"])
+        xp.copyto(arrays["h_n"], y[-1:])
+        if self.c0 is not None:
+            xp.copyto(arrays["c_n"], arrays["cs"][-1:])
 
     def backward(self, ctx: functional.Context, dy: Array) -> tuple[Array, Any, dict]:
         """``functional.backward(ctx, dy)`` of this plan's forward's context, ``dy`` contiguous
@@ -206,12 +235,14 @@ class Plan:
                 self.plan_backward(ctx, dy)
             return result
         lengths = ctx.lengths
-        if lengths is not None:  # (as functional.backward's: zero past each length)
-            dy = buffers.select_active(xp, dy, lengths,
-                                       buffers.workspace(xp, "dy", dy.shape, dy.dtype))
-        arrays = runtime.backward_arrays(dy, d.fwd, d.h0, d.c0, lengths)
+        arrays = runtime.backward_arrays(dy if lengths is None else self.dy_selected, d.fwd, d.h0,
+                                         d.c0, lengths)
+        if lengths is not None:  # (selected into ``dy_selected`` in the chain)
+            arrays["dy_in"] = dy
         dh = xp.empty(self.state_shape, dy.dtype)
-        dc = None if self.c0 is None else xp.empty(self.state_shape, dy.dtype)
+        dc = None
+        if self.c0 is not None:
+            arrays["dc0"] = dc = xp.empty(self.state_shape, dy.dtype)  # (written in the chain)
         res, ctx.backward_stats = runtime.backward_call(
             prepared, self.w_hh, None, None, (dh[0], None if dc is None else dc[0]), arrays)
         grads: dict[str, Array] = {}
@@ -230,13 +261,34 @@ class Plan:
             return
         xp, lengths = self.xp, ctx.lengths
         if lengths is not None:  # (the dy the chain reads: ``backward``'s workspace)
-            dy = buffers.select_active(xp, dy, lengths,
-                                       buffers.workspace(xp, "dy", dy.shape, dy.dtype))
+            self.dy_selected = dy = buffers.select_active(
+                xp, dy, lengths, buffers.workspace(xp, "dy", dy.shape, dy.dtype))
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
-        self.backward_pass = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0,
-                                                      d.c0, lengths, d.fwd, None, None, 0, dgi,
-                                                      dgh)
-        self.backward_engine = engine
+        prepared = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0, d.c0, lengths,
+                                            d.fwd, None, None, 0, dgi, dgh)
+        prepared.around = runtime.Around(
+            self._before_backward, self._after_backward,
+            {"w_hh": self.w_hh, "mask": self.mask},
+            (() if lengths is None else ("dy_in",)) + (() if self.c0 is None else ("dc0",)))
+        self.backward_pass, self.backward_engine = prepared, engine
+
+    def _before_backward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the backward's chain, before its pass (``runtime.Around``): with lengths the
+        caller's ``dy`` selected into the one the pass reads, the carries zeroed and ``W_hh^T``
+        copied anew (an optimizer may have changed ``W_hh`` in place), as
+        ``functional.backward`` and ``runtime.backward_call`` do them."""
+        xp, prepared = self.xp, self.backward_pass
+        if arrays["lengths"] is not None:
+            buffers.select_active(xp, arrays["dy_in"], arrays["lengths"], arrays["dy"],
+                                  fixed["mask"])
+        runtime.zero_carries(prepared.backward)
+        xp.copyto(prepared.args["w_t"], fixed["w_hh"].T)
+
+    def _after_backward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the backward's chain, after its completion: an LSTM's ``dc0`` (the direct
+        carry's row 0) into this call's new array (``runtime.backward_call`` returns it)."""
+        if self.c0 is not None:
+            self.xp.copyto(arrays["dc0"], self.backward_pass.backward.dc_carry[:1])
 
     def _backward_current(self, ctx: functional.Context) -> bool:
         """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""

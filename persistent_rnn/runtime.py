@@ -256,24 +256,24 @@ class _BackwardScratch:
 
 
 def backward_call(prepared: "PreparedPass", w_hh: Array, dhn: Array | None, dcn: Array | None,
-                 out: tuple[Array, Array | None] | None,
-                 arrays: dict[str, Array | None] | None = None) -> tuple[BackwardResult, RunStats]:
-    """One backward call of ``prepared`` (``prepare_backward``) with this call's ``arrays``
-    (``backward_arrays``; ``None``: the first call, whose arrays the arguments hold): the
-    carries zeroed and given ``dhn``/``dcn``, the chain, then ``dh0``/``dc0``. A later call of
-    the same prepared pass (float32, no projection: ``call_plans``) copies ``W_hh^T`` anew (an
-    optimizer may have changed ``W_hh`` in place; ``prepare_backward`` made the first copy)."""
+                  out: tuple[Array, Array | None] | None,
+                  arrays: dict[str, Array | None] | None = None) -> tuple[BackwardResult, RunStats]:
+    """One backward call of ``prepared`` (``prepare_backward``): the carries zeroed and given
+    ``dhn``/``dcn``, the chain, then ``dh0``/``dc0``. ``arrays``: ``None`` for the first call
+    (whose arrays the arguments hold); else this call's (``backward_arrays``) for a later call
+    of a call plan's prepared pass (float32, no projection, no ``dhn``/``dcn``:
+    ``call_plans``), whose ``Around`` enqueues inside the chain the carries' zeros, ``W_hh^T``'s
+    copy (an optimizer may have changed ``W_hh`` in place; ``prepare_backward`` made the first)
+    and an LSTM's ``dc0`` into ``out[1]``."""
     s = prepared.backward
-    xp, cell, steps = s.xp, s.cell, prepared.first + 1
-    s.dh_carry.fill(0)
-    if cell.has_cell_state:
-        s.dc_carry.fill(0)
-    if dhn is not None:
-        s.dh_carry[steps % 2] = dhn
-    if dcn is not None and cell.has_cell_state:
-        s.dc_carry[steps % 2] = dcn
-    if arrays is not None:  # (a later call; prepare_backward copied it for the first)
-        xp.copyto(prepared.args["w_t"], w_hh.T)
+    xp, cell = s.xp, s.cell
+    if arrays is None:
+        zero_carries(s)
+        steps = prepared.first + 1
+        if dhn is not None:
+            s.dh_carry[steps % 2] = dhn
+        if dcn is not None and cell.has_cell_state:
+            s.dc_carry[steps % 2] = dcn
     stats = prepared.run(arrays)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
     wide = w_hh if s.half is None else (widen(w_hh) if s.slot is None else buffers.widened(
@@ -281,11 +281,20 @@ def backward_call(prepared: "PreparedPass", w_hh: Array, dhn: Array | None, dcn:
     dh0 = matmul(s.dgh[0], wide, None if out is None else out[0])
     dh0 += s.dh_carry[0]  # (in place: the same sum, one array)
     dc0 = s.dc_carry[0] if cell.has_cell_state else None
-    if dc0 is not None and out is not None:
+    if dc0 is not None and arrays is not None:  # (written by the Around: out[1])
+        dc0 = out[1]
+    elif dc0 is not None and out is not None:
         dc0 = _copied_into(out, dh0, dc0)[1]
     elif dc0 is not None and s.slot is not None:  # (a row of a workspace: the result's own copy)
         dc0 = dc0.copy()
     return BackwardResult(s.dgi, s.dgh, dh0, dc0, s.drs), stats
+
+
+def zero_carries(s: _BackwardScratch) -> None:
+    """A backward's direct carries zeroed before its chain (one fill; the LSTM's two)."""
+    s.dh_carry.fill(0)
+    if s.cell.has_cell_state:
+        s.dc_carry.fill(0)
 
 
 def _copied_into(out: tuple[Array, Array | None], dh0: Array,
@@ -341,6 +350,24 @@ def _zeros(xp, shape: tuple[int, ...]) -> Array:
     return buffers.constant_zeros(xp, shape, np.float32)
 
 
+@dataclass(frozen=True)
+class Around:
+    """Stream operations of a call plan's calls (``call_plans``) that a prepared pass enqueues
+    inside its chain: ``before(arrays, fixed)`` just before the pass's first launch (after the
+    chain's memsets), ``after(arrays, fixed)`` just after its completion kernel - so that a
+    replayed chain graph holds them and a call in steady state issues them in its one graph
+    launch (docs/design.md, "What a call executes"). They read and write only ``fixed`` (arrays
+    at an address fixed for the plan: workspaces, weights, constants; the plan holds them) and
+    the call's arrays of the pass's roles and of ``roles``; every one of those enters the chain
+    graph's key, with the two functions' names (``PreparedPass._key``). Nothing in them may
+    allocate or look up scratch (``buffers.reused`` makes new arrays while a stream captures)."""
+
+    before: Callable[[dict, dict], None]
+    after: Callable[[dict, dict], None]
+    fixed: dict[str, Any]
+    roles: tuple[str, ...]
+
+
 class PreparedPass:
     """A persistent pass's chain (``launch.chain_for``) with its launches' arguments built
     (``prepare_forward``, ``prepare_backward``): ``run`` enqueues it (``launch.run_chain``: the
@@ -348,13 +375,15 @@ class PreparedPass:
     (read lazily from the chain's record). The arrays a call supplies anew are given to ``run``
     by role (``forward_arrays``, ``backward_arrays``): the arguments that held the first call's
     arrays of a role take this call's, so one prepared pass serves the calls of one signature
-    (``call_plans``)."""
+    (``call_plans``), which may give it an ``around`` (``Around``: operations of its calls
+    enqueued inside the chain; set before its first ``run``)."""
 
     def __init__(self, chain: launch.Chain, args: dict, first: int, end: int, complete: str,
                  complete_args: dict, arrays: dict[str, Array | None]):
         self.chain, self.args, self.first, self.end = chain, args, first, end
         self.complete, self.complete_args = complete, complete_args
         self.backward: _BackwardScratch | None = None
+        self.around: Around | None = None
         self._arrays = arrays  # the first call's, which ``args`` hold
         self._roles: tuple | None = None  # (argument, role) pairs (``_role_lists``)
         self._static_key: tuple | None = None  # the chain graph's key but the per-call arrays
@@ -369,18 +398,23 @@ class PreparedPass:
         where the chain is issued launch by launch (a replayed chain graph needs its key only)."""
         if arrays is None:
             arrays = self._arrays
-        chain, engine = self.chain, self.chain.engine
+        chain, engine, around = self.chain, self.chain.engine, self.around
         made: list[dict] = []  # the pass's arguments, made by its first launch
 
         def go(start, stall: settings.Stall) -> None:
+            if start is not launch.RESUME and around is not None:  # (the pass's first launch)
+                around.before(arrays, around.fixed)
             if not made:
                 made.append(self._arguments(0, arrays))
             launch.launch_pass(engine, chain.control, dict(made[0], start=start), stall)
 
+        def complete() -> None:
+            chain.complete(self.complete, **self._arguments(1, arrays))
+            if around is not None:
+                around.after(arrays, around.fixed)
+
         launch.run_chain(chain, go, self.first, self.end, settings.current_stall(),
-                         chain.exchanges,
-                         lambda: chain.complete(self.complete, **self._arguments(1, arrays)),
-                         lambda: self._key(arrays))
+                         chain.exchanges, complete, lambda: self._key(arrays))
         stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1,
                          details=[self._detail])
         launch.record_of(chain, self.end, stats)
@@ -406,15 +440,21 @@ class PreparedPass:
 
     def _key(self, arrays: dict[str, Array | None]) -> tuple:
         """What a chain graph of this pass is keyed by (``launch.run_chain``): the arguments
-        but the per-call arrays, keyed once (the prepared pass holds them), and those arrays."""
+        but the per-call arrays, keyed once (the prepared pass holds them), and those arrays;
+        with an ``around``, its functions' names, its fixed arrays and its roles too."""
         if self._static_key is None:
             roles, complete_roles = self._role_lists()
             per_call = {name for name, _ in roles + complete_roles}
-            used = sorted({role for _, role in roles + complete_roles})
-            self._static_key = (self.complete, tuple(used), chain_graphs.arguments_key(
+            used = {role for _, role in roles + complete_roles}
+            around = self.around
+            if around is not None:
+                used.update(around.roles)
+                around = (around.before.__qualname__, around.after.__qualname__,
+                          chain_graphs.arguments_key(around.fixed))
+            self._static_key = (self.complete, tuple(sorted(used)), chain_graphs.arguments_key(
                 {k: v for k, v in self.args.items() if k not in per_call}),
                 chain_graphs.arguments_key(
-                {k: v for k, v in self.complete_args.items() if k not in per_call}))
+                {k: v for k, v in self.complete_args.items() if k not in per_call}), around)
         return self._static_key, tuple([chain_graphs.value(arrays[role])
                                         for role in self._static_key[1]])
 

@@ -195,10 +195,12 @@ def test_a_stall_in_a_planned_call_restarts_bitwise(settings, grid_path, monkeyp
     for _ in range(3):
         plain = _step(layer, x, dy)
     layer.zero_grad()
+    events = _issued_events(layer, monkeypatch)
     with prnn.inject_stall(block=1, step=3, duration_ms=700):
         y, hn = layer.forward(x)
         forward = layer.last_run
         dx, dhx = layer.backward(dy)
+    assert events == _one_chain() * 2, events  # (the moved operations once a pass)
     stalled = _flat(y, hn, dx, dhx) + list(layer.grads.values())
     for a, b in zip(plain, stalled):
         np.testing.assert_array_equal(a, b)
@@ -217,12 +219,16 @@ def test_a_cooling_configuration_is_not_planned(settings, grid_path):
     assert layer.last_run.algo == "gemm" and "co-resident" in layer.last_run.fallback
 
 
+@pytest.mark.parametrize("cell,lengths", [("GRU", None), ("LSTM", [4, 2])])
 def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(settings,
-                                                                          monkeypatch):
+                                                                          monkeypatch, cell,
+                                                                          lengths):
     """What a GPU replay is keyed by (``PreparedPass._key``), with NumPy addresses standing in
     for device pointers: the planned calls' static part is one object, built once; the key
     differs between calls only by the new arrays, and names every argument the full path's
-    key names."""
+    key names, and everything the operations moved into the chain (``runtime.Around``) read
+    and write: the input GEMM's output and bias, the mask's arrays, ``W_hh``, and this call's
+    output, ``h_n`` (``c_n``), ``dy`` and ``dc0``."""
     monkeypatch.setattr(chain_graphs, "value", lambda v: (
         (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
         if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
@@ -235,20 +241,88 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
         return False
     monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
     monkeypatch.setattr(chain_graphs, "run", run)
-    layer = _layer("GRU")
-    x, _ = _data(0)
-    kept = []  # (the contexts hold each call's arrays: new addresses every call)
-    for _ in range(4):
-        layer.forward(x)
-        kept.append(layer._ctx)
-    (static, *_), planned = keys[2], keys[3]  # (calls 3 and 4 planned)
-    assert planned[0] is static and static[1] == ("h0", "saved", "y")
-    assert planned[1][0] == keys[2][1][0]  # h0: the shared zeros
-    assert planned[1][1:] != keys[2][1][1:]  # saved and y: the arrays of this call
-    prepared = layer._plan.forward_pass
-    per_call = {name for name, _ in prepared._role_lists()[0]}
-    assert per_call == {"y", "saved", "cs", "h0", "c0"}  # (a GRU's cs is y, its c0 h0)
-    assert {n for n, _ in static[2]} | per_call == set(prepared.args)
+    layer = _layer(cell)
+    x, dy = _data(0)
+    kept = []  # (each call's arrays held: new addresses every call)
+    for _ in range(5):
+        y, hn = layer.forward(x, lengths=lengths)
+        kept.append((layer._ctx, y, hn, *layer.backward(dy)))
+    plan = layer._plan
+    forward, backward = plan.forward_pass, plan.backward_pass
+    for i in (3, 4):  # (calls 4 and 5: forward and backward planned; keys: F1 B1 F2 B2 ...)
+        for prepared, (static, values) in ((forward, keys[2 * i]), (backward, keys[2 * i + 1])):
+            assert static is prepared._static_key
+            per_call = dict(zip(static[1], values))
+            names, fixed = static[-1][:2], dict(static[-1][2])
+            assert names == tuple(f"Plan._{f}_{'backward' if prepared is backward else 'forward'}"
+                                  for f in ("before", "after"))
+            assert fixed["mask"] == (None if lengths is None else chain_graphs.value(plan.mask))
+            if prepared is forward:
+                _, y, hn, _, _ = kept[i]
+                assert per_call["out"] == chain_graphs.value(y)
+                assert per_call["h_n"] == chain_graphs.value(hn if cell == "GRU" else hn[0])
+                assert cell == "GRU" or per_call["c_n"] == chain_graphs.value(hn[1])
+                assert fixed["gi"] == chain_graphs.value(prepared.args["gi"])
+                assert fixed["b_ih"] == chain_graphs.value(layer.params["bias_ih_l0"])
+            else:
+                assert per_call.get("dy_in") == (None if lengths is None else
+                                                 chain_graphs.value(dy))
+                assert cell == "GRU" or per_call["dc0"] == chain_graphs.value(kept[i][4][1])
+                assert fixed["w_hh"] == chain_graphs.value(layer.params["weight_hh_l0"])
+    (static, first), planned = keys[4], keys[6]  # (calls 3 and 4: forwards planned)
+    assert planned[0] is static and static is forward._static_key
+    assert planned[1][static[1].index("h0")] == first[static[1].index("h0")]  # the zeros
+    assert planned[1][static[1].index("y")] != first[static[1].index("y")]  # this call's
+    per_call = {name for name, _ in forward._role_lists()[0]}
+    assert per_call == {"y", "saved", "cs", "h0", "c0"} | ({"lengths"} if lengths else set())
+    assert {n for n, _ in static[2]} | per_call == set(forward.args)
+
+
+def _issued_events(layer, monkeypatch) -> list[str]:
+    """From now on, what the chains of ``layer``'s planned passes issue, in order: each chain
+    (``launch._issue_chain``) as "chain" ... "end", its pass's launches, its completion, and the
+    operations moved into it (``runtime.Around``) as "before" and "after"."""
+    events: list[str] = []
+    issue, launch_pass, complete = launch._issue_chain, launch.launch_pass, launch.Chain.complete
+
+    def issued(*a):
+        events.append("chain")
+        issue(*a)
+        events.append("end")
+    monkeypatch.setattr(launch, "_issue_chain", issued)
+    monkeypatch.setattr(launch, "launch_pass", lambda *a: (events.append("launch"),
+                                                            launch_pass(*a)))
+    monkeypatch.setattr(launch.Chain, "complete", lambda *a, **k: (events.append("complete"),
+                                                                   complete(*a, **k)))
+    for prepared in (layer._plan.forward_pass, layer._plan.backward_pass):
+        a = prepared.around
+        prepared.around = runtime.Around(
+            lambda *z, f=a.before: (events.append("before"), f(*z)),
+            lambda *z, f=a.after: (events.append("after"), f(*z)), a.fixed, a.roles)
+    return events
+
+
+def _one_chain() -> list[str]:
+    """A planned pass's events (``_issued_events``): the moved operations inside its chain."""
+    from persistent_rnn import settings
+    launches = 1 + settings.current().max_restarts  # (the pass and its resume launches)
+    return ["chain", "before"] + ["launch"] * launches + ["complete", "after", "end"]
+
+
+def test_a_planned_call_issues_its_moved_operations_inside_the_chain(settings, monkeypatch):
+    """The operations of a planned call moved into its chain (``runtime.Around``) are issued
+    by the chain itself (``launch._issue_chain``: what a GPU captures as one graph), the
+    ``before`` ones just before the pass's first launch, the ``after`` ones just after the
+    completion kernel, once a pass (a stall's restarts: below), bitwise the full path."""
+    planned, full = _layer("LSTM"), _layer("LSTM")
+    x, dy = _data(0)
+    for _ in range(3):
+        _step(planned, x, dy)
+    events = _issued_events(planned, monkeypatch)
+    got = _step(planned, x, dy)
+    assert events == _one_chain() * 2, events
+    for a, b in zip(got, _step(full, x, dy)):
+        np.testing.assert_array_equal(a, b)
 
 
 def _lengths_steps(cell: str, planned, full, seeds) -> None:
