@@ -12,8 +12,11 @@ planned, of the same shapes, or none; no lengths, or lengths of the same shape, 
 values: the caller's to check) does
 identity checks, then only what differs from call to call - the input GEMM into the same
 workspace, the new result arrays, the prepared pass (``runtime.PreparedPass``, whose chain
-graph key is the static part kept plus the new arrays' addresses), the output copies - and
-builds the same ``functional.Context``. Anything else (``matches`` false) takes the full path
+graph key is the static part kept plus the new arrays' addresses) - and builds the same
+``functional.Context``. The operations around the chain that touch only arrays of that key
+(the input's bias, the output and state copies; the backward's carries, ``W_hh^T``, ``dc0``,
+with lengths the selections) are enqueued inside the chain (``runtime.Around``), so a replayed
+chain graph holds them. Anything else (``matches`` false) takes the full path
 with its checks, so bad input still gets torch.nn's errors.
 
 Planned: a single unidirectional layer-direction of a float32 layer without projection whose

@@ -505,14 +505,21 @@ def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) ->
 
 
 # API calls of one layer-direction call beside its chain (persistent_rnn/launch.py), read from
-# the code path (functional, runtime, call_plans; counted 2026-11-27): forward - the input GEMM,
-# its bias add, the output's copy, h_n's copy (LSTM: c_n's too); backward - the carries' zero
-# fills (LSTM: two), W_hh^T's copy, dh0's GEMM and add (LSTM: dc0's copy), dW_ih, dW_hh (two
-# GEMMs and an add), the two bias sums, dx. Each is a kernel launch or memset through the runtime
-# API. (The lengths and the exchange are no longer filled per call - a shared constant, and the
-# chain's own memset -, and dh0 is written in place of its stack: 6 / 14 before.)
-FORWARD_OTHER_CALLS = 4
-BACKWARD_OTHER_CALLS = 11
+# the code path of a planned call (call_plans, runtime; counted 2026-11-27): forward - the input
+# GEMM; backward - dh0's GEMM and add, dW_ih, dW_hh (two GEMMs and an add), the two bias sums,
+# dx. Each is a kernel launch or memset through the runtime API. (Before: 4 / 11, the LSTM's 5 /
+# 13: the operations below were calls of their own; 6 / 14 before the lengths and the exchange
+# were no longer filled per call and dh0 was written in place of its stack.)
+FORWARD_OTHER_CALLS = 1
+BACKWARD_OTHER_CALLS = 9
+# Operations a planned call enqueues inside its chain (``runtime.Around``): nodes of the chain's
+# graph, no API call of their own while it is replayed, but kernels (or copies, memsets) on the
+# device all the same, and calls of their own when the chain is issued launch by launch: forward
+# - the input GEMM's bias add, the output's and h_n's copies (LSTM: c_n's too); backward - the
+# carries' zero fill (LSTM: two), W_hh^T's copy (LSTM: dc0's copy). Without lengths (with them
+# the output's and dy's selections are three operations each where a copy is one, or none).
+FORWARD_CHAIN_OPS = 3
+BACKWARD_CHAIN_OPS = 2
 
 
 @dataclass(frozen=True)
@@ -540,23 +547,28 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
                backward: bool, device: DeviceProfile, half: bool = False) -> CallCost:
     """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass
     runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
-    steady state: with ``chain_graphs`` on, the chain is one graph launch from the host (its
-    nodes still run on the device). ``half``: a 16-bit layer, whose forward projects its input
+    steady state, as a planned call (``call_plans``) issues it: with ``chain_graphs`` on, the
+    chain with the operations enqueued inside it (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``)
+    is one graph launch from the host (its nodes still run on the device). (Stacks,
+    bidirectional and 16-bit layers are not planned yet: they issue those operations as calls
+    of their own, which this leaves out.) ``half``: a 16-bit layer, whose forward projects its input
     on the tensor cores (its backward's GEMMs take the fp32 gradients: fp32)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden
     chain = launch.chain_launches(settings.current().max_restarts)
-    chain_calls = 1 if settings.current().chain_graphs else chain + launch.CHAIN_MEMSETS
     lstm = int(cell.has_cell_state)
     if not backward:
         gemms = [2.0 * rows * input_size * gh]
-        other = FORWARD_OTHER_CALLS + lstm
+        other, inside = FORWARD_OTHER_CALLS, FORWARD_CHAIN_OPS + lstm
     else:
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
-        other = BACKWARD_OTHER_CALLS + 2 * lstm
+        other, inside = BACKWARD_OTHER_CALLS, BACKWARD_CHAIN_OPS + 2 * lstm
+    chain_calls = (1 if settings.current().chain_graphs
+                   else chain + launch.CHAIN_MEMSETS + inside)
     calls = chain_calls + launch.RECORD_CALLS + other
-    small = other - len(gemms) + launch.CHAIN_MEMSETS  # fills, copies, adds: short kernels
+    # fills, copies, adds: short kernels, inside the chain's graph or not
+    small = other + inside - len(gemms) + launch.CHAIN_MEMSETS
     tensor_cores = half and not backward
     device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US
                  + sum(_gemm_us(f, device, tensor_cores) for f in gemms)

@@ -86,25 +86,48 @@ def test_the_torch_module_replays_its_chains(cupy):
             np.testing.assert_array_equal(a, b)
 
 
-def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy):
-    """A layer's planned calls (``call_plans``: no lengths, no initial state) on a GPU: the bits
-    of calls that run the whole way, their chains replayed as graphs keyed by the prepared
-    passes."""
-    layer, x, dy = _layer(cupy, "GRU", 1)
+@pytest.mark.parametrize("mode,lengths", [("GRU", None), ("LSTM", [9, 7, 4])])
+def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkeypatch, mode,
+                                                                    lengths):
+    """A layer's planned calls (``call_plans``) on a GPU, each on other values in the same
+    input arrays: their chains replayed as graphs keyed by the prepared passes hold the
+    operations moved into them (``runtime.Around``: the input's bias, the output's and h_n's
+    (c_n's) copies or selections; dy's selection, the carries' zeros, W_hh^T's copy, dc0), so
+    a replay that runs none of their Python still gives every call the bits of a layer that
+    never plans (a replay without them would leave the bias out, or leave the output, h_n,
+    c_n or dc0 as the pool's block held them: another call's values)."""
+    layer, x, dy = _layer(cupy, mode, 1)
+    full, _, _ = _layer(cupy, mode, 1)
+    rng = np.random.default_rng(3)
+    values = [(rng.standard_normal(x.shape), rng.standard_normal(dy.shape)) for _ in range(12)]
 
-    def call():
+    def call(layer, vx, vdy):
+        x[...], dy[...] = cupy.asarray(vx, np.float32), cupy.asarray(vdy, np.float32)
         layer.zero_grad()
-        y, hn = layer.forward(x)
-        dx, _ = layer.backward(dy)
-        return [a.get() for a in (y, hn, dx, *layer.grads.values())]
+        y, hn = layer.forward(x, lengths=lengths)
+        dx, dhx = layer.backward(dy)
+        return [a.get() for a in (y, *(hn if isinstance(hn, tuple) else (hn,)), dx,
+                                  *(dhx if isinstance(dhx, tuple) else (dhx,)),
+                                  *layer.grads.values())]
 
-    with prnn.override_settings(chain_graphs=False):
-        want = call()
+    want = []
+    for vx, vdy in values:
+        full._plan = None  # (never planned)
+        want.append(call(full, vx, vdy))
+    replays = []
+    run = chain_graphs.run
+
+    def counted(key, issue):  # (a replay: a graph launched, nothing issued from Python)
+        issued = []
+        launched = run(key, lambda: (issued.append(1), issue()))
+        replays.append(launched and not issued)
+        return launched
+    monkeypatch.setattr(chain_graphs, "run", counted)
     chain_graphs.clear()
     with launch.counting() as counts:
-        got = [call() for _ in range(CALLS)]
+        got = [call(layer, vx, vdy) for vx, vdy in values]
     assert layer._plan is not None and layer._plan.backward_pass is not None
-    assert counts.graph_launches >= 2 and counts.host_syncs == 0, counts
-    for results in got:
-        for a, b in zip(results, want):
+    assert sum(replays[-8:]) >= 4 and counts.host_syncs == 0, (replays, counts)
+    for results, expected in zip(got, want):
+        for a, b in zip(results, expected):
             np.testing.assert_array_equal(a, b)
