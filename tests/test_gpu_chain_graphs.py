@@ -127,7 +127,7 @@ def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkey
     with launch.counting() as counts:
         got = [call(layer, vx, vdy) for vx, vdy in values]
     assert layer._plan is not None and layer._plan.backward_pass is not None
-    assert sum(replays[-8:]) >= 4 and counts.host_syncs == 0, (replays, counts)
+    assert sum(replays) >= 4 and counts.host_syncs == 0, (replays, counts)
     for results, expected in zip(got, want):
         for a, b in zip(results, expected):
             np.testing.assert_array_equal(a, b)
