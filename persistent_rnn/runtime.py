@@ -356,10 +356,11 @@ class Around:
     inside its chain: ``before(arrays, fixed)`` just before the pass's first launch (after the
     chain's memsets), ``after(arrays, fixed)`` just after its completion kernel - so that a
     replayed chain graph holds them and a call in steady state issues them in its one graph
-    launch (docs/design.md, "What a call executes"). They read and write only ``fixed`` (arrays
-    at an address fixed for the plan: workspaces, weights, constants; the plan holds them) and
-    the call's arrays of the pass's roles and of ``roles``; every one of those enters the chain
-    graph's key, with the two functions' names (``PreparedPass._key``). Nothing in them may
+    launch (docs/design.md, "What a call executes"). They read and write only the pass's own
+    arguments, ``fixed`` (arrays at an address fixed for the plan: workspaces, weights,
+    constants; the plan holds them) and the call's arrays of the pass's roles and of ``roles``;
+    every one of those enters the chain graph's key, with the two functions' names
+    (``PreparedPass._key``). Nothing in them may
     allocate or look up scratch (``buffers.reused`` makes new arrays while a stream captures)."""
 
     before: Callable[[dict, dict], None]
@@ -446,15 +447,15 @@ class PreparedPass:
             roles, complete_roles = self._role_lists()
             per_call = {name for name, _ in roles + complete_roles}
             used = {role for _, role in roles + complete_roles}
-            around = self.around
+            around, around_key = self.around, None
             if around is not None:
                 used.update(around.roles)
-                around = (around.before.__qualname__, around.after.__qualname__,
-                          chain_graphs.arguments_key(around.fixed))
+                around_key = (around.before.__qualname__, around.after.__qualname__,
+                              chain_graphs.arguments_key(around.fixed))
             self._static_key = (self.complete, tuple(sorted(used)), chain_graphs.arguments_key(
                 {k: v for k, v in self.args.items() if k not in per_call}),
                 chain_graphs.arguments_key(
-                {k: v for k, v in self.complete_args.items() if k not in per_call}), around)
+                {k: v for k, v in self.complete_args.items() if k not in per_call}), around_key)
         return self._static_key, tuple([chain_graphs.value(arrays[role])
                                         for role in self._static_key[1]])
 
