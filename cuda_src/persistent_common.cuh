@@ -17,6 +17,9 @@
 //   PRNN_ROWS  matrix rows per warp    PRNN_KSPLIT  warps sharing a row (column chunks)
 //   PRNN_KPT   columns per lane        PRNN_WARPS   warps per CTA (blockDim.x == 32*PRNN_WARPS)
 //   PRNN_WEIGHT_DTYPE  0 fp32 (default), 1 fp16, 2 bf16: how M is held (below)
+//   PRNN_STATE_DTYPE   0 fp32, 1 fp16, 2 bf16: the type h_t is rounded to (default: the weights';
+//                      a 16-bit layer planned on an fp32 tile holds its weights widened, 0, and
+//                      rounds its state as its 16-bit tile would: plan.widened_pass)
 //   PRNN_SMEM_<REGION>  the dynamic shared memory's regions, carved in order (shared_layout.cuh)
 //
 // 16-bit weights: M arrives as 32-bit words of two 16-bit values (columns 2c, 2c+1 of a row, rows
@@ -59,21 +62,19 @@ constexpr int kPerWord = 1;
 PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[1]) { f[0] = w; }
 PRNN_DEVICE void load_staged(const float* p, float (&x)[1]) { x[0] = *p; }
 PRNN_DEVICE void load_staged(const float* p, float (&x)[4]) { prnn_load_shared_quad(p, x); }
-PRNN_DEVICE float round_state(float v) { return v; }
 #else
 using WeightWord = unsigned;
 constexpr int kPerWord = 2;
 PRNN_DEVICE void load_staged(const float* p, float (&x)[2]) { prnn_load_shared_pair(p, x[0], x[1]); }
 #if PRNN_WEIGHT_DTYPE == 1
 PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[2]) { prnn_f16x2_to_float(w, f[0], f[1]); }
-PRNN_DEVICE float round_state(float v) { return prnn_round_f16(v); }
 #elif PRNN_WEIGHT_DTYPE == 2
 PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[2]) { prnn_bf16x2_to_float(w, f[0], f[1]); }
-PRNN_DEVICE float round_state(float v) { return prnn_round_bf16(v); }
 #else
 #error "PRNN_WEIGHT_DTYPE must be 0 (fp32), 1 (fp16) or 2 (bf16)"
 #endif
 #endif
+PRNN_DEVICE float round_state(float v) { return prnn_stored_state(v); }
 // Whether the matrix loop reads the exchanged vector straight from the tagged words (a cluster:
 // they are in this CTA's shared memory) instead of a staged copy. Each warp then waits for the
 // words it multiplies, and a step needs one block barrier (the partial sums', which also carries

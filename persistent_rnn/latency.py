@@ -644,8 +644,10 @@ def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
 
 
 def _half(plan: planner.Plan) -> bool:
-    """Whether ``plan`` holds its weights in 16 bits (a 16-bit layer)."""
-    return bool(plan.forward.defines.get("PRNN_WEIGHT_DTYPE"))
+    """Whether ``plan`` is a 16-bit layer's (its weights held in 16 bits, or widened on the fp32
+    tile with its state rounded to 16 bits: ``plan.widened_pass``)."""
+    defines = plan.forward.defines
+    return bool(defines.get("PRNN_WEIGHT_DTYPE") or defines.get("PRNN_STATE_DTYPE"))
 
 
 def predict_step_time(cell: str, hidden: int, batch: int, dtype: str = "float32",
