@@ -21,9 +21,9 @@
 //   starts[groups] (int32).
 // The host reads the record lazily (launch.DeviceRecord), never in the call's path.
 //
-// -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are held, as for the
-// persistent kernels), PRNN_STATE_DTYPE (cells.cuh: the completion rounds the recurrent state
-// where they do).
+// -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are given - a pass of
+// an fp32 tile widening a 16-bit layer's words has the layer's -, and the type the completion
+// rounds the recurrent state to where the persistent kernels do: cells.cuh).
 #ifndef PRNN_WEIGHT_DTYPE
 #define PRNN_WEIGHT_DTYPE 0
 #endif

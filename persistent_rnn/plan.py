@@ -477,18 +477,19 @@ def widens(cell: CellSpec, batch: int, backward: bool, cluster: bool) -> bool:
 
 
 def widened_pass(p: PassPlan, dtype: str, backward: bool) -> PassPlan:
-    """The fp32 pass ``p`` serving a ``dtype`` (16-bit) layer: the runtime widens the layer's
-    16-bit weights to fp32 for it (exact, so the products are the 16-bit tiles'), and the
-    forward rounds h_t to ``dtype`` where it stores it (``-D PRNN_STATE_DTYPE``), as the 16-bit
-    tiles do; the backward stores no state: it is the fp32 kernel itself."""
+    """The fp32 pass ``p`` serving a ``dtype`` (16-bit) layer. The forward takes the layer's
+    16-bit words of W_hh, widens them into its fp32 registers as it loads them (exact: the
+    products are the 16-bit tiles') and rounds h_t to ``dtype`` where it stores it, as the 16-bit
+    tiles do (``-D PRNN_WIDENED_FROM``); the backward, which stores no state, is the fp32 kernel
+    itself, given W_hh^T widened by the copy it makes every call anyway (``runtime``)."""
     if backward:
         return p
-    return replace(p, defines={**p.defines, "PRNN_STATE_DTYPE": KERNEL_DTYPES[dtype]})
+    return replace(p, defines={**p.defines, "PRNN_WIDENED_FROM": KERNEL_DTYPES[dtype]})
 
 
 def weight_dtype(p: PassPlan, dtype: str) -> str:
-    """The dtype a pass of a ``dtype`` layer holds its weights in: the layer's, or float32 for
-    a ``widened_pass``."""
+    """The dtype a pass of a ``dtype`` layer holds its weights in (its registers): the layer's,
+    or float32 for a ``widened_pass``."""
     return dtype if p.defines.get("PRNN_WEIGHT_DTYPE") else "float32"
 
 

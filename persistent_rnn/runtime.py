@@ -127,7 +127,7 @@ def prepare_forward(cell: CellSpec, engine: _Engine, gi: Array, w_hh: Array, b_h
     p = engine.pass_plan
     rows = (p.exchange_row,) if w_hr is None else (p.exchange_row, p.exchange_row_b)
     chain = launch.chain_for(xp, engine, 1, tuple((2, batch, r) for r in rows))
-    args = dict(w_hh=_held(xp, w_hh, half, p), b_hh=bias, gi=c(gi), h0=c(h0),
+    args = dict(w_hh=buffers.weight_words(xp, w_hh, half), b_hh=bias, gi=c(gi), h0=c(h0),
                 lengths=buffers.full_lengths(xp, lengths, batch, steps), y=y, saved=saved,
                 steps=steps, batch=batch, hidden=hidden)
     if w_hr is None:  # persistent_forward.cu
@@ -324,16 +324,6 @@ def _scratch(xp, slot: int | None, name: str, shape: tuple[int, ...], dtype) -> 
     if slot is None:
         return xp.empty(shape, dtype)
     return buffers.workspace(xp, f"{name}{slot}", shape, dtype)
-
-
-def _held(xp, w_hh: Array, half: str | None, p: planner.PassPlan) -> Array:
-    """A forward's ``W_hh`` as the pass ``p`` holds it: the layer's words
-    (``buffers.weight_words``: a view where it can be), or for a 16-bit layer's pass on the fp32
-    tile (``plan.widened_pass``) its values widened into a workspace, anew every call (as the
-    backward's ``W_hh^T``: an optimizer may change ``W_hh`` in place)."""
-    if half is None or p.defines.get("PRNN_WEIGHT_DTYPE"):
-        return buffers.weight_words(xp, w_hh, half)
-    return buffers.widened_words(xp, w_hh, half, "w_hh_held")
 
 
 def _transposed(xp, w_hh: Array, half: str | None, slot: int | None,
@@ -570,10 +560,14 @@ def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[...,
 
 
 def loop_defines(pass_plan: planner.PassPlan) -> dict[str, int]:
-    """The ``-D`` of a pass's settle and completion kernels: its cell, weights' and state's
-    dtypes."""
-    return {k: v for k, v in pass_plan.defines.items()
-            if k in ("PRNN_CELL", "PRNN_WEIGHT_DTYPE", "PRNN_STATE_DTYPE")}
+    """The ``-D`` of a pass's settle and completion kernels: its cell and the dtype its weights
+    are given in (a ``plan.widened_pass``'s: the layer's 16-bit words, which the completion
+    reads and whose type it rounds the state to)."""
+    defines = {k: v for k, v in pass_plan.defines.items()
+               if k in ("PRNN_CELL", "PRNN_WEIGHT_DTYPE")}
+    if pass_plan.defines.get("PRNN_WIDENED_FROM"):
+        defines["PRNN_WEIGHT_DTYPE"] = pass_plan.defines["PRNN_WIDENED_FROM"]
+    return defines
 
 
 def is_cluster(pass_plan: planner.PassPlan) -> bool:

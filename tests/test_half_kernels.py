@@ -212,14 +212,14 @@ def _sixteen_bit_states(a: np.ndarray, dtype: str) -> bool:
 @pytest.mark.parametrize("mode,dtype", [("GRU", "float16"), ("LSTM", "bfloat16")])
 def test_16bit_layers_of_one_row_run_on_the_fp32_tiles(emulation, mode, dtype):
     # plan.widens: at B = 1 both passes run on the fp32 tile, the weights widened to fp32 and the
-    # forward's h_t rounded to the 16-bit type (-D PRNN_STATE_DTYPE) as the 16-bit tiles do.
+    # forward's h_t rounded to the 16-bit type (-D PRNN_WIDENED_FROM) as the 16-bit tiles do.
     kern, gemm, ref = _layers(mode, {}, dtype)
     x, hx, dy, dhn = _data(mode, kern, steps=6, batch=1)
     kern.forward(x.astype(dtype))
     assert _sixteen_bit_states(kern._ctx.directions[0][0].fwd.y, dtype)  # (the kernel's y)
     got, fwd, bwd = _run(kern, x, hx, None, dy, dhn)
     assert fwd.algo == bwd.algo == "persistent" and fwd.fallback is None and bwd.fallback is None
-    assert f"'PRNN_STATE_DTYPE': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
+    assert f"'PRNN_WIDENED_FROM': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
     assert "PRNN_WEIGHT_DTYPE" not in fwd.details[0] and "PRNN_WEIGHT_DTYPE" not in bwd.details[0]
     want, _, _ = _run(ref, x, hx, None, dy, dhn)
     same_rounding, _, _ = _run(gemm, x, hx, None, dy, dhn)
@@ -230,14 +230,14 @@ def test_16bit_layers_of_one_row_run_on_the_fp32_tiles(emulation, mode, dtype):
 def test_a_widened_forward_finished_by_the_completion_kernel_keeps_16bit_states(
         settings, grid_path):
     # The completion kernel of a pass on the fp32 tile rounds the state as the pass does
-    # (runtime.loop_defines carries PRNN_STATE_DTYPE): without it y would hold fp32 values.
+    # (runtime.loop_defines gives it the 16-bit type): without it y would hold fp32 values.
     prnn.configure(emulation_timeout_ms=200, max_restarts=0)
     kern, gemm, _ = _layers("GRU", {}, "float16", hidden=40)
     x, hx, dy, dhn = _data("GRU", kern, steps=6, batch=1)
     with prnn.inject_stall(block=1, step=2, duration_ms=700):
         y, _ = kern.forward(x.astype(np.float16), hx.astype(np.float16))
     run = kern.last_run
-    assert "finished by the completion kernel" in run.fallback and "PRNN_STATE_DTYPE" in run.details[0]
+    assert "finished by the completion kernel" in run.fallback and "PRNN_WIDENED_FROM" in run.details[0]
     assert _sixteen_bit_states(kern._ctx.directions[0][0].fwd.y, "float16")
     want, _ = gemm.forward(x.astype(np.float16), hx.astype(np.float16))
     assert _within_one_rounding(np.asarray(y, np.float64), np.asarray(want, np.float64), "float16")

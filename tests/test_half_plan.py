@@ -214,5 +214,5 @@ def test_16bit_layers_are_predicted_no_slower_than_float32(cell, hidden, batch):
         p, q = (half.backward, full.backward) if backward else (half.forward, full.forward)
         if planner.widens(CELLS[cell], batch, backward, bool(full.tile.cluster)):
             assert "PRNN_WEIGHT_DTYPE" not in p.defines  # the fp32 tile, the weights widened
-            assert p.defines.get("PRNN_STATE_DTYPE") == (None if backward else 1)
+            assert p.defines.get("PRNN_WIDENED_FROM") == (None if backward else 1)
         assert _predicted_us(cell, hidden, batch, p) <= 1.05 * _predicted_us(cell, hidden, batch, q)
