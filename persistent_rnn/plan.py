@@ -434,7 +434,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
     first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
-    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows.
+    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; below those batches a 16-bit
+    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``).
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_TILES`` (grid path only).
