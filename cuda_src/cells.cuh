@@ -29,6 +29,29 @@ PRNN_HD double act_tanh(double x) { return tanh(x); }
 PRNN_HD float act_sigmoid(float x) { return prnn_reciprocal(1.0f + prnn_exp_approx(-x)); }
 PRNN_HD double act_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
+// The type the recurrent state h_t is stored in, rounded to it wherever a step stores it (0 fp32,
+// 1 fp16, 2 bf16): a 16-bit layer's - its weights' PRNN_WEIGHT_DTYPE, or PRNN_WIDENED_FROM where
+// an fp32 tile holds them widened (persistent_common.cuh) -, so that its state is a 16-bit value
+// on every path and a relaunch resumes from exactly what y holds.
+#if defined(PRNN_WIDENED_FROM)
+#define PRNN_STATE_DTYPE PRNN_WIDENED_FROM
+#elif defined(PRNN_WEIGHT_DTYPE)
+#define PRNN_STATE_DTYPE PRNN_WEIGHT_DTYPE
+#else
+#define PRNN_STATE_DTYPE 0
+#endif
+PRNN_DEVICE float prnn_stored_state(float v) {
+#if PRNN_STATE_DTYPE == 1
+  return prnn_round_f16(v);
+#elif PRNN_STATE_DTYPE == 2
+  return prnn_round_bf16(v);
+#elif PRNN_STATE_DTYPE == 0
+  return v;
+#else
+#error "PRNN_STATE_DTYPE must be 0 (fp32), 1 (fp16) or 2 (bf16)"
+#endif
+}
+
 template <int CELL>
 struct Cell;
 

@@ -21,14 +21,14 @@
 //   starts[groups] (int32).
 // The host reads the record lazily (launch.DeviceRecord), never in the call's path.
 //
-// -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are held, as for the
-// persistent kernels; the completion rounds the recurrent state to that type where they do).
-#include "cells.cuh"
-#include "exchange.cuh"
-
+// -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are given - a pass of
+// an fp32 tile widening a 16-bit layer's words has the layer's -, and the type the completion
+// rounds the recurrent state to where the persistent kernels do: cells.cuh).
 #ifndef PRNN_WEIGHT_DTYPE
 #define PRNN_WEIGHT_DTYPE 0
 #endif
+#include "cells.cuh"
+#include "exchange.cuh"
 
 namespace prnn {
 
@@ -51,17 +51,6 @@ PRNN_DEVICE float matrix_at(const void* m, size_t row, int col, int cols) {
   prnn_bf16x2_to_float(w, lo, hi);
 #endif
   return (col & 1) ? hi : lo;
-#endif
-}
-
-// The recurrent state as the persistent kernels store it (a 16-bit value in 16-bit layers).
-PRNN_DEVICE float stored_state(float v) {
-#if PRNN_WEIGHT_DTYPE == 1
-  return prnn_round_f16(v);
-#elif PRNN_WEIGHT_DTYPE == 2
-  return prnn_round_bf16(v);
-#else
-  return v;
 #endif
 }
 
@@ -178,7 +167,7 @@ PRNN_KERNEL void prnn_complete_forward(
         if (proj > 0) {
           hs[row * hidden + j] = h;
         } else {
-          y_g[row * hidden + j] = stored_state(h);
+          y_g[row * hidden + j] = prnn_stored_state(h);
         }
         if (kHasC) cs_g[row * hidden + j] = c;
         for (int s = 0; s < S; ++s) saved_g[row * S * hidden + s * hidden + j] = sv[s];
@@ -190,7 +179,7 @@ PRNN_KERNEL void prnn_complete_forward(
           const size_t row = (size_t)t * batch + b;
           const float r_prev = t > 0 ? y[(row - batch) * proj + p] : h0[(size_t)b * proj + p];
           y[row * proj + p] = t < lengths[b]
-                                  ? stored_state(row_dot(w_hr, p, hs + row * hidden, hidden))
+                                  ? prnn_stored_state(row_dot(w_hr, p, hs + row * hidden, hidden))
                                   : r_prev;
         }
         prnn_sync_block();

@@ -17,6 +17,9 @@
 //   PRNN_ROWS  matrix rows per warp    PRNN_KSPLIT  warps sharing a row (column chunks)
 //   PRNN_KPT   columns per lane        PRNN_WARPS   warps per CTA (blockDim.x == 32*PRNN_WARPS)
 //   PRNN_WEIGHT_DTYPE  0 fp32 (default), 1 fp16, 2 bf16: how M is held (below)
+//   PRNN_WIDENED_FROM  1 fp16, 2 bf16 (fp32 tiles): M arrives as a 16-bit layer's words of pairs
+//                      and the tile holds its values widened to fp32 (read once per launch), h_t
+//                      rounded to that type (cells.cuh): plan.widened_pass
 //   PRNN_SMEM_<REGION>  the dynamic shared memory's regions, carved in order (shared_layout.cuh)
 //
 // 16-bit weights: M arrives as 32-bit words of two 16-bit values (columns 2c, 2c+1 of a row, rows
@@ -59,20 +62,41 @@ constexpr int kPerWord = 1;
 PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[1]) { f[0] = w; }
 PRNN_DEVICE void load_staged(const float* p, float (&x)[1]) { x[0] = *p; }
 PRNN_DEVICE void load_staged(const float* p, float (&x)[4]) { prnn_load_shared_quad(p, x); }
-PRNN_DEVICE float round_state(float v) { return v; }
 #else
 using WeightWord = unsigned;
 constexpr int kPerWord = 2;
 PRNN_DEVICE void load_staged(const float* p, float (&x)[2]) { prnn_load_shared_pair(p, x[0], x[1]); }
 #if PRNN_WEIGHT_DTYPE == 1
 PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[2]) { prnn_f16x2_to_float(w, f[0], f[1]); }
-PRNN_DEVICE float round_state(float v) { return prnn_round_f16(v); }
 #elif PRNN_WEIGHT_DTYPE == 2
 PRNN_DEVICE void unpack_word(WeightWord w, float (&f)[2]) { prnn_bf16x2_to_float(w, f[0], f[1]); }
-PRNN_DEVICE float round_state(float v) { return prnn_round_bf16(v); }
 #else
 #error "PRNN_WEIGHT_DTYPE must be 0 (fp32), 1 (fp16) or 2 (bf16)"
 #endif
+#endif
+PRNN_DEVICE float round_state(float v) { return prnn_stored_state(v); }
+
+// What a kernel's matrix argument holds (WeightSource) and its word or value at (row, column c
+// of k_len): the tile's own words, or a 16-bit layer's words of pairs (rows padded to even
+// length) widened to the fp32 tile's values (PRNN_WIDENED_FROM; exact).
+#ifdef PRNN_WIDENED_FROM
+static_assert(PRNN_WEIGHT_DTYPE == 0, "PRNN_WIDENED_FROM: an fp32 tile of a 16-bit layer");
+using WeightSource = unsigned;
+PRNN_DEVICE WeightWord source_word(const WeightSource* m, size_t row, int c, int k_len) {
+  const unsigned w = m[row * ((k_len + 1) / 2) + c / 2];
+  float lo, hi;
+#if PRNN_WIDENED_FROM == 1
+  prnn_f16x2_to_float(w, lo, hi);
+#else
+  prnn_bf16x2_to_float(w, lo, hi);
+#endif
+  return (c & 1) ? hi : lo;
+}
+#else
+using WeightSource = WeightWord;
+PRNN_DEVICE WeightWord source_word(const WeightSource* m, size_t row, int k, int k_len) {
+  return m[row * ((k_len + kPerWord - 1) / kPerWord) + k];
+}
 #endif
 // Whether the matrix loop reads the exchanged vector straight from the tagged words (a cluster:
 // they are in this CTA's shared memory) instead of a staged copy. Each warp then waits for the
@@ -161,7 +185,7 @@ struct TileOf {
   // rows[r]: row of M for the warp's r-th row, or -1 for a row past the matrix (held as zeros);
   // col0: the warp's first column (a multiple of kPerWord); k_len: M's columns (rows are padded to
   // a multiple of kPerWord).
-  PRNN_DEVICE void load(const WeightWord* m, const int (&rows)[kRows], int col0, int k_len,
+  PRNN_DEVICE void load(const WeightSource* m, const int (&rows)[kRows], int col0, int k_len,
                         int lane) {
     const int row_words = (k_len + kPerWord - 1) / kPerWord;
     // held[s]: the row register slot s holds in this lane (permute_rows).
@@ -175,7 +199,7 @@ struct TileOf {
       for (int i = 0; i < kWordsPerLane; ++i) {
         const int span = i / kSpanWords;  // word i % kSpanWords of the lane's span
         const int k = col0 / kPerWord + kSpanWords * (lane + kWarp * span) + i % kSpanWords;
-        w[r][i] = (held[r] >= 0 && k < row_words) ? m[(size_t)held[r] * row_words + k] : WeightWord(0);
+        w[r][i] = (held[r] >= 0 && k < row_words) ? source_word(m, held[r], k, k_len) : WeightWord(0);
       }
     }
   }

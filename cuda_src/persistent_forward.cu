@@ -19,7 +19,7 @@
 #include "persistent_common.cuh"
 
 PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
-    const prnn::WeightWord* w_hh,  // (G*H, H), 16-bit: (G*H, ceil(H/2)) words of pairs
+    const prnn::WeightSource* w_hh,  // (G*H, H), 16-bit: (G*H, ceil(H/2)) words of pairs
     const float* b_hh,      // (G*H,) zeros when the layer has no bias
     const float* gi,        // (T, B, G*H)  W_ih x_t + b_ih
     const float* h0, const float* c0,  // (B, H); c0 only read for LSTM

@@ -302,6 +302,18 @@ def weight_words(xp, m: Array, half: str | None, scratch: str | None = None) -> 
     return padded.view(np.uint32)
 
 
+def widened_words(xp, m: Array, half: str, scratch: str | None = None) -> Array:
+    """A ``half`` layer's matrix ``m`` as an fp32 tile holds it (``plan.widened_pass``): its
+    16-bit values as contiguous float32 (exact; a float32 ``m`` rounded to ``half`` first, as
+    ``weight_words`` rounds it), in the workspace ``scratch`` where given, else a new array."""
+    if not is_half(m):
+        return xp.ascontiguousarray(round_half(xp, xp.ascontiguousarray(m, dtype=np.float32),
+                                               half))
+    out = xp.empty(m.shape, np.float32) if scratch is None else workspace(xp, scratch, m.shape,
+                                                                          np.float32)
+    return widen(m, out)
+
+
 def address(a: Array) -> int:
     """The address of ``a``'s first element (NumPy or CuPy)."""
     return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]

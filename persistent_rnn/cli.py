@@ -192,6 +192,9 @@ def run_plan(args: argparse.Namespace) -> int:
            if tile.get("tensor_cores_backward") else
            ", forward on the tensor cores (mma.m16n8k16)" if tile.get("tensor_cores") else "")
     print(f"placement: {tile['placement']}, {tile['units']} units per CTA{mma}")
+    if tile.get("widened"):
+        print(f"  ({' and '.join(tile['widened'])} on the fp32 tile, {args.dtype} weights widened "
+              f"to fp32: predicted faster than the {args.dtype} tiles at this batch)")
     if record["forward"]["ctas"] > PORTABLE_CLUSTER_CTAS and tile["cluster"]:
         print(f"  (a cluster of {record['forward']['ctas']} CTAs: larger than CUDA's portable "
               f"{PORTABLE_CLUSTER_CTAS}; where the GPU cannot hold it, the layer is planned "

@@ -93,7 +93,7 @@ def _jobs(archs, edges_only: bool = False) -> list[Job]:
     """Every shipped configuration of every kernel family (``KERNEL_FAMILIES``, in its order).
     ``edges_only``: the configurations at the register file's edge alone (``_edges``)."""
     jobs = [Job(*job, family=name) for name, family in KERNEL_FAMILIES.items()
-            for job in family.jobs(archs, edges_only)]
+            if family.in_ci or not edges_only for job in family.jobs(archs, edges_only)]
     return _edges(jobs) if edges_only else jobs
 
 
@@ -102,9 +102,9 @@ def group(record: dict) -> tuple:
     fields): the groups ``_edges`` picks its configurations from. Cells of one tile family
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
-    tiles (the ``mma`` families) form one group per placement, pass and arch (CI: a few
-    configurations)."""
-    if record["family"].startswith("mma"):
+    tiles (the ``mma`` families) and the fp32 tiles serving 16-bit layers (``widened``) form one
+    group per placement, pass and arch (CI: a few configurations)."""
+    if record["family"].startswith(("mma", "widened")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
     return (record["family"], CELLS[record["cell"]].tiles, record["dtype"], record["pass"],
             record["arch"])
@@ -152,6 +152,16 @@ def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = Fal
                                 yield cell, dtype, p, arch, 0
 
 
+def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
+    """The fp32 tiles' forwards as they serve 16-bit layers at small batches
+    (``plan.widened_pass``: the weights widened, h_t rounded to fp16 or bf16 by ``-D
+    PRNN_WIDENED_FROM``); the backward is the fp32 kernel itself."""
+    for half in ("float16", "bfloat16"):
+        for cell, dtype, p, arch, proj in _layer_jobs(archs, largest_gather_only, cluster):
+            if dtype == "float32" and "backward" not in p.kernel:
+                yield cell, half, planner.widened_pass(p, half, False), arch, proj
+
+
 def _projection_jobs(archs, largest_gather_only: bool):
     """The LSTM projection kernels (grid only) at their tiles' largest H and P < H."""
     for dtype in planner.KERNEL_DTYPES:
@@ -187,6 +197,7 @@ class KernelFamily:
 
     jobs: Callable[..., Iterator[tuple]]
     modelled: bool = True
+    in_ci: bool = True  # whether the CI's set (``_edges``) builds it, else only the full set
 
 
 # The kernel families, each with its configurations: a new family is one entry here
@@ -196,6 +207,9 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "cluster": KernelFamily(partial(_layer_jobs, cluster=True)),
     "mma grid": KernelFamily(partial(_layer_jobs, cluster=False, mma=True)),
     "mma cluster": KernelFamily(partial(_layer_jobs, cluster=True, mma=True)),
+    # (the fp32 tiles' forwards with one rounding more: the full set, not the CI's)
+    "widened grid": KernelFamily(partial(_widened_jobs, cluster=False), in_ci=False),
+    "widened cluster": KernelFamily(partial(_widened_jobs, cluster=True), in_ci=False),
     "projection": KernelFamily(_projection_jobs),
     "stack": KernelFamily(_stack_jobs),
 }

@@ -656,8 +656,10 @@ def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
 
 
 def _half(plan: planner.Plan) -> bool:
-    """Whether ``plan`` holds its weights in 16 bits (a 16-bit layer)."""
-    return bool(plan.forward.defines.get("PRNN_WEIGHT_DTYPE"))
+    """Whether ``plan`` is a 16-bit layer's (its weights held in 16 bits, or widened into an
+    fp32 tile: ``plan.widened_pass``)."""
+    defines = plan.forward.defines
+    return bool(defines.get("PRNN_WEIGHT_DTYPE") or defines.get("PRNN_WIDENED_FROM"))
 
 
 def predict_step_time(cell: str, hidden: int, batch: int, dtype: str = "float32",
@@ -753,7 +755,11 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
                       "placement": "cluster" if plan.tile.cluster else "grid",
                       "tensor_cores": getattr(plan.tile, "mma", False),
-                      "tensor_cores_backward": plan.backward.defines.get("PRNN_MMA") == 2}
+                      "tensor_cores_backward": plan.backward.defines.get("PRNN_MMA") == 2,
+                      # the passes of a 16-bit layer on the fp32 tile (plan.widened_pass)
+                      "widened": [name for name, p in (("forward", plan.forward),
+                                                       ("backward", plan.backward))
+                                  if planner.weight_dtype(p, dtype) != dtype]}
     for name, p in (("forward", plan.forward), ("backward", plan.backward)):
         record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
                         "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,

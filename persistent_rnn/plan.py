@@ -217,6 +217,16 @@ MMA_MIN_BATCH = 2
 # same at any B) and 3 (LSTM H 512), the mma backward faster from B = 4 at every shape sampled
 # (tests/test_half_plan.py holds both sides).
 MMA_BACKWARD_MIN_BATCH = 4
+# Below these batches a 16-bit layer's pass runs on the fp32 tile where that fits, its weights
+# widened to fp32 (exactly: ``widened_pass``): per weight the packed pair's unpacking costs an
+# instruction more than an fp32 register, and the tensor cores' n-tile of 8 columns costs its
+# whole mma chain at any B, so the latency model (h100) predicts the fp32 tile faster than every
+# 16-bit tile there: the forward at B = 1 (LSTM H 1024: 2.32 against 2.66 µs) and, for the
+# Elman RNN in a cluster, at B = 2 (H 128: 1.35 against 1.46; on the grid, H 1024, the mma tile
+# wins: 2.16 against 2.35), the backward below MMA_BACKWARD_MIN_BATCH (GRU H 1024 B 2: 2.92
+# against 3.27). From there the 16-bit tiles are no slower (tests/test_half_plan.py holds both
+# sides; docs/design.md, "Tensor-core tiles").
+WIDENED_CLUSTER_FORWARD_BELOW = {"rnn": 3}  # by tile family (``CellSpec.tiles``)
 
 
 GATHER_QUADS_MAX = 8  # tagged quads in flight per thread of a gather, at most
@@ -424,7 +434,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
     first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
-    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows.
+    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; below those batches a 16-bit
+    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``).
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_TILES`` (grid path only).
@@ -450,10 +461,53 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
-            return Plan(True, None, tile, fwd, bwd)
+            return _widened(Plan(True, None, tile, fwd, bwd), cell, hidden, batch, dtype, dev)
         tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
     return _no_fit(f"{cell.name} H={hidden} B={batch}{_dtype_words(dtype)} does not fit "
                    f"{dev.name}", tried)
+
+
+def widens(cell: CellSpec, batch: int, backward: bool, cluster: bool) -> bool:
+    """Whether a 16-bit layer's pass at ``batch`` rows runs on the fp32 tile (``cluster``:
+    whether that is a cluster tile) where it fits: ``MMA_MIN_BATCH``,
+    ``WIDENED_CLUSTER_FORWARD_BELOW``, ``MMA_BACKWARD_MIN_BATCH``."""
+    if backward:
+        return batch < MMA_BACKWARD_MIN_BATCH
+    return batch < (WIDENED_CLUSTER_FORWARD_BELOW.get(cell.tiles, MMA_MIN_BATCH) if cluster
+                    else MMA_MIN_BATCH)
+
+
+def widened_pass(p: PassPlan, dtype: str, backward: bool) -> PassPlan:
+    """The fp32 pass ``p`` serving a ``dtype`` (16-bit) layer. The forward takes the layer's
+    16-bit words of W_hh, widens them into its fp32 registers as it loads them (exact: the
+    products are the 16-bit tiles') and rounds h_t to ``dtype`` where it stores it, as the 16-bit
+    tiles do (``-D PRNN_WIDENED_FROM``); the backward, which stores no state, is the fp32 kernel
+    itself, given W_hh^T widened by the copy it makes every call anyway (``runtime``)."""
+    if backward:
+        return p
+    return replace(p, defines={**p.defines, "PRNN_WIDENED_FROM": KERNEL_DTYPES[dtype]})
+
+
+def weight_dtype(p: PassPlan, dtype: str) -> str:
+    """The dtype a pass of a ``dtype`` layer holds its weights in (its registers): the layer's,
+    or float32 for a ``widened_pass``."""
+    return dtype if p.defines.get("PRNN_WEIGHT_DTYPE") else "float32"
+
+
+def _widened(plan: Plan, cell: CellSpec, hidden: int, batch: int, dtype: str,
+             dev: DeviceProfile) -> Plan:
+    """``plan`` of a ``dtype`` layer with the passes that ``widens`` on the fp32 tile where
+    the float32 plan fits (``widened_pass``); ``plan.tile`` is the forward's."""
+    if dtype == "float32" or not widens(cell, batch, True, False):  # (the backward's is widest)
+        return plan
+    wide = make_plan(cell, hidden, batch, "float32", dev)
+    if not wide.fits:
+        return plan
+    cluster = bool(wide.tile.cluster)
+    forward, backward = widens(cell, batch, False, cluster), widens(cell, batch, True, cluster)
+    return replace(plan, tile=wide.tile if forward else plan.tile,
+                   forward=widened_pass(wide.forward, dtype, False) if forward else plan.forward,
+                   backward=widened_pass(wide.backward, dtype, True) if backward else plan.backward)
 
 
 # What limits a layer, by the words of the reasons ``_why_not`` and the projection planner give

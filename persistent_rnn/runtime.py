@@ -216,7 +216,7 @@ def prepare_backward(cell: CellSpec, engine: _Engine, dy: Array, w_hh: Array, h0
     args = dict(dy=dy, saved=fwd.saved, lengths=buffers.full_lengths(xp, lengths, batch, steps),
                 dgh=dgh, dc_carry=dc_carry, steps=steps, batch=batch, hidden=hidden)
     if w_hr is None:  # persistent_backward.cu
-        args.update(w_t=_transposed(xp, w_hh, half, slot), y=fwd.y,
+        args.update(w_t=_transposed(xp, w_hh, half, slot, p), y=fwd.y,
                     cs=fwd.y if fwd.cs is None else fwd.cs, h0=c(h0),
                     c0=c(h0) if c0 is None else c(c0), dgi=dgi, dh_carry=dh_carry,
                     exchange=chain.exchanges[0])
@@ -335,11 +335,15 @@ def _scratch(xp, slot: int | None, name: str, shape: tuple[int, ...], dtype) -> 
     return buffers.workspace(xp, f"{name}{slot}", shape, dtype)
 
 
-def _transposed(xp, w_hh: Array, half: str | None, slot: int | None) -> Array:
-    """``W_hh^T`` as the backward kernel holds it (``buffers.weight_words``), copied every call
-    (an optimizer may change ``W_hh`` in place): for float32 weights into a workspace."""
-    if half is not None:
+def _transposed(xp, w_hh: Array, half: str | None, slot: int | None,
+                p: planner.PassPlan) -> Array:
+    """``W_hh^T`` as the backward kernel holds it (``buffers.weight_words``; a 16-bit layer's
+    pass on the fp32 tile, ``plan.widened_pass``: its values widened), copied every call (an
+    optimizer may change ``W_hh`` in place): for float32 weights into a workspace."""
+    if half is not None and p.defines.get("PRNN_WEIGHT_DTYPE"):
         return buffers.weight_words(xp, w_hh.T, half, _name(slot, "w_t"))
+    if half is not None:
+        return buffers.widened_words(xp, w_hh.T, half, _name(slot, "w_t"))
     w_t = _scratch(xp, slot, "w_t", w_hh.shape[::-1], np.float32)
     xp.copyto(w_t, w_hh.T)
     return w_t
@@ -597,9 +601,14 @@ def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[...,
 
 
 def loop_defines(pass_plan: planner.PassPlan) -> dict[str, int]:
-    """The ``-D`` of a pass's settle and completion kernels: its cell and weights' dtype."""
-    return {k: v for k, v in pass_plan.defines.items()
-            if k in ("PRNN_CELL", "PRNN_WEIGHT_DTYPE")}
+    """The ``-D`` of a pass's settle and completion kernels: its cell and the dtype its weights
+    are given in (a ``plan.widened_pass``'s: the layer's 16-bit words, which the completion
+    reads and whose type it rounds the state to)."""
+    defines = {k: v for k, v in pass_plan.defines.items()
+               if k in ("PRNN_CELL", "PRNN_WEIGHT_DTYPE")}
+    if pass_plan.defines.get("PRNN_WIDENED_FROM"):
+        defines["PRNN_WEIGHT_DTYPE"] = pass_plan.defines["PRNN_WIDENED_FROM"]
+    return defines
 
 
 def is_cluster(pass_plan: planner.PassPlan) -> bool:

@@ -172,7 +172,8 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
     assert fwd.algo == bwd.algo == "persistent" and fwd.emulated and fwd.fallback is None
     assert f"'PRNN_WEIGHT_DTYPE': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
     assert "'PRNN_MMA': 1" in fwd.details[0]  # B >= plan.MMA_MIN_BATCH: the tensor-core forward
-    assert "PRNN_MMA" not in bwd.details[0]  # B < plan.MMA_BACKWARD_MIN_BATCH: CUDA-core backward
+    # B < plan.MMA_BACKWARD_MIN_BATCH: the fp32 backward, W_hh^T widened (plan.widens)
+    assert "PRNN_MMA" not in bwd.details[0] and "PRNN_WEIGHT_DTYPE" not in bwd.details[0]
     want, _, _ = _run(ref, x, hx, lengths, dy, dhn)
     same_rounding, _, _ = _run(gemm, x, hx, lengths, dy, dhn)
     forward = 3 if kern.cell.has_cell_state else 2  # y, hn (, cn): relu's bound is its forward
@@ -190,6 +191,7 @@ def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_p
     tiles_for = planner.tiles_for
     monkeypatch.setattr(planner, "tiles_for", lambda c, d="float32": tiles_for(c, d)[-1:])
     monkeypatch.setattr(planner, "mma_tiles_for", lambda *_, **__: ())  # (tests/test_mma_tiles.py)
+    monkeypatch.setattr(planner, "widens", lambda *_: False)  # (the 16-bit tiles at B = 2)
     mode, kw = layer_args(cell)
     kern, gemm, _ = _layers(mode, kw, dtype, hidden=31)
     x, hx, dy, dhn = _data(mode, kern, steps=3, batch=2)
@@ -199,6 +201,46 @@ def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_p
     want, _, _ = _run(gemm, x, hx, None, dy, dhn)
     for a, g in zip(got, want):
         assert _within_one_rounding(a, g, dtype)
+
+
+def _sixteen_bit_states(a: np.ndarray, dtype: str) -> bool:
+    """Whether every value of float32 ``a`` is a ``dtype`` value (what a 16-bit layer's y holds)."""
+    return np.array_equal(a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+                          .astype(np.float32), a)
+
+
+@pytest.mark.parametrize("mode,dtype", [("GRU", "float16"), ("LSTM", "bfloat16")])
+def test_16bit_layers_of_one_row_run_on_the_fp32_tiles(emulation, mode, dtype):
+    # plan.widens: at B = 1 both passes run on the fp32 tile, the weights widened to fp32 and the
+    # forward's h_t rounded to the 16-bit type (-D PRNN_WIDENED_FROM) as the 16-bit tiles do.
+    kern, gemm, ref = _layers(mode, {}, dtype)
+    x, hx, dy, dhn = _data(mode, kern, steps=6, batch=1)
+    kern.forward(x.astype(dtype))
+    assert _sixteen_bit_states(kern._ctx.directions[0][0].fwd.y, dtype)  # (the kernel's y)
+    got, fwd, bwd = _run(kern, x, hx, None, dy, dhn)
+    assert fwd.algo == bwd.algo == "persistent" and fwd.fallback is None and bwd.fallback is None
+    assert f"'PRNN_WIDENED_FROM': {planner.KERNEL_DTYPES[dtype]}" in fwd.details[0]
+    assert "PRNN_WEIGHT_DTYPE" not in fwd.details[0] and "PRNN_WEIGHT_DTYPE" not in bwd.details[0]
+    want, _, _ = _run(ref, x, hx, None, dy, dhn)
+    same_rounding, _, _ = _run(gemm, x, hx, None, dy, dhn)
+    for a, r, g in zip(got, want, same_rounding):
+        assert _relerr(a, r) <= TOLERANCE[dtype] and _within_one_rounding(a, g, dtype)
+
+
+def test_a_widened_forward_finished_by_the_completion_kernel_keeps_16bit_states(
+        settings, grid_path):
+    # The completion kernel of a pass on the fp32 tile rounds the state as the pass does
+    # (runtime.loop_defines gives it the 16-bit type): without it y would hold fp32 values.
+    prnn.configure(emulation_timeout_ms=200, max_restarts=0)
+    kern, gemm, _ = _layers("GRU", {}, "float16", hidden=40)
+    x, hx, dy, dhn = _data("GRU", kern, steps=6, batch=1)
+    with prnn.inject_stall(block=1, step=2, duration_ms=700):
+        y, _ = kern.forward(x.astype(np.float16), hx.astype(np.float16))
+    run = kern.last_run
+    assert "finished by the completion kernel" in run.fallback and "PRNN_WIDENED_FROM" in run.details[0]
+    assert _sixteen_bit_states(kern._ctx.directions[0][0].fwd.y, "float16")
+    want, _ = gemm.forward(x.astype(np.float16), hx.astype(np.float16))
+    assert _within_one_rounding(np.asarray(y, np.float64), np.asarray(want, np.float64), "float16")
 
 
 @pytest.mark.parametrize("mode,dtype", [(m, d) for m in ("LSTM", "GRU") for d in HALF

@@ -108,8 +108,26 @@ def test_every_configuration_is_listed():
                     assert {r["block"] for r in clusters} == ({128, 256} if shipped else set())
 
 
+def test_the_widened_forwards_are_the_fp32_forwards_rounding_to_16_bits():
+    # plan.widened_pass: the fp32 tiles' forwards serving 16-bit layers at small batches, once per
+    # 16-bit dtype (the full set builds them: kernel_report.KernelFamily.in_ci).
+    every = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
+    fp32 = [r for r in every if r["family"] in ("grid", "cluster") and r["dtype"] == "float32"
+            and r["pass"] == "forward"]
+    for family in ("grid", "cluster"):
+        widened = [r for r in every if r["family"] == f"widened {family}"]
+        plain = [r for r in fp32 if r["family"] == family]
+        assert len(widened) == 2 * len(plain) > 0
+        for dtype in ("float16", "bfloat16"):
+            mine = [r for r in widened if r["dtype"] == dtype]
+            assert [{**r["config"], "PRNN_WIDENED_FROM": KERNEL_DTYPES[dtype]} for r in plain] \
+                == [r["config"] for r in mine]
+    assert not kernel_report.KERNEL_FAMILIES["widened grid"].in_ci
+
+
 def test_the_records_cover_every_kernel_family_tile_family_dtype_pass_and_arch(records):
-    every = [kernel_report.describe(job) for job in kernel_report._jobs(COMPILED_ARCHS)]
+    every = [kernel_report.describe(job) for job in kernel_report._jobs(COMPILED_ARCHS)
+             if EVERY_KERNEL or kernel_report.KERNEL_FAMILIES[job.family].in_ci]
     assert {kernel_report.group(r) for r in records} == {kernel_report.group(r) for r in every}
     if not EVERY_KERNEL:  # each group's register edges: the most weights, the least to spare
         for key in {kernel_report.group(r) for r in every}:
