@@ -518,7 +518,8 @@ BACKWARD_OTHER_CALLS = 11
 @dataclass(frozen=True)
 class CallCost:
     """What one layer-direction call costs beside its recurrence's steps - a prediction:
-    ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us``
+    ``api_calls`` (kernel launches, memsets, graph launches: the chain's record reaches the
+    host from its final settle, no call of its own), ``host_us``
     (the host's time: those calls at ``hw.API_CALL_HOST_US`` each plus ``python_us``, the
     library's Python of the call measured on the CPU with the launcher stubbed,
     ``hw.PYTHON_FORWARD_US`` / ``PYTHON_BACKWARD_US``) and ``device_us`` (GPU time beside the
@@ -555,7 +556,7 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
         other = BACKWARD_OTHER_CALLS + 2 * lstm
-    calls = chain_calls + launch.RECORD_CALLS + other
+    calls = chain_calls + other
     small = other - len(gemms) + launch.CHAIN_MEMSETS  # fills, copies, adds: short kernels
     tensor_cores = half and not backward
     device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US
