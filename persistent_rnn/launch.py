@@ -129,11 +129,12 @@ class Cooldowns:
     after timeouts while some of its CTAs had not started: another stream held SMs), and when.
     For ``Settings.residency_cooldown_s`` after that such a configuration goes straight to the
     GEMM path instead of paying the timeouts again. The records of earlier calls are read here
-    without blocking (those the device has finished)."""
+    without blocking (those the device has finished: per ring in order, up to the first it has
+    not written, as it writes them in that order)."""
 
     def __init__(self) -> None:
         self._since: dict[tuple, float] = {}
-        self._unread: dict[tuple, list[DeviceRecord]] = {}
+        self._unread: dict[tuple, dict[RecordRing, list[DeviceRecord]]] = {}
         self._lock = threading.Lock()
 
     def start(self, key: tuple) -> None:
@@ -143,23 +144,31 @@ class Cooldowns:
     def watch(self, key: tuple, record: "DeviceRecord") -> None:
         """Read ``record`` at a later ``reason(key)`` once the device has written it."""
         with self._lock:
-            self._unread.setdefault(key, []).append(record)
+            self._unread.setdefault(key, {}).setdefault(record.ring, []).append(record)
 
     def reason(self, key: tuple) -> str | None:
         """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
         if not self._since and not self._unread:  # (the usual case; dict reads are atomic)
             return None
         with self._lock:
-            unread = self._unread.pop(key, [])
-        left = [r for r in unread if not r.poll()]
-        if left:
+            unread = self._unread.pop(key, None)
+        left = {}
+        for ring, records in (unread or {}).items():  # (a ring's in the order it writes them)
+            done = 0
+            while done < len(records) and records[done].poll():
+                done += 1
+            if done < len(records):
+                left[ring] = records[done:]
+        if left:  # put back before any added since
             with self._lock:
-                self._unread.setdefault(key, []).extend(left)
-        cooldown = settings.current().residency_cooldown_s
+                mine = self._unread.setdefault(key, {})
+                for ring, records in left.items():
+                    mine[ring] = records + mine.get(ring, [])
         with self._lock:
             since = self._since.get(key)
         if since is None:
             return None
+        cooldown = settings.current().residency_cooldown_s
         ago = time.monotonic() - since
         if ago >= cooldown:
             return None
@@ -335,27 +344,19 @@ class Chain:
         self.control = self.words[HEAD + groups:]
         self.starts = self.words[HEAD + groups + 2 + grid:-LEDGER].view(np.int32)
         self.ledger = self.words[-LEDGER:]
+        self.recorded = 0     # passes that published a record (``run_chain``)
+        self.published = False  # whether the last pass did (not under a user's capture)
+        self.ring: RecordRing | None = None  # made by the first pass that records (``new_ring``)
+
+    def new_ring(self) -> RecordRing:
+        """A new ring for this chain's records and a new numbering: the ledger zeroed (on the
+        chain's stream, before any pass that records into the ring). Never under a user's
+        capture; again after a pass whose enqueueing failed part way (``run_chain``: its final
+        settle may or may not be on the stream)."""
+        self.ledger.fill(0)
+        self.ring = RecordRing(buffers.array_module(self.words), self.groups)
         self.recorded = 0
-        self._ring: RecordRing | None = None
-
-    def ring(self) -> RecordRing:
-        """The ring this chain's records go to, made (and the ledger zeroed, on the chain's
-        stream) by the first pass that records one: never under a user's capture."""
-        if self._ring is None:
-            self.ledger.fill(0)
-            self._ring = RecordRing(buffers.array_module(self.words), self.groups)
-            self.recorded = 0
-        return self._ring
-
-    def publish_to(self, record: bool) -> tuple[Array, int]:
-        """The final settle's ``ring`` and ``slots``: this chain's ring, or (``record`` False: a
-        chain captured into a user's graph) none - the chain's own words, never written."""
-        return (self.ring().device, RING_SLOTS) if record else (self.words, 0)
-
-    def lose_count(self) -> None:
-        """After a pass whose enqueueing failed part way (its final settle may or may not be on
-        the stream): start a new numbering - a new ring and a zeroed ledger at the next record."""
-        self._ring = None
+        return self.ring
 
     def reset(self) -> None:
         """Exchanges, record and counters zero, progress untouched: two memsets on the stream."""
@@ -374,7 +375,7 @@ class Chain:
                exchanges: tuple = (), publish: tuple[Array, int] | None = None) -> None:
         """Launch ``prnn_settle`` (device_loop.cu) after a launch of the pass; ``exchanges``:
         the tagged exchange buffers a restart zeroes (at most two); ``publish``: where the final
-        settle publishes the record (``publish_to``; None: nowhere)."""
+        settle publishes the record into (``run_chain``: the ring and its slots; None: nowhere)."""
         xs = list(exchanges) + [self.words] * (2 - len(exchanges))
         sizes = [x.size if i < len(exchanges) else 0 for i, x in enumerate(xs)]
         ring, slots = publish or (self.words, 0)
@@ -471,8 +472,10 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     graph); with it, a chain seen before is replayed as one CUDA graph (``chain_graphs``).
     Outside a user's capture the final settle publishes the record (``Chain.recorded`` counts
     it: ``record_of`` reads it)."""
-    record = not capturing(chain.words)
-    publish = chain.publish_to(record)
+    record = chain.published = not capturing(chain.words)
+    # where the final settle publishes the record: the ring, or under a user's capture nowhere
+    # (the chain's own words, with no slots: never written)
+    publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record else (chain.words, 0)
 
     def issue() -> None:
         _issue_chain(chain, launch, first, end, stall, exchanges, complete, publish)
@@ -488,7 +491,7 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
             if chain_graphs.run(key, _holding_nothing(issue)):
                 COUNTERS.add("graph_launches")
     except BaseException:
-        chain.lose_count()
+        chain.ring = None  # a new ring and numbering at the next pass (``Chain.new_ring``)
         raise
     if record:
         chain.recorded += 1
@@ -527,12 +530,11 @@ def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | 
     (``RunStats.defer``), and to the cooldowns; under CUDA stream capture nothing is recorded
     (``stats.details`` says so). ``group``: what a group is called in ``fallback`` ("layer" in a
     stack; "": one pass)."""
-    if capturing(chain.words):
+    if not chain.published:
         stats.details.append("captured: restarts and completion run on the device at replay; "
                              "last_run does not report them")
         return None
-    record = DeviceRecord(chain.ring(), chain.recorded % 2**32, chain.groups, end,
-                          chain.engine.key)
+    record = DeviceRecord(chain.ring, chain.recorded % 2**32, chain.groups, end, chain.engine.key)
     COOLDOWNS.watch(chain.engine.key, record)
     stats.defer(lambda s: _report(record, s, group))
     return record
