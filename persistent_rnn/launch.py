@@ -176,9 +176,16 @@ class Cooldowns:
                 f"until residency_cooldown_s ({cooldown:g} s) has passed")
 
     def clear(self) -> None:
+        """Forget every cooldown, those the records not read yet would start included (the
+        records the device has written are read first: their rings take their totals)."""
+        with self._lock:
+            unread, self._unread = self._unread, {}
+        for rings in unread.values():
+            for records in rings.values():
+                for record in records:
+                    record.poll()
         with self._lock:
             self._since.clear()
-            self._unread.clear()
 
 
 COOLDOWNS = Cooldowns()
