@@ -158,12 +158,13 @@ class Cooldowns:
             while done < len(records) and records[done].poll():
                 done += 1
             if done < len(records):
-                left[ring] = records[done:]
-        if left:  # put back before any added since
+                left[ring] = records[done:] if done else records
+        if left:  # put back before any added since (no copy where none was)
             with self._lock:
                 mine = self._unread.setdefault(key, {})
                 for ring, records in left.items():
-                    mine[ring] = records + mine.get(ring, [])
+                    added = mine.get(ring)
+                    mine[ring] = records + added if added else records
         with self._lock:
             since = self._since.get(key)
         if since is None:
