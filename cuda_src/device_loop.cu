@@ -20,7 +20,7 @@
 //   [4+groups ..): PrnnControl of the launches (arrivals, abort, progress[grid]), then
 //   starts[groups] (int32), then the ledger, which no memset resets (the host zeroes it once):
 //   [0] passes recorded (the last sequence number), [1] passes that ended on the completion with
-//   the grid not co-resident (a running total: the residency cooldown's sticky flag).
+//   the grid not co-resident (a running count: the residency cooldown's sticky flag).
 // The final settle publishes the record (prnn_publish_record) into a ring of slots in page-locked
 // host memory that the host reads lazily without an API call (launch.RecordRing, DeviceRecord).
 //
@@ -37,9 +37,9 @@ namespace prnn {
 
 constexpr unsigned kChainDone = 1u, kChainNotResident = 2u;
 constexpr int kChainHead = 4;  // record words before the per-group completion starts
-// A ring slot: the sequence number, the record (kChainHead + groups words), the not-resident
-// total, the sequence number again (launch.SLOT_EXTRA: the words beside the record).
-constexpr int kSlotExtra = 3;
+// A ring slot: the sequence number, the record (kChainHead + groups words), the sequence number
+// again (launch.SLOT_EXTRA: the words beside the record).
+constexpr int kSlotExtra = 2;
 using StepCell = Cell<PRNN_CELL>;
 constexpr int kLoopSaved = StepCell::S > 0 ? StepCell::S : 1;
 
@@ -85,27 +85,30 @@ PRNN_DEVICE float row_dot_f32(const float* m, size_t row, const float* v, int co
   return acc;
 }
 
-// Publishes the chain's record as pass number ledger[0] + 1 into its slot of `ring` (`slots`
-// slots of kChainHead + groups + kSlotExtra words, in host memory) - a seqlock: the slot's first
-// word takes the new number before anything else of it changes, its last word after everything
-// else has, each step fenced at system scope, so a host read that finds the number it expects in
-// the last word, then in the first, has read that pass's words only. Counts a pass that ended on
-// the completion with the grid not co-resident into ledger[1], which every later record carries:
-// a record overwritten before the host read it loses no cooldown. One thread.
+// Publishes the chain's record as pass number ledger[0] + 1 into its slot of `ring` (host memory:
+// a word, then `slots` slots of kChainHead + groups + kSlotExtra words) - a seqlock: the slot's
+// first word takes the new number before anything else of it changes, its last word after
+// everything else has, each step fenced at system scope, so a host read that finds the number it
+// expects in the last word, then in the first, has read that pass's words only. A pass that ended
+// on the completion with the grid not co-resident is counted in ledger[1], which the ring's first
+// word follows (the residency cooldown reads it: launch.Cooldowns; no record is needed for it, so
+// a record overwritten before the host read it loses no cooldown). One thread.
 PRNN_DEVICE void prnn_publish_record(unsigned* chain, int groups, int grid, unsigned* ring,
                                      int slots) {
   unsigned* ledger = chain + kChainHead + groups + 2 + grid + groups;
   const unsigned seq = ledger[0] + 1u;
   ledger[0] = seq;
-  if ((chain[1] & kChainNotResident) && chain[2] > 0u) ledger[1] += 1u;
+  if ((chain[1] & kChainNotResident) && chain[2] > 0u) {
+    ledger[1] += 1u;
+    prnn_store_system(ring, ledger[1]);
+  }
   const int words = kChainHead + groups;
-  unsigned* slot = ring + (size_t)(seq % (unsigned)slots) * (words + kSlotExtra);
+  unsigned* slot = ring + 1 + (size_t)(seq % (unsigned)slots) * (words + kSlotExtra);
   prnn_store_system(slot, seq);
   prnn_fence_system();
   for (int i = 0; i < words; ++i) prnn_store_system(slot + 1 + i, chain[i]);
-  prnn_store_system(slot + 1 + words, ledger[1]);
   prnn_fence_system();
-  prnn_store_system(slot + 2 + words, seq);
+  prnn_store_system(slot + 1 + words, seq);
 }
 
 }  // namespace prnn

@@ -8,9 +8,10 @@ left (only after the restart cap; it needs no co-residency). So a call never ret
 result and never synchronises. What happened (restarts, the completion, a grid found not
 co-resident) is in the chain's device record, which the chain's final settle publishes into a
 ring of slots in page-locked host memory (``RecordRing``: no API call of its own, so a chain
-replayed as one CUDA graph is one API call in all) and ``DeviceRecord`` reads lazily: when
-``last_run`` is asked for, or - without blocking - at the next call of the same configuration,
-which is when the residency cooldown (``COOLDOWNS``) learns of a grid found not co-resident.
+replayed as one CUDA graph is one API call in all) and ``DeviceRecord`` reads lazily, when
+``last_run`` is asked for. The residency cooldown (``COOLDOWNS``) learns of a grid found not
+co-resident from a count the device keeps in the same ring, at the next call of the same
+configuration, without blocking.
 
 ``COUNTERS`` / ``counting()`` count what the runtime paths do: host synchronisations
 (device-to-host reads of control words or records that wait for the device), kernel launches and
@@ -25,6 +26,7 @@ import math
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterator
@@ -42,7 +44,7 @@ HEAD = 4                   # record words before the per-group completion starts
 DONE, NOT_RESIDENT = 1, 2  # record flags
 UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
 LEDGER = 2                 # chain words no memset resets: passes recorded, not-resident total
-SLOT_EXTRA = 3             # a ring slot's words beside the record: sequence, total, sequence
+SLOT_EXTRA = 2             # a ring slot's words beside the record: its sequence number, twice
 RING_SLOTS = 256           # records a chain keeps for the host (a power of two: sequences wrap)
 SETTLE_THREADS = 128
 EXCHANGE_ALIGN = 64        # words (256 bytes): each exchange of a chain starts aligned
@@ -128,43 +130,43 @@ class Cooldowns:
     """Configurations whose grid was found not co-resident (a pass ended on the completion path
     after timeouts while some of its CTAs had not started: another stream held SMs), and when.
     For ``Settings.residency_cooldown_s`` after that such a configuration goes straight to the
-    GEMM path instead of paying the timeouts again. The records of earlier calls are read here
-    without blocking (those the device has finished: per ring in order, up to the first it has
-    not written, as it writes them in that order)."""
+    GEMM path instead of paying the timeouts again. The device counts such passes per chain in
+    the first word of the chain's record ring (``RecordRing``), which ``reason`` reads for every
+    ring of the configuration - a word of host memory, no API call, no record decoded, no wait -
+    and a count grown since the last look starts the cooldown."""
 
     def __init__(self) -> None:
         self._since: dict[tuple, float] = {}
-        self._unread: dict[tuple, dict[RecordRing, list[DeviceRecord]]] = {}
-        self._lock = threading.Lock()
+        self._rings: dict[tuple, tuple[weakref.ref, ...]] = {}  # per key, while they live
+        self._lock = threading.RLock()  # (a ring's end, a weakref callback, may come under it)
 
     def start(self, key: tuple) -> None:
         with self._lock:
             self._since[key] = time.monotonic()
 
-    def watch(self, key: tuple, record: "DeviceRecord") -> None:
-        """Read ``record`` at a later ``reason(key)`` once the device has written it."""
+    def watch(self, key: tuple, ring: "RecordRing") -> None:
+        """Read ``ring``'s count of not co-resident passes at every ``reason(key)`` while the
+        ring lives."""
         with self._lock:
-            self._unread.setdefault(key, {}).setdefault(record.ring, []).append(record)
+            ref = weakref.ref(ring, lambda gone, key=key: self._forget(key, gone))
+            self._rings[key] = self._rings.get(key, ()) + (ref,)
+
+    def _forget(self, key: tuple, gone: weakref.ref) -> None:
+        with self._lock:
+            left = tuple([ref for ref in self._rings.get(key, ()) if ref is not gone])
+            if left:
+                self._rings[key] = left
+            else:
+                self._rings.pop(key, None)
 
     def reason(self, key: tuple) -> str | None:
         """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
-        if not self._since and not self._unread:  # (the usual case; dict reads are atomic)
+        if not self._since and not self._rings:  # (dict reads are atomic)
             return None
-        with self._lock:
-            unread = self._unread.pop(key, None)
-        left = {}
-        for ring, records in (unread or {}).items():  # (a ring's in the order it writes them)
-            done = 0
-            while done < len(records) and records[done].poll():
-                done += 1
-            if done < len(records):
-                left[ring] = records[done:] if done else records
-        if left:  # put back before any added since (no copy where none was)
-            with self._lock:
-                mine = self._unread.setdefault(key, {})
-                for ring, records in left.items():
-                    added = mine.get(ring)
-                    mine[ring] = records + added if added else records
+        for ref in self._rings.get(key, ()):  # (a tuple: replaced, never changed, by watch)
+            ring = ref()
+            if ring is not None and int(ring.host[0]) != ring.taken and ring.take():
+                self.start(key)
         with self._lock:
             since = self._since.get(key)
         if since is None:
@@ -177,14 +179,12 @@ class Cooldowns:
                 f"until residency_cooldown_s ({cooldown:g} s) has passed")
 
     def clear(self) -> None:
-        """Forget every cooldown, those the records not read yet would start included (the
-        records the device has written are read first: their rings take their totals)."""
+        """Forget every cooldown, and the not co-resident passes the rings have counted so far."""
         with self._lock:
-            unread, self._unread = self._unread, {}
-        for rings in unread.values():
-            for records in rings.values():
-                for record in records:
-                    record.poll()
+            rings = [ref() for refs in self._rings.values() for ref in refs]
+        for ring in rings:
+            if ring is not None:
+                ring.take()
         with self._lock:
             self._since.clear()
 
@@ -210,14 +210,16 @@ class RecordRing:
     """Where a chain's final settle publishes each pass's record (``prnn_publish_record``,
     device_loop.cu): ``RING_SLOTS`` slots the device writes directly - on the GPU page-locked host
     memory, which unified addressing maps into every device at its host address; in the emulation
-    a NumPy array - so that reading a record is no API call. Pass ``seq`` (1, 2, ... in the order
-    of the chain's stream: the device numbers them, ``Chain.ledger``) goes to slot
-    ``seq % RING_SLOTS`` between two copies of ``seq`` (a seqlock: ``fetch``). The ring belongs
-    to one chain and stays at one address, so a chain graph's key repeats call after call."""
+    a NumPy array - so that reading a record is no API call. Its first word is the count of the
+    chain's passes that ended on the completion with the grid not co-resident (``Cooldowns``);
+    then pass ``seq`` (1, 2, ... in the order of the chain's stream: the device numbers them,
+    ``Chain.ledger``) goes to slot ``seq % RING_SLOTS`` between two copies of ``seq`` (a
+    seqlock: ``fetch``). The ring belongs to one chain and stays at one address, so a chain
+    graph's key repeats call after call."""
 
     def __init__(self, xp, groups: int):
         self.stride = HEAD + groups + SLOT_EXTRA
-        n = RING_SLOTS * self.stride
+        n = 1 + RING_SLOTS * self.stride
         self.stream = None  # where the device writes it (a wait synchronises it)
         if xp is np:
             self.host = self.device = np.zeros(n, np.uint32)
@@ -231,28 +233,27 @@ class RecordRing:
             memory = xp.cuda.UnownedMemory(pointer, 4 * n, self._memory, xp.cuda.Device().id)
             self.device = xp.ndarray((n,), np.uint32, xp.cuda.MemoryPointer(memory, 0))
             self.stream = xp.cuda.get_current_stream()
-        self._taken = 0  # the not-resident total the cooldowns have taken
+        self.taken = 0  # the count of not co-resident passes the cooldowns have taken
         self._lock = threading.Lock()
 
     def fetch(self, seq: int) -> list[int] | None | bool:
-        """The words of pass ``seq``'s record (its ``HEAD + groups`` words and the not-resident
-        total), ``False`` while it is not written yet, ``None`` once a later pass has overwritten
-        it (or is overwriting it: the two copies of the number differ)."""
-        h, at = self.host, (seq % RING_SLOTS) * self.stride
+        """The words of pass ``seq``'s record (``HEAD + groups``), ``False`` while it is not
+        written yet, ``None`` once a later pass has overwritten it (or is overwriting it: the two
+        copies of the number differ)."""
+        h, at = self.host, 1 + (seq % RING_SLOTS) * self.stride
         after = int(h[at + self.stride - 1])
         if after != seq:
             return None if (after - seq) % 2**32 < 2**31 else False
         words = h[at + 1:at + self.stride - 1].tolist()
         return words if int(h[at]) == seq else None
 
-    def take(self, total: int) -> bool:
-        """Whether a record's not-resident total is news (then the cooldowns take it): the total
-        only grows, so a record read late or out of order starts no second cooldown, and one
-        overwritten unread is made up for by any later record of the ring."""
+    def take(self) -> bool:
+        """Whether the device has counted a not co-resident pass since the last ``take``."""
         with self._lock:
-            if (total - self._taken) % 2**32 >= 2**31 or total == self._taken:
+            count = int(self.host[0])
+            if count == self.taken:
                 return False
-            self._taken = total
+            self.taken = count
             return True
 
     def wait(self) -> None:
@@ -267,11 +268,10 @@ class DeviceRecord:
     ``ring``, decoded on first ``poll`` or ``read`` that finds it written. ``poll`` never
     blocks; ``read`` waits for the device (a counted sync) if it has not got there. A record a
     later pass overwrote before anyone read it decodes as ``lost`` (``RING_SLOTS`` later passes
-    of the same chain were enqueued first; a grid found not co-resident still starts its
-    cooldown: the later records carry it)."""
+    of the same chain were enqueued first; the cooldowns do not read records: ``Cooldowns``)."""
 
-    def __init__(self, ring: RecordRing, seq: int, groups: int, end: int, key: tuple):
-        self.ring, self.seq, self.groups, self.end, self.key = ring, seq, groups, end, key
+    def __init__(self, ring: RecordRing, seq: int, groups: int, end: int):
+        self.ring, self.seq, self.groups, self.end = ring, seq, groups, end
         self._decoded: dict | None = None
         self._lock = threading.Lock()
 
@@ -309,8 +309,6 @@ class DeviceRecord:
             self._decoded = {"restarts": words[0], "completions": words[2],
                              "completed_from": completed,
                              "not_resident": bool(words[1] & NOT_RESIDENT), "lost": False}
-        if self.ring.take(words[HEAD + g]):
-            COOLDOWNS.start(self.key)
 
 
 def _int32(word: int) -> int:
@@ -364,6 +362,7 @@ class Chain:
         self.ledger.fill(0)
         self.ring = RecordRing(buffers.array_module(self.words), self.groups)
         self.recorded = 0
+        COOLDOWNS.watch(self.engine.key, self.ring)
         return self.ring
 
     def reset(self) -> None:
@@ -535,15 +534,14 @@ def _holding_nothing(issue: Callable[[], None]) -> Callable[[], None]:
 
 def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | None:
     """Attach the record of the chain's last pass (``run_chain``) to ``stats``, read lazily
-    (``RunStats.defer``), and to the cooldowns; under CUDA stream capture nothing is recorded
-    (``stats.details`` says so). ``group``: what a group is called in ``fallback`` ("layer" in a
+    (``RunStats.defer``); under CUDA stream capture nothing is recorded (``stats.details`` says
+    so). ``group``: what a group is called in ``fallback`` ("layer" in a
     stack; "": one pass)."""
     if not chain.published:
         stats.details.append("captured: restarts and completion run on the device at replay; "
                              "last_run does not report them")
         return None
-    record = DeviceRecord(chain.ring, chain.recorded % 2**32, chain.groups, end, chain.engine.key)
-    COOLDOWNS.watch(chain.engine.key, record)
+    record = DeviceRecord(chain.ring, chain.recorded % 2**32, chain.groups, end)
     stats.defer(lambda s: _report(record, s, group))
     return record
 

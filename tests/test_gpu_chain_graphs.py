@@ -144,7 +144,6 @@ def test_records_reach_the_host_from_replayed_chains(cupy, monkeypatch):
     assert counts.host_syncs == 1, counts  # the read waited for the stalled pass
 
     monkeypatch.setattr(launch, "RING_SLOTS", 4)
-    monkeypatch.setattr(launch.COOLDOWNS, "watch", lambda key, record: None)  # (reads nothing)
     buffers.release_workspaces()  # new chains, whose rings have 4 slots
     runs = []
     for _ in range(6):

@@ -200,24 +200,24 @@ def test_a_sabotaged_record_numbering_fails(settings, monkeypatch):
         _check_records_read_late(launch.Chain(np, _fake_engine(fake), 1), fake, seed=0)
 
 
-def _write_slot(ring, seq, words, total, first=None, last=None):
+def _write_slot(ring, seq, words, first=None, last=None):
     """Slot ``seq % RING_SLOTS`` of ``ring`` as the device leaves it (``first``/``last``: its
     two sequence words where a rewrite is under way)."""
-    at = (seq % launch.RING_SLOTS) * ring.stride
-    ring.host[at:at + ring.stride] = [seq if first is None else first, *words, total,
+    at = 1 + (seq % launch.RING_SLOTS) * ring.stride
+    ring.host[at:at + ring.stride] = [seq if first is None else first, *words,
                                       seq if last is None else last]
 
 
 def _check_torn_and_overwritten_slots_are_refused():
     ring = launch.RecordRing(np, 1)
     words = [2, 0, 1, 0, 4]  # restarts, flags, completions, unused, completed_from
-    _write_slot(ring, 5, words, 0)
-    assert ring.fetch(5) == words + [0]
+    _write_slot(ring, 5, words)
+    assert ring.fetch(5) == words
     assert ring.fetch(5 + launch.RING_SLOTS) is False  # not written yet: pending
     assert ring.fetch(5 - launch.RING_SLOTS) is None   # overwritten by pass 5
     # The device has begun rewriting the slot for pass 5 + RING_SLOTS: its first word and some
     # of the record are the new pass's, its last word still says 5. A read must not take it.
-    _write_slot(ring, 5, [0, 0, 0, 0, 4], 0, first=5 + launch.RING_SLOTS)
+    _write_slot(ring, 5, [0, 0, 0, 0, 4], first=5 + launch.RING_SLOTS)
     assert ring.fetch(5) is None
 
 
@@ -228,7 +228,7 @@ def test_torn_and_overwritten_slots_are_refused():
 def test_a_sabotaged_seqlock_fails(monkeypatch):
     """A read that checks only the slot's last sequence word takes a half-rewritten record."""
     def fetch(ring, seq):
-        at = (seq % launch.RING_SLOTS) * ring.stride
+        at = 1 + (seq % launch.RING_SLOTS) * ring.stride
         if int(ring.host[at + ring.stride - 1]) != seq:
             return None if (int(ring.host[at + ring.stride - 1]) - seq) % 2**32 < 2**31 else False
         return ring.host[at + 1:at + ring.stride - 1].tolist()
@@ -239,9 +239,8 @@ def test_a_sabotaged_seqlock_fails(monkeypatch):
 
 def test_a_record_overwritten_unread_is_lost_but_its_cooldown_is_not(settings, monkeypatch):
     """A pass whose grid was found not co-resident, then more passes than the ring holds before
-    anyone reads: its own record is gone (``last_run`` says so), the cooldown starts anyway from
-    the not-resident total the later records carry; a later pass read twice starts no second
-    cooldown."""
+    anyone reads: its own record is gone (``last_run`` says so), the cooldown starts anyway (the
+    ring's count of such passes, which the cooldowns read without any record) and once only."""
     monkeypatch.setattr(launch, "RING_SLOTS", 4)
     fake = FakeKernel([], 0, not_resident=True)
     chain = launch.Chain(np, _fake_engine(fake, key=("fake", "overwritten")), 1)
@@ -254,6 +253,10 @@ def test_a_record_overwritten_unread_is_lost_but_its_cooldown_is_not(settings, m
     launch.COOLDOWNS.clear()
     assert later[-1].restarts == 0 and later[-1].fallback is None
     assert launch.COOLDOWNS.reason(("fake", "overwritten")) is None
+    del chain, lost, later  # a ring that has gone is no longer read
+    import gc
+    gc.collect()
+    assert ("fake", "overwritten") not in launch.COOLDOWNS._rings
 
 
 def test_records_of_two_threads_chains(settings):
