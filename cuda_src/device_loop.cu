@@ -18,8 +18,11 @@
 //   [4 .. 4+groups) the step the completion started each group from (`end`: none; written only
 //   when the completion ran, [2] > 0)
 //   [4+groups ..): PrnnControl of the launches (arrivals, abort, progress[grid]), then
-//   starts[groups] (int32).
-// The host reads the record lazily (launch.DeviceRecord), never in the call's path.
+//   starts[groups] (int32), then the ledger, which no memset resets (the host zeroes it once):
+//   [0] passes recorded (the last sequence number), [1] passes that ended on the completion with
+//   the grid not co-resident (a running count: the residency cooldown's sticky flag).
+// The final settle publishes the record (prnn_publish_record) into a ring of slots in page-locked
+// host memory that the host reads lazily without an API call (launch.RecordRing, DeviceRecord).
 //
 // -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are given - a pass of
 // an fp32 tile widening a 16-bit layer's words has the layer's -, and the type the completion
@@ -34,6 +37,9 @@ namespace prnn {
 
 constexpr unsigned kChainDone = 1u, kChainNotResident = 2u;
 constexpr int kChainHead = 4;  // record words before the per-group completion starts
+// A ring slot: the sequence number, the record (kChainHead + groups words), the sequence number
+// again (launch.SLOT_EXTRA: the words beside the record).
+constexpr int kSlotExtra = 2;
 using StepCell = Cell<PRNN_CELL>;
 constexpr int kLoopSaved = StepCell::S > 0 ? StepCell::S : 1;
 
@@ -68,6 +74,32 @@ PRNN_DEVICE float row_dot_f32(const float* m, size_t row, const float* v, int co
   return acc;
 }
 
+// Publishes the chain's record as pass number ledger[0] + 1 into its slot of `ring` (host memory:
+// a word, then `slots` slots of kChainHead + groups + kSlotExtra words) - a seqlock: the slot's
+// first word takes the new number before anything else of it changes, its last word after
+// everything else has, each step fenced at system scope, so a host read that finds the number it
+// expects in the last word, then in the first, has read that pass's words only. A pass that ended
+// on the completion with the grid not co-resident is counted in ledger[1], which the ring's first
+// word follows (the residency cooldown reads it: launch.Cooldowns; no record is needed for it, so
+// a record overwritten before the host read it loses no cooldown). One thread.
+PRNN_DEVICE void prnn_publish_record(unsigned* chain, int groups, int grid, unsigned* ring,
+                                     int slots) {
+  unsigned* ledger = chain + kChainHead + groups + 2 + grid + groups;
+  const unsigned seq = ledger[0] + 1u;
+  ledger[0] = seq;
+  if ((chain[1] & kChainNotResident) && chain[2] > 0u) {
+    ledger[1] += 1u;
+    prnn_store_system(ring, ledger[1]);
+  }
+  const int words = kChainHead + groups;
+  unsigned* slot = ring + 1 + (size_t)(seq % (unsigned)slots) * (words + kSlotExtra);
+  prnn_store_system(slot, seq);
+  prnn_fence_system();
+  for (int i = 0; i < words; ++i) prnn_store_system(slot + 1 + i, chain[i]);
+  prnn_fence_system();
+  prnn_store_system(slot + 1 + words, seq);
+}
+
 }  // namespace prnn
 
 // One block. Reads the progress the launch before it left (it started each unfinished group from
@@ -75,10 +107,11 @@ PRNN_DEVICE float row_dot_f32(const float* m, size_t row, const float* v, int co
 // `restart`: 1 when a resume launch follows (it counts as a restart if some group is unfinished;
 // the exchanges are then zeroed and the control words reset), 0 when the completion follows (the
 // groups left are recorded as the completion's). `end`: one past the last step in the pass's
-// direction (T forward, -1 backward).
+// direction (T forward, -1 backward). The final settle (`restart` 0) publishes the record into
+// `ring` where `slots` > 0 (0: a chain captured into a user's graph, which records nothing).
 PRNN_KERNEL void prnn_settle(unsigned* chain, int groups, int grid, int end, int first,
                              int resumed, int restart, unsigned* exchange_a, long long words_a,
-                             unsigned* exchange_b, long long words_b) {
+                             unsigned* exchange_b, long long words_b, unsigned* ring, int slots) {
   using namespace prnn;
   unsigned* ctl = chain + kChainHead + groups;
   int* progress = reinterpret_cast<int*>(ctl + 2);
@@ -114,6 +147,7 @@ PRNN_KERNEL void prnn_settle(unsigned* chain, int groups, int grid, int end, int
   // (prnn_start_order): a resume launch of a finished pass must count from 0 as well, or its CTAs
   // would take layers past the last.
   if (threadIdx.x == 0) ctl[0] = 0u;
+  if (threadIdx.x == 0 && !restart && slots > 0) prnn_publish_record(chain, groups, grid, ring, slots);
   if (!prnn_sync_block_or(unfinished && restart)) return;
   for (long long i = threadIdx.x; i < words_a; i += blockDim.x) exchange_a[i] = 0u;
   for (long long i = threadIdx.x; i < words_b; i += blockDim.x) exchange_b[i] = 0u;

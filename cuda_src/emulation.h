@@ -538,6 +538,10 @@ inline void prnn_fence() {
   prnn_emu::drain(true);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
+// Host memory is the emulated device's own: a system-scope store is an atomic store that lands
+// at once, the system fence a full fence (after landing the CTA's queued stores).
+inline void prnn_store_system(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+inline void prnn_fence_system() { prnn_fence(); }
 inline unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
   prnn_emu::working();
   unsigned expected = 0u;

@@ -63,6 +63,14 @@ PRNN_DEVICE unsigned prnn_atomic_add_release(unsigned* p, unsigned v) {
   return old;
 }
 PRNN_DEVICE void prnn_fence() { __threadfence(); }
+// System scope: words the host reads while the device runs (page-locked host memory mapped into
+// the device's address space). A strong store the host sees whole (single-copy atomic), and a
+// fence that orders this thread's earlier writes before its later ones for every observer, the
+// host's threads included (__threadfence_system).
+PRNN_DEVICE void prnn_store_system(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+PRNN_DEVICE void prnn_fence_system() { __threadfence_system(); }
 // Stores v at p if p holds 0 (compare-and-swap, relaxed); returns what p held before.
 PRNN_DEVICE unsigned prnn_atomic_set_if_zero(unsigned* p, unsigned v) {
   unsigned old;

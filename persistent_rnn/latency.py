@@ -525,7 +525,8 @@ BACKWARD_CHAIN_OPS = 2
 @dataclass(frozen=True)
 class CallCost:
     """What one layer-direction call costs beside its recurrence's steps - a prediction:
-    ``api_calls`` (kernel launches, memsets, the chain's record copy and event), ``host_us``
+    ``api_calls`` (kernel launches, memsets, graph launches: the chain's record reaches the
+    host from its final settle, no call of its own), ``host_us``
     (the host's time: those calls at ``hw.API_CALL_HOST_US`` each plus ``python_us``, the
     library's Python of the call measured on the CPU with the launcher stubbed,
     ``hw.PYTHON_FORWARD_US`` / ``PYTHON_BACKWARD_US``) and ``device_us`` (GPU time beside the
@@ -566,7 +567,7 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         other, inside = BACKWARD_OTHER_CALLS, BACKWARD_CHAIN_OPS + 2 * lstm
     chain_calls = (1 if settings.current().chain_graphs
                    else chain + launch.CHAIN_MEMSETS + inside)
-    calls = chain_calls + launch.RECORD_CALLS + other
+    calls = chain_calls + other
     # fills, copies, adds: short kernels, inside the chain's graph or not
     small = other + inside - len(gemms) + launch.CHAIN_MEMSETS
     tensor_cores = half and not backward

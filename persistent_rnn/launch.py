@@ -6,9 +6,12 @@ next step, from the control words) and a resume launch (which exits at once when
 done), then a final settle and a one-CTA completion kernel that finishes whatever the launches
 left (only after the restart cap; it needs no co-residency). So a call never returns a partial
 result and never synchronises. What happened (restarts, the completion, a grid found not
-co-resident) is in the chain's device record, read lazily by ``DeviceRecord``: when ``last_run``
-is asked for, or - without blocking - at the next call of the same configuration, which is when
-the residency cooldown (``COOLDOWNS``) learns of a grid found not co-resident.
+co-resident) is in the chain's device record, which the chain's final settle publishes into a
+ring of slots in page-locked host memory (``RecordRing``: no API call of its own, so a chain
+replayed as one CUDA graph is one API call in all) and ``DeviceRecord`` reads lazily, when
+``last_run`` is asked for. The residency cooldown (``COOLDOWNS``) learns of a grid found not
+co-resident from a count the device keeps in the same ring, at the next call of the same
+configuration, without blocking.
 
 ``COUNTERS`` / ``counting()`` count what the runtime paths do: host synchronisations
 (device-to-host reads of control words or records that wait for the device), kernel launches and
@@ -17,11 +20,13 @@ memsets, so that tests hold a steady-state call to 0 synchronisations.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import math
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterator
@@ -38,6 +43,9 @@ LOOP_SOURCE = "device_loop.cu"  # the settle and completion kernels
 HEAD = 4                   # record words before the per-group completion starts (device_loop.cu)
 DONE, NOT_RESIDENT = 1, 2  # record flags
 UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
+LEDGER = 2                 # chain words no memset resets: passes recorded, not-resident total
+SLOT_EXTRA = 2             # a ring slot's words beside the record: its sequence number, twice
+RING_SLOTS = 256           # records a chain keeps for the host (a power of two: sequences wrap)
 SETTLE_THREADS = 128
 EXCHANGE_ALIGN = 64        # words (256 bytes): each exchange of a chain starts aligned
 COMPLETE_THREADS = {False: 256, True: 32}  # GPU, emulation
@@ -122,38 +130,48 @@ class Cooldowns:
     """Configurations whose grid was found not co-resident (a pass ended on the completion path
     after timeouts while some of its CTAs had not started: another stream held SMs), and when.
     For ``Settings.residency_cooldown_s`` after that such a configuration goes straight to the
-    GEMM path instead of paying the timeouts again. The records of earlier calls are read here
-    without blocking (those the device has finished)."""
+    GEMM path instead of paying the timeouts again. The device counts such passes per chain in
+    the first word of the chain's record ring (``RecordRing``), which ``reason`` reads for every
+    ring of the configuration - a word of host memory, no API call, no record decoded, no wait -
+    and a count grown since the last look starts the cooldown."""
 
     def __init__(self) -> None:
         self._since: dict[tuple, float] = {}
-        self._unread: dict[tuple, list[DeviceRecord]] = {}
-        self._lock = threading.Lock()
+        self._rings: dict[tuple, tuple[weakref.ref, ...]] = {}  # per key, while they live
+        self._lock = threading.RLock()  # (a ring's end, a weakref callback, may come under it)
 
     def start(self, key: tuple) -> None:
         with self._lock:
             self._since[key] = time.monotonic()
 
-    def watch(self, key: tuple, record: "DeviceRecord") -> None:
-        """Read ``record`` at a later ``reason(key)`` once the device has written it."""
+    def watch(self, key: tuple, ring: "RecordRing") -> None:
+        """Read ``ring``'s count of not co-resident passes at every ``reason(key)`` while the
+        ring lives."""
         with self._lock:
-            self._unread.setdefault(key, []).append(record)
+            ref = weakref.ref(ring, lambda gone, key=key: self._forget(key, gone))
+            self._rings[key] = self._rings.get(key, ()) + (ref,)
+
+    def _forget(self, key: tuple, gone: weakref.ref) -> None:
+        with self._lock:
+            left = tuple([ref for ref in self._rings.get(key, ()) if ref is not gone])
+            if left:
+                self._rings[key] = left
+            else:
+                self._rings.pop(key, None)
 
     def reason(self, key: tuple) -> str | None:
         """Why ``key`` runs on the GEMM path now (``None``: try the persistent kernel)."""
-        if not self._since and not self._unread:  # (the usual case; dict reads are atomic)
+        if not self._since and not self._rings:  # (dict reads are atomic)
             return None
-        with self._lock:
-            unread = self._unread.pop(key, [])
-        left = [r for r in unread if not r.poll()]
-        if left:
-            with self._lock:
-                self._unread.setdefault(key, []).extend(left)
-        cooldown = settings.current().residency_cooldown_s
+        for ref in self._rings.get(key, ()):  # (a tuple: replaced, never changed, by watch)
+            ring = ref()
+            if ring is not None and int(ring.host[0]) != ring.taken and ring.take():
+                self.start(key)
         with self._lock:
             since = self._since.get(key)
         if since is None:
             return None
+        cooldown = settings.current().residency_cooldown_s
         ago = time.monotonic() - since
         if ago >= cooldown:
             return None
@@ -161,9 +179,14 @@ class Cooldowns:
                 f"until residency_cooldown_s ({cooldown:g} s) has passed")
 
     def clear(self) -> None:
+        """Forget every cooldown, and the not co-resident passes the rings have counted so far."""
+        with self._lock:
+            rings = [ref() for refs in self._rings.values() for ref in refs]
+        for ring in rings:
+            if ring is not None:
+                ring.take()
         with self._lock:
             self._since.clear()
-            self._unread.clear()
 
 
 COOLDOWNS = Cooldowns()
@@ -183,58 +206,109 @@ def capturing(a: Array) -> bool:
     return cupy.cuda.get_current_stream().is_capturing()
 
 
-class DeviceRecord:
-    """The record of one pass's chain (restarts, completion per group, flags), copied to the
-    host asynchronously at the end of the chain and decoded on first ``read``. ``poll`` reads
-    it only if the device has finished (never blocks); ``read`` waits (a counted sync)."""
+class RecordRing:
+    """Where a chain's final settle publishes each pass's record (``prnn_publish_record``,
+    device_loop.cu): ``RING_SLOTS`` slots the device writes directly - on the GPU page-locked host
+    memory, which unified addressing maps into every device at its host address; in the emulation
+    a NumPy array - so that reading a record is no API call. Its first word is the count of the
+    chain's passes that ended on the completion with the grid not co-resident (``Cooldowns``);
+    then pass ``seq`` (1, 2, ... in the order of the chain's stream: the device numbers them,
+    ``Chain.ledger``) goes to slot ``seq % RING_SLOTS`` between two copies of ``seq`` (a
+    seqlock: ``fetch``). The ring belongs to one chain and stays at one address, so a chain
+    graph's key repeats call after call."""
 
-    def __init__(self, words: Array, groups: int, end: int, key: tuple, emulated: bool):
-        self.groups, self.end, self.key = groups, end, key
-        self._host: np.ndarray | list[int] | None = None
-        self._event = None
+    def __init__(self, xp, groups: int):
+        self.stride = HEAD + groups + SLOT_EXTRA
+        n = 1 + RING_SLOTS * self.stride
+        self.stream = None  # where the device writes it (a wait synchronises it)
+        if xp is np:
+            self.host = self.device = np.zeros(n, np.uint32)
+        else:
+            self._memory = xp.cuda.PinnedMemory(4 * n, xp.cuda.runtime.hostAllocMapped
+                                                | xp.cuda.runtime.hostAllocPortable)
+            self.host = np.frombuffer((ctypes.c_uint32 * n).from_address(self._memory.ptr),
+                                      np.uint32)
+            self.host.fill(0)
+            pointer = xp.cuda.runtime.pointerGetAttributes(self._memory.ptr).devicePointer
+            memory = xp.cuda.UnownedMemory(pointer, 4 * n, self._memory, xp.cuda.Device().id)
+            self.device = xp.ndarray((n,), np.uint32, xp.cuda.MemoryPointer(memory, 0))
+            self.stream = xp.cuda.get_current_stream()
+        self.taken = 0  # the count of not co-resident passes the cooldowns have taken
+        self._lock = threading.Lock()
+
+    def fetch(self, seq: int) -> list[int] | None | bool:
+        """The words of pass ``seq``'s record (``HEAD + groups``), ``False`` while it is not
+        written yet, ``None`` once a later pass has overwritten it (or is overwriting it: the two
+        copies of the number differ)."""
+        h, at = self.host, 1 + (seq % RING_SLOTS) * self.stride
+        after = int(h[at + self.stride - 1])
+        if after != seq:
+            return None if (after - seq) % 2**32 < 2**31 else False
+        words = h[at + 1:at + self.stride - 1].tolist()
+        return words if int(h[at]) == seq else None
+
+    def take(self) -> bool:
+        """Whether the device has counted a not co-resident pass since the last ``take``."""
+        with self._lock:
+            count = int(self.host[0])
+            if count == self.taken:
+                return False
+            self.taken = count
+            return True
+
+    def wait(self) -> None:
+        """Wait for the device to have written every record enqueued so far (counted)."""
+        COUNTERS.add("host_syncs")
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class DeviceRecord:
+    """The record of one pass's chain (restarts, completion per group, flags): pass ``seq`` of
+    ``ring``, decoded on first ``poll`` or ``read`` that finds it written. ``poll`` never
+    blocks; ``read`` waits for the device (a counted sync) if it has not got there. A record a
+    later pass overwrote before anyone read it decodes as ``lost`` (``RING_SLOTS`` later passes
+    of the same chain were enqueued first; the cooldowns do not read records: ``Cooldowns``)."""
+
+    def __init__(self, ring: RecordRing, seq: int, groups: int, end: int):
+        self.ring, self.seq, self.groups, self.end = ring, seq, groups, end
         self._decoded: dict | None = None
         self._lock = threading.Lock()
-        if isinstance(words, np.ndarray):
-            self._host = words[:HEAD + groups].tolist()  # values: the words are reused
-            self._decode()  # (the emulated chain has run: nothing to wait for)
-        else:
-            import cupy
-            self._host = cupy.cuda.alloc_pinned_memory(4 * (HEAD + groups))
-            self._host = np.frombuffer(self._host, np.uint32, HEAD + groups)
-            stream = cupy.cuda.get_current_stream()
-            cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, words.data.ptr,
-                                          4 * (HEAD + groups), 2, stream.ptr)  # device to host
-            self._event = stream.record()
 
     def poll(self) -> bool:
         """Decode the record if the device has written it (no wait); whether it is decoded."""
-        if self._decoded is None and (self._event is None or self._event.done):
-            self._decode()
-        return self._decoded is not None
+        if self._decoded is None:
+            words = self.ring.fetch(self.seq)
+            if words is False:
+                return False
+            self._decode(words)
+        return True
 
     def read(self) -> dict:
         """The decoded record: ``restarts``, ``completed_from`` (per group, ``end``: none),
-        ``not_resident``; waits for the device if it has not finished (counted)."""
+        ``not_resident``, ``lost``; waits for the device if it has not finished (counted)."""
         COUNTERS.add("record_reads")
         if not self.poll():
-            COUNTERS.add("host_syncs")
-            self._event.synchronize()
-            self._decode()
+            self.ring.wait()
+            if not self.poll():  # (the stream has passed the chain: its record must be there)
+                self._decode(None)
         return self._decoded  # type: ignore[return-value]
 
-    def _decode(self) -> None:
+    def _decode(self, words: list[int] | None) -> None:
+        g = self.groups
         with self._lock:
             if self._decoded is not None:
                 return
-            w = self._host
+            if words is None:
+                self._decoded = {"restarts": 0, "completions": 0, "completed_from": [self.end] * g,
+                                 "not_resident": False, "lost": True}
+                return
             # The per-group starts are written only when the completion ran (``completions``).
-            completed = ([_int32(int(v)) for v in w[HEAD:HEAD + self.groups]]
-                         if int(w[2]) else [self.end] * self.groups)
-            not_resident = bool(int(w[1]) & NOT_RESIDENT)
-            self._decoded = {"restarts": int(w[0]), "completions": int(w[2]),
-                             "completed_from": completed, "not_resident": not_resident}
-            if not_resident and any(c != self.end for c in completed):
-                COOLDOWNS.start(self.key)
+            completed = ([_int32(v) for v in words[HEAD:HEAD + g]] if words[2]
+                         else [self.end] * g)
+            self._decoded = {"restarts": words[0], "completions": words[2],
+                             "completed_from": completed,
+                             "not_resident": bool(words[1] & NOT_RESIDENT), "lost": False}
 
 
 def _int32(word: int) -> int:
@@ -243,8 +317,9 @@ def _int32(word: int) -> int:
 
 
 class Chain:
-    """The device words of one pass's chain (record, control words, starts; device_loop.cu),
-    the pass's tagged exchange buffers, and the launches that drive it.
+    """The device words of one pass's chain (record, control words, starts, ledger;
+    device_loop.cu), the pass's tagged exchange buffers, the ring its records go to
+    (``RecordRing``, made by the first pass that records one) and the launches that drive it.
 
     The exchanges (``exchanges``: their shapes, uint32 words) lie in the same allocation just
     before the words, each padded to ``EXCHANGE_ALIGN`` words, so that ``reset``'s first memset
@@ -252,7 +327,12 @@ class Chain:
     (``chain_for``) starts every pass from zeroed exchanges, also after a stalled or aborted
     one, without an allocation. (An exchange must start zeroed: tag 0 is never published, so
     no launch of the pass can take a stale word for one it waits on. A cluster kernel keeps its
-    exchange in shared memory and never reads this one.)"""
+    exchange in shared memory and never reads this one.)
+
+    The ledger (after ``starts``; no memset resets it) numbers the passes that published a
+    record; ``recorded`` counts the same passes on the host - the calls of a chain are ordered
+    on its stream (``chain_for``) - so pass ``recorded`` of the host is the device's pass of that
+    number, whose record is in that slot of the ring (``record_of``)."""
 
     def __init__(self, xp, engine: Engine, groups: int,
                  exchanges: tuple[tuple[int, ...], ...] = ()):
@@ -261,13 +341,29 @@ class Chain:
         sizes = [math.prod(shape) for shape in exchanges]
         padded = [-(-n // EXCHANGE_ALIGN) * EXCHANGE_ALIGN for n in sizes]
         self._lead = sum(padded)
-        self._buffer = xp.empty(self._lead + HEAD + groups + 2 + grid + groups, dtype=np.uint32)
+        self._buffer = xp.empty(self._lead + HEAD + groups + 2 + grid + groups + LEDGER,
+                                dtype=np.uint32)
         offsets = list(itertools.accumulate([0] + padded[:-1]))
         self.exchanges = tuple(self._buffer[o:o + n].reshape(shape)
                                for o, n, shape in zip(offsets, sizes, exchanges))
         self.words = self._buffer[self._lead:]
         self.control = self.words[HEAD + groups:]
-        self.starts = self.words[HEAD + groups + 2 + grid:].view(np.int32)
+        self.starts = self.words[HEAD + groups + 2 + grid:-LEDGER].view(np.int32)
+        self.ledger = self.words[-LEDGER:]
+        self.recorded = 0     # passes that published a record (``run_chain``)
+        self.published = False  # whether the last pass did (not under a user's capture)
+        self.ring: RecordRing | None = None  # made by the first pass that records (``new_ring``)
+
+    def new_ring(self) -> RecordRing:
+        """A new ring for this chain's records and a new numbering: the ledger zeroed (on the
+        chain's stream, before any pass that records into the ring). Never under a user's
+        capture; again after a pass whose enqueueing failed part way (``run_chain``: its final
+        settle may or may not be on the stream)."""
+        self.ledger.fill(0)
+        self.ring = RecordRing(buffers.array_module(self.words), self.groups)
+        self.recorded = 0
+        COOLDOWNS.watch(self.engine.key, self.ring)
+        return self.ring
 
     def reset(self) -> None:
         """Exchanges, record and counters zero, progress untouched: two memsets on the stream."""
@@ -283,14 +379,17 @@ class Chain:
         cupy.cuda.runtime.memsetAsync(w.data.ptr + 4 * head, 0xFF, 4 * grid, stream)
 
     def settle(self, end: int, first: int, resumed: bool, restart: bool,
-               exchanges: tuple = ()) -> None:
+               exchanges: tuple = (), publish: tuple[Array, int] | None = None) -> None:
         """Launch ``prnn_settle`` (device_loop.cu) after a launch of the pass; ``exchanges``:
-        the tagged exchange buffers a restart zeroes (at most two)."""
+        the tagged exchange buffers a restart zeroes (at most two); ``publish``: where the final
+        settle publishes the record into (``run_chain``: the ring and its slots; None: nowhere)."""
         xs = list(exchanges) + [self.words] * (2 - len(exchanges))
         sizes = [x.size if i < len(exchanges) else 0 for i, x in enumerate(xs)]
+        ring, slots = publish or (self.words, 0)
         self._loop("prnn_settle", SETTLE_THREADS, chain=self.words, groups=self.groups,
                    grid=self.grid, end=end, first=first, resumed=resumed, restart=restart,
-                   exchange_a=xs[0], words_a=sizes[0], exchange_b=xs[1], words_b=sizes[1])
+                   exchange_a=xs[0], words_a=sizes[0], exchange_b=xs[1], words_b=sizes[1],
+                   ring=ring, slots=slots)
 
     def complete(self, kernel: str, **named: Any) -> None:
         """Launch a completion kernel (``prnn_complete_*``, device_loop.cu) with ``named``
@@ -367,8 +466,7 @@ def chain_launches(max_restarts: int) -> int:
     return 2 * max_restarts + 3
 
 
-CHAIN_MEMSETS = 2  # Chain.reset
-RECORD_CALLS = 2   # on the GPU: the record's copy to pinned memory and its event (DeviceRecord)
+CHAIN_MEMSETS = 2  # Chain.reset (the record reaches the host from the final settle: no call)
 
 
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
@@ -378,30 +476,44 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     ``first``, then ``RESUME``), ``complete()`` the completion kernel. Nothing is read back.
     ``arguments_key``: builds a key of every argument the pass's and the completion's launches
     take beyond the chain's own (``chain_graphs.arguments_key``; None: the chain is never a
-    graph); with it, a chain seen before is replayed as one CUDA graph (``chain_graphs``)."""
-    def issue() -> None:
-        _issue_chain(chain, launch, first, end, stall, exchanges, complete)
+    graph); with it, a chain seen before is replayed as one CUDA graph (``chain_graphs``).
+    Outside a user's capture the final settle publishes the record (``Chain.recorded`` counts
+    it: ``record_of`` reads it)."""
+    record = chain.published = not capturing(chain.words)
+    # where the final settle publishes the record: the ring, or under a user's capture nowhere
+    # (the chain's own words, with no slots: never written)
+    publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record else (chain.words, 0)
 
-    if arguments_key is None or not chain_graphs.eligible(chain.words):
-        issue()
-        return
-    s = settings.current()
-    key = (chain.engine.key, s.cooperative, s.max_restarts, s.gpu_timeout_ms, stall, first, end,
-           chain_graphs.value(chain.words), chain_graphs.value(exchanges), arguments_key())
-    if chain_graphs.run(key, _holding_nothing(issue)):
-        COUNTERS.add("graph_launches")
+    def issue() -> None:
+        _issue_chain(chain, launch, first, end, stall, exchanges, complete, publish)
+
+    try:
+        if arguments_key is None or not chain_graphs.eligible(chain.words):
+            issue()
+        else:
+            s = settings.current()
+            key = (chain.engine.key, s.cooperative, s.max_restarts, s.gpu_timeout_ms, stall,
+                   first, end, chain_graphs.value(chain.words), chain_graphs.value(publish),
+                   chain_graphs.value(exchanges), arguments_key())
+            if chain_graphs.run(key, _holding_nothing(issue)):
+                COUNTERS.add("graph_launches")
+    except BaseException:
+        chain.ring = None  # a new ring and numbering at the next pass (``Chain.new_ring``)
+        raise
+    if record:
+        chain.recorded += 1
 
 
 def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int,
                  end: int, stall: settings.Stall, exchanges: tuple,
-                 complete: Callable[[], None]) -> None:
+                 complete: Callable[[], None], publish: tuple[Array, int]) -> None:
     chain.reset()
     launch(first, stall)
     restarts = settings.current().max_restarts
     for i in range(restarts):
         chain.settle(end, first, resumed=i > 0, restart=True, exchanges=exchanges)
         launch(RESUME, settings.NO_STALL)
-    chain.settle(end, first, resumed=restarts > 0, restart=False)
+    chain.settle(end, first, resumed=restarts > 0, restart=False, publish=publish)
     complete()
 
 
@@ -421,16 +533,15 @@ def _holding_nothing(issue: Callable[[], None]) -> Callable[[], None]:
 
 
 def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | None:
-    """Attach the chain's lazily read record to ``stats`` (``RunStats.defer``) and to the
-    cooldowns; under CUDA stream capture nothing is recorded (``stats.details`` says so).
-    ``group``: what a group is called in ``fallback`` ("layer" in a stack; "": one pass)."""
-    if capturing(chain.words):
+    """Attach the record of the chain's last pass (``run_chain``) to ``stats``, read lazily
+    (``RunStats.defer``); under CUDA stream capture nothing is recorded (``stats.details`` says
+    so). ``group``: what a group is called in ``fallback`` ("layer" in a
+    stack; "": one pass)."""
+    if not chain.published:
         stats.details.append("captured: restarts and completion run on the device at replay; "
                              "last_run does not report them")
         return None
-    record = DeviceRecord(chain.words, chain.groups, end, chain.engine.key, chain.engine.emulated)
-    if record._decoded is None:  # (a decoded record has started its cooldown if it must)
-        COOLDOWNS.watch(chain.engine.key, record)
+    record = DeviceRecord(chain.ring, chain.recorded % 2**32, chain.groups, end)
     stats.defer(lambda s: _report(record, s, group))
     return record
 
@@ -438,6 +549,11 @@ def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | 
 def _report(record: DeviceRecord, stats, group: str) -> None:
     """Fold a decoded record into ``stats`` (restarts, launches, fallback)."""
     r = record.read()
+    if r["lost"]:
+        stats.details.append(f"the device record of this pass was overwritten before it was read "
+                             f"({RING_SLOTS} later passes of its chain came first): its restarts "
+                             "and completion are not known")
+        return
     stats.restarts += r["restarts"]
     stats.launches += r["restarts"]
     left = [(f"{group} {g} " if group else "") + f"steps {s}..{record.end - (1 if record.end > 0 else -1)}"

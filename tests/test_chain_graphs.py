@@ -121,7 +121,8 @@ def test_the_librarys_own_capture_holds_no_arrays(monkeypatch):
 def test_an_emulated_chain_is_never_keyed(monkeypatch):
     """run_chain on NumPy words issues directly and never builds the key (whose ``value`` refuses
     host arrays)."""
-    chain = type("C", (), {"words": np.zeros(8, np.uint32)})()
+    chain = type("C", (), {"words": np.zeros(8, np.uint32), "ring": launch.RecordRing(np, 1),
+                           "recorded": 0})()
     ran = []
     monkeypatch.setattr(launch, "_issue_chain", lambda *a: ran.append(a))
 

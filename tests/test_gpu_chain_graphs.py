@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import chain_graphs, launch
+from persistent_rnn import buffers, chain_graphs, launch
 
 pytestmark = pytest.mark.gpu
 CALLS = 6  # CuPy's pool alternates two sets of blocks while a layer holds its last forward
@@ -131,3 +131,47 @@ def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkey
     for results, expected in zip(got, want):
         for a, b in zip(results, expected):
             np.testing.assert_array_equal(a, b)
+
+
+def test_records_reach_the_host_from_replayed_chains(cupy, monkeypatch):
+    """The device records on a GPU (``launch.RecordRing``: page-locked host memory that the
+    final settle writes, mapped at its host address): calls replayed as graphs with a stall in
+    one of them, every record read after all ran, newest first, with no wait once the device has
+    finished; a record read before the device got there waits (one counted sync) and is right;
+    with a ring of 4 slots the records 4 calls back are lost and say so."""
+    layer, x, _ = _layer(cupy, "GRU", 1)
+    chain_graphs.clear()
+    stalled = CALLS // 2
+    runs = []
+    with prnn.override_settings(gpu_timeout_ms=20.0), launch.counting() as counts:
+        for i in range(CALLS):
+            if i == stalled:
+                with prnn.inject_stall(0, 3, 200.0):
+                    layer.forward(x, lengths=[9, 7, 4])
+            else:
+                layer.forward(x, lengths=[9, 7, 4])
+            runs.append(layer.last_run)
+    assert counts.graph_launches >= 2 and counts.host_syncs == counts.record_reads == 0, counts
+    cupy.cuda.Device().synchronize()
+    with launch.counting() as counts:
+        restarts = [run.restarts for run in reversed(runs)][::-1]
+    assert restarts == [int(i == stalled) for i in range(CALLS)], restarts
+    assert counts.host_syncs == 0 and counts.record_reads == CALLS, counts
+    ring = layer._plan.forward_pass.chain.ring  # (planned: the lengths are the same each call)
+    assert ring.device.data.ptr == ring.host.ctypes.data  # unified addressing
+
+    with prnn.override_settings(gpu_timeout_ms=20.0), prnn.inject_stall(0, 3, 200.0):
+        layer.forward(x, lengths=[9, 7, 4])
+        with launch.counting() as counts:
+            assert layer.last_run.restarts == 1
+    assert counts.host_syncs == 1, counts  # the read waited for the stalled pass
+
+    monkeypatch.setattr(launch, "RING_SLOTS", 4)
+    buffers.release_workspaces()  # new chains, whose rings have 4 slots
+    runs = []
+    for _ in range(6):
+        layer.forward(x)
+        runs.append(layer.last_run)
+    cupy.cuda.Device().synchronize()
+    assert [run.restarts for run in runs] == [0] * 6
+    assert [any("overwritten" in d for d in run.details) for run in runs] == [True] * 2 + [False] * 4

@@ -17,10 +17,12 @@ class FakeKernel:
     is the emulated device_loop.cu): launch i that runs steps lets every CTA complete
     ``done[i]`` steps from its start (CTA 0 one more, as a CTA may be a step ahead when the
     barrier times out); CTAs in ``idle`` never run (their progress word stays untouched). A
-    resume launch reads its start from the chain and exits at once when the pass is done."""
+    resume launch reads its start from the chain and exits at once when the pass is done.
+    ``not_resident``: each launch that runs steps leaves the abort word "not co-resident"."""
 
-    def __init__(self, done, grid, idle=()):
+    def __init__(self, done, grid, idle=(), not_resident=False):
         self.done, self.grid, self.idle, self.launches = list(done), grid, idle, []
+        self.not_resident = not_resident
 
     def __call__(self, kernel, grid, block, shared_bytes, args, max_resident=None):
         source = "persistent_backward.cu" if kernel.endswith("backward") else "persistent_forward.cu"
@@ -43,17 +45,31 @@ class FakeKernel:
         if n and (end - last - direction) * direction > 0:
             progress[0] += direction
         progress[list(self.idle)] = -1
+        if self.not_resident:
+            control[1] = 2  # kPrnnNotResident (exchange.cuh)
+
+
+def _fake_engine(fake, backward=False, key=("fake",)):
+    """An emulated engine whose pass launch is ``fake`` (its settle and completion kernels are
+    device_loop.cu's)."""
+    pp = planner.pass_plan(CELLS["lstm"], tiles.SHIPPED["lstm"][0], backward, 16, 2)
+    fake.grid = pp.grid
+    return launch.Engine(pp, fake, True, key, runtime._loop_launcher(pp, True))
 
 
 def _chain(fake, first, end, backward=False):
     """Run one pass's chain with ``fake``; its ``RunStats`` and the completion's start per run
     (``end``: the completion had nothing to do)."""
-    pp = planner.pass_plan(CELLS["lstm"], tiles.SHIPPED["lstm"][0], backward, 16, 2)
-    fake.grid = pp.grid
-    engine = launch.Engine(pp, fake, True, ("fake",), runtime._loop_launcher(pp, True))
-    chain, completed = launch.Chain(np, engine, 1), []
+    return _pass(launch.Chain(np, _fake_engine(fake, backward), 1), first, end)
+
+
+def _pass(chain, first, end):
+    """One pass of ``chain`` (its engine's fake kernel): its ``RunStats`` (the record not read
+    yet) and the step the completion started from."""
+    pp, completed = chain.engine.pass_plan, []
     buffers = {n: np.zeros(1, np.float32) for n, kind in launch.parameters(pp.source, pp.kernel)
                if kind is None and n != "control"}
+    engine = chain.engine
 
     def go(start, stall):
         launch.launch_pass(engine, chain.control,
@@ -131,6 +147,145 @@ def test_the_chain_reads_nothing_back(settings):
     # max_restarts 3: the pass, 3 x (settle, resume), the final settle (the completion is the
     # test's own callable here)
     assert n.launches == 1 + 2 * 3 + 1 and n.memsets == 2
+
+
+# Per pass, the steps each launch completes, and what its record must say (restarts, the step the
+# completion started from; 10: none) - max_restarts 3, a forward of 10 steps.
+PATTERNS = [([10], (0, 10)), ([3, 2, 100], (2, 10)), ([1, 1, 1, 1], (3, 4)),
+            ([4, 100], (1, 10)), ([0, 0, 0, 0], (3, 0))]
+
+
+def _recorded(stats):
+    """(restarts, the completion's first step) as a pass's stats report them (read now)."""
+    if stats.fallback is None:
+        return stats.restarts, 10
+    return stats.restarts, int(stats.fallback.split("steps ")[1].split("..")[0])
+
+
+def _passes(chain, fake, patterns):
+    """``patterns``' passes on one chain, in order; their stats, none read."""
+    got = []
+    for done in patterns:
+        fake.done, fake.launches = list(done), []
+        got.append(_pass(chain, 0, 10)[0])
+    return got
+
+
+def _check_records_read_late(chain, fake, seed):
+    """Many passes of one chain, their records read only after all ran, in a shuffled order."""
+    order = [i % len(PATTERNS) for i in range(3 * len(PATTERNS))]
+    stats = _passes(chain, fake, [PATTERNS[i][0] for i in order])
+    for i in np.random.default_rng(seed).permutation(len(order)):
+        assert _recorded(stats[i]) == PATTERNS[order[i]][1], i
+
+
+def test_records_of_many_passes_are_read_late_and_out_of_order(settings):
+    """The ring (launch.RecordRing) holds each pass's record where the device's numbering put
+    it, and the host reads the one its call got, whenever asked: no waiting, no API call."""
+    fake = FakeKernel([], 0)
+    chain = launch.Chain(np, _fake_engine(fake), 1)
+    with launch.counting() as n:
+        _check_records_read_late(chain, fake, seed=0)
+    assert n.host_syncs == 0 and n.record_reads == 3 * len(PATTERNS)
+    assert chain.recorded == int(chain.ledger[0]) == 3 * len(PATTERNS)
+
+
+def test_a_sabotaged_record_numbering_fails(settings, monkeypatch):
+    """A host that expects the record of the pass before its own (an off-by-one in the sequence
+    it reads) is caught."""
+    record = launch.DeviceRecord
+    monkeypatch.setattr(launch, "DeviceRecord", lambda ring, seq, *a: record(ring, seq - 1, *a))
+    fake = FakeKernel([], 0)
+    with pytest.raises(AssertionError):
+        _check_records_read_late(launch.Chain(np, _fake_engine(fake), 1), fake, seed=0)
+
+
+def _write_slot(ring, seq, words, first=None, last=None):
+    """Slot ``seq % RING_SLOTS`` of ``ring`` as the device leaves it (``first``/``last``: its
+    two sequence words where a rewrite is under way)."""
+    at = 1 + (seq % launch.RING_SLOTS) * ring.stride
+    ring.host[at:at + ring.stride] = [seq if first is None else first, *words,
+                                      seq if last is None else last]
+
+
+def _check_torn_and_overwritten_slots_are_refused():
+    ring = launch.RecordRing(np, 1)
+    words = [2, 0, 1, 0, 4]  # restarts, flags, completions, unused, completed_from
+    _write_slot(ring, 5, words)
+    assert ring.fetch(5) == words
+    assert ring.fetch(5 + launch.RING_SLOTS) is False  # not written yet: pending
+    assert ring.fetch(5 - launch.RING_SLOTS) is None   # overwritten by pass 5
+    # The device has begun rewriting the slot for pass 5 + RING_SLOTS: its first word and some
+    # of the record are the new pass's, its last word still says 5. A read must not take it.
+    _write_slot(ring, 5, [0, 0, 0, 0, 4], first=5 + launch.RING_SLOTS)
+    assert ring.fetch(5) is None
+
+
+def test_torn_and_overwritten_slots_are_refused():
+    _check_torn_and_overwritten_slots_are_refused()
+
+
+def test_a_sabotaged_seqlock_fails(monkeypatch):
+    """A read that checks only the slot's last sequence word takes a half-rewritten record."""
+    def fetch(ring, seq):
+        at = 1 + (seq % launch.RING_SLOTS) * ring.stride
+        if int(ring.host[at + ring.stride - 1]) != seq:
+            return None if (int(ring.host[at + ring.stride - 1]) - seq) % 2**32 < 2**31 else False
+        return ring.host[at + 1:at + ring.stride - 1].tolist()
+    monkeypatch.setattr(launch.RecordRing, "fetch", fetch)
+    with pytest.raises(AssertionError):
+        _check_torn_and_overwritten_slots_are_refused()
+
+
+def test_a_record_overwritten_unread_is_lost_but_its_cooldown_is_not(settings, monkeypatch):
+    """A pass whose grid was found not co-resident, then more passes than the ring holds before
+    anyone reads: its own record is gone (``last_run`` says so), the cooldown starts anyway (the
+    ring's count of such passes, which the cooldowns read without any record) and once only."""
+    monkeypatch.setattr(launch, "RING_SLOTS", 4)
+    fake = FakeKernel([], 0, not_resident=True)
+    chain = launch.Chain(np, _fake_engine(fake, key=("fake", "overwritten")), 1)
+    lost = _passes(chain, fake, [[0, 0, 0, 0]])[0]
+    fake.not_resident = False
+    later = _passes(chain, fake, [[10]] * 5)
+    assert lost.restarts == 0 and lost.fallback is None
+    assert any("overwritten before it was read" in d for d in lost.details)
+    assert launch.COOLDOWNS.reason(("fake", "overwritten")) is not None
+    launch.COOLDOWNS.clear()
+    assert later[-1].restarts == 0 and later[-1].fallback is None
+    assert launch.COOLDOWNS.reason(("fake", "overwritten")) is None
+    del chain, lost, later  # a ring that has gone is no longer read
+    import gc
+    gc.collect()
+    assert ("fake", "overwritten") not in launch.COOLDOWNS._rings
+
+
+def test_records_of_two_threads_chains(settings):
+    """Two threads, each with its chain (``chain_for``: per thread), passes interleaved; every
+    record read afterwards, from this thread, in a shuffled order."""
+    import threading
+    runs = {}
+
+    def run(name):
+        fake = FakeKernel([], 0)
+        engine = _fake_engine(fake, key=("fake", name))
+        order = [(i * 3 + len(name)) % len(PATTERNS) for i in range(2 * len(PATTERNS))]
+        chain = launch.chain_for(np, engine, 1)
+        stats = []
+        for i in order:
+            fake.done, fake.launches = list(PATTERNS[i][0]), []
+            assert launch.chain_for(np, engine, 1) is chain
+            stats.append(_pass(chain, 0, 10)[0])
+        runs[name] = order, stats
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("a", "bb")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    pairs = [(o, s) for order, stats in runs.values() for o, s in zip(order, stats)]
+    assert len(pairs) == 4 * len(PATTERNS)
+    for i in np.random.default_rng(1).permutation(len(pairs)):
+        assert _recorded(pairs[i][1]) == PATTERNS[pairs[i][0]][1]
 
 
 def test_a_stall_entered_in_another_thread_does_not_reach_this_one(settings):
