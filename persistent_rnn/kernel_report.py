@@ -152,10 +152,12 @@ def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = Fal
                                 yield cell, dtype, p, arch, 0
 
 
-def _projection_jobs(archs, largest_gather_only: bool):
-    """The LSTM projection kernels (grid only) at their tiles' largest H and P < H."""
+def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False):
+    """The LSTM projection kernels (grid only) at their tiles' largest H and P < H. ``mma``: the
+    tensor-core tiles instead (16-bit; the backward as planned at ``REPORT_BATCH``, on the tensor
+    cores)."""
     for dtype in planner.KERNEL_DTYPES:
-        for ptile in planner.PROJECTION_TILES:
+        for ptile in planner.projection_tiles_for(dtype, mma):
             hidden, proj = planner.projection_capacity(ptile)
             proj = min(proj, hidden - 1)
             for backward in (False, True):
@@ -197,6 +199,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "mma grid": KernelFamily(partial(_layer_jobs, cluster=False, mma=True)),
     "mma cluster": KernelFamily(partial(_layer_jobs, cluster=True, mma=True)),
     "projection": KernelFamily(_projection_jobs),
+    "mma projection": KernelFamily(partial(_projection_jobs, mma=True)),
     "stack": KernelFamily(_stack_jobs),
 }
 
