@@ -25,7 +25,8 @@ from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_U
                        current_device)
 from . import validation
 from .tiles import (PROJECTION_TILES, PassTile, ProjectionTile, Tile, cluster_tiles_for,
-                    mma_tiles_for, projection_tile_ships, stack_tiles_for, tiles_for)
+                    mma_tiles_for, projection_tile_ships, projection_tiles_for, stack_tiles_for,
+                    tiles_for)
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -382,6 +383,10 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
                "PRNN_KPT_B": b.kpt, "PRNN_WARPS": tile.warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    if tile.mma and not backward:  # W_hh as A fragments, W_hr as B fragments (split h_t)
+        defines["PRNN_MMA"] = 1
+    if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH:  # both as B fragments
+        defines["PRNN_MMA"] = 2
     defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
     defines.update(layout_defines(projection_shared_layout(tile, backward)))
     block = tile.warps * WARP
@@ -397,9 +402,11 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
 
 
 def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
-    """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits."""
+    """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits, the
+    tensor-core tiles first for 16-bit weights from ``MMA_MIN_BATCH`` rows (as the plain layers)."""
     tried: list[tuple[object, int, str]] = []
-    for tile in PROJECTION_TILES:
+    mma = projection_tiles_for(dtype, mma=True) if batch >= MMA_MIN_BATCH else ()
+    for tile in mma + projection_tiles_for(dtype):
         if not projection_tile_ships(tile, dtype, dev.arch):
             tried.append((tile, 0, f"not built for {dtype} on {dev.arch} (ptxas spills)"))
             continue
