@@ -103,7 +103,10 @@ def group(record: dict) -> tuple:
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) form one group per placement, pass and arch (CI: a few
-    configurations)."""
+    configurations); the mma projection one group per arch (CI: one configuration, the backward
+    holding the most weights, ptxas' register edge)."""
+    if record["family"] == "mma projection":
+        return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith("mma"):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
     return (record["family"], CELLS[record["cell"]].tiles, record["dtype"], record["pass"],
