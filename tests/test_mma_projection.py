@@ -12,8 +12,10 @@ backward's W_hh^T and W_hr^T as B fragments of the split dg and drs) through the
 * the planner: the mma tiles from ``plan.MMA_MIN_BATCH`` rows, their backward on the tensor cores
   from ``plan.MMA_BACKWARD_MIN_BATCH``, never for fp32.
 
-CI runs fp16 (and bf16 against float64); ``PRNN_TEST_EVERY_KERNEL=1`` adds bf16 to the CUDA-core
-comparison and the stall, and the sabotage.
+CI runs fp16's backward against the CUDA-core one and its bounds and stall (one kernel built
+beside tests/test_projection_persistent.py's 16-bit layers, which run the mma forward of both
+dtypes against float64, and the mma tile's CUDA-core backward: B = 3); ``PRNN_TEST_EVERY_KERNEL=1``
+adds bf16 throughout, the forward against the CUDA-core tiles, and the sabotage.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def emulation(settings, fresh_plans):
     prnn.configure(emulation_timeout_ms=20_000)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", CORE_DTYPES)
 def test_mma_projection_within_the_16bit_bounds_of_float64(emulation, dtype):
     data = _data()
     kern = _layer(dtype)
@@ -99,8 +101,8 @@ def test_mma_projection_within_the_16bit_bounds_of_float64(emulation, dtype):
 
 def _forward_and_gradients(dtype: str, data: dict, core: bool, monkeypatch):
     """The forward's y (16-bit) and the backward's fp32 gradients (unrounded) of the mma tile's
-    layer, both passes on the tensor cores or (``core``) on the CUDA cores; the backward runs from
-    the forward's context of the mma forward either way, so that the two compare one pass."""
+    layer, the backward on the tensor cores or (``core``) on the CUDA cores, from an mma forward
+    either way (the same tile: the two backwards compare one pass)."""
     layer = _layer(dtype)
     y, _ = layer.forward(_cast(layer, data["x"]), _cast(layer, data["hx"]), LENGTHS)
     _ran(layer.last_run, True)
@@ -124,14 +126,22 @@ def _core_forward(dtype: str, data: dict, params: dict, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", CORE_DTYPES)
-def test_mma_projection_matches_the_cuda_core_kernels(emulation, monkeypatch, dtype):
+def test_mma_projection_backward_matches_the_cuda_core_backward(emulation, monkeypatch, dtype):
     data = _data(5)
-    y, mma = _forward_and_gradients(dtype, data, False, monkeypatch)
+    _, mma = _forward_and_gradients(dtype, data, False, monkeypatch)
     _, core = _forward_and_gradients(dtype, data, True, monkeypatch)
     for key, ref in core.items():
         assert _relerr(mma[key], ref) <= FP32_BOUND, key
-    params = _layer(dtype).params
-    assert _relerr(y, _core_forward(dtype, data, params, monkeypatch)) <= UNIT_ROUNDOFF[dtype]
+
+
+@pytest.mark.skipif(not EVERY, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mma_projection_forward_matches_the_cuda_core_forward(emulation, monkeypatch, dtype):
+    data = _data(5)
+    layer = _layer(dtype)
+    y, _ = layer.forward(_cast(layer, data["x"]), _cast(layer, data["hx"]), LENGTHS)
+    _ran(layer.last_run, True)
+    assert _relerr(y, _core_forward(dtype, data, layer.params, monkeypatch)) <= UNIT_ROUNDOFF[dtype]
 
 
 @pytest.mark.skipif(not EVERY, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
