@@ -229,7 +229,7 @@ def _record(job: Job, tool: str | None) -> dict:
     loop = sass_loop_counts(sass) if sass else None
     return {**describe(job), **parse_ptxas(compiled.log), "time_loop": loop,
             **local_memory_record(compiled.log, loop),
-            "model": model_fields(job.cell, job.dtype, p, job.arch, sass)
+            "model": model_fields(job.cell, job.dtype, p, job.arch, sass, job.proj)
             if sass and KERNEL_FAMILIES[job.family].modelled else None}
 
 
@@ -237,14 +237,15 @@ def _record(job: Job, tool: str | None) -> dict:
 MODEL_BATCHES = (1, REPORT_BATCH)
 
 
-def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
+def model_fields(cell, dtype: str, p, arch: str, sass: str, proj: int = 0) -> dict:
     """The latency model on one configuration (``persistent_rnn.latency``): instructions per batch
     row of the matrix loop against its FFMAs, and the predicted µs per step (a prediction) at
     ``MODEL_BATCHES`` on the arch's device profile (sm_80: a100, else h100)."""
     device = hardware.PROFILES["a100" if arch == "sm_80" else "h100"]
     predicted, terms = {}, None
     for batch in MODEL_BATCHES:
-        terms = latency.step_terms(sass, latency.shape_at(cell, p, batch, p.max_hidden), device)
+        terms = latency.step_terms(sass, latency.shape_at(cell, p, batch, p.max_hidden, proj),
+                                   device)
         predicted[str(batch)] = round(terms.total_us, 3)
     return {"per_row_instructions": terms.per_row_instructions, "per_row_ffma": terms.per_row_ffma,
             "predicted_us": predicted, "device_profile": device.name, "prediction": True}

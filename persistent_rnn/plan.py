@@ -618,14 +618,18 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
 
 
 def _max_projected_hidden(proj: int, dtype: str, dev: DeviceProfile, batch: int) -> int:
-    best = 0
-    for tile in PROJECTION_TILES:
-        top = min(projection_capacity(tile)[0], dev.sm_count * tile.units)
-        for hidden in range(top, max(best, proj), -1):
-            if _projection_plan(hidden, proj, batch, dtype, dev).fits:
-                best = hidden
-                break
-    return best
+    """``max_hidden_size`` with a projection, by bisection over H in (P, the largest tile's top]:
+    whether a tile fits is monotone in H (its grid grows with H; its columns, registers and shared
+    memory do not), and so is whether any does (a scan of every H tried all tiles at each)."""
+    fits, beyond = proj, 1 + max(min(projection_capacity(t)[0], dev.sm_count * t.units)
+                                 for t in PROJECTION_TILES)
+    while beyond - fits > 1:  # every H in (P, fits] fits, `beyond` does not
+        mid = (fits + beyond) // 2
+        if _projection_plan(mid, proj, batch, dtype, dev).fits:
+            fits = mid
+        else:
+            beyond = mid
+    return fits if fits > proj else 0
 
 
 def resolve_cell(cell: CellSpec | str) -> CellSpec:
