@@ -189,3 +189,19 @@ def test_planner_takes_the_mma_projection_tiles_from_the_mma_batches():
     # H 768 / P 384: the P <= 512 tile; H 2048 stays on the CUDA-core tiles (no mma tile serves it)
     assert planner.make_plan("lstm", 768, 8, "float16", "h100", proj_size=384).tile == MMA_PROJECTION_TILES[2]
     assert not planner.make_plan("lstm", 2048, 4, "float16", "h100", proj_size=512).tile.mma
+
+
+def test_the_model_counts_a_projections_two_exchanges():
+    """``prnn plan --proj-size``'s passes: two exchanges a step (r and h forward, dr and dg
+    backward), both vectors' words and gathers."""
+    from math import ceil
+
+    from persistent_rnn import latency
+    from persistent_rnn.cells import CELLS
+    got = planner.make_plan("lstm", 1024, 8, "float16", "h100", proj_size=256)
+    for p, k_len in ((got.forward, 1024 + 256), (got.backward, 4 * 1024 + 256)):
+        shape, plain = (latency.PassShape(CELLS["lstm"], p, 8, 1024, proj) for proj in (256, 0))
+        assert (shape.exchanges, plain.exchanges, shape.k_len) == (2, 1, k_len)
+        rounds = [ceil(planner.quads_per_thread(8, row, p.block) / shape.gather_quads)
+                  for row in (p.exchange_row, p.exchange_row_b)]
+        assert (shape.gather_rounds, plain.gather_rounds) == (sum(rounds), rounds[0])
