@@ -15,7 +15,9 @@ backward's W_hh^T and W_hr^T as B fragments of the split dg and drs) through the
 CI runs fp16's backward against the CUDA-core one and its bounds and stall (one kernel built
 beside tests/test_projection_persistent.py's 16-bit layers, which run the mma forward of both
 dtypes against float64, and the mma tile's CUDA-core backward: B = 3); ``PRNN_TEST_EVERY_KERNEL=1``
-adds bf16 throughout, the forward against the CUDA-core tiles, and the sabotage.
+adds bf16 throughout, the forward against the CUDA-core tiles (whose passes, what B = 1 runs,
+are then held to the float64 layer: in CI the fp32 projection tests run their code), and the
+sabotage.
 """
 from __future__ import annotations
 
@@ -116,13 +118,17 @@ def _forward_and_gradients(dtype: str, data: dict, core: bool, monkeypatch):
 
 
 def _core_forward(dtype: str, data: dict, params: dict, monkeypatch):
-    """y of the same layer on the CUDA-core 16-bit projection tiles."""
+    """y of the same layer on the CUDA-core 16-bit projection tiles; its forward and backward
+    (what B = 1 runs) within docs/api.md's 16-bit bounds of the float64 layer."""
     monkeypatch.setattr(planner, "MMA_MIN_BATCH", 10**6)
     runtime._cached_engine.cache_clear()
     layer = _layer(dtype, params)
-    y, _ = layer.forward(_cast(layer, data["x"]), _cast(layer, data["hx"]), LENGTHS)
-    _ran(layer.last_run, False)
-    return y
+    got = _run(layer, data)
+    _ran(layer.forward_run, False)
+    _ran(layer.last_run, False, False)
+    for a, r in zip(got, _run(_layer("float64", params, "gemm"), data)):
+        assert _relerr(a, r) <= TOLERANCE[dtype]
+    return got[0]
 
 
 @pytest.mark.parametrize("dtype", CORE_DTYPES)
