@@ -163,7 +163,9 @@ struct MmaSplitTileOf {
     }
   }
 };
+#if PRNN_MMA == 2  // (the projection forward includes this header at 1 for its tile B)
 using MmaTile = MmaSplitTileOf<>;
+#endif
 
 // multiply_rows (persistent_common.cuh) for the split tile: per n-tile of 8 batch rows, A from
 // the staged vector (row stride `padded`; rows past the batch multiply the last row again, their

@@ -15,8 +15,17 @@
 // rows of its staged vector's length: tile A's padded K or tile B's): forward r_{t-1} (P) and h_t
 // (H); backward dr_t (P) and dgates_t (4H).
 // The grid path only: a cluster variant is not built (PRNN_CLUSTER is refused).
+//
+// On the tensor cores (-D PRNN_MMA, 16-bit; tiles.MMA_PROJECTION_TILES, docs/design.md "LSTM
+// with projection"): tile A is persistent_common.cuh's RegisterTile - the forward's W_hh as A
+// fragments (mma_tile.cuh; r_{t-1} is a 16-bit value), the backward's W_hh^T as B fragments
+// (mma_split_tile.cuh, dg split) - and tile B is always the split tile (W_hr, W_hr^T as B
+// fragments: the forward's h_t and the backward's drs_t are fp32, split into 16-bit parts).
 #pragma once
 #include "persistent_common.cuh"
+#ifdef PRNN_MMA
+#include "mma_split_tile.cuh"
+#endif
 
 #ifdef PRNN_CLUSTER
 #error "the LSTM-with-projection kernels run on the grid path only (no PRNN_CLUSTER build)"
@@ -27,10 +36,14 @@ namespace prnn {
 static_assert(PRNN_CELL == LSTM, "projections are defined for the LSTM only");
 constexpr int kProjRows = PRNN_PROJ_ROWS;  // rows of r owned by one CTA
 constexpr int kKsplitB = PRNN_KSPLIT_B;
+#ifdef PRNN_MMA
+using TileB = MmaSplitTileOf<PRNN_ROWS_B, PRNN_KPT_B>;
+#else
 using TileB = TileOf<PRNN_ROWS_B, PRNN_KPT_B>;
+#endif
 constexpr int kPaddedB = kKsplitB * TileB::kChunk;  // tile B's staged vector length per batch row
 
-// Loads `tile` (a TileOf, spread over the CTA's warps, `ksplit` warps per row group) from m
+// Loads `tile` (a TileOf or an mma tile, spread over the CTA's warps, `ksplit` warps per row group) from m
 // (k_len columns): the warp's local rows r < local_rows are m's rows row_of(r), those past them
 // zeros.
 template <class Tile, class RowOf>

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=_at_least(1), default=1, help="batch size (default 1)")
     pl.add_argument("--layers", type=_at_least(1), default=1, help="stacked layers (default 1)")
     pl.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    pl.add_argument("--proj-size", type=_at_least(1), default=0,
+                    help="LSTM projection width P (torch.nn's proj_size; LSTM only)")
     pl.add_argument("--device", choices=("h100", "h200", "a100"), default="h100")
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
     pl.add_argument("--verbose", action="store_true",
@@ -175,7 +177,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """``prnn plan``: the planner's placement and the latency model's prediction (exit 1: no fit)."""
     from . import latency
     try:
-        record = latency.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype, args.device)
+        record = latency.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype,
+                                     args.device, args.proj_size)
     except ValueError as exc:
         return _error("plan", str(exc))
     if not record["fits"]:
@@ -186,7 +189,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record, indent=1))
         return 0
-    print(f"{record['cell']} H={args.hidden} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
+    proj = f" proj_size={args.proj_size}" if args.proj_size else ""
+    print(f"{record['cell']} H={args.hidden}{proj} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
     tile = record["tile"]
     mma = (", forward and backward on the tensor cores (mma.m16n8k16)"
            if tile.get("tensor_cores_backward") else
@@ -221,7 +225,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.layers > 1:
         print(f"stack of {args.layers}, one launch per layer: predicted "
               f"{record['stack_forward_us']:.2f} / {record['stack_backward_us']:.2f} µs per step")
-        sm = record["stack_mode"]
+        sm = record.get("stack_mode", {"fits": False, "reason": "a projection has no stack mode"})
         if sm["fits"]:
             print(f"stack mode: 1 launch per pass, {sm['ctas']} CTAs x {sm['block']} threads "
                   f"({sm['units']} units per CTA per layer), {sm['steps_in_series']} steps in "
@@ -265,7 +269,8 @@ def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:
     size that fits and what runs instead (``plan.not_fit_lines``); every tile tried only with
     ``--json`` or ``--verbose``."""
     from . import plan
-    lines = plan.not_fit_lines(args.cell, args.hidden, args.batch, args.dtype, args.device)
+    lines = plan.not_fit_lines(args.cell, args.hidden, args.batch, args.dtype, args.device,
+                               args.proj_size)
     if args.json:
         print(json.dumps({**record, "explanation": lines}, indent=1))
         return 1

@@ -103,7 +103,11 @@ def group(record: dict) -> tuple:
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) and the fp32 tiles serving 16-bit layers (``widened``) form one
-    group per placement, pass and arch (CI: a few configurations)."""
+    group per placement, pass and arch (CI: a few configurations); the mma projection one group
+    per arch (CI: one configuration, the backward holding the most weights, ptxas' register
+    edge)."""
+    if record["family"] == "mma projection":
+        return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith(("mma", "widened")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
     return (record["family"], CELLS[record["cell"]].tiles, record["dtype"], record["pass"],
@@ -162,10 +166,12 @@ def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
                 yield cell, half, planner.widened_pass(p, half, False), arch, proj
 
 
-def _projection_jobs(archs, largest_gather_only: bool):
-    """The LSTM projection kernels (grid only) at their tiles' largest H and P < H."""
+def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False):
+    """The LSTM projection kernels (grid only) at their tiles' largest H and P < H. ``mma``: the
+    tensor-core tiles instead (16-bit; the backward as planned at ``REPORT_BATCH``, on the tensor
+    cores)."""
     for dtype in planner.KERNEL_DTYPES:
-        for ptile in planner.PROJECTION_TILES:
+        for ptile in planner.projection_tiles_for(dtype, mma):
             hidden, proj = planner.projection_capacity(ptile)
             proj = min(proj, hidden - 1)
             for backward in (False, True):
@@ -211,6 +217,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "widened grid": KernelFamily(partial(_widened_jobs, cluster=False), in_ci=False),
     "widened cluster": KernelFamily(partial(_widened_jobs, cluster=True), in_ci=False),
     "projection": KernelFamily(_projection_jobs),
+    "mma projection": KernelFamily(partial(_projection_jobs, mma=True)),
     "stack": KernelFamily(_stack_jobs),
 }
 
@@ -237,7 +244,7 @@ def _record(job: Job, tool: str | None) -> dict:
     loop = sass_loop_counts(sass) if sass else None
     return {**describe(job), **parse_ptxas(compiled.log), "time_loop": loop,
             **local_memory_record(compiled.log, loop),
-            "model": model_fields(job.cell, job.dtype, p, job.arch, sass)
+            "model": model_fields(job.cell, job.dtype, p, job.arch, sass, job.proj)
             if sass and KERNEL_FAMILIES[job.family].modelled else None}
 
 
@@ -245,14 +252,15 @@ def _record(job: Job, tool: str | None) -> dict:
 MODEL_BATCHES = (1, REPORT_BATCH)
 
 
-def model_fields(cell, dtype: str, p, arch: str, sass: str) -> dict:
+def model_fields(cell, dtype: str, p, arch: str, sass: str, proj: int = 0) -> dict:
     """The latency model on one configuration (``persistent_rnn.latency``): instructions per batch
     row of the matrix loop against its FFMAs, and the predicted µs per step (a prediction) at
     ``MODEL_BATCHES`` on the arch's device profile (sm_80: a100, else h100)."""
     device = hardware.PROFILES["a100" if arch == "sm_80" else "h100"]
     predicted, terms = {}, None
     for batch in MODEL_BATCHES:
-        terms = latency.step_terms(sass, latency.shape_at(cell, p, batch, p.max_hidden), device)
+        terms = latency.step_terms(sass, latency.shape_at(cell, p, batch, p.max_hidden, proj),
+                                   device)
         predicted[str(batch)] = round(terms.total_us, 3)
     return {"per_row_instructions": terms.per_row_instructions, "per_row_ffma": terms.per_row_ffma,
             "predicted_us": predicted, "device_profile": device.name, "prediction": True}

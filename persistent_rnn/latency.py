@@ -50,12 +50,14 @@ CALIBRATION = ("calibrated on 19 points of today's kernels measured on an H200 a
 @dataclass(frozen=True)
 class PassShape:
     """What the model needs to know of one pass besides its SASS: the cell, the tile's
-    compile-time configuration (``plan.PassPlan``), the batch and the hidden size."""
+    compile-time configuration (``plan.PassPlan``), the batch and the hidden size (``proj``: an
+    LSTM projection kernel's P, else 0)."""
 
     cell: CellSpec
     plan: planner.PassPlan
     batch: int
     hidden: int
+    proj: int = 0
 
     @property
     def backward(self) -> bool:
@@ -63,8 +65,15 @@ class PassShape:
 
     @property
     def k_len(self) -> int:
-        """Length of the exchanged vector per batch row (forward H, backward G*H)."""
-        return self.cell.gates * self.hidden if self.backward else self.hidden
+        """Length of the exchanged vector per batch row (forward H, backward G*H; an LSTM
+        projection's two vectors together: P more)."""
+        return (self.cell.gates * self.hidden if self.backward else self.hidden) + self.proj
+
+    @property
+    def exchanges(self) -> int:
+        """Exchanges a step waits on one after the other: an LSTM projection's two (forward r
+        and h, backward dr and dg; ``persistent_projection_*.cu``), else one."""
+        return 2 if self.proj else 1
 
     @property
     def stack(self) -> bool:
@@ -117,9 +126,11 @@ class PassShape:
     def gather_rounds(self) -> int:
         """Batches of ``gather_quads`` a thread of the gather goes through per step: thread x
         takes quad slots x, x + threads, ... of the exchange's [B][exchange_row] rows (slots past
-        K are skipped, but hold their place); per gathered vector (``gathers``)."""
-        quads = planner.quads_per_thread(self.batch, self.plan.exchange_row, 32 * self.warps)
-        return math.ceil(quads / self.gather_quads)
+        K are skipped, but hold their place); per gathered vector (``gathers``); an LSTM
+        projection's two exchanges together."""
+        rows = (self.plan.exchange_row,) + ((self.plan.exchange_row_b,) if self.proj else ())
+        return sum(math.ceil(planner.quads_per_thread(self.batch, row, 32 * self.warps)
+                             / self.gather_quads) for row in rows)
 
 
 def _tile_of(shape: PassShape) -> planner.Tile:
@@ -128,9 +139,12 @@ def _tile_of(shape: PassShape) -> planner.Tile:
     return planner.Tile(d["PRNN_UNITS"], pt, pt, d.get("PRNN_CLUSTER", 0))
 
 
-def shape_at(cell: CellSpec, p: planner.PassPlan, batch: int, hidden: int) -> PassShape:
+def shape_at(cell: CellSpec, p: planner.PassPlan, batch: int, hidden: int,
+             proj: int = 0) -> PassShape:
     """``p``'s configuration at another batch and hidden size (its shared memory re-sized as the
-    planner would)."""
+    planner would; ``proj``: an LSTM projection kernel's P, its shared memory kept)."""
+    if proj:
+        return PassShape(cell, p, batch, hidden, proj)
     shaped = replace(p, shared_bytes=planner.shared_bytes(
         cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch,
         stack=p.source.startswith("stack_")))
@@ -213,8 +227,8 @@ def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
         return math.ceil(shape.batch / 8)
     if kind == "levels":
         return math.log2(_rows_pow2(shape.plan.defines["PRNN_ROWS"]))
-    if kind in ("chunks", "scan"):
-        return shape.gather_rounds
+    if kind in ("chunks", "scan"):  # (an LSTM projection's two gathers: each its share)
+        return math.ceil(shape.gather_rounds / shape.exchanges)
     if kind == "fallback":
         return 0
     items = loop_items(kind, shape, counter)
@@ -414,10 +428,11 @@ def exchange_us(step: StepLoop, device: DeviceProfile) -> float:
     # A measured round (its one batch of quads per thread), one more round trip per further
     # batch a thread gathers (gather_quads in flight; a stack's layer gathers two vectors), and
     # the exposed part of the L2 traffic beyond the round's.
-    extra_rounds = shape.gathers * shape.gather_rounds - 1
-    round_bytes = shape.plan.grid ** 2 * hw.EXCHANGE_ROUND_WORDS * 4
+    # An LSTM projection waits on two exchanges a step, each a measured round.
+    extra_rounds = shape.gathers * shape.gather_rounds - shape.exchanges
+    round_bytes = shape.exchanges * shape.plan.grid ** 2 * hw.EXCHANGE_ROUND_WORDS * 4
     extra_traffic = max(0.0, l2_traffic_us(step) - round_bytes / (hw.L2_BANDWIDTH_GBPS * 1e3))
-    return (hw.exchange_round_ns(hw.EXCHANGE_ROUND_NS, shape.plan.grid) / 1000
+    return (shape.exchanges * hw.exchange_round_ns(hw.EXCHANGE_ROUND_NS, shape.plan.grid) / 1000
             + extra_rounds * l2_us + hw.EXCHANGE_TRAFFIC_EXPOSED * extra_traffic)
 
 
@@ -643,11 +658,12 @@ class StepTime:
 
 def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
                  device: DeviceProfile, src_dir: Path | None = None, seq_len: int = 100,
-                 input_size: int = 64) -> StepTime:
-    """The model's prediction for a fitting ``plan`` (``src_dir``: sources of another commit)."""
+                 input_size: int = 64, proj: int = 0) -> StepTime:
+    """The model's prediction for a fitting ``plan`` (``src_dir``: sources of another commit;
+    ``proj``: an LSTM projection's P - its per-call terms are the plain LSTM's of ``hidden``)."""
     terms = []
     for p in (plan.forward, plan.backward):
-        shape = PassShape(cell, p, batch, hidden)
+        shape = PassShape(cell, p, batch, hidden, proj)
         terms.append(step_terms(pass_sass(p, device.arch, src_dir), shape, device))
     calls = [call_costs(cell, hidden, batch, seq_len, input_size, b, device, _half(plan))
              for b in (False, True)]
@@ -740,21 +756,24 @@ def predict_stack_time(cell: str, hidden: int, batch: int, layers: int, seq_len:
 
 
 def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: str = "float32",
-                device: DeviceProfile | str | None = "h100") -> dict:
+                device: DeviceProfile | str | None = "h100", proj_size: int = 0) -> dict:
     """``prnn plan``'s record: the placement (tile, grid or cluster, CTAs, block, registers,
     shared memory, or why it does not fit) and, where it fits, the model's predicted µs per step
     (``forward_us``, ``backward_us`` for one layer; ``stack_forward_us`` / ``stack_backward_us``
     for ``layers`` layers, one launch each, in sequence) with their terms - predictions, labelled
-    with the model's calibration error."""
+    with the model's calibration error. ``proj_size``: an LSTM's projection P (its kernels'
+    two exchanges a step modelled; the per-call terms are those of the LSTM without one)."""
     spec = planner.resolve_cell(cell)
     dev = planner.resolve_device(device)
-    plan = planner.make_plan(spec, hidden, batch, dtype, dev)
+    plan = planner.make_plan(spec, hidden, batch, dtype, dev, proj_size)
     record: dict = {"cell": spec.name, "hidden_size": hidden, "batch": batch, "layers": layers,
-                    "dtype": dtype, "device": dev.name, "fits": plan.fits, "reason": plan.reason}
+                    "dtype": dtype, "device": dev.name, "fits": plan.fits, "reason": plan.reason,
+                    "proj_size": proj_size}
     if not plan.fits:
         return {**record, "tried": list(plan.tried)}
-    record["tile"] = {"units": plan.tile.units, "cluster": plan.tile.cluster,
-                      "placement": "cluster" if plan.tile.cluster else "grid",
+    cluster = getattr(plan.tile, "cluster", 0)  # (a projection tile: the grid)
+    record["tile"] = {"units": plan.tile.units, "cluster": cluster,
+                      "placement": "cluster" if cluster else "grid",
                       "tensor_cores": getattr(plan.tile, "mma", False),
                       "tensor_cores_backward": plan.backward.defines.get("PRNN_MMA") == 2,
                       # the passes of a 16-bit layer on the fp32 tile (plan.widened_pass)
@@ -765,7 +784,7 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
         record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
                         "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,
                         "defines": dict(p.defines)}
-    st = predict_plan(spec, hidden, batch, plan, dev)
+    st = predict_plan(spec, hidden, batch, plan, dev, proj=proj_size)
     record.update({"prediction": True, "calibration": CALIBRATION,
                    "forward_us": st.forward_us, "backward_us": st.backward_us,
                    "stack_forward_us": layers * st.forward_us,
@@ -773,8 +792,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
                    "launches_per_pass": layers,
                    "forward_terms": terms_dict(st.forward), "backward_terms": terms_dict(st.backward),
                    "forward_dominant": st.forward.dominant(), "backward_dominant": st.backward.dominant(),
-                   "per_call": per_call_report(spec, hidden, batch, plan, dev)})
-    if layers > 1:
+                   "per_call": per_call_report(spec, hidden, batch, plan, dev, proj_size)})
+    if layers > 1 and not proj_size:  # (stack mode has no projection)
         record["stack_mode"] = stack_report(spec, hidden, batch, layers, dtype, dev)
     return record
 
@@ -784,7 +803,7 @@ PER_CALL_INPUT = 64                # ... with this input size
 
 
 def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
-                    device: DeviceProfile) -> dict:
+                    device: DeviceProfile, proj: int = 0) -> dict:
     """``prnn plan``'s per-call record of one layer-direction (predictions): per T in
     ``PER_CALL_STEPS`` the host µs and API calls of a forward and a backward call, the device
     µs beside the steps, and the end-to-end µs per step of a forward and of a forward+backward
@@ -792,7 +811,7 @@ def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
     rows = []
     for steps in PER_CALL_STEPS:
         st = predict_plan(cell, hidden, batch, plan, device, seq_len=steps,
-                          input_size=PER_CALL_INPUT)
+                          input_size=PER_CALL_INPUT, proj=proj)
         fwd, bwd = (call_costs(cell, hidden, batch, steps, PER_CALL_INPUT, b, device,
                                _half(plan)) for b in (False, True))
         rows.append({"seq_len": steps, "forward_host_us": fwd.host_us,

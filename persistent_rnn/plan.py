@@ -25,7 +25,8 @@ from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_U
                        current_device)
 from . import validation
 from .tiles import (PROJECTION_TILES, PassTile, ProjectionTile, Tile, cluster_tiles_for,
-                    mma_tiles_for, projection_tile_ships, stack_tiles_for, tiles_for)
+                    mma_tiles_for, projection_tile_ships, projection_tiles_for, stack_tiles_for,
+                    tiles_for)
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -392,6 +393,10 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
                "PRNN_KPT_B": b.kpt, "PRNN_WARPS": tile.warps}
     if KERNEL_DTYPES[dtype]:
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
+    if tile.mma and not backward:  # W_hh as A fragments, W_hr as B fragments (split h_t)
+        defines["PRNN_MMA"] = 1
+    if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH:  # both as B fragments
+        defines["PRNN_MMA"] = 2
     defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
     defines.update(layout_defines(projection_shared_layout(tile, backward)))
     block = tile.warps * WARP
@@ -407,9 +412,11 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
 
 
 def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
-    """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits."""
+    """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits, the
+    tensor-core tiles first for 16-bit weights from ``MMA_MIN_BATCH`` rows (as the plain layers)."""
     tried: list[tuple[object, int, str]] = []
-    for tile in PROJECTION_TILES:
+    mma = projection_tiles_for(dtype, mma=True) if batch >= MMA_MIN_BATCH else ()
+    for tile in mma + projection_tiles_for(dtype):
         if not projection_tile_ships(tile, dtype, dev.arch):
             tried.append((tile, 0, f"not built for {dtype} on {dev.arch} (ptxas spills)"))
             continue
@@ -665,14 +672,18 @@ def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | s
 
 
 def _max_projected_hidden(proj: int, dtype: str, dev: DeviceProfile, batch: int) -> int:
-    best = 0
-    for tile in PROJECTION_TILES:
-        top = min(projection_capacity(tile)[0], dev.sm_count * tile.units)
-        for hidden in range(top, max(best, proj), -1):
-            if _projection_plan(hidden, proj, batch, dtype, dev).fits:
-                best = hidden
-                break
-    return best
+    """``max_hidden_size`` with a projection, by bisection over H in (P, the largest tile's top]:
+    whether a tile fits is monotone in H (its grid grows with H; its columns, registers and shared
+    memory do not), and so is whether any does (a scan of every H tried all tiles at each)."""
+    fits, beyond = proj, 1 + max(min(projection_capacity(t)[0], dev.sm_count * t.units)
+                                 for t in PROJECTION_TILES)
+    while beyond - fits > 1:  # every H in (P, fits] fits, `beyond` does not
+        mid = (fits + beyond) // 2
+        if _projection_plan(mid, proj, batch, dtype, dev).fits:
+            fits = mid
+        else:
+            beyond = mid
+    return fits if fits > proj else 0
 
 
 def resolve_cell(cell: CellSpec | str) -> CellSpec:

@@ -172,12 +172,13 @@ class ProjectionTile:
     forward_b: PassTile
     backward: PassTile
     backward_b: PassTile
+    mma: bool = False  # on the tensor cores (16-bit; MMA_PROJECTION_TILES)
 
 
 def _ptile(units: int, proj_rows: int, warps: int, forward, forward_b, backward,
-           backward_b) -> ProjectionTile:
+           backward_b, mma: bool = False) -> ProjectionTile:
     return ProjectionTile(units, proj_rows, warps, PassTile(*forward), PassTile(*forward_b),
-                          PassTile(*backward), PassTile(*backward_b))
+                          PassTile(*backward), PassTile(*backward_b), mma)
 
 
 # Small (H <= 128, P <= 128), H 1024 / P 256 (40-48 weights per thread), H 2048 / P 512
@@ -187,6 +188,31 @@ PROJECTION_TILES: tuple[ProjectionTile, ...] = (
     _ptile(8, 2, 8, (8, 2, 4), (2, 8, 4), (2, 8, 16), (8, 8, 2)),
     _ptile(16, 4, 8, (8, 1, 16), (4, 8, 8), (4, 8, 32), (8, 4, 4)),
 )
+
+
+# Tensor-core projection tiles (issue 28; -D PRNN_MMA; docs/design.md, "LSTM with projection"):
+# 16-bit, from plan.MMA_MIN_BATCH rows. The forward's tile A holds W_hh as A fragments
+# (mma_tile.cuh: ``rows`` whole 16-row m-tiles, 4 * units = rows * warps / ksplit), its tile B
+# W_hr as B fragments (mma_split_tile.cuh: rows in n-tiles of 8, the fp32 h_t split); the backward
+# holds both as B fragments (split dg and drs) from plan.MMA_BACKWARD_MIN_BATCH rows, below on the
+# CUDA cores with the same PassTiles (kpt even). A CTA owns 8 rows of r (proj_rows 8: a whole
+# n-tile; with 2 or 4 an n-tile would be 3/4 or 1/2 zero columns and as many wasted registers,
+# for the same HMMAs). The grid is max(ceil(H/8), ceil(P/8)): the CTAs past ceil(P/8) hold zeros
+# in tile B, at no cost to the step (every CTA multiplies in parallel). Small: H, P <= 128 on 4
+# warps; H <= 1024 with P <= 256 (tile A one k-step pair per warp) or P <= 512.
+MMA_PROJECTION_TILES: tuple[ProjectionTile, ...] = (
+    _ptile(8, 8, 4, (32, 4, 1), (8, 4, 1), (8, 4, 4), (8, 4, 2), mma=True),
+    _ptile(8, 8, 8, (32, 8, 1), (8, 8, 4), (8, 8, 16), (4, 4, 2), mma=True),
+    _ptile(8, 8, 8, (32, 8, 2), (8, 8, 4), (8, 8, 16), (8, 8, 2), mma=True),
+)
+
+
+def projection_tiles_for(dtype: str, mma: bool = False) -> tuple[ProjectionTile, ...]:
+    """The shipped projection tiles for weights of ``dtype``; ``mma``: the tensor-core ones
+    (none for fp32)."""
+    if mma:
+        return () if WEIGHT_BYTES[dtype] == 4 else MMA_PROJECTION_TILES
+    return PROJECTION_TILES
 
 
 # (units, dtype, arch) of projection tiles that ptxas cannot build without spilling, so they are

@@ -191,3 +191,15 @@ def test_a_layers_refusal_uses_the_plans_words():
     with pytest.raises(ValueError) as err:
         layer.forward(np.zeros((2, 1, 4), np.float32))
     assert str(err.value) == f"algo='persistent' cannot run this layer: {reason}"
+
+
+def test_plan_of_a_projection_names_its_size_and_what_limits(capsys):
+    # H 768 / P 384 at B 16: the backward's staged dg (4H) does not fit, on any projection tile
+    argv = ["plan", "LSTM", "768", "--batch", "16", "--proj-size", "384", "--dtype", "float16"]
+    assert cli.main(argv + ["--json"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    first, second = record["explanation"]
+    assert first.startswith("lstm H=768 proj_size=384 B=16 float16 does not fit h100: limited "
+                            "by shared memory"), first
+    assert "with proj_size=384" in second
+    assert record["proj_size"] == 384 and any("mma=True" in str(t) for t in record["tried"])

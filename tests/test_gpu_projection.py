@@ -50,3 +50,23 @@ def test_stall_restarts_with_bitwise_identical_results(cupy, settings):
     assert stalled["fwd"].fallback is None and stalled["bwd"].fallback is None
     for a, b in zip(plain["arrays"], stalled["arrays"]):
         assert bool(cupy.array_equal(a, b))
+
+
+# docs/api.md's 16-bit tolerance against the float64 layer on the same fp16 parameters (the
+# layer API takes no CuPy bfloat16 arrays; bf16 runs in the emulation, tests/test_mma_projection.py).
+FP16_TOLERANCE = 5e-3
+
+
+@pytest.mark.parametrize("hidden,proj,batch", [(1024, 256, 8), (768, 384, 4)])
+def test_fp16_projection_on_the_tensor_cores_within_the_16bit_bounds(cupy, hidden, proj, batch):
+    """The mma projection tiles (both passes on the tensor cores from B = 4) on the GPU."""
+    dtype = "float16"
+    got = _run(cupy, hidden, proj, batch, dtype, "persistent")
+    for stats, mma in ((got["fwd"], 1), (got["bwd"], 2)):
+        assert stats.algo == "persistent" and not stats.emulated and stats.restarts == 0
+        assert f"'PRNN_MMA': {mma}" in stats.details[0], stats.details
+    params = {k: cupy.asnumpy(v).astype(np.float64) for k, v in got["params"].items()}
+    ref = _run(cupy, hidden, proj, batch, "float64", "gemm", params)
+    for a, b in zip(got["arrays"], ref["arrays"]):
+        err = float(cupy.abs(a.astype(cupy.float64) - b).max() / cupy.abs(b).max())
+        assert err <= FP16_TOLERANCE, err

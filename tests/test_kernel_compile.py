@@ -19,7 +19,7 @@ from persistent_rnn.kernel_report import gather_variants
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, PassTile, cluster_tiles_for,
                                  mma_tiles_for, pass_plan, projection_tile_ships, resident_ctas,
                                  stack_tiles_for, tile_max_hidden, tiles_for)
-from persistent_rnn.tiles import SHIPPED, Tile
+from persistent_rnn.tiles import MMA_PROJECTION_TILES, SHIPPED, Tile
 from persistent_rnn.plan import layout_defines, shared_layout
 from persistent_rnn.plan import warp_teams as warp_teams_of
 
@@ -92,6 +92,12 @@ def test_every_configuration_is_listed():
     assert all(r["cell"] == "lstm" and not r["cluster"] and not r["stack"]
                and 0 < r["proj_size"] < r["hidden_size"] for r in projected)
     assert sum(r["stack"] > 0 for r in listed) == stacks
+    # The mma projection tiles (16-bit), both passes on the tensor cores, on both archs.
+    mma_projected = [r for r in every if r["family"] == "mma projection"]
+    assert len(mma_projected) == len(MMA_PROJECTION_TILES) * 2 * 2 * len(ARCHS)
+    assert all(r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
+               and r["dtype"] != "float32" and 0 < r["proj_size"] < r["hidden_size"]
+               for r in mma_projected)
     for dtype in KERNEL_DTYPES:
         for cell in CELLS:
             for pass_ in ("forward", "backward"):
