@@ -216,14 +216,14 @@ def prepare_backward(cell: CellSpec, engine: _Engine, dy: Array, w_hh: Array, h0
     args = dict(dy=dy, saved=fwd.saved, lengths=buffers.full_lengths(xp, lengths, batch, steps),
                 dgh=dgh, dc_carry=dc_carry, steps=steps, batch=batch, hidden=hidden)
     if w_hr is None:  # persistent_backward.cu
-        args.update(w_t=_transposed(xp, w_hh, half, slot, p), y=fwd.y,
+        args.update(w_t=_transposed(xp, w_hh, half, p, _name(slot, "w_t")), y=fwd.y,
                     cs=fwd.y if fwd.cs is None else fwd.cs, h0=c(h0),
                     c0=c(h0) if c0 is None else c(c0), dgi=dgi, dh_carry=dh_carry,
                     exchange=chain.exchanges[0])
         complete, kernel = dict(args, w_ih_t=args["dy"], chained=0, per_step=0), "prnn_complete_backward"
     else:  # persistent_projection_backward.cu: exchanges of dr_t (tile B's rows), dgates_t (A's)
-        args.update(w_hh_t=buffers.weight_words(xp, w_hh.T, half, _name(slot, "w_t")),
-                    w_hr_t=buffers.weight_words(xp, w_hr.T, half, _name(slot, "w_hr_t")),
+        args.update(w_hh_t=_transposed(xp, w_hh, half, p, _name(slot, "w_t")),
+                    w_hr_t=_transposed(xp, w_hr, half, p, _name(slot, "w_hr_t")),
                     cs=fwd.cs, drs=drs,
                     c0=_zeros(xp, (batch, hidden)) if c0 is None else c(c0),
                     dr_carry=dh_carry, proj=proj_size,
@@ -335,18 +335,15 @@ def _scratch(xp, slot: int | None, name: str, shape: tuple[int, ...], dtype) -> 
     return buffers.workspace(xp, f"{name}{slot}", shape, dtype)
 
 
-def _transposed(xp, w_hh: Array, half: str | None, slot: int | None,
-                p: planner.PassPlan) -> Array:
-    """``W_hh^T`` as the backward kernel holds it (``buffers.weight_words``; a 16-bit layer's
-    pass on the fp32 tile, ``plan.widened_pass``: its values widened), copied every call (an
-    optimizer may change ``W_hh`` in place): for float32 weights into a workspace."""
-    if half is not None and p.defines.get("PRNN_WEIGHT_DTYPE"):
-        return buffers.weight_words(xp, w_hh.T, half, _name(slot, "w_t"))
-    if half is not None:
-        return buffers.widened_words(xp, w_hh.T, half, _name(slot, "w_t"))
-    w_t = _scratch(xp, slot, "w_t", w_hh.shape[::-1], np.float32)
-    xp.copyto(w_t, w_hh.T)
-    return w_t
+def _transposed(xp, m: Array, half: str | None, p: planner.PassPlan,
+                scratch: str | None) -> Array:
+    """``m^T`` (``W_hh^T``, a projection's ``W_hr^T``) as the backward pass ``p`` holds it,
+    copied every call (an optimizer may change ``m`` in place) into the workspace ``scratch``
+    (``None``: a new array): ``buffers.weight_words``, or for a 16-bit layer's pass on the fp32
+    tile (``plan.widened_pass``) its values widened (``buffers.widened_words``)."""
+    if half is not None and not p.defines.get("PRNN_WEIGHT_DTYPE"):
+        return buffers.widened_words(xp, m.T, half, scratch)
+    return buffers.weight_words(xp, m.T, half, scratch)
 
 
 def _zeros(xp, shape: tuple[int, ...]) -> Array:

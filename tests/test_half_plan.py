@@ -201,6 +201,21 @@ NO_SLOWER_SHAPES = ([(c, h, b) for c in ("lstm", "gru", "rnn_tanh") for h in (12
                     [("lstm", 256, 1), ("rnn_tanh", 128, 2), ("gru", 1024, 2), ("lstm", 256, 4)])
 
 
+@pytest.mark.parametrize("hidden,proj", [(512, 128), (1024, 256)] if EVERY_KERNEL else [(512, 128)])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 8] if EVERY_KERNEL else [3])
+def test_16bit_projections_are_predicted_no_slower_than_float32(hidden, proj, batch):
+    # The LSTM with projection: its backward below plan.MMA_BACKWARD_MIN_BATCH on the fp32
+    # projection tile (plan._widened_projection); its forward on the 16-bit tiles throughout.
+    from persistent_rnn import latency
+    half, full = (make_plan("lstm", hidden, batch, d, "h100", proj_size=proj)
+                  for d in ("float16", "float32"))
+    assert ("PRNN_WEIGHT_DTYPE" in half.backward.defines) == (batch >= MMA_BACKWARD_MIN_BATCH)
+    predicted = [latency.predict_plan(CELLS["lstm"], hidden, batch, p, PROFILES["h100"],
+                                      proj=proj) for p in (half, full)]
+    assert predicted[0].forward_us <= 1.05 * predicted[1].forward_us
+    assert predicted[0].backward_us <= 1.05 * predicted[1].backward_us
+
+
 @pytest.mark.parametrize("cell,hidden,batch", NO_SLOWER_SHAPES)
 def test_16bit_layers_are_predicted_no_slower_than_float32(cell, hidden, batch):
     # Within the model's resolution (5 %: its median error on the recorded points is 3 %).

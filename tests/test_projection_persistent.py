@@ -111,6 +111,8 @@ def test_16bit_persistent_within_tolerance_of_float64(dtype):
     got = _run(dtype, "persistent", data, hidden, proj, LENGTHS, **args)
     _assert_persistent(got)
     assert any("PRNN_WEIGHT_DTYPE" in d for d in got["fwd"].details)
+    # B = 3 < plan.MMA_BACKWARD_MIN_BATCH: the backward on the fp32 tile, W^T widened
+    assert not any("PRNN_WEIGHT_DTYPE" in d for d in got["bwd"].details)
     ref = _run("float64", "gemm", data, hidden, proj, LENGTHS,
                params={k: np.asarray(v, np.float64) for k, v in got["params"].items()}, **args)
     for a, b in zip(got["arrays"], ref["arrays"]):
