@@ -49,14 +49,7 @@ PRNN_DEVICE float matrix_at(const void* m, size_t row, int col, int cols) {
 #if PRNN_WEIGHT_DTYPE == 0
   return static_cast<const float*>(m)[row * cols + col];
 #else
-  const unsigned w = static_cast<const unsigned*>(m)[row * ((cols + 1) / 2) + col / 2];
-  float lo, hi;
-#if PRNN_WEIGHT_DTYPE == 1
-  prnn_f16x2_to_float(w, lo, hi);
-#else
-  prnn_bf16x2_to_float(w, lo, hi);
-#endif
-  return (col & 1) ? hi : lo;
+  return prnn_pair_element<PRNN_WEIGHT_DTYPE>(static_cast<const unsigned*>(m), row, col, cols);
 #endif
 }
 

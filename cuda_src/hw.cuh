@@ -290,6 +290,21 @@ PRNN_DEVICE void prnn_load_shared_relaxed_u32x2(PrnnSharedWord p, unsigned& a, u
 
 #endif  // PRNN_EMULATION
 
+// Element (row, col) of a matrix of `cols` columns held as 32-bit words of two 16-bit values of
+// type kDtype (1 fp16, 2 bf16; rows padded to an even length), as fp32 (exact).
+template <int kDtype>
+PRNN_DEVICE float prnn_pair_element(const unsigned* m, size_t row, int col, int cols) {
+  static_assert(kDtype == 1 || kDtype == 2, "16-bit pairs: 1 fp16, 2 bf16");
+  const unsigned w = m[row * ((cols + 1) / 2) + col / 2];
+  float lo, hi;
+  if (kDtype == 1) {
+    prnn_f16x2_to_float(w, lo, hi);
+  } else {
+    prnn_bf16x2_to_float(w, lo, hi);
+  }
+  return (col & 1) ? hi : lo;
+}
+
 #ifndef PRNN_CLUSTER_DIMS
 #define PRNN_CLUSTER_DIMS
 #endif

@@ -83,14 +83,7 @@ PRNN_DEVICE float round_state(float v) { return prnn_stored_state(v); }
 static_assert(PRNN_WEIGHT_DTYPE == 0, "PRNN_WIDENED_FROM: an fp32 tile of a 16-bit layer");
 using WeightSource = unsigned;
 PRNN_DEVICE WeightWord source_word(const WeightSource* m, size_t row, int c, int k_len) {
-  const unsigned w = m[row * ((k_len + 1) / 2) + c / 2];
-  float lo, hi;
-#if PRNN_WIDENED_FROM == 1
-  prnn_f16x2_to_float(w, lo, hi);
-#else
-  prnn_bf16x2_to_float(w, lo, hi);
-#endif
-  return (c & 1) ? hi : lo;
+  return prnn_pair_element<PRNN_WIDENED_FROM>(m, row, c, k_len);
 }
 #else
 using WeightSource = WeightWord;
