@@ -103,7 +103,9 @@ def group(record: dict) -> tuple:
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) form one group per placement, pass and arch (CI: a few
-    configurations)."""
+    configurations; the stacks' one group per arch: CI builds one, the edge of both passes)."""
+    if record["family"] == "mma stack":
+        return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith("mma"):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
     return (record["family"], CELLS[record["cell"]].tiles, record["dtype"], record["pass"],
@@ -166,16 +168,20 @@ def _projection_jobs(archs, largest_gather_only: bool):
                         yield PROJECTION_CELL, dtype, p, arch, proj
 
 
-def _stack_jobs(archs, largest_gather_only: bool):
-    """The stack kernels (fp32), planned for ``REPORT_STACK`` layers."""
-    for cell in CELLS.values():
-        for tile in planner.stack_tiles_for(cell):
-            hidden = planner.stack_max_hidden(cell, tile)
-            for backward in (False, True):
-                p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
-                                      stack_layers=REPORT_STACK)
-                for arch in archs:
-                    yield cell, "float32", p, arch, 0
+def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("float32",)):
+    """The stack kernels, planned for ``REPORT_STACK`` layers: fp32 (``dtypes``), or the 16-bit
+    stacks' tensor-core tiles (``tiles.MMA_STACK_TILES``; the backward as planned at
+    ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_BACKWARD_MIN_BATCH`` the CUDA-core
+    16-bit backward, not listed)."""
+    for dtype in dtypes:
+        for cell in CELLS.values():
+            for tile in planner.stack_tiles_for(cell, dtype):
+                hidden = planner.stack_max_hidden(cell, tile)
+                for backward in (False, True):
+                    p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype,
+                                          stack_layers=REPORT_STACK)
+                    for arch in archs:
+                        yield cell, dtype, p, arch, 0
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "mma cluster": KernelFamily(partial(_layer_jobs, cluster=True, mma=True)),
     "projection": KernelFamily(_projection_jobs),
     "stack": KernelFamily(_stack_jobs),
+    "mma stack": KernelFamily(partial(_stack_jobs, dtypes=("float16", "bfloat16"))),
 }
 
 

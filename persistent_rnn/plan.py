@@ -548,8 +548,8 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     Stack mode where the weights fit the register files together: a unidirectional stack runs
     all its layers in one launch per pass (a wavefront); a bidirectional stack runs the two
     directions of each layer side by side in one launch, layer after layer (layer l+1 needs
-    both directions of layer l at every step). The cheapest ``tiles.STACK_TILES`` tile (fewest
-    weights per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or
+    both directions of layer l at every step). The cheapest ``tiles.STACK_TILES`` tile (16-bit
+    weights: ``tiles.MMA_STACK_TILES``, on the tensor cores; fewest weights per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or
     the two directions) at one per SM, fits the device with both passes. Otherwise the layers
     run one launch per layer-direction and ``reason`` says why.
     """
@@ -562,14 +562,14 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     apart = partial(StackPlan, False, layers, directions, layers * directions)
     if layers == 1 and not bidirectional:
         return apart("one layer: the layer kernel runs it")
-    if dtype != "float32":
-        return apart(f"the stack kernels hold fp32 weights only (dtype {dtype})")
+    if dtype not in KERNEL_DTYPES:
+        return apart(f"dtype {dtype} is not supported by the persistent kernels")
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
     groups = 2 if bidirectional else layers
     what = "the two directions of a layer" if bidirectional else f"{layers} layers"
     tried = []
-    for tile in stack_tiles_for(cell):
+    for tile in stack_tiles_for(cell, dtype):
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype, stack_layers=groups)
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype, stack_layers=groups)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
