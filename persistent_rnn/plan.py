@@ -217,6 +217,11 @@ MMA_MIN_BATCH = 2
 # same at any B) and 3 (LSTM H 512), the mma backward faster from B = 4 at every shape sampled
 # (tests/test_half_plan.py holds both sides).
 MMA_BACKWARD_MIN_BATCH = 4
+# The same for a 16-bit stack's backward (``tiles.MMA_STACK_TILES``): the latency model (h100,
+# T = 100) predicts the stack's mma backward faster from B = 3 (4-layer LSTM H 384: 789 against
+# 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 632, 4-layer RNN H 512 624 / 638) and
+# about equal at B = 2 (739 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
+MMA_STACK_BACKWARD_MIN_BATCH = 3
 
 
 GATHER_QUADS_MAX = 8  # tagged quads in flight per thread of a gather, at most
@@ -270,6 +275,10 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         name = "backward" if backward else "forward"
         defines = {k: v for k, v in plain.defines.items()
                    if k not in _LAYER_FORWARD_DEFINES and not k.startswith("PRNN_SMEM_")}
+        if tile.mma and backward:  # (on the tensor cores from its own batch)
+            defines.pop("PRNN_MMA", None)
+            if batch >= MMA_STACK_BACKWARD_MIN_BATCH:
+                defines["PRNN_MMA"] = 2
         defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward)
         defines.update(layout_defines(shared_layout(cell, tile, backward, stack=True)))
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
