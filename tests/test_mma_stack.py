@@ -8,6 +8,7 @@ mma_split_tile.cuh's backward), through the CPU emulation.
   rounding of the dtype.
 * Stalls in a layer at a middle step of each pass: the restarted passes are bitwise the
   undisturbed ones.
+* CTAs not co-resident: the completion kernel finishes both layers from the 16-bit words.
 * Sabotage: the layers' matrices handed to the kernels in the wrong order (a layer stride the
   kernels and ``stack.py`` disagree on) fails the float64 check.
 
@@ -145,6 +146,20 @@ def test_16bit_stack_stalls_restart_bitwise_identically(emulation, name, dtype):
         assert stats.restarts >= 1 and stats.fallback is None, (stall_pass, stats)
         for a, b in zip(plain, stalled):
             np.testing.assert_array_equal(a, b)
+
+
+def test_16bit_stack_finishes_on_the_completion_kernel(emulation):
+    """CTAs that cannot all be resident (3 of a layer's 4) time out; with no restart left the
+    completion kernel (device_loop.cu) finishes both layers of both passes from the stack's
+    16-bit words (its layer strides in words)."""
+    kern, ref = _layers("lstm", "float16")
+    x, dy, lengths = _inputs(kern, 3, seed=3)
+    prnn.configure(emulation_timeout_ms=200, emulation_max_resident=3, max_restarts=0)
+    got, fwd, bwd = _run(kern, x, dy, lengths)
+    for stats in (fwd, bwd):
+        assert "completion kernel" in stats.fallback and "layer 1" in stats.fallback, stats
+    for i, (a, r) in enumerate(zip(got, _reference(ref, x, dy, lengths))):
+        assert _relerr(a, r) <= TOLERANCE["float16"], i
 
 
 def test_16bit_stack_sabotage_layers_swapped_fails_the_float64_check(emulation, monkeypatch):
