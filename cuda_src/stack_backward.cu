@@ -81,8 +81,9 @@ PRNN_KERNEL void prnn_stack_backward(
     const int j = j0 + warp_row_group() * kRows + r;
     rows[r] = j < hidden && (own_half || !top) ? j : -1;
   }
-  const WeightWord* m = own_half ? w_t + layer * layer_words(hidden, gh_len)
-                                 : w_ih_t + (top ? 0 : layer) * layer_words(hidden, gh_len);
+  const int row_words = (gh_len + kPerWord - 1) / kPerWord;  // (16-bit: pairs, rows padded)
+  const WeightWord* m = own_half ? w_t + (size_t)layer * hidden * row_words
+                                 : w_ih_t + (size_t)(top ? 0 : layer) * hidden * row_words;
   RegisterTile tile;
   tile.load(m, rows, warp_chunk() % kHalfChunks * kChunk, gh_len, threadIdx.x % kWarp);
 

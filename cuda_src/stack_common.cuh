@@ -43,12 +43,6 @@ static_assert(kGatherQuads > 0, "a stack kernel needs -DPRNN_GATHER_QUADS (plan.
 // CTAs per layer.
 PRNN_DEVICE int stack_ctas_per_layer(int hidden) { return (hidden + kUnits - 1) / kUnits; }
 
-// WeightWords of one layer's matrix of `rows` rows of `cols` columns (16-bit: words of two
-// columns, rows padded to an even length): the stride between layers of a stacked matrix.
-PRNN_DEVICE size_t layer_words(int rows, int cols) {
-  return (size_t)rows * ((cols + kPerWord - 1) / kPerWord);
-}
-
 // Which CTA runs which layer: not blockIdx.x, which says nothing about when a CTA starts, but the
 // order CTAs started in (prnn_start_order): the first per_layer CTAs take the layer that waits
 // for no other layer (the forward's first, the backward's top), the next per_layer the layer

@@ -74,8 +74,9 @@ PRNN_KERNEL void prnn_stack_forward(
     const int local = warp_row_group() * kRows + r, g = local / kUnits, u = local % kUnits;
     rows[r] = j0 + u < hidden && !(input_half && own_gi) ? g * hidden + j0 + u : -1;
   }
-  const WeightWord* m = input_half ? w_ih + (layer > 0 ? layer - 1 : 0) * layer_words(gh_len, hidden)
-                                   : w_hh + layer * layer_words(gh_len, hidden);
+  const int row_words = (hidden + kPerWord - 1) / kPerWord;  // (16-bit: pairs, rows padded)
+  const WeightWord* m = input_half ? w_ih + (size_t)(layer > 0 ? layer - 1 : 0) * gh_len * row_words
+                                   : w_hh + (size_t)layer * gh_len * row_words;
   RegisterTile tile;
   tile.load(m, rows, warp_chunk() % kHalfChunks * kChunk, hidden, threadIdx.x % kWarp);
 

@@ -219,8 +219,8 @@ MMA_MIN_BATCH = 2
 MMA_BACKWARD_MIN_BATCH = 4
 # The same for a 16-bit stack's backward (``tiles.MMA_STACK_TILES``): the latency model (h100,
 # T = 100) predicts the stack's mma backward faster from B = 3 (4-layer LSTM H 384: 789 against
-# 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 632, 4-layer RNN H 512 624 / 638) and
-# about equal at B = 2 (739 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
+# 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 633, 4-layer RNN H 512 624 / 638) and
+# about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
 MMA_STACK_BACKWARD_MIN_BATCH = 3
 
 

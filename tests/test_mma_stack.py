@@ -16,8 +16,9 @@ CI: the LSTM in float16 (its layer kernels are tests/test_half_kernels.py's buil
 backward's stall; bfloat16 in CI is the campaign's bidirectional 16-bit stack case (GRU, seed 189:
 the mma forward and the CUDA-core 16-bit backward of a stack, against float64).
 ``PRNN_TEST_EVERY_KERNEL=1``: every cell in both dtypes, a second n-tile (B = 9), both passes'
-stalls, the CUDA-core 16-bit stack backward against the mma one at the same batch, and a
-bidirectional stack (both directions side by side).
+stalls, the CUDA-core 16-bit stack backward against the mma one at the same batch, a
+bidirectional stack (both directions side by side), and the latency model holding
+``plan.MMA_STACK_BACKWARD_MIN_BATCH``.
 """
 from __future__ import annotations
 
@@ -175,6 +176,31 @@ def test_16bit_stack_sabotage_layers_swapped_fails_the_float64_check(emulation, 
     _ran_stack(kern.last_run, "prnn_stack_forward", 1)
     want, _ = ref.forward(x.astype(np.float64), lengths=lengths)
     assert _relerr(np.asarray(y, np.float64), want) > TOLERANCE["float16"]
+
+
+@pytest.mark.skipif(not EVERY, reason="the full set's (two NVRTC builds of large tiles, ~5 s)")
+def test_the_model_predicts_the_planned_stack_backward_faster(monkeypatch):
+    """Where plan.MMA_STACK_BACKWARD_MIN_BATCH puts the line (predictions of the latency model,
+    h100, the stack kernel's step): at B = 3 the mma backward is faster (docs/design.md's
+    4-layer LSTM H 384, 2-layer GRU H 512, 4-layer RNN H 512)."""
+    from persistent_rnn import latency
+    from persistent_rnn.cells import CELLS
+    from persistent_rnn.hardware import PROFILES
+    pytest.importorskip("persistent_rnn.sass_analysis").nvdisasm() or pytest.skip("no nvdisasm")
+
+    def backward_us(cell, hidden, layers, batch, mma):
+        monkeypatch.setattr(planner, "MMA_STACK_BACKWARD_MIN_BATCH", 1 if mma else 10**6)
+        p = planner.make_stack_plan(cell, hidden, batch, layers, dtype="float16",
+                                    device="h100").backward
+        assert p.defines.get("PRNN_MMA") == (2 if mma else None)
+        sass = latency.pass_sass(p, "sm_90")
+        return latency.step_terms(sass, latency.PassShape(CELLS[cell], p, batch, hidden),
+                                  PROFILES["h100"]).total_us
+
+    assert planner.MMA_STACK_BACKWARD_MIN_BATCH == 3
+    for cell, hidden, layers in (("lstm", 384, 4), ("gru", 512, 2), ("rnn_tanh", 512, 4)):
+        assert backward_us(cell, hidden, layers, 3, True) < backward_us(cell, hidden, layers, 3,
+                                                                         False)
 
 
 @pytest.mark.skipif(not EVERY, reason="the full set's")
