@@ -149,6 +149,30 @@ def test_16bit_stack_stalls_restart_bitwise_identically(emulation, name, dtype):
             np.testing.assert_array_equal(a, b)
 
 
+def test_16bit_stacks_are_planned_on_the_tensor_cores():
+    """The planner (pure Python): a 16-bit stack takes ``tiles.MMA_STACK_TILES``, its forward on
+    the tensor cores at every batch, its backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows;
+    layers that need more units than shipped run apart, with the reason."""
+    for batch, backward in ((1, None), (2, None), (3, 2), (16, 2)):
+        p = planner.make_stack_plan("LSTM", 384, batch, 4, dtype="bfloat16", device="h100")
+        assert p.fits and p.launches == 1 and p.tile.mma and p.forward.grid == 128
+        assert p.forward.defines["PRNN_MMA"] == 1 and p.backward.defines.get("PRNN_MMA") == backward
+        assert p.forward.defines["PRNN_WEIGHT_DTYPE"] == 2
+    gru = planner.make_stack_plan("GRU", 512, 16, 2, dtype="float16", device="h100")
+    assert gru.fits and gru.tile.units == 16 and gru.forward.source == "stack_forward.cu"
+    big = planner.make_stack_plan("LSTM", 512, 8, 4, dtype="float16", device="h100")
+    assert not big.fits and big.launches == 4 and "hidden_size 512 > 384" in big.reason
+
+
+@pytest.mark.skipif(not EVERY, reason="the full set's (NVRTC builds of the stack kernels)")
+def test_prnn_plan_says_a_16bit_stack_runs_on_the_tensor_cores(capsys):
+    from persistent_rnn import cli
+    assert cli.main(["plan", "LSTM", "384", "--batch", "8", "--layers", "4", "--dtype",
+                     "float16", "--device", "h100"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stack mode"))
+    assert "1 launch per pass" in line and "forward and backward on the tensor cores" in line
+
+
 def test_16bit_stack_finishes_on_the_completion_kernel(emulation):
     """CTAs that cannot all be resident (3 of a layer's 4) time out; with no restart left the
     completion kernel (device_loop.cu) finishes both layers of both passes from the stack's
