@@ -172,8 +172,8 @@ def _projection_jobs(archs, largest_gather_only: bool):
 def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("float32",)):
     """The stack kernels, planned for ``REPORT_STACK`` layers: fp32 (``dtypes``), or the 16-bit
     stacks' tensor-core tiles (``tiles.MMA_STACK_TILES``; the backward as planned at
-    ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_BACKWARD_MIN_BATCH`` the CUDA-core
-    16-bit backward, not listed)."""
+    ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the
+    CUDA-core 16-bit backward, not listed)."""
     for dtype in dtypes:
         for cell in CELLS.values():
             for tile in planner.stack_tiles_for(cell, dtype):

@@ -557,10 +557,12 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     Stack mode where the weights fit the register files together: a unidirectional stack runs
     all its layers in one launch per pass (a wavefront); a bidirectional stack runs the two
     directions of each layer side by side in one launch, layer after layer (layer l+1 needs
-    both directions of layer l at every step). The cheapest ``tiles.STACK_TILES`` tile (16-bit
-    weights: ``tiles.MMA_STACK_TILES``, on the tensor cores; fewest weights per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or
-    the two directions) at one per SM, fits the device with both passes. Otherwise the layers
-    run one launch per layer-direction and ``reason`` says why.
+    both directions of layer l at every step). The cheapest ``tiles.STACK_TILES`` tile (fewest
+    weights per thread; 16-bit weights: ``tiles.MMA_STACK_TILES``, on the tensor cores, the
+    backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows) whose grid,
+    ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or the two directions) at one per
+    SM, fits the device with both passes. Otherwise the layers run one launch per
+    layer-direction and ``reason`` says why.
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)

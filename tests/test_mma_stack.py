@@ -38,7 +38,8 @@ UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 HIDDEN, STEPS = 13, 5
 CASES = [("lstm", "float16")]
 if EVERY:
-    CASES = [(c, d) for c in ("lstm", "gru", "rnn_tanh", "rnn_relu") for d in ("float16", "bfloat16")]
+    CASES = [(c, d) for c in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+             for d in ("float16", "bfloat16")]
 BATCHES = (3, 9) if EVERY else (3,)
 # (pass, layer) of each stall (at a middle step): CI the backward's in layer 0 (the last layer it
 # runs: the mma backward restarted after the layer above finished), the full set the forward's too.
