@@ -104,7 +104,8 @@ def _ran_stack(stats, kernel: str, mma: int | None, launches: int = 1) -> None:
     assert (stats.algo, stats.launches, stats.restarts, stats.fallback) == (
         "persistent", launches, 0, None), stats
     assert kernel in stats.details[-1], stats.details
-    assert (f"'PRNN_MMA': {mma}" in stats.details[-1]) == bool(mma), stats.details
+    on_tensor_cores = f"'PRNN_MMA': {mma}" if mma else "PRNN_MMA"
+    assert (on_tensor_cores in stats.details[-1]) == bool(mma), stats.details
 
 
 def _backward_mma(batch: int) -> int | None:
