@@ -60,11 +60,11 @@ PRNN_DEVICE float row_dot(const void* m, size_t row, const float* v, int cols) {
   return acc;
 }
 
-// The same over an fp32 matrix whatever the weights' type (a stack's W_ih).
-PRNN_DEVICE float row_dot_f32(const float* m, size_t row, const float* v, int cols) {
-  float acc = 0.0f;
-  for (int k = 0; k < cols; ++k) acc += m[row * cols + k] * v[k];
-  return acc;
+// Matrix `index` of a stack of matrices of rows x cols held as matrix_at reads them (a stack's
+// W_hh, W_ih and their transposes: one per layer, in the layer's weight type).
+PRNN_DEVICE const void* matrix_of(const void* m, int index, int rows, int cols) {
+  const size_t words = PRNN_WEIGHT_DTYPE == 0 ? (size_t)cols : (size_t)(cols + 1) / 2;
+  return static_cast<const char*>(m) + (size_t)index * rows * words * 4;
 }
 
 // Publishes the chain's record as pass number ledger[0] + 1 into its slot of `ring` (host memory:
@@ -152,7 +152,7 @@ PRNN_KERNEL void prnn_settle(unsigned* chain, int groups, int grid, int end, int
 // stack, every group otherwise) or W_ih y_{g-1}[t] + b_ih (a chained stack's groups above 0).
 // With a projection (`proj` > 0, LSTM): y holds r_t = W_hr h_t (P wide), hs the cell's h_t.
 PRNN_KERNEL void prnn_complete_forward(
-    const void* w_hh, const void* w_hr, const float* b_hh, const float* gi, const float* w_ih,
+    const void* w_hh, const void* w_hr, const float* b_hh, const float* gi, const void* w_ih,
     const float* b_ih, const float* h0, const float* c0, const int* lengths, float* y, float* hs,
     float* cs, float* saved, const unsigned* chain, int groups, int grid, int chained, int steps,
     int batch, int hidden, int proj) {
@@ -165,7 +165,7 @@ PRNN_KERNEL void prnn_complete_forward(
   for (int g = 0; g < groups; ++g) {
     const int start = starts[g];
     if (start >= steps) continue;
-    const void* w_hh_g = static_cast<const char*>(w_hh) + g * (size_t)gh_len * width * sizeof(float);
+    const void* w_hh_g = matrix_of(w_hh, g, gh_len, width);
     const float* y_below = y + (g - 1) * state * width;
     float* y_g = y + g * state * width;
     float* cs_g = cs + g * state * hidden;
@@ -187,8 +187,8 @@ PRNN_KERNEL void prnn_complete_forward(
           ghv[q] = b_hh[g * gh_len + r] + row_dot(w_hh_g, r, prev, width);
           giv[q] = (g == 0 || !chained)
                        ? gi_g[row * gh_len + r]
-                       : b_ih[g * gh_len + r] + row_dot_f32(w_ih + (g - 1) * (size_t)gh_len * hidden,
-                                                            r, y_below + row * hidden, hidden);
+                       : b_ih[g * gh_len + r] + row_dot(matrix_of(w_ih, g - 1, gh_len, hidden), r,
+                                                        y_below + row * hidden, hidden);
         }
         cell_forward_masked<PRNN_CELL>(t < lengths[b], giv, ghv, h_prev, c_prev, h, c, sv);
         if (proj > 0) {
@@ -221,7 +221,7 @@ PRNN_KERNEL void prnn_complete_forward(
 // t+1 + W_hh^T dgh[t+1]; the carries are kept in dh_carry / dc_carry at slot t & 1 (`per_step` 0,
 // one layer-direction: [2][B][H]) or slot t ([T+1][B][H] per group, a stack).
 PRNN_KERNEL void prnn_complete_backward(
-    const void* w_t, const float* w_ih_t, const float* dy, const float* y, const float* cs,
+    const void* w_t, const void* w_ih_t, const float* dy, const float* y, const float* cs,
     const float* saved, const float* h0, const float* c0, const int* lengths, float* dgi,
     float* dgh, float* dh_carry, float* dc_carry, const unsigned* chain, int groups, int grid,
     int chained, int per_step, int steps, int batch, int hidden) {
@@ -235,7 +235,7 @@ PRNN_KERNEL void prnn_complete_backward(
   for (int g = groups - 1; g >= 0; --g) {
     const int start = starts[g];
     if (start < 0) continue;
-    const void* w_g = static_cast<const char*>(w_t) + g * (size_t)hidden * gh_len * sizeof(float);
+    const void* w_g = matrix_of(w_t, g, hidden, gh_len);
     const bool top = !chained || g + 1 == groups;
     const float* dy_g = dy + (chained ? 0 : g) * rows * hidden;
     const float* y_g = y + g * rows * hidden;
@@ -253,8 +253,8 @@ PRNN_KERNEL void prnn_complete_backward(
         const size_t row = (size_t)t * batch + b, at = (size_t)b * hidden + j;
         float dh = dh_g[into + at];
         dh += top ? dy_g[row * hidden + j]
-                  : row_dot_f32(w_ih_t + g * (size_t)hidden * gh_len, j,
-                                dgi + ((g + 1) * rows + row) * gh_len, gh_len);
+                  : row_dot(matrix_of(w_ih_t, g, hidden, gh_len), j,
+                            dgi + ((g + 1) * rows + row) * gh_len, gh_len);
         if (t + 1 < steps) dh += row_dot(w_g, j, dgh_g + (row + batch) * gh_len, gh_len);
         const float dc = kHasC ? dc_g[into + at] : 0.0f;
         const size_t at0 = ((size_t)g * batch + b) * hidden + j;

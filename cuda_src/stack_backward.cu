@@ -19,8 +19,10 @@
 #include "stack_common.cuh"
 
 PRNN_KERNEL void prnn_stack_backward(
-    const float* w_t,       // (layers, H, G*H): W_hh^T of every layer
-    const float* w_ih_t,    // (layers-1, H, G*H): W_ih^T of layers 1.. (row l-1 serves layer l-1)
+    const prnn::WeightWord* w_t,     // (layers, H, G*H): W_hh^T of every layer; 16-bit:
+                                     // (layers, H, ceil(G*H/2)) words of pairs
+    const prnn::WeightWord* w_ih_t,  // (layers-1, H, G*H): W_ih^T of layers 1.. (row l-1 serves
+                                     // layer l-1); 16-bit: words as w_t
     const float* dy,        // (T, B, H): gradient of the top layer's output, zero past each length;
                             // unchained: (groups, T, B, H), every group's own
     const float* y, const float* cs, const float* saved,  // forward buffers, (layers, T, B, .)
@@ -79,8 +81,9 @@ PRNN_KERNEL void prnn_stack_backward(
     const int j = j0 + warp_row_group() * kRows + r;
     rows[r] = j < hidden && (own_half || !top) ? j : -1;
   }
-  const float* m = own_half ? w_t + (size_t)layer * hidden * gh_len
-                            : w_ih_t + (size_t)(top ? 0 : layer) * hidden * gh_len;
+  const int row_words = (gh_len + kPerWord - 1) / kPerWord;  // (16-bit: pairs, rows padded)
+  const WeightWord* m = own_half ? w_t + (size_t)layer * hidden * row_words
+                                 : w_ih_t + (size_t)(top ? 0 : layer) * hidden * row_words;
   RegisterTile tile;
   tile.load(m, rows, warp_chunk() % kHalfChunks * kChunk, gh_len, threadIdx.x % kWarp);
 

@@ -192,10 +192,7 @@ def run_plan(args: argparse.Namespace) -> int:
     proj = f" proj_size={args.proj_size}" if args.proj_size else ""
     print(f"{record['cell']} H={args.hidden}{proj} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
     tile = record["tile"]
-    mma = (", forward and backward on the tensor cores (mma.m16n8k16)"
-           if tile.get("tensor_cores_backward") else
-           ", forward on the tensor cores (mma.m16n8k16)" if tile.get("tensor_cores") else "")
-    print(f"placement: {tile['placement']}, {tile['units']} units per CTA{mma}")
+    print(f"placement: {tile['placement']}, {tile['units']} units per CTA{_tensor_cores(tile)}")
     if tile.get("widened"):
         print(f"  ({' and '.join(tile['widened'])} on the fp32 tile, {args.dtype} weights widened "
               f"to fp32: predicted faster than the {args.dtype} tiles at this batch)")
@@ -231,7 +228,8 @@ def run_plan(args: argparse.Namespace) -> int:
                   f"({sm['units']} units per CTA per layer), {sm['steps_in_series']} steps in "
                   f"series at T={sm['seq_len']}; predicted pass {sm['forward_pass_us']:.0f} / "
                   f"{sm['backward_pass_us']:.0f} µs (one launch per layer: "
-                  f"{sm['apart_forward_pass_us']:.0f} / {sm['apart_backward_pass_us']:.0f} µs)")
+                  f"{sm['apart_forward_pass_us']:.0f} / {sm['apart_backward_pass_us']:.0f} µs)"
+                  + _tensor_cores(sm))
         else:
             print(f"stack mode: no ({sm['reason']})")
     if "decoder" in record:
@@ -262,6 +260,14 @@ def _print_decoder(d: dict) -> None:
           "inside the step")
     if "w_ih" in d:
         print(f"  projection: {d['w_ih']}")
+
+
+def _tensor_cores(record: dict) -> str:
+    """What of a plan record (a layer's tile, or the stack-mode record) runs on the tensor
+    cores, as a clause of ``prnn plan``'s line ("" for none)."""
+    if record.get("tensor_cores_backward"):
+        return ", forward and backward on the tensor cores (mma.m16n8k16)"
+    return ", forward on the tensor cores (mma.m16n8k16)" if record.get("tensor_cores") else ""
 
 
 def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:

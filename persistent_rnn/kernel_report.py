@@ -1,7 +1,8 @@
 """Compile every shipped persistent-kernel configuration and report its resource use.
 
 ``kernel_records`` compiles the configurations of every kernel family (``KERNEL_FAMILIES``:
-the layer kernels on the grid and as clusters, the LSTM projection, the stack), each cell's
+the layer kernels on the grid and as clusters, the LSTM projection, the stack, the 16-bit stack
+on the tensor cores), each cell's
 forward and backward kernel for every tile the planner can choose, for each architecture,
 with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers
 per thread and spill bytes. The library requires zero spills and registers within the plan.
@@ -103,10 +104,10 @@ def group(record: dict) -> tuple:
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) and the fp32 tiles serving 16-bit layers (``widened``) form one
-    group per placement, pass and arch (CI: a few configurations); the mma projection one group
-    per arch (CI: one configuration, the backward holding the most weights, ptxas' register
-    edge)."""
-    if record["family"] == "mma projection":
+    group per placement, pass and arch (CI: a few configurations); the mma projection and the mma
+    stacks one group per arch each (CI: one configuration, the edge of both passes - for the
+    projection the backward holding the most weights, ptxas' register edge)."""
+    if record["family"] in ("mma projection", "mma stack"):
         return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith(("mma", "widened")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
@@ -182,16 +183,20 @@ def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False):
                         yield PROJECTION_CELL, dtype, p, arch, proj
 
 
-def _stack_jobs(archs, largest_gather_only: bool):
-    """The stack kernels (fp32), planned for ``REPORT_STACK`` layers."""
-    for cell in CELLS.values():
-        for tile in planner.stack_tiles_for(cell):
-            hidden = planner.stack_max_hidden(cell, tile)
-            for backward in (False, True):
-                p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
-                                      stack_layers=REPORT_STACK)
-                for arch in archs:
-                    yield cell, "float32", p, arch, 0
+def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("float32",)):
+    """The stack kernels, planned for ``REPORT_STACK`` layers: fp32 (``dtypes``), or the 16-bit
+    stacks' tensor-core tiles (``tiles.MMA_STACK_TILES``; the backward as planned at
+    ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the
+    CUDA-core 16-bit backward, not listed)."""
+    for dtype in dtypes:
+        for cell in CELLS.values():
+            for tile in planner.stack_tiles_for(cell, dtype):
+                hidden = planner.stack_max_hidden(cell, tile)
+                for backward in (False, True):
+                    p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype,
+                                          stack_layers=REPORT_STACK)
+                    for arch in archs:
+                        yield cell, dtype, p, arch, 0
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "projection": KernelFamily(_projection_jobs),
     "mma projection": KernelFamily(partial(_projection_jobs, mma=True)),
     "stack": KernelFamily(_stack_jobs),
+    "mma stack": KernelFamily(partial(_stack_jobs, dtypes=("float16", "bfloat16"))),
 }
 
 

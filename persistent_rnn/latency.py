@@ -749,8 +749,8 @@ def predict_stack_time(cell: str, hidden: int, batch: int, layers: int, seq_len:
         # layer-direction's (the backward: its weight gradients; dx counted for every layer, an
         # overestimate of the unidirectional stack's, whose upper dx are in the kernel).
         projected = inputs[:1] if not (bidirectional or backward) else inputs
-        extra = directions * sum(call_us(spec, hidden, batch, seq_len, i, backward, dev)
-                                 for i in projected)
+        extra = directions * sum(call_us(spec, hidden, batch, seq_len, i, backward, dev,
+                                         dtype != "float32") for i in projected)
         passes.append(sp.steps_in_series(seq_len) * step + extra)
     return StackTime(passes[0], passes[1], apart[0], apart[1], sp)
 
@@ -839,7 +839,8 @@ def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: st
               "apart_backward_pass_us": st.apart_backward_us}
     if sp.fits:
         record.update({"units": sp.tile.units, "ctas": sp.forward.grid,
-                       "block": sp.forward.block,
+                       "block": sp.forward.block, "tensor_cores": sp.tile.mma,
+                       "tensor_cores_backward": sp.backward.defines.get("PRNN_MMA") == 2,
                        "weights_per_thread": [sp.forward.weights_per_thread,
                                               sp.backward.weights_per_thread]})
     return record

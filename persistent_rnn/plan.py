@@ -218,6 +218,11 @@ MMA_MIN_BATCH = 2
 # same at any B) and 3 (LSTM H 512), the mma backward faster from B = 4 at every shape sampled
 # (tests/test_half_plan.py holds both sides).
 MMA_BACKWARD_MIN_BATCH = 4
+# The same for a 16-bit stack's backward (``tiles.MMA_STACK_TILES``): the latency model (h100,
+# T = 100) predicts the stack's mma backward faster from B = 3 (4-layer LSTM H 384: 789 against
+# 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 633, 4-layer RNN H 512 624 / 638) and
+# about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
+MMA_STACK_BACKWARD_MIN_BATCH = 3
 # Below these batches a 16-bit layer's pass runs on the fp32 tile where that fits, its weights
 # widened to fp32 (exactly: ``widened_pass``): per weight the packed pair's unpacking costs an
 # instruction more than an fp32 register, and the tensor cores' n-tile of 8 columns costs its
@@ -281,6 +286,10 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         name = "backward" if backward else "forward"
         defines = {k: v for k, v in plain.defines.items()
                    if k not in _LAYER_FORWARD_DEFINES and not k.startswith("PRNN_SMEM_")}
+        if tile.mma and backward:  # (on the tensor cores from its own batch)
+            defines.pop("PRNN_MMA", None)
+            if batch >= MMA_STACK_BACKWARD_MIN_BATCH:
+                defines["PRNN_MMA"] = 2
         defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward)
         defines.update(layout_defines(shared_layout(cell, tile, backward, stack=True)))
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
@@ -624,9 +633,11 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     all its layers in one launch per pass (a wavefront); a bidirectional stack runs the two
     directions of each layer side by side in one launch, layer after layer (layer l+1 needs
     both directions of layer l at every step). The cheapest ``tiles.STACK_TILES`` tile (fewest
-    weights per thread) whose grid, ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or
-    the two directions) at one per SM, fits the device with both passes. Otherwise the layers
-    run one launch per layer-direction and ``reason`` says why.
+    weights per thread; 16-bit weights: ``tiles.MMA_STACK_TILES``, on the tensor cores, the
+    backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows) whose grid,
+    ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or the two directions) at one per
+    SM, fits the device with both passes. Otherwise the layers run one launch per
+    layer-direction and ``reason`` says why.
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
@@ -637,14 +648,14 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     apart = partial(StackPlan, False, layers, directions, layers * directions)
     if layers == 1 and not bidirectional:
         return apart("one layer: the layer kernel runs it")
-    if dtype != "float32":
-        return apart(f"the stack kernels hold fp32 weights only (dtype {dtype})")
+    if dtype not in KERNEL_DTYPES:
+        return apart(f"dtype {dtype} is not supported by the persistent kernels")
     if hidden < 1 or batch < 1:
         raise ValueError(f"hidden ({hidden}) and batch ({batch}) must be >= 1")
     groups = 2 if bidirectional else layers
     what = "the two directions of a layer" if bidirectional else f"{layers} layers"
     tried = []
-    for tile in stack_tiles_for(cell):
+    for tile in stack_tiles_for(cell, dtype):
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype, stack_layers=groups)
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype, stack_layers=groups)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)

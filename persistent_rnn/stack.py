@@ -110,6 +110,24 @@ def _stacked(xp, arrays: Sequence[Array], name: str) -> Array:
     return xp.stack(arrays, out=out)
 
 
+def _matrices(xp, arrays: Sequence[Array], name: str, half: str | None) -> Array:
+    """The matrices ``arrays`` (each rows x K, one per layer) as the stack kernels hold them:
+    ``_stacked`` float32 (layers, rows, K), or for a 16-bit stack (``half``) uint32 words of
+    two 16-bit values, (layers, rows, ceil(K/2)) (``buffers.weight_words``, rounding the
+    float32 values the layers hold: exact, they are 16-bit values)."""
+    stacked = _stacked(xp, arrays, name)
+    if half is None:
+        return stacked
+    layers, rows, cols = stacked.shape
+    return buffers.weight_words(xp, stacked.reshape(layers * rows, cols), half, f"{name}_words")
+
+
+def _weights_dtype(engine_: launch.Engine) -> str | None:
+    """The 16-bit dtype the engine's stack kernels hold their weights in, or ``None`` (fp32)."""
+    code = engine_.pass_plan.defines.get("PRNN_WEIGHT_DTYPE", 0)
+    return next((name for name, c in planner.KERNEL_DTYPES.items() if code and c == code), None)
+
+
 def _unused(xp) -> Array:
     """A placeholder for a kernel argument the launch never reads (W_ih of unchained groups)."""
     return buffers.constant_zeros(xp, (1,), np.float32)
@@ -138,8 +156,10 @@ def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence
     results = [runtime.ForwardResult(y[k], None if cs is None else cs[k], saved[k])
                for k in range(layers)]
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    w_ih = _stacked(xp, [w[0] for w in weights[1:]], "stack_w_ih") if chained else _unused(xp)
-    args = dict(w_ih=w_ih, w_hh=_stacked(xp, [w[1] for w in weights], "stack_w_hh"),
+    half = _weights_dtype(engine_)
+    w_ih = (_matrices(xp, [w[0] for w in weights[1:]], "stack_w_ih", half) if chained
+            else _unused(xp))
+    args = dict(w_ih=w_ih, w_hh=_matrices(xp, [w[1] for w in weights], "stack_w_hh", half),
                 b_ih=_biases(xp, cell, weights, 2, hidden), b_hh=_biases(xp, cell, weights, 3, hidden),
                 gi=f32(gi), h0=f32(h0), c0=f32(h0 if c0 is None else c0),
                 lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, y=y,
@@ -183,8 +203,11 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
         dc_carry[:, steps] = dcn
     y = _stacked(xp, [f.y for f in fwds], "stack_y")
     f32 = lambda a: xp.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    w_ih_t = _stacked(xp, [w[0].T for w in weights[1:]], "stack_w_ih_t") if chained else _unused(xp)
-    args = dict(w_t=_stacked(xp, [w[1].T for w in weights], "stack_w_t"), w_ih_t=w_ih_t, dy=f32(dy), y=y,
+    half = _weights_dtype(engine_)
+    w_ih_t = (_matrices(xp, [w[0].T for w in weights[1:]], "stack_w_ih_t", half) if chained
+              else _unused(xp))
+    args = dict(w_t=_matrices(xp, [w[1].T for w in weights], "stack_w_t", half), w_ih_t=w_ih_t,
+                dy=f32(dy), y=y,
                 cs=y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds], "stack_cs"),
                 saved=_stacked(xp, [f.saved for f in fwds], "stack_saved"), h0=f32(h0),
                 c0=f32(h0 if c0 is None else c0),

@@ -234,7 +234,8 @@ def projection_tile_ships(tile: ProjectionTile, dtype: str, arch: str) -> bool:
 # zeros in the W_ih half: its input projection is the GEMM before the recurrence, as for one
 # layer), backward rows J of [W_hh,l^T | W_ih,l+1^T] times [dgh_l[t+1]; dgi_{l+1}[t]] (the top
 # layer: zeros). Each half holds H (forward) or G*H (backward) columns, so K = 2H or 2GH;
-# 8 warps (4 for the small RNN tiles) of 16-144 weights per thread. fp32 only.
+# 8 warps (4 for the small RNN tiles) of 16-144 weights per thread. fp32 weights (16-bit:
+# MMA_STACK_TILES below).
 STACK_TILES: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(4, (4, 2, 4), (4, 8, 4)), _tile(8, (8, 2, 8), (8, 8, 8)),
              _tile(12, (12, 2, 12), (12, 8, 12))),
@@ -245,6 +246,26 @@ STACK_TILES: dict[str, tuple[Tile, ...]] = {
 }
 
 
-def stack_tiles_for(cell: CellSpec) -> tuple[Tile, ...]:
-    """The shipped stack tiles of ``cell`` (fp32; both vanilla RNNs share theirs)."""
-    return STACK_TILES[cell.tiles]
+# 16-bit stacks on the tensor cores (docs/design.md, "Stack mode", 16-bit): the stack kernels
+# with mma tiles. Forward [W_ih | W_hh] as A fragments (mma_tile.cuh: ``rows`` whole 16-row
+# m-tiles, G * units = rows * warps / ksplit, so LSTM from 4 units, GRU and RNN 16), backward
+# [W_hh^T | W_ih^T] as B fragments from plan.MMA_STACK_BACKWARD_MIN_BATCH rows
+# (mma_split_tile.cuh; n-tiles of 8 units: LSTM's 4 and 12 units pad to 8 and 16), below on the
+# CUDA cores (kpt even). ksplit 8: 4 chunks a half. H <= 128 / 256 / 384 (LSTM), 256 / 512 (GRU,
+# RNN): the fp32 stack tiles' reach or more at 8-72 weight registers (forward) and 8-96
+# (backward) per lane. A 4-layer LSTM stack of H 512 needs 16 units per CTA (132 SMs): that
+# tile's fp16 backward (16, 8, 16) spills (224-468 bytes), so it is not built (docs/design.md).
+MMA_STACK_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(4, (16, 8, 1), (4, 8, 4), mma=True), _tile(8, (32, 8, 2), (8, 8, 8), mma=True),
+             _tile(12, (48, 8, 3), (12, 8, 12), mma=True)),
+    "gru": (_tile(16, (48, 8, 2), (16, 8, 6), mma=True),
+            _tile(16, (48, 8, 4), (16, 8, 12), mma=True)),
+    "rnn": (_tile(16, (16, 8, 2), (16, 8, 2), mma=True),
+            _tile(16, (16, 8, 4), (16, 8, 4), mma=True)),
+}
+
+
+def stack_tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
+    """The shipped stack tiles of ``cell`` for weights of ``dtype`` (both vanilla RNNs share
+    theirs): fp32 ``STACK_TILES``, 16-bit the tensor-core ``MMA_STACK_TILES``."""
+    return (STACK_TILES if WEIGHT_BYTES[dtype] == 4 else MMA_STACK_TILES)[cell.tiles]

@@ -251,6 +251,7 @@ def test_stall_restarts_bitwise_identically(emulation, request, monkeypatch, fre
     # H 40: a grid of 2 CTAs as one cluster (the small-layer path on sm_90), or of 10 grid tiles.
     # The backward on the tensor cores at B 2 (planned from plan.MMA_BACKWARD_MIN_BATCH rows).
     monkeypatch.setattr(planner, "MMA_BACKWARD_MIN_BATCH", 2)
+    prnn.configure(stack=False)  # the layer kernels (16-bit stacks: tests/test_mma_stack.py)
     if not cluster:
         request.getfixturevalue("grid_path")
     kern, _, _ = _layers(mode, {}, dtype, hidden=40, bidirectional=True)

@@ -60,7 +60,8 @@ def records():
 def test_every_configuration_is_listed():
     # Grid tiles on both archs, each with every gather size the planner may pick (1 to 8 quads,
     # by the batch); plus the cluster tiles (4 and 8 warps) per cell and pass on sm_90, per dtype;
-    # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs.
+    # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs;
+    # the 16-bit stacks' tensor-core tiles on both archs.
     # (Each other family's test checks its own configurations.)
     every = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
     listed = [r for r in every if r["family"] in (*LAYER_FAMILIES, "projection", "stack")]
@@ -98,6 +99,12 @@ def test_every_configuration_is_listed():
     assert all(r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
                and r["dtype"] != "float32" and 0 < r["proj_size"] < r["hidden_size"]
                for r in mma_projected)
+    # 16-bit stacks on the tensor cores: forward PRNN_MMA 1, backward 2, both archs.
+    mma_stacks = [r for r in every if r["family"] == "mma stack"]
+    assert len(mma_stacks) == sum(len(stack_tiles_for(c, d)) * 2 * 2 for c in CELLS.values()
+                                  for d in ("float16", "bfloat16"))
+    assert all(r["stack"] and r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
+               for r in mma_stacks)
     for dtype in KERNEL_DTYPES:
         for cell in CELLS:
             for pass_ in ("forward", "backward"):

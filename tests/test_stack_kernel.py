@@ -34,7 +34,7 @@ def test_a_stack_pass_waits_through_t_plus_l_minus_1_steps():
     """The wavefront's depth, the hook of the latency model: 4 layers of 100 steps wait through
     103 step latencies in stack mode against 400 in four launches (0.26x at equal step time)."""
     stack = planner.make_stack_plan("LSTM", 384, 4, 4, device="h100")
-    apart = planner.make_stack_plan("LSTM", 384, 4, 4, dtype="float16", device="h100")
+    apart = planner.make_stack_plan("LSTM", 1024, 4, 4, device="h100")
     assert (stack.steps_in_series(100), apart.steps_in_series(100)) == (103, 400)
     bidir = planner.make_stack_plan("GRU", 64, 2, 3, bidirectional=True, device="h100")
     assert bidir.steps_in_series(100) == 300  # against 600 for six launches
@@ -49,8 +49,8 @@ def test_stacks_that_do_not_fit_run_one_launch_per_layer_with_the_reason():
     assert bidir.fits and bidir.launches == 3 and bidir.forward.grid == 2 * 64 // bidir.tile.units
     big_bidir = planner.make_stack_plan("LSTM", 1024, 2, 3, bidirectional=True, device="h100")
     assert not big_bidir.fits and big_bidir.launches == 6 and "two directions" in big_bidir.reason
-    half = planner.make_stack_plan("GRU", 64, 2, 3, dtype="float16", device="h100")
-    assert not half.fits and "fp32" in half.reason
+    wide = planner.make_stack_plan("GRU", 64, 2, 3, dtype="float64", device="h100")
+    assert not wide.fits and "float64" in wide.reason
     with pytest.raises(ValueError, match="layers"):
         planner.make_stack_plan("GRU", 64, 2, 0, device="h100")
 
