@@ -17,7 +17,6 @@ scenario run with PRNN_TEST_EVERY_KERNEL=1.
 from __future__ import annotations
 
 import gc
-import os
 import re
 import threading
 import time
@@ -32,11 +31,11 @@ from persistent_rnn import decoder as decoding
 from persistent_rnn import emulate, hardware, launch, runtime
 from persistent_rnn.cells import CELLS
 from persistent_rnn.functional import _projected
+from full_set import EVERY_KERNEL
 
 IN, H, B, T = 8, 24, 2, 4
 PER_LAYER = dict(stack=False)  # the sequence path: the layer kernel per layer (not stack mode's)
 PLACEMENTS = {"cluster": {}, "grid": dict(max_cluster_ctas=0)}  # the emulated H100's, and grid
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,6 @@
 kernels through the public API, on NumPy float32 (compared with float64 and torch.nn)."""
 from __future__ import annotations
 
-import os
 import shutil
 import time
 
@@ -15,6 +14,7 @@ from persistent_rnn import plan as planner
 from persistent_rnn._sources import cuda_src_dir
 from persistent_rnn.cells import CELLS, layer_args
 from sabotage import sabotaged
+from full_set import EVERY_KERNEL
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -338,7 +338,6 @@ def _assert_path(stats, path):
 
 # The relu RNN runs the tanh RNN's tiles with another activation: CI runs it on the grid path,
 # the full set (PRNN_TEST_EVERY_KERNEL=1) on every path.
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 PATH_CASES = [(name, path) for name in sorted(CELLS)
               for path in ("cluster", "cluster of 8 warps", "grid")
               if EVERY_KERNEL or name != "rnn_relu" or path == "grid"]

@@ -20,7 +20,6 @@ emulation of the same CUDA source, and the conversions they are built on.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import ml_dtypes
@@ -30,6 +29,7 @@ import pytest
 import persistent_rnn as prnn
 from persistent_rnn import emulate, plan as planner
 from persistent_rnn.cells import CELLS as REGISTRY, FAMILY_CELLS, layer_args
+from full_set import EVERY_KERNEL
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -38,7 +38,6 @@ HALF = ("float16", "bfloat16")
 # CI builds every cell's kernels in float16 and the LSTM's in bfloat16 (the emulated builds are
 # most of these tests' time; bfloat16 differs from float16 only in the conversions, tested bit
 # for bit below, and runs on the GPU in the gpu suite); PRNN_TEST_EVERY_KERNEL=1 runs them all.
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 
 
 def _in_ci(cell_name: str, dtype: str) -> bool:

@@ -3,7 +3,6 @@ tensor-core tiles it takes from ``plan.MMA_MIN_BATCH`` rows, and their tensor-co
 ``plan.MMA_BACKWARD_MIN_BATCH`` rows (where the latency model predicts them faster)."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -15,9 +14,9 @@ from persistent_rnn.plan import (KERNEL_DTYPES, MMA_BACKWARD_MIN_BATCH, cluster_
                                  make_plan, mma_tiles_for, tile_max_hidden, tiles_for,
                                  weight_registers)
 from persistent_rnn.tiles import SHIPPED, SHIPPED_16BIT
+from full_set import EVERY_KERNEL
 
 HALF = ("float16", "bfloat16")
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 FLOORS_16BIT = {"LSTM": 1792, "GRU": 1920, "RNN": 3328}  # issue 11, on an H100/H200
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import os
 import struct
 import subprocess
 from pathlib import Path
@@ -22,6 +21,7 @@ from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, PassTile, clus
 from persistent_rnn.tiles import MMA_PROJECTION_TILES, SHIPPED, Tile
 from persistent_rnn.plan import layout_defines, shared_layout
 from persistent_rnn.plan import warp_teams as warp_teams_of
+from full_set import EVERY_KERNEL
 
 # Compiling every shipped configuration (~240 NVRTC builds, cached afterwards) takes longer than
 # the default per-test timeout on a cold cache and a busy 2-core machine.
@@ -40,7 +40,6 @@ FORWARD_DEFINES = {"PRNN_CELL": 0, "PRNN_UNITS": 4, "PRNN_ROWS": 4, "PRNN_KSPLIT
 # another activation, and sm_80 only in the full set). The full set is one command,
 # `PRNN_TEST_EVERY_KERNEL=1 pytest tests/test_kernel_compile.py` (or `prnn kernels --arch 80,90`,
 # which exits 1 on a spill), run before a kernel change lands.
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 
 
 ARCHS = ("sm_80", "sm_90")

@@ -24,7 +24,6 @@ placements and B = 3 and 17 on the grid (three n-tiles, a partial last one), 16 
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -35,8 +34,8 @@ from persistent_rnn.cells import layer_args
 
 from campaign import relerr, trajectory_reference
 from test_mma_tiles import TOLERANCE, UNIT_ROUNDOFF, _layers as forward_layers
+from full_set import EVERY_KERNEL
 
-EVERY = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 # Relative error of the fp32 gradients held (measured, every cell and placement, B 3 to 17:
 # <= 6e-7, as the CUDA-core backward's).
 FP32_BOUND = 2e-6
@@ -44,7 +43,7 @@ FP32_BOUND = 2e-6
 # build (LSTM H 40 B 2, the mma backward forced), so only the CUDA-core reference is a new build.
 CASES = [("lstm", "float16", "grid", 40, 2), ("lstm", "bfloat16", "cluster", 40, 2)]
 CORE_CASES = CASES[:1]
-if EVERY:
+if EVERY_KERNEL:
     CASES = CORE_CASES = [(c, d, p, 40 if p == "grid" else 24, b)
                           for c in ("lstm", "gru", "rnn_tanh") for d in ("float16", "bfloat16")
                           for p in ("grid", "cluster") for b in (3, 17 if p == "grid" else 16)]

@@ -21,7 +21,6 @@ sabotage.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -33,10 +32,10 @@ from persistent_rnn.tiles import MMA_PROJECTION_TILES
 from sabotage import sabotaged
 from test_mma_backward import FP32_BOUND
 from test_mma_tiles import TOLERANCE, UNIT_ROUNDOFF
+from full_set import EVERY_KERNEL
 
-EVERY = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 DTYPES = ["float16", "bfloat16"]
-CORE_DTYPES = DTYPES if EVERY else DTYPES[:1]
+CORE_DTYPES = DTYPES if EVERY_KERNEL else DTYPES[:1]
 # H 13 / P 10: two CTAs, both owning units and rows of r; odd widths end both matrices' rows in a
 # padding half of a packed pair. B 9: a full n-tile and a partial one.
 T, B, I, HIDDEN, PROJ = 4, 9, 5, 13, 10
@@ -140,7 +139,7 @@ def test_mma_projection_backward_matches_the_cuda_core_backward(emulation, monke
         assert _relerr(mma[key], ref) <= FP32_BOUND, key
 
 
-@pytest.mark.skipif(not EVERY, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mma_projection_forward_matches_the_cuda_core_forward(emulation, monkeypatch, dtype):
     data = _data(5)
@@ -150,7 +149,7 @@ def test_mma_projection_forward_matches_the_cuda_core_forward(emulation, monkeyp
     assert _relerr(y, _core_forward(dtype, data, layer.params, monkeypatch)) <= UNIT_ROUNDOFF[dtype]
 
 
-@pytest.mark.skipif(not EVERY, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
 def test_a_split_without_its_low_part_fails_the_comparison(emulation, monkeypatch, tmp_path):
     """fp16's split keeps hi + lo; with lo dropped (dgh and drs rounded to fp16) the backward's
     fp32 gradients leave FP32_BOUND of the CUDA-core kernel's."""

@@ -22,7 +22,6 @@ the same batch, a bidirectional stack (both directions side by side), the latenc
 """
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 
 import numpy as np
@@ -31,21 +30,21 @@ import pytest
 import persistent_rnn as prnn
 from persistent_rnn import plan as planner, stack
 from persistent_rnn.cells import layer_args
+from full_set import EVERY_KERNEL
 
-EVERY = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}  # docs/api.md, "Accuracy" (16-bit)
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 HIDDEN, STEPS = 13, 5
 CASES = [("lstm", "float16")]
-if EVERY:
+if EVERY_KERNEL:
     CASES = [(c, d) for c in ("lstm", "gru", "rnn_tanh", "rnn_relu")
              for d in ("float16", "bfloat16")]
-BATCHES = (3, 9) if EVERY else (3,)
+BATCHES = (3, 9) if EVERY_KERNEL else (3,)
 # (pass, layer, step) of each stall: CI the backward's in layer 0 at a middle step (the last layer
 # it runs: the mma backward restarted after the layer above finished), the full set both passes'
 # in both layers at the first, a middle and the last step.
 STALLS = ([(p, layer, step) for p in ("forward", "backward") for layer in (0, 1)
-           for step in (0, STEPS // 2, STEPS - 1)] if EVERY else [("backward", 0, STEPS // 2)])
+           for step in (0, STEPS // 2, STEPS - 1)] if EVERY_KERNEL else [("backward", 0, STEPS // 2)])
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -171,7 +170,7 @@ def test_16bit_stacks_are_planned_on_the_tensor_cores():
     assert not big.fits and big.launches == 4 and "hidden_size 512 > 384" in big.reason
 
 
-@pytest.mark.skipif(not EVERY, reason="the full set's (NVRTC builds of the stack kernels)")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's (NVRTC builds of the stack kernels)")
 def test_prnn_plan_says_a_16bit_stack_runs_on_the_tensor_cores(capsys):
     from persistent_rnn import cli
     assert cli.main(["plan", "LSTM", "384", "--batch", "8", "--layers", "4", "--dtype",
@@ -209,7 +208,7 @@ def test_16bit_stack_sabotage_layers_swapped_fails_the_float64_check(emulation, 
     assert _relerr(np.asarray(y, np.float64), want) > TOLERANCE["float16"]
 
 
-@pytest.mark.skipif(not EVERY, reason="the full set's (two NVRTC builds of large tiles, ~5 s)")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's (two NVRTC builds of large tiles, ~5 s)")
 def test_the_model_predicts_the_planned_stack_backward_faster(monkeypatch):
     """Where plan.MMA_STACK_BACKWARD_MIN_BATCH puts the line (predictions of the latency model,
     h100, the stack kernel's step): at B = 3 the mma backward is faster (docs/design.md's
@@ -234,7 +233,7 @@ def test_the_model_predicts_the_planned_stack_backward_faster(monkeypatch):
                                                                          False)
 
 
-@pytest.mark.skipif(not EVERY, reason="the full set's")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's")
 @pytest.mark.parametrize("name,dtype", CASES)
 def test_16bit_bidirectional_stack_runs_both_directions_side_by_side(emulation, name, dtype):
     kern, ref = _layers(name, dtype, bidirectional=True)
@@ -247,7 +246,7 @@ def test_16bit_bidirectional_stack_runs_both_directions_side_by_side(emulation, 
         assert (_relu(name) and i >= forward) or _relerr(a, r) <= TOLERANCE[dtype], i
 
 
-@pytest.mark.skipif(not EVERY, reason="the full set's")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's")
 @pytest.mark.parametrize("name,dtype", CASES)
 def test_16bit_stack_backward_on_the_cuda_cores_below_its_batch(emulation, monkeypatch, name,
                                                                 dtype):

@@ -17,7 +17,6 @@ both stalls.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -25,18 +24,18 @@ import pytest
 import persistent_rnn as prnn
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import layer_args
+from full_set import EVERY_KERNEL
 
-EVERY = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}  # docs/api.md, "Accuracy" (16-bit)
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 # (cell, dtype, placement). CI: two grid cases - tests/test_half_kernels.py's 16-bit layers
 # (B = 2 and 3, from plan.MMA_MIN_BATCH) already run the mma forward of every cell and dtype in a
 # cluster against float64 and the GEMM path, and its stalls on the grid and in a cluster.
 CASES = [("lstm", "float16", "grid"), ("rnn_tanh", "bfloat16", "grid")]
-if EVERY:
+if EVERY_KERNEL:
     CASES = [(c, d, p) for c in ("lstm", "gru", "rnn_tanh", "rnn_relu")
              for d in ("float16", "bfloat16") for p in ("grid", "cluster")]
-BATCHES = (1, 8, 17, 32) if EVERY else (17,)
+BATCHES = (1, 8, 17, 32) if EVERY_KERNEL else (17,)
 
 
 @pytest.fixture
@@ -119,7 +118,7 @@ def test_mma_forward_matches_the_cuda_core_tile(emulation, grid_path, monkeypatc
         assert _relerr(a, b) <= UNIT_ROUNDOFF["float16"]
 
 
-@pytest.mark.skipif(not EVERY, reason="the full set's (CI: tests/test_half_kernels.py's stalls)")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's (CI: tests/test_half_kernels.py's stalls)")
 @pytest.mark.parametrize("placement", ["grid", "cluster"])
 def test_mma_stall_restarts_bitwise_identically(emulation, request, placement):
     cluster = placement == "cluster"

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import os
 
 import numpy as np
 import pytest
@@ -13,11 +12,11 @@ from persistent_rnn.cells import CELLS, FAMILY_CELLS
 from persistent_rnn.plan import (PROFILES, make_plan, register_cap, resident_ctas, resolve_cell,
                                  shared_bytes)
 from persistent_rnn.tiles import SHIPPED
+from full_set import EVERY_KERNEL
 
 FLOORS = {"LSTM": 1024, "GRU": 1152, "RNN": 2048}        # required on an H100, fp32
 TARGETS = {"LSTM": 1200, "GRU": 1400, "RNN": 2300}       # DESIGN.md's estimate
 
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 
 
 @pytest.mark.parametrize("cell", sorted(FLOORS))

@@ -5,15 +5,14 @@ emulation against the float64 GEMM path, with stalls in any layer and CTAs that 
 co-resident."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import plan as planner
+from full_set import EVERY_KERNEL
 
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -18,9 +17,9 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import persistent_rnn.torch as prt
 from persistent_rnn import override_settings
 from persistent_rnn.cells import CELLS, layer_args
+from full_set import EVERY_KERNEL
 
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
-EVERY_KERNEL = os.environ.get("PRNN_TEST_EVERY_KERNEL", "") not in ("", "0")
 I, H, P, T, B = 6, 12, 5, 7, 3
 LENGTHS = torch.tensor([T, 2, 5])
 
