@@ -210,11 +210,14 @@ part_sweeps() {  # limits 260 s
 
 part_fresh() {  # limits 315 s: what has not yet run on a GPU, in the order to learn it
   # the decoder (W_ih held in shared memory, the recurrent half ahead, a stack in one launch, its
-  # captured loop after resume()); the mma backward (test_half_gpu's B = 4); planned calls of the
-  # layers and the torch modules; the per-call allocations of more paths; the 16-bit projection
-  # and the hand-over again (run once, 1c83a04)
+  # captured loop after resume()); the mma backward (test_half_gpu's B = 4) and the 16-bit
+  # passes on the fp32 tiles (its B = 1); the mma projection; planned calls with the operations
+  # around the chain inside it and the records' ring (test_gpu_chain_graphs); the per-call
+  # allocations of more paths; the 16-bit projection and stacks (mma stack mode) and the
+  # hand-over again (run once, 1c83a04)
   step fresh_tests 120 "$PY" bench/pytest_resume.py --budget 110 -- -m gpu -p no:cacheprovider \
     --timeout=60 -rfEs --durations=10 tests/test_gpu_decoder.py tests/test_half_gpu.py \
+    tests/test_gpu_projection.py \
     tests/test_gpu_chain_graphs.py tests/test_torch_call_plans.py tests/test_gpu_half_projection.py \
     tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py tests/test_call_allocations.py
   step call_kernels 40 "$PY" bench/call_kernels.py --out "$OUT"

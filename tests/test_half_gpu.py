@@ -59,6 +59,8 @@ def test_fp16_persistent_matches_float64(cupy, mode, kw, size, batch):
     lengths = [12] + [7] * (batch - 1)
     got, fwd, bwd = _run(cupy, kern, x, dy, lengths)
     assert fwd.algo == bwd.algo == "persistent" and not fwd.emulated and fwd.fallback is None
+    if batch == 1 and size == "small":  # plan.widens: both passes on the fp32 tile
+        assert "PRNN_WIDENED_FROM" in fwd.details[0] and "PRNN_WEIGHT_DTYPE" not in bwd.details[0]
     want, _, _ = _run(cupy, ref, x.astype(np.float64), dy.astype(np.float64), lengths, gpu=False)
     same, _, _ = _run(cupy, gemm, x, dy, lengths)
     relu_gradients = kw.get("nonlinearity") == "relu"
