@@ -230,3 +230,19 @@ def test_16bit_layers_are_predicted_no_slower_than_float32(cell, hidden, batch):
             assert "PRNN_WEIGHT_DTYPE" not in p.defines  # the fp32 tile, the weights widened
             assert p.defines.get("PRNN_WIDENED_FROM") == (None if backward else 1)
         assert _predicted_us(cell, hidden, batch, p) <= 1.05 * _predicted_us(cell, hidden, batch, q)
+
+
+@pytest.mark.parametrize("cell,hidden,layers", [("lstm", 384, 4), ("gru", 512, 2)]
+                         if EVERY_KERNEL else [("lstm", 384, 4)])
+@pytest.mark.parametrize("batch", [1, 2, 3, 8] if EVERY_KERNEL else [2])
+def test_16bit_stacks_are_predicted_no_slower_than_float32(cell, hidden, layers, batch):
+    # Stack mode (tiles.MMA_STACK_TILES; one launch a pass): the 16-bit stack's passes no slower
+    # than what an fp32 stack runs - stack mode, or one launch per layer where its stack tiles
+    # stop (the GRU H 512) - within the model's resolution (5 %).
+    from persistent_rnn import latency
+    pytest.importorskip("persistent_rnn.sass_analysis").nvdisasm() or pytest.skip("no nvdisasm")
+    half, full = (latency.stack_report(CELLS[cell], hidden, batch, layers, d, PROFILES["h100"])
+                  for d in ("float16", "float32"))
+    assert half["fits"] and half["tensor_cores"]
+    for key in ("forward_pass_us", "backward_pass_us"):
+        assert half[key] <= 1.05 * full[key if full["fits"] else f"apart_{key}"], key
