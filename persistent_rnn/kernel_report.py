@@ -99,8 +99,8 @@ def _jobs(archs, edges_only: bool = False) -> list[Job]:
 
 
 def group(record: dict) -> tuple:
-    """(kernel family, tile family, dtype, pass, arch) of a record (or of ``describe``'s
-    fields): the groups ``_edges`` picks its configurations from. Cells of one tile family
+    """(kernel family, tile family, dtype - float32 or 16-bit -, pass, arch) of a record (or of
+    ``describe``'s fields): the groups ``_edges`` picks its configurations from. Cells of one tile family
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) and the fp32 tiles serving 16-bit layers (``widened``) form one
@@ -111,8 +111,10 @@ def group(record: dict) -> tuple:
         return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith(("mma", "widened")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
-    return (record["family"], CELLS[record["cell"]].tiles, record["dtype"], record["pass"],
-            record["arch"])
+    # fp16 and bf16 tiles hold the same words per register and differ in the conversions' few
+    # instructions: one group (its edges the fp16 tiles', first in the jobs' order)
+    dtype = "float32" if record["dtype"] == "float32" else "16-bit"
+    return record["family"], CELLS[record["cell"]].tiles, dtype, record["pass"], record["arch"]
 
 
 def _edges(jobs: list[Job]) -> list[Job]:

@@ -163,11 +163,12 @@ def test_zero_spills_and_registers_within_plan(records):
         assert r["registers"] > r["weight_registers"], r
 
 
-def test_largest_tiles_use_most_of_the_register_file(records):
+def test_largest_tiles_use_most_of_the_register_file():
+    planned = [kernel_report.describe(job) for job in kernel_report._jobs(COMPILED_ARCHS)]
     for dtype in KERNEL_DTYPES:  # 16-bit: two weights per register
         for cell, tiles in SHIPPED.items():
             for pass_ in ("forward", "backward"):
-                biggest = max(r["block"] * r["weight_registers"] for r in records
+                biggest = max(r["block"] * r["weight_registers"] for r in planned
                               if r["pass"] == pass_ and r["cell"].startswith(cell[:3])
                               and r["dtype"] == dtype)
                 assert biggest >= 0.7 * 65536, (dtype, cell, pass_)
