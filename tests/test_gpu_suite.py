@@ -1,7 +1,8 @@
 """bench/run_gpu_suite.sh without a GPU: every part fits its device call (dry run), the first
-call's part runs end to end in the CPU emulation (``--cpu``), and its pieces - a hung item
-recorded and skipped, the report's slope and per-call split, pytest resumed past a hung test -
-do what they say. So the suite cannot rot while no GPU is lent."""
+call's part runs end to end in the CPU emulation (``--cpu``; the full set,
+``PRNN_TEST_EVERY_KERNEL=1``, and before every GPU slot: docs/benchmarks.md), and its pieces - a
+hung item recorded and skipped, the report's slope and per-call split, pytest resumed past a hung
+test - do what they say. So the suite cannot rot while no GPU is lent."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from full_set import EVERY_KERNEL
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "bench" / "run_gpu_suite.sh"
@@ -87,6 +90,8 @@ def _records(out: Path, name: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's (~85 s of one CI worker); the "
+                    "--cpu check runs before every GPU slot")
 def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
     """The harness end to end on the sample of cases that takes each of its roads once (the
     whole ``--cpu`` check, 13 cases, runs before a GPU slot); the emulated kernels are those
