@@ -78,6 +78,14 @@ def fresh_plans():
 
 
 @pytest.fixture
+def sixteen_bit_tiles_only(monkeypatch):
+    """The planner without ``plan.widens``: 16-bit layers on their 16-bit tiles at every batch
+    (what tests forcing the CUDA-core 16-bit tiles at small H, or comparing with them, need)."""
+    from persistent_rnn import plan as planner
+    monkeypatch.setattr(planner, "widens", lambda *args: False)
+
+
+@pytest.fixture
 def grid_path(monkeypatch):
     """The emulation planning for an H100 without thread-block clusters, so that layers run on the
     grid path (several CTAs exchanging through global memory) at any size: what tests of stalls of

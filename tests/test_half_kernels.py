@@ -184,13 +184,13 @@ def test_emulated_16bit_kernels_match_float64_and_the_gemm_path(emulation, mode,
 
 
 @pytest.mark.parametrize("cell,dtype", TILE_CASES)
-def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_plans, cell, dtype):
+def test_emulated_largest_16bit_tiles(emulation, monkeypatch, grid_path, fresh_plans,
+                                     sixteen_bit_tiles_only, cell, dtype):
     # The largest tiles (14-16 rows per warp, ~390 weights per thread) normally serve H > 1280;
     # force them at a small, odd H (a padded last word per row) so the emulation runs their code.
     tiles_for = planner.tiles_for
     monkeypatch.setattr(planner, "tiles_for", lambda c, d="float32": tiles_for(c, d)[-1:])
     monkeypatch.setattr(planner, "mma_tiles_for", lambda *_, **__: ())  # (tests/test_mma_tiles.py)
-    monkeypatch.setattr(planner, "widens", lambda *_: False)  # (the 16-bit tiles at B = 2)
     mode, kw = layer_args(cell)
     kern, gemm, _ = _layers(mode, kw, dtype, hidden=31)
     x, hx, dy, dhn = _data(mode, kern, steps=3, batch=2)

@@ -143,13 +143,6 @@ def _predicted_us(cell: str, hidden: int, batch: int, p) -> float:
                               PROFILES["h100"]).total_us
 
 
-@pytest.fixture
-def sixteen_bit_tiles_only(monkeypatch):
-    """The planner without ``plan.widens``: 16-bit layers on their 16-bit tiles at every batch."""
-    from persistent_rnn import plan as planner
-    monkeypatch.setattr(planner, "widens", lambda *args: False)
-
-
 def test_the_model_predicts_the_planned_16bit_tile_faster(monkeypatch, sixteen_bit_tiles_only):
     # Where plan.MMA_MIN_BATCH puts the line between the 16-bit tiles (predictions of the latency
     # model, h100, forward): at B = 1 the CUDA-core tile (no slower), from B = 2 the mma tile

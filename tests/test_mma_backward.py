@@ -114,7 +114,8 @@ def test_mma_backward_matches_float64(emulation, request, name, dtype, placement
 
 
 @pytest.mark.parametrize("name,dtype,placement,hidden,batch", CORE_CASES)
-def test_mma_backward_matches_the_cuda_core_backward(emulation, request, monkeypatch, name, dtype,
+def test_mma_backward_matches_the_cuda_core_backward(emulation, request, monkeypatch,
+                                                     sixteen_bit_tiles_only, name, dtype,
                                                      placement, hidden, batch):
     cluster = _placed(request, placement)
     got, _, stats = _backward(name, dtype, hidden, batch)

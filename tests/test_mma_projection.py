@@ -131,7 +131,8 @@ def _core_forward(dtype: str, data: dict, params: dict, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", CORE_DTYPES)
-def test_mma_projection_backward_matches_the_cuda_core_backward(emulation, monkeypatch, dtype):
+def test_mma_projection_backward_matches_the_cuda_core_backward(emulation, monkeypatch,
+                                                                sixteen_bit_tiles_only, dtype):
     data = _data(5)
     _, mma = _forward_and_gradients(dtype, data, False, monkeypatch)
     _, core = _forward_and_gradients(dtype, data, True, monkeypatch)
