@@ -276,8 +276,11 @@ def backward_call(prepared: "PreparedPass", w_hh: Array, dhn: Array | None, dcn:
             s.dc_carry[steps % 2] = dcn
     stats = prepared.run(arrays)
     # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
-    wide = w_hh if s.half is None else (widen(w_hh) if s.slot is None else buffers.widened(
-        xp, w_hh, f"w_hh_wide{s.slot}"))
+    # A 16-bit layer's pass on the fp32 tile (plan.widened_pass) holds this call's W_hh^T widened
+    # already: its transpose, not a second widening.
+    held = prepared.args.get("w_t", prepared.args.get("w_hh_t"))
+    wide = (w_hh if s.half is None else held.T if held.dtype == np.float32
+            else widen(w_hh) if s.slot is None else buffers.widened(xp, w_hh, f"w_hh_wide{s.slot}"))
     dh0 = matmul(s.dgh[0], wide, None if out is None else out[0])
     dh0 += s.dh_carry[0]  # (in place: the same sum, one array)
     dc0 = s.dc_carry[0] if cell.has_cell_state else None
