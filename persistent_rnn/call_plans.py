@@ -107,12 +107,13 @@ class Plan:
         self.names = d.names
         w_ih, w_hh, b_ih, b_hh = functional._weights(ctx, d.names)
         self.weights = tuple(ctx.params[name] for name in d.names.values())
+        self.gradient_roles: tuple[str, ...] = ()  # (``plan_backward``)
         self.w_hh, self.b_ih, self.w_ih_t = w_hh, b_ih, w_ih.T
         self.h0, self.c0 = d.h0, d.c0  # (the zeros of calls without initial states)
         self.state_shape = (1, *d.h0.shape)
         steps, batch, _ = x.shape
         self.gi = buffers.workspace(xp, "gi", (steps * batch, w_ih.shape[0]), w_ih.dtype)
-        gi = self.gi.reshape(steps, batch, w_ih.shape[0])
+        self.gi_steps = gi = self.gi.reshape(steps, batch, w_ih.shape[0])
         hidden = w_hh.shape[1]
         self.y_shape = (steps, batch, hidden)  # (what a backward's dy must be)
         engine, _ = runtime._engine(ctx.cell, gi, hidden, batch, ctx.algo, backward=False)
@@ -127,8 +128,9 @@ class Plan:
         # what a call's output selection reads (held: no look-up inside a captured chain)
         self.mask = buffers.mask_arrays(xp, gi) if lengths else None
         self.forward_pass.around = runtime.Around(
-            self._before_forward, self._after_forward, {"gi": gi, "b_ih": b_ih, "mask": self.mask},
-            ("out", "h_n") if self.c0 is None else ("out", "h_n", "c_n"))
+            self._before_forward, self._after_forward,
+            {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask},
+            ("x", "out", "h_n") if self.c0 is None else ("x", "out", "h_n", "c_n"))
 
     def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
                 lengths: Any = None) -> bool:
@@ -175,9 +177,10 @@ class Plan:
         w_ih, w_hh = weights[0], weights[1]
         self.weights, self.w_hh, self.w_ih_t = weights, w_hh, w_ih.T
         self.b_ih = weights[2] if self.b_ih is not None else None
-        self.forward_pass.around.fixed["b_ih"] = self.b_ih  # (the same memory: the same keys)
+        fixed = self.forward_pass.around.fixed  # (the same memory: the same keys)
+        fixed["b_ih"], fixed["w_ih_t"] = self.b_ih, self.w_ih_t
         if self.backward_pass is not None:
-            self.backward_pass.around.fixed["w_hh"] = w_hh
+            self.backward_pass.around.fixed.update(w_hh=w_hh, w_ih=w_ih)
         return True
 
     def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
@@ -193,10 +196,12 @@ class Plan:
         if lengths is not None:  # (as functional's: int32, the input zero past each length)
             lengths = buffers.full_lengths(xp, lengths, 0, 0)
             layer_input = functional._selected_input(xp, x, lengths)
-        gi = matmul_steps(layer_input, self.w_ih_t, self.gi)  # (its bias: in the chain)
-        y, cs, saved = buffers.allocate_forward(cell, gi)
+        elif not x.flags.c_contiguous:  # (the chain's products read its rows in place)
+            layer_input = xp.ascontiguousarray(x)
+        y, cs, saved = buffers.allocate_forward(cell, self.gi_steps)  # (gi: in the chain)
         fwd = runtime.ForwardResult(y, cs, saved)
         arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
+        arrays["x"] = layer_input
         arrays["out"] = out = xp.empty(self.y_shape, y.dtype)  # (written in the chain)
         arrays["h_n"] = h_n = xp.empty(self.state_shape, y.dtype)
         if cs is not None:
@@ -209,8 +214,9 @@ class Plan:
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
-        """Inside the forward's chain, before its pass (``runtime.Around``): the input GEMM's
-        bias, ``gi += b_ih``, as ``functional.forward`` adds it."""
+        """Inside the forward's chain, before its pass (``runtime.Around``): the input GEMM
+        and its bias, ``gi = x W_ih^T + b_ih``, as ``functional.forward`` forms them."""
+        matmul_steps(arrays["x"], fixed["w_ih_t"], fixed["gi"])
         if fixed["b_ih"] is not None:
             fixed["gi"] += fixed["b_ih"]
 
@@ -230,27 +236,33 @@ class Plan:
     def backward(self, ctx: functional.Context, dy: Array) -> tuple[Array, Any, dict]:
         """``functional.backward(ctx, dy)`` of this plan's forward's context, ``dy`` contiguous
         of the output's shape and dtype (``layers`` checks), no ``dhn``."""
-        xp, cell, d = self.xp, self.cell, ctx.directions[0][0]
         prepared = self.backward_pass
         if prepared is None or not self._backward_current(ctx):
             result = functional.backward(ctx, dy)
             if prepared is None:
                 self.plan_backward(ctx, dy)
             return result
-        lengths = ctx.lengths
+        return self._planned_backward(ctx, dy)
+
+    def _planned_backward(self, ctx: functional.Context,
+                          dy: Array) -> tuple[Array, Any, dict]:
+        """``backward`` by the prepared pass: this call's new result arrays, written inside its
+        chain (``_after_backward``: ``dh0``, ``dc0``, the parameter and input gradients)."""
+        xp, d, lengths = self.xp, ctx.directions[0][0], ctx.lengths
         arrays = runtime.backward_arrays(dy if lengths is None else self.dy_selected, d.fwd, d.h0,
                                          d.c0, lengths)
         if lengths is not None:  # (selected into ``dy_selected`` in the chain)
             arrays["dy_in"] = dy
-        dh = xp.empty(self.state_shape, dy.dtype)
-        dc = None
+        arrays["x"] = ctx.inputs[0]
+        arrays["dh0"] = dh = xp.empty(self.state_shape, dy.dtype)
         if self.c0 is not None:
-            arrays["dc0"] = dc = xp.empty(self.state_shape, dy.dtype)  # (written in the chain)
-        res, ctx.backward_stats = runtime.backward_call(
-            prepared, self.w_hh, None, None, (dh[0], None if dc is None else dc[0]), arrays)
-        grads: dict[str, Array] = {}
-        dx = functional._layer_gradients(ctx, 0, {(0, 0): res}, grads)
-        return dx, (dh if dc is None else (dh, dc)), grads
+            arrays["dc0"] = dc = xp.empty(self.state_shape, dy.dtype)
+        arrays["dx"] = dx = xp.empty(self.x_shape, dy.dtype)
+        grads = {name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(),
+                                                                      self.weights)}
+        arrays.update(grads)  # (by their parameters' names: ``gradient_roles``)
+        ctx.backward_stats = self.backward_pass.run(arrays)
+        return dx, (dh if self.c0 is None else (dh, dc)), grads
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way: prepare its pass for
@@ -269,10 +281,15 @@ class Plan:
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         prepared = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0, d.c0, lengths,
                                             d.fwd, None, None, 0, dgi, dgh)
+        w_ih = self.w_ih_t.T
+        self.gradient_roles = tuple(self.names[n] for n in functional.PARAMETER_GRADIENTS
+                                    if n in self.names)
         prepared.around = runtime.Around(
             self._before_backward, self._after_backward,
-            {"w_hh": self.w_hh, "mask": self.mask},
-            (() if lengths is None else ("dy_in",)) + (() if self.c0 is None else ("dc0",)))
+            {"w_hh": self.w_hh, "w_ih": w_ih, "mask": self.mask,
+             "dw_hh": buffers.workspace(xp, "dw_hh", self.w_hh.shape, self.w_hh.dtype)},
+            ("x", "dh0", "dx", *self.gradient_roles) + (() if lengths is None else ("dy_in",))
+            + (() if self.c0 is None else ("dc0",)))
         self.backward_pass, self.backward_engine = prepared, engine
 
     def _before_backward(self, arrays: dict, fixed: dict) -> None:
@@ -288,10 +305,20 @@ class Plan:
         xp.copyto(prepared.args["w_t"], fixed["w_hh"].T)
 
     def _after_backward(self, arrays: dict, fixed: dict) -> None:
-        """Inside the backward's chain, after its completion: an LSTM's ``dc0`` (the direct
-        carry's row 0) into this call's new array (``runtime.backward_call`` returns it)."""
+        """Inside the backward's chain, after its completion: this call's results into its new
+        arrays, as ``functional.backward`` forms them - ``dh0`` (``runtime.initial_state_gradient``),
+        an LSTM's ``dc0`` (the direct carry's row 0), the parameter gradients
+        (``functional.parameter_gradients``) and ``dx``."""
+        xp, s = self.xp, self.backward_pass.backward
+        runtime.initial_state_gradient(s, fixed["w_hh"], arrays["dh0"][0])
         if self.c0 is not None:
-            self.xp.copyto(arrays["dc0"], self.backward_pass.backward.dc_carry[:1])
+            xp.copyto(arrays["dc0"], s.dc_carry[:1])
+        x = arrays["x"]
+        functional.parameter_gradients(
+            s.dgi, s.dgh, x.reshape(-1, x.shape[2]), arrays["y"], arrays["h0"],
+            len(self.gradient_roles) > 2, tuple(arrays[role] for role in self.gradient_roles),
+            fixed["dw_hh"])
+        matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
 
     def _backward_current(self, ctx: functional.Context) -> bool:
         """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""

@@ -94,6 +94,12 @@ def run(key: tuple, issue: Callable[[], None]) -> bool:
     return True
 
 
+def capturing() -> bool:
+    """Whether this thread is capturing a chain now (``matmul`` then records cuBLAS's products,
+    ``cublas_capture``)."""
+    return getattr(_side, "capturing", False)
+
+
 def clear() -> None:
     """Forget every recorded chain (their graphs are destroyed when no longer referenced)."""
     with _lock:
@@ -130,9 +136,11 @@ def _capture(device: int, issue: Callable[[], None]) -> Any:
     try:
         with side:
             side.begin_capture()
+            _side.capturing = True
             try:
                 issue()
             finally:
+                _side.capturing = False
                 graph = side.end_capture()
     except Exception as exc:  # noqa: BLE001 -- any failure leaves the chain to run directly
         warnings.warn(f"persistent_rnn: a pass's chain could not be captured as a CUDA graph "

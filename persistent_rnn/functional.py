@@ -513,12 +513,9 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
         dgi = res.dgi if direction == 0 else _gather(
             ctx.reverse_index, res.dgi, workspace(xp, "dgi_reversed", res.dgi.shape,
                                                   res.dgi.dtype))
-        dgi_2d = dgi.reshape(-1, dgi.shape[2])
-        grads[d.names["weight_ih"]] = matmul(dgi_2d.T, flat_input)
-        grads[d.names["weight_hh"]] = _recurrent_weight_grad(res.dgh, d.fwd.y, d.h0)
-        if "bias_ih" in d.names:
-            grads[d.names["bias_ih"]] = dgi_2d.sum(axis=0)
-            grads[d.names["bias_hh"]] = res.dgh.reshape(-1, res.dgh.shape[2]).sum(axis=0)
+        names = [d.names[n] for n in PARAMETER_GRADIENTS if n in d.names]
+        grads.update(zip(names, parameter_gradients(dgi, res.dgh, flat_input, d.fwd.y, d.h0,
+                                                    "bias_ih" in d.names)))
         if "weight_hr" in d.names:  # dW_hr = sum_t dr_t^T h_t, one GEMM over all steps
             grads[d.names["weight_hr"]] = matmul(res.drs.reshape(-1, res.drs.shape[2]).T,
                                                   d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
@@ -613,13 +610,40 @@ def _gather(index: Array, a: Array, out: Array | None = None) -> Array:
     return out
 
 
-def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array) -> Array:
-    """``dW_hh = sum_t dgh_t^T h_{t-1}`` as two GEMMs (step 0 reads ``h0``, the rest ``y``)."""
+# The parameter gradients ``parameter_gradients`` forms, in its order (a layer without biases:
+# the first two).
+PARAMETER_GRADIENTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+def parameter_gradients(dgi: Array, dgh: Array, flat_input: Array, y: Array, h0: Array,
+                        bias: bool, out: tuple | None = None,
+                        scratch: Array | None = None) -> tuple:
+    """One layer-direction's ``(dW_ih, dW_hh, db_ih, db_hh)`` (the biases' only with ``bias``)
+    from its gate gradients ``dgi``, ``dgh`` (T, B, G), its input as rows (T*B, I), its outputs
+    ``y`` (T, B, H) and initial state ``h0`` (B, H): new arrays, or written into ``out``'s
+    (``PARAMETER_GRADIENTS`` order) with ``scratch`` the workspace of ``dW_hh``'s second product
+    - what a planned call's chain computes in place (``call_plans``), with the same products
+    and sums."""
+    targets = out if out is not None else (None,) * len(PARAMETER_GRADIENTS)
+    dgi_2d = dgi.reshape(-1, dgi.shape[2])
+    w_ih = matmul(dgi_2d.T, flat_input, targets[0])
+    w_hh = _recurrent_weight_grad(dgh, y, h0, targets[1], scratch)
+    if not bias:
+        return w_ih, w_hh
+    return (w_ih, w_hh, dgi_2d.sum(axis=0, out=targets[2]),
+            dgh.reshape(-1, dgh.shape[2]).sum(axis=0, out=targets[3]))
+
+
+def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array, out: Array | None = None,
+                           scratch: Array | None = None) -> Array:
+    """``dW_hh = sum_t dgh_t^T h_{t-1}`` as two GEMMs (step 0 reads ``h0``, the rest ``y``), into
+    ``out`` where given; the second product in ``scratch`` (else a reused workspace)."""
     width = dgh.shape[2]
-    grad = matmul(dgh[0].T, h0)
+    grad = matmul(dgh[0].T, h0, out)
     if dgh.shape[0] > 1:  # (the second product in a reused workspace: only grad is new)
-        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]),
-                       workspace(array_module(grad), "dw_hh", grad.shape, grad.dtype))
+        if scratch is None:
+            scratch = workspace(array_module(grad), "dw_hh", grad.shape, grad.dtype)
+        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]), scratch)
     return grad
 
 

@@ -8,7 +8,12 @@ use ``cupy.matmul`` then. ``matmul(a, b, out=None)`` dispatches:
 * NumPy arrays: ``numpy.matmul``;
 * CuPy arrays, the current stream not capturing: ``cupy.matmul`` (cuBLAS: speed and bits as
   before);
-* CuPy arrays, the current stream capturing: the library's own tiled GEMM,
+* CuPy arrays, the current stream capturing one of the library's own chains
+  (``chain_graphs.capturing()``: a planned call's input projection and gradients): cuBLAS's
+  ``gemmEx`` called as ``cupy.matmul`` calls it (``cublas_capture``), so that the replayed
+  graph computes the eager call's bits;
+* CuPy arrays, the current stream capturing anything else (the caller's capture, the GEMM
+  path's step graphs): the library's own tiled GEMM,
   ``cuda_src/matmul.cu`` (fp32 sums for float32, fp64 for float64; strided operands, so
   transposes and views are not copied), which rounds differently from cuBLAS within the usual
   fp round-off of a K-term sum.
@@ -34,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from . import chain_graphs, cublas_capture
 from ._sources import cuda_src_dir, read_source
 from .halves import half_dtype, narrow, widen
 
@@ -55,6 +61,8 @@ def matmul(a: Array, b: Array, out: Array | None = None) -> Array:
     cupy = sys.modules["cupy"]  # a non-NumPy operand of the library is a CuPy array
     if not cupy.cuda.get_current_stream().is_capturing():
         return cupy.matmul(a, b, out=out)
+    if chain_graphs.capturing() and out is not None:
+        return cublas_capture.matmul(cupy, a, b, out)
     return captured_matmul(cupy, a, b, out)
 
 

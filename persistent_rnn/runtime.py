@@ -256,41 +256,40 @@ class _BackwardScratch:
 
 
 def backward_call(prepared: "PreparedPass", w_hh: Array, dhn: Array | None, dcn: Array | None,
-                  out: tuple[Array, Array | None] | None,
-                  arrays: dict[str, Array | None] | None = None) -> tuple[BackwardResult, RunStats]:
+                  out: tuple[Array, Array | None] | None) -> tuple[BackwardResult, RunStats]:
     """One backward call of ``prepared`` (``prepare_backward``): the carries zeroed and given
-    ``dhn``/``dcn``, the chain, then ``dh0``/``dc0``. ``arrays``: ``None`` for the first call
-    (whose arrays the arguments hold); else this call's (``backward_arrays``) for a later call
-    of a call plan's prepared pass (float32, no projection, no ``dhn``/``dcn``:
-    ``call_plans``), whose ``Around`` enqueues inside the chain the carries' zeros, ``W_hh^T``'s
-    copy (an optimizer may have changed ``W_hh`` in place; ``prepare_backward`` made the first)
-    and an LSTM's ``dc0`` into ``out[1]``."""
+    ``dhn``/``dcn``, the chain, then ``dh0``/``dc0`` (into ``out`` where given). (A call plan's
+    later calls enqueue all of it inside the chain: ``call_plans``.)"""
     s = prepared.backward
     xp, cell = s.xp, s.cell
-    if arrays is None:
-        zero_carries(s)
-        steps = prepared.first + 1
-        if dhn is not None:
-            s.dh_carry[steps % 2] = dhn
-        if dcn is not None and cell.has_cell_state:
-            s.dc_carry[steps % 2] = dcn
-    stats = prepared.run(arrays)
-    # dh0 = the direct carry + W_hh^T dgh_0 (of r with a projection): stream-ordered, no read.
+    zero_carries(s)
+    steps = prepared.first + 1
+    if dhn is not None:
+        s.dh_carry[steps % 2] = dhn
+    if dcn is not None and cell.has_cell_state:
+        s.dc_carry[steps % 2] = dcn
+    stats = prepared.run()
     # A 16-bit layer's pass on the fp32 tile (plan.widened_pass) holds this call's W_hh^T widened
     # already: its transpose, not a second widening.
     held = prepared.args.get("w_t", prepared.args.get("w_hh_t"))
     wide = (w_hh if s.half is None else held.T if held.dtype == np.float32
             else widen(w_hh) if s.slot is None else buffers.widened(xp, w_hh, f"w_hh_wide{s.slot}"))
-    dh0 = matmul(s.dgh[0], wide, None if out is None else out[0])
-    dh0 += s.dh_carry[0]  # (in place: the same sum, one array)
+    dh0 = initial_state_gradient(s, wide, None if out is None else out[0])
     dc0 = s.dc_carry[0] if cell.has_cell_state else None
-    if dc0 is not None and arrays is not None:  # (written by the Around: out[1])
-        dc0 = out[1]
-    elif dc0 is not None and out is not None:
+    if dc0 is not None and out is not None:
         dc0 = _copied_into(out, dh0, dc0)[1]
     elif dc0 is not None and s.slot is not None:  # (a row of a workspace: the result's own copy)
         dc0 = dc0.copy()
     return BackwardResult(s.dgi, s.dgh, dh0, dc0, s.drs), stats
+
+
+def initial_state_gradient(s: _BackwardScratch, w_hh: Array, out: Array | None = None) -> Array:
+    """``dh0`` of a backward whose chain has run: the direct carry plus ``dgh_0 W_hh`` (of r
+    with a projection; ``w_hh`` float32), stream-ordered, nothing read back; into ``out``
+    where given."""
+    dh0 = matmul(s.dgh[0], w_hh, out)
+    dh0 += s.dh_carry[0]  # (in place: the same sum, one array)
+    return dh0
 
 
 def zero_carries(s: _BackwardScratch) -> None:

@@ -46,17 +46,17 @@ class _Hits:
 
     def __init__(self, monkeypatch):
         self.forwards = self.backwards = 0
-        forward, backward_call = call_plans.Plan.forward, runtime.backward_call
+        forward, backward = call_plans.Plan.forward, call_plans.Plan._planned_backward
 
         def counted_forward(plan, *args):
             self.forwards += 1
             return forward(plan, *args)
 
-        def counted_backward(prepared, *a, **kw):
-            self.backwards += len(a) > 4 and a[4] is not None  # (a later call: arrays given)
-            return backward_call(prepared, *a, **kw)
+        def counted_backward(plan, *args):
+            self.backwards += 1
+            return backward(plan, *args)
         monkeypatch.setattr(call_plans.Plan, "forward", counted_forward)
-        monkeypatch.setattr(runtime, "backward_call", counted_backward)
+        monkeypatch.setattr(call_plans.Plan, "_planned_backward", counted_backward)
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])  # (an Elman cell's plan is a GRU's: no c)
@@ -225,8 +225,9 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     for device pointers: the planned calls' static part is one object, built once; the key
     differs between calls only by the new arrays, and names every argument the full path's
     key names, and everything the operations moved into the chain (``runtime.Around``) read
-    and write: the input GEMM's output and bias, the mask's arrays, ``W_hh``, and this call's
-    output, ``h_n`` (``c_n``), ``dy`` and ``dc0``. (An LSTM with lengths: every role; a GRU's
+    and write: the input GEMM's operands, output and bias, the mask's arrays, ``W_hh``, the
+    scratch of ``dW_hh``, and this call's input, output, ``h_n`` (``c_n``), ``dy``, ``dh0``
+    (``dc0``), ``dx`` and parameter gradients. (An LSTM with lengths: every role; a GRU's
     plan and one without lengths have a subset of them.)"""
     cell, lengths = "LSTM", [4, 2]
     monkeypatch.setattr(chain_graphs, "value", lambda v: (
@@ -262,12 +263,22 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
                 assert per_call["out"] == chain_graphs.value(y)
                 assert per_call["h_n"] == chain_graphs.value(hn[0])
                 assert per_call["c_n"] == chain_graphs.value(hn[1])
-                assert fixed["gi"] == chain_graphs.value(prepared.args["gi"])
+                assert fixed["gi"] == chain_graphs.value(plan.gi)
+                assert fixed["gi"][0] == chain_graphs.value(prepared.args["gi"])[0]
                 assert fixed["b_ih"] == chain_graphs.value(layer.params["bias_ih_l0"])
+                assert fixed["w_ih_t"] == chain_graphs.value(layer.params["weight_ih_l0"].T)
+                assert per_call["x"] == chain_graphs.value(kept[i][0].inputs[0])
             else:
+                ctx, _, _, dx, (dh, dc) = kept[i]
                 assert per_call["dy_in"] == chain_graphs.value(dy)
-                assert per_call["dc0"] == chain_graphs.value(kept[i][4][1])
+                assert per_call["dc0"] == chain_graphs.value(dc)
+                assert per_call["dh0"] == chain_graphs.value(dh)
+                assert per_call["dx"] == chain_graphs.value(dx)
+                assert per_call["x"] == chain_graphs.value(ctx.inputs[0])
+                assert {name for name in layer.params} <= set(per_call)  # (their gradients)
                 assert fixed["w_hh"] == chain_graphs.value(layer.params["weight_hh_l0"])
+                assert fixed["w_ih"] == chain_graphs.value(layer.params["weight_ih_l0"])
+                assert fixed["dw_hh"][1] == layer.params["weight_hh_l0"].shape
     (static, first), planned = keys[4], keys[6]  # (calls 3 and 4: forwards planned)
     assert planned[0] is static and static is forward._static_key
     assert planned[1][static[1].index("h0")] == first[static[1].index("h0")]  # the zeros

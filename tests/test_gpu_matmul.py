@@ -1,6 +1,7 @@
 """GPU variants (CuPy arrays) of the capture-safe matmul (persistent_rnn/matmul.py): eager products
 are cuBLAS's, bit for bit; products on a capturing stream run matmul.cu's kernel, record, replay
-and equal float64 products within the round-off of a k-term sum."""
+and equal float64 products within the round-off of a k-term sum; products a chain capture records
+(``cublas_capture``) are cuBLAS's own, eager and replayed."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,3 +65,35 @@ def test_the_kernel_runs_outside_capture_too(cupy):
     for m, k, n, a_t, b_t in SHAPES:
         a, b = _operands(cupy, rng, m, k, n, a_t, b_t, np.float32)
         _assert_close_to_float64(matmul.captured_matmul(cupy, a, b), a, b, np.float32)
+
+
+# A planned call's chain products (call_plans) at a layer's sizes (T=9, B=3, I=40, G=3*64, H=64):
+# x W_ih^T, dgi^T x, dgh_0^T h0, dgh_{1:}^T y_{:-1}, dgi W_ih, dgh_0 W_hh, as (a, b) makers.
+T, B, I, G, H = 9, 3, 40, 192, 64
+CHAIN_PRODUCTS = [
+    lambda r: (r((T * B, I)), r((G, I)).T), lambda r: (r((T * B, G)).T, r((T * B, I))),
+    lambda r: (r((T, B, G))[0].T, r((B, H))),
+    lambda r: (r((T, B, G))[1:].reshape(-1, G).T, r((T, B, H))[:-1].reshape(-1, H)),
+    lambda r: (r((T * B, G)), r((G, I))), lambda r: (r((B, G)), r((G, H)))]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_products_captured_in_a_chain_are_cupys_bit_for_bit(cupy, dtype):
+    """``cublas_capture.matmul`` (what ``matmul`` records while a chain is captured) gives
+    ``cupy.matmul``'s bits: called eagerly, and recorded on a capturing stream and replayed."""
+    from persistent_rnn import cublas_capture
+    rng = np.random.default_rng(2)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for make in CHAIN_PRODUCTS:
+        with stream:
+            a, b = make(lambda shape: cupy.asarray(rng.standard_normal(shape).astype(dtype)))
+            want = cupy.matmul(a, b)
+            eager = cublas_capture.matmul(cupy, a, b, cupy.empty_like(want))
+            replayed = cupy.full_like(want, np.nan)
+            stream.begin_capture()
+            cublas_capture.matmul(cupy, a, b, replayed)
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        np.testing.assert_array_equal(eager.get(), want.get())
+        np.testing.assert_array_equal(replayed.get(), want.get())

@@ -1,17 +1,20 @@
 """The capture-safe matmul (persistent_rnn/matmul.py, cuda_src/matmul.cu) without a GPU: the
 kernel run by the CPU emulation against float64 NumPy products on strided, non-square operands
-(a sabotaged kernel fails the same check), its NVRTC build, the argument checks, and that every
-product the library issues on arrays goes through ``matmul.matmul``."""
+(a sabotaged kernel fails the same check), its NVRTC build, the argument checks, that every
+product the library issues on arrays goes through ``matmul.matmul``, and the ``cublasGemmEx``
+problem a chain's capture records (``cublas_capture``) carried out on the CPU."""
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import as_strided
 
 import persistent_rnn
-from persistent_rnn import emulate, matmul
+from persistent_rnn import cublas_capture, emulate, matmul
 from persistent_rnn._sources import read_source
 from sabotage import sabotaged
 
@@ -138,3 +141,85 @@ def test_every_library_product_goes_through_matmul():
                   and node.func.attr in names):
                 found.append(f"{path.name}:{node.lineno} .{node.func.attr}(")
     assert not found, found
+
+
+class _DeviceView:
+    """A NumPy array seen as the CuPy array ``cublas_capture`` reads: ``data.ptr`` its address,
+    everything else the array's own."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+
+    def __getattr__(self, name):
+        return getattr(self.a, name)
+
+    @property
+    def T(self):
+        return _DeviceView(self.a.T)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.a.__array_interface__["data"][0])
+
+
+def _column_major(x: _DeviceView, op: int, rows: int, cols: int, ld: int) -> np.ndarray:
+    """``op(X)`` (rows x cols) as cuBLAS reads it from ``x``'s memory: X column-major with
+    leading dimension ``ld`` (op 0), or its transpose (op 1)."""
+    item, base = x.itemsize, x.a
+    if op == 0:
+        return as_strided(base, (rows, cols), (item, ld * item))
+    return as_strided(base, (cols, rows), (item, ld * item)).T
+
+
+# The products a planned call's chain records (call_plans): the input projection x W_ih^T,
+# dW_ih = dgi^T x, dW_hh's two (dgh_0^T h0, dgh_{1:}^T y_{:-1}), dx = dgi W_ih, dh0 = dgh_0 W_hh
+# - operands C-ordered, transposed views, row slices - and shapes with a 1.
+_PRODUCTS = [
+    lambda r: (r((8, 3)), r((12, 3)).T), lambda r: (r((8, 12)).T, r((8, 3))),
+    lambda r: (r((2, 12))[0:1].T, r((1, 4))), lambda r: (r((3, 2, 12))[1:].reshape(-1, 12).T,
+                                                       r((3, 2, 4))[:-1].reshape(-1, 4)),
+    lambda r: (r((8, 12)), r((12, 3))), lambda r: (r((1, 12)), r((12, 4))),
+    lambda r: (r((5, 1)), r((1, 7))), lambda r: (r((1, 9)), r((2, 9)).T)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("product", range(len(_PRODUCTS)))
+def test_captured_cublas_problem_is_the_product(dtype, product):
+    """``cublas_capture.gemm_problem`` (the column-major ``cublasGemmEx`` call ``cupy.matmul``
+    makes) computes ``a @ b`` when cuBLAS's reading of the memory is carried out on the CPU."""
+    rng = np.random.default_rng(product)
+    a, b = _PRODUCTS[product](lambda shape: rng.standard_normal(shape).astype(dtype))
+    out = np.empty((a.shape[0], b.shape[1]), dtype)
+    op_1, op_2, m, n, k, first, ld_1, second, ld_2, ldc = cublas_capture.gemm_problem(
+        _DeviceView(a), _DeviceView(b), _DeviceView(out))
+    assert ldc == out.shape[1] and (m, n, k) == (out.shape[1], out.shape[0], a.shape[1])
+    got = _column_major(first, op_1, m, k, ld_1) @ _column_major(second, op_2, k, n, ld_2)
+    np.testing.assert_allclose(got.T, a @ b, rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_captured_cublas_refuses_what_cupy_would_not_issue_as_one_gemm():
+    """Where ``cupy.matmul`` reduces, copies an operand or writes a temporary, the captured
+    call refuses (the chain's capture then fails and it runs launch by launch); bad operands
+    get errors naming them; an empty product needs no call."""
+    f = np.float32
+    view = _DeviceView
+    problem = cublas_capture.gemm_problem
+    with pytest.raises(NotImplementedError, match="1 x 1"):
+        problem(view(np.ones((1, 4), f)), view(np.ones((4, 1), f)), view(np.empty((1, 1), f)))
+    with pytest.raises(NotImplementedError, match="strided operand"):
+        problem(view(np.ones((4, 8), f)[:, :3]), view(np.ones((3, 2), f)),
+                view(np.empty((4, 2), f)))
+    with pytest.raises(NotImplementedError, match="strided out"):
+        problem(view(np.ones((4, 3), f)), view(np.ones((3, 2), f)),
+                view(np.empty((2, 4), f).T))
+    shared = np.ones((4, 4), f)
+    with pytest.raises(NotImplementedError, match="overlaps"):
+        problem(view(shared), view(np.ones((4, 4), f)), view(shared))
+    with pytest.raises(TypeError, match="two float32 or two float64"):
+        problem(view(np.ones((4, 3), f)), view(np.ones((3, 2))), view(np.empty((4, 2), f)))
+    with pytest.raises(ValueError, match=r"out: expected a float32 array of shape \(4, 2\)"):
+        problem(view(np.ones((4, 3), f)), view(np.ones((3, 2), f)), view(np.empty((2, 4), f)))
+    with pytest.raises(ValueError, match="matching inner sizes"):
+        problem(view(np.ones((4, 3), f)), view(np.ones((2, 2), f)), view(np.empty((4, 2), f)))
+    assert problem(view(np.ones((4, 0), f)), view(np.ones((0, 2), f)),
+                   view(np.empty((4, 2), f))) is None
