@@ -10,15 +10,18 @@ of ``--calls`` calls (alternating their order), timed with ``time.perf_counter_n
 10th percentile in µs. Internal entry points (``ops._library_forward`` and the like) are called
 with what the layer above would pass them. Writes ``DIR/call_breakdown.json`` with ``--out``.
 
-``--stubbed`` adds six rows: the layer API's persistent forward and forward + backward on the
+``--stubbed`` adds eight rows: the layer API's persistent forward and forward + backward on the
 emulated path (1) with the emulated launcher stubbed (``EmulatedModule._launch`` returns at
 once: no kernel runs, every other line of the call does, the chain issued launch by launch with
-each launch's arguments built), and (2) with the whole chain stubbed (``launch._issue_chain``,
+each launch's arguments built), (2) with the whole chain stubbed (``launch._issue_chain``,
 what a GPU call in steady state replaces by one graph launch; the graph's key, built on the GPU
-path only, is not in it); and (3) ``persistent_rnn.torch.GRU(algo="persistent")`` on CPU tensors
-(the emulated path) as (2): the forward under ``torch.no_grad``, forward + backward through
-autograd (``y.sum().backward()``). (2) is the Python the latency model's per-call host term
-takes (``hardware.PYTHON_*_US``), (1) bounds it from above; (3) is what the torch road adds.
+path only, is not in it), (3) as a replay in steady state runs it on a GPU: the chain graph's
+key built over the call's arrays (``id`` standing in for device pointers) and the
+replay itself stubbed (``chain_graphs.run``); and (4) ``persistent_rnn.torch.GRU(algo=
+"persistent")`` on CPU tensors (the emulated path) as (2): the forward under ``torch.no_grad``,
+forward + backward through autograd (``y.sum().backward()``). (3) is the Python the latency
+model's per-call host term takes (``hardware.PYTHON_*_US``), (1) bounds it from above; (4) is
+what the torch road adds.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import torch
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import benchmark, emulate, functional, launch
+from persistent_rnn import benchmark, chain_graphs, emulate, functional, launch
 from persistent_rnn.torch import modules, ops, paths
 
 from call_overhead import time_roads  # (bench/ is the script's folder)
@@ -72,6 +75,18 @@ def entry_points(hidden: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def _host_value(v: object) -> object:
+    """``chain_graphs.value`` of a NumPy array in the replayed stand-in: what it reads of a CuPy
+    array (address, shape, strides, dtype), ``id`` standing in for the address (NumPy's own,
+    ``__array_interface__``, builds a dict: several times CuPy's ``data.ptr``, two attribute
+    reads)."""
+    if isinstance(v, np.ndarray):
+        return (id(v), v.shape, v.strides, v.dtype.char)
+    if isinstance(v, tuple):
+        return tuple(_host_value(u) for u in v)
+    return v
+
+
 def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
     """The layer API's persistent forward and forward + backward (emulated path), for timing
     with the launcher stubbed (``main --stubbed``, which stubs ``EmulatedModule._launch``) and
@@ -93,6 +108,17 @@ def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
             finally:
                 launch._issue_chain = issue
         return stubbed
+
+    def replayed(call: Callable[[], object]) -> Callable[[], object]:
+        def stand_in() -> object:
+            saved = chain_graphs.eligible, chain_graphs.value, chain_graphs.run
+            chain_graphs.eligible, chain_graphs.value = (lambda words: True), _host_value
+            chain_graphs.run = lambda key, issue: True
+            try:
+                return call()
+            finally:
+                chain_graphs.eligible, chain_graphs.value, chain_graphs.run = saved
+        return stand_in
     torch.manual_seed(0)
     module = prt.GRU(hidden, hidden, algo="persistent")
     xt = torch.from_numpy(x).requires_grad_()
@@ -109,6 +135,8 @@ def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
             "persistent forward+backward, launcher stubbed (layer API)": train_step,
             "persistent forward, chain stubbed (layer API)": no_chain(lambda: layer.forward(x)),
             "persistent forward+backward, chain stubbed (layer API)": no_chain(train_step),
+            "persistent forward, replayed stand-in (layer API)": replayed(lambda: layer.forward(x)),
+            "persistent forward+backward, replayed stand-in (layer API)": replayed(train_step),
             "persistent forward, chain stubbed (torch module)": no_chain(module_forward),
             "persistent forward+backward, chain stubbed (torch module)": no_chain(module_step)}
 

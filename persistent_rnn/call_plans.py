@@ -40,6 +40,7 @@ from . import buffers, functional, launch, runtime, settings
 from .buffers import matmul_steps
 
 Array = Any
+_SUM = "sum of "  # (the role of the array a parameter's gradient is added into)
 
 
 def _where(xp) -> tuple:
@@ -61,7 +62,7 @@ def signature(x: Array, hx: Any, lengths: Any) -> tuple:
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
-            key: tuple = ()) -> "Plan | None":
+            key: tuple = (), accumulates: bool = False) -> "Plan | None":
     """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
     ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned; ``key``: the
     caller's signature of the call (``signature``), which the plan keeps (``Plan.key``): a planned
@@ -69,14 +70,15 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
     nothing rather than taking the plan over every other call). Calls with lengths are planned
     too: a plan's caller gives it valid lengths (the torch modules' packed input, whose lengths
     ``PackedLayout`` derives; the layer API checks them before a planned call as its full path
-    does)."""
+    does). ``accumulates``: its backward adds the parameter gradients into its caller's arrays
+    inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``)."""
     if not (ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
             and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
             and _where(buffers.array_module(x)) is not None):
         return None
     plan = Plan(ctx, x, hx is not None, lengths is not None)
-    plan.key = key
+    plan.key, plan.accumulates = key, accumulates
     return plan if plan.engine is not None else None
 
 
@@ -99,6 +101,7 @@ class Plan:
         self.states = states  # whether the calls give initial states (else zeros)
         self.lengths = lengths  # whether the calls give lengths (else all T steps)
         self.key: tuple = ()  # the signature of its calls as its holder knows it (``plan_of``)
+        self.accumulates = False  # whether its backward adds into its caller's (``plan_of``)
         self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
@@ -233,21 +236,25 @@ class Plan:
         if self.c0 is not None:
             xp.copyto(arrays["c_n"], arrays["cs"][-1:])
 
-    def backward(self, ctx: functional.Context, dy: Array) -> tuple[Array, Any, dict]:
+    def backward(self, ctx: functional.Context, dy: Array,
+                 into: Mapping[str, Array] | None = None) -> tuple[Array, Any, dict, bool]:
         """``functional.backward(ctx, dy)`` of this plan's forward's context, ``dy`` contiguous
-        of the output's shape and dtype (``layers`` checks), no ``dhn``."""
+        of the output's shape and dtype (``layers`` checks), no ``dhn``; and whether the
+        parameter gradients were also added into ``into``'s arrays of their names (an
+        accumulating plan's, ``plan_of``; given by its every call), inside the chain."""
         prepared = self.backward_pass
         if prepared is None or not self._backward_current(ctx):
             result = functional.backward(ctx, dy)
             if prepared is None:
                 self.plan_backward(ctx, dy)
-            return result
-        return self._planned_backward(ctx, dy)
+            return (*result, False)
+        return (*self._planned_backward(ctx, dy, into), self.accumulates)
 
-    def _planned_backward(self, ctx: functional.Context,
-                          dy: Array) -> tuple[Array, Any, dict]:
+    def _planned_backward(self, ctx: functional.Context, dy: Array,
+                          into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
         """``backward`` by the prepared pass: this call's new result arrays, written inside its
-        chain (``_after_backward``: ``dh0``, ``dc0``, the parameter and input gradients)."""
+        chain (``_after_backward``: ``dh0``, ``dc0``, the parameter and input gradients, and
+        their sums into ``into``'s where the plan accumulates)."""
         xp, d, lengths = self.xp, ctx.directions[0][0], ctx.lengths
         arrays = runtime.backward_arrays(dy if lengths is None else self.dy_selected, d.fwd, d.h0,
                                          d.c0, lengths)
@@ -261,6 +268,8 @@ class Plan:
         grads = {name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(),
                                                                       self.weights)}
         arrays.update(grads)  # (by their parameters' names: ``gradient_roles``)
+        if self.accumulates:
+            arrays.update({_SUM + name: into[name] for name in grads})
         ctx.backward_stats = self.backward_pass.run(arrays)
         return dx, (dh if self.c0 is None else (dh, dc)), grads
 
@@ -288,7 +297,9 @@ class Plan:
             self._before_backward, self._after_backward,
             {"w_hh": self.w_hh, "w_ih": w_ih, "mask": self.mask,
              "dw_hh": buffers.workspace(xp, "dw_hh", self.w_hh.shape, self.w_hh.dtype)},
-            ("x", "dh0", "dx", *self.gradient_roles) + (() if lengths is None else ("dy_in",))
+            ("x", "dh0", "dx", *self.gradient_roles)
+            + (tuple(_SUM + n for n in self.names.values()) if self.accumulates else ())
+            + (() if lengths is None else ("dy_in",))
             + (() if self.c0 is None else ("dc0",)))
         self.backward_pass, self.backward_engine = prepared, engine
 
@@ -319,6 +330,9 @@ class Plan:
             len(self.gradient_roles) > 2, tuple(arrays[role] for role in self.gradient_roles),
             fixed["dw_hh"])
         matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
+        if self.accumulates:  # (as the layer API adds a full call's: ``layers``)
+            for name in self.names.values():
+                arrays[_SUM + name] += arrays[name]
 
     def _backward_current(self, ctx: functional.Context) -> bool:
         """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""

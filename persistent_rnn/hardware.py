@@ -176,15 +176,16 @@ EMPTY_LAUNCH_US = 2.0          # device time of a launch that exits at once (est
 GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # The Python of one steady-state layer call besides its API calls: the layer API's persistent
 # GRU (H=8, B=1, T=1) on the CPU with the pass's whole chain stubbed (what a GPU call replays as
-# one graph), a planned call (call_plans), measured: `bench/call_breakdown.py --stubbed`, the
-# median of nine interleaved runs' medians (three each of commits 45bda78, c7dc84a, b0b6031, whose
-# planned path differs by a dict at most), bench/results/cpu-2026-11-27/stubbed-*-after-*/ (the
-# shared 2-core development CPU, 2026-11-27; main before the plans, 41d5ca8, in the same runs:
-# 77.4 / 99.2 us, and 63.2 / 84.7 us on 2026-11-26's quieter machine). NumPy stands for CuPy
-# there: CuPy's own Python per array and launch is not in it (measured on an H100 before the
-# plans, the whole forward's host time was 341 us).
-PYTHON_FORWARD_US = 21.8       # measured (forward)
-PYTHON_BACKWARD_US = 46.8      # measured (forward+backward less forward, per run)
+# one graph: since 970f961 the input projection, dh0 and the gradients too), a planned call
+# (call_plans), measured: `bench/call_breakdown.py --stubbed`, the median of six runs' medians,
+# bench/results/cpu-2026-11-27/graphed-970f961-after-*/ (the shared 2-core development CPU,
+# 2026-11-27; 9d29b83, with those products outside the chain, interleaved with them: 19.1 / 44.1
+# us, and 21.8 / 46.8 us in the runs of the day before). NumPy stands for CuPy there: CuPy's own
+# Python per array and launch is not in it, nor the chain graph's key over the call's arrays,
+# built on the GPU path only (measured on an H100 before the plans, the whole forward's host
+# time was 341 us).
+PYTHON_FORWARD_US = 11.8       # measured (forward)
+PYTHON_BACKWARD_US = 17.8      # measured (forward+backward less forward, per run)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches
 # Of the tensor-core peak above, a cuBLAS GEMM of fp16 operands with fp32 output reaches: measured
 # on the H200, torch.mm(..., out_dtype=torch.float32) of 800x1024 @ 1024x4096 in 55.9 us (its fp32

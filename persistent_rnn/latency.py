@@ -519,22 +519,18 @@ def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) ->
     return hw.GEMM_LAUNCH_US + flops / (fraction * peak) * 1e6
 
 
-# API calls of one layer-direction call beside its chain (persistent_rnn/launch.py), read from
-# the code path of a planned call (call_plans, runtime; counted 2026-11-27): forward - the input
-# GEMM; backward - dh0's GEMM and add, dW_ih, dW_hh (two GEMMs and an add), the two bias sums,
-# dx. Each is a kernel launch or memset through the runtime API. (Before: 4 / 11, the LSTM's 5 /
-# 13: the operations below were calls of their own; 6 / 14 before the lengths and the exchange
-# were no longer filled per call and dh0 was written in place of its stack.)
-FORWARD_OTHER_CALLS = 1
-BACKWARD_OTHER_CALLS = 9
-# Operations a planned call enqueues inside its chain (``runtime.Around``): nodes of the chain's
-# graph, no API call of their own while it is replayed, but kernels (or copies, memsets) on the
-# device all the same, and calls of their own when the chain is issued launch by launch: forward
-# - the input GEMM's bias add, the output's and h_n's copies (LSTM: c_n's too); backward - the
-# carries' zero fill (LSTM: two), W_hh^T's copy (LSTM: dc0's copy). Without lengths (with them
-# the output's and dy's selections are three operations each where a copy is one, or none).
-FORWARD_CHAIN_OPS = 3
-BACKWARD_CHAIN_OPS = 2
+# Operations a planned call enqueues inside its chain (``runtime.Around``; read from call_plans,
+# 2026-11-27): nodes of the chain's graph, no API call of their own while it is replayed, but
+# kernels (or copies, memsets) on the device all the same, and calls of their own when the chain
+# is issued launch by launch: forward - the input GEMM, its bias add, the output's and h_n's
+# copies (LSTM: c_n's too); backward - the carries' zero fill (LSTM: two), W_hh^T's copy, dh0's
+# GEMM and add (LSTM: dc0's copy), dW_ih, dW_hh (two GEMMs and an add), the two bias sums, dx.
+# Without lengths (with them the output's and dy's selections are three operations each where a
+# copy is one, or none). A planned call in steady state issues nothing else (its products:
+# tests/test_call_plans.py); before the products moved into the chain it issued 1 / 9 calls
+# beside it (4 / 11 and the LSTM's 5 / 13 before the copies did).
+FORWARD_CHAIN_OPS = 4
+BACKWARD_CHAIN_OPS = 11
 
 
 @dataclass(frozen=True)
@@ -575,16 +571,15 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     lstm = int(cell.has_cell_state)
     if not backward:
         gemms = [2.0 * rows * input_size * gh]
-        other, inside = FORWARD_OTHER_CALLS, FORWARD_CHAIN_OPS + lstm
+        inside = FORWARD_CHAIN_OPS + lstm
     else:
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
-        other, inside = BACKWARD_OTHER_CALLS, BACKWARD_CHAIN_OPS + 2 * lstm
-    chain_calls = (1 if settings.current().chain_graphs
-                   else chain + launch.CHAIN_MEMSETS + inside)
-    calls = chain_calls + other
+        inside = BACKWARD_CHAIN_OPS + 2 * lstm
+    calls = (1 if settings.current().chain_graphs
+             else chain + launch.CHAIN_MEMSETS + inside)
     # fills, copies, adds: short kernels, inside the chain's graph or not
-    small = other + inside - len(gemms) + launch.CHAIN_MEMSETS
+    small = inside - len(gemms) + launch.CHAIN_MEMSETS
     tensor_cores = half and not backward
     device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US
                  + sum(_gemm_us(f, device, tensor_cores) for f in gemms)

@@ -167,7 +167,7 @@ class _Recurrent:
             return
         signature = call_plans.signature(x, hx, lengths)
         if signature == self._last_signature and not self.batch_first:
-            self._plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
+            self._plan = call_plans.plan_of(ctx, x, hx, lengths, signature, accumulates=True)
         self._last_signature = signature
 
     def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:
@@ -180,7 +180,8 @@ class _Recurrent:
                 and dy.shape == self._y_shape and dy.dtype == self.dtype
                 and dy.flags.c_contiguous):  # (what the checks below read: call_plans)
             self._ctx = None
-            return self._gradients(ctx, *plan.backward(ctx, dy))
+            dx, dhx, grads, added = plan.backward(ctx, dy, self.grads)
+            return self._gradients(ctx, dx, dhx, {} if added else grads)
         if ctx is None:
             raise CallOrderError("backward needs a preceding forward (and runs once per forward); "
                                  "call forward first")

@@ -5,6 +5,8 @@ workspaces; and the chain graph's key of a prepared pass (what a GPU replay is k
 once but for the call's own arrays. The GPU's graphs themselves: tests/test_gpu_chain_graphs.py."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -57,6 +59,53 @@ class _Hits:
             return backward(plan, *args)
         monkeypatch.setattr(call_plans.Plan, "forward", counted_forward)
         monkeypatch.setattr(call_plans.Plan, "_planned_backward", counted_backward)
+
+
+# What enqueues device work on an array: the library's products and NumPy's (CuPy's stand-in)
+# copies, fills and sums (in-place operators and new empty arrays excepted).
+_ARRAY_WORK = {"matmul", "copyto", "fill", "sum", "where", "take"}
+
+
+def _array_work(call) -> int:
+    """Products, copies, fills and sums run during ``call()`` (profile events of Python and C
+    functions of those names)."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        name = (frame.f_code.co_name if event == "call"
+                else getattr(arg, "__name__", "") if event == "c_call" else "")
+        count += name in _ARRAY_WORK
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_a_planned_call_enqueues_everything_inside_its_chain(settings, monkeypatch, cell):
+    """Issue 26: a planned forward and backward enqueue all their device work inside their
+    chains (``runtime.Around``), so that on a GPU the replayed chain graph is the call's one API
+    call (``latency.call_costs``): with the chains stubbed (what a replay stands in for), no
+    product, copy, fill or sum runs beside them, nor the layer API's accumulation of the
+    parameter gradients (in place, which ``_array_work`` does not see: the gradients stay as
+    they were) - where the full path runs several."""
+    layer = _layer(cell)
+    x, dy = _data(0)
+    for _ in range(3):  # (planned from the second call; the third ran planned)
+        layer.forward(x)
+        layer.backward(dy)
+    assert layer._plan is not None and layer._plan.backward_pass is not None
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    grads = {name: g.copy() for name, g in layer.grads.items()}
+    assert _array_work(lambda: layer.forward(x)) == 0
+    assert _array_work(lambda: layer.backward(dy)) == 0
+    for name, g in layer.grads.items():
+        np.testing.assert_array_equal(g, grads[name])
+    layer._plan = None  # the full path: its products and copies beside the chains
+    assert _array_work(lambda: (layer.forward(x), layer.backward(dy))) > 8
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])  # (an Elman cell's plan is a GRU's: no c)

@@ -485,8 +485,8 @@ def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
             and dya.shape == plan.y_shape and dya.dtype == plan.x_dtype):  # (call_plans)
         # (a batch-first module's dy is a transposed view: the persistent backward reads it
         # contiguous, as functional.backward's would)
-        dx, dh0, grads = plan.backward(ctx, dya if dya.flags.c_contiguous
-                                       else plan.xp.ascontiguousarray(dya))
+        dx, dh0, grads, _ = plan.backward(ctx, dya if dya.flags.c_contiguous
+                                          else plan.xp.ascontiguousarray(dya))
     else:
         dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
         dx, dh0, grads = functional.backward(ctx, dya, dhx)
