@@ -210,7 +210,7 @@ def run_plan(args: argparse.Namespace) -> int:
               f"{t['prefetch_us']:.2f})")
     calls = record["per_call"]
     print(f"per call (predicted; input size {calls['input_size']}, host: API calls plus the "
-          f"library's Python, measured on the CPU with the launcher stubbed):")
+          f"library's Python, measured on the CPU as a replay runs it):")
     for row in calls["rows"]:
         print(f"  T={row['seq_len']:<5} host {row['forward_host_us']:.0f} / "
               f"{row['backward_host_us']:.0f} µs ({row['forward_api_calls']} / "

@@ -175,17 +175,17 @@ EMPTY_LAUNCH_US = 2.0          # device time of a launch that exits at once (est
                                # retire of its CTAs plus the gap); settle and resume launches
 GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # The Python of one steady-state layer call besides its API calls: the layer API's persistent
-# GRU (H=8, B=1, T=1) on the CPU with the pass's whole chain stubbed (what a GPU call replays as
-# one graph: since 970f961 the input projection, dh0 and the gradients too), a planned call
-# (call_plans), measured: `bench/call_breakdown.py --stubbed`, the median of six runs' medians,
-# bench/results/cpu-2026-11-27/graphed-970f961-after-*/ (the shared 2-core development CPU,
-# 2026-11-27; 9d29b83, with those products outside the chain, interleaved with them: 19.1 / 44.1
-# us, and 21.8 / 46.8 us in the runs of the day before). NumPy stands for CuPy there: CuPy's own
-# Python per array and launch is not in it, nor the chain graph's key over the call's arrays,
-# built on the GPU path only (measured on an H100 before the plans, the whole forward's host
-# time was 341 us).
-PYTHON_FORWARD_US = 11.8       # measured (forward)
-PYTHON_BACKWARD_US = 17.8      # measured (forward+backward less forward, per run)
+# GRU (H=8, B=1, T=1) on the CPU as a replay runs it on a GPU - a planned call (call_plans) whose
+# chain graph's key is built over the call's arrays and whose replay is stubbed (since 338fad5
+# the graph holds the input projection, dh0, the gradients and their accumulation too),
+# measured: `bench/call_breakdown.py --stubbed`'s "replayed stand-in" rows, the median of four
+# runs' medians, bench/results/cpu-2026-11-27/replayed-338fad5-after-*/ (the shared 2-core
+# development CPU, 2026-11-27; 9d29b83, with those operations outside the chain, interleaved:
+# 20.9 / 40.6 us). NumPy stands for CuPy there: CuPy's own Python per array is not in it (CuPy's
+# empty() and its pool against NumPy's; measured on an H100 before the plans, the whole forward's
+# host time was 341 us).
+PYTHON_FORWARD_US = 18.4       # measured (forward)
+PYTHON_BACKWARD_US = 27.4      # measured (forward+backward less forward, per run)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches
 # Of the tensor-core peak above, a cuBLAS GEMM of fp16 operands with fp32 output reaches: measured
 # on the H200, torch.mm(..., out_dtype=torch.float32) of 800x1024 @ 1024x4096 in 55.9 us (its fp32

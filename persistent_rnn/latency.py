@@ -539,7 +539,7 @@ class CallCost:
     ``api_calls`` (kernel launches, memsets, graph launches: the chain's record reaches the
     host from its final settle, no call of its own), ``host_us``
     (the host's time: those calls at ``hw.API_CALL_HOST_US`` each plus ``python_us``, the
-    library's Python of the call measured on the CPU with the launcher stubbed,
+    library's Python of the call measured on the CPU as a replay runs it (its key built),
     ``hw.PYTHON_FORWARD_US`` / ``PYTHON_BACKWARD_US``) and ``device_us`` (GPU time beside the
     steps: the chain's launches that exit at once - the backward's after loading its weights
     (persistent_backward.cu) -, the GEMMs, the small kernels)."""
