@@ -212,7 +212,8 @@ part_fresh() {  # limits 315 s: what has not yet run on a GPU, in the order to l
   # the decoder (W_ih held in shared memory, the recurrent half ahead, a stack in one launch, its
   # captured loop after resume()); the mma backward (test_half_gpu's B = 4) and the 16-bit
   # passes on the fp32 tiles (its B = 1); the mma projection; planned calls with the operations
-  # around the chain inside it and the records' ring (test_gpu_chain_graphs); the per-call
+  # around the chain inside it, their products recorded through cublas_capture (test_gpu_matmul,
+  # test_gpu_chain_graphs) and the records' ring; the per-call
   # allocations of more paths; the 16-bit projection and stacks (mma stack mode) and the
   # hand-over again (run once, 1c83a04)
   step fresh_tests 120 "$PY" bench/pytest_resume.py --budget 110 -- -m gpu -p no:cacheprovider \
