@@ -110,16 +110,19 @@ struct Gate {
   char sync[2] = {};
 };
 
-// A cp.async issued and not yet waited for (kLateCopies).
+// A cp.async issued and not yet waited for (kLateCopies), with the commit group it joins (the
+// fiber's commits before it: prnn_copy_commit).
 struct Copy {
   float* dst;
   const float* src;
   int n;
+  unsigned group;
 };
 
 struct Fiber {
   ucontext_t context;
   std::vector<Copy> copies;  // kLateCopies: issued, completed at this fiber's prnn_copy_wait
+  unsigned commits = 0;      // prnn_copy_commit calls so far (the group a new copy joins)
   const unsigned* wait_gen = nullptr;  // blocked while *wait_gen == wait_val
   unsigned wait_val = 0;
   int shuffles = 0;  // warp collectives so far: the parity selects the slot buffer
@@ -801,15 +804,29 @@ inline void copy_async(float* dst, const float* src, int n) {
     return;
   }
   for (int i = 0; i < n; ++i) dst[i] = NAN;
-  block->fibers[block->current].copies.push_back({dst, src, n});
+  Fiber& fiber = block->fibers[block->current];
+  fiber.copies.push_back({dst, src, n, fiber.commits});
+}
+
+// Completes this fiber's copies of the groups before `group` (all: ~0u), in issue order.
+inline void complete_copies(unsigned group) {
+  std::vector<Copy>& copies = block->fibers[block->current].copies;
+  std::vector<Copy> pending;
+  for (const Copy& c : copies) {
+    if (c.group < group) {
+      for (int i = 0; i < c.n; ++i) c.dst[i] = prnn_load_cg(c.src + i);
+    } else {
+      pending.push_back(c);
+    }
+  }
+  copies.swap(pending);
 }
 }  // namespace prnn_emu
 inline void prnn_copy16_to_shared(float* dst, const float* src) { prnn_emu::copy_async(dst, src, 4); }
 inline void prnn_copy4_to_shared(float* dst, const float* src) { prnn_emu::copy_async(dst, src, 1); }
-inline void prnn_copy_wait() {
-  std::vector<prnn_emu::Copy>& copies = prnn_emu::block->fibers[prnn_emu::block->current].copies;
-  for (const prnn_emu::Copy& c : copies) {
-    for (int i = 0; i < c.n; ++i) c.dst[i] = prnn_load_cg(c.src + i);
-  }
-  copies.clear();
+inline void prnn_copy_wait() { prnn_emu::complete_copies(~0u); }
+inline void prnn_copy_commit() { ++prnn_emu::block->fibers[prnn_emu::block->current].commits; }
+inline void prnn_copy_wait_prior() {
+  const unsigned commits = prnn_emu::block->fibers[prnn_emu::block->current].commits;
+  prnn_emu::complete_copies(commits == 0u ? 0u : commits - 1u);
 }

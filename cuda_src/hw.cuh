@@ -313,7 +313,9 @@ PRNN_DEVICE float prnn_pair_element(const unsigned* m, size_t row, int col, int 
 // prnn_copy16_to_shared copies 16 bytes through L2 only, like ld.cg (both addresses 16-byte
 // aligned); prnn_copy4_to_shared copies 4 bytes and may use L1, so only for data no CTA writes
 // during the launch. The copies a thread issued are complete after prnn_copy_wait (visible to the
-// block after a block sync).
+// block after a block sync). prnn_copy_commit closes the group of the copies issued since the
+// last one; prnn_copy_wait_prior completes every committed group but the newest (a prefetch two
+// steps ahead waits for the older step's while the newer stays in flight).
 #ifndef PRNN_EMULATION  // emulation.h has its own (at once, or at the wait: late copies)
 PRNN_DEVICE void prnn_copy16_to_shared(float* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
@@ -324,4 +326,6 @@ PRNN_DEVICE void prnn_copy4_to_shared(float* dst, const float* src) {
                "l"(__cvta_generic_to_global(src)) : "memory");
 }
 PRNN_DEVICE void prnn_copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+PRNN_DEVICE void prnn_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+PRNN_DEVICE void prnn_copy_wait_prior() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 #endif

@@ -42,7 +42,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   SharedCarver sh(batch);  // (plan.shared_layout)
   float* h_s = sh.rows(PRNN_SMEM_STAGED);     // [kStaged][batch][kPadded]: h_{t-1} (by parity)
   float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh h_{t-1}
-  float* gi_s = sh.rows(PRNN_SMEM_GI);        // [2][batch][G][kUnits]: gi_t by step parity
+  float* gi_s = sh.rows(PRNN_SMEM_GI);        // [kGiBuffers][batch][G][kUnits]: gi_t by step
   float* c_s = sh.rows(PRNN_SMEM_C);          // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
   float* hp_s = sh.rows(PRNN_SMEM_H);         // [batch][kUnits]: h_{t-1} of the owned units
   // Constants of the pointwise step, kept in shared memory (no global reload on the step's path).
@@ -67,9 +67,12 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   load_owned_rows(bias_s, b_hh, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
   load_unit_state(hp_s, c_s, y, cs, h0, c0, start, batch, hidden, j0);
-  // Fetches gi_t of the team's rows into its parity's buffer (read-only: asynchronous, may use L1).
+  // gi_t's buffer; fetching gi_t of the team's rows into it (read-only: asynchronous, may use
+  // L1); two steps ahead, one commit group per step (the wait leaves the newest in flight).
+  constexpr int kAhead = kGiBuffers - 1;  // steps of gi fetched ahead of the step that reads them
+  const auto gi_of = [&](int t) { return gi_s + (unsigned)t % kGiBuffers * batch * G * kUnits; };
   auto prefetch_gi = [&](int t) {
-    float* dst = gi_s + (t & 1) * batch * G * kUnits;
+    float* dst = gi_of(t);
 #pragma unroll 1  // a warp team's stride is a constant: no unrolled copies (one trip at small B)
     for (int idx = team.thread; idx < batch * G * team.units; idx += team.size) {
       const int b = idx / (G * team.units), g = idx / team.units % G, u = team.unit0 + idx % team.units;
@@ -78,8 +81,9 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
                              gi + ((size_t)t * batch + b) * gh_len + g * hidden + j0 + u);
       }
     }
+    if (kAhead > 1) prnn_copy_commit();
   };
-  prefetch_gi(start);
+  for (int s = start; s < start + kAhead && s < steps; ++s) prefetch_gi(s);
   if (kStaged == 2) {  // the other buffer's zero padding (gathers write the words below hidden)
     for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) staged(start)[idx] = 0.0f;
   }
@@ -95,20 +99,28 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   while (!idle) {
     float* part_s = step_partials(t, gh_s, h_s);
     // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
-    // gi_{t+1}'s buffer was last read by step t-1's pointwise.
+    // gi_{t+kAhead}'s buffer was last read by step t-1's pointwise. Every step commits a group
+    // (an empty one past the last step), so that the wait below always leaves the newest.
     if (step_product<kWarpTeam>(tile, xch, t - 1, staged(t - 1), part_s, batch, R, failed, ctl,
-                                timeout_ns, [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
+                                timeout_ns, [&] {
+                                  if (t + kAhead < steps) prefetch_gi(t + kAhead);
+                                  else if (kAhead > 1) prnn_copy_commit();
+                                })) {
       --t;  // step t was not completed
       break;
     }
     prnn_maybe_stall(stall, t);
-    const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
+    const float* gi_t = gi_of(t);
     forward_pointwise<true>(team, t, batch, hidden, j0, len_s, hp_s, c_s, y, cs, saved,
                             staged_gates(gi_t, part_s, bias_s, team, R),
                             [&](int b, int j, float h) { xch.publish(t, b, j, h); });
     if (t + 1 == steps) break;
     failed = end_step(xch, staged(t), t, ctl, timeout_ns);
-    prnn_copy_wait();  // gi_{t+1}
+    if (kAhead == 1) {  // gi_{t+1} (and any copy of the gather: all)
+      prnn_copy_wait();
+    } else {  // gi_{t+1}; gi_{t+2}'s group stays in flight
+      prnn_copy_wait_prior();
+    }
     ++t;
   }
   t = cta_last_step<kWarpTeam>(t, reinterpret_cast<int*>(gh_s));

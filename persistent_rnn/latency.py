@@ -459,15 +459,21 @@ def cluster_exchange_us(step: StepLoop) -> float:
     return (hw.exchange_round_ns(hw.CLUSTER_ROUND_NS, ctas) + extra * hw.DSMEM_STORE_NS) / 1000
 
 
-def prefetch_us(step: StepLoop, device: DeviceProfile) -> float:
-    """The ``prefetch`` term: the wait at the step's end for the next step's gi (a 4-byte
-    ``cp.async`` per item from L2, ``hw.PREFETCH_LATENCY``) where it is not hidden. A cluster's forward
-    issues it after its product (``step_product``: the buffer is free only then) and waits for it
-    after the pointwise step, so only the pointwise chain hides it; the grid's issues it before its
-    product, under the product, the pointwise step and the gather (longer than a round trip)."""
+def prefetch_us(step: StepLoop, device: DeviceProfile, rest_us: float) -> float:
+    """The ``prefetch`` term: the wait at the step's end for the next step's inputs (a 4-byte
+    ``cp.async`` per item from L2, ``hw.PREFETCH_LATENCY``) where it is not hidden. A cluster
+    issues them after its product (``step_product``: the buffer is free only then) and waits for
+    them after the pointwise step, so only the pointwise chain hides a fetch one step ahead; the
+    layer forward's three buffers of gi (``plan.gi_buffers``) fetch two steps ahead, hidden by
+    the pointwise step and the whole next step besides (``rest_us``: the step's other terms).
+    The grid issues them before its product, under the product, the pointwise step and the
+    gather (longer than a round trip)."""
     if exchange_kind(step) != "cluster" or "prefetch" not in step.kinds.values():
         return 0.0
-    return max(0.0, hw.PREFETCH_LATENCY * _cycle_us(device) - pointwise_us(step, device))
+    hidden = pointwise_us(step, device)
+    if step.shape.plan.defines.get("PRNN_GI_BUFFERS", 2) > 2:
+        hidden += rest_us
+    return max(0.0, hw.PREFETCH_LATENCY * _cycle_us(device) - hidden)
 
 
 def pointwise_us(step: StepLoop, device: DeviceProfile) -> float:
@@ -482,12 +488,13 @@ def pointwise_us(step: StepLoop, device: DeviceProfile) -> float:
 def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
     step = step_loop(sass, shape)
-    return StepTerms(issue_us=issue_us(step, device), matrix_us=matrix_us(step, device),
-                     barrier_us=barrier_us(step, device), exchange_us=exchange_us(step, device),
-                     pointwise_us=pointwise_us(step, device),
-                     instructions=round(sum(step.weight.values())), exchange=exchange_kind(step),
-                     per_row_instructions=round(row_instructions(step)),
-                     per_row_ffma=matrix_ffma(step), prefetch_us=prefetch_us(step, device))
+    terms = dict(issue_us=issue_us(step, device), matrix_us=matrix_us(step, device),
+                 barrier_us=barrier_us(step, device), exchange_us=exchange_us(step, device),
+                 pointwise_us=pointwise_us(step, device))
+    return StepTerms(**terms, instructions=round(sum(step.weight.values())),
+                     exchange=exchange_kind(step), per_row_instructions=round(row_instructions(step)),
+                     per_row_ffma=matrix_ffma(step),
+                     prefetch_us=prefetch_us(step, device, sum(terms.values())))
 
 
 @lru_cache(maxsize=512)

@@ -126,6 +126,15 @@ def staged_buffers(cell: CellSpec, tile: Tile, stack: bool = False) -> int:
     return 2 if warp_teams(cell, tile.forward) and not (tile.cluster or stack) else 1
 
 
+def gi_buffers(tile: Tile, stack: bool = False) -> int:
+    """Buffers of gi by step a layer's forward keeps (``-D PRNN_GI_BUFFERS``, ``kGiBuffers``):
+    three in a cluster, which fetches gi_{t+2} during step t (its fetch waits for the step's
+    product, so a step ahead only the pointwise step would hide it: the latency model's
+    ``prefetch``), else two (the grid fetches gi_{t+1} before its product; the stack kernels
+    keep two)."""
+    return 3 if tile.cluster and not stack else 2
+
+
 @dataclass(frozen=True)
 class SharedRegion:
     """One region of a kernel's dynamic shared memory, passed as ``-D PRNN_SMEM_<name>=words``
@@ -168,7 +177,7 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
 
     Forward (``persistent_forward.cu``): h_{t-1} staged, STAGED [``staged_buffers``][padded]
     per batch row (two by step parity on the grid with warp teams); the product's partial sums,
-    PARTIAL [ksplit][G*units]; gi of two steps, GI [2][G][units]; c_{t-1} and h_{t-1} of the
+    PARTIAL [ksplit][G*units]; gi by step, GI [``gi_buffers``][G][units]; c_{t-1} and h_{t-1} of the
     owned units, C and H [units] each; b_hh, BIAS [G][units] in all; the lengths, LENGTHS [1].
     Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded]; PARTIAL
     [ksplit][units]; the read-only inputs of two steps (dy, h, h_prev, [c, c_prev], saved:
@@ -190,7 +199,8 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
     else:
         rows = cell.gates * units
         layout = (region("STAGED", staged_buffers(cell, tile, stack) * padded),
-                  region("PARTIAL", pt.ksplit * rows), region("GI", 2 * rows),
+                  region("PARTIAL", pt.ksplit * rows),
+                  region("GI", gi_buffers(tile, stack) * rows),
                   region("C", units), region("H", units),
                   region("BIAS", (2 if stack else 1) * rows, per_row=False),
                   region("LENGTHS", 1))
@@ -259,7 +269,7 @@ def gather_quads(weight_registers: int, quads_per_thread: int = GATHER_QUADS_MAX
 
 STACK_GATHER_QUADS = 8  # a stack kernel's gather: tagged quads in flight per thread
 # What only the layer forward (persistent_forward.cu) reads: not passed to the stack kernels.
-_LAYER_FORWARD_DEFINES = ("PRNN_WARP_TEAMS", "PRNN_STAGED_BUFFERS")
+_LAYER_FORWARD_DEFINES = ("PRNN_WARP_TEAMS", "PRNN_STAGED_BUFFERS", "PRNN_GI_BUFFERS")
 
 
 def stack_gather_quads(tile: Tile, backward: bool) -> int:
@@ -312,6 +322,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
         defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)
+        defines["PRNN_GI_BUFFERS"] = gi_buffers(tile)
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid

@@ -445,7 +445,7 @@ def test_benchmark_scripts_record_what_results_need(tmp_path):
         assert [r["road"] for r in rows][0] == "torch.nn.GRU" and len(rows) == 4
         assert all(r["calls"] == 6 and r["median_us"] > 0 for r in rows)
     rows = json.loads((tmp_path / "b" / "call_breakdown.json").read_text())["rows"]
-    assert len(rows) == 15 and all(r["median_us"] > 0 for r in rows)
+    assert len(rows) == 17 and all(r["median_us"] > 0 for r in rows)
     from persistent_rnn import emulate, launch
     # the stubs are gone
     assert emulate.EmulatedModule._launch.__name__ == "_launch"

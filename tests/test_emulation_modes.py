@@ -175,12 +175,46 @@ def test_copies_complete_at_their_wait(settings, grid_path):
 
 def test_a_dropped_copy_wait_reads_poison(settings, grid_path, tmp_path, monkeypatch,
                                           fresh_plans):
-    src = sabotaged(tmp_path, "persistent_forward.cu", "    prnn_copy_wait();  // gi_{t+1}\n", "")
+    src = sabotaged(tmp_path, "persistent_forward.cu", "      prnn_copy_wait();\n    } else {",
+                    "    } else {")
     _from(monkeypatch, src, "persistent_forward")
     data = _data(24)
     with emulate.modes("late_copies", seed=2):
         got, _ = _run(24, data, backward=False)
     assert np.isnan(got[0]).any()
+
+
+def _check_cluster_gi(hidden: int) -> tuple[list, dict]:
+    """The forward of a layer the emulated H100 runs as one cluster, on new data: its arrays
+    and the data."""
+    data = _data(hidden)
+    got, stats = _run(hidden, data, backward=False)
+    assert any("PRNN_CLUSTER" in d and "'PRNN_GI_BUFFERS': 3" in d for d in stats[0].details)
+    assert stats[0].restarts == 0 and stats[0].fallback is None, stats[0].details
+    return got, data
+
+
+def test_a_cluster_fetches_gi_two_steps_ahead(settings):
+    """A cluster's forward keeps gi of three steps (plan.gi_buffers) and fetches gi_{t+2} during
+    step t, waiting at a step's end for all but the newest group: with every copy landing only
+    at its wait (poison until then), each step still reads its own gi."""
+    with emulate.modes("late_copies", seed=2):
+        got, data = _check_cluster_gi(72)
+    _assert_close(got, _reference(72, data, 1)[:2])
+
+
+@pytest.mark.parametrize("old, new", [
+    ("      prnn_copy_wait_prior();\n", ""),  # gi_{t+1} read before it landed
+    ("(unsigned)t % kGiBuffers", "(unsigned)t % 2"),  # gi_{t+2} over the buffer step t reads
+])
+def test_a_cluster_gi_fetch_out_of_order_fails(settings, tmp_path, monkeypatch, fresh_plans,
+                                                old, new):
+    _from(monkeypatch, sabotaged(tmp_path, "persistent_forward.cu", old, new),
+          "persistent_forward")
+    with emulate.modes("late_copies", seed=2):
+        got, data = _check_cluster_gi(72)
+    with pytest.raises(AssertionError):
+        _assert_close(got, _reference(72, data, 1)[:2])
 
 
 # ---- cluster lifetime ---------------------------------------------------------------------------
