@@ -38,7 +38,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   SharedCarver sh(batch);  // (plan.shared_layout)
   float* v_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dgh_{t+1}
   float* rec_s = sh.rows(PRNN_SMEM_PARTIAL);  // [batch][kKsplit][kUnits]: partial W_hh^T dgh
-  float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [2][batch][kInputs][kUnits]: inputs by parity
+  float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [kInputBuffers][batch][kInputs][kUnits]: by step
   float* carry_s = sh.rows(PRNN_SMEM_CARRIES);  // [2][batch][kUnits]: dh (direct), dc carries
   int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   const Exchange xch = begin_exchange(exchange, sh, batch, gh_len);
@@ -67,11 +67,15 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   }
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
 
-  // Fetches step t's read-only inputs into its parity's buffer (asynchronous, may use L1).
+  // Fetches step t's read-only inputs into its buffer (asynchronous, may use L1); two steps
+  // ahead, one commit group per step (the wait leaves the newest in flight).
+  constexpr int kAhead = kInputBuffers - 1;  // steps fetched ahead of the step that reads them
   auto prefetch_inputs = [&](int t) {
-    prefetch_backward_inputs(in_s, t, batch, hidden, j0, plane, true, dy, y, h0, cs, c0, saved);
+    prefetch_backward_inputs<kInputBuffers>(in_s, t, batch, hidden, j0, plane, true, dy, y, h0,
+                                            cs, c0, saved);
+    if (kAhead > 1) prnn_copy_commit();
   };
-  prefetch_inputs(start);
+  for (int s = start; s > start - kAhead && s >= 0; --s) prefetch_inputs(s);
   // Step T-1 has no recurrent input.
   begin_steps(xch, v_s, start + 1,
               start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr, batch);
@@ -81,21 +85,29 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   for (;;) {
     const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
     float* part_s = step_partials(t, rec_s, v_s);
-    // dgh_{t+1} (and step t's inputs) -> partial sums; any timeout? The inputs of step t-1 go
-    // into the buffer last read by step t+1's pointwise.
+    // dgh_{t+1} (and step t's inputs) -> partial sums; any timeout? The inputs of step t-kAhead
+    // go into the buffer last read by step t+1's pointwise. Every step commits a group (an
+    // empty one before step 0), so that the wait below always leaves the newest.
     if (step_product(tile, xch, t + 1, v_s, part_s, recurrent ? batch : 0, kUnits, failed, ctl,
-                     timeout_ns, [&] { if (t > 0) prefetch_inputs(t - 1); })) {
+                     timeout_ns, [&] {
+                       if (t - kAhead >= 0) prefetch_inputs(t - kAhead);
+                       else if (kAhead > 1) prnn_copy_commit();
+                     })) {
       ++t;  // step t was not completed
       break;
     }
     prnn_maybe_stall(stall, t);
-    const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
+    const float* in_t = in_s + (unsigned)t % kInputBuffers * batch * kInputs * kUnits;
     backward_pointwise(in_t, gh_len, part_s, carry_s, len_s, t, batch, hidden, j0, true, recurrent,
                        dgi, dgh, dh_carry, dc_carry, plane, t & 1,
                        [&](int b, int k, float, float dgh_k) { xch.publish(t, b, k, dgh_k); });
     if (t == 0) break;
     failed = end_step(xch, v_s, t, ctl, timeout_ns);
-    prnn_copy_wait();  // step t-1's inputs
+    if (kAhead == 1) {  // step t-1's inputs (and any copy of the gather: all)
+      prnn_copy_wait();
+    } else {  // step t-1's inputs; step t-2's group stays in flight
+      prnn_copy_wait_prior();
+    }
     --t;
   }
   if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;

@@ -591,17 +591,17 @@ struct Team {
 #ifndef PRNN_STAGED_BUFFERS
 #define PRNN_STAGED_BUFFERS 1
 #endif
-// The layer forward's buffers of gi by step (-D PRNN_GI_BUFFERS, plan.gi_buffers): two, and gi_{t+1}
-// is fetched during step t; three in a cluster, whose fetch waits for its step's product (the
-// buffer is free only then: step_product), so gi_{t+2} is fetched during step t and a whole step
-// hides it.
-#ifndef PRNN_GI_BUFFERS
-#define PRNN_GI_BUFFERS 2
+// The layer passes' buffers of their pointwise inputs by step (the forward's gi, the backward's
+// dy, h, c, saved; -D PRNN_INPUT_BUFFERS, plan.input_buffers): two, and step t fetches the next
+// step's; three in a cluster, whose fetch waits for its step's product (the buffer is free only
+// then: step_product), so step t fetches those two steps on and a whole step hides the fetch.
+#ifndef PRNN_INPUT_BUFFERS
+#define PRNN_INPUT_BUFFERS 2
 #endif
 constexpr bool kWarpTeams = PRNN_WARP_TEAMS;
 constexpr int kStagedBuffers = PRNN_STAGED_BUFFERS;
-constexpr int kGiBuffers = PRNN_GI_BUFFERS;
-static_assert(kGiBuffers == 2 || kGiBuffers == 3, "gi one or two steps ahead");
+constexpr int kInputBuffers = PRNN_INPUT_BUFFERS;
+static_assert(kInputBuffers == 2 || kInputBuffers == 3, "inputs one or two steps ahead");
 
 // What warp teams need of a tile of G gate rows per unit: each warp all G rows of whole units.
 template <int G>

@@ -42,7 +42,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   SharedCarver sh(batch);  // (plan.shared_layout)
   float* h_s = sh.rows(PRNN_SMEM_STAGED);     // [kStaged][batch][kPadded]: h_{t-1} (by parity)
   float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh h_{t-1}
-  float* gi_s = sh.rows(PRNN_SMEM_GI);        // [kGiBuffers][batch][G][kUnits]: gi_t by step
+  float* gi_s = sh.rows(PRNN_SMEM_GI);        // [kInputBuffers][batch][G][kUnits]: gi_t by step
   float* c_s = sh.rows(PRNN_SMEM_C);          // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
   float* hp_s = sh.rows(PRNN_SMEM_H);         // [batch][kUnits]: h_{t-1} of the owned units
   // Constants of the pointwise step, kept in shared memory (no global reload on the step's path).
@@ -69,8 +69,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   load_unit_state(hp_s, c_s, y, cs, h0, c0, start, batch, hidden, j0);
   // gi_t's buffer; fetching gi_t of the team's rows into it (read-only: asynchronous, may use
   // L1); two steps ahead, one commit group per step (the wait leaves the newest in flight).
-  constexpr int kAhead = kGiBuffers - 1;  // steps of gi fetched ahead of the step that reads them
-  const auto gi_of = [&](int t) { return gi_s + (unsigned)t % kGiBuffers * batch * G * kUnits; };
+  constexpr int kAhead = kInputBuffers - 1;  // steps of gi fetched ahead of the step that reads them
+  const auto gi_of = [&](int t) { return gi_s + (unsigned)t % kInputBuffers * batch * G * kUnits; };
   auto prefetch_gi = [&](int t) {
     float* dst = gi_of(t);
 #pragma unroll 1  // a warp team's stride is a constant: no unrolled copies (one trip at small B)

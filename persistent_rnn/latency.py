@@ -463,15 +463,16 @@ def prefetch_us(step: StepLoop, device: DeviceProfile, rest_us: float) -> float:
     """The ``prefetch`` term: the wait at the step's end for the next step's inputs (a 4-byte
     ``cp.async`` per item from L2, ``hw.PREFETCH_LATENCY``) where it is not hidden. A cluster
     issues them after its product (``step_product``: the buffer is free only then) and waits for
-    them after the pointwise step, so only the pointwise chain hides a fetch one step ahead; the
-    layer forward's three buffers of gi (``plan.gi_buffers``) fetch two steps ahead, hidden by
-    the pointwise step and the whole next step besides (``rest_us``: the step's other terms).
+    them after the pointwise step, so only the pointwise chain hides a fetch one step ahead; a
+    layer pass's three buffers of its inputs (``plan.input_buffers``) fetch two steps ahead,
+    hidden by the pointwise step and the whole next step besides (``rest_us``: the step's other
+    terms).
     The grid issues them before its product, under the product, the pointwise step and the
     gather (longer than a round trip)."""
     if exchange_kind(step) != "cluster" or "prefetch" not in step.kinds.values():
         return 0.0
     hidden = pointwise_us(step, device)
-    if step.shape.plan.defines.get("PRNN_GI_BUFFERS", 2) > 2:
+    if step.shape.plan.defines.get("PRNN_INPUT_BUFFERS", 2) > 2:
         hidden += rest_us
     return max(0.0, hw.PREFETCH_LATENCY * _cycle_us(device) - hidden)
 

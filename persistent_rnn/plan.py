@@ -126,12 +126,12 @@ def staged_buffers(cell: CellSpec, tile: Tile, stack: bool = False) -> int:
     return 2 if warp_teams(cell, tile.forward) and not (tile.cluster or stack) else 1
 
 
-def gi_buffers(tile: Tile, stack: bool = False) -> int:
-    """Buffers of gi by step a layer's forward keeps (``-D PRNN_GI_BUFFERS``, ``kGiBuffers``):
-    three in a cluster, which fetches gi_{t+2} during step t (its fetch waits for the step's
-    product, so a step ahead only the pointwise step would hide it: the latency model's
-    ``prefetch``), else two (the grid fetches gi_{t+1} before its product; the stack kernels
-    keep two)."""
+def input_buffers(tile: Tile, stack: bool = False) -> int:
+    """Buffers by step of a layer pass's pointwise inputs (the forward's gi, the backward's dy,
+    h, c, saved; ``-D PRNN_INPUT_BUFFERS``, ``kInputBuffers``): three in a cluster, which fetches
+    step t's two steps ahead (its fetch waits for the step's product, so a step ahead only the
+    pointwise step would hide it: the latency model's ``prefetch``), else two (the grid fetches
+    a step ahead before its product; the stack kernels keep two)."""
     return 3 if tile.cluster and not stack else 2
 
 
@@ -177,11 +177,11 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
 
     Forward (``persistent_forward.cu``): h_{t-1} staged, STAGED [``staged_buffers``][padded]
     per batch row (two by step parity on the grid with warp teams); the product's partial sums,
-    PARTIAL [ksplit][G*units]; gi by step, GI [``gi_buffers``][G][units]; c_{t-1} and h_{t-1} of the
+    PARTIAL [ksplit][G*units]; gi by step, GI [``input_buffers``][G][units]; c_{t-1} and h_{t-1} of the
     owned units, C and H [units] each; b_hh, BIAS [G][units] in all; the lengths, LENGTHS [1].
     Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded]; PARTIAL
-    [ksplit][units]; the read-only inputs of two steps (dy, h, h_prev, [c, c_prev], saved:
-    prefetched during the step before), INPUTS [2][inputs][units]; the dh and dc carries,
+    [ksplit][units]; the read-only inputs by step (dy, h, h_prev, [c, c_prev], saved: fetched
+    during an earlier step), INPUTS [``input_buffers``][inputs][units]; the dh and dc carries,
     CARRIES [2][units]; LENGTHS [1]. ``padded = ksplit * 32 * kpt``.
     Then a cluster tile's copy of the exchange, EXCHANGE [2][padded] tagged words per batch row,
     16-byte aligned (a grid tile's exchange is in global memory).
@@ -194,13 +194,14 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
         layout = (region("STAGED", padded), region("PARTIAL", pt.ksplit * units),
-                  region("INPUTS", 2 * inputs * units), region("CARRIES", 2 * units),
+                  region("INPUTS", input_buffers(tile, stack) * inputs * units),
+                  region("CARRIES", 2 * units),
                   region("LENGTHS", 1))
     else:
         rows = cell.gates * units
         layout = (region("STAGED", staged_buffers(cell, tile, stack) * padded),
                   region("PARTIAL", pt.ksplit * rows),
-                  region("GI", gi_buffers(tile, stack) * rows),
+                  region("GI", input_buffers(tile, stack) * rows),
                   region("C", units), region("H", units),
                   region("BIAS", (2 if stack else 1) * rows, per_row=False),
                   region("LENGTHS", 1))
@@ -269,7 +270,7 @@ def gather_quads(weight_registers: int, quads_per_thread: int = GATHER_QUADS_MAX
 
 STACK_GATHER_QUADS = 8  # a stack kernel's gather: tagged quads in flight per thread
 # What only the layer forward (persistent_forward.cu) reads: not passed to the stack kernels.
-_LAYER_FORWARD_DEFINES = ("PRNN_WARP_TEAMS", "PRNN_STAGED_BUFFERS", "PRNN_GI_BUFFERS")
+_LAYER_ONLY_DEFINES = ("PRNN_WARP_TEAMS", "PRNN_STAGED_BUFFERS", "PRNN_INPUT_BUFFERS")
 
 
 def stack_gather_quads(tile: Tile, backward: bool) -> int:
@@ -295,7 +296,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         plain = pass_plan(cell, tile, backward, hidden, batch, dtype)
         name = "backward" if backward else "forward"
         defines = {k: v for k, v in plain.defines.items()
-                   if k not in _LAYER_FORWARD_DEFINES and not k.startswith("PRNN_SMEM_")}
+                   if k not in _LAYER_ONLY_DEFINES and not k.startswith("PRNN_SMEM_")}
         if tile.mma and backward:  # (on the tensor cores from its own batch)
             defines.pop("PRNN_MMA", None)
             if batch >= MMA_STACK_BACKWARD_MIN_BATCH:
@@ -322,7 +323,7 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
         defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)
-        defines["PRNN_GI_BUFFERS"] = gi_buffers(tile)
+    defines["PRNN_INPUT_BUFFERS"] = input_buffers(tile)
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid

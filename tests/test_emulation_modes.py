@@ -184,37 +184,41 @@ def test_a_dropped_copy_wait_reads_poison(settings, grid_path, tmp_path, monkeyp
     assert np.isnan(got[0]).any()
 
 
-def _check_cluster_gi(hidden: int) -> tuple[list, dict]:
-    """The forward of a layer the emulated H100 runs as one cluster, on new data: its arrays
-    and the data."""
+def _cluster_run(hidden: int) -> tuple[list, list, dict]:
+    """Forward and backward of a layer the emulated H100 runs as one cluster whose passes fetch
+    their inputs two steps ahead (three buffers), on new data: its arrays, the float64
+    reference's, and the data."""
     data = _data(hidden)
-    got, stats = _run(hidden, data, backward=False)
-    assert any("PRNN_CLUSTER" in d and "'PRNN_GI_BUFFERS': 3" in d for d in stats[0].details)
-    assert stats[0].restarts == 0 and stats[0].fallback is None, stats[0].details
-    return got, data
+    got, stats = _run(hidden, data)
+    for s in stats:
+        assert any("PRNN_CLUSTER" in d and "'PRNN_INPUT_BUFFERS': 3" in d for d in s.details)
+        assert s.restarts == 0 and s.fallback is None, s.details
+    return got, _reference(hidden, data, 1), data
 
 
-def test_a_cluster_fetches_gi_two_steps_ahead(settings):
-    """A cluster's forward keeps gi of three steps (plan.gi_buffers) and fetches gi_{t+2} during
-    step t, waiting at a step's end for all but the newest group: with every copy landing only
-    at its wait (poison until then), each step still reads its own gi."""
+def test_a_cluster_fetches_its_inputs_two_steps_ahead(settings):
+    """A cluster's forward and backward keep their pointwise inputs of three steps
+    (plan.input_buffers) and fetch step t's during step t-2 (the backward: t+2), waiting at a
+    step's end for all groups but the newest: with every copy landing only at its wait (poison
+    until then), each step still reads its own inputs."""
     with emulate.modes("late_copies", seed=2):
-        got, data = _check_cluster_gi(72)
-    _assert_close(got, _reference(72, data, 1)[:2])
+        got, want, _ = _cluster_run(72)
+    _assert_close(got, want)
 
 
-@pytest.mark.parametrize("old, new", [
-    ("      prnn_copy_wait_prior();\n", ""),  # gi_{t+1} read before it landed
-    ("(unsigned)t % kGiBuffers", "(unsigned)t % 2"),  # gi_{t+2} over the buffer step t reads
+@pytest.mark.parametrize("source, old, new", [
+    ("persistent_forward.cu", "      prnn_copy_wait_prior();\n", ""),  # read before it landed
+    ("persistent_forward.cu", "(unsigned)t % kInputBuffers", "(unsigned)t % 2"),  # over step t's
+    ("persistent_backward.cu", "      prnn_copy_wait_prior();\n", ""),
+    ("persistent_backward.cu", "(unsigned)t % kInputBuffers", "(unsigned)t % 2"),
 ])
-def test_a_cluster_gi_fetch_out_of_order_fails(settings, tmp_path, monkeypatch, fresh_plans,
-                                                old, new):
-    _from(monkeypatch, sabotaged(tmp_path, "persistent_forward.cu", old, new),
-          "persistent_forward")
+def test_a_cluster_input_fetch_out_of_order_fails(settings, tmp_path, monkeypatch, fresh_plans,
+                                                  source, old, new):
+    _from(monkeypatch, sabotaged(tmp_path, source, old, new), source.removesuffix(".cu"))
     with emulate.modes("late_copies", seed=2):
-        got, data = _check_cluster_gi(72)
+        got, want, _ = _cluster_run(72)
     with pytest.raises(AssertionError):
-        _assert_close(got, _reference(72, data, 1)[:2])
+        _assert_close(got, want)
 
 
 # ---- cluster lifetime ---------------------------------------------------------------------------

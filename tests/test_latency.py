@@ -316,8 +316,8 @@ def test_cluster_step_terms_follow_its_structure():
     """GRU H=256 B=1 on a cluster of 16: each of its 4 warps publishes its units to all 16 CTAs
     (64 remote stores a CTA, 48 beyond the measured round's 16), and its gi prefetch, issued after
     the product two steps ahead (three buffers), is hidden by the pointwise step and the next
-    step; one step ahead (two buffers: the kernel the recorded runs measured) it waits out what
-    the pointwise step does not hide, as the backward's does."""
+    step; one step ahead (two buffers: the kernels the recorded runs measured) it waits out what
+    the pointwise step does not hide. The backward's inputs likewise."""
     p = planner.make_plan("gru", 256, 1, device="h200").forward
     s = latency.PassShape(CELLS["gru"], p, 1, 256)
     step = latency.step_loop(latency.pass_sass(p, "sm_90"), s)
@@ -327,19 +327,23 @@ def test_cluster_step_terms_follow_its_structure():
     cycle_us = 1 / hardware.PROFILES["h200"].clock_mhz
     assert terms.exchange_us == pytest.approx(
         (hardware.CLUSTER_ROUND_NS[16] + (16 * s.warps - 16) * hardware.DSMEM_STORE_NS) / 1000)
-    assert p.defines["PRNN_GI_BUFFERS"] == 3 and terms.prefetch_us == 0.0
+    assert p.defines["PRNN_INPUT_BUFFERS"] == 3 and terms.prefetch_us == 0.0
     assert terms.barrier_us == 0.0  # warp teams: no block barrier in a cluster's step
-    one_ahead = replace(p, defines={**p.defines, "PRNN_GI_BUFFERS": 2,
+    one_ahead = replace(p, defines={**p.defines, "PRNN_INPUT_BUFFERS": 2,
                                     "PRNN_SMEM_GI": p.defines["PRNN_SMEM_GI"] * 2 // 3})
     terms = latency.step_terms(latency.pass_sass(one_ahead, "sm_90"),
                                latency.PassShape(CELLS["gru"], one_ahead, 1, 256),
                                hardware.PROFILES["h200"])
     assert terms.prefetch_us == pytest.approx(hardware.PREFETCH_LATENCY * cycle_us - terms.pointwise_us)
     back = planner.make_plan("gru", 256, 1, device="h200").backward
-    terms = latency.step_terms(latency.pass_sass(back, "sm_90"),
-                               latency.PassShape(CELLS["gru"], back, 1, 256),
-                               hardware.PROFILES["h200"])
-    assert terms.prefetch_us == pytest.approx(hardware.PREFETCH_LATENCY * cycle_us - terms.pointwise_us)
+    for buffers in (3, 2):  # (the backward's inputs likewise)
+        pp = replace(back, defines={**back.defines, "PRNN_INPUT_BUFFERS": buffers,
+                                    "PRNN_SMEM_INPUTS": back.defines["PRNN_SMEM_INPUTS"] * buffers // 3})
+        terms = latency.step_terms(latency.pass_sass(pp, "sm_90"),
+                                   latency.PassShape(CELLS["gru"], pp, 1, 256),
+                                   hardware.PROFILES["h200"])
+        assert terms.prefetch_us == (0.0 if buffers == 3 else pytest.approx(
+            hardware.PREFETCH_LATENCY * cycle_us - terms.pointwise_us))
 
 
 def test_pass_kernel_time_counts_launches_and_weight_loads():
