@@ -10,14 +10,16 @@ the torch modules' new views of weights an optimizer updated in place);
 the same settings object, thread, device and stream; initial states given as they were when
 planned, of the same shapes, or none; no lengths, or lengths of the same shape, any valid
 values: the caller's to check) does
-identity checks, then only what differs from call to call - the input GEMM into the same
-workspace, the new result arrays, the prepared pass (``runtime.PreparedPass``, whose chain
-graph key is the static part kept plus the new arrays' addresses) - and builds the same
-``functional.Context``. The operations around the chain that touch only arrays of that key
-(the input's bias, the output and state copies; the backward's carries, ``W_hh^T``, ``dc0``,
-with lengths the selections) are enqueued inside the chain (``runtime.Around``), so a replayed
-chain graph holds them. Anything else (``matches`` false) takes the full path
-with its checks, so bad input still gets torch.nn's errors.
+identity checks, then only what differs from call to call - the new result arrays, the
+prepared pass (``runtime.PreparedPass``, whose chain graph key is the static part kept plus
+the new arrays' addresses) - and builds the same ``functional.Context``. Every operation of the
+call on the device touches only arrays of that key and is enqueued inside the chain
+(``runtime.Around``): the input GEMM into the plan's workspace and its bias, the output and
+state copies; the backward's carries, ``W_hh^T``, ``dh0`` and ``dc0``, the parameter and input
+gradients (the layer API's sums of them too), with lengths the selections - so a replayed chain
+graph holds them all and a call in steady state is one graph launch (its products recorded
+through ``cublas_capture``). Anything else (``matches`` false) takes the full path with its
+checks, so bad input still gets torch.nn's errors.
 
 Planned: a single unidirectional layer-direction of a float32 layer without projection whose
 persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths or
