@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
+from profiling import run_profiled
 
 H = 8
 
@@ -52,11 +53,7 @@ def python_calls(call: Callable[[], object], skip: tuple[str, ...] = ()) -> int:
             frame = frame.f_back
         count += 1
 
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
+    run_profiled(call, profile)
     return count
 
 
@@ -375,12 +372,9 @@ def test_eager_calls_skip_the_dispatcher_which_modes_still_see():
         if event == "call":
             files.add(frame.f_code.co_filename)
 
-    sys.setprofile(profile)
-    try:
-        y, _ = module(x)
-        y.sum().backward()
-    finally:
-        sys.setprofile(None)
+    out = []
+    run_profiled(lambda: (out.append(module(x)[0]), out[0].sum().backward()), profile)
+    y = out[0]
     assert not [f for f in files if "torch/_library" in f or f.endswith("torch/_ops.py")]
     assert torch.equal(y, y_mode) and torch.equal(x.grad, grad_mode)
 

@@ -5,14 +5,13 @@ workspaces; and the chain graph's key of a prepared pass (what a GPU replay is k
 once but for the call's own arrays. The GPU's graphs themselves: tests/test_gpu_chain_graphs.py."""
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime
 from persistent_rnn.validation import CallOrderError
+from profiling import run_profiled
 
 H, I = 16, 3
 
@@ -76,11 +75,7 @@ def _array_work(call) -> int:
         name = (frame.f_code.co_name if event == "call"
                 else getattr(arg, "__name__", "") if event == "c_call" else "")
         count += name in _ARRAY_WORK
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
+    run_profiled(call, profile)
     return count
 
 
