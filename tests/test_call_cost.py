@@ -45,7 +45,7 @@ def python_calls(call: Callable[[], object], skip: tuple[str, ...] = ()) -> int:
 
     def profile(frame, event, arg):
         nonlocal count
-        if event != "call" or frame.f_back is here:  # (not the call itself)
+        if event != "call" or frame.f_back.f_code is run_profiled.__code__:  # (not the call)
             return
         while skip and frame is not here:  # (the frames up to this function's)
             if any(s in frame.f_code.co_filename for s in skip):
