@@ -15,7 +15,9 @@ seen for the first time runs ``issue()`` directly (most keys of a run repeat: Cu
 a loop the same blocks call after call, but a one-off call should not pay a capture); the
 second time it is captured on a side stream (the caller's may be the legacy stream, which
 cannot be captured), instantiated, and from then on replayed. The most recent ``MAX_GRAPHS``
-keys are kept.
+keys are kept. While a chain is captured, ``capturing()`` is true on that thread: the products
+the chain holds (a planned call's, ``call_plans``) are then recorded as cuBLAS's own calls
+(``matmul``, ``cublas_capture``), the bits of the direct run.
 
 Only on CuPy arrays (the emulation has no graphs), with ``Settings.chain_graphs`` on, and never
 while the caller's stream is itself being captured (the chain then becomes part of the caller's
