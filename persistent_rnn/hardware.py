@@ -186,6 +186,12 @@ GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # host time was 341 us).
 PYTHON_FORWARD_US = 18.4       # measured (forward)
 PYTHON_BACKWARD_US = 27.4      # measured (forward+backward less forward, per run)
+# The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
+# and set-up included): the same layer's call with the chain stubbed at 41d5ca8, before any call
+# was planned, the median of nine runs (bench/results/cpu-2026-11-27/stubbed-41d5ca8-before-*/);
+# a lower bound for 16-bit and projection layers, whose full path does more.
+PYTHON_FULL_FORWARD_US = 77.4  # measured (forward)
+PYTHON_FULL_BACKWARD_US = 99.2  # measured (forward+backward less forward, per run)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches
 # Of the tensor-core peak above, a cuBLAS GEMM of fp16 operands with fp32 output reaches: measured
 # on the H200, torch.mm(..., out_dtype=torch.float32) of 800x1024 @ 1024x4096 in 55.9 us (its fp32
