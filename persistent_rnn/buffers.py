@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
+from functools import lru_cache
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -243,6 +244,24 @@ def matmul_steps(a: Array, w: Array, out: Array | None = None) -> Array:
     ``out``, (T*B, N), where given)."""
     steps, batch, width = a.shape
     return matmul(a.reshape(steps * batch, width), w, out).reshape(steps, batch, w.shape[1])
+
+
+def column_sums(a: Array, out: Array | None = None) -> Array:
+    """The sums of a 2-D array's columns (into ``out`` where given): NumPy's ``sum(axis=0)``;
+    on CuPy a plain reduction kernel (``_column_sum_kernel``), since ``cupy.ndarray.sum`` may run
+    CUB's device-wide reduction on an array that is one row (C- and F-contiguous at once), which
+    takes its scratch from CuPy's pool: inside a captured chain (``call_plans``) the graph would
+    keep memory the pool hands out again."""
+    if isinstance(a, np.ndarray):
+        return a.sum(axis=0, out=out)
+    return _column_sum_kernel()(a, axis=0, out=out)
+
+
+@lru_cache(maxsize=None)
+def _column_sum_kernel():
+    """CuPy's reduction kernel of ``column_sums`` (made once, on the first CuPy call)."""
+    import cupy
+    return cupy.ReductionKernel("T x", "T y", "x", "a + b", "y = a", "0", "prnn_column_sum")
 
 
 def round_half(xp, a: Array, half: str | None) -> Array:

@@ -38,8 +38,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime, stack
-from .buffers import (address, array_module, constant_zeros, matmul_steps, reversed_rows,
-                      select_active, step_indices, widened, workspace)
+from .buffers import (address, array_module, column_sums, constant_zeros, matmul_steps,
+                      reversed_rows, select_active, step_indices, widened, workspace)
 from .cells import CellSpec
 from .halves import widen
 from .matmul import matmul, matmul_half
@@ -630,8 +630,8 @@ def parameter_gradients(dgi: Array, dgh: Array, flat_input: Array, y: Array, h0:
     w_hh = _recurrent_weight_grad(dgh, y, h0, targets[1], scratch)
     if not bias:
         return w_ih, w_hh
-    return (w_ih, w_hh, dgi_2d.sum(axis=0, out=targets[2]),
-            dgh.reshape(-1, dgh.shape[2]).sum(axis=0, out=targets[3]))
+    return (w_ih, w_hh, column_sums(dgi_2d, targets[2]),
+            column_sums(dgh.reshape(-1, dgh.shape[2]), targets[3]))
 
 
 def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array, out: Array | None = None,

@@ -97,3 +97,29 @@ def test_products_captured_in_a_chain_are_cupys_bit_for_bit(cupy, dtype):
             stream.synchronize()
         np.testing.assert_array_equal(eager.get(), want.get())
         np.testing.assert_array_equal(replayed.get(), want.get())
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_column_sums_record_without_scratch(cupy, rows):
+    """``buffers.column_sums`` (a planned backward's bias gradients, inside its chain): CuPy's
+    sums within round-off of NumPy's, a row its own sums exactly, recorded on a capturing stream
+    with no allocation (``ndarray.sum`` may take CUB's scratch from the pool for one row)."""
+    from persistent_rnn import buffers, launch
+    rng = np.random.default_rng(rows)
+    host = rng.standard_normal((rows, 96)).astype(np.float32)
+    a = cupy.asarray(host)
+    eager = buffers.column_sums(a)  # (the kernel built outside the capture)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cupy.full(96, np.nan, np.float32)
+        with launch.counting() as counts:
+            stream.begin_capture()
+            buffers.column_sums(a, out)
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    assert counts.allocations == 0
+    np.testing.assert_array_equal(out.get(), eager.get())
+    np.testing.assert_allclose(out.get(), host.sum(axis=0), rtol=1e-5, atol=1e-5)
+    if rows == 1:
+        np.testing.assert_array_equal(out.get(), host[0])
