@@ -135,7 +135,7 @@ class Plan:
         self.forward_pass.around = runtime.Around(
             self._before_forward, self._after_forward,
             {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask},
-            ("x", "out", "h_n") if self.c0 is None else ("x", "out", "h_n", "c_n"))
+            ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",)))
 
     def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
                 lengths: Any = None) -> bool:
@@ -197,16 +197,16 @@ class Plan:
         if hx is not None:  # (as functional's initial states: contiguous, row 0 of a layer)
             h0, c0 = ((xp.ascontiguousarray(hx)[0], None) if c0 is None else
                       (xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0]))
-        layer_input = x
+        layer_input, given = x, None
         if lengths is not None:  # (as functional's: int32, the input zero past each length)
             lengths = buffers.full_lengths(xp, lengths, 0, 0)
             layer_input = functional._selected_input(xp, x, lengths)
-        elif not x.flags.c_contiguous:  # (the chain's products read its rows in place)
-            layer_input = xp.ascontiguousarray(x)
+        elif not x.flags.c_contiguous:  # (copied in the chain: its products read rows in place)
+            layer_input, given = xp.empty(x.shape, x.dtype), x
         y, cs, saved = buffers.allocate_forward(cell, self.gi_steps)  # (gi: in the chain)
         fwd = runtime.ForwardResult(y, cs, saved)
         arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
-        arrays["x"] = layer_input
+        arrays["x"], arrays["x_given"] = layer_input, given
         arrays["out"] = out = xp.empty(self.y_shape, y.dtype)  # (written in the chain)
         arrays["h_n"] = h_n = xp.empty(self.state_shape, y.dtype)
         if cs is not None:
@@ -219,8 +219,11 @@ class Plan:
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
-        """Inside the forward's chain, before its pass (``runtime.Around``): the input GEMM
-        and its bias, ``gi = x W_ih^T + b_ih``, as ``functional.forward`` forms them."""
+        """Inside the forward's chain, before its pass (``runtime.Around``): a strided input
+        (the layer API takes any view) copied into this call's contiguous one, the input GEMM and its
+        bias, ``gi = x W_ih^T + b_ih``, as ``functional.forward`` forms them."""
+        if arrays["x_given"] is not None:
+            self.xp.copyto(arrays["x"], arrays["x_given"])
         matmul_steps(arrays["x"], fixed["w_ih_t"], fixed["gi"])
         if fixed["b_ih"] is not None:
             fixed["gi"] += fixed["b_ih"]
@@ -241,7 +244,8 @@ class Plan:
     def backward(self, ctx: functional.Context, dy: Array,
                  into: Mapping[str, Array] | None = None) -> tuple[Array, Any, dict, bool]:
         """``functional.backward(ctx, dy)`` of this plan's forward's context, ``dy`` contiguous
-        of the output's shape and dtype (``layers`` checks), no ``dhn``; and whether the
+        of the output's shape and dtype (the callers' checks: ``layers``, ``torch.ops``' arrays
+        are contiguous), no ``dhn``; and whether the
         parameter gradients were also added into ``into``'s arrays of their names (an
         accumulating plan's, ``plan_of``; given by its every call), inside the chain."""
         prepared = self.backward_pass

@@ -62,7 +62,7 @@ class _Hits:
 
 # What enqueues device work on an array: the library's products and NumPy's (CuPy's stand-in)
 # copies, fills and sums (in-place operators and new empty arrays excepted).
-_ARRAY_WORK = {"matmul", "copyto", "fill", "sum", "where", "take"}
+_ARRAY_WORK = {"matmul", "copyto", "fill", "sum", "where", "take", "ascontiguousarray"}
 
 
 def _array_work(call) -> int:
@@ -101,6 +101,26 @@ def test_a_planned_call_enqueues_everything_inside_its_chain(settings, monkeypat
         np.testing.assert_array_equal(g, grads[name])
     layer._plan = None  # the full path: its products and copies beside the chains
     assert _array_work(lambda: (layer.forward(x), layer.backward(dy))) > 8
+
+
+def test_a_strided_input_is_copied_inside_the_chain(settings, monkeypatch):
+    """A layer API call on a strided view of its input (batch-major memory seen time-major) is
+    planned too: the plan copies it into the call's contiguous input inside its chain, bitwise
+    the full path, with nothing beside the chain."""
+    hits = _Hits(monkeypatch)
+    planned, full = _layer("LSTM"), _layer("LSTM")
+    for seed in range(4):
+        x, dy = _data(seed)
+        strided = np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2)
+        assert not strided.flags.c_contiguous
+        got = _step(planned, strided, dy)
+        full._plan = None
+        for a, b in zip(got, _step(full, x, dy)):
+            np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (2, 1)
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    assert _array_work(lambda: planned.forward(strided)) == 0
+    assert hits.forwards == 3
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])  # (an Elman cell's plan is a GRU's: no c)

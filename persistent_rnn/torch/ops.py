@@ -483,10 +483,7 @@ def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
     plan = ctx.plan
     if (plan is not None and dhn is None and dcn is None and type(dya) is plan.x_type
             and dya.shape == plan.y_shape and dya.dtype == plan.x_dtype):  # (call_plans)
-        # (a batch-first module's dy is a transposed view: the persistent backward reads it
-        # contiguous, as functional.backward's would)
-        dx, dh0, grads, _ = plan.backward(ctx, dya if dya.flags.c_contiguous
-                                          else plan.xp.ascontiguousarray(dya))
+        dx, dh0, grads, _ = plan.backward(ctx, dya)  # (``_array``'s arrays are contiguous)
     else:
         dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
         dx, dh0, grads = functional.backward(ctx, dya, dhx)
