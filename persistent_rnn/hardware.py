@@ -188,8 +188,9 @@ PYTHON_FORWARD_US = 18.4       # measured (forward)
 PYTHON_BACKWARD_US = 27.4      # measured (forward+backward less forward, per run)
 # The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
 # and set-up included): the same layer's call with the chain stubbed at 41d5ca8, before any call
-# was planned, the median of nine runs (bench/results/cpu-2026-11-27/stubbed-41d5ca8-before-*/);
-# a lower bound for 16-bit and projection layers, whose full path does more.
+# was planned, the median of nine runs' medians (bench/results/cpu-2026-11-27/stubbed-*-before-*/,
+# main at 41d5ca8 beside each branch commit); a lower bound for 16-bit and projection layers,
+# whose full path does more.
 PYTHON_FULL_FORWARD_US = 77.4  # measured (forward)
 PYTHON_FULL_BACKWARD_US = 99.2  # measured (forward+backward less forward, per run)
 GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches
