@@ -11,18 +11,17 @@ constexpr int kDy = 0, kH = 1, kHPrev = 2, kC = 3, kCPrev = 4;
 constexpr int kSavedSlot = kHasC ? 5 : 3;
 constexpr int kInputs = kSavedSlot + ThisCell::S;
 
-// Copies step t's inputs of this CTA's units j0 .. j0+kUnits-1 into slot t % kBuffers of in_s,
-// [kBuffers][batch][kInputs][kUnits] (asynchronous, may use L1): dy_t where `with_dy` (a stack's lower
+// Copies step t's inputs of this CTA's units j0 .. j0+kUnits-1 into step t's buffer of in_s,
+// [kInputBuffers][batch][kInputs][kUnits] (input_buffer; asynchronous, may use L1): dy_t where `with_dy` (a stack's lower
 // layers stage theirs apart), h_t, h_{t-1} (h0 at t = 0), c_t and c_{t-1} for a cell with a cell
 // state, and the saved activations. y, dy, cs: (T, B, H), plane = B*H apart; h0, c0: (B, H);
 // saved: (T, B, S*H).
-template <int kBuffers = 2>
 PRNN_DEVICE void prefetch_backward_inputs(float* in_s, int t, int batch, int hidden, int j0,
                                           size_t plane, bool with_dy, const float* dy,
                                           const float* y, const float* h0, const float* cs,
                                           const float* c0, const float* saved) {
   constexpr int S = ThisCell::S;
-  float* base = in_s + (unsigned)t % kBuffers * batch * kInputs * kUnits;
+  float* base = input_buffer<kInputs * kUnits>(in_s, t, batch);
   for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
     const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
     if (j >= hidden) continue;

@@ -67,15 +67,13 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   }
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
 
-  // Fetches step t's read-only inputs into its buffer (asynchronous, may use L1); two steps
-  // ahead, one commit group per step (the wait leaves the newest in flight).
-  constexpr int kAhead = kInputBuffers - 1;  // steps fetched ahead of the step that reads them
+  // Fetches step t's read-only inputs into its buffer (asynchronous, may use L1), kInputsAhead
+  // steps ahead.
   auto prefetch_inputs = [&](int t) {
-    prefetch_backward_inputs<kInputBuffers>(in_s, t, batch, hidden, j0, plane, true, dy, y, h0,
-                                            cs, c0, saved);
-    if (kAhead > 1) prnn_copy_commit();
+    prefetch_backward_inputs(in_s, t, batch, hidden, j0, plane, true, dy, y, h0, cs, c0, saved);
+    end_input_fetch();
   };
-  for (int s = start; s > start - kAhead && s >= 0; --s) prefetch_inputs(s);
+  for (int s = start; s > start - kInputsAhead && s >= 0; --s) prefetch_inputs(s);
   // Step T-1 has no recurrent input.
   begin_steps(xch, v_s, start + 1,
               start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr, batch);
@@ -85,29 +83,24 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   for (;;) {
     const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
     float* part_s = step_partials(t, rec_s, v_s);
-    // dgh_{t+1} (and step t's inputs) -> partial sums; any timeout? The inputs of step t-kAhead
-    // go into the buffer last read by step t+1's pointwise. Every step commits a group (an
-    // empty one before step 0), so that the wait below always leaves the newest.
+    // dgh_{t+1} (and step t's inputs) -> partial sums; any timeout? The inputs of step
+    // t-kInputsAhead go into the buffer last read by step t+1's pointwise.
     if (step_product(tile, xch, t + 1, v_s, part_s, recurrent ? batch : 0, kUnits, failed, ctl,
                      timeout_ns, [&] {
-                       if (t - kAhead >= 0) prefetch_inputs(t - kAhead);
-                       else if (kAhead > 1) prnn_copy_commit();
+                       if (t - kInputsAhead >= 0) prefetch_inputs(t - kInputsAhead);
+                       else end_input_fetch();
                      })) {
       ++t;  // step t was not completed
       break;
     }
     prnn_maybe_stall(stall, t);
-    const float* in_t = in_s + (unsigned)t % kInputBuffers * batch * kInputs * kUnits;
+    const float* in_t = input_buffer<kInputs * kUnits>(in_s, t, batch);
     backward_pointwise(in_t, gh_len, part_s, carry_s, len_s, t, batch, hidden, j0, true, recurrent,
                        dgi, dgh, dh_carry, dc_carry, plane, t & 1,
                        [&](int b, int k, float, float dgh_k) { xch.publish(t, b, k, dgh_k); });
     if (t == 0) break;
     failed = end_step(xch, v_s, t, ctl, timeout_ns);
-    if (kAhead == 1) {  // step t-1's inputs (and any copy of the gather: all)
-      prnn_copy_wait();
-    } else {  // step t-1's inputs; step t-2's group stays in flight
-      prnn_copy_wait_prior();
-    }
+    wait_next_inputs();  // step t-1's
     --t;
   }
   if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;

@@ -602,6 +602,28 @@ constexpr bool kWarpTeams = PRNN_WARP_TEAMS;
 constexpr int kStagedBuffers = PRNN_STAGED_BUFFERS;
 constexpr int kInputBuffers = PRNN_INPUT_BUFFERS;
 static_assert(kInputBuffers == 2 || kInputBuffers == 3, "inputs one or two steps ahead");
+constexpr int kInputsAhead = kInputBuffers - 1;  // steps fetched ahead of the step that reads them
+
+// Step t's buffer of a layer pass's pointwise inputs in `base`, [kInputBuffers][batch][kRowWords].
+template <int kRowWords, class T>
+PRNN_DEVICE T* input_buffer(T* base, int t, int batch) {
+  return base + (unsigned)t % kInputBuffers * batch * kRowWords;
+}
+// Ends one step's fetch of inputs: fetched two steps ahead, each step's copies are a commit
+// group of their own (also an empty one where a step fetches nothing), so that
+// wait_next_inputs can leave the newest in flight.
+PRNN_DEVICE void end_input_fetch() {
+  if (kInputsAhead > 1) prnn_copy_commit();
+}
+// At a step's end: the next step's inputs have landed (one step ahead: every copy of this
+// thread, the gather's too; two steps ahead: every group but the newest).
+PRNN_DEVICE void wait_next_inputs() {
+  if (kInputsAhead == 1) {
+    prnn_copy_wait();
+  } else {
+    prnn_copy_wait_prior();
+  }
+}
 
 // What warp teams need of a tile of G gate rows per unit: each warp all G rows of whole units.
 template <int G>

@@ -67,12 +67,10 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   load_owned_rows(bias_s, b_hh, G, j0, hidden);
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
   load_unit_state(hp_s, c_s, y, cs, h0, c0, start, batch, hidden, j0);
-  // gi_t's buffer; fetching gi_t of the team's rows into it (read-only: asynchronous, may use
-  // L1); two steps ahead, one commit group per step (the wait leaves the newest in flight).
-  constexpr int kAhead = kInputBuffers - 1;  // steps of gi fetched ahead of the step that reads them
-  const auto gi_of = [&](int t) { return gi_s + (unsigned)t % kInputBuffers * batch * G * kUnits; };
+  // Fetches gi_t of the team's rows into its buffer (read-only: asynchronous, may use L1),
+  // kInputsAhead steps ahead.
   auto prefetch_gi = [&](int t) {
-    float* dst = gi_of(t);
+    float* dst = input_buffer<G * kUnits>(gi_s, t, batch);
 #pragma unroll 1  // a warp team's stride is a constant: no unrolled copies (one trip at small B)
     for (int idx = team.thread; idx < batch * G * team.units; idx += team.size) {
       const int b = idx / (G * team.units), g = idx / team.units % G, u = team.unit0 + idx % team.units;
@@ -81,9 +79,9 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
                              gi + ((size_t)t * batch + b) * gh_len + g * hidden + j0 + u);
       }
     }
-    if (kAhead > 1) prnn_copy_commit();
+    end_input_fetch();
   };
-  for (int s = start; s < start + kAhead && s < steps; ++s) prefetch_gi(s);
+  for (int s = start; s < start + kInputsAhead && s < steps; ++s) prefetch_gi(s);
   if (kStaged == 2) {  // the other buffer's zero padding (gathers write the words below hidden)
     for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) staged(start)[idx] = 0.0f;
   }
@@ -99,28 +97,23 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   while (!idle) {
     float* part_s = step_partials(t, gh_s, h_s);
     // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
-    // gi_{t+kAhead}'s buffer was last read by step t-1's pointwise. Every step commits a group
-    // (an empty one past the last step), so that the wait below always leaves the newest.
+    // gi_{t+kInputsAhead}'s buffer was last read by step t-1's pointwise.
     if (step_product<kWarpTeam>(tile, xch, t - 1, staged(t - 1), part_s, batch, R, failed, ctl,
                                 timeout_ns, [&] {
-                                  if (t + kAhead < steps) prefetch_gi(t + kAhead);
-                                  else if (kAhead > 1) prnn_copy_commit();
+                                  if (t + kInputsAhead < steps) prefetch_gi(t + kInputsAhead);
+                                  else end_input_fetch();
                                 })) {
       --t;  // step t was not completed
       break;
     }
     prnn_maybe_stall(stall, t);
-    const float* gi_t = gi_of(t);
+    const float* gi_t = input_buffer<G * kUnits>(gi_s, t, batch);
     forward_pointwise<true>(team, t, batch, hidden, j0, len_s, hp_s, c_s, y, cs, saved,
                             staged_gates(gi_t, part_s, bias_s, team, R),
                             [&](int b, int j, float h) { xch.publish(t, b, j, h); });
     if (t + 1 == steps) break;
     failed = end_step(xch, staged(t), t, ctl, timeout_ns);
-    if (kAhead == 1) {  // gi_{t+1} (and any copy of the gather: all)
-      prnn_copy_wait();
-    } else {  // gi_{t+1}; gi_{t+2}'s group stays in flight
-      prnn_copy_wait_prior();
-    }
+    wait_next_inputs();  // gi_{t+1}
     ++t;
   }
   t = cta_last_step<kWarpTeam>(t, reinterpret_cast<int*>(gh_s));

@@ -333,7 +333,7 @@ class Plan:
         x = arrays["x"]
         functional.parameter_gradients(
             s.dgi, s.dgh, x.reshape(-1, x.shape[2]), arrays["y"], arrays["h0"],
-            len(self.gradient_roles) > 2, tuple(arrays[role] for role in self.gradient_roles),
+            "bias_ih" in self.names, tuple(arrays[role] for role in self.gradient_roles),
             fixed["dw_hh"])
         matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
         if self.accumulates:  # (as the layer API adds a full call's: ``layers``)

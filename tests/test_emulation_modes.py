@@ -175,8 +175,8 @@ def test_copies_complete_at_their_wait(settings, grid_path):
 
 def test_a_dropped_copy_wait_reads_poison(settings, grid_path, tmp_path, monkeypatch,
                                           fresh_plans):
-    src = sabotaged(tmp_path, "persistent_forward.cu", "      prnn_copy_wait();\n    } else {",
-                    "    } else {")
+    src = sabotaged(tmp_path, "persistent_common.cuh", "    prnn_copy_wait();\n  } else {",
+                    "  } else {")
     _from(monkeypatch, src, "persistent_forward")
     data = _data(24)
     with emulate.modes("late_copies", seed=2):
@@ -206,15 +206,14 @@ def test_a_cluster_fetches_its_inputs_two_steps_ahead(settings):
     _assert_close(got, want)
 
 
-@pytest.mark.parametrize("source, old, new", [
-    ("persistent_forward.cu", "      prnn_copy_wait_prior();\n", ""),  # read before it landed
-    ("persistent_forward.cu", "(unsigned)t % kInputBuffers", "(unsigned)t % 2"),  # over step t's
-    ("persistent_backward.cu", "      prnn_copy_wait_prior();\n", ""),
-    ("persistent_backward.cu", "(unsigned)t % kInputBuffers", "(unsigned)t % 2"),
+@pytest.mark.parametrize("kernel", ["persistent_forward", "persistent_backward"])
+@pytest.mark.parametrize("old, new", [
+    ("    prnn_copy_wait_prior();\n", ""),  # the next step's inputs read before they landed
+    ("(unsigned)t % kInputBuffers", "(unsigned)t % 2"),  # step t+2's over the buffer t reads
 ])
 def test_a_cluster_input_fetch_out_of_order_fails(settings, tmp_path, monkeypatch, fresh_plans,
-                                                  source, old, new):
-    _from(monkeypatch, sabotaged(tmp_path, source, old, new), source.removesuffix(".cu"))
+                                                  kernel, old, new):
+    _from(monkeypatch, sabotaged(tmp_path, "persistent_common.cuh", old, new), kernel)
     with emulate.modes("late_copies", seed=2):
         got, want, _ = _cluster_run(72)
     with pytest.raises(AssertionError):
