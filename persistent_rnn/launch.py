@@ -353,6 +353,7 @@ class Chain:
         self.recorded = 0     # passes that published a record (``run_chain``)
         self.published = False  # whether the last pass did (not under a user's capture)
         self.ring: RecordRing | None = None  # made by the first pass that records (``new_ring``)
+        self.graph_key: tuple | None = None  # (ring, exchanges, key part): ``_chain_key``
 
     def new_ring(self) -> RecordRing:
         """A new ring for this chain's records and a new numbering: the ledger zeroed (on the
@@ -492,9 +493,8 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
             issue()
         else:
             s = settings.current()
-            key = (chain.engine.key, s.cooperative, s.max_restarts, s.gpu_timeout_ms, stall,
-                   first, end, chain_graphs.value(chain.words), chain_graphs.value(publish),
-                   chain_graphs.value(exchanges), arguments_key())
+            key = (_chain_key(chain, publish, exchanges), s.cooperative, s.max_restarts,
+                   s.gpu_timeout_ms, stall, first, end, arguments_key())
             if chain_graphs.run(key, _holding_nothing(issue)):
                 COUNTERS.add("graph_launches")
     except BaseException:
@@ -502,6 +502,18 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
         raise
     if record:
         chain.recorded += 1
+
+
+def _chain_key(chain: Chain, publish: tuple[Array, int], exchanges: tuple) -> tuple:
+    """The chain's own part of its graph key (``run_chain``): its engine, words, ring and
+    exchanges - fixed for the chain's life but for the ring (``new_ring``) and the exchanges a
+    caller passes, so it is built again only when either is another object."""
+    held = chain.graph_key
+    if held is None or held[0] is not publish[0] or held[1] is not exchanges:
+        held = chain.graph_key = (publish[0], exchanges, (
+            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish),
+            chain_graphs.value(exchanges)))
+    return held[2]
 
 
 def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int,
