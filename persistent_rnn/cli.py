@@ -210,7 +210,7 @@ def run_plan(args: argparse.Namespace) -> int:
               f"{t['prefetch_us']:.2f})")
     calls = record["per_call"]
     how = ("a planned call: one graph launch, the Python measured on the CPU as a replay runs "
-           "it" if calls["planned"] else "not planned (16-bit, projection): the chain's graph "
+           "it" if calls["planned"] else "not planned (a projection): the chain's graph "
            "and each operation around it, the full path's Python measured on the CPU")
     layers = "; per layer-direction" if args.layers > 1 else ""
     print(f"per call (predicted; input size {calls['input_size']}, host: API calls plus the "

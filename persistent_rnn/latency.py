@@ -568,8 +568,8 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
                planned: bool | None = None) -> CallCost:
     """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass
     runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
-    steady state. A planned call (``call_plans``: a float32 layer without projection; ``planned``
-    None: ``not half``) with ``chain_graphs`` on is one graph launch from the host, the chain
+    steady state. A planned call (``call_plans``: a float32 or 16-bit layer without projection;
+    ``planned`` None: planned) with ``chain_graphs`` on is one graph launch from the host, the chain
     with the operations enqueued inside it (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``; their
     nodes still run on the device), and the planned call's Python (``hw.PYTHON_*_US``); a call
     not planned issues those operations as calls of their own beside the chain's graph, with the
@@ -588,8 +588,8 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
         inside = BACKWARD_CHAIN_OPS + 2 * lstm
-    if planned is None:
-        planned = not half
+    if planned is None:  # (16-bit layers too since 2026-11-27: call_plans.HalfPlan)
+        planned = True
     graphs = settings.current().chain_graphs
     calls = (1 if graphs and planned else 1 + inside if graphs
              else chain + launch.CHAIN_MEMSETS + inside)
@@ -677,7 +677,7 @@ def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
         shape = PassShape(cell, p, batch, hidden, proj)
         terms.append(step_terms(pass_sass(p, device.arch, src_dir), shape, device))
     calls = [call_costs(cell, hidden, batch, seq_len, input_size, b, device, _half(plan),
-                        planned=not _half(plan) and not proj) for b in (False, True)]
+                        planned=not proj) for b in (False, True)]
     return StepTime(terms[0].total_us, terms[1].total_us, terms[0], terms[1],
                     calls[0].device_us, calls[1].device_us, plan,
                     forward_host_us=calls[0].host_us, backward_host_us=calls[1].host_us)
@@ -819,7 +819,7 @@ def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
     ``PER_CALL_STEPS`` the host µs and API calls of a forward and a backward call, the device
     µs beside the steps, and the end-to-end µs per step of a forward and of a forward+backward
     call (``StepTime.benchmark_us``: back-to-back calls, the longer of host and GPU)."""
-    rows, planned = [], not _half(plan) and not proj
+    rows, planned = [], not proj
     for steps in PER_CALL_STEPS:
         st = predict_plan(cell, hidden, batch, plan, device, seq_len=steps,
                           input_size=PER_CALL_INPUT, proj=proj)
