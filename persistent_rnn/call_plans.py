@@ -429,7 +429,8 @@ class HalfPlan(Plan):
         xp, args = self.xp, self.forward_pass.args
         fixed = super()._forward_fixed(b_ih, b_hh)
         held = args["w_hh"]
-        fixed.update(w_hh=None if address(held) == address(self.w_hh.view(np.uint16)) else self.w_hh,
+        view = address(held) == address(self.w_hh.view(np.uint16))  # (the pass reads W_hh)
+        fixed.update(w_hh=None if view else self.w_hh,
                      w_words=held, b_hh=b_hh, b_hh_wide=None if b_hh is None else args["b_hh"],
                      b_ih_wide=None if b_ih is None else workspace(xp, "b_ih_gi", b_ih.shape,
                                                                    np.float32),
