@@ -41,10 +41,13 @@ import numpy as np
 from . import buffers, functional, launch, runtime, settings
 from .buffers import address, matmul_steps, select_active, workspace
 from .halves import half_dtype, widen
-from .matmul import matmul_half
+from .matmul import matmul, matmul_half
 
 Array = Any
 _SUM = "sum of "  # (the role of the array a parameter's gradient is added into)
+# The parameter gradients a planned backward forms, in its order (``functional``'s, then an LSTM
+# projection's ``dW_hr``).
+_GRADIENTS = (*functional.PARAMETER_GRADIENTS, "weight_hr")
 
 
 def _where(xp) -> tuple:
@@ -78,7 +81,6 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
     inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``)."""
     if not (ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.stats.algo == "persistent"
-            and "weight_hr" not in ctx.directions[0][0].names
             and x.dtype == (np.float32 if ctx.half is None else half_dtype(ctx.half))
             and _where(buffers.array_module(x)) is not None):
         return None
@@ -117,16 +119,20 @@ class Plan:
         self.weights = tuple(ctx.params[name] for name in d.names.values())
         self.gradient_roles: tuple[str, ...] = ()  # (``plan_backward``)
         self.w_hh, self.b_ih, self.w_ih_t = w_hh, b_ih, w_ih.T
+        # an LSTM projection's W_hr (P, H): h (and y) P wide, c H wide
+        self.w_hr = ctx.params[d.names["weight_hr"]] if "weight_hr" in d.names else None
+        self.proj = 0 if self.w_hr is None else self.w_hr.shape[0]
         self.h0, self.c0 = d.h0, d.c0  # (the zeros of calls without initial states)
         self.state_shape = (1, *d.h0.shape)
+        self.c_shape = None if d.c0 is None else (1, *d.c0.shape)
         steps, batch, _ = x.shape
         self.gi = workspace(xp, "gi", (steps * batch, w_ih.shape[0]),
                             w_ih.dtype if self.half is None else np.float32)
         self.gi_steps = gi = self.gi.reshape(steps, batch, w_ih.shape[0])
-        hidden = w_hh.shape[1]
-        self.y_shape = (steps, batch, hidden)  # (what a backward's dy must be)
-        engine, _ = runtime._engine(ctx.cell, gi, hidden, batch, ctx.algo, backward=False,
-                                    half=self.half)
+        self.hidden = w_ih.shape[0] // ctx.cell.gates  # (H; h is P wide with a projection)
+        self.y_shape = (steps, batch, w_hh.shape[1])  # (what a backward's dy must be)
+        engine, _ = runtime._engine(ctx.cell, gi, self.hidden, batch, ctx.algo, backward=False,
+                                    half=self.half, proj_size=self.proj)
         self.engine = engine
         self.backward_pass: runtime.PreparedPass | None = None
         self.backward_engine: Any = None
@@ -135,7 +141,7 @@ class Plan:
             return
         self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh,
                                                     self._pass_bias(b_hh), d.h0, d.c0,
-                                                    ctx.lengths, self.half, None, d.fwd)
+                                                    ctx.lengths, self.half, self.w_hr, d.fwd)
         # what a call's output selection reads (held: no look-up inside a captured chain)
         self.mask = buffers.mask_arrays(xp, gi) if lengths else None
         self.forward_pass.around = runtime.Around(
@@ -177,7 +183,7 @@ class Plan:
                     and hx.dtype == self.x_dtype)
         return (type(hx) is tuple and len(hx) == 2 and type(hx[0]) is self.x_type
                 and type(hx[1]) is self.x_type and hx[0].shape == self.state_shape
-                and hx[1].shape == self.state_shape and hx[0].dtype == self.x_dtype
+                and hx[1].shape == self.c_shape and hx[0].dtype == self.x_dtype
                 and hx[1].dtype == self.x_dtype)
 
     def _same_weights(self, params: Mapping[str, Array]) -> bool:
@@ -200,15 +206,17 @@ class Plan:
                 return False
         w_ih, w_hh = weights[0], weights[1]
         self.weights, self.w_hh, self.w_ih_t = weights, w_hh, w_ih.T
+        self.w_hr = weights[-1] if self.proj else None
         self.b_ih = weights[2] if self.b_ih is not None else None
         fixed = self.forward_pass.around.fixed  # (the same memory: the same keys)
         fixed["b_ih"], fixed["w_ih_t"] = self.b_ih, self.w_ih_t
-        if "w_words" in fixed:  # (a 16-bit plan's: converted inside its chain)
+        if "b_hh_wide" in fixed:  # (a 16-bit plan's: converted inside its chain)
             fixed["b_hh"] = weights[3] if self.b_ih is not None else None
-            if fixed["w_hh"] is not None:  # (else the pass reads W_hh's memory)
-                fixed["w_hh"] = w_hh
+            for key, w in (("w_hh", w_hh), ("w_hr", self.w_hr)):  # (``HalfPlan``)
+                if fixed[key] is not None:  # (else the pass reads the weight's memory)
+                    fixed[key] = w
         if self.backward_pass is not None:
-            self.backward_pass.around.fixed.update(w_hh=w_hh, w_ih=w_ih)
+            self.backward_pass.around.fixed.update(w_hh=w_hh, w_ih=w_ih, w_hr=self.w_hr)
         return True
 
     def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
@@ -223,8 +231,8 @@ class Plan:
             layer_input = functional._selected_input(xp, x, lengths)
         elif not x.flags.c_contiguous:  # (copied in the chain: its products read rows in place)
             layer_input, given = xp.empty(x.shape, x.dtype), x
-        y, cs, saved = buffers.allocate_forward(cell, self.gi_steps)  # (gi: in the chain)
-        fwd = runtime.ForwardResult(y, cs, saved)
+        y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
+        fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
         arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
         arrays["x"], arrays["x_given"] = layer_input, given
         arrays.update(states)
@@ -232,7 +240,7 @@ class Plan:
         arrays["out"] = out = xp.empty(self.y_shape, dtype)  # (written in the chain)
         arrays["h_n"] = h_n = xp.empty(self.state_shape, dtype)
         if cs is not None:
-            arrays["c_n"] = c_n = xp.empty(self.state_shape, dtype)
+            arrays["c_n"] = c_n = xp.empty(self.c_shape, dtype)
         stats = self.forward_pass.run(arrays)
         ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None,
                                  self.half, [layer_input],
@@ -302,7 +310,7 @@ class Plan:
         arrays["x"] = ctx.inputs[0]
         arrays["dh0"] = dh = xp.empty(self.state_shape, dy.dtype)
         if self.c0 is not None:
-            arrays["dc0"] = dc = xp.empty(self.state_shape, dy.dtype)
+            arrays["dc0"] = dc = xp.empty(self.c_shape, dy.dtype)
         arrays["dx"] = dx = xp.empty(self.x_shape, dy.dtype)
         grads = {name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(),
                                                                       self.weights)
@@ -319,8 +327,9 @@ class Plan:
         if ctx.backward_stats is None or ctx.backward_stats.algo != "persistent":
             return
         d = ctx.directions[0][0]
-        _, batch, hidden = dy.shape
-        engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True)
+        batch, hidden = dy.shape[1], self.hidden
+        engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True,
+                                    half=self.half, proj_size=self.proj)
         if engine is None:
             return
         xp, lengths = self.xp, ctx.lengths
@@ -330,10 +339,9 @@ class Plan:
                                                                          dy.dtype))
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         prepared = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0, d.c0, lengths,
-                                            d.fwd, self.half, None, 0, dgi, dgh)
-        self.gradient_roles = tuple(self.names[n] for n in functional.PARAMETER_GRADIENTS
-                                    if n in self.names)
-        fixed = {"w_hh": self.w_hh, "w_ih": self.w_ih_t.T, "mask": self.mask,
+                                            d.fwd, self.half, self.w_hr, 0, dgi, dgh)
+        self.gradient_roles = tuple(self.names[n] for n in _GRADIENTS if n in self.names)
+        fixed = {"w_hh": self.w_hh, "w_ih": self.w_ih_t.T, "w_hr": self.w_hr, "mask": self.mask,
                  "dw_hh": workspace(xp, "dw_hh", self.w_hh.shape, np.float32)}
         self.backward_pass, self.backward_engine = prepared, engine
         fixed.update(self._backward_fixed())
@@ -362,7 +370,14 @@ class Plan:
             buffers.select_active(xp, arrays["dy_in"], arrays["lengths"], arrays["dy"],
                                   fixed["mask"])
         runtime.zero_carries(prepared.backward)
-        xp.copyto(prepared.args["w_t"], fixed["w_hh"].T)
+        for arg, key in self._transposes():
+            xp.copyto(prepared.args[arg], fixed[key].T)
+
+    def _transposes(self) -> tuple[tuple[str, str], ...]:
+        """The backward pass's transposed weights, copied anew every call: (its argument, the
+        weight's key in the chain's ``fixed``)."""
+        return (("w_t", "w_hh"),) if self.w_hr is None else (("w_hh_t", "w_hh"),
+                                                              ("w_hr_t", "w_hr"))
 
     def _after_backward(self, arrays: dict, fixed: dict) -> None:
         """Inside the backward's chain, after its completion: this call's results into its new
@@ -374,10 +389,12 @@ class Plan:
         if self.c0 is not None:
             xp.copyto(arrays["dc0"], s.dc_carry[:1])
         x = arrays["x"]
+        grads = tuple(arrays[role] for role in self.gradient_roles)
         functional.parameter_gradients(
             s.dgi, s.dgh, x.reshape(-1, x.shape[2]), arrays["y"], arrays["h0"],
-            "bias_ih" in self.names, tuple(arrays[role] for role in self.gradient_roles),
-            fixed["dw_hh"])
+            "bias_ih" in self.names, grads, fixed["dw_hh"])
+        if self.proj:
+            _projection_gradient(s, arrays["hs"], grads[-1])
         matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
         if self.accumulates:  # (as the layer API adds a full call's: ``layers``)
             for name in self.names.values():
@@ -389,6 +406,13 @@ class Plan:
                 and _where(self.xp) == self.where and self._same_weights(ctx.params)
                 and launch.COOLDOWNS.reason(self.backward_engine.key) is None)
 
+
+
+def _projection_gradient(s: Any, hs: Array, out: Array) -> None:
+    """An LSTM projection's ``dW_hr = sum_t dr_t^T h_t`` into ``out``: one product over all
+    steps, as ``functional._layer_gradients`` forms it (``s``: the backward's scratch, ``hs``
+    the forward's h_t)."""
+    matmul(s.drs.reshape(-1, s.drs.shape[2]).T, hs.reshape(-1, hs.shape[2]), out)
 
 
 def _narrowed(xp, out: Array, a: Array) -> None:
@@ -424,14 +448,16 @@ class HalfPlan(Plan):
         return workspace(self.xp, "b_hh_gi", b_hh.shape, np.float32)
 
     def _forward_fixed(self, b_ih: Array | None, b_hh: Array | None) -> dict:
-        """A float32 layer's, and the 16-bit ``W_hh`` and ``b_hh`` the chain converts for the pass
-        (``w_hh`` ``None`` where the pass reads its memory), the widened biases and output."""
+        """A float32 layer's, and the 16-bit ``W_hh`` (``W_hr``) and ``b_hh`` the chain converts
+        for the pass (a weight ``None`` where the pass reads its memory: no copy of it to
+        refresh), the widened biases and output."""
         xp, args = self.xp, self.forward_pass.args
         fixed = super()._forward_fixed(b_ih, b_hh)
-        held = args["w_hh"]
-        view = address(held) == address(self.w_hh.view(np.uint16))  # (the pass reads W_hh)
-        fixed.update(w_hh=None if view else self.w_hh,
-                     w_words=held, b_hh=b_hh, b_hh_wide=None if b_hh is None else args["b_hh"],
+        for key, w in (("w_hh", self.w_hh), ("w_hr", self.w_hr)):
+            held = args.get(key)  # (a view of the weight's memory: the pass reads the weight)
+            view = held is None or address(held) == address(w.view(np.uint16))
+            fixed[key], fixed[key + " words"] = (None, None) if view else (w, held)
+        fixed.update(b_hh=b_hh, b_hh_wide=None if b_hh is None else args["b_hh"],
                      b_ih_wide=None if b_ih is None else workspace(xp, "b_ih_gi", b_ih.shape,
                                                                    np.float32),
                      y_wide=None if self.mask is None else workspace(xp, "result_y", self.y_shape,
@@ -453,7 +479,7 @@ class HalfPlan(Plan):
         h0 = xp.empty(self.state_shape[1:], np.float32)
         if self.c0 is None:
             return h0, None, {"hx_given": hx[0]}
-        return h0, xp.empty(self.state_shape[1:], np.float32), {"hx_given": hx[0][0],
+        return h0, xp.empty(self.c_shape[1:], np.float32), {"hx_given": hx[0][0],
                                                                 "cx_given": hx[1][0]}
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
@@ -464,8 +490,9 @@ class HalfPlan(Plan):
             widen(arrays["hx_given"], arrays["h0"])
             if self.c0 is not None:
                 widen(arrays["cx_given"], arrays["c0"])
-        if fixed["w_hh"] is not None:
-            _refresh(fixed["w_words"], fixed["w_hh"])
+        for key in ("w_hh", "w_hr"):
+            if fixed[key] is not None:
+                _refresh(fixed[key + " words"], fixed[key])
         if fixed["b_hh"] is not None:
             widen(fixed["b_hh"], fixed["b_hh_wide"])
         if arrays["x_given"] is not None:
@@ -497,7 +524,7 @@ class HalfPlan(Plan):
         pass's where it has no lengths), ``W_hh`` (where the pass holds 16-bit ``W_hh^T``),
         ``W_ih``, the input, ``dx``, ``dh0`` and each parameter gradient (and where the plan
         accumulates, the caller's sums widened: no per-call gradient arrays then)."""
-        xp, held = self.xp, self.backward_pass.args["w_t"]
+        xp, held = self.xp, self.backward_pass.args[self._transposes()[0][0]]
         steps, batch, _ = self.x_shape
         if self.accumulates:
             self.gradient_roles = ()
@@ -525,7 +552,8 @@ class HalfPlan(Plan):
         if arrays["lengths"] is not None:
             select_active(xp, fixed["dy_wide"], arrays["lengths"], arrays["dy"], fixed["mask"])
         runtime.zero_carries(prepared.backward)
-        _refresh(prepared.args["w_t"], fixed["w_hh"].T)
+        for arg, key in self._transposes():
+            _refresh(prepared.args[arg], fixed[key].T)
 
     def _after_backward(self, arrays: dict, fixed: dict) -> None:
         """Inside the backward's chain, after its completion: ``dh0`` (by ``W_hh``'s float32
@@ -535,7 +563,7 @@ class HalfPlan(Plan):
         into the caller's first where the plan accumulates)."""
         xp, s = self.xp, self.backward_pass.backward
         w_hh = fixed["w_hh_wide"]
-        w_hh = (self.backward_pass.args["w_t"].T if w_hh is None
+        w_hh = (self.backward_pass.args[self._transposes()[0][0]].T if w_hh is None
                 else widen(fixed["w_hh"], w_hh))
         runtime.initial_state_gradient(s, w_hh, fixed["dh_wide"][0])
         _narrowed(xp, arrays["dh0"], fixed["dh_wide"])
@@ -543,14 +571,15 @@ class HalfPlan(Plan):
             _narrowed(xp, arrays["dc0"], s.dc_carry[:1])
         x = arrays["x"]
         x = widen(x.reshape(-1, x.shape[2]), fixed["x_wide"])
-        grads = tuple(fixed["grad " + self.names[n]] for n in functional.PARAMETER_GRADIENTS
-                      if n in self.names)
+        names = [self.names[n] for n in _GRADIENTS if n in self.names]
+        grads = tuple(fixed["grad " + name] for name in names)
         functional.parameter_gradients(s.dgi, s.dgh, x, arrays["y"], arrays["h0"],
                                        "bias_ih" in self.names, grads, fixed["dw_hh"])
+        if self.proj:
+            _projection_gradient(s, arrays["hs"], grads[-1])
         matmul_steps(s.dgi, widen(fixed["w_ih"], fixed["w_ih_wide"]), fixed["dx_wide"])
         _narrowed(xp, arrays["dx"].reshape(fixed["dx_wide"].shape), fixed["dx_wide"])
-        for name, g in zip((self.names[n] for n in functional.PARAMETER_GRADIENTS
-                            if n in self.names), grads):
+        for name, g in zip(names, grads):
             if self.accumulates:  # (as ``layers`` adds a full call's: in float32, rounded once)
                 g += widen(arrays[_SUM + name], fixed[_SUM + name])
                 _narrowed(xp, arrays[_SUM + name], g)

@@ -465,14 +465,17 @@ def _bits(a) -> np.ndarray:
 
 def _half_steps(planned, full, seeds, states: bool, lengths: bool) -> None:
     """Forward and backward calls of ``planned`` and of ``full`` (which never plans), each
-    followed by an in-place SGD step of the 16-bit parameters: every result, gradient and
-    parameter bitwise equal, of the layer's dtype."""
+    followed by an in-place SGD step of the parameters: every result, gradient and parameter
+    bitwise equal, of the layer's dtype (16-bit layers', and projections' of any dtype: input
+    size ``HALF_I``, batch ``HALF_B``)."""
     cell, dtype = planned.cell.has_cell_state, planned.dtype
+    hidden = planned.hidden_size
+    width = planned.proj_size or hidden
     for seed in seeds:
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((4, HALF_B, HALF_I)).astype(dtype)
-        dy = rng.standard_normal((4, HALF_B, HALF_H)).astype(dtype)
-        pair = tuple(rng.standard_normal((1, HALF_B, HALF_H)).astype(dtype) for _ in range(2))
+        dy = rng.standard_normal((4, HALF_B, width)).astype(dtype)
+        pair = tuple(rng.standard_normal((1, HALF_B, n)).astype(dtype) for n in (width, hidden))
         hx = (pair if cell else pair[0]) if states else None
         given = [4, 2, int(rng.integers(1, 5))] if lengths else None
         results = []
@@ -559,3 +562,23 @@ def test_a_missed_16_bit_conversion_in_the_chain_is_caught(settings, monkeypatch
         _half_steps(_half_layer("LSTM", "bfloat16"), _half_layer("LSTM", "bfloat16"),
                     range(5 if sabotage == "the first call's dy" else 3), states=False,
                     lengths=False)
+
+
+# LSTM projections (weight_hr): tests/test_projection_persistent.py's sizes (its emulated
+# kernels; 16-bit: H and P odd, both matrices' words padded copies refreshed in the chain).
+PROJECTION_CASES = [("float32", 12, 6), ("bfloat16", 9, 5)] + (
+    [("float16", 9, 5)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("dtype,hidden,proj", PROJECTION_CASES)
+def test_projection_calls_are_planned_bitwise(settings, monkeypatch, dtype, hidden, proj):
+    """An LSTM with a projection (W_hr, h P wide, c H wide) plans its calls too: bitwise the full
+    path with initial states and lengths, across in-place weight updates (dW_hr formed inside
+    the backward's chain, W_hh^T and W_hr^T copied anew; the calls without states and lengths
+    are the 16-bit tests' plans above)."""
+    hits = _Hits(monkeypatch)
+    planned, full = (prnn.LSTM(HALF_I, hidden, proj_size=proj, algo="persistent", seed=11,
+                               dtype=dtype) for _ in range(2))
+    _half_steps(planned, full, range(4), states=True, lengths=True)
+    assert planned._plan is not None and planned._plan.proj == proj
+    assert (hits.forwards, hits.backwards) == (2, 1)
