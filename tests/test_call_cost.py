@@ -287,6 +287,19 @@ def _half_layer_call(cls, steps: int, algo: str, backward: bool) -> Callable[[],
     return step
 
 
+def _projection_layer_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+    """An LSTM projection layer's call (H=12, P=6) at tests/test_projection_persistent.py's
+    sizes (its emulated kernels)."""
+    layer = cls(5, 12, proj_size=6, algo=algo, seed=0)
+    x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(np.float32)
+    dy = np.ones((steps, 3, 6), np.float32)
+
+    def step():
+        layer.forward(x)
+        return layer.backward(dy) if backward else None
+    return step
+
+
 def _half_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
     """A float16 module's call at tests/test_torch_half.py's sizes (its emulated kernels)."""
     torch.manual_seed(0)
@@ -303,6 +316,7 @@ def _half_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[]
 
 _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           "layer16": (_half_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
+          "projection": (_projection_layer_call, {"LSTM": prnn.LSTM}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -355,6 +369,10 @@ PLANNED_LIMITS = {
     ("layer16", "GRU", True): 58,   # 53  (356)
     ("module16", "GRU", False): 84,  # 76  (178)
     ("module16", "GRU", True): 164,  # 149 (366)
+    # an LSTM projection layer (float32; the 16-bit one's plan adds its conversions inside the
+    # chain, as above)
+    ("projection", "LSTM", False): 32,  # 29  (98)
+    ("projection", "LSTM", True): 59,   # 54  (213)
 }
 
 
