@@ -21,9 +21,10 @@ graph holds them all and a call in steady state is one graph launch (its product
 through ``cublas_capture``). Anything else (``matches`` false) takes the full path with its
 checks, so bad input still gets torch.nn's errors.
 
-Planned: a single unidirectional layer-direction of a float32 layer without projection whose
-persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths or
-without (lengths: a per-call role of the prepared passes). Never under CUDA
+Planned: a single unidirectional layer-direction whose persistent engine ran (on the GPU, or
+its emulation), float32 or 16-bit (``HalfPlan``: its conversions inside the chains too), with
+an LSTM projection or without (its ``W_hr``, ``hs`` and ``dW_hr`` as the full path's); forward
+and backward; with lengths or without (lengths: a per-call role of the prepared passes). Never under CUDA
 stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs

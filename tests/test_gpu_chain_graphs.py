@@ -14,12 +14,13 @@ pytestmark = pytest.mark.gpu
 CALLS = 6  # CuPy's pool alternates two sets of blocks while a layer holds its last forward
 
 
-def _layer(cupy, mode: str, layers: int, dtype: str = "float32"):
-    layer = getattr(prnn, mode)(16, 64, num_layers=layers, algo="persistent", seed=1, dtype=dtype)
+def _layer(cupy, mode: str, layers: int, dtype: str = "float32", proj: int = 0):
+    layer = getattr(prnn, mode)(16, 64, num_layers=layers, algo="persistent", seed=1, dtype=dtype,
+                                proj_size=proj)
     layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(2)
     x = cupy.asarray(rng.standard_normal((9, 3, 16)), layer.dtype)
-    dy = cupy.asarray(rng.standard_normal((9, 3, 64)), layer.dtype)
+    dy = cupy.asarray(rng.standard_normal((9, 3, proj or 64)), layer.dtype)
     return layer, x, dy
 
 
@@ -90,12 +91,14 @@ def test_the_torch_module_replays_its_chains(cupy, dtype):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mode,lengths,dtype", [("GRU", None, "float32"),
-                                                ("LSTM", [9, 7, 4], "float32"),
-                                                ("GRU", [9, 7, 4], "float16"),
-                                                ("LSTM", None, "float16")])
+@pytest.mark.parametrize("mode,lengths,dtype,proj", [("GRU", None, "float32", 0),
+                                                     ("LSTM", [9, 7, 4], "float32", 0),
+                                                     ("GRU", [9, 7, 4], "float16", 0),
+                                                     ("LSTM", None, "float16", 0),
+                                                     ("LSTM", [9, 7, 4], "float32", 24),
+                                                     ("LSTM", None, "float16", 24)])
 def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkeypatch, mode,
-                                                                    lengths, dtype):
+                                                                    lengths, dtype, proj):
     """A layer's planned calls (``call_plans``) on a GPU, each on other values in the same
     input arrays: their chains replayed as graphs keyed by the prepared passes hold the
     operations moved into them (``runtime.Around``: the input's bias, the output's and h_n's
@@ -104,9 +107,10 @@ def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkey
     never plans (a replay without them would leave the bias out, or leave the output, h_n,
     c_n or dc0 as the pool's block held them: another call's values). A float16 layer's
     chains hold its conversions and its 16-bit input projection too (``call_plans.HalfPlan``:
-    cuBLAS's gemmEx recorded with the eager call's arguments, ``cublas_capture.gemm_ex``)."""
-    layer, x, dy = _layer(cupy, mode, 1, dtype)
-    full, _, _ = _layer(cupy, mode, 1, dtype)
+    cuBLAS's gemmEx recorded with the eager call's arguments, ``cublas_capture.gemm_ex``); an
+    LSTM projection's, W_hr^T's copy and dW_hr."""
+    layer, x, dy = _layer(cupy, mode, 1, dtype, proj)
+    full, _, _ = _layer(cupy, mode, 1, dtype, proj)
     rng = np.random.default_rng(3)
     values = [(rng.standard_normal(x.shape), rng.standard_normal(dy.shape)) for _ in range(12)]
 
