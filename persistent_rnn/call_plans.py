@@ -21,16 +21,16 @@ graph holds them all and a call in steady state is one graph launch (its product
 through ``cublas_capture``). Anything else (``matches`` false) takes the full path with its
 checks, so bad input still gets torch.nn's errors.
 
-Planned: a single unidirectional layer-direction whose persistent engine ran (on the GPU, or
-its emulation), float32 or 16-bit (``HalfPlan``: its conversions inside the chains too), with
-an LSTM projection or without (its ``W_hr``, ``hs`` and ``dW_hr`` as the full path's); forward
-and backward; with lengths or without (lengths: a per-call role of the prepared passes). Never under CUDA
-stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
+Planned: a single unidirectional layer-direction whose persistent engine ran (on the GPU, or its
+emulation), float32 or 16-bit (``HalfPlan``: its conversions inside the chains too), with an LSTM
+projection or without (its ``W_hr``, ``hs`` and ``dW_hr`` as the full path's); forward and
+backward; with lengths or without (lengths: a per-call role of the prepared passes). Never under
+CUDA stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
-while the configuration cools down after a grid found not co-resident (the full path then runs
-the GEMM path and says why). A layer keeps one plan, the last planned signature's (planned when
-two calls in a row that ran the whole way had it), and the plan keeps its scratch (workspaces,
-chain) while it lives, also past ``buffers.MAX_REUSED``'s bound.
+while the configuration cools down after a grid found not co-resident (the full path then runs the
+GEMM path and says why). A layer keeps one plan, the last planned signature's (planned when two
+calls in a row that ran the whole way had it), and the plan keeps its scratch (workspaces, chain)
+while it lives, also past ``buffers.MAX_REUSED``'s bound.
 """
 from __future__ import annotations
 

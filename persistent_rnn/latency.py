@@ -566,17 +566,18 @@ class CallCost:
 def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
                backward: bool, device: DeviceProfile, half: bool = False,
                planned: bool = True) -> CallCost:
-    """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass
-    runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
+    """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass runs
+    the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
     steady state. A planned call (``call_plans``: a single unidirectional layer of any dtype,
-    with or without a projection, since 2026-11-27) with ``chain_graphs`` on is one graph launch from the host, the chain
-    with the operations enqueued inside it (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``; their
-    nodes still run on the device), and the planned call's Python (``hw.PYTHON_*_US``: the
-    16-bit and projection plans' Python counted alike, tests/test_call_cost.py); a call not
-    planned (``planned`` False) issues those operations as calls of their own beside the chain's
-    graph, with the full path's Python (``hw.PYTHON_FULL_*_US``; for a stack or a bidirectional
-    layer, per layer-direction, as a rough guide). ``half``: a 16-bit layer, whose forward projects its input on the tensor cores
-    (its backward's GEMMs take the fp32 gradients: fp32)."""
+    with or without a projection, since 2026-11-27) with ``chain_graphs`` on is one graph
+    launch from the host, the chain with the operations enqueued inside it
+    (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``; their nodes still run on the device), and
+    the planned call's Python (``hw.PYTHON_*_US``: the 16-bit and projection plans' Python
+    counted alike, tests/test_call_cost.py); a call not planned (``planned`` False) issues
+    those operations as calls of their own beside the chain's graph, with the full path's
+    Python (``hw.PYTHON_FULL_*_US``; for a stack or a bidirectional layer, per layer-direction,
+    as a rough guide). ``half``: a 16-bit layer, whose forward projects its input on the tensor
+    cores (its backward's GEMMs take the fp32 gradients: fp32)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden
     chain = launch.chain_launches(settings.current().max_restarts)

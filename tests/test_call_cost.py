@@ -275,29 +275,20 @@ def _packed_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[
     return step
 
 
-def _half_layer_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
-    """A float16 layer's call at tests/test_half_kernels.py's sizes (its emulated kernels)."""
-    layer = cls(5, 13, algo=algo, seed=0, dtype="float16")
-    x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(np.float16)
-    dy = np.ones((steps, 3, 13), np.float16)
+def _sized_layer_call(hidden: int, dtype: str, proj: int = 0) -> Callable:
+    """A builder (``_BUILD``) of a layer's call at B=3, input size 5 and ``hidden`` (``proj``: an
+    LSTM projection's P): the sizes of tests/test_half_kernels.py (float16, H=13) and
+    tests/test_projection_persistent.py (H=12, P=6), whose emulated kernels they build."""
+    def build(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+        layer = cls(5, hidden, algo=algo, seed=0, dtype=dtype, proj_size=proj)
+        x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(layer.dtype)
+        dy = np.ones((steps, 3, proj or hidden), layer.dtype)
 
-    def step():
-        layer.forward(x)
-        return layer.backward(dy) if backward else None
-    return step
-
-
-def _projection_layer_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
-    """An LSTM projection layer's call (H=12, P=6) at tests/test_projection_persistent.py's
-    sizes (its emulated kernels)."""
-    layer = cls(5, 12, proj_size=6, algo=algo, seed=0)
-    x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(np.float32)
-    dy = np.ones((steps, 3, 6), np.float32)
-
-    def step():
-        layer.forward(x)
-        return layer.backward(dy) if backward else None
-    return step
+        def step():
+            layer.forward(x)
+            return layer.backward(dy) if backward else None
+        return step
+    return build
 
 
 def _half_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
@@ -315,8 +306,8 @@ def _half_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[]
 
 
 _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
-          "layer16": (_half_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
-          "projection": (_projection_layer_call, {"LSTM": prnn.LSTM}),
+          "layer16": (_sized_layer_call(13, "float16"), {"GRU": prnn.GRU}),
+          "projection": (_sized_layer_call(12, "float32", 6), {"LSTM": prnn.LSTM}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
