@@ -1,7 +1,7 @@
 """Where a torch module's forward spends its host time: each layer of the call timed alone.
 
     python bench/call_breakdown.py [--out DIR] [--calls 100] [--rounds 30] [--hidden 8]
-                                   [--stubbed]
+                                   [--stubbed] [--dtype float32|float16|bfloat16]
 
 ``persistent_rnn.torch.GRU(algo="gemm")`` forward under ``torch.no_grad`` (H=I, B=1, T=1),
 entered at each layer of its road, outermost first, beside ``torch.nn.GRU`` and the layer API:
@@ -21,7 +21,8 @@ replay itself stubbed (``chain_graphs.run``); and (4) ``persistent_rnn.torch.GRU
 "persistent")`` on CPU tensors (the emulated path) as (2): the forward under ``torch.no_grad``,
 forward + backward through autograd (``y.sum().backward()``). (3) is the Python the latency
 model's per-call host term takes (``hardware.PYTHON_*_US``), (1) bounds it from above; (4) is
-what the torch road adds.
+what the torch road adds. ``--dtype``: the stubbed rows' layer and module in that dtype (a
+16-bit layer's planned call: ``call_plans.HalfPlan``, its conversions inside the chain).
 """
 from __future__ import annotations
 
@@ -87,13 +88,14 @@ def _host_value(v: object) -> object:
     return v
 
 
-def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
+def stubbed_entry_points(hidden: int, dtype: str = "float32") -> dict[str, Callable[[], object]]:
     """The layer API's persistent forward and forward + backward (emulated path), for timing
     with the launcher stubbed (``main --stubbed``, which stubs ``EmulatedModule._launch``) and
-    with the whole chain stubbed (stubbed here, around each call: about 1 µs of its own)."""
-    layer = prnn.GRU(hidden, hidden, algo="persistent", seed=0)
-    x = np.random.default_rng(0).standard_normal((1, 1, hidden)).astype(np.float32)
-    dy = np.ones((1, 1, hidden), np.float32)
+    with the whole chain stubbed (stubbed here, around each call: about 1 µs of its own); the
+    layer and the torch module in ``dtype``."""
+    layer = prnn.GRU(hidden, hidden, algo="persistent", seed=0, dtype=dtype)
+    x = np.random.default_rng(0).standard_normal((1, 1, hidden)).astype(layer.dtype)
+    dy = np.ones((1, 1, hidden), layer.dtype)
 
     def train_step() -> object:
         layer.forward(x)
@@ -120,8 +122,8 @@ def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
                 chain_graphs.eligible, chain_graphs.value, chain_graphs.run = saved
         return stand_in
     torch.manual_seed(0)
-    module = prt.GRU(hidden, hidden, algo="persistent")
-    xt = torch.from_numpy(x).requires_grad_()
+    module = prt.GRU(hidden, hidden, algo="persistent").to(getattr(torch, dtype))
+    xt = torch.from_numpy(x.astype(np.float32)).to(getattr(torch, dtype)).requires_grad_()
 
     def module_forward() -> object:
         with torch.no_grad():
@@ -130,7 +132,7 @@ def stubbed_entry_points(hidden: int) -> dict[str, Callable[[], object]]:
     def module_step() -> object:
         with torch.enable_grad():  # (the timing runs under no_grad)
             y, _ = module(xt)
-            return y.sum().backward()
+            return y.float().sum().backward()
     return {"persistent forward, launcher stubbed (layer API)": lambda: layer.forward(x),
             "persistent forward+backward, launcher stubbed (layer API)": train_step,
             "persistent forward, chain stubbed (layer API)": no_chain(lambda: layer.forward(x)),
@@ -151,12 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=8)
     p.add_argument("--stubbed", action="store_true",
                    help="also the persistent layer call with the emulated launcher stubbed")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="the stubbed rows' layer and module dtype")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     calls = entry_points(args.hidden)
     launcher = emulate.EmulatedModule._launch
     if args.stubbed:
-        stubbed = stubbed_entry_points(args.hidden)
+        stubbed = stubbed_entry_points(args.hidden, args.dtype)
         for call in stubbed.values():  # the kernels built and every cache filled for real
             call()
         emulate.EmulatedModule._launch = lambda self, *a, **kw: None
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                "load_average_1_5_15_min": os.getloadavg(),
                **benchmark.run_stamp(["python", *sys.argv]),
                "settings": {"cell": "GRU", "hidden": args.hidden, "batch": 1, "steps": 1,
+                            "dtype": args.dtype,
                             "calls": args.calls, "rounds": args.rounds,
                             "stubbed": args.stubbed,
                             "timing": "time.perf_counter_ns per call under torch.no_grad, rows "

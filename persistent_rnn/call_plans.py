@@ -21,15 +21,16 @@ graph holds them all and a call in steady state is one graph launch (its product
 through ``cublas_capture``). Anything else (``matches`` false) takes the full path with its
 checks, so bad input still gets torch.nn's errors.
 
-Planned: a single unidirectional layer-direction of a float32 layer without projection whose
-persistent engine ran (on the GPU, or its emulation); forward and backward; with lengths or
-without (lengths: a per-call role of the prepared passes). Never under CUDA
-stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
+Planned: a single unidirectional layer-direction whose persistent engine ran (on the GPU, or its
+emulation), float32 or 16-bit (``HalfPlan``: its conversions inside the chains too), with an LSTM
+projection or without (its ``W_hr``, ``hs`` and ``dW_hr`` as the full path's); forward and
+backward; with lengths or without (lengths: a per-call role of the prepared passes). Never under
+CUDA stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
-while the configuration cools down after a grid found not co-resident (the full path then runs
-the GEMM path and says why). A layer keeps one plan, the last planned signature's (planned when
-two calls in a row that ran the whole way had it), and the plan keeps its scratch (workspaces,
-chain) while it lives, also past ``buffers.MAX_REUSED``'s bound.
+while the configuration cools down after a grid found not co-resident (the full path then runs the
+GEMM path and says why). A layer keeps one plan, the last planned signature's (planned when two
+calls in a row that ran the whole way had it), and the plan keeps its scratch (workspaces, chain)
+while it lives, also past ``buffers.MAX_REUSED``'s bound.
 """
 from __future__ import annotations
 
@@ -39,10 +40,15 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import buffers, functional, launch, runtime, settings
-from .buffers import matmul_steps
+from .buffers import address, matmul_steps, select_active, workspace
+from .halves import half_dtype, widen
+from .matmul import matmul, matmul_half
 
 Array = Any
 _SUM = "sum of "  # (the role of the array a parameter's gradient is added into)
+# The parameter gradients a planned backward forms, in its order (``functional``'s, then an LSTM
+# projection's ``dW_hr``).
+_GRADIENTS = (*functional.PARAMETER_GRADIENTS, "weight_hr")
 
 
 def _where(xp) -> tuple:
@@ -75,11 +81,11 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
     does). ``accumulates``: its backward adds the parameter gradients into its caller's arrays
     inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``)."""
     if not (ctx.num_layers == 1 and not ctx.bidirectional
-            and not ctx.batch_first and ctx.half is None and ctx.stats.algo == "persistent"
-            and "weight_hr" not in ctx.directions[0][0].names and x.dtype == np.float32
+            and not ctx.batch_first and ctx.stats.algo == "persistent"
+            and x.dtype == (np.float32 if ctx.half is None else half_dtype(ctx.half))
             and _where(buffers.array_module(x)) is not None):
         return None
-    plan = Plan(ctx, x, hx is not None, lengths is not None)
+    plan = (Plan if ctx.half is None else HalfPlan)(ctx, x, hx is not None, lengths is not None)
     plan.key, plan.accumulates = key, accumulates
     return plan if plan.engine is not None else None
 
@@ -104,7 +110,7 @@ class Plan:
         self.lengths = lengths  # whether the calls give lengths (else all T steps)
         self.key: tuple = ()  # the signature of its calls as its holder knows it (``plan_of``)
         self.accumulates = False  # whether its backward adds into its caller's (``plan_of``)
-        self.cell, self.algo = ctx.cell, ctx.algo
+        self.cell, self.algo, self.half = ctx.cell, ctx.algo, ctx.half
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
         self.where, self.settings = _where(xp), settings.current()
@@ -114,28 +120,48 @@ class Plan:
         self.weights = tuple(ctx.params[name] for name in d.names.values())
         self.gradient_roles: tuple[str, ...] = ()  # (``plan_backward``)
         self.w_hh, self.b_ih, self.w_ih_t = w_hh, b_ih, w_ih.T
+        # an LSTM projection's W_hr (P, H): h (and y) P wide, c H wide
+        self.w_hr = ctx.params[d.names["weight_hr"]] if "weight_hr" in d.names else None
+        self.proj = 0 if self.w_hr is None else self.w_hr.shape[0]
         self.h0, self.c0 = d.h0, d.c0  # (the zeros of calls without initial states)
         self.state_shape = (1, *d.h0.shape)
+        self.c_shape = None if d.c0 is None else (1, *d.c0.shape)
         steps, batch, _ = x.shape
-        self.gi = buffers.workspace(xp, "gi", (steps * batch, w_ih.shape[0]), w_ih.dtype)
+        self.gi = workspace(xp, "gi", (steps * batch, w_ih.shape[0]),
+                            w_ih.dtype if self.half is None else np.float32)
         self.gi_steps = gi = self.gi.reshape(steps, batch, w_ih.shape[0])
-        hidden = w_hh.shape[1]
-        self.y_shape = (steps, batch, hidden)  # (what a backward's dy must be)
-        engine, _ = runtime._engine(ctx.cell, gi, hidden, batch, ctx.algo, backward=False)
+        self.hidden = w_ih.shape[0] // ctx.cell.gates  # (H; h is P wide with a projection)
+        self.y_shape = (steps, batch, w_hh.shape[1])  # (what a backward's dy must be)
+        engine, _ = runtime._engine(ctx.cell, gi, self.hidden, batch, ctx.algo, backward=False,
+                                    half=self.half, proj_size=self.proj)
         self.engine = engine
         self.backward_pass: runtime.PreparedPass | None = None
         self.backward_engine: Any = None
-        self.dy_selected: Array | None = None  # (with lengths: the dy the backward's pass reads)
+        self.dy_pass: Array | None = None  # (the dy the backward's pass reads, where not dy)
         if engine is None:  # (cooling down since the call: no plan, ``plan_of``)
             return
-        self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh, b_hh, d.h0, d.c0,
-                                                    ctx.lengths, None, None, d.fwd)
+        self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh,
+                                                    self._pass_bias(b_hh), d.h0, d.c0,
+                                                    ctx.lengths, self.half, self.w_hr, d.fwd)
         # what a call's output selection reads (held: no look-up inside a captured chain)
         self.mask = buffers.mask_arrays(xp, gi) if lengths else None
         self.forward_pass.around = runtime.Around(
-            self._before_forward, self._after_forward,
-            {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask},
-            ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",)))
+            self._before_forward, self._after_forward, self._forward_fixed(b_ih, b_hh),
+            ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",))
+            + self._state_roles())
+
+    def _pass_bias(self, b_hh: Array | None) -> Array | None:
+        """The ``b_hh`` the forward's pass reads (a float32 layer's own)."""
+        return b_hh
+
+    def _forward_fixed(self, b_ih: Array | None, b_hh: Array | None) -> dict:
+        """The forward chain's ``fixed`` arrays (``runtime.Around``)."""
+        return {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask}
+
+    def _state_roles(self) -> tuple[str, ...]:
+        """The forward chain's roles beyond the output's: none (the initial states the caller
+        gives are the pass's own ``h0``, ``c0``)."""
+        return ()
 
     def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
                 lengths: Any = None) -> bool:
@@ -158,7 +184,7 @@ class Plan:
                     and hx.dtype == self.x_dtype)
         return (type(hx) is tuple and len(hx) == 2 and type(hx[0]) is self.x_type
                 and type(hx[1]) is self.x_type and hx[0].shape == self.state_shape
-                and hx[1].shape == self.state_shape and hx[0].dtype == self.x_dtype
+                and hx[1].shape == self.c_shape and hx[0].dtype == self.x_dtype
                 and hx[1].dtype == self.x_dtype)
 
     def _same_weights(self, params: Mapping[str, Array]) -> bool:
@@ -181,11 +207,17 @@ class Plan:
                 return False
         w_ih, w_hh = weights[0], weights[1]
         self.weights, self.w_hh, self.w_ih_t = weights, w_hh, w_ih.T
+        self.w_hr = weights[-1] if self.proj else None
         self.b_ih = weights[2] if self.b_ih is not None else None
         fixed = self.forward_pass.around.fixed  # (the same memory: the same keys)
         fixed["b_ih"], fixed["w_ih_t"] = self.b_ih, self.w_ih_t
+        if "b_hh_wide" in fixed:  # (a 16-bit plan's: converted inside its chain)
+            fixed["b_hh"] = weights[3] if self.b_ih is not None else None
+            for key, w in (("w_hh", w_hh), ("w_hr", self.w_hr)):  # (``HalfPlan``)
+                if fixed[key] is not None:  # (else the pass reads the weight's memory)
+                    fixed[key] = w
         if self.backward_pass is not None:
-            self.backward_pass.around.fixed.update(w_hh=w_hh, w_ih=w_ih)
+            self.backward_pass.around.fixed.update(w_hh=w_hh, w_ih=w_ih, w_hr=self.w_hr)
         return True
 
     def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
@@ -193,30 +225,40 @@ class Plan:
         """``functional.forward(cell, params, x, hx, lengths, algo=...)`` of a matching call
         (``matches``: ``params`` holds the planned weights)."""
         xp, cell = self.xp, self.cell
-        h0, c0 = self.h0, self.c0
-        if hx is not None:  # (as functional's initial states: contiguous, row 0 of a layer)
-            h0, c0 = ((xp.ascontiguousarray(hx)[0], None) if c0 is None else
-                      (xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0]))
+        h0, c0, states = self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None:  # (as functional's: int32, the input zero past each length)
             lengths = buffers.full_lengths(xp, lengths, 0, 0)
             layer_input = functional._selected_input(xp, x, lengths)
         elif not x.flags.c_contiguous:  # (copied in the chain: its products read rows in place)
             layer_input, given = xp.empty(x.shape, x.dtype), x
-        y, cs, saved = buffers.allocate_forward(cell, self.gi_steps)  # (gi: in the chain)
-        fwd = runtime.ForwardResult(y, cs, saved)
+        y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
+        fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
         arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
         arrays["x"], arrays["x_given"] = layer_input, given
-        arrays["out"] = out = xp.empty(self.y_shape, y.dtype)  # (written in the chain)
-        arrays["h_n"] = h_n = xp.empty(self.state_shape, y.dtype)
+        arrays.update(states)
+        dtype = self.x_dtype  # (the layer's: a 16-bit layer's results are converted in the chain)
+        arrays["out"] = out = xp.empty(self.y_shape, dtype)  # (written in the chain)
+        arrays["h_n"] = h_n = xp.empty(self.state_shape, dtype)
         if cs is not None:
-            arrays["c_n"] = c_n = xp.empty(self.state_shape, y.dtype)
+            arrays["c_n"] = c_n = xp.empty(self.c_shape, dtype)
         stats = self.forward_pass.run(arrays)
-        ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None, None,
-                                 [layer_input], [[functional._Direction(self.names, h0, c0, fwd)]],
-                                 stats)
-        ctx.plan = self
+        ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None,
+                                 self.half, [layer_input],
+                                 [[functional._Direction(self.names, h0, c0, fwd)]], stats)
+        ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
+
+    def _initial_states(self, hx: Any) -> tuple[Array, Array | None, dict]:
+        """``(h0, c0, roles)``: the pass's initial states of a call giving ``hx`` (the zeros
+        planned where it gives none) and the per-call arrays they are formed from inside the
+        chain (none: as functional's, contiguous, row 0 of a layer, are the caller's)."""
+        if hx is None:
+            return self.h0, self.c0, {}
+        xp = self.xp
+        if self.c0 is None:
+            return xp.ascontiguousarray(hx)[0], None, {}
+        return xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0], {}
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
         """Inside the forward's chain, before its pass (``runtime.Around``): a strided input
@@ -262,20 +304,21 @@ class Plan:
         chain (``_after_backward``: ``dh0``, ``dc0``, the parameter and input gradients, and
         their sums into ``into``'s where the plan accumulates)."""
         xp, d, lengths = self.xp, ctx.directions[0][0], ctx.lengths
-        arrays = runtime.backward_arrays(dy if lengths is None else self.dy_selected, d.fwd, d.h0,
-                                         d.c0, lengths)
-        if lengths is not None:  # (selected into ``dy_selected`` in the chain)
+        arrays = runtime.backward_arrays(dy if self.dy_pass is None else self.dy_pass, d.fwd,
+                                         d.h0, d.c0, lengths)
+        if self.dy_pass is not None:  # (formed into ``dy_pass`` in the chain)
             arrays["dy_in"] = dy
         arrays["x"] = ctx.inputs[0]
         arrays["dh0"] = dh = xp.empty(self.state_shape, dy.dtype)
         if self.c0 is not None:
-            arrays["dc0"] = dc = xp.empty(self.state_shape, dy.dtype)
+            arrays["dc0"] = dc = xp.empty(self.c_shape, dy.dtype)
         arrays["dx"] = dx = xp.empty(self.x_shape, dy.dtype)
         grads = {name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(),
-                                                                      self.weights)}
+                                                                      self.weights)
+                 if name in self.gradient_roles}
         arrays.update(grads)  # (by their parameters' names: ``gradient_roles``)
         if self.accumulates:
-            arrays.update({_SUM + name: into[name] for name in grads})
+            arrays.update({_SUM + name: into[name] for name in self.names.values()})
         ctx.backward_stats = self.backward_pass.run(arrays)
         return dx, (dh if self.c0 is None else (dh, dc)), grads
 
@@ -285,29 +328,38 @@ class Plan:
         if ctx.backward_stats is None or ctx.backward_stats.algo != "persistent":
             return
         d = ctx.directions[0][0]
-        _, batch, hidden = dy.shape
-        engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True)
+        batch, hidden = dy.shape[1], self.hidden
+        engine, _ = runtime._engine(self.cell, dy, hidden, batch, self.algo, backward=True,
+                                    half=self.half, proj_size=self.proj)
         if engine is None:
             return
         xp, lengths = self.xp, ctx.lengths
+        dy = self._pass_dy(dy)
         if lengths is not None:  # (the dy the chain reads: ``backward``'s workspace)
-            self.dy_selected = dy = buffers.select_active(
-                xp, dy, lengths, buffers.workspace(xp, "dy", dy.shape, dy.dtype))
+            self.dy_pass = dy = select_active(xp, dy, lengths, workspace(xp, "dy", dy.shape,
+                                                                         dy.dtype))
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         prepared = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0, d.c0, lengths,
-                                            d.fwd, None, None, 0, dgi, dgh)
-        w_ih = self.w_ih_t.T
-        self.gradient_roles = tuple(self.names[n] for n in functional.PARAMETER_GRADIENTS
-                                    if n in self.names)
+                                            d.fwd, self.half, self.w_hr, 0, dgi, dgh)
+        self.gradient_roles = tuple(self.names[n] for n in _GRADIENTS if n in self.names)
+        fixed = {"w_hh": self.w_hh, "w_ih": self.w_ih_t.T, "w_hr": self.w_hr, "mask": self.mask,
+                 "dw_hh": workspace(xp, "dw_hh", self.w_hh.shape, np.float32)}
+        self.backward_pass, self.backward_engine = prepared, engine
+        fixed.update(self._backward_fixed())
         prepared.around = runtime.Around(
-            self._before_backward, self._after_backward,
-            {"w_hh": self.w_hh, "w_ih": w_ih, "mask": self.mask,
-             "dw_hh": buffers.workspace(xp, "dw_hh", self.w_hh.shape, self.w_hh.dtype)},
+            self._before_backward, self._after_backward, fixed,
             ("x", "dh0", "dx", *self.gradient_roles)
             + (tuple(_SUM + n for n in self.names.values()) if self.accumulates else ())
-            + (() if lengths is None else ("dy_in",))
+            + (() if self.dy_pass is None else ("dy_in",))
             + (() if self.c0 is None else ("dc0",)))
-        self.backward_pass, self.backward_engine = prepared, engine
+
+    def _pass_dy(self, dy: Array) -> Array:
+        """The ``dy`` the backward's pass reads of a call's (before any selection): its own."""
+        return dy
+
+    def _backward_fixed(self) -> dict:
+        """The backward chain's ``fixed`` arrays beyond those of every plan: none."""
+        return {}
 
     def _before_backward(self, arrays: dict, fixed: dict) -> None:
         """Inside the backward's chain, before its pass (``runtime.Around``): with lengths the
@@ -319,7 +371,14 @@ class Plan:
             buffers.select_active(xp, arrays["dy_in"], arrays["lengths"], arrays["dy"],
                                   fixed["mask"])
         runtime.zero_carries(prepared.backward)
-        xp.copyto(prepared.args["w_t"], fixed["w_hh"].T)
+        for arg, key in self._transposes():
+            xp.copyto(prepared.args[arg], fixed[key].T)
+
+    def _transposes(self) -> tuple[tuple[str, str], ...]:
+        """The backward pass's transposed weights, copied anew every call: (its argument, the
+        weight's key in the chain's ``fixed``)."""
+        return (("w_t", "w_hh"),) if self.w_hr is None else (("w_hh_t", "w_hh"),
+                                                              ("w_hr_t", "w_hr"))
 
     def _after_backward(self, arrays: dict, fixed: dict) -> None:
         """Inside the backward's chain, after its completion: this call's results into its new
@@ -331,10 +390,12 @@ class Plan:
         if self.c0 is not None:
             xp.copyto(arrays["dc0"], s.dc_carry[:1])
         x = arrays["x"]
+        grads = tuple(arrays[role] for role in self.gradient_roles)
         functional.parameter_gradients(
             s.dgi, s.dgh, x.reshape(-1, x.shape[2]), arrays["y"], arrays["h0"],
-            "bias_ih" in self.names, tuple(arrays[role] for role in self.gradient_roles),
-            fixed["dw_hh"])
+            "bias_ih" in self.names, grads, fixed["dw_hh"])
+        if self.proj:
+            _projection_gradient(s, arrays["hs"], grads[-1])
         matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
         if self.accumulates:  # (as the layer API adds a full call's: ``layers``)
             for name in self.names.values():
@@ -346,3 +407,182 @@ class Plan:
                 and _where(self.xp) == self.where and self._same_weights(ctx.params)
                 and launch.COOLDOWNS.reason(self.backward_engine.key) is None)
 
+
+
+def _projection_gradient(s: Any, hs: Array, out: Array) -> None:
+    """An LSTM projection's ``dW_hr = sum_t dr_t^T h_t`` into ``out``: one product over all
+    steps, as ``functional._layer_gradients`` forms it (``s``: the backward's scratch, ``hs``
+    the forward's h_t)."""
+    matmul(s.drs.reshape(-1, s.drs.shape[2]).T, hs.reshape(-1, hs.shape[2]), out)
+
+
+def _narrowed(xp, out: Array, a: Array) -> None:
+    """``a`` (float32) rounded into ``out`` of a 16-bit dtype, as ``astype`` and torch's ``.to``
+    round (to nearest, ties to even): a 16-bit layer's results and gradients."""
+    xp.copyto(out, a, casting="unsafe")
+
+
+def _refresh(held: Array, m: Array) -> None:
+    """A 16-bit ``m`` (a weight, or its transpose) into ``held``, the pass's own copy of it
+    (``runtime``: float32 values, or ``buffers.weight_words``' 16-bit pairs, a padded last
+    column staying zero), inside the chain: an optimizer may have changed ``m`` in place."""
+    if held.dtype == np.float32:
+        widen(m, held)
+    else:
+        held.view(np.uint16)[:, :m.shape[1]] = m.view(np.uint16)
+
+
+class HalfPlan(Plan):
+    """The ``Plan`` of a 16-bit layer's call (``functional``'s ``half``): as a float32 layer's,
+    with its conversions inside the chains too, as the full path makes them - the input
+    projection of the 16-bit operands (``matmul.matmul_half``), the biases and given initial
+    states widened (``halves.widen``) into the plan's workspaces or the call's float32 arrays, the
+    results rounded into the layer's dtype (``_narrowed``); in the backward ``dy``, the input,
+    ``W_ih`` and ``W_hh`` widened, the gradients rounded into the parameters' dtype (or, where the
+    plan accumulates, summed in float32 with the caller's and rounded there, as ``layers``
+    does). A weight the pass holds as a copy (odd sizes, ``W_hh^T``) is copied anew."""
+
+    def _pass_bias(self, b_hh: Array | None) -> Array | None:
+        """The float32 workspace the pass reads ``b_hh`` from (widened inside the chain)."""
+        if b_hh is None:
+            return None
+        return workspace(self.xp, "b_hh_gi", b_hh.shape, np.float32)
+
+    def _forward_fixed(self, b_ih: Array | None, b_hh: Array | None) -> dict:
+        """A float32 layer's, and the 16-bit ``W_hh`` (``W_hr``) and ``b_hh`` the chain converts
+        for the pass (a weight ``None`` where the pass reads its memory: no copy of it to
+        refresh), the widened biases and output."""
+        xp, args = self.xp, self.forward_pass.args
+        fixed = super()._forward_fixed(b_ih, b_hh)
+        for key, w in (("w_hh", self.w_hh), ("w_hr", self.w_hr)):
+            held = args.get(key)  # (a view of the weight's memory: the pass reads the weight)
+            view = held is None or address(held) == address(w.view(np.uint16))
+            fixed[key], fixed[key + " words"] = (None, None) if view else (w, held)
+        fixed.update(b_hh=b_hh, b_hh_wide=None if b_hh is None else args["b_hh"],
+                     b_ih_wide=None if b_ih is None else workspace(xp, "b_ih_gi", b_ih.shape,
+                                                                   np.float32),
+                     y_wide=None if self.mask is None else workspace(xp, "result_y", self.y_shape,
+                                                                     np.float32))
+        return fixed
+
+    def _state_roles(self) -> tuple[str, ...]:
+        """The given 16-bit initial states (widened into the call's float32 ``h0``, ``c0``)."""
+        if not self.states:
+            return ()
+        return ("hx_given",) + (() if self.c0 is None else ("cx_given",))
+
+    def _initial_states(self, hx: Any) -> tuple[Array, Array | None, dict]:
+        """New float32 initial states of a call giving ``hx`` (16-bit, widened into them inside
+        the chain, as functional widens them) and the given arrays by role."""
+        if hx is None:
+            return self.h0, self.c0, {}
+        xp = self.xp
+        h0 = xp.empty(self.state_shape[1:], np.float32)
+        if self.c0 is None:
+            return h0, None, {"hx_given": hx[0]}
+        return h0, xp.empty(self.c_shape[1:], np.float32), {"hx_given": hx[0][0],
+                                                                "cx_given": hx[1][0]}
+
+    def _before_forward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the forward's chain, before its pass: the initial states and biases widened,
+        ``W_hh``'s copy refreshed, the input copied where strided and projected by the 16-bit
+        product, ``gi = x W_ih^T + b_ih`` (``functional._projected``)."""
+        if "hx_given" in arrays:
+            widen(arrays["hx_given"], arrays["h0"])
+            if self.c0 is not None:
+                widen(arrays["cx_given"], arrays["c0"])
+        for key in ("w_hh", "w_hr"):
+            if fixed[key] is not None:
+                _refresh(fixed[key + " words"], fixed[key])
+        if fixed["b_hh"] is not None:
+            widen(fixed["b_hh"], fixed["b_hh_wide"])
+        if arrays["x_given"] is not None:
+            self.xp.copyto(arrays["x"], arrays["x_given"])
+        x = arrays["x"]
+        matmul_half(x.reshape(-1, x.shape[2]), fixed["w_ih_t"], self.half, fixed["gi"])
+        if fixed["b_ih"] is not None:
+            fixed["gi"] += widen(fixed["b_ih"], fixed["b_ih_wide"])
+
+    def _after_forward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the forward's chain, after its completion: the output (selected into the
+        float32 ``result_y`` with lengths), ``h_n`` and ``c_n`` rounded into the call's
+        16-bit arrays (``functional``'s scratch results and the callers' conversion)."""
+        xp, y, lengths = self.xp, arrays["y"], arrays["lengths"]
+        if lengths is not None:
+            y = select_active(xp, y, lengths, fixed["y_wide"], fixed["mask"])
+        _narrowed(xp, arrays["out"], y)
+        _narrowed(xp, arrays["h_n"], arrays["y"][-1:])
+        if self.c0 is not None:
+            _narrowed(xp, arrays["c_n"], arrays["cs"][-1:])
+
+    def _pass_dy(self, dy: Array) -> Array:
+        """The float32 workspace a call's 16-bit ``dy`` is widened into (``functional``'s)."""
+        self.dy_pass = buffers.widened(self.xp, dy, "dy_wide")
+        return self.dy_pass
+
+    def _backward_fixed(self) -> dict:
+        """The float32 workspaces the backward's chain widens into and computes in: ``dy`` (the
+        pass's where it has no lengths), ``W_hh`` (where the pass holds 16-bit ``W_hh^T``),
+        ``W_ih``, the input, ``dx``, ``dh0`` and each parameter gradient (and where the plan
+        accumulates, the caller's sums widened: no per-call gradient arrays then)."""
+        xp, held = self.xp, self.backward_pass.args[self._transposes()[0][0]]
+        steps, batch, _ = self.x_shape
+        if self.accumulates:
+            self.gradient_roles = ()
+        w_ih = self.w_ih_t.T
+        fixed = {"dy_wide": workspace(xp, "dy_wide", self.y_shape, np.float32),
+                 "w_hh_wide": None if held.dtype == np.float32 else workspace(
+                     xp, "w_hh_wide0", self.w_hh.shape, np.float32),
+                 "w_ih_wide": workspace(xp, "w_ih_wide0", w_ih.shape, np.float32),
+                 "x_wide": workspace(xp, "input_wide", (steps * batch, self.x_shape[2]),
+                                     np.float32),
+                 "dx_wide": workspace(xp, "result_dx", (steps * batch, self.x_shape[2]),
+                                      np.float32),
+                 "dh_wide": workspace(xp, "result_dh0", self.state_shape, np.float32)}
+        for name, w in zip(self.names.values(), self.weights):
+            fixed["grad " + name] = workspace(xp, "plan_grad " + name, w.shape, np.float32)
+            if self.accumulates:
+                fixed[_SUM + name] = workspace(xp, "plan_sum " + name, w.shape, np.float32)
+        return fixed
+
+    def _before_backward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the backward's chain, before its pass: the caller's ``dy`` widened (and with
+        lengths selected into the pass's), the carries zeroed, ``W_hh^T`` copied anew."""
+        xp, prepared = self.xp, self.backward_pass
+        widen(arrays["dy_in"], fixed["dy_wide"])
+        if arrays["lengths"] is not None:
+            select_active(xp, fixed["dy_wide"], arrays["lengths"], arrays["dy"], fixed["mask"])
+        runtime.zero_carries(prepared.backward)
+        for arg, key in self._transposes():
+            _refresh(prepared.args[arg], fixed[key].T)
+
+    def _after_backward(self, arrays: dict, fixed: dict) -> None:
+        """Inside the backward's chain, after its completion: ``dh0`` (by ``W_hh``'s float32
+        values, as ``runtime.backward_call`` takes them), ``dc0``, the parameter gradients from
+        the widened input and ``dx`` from the widened ``W_ih``, in float32 as
+        ``functional.backward`` forms them, then rounded into the call's 16-bit arrays (summed
+        into the caller's first where the plan accumulates)."""
+        xp, s = self.xp, self.backward_pass.backward
+        w_hh = fixed["w_hh_wide"]
+        w_hh = (self.backward_pass.args[self._transposes()[0][0]].T if w_hh is None
+                else widen(fixed["w_hh"], w_hh))
+        runtime.initial_state_gradient(s, w_hh, fixed["dh_wide"][0])
+        _narrowed(xp, arrays["dh0"], fixed["dh_wide"])
+        if self.c0 is not None:
+            _narrowed(xp, arrays["dc0"], s.dc_carry[:1])
+        x = arrays["x"]
+        x = widen(x.reshape(-1, x.shape[2]), fixed["x_wide"])
+        names = [self.names[n] for n in _GRADIENTS if n in self.names]
+        grads = tuple(fixed["grad " + name] for name in names)
+        functional.parameter_gradients(s.dgi, s.dgh, x, arrays["y"], arrays["h0"],
+                                       "bias_ih" in self.names, grads, fixed["dw_hh"])
+        if self.proj:
+            _projection_gradient(s, arrays["hs"], grads[-1])
+        matmul_steps(s.dgi, widen(fixed["w_ih"], fixed["w_ih_wide"]), fixed["dx_wide"])
+        _narrowed(xp, arrays["dx"].reshape(fixed["dx_wide"].shape), fixed["dx_wide"])
+        for name, g in zip(names, grads):
+            if self.accumulates:  # (as ``layers`` adds a full call's: in float32, rounded once)
+                g += widen(arrays[_SUM + name], fixed[_SUM + name])
+                _narrowed(xp, arrays[_SUM + name], g)
+            else:
+                _narrowed(xp, arrays[name], g)

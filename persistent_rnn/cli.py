@@ -209,12 +209,10 @@ def run_plan(args: argparse.Namespace) -> int:
               f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f}, prefetch "
               f"{t['prefetch_us']:.2f})")
     calls = record["per_call"]
-    how = ("a planned call: one graph launch, the Python measured on the CPU as a replay runs "
-           "it" if calls["planned"] else "not planned (16-bit, projection): the chain's graph "
-           "and each operation around it, the full path's Python measured on the CPU")
     layers = "; per layer-direction" if args.layers > 1 else ""
     print(f"per call (predicted; input size {calls['input_size']}, host: API calls plus the "
-          f"library's Python - {how}{layers}):")
+          f"library's Python - a planned call: one graph launch, the Python measured on the CPU "
+          f"as a replay runs it{layers}):")
     for row in calls["rows"]:
         print(f"  T={row['seq_len']:<5} host {row['forward_host_us']:.0f} / "
               f"{row['backward_host_us']:.0f} µs ({row['forward_api_calls']} / "

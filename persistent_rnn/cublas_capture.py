@@ -9,7 +9,10 @@ gradient products, so while a chain is captured ``matmul.matmul`` calls here: th
 transposes, leading dimensions, compute type and algorithm, on CuPy's own handle - called
 through the cuBLAS library CuPy loaded (``cuda.pathfinder``'s, never one found anew), with the
 stream set by cuBLAS's own ``cublasSetStream``. A replayed chain then computes the bits of the
-eager call it stands for (``tests/test_gpu_chain_graphs.py`` holds that on a GPU).
+eager call it stands for (``tests/test_gpu_chain_graphs.py`` holds that on a GPU). A 16-bit
+layer's input projection (``matmul.tensor_core_matmul``: 16-bit operands, fp32 output and
+accumulation) issues its own ``gemmEx``, with the same arguments eager or captured: while a chain
+is captured it calls ``gemm_ex`` here rather than CuPy's binding.
 
 What ``cupy.matmul`` would not compute as one GEMM (a 1 x 1 result, which it reduces instead;
 an operand it would copy first; an output it would write through a temporary) raises
@@ -47,17 +50,26 @@ def matmul(cupy, a: Array, b: Array, out: Array) -> Array:
     algo = (cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP if int(cupy.cuda.Device().compute_capability) >= 80
             else cublas.CUBLAS_GEMM_DEFAULT)
     op_1, op_2, m, n, k, first, ld_1, second, ld_2, ldc = problem
+    gemm_ex(cupy, cupy.cuda.device.get_cublas_handle(), op_1, op_2, m, n, k,
+            _ONE[a.dtype].ctypes.data, first.data.ptr, kind, ld_1, second.data.ptr, kind, ld_2,
+            _ZERO[a.dtype].ctypes.data, out.data.ptr, kind, ldc, compute, algo)
+    return out
+
+
+def gemm_ex(cupy, handle: int, op_1: int, op_2: int, m: int, n: int, k: int, alpha: int,
+            a: int, a_type: int, lda: int, b: int, b_type: int, ldb: int, beta: int, c: int,
+            c_type: int, ldc: int, compute: int, algo: int) -> None:
+    """``cublasGemmEx`` with CuPy's binding's arguments (pointers as ints), on CuPy's current
+    stream set by cuBLAS's own ``cublasSetStream`` (module docstring): what records the product
+    into a stream being captured."""
     library = _library()
-    handle = cupy.cuda.device.get_cublas_handle()
     _check(library.cublasSetStream_v2(ctypes.c_void_p(handle),
                                       ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)),
            "cublasSetStream")
     _check(library.cublasGemmEx(
-        ctypes.c_void_p(handle), op_1, op_2, m, n, k,
-        ctypes.c_void_p(_ONE[a.dtype].ctypes.data), ctypes.c_void_p(first.data.ptr), kind, ld_1,
-        ctypes.c_void_p(second.data.ptr), kind, ld_2, ctypes.c_void_p(_ZERO[a.dtype].ctypes.data),
-        ctypes.c_void_p(out.data.ptr), kind, ldc, compute, algo), "cublasGemmEx")
-    return out
+        ctypes.c_void_p(handle), op_1, op_2, m, n, k, ctypes.c_void_p(alpha), ctypes.c_void_p(a),
+        a_type, lda, ctypes.c_void_p(b), b_type, ldb, ctypes.c_void_p(beta), ctypes.c_void_p(c),
+        c_type, ldc, compute, algo), "cublasGemmEx")
 
 
 def gemm_problem(a: Array, b: Array, out: Array) -> tuple | None:

@@ -565,18 +565,19 @@ class CallCost:
 
 def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
                backward: bool, device: DeviceProfile, half: bool = False,
-               planned: bool | None = None) -> CallCost:
-    """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass
-    runs the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
-    steady state. A planned call (``call_plans``: a float32 layer without projection; ``planned``
-    None: ``not half``) with ``chain_graphs`` on is one graph launch from the host, the chain
-    with the operations enqueued inside it (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``; their
-    nodes still run on the device), and the planned call's Python (``hw.PYTHON_*_US``); a call
-    not planned issues those operations as calls of their own beside the chain's graph, with the
-    full path's Python (``hw.PYTHON_FULL_*_US``, a lower bound for the 16-bit and projection
-    paths, which do more; for a stack or a bidirectional layer, per layer-direction, as a
-    rough guide). ``half``: a 16-bit layer, whose forward projects its input on the tensor cores
-    (its backward's GEMMs take the fp32 gradients: fp32)."""
+               planned: bool = True) -> CallCost:
+    """``CallCost`` of a forward or backward call of one layer-direction whose persistent pass runs
+    the device-side chain (``launch.chain_launches`` at the current ``max_restarts``), in
+    steady state. A planned call (``call_plans``: a single unidirectional layer of any dtype,
+    with or without a projection, since 2026-11-27) with ``chain_graphs`` on is one graph
+    launch from the host, the chain with the operations enqueued inside it
+    (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``; their nodes still run on the device), and
+    the planned call's Python (``hw.PYTHON_*_US``: the 16-bit and projection plans' Python
+    counted alike, tests/test_call_cost.py); a call not planned (``planned`` False) issues
+    those operations as calls of their own beside the chain's graph, with the full path's
+    Python (``hw.PYTHON_FULL_*_US``; for a stack or a bidirectional layer, per layer-direction,
+    as a rough guide). ``half``: a 16-bit layer, whose forward projects its input on the tensor
+    cores (its backward's GEMMs take the fp32 gradients: fp32)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden
     chain = launch.chain_launches(settings.current().max_restarts)
@@ -588,8 +589,6 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
         inside = BACKWARD_CHAIN_OPS + 2 * lstm
-    if planned is None:
-        planned = not half
     graphs = settings.current().chain_graphs
     calls = (1 if graphs and planned else 1 + inside if graphs
              else chain + launch.CHAIN_MEMSETS + inside)
@@ -676,8 +675,8 @@ def predict_plan(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
     for p in (plan.forward, plan.backward):
         shape = PassShape(cell, p, batch, hidden, proj)
         terms.append(step_terms(pass_sass(p, device.arch, src_dir), shape, device))
-    calls = [call_costs(cell, hidden, batch, seq_len, input_size, b, device, _half(plan),
-                        planned=not _half(plan) and not proj) for b in (False, True)]
+    calls = [call_costs(cell, hidden, batch, seq_len, input_size, b, device, _half(plan))
+             for b in (False, True)]
     return StepTime(terms[0].total_us, terms[1].total_us, terms[0], terms[1],
                     calls[0].device_us, calls[1].device_us, plan,
                     forward_host_us=calls[0].host_us, backward_host_us=calls[1].host_us)
@@ -819,12 +818,12 @@ def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
     ``PER_CALL_STEPS`` the host µs and API calls of a forward and a backward call, the device
     µs beside the steps, and the end-to-end µs per step of a forward and of a forward+backward
     call (``StepTime.benchmark_us``: back-to-back calls, the longer of host and GPU)."""
-    rows, planned = [], not _half(plan) and not proj
+    rows = []
     for steps in PER_CALL_STEPS:
         st = predict_plan(cell, hidden, batch, plan, device, seq_len=steps,
                           input_size=PER_CALL_INPUT, proj=proj)
         fwd, bwd = (call_costs(cell, hidden, batch, steps, PER_CALL_INPUT, b, device,
-                               _half(plan), planned) for b in (False, True))
+                               _half(plan)) for b in (False, True))
         rows.append({"seq_len": steps, "forward_host_us": fwd.host_us,
                      "backward_host_us": bwd.host_us, "forward_python_us": fwd.python_us,
                      "backward_python_us": bwd.python_us, "forward_api_calls": fwd.api_calls,
@@ -833,7 +832,7 @@ def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
                      "forward_us_per_step": st.benchmark_us(steps),
                      "forward_backward_us_per_step": st.benchmark_us(steps, True)})
     return {"prediction": True, "input_size": PER_CALL_INPUT, "python_included": True,
-            "planned": planned, "rows": rows}
+            "rows": rows}
 
 
 def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: str,

@@ -181,7 +181,10 @@ class _Recurrent:
                 and dy.flags.c_contiguous):  # (what the checks below read: call_plans)
             self._ctx = None
             dx, dhx, grads, added = plan.backward(ctx, dy, self.grads)
-            return self._gradients(ctx, dx, dhx, {} if added else grads)
+            if added:  # (all inside its chain: the sums, the results in the layer's dtype)
+                self.last_run = ctx.backward_stats
+                return dx, dhx
+            return self._gradients(ctx, dx, dhx, grads)
         if ctx is None:
             raise CallOrderError("backward needs a preceding forward (and runs once per forward); "
                                  "call forward first")

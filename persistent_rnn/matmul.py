@@ -29,12 +29,17 @@ projection), float32 out; it dispatches:
 * CuPy arrays, not capturing: cuBLAS ``gemmEx`` on the tensor cores, 16-bit operands, fp32
   accumulation and output (``CUBLAS_COMPUTE_32F``); fp16 and bf16 products are exact in fp32,
   so this is the fp32 GEMM of the converted operands up to the order of the sums;
-* CuPy arrays, capturing: ``captured_matmul`` of their float32 values.
+* CuPy arrays, the current stream capturing one of the library's own chains (a planned 16-bit
+  call's input projection, ``call_plans``): the same ``gemmEx`` with the same arguments, issued
+  through ``cublas_capture.gemm_ex`` (recorded: the eager call's bits); what would allocate (a
+  float32 operand to narrow, one to copy, an output cuBLAS cannot write in place, no output)
+  raises ``NotImplementedError`` - the capture then fails and the chain runs launch by launch;
+* CuPy arrays, capturing anything else: ``captured_matmul`` of their float32 values.
 """
 from __future__ import annotations
 
 import sys
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -79,9 +84,14 @@ def matmul_half(a: Array, b: Array, half: str, out: Array | None = None) -> Arra
     if isinstance(a, np.ndarray):
         return np.matmul(widen(a), widen(b), out=out)
     cupy = sys.modules["cupy"]
-    if cupy.cuda.get_current_stream().is_capturing():
-        return captured_matmul(cupy, widen(a), widen(b), out)
-    return tensor_core_matmul(cupy, narrow(a, half), narrow(b, half), out)
+    if not cupy.cuda.get_current_stream().is_capturing():
+        return tensor_core_matmul(cupy, narrow(a, half), narrow(b, half), out)
+    if chain_graphs.capturing():  # (nothing may be allocated: the graph would keep it)
+        if out is None or a.dtype != dtype or b.dtype != dtype:
+            raise NotImplementedError("a captured 16-bit product takes 16-bit operands and an "
+                                      "output (a conversion or a new array would allocate)")
+        return tensor_core_matmul(cupy, a, b, out)
+    return captured_matmul(cupy, widen(a), widen(b), out)
 
 
 def tensor_core_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Array:
@@ -97,6 +107,9 @@ def tensor_core_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Ar
         raise ValueError(f"out: expected shape {(m, n)} and dtype float32, got {out.shape} "
                          f"and {out.dtype}")
     rows = _row_stride(out)  # cuBLAS writes rows of a stride; anything else via a copy
+    if rows is None and chain_graphs.capturing():
+        raise NotImplementedError("out: cuBLAS cannot write it in place (a temporary would be "
+                                  "allocated inside a captured chain)")
     target = out if rows is not None else cupy.empty((m, n), np.float32)
     if m and n:
         if k == 0:  # an empty sum: zeros (cuBLAS would be asked for a 0-deep product)
@@ -110,20 +123,23 @@ def tensor_core_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Ar
 
 def _gemm_ex(cupy, a: Array, b: Array, out: Array, ldc: int) -> None:
     """``out = a @ b`` through ``cublasGemmEx`` (``_column_major_problem``), alpha 1 and beta 0
-    from host memory, on the handle CuPy keeps per device."""
+    from host memory, on the handle CuPy keeps per device: CuPy's binding, or while a chain is
+    captured ``cublas_capture.gemm_ex`` with the same arguments (CuPy's refuses a capture)."""
     from cupy_backends.cuda.libs import cublas
     op_1, op_2, m, n, k, first, ld_1, second, ld_2, c, ldc = _column_major_problem(
         cupy, cublas, a, b, out, ldc)
+    gemm = (partial(cublas_capture.gemm_ex, cupy) if chain_graphs.capturing()
+            else cublas.gemmEx)
     kind = getattr(cupy.cuda.runtime, _CUDA_TYPES[a.dtype.name])
     handle = cupy.cuda.device.get_cublas_handle()  # (each cuBLAS call takes CuPy's current stream)
     mode = cublas.getPointerMode(handle)
     if mode != cublas.CUBLAS_POINTER_MODE_HOST:
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     try:
-        cublas.gemmEx(handle, op_1, op_2, m, n, k, _ONE.ctypes.data, first.data.ptr, kind, ld_1,
-                      second.data.ptr, kind, ld_2, _ZERO.ctypes.data, c.data.ptr,
-                      cupy.cuda.runtime.CUDA_R_32F, ldc, cublas.CUBLAS_COMPUTE_32F,
-                      cublas.CUBLAS_GEMM_DEFAULT)
+        gemm(handle, op_1, op_2, m, n, k, _ONE.ctypes.data, first.data.ptr, kind, ld_1,
+             second.data.ptr, kind, ld_2, _ZERO.ctypes.data, c.data.ptr,
+             cupy.cuda.runtime.CUDA_R_32F, ldc, cublas.CUBLAS_COMPUTE_32F,
+             cublas.CUBLAS_GEMM_DEFAULT)
     finally:
         if mode != cublas.CUBLAS_POINTER_MODE_HOST:
             cublas.setPointerMode(handle, mode)
@@ -152,6 +168,9 @@ def _operand(cupy, x: Array, cublas) -> tuple[Array, int, int]:
         return x, cublas.CUBLAS_OP_N, max(c, 1) if r <= 1 else s0
     if (s0 == 1 or r <= 1) and (c <= 1 or s1 >= max(r, 1)):
         return x, cublas.CUBLAS_OP_T, max(r, 1) if c <= 1 else s1
+    if chain_graphs.capturing():
+        raise NotImplementedError("a strided 16-bit operand: its copy would be allocated inside "
+                                  "a captured chain")
     return cupy.ascontiguousarray(x.view(np.uint16)).view(x.dtype), cublas.CUBLAS_OP_N, max(c, 1)
 
 

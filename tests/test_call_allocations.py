@@ -168,7 +168,9 @@ def test_a_projection_call_allocates_only_what_it_returns_and_keeps(settings, gr
 
 
 # 16-bit layers: the float32 list, its results being the 16-bit arrays the layer returns
-# (functional's float32 results are workspaces: ``scratch_results``). Not yet removed, on NumPy
+# (functional's float32 results are workspaces: ``scratch_results``) but for the parameter
+# gradients: a planned 16-bit call (``call_plans.HalfPlan``) sums them into ``grads`` inside its
+# chain from float32 workspaces, no per-call arrays. Not yet removed, on NumPy
 # only: matmul.matmul_half's float32 copies of its 16-bit operands (matmul.py, outside this
 # change).
 HALF_EMULATION = [
@@ -183,7 +185,8 @@ HALF_EMULATION = [
 def test_a_16_bit_call_allocates_only_what_it_returns_keeps_and_lists(settings, grid_path, cell,
                                                                       half, lengths):
     call = _call(cell, True, lengths, dtype=half)
-    want = expected(cell, True, lengths) + HALF_EMULATION
+    want = [a for a in expected(cell, True, lengths) if not a.startswith(("dW", "db"))]
+    want += HALF_EMULATION
     assert array_allocations(call) == len(want), want
 
 

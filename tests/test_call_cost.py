@@ -275,7 +275,40 @@ def _packed_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[
     return step
 
 
+def _sized_layer_call(hidden: int, dtype: str, proj: int = 0) -> Callable:
+    """A builder (``_BUILD``) of a layer's call at B=3, input size 5 and ``hidden`` (``proj``: an
+    LSTM projection's P): the sizes of tests/test_half_kernels.py (float16, H=13) and
+    tests/test_projection_persistent.py (H=12, P=6), whose emulated kernels they build."""
+    def build(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+        layer = cls(5, hidden, algo=algo, seed=0, dtype=dtype, proj_size=proj)
+        x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(layer.dtype)
+        dy = np.ones((steps, 3, proj or hidden), layer.dtype)
+
+        def step():
+            layer.forward(x)
+            return layer.backward(dy) if backward else None
+        return step
+    return build
+
+
+def _half_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
+    """A float16 module's call at tests/test_torch_half.py's sizes (its emulated kernels)."""
+    torch.manual_seed(0)
+    module = cls(6, 12, algo=algo).half()
+    x = torch.randn(steps, 3, 6, requires_grad=backward).half()
+
+    def step():
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            y, _ = module(x)
+        if backward:
+            y.float().sum().backward()
+    return step
+
+
 _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
+          "layer16": (_sized_layer_call(13, "float16"), {"GRU": prnn.GRU}),
+          "projection": (_sized_layer_call(12, "float32", 6), {"LSTM": prnn.LSTM}),
+          "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
 
@@ -320,7 +353,18 @@ PLANNED_LIMITS = {
     ("module", "LSTM", False): 84,  # 79 -> 79 -> 76   (124)
     ("module", "LSTM", True): 161,  # 163 -> 161 -> 146 (256)
     ("packed", "GRU", True): 207,   # 207 -> 188 (288) (packed input: lengths planned; dy's
-}                                   # selection inside the chain)
+                                    # selection inside the chain)
+    # float16 layers and modules (call_plans.HalfPlan, 2026-11-27: their conversions inside the
+    # chain too): the count, then the full path's (its widening and rounding beside the chain)
+    ("layer16", "GRU", False): 31,  # 28  (147)
+    ("layer16", "GRU", True): 58,   # 53  (356)
+    ("module16", "GRU", False): 84,  # 76  (178)
+    ("module16", "GRU", True): 164,  # 149 (366)
+    # an LSTM projection layer (float32; the 16-bit one's plan adds its conversions inside the
+    # chain, as above)
+    ("projection", "LSTM", False): 32,  # 29  (98)
+    ("projection", "LSTM", True): 59,   # 54  (213)
+}
 
 
 @pytest.mark.parametrize("road,cell,backward", list(PLANNED_LIMITS),

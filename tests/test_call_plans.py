@@ -5,12 +5,15 @@ workspaces; and the chain graph's key of a prepared pass (what a GPU replay is k
 once but for the call's own arrays. The GPU's graphs themselves: tests/test_gpu_chain_graphs.py."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime
 from persistent_rnn.validation import CallOrderError
+from full_set import EVERY_KERNEL
 from profiling import run_profiled
 
 H, I = 16, 3
@@ -440,3 +443,151 @@ def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeyp
                         lambda dy, fwd, h0, c0, lengths=None: backward_arrays(dy, fwd, h0, c0))
     with pytest.raises(AssertionError):
         _lengths_steps("GRU", _layer("GRU"), _layer("GRU"), range(5))
+
+
+# 16-bit layers: tests/test_half_kernels.py's shapes (the emulated 16-bit kernels it builds; H odd:
+# the forward's W_hh words are a padded copy, refreshed inside the chain): a cell without a cell
+# state in float16 and one with it in bfloat16 (the others with PRNN_TEST_EVERY_KERNEL=1).
+HALF_I, HALF_H, HALF_B = 5, 13, 3
+HALF_CASES = [("GRU", "float16"), ("LSTM", "bfloat16")] + (
+    [("LSTM", "float16"), ("RNN", "float16"), ("GRU", "bfloat16")] if EVERY_KERNEL else [])
+
+
+def _half_layer(cell: str, dtype: str):
+    return getattr(prnn, cell)(HALF_I, HALF_H, algo="persistent", seed=11, dtype=dtype)
+
+
+def _bits(a) -> np.ndarray:
+    """An array's bits (16-bit results: of float16 and bfloat16 alike)."""
+    a = np.array(a)
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+def _half_steps(planned, full, seeds, states: bool, lengths: bool) -> None:
+    """Forward and backward calls of ``planned`` and of ``full`` (which never plans), each
+    followed by an in-place SGD step of the parameters: every result, gradient and parameter
+    bitwise equal, of the layer's dtype (16-bit layers', and projections' of any dtype: input
+    size ``HALF_I``, batch ``HALF_B``)."""
+    cell, dtype = planned.cell.has_cell_state, planned.dtype
+    hidden = planned.hidden_size
+    width = planned.proj_size or hidden
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((4, HALF_B, HALF_I)).astype(dtype)
+        dy = rng.standard_normal((4, HALF_B, width)).astype(dtype)
+        pair = tuple(rng.standard_normal((1, HALF_B, n)).astype(dtype) for n in (width, hidden))
+        hx = (pair if cell else pair[0]) if states else None
+        given = [4, 2, int(rng.integers(1, 5))] if lengths else None
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            y, hn = layer.forward(x, hx, given)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+            for name, p in layer.params.items():  # (in place: the plan reads them anew)
+                p[...] = (p.astype(np.float32) - 0.1 * layer.grads[name].astype(np.float32))
+        for a, b in zip(*results):
+            assert a.dtype == b.dtype == dtype
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("cell,dtype", HALF_CASES)
+def test_16_bit_planned_calls_equal_full_calls_bitwise(settings, monkeypatch, cell, dtype):
+    """A 16-bit layer's calls are planned (``call_plans.HalfPlan``), with and without initial
+    states and lengths, bitwise the full path's: outputs, states, input and state gradients in
+    the layer's dtype and the gradients accumulated into ``grads`` (in float32, rounded once),
+    across in-place updates of the 16-bit weights."""
+    hits = _Hits(monkeypatch)
+    planned, full = _half_layer(cell, dtype), _half_layer(cell, dtype)
+    _half_steps(planned, full, range(4), states=False, lengths=False)
+    assert isinstance(planned._plan, call_plans.HalfPlan)
+    assert (hits.forwards, hits.backwards) == (2, 1)
+    _half_steps(planned, full, range(4, 8), states=True, lengths=True)
+    assert (hits.forwards, hits.backwards) == (4, 2)
+
+
+@pytest.mark.parametrize("cell,dtype,hidden,proj", [("GRU", "float16", HALF_H, 0),
+                                                    ("LSTM", "bfloat16", HALF_H, 0),
+                                                    ("LSTM", "float32", 12, 6)])
+def test_a_16_bit_planned_call_enqueues_everything_inside_its_chain(settings, monkeypatch, cell,
+                                                                    dtype, hidden, proj):
+    """Issue 26: a 16-bit planned call's conversions run inside its chains too - with the chains
+    stubbed, no product, copy, fill, sum or conversion (``astype``) runs beside them: neither the
+    initial states' widening nor the results' rounding into the layer's dtype, nor the layer's
+    float32 sums of its gradients (which stay as they were) - where the full path runs them. So
+    does an LSTM projection's (its dW_hr, W_hr^T's copy; test_projection_persistent.py's
+    sizes)."""
+    layer = getattr(prnn, cell)(HALF_I, hidden, proj_size=proj, algo="persistent", seed=11,
+                                dtype=dtype)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, HALF_B, HALF_I)).astype(layer.dtype)
+    dy = rng.standard_normal((4, HALF_B, proj or hidden)).astype(layer.dtype)
+    h, c = (rng.standard_normal((1, HALF_B, n)).astype(layer.dtype) for n in (proj or hidden,
+                                                                            hidden))
+    hx = (h, c) if cell == "LSTM" else h
+    if dtype == "float32":  # (its plan reads given states in place, through ascontiguousarray)
+        hx = None
+    for _ in range(3):
+        layer.forward(x, hx)
+        layer.backward(dy)
+    assert layer._plan.backward_pass is not None
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
+    grads = {name: g.copy() for name, g in layer.grads.items()}
+    assert _array_work(lambda: layer.forward(x, hx)) == 0
+    assert _array_work(lambda: layer.backward(dy)) == 0
+    for name, g in layer.grads.items():
+        np.testing.assert_array_equal(_bits(g), _bits(grads[name]))
+    layer._plan = None
+    with np.errstate(over="ignore"):  # (the chains stubbed: the results never written)
+        assert _array_work(lambda: (layer.forward(x, hx), layer.backward(dy))) > 12
+
+
+@pytest.mark.parametrize("sabotage", ["stale W_hh words", "narrowed by truncation"] + (
+    ["b_hh widened once", "the first call's dy"] if EVERY_KERNEL else []))
+def test_a_missed_16_bit_conversion_in_the_chain_is_caught(settings, monkeypatch, sabotage):
+    """Sabotages of the conversions inside a 16-bit plan's chains fail the bitwise check: the
+    forward's W_hh words or b_hh not converted anew after an in-place update, results narrowed
+    by dropping bits (as ``halves.narrow`` does for values already bfloat16) rather than
+    rounded, the backward widening the first planned call's dy rather than this call's."""
+    plan = call_plans.HalfPlan
+    if sabotage == "stale W_hh words":
+        monkeypatch.setattr(call_plans, "_refresh", lambda held, m: None)
+    elif sabotage == "b_hh widened once":
+        forward_fixed = plan._forward_fixed
+        monkeypatch.setattr(plan, "_forward_fixed", lambda self, b_ih, b_hh: {
+            **forward_fixed(self, b_ih, b_hh), "b_hh": None})
+    elif sabotage == "narrowed by truncation":
+        monkeypatch.setattr(call_plans, "_narrowed", lambda xp, out, a: out.view(
+            np.uint16).__setitem__(..., a.view(np.uint32) >> 16))
+    else:
+        before, first = plan._before_backward, {}
+
+        def stale(self, arrays, fixed):
+            first.setdefault("dy", arrays["dy_in"].copy())
+            before(self, {**arrays, "dy_in": first["dy"]}, fixed)
+        monkeypatch.setattr(plan, "_before_backward", stale)
+    with pytest.raises(AssertionError):  # (the first planned backward: the fourth call)
+        _half_steps(_half_layer("LSTM", "bfloat16"), _half_layer("LSTM", "bfloat16"),
+                    range(5 if sabotage == "the first call's dy" else 3), states=False,
+                    lengths=False)
+
+
+# LSTM projections (weight_hr): tests/test_projection_persistent.py's sizes (its emulated
+# kernels; 16-bit: H and P odd, both matrices' words padded copies refreshed in the chain).
+PROJECTION_CASES = [("float32", 12, 6), ("bfloat16", 9, 5)] + (
+    [("float16", 9, 5)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("dtype,hidden,proj", PROJECTION_CASES)
+def test_projection_calls_are_planned_bitwise(settings, monkeypatch, dtype, hidden, proj):
+    """An LSTM with a projection (W_hr, h P wide, c H wide) plans its calls too: bitwise the full
+    path with initial states and lengths, across in-place weight updates (dW_hr formed inside
+    the backward's chain, W_hh^T and W_hr^T copied anew; the calls without states and lengths
+    are the 16-bit tests' plans above)."""
+    hits = _Hits(monkeypatch)
+    planned, full = (prnn.LSTM(HALF_I, hidden, proj_size=proj, algo="persistent", seed=11,
+                               dtype=dtype) for _ in range(2))
+    _half_steps(planned, full, range(4), states=True, lengths=True)
+    assert planned._plan is not None and planned._plan.proj == proj
+    assert (hits.forwards, hits.backwards) == (2, 1)

@@ -14,12 +14,13 @@ pytestmark = pytest.mark.gpu
 CALLS = 6  # CuPy's pool alternates two sets of blocks while a layer holds its last forward
 
 
-def _layer(cupy, mode: str, layers: int):
-    layer = getattr(prnn, mode)(16, 64, num_layers=layers, algo="persistent", seed=1)
+def _layer(cupy, mode: str, layers: int, dtype: str = "float32", proj: int = 0):
+    layer = getattr(prnn, mode)(16, 64, num_layers=layers, algo="persistent", seed=1, dtype=dtype,
+                                proj_size=proj)
     layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(2)
-    x = cupy.asarray(rng.standard_normal((9, 3, 16)), np.float32)
-    dy = cupy.asarray(rng.standard_normal((9, 3, 64)), np.float32)
+    x = cupy.asarray(rng.standard_normal((9, 3, 16)), layer.dtype)
+    dy = cupy.asarray(rng.standard_normal((9, 3, proj or 64)), layer.dtype)
     return layer, x, dy
 
 
@@ -61,19 +62,23 @@ def test_a_stall_in_a_replayed_chain_restarts_it(cupy):
     assert counts.graph_launches >= 2, counts
 
 
-def test_the_torch_module_replays_its_chains(cupy):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_torch_module_replays_its_chains(cupy, dtype):
+    """The torch module's calls (planned from the third: ``call_plans``, 16-bit modules'
+    conversions inside the chains) replayed, bitwise the first, direct call."""
     torch = pytest.importorskip("torch")
     import persistent_rnn.torch as prt
     torch.manual_seed(0)
-    module = prt.LSTM(16, 64, algo="persistent").cuda()
-    x = torch.randn(9, 3, 16, device="cuda", requires_grad=True)
+    module = prt.LSTM(16, 64, algo="persistent").cuda().to(getattr(torch, dtype))
+    x = torch.randn(9, 3, 16, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
 
     def call():
         x.grad = None
         module.zero_grad()
         y, _ = module(x)
         y.square().sum().backward()
-        return [t.detach().cpu().numpy() for t in (y, x.grad, *(p.grad for p in module.parameters()))]
+        return [t.detach().view(torch.int16 if t.element_size() == 2 else t.dtype).cpu().numpy()
+                for t in (y, x.grad, *(p.grad for p in module.parameters()))]
 
     with prnn.override_settings(chain_graphs=False):
         want = call()
@@ -86,23 +91,31 @@ def test_the_torch_module_replays_its_chains(cupy):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mode,lengths", [("GRU", None), ("LSTM", [9, 7, 4])])
+@pytest.mark.parametrize("mode,lengths,dtype,proj", [("GRU", None, "float32", 0),
+                                                     ("LSTM", [9, 7, 4], "float32", 0),
+                                                     ("GRU", [9, 7, 4], "float16", 0),
+                                                     ("LSTM", None, "float16", 0),
+                                                     ("LSTM", [9, 7, 4], "float32", 24),
+                                                     ("LSTM", None, "float16", 24)])
 def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkeypatch, mode,
-                                                                    lengths):
+                                                                    lengths, dtype, proj):
     """A layer's planned calls (``call_plans``) on a GPU, each on other values in the same
     input arrays: their chains replayed as graphs keyed by the prepared passes hold the
     operations moved into them (``runtime.Around``: the input's bias, the output's and h_n's
     (c_n's) copies or selections; dy's selection, the carries' zeros, W_hh^T's copy, dc0), so
     a replay that runs none of their Python still gives every call the bits of a layer that
     never plans (a replay without them would leave the bias out, or leave the output, h_n,
-    c_n or dc0 as the pool's block held them: another call's values)."""
-    layer, x, dy = _layer(cupy, mode, 1)
-    full, _, _ = _layer(cupy, mode, 1)
+    c_n or dc0 as the pool's block held them: another call's values). A float16 layer's
+    chains hold its conversions and its 16-bit input projection too (``call_plans.HalfPlan``:
+    cuBLAS's gemmEx recorded with the eager call's arguments, ``cublas_capture.gemm_ex``); an
+    LSTM projection's, W_hr^T's copy and dW_hr."""
+    layer, x, dy = _layer(cupy, mode, 1, dtype, proj)
+    full, _, _ = _layer(cupy, mode, 1, dtype, proj)
     rng = np.random.default_rng(3)
     values = [(rng.standard_normal(x.shape), rng.standard_normal(dy.shape)) for _ in range(12)]
 
     def call(layer, vx, vdy):
-        x[...], dy[...] = cupy.asarray(vx, np.float32), cupy.asarray(vdy, np.float32)
+        x[...], dy[...] = cupy.asarray(vx, x.dtype), cupy.asarray(vdy, dy.dtype)
         layer.zero_grad()
         y, hn = layer.forward(x, lengths=lengths)
         dx, dhx = layer.backward(dy)

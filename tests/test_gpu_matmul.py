@@ -99,6 +99,32 @@ def test_products_captured_in_a_chain_are_cupys_bit_for_bit(cupy, dtype):
         np.testing.assert_array_equal(replayed.get(), want.get())
 
 
+def test_16_bit_products_captured_in_a_chain_are_the_eager_bits(cupy, monkeypatch):
+    """``matmul_half`` while a chain is captured (a 16-bit plan's input projection,
+    ``call_plans.HalfPlan``) records cuBLAS's ``gemmEx`` with the eager call's arguments
+    (``cublas_capture.gemm_ex``): replayed, the eager product's bits."""
+    from persistent_rnn import chain_graphs
+    rng = np.random.default_rng(4)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    capturing = [False]
+    monkeypatch.setattr(chain_graphs, "capturing", lambda: capturing[0])
+    for half in ("float16", "bfloat16"):
+        dtype = matmul.half_dtype(half)
+        x = cupy.asarray(rng.standard_normal((27, 16)).astype(dtype))
+        w = cupy.asarray(rng.standard_normal((192, 16)).astype(dtype))
+        with stream:
+            want = matmul.tensor_core_matmul(cupy, x, w.T)
+            replayed = cupy.full_like(want, np.nan)
+            stream.begin_capture()
+            capturing[0] = True  # (as chain_graphs._capture sets it)
+            matmul.matmul_half(x, w.T, half, replayed)
+            capturing[0] = False
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        np.testing.assert_array_equal(replayed.get(), want.get())
+
+
 @pytest.mark.parametrize("rows", [1, 37])
 def test_column_sums_record_without_scratch(cupy, rows):
     """``buffers.column_sums`` (a planned backward's bias gradients, inside its chain): CuPy's

@@ -9,12 +9,13 @@ import ast
 import types
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
 import persistent_rnn
-from persistent_rnn import cublas_capture, emulate, matmul
+from persistent_rnn import chain_graphs, cublas_capture, emulate, matmul
 from persistent_rnn._sources import read_source
 from sabotage import sabotaged
 
@@ -223,3 +224,45 @@ def test_captured_cublas_refuses_what_cupy_would_not_issue_as_one_gemm():
         problem(view(np.ones((4, 3), f)), view(np.ones((2, 2), f)), view(np.empty((4, 2), f)))
     assert problem(view(np.ones((4, 0), f)), view(np.ones((0, 2), f)),
                    view(np.empty((4, 2), f))) is None
+
+
+def _fake_cupy(monkeypatch, calls: list):
+    """A CuPy stand-in for ``matmul._gemm_ex`` on the CPU: cuBLAS's binding records its
+    ``gemmEx`` calls in ``calls`` (CuPy's cuBLAS library cannot load without a GPU)."""
+    import cupy_backends.cuda.libs as libs
+    cublas = types.SimpleNamespace(
+        CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_POINTER_MODE_HOST=0, CUBLAS_COMPUTE_32F=68,
+        CUBLAS_GEMM_DEFAULT=-1, getPointerMode=lambda handle: 0,
+        gemmEx=lambda *args: calls.append(("cupy", args)))
+    monkeypatch.setitem(vars(libs), "cublas", cublas)  # (its __getattr__ would load cuBLAS)
+    runtime = types.SimpleNamespace(CUDA_R_16F=2, CUDA_R_16BF=14, CUDA_R_32F=0)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=runtime, device=types.SimpleNamespace(get_cublas_handle=lambda: 7)))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_a_captured_16_bit_product_issues_the_eager_gemm_ex(monkeypatch, dtype):
+    """While a chain is captured, a 16-bit layer's input projection (``_gemm_ex``) issues cuBLAS's
+    ``gemmEx`` through ``cublas_capture.gemm_ex`` with exactly the arguments CuPy's binding gets
+    eagerly (the eager call's bits when replayed); what would allocate inside the capture (an
+    operand to copy, an output cuBLAS cannot write in place) is refused, so the capture fails
+    and the chain runs launch by launch."""
+    calls: list = []
+    cupy = _fake_cupy(monkeypatch, calls)
+    monkeypatch.setattr(cublas_capture, "gemm_ex",
+                        lambda cp, *args: calls.append(("captured", args)))
+    rng = np.random.default_rng(0)
+    x, w = (rng.standard_normal(s).astype(dtype) for s in ((12, 5), (39, 5)))
+    out = np.empty((12, 39), np.float32)
+    operands = (_DeviceView(x), _DeviceView(w).T, _DeviceView(out))
+    matmul._gemm_ex(cupy, *operands, 39)
+    monkeypatch.setattr(chain_graphs, "capturing", lambda: True)
+    matmul._gemm_ex(cupy, *operands, 39)
+    assert [c[0] for c in calls] == ["cupy", "captured"] and calls[0][1] == calls[1][1]
+    with pytest.raises(NotImplementedError, match="strided 16-bit operand"):
+        matmul._gemm_ex(cupy, _DeviceView(np.ones((4, 8), dtype)[:, ::2]),
+                        _DeviceView(np.ones((4, 4), dtype)), _DeviceView(np.empty((4, 4),
+                                                                                np.float32)), 4)
+    with pytest.raises(NotImplementedError, match="out: cuBLAS cannot write it in place"):
+        matmul.tensor_core_matmul(cupy, _DeviceView(x), _DeviceView(w).T,
+                                  _DeviceView(np.empty((39, 12), np.float32)).T)

@@ -211,14 +211,17 @@ def test_other_module_layouts_plan_bitwise(settings, monkeypatch, kw, shape):
     assert (hits.forwards, hits.backwards) == (3, 1)
 
 
-def _packed_steps(cell: str, seeds) -> None:
+def _packed_steps(cell: str, seeds, pairs=None, batch: int = 2) -> None:
     """Training steps on packed sequences of other lengths every call (the first always the
-    longest), bitwise a module that never plans."""
-    pairs = _pair(cell)
+    longest), bitwise a module that never plans (``pairs``: ``_pair``'s, of their input size
+    and dtype)."""
+    pairs = _pair(cell) if pairs is None else pairs
+    first = pairs[0][0]
+    dtype = first.weight_hh_l0.dtype
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(5, 2, I, generator=g)
-        lengths = torch.randint(1, 6, (2,), generator=g)
+        x = torch.randn(5, batch, first.input_size, generator=g).to(dtype)
+        lengths = torch.randint(1, 6, (batch,), generator=g)
         lengths[0] = 5
         results = []
         for module, optimizer in pairs:
@@ -252,3 +255,44 @@ def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeyp
                         lambda result, h0, c0, lengths=None: forward_arrays(result, h0, c0))
     with pytest.raises(AssertionError):
         _packed_steps("GRU", range(5))
+
+
+# 16-bit modules: tests/test_torch_half.py's sizes (its emulated 16-bit kernels).
+HALF_I, HALF_H, HALF_B = 6, 12, 3
+
+
+def _half_pairs(cell: str, dtype: torch.dtype):
+    """``_pair``'s modules in ``dtype`` (``.to(dtype)``: 16-bit parameters)."""
+    torch.manual_seed(0)
+    modules = [getattr(prt, cell)(HALF_I, HALF_H, algo="persistent").to(dtype) for _ in range(2)]
+    modules[1].load_state_dict(modules[0].state_dict())
+    return [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in modules]
+
+
+@pytest.mark.parametrize("cell,dtype,packed", [("GRU", torch.float16, False),
+                                                ("LSTM", torch.bfloat16, True)])
+def test_16_bit_modules_plan_bitwise(settings, monkeypatch, cell, dtype, packed):
+    """float16 and bfloat16 modules' training steps (with initial states, or on packed
+    sequences of other lengths every call) are planned (``call_plans.HalfPlan``: results and
+    gradients come in the module's dtype), bitwise a module that never plans, across SGD's
+    in-place steps."""
+    hits = _Hits(monkeypatch)
+    pairs = _half_pairs(cell, dtype)
+    if packed:
+        _packed_steps(cell, range(5), pairs, HALF_B)
+        assert isinstance(pairs[0][0]._record.plan, call_plans.HalfPlan)
+        assert (hits.forwards, hits.backwards) == (3, 2)
+        return
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(4, HALF_B, HALF_I, generator=g).to(dtype)
+        states = [torch.randn(1, HALF_B, HALF_H, generator=g).to(dtype) for _ in range(2)]
+        results = []
+        for module, optimizer in pairs:
+            pairs[1][0]._record.plan = None  # (the reference never plans)
+            results.append(_train_step(module, optimizer, x,
+                                       tuple(states) if cell == "LSTM" else states[0]))
+        for a, b in zip(*results):
+            assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+    assert isinstance(pairs[0][0]._record.plan, call_plans.HalfPlan)
+    assert (hits.forwards, hits.backwards) == (3, 2)

@@ -327,7 +327,11 @@ def _hidden_arrays(cell: CellSpec, h: Tensor | None, c: Tensor | None):
 
 
 def _result(a: Array, dtype: torch.dtype) -> Tensor:
-    """A library result as a tensor of ``dtype`` (16-bit results are rounded once, here)."""
+    """A library result as a tensor of ``dtype`` (16-bit results are rounded once, here, but a
+    planned call's, ``call_plans``, which come in the layer's dtype: a bfloat16 array by its
+    bits, carried as float16 as ``_half_array`` carries them)."""
+    if a.dtype.kind == "V":
+        return _result(a.view(np.float16), torch.float16).view(torch.bfloat16)
     t = torch.from_numpy(a) if type(a) is np.ndarray else to_tensor(a)  # to_tensor, inlined
     return t if t.dtype == dtype else t.to(dtype)
 
