@@ -36,7 +36,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden;
   SharedCarver sh(batch);  // (plan.shared_layout)
-  float* v_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dgh_{t+1}
+  float* v_s = staged_region(sh);  // [batch (a group's rows)][kPadded]: dgh_{t+1}
   float* rec_s = sh.rows(PRNN_SMEM_PARTIAL);  // [batch][kKsplit][kUnits]: partial W_hh^T dgh
   float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [kInputBuffers][batch][kInputs][kUnits]: by step
   float* carry_s = sh.rows(PRNN_SMEM_CARRIES);  // [2][batch][kUnits]: dh (direct), dc carries
@@ -75,8 +75,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   };
   for (int s = start; s > start - kInputsAhead && s >= 0; --s) prefetch_inputs(s);
   // Step T-1 has no recurrent input.
-  begin_steps(xch, v_s, start + 1,
-              start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr, batch);
+  const float* dgh_start = start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr;
+  begin_steps(xch, v_s, start + 1, dgh_start, batch);
   static_assert(!kDirectRead || kKsplit * kUnits <= kPadded, "odd steps' partial sums fit v_s");
 
   int t = start, failed = 0;
@@ -89,7 +89,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
                      timeout_ns, [&] {
                        if (t - kInputsAhead >= 0) prefetch_inputs(t - kInputsAhead);
                        else end_input_fetch();
-                     })) {
+                     }, t == start ? dgh_start : nullptr)) {
       ++t;  // step t was not completed
       break;
     }

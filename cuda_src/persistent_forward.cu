@@ -40,7 +40,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   SharedCarver sh(batch);  // (plan.shared_layout)
-  float* h_s = sh.rows(PRNN_SMEM_STAGED);     // [kStaged][batch][kPadded]: h_{t-1} (by parity)
+  float* h_s = staged_region(sh);  // [kStaged][batch (a group's rows)][kPadded]: h_{t-1} (by parity)
   float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh h_{t-1}
   float* gi_s = sh.rows(PRNN_SMEM_GI);        // [kInputBuffers][batch][G][kUnits]: gi_t by step
   float* c_s = sh.rows(PRNN_SMEM_C);          // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
@@ -85,8 +85,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   if (kStaged == 2) {  // the other buffer's zero padding (gathers write the words below hidden)
     for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) staged(start)[idx] = 0.0f;
   }
-  begin_steps(xch, staged(start - 1), start - 1,
-              start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch);
+  const float* h_start = start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0;
+  begin_steps(xch, staged(start - 1), start - 1, h_start, batch);
   static_assert(!kDirectRead || kKsplit * R <= kPadded, "odd steps' partial sums fit h_s");
 
   // A cluster's warp team with no unit below `hidden` has nothing to compute: it reports every
@@ -102,7 +102,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
                                 timeout_ns, [&] {
                                   if (t + kInputsAhead < steps) prefetch_gi(t + kInputsAhead);
                                   else end_input_fetch();
-                                })) {
+                                }, t == start ? h_start : nullptr)) {
       --t;  // step t was not completed
       break;
     }
