@@ -75,21 +75,25 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   };
   for (int s = start; s > start - kInputsAhead && s >= 0; --s) prefetch_inputs(s);
   // Step T-1 has no recurrent input.
-  const float* dgh_start = start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr;
-  begin_steps(xch, v_s, start + 1, dgh_start, batch);
+  begin_steps(xch, v_s, start + 1,
+              start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr, batch);
   static_assert(!kDirectRead || kKsplit * kUnits <= kPadded, "odd steps' partial sums fit v_s");
 
   int t = start, failed = 0;
   for (;;) {
     const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
     float* part_s = step_partials(t, rec_s, v_s);
+    // With batch groups, a launch's first step stages its further groups from dgh_{t+1} (at
+    // t = T-1 there is no product: batch 0).
+    const float* first = kBatchGroup > 0 && t == start ? dgh + (size_t)(t + 1) * batch * gh_len
+                                                       : nullptr;
     // dgh_{t+1} (and step t's inputs) -> partial sums; any timeout? The inputs of step
     // t-kInputsAhead go into the buffer last read by step t+1's pointwise.
     if (step_product(tile, xch, t + 1, v_s, part_s, recurrent ? batch : 0, kUnits, failed, ctl,
                      timeout_ns, [&] {
                        if (t - kInputsAhead >= 0) prefetch_inputs(t - kInputsAhead);
                        else end_input_fetch();
-                     }, t == start ? dgh_start : nullptr)) {
+                     }, first)) {
       ++t;  // step t was not completed
       break;
     }

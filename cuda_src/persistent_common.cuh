@@ -425,11 +425,15 @@ struct ExchangeOf {
     const auto sink = [v_s](int word, const float (&v)[4]) { prnn_store_shared_quad(v_s + word, v); };
     static_assert(kGatherQuads > 0 || Padded < 0, "a grid kernel needs -DPRNN_GATHER_QUADS "
                   "(persistent_rnn/plan.py, gather_quads)");
-    const unsigned* src = words + (t & 1) * slot() + (size_t)r0 * Padded;
-    PrnnTaggedRows<Padded> part = rows;
-    if (kBatchGroup > 0) part.quads = staged_rows(rows.quads * 4 / Padded - r0) * Padded / 4;
+    const unsigned* src = words + (t & 1) * slot();
     if (idle && r0 == 0) prnn_sleep_ns(kIdleStartNs);
-    return prnn_gather_tagged<kGatherQuads>(src, part, prnn_step_tag(t), kThreads, ctl, timeout_ns,
+    if constexpr (kBatchGroup > 0) {
+      const int batch = rows.quads * 4 / Padded;
+      const PrnnTaggedRows<Padded> group{staged_rows(batch - r0) * Padded / 4, rows.row_len};
+      return prnn_gather_tagged<kGatherQuads>(src + (size_t)r0 * Padded, group, prnn_step_tag(t),
+                                              kThreads, ctl, timeout_ns, PrnnGlobalQuads{}, sink);
+    }
+    return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
                                             PrnnGlobalQuads{}, sink);
   }
 

@@ -85,8 +85,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   if (kStaged == 2) {  // the other buffer's zero padding (gathers write the words below hidden)
     for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) staged(start)[idx] = 0.0f;
   }
-  const float* h_start = start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0;
-  begin_steps(xch, staged(start - 1), start - 1, h_start, batch);
+  begin_steps(xch, staged(start - 1), start - 1,
+              start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch);
   static_assert(!kDirectRead || kKsplit * R <= kPadded, "odd steps' partial sums fit h_s");
 
   // A cluster's warp team with no unit below `hidden` has nothing to compute: it reports every
@@ -96,13 +96,16 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   int t = idle ? steps - 1 : start, failed = 0;
   while (!idle) {
     float* part_s = step_partials(t, gh_s, h_s);
+    // With batch groups, a launch's first step stages its further groups from h_{t-1}.
+    const float* first = !(kBatchGroup > 0 && t == start) ? nullptr
+                         : t > 0 ? y + (size_t)(t - 1) * batch * hidden : h0;
     // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
     // gi_{t+kInputsAhead}'s buffer was last read by step t-1's pointwise.
     if (step_product<kWarpTeam>(tile, xch, t - 1, staged(t - 1), part_s, batch, R, failed, ctl,
                                 timeout_ns, [&] {
                                   if (t + kInputsAhead < steps) prefetch_gi(t + kInputsAhead);
                                   else end_input_fetch();
-                                }, t == start ? h_start : nullptr)) {
+                                }, first)) {
       --t;  // step t was not completed
       break;
     }
