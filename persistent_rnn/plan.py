@@ -508,7 +508,9 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
     first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
     on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; below those batches a 16-bit
-    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``).
+    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``). Where
+    no tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again
+    in batch groups (``batch_group``), the cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_TILES`` (grid path only).
@@ -530,17 +532,23 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
                   + cluster_tiles_for(cell, dtype) if has_clusters(dev) else ())
     candidates += (mma_tiles_for(cell, dtype) if mma else ()) + tiles_for(cell, dtype)
     for tile in candidates:
-        fwd, bwd = (_layer_pass(cell, tile, b, hidden, batch, dtype, dev) for b in (False, True))
+        fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return _widened(Plan(True, None, tile, fwd, bwd), cell, hidden, batch, dtype, dev)
         tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
+    # Only where no tile holds the whole batch: the tiles that can, in batch groups (so that a
+    # layer that fits without them keeps its plan).
+    for tile in (t for t in candidates if groups_batch(t)):
+        fwd, bwd = (_grouped_pass(cell, tile, b, hidden, batch, dtype, dev) for b in (False, True))
+        if _why_not(fwd, dev, hidden) is None and _why_not(bwd, dev, hidden) is None:
+            return Plan(True, None, tile, fwd, bwd)
     return _no_fit(f"{cell.name} H={hidden} B={batch}{_dtype_words(dtype)} does not fit "
                    f"{dev.name}", tried)
 
 
-def _layer_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int, dtype: str,
-                dev: DeviceProfile) -> PassPlan:
+def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
+                  dtype: str, dev: DeviceProfile) -> PassPlan:
     """``pass_plan`` of a layer kernel on ``dev``, in batch groups where the whole batch's shared
     memory does not fit it (``batch_group``)."""
     limit = min(dev.shared_per_block, dev.shared_per_sm)

@@ -3,95 +3,120 @@ a grid mma pass whose staged vector does not fit shared memory for the whole bat
 it group by group, through the CPU emulation of the same CUDA source.
 
 The planner groups only where the whole batch does not fit (LSTM H 1024 at B 16 and 32: the
-backward's dgh staged as 16 KB a batch row); here ``plan.batch_group`` is forced to groups of 8
-rows at a small layer (H 40, B 16 and, in the full set, 17: a partial last group), so that:
+backward's dgh staged as 16 KB a batch row); here it groups the passes of a small layer (H 40,
+B 16 and, in the full set, 17: a partial last group) on an emulated device whose shared memory
+holds groups of 8 rows but not the whole batch, so that:
 
-* the grouped passes match the ungrouped ones bitwise (grouping moves no arithmetic: every
-  n-tile multiplies the same values in the same k order), and the fp32 gradients float64 along
-  the run's own states within tests/test_mma_backward.py's ``FP32_BOUND``;
+* the fp32 gradients match float64 along the run's own states within
+  tests/test_mma_backward.py's ``FP32_BOUND``, and the grouped passes the ungrouped ones bitwise
+  (grouping moves no arithmetic: every n-tile multiplies the same values in the same k order);
 * a stall restarts them bitwise identically (the further groups of a launch's first step are
   staged from its source, not gathered);
+* the kernels carve exactly ``plan.shared_layout``'s bytes (a grouped STAGED region is fixed);
 * a sabotage - each group's partial sums written at the first group's rows - fails.
 
-CI: LSTM fp16, B 16 (two groups), the forward and backward grouped;
-``PRNN_TEST_EVERY_KERNEL=1`` adds bf16, GRU and the Elman RNN and B 17.
+CI: LSTM fp16, B 16 (two groups), the forward and backward grouped: float64, the stall, the
+shared bytes and the sabotage (two kernels and a sabotaged backward built). The full set
+(``PRNN_TEST_EVERY_KERNEL=1``): grouped against the whole batch bitwise, LSTM, GRU and the Elman
+RNN, fp16 and bf16, B 16 and 17 (a partial last group).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import emulate, plan as planner
+from persistent_rnn.cells import CELLS
 
 from campaign import relerr
 from full_set import EVERY_KERNEL
 from sabotage import sabotaged
 from test_mma_backward import FP32_BOUND, _backward, emulation  # noqa: F401 (a fixture)
 
-CASES = [("lstm", "float16", 16)]
-if EVERY_KERNEL:
-    CASES += [(c, d, b) for c in ("lstm", "gru", "rnn_tanh") for d in ("float16", "bfloat16")
-              for b in (16, 17) if (c, d, b) != CASES[0]]
-GROUP = 8
+CASES = [(c, d, b) for c in ("lstm", "gru", "rnn_tanh") for d in ("float16", "bfloat16")
+         for b in (16, 17)]  # (the full set's)
+HIDDEN = 40
+
+
+def _limit(name: str, dtype: str, batch: int) -> int:
+    """Shared memory per CTA that holds the first mma tile serving ``HIDDEN``'s passes in groups
+    of 8 rows but not the whole batch (so that the planner's own rule groups them)."""
+    cell = CELLS[name]
+    tile = next(t for t in planner.mma_tiles_for(cell, dtype)
+                if planner.tile_max_hidden(cell, t) >= HIDDEN)
+    grouped = max(planner.shared_bytes(cell, tile, b, batch, batch_group=8) for b in (False, True))
+    assert grouped < min(planner.shared_bytes(cell, tile, b, batch) for b in (False, True))
+    return grouped
 
 
 @pytest.fixture
 def grouped(emulation, grid_path, monkeypatch):  # noqa: F811 (the imported fixture)
-    """The planner's batch groups forced to 8 rows wherever a pass may group (``groups_batch``);
-    yields the set of passes (backward or not) it grouped."""
-    passes = set()
+    """A run of a layer whose passes the planner groups: ``_backward``'s gradients, float64
+    reference and stats on an emulated device whose shared memory per CTA is ``_limit``'s (or,
+    ``whole``, the device's: the whole batch at once)."""
+    from persistent_rnn import runtime
+    device = runtime.EMULATED_DEVICE
 
-    def group(cell, tile, backward, batch, limit):
-        if planner.groups_batch(tile) and batch > GROUP:
-            passes.add(backward)
-            return GROUP
-        return 0
+    def run(name: str, dtype: str, batch: int, whole: bool = False):
+        limit = device.shared_per_block if whole else _limit(name, dtype, batch)
+        monkeypatch.setattr(runtime, "EMULATED_DEVICE",
+                            replace(device, shared_per_block=limit, shared_per_sm=limit))
+        plan = planner.make_plan(name, HIDDEN, batch, dtype, runtime.EMULATED_DEVICE)
+        assert all(("PRNN_BATCH_GROUP" in p.defines) != whole for p in (plan.forward, plan.backward))
+        runtime._cached_engine.cache_clear()  # (planned on this device)
+        got, want, stats = _backward(name, dtype, HIDDEN, batch)
+        assert ("'PRNN_BATCH_GROUP'" in stats.details[0]) != whole
+        assert "'PRNN_MMA': 2" in stats.details[0]
+        return got, want, stats
 
-    monkeypatch.setattr(planner, "batch_group", group)
-    yield passes
-
-
-def _grouped_run(passes: set, name: str, dtype: str, batch: int):
-    """``_backward``'s gradients, float64 reference and stats, both passes grouped."""
-    passes.clear()
-    prnn.runtime._cached_engine.cache_clear()  # planned anew: the passes grouped are recorded
-    got, want, stats = _backward(name, dtype, 40, batch)
-    assert passes == {False, True}
-    assert f"'PRNN_BATCH_GROUP': {GROUP}" in stats.details[0] and "'PRNN_MMA': 2" in stats.details[0]
-    return got, want, stats
+    yield run
 
 
-@pytest.mark.parametrize("name,dtype,batch", CASES)
-def test_grouped_passes_match_the_whole_batch_bitwise_and_float64(grouped, monkeypatch, name,
-                                                                  dtype, batch):
-    got, want, _ = _grouped_run(grouped, name, dtype, batch)
+def test_grouped_passes_match_float64_and_restart_bitwise(grouped, settings):
+    clean, want, _ = grouped("lstm", "float16", 16)
     for key, ref in want.items():
-        assert relerr(got[key], ref) <= FP32_BOUND, key
-    monkeypatch.setattr(planner, "batch_group", lambda *args: 0)
-    prnn.runtime._cached_engine.cache_clear()
-    whole, _, stats = _backward(name, dtype, 40, batch)
-    assert "PRNN_BATCH_GROUP" not in stats.details[0]
-    for key, value in whole.items():
-        assert np.array_equal(got[key], value), key
-
-
-def test_grouped_stall_restarts_bitwise_identically(grouped, settings):
-    clean, _, _ = _grouped_run(grouped, "lstm", "float16", 16)
+        assert relerr(clean[key], ref) <= FP32_BOUND, key
     prnn.configure(emulation_timeout_ms=300)
     with prnn.inject_stall(block=1, step=2, duration_ms=2000):
-        stalled, _, stats = _grouped_run(grouped, "lstm", "float16", 16)
+        stalled, _, stats = grouped("lstm", "float16", 16)
     assert stats.restarts >= 1 and stats.fallback is None
     for key, value in clean.items():
         assert np.array_equal(stalled[key], value), key
 
 
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
+@pytest.mark.parametrize("name,dtype,batch", CASES)
+def test_grouped_passes_match_the_whole_batch_bitwise(grouped, name, dtype, batch):
+    got, want, _ = grouped(name, dtype, batch)
+    for key, ref in want.items():
+        assert relerr(got[key], ref) <= FP32_BOUND, key
+    whole, _, _ = grouped(name, dtype, batch, whole=True)
+    for key, value in whole.items():
+        assert np.array_equal(got[key], value), key
+
+
+def test_grouped_shared_bytes_are_what_the_kernels_carve_out(grouped, monkeypatch):
+    # The planned bytes run (the emulation checks a canary past them: _grouped_run's runs);
+    # 4 bytes fewer for either grouped pass are an overrun, so plan.shared_layout is exact.
+    real = planner.shared_bytes
+    for backward in (False, True):
+        monkeypatch.setattr(planner, "shared_bytes", lambda c, t, bwd, n, stack=False,
+                            batch_group=0: real(c, t, bwd, n, stack, batch_group)
+                            - (4 if batch_group and bwd == backward else 0))
+        with pytest.raises(emulate.EmulationError, match="wrote past its"):
+            grouped("lstm", "float16", 16)
+
+
 def test_a_group_offset_sabotage_fails(grouped, tmp_path, monkeypatch):
-    # Every group's partial sums land at the first group's rows: the later rows' sums are stale.
+    # The backward's every group's partial sums land at the first group's rows: the later rows'
+    # sums are stale (or never written).
     src = sabotaged(tmp_path, "persistent_common.cuh",
                     "part_s + r0 * kKsplit * local_rows,", "part_s,")
     real = emulate.get_module
-    monkeypatch.setattr(emulate, "get_module",
-                        lambda source, defines, src_dir=None: real(source, defines, src))
-    got, want, _ = _grouped_run(grouped, "lstm", "float16", 16)
+    monkeypatch.setattr(emulate, "get_module", lambda source, defines, src_dir=None: real(
+        source, defines, src if source == "persistent_backward.cu" else src_dir))
+    got, want, _ = grouped("lstm", "float16", 16)
     assert not all(relerr(got[key], ref) <= FP32_BOUND for key, ref in want.items())  # (or NaN)
