@@ -643,6 +643,8 @@ struct Team {
 constexpr bool kWarpTeams = PRNN_WARP_TEAMS;
 constexpr int kStagedBuffers = PRNN_STAGED_BUFFERS;
 constexpr int kInputBuffers = PRNN_INPUT_BUFFERS;
+static_assert(kBatchGroup == 0 || (kStagedBuffers == 1 && !kWarpTeams),
+              "batch groups share one staged buffer, and the block's barriers");
 static_assert(kInputBuffers == 2 || kInputBuffers == 3, "inputs one or two steps ahead");
 constexpr int kInputsAhead = kInputBuffers - 1;  // steps fetched ahead of the step that reads them
 
@@ -747,7 +749,6 @@ PRNN_DEVICE bool multiply_groups(const Tile& tile, const ExchangeOf<Padded>& xch
                                  float* v_s, float* part_s, int batch, int local_rows,
                                  const float* first, PrnnControl* ctl,
                                  unsigned long long timeout_ns) {
-  static_assert(kStagedBuffers == 1, "batch groups share one staged buffer");
   for (int r0 = 0;;) {
     multiply_rows(tile, v_s, part_s + r0 * kKsplit * local_rows, staged_rows(batch - r0), local_rows);
     r0 += kBatchGroup;

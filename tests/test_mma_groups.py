@@ -80,7 +80,7 @@ def test_grouped_passes_match_float64_and_restart_bitwise(grouped, settings):
     for key, ref in want.items():
         assert relerr(clean[key], ref) <= FP32_BOUND, key
     prnn.configure(emulation_timeout_ms=300)
-    with prnn.inject_stall(block=1, step=2, duration_ms=2000):
+    with prnn.inject_stall(block=1, step=2, duration_ms=700):
         stalled, _, stats = grouped("lstm", "float16", 16)
     assert stats.restarts >= 1 and stats.fallback is None
     for key, value in clean.items():
