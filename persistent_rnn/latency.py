@@ -854,6 +854,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     for name, p in (("forward", plan.forward), ("backward", plan.backward)):
         record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
                         "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,
+                        # rows staged at once (plan.batch_group): 0, the whole batch
+                        "batch_group": p.defines.get("PRNN_BATCH_GROUP", 0),
                         "defines": dict(p.defines)}
     st = predict_plan(spec, hidden, batch, plan, dev, proj=proj_size)
     record.update({"prediction": True, "calibration": CALIBRATION,

@@ -120,3 +120,49 @@ def test_a_group_offset_sabotage_fails(grouped, tmp_path, monkeypatch):
         source, defines, src if source == "persistent_backward.cu" else src_dir))
     got, want, _ = grouped("lstm", "float16", 16)
     assert not all(relerr(got[key], ref) <= FP32_BOUND for key, ref in want.items())  # (or NaN)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_lstm_1024_fits_at_batch_8_16_and_32(dtype):
+    # Issue 28's sizes: the backward in groups of 8 rows from B 16 (dgh staged, 16 KB a row),
+    # the forward whole; nothing grouped where the whole batch fits (B 8, H 768 at B 16).
+    device = planner.resolve_device("h100")
+    limit = min(device.shared_per_block, device.shared_per_sm)
+    for hidden, batch, group in ((1024, 8, 0), (1024, 16, 8), (1024, 32, 8), (768, 16, 0),
+                                 (768, 32, 16)):
+        plan = planner.make_plan("lstm", hidden, batch, dtype, device)
+        assert plan.fits and plan.tile.mma and not plan.tile.cluster, (hidden, batch)
+        assert "PRNN_BATCH_GROUP" not in plan.forward.defines
+        assert plan.backward.defines.get("PRNN_BATCH_GROUP", 0) == group, (hidden, batch)
+        assert plan.backward.shared_bytes <= limit
+        if group:  # the largest group that fits (the fewest groups)
+            assert planner.shared_bytes(CELLS["lstm"], plan.tile, True, batch,
+                                        batch_group=group + 8) > limit
+    if dtype == "float16":  # (bf16 plans the same tiles; the GRU's and RNN's: docs/design.md,
+        # 1024 and 2048 at B 32, before 512 and 1024)
+        assert planner.max_hidden_size("lstm", dtype, device, 32) == 1024  # (before: 128)
+
+
+def test_the_model_counts_each_further_group():
+    # LSTM H 1024 fp16 backward: B 16 and 32 run one kernel (groups of 8 rows), B 8 the whole
+    # batch. Each further group passes two block barriers and gathers its 8 rows (4 rounds of 8
+    # quads a thread); the product counts the groups' n-tiles.
+    from persistent_rnn import latency
+    from persistent_rnn.sass_analysis import nvdisasm
+    if not nvdisasm():
+        pytest.skip("no nvdisasm")
+    device = planner.resolve_device("h100")
+    steps, terms = {}, {}
+    for batch in (8, 16, 32):
+        p = planner.make_plan("lstm", 1024, batch, "float16", device).backward
+        shape = latency.PassShape(CELLS["lstm"], p, batch, 1024)
+        sass = latency.pass_sass(p, device.arch)
+        steps[batch], terms[batch] = (latency.step_loop(sass, shape),
+                                      latency.step_terms(sass, shape, device))
+    assert {b: latency.block_barriers(s) for b, s in steps.items()} == {8: 2, 16: 4, 32: 8}
+    assert {b: s.shape.gather_rounds for b, s in steps.items()} == {8: 4, 16: 8, 32: 16}
+    assert steps[8].groups_head is None and steps[32].groups_head is not None
+    for batch in (16, 32):  # the n-tiles' cost as the whole batch's, plus the group's own code
+        ratio = terms[batch].matrix_us / (batch // 8 * terms[8].matrix_us)
+        assert 1.0 <= ratio <= 1.15, (batch, ratio)
+    assert terms[8].total_us < terms[16].total_us < terms[32].total_us
