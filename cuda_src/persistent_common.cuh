@@ -338,13 +338,13 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
   prnn_sync_block();
 }
 
-// Batch groups (-D PRNN_BATCH_GROUP, plan.batch_group; docs/design.md, "Batch groups"): where a
-// grid pass's staged vector for the whole batch does not fit shared memory, it holds a group of
-// kBatchGroup batch rows (a multiple of 8: whole n-tiles), and a step multiplies group after
-// group: the gather after the pointwise step fetches the first group's rows, and each further
-// group's rows are gathered (a launch's first step: staged from its source) into the same buffer
-// once every warp has multiplied the group before, between two block barriers. The partial sums
-// stay sized for the whole batch. 0 (the default): the whole batch at once.
+// Batch groups (-D PRNN_BATCH_GROUP, plan.batch_group; docs/design.md, "Tensor-core tiles"):
+// where a grid pass's staged vector for the whole batch does not fit shared memory, it holds a
+// group of kBatchGroup batch rows (a multiple of 8: whole n-tiles), and a step multiplies group
+// after group: the gather after the pointwise step fetches the first group's rows, and each
+// further group's rows are gathered (a launch's first step: staged from its source) into the
+// same buffer once every warp has multiplied the group before, between two block barriers. The
+// partial sums stay sized for the whole batch. 0 (the default): the whole batch at once.
 #ifndef PRNN_BATCH_GROUP
 #define PRNN_BATCH_GROUP 0
 #endif
@@ -726,7 +726,8 @@ PRNN_DEVICE void begin_steps(const Exchange& xch, float* v_s, int s, const float
   if (src != nullptr) {
     stage_exchanged(v_s, src, staged_rows(batch), xch.k_len);
   } else {  // later gathers rely on the zero padding
-    for (int idx = threadIdx.x; idx < staged_rows(batch) * kPadded; idx += blockDim.x) v_s[idx] = 0.0f;
+    const int words = staged_rows(batch) * kPadded;
+    for (int idx = threadIdx.x; idx < words; idx += blockDim.x) v_s[idx] = 0.0f;
     finish_copies();
   }
 #endif
@@ -750,7 +751,8 @@ PRNN_DEVICE bool multiply_groups(const Tile& tile, const ExchangeOf<Padded>& xch
                                  const float* first, PrnnControl* ctl,
                                  unsigned long long timeout_ns) {
   for (int r0 = 0;;) {
-    multiply_rows(tile, v_s, part_s + r0 * kKsplit * local_rows, staged_rows(batch - r0), local_rows);
+    const int rows = staged_rows(batch - r0);
+    multiply_rows(tile, v_s, part_s + r0 * kKsplit * local_rows, rows, local_rows);
     r0 += kBatchGroup;
     if (r0 >= batch) return false;
     prnn_sync_block();  // every warp has read the group's rows: v_s is free

@@ -232,10 +232,11 @@ def groups_batch(tile: Tile, stack: bool = False) -> bool:
 
 def batch_group(cell: CellSpec, tile: Tile, backward: bool, batch: int, limit: int) -> int:
     """Batch rows a pass of ``tile`` stages at once (``-D PRNN_BATCH_GROUP``, ``kBatchGroup`` of
-    persistent_common.cuh; docs/design.md, "Batch groups"): 0 - the whole batch - where its
-    shared memory fits ``limit`` bytes (or the tile does not group, ``groups_batch``), else the
-    largest multiple of 8 rows (whole n-tiles) below the batch whose layout fits (each further
-    group costs the step a gather and two block barriers), or 0 where not even 8 fit."""
+    persistent_common.cuh; docs/design.md, "Tensor-core tiles": batch groups): 0 - the whole
+    batch - where its shared memory fits ``limit`` bytes (or the tile does not group,
+    ``groups_batch``), else the largest multiple of 8 rows (whole n-tiles) below the batch whose
+    layout fits (each further group costs the step a gather and two block barriers), or 0 where
+    not even 8 fit."""
     if not groups_batch(tile) or shared_bytes(cell, tile, backward, batch) <= limit:
         return 0
     for group in range((batch - 1) // 8 * 8, 0, -8):

@@ -1,6 +1,6 @@
-"""Batch groups (``-D PRNN_BATCH_GROUP``, ``plan.batch_group``; docs/design.md, "Batch groups"):
-a grid mma pass whose staged vector does not fit shared memory for the whole batch multiplies
-it group by group, through the CPU emulation of the same CUDA source.
+"""Batch groups (``-D PRNN_BATCH_GROUP``, ``plan.batch_group``; docs/design.md, "Tensor-core
+tiles": batch groups): a grid mma pass whose staged vector does not fit shared memory for the
+whole batch multiplies it group by group, through the CPU emulation of the same CUDA source.
 
 The planner groups only where the whole batch does not fit (LSTM H 1024 at B 16 and 32: the
 backward's dgh staged as 16 KB a batch row); here it groups the passes of a small layer (H 40,
@@ -65,7 +65,8 @@ def grouped(emulation, grid_path, monkeypatch):  # noqa: F811 (the imported fixt
         monkeypatch.setattr(runtime, "EMULATED_DEVICE",
                             replace(device, shared_per_block=limit, shared_per_sm=limit))
         plan = planner.make_plan(name, HIDDEN, batch, dtype, runtime.EMULATED_DEVICE)
-        assert all(("PRNN_BATCH_GROUP" in p.defines) != whole for p in (plan.forward, plan.backward))
+        for p in (plan.forward, plan.backward):
+            assert ("PRNN_BATCH_GROUP" in p.defines) != whole
         runtime._cached_engine.cache_clear()  # (planned on this device)
         got, want, stats = _backward(name, dtype, HIDDEN, batch)
         assert ("'PRNN_BATCH_GROUP'" in stats.details[0]) != whole
