@@ -8,20 +8,22 @@ B 16 and, in the full set, 17: a partial last group) on an emulated device whose
 holds groups of 8 rows but not the whole batch, so that:
 
 * the fp32 gradients match float64 along the run's own states within
-  tests/test_mma_backward.py's ``FP32_BOUND``, and the grouped passes the ungrouped ones bitwise
-  (grouping moves no arithmetic: every n-tile multiplies the same values in the same k order);
+  tests/test_mma_backward.py's ``FP32_BOUND``, what the layer returns (forward and backward) the
+  float64 layer within docs/api.md's 16-bit bounds, and the grouped passes the ungrouped ones
+  bitwise (grouping moves no arithmetic: every n-tile multiplies the same values in the same k
+  order);
 * a stall restarts them bitwise identically (the further groups of a launch's first step are
   staged from its source, not gathered);
 * the kernels carve exactly ``plan.shared_layout``'s bytes (a grouped STAGED region is fixed);
 * a sabotage - each group's partial sums written at the first group's rows - fails.
 
-CI: LSTM fp16, B 16 (two groups), the forward and backward grouped: float64, the stall, the
-shared bytes and the sabotage (two kernels and a sabotaged backward built); the planner's sizes
-and the latency model's terms of the grouped backward (one NVRTC build). The full set
-(``PRNN_TEST_EVERY_KERNEL=1``): grouped against the whole batch bitwise, LSTM, GRU and the Elman
-RNN, fp16 and bf16, B 16 and 17 (a partial last group; the GRU's and RNN's backwards grouped,
-their forwards, which stage less than a backward's group of 8 rows, whole), and
-``max_hidden_size`` at B 32.
+CI: LSTM fp16, B 16 (two groups), the forward and backward grouped: float64 (gradients and the
+layer), the stall, the shared bytes and the sabotage (two kernels and a sabotaged backward
+built); the planner's sizes and the latency model's terms of the grouped backward (one NVRTC
+build). The full set (``PRNN_TEST_EVERY_KERNEL=1``): grouped against the whole batch bitwise,
+LSTM, GRU and the Elman RNN, fp16 and bf16, B 16 and 17 (a partial last group), LSTM fp16 and
+GRU bf16 at B 32 (the GRU's and RNN's backwards grouped, their forwards, which stage less than a
+backward's group of 8 rows, whole), and ``max_hidden_size`` at B 32.
 """
 from __future__ import annotations
 
@@ -37,10 +39,11 @@ from persistent_rnn.cells import CELLS
 from campaign import relerr
 from full_set import EVERY_KERNEL
 from sabotage import sabotaged
-from test_mma_backward import FP32_BOUND, _backward, emulation  # noqa: F401 (a fixture)
+from test_mma_backward import (FP32_BOUND, _backward, emulation,  # noqa: F401 (a fixture)
+                               layer_within_the_16bit_bounds)
 
 CASES = [(c, d, b) for c in ("lstm", "gru", "rnn_tanh") for d in ("float16", "bfloat16")
-         for b in (16, 17)]  # (the full set's)
+         for b in (16, 17)] + [("lstm", "float16", 32), ("gru", "bfloat16", 32)]  # (the full set's)
 HIDDEN = 40
 
 
@@ -60,9 +63,9 @@ def _limit(name: str, dtype: str, batch: int) -> tuple[int, set]:
 
 @pytest.fixture
 def grouped(emulation, grid_path, monkeypatch):  # noqa: F811 (the imported fixture)
-    """A run of a 16-bit layer whose passes the planner groups (on the mma tiles): ``_backward``'s
-    gradients, float64 reference and stats on an emulated device whose shared memory per CTA is
-    ``_limit``'s (or, ``whole``, the device's: the whole batch at once)."""
+    """Places a 16-bit layer where the planner groups its passes (on the mma tiles): an emulated
+    device whose shared memory per CTA is ``_limit``'s (or, ``whole``, the device's: the whole
+    batch at once); checks the plan."""
     from persistent_rnn import runtime
     device = runtime.EMULATED_DEVICE
     # The mma tiles alone for 16-bit layers: where a CUDA-core tile holds the whole batch in less
@@ -71,7 +74,7 @@ def grouped(emulation, grid_path, monkeypatch):  # noqa: F811 (the imported fixt
     monkeypatch.setattr(planner, "tiles_for", lambda cell, dtype="float32":
                         tiles_for(cell, dtype) if dtype == "float32" else ())
 
-    def run(name: str, dtype: str, batch: int, whole: bool = False):
+    def place(name: str, dtype: str, batch: int, whole: bool = False) -> None:
         limit, passes = ((device.shared_per_block, set()) if whole
                          else _limit(name, dtype, batch))
         monkeypatch.setattr(runtime, "EMULATED_DEVICE",
@@ -80,21 +83,31 @@ def grouped(emulation, grid_path, monkeypatch):  # noqa: F811 (the imported fixt
         assert {b for b, p in ((False, plan.forward), (True, plan.backward))
                 if "PRNN_BATCH_GROUP" in p.defines} == passes
         runtime._cached_engine.cache_clear()  # (planned on this device)
-        got, want, stats = _backward(name, dtype, HIDDEN, batch)
-        assert ("'PRNN_BATCH_GROUP'" in stats.details[0]) != whole
-        assert "'PRNN_MMA': 2" in stats.details[0]
-        return got, want, stats
 
-    yield run
+    yield place
+
+
+def _run(place, name: str, dtype: str, batch: int, whole: bool = False):
+    """``_backward``'s gradients, float64 reference and stats of a layer ``place``d: grouped, or
+    (``whole``) the whole batch at once."""
+    place(name, dtype, batch, whole)
+    got, want, stats = _backward(name, dtype, HIDDEN, batch)
+    _ran_grouped(stats, not whole)
+    return got, want, stats
+
+
+def _ran_grouped(stats, grouped: bool) -> None:
+    assert ("'PRNN_BATCH_GROUP'" in stats.details[0]) == grouped
+    assert "'PRNN_MMA': 2" in stats.details[0]
 
 
 def test_grouped_passes_match_float64_and_restart_bitwise(grouped, settings):
-    clean, want, _ = grouped("lstm", "float16", 16)
+    clean, want, _ = _run(grouped, "lstm", "float16", 16)
     for key, ref in want.items():
         assert relerr(clean[key], ref) <= FP32_BOUND, key
     prnn.configure(emulation_timeout_ms=300)
     with prnn.inject_stall(block=1, step=2, duration_ms=700):
-        stalled, _, stats = grouped("lstm", "float16", 16)
+        stalled, _, stats = _run(grouped, "lstm", "float16", 16)
     assert stats.restarts >= 1 and stats.fallback is None
     for key, value in clean.items():
         assert np.array_equal(stalled[key], value), key
@@ -103,12 +116,20 @@ def test_grouped_passes_match_float64_and_restart_bitwise(grouped, settings):
 @pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
 @pytest.mark.parametrize("name,dtype,batch", CASES)
 def test_grouped_passes_match_the_whole_batch_bitwise(grouped, name, dtype, batch):
-    got, want, _ = grouped(name, dtype, batch)
+    got, want, _ = _run(grouped, name, dtype, batch)
     for key, ref in want.items():
         assert relerr(got[key], ref) <= FP32_BOUND, key
-    whole, _, _ = grouped(name, dtype, batch, whole=True)
+    whole, _, _ = _run(grouped, name, dtype, batch, whole=True)
     for key, value in whole.items():
         assert np.array_equal(got[key], value), key
+
+
+def test_grouped_layer_within_the_16bit_bounds(grouped):
+    # What the layer returns, forward and backward (y, h_n, c_n, dx, dh0, dc0, the weights'
+    # gradients): the grouped passes against the float64 layer and the 16-bit GEMM path.
+    grouped("lstm", "float16", 16)
+    kern = layer_within_the_16bit_bounds("lstm", "float16", HIDDEN, 16)
+    _ran_grouped(kern.last_run, True)
 
 
 def test_grouped_shared_bytes_are_what_the_kernels_carve_out(grouped, monkeypatch):
@@ -120,7 +141,7 @@ def test_grouped_shared_bytes_are_what_the_kernels_carve_out(grouped, monkeypatc
                             batch_group=0: real(c, t, bwd, n, stack, batch_group)
                             - (4 if batch_group and bwd == backward else 0))
         with pytest.raises(emulate.EmulationError, match="wrote past its"):
-            grouped("lstm", "float16", 16)
+            _run(grouped, "lstm", "float16", 16)
 
 
 def test_a_group_offset_sabotage_fails(grouped, tmp_path, monkeypatch):
@@ -131,7 +152,7 @@ def test_a_group_offset_sabotage_fails(grouped, tmp_path, monkeypatch):
     real = emulate.get_module
     monkeypatch.setattr(emulate, "get_module", lambda source, defines, src_dir=None: real(
         source, defines, src if source == "persistent_backward.cu" else src_dir))
-    got, want, _ = grouped("lstm", "float16", 16)
+    got, want, _ = _run(grouped, "lstm", "float16", 16)
     assert not all(relerr(got[key], ref) <= FP32_BOUND for key, ref in want.items())  # (or NaN)
 
 
