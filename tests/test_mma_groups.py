@@ -22,7 +22,7 @@ layer), the stall, the shared bytes and the sabotage (two kernels and a sabotage
 built); the planner's sizes and the latency model's terms of the grouped backward (one NVRTC
 build). The full set (``PRNN_TEST_EVERY_KERNEL=1``): grouped against the whole batch bitwise,
 LSTM, GRU and the Elman RNN, fp16 and bf16, B 16 and 17 (a partial last group), LSTM fp16 and
-GRU bf16 at B 32 (the GRU's and RNN's backwards grouped, their forwards, which stage less than a
+RNN bf16 at B 32 (the GRU's and RNN's backwards grouped, their forwards, which stage less than a
 backward's group of 8 rows, whole), and ``max_hidden_size`` at B 32.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from test_mma_backward import (FP32_BOUND, _backward, emulation,  # noqa: F401 (
                                layer_within_the_16bit_bounds)
 
 CASES = [(c, d, b) for c in ("lstm", "gru", "rnn_tanh") for d in ("float16", "bfloat16")
-         for b in (16, 17)] + [("lstm", "float16", 32), ("gru", "bfloat16", 32)]  # (the full set's)
+         for b in (16, 17)] + [("lstm", "float16", 32), ("rnn_tanh", "bfloat16", 32)]  # (full set)
 HIDDEN = 40
 
 
