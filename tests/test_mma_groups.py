@@ -101,16 +101,37 @@ def _ran_grouped(stats, grouped: bool) -> None:
     assert "'PRNN_MMA': 2" in stats.details[0]
 
 
+def _passes(layer, data) -> tuple[list[np.ndarray], list]:
+    """The layer's forward and backward on ``data`` (x, hx, dy, dhn): its results and the two
+    passes' RunStats."""
+    x, hx, dy, dhn = data
+    y, (h, c) = layer.forward(x, hx)
+    forward = layer.last_run
+    dx, (dh, dc) = layer.backward(dy, dhn)
+    return ([np.asarray(a) for a in (y, h, c, dx, dh, dc, *layer.grads.values())],
+            [forward, layer.last_run])
+
+
 def test_grouped_passes_match_float64_and_restart_bitwise(grouped, settings):
-    clean, want, _ = _run(grouped, "lstm", "float16", 16)
+    got, want, _ = _run(grouped, "lstm", "float16", 16)
     for key, ref in want.items():
-        assert relerr(clean[key], ref) <= FP32_BOUND, key
+        assert relerr(got[key], ref) <= FP32_BOUND, key
+    # A stall: both passes restart mid-sequence, their launches' first steps staging the second
+    # group from y[t-1] and dgh[t+1] (the first step's `first`), and end bitwise identical.
+    layer = prnn.LSTM(5, HIDDEN, dtype="float16", algo="persistent", seed=7)
+    rng = np.random.default_rng(3)
+    half = lambda *shape: rng.standard_normal(shape).astype(np.float16)  # noqa: E731
+    data = (half(4, 16, 5), (half(1, 16, HIDDEN), half(1, 16, HIDDEN)), half(4, 16, HIDDEN),
+            (half(1, 16, HIDDEN), half(1, 16, HIDDEN)))
+    clean, _ = _passes(layer, data)
+    layer.zero_grad()
     prnn.configure(emulation_timeout_ms=300)
     with prnn.inject_stall(block=1, step=2, duration_ms=700):
-        stalled, _, stats = _run(grouped, "lstm", "float16", 16)
-    assert stats.restarts >= 1 and stats.fallback is None
-    for key, value in clean.items():
-        assert np.array_equal(stalled[key], value), key
+        stalled, stats = _passes(layer, data)
+    for run in stats:
+        assert run.restarts >= 1 and run.fallback is None and "PRNN_BATCH_GROUP" in run.details[0]
+    for a, b in zip(stalled, clean):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
