@@ -223,11 +223,12 @@ def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
     return layout_bytes(shared_layout(cell, tile, backward, stack, batch_group), batch)
 
 
-def groups_batch(tile: Tile, stack: bool = False) -> bool:
-    """Whether a pass of ``tile`` may multiply the batch in groups of rows (``batch_group``):
-    the grid's tensor-core tiles of the layer kernels. (A cluster reads the exchange in place,
-    and its EXCHANGE region holds every batch row: no group makes it smaller.)"""
-    return tile.mma and not tile.cluster and not stack
+def groups_batch(tile: Tile) -> bool:
+    """Whether a layer kernel's pass of ``tile`` may multiply the batch in groups of rows
+    (``batch_group``): the grid's tensor-core tiles. (A cluster reads the exchange in place, and
+    its EXCHANGE region holds every batch row: no group makes it smaller; the stack and
+    projection kernels stage their own vectors.)"""
+    return tile.mma and not tile.cluster
 
 
 def batch_group(cell: CellSpec, tile: Tile, backward: bool, batch: int, limit: int) -> int:
