@@ -36,7 +36,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden;
   SharedCarver sh(batch);  // (plan.shared_layout)
-  float* v_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dgh_{t+1}
+  float* v_s = staged_region(sh);             // [batch or a group][kPadded]: dgh_{t+1}
   float* rec_s = sh.rows(PRNN_SMEM_PARTIAL);  // [batch][kKsplit][kUnits]: partial W_hh^T dgh
   float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [kInputBuffers][batch][kInputs][kUnits]: by step
   float* carry_s = sh.rows(PRNN_SMEM_CARRIES);  // [2][batch][kUnits]: dh (direct), dc carries
@@ -83,13 +83,17 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   for (;;) {
     const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
     float* part_s = step_partials(t, rec_s, v_s);
+    // With batch groups, a launch's first step stages its further groups from dgh_{t+1} (at
+    // t = T-1 there is no product: batch 0).
+    const float* first = kBatchGroup > 0 && t == start ? dgh + (size_t)(t + 1) * batch * gh_len
+                                                       : nullptr;
     // dgh_{t+1} (and step t's inputs) -> partial sums; any timeout? The inputs of step
     // t-kInputsAhead go into the buffer last read by step t+1's pointwise.
     if (step_product(tile, xch, t + 1, v_s, part_s, recurrent ? batch : 0, kUnits, failed, ctl,
                      timeout_ns, [&] {
                        if (t - kInputsAhead >= 0) prefetch_inputs(t - kInputsAhead);
                        else end_input_fetch();
-                     })) {
+                     }, first)) {
       ++t;  // step t was not completed
       break;
     }

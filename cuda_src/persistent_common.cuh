@@ -312,8 +312,8 @@ PRNN_DEVICE void finish_copies() {
 // them (prnn_exchange_value: a restarted launch's first step multiplies by exactly the values the
 // gather gave the step it replays): the first step of a launch. When rows are 16-byte aligned the
 // copies are asynchronous (no registers, all in flight at once): staging is one L2 round trip per
-// step rather than one per element a thread stages.
-PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_len) {
+// step rather than one per element a thread stages. No block barrier (stage_exchanged's).
+PRNN_DEVICE void stage_rows(float* v_s, const float* src, int batch, int k_len) {
   constexpr int kQuads = kPadded / 4;
   const bool async = k_len % 4 == 0 && ((size_t)src & 15) == 0;
   for (int idx = threadIdx.x; idx < batch * kQuads; idx += blockDim.x) {
@@ -330,7 +330,39 @@ PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_
     float* dst = v_s + idx / kQuads * kPadded + 4 * (idx % kQuads);
     for (int e = 0; e < 4; ++e) dst[e] = prnn_exchange_value(dst[e]);
   }
+}
+
+// stage_rows, then a block barrier that makes the staged rows visible.
+PRNN_DEVICE void stage_exchanged(float* v_s, const float* src, int batch, int k_len) {
+  stage_rows(v_s, src, batch, k_len);
   prnn_sync_block();
+}
+
+// Batch groups (-D PRNN_BATCH_GROUP, plan.batch_group; docs/design.md, "Tensor-core tiles"):
+// where a grid pass's staged vector for the whole batch does not fit shared memory, it holds a
+// group of kBatchGroup batch rows (a multiple of 8: whole n-tiles), and a step multiplies group
+// after group: the gather after the pointwise step fetches the first group's rows, and each
+// further group's rows are gathered (a launch's first step: staged from its source) into the
+// same buffer once every warp has multiplied the group before, between two block barriers. The
+// partial sums stay sized for the whole batch. 0 (the default): the whole batch at once.
+#ifndef PRNN_BATCH_GROUP
+#define PRNN_BATCH_GROUP 0
+#endif
+constexpr int kBatchGroup = PRNN_BATCH_GROUP;
+static_assert(kBatchGroup % 8 == 0 && kBatchGroup >= 0, "batch groups of whole n-tiles");
+#if PRNN_BATCH_GROUP && defined(PRNN_CLUSTER)
+#error "PRNN_BATCH_GROUP: a cluster reads the exchange in place, it stages no vector"
+#endif
+
+// Batch rows the staged vector holds at once: the batch, or a group.
+PRNN_DEVICE int staged_rows(int batch) {
+  return kBatchGroup > 0 && kBatchGroup < batch ? kBatchGroup : batch;
+}
+
+// The staged vector's region (plan.shared_layout: STAGED, words per batch row, or with batch
+// groups in all).
+PRNN_DEVICE float* staged_region(SharedCarver& sh) {
+  return kBatchGroup > 0 ? sh.fixed(PRNN_SMEM_STAGED) : sh.rows(PRNN_SMEM_STAGED);
 }
 
 // Tagged quads a thread of the grid's gather loads at once (four registers each): chosen by the
@@ -385,12 +417,22 @@ struct ExchangeOf {
   // k_len was written once at launch start, and the padding words write zeros). False on
   // timeout or abort. The caller's next block barrier makes v_s visible to the block. The grid's
   // (global words); a cluster's warps read their words where they are (wait_lane).
-  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns) const {
+  // With batch groups (kBatchGroup), the rows of the group from batch row r0 alone, into v_s's
+  // first rows; only the first group's gather (r0 0, after the pointwise step) lets idle threads
+  // sleep.
+  PRNN_DEVICE bool gather(float* v_s, int t, PrnnControl* ctl, unsigned long long timeout_ns,
+                          int r0 = 0) const {
     const auto sink = [v_s](int word, const float (&v)[4]) { prnn_store_shared_quad(v_s + word, v); };
     static_assert(kGatherQuads > 0 || Padded < 0, "a grid kernel needs -DPRNN_GATHER_QUADS "
                   "(persistent_rnn/plan.py, gather_quads)");
     const unsigned* src = words + (t & 1) * slot();
-    if (idle) prnn_sleep_ns(kIdleStartNs);
+    if (idle && r0 == 0) prnn_sleep_ns(kIdleStartNs);
+    if constexpr (kBatchGroup > 0) {
+      const int batch = rows.quads * 4 / Padded;
+      const PrnnTaggedRows<Padded> group{staged_rows(batch - r0) * Padded / 4, rows.row_len};
+      return prnn_gather_tagged<kGatherQuads>(src + (size_t)r0 * Padded, group, prnn_step_tag(t),
+                                              kThreads, ctl, timeout_ns, PrnnGlobalQuads{}, sink);
+    }
     return prnn_gather_tagged<kGatherQuads>(src, rows, prnn_step_tag(t), kThreads, ctl, timeout_ns,
                                             PrnnGlobalQuads{}, sink);
   }
@@ -601,6 +643,8 @@ struct Team {
 constexpr bool kWarpTeams = PRNN_WARP_TEAMS;
 constexpr int kStagedBuffers = PRNN_STAGED_BUFFERS;
 constexpr int kInputBuffers = PRNN_INPUT_BUFFERS;
+static_assert(kBatchGroup == 0 || (kStagedBuffers == 1 && !kWarpTeams),
+              "batch groups share one staged buffer, and the block's barriers");
 static_assert(kInputBuffers == 2 || kInputBuffers == 3, "inputs one or two steps ahead");
 constexpr int kInputsAhead = kInputBuffers - 1;  // steps fetched ahead of the step that reads them
 
@@ -671,17 +715,19 @@ PRNN_DEVICE int cta_last_step(int t, int* slots) {
 //
 // Before the first step: the vector of step s (src: [batch][k_len], from an earlier launch or
 // the host; nullptr: none, the backward's step T-1) - a cluster writes it into its words of step
-// s, the grid stages it into v_s (zeros for nullptr) - then this thread's copies are waited for
-// and a block barrier makes it all visible.
+// s, the grid stages it into v_s (zeros for nullptr; with batch groups the first group's rows,
+// step_product stages the others) - then this thread's copies are waited for and a block barrier
+// makes it all visible.
 PRNN_DEVICE void begin_steps(const Exchange& xch, float* v_s, int s, const float* src, int batch) {
 #ifdef PRNN_CLUSTER
   if (src != nullptr) xch.fill(s, src, batch);
   finish_copies();
 #else
   if (src != nullptr) {
-    stage_exchanged(v_s, src, batch, xch.k_len);
+    stage_exchanged(v_s, src, staged_rows(batch), xch.k_len);
   } else {  // later gathers rely on the zero padding
-    for (int idx = threadIdx.x; idx < batch * kPadded; idx += blockDim.x) v_s[idx] = 0.0f;
+    const int words = staged_rows(batch) * kPadded;
+    for (int idx = threadIdx.x; idx < words; idx += blockDim.x) v_s[idx] = 0.0f;
     finish_copies();
   }
 #endif
@@ -693,17 +739,50 @@ PRNN_DEVICE float* step_partials(int t, float* part_s, float* v_s) {
   return kDirectRead && (t & 1) ? v_s : part_s;
 }
 
+// With batch groups (kBatchGroup), the grid's product of step s group by group: the first
+// group's rows are staged in v_s (the gather after the previous step, or begin_steps); each
+// further group's are fetched into v_s once every warp has multiplied the group before - gathered
+// from the exchange, or at a launch's first step (`first`: step s's vector [batch][k_len], else
+// nullptr) staged as begin_steps does -, between two block barriers. Returns true when any
+// thread's wait failed (the step is not done); its copies have landed then (the kernel exits).
+template <class Tile, int Padded>
+PRNN_DEVICE bool multiply_groups(const Tile& tile, const ExchangeOf<Padded>& xch, int s,
+                                 float* v_s, float* part_s, int batch, int local_rows,
+                                 const float* first, PrnnControl* ctl,
+                                 unsigned long long timeout_ns) {
+  for (int r0 = 0;;) {
+    const int rows = staged_rows(batch - r0);
+    multiply_rows(tile, v_s, part_s + r0 * kKsplit * local_rows, rows, local_rows);
+    r0 += kBatchGroup;
+    if (r0 >= batch) return false;
+    prnn_sync_block();  // every warp has read the group's rows: v_s is free
+    int failed = 0;
+    if (first != nullptr) {
+      stage_rows(v_s, first + (size_t)r0 * xch.k_len, staged_rows(batch - r0), xch.k_len);
+    } else {
+      failed = !xch.gather(v_s, s, ctl, timeout_ns, r0);
+    }
+    if (prnn_sync_block_or(failed)) {
+      prnn_copy_wait();  // the step's prefetch lands before the kernel exits
+      return true;
+    }
+  }
+}
+
 // A step's product of the tile and the vector of step s, for `batch` rows (0: none) into
 // part_s; ends with every thread past a block barrier (with kWarpTeam: its warp's barrier only,
 // Team). `failed`: this thread's wait for the vector failed (grid: the gather after the previous
 // step). Returns true when any thread's (a cluster's kWarpTeam: any lane's) wait failed: the step
 // is not done and the kernel (a cluster's warp team: the warp) must stop. prefetch() runs between
 // the barrier that settles that and the product (grid) or after the product's barrier (cluster),
-// where the buffer it refills has been read by every thread that reads it.
+// where the buffer it refills has been read by every thread that reads it. `first`: the step's
+// vector where it is a launch's first (begin_steps' src), else nullptr (batch groups: the
+// further groups' rows are staged from it).
 template <bool kWarpTeam = false, class Prefetch>
-PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int s, const float* v_s,
+PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int s, float* v_s,
                               float* part_s, int batch, int local_rows, int failed,
-                              PrnnControl* ctl, unsigned long long timeout_ns, Prefetch prefetch) {
+                              PrnnControl* ctl, unsigned long long timeout_ns, Prefetch prefetch,
+                              const float* first = nullptr) {
 #ifdef PRNN_CLUSTER
   failed = multiply_exchanged(tile, xch, s, part_s, batch, local_rows, ctl, timeout_ns);
   if (team_sync_or<kWarpTeam>(failed)) return true;
@@ -711,7 +790,13 @@ PRNN_DEVICE bool step_product(const RegisterTile& tile, const Exchange& xch, int
 #else
   if (prnn_sync_block_or(failed)) return true;  // the staged vector visible, and the vote
   prefetch();
-  multiply_rows(tile, v_s, part_s, batch, local_rows);
+  if constexpr (kBatchGroup > 0) {
+    if (multiply_groups(tile, xch, s, v_s, part_s, batch, local_rows, first, ctl, timeout_ns)) {
+      return true;
+    }
+  } else {
+    multiply_rows(tile, v_s, part_s, batch, local_rows);
+  }
   team_sync_or<kWarpTeam>(0);  // the sums visible to the team that finishes them
 #endif
   return false;

@@ -40,7 +40,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   SharedCarver sh(batch);  // (plan.shared_layout)
-  float* h_s = sh.rows(PRNN_SMEM_STAGED);     // [kStaged][batch][kPadded]: h_{t-1} (by parity)
+  float* h_s = staged_region(sh);  // [kStaged][batch or a group][kPadded]: h_{t-1} (by parity)
   float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh h_{t-1}
   float* gi_s = sh.rows(PRNN_SMEM_GI);        // [kInputBuffers][batch][G][kUnits]: gi_t by step
   float* c_s = sh.rows(PRNN_SMEM_C);          // [batch][kUnits]: c_{t-1} of the owned units (LSTM)
@@ -96,13 +96,16 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   int t = idle ? steps - 1 : start, failed = 0;
   while (!idle) {
     float* part_s = step_partials(t, gh_s, h_s);
+    // With batch groups, a launch's first step stages its further groups from h_{t-1}.
+    const float* first = !(kBatchGroup > 0 && t == start) ? nullptr
+                         : t > 0 ? y + (size_t)(t - 1) * batch * hidden : h0;
     // h_{t-1} (and gi_t: this thread's copies waited for) -> partial sums; any timeout?
     // gi_{t+kInputsAhead}'s buffer was last read by step t-1's pointwise.
     if (step_product<kWarpTeam>(tile, xch, t - 1, staged(t - 1), part_s, batch, R, failed, ctl,
                                 timeout_ns, [&] {
                                   if (t + kInputsAhead < steps) prefetch_gi(t + kInputsAhead);
                                   else end_input_fetch();
-                                })) {
+                                }, first)) {
       --t;  // step t was not completed
       break;
     }

@@ -203,7 +203,8 @@ def run_plan(args: argparse.Namespace) -> int:
     for name in ("forward", "backward"):
         p, t = record[name], record[f"{name}_terms"]
         print(f"{name:8}: {p['ctas']} CTAs x {p['block']} threads, {p['registers']} registers "
-              f"({p['weights_per_thread']} weights per thread), {p['shared_bytes']} B shared; "
+              f"({p['weights_per_thread']} weights per thread), {p['shared_bytes']} B shared"
+              f"{_groups(p, args.batch)}; "
               f"predicted {t['total_us']:.2f} µs/step (issue {t['issue_us']:.2f}, matrix "
               f"{t['matrix_us']:.2f}, barriers {t['barrier_us']:.2f}, exchange {t['exchange_us']:.2f} "
               f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f}, prefetch "
@@ -288,6 +289,14 @@ def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:
     else:
         print("(every tile tried and why: --verbose or --json)")
     return 1
+
+
+def _groups(p: dict, batch: int) -> str:
+    """A pass's batch groups (plan.batch_group), as ``prnn plan`` shows them."""
+    group = p.get("batch_group", 0)
+    if not group:
+        return ""
+    return f" ({-(-batch // group)} batch groups of {group} rows: the whole batch does not fit)"
 
 
 def run_kernels(argv: list[str]) -> int:

@@ -1,8 +1,8 @@
 """Compile every shipped persistent-kernel configuration and report its resource use.
 
 ``kernel_records`` compiles the configurations of every kernel family (``KERNEL_FAMILIES``:
-the layer kernels on the grid and as clusters, the LSTM projection, the stack, the 16-bit stack
-on the tensor cores), each cell's
+the layer kernels on the grid and as clusters, the grid's tensor-core tiles in batch groups, the
+LSTM projection, the stack, the 16-bit stack on the tensor cores), each cell's
 forward and backward kernel for every tile the planner can choose, for each architecture,
 with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers
 per thread and spill bytes. The library requires zero spills and registers within the plan.
@@ -31,6 +31,7 @@ from .sass_analysis import disassemble, nvdisasm, sass_loop_counts
 # (algo="auto" runs persistently up to runtime.Settings.auto_max_batch, 32, where the plan fits).
 REPORT_BATCH = 8
 REPORT_STACK = 4  # layers the stack kernels' records are planned for (the grid only)
+GROUPS_BATCH, GROUP_ROWS = 32, 8  # the batch groups' records: B 32 in groups of 8 rows
 
 
 def parse_ptxas(log: str) -> dict[str, int]:
@@ -159,6 +160,22 @@ def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = Fal
                                 yield cell, dtype, p, arch, 0
 
 
+def _grouped_jobs(archs, largest_gather_only: bool):
+    """The grid tensor-core tiles' passes in batch groups (``plan.batch_group``, as the planner
+    runs them where the whole batch's staged vector does not fit shared memory: LSTM H 1024 at
+    B 16 and 32), planned at ``GROUPS_BATCH`` rows in groups of ``GROUP_ROWS``: the group is a
+    compile-time loop bound, the gather sized for a group's rows."""
+    for dtype in ("float16", "bfloat16"):
+        for cell in CELLS.values():
+            for tile in planner.mma_tiles_for(cell, dtype):
+                hidden = planner.tile_max_hidden(cell, tile)
+                for backward in (False, True):
+                    p = planner.pass_plan(cell, tile, backward, hidden, GROUPS_BATCH, dtype=dtype,
+                                          batch_group=GROUP_ROWS)
+                    for arch in archs:
+                        yield cell, dtype, p, arch, 0
+
+
 def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
     """The fp32 tiles' forwards as they serve 16-bit layers at small batches
     (``plan.widened_pass``: the weights widened, h_t rounded to fp16 or bf16 by ``-D
@@ -220,6 +237,8 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "cluster": KernelFamily(partial(_layer_jobs, cluster=True)),
     "mma grid": KernelFamily(partial(_layer_jobs, cluster=False, mma=True)),
     "mma cluster": KernelFamily(partial(_layer_jobs, cluster=True, mma=True)),
+    # (the grid mma tiles in batch groups: the full set, not the CI's)
+    "mma groups": KernelFamily(_grouped_jobs, in_ci=False),
     # (the fp32 tiles' forwards with one rounding more: the full set, not the CI's)
     "widened grid": KernelFamily(partial(_widened_jobs, cluster=False), in_ci=False),
     "widened cluster": KernelFamily(partial(_widened_jobs, cluster=True), in_ci=False),

@@ -123,14 +123,31 @@ class PassShape:
         return self.plan.defines["PRNN_GATHER_QUADS"]
 
     @property
-    def gather_rounds(self) -> int:
-        """Batches of ``gather_quads`` a thread of the gather goes through per step: thread x
-        takes quad slots x, x + threads, ... of the exchange's [B][exchange_row] rows (slots past
-        K are skipped, but hold their place); per gathered vector (``gathers``); an LSTM
-        projection's two exchanges together."""
+    def batch_group(self) -> int:
+        """Batch rows the pass stages at once (``plan.batch_group``): the batch, or a group."""
+        return min(self.batch, self.plan.defines.get("PRNN_BATCH_GROUP") or self.batch)
+
+    @property
+    def groups(self) -> int:
+        """Batch groups a step multiplies one after the other (1: the whole batch at once)."""
+        return -(-self.batch // self.batch_group)
+
+    @property
+    def group_gather_rounds(self) -> int:
+        """Batches of ``gather_quads`` a thread of the gather goes through per gathered group of
+        rows (the whole batch but with batch groups): thread x takes quad slots x, x + threads,
+        ... of the exchange's [rows][exchange_row] rows (slots past K are skipped, but hold their
+        place); per gathered vector (``gathers``); an LSTM projection's two exchanges
+        together."""
         rows = (self.plan.exchange_row,) + ((self.plan.exchange_row_b,) if self.proj else ())
-        return sum(math.ceil(planner.quads_per_thread(self.batch, row, 32 * self.warps)
+        return sum(math.ceil(planner.quads_per_thread(self.batch_group, row, 32 * self.warps)
                              / self.gather_quads) for row in rows)
+
+    @property
+    def gather_rounds(self) -> int:
+        """Batches of ``gather_quads`` a thread gathers per step: ``group_gather_rounds`` per
+        batch group."""
+        return self.groups * self.group_gather_rounds
 
 
 def _tile_of(shape: PassShape) -> planner.Tile:
@@ -147,7 +164,8 @@ def shape_at(cell: CellSpec, p: planner.PassPlan, batch: int, hidden: int,
         return PassShape(cell, p, batch, hidden, proj)
     shaped = replace(p, shared_bytes=planner.shared_bytes(
         cell, _tile_of(PassShape(cell, p, batch, hidden)), "backward" in p.kernel, batch,
-        stack=p.source.startswith("stack_")))
+        stack=p.source.startswith("stack_"),
+        batch_group=p.defines.get("PRNN_BATCH_GROUP", 0)))
     return PassShape(cell, shaped, batch, hidden)
 
 
@@ -215,20 +233,28 @@ def loop_items(kind: str, shape: PassShape, counter: bool) -> float | None:
     return None
 
 
-def loop_trips(kind: str, shape: PassShape, counter: bool) -> float:
+def loop_trips(kind: str, shape: PassShape, counter: bool, in_groups: bool = False) -> float:
     """Trip count per step of an inner loop of ``kind`` (see ``loop_kind``) for ``shape``:
     per-thread loops over n items (``loop_items``) run ceil(n / threads) times (the gather:
-    ``PassShape.gather_rounds``); waits once, and then only the poll that finds its words
+    ``PassShape.group_gather_rounds``); waits once, and then only the poll that finds its words
     (``ready_path``; the wait itself is the ``exchange`` term); the matrix loop once per batch
-    row."""
+    row. ``in_groups``: the loop sits in the loop of the batch groups (``groups_loop``), which
+    runs once per group: there an mma loop takes a group's n-tiles, the gather's loops run for
+    every group but the first (per trip of the groups loop: (groups - 1) / groups of a gather)
+    and the staging of a launch's first step not at all."""
     if kind == "matrix":
         return shape.batch
     if kind == "mma":  # n-tiles of 8 batch rows
-        return math.ceil(shape.batch / 8)
+        return math.ceil(shape.batch / 8) / (shape.groups if in_groups else 1)
+    if kind == "groups":
+        return shape.groups
     if kind == "levels":
         return math.log2(_rows_pow2(shape.plan.defines["PRNN_ROWS"]))
+    if in_groups and kind in ("copy", "fallback", "other"):
+        return 0
     if kind in ("chunks", "scan"):  # (an LSTM projection's two gathers: each its share)
-        return math.ceil(shape.gather_rounds / shape.exchanges)
+        rounds = math.ceil(shape.group_gather_rounds / shape.exchanges)
+        return rounds * (shape.groups - 1) / shape.groups if in_groups else rounds
     if kind == "fallback":
         return 0
     items = loop_items(kind, shape, counter)
@@ -283,6 +309,7 @@ class StepLoop:
     trips: dict[int, float]
     steady: frozenset[int]
     weight: dict[int, float]
+    groups_head: int | None = None  # the loop of the batch groups (``groups_loop``), if any
 
     def ops(self) -> list[str]:
         """The opcodes of the loop's body."""
@@ -291,6 +318,22 @@ class StepLoop:
     def inside(self, kind: str) -> set[int]:
         """The instructions of the inner loops of ``kind``."""
         return set().union(*[b for h, b in self.loop.inner.items() if self.kinds[h] == kind])
+
+    def in_groups(self) -> set[int]:
+        """The instructions of the loops nested in the loop of the batch groups that are not
+        its product (the further groups' gathers, a launch's first step's staging)."""
+        if self.groups_head is None:
+            return set()
+        outer = self.loop.inner[self.groups_head]
+        return set().union(*[b for h, b in self.loop.inner.items()
+                             if b < outer and self.kinds[h] != "mma"])
+
+    def runs(self, head: int) -> float:
+        """Trips per step of the inner loop ``head``, the loop of the batch groups' included
+        where it sits in it."""
+        inside = self.groups_head is not None and head != self.groups_head \
+            and self.loop.inner[head] < self.loop.inner[self.groups_head]
+        return self.trips[head] * (self.trips[self.groups_head] if inside else 1)
 
     def chain(self, head: int) -> float:
         """Cycles of the dependent chain through the steady instructions of the inner loop at
@@ -304,7 +347,9 @@ def step_loop(sass: str, shape: PassShape) -> StepLoop:
     loop = time_loop(sass, converged=True)  # what a step issues: no BRA.DIV fallbacks
     counter = any(step_atomic(loop.code[i][0]) for i in loop.body)  # an arrival counter
     kinds = {h: loop_kind(loop, h) for h in loop.inner}
-    trips = {h: loop_trips(k, shape, counter) for h, k in kinds.items()}
+    groups_head = groups_loop(loop, kinds)
+    outer = loop.inner[groups_head] if groups_head is not None else frozenset()
+    trips = {h: loop_trips(k, shape, counter, loop.inner[h] < outer) for h, k in kinds.items()}
     steady = steady_step(loop, [h for h, k in kinds.items() if k == "spin"])
     weight = {i: 1.0 if i in steady else 0.0 for i in loop.body}
     for head, body in loop.inner.items():
@@ -313,7 +358,18 @@ def step_loop(sass: str, shape: PassShape) -> StepLoop:
         if kinds[head] == "spin":  # a wait issues one poll that finds its words
             for i in body - ready_path(loop, head):
                 weight[i] = 0.0
-    return StepLoop(loop, shape, counter, kinds, trips, steady, weight)
+    return StepLoop(loop, shape, counter, kinds, trips, steady, weight, groups_head)
+
+
+def groups_loop(loop: TimeLoop, kinds: dict[int, str]) -> int | None:
+    """The header of the loop of the batch groups (``-D PRNN_BATCH_GROUP``): a "groups" loop,
+    or - a group of 8 rows, one n-tile, whose product's loop the compiler folds into it - an
+    mma loop holding loops that are not waits (the further groups' gathers); None if none."""
+    for h, kind in kinds.items():
+        nested = [kinds[c] for c, b in loop.inner.items() if b < loop.inner[h]]
+        if kind == "groups" or (kind == "mma" and set(nested) - {"spin"}):
+            return h
+    return None
 
 
 def _cycle_us(device: DeviceProfile) -> float:
@@ -329,7 +385,7 @@ def issue_us(step: StepLoop, device: DeviceProfile, only: str | None = None) -> 
     active = {h: loop_warps(k, shape, step.counter) for h, k in step.kinds.items()}
     share = {i: math.ceil(min([shape.warps] + [active[h] for h, b in loop.inner.items() if i in b])
                           / hw.SCHEDULERS_PER_SM) for i in loop.body}
-    in_matrix = step.inside("matrix") | step.inside("mma")
+    in_matrix = (step.inside("matrix") | step.inside("mma")) - step.in_groups()
     counted = loop.body if only is None else step.inside(only)
     return (sum(step.weight[i] * share[i] for i in counted if i not in in_matrix)
             / hw.ISSUE_PER_CYCLE * _cycle_us(device))
@@ -337,7 +393,8 @@ def issue_us(step: StepLoop, device: DeviceProfile, only: str | None = None) -> 
 
 def row_instructions(step: StepLoop) -> float:
     """Instructions of the matrix loop (an mma tile's: its n-tile loop) per batch row."""
-    return sum(step.weight[i] for i in step.inside("matrix") | step.inside("mma")) / step.shape.batch
+    product = (step.inside("matrix") | step.inside("mma")) - step.in_groups()
+    return sum(step.weight[i] for i in product) / step.shape.batch
 
 
 def row_chain(step: StepLoop) -> float:
@@ -355,8 +412,8 @@ def mma_tile_cycles(step: StepLoop, head: int) -> float:
     accumulator set)."""
     loop, warps = step.loop, step.shape.warps
     sharing = math.ceil(warps / hw.SCHEDULERS_PER_SM)
-    body = loop.inner[head]
-    per_trip = {i: step.weight[i] / step.trips[head] for i in body}
+    body = loop.inner[head] - step.in_groups()
+    per_trip = {i: step.weight[i] / step.runs(head) for i in body}
     ops = {i: loop.code[i][0] for i in body}
     hmma = sum(w for i, w in per_trip.items() if opcode_base(ops[i]) == "HMMA")
     quads = sum(w for i, w in per_trip.items()
@@ -374,7 +431,7 @@ def matrix_us(step: StepLoop, device: DeviceProfile) -> float:
     n-tile of 8 rows, ``mma_tile_cycles``."""
     mma = [h for h, kind in step.kinds.items() if kind == "mma"]
     if mma:
-        return sum(step.trips[h] * mma_tile_cycles(step, h) for h in mma) * _cycle_us(device)
+        return sum(step.runs(h) * mma_tile_cycles(step, h) for h in mma) * _cycle_us(device)
     sharing = math.ceil(step.shape.warps / hw.SCHEDULERS_PER_SM)  # warps per scheduler
     per_row = max(sharing * row_instructions(step) / hw.ISSUE_PER_CYCLE, row_chain(step))
     return step.shape.batch * per_row * _cycle_us(device)
@@ -387,9 +444,12 @@ def matrix_ffma(step: StepLoop) -> int:
 
 
 def block_barriers(step: StepLoop) -> int:
-    """Block barriers a step passes (those of a wait's slow path aside)."""
+    """Block barriers a step passes (those of a wait's slow path aside; those in the loop of the
+    batch groups once per group but the first)."""
     loop, in_spin = step.loop, step.inside("spin")
-    return sum(1 for i in loop.body if opcode_base(loop.code[i][0]) == "BAR" and i not in in_spin)
+    groups = loop.inner[step.groups_head] if step.groups_head is not None else frozenset()
+    return sum(step.shape.groups - 1 if i in groups else 1 for i in loop.body
+               if opcode_base(loop.code[i][0]) == "BAR" and i not in in_spin)
 
 
 def barrier_us(step: StepLoop, device: DeviceProfile) -> float:
@@ -793,6 +853,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     for name, p in (("forward", plan.forward), ("backward", plan.backward)):
         record[name] = {"ctas": p.grid, "block": p.block, "registers": p.registers,
                         "weights_per_thread": p.weights_per_thread, "shared_bytes": p.shared_bytes,
+                        # rows staged at once (plan.batch_group): 0, the whole batch
+                        "batch_group": p.defines.get("PRNN_BATCH_GROUP", 0),
                         "defines": dict(p.defines)}
     st = predict_plan(spec, hidden, batch, plan, dev, proj=proj_size)
     record.update({"prediction": True, "calibration": CALIBRATION,

@@ -170,8 +170,8 @@ def layout_defines(layout: tuple[SharedRegion, ...]) -> dict[str, int]:
     return defines
 
 
-def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
-                  stack: bool = False) -> tuple[SharedRegion, ...]:
+def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = False,
+                  batch_group: int = 0) -> tuple[SharedRegion, ...]:
     """The dynamic shared memory of one CTA of a pass, region by region in the kernel's order:
     the one place it is sized (the kernels carve it from ``layout_defines``).
 
@@ -186,20 +186,27 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
     Then a cluster tile's copy of the exchange, EXCHANGE [2][padded] tagged words per batch row,
     16-byte aligned (a grid tile's exchange is in global memory).
     ``stack``: the stack kernels (``stack_*.cu``): one staged buffer, and the forward keeps b_ih
-    beside b_hh (BIAS [2][G][units]).
+    beside b_hh (BIAS [2][G][units]). ``batch_group`` > 0 (``batch_group``): STAGED holds that
+    many batch rows in all, not one per batch row.
     """
     pt = tile.backward if backward else tile.forward
     units, padded = tile.units, padded_length(pt)
     region = SharedRegion
+
+    def staged(words: int) -> SharedRegion:
+        if batch_group:
+            return region("STAGED", batch_group * words, per_row=False)
+        return region("STAGED", words)
+
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
-        layout = (region("STAGED", padded), region("PARTIAL", pt.ksplit * units),
+        layout = (staged(padded), region("PARTIAL", pt.ksplit * units),
                   region("INPUTS", input_buffers(tile, stack) * inputs * units),
                   region("CARRIES", 2 * units),
                   region("LENGTHS", 1))
     else:
         rows = cell.gates * units
-        layout = (region("STAGED", staged_buffers(cell, tile, stack) * padded),
+        layout = (staged(staged_buffers(cell, tile, stack) * padded),
                   region("PARTIAL", pt.ksplit * rows),
                   region("GI", input_buffers(tile, stack) * rows),
                   region("C", units), region("H", units),
@@ -209,11 +216,34 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool,
 
 
 def shared_bytes(cell: CellSpec, tile: Tile, backward: bool, batch: int,
-                 stack: bool = False) -> int:
+                 stack: bool = False, batch_group: int = 0) -> int:
     """Dynamic shared memory of one CTA of a pass at ``batch`` rows: ``shared_layout``'s bytes.
     ``tests/test_plan.py`` checks with emulated launches that the kernel carves and uses exactly
     this."""
-    return layout_bytes(shared_layout(cell, tile, backward, stack), batch)
+    return layout_bytes(shared_layout(cell, tile, backward, stack, batch_group), batch)
+
+
+def groups_batch(tile: Tile) -> bool:
+    """Whether a layer kernel's pass of ``tile`` may multiply the batch in groups of rows
+    (``batch_group``): the grid's tensor-core tiles. (A cluster reads the exchange in place, and
+    its EXCHANGE region holds every batch row: no group makes it smaller; the stack and
+    projection kernels stage their own vectors.)"""
+    return tile.mma and not tile.cluster
+
+
+def batch_group(cell: CellSpec, tile: Tile, backward: bool, batch: int, limit: int) -> int:
+    """Batch rows a pass of ``tile`` stages at once (``-D PRNN_BATCH_GROUP``, ``kBatchGroup`` of
+    persistent_common.cuh; docs/design.md, "Tensor-core tiles": batch groups): 0 - the whole
+    batch - where its shared memory fits ``limit`` bytes (or the tile does not group,
+    ``groups_batch``), else the largest multiple of 8 rows (whole n-tiles) below the batch whose
+    layout fits (each further group costs the step a gather and two block barriers), or 0 where
+    not even 8 fit."""
+    if not groups_batch(tile) or shared_bytes(cell, tile, backward, batch) <= limit:
+        return 0
+    for group in range((batch - 1) // 8 * 8, 0, -8):
+        if shared_bytes(cell, tile, backward, batch, batch_group=group) <= limit:
+            return group
+    return 0
 
 
 # The smallest batch whose 16-bit layers take the tensor-core tiles first (``tiles.MMA_TILES``,
@@ -285,13 +315,14 @@ def stack_gather_quads(tile: Tile, backward: bool) -> int:
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
-              dtype: str = "float32", stack_layers: int = 0) -> PassPlan:
+              dtype: str = "float32", stack_layers: int = 0, batch_group: int = 0) -> PassPlan:
     """The launch plan of one pass of ``tile`` for ``hidden`` units and ``batch`` rows, with
     weights held in ``dtype`` (fp32 configurations carry no ``PRNN_WEIGHT_DTYPE``: 0 is the
     default). ``stack_layers`` > 0: the stack kernels (``cuda_src/stack_*.cu``) over that many
     unidirectional layers, one set of ``ceil(hidden/units)`` CTAs per layer (a
     ``tiles.STACK_TILES`` tile), whose exchange rows are half a staged row
-    (``stack_common.cuh``)."""
+    (``stack_common.cuh``). ``batch_group`` > 0: the layer kernel stages that many batch rows at
+    once (``batch_group``; 0: the whole batch)."""
     if stack_layers:
         plain = pass_plan(cell, tile, backward, hidden, batch, dtype)
         name = "backward" if backward else "forward"
@@ -327,15 +358,17 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     grid = math.ceil(hidden / tile.units)
     if tile.cluster:  # compiled in, so that an ordinary launch runs the grid as one cluster
         defines["PRNN_CLUSTER"] = grid
-    else:  # a cluster has no gather (kDirectRead)
-        quads = quads_per_thread(batch, padded_length(pt), block)
+    else:  # a cluster has no gather (kDirectRead); a batch group's gather takes its rows
+        quads = quads_per_thread(min(batch, batch_group or batch), padded_length(pt), block)
         defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(pt, dtype), quads)
-    defines.update(layout_defines(shared_layout(cell, tile, backward)))
+    if batch_group:
+        defines["PRNN_BATCH_GROUP"] = batch_group
+    defines.update(layout_defines(shared_layout(cell, tile, backward, batch_group=batch_group)))
     return PassPlan(
         kernel="prnn_persistent_backward" if backward else "prnn_persistent_forward",
         source="persistent_backward.cu" if backward else "persistent_forward.cu",
         defines=defines, grid=grid, block=block,
-        shared_bytes=shared_bytes(cell, tile, backward, batch),
+        shared_bytes=shared_bytes(cell, tile, backward, batch, batch_group=batch_group),
         weights_per_thread=pt.rows * pt.kpt, weight_registers=weight_registers(pt, dtype),
         registers=register_cap(block),
         max_hidden=tile_max_hidden(cell, tile), exchange_row=padded_length(pt))
@@ -477,7 +510,9 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
     first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
     on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; below those batches a 16-bit
-    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``).
+    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``). Where
+    no tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again
+    in batch groups (``batch_group``), the cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_TILES`` (grid path only).
@@ -499,14 +534,28 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
                   + cluster_tiles_for(cell, dtype) if has_clusters(dev) else ())
     candidates += (mma_tiles_for(cell, dtype) if mma else ()) + tiles_for(cell, dtype)
     for tile in candidates:
-        fwd = pass_plan(cell, tile, False, hidden, batch, dtype)
-        bwd = pass_plan(cell, tile, True, hidden, batch, dtype)
+        fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
             return _widened(Plan(True, None, tile, fwd, bwd), cell, hidden, batch, dtype, dev)
         tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
+    # Only where no tile holds the whole batch: the tiles that can, in batch groups (so that a
+    # layer that fits without them keeps its plan).
+    for tile in (t for t in candidates if groups_batch(t)):
+        fwd, bwd = (_grouped_pass(cell, tile, b, hidden, batch, dtype, dev) for b in (False, True))
+        if _why_not(fwd, dev, hidden) is None and _why_not(bwd, dev, hidden) is None:
+            return Plan(True, None, tile, fwd, bwd)
     return _no_fit(f"{cell.name} H={hidden} B={batch}{_dtype_words(dtype)} does not fit "
                    f"{dev.name}", tried)
+
+
+def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
+                  dtype: str, dev: DeviceProfile) -> PassPlan:
+    """``pass_plan`` of a layer kernel on ``dev``, in batch groups where the whole batch's shared
+    memory does not fit it (``batch_group``)."""
+    limit = min(dev.shared_per_block, dev.shared_per_sm)
+    return pass_plan(cell, tile, backward, hidden, batch, dtype,
+                     batch_group=batch_group(cell, tile, backward, batch, limit))
 
 
 def widens(cell: CellSpec, batch: int, backward: bool, cluster: bool) -> bool:

@@ -278,15 +278,18 @@ def loop_kind(loop: TimeLoop, head: int) -> str:
     cp.async: the next step's inputs), "fallback" (ld/st staging, taken only for rows that are
     not 16-byte aligned); else from where it sits: "levels" (inside the matrix loop: the
     reduce-scatter's halving levels, where a tile indexes its accumulators at run time),
+    "groups" (holds an mma loop: the batch groups of ``-D PRNN_BATCH_GROUP``, one trip per group),
     "chunks" (holds loops that are not waits: the gather's batches of quads with their loads and
     checks), "scan" (holds a wait: the gather's batches of quads, each with its polling loop),
     "other"."""
     kind = _own_kind(loop, head)
     if kind:
         return kind
+    children = {_own_kind(loop, h) for h in _children(loop, head)}
+    if "mma" in children:
+        return "groups"
     if any(loop.inner[head] < b and _own_kind(loop, h) == "matrix" for h, b in loop.inner.items()):
         return "levels"
-    children = {_own_kind(loop, h) for h in _children(loop, head)}
     if children - {"spin"}:
         return "chunks"
     return "scan" if children else "other"

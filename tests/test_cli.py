@@ -141,25 +141,26 @@ def test_closed_pipe_ends_quietly():
     assert proc.returncode == 141 and err == b"", err.decode()
 
 
-# issue 31's example was H=768, which the tensor-core tiles now fit (issue 28)
-TOO_BIG = ["plan", "LSTM", "1024", "--batch", "16", "--dtype", "float16"]
+# issue 31's example was H=768, then H=1024, which the tensor-core tiles now fit (issue 28; H
+# 1024 in batch groups)
+TOO_BIG = ["plan", "LSTM", "1280", "--batch", "16", "--dtype", "float16"]
 
 
 def test_plan_of_a_layer_that_does_not_fit_is_three_lines(capsys):
     assert cli.main(TOO_BIG) == 1
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all(len(line) < 200 for line in lines), lines
-    assert lines[0] == ("lstm H=1024 B=16 float16 does not fit h100: limited by shared memory "
-                        "(276544 bytes of shared memory > 232448)")
-    assert lines[1].startswith("the largest hidden size that fits at B=16 float16 is 768; "
+    assert lines[0] == ("lstm H=1280 B=16 float16 does not fit h100: limited by shared memory "
+                        "(345664 bytes of shared memory > 232448)")
+    assert lines[1].startswith("the largest hidden size that fits at B=16 float16 is 1024; "
                                'algo="auto" runs the layer on the GEMM path instead')
     assert "Tile(" not in "".join(lines) and "--verbose" in lines[2]
 
 
 def test_plan_largest_fitting_size_is_the_largest(capsys):
     from persistent_rnn import plan
-    assert plan.make_plan("lstm", 768, 16, "float16", "h100").fits
-    assert not any(plan.make_plan("lstm", h, 16, "float16", "h100").fits for h in range(769, 1025))
+    assert plan.make_plan("lstm", 1024, 16, "float16", "h100").fits
+    assert not any(plan.make_plan("lstm", h, 16, "float16", "h100").fits for h in range(1025, 1281))
 
 
 def test_plan_tile_detail_only_on_request(capsys):

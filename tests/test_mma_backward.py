@@ -128,13 +128,11 @@ def test_mma_backward_matches_the_cuda_core_backward(emulation, request, monkeyp
         assert relerr(got[key], ref) <= FP32_BOUND, key
 
 
-@pytest.mark.parametrize("name,dtype,placement,hidden,batch", CASES)
-def test_mma_backward_layer_within_the_16bit_bounds(emulation, request, name, dtype, placement,
-                                                    hidden, batch):
-    # What the layer returns (16-bit): against the float64 layer within docs/api.md's 16-bit
-    # bound, against the 16-bit GEMM path (h_t rounded where the kernel rounds it) within one
-    # rounding of the dtype.
-    cluster = _placed(request, placement)
+def layer_within_the_16bit_bounds(name: str, dtype: str, hidden: int, batch: int):
+    """What the layer returns (16-bit; forward and backward, random inputs): against the float64
+    layer within docs/api.md's 16-bit bound, against the 16-bit GEMM path (h_t rounded where the
+    kernel rounds it) within one rounding of the dtype. Returns the kernel's layer (its
+    ``last_run``: the backward's)."""
     kern, gemm, ref = forward_layers(name, dtype, hidden)  # (tests/test_mma_tiles.py's)
     rng = np.random.default_rng(batch)
     shape = (1, batch, hidden)
@@ -142,10 +140,18 @@ def test_mma_backward_layer_within_the_16bit_bounds(emulation, request, name, dt
     hx, dhn = (state(0.5), state(1.0)) if kern.cell.has_cell_state else (state(0.5)[0], state(1.0)[0])
     data = (rng.standard_normal((4, batch, 5)), hx, rng.standard_normal((4, batch, hidden)), dhn)
     got = _layer_run(kern, data)
-    _ran(kern.last_run, cluster, mma=True)
     for a, r, g in zip(got, _layer_run(ref, data), _layer_run(gemm, data)):
         assert relerr(a, r) <= TOLERANCE[dtype]
         assert relerr(a, g) <= UNIT_ROUNDOFF[dtype]
+    return kern
+
+
+@pytest.mark.parametrize("name,dtype,placement,hidden,batch", CASES)
+def test_mma_backward_layer_within_the_16bit_bounds(emulation, request, name, dtype, placement,
+                                                    hidden, batch):
+    cluster = _placed(request, placement)
+    kern = layer_within_the_16bit_bounds(name, dtype, hidden, batch)
+    _ran(kern.last_run, cluster, mma=True)
 
 
 def test_mma_backward_keeps_small_fp16_gradients(emulation, grid_path):

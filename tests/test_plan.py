@@ -184,8 +184,8 @@ def test_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fres
         monkeypatch.setattr(plan, "has_clusters", lambda dev, tile=tile: bool(tile.cluster))
         run()
         planned = plan.shared_bytes(spec, tile, backward, batch)
-        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, planned=planned:
-                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n))
+        monkeypatch.setattr(plan, "shared_bytes", lambda c, t, bwd, n, planned=planned, **kw:
+                            planned - 4 if bwd == backward else shared_bytes(c, t, bwd, n, **kw))
         with pytest.raises(emulate.EmulationError, match="wrote past its"):
             run()
         monkeypatch.setattr(plan, "shared_bytes", shared_bytes)
