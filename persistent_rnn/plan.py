@@ -75,6 +75,13 @@ class Plan:
     backward: PassPlan | None = None
     tried: tuple[str, ...] = ()
 
+    @property
+    def in_batch_groups(self) -> bool:
+        """Whether a pass multiplies the batch in groups of rows (``batch_group``: the whole
+        batch's staged vector does not fit shared memory)."""
+        return any(p is not None and "PRNN_BATCH_GROUP" in p.defines
+                   for p in (self.forward, self.backward))
+
 
 def resident_ctas(threads: int, registers: int, registers_per_sm: int = REGISTERS_PER_SM) -> int:
     """CTAs of ``threads`` threads at ``registers`` per thread that an SM's register file holds.

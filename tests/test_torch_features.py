@@ -423,3 +423,23 @@ def test_gpu_path_choice_guards_instead_of_tracing_the_planner(monkeypatch):
     for batch, want in [(4, 1), (64, 2), (8, 1), (40, 2)]:  # the batch dimension turns dynamic
         assert compiled(torch.zeros(3, batch)).eq(want).all()
     paths._largest_fitting_batch.cache_clear()
+
+
+def test_auto_leaves_layers_in_batch_groups_to_torch(monkeypatch):
+    """A 16-bit layer that fits only in batch groups (fp16 LSTM H=1024 at B = 16 on an H100) is
+    not ``algo="auto"``'s: its batch limit stops below the groups, and the reason says why."""
+    from persistent_rnn import plan
+    from persistent_rnn.torch import ops, paths
+
+    monkeypatch.setattr(paths, "_device_profile", lambda index: plan.PROFILES["h100"])
+    paths._largest_fitting_batch.cache_clear()
+    cell = ops._cell("LSTM")
+    try:
+        assert plan.make_plan("lstm", 1024, 16, "float16", device="h100").in_batch_groups
+        assert not plan.make_plan("lstm", 1024, 8, "float16", device="h100").in_batch_groups
+        whole = [b for b in range(1, 33)
+                 if not plan.make_plan("lstm", 1024, b, "float16", device="h100").in_batch_groups]
+        assert paths.persistent_batch_limit(cell, 1024, 0, "float16") == max(whole) < 16
+        assert "batch groups" in paths.persistent_blocker(cell, 1024, 16, 0, "float16")
+    finally:
+        paths._largest_fitting_batch.cache_clear()

@@ -1,7 +1,9 @@
 """Which implementation runs a module's forward: the library (persistent or GEMM) or torch's own.
 
 ``algo="auto"`` runs the persistent kernel where it runs and pays — CUDA float32 tensors, a
-layer that fits the register file, a batch up to ``auto_max_batch`` — and torch's own
+layer that fits the register file with its whole batch staged at once (not in batch groups:
+``plan.Plan.in_batch_groups``, which the latency model predicts slower than cuDNN's persistent
+16-bit kernels where those run), a batch up to ``auto_max_batch`` — and torch's own
 implementation of the same layer everywhere else (cuDNN on the GPU, torch's CPU kernels), so that
 swapping torch.nn for these modules never slows a model down. ``algo="gemm"`` and
 ``algo="persistent"`` run the library and raise ``ValueError`` where it cannot run the layer.
@@ -152,7 +154,7 @@ def persistent_batch_limit(cell: CellSpec, hidden: int, device_index: int,
                            weights: str = "float32", proj_size: int = 0) -> int:
     """Largest batch for which ``algo="auto"`` runs this CUDA layer (an LSTM projection of
     ``proj_size``, 0: none) in the persistent kernel with W_hh (and W_hr) held in ``weights``
-    (0: none): at most ``auto_max_batch``, and the plan must fit.
+    (0: none): at most ``auto_max_batch``, and the plan must fit without batch groups.
     Under torch.compile the batch (possibly dynamic) is compared with it, which guards the graph
     instead of tracing the planner."""
     return _largest_fitting_batch(cell, hidden, device_index, settings.current().auto_max_batch,
@@ -164,7 +166,8 @@ def _largest_fitting_batch(cell: CellSpec, hidden: int, device_index: int, limit
                            weights: str, proj_size: int) -> int:
     device = _device_profile(device_index)
     for batch in range(limit, 0, -1):
-        if planner.make_plan(cell, hidden, batch, weights, device, proj_size).fits:
+        plan = planner.make_plan(cell, hidden, batch, weights, device, proj_size)
+        if plan.fits and not plan.in_batch_groups:
             return batch
     return 0
 
@@ -177,6 +180,9 @@ def persistent_blocker(cell: CellSpec, hidden: int, batch: int, device_index: in
         return f"batch {batch} > {limit} (auto_max_batch): torch's kernels run it"
     plan = planner.make_plan(cell, hidden, batch, weights, _device_profile(device_index),
                              proj_size)
+    if plan.fits:  # (in batch groups: ``persistent_batch_limit``)
+        return (f"batch {batch} runs the persistent kernel in batch groups only, predicted "
+                f"slower than cuDNN's kernels: torch's kernels run it")
     return f"{plan.reason}; torch's kernels run it"
 
 
