@@ -143,8 +143,10 @@ class Plan:
         self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh,
                                                     self._pass_bias(b_hh), d.h0, d.c0,
                                                     ctx.lengths, self.half, self.w_hr, d.fwd)
-        # what a call's output selection reads (held: no look-up inside a captured chain)
+        # what a call's output and input selections read (held: no look-up inside a captured
+        # chain; a 16-bit input is selected on its bits, as ``functional._selected_input``)
         self.mask = buffers.mask_arrays(xp, gi) if lengths else None
+        self.x_mask = buffers.mask_arrays(xp, _bits(x)) if lengths else None
         self.forward_pass.around = runtime.Around(
             self._before_forward, self._after_forward, self._forward_fixed(b_ih, b_hh),
             ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",))
@@ -156,7 +158,8 @@ class Plan:
 
     def _forward_fixed(self, b_ih: Array | None, b_hh: Array | None) -> dict:
         """The forward chain's ``fixed`` arrays (``runtime.Around``)."""
-        return {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask}
+        return {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask,
+                "x_mask": self.x_mask}
 
     def _state_roles(self) -> tuple[str, ...]:
         """The forward chain's roles beyond the output's: none (the initial states the caller
@@ -223,14 +226,16 @@ class Plan:
     def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``functional.forward(cell, params, x, hx, lengths, algo=...)`` of a matching call
-        (``matches``: ``params`` holds the planned weights)."""
+        (``matches``: ``params`` holds the planned weights); ``lengths``: valid int32 on the
+        input's array module, as the callers make them (``validation.lengths``,
+        ``torch.interop.lengths_array``)."""
         xp, cell = self.xp, self.cell
         h0, c0, states = self._initial_states(hx)
         layer_input, given = x, None
-        if lengths is not None:  # (as functional's: int32, the input zero past each length)
-            lengths = buffers.full_lengths(xp, lengths, 0, 0)
-            layer_input = functional._selected_input(xp, x, lengths)
-        elif not x.flags.c_contiguous:  # (copied in the chain: its products read rows in place)
+        if lengths is not None or not x.flags.c_contiguous:
+            # (formed in the chain: with lengths the input zero past each length, as
+            # functional's ``_selected_input``; else a strided input copied, its products
+            # reading rows in place)
             layer_input, given = xp.empty(x.shape, x.dtype), x
         y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
         fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
@@ -264,8 +269,7 @@ class Plan:
         """Inside the forward's chain, before its pass (``runtime.Around``): a strided input
         (the layer API takes any view) copied into this call's contiguous one, the input GEMM and its
         bias, ``gi = x W_ih^T + b_ih``, as ``functional.forward`` forms them."""
-        if arrays["x_given"] is not None:
-            self.xp.copyto(arrays["x"], arrays["x_given"])
+        _formed_input(self.xp, arrays, fixed)
         matmul_steps(arrays["x"], fixed["w_ih_t"], fixed["gi"])
         if fixed["b_ih"] is not None:
             fixed["gi"] += fixed["b_ih"]
@@ -409,6 +413,24 @@ class Plan:
 
 
 
+def _bits(a: Array) -> Array:
+    """``a`` as it is selected: a 16-bit array on its bits (+0.0 is all zero bits)."""
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
+def _formed_input(xp, arrays: dict, fixed: dict) -> None:
+    """Inside a forward's chain, the call's layer input ``x`` formed from the given one where
+    they differ: selected with lengths (``functional._selected_input``), else copied (a
+    strided input)."""
+    given = arrays["x_given"]
+    if given is None:
+        return
+    if arrays["lengths"] is None:
+        xp.copyto(arrays["x"], given)
+    else:
+        select_active(xp, _bits(given), arrays["lengths"], _bits(arrays["x"]), fixed["x_mask"])
+
+
 def _projection_gradient(s: Any, hs: Array, out: Array) -> None:
     """An LSTM projection's ``dW_hr = sum_t dr_t^T h_t`` into ``out``: one product over all
     steps, as ``functional._layer_gradients`` forms it (``s``: the backward's scratch, ``hs``
@@ -496,8 +518,7 @@ class HalfPlan(Plan):
                 _refresh(fixed[key + " words"], fixed[key])
         if fixed["b_hh"] is not None:
             widen(fixed["b_hh"], fixed["b_hh_wide"])
-        if arrays["x_given"] is not None:
-            self.xp.copyto(arrays["x"], arrays["x_given"])
+        _formed_input(self.xp, arrays, fixed)
         x = arrays["x"]
         matmul_half(x.reshape(-1, x.shape[2]), fixed["w_ih_t"], self.half, fixed["gi"])
         if fixed["b_ih"] is not None:

@@ -401,11 +401,13 @@ def test_a_planned_call_issues_its_moved_operations_inside_the_chain(settings, m
 
 
 def _lengths_steps(cell: str, planned, full, seeds) -> None:
-    """Forward and backward with other lengths every call (a list, then an array), bitwise."""
+    """Forward and backward with other lengths every call (a list, then an array), bitwise; the
+    input NaN past each length (selected out inside the planned chain: no result sees it)."""
     for seed in seeds:
         x, dy = _data(seed, steps=5)
         lengths = np.random.default_rng(seed).integers(1, 6, 2)
         lengths[0] = 5
+        x[lengths[1]:, 1] = np.nan
         results = []
         for layer in (planned, full):
             full._plan = None
@@ -420,19 +422,25 @@ def _lengths_steps(cell: str, planned, full, seeds) -> None:
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
 def test_calls_with_lengths_are_planned_bitwise(settings, monkeypatch, cell):
     """Lengths (a per-call role of the prepared passes) of other values every call: planned,
-    bitwise the full path; bad lengths after planning get the full path's errors."""
+    bitwise the full path, the input's selection too inside the chain (stubbed: nothing runs
+    beside it); bad lengths after planning get the full path's errors."""
     hits = _Hits(monkeypatch)
     planned, full = _layer(cell), _layer(cell)
     _lengths_steps(cell, planned, full, range(5))
     assert (hits.forwards, hits.backwards) == (3, 2)
-    x, _ = _data(0, steps=5)
+    x, dy = _data(0, steps=5)
+    with monkeypatch.context() as m:
+        m.setattr(launch, "_issue_chain", lambda *a: None)
+        assert _array_work(lambda: planned.forward(x, lengths=[5, 2])) == 0
+        assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (4, 3)
     with pytest.raises(ValueError, match=r"lengths must be in 1\.\.5"):
         planned.forward(x, lengths=[5, 0])
     with pytest.raises(ValueError, match=r"lengths must have shape \(batch,\) = \(2,\)"):
         planned.forward(x, lengths=[5, 2, 1])
     with pytest.raises(TypeError, match="lengths must hold integers"):
         planned.forward(x, lengths=[5.0, 2.0])
-    assert hits.forwards == 3
+    assert hits.forwards == 4
 
 
 def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeypatch):
@@ -441,6 +449,17 @@ def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeyp
     backward_arrays = runtime.backward_arrays
     monkeypatch.setattr(runtime, "backward_arrays",
                         lambda dy, fwd, h0, c0, lengths=None: backward_arrays(dy, fwd, h0, c0))
+    with pytest.raises(AssertionError):
+        _lengths_steps("GRU", _layer("GRU"), _layer("GRU"), range(5))
+
+
+def test_a_planned_input_left_unselected_is_caught(settings, monkeypatch):
+    """Sabotage: a planned chain that copies the input instead of selecting it with lengths
+    lets the padding's NaN into the gradients: the check above fails."""
+    def copied(xp, arrays, fixed):
+        if arrays["x_given"] is not None:
+            xp.copyto(arrays["x"], arrays["x_given"])
+    monkeypatch.setattr(call_plans, "_formed_input", copied)
     with pytest.raises(AssertionError):
         _lengths_steps("GRU", _layer("GRU"), _layer("GRU"), range(5))
 
