@@ -79,7 +79,15 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
     too: a plan's caller gives it valid lengths (the torch modules' packed input, whose lengths
     ``PackedLayout`` derives; the layer API checks them before a planned call as its full path
     does). ``accumulates``: its backward adds the parameter gradients into its caller's arrays
-    inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``)."""
+    inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``). A stack that
+    ran in stack mode: ``stack_plans``."""
+    if ctx.num_layers > 1 and _where(buffers.array_module(x)) is not None and not ctx.batch_first \
+            and ctx.stats.algo == "persistent":
+        from . import stack_plans  # (it builds on this module)
+        plan = stack_plans.plan_of(ctx, x, hx, lengths)
+        if plan is not None:
+            plan.key, plan.accumulates = key, accumulates
+        return plan
     if not (ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.stats.algo == "persistent"
             and x.dtype == (np.float32 if ctx.half is None else half_dtype(ctx.half))
@@ -269,7 +277,7 @@ class Plan:
         """Inside the forward's chain, before its pass (``runtime.Around``): a strided input
         (the layer API takes any view) copied into this call's contiguous one, the input GEMM and its
         bias, ``gi = x W_ih^T + b_ih``, as ``functional.forward`` forms them."""
-        _formed_input(self.xp, arrays, fixed)
+        formed_input(self.xp, arrays["x_given"], arrays["x"], arrays["lengths"], fixed["x_mask"])
         matmul_steps(arrays["x"], fixed["w_ih_t"], fixed["gi"])
         if fixed["b_ih"] is not None:
             fixed["gi"] += fixed["b_ih"]
@@ -418,17 +426,17 @@ def _bits(a: Array) -> Array:
     return a.view(np.uint16) if a.dtype.itemsize == 2 else a
 
 
-def _formed_input(xp, arrays: dict, fixed: dict) -> None:
-    """Inside a forward's chain, the call's layer input ``x`` formed from the given one where
-    they differ: selected with lengths (``functional._selected_input``), else copied (a
-    strided input)."""
-    given = arrays["x_given"]
+def formed_input(xp, given: Array | None, x: Array, lengths: Array | None,
+                 mask: tuple | None) -> None:
+    """Inside a forward's chain, the call's layer input ``x`` formed from the ``given`` one where
+    they differ (``None``: they do not): selected with ``lengths`` (``functional._selected_input``;
+    ``mask``: the plan's ``buffers.mask_arrays`` of its bits), else copied (a strided input)."""
     if given is None:
         return
-    if arrays["lengths"] is None:
-        xp.copyto(arrays["x"], given)
+    if lengths is None:
+        xp.copyto(x, given)
     else:
-        select_active(xp, _bits(given), arrays["lengths"], _bits(arrays["x"]), fixed["x_mask"])
+        select_active(xp, _bits(given), lengths, _bits(x), mask)
 
 
 def _projection_gradient(s: Any, hs: Array, out: Array) -> None:
@@ -518,7 +526,7 @@ class HalfPlan(Plan):
                 _refresh(fixed[key + " words"], fixed[key])
         if fixed["b_hh"] is not None:
             widen(fixed["b_hh"], fixed["b_hh_wide"])
-        _formed_input(self.xp, arrays, fixed)
+        formed_input(self.xp, arrays["x_given"], arrays["x"], arrays["lengths"], fixed["x_mask"])
         x = arrays["x"]
         matmul_half(x.reshape(-1, x.shape[2]), fixed["w_ih_t"], self.half, fixed["gi"])
         if fixed["b_ih"] is not None:

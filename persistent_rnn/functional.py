@@ -102,6 +102,7 @@ class Context:
     backward_stats: RunStats | None = None                          # of the last backward
     scratch_results: bool = False  # results in reused workspaces (see ``forward``)
     plan: Any = None               # the ``call_plans.Plan`` that ran the forward, if one did
+    stacked: Any = None            # a planned stack's buffers, all layers' (``stack_plans``)
 
 
 def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,

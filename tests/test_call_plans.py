@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime
+from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime, stack_plans
 from persistent_rnn.validation import CallOrderError
 from full_set import EVERY_KERNEL
 from profiling import run_profiled
@@ -456,10 +456,10 @@ def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeyp
 def test_a_planned_input_left_unselected_is_caught(settings, monkeypatch):
     """Sabotage: a planned chain that copies the input instead of selecting it with lengths
     lets the padding's NaN into the gradients: the check above fails."""
-    def copied(xp, arrays, fixed):
-        if arrays["x_given"] is not None:
-            xp.copyto(arrays["x"], arrays["x_given"])
-    monkeypatch.setattr(call_plans, "_formed_input", copied)
+    def copied(xp, given, x, lengths, mask):
+        if given is not None:
+            xp.copyto(x, given)
+    monkeypatch.setattr(call_plans, "formed_input", copied)
     with pytest.raises(AssertionError):
         _lengths_steps("GRU", _layer("GRU"), _layer("GRU"), range(5))
 
@@ -610,3 +610,113 @@ def test_projection_calls_are_planned_bitwise(settings, monkeypatch, dtype, hidd
     _half_steps(planned, full, range(4), states=True, lengths=True)
     assert planned._plan is not None and planned._plan.proj == proj
     assert (hits.forwards, hits.backwards) == (2, 1)
+
+
+# Stack mode (stack_plans.StackPlan): test_call_allocations' stack shapes (its emulated stack
+# kernels, on the grid path), two layers.
+ST, SB, SH, SI = 3, 3, 8, 5
+
+
+class _StackHits:
+    """Counts the planned stack forwards and backwards that ran."""
+
+    def __init__(self, monkeypatch):
+        self.forwards = self.backwards = 0
+        forward, backward = stack_plans.StackPlan.forward, stack_plans.StackPlan._planned_backward
+
+        def counted_forward(plan, *args):
+            self.forwards += 1
+            return forward(plan, *args)
+
+        def counted_backward(plan, *args):
+            self.backwards += 1
+            return backward(plan, *args)
+        monkeypatch.setattr(stack_plans.StackPlan, "forward", counted_forward)
+        monkeypatch.setattr(stack_plans.StackPlan, "_planned_backward", counted_backward)
+
+
+def _stack_layer(cell: str):
+    prnn.configure(stack=True)
+    return getattr(prnn, cell)(SI, SH, num_layers=2, algo="persistent", seed=3)
+
+
+def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
+    """Training steps of a planned stack and one never planned, bitwise: forward, backward and
+    an in-place update of every weight (an optimizer's); ``extras``: initial states and other
+    lengths every call (the input NaN past each length)."""
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((ST, SB, SI)).astype(np.float32)
+        dy = rng.standard_normal((ST, SB, SH)).astype(np.float32)
+        hx = lengths = None
+        if extras:
+            lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
+            x[lengths[1]:, 1] = np.nan
+            h = rng.standard_normal((2, SB, SH)).astype(np.float32)
+            hx = h if cell == "GRU" else (h, rng.standard_normal((2, SB, SH)).astype(np.float32))
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx, lengths=lengths)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+            for name, w in layer.params.items():
+                w -= 0.01 * layer.grads[name]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cell,extras", [("GRU", True), ("LSTM", False), ("LSTM", True)])
+def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell, extras):
+    """A two-layer stack that runs in stack mode plans its calls (one chain per pass, every
+    operation of the call inside it): bitwise the full path's, across in-place weight updates,
+    with initial states and lengths or without; with its chains stubbed nothing runs beside
+    them, nor the layer API's accumulation (the gradients stay as they were)."""
+    hits = _StackHits(monkeypatch)
+    planned, full = _stack_layer(cell), _stack_layer(cell)
+    _stack_steps(cell, planned, full, range(4), extras)
+    assert isinstance(planned._plan, stack_plans.StackPlan)
+    assert (hits.forwards, hits.backwards) == (2, 1)
+    assert "stack of 2 layers" in planned.last_run.details[0]
+    x, dy = np.ones((ST, SB, SI), np.float32), np.ones((ST, SB, SH), np.float32)
+    lengths = [ST, 1, 2] if extras else None
+    hx = planned._plan.h0 if cell == "GRU" else (planned._plan.h0, planned._plan.c0)
+    hx = hx if extras else None
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    assert _array_work(lambda: planned.forward(x, hx, lengths=lengths)) == 0
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(g, grads[name])
+
+
+@pytest.mark.parametrize("sabotage", ["weights stacked once", "outputs copied unselected"])
+def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
+    """Sabotage: a planned stack whose forward's chain reads the weights as they were when
+    planned (an optimizer's in-place updates unseen), or copies each layer's output where
+    lengths select it, fails the bitwise check above."""
+    if sabotage == "weights stacked once":
+        layers, frozen = stack_plans.StackPlan._layers, {}
+
+        def stale(plan):
+            if id(plan) not in frozen:
+                frozen[id(plan)] = [tuple(None if w is None else w.copy() for w in ws)
+                                    for ws in layers(plan)]
+            return frozen[id(plan)]
+        before = stack_plans.StackPlan._before_forward
+
+        def stale_before(plan, call):
+            plan._layers = lambda: stale(plan)
+            try:
+                before(plan, call)
+            finally:
+                del plan._layers
+        monkeypatch.setattr(stack_plans.StackPlan, "_before_forward", stale_before)
+    else:
+        after = stack_plans.StackPlan._after_forward
+        monkeypatch.setattr(stack_plans.StackPlan, "_after_forward",
+                            lambda plan, call: after(plan, (*call[:5], None, *call[6:])))
+    with pytest.raises(AssertionError):
+        _stack_steps("LSTM", _stack_layer("LSTM"), _stack_layer("LSTM"), range(4), True)
