@@ -83,14 +83,15 @@ def test_a_steady_state_call_allocates_only_what_it_returns_and_keeps(settings, 
 
 
 # Stack mode (two unidirectional layers in one launch per pass): the same, per layer (dh and dc
-# each one array whose rows are the layers').
+# each one array whose rows are the layers'). The counted call is planned (stack_plans, since
+# 2026-11-27): its parameter gradients are formed in the plan's workspaces and added into the
+# layer's inside the chain (the full path: 8 new arrays, one per parameter).
 STACK_FORWARD = {"GRU": ["y of both layers (context)", "saved of both (context)",
                          "layer 0's output (context: layer 1's input)", "output", "h_n"],
                  "LSTM": ["y of both layers (context)", "cs of both (context)",
                           "saved of both (context)", "layer 0's output (context: layer 1's input)",
                           "output", "h_n", "c_n"]}
-STACK_BACKWARD = {"GRU": ["dx", "dh"] + [f"{g} of layer {k}" for g in ("dW_ih", "dW_hh", "db_ih",
-                                                                           "db_hh") for k in (0, 1)]}
+STACK_BACKWARD = {"GRU": ["dx", "dh"]}
 STACK_BACKWARD["LSTM"] = STACK_BACKWARD["GRU"] + ["dc"]
 
 

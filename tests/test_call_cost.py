@@ -275,12 +275,14 @@ def _packed_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[
     return step
 
 
-def _sized_layer_call(hidden: int, dtype: str, proj: int = 0) -> Callable:
+def _sized_layer_call(hidden: int, dtype: str, proj: int = 0, layers: int = 1) -> Callable:
     """A builder (``_BUILD``) of a layer's call at B=3, input size 5 and ``hidden`` (``proj``: an
-    LSTM projection's P): the sizes of tests/test_half_kernels.py (float16, H=13) and
-    tests/test_projection_persistent.py (H=12, P=6), whose emulated kernels they build."""
+    LSTM projection's P; ``layers``: a stack's, in stack mode): the sizes of
+    tests/test_half_kernels.py (float16, H=13), tests/test_projection_persistent.py (H=12, P=6)
+    and tests/test_call_allocations.py's stacks (H=8), whose emulated kernels they build."""
     def build(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
-        layer = cls(5, hidden, algo=algo, seed=0, dtype=dtype, proj_size=proj)
+        layer = cls(5, hidden, algo=algo, seed=0, dtype=dtype, proj_size=proj,
+                    num_layers=layers)
         x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(layer.dtype)
         dy = np.ones((steps, 3, proj or hidden), layer.dtype)
 
@@ -308,6 +310,8 @@ def _half_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[]
 _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           "layer16": (_sized_layer_call(13, "float16"), {"GRU": prnn.GRU}),
           "projection": (_sized_layer_call(12, "float32", 6), {"LSTM": prnn.LSTM}),
+          "stack": (_sized_layer_call(8, "float32", layers=2), {"GRU": prnn.GRU,
+                                                                "LSTM": prnn.LSTM}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -365,6 +369,12 @@ PLANNED_LIMITS = {
     # chain, as above)
     ("projection", "LSTM", False): 32,  # 29  (98)
     ("projection", "LSTM", True): 59,   # 54  (213)
+    # a two-layer stack in stack mode (stack_plans, 2026-11-27: every operation of the call
+    # inside its one chain per pass; B=3, T=1): the count, then the full path's
+    ("stack", "GRU", False): 40,    # 36  (157)
+    ("stack", "GRU", True): 84,     # 76  (326)
+    ("stack", "LSTM", False): 41,   # 37  (170)
+    ("stack", "LSTM", True): 85,    # 77  (372)
 }
 
 
