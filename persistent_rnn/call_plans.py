@@ -83,8 +83,8 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
     does). ``accumulates``: its backward adds the parameter gradients into its caller's arrays
     inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``). A stack that
     ran in stack mode: ``stack_plans``."""
-    if ctx.num_layers > 1 and _where(buffers.array_module(x)) is not None and not ctx.batch_first \
-            and ctx.stats.algo == "persistent":
+    if (ctx.num_layers > 1 or ctx.bidirectional) and not ctx.batch_first \
+            and _where(buffers.array_module(x)) is not None and ctx.stats.algo == "persistent":
         from . import stack_plans  # (it builds on this module)
         plan = stack_plans.plan_of(ctx, x, hx, lengths)
         if plan is not None:

@@ -36,15 +36,17 @@ Array = Any
 
 
 def stack_engine(ctx: functional.Context, data: Array, backward: bool) -> Any:
-    """The stack-mode engine a unidirectional float32 call of ``ctx`` runs on, or ``None``."""
+    """The stack-mode engine a float32 call of ``ctx`` runs on, or ``None``."""
     hidden = ctx.directions[0][0].h0.shape[1]
-    engine, _ = stack.engine(ctx.cell, data, hidden, ctx.num_layers, False, ctx.algo, None,
-                             backward, proj="weight_hr_l0" in ctx.params)
+    engine, _ = stack.engine(ctx.cell, data, hidden, ctx.num_layers, ctx.bidirectional,
+                             ctx.algo, None, backward, proj="weight_hr_l0" in ctx.params)
     return engine
 
 
 class StackPlan(Plan):
     """One stack-mode call of one signature (module docstring)."""
+
+    chained = True  # (the kernels' groups are layers, each reading the one below)
 
     def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool,
                  engine: Any):
@@ -56,8 +58,10 @@ class StackPlan(Plan):
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
         self.where, self.settings = _where(xp), settings.current()
         self.generation = buffers.generation()
-        layers, (steps, batch, _) = ctx.num_layers, x.shape
-        self.layer_names = [ctx.directions[k][0].names for k in range(layers)]
+        steps, batch, _ = x.shape
+        self.layer_names = self._groups(ctx)
+        self.num_layers = ctx.num_layers
+        layers = len(self.layer_names)
         # (all parameters by name: ``Plan._same_weights`` checks them)
         self.names = {n: n for names in self.layer_names for n in names.values()}
         self.weights = tuple(ctx.params[n] for n in self.names)
@@ -65,7 +69,7 @@ class StackPlan(Plan):
         gates, hidden = w_hh.shape[0], w_hh.shape[1]
         self.hidden = hidden
         self.state_shape = self.c_shape = (layers, batch, hidden)
-        self.y_shape = (steps, batch, hidden)
+        self.y_shape = (steps, batch, hidden * (1 + ctx.bidirectional))
         self.h0, self.c0 = functional._initial_states(ctx.cell, xp, None, layers, batch,
                                                       (hidden, hidden), np.float32)
         self.engine = engine
@@ -76,11 +80,21 @@ class StackPlan(Plan):
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
         self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
         self.stacked = dict(
-            w_ih=workspace(xp, "stack_w_ih", (layers - 1, gates, hidden), np.float32),
+            w_ih=self._w_ih_stack(xp, layers, gates, hidden),
             w_hh=workspace(xp, "stack_w_hh", (layers, gates, hidden), np.float32),
             b_ih=workspace(xp, "stack_bias2", (layers, gates), np.float32),
             b_hh=workspace(xp, "stack_bias3", (layers, gates), np.float32))
         self.zero_bias = buffers.constant_zeros(xp, (gates,), np.float32)
+
+    @staticmethod
+    def _groups(ctx: functional.Context) -> list[dict[str, str]]:
+        """The parameter names of the stack kernels' groups, in order: the layers'."""
+        return [ctx.directions[k][0].names for k in range(ctx.num_layers)]
+
+    @staticmethod
+    def _w_ih_stack(xp, layers: int, gates: int, hidden: int) -> Array:
+        """The workspace the forward kernel reads the layers' ``W_ih`` from (above the first)."""
+        return workspace(xp, "stack_w_ih", (layers - 1, gates, hidden), np.float32)
 
     def _layers(self) -> list[tuple]:
         """Each layer's ``(w_ih, w_hh, b_ih, b_hh)`` (biases ``None`` without them): the
@@ -107,70 +121,94 @@ class StackPlan(Plan):
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the chain)
             layer_input, given = xp.empty(x.shape, x.dtype), x
-        layers = self.state_shape[0]
+        groups = self.state_shape[0]
         steps, batch, _ = x.shape
-        y = xp.empty((layers, steps, batch, self.hidden), np.float32)
+        y = xp.empty((groups, steps, batch, self.hidden), np.float32)
         cs = xp.empty_like(y) if cell.has_cell_state else None
-        saved = xp.empty((layers, steps, batch, cell.saved * self.hidden), np.float32)
-        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32) for _ in range(layers - 1)]
+        saved = xp.empty((groups, steps, batch, cell.saved * self.hidden), np.float32)
+        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
+                                  for _ in range(self.num_layers - 1)]
         out = xp.empty(self.y_shape, np.float32)
         h_n = xp.empty(self.state_shape, np.float32)
         c_n = None if cs is None else xp.empty(self.state_shape, np.float32)
+        reverse = self._reverse_index(lengths)
         args = stack.forward_arguments(
-            self.stacked, self.gi.reshape(steps, batch, -1), h0, h0 if c0 is None else c0,
-            self.all_steps if lengths is None else lengths, True, y, cs, saved)
-        call = (given, inputs, out, h_n, c_n, lengths, y, cs)
+            self.stacked, self._kernel_gi(), h0, h0 if c0 is None else c0,
+            self.all_steps if lengths is None else lengths, self.chained, y, cs, saved)
+        call = (given, inputs, out, h_n, c_n, lengths, y, cs, reverse)
         stats = stack.run_forward(self.engine, args, xp, stack.Around(
             lambda: self._before_forward(call), lambda: self._after_forward(call),
-            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n))))
-        ctx = functional.Context(cell, params, layers, False, False, self.algo, lengths, None,
-                                 None, inputs, [[functional._Direction(
-                                     self.layer_names[k], h0[k], None if c0 is None else c0[k],
-                                     runtime.ForwardResult(y[k], None if cs is None else cs[k],
-                                                           saved[k]))]
-                                     for k in range(layers)], stats)
+            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n, reverse))))
+        directions = [functional._Direction(
+            self.layer_names[k], h0[k], None if c0 is None else c0[k],
+            runtime.ForwardResult(y[k], None if cs is None else cs[k], saved[k]))
+            for k in range(groups)]
+        per_layer = groups // self.num_layers
+        ctx = functional.Context(cell, params, self.num_layers, per_layer == 2, False, self.algo,
+                                 lengths, reverse, None, inputs,
+                                 [directions[k:k + per_layer]
+                                  for k in range(0, groups, per_layer)], stats)
         ctx.plan, ctx.stacked = self, (y, cs, saved, h0, c0)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
+    def _kernel_gi(self) -> Array:
+        """The input projection the forward kernel reads: layer 0's (T, B, G*H)."""
+        return self.gi.reshape(*self.x_shape[:2], -1)
+
+    def _reverse_index(self, lengths: Array | None) -> Array | None:
+        """A call's within-length reversal (``functional._reverse_index``): none in a stack."""
+        return None
+
     def _before_forward(self, call: tuple) -> None:
-        """Inside the forward's chain, before its pass: the input formed, layer 0's input
-        projection ``gi = x W_ih^T + b_ih`` and the weights and biases stacked, as
-        ``functional._forward_stack`` and ``stack.forward`` make them."""
-        xp, (given, inputs, _, _, _, lengths, _, _) = self.xp, call
+        """Inside the forward's chain, before its pass: the input formed, the input projection
+        (``_project``) and the weights and biases stacked, as ``functional._forward_stack`` and
+        ``stack.forward`` make them."""
+        xp, (given, inputs, _, _, _, lengths, _, _, _) = self.xp, call
         formed_input(xp, given, inputs[0], lengths, self.mask)
         layers = self._layers()
-        matmul_steps(inputs[0], layers[0][0].T, self.gi)
-        if layers[0][2] is not None:
-            self.gi += layers[0][2]
+        self._project(call, layers)
         s = self.stacked
-        if len(layers) > 1:
-            xp.stack([w[0] for w in layers[1:]], out=s["w_ih"])
         xp.stack([w[1] for w in layers], out=s["w_hh"])
         for which, key in ((2, "b_ih"), (3, "b_hh")):
             xp.stack([self.zero_bias if w[which] is None else w[which] for w in layers],
                      out=s[key])
 
+    def _project(self, call: tuple, layers: list[tuple]) -> None:
+        """Layer 0's input projection ``gi = x W_ih^T + b_ih`` and the upper layers' ``W_ih``
+        stacked (their projections are inside the kernel)."""
+        inputs = call[1]
+        matmul_steps(inputs[0], layers[0][0].T, self.gi)
+        if layers[0][2] is not None:
+            self.gi += layers[0][2]
+        if len(layers) > 1:
+            self.xp.stack([w[0] for w in layers[1:]], out=self.stacked["w_ih"])
+
     def _after_forward(self, call: tuple) -> None:
-        """Inside the forward's chain, after its completion: each layer's output copied (with
-        lengths selected) into the layer above's input or the call's output, and ``h_n``,
-        ``c_n``, as ``functional._layer_output`` and ``_final_states`` make them."""
-        xp, (_, inputs, out, h_n, c_n, lengths, y, cs) = self.xp, call
+        """Inside the forward's chain, after its completion: the outputs (``_outputs``) and
+        ``h_n``, ``c_n``, as ``functional._layer_output`` and ``_final_states`` make them."""
+        xp, (_, _, _, h_n, c_n, _, y, cs, _) = self.xp, call
+        self._outputs(call)
+        xp.copyto(h_n, y[:, -1])
+        if cs is not None:
+            xp.copyto(c_n, cs[:, -1])
+
+    def _outputs(self, call: tuple) -> None:
+        """Each layer's output copied (with lengths selected) into the layer above's input or
+        the call's output."""
+        xp, (_, inputs, out, _, _, lengths, y, _, _) = self.xp, call
         for k, target in enumerate(inputs[1:] + [out]):
             if lengths is None:
                 xp.copyto(target, y[k])
             else:
                 select_active(xp, y[k], lengths, target, self.mask)
-        xp.copyto(h_n, y[:, -1])
-        if cs is not None:
-            xp.copyto(c_n, cs[:, -1])
 
     def _key(self, what: str, arrays: tuple) -> tuple:
         """What a pass's chain graph is keyed by beside its launches' arguments (``stack.Around``):
         the plan and which pass, its fixed arrays and weights, and this call's ``arrays`` (on a
         GPU: ``chain_graphs.value``)."""
-        held = (self.gi, self.mask, self.zero_bias, self.weights,
-                None if self.backward_pass is None else (self.backward_pass["dw_hh"],
-                                                         self.backward_pass["dy"]))
+        held = (self.gi, self.mask, self.zero_bias, self.weights, self._held(),
+                None if self.backward_pass is None else tuple(
+                    a for k, a in self.backward_pass.items() if k not in ("grads", "scratch")))
         return what, id(self), chain_graphs.value(held + arrays)
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
@@ -191,7 +229,7 @@ class StackPlan(Plan):
         dh_carry = workspace(xp, "stack_dh_carry", carry, np.float32)
         self.backward_pass = dict(
             w_t=workspace(xp, "stack_w_t", (layers, hidden, shape[3]), np.float32),
-            w_ih_t=workspace(xp, "stack_w_ih_t", (layers - 1, hidden, shape[3]), np.float32),
+            w_ih_t=self._w_ih_t_stack(xp, layers, hidden, shape[3]),
             scratch=(dgi, workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh
                      else dgi, dh_carry, workspace(xp, "stack_dc_carry", carry, np.float32)
                      if cell.has_cell_state else dh_carry),
@@ -199,7 +237,25 @@ class StackPlan(Plan):
             dw_hh=workspace(xp, "dw_hh", (shape[3], hidden), np.float32),
             grads={name: workspace(xp, "plan_grad " + name, w.shape, np.float32)
                    for name, w in zip(self.names, self.weights)} if self.accumulates else None)
+        self.backward_pass.update(self._backward_workspaces())
         self.backward_engine = engine
+
+    def _held(self) -> tuple:
+        """The forward's fixed arrays beyond every stack plan's (``_key``): none."""
+        return ()
+
+    @staticmethod
+    def _w_ih_t_stack(xp, layers: int, hidden: int, width: int) -> Array:
+        """The workspace the backward kernel reads the upper layers' ``W_ih^T`` from."""
+        return workspace(xp, "stack_w_ih_t", (layers - 1, hidden, width), np.float32)
+
+    def _backward_workspaces(self) -> dict:
+        """The backward's workspaces beyond every stack plan's: none."""
+        return {}
+
+    def _kernel_dy(self, dy: Array, lengths: Array | None) -> Array:
+        """The ``dy`` the backward kernel reads: the caller's, or with lengths its selection."""
+        return dy if lengths is None else self.backward_pass["dy"]
 
     def _planned_backward(self, ctx: functional.Context, dy: Array,
                           into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
@@ -209,9 +265,8 @@ class StackPlan(Plan):
         y, cs, saved, h0, c0 = ctx.stacked
         args = stack.backward_arguments(
             {"w_t": prepared["w_t"], "w_ih_t": prepared["w_ih_t"]},
-            dy if lengths is None else prepared["dy"], y, cs, saved, h0,
-            h0 if c0 is None else c0, self.all_steps if lengths is None else lengths, True,
-            prepared["scratch"])
+            self._kernel_dy(dy, lengths), y, cs, saved, h0, h0 if c0 is None else c0,
+            self.all_steps if lengths is None else lengths, self.chained, prepared["scratch"])
         dx = xp.empty(self.x_shape, dy.dtype)
         dh = xp.empty(self.state_shape, np.float32)
         dc = None if c0 is None else xp.empty(self.state_shape, np.float32)
@@ -231,14 +286,18 @@ class StackPlan(Plan):
         ``stack.backward`` make them."""
         xp, (ctx, dy, args, *_) = self.xp, call
         if ctx.lengths is not None:
-            select_active(xp, dy, ctx.lengths, args["dy"], self.mask)
+            select_active(xp, dy, ctx.lengths, self.backward_pass["dy"], self.mask)
+        self._split_dy(call)
         args["dh_carry"].fill(0)
         if self.cell.has_cell_state:
             args["dc_carry"].fill(0)
         layers = self._layers()
         xp.stack([w[1].T for w in layers], out=args["w_t"])
-        if len(layers) > 1:
+        if self.chained and len(layers) > 1:
             xp.stack([w[0].T for w in layers[1:]], out=args["w_ih_t"])
+
+    def _split_dy(self, call: tuple) -> None:
+        """The kernel's ``dy`` formed from the call's: nothing to form in a stack."""
 
     def _after_backward(self, call: tuple) -> None:
         """Inside the backward's chain, after its completion: ``dh0``, ``dc0``
@@ -249,6 +308,15 @@ class StackPlan(Plan):
         xp, (ctx, _, args, dx, dh, dc, grads, into) = self.xp, call
         layers = self._layers()
         stack.initial_state_gradients(xp, args, [w[1] for w in layers], dh, dc)
+        self._gradients(call, layers)
+        if into is not None:  # (as the layer API adds a full call's: ``layers``)
+            for total, name in zip(into, self.names):
+                total += grads[name]
+
+    def _gradients(self, call: tuple, layers: list[tuple]) -> None:
+        """Each layer's parameter gradients, top-down, and ``dx`` from layer 0's ``dgi``
+        (the layers above formed theirs inside the kernel)."""
+        ctx, _, args, dx, _, _, grads, _ = call
         for k in range(len(layers) - 1, -1, -1):
             d, layer_input = ctx.directions[k][0], ctx.inputs[k]
             names = [d.names[n] for n in _GRADIENTS if n in d.names]
@@ -257,13 +325,132 @@ class StackPlan(Plan):
                 d.fwd.y, d.h0, "bias_ih" in d.names, tuple(grads[n] for n in names),
                 self.backward_pass["dw_hh"])
         matmul_steps(args["dgi"][0], layers[0][0], dx.reshape(-1, dx.shape[2]))
-        if into is not None:  # (as the layer API adds a full call's: ``layers``)
-            for total, name in zip(into, self.names):
-                total += grads[name]
 
     def _backward_current(self, ctx: functional.Context) -> bool:
         """``Plan._backward_current``, and a context this plan's forward made."""
         return ctx.stacked is not None and super()._backward_current(ctx)
+
+
+class PairPlan(StackPlan):
+    """One call of a bidirectional single layer whose two directions run side by side in one
+    launch per pass (``functional._forward_pairs`` / ``_backward_pairs``): a ``StackPlan`` whose
+    groups are the two directions, the reverse one reading its input reversed within each
+    length (``functional._gather`` by the call's ``reverse`` index: without lengths a shared
+    constant, with them a new array per call, the context's, computed inside the chain)."""
+
+    chained = False
+
+    def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool,
+                 engine: Any):
+        super().__init__(ctx, x, states, lengths, engine)
+        xp, (steps, batch, _) = self.xp, x.shape
+        gates = self.gi.shape[1]
+        self.gi_reverse = workspace(xp, "gi_reverse", self.gi.shape, np.float32)
+        self.gi_pair = workspace(xp, "gi_pair", (2, steps, batch, gates), np.float32)
+        self.y_reversed = workspace(xp, "y_reversed", (steps, batch, self.hidden), np.float32)
+        self.rows = None if lengths else buffers.reversed_rows(xp, steps, batch)
+        self.reverse_scratch = functional.reverse_scratch(xp, steps, batch) if lengths else None
+
+    @staticmethod
+    def _groups(ctx: functional.Context) -> list[dict[str, str]]:
+        """The two directions' parameter names."""
+        return [d.names for d in ctx.directions[0]]
+
+    @staticmethod
+    def _w_ih_stack(xp, layers: int, gates: int, hidden: int) -> Array:
+        """The kernel's ``W_ih`` argument, unread by unchained groups (``stack._unused``)."""
+        return stack._unused(xp)
+
+    _w_ih_t_stack = _w_ih_stack
+
+    def _kernel_gi(self) -> Array:
+        """Both directions' input projections, the reverse one in its own time order."""
+        return self.gi_pair
+
+    def _reverse_index(self, lengths: Array | None) -> Array:
+        """The call's reversal: the shared rows, or with lengths a new array (the chain's)."""
+        if lengths is None:
+            return self.rows
+        return self.xp.empty(self.rows_shape(), np.intp)
+
+    def rows_shape(self) -> tuple[int]:
+        """The reversal index's shape (T*B,)."""
+        return (self.x_shape[0] * self.x_shape[1],)
+
+    def _held(self) -> tuple:
+        """The pair's fixed arrays (``_key``)."""
+        return (self.gi_reverse, self.gi_pair, self.y_reversed, self.rows, self.reverse_scratch)
+
+    def _project(self, call: tuple, layers: list[tuple]) -> None:
+        """With lengths the reversal index, then both directions' input projections into the
+        kernel's pair (the reverse one reversed), as ``functional._forward_pairs`` forms them."""
+        xp, (_, inputs, _, _, _, lengths, _, _, reverse) = self.xp, call
+        if lengths is not None:
+            self._reversal(lengths, reverse)
+        for (w_ih, _, b_ih, _), gi in zip(layers, (self.gi, self.gi_reverse)):
+            matmul_steps(inputs[0], w_ih.T, gi)
+            if b_ih is not None:
+                gi += b_ih
+        steps = self.gi_pair.shape[1:3]
+        xp.copyto(self.gi_pair[0], self.gi.reshape(*steps, -1))
+        functional._gather(reverse, self.gi_reverse.reshape(*steps, -1), self.gi_pair[1])
+
+    def _reversal(self, lengths: Array, reverse: Array) -> None:
+        """The call's within-length reversal of ``lengths`` into ``reverse``, in the chain."""
+        functional.reverse_index_into(self.xp, lengths, self.reverse_scratch, reverse)
+
+    def _outputs(self, call: tuple) -> None:
+        """The layer's output: the directions side by side, the reverse one back in time order,
+        zero past each length (``functional._layer_output``)."""
+        xp, (_, _, out, _, _, lengths, y, _, reverse) = self.xp, call
+        hidden = self.hidden
+        out[:, :, :hidden] = y[0]
+        out[:, :, hidden:] = functional._gather(reverse, y[1], self.y_reversed)
+        if lengths is not None:
+            select_active(xp, out, lengths, out, self.mask)
+
+    def _backward_workspaces(self) -> dict:
+        """The directions' ``dy`` for the kernel (``dy_pair``), the reverse one's contiguous
+        source, its ``dgi`` back in time order and its part of ``dx``."""
+        xp, (steps, batch, width) = self.xp, self.x_shape
+        shape = (steps, batch, self.hidden)
+        return {"dy_pair": workspace(xp, "dy_pair", (2, *shape), np.float32),
+                "gather_source": workspace(xp, "gather_source", shape, np.float32),
+                "dgi_reversed": workspace(xp, "dgi_reversed", self.gi_pair.shape[1:],
+                                          np.float32),
+                "d_in_part": workspace(xp, "d_in_part", (steps * batch, width), np.float32)}
+
+    def _kernel_dy(self, dy: Array, lengths: Array | None) -> Array:
+        """The directions' ``dy`` side by side (formed in the chain: ``_split_dy``)."""
+        return self.backward_pass["dy_pair"]
+
+    def _split_dy(self, call: tuple) -> None:
+        """The output's gradient split into the directions', the reverse one reversed, as
+        ``functional._backward_pairs`` and ``_gather`` form them."""
+        xp, (ctx, dy, *_), held = self.xp, call, self.backward_pass
+        d_out = dy if ctx.lengths is None else held["dy"]
+        hidden = self.hidden
+        xp.copyto(held["dy_pair"][0], d_out[:, :, :hidden])
+        xp.copyto(held["gather_source"], d_out[:, :, hidden:])
+        functional._gather(ctx.reverse_index, held["gather_source"], held["dy_pair"][1])
+
+    def _gradients(self, call: tuple, layers: list[tuple]) -> None:
+        """Both directions' parameter gradients and ``dx`` (the reverse one's ``dgi`` back in
+        time order), as ``functional._layer_gradients`` forms them."""
+        ctx, _, args, dx, _, _, grads, _ = call
+        layer_input, held = ctx.inputs[0], self.backward_pass
+        flat = layer_input.reshape(-1, layer_input.shape[2])
+        for k, d in enumerate(ctx.directions[0]):
+            dgi = args["dgi"][k] if k == 0 else functional._gather(
+                ctx.reverse_index, args["dgi"][k], held["dgi_reversed"])
+            names = [d.names[n] for n in _GRADIENTS if n in d.names]
+            functional.parameter_gradients(dgi, args["dgh"][k], flat, d.fwd.y, d.h0,
+                                           "bias_ih" in d.names, tuple(grads[n] for n in names),
+                                           held["dw_hh"])
+            if k == 0:
+                matmul_steps(dgi, layers[0][0], dx.reshape(-1, dx.shape[2]))
+            else:  # (in place: the same sum)
+                dx += matmul_steps(dgi, layers[1][0], held["d_in_part"])
 
 
 def _contiguous(xp, states: tuple) -> tuple:
@@ -274,11 +461,16 @@ def _contiguous(xp, states: tuple) -> tuple:
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> StackPlan | None:
-    """The ``StackPlan`` of a forward that ran the whole way in stack mode, or ``None``."""
-    if (ctx.num_layers < 2 or ctx.bidirectional or ctx.half is not None
-            or x.dtype != np.float32 or "weight_hr_l0" in ctx.params):
+    """The ``StackPlan`` of a forward that ran the whole way in stack mode (a unidirectional
+    stack's), the ``PairPlan`` of a bidirectional single layer's that ran as a pair, or
+    ``None``."""
+    pair = ctx.bidirectional and ctx.num_layers == 1
+    if ((ctx.num_layers < 2 or ctx.bidirectional) and not pair) or ctx.half is not None \
+            or x.dtype != np.float32 or "weight_hr_l0" in ctx.params:
         return None
     engine = stack_engine(ctx, x, backward=False)
-    if engine is None or not any("stack of" in d for d in ctx.stats.details):
+    ran = "both directions of a layer side by side" if pair else "stack of"
+    if engine is None or not any(ran in d for d in ctx.stats.details):
         return None
-    return StackPlan(ctx, x, hx is not None, lengths is not None, engine)
+    return (PairPlan if pair else StackPlan)(ctx, x, hx is not None, lengths is not None,
+                                             engine)

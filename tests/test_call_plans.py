@@ -635,9 +635,12 @@ class _StackHits:
         monkeypatch.setattr(stack_plans.StackPlan, "_planned_backward", counted_backward)
 
 
-def _stack_layer(cell: str):
+def _stack_layer(cell: str, pair: bool = False):
+    """Two layers in stack mode, or (``pair``) a bidirectional layer's two directions side by
+    side (test_call_allocations' pairs at these shapes)."""
     prnn.configure(stack=True)
-    return getattr(prnn, cell)(SI, SH, num_layers=2, algo="persistent", seed=3)
+    return getattr(prnn, cell)(SI, SH, num_layers=1 if pair else 2, bidirectional=pair,
+                               algo="persistent", seed=3)
 
 
 def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
@@ -647,7 +650,7 @@ def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
     for seed in seeds:
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((ST, SB, SI)).astype(np.float32)
-        dy = rng.standard_normal((ST, SB, SH)).astype(np.float32)
+        dy = rng.standard_normal((ST, SB, SH * planned.directions)).astype(np.float32)
         hx = lengths = None
         if extras:
             lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
@@ -667,19 +670,29 @@ def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("cell,extras", [("GRU", True), ("LSTM", False), ("LSTM", True)])
-def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell, extras):
-    """A two-layer stack that runs in stack mode plans its calls (one chain per pass, every
-    operation of the call inside it): bitwise the full path's, across in-place weight updates,
-    with initial states and lengths or without; with its chains stubbed nothing runs beside
-    them, nor the layer API's accumulation (the gradients stay as they were)."""
+STACK_CASES = [("GRU", True, False), ("LSTM", False, False), ("LSTM", True, False),
+               ("GRU", True, True), ("GRU", False, True)]
+
+
+@pytest.mark.parametrize("cell,extras,pair", STACK_CASES,
+                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-{'pair' if p else 'stack'}"
+                              for c, e, p in STACK_CASES])
+def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell, extras,
+                                              pair):
+    """A two-layer stack that runs in stack mode, and a bidirectional layer whose directions run
+    side by side (``PairPlan``: the reversals inside the chains too), plan their calls (one
+    chain per pass, every operation of the call inside it): bitwise the full path's, across
+    in-place weight updates, with initial states and lengths or without; with the chains stubbed
+    nothing runs beside them, nor the layer API's accumulation (the gradients stay as they
+    were)."""
     hits = _StackHits(monkeypatch)
-    planned, full = _stack_layer(cell), _stack_layer(cell)
+    planned, full = _stack_layer(cell, pair), _stack_layer(cell, pair)
     _stack_steps(cell, planned, full, range(4), extras)
-    assert isinstance(planned._plan, stack_plans.StackPlan)
+    assert type(planned._plan) is (stack_plans.PairPlan if pair else stack_plans.StackPlan)
     assert (hits.forwards, hits.backwards) == (2, 1)
-    assert "stack of 2 layers" in planned.last_run.details[0]
-    x, dy = np.ones((ST, SB, SI), np.float32), np.ones((ST, SB, SH), np.float32)
+    assert ("side by side" if pair else "stack of 2 layers") in planned.last_run.details[0]
+    x = np.ones((ST, SB, SI), np.float32)
+    dy = np.ones((ST, SB, SH * planned.directions), np.float32)
     lengths = [ST, 1, 2] if extras else None
     hx = planned._plan.h0 if cell == "GRU" else (planned._plan.h0, planned._plan.c0)
     hx = hx if extras else None
@@ -692,12 +705,27 @@ def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, 
         np.testing.assert_array_equal(g, grads[name])
 
 
-@pytest.mark.parametrize("sabotage", ["weights stacked once", "outputs copied unselected"])
+@pytest.mark.parametrize("sabotage", ["weights stacked once", "outputs copied unselected",
+                                      "the first call's reversal"])
 def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
     """Sabotage: a planned stack whose forward's chain reads the weights as they were when
     planned (an optimizer's in-place updates unseen), or copies each layer's output where
-    lengths select it, fails the bitwise check above."""
-    if sabotage == "weights stacked once":
+    lengths select it, or a planned pair whose chain reverses by the first planned call's
+    lengths, fails the bitwise check above."""
+    cell, pair = "LSTM", False
+    if sabotage == "the first call's reversal":
+        reversal, done = stack_plans.PairPlan._reversal, set()
+
+        def once(plan, lengths, reverse):
+            if id(plan) not in done:  # (the first planned call's lengths, kept)
+                done.add(id(plan))
+                plan.first_reversal = reverse
+                reversal(plan, lengths, reverse)
+            else:
+                plan.xp.copyto(reverse, plan.first_reversal)
+        monkeypatch.setattr(stack_plans.PairPlan, "_reversal", once)
+        cell, pair = "GRU", True
+    elif sabotage == "weights stacked once":
         layers, frozen = stack_plans.StackPlan._layers, {}
 
         def stale(plan):
@@ -719,4 +747,4 @@ def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabo
         monkeypatch.setattr(stack_plans.StackPlan, "_after_forward",
                             lambda plan, call: after(plan, (*call[:5], None, *call[6:])))
     with pytest.raises(AssertionError):
-        _stack_steps("LSTM", _stack_layer("LSTM"), _stack_layer("LSTM"), range(4), True)
+        _stack_steps(cell, _stack_layer(cell, pair), _stack_layer(cell, pair), range(4), True)
