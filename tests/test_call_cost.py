@@ -275,16 +275,18 @@ def _packed_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[
     return step
 
 
-def _sized_layer_call(hidden: int, dtype: str, proj: int = 0, layers: int = 1) -> Callable:
+def _sized_layer_call(hidden: int, dtype: str, proj: int = 0, layers: int = 1,
+                      bidirectional: bool = False) -> Callable:
     """A builder (``_BUILD``) of a layer's call at B=3, input size 5 and ``hidden`` (``proj``: an
-    LSTM projection's P; ``layers``: a stack's, in stack mode): the sizes of
+    LSTM projection's P; ``layers``: a stack's, in stack mode; ``bidirectional``: with one
+    layer, its directions side by side): the sizes of
     tests/test_half_kernels.py (float16, H=13), tests/test_projection_persistent.py (H=12, P=6)
     and tests/test_call_allocations.py's stacks (H=8), whose emulated kernels they build."""
     def build(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
         layer = cls(5, hidden, algo=algo, seed=0, dtype=dtype, proj_size=proj,
-                    num_layers=layers)
+                    num_layers=layers, bidirectional=bidirectional)
         x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(layer.dtype)
-        dy = np.ones((steps, 3, proj or hidden), layer.dtype)
+        dy = np.ones((steps, 3, (proj or hidden) * layer.directions), layer.dtype)
 
         def step():
             layer.forward(x)
@@ -312,6 +314,7 @@ _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           "projection": (_sized_layer_call(12, "float32", 6), {"LSTM": prnn.LSTM}),
           "stack": (_sized_layer_call(8, "float32", layers=2), {"GRU": prnn.GRU,
                                                                 "LSTM": prnn.LSTM}),
+          "pair": (_sized_layer_call(8, "float32", bidirectional=True), {"GRU": prnn.GRU}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -375,6 +378,9 @@ PLANNED_LIMITS = {
     ("stack", "GRU", True): 84,     # 76  (326)
     ("stack", "LSTM", False): 41,   # 37  (170)
     ("stack", "LSTM", True): 85,    # 77  (372)
+    # a bidirectional layer, its directions side by side (stack_plans.PairPlan, 2026-11-27)
+    ("pair", "GRU", False): 43,     # 39  (187)
+    ("pair", "GRU", True): 88,      # 80  (378)
 }
 
 
