@@ -592,7 +592,8 @@ def _reverse_index(xp, steps: int, batch: int, lengths: Array | None) -> Array:
 def reverse_scratch(xp, steps: int, batch: int) -> tuple[Array, Array, Array, Array]:
     """What ``reverse_index_into`` computes with: the step indices (T, 1), the workspaces of
     the rows and of the steps past each length (T, B), the batch indices (1, B)."""
-    return (step_indices(xp, steps)[:, :, 0], workspace(xp, "reverse_rows", (steps, batch), np.intp),
+    return (step_indices(xp, steps)[:, :, 0],
+            workspace(xp, "reverse_rows", (steps, batch), np.intp),
             workspace(xp, "reverse_past", (steps, batch), np.bool_),
             step_indices(xp, batch).reshape(1, batch))
 

@@ -168,10 +168,10 @@ class StackPlan(Plan):
         layers = self._layers()
         self._project(call, layers)
         s = self.stacked
-        xp.stack([w[1] for w in layers], out=s["w_hh"])
+        _stack_into(xp, [w[1] for w in layers], s["w_hh"])
         for which, key in ((2, "b_ih"), (3, "b_hh")):
-            xp.stack([self.zero_bias if w[which] is None else w[which] for w in layers],
-                     out=s[key])
+            _stack_into(xp, [self.zero_bias if w[which] is None else w[which] for w in layers],
+                        s[key])
 
     def _project(self, call: tuple, layers: list[tuple]) -> None:
         """Layer 0's input projection ``gi = x W_ih^T + b_ih`` and the upper layers' ``W_ih``
@@ -181,7 +181,7 @@ class StackPlan(Plan):
         if layers[0][2] is not None:
             self.gi += layers[0][2]
         if len(layers) > 1:
-            self.xp.stack([w[0] for w in layers[1:]], out=self.stacked["w_ih"])
+            _stack_into(self.xp, [w[0] for w in layers[1:]], self.stacked["w_ih"])
 
     def _after_forward(self, call: tuple) -> None:
         """Inside the forward's chain, after its completion: the outputs (``_outputs``) and
@@ -277,7 +277,7 @@ class StackPlan(Plan):
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
             lambda: self._key("backward", (dy, dx, dh, dc, tuple(grads.values()), into,
-                                           tuple(ctx.inputs)))))
+                                           tuple(ctx.inputs), ctx.reverse_index))))
         return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
 
     def _before_backward(self, call: tuple) -> None:
@@ -292,9 +292,9 @@ class StackPlan(Plan):
         if self.cell.has_cell_state:
             args["dc_carry"].fill(0)
         layers = self._layers()
-        xp.stack([w[1].T for w in layers], out=args["w_t"])
+        _stack_into(xp, [w[1].T for w in layers], args["w_t"])
         if self.chained and len(layers) > 1:
-            xp.stack([w[0].T for w in layers[1:]], out=args["w_ih_t"])
+            _stack_into(xp, [w[0].T for w in layers[1:]], args["w_ih_t"])
 
     def _split_dy(self, call: tuple) -> None:
         """The kernel's ``dy`` formed from the call's: nothing to form in a stack."""
@@ -451,6 +451,13 @@ class PairPlan(StackPlan):
                 matmul_steps(dgi, layers[0][0], dx.reshape(-1, dx.shape[2]))
             else:  # (in place: the same sum)
                 dx += matmul_steps(dgi, layers[1][0], held["d_in_part"])
+
+
+def _stack_into(xp, arrays: list[Array], out: Array) -> None:
+    """``xp.stack(arrays, out=out)`` as one copy per array (the same values): inside a captured
+    chain, where CuPy's concatenation may stage its pointers through the pool and the host."""
+    for k, a in enumerate(arrays):
+        xp.copyto(out[k], a)
 
 
 def _contiguous(xp, states: tuple) -> tuple:
