@@ -31,6 +31,7 @@ import numpy as np
 from . import buffers, chain_graphs, functional, runtime, settings, stack
 from .buffers import matmul_steps, select_active, workspace
 from .call_plans import _GRADIENTS, Plan, _same_memory, _where, formed_input
+from .stats import RunStats
 
 Array = Any
 
@@ -64,6 +65,7 @@ class StackPlan(Plan):
         layers = len(self.layer_names)
         # (all parameters by name: ``Plan._same_weights`` checks them)
         self.names = {n: n for names in self.layer_names for n in names.values()}
+        self._index = {n: k for k, n in enumerate(self.names)}  # (a name's place in ``into``)
         self.weights = tuple(ctx.params[n] for n in self.names)
         w_hh = self._layers()[0][1]
         gates, hidden = w_hh.shape[0], w_hh.shape[1]
@@ -79,11 +81,12 @@ class StackPlan(Plan):
         self.mask = buffers.mask_arrays(xp, x) if lengths else None
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
         self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
+        groups = self.kernel_groups = layers if self.chained else 2  # (a launch's groups)
         self.stacked = dict(
-            w_ih=self._w_ih_stack(xp, layers, gates, hidden),
-            w_hh=workspace(xp, "stack_w_hh", (layers, gates, hidden), np.float32),
-            b_ih=workspace(xp, "stack_bias2", (layers, gates), np.float32),
-            b_hh=workspace(xp, "stack_bias3", (layers, gates), np.float32))
+            w_ih=self._w_ih_stack(xp, groups, gates, hidden),
+            w_hh=workspace(xp, "stack_w_hh", (groups, gates, hidden), np.float32),
+            b_ih=workspace(xp, "stack_bias2", (groups, gates), np.float32),
+            b_hh=workspace(xp, "stack_bias3", (groups, gates), np.float32))
         self.zero_bias = buffers.constant_zeros(xp, (gates,), np.float32)
 
     @staticmethod
@@ -167,11 +170,16 @@ class StackPlan(Plan):
         formed_input(xp, given, inputs[0], lengths, self.mask)
         layers = self._layers()
         self._project(call, layers)
+        self._stack_weights(layers)
+
+    def _stack_weights(self, layers: list[tuple]) -> None:
+        """The kernel's groups' ``W_hh`` and biases (zeros where none) stacked into its
+        workspaces (``layers``: each group's weights, ``_layers``)."""
         s = self.stacked
-        _stack_into(xp, [w[1] for w in layers], s["w_hh"])
+        _stack_into(self.xp, [w[1] for w in layers], s["w_hh"])
         for which, key in ((2, "b_ih"), (3, "b_hh")):
-            _stack_into(xp, [self.zero_bias if w[which] is None else w[which] for w in layers],
-                        s[key])
+            _stack_into(self.xp, [self.zero_bias if w[which] is None else w[which]
+                                  for w in layers], s[key])
 
     def _project(self, call: tuple, layers: list[tuple]) -> None:
         """Layer 0's input projection ``gi = x W_ih^T + b_ih`` and the upper layers' ``W_ih``
@@ -221,8 +229,8 @@ class StackPlan(Plan):
         if engine is None:
             return
         xp, cell = self.xp, self.cell
-        layers, batch, hidden = self.state_shape
-        steps = self.x_shape[0]
+        _, batch, hidden = self.state_shape
+        layers, steps = self.kernel_groups, self.x_shape[0]
         shape, carry = (layers, steps, batch, cell.gates * hidden), (layers, steps + 1, batch,
                                                                       hidden)
         dgi = workspace(xp, "stack_dgi", shape, np.float32)
@@ -332,11 +340,14 @@ class StackPlan(Plan):
 
 
 class PairPlan(StackPlan):
-    """One call of a bidirectional single layer whose two directions run side by side in one
-    launch per pass (``functional._forward_pairs`` / ``_backward_pairs``): a ``StackPlan`` whose
-    groups are the two directions, the reverse one reading its input reversed within each
-    length (``functional._gather`` by the call's ``reverse`` index: without lengths a shared
-    constant, with them a new array per call, the context's, computed inside the chain)."""
+    """Calls of a bidirectional layer or stack whose layers each run both directions side by
+    side in one launch per pass (``functional._forward_pairs`` / ``_backward_pairs``): a
+    ``StackPlan`` whose kernel groups are one layer's two directions, the reverse one reading
+    its input reversed within each length (``functional._gather`` by the call's ``reverse``
+    index: without lengths a shared constant, with them a new array per call, the context's,
+    formed inside the first chain). One chain per layer and pass, each holding its layer's
+    operations: on a GPU a call of L layers is L graph launches a pass (not one: module
+    docstring)."""
 
     chained = False
 
@@ -344,17 +355,16 @@ class PairPlan(StackPlan):
                  engine: Any):
         super().__init__(ctx, x, states, lengths, engine)
         xp, (steps, batch, _) = self.xp, x.shape
-        gates = self.gi.shape[1]
         self.gi_reverse = workspace(xp, "gi_reverse", self.gi.shape, np.float32)
-        self.gi_pair = workspace(xp, "gi_pair", (2, steps, batch, gates), np.float32)
+        self.gi_pair = workspace(xp, "gi_pair", (2, steps, batch, self.gi.shape[1]), np.float32)
         self.y_reversed = workspace(xp, "y_reversed", (steps, batch, self.hidden), np.float32)
         self.rows = None if lengths else buffers.reversed_rows(xp, steps, batch)
         self.reverse_scratch = functional.reverse_scratch(xp, steps, batch) if lengths else None
 
     @staticmethod
     def _groups(ctx: functional.Context) -> list[dict[str, str]]:
-        """The two directions' parameter names."""
-        return [d.names for d in ctx.directions[0]]
+        """Every layer-direction's parameter names, in ``functional``'s order."""
+        return [d.names for dirs in ctx.directions for d in dirs]
 
     @staticmethod
     def _w_ih_stack(xp, layers: int, gates: int, hidden: int) -> Array:
@@ -363,84 +373,173 @@ class PairPlan(StackPlan):
 
     _w_ih_t_stack = _w_ih_stack
 
-    def _kernel_gi(self) -> Array:
-        """Both directions' input projections, the reverse one in its own time order."""
-        return self.gi_pair
-
-    def _reverse_index(self, lengths: Array | None) -> Array:
-        """The call's reversal: the shared rows, or with lengths a new array (the chain's)."""
-        if lengths is None:
-            return self.rows
-        return self.xp.empty(self.rows_shape(), np.intp)
-
-    def rows_shape(self) -> tuple[int]:
-        """The reversal index's shape (T*B,)."""
-        return (self.x_shape[0] * self.x_shape[1],)
-
     def _held(self) -> tuple:
-        """The pair's fixed arrays (``_key``)."""
+        """The pairs' fixed arrays (``_key``)."""
         return (self.gi_reverse, self.gi_pair, self.y_reversed, self.rows, self.reverse_scratch)
 
-    def _project(self, call: tuple, layers: list[tuple]) -> None:
-        """With lengths the reversal index, then both directions' input projections into the
-        kernel's pair (the reverse one reversed), as ``functional._forward_pairs`` forms them."""
-        xp, (_, inputs, _, _, _, lengths, _, _, reverse) = self.xp, call
-        if lengths is not None:
-            self._reversal(lengths, reverse)
-        for (w_ih, _, b_ih, _), gi in zip(layers, (self.gi, self.gi_reverse)):
-            matmul_steps(inputs[0], w_ih.T, gi)
+    def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
+                lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
+        """``Plan.forward`` of the pairs: one chain per layer and pass."""
+        xp, cell, hidden = self.xp, self.cell, self.hidden
+        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+            xp, hx if cell.has_cell_state else (hx, None))
+        layer_input, given = x, None
+        if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
+            layer_input, given = xp.empty(x.shape, x.dtype), x
+        steps, batch, _ = x.shape
+        reverse = self.rows if lengths is None else xp.empty((steps * batch,), np.intp)
+        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
+                                  for _ in range(self.num_layers - 1)]
+        out = xp.empty(self.y_shape, np.float32)
+        h_n = xp.empty(self.state_shape, np.float32)
+        c_n = None if c0 is None and not cell.has_cell_state else xp.empty(self.state_shape,
+                                                                            np.float32)
+        stats, directions, kept = RunStats(), [], []
+        for layer in range(self.num_layers):
+            pair = slice(2 * layer, 2 * layer + 2)
+            y = xp.empty((2, steps, batch, hidden), np.float32)
+            cs = xp.empty_like(y) if cell.has_cell_state else None
+            saved = xp.empty((2, steps, batch, cell.saved * hidden), np.float32)
+            args = stack.forward_arguments(
+                self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
+                self.all_steps if lengths is None else lengths, False, y, cs, saved)
+            target = inputs[layer + 1] if layer + 1 < self.num_layers else out
+            call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n)
+            stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
+                lambda call=call: self._before_pair(call), lambda call=call: self._after_pair(call),
+                lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
+            directions.append([functional._Direction(
+                self.layer_names[2 * layer + d], h0[2 * layer + d],
+                None if c0 is None else c0[2 * layer + d],
+                runtime.ForwardResult(y[d], None if cs is None else cs[d], saved[d]))
+                for d in (0, 1)])
+            kept.append((y, cs, saved))
+        ctx = functional.Context(cell, params, self.num_layers, True, False, self.algo, lengths,
+                                 reverse, None, inputs, directions, stats)
+        ctx.plan, ctx.stacked = self, (kept, h0, c0)
+        return out, (h_n if c_n is None else (h_n, c_n)), ctx
+
+    def _before_pair(self, call: tuple) -> None:
+        """Inside a layer's forward chain, before its pass: in the first, the input formed and
+        with lengths the reversal index; both directions' input projections into the kernel's
+        pair (the reverse one reversed) and the layer's weights and biases stacked, as
+        ``functional._forward_pairs`` and ``stack.forward`` form them."""
+        xp, (layer, given, layer_input, _, lengths, _, _, reverse, _, _) = self.xp, call
+        if layer == 0:
+            formed_input(xp, given, layer_input, lengths, self.mask)
+            if lengths is not None:
+                self._reversal(lengths, reverse)
+        directions = self._layers()[2 * layer:2 * layer + 2]
+        for (w_ih, _, b_ih, _), gi in zip(directions, (self.gi, self.gi_reverse)):
+            matmul_steps(layer_input, w_ih.T, gi)
             if b_ih is not None:
                 gi += b_ih
         steps = self.gi_pair.shape[1:3]
         xp.copyto(self.gi_pair[0], self.gi.reshape(*steps, -1))
         functional._gather(reverse, self.gi_reverse.reshape(*steps, -1), self.gi_pair[1])
+        self._stack_weights(directions)
 
     def _reversal(self, lengths: Array, reverse: Array) -> None:
         """The call's within-length reversal of ``lengths`` into ``reverse``, in the chain."""
         functional.reverse_index_into(self.xp, lengths, self.reverse_scratch, reverse)
 
-    def _outputs(self, call: tuple) -> None:
-        """The layer's output: the directions side by side, the reverse one back in time order,
-        zero past each length (``functional._layer_output``)."""
-        xp, (_, _, out, _, _, lengths, y, _, reverse) = self.xp, call
-        hidden = self.hidden
-        out[:, :, :hidden] = y[0]
-        out[:, :, hidden:] = functional._gather(reverse, y[1], self.y_reversed)
+    def _after_pair(self, call: tuple) -> None:
+        """Inside a layer's forward chain, after its completion: its output (the directions
+        side by side, the reverse one back in time order, zero past each length:
+        ``functional._layer_output``) into the layer above's input or the call's output, and its
+        rows of ``h_n``, ``c_n``."""
+        xp, (layer, _, _, target, lengths, y, cs, reverse, h_n, c_n) = self.xp, call
+        hidden, pair = self.hidden, slice(2 * layer, 2 * layer + 2)
+        target[:, :, :hidden] = y[0]
+        target[:, :, hidden:] = functional._gather(reverse, y[1], self.y_reversed)
         if lengths is not None:
-            select_active(xp, out, lengths, out, self.mask)
+            select_active(xp, target, lengths, target, self.mask)
+        xp.copyto(h_n[pair], y[:, -1])
+        if cs is not None:
+            xp.copyto(c_n[pair], cs[:, -1])
 
     def _backward_workspaces(self) -> dict:
         """The directions' ``dy`` for the kernel (``dy_pair``), the reverse one's contiguous
-        source, its ``dgi`` back in time order and its part of ``dx``."""
+        source, its ``dgi`` back in time order, the parts of each layer's input gradient and an
+        upper layer's input gradient (the output gradient of the layer below), as
+        ``functional``'s workspaces."""
         xp, (steps, batch, width) = self.xp, self.x_shape
-        shape = (steps, batch, self.hidden)
+        shape, rows, upper = (steps, batch, self.hidden), steps * batch, self.y_shape[2]
         return {"dy_pair": workspace(xp, "dy_pair", (2, *shape), np.float32),
                 "gather_source": workspace(xp, "gather_source", shape, np.float32),
                 "dgi_reversed": workspace(xp, "dgi_reversed", self.gi_pair.shape[1:],
                                           np.float32),
-                "d_in_part": workspace(xp, "d_in_part", (steps * batch, width), np.float32)}
+                "d_in_part": workspace(xp, "d_in_part", (rows, width), np.float32),
+                "d_in_part upper": workspace(xp, "d_in_part", (rows, upper), np.float32),
+                "d_layer_input": workspace(xp, "d_layer_input", (rows, upper), np.float32)}
 
-    def _kernel_dy(self, dy: Array, lengths: Array | None) -> Array:
-        """The directions' ``dy`` side by side (formed in the chain: ``_split_dy``)."""
-        return self.backward_pass["dy_pair"]
+    def _planned_backward(self, ctx: functional.Context, dy: Array,
+                          into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
+        """``Plan.backward`` by the prepared pair passes, top-down, one chain per layer: this
+        call's new result arrays, written inside the chains."""
+        xp, held, lengths = self.xp, self.backward_pass, ctx.lengths
+        kept, h0, c0 = ctx.stacked
+        dx = xp.empty(self.x_shape, dy.dtype)
+        dh = xp.empty(self.state_shape, np.float32)
+        dc = None if c0 is None else xp.empty(self.state_shape, np.float32)
+        grads = held["grads"] or {n: xp.empty(w.shape, w.dtype)
+                                  for n, w in zip(self.names, self.weights)}
+        into = tuple(into[n] for n in self.names) if self.accumulates else None
+        stats = RunStats()
+        for layer in range(self.num_layers - 1, -1, -1):
+            pair = slice(2 * layer, 2 * layer + 2)
+            y, cs, saved = kept[layer]
+            args = stack.backward_arguments(
+                {"w_t": held["w_t"], "w_ih_t": held["w_ih_t"]}, held["dy_pair"], y, cs, saved,
+                h0[pair], (h0 if c0 is None else c0)[pair],
+                self.all_steps if lengths is None else lengths, False, held["scratch"])
+            call = (layer, ctx, dy, args, dx, dh, dc, grads, into)
+            stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
+                lambda call=call: self._before_pair_backward(call),
+                lambda call=call: self._after_pair_backward(call),
+                lambda call=call: self._key(("backward", call[0]), (
+                    call[2], *call[4:7], tuple(grads.values()), call[8], tuple(ctx.inputs),
+                    ctx.reverse_index)))))
+        ctx.backward_stats = stats
+        return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
 
-    def _split_dy(self, call: tuple) -> None:
-        """The output's gradient split into the directions', the reverse one reversed, as
-        ``functional._backward_pairs`` and ``_gather`` form them."""
-        xp, (ctx, dy, *_), held = self.xp, call, self.backward_pass
-        d_out = dy if ctx.lengths is None else held["dy"]
+    def _before_pair_backward(self, call: tuple) -> None:
+        """Inside a layer's backward chain, before its pass: the gradient of its output (the
+        call's ``dy``, selected with lengths, at the top; else the input gradient of the layer
+        above) split into the directions', the reverse one reversed; the carries zeroed and
+        the layer's ``W_hh^T`` stacked, as ``functional._backward_pairs`` and ``stack.backward``
+        form them."""
+        xp, (layer, ctx, dy, args, *_), held = self.xp, call, self.backward_pass
+        if layer + 1 < self.num_layers:
+            d_out = held["d_layer_input"].reshape(self.y_shape)
+        elif ctx.lengths is None:
+            d_out = dy
+        else:
+            d_out = select_active(xp, dy, ctx.lengths, held["dy"], self.mask)
         hidden = self.hidden
         xp.copyto(held["dy_pair"][0], d_out[:, :, :hidden])
         xp.copyto(held["gather_source"], d_out[:, :, hidden:])
         functional._gather(ctx.reverse_index, held["gather_source"], held["dy_pair"][1])
+        args["dh_carry"].fill(0)
+        if self.cell.has_cell_state:
+            args["dc_carry"].fill(0)
+        _stack_into(xp, [w[1].T for w in self._layers()[2 * layer:2 * layer + 2]], args["w_t"])
 
-    def _gradients(self, call: tuple, layers: list[tuple]) -> None:
-        """Both directions' parameter gradients and ``dx`` (the reverse one's ``dgi`` back in
-        time order), as ``functional._layer_gradients`` forms them."""
-        ctx, _, args, dx, _, _, grads, _ = call
-        layer_input, held = ctx.inputs[0], self.backward_pass
+    def _after_pair_backward(self, call: tuple) -> None:
+        """Inside a layer's backward chain, after its completion: its rows of ``dh0``, ``dc0``,
+        both directions' parameter gradients and the layer's input gradient (the reverse
+        direction's ``dgi`` back in time order; the call's ``dx`` at layer 0), as
+        ``functional._layer_gradients`` forms them, and the layer API's sums."""
+        xp, held = self.xp, self.backward_pass
+        layer, ctx, _, args, dx, dh, dc, grads, into = call
+        pair = slice(2 * layer, 2 * layer + 2)
+        directions = self._layers()[pair]
+        stack.initial_state_gradients(xp, args, [w[1] for w in directions], dh[pair],
+                                      None if dc is None else dc[pair])
+        layer_input = ctx.inputs[layer]
         flat = layer_input.reshape(-1, layer_input.shape[2])
-        for k, d in enumerate(ctx.directions[0]):
+        d_in = dx if layer == 0 else held["d_layer_input"].reshape(layer_input.shape)
+        for k, d in enumerate(ctx.directions[layer]):
             dgi = args["dgi"][k] if k == 0 else functional._gather(
                 ctx.reverse_index, args["dgi"][k], held["dgi_reversed"])
             names = [d.names[n] for n in _GRADIENTS if n in d.names]
@@ -448,9 +547,14 @@ class PairPlan(StackPlan):
                                            "bias_ih" in d.names, tuple(grads[n] for n in names),
                                            held["dw_hh"])
             if k == 0:
-                matmul_steps(dgi, layers[0][0], dx.reshape(-1, dx.shape[2]))
+                matmul_steps(dgi, directions[0][0], d_in.reshape(flat.shape[0], -1))
             else:  # (in place: the same sum)
-                dx += matmul_steps(dgi, layers[1][0], held["d_in_part"])
+                d_in += matmul_steps(dgi, directions[1][0],
+                                     held["d_in_part" if layer == 0 else "d_in_part upper"])
+            if into is not None:  # (as the layer API adds a full call's: ``layers``)
+                for name in d.names.values():
+                    total = into[self._index[name]]
+                    total += grads[name]
 
 
 def _stack_into(xp, arrays: list[Array], out: Array) -> None:
@@ -469,10 +573,10 @@ def _contiguous(xp, states: tuple) -> tuple:
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> StackPlan | None:
     """The ``StackPlan`` of a forward that ran the whole way in stack mode (a unidirectional
-    stack's), the ``PairPlan`` of a bidirectional single layer's that ran as a pair, or
+    stack's), the ``PairPlan`` of a bidirectional layer's or stack's that ran as pairs, or
     ``None``."""
-    pair = ctx.bidirectional and ctx.num_layers == 1
-    if ((ctx.num_layers < 2 or ctx.bidirectional) and not pair) or ctx.half is not None \
+    pair = ctx.bidirectional
+    if (ctx.num_layers < 2 and not pair) or ctx.half is not None \
             or x.dtype != np.float32 or "weight_hr_l0" in ctx.params:
         return None
     engine = stack_engine(ctx, x, backward=False)

@@ -622,25 +622,26 @@ class _StackHits:
 
     def __init__(self, monkeypatch):
         self.forwards = self.backwards = 0
-        forward, backward = stack_plans.StackPlan.forward, stack_plans.StackPlan._planned_backward
+        for cls in (stack_plans.StackPlan, stack_plans.PairPlan):
+            self._count(monkeypatch, cls, "forward", "forwards")
+            self._count(monkeypatch, cls, "_planned_backward", "backwards")
 
-        def counted_forward(plan, *args):
-            self.forwards += 1
-            return forward(plan, *args)
+    def _count(self, monkeypatch, cls, method: str, counter: str) -> None:
+        run = cls.__dict__[method]
 
-        def counted_backward(plan, *args):
-            self.backwards += 1
-            return backward(plan, *args)
-        monkeypatch.setattr(stack_plans.StackPlan, "forward", counted_forward)
-        monkeypatch.setattr(stack_plans.StackPlan, "_planned_backward", counted_backward)
+        def counted(plan, *args):
+            setattr(self, counter, getattr(self, counter) + 1)
+            return run(plan, *args)
+        monkeypatch.setattr(cls, method, counted)
 
 
-def _stack_layer(cell: str, pair: bool = False):
-    """Two layers in stack mode, or (``pair``) a bidirectional layer's two directions side by
-    side (test_call_allocations' pairs at these shapes)."""
+def _stack_layer(cell: str, pair: bool = False, layers: int = 0):
+    """Two layers in stack mode, or (``pair``) a bidirectional layer's (``layers``: a stack's,
+    one by default) two directions side by side (test_call_allocations' pairs at these
+    shapes)."""
     prnn.configure(stack=True)
-    return getattr(prnn, cell)(SI, SH, num_layers=1 if pair else 2, bidirectional=pair,
-                               algo="persistent", seed=3)
+    return getattr(prnn, cell)(SI, SH, num_layers=layers or (1 if pair else 2),
+                               bidirectional=pair, algo="persistent", seed=3)
 
 
 def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
@@ -655,8 +656,9 @@ def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
         if extras:
             lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
             x[lengths[1]:, 1] = np.nan
-            h = rng.standard_normal((2, SB, SH)).astype(np.float32)
-            hx = h if cell == "GRU" else (h, rng.standard_normal((2, SB, SH)).astype(np.float32))
+            shape = (planned.num_layers * planned.directions, SB, SH)
+            h = rng.standard_normal(shape).astype(np.float32)
+            hx = h if cell == "GRU" else (h, rng.standard_normal(shape).astype(np.float32))
         results = []
         for layer in (planned, full):
             full._plan = None
@@ -670,23 +672,23 @@ def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
             np.testing.assert_array_equal(a, b)
 
 
-STACK_CASES = [("GRU", True, False), ("LSTM", False, False), ("LSTM", True, False),
-               ("GRU", True, True), ("GRU", False, True)]
+STACK_CASES = [("GRU", True, False, 2), ("LSTM", False, False, 2), ("LSTM", True, False, 2),
+               ("GRU", True, True, 1), ("GRU", False, True, 1), ("LSTM", True, True, 2)]
 
 
-@pytest.mark.parametrize("cell,extras,pair", STACK_CASES,
-                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-{'pair' if p else 'stack'}"
-                              for c, e, p in STACK_CASES])
+@pytest.mark.parametrize("cell,extras,pair,layers", STACK_CASES,
+                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-"
+                              f"{'pairs' if p else 'stack'}-{n}" for c, e, p, n in STACK_CASES])
 def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell, extras,
-                                              pair):
-    """A two-layer stack that runs in stack mode, and a bidirectional layer whose directions run
-    side by side (``PairPlan``: the reversals inside the chains too), plan their calls (one
-    chain per pass, every operation of the call inside it): bitwise the full path's, across
+                                              pair, layers):
+    """A two-layer stack that runs in stack mode, and bidirectional layers whose directions run
+    side by side (``PairPlan``, one chain per layer: the reversals inside the chains too), plan
+    their calls (every operation of the call inside its chains): bitwise the full path's, across
     in-place weight updates, with initial states and lengths or without; with the chains stubbed
     nothing runs beside them, nor the layer API's accumulation (the gradients stay as they
     were)."""
     hits = _StackHits(monkeypatch)
-    planned, full = _stack_layer(cell, pair), _stack_layer(cell, pair)
+    planned, full = (_stack_layer(cell, pair, layers) for _ in range(2))
     _stack_steps(cell, planned, full, range(4), extras)
     assert type(planned._plan) is (stack_plans.PairPlan if pair else stack_plans.StackPlan)
     assert (hits.forwards, hits.backwards) == (2, 1)
