@@ -315,6 +315,8 @@ _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           "stack": (_sized_layer_call(8, "float32", layers=2), {"GRU": prnn.GRU,
                                                                 "LSTM": prnn.LSTM}),
           "pair": (_sized_layer_call(8, "float32", bidirectional=True), {"GRU": prnn.GRU}),
+          "pairs2": (_sized_layer_call(8, "float32", layers=2, bidirectional=True),
+                     {"LSTM": prnn.LSTM}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -381,7 +383,13 @@ PLANNED_LIMITS = {
     # a bidirectional layer, its directions side by side (stack_plans.PairPlan, 2026-11-27)
     ("pair", "GRU", False): 43,     # 39  (187)
     ("pair", "GRU", True): 88,      # 80  (378)
+    # ... and a two-layer bidirectional stack's pairs (one planned chain per layer and pass)
+    ("pairs2", "LSTM", False): 86,  # 78  (329)
+    ("pairs2", "LSTM", True): 177,  # 161 (736)
 }
+
+
+CHAINS_PER_PASS = {"pairs2": 2}  # (a bidirectional stack's pairs: one chain per layer)
 
 
 @pytest.mark.parametrize("road,cell,backward", list(PLANNED_LIMITS),
@@ -390,13 +398,14 @@ PLANNED_LIMITS = {
 def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, road, cell,
                                                      backward):
     """The Python of a planned call (``call_plans``) beside its chain is held; one chain per pass
-    (the launches ``launch.chain_launches`` counts, two memsets), no host synchronisation. (On
+    (a bidirectional stack's: per layer; the launches ``launch.chain_launches`` counts, two
+    memsets), no host synchronisation. (On
     the grid path: the kernels test_call_allocations builds.)"""
     from persistent_rnn import launch, settings
     call = _call(f"{road} persistent", cell, 1, backward)
     for _ in range(3):
         call()
-    passes = 1 + backward
+    passes = (1 + backward) * CHAINS_PER_PASS.get(road, 1)
     with launch.counting() as counted:
         call()
     assert counted.launches == passes * launch.chain_launches(settings.current().max_restarts)
