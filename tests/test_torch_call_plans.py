@@ -298,25 +298,31 @@ def test_16_bit_modules_plan_bitwise(settings, monkeypatch, cell, dtype, packed)
     assert (hits.forwards, hits.backwards) == (3, 2)
 
 
-def test_planned_stack_module_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch):
-    """A two-layer LSTM module in stack mode (test_call_plans' stack shapes and kernels) plans
-    its calls too (``stack_plans``): training steps with initial states bitwise the module that
-    never plans (the layer API's stack plans: also without states, with lengths)."""
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["stack", "pairs"])
+def test_planned_stack_module_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch,
+                                                             bidirectional):
+    """A two-layer LSTM module in stack mode, or bidirectional as pairs (test_call_plans' shapes
+    and kernels), plans its calls too (``stack_plans``): training steps with initial states
+    bitwise the module that never plans (the layer API's stack plans: also without states,
+    with lengths)."""
     prnn.configure(stack=True)
     hits = _StackHits(monkeypatch)
     torch.manual_seed(0)
-    modules = [prt.LSTM(SI, SH, num_layers=2, algo="persistent") for _ in range(2)]
+    modules = [prt.LSTM(SI, SH, num_layers=2, algo="persistent", bidirectional=bidirectional)
+               for _ in range(2)]
     modules[1].load_state_dict(modules[0].state_dict())
     pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in modules]
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(ST, SB, SI, generator=g)
-        hx = (torch.randn(2, SB, SH, generator=g), torch.randn(2, SB, SH, generator=g))
+        states = 2 * (1 + bidirectional)
+        hx = (torch.randn(states, SB, SH, generator=g), torch.randn(states, SB, SH, generator=g))
         results = []
         for module, optimizer in pairs:
             modules[1]._record.plan = None  # (the reference never plans)
             results.append(_train_step(module, optimizer, x, hx))
         for a, b in zip(*results):
             assert torch.equal(a, b)
-    assert "stack of 2 layers" in modules[0].last_run.details[0]
+    assert ("side by side" if bidirectional else "stack of 2 layers") in \
+        modules[0].last_run.details[0]
     assert (hits.forwards, hits.backwards) == (3, 2)
