@@ -673,7 +673,7 @@ def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
 
 
 STACK_CASES = [("GRU", True, False, 2), ("LSTM", False, False, 2), ("LSTM", True, False, 2),
-               ("GRU", True, True, 1), ("GRU", False, True, 1), ("LSTM", True, True, 2)]
+               ("GRU", True, True, 1), ("LSTM", True, True, 2)]
 
 
 @pytest.mark.parametrize("cell,extras,pair,layers", STACK_CASES,
