@@ -1,5 +1,7 @@
 """A stack-mode call planned (issue 26): a unidirectional float32 stack whose layers run in one
-launch per pass (``stack``), with every operation of the call inside that pass's chain.
+launch per pass (``stack``), with every operation of the call inside that pass's chain; and
+(``PairPlan``) a bidirectional float32 layer or stack whose layers run both directions side by
+side, one chain per layer and pass.
 
 As ``call_plans.Plan`` does for one layer-direction (its checks, ``matches``, and its
 ``backward``'s choice between the prepared pass and the full path are inherited), a
@@ -19,8 +21,13 @@ gradients. So on a GPU a call in steady state is one graph launch per pass
 call's ``Context`` keeps (``stacked``), where the full path copies them into workspaces: the
 same values, bitwise the same results (tests/test_call_plans.py).
 
-Not planned here: 16-bit stacks (their weights are packed into words: ``stack._matrices``),
-bidirectional layers and stacks that do not fit stack mode (``call_plans.plan_of``).
+Not planned: 16-bit stacks and pairs (their weights are packed into words:
+``stack._matrices``), stacks and bidirectional layers run one layer-direction per launch (the
+``stack`` setting off, or too large for stack mode), projections (never in stack mode). A call
+of several chains (L layers of pairs) is L graph launches a pass, not one: one graph of them all
+would issue chains inside an enclosing capture of the library's own, which ``launch.run_chain``
+takes for a user's capture (no record published, ``Chain.recorded`` not counted) and
+``chain_graphs`` refuses to nest.
 """
 from __future__ import annotations
 
