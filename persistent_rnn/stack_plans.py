@@ -61,7 +61,7 @@ class StackPlan(Plan):
         self.states, self.lengths = states, lengths
         self.key: tuple = ()
         self.accumulates = False
-        self.cell, self.algo, self.half, self.proj = ctx.cell, ctx.algo, None, 0
+        self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
         self.where, self.settings = _where(xp), settings.current()
@@ -84,7 +84,6 @@ class StackPlan(Plan):
         self.engine = engine
         self.backward_pass: Any = None  # (the backward's arguments, once prepared)
         self.backward_engine: Any = None
-        self.gradient_roles: tuple[str, ...] = ()
         self.mask = buffers.mask_arrays(xp, x) if lengths else None
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
         self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
@@ -141,39 +140,27 @@ class StackPlan(Plan):
         out = xp.empty(self.y_shape, np.float32)
         h_n = xp.empty(self.state_shape, np.float32)
         c_n = None if cs is None else xp.empty(self.state_shape, np.float32)
-        reverse = self._reverse_index(lengths)
         args = stack.forward_arguments(
-            self.stacked, self._kernel_gi(), h0, h0 if c0 is None else c0,
-            self.all_steps if lengths is None else lengths, self.chained, y, cs, saved)
-        call = (given, inputs, out, h_n, c_n, lengths, y, cs, reverse)
+            self.stacked, self.gi.reshape(steps, batch, -1), h0, h0 if c0 is None else c0,
+            self.all_steps if lengths is None else lengths, True, y, cs, saved)
+        call = (given, inputs, out, h_n, c_n, lengths, y, cs)
         stats = stack.run_forward(self.engine, args, xp, stack.Around(
             lambda: self._before_forward(call), lambda: self._after_forward(call),
-            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n, reverse))))
-        directions = [functional._Direction(
-            self.layer_names[k], h0[k], None if c0 is None else c0[k],
-            runtime.ForwardResult(y[k], None if cs is None else cs[k], saved[k]))
-            for k in range(groups)]
-        per_layer = groups // self.num_layers
-        ctx = functional.Context(cell, params, self.num_layers, per_layer == 2, False, self.algo,
-                                 lengths, reverse, None, inputs,
-                                 [directions[k:k + per_layer]
-                                  for k in range(0, groups, per_layer)], stats)
+            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n))))
+        ctx = functional.Context(cell, params, groups, False, False, self.algo, lengths, None,
+                                 None, inputs, [[functional._Direction(
+                                     self.layer_names[k], h0[k], None if c0 is None else c0[k],
+                                     runtime.ForwardResult(y[k], None if cs is None else cs[k],
+                                                           saved[k]))]
+                                     for k in range(groups)], stats)
         ctx.plan, ctx.stacked = self, (y, cs, saved, h0, c0)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
-
-    def _kernel_gi(self) -> Array:
-        """The input projection the forward kernel reads: layer 0's (T, B, G*H)."""
-        return self.gi.reshape(*self.x_shape[:2], -1)
-
-    def _reverse_index(self, lengths: Array | None) -> Array | None:
-        """A call's within-length reversal (``functional._reverse_index``): none in a stack."""
-        return None
 
     def _before_forward(self, call: tuple) -> None:
         """Inside the forward's chain, before its pass: the input formed, the input projection
         (``_project``) and the weights and biases stacked, as ``functional._forward_stack`` and
         ``stack.forward`` make them."""
-        xp, (given, inputs, _, _, _, lengths, _, _, _) = self.xp, call
+        xp, (given, inputs, _, _, _, lengths, _, _) = self.xp, call
         formed_input(xp, given, inputs[0], lengths, self.mask)
         layers = self._layers()
         self._project(call, layers)
@@ -201,7 +188,7 @@ class StackPlan(Plan):
     def _after_forward(self, call: tuple) -> None:
         """Inside the forward's chain, after its completion: the outputs (``_outputs``) and
         ``h_n``, ``c_n``, as ``functional._layer_output`` and ``_final_states`` make them."""
-        xp, (_, _, _, h_n, c_n, _, y, cs, _) = self.xp, call
+        xp, (_, _, _, h_n, c_n, _, y, cs) = self.xp, call
         self._outputs(call)
         xp.copyto(h_n, y[:, -1])
         if cs is not None:
@@ -210,7 +197,7 @@ class StackPlan(Plan):
     def _outputs(self, call: tuple) -> None:
         """Each layer's output copied (with lengths selected) into the layer above's input or
         the call's output."""
-        xp, (_, inputs, out, _, _, lengths, y, _, _) = self.xp, call
+        xp, (_, inputs, out, _, _, lengths, y, _) = self.xp, call
         for k, target in enumerate(inputs[1:] + [out]):
             if lengths is None:
                 xp.copyto(target, y[k])
@@ -268,9 +255,6 @@ class StackPlan(Plan):
         """The backward's workspaces beyond every stack plan's: none."""
         return {}
 
-    def _kernel_dy(self, dy: Array, lengths: Array | None) -> Array:
-        """The ``dy`` the backward kernel reads: the caller's, or with lengths its selection."""
-        return dy if lengths is None else self.backward_pass["dy"]
 
     def _planned_backward(self, ctx: functional.Context, dy: Array,
                           into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
@@ -280,8 +264,8 @@ class StackPlan(Plan):
         y, cs, saved, h0, c0 = ctx.stacked
         args = stack.backward_arguments(
             {"w_t": prepared["w_t"], "w_ih_t": prepared["w_ih_t"]},
-            self._kernel_dy(dy, lengths), y, cs, saved, h0, h0 if c0 is None else c0,
-            self.all_steps if lengths is None else lengths, self.chained, prepared["scratch"])
+            dy if lengths is None else prepared["dy"], y, cs, saved, h0, h0 if c0 is None else c0,
+            self.all_steps if lengths is None else lengths, True, prepared["scratch"])
         dx = xp.empty(self.x_shape, dy.dtype)
         dh = xp.empty(self.state_shape, np.float32)
         dc = None if c0 is None else xp.empty(self.state_shape, np.float32)
@@ -302,17 +286,13 @@ class StackPlan(Plan):
         xp, (ctx, dy, args, *_) = self.xp, call
         if ctx.lengths is not None:
             select_active(xp, dy, ctx.lengths, self.backward_pass["dy"], self.mask)
-        self._split_dy(call)
         args["dh_carry"].fill(0)
         if self.cell.has_cell_state:
             args["dc_carry"].fill(0)
         layers = self._layers()
         _stack_into(xp, [w[1].T for w in layers], args["w_t"])
-        if self.chained and len(layers) > 1:
+        if len(layers) > 1:
             _stack_into(xp, [w[0].T for w in layers[1:]], args["w_ih_t"])
-
-    def _split_dy(self, call: tuple) -> None:
-        """The kernel's ``dy`` formed from the call's: nothing to form in a stack."""
 
     def _after_backward(self, call: tuple) -> None:
         """Inside the backward's chain, after its completion: ``dh0``, ``dc0``
@@ -399,8 +379,7 @@ class PairPlan(StackPlan):
                                   for _ in range(self.num_layers - 1)]
         out = xp.empty(self.y_shape, np.float32)
         h_n = xp.empty(self.state_shape, np.float32)
-        c_n = None if c0 is None and not cell.has_cell_state else xp.empty(self.state_shape,
-                                                                            np.float32)
+        c_n = xp.empty(self.state_shape, np.float32) if cell.has_cell_state else None
         stats, directions, kept = RunStats(), [], []
         for layer in range(self.num_layers):
             pair = slice(2 * layer, 2 * layer + 2)
