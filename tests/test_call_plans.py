@@ -750,3 +750,28 @@ def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabo
                             lambda plan, call: after(plan, (*call[:5], None, *call[6:])))
     with pytest.raises(AssertionError):
         _stack_steps(cell, _stack_layer(cell, pair), _stack_layer(cell, pair), range(4), True)
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1): stalls")
+def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, monkeypatch):
+    """A stall inside a planned stack's chain restarts it on the device (``stack._run``'s
+    resume launches), the operations moved into the chain issued once a pass: bitwise the
+    unstalled call."""
+    prnn.configure(emulation_timeout_ms=200)
+    hits = _StackHits(monkeypatch)
+    layer = _stack_layer("GRU")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, SB, SI)).astype(np.float32)
+    dy = rng.standard_normal((7, SB, SH)).astype(np.float32)
+    for _ in range(3):
+        plain = _step(layer, x, dy)
+    layer.zero_grad()
+    with prnn.inject_stall(block=1, step=3, duration_ms=700):
+        y, hn = layer.forward(x)
+        forward = layer.last_run
+        dx, dhx = layer.backward(dy)
+    for a, b in zip(plain, _flat(y, hn, dx, dhx) + list(layer.grads.values())):
+        np.testing.assert_array_equal(a, b)
+    for stats in (forward, layer.last_run):
+        assert stats.restarts >= 1 and stats.fallback is None
+    assert (hits.forwards, hits.backwards) == (2, 1)
