@@ -24,7 +24,10 @@ checks, so bad input still gets torch.nn's errors.
 Planned: a single unidirectional layer-direction whose persistent engine ran (on the GPU, or its
 emulation), float32 or 16-bit (``HalfPlan``: its conversions inside the chains too), with an LSTM
 projection or without (its ``W_hr``, ``hs`` and ``dW_hr`` as the full path's); forward and
-backward; with lengths or without (lengths: a per-call role of the prepared passes). Never under
+backward; with lengths or without (lengths: a per-call role of the prepared passes; the input's
+selection inside the forward's chain too, ``formed_input``); and a float32 stack that runs in
+stack mode, one chain per pass, or a bidirectional layer or stack run as pairs, one chain per
+layer and pass (``stack_plans``' ``StackPlan`` and ``PairPlan``, built on ``Plan``). Never under
 CUDA stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs the
@@ -79,7 +82,15 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
     too: a plan's caller gives it valid lengths (the torch modules' packed input, whose lengths
     ``PackedLayout`` derives; the layer API checks them before a planned call as its full path
     does). ``accumulates``: its backward adds the parameter gradients into its caller's arrays
-    inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``)."""
+    inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``). A stack that
+    ran in stack mode: ``stack_plans``."""
+    if (ctx.num_layers > 1 or ctx.bidirectional) and not ctx.batch_first \
+            and _where(buffers.array_module(x)) is not None and ctx.stats.algo == "persistent":
+        from . import stack_plans  # (it builds on this module)
+        plan = stack_plans.plan_of(ctx, x, hx, lengths)
+        if plan is not None:
+            plan.key, plan.accumulates = key, accumulates
+        return plan
     if not (ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.stats.algo == "persistent"
             and x.dtype == (np.float32 if ctx.half is None else half_dtype(ctx.half))
@@ -143,8 +154,10 @@ class Plan:
         self.forward_pass = runtime.prepare_forward(ctx.cell, engine, gi, w_hh,
                                                     self._pass_bias(b_hh), d.h0, d.c0,
                                                     ctx.lengths, self.half, self.w_hr, d.fwd)
-        # what a call's output selection reads (held: no look-up inside a captured chain)
+        # what a call's output and input selections read (held: no look-up inside a captured
+        # chain; a 16-bit input is selected on its bits, as ``functional._selected_input``)
         self.mask = buffers.mask_arrays(xp, gi) if lengths else None
+        self.x_mask = buffers.mask_arrays(xp, _bits(x)) if lengths else None
         self.forward_pass.around = runtime.Around(
             self._before_forward, self._after_forward, self._forward_fixed(b_ih, b_hh),
             ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",))
@@ -156,7 +169,8 @@ class Plan:
 
     def _forward_fixed(self, b_ih: Array | None, b_hh: Array | None) -> dict:
         """The forward chain's ``fixed`` arrays (``runtime.Around``)."""
-        return {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask}
+        return {"gi": self.gi, "w_ih_t": self.w_ih_t, "b_ih": b_ih, "mask": self.mask,
+                "x_mask": self.x_mask}
 
     def _state_roles(self) -> tuple[str, ...]:
         """The forward chain's roles beyond the output's: none (the initial states the caller
@@ -223,14 +237,16 @@ class Plan:
     def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``functional.forward(cell, params, x, hx, lengths, algo=...)`` of a matching call
-        (``matches``: ``params`` holds the planned weights)."""
+        (``matches``: ``params`` holds the planned weights); ``lengths``: valid int32 on the
+        input's array module, as the callers make them (``validation.lengths``,
+        ``torch.interop.lengths_array``)."""
         xp, cell = self.xp, self.cell
         h0, c0, states = self._initial_states(hx)
         layer_input, given = x, None
-        if lengths is not None:  # (as functional's: int32, the input zero past each length)
-            lengths = buffers.full_lengths(xp, lengths, 0, 0)
-            layer_input = functional._selected_input(xp, x, lengths)
-        elif not x.flags.c_contiguous:  # (copied in the chain: its products read rows in place)
+        if lengths is not None or not x.flags.c_contiguous:
+            # (formed in the chain: with lengths the input zero past each length, as
+            # functional's ``_selected_input``; else a strided input copied, its products
+            # reading rows in place)
             layer_input, given = xp.empty(x.shape, x.dtype), x
         y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
         fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
@@ -264,8 +280,7 @@ class Plan:
         """Inside the forward's chain, before its pass (``runtime.Around``): a strided input
         (the layer API takes any view) copied into this call's contiguous one, the input GEMM and its
         bias, ``gi = x W_ih^T + b_ih``, as ``functional.forward`` forms them."""
-        if arrays["x_given"] is not None:
-            self.xp.copyto(arrays["x"], arrays["x_given"])
+        formed_input(self.xp, arrays["x_given"], arrays["x"], arrays["lengths"], fixed["x_mask"])
         matmul_steps(arrays["x"], fixed["w_ih_t"], fixed["gi"])
         if fixed["b_ih"] is not None:
             fixed["gi"] += fixed["b_ih"]
@@ -409,6 +424,24 @@ class Plan:
 
 
 
+def _bits(a: Array) -> Array:
+    """``a`` as it is selected: a 16-bit array on its bits (+0.0 is all zero bits)."""
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
+def formed_input(xp, given: Array | None, x: Array, lengths: Array | None,
+                 mask: tuple | None) -> None:
+    """Inside a forward's chain, the call's layer input ``x`` formed from the ``given`` one where
+    they differ (``None``: they do not): selected with ``lengths`` (``functional._selected_input``;
+    ``mask``: the plan's ``buffers.mask_arrays`` of its bits), else copied (a strided input)."""
+    if given is None:
+        return
+    if lengths is None:
+        xp.copyto(x, given)
+    else:
+        select_active(xp, _bits(given), lengths, _bits(x), mask)
+
+
 def _projection_gradient(s: Any, hs: Array, out: Array) -> None:
     """An LSTM projection's ``dW_hr = sum_t dr_t^T h_t`` into ``out``: one product over all
     steps, as ``functional._layer_gradients`` forms it (``s``: the backward's scratch, ``hs``
@@ -496,8 +529,7 @@ class HalfPlan(Plan):
                 _refresh(fixed[key + " words"], fixed[key])
         if fixed["b_hh"] is not None:
             widen(fixed["b_hh"], fixed["b_hh_wide"])
-        if arrays["x_given"] is not None:
-            self.xp.copyto(arrays["x"], arrays["x_given"])
+        formed_input(self.xp, arrays["x_given"], arrays["x"], arrays["lengths"], fixed["x_mask"])
         x = arrays["x"]
         matmul_half(x.reshape(-1, x.shape[2]), fixed["w_ih_t"], self.half, fixed["gi"])
         if fixed["b_ih"] is not None:

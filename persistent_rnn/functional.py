@@ -102,6 +102,7 @@ class Context:
     backward_stats: RunStats | None = None                          # of the last backward
     scratch_results: bool = False  # results in reused workspaces (see ``forward``)
     plan: Any = None               # the ``call_plans.Plan`` that ran the forward, if one did
+    stacked: Any = None            # a planned stack's buffers, all layers' (``stack_plans``)
 
 
 def forward(cell: CellSpec, params: Mapping[str, Array], x: Array, hx: Any = None,
@@ -583,16 +584,31 @@ def _reverse_index(xp, steps: int, batch: int, lengths: Array | None) -> Array:
     """
     if lengths is None:
         return reversed_rows(xp, steps, batch)
-    t = step_indices(xp, steps)[:, :, 0]  # (T, 1)
-    rows = workspace(xp, "reverse_rows", (steps, batch), np.intp)
+    out = xp.empty((steps * batch,), np.intp)
+    reverse_index_into(xp, lengths, reverse_scratch(xp, steps, batch), out)
+    return out
+
+
+def reverse_scratch(xp, steps: int, batch: int) -> tuple[Array, Array, Array, Array]:
+    """What ``reverse_index_into`` computes with: the step indices (T, 1), the workspaces of
+    the rows and of the steps past each length (T, B), the batch indices (1, B)."""
+    return (step_indices(xp, steps)[:, :, 0],
+            workspace(xp, "reverse_rows", (steps, batch), np.intp),
+            workspace(xp, "reverse_past", (steps, batch), np.bool_),
+            step_indices(xp, batch).reshape(1, batch))
+
+
+def reverse_index_into(xp, lengths: Array, scratch: tuple, out: Array) -> None:
+    """``_reverse_index`` of ``lengths`` into ``out`` (T*B,) with ``reverse_scratch``'s arrays
+    (held by a call plan, whose chain computes it: nothing looked up)."""
+    t, rows, past, batch_index = scratch
     xp.subtract(lengths[None, :], t, out=rows)
     rows -= 1
-    past = workspace(xp, "reverse_past", (steps, batch), np.bool_)
     xp.greater_equal(t, lengths[None, :], out=past)
     xp.copyto(rows, t, where=past)
-    rows *= batch
-    rows += step_indices(xp, batch).reshape(1, batch)
-    return rows.reshape(-1).copy()
+    rows *= rows.shape[1]
+    rows += batch_index
+    xp.copyto(out, rows.reshape(-1))
 
 
 def _gather(index: Array, a: Array, out: Array | None = None) -> Array:

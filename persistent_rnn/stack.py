@@ -19,8 +19,9 @@ record lazily.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -66,10 +67,26 @@ def _cached_engine(cell: CellSpec, hidden: int, batch: int, layers: int, bidirec
                              emulated)
 
 
+@dataclass(frozen=True)
+class Around:
+    """Stream operations of a planned stack call (``stack_plans``) that its pass enqueues inside
+    its chain, as ``runtime.Around`` does for one layer-direction: ``before()`` just before the
+    pass's first launch (after the chain's memsets), ``after()`` just after its completion
+    kernel; ``key()``: every array they read or write (``chain_graphs.value``) and what they do
+    - the chain graph's key holds it beside the launches' arguments. Nothing in them may
+    allocate or look up scratch."""
+
+    before: Callable[[], None]
+    after: Callable[[], None]
+    key: Callable[[], tuple]
+
+
 def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, chained: bool,
-         complete: str, complete_args: dict, exchanges: tuple[tuple[str, ...], ...]) -> RunStats:
+         complete: str, complete_args: dict, exchanges: tuple[tuple[str, ...], ...],
+         around: Around | None = None) -> RunStats:
     """Enqueue a stack pass's whole chain (``launch.run_chain``): the stack kernel with ``args``
-    and each launch's ``starts``, its completion kernel ``complete`` with ``complete_args``.
+    and each launch's ``starts``, its completion kernel ``complete`` with ``complete_args``
+    (``around``'s operations before and after them inside it, where given).
     ``exchanges``: per tagged exchange buffer, the kernel arguments given it. Each has one slot
     per (layer, step) of the plan's ``exchange_row`` words (half a staged row,
     ``stack_common.cuh``) and is the chain's own (``launch.chain_for``: reused per thread and
@@ -84,14 +101,21 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
     first_starts = buffers.constant_ints(xp, layers, first)  # the first launch's starts
 
     def go(start, stall: settings.Stall) -> None:
+        if start is not launch.RESUME and around is not None:  # (the pass's first launch)
+            around.before()
         starts = first_starts if start is not launch.RESUME else chain.starts
         launch.launch_pass(engine_, chain.control, dict(args, starts=starts), stall)
 
-    launch.run_chain(chain, go, first, end, settings.current_stall(), (),
-                     lambda: chain.complete(complete, **complete_args),
+    def completed() -> None:
+        chain.complete(complete, **complete_args)
+        if around is not None:
+            around.after()
+
+    launch.run_chain(chain, go, first, end, settings.current_stall(), (), completed,
                      lambda: (complete, chain_graphs.value(first_starts),
                               chain_graphs.arguments_key(args),
-                              chain_graphs.arguments_key(complete_args)))
+                              chain_graphs.arguments_key(complete_args),
+                              None if around is None else around.key()))
     pp = engine_.pass_plan
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     stats = RunStats(algo="persistent", emulated=engine_.emulated, launches=1, details=[
@@ -159,16 +183,33 @@ def forward(cell: CellSpec, engine_: launch.Engine, gi: Array, weights: Sequence
     half = _weights_dtype(engine_)
     w_ih = (_matrices(xp, [w[0] for w in weights[1:]], "stack_w_ih", half) if chained
             else _unused(xp))
-    args = dict(w_ih=w_ih, w_hh=_matrices(xp, [w[1] for w in weights], "stack_w_hh", half),
-                b_ih=_biases(xp, cell, weights, 2, hidden), b_hh=_biases(xp, cell, weights, 3, hidden),
-                gi=f32(gi), h0=f32(h0), c0=f32(h0 if c0 is None else c0),
-                lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, y=y,
-                cs=y if cs is None else cs, saved=saved, steps=steps, batch=batch, hidden=hidden)
+    args = forward_arguments(dict(
+        w_ih=w_ih, w_hh=_matrices(xp, [w[1] for w in weights], "stack_w_hh", half),
+        b_ih=_biases(xp, cell, weights, 2, hidden), b_hh=_biases(xp, cell, weights, 3, hidden)),
+        f32(gi), f32(h0), f32(h0 if c0 is None else c0),
+        buffers.full_lengths(xp, lengths, batch, steps), chained, y, cs, saved)
+    return results, run_forward(engine_, args, xp)
+
+
+def forward_arguments(weights: dict, gi: Array, h0: Array, c0: Array, lengths: Array,
+                      chained: bool, y: Array, cs: Array | None, saved: Array) -> dict:
+    """The stack forward kernel's arguments: ``weights`` (its stacked ``w_ih``, ``w_hh``,
+    ``b_ih``, ``b_hh``), the float32 ``gi``, ``h0``, ``c0`` (an Elman or GRU stack's: ``h0``),
+    int32 ``lengths`` and the pass's buffers (``cs``: ``None`` without a cell state)."""
+    layers, steps, batch, hidden = y.shape
+    return dict(weights, gi=gi, h0=h0, c0=c0, lengths=lengths, chained=chained, y=y,
+                cs=y if cs is None else cs, saved=saved, steps=steps, batch=batch,
+                hidden=hidden)
+
+
+def run_forward(engine_: launch.Engine, args: dict, xp, around: Around | None = None
+                ) -> RunStats:
+    """Enqueue a stack forward's chain with ``args`` (``forward_arguments``; ``around``: a
+    planned call's operations inside it); its stats."""
     # The completion kernel (device_loop.cu; W_hh stands in for the W_hr it does not read).
-    complete = dict(args, w_hr=args["w_hh"], hs=y, proj=0)
-    stats = _run(engine_, args, layers, 1, xp, chained, "prnn_complete_forward", complete,
-                 (("exchange",),))
-    return results, stats
+    complete = dict(args, w_hr=args["w_hh"], hs=args["y"], proj=0)
+    return _run(engine_, args, args["y"].shape[0], 1, xp, args["chained"],
+                "prnn_complete_forward", complete, (("exchange",),), around)
 
 
 def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | None,
@@ -206,29 +247,55 @@ def backward(cell: CellSpec, engine_: launch.Engine, dy: Array, dhn: Array | Non
     half = _weights_dtype(engine_)
     w_ih_t = (_matrices(xp, [w[0].T for w in weights[1:]], "stack_w_ih_t", half) if chained
               else _unused(xp))
-    args = dict(w_t=_matrices(xp, [w[1].T for w in weights], "stack_w_t", half), w_ih_t=w_ih_t,
-                dy=f32(dy), y=y,
-                cs=y if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds], "stack_cs"),
-                saved=_stacked(xp, [f.saved for f in fwds], "stack_saved"), h0=f32(h0),
-                c0=f32(h0 if c0 is None else c0),
-                lengths=buffers.full_lengths(xp, lengths, batch, steps), chained=chained, dgi=dgi,
-                dgh=dgh, dh_carry=dh_carry, dc_carry=dc_carry, steps=steps, batch=batch,
-                hidden=hidden)
-    # (GRU's dgi and dgh are exchanged separately; otherwise one exchange serves both)
-    exchanges = ((("exchange_gh",), ("exchange_gi",)) if dgh is not dgi
-                 else (("exchange_gh", "exchange_gi"),))
-    stats = _run(engine_, args, layers, -1, xp, chained, "prnn_complete_backward",
-                 dict(args, per_step=1), exchanges)
-    # dh0 = the direct carry + W_hh^T dgh_0 of each layer: stream-ordered, nothing read back;
-    # the layers' rows of one array (the layer returns it as it is)
+    args = backward_arguments(
+        dict(w_t=_matrices(xp, [w[1].T for w in weights], "stack_w_t", half), w_ih_t=w_ih_t),
+        f32(dy), y, None if fwds[0].cs is None else _stacked(xp, [f.cs for f in fwds], "stack_cs"),
+        _stacked(xp, [f.saved for f in fwds], "stack_saved"), f32(h0),
+        f32(h0 if c0 is None else c0), buffers.full_lengths(xp, lengths, batch, steps), chained,
+        (dgi, dgh, dh_carry, dc_carry))
+    stats = run_backward(engine_, args, xp)
     dh0 = xp.empty((layers, batch, hidden), np.float32) if out is None else out[0]
-    for k in range(layers):
-        matmul(dgh[k, 0], weights[k][1], out=dh0[k])
-        dh0[k] += dh_carry[k, 0]  # (in place: the same sum)
     dc0 = None
     if cell.has_cell_state:
         dc0 = xp.empty((layers, batch, hidden), np.float32) if out is None else out[1]
-        xp.copyto(dc0, dc_carry[:, 0])
+    initial_state_gradients(xp, args, [w[1] for w in weights], dh0, dc0)
     results = [runtime.BackwardResult(dgi[k], dgh[k], dh0[k], None if dc0 is None else dc0[k])
                for k in range(layers)]
     return results, stats
+
+
+def backward_arguments(weights: dict, dy: Array, y: Array, cs: Array | None, saved: Array,
+                       h0: Array, c0: Array, lengths: Array, chained: bool,
+                       scratch: tuple[Array, Array, Array, Array]) -> dict:
+    """The stack backward kernel's arguments: ``weights`` (its stacked ``w_t``, ``w_ih_t``), the
+    float32 ``dy``, the forward's stacked buffers (``cs``: ``None`` without a cell state),
+    ``h0``, ``c0``, int32 ``lengths`` and ``scratch``: ``dgi``, ``dgh``, the two carries."""
+    dgi, dgh, dh_carry, dc_carry = scratch
+    layers, steps, batch, hidden = y.shape
+    return dict(weights, dy=dy, y=y, cs=y if cs is None else cs, saved=saved, h0=h0, c0=c0,
+                lengths=lengths, chained=chained, dgi=dgi, dgh=dgh, dh_carry=dh_carry,
+                dc_carry=dc_carry, steps=steps, batch=batch, hidden=hidden)
+
+
+def run_backward(engine_: launch.Engine, args: dict, xp, around: Around | None = None
+                 ) -> RunStats:
+    """Enqueue a stack backward's chain with ``args`` (``backward_arguments``; ``around``: a
+    planned call's operations inside it); its stats."""
+    # (GRU's dgi and dgh are exchanged separately; otherwise one exchange serves both)
+    exchanges = ((("exchange_gh",), ("exchange_gi",)) if args["dgh"] is not args["dgi"]
+                 else (("exchange_gh", "exchange_gi"),))
+    return _run(engine_, args, args["y"].shape[0], -1, xp, args["chained"],
+                "prnn_complete_backward", dict(args, per_step=1), exchanges, around)
+
+
+def initial_state_gradients(xp, args: dict, w_hh: Sequence[Array], dh0: Array,
+                            dc0: Array | None) -> None:
+    """After a stack backward with ``args`` (``backward_arguments``), each layer's ``dh0`` = its
+    direct carry + ``W_hh^T dgh_0`` into the rows of ``dh0`` (``w_hh``: the layers' ``W_hh``)
+    and, with a cell state, ``dc0`` its carry: stream-ordered, nothing read back."""
+    dgh, dh_carry = args["dgh"], args["dh_carry"]
+    for k, w in enumerate(w_hh):
+        matmul(dgh[k, 0], w, out=dh0[k])
+        dh0[k] += dh_carry[k, 0]  # (in place: the same sum)
+    if dc0 is not None:
+        xp.copyto(dc0, args["dc_carry"][:, 0])

@@ -83,14 +83,15 @@ def test_a_steady_state_call_allocates_only_what_it_returns_and_keeps(settings, 
 
 
 # Stack mode (two unidirectional layers in one launch per pass): the same, per layer (dh and dc
-# each one array whose rows are the layers').
+# each one array whose rows are the layers'). The counted call is planned (stack_plans, since
+# 2026-11-27): its parameter gradients are formed in the plan's workspaces and added into the
+# layer's inside the chain (the full path: 8 new arrays, one per parameter).
 STACK_FORWARD = {"GRU": ["y of both layers (context)", "saved of both (context)",
                          "layer 0's output (context: layer 1's input)", "output", "h_n"],
                  "LSTM": ["y of both layers (context)", "cs of both (context)",
                           "saved of both (context)", "layer 0's output (context: layer 1's input)",
                           "output", "h_n", "c_n"]}
-STACK_BACKWARD = {"GRU": ["dx", "dh"] + [f"{g} of layer {k}" for g in ("dW_ih", "dW_hh", "db_ih",
-                                                                           "db_hh") for k in (0, 1)]}
+STACK_BACKWARD = {"GRU": ["dx", "dh"]}
 STACK_BACKWARD["LSTM"] = STACK_BACKWARD["GRU"] + ["dc"]
 
 
@@ -124,7 +125,9 @@ REVERSE_INDEX = ["the reversal's row index (context: the backward's gathers; wit
 
 
 def bidirectional_expected(cell: str, layers: int, pairs: bool) -> list[str]:
-    """What a bidirectional fwd+bwd call with lengths may allocate."""
+    """What a bidirectional fwd+bwd call with lengths may allocate. A call run as pairs is
+    planned (stack_plans.PairPlan, 2026-11-27): its gradients are summed into the layer's inside
+    its chains from the plan's workspaces (the full path: 4 new arrays per layer-direction)."""
     kept = ["y", "saved"] + (["cs"] if cell == "LSTM" else [])
     per_layer = ([f"{a} of both directions (context)" for a in kept] if pairs
                  else [f"{a} (context)" for a in kept for _ in range(2)])
@@ -133,7 +136,8 @@ def bidirectional_expected(cell: str, layers: int, pairs: bool) -> list[str]:
                + ["output", "h_n"] + (["c_n"] if cell == "LSTM" else []))
     backward = (["dx", "dh0 (every layer-direction's rows)"]
                 + (["dc0 (likewise)"] if cell == "LSTM" else [])
-                + [g for g in ("dW_ih", "dW_hh", "db_ih", "db_hh")] * (2 * layers))
+                + [g for g in ("dW_ih", "dW_hh", "db_ih", "db_hh")] * (2 * layers)
+                * (not pairs))
     return forward + backward
 
 

@@ -275,14 +275,18 @@ def _packed_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[
     return step
 
 
-def _sized_layer_call(hidden: int, dtype: str, proj: int = 0) -> Callable:
+def _sized_layer_call(hidden: int, dtype: str, proj: int = 0, layers: int = 1,
+                      bidirectional: bool = False) -> Callable:
     """A builder (``_BUILD``) of a layer's call at B=3, input size 5 and ``hidden`` (``proj``: an
-    LSTM projection's P): the sizes of tests/test_half_kernels.py (float16, H=13) and
-    tests/test_projection_persistent.py (H=12, P=6), whose emulated kernels they build."""
+    LSTM projection's P; ``layers``: a stack's, in stack mode; ``bidirectional``: with one
+    layer, its directions side by side): the sizes of
+    tests/test_half_kernels.py (float16, H=13), tests/test_projection_persistent.py (H=12, P=6)
+    and tests/test_call_allocations.py's stacks (H=8), whose emulated kernels they build."""
     def build(cls, steps: int, algo: str, backward: bool) -> Callable[[], object]:
-        layer = cls(5, hidden, algo=algo, seed=0, dtype=dtype, proj_size=proj)
+        layer = cls(5, hidden, algo=algo, seed=0, dtype=dtype, proj_size=proj,
+                    num_layers=layers, bidirectional=bidirectional)
         x = np.random.default_rng(0).standard_normal((steps, 3, 5)).astype(layer.dtype)
-        dy = np.ones((steps, 3, proj or hidden), layer.dtype)
+        dy = np.ones((steps, 3, (proj or hidden) * layer.directions), layer.dtype)
 
         def step():
             layer.forward(x)
@@ -308,6 +312,11 @@ def _half_module_call(cls, steps: int, algo: str, backward: bool) -> Callable[[]
 _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           "layer16": (_sized_layer_call(13, "float16"), {"GRU": prnn.GRU}),
           "projection": (_sized_layer_call(12, "float32", 6), {"LSTM": prnn.LSTM}),
+          "stack": (_sized_layer_call(8, "float32", layers=2), {"GRU": prnn.GRU,
+                                                                "LSTM": prnn.LSTM}),
+          "pair": (_sized_layer_call(8, "float32", bidirectional=True), {"GRU": prnn.GRU}),
+          "pairs2": (_sized_layer_call(8, "float32", layers=2, bidirectional=True),
+                     {"LSTM": prnn.LSTM}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -352,8 +361,9 @@ PLANNED_LIMITS = {
     ("module", "GRU", True): 156,   # 158 -> 157 -> 142 (242)
     ("module", "LSTM", False): 84,  # 79 -> 79 -> 76   (124)
     ("module", "LSTM", True): 161,  # 163 -> 161 -> 146 (256)
-    ("packed", "GRU", True): 207,   # 207 -> 188 (288) (packed input: lengths planned; dy's
-                                    # selection inside the chain)
+    ("packed", "GRU", True): 178,   # 207 -> 188 (288) (packed input: lengths planned; dy's
+                                    # selection inside the chain) -> 174 -> 162 (the input's
+                                    # selection inside the chain too)
     # float16 layers and modules (call_plans.HalfPlan, 2026-11-27: their conversions inside the
     # chain too): the count, then the full path's (its widening and rounding beside the chain)
     ("layer16", "GRU", False): 31,  # 28  (147)
@@ -364,7 +374,22 @@ PLANNED_LIMITS = {
     # chain, as above)
     ("projection", "LSTM", False): 32,  # 29  (98)
     ("projection", "LSTM", True): 59,   # 54  (213)
+    # a two-layer stack in stack mode (stack_plans, 2026-11-27: every operation of the call
+    # inside its one chain per pass; B=3, T=1): the count, then the full path's
+    ("stack", "GRU", False): 40,    # 36  (157)
+    ("stack", "GRU", True): 84,     # 76  (326)
+    ("stack", "LSTM", False): 41,   # 37  (170)
+    ("stack", "LSTM", True): 85,    # 77  (372)
+    # a bidirectional layer, its directions side by side (stack_plans.PairPlan, 2026-11-27)
+    ("pair", "GRU", False): 48,     # 44  (187)  (39 / 80 when pairs of one layer only were
+    ("pair", "GRU", True): 100,     # 92  (378)   planned: the loop over layers costs 5 / 12)
+    # ... and a two-layer bidirectional stack's pairs (one planned chain per layer and pass)
+    ("pairs2", "LSTM", False): 86,  # 78  (329)
+    ("pairs2", "LSTM", True): 177,  # 161 (736)
 }
+
+
+CHAINS_PER_PASS = {"pairs2": 2}  # (a bidirectional stack's pairs: one chain per layer)
 
 
 @pytest.mark.parametrize("road,cell,backward", list(PLANNED_LIMITS),
@@ -373,13 +398,14 @@ PLANNED_LIMITS = {
 def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, road, cell,
                                                      backward):
     """The Python of a planned call (``call_plans``) beside its chain is held; one chain per pass
-    (the launches ``launch.chain_launches`` counts, two memsets), no host synchronisation. (On
+    (a bidirectional stack's: per layer; the launches ``launch.chain_launches`` counts, two
+    memsets), no host synchronisation. (On
     the grid path: the kernels test_call_allocations builds.)"""
     from persistent_rnn import launch, settings
     call = _call(f"{road} persistent", cell, 1, backward)
     for _ in range(3):
         call()
-    passes = 1 + backward
+    passes = (1 + backward) * CHAINS_PER_PASS.get(road, 1)
     with launch.counting() as counted:
         call()
     assert counted.launches == passes * launch.chain_launches(settings.current().max_restarts)

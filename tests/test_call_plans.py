@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime
+from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime, stack_plans
 from persistent_rnn.validation import CallOrderError
 from full_set import EVERY_KERNEL
 from profiling import run_profiled
@@ -401,11 +401,13 @@ def test_a_planned_call_issues_its_moved_operations_inside_the_chain(settings, m
 
 
 def _lengths_steps(cell: str, planned, full, seeds) -> None:
-    """Forward and backward with other lengths every call (a list, then an array), bitwise."""
+    """Forward and backward with other lengths every call (a list, then an array), bitwise; the
+    input NaN past each length (selected out inside the planned chain: no result sees it)."""
     for seed in seeds:
         x, dy = _data(seed, steps=5)
         lengths = np.random.default_rng(seed).integers(1, 6, 2)
         lengths[0] = 5
+        x[lengths[1]:, 1] = np.nan
         results = []
         for layer in (planned, full):
             full._plan = None
@@ -420,19 +422,25 @@ def _lengths_steps(cell: str, planned, full, seeds) -> None:
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
 def test_calls_with_lengths_are_planned_bitwise(settings, monkeypatch, cell):
     """Lengths (a per-call role of the prepared passes) of other values every call: planned,
-    bitwise the full path; bad lengths after planning get the full path's errors."""
+    bitwise the full path, the input's selection too inside the chain (stubbed: nothing runs
+    beside it); bad lengths after planning get the full path's errors."""
     hits = _Hits(monkeypatch)
     planned, full = _layer(cell), _layer(cell)
     _lengths_steps(cell, planned, full, range(5))
     assert (hits.forwards, hits.backwards) == (3, 2)
-    x, _ = _data(0, steps=5)
+    x, dy = _data(0, steps=5)
+    with monkeypatch.context() as m:
+        m.setattr(launch, "_issue_chain", lambda *a: None)
+        assert _array_work(lambda: planned.forward(x, lengths=[5, 2])) == 0
+        assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (4, 3)
     with pytest.raises(ValueError, match=r"lengths must be in 1\.\.5"):
         planned.forward(x, lengths=[5, 0])
     with pytest.raises(ValueError, match=r"lengths must have shape \(batch,\) = \(2,\)"):
         planned.forward(x, lengths=[5, 2, 1])
     with pytest.raises(TypeError, match="lengths must hold integers"):
         planned.forward(x, lengths=[5.0, 2.0])
-    assert hits.forwards == 3
+    assert hits.forwards == 4
 
 
 def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeypatch):
@@ -441,6 +449,17 @@ def test_planned_calls_with_the_first_calls_lengths_are_caught(settings, monkeyp
     backward_arrays = runtime.backward_arrays
     monkeypatch.setattr(runtime, "backward_arrays",
                         lambda dy, fwd, h0, c0, lengths=None: backward_arrays(dy, fwd, h0, c0))
+    with pytest.raises(AssertionError):
+        _lengths_steps("GRU", _layer("GRU"), _layer("GRU"), range(5))
+
+
+def test_a_planned_input_left_unselected_is_caught(settings, monkeypatch):
+    """Sabotage: a planned chain that copies the input instead of selecting it with lengths
+    lets the padding's NaN into the gradients: the check above fails."""
+    def copied(xp, given, x, lengths, mask):
+        if given is not None:
+            xp.copyto(x, given)
+    monkeypatch.setattr(call_plans, "formed_input", copied)
     with pytest.raises(AssertionError):
         _lengths_steps("GRU", _layer("GRU"), _layer("GRU"), range(5))
 
@@ -590,4 +609,169 @@ def test_projection_calls_are_planned_bitwise(settings, monkeypatch, dtype, hidd
                                dtype=dtype) for _ in range(2))
     _half_steps(planned, full, range(4), states=True, lengths=True)
     assert planned._plan is not None and planned._plan.proj == proj
+    assert (hits.forwards, hits.backwards) == (2, 1)
+
+
+# Stack mode (stack_plans.StackPlan): test_call_allocations' stack shapes (its emulated stack
+# kernels, on the grid path), two layers.
+ST, SB, SH, SI = 3, 3, 8, 5
+
+
+class _StackHits:
+    """Counts the planned stack forwards and backwards that ran."""
+
+    def __init__(self, monkeypatch):
+        self.forwards = self.backwards = 0
+        for cls in (stack_plans.StackPlan, stack_plans.PairPlan):
+            self._count(monkeypatch, cls, "forward", "forwards")
+            self._count(monkeypatch, cls, "_planned_backward", "backwards")
+
+    def _count(self, monkeypatch, cls, method: str, counter: str) -> None:
+        run = cls.__dict__[method]
+
+        def counted(plan, *args):
+            setattr(self, counter, getattr(self, counter) + 1)
+            return run(plan, *args)
+        monkeypatch.setattr(cls, method, counted)
+
+
+def _stack_layer(cell: str, pair: bool = False, layers: int = 0):
+    """Two layers in stack mode, or (``pair``) a bidirectional layer's (``layers``: a stack's,
+    one by default) two directions side by side (test_call_allocations' pairs at these
+    shapes)."""
+    prnn.configure(stack=True)
+    return getattr(prnn, cell)(SI, SH, num_layers=layers or (1 if pair else 2),
+                               bidirectional=pair, algo="persistent", seed=3)
+
+
+def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
+    """Training steps of a planned stack and one never planned, bitwise: forward, backward and
+    an in-place update of every weight (an optimizer's); ``extras``: initial states and other
+    lengths every call (the input NaN past each length)."""
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((ST, SB, SI)).astype(np.float32)
+        dy = rng.standard_normal((ST, SB, SH * planned.directions)).astype(np.float32)
+        hx = lengths = None
+        if extras:
+            lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
+            x[lengths[1]:, 1] = np.nan
+            shape = (planned.num_layers * planned.directions, SB, SH)
+            h = rng.standard_normal(shape).astype(np.float32)
+            hx = h if cell == "GRU" else (h, rng.standard_normal(shape).astype(np.float32))
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx, lengths=lengths)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+            for name, w in layer.params.items():
+                w -= 0.01 * layer.grads[name]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+
+
+STACK_CASES = [("GRU", True, False, 2), ("LSTM", False, False, 2), ("LSTM", True, False, 2),
+               ("GRU", True, True, 1), ("LSTM", True, True, 2)]
+
+
+@pytest.mark.parametrize("cell,extras,pair,layers", STACK_CASES,
+                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-"
+                              f"{'pairs' if p else 'stack'}-{n}" for c, e, p, n in STACK_CASES])
+def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell, extras,
+                                              pair, layers):
+    """A two-layer stack that runs in stack mode, and bidirectional layers whose directions run
+    side by side (``PairPlan``, one chain per layer: the reversals inside the chains too), plan
+    their calls (every operation of the call inside its chains): bitwise the full path's, across
+    in-place weight updates, with initial states and lengths or without; with the chains stubbed
+    nothing runs beside them, nor the layer API's accumulation (the gradients stay as they
+    were)."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (_stack_layer(cell, pair, layers) for _ in range(2))
+    _stack_steps(cell, planned, full, range(4), extras)
+    assert type(planned._plan) is (stack_plans.PairPlan if pair else stack_plans.StackPlan)
+    assert (hits.forwards, hits.backwards) == (2, 1)
+    assert ("side by side" if pair else "stack of 2 layers") in planned.last_run.details[0]
+    x = np.ones((ST, SB, SI), np.float32)
+    dy = np.ones((ST, SB, SH * planned.directions), np.float32)
+    lengths = [ST, 1, 2] if extras else None
+    hx = planned._plan.h0 if cell == "GRU" else (planned._plan.h0, planned._plan.c0)
+    hx = hx if extras else None
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    assert _array_work(lambda: planned.forward(x, hx, lengths=lengths)) == 0
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(g, grads[name])
+
+
+@pytest.mark.parametrize("sabotage", ["weights stacked once", "outputs copied unselected",
+                                      "the first call's reversal"])
+def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
+    """Sabotage: a planned stack whose forward's chain reads the weights as they were when
+    planned (an optimizer's in-place updates unseen), or copies each layer's output where
+    lengths select it, or a planned pair whose chain reverses by the first planned call's
+    lengths, fails the bitwise check above."""
+    cell, pair = "LSTM", False
+    if sabotage == "the first call's reversal":
+        reversal, done = stack_plans.PairPlan._reversal, set()
+
+        def once(plan, lengths, reverse):
+            if id(plan) not in done:  # (the first planned call's lengths, kept)
+                done.add(id(plan))
+                plan.first_reversal = reverse
+                reversal(plan, lengths, reverse)
+            else:
+                plan.xp.copyto(reverse, plan.first_reversal)
+        monkeypatch.setattr(stack_plans.PairPlan, "_reversal", once)
+        cell, pair = "GRU", True
+    elif sabotage == "weights stacked once":
+        layers, frozen = stack_plans.StackPlan._layers, {}
+
+        def stale(plan):
+            if id(plan) not in frozen:
+                frozen[id(plan)] = [tuple(None if w is None else w.copy() for w in ws)
+                                    for ws in layers(plan)]
+            return frozen[id(plan)]
+        before = stack_plans.StackPlan._before_forward
+
+        def stale_before(plan, call):
+            plan._layers = lambda: stale(plan)
+            try:
+                before(plan, call)
+            finally:
+                del plan._layers
+        monkeypatch.setattr(stack_plans.StackPlan, "_before_forward", stale_before)
+    else:
+        after = stack_plans.StackPlan._after_forward
+        monkeypatch.setattr(stack_plans.StackPlan, "_after_forward",
+                            lambda plan, call: after(plan, (*call[:5], None, *call[6:])))
+    with pytest.raises(AssertionError):
+        _stack_steps(cell, _stack_layer(cell, pair), _stack_layer(cell, pair), range(4), True)
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1): stalls")
+def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, monkeypatch):
+    """A stall inside a planned stack's chain restarts it on the device (``stack._run``'s
+    resume launches), the operations moved into the chain issued once a pass: bitwise the
+    unstalled call."""
+    prnn.configure(emulation_timeout_ms=200)
+    hits = _StackHits(monkeypatch)
+    layer = _stack_layer("GRU")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, SB, SI)).astype(np.float32)
+    dy = rng.standard_normal((7, SB, SH)).astype(np.float32)
+    for _ in range(3):
+        plain = _step(layer, x, dy)
+    layer.zero_grad()
+    with prnn.inject_stall(block=1, step=3, duration_ms=700):
+        y, hn = layer.forward(x)
+        forward = layer.last_run
+        dx, dhx = layer.backward(dy)
+    for a, b in zip(plain, _flat(y, hn, dx, dhx) + list(layer.grads.values())):
+        np.testing.assert_array_equal(a, b)
+    for stats in (forward, layer.last_run):
+        assert stats.restarts >= 1 and stats.fallback is None
     assert (hits.forwards, hits.backwards) == (2, 1)

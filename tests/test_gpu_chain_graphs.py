@@ -14,13 +14,14 @@ pytestmark = pytest.mark.gpu
 CALLS = 6  # CuPy's pool alternates two sets of blocks while a layer holds its last forward
 
 
-def _layer(cupy, mode: str, layers: int, dtype: str = "float32", proj: int = 0):
+def _layer(cupy, mode: str, layers: int, dtype: str = "float32", proj: int = 0,
+           bidirectional: bool = False):
     layer = getattr(prnn, mode)(16, 64, num_layers=layers, algo="persistent", seed=1, dtype=dtype,
-                                proj_size=proj)
+                                proj_size=proj, bidirectional=bidirectional)
     layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(2)
     x = cupy.asarray(rng.standard_normal((9, 3, 16)), layer.dtype)
-    dy = cupy.asarray(rng.standard_normal((9, 3, proj or 64)), layer.dtype)
+    dy = cupy.asarray(rng.standard_normal((9, 3, (proj or 64) * layer.directions)), layer.dtype)
     return layer, x, dy
 
 
@@ -111,6 +112,30 @@ def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkey
     LSTM projection's, W_hr^T's copy and dW_hr."""
     layer, x, dy = _layer(cupy, mode, 1, dtype, proj)
     full, _, _ = _layer(cupy, mode, 1, dtype, proj)
+    _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
+
+
+@pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
+    ("LSTM", 2, False, [9, 7, 4]), ("GRU", 3, False, None), ("GRU", 1, True, [9, 7, 4]),
+    ("LSTM", 1, True, None)])
+def test_planned_stacks_and_pairs_replay_their_chains_with_the_full_calls_bits(
+        cupy, monkeypatch, mode, layers, bidirectional, lengths):
+    """The same for a stack in stack mode (``stack_plans.StackPlan``: the input's projection,
+    the weights' stacking, the layers' outputs, the gradients and the sums inside its one chain
+    per pass) and a bidirectional layer's directions side by side (``PairPlan``: the reversals
+    and gathers too). Written 2026-11-27 on a machine without a GPU: not run yet."""
+    from persistent_rnn import stack_plans
+    layer, x, dy = _layer(cupy, mode, layers, bidirectional=bidirectional)
+    full, _, _ = _layer(cupy, mode, layers, bidirectional=bidirectional)
+    _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
+    assert type(layer._plan) is (stack_plans.PairPlan if bidirectional
+                                 else stack_plans.StackPlan)
+
+
+def _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths) -> None:
+    """Twelve planned calls of ``layer`` on other values in the same arrays, their chains
+    replayed at least four times without a host synchronisation, bitwise ``full``'s calls,
+    which never plan."""
     rng = np.random.default_rng(3)
     values = [(rng.standard_normal(x.shape), rng.standard_normal(dy.shape)) for _ in range(12)]
 

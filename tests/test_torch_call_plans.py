@@ -14,7 +14,7 @@ import persistent_rnn as prnn
 import persistent_rnn.torch as prt
 from persistent_rnn import call_plans
 
-from test_call_plans import _Hits  # (the planned forwards and backwards that ran)
+from test_call_plans import SB, SH, SI, ST, _Hits, _StackHits  # (planned calls that ran)
 
 H, I = 16, 3
 
@@ -295,4 +295,35 @@ def test_16_bit_modules_plan_bitwise(settings, monkeypatch, cell, dtype, packed)
         for a, b in zip(*results):
             assert a.dtype == b.dtype == dtype and torch.equal(a, b)
     assert isinstance(pairs[0][0]._record.plan, call_plans.HalfPlan)
+    assert (hits.forwards, hits.backwards) == (3, 2)
+
+
+@pytest.mark.parametrize("bidirectional", [True], ids=["pairs"])
+def test_planned_stack_module_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch,
+                                                             bidirectional):
+    """A bidirectional two-layer LSTM module as pairs (test_call_plans' shapes and kernels;
+    ``bidirectional=False``: a stack in stack mode, the same road through the op, checked by the
+    layer API's tests) plans its calls too (``stack_plans``): training steps with initial
+    states bitwise the module that never plans (the layer API's plans: also without states,
+    with lengths)."""
+    prnn.configure(stack=True)
+    hits = _StackHits(monkeypatch)
+    torch.manual_seed(0)
+    modules = [prt.LSTM(SI, SH, num_layers=2, algo="persistent", bidirectional=bidirectional)
+               for _ in range(2)]
+    modules[1].load_state_dict(modules[0].state_dict())
+    pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in modules]
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(ST, SB, SI, generator=g)
+        states = 2 * (1 + bidirectional)
+        hx = (torch.randn(states, SB, SH, generator=g), torch.randn(states, SB, SH, generator=g))
+        results = []
+        for module, optimizer in pairs:
+            modules[1]._record.plan = None  # (the reference never plans)
+            results.append(_train_step(module, optimizer, x, hx))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+    assert ("side by side" if bidirectional else "stack of 2 layers") in \
+        modules[0].last_run.details[0]
     assert (hits.forwards, hits.backwards) == (3, 2)

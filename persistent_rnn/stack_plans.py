@@ -1,0 +1,573 @@
+"""A stack-mode call planned (issue 26): a unidirectional float32 stack whose layers run in one
+launch per pass (``stack``), with every operation of the call inside that pass's chain; and
+(``PairPlan``) a bidirectional float32 layer or stack whose layers run both directions side by
+side, one chain per layer and pass.
+
+As ``call_plans.Plan`` does for one layer-direction (its checks, ``matches``, and its
+``backward``'s choice between the prepared pass and the full path are inherited), a
+``StackPlan`` keeps what depends only on the call's signature - the engines, the workspaces
+the stack kernels read (layer 0's input projection, the stacked weights and biases, the
+backward's gate gradients and carries), the kernels' arguments but this call's arrays - and a
+call makes only its new arrays and enqueues one chain per pass (``stack.run_forward`` /
+``run_backward`` with a ``stack.Around``), which holds every operation of the call as
+``functional``'s stack mode makes them: forward - the input formed (copied where strided,
+selected with lengths), layer 0's input GEMM and bias, the weights and biases stacked (an
+optimizer may have changed them in place), then each layer's output copied (selected with
+lengths) into the layer above's input or the call's output, ``h_n`` and ``c_n``; backward -
+``dy`` selected with lengths, the carries zeroed, ``W_hh^T`` and ``W_ih^T`` stacked, then
+``dh0``, ``dc0``, every layer's parameter gradients, ``dx`` and the layer API's sums of the
+gradients. So on a GPU a call in steady state is one graph launch per pass
+(``chain_graphs``). The stack kernels read the forward's own (L, T, B, .) buffers, which the
+call's ``Context`` keeps (``stacked``), where the full path copies them into workspaces: the
+same values, bitwise the same results (tests/test_call_plans.py).
+
+Not planned: 16-bit stacks and pairs (their weights are packed into words:
+``stack._matrices``), stacks and bidirectional layers run one layer-direction per launch (the
+``stack`` setting off, or too large for stack mode), projections (never in stack mode). A call
+of several chains (L layers of pairs) is L graph launches a pass, not one: one graph of them all
+would issue chains inside an enclosing capture of the library's own, which ``launch.run_chain``
+takes for a user's capture (no record published, ``Chain.recorded`` not counted) and
+``chain_graphs`` refuses to nest.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import buffers, chain_graphs, functional, runtime, settings, stack
+from .buffers import matmul_steps, select_active, workspace
+from .call_plans import _GRADIENTS, Plan, _same_memory, _where, formed_input
+from .stats import RunStats
+
+Array = Any
+
+
+def stack_engine(ctx: functional.Context, data: Array, backward: bool) -> Any:
+    """The stack-mode engine a float32 call of ``ctx`` runs on, or ``None``."""
+    hidden = ctx.directions[0][0].h0.shape[1]
+    engine, _ = stack.engine(ctx.cell, data, hidden, ctx.num_layers, ctx.bidirectional,
+                             ctx.algo, None, backward, proj="weight_hr_l0" in ctx.params)
+    return engine
+
+
+class StackPlan(Plan):
+    """One stack-mode call of one signature (module docstring)."""
+
+    chained = True  # (the kernels' groups are layers, each reading the one below)
+
+    def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool,
+                 engine: Any):
+        self.states, self.lengths = states, lengths
+        self.key: tuple = ()
+        self.accumulates = False
+        self.cell, self.algo = ctx.cell, ctx.algo
+        self.xp = xp = buffers.array_module(x)
+        self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
+        self.where, self.settings = _where(xp), settings.current()
+        self.generation = buffers.generation()
+        steps, batch, _ = x.shape
+        self.layer_names = self._groups(ctx)
+        self.num_layers = ctx.num_layers
+        layers = len(self.layer_names)
+        # (all parameters by name: ``Plan._same_weights`` checks them)
+        self.names = {n: n for names in self.layer_names for n in names.values()}
+        self._index = {n: k for k, n in enumerate(self.names)}  # (a name's place in ``into``)
+        self.weights = tuple(ctx.params[n] for n in self.names)
+        w_hh = self._layers()[0][1]
+        gates, hidden = w_hh.shape[0], w_hh.shape[1]
+        self.hidden = hidden
+        self.state_shape = self.c_shape = (layers, batch, hidden)
+        self.y_shape = (steps, batch, hidden * (1 + ctx.bidirectional))
+        self.h0, self.c0 = functional._initial_states(ctx.cell, xp, None, layers, batch,
+                                                      (hidden, hidden), np.float32)
+        self.engine = engine
+        self.backward_pass: Any = None  # (the backward's arguments, once prepared)
+        self.backward_engine: Any = None
+        self.mask = buffers.mask_arrays(xp, x) if lengths else None
+        self.all_steps = buffers.full_lengths(xp, None, batch, steps)
+        self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
+        groups = self.kernel_groups = layers if self.chained else 2  # (a launch's groups)
+        self.stacked = dict(
+            w_ih=self._w_ih_stack(xp, groups, gates, hidden),
+            w_hh=workspace(xp, "stack_w_hh", (groups, gates, hidden), np.float32),
+            b_ih=workspace(xp, "stack_bias2", (groups, gates), np.float32),
+            b_hh=workspace(xp, "stack_bias3", (groups, gates), np.float32))
+        self.zero_bias = buffers.constant_zeros(xp, (gates,), np.float32)
+
+    @staticmethod
+    def _groups(ctx: functional.Context) -> list[dict[str, str]]:
+        """The parameter names of the stack kernels' groups, in order: the layers'."""
+        return [ctx.directions[k][0].names for k in range(ctx.num_layers)]
+
+    @staticmethod
+    def _w_ih_stack(xp, layers: int, gates: int, hidden: int) -> Array:
+        """The workspace the forward kernel reads the layers' ``W_ih`` from (above the first)."""
+        return workspace(xp, "stack_w_ih", (layers - 1, gates, hidden), np.float32)
+
+    def _layers(self) -> list[tuple]:
+        """Each layer's ``(w_ih, w_hh, b_ih, b_hh)`` (biases ``None`` without them): the
+        weights the plan holds now (``_rebind``)."""
+        params = dict(zip(self.names, self.weights))
+        return [tuple(params.get(names.get(kind)) for kind in functional.PARAMETER_GRADIENTS)
+                for names in self.layer_names]
+
+    def _rebind(self, params: Mapping[str, Array]) -> bool:
+        """``Plan._same_weights`` of new array objects over the planned ones' memory: kept (the
+        chains read the plan's weights when they are issued)."""
+        weights = tuple(params.get(name) for name in self.names)
+        if not all(_same_memory(new, old) for new, old in zip(weights, self.weights)):
+            return False
+        self.weights = weights
+        return True
+
+    def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
+                lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
+        """``Plan.forward`` of a stack: ``functional.forward`` of a matching call."""
+        xp, cell = self.xp, self.cell
+        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+            xp, hx if cell.has_cell_state else (hx, None))
+        layer_input, given = x, None
+        if lengths is not None or not x.flags.c_contiguous:  # (formed in the chain)
+            layer_input, given = xp.empty(x.shape, x.dtype), x
+        groups = self.state_shape[0]
+        steps, batch, _ = x.shape
+        y = xp.empty((groups, steps, batch, self.hidden), np.float32)
+        cs = xp.empty_like(y) if cell.has_cell_state else None
+        saved = xp.empty((groups, steps, batch, cell.saved * self.hidden), np.float32)
+        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
+                                  for _ in range(self.num_layers - 1)]
+        out = xp.empty(self.y_shape, np.float32)
+        h_n = xp.empty(self.state_shape, np.float32)
+        c_n = None if cs is None else xp.empty(self.state_shape, np.float32)
+        args = stack.forward_arguments(
+            self.stacked, self.gi.reshape(steps, batch, -1), h0, h0 if c0 is None else c0,
+            self.all_steps if lengths is None else lengths, True, y, cs, saved)
+        call = (given, inputs, out, h_n, c_n, lengths, y, cs)
+        stats = stack.run_forward(self.engine, args, xp, stack.Around(
+            lambda: self._before_forward(call), lambda: self._after_forward(call),
+            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n))))
+        ctx = functional.Context(cell, params, groups, False, False, self.algo, lengths, None,
+                                 None, inputs, [[functional._Direction(
+                                     self.layer_names[k], h0[k], None if c0 is None else c0[k],
+                                     runtime.ForwardResult(y[k], None if cs is None else cs[k],
+                                                           saved[k]))]
+                                     for k in range(groups)], stats)
+        ctx.plan, ctx.stacked = self, (y, cs, saved, h0, c0)
+        return out, (h_n if cs is None else (h_n, c_n)), ctx
+
+    def _before_forward(self, call: tuple) -> None:
+        """Inside the forward's chain, before its pass: the input formed, the input projection
+        (``_project``) and the weights and biases stacked, as ``functional._forward_stack`` and
+        ``stack.forward`` make them."""
+        xp, (given, inputs, _, _, _, lengths, _, _) = self.xp, call
+        formed_input(xp, given, inputs[0], lengths, self.mask)
+        layers = self._layers()
+        self._project(call, layers)
+        self._stack_weights(layers)
+
+    def _stack_weights(self, layers: list[tuple]) -> None:
+        """The kernel's groups' ``W_hh`` and biases (zeros where none) stacked into its
+        workspaces (``layers``: each group's weights, ``_layers``)."""
+        s = self.stacked
+        _stack_into(self.xp, [w[1] for w in layers], s["w_hh"])
+        for which, key in ((2, "b_ih"), (3, "b_hh")):
+            _stack_into(self.xp, [self.zero_bias if w[which] is None else w[which]
+                                  for w in layers], s[key])
+
+    def _project(self, call: tuple, layers: list[tuple]) -> None:
+        """Layer 0's input projection ``gi = x W_ih^T + b_ih`` and the upper layers' ``W_ih``
+        stacked (their projections are inside the kernel)."""
+        inputs = call[1]
+        matmul_steps(inputs[0], layers[0][0].T, self.gi)
+        if layers[0][2] is not None:
+            self.gi += layers[0][2]
+        if len(layers) > 1:
+            _stack_into(self.xp, [w[0] for w in layers[1:]], self.stacked["w_ih"])
+
+    def _after_forward(self, call: tuple) -> None:
+        """Inside the forward's chain, after its completion: the outputs (``_outputs``) and
+        ``h_n``, ``c_n``, as ``functional._layer_output`` and ``_final_states`` make them."""
+        xp, (_, _, _, h_n, c_n, _, y, cs) = self.xp, call
+        self._outputs(call)
+        xp.copyto(h_n, y[:, -1])
+        if cs is not None:
+            xp.copyto(c_n, cs[:, -1])
+
+    def _outputs(self, call: tuple) -> None:
+        """Each layer's output copied (with lengths selected) into the layer above's input or
+        the call's output."""
+        xp, (_, inputs, out, _, _, lengths, y, _) = self.xp, call
+        for k, target in enumerate(inputs[1:] + [out]):
+            if lengths is None:
+                xp.copyto(target, y[k])
+            else:
+                select_active(xp, y[k], lengths, target, self.mask)
+
+    def _key(self, what: str, arrays: tuple) -> tuple:
+        """What a pass's chain graph is keyed by beside its launches' arguments (``stack.Around``):
+        the plan and which pass, its fixed arrays and weights, and this call's ``arrays`` (on a
+        GPU: ``chain_graphs.value``)."""
+        held = (self.gi, self.mask, self.zero_bias, self.weights, self._held(),
+                None if self.backward_pass is None else tuple(
+                    a for k, a in self.backward_pass.items() if k not in ("grads", "scratch")))
+        return what, id(self), chain_graphs.value(held + arrays)
+
+    def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
+        """After a backward of this plan's context that ran the whole way in stack mode:
+        prepare the later ones (their engine and the workspaces the full path uses)."""
+        stats = ctx.backward_stats
+        if stats is None or stats.algo != "persistent":
+            return
+        engine = stack_engine(ctx, dy, backward=True)
+        if engine is None:
+            return
+        xp, cell = self.xp, self.cell
+        _, batch, hidden = self.state_shape
+        layers, steps = self.kernel_groups, self.x_shape[0]
+        shape, carry = (layers, steps, batch, cell.gates * hidden), (layers, steps + 1, batch,
+                                                                      hidden)
+        dgi = workspace(xp, "stack_dgi", shape, np.float32)
+        dh_carry = workspace(xp, "stack_dh_carry", carry, np.float32)
+        self.backward_pass = dict(
+            w_t=workspace(xp, "stack_w_t", (layers, hidden, shape[3]), np.float32),
+            w_ih_t=self._w_ih_t_stack(xp, layers, hidden, shape[3]),
+            scratch=(dgi, workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh
+                     else dgi, dh_carry, workspace(xp, "stack_dc_carry", carry, np.float32)
+                     if cell.has_cell_state else dh_carry),
+            dy=workspace(xp, "dy", self.y_shape, np.float32) if self.lengths else None,
+            dw_hh=workspace(xp, "dw_hh", (shape[3], hidden), np.float32),
+            grads={name: workspace(xp, "plan_grad " + name, w.shape, np.float32)
+                   for name, w in zip(self.names, self.weights)} if self.accumulates else None)
+        self.backward_pass.update(self._backward_workspaces())
+        self.backward_engine = engine
+
+    def _held(self) -> tuple:
+        """The forward's fixed arrays beyond every stack plan's (``_key``): none."""
+        return ()
+
+    @staticmethod
+    def _w_ih_t_stack(xp, layers: int, hidden: int, width: int) -> Array:
+        """The workspace the backward kernel reads the upper layers' ``W_ih^T`` from."""
+        return workspace(xp, "stack_w_ih_t", (layers - 1, hidden, width), np.float32)
+
+    def _backward_workspaces(self) -> dict:
+        """The backward's workspaces beyond every stack plan's: none."""
+        return {}
+
+
+    def _planned_backward(self, ctx: functional.Context, dy: Array,
+                          into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
+        """``Plan.backward`` by the prepared stack pass: this call's new result arrays, written
+        inside its chain."""
+        xp, prepared, lengths = self.xp, self.backward_pass, ctx.lengths
+        y, cs, saved, h0, c0 = ctx.stacked
+        args = stack.backward_arguments(
+            {"w_t": prepared["w_t"], "w_ih_t": prepared["w_ih_t"]},
+            dy if lengths is None else prepared["dy"], y, cs, saved, h0, h0 if c0 is None else c0,
+            self.all_steps if lengths is None else lengths, True, prepared["scratch"])
+        dx = xp.empty(self.x_shape, dy.dtype)
+        dh = xp.empty(self.state_shape, np.float32)
+        dc = None if c0 is None else xp.empty(self.state_shape, np.float32)
+        grads = prepared["grads"] or {n: xp.empty(w.shape, w.dtype)
+                                      for n, w in zip(self.names, self.weights)}
+        into = tuple(into[n] for n in self.names) if self.accumulates else None
+        call = (ctx, dy, args, dx, dh, dc, grads, into)
+        ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
+            lambda: self._before_backward(call), lambda: self._after_backward(call),
+            lambda: self._key("backward", (dy, dx, dh, dc, tuple(grads.values()), into,
+                                           tuple(ctx.inputs), ctx.reverse_index))))
+        return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
+
+    def _before_backward(self, call: tuple) -> None:
+        """Inside the backward's chain, before its pass: ``dy`` selected with lengths, the
+        carries zeroed, ``W_hh^T`` and ``W_ih^T`` stacked, as ``functional.backward`` and
+        ``stack.backward`` make them."""
+        xp, (ctx, dy, args, *_) = self.xp, call
+        if ctx.lengths is not None:
+            select_active(xp, dy, ctx.lengths, self.backward_pass["dy"], self.mask)
+        args["dh_carry"].fill(0)
+        if self.cell.has_cell_state:
+            args["dc_carry"].fill(0)
+        layers = self._layers()
+        _stack_into(xp, [w[1].T for w in layers], args["w_t"])
+        if len(layers) > 1:
+            _stack_into(xp, [w[0].T for w in layers[1:]], args["w_ih_t"])
+
+    def _after_backward(self, call: tuple) -> None:
+        """Inside the backward's chain, after its completion: ``dh0``, ``dc0``
+        (``stack.initial_state_gradients``), each layer's parameter gradients
+        (``functional.parameter_gradients``), ``dx`` and, where the plan accumulates, the
+        gradients added into its caller's, as ``functional._backward_stack`` and the layer API
+        form them."""
+        xp, (ctx, _, args, dx, dh, dc, grads, into) = self.xp, call
+        layers = self._layers()
+        stack.initial_state_gradients(xp, args, [w[1] for w in layers], dh, dc)
+        self._gradients(call, layers)
+        if into is not None:  # (as the layer API adds a full call's: ``layers``)
+            for total, name in zip(into, self.names):
+                total += grads[name]
+
+    def _gradients(self, call: tuple, layers: list[tuple]) -> None:
+        """Each layer's parameter gradients, top-down, and ``dx`` from layer 0's ``dgi``
+        (the layers above formed theirs inside the kernel)."""
+        ctx, _, args, dx, _, _, grads, _ = call
+        for k in range(len(layers) - 1, -1, -1):
+            d, layer_input = ctx.directions[k][0], ctx.inputs[k]
+            names = [d.names[n] for n in _GRADIENTS if n in d.names]
+            functional.parameter_gradients(
+                args["dgi"][k], args["dgh"][k], layer_input.reshape(-1, layer_input.shape[2]),
+                d.fwd.y, d.h0, "bias_ih" in d.names, tuple(grads[n] for n in names),
+                self.backward_pass["dw_hh"])
+        matmul_steps(args["dgi"][0], layers[0][0], dx.reshape(-1, dx.shape[2]))
+
+    def _backward_current(self, ctx: functional.Context) -> bool:
+        """``Plan._backward_current``, and a context this plan's forward made."""
+        return ctx.stacked is not None and super()._backward_current(ctx)
+
+
+class PairPlan(StackPlan):
+    """Calls of a bidirectional layer or stack whose layers each run both directions side by
+    side in one launch per pass (``functional._forward_pairs`` / ``_backward_pairs``): a
+    ``StackPlan`` whose kernel groups are one layer's two directions, the reverse one reading
+    its input reversed within each length (``functional._gather`` by the call's ``reverse``
+    index: without lengths a shared constant, with them a new array per call, the context's,
+    formed inside the first chain). One chain per layer and pass, each holding its layer's
+    operations: on a GPU a call of L layers is L graph launches a pass (not one: module
+    docstring)."""
+
+    chained = False
+
+    def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool,
+                 engine: Any):
+        super().__init__(ctx, x, states, lengths, engine)
+        xp, (steps, batch, _) = self.xp, x.shape
+        self.gi_reverse = workspace(xp, "gi_reverse", self.gi.shape, np.float32)
+        self.gi_pair = workspace(xp, "gi_pair", (2, steps, batch, self.gi.shape[1]), np.float32)
+        self.y_reversed = workspace(xp, "y_reversed", (steps, batch, self.hidden), np.float32)
+        self.rows = None if lengths else buffers.reversed_rows(xp, steps, batch)
+        self.reverse_scratch = functional.reverse_scratch(xp, steps, batch) if lengths else None
+
+    @staticmethod
+    def _groups(ctx: functional.Context) -> list[dict[str, str]]:
+        """Every layer-direction's parameter names, in ``functional``'s order."""
+        return [d.names for dirs in ctx.directions for d in dirs]
+
+    @staticmethod
+    def _w_ih_stack(xp, layers: int, gates: int, hidden: int) -> Array:
+        """The kernel's ``W_ih`` argument, unread by unchained groups (``stack._unused``)."""
+        return stack._unused(xp)
+
+    _w_ih_t_stack = _w_ih_stack
+
+    def _held(self) -> tuple:
+        """The pairs' fixed arrays (``_key``)."""
+        return (self.gi_reverse, self.gi_pair, self.y_reversed, self.rows, self.reverse_scratch)
+
+    def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
+                lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
+        """``Plan.forward`` of the pairs: one chain per layer and pass."""
+        xp, cell, hidden = self.xp, self.cell, self.hidden
+        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+            xp, hx if cell.has_cell_state else (hx, None))
+        layer_input, given = x, None
+        if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
+            layer_input, given = xp.empty(x.shape, x.dtype), x
+        steps, batch, _ = x.shape
+        reverse = self.rows if lengths is None else xp.empty((steps * batch,), np.intp)
+        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
+                                  for _ in range(self.num_layers - 1)]
+        out = xp.empty(self.y_shape, np.float32)
+        h_n = xp.empty(self.state_shape, np.float32)
+        c_n = xp.empty(self.state_shape, np.float32) if cell.has_cell_state else None
+        stats, directions, kept = RunStats(), [], []
+        for layer in range(self.num_layers):
+            pair = slice(2 * layer, 2 * layer + 2)
+            y = xp.empty((2, steps, batch, hidden), np.float32)
+            cs = xp.empty_like(y) if cell.has_cell_state else None
+            saved = xp.empty((2, steps, batch, cell.saved * hidden), np.float32)
+            args = stack.forward_arguments(
+                self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
+                self.all_steps if lengths is None else lengths, False, y, cs, saved)
+            target = inputs[layer + 1] if layer + 1 < self.num_layers else out
+            call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n)
+            stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
+                lambda call=call: self._before_pair(call), lambda call=call: self._after_pair(call),
+                lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
+            directions.append([functional._Direction(
+                self.layer_names[2 * layer + d], h0[2 * layer + d],
+                None if c0 is None else c0[2 * layer + d],
+                runtime.ForwardResult(y[d], None if cs is None else cs[d], saved[d]))
+                for d in (0, 1)])
+            kept.append((y, cs, saved))
+        ctx = functional.Context(cell, params, self.num_layers, True, False, self.algo, lengths,
+                                 reverse, None, inputs, directions, stats)
+        ctx.plan, ctx.stacked = self, (kept, h0, c0)
+        return out, (h_n if c_n is None else (h_n, c_n)), ctx
+
+    def _before_pair(self, call: tuple) -> None:
+        """Inside a layer's forward chain, before its pass: in the first, the input formed and
+        with lengths the reversal index; both directions' input projections into the kernel's
+        pair (the reverse one reversed) and the layer's weights and biases stacked, as
+        ``functional._forward_pairs`` and ``stack.forward`` form them."""
+        xp, (layer, given, layer_input, _, lengths, _, _, reverse, _, _) = self.xp, call
+        if layer == 0:
+            formed_input(xp, given, layer_input, lengths, self.mask)
+            if lengths is not None:
+                self._reversal(lengths, reverse)
+        directions = self._layers()[2 * layer:2 * layer + 2]
+        for (w_ih, _, b_ih, _), gi in zip(directions, (self.gi, self.gi_reverse)):
+            matmul_steps(layer_input, w_ih.T, gi)
+            if b_ih is not None:
+                gi += b_ih
+        steps = self.gi_pair.shape[1:3]
+        xp.copyto(self.gi_pair[0], self.gi.reshape(*steps, -1))
+        functional._gather(reverse, self.gi_reverse.reshape(*steps, -1), self.gi_pair[1])
+        self._stack_weights(directions)
+
+    def _reversal(self, lengths: Array, reverse: Array) -> None:
+        """The call's within-length reversal of ``lengths`` into ``reverse``, in the chain."""
+        functional.reverse_index_into(self.xp, lengths, self.reverse_scratch, reverse)
+
+    def _after_pair(self, call: tuple) -> None:
+        """Inside a layer's forward chain, after its completion: its output (the directions
+        side by side, the reverse one back in time order, zero past each length:
+        ``functional._layer_output``) into the layer above's input or the call's output, and its
+        rows of ``h_n``, ``c_n``."""
+        xp, (layer, _, _, target, lengths, y, cs, reverse, h_n, c_n) = self.xp, call
+        hidden, pair = self.hidden, slice(2 * layer, 2 * layer + 2)
+        target[:, :, :hidden] = y[0]
+        target[:, :, hidden:] = functional._gather(reverse, y[1], self.y_reversed)
+        if lengths is not None:
+            select_active(xp, target, lengths, target, self.mask)
+        xp.copyto(h_n[pair], y[:, -1])
+        if cs is not None:
+            xp.copyto(c_n[pair], cs[:, -1])
+
+    def _backward_workspaces(self) -> dict:
+        """The directions' ``dy`` for the kernel (``dy_pair``), the reverse one's contiguous
+        source, its ``dgi`` back in time order, the parts of each layer's input gradient and an
+        upper layer's input gradient (the output gradient of the layer below), as
+        ``functional``'s workspaces."""
+        xp, (steps, batch, width) = self.xp, self.x_shape
+        shape, rows, upper = (steps, batch, self.hidden), steps * batch, self.y_shape[2]
+        return {"dy_pair": workspace(xp, "dy_pair", (2, *shape), np.float32),
+                "gather_source": workspace(xp, "gather_source", shape, np.float32),
+                "dgi_reversed": workspace(xp, "dgi_reversed", self.gi_pair.shape[1:],
+                                          np.float32),
+                "d_in_part": workspace(xp, "d_in_part", (rows, width), np.float32),
+                "d_in_part upper": workspace(xp, "d_in_part", (rows, upper), np.float32),
+                "d_layer_input": workspace(xp, "d_layer_input", (rows, upper), np.float32)}
+
+    def _planned_backward(self, ctx: functional.Context, dy: Array,
+                          into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
+        """``Plan.backward`` by the prepared pair passes, top-down, one chain per layer: this
+        call's new result arrays, written inside the chains."""
+        xp, held, lengths = self.xp, self.backward_pass, ctx.lengths
+        kept, h0, c0 = ctx.stacked
+        dx = xp.empty(self.x_shape, dy.dtype)
+        dh = xp.empty(self.state_shape, np.float32)
+        dc = None if c0 is None else xp.empty(self.state_shape, np.float32)
+        grads = held["grads"] or {n: xp.empty(w.shape, w.dtype)
+                                  for n, w in zip(self.names, self.weights)}
+        into = tuple(into[n] for n in self.names) if self.accumulates else None
+        stats = RunStats()
+        for layer in range(self.num_layers - 1, -1, -1):
+            pair = slice(2 * layer, 2 * layer + 2)
+            y, cs, saved = kept[layer]
+            args = stack.backward_arguments(
+                {"w_t": held["w_t"], "w_ih_t": held["w_ih_t"]}, held["dy_pair"], y, cs, saved,
+                h0[pair], (h0 if c0 is None else c0)[pair],
+                self.all_steps if lengths is None else lengths, False, held["scratch"])
+            call = (layer, ctx, dy, args, dx, dh, dc, grads, into)
+            stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
+                lambda call=call: self._before_pair_backward(call),
+                lambda call=call: self._after_pair_backward(call),
+                lambda call=call: self._key(("backward", call[0]), (
+                    call[2], *call[4:7], tuple(grads.values()), call[8], tuple(ctx.inputs),
+                    ctx.reverse_index)))))
+        ctx.backward_stats = stats
+        return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
+
+    def _before_pair_backward(self, call: tuple) -> None:
+        """Inside a layer's backward chain, before its pass: the gradient of its output (the
+        call's ``dy``, selected with lengths, at the top; else the input gradient of the layer
+        above) split into the directions', the reverse one reversed; the carries zeroed and
+        the layer's ``W_hh^T`` stacked, as ``functional._backward_pairs`` and ``stack.backward``
+        form them."""
+        xp, (layer, ctx, dy, args, *_), held = self.xp, call, self.backward_pass
+        if layer + 1 < self.num_layers:
+            d_out = held["d_layer_input"].reshape(self.y_shape)
+        elif ctx.lengths is None:
+            d_out = dy
+        else:
+            d_out = select_active(xp, dy, ctx.lengths, held["dy"], self.mask)
+        hidden = self.hidden
+        xp.copyto(held["dy_pair"][0], d_out[:, :, :hidden])
+        xp.copyto(held["gather_source"], d_out[:, :, hidden:])
+        functional._gather(ctx.reverse_index, held["gather_source"], held["dy_pair"][1])
+        args["dh_carry"].fill(0)
+        if self.cell.has_cell_state:
+            args["dc_carry"].fill(0)
+        _stack_into(xp, [w[1].T for w in self._layers()[2 * layer:2 * layer + 2]], args["w_t"])
+
+    def _after_pair_backward(self, call: tuple) -> None:
+        """Inside a layer's backward chain, after its completion: its rows of ``dh0``, ``dc0``,
+        both directions' parameter gradients and the layer's input gradient (the reverse
+        direction's ``dgi`` back in time order; the call's ``dx`` at layer 0), as
+        ``functional._layer_gradients`` forms them, and the layer API's sums."""
+        xp, held = self.xp, self.backward_pass
+        layer, ctx, _, args, dx, dh, dc, grads, into = call
+        pair = slice(2 * layer, 2 * layer + 2)
+        directions = self._layers()[pair]
+        stack.initial_state_gradients(xp, args, [w[1] for w in directions], dh[pair],
+                                      None if dc is None else dc[pair])
+        layer_input = ctx.inputs[layer]
+        flat = layer_input.reshape(-1, layer_input.shape[2])
+        d_in = dx if layer == 0 else held["d_layer_input"].reshape(layer_input.shape)
+        for k, d in enumerate(ctx.directions[layer]):
+            dgi = args["dgi"][k] if k == 0 else functional._gather(
+                ctx.reverse_index, args["dgi"][k], held["dgi_reversed"])
+            names = [d.names[n] for n in _GRADIENTS if n in d.names]
+            functional.parameter_gradients(dgi, args["dgh"][k], flat, d.fwd.y, d.h0,
+                                           "bias_ih" in d.names, tuple(grads[n] for n in names),
+                                           held["dw_hh"])
+            if k == 0:
+                matmul_steps(dgi, directions[0][0], d_in.reshape(flat.shape[0], -1))
+            else:  # (in place: the same sum)
+                d_in += matmul_steps(dgi, directions[1][0],
+                                     held["d_in_part" if layer == 0 else "d_in_part upper"])
+            if into is not None:  # (as the layer API adds a full call's: ``layers``)
+                for name in d.names.values():
+                    total = into[self._index[name]]
+                    total += grads[name]
+
+
+def _stack_into(xp, arrays: list[Array], out: Array) -> None:
+    """``xp.stack(arrays, out=out)`` as one copy per array (the same values): inside a captured
+    chain, where CuPy's concatenation may stage its pointers through the pool and the host."""
+    for k, a in enumerate(arrays):
+        xp.copyto(out[k], a)
+
+
+def _contiguous(xp, states: tuple) -> tuple:
+    """The given initial states as the kernels read them: as they are where contiguous (the
+    usual case: nothing to enqueue), else copied, as ``functional._initial_states`` does."""
+    return tuple(a if a is None or a.flags.c_contiguous else xp.ascontiguousarray(a)
+                 for a in states)
+
+
+def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> StackPlan | None:
+    """The ``StackPlan`` of a forward that ran the whole way in stack mode (a unidirectional
+    stack's), the ``PairPlan`` of a bidirectional layer's or stack's that ran as pairs, or
+    ``None``."""
+    pair = ctx.bidirectional
+    if (ctx.num_layers < 2 and not pair) or ctx.half is not None \
+            or x.dtype != np.float32 or "weight_hr_l0" in ctx.params:
+        return None
+    engine = stack_engine(ctx, x, backward=False)
+    ran = "both directions of a layer side by side" if pair else "stack of"
+    if engine is None or not any(ran in d for d in ctx.stats.details):
+        return None
+    return (PairPlan if pair else StackPlan)(ctx, x, hx is not None, lengths is not None,
+                                             engine)
