@@ -1,5 +1,5 @@
-"""The restart loop and completion on the device (launch.py, cuda_src/device_loop.cu), through the
-CPU emulation: restarts bitwise equal to an undisturbed run, the completion kernel against the
+"""The restart loop and completion on the device (launch.py, cuda_src/chain.cuh, device_loop.cu),
+through the CPU emulation: restarts bitwise equal to an undisturbed run, the completion kernel against the
 GEMM path, a sabotaged completion caught, and no host synchronisation in a call."""
 from __future__ import annotations
 
@@ -188,14 +188,14 @@ def test_named_arguments_follow_the_kernel_declarations(settings):
     for source, defines, kernels in (
             (fwd.source, fwd.defines, [fwd.kernel]),
             (launch.LOOP_SOURCE, runtime.loop_defines(fwd),
-             ["prnn_settle", "prnn_complete_forward", "prnn_complete_backward",
+             ["prnn_complete_forward", "prnn_complete_backward",
               "prnn_complete_projection_backward"])):
         module = emulate.get_module(source, defines)
         for kernel in kernels:
             got = "".join(letters[kind] for _, kind in launch.parameters(source, kernel))
             assert got == module._signature(kernel), kernel
     with pytest.raises(TypeError, match=r"missing arguments \['chain'"):
-        launch.arguments(launch.LOOP_SOURCE, "prnn_settle", groups=1)
+        launch.arguments(launch.LOOP_SOURCE, "prnn_complete_backward", groups=1)
     with pytest.raises(TypeError, match=r"unknown arguments \['bogus'\]"):
         launch.arguments(launch.LOOP_SOURCE, "prnn_complete_forward", bogus=1,
                          **{n: 0 for n, _ in launch.parameters(launch.LOOP_SOURCE,
