@@ -134,7 +134,7 @@ def test_per_call_predictions_hold_issue_26s_end_to_end_targets():
     launch cost plus the library's Python measured on the CPU with the launcher stubbed
     (``hardware.PYTHON_*_US``), host work overlapping the GPU (no call synchronises). With the
     chain one graph launch holding every operation a planned call enqueues (``runtime.Around``:
-    since 970f961 its products too) and the record published by its final settle (no copy, no
+    since 970f961 its products too) and the record published by its completion kernel (no copy, no
     event), 1 API call per forward and per backward call, GRU or LSTM (2 / 10 with the products
     outside, 4 / 12 with the record's copy and event, 7 / 14 and 8 / 16 before the operations
     moved into the chain; 9 / 17 before 2026-11-27); with the planned call's Python
