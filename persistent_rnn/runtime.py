@@ -357,7 +357,7 @@ def _zeros(xp, shape: tuple[int, ...]) -> Array:
 class Around:
     """Stream operations of a call plan's calls (``call_plans``) that a prepared pass enqueues
     inside its chain: ``before(arrays, fixed)`` just before the pass's first launch (after the
-    chain's memsets), ``after(arrays, fixed)`` just after its completion kernel - so that a
+    chain's memset), ``after(arrays, fixed)`` just after its completion kernel - so that a
     replayed chain graph holds them and a call in steady state issues them in its one graph
     launch (docs/design.md, "What a call executes"). They read and write only the pass's own
     arguments, ``fixed`` (arrays at an address fixed for the plan: workspaces, weights,
