@@ -8,10 +8,12 @@
 // goes into `starts`, where a resume launch reads its start (launch_start,
 // persistent_common.cuh) and exits at once if the pass is done; where a group is unfinished the
 // tagged exchanges are zeroed (a restart must not take a word an earlier launch wrote). Stream
-// order makes all of it visible to the next launch. The completion (device_loop.cu) records
+// order makes all of it visible to the next launch. (A layer kernel's resume launch of a pass
+// already done exits without counting itself: the settle that found it done reset everything,
+// and such a launch writes nothing the next one reads.) The completion (device_loop.cu) records
 // what is left, publishes the record and finishes it.
 //
-// The chain buffer (uint32 words): the tagged exchanges (`zeroed` words, each padded), then
+// The chain buffer (uint32 words): the tagged exchanges (each padded), then
 //   [0] launches that left the pass unfinished (the completion takes back the one after the last
 //       resume: the record's restarts)      [1] flags (kChainDone, kChainNotResident)
 //   [2] completions (1 when the completion ran groups)   [3] CTAs of this launch that have left
