@@ -1,28 +1,18 @@
-// device_loop.cu - the restart loop and the completion of a persistent pass, decided on the device.
+// device_loop.cu - the completion of a persistent pass, decided on the device, and its record.
 //
 // A call enqueues a fixed chain per pass (persistent_rnn/launch.py) and reads nothing back:
-//   pass launch (from the first step) -> settle -> resume launch -> ... (max_restarts of them)
-//   -> final settle + completion.
-// prnn_settle reads the control words the launch before it left and writes, per group (a layer of
-// a stack, or the one layer-direction), the first step not completed by all of its CTAs into the
-// chain's `starts`; a resume launch reads its start there (launch_start, persistent_common.cuh)
-// and exits at once where the pass is done. When a resume launch will run steps, settle zeroes the
-// tagged exchange first (a restart must not take a word an earlier launch wrote) and resets the
-// control words. After the last resume launch, prnn_complete_forward / prnn_complete_backward
-// (one CTA: no co-residency needed, slow - they only run after the restart cap) finish every group
-// that is still unfinished, from where it stopped, on a plain per-step loop in global memory.
-//
-// The chain buffer (uint32 words; the host zeroes it and fills progress with 0xFF before a pass):
-//   [0] restarts (resume launches that ran steps)   [1] flags (kChainDone, kChainNotResident)
-//   [2] completions (groups the completion ran)      [3] unused
-//   [4 .. 4+groups) the step the completion started each group from (`end`: none; written only
-//   when the completion ran, [2] > 0)
-//   [4+groups ..): PrnnControl of the launches (arrivals, abort, progress[grid]), then
-//   starts[groups] (int32), then the ledger, which no memset resets (the host zeroes it once):
-//   [0] passes recorded (the last sequence number), [1] passes that ended on the completion with
-//   the grid not co-resident (a running count: the residency cooldown's sticky flag).
-// The final settle publishes the record (prnn_publish_record) into a ring of slots in page-locked
-// host memory that the host reads lazily without an API call (launch.RecordRing, DeviceRecord).
+//   memset -> pass launch (from the first step) -> resume launch -> ... (max_restarts of them)
+//   -> completion.
+// The last CTA to leave each launch settles it (prnn_settle, chain.cuh: each group's next step
+// into the chain's `starts`, the exchanges zeroed and the control words reset where a group is
+// unfinished), so a resume launch reads its start there (launch_start, persistent_common.cuh) and
+// exits at once where the pass is done. The completion kernels (prnn_complete_forward /
+// prnn_complete_backward / prnn_complete_projection_backward; one CTA: no co-residency needed,
+// slow - they only run groups after the restart cap) first close the chain (prnn_close_chain: the
+// groups left recorded as the completion's, the record published into a ring of slots in
+// page-locked host memory that the host reads lazily without an API call: launch.RecordRing,
+// DeviceRecord), then finish every group that is still unfinished, from where it stopped, on a
+// plain per-step loop in global memory. The chain's words: chain.cuh.
 //
 // -D: PRNN_CELL, PRNN_WEIGHT_DTYPE (0 fp32, 1 fp16, 2 bf16: how W_hh / W_hr are given - a pass of
 // an fp32 tile widening a 16-bit layer's words has the layer's -, and the type the completion
@@ -31,12 +21,10 @@
 #define PRNN_WEIGHT_DTYPE 0
 #endif
 #include "cells.cuh"
-#include "exchange.cuh"
+#include "chain.cuh"
 
 namespace prnn {
 
-constexpr unsigned kChainDone = 1u, kChainNotResident = 2u;
-constexpr int kChainHead = 4;  // record words before the per-group completion starts
 // A ring slot: the sequence number, the record (kChainHead + groups words), the sequence number
 // again (launch.SLOT_EXTRA: the words beside the record).
 constexpr int kSlotExtra = 2;
@@ -93,58 +81,28 @@ PRNN_DEVICE void prnn_publish_record(unsigned* chain, int groups, int grid, unsi
   prnn_store_system(slot + 1 + words, seq);
 }
 
-}  // namespace prnn
-
-// One block. Reads the progress the launch before it left (it started each unfinished group from
-// `first` if `resumed` is 0, else from starts[g]) and writes each group's next step to starts;
-// `restart`: 1 when a resume launch follows (it counts as a restart if some group is unfinished;
-// the exchanges are then zeroed and the control words reset), 0 when the completion follows (the
-// groups left are recorded as the completion's). `end`: one past the last step in the pass's
-// direction (T forward, -1 backward). The final settle (`restart` 0) publishes the record into
-// `ring` where `slots` > 0 (0: a chain captured into a user's graph, which records nothing).
-PRNN_KERNEL void prnn_settle(unsigned* chain, int groups, int grid, int end, int first,
-                             int resumed, int restart, unsigned* exchange_a, long long words_a,
-                             unsigned* exchange_b, long long words_b, unsigned* ring, int slots) {
-  using namespace prnn;
-  unsigned* ctl = chain + kChainHead + groups;
-  int* progress = reinterpret_cast<int*>(ctl + 2);
-  int* starts = reinterpret_cast<int*>(ctl + 2 + grid);
-  int* completed_from = reinterpret_cast<int*>(chain + kChainHead);
-  const int direction = end < 0 ? -1 : 1;
-  int unfinished = 0;
-  if (threadIdx.x == 0 && !(chain[1] & kChainDone)) {
-    if (ctl[1] == (unsigned)kPrnnNotResident) chain[1] |= kChainNotResident;
-    const int per = grid / groups;
-    for (int g = 0; g < groups; ++g) {
-      const int from = resumed ? starts[g] : first;
-      int next = end;
-      if (from != end) {
-        int done = direction > 0 ? 0x7fffffff : -0x7fffffff;
-        for (int c = g * per; c < (g + 1) * per; ++c) {
-          const int p = progress[c] == -1 ? from - direction : progress[c];
-          done = direction > 0 ? (p < done ? p : done) : (p > done ? p : done);
-        }
-        next = done + direction;
-      }
-      starts[g] = next;
-      unfinished |= next != end;
-      if (!restart) completed_from[g] = next;
+// Closes the chain before the completion runs (thread 0, then a block barrier): the groups the
+// last launch left unfinished (starts[g] not `end`) are recorded as the completion's, and that
+// launch, which its settle counted, taken back from the restarts (no resume followed it); then
+// the record is published into `ring` where `slots` > 0 (0: a chain captured into a user's graph,
+// which records nothing).
+PRNN_DEVICE void prnn_close_chain(unsigned* chain, int groups, int grid, int end, unsigned* ring,
+                                  int slots) {
+  if (threadIdx.x == 0) {
+    const int* starts = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid);
+    int unfinished = 0;
+    for (int g = 0; g < groups; ++g) unfinished |= starts[g] != end;
+    if (unfinished) {
+      chain[0] -= 1u;
+      chain[2] = 1u;
+      for (int g = 0; g < groups; ++g) chain[kChainHead + g] = (unsigned)starts[g];
     }
-    if (!unfinished) chain[1] |= kChainDone;
-    if (unfinished && restart) chain[0] += 1u;
-    if (unfinished && !restart) chain[2] += 1u;
-    ctl[1] = 0u;
-    for (int c = 0; c < grid; ++c) progress[c] = -1;
+    if (slots > 0) prnn_publish_record(chain, groups, grid, ring, slots);
   }
-  // The arrival counter also numbers the CTAs of a stack launch in the order they start
-  // (prnn_start_order): a resume launch of a finished pass must count from 0 as well, or its CTAs
-  // would take layers past the last.
-  if (threadIdx.x == 0) ctl[0] = 0u;
-  if (threadIdx.x == 0 && !restart && slots > 0) prnn_publish_record(chain, groups, grid, ring, slots);
-  if (!prnn_sync_block_or(unfinished && restart)) return;
-  for (long long i = threadIdx.x; i < words_a; i += blockDim.x) exchange_a[i] = 0u;
-  for (long long i = threadIdx.x; i < words_b; i += blockDim.x) exchange_b[i] = 0u;
+  prnn_sync_block();
 }
+
+}  // namespace prnn
 
 // One block: completes the forward of every group whose starts[g] is not `steps` (a stack's layers
 // bottom-up, as the layer above reads the one below). Per group g (strides: its slice of each
@@ -154,9 +112,10 @@ PRNN_KERNEL void prnn_settle(unsigned* chain, int groups, int grid, int end, int
 PRNN_KERNEL void prnn_complete_forward(
     const void* w_hh, const void* w_hr, const float* b_hh, const float* gi, const void* w_ih,
     const float* b_ih, const float* h0, const float* c0, const int* lengths, float* y, float* hs,
-    float* cs, float* saved, const unsigned* chain, int groups, int grid, int chained, int steps,
-    int batch, int hidden, int proj) {
+    float* cs, float* saved, unsigned* chain, int groups, int grid, unsigned* ring, int slots,
+    int chained, int steps, int batch, int hidden, int proj) {
   using namespace prnn;
+  prnn_close_chain(chain, groups, grid, steps, ring, slots);
   constexpr int G = StepCell::G, S = StepCell::S;
   constexpr bool kHasC = StepCell::has_c;
   const int* starts = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid);
@@ -223,9 +182,10 @@ PRNN_KERNEL void prnn_complete_forward(
 PRNN_KERNEL void prnn_complete_backward(
     const void* w_t, const void* w_ih_t, const float* dy, const float* y, const float* cs,
     const float* saved, const float* h0, const float* c0, const int* lengths, float* dgi,
-    float* dgh, float* dh_carry, float* dc_carry, const unsigned* chain, int groups, int grid,
-    int chained, int per_step, int steps, int batch, int hidden) {
+    float* dgh, float* dh_carry, float* dc_carry, unsigned* chain, int groups, int grid,
+    unsigned* ring, int slots, int chained, int per_step, int steps, int batch, int hidden) {
   using namespace prnn;
+  prnn_close_chain(chain, groups, grid, -1, ring, slots);
   constexpr int G = StepCell::G, S = StepCell::S;
   constexpr bool kHasC = StepCell::has_c;
   const int* starts = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid);
@@ -285,9 +245,10 @@ PRNN_KERNEL void prnn_complete_backward(
 PRNN_KERNEL void prnn_complete_projection_backward(
     const void* w_hh_t, const void* w_hr_t, const float* dy, const float* cs, const float* saved,
     const float* c0, const int* lengths, float* dgh, float* drs, float* dr_carry,
-    float* dc_carry, const unsigned* chain, int groups, int grid, int steps, int batch,
-    int hidden, int proj) {
+    float* dc_carry, unsigned* chain, int groups, int grid, unsigned* ring, int slots,
+    int steps, int batch, int hidden, int proj) {
   using namespace prnn;
+  prnn_close_chain(chain, groups, grid, -1, ring, slots);
   constexpr int G = StepCell::G, S = StepCell::S;
   const int start = reinterpret_cast<const int*>(chain + kChainHead + groups + 2 + grid)[0];
   const int gh_len = G * hidden;

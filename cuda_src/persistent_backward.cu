@@ -55,7 +55,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   // 16-bit tiles on sm_80 a register (224-240 spill bytes). So a resume launch of a finished
   // backward loads its weights before it exits.
   start = launch_start(control, start);
-  if (start < 0) return;  // a resume launch of a pass already complete
+  if (start < 0) return;  // a resume launch of a pass already complete: nothing to settle
 
   // The pointwise thread of (b, unit) is the same every step: it keeps that unit's carries.
   for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
@@ -107,6 +107,6 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
     wait_next_inputs();  // step t-1's
     --t;
   }
-  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  prnn_leave_layer(control, t, -1, start);
   end_exchange();
 }

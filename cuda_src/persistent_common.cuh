@@ -30,6 +30,7 @@
 // from exactly the values a run without one uses.
 #pragma once
 #include "cells.cuh"
+#include "chain.cuh"
 #include "exchange.cuh"
 #include "shared_layout.cuh"
 #ifdef PRNN_MMA

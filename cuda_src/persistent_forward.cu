@@ -35,7 +35,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   constexpr bool kWarpTeam = kWarpTeams;
   constexpr int kStaged = kStagedBuffers;
   start = launch_start(control, start);
-  if (start >= steps) return;  // a resume launch of a pass already complete
+  if (start >= steps) return;  // a resume launch of a pass already complete: nothing to settle
   PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
@@ -120,6 +120,6 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
     ++t;
   }
   t = cta_last_step<kWarpTeam>(t, reinterpret_cast<int*>(gh_s));
-  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  prnn_leave_layer(control, t, steps, start);
   end_exchange();
 }

@@ -37,7 +37,7 @@ PRNN_KERNEL void prnn_projection_backward(
   using namespace prnn;
   constexpr int G = ThisCell::G, S = ThisCell::S, V = kProjRows;
   start = launch_start(control, start);
-  if (start < 0) return;  // a resume launch of a pass already complete
+  if (start < 0) return;  // a resume launch of a pass already complete: nothing to settle
   PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
@@ -158,6 +158,6 @@ PRNN_KERNEL void prnn_projection_backward(
     prnn_copy_wait();  // step t-1's inputs
     --t;
   }
-  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  prnn_leave_layer(control, t, -1, start);
   end_exchange();
 }

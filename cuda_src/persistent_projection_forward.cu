@@ -28,7 +28,7 @@ PRNN_KERNEL void prnn_projection_forward(
   using namespace prnn;
   constexpr int G = ThisCell::G, R = G * kUnits, V = kProjRows;
   start = launch_start(control, start);
-  if (start >= steps) return;  // a resume launch of a pass already complete
+  if (start >= steps) return;  // a resume launch of a pass already complete: nothing to settle
   PrnnControl* ctl = started_launch(control);
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
@@ -111,6 +111,6 @@ PRNN_KERNEL void prnn_projection_forward(
     prnn_copy_wait();  // gi_{t+1}
     ++t;
   }
-  if (threadIdx.x == 0) ctl->progress[blockIdx.x] = t;
+  prnn_leave_layer(control, t, steps, start);
   end_exchange();
 }

@@ -69,7 +69,7 @@ PRNN_KERNEL void prnn_stack_backward(
   const StackExchange xgh = begin_stack_exchange(exchange_gh, steps, batch, gh_len);
   const StackExchange xgi = xgh.with_words(exchange_gi);
   if (start < 0) {  // this layer finished in an earlier launch
-    if (threadIdx.x == 0) ctl->progress[cta] = 0;
+    prnn_leave(control, layers, cta, 0, -1, 0, starts);
     return;
   }
 
@@ -140,5 +140,5 @@ PRNN_KERNEL void prnn_stack_backward(
     prnn_copy_wait();  // step t-1's inputs
     --t;
   }
-  if (threadIdx.x == 0) ctl->progress[cta] = t;
+  prnn_leave(control, layers, cta, t, -1, 0, starts);
 }

@@ -38,7 +38,7 @@ PRNN_KERNEL void prnn_stack_forward(
   // The CTAs that started first take the layers that wait for no other (stack_common.cuh).
   const int order = prnn_start_order(ctl, prnn_shared_memory<unsigned>());
   const PrnnStall stall{stall_block, stall_step, stall_ns};
-  const int per_layer = stack_ctas_per_layer(hidden);
+  const int per_layer = stack_ctas_per_layer(hidden), layers = gridDim.x / per_layer;
   const int layer = order / per_layer, cta = stack_cta(layer, order, per_layer);
   const int j0 = (order % per_layer) * kUnits;
   const int gh_len = G * hidden, start = starts[layer];
@@ -61,7 +61,7 @@ PRNN_KERNEL void prnn_stack_forward(
   int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   const StackExchange xch = begin_stack_exchange(exchange, steps, batch, hidden);
   if (start >= steps) {  // this layer finished in an earlier launch
-    if (threadIdx.x == 0) ctl->progress[cta] = steps - 1;
+    prnn_leave(control, layers, cta, steps - 1, steps, 0, starts);
     return;
   }
 
@@ -144,5 +144,5 @@ PRNN_KERNEL void prnn_stack_forward(
     prnn_copy_wait();  // gi_{t+1} (own_gi)
     ++t;
   }
-  if (threadIdx.x == 0) ctl->progress[cta] = t;
+  prnn_leave(control, layers, cta, t, steps, 0, starts);
 }

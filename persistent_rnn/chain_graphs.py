@@ -1,8 +1,9 @@
 """A persistent pass's chain, captured once as a CUDA graph and replayed: one launch a call.
 
-A pass enqueues a fixed chain (``launch.run_chain``): two memsets, the persistent launch,
-``max_restarts`` settle and resume launches (which exit at once unless a barrier timed out) and
-the completion kernel - eleven stream operations, each a CuPy call of its own with its
+A pass enqueues a fixed chain (``launch.run_chain``): a memset, the persistent launch,
+``max_restarts`` resume launches (which exit at once unless a barrier timed out) and the
+completion kernel - six stream operations (eleven before the launches settled themselves:
+``cuda_src/chain.cuh``), each a CuPy call of its own with its
 arguments marshalled in Python. Nothing in the chain depends on the host after it is enqueued,
 so the whole chain is a CUDA graph: ``run(key, issue)`` replays the graph recorded for ``key``
 in one ``cudaGraphLaunch`` on the caller's stream.

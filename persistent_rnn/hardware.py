@@ -172,7 +172,7 @@ HOST_BACKWARD_US = 775.0       # fitted (775)
 API_CALL_HOST_US = 3.8         # host time of one kernel launch or memset call (runtime API)
 GRAPH_GAP_US = 0.5             # device time between kernels in a stream or graph (3.4 - 2.9 us)
 EMPTY_LAUNCH_US = 2.0          # device time of a launch that exits at once (estimate: dispatch and
-                               # retire of its CTAs plus the gap); settle and resume launches
+                               # retire of its CTAs plus the gap); resume launches
 GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # The Python of one steady-state layer call besides its API calls: the layer API's persistent
 # GRU (H=8, B=1, T=1) on the CPU as a replay runs it on a GPU - a planned call (call_plans) whose

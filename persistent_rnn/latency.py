@@ -599,18 +599,27 @@ def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) ->
 # beside it (4 / 11 and the LSTM's 5 / 13 before the copies did).
 FORWARD_CHAIN_OPS = 4
 BACKWARD_CHAIN_OPS = 11
+# Device time the settle adds to the end of the pass's launch (cuda_src/chain.cuh: each CTA
+# fences and counts itself out on one word, the last reads the progress and writes the starts):
+# about one round of the counter barrier of a full grid, 1.47 us for 132 CTAs on the H200
+# (hardware.ATOMIC_SERIAL_NS's source) - a prediction. It replaced a settle kernel per launch
+# (hardware.EMPTY_LAUNCH_US each; 2026-11-27, branch chain-launches). A resume launch of a
+# finished layer-direction exits before it counts itself (nothing to settle); a stack's counts
+# (its CTAs took a start order), not modelled here.
+SETTLE_TAIL_US = 1.5
 
 
 @dataclass(frozen=True)
 class CallCost:
     """What one layer-direction call costs beside its recurrence's steps - a prediction:
     ``api_calls`` (kernel launches, memsets, graph launches: the chain's record reaches the
-    host from its final settle, no call of its own), ``host_us``
+    host from its completion kernel, no call of its own), ``host_us``
     (the host's time: those calls at ``hw.API_CALL_HOST_US`` each plus ``python_us``, the
     library's Python of the call measured on the CPU as a replay runs it (its key built),
     ``hw.PYTHON_FORWARD_US`` / ``PYTHON_BACKWARD_US``) and ``device_us`` (GPU time beside the
     steps: the chain's launches that exit at once - the backward's after loading its weights
-    (persistent_backward.cu) -, the GEMMs, the small kernels)."""
+    (persistent_backward.cu) -, the settle at the end of the pass's launch
+    (``SETTLE_TAIL_US``), the GEMMs, the small kernels)."""
 
     api_calls: int
     host_us: float
@@ -663,7 +672,7 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     # fills, copies, adds: short kernels, inside the chain's graph or not
     small = inside - len(gemms) + launch.CHAIN_MEMSETS
     tensor_cores = half and not backward
-    device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US
+    device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US + SETTLE_TAIL_US
                  + sum(_gemm_us(f, device, tensor_cores) for f in gemms)
                  + small * hw.EMPTY_LAUNCH_US)
     if backward:  # its resume launches load W_hh^T (fp32, from L2) before they exit

@@ -1,15 +1,15 @@
 """Launching a persistent pass with its restart loop and completion decided on the device.
 
 A call enqueues, per persistent pass, a fixed chain and reads nothing back (``cuda_src/
-device_loop.cu``): the pass launch, then ``max_restarts`` times a settle kernel (each group's
-next step, from the control words) and a resume launch (which exits at once when the pass is
-done), then a final settle and a one-CTA completion kernel that finishes whatever the launches
-left (only after the restart cap; it needs no co-residency). So a call never returns a partial
-result and never synchronises. What happened (restarts, the completion, a grid found not
-co-resident) is in the chain's device record, which the chain's final settle publishes into a
-ring of slots in page-locked host memory (``RecordRing``: no API call of its own, so a chain
-replayed as one CUDA graph is one API call in all) and ``DeviceRecord`` reads lazily, when
-``last_run`` is asked for. The residency cooldown (``COOLDOWNS``) learns of a grid found not
+chain.cuh``, ``device_loop.cu``): a memset, the pass launch, ``max_restarts`` resume launches
+(each exits at once when the pass is done) and a one-CTA completion kernel that finishes
+whatever the launches left (only after the restart cap; it needs no co-residency). The last CTA
+to leave each launch settles it for the next (each group's next step, from the CTAs' progress):
+no kernel of its own. So a call never returns a partial result and never synchronises. What
+happened (restarts, the completion, a grid found not co-resident) is in the chain's device
+record, which the completion publishes into a ring of slots in page-locked host memory
+(``RecordRing``: no API call of its own, so a chain replayed as one CUDA graph is one API call
+in all) and ``DeviceRecord`` reads lazily, when ``last_run`` is asked for. The residency cooldown (``COOLDOWNS``) learns of a grid found not
 co-resident from a count the device keeps in the same ring, at the next call of the same
 configuration, without blocking.
 
@@ -39,14 +39,14 @@ from ._sources import cuda_src_dir
 Array = Any
 
 RESUME = np.int32(-2**31)  # kResumeFromChain: a resume launch reads its start from the chain
-LOOP_SOURCE = "device_loop.cu"  # the settle and completion kernels
+LOOP_SOURCE = "device_loop.cu"  # the completion kernels
 HEAD = 4                   # record words before the per-group completion starts (device_loop.cu)
 DONE, NOT_RESIDENT = 1, 2  # record flags
 UNTOUCHED = np.uint32(0xFFFFFFFF)  # progress of a CTA that completed no step (int32 -1)
 LEDGER = 2                 # chain words no memset resets: passes recorded, not-resident total
+ZEROED = 1                 # after the ledger: the exchange words a restart zeroes (chain.cuh)
 SLOT_EXTRA = 2             # a ring slot's words beside the record: its sequence number, twice
 RING_SLOTS = 256           # records a chain keeps for the host (a power of two: sequences wrap)
-SETTLE_THREADS = 128
 EXCHANGE_ALIGN = 64        # words (256 bytes): each exchange of a chain starts aligned
 COMPLETE_THREADS = {False: 256, True: 32}  # GPU, emulation
 
@@ -54,7 +54,7 @@ COMPLETE_THREADS = {False: 256, True: 32}  # GPU, emulation
 @dataclass
 class Counters:
     """What the runtime paths did since ``reset``: host synchronisations (reads of device words
-    that wait for the device), kernel launches (persistent, settle, completion; those enqueued
+    that wait for the device), kernel launches (persistent, completion; those enqueued
     while a chain is captured included), memsets and chains launched as one CUDA graph."""
 
     host_syncs: int = 0
@@ -116,7 +116,7 @@ def _counting_allocations() -> Iterator[None]:
 @dataclass(frozen=True)
 class Engine:
     """How a persistent pass runs: its plan, a ``launch`` callable (GPU or emulated module) and
-    ``loop``, the module of its settle and completion kernels (``device_loop.cu``); ``key``
+    ``loop``, the module of its completion kernels (``device_loop.cu``); ``key``
     names the configuration on its device (the residency cooldown's key)."""
 
     pass_plan: Any
@@ -207,7 +207,7 @@ def capturing(a: Array) -> bool:
 
 
 class RecordRing:
-    """Where a chain's final settle publishes each pass's record (``prnn_publish_record``,
+    """Where a chain's completion kernel publishes each pass's record (``prnn_publish_record``,
     device_loop.cu): ``RING_SLOTS`` slots the device writes directly - on the GPU page-locked host
     memory, which unified addressing maps into every device at its host address; in the emulation
     a NumPy array - so that reading a record is no API call. Its first word is the count of the
@@ -318,16 +318,22 @@ def _int32(word: int) -> int:
 
 class Chain:
     """The device words of one pass's chain (record, control words, starts, ledger;
-    device_loop.cu), the pass's tagged exchange buffers, the ring its records go to
+    cuda_src/chain.cuh), the pass's tagged exchange buffers, the ring its records go to
     (``RecordRing``, made by the first pass that records one) and the launches that drive it.
 
     The exchanges (``exchanges``: their shapes, uint32 words) lie in the same allocation just
-    before the words, each padded to ``EXCHANGE_ALIGN`` words, so that ``reset``'s first memset
+    before the words, each padded to ``EXCHANGE_ALIGN`` words, so that ``reset``'s memset
     zeroes them with the record and the counters: a chain reused call after call
     (``chain_for``) starts every pass from zeroed exchanges, also after a stalled or aborted
     one, without an allocation. (An exchange must start zeroed: tag 0 is never published, so
     no launch of the pass can take a stale word for one it waits on. A cluster kernel keeps its
-    exchange in shared memory and never reads this one.)
+    exchange in shared memory and never reads this one.) ``restart_zeroes``: whether a restart
+    zeroes them too (the settle, chain.cuh: a layer's exchanges by step parity; not a stack's,
+    one slot per step, whose finished layers' words a restarted layer above still reads).
+
+    The progress words are left "untouched" by every launch's settle, so the memset need not
+    reset them: they are filled so when the chain is made, and by ``reset`` only after a pass
+    whose enqueueing failed part way (``run_chain``: its launches may or may not have run).
 
     The ledger (after ``starts``; no memset resets it) numbers the passes that published a
     record; ``recorded`` counts the same passes on the host - the calls of a chain are ordered
@@ -335,31 +341,37 @@ class Chain:
     number, whose record is in that slot of the ring (``record_of``)."""
 
     def __init__(self, xp, engine: Engine, groups: int,
-                 exchanges: tuple[tuple[int, ...], ...] = ()):
+                 exchanges: tuple[tuple[int, ...], ...] = (), restart_zeroes: bool = True):
         grid = engine.pass_plan.grid
         self.engine, self.groups, self.grid = engine, groups, grid
         sizes = [math.prod(shape) for shape in exchanges]
         padded = [-(-n // EXCHANGE_ALIGN) * EXCHANGE_ALIGN for n in sizes]
         self._lead = sum(padded)
-        self._buffer = xp.empty(self._lead + HEAD + groups + 2 + grid + groups + LEDGER,
-                                dtype=np.uint32)
+        self._buffer = xp.empty(self._lead + HEAD + groups + 2 + grid + groups + LEDGER
+                                + ZEROED, dtype=np.uint32)
+        self._buffer[-1] = self._lead if restart_zeroes else 0
+        self._progress = self._buffer[self._lead + HEAD + groups + 2:][:grid]
+        self._progress.fill(UNTOUCHED)
         offsets = list(itertools.accumulate([0] + padded[:-1]))
         self.exchanges = tuple(self._buffer[o:o + n].reshape(shape)
                                for o, n, shape in zip(offsets, sizes, exchanges))
         self.words = self._buffer[self._lead:]
         self.control = self.words[HEAD + groups:]
-        self.starts = self.words[HEAD + groups + 2 + grid:-LEDGER].view(np.int32)
-        self.ledger = self.words[-LEDGER:]
+        self.starts = self.words[HEAD + groups + 2 + grid:-LEDGER - ZEROED].view(np.int32)
+        self.ledger = self.words[-LEDGER - ZEROED:-ZEROED]
         self.recorded = 0     # passes that published a record (``run_chain``)
         self.published = False  # whether the last pass did (not under a user's capture)
         self.ring: RecordRing | None = None  # made by the first pass that records (``new_ring``)
-        self.graph_key: tuple | None = None  # (ring, exchanges, key part): ``_chain_key``
+        self.graph_key: tuple | None = None  # (ring, key part): ``_chain_key``
+        self.untouched = True  # whether the progress words are "untouched" now (``reset``)
+        # where the completion publishes the record: the ring, or nowhere (``run_chain``)
+        self.publish: tuple[Array, int] = (self.words, 0)
 
     def new_ring(self) -> RecordRing:
         """A new ring for this chain's records and a new numbering: the ledger zeroed (on the
         chain's stream, before any pass that records into the ring). Never under a user's
-        capture; again after a pass whose enqueueing failed part way (``run_chain``: its final
-        settle may or may not be on the stream)."""
+        capture; again after a pass whose enqueueing failed part way (``run_chain``: its completion
+        may or may not be on the stream)."""
         self.ledger.fill(0)
         self.ring = RecordRing(buffers.array_module(self.words), self.groups)
         self.recorded = 0
@@ -367,36 +379,30 @@ class Chain:
         return self.ring
 
     def reset(self) -> None:
-        """Exchanges, record and counters zero, progress untouched: two memsets on the stream."""
-        w, head, grid = self._buffer, self._lead + HEAD + self.groups + 2, self.grid
-        COUNTERS.add("memsets", 2)
+        """Exchanges, record and counters zero: one memset on the stream; a second fills the
+        progress words "untouched" where no settle has left them so (``untouched``)."""
+        w, head = self._buffer, self._lead + HEAD + self.groups + 2
+        fill = not self.untouched
+        COUNTERS.add("memsets", 1 + fill)
+        self.untouched = True
         if isinstance(w, np.ndarray):  # (fill: no temporary array)
             w[:head].fill(0)
-            w[head:head + grid].fill(UNTOUCHED)
+            if fill:
+                self._progress.fill(UNTOUCHED)
             return
         import cupy
         stream = cupy.cuda.get_current_stream().ptr
         cupy.cuda.runtime.memsetAsync(w.data.ptr, 0, 4 * head, stream)
-        cupy.cuda.runtime.memsetAsync(w.data.ptr + 4 * head, 0xFF, 4 * grid, stream)
-
-    def settle(self, end: int, first: int, resumed: bool, restart: bool,
-               exchanges: tuple = (), publish: tuple[Array, int] | None = None) -> None:
-        """Launch ``prnn_settle`` (device_loop.cu) after a launch of the pass; ``exchanges``:
-        the tagged exchange buffers a restart zeroes (at most two); ``publish``: where the final
-        settle publishes the record into (``run_chain``: the ring and its slots; None: nowhere)."""
-        xs = list(exchanges) + [self.words] * (2 - len(exchanges))
-        sizes = [x.size if i < len(exchanges) else 0 for i, x in enumerate(xs)]
-        ring, slots = publish or (self.words, 0)
-        self._loop("prnn_settle", SETTLE_THREADS, chain=self.words, groups=self.groups,
-                   grid=self.grid, end=end, first=first, resumed=resumed, restart=restart,
-                   exchange_a=xs[0], words_a=sizes[0], exchange_b=xs[1], words_b=sizes[1],
-                   ring=ring, slots=slots)
+        if fill:
+            cupy.cuda.runtime.memsetAsync(self._progress.data.ptr, 0xFF, 4 * self.grid, stream)
 
     def complete(self, kernel: str, **named: Any) -> None:
         """Launch a completion kernel (``prnn_complete_*``, device_loop.cu) with ``named``
-        arguments (the chain's own are added)."""
+        arguments (the chain's own are added: its words and where it publishes the record,
+        ``publish``)."""
+        ring, slots = self.publish
         self._loop(kernel, COMPLETE_THREADS[self.engine.emulated], chain=self.words,
-                   groups=self.groups, grid=self.grid, **named)
+                   groups=self.groups, grid=self.grid, ring=ring, slots=slots, **named)
 
     def _loop(self, kernel: str, threads: int, **named: Any) -> None:
         COUNTERS.add("launches")
@@ -405,16 +411,17 @@ class Chain:
         self.engine.loop(kernel, 1, threads, 0, arguments(LOOP_SOURCE, kernel, **named), **extra)
 
 
-def chain_for(xp, engine: Engine, groups: int,
-              exchanges: tuple[tuple[int, ...], ...] = ()) -> Chain:
+def chain_for(xp, engine: Engine, groups: int, exchanges: tuple[tuple[int, ...], ...] = (),
+              restart_zeroes: bool = True) -> Chain:
     """The ``Chain`` (words and exchanges) a pass of ``engine`` runs with: in steady state the
     same one call after call, per thread and stream (``buffers.reused``: concurrent calls never
     share one; under a user's CUDA stream capture a new one, which ``keep_alive`` holds with
-    the graph). Its ``reset``, the chain's first operation, zeroes what a pass reads."""
+    the graph). Its ``reset``, the chain's first operation, zeroes what a pass reads.
+    ``restart_zeroes``: ``Chain``'s."""
     # (keyed by the engine object, not its ``key``: a re-planned engine of the same key may
     # differ, e.g. in shared bytes; the chain holds its engine, so the id is not reused)
-    return buffers.reused(xp, ("chain", id(engine), groups, exchanges),
-                          lambda: Chain(xp, engine, groups, exchanges))
+    return buffers.reused(xp, ("chain", id(engine), groups, exchanges, restart_zeroes),
+                          lambda: Chain(xp, engine, groups, exchanges, restart_zeroes))
 
 
 def timeout_ns(emulated: bool) -> int:
@@ -461,71 +468,69 @@ def release_captured() -> int:
 
 
 def chain_launches(max_restarts: int) -> int:
-    """Kernel launches ``run_chain`` enqueues per pass: the pass, ``max_restarts`` times a settle
-    and a resume launch, the final settle and the completion (held by tests against
-    ``counting``; the latency model's per-call term counts them)."""
-    return 2 * max_restarts + 3
+    """Kernel launches ``run_chain`` enqueues per pass: the pass, ``max_restarts`` resume
+    launches and the completion (each launch's settle is done by its last CTA: chain.cuh; held
+    by tests against ``counting``; the latency model's per-call term counts them)."""
+    return max_restarts + 2
 
 
-CHAIN_MEMSETS = 2  # Chain.reset (the record reaches the host from the final settle: no call)
+CHAIN_MEMSETS = 1  # Chain.reset in steady state (the record reaches the host from the completion)
 
 
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
-              stall: settings.Stall, exchanges: tuple, complete: Callable[[], None],
+              stall: settings.Stall, complete: Callable[[], None],
               arguments_key: Callable[[], tuple] | None = None) -> None:
     """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:
-    ``first``, then ``RESUME``), ``complete()`` the completion kernel. Nothing is read back.
-    ``arguments_key``: builds a key of every argument the pass's and the completion's launches
-    take beyond the chain's own (``chain_graphs.arguments_key``; None: the chain is never a
-    graph); with it, a chain seen before is replayed as one CUDA graph (``chain_graphs``).
-    Outside a user's capture the final settle publishes the record (``Chain.recorded`` counts
-    it: ``record_of`` reads it)."""
+    ``first``, then ``RESUME``), ``complete()`` the completion kernel (``Chain.complete``).
+    Nothing is read back. ``arguments_key``: builds a key of every argument the pass's and the
+    completion's launches take beyond the chain's own (``chain_graphs.arguments_key``; None: the
+    chain is never a graph); with it, a chain seen before is replayed as one CUDA graph
+    (``chain_graphs``). Outside a user's capture the completion publishes the record
+    (``Chain.recorded`` counts it: ``record_of`` reads it)."""
     record = chain.published = not capturing(chain.words)
-    # where the final settle publishes the record: the ring, or under a user's capture nowhere
+    # where the completion publishes the record: the ring, or under a user's capture nowhere
     # (the chain's own words, with no slots: never written)
-    publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record else (chain.words, 0)
+    chain.publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record \
+        else (chain.words, 0)
 
     def issue() -> None:
-        _issue_chain(chain, launch, first, end, stall, exchanges, complete, publish)
+        _issue_chain(chain, launch, first, stall, complete)
 
     try:
         if arguments_key is None or not chain_graphs.eligible(chain.words):
             issue()
         else:
             s = settings.current()
-            key = (_chain_key(chain, publish, exchanges), s.cooperative, s.max_restarts,
-                   s.gpu_timeout_ms, stall, first, end, arguments_key())
+            key = (_chain_key(chain), s.cooperative, s.max_restarts, s.gpu_timeout_ms, stall,
+                   first, end, arguments_key())
             if chain_graphs.run(key, _holding_nothing(issue)):
                 COUNTERS.add("graph_launches")
     except BaseException:
         chain.ring = None  # a new ring and numbering at the next pass (``Chain.new_ring``)
+        chain.untouched = False  # (its launches may have left progress words behind)
         raise
     if record:
         chain.recorded += 1
 
 
-def _chain_key(chain: Chain, publish: tuple[Array, int], exchanges: tuple) -> tuple:
-    """The chain's own part of its graph key (``run_chain``): its engine, words, ring and
-    exchanges - fixed for the chain's life but for the ring (``new_ring``) and the exchanges a
-    caller passes, so it is built again only when either is another object."""
-    held = chain.graph_key
-    if held is None or held[0] is not publish[0] or held[1] is not exchanges:
-        held = chain.graph_key = (publish[0], exchanges, (
-            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish),
-            chain_graphs.value(exchanges)))
-    return held[2]
+def _chain_key(chain: Chain) -> tuple:
+    """The chain's own part of its graph key (``run_chain``): its engine, words (its exchanges
+    lie before them, in the same allocation) and where it publishes - fixed for the chain's
+    life but for the ring (``new_ring``), so it is built again only when that is another
+    object."""
+    held, publish = chain.graph_key, chain.publish
+    if held is None or held[0] is not publish[0]:
+        held = chain.graph_key = (publish[0], (
+            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish)))
+    return held[1]
 
 
 def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int,
-                 end: int, stall: settings.Stall, exchanges: tuple,
-                 complete: Callable[[], None], publish: tuple[Array, int]) -> None:
+                 stall: settings.Stall, complete: Callable[[], None]) -> None:
     chain.reset()
     launch(first, stall)
-    restarts = settings.current().max_restarts
-    for i in range(restarts):
-        chain.settle(end, first, resumed=i > 0, restart=True, exchanges=exchanges)
+    for _ in range(settings.current().max_restarts):
         launch(RESUME, settings.NO_STALL)
-    chain.settle(end, first, resumed=restarts > 0, restart=False, publish=publish)
     complete()
 
 

@@ -15,8 +15,8 @@ docs/benchmarks.md and bench/results/h200-2026-11-23), else GEMM; ``"auto"`` nev
 
 Restarts and completion (one code for GPU and emulation): a persistent pass is enqueued as a
 fixed chain (``launch.run_chain``): the launch, up to ``Settings.max_restarts`` resume launches
-each after a settle kernel that computes on the device the first step not completed by every
-CTA, and a one-CTA completion kernel for whatever is left after the cap
+(the last CTA to leave each launch computes on the device the first step not completed by every
+CTA: ``cuda_src/chain.cuh``), and a one-CTA completion kernel for whatever is left after the cap
 (``cuda_src/device_loop.cu``). Nothing is read back during a call; ``RunStats`` reads the chain's
 record when asked. Under CUDA stream capture the whole chain is captured.
 
@@ -357,7 +357,7 @@ def _zeros(xp, shape: tuple[int, ...]) -> Array:
 class Around:
     """Stream operations of a call plan's calls (``call_plans``) that a prepared pass enqueues
     inside its chain: ``before(arrays, fixed)`` just before the pass's first launch (after the
-    chain's memsets), ``after(arrays, fixed)`` just after its completion kernel - so that a
+    chain's memset), ``after(arrays, fixed)`` just after its completion kernel - so that a
     replayed chain graph holds them and a call in steady state issues them in its one graph
     launch (docs/design.md, "What a call executes"). They read and write only the pass's own
     arguments, ``fixed`` (arrays at an address fixed for the plan: workspaces, weights,
@@ -417,8 +417,8 @@ class PreparedPass:
             if around is not None:
                 around.after(arrays, around.fixed)
 
-        launch.run_chain(chain, go, self.first, self.end, settings.current_stall(),
-                         chain.exchanges, complete, lambda: self._key(arrays))
+        launch.run_chain(chain, go, self.first, self.end, settings.current_stall(), complete,
+                         lambda: self._key(arrays))
         stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1,
                          details=[self._detail])
         launch.record_of(chain, self.end, stats)
@@ -587,7 +587,7 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
 
 
 def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[..., None]:
-    """The launcher of a pass's settle and completion kernels (built on first use)."""
+    """The launcher of a pass's completion kernels (built on first use)."""
     defines = loop_defines(pass_plan)
 
     def launch_(*args, **kw) -> None:
@@ -600,7 +600,7 @@ def _loop_launcher(pass_plan: planner.PassPlan, emulated: bool) -> Callable[...,
 
 
 def loop_defines(pass_plan: planner.PassPlan) -> dict[str, int]:
-    """The ``-D`` of a pass's settle and completion kernels: its cell and the dtype its weights
+    """The ``-D`` of a pass's completion kernels: its cell and the dtype its weights
     are given in (a ``plan.widened_pass``'s: the layer's 16-bit words, which the completion
     reads and whose type it rounds the state to)."""
     defines = {k: v for k, v in pass_plan.defines.items()

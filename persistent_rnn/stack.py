@@ -8,8 +8,8 @@ L*T. The input projection of the layers above the first happens inside the kerne
 the GEMM before the launch, as for one layer.
 
 Restarts and completion (``launch``, the layer passes' device-side chain, per layer): each CTA
-records the last step it completed; the chain's settle kernel computes each layer's first step
-not completed by all of its CTAs (``starts``) and the resume launches run the stack again from
+records the last step it completed; the last CTA to leave a launch computes each layer's first
+step not completed by all of its CTAs (``starts``: the settle, ``cuda_src/chain.cuh``) and the resume launches run the stack again from
 there (a finished layer's CTAs exit at once). The exchange keeps every step's words
 (``stack_common.cuh``), so a relaunch needs no zeroing and replays bitwise the same results.
 After ``Settings.max_restarts`` restarts the completion kernel finishes every unfinished layer
@@ -90,10 +90,12 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
     ``exchanges``: per tagged exchange buffer, the kernel arguments given it. Each has one slot
     per (layer, step) of the plan's ``exchange_row`` words (half a staged row,
     ``stack_common.cuh``) and is the chain's own (``launch.chain_for``: reused per thread and
-    stream, zeroed by the chain's first memset, once per pass as the kernels need). Nothing is
+    stream, zeroed by the chain's memset, once per pass as the kernels need; a restart
+    does not zero them: ``launch.Chain``). Nothing is
     read back."""
     shape = (layers, args["steps"], args["batch"], engine_.pass_plan.exchange_row)
-    chain = launch.chain_for(xp, engine_, layers, (shape,) * len(exchanges))
+    chain = launch.chain_for(xp, engine_, layers, (shape,) * len(exchanges),
+                             restart_zeroes=False)
     args = dict(args, **{name: buffer for names, buffer in zip(exchanges, chain.exchanges)
                          for name in names})
     steps = args["steps"]
@@ -111,7 +113,7 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
         if around is not None:
             around.after()
 
-    launch.run_chain(chain, go, first, end, settings.current_stall(), (), completed,
+    launch.run_chain(chain, go, first, end, settings.current_stall(), completed,
                      lambda: (complete, chain_graphs.value(first_starts),
                               chain_graphs.arguments_key(args),
                               chain_graphs.arguments_key(complete_args),

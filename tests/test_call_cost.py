@@ -237,16 +237,18 @@ LIMITS = {
     ('layer gemm', 'LSTM', 1, False): (69, 28),         # (66, 25) (62, 25) (57, 28)   (73, 33)  (125, 50)
     ('layer gemm', 'GRU', 1, True): (130, 64),          # (125, 59) (121, 59) (114, 58) (109, 61)  (141, 67) (202, 95)
     ('layer gemm', 'LSTM', 1, True): (140, 82),         # (136, 76) (132, 76) (122, 74) (116, 79)  (146, 84) (224, 112)
-    # The emulated persistent path enqueues the device-side chain: 9 emulated launches a pass
-    # (pass, 3 x settle + resume, settle, completion), each through the launcher's Python, where
-    # the host restart loop launched once and read back (137, 36) / (279, 78). Of the 75
-    # allocations of a forward, 71 are the emulator's ctypes copies of the launches' scalar
+    # The emulated persistent path enqueues the device-side chain: 5 emulated launches a pass
+    # (pass, 3 resumes, completion; each launch settled by its last CTA, chain.cuh - 9 with the
+    # settle kernels before 2026-11-27, branch chain-launches: (733, 75) -> (438, 44), (1523,
+    # 152) -> (940, 90)), each through the launcher's Python, where the host restart loop
+    # launched once and read back (137, 36) / (279, 78). Of the 44
+    # allocations of a forward, most are the emulator's ctypes copies of the launches' scalar
     # arguments (emulate._marshal: one NumPy scalar .item() each; no GPU launch makes them),
     # the other 4 the arrays it returns and keeps (test_call_allocations).
     # Planned calls (call_plans, 2026-11-27): (785, 75) -> (733, 75), (1612, 152) -> (1523, 152);
     # what remains is nearly all the emulated chain (PLANNED_LIMITS counts the call without it).
-    ('layer persistent', 'GRU', 1, False): (806, 83),   # (733, 75) (772, 75) (917, 168) (927, 168) (170, 36)
-    ('layer persistent', 'GRU', 1, True): (1675, 168),  # (1523, 152) (1584, 152) (1880, 342) (1900, 342) (321, 78)
+    ('layer persistent', 'GRU', 1, False): (482, 49),   # (438, 44) (733, 75) (772, 75) (917, 168) (927, 168) (170, 36)
+    ('layer persistent', 'GRU', 1, True): (1034, 99),   # (940, 90) (1523, 152) (1584, 152) (1880, 342) (1900, 342) (321, 78)
     ('module gemm', 'GRU', 1, False): (93, 21),         # (88, 19) (84, 19) (80, 21)   (108, 27) (352, 42)
     ('module gemm', 'LSTM', 1, False): (101, 28),       # (97, 25) (91, 25) (86, 28)   (112, 33) (369, 50)
     ('module gemm', 'GRU', 4, False): (109, 68),        # (103, 61) (99, 61) (95, 63)   (138, 87) (385, 138)
@@ -398,8 +400,8 @@ CHAINS_PER_PASS = {"pairs2": 2}  # (a bidirectional stack's pairs: one chain per
 def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, road, cell,
                                                      backward):
     """The Python of a planned call (``call_plans``) beside its chain is held; one chain per pass
-    (a bidirectional stack's: per layer; the launches ``launch.chain_launches`` counts, two
-    memsets), no host synchronisation. (On
+    (a bidirectional stack's: per layer; the launches ``launch.chain_launches`` counts, one
+    memset), no host synchronisation. (On
     the grid path: the kernels test_call_allocations builds.)"""
     from persistent_rnn import launch, settings
     call = _call(f"{road} persistent", cell, 1, backward)

@@ -128,21 +128,19 @@ def test_an_emulated_chain_is_never_keyed(monkeypatch):
 
     def key():
         raise AssertionError("the key is built only for a chain that may be a graph")
-    launch.run_chain(chain, None, 0, 4, settings.NO_STALL, (), lambda: None, key)
+    launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None, key)
     assert len(ran) == 1
 
 
-def test_the_chains_own_key_part_is_built_once_per_ring_and_exchanges(monkeypatch):
-    """``run_chain``'s key holds the chain's words, ring and exchanges; built once, and again
-    when the ring (a new numbering) or the exchanges given are other objects - so a new ring
-    never replays a graph that publishes into the old one."""
+def test_the_chains_own_key_part_is_built_once_per_ring(monkeypatch):
+    """``run_chain``'s key holds the chain's words (its exchanges lie before them) and where it
+    publishes; built once, and again when the ring (a new numbering) is another object - so a
+    new ring never replays a graph that publishes into the old one."""
     values = []
     monkeypatch.setattr(chain_graphs, "value", lambda v: values.append(v) or id(v))
     chain = type("C", (), {"engine": type("E", (), {"key": "engine"})(), "words": object(),
-                           "graph_key": None})()
-    ring_a, ring_b, exchanges = object(), object(), (object(),)
-    first = launch._chain_key(chain, (ring_a, 8), exchanges)
-    assert launch._chain_key(chain, (ring_a, 8), exchanges) is first and len(values) == 3
-    other_ring = launch._chain_key(chain, (ring_b, 8), exchanges)
-    assert other_ring != first and len(values) == 6
-    assert launch._chain_key(chain, (ring_b, 8), (object(),)) != other_ring
+                           "graph_key": None, "publish": (object(), 8)})()
+    first = launch._chain_key(chain)
+    assert launch._chain_key(chain) is first and len(values) == 2
+    chain.publish = (object(), 8)
+    assert launch._chain_key(chain) != first and len(values) == 4

@@ -173,7 +173,7 @@ def _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, le
 
 def test_records_reach_the_host_from_replayed_chains(cupy, monkeypatch):
     """The device records on a GPU (``launch.RecordRing``: page-locked host memory that the
-    final settle writes, mapped at its host address): calls replayed as graphs with a stall in
+    completion kernel writes, mapped at its host address): calls replayed as graphs with a stall in
     one of them, every record read after all ran, newest first, with no wait once the device has
     finished; a record read before the device got there waits (one counted sync) and is right;
     with a ring of 4 slots the records 4 calls back are lost and say so."""

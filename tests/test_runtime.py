@@ -2,27 +2,33 @@
 and, through the CPU emulation of the same CUDA source, the persistent path end to end."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import launch, plan as planner, runtime, tiles
+from persistent_rnn import emulate, launch, plan as planner, runtime, tiles
 from persistent_rnn.cells import CELLS
 from persistent_rnn.stats import RunStats
 
 
 
-class FakeKernel:
-    """Plays a persistent kernel in the device-side chain (launch.run_chain, whose settle kernel
-    is the emulated device_loop.cu): launch i that runs steps lets every CTA complete
-    ``done[i]`` steps from its start (CTA 0 one more, as a CTA may be a step ahead when the
-    barrier times out); CTAs in ``idle`` never run (their progress word stays untouched). A
-    resume launch reads its start from the chain and exits at once when the pass is done.
-    ``not_resident``: each launch that runs steps leaves the abort word "not co-resident"."""
+EXIT_KERNEL = str(Path(__file__).resolve().parent / "cuda" / "chain_exit.cu")  # test-only
 
-    def __init__(self, done, grid, idle=(), not_resident=False):
+
+class FakeKernel:
+    """Plays a persistent kernel in the device-side chain (launch.run_chain): launch i that runs
+    steps lets every CTA complete ``done[i]`` steps from its start (CTA 0 one more, as a CTA may
+    be a step ahead when the barrier times out); CTAs in ``idle`` leave their progress word
+    untouched. Its CTAs then leave the launch through the kernels' own exit (chain.cuh's
+    prnn_leave, emulated: tests/cuda/chain_exit.cu), whose last CTA settles it. A resume launch
+    reads its start from the chain and exits at once when the pass is done. ``not_resident``:
+    each launch that runs steps leaves the abort word "not co-resident"."""
+
+    def __init__(self, done, grid, idle=(), not_resident=False, src_dir=None):
         self.done, self.grid, self.idle, self.launches = list(done), grid, idle, []
-        self.not_resident = not_resident
+        self.not_resident, self.src_dir = not_resident, src_dir  # (src_dir: cuda_src's copy)
 
     def __call__(self, kernel, grid, block, shared_bytes, args, max_resident=None):
         source = "persistent_backward.cu" if kernel.endswith("backward") else "persistent_forward.cu"
@@ -41,20 +47,29 @@ class FakeKernel:
         self.launches.append((start, stall))
         n = self.done[len(self.launches) - 1]
         last = start + direction * (n - 1)
-        progress[:] = last if (end - last) * direction > 0 else end - direction
+        left = np.full(grid, last if (end - last) * direction > 0 else end - direction, np.int32)
         if n and (end - last - direction) * direction > 0:
-            progress[0] += direction
-        progress[list(self.idle)] = -1
+            left[0] += direction
+        left[list(self.idle)] = -1
         if self.not_resident:
             control[1] = 2  # kPrnnNotResident (exchange.cuh)
+        leave = launch.arguments(EXIT_KERNEL, "prnn_test_leave", control=control, progress=left,
+                                 end=end, first=start)
+        emulate.get_module(EXIT_KERNEL, {}, self.src_dir).launch("prnn_test_leave", grid, 32, 0,
+                                                                  leave)
 
 
-def _fake_engine(fake, backward=False, key=("fake",)):
-    """An emulated engine whose pass launch is ``fake`` (its settle and completion kernels are
-    device_loop.cu's)."""
+def _fake_engine(fake, backward=False, key=("fake",), src_dir=None):
+    """An emulated engine whose pass launch is ``fake`` (its completion kernels are
+    device_loop.cu's: of the copy of cuda_src ``src_dir`` where given)."""
     pp = planner.pass_plan(CELLS["lstm"], tiles.SHIPPED["lstm"][0], backward, 16, 2)
     fake.grid = pp.grid
-    return launch.Engine(pp, fake, True, key, runtime._loop_launcher(pp, True))
+    loop = runtime._loop_launcher(pp, True)
+    if src_dir is not None:
+        def loop(*args, **kw):
+            emulate.get_module(launch.LOOP_SOURCE, runtime.loop_defines(pp), src_dir).launch(
+                *args, **kw)
+    return launch.Engine(pp, fake, True, key, loop)
 
 
 def _chain(fake, first, end, backward=False):
@@ -64,22 +79,28 @@ def _chain(fake, first, end, backward=False):
 
 
 def _pass(chain, first, end):
-    """One pass of ``chain`` (its engine's fake kernel): its ``RunStats`` (the record not read
-    yet) and the step the completion started from."""
-    pp, completed = chain.engine.pass_plan, []
+    """One pass of ``chain`` (its engine's fake kernel, then the real completion kernel on zeroed
+    buffers): its ``RunStats`` (the record not read yet) and the step the completion started
+    from."""
+    pp, engine = chain.engine.pass_plan, chain.engine
     buffers = {n: np.zeros(1, np.float32) for n, kind in launch.parameters(pp.source, pp.kernel)
                if kind is None and n != "control"}
-    engine = chain.engine
+    kernel = "prnn_complete_backward" if end < 0 else "prnn_complete_forward"
+    own = {"chain", "groups", "grid", "ring", "slots"}
+    sizes = dict(steps=10, batch=2, hidden=16, proj=0, chained=0, per_step=0)
+    completion = {n: sizes[n] if kind is not None else
+                  np.full(2, 10, np.int32) if n == "lengths" else np.zeros(4096, np.float32)
+                  for n, kind in launch.parameters(launch.LOOP_SOURCE, kernel) if n not in own}
 
     def go(start, stall):
         launch.launch_pass(engine, chain.control,
                            dict(buffers, steps=10, batch=2, hidden=16, start=start), stall)
 
-    launch.run_chain(chain, go, first, end, prnn.settings.current_stall(), (),
-                     lambda: completed.append(int(chain.starts[0])))
+    launch.run_chain(chain, go, first, end, prnn.settings.current_stall(),
+                     lambda: chain.complete(kernel, **completion))
     stats = RunStats()
     launch.record_of(chain, end, stats)
-    return stats, completed[-1]
+    return stats, int(chain.starts[0])
 
 
 def _restarts(done, first, end, backward=False, idle=()):
@@ -144,9 +165,9 @@ def test_the_chain_reads_nothing_back(settings):
     with launch.counting() as n:
         (step, restarts), launches = _restarts([3, 2, 100], 0, 10)
     assert (step, restarts) == (10, 2) and n.host_syncs == 0
-    # max_restarts 3: the pass, 3 x (settle, resume), the final settle (the completion is the
-    # test's own callable here)
-    assert n.launches == 1 + 2 * 3 + 1 and n.memsets == 2
+    # max_restarts 3: the pass, 3 resumes, the completion (each launch settled by its last CTA);
+    # the fake's exits are not counted launches
+    assert n.launches == 1 + 3 + 1 == launch.chain_launches(3) and n.memsets == 1
 
 
 # Per pass, the steps each launch completes, and what its record must say (restarts, the step the
@@ -188,6 +209,29 @@ def test_records_of_many_passes_are_read_late_and_out_of_order(settings):
         _check_records_read_late(chain, fake, seed=0)
     assert n.host_syncs == 0 and n.record_reads == 3 * len(PATTERNS)
     assert chain.recorded == int(chain.ledger[0]) == 3 * len(PATTERNS)
+
+
+# Sabotages of the device-side chain (a copy of cuda_src each, tests/sabotage.py): the last CTA
+# to leave found one too early, the exit counter not reset for the next launch, the completion
+# not taking back the count of the launch after the last resume.
+CHAIN_SABOTAGES = {
+    "last CTA off by one": ("chain.cuh", "chain + kChainExits, 1u) == gridDim.x - 1;",
+                            "chain + kChainExits, 1u) == gridDim.x - 2;"),
+    "exit counter kept": ("chain.cuh", "    chain[kChainExits] = 0u;\n", ""),
+    "completion not settling": ("device_loop.cu", "      chain[0] -= 1u;\n", ""),
+}
+
+
+@pytest.mark.parametrize("sabotage", CHAIN_SABOTAGES)
+def test_a_sabotaged_chain_fails(settings, tmp_path, sabotage):
+    """Each sabotage of the launches' settle or the completion's is caught by the records of
+    the passes of ``PATTERNS`` (restarts, the completion's first step)."""
+    from sabotage import sabotaged
+    src_dir = sabotaged(tmp_path, *CHAIN_SABOTAGES[sabotage])
+    fake = FakeKernel([], 0, src_dir=src_dir)
+    with pytest.raises(AssertionError) as caught:
+        _check_records_read_late(launch.Chain(np, _fake_engine(fake, src_dir=src_dir), 1), fake,
+                                 seed=0)
 
 
 def test_a_sabotaged_record_numbering_fails(settings, monkeypatch):
