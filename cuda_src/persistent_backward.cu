@@ -36,7 +36,7 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden;
   SharedCarver sh(batch);  // (plan.shared_layout)
-  float* v_s = staged_region(sh);             // [batch or a group][kPadded]: dgh_{t+1}
+  float* v_s = staged_region(sh, PRNN_SMEM_STAGED);  // [batch or a group][kPadded]: dgh_{t+1}
   float* rec_s = sh.rows(PRNN_SMEM_PARTIAL);  // [batch][kKsplit][kUnits]: partial W_hh^T dgh
   float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [kInputBuffers][batch][kInputs][kUnits]: by step
   float* carry_s = sh.rows(PRNN_SMEM_CARRIES);  // [2][batch][kUnits]: dh (direct), dc carries

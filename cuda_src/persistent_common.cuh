@@ -360,10 +360,10 @@ PRNN_DEVICE int staged_rows(int batch) {
   return kBatchGroup > 0 && kBatchGroup < batch ? kBatchGroup : batch;
 }
 
-// The staged vector's region (plan.shared_layout: STAGED, words per batch row, or with batch
-// groups in all).
-PRNN_DEVICE float* staged_region(SharedCarver& sh) {
-  return kBatchGroup > 0 ? sh.fixed(PRNN_SMEM_STAGED) : sh.rows(PRNN_SMEM_STAGED);
+// The staged vector's region of `words` (plan.shared_layout's STAGED, PRNN_SMEM_STAGED: words per
+// batch row, or with batch groups in all).
+PRNN_DEVICE float* staged_region(SharedCarver& sh, int words) {
+  return kBatchGroup > 0 ? sh.fixed(words) : sh.rows(words);
 }
 
 // Tagged quads a thread of the grid's gather loads at once (four registers each): chosen by the

@@ -40,7 +40,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, gh_len = G * hidden;
   SharedCarver sh(batch);  // (plan.shared_layout)
-  float* h_s = staged_region(sh);  // [kStaged][batch or a group][kPadded]: h_{t-1} (by parity)
+  // [kStaged][batch or a group][kPadded]: h_{t-1} (by parity)
+  float* h_s = staged_region(sh, PRNN_SMEM_STAGED);
   float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh h_{t-1}
   float* gi_s = sh.rows(PRNN_SMEM_GI);        // [kInputBuffers][batch][G][kUnits]: gi_t by step
   float* c_s = sh.rows(PRNN_SMEM_C);          // [batch][kUnits]: c_{t-1} of the owned units (LSTM)

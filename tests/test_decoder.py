@@ -208,8 +208,10 @@ def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(kind, settings)
         return
     prnn.configure(emulation_timeout_ms=20)
     assert decode(between=lambda t: time.sleep(0.1)) >= 1
-    prnn.configure(emulation_timeout_ms=50)
-    with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1 of each layer
+    # (an idle CTA leaves after the timeout: it must outlast the emulated CTAs' start skew on a
+    # loaded machine, or they are never all resident at once for the stall to happen in)
+    prnn.configure(emulation_timeout_ms=250)
+    with prnn.inject_stall(block=1, step=2, duration_ms=400):  # inside step 2, CTA 1 of each layer
         decode()
 
 
@@ -300,8 +302,10 @@ def test_idle_exits_takeovers_and_stalls_keep_the_results_bitwise(settings):
         got = _decode(dec, xs)
         assert all(int(w) & 3 == decoding.GONE for w in resident.state)
     _equal(got, want)
-    prnn.configure(emulation_timeout_ms=50)
-    with prnn.inject_stall(block=1, step=2, duration_ms=80):  # inside step 2, CTA 1
+    # (an idle CTA leaves after the timeout: it must outlast the emulated CTAs' start skew on a
+    # loaded machine, or they are never all resident at once for the stall to happen in)
+    prnn.configure(emulation_timeout_ms=250)
+    with prnn.inject_stall(block=1, step=2, duration_ms=400):  # inside step 2, CTA 1
         with layer.decoder(batch=B) as dec:
             _await_resident(dec)
             got = _decode(dec, xs)
