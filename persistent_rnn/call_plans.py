@@ -65,6 +65,12 @@ def _where(xp) -> tuple:
     return threading.get_ident(), xp.cuda.Device().id, stream.ptr
 
 
+def runs_here(xp) -> bool:
+    """Whether a plan may serve calls on this thread's current stream (never one being captured:
+    ``_where``)."""
+    return _where(xp) is not None
+
+
 def signature(x: Array, hx: Any, lengths: Any) -> tuple:
     """What two calls in a row must share for the second to plan its signature (``plan_of``):
     also the thread (and on a GPU the device and stream) a plan serves, so that calls from two
@@ -72,32 +78,16 @@ def signature(x: Array, hx: Any, lengths: Any) -> tuple:
     return type(x), x.shape, x.dtype, hx is None, lengths is None, _where(buffers.array_module(x))
 
 
-def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any,
-            key: tuple = (), accumulates: bool = False) -> "Plan | None":
-    """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
-    ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned; ``key``: the
-    caller's signature of the call (``signature``), which the plan keeps (``Plan.key``): a planned
-    call is the last call of its signature (so that another thread's calls in between plan
-    nothing rather than taking the plan over every other call). Calls with lengths are planned
-    too: a plan's caller gives it valid lengths (the torch modules' packed input, whose lengths
-    ``PackedLayout`` derives; the layer API checks them before a planned call as its full path
-    does). ``accumulates``: its backward adds the parameter gradients into its caller's arrays
-    inside the chain (``Plan.backward``'s ``into``: the layer API's ``grads``). A stack that
-    ran in stack mode: ``stack_plans``."""
-    if (ctx.num_layers > 1 or ctx.bidirectional) and not ctx.batch_first \
-            and _where(buffers.array_module(x)) is not None and ctx.stats.algo == "persistent":
-        from . import stack_plans  # (it builds on this module)
-        plan = stack_plans.plan_of(ctx, x, hx, lengths)
-        if plan is not None:
-            plan.key, plan.accumulates = key, accumulates
-        return plan
+def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan | None":
+    """The plan of a single layer-direction's forward that ran the whole way (``functional.forward``
+    of ``x``, ``hx``, ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned
+    (``plans.plan_of``, which also gives it the caller's key)."""
     if not (ctx.num_layers == 1 and not ctx.bidirectional
             and not ctx.batch_first and ctx.stats.algo == "persistent"
             and x.dtype == (np.float32 if ctx.half is None else half_dtype(ctx.half))
-            and _where(buffers.array_module(x)) is not None):
+            and runs_here(buffers.array_module(x))):
         return None
     plan = (Plan if ctx.half is None else HalfPlan)(ctx, x, hx is not None, lengths is not None)
-    plan.key, plan.accumulates = key, accumulates
     return plan if plan.engine is not None else None
 
 

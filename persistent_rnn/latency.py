@@ -599,6 +599,13 @@ def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) ->
 # beside it (4 / 11 and the LSTM's 5 / 13 before the copies did).
 FORWARD_CHAIN_OPS = 4
 BACKWARD_CHAIN_OPS = 11
+# A 16-bit layer's planned call converts inside its chains too (``call_plans.HalfPlan``; read
+# from it, 2026-11-27), each a short elementwise kernel: forward - b_hh and b_ih widened (its
+# results are rounded where a float32 call copies them: no more operations); backward - dy, the
+# input, W_ih and W_hh widened, dh0, dx and the four parameter gradients rounded into the call's
+# arrays (the layer API, which sums them into its own, widens those four sums as well: four more).
+HALF_FORWARD_OPS = 2
+HALF_BACKWARD_OPS = 10
 # Device time the settle adds to the end of the pass's launch (cuda_src/chain.cuh: each CTA
 # fences and counts itself out on one word, the last reads the progress and writes the starts):
 # about one round of the counter barrier of a full grid, 1.47 us for 132 CTAs on the H200
@@ -640,7 +647,8 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     steady state. A planned call (``call_plans``: a single unidirectional layer of any dtype,
     with or without a projection, since 2026-11-27) with ``chain_graphs`` on is one graph
     launch from the host, the chain with the operations enqueued inside it
-    (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``; their nodes still run on the device), and
+    (``FORWARD_CHAIN_OPS``, ``BACKWARD_CHAIN_OPS``, a 16-bit layer's conversions
+    ``HALF_FORWARD_OPS``, ``HALF_BACKWARD_OPS``; their nodes still run on the device), and
     the planned call's Python (``hw.PYTHON_*_US``: the 16-bit and projection plans' Python
     counted alike, tests/test_call_cost.py); a call not planned (``planned`` False) issues
     those operations as calls of their own beside the chain's graph, with the full path's
@@ -661,11 +669,11 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     lstm = int(cell.has_cell_state)
     if not backward:
         gemms = [2.0 * rows * input_size * gh]
-        inside = FORWARD_CHAIN_OPS + lstm
+        inside = FORWARD_CHAIN_OPS + lstm + (HALF_FORWARD_OPS if half else 0)
     else:
         gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
                  2.0 * rows * gh * input_size]
-        inside = BACKWARD_CHAIN_OPS + 2 * lstm
+        inside = BACKWARD_CHAIN_OPS + 2 * lstm + (HALF_BACKWARD_OPS if half else 0)
     graphs = settings.current().chain_graphs
     calls = (1 if graphs and planned else 1 + inside if graphs
              else chain + launch.CHAIN_MEMSETS + inside)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import call_plans, functional, validation
+from . import call_plans, functional, plans, validation
 from .buffers import array_module, widened
 from .cells import CellSpec, cell_spec
 from .validation import CallOrderError
@@ -167,7 +167,7 @@ class _Recurrent:
             return
         signature = call_plans.signature(x, hx, lengths)
         if signature == self._last_signature and not self.batch_first:
-            self._plan = call_plans.plan_of(ctx, x, hx, lengths, signature, accumulates=True)
+            self._plan = plans.plan_of(ctx, x, hx, lengths, signature, accumulates=True)
         self._last_signature = signature
 
     def backward(self, dy: Array, dhn: Any = None) -> tuple[Array, Any]:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import buffers, call_plans, launch
+from persistent_rnn import buffers, call_plans, launch, plans
 from test_call_cost import numpy_alloc_sizes
 
 T, B, H, I = 3, 3, 8, 5
@@ -197,7 +197,7 @@ def test_a_16_bit_call_allocates_only_what_it_returns_keeps_and_lists(settings, 
 def test_a_per_call_exchange_is_counted(settings, grid_path, monkeypatch):
     """The count fails where a call allocates its chain (words and exchange, and its records'
     ring) afresh again (on the full path: a planned call holds its chain, ``call_plans``)."""
-    monkeypatch.setattr(call_plans, "plan_of", lambda *a, **kw: None)
+    monkeypatch.setattr(plans, "plan_of", lambda *a, **kw: None)
     call = _call("GRU", False, False)
     monkeypatch.setattr(launch, "chain_for", lambda xp, engine, groups, exchanges=():
                         launch.Chain(xp, engine, groups, exchanges))

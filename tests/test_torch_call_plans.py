@@ -12,7 +12,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import call_plans
+from persistent_rnn import call_plans, plans
 
 from test_call_plans import SB, SH, SI, ST, _Hits, _StackHits  # (planned calls that ran)
 
@@ -167,8 +167,8 @@ def test_calls_from_another_thread_in_turn_leave_the_plan(settings, monkeypatch)
     same results) and plan nothing: no plan is prepared per call while two threads take turns."""
     import threading
     hits, made = _Hits(monkeypatch), []
-    plan_of = call_plans.plan_of
-    monkeypatch.setattr(call_plans, "plan_of",
+    plan_of = plans.plan_of
+    monkeypatch.setattr(plans, "plan_of",
                         lambda *a, **kw: made.append(1) or plan_of(*a, **kw))
     torch.manual_seed(0)
     module = prt.GRU(I, H, algo="persistent")

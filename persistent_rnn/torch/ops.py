@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from .. import call_plans, functional
+from .. import call_plans, functional, plans
 from ..cells import CELLS, CellSpec, from_mode
 from ..halves import half_dtype
 from ..stats import RunStats
@@ -417,7 +417,7 @@ def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, length
     signature = (*call_plans.signature(x, hx, lengths), part)
     if signature == record.signature:
         # (lengths planned too: the op's come from torch's packed sequences, valid)
-        record.plan = call_plans.plan_of(ctx, x, hx, lengths, signature)
+        record.plan = plans.plan_of(ctx, x, hx, lengths, signature)
     record.signature = signature
 
 
