@@ -45,6 +45,7 @@ class FakeKernel:
             return  # the pass is done: a resume launch exits at once
         assert control[0] == 0 and control[1] == 0 and (progress == -1).all()  # reset
         self.launches.append((start, stall))
+        assert len(self.launches) <= len(self.done), "a launch the pattern has no steps for"
         n = self.done[len(self.launches) - 1]
         last = start + direction * (n - 1)
         left = np.full(grid, last if (end - last) * direction > 0 else end - direction, np.int32)
