@@ -204,7 +204,9 @@ def test_stack_backward_runs_in_one_launch_and_matches_float64(settings, mode):
     _assert_close(got, _backward64(reference, x, hx, dy, dhn))
 
 
-@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+# (CI: the LSTM's, the stack backward's largest kernel; every cell in the full set - the stall
+# and restart code is the same stack kernel for all)
+@pytest.mark.parametrize("mode", ["LSTM"] + (["GRU", "RNN"] if EVERY_KERNEL else []))
 def test_stack_backward_stalls_give_bitwise_identical_results(settings, mode):
     prnn.configure(emulation_timeout_ms=300, max_restarts=8)  # as for the forward
     layer, _ = _layers(mode, seed=10)
