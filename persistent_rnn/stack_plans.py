@@ -266,18 +266,27 @@ class StackPlan(Plan):
             {"w_t": prepared["w_t"], "w_ih_t": prepared["w_ih_t"]},
             dy if lengths is None else prepared["dy"], y, cs, saved, h0, h0 if c0 is None else c0,
             self.all_steps if lengths is None else lengths, True, prepared["scratch"])
-        dx = xp.empty(self.x_shape, dy.dtype)
-        dh = xp.empty(self.state_shape, np.float32)
-        dc = None if c0 is None else xp.empty(self.state_shape, np.float32)
-        grads = prepared["grads"] or {n: xp.empty(w.shape, w.dtype)
-                                      for n, w in zip(self.names, self.weights)}
-        into = tuple(into[n] for n in self.names) if self.accumulates else None
+        dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, prepared, into)
         call = (ctx, dy, args, dx, dh, dc, grads, into)
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
             lambda: self._key("backward", (dy, dx, dh, dc, tuple(grads.values()), into,
                                            tuple(ctx.inputs), ctx.reverse_index))))
         return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
+
+    def _backward_results(self, dy: Array, cell_state: bool, held: dict,
+                          into: Mapping[str, Array] | None) -> tuple:
+        """A planned backward's new result arrays ``(dx, dh0, dc0, grads, into)``: ``dc0``
+        ``None`` without a cell state; the gradients the held workspaces where the plan
+        accumulates (``into``: the caller's arrays in the plan's order), else new arrays."""
+        xp = self.xp
+        dx = xp.empty(self.x_shape, dy.dtype)
+        dh = xp.empty(self.state_shape, np.float32)
+        dc = xp.empty(self.state_shape, np.float32) if cell_state else None
+        grads = held["grads"] or {n: xp.empty(w.shape, w.dtype)
+                                  for n, w in zip(self.names, self.weights)}
+        return dx, dh, dc, grads, (tuple(into[n] for n in self.names) if self.accumulates
+                                   else None)
 
     def _before_backward(self, call: tuple) -> None:
         """Inside the backward's chain, before its pass: ``dy`` selected with lengths, the
@@ -465,12 +474,7 @@ class PairPlan(StackPlan):
         call's new result arrays, written inside the chains."""
         xp, held, lengths = self.xp, self.backward_pass, ctx.lengths
         kept, h0, c0 = ctx.stacked
-        dx = xp.empty(self.x_shape, dy.dtype)
-        dh = xp.empty(self.state_shape, np.float32)
-        dc = None if c0 is None else xp.empty(self.state_shape, np.float32)
-        grads = held["grads"] or {n: xp.empty(w.shape, w.dtype)
-                                  for n, w in zip(self.names, self.weights)}
-        into = tuple(into[n] for n in self.names) if self.accumulates else None
+        dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, held, into)
         stats = RunStats()
         for layer in range(self.num_layers - 1, -1, -1):
             pair = slice(2 * layer, 2 * layer + 2)
