@@ -50,6 +50,9 @@ class DeviceProfile:
     # 8 is CUDA's portable maximum; Hopper runs 16 once a kernel allows a non-portable size
     # (kernels.py sets the attribute; the runtime re-plans at 8 where a 16-CTA cluster does not fit).
     max_cluster_ctas: int = PORTABLE_CLUSTER_CTAS
+    # Whether a float32 layer may run on the TF32 tensor-core tiles (settings.allow_tf32, applied
+    # by runtime.planning_device; a profile's field so that every plan cache keys on it).
+    allow_tf32: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
