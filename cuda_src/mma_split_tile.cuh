@@ -138,7 +138,7 @@ struct MmaSplitTileOf {
 #pragma unroll
         for (int part = 0; part < kSplitParts - 1; ++part) {
           float (&c)[4] = acc[(s + part) % kSets][n];
-          mma_16bit(c, a[part], w[n][s], c);
+          mma_typed(c, a[part], w[n][s], c);
         }
       }
     }, d);

@@ -5,14 +5,24 @@
   tests/cuda/mma_fragments.cu (dtype 3): random fp32 A, B and C, rounded by the kernel, against
   float64 products of the rounded operands; swapping two lanes' fragments fails it; the source
   compiles to HMMA.1688.F32.TF32.
+* The TF32 forward tiles (``tiles.TF32_TILES``, ``MMA_CLUSTER_TILES`` for fp32 layers; emulated):
+  off by default; with ``allow_tf32`` the forward (y, h_n, c_n) and the fp32 backward through it
+  against the float64 layer within docs/api.md's TF32 bound, bitwise run to run; one step of
+  the Elman RNNs element by element within the documented per-product bound; B = 17 (three
+  n-tiles); a stall restarts bitwise identically. CI: LSTM on the grid, GRU in a cluster, one
+  stall; ``PRNN_TEST_EVERY_KERNEL=1``: every cell on both placements, B 1 to 32, both stalls.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import persistent_rnn as prnn
 from persistent_rnn import emulate
+from persistent_rnn import plan as planner
+from persistent_rnn.cells import layer_args
 
+from full_set import EVERY_KERNEL
 from test_mma import EMULATED_ULPS, SOURCE, SWAPS, _within
 
 TF32 = 3  # mma_fragments.cu's dtype code
@@ -120,3 +130,148 @@ def test_gpu_tf32_mma_is_a_plain_product(cupy):
         assert _matches(ops, d, e, GPU_ULPS), seed
     d, e = _launch(gpu, cupy, ops, swap=(SWAPS["A"], 3, 20))
     assert not _matches(ops, d, e, GPU_ULPS)
+
+
+# ---- the TF32 forward tiles -------------------------------------------------------------------
+TOLERANCE = 5e-3  # docs/api.md, "TF32": relative to max |float64|, the fp16 layers' bound
+CASES = [("lstm", "grid"), ("gru", "cluster")]
+if EVERY_KERNEL:
+    CASES = [(c, p) for c in ("lstm", "gru", "rnn_tanh", "rnn_relu") for p in ("grid", "cluster")]
+BATCHES = (1, 8, 17, 32) if EVERY_KERNEL else (17,)
+
+
+@pytest.fixture
+def tf32(settings, fresh_plans, monkeypatch):
+    """TF32 allowed, a generous barrier timeout, and the TF32 tiles taken at every batch."""
+    prnn.configure(emulation_timeout_ms=20_000, allow_tf32=True)
+    monkeypatch.setattr(planner, "TF32_MIN_BATCH", {"grid": 1, "cluster": 1})
+
+
+def _layers(name: str, hidden: int):
+    mode, kw = layer_args(name)
+    kern = getattr(prnn, mode)(5, hidden, algo="persistent", seed=7, **kw)
+    ref = getattr(prnn, mode)(5, hidden, dtype="float64", algo="gemm", **kw)
+    ref.load_params({k: v.astype(np.float64) for k, v in kern.params.items()})
+    return kern, ref
+
+
+def _data(layer, steps: int, batch: int, seed: int, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((steps, batch, 5))
+    shape = (1, batch, layer.hidden_size)
+    hx = tuple(rng.standard_normal(shape) * 0.5 for _ in range(2 if layer.cell.has_cell_state else 1))
+    dy = rng.standard_normal((steps, batch, layer.hidden_size))
+    dhn = tuple(rng.standard_normal(shape) for _ in hx)
+    cast = lambda a: tuple(v.astype(dtype) for v in a) if len(a) > 1 else a[0].astype(dtype)  # noqa: E731
+    return x.astype(dtype), cast(hx), dy.astype(dtype), cast(dhn)
+
+
+def _run(layer, data) -> list[np.ndarray]:
+    """Forward and backward: y, h_n (c_n), dx, dhx, the parameter gradients, as float64."""
+    x, hx, dy, dhn = data
+    flat = lambda a: list(a) if isinstance(a, tuple) else [a]  # noqa: E731
+    y, hn = layer.forward(x, hx)
+    layer.zero_grad()
+    dx, dhx = layer.backward(dy, dhn)
+    return [np.asarray(a, np.float64) for a in [y, *flat(hn), dx, *flat(dhx), *layer.grads.values()]]
+
+
+def _relerr(a, b) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _ran_tf32(layer, cluster: bool) -> None:
+    run = layer.last_run
+    assert run.algo == "persistent" and run.emulated and run.fallback is None
+    assert "'PRNN_MMA': 1" in run.details[0] and "PRNN_WEIGHT_DTYPE" not in run.details[0]
+    assert ("PRNN_CLUSTER" in run.details[0]) == cluster, run.details
+
+
+def test_tf32_is_off_by_default(settings, fresh_plans):
+    kern, _ = _layers("lstm", 24)
+    kern.forward(*_data(kern, 2, 4, 0)[:2])
+    assert "PRNN_MMA" not in kern.last_run.details[0]
+
+
+def _check(name: str, hidden: int, batch: int, cluster: bool) -> None:
+    kern, ref = _layers(name, hidden)
+    data = _data(kern, 4, batch, 3)
+    kern.forward(*data[:2])
+    _ran_tf32(kern, cluster)
+    got = _run(kern, data)
+    want = _run(ref, _data(kern, 4, batch, 3, np.float64))
+    for a, r in zip(got, want):
+        assert _relerr(a, r) <= TOLERANCE
+    fresh = _data(kern, 4, batch, 4)  # run to run, on fresh inputs: bitwise
+    assert all(np.array_equal(a, b) for a, b in zip(_run(kern, fresh), _run(kern, fresh)))
+
+
+@pytest.mark.parametrize("name,placement", CASES)
+def test_tf32_forward_matches_float64(tf32, request, name, placement):
+    if placement == "grid":
+        request.getfixturevalue("grid_path")
+        _check(name, hidden=40, batch=9, cluster=False)
+    else:
+        _check(name, hidden=24, batch=3, cluster=True)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("name", ["rnn_tanh", "rnn_relu"] if EVERY_KERNEL else ["rnn_relu"])
+def test_tf32_step_within_the_product_bound(tf32, grid_path, name, batch):
+    # One step from h0: |h1 - h1_64| <= 2^-10 sum_j |W_ij h0_j| (+ fp32's sums) element by
+    # element, as tanh' and relu' are at most 1 (docs/api.md, "TF32").
+    kern, ref = _layers(name, 40)
+    x, h0, _, _ = _data(kern, 1, batch, batch)
+    y, _ = kern.forward(x, h0)
+    _ran_tf32(kern, cluster=False)
+    y64, _ = ref.forward(x.astype(np.float64), h0.astype(np.float64))
+    w = np.abs(kern.params["weight_hh_l0"].astype(np.float64))
+    products = np.abs(h0[0].astype(np.float64)) @ w.T
+    terms = products + np.abs(x[0].astype(np.float64)) @ np.abs(kern.params["weight_ih_l0"]).T
+    fp32_sums = 2.0**-20 * (terms + 1.0)
+    assert (np.abs(y[0] - y64[0]) <= 2.0**-10 * products + fp32_sums).all()
+    assert not (np.abs(y[0] - y64[0]) <= fp32_sums).all()  # TF32's rounding shows
+    # and it is the rounding documented: float64 of W_hh and h0 rounded to TF32 (cvt.rna) gives
+    # the same step up to fp32's sums (relu: no activation's approximation in between)
+    rounded = dict(ref.params, weight_hh_l0=_round_tf32(kern.params["weight_hh_l0"]).astype(np.float64))
+    ref.load_params(rounded)
+    y_rounded, _ = ref.forward(x.astype(np.float64), _round_tf32(h0).astype(np.float64))
+    if name == "rnn_relu":
+        assert (np.abs(y[0] - y_rounded[0]) <= fp32_sums).all()
+
+
+@pytest.mark.parametrize("placement", ["grid", "cluster"] if EVERY_KERNEL else ["grid"])
+def test_tf32_stall_restarts_bitwise_identically(tf32, request, placement):
+    cluster = placement == "cluster"
+    if not cluster:
+        request.getfixturevalue("grid_path")
+    kern, _ = _layers("lstm", 24)
+    x, hx, _, _ = _data(kern, 6, 3, 9)
+    clean = kern.forward(x, hx)
+    _ran_tf32(kern, cluster)
+    prnn.configure(emulation_timeout_ms=300)
+    with prnn.inject_stall(block=1, step=3, duration_ms=2000):
+        stalled = kern.forward(x, hx)
+    assert kern.last_run.restarts >= 1 and kern.last_run.fallback is None
+    assert np.array_equal(stalled[0], clean[0])
+    assert all(np.array_equal(a, b) for a, b in zip(stalled[1], clean[1]))
+
+
+def test_the_planner_takes_tf32_tiles_only_where_allowed_and_from_their_batches():
+    from dataclasses import replace
+    h100 = planner.resolve_device("h100")
+    tf32 = replace(h100, allow_tf32=True)
+    for hidden, placement in ((256, "cluster"), (1024, "grid")):
+        least = planner.TF32_MIN_BATCH[placement]
+        for batch in (least - 1, least, 8):
+            off, on = (planner.make_plan("lstm", hidden, batch, "float32", d) for d in (h100, tf32))
+            assert not off.tile.mma and "PRNN_MMA" not in off.backward.defines
+            assert on.tile.mma == (batch >= least), (hidden, batch)
+            assert bool(on.tile.cluster) == (placement == "cluster")
+            # the backward is the fp32 CUDA-core one of the tile's units
+            assert "PRNN_MMA" not in on.backward.defines
+            assert "PRNN_WEIGHT_DTYPE" not in on.forward.defines
+    # 16-bit layers are not affected
+    assert planner.make_plan("lstm", 1024, 8, "float16", tf32) == planner.make_plan("lstm", 1024, 8, "float16", h100)
+    # GRU H 1024 has no TF32 tile (tiles.TF32_TILES): the fp32 plan
+    assert not planner.make_plan("gru", 1024, 8, "float32", tf32).tile.mma
