@@ -3,8 +3,7 @@
 // or an fp32 one rounded to TF32 as A fragments of mma.sync.m16n8k8 (settings.allow_tf32).
 //
 // -D PRNN_MMA=1 (a 16-bit layer forward, or an fp32 one in TF32: no PRNN_WEIGHT_DTYPE; plan.py)
-// makes it persistent_common.cuh's RegisterTile (-D PRNN_MMA=2: the 16-bit backward's,
-// mma_split_tile.cuh);
+// makes it persistent_common.cuh's RegisterTile (-D PRNN_MMA=2: the backward's, mma_split_tile.cuh);
 // the kernel's code is unchanged: it loads the tile with the same rows and column chunk, and
 // multiply_rows / multiply_exchanged below (picked by overload) leave the same partial sums
 // part_s[(b * ksplit + chunk) * local_rows + row] as the CUDA-core tile's reduce-scatter does.
@@ -32,9 +31,6 @@
 
 #ifndef PRNN_WEIGHT_DTYPE
 #define PRNN_WEIGHT_DTYPE 0
-#endif
-#if PRNN_WEIGHT_DTYPE == 0 && PRNN_MMA == 2
-#error "PRNN_MMA=2 (the split backward) needs 16-bit weights (-D PRNN_WEIGHT_DTYPE=1 or 2)"
 #endif
 
 namespace prnn {

@@ -273,11 +273,10 @@ def _print_decoder(d: dict) -> None:
 def _tensor_cores(record: dict) -> str:
     """What of a plan record (a layer's tile, or the stack-mode record) runs on the tensor
     cores, as a clause of ``prnn plan``'s line ("" for none)."""
-    if record.get("tensor_cores_backward"):
-        return ", forward and backward on the tensor cores (mma.m16n8k16)"
+    passes = "forward and backward" if record.get("tensor_cores_backward") else "forward"
     if record.get("tf32"):
-        return ", forward on the tensor cores in TF32 (mma.m16n8k8)"
-    return ", forward on the tensor cores (mma.m16n8k16)" if record.get("tensor_cores") else ""
+        return f", {passes} on the tensor cores in TF32 (mma.m16n8k8)"
+    return f", {passes} on the tensor cores (mma.m16n8k16)" if record.get("tensor_cores") else ""
 
 
 def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:

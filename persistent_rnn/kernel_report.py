@@ -144,7 +144,8 @@ def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = Fal
     archs with clusters (sm_90 and newer). ``mma``: the tensor-core tiles instead (forward
     ``mma_tile.cuh``, backward ``mma_split_tile.cuh`` as planned at ``REPORT_BATCH``, from
     ``plan.MMA_BACKWARD_MIN_BATCH`` rows; below it the CUDA-core 16-bit backward, not listed).
-    ``tf32``: float32's TF32 tiles instead (forward in TF32, backward the fp32 CUDA-core one)."""
+    ``tf32``: float32's TF32 tiles instead (the forward; the backward in TF32 as planned at
+    ``REPORT_BATCH`` and the fp32 one below ``plan.TF32_BACKWARD_MIN_BATCH``)."""
     for dtype in ("float32",) if tf32 else planner.KERNEL_DTYPES:
         for cell in CELLS.values():
             if mma or tf32:
@@ -153,9 +154,11 @@ def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = Fal
                 tiles = (planner.cluster_tiles_for if cluster else planner.tiles_for)(cell, dtype)
             for tile in tiles:
                 hidden = planner.tile_max_hidden(cell, tile)
-                for backward in (False, True):
-                    planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
-                                                dtype=dtype)
+                batches = ((False, REPORT_BATCH), (True, REPORT_BATCH))
+                if tf32:
+                    batches += ((True, planner.TF32_BACKWARD_MIN_BATCH - 1),)
+                for backward, batch in batches:
+                    planned = planner.pass_plan(cell, tile, backward, hidden, batch, dtype=dtype)
                     for p in gather_variants(planned, largest_only=largest_gather_only):
                         for arch in archs:
                             if not cluster or _has_clusters(arch):

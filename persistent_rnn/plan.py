@@ -277,9 +277,14 @@ MMA_STACK_BACKWARD_MIN_BATCH = 3
 # 2.65 / 2.82, GRU H 512 2.24 / 2.40, RNN H 1024 2.31 / 2.56) and B = 4 in a cluster (LSTM H 256
 # 1.33 / 1.52, GRU H 128 1.25 / 1.31, RNN H 512 1.35 / 1.43); at B = 2 a cluster's is slower (an
 # n-tile costs its whole chain: LSTM H 256 1.31 / 1.27, GRU H 128 1.21 / 1.10), the grid's within
-# 1-5 % (LSTM H 1024 2.55 / 2.57), inside the model's error: not worth TF32's rounding. The
-# backward is the fp32 one (docs/design.md, "TF32 tiles").
+# 1-5 % (LSTM H 1024 2.55 / 2.57), inside the model's error: not worth TF32's rounding.
 TF32_MIN_BATCH = {"grid": 3, "cluster": 4}
+# The smallest batch whose TF32 tiles run the backward in TF32 too (-D PRNN_MMA=2 on fp32
+# weights: W_hh^T and dgh rounded to TF32, mma_split_tile.cuh), below it the fp32 backward of
+# the same units: the model predicts it faster from B = 4 at every shape sampled (LSTM H 1024
+# 4.18 against 4.29 µs, H 256 1.76 / 1.90, GRU H 256 1.52 / 1.66, RNN H 512 1.40 / 1.52) and
+# slower or within 1-4 % at B = 3 (LSTM H 1024 4.00 / 3.94, H 256 1.76 / 1.79).
+TF32_BACKWARD_MIN_BATCH = 4
 # Below these batches a 16-bit layer's pass runs on the fp32 tile where that fits, its weights
 # widened to fp32 (exactly: ``widened_pass``): per weight the packed pair's unpacking costs an
 # instruction more than an fp32 register, and the tensor cores' n-tile of 8 columns costs its
@@ -365,8 +370,9 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
     if tile.mma and not backward:  # the tensor-core forward (cuda_src/mma_tile.cuh)
         defines["PRNN_MMA"] = 1
-    if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH and KERNEL_DTYPES[dtype]:
-        defines["PRNN_MMA"] = 2  # (mma_split_tile.cuh; a TF32 tile's backward: the fp32 one's)
+    least = MMA_BACKWARD_MIN_BATCH if KERNEL_DTYPES[dtype] else TF32_BACKWARD_MIN_BATCH
+    if tile.mma and backward and batch >= least:  # (mma_split_tile.cuh; 16-bit or TF32)
+        defines["PRNN_MMA"] = 2
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
         defines["PRNN_STAGED_BUFFERS"] = staged_buffers(cell, tile)

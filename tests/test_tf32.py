@@ -5,12 +5,15 @@
   tests/cuda/mma_fragments.cu (dtype 3): random fp32 A, B and C, rounded by the kernel, against
   float64 products of the rounded operands; swapping two lanes' fragments fails it; the source
   compiles to HMMA.1688.F32.TF32.
-* The TF32 forward tiles (``tiles.TF32_TILES``, ``MMA_CLUSTER_TILES`` for fp32 layers; emulated):
-  off by default; with ``allow_tf32`` the forward (y, h_n, c_n) and the fp32 backward through it
-  against the float64 layer within docs/api.md's TF32 bound, bitwise run to run; one step of
-  the Elman RNNs element by element within the documented per-product bound; B = 17 (three
-  n-tiles); a stall restarts bitwise identically. CI: LSTM on the grid, GRU in a cluster, one
-  stall; ``PRNN_TEST_EVERY_KERNEL=1``: every cell on both placements, B 1 to 32, both stalls.
+* The TF32 tiles (``tiles.TF32_TILES``, ``MMA_CLUSTER_TILES`` for fp32 layers; emulated), forward
+  and backward: with ``allow_tf32`` y, h_n, c_n and every gradient against the float64 layer
+  within docs/api.md's TF32 bound, bitwise run to run; a step of the relu RNN forward and back,
+  element by element, within the documented per-product bound and equal to float64 of the
+  TF32-rounded operands up to fp32's sums (an operand left unrounded fails it); B = 17 (three
+  n-tiles); a stall restarts bitwise identically; the planner takes them only where allowed and
+  from ``plan.TF32_MIN_BATCH`` / ``TF32_BACKWARD_MIN_BATCH`` rows.
+  CI: LSTM on the grid, GRU in a cluster, B 17, one stall; ``PRNN_TEST_EVERY_KERNEL=1``: every
+  cell on both placements, B 1 to 32, both stalls, and batch groups against the whole batch.
 """
 from __future__ import annotations
 
@@ -142,9 +145,11 @@ BATCHES = (1, 8, 17, 32) if EVERY_KERNEL else (17,)
 
 @pytest.fixture
 def tf32(settings, fresh_plans, monkeypatch):
-    """TF32 allowed, a generous barrier timeout, and the TF32 tiles taken at every batch."""
+    """TF32 allowed, a generous barrier timeout, and the TF32 tiles (forward and backward) taken
+    at every batch."""
     prnn.configure(emulation_timeout_ms=20_000, allow_tf32=True)
     monkeypatch.setattr(planner, "TF32_MIN_BATCH", {"grid": 1, "cluster": 1})
+    monkeypatch.setattr(planner, "TF32_BACKWARD_MIN_BATCH", 1)
 
 
 def _layers(name: str, hidden: int):
@@ -180,25 +185,21 @@ def _relerr(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def _ran_tf32(layer, cluster: bool) -> None:
-    run = layer.last_run
+def _ran_tf32(run, cluster: bool, backward: bool = False) -> None:
+    """``run`` (a layer's ``last_run`` or a backward's stats) ran the TF32 tile of its pass."""
     assert run.algo == "persistent" and run.emulated and run.fallback is None
-    assert "'PRNN_MMA': 1" in run.details[0] and "PRNN_WEIGHT_DTYPE" not in run.details[0]
+    assert f"'PRNN_MMA': {1 + backward}" in run.details[0], run.details
+    assert "PRNN_WEIGHT_DTYPE" not in run.details[0]
     assert ("PRNN_CLUSTER" in run.details[0]) == cluster, run.details
-
-
-def test_tf32_is_off_by_default(settings, fresh_plans):
-    kern, _ = _layers("lstm", 24)
-    kern.forward(*_data(kern, 2, 4, 0)[:2])
-    assert "PRNN_MMA" not in kern.last_run.details[0]
 
 
 def _check(name: str, hidden: int, batch: int, cluster: bool) -> None:
     kern, ref = _layers(name, hidden)
     data = _data(kern, 4, batch, 3)
     kern.forward(*data[:2])
-    _ran_tf32(kern, cluster)
+    _ran_tf32(kern.last_run, cluster)
     got = _run(kern, data)
+    _ran_tf32(kern.last_run, cluster, backward=True)
     want = _run(ref, _data(kern, 4, batch, 3, np.float64))
     for a, r in zip(got, want):
         assert _relerr(a, r) <= TOLERANCE
@@ -223,7 +224,7 @@ def test_tf32_step_within_the_product_bound(tf32, grid_path, name, batch):
     kern, ref = _layers(name, 40)
     x, h0, _, _ = _data(kern, 1, batch, batch)
     y, _ = kern.forward(x, h0)
-    _ran_tf32(kern, cluster=False)
+    _ran_tf32(kern.last_run, cluster=False)
     y64, _ = ref.forward(x.astype(np.float64), h0.astype(np.float64))
     w = np.abs(kern.params["weight_hh_l0"].astype(np.float64))
     products = np.abs(h0[0].astype(np.float64)) @ w.T
@@ -240,6 +241,32 @@ def test_tf32_step_within_the_product_bound(tf32, grid_path, name, batch):
         assert (np.abs(y[0] - y_rounded[0]) <= fp32_sums).all()
 
 
+@pytest.mark.parametrize("batch", BATCHES)
+def test_tf32_backward_step_within_the_product_bound(tf32, grid_path, batch):
+    # Two steps of the relu RNN back. The kernel's one product: dh_0 = dy_0 + dgh_1 W_hh, with
+    # dgh_t = dh_t relu'(pre_t) from the run's own y; then dhx = dgh_0 W_hh (fp32, after the
+    # kernel). dh_0 within 2^-10 sum_j |dgh_1j W_ji| of float64 (seen through dhx), and equal to
+    # the product of the TF32-rounded operands up to fp32's sums.
+    kern, _ = _layers("rnn_relu", 40)
+    x, h0, dy, dhn = _data(kern, 2, batch, batch)
+    y, _ = kern.forward(x, h0)
+    kern.zero_grad()
+    _, dhx = kern.backward(dy, dhn)
+    _ran_tf32(kern.last_run, cluster=False, backward=True)
+    w32 = kern.params["weight_hh_l0"]
+    w = w32.astype(np.float64)
+    dgh1 = ((dy[1] + dhn[0]) * (y[1] > 0)).astype(np.float32)
+    after = lambda dh0: ((dy[0] + dh0) * (y[0] > 0)) @ w  # noqa: E731  (dhx from dh_0)
+    products = np.abs(dgh1.astype(np.float64)) @ np.abs(w)
+    fp32_sums = 2.0**-20 * ((np.abs(dy[0]) + products) @ np.abs(w) + 1.0)
+    got = dhx[0].astype(np.float64)
+    exact = after(dgh1.astype(np.float64) @ w)
+    assert (np.abs(got - exact) <= 2.0**-10 * products @ np.abs(w) + fp32_sums).all()
+    rounded = after(_round_tf32(dgh1).astype(np.float64) @ _round_tf32(w32).astype(np.float64))
+    assert (np.abs(got - rounded) <= fp32_sums).all()
+    assert not (np.abs(got - exact) <= fp32_sums).all()  # TF32's rounding shows
+
+
 @pytest.mark.parametrize("placement", ["grid", "cluster"] if EVERY_KERNEL else ["grid"])
 def test_tf32_stall_restarts_bitwise_identically(tf32, request, placement):
     cluster = placement == "cluster"
@@ -248,7 +275,7 @@ def test_tf32_stall_restarts_bitwise_identically(tf32, request, placement):
     kern, _ = _layers("lstm", 24)
     x, hx, _, _ = _data(kern, 6, 3, 9)
     clean = kern.forward(x, hx)
-    _ran_tf32(kern, cluster)
+    _ran_tf32(kern.last_run, cluster)
     prnn.configure(emulation_timeout_ms=300)
     with prnn.inject_stall(block=1, step=3, duration_ms=2000):
         stalled = kern.forward(x, hx)
@@ -268,10 +295,39 @@ def test_the_planner_takes_tf32_tiles_only_where_allowed_and_from_their_batches(
             assert not off.tile.mma and "PRNN_MMA" not in off.backward.defines
             assert on.tile.mma == (batch >= least), (hidden, batch)
             assert bool(on.tile.cluster) == (placement == "cluster")
-            # the backward is the fp32 CUDA-core one of the tile's units
-            assert "PRNN_MMA" not in on.backward.defines
+            # the backward in TF32 from its own batch, else the fp32 one of the tile's units
+            tf32_backward = on.tile.mma and batch >= planner.TF32_BACKWARD_MIN_BATCH
+            assert on.backward.defines.get("PRNN_MMA") == (2 if tf32_backward else None)
             assert "PRNN_WEIGHT_DTYPE" not in on.forward.defines
     # 16-bit layers are not affected
     assert planner.make_plan("lstm", 1024, 8, "float16", tf32) == planner.make_plan("lstm", 1024, 8, "float16", h100)
     # GRU H 1024 has no TF32 tile (tiles.TF32_TILES): the fp32 plan
     assert not planner.make_plan("gru", 1024, 8, "float32", tf32).tile.mma
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's (CI: tests/test_mma_groups.py's 16-bit groups)")
+def test_tf32_batch_groups_match_the_whole_batch_bitwise(tf32, grid_path, monkeypatch):
+    # The grid's TF32 tiles group their batch where the whole batch's staged vector does not fit
+    # (LSTM H 1024 from B 16: docs/design.md, "TF32 tiles"), as the 16-bit ones do: here on an
+    # emulated device whose shared memory holds groups of 8 rows only (the fp32 CUDA-core tiles,
+    # which would hold the batch in less, left out), grouped passes equal the whole batch's.
+    from dataclasses import replace
+    from persistent_rnn import runtime
+    from persistent_rnn.cells import CELLS
+    cell, batch = CELLS["lstm"], 16
+    tile = planner.mma_tiles_for(cell, "float32", tf32=True)[0]
+    limit = max(planner.shared_bytes(cell, tile, b, batch, batch_group=8) for b in (False, True))
+    assert planner.shared_bytes(cell, tile, True, batch) > limit
+    kern, _ = _layers("lstm", 40)
+    data = _data(kern, 4, batch, 5)
+    whole = _run(kern, data)
+    _ran_tf32(kern.last_run, cluster=False, backward=True)
+    assert "PRNN_BATCH_GROUP" not in kern.last_run.details[0]
+    monkeypatch.setattr(planner, "tiles_for", lambda *_: ())
+    monkeypatch.setattr(runtime, "EMULATED_DEVICE", replace(
+        runtime.EMULATED_DEVICE, shared_per_block=limit, shared_per_sm=limit))
+    runtime._cached_engine.cache_clear()
+    grouped = _run(kern, data)
+    _ran_tf32(kern.last_run, cluster=False, backward=True)
+    assert "'PRNN_BATCH_GROUP': 8" in kern.last_run.details[0]
+    assert all(np.array_equal(a, b) for a, b in zip(grouped, whole))
