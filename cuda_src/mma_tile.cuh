@@ -22,7 +22,7 @@
 // TF32: the same load serves the block's two k-steps, lane t taking B's k-rows t and t + 4 from
 // columns 4t + 2 sub and 4t + 2 sub + 1 of k-step `sub` (each rounded, cvt.rna), and A's
 // registers the matching weights, rounded once as the tile is loaded.
-// On the grid the odd batch rows load a pair of k-steps in the other order (and select), so that
+// On the grid the odd batch rows load a pair of blocks in the other order (and select), so that
 // no two lanes of a quarter-warp's 16-byte load share a bank.
 // Accumulation: k-steps round-robin into 2 or 4 sets of accumulators (as many dependent HMMA
 // chains per m-tile), added at the end in a fixed order, so results are deterministic.
@@ -65,7 +65,7 @@ PRNN_DEVICE unsigned pack_16bit(float lo, float hi) {
 // (4t .. 4t+3): 16-bit, the block's one k-step as two packed pairs; TF32, k-step sub's two
 // values (columns 4t + 2 sub, +1: B's k-rows t and t + 4), rounded.
 PRNN_DEVICE void b_fragment(const float (&q)[4], int sub, unsigned (&f)[2]) {
-  if (kTf32) {
+  if constexpr (kTf32) {
     f[0] = prnn_tf32_bits(q[2 * sub]);
     f[1] = prnn_tf32_bits(q[2 * sub + 1]);
   } else {

@@ -331,3 +331,43 @@ def test_tf32_batch_groups_match_the_whole_batch_bitwise(tf32, grid_path, monkey
     _ran_tf32(kern.last_run, cluster=False, backward=True)
     assert "'PRNN_BATCH_GROUP': 8" in kern.last_run.details[0]
     assert all(np.array_equal(a, b) for a, b in zip(grouped, whole))
+
+
+def _tf32_step_us(name: str, hidden: int, batch: int, backward: bool, tf32: bool,
+                  monkeypatch) -> float:
+    """The latency model's step (h100, sm_90 SASS; a prediction) of a float32 layer's pass,
+    on the TF32 tiles (at any batch) or the fp32 ones."""
+    from dataclasses import replace
+    from persistent_rnn import latency
+    from persistent_rnn.cells import CELLS
+    pytest.importorskip("persistent_rnn.sass_analysis").nvdisasm() or pytest.skip("no nvdisasm")
+    monkeypatch.setattr(planner, "TF32_MIN_BATCH", {"grid": 1, "cluster": 1})
+    monkeypatch.setattr(planner, "TF32_BACKWARD_MIN_BATCH", 1)
+    device = replace(planner.resolve_device("h100"), allow_tf32=tf32)
+    plan = planner.make_plan(name, hidden, batch, "float32", device)
+    p = plan.backward if backward else plan.forward
+    assert bool(p.defines.get("PRNN_MMA")) == tf32
+    terms = latency.step_terms(latency.pass_sass(p, "sm_90"),
+                               latency.PassShape(CELLS[name], p, batch, hidden), device)
+    return terms.total_us
+
+
+def test_the_model_predicts_tf32_faster_from_its_batches(monkeypatch):
+    # Where plan.TF32_MIN_BATCH and TF32_BACKWARD_MIN_BATCH put the lines (predictions): in a
+    # cluster (LSTM H 256) the TF32 forward slower at B = 2, faster from B = 4 (the same two
+    # kernels at both batches); the full set also the grid (LSTM H 1024 forward at B = 3, the
+    # backward at B = 3 slower and B = 4 faster) and docs/design.md's shapes at B = 8.
+    step = lambda *shape, backward=False, tf32: _tf32_step_us(  # noqa: E731
+        *shape, backward, tf32, monkeypatch)
+    assert planner.TF32_MIN_BATCH == {"grid": 3, "cluster": 4}
+    assert planner.TF32_BACKWARD_MIN_BATCH == 4
+    assert step("lstm", 256, 2, tf32=True) > step("lstm", 256, 2, tf32=False)
+    assert step("lstm", 256, 4, tf32=True) < step("lstm", 256, 4, tf32=False)
+    if EVERY_KERNEL:
+        assert step("lstm", 1024, 3, tf32=True) < step("lstm", 1024, 3, tf32=False)
+        assert step("lstm", 1024, 3, backward=True, tf32=True) \
+            > step("lstm", 1024, 3, backward=True, tf32=False)
+        for shape in (("lstm", 1024, 4), ("lstm", 1024, 8), ("gru", 256, 8), ("rnn_tanh", 1024, 8)):
+            for backward in (False, True):
+                assert step(*shape, backward=backward, tf32=True) \
+                    < step(*shape, backward=backward, tf32=False), (shape, backward)
