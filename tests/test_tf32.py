@@ -11,7 +11,8 @@
   element by element, within the documented per-product bound and equal to float64 of the
   TF32-rounded operands up to fp32's sums (an operand left unrounded fails it); B = 17 (three
   n-tiles); a stall restarts bitwise identically; the planner takes them only where allowed and
-  from ``plan.TF32_MIN_BATCH`` / ``TF32_BACKWARD_MIN_BATCH`` rows.
+  from ``plan.TF32_MIN_BATCH`` / ``TF32_BACKWARD_MIN_BATCH`` rows, where the latency model puts
+  the lines; prnn.torch's modules follow the library's setting, not torch's TF32 flags.
   CI: LSTM on the grid, GRU in a cluster, B 17, one stall; ``PRNN_TEST_EVERY_KERNEL=1``: every
   cell on both placements, B 1 to 32, both stalls, and batch groups against the whole batch.
 """
@@ -371,3 +372,20 @@ def test_the_model_predicts_tf32_faster_from_its_batches(monkeypatch):
             for backward in (False, True):
                 assert step(*shape, backward=backward, tf32=True) \
                     < step(*shape, backward=backward, tf32=False), (shape, backward)
+
+
+def test_torch_modules_follow_the_library_setting_only(tf32, grid_path):
+    # docs/api.md, "TF32": prnn.torch's modules take TF32 from settings.allow_tf32, whatever
+    # torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 say.
+    torch = pytest.importorskip("torch")
+    from persistent_rnn.torch import LSTM
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    module, x = LSTM(5, 40, algo="persistent"), torch.randn(4, 9, 5)
+    try:
+        for library, torch_flag in ((False, True), (True, False)):
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = torch_flag
+            with prnn.override_settings(allow_tf32=library):
+                module(x)
+            assert ("'PRNN_MMA': 1" in module.last_run.details[0]) == library
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
