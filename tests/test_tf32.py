@@ -179,7 +179,8 @@ def _run(layer, data) -> list[np.ndarray]:
     y, hn = layer.forward(x, hx)
     layer.zero_grad()
     dx, dhx = layer.backward(dy, dhn)
-    return [np.asarray(a, np.float64) for a in [y, *flat(hn), dx, *flat(dhx), *layer.grads.values()]]
+    host = lambda a: np.asarray(a.get() if hasattr(a, "get") else a, np.float64)  # noqa: E731 (CuPy)
+    return [host(a) for a in [y, *flat(hn), dx, *flat(dhx), *layer.grads.values()]]
 
 
 def _relerr(a, b) -> float:
@@ -389,3 +390,26 @@ def test_torch_modules_follow_the_library_setting_only(tf32, grid_path):
             assert ("'PRNN_MMA': 1" in module.last_run.details[0]) == library
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,hidden,batch", [("lstm", 1024, 8), ("gru", 256, 8), ("rnn_relu", 512, 4)])
+def test_gpu_tf32_layer_matches_float64(cupy, settings, fresh_plans, name, hidden, batch):
+    # The planned TF32 passes (forward and backward; grid and cluster) on the GPU: the layer and
+    # its gradients against float64 within docs/api.md's TF32 bound, bitwise run to run.
+    prnn.configure(allow_tf32=True)
+    kern, ref = _layers(name, hidden)
+    data = _data(kern, 6, batch, 11)
+    on_gpu = [tuple(cupy.asarray(v) for v in a) if isinstance(a, tuple) else cupy.asarray(a)
+              for a in data]
+    x, hx, dy, dhn = on_gpu
+    kern.forward(x, hx)
+    assert kern.last_run.algo == "persistent" and not kern.last_run.emulated
+    assert "'PRNN_MMA': 1" in kern.last_run.details[0]
+    got = _run(kern, on_gpu)
+    assert "'PRNN_MMA': 2" in kern.last_run.details[0]
+    want = _run(ref, _data(kern, 6, batch, 11, np.float64))
+    for a, r in zip(got, want):
+        assert _relerr(a, r) <= TOLERANCE
+    again = _run(kern, on_gpu)
+    assert all(np.array_equal(a, b) for a, b in zip(got, again))
