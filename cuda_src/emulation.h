@@ -676,7 +676,16 @@ inline unsigned prnn_pack_bf16x2(float lo, float hi) {
   return prnn_bf16_bits(lo) | prnn_bf16_bits(hi) << 16;
 }
 
-// ---- tensor-core mma (hw.cuh's prnn_mma_f16, prnn_mma_bf16) ----------------------------------
+// hw.cuh's cvt.rna.tf32.f32: to nearest, ties away from zero (add half of the 13 dropped bits'
+// unit to the magnitude, carry into the exponent: the largest values round to infinity); a NaN
+// becomes the canonical one.
+inline unsigned prnn_tf32_bits(float v) {
+  const unsigned x = prnn_float_bits(v);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fffffffu;
+  return (x + 0x1000u) & 0xffffe000u;
+}
+
+// ---- tensor-core mma (hw.cuh's prnn_mma_f16, prnn_mma_bf16, prnn_mma_tf32) ----------------------------------
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 as a warp collective, with the
 // fragment layouts of the PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"
 // (docs.nvidia.com/cuda/parallel-thread-execution/#warp-level-matrix-fragment-mma-16816-float).
@@ -708,6 +717,23 @@ inline float fragment_half(unsigned word, int half) {
   return half == 0 ? lo : hi;
 }
 
+// This lane's four elements of D = A B + C (K columns of A), summed in the order above.
+template <int kK>
+inline void mma_sum(float (&d)[4], const float (&ma)[kMmaM][kK], const float (&mb)[kK][kMmaN],
+                    const float (&c)[4]) {
+  const int lane = (int)(threadIdx.x % kWarp), g = lane / 4, t = lane % 4;
+  float sum[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    sum[i] = c[i];
+    for (int k = 0; k < kK; ++k) {
+      const float product = ma[row][k] * mb[k][col];
+      sum[i] += product;
+    }
+  }
+  for (int i = 0; i < 4; ++i) d[i] = sum[i];  // (d may be c)
+}
+
 template <void (*Unpack)(unsigned, float&, float&)>
 inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                          const float (&c)[4]) {
@@ -727,17 +753,32 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (
       mb[2 * t + i % 2 + 8 * (i / 2)][g] = v;
     }
   }
-  const int lane = (int)(threadIdx.x % kWarp), g = lane / 4, t = lane % 4;
-  float sum[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
-    sum[i] = c[i];
-    for (int k = 0; k < kMmaK; ++k) {
-      const float product = ma[row][k] * mb[k][col];
-      sum[i] += product;
-    }
+  mma_sum(d, ma, mb, c);
+}
+
+// v's TF32 value as an mma operand: its low 13 bits dropped (the kernels pass prnn_tf32_bits'
+// values, whose low bits are zero; the hardware's use of other bits is not documented).
+inline float tf32_operand(unsigned word) { return prnn_bits_float(word & 0xffffe000u); }
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 with the PTX ISA's layout, "Matrix Fragments
+// for mma.m16n8k8" (.tf32; docs.nvidia.com/cuda/parallel-thread-execution/
+// #warp-level-matrix-fragment-mma-1688): one element per register,
+//   A (16 x 8, .row), a0..a3: row g + 8 * (i % 2), column t + 4 * (i / 2)
+//   B (8 x 8, .col),  b0, b1: row t + 4 * i,       column g
+//   C, D: as m16n8k16's. Products of two 11-bit significands are exact in fp32; the same k-sum.
+inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                             const float (&c)[4]) {
+  require_whole_warp();
+  const unsigned mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const unsigned* warp = warp_collective(mine, 6);
+  float ma[kMmaM][kMmaK / 2], mb[kMmaK / 2][kMmaN];
+  for (int lane = 0; lane < kWarp; ++lane) {
+    const unsigned* regs = warp + lane * kSlotWords;
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) ma[g + 8 * (i % 2)][t + 4 * (i / 2)] = tf32_operand(regs[i]);
+    for (int i = 0; i < 2; ++i) mb[t + 4 * i][g] = tf32_operand(regs[4 + i]);
   }
-  for (int i = 0; i < 4; ++i) d[i] = sum[i];  // (d may be c)
+  mma_sum(d, ma, mb, c);
 }
 }  // namespace prnn_emu
 
@@ -748,6 +789,10 @@ inline void prnn_mma_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (
 inline void prnn_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                           const float (&c)[4]) {
   prnn_emu::mma_m16n8k16<prnn_bf16x2_to_float>(d, a, b, c);
+}
+inline void prnn_mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                          const float (&c)[4]) {
+  prnn_emu::mma_m16n8k8_tf32(d, a, b, c);
 }
 
 // The GPU's rcp.approx and ex2.approx (hw.cuh) are within 1 and 2 + 1.173|x| ulp of these.

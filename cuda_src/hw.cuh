@@ -204,6 +204,27 @@ PRNN_DEVICE void prnn_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsi
   PRNN_MMA_M16N8K16("bf16");
 }
 #undef PRNN_MMA_M16N8K16
+// v rounded to TF32 (10-bit mantissa, fp32's exponent) to nearest, ties away from zero, as the
+// bits of an fp32 value whose low 13 bits are zero: cvt.rna.tf32.f32, the conversion the PTX ISA
+// gives for an mma's .tf32 operands (what the tensor cores do with an operand's unrounded low
+// bits is not documented; the CUDA Programming Guide asks for converted inputs).
+PRNN_DEVICE unsigned prnn_tf32_bits(float v) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+// d = A B + c, A 16 x 8 and B 8 x 8 in TF32 (one value per word, prnn_tf32_bits), c and d 16 x 8
+// in fp32: one mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (HMMA.1688.F32.TF32). A warp
+// collective, the PTX ISA's layout ("Matrix Fragments for mma.m16n8k8", .tf32; emulation.h spells
+// it out): `a` 4 elements of A, `b` 2 of B, `c` and `d` 4 of C and D as for m16n8k16.
+PRNN_DEVICE void prnn_mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                               const float (&c)[4]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),
+                 "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
 // Four 8 x 8 matrices of 16-bit values from shared memory, a fragment of each per lane:
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16, a warp collective. Lane l passes the start of row
 // l % 8 of matrix l / 8 (8 values, 16 bytes, 16-byte aligned) and gets in r[j] the word of

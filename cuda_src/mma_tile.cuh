@@ -1,15 +1,17 @@
 // mma_tile.cuh - the forward's matrix product on the tensor cores (issue 28): a 16-bit W_hh slice
-// held in registers as A fragments of mma.sync.m16n8k16 (fp32 accumulation) for the whole launch.
+// held in registers as A fragments of mma.sync.m16n8k16 (fp32 accumulation) for the whole launch,
+// or an fp32 one rounded to TF32 as A fragments of mma.sync.m16n8k8 (settings.allow_tf32).
 //
-// -D PRNN_MMA=1 (a 16-bit layer forward, plan.py) makes it persistent_common.cuh's RegisterTile
-// (-D PRNN_MMA=2: the backward's, mma_split_tile.cuh);
+// -D PRNN_MMA=1 (a 16-bit layer forward, or an fp32 one in TF32: no PRNN_WEIGHT_DTYPE; plan.py)
+// makes it persistent_common.cuh's RegisterTile (-D PRNN_MMA=2: the backward's, mma_split_tile.cuh);
 // the kernel's code is unchanged: it loads the tile with the same rows and column chunk, and
 // multiply_rows / multiply_exchanged below (picked by overload) leave the same partial sums
 // part_s[(b * ksplit + chunk) * local_rows + row] as the CUDA-core tile's reduce-scatter does.
 //
 // Shape (docs/design.md, "Tensor-core tiles"): warp w holds PRNN_ROWS local rows (row group
 // w / PRNN_KSPLIT, in 16-row m-tiles) over column chunk w % PRNN_KSPLIT of 32 * PRNN_KPT columns
-// (2 * PRNN_KPT 16-column k-steps): the CUDA-core tile's shape, ROWS * KPT weights per lane.
+// (2 * PRNN_KPT 16-column blocks: a 16-bit k-step each, two TF32 k-steps of 8 columns): the
+// CUDA-core tile's shape, ROWS * KPT weights per lane (16-bit: two a register, TF32: one).
 // The batch is the mma's N: n-tiles of 8 batch rows, a run-time loop (B = 1..8: one n-tile).
 //
 // k order: the mma sums over k, so any permutation of a k-step's 16 columns applied to both A and
@@ -17,23 +19,33 @@
 // 8+2t+1 from columns 4t .. 4t+3 of the k-step: one 16-byte shared load of the staged fp32
 // vector, packed to two 16-bit pairs (F2FP; exact: h is a 16-bit value), instead of four 4-byte
 // loads; its A registers hold the matching weight words (pairs 2t and 2t+1 of the k-step's 8).
-// On the grid the odd batch rows load a pair of k-steps in the other order (and select), so that
+// TF32: the same load serves the block's two k-steps, lane t taking B's k-rows t and t + 4 from
+// columns 4t + 2 sub and 4t + 2 sub + 1 of k-step `sub` (each rounded, cvt.rna), and A's
+// registers the matching weights, rounded once as the tile is loaded.
+// On the grid the odd batch rows load a pair of blocks in the other order (and select), so that
 // no two lanes of a quarter-warp's 16-byte load share a bank.
 // Accumulation: k-steps round-robin into 2 or 4 sets of accumulators (as many dependent HMMA
 // chains per m-tile), added at the end in a fixed order, so results are deterministic.
 #pragma once
 #include "exchange.cuh"
 
-#if !defined(PRNN_WEIGHT_DTYPE) || (PRNN_WEIGHT_DTYPE != 1 && PRNN_WEIGHT_DTYPE != 2)
-#error "PRNN_MMA needs 16-bit weights (-D PRNN_WEIGHT_DTYPE=1 or 2)"
+#ifndef PRNN_WEIGHT_DTYPE
+#define PRNN_WEIGHT_DTYPE 0
 #endif
 
 namespace prnn {
 
-// d = A B + c in the layer's 16-bit type.
-PRNN_DEVICE void mma_16bit(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+// Whether the tile is TF32's (fp32 weights): k-steps of 8 columns, one value a register.
+constexpr bool kTf32 = PRNN_WEIGHT_DTYPE == 0;
+constexpr int kStepsPerBlock = kTf32 ? 2 : 1;  // k-steps per 16-column block
+constexpr int kColumnsPerWord = kTf32 ? 1 : 2;
+
+// d = A B + c in the layer's tensor-core type (fp16, bf16: m16n8k16; TF32: m16n8k8).
+PRNN_DEVICE void mma_typed(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                            const float (&c)[4]) {
-#if PRNN_WEIGHT_DTYPE == 2
+#if PRNN_WEIGHT_DTYPE == 0
+  prnn_mma_tf32(d, a, b, c);
+#elif PRNN_WEIGHT_DTYPE == 2
   prnn_mma_bf16(d, a, b, c);
 #else
   prnn_mma_f16(d, a, b, c);
@@ -49,6 +61,23 @@ PRNN_DEVICE unsigned pack_16bit(float lo, float hi) {
 #endif
 }
 
+// B's registers of k-step `sub` of a 16-column block from the lane's quad q of its columns
+// (4t .. 4t+3): 16-bit, the block's one k-step as two packed pairs; TF32, k-step sub's two
+// values (columns 4t + 2 sub, +1: B's k-rows t and t + 4), rounded.
+PRNN_DEVICE void b_fragment(const float (&q)[4], int sub, unsigned (&f)[2]) {
+  if constexpr (kTf32) {
+    f[0] = prnn_tf32_bits(q[2 * sub]);
+    f[1] = prnn_tf32_bits(q[2 * sub + 1]);
+  } else {
+    f[0] = pack_16bit(q[0], q[1]);
+    f[1] = pack_16bit(q[2], q[3]);
+  }
+}
+
+// A weight word as an A register: a 16-bit pair as it is, an fp32 value rounded to TF32.
+PRNN_DEVICE unsigned a_word(unsigned w) { return w; }
+PRNN_DEVICE unsigned a_word(float w) { return prnn_tf32_bits(w); }
+
 // rows[base + g] for the lane's g = lane / 4 (-1 past kRows), chosen by compile-time indices: a
 // run-time index would put `rows` in local memory. `base` is a compile-time value once unrolled.
 template <int kRows>
@@ -63,8 +92,9 @@ PRNN_DEVICE int lane_row(const int (&rows)[kRows], int base, int g) {
 
 // Word k of row `row` of a matrix of row_words words a row, or 0 (a padding row: -1; a column
 // past the matrix).
-PRNN_DEVICE unsigned row_word(const unsigned* m, int row, int k, int row_words) {
-  return row >= 0 && k < row_words ? m[(size_t)row * row_words + k] : 0u;
+template <class Word>
+PRNN_DEVICE Word row_word(const Word* m, int row, int k, int row_words) {
+  return row >= 0 && k < row_words ? m[(size_t)row * row_words + k] : Word(0);
 }
 
 // An mma product over kKSteps k-steps: step(s, acc) issues k-step s's HMMAs into the kSets
@@ -98,7 +128,8 @@ template <int kRows = PRNN_ROWS, int kKpt = PRNN_KPT>
 struct MmaTileOf {
   static constexpr int kLanes = 32;
   static constexpr int kMTiles = kRows / 16;
-  static constexpr int kKSteps = 2 * kKpt;
+  static constexpr int kBlocks = 2 * kKpt;  // 16-column blocks: one 16-byte B load each
+  static constexpr int kKSteps = kBlocks * kStepsPerBlock;
   static constexpr int kChunk = kLanes * kKpt;  // columns per warp
   static constexpr int kRowCount = kRows;
   // Accumulator sets: k-step s adds into set s % kSets, so an m-tile's HMMAs form kSets
@@ -107,12 +138,14 @@ struct MmaTileOf {
   static_assert(kRows % 16 == 0, "an mma tile's warp holds whole 16-row m-tiles");
   unsigned a[kMTiles][kKSteps][4];  // A fragments: a[m][s][j], the PTX ISA's register j
 
-  // rows[r]: row of M (words of two 16-bit columns, rows padded to an even length) for the warp's
-  // r-th row, or -1 (zeros); col0: the warp's first column; k_len: M's columns. Register j of
-  // (m, s): row 16m + g + 8 (j % 2), word pair 2t + j / 2 of k-step s (the k order above).
-  PRNN_DEVICE void load(const unsigned* m, const int (&rows)[kRows], int col0, int k_len,
-                        int lane) {
-    const int row_words = (k_len + 1) / 2, g = lane / 4, t = lane % 4;
+  // rows[r]: row of M (16-bit: words of two columns, rows padded to an even length; TF32: fp32
+  // values) for the warp's r-th row, or -1 (zeros); col0: the warp's first column; k_len: M's
+  // columns. Register j of (m, s): row 16m + g + 8 (j % 2), column pair 2t + j / 2 of 16-bit
+  // k-step s; TF32 column 4t + 2 sub + j / 2 of block s / 2, sub = s % 2 (the k order above).
+  template <class Word>
+  PRNN_DEVICE void load(const Word* m, const int (&rows)[kRows], int col0, int k_len, int lane) {
+    const int row_words = (k_len + kColumnsPerWord - 1) / kColumnsPerWord, g = lane / 4, t = lane % 4;
+    constexpr int kBlockWords = 16 / kColumnsPerWord, kLaneWords = 4 / kColumnsPerWord;
     // rows[16m + g + 8h] by compile-time indices (a run-time index would put `rows` in local memory)
     int held[kMTiles][2];  // rows g and g + 8 of each m-tile
 #pragma unroll
@@ -126,7 +159,9 @@ struct MmaTileOf {
       for (int s = 0; s < kKSteps; ++s) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          a[mt][s][j] = row_word(m, held[mt][j % 2], col0 / 2 + 8 * s + 2 * t + j / 2, row_words);
+          const int k = col0 / kColumnsPerWord + s / kStepsPerBlock * kBlockWords + kLaneWords * t
+                        + 2 * (s % kStepsPerBlock) + j / 2;
+          a[mt][s][j] = a_word(row_word(m, held[mt][j % 2], k, row_words));
         }
       }
     }
@@ -141,7 +176,7 @@ struct MmaTileOf {
       unsigned b[2];
       fragment(s, b);
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) mma_16bit(acc[s % kSets][mt], a[mt][s], b, acc[s % kSets][mt]);
+      for (int mt = 0; mt < kMTiles; ++mt) mma_typed(acc[s % kSets][mt], a[mt][s], b, acc[s % kSets][mt]);
     }, d);
   }
 
@@ -179,30 +214,36 @@ PRNN_DEVICE void multiply_rows(const MmaTileOf<kRows, kKpt>& tile, const float* 
     const int b = n0 + g < batch ? n0 + g : batch - 1;
     const float* x = v_s + b * padded + chunk * Tile::kChunk + 4 * t;
     float d[Tile::kMTiles][4];
-    unsigned held[2];  // the odd k-step's B words, loaded with the even one's
+    constexpr int kPair = 2 * kStepsPerBlock;  // the k-steps of two blocks, loaded together
+    unsigned held[kPair][2];
     tile.multiply([x, odd, &held](int s, unsigned (&f)[2]) {
-      if (s % 2 == 1) {
-        f[0] = held[0];
-        f[1] = held[1];
-        return;
-      }
-      // k-steps s and s+1 by two loads, each taking one k-step in the even batch rows (g) and
-      // the other in the odd ones: the two rows of a quarter-warp then read different banks
-      // (rows are a multiple of 32 words apart).
-      float q[2][4];
-      prnn_load_shared_quad(x + 16 * (s + odd), q[0]);
-      prnn_load_shared_quad(x + 16 * (s + 1 - odd), q[1]);
-      unsigned w[2][2];
+      if (s % kPair == 0) {
+        // blocks c and c+1 by two loads, each taking one block in the even batch rows (g) and
+        // the other in the odd ones: the two rows of a quarter-warp then read different banks
+        // (rows are a multiple of 32 words apart).
+        const int c = s / kStepsPerBlock;
+        float q[2][4];
+        prnn_load_shared_quad(x + 16 * (c + odd), q[0]);
+        prnn_load_shared_quad(x + 16 * (c + 1 - odd), q[1]);
+        unsigned w[2][kStepsPerBlock][2];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        w[i][0] = pack_16bit(q[i][0], q[i][1]);
-        w[i][1] = pack_16bit(q[i][2], q[i][3]);
-      }
+        for (int i = 0; i < 2; ++i) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        f[j] = odd ? w[1][j] : w[0][j];
-        held[j] = odd ? w[0][j] : w[1][j];
+          for (int sub = 0; sub < kStepsPerBlock; ++sub) b_fragment(q[i], sub, w[i][sub]);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+          for (int sub = 0; sub < kStepsPerBlock; ++sub) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              held[i * kStepsPerBlock + sub][j] = odd ? w[1 - i][sub][j] : w[i][sub][j];
+            }
+          }
+        }
       }
+      f[0] = held[s % kPair][0];
+      f[1] = held[s % kPair][1];
     }, d);
     Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
   }
@@ -243,10 +284,10 @@ PRNN_DEVICE bool wait_mma_quads(const ExchangeOf<Padded>& xch, int s, int b, int
 }
 
 // A cluster mma tile's step over the exchange, per n-tile of 8 batch rows: each lane waits for
-// its kKSteps quads of step s (from column kChunk x its warp's chunk) in the cluster's copy of
+// its kQuads quads of step s (from column kChunk x its warp's chunk) in the cluster's copy of
 // the exchange (wait_mma_quads) and hands them to multiply(n0, w); returns whether this
 // thread's wait failed (the caller's barrier votes).
-template <int kKSteps, int kChunk, int Padded, class Multiply>
+template <int kQuads, int kChunk, int Padded, class Multiply>
 PRNN_DEVICE int for_exchanged_ntiles(const ExchangeOf<Padded>& xch, int s, int batch,
                                      PrnnControl* ctl, unsigned long long timeout_ns, int ksplit,
                                      Multiply multiply) {
@@ -256,7 +297,7 @@ PRNN_DEVICE int for_exchanged_ntiles(const ExchangeOf<Padded>& xch, int s, int b
 #pragma unroll 1
   for (int n0 = 0; n0 < batch; n0 += 8) {
     const int b = n0 + g < batch ? n0 + g : batch - 1;
-    unsigned w[kKSteps][4];  // after a failure: any values (the step is discarded)
+    unsigned w[kQuads][4];  // after a failure: any values (the step is discarded)
     failed |= !wait_mma_quads(xch, s, b, chunk * kChunk + 4 * t, w, failed, ctl, timeout_ns);
     multiply(n0, w);
   }
@@ -273,12 +314,14 @@ PRNN_DEVICE int multiply_exchanged(const MmaTileOf<kRows, kKpt>& tile, const Exc
                                    int ksplit = PRNN_KSPLIT) {
   using Tile = MmaTileOf<kRows, kKpt>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = warp % ksplit;
-  return for_exchanged_ntiles<Tile::kKSteps, Tile::kChunk>(
-      xch, s, batch, ctl, timeout_ns, ksplit, [&](int n0, const unsigned (&w)[Tile::kKSteps][4]) {
+  return for_exchanged_ntiles<Tile::kBlocks, Tile::kChunk>(
+      xch, s, batch, ctl, timeout_ns, ksplit, [&](int n0, const unsigned (&w)[Tile::kBlocks][4]) {
         float d[Tile::kMTiles][4];
         tile.multiply([&w](int k, unsigned (&f)[2]) {
-          f[0] = pack_16bit(prnn_value_of(w[k][0]), prnn_value_of(w[k][1]));
-          f[1] = pack_16bit(prnn_value_of(w[k][2]), prnn_value_of(w[k][3]));
+          const unsigned (&quad)[4] = w[k / kStepsPerBlock];
+          const float q[4] = {prnn_value_of(quad[0]), prnn_value_of(quad[1]),
+                              prnn_value_of(quad[2]), prnn_value_of(quad[3])};
+          b_fragment(q, k % kStepsPerBlock, f);
         }, d);
         Tile::store(d, part_s, n0, batch, warp / ksplit * kRows, chunk, ksplit, local_rows, lane);
       });

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the layer does not fit, every tile tried and why")
     pl.add_argument("--decoder", action="store_true",
                     help="also predict a resident decoder's step and the fused step (float32)")
+    pl.add_argument("--tf32", action="store_true",
+                    help="plan as with settings.allow_tf32 (float32: the TF32 tensor-core tiles "
+                         "where predicted faster)")
     d = sub.add_parser("demo", help="forward/backward of every cell (NumPy); without a GPU, "
                                     "predicted persistent step times beside recorded cuDNN ones")
     d.add_argument("--out", type=Path, default=Path("out"), help="where the plot goes (default out)")
@@ -175,10 +178,12 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``prnn plan``: the planner's placement and the latency model's prediction (exit 1: no fit)."""
-    from . import latency
+    from . import latency, plan
     try:
+        device = replace(plan.resolve_device(args.device), allow_tf32=True) if args.tf32 \
+            else args.device
         record = latency.plan_report(args.cell, args.hidden, args.batch, args.layers, args.dtype,
-                                     args.device, args.proj_size)
+                                     device, args.proj_size)
     except ValueError as exc:
         return _error("plan", str(exc))
     if not record["fits"]:
@@ -268,9 +273,10 @@ def _print_decoder(d: dict) -> None:
 def _tensor_cores(record: dict) -> str:
     """What of a plan record (a layer's tile, or the stack-mode record) runs on the tensor
     cores, as a clause of ``prnn plan``'s line ("" for none)."""
-    if record.get("tensor_cores_backward"):
-        return ", forward and backward on the tensor cores (mma.m16n8k16)"
-    return ", forward on the tensor cores (mma.m16n8k16)" if record.get("tensor_cores") else ""
+    passes = "forward and backward" if record.get("tensor_cores_backward") else "forward"
+    if record.get("tf32"):
+        return f", {passes} on the tensor cores in TF32 (mma.m16n8k8)"
+    return f", {passes} on the tensor cores (mma.m16n8k16)" if record.get("tensor_cores") else ""
 
 
 def _plan_not_fit(args: argparse.Namespace, record: dict) -> int:

@@ -56,7 +56,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -122,7 +122,8 @@ def plan(cell: CellSpec, hidden: int, batch: int, device: hardware.DeviceProfile
     x staged, the partial sums, the CTA's rows of gi, CONTROL_WORDS - must fit one block; the
     resident kernel's CTA adds its rows of W_ih where they fit too (``w_ih_held``)."""
     inputs = hidden if input_size is None else input_size
-    layer_plan = planner.make_plan(cell, hidden, batch, "float32", device)
+    # (fp32 tiles only: the resident kernel has no TF32 tile, whatever settings.allow_tf32 says)
+    layer_plan = planner.make_plan(cell, hidden, batch, "float32", replace(device, allow_tf32=False))
     if not layer_plan.fits:
         return None, f"the layer's persistent kernel does not fit: {layer_plan.reason}"
     fwd = layer_plan.forward

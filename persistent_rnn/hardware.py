@@ -50,6 +50,9 @@ class DeviceProfile:
     # 8 is CUDA's portable maximum; Hopper runs 16 once a kernel allows a non-portable size
     # (kernels.py sets the attribute; the runtime re-plans at 8 where a 16-CTA cluster does not fit).
     max_cluster_ctas: int = PORTABLE_CLUSTER_CTAS
+    # Whether a float32 layer may run on the TF32 tensor-core tiles (settings.allow_tf32, applied
+    # by runtime.planning_device; a profile's field so that every plan cache keys on it).
+    allow_tf32: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -107,6 +110,12 @@ SHUFFLE_LATENCY = 24           # shfl.sync
 HMMA_INTERVAL = 4              # cycles between HMMA.16816 of one sub-partition's tensor core
 HMMA_LATENCY = 33              # dependent HMMA.16816.F32 (accumulator to accumulator)
 MMA_FMA = 16 * 8 * 16          # FMA of one m16n8k16
+# TF32 (the TF32 tiles' HMMA.1688.F32.TF32: mma.sync.m16n8k8 .tf32): the same whitepaper gives
+# dense TF32 at half the fp16 rate, 494.7 against 989.4 TFLOPS, so 256 FMA per cycle per
+# sub-partition and a 16x8x8 mma (1024 FMA) every 4 cycles: the same interval per instruction
+# for half the k. Its latency is taken as the m16n8k16's (our sources give no Hopper TF32 figure).
+HMMA_TF32_INTERVAL = 4         # cycles between HMMA.1688.F32.TF32 of one sub-partition
+MMA_TF32_FMA = 16 * 8 * 8      # FMA of one m16n8k8
 SHARED_BYTES_PER_CYCLE = 128   # shared memory bandwidth per SM: 32 banks x 4 bytes (CUDA Guide)
 # Wavefronts of an mma tile's 16-byte B load per conflict-free one: the grid's are conflict-free (a
 # quarter-warp's two batch rows read a pair of k-steps in opposite orders), a cluster's words are

@@ -110,7 +110,7 @@ def group(record: dict) -> tuple:
     projection the backward holding the most weights, ptxas' register edge)."""
     if record["family"] in ("mma projection", "mma stack"):
         return record["family"], "all", "16-bit", "both", record["arch"]
-    if record["family"].startswith(("mma", "widened")):
+    if record["family"].startswith(("mma", "widened", "tf32")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
     # fp16 and bf16 tiles hold the same words per register and differ in the conversions' few
     # instructions: one group (its edges the fp16 tiles', first in the jobs' order)
@@ -137,23 +137,28 @@ def _has_clusters(arch: str) -> bool:
     return int(arch.removeprefix("sm_")) >= 90
 
 
-def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = False):
+def _layer_jobs(archs, largest_gather_only: bool, cluster: bool, mma: bool = False,
+                tf32: bool = False):
     """The layer kernels (``persistent_forward.cu``, ``persistent_backward.cu``): the grid tiles
     on every arch with every gather size (``gather_variants``), or the cluster tiles on the
     archs with clusters (sm_90 and newer). ``mma``: the tensor-core tiles instead (forward
     ``mma_tile.cuh``, backward ``mma_split_tile.cuh`` as planned at ``REPORT_BATCH``, from
-    ``plan.MMA_BACKWARD_MIN_BATCH`` rows; below it the CUDA-core 16-bit backward, not listed)."""
-    for dtype in planner.KERNEL_DTYPES:
+    ``plan.MMA_BACKWARD_MIN_BATCH`` rows; below it the CUDA-core 16-bit backward, not listed).
+    ``tf32``: float32's TF32 tiles instead (the forward; the backward in TF32 as planned at
+    ``REPORT_BATCH`` and the fp32 one below ``plan.TF32_BACKWARD_MIN_BATCH``)."""
+    for dtype in ("float32",) if tf32 else planner.KERNEL_DTYPES:
         for cell in CELLS.values():
-            if mma:
-                tiles = planner.mma_tiles_for(cell, dtype, cluster=cluster)
+            if mma or tf32:
+                tiles = planner.mma_tiles_for(cell, dtype, cluster, tf32)
             else:
                 tiles = (planner.cluster_tiles_for if cluster else planner.tiles_for)(cell, dtype)
             for tile in tiles:
                 hidden = planner.tile_max_hidden(cell, tile)
-                for backward in (False, True):
-                    planned = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH,
-                                                dtype=dtype)
+                batches = ((False, REPORT_BATCH), (True, REPORT_BATCH))
+                if tf32:
+                    batches += ((True, planner.TF32_BACKWARD_MIN_BATCH - 1),)
+                for backward, batch in batches:
+                    planned = planner.pass_plan(cell, tile, backward, hidden, batch, dtype=dtype)
                     for p in gather_variants(planned, largest_only=largest_gather_only):
                         for arch in archs:
                             if not cluster or _has_clusters(arch):
@@ -237,6 +242,8 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "cluster": KernelFamily(partial(_layer_jobs, cluster=True)),
     "mma grid": KernelFamily(partial(_layer_jobs, cluster=False, mma=True)),
     "mma cluster": KernelFamily(partial(_layer_jobs, cluster=True, mma=True)),
+    "tf32 grid": KernelFamily(partial(_layer_jobs, cluster=False, tf32=True)),
+    "tf32 cluster": KernelFamily(partial(_layer_jobs, cluster=True, tf32=True)),
     # (the grid mma tiles in batch groups: the full set, not the CI's)
     "mma groups": KernelFamily(_grouped_jobs, in_ci=False),
     # (the fp32 tiles' forwards with one rounding more: the full set, not the CI's)

@@ -404,10 +404,16 @@ def row_chain(step: StepLoop) -> float:
                for h in step.loop.inner if step.kinds[h] in ("matrix", "levels"))
 
 
+def hmma_interval(op: str) -> int:
+    """Cycles of a sub-partition's tensor core per HMMA ``op``: m16n8k16 (fp16, bf16) or
+    m16n8k8 .TF32 (hardware.py has the figures and their source)."""
+    return hw.HMMA_TF32_INTERVAL if ".TF32" in op else hw.HMMA_INTERVAL
+
+
 def mma_tile_cycles(step: StepLoop, head: int) -> float:
     """Cycles of one n-tile of an mma tile's product (the loop ``head``), the largest of: the
     busiest scheduler's issue (its warps' instructions), its tensor core (their HMMAs, one per
-    ``HMMA_INTERVAL``), the SM's shared memory (every warp's 16-byte B loads, ``MMA_B_LOAD_CONFLICT``
+    ``hmma_interval``), the SM's shared memory (every warp's 16-byte B loads, ``MMA_B_LOAD_CONFLICT``
     of the placement times the 4 wavefronts of a conflict-free one) and the dependent chain (HMMA latency along an
     accumulator set)."""
     loop, warps = step.loop, step.shape.warps
@@ -415,13 +421,14 @@ def mma_tile_cycles(step: StepLoop, head: int) -> float:
     body = loop.inner[head] - step.in_groups()
     per_trip = {i: step.weight[i] / step.runs(head) for i in body}
     ops = {i: loop.code[i][0] for i in body}
-    hmma = sum(w for i, w in per_trip.items() if opcode_base(ops[i]) == "HMMA")
+    hmma = sum(w * hmma_interval(ops[i]) for i, w in per_trip.items()
+               if opcode_base(ops[i]) == "HMMA")
     quads = sum(w for i, w in per_trip.items()
                 if opcode_base(ops[i]) in ("LDS", "LD") and ops[i].endswith(".128"))
     conflict = hw.MMA_B_LOAD_CONFLICT[exchange_kind(step)]
     wavefronts = warps * quads * 4 * conflict  # 512 bytes a warp: 4 at best
     return max(sharing * sum(per_trip.values()) / hw.ISSUE_PER_CYCLE,
-               sharing * hmma * hw.HMMA_INTERVAL,
+               sharing * hmma,
                wavefronts * 128 / hw.SHARED_BYTES_PER_CYCLE, step.chain(head))
 
 
@@ -871,6 +878,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
                       "placement": "cluster" if cluster else "grid",
                       "tensor_cores": getattr(plan.tile, "mma", False),
                       "tensor_cores_backward": plan.backward.defines.get("PRNN_MMA") == 2,
+                      # W_hh in TF32 (settings.allow_tf32): a float32 layer's mma forward
+                      "tf32": getattr(plan.tile, "mma", False) and dtype == "float32",
                       # the passes of a 16-bit layer on the fp32 tile (plan.widened_pass)
                       "widened": [name for name, p in (("forward", plan.forward),
                                                        ("backward", plan.backward))

@@ -271,6 +271,20 @@ MMA_BACKWARD_MIN_BATCH = 4
 # 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 633, 4-layer RNN H 512 624 / 638) and
 # about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
 MMA_STACK_BACKWARD_MIN_BATCH = 3
+# The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
+# ``MMA_CLUSTER_TILES``) where settings.allow_tf32, by placement. The latency model (h100)
+# predicts their forward faster from B = 3 on the grid (LSTM H 512 2.27 against 2.42 µs, H 1024
+# 2.65 / 2.82, GRU H 512 2.24 / 2.40, RNN H 1024 2.31 / 2.56) and B = 4 in a cluster (LSTM H 256
+# 1.33 / 1.52, GRU H 128 1.25 / 1.31, RNN H 512 1.35 / 1.43); at B = 2 a cluster's is slower (an
+# n-tile costs its whole chain: LSTM H 256 1.31 / 1.27, GRU H 128 1.21 / 1.10), the grid's within
+# 1-5 % (LSTM H 1024 2.55 / 2.57), inside the model's error: not worth TF32's rounding.
+TF32_MIN_BATCH = {"grid": 3, "cluster": 4}
+# The smallest batch whose TF32 tiles run the backward in TF32 too (-D PRNN_MMA=2 on fp32
+# weights: W_hh^T and dgh rounded to TF32, mma_split_tile.cuh), below it the fp32 backward of
+# the same units: the model predicts it faster from B = 4 at every shape sampled (LSTM H 1024
+# 4.18 against 4.29 µs, H 256 1.76 / 1.90, GRU H 256 1.52 / 1.66, RNN H 512 1.40 / 1.52) and
+# slower or within 1-4 % at B = 3 (LSTM H 1024 4.00 / 3.94, H 256 1.76 / 1.79).
+TF32_BACKWARD_MIN_BATCH = 4
 # Below these batches a 16-bit layer's pass runs on the fp32 tile where that fits, its weights
 # widened to fp32 (exactly: ``widened_pass``): per weight the packed pair's unpacking costs an
 # instruction more than an fp32 register, and the tensor cores' n-tile of 8 columns costs its
@@ -356,7 +370,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         defines["PRNN_WEIGHT_DTYPE"] = KERNEL_DTYPES[dtype]
     if tile.mma and not backward:  # the tensor-core forward (cuda_src/mma_tile.cuh)
         defines["PRNN_MMA"] = 1
-    if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH:  # (mma_split_tile.cuh)
+    least = MMA_BACKWARD_MIN_BATCH if KERNEL_DTYPES[dtype] else TF32_BACKWARD_MIN_BATCH
+    if tile.mma and backward and batch >= least:  # (mma_split_tile.cuh; 16-bit or TF32)
         defines["PRNN_MMA"] = 2
     if not backward:
         defines["PRNN_WARP_TEAMS"] = int(warp_teams(cell, pt))
@@ -536,10 +551,9 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     if proj_size:
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried: list[tuple[object, int, str]] = []
-    mma = batch >= MMA_MIN_BATCH
-    candidates = ((mma_tiles_for(cell, dtype, cluster=True) if mma else ())
-                  + cluster_tiles_for(cell, dtype) if has_clusters(dev) else ())
-    candidates += (mma_tiles_for(cell, dtype) if mma else ()) + tiles_for(cell, dtype)
+    candidates = (_mma_candidates(cell, batch, dtype, dev, True) + cluster_tiles_for(cell, dtype)
+                  if has_clusters(dev) else ())
+    candidates += _mma_candidates(cell, batch, dtype, dev, False) + tiles_for(cell, dtype)
     for tile in candidates:
         fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
@@ -554,6 +568,18 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
             return Plan(True, None, tile, fwd, bwd)
     return _no_fit(f"{cell.name} H={hidden} B={batch}{_dtype_words(dtype)} does not fit "
                    f"{dev.name}", tried)
+
+
+def _mma_candidates(cell: CellSpec, batch: int, dtype: str, dev: DeviceProfile,
+                    cluster: bool) -> tuple[Tile, ...]:
+    """The tensor-core tiles ``make_plan`` tries first in a placement: a 16-bit layer's from
+    ``MMA_MIN_BATCH`` rows, a float32 layer's TF32 tiles where ``dev.allow_tf32``, from
+    ``TF32_MIN_BATCH`` rows of the placement."""
+    if dtype == "float32":
+        least = TF32_MIN_BATCH["cluster" if cluster else "grid"]
+        return mma_tiles_for(cell, dtype, cluster, tf32=True) \
+            if dev.allow_tf32 and batch >= least else ()
+    return mma_tiles_for(cell, dtype, cluster) if batch >= MMA_MIN_BATCH else ()
 
 
 def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,

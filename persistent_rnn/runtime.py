@@ -646,12 +646,15 @@ def _device_profile(device_id: int) -> hardware.DeviceProfile:
 
 def planning_device(on_gpu: bool) -> hardware.DeviceProfile:
     """The device profile a layer is planned for: the current GPU's, or the emulation's
-    (``EMULATED_DEVICE``), with clusters no larger than ``settings.max_cluster_ctas``."""
+    (``EMULATED_DEVICE``), with clusters no larger than ``settings.max_cluster_ctas`` and TF32
+    tiles where ``settings.allow_tf32``."""
     device = _current_device() if on_gpu else EMULATED_DEVICE
-    most = settings.current().max_cluster_ctas
-    if most is None or most >= device.max_cluster_ctas:
+    s = settings.current()
+    if s.allow_tf32:
+        device = replace(device, allow_tf32=True)
+    if s.max_cluster_ctas is None or s.max_cluster_ctas >= device.max_cluster_ctas:
         return device
-    return replace(device, max_cluster_ctas=most)
+    return replace(device, max_cluster_ctas=s.max_cluster_ctas)
 
 
 def _current_device() -> hardware.DeviceProfile:

@@ -55,6 +55,10 @@ class Settings:
       largest thread-block cluster a layer runs as on sm_90 and newer (None: 16 on H100/H200;
       8 keeps to CUDA's portable size, which takes the 8-warp cluster tiles above H 128; 0 runs
       every layer on the grid path).
+    * ``allow_tf32`` (PRNN_ALLOW_TF32, off): let a float32 layer's persistent forward multiply
+      W_hh by h_{t-1} on the tensor cores in TF32 (both operands rounded to 10-bit mantissas,
+      fp32 sums) where the planner predicts it faster; the library's counterpart of
+      ``torch.backends.cuda.matmul.allow_tf32`` (docs/api.md, "TF32").
     """
 
     gpu_timeout_ms: float = 100.0
@@ -68,6 +72,7 @@ class Settings:
     stack: bool = True
     residency_cooldown_s: float = 30.0
     max_cluster_ctas: int | None = None
+    allow_tf32: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,6 +93,7 @@ _SPEC: dict[str, tuple[str, str, float]] = {
     "stack": ("PRNN_STACK", "bool", 0),
     "residency_cooldown_s": ("PRNN_RESIDENCY_COOLDOWN_S", "seconds", 0),
     "max_cluster_ctas": ("PRNN_MAX_CLUSTER_CTAS", "int?", 0),
+    "allow_tf32": ("PRNN_ALLOW_TF32", "bool", 0),
 }
 _RENAMED = {"PRNN_MAX_RELAUNCHES": "PRNN_MAX_RESTARTS"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

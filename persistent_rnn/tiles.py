@@ -32,7 +32,7 @@ class Tile:
     forward: PassTile
     backward: PassTile
     cluster: int = 0  # CTAs of the one thread-block cluster the layer runs in (0: the whole grid)
-    mma: bool = False  # on the tensor cores (16-bit; cuda_src/mma_tile.cuh, mma_split_tile.cuh)
+    mma: bool = False  # on the tensor cores (16-bit or TF32; cuda_src/mma_tile.cuh, mma_split_tile.cuh)
 
 
 def _tile(units: int, forward: tuple[int, int, int], backward: tuple[int, int, int],
@@ -109,11 +109,25 @@ MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
 }
 
 
-def mma_tiles_for(cell: CellSpec, dtype: str, cluster: bool = False) -> tuple[Tile, ...]:
-    """The shipped tensor-core tiles of ``cell`` for weights of ``dtype`` (none for fp32), grid
-    or (``cluster``) cluster placement."""
+# TF32 tiles (settings.allow_tf32; docs/design.md, "TF32 tiles"): fp32 layers whose forward holds
+# W_hh rounded to TF32 as mma.m16n8k8 A fragments (-D PRNN_MMA without PRNN_WEIGHT_DTYPE,
+# mma_tile.cuh: one weight a register, rows * kpt per lane as the fp32 CUDA-core tile) - the
+# 16-bit mma tiles' shapes, at twice their weight registers - and whose backward is the fp32
+# CUDA-core backward of the same PassTile (the fp32 tiles' of the same units). ptxas: 100-241
+# registers, zero spills on sm_80 and sm_90. Not GRU's (48, 8, 4) (H 1024): its 192 weight
+# registers beside 48 accumulators spill 144 (sm_90) and 180 bytes (sm_80).
+TF32_TILES: dict[str, tuple[Tile, ...]] = {**MMA_TILES, "gru": MMA_TILES["gru"][:1]}
+
+
+def mma_tiles_for(cell: CellSpec, dtype: str, cluster: bool = False,
+                  tf32: bool = False) -> tuple[Tile, ...]:
+    """The shipped tensor-core tiles of ``cell`` for weights of ``dtype``, grid or (``cluster``)
+    cluster placement: fp32 weights have the TF32 tiles where ``tf32`` (settings.allow_tf32),
+    else none."""
     if WEIGHT_BYTES[dtype] == 4:
-        return ()
+        if not tf32:
+            return ()
+        return (MMA_CLUSTER_TILES if cluster else TF32_TILES)[cell.tiles]
     return (MMA_CLUSTER_TILES if cluster else MMA_TILES)[cell.tiles]
 
 

@@ -49,6 +49,7 @@ COMPILED_ARCHS = ARCHS if EVERY_KERNEL else ("sm_90",)
 
 
 LAYER_FAMILIES = ("grid", "cluster", "mma grid", "mma cluster")  # persistent_forward/backward.cu
+TF32_FAMILIES = ("tf32 grid", "tf32 cluster")  # the same kernels, float32 layers in TF32
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def test_time_loop_sass_stays_short(records):
         # block barrier in a step, on the grid one (the staged vector's); every other pass meets
         # at one at least.
         c = r["config"]
-        warp_teams = (r["pass"] == "forward" and r["family"] in LAYER_FAMILIES
+        warp_teams = (r["pass"] == "forward" and r["family"] in (*LAYER_FAMILIES, *TF32_FAMILIES)
                       and warp_teams_of(CELLS[r["cell"]], PassTile(
                           c["PRNN_ROWS"], c["PRNN_KSPLIT"], c["PRNN_KPT"])))
         if warp_teams:

@@ -156,3 +156,13 @@ def test_inject_stall_validates(args, words):
     with pytest.raises(ValueError, match=words):
         with prnn.inject_stall(*args):
             pass
+
+
+def test_allow_tf32_is_off_by_default_and_reaches_the_planned_device(settings):
+    from persistent_rnn import runtime
+    assert settings_module.Settings().allow_tf32 is False
+    assert settings_module.from_environment({"PRNN_ALLOW_TF32": "on"}).allow_tf32 is True
+    assert runtime.planning_device(False).allow_tf32 is False
+    with prnn.override_settings(allow_tf32=True):
+        assert runtime.planning_device(False).allow_tf32 is True
+    assert runtime.planning_device(False).allow_tf32 is False

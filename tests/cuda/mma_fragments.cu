@@ -5,7 +5,11 @@
 //   a: per warp, A row-major as 16 x 8 words, A[r][2j] in the low half of word 8r + j
 //   bt: per warp, B column-major (B^T row-major) as 8 x 8 words, B[2j][n] low in word 8n + j
 //   c, d, e: per warp, 16 x 8 floats row-major
-//   dtype: 1 fp16, 2 bf16 (PRNN_WEIGHT_DTYPE's codes)
+//   dtype: 1 fp16, 2 bf16 (PRNN_WEIGHT_DTYPE's codes), 3 TF32: mma.m16n8k8, A (16 x 8) and B
+//   (8 x 8) as fp32 words in the same places (A[r][j] in word 8r + j, B[k][n] in word 8n + k),
+//   which the kernel rounds (prnn_tf32_bits) before the mma; its fragments ("Matrix Fragments for
+//   mma.m16n8k8", .tf32) take the same words as the 16-bit ones: a0 (g, t), a1 (g + 8, t),
+//   a2 (g, t + 4), a3 (g + 8, t + 4), b0 (t, g), b1 (t + 4, g)
 //   ldmatrix: 0 loads A's fragments from global memory, 1 stages A in shared memory (512 bytes
 //   per warp) and loads them with prnn_ldmatrix_x4
 //   swap (the tests' sabotage): lanes swap_x and swap_y load each other's fragment of operand
@@ -54,7 +58,13 @@ PRNN_KERNEL void mma_m16n8k16(const unsigned* a, const unsigned* bt, const float
   const float fc[4] = {c[8 * gc + 2 * tc], c[8 * gc + 2 * tc + 1], c[8 * (gc + 8) + 2 * tc],
                        c[8 * (gc + 8) + 2 * tc + 1]};
   float fd[4], fe[4];
-  if (dtype == 2) {
+  if (dtype == 3) {
+    unsigned ta[4], tb[2];
+    for (int i = 0; i < 4; ++i) ta[i] = prnn_tf32_bits(prnn_bits_float(fa[i]));
+    for (int i = 0; i < 2; ++i) tb[i] = prnn_tf32_bits(prnn_bits_float(fb[i]));
+    prnn_mma_tf32(fd, ta, tb, fc);
+    prnn_mma_tf32(fe, ta, tb, fd);
+  } else if (dtype == 2) {
     prnn_mma_bf16(fd, fa, fb, fc);
     prnn_mma_bf16(fe, fa, fb, fd);
   } else {
