@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import buffers, call_plans, functional, stack_plans
+from . import buffers, call_plans, functional, layer_plans, stack_plans
 
 Array = Any
 
@@ -24,9 +24,11 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any, key: tuple
     gradients into its caller's arrays inside the chain (``Plan.backward``'s ``into``: the layer
     API's ``grads``)."""
     if ctx.num_layers > 1 or ctx.bidirectional:
-        plan = (stack_plans.plan_of(ctx, x, hx, lengths)
-                if not ctx.batch_first and ctx.stats.algo == "persistent"
-                and call_plans.runs_here(buffers.array_module(x)) else None)
+        plan = None
+        if (not ctx.batch_first and ctx.stats.algo == "persistent"
+                and call_plans.runs_here(buffers.array_module(x))):
+            plan = (stack_plans.plan_of(ctx, x, hx, lengths)
+                    or layer_plans.plan_of(ctx, x, hx, lengths))
     else:
         plan = call_plans.plan_of(ctx, x, hx, lengths)
     if plan is not None:

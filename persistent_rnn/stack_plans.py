@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import buffers, chain_graphs, functional, runtime, settings, stack
+from . import buffers, chain_graphs, functional, launch, runtime, settings, stack
 from .buffers import matmul_steps, select_active, workspace
 from .call_plans import _GRADIENTS, Plan, _same_memory, _where, formed_input
 from .stats import RunStats
@@ -390,25 +390,27 @@ class PairPlan(StackPlan):
         h_n = xp.empty(self.state_shape, np.float32)
         c_n = xp.empty(self.state_shape, np.float32) if cell.has_cell_state else None
         stats, directions, kept = RunStats(), [], []
-        for layer in range(self.num_layers):
-            pair = slice(2 * layer, 2 * layer + 2)
-            y = xp.empty((2, steps, batch, hidden), np.float32)
-            cs = xp.empty_like(y) if cell.has_cell_state else None
-            saved = xp.empty((2, steps, batch, cell.saved * hidden), np.float32)
-            args = stack.forward_arguments(
-                self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
-                self.all_steps if lengths is None else lengths, False, y, cs, saved)
-            target = inputs[layer + 1] if layer + 1 < self.num_layers else out
-            call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n)
-            stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
-                lambda call=call: self._before_pair(call), lambda call=call: self._after_pair(call),
-                lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
-            directions.append([functional._Direction(
-                self.layer_names[2 * layer + d], h0[2 * layer + d],
-                None if c0 is None else c0[2 * layer + d],
-                runtime.ForwardResult(y[d], None if cs is None else cs[d], saved[d]))
-                for d in (0, 1)])
-            kept.append((y, cs, saved))
+        with launch.one_graph():  # (every layer's chain: one graph, one launch)
+            for layer in range(self.num_layers):
+                pair = slice(2 * layer, 2 * layer + 2)
+                y = xp.empty((2, steps, batch, hidden), np.float32)
+                cs = xp.empty_like(y) if cell.has_cell_state else None
+                saved = xp.empty((2, steps, batch, cell.saved * hidden), np.float32)
+                args = stack.forward_arguments(
+                    self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
+                    self.all_steps if lengths is None else lengths, False, y, cs, saved)
+                target = inputs[layer + 1] if layer + 1 < self.num_layers else out
+                call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n)
+                stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
+                    lambda call=call: self._before_pair(call),
+                    lambda call=call: self._after_pair(call),
+                    lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
+                directions.append([functional._Direction(
+                    self.layer_names[2 * layer + d], h0[2 * layer + d],
+                    None if c0 is None else c0[2 * layer + d],
+                    runtime.ForwardResult(y[d], None if cs is None else cs[d], saved[d]))
+                    for d in (0, 1)])
+                kept.append((y, cs, saved))
         ctx = functional.Context(cell, params, self.num_layers, True, False, self.algo, lengths,
                                  reverse, None, inputs, directions, stats)
         ctx.plan, ctx.stacked = self, (kept, h0, c0)
@@ -476,20 +478,21 @@ class PairPlan(StackPlan):
         kept, h0, c0 = ctx.stacked
         dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, held, into)
         stats = RunStats()
-        for layer in range(self.num_layers - 1, -1, -1):
-            pair = slice(2 * layer, 2 * layer + 2)
-            y, cs, saved = kept[layer]
-            args = stack.backward_arguments(
-                {"w_t": held["w_t"], "w_ih_t": held["w_ih_t"]}, held["dy_pair"], y, cs, saved,
-                h0[pair], (h0 if c0 is None else c0)[pair],
-                self.all_steps if lengths is None else lengths, False, held["scratch"])
-            call = (layer, ctx, dy, args, dx, dh, dc, grads, into)
-            stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
-                lambda call=call: self._before_pair_backward(call),
-                lambda call=call: self._after_pair_backward(call),
-                lambda call=call: self._key(("backward", call[0]), (
-                    call[2], *call[4:7], tuple(grads.values()), call[8], tuple(ctx.inputs),
-                    ctx.reverse_index)))))
+        with launch.one_graph():  # (every layer's chain: one graph, one launch)
+            for layer in range(self.num_layers - 1, -1, -1):
+                pair = slice(2 * layer, 2 * layer + 2)
+                y, cs, saved = kept[layer]
+                args = stack.backward_arguments(
+                    {"w_t": held["w_t"], "w_ih_t": held["w_ih_t"]}, held["dy_pair"], y, cs, saved,
+                    h0[pair], (h0 if c0 is None else c0)[pair],
+                    self.all_steps if lengths is None else lengths, False, held["scratch"])
+                call = (layer, ctx, dy, args, dx, dh, dc, grads, into)
+                stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
+                    lambda call=call: self._before_pair_backward(call),
+                    lambda call=call: self._after_pair_backward(call),
+                    lambda call=call: self._key(("backward", call[0]), (
+                        call[2], *call[4:7], tuple(grads.values()), call[8], tuple(ctx.inputs),
+                        ctx.reverse_index)))))
         ctx.backward_stats = stats
         return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
 

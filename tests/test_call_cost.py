@@ -401,20 +401,36 @@ def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, roa
                                                      backward):
     """The Python of a planned call (``call_plans``) beside its chain is held; one chain per pass
     (a bidirectional stack's: per layer; the launches ``launch.chain_launches`` counts, one
-    memset), no host synchronisation. (On
+    memset), all of a pass's chains one graph (``launch.one_graph``: one graph launch a pass on
+    a GPU, where the full path launches one a chain), no host synchronisation. (On
     the grid path: the kernels test_call_allocations builds.)"""
     from persistent_rnn import launch, settings
     call = _call(f"{road} persistent", cell, 1, backward)
     for _ in range(3):
         call()
-    passes = (1 + backward) * CHAINS_PER_PASS.get(road, 1)
+    chains = (1 + backward) * CHAINS_PER_PASS.get(road, 1)
     with launch.counting() as counted:
         call()
-    assert counted.launches == passes * launch.chain_launches(settings.current().max_restarts)
-    assert (counted.memsets, counted.host_syncs) == (passes * launch.CHAIN_MEMSETS, 0)
+    assert counted.launches == chains * launch.chain_launches(settings.current().max_restarts)
+    assert (counted.memsets, counted.host_syncs) == (chains * launch.CHAIN_MEMSETS, 0)
+    assert counted.graph_units == 1 + backward
     monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
     count = python_calls(call)
     assert count <= PLANNED_LIMITS[road, cell, backward], (road, cell, backward, count)
+
+
+def test_the_full_path_launches_a_graph_per_chain(grid_path):
+    """What a planned call of several chains saves (above): the full path of a two-layer
+    bidirectional stack's pairs enqueues each layer's chain on its own, one graph launch each
+    on a GPU."""
+    from persistent_rnn import launch
+    layer = prnn.LSTM(5, 8, num_layers=2, bidirectional=True, algo="persistent", seed=0)
+    x = np.ones((1, 3, 5), np.float32)
+    dy = np.ones((1, 3, 16), np.float32)
+    with launch.counting() as counted:
+        layer.forward(x)  # (never planned: the first call)
+        layer.backward(dy)
+    assert (counted.graph_units, layer._plan) == (4, None)
 
 
 class _OpLog(TorchDispatchMode):
