@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime, stack_plans
+from persistent_rnn import (buffers, call_plans, chain_graphs, launch, layer_plans, runtime,
+                            stack_plans)
 from persistent_rnn.validation import CallOrderError
 from full_set import EVERY_KERNEL
 from profiling import run_profiled
@@ -622,7 +623,7 @@ class _StackHits:
 
     def __init__(self, monkeypatch):
         self.forwards = self.backwards = 0
-        for cls in (stack_plans.StackPlan, stack_plans.PairPlan):
+        for cls in (stack_plans.StackPlan, stack_plans.PairPlan, layer_plans.LayersPlan):
             self._count(monkeypatch, cls, "forward", "forwards")
             self._count(monkeypatch, cls, "_planned_backward", "backwards")
 
@@ -635,11 +636,11 @@ class _StackHits:
         monkeypatch.setattr(cls, method, counted)
 
 
-def _stack_layer(cell: str, pair: bool = False, layers: int = 0):
+def _stack_layer(cell: str, pair: bool = False, layers: int = 0, stack: bool = True):
     """Two layers in stack mode, or (``pair``) a bidirectional layer's (``layers``: a stack's,
     one by default) two directions side by side (test_call_allocations' pairs at these
-    shapes)."""
-    prnn.configure(stack=True)
+    shapes); without ``stack`` (the setting off) one layer-direction per launch."""
+    prnn.configure(stack=stack)
     return getattr(prnn, cell)(SI, SH, num_layers=layers or (1 if pair else 2),
                                bidirectional=pair, algo="persistent", seed=3)
 
@@ -775,3 +776,84 @@ def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, m
     for stats in (forward, layer.last_run):
         assert stats.restarts >= 1 and stats.fallback is None
     assert (hits.forwards, hits.backwards) == (2, 1)
+
+
+# Stacks and bidirectional layers run one layer-direction per launch (layer_plans.LayersPlan):
+# the ``stack`` setting off (a shape with no stack kernel runs the same full path).
+LAYERS_CASES = [("GRU", True, 2, False), ("LSTM", False, 2, False), ("LSTM", True, 1, True),
+                ("GRU", False, 2, True)] + ([("GRU", False, 1, True), ("LSTM", True, 2, True),
+                                             ("GRU", True, 3, False)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("cell,extras,layers,pair", LAYERS_CASES,
+                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-{n}-"
+                              f"{'bidirectional' if p else 'stack'}"
+                              for c, e, n, p in LAYERS_CASES])
+def test_layer_direction_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell,
+                                                   extras, layers, pair):
+    """A stack or bidirectional layer run one layer-direction per launch plans its calls
+    (``LayersPlan``: every layer-direction's chain, with its operations, in one graph a pass):
+    bitwise the full path's, across in-place weight updates, with initial states and lengths or
+    without; with the chains stubbed nothing runs beside them, nor the layer API's accumulation;
+    one graph unit a pass where the full path enqueues one a layer-direction."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (_stack_layer(cell, pair, layers, stack=False) for _ in range(2))
+    _stack_steps(cell, planned, full, range(5), extras)
+    assert type(planned._plan) is layer_plans.LayersPlan
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    x = np.ones((ST, SB, SI), np.float32)
+    dy = np.ones((ST, SB, SH * planned.directions), np.float32)
+    lengths = [ST, 1, 2] if extras else None
+    hx = planned._plan.h0 if cell == "GRU" else (planned._plan.h0, planned._plan.c0)
+    hx = hx if extras else None
+    with launch.counting() as counted:
+        planned.forward(x, hx, lengths=lengths)
+        planned.backward(dy)
+    chains = 2 * layers * planned.directions
+    assert (counted.graph_units, counted.launches) == (
+        2, chains * launch.chain_launches(launch.settings.current().max_restarts))
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    assert _array_work(lambda: planned.forward(x, hx, lengths=lengths)) == 0
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (5, 4)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(g, grads[name])
+    full._plan = None
+    with launch.counting() as counted:
+        full.forward(x, hx, lengths=lengths)
+        full.backward(dy)
+    assert counted.graph_units == chains
+
+
+@pytest.mark.parametrize("sabotage", ["the reverse input ungathered", "outputs unselected",
+                                      "W_hh^T copied once"])
+def test_a_sabotaged_layers_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
+    """Sabotage: a planned bidirectional stack whose reverse direction reads its input
+    projection in time order, or leaves its layers' outputs unselected past the lengths, or
+    transposes ``W_hh`` as it was when planned (an optimizer's in-place updates
+    unseen), fails the bitwise check above."""
+    plan = layer_plans.LayersPlan
+    if sabotage == "the reverse input ungathered":
+        before = plan._before_forward
+
+        def ungathered(plan, arrays, fixed):
+            before(plan, arrays, fixed)
+            if fixed["k"] % 2:
+                plan.xp.copyto(fixed["gi"], fixed["gi_out"].reshape(fixed["gi"].shape))
+        monkeypatch.setattr(plan, "_before_forward", ungathered)
+    elif sabotage == "outputs unselected":
+        after = plan._after_forward
+        monkeypatch.setattr(plan, "_after_forward", lambda plan, arrays, fixed: after(
+            plan, dict(arrays, lengths=None), fixed))
+    else:
+        before, frozen = plan._before_backward, {}
+
+        def stale(plan, arrays, fixed):
+            weights = frozen.setdefault((id(plan), fixed["k"]), tuple(
+                None if w is None else w.copy() for w in fixed["weights"]))
+            before(plan, arrays, dict(fixed, weights=weights))
+        monkeypatch.setattr(plan, "_before_backward", stale)
+    with pytest.raises(AssertionError):  # (5 steps: the 5th the second planned backward)
+        _stack_steps("LSTM", _stack_layer("LSTM", True, 2, stack=False),
+                     _stack_layer("LSTM", True, 2, stack=False), range(5), True)
