@@ -754,16 +754,20 @@ def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabo
 
 
 @pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1): stalls")
-def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, monkeypatch):
+@pytest.mark.parametrize("pair,stack", [(False, True), (True, True), (True, False)],
+                         ids=["stack", "pairs", "layer-directions"])
+def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, monkeypatch, pair,
+                                                          stack):
     """A stall inside a planned stack's chain restarts it on the device (``stack._run``'s
     resume launches), the operations moved into the chain issued once a pass: bitwise the
-    unstalled call."""
+    unstalled call; also a stall in a pass of several chains in one graph (two layers of pairs,
+    or of layer-directions: ``launch.one_graph``)."""
     prnn.configure(emulation_timeout_ms=200)
     hits = _StackHits(monkeypatch)
-    layer = _stack_layer("GRU")
+    layer = _stack_layer("GRU", pair, 2, stack)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((7, SB, SI)).astype(np.float32)
-    dy = rng.standard_normal((7, SB, SH)).astype(np.float32)
+    dy = rng.standard_normal((7, SB, SH * layer.directions)).astype(np.float32)
     for _ in range(3):
         plain = _step(layer, x, dy)
     layer.zero_grad()
