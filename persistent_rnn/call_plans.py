@@ -82,8 +82,7 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan |
     """The plan of a single layer-direction's forward that ran the whole way (``functional.forward``
     of ``x``, ``hx``, ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned
     (``plans.plan_of``, which also gives it the caller's key)."""
-    if not (ctx.num_layers == 1 and not ctx.bidirectional
-            and not ctx.batch_first and ctx.stats.algo == "persistent"
+    if not (ctx.num_layers == 1 and not ctx.bidirectional and ctx.stats.algo == "persistent"
             and x.dtype == (np.float32 if ctx.half is None else half_dtype(ctx.half))
             and runs_here(buffers.array_module(x))):
         return None
@@ -114,6 +113,7 @@ class Plan:
         self.cell, self.algo, self.half = ctx.cell, ctx.algo, ctx.half
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
+        self.given_shape = x.shape  # (the caller's: batch-major for a batch-first layer)
         self.where, self.settings = _where(xp), settings.current()
         self.generation = buffers.generation()
         self.names = d.names
@@ -172,7 +172,7 @@ class Plan:
         """Whether a forward of ``x``, ``hx`` and ``lengths`` (valid ones: the caller's) with
         ``params`` may run this plan: everything the full path would check or derive is as
         when it was planned."""
-        if (type(x) is not self.x_type or x.shape != self.x_shape or x.dtype != self.x_dtype
+        if (type(x) is not self.x_type or x.shape != self.given_shape or x.dtype != self.x_dtype
                 or (lengths is not None) != self.lengths
                 or (hx is not None) != self.states or (hx is not None and not self._states(hx))
                 or algo != self.algo or settings.current() is not self.settings
@@ -299,9 +299,13 @@ class Plan:
         if prepared is None or not self._backward_current(ctx):
             result = functional.backward(ctx, dy)
             if prepared is None:
-                self.plan_backward(ctx, dy)
+                self.plan_backward(ctx, _time_major(dy, ctx.batch_first))
             return (*result, False)
-        return (*self._planned_backward(ctx, dy, into), self.accumulates)
+        if not ctx.batch_first:
+            return (*self._planned_backward(ctx, dy, into), self.accumulates)
+        # (a batch-first layer's: dy seen time-major, formed inside the chain; dx seen back)
+        dx, dhx, grads = self._planned_backward(ctx, dy.transpose(1, 0, 2), into)
+        return dx.transpose(1, 0, 2), dhx, grads, self.accumulates
 
     def _planned_backward(self, ctx: functional.Context, dy: Array,
                           into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
@@ -340,9 +344,11 @@ class Plan:
             return
         xp, lengths = self.xp, ctx.lengths
         dy = self._pass_dy(dy)
-        if lengths is not None:  # (the dy the chain reads: ``backward``'s workspace)
-            self.dy_pass = dy = select_active(xp, dy, lengths, workspace(xp, "dy", dy.shape,
-                                                                         dy.dtype))
+        if lengths is not None or not dy.flags.c_contiguous:  # (the dy the chain reads,
+            # selected or copied into ``backward``'s workspace: a batch-first call's is strided)
+            self.dy_pass = workspace(xp, "dy", dy.shape, dy.dtype)
+            formed_input(xp, dy, self.dy_pass, lengths, None)
+            dy = self.dy_pass
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         prepared = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0, d.c0, lengths,
                                             d.fwd, self.half, self.w_hr, 0, dgi, dgh)
@@ -372,9 +378,7 @@ class Plan:
         copied anew (an optimizer may have changed ``W_hh`` in place), as
         ``functional.backward`` and ``runtime.backward_call`` do them."""
         xp, prepared = self.xp, self.backward_pass
-        if arrays["lengths"] is not None:
-            buffers.select_active(xp, arrays["dy_in"], arrays["lengths"], arrays["dy"],
-                                  fixed["mask"])
+        formed_input(xp, arrays.get("dy_in"), arrays["dy"], arrays["lengths"], fixed["mask"])
         runtime.zero_carries(prepared.backward)
         for arg, key in self._transposes():
             xp.copyto(prepared.args[arg], fixed[key].T)
@@ -419,11 +423,18 @@ def _bits(a: Array) -> Array:
     return a.view(np.uint16) if a.dtype.itemsize == 2 else a
 
 
+def _time_major(a: Array, batch_first: bool) -> Array:
+    """A batch-first layer's array (B, T, X) seen time-major (a view; itself otherwise, or back:
+    the transposition is its own inverse)."""
+    return a.transpose(1, 0, 2) if batch_first else a
+
+
 def formed_input(xp, given: Array | None, x: Array, lengths: Array | None,
                  mask: tuple | None) -> None:
     """Inside a forward's chain, the call's layer input ``x`` formed from the ``given`` one where
     they differ (``None``: they do not): selected with ``lengths`` (``functional._selected_input``;
-    ``mask``: the plan's ``buffers.mask_arrays`` of its bits), else copied (a strided input)."""
+    ``mask``: the plan's ``buffers.mask_arrays`` of its bits), else copied (a strided input);
+    in a backward's, the ``dy`` its pass reads so (a batch-first call's is strided)."""
     if given is None:
         return
     if lengths is None:

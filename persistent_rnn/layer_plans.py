@@ -49,6 +49,7 @@ class LayersPlan(Plan):
         self.cell, self.algo, self.half = ctx.cell, ctx.algo, None
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
+        self.given_shape = x.shape  # (``Plan``'s)
         self.where, self.settings = _where(xp), settings.current()
         self.generation = buffers.generation()
         self.num_layers, self.directions = ctx.num_layers, 1 + ctx.bidirectional
@@ -203,6 +204,9 @@ class LayersPlan(Plan):
         engine, _ = runtime._engine(cell, dy, hidden, batch, self.algo, backward=True)
         if engine is None:
             return
+        # (the caller's dy selected, or a batch-first one's copied contiguous, where the pass
+        # would read it)
+        self.dy_formed = self.lengths or not dy.flags.c_contiguous
         shape = (steps, batch, hidden)
         rows, upper = steps * batch, self.y_shape[2]
         held = {"dy": workspace(xp, "dy", self.y_shape, np.float32),
@@ -243,7 +247,7 @@ class LayersPlan(Plan):
             return held["dy_reversed" if direction else "dy_direction"]
         if layer + 1 < self.num_layers:
             return held["d_layer_input"].reshape(self.y_shape)
-        return held["dy"] if self.lengths else dy
+        return held["dy"] if self.dy_formed else dy
 
     def _planned_backward(self, ctx: functional.Context, dy: Array,
                           into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
@@ -262,9 +266,8 @@ class LayersPlan(Plan):
                 for direction, d in enumerate(ctx.directions[layer]):
                     k = layer * self.directions + direction
                     prepared = self.backward_passes[k]
-                    pass_dy = prepared.args["dy"] if not (
-                        self.directions == 1 and layer + 1 == self.num_layers
-                        and lengths is None) else dy
+                    pass_dy = dy if (self.directions == 1 and layer + 1 == self.num_layers
+                                     and not self.dy_formed) else prepared.args["dy"]
                     arrays = runtime.backward_arrays(pass_dy, d.fwd, d.h0, d.c0, lengths)
                     arrays.update(dy_in=dy, x=ctx.inputs[layer], dh0=dh[k],
                                   dc0=None if dc is None else dc[k], dx=dx,
@@ -283,11 +286,11 @@ class LayersPlan(Plan):
         layer, direction = divmod(k, self.directions)
         lengths = arrays["lengths"]
         top = layer + 1 == self.num_layers
-        if top and direction == 0 and lengths is not None:
-            select_active(xp, arrays["dy_in"], lengths, fixed["dy"], self.mask)
+        if top and direction == 0 and self.dy_formed:
+            formed_input(xp, arrays["dy_in"], fixed["dy"], lengths, self.mask)
         if self.directions == 2 and direction == 0:
             d_out = (fixed["d_layer_input"].reshape(self.y_shape) if not top
-                     else arrays["dy_in"] if lengths is None else fixed["dy"])
+                     else fixed["dy"] if self.dy_formed else arrays["dy_in"])
             hidden = self.hidden
             xp.copyto(fixed["dy_direction"], d_out[:, :, :hidden])
             xp.copyto(fixed["gather_source"], d_out[:, :, hidden:])

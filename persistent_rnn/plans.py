@@ -23,14 +23,14 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any, key: tuple
     planned call as its full path does). ``accumulates``: its backward adds the parameter
     gradients into its caller's arrays inside the chain (``Plan.backward``'s ``into``: the layer
     API's ``grads``)."""
+    given, x = x, call_plans._time_major(x, ctx.batch_first)  # (the plans' time-major view)
     if ctx.num_layers > 1 or ctx.bidirectional:
         plan = None
-        if (not ctx.batch_first and ctx.stats.algo == "persistent"
-                and call_plans.runs_here(buffers.array_module(x))):
+        if ctx.stats.algo == "persistent" and call_plans.runs_here(buffers.array_module(x)):
             plan = (stack_plans.plan_of(ctx, x, hx, lengths)
                     or layer_plans.plan_of(ctx, x, hx, lengths))
     else:
         plan = call_plans.plan_of(ctx, x, hx, lengths)
     if plan is not None:
-        plan.key, plan.accumulates = key, accumulates
+        plan.key, plan.accumulates, plan.given_shape = key, accumulates, given.shape
     return plan

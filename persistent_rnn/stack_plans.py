@@ -64,6 +64,7 @@ class StackPlan(Plan):
         self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
+        self.given_shape = x.shape  # (``Plan``'s)
         self.where, self.settings = _where(xp), settings.current()
         self.generation = buffers.generation()
         steps, batch, _ = x.shape
@@ -235,7 +236,10 @@ class StackPlan(Plan):
             scratch=(dgi, workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh
                      else dgi, dh_carry, workspace(xp, "stack_dc_carry", carry, np.float32)
                      if cell.has_cell_state else dh_carry),
-            dy=workspace(xp, "dy", self.y_shape, np.float32) if self.lengths else None,
+            # (the dy the pass reads where not the caller's: selected, or a batch-first one's
+            # copied contiguous)
+            dy=workspace(xp, "dy", self.y_shape, np.float32)
+            if self.lengths or not dy.flags.c_contiguous else None,
             dw_hh=workspace(xp, "dw_hh", (shape[3], hidden), np.float32),
             grads={name: workspace(xp, "plan_grad " + name, w.shape, np.float32)
                    for name, w in zip(self.names, self.weights)} if self.accumulates else None)
@@ -264,7 +268,7 @@ class StackPlan(Plan):
         y, cs, saved, h0, c0 = ctx.stacked
         args = stack.backward_arguments(
             {"w_t": prepared["w_t"], "w_ih_t": prepared["w_ih_t"]},
-            dy if lengths is None else prepared["dy"], y, cs, saved, h0, h0 if c0 is None else c0,
+            dy if prepared["dy"] is None else prepared["dy"], y, cs, saved, h0, h0 if c0 is None else c0,
             self.all_steps if lengths is None else lengths, True, prepared["scratch"])
         dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, prepared, into)
         call = (ctx, dy, args, dx, dh, dc, grads, into)
@@ -293,8 +297,8 @@ class StackPlan(Plan):
         carries zeroed, ``W_hh^T`` and ``W_ih^T`` stacked, as ``functional.backward`` and
         ``stack.backward`` make them."""
         xp, (ctx, dy, args, *_) = self.xp, call
-        if ctx.lengths is not None:
-            select_active(xp, dy, ctx.lengths, self.backward_pass["dy"], self.mask)
+        if self.backward_pass["dy"] is not None:
+            formed_input(xp, dy, self.backward_pass["dy"], ctx.lengths, self.mask)
         args["dh_carry"].fill(0)
         if self.cell.has_cell_state:
             args["dc_carry"].fill(0)
