@@ -261,10 +261,8 @@ class Plan:
         chain (none: as functional's, contiguous, row 0 of a layer, are the caller's)."""
         if hx is None:
             return self.h0, self.c0, {}
-        xp = self.xp
-        if self.c0 is None:
-            return xp.ascontiguousarray(hx)[0], None, {}
-        return xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0], {}
+        h0, c0 = contiguous_states(self.xp, hx if self.c0 is not None else (hx, None))
+        return h0[0], None if c0 is None else c0[0], {}
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
         """Inside the forward's chain, before its pass (``runtime.Around``): a strided input
@@ -416,6 +414,13 @@ class Plan:
                 and _where(self.xp) == self.where and self._same_weights(ctx.params)
                 and launch.COOLDOWNS.reason(self.backward_engine.key) is None)
 
+
+
+def contiguous_states(xp, states: tuple) -> tuple:
+    """The given initial states as the kernels read them: as they are where contiguous (the
+    usual case: nothing to enqueue), else copied, as ``functional._initial_states`` does."""
+    return tuple(a if a is None or a.flags.c_contiguous else xp.ascontiguousarray(a)
+                 for a in states)
 
 
 def _bits(a: Array) -> Array:

@@ -30,7 +30,8 @@ import numpy as np
 
 from . import buffers, functional, launch, runtime, settings
 from .buffers import matmul_steps, select_active, workspace
-from .call_plans import _GRADIENTS, Plan, _same_memory, _where, formed_input
+from .call_plans import (_GRADIENTS, Plan, _same_memory, _where, contiguous_states,
+                         formed_input)
 from .stats import RunStats
 
 Array = Any
@@ -116,7 +117,7 @@ class LayersPlan(Plan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of the layer-directions: their chains in one graph."""
         xp, cell, hidden, steps = self.xp, self.cell, self.hidden, self.x_shape[0]
-        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+        h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
             xp, hx if cell.has_cell_state else (hx, None))
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
@@ -339,13 +340,6 @@ class LayersPlan(Plan):
     def _backward_current(self, ctx: functional.Context) -> bool:
         """``Plan._backward_current``, and a context this plan's forward made."""
         return ctx.plan is self and super()._backward_current(ctx)
-
-
-def _contiguous(xp, states: tuple) -> tuple:
-    """The given initial states as the kernels read them: as they are where contiguous, else
-    copied, as ``functional._initial_states`` does."""
-    return tuple(a if a is None or a.flags.c_contiguous else xp.ascontiguousarray(a)
-                 for a in states)
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> LayersPlan | None:

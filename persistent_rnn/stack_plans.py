@@ -37,7 +37,8 @@ import numpy as np
 
 from . import buffers, chain_graphs, functional, launch, runtime, settings, stack
 from .buffers import matmul_steps, select_active, workspace
-from .call_plans import _GRADIENTS, Plan, _same_memory, _where, formed_input
+from .call_plans import (_GRADIENTS, Plan, _same_memory, _where, contiguous_states,
+                         formed_input)
 from .stats import RunStats
 
 Array = Any
@@ -126,7 +127,7 @@ class StackPlan(Plan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of a stack: ``functional.forward`` of a matching call."""
         xp, cell = self.xp, self.cell
-        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+        h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
             xp, hx if cell.has_cell_state else (hx, None))
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the chain)
@@ -381,7 +382,7 @@ class PairPlan(StackPlan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of the pairs: one chain per layer and pass."""
         xp, cell, hidden = self.xp, self.cell, self.hidden
-        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+        h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
             xp, hx if cell.has_cell_state else (hx, None))
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
@@ -559,13 +560,6 @@ def _stack_into(xp, arrays: list[Array], out: Array) -> None:
     chain, where CuPy's concatenation may stage its pointers through the pool and the host."""
     for k, a in enumerate(arrays):
         xp.copyto(out[k], a)
-
-
-def _contiguous(xp, states: tuple) -> tuple:
-    """The given initial states as the kernels read them: as they are where contiguous (the
-    usual case: nothing to enqueue), else copied, as ``functional._initial_states`` does."""
-    return tuple(a if a is None or a.flags.c_contiguous else xp.ascontiguousarray(a)
-                 for a in states)
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> StackPlan | None:

@@ -861,3 +861,79 @@ def test_a_sabotaged_layers_plan_is_caught(settings, grid_path, monkeypatch, sab
     with pytest.raises(AssertionError):  # (5 steps: the 5th the second planned backward)
         _stack_steps("LSTM", _stack_layer("LSTM", True, 2, stack=False),
                      _stack_layer("LSTM", True, 2, stack=False), range(5), True)
+
+
+# Batch-first layer API calls (the plans see a time-major view: the input and ``dy`` formed
+# inside the chains, ``y`` and ``dx`` returned as views, as the full path returns them).
+BATCH_FIRST_CASES = [("GRU", True, 1, False, True), ("LSTM", False, 2, False, True),
+                     ("GRU", True, 1, True, True), ("LSTM", False, 2, True, False)]
+
+
+def _batch_first_steps(cell: str, planned, full, seeds, extras: bool) -> None:
+    """``_stack_steps`` of batch-first layers: the input, ``dy`` and results batch-major."""
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((SB, ST, SI)).astype(np.float32)
+        dy = rng.standard_normal((SB, ST, SH * planned.directions)).astype(np.float32)
+        hx = lengths = None
+        if extras:
+            lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
+            x[1, lengths[1]:] = np.nan
+            shape = (planned.num_layers * planned.directions, SB, SH)
+            h = rng.standard_normal(shape).astype(np.float32)
+            hx = h if cell == "GRU" else (h, rng.standard_normal(shape).astype(np.float32))
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx, lengths=lengths)
+            dx, dhx = layer.backward(dy)
+            assert y.shape == (SB, ST, dy.shape[2]) and dx.shape == x.shape
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+            for name, w in layer.params.items():
+                w -= 0.01 * layer.grads[name]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cell,extras,layers,pair,stack", BATCH_FIRST_CASES,
+                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-{n}-"
+                              f"{'bidirectional' if p else 'stack'}-"
+                              f"{'stack-mode' if s else 'layer-directions'}"
+                              for c, e, n, p, s in BATCH_FIRST_CASES])
+def test_batch_first_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell, extras,
+                                               layers, pair, stack):
+    """A batch-first layer plans its calls on every planned path (a layer's ``Plan``, stack
+    mode, pairs, layer-directions): bitwise the full path's, with initial states and lengths or
+    without; with the chains stubbed nothing runs beside them (the transposes inside too)."""
+    hits, stack_hits = _Hits(monkeypatch), _StackHits(monkeypatch)
+    prnn.configure(stack=stack)
+    planned, full = (getattr(prnn, cell)(SI, SH, num_layers=layers, bidirectional=pair,
+                                         batch_first=True, algo="persistent", seed=3)
+                     for _ in range(2))
+    _batch_first_steps(cell, planned, full, range(5), extras)
+    ran = (hits.forwards + stack_hits.forwards, hits.backwards + stack_hits.backwards)
+    assert ran == (3, 2), ran
+    x = np.ones((SB, ST, SI), np.float32)
+    dy = np.ones((SB, ST, SH * planned.directions), np.float32)
+    h = np.zeros((layers * planned.directions, SB, SH), np.float32)
+    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    assert _array_work(lambda: planned.forward(x, hx, [ST, 1, 2] if extras else None)) == 0
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert ran == (hits.forwards + stack_hits.forwards - 1,
+                   hits.backwards + stack_hits.backwards - 1)
+
+
+def test_a_batch_first_dy_read_in_place_is_caught(settings, grid_path, monkeypatch):
+    """Sabotage: a planned batch-first layer whose backward's pass reads the caller's ``dy``
+    time-major without forming it (no copy: rows of the wrong steps) fails the check above."""
+    form = call_plans.formed_input
+    monkeypatch.setattr(call_plans, "formed_input", lambda xp, given, x, lengths, mask: (
+        form(xp, given, x, lengths, mask) if lengths is not None or given is None
+        or given.shape[2] != SH else xp.copyto(x, given.transpose(1, 0, 2).reshape(x.shape))))
+    prnn.configure(stack=True)
+    planned, full = (prnn.GRU(SI, SH, batch_first=True, algo="persistent", seed=3)
+                     for _ in range(2))
+    with pytest.raises(AssertionError):
+        _batch_first_steps("GRU", planned, full, range(5), False)
