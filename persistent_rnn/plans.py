@@ -1,7 +1,8 @@
 """Which plan serves a call's signature: ``call_plans`` for a single layer-direction,
 ``stack_plans`` for a stack that ran in stack mode or a bidirectional layer or stack that ran as
-pairs (docs/design.md, planned calls). The one entry point of both for the layer API and the
-torch modules."""
+pairs, ``layer_plans`` for a stack or bidirectional layer that ran one layer-direction per launch
+(docs/design.md, planned calls); batch-first calls of each through a time-major view. The one
+entry point of all three for the layer API and the torch modules."""
 from __future__ import annotations
 
 from typing import Any

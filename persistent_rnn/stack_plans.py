@@ -1,7 +1,7 @@
 """A stack-mode call planned (issue 26): a unidirectional float32 stack whose layers run in one
 launch per pass (``stack``), with every operation of the call inside that pass's chain; and
 (``PairPlan``) a bidirectional float32 layer or stack whose layers run both directions side by
-side, one chain per layer and pass.
+side, one chain per layer, all of a pass's chains in one graph (``launch.one_graph``).
 
 As ``call_plans.Plan`` does for one layer-direction (its checks, ``matches``, and its
 ``backward``'s choice between the prepared pass and the full path are inherited), a
@@ -17,17 +17,14 @@ lengths) into the layer above's input or the call's output, ``h_n`` and ``c_n``;
 ``dy`` selected with lengths, the carries zeroed, ``W_hh^T`` and ``W_ih^T`` stacked, then
 ``dh0``, ``dc0``, every layer's parameter gradients, ``dx`` and the layer API's sums of the
 gradients. So on a GPU a call in steady state is one graph launch per pass
-(``chain_graphs``). The stack kernels read the forward's own (L, T, B, .) buffers, which the
+(``chain_graphs``; a pair plan's chains too, in one ``launch.one_graph``). The stack kernels read the forward's own (L, T, B, .) buffers, which the
 call's ``Context`` keeps (``stacked``), where the full path copies them into workspaces: the
 same values, bitwise the same results (tests/test_call_plans.py).
 
 Not planned: 16-bit stacks and pairs (their weights are packed into words:
-``stack._matrices``), stacks and bidirectional layers run one layer-direction per launch (the
-``stack`` setting off, or too large for stack mode), projections (never in stack mode). A call
-of several chains (L layers of pairs) is L graph launches a pass, not one: one graph of them all
-would issue chains inside an enclosing capture of the library's own, which ``launch.run_chain``
-takes for a user's capture (no record published, ``Chain.recorded`` not counted) and
-``chain_graphs`` refuses to nest.
+``stack._matrices``), projections (never in stack mode). Stacks and bidirectional layers run
+one layer-direction per launch (the ``stack`` setting off, or too large for stack mode):
+``layer_plans``.
 """
 from __future__ import annotations
 
@@ -346,9 +343,8 @@ class PairPlan(StackPlan):
     ``StackPlan`` whose kernel groups are one layer's two directions, the reverse one reading
     its input reversed within each length (``functional._gather`` by the call's ``reverse``
     index: without lengths a shared constant, with them a new array per call, the context's,
-    formed inside the first chain). One chain per layer and pass, each holding its layer's
-    operations: on a GPU a call of L layers is L graph launches a pass (not one: module
-    docstring)."""
+    formed inside the first chain). One chain per layer, each holding its layer's operations,
+    all of a pass's in one ``launch.one_graph``: on a GPU one graph launch a pass."""
 
     chained = False
 
