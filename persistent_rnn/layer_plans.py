@@ -19,8 +19,9 @@ gradients, its part of the layer's input gradient (the reverse direction's ``dgi
 back; added to the first direction's in place) and the layer API's sums. Bitwise the full path
 (tests/test_call_plans.py).
 
-Not planned: 16-bit layers and LSTM projections (their conversions and ``W_hr`` are not held
-here), calls whose layer-directions did not all run persistent.
+LSTM projections too (each layer-direction's ``W_hr`` as the full path passes it, ``hs`` a new
+array per call, ``W_hr^T`` copied anew, ``dW_hr`` beside the other gradients). Not planned:
+16-bit layers (their conversions), calls whose layer-directions did not all run persistent.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ import numpy as np
 
 from . import buffers, functional, launch, runtime, settings
 from .buffers import matmul_steps, select_active, workspace
-from .call_plans import (_GRADIENTS, Plan, _same_memory, _where, contiguous_states,
-                         formed_input)
+from .call_plans import (_GRADIENTS, Plan, _projection_gradient, _same_memory, _where,
+                         contiguous_states, formed_input)
 from .stats import RunStats
 
 Array = Any
@@ -59,13 +60,16 @@ class LayersPlan(Plan):
         self.names = {n: n for names in self.direction_names for n in names.values()}
         self.weights = tuple(ctx.params[n] for n in self.names)
         steps, batch, _ = x.shape
-        hidden = ctx.directions[0][0].h0.shape[1]
+        # (H; h and y are P wide with an LSTM projection, ``width``)
+        hidden = ctx.params["weight_hh_l0"].shape[0] // ctx.cell.gates
+        width = self.width = ctx.directions[0][0].h0.shape[1]
         self.hidden, self.engine = hidden, engine
+        self.proj = width if "weight_hr_l0" in ctx.params else 0
         count = len(self.direction_names)
-        self.state_shape = self.c_shape = (count, batch, hidden)
-        self.y_shape = (steps, batch, hidden * self.directions)
+        self.state_shape, self.c_shape = (count, batch, width), (count, batch, hidden)
+        self.y_shape = (steps, batch, width * self.directions)
         self.h0, self.c0 = functional._initial_states(ctx.cell, xp, None, count, batch,
-                                                      (hidden, hidden), np.float32)
+                                                      (width, hidden), np.float32)
         self.notes = [d for d in ctx.stats.details if d.startswith("stack mode not used")]
         self.mask = buffers.mask_arrays(xp, x) if lengths else None
         self.rows = buffers.reversed_rows(xp, steps, batch) if ctx.bidirectional else None
@@ -78,7 +82,7 @@ class LayersPlan(Plan):
         held = {"gi": workspace(xp, "gi", (steps * batch, gates), np.float32),
                 "gi_reverse": workspace(xp, "gi_reverse", (steps * batch, gates), np.float32),
                 "gi_reversed": workspace(xp, "gi_reversed", (steps, batch, gates), np.float32),
-                "y_reversed": workspace(xp, "y_reversed", (steps, batch, hidden), np.float32)}
+                "y_reversed": workspace(xp, "y_reversed", (steps, batch, width), np.float32)}
         self.forward_passes = []
         for k, names in enumerate(self.direction_names):
             d = ctx.directions[k // self.directions][k % self.directions]
@@ -86,7 +90,8 @@ class LayersPlan(Plan):
             gi = held["gi_reversed" if reverse else "gi"].reshape(steps, batch, gates)
             prepared = runtime.prepare_forward(
                 ctx.cell, engine, gi, ctx.params[names["weight_hh"]],
-                ctx.params.get(names.get("bias_hh")), d.h0, d.c0, ctx.lengths, None, None, d.fwd)
+                ctx.params.get(names.get("bias_hh")), d.h0, d.c0, ctx.lengths, None,
+                ctx.params.get(names.get("weight_hr")), d.fwd)
             prepared.around = runtime.Around(
                 self._before_forward, self._after_forward,
                 {"k": k, "weights": self._weights_of(k), "gi_out": held[
@@ -96,11 +101,11 @@ class LayersPlan(Plan):
             self.forward_passes.append(prepared)
 
     def _weights_of(self, k: int) -> tuple:
-        """Layer-direction ``k``'s ``(w_ih, w_hh, b_ih, b_hh)`` (biases ``None`` without them):
-        the weights the plan holds now (``_rebind``)."""
+        """Layer-direction ``k``'s ``(w_ih, w_hh, b_ih, b_hh, w_hr)`` (``None`` where it has
+        none): the weights the plan holds now (``_rebind``)."""
         params = dict(zip(self.names, self.weights))
         names = self.direction_names[k]
-        return tuple(params.get(names.get(kind)) for kind in functional.PARAMETER_GRADIENTS)
+        return tuple(params.get(names.get(kind)) for kind in _GRADIENTS)
 
     def _rebind(self, params: Mapping[str, Array]) -> bool:
         """``Plan._same_weights`` of new array objects over the planned ones' memory: kept, and
@@ -129,14 +134,14 @@ class LayersPlan(Plan):
                                   for _ in range(self.num_layers - 1)]
         out = xp.empty(self.y_shape, np.float32)
         h_n = xp.empty(self.state_shape, np.float32)
-        c_n = xp.empty(self.state_shape, np.float32) if cell.has_cell_state else None
+        c_n = xp.empty(self.c_shape, np.float32) if cell.has_cell_state else None
         stats, directions = RunStats(), [[] for _ in range(self.num_layers)]
         first_y = None
         with launch.one_graph():  # (every layer-direction's chain: one graph, one launch)
             for k, prepared in enumerate(self.forward_passes):
                 layer, direction = divmod(k, self.directions)
-                fwd = runtime.ForwardResult(*buffers.allocate_forward(
-                    cell, prepared.args["gi"], 0))
+                y, cs, saved = buffers.allocate_forward(cell, prepared.args["gi"], self.proj)
+                fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
                 arrays = runtime.forward_arrays(fwd, h0[k], None if c0 is None else c0[k],
                                                 lengths)
                 arrays.update(x=inputs[layer], x_given=given, reverse=reverse, y_first=first_y,
@@ -162,7 +167,7 @@ class LayersPlan(Plan):
             if lengths is not None and self.bidirectional:
                 functional.reverse_index_into(xp, lengths, self.reverse_scratch,
                                               arrays["reverse"])
-        w_ih, _, b_ih, _ = fixed["weights"]
+        w_ih, _, b_ih = fixed["weights"][:3]
         gi = matmul_steps(arrays["x"], w_ih.T, fixed["gi_out"])
         if b_ih is not None:
             gi += b_ih
@@ -186,9 +191,9 @@ class LayersPlan(Plan):
             else:
                 select_active(xp, y, lengths, target, self.mask)
             return
-        hidden = self.hidden
-        target[:, :, :hidden] = arrays["y_first"]
-        target[:, :, hidden:] = functional._gather(arrays["reverse"], y, fixed["y_reversed"])
+        width = self.width
+        target[:, :, :width] = arrays["y_first"]
+        target[:, :, width:] = functional._gather(arrays["reverse"], y, fixed["y_reversed"])
         if lengths is not None:
             select_active(xp, target, lengths, target, self.mask)
 
@@ -202,13 +207,14 @@ class LayersPlan(Plan):
             return
         xp, cell, hidden = self.xp, self.cell, self.hidden
         steps, batch, _ = self.x_shape
-        engine, _ = runtime._engine(cell, dy, hidden, batch, self.algo, backward=True)
+        engine, _ = runtime._engine(cell, dy, hidden, batch, self.algo, backward=True,
+                                    proj_size=self.proj)
         if engine is None:
             return
         # (the caller's dy selected, or a batch-first one's copied contiguous, where the pass
         # would read it)
         self.dy_formed = self.lengths or not dy.flags.c_contiguous
-        shape = (steps, batch, hidden)
+        shape = (steps, batch, self.width)
         rows, upper = steps * batch, self.y_shape[2]
         held = {"dy": workspace(xp, "dy", self.y_shape, np.float32),
                 "dy_direction": workspace(xp, "dy_direction", shape, np.float32),
@@ -219,7 +225,7 @@ class LayersPlan(Plan):
                 "d_layer_input": workspace(xp, "d_layer_input", (rows, upper), np.float32),
                 "d_in_part": workspace(xp, "d_in_part", (rows, self.x_shape[2]), np.float32),
                 "d_in_part upper": workspace(xp, "d_in_part", (rows, upper), np.float32),
-                "dw_hh": workspace(xp, "dw_hh", (cell.gates * hidden, hidden), np.float32)}
+                "dw_hh": workspace(xp, "dw_hh", (cell.gates * hidden, self.width), np.float32)}
         self.held_grads = ({name: workspace(xp, "plan_grad " + name, w.shape, np.float32)
                        for name, w in zip(self.names, self.weights)} if self.accumulates else None)
         passes = []
@@ -228,9 +234,10 @@ class LayersPlan(Plan):
             d = ctx.directions[layer][direction]
             pass_dy = self._direction_dy(layer, direction, dy, held)
             dgi, dgh = runtime._gradient_buffers(cell, pass_dy, hidden, direction)
-            prepared = runtime.prepare_backward(cell, engine, pass_dy, self._weights_of(k)[1],
-                                                d.h0, d.c0, ctx.lengths, d.fwd, None, None,
-                                                direction, dgi, dgh)
+            weights = self._weights_of(k)
+            prepared = runtime.prepare_backward(cell, engine, pass_dy, weights[1], d.h0, d.c0,
+                                                ctx.lengths, d.fwd, None, weights[4], direction,
+                                                dgi, dgh)
             prepared.around = runtime.Around(
                 self._before_backward, self._after_backward,
                 dict(held, k=k, weights=self._weights_of(k)),
@@ -257,7 +264,7 @@ class LayersPlan(Plan):
         xp, lengths = self.xp, ctx.lengths
         dx = xp.empty(self.x_shape, np.float32)
         dh = xp.empty(self.state_shape, np.float32)
-        dc = xp.empty(self.state_shape, np.float32) if self.cell.has_cell_state else None
+        dc = xp.empty(self.c_shape, np.float32) if self.cell.has_cell_state else None
         grads = self.held_grads or {n: xp.empty(w.shape, w.dtype)
                                for n, w in zip(self.names, self.weights)}
         sums = tuple(into[n] for n in self.names) if self.accumulates else None
@@ -292,13 +299,16 @@ class LayersPlan(Plan):
         if self.directions == 2 and direction == 0:
             d_out = (fixed["d_layer_input"].reshape(self.y_shape) if not top
                      else fixed["dy"] if self.dy_formed else arrays["dy_in"])
-            hidden = self.hidden
-            xp.copyto(fixed["dy_direction"], d_out[:, :, :hidden])
-            xp.copyto(fixed["gather_source"], d_out[:, :, hidden:])
+            width = self.width
+            xp.copyto(fixed["dy_direction"], d_out[:, :, :width])
+            xp.copyto(fixed["gather_source"], d_out[:, :, width:])
             functional._gather(arrays["reverse"], fixed["gather_source"], fixed["dy_reversed"])
         prepared = self.backward_passes[k]
         runtime.zero_carries(prepared.backward)
-        xp.copyto(prepared.args["w_t"], fixed["weights"][1].T)
+        w_hr = fixed["weights"][4]  # (an LSTM projection's: its transpose too)
+        for arg, w in (("w_t", fixed["weights"][1]),) if w_hr is None else (
+                ("w_hh_t", fixed["weights"][1]), ("w_hr_t", w_hr)):
+            xp.copyto(prepared.args[arg], w.T)
 
     def _after_backward(self, arrays: dict, fixed: dict) -> None:
         """Inside a layer-direction's backward chain, after its completion: its ``dh0``, ``dc0``
@@ -309,7 +319,7 @@ class LayersPlan(Plan):
         xp, k = self.xp, fixed["k"]
         layer, direction = divmod(k, self.directions)
         s = self.backward_passes[k].backward
-        w_ih, w_hh, _, _ = fixed["weights"]
+        w_ih, w_hh = fixed["weights"][:2]
         runtime.initial_state_gradient(s, w_hh, arrays["dh0"])
         if arrays["dc0"] is not None:
             xp.copyto(arrays["dc0"], s.dc_carry[0])
@@ -319,10 +329,11 @@ class LayersPlan(Plan):
                                                                fixed["dgi_reversed"])
         names = self.direction_names[k]
         grads = dict(zip(self.names, arrays["grads"]))
+        ordered = tuple(grads[names[n]] for n in _GRADIENTS if n in names)
         functional.parameter_gradients(dgi, s.dgh, flat, arrays["y"], arrays["h0"],
-                                       "bias_ih" in names,
-                                       tuple(grads[names[n]] for n in _GRADIENTS if n in names),
-                                       fixed["dw_hh"])
+                                       "bias_ih" in names, ordered, fixed["dw_hh"])
+        if "weight_hr" in names:
+            _projection_gradient(s, arrays["hs"], ordered[-1])
         if direction == 0:
             target = arrays["dx"] if layer == 0 else fixed["d_layer_input"]
             matmul_steps(dgi, w_ih, target.reshape(flat.shape[0], -1))
@@ -347,12 +358,12 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> LayersP
     layer-direction per launch, every one persistent, or ``None``."""
     count = ctx.num_layers * (1 + ctx.bidirectional)
     if (count < 2 or ctx.half is not None or x.dtype != np.float32
-            or "weight_hr_l0" in ctx.params
             or sum(d.endswith(_PASS_DETAIL) for d in ctx.stats.details) != count):
         return None
-    d = ctx.directions[0][0]
-    engine, _ = runtime._engine(ctx.cell, x, d.h0.shape[1], x.shape[1], ctx.algo,
-                                backward=False)
+    w_hr = ctx.params.get("weight_hr_l0")
+    engine, _ = runtime._engine(ctx.cell, x, ctx.params["weight_hh_l0"].shape[0] // ctx.cell.gates,
+                                x.shape[1], ctx.algo, backward=False,
+                                proj_size=0 if w_hr is None else w_hr.shape[0])
     if engine is None:
         return None
     return LayersPlan(ctx, x, hx is not None, lengths is not None, engine)

@@ -325,6 +325,8 @@ _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           "bidir2": (_sized_layer_call(8, "float32", layers=2, bidirectional=True),
                      {"LSTM": prnn.LSTM}),
           "batch_first": (_sized_layer_call(8, "float32", batch_first=True), {"GRU": prnn.GRU}),
+          # (never in stack mode: one layer-direction per launch)
+          "projection2": (_sized_layer_call(12, "float32", 6, layers=2), {"LSTM": prnn.LSTM}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -408,11 +410,15 @@ PLANNED_LIMITS = {
     # a batch-first layer (the input's and dy's transposes inside the chain, 2026-11-27)
     ("batch_first", "GRU", False): 33,  # 30  (88)
     ("batch_first", "GRU", True): 63,   # 57  (187)
+    # a two-layer LSTM projection stack (H=12, P=6; one layer-direction per launch, planned since
+    # 2026-11-27's fifth session)
+    ("projection2", "LSTM", False): 74,  # 67  (187)
+    ("projection2", "LSTM", True): 147,  # 134 (423)
 }
 
 
 # (a bidirectional stack's pairs: one chain per layer; layer-directions: one each)
-CHAINS_PER_PASS = {"pairs2": 2, "layers": 2, "bidir2": 4}
+CHAINS_PER_PASS = {"pairs2": 2, "layers": 2, "bidir2": 4, "projection2": 2}
 NO_STACK = {"layers", "bidir2"}  # (run with the ``stack`` setting off)
 
 

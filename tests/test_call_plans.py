@@ -830,6 +830,58 @@ def test_layer_direction_calls_are_planned_bitwise(settings, grid_path, monkeypa
     assert counted.graph_units == chains
 
 
+PROJECTION_LAYERS_CASES = [(2, False, True), (1, True, False)] + (
+    [(2, True, True), (2, False, False)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("layers,pair,extras", PROJECTION_LAYERS_CASES,
+                         ids=[f"{n}-{'bidirectional' if p else 'stack'}-"
+                              f"{'states+lengths' if e else 'plain'}"
+                              for n, p, e in PROJECTION_LAYERS_CASES])
+def test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch, layers, pair,
+                                               extras):
+    """LSTM projection stacks and bidirectional layers (never in stack mode: one
+    layer-direction per launch) plan their calls (``LayersPlan`` with each layer-direction's
+    ``W_hr``, ``hs``, ``W_hr^T`` and ``dW_hr``): bitwise the full path, with initial states and
+    lengths or without (test_call_plans' projection shapes: H=12, P=6)."""
+    hits = _StackHits(monkeypatch)
+    make = lambda: prnn.LSTM(SI, 12, num_layers=layers, bidirectional=pair, proj_size=6,  # noqa: E731
+                             algo="persistent", seed=3)
+    planned, full = make(), make()
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((ST, SB, SI)).astype(np.float32)
+        dy = rng.standard_normal((ST, SB, 6 * planned.directions)).astype(np.float32)
+        hx = lengths = None
+        if extras:
+            lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
+            x[lengths[1]:, 1] = np.nan
+            count = layers * planned.directions
+            hx = tuple(rng.standard_normal((count, SB, w)).astype(np.float32) for w in (6, 12))
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx, lengths=lengths)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+            for name, w in layer.params.items():
+                w -= 0.01 * layer.grads[name]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    assert type(planned._plan) is layer_plans.LayersPlan
+    assert (hits.forwards, hits.backwards) == (3, 2)
+
+
+def test_a_projection_stack_plan_leaving_out_dw_hr_is_caught(settings, grid_path, monkeypatch):
+    """Sabotage: a planned projection stack whose backward's chains leave ``dW_hr`` out (the
+    gradients' workspace keeps the last full call's) fails the check above."""
+    monkeypatch.setattr(layer_plans, "_projection_gradient", lambda s, hs, out: None)
+    with pytest.raises(AssertionError):
+        test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch, 2, False,
+                                                   False)
+
+
 @pytest.mark.parametrize("sabotage", ["the reverse input ungathered", "outputs unselected",
                                       "W_hh^T copied once"])
 def test_a_sabotaged_layers_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
