@@ -118,27 +118,29 @@ def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkey
     _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
 
 
-@pytest.mark.parametrize("mode,layers,bidirectional,lengths,stack", [
-    ("LSTM", 2, False, [9, 7, 4], True), ("GRU", 3, False, None, True),
-    ("GRU", 1, True, [9, 7, 4], True), ("LSTM", 1, True, None, True),
-    ("LSTM", 2, True, [9, 7, 4], True), ("GRU", 2, False, [9, 7, 4], False),
-    ("LSTM", 2, True, None, False), ("GRU", 1, True, [9, 7, 4], False)])
+@pytest.mark.parametrize("mode,layers,bidirectional,lengths,stack,proj", [
+    ("LSTM", 2, False, [9, 7, 4], True, 0), ("GRU", 3, False, None, True, 0),
+    ("GRU", 1, True, [9, 7, 4], True, 0), ("LSTM", 1, True, None, True, 0),
+    ("LSTM", 2, True, [9, 7, 4], True, 0), ("GRU", 2, False, [9, 7, 4], False, 0),
+    ("LSTM", 2, True, None, False, 0), ("GRU", 1, True, [9, 7, 4], False, 0),
+    ("LSTM", 2, True, [9, 7, 4], True, 24)])
 def test_planned_stacks_and_pairs_replay_their_chains_with_the_full_calls_bits(
-        cupy, settings, monkeypatch, mode, layers, bidirectional, lengths, stack):
+        cupy, settings, monkeypatch, mode, layers, bidirectional, lengths, stack, proj):
     """The same for a stack in stack mode (``stack_plans.StackPlan``: the input's projection,
     the weights' stacking, the layers' outputs, the gradients and the sums inside its one chain
     per pass), a bidirectional layer's directions side by side (``PairPlan``: the reversals
     and gathers too) and, with the ``stack`` setting off, stacks and bidirectional layers run
-    one layer-direction per launch (``layer_plans.LayersPlan``); a pass of several chains (two
+    one layer-direction per launch (``layer_plans.LayersPlan``; an LSTM projection stack always
+    runs so); a pass of several chains (two
     layers of pairs, layer-directions) replayed as one graph (``launch.one_graph``: one graph
     launch a pass). Written 2026-11-27 on a machine without a GPU: not run yet (the pairs of
     two layers and the layer-directions since the fifth session)."""
     from persistent_rnn import layer_plans, stack_plans
     prnn.configure(stack=stack)
-    layer, x, dy = _layer(cupy, mode, layers, bidirectional=bidirectional)
-    full, _, _ = _layer(cupy, mode, layers, bidirectional=bidirectional)
+    layer, x, dy = _layer(cupy, mode, layers, proj=proj, bidirectional=bidirectional)
+    full, _, _ = _layer(cupy, mode, layers, proj=proj, bidirectional=bidirectional)
     _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
-    assert type(layer._plan) is (layer_plans.LayersPlan if not stack else
+    assert type(layer._plan) is (layer_plans.LayersPlan if not stack or proj else
                                  stack_plans.PairPlan if bidirectional else stack_plans.StackPlan)
     with launch.counting() as counts:  # (a planned, replayed call: one graph a pass)
         layer.forward(x, lengths=lengths)
