@@ -58,6 +58,7 @@ class LayersPlan(Plan):
         self.bidirectional = ctx.bidirectional
         self.direction_names = [d.names for dirs in ctx.directions for d in dirs]
         self.names = {n: n for names in self.direction_names for n in names.values()}
+        self._index = {n: k for k, n in enumerate(self.names)}  # (a name's place in ``sums``)
         self.weights = tuple(ctx.params[n] for n in self.names)
         steps, batch, _ = x.shape
         # (H; h and y are P wide with an LSTM projection, ``width``)
@@ -78,6 +79,8 @@ class LayersPlan(Plan):
         self.backward_passes: list[runtime.PreparedPass] | None = None
         self.backward_pass: Any = None  # (``Plan.backward``'s test: the passes, once prepared)
         self.backward_engine: Any = None
+        self.held_grads: dict | None = None  # (an accumulating plan's gradients: ``plan_backward``)
+        self.dy_formed = False  # (whether the top passes read ``dy`` formed: ``plan_backward``)
         gates = ctx.cell.gates * hidden
         held = {"gi": workspace(xp, "gi", (steps * batch, gates), np.float32),
                 "gi_reverse": workspace(xp, "gi_reverse", (steps * batch, gates), np.float32),
@@ -121,7 +124,7 @@ class LayersPlan(Plan):
     def forward(self, x: Array, hx: Any, params: Mapping[str, Array],
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of the layer-directions: their chains in one graph."""
-        xp, cell, hidden, steps = self.xp, self.cell, self.hidden, self.x_shape[0]
+        xp, cell, steps = self.xp, self.cell, self.x_shape[0]
         h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
             xp, hx if cell.has_cell_state else (hx, None))
         layer_input, given = x, None
@@ -227,7 +230,8 @@ class LayersPlan(Plan):
                 "d_in_part upper": workspace(xp, "d_in_part", (rows, upper), np.float32),
                 "dw_hh": workspace(xp, "dw_hh", (cell.gates * hidden, self.width), np.float32)}
         self.held_grads = ({name: workspace(xp, "plan_grad " + name, w.shape, np.float32)
-                       for name, w in zip(self.names, self.weights)} if self.accumulates else None)
+                            for name, w in zip(self.names, self.weights)}
+                           if self.accumulates else None)
         passes = []
         for k in range(count):
             layer, direction = divmod(k, self.directions)
@@ -266,7 +270,7 @@ class LayersPlan(Plan):
         dh = xp.empty(self.state_shape, np.float32)
         dc = xp.empty(self.c_shape, np.float32) if self.cell.has_cell_state else None
         grads = self.held_grads or {n: xp.empty(w.shape, w.dtype)
-                               for n, w in zip(self.names, self.weights)}
+                                    for n, w in zip(self.names, self.weights)}
         sums = tuple(into[n] for n in self.names) if self.accumulates else None
         stats = RunStats()
         with launch.one_graph():  # (every layer-direction's chain: one graph, one launch)
@@ -343,9 +347,8 @@ class LayersPlan(Plan):
             d_in += matmul_steps(dgi, w_ih, fixed["d_in_part" if layer == 0
                                                   else "d_in_part upper"])
         if arrays["sums"] is not None:  # (as the layer API adds a full call's: ``layers``)
-            index = {n: i for i, n in enumerate(self.names)}
             for name in names.values():
-                total = arrays["sums"][index[name]]
+                total = arrays["sums"][self._index[name]]
                 total += grads[name]
 
     def _backward_current(self, ctx: functional.Context) -> bool:

@@ -266,7 +266,8 @@ class StackPlan(Plan):
         y, cs, saved, h0, c0 = ctx.stacked
         args = stack.backward_arguments(
             {"w_t": prepared["w_t"], "w_ih_t": prepared["w_ih_t"]},
-            dy if prepared["dy"] is None else prepared["dy"], y, cs, saved, h0, h0 if c0 is None else c0,
+            dy if prepared["dy"] is None else prepared["dy"], y, cs, saved, h0,
+            h0 if c0 is None else c0,
             self.all_steps if lengths is None else lengths, True, prepared["scratch"])
         dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, prepared, into)
         call = (ctx, dy, args, dx, dh, dc, grads, into)
