@@ -487,15 +487,17 @@ def _half_steps(planned, full, seeds, states: bool, lengths: bool) -> None:
     """Forward and backward calls of ``planned`` and of ``full`` (which never plans), each
     followed by an in-place SGD step of the parameters: every result, gradient and parameter
     bitwise equal, of the layer's dtype (16-bit layers', and projections' of any dtype: input
-    size ``HALF_I``, batch ``HALF_B``)."""
+    size ``HALF_I``, batch ``HALF_B``; stacks and bidirectional layers too)."""
     cell, dtype = planned.cell.has_cell_state, planned.dtype
     hidden = planned.hidden_size
     width = planned.proj_size or hidden
+    count = planned.num_layers * planned.directions
     for seed in seeds:
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((4, HALF_B, HALF_I)).astype(dtype)
-        dy = rng.standard_normal((4, HALF_B, width)).astype(dtype)
-        pair = tuple(rng.standard_normal((1, HALF_B, n)).astype(dtype) for n in (width, hidden))
+        dy = rng.standard_normal((4, HALF_B, width * planned.directions)).astype(dtype)
+        pair = tuple(rng.standard_normal((count, HALF_B, n)).astype(dtype)
+                     for n in (width, hidden))
         hx = (pair if cell else pair[0]) if states else None
         given = [4, 2, int(rng.integers(1, 5))] if lengths else None
         results = []
@@ -997,3 +999,72 @@ def test_a_batch_first_dy_read_in_place_is_caught(settings, grid_path, monkeypat
                      for _ in range(2))
     with pytest.raises(AssertionError):
         _batch_first_steps("GRU", planned, full, range(5), False)
+
+
+# 16-bit stacks and bidirectional layers run one layer-direction per launch
+# (layer_plans.HalfLayersPlan; H = 13: W_hh's words padded copies, refreshed in the chains).
+HALF_LAYERS_CASES = [("GRU", "float16", 2, False, True), ("LSTM", "bfloat16", 1, True, False)] + (
+    [("LSTM", "float16", 2, True, True), ("GRU", "bfloat16", 1, True, True),
+     ("LSTM", "bfloat16", 2, False, False)] if EVERY_KERNEL else [])
+
+
+def _half_layers(cell: str, dtype: str, layers: int, pair: bool, proj: int = 0):
+    prnn.configure(stack=False)
+    return getattr(prnn, cell)(HALF_I, HALF_H, num_layers=layers, bidirectional=pair,
+                               proj_size=proj, algo="persistent", seed=11, dtype=dtype)
+
+
+@pytest.mark.parametrize("cell,dtype,layers,pair,extras", HALF_LAYERS_CASES,
+                         ids=[f"{c}-{d}-{n}-{'bidirectional' if p else 'stack'}-"
+                              f"{'states+lengths' if e else 'plain'}"
+                              for c, d, n, p, e in HALF_LAYERS_CASES])
+def test_16_bit_layer_direction_calls_are_planned_bitwise(settings, monkeypatch, released_after,
+                                                          cell, dtype, layers, pair, extras):
+    """16-bit stacks and bidirectional layers run one layer-direction per launch plan their
+    calls with the conversions inside the chains (``HalfLayersPlan``): bitwise the full path's
+    results, gradients and sums in the layer's dtype, with initial states and lengths or without,
+    across in-place updates of the 16-bit weights; with the chains stubbed no product, copy,
+    fill, sum or conversion runs beside them, and ``grads`` stay as they were."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (_half_layers(cell, dtype, layers, pair) for _ in range(2))
+    _half_steps(planned, full, range(5), states=extras, lengths=extras)
+    assert type(planned._plan) is layer_plans.HalfLayersPlan
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    x = np.ones((4, HALF_B, HALF_I), planned.dtype)
+    dy = np.ones((4, HALF_B, HALF_H * planned.directions), planned.dtype)
+    h = np.zeros((layers * planned.directions, HALF_B, HALF_H), planned.dtype)
+    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
+    lengths = [4, 2, 1] if extras else None
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    # (with lengths: validation.lengths' conversion of them on the host, the full path's check)
+    assert _array_work(lambda: planned.forward(x, hx, lengths)) == int(extras)
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (4, 3)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(_bits(g), _bits(grads[name]))
+
+
+@pytest.mark.parametrize("sabotage", ["stale W_hh words", "narrowed by truncation",
+                                      "the upper input unrounded"])
+def test_a_missed_16_bit_conversion_in_a_layers_plan_is_caught(settings, monkeypatch,
+                                                               released_after, sabotage):
+    """Sabotages of a 16-bit layers plan's conversions fail the check above: the passes' W_hh
+    words (padded copies: H odd) not refreshed after an in-place update, results narrowed by
+    dropping bits rather than rounded, an upper layer's product taking its float32 input's
+    rounding workspace stale (never written)."""
+    if sabotage == "stale W_hh words":
+        monkeypatch.setattr(layer_plans, "_refresh", lambda held, m: None)
+    elif sabotage == "narrowed by truncation":
+        monkeypatch.setattr(layer_plans, "_narrowed", lambda xp, out, a: (
+            xp.copyto(out, a) if out.dtype == a.dtype else out.view(np.uint16).__setitem__(
+                ..., a.view(np.uint32) >> 16)))
+    else:
+        narrowed = layer_plans._narrowed
+        monkeypatch.setattr(layer_plans, "_narrowed", lambda xp, out, a: None if (
+            out.shape == (4 * HALF_B, HALF_H)) else narrowed(xp, out, a))  # (the input's rows)
+    with pytest.raises(AssertionError):
+        _half_steps(_half_layers("GRU", "bfloat16", 2, False),
+                    _half_layers("GRU", "bfloat16", 2, False), range(5), states=False,
+                    lengths=False)
