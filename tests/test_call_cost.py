@@ -327,6 +327,7 @@ _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           "batch_first": (_sized_layer_call(8, "float32", batch_first=True), {"GRU": prnn.GRU}),
           # (never in stack mode: one layer-direction per launch)
           "projection2": (_sized_layer_call(12, "float32", 6, layers=2), {"LSTM": prnn.LSTM}),
+          "layers16": (_sized_layer_call(13, "float16", layers=2), {"GRU": prnn.GRU}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -414,12 +415,15 @@ PLANNED_LIMITS = {
     # 2026-11-27's fifth session)
     ("projection2", "LSTM", False): 74,  # 67  (187)
     ("projection2", "LSTM", True): 147,  # 134 (423)
+    # ... and a float16 one (H=13: layer_plans.HalfLayersPlan, its conversions inside the chains)
+    ("layers16", "GRU", False): 73,   # 66  (253)
+    ("layers16", "GRU", True): 145,   # 131 (641)
 }
 
 
 # (a bidirectional stack's pairs: one chain per layer; layer-directions: one each)
-CHAINS_PER_PASS = {"pairs2": 2, "layers": 2, "bidir2": 4, "projection2": 2}
-NO_STACK = {"layers", "bidir2"}  # (run with the ``stack`` setting off)
+CHAINS_PER_PASS = {"pairs2": 2, "layers": 2, "bidir2": 4, "projection2": 2, "layers16": 2}
+NO_STACK = {"layers", "bidir2", "layers16"}  # (run with the ``stack`` setting off)
 
 
 @pytest.fixture
