@@ -652,8 +652,9 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     the planned call's Python (``hw.PYTHON_*_US``: the 16-bit and projection plans' Python
     counted alike, tests/test_call_cost.py); a call not planned (``planned`` False) issues
     those operations as calls of their own beside the chain's graph, with the full path's
-    Python (``hw.PYTHON_FULL_*_US``; for a layer-direction of a 16-bit stack or pair, as a
-    rough guide). Float32 stacks and bidirectional layers (LSTM projections too) are
+    Python (``hw.PYTHON_FULL_*_US``; for a layer-direction of a 16-bit stack in stack mode or
+    of 16-bit pairs, as a rough guide). Stacks and bidirectional layers (LSTM projections too;
+    16-bit ones where they run one layer-direction per launch) are
     planned too, batch-first calls of every planned path as well (``stack_plans``, stack mode
     and pairs; ``layer_plans``, one layer-direction per launch; 2026-11-27): one graph launch
     per pass for the whole call (``launch.one_graph``), every operation of the call inside;

@@ -1,6 +1,6 @@
 """A stack or bidirectional call that runs one layer-direction per launch, planned (issue 26).
 
-Where a float32 stack or bidirectional layer does not run in stack mode or as pairs (the
+Where a stack or bidirectional layer does not run in stack mode or as pairs (the
 ``stack`` setting off, or a shape with no stack kernel: ``stack.engine``), ``functional`` runs
 each layer-direction's pass in turn (``_forward_layers`` / ``_backward_layers``). A
 ``LayersPlan`` keeps, per layer-direction, a prepared pass (``runtime.prepare_forward`` /
@@ -20,8 +20,9 @@ back; added to the first direction's in place) and the layer API's sums. Bitwise
 (tests/test_call_plans.py).
 
 LSTM projections too (each layer-direction's ``W_hr`` as the full path passes it, ``hs`` a new
-array per call, ``W_hr^T`` copied anew, ``dW_hr`` beside the other gradients). Not planned:
-16-bit layers (their conversions), calls whose layer-directions did not all run persistent.
+array per call, ``W_hr^T`` copied anew, ``dW_hr`` beside the other gradients), and 16-bit
+layers (``HalfLayersPlan``: their conversions inside the chains). Not planned: calls whose
+layer-directions did not all run persistent, parameters of another dtype than the input's.
 """
 from __future__ import annotations
 

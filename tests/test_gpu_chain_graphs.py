@@ -149,6 +149,23 @@ def test_planned_stacks_and_pairs_replay_their_chains_with_the_full_calls_bits(
 
 
 @pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
+    ("GRU", 2, False, [9, 7, 4]), ("LSTM", 1, True, None)])
+def test_planned_16_bit_layer_directions_replay_their_chains_with_the_full_calls_bits(
+        cupy, settings, monkeypatch, mode, layers, bidirectional, lengths):
+    """float16 stacks and bidirectional layers run one layer-direction per launch (the
+    ``stack`` setting off: ``layer_plans.HalfLayersPlan``, the conversions inside the chains,
+    an upper layer's input rounded into a 16-bit workspace for the captured ``gemmEx``)
+    replayed, bitwise a layer that never plans. Written 2026-11-27 (fifth session) without a
+    GPU: not run yet."""
+    from persistent_rnn import layer_plans
+    prnn.configure(stack=False)
+    layer, x, dy = _layer(cupy, mode, layers, "float16", bidirectional=bidirectional)
+    full, _, _ = _layer(cupy, mode, layers, "float16", bidirectional=bidirectional)
+    _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
+    assert type(layer._plan) is layer_plans.HalfLayersPlan
+
+
+@pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
     ("GRU", 1, False, None), ("LSTM", 1, False, [7, 9, 4]), ("LSTM", 2, False, None),
     ("GRU", 2, True, [7, 9, 4])])
 def test_planned_batch_first_calls_replay_their_chains_with_the_full_calls_bits(
