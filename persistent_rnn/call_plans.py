@@ -25,9 +25,12 @@ Planned: a single unidirectional layer-direction whose persistent engine ran (on
 emulation), float32 or 16-bit (``HalfPlan``: its conversions inside the chains too), with an LSTM
 projection or without (its ``W_hr``, ``hs`` and ``dW_hr`` as the full path's); forward and
 backward; with lengths or without (lengths: a per-call role of the prepared passes; the input's
-selection inside the forward's chain too, ``formed_input``); and a float32 stack that runs in
-stack mode, one chain per pass, or a bidirectional layer or stack run as pairs, one chain per
-layer and pass (``stack_plans``' ``StackPlan`` and ``PairPlan``, built on ``Plan``). Never under
+selection inside the forward's chain too, ``formed_input``); batch-first or not (a time-major
+view: the input and ``dy`` formed inside the chains); and a float32 stack that runs in
+stack mode, one chain per pass, a bidirectional layer or stack run as pairs, one chain per
+layer, or a stack or bidirectional layer run one layer-direction per launch, one chain each
+(``stack_plans``' ``StackPlan`` and ``PairPlan``, ``layer_plans.LayersPlan``, built on
+``Plan``; a pass's chains in one ``launch.one_graph``: one graph launch). Never under
 CUDA stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs the
@@ -82,8 +85,7 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "Plan |
     """The plan of a single layer-direction's forward that ran the whole way (``functional.forward``
     of ``x``, ``hx``, ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned
     (``plans.plan_of``, which also gives it the caller's key)."""
-    if not (ctx.num_layers == 1 and not ctx.bidirectional
-            and not ctx.batch_first and ctx.stats.algo == "persistent"
+    if not (ctx.num_layers == 1 and not ctx.bidirectional and ctx.stats.algo == "persistent"
             and x.dtype == (np.float32 if ctx.half is None else half_dtype(ctx.half))
             and runs_here(buffers.array_module(x))):
         return None
@@ -114,6 +116,7 @@ class Plan:
         self.cell, self.algo, self.half = ctx.cell, ctx.algo, ctx.half
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
+        self.given_shape = x.shape  # (the caller's: batch-major for a batch-first layer)
         self.where, self.settings = _where(xp), settings.current()
         self.generation = buffers.generation()
         self.names = d.names
@@ -172,7 +175,7 @@ class Plan:
         """Whether a forward of ``x``, ``hx`` and ``lengths`` (valid ones: the caller's) with
         ``params`` may run this plan: everything the full path would check or derive is as
         when it was planned."""
-        if (type(x) is not self.x_type or x.shape != self.x_shape or x.dtype != self.x_dtype
+        if (type(x) is not self.x_type or x.shape != self.given_shape or x.dtype != self.x_dtype
                 or (lengths is not None) != self.lengths
                 or (hx is not None) != self.states or (hx is not None and not self._states(hx))
                 or algo != self.algo or settings.current() is not self.settings
@@ -261,10 +264,8 @@ class Plan:
         chain (none: as functional's, contiguous, row 0 of a layer, are the caller's)."""
         if hx is None:
             return self.h0, self.c0, {}
-        xp = self.xp
-        if self.c0 is None:
-            return xp.ascontiguousarray(hx)[0], None, {}
-        return xp.ascontiguousarray(hx[0])[0], xp.ascontiguousarray(hx[1])[0], {}
+        h0, c0 = contiguous_states(self.xp, hx if self.c0 is not None else (hx, None))
+        return h0[0], None if c0 is None else c0[0], {}
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
         """Inside the forward's chain, before its pass (``runtime.Around``): a strided input
@@ -299,9 +300,13 @@ class Plan:
         if prepared is None or not self._backward_current(ctx):
             result = functional.backward(ctx, dy)
             if prepared is None:
-                self.plan_backward(ctx, dy)
+                self.plan_backward(ctx, _time_major(dy, ctx.batch_first))
             return (*result, False)
-        return (*self._planned_backward(ctx, dy, into), self.accumulates)
+        if not ctx.batch_first:
+            return (*self._planned_backward(ctx, dy, into), self.accumulates)
+        # (a batch-first layer's: dy seen time-major, formed inside the chain; dx seen back)
+        dx, dhx, grads = self._planned_backward(ctx, dy.transpose(1, 0, 2), into)
+        return dx.transpose(1, 0, 2), dhx, grads, self.accumulates
 
     def _planned_backward(self, ctx: functional.Context, dy: Array,
                           into: Mapping[str, Array] | None) -> tuple[Array, Any, dict]:
@@ -340,9 +345,11 @@ class Plan:
             return
         xp, lengths = self.xp, ctx.lengths
         dy = self._pass_dy(dy)
-        if lengths is not None:  # (the dy the chain reads: ``backward``'s workspace)
-            self.dy_pass = dy = select_active(xp, dy, lengths, workspace(xp, "dy", dy.shape,
-                                                                         dy.dtype))
+        if lengths is not None or not dy.flags.c_contiguous:  # (the dy the chain reads,
+            # selected or copied into ``backward``'s workspace: a batch-first call's is strided)
+            self.dy_pass = workspace(xp, "dy", dy.shape, dy.dtype)
+            formed_input(xp, dy, self.dy_pass, lengths, None)
+            dy = self.dy_pass
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         prepared = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0, d.c0, lengths,
                                             d.fwd, self.half, self.w_hr, 0, dgi, dgh)
@@ -372,9 +379,7 @@ class Plan:
         copied anew (an optimizer may have changed ``W_hh`` in place), as
         ``functional.backward`` and ``runtime.backward_call`` do them."""
         xp, prepared = self.xp, self.backward_pass
-        if arrays["lengths"] is not None:
-            buffers.select_active(xp, arrays["dy_in"], arrays["lengths"], arrays["dy"],
-                                  fixed["mask"])
+        formed_input(xp, arrays.get("dy_in"), arrays["dy"], arrays["lengths"], fixed["mask"])
         runtime.zero_carries(prepared.backward)
         for arg, key in self._transposes():
             xp.copyto(prepared.args[arg], fixed[key].T)
@@ -414,16 +419,30 @@ class Plan:
 
 
 
+def contiguous_states(xp, states: tuple) -> tuple:
+    """The given initial states as the kernels read them: as they are where contiguous (the
+    usual case: nothing to enqueue), else copied, as ``functional._initial_states`` does."""
+    return tuple(a if a is None or a.flags.c_contiguous else xp.ascontiguousarray(a)
+                 for a in states)
+
+
 def _bits(a: Array) -> Array:
     """``a`` as it is selected: a 16-bit array on its bits (+0.0 is all zero bits)."""
     return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
+def _time_major(a: Array, batch_first: bool) -> Array:
+    """A batch-first layer's array (B, T, X) seen time-major (a view; itself otherwise, or back:
+    the transposition is its own inverse)."""
+    return a.transpose(1, 0, 2) if batch_first else a
 
 
 def formed_input(xp, given: Array | None, x: Array, lengths: Array | None,
                  mask: tuple | None) -> None:
     """Inside a forward's chain, the call's layer input ``x`` formed from the ``given`` one where
     they differ (``None``: they do not): selected with ``lengths`` (``functional._selected_input``;
-    ``mask``: the plan's ``buffers.mask_arrays`` of its bits), else copied (a strided input)."""
+    ``mask``: the plan's ``buffers.mask_arrays`` of its bits), else copied (a strided input);
+    in a backward's, the ``dy`` its pass reads so (a batch-first call's is strided)."""
     if given is None:
         return
     if lengths is None:

@@ -16,7 +16,9 @@ seen for the first time runs ``issue()`` directly (most keys of a run repeat: Cu
 a loop the same blocks call after call, but a one-off call should not pay a capture); the
 second time it is captured on a side stream (the caller's may be the legacy stream, which
 cannot be captured), instantiated, and from then on replayed. The most recent ``MAX_GRAPHS``
-keys are kept. While a chain is captured, ``capturing()`` is true on that thread: the products
+keys are kept. Several chains enqueued as one unit (``launch.one_graph``: a planned call's
+layers) are one key - every chain's - and one graph, replayed in one launch. While a chain is
+captured, ``capturing()`` is true on that thread: the products
 the chain holds (a planned call's, ``call_plans``) are then recorded as cuBLAS's own calls
 (``matmul``, ``cublas_capture``), the bits of the direct run.
 

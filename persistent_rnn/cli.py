@@ -215,7 +215,8 @@ def run_plan(args: argparse.Namespace) -> int:
               f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f}, prefetch "
               f"{t['prefetch_us']:.2f})")
     calls = record["per_call"]
-    layers = "; per layer-direction" if args.layers > 1 else ""
+    layers = ("; per layer-direction - a planned stack's share one graph launch a pass"
+              if args.layers > 1 else "")
     print(f"per call (predicted; input size {calls['input_size']}, host: API calls plus the "
           f"library's Python - a planned call: one graph launch, the Python measured on the CPU "
           f"as a replay runs it{layers}):")

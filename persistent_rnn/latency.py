@@ -659,16 +659,20 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     the planned call's Python (``hw.PYTHON_*_US``: the 16-bit and projection plans' Python
     counted alike, tests/test_call_cost.py); a call not planned (``planned`` False) issues
     those operations as calls of their own beside the chain's graph, with the full path's
-    Python (``hw.PYTHON_FULL_*_US``; for a layer-direction of a stack run layer by layer, of a
-    bidirectional layer run one direction per launch, or of a 16-bit stack, as a rough guide).
-    Float32 stacks in stack mode and bidirectional layers run as pairs are planned too
-    (``stack_plans``, 2026-11-27): one graph launch per pass for a whole stack, one per layer
-    and pass for pairs, every operation of the call inside; their Python counted at 36 / 76
-    (a two-layer GRU stack), 44 / 92 (a GRU pair) and 78 / 161 (two layers of LSTM pairs)
-    Python calls per forward / forward+backward against a single layer's 28 / 53
-    (tests/test_call_cost.py). The model prices them per layer-direction as planned
-    (``planned`` True: ``predict_stack_time``'s device terms); their host terms are not
-    modelled per stack. ``half``: a 16-bit layer, whose forward projects its input on the tensor
+    Python (``hw.PYTHON_FULL_*_US``; for a layer-direction of a 16-bit stack in stack mode or
+    of 16-bit pairs, as a rough guide). Stacks and bidirectional layers (LSTM projections too;
+    16-bit ones where they run one layer-direction per launch) are
+    planned too, batch-first calls of every planned path as well (``stack_plans``, stack mode
+    and pairs; ``layer_plans``, one layer-direction per launch; 2026-11-27): one graph launch
+    per pass for the whole call (``launch.one_graph``), every operation of the call inside;
+    their Python counted at 38 / 81 (a two-layer GRU stack in stack mode), 48 / 101 (a GRU
+    pair), 82 / 170 (two layers of LSTM pairs), 65 / 130 (a two-layer GRU stack, one
+    layer-direction per launch) and 111 / 222 (two bidirectional LSTM layers so) Python calls
+    per forward / forward+backward against a single layer's 30 / 57 (tests/test_call_cost.py).
+    The model prices them per layer-direction as planned (``planned`` True:
+    ``predict_stack_time``'s device terms), each as one API call (an upper bound: a call's
+    layer-directions share one graph launch a pass); their host terms are not modelled per
+    stack. ``half``: a 16-bit layer, whose forward projects its input on the tensor
     cores (its backward's GEMMs take the fp32 gradients: fp32)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden

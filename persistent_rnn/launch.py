@@ -29,7 +29,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -63,6 +63,9 @@ class Counters:
     allocations: int = 0  # CuPy device allocations (from its pool or not); only under counting()
     record_reads: int = 0  # device records folded into stats (on the GPU: may wait for it)
     graph_launches: int = 0  # chains replayed as one CUDA graph (chain_graphs)
+    # units of chains enqueued together (each ``run_chain`` outside ``one_graph``, each such
+    # block): what a GPU launches as one CUDA graph where chain graphs apply, on any engine
+    graph_units: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, what: str, n: int = 1) -> None:
@@ -72,7 +75,7 @@ class Counters:
     def snapshot(self) -> dict[str, int]:
         return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets,
                 "allocations": self.allocations, "record_reads": self.record_reads,
-                "graph_launches": self.graph_launches}
+                "graph_launches": self.graph_launches, "graph_units": self.graph_units}
 
 
 COUNTERS = Counters()
@@ -486,31 +489,86 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     completion's launches take beyond the chain's own (``chain_graphs.arguments_key``; None: the
     chain is never a graph); with it, a chain seen before is replayed as one CUDA graph
     (``chain_graphs``). Outside a user's capture the completion publishes the record
-    (``Chain.recorded`` counts it: ``record_of`` reads it)."""
+    (``Chain.recorded`` counts it: ``record_of`` reads it). Inside ``one_graph`` the chain is
+    enqueued with the block's others at its end, all of them one graph."""
     record = chain.published = not capturing(chain.words)
     # where the completion publishes the record: the ring, or under a user's capture nowhere
     # (the chain's own words, with no slots: never written)
     chain.publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record \
         else (chain.words, 0)
+    key = None if arguments_key is None else (
+        lambda: (_chain_key(chain), stall, first, end, arguments_key()))
+    # (a tuple: chain, issue(), key() - or None: never a graph)
+    pending = (chain, lambda: _issue_chain(chain, launch, first, stall, complete), key)
+    group = getattr(_GROUP, "pending", None)
+    if group is None:
+        _enqueue((pending,))
+    else:
+        group.append(pending)
+    if record:  # (in a group before it is enqueued: ``record_of`` numbers the pass now)
+        chain.recorded += 1
 
-    def issue() -> None:
-        _issue_chain(chain, launch, first, stall, complete)
 
+_GROUP = threading.local()  # per thread: the chains of the enclosing ``one_graph``, or None
+
+
+class one_graph:  # noqa: N801 -- used as a function: ``with launch.one_graph():``
+    """The chains ``run_chain`` is given inside the block are enqueued together at its end, in
+    their order, as one unit: one CUDA graph replayed in one launch where chain graphs apply
+    (``chain_graphs``), counted once in ``Counters.graph_units`` - a planned call of several
+    chains (``stack_plans``) is one graph launch a pass. Nothing in the block may wait for their
+    results (nothing runs before its end); a block inside another is part of the outer one. A
+    block left by an exception enqueues nothing (its chains' rings start anew: ``new_ring``).
+    (A class, not a generator: two Python calls a block.)"""
+
+    def __enter__(self) -> None:
+        self.pending = None if getattr(_GROUP, "pending", None) is not None else []
+        if self.pending is not None:
+            _GROUP.pending = self.pending
+
+    def __exit__(self, kind, exc, traceback) -> None:
+        pending = self.pending
+        if pending is None:  # (inside another block: enqueued at its end)
+            return
+        _GROUP.pending = None
+        if kind is not None:
+            _failed(pending)
+        elif pending:
+            _enqueue(pending)
+
+
+def _enqueue(pending: Sequence[tuple]) -> None:
+    """Enqueue ``pending``'s chains (``run_chain``'s tuples) in order: replayed as one graph where
+    every one has a key and the stream may take graphs (``chain_graphs.eligible``), else issued
+    launch by launch."""
+    COUNTERS.add("graph_units")
+    if len(pending) == 1:
+        issue = pending[0][1]
+    else:
+        def issue() -> None:
+            for p in pending:
+                p[1]()
     try:
-        if arguments_key is None or not chain_graphs.eligible(chain.words):
+        keys = chain_graphs.eligible(pending[0][0].words) and [p[2] for p in pending]
+        if not keys or None in keys:
             issue()
         else:
             s = settings.current()
-            key = (_chain_key(chain), s.cooperative, s.max_restarts, s.gpu_timeout_ms, stall,
-                   first, end, arguments_key())
+            key = (s.cooperative, s.max_restarts, s.gpu_timeout_ms, *[k() for k in keys])
             if chain_graphs.run(key, _holding_nothing(issue)):
                 COUNTERS.add("graph_launches")
     except BaseException:
-        chain.ring = None  # a new ring and numbering at the next pass (``Chain.new_ring``)
-        chain.untouched = False  # (its launches may have left progress words behind)
+        _failed(pending)
         raise
-    if record:
-        chain.recorded += 1
+
+
+def _failed(pending: Sequence[tuple]) -> None:
+    """After ``pending``'s enqueueing failed part way (or never began): their chains' next passes
+    start a new ring and numbering, and fill their progress words anew (``Chain.reset``: the
+    launches may have left some behind)."""
+    for chain, _, _ in pending:
+        chain.ring = None
+        chain.untouched = False
 
 
 def _chain_key(chain: Chain) -> tuple:

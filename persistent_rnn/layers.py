@@ -128,12 +128,15 @@ class _Recurrent:
         Returns ``(y, hn)``: y (T, B, D * H), or D * P (batch-first likewise), hn like ``hx``.
         """
         plan = self._plan
-        if (plan is not None and not self.batch_first
-                and plan.matches(x, hx, self.params, self.algo, lengths)):  # (call_plans)
+        if plan is not None and plan.matches(x, hx, self.params, self.algo, lengths):  # call_plans
+            if self.batch_first:  # (the plan's time-major view: transposed inside its chain)
+                x = x.transpose(1, 0, 2)
             if lengths is not None:  # (x and hx are as planned: checked as the full path does)
                 lengths = validation.lengths(lengths, x.shape[1], x.shape[0], plan.xp)
             self._ctx = None
             y, hn, ctx = plan.forward(x, hx, self.params, lengths)
+            if self.batch_first:  # (as the full path returns it: a view)
+                y, ctx.batch_first = y.transpose(1, 0, 2), True
             self._last_signature = plan.key
             self._ctx, self._y_shape, self.last_run = ctx, y.shape, ctx.stats
             return y, hn
@@ -166,7 +169,7 @@ class _Recurrent:
         if ctx.stats.algo != "persistent":  # (nothing to plan: no signature made)
             return
         signature = call_plans.signature(x, hx, lengths)
-        if signature == self._last_signature and not self.batch_first:
+        if signature == self._last_signature:
             self._plan = plans.plan_of(ctx, x, hx, lengths, signature, accumulates=True)
         self._last_signature = signature
 

@@ -1,12 +1,13 @@
 """Which plan serves a call's signature: ``call_plans`` for a single layer-direction,
 ``stack_plans`` for a stack that ran in stack mode or a bidirectional layer or stack that ran as
-pairs (docs/design.md, planned calls). The one entry point of both for the layer API and the
-torch modules."""
+pairs, ``layer_plans`` for a stack or bidirectional layer that ran one layer-direction per launch
+(docs/design.md, planned calls); batch-first calls of each through a time-major view. The one
+entry point of all three for the layer API and the torch modules."""
 from __future__ import annotations
 
 from typing import Any
 
-from . import buffers, call_plans, functional, stack_plans
+from . import buffers, call_plans, functional, layer_plans, stack_plans
 
 Array = Any
 
@@ -23,12 +24,14 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any, key: tuple
     planned call as its full path does). ``accumulates``: its backward adds the parameter
     gradients into its caller's arrays inside the chain (``Plan.backward``'s ``into``: the layer
     API's ``grads``)."""
+    given, x = x, call_plans._time_major(x, ctx.batch_first)  # (the plans' time-major view)
     if ctx.num_layers > 1 or ctx.bidirectional:
-        plan = (stack_plans.plan_of(ctx, x, hx, lengths)
-                if not ctx.batch_first and ctx.stats.algo == "persistent"
-                and call_plans.runs_here(buffers.array_module(x)) else None)
+        plan = None
+        if ctx.stats.algo == "persistent" and call_plans.runs_here(buffers.array_module(x)):
+            plan = (stack_plans.plan_of(ctx, x, hx, lengths)
+                    or layer_plans.plan_of(ctx, x, hx, lengths))
     else:
         plan = call_plans.plan_of(ctx, x, hx, lengths)
     if plan is not None:
-        plan.key, plan.accumulates = key, accumulates
+        plan.key, plan.accumulates, plan.given_shape = key, accumulates, given.shape
     return plan

@@ -1,7 +1,7 @@
 """A stack-mode call planned (issue 26): a unidirectional float32 stack whose layers run in one
 launch per pass (``stack``), with every operation of the call inside that pass's chain; and
 (``PairPlan``) a bidirectional float32 layer or stack whose layers run both directions side by
-side, one chain per layer and pass.
+side, one chain per layer, all of a pass's chains in one graph (``launch.one_graph``).
 
 As ``call_plans.Plan`` does for one layer-direction (its checks, ``matches``, and its
 ``backward``'s choice between the prepared pass and the full path are inherited), a
@@ -17,17 +17,14 @@ lengths) into the layer above's input or the call's output, ``h_n`` and ``c_n``;
 ``dy`` selected with lengths, the carries zeroed, ``W_hh^T`` and ``W_ih^T`` stacked, then
 ``dh0``, ``dc0``, every layer's parameter gradients, ``dx`` and the layer API's sums of the
 gradients. So on a GPU a call in steady state is one graph launch per pass
-(``chain_graphs``). The stack kernels read the forward's own (L, T, B, .) buffers, which the
+(``chain_graphs``; a pair plan's chains too, in one ``launch.one_graph``). The stack kernels read the forward's own (L, T, B, .) buffers, which the
 call's ``Context`` keeps (``stacked``), where the full path copies them into workspaces: the
 same values, bitwise the same results (tests/test_call_plans.py).
 
 Not planned: 16-bit stacks and pairs (their weights are packed into words:
-``stack._matrices``), stacks and bidirectional layers run one layer-direction per launch (the
-``stack`` setting off, or too large for stack mode), projections (never in stack mode). A call
-of several chains (L layers of pairs) is L graph launches a pass, not one: one graph of them all
-would issue chains inside an enclosing capture of the library's own, which ``launch.run_chain``
-takes for a user's capture (no record published, ``Chain.recorded`` not counted) and
-``chain_graphs`` refuses to nest.
+``stack._matrices``), projections (never in stack mode). Stacks and bidirectional layers run
+one layer-direction per launch (the ``stack`` setting off, or too large for stack mode):
+``layer_plans``.
 """
 from __future__ import annotations
 
@@ -35,9 +32,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import buffers, chain_graphs, functional, runtime, settings, stack
+from . import buffers, chain_graphs, functional, launch, runtime, settings, stack
 from .buffers import matmul_steps, select_active, workspace
-from .call_plans import _GRADIENTS, Plan, _same_memory, _where, formed_input
+from .call_plans import (_GRADIENTS, Plan, _same_memory, _where, contiguous_states,
+                         formed_input)
 from .stats import RunStats
 
 Array = Any
@@ -64,6 +62,7 @@ class StackPlan(Plan):
         self.cell, self.algo = ctx.cell, ctx.algo
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
+        self.given_shape = x.shape  # (``Plan``'s)
         self.where, self.settings = _where(xp), settings.current()
         self.generation = buffers.generation()
         steps, batch, _ = x.shape
@@ -125,7 +124,7 @@ class StackPlan(Plan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of a stack: ``functional.forward`` of a matching call."""
         xp, cell = self.xp, self.cell
-        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+        h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
             xp, hx if cell.has_cell_state else (hx, None))
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the chain)
@@ -235,7 +234,10 @@ class StackPlan(Plan):
             scratch=(dgi, workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh
                      else dgi, dh_carry, workspace(xp, "stack_dc_carry", carry, np.float32)
                      if cell.has_cell_state else dh_carry),
-            dy=workspace(xp, "dy", self.y_shape, np.float32) if self.lengths else None,
+            # (the dy the pass reads where not the caller's: selected, or a batch-first one's
+            # copied contiguous)
+            dy=workspace(xp, "dy", self.y_shape, np.float32)
+            if self.lengths or not dy.flags.c_contiguous else None,
             dw_hh=workspace(xp, "dw_hh", (shape[3], hidden), np.float32),
             grads={name: workspace(xp, "plan_grad " + name, w.shape, np.float32)
                    for name, w in zip(self.names, self.weights)} if self.accumulates else None)
@@ -264,7 +266,8 @@ class StackPlan(Plan):
         y, cs, saved, h0, c0 = ctx.stacked
         args = stack.backward_arguments(
             {"w_t": prepared["w_t"], "w_ih_t": prepared["w_ih_t"]},
-            dy if lengths is None else prepared["dy"], y, cs, saved, h0, h0 if c0 is None else c0,
+            dy if prepared["dy"] is None else prepared["dy"], y, cs, saved, h0,
+            h0 if c0 is None else c0,
             self.all_steps if lengths is None else lengths, True, prepared["scratch"])
         dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, prepared, into)
         call = (ctx, dy, args, dx, dh, dc, grads, into)
@@ -293,8 +296,8 @@ class StackPlan(Plan):
         carries zeroed, ``W_hh^T`` and ``W_ih^T`` stacked, as ``functional.backward`` and
         ``stack.backward`` make them."""
         xp, (ctx, dy, args, *_) = self.xp, call
-        if ctx.lengths is not None:
-            select_active(xp, dy, ctx.lengths, self.backward_pass["dy"], self.mask)
+        if self.backward_pass["dy"] is not None:
+            formed_input(xp, dy, self.backward_pass["dy"], ctx.lengths, self.mask)
         args["dh_carry"].fill(0)
         if self.cell.has_cell_state:
             args["dc_carry"].fill(0)
@@ -341,9 +344,8 @@ class PairPlan(StackPlan):
     ``StackPlan`` whose kernel groups are one layer's two directions, the reverse one reading
     its input reversed within each length (``functional._gather`` by the call's ``reverse``
     index: without lengths a shared constant, with them a new array per call, the context's,
-    formed inside the first chain). One chain per layer and pass, each holding its layer's
-    operations: on a GPU a call of L layers is L graph launches a pass (not one: module
-    docstring)."""
+    formed inside the first chain). One chain per layer, each holding its layer's operations,
+    all of a pass's in one ``launch.one_graph``: on a GPU one graph launch a pass."""
 
     chained = False
 
@@ -377,7 +379,7 @@ class PairPlan(StackPlan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of the pairs: one chain per layer and pass."""
         xp, cell, hidden = self.xp, self.cell, self.hidden
-        h0, c0 = (self.h0, self.c0) if hx is None else _contiguous(
+        h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
             xp, hx if cell.has_cell_state else (hx, None))
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
@@ -390,25 +392,27 @@ class PairPlan(StackPlan):
         h_n = xp.empty(self.state_shape, np.float32)
         c_n = xp.empty(self.state_shape, np.float32) if cell.has_cell_state else None
         stats, directions, kept = RunStats(), [], []
-        for layer in range(self.num_layers):
-            pair = slice(2 * layer, 2 * layer + 2)
-            y = xp.empty((2, steps, batch, hidden), np.float32)
-            cs = xp.empty_like(y) if cell.has_cell_state else None
-            saved = xp.empty((2, steps, batch, cell.saved * hidden), np.float32)
-            args = stack.forward_arguments(
-                self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
-                self.all_steps if lengths is None else lengths, False, y, cs, saved)
-            target = inputs[layer + 1] if layer + 1 < self.num_layers else out
-            call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n)
-            stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
-                lambda call=call: self._before_pair(call), lambda call=call: self._after_pair(call),
-                lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
-            directions.append([functional._Direction(
-                self.layer_names[2 * layer + d], h0[2 * layer + d],
-                None if c0 is None else c0[2 * layer + d],
-                runtime.ForwardResult(y[d], None if cs is None else cs[d], saved[d]))
-                for d in (0, 1)])
-            kept.append((y, cs, saved))
+        with launch.one_graph():  # (every layer's chain: one graph, one launch)
+            for layer in range(self.num_layers):
+                pair = slice(2 * layer, 2 * layer + 2)
+                y = xp.empty((2, steps, batch, hidden), np.float32)
+                cs = xp.empty_like(y) if cell.has_cell_state else None
+                saved = xp.empty((2, steps, batch, cell.saved * hidden), np.float32)
+                args = stack.forward_arguments(
+                    self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
+                    self.all_steps if lengths is None else lengths, False, y, cs, saved)
+                target = inputs[layer + 1] if layer + 1 < self.num_layers else out
+                call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n)
+                stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
+                    lambda call=call: self._before_pair(call),
+                    lambda call=call: self._after_pair(call),
+                    lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
+                directions.append([functional._Direction(
+                    self.layer_names[2 * layer + d], h0[2 * layer + d],
+                    None if c0 is None else c0[2 * layer + d],
+                    runtime.ForwardResult(y[d], None if cs is None else cs[d], saved[d]))
+                    for d in (0, 1)])
+                kept.append((y, cs, saved))
         ctx = functional.Context(cell, params, self.num_layers, True, False, self.algo, lengths,
                                  reverse, None, inputs, directions, stats)
         ctx.plan, ctx.stacked = self, (kept, h0, c0)
@@ -476,20 +480,21 @@ class PairPlan(StackPlan):
         kept, h0, c0 = ctx.stacked
         dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, held, into)
         stats = RunStats()
-        for layer in range(self.num_layers - 1, -1, -1):
-            pair = slice(2 * layer, 2 * layer + 2)
-            y, cs, saved = kept[layer]
-            args = stack.backward_arguments(
-                {"w_t": held["w_t"], "w_ih_t": held["w_ih_t"]}, held["dy_pair"], y, cs, saved,
-                h0[pair], (h0 if c0 is None else c0)[pair],
-                self.all_steps if lengths is None else lengths, False, held["scratch"])
-            call = (layer, ctx, dy, args, dx, dh, dc, grads, into)
-            stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
-                lambda call=call: self._before_pair_backward(call),
-                lambda call=call: self._after_pair_backward(call),
-                lambda call=call: self._key(("backward", call[0]), (
-                    call[2], *call[4:7], tuple(grads.values()), call[8], tuple(ctx.inputs),
-                    ctx.reverse_index)))))
+        with launch.one_graph():  # (every layer's chain: one graph, one launch)
+            for layer in range(self.num_layers - 1, -1, -1):
+                pair = slice(2 * layer, 2 * layer + 2)
+                y, cs, saved = kept[layer]
+                args = stack.backward_arguments(
+                    {"w_t": held["w_t"], "w_ih_t": held["w_ih_t"]}, held["dy_pair"], y, cs, saved,
+                    h0[pair], (h0 if c0 is None else c0)[pair],
+                    self.all_steps if lengths is None else lengths, False, held["scratch"])
+                call = (layer, ctx, dy, args, dx, dh, dc, grads, into)
+                stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
+                    lambda call=call: self._before_pair_backward(call),
+                    lambda call=call: self._after_pair_backward(call),
+                    lambda call=call: self._key(("backward", call[0]), (
+                        call[2], *call[4:7], tuple(grads.values()), call[8], tuple(ctx.inputs),
+                        ctx.reverse_index)))))
         ctx.backward_stats = stats
         return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
 
@@ -552,13 +557,6 @@ def _stack_into(xp, arrays: list[Array], out: Array) -> None:
     chain, where CuPy's concatenation may stage its pointers through the pool and the host."""
     for k, a in enumerate(arrays):
         xp.copyto(out[k], a)
-
-
-def _contiguous(xp, states: tuple) -> tuple:
-    """The given initial states as the kernels read them: as they are where contiguous (the
-    usual case: nothing to enqueue), else copied, as ``functional._initial_states`` does."""
-    return tuple(a if a is None or a.flags.c_contiguous else xp.ascontiguousarray(a)
-                 for a in states)
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> StackPlan | None:

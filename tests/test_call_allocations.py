@@ -125,9 +125,10 @@ REVERSE_INDEX = ["the reversal's row index (context: the backward's gathers; wit
 
 
 def bidirectional_expected(cell: str, layers: int, pairs: bool) -> list[str]:
-    """What a bidirectional fwd+bwd call with lengths may allocate. A call run as pairs is
-    planned (stack_plans.PairPlan, 2026-11-27): its gradients are summed into the layer's inside
-    its chains from the plan's workspaces (the full path: 4 new arrays per layer-direction)."""
+    """What a bidirectional fwd+bwd call with lengths may allocate. A call run as pairs or one
+    layer-direction per launch is planned (stack_plans.PairPlan, layer_plans.LayersPlan,
+    2026-11-27): its gradients are summed into the layer's inside its chains from the plan's
+    workspaces (the full path: 4 new arrays per layer-direction)."""
     kept = ["y", "saved"] + (["cs"] if cell == "LSTM" else [])
     per_layer = ([f"{a} of both directions (context)" for a in kept] if pairs
                  else [f"{a} (context)" for a in kept for _ in range(2)])
@@ -135,9 +136,7 @@ def bidirectional_expected(cell: str, layers: int, pairs: bool) -> list[str]:
                + ["layer 0's output (context: layer 1's input)"] * (layers - 1)
                + ["output", "h_n"] + (["c_n"] if cell == "LSTM" else []))
     backward = (["dx", "dh0 (every layer-direction's rows)"]
-                + (["dc0 (likewise)"] if cell == "LSTM" else [])
-                + [g for g in ("dW_ih", "dW_hh", "db_ih", "db_hh")] * (2 * layers)
-                * (not pairs))
+                + (["dc0 (likewise)"] if cell == "LSTM" else []))
     return forward + backward
 
 

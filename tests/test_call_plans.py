@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import buffers, call_plans, chain_graphs, launch, runtime, stack_plans
+from persistent_rnn import (buffers, call_plans, chain_graphs, launch, layer_plans, runtime,
+                            stack_plans)
 from persistent_rnn.validation import CallOrderError
 from full_set import EVERY_KERNEL
 from profiling import run_profiled
@@ -304,7 +305,7 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     keys = []
 
     def run(key, issue):  # (the chain issued as it is: a replay would issue the same)
-        keys.append(key[-1])
+        keys.append(key[-1][-1])  # (the one chain's arguments)
         issue()
         return False
     monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
@@ -486,15 +487,17 @@ def _half_steps(planned, full, seeds, states: bool, lengths: bool) -> None:
     """Forward and backward calls of ``planned`` and of ``full`` (which never plans), each
     followed by an in-place SGD step of the parameters: every result, gradient and parameter
     bitwise equal, of the layer's dtype (16-bit layers', and projections' of any dtype: input
-    size ``HALF_I``, batch ``HALF_B``)."""
+    size ``HALF_I``, batch ``HALF_B``; stacks and bidirectional layers too)."""
     cell, dtype = planned.cell.has_cell_state, planned.dtype
     hidden = planned.hidden_size
     width = planned.proj_size or hidden
+    count = planned.num_layers * planned.directions
     for seed in seeds:
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((4, HALF_B, HALF_I)).astype(dtype)
-        dy = rng.standard_normal((4, HALF_B, width)).astype(dtype)
-        pair = tuple(rng.standard_normal((1, HALF_B, n)).astype(dtype) for n in (width, hidden))
+        dy = rng.standard_normal((4, HALF_B, width * planned.directions)).astype(dtype)
+        pair = tuple(rng.standard_normal((count, HALF_B, n)).astype(dtype)
+                     for n in (width, hidden))
         hx = (pair if cell else pair[0]) if states else None
         given = [4, 2, int(rng.integers(1, 5))] if lengths else None
         results = []
@@ -622,7 +625,7 @@ class _StackHits:
 
     def __init__(self, monkeypatch):
         self.forwards = self.backwards = 0
-        for cls in (stack_plans.StackPlan, stack_plans.PairPlan):
+        for cls in (stack_plans.StackPlan, stack_plans.PairPlan, layer_plans.LayersPlan):
             self._count(monkeypatch, cls, "forward", "forwards")
             self._count(monkeypatch, cls, "_planned_backward", "backwards")
 
@@ -635,11 +638,20 @@ class _StackHits:
         monkeypatch.setattr(cls, method, counted)
 
 
-def _stack_layer(cell: str, pair: bool = False, layers: int = 0):
+@pytest.fixture
+def released_after():
+    """Chains stubbed in a test (``launch._issue_chain``) number passes the device never ran, so
+    their records would read as lost in later tests of the same shapes: every kept chain is let
+    go after it."""
+    yield
+    buffers.release_workspaces()
+
+
+def _stack_layer(cell: str, pair: bool = False, layers: int = 0, stack: bool = True):
     """Two layers in stack mode, or (``pair``) a bidirectional layer's (``layers``: a stack's,
     one by default) two directions side by side (test_call_allocations' pairs at these
-    shapes)."""
-    prnn.configure(stack=True)
+    shapes); without ``stack`` (the setting off) one layer-direction per launch."""
+    prnn.configure(stack=stack)
     return getattr(prnn, cell)(SI, SH, num_layers=layers or (1 if pair else 2),
                                bidirectional=pair, algo="persistent", seed=3)
 
@@ -679,8 +691,8 @@ STACK_CASES = [("GRU", True, False, 2), ("LSTM", False, False, 2), ("LSTM", True
 @pytest.mark.parametrize("cell,extras,pair,layers", STACK_CASES,
                          ids=[f"{c}-{'states+lengths' if e else 'plain'}-"
                               f"{'pairs' if p else 'stack'}-{n}" for c, e, p, n in STACK_CASES])
-def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, cell, extras,
-                                              pair, layers):
+def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, released_after,
+                                              cell, extras, pair, layers):
     """A two-layer stack that runs in stack mode, and bidirectional layers whose directions run
     side by side (``PairPlan``, one chain per layer: the reversals inside the chains too), plan
     their calls (every operation of the call inside its chains): bitwise the full path's, across
@@ -753,16 +765,20 @@ def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabo
 
 
 @pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1): stalls")
-def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, monkeypatch):
+@pytest.mark.parametrize("pair,stack", [(False, True), (True, True), (True, False)],
+                         ids=["stack", "pairs", "layer-directions"])
+def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, monkeypatch, pair,
+                                                          stack):
     """A stall inside a planned stack's chain restarts it on the device (``stack._run``'s
     resume launches), the operations moved into the chain issued once a pass: bitwise the
-    unstalled call."""
+    unstalled call; also a stall in a pass of several chains in one graph (two layers of pairs,
+    or of layer-directions: ``launch.one_graph``)."""
     prnn.configure(emulation_timeout_ms=200)
     hits = _StackHits(monkeypatch)
-    layer = _stack_layer("GRU")
+    layer = _stack_layer("GRU", pair, 2, stack)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((7, SB, SI)).astype(np.float32)
-    dy = rng.standard_normal((7, SB, SH)).astype(np.float32)
+    dy = rng.standard_normal((7, SB, SH * layer.directions)).astype(np.float32)
     for _ in range(3):
         plain = _step(layer, x, dy)
     layer.zero_grad()
@@ -775,3 +791,280 @@ def test_a_stall_in_a_planned_stack_call_restarts_bitwise(settings, grid_path, m
     for stats in (forward, layer.last_run):
         assert stats.restarts >= 1 and stats.fallback is None
     assert (hits.forwards, hits.backwards) == (2, 1)
+
+
+# Stacks and bidirectional layers run one layer-direction per launch (layer_plans.LayersPlan):
+# the ``stack`` setting off (a shape with no stack kernel runs the same full path).
+LAYERS_CASES = [("GRU", True, 2, False), ("LSTM", False, 2, False), ("LSTM", True, 1, True),
+                ("GRU", False, 2, True)] + ([("GRU", False, 1, True), ("LSTM", True, 2, True),
+                                             ("GRU", True, 3, False)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("cell,extras,layers,pair", LAYERS_CASES,
+                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-{n}-"
+                              f"{'bidirectional' if p else 'stack'}"
+                              for c, e, n, p in LAYERS_CASES])
+def test_layer_direction_calls_are_planned_bitwise(settings, grid_path, monkeypatch,
+                                                   released_after, cell, extras, layers, pair):
+    """A stack or bidirectional layer run one layer-direction per launch plans its calls
+    (``LayersPlan``: every layer-direction's chain, with its operations, in one graph a pass):
+    bitwise the full path's, across in-place weight updates, with initial states and lengths or
+    without; with the chains stubbed nothing runs beside them, nor the layer API's accumulation;
+    one graph unit a pass where the full path enqueues one a layer-direction."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (_stack_layer(cell, pair, layers, stack=False) for _ in range(2))
+    _stack_steps(cell, planned, full, range(5), extras)
+    assert type(planned._plan) is layer_plans.LayersPlan
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    x = np.ones((ST, SB, SI), np.float32)
+    dy = np.ones((ST, SB, SH * planned.directions), np.float32)
+    lengths = [ST, 1, 2] if extras else None
+    hx = planned._plan.h0 if cell == "GRU" else (planned._plan.h0, planned._plan.c0)
+    hx = hx if extras else None
+    with launch.counting() as counted:
+        planned.forward(x, hx, lengths=lengths)
+        planned.backward(dy)
+    chains = 2 * layers * planned.directions
+    assert (counted.graph_units, counted.launches) == (
+        2, chains * launch.chain_launches(launch.settings.current().max_restarts))
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    assert _array_work(lambda: planned.forward(x, hx, lengths=lengths)) == 0
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (5, 4)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(g, grads[name])
+    full._plan = None
+    with launch.counting() as counted:
+        full.forward(x, hx, lengths=lengths)
+        full.backward(dy)
+    assert counted.graph_units == chains
+
+
+PROJECTION_LAYERS_CASES = [(2, False, True), (1, True, False)] + (
+    [(2, True, True), (2, False, False)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("layers,pair,extras", PROJECTION_LAYERS_CASES,
+                         ids=[f"{n}-{'bidirectional' if p else 'stack'}-"
+                              f"{'states+lengths' if e else 'plain'}"
+                              for n, p, e in PROJECTION_LAYERS_CASES])
+def test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch, layers, pair,
+                                               extras):
+    """LSTM projection stacks and bidirectional layers (never in stack mode: one
+    layer-direction per launch) plan their calls (``LayersPlan`` with each layer-direction's
+    ``W_hr``, ``hs``, ``W_hr^T`` and ``dW_hr``): bitwise the full path, with initial states and
+    lengths or without (test_call_plans' projection shapes: H=12, P=6)."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (prnn.LSTM(SI, 12, num_layers=layers, bidirectional=pair, proj_size=6,
+                               algo="persistent", seed=3) for _ in range(2))
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((ST, SB, SI)).astype(np.float32)
+        dy = rng.standard_normal((ST, SB, 6 * planned.directions)).astype(np.float32)
+        hx = lengths = None
+        if extras:
+            lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
+            x[lengths[1]:, 1] = np.nan
+            count = layers * planned.directions
+            hx = tuple(rng.standard_normal((count, SB, w)).astype(np.float32) for w in (6, 12))
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx, lengths=lengths)
+            dx, dhx = layer.backward(dy)
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+            for name, w in layer.params.items():
+                w -= 0.01 * layer.grads[name]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    assert type(planned._plan) is layer_plans.LayersPlan
+    assert (hits.forwards, hits.backwards) == (3, 2)
+
+
+def test_a_projection_stack_plan_leaving_out_dw_hr_is_caught(settings, grid_path, monkeypatch):
+    """Sabotage: a planned projection stack whose backward's chains leave ``dW_hr`` out (the
+    gradients' workspace keeps the last full call's) fails the check above."""
+    monkeypatch.setattr(layer_plans, "_projection_gradient", lambda s, hs, out: None)
+    with pytest.raises(AssertionError):
+        test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch, 2, False,
+                                                   False)
+
+
+@pytest.mark.parametrize("sabotage", ["the reverse input ungathered", "outputs unselected",
+                                      "W_hh^T copied once"])
+def test_a_sabotaged_layers_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
+    """Sabotage: a planned bidirectional stack whose reverse direction reads its input
+    projection in time order, or leaves its layers' outputs unselected past the lengths, or
+    transposes ``W_hh`` as it was when planned (an optimizer's in-place updates
+    unseen), fails the bitwise check above."""
+    plan = layer_plans.LayersPlan
+    if sabotage == "the reverse input ungathered":
+        before = plan._before_forward
+
+        def ungathered(plan, arrays, fixed):
+            before(plan, arrays, fixed)
+            if fixed["k"] % 2:
+                plan.xp.copyto(fixed["gi"], fixed["gi_out"].reshape(fixed["gi"].shape))
+        monkeypatch.setattr(plan, "_before_forward", ungathered)
+    elif sabotage == "outputs unselected":
+        after = plan._after_forward
+        monkeypatch.setattr(plan, "_after_forward", lambda plan, arrays, fixed: after(
+            plan, dict(arrays, lengths=None), fixed))
+    else:
+        before, frozen = plan._before_backward, {}
+
+        def stale(plan, arrays, fixed):
+            weights = frozen.setdefault((id(plan), fixed["k"]), tuple(
+                None if w is None else w.copy() for w in fixed["weights"]))
+            before(plan, arrays, dict(fixed, weights=weights))
+        monkeypatch.setattr(plan, "_before_backward", stale)
+    with pytest.raises(AssertionError):  # (5 steps: the 5th the second planned backward)
+        _stack_steps("LSTM", _stack_layer("LSTM", True, 2, stack=False),
+                     _stack_layer("LSTM", True, 2, stack=False), range(5), True)
+
+
+# Batch-first layer API calls (the plans see a time-major view: the input and ``dy`` formed
+# inside the chains, ``y`` and ``dx`` returned as views, as the full path returns them).
+BATCH_FIRST_CASES = [("GRU", True, 1, False, True), ("LSTM", False, 2, False, True),
+                     ("GRU", True, 1, True, True), ("LSTM", False, 2, True, False)]
+
+
+def _batch_first_steps(cell: str, planned, full, seeds, extras: bool) -> None:
+    """``_stack_steps`` of batch-first layers: the input, ``dy`` and results batch-major."""
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((SB, ST, SI)).astype(np.float32)
+        dy = rng.standard_normal((SB, ST, SH * planned.directions)).astype(np.float32)
+        hx = lengths = None
+        if extras:
+            lengths = np.array([ST, *rng.integers(1, ST + 1, SB - 1)], np.int32)
+            x[1, lengths[1]:] = np.nan
+            shape = (planned.num_layers * planned.directions, SB, SH)
+            h = rng.standard_normal(shape).astype(np.float32)
+            hx = h if cell == "GRU" else (h, rng.standard_normal(shape).astype(np.float32))
+        results = []
+        for layer in (planned, full):
+            full._plan = None
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx, lengths=lengths)
+            dx, dhx = layer.backward(dy)
+            assert y.shape == (SB, ST, dy.shape[2]) and dx.shape == x.shape
+            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+            for name, w in layer.params.items():
+                w -= 0.01 * layer.grads[name]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cell,extras,layers,pair,stack", BATCH_FIRST_CASES,
+                         ids=[f"{c}-{'states+lengths' if e else 'plain'}-{n}-"
+                              f"{'bidirectional' if p else 'stack'}-"
+                              f"{'stack-mode' if s else 'layer-directions'}"
+                              for c, e, n, p, s in BATCH_FIRST_CASES])
+def test_batch_first_calls_are_planned_bitwise(settings, grid_path, monkeypatch, released_after,
+                                               cell, extras, layers, pair, stack):
+    """A batch-first layer plans its calls on every planned path (a layer's ``Plan``, stack
+    mode, pairs, layer-directions): bitwise the full path's, with initial states and lengths or
+    without; with the chains stubbed nothing runs beside them (the transposes inside too)."""
+    hits, stack_hits = _Hits(monkeypatch), _StackHits(monkeypatch)
+    prnn.configure(stack=stack)
+    planned, full = (getattr(prnn, cell)(SI, SH, num_layers=layers, bidirectional=pair,
+                                         batch_first=True, algo="persistent", seed=3)
+                     for _ in range(2))
+    _batch_first_steps(cell, planned, full, range(5), extras)
+    ran = (hits.forwards + stack_hits.forwards, hits.backwards + stack_hits.backwards)
+    assert ran == (3, 2), ran
+    x = np.ones((SB, ST, SI), np.float32)
+    dy = np.ones((SB, ST, SH * planned.directions), np.float32)
+    h = np.zeros((layers * planned.directions, SB, SH), np.float32)
+    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    assert _array_work(lambda: planned.forward(x, hx, [ST, 1, 2] if extras else None)) == 0
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert ran == (hits.forwards + stack_hits.forwards - 1,
+                   hits.backwards + stack_hits.backwards - 1)
+
+
+def test_a_batch_first_dy_read_in_place_is_caught(settings, grid_path, monkeypatch):
+    """Sabotage: a planned batch-first layer whose backward's pass reads the caller's ``dy``
+    time-major without forming it (no copy: rows of the wrong steps) fails the check above."""
+    form = call_plans.formed_input
+    monkeypatch.setattr(call_plans, "formed_input", lambda xp, given, x, lengths, mask: (
+        form(xp, given, x, lengths, mask) if lengths is not None or given is None
+        or given.shape[2] != SH else xp.copyto(x, given.transpose(1, 0, 2).reshape(x.shape))))
+    prnn.configure(stack=True)
+    planned, full = (prnn.GRU(SI, SH, batch_first=True, algo="persistent", seed=3)
+                     for _ in range(2))
+    with pytest.raises(AssertionError):
+        _batch_first_steps("GRU", planned, full, range(5), False)
+
+
+# 16-bit stacks and bidirectional layers run one layer-direction per launch
+# (layer_plans.HalfLayersPlan; H = 13: W_hh's words padded copies, refreshed in the chains).
+HALF_LAYERS_CASES = [("GRU", "float16", 2, False, True), ("LSTM", "bfloat16", 1, True, False)] + (
+    [("LSTM", "float16", 2, True, True), ("GRU", "bfloat16", 1, True, True),
+     ("LSTM", "bfloat16", 2, False, False)] if EVERY_KERNEL else [])
+
+
+def _half_layers(cell: str, dtype: str, layers: int, pair: bool, proj: int = 0):
+    prnn.configure(stack=False)
+    return getattr(prnn, cell)(HALF_I, HALF_H, num_layers=layers, bidirectional=pair,
+                               proj_size=proj, algo="persistent", seed=11, dtype=dtype)
+
+
+@pytest.mark.parametrize("cell,dtype,layers,pair,extras", HALF_LAYERS_CASES,
+                         ids=[f"{c}-{d}-{n}-{'bidirectional' if p else 'stack'}-"
+                              f"{'states+lengths' if e else 'plain'}"
+                              for c, d, n, p, e in HALF_LAYERS_CASES])
+def test_16_bit_layer_direction_calls_are_planned_bitwise(settings, monkeypatch, released_after,
+                                                          cell, dtype, layers, pair, extras):
+    """16-bit stacks and bidirectional layers run one layer-direction per launch plan their
+    calls with the conversions inside the chains (``HalfLayersPlan``): bitwise the full path's
+    results, gradients and sums in the layer's dtype, with initial states and lengths or without,
+    across in-place updates of the 16-bit weights; with the chains stubbed no product, copy,
+    fill, sum or conversion runs beside them, and ``grads`` stay as they were."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (_half_layers(cell, dtype, layers, pair) for _ in range(2))
+    _half_steps(planned, full, range(5), states=extras, lengths=extras)
+    assert type(planned._plan) is layer_plans.HalfLayersPlan
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    x = np.ones((4, HALF_B, HALF_I), planned.dtype)
+    dy = np.ones((4, HALF_B, HALF_H * planned.directions), planned.dtype)
+    h = np.zeros((layers * planned.directions, HALF_B, HALF_H), planned.dtype)
+    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
+    lengths = [4, 2, 1] if extras else None
+    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    # (with lengths: validation.lengths' conversion of them on the host, the full path's check)
+    assert _array_work(lambda: planned.forward(x, hx, lengths)) == int(extras)
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (4, 3)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(_bits(g), _bits(grads[name]))
+
+
+@pytest.mark.parametrize("sabotage", ["stale W_hh words", "narrowed by truncation",
+                                      "the upper input unrounded"])
+def test_a_missed_16_bit_conversion_in_a_layers_plan_is_caught(settings, monkeypatch,
+                                                               released_after, sabotage):
+    """Sabotages of a 16-bit layers plan's conversions fail the check above: the passes' W_hh
+    words (padded copies: H odd) not refreshed after an in-place update, results narrowed by
+    dropping bits rather than rounded, an upper layer's product taking its float32 input's
+    rounding workspace stale (never written)."""
+    if sabotage == "stale W_hh words":
+        monkeypatch.setattr(layer_plans, "_refresh", lambda held, m: None)
+    elif sabotage == "narrowed by truncation":
+        monkeypatch.setattr(layer_plans, "_narrowed", lambda xp, out, a: (
+            xp.copyto(out, a) if out.dtype == a.dtype else out.view(np.uint16).__setitem__(
+                ..., a.view(np.uint32) >> 16)))
+    else:
+        narrowed = layer_plans._narrowed
+        monkeypatch.setattr(layer_plans, "_narrowed", lambda xp, out, a: None if (
+            out.shape == (4 * HALF_B, HALF_H)) else narrowed(xp, out, a))  # (the input's rows)
+    with pytest.raises(AssertionError):
+        _half_steps(_half_layers("GRU", "bfloat16", 2, False),
+                    _half_layers("GRU", "bfloat16", 2, False), range(5), states=False,
+                    lengths=False)

@@ -144,3 +144,58 @@ def test_the_chains_own_key_part_is_built_once_per_ring(monkeypatch):
     assert launch._chain_key(chain) is first and len(values) == 2
     chain.publish = (object(), 8)
     assert launch._chain_key(chain) != first and len(values) == 4
+
+class _Chain:
+    """What ``run_chain`` and ``_chain_key`` read of a chain (emulated words, a ring)."""
+
+    def __init__(self):
+        self.words, self.ring = np.zeros(8, np.uint32), launch.RecordRing(np, 1)
+        self.engine = type("E", (), {"key": "engine"})()
+        self.recorded, self.graph_key, self.untouched = 0, None, True
+
+    def new_ring(self):  # (``Chain.new_ring``: a new numbering)
+        self.ring, self.recorded = launch.RecordRing(np, 1), 0
+        return self.ring
+
+
+def test_one_graph_enqueues_its_chains_as_one_unit(monkeypatch):
+    """``launch.one_graph``: the chains given inside the block are issued at its end, in order,
+    as one graph keyed by every chain's key (one replay: one launch); each pass is numbered for
+    its record when it is given (a chain given twice: two numbers)."""
+    issued, keys = [], []
+    monkeypatch.setattr(launch, "_issue_chain", lambda chain, *a: issued.append(chain))
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "value", id)
+
+    def run(key, issue):  # (a capture: the unit's chains issued once, then a graph launched)
+        keys.append(key)
+        issue()
+        return True
+    monkeypatch.setattr(chain_graphs, "run", run)
+    a, b = _Chain(), _Chain()
+    with launch.counting() as counted:
+        with launch.one_graph():
+            for chain, seq in ((a, 1), (b, 1), (a, 2)):
+                launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None,
+                                 lambda: ("arguments",))
+                assert issued == [] and chain.recorded == seq
+    assert issued == [a, b, a] and len(keys) == 1 and len(keys[0]) == 3 + 3
+    assert (counted.graph_units, counted.graph_launches) == (1, 1)
+    with launch.counting() as counted:  # (outside a block: a unit a chain)
+        launch.run_chain(b, None, 0, 4, settings.NO_STALL, lambda: None, lambda: ("arguments",))
+    assert (counted.graph_units, len(keys), b.recorded) == (1, 2, 2)
+
+
+def test_a_one_graph_block_left_by_an_exception_enqueues_nothing(monkeypatch):
+    """A block an exception leaves issues none of its chains, which start a new ring (their
+    numbering ran ahead of the device) and fill their progress words anew."""
+    issued = []
+    monkeypatch.setattr(launch, "_issue_chain", lambda chain, *a: issued.append(chain))
+    a = _Chain()
+    with pytest.raises(RuntimeError):
+        with launch.one_graph():
+            launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None)
+            raise RuntimeError("a planned call failed part way")
+    assert issued == [] and a.ring is None and not a.untouched
+    launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None)  # (later: as before)
+    assert issued == [a] and a.ring is not None and a.recorded == 1

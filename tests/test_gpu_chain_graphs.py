@@ -15,13 +15,16 @@ CALLS = 6  # CuPy's pool alternates two sets of blocks while a layer holds its l
 
 
 def _layer(cupy, mode: str, layers: int, dtype: str = "float32", proj: int = 0,
-           bidirectional: bool = False):
+           bidirectional: bool = False, batch_first: bool = False):
     layer = getattr(prnn, mode)(16, 64, num_layers=layers, algo="persistent", seed=1, dtype=dtype,
-                                proj_size=proj, bidirectional=bidirectional)
+                                proj_size=proj, bidirectional=bidirectional,
+                                batch_first=batch_first)
     layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
     rng = np.random.default_rng(2)
-    x = cupy.asarray(rng.standard_normal((9, 3, 16)), layer.dtype)
-    dy = cupy.asarray(rng.standard_normal((9, 3, (proj or 64) * layer.directions)), layer.dtype)
+    major = (3, 9) if batch_first else (9, 3)
+    x = cupy.asarray(rng.standard_normal((*major, 16)), layer.dtype)
+    dy = cupy.asarray(rng.standard_normal((*major, (proj or 64) * layer.directions)),
+                      layer.dtype)
     return layer, x, dy
 
 
@@ -115,21 +118,64 @@ def test_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, monkey
     _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
 
 
-@pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
-    ("LSTM", 2, False, [9, 7, 4]), ("GRU", 3, False, None), ("GRU", 1, True, [9, 7, 4]),
-    ("LSTM", 1, True, None)])
+@pytest.mark.parametrize("mode,layers,bidirectional,lengths,stack,proj", [
+    ("LSTM", 2, False, [9, 7, 4], True, 0), ("GRU", 3, False, None, True, 0),
+    ("GRU", 1, True, [9, 7, 4], True, 0), ("LSTM", 1, True, None, True, 0),
+    ("LSTM", 2, True, [9, 7, 4], True, 0), ("GRU", 2, False, [9, 7, 4], False, 0),
+    ("LSTM", 2, True, None, False, 0), ("GRU", 1, True, [9, 7, 4], False, 0),
+    ("LSTM", 2, True, [9, 7, 4], True, 24)])
 def test_planned_stacks_and_pairs_replay_their_chains_with_the_full_calls_bits(
-        cupy, monkeypatch, mode, layers, bidirectional, lengths):
+        cupy, settings, monkeypatch, mode, layers, bidirectional, lengths, stack, proj):
     """The same for a stack in stack mode (``stack_plans.StackPlan``: the input's projection,
     the weights' stacking, the layers' outputs, the gradients and the sums inside its one chain
-    per pass) and a bidirectional layer's directions side by side (``PairPlan``: the reversals
-    and gathers too). Written 2026-11-27 on a machine without a GPU: not run yet."""
-    from persistent_rnn import stack_plans
-    layer, x, dy = _layer(cupy, mode, layers, bidirectional=bidirectional)
-    full, _, _ = _layer(cupy, mode, layers, bidirectional=bidirectional)
+    per pass), a bidirectional layer's directions side by side (``PairPlan``: the reversals
+    and gathers too) and, with the ``stack`` setting off, stacks and bidirectional layers run
+    one layer-direction per launch (``layer_plans.LayersPlan``; an LSTM projection stack always
+    runs so); a pass of several chains (two
+    layers of pairs, layer-directions) replayed as one graph (``launch.one_graph``: one graph
+    launch a pass). Written 2026-11-27 on a machine without a GPU: not run yet (the pairs of
+    two layers and the layer-directions since the fifth session)."""
+    from persistent_rnn import layer_plans, stack_plans
+    prnn.configure(stack=stack)
+    layer, x, dy = _layer(cupy, mode, layers, proj=proj, bidirectional=bidirectional)
+    full, _, _ = _layer(cupy, mode, layers, proj=proj, bidirectional=bidirectional)
     _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
-    assert type(layer._plan) is (stack_plans.PairPlan if bidirectional
-                                 else stack_plans.StackPlan)
+    assert type(layer._plan) is (layer_plans.LayersPlan if not stack or proj else
+                                 stack_plans.PairPlan if bidirectional else stack_plans.StackPlan)
+    with launch.counting() as counts:  # (a planned, replayed call: one graph a pass)
+        layer.forward(x, lengths=lengths)
+        layer.backward(dy)
+    assert counts.graph_units == counts.graph_launches == 2, counts
+
+
+@pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
+    ("GRU", 2, False, [9, 7, 4]), ("LSTM", 1, True, None)])
+def test_planned_16_bit_layer_directions_replay_their_chains_with_the_full_calls_bits(
+        cupy, settings, monkeypatch, mode, layers, bidirectional, lengths):
+    """float16 stacks and bidirectional layers run one layer-direction per launch (the
+    ``stack`` setting off: ``layer_plans.HalfLayersPlan``, the conversions inside the chains,
+    an upper layer's input rounded into a 16-bit workspace for the captured ``gemmEx``)
+    replayed, bitwise a layer that never plans. Written 2026-11-27 (fifth session) without a
+    GPU: not run yet."""
+    from persistent_rnn import layer_plans
+    prnn.configure(stack=False)
+    layer, x, dy = _layer(cupy, mode, layers, "float16", bidirectional=bidirectional)
+    full, _, _ = _layer(cupy, mode, layers, "float16", bidirectional=bidirectional)
+    _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
+    assert type(layer._plan) is layer_plans.HalfLayersPlan
+
+
+@pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
+    ("GRU", 1, False, None), ("LSTM", 1, False, [7, 9, 4]), ("LSTM", 2, False, None),
+    ("GRU", 2, True, [7, 9, 4])])
+def test_planned_batch_first_calls_replay_their_chains_with_the_full_calls_bits(
+        cupy, monkeypatch, mode, layers, bidirectional, lengths):
+    """Batch-first layers' planned calls (the input's and dy's transposes inside the chains:
+    ``layers``, ``call_plans.Plan.backward``) replayed, bitwise a layer that never plans.
+    Written 2026-11-27 (fifth session) without a GPU: not run yet."""
+    layer, x, dy = _layer(cupy, mode, layers, bidirectional=bidirectional, batch_first=True)
+    full, _, _ = _layer(cupy, mode, layers, bidirectional=bidirectional, batch_first=True)
+    _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
 
 
 def _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths) -> None:

@@ -12,7 +12,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as prt
-from persistent_rnn import call_plans, plans
+from persistent_rnn import call_plans, layer_plans, plans, stack_plans
 
 from test_call_plans import SB, SH, SI, ST, _Hits, _StackHits  # (planned calls that ran)
 
@@ -298,32 +298,37 @@ def test_16_bit_modules_plan_bitwise(settings, monkeypatch, cell, dtype, packed)
     assert (hits.forwards, hits.backwards) == (3, 2)
 
 
-@pytest.mark.parametrize("bidirectional", [True], ids=["pairs"])
+@pytest.mark.parametrize("bidirectional,stack,dtype", [
+    (True, True, torch.float32), (True, False, torch.float32), (True, False, torch.float16)],
+    ids=["pairs", "layer-directions", "layer-directions-float16"])
 def test_planned_stack_module_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch,
-                                                             bidirectional):
+                                                             bidirectional, stack, dtype):
     """A bidirectional two-layer LSTM module as pairs (test_call_plans' shapes and kernels;
     ``bidirectional=False``: a stack in stack mode, the same road through the op, checked by the
     layer API's tests) plans its calls too (``stack_plans``): training steps with initial
     states bitwise the module that never plans (the layer API's plans: also without states,
-    with lengths)."""
-    prnn.configure(stack=True)
+    with lengths); without the ``stack`` setting one layer-direction per launch
+    (``layer_plans``; a float16 module's too, its conversions inside the chains)."""
+    prnn.configure(stack=stack)
     hits = _StackHits(monkeypatch)
     torch.manual_seed(0)
-    modules = [prt.LSTM(SI, SH, num_layers=2, algo="persistent", bidirectional=bidirectional)
-               for _ in range(2)]
+    modules = [prt.LSTM(SI, SH, num_layers=2, algo="persistent",
+                        bidirectional=bidirectional).to(dtype) for _ in range(2)]
     modules[1].load_state_dict(modules[0].state_dict())
     pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in modules]
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(ST, SB, SI, generator=g)
+        x = torch.randn(ST, SB, SI, generator=g).to(dtype)
         states = 2 * (1 + bidirectional)
-        hx = (torch.randn(states, SB, SH, generator=g), torch.randn(states, SB, SH, generator=g))
+        hx = (torch.randn(states, SB, SH, generator=g).to(dtype),
+              torch.randn(states, SB, SH, generator=g).to(dtype))
         results = []
         for module, optimizer in pairs:
             modules[1]._record.plan = None  # (the reference never plans)
             results.append(_train_step(module, optimizer, x, hx))
         for a, b in zip(*results):
             assert torch.equal(a, b)
-    assert ("side by side" if bidirectional else "stack of 2 layers") in \
-        modules[0].last_run.details[0]
+    assert type(modules[0]._record.plan) is (
+        layer_plans.HalfLayersPlan if dtype != torch.float32 else layer_plans.LayersPlan
+        if not stack else stack_plans.PairPlan if bidirectional else stack_plans.StackPlan)
     assert (hits.forwards, hits.backwards) == (3, 2)
