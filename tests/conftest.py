@@ -78,6 +78,21 @@ def fresh_plans():
 
 
 @pytest.fixture
+def stub_chains(monkeypatch):
+    """``stub_chains(issue=None)`` replaces ``launch._issue_chain`` (a pass's whole chain: what a
+    GPU replays as one graph launch) with ``issue`` (default: nothing runs) for the test. Stubbed
+    chains number passes the device never ran, so their records would read as lost in later
+    tests of the same shapes: every kept chain is let go after the test."""
+    from persistent_rnn import buffers, launch
+
+    def stub(issue=None) -> None:
+        monkeypatch.setattr(launch, "_issue_chain", issue or (lambda *args: None))
+
+    yield stub
+    buffers.release_workspaces()
+
+
+@pytest.fixture
 def sixteen_bit_tiles_only(monkeypatch):
     """The planner without ``plan.widens``: 16-bit layers on their 16-bit tiles at every batch
     (what tests forcing the CUDA-core 16-bit tiles at small H, or comparing with them, need)."""

@@ -426,20 +426,11 @@ CHAINS_PER_PASS = {"pairs2": 2, "layers": 2, "bidir2": 4, "projection2": 2, "lay
 NO_STACK = {"layers", "bidir2", "layers16"}  # (run with the ``stack`` setting off)
 
 
-@pytest.fixture
-def released_after():
-    """Chains stubbed in a test (``launch._issue_chain``) number passes the device never ran, so
-    their records would read as lost in later tests: every kept chain is let go after it."""
-    yield
-    from persistent_rnn import buffers
-    buffers.release_workspaces()
-
-
 @pytest.mark.parametrize("road,cell,backward", list(PLANNED_LIMITS),
                          ids=[f"{r}-{c}-{'fwd+bwd' if b else 'fwd'}"
                               for r, c, b in PLANNED_LIMITS])
 def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, settings,
-                                                     released_after, road, cell, backward):
+                                                     stub_chains, road, cell, backward):
     """The Python of a planned call (``call_plans``) beside its chain is held; one chain per pass
     (a bidirectional stack's: per layer; the launches ``launch.chain_launches`` counts, one
     memset), all of a pass's chains one graph (``launch.one_graph``: one graph launch a pass on
@@ -456,7 +447,7 @@ def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, set
     assert counted.launches == chains * launch.chain_launches(settings.max_restarts)
     assert (counted.memsets, counted.host_syncs) == (chains * launch.CHAIN_MEMSETS, 0)
     assert counted.graph_units == 1 + backward
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     count = python_calls(call)
     assert count <= PLANNED_LIMITS[road, cell, backward], (road, cell, backward, count)
 

@@ -84,7 +84,7 @@ def _array_work(call) -> int:
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
-def test_a_planned_call_enqueues_everything_inside_its_chain(settings, monkeypatch, cell):
+def test_a_planned_call_enqueues_everything_inside_its_chain(settings, monkeypatch, stub_chains, cell):
     """Issue 26: a planned forward and backward enqueue all their device work inside their
     chains (``runtime.Around``), so that on a GPU the replayed chain graph is the call's one API
     call (``latency.call_costs``): with the chains stubbed (what a replay stands in for), no
@@ -97,7 +97,7 @@ def test_a_planned_call_enqueues_everything_inside_its_chain(settings, monkeypat
         layer.forward(x)
         layer.backward(dy)
     assert layer._plan is not None and layer._plan.backward_pass is not None
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     grads = {name: g.copy() for name, g in layer.grads.items()}
     assert _array_work(lambda: layer.forward(x)) == 0
     assert _array_work(lambda: layer.backward(dy)) == 0
@@ -107,7 +107,7 @@ def test_a_planned_call_enqueues_everything_inside_its_chain(settings, monkeypat
     assert _array_work(lambda: (layer.forward(x), layer.backward(dy))) > 8
 
 
-def test_a_strided_input_is_copied_inside_the_chain(settings, monkeypatch):
+def test_a_strided_input_is_copied_inside_the_chain(settings, monkeypatch, stub_chains):
     """A layer API call on a strided view of its input (batch-major memory seen time-major) is
     planned too: the plan copies it into the call's contiguous input inside its chain, bitwise
     the full path, with nothing beside the chain."""
@@ -122,7 +122,7 @@ def test_a_strided_input_is_copied_inside_the_chain(settings, monkeypatch):
         for a, b in zip(got, _step(full, x, dy)):
             np.testing.assert_array_equal(a, b)
     assert (hits.forwards, hits.backwards) == (2, 1)
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     assert _array_work(lambda: planned.forward(strided)) == 0
     assert hits.forwards == 3
 
@@ -288,7 +288,7 @@ def test_a_cooling_configuration_is_not_planned(settings, grid_path):
 
 
 def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(settings,
-                                                                          monkeypatch):
+                                                                          monkeypatch, stub_chains):
     """What a GPU replay is keyed by (``PreparedPass._key``), with NumPy addresses standing in
     for device pointers: the planned calls' static part is one object, built once; the key
     differs between calls only by the new arrays, and names every argument the full path's
@@ -421,7 +421,7 @@ def _lengths_steps(cell: str, planned, full, seeds) -> None:
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
-def test_calls_with_lengths_are_planned_bitwise(settings, monkeypatch, cell):
+def test_calls_with_lengths_are_planned_bitwise(settings, monkeypatch, stub_chains, cell):
     """Lengths (a per-call role of the prepared passes) of other values every call: planned,
     bitwise the full path, the input's selection too inside the chain (stubbed: nothing runs
     beside it); bad lengths after planning get the full path's errors."""
@@ -431,7 +431,7 @@ def test_calls_with_lengths_are_planned_bitwise(settings, monkeypatch, cell):
     assert (hits.forwards, hits.backwards) == (3, 2)
     x, dy = _data(0, steps=5)
     with monkeypatch.context() as m:
-        m.setattr(launch, "_issue_chain", lambda *a: None)
+        stub_chains()
         assert _array_work(lambda: planned.forward(x, lengths=[5, 2])) == 0
         assert _array_work(lambda: planned.backward(dy)) == 0
     assert (hits.forwards, hits.backwards) == (4, 3)
@@ -531,7 +531,7 @@ def test_16_bit_planned_calls_equal_full_calls_bitwise(settings, monkeypatch, ce
 @pytest.mark.parametrize("cell,dtype,hidden,proj", [("GRU", "float16", HALF_H, 0),
                                                     ("LSTM", "bfloat16", HALF_H, 0),
                                                     ("LSTM", "float32", 12, 6)])
-def test_a_16_bit_planned_call_enqueues_everything_inside_its_chain(settings, monkeypatch, cell,
+def test_a_16_bit_planned_call_enqueues_everything_inside_its_chain(settings, monkeypatch, stub_chains, cell,
                                                                     dtype, hidden, proj):
     """Issue 26: a 16-bit planned call's conversions run inside its chains too - with the chains
     stubbed, no product, copy, fill, sum or conversion (``astype``) runs beside them: neither the
@@ -553,7 +553,7 @@ def test_a_16_bit_planned_call_enqueues_everything_inside_its_chain(settings, mo
         layer.forward(x, hx)
         layer.backward(dy)
     assert layer._plan.backward_pass is not None
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
     grads = {name: g.copy() for name, g in layer.grads.items()}
     assert _array_work(lambda: layer.forward(x, hx)) == 0
@@ -638,15 +638,6 @@ class _StackHits:
         monkeypatch.setattr(cls, method, counted)
 
 
-@pytest.fixture
-def released_after():
-    """Chains stubbed in a test (``launch._issue_chain``) number passes the device never ran, so
-    their records would read as lost in later tests of the same shapes: every kept chain is let
-    go after it."""
-    yield
-    buffers.release_workspaces()
-
-
 def _stack_layer(cell: str, pair: bool = False, layers: int = 0, stack: bool = True):
     """Two layers in stack mode, or (``pair``) a bidirectional layer's (``layers``: a stack's,
     one by default) two directions side by side (test_call_allocations' pairs at these
@@ -691,7 +682,7 @@ STACK_CASES = [("GRU", True, False, 2), ("LSTM", False, False, 2), ("LSTM", True
 @pytest.mark.parametrize("cell,extras,pair,layers", STACK_CASES,
                          ids=[f"{c}-{'states+lengths' if e else 'plain'}-"
                               f"{'pairs' if p else 'stack'}-{n}" for c, e, p, n in STACK_CASES])
-def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, released_after,
+def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, stub_chains,
                                               cell, extras, pair, layers):
     """A two-layer stack that runs in stack mode, and bidirectional layers whose directions run
     side by side (``PairPlan``, one chain per layer: the reversals inside the chains too), plan
@@ -711,7 +702,7 @@ def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, 
     hx = planned._plan.h0 if cell == "GRU" else (planned._plan.h0, planned._plan.c0)
     hx = hx if extras else None
     grads = {name: g.copy() for name, g in planned.grads.items()}
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     assert _array_work(lambda: planned.forward(x, hx, lengths=lengths)) == 0
     assert _array_work(lambda: planned.backward(dy)) == 0
     assert (hits.forwards, hits.backwards) == (3, 2)
@@ -805,7 +796,7 @@ LAYERS_CASES = [("GRU", True, 2, False), ("LSTM", False, 2, False), ("LSTM", Tru
                               f"{'bidirectional' if p else 'stack'}"
                               for c, e, n, p in LAYERS_CASES])
 def test_layer_direction_calls_are_planned_bitwise(settings, grid_path, monkeypatch,
-                                                   released_after, cell, extras, layers, pair):
+                                                   stub_chains, cell, extras, layers, pair):
     """A stack or bidirectional layer run one layer-direction per launch plans its calls
     (``LayersPlan``: every layer-direction's chain, with its operations, in one graph a pass):
     bitwise the full path's, across in-place weight updates, with initial states and lengths or
@@ -828,7 +819,7 @@ def test_layer_direction_calls_are_planned_bitwise(settings, grid_path, monkeypa
     assert (counted.graph_units, counted.launches) == (
         2, chains * launch.chain_launches(launch.settings.current().max_restarts))
     grads = {name: g.copy() for name, g in planned.grads.items()}
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     assert _array_work(lambda: planned.forward(x, hx, lengths=lengths)) == 0
     assert _array_work(lambda: planned.backward(dy)) == 0
     assert (hits.forwards, hits.backwards) == (5, 4)
@@ -963,7 +954,7 @@ def _batch_first_steps(cell: str, planned, full, seeds, extras: bool) -> None:
                               f"{'bidirectional' if p else 'stack'}-"
                               f"{'stack-mode' if s else 'layer-directions'}"
                               for c, e, n, p, s in BATCH_FIRST_CASES])
-def test_batch_first_calls_are_planned_bitwise(settings, grid_path, monkeypatch, released_after,
+def test_batch_first_calls_are_planned_bitwise(settings, grid_path, monkeypatch, stub_chains,
                                                cell, extras, layers, pair, stack):
     """A batch-first layer plans its calls on every planned path (a layer's ``Plan``, stack
     mode, pairs, layer-directions): bitwise the full path's, with initial states and lengths or
@@ -980,7 +971,7 @@ def test_batch_first_calls_are_planned_bitwise(settings, grid_path, monkeypatch,
     dy = np.ones((SB, ST, SH * planned.directions), np.float32)
     h = np.zeros((layers * planned.directions, SB, SH), np.float32)
     hx = None if not extras else h if cell == "GRU" else (h, h.copy())
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     assert _array_work(lambda: planned.forward(x, hx, [ST, 1, 2] if extras else None)) == 0
     assert _array_work(lambda: planned.backward(dy)) == 0
     assert ran == (hits.forwards + stack_hits.forwards - 1,
@@ -1018,7 +1009,7 @@ def _half_layers(cell: str, dtype: str, layers: int, pair: bool, proj: int = 0):
                          ids=[f"{c}-{d}-{n}-{'bidirectional' if p else 'stack'}-"
                               f"{'states+lengths' if e else 'plain'}"
                               for c, d, n, p, e in HALF_LAYERS_CASES])
-def test_16_bit_layer_direction_calls_are_planned_bitwise(settings, monkeypatch, released_after,
+def test_16_bit_layer_direction_calls_are_planned_bitwise(settings, monkeypatch, stub_chains,
                                                           cell, dtype, layers, pair, extras):
     """16-bit stacks and bidirectional layers run one layer-direction per launch plan their
     calls with the conversions inside the chains (``HalfLayersPlan``): bitwise the full path's
@@ -1035,7 +1026,7 @@ def test_16_bit_layer_direction_calls_are_planned_bitwise(settings, monkeypatch,
     h = np.zeros((layers * planned.directions, HALF_B, HALF_H), planned.dtype)
     hx = None if not extras else h if cell == "GRU" else (h, h.copy())
     lengths = [4, 2, 1] if extras else None
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: None)
+    stub_chains()
     monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
     grads = {name: g.copy() for name, g in planned.grads.items()}
     # (with lengths: validation.lengths' conversion of them on the host, the full path's check)
@@ -1049,7 +1040,7 @@ def test_16_bit_layer_direction_calls_are_planned_bitwise(settings, monkeypatch,
 @pytest.mark.parametrize("sabotage", ["stale W_hh words", "narrowed by truncation",
                                       "the upper input unrounded"])
 def test_a_missed_16_bit_conversion_in_a_layers_plan_is_caught(settings, monkeypatch,
-                                                               released_after, sabotage):
+                                                               stub_chains, sabotage):
     """Sabotages of a 16-bit layers plan's conversions fail the check above: the passes' W_hh
     words (padded copies: H odd) not refreshed after an in-place update, results narrowed by
     dropping bits rather than rounded, an upper layer's product taking its float32 input's

@@ -118,13 +118,13 @@ def test_the_librarys_own_capture_holds_no_arrays(monkeypatch):
     assert launch.release_captured() == 1
 
 
-def test_an_emulated_chain_is_never_keyed(monkeypatch):
+def test_an_emulated_chain_is_never_keyed(monkeypatch, stub_chains):
     """run_chain on NumPy words issues directly and never builds the key (whose ``value`` refuses
     host arrays)."""
     chain = type("C", (), {"words": np.zeros(8, np.uint32), "ring": launch.RecordRing(np, 1),
                            "recorded": 0})()
     ran = []
-    monkeypatch.setattr(launch, "_issue_chain", lambda *a: ran.append(a))
+    stub_chains(lambda *a: ran.append(a))
 
     def key():
         raise AssertionError("the key is built only for a chain that may be a graph")
@@ -158,12 +158,12 @@ class _Chain:
         return self.ring
 
 
-def test_one_graph_enqueues_its_chains_as_one_unit(monkeypatch):
+def test_one_graph_enqueues_its_chains_as_one_unit(monkeypatch, stub_chains):
     """``launch.one_graph``: the chains given inside the block are issued at its end, in order,
     as one graph keyed by every chain's key (one replay: one launch); each pass is numbered for
     its record when it is given (a chain given twice: two numbers)."""
     issued, keys = [], []
-    monkeypatch.setattr(launch, "_issue_chain", lambda chain, *a: issued.append(chain))
+    stub_chains(lambda chain, *a: issued.append(chain))
     monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
     monkeypatch.setattr(chain_graphs, "value", id)
 
@@ -186,11 +186,11 @@ def test_one_graph_enqueues_its_chains_as_one_unit(monkeypatch):
     assert (counted.graph_units, len(keys), b.recorded) == (1, 2, 2)
 
 
-def test_a_one_graph_block_left_by_an_exception_enqueues_nothing(monkeypatch):
+def test_a_one_graph_block_left_by_an_exception_enqueues_nothing(monkeypatch, stub_chains):
     """A block an exception leaves issues none of its chains, which start a new ring (their
     numbering ran ahead of the device) and fill their progress words anew."""
     issued = []
-    monkeypatch.setattr(launch, "_issue_chain", lambda chain, *a: issued.append(chain))
+    stub_chains(lambda chain, *a: issued.append(chain))
     a = _Chain()
     with pytest.raises(RuntimeError):
         with launch.one_graph():
