@@ -380,16 +380,21 @@ def test_torch_modules_follow_the_library_setting_only(tf32, grid_path):
     # torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 say.
     torch = pytest.importorskip("torch")
     from persistent_rnn.torch import LSTM
-    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     module, x = LSTM(5, 40, algo="persistent"), torch.randn(4, 9, 5)
+    held = matmul.allow_tf32
     try:
         for library, torch_flag in ((False, True), (True, False)):
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = torch_flag
-            with prnn.override_settings(allow_tf32=library):
+            matmul.allow_tf32 = torch_flag
+            # (cudnn's flags only through its context manager: torch's own test harness, which
+            # tests/test_pytorch_rnn_suite.py imports, forbids setting them directly)
+            with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                             deterministic=cudnn.deterministic, allow_tf32=torch_flag), \
+                    prnn.override_settings(allow_tf32=library):
                 module(x)
             assert ("'PRNN_MMA': 1" in module.last_run.details[0]) == library
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+        matmul.allow_tf32 = held
 
 
 @pytest.mark.gpu
