@@ -199,3 +199,64 @@ def test_a_one_graph_block_left_by_an_exception_enqueues_nothing(monkeypatch, st
     assert issued == [] and a.ring is None and not a.untouched
     launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None)  # (later: as before)
     assert issued == [a] and a.ring is not None and a.recorded == 1
+
+
+class _FakeCupy:
+    """What ``chain_graphs._capture`` calls of CuPy: a stream that captures (``begin_capture``,
+    ``end_capture`` giving a ``_Graph``) and the thread's allocator (``using_allocator``), which
+    ``alloc`` calls as CuPy's arrays do."""
+
+    def __init__(self):
+        self.cuda, self.allocator, self.captures = self, None, []
+
+    def Stream(self, non_blocking=False):  # noqa: N802 -- CuPy's name
+        fake = self
+
+        class Side:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def begin_capture(self):
+                fake.captures.append("begin")
+
+            def end_capture(self):
+                fake.captures.append("end")
+                return _Graph()
+        return Side()
+
+    def using_allocator(self, allocator):
+        import contextlib
+
+        @contextlib.contextmanager
+        def using():
+            before, self.allocator = self.allocator, allocator
+            try:
+                yield
+            finally:
+                self.allocator = before
+        return using()
+
+    def alloc(self, size):
+        return self.allocator(size) if self.allocator else size
+
+
+def test_a_capture_that_would_allocate_runs_the_chain_directly(monkeypatch):
+    """A block CuPy's pool handed out during the capture would go back to the pool when the
+    capture's temporaries die while every replay still writes it: the capture refuses any
+    allocation (that chain then runs launch by launch), and one that allocates nothing is
+    captured whole."""
+    import sys
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(chain_graphs._side, "streams", {}, raising=False)
+    seen = []
+    graph = chain_graphs._capture(0, lambda: seen.append(chain_graphs.capturing()))
+    assert isinstance(graph, _Graph) and seen == [True] and not chain_graphs.capturing()
+    assert fake.captures == ["begin", "end"]
+    with pytest.warns(RuntimeWarning, match="a CuPy allocation \\(256 bytes\\)"):
+        assert chain_graphs._capture(0, lambda: fake.alloc(256)) is chain_graphs._EAGER
+    assert fake.captures[2:] == ["begin", "end"] and fake.allocator is None
+    assert fake.alloc(256) == 256  # after the capture the thread's allocator is back
