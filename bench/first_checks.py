@@ -31,6 +31,9 @@ def configured(settings: dict, placement: str | None, cpu: bool) -> Iterator[Non
     the grid (``FORCE_GRID``)."""
     import persistent_rnn as prnn
     wanted = {**settings, **(FORCE_GRID if cpu and placement == "grid" else {})}
+    if not wanted:  # (``configure`` makes new settings: the layers would plan their calls anew)
+        yield
+        return
     before = {k: getattr(prnn.configure(), k) for k in wanted}
     prnn.configure(**wanted)
     try:
