@@ -140,7 +140,8 @@ def _types(cupy, cublas, dtype) -> tuple[int, int]:
 
 
 # cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
-# ldc, computeType, algo) (cublas_api.h): handles and pointers 64-bit, enums and sizes int
+# ldc, computeType, algo) (cublas_api.h, as CuPy's binding calls it): handle and pointers 64-bit,
+# enums and sizes int
 GEMM_EX_ARGTYPES = (
     ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
