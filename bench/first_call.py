@@ -1,6 +1,6 @@
 """The first call on a lent GPU, step by step (bench/run_gpu_suite.sh, part ``first``).
 
-    python bench/first_call.py STEP --out DIR [--cpu] [--group fp32|struct|half]
+    python bench/first_call.py STEP --out DIR [--cpu] [--group fp32|tf32|struct|half]
 
 Steps, each run by the suite under its own time limit, in the order of what matters first:
 
@@ -11,6 +11,7 @@ Steps, each run by the suite under its own time limit, in the order of what matt
 * ``correct``  ``--group``: ``first_checks.check_case`` of each case of the group
 * ``stall``    ``first_checks.check_stall`` of each stall case
 * ``time``     ``first_timing.measure`` of each point
+* ``time_tf32`` the same of the TF32 points (``first_cases.TF32_TIMING``, ``allow_tf32`` on)
 * ``report``   ``first_report``: first_summary.json and the tables (first_summary.txt)
 
 Every record is a JSON line carrying ``device``, ``date``, ``commit`` (``PRNN_COMMIT``),
@@ -41,7 +42,7 @@ import time
 import traceback
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -53,8 +54,8 @@ import first_timing
 from persistent_rnn import benchmark
 
 FILES = {"correct": "correct.jsonl", "stall": "stall.jsonl", "time": "time.jsonl",
-         "predict": "predict.jsonl", "env": "env.json"}
-ITEM_LIMIT_S = {"correct": 40, "stall": 30, "time": 40}  # per item on a GPU
+         "time_tf32": "time_tf32.jsonl", "predict": "predict.jsonl", "env": "env.json"}
+ITEM_LIMIT_S = {"correct": 40, "stall": 30, "time": 40, "time_tf32": 40}  # per item on a GPU
 CPU_ITEM_LIMIT_S = 240  # the emulation builds a kernel on first use (minutes on a busy machine)
 HUNG_EXIT = 75  # EX_TEMPFAIL: not 3, which compute-sanitizer and others use
 SAMPLE = "PRNN_FIRST_CPU_SAMPLE"  # set: the --cpu correctness steps run first_cases.CPU_SAMPLE
@@ -201,8 +202,11 @@ def predict_one(job: dict, device: str | None) -> dict:
     """The model's figures for one layer (or stack) of ``prediction_jobs`` (a prediction)."""
     import persistent_rnn as prnn
     from persistent_rnn import latency
+    from persistent_rnn import plan as planner
     t0 = time.perf_counter()
     try:
+        if job["tf32"]:  # planned as with allow_tf32 (``prnn plan ... --tf32``)
+            device = replace(planner.resolve_device(device), allow_tf32=True)
         if job.get("proj_size"):
             out = {"note": benchmark.NO_PROJECTION_MODEL}
         elif job["layers"] > 1 or job["bidirectional"]:
@@ -215,6 +219,7 @@ def predict_one(job: dict, device: str | None) -> dict:
             st = prnn.predict_step_time(job["cell"], job["hidden"], job["batch"], job["dtype"],
                                         device=device)
             out = {"placement": "cluster" if st.plan.tile.cluster else "grid",
+                   "tensor_cores": st.plan.tile.mma,
                    "forward_ctas": st.plan.forward.grid, "forward_us": st.forward_us,
                    "backward_us": st.backward_us, "forward_call_us": st.forward_call_us,
                    "backward_call_us": st.backward_call_us}
@@ -246,7 +251,7 @@ def step_predict(args, stamp: dict) -> int:
 
 
 def step_items(args, stamp: dict) -> int:
-    """``correct``, ``stall`` or ``time``: its items through ``run_items``."""
+    """``correct``, ``stall``, ``time`` or ``time_tf32``: its items through ``run_items``."""
     if not args.cpu:
         import torch
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -262,7 +267,7 @@ def step_items(args, stamp: dict) -> int:
                  for s in first_cases.STALLS]
     else:
         items = [(first_timing.point_key(*p), lambda p=p: first_timing.measure(*p, args.cpu))
-                 for p in first_timing.points(args.cpu)]
+                 for p in first_timing.points(args.cpu, args.step == "time_tf32")]
     return run_items(journal, items, limit)
 
 
@@ -277,7 +282,7 @@ def step_report(args, stamp: dict) -> int:
 
 
 STEPS = {"env": step_env, "predict": step_predict, "correct": step_items, "stall": step_items,
-         "time": step_items, "report": step_report}
+         "time": step_items, "time_tf32": step_items, "report": step_report}
 
 
 def main(argv: list[str] | None = None) -> int:

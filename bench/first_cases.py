@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-GROUPS = ("fp32", "struct", "half")
+GROUPS = ("fp32", "tf32", "struct", "half")
 # max |ours - reference| / max |reference| over every output and gradient: against float64 on
 # the CPU (the same weights and inputs, upcast), and against torch.nn on the same device.
 # 16-bit: the library rounds h_t to the dtype every step (docs/api.md), torch.nn computes its
 # own way, so both sit near the dtype's rounding; these catch wrong results, not rounding.
-TOLERANCE = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 5e-2}
+# TF32 (a float32 case with ``allow_tf32``): docs/api.md's bound, "TF32" (fp16's 10-bit mantissa).
+TOLERANCE = {"float32": 2e-5, "tf32": 5e-3, "float16": 1e-2, "bfloat16": 5e-2}
 SEQ_LENS = (100, 300)  # timing: the slope between them is the per-step cost, the rest per call
 CPU_SEQ_LENS = (2, 3)
 FORCE_GRID = {"max_cluster_ctas": 0}  # the settings that put a tiny emulated layer on the grid
@@ -28,8 +29,9 @@ class Case:
 
     ``placement``: the path the persistent kernel must take ("cluster" or "grid"; None: not
     checked); ``lengths``: packed input of unequal lengths; ``options``: torch.nn's keywords
-    (``nonlinearity``, ``proj_size``, ``num_layers``, ``bidirectional``); ``tiny``: the
-    ``--cpu`` size (hidden, proj_size).
+    (``nonlinearity``, ``proj_size``, ``num_layers``, ``bidirectional``); ``settings``: the
+    library's settings the case runs under (``allow_tf32``: the TF32 tiles, which ``last_run``
+    must show); ``tiny``: the ``--cpu`` size (hidden, proj_size), at ``tiny_batch``.
     """
 
     name: str
@@ -44,6 +46,17 @@ class Case:
     tiny: tuple[int, int] = (40, 0)
     steps: int = 12
     input_size: int = 32
+    settings: dict = field(default_factory=dict)
+    tiny_batch: int = 2
+
+    @property
+    def tf32(self) -> bool:
+        """Whether the case must run the TF32 tiles (forward and backward)."""
+        return bool(self.settings.get("allow_tf32"))
+
+    def tolerance(self) -> float:
+        """Its bound on the relative error (``TOLERANCE``)."""
+        return TOLERANCE["tf32" if self.tf32 else self.dtype]
 
     def cell(self) -> str:
         """The planner's and the model's cell name."""
@@ -57,7 +70,8 @@ class Case:
             return self
         hidden, proj = self.tiny
         options = dict(self.options, **({"proj_size": proj} if proj else {}))
-        return replace(self, hidden=hidden, batch=2, steps=4, input_size=24, options=options)
+        return replace(self, hidden=hidden, batch=self.tiny_batch, steps=4, input_size=24,
+                       options=options)
 
 
 def _rnn(nonlinearity: str) -> dict:
@@ -73,6 +87,10 @@ CASES = (
     Case("rnn_tanh_h512_b1", "fp32", "RNN", 512, 1, options=_rnn("tanh")),
     Case("lstm_h1024_b4", "fp32", "LSTM", 1024, 4, placement="grid"),
     Case("gru_h1024_b4", "fp32", "GRU", 1024, 4, placement="grid"),
+    # TF32 tiles (allow_tf32): the headline layer, where the planner takes them forward (B >= 3
+    # on the grid) and backward (B >= 4); in the emulation at H 40 B 4 on the grid
+    Case("lstm_h1024_b4_tf32", "tf32", "LSTM", 1024, 4, placement="grid",
+         settings={"allow_tf32": True}, tiny_batch=4),
     # projection, stacks, bidirectional with lengths
     Case("lstmp_h1024_p256_b4", "struct", "LSTM", 1024, 4, options={"proj_size": 256},
          tiny=(128, 32)),
@@ -91,9 +109,9 @@ CASES = (
 
 
 # The cases the test suite's run of the ``--cpu`` check takes (``sample=True``): each road of
-# the harness once - a cluster and a grid layer, a projection, a bidirectional stack with
-# lengths, 16-bit through the module. Before a GPU slot the whole check runs (docs/benchmarks.md).
-CPU_SAMPLE = ("lstm_h256_b3", "lstm_h1024_b4", "lstmp_h1024_p256_b4",
+# the harness once - a cluster and a grid layer, a grid layer on the TF32 tiles, a projection, a
+# bidirectional stack with lengths, 16-bit through the module. Before a GPU slot the whole check runs (docs/benchmarks.md).
+CPU_SAMPLE = ("lstm_h256_b3", "lstm_h1024_b4", "lstm_h1024_b4_tf32", "lstmp_h1024_p256_b4",
               "lstm_stack2_bidir_h128_b4_lengths", "gru_h256_b3_bf16")
 
 
@@ -108,7 +126,8 @@ def group_cases(group: str, cpu: bool, sample: bool = False) -> list[Case]:
             continue
         sized = case.sized(cpu)
         run = (sized.mode, sized.hidden, sized.batch, sized.dtype, sized.placement, sized.lengths,
-               sized.steps, sized.input_size, tuple(sorted(sized.options.items())))
+               sized.steps, sized.input_size, tuple(sorted(sized.options.items())),
+               tuple(sorted(sized.settings.items())))
         if not cpu or run not in seen:
             seen.add(run)
             out.append(sized)
@@ -144,7 +163,8 @@ STALLS = (
 
 @dataclass(frozen=True)
 class TimingConfig:
-    """A layer timed with every algorithm side by side (``tiny``: its ``--cpu`` hidden size)."""
+    """A layer timed with every algorithm side by side (``tiny``: its ``--cpu`` hidden size, at
+    ``tiny_batch``; ``settings``: the library's settings it runs under, as ``Case``'s)."""
 
     name: str
     cell: str
@@ -153,10 +173,13 @@ class TimingConfig:
     dtype: str = "float32"
     input_size: int = 64
     tiny: int = 40
+    settings: dict = field(default_factory=dict)
+    tiny_batch: int = 2
 
     def sized(self, cpu: bool) -> "TimingConfig":
-        """Itself on a GPU; the tiny size, batch 2, in the emulation."""
-        return replace(self, hidden=self.tiny, batch=2, input_size=24) if cpu else self
+        """Itself on a GPU; the tiny size in the emulation."""
+        return replace(self, hidden=self.tiny, batch=self.tiny_batch, input_size=24) if cpu \
+            else self
 
 
 def _half(cell: str, hidden: int, batch: int) -> TimingConfig:
@@ -180,24 +203,30 @@ TIMING = (
 # headline and the 16-bit one
 CPU_TIMING = (TIMING[0], HALF_TIMING[0])
 TIMING_ALGOS = ("persistent", "gemm", "prnn_torch", "cudnn")
+# The TF32 tiles timed (step ``time_tf32``): the headline layer with ``allow_tf32``, the library's
+# two roads, set beside the same layer's fp32 and cuDNN figures of ``TIMING`` (``first_report``)
+TF32_TIMING = replace(TIMING[0], name="lstm_h1024_b4_tf32", settings={"allow_tf32": True},
+                      tiny_batch=4)
+TF32_ALGOS = ("persistent", "prnn_torch")
 
 
 def prediction_jobs(cpu: bool) -> list[dict]:
-    """Every distinct layer the call runs, as the model's arguments (GPU sizes). The ``--cpu``
-    check predicts ``CPU_TIMING`` only (on the h100 profile): the rest repeat the same code."""
-    jobs: dict[tuple, dict] = {}  # (cell, hidden, batch, dtype, layers, bidirectional, proj)
-    for t in CPU_TIMING if cpu else TIMING:
-        jobs.setdefault((t.cell, t.hidden, t.batch, t.dtype, 1, False, 0),
-                        {"name": t.name, "timing": True})
+    """Every distinct layer the call runs, as the model's arguments (GPU sizes; ``tf32``: planned
+    as with ``allow_tf32``, ``prnn plan ... --tf32``). The ``--cpu`` check predicts
+    ``CPU_TIMING`` and ``TF32_TIMING`` only (on the h100 profile): the rest repeat the same code."""
+    jobs: dict[tuple, dict] = {}  # (cell, hidden, batch, dtype, layers, bidirectional, proj, tf32)
+    for t in (*(CPU_TIMING if cpu else TIMING), TF32_TIMING):
+        jobs.setdefault((t.cell, t.hidden, t.batch, t.dtype, 1, False, 0,
+                         bool(t.settings.get("allow_tf32"))), {"name": t.name, "timing": True})
     if not cpu:
         for c in CASES:
             # a stack, or a bidirectional layer (the stack kernel runs both directions at once);
             # a projection is listed with the model's note (it has no projection kernels)
             jobs.setdefault((c.cell(), c.hidden, c.batch, c.dtype, c.options.get("num_layers", 1),
-                             c.options.get("bidirectional", False), c.options.get("proj_size", 0)),
-                            {"name": c.name})
+                             c.options.get("bidirectional", False), c.options.get("proj_size", 0),
+                             c.tf32), {"name": c.name})
         for s in STALLS:
-            jobs.setdefault((s.mode.lower(), s.hidden, s.batch, "float32", s.num_layers, False, 0),
-                            {"name": s.name})
+            jobs.setdefault((s.mode.lower(), s.hidden, s.batch, "float32", s.num_layers, False, 0,
+                             False), {"name": s.name})
     return [dict(job, cell=k[0], hidden=k[1], batch=k[2], dtype=k[3], layers=k[4],
-                 bidirectional=k[5], proj_size=k[6]) for k, job in jobs.items()]
+                 bidirectional=k[5], proj_size=k[6], tf32=k[7]) for k, job in jobs.items()]

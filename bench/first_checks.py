@@ -3,7 +3,8 @@
 ``check_case``: a layer of ``persistent_rnn.torch`` with ``algo="persistent"`` against torch.nn
 on the same device (TF32 off) and torch.nn in float64 on the CPU, on the same weights and fresh
 random inputs: forward and backward, every output and gradient; ``last_run`` must show the
-persistent kernel on the expected path in both passes, with no restart and no fallback; a second
+persistent kernel on the expected path in both passes, on the TF32 tiles exactly where the case
+allows them (``Case.settings``, its bound ``Case.tolerance``), with no restart and no fallback; a second
 run on the same inputs must give the same bits (a race in a barrier-free exchange shows there
 first). ``check_stall``: a stall injected into one CTA must make both passes restart and still
 give the bits of the run without it.
@@ -15,7 +16,7 @@ import math
 import zlib
 from typing import Any, Iterator
 
-from first_cases import FORCE_GRID, TOLERANCE, Case, Stall
+from first_cases import FORCE_GRID, Case, Stall
 
 STALL = {"gpu": {"gpu_timeout_ms": 20.0, "stall_ms": 200.0},
          # the emulation's threads get scheduled late on a busy machine: a longer wait
@@ -23,16 +24,18 @@ STALL = {"gpu": {"gpu_timeout_ms": 20.0, "stall_ms": 200.0},
 
 
 @contextlib.contextmanager
-def placed(placement: str | None, cpu: bool) -> Iterator[None]:
-    """In the emulation, a grid case's tiny layer put on the grid (``FORCE_GRID``) for the whole
-    process while the case runs (``configure``: autograd runs the backward in a thread of its
-    own, which ``override_settings`` does not reach); elsewhere nothing."""
+def configured(settings: dict, placement: str | None, cpu: bool) -> Iterator[None]:
+    """The library's ``settings`` (a case's: ``Case.settings``) for the whole process while the
+    case runs (``configure``: autograd runs the backward in a thread of its own, which
+    ``override_settings`` does not reach), and in the emulation a grid case's tiny layer put on
+    the grid (``FORCE_GRID``)."""
     import persistent_rnn as prnn
-    if not (cpu and placement == "grid"):
+    wanted = {**settings, **(FORCE_GRID if cpu and placement == "grid" else {})}
+    if not wanted:  # (``configure`` makes new settings: the layers would plan their calls anew)
         yield
         return
-    before = {k: getattr(prnn.configure(), k) for k in FORCE_GRID}
-    prnn.configure(**FORCE_GRID)
+    before = {k: getattr(prnn.configure(), k) for k in wanted}
+    prnn.configure(**wanted)
     try:
         yield
     finally:
@@ -43,14 +46,19 @@ def stats_dict(stats: Any) -> dict | None:
     """A ``RunStats`` (or ``LastRun``) as plain data, read at once (the next call replaces it)."""
     if stats is None:
         return None
+    kernel = stats.details[0] if stats.details else ""  # the pass's kernel and its defines
     return {"algo": stats.algo, "restarts": stats.restarts, "fallback": stats.fallback,
             "emulated": stats.emulated, "launches": stats.launches,
             "placement": "cluster" if any("PRNN_CLUSTER" in d for d in stats.details) else "grid",
+            # docs/api.md, "TF32": PRNN_MMA without PRNN_WEIGHT_DTYPE
+            "tf32": "'PRNN_MMA'" in kernel and "PRNN_WEIGHT_DTYPE" not in kernel,
             "details": list(stats.details)[-3:]}
 
 
-def path_problems(name: str, stats: dict | None, cpu: bool, placement: str | None) -> list[str]:
-    """What is wrong with a pass that had to run the persistent kernel cleanly."""
+def path_problems(name: str, stats: dict | None, cpu: bool, placement: str | None,
+                  tf32: bool = False) -> list[str]:
+    """What is wrong with a pass that had to run the persistent kernel cleanly (on the TF32
+    tiles where ``tf32``, else not)."""
     if stats is None:
         return [f"{name}: no last_run"]
     problems = []
@@ -61,6 +69,8 @@ def path_problems(name: str, stats: dict | None, cpu: bool, placement: str | Non
         problems.append(f"{name}: emulated {stats['emulated']} on {'CPU' if cpu else 'GPU'}")
     if placement and stats["placement"] != placement:
         problems.append(f"{name} ran on the {stats['placement']} path, not the {placement} path")
+    if stats["tf32"] != tf32:
+        problems.append(f"{name} ran {'' if stats['tf32'] else 'not '}on the TF32 tiles")
     return problems
 
 
@@ -144,7 +154,7 @@ def check_case(case: Case, cpu: bool) -> dict:
     exact = getattr(torch.nn, case.mode)(case.input_size, case.hidden, **case.options).double()
     exact.load_state_dict({k: v.double().cpu() for k, v in ours.state_dict().items()})
     inputs = _Inputs(case)
-    with placed(case.placement, cpu):
+    with configured(case.settings, case.placement, cpu):
         got = run_module(ours, inputs, device, dtype)
         forward = stats_dict(ours.last_run)
         backward = stats_dict(getattr(ours.last_run, "backward", None))
@@ -152,9 +162,9 @@ def check_case(case: Case, cpu: bool) -> dict:
     want = run_module(exact, inputs, "cpu", torch.float64)
     rec: dict[str, Any] = {"hidden": case.hidden, "batch": case.batch, "steps": case.steps,
                            "dtype": case.dtype, "options": case.options, "lengths": inputs.lengths,
-                           "forward": forward, "backward": backward}
-    problems = path_problems("forward", forward, cpu, case.placement)
-    problems += path_problems("backward", backward, cpu, case.placement)
+                           "settings": case.settings, "forward": forward, "backward": backward}
+    problems = path_problems("forward", forward, cpu, case.placement, case.tf32)
+    problems += path_problems("backward", backward, cpu, case.placement, case.tf32)
     rec["repeat_bitwise"] = got.keys() == again.keys() and all(
         torch.equal(got[k], again[k]) for k in got)
     if not rec["repeat_bitwise"]:
@@ -174,7 +184,7 @@ def check_case(case: Case, cpu: bool) -> dict:
     else:
         rec["err_torch_nn"], _ = _worst({k: relative_error(got[k], theirs[k]) for k in theirs})
         rec["torch_nn_err_f64"], _ = _worst({k: relative_error(theirs[k], want[k]) for k in want})
-    tolerance = TOLERANCE[case.dtype]
+    tolerance = case.tolerance()
     for key, what in (("err_f64", "float64"), ("err_torch_nn", "torch.nn")):
         if rec.get(key) is not None and not rec[key] <= tolerance:
             problems.append(f"error against {what} {rec[key]:.2e} > {tolerance:g}")
@@ -207,7 +217,7 @@ def check_stall(stall: Stall, cpu: bool) -> dict:
         return results, forward, stats_dict(layer.last_run)
 
     limits = STALL["cpu" if cpu else "gpu"]
-    with placed(stall.placement, cpu):
+    with configured({}, stall.placement, cpu):
         plain, plain_fwd, plain_bwd = run()
         again, _, _ = run()
         with prnn.override_settings(residency_cooldown_s=0.0,

@@ -1,11 +1,13 @@
 """The summary of the first GPU call (bench/first_call.py ``report``): tables and a verdict.
 
 Reads what the steps recorded in OUT (``env.json``, ``predict.jsonl``, ``correct.jsonl``,
-``stall.jsonl``, ``time.jsonl``, the suite's ``steps.jsonl``; whatever is missing is reported as
-missing) and returns the summary document and its text: the steps' status, each case's errors
-and path, the stalls, and the timing table - µs per step of every algorithm at T = 100, the
-per-step slope between T = 100 and 300 and the per-call cost, beside the latency model's
-*predictions* (kernel step and whole call) and the measured-over-predicted ratios.
+``stall.jsonl``, ``time.jsonl``, ``time_tf32.jsonl``, the suite's ``steps.jsonl``; whatever is
+missing is reported as missing) and returns the summary document and its text: the steps'
+status, each case's errors and path, the stalls, and the timing table - µs per step of every
+algorithm at T = 100, the per-step slope between T = 100 and 300 and the per-call cost, beside
+the latency model's *predictions* (kernel step and whole call) and the measured-over-predicted
+ratios; the TF32 layer's row (``first_cases.TF32_TIMING``) under the same layer's fp32 row, and
+its figures set beside that row's persistent and cuDNN ones.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from first_cases import TIMING, TIMING_ALGOS
+from first_cases import TF32_TIMING, TIMING, TIMING_ALGOS
 
 from persistent_rnn import benchmark
 
@@ -67,8 +69,9 @@ def prediction_line(r: dict) -> str:
         return (f"{what} x{r['layers']}{' bidirectional' if r['bidirectional'] else ''}: stack "
                 f"fits {r['stack_fits']}, forward pass {_f(r['forward_pass_us_t100'], '.1f')} us "
                 "at T=100 (predicted)")
-    return (f"{what}: {r['placement']} {r['forward_ctas']} CTAs, {r['forward_us']:.2f} / "
-            f"{r['backward_us']:.2f} us per step fwd/bwd (predicted)")
+    return (f"{what}{' TF32' if r.get('tf32') else ''}: {r['placement']} {r['forward_ctas']} "
+            f"CTAs, {r['forward_us']:.2f} / {r['backward_us']:.2f} us per step fwd/bwd "
+            "(predicted)")
 
 
 def _done(rows: list[dict]) -> list[dict]:
@@ -90,7 +93,7 @@ def timing_rows(points: list[dict], predictions: dict[str, dict]) -> list[dict]:
     rows = []
     by_key = {(p["config"], p["pass"], p["algo"], p["seq_len"]): p for p in points if "us_per_step" in p}
     seq_lens = sorted({p["seq_len"] for p in points if "seq_len" in p})
-    for config in TIMING:
+    for config in (TIMING[0], TF32_TIMING, *TIMING[1:]):  # (TF32 under its fp32 layer)
         for pass_ in benchmark.PASSES:
             row: dict[str, Any] = {"config": config.name, "pass": pass_}
             for algo in TIMING_ALGOS:
@@ -118,7 +121,44 @@ def timing_rows(points: list[dict], predictions: dict[str, dict]) -> list[dict]:
             if row.get("persistent_us_per_step") and row.get("cudnn_us_per_step"):
                 row["persistent_over_cudnn"] = row["persistent_us_per_step"] / row["cudnn_us_per_step"]
             rows.append(row)
+    _beside_fp32(rows)
     return rows
+
+
+def _beside_fp32(rows: list[dict]) -> None:
+    """The TF32 rows' persistent figure over the same layer's fp32 persistent and cuDNN ones
+    (``tf32_over_fp32``, ``persistent_over_cudnn``: from the fp32 row of the same pass)."""
+    fp32 = {r["pass"]: r for r in rows if r["config"] == TIMING[0].name}
+    for row in rows:
+        twin = fp32.get(row["pass"]) if row["config"] == TF32_TIMING.name else None
+        ours = row.get("persistent_us_per_step")
+        if twin is None or not ours:
+            continue
+        if twin.get("persistent_us_per_step"):
+            row["tf32_over_fp32"] = ours / twin["persistent_us_per_step"]
+        if twin.get("cudnn_us_per_step"):
+            row["persistent_over_cudnn"] = ours / twin["cudnn_us_per_step"]
+
+
+def _tf32_text(rows: list[dict]) -> list[str]:
+    """The TF32 layer beside the same layer in fp32 and cuDNN's (µs per step at the shorter T,
+    each with the model's prediction)."""
+    fp32 = {r["pass"]: r for r in rows if r["config"] == TIMING[0].name}
+    lines = [f"TF32 ({TF32_TIMING.name}, allow_tf32; us per step, pred: the model's PREDICTION "
+             "of the whole call per step):"]
+    for row in rows:
+        if row["config"] != TF32_TIMING.name:
+            continue
+        twin = fp32.get(row["pass"], {})
+        lines.append(f"  {('fwd' if row['pass'] == 'forward' else 'fwd+bwd'):7} tf32 "
+                     f"{_f(row.get('persistent_us_per_step'), '.2f')} (pred "
+                     f"{_f(row.get('predicted_call_us_per_step'), '.2f')}), fp32 "
+                     f"{_f(twin.get('persistent_us_per_step'), '.2f')} (pred "
+                     f"{_f(twin.get('predicted_call_us_per_step'), '.2f')}), cudnn "
+                     f"{_f(twin.get('cudnn_us_per_step'), '.2f')}; tf32/fp32 "
+                     f"{_f(row.get('tf32_over_fp32'), '.2f')}, tf32/cudnn "
+                     f"{_f(row.get('persistent_over_cudnn'), '.2f')}")
+    return lines if len(lines) > 1 else lines + ["  none recorded"]
 
 
 def _cell(row: dict, algo: str) -> str:
@@ -157,7 +197,7 @@ def build(out: Path) -> tuple[dict, str]:
     steps = read_jsonl(out / "steps.jsonl")
     predictions = _done(read_jsonl(out / "predict.jsonl"))
     cases, stalls = _done(read_jsonl(out / "correct.jsonl")), _done(read_jsonl(out / "stall.jsonl"))
-    points = _done(read_jsonl(out / "time.jsonl"))
+    points = _done(read_jsonl(out / "time.jsonl")) + _done(read_jsonl(out / "time_tf32.jsonl"))
     by_name = {p["name"]: p for p in predictions}
     rows = timing_rows(points, by_name)
     seq_lens = sorted({p["seq_len"] for p in points if "seq_len" in p})
@@ -182,7 +222,7 @@ def build(out: Path) -> tuple[dict, str]:
     lines += [item_line(r) for r in cases] or ["  none recorded"]
     lines += ["", "stall + restart (bits equal to the run without the stall):"]
     lines += [item_line(r) for r in stalls] or ["  none recorded"]
-    lines += [""] + _timing_text(rows, seq_lens)
+    lines += [""] + _timing_text(rows, seq_lens) + [""] + _tf32_text(rows)
     lines += ["", f"verdict: cases {verdict['cases_ok']}/{verdict['cases']} ok, stalls "
               f"{verdict['stalls_ok']}/{verdict['stalls']} ok, timing points "
               f"{verdict['points_ok']}/{verdict['points']} clean; failed: "

@@ -5,8 +5,10 @@
 #   first    (call 1)  versions and tools; the model's predictions of every case (kernels compiled
 #            in parallel); correctness of every kernel family through persistent_rnn.torch against
 #            torch.nn on the same GPU and float64, forward and backward, last_run checked, two runs
-#            bitwise equal; stalls and restarts, bitwise; timing at T=100 and T=300 of persistent,
-#            GEMM, persistent_rnn.torch and torch.nn (cuDNN) beside the predictions (bench/first_*.py)
+#            bitwise equal (the TF32 tiles too: allow_tf32, a step of their own); stalls and
+#            restarts, bitwise; timing at T=100 and T=300 of persistent, GEMM, persistent_rnn.torch
+#            and torch.nn (cuDNN) beside the predictions, then the TF32 layer beside its fp32 and
+#            cuDNN figures (bench/first_*.py)
 #   tests    (call 2)  pytest -m gpu (a hung test costs only itself: bench/pytest_resume.py), then
 #            compute-sanitizer memcheck and racecheck on the cluster and the grid cases apart (racecheck
 #            through bench/racecheck.py: only the cluster exchange's deliberate pairs pass), and
@@ -16,8 +18,8 @@
 #   compare  fp16 and bf16 (persistent_rnn.torch) against torch.nn; LSTMP; a stack of 2
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
-#   fresh    what has not yet run on a GPU (the decoder resumed before a replay, its eager step,
-#            the allocation counts), then the device time of a call by kernel, the call cost at
+#   fresh    what has not yet run on a GPU (the TF32 tiles, the chain graphs of planned stacks
+#            and layer-directions, the decoder resumed before a replay, the allocation counts), then the device time of a call by kernel, the call cost at
 #            T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding step's profile
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
 #   --dry-run lists the steps, their time limits and each part's total, and runs nothing.
@@ -130,14 +132,18 @@ racecheck() {  # racecheck GROUP LIMIT_S CASE_LIMIT_S CASES: bench/racecheck.py 
     bench/racecheck.py run --cases "$cases" --case-limit "$case_limit" --budget $((limit - 5))
 }
 
-part_first() {  # limits 420 s: the call's timeout_s 450 leaves room for the start of each step
+part_first() {  # limits 419 s: the call's timeout_s 450 leaves room for the start of each step
+  # (measured 2026-11-26 on an H100 and an H200: predict 11 s, each correct group 10-13 s, stall
+  # 20-21 s, time 26-33 s before the fp16 points came)
   first_step first_env 20 env
-  first_step first_predict 55 predict
-  first_step first_correct_fp32 45 correct --group fp32
-  first_step first_correct_struct 40 correct --group struct
-  first_step first_correct_half 40 correct --group half
+  first_step first_predict 45 predict
+  first_step first_correct_fp32 35 correct --group fp32
+  first_step first_correct_tf32 25 correct --group tf32
+  first_step first_correct_struct 32 correct --group struct
+  first_step first_correct_half 32 correct --group half
   first_step first_stall 35 stall
-  first_step first_time 170 time
+  first_step first_time 150 time
+  first_step first_time_tf32 30 time_tf32
   first_step first_report 15 report
 }
 
@@ -209,17 +215,19 @@ part_sweeps() {  # limits 260 s
 }
 
 part_fresh() {  # limits 315 s: what has not yet run on a GPU, in the order to learn it
-  # the decoder (W_ih held in shared memory, the recurrent half ahead, a stack in one launch, its
-  # captured loop after resume()); the mma backward (test_half_gpu's B = 4) and the 16-bit
-  # passes on the fp32 tiles (its B = 1); the mma projection; planned calls with the operations
-  # around the chain inside it, their products recorded through cublas_capture (test_gpu_matmul,
-  # test_gpu_chain_graphs) and the records' ring; the per-call
+  # the TF32 tiles (the mma instruction, planned TF32 layers against float64); the chain graphs
+  # (one graph per multi-chain pass, planned layer-by-layer stacks, bidirectional, batch-first
+  # and 16-bit layer stacks); the decoder (W_ih held in shared memory, the recurrent half ahead,
+  # a stack in one launch, its captured loop after resume()); the mma backward (test_half_gpu's
+  # B = 4) and the 16-bit passes on the fp32 tiles (its B = 1); the mma projection; planned calls
+  # with the operations around the chain inside it, their products recorded through
+  # cublas_capture (test_gpu_matmul, test_gpu_chain_graphs) and the records' ring; the per-call
   # allocations of more paths; the 16-bit projection and stacks (mma stack mode) and the
   # hand-over again (run once, 1c83a04)
   step fresh_tests 120 "$PY" bench/pytest_resume.py --budget 110 -- -m gpu -p no:cacheprovider \
-    --timeout=60 -rfEs --durations=10 tests/test_gpu_decoder.py tests/test_half_gpu.py \
-    tests/test_gpu_projection.py \
-    tests/test_gpu_chain_graphs.py tests/test_torch_call_plans.py tests/test_gpu_half_projection.py \
+    --timeout=60 -rfEs --durations=10 tests/test_tf32.py tests/test_gpu_chain_graphs.py \
+    tests/test_gpu_decoder.py tests/test_half_gpu.py tests/test_gpu_projection.py \
+    tests/test_torch_call_plans.py tests/test_gpu_half_projection.py \
     tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py tests/test_call_allocations.py
   step call_kernels 40 "$PY" bench/call_kernels.py --out "$OUT"
   # issue 26: per call at T = 10, 100 and 1000 beside torch.nn (cuDNN), one process

@@ -128,9 +128,17 @@ def _trim() -> None:
         _graphs.popitem(last=False)
 
 
+def _refuse_allocation(size: int) -> Any:
+    """The allocator while a chain is captured: CuPy's pool would hand the block back when the
+    capture's temporaries die, and every replay would still write it - so none is taken."""
+    raise NotImplementedError(f"a CuPy allocation ({size} bytes) inside a captured chain")
+
+
 def _capture(device: int, issue: Callable[[], None]) -> Any:
     """``issue()`` captured on this thread's side stream of ``device`` and instantiated, or
-    ``_EAGER`` (with a warning) where the capture failed: that key then always runs directly."""
+    ``_EAGER`` (with a warning) where the capture failed: that key then always runs directly.
+    Nothing may come from CuPy's pool during the capture (``_refuse_allocation``: such a chain
+    runs directly); cuBLAS's own workspace is the graph's (stream-ordered, CUDA 12.2 and later)."""
     import cupy
     streams = getattr(_side, "streams", None)
     if streams is None:
@@ -139,7 +147,7 @@ def _capture(device: int, issue: Callable[[], None]) -> Any:
     if side is None:
         side = streams[device] = cupy.cuda.Stream(non_blocking=True)
     try:
-        with side:
+        with side, cupy.cuda.using_allocator(_refuse_allocation):
             side.begin_capture()
             _side.capturing = True
             try:

@@ -139,6 +139,21 @@ def _types(cupy, cublas, dtype) -> tuple[int, int]:
     return cupy.cuda.runtime.CUDA_R_32F, compute
 
 
+# cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
+# ldc, computeType, algo) (cublas_api.h, as CuPy's binding calls it): handle and pointers 64-bit,
+# enums and sizes int
+GEMM_EX_ARGTYPES = (
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed with cuBLAS status {status}")
+
+
 @lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
     """The cuBLAS library CuPy loaded (``cuda.pathfinder`` caches what it found for CuPy),
@@ -149,14 +164,6 @@ def _library() -> ctypes.CDLL:
     for name in ("cublasSetStream_v2", "cublasGemmEx"):
         getattr(library, name).restype = ctypes.c_int
     library.cublasSetStream_v2.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-    library.cublasGemmEx.argtypes = (
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+    library.cublasGemmEx.argtypes = GEMM_EX_ARGTYPES
     return library
 
-
-def _check(status: int, call: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{call} failed with cuBLAS status {status}")

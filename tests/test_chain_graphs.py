@@ -199,3 +199,104 @@ def test_a_one_graph_block_left_by_an_exception_enqueues_nothing(monkeypatch, st
     assert issued == [] and a.ring is None and not a.untouched
     launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None)  # (later: as before)
     assert issued == [a] and a.ring is not None and a.recorded == 1
+
+
+class _FakeCupy:
+    """What ``chain_graphs._capture`` calls of CuPy: a stream that captures (``begin_capture``,
+    ``end_capture`` giving a ``_Graph``) and the thread's allocator (``using_allocator``), which
+    ``alloc`` calls as CuPy's arrays do."""
+
+    def __init__(self):
+        self.cuda, self.allocator, self.captures = self, None, []
+
+    def Stream(self, non_blocking=False):  # noqa: N802 -- CuPy's name
+        fake = self
+
+        class Side:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def begin_capture(self):
+                fake.captures.append("begin")
+
+            def end_capture(self):
+                fake.captures.append("end")
+                return _Graph()
+        return Side()
+
+    def using_allocator(self, allocator):
+        import contextlib
+
+        @contextlib.contextmanager
+        def using():
+            before, self.allocator = self.allocator, allocator
+            try:
+                yield
+            finally:
+                self.allocator = before
+        return using()
+
+    def alloc(self, size):
+        return self.allocator(size) if self.allocator else size
+
+
+def test_a_capture_that_would_allocate_runs_the_chain_directly(monkeypatch):
+    """A block CuPy's pool handed out during the capture would go back to the pool when the
+    capture's temporaries die while every replay still writes it: the capture refuses any
+    allocation (that chain then runs launch by launch), and one that allocates nothing is
+    captured whole."""
+    import sys
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(chain_graphs._side, "streams", {}, raising=False)
+    seen = []
+    graph = chain_graphs._capture(0, lambda: seen.append(chain_graphs.capturing()))
+    assert isinstance(graph, _Graph) and seen == [True] and not chain_graphs.capturing()
+    assert fake.captures == ["begin", "end"]
+    with pytest.warns(RuntimeWarning, match="a CuPy allocation \\(256 bytes\\)"):
+        assert chain_graphs._capture(0, lambda: fake.alloc(256)) is chain_graphs._EAGER
+    assert fake.captures[2:] == ["begin", "end"] and fake.allocator is None
+    assert fake.alloc(256) == 256  # after the capture the thread's allocator is back
+
+
+def test_the_ring_on_a_gpu_is_mapped_pinned_memory_seen_by_cupy_at_its_host_address():
+    """``launch.RecordRing``'s GPU branch with CuPy 14's own memory classes (``UnownedMemory``,
+    ``MemoryPointer``, ``ndarray``: made without a driver) and stand-ins for what needs one
+    (``PinnedMemory``: ``cudaHostAlloc``; ``pointerGetAttributes``: unified addressing maps the
+    block at its host address): the block is asked for mapped and portable, zeroed, the device
+    array is the host words at their address and holds the block alive, and the ring remembers
+    the stream its device writes are ordered on."""
+    import ctypes
+    import gc
+    import types
+    import weakref
+    cupy = pytest.importorskip("cupy")
+    asked = []
+
+    class Pinned:  # (CuPy 14: PinnedMemory(size, flags=0), .ptr)
+        def __init__(self, size, flags=0):
+            self.buffer = (ctypes.c_uint8 * size)(*([0xAB] * size))
+            self.ptr = ctypes.addressof(self.buffer)
+            asked.append((size, flags))
+    runtime = cupy.cuda.runtime
+    stream = _Stream()
+    xp = types.SimpleNamespace(ndarray=cupy.ndarray, cuda=types.SimpleNamespace(
+        PinnedMemory=Pinned, UnownedMemory=cupy.cuda.UnownedMemory,
+        MemoryPointer=cupy.cuda.MemoryPointer, Device=lambda: types.SimpleNamespace(id=0),
+        get_current_stream=lambda: stream, runtime=types.SimpleNamespace(
+            hostAllocMapped=runtime.hostAllocMapped, hostAllocPortable=runtime.hostAllocPortable,
+            pointerGetAttributes=lambda p: types.SimpleNamespace(devicePointer=p))))
+    ring = launch.RecordRing(xp, 3)
+    n = 1 + launch.RING_SLOTS * ring.stride
+    assert asked == [(4 * n, runtime.hostAllocMapped | runtime.hostAllocPortable)] == [(4 * n, 3)]
+    assert ring.host.shape == (n,) and not ring.host.any() and ring.stream is stream
+    assert isinstance(ring.device, cupy.ndarray) and ring.device.dtype == np.uint32
+    assert ring.device.shape == (n,) and ring.device.data.ptr == ring.host.ctypes.data
+    block = weakref.ref(ring._memory)
+    device = ring.device
+    del ring
+    gc.collect()
+    assert block() is not None and device.data.mem.ptr == device.data.ptr  # held by the array

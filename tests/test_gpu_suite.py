@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "bench" / "run_gpu_suite.sh"
 BENCH = ROOT / "bench"
 FIRST_CALL_S, LATER_CALL_S = 420, 360  # 7 minutes, then 6: 15 minutes with the machine's start
-FIRST_STEPS = ["first_env", "first_predict", "first_correct_fp32", "first_correct_struct",
-               "first_correct_half", "first_stall", "first_time", "first_report"]
+FIRST_STEPS = ["first_env", "first_predict", "first_correct_fp32", "first_correct_tf32",
+               "first_correct_struct", "first_correct_half", "first_stall", "first_time",
+               "first_time_tf32", "first_report"]
 
 
 def _suite(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -94,7 +95,7 @@ def _records(out: Path, name: str) -> list[dict]:
                     "--cpu check runs before every GPU slot")
 def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
     """The harness end to end on the sample of cases that takes each of its roads once (the
-    whole ``--cpu`` check, 13 cases, runs before a GPU slot); the emulated kernels are those
+    whole ``--cpu`` check, 14 cases, runs before a GPU slot); the emulated kernels are those
     other tests build."""
     out = tmp_path / "first"
     run = _suite("--cpu", str(out), "first", timeout=840,
@@ -105,11 +106,13 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
     summary = json.loads((out / "first_summary.json").read_text())
     verdict = summary["verdict"]
     assert verdict["all_ok"] and not verdict["failed"] and not verdict["hung"]
-    # the harness's roads once (first_cases.CPU_SAMPLE; the whole --cpu check runs 13 cases);
-    # the --cpu check times 2 of the 5 layers (first_timing.points): 2 x 2 T x 2 passes x 4 roads
-    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (5, 3, 32)
+    # the harness's roads once (first_cases.CPU_SAMPLE; the whole --cpu check runs 14 cases);
+    # the --cpu check times 2 of the 5 layers (first_timing.points): 2 x 2 T x 2 passes x 4 roads,
+    # and the TF32 layer: 2 T x 2 passes x 2 roads
+    assert (verdict["cases"], verdict["stalls"], verdict["points"]) == (6, 3, 40)
     # every record says where, when, from which commit, with which NVRTC and command it came
-    for name in ("predict.jsonl", "correct.jsonl", "stall.jsonl", "time.jsonl"):
+    for name in ("predict.jsonl", "correct.jsonl", "stall.jsonl", "time.jsonl",
+                 "time_tf32.jsonl"):
         for record in _records(out, name):
             assert record["device"] == "cpu (emulation)" and record["commit"] == "feedface"
             assert record["date"] and "nvrtc" in record
@@ -118,6 +121,11 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
     assert cases["lstm_h256_b3"]["forward"]["placement"] == "cluster"
     assert cases["lstm_h1024_b4"]["forward"]["placement"] == "grid"
     assert all(r["repeat_bitwise"] and r["err_torch_nn"] is not None for r in cases.values())
+    # the TF32 tiles in both passes of the TF32 case (and its error TF32's, far above fp32's),
+    # in no other case
+    tf32 = cases.pop("lstm_h1024_b4_tf32")
+    assert tf32["forward"]["tf32"] and tf32["backward"]["tf32"] and tf32["err_f64"] > 1e-5
+    assert not any(r[p]["tf32"] for r in cases.values() for p in ("forward", "backward"))
     assert {r["name"]: r["restart_bitwise"] for r in summary["stalls"]} == {
         "stall_grid_lstm_h1024_b4": True, "stall_cluster_gru_h256_b1": True,
         "stall_stack2_lstm_h256_b3": True}
@@ -126,8 +134,12 @@ def test_the_first_part_runs_end_to_end_in_the_emulation(tmp_path):
     for algo in ("persistent", "gemm", "prnn_torch", "cudnn"):
         assert headline[f"{algo}_us_per_step"] > 0 and f"{algo}_slope_us" in headline
     assert headline["predicted_step_us"] > 0  # the model's figure on the h100 profile
+    beside = table[("lstm_h1024_b4_tf32", "forward")]  # TF32 beside fp32 and cuDNN, and the model
+    assert beside["tf32_over_fp32"] > 0 and beside["persistent_over_cudnn"] > 0
+    assert 0 < beside["predicted_step_us"] < headline["predicted_step_us"]
     text = (out / "first_summary.txt").read_text()
-    assert "verdict: cases 5/5 ok, stalls 3/3 ok, timing points 32/32 clean" in text
+    assert "verdict: cases 6/6 ok, stalls 3/3 ok, timing points 40/40 clean" in text
+    assert "TF32 (lstm_h1024_b4_tf32, allow_tf32" in text
     assert text.strip() in run.stdout  # printed, the last thing before the step list
     assert "parts: first" in (out / "suite-first.txt").read_text()
 
@@ -175,21 +187,30 @@ def test_the_report_splits_slope_and_per_call_cost():
     finally:
         sys.path.remove(str(BENCH))
 
-    def point(algo, seq_len, call_us, ok=True, predicted=None):
-        return {"config": "lstm_h1024_b4", "pass": "forward", "algo": algo, "seq_len": seq_len,
+    def point(algo, seq_len, call_us, ok=True, predicted=None, config="lstm_h1024_b4"):
+        return {"config": config, "pass": "forward", "algo": algo, "seq_len": seq_len,
                 "us_per_step": call_us / seq_len, "call_us": call_us, "ok": ok,
                 "predicted_us_per_step": predicted}
     points = [point("persistent", 100, 250.0 + 2.5 * 100, predicted=7.1),
               point("persistent", 300, 250.0 + 2.5 * 300),
-              point("cudnn", 100, 1000.0, ok=False), point("cudnn", 300, 2500.0)]
+              point("cudnn", 100, 1000.0, ok=False), point("cudnn", 300, 2500.0),
+              point("persistent", 100, 400.0, predicted=3.5, config="lstm_h1024_b4_tf32")]
     prediction = {"lstm_h1024_b4": {"ok": True, "placement": "grid", "forward_us": 2.0,
                                     "backward_us": 3.9}}
-    row = first_report.timing_rows(points, prediction)[0]
+    rows = first_report.timing_rows(points, prediction)
+    row = rows[0]
     assert row["persistent_slope_us"] == pytest.approx(2.5)
     assert row["persistent_per_call_us"] == pytest.approx(250.0)
     assert row["slope_over_predicted"] == pytest.approx(2.5 / 2.0)
     assert row["persistent_over_cudnn"] == pytest.approx(5.0 / 10.0)
     assert row["predicted_call_us_per_step"] == 7.1 and row["cudnn_clean"] is False
+    # the TF32 row under its fp32 layer's, beside that row's persistent and cuDNN figures
+    tf32 = rows[2]
+    assert (tf32["config"], tf32["pass"]) == ("lstm_h1024_b4_tf32", "forward")
+    assert tf32["tf32_over_fp32"] == pytest.approx(4.0 / 5.0)
+    assert tf32["persistent_over_cudnn"] == pytest.approx(4.0 / 10.0)
+    assert "fwd     tf32 4.00 (pred 3.50), fp32 5.00 (pred 7.10), cudnn 10.00" in "\n".join(
+        first_report._tf32_text(rows))
 
 
 def test_pytest_resume_goes_past_a_hung_test(tmp_path):
@@ -228,7 +249,7 @@ def test_the_cpu_check_runs_each_distinct_case_once_and_the_gpu_every_case():
                        == (tiny.mode, tiny.hidden, tiny.dtype, tiny.placement, tiny.options,
                            tiny.lengths) for c in cpu), case.name
         assert len(names) == len(cpu)
-    assert sum(len(first_cases.group_cases(g, True)) for g in first_cases.GROUPS) == 13
+    assert sum(len(first_cases.group_cases(g, True)) for g in first_cases.GROUPS) == 14
     sample = [c.name for g in first_cases.GROUPS for c in first_cases.group_cases(g, True, True)]
     assert sample == list(first_cases.CPU_SAMPLE)  # each named case exists, in the order run
 
@@ -240,3 +261,36 @@ def test_every_test_file_and_script_the_suite_names_exists():
     assert "tests/test_gpu_decoder.py" in named and len(named) > 10
     root = SUITE.parents[1]
     assert [p for p in sorted(named) if not (root / p).is_file()] == []
+
+
+def test_the_checks_hold_each_case_to_the_tf32_tiles_exactly_where_it_allows_them():
+    """``last_run``'s kernel defines say whether a pass ran the TF32 tiles (docs/api.md, "TF32":
+    ``PRNN_MMA`` without ``PRNN_WEIGHT_DTYPE``); a case that allows them must run them in both
+    passes, and every other case must not; its bound is TF32's."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import first_cases
+        import first_checks
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def stats(kernel: str):
+        return type("Stats", (), {"algo": "persistent", "restarts": 0, "fallback": None,
+                                  "emulated": False, "launches": 3,
+                                  "details": [f"prnn_persistent_forward: {kernel}", "x"]})()
+    tf32 = first_checks.stats_dict(stats("{'PRNN_CELL': 2, 'PRNN_MMA': 1, 'PRNN_WARPS': 4}"))
+    fp32 = first_checks.stats_dict(stats("{'PRNN_CELL': 2, 'PRNN_WARPS': 4}"))
+    half = first_checks.stats_dict(stats("{'PRNN_MMA': 1, 'PRNN_WEIGHT_DTYPE': 1}"))
+    assert (tf32["tf32"], fp32["tf32"], half["tf32"]) == (True, False, False)
+    assert first_checks.path_problems("forward", tf32, False, "grid", tf32=True) == []
+    assert first_checks.path_problems("forward", fp32, False, "grid") == []
+    assert first_checks.path_problems("forward", fp32, False, "grid", tf32=True) == [
+        "forward ran not on the TF32 tiles"]
+    assert first_checks.path_problems("forward", tf32, False, "grid") == [
+        "forward ran on the TF32 tiles"]
+    case = next(c for c in first_cases.CASES if c.group == "tf32")
+    assert case.tf32 and case.tolerance() == first_cases.TOLERANCE["tf32"] == 5e-3
+    assert case.sized(True).batch >= 4  # the emulation's TF32 tiles too (forward from 3, back 4)
+    assert not any(c.tf32 for c in first_cases.CASES if c.group != "tf32")
+    jobs = {j["name"]: j for j in first_cases.prediction_jobs(False)}
+    assert jobs["lstm_h1024_b4_tf32"]["tf32"] and not jobs["lstm_h1024_b4"]["tf32"]

@@ -266,3 +266,38 @@ def test_a_captured_16_bit_product_issues_the_eager_gemm_ex(monkeypatch, dtype):
     with pytest.raises(NotImplementedError, match="out: cuBLAS cannot write it in place"):
         matmul.tensor_core_matmul(cupy, _DeviceView(x), _DeviceView(w).T,
                                   _DeviceView(np.empty((39, 12), np.float32)).T)
+
+
+def test_the_captured_gemm_ex_calls_cublas_with_its_prototype(monkeypatch):
+    """``cublas_capture.gemm_ex`` (what records a product into a captured chain) sets CuPy's
+    handle to CuPy's current stream, then calls ``cublasGemmEx`` with CuPy's binding's arguments
+    in cuBLAS's order, each as the prototype's C type (cublas_api.h: the handle and the six
+    pointers 64-bit, the rest int); a cuBLAS status other than 0 raises, naming the call."""
+    import ctypes
+    prototype = ["handle", "transa", "transb", "m", "n", "k", "alpha*", "A*", "Atype", "lda",
+                 "B*", "Btype", "ldb", "beta*", "C*", "Ctype", "ldc", "computeType", "algo"]
+    assert [t for t in cublas_capture.GEMM_EX_ARGTYPES] == [
+        ctypes.c_void_p if name == "handle" or name.endswith("*") else ctypes.c_int
+        for name in prototype]
+    calls: list = []
+
+    def record(name, status=0):
+        return lambda *args: (calls.append((name, args)), status)[1]
+    library = types.SimpleNamespace(cublasSetStream_v2=record("stream"),
+                                    cublasGemmEx=record("gemm"))
+    monkeypatch.setattr(cublas_capture, "_library", lambda: library)
+    stream = types.SimpleNamespace(ptr=0x7F00_0000_1000)
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    handle, pointers = 0x5500_0000_2000, [0x7F10_0000_0000 + 64 * i for i in range(5)]
+    args = (handle, 1, 0, 39, 12, 5, pointers[0], pointers[1], 2, 5, pointers[2], 2, 5,
+            pointers[3], pointers[4], 0, 39, 68, -1)
+    cublas_capture.gemm_ex(cupy, *args)
+    assert [name for name, _ in calls] == ["stream", "gemm"]
+    assert [a.value for a in calls[0][1]] == [handle, stream.ptr]
+    passed = [a.value if isinstance(a, ctypes.c_void_p) else a for a in calls[1][1]]
+    assert passed == list(args)
+    assert [type(a) for a in calls[1][1]] == [
+        ctypes.c_void_p if t is ctypes.c_void_p else int for t in cublas_capture.GEMM_EX_ARGTYPES]
+    library.cublasGemmEx = record("gemm", status=13)
+    with pytest.raises(RuntimeError, match="cublasGemmEx failed with cuBLAS status 13"):
+        cublas_capture.gemm_ex(cupy, *args)
