@@ -195,6 +195,15 @@ GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # host time was 341 us).
 PYTHON_FORWARD_US = 18.4       # measured (forward)
 PYTHON_BACKWARD_US = 27.4      # measured (forward+backward less forward, per run)
+# A planned stack's or bidirectional layer's call (one graph launch a pass for all its chains,
+# latency.stack_call_costs): the Python above plus, per layer-direction beyond the first, the
+# increment of its mode - "stack" (a unidirectional stack in stack mode: per layer), "pairs" (a
+# bidirectional layer's directions side by side), "layers" (one layer-direction per launch) -
+# (forward, backward) µs, measured as above ("replayed stand-in", GRU H=8 B=1 T=1): a run of
+# that call beside a single layer's in the same minute, (its median less the single layer's)
+# divided by its further layer-directions, the median of the runs
+# (bench/results/cpu-2026-11-27/multichain-*: three-layer stacks, two bidirectional layers).
+PYTHON_GROUP_US = {"stack": (0.0, 0.0), "pairs": (0.0, 0.0), "layers": (0.0, 0.0)}
 # The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
 # and set-up included): the same layer's call with the chain stubbed at 41d5ca8, before any call
 # was planned, the median of nine runs' medians (bench/results/cpu-2026-11-27/stubbed-*-before-*/,

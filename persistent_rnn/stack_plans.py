@@ -98,6 +98,7 @@ class StackPlan(Plan):
         self.engine = engine
         self.backward_pass: Any = None  # (the backward's arguments, once prepared)
         self.backward_engine: Any = None
+        self._fixed_key: tuple | None = None  # (``_key``'s fixed part: (backward_pass, value))
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
         self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
         # (what the float32 outputs and dy are selected with; the input on its bits: a 16-bit
@@ -276,13 +277,18 @@ class StackPlan(Plan):
     def _key(self, what: str, arrays: tuple) -> tuple:
         """What a pass's chain graph is keyed by beside its launches' arguments (``stack.Around``):
         the plan and which pass, its fixed arrays and weights, and this call's ``arrays`` (on a
-        GPU: ``chain_graphs.value``)."""
-        held = (self.gi, self.mask, self.x_mask, self.zero_bias, self.weights,
-                tuple(self.wide.values()), self._held(),
-                None if self.backward_pass is None else tuple(
-                    a for k, a in self.backward_pass.items()
-                    if k not in ("grads", "scratch", "sums")))
-        return what, id(self), chain_graphs.value(held + arrays)
+        GPU: ``chain_graphs.value``). The fixed part's value is made once per prepared state
+        (its arrays keep their memory while the plan serves: weights rebound only over the same
+        memory, ``_rebind``)."""
+        fixed = self._fixed_key
+        if fixed is None or fixed[0] is not self.backward_pass:
+            held = (self.gi, self.mask, self.x_mask, self.zero_bias, self.weights,
+                    tuple(self.wide.values()), self._held(),
+                    None if self.backward_pass is None else tuple(
+                        a for k, a in self.backward_pass.items()
+                        if k not in ("grads", "scratch", "sums")))
+            fixed = self._fixed_key = (self.backward_pass, chain_graphs.value(held))
+        return what, id(self), fixed[1], chain_graphs.value(arrays)
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way in stack mode:
