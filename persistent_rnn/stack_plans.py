@@ -1,7 +1,8 @@
-"""A stack-mode call planned (issue 26): a unidirectional float32 stack whose layers run in one
+"""A stack-mode call planned (issue 26): a unidirectional stack whose layers run in one
 launch per pass (``stack``), with every operation of the call inside that pass's chain; and
-(``PairPlan``) a bidirectional float32 layer or stack whose layers run both directions side by
-side, one chain per layer, all of a pass's chains in one graph (``launch.one_graph``).
+(``PairPlan``) a bidirectional layer or stack whose layers run both directions side by side,
+one chain per layer, all of a pass's chains in one graph (``launch.one_graph``). float32,
+float16 or bfloat16.
 
 As ``call_plans.Plan`` does for one layer-direction (its checks, ``matches``, and its
 ``backward``'s choice between the prepared pass and the full path are inherited), a
@@ -21,9 +22,16 @@ gradients. So on a GPU a call in steady state is one graph launch per pass
 call's ``Context`` keeps (``stacked``), where the full path copies them into workspaces: the
 same values, bitwise the same results (tests/test_call_plans.py).
 
-Not planned: 16-bit stacks and pairs (their weights are packed into words:
-``stack._matrices``), projections (never in stack mode). Stacks and bidirectional layers run
-one layer-direction per launch (the ``stack`` setting off, or too large for stack mode):
+A 16-bit call (the layer's ``half``) has the full path's conversions inside its chains too,
+into workspaces made once per plan (``wide``, and the backward's): the weights' 16-bit bits
+copied into the plan's packed words every call (``_matrices``, ``_stack_into``: what
+``stack._matrices`` packs from widened copies, without the copies), the given states, biases,
+``dy``, the first layer's input and ``W_hh`` / ``W_ih`` for the products widened, the input
+projections of 16-bit operands (``_projection``), the results and gradients rounded into the
+call's arrays (summed in float32 with the caller's first where the plan accumulates).
+
+Not planned: projections (never in stack mode). Stacks and bidirectional layers run one
+layer-direction per launch (the ``stack`` setting off, or too large for stack mode):
 ``layer_plans``.
 """
 from __future__ import annotations
@@ -113,8 +121,8 @@ class StackPlan(Plan):
             b_ih=workspace(xp, "stack_bias2", (groups, gates), np.float32),
             b_hh=workspace(xp, "stack_bias3", (groups, gates), np.float32))
         self.zero_bias = buffers.constant_zeros(xp, (gates,), np.float32)
-        # a 16-bit call's: the float32 workspaces its conversions go through (``None``: a
-        # float32 call's, which computes on its arrays as they are)
+        # a 16-bit call's: the workspaces its conversions go through (none for a float32
+        # call's, which computes on its arrays as they are)
         self.wide = self._forward_workspaces(x) if self.half is not None else {}
 
     @staticmethod
