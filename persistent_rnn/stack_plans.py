@@ -163,7 +163,7 @@ class StackPlan(Plan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of a stack: ``functional.forward`` of a matching call."""
         xp, cell = self.xp, self.cell
-        h0, c0, states = self._initial_states(hx)
+        h0, c0, states = (self.h0, self.c0, ()) if hx is None else self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the chain)
             layer_input, given = xp.empty(x.shape, x.dtype), x
@@ -195,12 +195,10 @@ class StackPlan(Plan):
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, tuple]:
-        """``(h0, c0, states)`` of a call giving ``hx``: the planned zeros, the given states as
-        the kernels read them (``contiguous_states``), or a 16-bit call's new float32 ones,
-        widened inside the (first) chain from ``states``' given arrays (``(given, float32)``
-        pairs), as ``functional`` widens them."""
-        if hx is None:
-            return self.h0, self.c0, ()
+        """``(h0, c0, states)`` of a call giving ``hx`` (not ``None``: the planned zeros): the
+        given states as the kernels read them (``contiguous_states``), or a 16-bit call's new
+        float32 ones, widened inside the (first) chain from ``states``' given arrays
+        (``(given, float32)`` pairs), as ``functional`` widens them."""
         xp, cell = self.xp, self.cell
         given = hx if cell.has_cell_state else (hx, None)
         if self.half is None:
@@ -563,7 +561,7 @@ class PairPlan(StackPlan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of the pairs: one chain per layer and pass."""
         xp, cell, hidden = self.xp, self.cell, self.hidden
-        h0, c0, states = self._initial_states(hx)
+        h0, c0, states = (self.h0, self.c0, ()) if hx is None else self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
             layer_input, given = xp.empty(x.shape, x.dtype), x

@@ -424,10 +424,10 @@ PLANNED_LIMITS = {
     ("layers16", "GRU", True): 145,   # 131 (641)
     # ... and float16 ones in stack mode and as pairs (H=13: stack_plans, the weights' 16-bit
     # words packed inside the chains, 2026-11-27): the count, then the full path's
-    ("stack16", "GRU", False): 43,    # 39  (290)
-    ("stack16", "GRU", True): 90,     # 82  (708)
-    ("pairs16", "LSTM", False): 91,   # 83  (616)
-    ("pairs16", "LSTM", True): 188,   # 171 (1502)
+    ("stack16", "GRU", False): 42,    # 38  (290)
+    ("stack16", "GRU", True): 89,     # 81  (708)
+    ("pairs16", "LSTM", False): 90,   # 82  (616)
+    ("pairs16", "LSTM", True): 187,   # 170 (1502)
 }
 
 
