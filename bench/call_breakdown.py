@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-stack", action="store_true",
                    help="the stack setting off: one layer-direction per launch")
     args = p.parse_args(argv)
-    prnn.configure(stack=not args.no_stack)
+    if args.no_stack:  # (the process's setting: a script's run)
+        prnn.configure(stack=False)
     torch.set_num_threads(1)
     calls = entry_points(args.hidden)
     launcher = emulate.EmulatedModule._launch
