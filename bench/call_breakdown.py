@@ -2,6 +2,7 @@
 
     python bench/call_breakdown.py [--out DIR] [--calls 100] [--rounds 30] [--hidden 8]
                                    [--stubbed] [--dtype float32|float16|bfloat16]
+                                   [--layers N] [--bidirectional] [--no-stack]
 
 ``persistent_rnn.torch.GRU(algo="gemm")`` forward under ``torch.no_grad`` (H=I, B=1, T=1),
 entered at each layer of its road, outermost first, beside ``torch.nn.GRU`` and the layer API:
@@ -23,6 +24,10 @@ forward + backward through autograd (``y.sum().backward()``). (3) is the Python 
 model's per-call host term takes (``hardware.PYTHON_*_US``), (1) bounds it from above; (4) is
 what the torch road adds. ``--dtype``: the stubbed rows' layer and module in that dtype (a
 16-bit layer's planned call: ``call_plans.HalfPlan``, its conversions inside the chain).
+``--layers``, ``--bidirectional``: the stubbed rows' layer and module a stack, bidirectional
+(planned: ``stack_plans`` in stack mode and as pairs, ``layer_plans`` with ``--no-stack``, the
+``stack`` setting off: one layer-direction per launch) - what the latency model's per-call
+Python of a multi-chain call takes (``hardware.PYTHON_GROUP_US``).
 """
 from __future__ import annotations
 
@@ -88,14 +93,16 @@ def _host_value(v: object) -> object:
     return v
 
 
-def stubbed_entry_points(hidden: int, dtype: str = "float32") -> dict[str, Callable[[], object]]:
+def stubbed_entry_points(hidden: int, dtype: str = "float32", layers: int = 1,
+                         bidirectional: bool = False) -> dict[str, Callable[[], object]]:
     """The layer API's persistent forward and forward + backward (emulated path), for timing
     with the launcher stubbed (``main --stubbed``, which stubs ``EmulatedModule._launch``) and
     with the whole chain stubbed (stubbed here, around each call: about 1 µs of its own); the
-    layer and the torch module in ``dtype``."""
-    layer = prnn.GRU(hidden, hidden, algo="persistent", seed=0, dtype=dtype)
+    layer and the torch module in ``dtype``, of ``layers`` layers, ``bidirectional`` or not."""
+    shape = {"num_layers": layers, "bidirectional": bidirectional}
+    layer = prnn.GRU(hidden, hidden, algo="persistent", seed=0, dtype=dtype, **shape)
     x = np.random.default_rng(0).standard_normal((1, 1, hidden)).astype(layer.dtype)
-    dy = np.ones((1, 1, hidden), layer.dtype)
+    dy = np.ones((1, 1, hidden * layer.directions), layer.dtype)
 
     def train_step() -> object:
         layer.forward(x)
@@ -122,7 +129,7 @@ def stubbed_entry_points(hidden: int, dtype: str = "float32") -> dict[str, Calla
                 chain_graphs.eligible, chain_graphs.value, chain_graphs.run = saved
         return stand_in
     torch.manual_seed(0)
-    module = prt.GRU(hidden, hidden, algo="persistent").to(getattr(torch, dtype))
+    module = prt.GRU(hidden, hidden, algo="persistent", **shape).to(getattr(torch, dtype))
     xt = torch.from_numpy(x.astype(np.float32)).to(getattr(torch, dtype)).requires_grad_()
 
     def module_forward() -> object:
@@ -155,12 +162,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the persistent layer call with the emulated launcher stubbed")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="the stubbed rows' layer and module dtype")
+    p.add_argument("--layers", type=int, default=1, help="the stubbed rows' stacked layers")
+    p.add_argument("--bidirectional", action="store_true", help="the stubbed rows' bidirectional")
+    p.add_argument("--no-stack", action="store_true",
+                   help="the stack setting off: one layer-direction per launch")
     args = p.parse_args(argv)
+    if args.no_stack:  # (the process's setting: a script's run)
+        prnn.configure(stack=False)
     torch.set_num_threads(1)
     calls = entry_points(args.hidden)
     launcher = emulate.EmulatedModule._launch
     if args.stubbed:
-        stubbed = stubbed_entry_points(args.hidden, args.dtype)
+        stubbed = stubbed_entry_points(args.hidden, args.dtype, args.layers, args.bidirectional)
         for call in stubbed.values():  # the kernels built and every cache filled for real
             call()
         emulate.EmulatedModule._launch = lambda self, *a, **kw: None
@@ -180,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                "load_average_1_5_15_min": os.getloadavg(),
                **benchmark.run_stamp(["python", *sys.argv]),
                "settings": {"cell": "GRU", "hidden": args.hidden, "batch": 1, "steps": 1,
-                            "dtype": args.dtype,
+                            "dtype": args.dtype, "layers": args.layers,
+                            "bidirectional": args.bidirectional, "stack": not args.no_stack,
                             "calls": args.calls, "rounds": args.rounds,
                             "stubbed": args.stubbed,
                             "timing": "time.perf_counter_ns per call under torch.no_grad, rows "

@@ -26,11 +26,11 @@ emulation), float32 or 16-bit (``HalfPlan``: its conversions inside the chains t
 projection or without (its ``W_hr``, ``hs`` and ``dW_hr`` as the full path's); forward and
 backward; with lengths or without (lengths: a per-call role of the prepared passes; the input's
 selection inside the forward's chain too, ``formed_input``); batch-first or not (a time-major
-view: the input and ``dy`` formed inside the chains); and a float32 stack that runs in
-stack mode, one chain per pass, a bidirectional layer or stack run as pairs, one chain per
+view: the input and ``dy`` formed inside the chains); and a stack that runs in stack mode,
+one chain per pass, a bidirectional layer or stack run as pairs, one chain per
 layer, or a stack or bidirectional layer run one layer-direction per launch, one chain each
 (``stack_plans``' ``StackPlan`` and ``PairPlan``, ``layer_plans.LayersPlan``, built on
-``Plan``; a pass's chains in one ``launch.one_graph``: one graph launch). Never under
+``Plan``; a pass's chains in one ``launch.one_graph``: one graph launch; every dtype). Never under
 CUDA stream capture (``buffers.reused`` then hands out fresh scratch that the capture keeps), never
 after ``buffers.release_workspaces`` (a plan holds its scratch: ``buffers.generation``), never
 while the configuration cools down after a grid found not co-resident (the full path then runs the

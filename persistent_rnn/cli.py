@@ -215,19 +215,17 @@ def run_plan(args: argparse.Namespace) -> int:
               f"[{t['exchange']}], pointwise {t['pointwise_us']:.2f}, prefetch "
               f"{t['prefetch_us']:.2f})")
     calls = record["per_call"]
-    layers = ("; per layer-direction - a planned stack's share one graph launch a pass"
-              if args.layers > 1 else "")
-    print(f"per call (predicted; input size {calls['input_size']}, host: API calls plus the "
-          f"library's Python - a planned call: one graph launch, the Python measured on the CPU "
-          f"as a replay runs it{layers}):")
-    for row in calls["rows"]:
-        print(f"  T={row['seq_len']:<5} host {row['forward_host_us']:.0f} / "
-              f"{row['backward_host_us']:.0f} µs ({row['forward_api_calls']} / "
-              f"{row['backward_api_calls']} calls + {row['forward_python_us']:.0f} / "
-              f"{row['backward_python_us']:.0f} µs Python), GPU beside the steps "
-              f"{row['forward_device_us']:.0f} / {row['backward_device_us']:.0f} µs; end to end "
-              f"{row['forward_us_per_step']:.2f} µs/step forward, "
-              f"{row['forward_backward_us_per_step']:.2f} forward+backward")
+    layer = " of one layer" if args.layers > 1 else ""
+    print(f"per call{layer} (predicted; input size {calls['input_size']}, host: API calls plus "
+          f"the library's Python - a planned call: one graph launch, the Python measured on the "
+          f"CPU as a replay runs it):")
+    _print_call_rows(calls["rows"])
+    whole = record.get("stack_per_call")
+    if whole and whole["rows"]:
+        print(f"per call of the stack of {args.layers} ({whole['mode']}; predicted: one graph "
+              f"launch a pass for all its chains, the Python a layer's plus each further "
+              f"layer's measured increment):")
+        _print_call_rows(whole["rows"])
     if args.layers > 1:
         print(f"stack of {args.layers}, one launch per layer: predicted "
               f"{record['stack_forward_us']:.2f} / {record['stack_backward_us']:.2f} µs per step")
@@ -245,6 +243,18 @@ def run_plan(args: argparse.Namespace) -> int:
         _print_decoder(record["decoder"])
     print(f"(a prediction of the latency model, not a measurement: {record['calibration']})")
     return 0
+
+
+def _print_call_rows(rows: list[dict]) -> None:
+    """``prnn plan``'s per-call lines (``latency.per_call_report``'s rows, or a stack's)."""
+    for row in rows:
+        print(f"  T={row['seq_len']:<5} host {row['forward_host_us']:.0f} / "
+              f"{row['backward_host_us']:.0f} µs ({row['forward_api_calls']} / "
+              f"{row['backward_api_calls']} calls + {row['forward_python_us']:.0f} / "
+              f"{row['backward_python_us']:.0f} µs Python), GPU beside the steps "
+              f"{row['forward_device_us']:.0f} / {row['backward_device_us']:.0f} µs; end to end "
+              f"{row['forward_us_per_step']:.2f} µs/step forward, "
+              f"{row['forward_backward_us_per_step']:.2f} forward+backward")
 
 
 def _print_decoder(d: dict) -> None:

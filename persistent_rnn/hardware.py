@@ -195,6 +195,19 @@ GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # host time was 341 us).
 PYTHON_FORWARD_US = 18.4       # measured (forward)
 PYTHON_BACKWARD_US = 27.4      # measured (forward+backward less forward, per run)
+# A planned stack's or bidirectional layer's call (one graph launch a pass for all its chains,
+# latency.stack_call_costs): the Python above plus, per layer-direction beyond the first, the
+# increment of its mode - "stack" (a unidirectional stack in stack mode: per layer), "pairs" (a
+# bidirectional layer's directions side by side), "layers" (one layer-direction per launch) -
+# (forward, backward) µs, measured as above ("replayed stand-in", GRU H=8 B=1 T=1, float32): a
+# run of that call beside a single layer's in the same minute, (its median less the single
+# layer's; backward: forward+backward less forward) divided by its further layer-directions,
+# the median of three runs: a three-layer stack in stack mode (2 further), the same one
+# layer-direction per launch (2), two bidirectional layers as pairs (3);
+# bench/results/cpu-2026-11-27/multichain-f1b80f8-* (the shared 2-core CPU, 2026-11-27; the
+# single layer's own there: 15.4-17.4 / 21.5-23.7 µs). The key of a pass's graph over its
+# chains' arrays is most of it: counted, a further layer adds 5-10 Python calls in stack mode.
+PYTHON_GROUP_US = {"stack": (14.2, 14.7), "pairs": (21.4, 24.8), "layers": (18.8, 26.9)}
 # The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
 # and set-up included): the same layer's call with the chain stubbed at 41d5ca8, before any call
 # was planned, the median of nine runs' medians (bench/results/cpu-2026-11-27/stubbed-*-before-*/,

@@ -659,21 +659,10 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     the planned call's Python (``hw.PYTHON_*_US``: the 16-bit and projection plans' Python
     counted alike, tests/test_call_cost.py); a call not planned (``planned`` False) issues
     those operations as calls of their own beside the chain's graph, with the full path's
-    Python (``hw.PYTHON_FULL_*_US``; for a layer-direction of a 16-bit stack in stack mode or
-    of 16-bit pairs, as a rough guide). Stacks and bidirectional layers (LSTM projections too;
-    16-bit ones where they run one layer-direction per launch) are
-    planned too, batch-first calls of every planned path as well (``stack_plans``, stack mode
-    and pairs; ``layer_plans``, one layer-direction per launch; 2026-11-27): one graph launch
-    per pass for the whole call (``launch.one_graph``), every operation of the call inside;
-    their Python counted at 38 / 81 (a two-layer GRU stack in stack mode), 48 / 101 (a GRU
-    pair), 82 / 170 (two layers of LSTM pairs), 65 / 130 (a two-layer GRU stack, one
-    layer-direction per launch) and 111 / 222 (two bidirectional LSTM layers so) Python calls
-    per forward / forward+backward against a single layer's 30 / 57 (tests/test_call_cost.py).
-    The model prices them per layer-direction as planned (``planned`` True:
-    ``predict_stack_time``'s device terms), each as one API call (an upper bound: a call's
-    layer-directions share one graph launch a pass); their host terms are not modelled per
-    stack. ``half``: a 16-bit layer, whose forward projects its input on the tensor
-    cores (its backward's GEMMs take the fp32 gradients: fp32)."""
+    Python (``hw.PYTHON_FULL_*_US``). A layer-direction of a stack or bidirectional layer is
+    priced here as planned (its device terms: ``stack_call_costs`` sums them); the whole call's
+    host terms are ``stack_call_costs``'. ``half``: a 16-bit layer, whose forward projects its
+    input on the tensor cores (its backward's GEMMs take the fp32 gradients: fp32)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden
     chain = launch.chain_launches(settings.current().max_restarts)
@@ -699,6 +688,39 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         device_us += resumes * gh * hidden * 4 / (hw.L2_BANDWIDTH_GBPS * 1e3)
     python = ((hw.PYTHON_BACKWARD_US if backward else hw.PYTHON_FORWARD_US) if planned
               else hw.PYTHON_FULL_BACKWARD_US if backward else hw.PYTHON_FULL_FORWARD_US)
+    return CallCost(calls, calls * hw.API_CALL_HOST_US + python, device_us, python)
+
+
+def stack_call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size: int,
+                     backward: bool, device: DeviceProfile, layers: int,
+                     bidirectional: bool = False, stack_mode: bool = True, half: bool = False,
+                     planned: bool = True) -> CallCost:
+    """``CallCost`` of a whole forward or backward call of a stack of ``layers`` layers or a
+    bidirectional layer (stack), in steady state: in stack mode (``stack_mode``: a
+    unidirectional stack in one launch per pass, or a bidirectional one's pairs) or one
+    layer-direction per launch. Planned (``stack_plans``, ``layer_plans``; every dtype since
+    2026-11-27) with ``chain_graphs`` on, it is one graph launch a pass for all its chains
+    (``launch.one_graph``), and its Python that of a single layer's planned call
+    (``hw.PYTHON_*_US``) plus, per further layer-direction, the increment of its mode measured
+    as a replay runs it (``hw.PYTHON_GROUP_US``); not planned, each layer-direction's
+    ``call_costs``. The device terms beside the steps are the layer-directions' (``call_costs``):
+    a unidirectional stack's forward in stack mode projects layer 0's input only (the layers
+    above project theirs inside the kernel); otherwise every layer-direction's (the backward:
+    its weight gradients; dx counted for every layer, an overestimate of the unidirectional
+    stack's, whose upper dx are in the kernel)."""
+    directions = 2 if bidirectional else 1
+    inputs = [input_size] + [directions * hidden] * (layers - 1)
+    projected = inputs[:1] if stack_mode and not (bidirectional or backward) else inputs
+    parts = [call_costs(cell, hidden, batch, seq_len, i, backward, device, half, planned)
+             for i in projected for _ in range(directions)]
+    device_us = sum(p.device_us for p in parts)
+    if not planned:
+        return CallCost(sum(p.api_calls for p in parts), sum(p.host_us for p in parts),
+                        device_us, sum(p.python_us for p in parts))
+    from . import settings
+    mode = "layers" if not stack_mode else "pairs" if bidirectional else "stack"
+    calls = 1 if settings.current().chain_graphs else sum(p.api_calls for p in parts)
+    python = parts[0].python_us + (layers * directions - 1) * hw.PYTHON_GROUP_US[mode][backward]
     return CallCost(calls, calls * hw.API_CALL_HOST_US + python, device_us, python)
 
 
@@ -814,7 +836,9 @@ class StackTime:
     mode: ``steps_in_series`` steps of the stack kernel's step, one call's per-call terms);
     ``apart_forward_us`` / ``apart_backward_us``: the same stack as one launch per
     layer-direction in sequence (each layer's per-call terms included), where the layer kernel
-    fits (else ``None``); ``plan``: the stack plan."""
+    fits (else ``None``); ``plan``: the stack plan; ``calls``: the whole call's forward and
+    backward ``CallCost`` (``stack_call_costs``) as it runs - in stack mode where it fits,
+    else one layer-direction per launch (``None`` where neither fits)."""
 
     forward_us: float | None
     backward_us: float | None
@@ -822,6 +846,18 @@ class StackTime:
     apart_backward_us: float | None
     plan: planner.StackPlan
     calibration: str = CALIBRATION
+    calls: tuple[CallCost, CallCost] | None = None
+
+    def call_time_us(self, seq_len: int, backward: bool = False) -> float:
+        """End-to-end microseconds of one call of the stack (its passes as it runs them) among
+        back-to-back calls: per pass the GPU's work or the host's, whichever is longer (as
+        ``StepTime.call_time_us``)."""
+        passes = ((self.forward_us, self.backward_us) if self.plan.fits
+                  else (self.apart_forward_us, self.apart_backward_us))
+        total = max(passes[0], self.calls[0].host_us)
+        if backward:
+            total += max(passes[1], self.calls[1].host_us)
+        return total
 
 
 def predict_stack_time(cell: str, hidden: int, batch: int, layers: int, seq_len: int,
@@ -837,28 +873,24 @@ def predict_stack_time(cell: str, hidden: int, batch: int, layers: int, seq_len:
     sp = planner.make_stack_plan(spec, hidden, batch, layers, bidirectional, dtype, dev)
     directions = 2 if bidirectional else 1
     inputs = [input_size] + [directions * hidden] * (layers - 1)
-    apart = [None, None]
+    apart, calls = [None, None], None
     one = planner.make_plan(spec, hidden, batch, dtype, dev)
     if one.fits:
         st = predict_plan(spec, hidden, batch, one, dev, seq_len=seq_len)
-        for k, (step, backward) in enumerate(((st.forward_us, False), (st.backward_us, True))):
-            apart[k] = directions * sum(seq_len * step + call_us(
-                spec, hidden, batch, seq_len, i, backward, dev, _half(one)) for i in inputs)
+        calls = tuple(stack_call_costs(spec, hidden, batch, seq_len, input_size, b, dev, layers,
+                                       bidirectional, False, _half(one)) for b in (False, True))
+        for k, step in enumerate((st.forward_us, st.backward_us)):
+            apart[k] = directions * layers * seq_len * step + calls[k].device_us
     if not sp.fits:
-        return StackTime(None, None, apart[0], apart[1], sp)
+        return StackTime(None, None, apart[0], apart[1], sp, calls=calls)
     passes = []
-    for p, backward in ((sp.forward, False), (sp.backward, True)):
+    calls = tuple(stack_call_costs(spec, hidden, batch, seq_len, input_size, b, dev, layers,
+                                   bidirectional, True, dtype != "float32") for b in (False, True))
+    for (p, backward), cost in zip(((sp.forward, False), (sp.backward, True)), calls):
         step = step_terms(pass_sass(p, dev.arch), PassShape(spec, p, batch, hidden), dev).total_us
-        # The device time beside the steps (``call_us``: chain, GEMMs, small kernels; the host's
-        # work overlaps it): a unidirectional stack's forward projects layer 0's input only
-        # (the layers above project theirs inside the kernel); otherwise every
-        # layer-direction's (the backward: its weight gradients; dx counted for every layer, an
-        # overestimate of the unidirectional stack's, whose upper dx are in the kernel).
-        projected = inputs[:1] if not (bidirectional or backward) else inputs
-        extra = directions * sum(call_us(spec, hidden, batch, seq_len, i, backward, dev,
-                                         dtype != "float32") for i in projected)
-        passes.append(sp.steps_in_series(seq_len) * step + extra)
-    return StackTime(passes[0], passes[1], apart[0], apart[1], sp)
+        # (the device time beside the steps: ``stack_call_costs``; the host's work overlaps it)
+        passes.append(sp.steps_in_series(seq_len) * step + cost.device_us)
+    return StackTime(passes[0], passes[1], apart[0], apart[1], sp, calls=calls)
 
 
 def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: str = "float32",
@@ -905,6 +937,7 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
                    "per_call": per_call_report(spec, hidden, batch, plan, dev, proj_size)})
     if layers > 1 and not proj_size:  # (stack mode has no projection)
         record["stack_mode"] = stack_report(spec, hidden, batch, layers, dtype, dev)
+        record["stack_per_call"] = stack_per_call_report(spec, hidden, batch, layers, dtype, dev)
     return record
 
 
@@ -933,6 +966,31 @@ def per_call_report(cell: CellSpec, hidden: int, batch: int, plan: planner.Plan,
                      "forward_backward_us_per_step": st.benchmark_us(steps, True)})
     return {"prediction": True, "input_size": PER_CALL_INPUT, "python_included": True,
             "rows": rows}
+
+
+def stack_per_call_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: str,
+                          device: DeviceProfile) -> dict:
+    """``prnn plan --layers``' per-call record of the whole stack's call (predictions): per T
+    in ``PER_CALL_STEPS`` the host µs (API calls and Python) and the device µs beside the steps
+    of a forward and a backward call as the stack runs (``StackTime.calls``: in stack mode
+    where it fits, else one layer-direction per launch), and its end-to-end µs per step
+    (``StackTime.call_time_us`` / T)."""
+    rows, mode = [], None
+    for steps in PER_CALL_STEPS:
+        st = predict_stack_time(cell.name, hidden, batch, layers, steps, input_size=PER_CALL_INPUT,
+                                dtype=dtype, device=device)
+        if st.calls is None:
+            return {"prediction": True, "mode": None, "rows": []}
+        mode = "stack mode" if st.plan.fits else "one launch per layer"
+        fwd, bwd = st.calls
+        rows.append({"seq_len": steps, "forward_host_us": fwd.host_us,
+                     "backward_host_us": bwd.host_us, "forward_python_us": fwd.python_us,
+                     "backward_python_us": bwd.python_us, "forward_api_calls": fwd.api_calls,
+                     "backward_api_calls": bwd.api_calls, "forward_device_us": fwd.device_us,
+                     "backward_device_us": bwd.device_us,
+                     "forward_us_per_step": st.call_time_us(steps) / steps,
+                     "forward_backward_us_per_step": st.call_time_us(steps, True) / steps})
+    return {"prediction": True, "mode": mode, "input_size": PER_CALL_INPUT, "rows": rows}
 
 
 def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: str,

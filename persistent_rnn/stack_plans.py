@@ -1,7 +1,8 @@
-"""A stack-mode call planned (issue 26): a unidirectional float32 stack whose layers run in one
+"""A stack-mode call planned (issue 26): a unidirectional stack whose layers run in one
 launch per pass (``stack``), with every operation of the call inside that pass's chain; and
-(``PairPlan``) a bidirectional float32 layer or stack whose layers run both directions side by
-side, one chain per layer, all of a pass's chains in one graph (``launch.one_graph``).
+(``PairPlan``) a bidirectional layer or stack whose layers run both directions side by side,
+one chain per layer, all of a pass's chains in one graph (``launch.one_graph``). float32,
+float16 or bfloat16.
 
 As ``call_plans.Plan`` does for one layer-direction (its checks, ``matches``, and its
 ``backward``'s choice between the prepared pass and the full path are inherited), a
@@ -21,9 +22,16 @@ gradients. So on a GPU a call in steady state is one graph launch per pass
 call's ``Context`` keeps (``stacked``), where the full path copies them into workspaces: the
 same values, bitwise the same results (tests/test_call_plans.py).
 
-Not planned: 16-bit stacks and pairs (their weights are packed into words:
-``stack._matrices``), projections (never in stack mode). Stacks and bidirectional layers run
-one layer-direction per launch (the ``stack`` setting off, or too large for stack mode):
+A 16-bit call (the layer's ``half``) has the full path's conversions inside its chains too,
+into workspaces made once per plan (``wide``, and the backward's): the weights' 16-bit bits
+copied into the plan's packed words every call (``_matrices``, ``_stack_into``: what
+``stack._matrices`` packs from widened copies, without the copies), the given states, biases,
+``dy``, the first layer's input and ``W_hh`` / ``W_ih`` for the products widened, the input
+projections of 16-bit operands (``_projection``), the results and gradients rounded into the
+call's arrays (summed in float32 with the caller's first where the plan accumulates).
+
+Not planned: projections (never in stack mode). Stacks and bidirectional layers run one
+layer-direction per launch (the ``stack`` setting off, or too large for stack mode):
 ``layer_plans``.
 """
 from __future__ import annotations
@@ -34,19 +42,34 @@ import numpy as np
 
 from . import buffers, chain_graphs, functional, launch, runtime, settings, stack
 from .buffers import matmul_steps, select_active, workspace
-from .call_plans import (_GRADIENTS, Plan, _same_memory, _where, contiguous_states,
-                         formed_input)
+from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _refresh, _same_memory,
+                         _where, contiguous_states, formed_input)
+from .halves import half_dtype, widen
+from .matmul import matmul_half
 from .stats import RunStats
 
 Array = Any
 
 
 def stack_engine(ctx: functional.Context, data: Array, backward: bool) -> Any:
-    """The stack-mode engine a float32 call of ``ctx`` runs on, or ``None``."""
+    """The stack-mode engine a call of ``ctx`` runs on, or ``None``."""
     hidden = ctx.directions[0][0].h0.shape[1]
     engine, _ = stack.engine(ctx.cell, data, hidden, ctx.num_layers, ctx.bidirectional,
-                             ctx.algo, None, backward, proj="weight_hr_l0" in ctx.params)
+                             ctx.algo, ctx.half, backward, proj="weight_hr_l0" in ctx.params)
     return engine
+
+
+def _matrices(xp, name: str, shape: tuple[int, int, int], words: str | None) -> Array:
+    """The workspace a stack kernel reads matrices of ``shape`` (groups, rows, K) from: float32,
+    or where its weights are 16-bit (``words``: ``stack._weights_dtype``) uint32 words of two
+    16-bit values, (groups, rows, ceil(K/2)) as ``stack._matrices`` packs them, the padding of
+    an odd K zeroed once here (``_stack_into`` writes the values' bits only)."""
+    if words is None:
+        return workspace(xp, name, shape, np.float32)
+    groups, rows, cols = shape
+    held = workspace(xp, f"plan {name} words", (groups, rows, cols + cols % 2), np.uint16)
+    held[..., cols:] = 0
+    return held.view(np.uint32)
 
 
 class StackPlan(Plan):
@@ -59,7 +82,7 @@ class StackPlan(Plan):
         self.states, self.lengths = states, lengths
         self.key: tuple = ()
         self.accumulates = False
-        self.cell, self.algo = ctx.cell, ctx.algo
+        self.cell, self.algo, self.half = ctx.cell, ctx.algo, ctx.half
         self.xp = xp = buffers.array_module(x)
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
         self.given_shape = x.shape  # (``Plan``'s)
@@ -83,16 +106,24 @@ class StackPlan(Plan):
         self.engine = engine
         self.backward_pass: Any = None  # (the backward's arguments, once prepared)
         self.backward_engine: Any = None
-        self.mask = buffers.mask_arrays(xp, x) if lengths else None
+        self._fixed_key: tuple | None = None  # (``_key``'s fixed part: (backward_pass, value))
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
         self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
+        # (what the float32 outputs and dy are selected with; the input on its bits: a 16-bit
+        # input's, as ``functional._selected_input``)
+        self.mask = buffers.mask_arrays(xp, self.gi.reshape(steps, batch, -1)) if lengths else None
+        self.x_mask = buffers.mask_arrays(xp, _bits(x)) if lengths else None
         groups = self.kernel_groups = layers if self.chained else 2  # (a launch's groups)
+        words = stack._weights_dtype(engine)
         self.stacked = dict(
-            w_ih=self._w_ih_stack(xp, groups, gates, hidden),
-            w_hh=workspace(xp, "stack_w_hh", (groups, gates, hidden), np.float32),
+            w_ih=self._w_ih_stack(xp, groups, gates, hidden, words),
+            w_hh=_matrices(xp, "stack_w_hh", (groups, gates, hidden), words),
             b_ih=workspace(xp, "stack_bias2", (groups, gates), np.float32),
             b_hh=workspace(xp, "stack_bias3", (groups, gates), np.float32))
         self.zero_bias = buffers.constant_zeros(xp, (gates,), np.float32)
+        # a 16-bit call's: the workspaces its conversions go through (none for a float32
+        # call's, which computes on its arrays as they are)
+        self.wide = self._forward_workspaces(x) if self.half is not None else {}
 
     @staticmethod
     def _groups(ctx: functional.Context) -> list[dict[str, str]]:
@@ -100,9 +131,17 @@ class StackPlan(Plan):
         return [ctx.directions[k][0].names for k in range(ctx.num_layers)]
 
     @staticmethod
-    def _w_ih_stack(xp, layers: int, gates: int, hidden: int) -> Array:
+    def _w_ih_stack(xp, layers: int, gates: int, hidden: int, words: str | None) -> Array:
         """The workspace the forward kernel reads the layers' ``W_ih`` from (above the first)."""
-        return workspace(xp, "stack_w_ih", (layers - 1, gates, hidden), np.float32)
+        return _matrices(xp, "stack_w_ih", (layers - 1, gates, hidden), words)
+
+    def _forward_workspaces(self, x: Array) -> dict:
+        """A 16-bit call's forward workspaces: the widened ``b_ih`` of its input projections
+        and the float32 output the call's is selected in before it is rounded (the full
+        path's ``result_y``)."""
+        xp = self.xp
+        return {"b_ih": workspace(xp, "b_ih_gi", (self.gi.shape[1],), np.float32),
+                "y": workspace(xp, "result_y", self.y_shape, np.float32)}
 
     def _layers(self) -> list[tuple]:
         """Each layer's ``(w_ih, w_hh, b_ih, b_hh)`` (biases ``None`` without them): the
@@ -124,8 +163,7 @@ class StackPlan(Plan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of a stack: ``functional.forward`` of a matching call."""
         xp, cell = self.xp, self.cell
-        h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
-            xp, hx if cell.has_cell_state else (hx, None))
+        h0, c0, states = (self.h0, self.c0, ()) if hx is None else self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the chain)
             layer_input, given = xp.empty(x.shape, x.dtype), x
@@ -136,34 +174,66 @@ class StackPlan(Plan):
         saved = xp.empty((groups, steps, batch, cell.saved * self.hidden), np.float32)
         inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
                                   for _ in range(self.num_layers - 1)]
-        out = xp.empty(self.y_shape, np.float32)
-        h_n = xp.empty(self.state_shape, np.float32)
-        c_n = None if cs is None else xp.empty(self.state_shape, np.float32)
+        out = xp.empty(self.y_shape, self.x_dtype)  # (a 16-bit call's rounded in the chain)
+        h_n = xp.empty(self.state_shape, self.x_dtype)
+        c_n = None if cs is None else xp.empty(self.state_shape, self.x_dtype)
         args = stack.forward_arguments(
             self.stacked, self.gi.reshape(steps, batch, -1), h0, h0 if c0 is None else c0,
             self.all_steps if lengths is None else lengths, True, y, cs, saved)
-        call = (given, inputs, out, h_n, c_n, lengths, y, cs)
+        call = (given, inputs, out, h_n, c_n, lengths, y, cs, states)
         stats = stack.run_forward(self.engine, args, xp, stack.Around(
             lambda: self._before_forward(call), lambda: self._after_forward(call),
-            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n))))
+            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n, states))))
         ctx = functional.Context(cell, params, groups, False, False, self.algo, lengths, None,
-                                 None, inputs, [[functional._Direction(
+                                 self.half, inputs, [[functional._Direction(
                                      self.layer_names[k], h0[k], None if c0 is None else c0[k],
                                      runtime.ForwardResult(y[k], None if cs is None else cs[k],
                                                            saved[k]))]
                                      for k in range(groups)], stats)
         ctx.plan, ctx.stacked = self, (y, cs, saved, h0, c0)
+        ctx.scratch_results = self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
+    def _initial_states(self, hx: Any) -> tuple[Array, Array | None, tuple]:
+        """``(h0, c0, states)`` of a call giving ``hx`` (not ``None``: the planned zeros): the
+        given states as the kernels read them (``contiguous_states``), or a 16-bit call's new
+        float32 ones, widened inside the (first) chain from ``states``' given arrays
+        (``(given, float32)`` pairs), as ``functional`` widens them."""
+        xp, cell = self.xp, self.cell
+        given = hx if cell.has_cell_state else (hx, None)
+        if self.half is None:
+            return (*contiguous_states(xp, given), ())
+        h0 = xp.empty(self.state_shape, np.float32)
+        c0 = None if given[1] is None else xp.empty(self.state_shape, np.float32)
+        return h0, c0, tuple((a, w) for a, w in zip(given, (h0, c0)) if a is not None)
+
     def _before_forward(self, call: tuple) -> None:
-        """Inside the forward's chain, before its pass: the input formed, the input projection
-        (``_project``) and the weights and biases stacked, as ``functional._forward_stack`` and
-        ``stack.forward`` make them."""
-        xp, (given, inputs, _, _, _, lengths, _, _) = self.xp, call
-        formed_input(xp, given, inputs[0], lengths, self.mask)
+        """Inside the forward's chain, before its pass: the given states widened (16-bit), the
+        input formed, the input projection (``_project``) and the weights and biases stacked,
+        as ``functional._forward_stack`` and ``stack.forward`` make them."""
+        xp, (given, inputs, _, _, _, lengths, _, _, states) = self.xp, call
+        for a, wide in states:
+            widen(a, wide)
+        formed_input(xp, given, inputs[0], lengths, self.x_mask)
         layers = self._layers()
         self._project(call, layers)
         self._stack_weights(layers)
+
+    def _projection(self, x: Array, w_ih: Array, b_ih: Array | None, out: Array) -> None:
+        """An input projection ``x W_ih^T + b_ih`` over all steps into ``out`` (T*B, G), as
+        ``functional._projected`` forms it: a 16-bit call's by the product of 16-bit operands
+        (a float32 input, an upper layer's, rounded into a 16-bit workspace first: exact) and
+        its bias widened."""
+        if self.half is None:
+            matmul_steps(x, w_ih.T, out)
+        else:
+            flat = x.reshape(-1, x.shape[2])
+            if flat.dtype == np.float32:
+                flat = self.wide["x_half"]
+                _narrowed(self.xp, flat, x.reshape(flat.shape))
+            matmul_half(flat, w_ih.T, self.half, out)
+        if b_ih is not None:
+            out += widen(b_ih, self.wide.get("b_ih"))
 
     def _stack_weights(self, layers: list[tuple]) -> None:
         """The kernel's groups' ``W_hh`` and biases (zeros where none) stacked into its
@@ -177,40 +247,54 @@ class StackPlan(Plan):
     def _project(self, call: tuple, layers: list[tuple]) -> None:
         """Layer 0's input projection ``gi = x W_ih^T + b_ih`` and the upper layers' ``W_ih``
         stacked (their projections are inside the kernel)."""
-        inputs = call[1]
-        matmul_steps(inputs[0], layers[0][0].T, self.gi)
-        if layers[0][2] is not None:
-            self.gi += layers[0][2]
+        self._projection(call[1][0], layers[0][0], layers[0][2], self.gi)
         if len(layers) > 1:
             _stack_into(self.xp, [w[0] for w in layers[1:]], self.stacked["w_ih"])
 
     def _after_forward(self, call: tuple) -> None:
         """Inside the forward's chain, after its completion: the outputs (``_outputs``) and
         ``h_n``, ``c_n``, as ``functional._layer_output`` and ``_final_states`` make them."""
-        xp, (_, _, _, h_n, c_n, _, y, cs) = self.xp, call
+        xp, (_, _, _, h_n, c_n, _, y, cs, _) = self.xp, call
         self._outputs(call)
-        xp.copyto(h_n, y[:, -1])
+        _narrowed(xp, h_n, y[:, -1])  # (a copy; a 16-bit call's rounded)
         if cs is not None:
-            xp.copyto(c_n, cs[:, -1])
+            _narrowed(xp, c_n, cs[:, -1])
 
     def _outputs(self, call: tuple) -> None:
         """Each layer's output copied (with lengths selected) into the layer above's input or
-        the call's output."""
-        xp, (_, inputs, out, _, _, lengths, y, _) = self.xp, call
+        the call's output (``_output``)."""
+        _, inputs, out, _, _, lengths, y, _, _ = call
         for k, target in enumerate(inputs[1:] + [out]):
-            if lengths is None:
-                xp.copyto(target, y[k])
-            else:
-                select_active(xp, y[k], lengths, target, self.mask)
+            self._output(y[k], lengths, target)
+
+    def _output(self, y: Array, lengths: Array | None, target: Array) -> None:
+        """A layer's output ``y`` (T, B, H: float32) into ``target``, selected with ``lengths``;
+        a 16-bit call's output rounded (selected in float32 first, as the full path's
+        ``result_y``)."""
+        xp = self.xp
+        if lengths is None:
+            _narrowed(xp, target, y)
+            return
+        wide = target if target.dtype == np.float32 else self.wide["y"]
+        select_active(xp, y, lengths, wide, self.mask)
+        if wide is not target:
+            _narrowed(xp, target, wide)
 
     def _key(self, what: str, arrays: tuple) -> tuple:
         """What a pass's chain graph is keyed by beside its launches' arguments (``stack.Around``):
         the plan and which pass, its fixed arrays and weights, and this call's ``arrays`` (on a
-        GPU: ``chain_graphs.value``)."""
-        held = (self.gi, self.mask, self.zero_bias, self.weights, self._held(),
-                None if self.backward_pass is None else tuple(
-                    a for k, a in self.backward_pass.items() if k not in ("grads", "scratch")))
-        return what, id(self), chain_graphs.value(held + arrays)
+        GPU: ``chain_graphs.value``). The fixed part's value is made once per prepared state
+        (its arrays keep their memory while the plan serves: weights rebound only over the same
+        memory, ``_rebind``)."""
+        fixed = self._fixed_key
+        if fixed is None or fixed[0] is not self.backward_pass:
+            held = (self.gi, self.mask, self.x_mask, self.zero_bias, self.weights,
+                    tuple(self.wide.values()), self._held(),
+                    None if self.backward_pass is None else tuple(
+                        a for k, a in self.backward_pass.items()
+                        if k not in ("grads", "scratch", "sums")))
+            fixed = self._fixed_key = (self.backward_pass, chain_graphs.value(held))
+        return what, id(self), fixed[1], chain_graphs.value(arrays)
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way in stack mode:
@@ -228,30 +312,58 @@ class StackPlan(Plan):
                                                                       hidden)
         dgi = workspace(xp, "stack_dgi", shape, np.float32)
         dh_carry = workspace(xp, "stack_dh_carry", carry, np.float32)
+        words, half = stack._weights_dtype(engine), self.half is not None
         self.backward_pass = dict(
-            w_t=workspace(xp, "stack_w_t", (layers, hidden, shape[3]), np.float32),
-            w_ih_t=self._w_ih_t_stack(xp, layers, hidden, shape[3]),
+            w_t=_matrices(xp, "stack_w_t", (layers, hidden, shape[3]), words),
+            w_ih_t=self._w_ih_t_stack(xp, layers, hidden, shape[3], words),
             scratch=(dgi, workspace(xp, "stack_dgh", shape, np.float32) if cell.separate_dgh
                      else dgi, dh_carry, workspace(xp, "stack_dc_carry", carry, np.float32)
                      if cell.has_cell_state else dh_carry),
             # (the dy the pass reads where not the caller's: selected, or a batch-first one's
-            # copied contiguous)
+            # copied contiguous; a 16-bit call's widened into ``dy_wide``)
             dy=workspace(xp, "dy", self.y_shape, np.float32)
-            if self.lengths or not dy.flags.c_contiguous else None,
+            if self.lengths or not (half or dy.flags.c_contiguous) else None,
             dw_hh=workspace(xp, "dw_hh", (shape[3], hidden), np.float32),
+            # (where the parameter gradients are formed: float32 workspaces, or new arrays of
+            # a float32 call that does not accumulate)
             grads={name: workspace(xp, "plan_grad " + name, w.shape, np.float32)
-                   for name, w in zip(self.names, self.weights)} if self.accumulates else None)
+                   for name, w in zip(self.names, self.weights)}
+            if self.accumulates or half else None)
+        if half:
+            self.backward_pass.update(self._wide_backward_workspaces())
+            if self.backward_pass["dy"] is None:
+                self.backward_pass["dy"] = self.backward_pass["dy_wide"]
         self.backward_pass.update(self._backward_workspaces())
         self.backward_engine = engine
+
+    def _wide_backward_workspaces(self) -> dict:
+        """A 16-bit call's backward workspaces: the float32 ``dy`` (widened), a launch's groups'
+        ``W_hh`` and the ``W_ih`` of the groups whose input gradient is a product here (a
+        stack's first layer; every pair's), widened, the first layer's input (widened), ``dx``,
+        ``dh0`` (formed in float32, then rounded) and, where the plan accumulates, the caller's
+        sums widened (``sums``, by name)."""
+        xp, (steps, batch, width) = self.xp, self.x_shape
+        layers = self._layers()
+        return {"dy_wide": workspace(xp, "dy_wide", self.y_shape, np.float32),
+                "w_hh_wide": workspace(xp, "w_hh_wide", (self.kernel_groups, *layers[0][1].shape),
+                                       np.float32),
+                "w_ih_wide": tuple(workspace(xp, f"w_ih_wide{k}", w[0].shape, np.float32)
+                                   for k, w in enumerate(layers[:1] if self.chained else layers)),
+                "x_wide": workspace(xp, "input_wide", (steps * batch, width), np.float32),
+                "dx_wide": workspace(xp, "result_dx", (steps * batch, width), np.float32),
+                "dh_wide": workspace(xp, "result_dh0", self.state_shape, np.float32),
+                "sums": {name: workspace(xp, "plan_sum " + name, w.shape, np.float32)
+                         for name, w in zip(self.names, self.weights)}
+                if self.accumulates else None}
 
     def _held(self) -> tuple:
         """The forward's fixed arrays beyond every stack plan's (``_key``): none."""
         return ()
 
     @staticmethod
-    def _w_ih_t_stack(xp, layers: int, hidden: int, width: int) -> Array:
+    def _w_ih_t_stack(xp, layers: int, hidden: int, width: int, words: str | None) -> Array:
         """The workspace the backward kernel reads the upper layers' ``W_ih^T`` from."""
-        return workspace(xp, "stack_w_ih_t", (layers - 1, hidden, width), np.float32)
+        return _matrices(xp, "stack_w_ih_t", (layers - 1, hidden, width), words)
 
     def _backward_workspaces(self) -> dict:
         """The backward's workspaces beyond every stack plan's: none."""
@@ -269,35 +381,50 @@ class StackPlan(Plan):
             dy if prepared["dy"] is None else prepared["dy"], y, cs, saved, h0,
             h0 if c0 is None else c0,
             self.all_steps if lengths is None else lengths, True, prepared["scratch"])
-        dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, prepared, into)
-        call = (ctx, dy, args, dx, dh, dc, grads, into)
+        dx, dh, dc, grads, into, results = self._backward_results(dy, c0 is not None, prepared,
+                                                                  into)
+        call = (ctx, dy, args, dx, dh, dc, grads, into, results)
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
-            lambda: self._key("backward", (dy, dx, dh, dc, tuple(grads.values()), into,
+            lambda: self._key("backward", (dy, dx, dh, dc, tuple(results.values()), into,
                                            tuple(ctx.inputs), ctx.reverse_index))))
-        return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
+        return dx, (dh if dc is None else (dh, dc)), results
 
     def _backward_results(self, dy: Array, cell_state: bool, held: dict,
                           into: Mapping[str, Array] | None) -> tuple:
-        """A planned backward's new result arrays ``(dx, dh0, dc0, grads, into)``: ``dc0``
-        ``None`` without a cell state; the gradients the held workspaces where the plan
-        accumulates (``into``: the caller's arrays in the plan's order), else new arrays."""
+        """A planned backward's new result arrays ``(dx, dh0, dc0, grads, into, results)``:
+        ``dc0`` ``None`` without a cell state; ``grads``: where the parameter gradients are
+        formed (the held float32 workspaces, or new arrays), ``into``: the caller's arrays in
+        the plan's order where the plan accumulates, ``results``: the gradients the call
+        returns (none where it accumulates; a 16-bit call's new arrays of its dtype)."""
         xp = self.xp
         dx = xp.empty(self.x_shape, dy.dtype)
-        dh = xp.empty(self.state_shape, np.float32)
-        dc = xp.empty(self.state_shape, np.float32) if cell_state else None
-        grads = held["grads"] or {n: xp.empty(w.shape, w.dtype)
-                                  for n, w in zip(self.names, self.weights)}
+        dh = xp.empty(self.state_shape, dy.dtype)
+        dc = xp.empty(self.state_shape, dy.dtype) if cell_state else None
+        new = {n: xp.empty(w.shape, w.dtype) for n, w in zip(self.names, self.weights)} \
+            if not self.accumulates else {}
+        grads = held["grads"] or new
         return dx, dh, dc, grads, (tuple(into[n] for n in self.names) if self.accumulates
-                                   else None)
+                                   else None), new
+
+    def _formed_dy(self, dy: Array, lengths: Array | None) -> Array:
+        """Inside the first backward chain, the caller's ``dy`` as the passes read it: widened
+        (16-bit), selected with lengths or copied where strided into the held ``dy``, as
+        ``functional.backward`` forms it."""
+        held = self.backward_pass
+        if held.get("dy_wide") is not None:
+            dy = widen(dy, held["dy_wide"])
+        if held["dy"] is None or held["dy"] is dy:
+            return dy
+        formed_input(self.xp, dy, held["dy"], lengths, self.mask)
+        return held["dy"]
 
     def _before_backward(self, call: tuple) -> None:
-        """Inside the backward's chain, before its pass: ``dy`` selected with lengths, the
+        """Inside the backward's chain, before its pass: ``dy`` formed (``_formed_dy``), the
         carries zeroed, ``W_hh^T`` and ``W_ih^T`` stacked, as ``functional.backward`` and
         ``stack.backward`` make them."""
         xp, (ctx, dy, args, *_) = self.xp, call
-        if self.backward_pass["dy"] is not None:
-            formed_input(xp, dy, self.backward_pass["dy"], ctx.lengths, self.mask)
+        self._formed_dy(dy, ctx.lengths)
         args["dh_carry"].fill(0)
         if self.cell.has_cell_state:
             args["dc_carry"].fill(0)
@@ -312,26 +439,74 @@ class StackPlan(Plan):
         (``functional.parameter_gradients``), ``dx`` and, where the plan accumulates, the
         gradients added into its caller's, as ``functional._backward_stack`` and the layer API
         form them."""
-        xp, (ctx, _, args, dx, dh, dc, grads, into) = self.xp, call
+        xp, (ctx, _, args, dx, dh, dc, grads, into, results) = self.xp, call
         layers = self._layers()
-        stack.initial_state_gradients(xp, args, [w[1] for w in layers], dh, dc)
+        self._state_gradients(args, [w[1] for w in layers], dh, dc)
         self._gradients(call, layers)
-        if into is not None:  # (as the layer API adds a full call's: ``layers``)
-            for total, name in zip(into, self.names):
-                total += grads[name]
+        self._gradients_out(grads, into, results, self.names)
+        if self.half is not None:
+            _narrowed(xp, dx, self.backward_pass["dx_wide"].reshape(dx.shape))
+
+    def _state_gradients(self, args: dict, w_hh: list[Array], dh: Array, dc: Array | None,
+                         rows: slice = slice(None)) -> None:
+        """A pass's ``dh0``, ``dc0`` (``stack.initial_state_gradients``; ``w_hh``: its groups'
+        ``W_hh``); a 16-bit call's by the widened ``W_hh`` into the float32 workspace's
+        ``rows``, then rounded into the call's arrays, as the full path and its callers form
+        them."""
+        xp, held = self.xp, self.backward_pass
+        if self.half is None:
+            stack.initial_state_gradients(xp, args, w_hh, dh, dc)
+            return
+        _stack_into(xp, w_hh, held["w_hh_wide"])
+        wide = held["dh_wide"][rows]
+        stack.initial_state_gradients(xp, args, held["w_hh_wide"], wide, None)
+        _narrowed(xp, dh, wide)
+        if dc is not None:
+            _narrowed(xp, dc, args["dc_carry"][:, 0])
+
+    def _flat_input(self, layer_input: Array) -> Array:
+        """A layer's input as its weight gradients' products take it: (T*B, X) float32 (the
+        first layer's 16-bit input widened, as ``functional._layer_gradients`` does)."""
+        flat = layer_input.reshape(-1, layer_input.shape[2])
+        return flat if flat.dtype == np.float32 else widen(flat, self.backward_pass["x_wide"])
+
+    def _w_ih(self, w_ih: Array, group: int) -> Array:
+        """A group's ``W_ih`` as the input gradient's product takes it (16-bit: widened)."""
+        if self.half is None:
+            return w_ih
+        return widen(w_ih, self.backward_pass["w_ih_wide"][group])
 
     def _gradients(self, call: tuple, layers: list[tuple]) -> None:
         """Each layer's parameter gradients, top-down, and ``dx`` from layer 0's ``dgi``
-        (the layers above formed theirs inside the kernel)."""
-        ctx, _, args, dx, _, _, grads, _ = call
+        (the layers above formed theirs inside the kernel; a 16-bit call's in float32)."""
+        ctx, _, args, dx, _, _, grads, _, _ = call
         for k in range(len(layers) - 1, -1, -1):
             d, layer_input = ctx.directions[k][0], ctx.inputs[k]
             names = [d.names[n] for n in _GRADIENTS if n in d.names]
             functional.parameter_gradients(
-                args["dgi"][k], args["dgh"][k], layer_input.reshape(-1, layer_input.shape[2]),
+                args["dgi"][k], args["dgh"][k], self._flat_input(layer_input),
                 d.fwd.y, d.h0, "bias_ih" in d.names, tuple(grads[n] for n in names),
                 self.backward_pass["dw_hh"])
-        matmul_steps(args["dgi"][0], layers[0][0], dx.reshape(-1, dx.shape[2]))
+        target = dx if self.half is None else self.backward_pass["dx_wide"]
+        matmul_steps(args["dgi"][0], self._w_ih(layers[0][0], 0),
+                     target.reshape(-1, dx.shape[2]))
+
+    def _gradients_out(self, grads: dict, into: tuple | None, results: dict, names) -> None:
+        """The parameter gradients of ``names`` formed in ``grads``: added into the caller's
+        (``into``: the layer API's sums, as it adds a full call's; a 16-bit call's in float32,
+        rounded once), or rounded into the call's 16-bit ``results``."""
+        xp = self.xp
+        for name in names:
+            g = grads[name]
+            if into is not None:
+                total = into[self._index[name]]
+                if self.half is None:
+                    total += g
+                else:
+                    g += widen(total, self.backward_pass["sums"][name])
+                    _narrowed(xp, total, g)
+            elif results is not grads:
+                _narrowed(xp, results[name], g)
 
     def _backward_current(self, ctx: functional.Context) -> bool:
         """``Plan._backward_current``, and a context this plan's forward made."""
@@ -365,11 +540,18 @@ class PairPlan(StackPlan):
         return [d.names for dirs in ctx.directions for d in dirs]
 
     @staticmethod
-    def _w_ih_stack(xp, layers: int, gates: int, hidden: int) -> Array:
+    def _w_ih_stack(xp, layers: int, gates: int, hidden: int, words: str | None) -> Array:
         """The kernel's ``W_ih`` argument, unread by unchained groups (``stack._unused``)."""
         return stack._unused(xp)
 
     _w_ih_t_stack = _w_ih_stack
+
+    def _forward_workspaces(self, x: Array) -> dict:
+        """``StackPlan``'s, and the 16-bit workspace an upper layer's float32 input is rounded
+        into for its product (``_projection``)."""
+        steps, batch, _ = x.shape
+        return dict(super()._forward_workspaces(x), x_half=workspace(
+            self.xp, "input_half", (steps * batch, self.y_shape[2]), half_dtype(self.half)))
 
     def _held(self) -> tuple:
         """The pairs' fixed arrays (``_key``)."""
@@ -379,8 +561,7 @@ class PairPlan(StackPlan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of the pairs: one chain per layer and pass."""
         xp, cell, hidden = self.xp, self.cell, self.hidden
-        h0, c0 = (self.h0, self.c0) if hx is None else contiguous_states(
-            xp, hx if cell.has_cell_state else (hx, None))
+        h0, c0, states = (self.h0, self.c0, ()) if hx is None else self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
             layer_input, given = xp.empty(x.shape, x.dtype), x
@@ -388,9 +569,9 @@ class PairPlan(StackPlan):
         reverse = self.rows if lengths is None else xp.empty((steps * batch,), np.intp)
         inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
                                   for _ in range(self.num_layers - 1)]
-        out = xp.empty(self.y_shape, np.float32)
-        h_n = xp.empty(self.state_shape, np.float32)
-        c_n = xp.empty(self.state_shape, np.float32) if cell.has_cell_state else None
+        out = xp.empty(self.y_shape, self.x_dtype)  # (a 16-bit call's rounded in the chain)
+        h_n = xp.empty(self.state_shape, self.x_dtype)
+        c_n = xp.empty(self.state_shape, self.x_dtype) if cell.has_cell_state else None
         stats, directions, kept = RunStats(), [], []
         with launch.one_graph():  # (every layer's chain: one graph, one launch)
             for layer in range(self.num_layers):
@@ -402,7 +583,8 @@ class PairPlan(StackPlan):
                     self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
                     self.all_steps if lengths is None else lengths, False, y, cs, saved)
                 target = inputs[layer + 1] if layer + 1 < self.num_layers else out
-                call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n)
+                call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n,
+                        states)
                 stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
                     lambda call=call: self._before_pair(call),
                     lambda call=call: self._after_pair(call),
@@ -414,25 +596,27 @@ class PairPlan(StackPlan):
                     for d in (0, 1)])
                 kept.append((y, cs, saved))
         ctx = functional.Context(cell, params, self.num_layers, True, False, self.algo, lengths,
-                                 reverse, None, inputs, directions, stats)
+                                 reverse, self.half, inputs, directions, stats)
         ctx.plan, ctx.stacked = self, (kept, h0, c0)
+        ctx.scratch_results = self.half is not None  # (as the full path's)
         return out, (h_n if c_n is None else (h_n, c_n)), ctx
 
     def _before_pair(self, call: tuple) -> None:
-        """Inside a layer's forward chain, before its pass: in the first, the input formed and
-        with lengths the reversal index; both directions' input projections into the kernel's
-        pair (the reverse one reversed) and the layer's weights and biases stacked, as
-        ``functional._forward_pairs`` and ``stack.forward`` form them."""
-        xp, (layer, given, layer_input, _, lengths, _, _, reverse, _, _) = self.xp, call
+        """Inside a layer's forward chain, before its pass: in the first, the given states
+        widened (16-bit), the input formed and with lengths the reversal index; both
+        directions' input projections (``_projection``) into the kernel's pair (the reverse one
+        reversed) and the layer's weights and biases stacked, as ``functional._forward_pairs``
+        and ``stack.forward`` form them."""
+        xp, (layer, given, layer_input, _, lengths, _, _, reverse, _, _, states) = self.xp, call
         if layer == 0:
-            formed_input(xp, given, layer_input, lengths, self.mask)
+            for a, wide in states:
+                widen(a, wide)
+            formed_input(xp, given, layer_input, lengths, self.x_mask)
             if lengths is not None:
                 self._reversal(lengths, reverse)
         directions = self._layers()[2 * layer:2 * layer + 2]
         for (w_ih, _, b_ih, _), gi in zip(directions, (self.gi, self.gi_reverse)):
-            matmul_steps(layer_input, w_ih.T, gi)
-            if b_ih is not None:
-                gi += b_ih
+            self._projection(layer_input, w_ih, b_ih, gi)
         steps = self.gi_pair.shape[1:3]
         xp.copyto(self.gi_pair[0], self.gi.reshape(*steps, -1))
         functional._gather(reverse, self.gi_reverse.reshape(*steps, -1), self.gi_pair[1])
@@ -447,15 +631,18 @@ class PairPlan(StackPlan):
         side by side, the reverse one back in time order, zero past each length:
         ``functional._layer_output``) into the layer above's input or the call's output, and its
         rows of ``h_n``, ``c_n``."""
-        xp, (layer, _, _, target, lengths, y, cs, reverse, h_n, c_n) = self.xp, call
+        xp, (layer, _, _, out, lengths, y, cs, reverse, h_n, c_n, _) = self.xp, call
         hidden, pair = self.hidden, slice(2 * layer, 2 * layer + 2)
+        target = out if out.dtype == np.float32 else self.wide["y"]  # (16-bit: then rounded)
         target[:, :, :hidden] = y[0]
         target[:, :, hidden:] = functional._gather(reverse, y[1], self.y_reversed)
         if lengths is not None:
             select_active(xp, target, lengths, target, self.mask)
-        xp.copyto(h_n[pair], y[:, -1])
+        if target is not out:
+            _narrowed(xp, out, target)
+        _narrowed(xp, h_n[pair], y[:, -1])
         if cs is not None:
-            xp.copyto(c_n[pair], cs[:, -1])
+            _narrowed(xp, c_n[pair], cs[:, -1])
 
     def _backward_workspaces(self) -> dict:
         """The directions' ``dy`` for the kernel (``dy_pair``), the reverse one's contiguous
@@ -478,7 +665,7 @@ class PairPlan(StackPlan):
         call's new result arrays, written inside the chains."""
         xp, held, lengths = self.xp, self.backward_pass, ctx.lengths
         kept, h0, c0 = ctx.stacked
-        dx, dh, dc, grads, into = self._backward_results(dy, c0 is not None, held, into)
+        dx, dh, dc, grads, into, results = self._backward_results(dy, c0 is not None, held, into)
         stats = RunStats()
         with launch.one_graph():  # (every layer's chain: one graph, one launch)
             for layer in range(self.num_layers - 1, -1, -1):
@@ -488,29 +675,27 @@ class PairPlan(StackPlan):
                     {"w_t": held["w_t"], "w_ih_t": held["w_ih_t"]}, held["dy_pair"], y, cs, saved,
                     h0[pair], (h0 if c0 is None else c0)[pair],
                     self.all_steps if lengths is None else lengths, False, held["scratch"])
-                call = (layer, ctx, dy, args, dx, dh, dc, grads, into)
+                call = (layer, ctx, dy, args, dx, dh, dc, grads, into, results)
                 stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
                     lambda call=call: self._before_pair_backward(call),
                     lambda call=call: self._after_pair_backward(call),
                     lambda call=call: self._key(("backward", call[0]), (
-                        call[2], *call[4:7], tuple(grads.values()), call[8], tuple(ctx.inputs),
-                        ctx.reverse_index)))))
+                        call[2], *call[4:7], tuple(results.values()), call[8],
+                        tuple(ctx.inputs), ctx.reverse_index)))))
         ctx.backward_stats = stats
-        return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
+        return dx, (dh if dc is None else (dh, dc)), results
 
     def _before_pair_backward(self, call: tuple) -> None:
         """Inside a layer's backward chain, before its pass: the gradient of its output (the
-        call's ``dy``, selected with lengths, at the top; else the input gradient of the layer
+        call's ``dy`` formed, ``_formed_dy``, at the top; else the input gradient of the layer
         above) split into the directions', the reverse one reversed; the carries zeroed and
         the layer's ``W_hh^T`` stacked, as ``functional._backward_pairs`` and ``stack.backward``
         form them."""
         xp, (layer, ctx, dy, args, *_), held = self.xp, call, self.backward_pass
         if layer + 1 < self.num_layers:
             d_out = held["d_layer_input"].reshape(self.y_shape)
-        elif ctx.lengths is None:
-            d_out = dy
         else:
-            d_out = select_active(xp, dy, ctx.lengths, held["dy"], self.mask)
+            d_out = self._formed_dy(dy, ctx.lengths)
         hidden = self.hidden
         xp.copyto(held["dy_pair"][0], d_out[:, :, :hidden])
         xp.copyto(held["gather_source"], d_out[:, :, hidden:])
@@ -524,16 +709,18 @@ class PairPlan(StackPlan):
         """Inside a layer's backward chain, after its completion: its rows of ``dh0``, ``dc0``,
         both directions' parameter gradients and the layer's input gradient (the reverse
         direction's ``dgi`` back in time order; the call's ``dx`` at layer 0), as
-        ``functional._layer_gradients`` forms them, and the layer API's sums."""
+        ``functional._layer_gradients`` forms them, and the layer API's sums (a 16-bit call's
+        in float32, then rounded into its arrays)."""
         xp, held = self.xp, self.backward_pass
-        layer, ctx, _, args, dx, dh, dc, grads, into = call
+        layer, ctx, _, args, dx, dh, dc, grads, into, results = call
         pair = slice(2 * layer, 2 * layer + 2)
         directions = self._layers()[pair]
-        stack.initial_state_gradients(xp, args, [w[1] for w in directions], dh[pair],
-                                      None if dc is None else dc[pair])
+        self._state_gradients(args, [w[1] for w in directions], dh[pair],
+                              None if dc is None else dc[pair], pair)
         layer_input = ctx.inputs[layer]
-        flat = layer_input.reshape(-1, layer_input.shape[2])
-        d_in = dx if layer == 0 else held["d_layer_input"].reshape(layer_input.shape)
+        flat = self._flat_input(layer_input)
+        d_in = (held["d_layer_input"] if layer else dx if self.half is None
+                else held["dx_wide"]).reshape(layer_input.shape)
         for k, d in enumerate(ctx.directions[layer]):
             dgi = args["dgi"][k] if k == 0 else functional._gather(
                 ctx.reverse_index, args["dgi"][k], held["dgi_reversed"])
@@ -541,22 +728,27 @@ class PairPlan(StackPlan):
             functional.parameter_gradients(dgi, args["dgh"][k], flat, d.fwd.y, d.h0,
                                            "bias_ih" in d.names, tuple(grads[n] for n in names),
                                            held["dw_hh"])
+            w_ih = self._w_ih(directions[k][0], 2 * layer + k)
             if k == 0:
-                matmul_steps(dgi, directions[0][0], d_in.reshape(flat.shape[0], -1))
+                matmul_steps(dgi, w_ih, d_in.reshape(flat.shape[0], -1))
             else:  # (in place: the same sum)
-                d_in += matmul_steps(dgi, directions[1][0],
+                d_in += matmul_steps(dgi, w_ih,
                                      held["d_in_part" if layer == 0 else "d_in_part upper"])
-            if into is not None:  # (as the layer API adds a full call's: ``layers``)
-                for name in d.names.values():
-                    total = into[self._index[name]]
-                    total += grads[name]
+            self._gradients_out(grads, into, results, d.names.values())
+        if layer == 0 and self.half is not None:
+            _narrowed(xp, dx, d_in)
 
 
 def _stack_into(xp, arrays: list[Array], out: Array) -> None:
     """``xp.stack(arrays, out=out)`` as one copy per array (the same values): inside a captured
-    chain, where CuPy's concatenation may stage its pointers through the pool and the host."""
+    chain, where CuPy's concatenation may stage its pointers through the pool and the host. A
+    16-bit array goes in as ``stack._matrices`` packs it from its widened copy: its bits into
+    ``out``'s words (``_matrices``), or widened into float32 (``call_plans._refresh``)."""
     for k, a in enumerate(arrays):
-        xp.copyto(out[k], a)
+        if a.dtype == out.dtype:
+            xp.copyto(out[k], a)
+        else:
+            _refresh(out[k], a)
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> StackPlan | None:
@@ -564,8 +756,9 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> StackPl
     stack's), the ``PairPlan`` of a bidirectional layer's or stack's that ran as pairs, or
     ``None``."""
     pair = ctx.bidirectional
-    if (ctx.num_layers < 2 and not pair) or ctx.half is not None \
-            or x.dtype != np.float32 or "weight_hr_l0" in ctx.params:
+    dtype = np.float32 if ctx.half is None else half_dtype(ctx.half)
+    if ((ctx.num_layers < 2 and not pair) or x.dtype != dtype or "weight_hr_l0" in ctx.params
+            or any(w.dtype != dtype for w in ctx.params.values())):
         return None
     engine = stack_engine(ctx, x, backward=False)
     ran = "both directions of a layer side by side" if pair else "stack of"

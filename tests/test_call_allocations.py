@@ -193,6 +193,23 @@ def test_a_16_bit_call_allocates_only_what_it_returns_keeps_and_lists(settings, 
     assert array_allocations(call) == len(want), want
 
 
+@pytest.mark.parametrize("pair,half", [(False, "float16"), (True, "bfloat16")],
+                         ids=["stack-float16-full", "pairs-bfloat16-lengths"])
+def test_a_16_bit_stack_mode_call_allocates_what_a_float32_one_does(settings, grid_path, pair,
+                                                                    half):
+    """A 16-bit stack in stack mode, or bidirectional layer run as pairs, is planned
+    (``stack_plans``: its conversions in the plan's workspaces inside the chains): the float32
+    call's list and, per input projection of the 16-bit operands, ``HALF_EMULATION``."""
+    prnn.configure(stack=True)
+    call = _call("GRU", True, pair, dtype=half, **({"bidirectional": True} if pair
+                                                    else {"num_layers": 2}))
+    call()
+    assert ("side by side" if pair else "stack") in call.layer.last_run.details[0]
+    want = (bidirectional_expected("GRU", 1, True) + 2 * HALF_EMULATION if pair
+            else STACK_FORWARD["GRU"] + STACK_BACKWARD["GRU"] + HALF_EMULATION)
+    assert array_allocations(call) == len(want), want
+
+
 def test_a_per_call_exchange_is_counted(settings, grid_path, monkeypatch):
     """The count fails where a call allocates its chain (words and exchange, and its records'
     ring) afresh again (on the full path: a planned call holds its chain, ``call_plans``)."""

@@ -328,6 +328,10 @@ _BUILD = {"layer": (_layer_call, {"GRU": prnn.GRU, "LSTM": prnn.LSTM}),
           # (never in stack mode: one layer-direction per launch)
           "projection2": (_sized_layer_call(12, "float32", 6, layers=2), {"LSTM": prnn.LSTM}),
           "layers16": (_sized_layer_call(13, "float16", layers=2), {"GRU": prnn.GRU}),
+          # (16-bit, in stack mode and as pairs: stack_plans)
+          "stack16": (_sized_layer_call(13, "float16", layers=2), {"GRU": prnn.GRU}),
+          "pairs16": (_sized_layer_call(13, "float16", layers=2, bidirectional=True),
+                      {"LSTM": prnn.LSTM}),
           "module16": (_half_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "module": (_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM}),
           "packed": (_packed_module_call, {"GRU": prt.GRU, "LSTM": prt.LSTM})}
@@ -418,11 +422,18 @@ PLANNED_LIMITS = {
     # ... and a float16 one (H=13: layer_plans.HalfLayersPlan, its conversions inside the chains)
     ("layers16", "GRU", False): 73,   # 66  (253)
     ("layers16", "GRU", True): 145,   # 131 (641)
+    # ... and float16 ones in stack mode and as pairs (H=13: stack_plans, the weights' 16-bit
+    # words packed inside the chains, 2026-11-27): the count, then the full path's
+    ("stack16", "GRU", False): 42,    # 38  (290)
+    ("stack16", "GRU", True): 89,     # 81  (708)
+    ("pairs16", "LSTM", False): 90,   # 82  (616)
+    ("pairs16", "LSTM", True): 187,   # 170 (1502)
 }
 
 
 # (a bidirectional stack's pairs: one chain per layer; layer-directions: one each)
-CHAINS_PER_PASS = {"pairs2": 2, "layers": 2, "bidir2": 4, "projection2": 2, "layers16": 2}
+CHAINS_PER_PASS = {"pairs2": 2, "layers": 2, "bidir2": 4, "projection2": 2, "layers16": 2,
+                   "pairs16": 2}
 NO_STACK = {"layers", "bidir2", "layers16"}  # (run with the ``stack`` setting off)
 
 

@@ -1059,3 +1059,85 @@ def test_a_missed_16_bit_conversion_in_a_layers_plan_is_caught(settings, monkeyp
         _half_steps(_half_layers("GRU", "bfloat16", 2, False),
                     _half_layers("GRU", "bfloat16", 2, False), range(5), states=False,
                     lengths=False)
+
+
+# 16-bit stacks in stack mode and 16-bit bidirectional pairs (stack_plans: the weights' 16-bit
+# words packed inside the chains; H = 13: odd, their last word padded).
+HALF_STACK_CASES = [("GRU", "float16", 2, False, True), ("LSTM", "bfloat16", 2, False, False),
+                    ("LSTM", "float16", 1, True, True), ("GRU", "bfloat16", 2, True, False)] + (
+    [("LSTM", "bfloat16", 2, True, True), ("GRU", "bfloat16", 3, False, True),
+     ("LSTM", "float16", 2, False, True)] if EVERY_KERNEL else [])
+
+
+def _half_stack(cell: str, dtype: str, layers: int, pair: bool):
+    prnn.configure(stack=True)
+    return getattr(prnn, cell)(HALF_I, HALF_H, num_layers=layers, bidirectional=pair,
+                               algo="persistent", seed=11, dtype=dtype)
+
+
+@pytest.mark.parametrize("cell,dtype,layers,pair,extras", HALF_STACK_CASES,
+                         ids=[f"{c}-{d}-{n}-{'pairs' if p else 'stack'}-"
+                              f"{'states+lengths' if e else 'plain'}"
+                              for c, d, n, p, e in HALF_STACK_CASES])
+def test_16_bit_stack_mode_calls_are_planned_bitwise(settings, monkeypatch, stub_chains, cell,
+                                                     dtype, layers, pair, extras):
+    """16-bit stacks in stack mode and 16-bit bidirectional layers run as pairs plan their calls
+    (``StackPlan`` / ``PairPlan`` with the conversions inside the chains: the weights' 16-bit
+    words packed anew every call): bitwise the full path's results, gradients and sums in the
+    layer's dtype, with initial states and lengths or without, across in-place updates of the
+    16-bit weights; with the chains stubbed no product, copy, fill, sum or conversion runs
+    beside them, and ``grads`` stay as they were."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (_half_stack(cell, dtype, layers, pair) for _ in range(2))
+    _half_steps(planned, full, range(5), states=extras, lengths=extras)
+    assert type(planned._plan) is (stack_plans.PairPlan if pair else stack_plans.StackPlan)
+    assert ("side by side" if pair else f"stack of {layers} layers") in planned.last_run.details[0]
+    assert (hits.forwards, hits.backwards) == (3, 2)
+    x = np.ones((4, HALF_B, HALF_I), planned.dtype)
+    dy = np.ones((4, HALF_B, HALF_H * planned.directions), planned.dtype)
+    h = np.zeros((layers * planned.directions, HALF_B, HALF_H), planned.dtype)
+    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
+    lengths = [4, 2, 1] if extras else None
+    stub_chains()
+    monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    # (with lengths: validation.lengths' conversion of them on the host, the full path's check)
+    assert _array_work(lambda: planned.forward(x, hx, lengths)) == int(extras)
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (4, 3)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(_bits(g), _bits(grads[name]))
+
+
+STACK_SABOTAGES = {"stale packed words": (2, False), "narrowed by truncation": (1, True),
+                   "the upper input unrounded": (2, True)}
+
+
+@pytest.mark.parametrize("sabotage", list(STACK_SABOTAGES))
+def test_a_missed_16_bit_conversion_in_a_stack_plan_is_caught(settings, monkeypatch, sabotage):
+    """Sabotages of a 16-bit stack or pair plan fail the check above: the stacked 16-bit words
+    of the weights left as they were first packed (an in-place update unseen), results narrowed
+    by dropping bits rather than rounded, an upper pair's product taking its float32 input's
+    rounding workspace stale (never written)."""
+    layers, pair = STACK_SABOTAGES[sabotage]
+    if sabotage == "stale packed words":
+        packed = set()
+
+        def once(held, m):  # (each workspace's words packed at the first call only)
+            address = held.__array_interface__["data"][0]
+            if held.dtype != np.uint32 or address not in packed:
+                packed.add(address)
+                call_plans._refresh(held, m)
+        monkeypatch.setattr(stack_plans, "_refresh", once)
+    elif sabotage == "narrowed by truncation":
+        monkeypatch.setattr(stack_plans, "_narrowed", lambda xp, out, a: (
+            xp.copyto(out, a) if out.dtype == a.dtype else out.view(np.uint16).__setitem__(
+                ..., a.view(np.uint32) >> 16)))
+    else:
+        narrowed = stack_plans._narrowed
+        monkeypatch.setattr(stack_plans, "_narrowed", lambda xp, out, a: None if (
+            out.shape == (4 * HALF_B, 2 * HALF_H)) else narrowed(xp, out, a))  # (the input's)
+    with pytest.raises(AssertionError):
+        _half_steps(_half_stack("GRU", "bfloat16", layers, pair),
+                    _half_stack("GRU", "bfloat16", layers, pair), range(5), states=False,
+                    lengths=False)

@@ -166,6 +166,25 @@ def test_planned_16_bit_layer_directions_replay_their_chains_with_the_full_calls
 
 
 @pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
+    ("GRU", 2, False, [9, 7, 4]), ("LSTM", 1, True, None), ("LSTM", 2, True, [9, 7, 4])])
+def test_planned_16_bit_stack_mode_calls_replay_their_chains_with_the_full_calls_bits(
+        cupy, settings, monkeypatch, mode, layers, bidirectional, lengths):
+    """float16 stacks in stack mode and float16 pairs (``stack_plans.StackPlan`` /
+    ``PairPlan`` with the conversions inside the chains: the weights' 16-bit bits copied into
+    the plan's packed words, the captured ``gemmEx`` of 16-bit operands) replayed, bitwise a
+    layer that never plans. Written 2026-11-27 (branch half-stack-plans) without a GPU: not
+    run yet."""
+    from persistent_rnn import stack_plans
+    prnn.configure(stack=True)
+    layer, x, dy = _layer(cupy, mode, layers, "float16", bidirectional=bidirectional)
+    full, _, _ = _layer(cupy, mode, layers, "float16", bidirectional=bidirectional)
+    _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, lengths)
+    assert type(layer._plan) is (stack_plans.PairPlan if bidirectional
+                                 else stack_plans.StackPlan)
+    assert ("side by side" if bidirectional else "stack of") in layer.last_run.details[0]
+
+
+@pytest.mark.parametrize("mode,layers,bidirectional,lengths", [
     ("GRU", 1, False, None), ("LSTM", 1, False, [7, 9, 4]), ("LSTM", 2, False, None),
     ("GRU", 2, True, [7, 9, 4])])
 def test_planned_batch_first_calls_replay_their_chains_with_the_full_calls_bits(

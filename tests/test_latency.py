@@ -423,3 +423,49 @@ def test_wait_counts_one_successful_poll():
     loop = sass_analysis.time_loop(wait_with_slow_path_sass(2), converged=True)
     (head,) = [h for h in loop.inner if sass_analysis.loop_kind(loop, h) == "spin"]
     assert len(sass_analysis.ready_path(loop, head)) == 3
+
+
+def test_a_planned_stacks_call_is_one_graph_launch_a_pass():
+    """A planned stack's or bidirectional layer's call (stack mode, pairs, or one
+    layer-direction per launch; every dtype) is one graph launch a pass for all its chains: one
+    API call, and the Python of a single layer's planned call plus its mode's measured
+    increment per further layer-direction (``hardware.PYTHON_GROUP_US``); the device terms are
+    its layer-directions' (``stack_call_costs``). One layer is ``call_costs``' call; not
+    planned, every layer-direction's own calls."""
+    gru, h100 = planner.resolve_cell("gru"), planner.resolve_device("h100")
+    one = [latency.call_costs(gru, 256, 1, 100, 64, b, h100) for b in (False, True)]
+    for stack_mode, bidirectional, mode in ((True, False, "stack"), (True, True, "pairs"),
+                                            (False, False, "layers"), (False, True, "layers")):
+        groups = 3 * (1 + bidirectional)
+        for b in (False, True):
+            cost = latency.stack_call_costs(gru, 256, 1, 100, 64, b, h100, 3, bidirectional,
+                                            stack_mode, half=True)
+            assert cost.api_calls == 1
+            assert cost.python_us == pytest.approx(
+                one[b].python_us + (groups - 1) * hardware.PYTHON_GROUP_US[mode][b])
+            assert cost.host_us == pytest.approx(hardware.API_CALL_HOST_US + cost.python_us)
+            full = latency.stack_call_costs(gru, 256, 1, 100, 64, b, h100, 3, bidirectional,
+                                            stack_mode, planned=False)
+            projected = 1 if stack_mode and not (bidirectional or b) else groups
+            alone = latency.call_costs(gru, 256, 1, 100, 64, b, h100, planned=False)
+            assert full.api_calls == projected * alone.api_calls
+        assert latency.stack_call_costs(gru, 256, 1, 100, 64, b, h100, 1, stack_mode=False) \
+            == one[b]
+    assert all(f > 0 and b > 0 for f, b in hardware.PYTHON_GROUP_US.values())
+
+
+def test_plan_of_a_stack_shows_the_whole_calls_terms(capsys):
+    """``prnn plan --layers N``: the whole call's per-call host and device terms as the stack
+    runs (stack mode where it fits), one API call a pass; end to end per step the longer of
+    its passes and its host work."""
+    record = latency.plan_report("GRU", 64, 2, 3, device="h100")
+    whole = record["stack_per_call"]
+    assert whole["mode"] == "stack mode" and whole["prediction"]
+    st = latency.predict_stack_time("GRU", 64, 2, 3, 100, input_size=64, device="h100")
+    row = whole["rows"][1]
+    assert row["seq_len"] == 100 and row["forward_api_calls"] == row["backward_api_calls"] == 1
+    assert row["forward_host_us"] == st.calls[0].host_us
+    assert row["forward_us_per_step"] == pytest.approx(
+        max(st.forward_us, st.calls[0].host_us) / 100)
+    assert cli.main(["plan", "GRU", "64", "--batch", "2", "--layers", "3"]) == 0
+    assert "per call of the stack of 3 (stack mode" in capsys.readouterr().out
