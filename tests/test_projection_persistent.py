@@ -1,7 +1,8 @@
-"""The persistent LSTM-with-projection kernels (``cuda_src/persistent_projection_*.cu``) in the
-CPU emulation: fp32 against ``torch.nn.LSTM(proj_size=P)`` in float64, 16-bit weights against
-the float64 layer, stalls and restarts (bitwise identical), CTAs that are not co-resident (GEMM
-fallback), the planner's sizes and its shared-memory formula."""
+"""The persistent LSTM-with-projection kernels (``cuda_src/persistent_projection_*.cu``) on the
+grid in the CPU emulation: fp32 against ``torch.nn.LSTM(proj_size=P)`` in float64, 16-bit weights
+against the float64 layer, stalls and restarts (bitwise identical), CTAs that are not co-resident
+(GEMM fallback), the planner's sizes and its shared-memory formula. (The cluster placement:
+tests/test_projection_cluster.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,11 @@ from persistent_rnn import plan
 
 T, B, I = 7, 3, 5
 LENGTHS = np.array([7, 2, 4])
+
+
+@pytest.fixture(autouse=True)
+def _on_the_grid(grid_path):
+    """The emulated device without clusters: these are the grid kernels' tests."""
 
 
 def _rel(a, b) -> float:
@@ -89,7 +95,9 @@ def test_medium_tile_matches_float64():
     """H 130 > the small tile's 128: the H 1024 / P 256 tile (8 warps, gate rows over two column
     chunks) on 17 CTAs."""
     hidden, proj = 130, 20
-    assert plan.make_plan("lstm", hidden, B, device="h100", proj_size=proj).tile.units == 8
+    from persistent_rnn import runtime
+    assert plan.make_plan("lstm", hidden, B, device=runtime.EMULATED_DEVICE,
+                          proj_size=proj).tile.units == 8
     data = _inputs(np.random.default_rng(2), hidden, proj)
     got = _run("float32", "persistent", data, hidden, proj, LENGTHS)
     _assert_persistent(got)
