@@ -1,0 +1,161 @@
+"""The LSTM-with-projection kernels as one thread-block cluster (``tiles.PROJECTION_CLUSTER_TILES``;
+both exchanges in distributed shared memory, ``cuda_src/persistent_projection.cuh``) in the CPU
+emulation of an H100: fp32 against ``torch.nn.LSTM(proj_size=P)`` in float64 with and without
+lengths and initial states, 16-bit weights against the float64 layer, a stall at three steps
+(bitwise identical restarts), sabotaged kernels that each fail, and the planner's choice.
+CI: small H on clusters of 2-4 CTAs; ``PRNN_TEST_EVERY_KERNEL=1`` adds the larger tile at its
+full cluster and the other dtypes."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import persistent_rnn as prnn
+from persistent_rnn import emulate, runtime, tiles
+from persistent_rnn import plan as planner
+from full_set import EVERY_KERNEL
+from sabotage import sabotaged
+from test_projection_persistent import LENGTHS, TOLERANCE, _inputs, _rel, _run, _torch
+
+pytestmark = pytest.mark.timeout(300)
+
+FORWARD = "persistent_projection_forward.cu"
+
+
+def _assert_cluster(got: dict, restarts: int = 0) -> None:
+    """Both passes ran the emulated cluster kernels, with ``restarts`` restarts."""
+    for stats in (got["fwd"], got["bwd"]):
+        assert stats.algo == "persistent" and stats.emulated and stats.fallback is None, stats
+        assert stats.restarts == restarts, stats
+        launched = [d for d in stats.details if "launch(es)" in d or "grid " in d]
+        assert launched and all("prnn_projection_" in d and "PRNN_CLUSTER" in d
+                                for d in launched), stats.details
+
+
+def _check(hidden: int, proj: int, lengths=None, initial: bool = True, seed: int = 1) -> None:
+    """fp32 forward and backward as a cluster against torch.nn in float64."""
+    data = _inputs(np.random.default_rng(seed), hidden, proj)
+    if not initial:
+        data["hx"] = tuple(np.zeros_like(a) for a in data["hx"])
+    got = _run("float32", "persistent", data, hidden, proj, lengths)
+    _assert_cluster(got)
+    ref = _torch(got["params"], data, hidden, proj, lengths)
+    for a, b in zip(got["arrays"], ref["arrays"]):
+        assert a.shape == b.shape and _rel(a, b) <= 1e-5
+    for key, g in ref["grads"].items():
+        assert _rel(got["grads"][key], g) <= 1e-5, key
+
+
+# (H, P) on the 4-warp tile: 2 CTAs, each owning units and rows of r; H 20 / P 13: 4 CTAs, of
+# which 2 own rows of r alone, and exchanged rows of odd length.
+@pytest.mark.parametrize("hidden,proj", [(32, 8), (20, 13)])
+@pytest.mark.parametrize("lengths,initial", [(None, True), (LENGTHS, False)],
+                         ids=["full-h0c0", "lengths-zero-state"])
+def test_fp32_cluster_matches_torch_nn_float64(hidden, proj, lengths, initial):
+    assert planner.make_plan("lstm", hidden, 3, device="h100", proj_size=proj).tile.cluster
+    _check(hidden, proj, lengths, initial, seed=hidden)
+
+
+@pytest.mark.skipif(not EVERY_KERNEL, reason="PRNN_TEST_EVERY_KERNEL=1: the full set")
+@pytest.mark.parametrize("hidden,proj", [(256, 64), (72, 66), (300, 100)])
+def test_full_set_cluster_tiles_match_torch_nn_float64(hidden, proj):
+    """The 4-warp tile at its full cluster of 16 CTAs, the 8-warp tile at 9 CTAs (rows of r
+    alone on 6) and 10."""
+    _check(hidden, proj, LENGTHS)
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE) if EVERY_KERNEL else ["float16"])
+def test_16bit_cluster_within_tolerance_of_float64(dtype):
+    """At B = 1 (below plan.MMA_MIN_BATCH) a 16-bit layer's passes are cluster tiles: the
+    forward's of 16-bit words, the backward on the fp32 tile (widened)."""
+    hidden, proj, batch = 20, 7, 1
+    rng = np.random.default_rng(5)
+    data = {k: (tuple(a[:, :batch] for a in v) if isinstance(v, tuple) else v[:, :batch])
+            for k, v in _inputs(rng, hidden, proj).items()}
+    got = _run(dtype, "persistent", data, hidden, proj)
+    _assert_cluster(got)
+    assert any("PRNN_WEIGHT_DTYPE" in d for d in got["fwd"].details)
+    ref = _run("float64", "gemm", data, hidden, proj,
+               params={k: np.asarray(v, np.float64) for k, v in got["params"].items()})
+    for a, b in zip(got["arrays"] + list(got["grads"].values()),
+                    ref["arrays"] + [ref["grads"][k] for k in got["grads"]]):
+        assert _rel(a, b) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("step", [0, 3, 6], ids=["first", "middle", "last"])
+def test_stall_restarts_with_bitwise_identical_results(settings, step):
+    """CTA 1 of the cluster stalls before publishing h_t (forward) and dr_t (backward) at
+    ``step``: both passes time out and the chain's resume launches finish them, bitwise equal
+    to a run without the stall."""
+    prnn.configure(emulation_timeout_ms=300)
+    hidden, proj = 32, 8
+    data = _inputs(np.random.default_rng(9), hidden, proj)
+    plain = _run("float32", "persistent", data, hidden, proj, LENGTHS)
+    _assert_cluster(plain)
+    with prnn.inject_stall(block=1, step=step, duration_ms=1200):
+        stalled = _run("float32", "persistent", data, hidden, proj, LENGTHS)
+    for stats in (stalled["fwd"], stalled["bwd"]):
+        assert stats.algo == "persistent" and stats.restarts >= 1 and stats.fallback is None, stats
+    for a, b in zip(plain["arrays"] + list(plain["grads"].values()),
+                    stalled["arrays"] + list(stalled["grads"].values())):
+        assert np.array_equal(a, b)
+
+
+# ---- sabotages: each breaks the cluster's r_t exchange and must fail _check -------------------
+
+def _forward_from(monkeypatch, src_dir) -> None:
+    """The runtime builds the projection forward from ``src_dir`` (tests with fresh_plans)."""
+    build = emulate.get_module
+    monkeypatch.setattr(emulate, "get_module", lambda source, defines: build(
+        source, defines, src_dir if source == FORWARD else None))
+
+
+def test_a_missing_wait_on_r_fails(settings, tmp_path, monkeypatch, fresh_plans):
+    """Tile A's warps read r_{t-1}'s words without waiting for their tags (an exchange whose
+    published length is 0: wait_lane checks no word): under delayed stores they read stale r."""
+    sabotaged(tmp_path, FORWARD, "  const Exchange xr = begin_exchange(exchange_r, sh, batch, proj, batch * V);\n",
+              "  const Exchange xr = begin_exchange(exchange_r, sh, batch, proj, batch * V);\n"
+              "  Exchange unwaited = xr;\n  unwaited.k_len = 0;\n")
+    src = sabotaged(tmp_path, FORWARD, "projection_product(gates, xr, t - 1,",
+                    "projection_product(gates, unwaited, t - 1,")
+    _forward_from(monkeypatch, src)
+    prnn.configure(emulation_timeout_ms=50, max_restarts=0)
+    with emulate.modes("delayed", seed=3), pytest.raises(AssertionError):
+        _check(32, 8)
+
+
+def test_r_published_to_part_of_the_cluster_fails(settings, tmp_path, monkeypatch, fresh_plans):
+    """r_t stored into every CTA's copy but the last's: that CTA waits in vain, the pass times
+    out and ends on the completion kernel."""
+    src = sabotaged(tmp_path, FORWARD, "      xr.publish(t, b, q, r);\n",
+                    "      for (int cta = 0; cta + 1 < PRNN_CLUSTER; ++cta) {\n"
+                    "        prnn_store_cluster_u32(xr.words + (t & 1) * xr.slot() + b * kPadded + q,"
+                    " cta, prnn_tagged(r, prnn_step_tag(t)));\n      }\n")
+    _forward_from(monkeypatch, src)
+    prnn.configure(emulation_timeout_ms=50, max_restarts=0)
+    with pytest.raises(AssertionError):
+        _check(32, 8)
+
+
+# ---- the planner -------------------------------------------------------------------------------
+
+def test_the_planner_tries_the_cluster_first_where_it_fits():
+    p = planner.make_plan("lstm", 256, 1, device="h100", proj_size=64)
+    assert p.tile in tiles.PROJECTION_CLUSTER_TILES and p.forward.grid == 16
+    assert p.forward.defines["PRNN_CLUSTER"] == p.backward.defines["PRNN_CLUSTER"] == 16
+    assert "PRNN_GATHER_QUADS" not in p.forward.defines
+    big = planner.make_plan("lstm", 512, 4, device="h100", proj_size=128)
+    assert big.tile is tiles.PROJECTION_CLUSTER_TILES[1] and big.forward.grid == 16
+    # Past the cluster (H 513 needs 17 CTAs) and on an A100 (sm_80): the grid. Where clusters
+    # hold 8 CTAs, H 256 takes the 8-warp tile, H 300 (10 CTAs) the grid.
+    for hidden, device in ((513, "h100"), (256, "a100")):
+        assert not planner.make_plan("lstm", hidden, 1, device=device, proj_size=64).tile.cluster
+    portable = dataclasses.replace(planner.resolve_device("h100"), max_cluster_ctas=8)
+    assert planner.make_plan("lstm", 256, 1, device=portable, proj_size=64).forward.grid == 8
+    assert not planner.make_plan("lstm", 300, 1, device=portable, proj_size=64).tile.cluster
+    # 16-bit from MMA_MIN_BATCH rows: the tensor-core grid tiles.
+    assert planner.make_plan("lstm", 256, 2, "float16", "h100", proj_size=64).tile.mma
+    # The largest H with a projection is the grid tiles' still.
+    assert prnn.max_hidden_size("lstm", "float32", "h100", proj_size=64) > 512
