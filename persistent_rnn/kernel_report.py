@@ -191,19 +191,22 @@ def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
                 yield cell, half, planner.widened_pass(p, half, False), arch, proj
 
 
-def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False):
-    """The LSTM projection kernels (grid only) at their tiles' largest H and P < H. ``mma``: the
+def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False, cluster: bool = False):
+    """The LSTM projection kernels on the grid at their tiles' largest H and P < H. ``mma``: the
     tensor-core tiles instead (16-bit; the backward as planned at ``REPORT_BATCH``, on the tensor
-    cores)."""
+    cores); ``cluster``: the cluster tiles at their full cluster, on the archs with clusters."""
     for dtype in planner.KERNEL_DTYPES:
-        for ptile in planner.projection_tiles_for(dtype, mma):
+        for ptile in planner.projection_tiles_for(dtype, mma, cluster):
             hidden, proj = planner.projection_capacity(ptile)
+            if cluster:
+                hidden = min(hidden, ptile.units * ptile.cluster)
             proj = min(proj, hidden - 1)
             for backward in (False, True):
                 p = planner.projection_pass_plan(ptile, backward, hidden, proj, REPORT_BATCH,
                                                  dtype=dtype)
                 for arch in archs:
-                    if planner.projection_tile_ships(ptile, dtype, arch):
+                    if planner.projection_tile_ships(ptile, dtype, arch) \
+                            and (not cluster or _has_clusters(arch)):
                         yield PROJECTION_CELL, dtype, p, arch, proj
 
 
@@ -251,6 +254,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "widened cluster": KernelFamily(partial(_widened_jobs, cluster=True), in_ci=False),
     "projection": KernelFamily(_projection_jobs),
     "mma projection": KernelFamily(partial(_projection_jobs, mma=True)),
+    "projection cluster": KernelFamily(partial(_projection_jobs, cluster=True)),
     "stack": KernelFamily(_stack_jobs),
     "mma stack": KernelFamily(partial(_stack_jobs, dtypes=("float16", "bfloat16"))),
 }
