@@ -105,10 +105,11 @@ def group(record: dict) -> tuple:
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) and the fp32 tiles serving 16-bit layers (``widened``) form one
-    group per placement, pass and arch (CI: a few configurations); the mma projection and the mma
-    stacks one group per arch each (CI: one configuration, the edge of both passes - for the
-    projection the backward holding the most weights, ptxas' register edge)."""
-    if record["family"] in ("mma projection", "mma stack"):
+    group per placement, pass and arch (CI: a few configurations); the mma projection, the
+    projection cluster and the mma stacks one group per arch each (CI: one configuration, the
+    edge of both passes - for the mma projection the backward holding the most weights, ptxas'
+    register edge)."""
+    if record["family"] in ("mma projection", "projection cluster", "mma stack"):
         return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith(("mma", "widened", "tf32")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]

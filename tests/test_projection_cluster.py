@@ -17,7 +17,8 @@ from persistent_rnn import emulate, runtime, tiles
 from persistent_rnn import plan as planner
 from full_set import EVERY_KERNEL
 from sabotage import sabotaged
-from test_projection_persistent import LENGTHS, TOLERANCE, _inputs, _rel, _run, _torch
+from test_projection_persistent import (LENGTHS, TOLERANCE, T, _inputs, _rel, _run, _torch,
+                                        check_stall_restarts)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,23 +85,11 @@ def test_16bit_cluster_within_tolerance_of_float64(dtype):
         assert _rel(a, b) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("step", [0, 3, 6], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("step", [0, 3, T - 1], ids=["first", "middle", "last"])
 def test_stall_restarts_with_bitwise_identical_results(settings, step):
-    """CTA 1 of the cluster stalls before publishing h_t (forward) and dr_t (backward) at
-    ``step``: both passes time out and the chain's resume launches finish them, bitwise equal
-    to a run without the stall."""
-    prnn.configure(emulation_timeout_ms=300)
-    hidden, proj = 32, 8
-    data = _inputs(np.random.default_rng(9), hidden, proj)
-    plain = _run("float32", "persistent", data, hidden, proj, LENGTHS)
-    _assert_cluster(plain)
-    with prnn.inject_stall(block=1, step=step, duration_ms=1200):
-        stalled = _run("float32", "persistent", data, hidden, proj, LENGTHS)
-    for stats in (stalled["fwd"], stalled["bwd"]):
-        assert stats.algo == "persistent" and stats.restarts >= 1 and stats.fallback is None, stats
-    for a, b in zip(plain["arrays"] + list(plain["grads"].values()),
-                    stalled["arrays"] + list(stalled["grads"].values())):
-        assert np.array_equal(a, b)
+    """CTA 1 of the cluster stalls at ``step``: the chain's resume launches finish both passes,
+    bitwise equal to a run without the stall."""
+    _assert_cluster(check_stall_restarts(32, 8, step))
 
 
 # ---- sabotages: each breaks the cluster's r_t exchange and must fail _check -------------------
@@ -114,7 +103,8 @@ def _forward_from(monkeypatch, src_dir) -> None:
 
 def test_a_missing_wait_on_r_fails(settings, tmp_path, monkeypatch, fresh_plans):
     """Tile A's warps read r_{t-1}'s words without waiting for their tags (an exchange whose
-    published length is 0: wait_lane checks no word): under delayed stores they read stale r."""
+    published length is 0: wait_lane checks no word): they read stale r (delayed stores make
+    it certain; it fails without them too)."""
     sabotaged(tmp_path, FORWARD, "  const Exchange xr = begin_exchange(exchange_r, sh, batch, proj, batch * V);\n",
               "  const Exchange xr = begin_exchange(exchange_r, sh, batch, proj, batch * V);\n"
               "  Exchange unwaited = xr;\n  unwaited.k_len = 0;\n")

@@ -129,13 +129,11 @@ def test_16bit_persistent_within_tolerance_of_float64(dtype):
         assert _rel(got["grads"][key], g) <= TOLERANCE[dtype], key
 
 
-@pytest.mark.parametrize("step", [0, 3, T - 1], ids=["first", "middle", "last"])
-def test_stall_restarts_with_bitwise_identical_results(settings, step):
+def check_stall_restarts(hidden: int, proj: int, step: int) -> dict:
     """CTA 1 stalls before publishing h_t (forward step ``step``) and dr_t (backward step
-    ``step``): every step has two exchanges, so even the last one waits on every CTA, and both
-    passes time out and restart at all three positions."""
+    ``step``): both passes time out and restart, bitwise equal to the run without the stall
+    (returned)."""
     prnn.configure(emulation_timeout_ms=300)
-    hidden, proj = 12, 6
     data = _inputs(np.random.default_rng(9), hidden, proj)
     plain = _run("float32", "persistent", data, hidden, proj, LENGTHS)
     with prnn.inject_stall(block=1, step=step, duration_ms=1200):
@@ -145,6 +143,14 @@ def test_stall_restarts_with_bitwise_identical_results(settings, step):
     for a, b in zip(plain["arrays"] + list(plain["grads"].values()),
                     stalled["arrays"] + list(stalled["grads"].values())):
         assert np.array_equal(a, b)
+    return plain
+
+
+@pytest.mark.parametrize("step", [0, 3, T - 1], ids=["first", "middle", "last"])
+def test_stall_restarts_with_bitwise_identical_results(settings, step):
+    """Every step has two exchanges, so even the last one waits on every CTA: both passes
+    restart at all three positions."""
+    _assert_persistent(check_stall_restarts(12, 6, step))
 
 
 def test_ctas_not_co_resident_end_on_the_completion_kernel(settings):
