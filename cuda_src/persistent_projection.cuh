@@ -49,10 +49,10 @@ using TileB = TileOf<PRNN_ROWS_B, PRNN_KPT_B>;
 constexpr int kPaddedB = kKsplitB * TileB::kChunk;  // tile B's staged vector length per batch row
 
 // Loads `tile` (a TileOf or an mma tile, spread over the CTA's warps, `ksplit` warps per row group) from m
-// (k_len columns): the warp's local rows r < local_rows are m's rows row_of(r), those past them
-// zeros.
+// (k_len columns; a 16-bit layer's words where the fp32 tile is widened, PRNN_WIDENED_FROM): the
+// warp's local rows r < local_rows are m's rows row_of(r), those past them zeros.
 template <class Tile, class RowOf>
-PRNN_DEVICE void load_tile(Tile& tile, const WeightWord* m, int k_len, int ksplit, int local_rows,
+PRNN_DEVICE void load_tile(Tile& tile, const WeightSource* m, int k_len, int ksplit, int local_rows,
                            RowOf row_of) {
   const int warp = threadIdx.x / kWarp;
   int rows[Tile::kRowCount];

@@ -14,8 +14,8 @@
 #include "persistent_projection.cuh"
 
 PRNN_KERNEL void prnn_projection_forward(
-    const prnn::WeightWord* w_hh,  // (4H, P); 16-bit: (4H, ceil(P/2)) words of pairs
-    const prnn::WeightWord* w_hr,  // (P, H); 16-bit: (P, ceil(H/2)) words
+    const prnn::WeightSource* w_hh,  // (4H, P); 16-bit: (4H, ceil(P/2)) words of pairs
+    const prnn::WeightSource* w_hr,  // (P, H); 16-bit: (P, ceil(H/2)) words
     const float* b_hh,      // (4H,) zeros when the layer has no bias
     const float* gi,        // (T, B, 4H)  W_ih x_t + b_ih
     const float* h0, const float* c0,  // (B, P) r_{-1}, (B, H)

@@ -195,7 +195,9 @@ def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
 def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False, cluster: bool = False):
     """The LSTM projection kernels on the grid at their tiles' largest H and P < H. ``mma``: the
     tensor-core tiles instead (16-bit; the backward as planned at ``REPORT_BATCH``, on the tensor
-    cores); ``cluster``: the cluster tiles at their full cluster, on the archs with clusters."""
+    cores); ``cluster``: the cluster tiles at their full cluster, on the archs with clusters:
+    fp32, and the forwards widening 16-bit layers' weights (``plan.widened_pass``; their backward
+    is the fp32 one)."""
     for dtype in planner.KERNEL_DTYPES:
         for ptile in planner.projection_tiles_for(dtype, mma, cluster):
             hidden, proj = planner.projection_capacity(ptile)
@@ -203,8 +205,12 @@ def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False, cluste
                 hidden = min(hidden, ptile.units * ptile.cluster)
             proj = min(proj, hidden - 1)
             for backward in (False, True):
+                if cluster and dtype != "float32" and backward:
+                    continue
                 p = planner.projection_pass_plan(ptile, backward, hidden, proj, REPORT_BATCH,
-                                                 dtype=dtype)
+                                                 dtype="float32" if cluster else dtype)
+                if cluster and dtype != "float32":
+                    p = planner.widened_pass(p, dtype, False)
                 for arch in archs:
                     if planner.projection_tile_ships(ptile, dtype, arch) \
                             and (not cluster or _has_clusters(arch)):

@@ -504,20 +504,25 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
 def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
     """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits, the
     cluster tiles first where the device has clusters (as the plain layers: both exchanges stay
-    in the cluster), then the tensor-core tiles for 16-bit weights from ``MMA_MIN_BATCH`` rows
-    (where a 16-bit layer's cluster tile, on the CUDA cores, gives way to them)."""
+    in the cluster; a 16-bit layer's weights widened into them at every batch, ``widened_pass``:
+    the same kernels as fp32), then the tensor-core tiles for 16-bit weights from
+    ``MMA_MIN_BATCH`` rows, then the CUDA-core grid tiles."""
     tried: list[tuple[object, int, str]] = []
     mma = projection_tiles_for(dtype, mma=True) if batch >= MMA_MIN_BATCH else ()
-    cluster = projection_tiles_for(dtype, cluster=True) if has_clusters(dev) and not mma else ()
+    cluster = projection_tiles_for(dtype, cluster=True) if has_clusters(dev) else ()
     for tile in cluster + mma + projection_tiles_for(dtype):
-        if not projection_tile_ships(tile, dtype, dev.arch):
+        held = "float32" if tile.cluster else dtype  # the registers' dtype
+        if not projection_tile_ships(tile, held, dev.arch):
             tried.append((tile, 0, f"not built for {dtype} on {dev.arch} (ptxas spills)"))
             continue
-        fwd = projection_pass_plan(tile, False, hidden, proj, batch, dtype)
-        bwd = projection_pass_plan(tile, True, hidden, proj, batch, dtype)
+        fwd = projection_pass_plan(tile, False, hidden, proj, batch, held)
+        bwd = projection_pass_plan(tile, True, hidden, proj, batch, held)
         top_proj = projection_capacity(tile)[1]
         reason = (f"proj_size {proj} > {top_proj} served by the tile" if proj > top_proj
                   else _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden))
+        if reason is None and tile.cluster:
+            return Plan(True, None, tile, widened_pass(fwd, dtype, False) if dtype != held else fwd,
+                        bwd)
         if reason is None:
             return _widened_projection(Plan(True, None, tile, fwd, bwd), hidden, proj, batch,
                                        dtype, dev)

@@ -99,10 +99,13 @@ def test_every_configuration_is_listed():
     assert all(r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
                and r["dtype"] != "float32" and 0 < r["proj_size"] < r["hidden_size"]
                for r in mma_projected)
-    # The projection cluster tiles, both passes, every dtype, at their full cluster on sm_90.
+    # The projection cluster tiles at their full cluster on sm_90: fp32 both passes, and the
+    # forwards that widen fp16 and bf16 weights.
     clustered = [r for r in every if r["family"] == "projection cluster"]
-    assert len(clustered) == len(PROJECTION_CLUSTER_TILES) * 2 * len(KERNEL_DTYPES)
+    assert len(clustered) == len(PROJECTION_CLUSTER_TILES) * 4
     assert all(r["arch"] == "sm_90" and r["cluster"] == 16 and not r["config"].get("PRNN_MMA")
+               and "PRNN_WEIGHT_DTYPE" not in r["config"]
+               and ("PRNN_WIDENED_FROM" in r["config"]) == (r["dtype"] != "float32")
                and 0 < r["proj_size"] < r["hidden_size"] for r in clustered)
     # 16-bit stacks on the tensor cores: forward PRNN_MMA 1, backward 2, both archs.
     # The grid mma tiles in batch groups (B 32 in groups of 8), both 16-bit dtypes and archs.

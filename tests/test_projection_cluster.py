@@ -69,16 +69,16 @@ def test_full_set_cluster_tiles_match_torch_nn_float64(hidden, proj):
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCE) if EVERY_KERNEL else ["float16"])
 def test_16bit_cluster_within_tolerance_of_float64(dtype):
-    """At B = 1 (below plan.MMA_MIN_BATCH) a 16-bit layer's passes are cluster tiles: the
-    forward's of 16-bit words, the backward on the fp32 tile (widened)."""
-    hidden, proj, batch = 20, 7, 1
-    rng = np.random.default_rng(5)
-    data = {k: (tuple(a[:, :batch] for a in v) if isinstance(v, tuple) else v[:, :batch])
-            for k, v in _inputs(rng, hidden, proj).items()}
-    got = _run(dtype, "persistent", data, hidden, proj)
+    """A 16-bit layer's passes in a cluster are the fp32 cluster tile's, the weights widened
+    (the forward reads the 16-bit words and rounds r_t: PRNN_WIDENED_FROM)."""
+    hidden, proj = 20, 7
+    data = _inputs(np.random.default_rng(5), hidden, proj)
+    got = _run(dtype, "persistent", data, hidden, proj, LENGTHS)
     _assert_cluster(got)
-    assert any("PRNN_WEIGHT_DTYPE" in d for d in got["fwd"].details)
-    ref = _run("float64", "gemm", data, hidden, proj,
+    assert all("PRNN_WIDENED_FROM" in d and "PRNN_WEIGHT_DTYPE" not in d
+               for d in got["fwd"].details if "grid " in d)
+    assert not any("PRNN_WEIGHT_DTYPE" in d for d in got["bwd"].details)
+    ref = _run("float64", "gemm", data, hidden, proj, LENGTHS,
                params={k: np.asarray(v, np.float64) for k, v in got["params"].items()})
     for a, b in zip(got["arrays"] + list(got["grads"].values()),
                     ref["arrays"] + [ref["grads"][k] for k in got["grads"]]):
@@ -145,7 +145,11 @@ def test_the_planner_tries_the_cluster_first_where_it_fits():
     portable = dataclasses.replace(planner.resolve_device("h100"), max_cluster_ctas=8)
     assert planner.make_plan("lstm", 256, 1, device=portable, proj_size=64).forward.grid == 8
     assert not planner.make_plan("lstm", 300, 1, device=portable, proj_size=64).tile.cluster
-    # 16-bit from MMA_MIN_BATCH rows: the tensor-core grid tiles.
-    assert planner.make_plan("lstm", 256, 2, "float16", "h100", proj_size=64).tile.mma
+    # 16-bit layers: the fp32 cluster tile, the weights widened, at any batch.
+    for batch in (1, 8):
+        half = planner.make_plan("lstm", 256, batch, "float16", "h100", proj_size=64)
+        assert half.tile is p.tile and half.forward.defines["PRNN_WIDENED_FROM"] == 1
+        assert half.backward == planner.make_plan("lstm", 256, batch, device="h100",
+                                                  proj_size=64).backward
     # The largest H with a projection is the grid tiles' still.
     assert prnn.max_hidden_size("lstm", "float32", "h100", proj_size=64) > 512
