@@ -226,8 +226,8 @@ MMA_PROJECTION_TILES: tuple[ProjectionTile, ...] = (
 # docs/design.md, "LSTM with projection"): both exchanges, h_t and r_t (backward dr_t and dg_t),
 # through distributed shared memory, each warp reading the words it multiplies in place. The
 # layer's grid, max(ceil(H/units), ceil(P/proj_rows)), is the cluster, compiled in: up to 16 CTAs
-# (HOPPER_CLUSTER_CTAS), 8 where the device runs no larger (the runtime re-plans). Every row of
-# both tiles in each lane's words (CUDA cores, kpt even: 16-bit weights take half the registers):
+# (HOPPER_CLUSTER_CTAS), 8 where the device runs no larger (the runtime re-plans). fp32 CUDA-core
+# tiles; a 16-bit layer's weights are widened into them (plan._projection_plan):
 # * 4 warps (one per scheduler), 16 units and 4 rows of r a CTA: H <= 256, P <= 64 (40 weights
 #   per thread in each pass);
 # * 8 warps, 32 units and 8 rows of r: H <= 512, P <= 128 (80 weights per thread).
