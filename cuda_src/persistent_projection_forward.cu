@@ -7,10 +7,11 @@
 //   (tile A) -> cell -> hs[t], cs[t], saved[t]; publish h_t -> wait for h_t (every unit) ->
 //   the owned rows of r_t = W_hr h_t (tile B; past a length r_t = r_{t-1}) -> y[t]; publish r_t.
 // Two exchanges per step; four block barriers on the grid, two in a cluster (its warps read the
-// exchanged words in place: persistent_projection.cuh). A step only reads step t-1's results and writes
-// its own slots, so a replay is idempotent; a CTA records the last step whose r_t it published
-// when it exits and the host restarts from min(progress)+1. 16-bit layers round r_t (the state,
-// what y holds) to the 16-bit type; h_t stays fp32.
+// exchanged words in place: persistent_projection.cuh). A step only reads step t-1's results and
+// writes its own slots, so a replay is idempotent; a CTA records the last step whose r_t it
+// published when it exits and the host restarts from min(progress)+1. 16-bit layers (also where
+// the fp32 tile is widened) round r_t (the state, what y holds) to the 16-bit type; h_t stays
+// fp32.
 #include "persistent_projection.cuh"
 
 PRNN_KERNEL void prnn_projection_forward(

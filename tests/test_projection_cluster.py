@@ -18,7 +18,7 @@ from persistent_rnn import plan as planner
 from full_set import EVERY_KERNEL
 from sabotage import sabotaged
 from test_projection_persistent import (LENGTHS, TOLERANCE, T, _inputs, _rel, _run, _torch,
-                                        check_stall_restarts)
+                                        check_shared_bytes_are_exact, check_stall_restarts)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,6 +90,13 @@ def test_stall_restarts_with_bitwise_identical_results(settings, step):
     """CTA 1 of the cluster stalls at ``step``: the chain's resume launches finish both passes,
     bitwise equal to a run without the stall."""
     _assert_cluster(check_stall_restarts(32, 8, step))
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_shared_bytes_with_both_exchanges_are_what_the_kernel_carves_out(monkeypatch, settings,
+                                                                         fresh_plans, backward):
+    """The cluster's layout ends with its copies of both exchanges (EXCHANGE, EXCHANGE_B)."""
+    check_shared_bytes_are_exact(monkeypatch, backward, 32, 8)
 
 
 # ---- sabotages: each breaks the cluster's r_t exchange and must fail _check -------------------

@@ -196,25 +196,29 @@ def test_projection_plan_refusals_name_the_reason():
         prnn.max_hidden_size("lstm", device="h100", proj_size=-1)
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fresh_plans,
-                                                                backward):
-    """Emulated launches (a canary follows shared memory): the planned bytes run; 4 bytes short
-    is reported as an overrun, so the formula is exact."""
+def check_shared_bytes_are_exact(monkeypatch, backward: bool, hidden: int, proj: int) -> None:
+    """Emulated launches (a canary follows shared memory) of the pass planned for ``hidden`` and
+    ``proj``: the planned bytes run; 4 bytes short is reported as an overrun, so the formula is
+    exact."""
     emulate = pytest.importorskip("persistent_rnn.emulate")
-    hidden, proj = 12, 6
+    from persistent_rnn import runtime
     data = _inputs(np.random.default_rng(1), hidden, proj)
     run = lambda: _run("float32", "persistent", data, hidden, proj)  # noqa: E731
     _assert_persistent(run())
     exact = plan.projection_shared_bytes
-    tile = plan.PROJECTION_TILES[0]
+    tile = plan.make_plan("lstm", hidden, B, device=runtime.EMULATED_DEVICE, proj_size=proj).tile
     short = exact(tile, backward, B) - 4
     monkeypatch.setattr(plan, "projection_shared_bytes",
                         lambda t, bwd, *a, **k: short if bwd == backward else exact(t, bwd, *a, **k))
-    from persistent_rnn import runtime
     runtime._cached_engine.cache_clear()
     with pytest.raises(emulate.EmulationError, match="wrote past its"):
         run()
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fresh_plans,
+                                                                backward):
+    check_shared_bytes_are_exact(monkeypatch, backward, 12, 6)
 
 
 @pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "h0-c0"])
