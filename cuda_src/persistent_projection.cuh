@@ -19,7 +19,7 @@
 // shared memory (regions EXCHANGE and EXCHANGE_B, the latter tile B's), every CTA stores its
 // values into every copy, and each warp waits for the words it multiplies where they are
 // (kDirectRead, multiply_exchanged): no gather; the step's two block barriers are the two
-// products' (projection_product). The staged vectors are then unused.
+// products' (projection_product). The staged vectors are then empty regions (plan.py).
 //
 // On the tensor cores (-D PRNN_MMA, 16-bit; tiles.MMA_PROJECTION_TILES, docs/design.md "LSTM
 // with projection"): tile A is persistent_common.cuh's RegisterTile - the forward's W_hh as A

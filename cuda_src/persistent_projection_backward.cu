@@ -43,8 +43,8 @@ PRNN_KERNEL void prnn_projection_backward(
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
   SharedCarver sh(batch);  // (plan.projection_shared_layout)
-  float* g_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dg_{t+1} (grid)
-  float* r_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: drs_t (grid)
+  float* g_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dg_{t+1} (grid only)
+  float* r_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: drs_t (grid only)
   float* pa_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][V]: partial W_hh^T dg_{t+1}
   float* pb_s = sh.rows(PRNN_SMEM_PARTIAL_B);  // [batch][kKsplitB][kUnits]: partial W_hr^T drs_t
   float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [2][batch][kInputs][kUnits]: inputs by parity
@@ -72,7 +72,7 @@ PRNN_KERNEL void prnn_projection_backward(
     if (q < proj) dr_s[idx] = dr_carry[parity * rplane + (size_t)b * proj + q];
   }
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  zero_staged(r_s, batch, kPaddedB);
+  if (!kDirectRead) zero_staged(r_s, batch, kPaddedB);
 
   auto prefetch_inputs = [&](int t) {
     float* base = in_s + (t & 1) * batch * kInputs * kUnits;

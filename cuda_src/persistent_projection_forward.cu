@@ -35,8 +35,8 @@ PRNN_KERNEL void prnn_projection_forward(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   SharedCarver sh(batch);  // (plan.projection_shared_layout)
-  float* r_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: r_{t-1} (grid)
-  float* h_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: h_t (grid)
+  float* r_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: r_{t-1} (grid only)
+  float* h_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: h_t (grid only)
   float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh r_{t-1}
   float* pr_s = sh.rows(PRNN_SMEM_PARTIAL_B);  // [batch][kKsplitB][V]: partial W_hr h_t
   float* gi_s = sh.rows(PRNN_SMEM_GI);        // [2][batch][G][kUnits]: gi_t by step parity
@@ -67,7 +67,7 @@ PRNN_KERNEL void prnn_projection_forward(
     const int b = idx / V, q = q0 + idx % V;
     if (q < proj) rp_s[idx] = start > 0 ? y[((size_t)(start - 1) * batch + b) * proj + q] : h0[(size_t)b * proj + q];
   }
-  zero_staged(h_s, batch, kPaddedB);
+  if (!kDirectRead) zero_staged(h_s, batch, kPaddedB);
   auto prefetch_gi = [&](int t) {
     float* dst = gi_s + (t & 1) * batch * G * kUnits;
     for (int idx = threadIdx.x; idx < batch * G * kUnits; idx += blockDim.x) {

@@ -434,7 +434,8 @@ def projection_shared_layout(tile: ProjectionTile, backward: bool) -> tuple[Shar
     PARTIAL [ksplit A][proj_rows] and PARTIAL_B [ksplit B][units], inputs of two steps
     INPUTS [2][6][units] (c, c_prev, saved i f g o) and DY [2][proj_rows], the dc carry
     DC [units], the dr carry DR [proj_rows], LENGTHS [1].
-    A grid tile's exchanges are in global memory; a cluster tile's copies of them follow, each
+    A grid tile's exchanges are in global memory; a cluster tile stages no vector (STAGED and
+    STAGED_B are empty: its warps read the exchanges in place) and its copies of them follow, each
     [2][padded] tagged words per batch row, 16-byte aligned, in the order the kernel begins them:
     forward r (EXCHANGE, padded A) then h (EXCHANGE_B, padded B), backward dr (EXCHANGE_B) then
     dg (EXCHANGE).
@@ -442,7 +443,8 @@ def projection_shared_layout(tile: ProjectionTile, backward: bool) -> tuple[Shar
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
     units, rows, cell = tile.units, tile.proj_rows, PROJECTION_CELL
     region = SharedRegion
-    staged = (region("STAGED", padded_length(a)), region("STAGED_B", padded_length(b)))
+    staged = tuple(region(name, 0 if tile.cluster else padded_length(pt))  # (none in a cluster)
+                   for name, pt in (("STAGED", a), ("STAGED_B", b)))
     exchanges = (region("EXCHANGE", 2 * padded_length(a), align=16),
                  region("EXCHANGE_B", 2 * padded_length(b), align=16)) if tile.cluster else ()
     if backward:
