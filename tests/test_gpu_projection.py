@@ -79,10 +79,12 @@ def test_cluster_projection_within_bounds_of_float64(cupy, hidden, proj, batch, 
     """Small projections as one thread-block cluster on sm_90 (tiles.PROJECTION_CLUSTER_TILES;
     fp16 on the fp32 tile, widened), on the grid elsewhere. Not yet run on a GPU."""
     got = _run(cupy, hidden, proj, batch, dtype, "persistent")
+    # (H 256 fits a cluster of 8 too, where the device holds no 16-CTA cluster; H 512 then not)
     cluster = plan.has_clusters(plan.resolve_device(None))
     for stats in (got["fwd"], got["bwd"]):
         assert stats.algo == "persistent" and not stats.emulated and stats.restarts == 0
-        assert ("PRNN_CLUSTER" in stats.details[0]) == cluster, stats.details
+        if not cluster or hidden <= 256:
+            assert ("PRNN_CLUSTER" in stats.details[0]) == cluster, stats.details
     params = {k: cupy.asnumpy(v).astype(np.float64) for k, v in got["params"].items()}
     ref = _run(cupy, hidden, proj, batch, "float64", "gemm", params)
     for a, b in zip(got["arrays"], ref["arrays"]):
