@@ -2,7 +2,8 @@
 
 ``kernel_records`` compiles the configurations of every kernel family (``KERNEL_FAMILIES``:
 the layer kernels on the grid and as clusters, the grid's tensor-core tiles in batch groups, the
-LSTM projection, the stack, the 16-bit stack on the tensor cores), each cell's
+LSTM projection on the grid and as a cluster, the stack, the 16-bit stack on the tensor cores),
+each cell's
 forward and backward kernel for every tile the planner can choose, for each architecture,
 with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers
 per thread and spill bytes. The library requires zero spills and registers within the plan.
