@@ -518,12 +518,15 @@ def remote_stores(step: StepLoop) -> float:
 
 def cluster_exchange_us(step: StepLoop) -> float:
     """A cluster's exchange: the measured cluster round at the pass's CTA count (one store
-    instruction per destination CTA from one warp) plus the CTA's further store instructions
-    into the cluster's shared memory (``remote_stores``), ``hw.DSMEM_STORE_NS`` each: every
-    warp of a warp team publishes its own units to every CTA."""
-    ctas = step.shape.plan.grid
-    extra = max(0.0, remote_stores(step) - ctas)
-    return (hw.exchange_round_ns(hw.CLUSTER_ROUND_NS, ctas) + extra * hw.DSMEM_STORE_NS) / 1000
+    instruction per destination CTA from one warp) per exchange the step waits on (an LSTM
+    projection's two: ``PassShape.exchanges``) plus the CTA's further store instructions into
+    the cluster's shared memory (``remote_stores``), ``hw.DSMEM_STORE_NS`` each: every warp of
+    a warp team publishes its own units to every CTA."""
+    shape = step.shape
+    ctas = shape.plan.grid
+    extra = max(0.0, remote_stores(step) - shape.exchanges * ctas)
+    return (shape.exchanges * hw.exchange_round_ns(hw.CLUSTER_ROUND_NS, ctas)
+            + extra * hw.DSMEM_STORE_NS) / 1000
 
 
 def prefetch_us(step: StepLoop, device: DeviceProfile, rest_us: float) -> float:
@@ -909,7 +912,7 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
                     "proj_size": proj_size}
     if not plan.fits:
         return {**record, "tried": list(plan.tried)}
-    cluster = getattr(plan.tile, "cluster", 0)  # (a projection tile: the grid)
+    cluster = plan.tile.cluster
     record["tile"] = {"units": plan.tile.units, "cluster": cluster,
                       "placement": "cluster" if cluster else "grid",
                       "tensor_cores": getattr(plan.tile, "mma", False),

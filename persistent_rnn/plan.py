@@ -433,22 +433,31 @@ def projection_shared_layout(tile: ProjectionTile, backward: bool) -> tuple[Shar
     Backward: dg_{t+1} staged STAGED [padded A], dr_t staged STAGED_B [padded B], partial sums
     PARTIAL [ksplit A][proj_rows] and PARTIAL_B [ksplit B][units], inputs of two steps
     INPUTS [2][6][units] (c, c_prev, saved i f g o) and DY [2][proj_rows], the dc carry
-    DC [units], the dr carry DR [proj_rows], LENGTHS [1]. Both exchanges are in global memory.
+    DC [units], the dr carry DR [proj_rows], LENGTHS [1].
+    A grid tile's exchanges are in global memory; a cluster tile stages no vector (STAGED and
+    STAGED_B are empty: its warps read the exchanges in place) and its copies of them follow, each
+    [2][padded] tagged words per batch row, 16-byte aligned, in the order the kernel begins them:
+    forward r (EXCHANGE, padded A) then h (EXCHANGE_B, padded B), backward dr (EXCHANGE_B) then
+    dg (EXCHANGE).
     """
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
     units, rows, cell = tile.units, tile.proj_rows, PROJECTION_CELL
     region = SharedRegion
-    staged = (region("STAGED", padded_length(a)), region("STAGED_B", padded_length(b)))
+    staged = tuple(region(name, 0 if tile.cluster else padded_length(pt))  # (none in a cluster)
+                   for name, pt in (("STAGED", a), ("STAGED_B", b)))
+    exchanges = (region("EXCHANGE", 2 * padded_length(a), align=16),
+                 region("EXCHANGE_B", 2 * padded_length(b), align=16)) if tile.cluster else ()
     if backward:
         inputs = 2 * cell.has_cell_state + cell.saved
         return staged + (region("PARTIAL", a.ksplit * rows), region("PARTIAL_B", b.ksplit * units),
                          region("INPUTS", 2 * inputs * units), region("DY", 2 * rows),
-                         region("DC", units), region("DR", rows), region("LENGTHS", 1))
+                         region("DC", units), region("DR", rows),
+                         region("LENGTHS", 1)) + exchanges[::-1]
     gate_rows = cell.gates * units
     return staged + (region("PARTIAL", a.ksplit * gate_rows), region("PARTIAL_B", b.ksplit * rows),
                      region("GI", 2 * gate_rows), region("C", units), region("H", units),
                      region("R", rows), region("BIAS", gate_rows, per_row=False),
-                     region("LENGTHS", 1))
+                     region("LENGTHS", 1)) + exchanges
 
 
 def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int) -> int:
@@ -461,7 +470,8 @@ def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int) ->
 def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj: int,
                          batch: int, dtype: str = "float32") -> PassPlan:
     """The launch plan of one pass of a projection ``tile`` (like ``pass_plan``); its exchanges'
-    rows: ``exchange_row`` tile A's padded length, ``exchange_row_b`` tile B's."""
+    rows: ``exchange_row`` tile A's padded length, ``exchange_row_b`` tile B's. A cluster tile's
+    grid is its cluster (``-D PRNN_CLUSTER``), no larger than ``units * cluster`` units serve."""
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
     defines = {"PRNN_CELL": PROJECTION_CELL.kind, "PRNN_UNITS": tile.units,
                "PRNN_PROJ_ROWS": tile.proj_rows, "PRNN_ROWS": a.rows, "PRNN_KSPLIT": a.ksplit,
@@ -473,34 +483,48 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
         defines["PRNN_MMA"] = 1
     if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH:  # both as B fragments
         defines["PRNN_MMA"] = 2
-    defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
+    grid = max(math.ceil(hidden / tile.units), math.ceil(proj / tile.proj_rows))
+    if tile.cluster:  # (no gather: its warps read the exchanges in place)
+        defines["PRNN_CLUSTER"] = grid
+    else:
+        defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
     defines.update(layout_defines(projection_shared_layout(tile, backward)))
     block = tile.warps * WARP
     which = "backward" if backward else "forward"
+    top = projection_capacity(tile)[0]
     return PassPlan(
         kernel=f"prnn_projection_{which}", source=f"persistent_projection_{which}.cu",
-        defines=defines, grid=max(math.ceil(hidden / tile.units), math.ceil(proj / tile.proj_rows)),
+        defines=defines, grid=grid,
         block=block, shared_bytes=projection_shared_bytes(tile, backward, batch),
         weights_per_thread=a.rows * a.kpt + b.rows * b.kpt,
         weight_registers=weight_registers(a, dtype) + weight_registers(b, dtype),
-        registers=register_cap(block), max_hidden=projection_capacity(tile)[0],
+        registers=register_cap(block),
+        max_hidden=min(top, tile.units * tile.cluster) if tile.cluster else top,
         exchange_row=padded_length(a), exchange_row_b=padded_length(b))
 
 
 def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
     """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits, the
-    tensor-core tiles first for 16-bit weights from ``MMA_MIN_BATCH`` rows (as the plain layers)."""
+    cluster tiles first where the device has clusters (as the plain layers: both exchanges stay
+    in the cluster; a 16-bit layer's weights widened into them at every batch, ``widened_pass``:
+    the same kernels as fp32), then the tensor-core tiles for 16-bit weights from
+    ``MMA_MIN_BATCH`` rows, then the CUDA-core grid tiles."""
     tried: list[tuple[object, int, str]] = []
     mma = projection_tiles_for(dtype, mma=True) if batch >= MMA_MIN_BATCH else ()
-    for tile in mma + projection_tiles_for(dtype):
-        if not projection_tile_ships(tile, dtype, dev.arch):
+    cluster = projection_tiles_for(dtype, cluster=True) if has_clusters(dev) else ()
+    for tile in cluster + mma + projection_tiles_for(dtype):
+        held = "float32" if tile.cluster else dtype  # the registers' dtype
+        if not projection_tile_ships(tile, held, dev.arch):
             tried.append((tile, 0, f"not built for {dtype} on {dev.arch} (ptxas spills)"))
             continue
-        fwd = projection_pass_plan(tile, False, hidden, proj, batch, dtype)
-        bwd = projection_pass_plan(tile, True, hidden, proj, batch, dtype)
+        fwd = projection_pass_plan(tile, False, hidden, proj, batch, held)
+        bwd = projection_pass_plan(tile, True, hidden, proj, batch, held)
         top_proj = projection_capacity(tile)[1]
         reason = (f"proj_size {proj} > {top_proj} served by the tile" if proj > top_proj
                   else _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden))
+        if reason is None and tile.cluster:
+            return Plan(True, None, tile, widened_pass(fwd, dtype, False) if dtype != held else fwd,
+                        bwd)
         if reason is None:
             return _widened_projection(Plan(True, None, tile, fwd, bwd), hidden, proj, batch,
                                        dtype, dev)
@@ -537,7 +561,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     in batch groups (``batch_group``), the cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
-    ``PROJECTION_TILES`` (grid path only).
+    ``PROJECTION_CLUSTER_TILES`` and ``PROJECTION_TILES`` (``_projection_plan``).
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)

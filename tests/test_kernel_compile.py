@@ -18,7 +18,7 @@ from persistent_rnn.kernel_report import gather_variants
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, PassTile, cluster_tiles_for,
                                  mma_tiles_for, pass_plan, projection_tile_ships, resident_ctas,
                                  stack_tiles_for, tile_max_hidden, tiles_for)
-from persistent_rnn.tiles import MMA_PROJECTION_TILES, SHIPPED, Tile
+from persistent_rnn.tiles import MMA_PROJECTION_TILES, PROJECTION_CLUSTER_TILES, SHIPPED, Tile
 from persistent_rnn.plan import layout_defines, shared_layout
 from persistent_rnn.plan import warp_teams as warp_teams_of
 from full_set import EVERY_KERNEL
@@ -99,6 +99,14 @@ def test_every_configuration_is_listed():
     assert all(r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
                and r["dtype"] != "float32" and 0 < r["proj_size"] < r["hidden_size"]
                for r in mma_projected)
+    # The projection cluster tiles at their full cluster on sm_90: fp32 both passes, and the
+    # forwards that widen fp16 and bf16 weights.
+    clustered = [r for r in every if r["family"] == "projection cluster"]
+    assert len(clustered) == len(PROJECTION_CLUSTER_TILES) * 4
+    assert all(r["arch"] == "sm_90" and r["cluster"] == 16 and not r["config"].get("PRNN_MMA")
+               and "PRNN_WEIGHT_DTYPE" not in r["config"]
+               and ("PRNN_WIDENED_FROM" in r["config"]) == (r["dtype"] != "float32")
+               and 0 < r["proj_size"] < r["hidden_size"] for r in clustered)
     # 16-bit stacks on the tensor cores: forward PRNN_MMA 1, backward 2, both archs.
     # The grid mma tiles in batch groups (B 32 in groups of 8), both 16-bit dtypes and archs.
     grouped = [r for r in every if r["family"] == "mma groups"]
@@ -223,8 +231,10 @@ def test_time_loop_sass_stays_short(records):
                           c["PRNN_ROWS"], c["PRNN_KSPLIT"], c["PRNN_KPT"])))
         if warp_teams:
             assert loop["block_barriers"] == (0 if r["cluster"] else 1), r
-        else:  # every CUDA-core cluster forward has teams (GRU's and RNN's mma ones do not)
-            assert not r["cluster"] or r["pass"] == "backward" or c.get("PRNN_MMA"), r
+        else:  # every CUDA-core cluster forward of a layer has teams (GRU's and RNN's mma
+            # ones do not; a projection's step meets after each of its two products)
+            assert (not r["cluster"] or r["pass"] == "backward" or c.get("PRNN_MMA")
+                    or r["proj_size"]), r
             assert loop["block_barriers"] >= 1, r
         # An mma tile's product is on the tensor cores (and only an mma tile's).
         assert (loop["tensor_core_mma"] > 0) == bool(c.get("PRNN_MMA")), r
