@@ -506,6 +506,26 @@ def test_tf32_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkey
     assert not any(np.array_equal(a, b) for a, b in zip(got, fp32))
 
 
+def test_the_model_prices_tf32_gemms_at_the_tensor_cores_tf32_rate():
+    # latency._gemm_us on a profile that allows TF32: an fp32 GEMM at the m16n8k8 rate
+    # (hardware.HMMA_TF32_INTERVAL) and the 16-bit GEMM's fraction of it, faster than SGEMM; a
+    # 16-bit GEMM's price unchanged. A call's GEMMs follow (call_costs: LSTM H 1024 B 4 T 100's
+    # backward, mostly its weight GEMMs, 172 -> 116 us beside the steps; predictions).
+    from dataclasses import replace
+    from persistent_rnn import hardware as hw, latency
+    from persistent_rnn.cells import CELLS
+    h100 = planner.resolve_device("h100")
+    tf32 = replace(h100, allow_tf32=True)
+    flops = 2.0 * 400 * 1024 * 4096
+    rate = h100.sm_count * h100.clock_mhz * 1e6 * 2 * hw.TENSOR_GEMM_PEAK_FRACTION \
+        * hw.SUB_PARTITIONS * hw.MMA_TF32_FMA / hw.HMMA_TF32_INTERVAL
+    assert latency._gemm_us(flops, tf32) == pytest.approx(hw.GEMM_LAUNCH_US + flops / rate * 1e6)
+    assert latency._gemm_us(flops, tf32) < latency._gemm_us(flops, h100)
+    assert latency._gemm_us(flops, tf32, True) == latency._gemm_us(flops, h100, True)
+    cost = lambda d: latency.call_costs(CELLS["lstm"], 1024, 4, 100, 64, True, d).device_us  # noqa: E731
+    assert (round(cost(h100)), round(cost(tf32))) == (172, 116)
+
+
 @pytest.mark.gpu
 def test_gpu_tf32_products_are_tf32_eager_and_captured(cupy, settings, monkeypatch):
     # matmul.matmul's float32 products with allow_tf32 on the GPU: not cupy.matmul's fp32 bits,
