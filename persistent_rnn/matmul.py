@@ -25,7 +25,8 @@ With ``settings.allow_tf32`` (docs/api.md, "TF32") a product of two float32 oper
 TF32, as ``torch.backends.cuda.matmul.allow_tf32`` takes torch's:
 
 * NumPy arrays: ``numpy.matmul`` of the operands rounded to TF32 (``tf32_rounded``: what the
-  tensor cores take), so the CPU emulation computes what the GPU does up to the order of the sums;
+  tensor cores take), so the CPU emulation computes what the GPU does up to the order of the sums
+  (and cuBLAS's own rounding of the operands, which it does not document);
 * CuPy arrays, not capturing: cuBLAS ``gemmEx`` with ``CUBLAS_COMPUTE_32F_FAST_TF32`` passed as
   the call's compute type (``tf32_matmul``), not ``cupy.matmul``: CuPy's own TF32 setting is
   process-wide, and the user's ``cupy.matmul`` calls keep theirs;

@@ -2,7 +2,8 @@
 kernel run by the CPU emulation against float64 NumPy products on strided, non-square operands
 (a sabotaged kernel fails the same check), its NVRTC build, the argument checks, that every
 product the library issues on arrays goes through ``matmul.matmul``, and the ``cublasGemmEx``
-problem a chain's capture records (``cublas_capture``) carried out on the CPU."""
+problem a chain's capture records (``cublas_capture``) carried out on the CPU, and the compute
+type a TF32 product passes eagerly and captured (``settings.allow_tf32``, cuBLAS faked)."""
 from __future__ import annotations
 
 import ast

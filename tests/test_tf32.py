@@ -15,6 +15,13 @@
   the lines; prnn.torch's modules follow the library's setting, not torch's TF32 flags.
   CI: LSTM on the grid, GRU in a cluster, B 17, one stall; ``PRNN_TEST_EVERY_KERNEL=1``: every
   cell on both placements, B 1 to 32, both stalls, and batch groups against the whole batch.
+* Every float32 GEMM in TF32 with the setting (``matmul.matmul``): ``matmul.tf32_rounded`` is the
+  emulated cvt.rna; NumPy products are float64 of the rounded operands up to fp32's sums (off,
+  and for float64, numpy.matmul's bits); the GEMM path's LSTM (``EVERY_KERNEL``: and GRU) within
+  the bound of float64 and not fp32's bits; a planned call bitwise the full path's in TF32; the
+  model prices the GEMMs at TF32's rate. GPU: the TF32 product not fp32's and within the bound,
+  eager and captured the same bits, CuPy's compute type untouched; a planned TF32 call's replays
+  the full path's bits.
 """
 from __future__ import annotations
 
