@@ -586,12 +586,18 @@ def pass_sass(p: planner.PassPlan, arch: str, src_dir: Path | None = None) -> st
 def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) -> float:
     """A cuBLAS GEMM of ``flops``: fp32 (SGEMM on the FP32 lanes), or with ``tensor_cores``
     16-bit operands summed in fp32 (gemmEx: a 16-bit layer's input projection), each at its
-    fraction of the peak (``hw.GEMM_PEAK_FRACTION``, ``hw.TENSOR_GEMM_PEAK_FRACTION``)."""
+    fraction of the peak (``hw.GEMM_PEAK_FRACTION``, ``hw.TENSOR_GEMM_PEAK_FRACTION``). An fp32
+    GEMM on a device profile that allows TF32 (``settings.allow_tf32``: ``matmul.matmul``'s
+    ``CUBLAS_COMPUTE_32F_FAST_TF32``, sm_80 and newer) runs on the tensor cores at TF32's rate
+    (``hw.HMMA_TF32_INTERVAL``) and the 16-bit GEMM's fraction of it (no TF32 GEMM measured)."""
+    major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
     if tensor_cores:  # the mma's FMA per cycle of a sub-partition (hw.HMMA_INTERVAL)
         per_sm, fraction = hw.SUB_PARTITIONS * hw.MMA_FMA / hw.HMMA_INTERVAL, \
             hw.TENSOR_GEMM_PEAK_FRACTION
+    elif device.allow_tf32 and major >= 8:
+        per_sm, fraction = hw.SUB_PARTITIONS * hw.MMA_TF32_FMA / hw.HMMA_TF32_INTERVAL, \
+            hw.TENSOR_GEMM_PEAK_FRACTION
     else:
-        major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
         per_sm, fraction = hw.fp32_lanes_per_sm(major, minor), hw.GEMM_PEAK_FRACTION
     peak = device.sm_count * device.clock_mhz * 1e6 * per_sm * 2
     return hw.GEMM_LAUNCH_US + flops / (fraction * peak) * 1e6
