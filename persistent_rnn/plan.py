@@ -289,6 +289,8 @@ TF32_BACKWARD_MIN_BATCH = 4
 # the forward in TF32, the backward fp32) where settings.allow_tf32. The latency model (h100, µs
 # a step) predicts their forward faster from B = 3 (4-layer LSTM H 384: 3.56 against 3.85, B 4
 # 3.60 / 4.08, B 8 3.79 / 5.05) and within 3 % at B = 2 (3.50 / 3.60): not worth TF32's rounding.
+# A 2-layer GRU H 256 forward 3.26 / 3.43 (B 3), 3.27 / 3.55 (B 4); its backward, on the TF32
+# tile's 16 units, 3.52 / 3.46 and 3.69 / 3.60: the pair of passes still faster.
 TF32_STACK_MIN_BATCH = 3
 # Below these batches a 16-bit layer's pass runs on the fp32 tile where that fits, its weights
 # widened to fp32 (exactly: ``widened_pass``): per weight the packed pair's unpacking costs an

@@ -10,7 +10,8 @@ backward the fp32 CUDA-core stack backward), through the CPU emulation.
   unrounded fail it).
 * A stall in the forward restarts bitwise identically.
 * The planner takes them only with ``allow_tf32`` and from ``plan.TF32_STACK_MIN_BATCH`` rows,
-  where the latency model puts the line.
+  where the latency model puts the line (``PRNN_TEST_EVERY_KERNEL=1``: the model's figures and
+  ``prnn plan --tf32``'s stack-mode line).
 
 CI: all of the above at B 3 (about 15 s). ``PRNN_TEST_EVERY_KERNEL=1``: the Elman stacks too, and
 a second n-tile (B 9).
@@ -159,7 +160,7 @@ def test_the_planner_takes_tf32_stack_tiles_only_where_allowed_and_from_their_ba
 
 
 @pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's (NVRTC builds of the stack kernels)")
-def test_the_model_predicts_tf32_stacks_faster_from_their_batch():
+def test_the_model_predicts_tf32_stacks_faster_from_their_batch(capsys):
     from persistent_rnn import latency
     allowed = planner.replace(planner.resolve_device("h100"), allow_tf32=True)
     for batch in (planner.TF32_STACK_MIN_BATCH, 8):
@@ -167,3 +168,8 @@ def test_the_model_predicts_tf32_stacks_faster_from_their_batch():
                    for d in (allowed, "h100"))
         assert on.plan.tile.mma and not off.plan.tile.mma
         assert on.forward_us < off.forward_us
+    from persistent_rnn import cli
+    assert cli.main(["plan", "LSTM", "384", "--batch", "4", "--layers", "4", "--tf32",
+                     "--device", "h100"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stack mode"))
+    assert "1 launch per pass" in line and "forward on the tensor cores in TF32" in line
