@@ -107,10 +107,10 @@ def group(record: dict) -> tuple:
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) and the fp32 tiles serving 16-bit layers (``widened``) form one
     group per placement, pass and arch (CI: a few configurations); the mma projection, the
-    projection cluster and the mma stacks one group per arch each (CI: one configuration, the
+    projection cluster and the mma and TF32 stacks one group per arch each (CI: one configuration, the
     edge of both passes - for the mma projection the backward holding the most weights, ptxas'
     register edge)."""
-    if record["family"] in ("mma projection", "projection cluster", "mma stack"):
+    if record["family"] in ("mma projection", "projection cluster", "mma stack", "tf32 stack"):
         return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith(("mma", "widened", "tf32")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
@@ -218,14 +218,16 @@ def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False, cluste
                         yield PROJECTION_CELL, dtype, p, arch, proj
 
 
-def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("float32",)):
+def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("float32",),
+                tf32: bool = False):
     """The stack kernels, planned for ``REPORT_STACK`` layers: fp32 (``dtypes``), or the 16-bit
     stacks' tensor-core tiles (``tiles.MMA_STACK_TILES``; the backward as planned at
     ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the
-    CUDA-core 16-bit backward, not listed)."""
+    CUDA-core 16-bit backward, not listed). ``tf32``: float32's TF32 stack tiles
+    (``tiles.TF32_STACK_TILES``: the forward in TF32, the backward fp32)."""
     for dtype in dtypes:
         for cell in CELLS.values():
-            for tile in planner.stack_tiles_for(cell, dtype):
+            for tile in planner.stack_tiles_for(cell, dtype, tf32):
                 hidden = planner.stack_max_hidden(cell, tile)
                 for backward in (False, True):
                     p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype,
@@ -265,6 +267,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "projection cluster": KernelFamily(partial(_projection_jobs, cluster=True)),
     "stack": KernelFamily(_stack_jobs),
     "mma stack": KernelFamily(partial(_stack_jobs, dtypes=("float16", "bfloat16"))),
+    "tf32 stack": KernelFamily(partial(_stack_jobs, tf32=True)),
 }
 
 

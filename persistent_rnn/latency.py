@@ -1018,6 +1018,7 @@ def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: st
         record.update({"units": sp.tile.units, "ctas": sp.forward.grid,
                        "block": sp.forward.block, "tensor_cores": sp.tile.mma,
                        "tensor_cores_backward": sp.backward.defines.get("PRNN_MMA") == 2,
+                       "tf32": sp.tile.mma and dtype == "float32",  # (plan.TF32_STACK_MIN_BATCH)
                        "weights_per_thread": [sp.forward.weights_per_thread,
                                               sp.backward.weights_per_thread]})
     return record

@@ -285,6 +285,14 @@ TF32_MIN_BATCH = {"grid": 3, "cluster": 4}
 # 4.18 against 4.29 µs, H 256 1.76 / 1.90, GRU H 256 1.52 / 1.66, RNN H 512 1.40 / 1.52) and
 # slower or within 1-4 % at B = 3 (LSTM H 1024 4.00 / 3.94, H 256 1.76 / 1.79).
 TF32_BACKWARD_MIN_BATCH = 4
+# The smallest batch whose float32 stacks take the TF32 stack tiles (``tiles.TF32_STACK_TILES``:
+# the forward in TF32, the backward fp32) where settings.allow_tf32. The latency model (h100, µs
+# a step) predicts their forward faster from B = 3: a 4-layer LSTM H 384 3.26 against 3.85
+# (B 4 3.30 / 4.08, B 8 3.48 / 5.05), a 2-layer GRU H 256 3.26 / 3.43 (B 4 3.27 / 3.55), whose
+# backward on the TF32 tile's 16 units is 2-3 % slower (3.52 / 3.46, 3.69 / 3.60: the pair of
+# passes still faster). At B = 2 the GRU's is within 3 % (2.82 / 2.89), the model's error: not
+# worth TF32's rounding (the LSTM's 3.20 / 3.60; B 1 2.97 / 3.01).
+TF32_STACK_MIN_BATCH = 3
 # Below these batches a 16-bit layer's pass runs on the fp32 tile where that fits, its weights
 # widened to fp32 (exactly: ``widened_pass``): per weight the packed pair's unpacking costs an
 # instruction more than an fp32 register, and the tensor cores' n-tile of 8 columns costs its
@@ -324,15 +332,18 @@ STACK_GATHER_QUADS = 8  # a stack kernel's gather: tagged quads in flight per th
 _LAYER_ONLY_DEFINES = ("PRNN_WARP_TEAMS", "PRNN_STAGED_BUFFERS", "PRNN_INPUT_BUFFERS")
 
 
-def stack_gather_quads(tile: Tile, backward: bool) -> int:
+def stack_gather_quads(tile: Tile, backward: bool, dtype: str = "float32") -> int:
     """Tagged quads a thread of a stack kernel's gather loads at once (``-D PRNN_GATHER_QUADS``
-    of ``stack_*.cu``): 8, but 7 in a forward of more than 140 weights per thread. ptxas's
-    allocation is not monotonic in it: the LSTM 12-unit tile's forward (144 weights) spills 4
-    bytes at 8 on sm_80 (the reduce-scatter's levels halve to ceil(n/2) rows), 6 or 7 nothing;
-    its backward spills 60-112 bytes at 1-4 and 7, nothing at 8; the RNN 16-row tile's forward
-    spills at 7 (sm_80, sm_90)."""
+    of ``stack_*.cu``): 8, but 7 in a forward of more than 140 weights per thread, 4 where those
+    are TF32's (an mma tile of fp32 weights). ptxas's allocation is not monotonic in it: the LSTM
+    12-unit tile's forward (144 weights) spills 4 bytes at 8 on sm_80 (the reduce-scatter's
+    levels halve to ceil(n/2) rows), 6 or 7 nothing; its backward spills 60-112 bytes at 1-4 and
+    7, nothing at 8; the RNN 16-row tile's forward spills at 7 (sm_80, sm_90); LSTM's 12-unit
+    TF32 forward (144 weight registers) spills 16-24 bytes at 5-8 on sm_80, nothing at 4."""
     pt = tile.backward if backward else tile.forward
-    return STACK_GATHER_QUADS - 1 if not backward and pt.rows * pt.kpt > 140 else STACK_GATHER_QUADS
+    if backward or pt.rows * pt.kpt <= 140:
+        return STACK_GATHER_QUADS
+    return 4 if tile.mma and not KERNEL_DTYPES[dtype] else STACK_GATHER_QUADS - 1
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
@@ -349,11 +360,11 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         name = "backward" if backward else "forward"
         defines = {k: v for k, v in plain.defines.items()
                    if k not in _LAYER_ONLY_DEFINES and not k.startswith("PRNN_SMEM_")}
-        if tile.mma and backward:  # (on the tensor cores from its own batch)
+        if tile.mma and backward:  # (16-bit: on the tensor cores from its own batch; TF32: never)
             defines.pop("PRNN_MMA", None)
-            if batch >= MMA_STACK_BACKWARD_MIN_BATCH:
+            if KERNEL_DTYPES[dtype] and batch >= MMA_STACK_BACKWARD_MIN_BATCH:
                 defines["PRNN_MMA"] = 2
-        defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward)
+        defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward, dtype)
         defines.update(layout_defines(shared_layout(cell, tile, backward, stack=True)))
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
                        defines=defines, grid=stack_layers * plain.grid,
@@ -773,7 +784,7 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     groups = 2 if bidirectional else layers
     what = "the two directions of a layer" if bidirectional else f"{layers} layers"
     tried = []
-    for tile in stack_tiles_for(cell, dtype):
+    for tile in _tf32_stack_candidates(cell, batch, dtype, dev) + stack_tiles_for(cell, dtype):
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype, stack_layers=groups)
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype, stack_layers=groups)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
@@ -783,6 +794,15 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
         tried.append(f"units {tile.units}: {reason}")
     return apart(f"{what} of {cell.name} H={hidden} B={batch} do not fit {dev.name} together: "
                  + "; ".join(tried))
+
+
+def _tf32_stack_candidates(cell: CellSpec, batch: int, dtype: str,
+                           dev: DeviceProfile) -> tuple[Tile, ...]:
+    """The TF32 stack tiles ``make_stack_plan`` tries first: a float32 stack's where
+    ``dev.allow_tf32``, from ``TF32_STACK_MIN_BATCH`` rows."""
+    if dtype != "float32" or not dev.allow_tf32 or batch < TF32_STACK_MIN_BATCH:
+        return ()
+    return stack_tiles_for(cell, dtype, tf32=True)
 
 
 def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,

@@ -296,7 +296,21 @@ MMA_STACK_TILES: dict[str, tuple[Tile, ...]] = {
 }
 
 
-def stack_tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
+# TF32 stack tiles (settings.allow_tf32; docs/design.md, "TF32 tiles"): fp32 stacks whose
+# forward holds [W_ih | W_hh] rounded to TF32 as m16n8k8 A fragments - the 16-bit stacks' mma
+# tiles, at twice their weight registers - and whose backward is the fp32 CUDA-core stack
+# backward of the same PassTile. ptxas (sm_90): 161-254 registers, zero spills. Not GRU's
+# (48, 8, 4) (H 512): its forward spills 452 bytes, its backward 328. The backward stays fp32:
+# in TF32 (mma_split_tile.cuh) LSTM's 12-unit one spills 336 bytes (sm_90).
+TF32_STACK_TILES: dict[str, tuple[Tile, ...]] = {**MMA_STACK_TILES,
+                                                 "gru": MMA_STACK_TILES["gru"][:1]}
+
+
+def stack_tiles_for(cell: CellSpec, dtype: str = "float32",
+                    tf32: bool = False) -> tuple[Tile, ...]:
     """The shipped stack tiles of ``cell`` for weights of ``dtype`` (both vanilla RNNs share
-    theirs): fp32 ``STACK_TILES``, 16-bit the tensor-core ``MMA_STACK_TILES``."""
-    return (STACK_TILES if WEIGHT_BYTES[dtype] == 4 else MMA_STACK_TILES)[cell.tiles]
+    theirs): fp32 ``STACK_TILES`` (``tf32``: ``TF32_STACK_TILES``), 16-bit the tensor-core
+    ``MMA_STACK_TILES``."""
+    if WEIGHT_BYTES[dtype] != 4:
+        return MMA_STACK_TILES[cell.tiles]
+    return (TF32_STACK_TILES if tf32 else STACK_TILES)[cell.tiles]

@@ -61,7 +61,7 @@ def test_every_configuration_is_listed():
     # Grid tiles on both archs, each with every gather size the planner may pick (1 to 8 quads,
     # by the batch); plus the cluster tiles (4 and 8 warps) per cell and pass on sm_90, per dtype;
     # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs;
-    # the 16-bit stacks' tensor-core tiles on both archs.
+    # the 16-bit stacks' tensor-core tiles and the float32 stacks' TF32 tiles on both archs.
     # (Each other family's test checks its own configurations.)
     every = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
     listed = [r for r in every if r["family"] in (*LAYER_FAMILIES, "projection", "stack")]
@@ -118,6 +118,14 @@ def test_every_configuration_is_listed():
                                   for d in ("float16", "bfloat16"))
     assert all(r["stack"] and r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
                for r in mma_stacks)
+    # float32 stacks in TF32 (the same stack kernels): the forward on the tensor cores
+    # (PRNN_MMA 1, no PRNN_WEIGHT_DTYPE), the backward fp32 on the CUDA cores, both archs.
+    tf32_stacks = [r for r in every if r["family"] == "tf32 stack"]
+    assert len(tf32_stacks) == sum(len(stack_tiles_for(c, tf32=True)) * 2 * 2
+                                   for c in CELLS.values())
+    assert all(r["stack"] and r["dtype"] == "float32" and "PRNN_WEIGHT_DTYPE" not in r["config"]
+               and r["config"].get("PRNN_MMA") == (None if r["pass"] == "backward" else 1)
+               for r in tf32_stacks)
     for dtype in KERNEL_DTYPES:
         for cell in CELLS:
             for pass_ in ("forward", "backward"):
