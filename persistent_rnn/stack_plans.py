@@ -59,6 +59,10 @@ def stack_engine(ctx: functional.Context, data: Array, backward: bool) -> Any:
     return engine
 
 
+# (the stack kernels' arguments that are a call's arrays, not the plan's: ``stack.Around``)
+_PER_CALL = ("dy", "y", "cs", "saved", "h0", "c0", "lengths")
+
+
 def _matrices(xp, name: str, shape: tuple[int, int, int], words: str | None) -> Array:
     """The workspace a stack kernel reads matrices of ``shape`` (groups, rows, K) from: float32,
     or where its weights are 16-bit (``words``: ``stack._weights_dtype``) uint32 words of two
@@ -107,6 +111,7 @@ class StackPlan(Plan):
         self.backward_pass: Any = None  # (the backward's arguments, once prepared)
         self.backward_engine: Any = None
         self._fixed_key: tuple | None = None  # (``_key``'s fixed part: (backward_pass, value))
+        self._fixed_arguments: tuple = (None, {})  # (``_fixed``: (backward_pass, per pass))
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
         self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
         # (what the float32 outputs and dy are selected with; the input on its bits: a 16-bit
@@ -183,7 +188,8 @@ class StackPlan(Plan):
         call = (given, inputs, out, h_n, c_n, lengths, y, cs, states)
         stats = stack.run_forward(self.engine, args, xp, stack.Around(
             lambda: self._before_forward(call), lambda: self._after_forward(call),
-            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n, states))))
+            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n, states)),
+            _PER_CALL, self._fixed("forward")))
         ctx = functional.Context(cell, params, groups, False, False, self.algo, lengths, None,
                                  self.half, inputs, [[functional._Direction(
                                      self.layer_names[k], h0[k], None if c0 is None else c0[k],
@@ -296,6 +302,13 @@ class StackPlan(Plan):
             fixed = self._fixed_key = (self.backward_pass, chain_graphs.value(held))
         return what, id(self), fixed[1], chain_graphs.value(arrays)
 
+    def _fixed(self, what: Any) -> dict:
+        """``stack.Around.fixed`` of the pass ``what``: kept while the prepared backward is."""
+        held = self._fixed_arguments
+        if held[0] is not self.backward_pass:
+            held = self._fixed_arguments = (self.backward_pass, {})
+        return held[1].setdefault(what, {})
+
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way in stack mode:
         prepare the later ones (their engine and the workspaces the full path uses)."""
@@ -387,7 +400,8 @@ class StackPlan(Plan):
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
             lambda: self._key("backward", (dy, dx, dh, dc, tuple(results.values()), into,
-                                           tuple(ctx.inputs), ctx.reverse_index))))
+                                           tuple(ctx.inputs), ctx.reverse_index)),
+            _PER_CALL, self._fixed("backward")))
         return dx, (dh if dc is None else (dh, dc)), results
 
     def _backward_results(self, dy: Array, cell_state: bool, held: dict,
@@ -588,7 +602,8 @@ class PairPlan(StackPlan):
                 stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
                     lambda call=call: self._before_pair(call),
                     lambda call=call: self._after_pair(call),
-                    lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
+                    lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]),
+                    _PER_CALL, self._fixed(("forward", layer)))))
                 directions.append([functional._Direction(
                     self.layer_names[2 * layer + d], h0[2 * layer + d],
                     None if c0 is None else c0[2 * layer + d],
@@ -681,7 +696,8 @@ class PairPlan(StackPlan):
                     lambda call=call: self._after_pair_backward(call),
                     lambda call=call: self._key(("backward", call[0]), (
                         call[2], *call[4:7], tuple(results.values()), call[8],
-                        tuple(ctx.inputs), ctx.reverse_index)))))
+                        tuple(ctx.inputs), ctx.reverse_index)),
+                    _PER_CALL, self._fixed(("backward", layer)))))
         ctx.backward_stats = stats
         return dx, (dh if dc is None else (dh, dc)), results
 
