@@ -89,7 +89,7 @@ def _host_value(v: object) -> object:
     if isinstance(v, np.ndarray):
         return (id(v), v.shape, v.strides, v.dtype.char)
     if isinstance(v, tuple):
-        return tuple(_host_value(u) for u in v)
+        return tuple([_host_value(u) for u in v])  # (as ``value``)
     return v
 
 
