@@ -2,7 +2,7 @@
 
     python bench/call_breakdown.py [--out DIR] [--calls 100] [--rounds 30] [--hidden 8]
                                    [--stubbed] [--dtype float32|float16|bfloat16]
-                                   [--layers N] [--bidirectional] [--no-stack]
+                                   [--layers N] [--bidirectional] [--no-stack] [--cell GRU|LSTM]
 
 ``persistent_rnn.torch.GRU(algo="gemm")`` forward under ``torch.no_grad`` (H=I, B=1, T=1),
 entered at each layer of its road, outermost first, beside ``torch.nn.GRU`` and the layer API:
@@ -89,18 +89,20 @@ def _host_value(v: object) -> object:
     if isinstance(v, np.ndarray):
         return (id(v), v.shape, v.strides, v.dtype.char)
     if isinstance(v, tuple):
-        return tuple(_host_value(u) for u in v)
+        return tuple([_host_value(u) for u in v])  # (as ``value``)
     return v
 
 
 def stubbed_entry_points(hidden: int, dtype: str = "float32", layers: int = 1,
-                         bidirectional: bool = False) -> dict[str, Callable[[], object]]:
+                         bidirectional: bool = False, cell: str = "GRU"
+                         ) -> dict[str, Callable[[], object]]:
     """The layer API's persistent forward and forward + backward (emulated path), for timing
     with the launcher stubbed (``main --stubbed``, which stubs ``EmulatedModule._launch``) and
     with the whole chain stubbed (stubbed here, around each call: about 1 µs of its own); the
-    layer and the torch module in ``dtype``, of ``layers`` layers, ``bidirectional`` or not."""
+    layer and the torch module in ``dtype``, of ``layers`` layers, ``bidirectional`` or not,
+    of ``cell`` (GRU or LSTM)."""
     shape = {"num_layers": layers, "bidirectional": bidirectional}
-    layer = prnn.GRU(hidden, hidden, algo="persistent", seed=0, dtype=dtype, **shape)
+    layer = getattr(prnn, cell)(hidden, hidden, algo="persistent", seed=0, dtype=dtype, **shape)
     x = np.random.default_rng(0).standard_normal((1, 1, hidden)).astype(layer.dtype)
     dy = np.ones((1, 1, hidden * layer.directions), layer.dtype)
 
@@ -129,7 +131,8 @@ def stubbed_entry_points(hidden: int, dtype: str = "float32", layers: int = 1,
                 chain_graphs.eligible, chain_graphs.value, chain_graphs.run = saved
         return stand_in
     torch.manual_seed(0)
-    module = prt.GRU(hidden, hidden, algo="persistent", **shape).to(getattr(torch, dtype))
+    module = getattr(prt, cell)(hidden, hidden, algo="persistent", **shape).to(
+        getattr(torch, dtype))
     xt = torch.from_numpy(x.astype(np.float32)).to(getattr(torch, dtype)).requires_grad_()
 
     def module_forward() -> object:
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stubbed rows' layer and module dtype")
     p.add_argument("--layers", type=int, default=1, help="the stubbed rows' stacked layers")
     p.add_argument("--bidirectional", action="store_true", help="the stubbed rows' bidirectional")
+    p.add_argument("--cell", default="GRU", choices=("GRU", "LSTM"), help="the stubbed rows' cell")
     p.add_argument("--no-stack", action="store_true",
                    help="the stack setting off: one layer-direction per launch")
     args = p.parse_args(argv)
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     calls = entry_points(args.hidden)
     launcher = emulate.EmulatedModule._launch
     if args.stubbed:
-        stubbed = stubbed_entry_points(args.hidden, args.dtype, args.layers, args.bidirectional)
+        stubbed = stubbed_entry_points(args.hidden, args.dtype, args.layers, args.bidirectional,
+                                       args.cell)
         for call in stubbed.values():  # the kernels built and every cache filled for real
             call()
         emulate.EmulatedModule._launch = lambda self, *a, **kw: None
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                "torch_version": torch.__version__, "numpy_version": np.__version__,
                "load_average_1_5_15_min": os.getloadavg(),
                **benchmark.run_stamp(["python", *sys.argv]),
-               "settings": {"cell": "GRU", "hidden": args.hidden, "batch": 1, "steps": 1,
+               "settings": {"cell": args.cell, "hidden": args.hidden, "batch": 1, "steps": 1,
                             "dtype": args.dtype, "layers": args.layers,
                             "bidirectional": args.bidirectional, "stack": not args.no_stack,
                             "calls": args.calls, "rounds": args.rounds,

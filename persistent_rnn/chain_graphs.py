@@ -52,7 +52,7 @@ def value(v: Any) -> Any:
     if data is not None and hasattr(data, "ptr"):
         return (data.ptr, v.shape, v.strides, v.dtype.char)
     if isinstance(v, tuple):
-        return tuple(value(x) for x in v)
+        return tuple([value(x) for x in v])  # (a list: one Python call, not one an item)
     if isinstance(v, np.ndarray):  # never in a CuPy chain: a host array would be copied, not read
         raise TypeError("a chain's arguments are device arrays and scalars")
     return v

@@ -20,7 +20,7 @@ record lazily.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -74,11 +74,16 @@ class Around:
     pass's first launch (after the chain's memsets), ``after()`` just after its completion
     kernel; ``key()``: every array they read or write (``chain_graphs.value``) and what they do
     - the chain graph's key holds it beside the launches' arguments. Nothing in them may
-    allocate or look up scratch."""
+    allocate or look up scratch. ``per_call``: the names of the kernel's arguments that are
+    this call's arrays; the others are the plan's, the same every call while ``fixed`` (a dict
+    the plan keeps per prepared pass, emptied when what the pass holds changes) is kept: the
+    key's part over them is built once into it (``_planned_key``)."""
 
     before: Callable[[], None]
     after: Callable[[], None]
     key: Callable[[], tuple]
+    per_call: tuple[str, ...]
+    fixed: dict
 
 
 def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, chained: bool,
@@ -114,10 +119,10 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
             around.after()
 
     launch.run_chain(chain, go, first, end, settings.current_stall(), completed,
-                     lambda: (complete, chain_graphs.value(first_starts),
-                              chain_graphs.arguments_key(args),
-                              chain_graphs.arguments_key(complete_args),
-                              None if around is None else around.key()))
+                     partial(_arguments_key, complete, first_starts, args, complete_args)
+                     if around is None else
+                     partial(_planned_key, complete, first_starts, args, complete_args, around,
+                             exchanges))
     pp = engine_.pass_plan
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     stats = RunStats(algo="persistent", emulated=engine_.emulated, launches=1, details=[
@@ -126,6 +131,35 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
         "completion on the device"])
     launch.record_of(chain, end, stats, group="layer")
     return stats
+
+
+def _arguments_key(complete: str, first_starts: Array, args: dict, complete_args: dict
+                   ) -> tuple:
+    """What a stack pass's chain graph is keyed by beside the chain's own (``launch.run_chain``):
+    the completion kernel and every argument of the pass's and the completion's launches."""
+    return (complete, chain_graphs.value(first_starts), chain_graphs.arguments_key(args),
+            chain_graphs.arguments_key(complete_args))
+
+
+def _planned_key(complete: str, first_starts: Array, args: dict, complete_args: dict,
+                 around: Around, exchanges: tuple[tuple[str, ...], ...]) -> tuple:
+    """``_arguments_key`` of a planned call's pass, and ``around.key()``: the arguments but
+    ``around.per_call``'s (those the pass has) keyed once into ``around.fixed`` (with which of
+    the completion's arguments are which of those, by identity), per call only those arrays.
+    The exchanges are left out: they lie in the chain's words' allocation, which its own key
+    holds (``launch._chain_key``)."""
+    fixed = around.fixed.get("arguments")
+    if fixed is None:
+        names = tuple(name for name in around.per_call if name in args)
+        roles = tuple((name, role) for name, v in complete_args.items() for role in names
+                      if v is args[role])
+        skip = {*names, *(name for name, _ in roles), *(n for group in exchanges for n in group)}
+        fixed = around.fixed["arguments"] = (
+            *_arguments_key(complete, first_starts,
+                            {k: v for k, v in args.items() if k not in skip},
+                            {k: v for k, v in complete_args.items() if k not in skip}),
+            names, roles)
+    return fixed, tuple([chain_graphs.value(args[name]) for name in fixed[-2]]), around.key()
 
 
 def _stacked(xp, arrays: Sequence[Array], name: str) -> Array:

@@ -59,6 +59,10 @@ def stack_engine(ctx: functional.Context, data: Array, backward: bool) -> Any:
     return engine
 
 
+# (the stack kernels' arguments that are a call's arrays, not the plan's: ``stack.Around``)
+_PER_CALL = ("dy", "y", "cs", "saved", "h0", "c0", "lengths")
+
+
 def _matrices(xp, name: str, shape: tuple[int, int, int], words: str | None) -> Array:
     """The workspace a stack kernel reads matrices of ``shape`` (groups, rows, K) from: float32,
     or where its weights are 16-bit (``words``: ``stack._weights_dtype``) uint32 words of two
@@ -107,6 +111,8 @@ class StackPlan(Plan):
         self.backward_pass: Any = None  # (the backward's arguments, once prepared)
         self.backward_engine: Any = None
         self._fixed_key: tuple | None = None  # (``_key``'s fixed part: (backward_pass, value))
+        # (per pass, its ``stack.Around.fixed``: made anew with the prepared backward)
+        self.fixed_arguments: dict[Any, dict] = {}
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
         self.gi = workspace(xp, "gi", (steps * batch, gates), np.float32)
         # (what the float32 outputs and dy are selected with; the input on its bits: a 16-bit
@@ -183,7 +189,8 @@ class StackPlan(Plan):
         call = (given, inputs, out, h_n, c_n, lengths, y, cs, states)
         stats = stack.run_forward(self.engine, args, xp, stack.Around(
             lambda: self._before_forward(call), lambda: self._after_forward(call),
-            lambda: self._key("forward", (given, tuple(inputs), out, h_n, c_n, states))))
+            lambda: self._key("forward", (given, *inputs, out, h_n, c_n, states)),
+            _PER_CALL, self.fixed_arguments.setdefault("forward", {})))
         ctx = functional.Context(cell, params, groups, False, False, self.algo, lengths, None,
                                  self.half, inputs, [[functional._Direction(
                                      self.layer_names[k], h0[k], None if c0 is None else c0[k],
@@ -283,7 +290,7 @@ class StackPlan(Plan):
     def _key(self, what: str, arrays: tuple) -> tuple:
         """What a pass's chain graph is keyed by beside its launches' arguments (``stack.Around``):
         the plan and which pass, its fixed arrays and weights, and this call's ``arrays`` (on a
-        GPU: ``chain_graphs.value``). The fixed part's value is made once per prepared state
+        GPU: ``chain_graphs.value`` of each; their number is the plan's). The fixed part's value is made once per prepared state
         (its arrays keep their memory while the plan serves: weights rebound only over the same
         memory, ``_rebind``)."""
         fixed = self._fixed_key
@@ -294,7 +301,7 @@ class StackPlan(Plan):
                         a for k, a in self.backward_pass.items()
                         if k not in ("grads", "scratch", "sums")))
             fixed = self._fixed_key = (self.backward_pass, chain_graphs.value(held))
-        return what, id(self), fixed[1], chain_graphs.value(arrays)
+        return what, id(self), fixed[1], tuple([chain_graphs.value(a) for a in arrays])
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way in stack mode:
@@ -313,6 +320,7 @@ class StackPlan(Plan):
         dgi = workspace(xp, "stack_dgi", shape, np.float32)
         dh_carry = workspace(xp, "stack_dh_carry", carry, np.float32)
         words, half = stack._weights_dtype(engine), self.half is not None
+        self.fixed_arguments = {}
         self.backward_pass = dict(
             w_t=_matrices(xp, "stack_w_t", (layers, hidden, shape[3]), words),
             w_ih_t=self._w_ih_t_stack(xp, layers, hidden, shape[3], words),
@@ -386,8 +394,9 @@ class StackPlan(Plan):
         call = (ctx, dy, args, dx, dh, dc, grads, into, results)
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
-            lambda: self._key("backward", (dy, dx, dh, dc, tuple(results.values()), into,
-                                           tuple(ctx.inputs), ctx.reverse_index))))
+            lambda: self._key("backward", (dy, dx, dh, dc, *results.values(), *(into or ()),
+                                           *ctx.inputs, ctx.reverse_index)),
+            _PER_CALL, self.fixed_arguments.setdefault("backward", {})))
         return dx, (dh if dc is None else (dh, dc)), results
 
     def _backward_results(self, dy: Array, cell_state: bool, held: dict,
@@ -588,7 +597,8 @@ class PairPlan(StackPlan):
                 stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
                     lambda call=call: self._before_pair(call),
                     lambda call=call: self._after_pair(call),
-                    lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]))))
+                    lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]),
+                    _PER_CALL, self.fixed_arguments.setdefault(("forward", layer), {}))))
                 directions.append([functional._Direction(
                     self.layer_names[2 * layer + d], h0[2 * layer + d],
                     None if c0 is None else c0[2 * layer + d],
@@ -680,8 +690,9 @@ class PairPlan(StackPlan):
                     lambda call=call: self._before_pair_backward(call),
                     lambda call=call: self._after_pair_backward(call),
                     lambda call=call: self._key(("backward", call[0]), (
-                        call[2], *call[4:7], tuple(results.values()), call[8],
-                        tuple(ctx.inputs), ctx.reverse_index)))))
+                        call[2], *call[4:7], *results.values(), *(call[8] or ()),
+                        *ctx.inputs, ctx.reverse_index)),
+                    _PER_CALL, self.fixed_arguments.setdefault(("backward", layer), {}))))
         ctx.backward_stats = stats
         return dx, (dh if dc is None else (dh, dc)), results
 

@@ -465,6 +465,55 @@ def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, set
     assert count <= PLANNED_LIMITS[road, cell, backward], (road, cell, backward, count)
 
 
+# The same calls as a GPU replays them in steady state: each pass's graph key built over the
+# call's arrays (``chain_graphs.value`` reading a NumPy array's ``id`` for its address, the
+# replay stubbed: bench/call_breakdown.py's "replayed stand-in"): the count, then before the
+# stack and pair plans keyed their kernels' fixed arguments once per prepared pass and the
+# per-call part flat (2026-11-27; "layers": one layer-direction per launch, the stack setting
+# off - its prepared passes were keyed so already, a tuple's value now a list's one call)
+REPLAYED_LIMITS = {
+    ("layer", "GRU", False): 50,      # 46  (46)
+    ("layer", "GRU", True): 106,      # 97  (97)
+    ("stack", "GRU", False): 69,      # 63  (97)
+    ("stack", "GRU", True): 153,      # 139  (223)
+    ("pair", "GRU", False): 80,       # 73  (104)
+    ("pair", "GRU", True): 174,       # 158  (238)
+    ("pairs2", "LSTM", False): 137,   # 125  (187)
+    ("pairs2", "LSTM", True): 317,    # 288  (466)
+    ("layers", "GRU", False): 111,    # 101  (101)
+    ("layers", "GRU", True): 260,     # 237  (269)
+}
+
+
+def _host_value(v: object) -> object:
+    """``chain_graphs.value`` of a NumPy array as it reads a CuPy one (``id`` for the address)."""
+    if isinstance(v, np.ndarray):
+        return (id(v), v.shape, v.strides, v.dtype.char)
+    if isinstance(v, tuple):
+        return tuple([_host_value(u) for u in v])  # (as ``value``)
+    return v
+
+
+@pytest.mark.parametrize("road,cell,backward", list(REPLAYED_LIMITS),
+                         ids=[f"{r}-{c}-{'fwd+bwd' if b else 'fwd'}"
+                              for r, c, b in REPLAYED_LIMITS])
+def test_a_replayed_planned_call_keys_its_graph_in_few_python_calls(
+        monkeypatch, grid_path, settings, stub_chains, road, cell, backward):
+    """The Python of a planned call as a GPU replays it (``REPLAYED_LIMITS``): its graph key's
+    fixed parts built once per prepared pass, per call only over the call's arrays."""
+    from persistent_rnn import chain_graphs
+    prnn.configure(stack=road not in NO_STACK)
+    call = _call(f"{road} persistent", cell, 1, backward)
+    for _ in range(3):
+        call()
+    stub_chains()
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "value", _host_value)
+    monkeypatch.setattr(chain_graphs, "run", lambda key, issue: True)
+    count = python_calls(call)
+    assert count <= REPLAYED_LIMITS[road, cell, backward], (road, cell, backward, count)
+
+
 def test_the_full_path_launches_a_graph_per_chain(grid_path):
     """What a planned call of several chains saves (above): the full path of a two-layer
     bidirectional stack's pairs enqueues each layer's chain on its own, one graph launch each

@@ -1141,3 +1141,63 @@ def test_a_missed_16_bit_conversion_in_a_stack_plan_is_caught(settings, monkeypa
         _half_steps(_half_stack("GRU", "bfloat16", layers, pair),
                     _half_stack("GRU", "bfloat16", layers, pair), range(5), states=False,
                     lengths=False)
+
+
+def _leaves(key) -> set:
+    """Every tuple inside ``key`` (the values of arrays among them: ``chain_graphs.value``)."""
+    found, todo = set(), [key]
+    while todo:
+        k = todo.pop()
+        if isinstance(k, tuple):
+            found.add(k)
+            todo.extend(k)
+    return found
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (nothing launched: values unset)
+@pytest.mark.parametrize("cell,pair,stack,lengths", [("GRU", False, True, None),
+                                                     ("LSTM", True, True, [ST, 1, 2]),
+                                                     ("GRU", False, False, [ST, 1, 2])],
+                         ids=["stack", "pairs-lengths", "layer-directions-lengths"])
+def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_path, monkeypatch,
+                                                               cell, pair, stack, lengths):
+    """A planned call of several layers (a stack in stack mode, two layers of pairs, layer-
+    directions one per launch): its one graph's key (``launch.one_graph``, NumPy addresses
+    standing in for device pointers) holds the value of every array each launch of its chains
+    reads - the per-call arrays (outputs, saved buffers, given states and lengths, ``dy`` where
+    the kernel reads the caller's: without lengths) new every call - but the chains' own words
+    and exchanges, which their chains' part of the key holds. Sabotage: a per-call argument left
+    out of ``stack_plans._PER_CALL`` (keyed once with the fixed ones) fails it."""
+    monkeypatch.setattr(chain_graphs, "value", lambda v: (
+        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
+        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
+        if isinstance(v, tuple) else v))
+    read, checked = [], []
+    monkeypatch.setattr(launch, "launch_pass", lambda engine, control, named, stall: read.append(
+        named))
+    monkeypatch.setattr(launch.Chain, "complete", lambda chain, kernel, **named: read.append(
+        named))
+
+    def run(key, issue):  # (the chains issued: what they read, against the key)
+        read.clear()
+        issue()
+        leaves = _leaves(key)
+        missing = {name for named in read for name, v in named.items()
+                   if isinstance(v, np.ndarray) and not name.startswith("exchange")
+                   and name not in ("starts", "control", "chain", "ring")
+                   and chain_graphs.value(v) not in leaves}
+        checked.append(missing)
+        return False
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "run", run)
+    hits = _StackHits(monkeypatch)
+    layer = _stack_layer(cell, pair, 2 if pair else 0, stack)
+    rng, kept = np.random.default_rng(0), []
+    for _ in range(5):  # (each call's arrays new and held: new addresses every call)
+        x = rng.standard_normal((ST, SB, SI)).astype(np.float32)
+        h = rng.standard_normal((layer.num_layers * layer.directions, SB, SH)).astype(np.float32)
+        given = None if lengths is None else np.array(lengths, np.int32)
+        y, hn = layer.forward(x, h if cell == "GRU" else (h, h.copy()), lengths=given)
+        kept.append((x, h, given, y, hn, layer.backward(np.ones_like(y))))
+    assert (hits.forwards, hits.backwards) == (3, 2)  # (planned: calls 3-5, backwards 4-5)
+    assert checked[-4:] == [set()] * 4, checked  # (calls 4 and 5: forward and backward planned)
