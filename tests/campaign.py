@@ -61,6 +61,8 @@ UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 FREE_RUNNING = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 FP32 = 2e-5  # fp32 arithmetic (one step, or a backward through time) relative to the array
 MODULE_F64 = 1e-9  # torch modules against torch.nn, both float64
+TF32 = 5e-3  # docs/api.md, "TF32": every result against float64 where W_hh ran in TF32
+TF32_P = 0.4  # a float32 persistent case allows TF32 with this probability
 
 # A stalled CTA sleeps past the barrier timeout once; the timeout is long enough that the
 # emulated grid (up to STALL_MAX_GRID host threads on a shared machine) never times out by itself.
@@ -102,6 +104,7 @@ class Case:
     stack: bool = True                     # the `stack` setting: stack mode where the plan fits
     bad: str = ""                          # name in BAD_INPUTS
     modes: tuple[str, ...] = ()            # emulation modes (emulate.modes), seeded by `seed`
+    tf32: bool = False                     # settings.allow_tf32 (float32 persistent cases)
     kind_given: bool = True                # drawn for a named kind (else the kind was drawn too)
 
     def command(self) -> str:
@@ -127,7 +130,7 @@ def _hidden(rng: np.random.Generator, profile: str) -> int:
 def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
     """The case of ``seed`` (``kind`` None: drawn too). Draw a new option after the others, so
     that the seeds of the CI slice keep their cases."""
-    return _with_modes(_draw_options(seed, profile, kind))
+    return _with_tf32(_with_modes(_draw_options(seed, profile, kind)))
 
 
 def _draw_options(seed: int, profile: str, kind: str | None) -> Case:
@@ -187,18 +190,33 @@ def _with_modes(case: Case) -> Case:
     return dataclasses.replace(case, modes=tuple(m for m in CASE_MODES if rng.random() < MODE_P))
 
 
-def emulated_profile(path: str) -> hardware.DeviceProfile:
-    """The emulated device: an H100 (small layers as one cluster), or one without clusters."""
-    h100 = hardware.PROFILES["h100"]
+def _with_tf32(case: Case) -> Case:
+    """A float32 persistent case with ``allow_tf32`` or not, from a generator of its own (the
+    TF32 tiles run from ``plan.TF32_MIN_BATCH`` rows, outside stack mode: ``ran_tf32``)."""
+    if case.kind == "bad" or case.algo != "persistent" or case.dtype != "float32":
+        return case
+    return dataclasses.replace(case, tf32=bool(np.random.default_rng([case.seed, 28]).random()
+                                               < TF32_P))
+
+
+def emulated_profile(path: str, tf32: bool = False) -> hardware.DeviceProfile:
+    """The emulated device: an H100 (small layers as one cluster), or one without clusters;
+    ``tf32``: as ``settings.allow_tf32`` plans it (``runtime``)."""
+    h100 = dataclasses.replace(hardware.PROFILES["h100"], allow_tf32=tf32)
     if path == "cluster":
         return h100
     return dataclasses.replace(h100, name="h100 without clusters", arch="sm_80")
 
 
+def _plan(case: Case) -> planner.Plan:
+    """The plan of one layer-direction of the case's persistent passes."""
+    return planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
+                             emulated_profile(case.path, case.tf32))
+
+
 def _grid(case: Case) -> int:
     """CTAs of the case's persistent forward (0 where no plan fits)."""
-    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
-                          emulated_profile(case.path))
+    p = _plan(case)
     return p.forward.grid if p.fits else 0
 
 
@@ -208,7 +226,13 @@ def _stacked(case: Case) -> bool:
     return (case.algo == "persistent" and case.stack and (case.num_layers > 1 or case.bidirectional)
             and planner.make_stack_plan(case.cell, case.hidden, case.batch, case.num_layers,
                                         case.bidirectional, case.dtype,
-                                        emulated_profile(case.path)).fits)
+                                        emulated_profile(case.path, case.tf32)).fits)
+
+
+def ran_tf32(case: Case) -> bool:
+    """Whether the case's forward runs the TF32 tiles (docs/api.md, "TF32": allowed, enough rows,
+    not in stack mode; ``_check_stats`` checks ``last_run`` says so)."""
+    return case.tf32 and not _stacked(case) and "PRNN_MMA" in _plan(case).forward.defines
 
 
 def _held_back(case: Case) -> bool:
@@ -235,6 +259,7 @@ def features(case: Case) -> set[str]:
         got |= {"stall"} if case.stall else set()
         got |= {"held back"} if _held_back(case) else set()
         got |= {"stack"} if _stacked(case) else set()
+        got |= {"tf32"} if ran_tf32(case) else set()
         got |= set(case.modes)
     flags = {"multi-layer": case.num_layers > 1, "bidirectional": case.bidirectional,
              "batch_first": case.batch_first, "no bias": not case.bias,
@@ -245,7 +270,7 @@ def features(case: Case) -> set[str]:
 LAYER_FEATURES = set(CELLS) | {"float32", "float16", "bfloat16", "persistent", "gemm", "auto",
                                "cluster", "grid", "stall", "held back", "stack", "multi-layer",
                                "bidirectional", "batch_first", "no bias", "lengths", "hx",
-                               *CASE_MODES}
+                               "tf32", *CASE_MODES}
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -296,10 +321,15 @@ def _layer(case: Case, dtype: str, algo: str, params: dict | None = None):
     return layer
 
 
+def _inputs(layer, data: dict) -> tuple:
+    """A forward's x, hx, lengths in the layer's dtype."""
+    return data["x"].astype(layer.dtype), _cast(data["hx"], layer.dtype), data["lengths"]
+
+
 def _run_layer(layer, data: dict):
     """Forward and backward; results as float64, the forward's context and both RunStats."""
     dt = layer.dtype
-    y, hn = layer.forward(data["x"].astype(dt), _cast(data["hx"], dt), data["lengths"])
+    y, hn = layer.forward(*_inputs(layer, data))
     ctx, fwd = layer._ctx, layer.last_run  # the context: the states the run went through
     dx, dhx = layer.backward(data["dy"].astype(dt), _cast(data["dhn"], dt))
     out = {"y": y, "dx": dx}
@@ -387,7 +417,8 @@ def _excess(got: np.ndarray, want: np.ndarray, u: float) -> float:
     return max(0.0, float((np.abs(got - want) - u * np.abs(want)).max(initial=0.0)) / scale)
 
 
-def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict) -> dict[str, float]:
+def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict,
+                tf32: bool = False) -> dict[str, float]:
     """The accuracy measures of docs/api.md for one run; returns the worst error of each.
 
     * every cell and dtype, along the run's own states (``trajectory_reference``): each state
@@ -396,14 +427,16 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict) -> dict[str
     * against the float64 layer that never rounds h_t: the forward of every cell, and the
       gradients of every cell but relu (whose derivative jumps where rounding moves a
       pre-activation across zero), within ``FREE_RUNNING[dtype]``.
+
+    ``tf32``: a pass ran W_hh in TF32 (docs/api.md, "TF32"): every measure within ``TF32``.
     """
     u = UNIT_ROUNDOFF[case.dtype]
     excess, traj = trajectory_reference(ctx, data)
-    tag = f" {case.dtype}"
+    tag = " tf32" if tf32 else f" {case.dtype}"
+    step, limit, free = (TF32, TF32, TF32) if tf32 else (FP32, u + FP32, FREE_RUNNING[case.dtype])
     worst = {"trajectory forward" + tag: excess}
-    _require(case, excess <= FP32, f"a state is {excess:.3g} past one rounding of its "
-                                   f"float64 step (tolerance {FP32})")
-    limit = u + FP32
+    _require(case, excess <= step, f"a state is {excess:.3g} past one rounding of its "
+                                   f"float64 step (tolerance {step})")
     for key, want in traj.items():
         err = relerr(out[key], want)
         worst["trajectory backward" + tag] = max(worst.get("trajectory backward" + tag, 0.0), err)
@@ -416,8 +449,8 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict) -> dict[str
         err = relerr(out[key], want)
         measure = "float64 forward" if key == "y" or key.startswith("hn") else "float64 backward"
         worst[measure + tag] = max(worst.get(measure + tag, 0.0), err)
-        _require(case, err <= FREE_RUNNING[case.dtype], f"{key}: relative error {err:.3g} "
-                 f"against the float64 layer > {FREE_RUNNING[case.dtype]}")
+        _require(case, err <= free, f"{key}: relative error {err:.3g} against the float64 "
+                                    f"layer > {free}")
     return worst
 
 
@@ -429,16 +462,17 @@ def _require(case: Case, ok: bool, what: str) -> None:
 # ---- the three kinds of case -----------------------------------------------------------------
 
 def _settings(case: Case) -> dict:
+    common = dict(stack=case.stack, allow_tf32=case.tf32)
     if case.stall is not None:
-        return dict(stack=case.stack, emulation_timeout_ms=STALL_TIMEOUT_MS, max_restarts=10)
+        return dict(common, emulation_timeout_ms=STALL_TIMEOUT_MS, max_restarts=10)
     if case.max_resident is not None:
         # The short timeout only where CTAs are held back: a whole grid of resident CTAs on a
         # busy machine can take longer than that between two steps (a seed-25 run timed out).
         timeout_ms = RESIDENT_TIMEOUT_MS if _held_back(case) else 10_000
-        return dict(stack=case.stack, emulation_timeout_ms=timeout_ms, max_restarts=1,
+        return dict(common, emulation_timeout_ms=timeout_ms, max_restarts=1,
                     emulation_max_resident=case.max_resident)
     # generous: the emulation shares busy cores
-    return dict(stack=case.stack, emulation_timeout_ms=10_000)
+    return dict(common, emulation_timeout_ms=10_000)
 
 
 def run_layer_case(case: Case) -> dict[str, float]:
@@ -446,8 +480,7 @@ def run_layer_case(case: Case) -> dict[str, float]:
     data = _data(case, np.random.default_rng(case.seed + 1))
     ours = _layer(case, case.dtype, case.algo)
     ref = _layer(case, "float64", "gemm", {k: v.astype(np.float64) for k, v in ours.params.items()})
-    with emulated_device(case.path), prnn.override_settings(**_settings(case)), \
-            emulate.modes(*case.modes, seed=case.seed):
+    with _running(case):
         plain = None
         if case.stall is not None:
             plain, _, _, _ = _run_layer(ours, data)
@@ -462,7 +495,43 @@ def run_layer_case(case: Case) -> dict[str, float]:
         for key, a in plain.items():
             _require(case, np.array_equal(a, out[key], equal_nan=True),
                      f"{key}: the stalled (restarted) run differs from the undisturbed one")
-    return check_layer(case, out, ctx, ref64, data)
+    tf32 = any("PRNN_MMA" in d for s in (fwd, bwd) for d in s.details if case.dtype == "float32")
+    worst = check_layer(case, out, ctx, ref64, data, tf32)  # (before the layer's next call)
+    if case.max_resident is None:  # (CTAs held back: a fallback's bits are the GEMM path's)
+        with _running(case):
+            check_repeat(case, ours)
+    return worst
+
+
+@contextlib.contextmanager
+def _running(case: Case):
+    """The case's emulated device, settings and emulation modes inside the block."""
+    with emulated_device(case.path), prnn.override_settings(**_settings(case)), \
+            emulate.modes(*case.modes, seed=case.seed):
+        yield
+
+
+def check_repeat(case: Case, ours) -> None:
+    """The case's call repeated (docs/design.md, planned calls): a forward of new data of the same
+    shapes (the call that plans the signature), the weights updated in place, then a forward and
+    backward of new data without dhn (what a planned backward takes), which must be bit for bit a
+    fresh layer's with the same weights (the full path). Persistent layers must have planned it."""
+    rng = np.random.default_rng([case.seed, 3])
+    ours.forward(*_inputs(ours, _data(case, rng)))
+    for p in ours.params.values():  # (in place: the plan keeps the arrays, not their values)
+        p[...] = (p.astype(np.float64) * (1 + 0.1 * rng.standard_normal(p.shape))).astype(p.dtype)
+    data = dict(_data(case, rng), dhn=None)
+    planned = ours._plan is not None
+    _require(case, planned or case.algo != "persistent" or ours.last_run.algo != "persistent",
+             f"the call's signature was not planned: {ours.last_run}")
+    ours.zero_grad()
+    got, _, _, _ = _run_layer(ours, data)
+    fresh = _layer(case, case.dtype, case.algo, {k: v.copy() for k, v in ours.params.items()})
+    want, _, _, _ = _run_layer(fresh, data)
+    for key, a in want.items():
+        _require(case, np.array_equal(got[key], a, equal_nan=True),
+                 f"{key}: the {'planned' if planned else 'repeated'} call differs from a fresh "
+                 f"layer's (max |difference| {np.nanmax(np.abs(got[key] - a)):.3g})")
 
 
 def _check_stats(case: Case, fwd, bwd) -> None:
@@ -476,10 +545,13 @@ def _check_stats(case: Case, fwd, bwd) -> None:
         _require(case, stacked == _stacked(case),
                  f"{name}: stack mode {'used' if stacked else 'not used'}: {s.details}")
         clustered = any("PRNN_CLUSTER" in d for d in s.details)
-        want = not stacked and case.path == "cluster" and planner.make_plan(
-            case.cell, case.hidden, case.batch, case.dtype,
-            emulated_profile("cluster")).tile.cluster > 0
+        want = not stacked and case.path == "cluster" and _plan(case).tile.cluster > 0
         _require(case, clustered == want, f"{name} ran on the wrong exchange path: {s.details}")
+        if case.dtype == "float32" and s.fallback is None:  # (fp32: PRNN_MMA is a TF32 tile)
+            tf32 = any("PRNN_MMA" in d for d in s.details)
+            want = case.tf32 and not stacked and "PRNN_MMA" in getattr(_plan(case), name).defines
+            _require(case, tf32 == want, f"{name}: TF32 tiles {'used' if tf32 else 'not used'} "
+                                         f"(allow_tf32 {case.tf32}): {s.details}")
         if _held_back(case):  # a launch times out: restarts, and the GEMM path when they run out
             _require(case, s.restarts >= 1 or "barrier timeouts" in (s.fallback or ""),
                      f"{name}: CTAs held back but neither a restart nor a fallback: {s}")
@@ -543,13 +615,14 @@ def run_module_case(case: Case) -> dict[str, float]:
     ref.load_state_dict(ours.state_dict())
     with emulated_device(case.path), prnn.override_settings(**_settings(case)):
         got = run_module(ours, data, dtype, case.batch_first)
-    want = run_module(ref, data, torch.float64, case.batch_first)
     ran = ours.last_run
+    want = run_module(ref, data, torch.float64, case.batch_first)
     expect = "torch" if case.algo == "auto" else case.algo  # auto on CPU: torch's kernels
     _require(case, ran.algo == expect and (expect == "torch" or ran.fallback is None)
              and (expect == "torch" or ran.backward is not None)
              and ran.emulated == (expect == "persistent"), f"last_run {ran} (expected {expect})")
-    tol = MODULE_F64 if case.dtype == "float64" else FREE_RUNNING["float32"]
+    tf32 = any("PRNN_MMA" in d for d in ran.details)
+    tol = MODULE_F64 if case.dtype == "float64" else TF32 if tf32 else FREE_RUNNING["float32"]
     # relu in float32: a pre-activation within rounding of zero flips the derivative between
     # any two float32 runs, so its gradients are held to the library layer's (checked against
     # float64 along its own states by the layer cases), its outputs to torch.nn's.
@@ -566,7 +639,31 @@ def run_module_case(case: Case) -> dict[str, float]:
         worst = max(worst, err)
         against = "the library layer" if same_layer and gradient else "torch.nn"
         _require(case, err <= tol, f"{key}: relative error {err:.3g} against {against} > {tol}")
-    return {f"torch.nn {case.dtype}": worst}
+    with emulated_device(case.path), prnn.override_settings(**_settings(case)):
+        check_module_repeat(case, ours, dtype)
+    return {f"torch.nn {'tf32' if tf32 else case.dtype}": worst}
+
+
+def check_module_repeat(case: Case, ours, dtype) -> None:
+    """``check_repeat`` for a torch module: the call again on new data (which plans its
+    signature), the weights updated in place, and once more, bit for bit a fresh module's with the
+    same weights."""
+    import torch
+    rng = np.random.default_rng([case.seed, 3])
+    run_module(ours, _data(case, rng), dtype, case.batch_first)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.mul_(1 + 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(case.seed),
+                                         dtype=p.dtype))
+    data = _data(case, rng)
+    got = run_module(ours, data, dtype, case.batch_first)
+    fresh = _torch_module(case, True).to(dtype)
+    fresh.load_state_dict(ours.state_dict())
+    want = run_module(fresh, data, dtype, case.batch_first)
+    for key, a in want.items():
+        _require(case, np.array_equal(got[key], a, equal_nan=True),
+                 f"{key}: the module's repeated call differs from a fresh module's (max "
+                 f"|difference| {np.nanmax(np.abs(got[key] - a)):.3g})")
 
 
 # ---- bad inputs ------------------------------------------------------------------------------
@@ -721,9 +818,7 @@ def _configuration(case: Case) -> tuple | None:
     """The emulated kernel build a case ran (cell, weights, exchange, compile-time tile)."""
     if case.algo != "persistent":
         return None
-    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
-                          emulated_profile(case.path))
-    return case.cell, case.dtype, tuple(sorted(p.forward.defines.items()))
+    return case.cell, case.dtype, tuple(sorted(_plan(case).forward.defines.items()))
 
 
 def _brief(case: Case) -> str:
