@@ -826,7 +826,7 @@ def _brief(case: Case) -> str:
         return f"{case.cell} {case.bad!r}"
     extra = (f" stall {case.stall}" if case.stall else "") + (
         f" resident {case.max_resident}" if case.max_resident else "") + (
-        f" modes {','.join(case.modes)}" if case.modes else "" + (" tf32" if case.tf32 else "")
+        f" modes {','.join(case.modes)}" if case.modes else "") + (" tf32" if case.tf32 else "")
     path = "/" + case.path if case.algo == "persistent" else ""
     return (f"{case.cell} {case.dtype} {case.algo}{path}"
             f" H{case.hidden} B{case.batch} T{case.steps} L{case.num_layers}"
