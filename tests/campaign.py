@@ -55,6 +55,7 @@ from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 CELLS = tuple(sorted(REGISTRY, key=lambda name: -REGISTRY[name].gates))
 TORCH_CELLS = tuple(name for name in CELLS if REGISTRY[name].in_torch)  # module and bad cases
 KINDS = ("layer", "module", "bad")
+PASSES = ("forward", "backward")
 # Unit roundoff of the 16-bit dtypes (half the spacing of values in [1, 2)); 0 for fp32.
 UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 # docs/api.md: relative error against the float64 layer that does not round h_t.
@@ -214,10 +215,10 @@ def _plan(case: Case) -> planner.Plan:
                              emulated_profile(case.path, case.tf32))
 
 
-def _grid(case: Case) -> int:
-    """CTAs of the case's persistent forward (0 where no plan fits)."""
+def _grid(case: Case, name: str = "forward") -> int:
+    """CTAs of the case's persistent pass ``name`` (0 where no plan fits)."""
     p = _plan(case)
-    return p.forward.grid if p.fits else 0
+    return getattr(p, name).grid if p.fits else 0
 
 
 def _stacked(case: Case) -> bool:
@@ -235,9 +236,11 @@ def ran_tf32(case: Case) -> bool:
     return case.tf32 and not _stacked(case) and "PRNN_MMA" in _plan(case).forward.defines
 
 
-def _held_back(case: Case) -> bool:
-    """Whether ``max_resident`` keeps CTAs of one step apart (a single step waits for nobody)."""
-    return case.max_resident is not None and case.max_resident < _grid(case) and case.steps > 1
+def _held_back(case: Case, name: str | None = None) -> bool:
+    """Whether ``max_resident`` keeps CTAs of one step apart in pass ``name`` (None: in either;
+    the backward's grid may be the larger; a single step waits for nobody)."""
+    return case.max_resident is not None and case.steps > 1 and any(
+        case.max_resident < _grid(case, n) for n in ((name,) if name else PASSES))
 
 
 @contextlib.contextmanager
@@ -552,17 +555,18 @@ def _check_stats(case: Case, fwd, bwd) -> None:
             want = case.tf32 and not stacked and "PRNN_MMA" in getattr(_plan(case), name).defines
             _require(case, tf32 == want, f"{name}: TF32 tiles {'used' if tf32 else 'not used'} "
                                          f"(allow_tf32 {case.tf32}): {s.details}")
-        if _held_back(case):  # a launch times out: restarts, and the GEMM path when they run out
+        if _held_back(case, name):  # a launch times out: restarts, the GEMM path when they run out
             _require(case, s.restarts >= 1 or "barrier timeouts" in (s.fallback or ""),
                      f"{name}: CTAs held back but neither a restart nor a fallback: {s}")
         else:
             _require(case, s.fallback is None, f"{name}: unexpected fallback: {s}")
-    if case.stall is not None and _grid(case) > 1 and case.stall[0] < _grid(case):
-        # nobody waits after a pass's last step: forward's T-1, backward's 0 (it runs down)
-        _require(case, fwd.restarts >= 1 or case.stall[1] == case.steps - 1,
-                 f"forward: a stalled CTA caused no restart: {fwd}")
-        _require(case, bwd.restarts >= 1 or case.stall[1] == 0,
-                 f"backward: a stalled CTA caused no restart: {bwd}")
+    if case.stall is None:
+        return
+    # nobody waits after a pass's last step: forward's T-1, backward's 0 (it runs down)
+    for name, s, last in (("forward", fwd, case.steps - 1), ("backward", bwd, 0)):
+        if 1 < _grid(case, name) and case.stall[0] < _grid(case, name):
+            _require(case, s.restarts >= 1 or case.stall[1] == last,
+                     f"{name}: a stalled CTA caused no restart: {s}")
 
 
 def _torch_module(case: Case, library: bool):
@@ -651,10 +655,10 @@ def check_module_repeat(case: Case, ours, dtype) -> None:
     import torch
     rng = np.random.default_rng([case.seed, 3])
     run_module(ours, _data(case, rng), dtype, case.batch_first)
+    noise = torch.Generator().manual_seed(case.seed)
     with torch.no_grad():
         for p in ours.parameters():
-            p.mul_(1 + 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(case.seed),
-                                         dtype=p.dtype))
+            p.mul_(1 + 0.1 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
     data = _data(case, rng)
     got = run_module(ours, data, dtype, case.batch_first)
     fresh = _torch_module(case, True).to(dtype)

@@ -130,3 +130,14 @@ def test_a_planned_call_unlike_the_full_path_fails_its_case(monkeypatch):
     monkeypatch.setattr(call_plans.Plan, "forward", off_by_one_ulp)
     with pytest.raises(campaign.CampaignFailure, match="y: the planned call differs"):
         run_case(draw_case(339, "ci", "layer"))
+
+
+def test_ctas_held_back_in_the_backward_pass_count():
+    """A case whose forward grid fits ``max_resident`` but whose backward grid does not holds CTAs
+    back in its backward (the short timeout, a restart or fallback expected): the 2026-11-27 long
+    run (seed 303) failed so on a bfloat16 rnn_tanh, H 283, forward grid 18, backward 36."""
+    case = draw_case(1023865560, "long")
+    grids = campaign._grid(case), campaign._grid(case, "backward")
+    assert (case.max_resident, *grids) == (18, 18, 36)
+    assert campaign._held_back(case) and campaign._held_back(case, "backward")
+    assert not campaign._held_back(case, "forward")
