@@ -7,10 +7,13 @@ Each case is drawn from one integer seed (``draw_case``) and checked by ``run_ca
   held back by ``emulation_max_resident``, and the emulation's weaker-machine modes drawn too:
   ``CASE_MODES``, docs/emulation.md; "gemm"; "auto") in float32, float16 or bfloat16,
   multi-layer, bidirectional, batch-first, with lengths and h0/c0, forward and backward,
-  against float64 (``check_layer``, the measures of docs/api.md "Accuracy"); a stalled run must
-  equal an undisturbed one bit for bit, and ``last_run`` must say what ran.
+  against float64 (``check_layer``, the measures of docs/api.md "Accuracy"; float32 persistent
+  cases with ``allow_tf32`` or not, docs/api.md "TF32"); a stalled run must equal an undisturbed
+  one bit for bit, and ``last_run`` must say what ran. The call is then repeated on new data and
+  weights updated in place (``check_repeat``): the planned path, bit for bit a fresh layer's.
 * ``module``: a ``persistent_rnn.torch`` module (``algo`` "auto", "gemm", "persistent") against
-  ``torch.nn`` on the same weights and data (padded or packed), outputs and every gradient.
+  ``torch.nn`` on the same weights and data (padded or packed), outputs and every gradient; its
+  call repeated as a layer's (``check_module_repeat``).
 * ``bad``: a bad argument (``BAD_INPUTS``): the layer raises ``TypeError``/``ValueError``
   naming the argument; the torch module raises what ``torch.nn`` raises. Never a crash or hang.
 
