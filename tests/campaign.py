@@ -67,6 +67,7 @@ FP32 = 2e-5  # fp32 arithmetic (one step, or a backward through time) relative t
 MODULE_F64 = 1e-9  # torch modules against torch.nn, both float64
 TF32 = 5e-3  # docs/api.md, "TF32": every result against float64 where W_hh ran in TF32
 TF32_P = 0.4  # a float32 persistent case allows TF32 with this probability
+PROJ_P = 0.3  # an LSTM layer case of the long profile has a projection with this probability
 
 # A stalled CTA sleeps past the barrier timeout once; the timeout is long enough that the
 # emulated grid (up to STALL_MAX_GRID host threads on a shared machine) never times out by itself.
@@ -109,6 +110,7 @@ class Case:
     bad: str = ""                          # name in BAD_INPUTS
     modes: tuple[str, ...] = ()            # emulation modes (emulate.modes), seeded by `seed`
     tf32: bool = False                     # settings.allow_tf32 (float32 persistent cases)
+    proj: int = 0                          # an LSTM layer's proj_size
     kind_given: bool = True                # drawn for a named kind (else the kind was drawn too)
 
     def command(self) -> str:
@@ -134,7 +136,7 @@ def _hidden(rng: np.random.Generator, profile: str) -> int:
 def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
     """The case of ``seed`` (``kind`` None: drawn too). Draw a new option after the others, so
     that the seeds of the CI slice keep their cases."""
-    return _with_tf32(_with_modes(_draw_options(seed, profile, kind)))
+    return _with_proj(_with_tf32(_with_modes(_draw_options(seed, profile, kind))))
 
 
 def _draw_options(seed: int, profile: str, kind: str | None) -> Case:
@@ -203,6 +205,18 @@ def _with_tf32(case: Case) -> Case:
                                                < TF32_P))
 
 
+def _with_proj(case: Case) -> Case:
+    """An LSTM layer case of the long profile with a projection or not, from a generator of its
+    own (not with a stall or CTAs held back, whose draws read the plan without one)."""
+    if (case.kind != "layer" or case.profile != "long" or not REGISTRY[case.cell].projection
+            or case.hidden < 2 or case.stall or case.max_resident or not case.stack
+            and case.hidden > 300):
+        return case
+    rng = np.random.default_rng([case.seed, 29])
+    return dataclasses.replace(case, proj=int(rng.integers(1, case.hidden)) if rng.random()
+                               < PROJ_P else 0)
+
+
 def emulated_profile(path: str, tf32: bool = False) -> hardware.DeviceProfile:
     """The emulated device: an H100 (small layers as one cluster), or one without clusters;
     ``tf32``: as ``settings.allow_tf32`` plans it (``runtime``)."""
@@ -215,7 +229,7 @@ def emulated_profile(path: str, tf32: bool = False) -> hardware.DeviceProfile:
 def _plan(case: Case) -> planner.Plan:
     """The plan of one layer-direction of the case's persistent passes."""
     return planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
-                             emulated_profile(case.path, case.tf32))
+                             emulated_profile(case.path, case.tf32), proj_size=case.proj)
 
 
 def _grid(case: Case, name: str = "forward") -> int:
@@ -226,8 +240,10 @@ def _grid(case: Case, name: str = "forward") -> int:
 
 def _stacked(case: Case) -> bool:
     """Whether the case's persistent passes run in stack mode (all layers, or both directions
-    of a layer, in one launch): allowed, more than one layer-direction, and the plan fits."""
+    of a layer, in one launch): allowed, more than one layer-direction, no projection (no stack
+    kernel has one), and the plan fits."""
     return (case.algo == "persistent" and case.stack and (case.num_layers > 1 or case.bidirectional)
+            and not case.proj
             and planner.make_stack_plan(case.cell, case.hidden, case.batch, case.num_layers,
                                         case.bidirectional, case.dtype,
                                         emulated_profile(case.path, case.tf32)).fits)
@@ -269,7 +285,7 @@ def features(case: Case) -> set[str]:
         got |= set(case.modes)
     flags = {"multi-layer": case.num_layers > 1, "bidirectional": case.bidirectional,
              "batch_first": case.batch_first, "no bias": not case.bias,
-             "lengths": case.lengths, "hx": case.hx}
+             "lengths": case.lengths, "hx": case.hx, "projection": bool(case.proj)}
     return got | {name for name, on in flags.items() if on}
 
 
@@ -289,11 +305,11 @@ def _data(case: Case, rng: np.random.Generator) -> dict[str, Any]:
     """x, hx, lengths, dy, dhn as float64 arrays holding values of the case's dtype."""
     dirs = 2 if case.bidirectional else 1
     lead = (case.batch, case.steps) if case.batch_first else (case.steps, case.batch)
-    state = (case.num_layers * dirs, case.batch, case.hidden)
+    width = case.proj or case.hidden  # h's (c stays H wide)
     pair = REGISTRY[case.cell].has_cell_state
     q = lambda a: a.astype(_dtype(case.dtype)).astype(np.float64)  # noqa: E731
-    states = lambda scale: (tuple(q(scale * rng.standard_normal(state))  # noqa: E731
-                                  for _ in range(2 if pair else 1)))
+    states = lambda scale: (tuple(q(scale * rng.standard_normal(  # noqa: E731
+        (case.num_layers * dirs, case.batch, w))) for w in (width, case.hidden)[:2 if pair else 1]))
     hx = states(0.5)
     dhn = states(1.0)
     lengths = None
@@ -302,7 +318,7 @@ def _data(case: Case, rng: np.random.Generator) -> dict[str, Any]:
         lengths[rng.integers(case.batch)] = case.steps  # torch's padded output has T steps
     return dict(x=q(rng.standard_normal(lead + (case.input_size,))),
                 hx=(hx if pair else hx[0]) if case.hx else None, lengths=lengths,
-                dy=q(rng.standard_normal(lead + (dirs * case.hidden,))),
+                dy=q(rng.standard_normal(lead + (dirs * width,))),
                 dhn=dhn if pair else dhn[0])
 
 
@@ -321,7 +337,7 @@ def _layer(case: Case, dtype: str, algo: str, params: dict | None = None):
     layer = getattr(prnn, mode)(case.input_size, case.hidden, num_layers=case.num_layers,
                                 bias=case.bias, batch_first=case.batch_first,
                                 bidirectional=case.bidirectional, dtype=dtype, algo=algo,
-                                seed=case.seed, **kw)
+                                proj_size=case.proj, seed=case.seed, **kw)
     if params is not None:
         layer.load_params(params)
     return layer
@@ -435,19 +451,13 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict,
       pre-activation across zero), within ``FREE_RUNNING[dtype]``.
 
     ``tf32``: a pass ran W_hh in TF32 (docs/api.md, "TF32"): every measure within ``TF32``.
+    An LSTM projection's case has the second measure only (``trajectory_reference`` replays
+    steps without W_hr).
     """
     u = UNIT_ROUNDOFF[case.dtype]
-    excess, traj = trajectory_reference(ctx, data)
     tag = " tf32" if tf32 else f" {case.dtype}"
     step, limit, free = (TF32, TF32, TF32) if tf32 else (FP32, u + FP32, FREE_RUNNING[case.dtype])
-    worst = {"trajectory forward" + tag: excess}
-    _require(case, excess <= step, f"a state is {excess:.3g} past one rounding of its "
-                                   f"float64 step (tolerance {step})")
-    for key, want in traj.items():
-        err = relerr(out[key], want)
-        worst["trajectory backward" + tag] = max(worst.get("trajectory backward" + tag, 0.0), err)
-        _require(case, err <= limit, f"{key}: relative error {err:.3g} against float64 along "
-                                     f"the run's states > {limit:.3g}")
+    worst = {} if case.proj else _check_trajectory(case, out, ctx, data, tag, step, limit)
     forward_only = case.cell == "rnn_relu"
     for key, want in ref64.items():
         if forward_only and not (key == "y" or key.startswith("hn")):
@@ -457,6 +467,21 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict,
         worst[measure + tag] = max(worst.get(measure + tag, 0.0), err)
         _require(case, err <= free, f"{key}: relative error {err:.3g} against the float64 "
                                     f"layer > {free}")
+    return worst
+
+
+def _check_trajectory(case: Case, out: dict, ctx, data: dict, tag: str, step: float,
+                      limit: float) -> dict[str, float]:
+    """``check_layer``'s first measure, along the run's own states; the worst errors."""
+    excess, traj = trajectory_reference(ctx, data)
+    worst = {"trajectory forward" + tag: excess}
+    _require(case, excess <= step, f"a state is {excess:.3g} past one rounding of its "
+                                   f"float64 step (tolerance {step})")
+    for key, want in traj.items():
+        err = relerr(out[key], want)
+        worst["trajectory backward" + tag] = max(worst.get("trajectory backward" + tag, 0.0), err)
+        _require(case, err <= limit, f"{key}: relative error {err:.3g} against float64 along "
+                                     f"the run's states > {limit:.3g}")
     return worst
 
 
@@ -551,7 +576,8 @@ def _check_stats(case: Case, fwd, bwd) -> None:
         _require(case, stacked == _stacked(case),
                  f"{name}: stack mode {'used' if stacked else 'not used'}: {s.details}")
         clustered = any("PRNN_CLUSTER" in d for d in s.details)
-        want = not stacked and case.path == "cluster" and _plan(case).tile.cluster > 0
+        tile = _plan(case).tile  # (a projection's: no cluster field while it has no cluster tile)
+        want = not stacked and case.path == "cluster" and getattr(tile, "cluster", 0) > 0
         _require(case, clustered == want, f"{name} ran on the wrong exchange path: {s.details}")
         if case.dtype == "float32" and s.fallback is None:  # (fp32: PRNN_MMA is a TF32 tile)
             tf32 = any("PRNN_MMA" in d for d in s.details)
@@ -833,7 +859,8 @@ def _brief(case: Case) -> str:
         return f"{case.cell} {case.bad!r}"
     extra = (f" stall {case.stall}" if case.stall else "") + (
         f" resident {case.max_resident}" if case.max_resident else "") + (
-        f" modes {','.join(case.modes)}" if case.modes else "") + (" tf32" if case.tf32 else "")
+        f" modes {','.join(case.modes)}" if case.modes else "") + (" tf32" if case.tf32 else "") + (
+        f" proj {case.proj}" if case.proj else "")
     path = "/" + case.path if case.algo == "persistent" else ""
     return (f"{case.cell} {case.dtype} {case.algo}{path}"
             f" H{case.hidden} B{case.batch} T{case.steps} L{case.num_layers}"
