@@ -9,8 +9,9 @@ Each case is drawn from one integer seed (``draw_case``) and checked by ``run_ca
   multi-layer, bidirectional, batch-first, with lengths and h0/c0, forward and backward,
   against float64 (``check_layer``, the measures of docs/api.md "Accuracy"; float32 persistent
   cases with ``allow_tf32`` or not, docs/api.md "TF32"); a stalled run must equal an undisturbed
-  one bit for bit, and ``last_run`` must say what ran. The call is then repeated on new data and
-  weights updated in place (``check_repeat``): the planned path, bit for bit a fresh layer's.
+  one bit for bit, and ``last_run`` must say what ran; the long profile's LSTM cases have a
+  projection (``proj_size``) now and then. The call is then repeated on new data and weights
+  updated in place (``check_repeat``): the planned path, bit for bit a fresh layer's.
 * ``module``: a ``persistent_rnn.torch`` module (``algo`` "auto", "gemm", "persistent") against
   ``torch.nn`` on the same weights and data (padded or packed), outputs and every gradient; its
   call repeated as a layer's (``check_module_repeat``).
