@@ -680,8 +680,8 @@ def run_module_case(case: Case) -> dict[str, float]:
 
 def check_module_repeat(case: Case, ours, dtype) -> None:
     """``check_repeat`` for a torch module: the call again on new data (which plans its
-    signature), the weights updated in place, and once more, bit for bit a fresh module's with the
-    same weights."""
+    signature), the weights updated in place, and once more (planned where persistent), bit for
+    bit a fresh module's with the same weights."""
     import torch
     rng = np.random.default_rng([case.seed, 3])
     run_module(ours, _data(case, rng), dtype, case.batch_first)
@@ -690,6 +690,9 @@ def check_module_repeat(case: Case, ours, dtype) -> None:
         for p in ours.parameters():
             p.mul_(1 + 0.1 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
     data = _data(case, rng)
+    _require(case, ours._record.plan is not None or case.algo != "persistent"
+             or ours.last_run.algo != "persistent",
+             f"the module's call was not planned: {ours.last_run}")
     got = run_module(ours, data, dtype, case.batch_first)
     fresh = _torch_module(case, True).to(dtype)
     fresh.load_state_dict(ours.state_dict())
