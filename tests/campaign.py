@@ -221,7 +221,8 @@ def _with_proj(case: Case) -> Case:
 def emulated_profile(path: str, tf32: bool = False) -> hardware.DeviceProfile:
     """The emulated device: an H100 (small layers as one cluster), or one without clusters;
     ``tf32``: as ``settings.allow_tf32`` plans it (``runtime``)."""
-    h100 = dataclasses.replace(hardware.PROFILES["h100"], allow_tf32=tf32)
+    h100 = hardware.PROFILES["h100"]
+    h100 = dataclasses.replace(h100, allow_tf32=True) if tf32 else h100
     if path == "cluster":
         return h100
     return dataclasses.replace(h100, name="h100 without clusters", arch="sm_80")
