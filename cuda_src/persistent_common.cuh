@@ -521,18 +521,27 @@ using Exchange = ExchangeOf<>;
 
 // The exchange of a launch, rows of Padded words (the staged vector's row stride; default the
 // -D tile's). `global`: the host's buffer (grid); `sh`: the kernel's shared memory, carved up to
-// here, whose next region (EXCHANGE, plan.shared_layout) a cluster keeps its copy of the words
-// in. In a cluster every CTA zeroes its copy, then the cluster meets once, so no store can land
-// before the zeroing. `busy`: the threads with pointwise work before this exchange's gather
-// (default batch * kUnits). Every thread calls it.
-template <int Padded = kPadded>
+// here, whose next region (EXCHANGE, plan.shared_layout; kSecondRegion: EXCHANGE_B, the LSTM
+// projection's exchange of its second tile, plan.projection_shared_layout) a cluster keeps its
+// copy of the words in. In a cluster every CTA zeroes its copy, then the cluster meets once, so
+// no store can land before the zeroing. `busy`: the threads with pointwise work before this
+// exchange's gather (default batch * kUnits). Every thread calls it.
+template <int Padded = kPadded, bool kSecondRegion = false>
 PRNN_DEVICE ExchangeOf<Padded> begin_exchange(unsigned* global, SharedCarver& sh, int batch,
                                               int k_len, int busy = -1) {
   if (busy < 0) busy = batch * kUnits;
   ExchangeOf<Padded> x{global, {batch * Padded / 4, exchange_row_words(k_len)}, k_len,
                        (int)threadIdx.x >= busy};
 #ifdef PRNN_CLUSTER
-  x.words = sh.aligned_rows<unsigned>(PRNN_SMEM_EXCHANGE, PRNN_SMEM_EXCHANGE_ALIGN);
+  if constexpr (kSecondRegion) {
+#ifdef PRNN_SMEM_EXCHANGE_B
+    x.words = sh.aligned_rows<unsigned>(PRNN_SMEM_EXCHANGE_B, PRNN_SMEM_EXCHANGE_B_ALIGN);
+#else
+    static_assert(!kSecondRegion, "a second exchange needs -D PRNN_SMEM_EXCHANGE_B");
+#endif
+  } else {
+    x.words = sh.aligned_rows<unsigned>(PRNN_SMEM_EXCHANGE, PRNN_SMEM_EXCHANGE_ALIGN);
+  }
   for (size_t i = threadIdx.x; i < 2 * x.slot(); i += blockDim.x) x.words[i] = 0u;
   prnn_cluster_sync();
 #endif

@@ -43,8 +43,8 @@ PRNN_KERNEL void prnn_projection_backward(
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   const size_t plane = (size_t)batch * hidden, rplane = (size_t)batch * proj;
   SharedCarver sh(batch);  // (plan.projection_shared_layout)
-  float* g_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dg_{t+1}
-  float* r_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: drs_t
+  float* g_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: dg_{t+1} (grid only)
+  float* r_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: drs_t (grid only)
   float* pa_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][V]: partial W_hh^T dg_{t+1}
   float* pb_s = sh.rows(PRNN_SMEM_PARTIAL_B);  // [batch][kKsplitB][kUnits]: partial W_hr^T drs_t
   float* in_s = sh.rows(PRNN_SMEM_INPUTS);    // [2][batch][kInputs][kUnits]: inputs by parity
@@ -53,7 +53,7 @@ PRNN_KERNEL void prnn_projection_backward(
   float* dr_s = sh.rows(PRNN_SMEM_DR);        // [batch][V]: dr carry
   int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   // Each exchange's rows are its staged vector's: drs_t in tile B's, dg_t in tile A's.
-  const ExchangeOf<kPaddedB> xr = begin_exchange<kPaddedB>(exchange_r, sh, batch, proj, batch * V);
+  const ExchangeOf<kPaddedB> xr = begin_exchange<kPaddedB, true>(exchange_r, sh, batch, proj, batch * V);
   const Exchange xg = begin_exchange(exchange_g, sh, batch, gh_len);
 
   RegisterTile rec;
@@ -72,7 +72,7 @@ PRNN_KERNEL void prnn_projection_backward(
     if (q < proj) dr_s[idx] = dr_carry[parity * rplane + (size_t)b * proj + q];
   }
   for (int b = threadIdx.x; b < batch; b += blockDim.x) len_s[b] = lengths[b];
-  zero_staged(r_s, batch, kPaddedB);
+  if (!kDirectRead) zero_staged(r_s, batch, kPaddedB);
 
   auto prefetch_inputs = [&](int t) {
     float* base = in_s + (t & 1) * batch * kInputs * kUnits;
@@ -96,23 +96,20 @@ PRNN_KERNEL void prnn_projection_backward(
     }
   };
   prefetch_inputs(start);
-  if (start + 1 < steps) {
-    stage_exchanged(g_s, dgh + (size_t)(start + 1) * batch * gh_len, batch, gh_len);
-  } else {  // step T-1 has no recurrent input; later gathers rely on the zero padding
-    zero_staged(g_s, batch, kPadded);
-    finish_copies();
-  }
+  // dg_{start+1} (none at step T-1: it has no recurrent input)
+  begin_steps(xg, g_s, start + 1,
+              start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr, batch);
 
   int t = start, failed = 0;
   for (;;) {
-    // dg_{t+1} and step t's inputs are in shared memory; any timeout?
-    if (prnn_sync_block_or(failed)) {
+    // W_hh^T dg_{t+1} (step t's inputs are in shared memory); any timeout? Then step t-1's
+    // inputs: their buffer was last read by step t+1's pointwise.
+    const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
+    if (projection_product(rec, xg, t + 1, g_s, pa_s, recurrent ? batch : 0, V, kKsplit, failed,
+                           ctl, timeout_ns, [&] { if (t > 0) prefetch_inputs(t - 1); })) {
       ++t;  // step t was not completed
       break;
     }
-    if (t > 0) prefetch_inputs(t - 1);  // its buffer was last read by step t+1's pointwise
-    const bool recurrent = t + 1 < steps;  // false only at a launch's first step, t = T-1
-    if (recurrent) multiply_batch(rec, g_s, pa_s, batch, V);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* dyt = dy_s + (t & 1) * batch * V;
     for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
@@ -126,13 +123,13 @@ PRNN_KERNEL void prnn_projection_backward(
       // The carry stays in shared memory; the global copy is what a restart resumes from.
       dr_carry[(t & 1) * rplane + (size_t)b * proj + q] = dr_s[idx] = active ? 0.0f : dr;
     }
-    failed = !xr.gather(r_s, t, ctl, timeout_ns);
-    // drs_t is in shared memory; any timeout?
-    if (prnn_sync_block_or(failed)) {
+    failed = end_step(xr, r_s, t, ctl, timeout_ns);
+    // W_hr^T drs_t; any timeout?
+    if (projection_product(back, xr, t, r_s, pb_s, batch, kUnits, kKsplitB, failed, ctl,
+                           timeout_ns, [] {})) {
       ++t;
       break;
     }
-    multiply_batch(back, r_s, pb_s, batch, kUnits, kKsplitB, kPaddedB);  // ends with a block barrier
     const float* in_t = in_s + (t & 1) * batch * kInputs * kUnits;
     for (int idx = threadIdx.x; idx < batch * kUnits; idx += blockDim.x) {
       const int b = idx / kUnits, u = idx % kUnits, j = j0 + u;
@@ -154,7 +151,7 @@ PRNN_KERNEL void prnn_projection_backward(
       dc_carry[(t & 1) * plane + (size_t)b * hidden + j] = dc_s[idx] = dc_prev;
     }
     if (t == 0) break;
-    failed = !xg.gather(g_s, t, ctl, timeout_ns);
+    failed = end_step(xg, g_s, t, ctl, timeout_ns);
     prnn_copy_wait();  // step t-1's inputs
     --t;
   }

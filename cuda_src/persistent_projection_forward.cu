@@ -6,15 +6,17 @@
 //   wait for r_{t-1} (exchange; a launch's first step: y[t-1] or h0) -> gates of the owned units
 //   (tile A) -> cell -> hs[t], cs[t], saved[t]; publish h_t -> wait for h_t (every unit) ->
 //   the owned rows of r_t = W_hr h_t (tile B; past a length r_t = r_{t-1}) -> y[t]; publish r_t.
-// Two exchanges, four block barriers per step. A step only reads step t-1's results and writes
-// its own slots, so a replay is idempotent; a CTA records the last step whose r_t it published
-// when it exits and the host restarts from min(progress)+1. 16-bit layers round r_t (the state,
-// what y holds) to the 16-bit type; h_t stays fp32.
+// Two exchanges per step; four block barriers on the grid, two in a cluster (its warps read the
+// exchanged words in place: persistent_projection.cuh). A step only reads step t-1's results and
+// writes its own slots, so a replay is idempotent; a CTA records the last step whose r_t it
+// published when it exits and the host restarts from min(progress)+1. 16-bit layers (also where
+// the fp32 tile is widened) round r_t (the state, what y holds) to the 16-bit type; h_t stays
+// fp32.
 #include "persistent_projection.cuh"
 
 PRNN_KERNEL void prnn_projection_forward(
-    const prnn::WeightWord* w_hh,  // (4H, P); 16-bit: (4H, ceil(P/2)) words of pairs
-    const prnn::WeightWord* w_hr,  // (P, H); 16-bit: (P, ceil(H/2)) words
+    const prnn::WeightSource* w_hh,  // (4H, P); 16-bit: (4H, ceil(P/2)) words of pairs
+    const prnn::WeightSource* w_hr,  // (P, H); 16-bit: (P, ceil(H/2)) words
     const float* b_hh,      // (4H,) zeros when the layer has no bias
     const float* gi,        // (T, B, 4H)  W_ih x_t + b_ih
     const float* h0, const float* c0,  // (B, P) r_{-1}, (B, H)
@@ -33,8 +35,8 @@ PRNN_KERNEL void prnn_projection_forward(
   const PrnnStall stall{stall_block, stall_step, stall_ns};
   const int j0 = blockIdx.x * kUnits, q0 = blockIdx.x * V, gh_len = G * hidden;
   SharedCarver sh(batch);  // (plan.projection_shared_layout)
-  float* r_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: r_{t-1}
-  float* h_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: h_t
+  float* r_s = sh.rows(PRNN_SMEM_STAGED);     // [batch][kPadded]: r_{t-1} (grid only)
+  float* h_s = sh.rows(PRNN_SMEM_STAGED_B);   // [batch][kPaddedB]: h_t (grid only)
   float* gh_s = sh.rows(PRNN_SMEM_PARTIAL);   // [batch][kKsplit][R]: partial W_hh r_{t-1}
   float* pr_s = sh.rows(PRNN_SMEM_PARTIAL_B);  // [batch][kKsplitB][V]: partial W_hr h_t
   float* gi_s = sh.rows(PRNN_SMEM_GI);        // [2][batch][G][kUnits]: gi_t by step parity
@@ -45,7 +47,7 @@ PRNN_KERNEL void prnn_projection_forward(
   int* len_s = sh.rows<int>(PRNN_SMEM_LENGTHS);  // [batch]: lengths
   // Each exchange's rows are its staged vector's: r_t in tile A's, h_t in tile B's.
   const Exchange xr = begin_exchange(exchange_r, sh, batch, proj, batch * V);
-  const ExchangeOf<kPaddedB> xh = begin_exchange<kPaddedB>(exchange_h, sh, batch, hidden);
+  const ExchangeOf<kPaddedB> xh = begin_exchange<kPaddedB, true>(exchange_h, sh, batch, hidden);
 
   const Team team = step_team<G>();  // the whole CTA
   RegisterTile gates;
@@ -65,7 +67,7 @@ PRNN_KERNEL void prnn_projection_forward(
     const int b = idx / V, q = q0 + idx % V;
     if (q < proj) rp_s[idx] = start > 0 ? y[((size_t)(start - 1) * batch + b) * proj + q] : h0[(size_t)b * proj + q];
   }
-  zero_staged(h_s, batch, kPaddedB);
+  if (!kDirectRead) zero_staged(h_s, batch, kPaddedB);
   auto prefetch_gi = [&](int t) {
     float* dst = gi_s + (t & 1) * batch * G * kUnits;
     for (int idx = threadIdx.x; idx < batch * G * kUnits; idx += blockDim.x) {
@@ -74,30 +76,30 @@ PRNN_KERNEL void prnn_projection_forward(
     }
   };
   prefetch_gi(start);
-  stage_exchanged(r_s, start > 0 ? y + (size_t)(start - 1) * batch * proj : h0, batch, proj);
+  begin_steps(xr, r_s, start - 1, start > 0 ? y + (size_t)(start - 1) * batch * proj : h0, batch);
 
   int t = start, failed = 0;
   for (;;) {
-    // r_{t-1} and gi_t are in shared memory; any timeout?
-    if (prnn_sync_block_or(failed)) {
+    // W_hh r_{t-1} (gi_t is in shared memory); any timeout? Then gi_{t+1}: its buffer was last
+    // read by step t-1's pointwise.
+    if (projection_product(gates, xr, t - 1, r_s, gh_s, batch, R, kKsplit, failed, ctl, timeout_ns,
+                           [&] { if (t + 1 < steps) prefetch_gi(t + 1); })) {
       --t;  // step t was not completed
       break;
     }
-    if (t + 1 < steps) prefetch_gi(t + 1);  // its buffer was last read by step t-1's pointwise
-    multiply_batch(gates, r_s, gh_s, batch, R);  // ends with a block barrier
     prnn_maybe_stall(stall, t);
     const float* gi_t = gi_s + (t & 1) * batch * G * kUnits;
     // h_t stays fp32 (r_t is the state); hs holds it.
     forward_pointwise<false>(team, t, batch, hidden, j0, len_s, hp_s, c_s, hs, cs, saved,
                              staged_gates(gi_t, gh_s, bias_s, team, R),
                              [&](int b, int j, float h) { xh.publish(t, b, j, h); });
-    failed = !xh.gather(h_s, t, ctl, timeout_ns);
-    // h_t is in shared memory; any timeout?
-    if (prnn_sync_block_or(failed)) {
+    failed = end_step(xh, h_s, t, ctl, timeout_ns);
+    // W_hr h_t; any timeout?
+    if (projection_product(projection, xh, t, h_s, pr_s, batch, V, kKsplitB, failed, ctl,
+                           timeout_ns, [] {})) {
       --t;
       break;
     }
-    multiply_batch(projection, h_s, pr_s, batch, V, kKsplitB, kPaddedB);  // ends with a block barrier
     for (int idx = threadIdx.x; idx < batch * V; idx += blockDim.x) {
       const int b = idx / V, q = q0 + idx % V;
       if (q >= proj) continue;
@@ -107,7 +109,7 @@ PRNN_KERNEL void prnn_projection_forward(
       y[((size_t)t * batch + b) * proj + q] = rp_s[idx] = r;
     }
     if (t + 1 == steps) break;
-    failed = !xr.gather(r_s, t, ctl, timeout_ns);
+    failed = end_step(xr, r_s, t, ctl, timeout_ns);
     prnn_copy_wait();  // gi_{t+1}
     ++t;
   }

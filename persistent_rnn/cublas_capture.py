@@ -14,6 +14,13 @@ layer's input projection (``matmul.tensor_core_matmul``: 16-bit operands, fp32 o
 accumulation) issues its own ``gemmEx``, with the same arguments eager or captured: while a chain
 is captured it calls ``gemm_ex`` here rather than CuPy's binding.
 
+With ``settings.allow_tf32`` a float32 product is the library's own call, not ``cupy.matmul``'s:
+the same ``cublasGemmEx`` with ``CUBLAS_COMPUTE_32F_FAST_TF32`` passed as its compute type
+(``matmul(..., tf32=True)``), eagerly through CuPy's binding (``matmul.tf32_matmul``) and while a
+chain is captured through ``gemm_ex``, so that the replay computes the eager call's bits. Passed
+per call, it leaves CuPy's process-wide compute type (``CUPY_TF32``,
+``cupy._core.set_compute_type``: CuPy 14.2 has no other) to the user's own ``cupy.matmul``.
+
 What ``cupy.matmul`` would not compute as one GEMM (a 1 x 1 result, which it reduces instead;
 an operand it would copy first; an output it would write through a temporary) raises
 ``NotImplementedError``: the capture then fails and that chain runs launch by launch
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -35,24 +42,28 @@ _ZERO = {np.dtype(np.float32): np.zeros(1, np.float32),
          np.dtype(np.float64): np.zeros(1, np.float64)}
 
 
-def matmul(cupy, a: Array, b: Array, out: Array) -> Array:
+def matmul(cupy, a: Array, b: Array, out: Array, tf32: bool = False) -> Array:
     """``out = a @ b`` (2-D float32 or float64 operands of one dtype, ``out`` C-contiguous of the
     result's shape and dtype) by ``cublasGemmEx`` on the current stream, as ``cupy.matmul``
-    (module docstring). TypeError / ValueError naming the argument for operands it does not
-    take; NotImplementedError where ``cupy.matmul`` would not issue one GEMM."""
-    problem = gemm_problem(a, b, out)
+    (module docstring); ``tf32``: float32 operands in TF32 (``CUBLAS_COMPUTE_32F_FAST_TF32``).
+    Through ``gemm_ex`` where the stream is being captured, else CuPy's binding. TypeError /
+    ValueError naming the argument for operands it does not take; NotImplementedError where
+    ``cupy.matmul`` would not issue one GEMM."""
+    problem = gemm_problem(a, b, out, tf32)
     if problem is None:  # an empty product: what cupy.matmul writes (no cuBLAS call)
         if out.size:
             out.fill(0)
         return out
     from cupy_backends.cuda.libs import cublas
-    kind, compute = _types(cupy, cublas, a.dtype)
+    kind, compute = _types(cupy, cublas, a.dtype, tf32)
     algo = (cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP if int(cupy.cuda.Device().compute_capability) >= 80
             else cublas.CUBLAS_GEMM_DEFAULT)
+    gemm = (partial(gemm_ex, cupy) if cupy.cuda.get_current_stream().is_capturing()
+            else cublas.gemmEx)
     op_1, op_2, m, n, k, first, ld_1, second, ld_2, ldc = problem
-    gemm_ex(cupy, cupy.cuda.device.get_cublas_handle(), op_1, op_2, m, n, k,
-            _ONE[a.dtype].ctypes.data, first.data.ptr, kind, ld_1, second.data.ptr, kind, ld_2,
-            _ZERO[a.dtype].ctypes.data, out.data.ptr, kind, ldc, compute, algo)
+    gemm(cupy.cuda.device.get_cublas_handle(), op_1, op_2, m, n, k,
+         _ONE[a.dtype].ctypes.data, first.data.ptr, kind, ld_1, second.data.ptr, kind, ld_2,
+         _ZERO[a.dtype].ctypes.data, out.data.ptr, kind, ldc, compute, algo)
     return out
 
 
@@ -72,13 +83,14 @@ def gemm_ex(cupy, handle: int, op_1: int, op_2: int, m: int, n: int, k: int, alp
         c_type, ldc, compute, algo), "cublasGemmEx")
 
 
-def gemm_problem(a: Array, b: Array, out: Array) -> tuple | None:
+def gemm_problem(a: Array, b: Array, out: Array, tf32: bool = False) -> tuple | None:
     """The column-major problem ``cupy.matmul`` hands ``cublasGemmEx`` for ``out = a @ b``:
     ``(op_1, op_2, m, n, k, first, ld_1, second, ld_2, ldc)`` of ``C = op_1(first) op_2(second)``
     (ops 0: N, 1: T), or ``None`` for an empty product. cuBLAS sees the row-major ``out`` (r, c)
     as the column-major ``out^T`` (c, r) = ``b^T a^T``: CuPy takes ``a^T`` (k, r) and ``b``
     (k, c), each as it lies in memory (``_operand``), and computes
-    ``out^T = op(b) op(a^T)``."""
+    ``out^T = op(b) op(a^T)``. ``tf32``: the library's own TF32 call, which ``cupy.matmul``
+    never makes: a 1 x 1 product is one GEMM too."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"a, b: expected 2-D operands of matching inner sizes, got "
                          f"{a.shape} @ {b.shape}")
@@ -93,9 +105,9 @@ def gemm_problem(a: Array, b: Array, out: Array) -> tuple | None:
         raise NotImplementedError("a strided out: cupy.matmul writes a temporary")
     if not (rows and cols and k):
         return None
-    if rows == 1 and cols == 1:
+    if rows == 1 and cols == 1 and not tf32:
         raise NotImplementedError("a 1 x 1 product: cupy.matmul computes it as a reduction")
-    if _overlaps(out, a) or _overlaps(out, b):
+    if overlaps(out, a) or overlaps(out, b):
         raise NotImplementedError("out overlaps an operand: cupy.matmul writes a temporary")
     a_t, op_a, ld_a = _operand(a.T, 0)
     b, op_b, ld_b = _operand(b, 1)
@@ -114,7 +126,7 @@ def _operand(x: Array, trans: int) -> tuple[Array, int, int]:
     return x, 1 - trans, x.strides[0] // item
 
 
-def _overlaps(x: Array, y: Array) -> bool:
+def overlaps(x: Array, y: Array) -> bool:
     """Whether the memory spans of two arrays may share bytes (CuPy's ``may_share_bounds``)."""
     def span(a: Array) -> tuple[int, int]:
         low = a.data.ptr + sum(s * (n - 1) for s, n in zip(a.strides, a.shape) if s < 0)
@@ -124,9 +136,12 @@ def _overlaps(x: Array, y: Array) -> bool:
     return x.size > 0 and y.size > 0 and lo_x < hi_y and lo_y < hi_x
 
 
-def _types(cupy, cublas, dtype) -> tuple[int, int]:
-    """``(cudaDataType, cublasComputeType)`` of ``cupy.matmul``'s call for ``dtype`` under its
-    current compute-type setting (``CUPY_TF32``, ``cupy._core.set_compute_type``)."""
+def _types(cupy, cublas, dtype, tf32: bool) -> tuple[int, int]:
+    """``(cudaDataType, cublasComputeType)`` of the call for ``dtype``: with ``tf32`` (float32)
+    TF32's, whatever CuPy's setting; otherwise ``cupy.matmul``'s under its current compute-type
+    setting (``CUPY_TF32``, ``cupy._core.set_compute_type``)."""
+    if tf32:
+        return cupy.cuda.runtime.CUDA_R_32F, cublas.CUBLAS_COMPUTE_32F_FAST_TF32
     from cupy._core import _routines_linalg as linalg
     setting = linalg.get_compute_type(dtype)
     if dtype == np.float64:

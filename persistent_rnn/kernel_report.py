@@ -2,7 +2,8 @@
 
 ``kernel_records`` compiles the configurations of every kernel family (``KERNEL_FAMILIES``:
 the layer kernels on the grid and as clusters, the grid's tensor-core tiles in batch groups, the
-LSTM projection, the stack, the 16-bit stack on the tensor cores), each cell's
+LSTM projection on the grid and as a cluster, the stack, the 16-bit stack on the tensor cores),
+each cell's
 forward and backward kernel for every tile the planner can choose, for each architecture,
 with NVRTC (no GPU needed; cached by ``kernels``), and reads ptxas' report back: registers
 per thread and spill bytes. The library requires zero spills and registers within the plan.
@@ -105,10 +106,11 @@ def group(record: dict) -> tuple:
     (``CellSpec.tiles``: the two Elman cells) run the same tiles and differ in their activation
     alone, so a group's edge is built for the family's first cell in ``CELLS``. The tensor-core
     tiles (the ``mma`` families) and the fp32 tiles serving 16-bit layers (``widened``) form one
-    group per placement, pass and arch (CI: a few configurations); the mma projection and the mma
-    stacks one group per arch each (CI: one configuration, the edge of both passes - for the
-    projection the backward holding the most weights, ptxas' register edge)."""
-    if record["family"] in ("mma projection", "mma stack"):
+    group per placement, pass and arch (CI: a few configurations); the mma projection, the
+    projection cluster and the mma and TF32 stacks one group per arch each (CI: one configuration, the
+    edge of both passes - for the mma projection the backward holding the most weights, ptxas'
+    register edge)."""
+    if record["family"] in ("mma projection", "projection cluster", "mma stack", "tf32 stack"):
         return record["family"], "all", "16-bit", "both", record["arch"]
     if record["family"].startswith(("mma", "widened", "tf32")):
         return record["family"], "all", "16-bit", record["pass"], record["arch"]
@@ -191,30 +193,41 @@ def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
                 yield cell, half, planner.widened_pass(p, half, False), arch, proj
 
 
-def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False):
-    """The LSTM projection kernels (grid only) at their tiles' largest H and P < H. ``mma``: the
+def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False, cluster: bool = False):
+    """The LSTM projection kernels on the grid at their tiles' largest H and P < H. ``mma``: the
     tensor-core tiles instead (16-bit; the backward as planned at ``REPORT_BATCH``, on the tensor
-    cores)."""
+    cores); ``cluster``: the cluster tiles at their full cluster, on the archs with clusters:
+    fp32, and the forwards widening 16-bit layers' weights (``plan.widened_pass``; their backward
+    is the fp32 one)."""
     for dtype in planner.KERNEL_DTYPES:
-        for ptile in planner.projection_tiles_for(dtype, mma):
+        for ptile in planner.projection_tiles_for(dtype, mma, cluster):
             hidden, proj = planner.projection_capacity(ptile)
+            if cluster:
+                hidden = min(hidden, ptile.units * ptile.cluster)
             proj = min(proj, hidden - 1)
             for backward in (False, True):
+                if cluster and dtype != "float32" and backward:
+                    continue
                 p = planner.projection_pass_plan(ptile, backward, hidden, proj, REPORT_BATCH,
-                                                 dtype=dtype)
+                                                 dtype="float32" if cluster else dtype)
+                if cluster and dtype != "float32":
+                    p = planner.widened_pass(p, dtype, False)
                 for arch in archs:
-                    if planner.projection_tile_ships(ptile, dtype, arch):
+                    if planner.projection_tile_ships(ptile, dtype, arch) \
+                            and (not cluster or _has_clusters(arch)):
                         yield PROJECTION_CELL, dtype, p, arch, proj
 
 
-def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("float32",)):
+def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("float32",),
+                tf32: bool = False):
     """The stack kernels, planned for ``REPORT_STACK`` layers: fp32 (``dtypes``), or the 16-bit
     stacks' tensor-core tiles (``tiles.MMA_STACK_TILES``; the backward as planned at
     ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the
-    CUDA-core 16-bit backward, not listed)."""
+    CUDA-core 16-bit backward, not listed). ``tf32``: float32's TF32 stack tiles
+    (``tiles.TF32_STACK_TILES``: the forward in TF32, the backward fp32)."""
     for dtype in dtypes:
         for cell in CELLS.values():
-            for tile in planner.stack_tiles_for(cell, dtype):
+            for tile in planner.stack_tiles_for(cell, dtype, tf32):
                 hidden = planner.stack_max_hidden(cell, tile)
                 for backward in (False, True):
                     p = planner.pass_plan(cell, tile, backward, hidden, REPORT_BATCH, dtype,
@@ -251,8 +264,10 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "widened cluster": KernelFamily(partial(_widened_jobs, cluster=True), in_ci=False),
     "projection": KernelFamily(_projection_jobs),
     "mma projection": KernelFamily(partial(_projection_jobs, mma=True)),
+    "projection cluster": KernelFamily(partial(_projection_jobs, cluster=True)),
     "stack": KernelFamily(_stack_jobs),
     "mma stack": KernelFamily(partial(_stack_jobs, dtypes=("float16", "bfloat16"))),
+    "tf32 stack": KernelFamily(partial(_stack_jobs, tf32=True)),
 }
 
 

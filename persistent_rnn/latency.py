@@ -518,12 +518,15 @@ def remote_stores(step: StepLoop) -> float:
 
 def cluster_exchange_us(step: StepLoop) -> float:
     """A cluster's exchange: the measured cluster round at the pass's CTA count (one store
-    instruction per destination CTA from one warp) plus the CTA's further store instructions
-    into the cluster's shared memory (``remote_stores``), ``hw.DSMEM_STORE_NS`` each: every
-    warp of a warp team publishes its own units to every CTA."""
-    ctas = step.shape.plan.grid
-    extra = max(0.0, remote_stores(step) - ctas)
-    return (hw.exchange_round_ns(hw.CLUSTER_ROUND_NS, ctas) + extra * hw.DSMEM_STORE_NS) / 1000
+    instruction per destination CTA from one warp) per exchange the step waits on (an LSTM
+    projection's two: ``PassShape.exchanges``) plus the CTA's further store instructions into
+    the cluster's shared memory (``remote_stores``), ``hw.DSMEM_STORE_NS`` each: every warp of
+    a warp team publishes its own units to every CTA."""
+    shape = step.shape
+    ctas = shape.plan.grid
+    extra = max(0.0, remote_stores(step) - shape.exchanges * ctas)
+    return (shape.exchanges * hw.exchange_round_ns(hw.CLUSTER_ROUND_NS, ctas)
+            + extra * hw.DSMEM_STORE_NS) / 1000
 
 
 def prefetch_us(step: StepLoop, device: DeviceProfile, rest_us: float) -> float:
@@ -583,12 +586,18 @@ def pass_sass(p: planner.PassPlan, arch: str, src_dir: Path | None = None) -> st
 def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) -> float:
     """A cuBLAS GEMM of ``flops``: fp32 (SGEMM on the FP32 lanes), or with ``tensor_cores``
     16-bit operands summed in fp32 (gemmEx: a 16-bit layer's input projection), each at its
-    fraction of the peak (``hw.GEMM_PEAK_FRACTION``, ``hw.TENSOR_GEMM_PEAK_FRACTION``)."""
+    fraction of the peak (``hw.GEMM_PEAK_FRACTION``, ``hw.TENSOR_GEMM_PEAK_FRACTION``). An fp32
+    GEMM on a device profile that allows TF32 (``settings.allow_tf32``: ``matmul.matmul``'s
+    ``CUBLAS_COMPUTE_32F_FAST_TF32``, sm_80 and newer) runs on the tensor cores at TF32's rate
+    (``hw.HMMA_TF32_INTERVAL``) and the 16-bit GEMM's fraction of it (no TF32 GEMM measured)."""
+    major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
     if tensor_cores:  # the mma's FMA per cycle of a sub-partition (hw.HMMA_INTERVAL)
         per_sm, fraction = hw.SUB_PARTITIONS * hw.MMA_FMA / hw.HMMA_INTERVAL, \
             hw.TENSOR_GEMM_PEAK_FRACTION
+    elif device.allow_tf32 and major >= 8:
+        per_sm, fraction = hw.SUB_PARTITIONS * hw.MMA_TF32_FMA / hw.HMMA_TF32_INTERVAL, \
+            hw.TENSOR_GEMM_PEAK_FRACTION
     else:
-        major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
         per_sm, fraction = hw.fp32_lanes_per_sm(major, minor), hw.GEMM_PEAK_FRACTION
     peak = device.sm_count * device.clock_mhz * 1e6 * per_sm * 2
     return hw.GEMM_LAUNCH_US + flops / (fraction * peak) * 1e6
@@ -909,7 +918,7 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
                     "proj_size": proj_size}
     if not plan.fits:
         return {**record, "tried": list(plan.tried)}
-    cluster = getattr(plan.tile, "cluster", 0)  # (a projection tile: the grid)
+    cluster = plan.tile.cluster
     record["tile"] = {"units": plan.tile.units, "cluster": cluster,
                       "placement": "cluster" if cluster else "grid",
                       "tensor_cores": getattr(plan.tile, "mma", False),
@@ -1009,6 +1018,7 @@ def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: st
         record.update({"units": sp.tile.units, "ctas": sp.forward.grid,
                        "block": sp.forward.block, "tensor_cores": sp.tile.mma,
                        "tensor_cores_backward": sp.backward.defines.get("PRNN_MMA") == 2,
+                       "tf32": sp.tile.mma and dtype == "float32",  # (plan.TF32_STACK_MIN_BATCH)
                        "weights_per_thread": [sp.forward.weights_per_thread,
                                               sp.backward.weights_per_thread]})
     return record

@@ -21,6 +21,19 @@ use ``cupy.matmul`` then. ``matmul(a, b, out=None)`` dispatches:
 The kernel path takes 2-D float32 or float64 operands of one dtype; anything else under
 capture is a TypeError or ValueError naming the argument.
 
+With ``settings.allow_tf32`` (docs/api.md, "TF32") a product of two float32 operands is taken in
+TF32, as ``torch.backends.cuda.matmul.allow_tf32`` takes torch's:
+
+* NumPy arrays: ``numpy.matmul`` of the operands rounded to TF32 (``tf32_rounded``: what the
+  tensor cores take), so the CPU emulation computes what the GPU does up to the order of the sums
+  (and cuBLAS's own rounding of the operands, which it does not document);
+* CuPy arrays, not capturing: cuBLAS ``gemmEx`` with ``CUBLAS_COMPUTE_32F_FAST_TF32`` passed as
+  the call's compute type (``tf32_matmul``), not ``cupy.matmul``: CuPy's own TF32 setting is
+  process-wide, and the user's ``cupy.matmul`` calls keep theirs;
+* CuPy arrays, capturing one of the library's chains: the same call, recorded
+  (``cublas_capture.matmul`` with ``tf32``);
+* CuPy arrays, capturing anything else: ``captured_matmul``, fp32 as before.
+
 ``matmul_half(a, b, half, out=None)`` is the product of 16-bit operands (a 16-bit layer's input
 projection), float32 out; it dispatches:
 
@@ -44,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from . import chain_graphs, cublas_capture
+from . import chain_graphs, cublas_capture, settings
 from ._sources import cuda_src_dir, read_source
 from .halves import half_dtype, narrow, widen
 
@@ -53,22 +66,55 @@ Array = Any  # numpy.ndarray or cupy.ndarray
 TILE = 32  # rows and columns of C per CTA (MM_TILE of matmul.cu)
 THREADS = 256  # threads per CTA (MM_THREADS)
 DEFINES = {"PRNN_MM_TILE": TILE, "PRNN_MM_THREADS": THREADS}  # matmul.cu's shape: from here only
-_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+_F32 = np.dtype(np.float32)
+_SUFFIX = {_F32: "f32", np.dtype(np.float64): "f64"}
 _MAX_INT32 = 2**31 - 1
 _CUDA_TYPES = {"float16": "CUDA_R_16F", "bfloat16": "CUDA_R_16BF"}  # cudaDataType names
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemmEx's alpha and beta (host)
 
 
 def matmul(a: Array, b: Array, out: Array | None = None) -> Array:
-    """``a @ b`` (into ``out`` where given), capture-safe on CuPy (module docstring)."""
-    if isinstance(a, np.ndarray):  # (first and without calls: the CPU paths' hot loop)
-        return np.matmul(a, b, out=out)
+    """``a @ b`` (into ``out`` where given), capture-safe on CuPy, in TF32 where
+    ``settings.allow_tf32`` (module docstring)."""
+    tf32 = a.dtype == _F32 and b.dtype == _F32 and settings.current().allow_tf32
+    if isinstance(a, np.ndarray):  # (first: the CPU paths' hot loop)
+        return np.matmul(tf32_rounded(a), tf32_rounded(b), out=out) if tf32 \
+            else np.matmul(a, b, out=out)
     cupy = sys.modules["cupy"]  # a non-NumPy operand of the library is a CuPy array
     if not cupy.cuda.get_current_stream().is_capturing():
-        return cupy.matmul(a, b, out=out)
+        return tf32_matmul(cupy, a, b, out) if tf32 else cupy.matmul(a, b, out=out)
     if chain_graphs.capturing() and out is not None:
-        return cublas_capture.matmul(cupy, a, b, out)
+        return cublas_capture.matmul(cupy, a, b, out, tf32)
     return captured_matmul(cupy, a, b, out)
+
+
+def tf32_rounded(x: np.ndarray) -> np.ndarray:
+    """A float32 array's values rounded to TF32 as the tensor cores take them: to a 10-bit
+    mantissa, to nearest with ties away from zero (``cvt.rna.tf32.f32``), NaN kept NaN - the
+    NumPy counterpart of ``hw.cuh``'s ``prnn_tf32_bits`` (emulation.h's bit arithmetic)."""
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+    rounded[np.isnan(x)] = 0x7FFFFFFF
+    return rounded.view(np.float32)
+
+
+def tf32_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Array:
+    """``a @ b`` of two float32 CuPy arrays in TF32, eagerly: the ``cublasGemmEx`` a captured
+    chain records (``cublas_capture.matmul`` with ``tf32``), issued through CuPy's binding. An
+    operand cuBLAS does not read as it lies is copied C-contiguous first, and an output it
+    cannot write in place (strided, or sharing an operand's memory) is written through a
+    temporary - as ``cupy.matmul`` does; the capture refuses both (nothing may allocate)."""
+    m, n, _ = _sizes(a, b)
+    a, b = (x if x.flags.c_contiguous or x.flags.f_contiguous else cupy.ascontiguousarray(x)
+            for x in (a, b))
+    direct = (out is not None and out.flags.c_contiguous
+              and not cublas_capture.overlaps(out, a) and not cublas_capture.overlaps(out, b))
+    target = out if direct else cupy.empty((m, n), np.float32)
+    cublas_capture.matmul(cupy, a, b, target, tf32=True)
+    if out is None or target is out:
+        return target
+    out[...] = target
+    return out
 
 
 def matmul_half(a: Array, b: Array, half: str, out: Array | None = None) -> Array:

@@ -285,6 +285,14 @@ TF32_MIN_BATCH = {"grid": 3, "cluster": 4}
 # 4.18 against 4.29 µs, H 256 1.76 / 1.90, GRU H 256 1.52 / 1.66, RNN H 512 1.40 / 1.52) and
 # slower or within 1-4 % at B = 3 (LSTM H 1024 4.00 / 3.94, H 256 1.76 / 1.79).
 TF32_BACKWARD_MIN_BATCH = 4
+# The smallest batch whose float32 stacks take the TF32 stack tiles (``tiles.TF32_STACK_TILES``:
+# the forward in TF32, the backward fp32) where settings.allow_tf32. The latency model (h100, µs
+# a step) predicts their forward faster from B = 3: a 4-layer LSTM H 384 3.26 against 3.85
+# (B 4 3.30 / 4.08, B 8 3.48 / 5.05), a 2-layer GRU H 256 3.26 / 3.43 (B 4 3.27 / 3.55), whose
+# backward on the TF32 tile's 16 units is 2-3 % slower (3.52 / 3.46, 3.69 / 3.60: the pair of
+# passes still faster). At B = 2 the GRU's is within 3 % (2.82 / 2.89), the model's error: not
+# worth TF32's rounding (the LSTM's 3.20 / 3.60; B 1 2.97 / 3.01).
+TF32_STACK_MIN_BATCH = 3
 # Below these batches a 16-bit layer's pass runs on the fp32 tile where that fits, its weights
 # widened to fp32 (exactly: ``widened_pass``): per weight the packed pair's unpacking costs an
 # instruction more than an fp32 register, and the tensor cores' n-tile of 8 columns costs its
@@ -324,15 +332,18 @@ STACK_GATHER_QUADS = 8  # a stack kernel's gather: tagged quads in flight per th
 _LAYER_ONLY_DEFINES = ("PRNN_WARP_TEAMS", "PRNN_STAGED_BUFFERS", "PRNN_INPUT_BUFFERS")
 
 
-def stack_gather_quads(tile: Tile, backward: bool) -> int:
+def stack_gather_quads(tile: Tile, backward: bool, dtype: str = "float32") -> int:
     """Tagged quads a thread of a stack kernel's gather loads at once (``-D PRNN_GATHER_QUADS``
-    of ``stack_*.cu``): 8, but 7 in a forward of more than 140 weights per thread. ptxas's
-    allocation is not monotonic in it: the LSTM 12-unit tile's forward (144 weights) spills 4
-    bytes at 8 on sm_80 (the reduce-scatter's levels halve to ceil(n/2) rows), 6 or 7 nothing;
-    its backward spills 60-112 bytes at 1-4 and 7, nothing at 8; the RNN 16-row tile's forward
-    spills at 7 (sm_80, sm_90)."""
+    of ``stack_*.cu``): 8, but 7 in a forward of more than 140 weights per thread, 4 where those
+    are TF32's (an mma tile of fp32 weights). ptxas's allocation is not monotonic in it: the LSTM
+    12-unit tile's forward (144 weights) spills 4 bytes at 8 on sm_80 (the reduce-scatter's
+    levels halve to ceil(n/2) rows), 6 or 7 nothing; its backward spills 60-112 bytes at 1-4 and
+    7, nothing at 8; the RNN 16-row tile's forward spills at 7 (sm_80, sm_90); LSTM's 12-unit
+    TF32 forward (144 weight registers) spills 16-24 bytes at 5-8 on sm_80, nothing at 4."""
     pt = tile.backward if backward else tile.forward
-    return STACK_GATHER_QUADS - 1 if not backward and pt.rows * pt.kpt > 140 else STACK_GATHER_QUADS
+    if backward or pt.rows * pt.kpt <= 140:
+        return STACK_GATHER_QUADS
+    return 4 if tile.mma and not KERNEL_DTYPES[dtype] else STACK_GATHER_QUADS - 1
 
 
 def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
@@ -349,11 +360,11 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
         name = "backward" if backward else "forward"
         defines = {k: v for k, v in plain.defines.items()
                    if k not in _LAYER_ONLY_DEFINES and not k.startswith("PRNN_SMEM_")}
-        if tile.mma and backward:  # (on the tensor cores from its own batch)
+        if tile.mma and backward:  # (16-bit: on the tensor cores from its own batch; TF32: never)
             defines.pop("PRNN_MMA", None)
-            if batch >= MMA_STACK_BACKWARD_MIN_BATCH:
+            if KERNEL_DTYPES[dtype] and batch >= MMA_STACK_BACKWARD_MIN_BATCH:
                 defines["PRNN_MMA"] = 2
-        defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward)
+        defines["PRNN_GATHER_QUADS"] = stack_gather_quads(tile, backward, dtype)
         defines.update(layout_defines(shared_layout(cell, tile, backward, stack=True)))
         return replace(plain, kernel=f"prnn_stack_{name}", source=f"stack_{name}.cu",
                        defines=defines, grid=stack_layers * plain.grid,
@@ -433,22 +444,31 @@ def projection_shared_layout(tile: ProjectionTile, backward: bool) -> tuple[Shar
     Backward: dg_{t+1} staged STAGED [padded A], dr_t staged STAGED_B [padded B], partial sums
     PARTIAL [ksplit A][proj_rows] and PARTIAL_B [ksplit B][units], inputs of two steps
     INPUTS [2][6][units] (c, c_prev, saved i f g o) and DY [2][proj_rows], the dc carry
-    DC [units], the dr carry DR [proj_rows], LENGTHS [1]. Both exchanges are in global memory.
+    DC [units], the dr carry DR [proj_rows], LENGTHS [1].
+    A grid tile's exchanges are in global memory; a cluster tile stages no vector (STAGED and
+    STAGED_B are empty: its warps read the exchanges in place) and its copies of them follow, each
+    [2][padded] tagged words per batch row, 16-byte aligned, in the order the kernel begins them:
+    forward r (EXCHANGE, padded A) then h (EXCHANGE_B, padded B), backward dr (EXCHANGE_B) then
+    dg (EXCHANGE).
     """
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
     units, rows, cell = tile.units, tile.proj_rows, PROJECTION_CELL
     region = SharedRegion
-    staged = (region("STAGED", padded_length(a)), region("STAGED_B", padded_length(b)))
+    staged = tuple(region(name, 0 if tile.cluster else padded_length(pt))  # (none in a cluster)
+                   for name, pt in (("STAGED", a), ("STAGED_B", b)))
+    exchanges = (region("EXCHANGE", 2 * padded_length(a), align=16),
+                 region("EXCHANGE_B", 2 * padded_length(b), align=16)) if tile.cluster else ()
     if backward:
         inputs = 2 * cell.has_cell_state + cell.saved
         return staged + (region("PARTIAL", a.ksplit * rows), region("PARTIAL_B", b.ksplit * units),
                          region("INPUTS", 2 * inputs * units), region("DY", 2 * rows),
-                         region("DC", units), region("DR", rows), region("LENGTHS", 1))
+                         region("DC", units), region("DR", rows),
+                         region("LENGTHS", 1)) + exchanges[::-1]
     gate_rows = cell.gates * units
     return staged + (region("PARTIAL", a.ksplit * gate_rows), region("PARTIAL_B", b.ksplit * rows),
                      region("GI", 2 * gate_rows), region("C", units), region("H", units),
                      region("R", rows), region("BIAS", gate_rows, per_row=False),
-                     region("LENGTHS", 1))
+                     region("LENGTHS", 1)) + exchanges
 
 
 def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int) -> int:
@@ -461,7 +481,8 @@ def projection_shared_bytes(tile: ProjectionTile, backward: bool, batch: int) ->
 def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj: int,
                          batch: int, dtype: str = "float32") -> PassPlan:
     """The launch plan of one pass of a projection ``tile`` (like ``pass_plan``); its exchanges'
-    rows: ``exchange_row`` tile A's padded length, ``exchange_row_b`` tile B's."""
+    rows: ``exchange_row`` tile A's padded length, ``exchange_row_b`` tile B's. A cluster tile's
+    grid is its cluster (``-D PRNN_CLUSTER``), no larger than ``units * cluster`` units serve."""
     a, b = (tile.backward, tile.backward_b) if backward else (tile.forward, tile.forward_b)
     defines = {"PRNN_CELL": PROJECTION_CELL.kind, "PRNN_UNITS": tile.units,
                "PRNN_PROJ_ROWS": tile.proj_rows, "PRNN_ROWS": a.rows, "PRNN_KSPLIT": a.ksplit,
@@ -473,34 +494,48 @@ def projection_pass_plan(tile: ProjectionTile, backward: bool, hidden: int, proj
         defines["PRNN_MMA"] = 1
     if tile.mma and backward and batch >= MMA_BACKWARD_MIN_BATCH:  # both as B fragments
         defines["PRNN_MMA"] = 2
-    defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
+    grid = max(math.ceil(hidden / tile.units), math.ceil(proj / tile.proj_rows))
+    if tile.cluster:  # (no gather: its warps read the exchanges in place)
+        defines["PRNN_CLUSTER"] = grid
+    else:
+        defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(a, dtype))
     defines.update(layout_defines(projection_shared_layout(tile, backward)))
     block = tile.warps * WARP
     which = "backward" if backward else "forward"
+    top = projection_capacity(tile)[0]
     return PassPlan(
         kernel=f"prnn_projection_{which}", source=f"persistent_projection_{which}.cu",
-        defines=defines, grid=max(math.ceil(hidden / tile.units), math.ceil(proj / tile.proj_rows)),
+        defines=defines, grid=grid,
         block=block, shared_bytes=projection_shared_bytes(tile, backward, batch),
         weights_per_thread=a.rows * a.kpt + b.rows * b.kpt,
         weight_registers=weight_registers(a, dtype) + weight_registers(b, dtype),
-        registers=register_cap(block), max_hidden=projection_capacity(tile)[0],
+        registers=register_cap(block),
+        max_hidden=min(top, tile.units * tile.cluster) if tile.cluster else top,
         exchange_row=padded_length(a), exchange_row_b=padded_length(b))
 
 
 def _projection_plan(hidden: int, proj: int, batch: int, dtype: str, dev: DeviceProfile) -> Plan:
     """``make_plan`` of an LSTM with projection: the cheapest projection tile that fits, the
-    tensor-core tiles first for 16-bit weights from ``MMA_MIN_BATCH`` rows (as the plain layers)."""
+    cluster tiles first where the device has clusters (as the plain layers: both exchanges stay
+    in the cluster; a 16-bit layer's weights widened into them at every batch, ``widened_pass``:
+    the same kernels as fp32), then the tensor-core tiles for 16-bit weights from
+    ``MMA_MIN_BATCH`` rows, then the CUDA-core grid tiles."""
     tried: list[tuple[object, int, str]] = []
     mma = projection_tiles_for(dtype, mma=True) if batch >= MMA_MIN_BATCH else ()
-    for tile in mma + projection_tiles_for(dtype):
-        if not projection_tile_ships(tile, dtype, dev.arch):
+    cluster = projection_tiles_for(dtype, cluster=True) if has_clusters(dev) else ()
+    for tile in cluster + mma + projection_tiles_for(dtype):
+        held = "float32" if tile.cluster else dtype  # the registers' dtype
+        if not projection_tile_ships(tile, held, dev.arch):
             tried.append((tile, 0, f"not built for {dtype} on {dev.arch} (ptxas spills)"))
             continue
-        fwd = projection_pass_plan(tile, False, hidden, proj, batch, dtype)
-        bwd = projection_pass_plan(tile, True, hidden, proj, batch, dtype)
+        fwd = projection_pass_plan(tile, False, hidden, proj, batch, held)
+        bwd = projection_pass_plan(tile, True, hidden, proj, batch, held)
         top_proj = projection_capacity(tile)[1]
         reason = (f"proj_size {proj} > {top_proj} served by the tile" if proj > top_proj
                   else _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden))
+        if reason is None and tile.cluster:
+            return Plan(True, None, tile, widened_pass(fwd, dtype, False) if dtype != held else fwd,
+                        bwd)
         if reason is None:
             return _widened_projection(Plan(True, None, tile, fwd, bwd), hidden, proj, batch,
                                        dtype, dev)
@@ -537,7 +572,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     in batch groups (``batch_group``), the cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
-    ``PROJECTION_TILES`` (grid path only).
+    ``PROJECTION_CLUSTER_TILES`` and ``PROJECTION_TILES`` (``_projection_plan``).
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
@@ -749,7 +784,7 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     groups = 2 if bidirectional else layers
     what = "the two directions of a layer" if bidirectional else f"{layers} layers"
     tried = []
-    for tile in stack_tiles_for(cell, dtype):
+    for tile in _tf32_stack_candidates(cell, batch, dtype, dev) + stack_tiles_for(cell, dtype):
         fwd = pass_plan(cell, tile, False, hidden, batch, dtype, stack_layers=groups)
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype, stack_layers=groups)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
@@ -759,6 +794,15 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
         tried.append(f"units {tile.units}: {reason}")
     return apart(f"{what} of {cell.name} H={hidden} B={batch} do not fit {dev.name} together: "
                  + "; ".join(tried))
+
+
+def _tf32_stack_candidates(cell: CellSpec, batch: int, dtype: str,
+                           dev: DeviceProfile) -> tuple[Tile, ...]:
+    """The TF32 stack tiles ``make_stack_plan`` tries first: a float32 stack's where
+    ``dev.allow_tf32``, from ``TF32_STACK_MIN_BATCH`` rows."""
+    if dtype != "float32" or not dev.allow_tf32 or batch < TF32_STACK_MIN_BATCH:
+        return ()
+    return stack_tiles_for(cell, dtype, tf32=True)
 
 
 def max_hidden_size(cell: str, dtype: str = "float32", device: DeviceProfile | str | None = None,

@@ -57,7 +57,8 @@ class Settings:
       every layer on the grid path).
     * ``allow_tf32`` (PRNN_ALLOW_TF32, off): let a float32 layer's persistent forward multiply
       W_hh by h_{t-1} on the tensor cores in TF32 (both operands rounded to 10-bit mantissas,
-      fp32 sums) where the planner predicts it faster; the library's counterpart of
+      fp32 sums) where the planner predicts it faster, and take the library's float32 GEMMs in
+      TF32 (``matmul.matmul``); the library's counterpart of
       ``torch.backends.cuda.matmul.allow_tf32`` (docs/api.md, "TF32").
     """
 

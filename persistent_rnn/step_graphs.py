@@ -13,8 +13,9 @@ stream-ordered function that reads ``inputs`` and writes every element of ``outp
   workspace's ``outputs`` out, all on the caller's stream, under the entry's lock.
 
 The most recent ``MAX_GRAPHS`` configurations are kept. Only with CuPy arrays, only with the
-``gemm_graphs`` setting on (off by default: not yet measured on a GPU), and never while the
-caller's stream is itself being captured.
+``gemm_graphs`` setting on (off by default: not yet measured on a GPU), never with
+``allow_tf32`` on (a recorded loop's products are ``matmul.cu``'s fp32, the direct loop's TF32:
+the calls would differ), and never while the caller's stream is itself being captured.
 """
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def run(name: str, loop: Callable[..., None], inputs: Mapping[str, Array | None]
     """``loop(**inputs, **outputs)``, from a recorded graph where possible (module docstring)."""
     arrays = {**inputs, **outputs}
     xp = array_module(*(a for a in arrays.values() if a is not None))
-    if not (settings.current().gemm_graphs and eligible(xp)):
+    current = settings.current()
+    # (with allow_tf32 a direct loop's products are TF32, a recorded one's matmul.cu's fp32)
+    if not (current.gemm_graphs and not current.allow_tf32 and eligible(xp)):
         loop(**arrays)
         return
     key = (name, _where(xp), tuple((k, None if a is None else (a.shape, a.dtype.str))

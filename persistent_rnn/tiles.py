@@ -187,12 +187,13 @@ class ProjectionTile:
     backward: PassTile
     backward_b: PassTile
     mma: bool = False  # on the tensor cores (16-bit; MMA_PROJECTION_TILES)
+    cluster: int = 0  # CTAs of the largest cluster it runs as (PROJECTION_CLUSTER_TILES; 0: grid)
 
 
 def _ptile(units: int, proj_rows: int, warps: int, forward, forward_b, backward,
-           backward_b, mma: bool = False) -> ProjectionTile:
+           backward_b, mma: bool = False, cluster: int = 0) -> ProjectionTile:
     return ProjectionTile(units, proj_rows, warps, PassTile(*forward), PassTile(*forward_b),
-                          PassTile(*backward), PassTile(*backward_b), mma)
+                          PassTile(*backward), PassTile(*backward_b), mma, cluster)
 
 
 # Small (H <= 128, P <= 128), H 1024 / P 256 (40-48 weights per thread), H 2048 / P 512
@@ -221,12 +222,28 @@ MMA_PROJECTION_TILES: tuple[ProjectionTile, ...] = (
 )
 
 
-def projection_tiles_for(dtype: str, mma: bool = False) -> tuple[ProjectionTile, ...]:
+# On sm_90, small projections as one thread-block cluster (cuda_src/persistent_projection.cuh;
+# docs/design.md, "LSTM with projection"): both exchanges, h_t and r_t (backward dr_t and dg_t),
+# through distributed shared memory, each warp reading the words it multiplies in place. The
+# layer's grid, max(ceil(H/units), ceil(P/proj_rows)), is the cluster, compiled in: up to 16 CTAs
+# (HOPPER_CLUSTER_CTAS), 8 where the device runs no larger (the runtime re-plans). fp32 CUDA-core
+# tiles; a 16-bit layer's weights are widened into them (plan._projection_plan):
+# * 4 warps (one per scheduler), 16 units and 4 rows of r a CTA: H <= 256, P <= 64 (40 weights
+#   per thread in each pass);
+# * 8 warps, 32 units and 8 rows of r: H <= 512, P <= 128 (80 weights per thread).
+PROJECTION_CLUSTER_TILES: tuple[ProjectionTile, ...] = (
+    _ptile(16, 4, 4, (16, 1, 2), (4, 4, 2), (4, 4, 8), (4, 1, 2), cluster=HOPPER_CLUSTER_CTAS),
+    _ptile(32, 8, 8, (16, 1, 4), (8, 8, 2), (8, 8, 8), (8, 2, 2), cluster=HOPPER_CLUSTER_CTAS),
+)
+
+
+def projection_tiles_for(dtype: str, mma: bool = False,
+                         cluster: bool = False) -> tuple[ProjectionTile, ...]:
     """The shipped projection tiles for weights of ``dtype``; ``mma``: the tensor-core ones
-    (none for fp32)."""
+    (none for fp32, none in a cluster); ``cluster``: the cluster placement's (sm_90 and newer)."""
     if mma:
-        return () if WEIGHT_BYTES[dtype] == 4 else MMA_PROJECTION_TILES
-    return PROJECTION_TILES
+        return () if WEIGHT_BYTES[dtype] == 4 or cluster else MMA_PROJECTION_TILES
+    return PROJECTION_CLUSTER_TILES if cluster else PROJECTION_TILES
 
 
 # (units, dtype, arch) of projection tiles that ptxas cannot build without spilling, so they are
@@ -279,7 +296,21 @@ MMA_STACK_TILES: dict[str, tuple[Tile, ...]] = {
 }
 
 
-def stack_tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:
+# TF32 stack tiles (settings.allow_tf32; docs/design.md, "TF32 tiles"): fp32 stacks whose
+# forward holds [W_ih | W_hh] rounded to TF32 as m16n8k8 A fragments - the 16-bit stacks' mma
+# tiles, at twice their weight registers - and whose backward is the fp32 CUDA-core stack
+# backward of the same PassTile. ptxas (sm_90): 161-254 registers, zero spills. Not GRU's
+# (48, 8, 4) (H 512): its forward spills 452 bytes, its backward 328. The backward stays fp32:
+# in TF32 (mma_split_tile.cuh) LSTM's 12-unit one spills 336 bytes (sm_90).
+TF32_STACK_TILES: dict[str, tuple[Tile, ...]] = {**MMA_STACK_TILES,
+                                                 "gru": MMA_STACK_TILES["gru"][:1]}
+
+
+def stack_tiles_for(cell: CellSpec, dtype: str = "float32",
+                    tf32: bool = False) -> tuple[Tile, ...]:
     """The shipped stack tiles of ``cell`` for weights of ``dtype`` (both vanilla RNNs share
-    theirs): fp32 ``STACK_TILES``, 16-bit the tensor-core ``MMA_STACK_TILES``."""
-    return (STACK_TILES if WEIGHT_BYTES[dtype] == 4 else MMA_STACK_TILES)[cell.tiles]
+    theirs): fp32 ``STACK_TILES`` (``tf32``: ``TF32_STACK_TILES``), 16-bit the tensor-core
+    ``MMA_STACK_TILES``."""
+    if WEIGHT_BYTES[dtype] != 4:
+        return MMA_STACK_TILES[cell.tiles]
+    return (TF32_STACK_TILES if tf32 else STACK_TILES)[cell.tiles]

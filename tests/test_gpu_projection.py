@@ -70,3 +70,23 @@ def test_fp16_projection_on_the_tensor_cores_within_the_16bit_bounds(cupy, hidde
     for a, b in zip(got["arrays"], ref["arrays"]):
         err = float(cupy.abs(a.astype(cupy.float64) - b).max() / cupy.abs(b).max())
         assert err <= FP16_TOLERANCE, err
+
+
+@pytest.mark.parametrize("hidden,proj,batch,dtype", [(256, 64, 1, "float32"),
+                                                     (512, 128, 4, "float32"),
+                                                     (256, 64, 4, "float16")])
+def test_cluster_projection_within_bounds_of_float64(cupy, hidden, proj, batch, dtype):
+    """Small projections as one thread-block cluster on sm_90 (tiles.PROJECTION_CLUSTER_TILES;
+    fp16 on the fp32 tile, widened), on the grid elsewhere. Not yet run on a GPU."""
+    got = _run(cupy, hidden, proj, batch, dtype, "persistent")
+    # (H 256 fits a cluster of 8 too, where the device holds no 16-CTA cluster; H 512 then not)
+    cluster = plan.has_clusters(plan.resolve_device(None))
+    for stats in (got["fwd"], got["bwd"]):
+        assert stats.algo == "persistent" and not stats.emulated and stats.restarts == 0
+        if not cluster or hidden <= 256:
+            assert ("PRNN_CLUSTER" in stats.details[0]) == cluster, stats.details
+    params = {k: cupy.asnumpy(v).astype(np.float64) for k, v in got["params"].items()}
+    ref = _run(cupy, hidden, proj, batch, "float64", "gemm", params)
+    for a, b in zip(got["arrays"], ref["arrays"]):
+        err = float(cupy.abs(a.astype(cupy.float64) - b).max() / cupy.abs(b).max())
+        assert err <= (1e-5 if dtype == "float32" else FP16_TOLERANCE), err

@@ -18,7 +18,7 @@ from persistent_rnn.kernel_report import gather_variants
 from persistent_rnn.plan import (KERNEL_DTYPES, PROJECTION_TILES, PassTile, cluster_tiles_for,
                                  mma_tiles_for, pass_plan, projection_tile_ships, resident_ctas,
                                  stack_tiles_for, tile_max_hidden, tiles_for)
-from persistent_rnn.tiles import MMA_PROJECTION_TILES, SHIPPED, Tile
+from persistent_rnn.tiles import MMA_PROJECTION_TILES, PROJECTION_CLUSTER_TILES, SHIPPED, Tile
 from persistent_rnn.plan import layout_defines, shared_layout
 from persistent_rnn.plan import warp_teams as warp_teams_of
 from full_set import EVERY_KERNEL
@@ -61,7 +61,7 @@ def test_every_configuration_is_listed():
     # Grid tiles on both archs, each with every gather size the planner may pick (1 to 8 quads,
     # by the batch); plus the cluster tiles (4 and 8 warps) per cell and pass on sm_90, per dtype;
     # the LSTM projection tiles on both archs, per dtype; the stack tiles (fp32) on both archs;
-    # the 16-bit stacks' tensor-core tiles on both archs.
+    # the 16-bit stacks' tensor-core tiles and the float32 stacks' TF32 tiles on both archs.
     # (Each other family's test checks its own configurations.)
     every = [kernel_report.describe(job) for job in kernel_report._jobs(ARCHS)]
     listed = [r for r in every if r["family"] in (*LAYER_FAMILIES, "projection", "stack")]
@@ -99,6 +99,14 @@ def test_every_configuration_is_listed():
     assert all(r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
                and r["dtype"] != "float32" and 0 < r["proj_size"] < r["hidden_size"]
                for r in mma_projected)
+    # The projection cluster tiles at their full cluster on sm_90: fp32 both passes, and the
+    # forwards that widen fp16 and bf16 weights.
+    clustered = [r for r in every if r["family"] == "projection cluster"]
+    assert len(clustered) == len(PROJECTION_CLUSTER_TILES) * 4
+    assert all(r["arch"] == "sm_90" and r["cluster"] == 16 and not r["config"].get("PRNN_MMA")
+               and "PRNN_WEIGHT_DTYPE" not in r["config"]
+               and ("PRNN_WIDENED_FROM" in r["config"]) == (r["dtype"] != "float32")
+               and 0 < r["proj_size"] < r["hidden_size"] for r in clustered)
     # 16-bit stacks on the tensor cores: forward PRNN_MMA 1, backward 2, both archs.
     # The grid mma tiles in batch groups (B 32 in groups of 8), both 16-bit dtypes and archs.
     grouped = [r for r in every if r["family"] == "mma groups"]
@@ -110,6 +118,14 @@ def test_every_configuration_is_listed():
                                   for d in ("float16", "bfloat16"))
     assert all(r["stack"] and r["config"]["PRNN_MMA"] == (2 if r["pass"] == "backward" else 1)
                for r in mma_stacks)
+    # float32 stacks in TF32 (the same stack kernels): the forward on the tensor cores
+    # (PRNN_MMA 1, no PRNN_WEIGHT_DTYPE), the backward fp32 on the CUDA cores, both archs.
+    tf32_stacks = [r for r in every if r["family"] == "tf32 stack"]
+    assert len(tf32_stacks) == sum(len(stack_tiles_for(c, tf32=True)) * 2 * 2
+                                   for c in CELLS.values())
+    assert all(r["stack"] and r["dtype"] == "float32" and "PRNN_WEIGHT_DTYPE" not in r["config"]
+               and r["config"].get("PRNN_MMA") == (None if r["pass"] == "backward" else 1)
+               for r in tf32_stacks)
     for dtype in KERNEL_DTYPES:
         for cell in CELLS:
             for pass_ in ("forward", "backward"):
@@ -223,8 +239,10 @@ def test_time_loop_sass_stays_short(records):
                           c["PRNN_ROWS"], c["PRNN_KSPLIT"], c["PRNN_KPT"])))
         if warp_teams:
             assert loop["block_barriers"] == (0 if r["cluster"] else 1), r
-        else:  # every CUDA-core cluster forward has teams (GRU's and RNN's mma ones do not)
-            assert not r["cluster"] or r["pass"] == "backward" or c.get("PRNN_MMA"), r
+        else:  # every CUDA-core cluster forward of a layer has teams (GRU's and RNN's mma
+            # ones do not; a projection's step meets after each of its two products)
+            assert (not r["cluster"] or r["pass"] == "backward" or c.get("PRNN_MMA")
+                    or r["proj_size"]), r
             assert loop["block_barriers"] >= 1, r
         # An mma tile's product is on the tensor cores (and only an mma tile's).
         assert (loop["tensor_core_mma"] > 0) == bool(c.get("PRNN_MMA")), r

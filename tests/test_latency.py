@@ -346,6 +346,28 @@ def test_cluster_step_terms_follow_its_structure():
             hardware.PREFETCH_LATENCY * cycle_us - terms.pointwise_us))
 
 
+def test_a_cluster_projection_waits_on_two_cluster_rounds():
+    """LSTM H=256 P=64 B=1 as a cluster of 16 (tiles.PROJECTION_CLUSTER_TILES): a step waits on
+    two exchanges (forward h_t and r_t, backward dr_t and dg_t), each a measured cluster round,
+    plus the stores beyond them; predicted faster than the grid tile (a prediction)."""
+    cell = CELLS["lstm"]
+    plan = planner.make_plan(cell, 256, 1, device="h100", proj_size=64)
+    for p in (plan.forward, plan.backward):
+        s = latency.PassShape(cell, p, 1, 256, 64)
+        sass = latency.pass_sass(p, "sm_90")
+        step = latency.step_loop(sass, s)
+        assert latency.exchange_kind(step) == "cluster" and p.grid == 16 and s.exchanges == 2
+        assert latency.remote_stores(step) >= 2 * 16  # each exchange: every destination CTA
+        extra = latency.remote_stores(step) - 2 * 16
+        assert latency.step_terms(sass, s, H100).exchange_us == pytest.approx(
+            (2 * hardware.CLUSTER_ROUND_NS[16] + extra * hardware.DSMEM_STORE_NS) / 1000)
+    grid = planner.make_plan(cell, 256, 1, device=replace(H100, max_cluster_ctas=0), proj_size=64)
+    assert not grid.tile.cluster
+    cluster_st, grid_st = (latency.predict_plan(cell, 256, 1, pl, H100, proj=64)
+                           for pl in (plan, grid))
+    assert cluster_st.forward_us < grid_st.forward_us and cluster_st.backward_us < grid_st.backward_us
+
+
 def test_pass_kernel_time_counts_launches_and_weight_loads():
     """A forward's resume launches of a finished pass exit before loading their weights; a
     backward's load them first: the backward pays the weight load per launch."""

@@ -2,7 +2,8 @@
 kernel run by the CPU emulation against float64 NumPy products on strided, non-square operands
 (a sabotaged kernel fails the same check), its NVRTC build, the argument checks, that every
 product the library issues on arrays goes through ``matmul.matmul``, and the ``cublasGemmEx``
-problem a chain's capture records (``cublas_capture``) carried out on the CPU."""
+problem a chain's capture records (``cublas_capture``) carried out on the CPU, and the compute
+type a TF32 product passes eagerly and captured (``settings.allow_tf32``, cuBLAS faked)."""
 from __future__ import annotations
 
 import ast
@@ -301,3 +302,65 @@ def test_the_captured_gemm_ex_calls_cublas_with_its_prototype(monkeypatch):
     library.cublasGemmEx = record("gemm", status=13)
     with pytest.raises(RuntimeError, match="cublasGemmEx failed with cuBLAS status 13"):
         cublas_capture.gemm_ex(cupy, *args)
+
+
+def _fake_cuda(monkeypatch, calls: list, capturing: list):
+    """A CuPy stand-in for ``matmul.matmul`` on float32 arrays (``_DeviceView``s) on the CPU:
+    ``cupy.matmul``, CuPy's cuBLAS binding and ``cublas_capture.gemm_ex`` record their calls in
+    ``calls``; the current stream captures while ``capturing[0]`` (a chain's capture then)."""
+    import sys
+    from cupy._core import _routines_linalg  # noqa: F401  (CuPy's own setting, read as it is)
+    import cupy_backends.cuda.libs as libs
+    cublas = types.SimpleNamespace(
+        CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_32F_PEDANTIC=69, CUBLAS_COMPUTE_32F_FAST_TF32=77,
+        CUBLAS_COMPUTE_64F=70, CUBLAS_COMPUTE_64F_PEDANTIC=71, CUBLAS_GEMM_DEFAULT=-1,
+        CUBLAS_GEMM_DEFAULT_TENSOR_OP=99, gemmEx=lambda *args: calls.append(("binding", args)))
+    monkeypatch.setitem(vars(libs), "cublas", cublas)
+    monkeypatch.setattr(cublas_capture, "gemm_ex",
+                        lambda cp, *args: calls.append(("captured", args)))
+    monkeypatch.setattr(chain_graphs, "capturing", lambda: capturing[0])
+    stream = types.SimpleNamespace(is_capturing=lambda: capturing[0])
+    cuda = types.SimpleNamespace(
+        get_current_stream=lambda: stream, Device=lambda: types.SimpleNamespace(
+            compute_capability="90"),
+        runtime=types.SimpleNamespace(CUDA_R_32F=0, CUDA_R_64F=1),
+        device=types.SimpleNamespace(get_cublas_handle=lambda: 7))
+    fake = types.SimpleNamespace(cuda=cuda, matmul=lambda *a, **k: calls.append(("cupy", a)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+
+@pytest.mark.parametrize("shape", [(12, 5, 39), (1, 5, 1)])
+def test_tf32_products_pass_their_compute_type_eager_and_captured(monkeypatch, settings, shape):
+    """With ``settings.allow_tf32`` a float32 product is cuBLAS's ``gemmEx`` with
+    ``CUBLAS_COMPUTE_32F_FAST_TF32`` passed per call: eagerly through CuPy's binding (not
+    ``cupy.matmul``, whose compute type is CuPy's process-wide setting), and while a chain is
+    captured through ``cublas_capture.gemm_ex`` with the same arguments (a 1 x 1 product
+    too: one GEMM both ways). Off, the eager product is ``cupy.matmul``'s and the captured one
+    asks for CuPy's compute type (fp32 by default); float64 products take no TF32."""
+    from cupy._core import _routines_linalg as linalg
+    calls: list = []
+    capturing = [False]
+    _fake_cuda(monkeypatch, calls, capturing)
+    m, k, n = shape
+    rng = np.random.default_rng(0)
+
+    def product(dtype):
+        x, w = (rng.standard_normal(s).astype(dtype) for s in ((m, k), (n, k)))
+        out = np.empty((m, n), dtype)
+        for capturing[0] in (False, True):
+            matmul.matmul(_DeviceView(x), _DeviceView(w).T, _DeviceView(out))
+        return [(where, args[:-2], None if where == "cupy" else args[-2])
+                for where, args in calls[-2:]]
+
+    import persistent_rnn as prnn
+    prnn.configure(allow_tf32=True)
+    (eager, args, compute), (captured, captured_args, captured_compute) = product(np.float32)
+    assert (eager, captured) == ("binding", "captured") and args == captured_args
+    assert compute == captured_compute == 77
+    if m * n == 1:  # (cupy.matmul reduces a 1 x 1 product: refused under capture)
+        return
+    assert [(where, c) for where, _, c in product(np.float64)] == [("cupy", None), ("captured", 70)]
+    prnn.configure(allow_tf32=False)
+    cupys = 68 if linalg.get_compute_type(np.float32) != linalg.COMPUTE_TYPE_TF32 else 77
+    assert [(where, c) for where, _, c in product(np.float32)] == [("cupy", None),
+                                                                 ("captured", cupys)]

@@ -42,6 +42,12 @@ T, B, I, HIDDEN, PROJ = 4, 9, 5, 13, 10
 LENGTHS = np.array([4, 2, 3, 4, 1, 4, 3, 4, 2])
 
 
+@pytest.fixture(autouse=True)
+def _on_the_grid(grid_path):
+    """The emulated device without clusters: the tensor-core tiles are the grid's (in a cluster
+    a 16-bit projection runs the fp32 tile widened, tests/test_projection_cluster.py)."""
+
+
 def _relerr(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))

@@ -1,7 +1,8 @@
-"""The persistent LSTM-with-projection kernels (``cuda_src/persistent_projection_*.cu``) in the
-CPU emulation: fp32 against ``torch.nn.LSTM(proj_size=P)`` in float64, 16-bit weights against
-the float64 layer, stalls and restarts (bitwise identical), CTAs that are not co-resident (GEMM
-fallback), the planner's sizes and its shared-memory formula."""
+"""The persistent LSTM-with-projection kernels (``cuda_src/persistent_projection_*.cu``) on the
+grid in the CPU emulation: fp32 against ``torch.nn.LSTM(proj_size=P)`` in float64, 16-bit weights
+against the float64 layer, stalls and restarts (bitwise identical), CTAs that are not co-resident
+(GEMM fallback), the planner's sizes and its shared-memory formula. (The cluster placement:
+tests/test_projection_cluster.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,11 @@ from persistent_rnn import plan
 
 T, B, I = 7, 3, 5
 LENGTHS = np.array([7, 2, 4])
+
+
+@pytest.fixture(autouse=True)
+def _on_the_grid(grid_path):
+    """The emulated device without clusters: these are the grid kernels' tests."""
 
 
 def _rel(a, b) -> float:
@@ -89,7 +95,9 @@ def test_medium_tile_matches_float64():
     """H 130 > the small tile's 128: the H 1024 / P 256 tile (8 warps, gate rows over two column
     chunks) on 17 CTAs."""
     hidden, proj = 130, 20
-    assert plan.make_plan("lstm", hidden, B, device="h100", proj_size=proj).tile.units == 8
+    from persistent_rnn import runtime
+    assert plan.make_plan("lstm", hidden, B, device=runtime.EMULATED_DEVICE,
+                          proj_size=proj).tile.units == 8
     data = _inputs(np.random.default_rng(2), hidden, proj)
     got = _run("float32", "persistent", data, hidden, proj, LENGTHS)
     _assert_persistent(got)
@@ -121,13 +129,11 @@ def test_16bit_persistent_within_tolerance_of_float64(dtype):
         assert _rel(got["grads"][key], g) <= TOLERANCE[dtype], key
 
 
-@pytest.mark.parametrize("step", [0, 3, T - 1], ids=["first", "middle", "last"])
-def test_stall_restarts_with_bitwise_identical_results(settings, step):
+def check_stall_restarts(hidden: int, proj: int, step: int) -> dict:
     """CTA 1 stalls before publishing h_t (forward step ``step``) and dr_t (backward step
-    ``step``): every step has two exchanges, so even the last one waits on every CTA, and both
-    passes time out and restart at all three positions."""
+    ``step``): both passes time out and restart, bitwise equal to the run without the stall
+    (returned)."""
     prnn.configure(emulation_timeout_ms=300)
-    hidden, proj = 12, 6
     data = _inputs(np.random.default_rng(9), hidden, proj)
     plain = _run("float32", "persistent", data, hidden, proj, LENGTHS)
     with prnn.inject_stall(block=1, step=step, duration_ms=1200):
@@ -137,6 +143,14 @@ def test_stall_restarts_with_bitwise_identical_results(settings, step):
     for a, b in zip(plain["arrays"] + list(plain["grads"].values()),
                     stalled["arrays"] + list(stalled["grads"].values())):
         assert np.array_equal(a, b)
+    return plain
+
+
+@pytest.mark.parametrize("step", [0, 3, T - 1], ids=["first", "middle", "last"])
+def test_stall_restarts_with_bitwise_identical_results(settings, step):
+    """Every step has two exchanges, so even the last one waits on every CTA: both passes
+    restart at all three positions."""
+    _assert_persistent(check_stall_restarts(12, 6, step))
 
 
 def test_ctas_not_co_resident_end_on_the_completion_kernel(settings):
@@ -182,25 +196,29 @@ def test_projection_plan_refusals_name_the_reason():
         prnn.max_hidden_size("lstm", device="h100", proj_size=-1)
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fresh_plans,
-                                                                backward):
-    """Emulated launches (a canary follows shared memory): the planned bytes run; 4 bytes short
-    is reported as an overrun, so the formula is exact."""
+def check_shared_bytes_are_exact(monkeypatch, backward: bool, hidden: int, proj: int) -> None:
+    """Emulated launches (a canary follows shared memory) of the pass planned for ``hidden`` and
+    ``proj``: the planned bytes run; 4 bytes short is reported as an overrun, so the formula is
+    exact."""
     emulate = pytest.importorskip("persistent_rnn.emulate")
-    hidden, proj = 12, 6
+    from persistent_rnn import runtime
     data = _inputs(np.random.default_rng(1), hidden, proj)
     run = lambda: _run("float32", "persistent", data, hidden, proj)  # noqa: E731
     _assert_persistent(run())
     exact = plan.projection_shared_bytes
-    tile = plan.PROJECTION_TILES[0]
+    tile = plan.make_plan("lstm", hidden, B, device=runtime.EMULATED_DEVICE, proj_size=proj).tile
     short = exact(tile, backward, B) - 4
     monkeypatch.setattr(plan, "projection_shared_bytes",
                         lambda t, bwd, *a, **k: short if bwd == backward else exact(t, bwd, *a, **k))
-    from persistent_rnn import runtime
     runtime._cached_engine.cache_clear()
     with pytest.raises(emulate.EmulationError, match="wrote past its"):
         run()
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_projection_shared_bytes_are_what_the_kernel_carves_out(monkeypatch, settings, fresh_plans,
+                                                                backward):
+    check_shared_bytes_are_exact(monkeypatch, backward, 12, 6)
 
 
 @pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "h0-c0"])

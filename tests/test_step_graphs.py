@@ -89,3 +89,16 @@ def test_partial_passes_and_the_default_run_directly(fake_capture):
         for _ in range(3):
             _both(cell, a)
     assert fake_capture == [] and prnn.Settings().gemm_graphs is False
+
+
+def test_tf32_loops_run_directly(fake_capture):
+    # A recorded loop's products would be matmul.cu's fp32 where the direct loop's are TF32
+    # (allow_tf32): with the setting on nothing is recorded, and every call is the direct one.
+    cell, rng = CELLS["gru"], np.random.default_rng(3)
+    a = _case(cell, rng)
+    with prnn.override_settings(allow_tf32=True):
+        runs = [_both(cell, a) for _ in range(3)]
+    assert fake_capture == []
+    for run in runs[1:]:
+        for got, ref in zip(run, runs[0]):
+            np.testing.assert_array_equal(got, ref)

@@ -15,6 +15,13 @@
   the lines; prnn.torch's modules follow the library's setting, not torch's TF32 flags.
   CI: LSTM on the grid, GRU in a cluster, B 17, one stall; ``PRNN_TEST_EVERY_KERNEL=1``: every
   cell on both placements, B 1 to 32, both stalls, and batch groups against the whole batch.
+* Every float32 GEMM in TF32 with the setting (``matmul.matmul``): ``matmul.tf32_rounded`` is the
+  emulated cvt.rna; NumPy products are float64 of the rounded operands up to fp32's sums (off,
+  and for float64, numpy.matmul's bits); the GEMM path's LSTM (``EVERY_KERNEL``: and GRU) within
+  the bound of float64 and not fp32's bits; a planned call bitwise the full path's in TF32; the
+  model prices the GEMMs at TF32's rate. GPU: the TF32 product not fp32's and within the bound,
+  eager and captured the same bits, CuPy's compute type untouched; a planned TF32 call's replays
+  the full path's bits.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import emulate
+from persistent_rnn import emulate, matmul
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import layer_args
 
@@ -153,9 +160,9 @@ def tf32(settings, fresh_plans, monkeypatch):
     monkeypatch.setattr(planner, "TF32_BACKWARD_MIN_BATCH", 1)
 
 
-def _layers(name: str, hidden: int):
+def _layers(name: str, hidden: int, algo: str = "persistent"):
     mode, kw = layer_args(name)
-    kern = getattr(prnn, mode)(5, hidden, algo="persistent", seed=7, **kw)
+    kern = getattr(prnn, mode)(5, hidden, algo=algo, seed=7, **kw)
     ref = getattr(prnn, mode)(5, hidden, dtype="float64", algo="gemm", **kw)
     ref.load_params({k: v.astype(np.float64) for k, v in kern.params.items()})
     return kern, ref
@@ -221,8 +228,9 @@ def test_tf32_forward_matches_float64(tf32, request, name, placement):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("name", ["rnn_tanh", "rnn_relu"] if EVERY_KERNEL else ["rnn_relu"])
 def test_tf32_step_within_the_product_bound(tf32, grid_path, name, batch):
-    # One step from h0: |h1 - h1_64| <= 2^-10 sum_j |W_ij h0_j| (+ fp32's sums) element by
-    # element, as tanh' and relu' are at most 1 (docs/api.md, "TF32").
+    # One step from h0: |h1 - h1_64| <= 2^-10 sum_j (|W_ij h0_j| + |W_ih x|) (+ fp32's sums)
+    # element by element, as tanh' and relu' are at most 1 (docs/api.md, "TF32": the kernel's
+    # product and the input projection's GEMM both in TF32).
     kern, ref = _layers(name, 40)
     x, h0, _, _ = _data(kern, 1, batch, batch)
     y, _ = kern.forward(x, h0)
@@ -232,23 +240,27 @@ def test_tf32_step_within_the_product_bound(tf32, grid_path, name, batch):
     products = np.abs(h0[0].astype(np.float64)) @ w.T
     terms = products + np.abs(x[0].astype(np.float64)) @ np.abs(kern.params["weight_ih_l0"]).T
     fp32_sums = 2.0**-20 * (terms + 1.0)
-    assert (np.abs(y[0] - y64[0]) <= 2.0**-10 * products + fp32_sums).all()
+    assert (np.abs(y[0] - y64[0]) <= 2.0**-10 * terms + fp32_sums).all()
     assert not (np.abs(y[0] - y64[0]) <= fp32_sums).all()  # TF32's rounding shows
-    # and it is the rounding documented: float64 of W_hh and h0 rounded to TF32 (cvt.rna) gives
-    # the same step up to fp32's sums (relu: no activation's approximation in between)
-    rounded = dict(ref.params, weight_hh_l0=_round_tf32(kern.params["weight_hh_l0"]).astype(np.float64))
-    ref.load_params(rounded)
-    y_rounded, _ = ref.forward(x.astype(np.float64), _round_tf32(h0).astype(np.float64))
+    # and it is the rounding documented: float64 of W_hh and h0, x and W_ih rounded to TF32
+    # (cvt.rna) gives the same step up to fp32's sums (relu: no activation's approximation in
+    # between)
+    ref.load_params(dict(ref.params, **{k: _round_tf32(kern.params[k]).astype(np.float64)
+                                        for k in ("weight_hh_l0", "weight_ih_l0")}))
+    y_rounded, _ = ref.forward(_round_tf32(x).astype(np.float64),
+                               _round_tf32(h0).astype(np.float64))
     if name == "rnn_relu":
         assert (np.abs(y[0] - y_rounded[0]) <= fp32_sums).all()
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-def test_tf32_backward_step_within_the_product_bound(tf32, grid_path, batch):
+def test_tf32_backward_step_within_the_product_bound(tf32, grid_path, batch, monkeypatch):
     # Two steps of the relu RNN back. The kernel's one product: dh_0 = dy_0 + dgh_1 W_hh, with
-    # dgh_t = dh_t relu'(pre_t) from the run's own y; then dhx = dgh_0 W_hh (fp32, after the
-    # kernel). dh_0 within 2^-10 sum_j |dgh_1j W_ji| of float64 (seen through dhx), and equal to
-    # the product of the TF32-rounded operands up to fp32's sums.
+    # dgh_t = dh_t relu'(pre_t) from the run's own y; then dhx = dgh_0 W_hh (a GEMM after the
+    # kernel, kept fp32 here: test_tf32_products_* hold its TF32). dh_0 within 2^-10
+    # sum_j |dgh_1j W_ji| of float64 (seen through dhx), and equal to the product of the
+    # TF32-rounded operands up to fp32's sums.
+    monkeypatch.setattr(matmul, "tf32_rounded", lambda x: x)
     kern, _ = _layers("rnn_relu", 40)
     x, h0, dy, dhn = _data(kern, 2, batch, batch)
     y, _ = kern.forward(x, h0)
@@ -418,3 +430,156 @@ def test_gpu_tf32_layer_matches_float64(cupy, settings, fresh_plans, name, hidde
         assert _relerr(a, r) <= TOLERANCE
     again = _run(kern, on_gpu)
     assert all(np.array_equal(a, b) for a, b in zip(got, again))
+
+
+# ---- every float32 GEMM in TF32 (matmul.matmul) --------------------------------------------------
+def _sum_bound(a: np.ndarray, b: np.ndarray, per_product: float = 0.0) -> np.ndarray:
+    """|a @ b - float64's| allowed for fp32 products of a k-term sum: (k + 1) unit roundoffs of
+    sum_k |a_ik| |b_kj|, plus ``per_product`` of it (each product's relative error)."""
+    return ((a.shape[1] + 1) * 2.0**-24 + per_product) * (np.abs(a.astype(np.float64))
+                                                          @ np.abs(b.astype(np.float64)))
+
+
+def test_tf32_rounded_is_the_emulated_cvt_rna():
+    # matmul.tf32_rounded (what the NumPy GEMMs take with allow_tf32) rounds as _round_tf32, the
+    # emulated cvt.rna.tf32.f32 (test_tf32_rounding_is_to_nearest_ties_away): over many binades,
+    # both signs, at and around ties, on a transposed view; NaN stays NaN (also one whose payload
+    # is in the 13 bits dropped, which the bit arithmetic alone would turn into Inf or -0).
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(4096) * np.exp2(rng.integers(-60, 60, 4096))).astype(np.float32)
+    near = np.array([0xFFF, 0x1000, 0x1001, 0x2FFF, 0x3000, 0x3001], np.uint32)
+    ties = (np.float32(1.5).view(np.uint32) + near).view(np.float32)
+    values = np.concatenate([values, ties, -ties, [np.inf, -np.inf, 0.0, -0.0]]).astype(np.float32)
+    got = matmul.tf32_rounded(values.reshape(-1, 2).T)
+    np.testing.assert_array_equal(got, _round_tf32(values.reshape(-1, 2).T))
+    assert np.signbit(got[1, -1]) and (got.view(np.uint32) & 0x1FFF == 0).all()
+    nans = np.array([0x7F800001, 0x7FFFFFFF, 0xFFFFF001, 0x7FC00000], np.uint32).view(np.float32)
+    assert np.isnan(matmul.tf32_rounded(nans)).all()
+
+
+def test_tf32_products_round_float32_operands_only_where_allowed(settings):
+    # NumPy's products (the CPU paths' GEMMs) with allow_tf32: float64 of the operands rounded to
+    # TF32 up to fp32's sums, farther from the unrounded product than fp32's sums alone, within
+    # docs/api.md's per-product bound; off, and for float64 operands, numpy.matmul bit for bit.
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((7, 33)).astype(np.float32)
+    b = rng.standard_normal((19, 33)).astype(np.float32).T  # a transposed view, as W^T
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    np.testing.assert_array_equal(matmul.matmul(a, b), np.matmul(a, b))
+    prnn.configure(allow_tf32=True)
+    out = np.full((7, 19), np.nan, np.float32)
+    assert matmul.matmul(a, b, out) is out
+    rounded = _round_tf32(a).astype(np.float64) @ _round_tf32(b).astype(np.float64)
+    assert (np.abs(out - rounded) <= _sum_bound(a, b)).all()
+    assert (np.abs(out - a64 @ b64) <= _sum_bound(a, b, 2.0**-10 + 2.0**-22)).all()
+    assert not (np.abs(out - a64 @ b64) <= _sum_bound(a, b)).all()  # TF32's rounding shows
+    np.testing.assert_array_equal(matmul.matmul(a64, b64), np.matmul(a64, b64))
+
+
+@pytest.mark.parametrize("name", ["lstm", "gru"] if EVERY_KERNEL else ["lstm"])
+def test_tf32_gemm_path_matches_float64(settings, name):
+    # The GEMM path (every product a GEMM: the input projection, each step's W_hh product, the
+    # gradients) with allow_tf32: y, h_n (c_n), dx, dhx and every parameter gradient within
+    # docs/api.md's TF32 bound of the float64 layer, and none of them fp32's bits.
+    kern, ref = _layers(name, 40, algo="gemm")
+    data = _data(kern, 4, 6, 3)
+    fp32 = _run(kern, data)
+    prnn.configure(allow_tf32=True)
+    got = _run(kern, data)
+    assert kern.last_run.algo == "gemm"
+    want = _run(ref, _data(kern, 4, 6, 3, np.float64))
+    for a, f, r in zip(got, fp32, want):
+        assert _relerr(a, r) <= TOLERANCE and not np.array_equal(a, f)
+
+
+def test_tf32_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch):
+    # A planned call (call_plans: its GEMMs inside its chains) takes them in TF32 as the full
+    # path does: bitwise the full path's results (the fp32 recurrence at B 2), not fp32's.
+    from test_call_plans import _Hits, _step
+    from test_call_plans import _data as _call_data, _layer as _call_layer
+    prnn.configure(allow_tf32=True)
+    hits = _Hits(monkeypatch)
+    planned, full, reference = (_call_layer("LSTM") for _ in range(3))
+    for seed in range(4):  # call 1 full, call 2 full and planned, then planned
+        x, dy = _call_data(seed)
+        got = _step(planned, x, dy)
+        full._plan = None
+        for a, b in zip(got, _step(full, x, dy)):
+            np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (2, 1)
+    assert "PRNN_MMA" not in planned.last_run.details[0]
+    with prnn.override_settings(allow_tf32=False):
+        fp32 = _step(reference, x, dy)
+    assert not any(np.array_equal(a, b) for a, b in zip(got, fp32))
+
+
+def test_the_model_prices_tf32_gemms_at_the_tensor_cores_tf32_rate():
+    # latency._gemm_us on a profile that allows TF32: an fp32 GEMM at the m16n8k8 rate
+    # (hardware.HMMA_TF32_INTERVAL) and the 16-bit GEMM's fraction of it, faster than SGEMM; a
+    # 16-bit GEMM's price unchanged. A call's GEMMs follow (call_costs: LSTM H 1024 B 4 T 100's
+    # backward, mostly its weight GEMMs, 172 -> 116 us beside the steps; predictions).
+    from dataclasses import replace
+    from persistent_rnn import hardware as hw, latency
+    from persistent_rnn.cells import CELLS
+    h100 = planner.resolve_device("h100")
+    tf32 = replace(h100, allow_tf32=True)
+    flops = 2.0 * 400 * 1024 * 4096
+    rate = h100.sm_count * h100.clock_mhz * 1e6 * 2 * hw.TENSOR_GEMM_PEAK_FRACTION \
+        * hw.SUB_PARTITIONS * hw.MMA_TF32_FMA / hw.HMMA_TF32_INTERVAL
+    assert latency._gemm_us(flops, tf32) == pytest.approx(hw.GEMM_LAUNCH_US + flops / rate * 1e6)
+    assert latency._gemm_us(flops, tf32) < latency._gemm_us(flops, h100)
+    assert latency._gemm_us(flops, tf32, True) == latency._gemm_us(flops, h100, True)
+    cost = lambda d: latency.call_costs(CELLS["lstm"], 1024, 4, 100, 64, True, d).device_us  # noqa: E731
+    assert (round(cost(h100)), round(cost(tf32))) == (172, 116)
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_products_are_tf32_eager_and_captured(cupy, settings, monkeypatch):
+    # matmul.matmul's float32 products with allow_tf32 on the GPU: not cupy.matmul's fp32 bits,
+    # within docs/api.md's GEMM bound of float64 (cuBLAS rounds operands to nearest or truncates:
+    # 2^-9 a product); a strided operand and a strided output (copied / written through a
+    # temporary) the same bits; the product a chain captures (cublas_capture.gemm_ex) replays
+    # the eager one's bits; CuPy's own compute type, which the user's cupy.matmul reads, unchanged.
+    from cupy._core import _routines_linalg as linalg
+    from persistent_rnn import chain_graphs
+    held = linalg.get_compute_type(np.float32)
+    rng = np.random.default_rng(5)
+    a_host = rng.standard_normal((27, 80)).astype(np.float32)
+    w_host = rng.standard_normal((192, 40)).astype(np.float32)
+    a, w = cupy.asarray(a_host), cupy.asarray(w_host)
+    prnn.configure(allow_tf32=True)
+    eager = matmul.matmul(a[:, ::2], w.T)
+    a_host = a_host[:, ::2]
+    assert not cupy.array_equal(eager, cupy.matmul(a[:, ::2], w.T))
+    exact = a_host.astype(np.float64) @ w_host.T.astype(np.float64)
+    assert (np.abs(eager.get() - exact) <= _sum_bound(a_host, w_host.T, 2.0**-9)).all()
+    strided_out = cupy.full((192, 27), np.nan, np.float32).T
+    matmul.matmul(cupy.ascontiguousarray(a[:, ::2]), w.T, strided_out)
+    np.testing.assert_array_equal(strided_out.get(), eager.get())
+    stream, capturing = cupy.cuda.Stream(non_blocking=True), [False]
+    monkeypatch.setattr(chain_graphs, "capturing", lambda: capturing[0])
+    x = cupy.ascontiguousarray(a[:, ::2])
+    with stream:
+        want = matmul.matmul(x, w.T)
+        replayed = cupy.full_like(want, np.nan)
+        stream.begin_capture()
+        capturing[0] = True  # (as chain_graphs._capture sets it)
+        matmul.matmul(x, w.T, replayed)
+        capturing[0] = False
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(replayed.get(), want.get())
+    assert linalg.get_compute_type(np.float32) == held
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_planned_calls_replay_their_chains_with_the_full_calls_bits(cupy, settings,
+                                                                             monkeypatch):
+    # With allow_tf32 a planned call's chains (its TF32 GEMMs recorded through
+    # cublas_capture.gemm_ex) replay bitwise the full path's calls (eager TF32 GEMMs).
+    from test_gpu_chain_graphs import _assert_replays_give_the_full_bits, _layer as _gpu_layer
+    prnn.configure(allow_tf32=True)
+    layer, x, dy = _gpu_layer(cupy, "LSTM", 1)
+    full, _, _ = _gpu_layer(cupy, "LSTM", 1)
+    _assert_replays_give_the_full_bits(cupy, monkeypatch, layer, full, x, dy, [9, 7, 4])
