@@ -252,9 +252,19 @@ def _stacked(case: Case) -> bool:
 
 
 def ran_tf32(case: Case) -> bool:
-    """Whether the case's forward runs the TF32 tiles (docs/api.md, "TF32": allowed, enough rows,
-    not in stack mode; ``_check_stats`` checks ``last_run`` says so)."""
-    return case.tf32 and not _stacked(case) and "PRNN_MMA" in _plan(case).forward.defines
+    """Whether the case's forward runs the TF32 tiles (docs/api.md, "TF32": allowed, from the
+    plan's rows; ``_check_stats`` checks ``last_run`` says so)."""
+    return case.tf32 and "PRNN_MMA" in _pass_defines(case, "forward")
+
+
+def _pass_defines(case: Case, name: str) -> dict:
+    """The compile-time defines of the case's persistent pass ``name`` (its stack's in stack
+    mode)."""
+    if not _stacked(case):
+        return getattr(_plan(case), name).defines
+    return getattr(planner.make_stack_plan(case.cell, case.hidden, case.batch, case.num_layers,
+                                           case.bidirectional, case.dtype,
+                                           emulated_profile(case.path, case.tf32)), name).defines
 
 
 def _held_back(case: Case, name: str | None = None) -> bool:
@@ -452,7 +462,8 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict,
       gradients of every cell but relu (whose derivative jumps where rounding moves a
       pre-activation across zero), within ``FREE_RUNNING[dtype]``.
 
-    ``tf32``: a pass ran W_hh in TF32 (docs/api.md, "TF32"): every measure within ``TF32``.
+    ``tf32``: TF32 allowed (docs/api.md, "TF32": the tiles' W_hh and the float32 GEMMs): every
+    measure within ``TF32``.
     An LSTM projection's case has the second measure only (``trajectory_reference`` replays
     steps without W_hr).
     """
@@ -528,8 +539,7 @@ def run_layer_case(case: Case) -> dict[str, float]:
         for key, a in plain.items():
             _require(case, np.array_equal(a, out[key], equal_nan=True),
                      f"{key}: the stalled (restarted) run differs from the undisturbed one")
-    tf32 = any("PRNN_MMA" in d for s in (fwd, bwd) for d in s.details if case.dtype == "float32")
-    worst = check_layer(case, out, ctx, ref64, data, tf32)  # (before the layer's next call)
+    worst = check_layer(case, out, ctx, ref64, data, case.tf32)  # (before the layer's next call)
     if case.max_resident is None:  # (CTAs held back: a fallback's bits are the GEMM path's)
         with _running(case):
             check_repeat(case, ours)
@@ -583,7 +593,7 @@ def _check_stats(case: Case, fwd, bwd) -> None:
         _require(case, clustered == want, f"{name} ran on the wrong exchange path: {s.details}")
         if case.dtype == "float32" and s.fallback is None:  # (fp32: PRNN_MMA is a TF32 tile)
             tf32 = any("PRNN_MMA" in d for d in s.details)
-            want = case.tf32 and not stacked and "PRNN_MMA" in getattr(_plan(case), name).defines
+            want = case.tf32 and "PRNN_MMA" in _pass_defines(case, name)
             _require(case, tf32 == want, f"{name}: TF32 tiles {'used' if tf32 else 'not used'} "
                                          f"(allow_tf32 {case.tf32}): {s.details}")
         if _held_back(case, name):  # a launch times out: restarts, the GEMM path when they run out
@@ -656,7 +666,7 @@ def run_module_case(case: Case) -> dict[str, float]:
     _require(case, ran.algo == expect and (expect == "torch" or ran.fallback is None)
              and (expect == "torch" or ran.backward is not None)
              and ran.emulated == (expect == "persistent"), f"last_run {ran} (expected {expect})")
-    tf32 = any("PRNN_MMA" in d for d in ran.details)
+    tf32 = case.tf32  # (the tiles and the float32 GEMMs in TF32)
     tol = MODULE_F64 if case.dtype == "float64" else TF32 if tf32 else FREE_RUNNING["float32"]
     # relu in float32: a pre-activation within rounding of zero flips the derivative between
     # any two float32 runs, so its gradients are held to the library layer's (checked against
