@@ -7,10 +7,14 @@ Each case is drawn from one integer seed (``draw_case``) and checked by ``run_ca
   held back by ``emulation_max_resident``, and the emulation's weaker-machine modes drawn too:
   ``CASE_MODES``, docs/emulation.md; "gemm"; "auto") in float32, float16 or bfloat16,
   multi-layer, bidirectional, batch-first, with lengths and h0/c0, forward and backward,
-  against float64 (``check_layer``, the measures of docs/api.md "Accuracy"); a stalled run must
-  equal an undisturbed one bit for bit, and ``last_run`` must say what ran.
+  against float64 (``check_layer``, the measures of docs/api.md "Accuracy"; float32 persistent
+  cases with ``allow_tf32`` or not, docs/api.md "TF32"); a stalled run must equal an undisturbed
+  one bit for bit, and ``last_run`` must say what ran; the long profile's LSTM cases have a
+  projection (``proj_size``) now and then. The call is then repeated on new data and weights
+  updated in place (``check_repeat``): the planned path, bit for bit a fresh layer's.
 * ``module``: a ``persistent_rnn.torch`` module (``algo`` "auto", "gemm", "persistent") against
-  ``torch.nn`` on the same weights and data (padded or packed), outputs and every gradient.
+  ``torch.nn`` on the same weights and data (padded or packed), outputs and every gradient; its
+  call repeated as a layer's (``check_module_repeat``).
 * ``bad``: a bad argument (``BAD_INPUTS``): the layer raises ``TypeError``/``ValueError``
   naming the argument; the torch module raises what ``torch.nn`` raises. Never a crash or hang.
 
@@ -55,12 +59,16 @@ from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 CELLS = tuple(sorted(REGISTRY, key=lambda name: -REGISTRY[name].gates))
 TORCH_CELLS = tuple(name for name in CELLS if REGISTRY[name].in_torch)  # module and bad cases
 KINDS = ("layer", "module", "bad")
+PASSES = ("forward", "backward")
 # Unit roundoff of the 16-bit dtypes (half the spacing of values in [1, 2)); 0 for fp32.
 UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 # docs/api.md: relative error against the float64 layer that does not round h_t.
 FREE_RUNNING = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 FP32 = 2e-5  # fp32 arithmetic (one step, or a backward through time) relative to the array
 MODULE_F64 = 1e-9  # torch modules against torch.nn, both float64
+TF32 = 5e-3  # docs/api.md, "TF32": every result against float64 where W_hh ran in TF32
+TF32_P = 0.4  # a float32 persistent case allows TF32 with this probability
+PROJ_P = 0.3  # an LSTM layer case of the long profile has a projection with this probability
 
 # A stalled CTA sleeps past the barrier timeout once; the timeout is long enough that the
 # emulated grid (up to STALL_MAX_GRID host threads on a shared machine) never times out by itself.
@@ -102,6 +110,8 @@ class Case:
     stack: bool = True                     # the `stack` setting: stack mode where the plan fits
     bad: str = ""                          # name in BAD_INPUTS
     modes: tuple[str, ...] = ()            # emulation modes (emulate.modes), seeded by `seed`
+    tf32: bool = False                     # settings.allow_tf32 (float32 persistent cases)
+    proj: int = 0                          # an LSTM layer's proj_size
     kind_given: bool = True                # drawn for a named kind (else the kind was drawn too)
 
     def command(self) -> str:
@@ -127,7 +137,7 @@ def _hidden(rng: np.random.Generator, profile: str) -> int:
 def draw_case(seed: int, profile: str = "ci", kind: str | None = None) -> Case:
     """The case of ``seed`` (``kind`` None: drawn too). Draw a new option after the others, so
     that the seeds of the CI slice keep their cases."""
-    return _with_modes(_draw_options(seed, profile, kind))
+    return _with_proj(_with_tf32(_with_modes(_draw_options(seed, profile, kind))))
 
 
 def _draw_options(seed: int, profile: str, kind: str | None) -> Case:
@@ -187,33 +197,81 @@ def _with_modes(case: Case) -> Case:
     return dataclasses.replace(case, modes=tuple(m for m in CASE_MODES if rng.random() < MODE_P))
 
 
-def emulated_profile(path: str) -> hardware.DeviceProfile:
-    """The emulated device: an H100 (small layers as one cluster), or one without clusters."""
+def _with_tf32(case: Case) -> Case:
+    """A float32 persistent case with ``allow_tf32`` or not, from a generator of its own (the
+    TF32 tiles run from ``plan.TF32_MIN_BATCH`` rows, outside stack mode: ``ran_tf32``)."""
+    if case.kind == "bad" or case.algo != "persistent" or case.dtype != "float32":
+        return case
+    return dataclasses.replace(case, tf32=bool(np.random.default_rng([case.seed, 28]).random()
+                                               < TF32_P))
+
+
+def _with_proj(case: Case) -> Case:
+    """An LSTM layer case of the long profile with a projection or not, from a generator of its
+    own (not with a stall or CTAs held back, whose draws read the plan without one)."""
+    if (case.kind != "layer" or case.profile != "long" or not REGISTRY[case.cell].projection
+            or case.hidden < 2 or case.stall or case.max_resident or not case.stack
+            and case.hidden > 300):
+        return case
+    rng = np.random.default_rng([case.seed, 29])
+    return dataclasses.replace(case, proj=int(rng.integers(1, case.hidden)) if rng.random()
+                               < PROJ_P else 0)
+
+
+def emulated_profile(path: str, tf32: bool = False) -> hardware.DeviceProfile:
+    """The emulated device: an H100 (small layers as one cluster), or one without clusters;
+    ``tf32``: as ``settings.allow_tf32`` plans it (``runtime``)."""
     h100 = hardware.PROFILES["h100"]
+    h100 = dataclasses.replace(h100, allow_tf32=True) if tf32 else h100
     if path == "cluster":
         return h100
     return dataclasses.replace(h100, name="h100 without clusters", arch="sm_80")
 
 
-def _grid(case: Case) -> int:
-    """CTAs of the case's persistent forward (0 where no plan fits)."""
-    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
-                          emulated_profile(case.path))
-    return p.forward.grid if p.fits else 0
+def _plan(case: Case) -> planner.Plan:
+    """The plan of one layer-direction of the case's persistent passes."""
+    return planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
+                             emulated_profile(case.path, case.tf32), proj_size=case.proj)
+
+
+def _grid(case: Case, name: str = "forward") -> int:
+    """CTAs of the case's persistent pass ``name`` (0 where no plan fits)."""
+    p = _plan(case)
+    return getattr(p, name).grid if p.fits else 0
 
 
 def _stacked(case: Case) -> bool:
     """Whether the case's persistent passes run in stack mode (all layers, or both directions
-    of a layer, in one launch): allowed, more than one layer-direction, and the plan fits."""
+    of a layer, in one launch): allowed, more than one layer-direction, no projection (no stack
+    kernel has one), and the plan fits."""
     return (case.algo == "persistent" and case.stack and (case.num_layers > 1 or case.bidirectional)
+            and not case.proj
             and planner.make_stack_plan(case.cell, case.hidden, case.batch, case.num_layers,
                                         case.bidirectional, case.dtype,
-                                        emulated_profile(case.path)).fits)
+                                        emulated_profile(case.path, case.tf32)).fits)
 
 
-def _held_back(case: Case) -> bool:
-    """Whether ``max_resident`` keeps CTAs of one step apart (a single step waits for nobody)."""
-    return case.max_resident is not None and case.max_resident < _grid(case) and case.steps > 1
+def ran_tf32(case: Case) -> bool:
+    """Whether the case's forward runs the TF32 tiles (docs/api.md, "TF32": allowed, from the
+    plan's rows; ``_check_stats`` checks ``last_run`` says so)."""
+    return case.tf32 and "PRNN_MMA" in _pass_defines(case, "forward")
+
+
+def _pass_defines(case: Case, name: str) -> dict:
+    """The compile-time defines of the case's persistent pass ``name`` (its stack's in stack
+    mode)."""
+    if not _stacked(case):
+        return getattr(_plan(case), name).defines
+    return getattr(planner.make_stack_plan(case.cell, case.hidden, case.batch, case.num_layers,
+                                           case.bidirectional, case.dtype,
+                                           emulated_profile(case.path, case.tf32)), name).defines
+
+
+def _held_back(case: Case, name: str | None = None) -> bool:
+    """Whether ``max_resident`` keeps CTAs of one step apart in pass ``name`` (None: in either;
+    the backward's grid may be the larger; a single step waits for nobody)."""
+    return case.max_resident is not None and case.steps > 1 and any(
+        case.max_resident < _grid(case, n) for n in ((name,) if name else PASSES))
 
 
 @contextlib.contextmanager
@@ -235,17 +293,18 @@ def features(case: Case) -> set[str]:
         got |= {"stall"} if case.stall else set()
         got |= {"held back"} if _held_back(case) else set()
         got |= {"stack"} if _stacked(case) else set()
+        got |= {"tf32"} if ran_tf32(case) else set()
         got |= set(case.modes)
     flags = {"multi-layer": case.num_layers > 1, "bidirectional": case.bidirectional,
              "batch_first": case.batch_first, "no bias": not case.bias,
-             "lengths": case.lengths, "hx": case.hx}
+             "lengths": case.lengths, "hx": case.hx, "projection": bool(case.proj)}
     return got | {name for name, on in flags.items() if on}
 
 
 LAYER_FEATURES = set(CELLS) | {"float32", "float16", "bfloat16", "persistent", "gemm", "auto",
                                "cluster", "grid", "stall", "held back", "stack", "multi-layer",
                                "bidirectional", "batch_first", "no bias", "lengths", "hx",
-                               *CASE_MODES}
+                               "tf32", *CASE_MODES}
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -258,11 +317,11 @@ def _data(case: Case, rng: np.random.Generator) -> dict[str, Any]:
     """x, hx, lengths, dy, dhn as float64 arrays holding values of the case's dtype."""
     dirs = 2 if case.bidirectional else 1
     lead = (case.batch, case.steps) if case.batch_first else (case.steps, case.batch)
-    state = (case.num_layers * dirs, case.batch, case.hidden)
+    width = case.proj or case.hidden  # h's (c stays H wide)
     pair = REGISTRY[case.cell].has_cell_state
     q = lambda a: a.astype(_dtype(case.dtype)).astype(np.float64)  # noqa: E731
-    states = lambda scale: (tuple(q(scale * rng.standard_normal(state))  # noqa: E731
-                                  for _ in range(2 if pair else 1)))
+    states = lambda scale: (tuple(q(scale * rng.standard_normal(  # noqa: E731
+        (case.num_layers * dirs, case.batch, w))) for w in (width, case.hidden)[:2 if pair else 1]))
     hx = states(0.5)
     dhn = states(1.0)
     lengths = None
@@ -271,7 +330,7 @@ def _data(case: Case, rng: np.random.Generator) -> dict[str, Any]:
         lengths[rng.integers(case.batch)] = case.steps  # torch's padded output has T steps
     return dict(x=q(rng.standard_normal(lead + (case.input_size,))),
                 hx=(hx if pair else hx[0]) if case.hx else None, lengths=lengths,
-                dy=q(rng.standard_normal(lead + (dirs * case.hidden,))),
+                dy=q(rng.standard_normal(lead + (dirs * width,))),
                 dhn=dhn if pair else dhn[0])
 
 
@@ -290,16 +349,21 @@ def _layer(case: Case, dtype: str, algo: str, params: dict | None = None):
     layer = getattr(prnn, mode)(case.input_size, case.hidden, num_layers=case.num_layers,
                                 bias=case.bias, batch_first=case.batch_first,
                                 bidirectional=case.bidirectional, dtype=dtype, algo=algo,
-                                seed=case.seed, **kw)
+                                proj_size=case.proj, seed=case.seed, **kw)
     if params is not None:
         layer.load_params(params)
     return layer
 
 
+def _inputs(layer, data: dict) -> tuple:
+    """A forward's x, hx, lengths in the layer's dtype."""
+    return data["x"].astype(layer.dtype), _cast(data["hx"], layer.dtype), data["lengths"]
+
+
 def _run_layer(layer, data: dict):
     """Forward and backward; results as float64, the forward's context and both RunStats."""
     dt = layer.dtype
-    y, hn = layer.forward(data["x"].astype(dt), _cast(data["hx"], dt), data["lengths"])
+    y, hn = layer.forward(*_inputs(layer, data))
     ctx, fwd = layer._ctx, layer.last_run  # the context: the states the run went through
     dx, dhx = layer.backward(data["dy"].astype(dt), _cast(data["dhn"], dt))
     out = {"y": y, "dx": dx}
@@ -387,7 +451,8 @@ def _excess(got: np.ndarray, want: np.ndarray, u: float) -> float:
     return max(0.0, float((np.abs(got - want) - u * np.abs(want)).max(initial=0.0)) / scale)
 
 
-def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict) -> dict[str, float]:
+def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict,
+                tf32: bool = False) -> dict[str, float]:
     """The accuracy measures of docs/api.md for one run; returns the worst error of each.
 
     * every cell and dtype, along the run's own states (``trajectory_reference``): each state
@@ -396,19 +461,16 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict) -> dict[str
     * against the float64 layer that never rounds h_t: the forward of every cell, and the
       gradients of every cell but relu (whose derivative jumps where rounding moves a
       pre-activation across zero), within ``FREE_RUNNING[dtype]``.
+
+    ``tf32``: TF32 allowed (docs/api.md, "TF32": the tiles' W_hh and the float32 GEMMs): every
+    measure within ``TF32``.
+    An LSTM projection's case has the second measure only (``trajectory_reference`` replays
+    steps without W_hr).
     """
     u = UNIT_ROUNDOFF[case.dtype]
-    excess, traj = trajectory_reference(ctx, data)
-    tag = f" {case.dtype}"
-    worst = {"trajectory forward" + tag: excess}
-    _require(case, excess <= FP32, f"a state is {excess:.3g} past one rounding of its "
-                                   f"float64 step (tolerance {FP32})")
-    limit = u + FP32
-    for key, want in traj.items():
-        err = relerr(out[key], want)
-        worst["trajectory backward" + tag] = max(worst.get("trajectory backward" + tag, 0.0), err)
-        _require(case, err <= limit, f"{key}: relative error {err:.3g} against float64 along "
-                                     f"the run's states > {limit:.3g}")
+    tag = " tf32" if tf32 else f" {case.dtype}"
+    step, limit, free = (TF32, TF32, TF32) if tf32 else (FP32, u + FP32, FREE_RUNNING[case.dtype])
+    worst = {} if case.proj else _check_trajectory(case, out, ctx, data, tag, step, limit)
     forward_only = case.cell == "rnn_relu"
     for key, want in ref64.items():
         if forward_only and not (key == "y" or key.startswith("hn")):
@@ -416,8 +478,23 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict) -> dict[str
         err = relerr(out[key], want)
         measure = "float64 forward" if key == "y" or key.startswith("hn") else "float64 backward"
         worst[measure + tag] = max(worst.get(measure + tag, 0.0), err)
-        _require(case, err <= FREE_RUNNING[case.dtype], f"{key}: relative error {err:.3g} "
-                 f"against the float64 layer > {FREE_RUNNING[case.dtype]}")
+        _require(case, err <= free, f"{key}: relative error {err:.3g} against the float64 "
+                                    f"layer > {free}")
+    return worst
+
+
+def _check_trajectory(case: Case, out: dict, ctx, data: dict, tag: str, step: float,
+                      limit: float) -> dict[str, float]:
+    """``check_layer``'s first measure, along the run's own states; the worst errors."""
+    excess, traj = trajectory_reference(ctx, data)
+    worst = {"trajectory forward" + tag: excess}
+    _require(case, excess <= step, f"a state is {excess:.3g} past one rounding of its "
+                                   f"float64 step (tolerance {step})")
+    for key, want in traj.items():
+        err = relerr(out[key], want)
+        worst["trajectory backward" + tag] = max(worst.get("trajectory backward" + tag, 0.0), err)
+        _require(case, err <= limit, f"{key}: relative error {err:.3g} against float64 along "
+                                     f"the run's states > {limit:.3g}")
     return worst
 
 
@@ -429,16 +506,17 @@ def _require(case: Case, ok: bool, what: str) -> None:
 # ---- the three kinds of case -----------------------------------------------------------------
 
 def _settings(case: Case) -> dict:
+    common = dict(stack=case.stack, allow_tf32=case.tf32)
     if case.stall is not None:
-        return dict(stack=case.stack, emulation_timeout_ms=STALL_TIMEOUT_MS, max_restarts=10)
+        return dict(common, emulation_timeout_ms=STALL_TIMEOUT_MS, max_restarts=10)
     if case.max_resident is not None:
         # The short timeout only where CTAs are held back: a whole grid of resident CTAs on a
         # busy machine can take longer than that between two steps (a seed-25 run timed out).
         timeout_ms = RESIDENT_TIMEOUT_MS if _held_back(case) else 10_000
-        return dict(stack=case.stack, emulation_timeout_ms=timeout_ms, max_restarts=1,
+        return dict(common, emulation_timeout_ms=timeout_ms, max_restarts=1,
                     emulation_max_resident=case.max_resident)
     # generous: the emulation shares busy cores
-    return dict(stack=case.stack, emulation_timeout_ms=10_000)
+    return dict(common, emulation_timeout_ms=10_000)
 
 
 def run_layer_case(case: Case) -> dict[str, float]:
@@ -446,8 +524,7 @@ def run_layer_case(case: Case) -> dict[str, float]:
     data = _data(case, np.random.default_rng(case.seed + 1))
     ours = _layer(case, case.dtype, case.algo)
     ref = _layer(case, "float64", "gemm", {k: v.astype(np.float64) for k, v in ours.params.items()})
-    with emulated_device(case.path), prnn.override_settings(**_settings(case)), \
-            emulate.modes(*case.modes, seed=case.seed):
+    with _running(case):
         plain = None
         if case.stall is not None:
             plain, _, _, _ = _run_layer(ours, data)
@@ -462,7 +539,42 @@ def run_layer_case(case: Case) -> dict[str, float]:
         for key, a in plain.items():
             _require(case, np.array_equal(a, out[key], equal_nan=True),
                      f"{key}: the stalled (restarted) run differs from the undisturbed one")
-    return check_layer(case, out, ctx, ref64, data)
+    worst = check_layer(case, out, ctx, ref64, data, case.tf32)  # (before the layer's next call)
+    if case.max_resident is None:  # (CTAs held back: a fallback's bits are the GEMM path's)
+        with _running(case):
+            check_repeat(case, ours)
+    return worst
+
+
+@contextlib.contextmanager
+def _running(case: Case):
+    """The case's emulated device, settings and emulation modes inside the block."""
+    with emulated_device(case.path), prnn.override_settings(**_settings(case)), \
+            emulate.modes(*case.modes, seed=case.seed):
+        yield
+
+
+def check_repeat(case: Case, ours) -> None:
+    """The case's call repeated (docs/design.md, planned calls): a forward of new data of the same
+    shapes (the call that plans the signature), the weights updated in place, then a forward and
+    backward of new data without dhn (what a planned backward takes), which must be bit for bit a
+    fresh layer's with the same weights (the full path). Persistent layers must have planned it."""
+    rng = np.random.default_rng([case.seed, 3])
+    ours.forward(*_inputs(ours, _data(case, rng)))
+    for p in ours.params.values():  # (in place: the plan keeps the arrays, not their values)
+        p[...] = (p.astype(np.float64) * (1 + 0.1 * rng.standard_normal(p.shape))).astype(p.dtype)
+    data = dict(_data(case, rng), dhn=None)
+    planned = ours._plan is not None
+    _require(case, planned or case.algo != "persistent" or ours.last_run.algo != "persistent",
+             f"the call's signature was not planned: {ours.last_run}")
+    ours.zero_grad()
+    got, _, _, _ = _run_layer(ours, data)
+    fresh = _layer(case, case.dtype, case.algo, {k: v.copy() for k, v in ours.params.items()})
+    want, _, _, _ = _run_layer(fresh, data)
+    for key, a in want.items():
+        _require(case, np.array_equal(got[key], a, equal_nan=True),
+                 f"{key}: the {'planned' if planned else 'repeated'} call differs from a fresh "
+                 f"layer's (max |difference| {np.nanmax(np.abs(got[key] - a)):.3g})")
 
 
 def _check_stats(case: Case, fwd, bwd) -> None:
@@ -476,21 +588,26 @@ def _check_stats(case: Case, fwd, bwd) -> None:
         _require(case, stacked == _stacked(case),
                  f"{name}: stack mode {'used' if stacked else 'not used'}: {s.details}")
         clustered = any("PRNN_CLUSTER" in d for d in s.details)
-        want = not stacked and case.path == "cluster" and planner.make_plan(
-            case.cell, case.hidden, case.batch, case.dtype,
-            emulated_profile("cluster")).tile.cluster > 0
+        tile = _plan(case).tile  # (a projection's: no cluster field while it has no cluster tile)
+        want = not stacked and case.path == "cluster" and getattr(tile, "cluster", 0) > 0
         _require(case, clustered == want, f"{name} ran on the wrong exchange path: {s.details}")
-        if _held_back(case):  # a launch times out: restarts, and the GEMM path when they run out
+        if case.dtype == "float32" and s.fallback is None:  # (fp32: PRNN_MMA is a TF32 tile)
+            tf32 = any("PRNN_MMA" in d for d in s.details)
+            want = case.tf32 and "PRNN_MMA" in _pass_defines(case, name)
+            _require(case, tf32 == want, f"{name}: TF32 tiles {'used' if tf32 else 'not used'} "
+                                         f"(allow_tf32 {case.tf32}): {s.details}")
+        if _held_back(case, name):  # a launch times out: restarts, the GEMM path when they run out
             _require(case, s.restarts >= 1 or "barrier timeouts" in (s.fallback or ""),
                      f"{name}: CTAs held back but neither a restart nor a fallback: {s}")
         else:
             _require(case, s.fallback is None, f"{name}: unexpected fallback: {s}")
-    if case.stall is not None and _grid(case) > 1 and case.stall[0] < _grid(case):
-        # nobody waits after a pass's last step: forward's T-1, backward's 0 (it runs down)
-        _require(case, fwd.restarts >= 1 or case.stall[1] == case.steps - 1,
-                 f"forward: a stalled CTA caused no restart: {fwd}")
-        _require(case, bwd.restarts >= 1 or case.stall[1] == 0,
-                 f"backward: a stalled CTA caused no restart: {bwd}")
+    if case.stall is None:
+        return
+    # nobody waits after a pass's last step: forward's T-1, backward's 0 (it runs down)
+    for name, s, last in (("forward", fwd, case.steps - 1), ("backward", bwd, 0)):
+        if 1 < _grid(case, name) and case.stall[0] < _grid(case, name):
+            _require(case, s.restarts >= 1 or case.stall[1] == last,
+                     f"{name}: a stalled CTA caused no restart: {s}")
 
 
 def _torch_module(case: Case, library: bool):
@@ -543,13 +660,14 @@ def run_module_case(case: Case) -> dict[str, float]:
     ref.load_state_dict(ours.state_dict())
     with emulated_device(case.path), prnn.override_settings(**_settings(case)):
         got = run_module(ours, data, dtype, case.batch_first)
-    want = run_module(ref, data, torch.float64, case.batch_first)
     ran = ours.last_run
+    want = run_module(ref, data, torch.float64, case.batch_first)
     expect = "torch" if case.algo == "auto" else case.algo  # auto on CPU: torch's kernels
     _require(case, ran.algo == expect and (expect == "torch" or ran.fallback is None)
              and (expect == "torch" or ran.backward is not None)
              and ran.emulated == (expect == "persistent"), f"last_run {ran} (expected {expect})")
-    tol = MODULE_F64 if case.dtype == "float64" else FREE_RUNNING["float32"]
+    tf32 = case.tf32  # (the tiles and the float32 GEMMs in TF32)
+    tol = MODULE_F64 if case.dtype == "float64" else TF32 if tf32 else FREE_RUNNING["float32"]
     # relu in float32: a pre-activation within rounding of zero flips the derivative between
     # any two float32 runs, so its gradients are held to the library layer's (checked against
     # float64 along its own states by the layer cases), its outputs to torch.nn's.
@@ -566,7 +684,34 @@ def run_module_case(case: Case) -> dict[str, float]:
         worst = max(worst, err)
         against = "the library layer" if same_layer and gradient else "torch.nn"
         _require(case, err <= tol, f"{key}: relative error {err:.3g} against {against} > {tol}")
-    return {f"torch.nn {case.dtype}": worst}
+    with emulated_device(case.path), prnn.override_settings(**_settings(case)):
+        check_module_repeat(case, ours, dtype)
+    return {f"torch.nn {'tf32' if tf32 else case.dtype}": worst}
+
+
+def check_module_repeat(case: Case, ours, dtype) -> None:
+    """``check_repeat`` for a torch module: the call again on new data (which plans its
+    signature), the weights updated in place, and once more (planned where persistent), bit for
+    bit a fresh module's with the same weights."""
+    import torch
+    rng = np.random.default_rng([case.seed, 3])
+    run_module(ours, _data(case, rng), dtype, case.batch_first)
+    noise = torch.Generator().manual_seed(case.seed)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.mul_(1 + 0.1 * torch.randn(p.shape, generator=noise, dtype=p.dtype))
+    data = _data(case, rng)
+    _require(case, ours._record.plan is not None or case.algo != "persistent"
+             or ours.last_run.algo != "persistent",
+             f"the module's call was not planned: {ours.last_run}")
+    got = run_module(ours, data, dtype, case.batch_first)
+    fresh = _torch_module(case, True).to(dtype)
+    fresh.load_state_dict(ours.state_dict())
+    want = run_module(fresh, data, dtype, case.batch_first)
+    for key, a in want.items():
+        _require(case, np.array_equal(got[key], a, equal_nan=True),
+                 f"{key}: the module's repeated call differs from a fresh module's (max "
+                 f"|difference| {np.nanmax(np.abs(got[key] - a)):.3g})")
 
 
 # ---- bad inputs ------------------------------------------------------------------------------
@@ -721,9 +866,7 @@ def _configuration(case: Case) -> tuple | None:
     """The emulated kernel build a case ran (cell, weights, exchange, compile-time tile)."""
     if case.algo != "persistent":
         return None
-    p = planner.make_plan(case.cell, case.hidden, case.batch, case.dtype,
-                          emulated_profile(case.path))
-    return case.cell, case.dtype, tuple(sorted(p.forward.defines.items()))
+    return case.cell, case.dtype, tuple(sorted(_plan(case).forward.defines.items()))
 
 
 def _brief(case: Case) -> str:
@@ -731,7 +874,8 @@ def _brief(case: Case) -> str:
         return f"{case.cell} {case.bad!r}"
     extra = (f" stall {case.stall}" if case.stall else "") + (
         f" resident {case.max_resident}" if case.max_resident else "") + (
-        f" modes {','.join(case.modes)}" if case.modes else "")
+        f" modes {','.join(case.modes)}" if case.modes else "") + (" tf32" if case.tf32 else "") + (
+        f" proj {case.proj}" if case.proj else "")
     path = "/" + case.path if case.algo == "persistent" else ""
     return (f"{case.cell} {case.dtype} {case.algo}{path}"
             f" H{case.hidden} B{case.batch} T{case.steps} L{case.num_layers}"

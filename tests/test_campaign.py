@@ -16,8 +16,8 @@ from campaign import Case, draw_case, run_case
 
 pytestmark = pytest.mark.timeout(600)
 
-LAYER_SEEDS = [185, 200, 37, 81, 279, 44, 189, 3, 343, 394, 232, 0, 46, 94, 297, 203, 123]
-MODULE_SEEDS = [0, 1, 14, 9, 3, 35, 6]
+LAYER_SEEDS = [185, 200, 37, 81, 279, 44, 189, 3, 343, 394, 232, 339, 46, 94, 297, 203, 123]
+MODULE_SEEDS = [0, 1, 605, 9, 3, 35, 6]
 BAD_SEEDS = range(80)
 
 
@@ -45,6 +45,7 @@ def test_ci_slice_covers_every_option():
     module = [draw_case(s, "ci", "module") for s in MODULE_SEEDS]
     assert {c.algo for c in module} == {"auto", "gemm", "persistent"}
     assert {c.path for c in module if c.algo == "persistent"} == {"cluster", "grid"}
+    assert any(campaign.ran_tf32(c) for c in module)
     assert {c.bad for c in (draw_case(s, "ci", "bad") for s in BAD_SEEDS)} == set(
         campaign.BAD_INPUTS)
 
@@ -114,3 +115,29 @@ def test_a_case_starts_with_no_residency_cooldown():
     runtime.COOLDOWNS.start(("earlier case",))
     campaign.run_case(campaign.draw_case(3, "ci", kind="bad"))
     assert runtime.COOLDOWNS.reason(("earlier case",)) is None
+
+
+def test_a_planned_call_unlike_the_full_path_fails_its_case(monkeypatch):
+    """The repeat of a case's call (``check_repeat``) holds the planned path to the full path's
+    bits: one ulp off in a planned forward's output fails the case."""
+    from persistent_rnn import call_plans
+    forward = call_plans.Plan.forward
+
+    def off_by_one_ulp(plan, *args):
+        y, hn, ctx = forward(plan, *args)
+        y[0, 0, 0] = np.nextafter(y[0, 0, 0], np.inf)
+        return y, hn, ctx
+    monkeypatch.setattr(call_plans.Plan, "forward", off_by_one_ulp)
+    with pytest.raises(campaign.CampaignFailure, match="y: the planned call differs"):
+        run_case(draw_case(339, "ci", "layer"))
+
+
+def test_ctas_held_back_in_the_backward_pass_count():
+    """A case whose forward grid fits ``max_resident`` but whose backward grid does not holds CTAs
+    back in its backward (the short timeout, a restart or fallback expected): the 2026-11-27 long
+    run (seed 303) failed so on a bfloat16 rnn_tanh, H 283, forward grid 18, backward 36."""
+    case = draw_case(1023865560, "long")
+    grids = campaign._grid(case), campaign._grid(case, "backward")
+    assert (case.max_resident, *grids) == (18, 18, 36)
+    assert campaign._held_back(case) and campaign._held_back(case, "backward")
+    assert not campaign._held_back(case, "forward")
