@@ -107,8 +107,10 @@ class Plan:
     """One layer's persistent call of one signature (module docstring): ``matches`` says whether
     a call may use it, ``forward`` / ``backward`` run it."""
 
-    def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool = False):
-        d = ctx.directions[0][0]
+    def _signature(self, ctx: functional.Context, x: Array, states: bool, lengths: bool) -> Any:
+        """What every plan keeps of the call it was made from (what ``matches`` compares, where
+        it may serve, the settings and workspaces it was made under); returns ``x``'s array
+        module."""
         self.states = states  # whether the calls give initial states (else zeros)
         self.lengths = lengths  # whether the calls give lengths (else all T steps)
         self.key: tuple = ()  # the signature of its calls as its holder knows it (``plan_of``)
@@ -119,6 +121,11 @@ class Plan:
         self.given_shape = x.shape  # (the caller's: batch-major for a batch-first layer)
         self.where, self.settings = _where(xp), settings.current()
         self.generation = buffers.generation()
+        return xp
+
+    def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool = False):
+        d = ctx.directions[0][0]
+        xp = self._signature(ctx, x, states, lengths)
         self.names = d.names
         w_ih, w_hh, b_ih, b_hh = functional._weights(ctx, d.names)
         self.weights = tuple(ctx.params[name] for name in d.names.values())

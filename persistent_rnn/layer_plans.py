@@ -30,10 +30,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import buffers, functional, launch, runtime, settings
+from . import buffers, functional, launch, runtime
 from .buffers import address, matmul_steps, select_active, workspace
 from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _projection_gradient,
-                         _refresh, _same_memory, _where, contiguous_states, formed_input)
+                         _refresh, _same_memory, contiguous_states, formed_input)
 from .halves import half_dtype, widen
 from .matmul import matmul_half
 from .stats import RunStats
@@ -48,15 +48,7 @@ class LayersPlan(Plan):
 
     def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool,
                  engine: Any):
-        self.states, self.lengths = states, lengths
-        self.key: tuple = ()
-        self.accumulates = False
-        self.cell, self.algo, self.half = ctx.cell, ctx.algo, ctx.half
-        self.xp = xp = buffers.array_module(x)
-        self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
-        self.given_shape = x.shape  # (``Plan``'s)
-        self.where, self.settings = _where(xp), settings.current()
-        self.generation = buffers.generation()
+        xp = self._signature(ctx, x, states, lengths)
         self.num_layers, self.directions = ctx.num_layers, 1 + ctx.bidirectional
         self.bidirectional = ctx.bidirectional
         self.direction_names = [d.names for dirs in ctx.directions for d in dirs]

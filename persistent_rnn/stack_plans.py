@@ -40,10 +40,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import buffers, chain_graphs, functional, launch, runtime, settings, stack
+from . import buffers, chain_graphs, functional, launch, runtime, stack
 from .buffers import matmul_steps, select_active, workspace
 from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _refresh, _same_memory,
-                         _where, contiguous_states, formed_input)
+                         contiguous_states, formed_input)
 from .halves import half_dtype, widen
 from .matmul import matmul_half
 from .stats import RunStats
@@ -83,15 +83,7 @@ class StackPlan(Plan):
 
     def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool,
                  engine: Any):
-        self.states, self.lengths = states, lengths
-        self.key: tuple = ()
-        self.accumulates = False
-        self.cell, self.algo, self.half = ctx.cell, ctx.algo, ctx.half
-        self.xp = xp = buffers.array_module(x)
-        self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
-        self.given_shape = x.shape  # (``Plan``'s)
-        self.where, self.settings = _where(xp), settings.current()
-        self.generation = buffers.generation()
+        xp = self._signature(ctx, x, states, lengths)
         steps, batch, _ = x.shape
         self.layer_names = self._groups(ctx)
         self.num_layers = ctx.num_layers

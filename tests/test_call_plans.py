@@ -1005,6 +1005,27 @@ def _half_layers(cell: str, dtype: str, layers: int, pair: bool, proj: int = 0):
                                proj_size=proj, algo="persistent", seed=11, dtype=dtype)
 
 
+def _a_16_bit_call_runs_inside_its_chains(planned, hits, cell: str, layers: int, extras: bool,
+                                          stub_chains, monkeypatch) -> None:
+    """A planned 16-bit multi-layer call with its chains stubbed (``stub_chains``): no product,
+    copy, fill, sum or conversion beside them, the plan's hits counted (``hits``), and the
+    layer's ``grads`` as they were."""
+    x = np.ones((4, HALF_B, HALF_I), planned.dtype)
+    dy = np.ones((4, HALF_B, HALF_H * planned.directions), planned.dtype)
+    h = np.zeros((layers * planned.directions, HALF_B, HALF_H), planned.dtype)
+    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
+    lengths = [4, 2, 1] if extras else None
+    stub_chains()
+    monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
+    grads = {name: g.copy() for name, g in planned.grads.items()}
+    # (with lengths: validation.lengths' conversion of them on the host, the full path's check)
+    assert _array_work(lambda: planned.forward(x, hx, lengths)) == int(extras)
+    assert _array_work(lambda: planned.backward(dy)) == 0
+    assert (hits.forwards, hits.backwards) == (4, 3)
+    for name, g in planned.grads.items():
+        np.testing.assert_array_equal(_bits(g), _bits(grads[name]))
+
+
 @pytest.mark.parametrize("cell,dtype,layers,pair,extras", HALF_LAYERS_CASES,
                          ids=[f"{c}-{d}-{n}-{'bidirectional' if p else 'stack'}-"
                               f"{'states+lengths' if e else 'plain'}"
@@ -1021,20 +1042,8 @@ def test_16_bit_layer_direction_calls_are_planned_bitwise(settings, monkeypatch,
     _half_steps(planned, full, range(5), states=extras, lengths=extras)
     assert type(planned._plan) is layer_plans.HalfLayersPlan
     assert (hits.forwards, hits.backwards) == (3, 2)
-    x = np.ones((4, HALF_B, HALF_I), planned.dtype)
-    dy = np.ones((4, HALF_B, HALF_H * planned.directions), planned.dtype)
-    h = np.zeros((layers * planned.directions, HALF_B, HALF_H), planned.dtype)
-    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
-    lengths = [4, 2, 1] if extras else None
-    stub_chains()
-    monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
-    grads = {name: g.copy() for name, g in planned.grads.items()}
-    # (with lengths: validation.lengths' conversion of them on the host, the full path's check)
-    assert _array_work(lambda: planned.forward(x, hx, lengths)) == int(extras)
-    assert _array_work(lambda: planned.backward(dy)) == 0
-    assert (hits.forwards, hits.backwards) == (4, 3)
-    for name, g in planned.grads.items():
-        np.testing.assert_array_equal(_bits(g), _bits(grads[name]))
+    _a_16_bit_call_runs_inside_its_chains(planned, hits, cell, layers, extras, stub_chains,
+                                          monkeypatch)
 
 
 @pytest.mark.parametrize("sabotage", ["stale W_hh words", "narrowed by truncation",
@@ -1093,20 +1102,8 @@ def test_16_bit_stack_mode_calls_are_planned_bitwise(settings, monkeypatch, stub
     assert type(planned._plan) is (stack_plans.PairPlan if pair else stack_plans.StackPlan)
     assert ("side by side" if pair else f"stack of {layers} layers") in planned.last_run.details[0]
     assert (hits.forwards, hits.backwards) == (3, 2)
-    x = np.ones((4, HALF_B, HALF_I), planned.dtype)
-    dy = np.ones((4, HALF_B, HALF_H * planned.directions), planned.dtype)
-    h = np.zeros((layers * planned.directions, HALF_B, HALF_H), planned.dtype)
-    hx = None if not extras else h if cell == "GRU" else (h, h.copy())
-    lengths = [4, 2, 1] if extras else None
-    stub_chains()
-    monkeypatch.setattr(sys.modules[__name__], "_ARRAY_WORK", _ARRAY_WORK | {"astype"})
-    grads = {name: g.copy() for name, g in planned.grads.items()}
-    # (with lengths: validation.lengths' conversion of them on the host, the full path's check)
-    assert _array_work(lambda: planned.forward(x, hx, lengths)) == int(extras)
-    assert _array_work(lambda: planned.backward(dy)) == 0
-    assert (hits.forwards, hits.backwards) == (4, 3)
-    for name, g in planned.grads.items():
-        np.testing.assert_array_equal(_bits(g), _bits(grads[name]))
+    _a_16_bit_call_runs_inside_its_chains(planned, hits, cell, layers, extras, stub_chains,
+                                          monkeypatch)
 
 
 STACK_SABOTAGES = {"stale packed words": (2, False), "narrowed by truncation": (1, True),

@@ -26,6 +26,7 @@ from persistent_rnn import matmul
 from persistent_rnn import plan as planner
 from persistent_rnn.cells import layer_args
 from full_set import EVERY_KERNEL
+from test_mma_stack import _relerr, _run
 from test_tf32 import TOLERANCE, _round_tf32
 
 HIDDEN, STEPS = 13, 5
@@ -61,24 +62,6 @@ def _inputs(layer, batch: int, seed: int = 1, dtype=np.float32):
     dy = rng.standard_normal((STEPS, batch, layer.directions * HIDDEN)).astype(dtype)
     lengths = [STEPS] + [int(n) for n in rng.integers(1, STEPS + 1, batch - 1)]
     return x, dy, lengths
-
-
-def _run(layer, x, dy, lengths):
-    """Forward and backward: every result and gradient as float64, and both passes' stats."""
-    layer.zero_grad()
-    y, hn = layer.forward(x, lengths=lengths)
-    forward = layer.last_run
-    dx, dhx = layer.backward(dy)
-    flat = [y, *_tuple(hn), dx, *_tuple(dhx), *layer.grads.values()]
-    return [np.asarray(a, np.float64) for a in flat], forward, layer.last_run
-
-
-def _tuple(a):
-    return a if isinstance(a, tuple) else (a,)
-
-
-def _relerr(a, b) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def _ran_tf32_stack(forward, backward) -> None:
