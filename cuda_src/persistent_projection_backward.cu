@@ -21,7 +21,7 @@ namespace prnn {
 constexpr int kC = 0, kCPrev = 1, kSavedSlot = 2, kInputs = kSavedSlot + ThisCell::S;
 }  // namespace prnn
 
-PRNN_KERNEL void prnn_projection_backward(
+PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_projection_backward(
     const prnn::WeightWord* w_hh_t,  // (P, 4H) = W_hh^T, contiguous; 16-bit: words of pairs
     const prnn::WeightWord* w_hr_t,  // (H, P) = W_hr^T, contiguous
     const float* dy,        // (T, B, P), zero past each length

@@ -14,7 +14,7 @@
 // fp32.
 #include "persistent_projection.cuh"
 
-PRNN_KERNEL void prnn_projection_forward(
+PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_projection_forward(
     const prnn::WeightSource* w_hh,  // (4H, P); 16-bit: (4H, ceil(P/2)) words of pairs
     const prnn::WeightSource* w_hr,  // (P, H); 16-bit: (P, ceil(H/2)) words
     const float* b_hh,      // (4H,) zeros when the layer has no bias

@@ -337,6 +337,31 @@ def test_cluster_code_is_refused_on_sm_80():
         kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 2}, "sm_80")
 
 
+def test_every_cluster_kernel_declares_its_cluster_shape():
+    """A kernel planned as a cluster is launched as a plain grid of its compiled-in cluster shape
+    (``__cluster_dims__``, hw.cuh's ``PRNN_CLUSTER_DIMS``): without it the occupancy query says
+    no cluster fits and the launch would run separate CTAs whose DSMEM stores miss. The H200 run
+    of 2026-11-27 found the projection kernels without it; the emulation cannot tell. One
+    configuration of each cluster kernel, its cubin's ``EIATTR_CTA_PER_CLUSTER`` against its grid."""
+    tool = sass_analysis.cuda_tool("cuobjdump")
+    assert tool, "cuobjdump (the nvidia-cuda-cuobjdump wheel of the test extras) is missing"
+    first: dict[tuple[str, str], kernel_report.Job] = {}
+    for job in kernel_report._jobs(("sm_90",)):
+        if "PRNN_CLUSTER" in job.plan.defines:
+            first.setdefault((job.plan.source, job.plan.kernel), job)
+    assert {kernel for _, kernel in first} >= {"prnn_persistent_forward", "prnn_persistent_backward",
+                                                "prnn_projection_forward",
+                                                "prnn_projection_backward"}, sorted(first)
+    for (source, kernel), job in sorted(first.items()):
+        cubin = kernels.compile_source(source, job.plan.defines, "sm_90").cubin_path
+        elf = subprocess.run([tool, "-elf", str(cubin)], capture_output=True, text=True,
+                             check=True).stdout
+        shape = re.search(r"EIATTR_CTA_PER_CLUSTER\s+Format:\s+\S+\s+Value:\s+(\S+) (\S+) (\S+)",
+                          elf)
+        assert shape, f"{kernel} ({source}) is built without a cluster shape"
+        assert [int(v, 16) for v in shape.groups()] == [job.plan.grid, 1, 1], (kernel, shape.groups())
+
+
 def test_no_generic_lambda_in_the_cuda_sources():
     """NVRTC 13.0 (the H100 image's of 2026-11-26) compiles a lambda with an ``auto`` parameter
     inside a kernel as a host function and refuses it; 13.5 (CI's) accepts it. CI compiles with

@@ -44,7 +44,7 @@ def _train_step(module, optimizer, x, hx) -> list[torch.Tensor]:
     states = tuple(s.clone().requires_grad_() for s in states)
     y, hn = module(x, None if hx is None else states if isinstance(hx, tuple) else states[0])
     hn = hn if isinstance(hn, tuple) else (hn,)
-    weights = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin()
+    weights = torch.arange(y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape).sin()
     (y * weights).sum().backward()
     got = [y.detach().clone(), *(h.detach().clone() for h in hn), x.grad.clone(),
            *(s.grad.clone() for s in states), *(p.grad.clone() for p in module.parameters())]
