@@ -120,6 +120,9 @@ class Plan:
         self.x_type, self.x_shape, self.x_dtype = type(x), x.shape, x.dtype
         self.given_shape = x.shape  # (the caller's: batch-major for a batch-first layer)
         self.where, self.settings = _where(xp), settings.current()
+        # (a backward's own: torch's autograd runs a CUDA backward on its device thread, not
+        # the forward's; the backward's workspaces are keyed by the thread that planned it)
+        self.backward_where: tuple | None = None
         self.generation = buffers.generation()
         return xp
 
@@ -307,6 +310,7 @@ class Plan:
         if prepared is None or not self._backward_current(ctx):
             result = functional.backward(ctx, dy)
             if prepared is None:
+                self.backward_where = _where(self.xp)
                 self.plan_backward(ctx, _time_major(dy, ctx.batch_first))
             return (*result, False)
         if not ctx.batch_first:
@@ -421,7 +425,7 @@ class Plan:
     def _backward_current(self, ctx: functional.Context) -> bool:
         """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""
         return (settings.current() is self.settings and buffers.generation() == self.generation
-                and _where(self.xp) == self.where and self._same_weights(ctx.params)
+                and _where(self.xp) == self.backward_where and self._same_weights(ctx.params)
                 and launch.COOLDOWNS.reason(self.backward_engine.key) is None)
 
 

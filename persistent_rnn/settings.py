@@ -170,6 +170,8 @@ def current() -> Settings:
     scoped = _scoped.get()
     if scoped is not None:
         return scoped
+    if _process is not None:  # (read without the lock: a reference is replaced whole)
+        return _process
     with _process_lock:
         if _process is None:
             _process = from_environment()
@@ -201,6 +203,25 @@ def override_settings(**changes: Any) -> Iterator[Settings]:
         yield _scoped.get()
     finally:
         _scoped.reset(token)
+
+
+class in_force:  # noqa: N801 -- used as a function: ``with in_force(s):``
+    """Within the ``with`` block (and this thread or task only), run with ``given`` itself: a
+    torch module's backward runs under its forward's settings, on whatever thread torch's
+    autograd engine runs it (a CUDA backward: the engine's device thread, outside the caller's
+    ``override_settings``). A class, not a generator: it runs on every such backward."""
+
+    __slots__ = ("given", "token")
+
+    def __init__(self, given: Settings):
+        self.given = given
+
+    def __enter__(self) -> Settings:
+        self.token = _scoped.set(self.given)
+        return self.given
+
+    def __exit__(self, *exc: Any) -> None:
+        _scoped.reset(self.token)
 
 
 def _checked(changes: Mapping[str, Any]) -> dict[str, Any]:

@@ -76,6 +76,20 @@ def test_swapped_roles_and_unknown_lines_are_findings():
     assert "no such instruction" in racecheck.case_verdicts(log, {}, fixture_line)[0][0]
 
 
+def test_a_kernel_in_two_cubins_matters_only_where_races_were_reported(monkeypatch):
+    """A case may load one kernel from two cubins (the completion kernels of an fp16 and an fp32
+    pass: the H200 run of 2026-11-27's grid-fp16-gru). With no race reported there is nothing
+    to tell apart; with a race, its offset names no one instruction: a finding."""
+    monkeypatch.setattr(racecheck, "cubins_of", lambda output: ["a.cubin", "b.cubin"])
+    monkeypatch.setattr(racecheck, "disassemble_with_lines", lambda cubin: cubin)
+    monkeypatch.setattr(racecheck, "instructions", lambda sass: {"prnn_complete_forward": {}})
+    clean = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert racecheck.case_verdicts(clean) == ([], 0)
+    log = (FIXTURE / "cluster-fp32-gru.log").read_text()
+    assert "kernel prnn_complete_forward is in two cubins the case loaded" in \
+        racecheck.case_verdicts(log)[0]
+
+
 def test_the_case_outcome_names_a_failed_or_unfinished_case():
     log = (FIXTURE / "cluster-fp32-gru.log").read_text()
     assert racecheck.case_outcome("cluster-fp32-gru", log, None) == "timed out"

@@ -6,6 +6,8 @@ stalls; anything else (other shapes, packed input, new parameters, bad input) ta
 with torch.nn's errors. The layer API's plans: tests/test_call_plans.py."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
@@ -35,9 +37,9 @@ def _states(cell: str, seed: int, device: str = "cpu"):
     return h if cell == "GRU" else (h, torch.randn(1, 2, H, generator=g).to(device))
 
 
-def _train_step(module, optimizer, x, hx) -> list[torch.Tensor]:
-    """A forward, a backward of a weighted sum of every output and an SGD step: the outputs,
-    every gradient (input, states, parameters), copied."""
+def _train_step(module, optimizer, x, hx, run=lambda backward: backward()) -> list[torch.Tensor]:
+    """A forward, a backward of a weighted sum of every output (called through ``run``) and an
+    SGD step: the outputs, every gradient (input, states, parameters), copied."""
     optimizer.zero_grad()
     x = x.clone().requires_grad_()
     states = () if hx is None else hx if isinstance(hx, tuple) else (hx,)
@@ -45,21 +47,22 @@ def _train_step(module, optimizer, x, hx) -> list[torch.Tensor]:
     y, hn = module(x, None if hx is None else states if isinstance(hx, tuple) else states[0])
     hn = hn if isinstance(hn, tuple) else (hn,)
     weights = torch.arange(y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape).sin()
-    (y * weights).sum().backward()
+    run((y * weights).sum().backward)
     got = [y.detach().clone(), *(h.detach().clone() for h in hn), x.grad.clone(),
            *(s.grad.clone() for s in states), *(p.grad.clone() for p in module.parameters())]
     optimizer.step()
     return got
 
 
-def _assert_steps_equal(pairs, cell: str, seeds, states: bool, device: str = "cpu") -> None:
+def _assert_steps_equal(pairs, cell: str, seeds, states: bool, device: str = "cpu",
+                        run=lambda backward: backward()) -> None:
     for seed in seeds:
         x = torch.randn(4, 2, I, generator=torch.Generator().manual_seed(seed)).to(device)
         hx = _states(cell, seed, device) if states else None
         results = []
         for module, optimizer in pairs:
             pairs[1][0]._record.plan = None  # (the reference never plans)
-            results.append(_train_step(module, optimizer, x, hx))
+            results.append(_train_step(module, optimizer, x, hx, run))
         for a, b in zip(*results):
             assert torch.equal(a, b)
         assert pairs[0][0].last_run.algo == "persistent"
@@ -77,6 +80,21 @@ def test_planned_module_calls_equal_full_calls_bitwise(settings, monkeypatch, ce
     with torch.no_grad():  # (no autograd: the same plan)
         pairs[0][0](torch.randn(4, 2, I), _states(cell, 0) if states else None)
     assert hits.forwards == 4
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_backwards_on_autograds_own_thread_are_planned_too(settings, monkeypatch, cell):
+    """torch's autograd runs a CUDA backward on a device thread of its own, outside the caller's
+    ``override_settings`` (the H200 run of 2026-11-27: the torch modules' backward never planned
+    on CUDA, some 2 ms of Python a training step). The same steps, every backward on one other
+    thread (as that device thread), under a settings block: planned from the third call on,
+    under the forward's settings, bitwise the module that never plans."""
+    hits = _Hits(monkeypatch)
+    pairs = _pair(cell)
+    with ThreadPoolExecutor(max_workers=1) as device_thread:
+        _assert_steps_equal(pairs, cell, range(5), True,
+                            run=lambda backward: device_thread.submit(backward).result())
+    assert (hits.forwards, hits.backwards) == (3, 2)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,8 @@ from ..cells import NONLINEARITIES, CellSpec, cell_spec, from_mode
 from ..stats import RunStats
 from . import paths
 from .interop import library_stream, to_array, to_tensor
-from .ops import MODES, LastRun, Recorded, _loop_vmap_rule, _record_backward, _record_forward
+from .ops import (MODES, LastRun, Recorded, _loop_vmap_rule, _record_backward, _record_forward,
+                  forward_settings, under_forward_settings)
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
@@ -102,11 +103,18 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(saved)
     ctx.static = (mode, slot)
+    ctx.settings = forward_settings()
     ctx.lstm = c is not None
     ctx.save_for_backward(x, h, c, hn, cn if ctx.lstm else None, saved, *weights)
 
 
 def _backward(ctx, dhn, dcn, _dsaved):
+    with under_forward_settings(ctx):
+        return _backward_in_force(ctx, dhn, dcn)
+
+
+def _backward_in_force(ctx, dhn, dcn):
+    """``_backward`` under its forward's settings (``settings.in_force``)."""
     x, h, c, hn, cn, saved, *weights = ctx.saved_tensors
     mode, slot = ctx.static
     dhn = torch.zeros_like(hn) if dhn is None else dhn

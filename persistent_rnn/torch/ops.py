@@ -28,6 +28,7 @@ parts merge into it; the backward of part ``stats_parts - 1`` starts the backwar
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from .. import call_plans, functional, plans
+from .. import call_plans, functional, plans, settings
 from ..cells import CELLS, CellSpec, from_mode
 from ..halves import half_dtype
 from ..stats import RunStats
@@ -525,11 +526,31 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.library = None
         ctx.mark_non_differentiable(*saved)
     ctx.static = tuple(static)
+    ctx.settings = forward_settings()
     ctx.num_weights = len(weights)
     ctx.save_for_backward(x, lengths, h0, c0, y, *weights, *saved)
 
 
+def forward_settings() -> settings.Settings | None:
+    """What an op's ``setup_context`` keeps for its backward (``under_forward_settings``): the
+    settings in force, which torch's autograd would lose (it runs a CUDA backward on its device
+    thread, outside the caller's ``override_settings``). None while torch.compile traces
+    (dynamo cannot trace a ``ContextVar``): that backward runs under its thread's."""
+    return None if torch.compiler.is_compiling() else settings.current()
+
+
+def under_forward_settings(ctx) -> contextlib.AbstractContextManager:
+    """The block a backward runs in: under ``ctx.settings`` (``forward_settings``) where kept."""
+    return contextlib.nullcontext() if ctx.settings is None else settings.in_force(ctx.settings)
+
+
 def _backward(ctx, dy, dhn, dcn, _dsaved):
+    with under_forward_settings(ctx):
+        return _backward_in_force(ctx, dy, dhn, dcn)
+
+
+def _backward_in_force(ctx, dy, dhn, dcn):
+    """``_backward`` under its forward's settings (``settings.in_force``)."""
     x, lengths, h0, c0, y, *rest = ctx.saved_tensors
     weights, saved = rest[:ctx.num_weights], rest[ctx.num_weights:]
     mode, num_layers, bidirectional, *_ = ctx.static
