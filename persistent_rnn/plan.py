@@ -322,9 +322,15 @@ def gather_quads(weight_registers: int, quads_per_thread: int = GATHER_QUADS_MAX
     and at most what the register cap leaves beside the weights with zero spills (ptxas, sm_80
     and sm_90; the largest tiles hold 190-200 registers of weights: the LSTM backward's (196,
     200) spill 16-40 bytes at 4, the RNN backward's (190) 184 bytes at 2 on sm_80, ptxas's
-    allocation not being monotonic), as L2 round trips are what a step waits on."""
-    cap = 2 if weight_registers > 192 else 4 if weight_registers > 150 else GATHER_QUADS_MAX
-    return min(cap, 1 << max(0, quads_per_thread - 1).bit_length())
+    allocation not being monotonic), as L2 round trips are what a step waits on. Between 150 and
+    192 weight registers it is 4 whatever the batch: at 2, sm_80's ptxas spills the RNN
+    backward (190) 184 bytes and the fp16 GRU 16-unit forward (180: 360 16-bit weights) 152
+    bytes, where 4 spills nothing."""
+    if weight_registers > 192:
+        return min(2, 1 << max(0, quads_per_thread - 1).bit_length())
+    if weight_registers > 150:
+        return 4
+    return min(GATHER_QUADS_MAX, 1 << max(0, quads_per_thread - 1).bit_length())
 
 
 STACK_GATHER_QUADS = 8  # a stack kernel's gather: tagged quads in flight per thread
