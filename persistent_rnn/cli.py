@@ -218,7 +218,7 @@ def run_plan(args: argparse.Namespace) -> int:
     layer = " of one layer" if args.layers > 1 else ""
     print(f"per call{layer} (predicted; input size {calls['input_size']}, host: API calls plus "
           f"the library's Python - a planned call: one graph launch, the Python measured on the "
-          f"CPU as a replay runs it):")
+          f"CPU as a replay runs it, scaled to the host time an H200's run measured):")
     _print_call_rows(calls["rows"])
     whole = record.get("stack_per_call")
     if whole and whole["rows"]:

@@ -195,6 +195,16 @@ GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # host time was 341 us).
 PYTHON_FORWARD_US = 18.4       # measured (forward)
 PYTHON_BACKWARD_US = 27.4      # measured (forward+backward less forward, per run)
+# The GPU host's time for that Python against the CPU stand-in's: the layer API's planned
+# persistent calls on an H200 (bench/results/h200-2026-11-27, `bench/gpu_call_cost.py`'s host µs
+# per call: GRU H=256 B=1, LSTM H=1024 B=4, RNN-tanh H=512 B=1 at T = 10, 100 and 1000, two runs)
+# took a median of 101.2 µs forward (59-186) and 121.2 µs more forward+backward; less the one
+# graph launch each (API_CALL_HOST_US), over the stand-in's 18.4 / 27.4 µs. What the stand-in
+# leaves out: CuPy's Python per array (its pool, the key's attributes of CuPy arrays). Applied
+# to every CPU-measured Python term of a call (latency.call_costs, stack_call_costs): the stack,
+# pair and full-path terms were not measured on a GPU.
+GPU_PYTHON_RATIO = ((101.2 - API_CALL_HOST_US) / PYTHON_FORWARD_US,    # measured (forward)
+                    (121.2 - API_CALL_HOST_US) / PYTHON_BACKWARD_US)   # measured (backward)
 # A planned stack's or bidirectional layer's call (one graph launch a pass for all its chains,
 # latency.stack_call_costs): the Python above plus, per layer-direction beyond the first, the
 # increment of its mode - "stack" (a unidirectional stack in stack mode: per layer), "pairs" (a

@@ -639,7 +639,8 @@ class CallCost:
     host from its completion kernel, no call of its own), ``host_us``
     (the host's time: those calls at ``hw.API_CALL_HOST_US`` each plus ``python_us``, the
     library's Python of the call measured on the CPU as a replay runs it (its key built),
-    ``hw.PYTHON_FORWARD_US`` / ``PYTHON_BACKWARD_US``) and ``device_us`` (GPU time beside the
+    ``hw.PYTHON_FORWARD_US`` / ``PYTHON_BACKWARD_US``, times the GPU host's measured ratio to
+    it, ``hw.GPU_PYTHON_RATIO``) and ``device_us`` (GPU time beside the
     steps: the chain's launches that exit at once - the backward's after loading its weights
     (persistent_backward.cu) -, the settle at the end of the pass's launch
     (``SETTLE_TAIL_US``), the GEMMs, the small kernels)."""
@@ -695,8 +696,9 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     if backward:  # its resume launches load W_hh^T (fp32, from L2) before they exit
         resumes = settings.current().max_restarts
         device_us += resumes * gh * hidden * 4 / (hw.L2_BANDWIDTH_GBPS * 1e3)
-    python = ((hw.PYTHON_BACKWARD_US if backward else hw.PYTHON_FORWARD_US) if planned
-              else hw.PYTHON_FULL_BACKWARD_US if backward else hw.PYTHON_FULL_FORWARD_US)
+    python = hw.GPU_PYTHON_RATIO[backward] * (
+        (hw.PYTHON_BACKWARD_US if backward else hw.PYTHON_FORWARD_US) if planned
+        else hw.PYTHON_FULL_BACKWARD_US if backward else hw.PYTHON_FULL_FORWARD_US)
     return CallCost(calls, calls * hw.API_CALL_HOST_US + python, device_us, python)
 
 
@@ -729,7 +731,8 @@ def stack_call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, inpu
     from . import settings
     mode = "layers" if not stack_mode else "pairs" if bidirectional else "stack"
     calls = 1 if settings.current().chain_graphs else sum(p.api_calls for p in parts)
-    python = parts[0].python_us + (layers * directions - 1) * hw.PYTHON_GROUP_US[mode][backward]
+    python = parts[0].python_us + (layers * directions - 1) * hw.GPU_PYTHON_RATIO[backward] \
+        * hw.PYTHON_GROUP_US[mode][backward]
     return CallCost(calls, calls * hw.API_CALL_HOST_US + python, device_us, python)
 
 

@@ -464,7 +464,8 @@ def test_a_planned_stacks_call_is_one_graph_launch_a_pass():
                                             stack_mode, half=True)
             assert cost.api_calls == 1
             assert cost.python_us == pytest.approx(
-                one[b].python_us + (groups - 1) * hardware.PYTHON_GROUP_US[mode][b])
+                one[b].python_us + (groups - 1) * hardware.GPU_PYTHON_RATIO[b]
+                * hardware.PYTHON_GROUP_US[mode][b])
             assert cost.host_us == pytest.approx(hardware.API_CALL_HOST_US + cost.python_us)
             full = latency.stack_call_costs(gru, 256, 1, 100, 64, b, h100, 3, bidirectional,
                                             stack_mode, planned=False)
