@@ -413,14 +413,18 @@ def test_gpu_call_cost_runs_on_the_cpu(tmp_path, capsys):
 
 
 def test_decode_loop_runs_on_the_cpu(tmp_path):
-    """bench/decode_loop.py --cpu: every CPU road of every size has a figure and no error (a
-    check of the script; its CPU figures mean nothing)."""
+    """bench/decode_loop.py --cpu: every CPU road of every size has a figure and no error, and
+    each decoder road its close() time and relaunches apart (a check of the script; its CPU
+    figures mean nothing)."""
     decode_loop = _bench_script("decode_loop")
     assert decode_loop.main(["--cpu", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "decode_loop.json").read_text())
     assert len(record["rows"]) == len(decode_loop.CPU_SIZES) and not record["skipped"]
+    assert "caller's stream" in record["timing"]
     for row in record["rows"]:
         assert all(row[road] > 0 for road in decode_loop.CPU_ROADS), row
+        for road in ("decoder", "decoder_projected"):
+            assert row[f"{road}_close_ms"] > 0 and row[f"{road}_relaunches"] >= 0, row
 
 
 def test_call_kernels_runs_on_the_cpu(tmp_path):
