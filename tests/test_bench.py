@@ -452,3 +452,18 @@ def test_decoder_profile_runs_on_the_cpu(tmp_path):
     assert decoder_profile.main(["--cpu", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "decoder_profile.txt").read_text()
     assert text.count("eager steps") == 3 and "function calls" in text
+
+
+def test_decoder_profile_lists_the_resident_kernel_apart_from_the_steps():
+    """bench/decoder_profile.py's device table: kernels launched once a step or more per step,
+    with their sum; the resident kernel's launch (its lifetime: ~100 ms per 50-step replay on the
+    H200 of 2026-11-27, where it had read 2010 us a step) and other once-a-loop work per loop."""
+    decoder_profile = _bench_script("decoder_profile")
+    found = {"prnn_resident_decoder": (2010.11, 0.02), "prnn_decoder_step": (6.36, 1.0),
+             "gemv": (11.06, 2.0), "Memset (Unknown)": (0.05, 0.04)}
+    lines = decoder_profile.activity_table(found, 50).splitlines()
+    assert lines[:3] == ["    11.06 us/step x2.00  gemv",
+                         "     6.36 us/step x1.00  prnn_decoder_step", "    17.42 us/step in all"]
+    assert lines[3].startswith("less than once a step (per loop of 50 steps")
+    assert lines[4].startswith("100505.50 us x1  prnn_resident_decoder  (its lifetime")
+    assert lines[5] == "     2.50 us x2  Memset (Unknown)"
