@@ -22,9 +22,10 @@ stream (``benchmark.torch_stream_done``: a CUDA event after the last step, waite
 a device-wide synchronisation: a decoder's resident kernel runs on a stream of its own until it
 exits, idle ``gpu_timeout_ms`` (100 ms) after its last step, and a device sync waits for that -
 the figures of 2026-11-27 (H200) did, ~100 µs a step of a 1000-step loop. A decoder road records
-that exit apart: ``<road>_idle_tail_ms``, the wait of a device sync just after the timed loop
-(the kernel leaving idle), and ``<road>_close_ms``, that of ``close()`` after one more loop
-(``STOP`` posted: the kernel leaves at once). The captured loop holds only the step kernels: the
+apart ``<road>_relaunches``, the resident kernel's relaunches in the timed loop (0: every step
+found it waiting), and its exit: ``<road>_idle_tail_ms``, the wait of a device sync just after
+the timed loop (the kernel leaving idle), and ``<road>_close_ms``, that of ``close()`` after one
+more loop (``STOP`` posted: the kernel leaves at once). The captured loop holds only the step kernels: the
 resident kernel is launched outside the graph (``resume()`` before each replay), so a replay
 ends with its last step.
 
