@@ -17,6 +17,18 @@ step of ``--steps`` steps, side by side in one process:
 * ``torch_cell_graph``: that loop captured in a CUDA graph;
 * ``torch_layer_t1``: ``torch.nn.LSTM``/``GRU`` called with T=1 (cuDNN) every step.
 
+**What is timed**: each road's loop after a warm-up run, to the last step's output on the caller's
+stream (``benchmark.torch_stream_done``: a CUDA event after the last step, waited for alone). Not
+a device-wide synchronisation: a decoder's resident kernel runs on a stream of its own until it
+exits, idle ``gpu_timeout_ms`` (100 ms) after its last step, and a device sync waits for that -
+the figures of 2026-11-27 (H200) did, ~100 µs a step of a 1000-step loop. A decoder road records
+apart ``<road>_relaunches``, the resident kernel's relaunches in the timed loop (0: every step
+found it waiting), and its exit: ``<road>_idle_tail_ms``, the wait of a device sync just after
+the timed loop (the kernel leaving idle), and ``<road>_close_ms``, that of ``close()`` after one
+more loop (``STOP`` posted: the kernel leaves at once). The captured loop holds only the step kernels: the
+resident kernel is launched outside the graph (``resume()`` before each replay), so a replay
+ends with its last step.
+
 Each row has the latency model's prediction of the decoder's and the fused kernel's step beside
 it (``latency.predict_decoder_step``; labelled a prediction). A road that fails records its error
 and the run goes on. ``--cpu`` runs the roads that exist without a GPU (the decoder and the fused
@@ -31,6 +43,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +59,9 @@ HEADLINE = ("LSTM", 640, 1)
 CPU_SIZES = [("LSTM", 16, 2), ("GRU", 16, 2)]
 ROADS = ("decoder", "decoder_graph", "decoder_projected", "fused", "torch_cell",
          "torch_cell_graph", "torch_layer_t1")
+TIMING = ("us per step to the last step's output on the caller's stream (a CUDA event); a "
+          "decoder road's <road>_idle_tail_ms: a device-wide sync just after that (its resident "
+          "kernel's idle exit, not in the figure), <road>_close_ms: close() after one more loop")
 CPU_ROADS = ("decoder", "decoder_projected", "fused", "torch_cell", "torch_layer_t1")
 
 
@@ -90,20 +106,40 @@ def run_loop(step: Callable, x0: torch.Tensor, steps: int) -> torch.Tensor:
     return x
 
 
-def timed(fn: Callable[[], object], cuda: bool) -> float:
-    """Seconds of ``fn()`` (one warm-up run first), synchronised on the GPU."""
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
+def seconds(fn: Callable[[], object]) -> float:
+    """Host seconds of one ``fn()``."""
     t0 = time.perf_counter()
     fn()
-    if cuda:
-        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
-def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, device: str) -> float:
-    """Seconds of one ``steps``-step loop of ``road``."""
+def timed(fn: Callable[[], object], cuda: bool, warm_up: bool = True) -> float:
+    """Seconds of ``fn()`` to its last output on the caller's stream, after a warm-up run."""
+    if warm_up:
+        fn()
+        benchmark.torch_stream_done(cuda)
+    t0 = time.perf_counter()
+    fn()
+    benchmark.torch_stream_done(cuda)
+    return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class RoadTime:
+    """A road's timed loop (``loop_s``: to its last output) and, for a decoder, its resident
+    kernel: ``relaunches`` in the timed loop (0: every step found it waiting), and its exit
+    after a loop - ``idle_tail_s``, a device-wide synchronisation just after the timed loop (the
+    kernel leaving idle; a GPU only), ``close_s``, ``close()`` after one more loop (the kernel
+    told to leave)."""
+    loop_s: float
+    relaunches: int | None = None
+    idle_tail_s: float | None = None
+    close_s: float | None = None
+
+
+def road_time(road: str, mode: str, hidden: int, batch: int, steps: int,
+              device: str) -> RoadTime:
+    """One ``steps``-step loop of ``road``, timed."""
     cuda = device == "cuda"
     # Weights and inputs drawn on the CPU: a capture that failed leaves the CUDA generator
     # unusable, and the next road must still run.
@@ -119,23 +155,33 @@ def road_seconds(road: str, mode: str, hidden: int, batch: int, steps: int, devi
                     step = _projected_step(mode, dec, gi)
                 else:
                     step = _decoder_step(mode, dec)
-                return _timed_loop(road, step, x0, steps, cuda, dec.resume)
+                run = _loop(road, step, x0, steps, dec.resume)
+                run()  # (warm-up)
+                benchmark.torch_stream_done(cuda)
+                before = dec.relaunches
+                loop_s = timed(run, cuda, warm_up=False)
+                relaunches = dec.relaunches - before
+                idle_tail_s = seconds(torch.cuda.synchronize) if cuda else None
+                run()  # (the resident kernel relaunched: its first step, or resume())
+                benchmark.torch_stream_done(cuda)
+                return RoadTime(loop_s, relaunches, idle_tail_s, seconds(dec.close))
         if road == "fused":
             step = _cell_step(mode, cell_cls(hidden, hidden, algo="persistent").to(device))
         elif road.startswith("torch_cell"):
             step = _cell_step(mode, getattr(torch.nn, f"{mode}Cell")(hidden, hidden).to(device))
         else:
             step = _layer_step(getattr(torch.nn, mode)(hidden, hidden).to(device))
-        return _timed_loop(road, step, x0, steps, cuda)
+        return RoadTime(timed(_loop(road, step, x0, steps), cuda))
 
 
-def _timed_loop(road: str, step: Callable, x0: torch.Tensor, steps: int, cuda: bool,
-                before_replay: Callable[[], object] | None = None) -> float:
+def _loop(road: str, step: Callable, x0: torch.Tensor, steps: int,
+          before_replay: Callable[[], object] | None = None) -> Callable[[], object]:
+    """The road's loop: eager, or (``_graph``) captured once and replayed."""
     def loop():
         return run_loop(step, x0, steps)
     if road.endswith("_graph"):
-        return timed(benchmark.torch_graph_replay(loop, before_replay), cuda)
-    return timed(loop, cuda)
+        return benchmark.torch_graph_replay(loop, before_replay)
+    return loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     roads = CPU_ROADS if args.cpu else ROADS
     device = "cpu" if args.cpu else "cuda"
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu),
-              "steps": steps, "rows": [], "skipped": []}
+              "steps": steps, "timing": TIMING, "rows": [], "skipped": []}
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     for mode, hidden, batch in sizes:
@@ -166,14 +212,27 @@ def main(argv: list[str] | None = None) -> int:
                      "prediction_h100": _prediction(mode, hidden, batch)}
         for road in roads:
             try:
-                row[road] = road_seconds(road, mode, hidden, batch, steps, device) / steps * 1e6
+                timing = road_time(road, mode, hidden, batch, steps, device)
             except Exception as exc:  # a road that cannot run is recorded, the others go on
                 row[road] = None
                 row[f"{road}_error"] = f"{type(exc).__name__}: {exc}"
+                continue
+            row[road] = timing.loop_s / steps * 1e6
+            if timing.relaunches is not None:
+                row[f"{road}_relaunches"] = timing.relaunches
+            for key, s in (("idle_tail_ms", timing.idle_tail_s), ("close_ms", timing.close_s)):
+                if s is not None:
+                    row[f"{road}_{key}"] = s * 1e3
         record["rows"].append(row)
         print(" ".join([f"{mode} H={hidden} B={batch}:"] + [
             f"{r} {row[r]:.1f}" if row[r] is not None else f"{r} -" for r in roads]) + " µs/step",
             flush=True)
+        exits = [f"{r}" + (f" idle {row[f'{r}_idle_tail_ms']:.1f} ms," if f"{r}_idle_tail_ms" in row
+                           else "") + f" close() {row[f'{r}_close_ms']:.2f} ms"
+                 for r in roads if f"{r}_close_ms" in row]
+        if exits:
+            print("  the resident kernel's exit after the loop (not in the figures): "
+                  + "; ".join(exits), flush=True)
         (args.out / "decode_loop.json").write_text(json.dumps(record, indent=1))
     (args.out / "decode_loop.json").write_text(json.dumps(record, indent=1))
     if record["skipped"]:

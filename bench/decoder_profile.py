@@ -8,8 +8,15 @@ For ``persistent_rnn.torch.LSTMCell`` (H=640, B=1, ``algo="persistent"``): its r
 the cell's own call (the fused step kernel), and ``torch.nn.LSTMCell``
 beside them. For each: a cProfile of ``--steps`` eager steps (the top functions by own time) and
 ``torch.profiler``'s device time per kernel per step over a CUDA-graph replay of the same loop
-(the device alone, no host work). Writes ``DIR/decoder_profile.txt``. ``--cpu``: CPU tensors,
-the emulation, tiny sizes, no graph (a check of the script).
+(the device alone, no host work) - for the library's cell over eager steps instead: with
+``algo="persistent"`` it refuses capture (docs/torch.md; under capture ``"auto"`` runs torch's
+cell). Each profiled loop is waited for on the caller's stream, and the decoder is closed inside
+the profile: its resident kernel leaves at once, not at its idle deadline (``gpu_timeout_ms``
+after the last step), which the profiler's closing device-wide synchronisation would wait for.
+Kernels launched less than once a step (the resident kernel's launch, whose device time is its
+lifetime - waits between steps included -, the decoder's STOP, a zero state) are listed per loop,
+apart from the per-step ones. Writes ``DIR/decoder_profile.txt``. ``--cpu``: CPU tensors, the
+emulation, tiny sizes, no device profile (a check of the script).
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ from persistent_rnn import benchmark
 
 HIDDEN, BATCH = 640, 1
 CPU_HIDDEN = 16
+RESIDENT_KERNEL = "prnn_resident_decoder"  # (resident_decoder.cu)
+NOT_CAPTURABLE = ("not capturable: algo='persistent' refuses CUDA graph capture (docs/torch.md), "
+                  "so these are eager steps")
 
 
 def _loop(step, x0: torch.Tensor, steps: int):
@@ -43,18 +53,36 @@ def host_profile(loop) -> str:
     return benchmark.profile_text(loop)
 
 
-def device_profile(loop, steps: int, before_replay: Callable[[], object] | None) -> str:
-    """Device µs per step by kernel over a CUDA-graph replay of ``loop`` (the second replay,
-    each after ``before_replay()``)."""
-    replay = benchmark.torch_graph_replay(loop, before_replay)
-    replay()
-    torch.cuda.synchronize()
+def device_profile(run: Callable[[], object], steps: int,
+                   end: Callable[[], object] | None = None) -> str:
+    """Device time by kernel over one ``run()`` of ``steps`` steps (a captured loop's replay, or
+    the eager loop), after a warm-up run; each run waited for on the caller's stream, then
+    ``end()`` (a decoder's ``close``) inside the profile."""
+    run()
+    benchmark.torch_stream_done(True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    rows = sorted(((us, n, name) for name, (us, n)
-                   in benchmark.device_activities(prof, steps).items()), reverse=True)
-    return "\n".join(f"{us:9.2f} us/step x{n:.2f}  {name[:110]}" for us, n, name in rows)
+        run()
+        benchmark.torch_stream_done(True)
+        if end is not None:
+            end()
+    return activity_table(benchmark.device_activities(prof, steps), steps)
+
+
+def activity_table(found: dict[str, tuple[float, float]], steps: int) -> str:
+    """``found`` (``benchmark.device_activities``: µs and count per step by name) as text: the
+    kernels launched at least once a step per step, with their sum, then the others per loop."""
+    rows = sorted(((us, n, name) for name, (us, n) in found.items()), reverse=True)
+    per_step = [r for r in rows if r[1] >= 1]
+    lines = [f"{us:9.2f} us/step x{n:.2f}  {name[:110]}" for us, n, name in per_step]
+    lines.append(f"{sum(us for us, _, _ in per_step):9.2f} us/step in all")
+    once = [r for r in rows if r[1] < 1]
+    if once:
+        lines.append(f"less than once a step (per loop of {steps} steps, not step work):")
+    for us, n, name in once:
+        note = ("  (its lifetime: the waits between steps included)"
+                if name.startswith(RESIDENT_KERNEL) else "")
+        lines.append(f"{us * steps:9.2f} us x{n * steps:.0f}  {name[:110]}{note}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,17 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     theirs = torch.nn.LSTMCell(hidden, hidden).to(device)
     sections = []
     with torch.no_grad(), ours.decoder(batch=BATCH) as dec:
-        for name, step, before_replay in (
-                ("decoder.step", dec.step, dec.resume), ("prt.LSTMCell (fused step)", ours, None),
-                ("torch.nn.LSTMCell", theirs, None)):
+        # (name, step, captured, before each replay, the end of the profiled run)
+        for name, step, captured, before_replay, end in (
+                ("decoder.step", dec.step, True, dec.resume, dec.close),
+                ("prt.LSTMCell (fused step)", ours, False, None, None),
+                ("torch.nn.LSTMCell", theirs, True, None, None)):
             loop = _loop(step, x0, steps)
             sections.append(f"== {name}: host, {steps} eager steps\n{host_profile(loop)}")
             if not args.cpu:
+                title = "a captured loop replayed" if captured else NOT_CAPTURABLE
                 try:
-                    text = device_profile(loop, steps, before_replay)
-                except Exception as exc:  # noqa: BLE001 -- a capture that fails is reported
+                    run = benchmark.torch_graph_replay(loop, before_replay) if captured else loop
+                    text = device_profile(run, steps, end)
+                except Exception as exc:  # noqa: BLE001 -- a road that fails is reported
                     text = f"{type(exc).__name__}: {exc}"
-                sections.append(f"== {name}: device, a captured loop replayed\n{text}")
+                sections.append(f"== {name}: device, {title}\n{text}")
             print(sections[-1][:3000], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decoder_profile.txt").write_text("\n\n".join(sections) + "\n")

@@ -3,10 +3,12 @@
     python bench/interop_cost.py --out DIR [--cpu]
 
 Mean µs per operation over ``--repeats`` back-to-back repetitions (no synchronisation inside the
-loop: host time, the GPU's work queued): entering and leaving ``library_stream`` on torch's
+loop or after it: host time, the GPU's work queued; a device-wide sync would also wait for the
+decoder's resident kernel to leave, idle ``gpu_timeout_ms`` after its last step): entering and leaving ``library_stream`` on torch's
 default and on a side stream, ``to_array`` and ``to_tensor`` of a small tensor, an empty CuPy
 array, and single steps of a small LSTM cell - ``persistent_rnn.torch.LSTMCell`` (the fused step
-kernel), its resident decoder, and ``torch.nn.LSTMCell`` - so a decoding step's host time can be
+kernel), its resident decoder (each step given the last one's state, as a decoding loop passes
+it: the steady state's checks), and ``torch.nn.LSTMCell`` - so a decoding step's host time can be
 split into its parts. Writes ``DIR/interop_cost.json``. ``--cpu``: CPU tensors (a check of the
 script; the CPU path has no stream to enter).
 """
@@ -69,9 +71,20 @@ def operations(device: str, hidden: int,
     reference = torch.nn.LSTMCell(hidden, hidden).to(device)
     decoder = resources.enter_context(cell.decoder(batch=BATCH))
     ops["prt.LSTMCell step"] = lambda: cell(t)
-    ops["decoder.step"] = lambda: decoder.step(t)
+    ops["decoder.step"] = _fed_back(decoder.step, t)
     ops["torch.nn.LSTMCell step"] = lambda: reference(t)
     return ops
+
+
+def _fed_back(step: Callable[..., object], x: torch.Tensor) -> Callable[[], object]:
+    """``step(x, state)`` with the state its last call returned (None at first)."""
+    state = None
+
+    def op() -> object:
+        nonlocal state
+        state = step(x, state)
+        return state
+    return op
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -462,6 +462,18 @@ def torch_graph_replay(fn: Callable[[], object],
     return replay
 
 
+def torch_stream_done(cuda: bool) -> None:
+    """Wait until torch's current stream has done its work so far: a CUDA event recorded there
+    and waited for (nothing on the CPU). Not a device-wide synchronisation, which also waits for
+    kernels on other streams - a resident decoder's kernel runs on its own until it exits, idle
+    ``gpu_timeout_ms`` after its last step, so a device sync after a decode loop adds that."""
+    if cuda:
+        import torch
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+
+
 def device_activities(prof: Any, per: int) -> dict[str, tuple[float, float]]:
     """From a ``torch.profiler`` run: each device activity (kernel, memory copy or set) by name,
     its µs and its count per ``per`` (calls, steps). Host ranges are left out: their device

@@ -413,14 +413,18 @@ def test_gpu_call_cost_runs_on_the_cpu(tmp_path, capsys):
 
 
 def test_decode_loop_runs_on_the_cpu(tmp_path):
-    """bench/decode_loop.py --cpu: every CPU road of every size has a figure and no error (a
-    check of the script; its CPU figures mean nothing)."""
+    """bench/decode_loop.py --cpu: every CPU road of every size has a figure and no error, and
+    each decoder road its close() time and relaunches apart (a check of the script; its CPU
+    figures mean nothing)."""
     decode_loop = _bench_script("decode_loop")
     assert decode_loop.main(["--cpu", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "decode_loop.json").read_text())
     assert len(record["rows"]) == len(decode_loop.CPU_SIZES) and not record["skipped"]
+    assert "caller's stream" in record["timing"]
     for row in record["rows"]:
         assert all(row[road] > 0 for road in decode_loop.CPU_ROADS), row
+        for road in ("decoder", "decoder_projected"):
+            assert row[f"{road}_close_ms"] > 0 and row[f"{road}_relaunches"] >= 0, row
 
 
 def test_call_kernels_runs_on_the_cpu(tmp_path):
@@ -448,3 +452,18 @@ def test_decoder_profile_runs_on_the_cpu(tmp_path):
     assert decoder_profile.main(["--cpu", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "decoder_profile.txt").read_text()
     assert text.count("eager steps") == 3 and "function calls" in text
+
+
+def test_decoder_profile_lists_the_resident_kernel_apart_from_the_steps():
+    """bench/decoder_profile.py's device table: kernels launched once a step or more per step,
+    with their sum; the resident kernel's launch (its lifetime: ~100 ms per 50-step replay on the
+    H200 of 2026-11-27, where it had read 2010 us a step) and other once-a-loop work per loop."""
+    decoder_profile = _bench_script("decoder_profile")
+    found = {"prnn_resident_decoder": (2010.11, 0.02), "prnn_decoder_step": (6.36, 1.0),
+             "gemv": (11.06, 2.0), "Memset (Unknown)": (0.05, 0.04)}
+    lines = decoder_profile.activity_table(found, 50).splitlines()
+    assert lines[:3] == ["    11.06 us/step x2.00  gemv",
+                         "     6.36 us/step x1.00  prnn_decoder_step", "    17.42 us/step in all"]
+    assert lines[3].startswith("less than once a step (per loop of 50 steps")
+    assert lines[4].startswith("100505.50 us x1  prnn_resident_decoder  (its lifetime")
+    assert lines[5] == "     2.50 us x2  Memset (Unknown)"

@@ -475,13 +475,30 @@ def test_close_gc_and_an_exception_leave_nothing_running():
             dec.step(x)
             raise KeyError("the caller's loop failed")
     assert dec.closed and not emulate.running_launches()
-    # a stack: close() posts STOP to every layer's mailbox - the upper layer's CTAs end at once,
-    # not at their idle deadline (a minute of wall time: the realtime clock)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_close_ends_the_resident_kernel_at_once_not_at_its_idle_deadline(layers, monkeypatch):
+    """close() posts STOP to every layer's mailbox, which every waiting resident CTA sees at its
+    next poll: the launch ends within seconds under an idle deadline of a minute of wall time
+    (the realtime clock), and the steps before it are bitwise those of a decoder left to exit
+    idle. (A timed decode loop may end with it instead of a device-wide sync, which waits for
+    the idle exit.) A kernel that ignores STOP fails here, at ``JOIN_S`` (made 5 s)."""
+    monkeypatch.setattr(decoding, "JOIN_S", 5.0)
+    layer = prnn.LSTM(IN, H, num_layers=layers, seed=7)
+    xs = _inputs(seed=7, steps=3)
+    with prnn.override_settings(emulation_timeout_ms=20):
+        with layer.decoder(batch=B) as dec:
+            want = _decode(dec, xs)
     with prnn.override_settings(emulation_timeout_ms=60_000), emulate.modes("realtime"):
-        dec = prnn.LSTM(IN, H, num_layers=2, seed=0).decoder(batch=B)
-        dec.step(x)
-        dec.close()  # (joins for at most decoder.JOIN_S: 30 s)
-        assert not emulate.running_launches()
+        dec = layer.decoder(batch=B)
+        got = _decode(dec, xs)
+        t0 = time.monotonic()
+        dec.close()
+        took = time.monotonic() - t0
+    assert not emulate.running_launches() and dec.relaunches == 0
+    assert took < 5.0, f"close() took {took:.1f} s"
+    _equal(got, want)
 
 
 def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, settings):

@@ -46,6 +46,7 @@ def test_cell_decoder_runs_resident_in_the_emulation_and_matches_torch():
             for got, w in zip(state, want):
                 assert (got.double() - w).abs().max() < 2e-6
         dec.resume()  # (running: nothing to relaunch)
+        assert dec.relaunches == 0
         with pytest.raises(ValueError, match="x has batch size 3"):
             dec.step(torch.zeros(3, IN))
         with pytest.raises(TypeError, match=r"state\[0\] must have dtype float32"):

@@ -60,6 +60,11 @@ class TorchDecoder:
         """Whether the steps run on the resident kernel."""
         return self._dec is not None and self._dec.resident
 
+    @property
+    def relaunches(self) -> int:
+        """Launches of the resident kernel after its first (``Decoder.relaunches``)."""
+        return 0 if self._dec is None else self._dec.relaunches
+
     def __enter__(self) -> "TorchDecoder":
         return self
 
@@ -74,9 +79,11 @@ class TorchDecoder:
                 self._dec.resume()
 
     def close(self) -> None:
-        """Stop the resident kernels (``Decoder.close``)."""
+        """Stop the resident kernels (``Decoder.close``): ``STOP`` posted on torch's current
+        stream, as the steps were, so that it follows the steps still queued there."""
         if self._dec is not None:
-            self._dec.close()
+            with library_stream(self._anchor):
+                self._dec.close()
 
     def step(self, x: Tensor, state: Any = None) -> Any:
         """One step, as ``Decoder.step`` with tensors: a cell's ``h'`` (LSTM ``(h', c')``), a
