@@ -76,10 +76,10 @@ def library_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 class _CudaStream:
     """``library_stream`` of a CUDA tensor on ``device``: torch's current device set to it for
-    the block as ``torch.cuda.device`` sets it, CuPy's device and current stream set to it and
-    to torch's current stream there, and, under the caller's CUDA-graph capture, CuPy's
-    allocations made by torch's allocator. Through the C bindings that torch.cuda's Python
-    calls: that Python cost ~10 µs an entry on the H200, entered several times a module call
+    the block (as ``torch.cuda.device`` sets it), CuPy's device too, CuPy's current stream set to
+    torch's current stream there and, under the caller's CUDA-graph capture, CuPy's allocations
+    made by torch's allocator. Made of the C bindings that torch.cuda's Python calls: that Python
+    cost ~10 µs an entry on the H200, entered several times a module call
     (bench/results/h200-2026-11-27)."""
     __slots__ = ("device", "previous", "entered")
 
