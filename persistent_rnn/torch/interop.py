@@ -7,12 +7,14 @@ are ordered with torch's own work without extra synchronisation.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 Array = Any  # numpy.ndarray or cupy.ndarray
+# torch's CUDA bindings, absent from a CPU-only build: touched only for CUDA tensors and arrays
+_TORCH_CUDA = hasattr(torch._C, "_cuda_getCurrentRawStream")
 
 
 def to_array(t: torch.Tensor | None) -> Array | None:
@@ -43,16 +45,25 @@ def _cuda_array(t: torch.Tensor) -> Array:
     dtype = _NUMPY_DTYPES.get(t.dtype)
     if dtype is None or t.numel() == 0:
         return cupy.from_dlpack(t)
-    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * dtype.itemsize, t, t.device.index)
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * dtype.itemsize, t, t.get_device())
     return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
 def to_tensor(a: Array | None) -> torch.Tensor | None:
-    """The array's memory as a torch tensor (no copy)."""
+    """The array's memory as a torch tensor (no copy), ordered after the work queued on CuPy's
+    current stream as ``torch.from_dlpack`` orders it."""
     if a is None:
         return None
-    # torch.from_numpy shares the memory as DLPack does, in half its time
-    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)  # shares the memory as DLPack does, in half its time
+    import cupy
+    if (_TORCH_CUDA and type(a) is cupy.ndarray and cupy.cuda.get_current_stream().ptr
+            == torch._C._cuda_getCurrentRawStream(a.data.device_id)):
+        # torch.from_dlpack orders torch's stream after CuPy's by an event only where the two
+        # differ; here they are one stream (always so in ``library_stream``), so no ordering
+        # (stream -1) is the same exchange, without its Python (~6 µs a tensor on the H200)
+        return torch._C._from_dlpack(a.__dlpack__(stream=-1, max_version=(1, 0)))
+    return torch.from_dlpack(a)
 
 
 _HOST = contextlib.nullcontext()  # CPU tensors: no device or stream to enter
@@ -60,40 +71,69 @@ _HOST = contextlib.nullcontext()  # CPU tensors: no device or stream to enter
 
 def library_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Run the enclosed library calls on ``t``'s device and torch's current stream there."""
-    return _cuda_stream(t) if t.is_cuda else _HOST
+    return _CudaStream(t.get_device()) if t.is_cuda else _HOST
 
 
-@contextlib.contextmanager
-def _cuda_stream(t: torch.Tensor) -> Iterator[None]:
-    import cupy
-    with torch.cuda.device(t.device):
-        stream = _cupy_stream(cupy, torch.cuda.current_stream(t.device), t.device.index)
-        # Under the caller's CUDA-graph capture the library's arrays come from torch's allocator:
-        # the graph's private pool keeps them for every replay, where CuPy's pool would hand a
-        # freed one to the next allocation while the graph still writes it.
-        memory = (cupy.cuda.using_allocator(_torch_allocation)
-                  if torch.cuda.is_current_stream_capturing() else _HOST)
-        with cupy.cuda.Device(t.device.index), stream, memory:
-            yield
+class _CudaStream:
+    """``library_stream`` of a CUDA tensor on ``device``: torch's current device set to it for
+    the block (as ``torch.cuda.device`` sets it), CuPy's device too, CuPy's current stream set to
+    torch's current stream there and, under the caller's CUDA-graph capture, CuPy's allocations
+    made by torch's allocator. Made of the C bindings that torch.cuda's Python calls: that Python
+    cost ~10 µs an entry on the H200, entered several times a module call
+    (bench/results/h200-2026-11-27)."""
+    __slots__ = ("device", "previous", "entered")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        import cupy
+        device = self.device
+        self.previous = torch._C._cuda_exchangeDevice(device)
+        self.entered = entered = []
+        try:
+            ptr = torch._C._cuda_getCurrentRawStream(device)
+            stream = _CUPY_STREAMS.get((ptr, device))
+            contexts = [cupy.cuda.Device(device),
+                        _cupy_stream(cupy, ptr, device) if stream is None else stream]
+            if torch._C._cuda_isCurrentStreamCapturing():
+                # Under the caller's CUDA-graph capture the library's arrays come from torch's
+                # allocator: the graph's private pool keeps them for every replay, where CuPy's
+                # pool would hand a freed one to the next allocation while the graph writes it.
+                contexts.append(cupy.cuda.using_allocator(_torch_allocation))
+            for context in contexts:
+                context.__enter__()
+                entered.append(context)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        entered = self.entered
+        try:
+            while entered:
+                entered.pop().__exit__(None, None, None)
+        finally:
+            torch._C._cuda_maybeExchangeDevice(self.previous)
 
 
 _CUPY_STREAMS: dict[tuple[int, int], Any] = {}  # (stream pointer, device): CuPy's view of it
 _MAX_CUPY_STREAMS = 256
 
 
-def _cupy_stream(cupy, stream: torch.cuda.Stream, device: int) -> Any:
-    """CuPy's view of a torch stream, made once per stream: a call's hand-over then costs a
-    lookup, not a wrapper's construction (and, for ``ExternalStream``, a deprecation warning)."""
-    ptr = stream.cuda_stream
+def _cupy_stream(cupy, ptr: int, device: int) -> Any:
+    """CuPy's view of torch's current stream ``ptr`` on ``device``, made once per stream (and
+    kept in ``_CUPY_STREAMS``): a call's hand-over then costs a lookup, not a wrapper's
+    construction (and, for ``ExternalStream``, a deprecation warning)."""
+    if len(_CUPY_STREAMS) >= _MAX_CUPY_STREAMS:  # (a program making streams without end)
+        _CUPY_STREAMS.clear()
     if ptr == 0:  # torch's default stream is the legacy null stream: CuPy's null stream
-        return cupy.cuda.Stream.null
-    view = _CUPY_STREAMS.get((ptr, device))
-    if view is None:
-        if len(_CUPY_STREAMS) >= _MAX_CUPY_STREAMS:  # (a program making streams without end)
-            _CUPY_STREAMS.clear()
+        view = cupy.cuda.Stream.null
+    else:
+        stream = torch.cuda.current_stream(device)
         view = (cupy.cuda.Stream.from_external(stream) if hasattr(stream, "__cuda_stream__")
                 else cupy.cuda.ExternalStream(ptr, device))
-        _CUPY_STREAMS[(ptr, device)] = view
+    _CUPY_STREAMS[(ptr, device)] = view
     return view
 
 
