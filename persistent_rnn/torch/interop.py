@@ -61,8 +61,9 @@ def to_tensor(a: Array | None) -> torch.Tensor | None:
             == torch._C._cuda_getCurrentRawStream(a.data.device_id)):
         # torch.from_dlpack orders torch's stream after CuPy's by an event only where the two
         # differ; here they are one stream (always so in ``library_stream``), so no ordering
-        # (stream -1) is the same exchange, without its Python (~6 µs a tensor on the H200)
-        return torch._C._from_dlpack(a.__dlpack__(stream=-1, max_version=(1, 0)))
+        # (stream -1) is the same exchange, without its Python (~6 µs a tensor on the H200); an
+        # unversioned capsule, which every torch version takes
+        return torch._C._from_dlpack(a.__dlpack__(stream=-1))
     return torch.from_dlpack(a)
 
 
