@@ -235,6 +235,16 @@ def test_the_fresh_parts_inputs_ahead_ab_runs_on_the_cpu(tmp_path, capsys):
     assert all(r["ran"]["cluster"] and r["predicted_us"] > 0 for r in rows)
     assert plan.CLUSTER_INPUTS_AHEAD == 1
     assert "two / one" in capsys.readouterr().out
+    # a layer planned before, inside and after the setting runs what the planner says then (the
+    # runtime's cached engines dropped on entry and on exit)
+    dev, layer = gpu_call_cost.Device(cpu=True), gpu_call_cost.CPU_LAYERS[0]
+
+    def buffers() -> int:
+        return gpu_call_cost.forward_ran(dev, *layer)["input_buffers"]
+    assert buffers() == 2
+    with gpu_call_cost.cluster_inputs_ahead(2):
+        assert buffers() == 3
+    assert buffers() == 2
 
 
 def test_pytest_resume_goes_past_a_hung_test(tmp_path):
