@@ -254,7 +254,8 @@ def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward
 @contextmanager
 def cluster_inputs_ahead(steps: int) -> Iterator[None]:
     """Layers planned inside it fetch a cluster pass's inputs ``steps`` ahead
-    (``plan.CLUSTER_INPUTS_AHEAD``); the runtime's cached plans are dropped on entry and exit."""
+    (``plan.CLUSTER_INPUTS_AHEAD``); the runtime's cached engines (their plans) are dropped on
+    entry and on exit."""
     before = planner.CLUSTER_INPUTS_AHEAD
     planner.CLUSTER_INPUTS_AHEAD = steps
     runtime._cached_engine.cache_clear()

@@ -18,8 +18,8 @@
 #   compare  fp16 and bf16 (persistent_rnn.torch) against torch.nn; LSTMP; a stack of 2
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
-#   fresh    the A/B of the cluster passes' inputs one or two steps ahead (plan.CLUSTER_INPUTS_AHEAD);
-#            what has not yet run on a GPU (the TF32 tiles, the chain graphs of planned stacks
+#   fresh    the A/B of the cluster passes' inputs one or two steps ahead
+#            (plan.CLUSTER_INPUTS_AHEAD); what has not yet run on a GPU (the TF32 tiles, the chain graphs of planned stacks
 #            and layer-directions, the decoder resumed before a replay, the allocation counts), then the device time of a call by kernel, the call cost at
 #            T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding step's profile
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)

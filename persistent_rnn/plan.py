@@ -138,7 +138,8 @@ def staged_buffers(cell: CellSpec, tile: Tile, stack: bool = False) -> int:
 # (GRU H=256 B=1 forward 1.43 -> 1.13 us/step) but measured slower on an H200 (forward slope,
 # bench/gpu_call_cost.py): GRU H=256 B=1 1.443 -> 1.625 / 1.617, RNN-tanh H=512 B=1 1.467 ->
 # 1.493 / 1.475 (2026-11-26, ce61c64 -> 2026-11-27, a1f19a2; docs/design.md). A measurement
-# may set it to 2 before planning (bench/gpu_call_cost.py's inputs-ahead A/B).
+# may set it to 2, dropping the runtime's cached engines (bench/gpu_call_cost.py's
+# cluster_inputs_ahead, the GPU suite's A/B).
 CLUSTER_INPUTS_AHEAD = 1
 
 
