@@ -24,23 +24,32 @@ cProfile of GRU calls through the CuPy layer and the torch module (``profile_*.t
 ``--cpu`` runs the same on NumPy arrays and CPU tensors at tiny sizes: a check of the script,
 its figures mean nothing.
 Writes ``DIR/gpu_call_cost.json`` and prints a table.
+
+``--inputs-ahead``: only the A/B of ``plan.CLUSTER_INPUTS_AHEAD`` (``inputs_ahead_ab``): the
+forward slope of GRU H=256 B=1 and RNN-tanh H=512 B=1 with the cluster passes fetching their
+inputs one and two steps ahead, in one process, each beside the model's prediction; writes
+``DIR/inputs_ahead.json``.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 import persistent_rnn as prnn
-from persistent_rnn import benchmark, timing
+from persistent_rnn import benchmark, latency, runtime, timing
+from persistent_rnn import plan as planner
 from persistent_rnn.cells import layer_args
 from persistent_rnn.launch import COUNTERS
 
@@ -48,6 +57,11 @@ LAYERS = [("gru", 256, 1), ("lstm", 1024, 4), ("rnn_tanh", 512, 1)]
 CPU_LAYERS = [("gru", 16, 1)]
 ROADS = ("persistent", "gemm", "prnn_torch", "cudnn")
 INPUT, STEPS = 64, 100
+# The A/B of plan.CLUSTER_INPUTS_AHEAD: the cluster layers the two-ahead passes were measured on
+# (2026-11-27: GRU slower, RNN-tanh unchanged), each setting twice in the order A B B A, so that
+# a drift over the run falls on both alike.
+AB_LAYERS = [("gru", 256, 1), ("rnn_tanh", 512, 1)]
+AB_ORDER = (1, 2, 2, 1)
 
 
 class Device:
@@ -68,6 +82,15 @@ class Device:
             self.torch.cuda.synchronize()
 
 
+def array_layer(dev: Device, road: str, cell: str, hidden: int):
+    """The array layer of ``road`` ("persistent" or "gemm"), its parameters on the run's device."""
+    mode, extra = layer_args(cell)
+    layer = getattr(prnn, mode)(INPUT, hidden, algo=road, seed=0, **extra)
+    if not dev.cpu:
+        layer.load_params({k: dev.xp.asarray(v) for k, v in layer.params.items()})
+    return layer
+
+
 def make_call(dev: Device, road: str, cell: str, hidden: int, batch: int, steps: int,
               backward: bool) -> Callable[[], object]:
     """One call of ``road`` on fixed random inputs (never reading ``last_run``)."""
@@ -76,9 +99,7 @@ def make_call(dev: Device, road: str, cell: str, hidden: int, batch: int, steps:
     x = rng.standard_normal((steps, batch, INPUT)).astype(np.float32)
     dy = rng.standard_normal((steps, batch, hidden)).astype(np.float32)
     if road in ("persistent", "gemm"):
-        layer = getattr(prnn, mode)(INPUT, hidden, algo=road, seed=0, **extra)
-        if not dev.cpu:
-            layer.load_params({k: dev.xp.asarray(v) for k, v in layer.params.items()})
+        layer = array_layer(dev, road, cell, hidden)
         xa, dya = dev.xp.asarray(x), dev.xp.asarray(dy)
 
         def run_layer():
@@ -193,9 +214,7 @@ def graph_replay(dev: Device, cell: str, hidden: int, batch: int, calls: int) ->
     if dev.cpu:
         return {"graph_us": None, "note": "no CUDA graphs on the CPU"}
     cupy = dev.xp
-    mode, extra = layer_args(cell)
-    layer = getattr(prnn, mode)(INPUT, hidden, algo="persistent", seed=0, **extra)
-    layer.load_params({k: cupy.asarray(v) for k, v in layer.params.items()})
+    layer = array_layer(dev, "persistent", cell, hidden)
     x = cupy.asarray(np.random.default_rng(hidden).standard_normal((STEPS, batch, INPUT)),
                      np.float32)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -232,6 +251,80 @@ def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward
     return benchmark.profile_text(calls_then_sync, (("tottime", 30), ("cumulative", 40)))
 
 
+@contextmanager
+def cluster_inputs_ahead(steps: int) -> Iterator[None]:
+    """Layers planned inside it fetch a cluster pass's inputs ``steps`` ahead
+    (``plan.CLUSTER_INPUTS_AHEAD``); the runtime's cached engines (their plans) are dropped on
+    entry and on exit."""
+    before = planner.CLUSTER_INPUTS_AHEAD
+    planner.CLUSTER_INPUTS_AHEAD = steps
+    runtime._cached_engine.cache_clear()
+    try:
+        yield
+    finally:
+        planner.CLUSTER_INPUTS_AHEAD = before
+        runtime._cached_engine.cache_clear()
+
+
+def forward_ran(dev: Device, cell: str, hidden: int, batch: int) -> dict[str, int]:
+    """The cluster size and input buffers of the forward kernel a call of the layer runs (read
+    from ``last_run`` after the measurement: reading it waits for the device)."""
+    layer = array_layer(dev, "persistent", cell, hidden)
+    layer.forward(dev.xp.zeros((3, batch, INPUT), np.float32))
+    details = " ".join(layer.last_run.details)
+    return {name: int(m[1]) if (m := re.search(rf"'PRNN_{name.upper()}': (\d+)", details)) else 0
+            for name in ("cluster", "input_buffers")}
+
+
+def inputs_ahead_ab(dev: Device, layers: list, order: tuple[int, ...], lengths: tuple[int, int],
+                    calls: int) -> list[dict]:
+    """The A/B of ``plan.CLUSTER_INPUTS_AHEAD`` in one process: each layer's forward slope
+    (``slope``) with the cluster passes fetching their inputs ``ahead`` steps ahead, for each
+    ``ahead`` of ``order``, beside the latency model's prediction of that forward's step on the
+    planning device (its kernels compiled first, in parallel) and what ran."""
+    device = runtime.planning_device(not dev.cpu)
+    plans = {}
+    for ahead in sorted(set(order)):
+        with cluster_inputs_ahead(ahead):
+            for cell, hidden, batch in layers:
+                plans[ahead, cell] = planner.make_plan(cell, hidden, batch, device=device).forward
+
+    def predict(key: tuple[int, str]) -> float:
+        cell, hidden, batch = next(layer for layer in layers if layer[0] == key[1])
+        shape = latency.PassShape(planner.resolve_cell(cell), plans[key], batch, hidden)
+        return latency.step_terms(latency.pass_sass(plans[key], device.arch), shape, device).total_us
+    with ThreadPoolExecutor(max_workers=len(plans)) as pool:
+        predicted = dict(zip(plans, pool.map(predict, plans)))
+    rows = []
+    for ahead in order:
+        with cluster_inputs_ahead(ahead):
+            for cell, hidden, batch in layers:
+                row = dict(layer=f"{cell}_h{hidden}_b{batch}", inputs_ahead=ahead,
+                           predicted_us=predicted[ahead, cell],
+                           **slope(dev, cell, hidden, batch, lengths, calls),
+                           ran=forward_ran(dev, cell, hidden, batch))
+                rows.append(row)
+                print(f"inputs ahead {ahead} {row['layer']}: {row['us_per_step']:.3f} us/step "
+                      f"measured, {row['predicted_us']:.3f} predicted (ran {row['ran']}, SM clock "
+                      f"MHz {row['sm_clock_mhz']})", flush=True)
+    return rows
+
+
+def ab_lines(rows: list[dict]) -> list[str]:
+    """Per layer of ``inputs_ahead_ab``'s rows: each setting's mean slope and prediction, and
+    two ahead over one ahead."""
+    lines = []
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        mine = [r for r in rows if r["layer"] == layer]
+        measured = {ahead: statistics.mean(r["us_per_step"] for r in mine
+                                           if r["inputs_ahead"] == ahead) for ahead in (1, 2)}
+        model = {r["inputs_ahead"]: r["predicted_us"] for r in mine}
+        lines.append(f"{layer}: one ahead {measured[1]:.3f} us/step (predicted {model[1]:.3f}), "
+                     f"two ahead {measured[2]:.3f} (predicted {model[2]:.3f}): two / one "
+                     f"{measured[2] / measured[1]:.3f} measured, {model[2] / model[1]:.3f} predicted")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -240,11 +333,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", default=str(STEPS),
                    help="the sequence lengths T of the per-call rows, comma-separated "
                         f"(default {STEPS}; issue 26 asks for 10,100,1000)")
+    p.add_argument("--inputs-ahead", action="store_true",
+                   help="only the A/B of plan.CLUSTER_INPUTS_AHEAD (inputs_ahead.json)")
     args = p.parse_args(argv)
     seq_lens = [3] if args.cpu else [int(t) for t in args.steps.split(",")]
     dev = Device(args.cpu)
     calls = 1 if args.cpu else args.calls
     args.out.mkdir(parents=True, exist_ok=True)
+    lengths = (3, 9) if args.cpu else (1000, 3000)
+    if args.inputs_ahead:
+        record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu),
+                  "rows": inputs_ahead_ab(dev, CPU_LAYERS if args.cpu else AB_LAYERS,
+                                          AB_ORDER[:2] if args.cpu else AB_ORDER, lengths,
+                                          1 if args.cpu else max(2, calls // 6))}
+        (args.out / "inputs_ahead.json").write_text(json.dumps(record, indent=1, default=str))
+        print("\n".join(ab_lines(record["rows"])))
+        return 0
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu), "rows": []}
     print(f"{'layer':18} {'T':>5} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  "
           "per call")
@@ -261,7 +365,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['layer']:18} {steps:5d} {row['passes']:8} {road:11} "
                   + (f"{row['host_us']:8.1f} {row['loop_us']:8.1f} {row['event_us']:8.1f}  "
                      f"{row['per_call']}" if "error" not in row else row["error"]), flush=True)
-    lengths = (3, 9) if args.cpu else (1000, 3000)
     record["slopes"] = [dict(layer=f"{c}_h{h}_b{b}", **slope(dev, c, h, b, lengths, 1 if args.cpu else max(2, calls // 6)))
                         for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]
     record["graphs"] = [dict(layer=f"{c}_h{h}_b{b}", steps=STEPS, **graph_replay(dev, c, h, b, calls))

@@ -185,11 +185,6 @@ def predict_current(p: dict) -> dict:
     if pp.defines.get("PRNN_MMA") == 2:  # the runs predate the backward mma tile: the same
         # tile's CUDA-core backward ran
         pp = replace(pp, defines={k: v for k, v in pp.defines.items() if k != "PRNN_MMA"})
-    if pp.defines.get("PRNN_INPUT_BUFFERS", 2) == 3:  # the runs predate 86955c7: a cluster's passes
-        # fetched their pointwise inputs one step ahead, into two buffers
-        region = "PRNN_SMEM_INPUTS" if backward else "PRNN_SMEM_GI"
-        pp = replace(pp, defines={**pp.defines, "PRNN_INPUT_BUFFERS": 2,
-                                  region: pp.defines[region] * 2 // 3})
     terms = latency.step_terms(latency.pass_sass(pp, device.arch),
                                latency.PassShape(spec, pp, batch, hidden), device)
     if p["kind"] == "slope":

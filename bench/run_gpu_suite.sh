@@ -18,7 +18,8 @@
 #   compare  fp16 and bf16 (persistent_rnn.torch) against torch.nn; LSTMP; a stack of 2
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
-#   fresh    what has not yet run on a GPU (the TF32 tiles, the chain graphs of planned stacks
+#   fresh    the A/B of the cluster passes' inputs one or two steps ahead
+#            (plan.CLUSTER_INPUTS_AHEAD); what has not yet run on a GPU (the TF32 tiles, the chain graphs of planned stacks
 #            and layer-directions, the decoder resumed before a replay, the allocation counts), then the device time of a call by kernel, the call cost at
 #            T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding step's profile
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
@@ -214,7 +215,11 @@ part_sweeps() {  # limits 260 s
     --hidden 1024,256 --batches 1,8 --seq-len 100
 }
 
-part_fresh() {  # limits 315 s: what has not yet run on a GPU, in the order to learn it
+part_fresh() {  # limits 330 s: what has not yet run on a GPU, in the order to learn it
+  # The cluster passes fetch their inputs one step ahead again (two ahead measured slower on the
+  # H200, 2026-11-27): both in one process, GRU H=256 B=1 and RNN-tanh H=512 B=1 forward slopes,
+  # each beside its prediction (docs/design.md, "Inputs fetched two steps ahead in a cluster")
+  step inputs_ahead 15 "$PY" bench/gpu_call_cost.py --out "$OUT" --inputs-ahead
   # the TF32 tiles (the mma instruction, planned TF32 layers against float64); the chain graphs
   # (one graph per multi-chain pass, planned layer-by-layer stacks, bidirectional, batch-first
   # and 16-bit layer stacks); the decoder (W_ih held in shared memory, the recurrent half ahead,

@@ -529,22 +529,19 @@ def cluster_exchange_us(step: StepLoop) -> float:
             + extra * hw.DSMEM_STORE_NS) / 1000
 
 
-def prefetch_us(step: StepLoop, device: DeviceProfile, rest_us: float) -> float:
+def prefetch_us(step: StepLoop, device: DeviceProfile) -> float:
     """The ``prefetch`` term: the wait at the step's end for the next step's inputs (a 4-byte
     ``cp.async`` per item from L2, ``hw.PREFETCH_LATENCY``) where it is not hidden. A cluster
     issues them after its product (``step_product``: the buffer is free only then) and waits for
-    them after the pointwise step, so only the pointwise chain hides a fetch one step ahead; a
-    layer pass's three buffers of its inputs (``plan.input_buffers``) fetch two steps ahead,
-    hidden by the pointwise step and the whole next step besides (``rest_us``: the step's other
-    terms).
+    them after the pointwise step, so only the pointwise chain hides them. A pass fetching two
+    steps ahead (``plan.CLUSTER_INPUTS_AHEAD`` 2, three buffers) gets no more credit: the model
+    said the next step would hide the fetch, and the H200 measured it slower (2026-11-27,
+    docs/design.md).
     The grid issues them before its product, under the product, the pointwise step and the
     gather (longer than a round trip)."""
     if exchange_kind(step) != "cluster" or "prefetch" not in step.kinds.values():
         return 0.0
-    hidden = pointwise_us(step, device)
-    if step.shape.plan.defines.get("PRNN_INPUT_BUFFERS", 2) > 2:
-        hidden += rest_us
-    return max(0.0, hw.PREFETCH_LATENCY * _cycle_us(device) - hidden)
+    return max(0.0, hw.PREFETCH_LATENCY * _cycle_us(device) - pointwise_us(step, device))
 
 
 def pointwise_us(step: StepLoop, device: DeviceProfile) -> float:
@@ -559,13 +556,12 @@ def pointwise_us(step: StepLoop, device: DeviceProfile) -> float:
 def step_terms(sass: str, shape: PassShape, device: DeviceProfile) -> StepTerms:
     """The model's terms for one step of the pass ``shape`` whose cubin disassembles to ``sass``."""
     step = step_loop(sass, shape)
-    terms = dict(issue_us=issue_us(step, device), matrix_us=matrix_us(step, device),
-                 barrier_us=barrier_us(step, device), exchange_us=exchange_us(step, device),
-                 pointwise_us=pointwise_us(step, device))
-    return StepTerms(**terms, instructions=round(sum(step.weight.values())),
-                     exchange=exchange_kind(step), per_row_instructions=round(row_instructions(step)),
-                     per_row_ffma=matrix_ffma(step),
-                     prefetch_us=prefetch_us(step, device, sum(terms.values())))
+    return StepTerms(issue_us=issue_us(step, device), matrix_us=matrix_us(step, device),
+                     barrier_us=barrier_us(step, device), exchange_us=exchange_us(step, device),
+                     pointwise_us=pointwise_us(step, device),
+                     instructions=round(sum(step.weight.values())), exchange=exchange_kind(step),
+                     per_row_instructions=round(row_instructions(step)),
+                     per_row_ffma=matrix_ffma(step), prefetch_us=prefetch_us(step, device))
 
 
 @lru_cache(maxsize=512)

@@ -133,13 +133,23 @@ def staged_buffers(cell: CellSpec, tile: Tile, stack: bool = False) -> int:
     return 2 if warp_teams(cell, tile.forward) and not (tile.cluster or stack) else 1
 
 
+# Steps ahead a layer pass in a cluster fetches its pointwise inputs (1 or 2; ``input_buffers``).
+# One: two ahead (three buffers, 86955c7 / 057d690) was predicted to hide the fetch's wait
+# (GRU H=256 B=1 forward 1.43 -> 1.13 us/step) but measured slower on an H200 (forward slope,
+# bench/gpu_call_cost.py): GRU H=256 B=1 1.443 -> 1.625 / 1.617, RNN-tanh H=512 B=1 1.467 ->
+# 1.493 / 1.475 (2026-11-26, ce61c64 -> 2026-11-27, a1f19a2; docs/design.md). A measurement
+# may set it to 2, dropping the runtime's cached engines (bench/gpu_call_cost.py's
+# cluster_inputs_ahead, the GPU suite's A/B).
+CLUSTER_INPUTS_AHEAD = 1
+
+
 def input_buffers(tile: Tile, stack: bool = False) -> int:
     """Buffers by step of a layer pass's pointwise inputs (the forward's gi, the backward's dy,
-    h, c, saved; ``-D PRNN_INPUT_BUFFERS``, ``kInputBuffers``): three in a cluster, which fetches
-    step t's two steps ahead (its fetch waits for the step's product, so a step ahead only the
-    pointwise step would hide it: the latency model's ``prefetch``), else two (the grid fetches
-    a step ahead before its product; the stack kernels keep two)."""
-    return 3 if tile.cluster and not stack else 2
+    h, c, saved; ``-D PRNN_INPUT_BUFFERS``, ``kInputBuffers``): in a cluster one more than
+    ``CLUSTER_INPUTS_AHEAD`` (its fetch of step t's inputs waits for the product of the step it
+    is issued in, as that frees the buffer), else two (the grid fetches a step ahead before its
+    product; the stack kernels keep two)."""
+    return CLUSTER_INPUTS_AHEAD + 1 if tile.cluster and not stack else 2
 
 
 @dataclass(frozen=True)

@@ -187,40 +187,46 @@ def test_a_dropped_copy_wait_reads_poison(settings, grid_path, tmp_path, monkeyp
 
 def _cluster_run(hidden: int) -> tuple[list, list, dict]:
     """Forward and backward of a layer the emulated H100 runs as one cluster whose passes fetch
-    their inputs two steps ahead (three buffers), on new data: its arrays, the float64
-    reference's, and the data."""
+    their inputs ``plan.CLUSTER_INPUTS_AHEAD`` steps ahead (one buffer more), on new data: its
+    arrays, the float64 reference's, and the data."""
     data = _data(hidden)
     got, stats = _run(hidden, data)
+    buffers = f"'PRNN_INPUT_BUFFERS': {planner.CLUSTER_INPUTS_AHEAD + 1}"
     for s in stats:
-        assert any("PRNN_CLUSTER" in d and "'PRNN_INPUT_BUFFERS': 3" in d for d in s.details)
+        assert any("PRNN_CLUSTER" in d and buffers in d for d in s.details), s.details
         assert s.restarts == 0 and s.fallback is None, s.details
     return got, _reference(hidden, data, 1), data
 
 
-def test_a_cluster_fetches_its_inputs_two_steps_ahead(settings):
-    """A cluster's forward and backward keep their pointwise inputs of three steps
-    (plan.input_buffers) and fetch step t's during step t-2 (the backward: t+2), waiting at a
-    step's end for all groups but the newest: with every copy landing only at its wait (poison
-    until then), each step still reads its own inputs."""
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_a_cluster_fetches_its_inputs_ahead(settings, monkeypatch, fresh_plans, ahead):
+    """A cluster's forward and backward keep their pointwise inputs of ``ahead`` + 1 steps
+    (plan.input_buffers: one step ahead by default, two for a measurement's A/B) and fetch step
+    t's during step t - ``ahead`` (the backward: t + ``ahead``), waiting at a step's end for the
+    next step's (two ahead: all groups but the newest): with every copy landing only at its wait
+    (poison until then), each step still reads its own inputs."""
+    monkeypatch.setattr(planner, "CLUSTER_INPUTS_AHEAD", ahead)
     with emulate.modes("late_copies", seed=2):
         got, want, _ = _cluster_run(72)
     _assert_close(got, want)
 
 
-_INPUT_FETCH_SABOTAGES = [
-    ("    prnn_copy_wait_prior();\n", ""),  # the next step's inputs read before they landed
-    ("(unsigned)t % kInputBuffers", "(unsigned)t % 2"),  # step t+2's over the buffer t reads
+_INPUT_FETCH_SABOTAGES = [  # (steps ahead, old, new)
+    (1, "    prnn_copy_wait();\n  } else {", "  } else {"),  # step t+1's read before they landed
+    (2, "    prnn_copy_wait_prior();\n", ""),  # the next step's inputs read before they landed
+    (2, "(unsigned)t % kInputBuffers", "(unsigned)t % 2"),  # step t+2's over the buffer t reads
 ]
 _INPUT_FETCH_KERNELS = ["persistent_forward", "persistent_backward"]
 
 
 # (CI: each sabotage of the shared helpers in one of the two kernels that use them; both kernels
 # in the full set)
-@pytest.mark.parametrize("kernel, old, new", [
-    (kernel, old, new) for i, (old, new) in enumerate(_INPUT_FETCH_SABOTAGES)
-    for kernel in (_INPUT_FETCH_KERNELS if EVERY_KERNEL else _INPUT_FETCH_KERNELS[i:i + 1])])
+@pytest.mark.parametrize("kernel, ahead, old, new", [
+    (kernel, ahead, old, new) for i, (ahead, old, new) in enumerate(_INPUT_FETCH_SABOTAGES)
+    for kernel in (_INPUT_FETCH_KERNELS if EVERY_KERNEL else [_INPUT_FETCH_KERNELS[i % 2]])])
 def test_a_cluster_input_fetch_out_of_order_fails(settings, tmp_path, monkeypatch, fresh_plans,
-                                                  kernel, old, new):
+                                                  kernel, ahead, old, new):
+    monkeypatch.setattr(planner, "CLUSTER_INPUTS_AHEAD", ahead)
     _from(monkeypatch, sabotaged(tmp_path, "persistent_common.cuh", old, new), kernel)
     with emulate.modes("late_copies", seed=2):
         got, want, _ = _cluster_run(72)

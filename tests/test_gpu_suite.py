@@ -213,6 +213,40 @@ def test_the_report_splits_slope_and_per_call_cost():
         first_report._tf32_text(rows))
 
 
+def test_the_fresh_parts_inputs_ahead_ab_runs_on_the_cpu(tmp_path, capsys):
+    """The fresh part's A/B of plan.CLUSTER_INPUTS_AHEAD, its command as the suite names it plus
+    ``--cpu`` (bench/gpu_call_cost.py --inputs-ahead; a check of the script, its CPU figures mean
+    nothing): within 15 s on a GPU, a row per setting with its prediction, run with one input
+    buffer more than the steps it fetches ahead, and the planner's setting left as it was."""
+    from persistent_rnn import plan
+    run = _suite("--dry-run", str(tmp_path / "out"), "fresh")
+    limit, = [s for n, s in _steps(run.stdout) if n == "inputs_ahead"]
+    assert limit <= 15
+    line = next(x for x in run.stdout.splitlines() if x.startswith("== inputs_ahead "))
+    args = line.split("bench/gpu_call_cost.py ", 1)[1].split()
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_call_cost
+    finally:
+        sys.path.remove(str(BENCH))
+    assert gpu_call_cost.main([*args, "--cpu"]) == 0
+    rows = json.loads((tmp_path / "out" / "inputs_ahead.json").read_text())["rows"]
+    assert [(r["inputs_ahead"], r["ran"]["input_buffers"]) for r in rows] == [(1, 2), (2, 3)]
+    assert all(r["ran"]["cluster"] and r["predicted_us"] > 0 for r in rows)
+    assert plan.CLUSTER_INPUTS_AHEAD == 1
+    assert "two / one" in capsys.readouterr().out
+    # a layer planned before, inside and after the setting runs what the planner says then (the
+    # runtime's cached engines dropped on entry and on exit)
+    dev, layer = gpu_call_cost.Device(cpu=True), gpu_call_cost.CPU_LAYERS[0]
+
+    def buffers() -> int:
+        return gpu_call_cost.forward_ran(dev, *layer)["input_buffers"]
+    assert buffers() == 2
+    with gpu_call_cost.cluster_inputs_ahead(2):
+        assert buffers() == 3
+    assert buffers() == 2
+
+
 def test_pytest_resume_goes_past_a_hung_test(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_fake.py").write_text(textwrap.dedent("""

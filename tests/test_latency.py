@@ -312,38 +312,41 @@ def test_exchange_rounds_are_the_measured_ones():
     assert hardware.exchange_round_ns(hardware.CLUSTER_ROUND_NS, 32) == hardware.CLUSTER_ROUND_NS[16]
 
 
-def test_cluster_step_terms_follow_its_structure():
+def _gru_cluster_terms(backward: bool) -> tuple[planner.PassPlan, latency.StepTerms]:
+    """GRU H=256 B=1's pass as the planner places it on the H200 (a cluster of 16), its terms."""
+    plan = planner.make_plan("gru", 256, 1, device="h200")
+    p = plan.backward if backward else plan.forward
+    terms = latency.step_terms(latency.pass_sass(p, "sm_90"),
+                               latency.PassShape(CELLS["gru"], p, 1, 256), hardware.PROFILES["h200"])
+    return p, terms
+
+
+def test_cluster_step_terms_follow_its_structure(monkeypatch):
     """GRU H=256 B=1 on a cluster of 16: each of its 4 warps publishes its units to all 16 CTAs
     (64 remote stores a CTA, 48 beyond the measured round's 16), and its gi prefetch, issued after
-    the product two steps ahead (three buffers), is hidden by the pointwise step and the next
-    step; one step ahead (two buffers: the kernels the recorded runs measured) it waits out what
-    the pointwise step does not hide. The backward's inputs likewise."""
-    p = planner.make_plan("gru", 256, 1, device="h200").forward
+    the product one step ahead (two buffers), waits out what the pointwise step does not hide.
+    Two steps ahead (three buffers, plan.CLUSTER_INPUTS_AHEAD 2) the model gives the fetch no
+    more credit - the H200 measured it slower (2026-11-27) -: priced no faster (within 1 %: the
+    two schedule apart). The backward's inputs likewise."""
+    p, terms = _gru_cluster_terms(False)
     s = latency.PassShape(CELLS["gru"], p, 1, 256)
     step = latency.step_loop(latency.pass_sass(p, "sm_90"), s)
     assert latency.exchange_kind(step) == "cluster" and p.grid == 16
     assert latency.remote_stores(step) == 16 * s.warps
-    terms = latency.step_terms(latency.pass_sass(p, "sm_90"), s, hardware.PROFILES["h200"])
-    cycle_us = 1 / hardware.PROFILES["h200"].clock_mhz
     assert terms.exchange_us == pytest.approx(
         (hardware.CLUSTER_ROUND_NS[16] + (16 * s.warps - 16) * hardware.DSMEM_STORE_NS) / 1000)
-    assert p.defines["PRNN_INPUT_BUFFERS"] == 3 and terms.prefetch_us == 0.0
     assert terms.barrier_us == 0.0  # warp teams: no block barrier in a cluster's step
-    one_ahead = replace(p, defines={**p.defines, "PRNN_INPUT_BUFFERS": 2,
-                                    "PRNN_SMEM_GI": p.defines["PRNN_SMEM_GI"] * 2 // 3})
-    terms = latency.step_terms(latency.pass_sass(one_ahead, "sm_90"),
-                               latency.PassShape(CELLS["gru"], one_ahead, 1, 256),
-                               hardware.PROFILES["h200"])
-    assert terms.prefetch_us == pytest.approx(hardware.PREFETCH_LATENCY * cycle_us - terms.pointwise_us)
-    back = planner.make_plan("gru", 256, 1, device="h200").backward
-    for buffers in (3, 2):  # (the backward's inputs likewise)
-        pp = replace(back, defines={**back.defines, "PRNN_INPUT_BUFFERS": buffers,
-                                    "PRNN_SMEM_INPUTS": back.defines["PRNN_SMEM_INPUTS"] * buffers // 3})
-        terms = latency.step_terms(latency.pass_sass(pp, "sm_90"),
-                                   latency.PassShape(CELLS["gru"], pp, 1, 256),
-                                   hardware.PROFILES["h200"])
-        assert terms.prefetch_us == (0.0 if buffers == 3 else pytest.approx(
-            hardware.PREFETCH_LATENCY * cycle_us - terms.pointwise_us))
+    cycle_us = 1 / hardware.PROFILES["h200"].clock_mhz
+    for backward in (False, True):
+        one_ahead, one = _gru_cluster_terms(backward)
+        with monkeypatch.context() as m:
+            m.setattr(planner, "CLUSTER_INPUTS_AHEAD", 2)
+            two_ahead, two = _gru_cluster_terms(backward)
+        assert (one_ahead.defines["PRNN_INPUT_BUFFERS"], two_ahead.defines["PRNN_INPUT_BUFFERS"]) == (2, 3)
+        for terms in (one, two):
+            assert terms.prefetch_us == pytest.approx(
+                hardware.PREFETCH_LATENCY * cycle_us - terms.pointwise_us)
+        assert one.prefetch_us > 0.2 and two.total_us >= 0.99 * one.total_us
 
 
 def test_a_cluster_projection_waits_on_two_cluster_rounds():

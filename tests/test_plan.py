@@ -222,6 +222,32 @@ def test_shared_layout_reaches_the_kernels_as_defines_and_sums_to_the_launch_byt
         lstm, dp.defines, cluster.forward.exchange_row, 10), 3)
 
 
+def test_a_cluster_fetches_its_inputs_one_step_ahead_unless_told(monkeypatch):
+    """plan.CLUSTER_INPUTS_AHEAD: a layer pass in a cluster keeps two buffers of its pointwise
+    inputs (one step ahead: two was measured slower on an H200, 2026-11-27), three where a
+    measurement sets it to 2, its shared memory one buffer larger; the grid keeps two either way
+    and the stack kernels take no such define."""
+    lstm = CELLS["lstm"]
+
+    def plans() -> tuple:
+        return (make_plan(lstm, 256, 3, device="h100"), make_plan(lstm, 1024, 3, device="h100"),
+                plan.make_stack_plan(lstm, 256, 3, 2, device="h100"))
+
+    cluster, grid, stack = plans()
+    assert plan.CLUSTER_INPUTS_AHEAD == 1 and cluster.tile.cluster and not grid.tile.cluster
+    for p in (cluster.forward, cluster.backward, grid.forward, grid.backward):
+        assert p.defines["PRNN_INPUT_BUFFERS"] == 2
+    monkeypatch.setattr(plan, "CLUSTER_INPUTS_AHEAD", 2)
+    ahead, grid_ahead, stack_ahead = plans()
+    assert ahead.tile == cluster.tile and (grid_ahead, stack_ahead) == (grid, stack)
+    for one, two, region in ((cluster.forward, ahead.forward, "PRNN_SMEM_GI"),
+                             (cluster.backward, ahead.backward, "PRNN_SMEM_INPUTS")):
+        assert two.defines["PRNN_INPUT_BUFFERS"] == 3
+        assert two.defines[region] * 2 == one.defines[region] * 3
+        assert two.shared_bytes >= one.shared_bytes + 3 * 4 * one.defines[region] // 2
+    assert not any("PRNN_INPUT_BUFFERS" in p.defines for p in (stack.forward, stack.backward))
+
+
 def test_gather_quads_fit_the_batch_within_the_register_cap():
     """A grid kernel's gather loads as many quads at once as a thread gathers per step, rounded
     up to a power of 2 (every unrolled slot issues each step), capped by the registers the
