@@ -645,8 +645,8 @@ struct Team {
 #endif
 // The layer passes' buffers of their pointwise inputs by step (the forward's gi, the backward's
 // dy, h, c, saved; -D PRNN_INPUT_BUFFERS, plan.input_buffers): two, and step t fetches the next
-// step's; three in a cluster, whose fetch waits for its step's product (the buffer is free only
-// then: step_product), so step t fetches those two steps on and a whole step hides the fetch.
+// step's; three (plan.CLUSTER_INPUTS_AHEAD 2, a cluster's only) fetch two steps on, after the
+// step's product frees the buffer (step_product) - measured slower on an H200, so not the default.
 #ifndef PRNN_INPUT_BUFFERS
 #define PRNN_INPUT_BUFFERS 2
 #endif
