@@ -45,7 +45,8 @@ from .sass_analysis import (TimeLoop, critical_path, disassemble, exchange_word_
 # (bench/results/model-calibration-2026-11-26.json; tests/test_latency.py holds it to the model).
 CALIBRATION = ("calibrated on 19 points of today's kernels measured on an H200 and an H100 "
                "(2026-11-26): median |error| 3 %, worst 25 % (fp16 LSTM H=1024 B=8 forward over, "
-               "fp32 LSTM H=1024 B=4 forward 11-16 % under)")
+               "fp32 LSTM H=1024 B=4 forward 11-16 % under; on the H200 again, 2026-11-27, 13-16 "
+               "% under); the host per call scaled to that run's measured 101 / 121 µs")
 
 @dataclass(frozen=True)
 class PassShape:
