@@ -553,20 +553,24 @@ class Decoder:
         return (type(a) is self._array_type and a.dtype == self.dtype and a.shape == shape
                 and a.flags.c_contiguous)
 
-    def _advance(self, x: Array | None, state: Any,
-                 gi: Array | None) -> tuple[Any, Any, Array | None]:
+    def _advance(self, x: Array | None, state: Any, gi: Array | None,
+                 own: bool = False) -> tuple[Any, Any, Array | None]:
         """A step from ``x`` or, for the first layer, its projection ``gi`` (the other
         ``None``): ``(h', c', joint)``, h' and c' every layer's ((num_layers, batch, H) arrays,
         or a cell's one-element list of (batch, H)), ``c'`` ``None`` unless LSTM; ``joint``
         the one allocation a resident step writes, (2 for LSTM else 1, num_layers, batch, H),
-        h' and c' its rows (``None`` for the fallback's separate arrays)."""
+        h' and c' its rows (``None`` for the fallback's separate arrays). ``own``: ``state`` is
+        the state of a resident step's result as it was returned (``TorchDecoder`` knows), so
+        its checks passed when it was made."""
         if gi is None:
             if not self._plain(x, self._x_shape):
                 x = self._checked_input(x)
         elif not self._plain(gi, self._gi_shape) or self._resident is None:
             gi = self._checked_projection(gi)
         h = c = None
-        if self._lstm:
+        if own:
+            h, c = state if self._lstm else (state, None)
+        elif self._lstm:
             if type(state) is tuple and len(state) == 2:
                 h, c = state
                 if not (self._plain(h, self._state_shape) and self._plain(c, self._state_shape)):

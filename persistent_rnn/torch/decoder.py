@@ -121,15 +121,15 @@ class TorchDecoder:
     def _handed_step(self, x: Tensor | None, gi: Tensor | None, state: Any) -> Any:
         """``_library``'s step inside the hand-over: the inputs as arrays - the state the last
         step returned, passed back unchanged (the same tensors, ``_stamp``), as the arrays it
-        was made from, without a hand-over -, the outputs as tensors: a resident step's one
-        allocation handed over once (``Decoder._advance``'s ``joint``) and its rows taken in
-        torch."""
+        was made from, without a hand-over or the decoder's checks (``own``) -, the outputs as
+        tensors: a resident step's one allocation handed over once (``Decoder._advance``'s
+        ``joint``) and its rows taken in torch."""
         last, arrays, stamp = self._handed
-        if state is None or state is not last or _stamp(state) != stamp:
-            arrays = _arrays(state)
+        own = state is last and state is not None and _stamp(state) == stamp
         dec = self._dec
-        hn, cn, joint = dec._advance(None if x is None else to_array(x), arrays,
-                                     None if gi is None else to_array(gi))
+        hn, cn, joint = dec._advance(None if x is None else to_array(x),
+                                     arrays if own else _arrays(state),
+                                     None if gi is None else to_array(gi), own)
         if joint is None:  # (the fallback's separate arrays)
             return _tensors(dec._shaped(hn, cn))
         rows = to_tensor(joint)
