@@ -24,6 +24,8 @@ from test_decoder_torch import _nothing_left_running  # noqa: F401 (autouse: no 
 
 import persistent_rnn as prnn
 import persistent_rnn.torch as ptorch
+from persistent_rnn import emulate
+from persistent_rnn.decoder import DecoderContextLost
 from persistent_rnn.torch import cells as torch_cells
 from persistent_rnn.torch import decoder as torch_decoder
 
@@ -130,12 +132,15 @@ def test_a_state_changed_in_place_is_handed_over_again():
         for change in (lambda h: h.mul_(2), lambda h: setattr(h, "data", torch.randn(B, H))):
             state = dec.step(x, dec.step(x))
             change(state[0])
-            want = dec.step(x, fresh(state))
-            assert all(torch.equal(g, w) for g, w in zip(dec.step(x, state), want))
-        state = dec.step(x, dec.step(x))
-        state[0].unsqueeze_(0)
-        with pytest.raises(ValueError, match=r"state\[0\] must have shape"):
-            dec.step(x, state)
+            values = fresh(state)
+            got = dec.step(x, state)  # (first: the state is the last step's)
+            assert all(torch.equal(g, w) for g, w in zip(got, dec.step(x, values)))
+        for reshape in (lambda h: h.unsqueeze_(0),  # (a new version)
+                        lambda h: setattr(h, "data", h.data.unsqueeze(0))):  # (the same one)
+            state = dec.step(x, dec.step(x))
+            reshape(state[0])
+            with pytest.raises(ValueError, match=r"state\[0\] must have shape"):
+                dec.step(x, state)
 
 
 @pytest.mark.parametrize("api", ["numpy", "torch"])
@@ -176,3 +181,19 @@ def test_the_fused_step_follows_its_cells_weights():
             ref.load_state_dict(cell.state_dict())
             for got, want in zip(cell(x, state), ref(x, state)):
                 assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+
+
+def test_a_passed_back_state_meets_the_closed_decoders_error():
+    """The state a step returned, passed back to a decoder closed since (here by a context
+    reset, which leaves ``TorchDecoder`` its last state), gets the closed decoder's error."""
+    torch.manual_seed(0)
+    cell = ptorch.LSTMCell(IN, H, algo="persistent")
+    x = torch.randn(B, IN)
+    dec = cell.decoder(batch=B)
+    state = dec.step(x, dec.step(x))
+    emulate.reset_context()
+    with pytest.raises(DecoderContextLost):
+        dec.step(x, state)
+    with pytest.raises(RuntimeError, match="closed decoder: .*context was reset"):
+        dec.step(x, state)
+    dec.close()
