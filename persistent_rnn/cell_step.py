@@ -18,6 +18,7 @@ activations the forward saved.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping
 
 import numpy as np
@@ -105,8 +106,16 @@ def step_backward(ctx: StepContext, params: Mapping[str, Array], dh: Array,
 
 
 def fused_module(xp, cell: CellSpec):
-    """The fused step kernel of ``cell``: the GPU build for CuPy, the CPU emulation for NumPy."""
-    defines = {"PRNN_CELL": cell.kind, "PRNN_BATCH_TILE": BATCH_TILE}
+    """The fused step kernel of ``cell``: the GPU build for CuPy (the current device's), the CPU
+    emulation for NumPy."""
+    return _fused_module(xp, cell.kind, None if xp is np else xp.cuda.Device().id)
+
+
+@lru_cache(maxsize=None)
+def _fused_module(xp, kind: int, device: int | None):
+    """``fused_module``, looked up once per (array module, cell kind, device): a step then runs
+    none of the build cache's Python (the defines' key, the device's architecture)."""
+    defines = {"PRNN_CELL": kind, "PRNN_BATCH_TILE": BATCH_TILE}
     if xp is np:
         from . import emulate
         return emulate.get_module(FUSED_SOURCE, defines)
@@ -124,19 +133,23 @@ def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
     captured in a CUDA graph and replayed."""
     xp = array_module(x)
     batch, hidden = h.shape
-    if out is None:
-        out = (xp.empty_like(h), xp.empty_like(h) if cell.has_cell_state else None,
-               xp.empty((batch, cell.saved * hidden), dtype=np.float32))
+    if out is None:  # (the array module's own constructor: no Python of ``empty``'s)
+        out = (xp.ndarray(h.shape, np.float32),
+               xp.ndarray(h.shape, np.float32) if cell.has_cell_state else None,
+               xp.ndarray((batch, cell.saved * hidden), np.float32))
     h_new, c_new, saved = out
-    x, h, w_ih, w_hh = (xp.ascontiguousarray(a) for a in (x, h, params["weight_ih"],
-                                                           params["weight_hh"]))
     has_bias = "bias_ih" in params
-    b_ih, b_hh = ((xp.ascontiguousarray(params["bias_ih"]), xp.ascontiguousarray(params["bias_hh"]))
-                  if has_bias else (w_ih, w_hh))
-    args = (np.int32(batch), np.int32(x.shape[1]), np.int32(hidden), x, h,
-            h if c is None else xp.ascontiguousarray(c), w_ih, w_hh, b_ih, b_hh,
+    # (placeholders: valid buffers the cell never touches; ascontiguousarray - Python in CuPy -
+    # only where an operand is not C-contiguous, in a loop: no generator's frames)
+    operands = [x, h, h if c is None else c, params["weight_ih"], params["weight_hh"],
+                params["bias_ih" if has_bias else "weight_ih"],
+                params["bias_hh" if has_bias else "weight_hh"]]
+    for i, a in enumerate(operands):
+        if not a.flags.c_contiguous:
+            operands[i] = xp.ascontiguousarray(a)
+    args = (np.int32(batch), np.int32(x.shape[1]), np.int32(hidden), *operands,
             np.int32(has_bias), h_new, h_new if c_new is None else c_new,
-            saved if saved.size else h_new)  # placeholders: valid buffers the cell never touches
+            saved if saved.size else h_new)
     grid = -(-(-(-batch // BATCH_TILE)) * hidden // _WARPS_PER_BLOCK)  # a warp per (tile, j)
     if grid:  # an empty batch launches nothing
         fused_module(xp, cell).launch("prnn_fused_step_f32", grid, 32 * _WARPS_PER_BLOCK, 0, args)

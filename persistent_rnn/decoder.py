@@ -53,6 +53,7 @@ the resident kernel is an asynchronous emulated launch (``emulate.EmulatedModule
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -321,7 +322,6 @@ class _Layers:
         layers, gh, dp = len(plans), cell.gates * hidden, plans[0]
         self.xp, self.batch, self.hidden, self.input_size = xp, batch, hidden, dp.input_size
         self.module = _module(xp, dp.defines)
-        self._launch = self.module.launch
         w_hh = xp.stack([weight_words(xp, p["weight_hh"], None) for p in params])
         b_hh = xp.stack([p.get("bias_hh", xp.zeros(gh, np.float32)) for p in params])
         w_ih = xp.concatenate([p["weight_ih"].reshape(-1) for p in params])  # (input, then H)
@@ -339,8 +339,8 @@ class _Layers:
         # kernel from the settings read then).
         self._words = words
         self._bias = (b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0))
-        self._block = dp.block
-        self._shared = max(q.shared_bytes for q in plans)
+        self._launch_step = _step_launcher(xp, self.module, dp.block,
+                                           max(q.shared_bytes for q in plans))
         self._count = np.int32(layers)
         self._step_tail = self._tail(launch.timeout_ns(xp is np))
 
@@ -374,10 +374,21 @@ class _Layers:
         args = (self._words + given
                 + (h, h if c is None else c, h_out, h_out if c_out is None else c_out)
                 + self._bias + self._step_tail)
-        self._launch("prnn_decoder_step", 1, self._block, self._shared, args)
+        self._launch_step(args)
         launch.COUNTERS.add("launches")
         if self.xp is np and self.resident.fault.any():  # (free to read in the emulation;
             self.resident.raise_fault()                  # a GPU: check())
+
+
+def _step_launcher(xp, module, block: int, shared_bytes: int) -> Callable[[tuple], None]:
+    """The step kernel's launch (one CTA of ``block`` threads, ``shared_bytes`` of dynamic shared
+    memory) as a call of its arguments alone, made once per decoder: on a GPU CuPy's kernel
+    function itself (its shared-memory attribute set now), so that a step runs no Python of the
+    launcher's (``kernels.GpuModule.launch``, ``function``); in the emulation its launch."""
+    if xp is np:
+        return functools.partial(module.launch, "prnn_decoder_step", 1, block, shared_bytes)
+    kernel = module.function("prnn_decoder_step", shared_bytes)
+    return functools.partial(kernel, (1,), (block,), shared_mem=shared_bytes)
 
 
 def stop(resident: _Resident | None) -> None:
@@ -415,6 +426,7 @@ class Decoder:
         self._gi_shape = (self.batch, cell.gates * hidden)
         self._out_shape = (len(layers), self.batch, hidden)
         self._state_shape = self._out_shape if stacked else (self.batch, hidden)
+        self._joint_shape = (1 + self._lstm, *self._out_shape)  # (a resident step's outputs)
         plans, why = self._plans(cell, hidden, xp)
         self.reason = why
         self._layers = (_Layers(xp, plans, self._params, cell, self.batch, hidden)
@@ -512,10 +524,27 @@ class Decoder:
         float32 round-off of the float64 step; not the sequence path's GEMM bits); ``state``
         ``None`` (zeros) or h (a layer: (num_layers, batch, H); a cell: (batch, H)), for LSTM
         ``(h, c)``. Returns a cell's ``h'`` (LSTM ``(h', c')``), a layer's ``(y, h')`` (LSTM
-        ``(y, (h', c'))``; y (batch, H) is the last layer's h')."""
-        if not self._plain(x, self._x_shape):
-            x = self._checked_input(x)
-        return self._step(x, state, None)
+        ``(y, (h', c'))``; y (batch, H) is the last layer's h'). A resident step's outputs are
+        fresh arrays, views of one allocation (h' and c' side by side)."""
+        hn, cn, _ = self._advance(x, state, None)
+        return self._shaped(hn, cn)
+
+    def step_projected(self, gi: Array, state: Any = None) -> Any:
+        """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
+        G*hidden_size) instead of x - e.g. rows of a table projected once per token of a
+        vocabulary: the step then skips the kernels' own projection, and is bitwise the
+        whole-sequence kernel's step on the same gi. Resident decoders only (ValueError
+        otherwise)."""
+        hn, cn, _ = self._advance(None, state, gi)
+        return self._shaped(hn, cn)
+
+    def _shaped(self, hn: Any, cn: Any) -> Any:
+        """A step's result from every layer's h' and c' (``_advance``; arrays, or tensors over
+        them: ``TorchDecoder``): a cell's ``h'`` or ``(h', c')``, a layer's ``(y, h')`` or
+        ``(y, (h', c'))``."""
+        if not self._stacked:
+            return (hn[0], cn[0]) if self._lstm else hn[0]
+        return (hn[-1], (hn, cn)) if self._lstm else (hn[-1], hn)
 
     def _plain(self, a: Any, shape: tuple[int, ...]) -> bool:
         """Whether ``a`` is an array of the decoder's kind, dtype and ``shape``, C-contiguous:
@@ -524,11 +553,24 @@ class Decoder:
         return (type(a) is self._array_type and a.dtype == self.dtype and a.shape == shape
                 and a.flags.c_contiguous)
 
-    def _step(self, x: Array | None, state: Any, gi: Array | None) -> Any:
-        """A step from ``x`` or, for the first layer, its projection ``gi`` (both checked and
-        C-contiguous)."""
+    def _advance(self, x: Array | None, state: Any, gi: Array | None,
+                 own: bool = False) -> tuple[Any, Any, Array | None]:
+        """A step from ``x`` or, for the first layer, its projection ``gi`` (the other
+        ``None``): ``(h', c', joint)``, h' and c' every layer's ((num_layers, batch, H) arrays,
+        or a cell's one-element list of (batch, H)), ``c'`` ``None`` unless LSTM; ``joint``
+        the one allocation a resident step writes, (2 for LSTM else 1, num_layers, batch, H),
+        h' and c' its rows (``None`` for the fallback's separate arrays). ``own``: ``state`` is
+        the state of a resident step's result as it was returned (``TorchDecoder`` knows), so
+        its checks passed when it was made."""
+        if gi is None:
+            if not self._plain(x, self._x_shape):
+                x = self._checked_input(x)
+        elif not self._plain(gi, self._gi_shape) or self._resident is None:
+            gi = self._checked_projection(gi)
         h = c = None
-        if self._lstm:
+        if own:
+            h, c = state if self._lstm else (state, None)
+        elif self._lstm:
             if type(state) is tuple and len(state) == 2:
                 h, c = state
                 if not (self._plain(h, self._state_shape) and self._plain(c, self._state_shape)):
@@ -542,30 +584,19 @@ class Decoder:
                     f": {self._lost}" if self._lost else ""))
             h, c = self._checked_state(state)
         with self._lock:  # one step at a time through the decoder's mailboxes
-            if layers is not None:
-                try:
-                    hn, cn = self._resident_step(layers, x, h, c, gi)
-                except DecoderContextLost as exc:
-                    self._lose(exc)
-            else:
+            if layers is None:
                 hs, cs = (h, c) if self._stacked else ((h,), None if c is None else (c,))
-                hn, cn = self._fallback_step(x, hs, cs, gi)
-        if not self._stacked:
-            return (hn[0], cn[0]) if self._lstm else hn[0]
-        return (hn[-1], (hn, cn)) if self._lstm else (hn[-1], hn)
-
-    def _resident_step(self, layers: _Layers, x: Array | None, h: Array, c: Array | None,
-                       gi: Array | None) -> tuple[Array, Array | None]:
-        """Every layer's step on its resident kernel - one launch for all of them - h' and c'
-        written straight into row n of (num_layers, batch, H) outputs (no stacking copy). ``h``,
-        ``c``: the state ((num_layers, batch, H), a cell's (batch, H); C-contiguous). The
-        first layer's input: ``x`` (its kernels project it) or the caller's projection ``gi``
-        (b_ih included); a further layer's: the h' the layer below wrote in the same launch."""
-        empty = self._xp.empty
-        hn = empty(self._out_shape, self.dtype)
-        cn = empty(self._out_shape, self.dtype) if self._lstm else None
-        layers.step(x, gi, h, c, hn, cn)
-        return hn, cn
+                return (*self._fallback_step(x, hs, cs, gi), None)
+            # Every layer's h' and c' written straight into row n of (num_layers, batch, H)
+            # outputs (no stacking copy), both in one fresh allocation: the constructor is
+            # CuPy's (NumPy's) own, no Python of ``empty``'s
+            joint = self._xp.ndarray(self._joint_shape, self.dtype)
+            hn, cn = joint[0], joint[1] if self._lstm else None
+            try:
+                layers.step(x, gi, h, c, hn, cn)
+            except DecoderContextLost as exc:
+                self._lose(exc)
+        return hn, cn, joint
 
     def _fallback_step(self, x: Array, h: Sequence[Array], c: Sequence[Array] | None,
                        gi: Array | None) -> tuple[Any, Any]:
@@ -581,16 +612,6 @@ class Decoder:
             return hs, cs
         xp = self._xp
         return xp.stack(hs), xp.stack(cs) if self._lstm else None
-
-    def step_projected(self, gi: Array, state: Any = None) -> Any:
-        """``step`` given the first layer's projected input ``gi = x W_ih^T + b_ih`` (batch,
-        G*hidden_size) instead of x - e.g. rows of a table projected once per token of a
-        vocabulary: the step then skips the kernels' own projection, and is bitwise the
-        whole-sequence kernel's step on the same gi. Resident decoders only (ValueError
-        otherwise)."""
-        if not self._plain(gi, self._gi_shape) or self._resident is None:
-            gi = self._checked_projection(gi)
-        return self._step(None, state, gi)
 
     def _checked_projection(self, gi: Array) -> Array:
         if self._resident is None:

@@ -175,3 +175,22 @@ def test_fused_step_writes_into_given_buffers():
     assert all(g is o for g, o in zip(got, out))
     want = cell_step.fused_step(cell.cell, cell.params, x, h, c)
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_fused_step_takes_strided_operands_as_their_contiguous_copies():
+    """Strided x, h, c and weights (copied where they are not C-contiguous, and only there)
+    give the bits of their contiguous copies."""
+    cell = prnn.LSTMCell(INPUT, HIDDEN, algo="persistent", seed=1)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, INPUT)).astype(np.float32)
+    h, c = (rng.standard_normal((2, HIDDEN)).astype(np.float32) for _ in range(2))
+
+    def strided(a):
+        wide = np.zeros((*a.shape[:-1], 2 * a.shape[-1]), a.dtype)
+        wide[..., ::2] = a
+        return wide[..., ::2]
+
+    params = {k: strided(v) for k, v in cell.params.items()}
+    got = cell_step.fused_step(cell.cell, params, strided(x), strided(h), strided(c))
+    want = cell_step.fused_step(cell.cell, cell.params, x, h, c)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))

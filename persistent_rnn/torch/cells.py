@@ -27,6 +27,7 @@ from . import paths
 from .interop import library_stream, to_array, to_tensor
 from .ops import (MODES, LastRun, Recorded, _loop_vmap_rule, _record_backward, _record_forward,
                   forward_settings, under_forward_settings)
+from .ops import _params as ops_params
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
@@ -36,9 +37,14 @@ def _cell(mode: str) -> CellSpec:
     return _BY_MODE[mode]
 
 
-def _params(weights: list[Tensor]) -> dict:
-    names = cell_step.param_names(bias=len(weights) == 4)
-    return {name: to_array(w) for name, w in zip(names, weights)}
+_NAMES = {n: tuple(cell_step.param_names(bias=n == 4)) for n in (2, 4)}  # by len(weights)
+
+
+def _params(weights: list[Tensor], slot: int | None = None) -> dict:
+    """The weights as the library's arrays under the cell's names; ``slot``: the cell's
+    ``RunRecord`` slot, whose ``WeightViews`` remembers the arrays for the next step on the same
+    weights (``ops._params``: no hand-over a step)."""
+    return dict(zip(_NAMES[len(weights)], ops_params(weights, 1, False, slot).values()))
 
 
 def _tensor(a) -> Tensor:
@@ -51,12 +57,18 @@ def _step(x: Tensor, h: Tensor, c: Optional[Tensor], weights: list[Tensor], mode
           algo: str, stats_slot: int) -> tuple[Tensor, Tensor, Tensor]:
     """One step of cell ``mode`` (torch.nn's mode string): ``(h', c', saved)``, ``c'`` empty
     unless LSTM; ``x`` (B, I), ``h``/``c`` (B, H); ``algo`` ``"gemm"`` or ``"persistent"``."""
-    cell = _cell(mode)
+    return _stepped(x, h, c, weights, mode, algo, stats_slot, True)
+
+
+def _stepped(x: Tensor, h: Tensor, c: Optional[Tensor], weights: list[Tensor], mode: str,
+             algo: str, stats_slot: int, saved: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``_step``; ``saved`` ``None`` unless asked for (an eager inference step: no backward
+    reads it, so it is not handed over)."""
     with library_stream(x):
-        hn, cn, ctx, stats = cell_step.step_forward(cell, _params(weights), to_array(x),
-                                                    to_array(h), to_array(c), algo)
+        hn, cn, ctx, stats = cell_step.step_forward(_BY_MODE[mode], _params(weights, stats_slot),
+                                                    to_array(x), to_array(h), to_array(c), algo)
         outputs = (_tensor(hn), x.new_empty(0) if cn is None else _tensor(cn),
-                   _tensor(ctx.saved))
+                   _tensor(ctx.saved) if saved else None)
     _record_forward(stats_slot, 0, stats, str(x.dtype).removeprefix("torch."))
     return outputs
 
@@ -227,8 +239,9 @@ class _LibraryCell(Recorded):
         return "persistent", None
 
     def _library_forward(self, input: Tensor, hx, algo: str):
-        lstm = _cell(self._mode).has_cell_state
-        states = self._checked_dims(input, hx)
+        mode = self._mode
+        lstm = _BY_MODE[mode].has_cell_state
+        states = self._checked_dims(input, hx, lstm)
         if states is None:  # not a pair where torch.nn wants one: torch.nn's own error
             return self._torch_cls.forward(self, input, hx)
         batched = input.dim() == 2
@@ -244,16 +257,16 @@ class _LibraryCell(Recorded):
             return self._torch_cls.forward(self, input, hx)
         _check_sizes(x, states, weights)
         args = (x, states[0], states[1] if lstm else None)
-        static = (self._mode, algo, self._record.slot)
+        static = (mode, algo, self._record.slot)
         if _needs_graph(args, weights):
             hn, cn, _ = _CellStep.apply(*args, static, *weights)
         else:  # eager inference: the step itself, without the op's dispatch (most of its cost)
-            hn, cn, _ = _step(*args, weights, *static)
+            hn, cn, _ = _stepped(*args, weights, *static, False)
         if not batched:
             hn, cn = hn.squeeze(0), cn.squeeze(0) if lstm else cn
         return (hn, cn) if lstm else hn
 
-    def _checked_dims(self, input: Tensor, hx) -> tuple | None:
+    def _checked_dims(self, input: Tensor, hx, lstm: bool) -> tuple | None:
         """torch.nn's dimension checks (its exceptions and messages); the states as a tuple
         (empty: none given), or ``None`` where torch.nn's own forward must raise."""
         name = self._torch_cls.__name__
@@ -261,7 +274,7 @@ class _LibraryCell(Recorded):
             raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
         if hx is None:
             return ()
-        if not _cell(self._mode).has_cell_state:
+        if not lstm:
             if hx.dim() not in (1, 2):
                 raise ValueError(f"{name}: Expected hidden to be 1D or 2D, got {hx.dim()}D "
                                  f"instead")
@@ -277,23 +290,31 @@ class _LibraryCell(Recorded):
 
 def _needs_graph(args: tuple, weights: list[Tensor]) -> bool:
     """Whether the step must go through the op: under torch.compile/export, a torch.func
-    transform or fake tensors, or when autograd records it."""
+    transform or fake tensors, or when autograd records it. (Loops, not comprehensions: no
+    frames a step.)"""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return True
-    tensors = [t for t in (*args, *weights) if t is not None]
-    if any(isinstance(t, torch._subclasses.FakeTensor) or type(t) is not Tensor and
-           not isinstance(t, torch.nn.Parameter) for t in tensors):
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    grad = torch.is_grad_enabled()
+    for t in (*args, *weights):
+        if t is None:
+            continue
+        if type(t) is not Tensor and (isinstance(t, torch._subclasses.FakeTensor)
+                                      or not isinstance(t, torch.nn.Parameter)):
+            return True
+        if grad and t.requires_grad:
+            return True
+    return False
 
 
 def _plain(x: Tensor, states: tuple, weights: list[Tensor]) -> bool:
     """Whether the step's tensors are all 2-D (biases 1-D) and of the input's dtype and device:
-    what the library's step takes; anything else goes to torch.nn's forward, which raises."""
-    tensors = (x, *states, *weights)
-    return (all(t.dtype == x.dtype and t.device == x.device for t in tensors)
-            and all(t.dim() == 2 for t in tensors[:len(states) + 3])
-            and all(b.dim() == 1 for b in weights[2:]))
+    what the library's step takes; anything else goes to torch.nn's forward, which raises.
+    (A loop, not comprehensions: no frames a step.)"""
+    matrices = len(states) + 3
+    for i, t in enumerate((x, *states, *weights)):
+        if t.dtype != x.dtype or t.device != x.device or t.dim() != (2 if i < matrices else 1):
+            return False
+    return True
 
 
 def _check_sizes(x: Tensor, states: tuple, weights: list[Tensor]) -> None:

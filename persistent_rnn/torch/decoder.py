@@ -9,7 +9,7 @@ a time (torch's kernels), with ``reason`` saying why.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,6 +54,9 @@ class TorchDecoder:
                 self._dec = Decoder(cell, arrays, batch, input_size, hidden, stacked,
                                     fallback=step_forward)
             self.reason = self._dec.reason
+        # The last step's state as tensors, its arrays and its stamp (``_stamp``): a loop that
+        # passes it back unchanged is not handed over again
+        self._handed: tuple = (None, None, None)
 
     @property
     def resident(self) -> bool:
@@ -82,6 +85,7 @@ class TorchDecoder:
         """Stop the resident kernels (``Decoder.close``): ``STOP`` posted on torch's current
         stream, as the steps were, so that it follows the steps still queued there."""
         if self._dec is not None:
+            self._handed = (None, None, None)
             with library_stream(self._anchor):
                 self._dec.close()
 
@@ -89,7 +93,7 @@ class TorchDecoder:
         """One step, as ``Decoder.step`` with tensors: a cell's ``h'`` (LSTM ``(h', c')``), a
         layer's ``(y, h')`` (LSTM ``(y, (h', c'))``)."""
         if self._dec is not None:
-            return self._library(self._dec.step, x, state)
+            return self._library(x, None, state)
         with torch.no_grad():
             if not self._stacked:
                 return self._module(x, state)
@@ -102,17 +106,49 @@ class TorchDecoder:
         (the kernels' own projection skipped). Resident decoders only."""
         if self._dec is None:
             raise ValueError(f"step_projected(): the decoder is not resident ({self.reason})")
-        return self._library(self._dec.step_projected, gi, state)
+        return self._library(None, gi, state)
 
-    def _library(self, step: Callable[[Any, Any], Any], t: Tensor, state: Any) -> Any:
-        """``step`` (the decoder's ``step`` or ``step_projected``) on ``t`` and ``state`` as
-        arrays, its outputs as tensors; on a GPU on ``t``'s stream (the outputs' hand-over
-        too). No ``torch.no_grad()``: nothing here is recorded by autograd (the hand-over reads
-        a tensor's memory detached) and it cost five Python calls a step."""
+    def _library(self, x: Tensor | None, gi: Tensor | None, state: Any) -> Any:
+        """The decoder's step (``x`` given) or projected step (``gi``) on tensors: on a GPU on
+        the input's stream (the outputs' hand-over too), in one ``library_stream`` entry. No
+        ``torch.no_grad()``: nothing here is recorded by autograd (the hand-over reads a
+        tensor's memory detached) and it cost five Python calls a step."""
         if not self._cuda:
-            return _tensors(step(to_array(t), _arrays(state)))
-        with library_stream(t):
-            return _tensors(step(to_array(t), _arrays(state)))
+            return self._handed_step(x, gi, state)
+        with library_stream(x if gi is None else gi):
+            return self._handed_step(x, gi, state)
+
+    def _handed_step(self, x: Tensor | None, gi: Tensor | None, state: Any) -> Any:
+        """``_library``'s step inside the hand-over: the inputs as arrays - the state the last
+        step returned, passed back unchanged (the same tensors, ``_stamp``), as the arrays it
+        was made from, without a hand-over or the decoder's checks (``own``) -, the outputs as
+        tensors: a resident step's one allocation handed over once (``Decoder._advance``'s
+        ``joint``) and its rows taken in torch."""
+        last, arrays, stamp = self._handed
+        own = state is last and state is not None and _stamp(state) == stamp
+        dec = self._dec
+        hn, cn, joint = dec._advance(None if x is None else to_array(x),
+                                     arrays if own else _arrays(state),
+                                     None if gi is None else to_array(gi), own)
+        if joint is None:  # (the fallback's separate arrays)
+            return _tensors(dec._shaped(hn, cn))
+        rows = to_tensor(joint)
+        out = dec._shaped(rows[0], rows[1] if cn is not None else None)
+        state = out[1] if self._stacked else out
+        arrays = dec._shaped(hn, cn)
+        self._handed = (state, arrays[1] if self._stacked else arrays, _stamp(state))
+        return out
+
+
+def _stamp(state: Tensor | tuple) -> tuple:
+    """What an in-place change of a state's tensors changes (as ``ops.WeightViews`` checks its
+    weights): each one's memory, version counter (every in-place operation bumps it, ``t_()``
+    and ``resize_()`` too), shape and contiguity."""
+    if type(state) is tuple:
+        h, c = state
+        return (h.data_ptr(), h._version, h.shape, h.is_contiguous(),
+                c.data_ptr(), c._version, c.shape, c.is_contiguous())
+    return state.data_ptr(), state._version, state.shape, state.is_contiguous()
 
 
 def _arrays(state: Any) -> Any:
