@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import (buffers, call_plans, chain_graphs, launch, layer_plans, runtime,
-                            stack_plans)
+from persistent_rnn import (buffers, call_plans, chain_graphs, functional, launch, layer_plans,
+                            runtime, stack_plans)
 from persistent_rnn.validation import CallOrderError
 from full_set import EVERY_KERNEL
 from profiling import run_profiled
@@ -877,7 +877,10 @@ def test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch,
 def test_a_projection_stack_plan_leaving_out_dw_hr_is_caught(settings, grid_path, monkeypatch):
     """Sabotage: a planned projection stack whose backward's chains leave ``dW_hr`` out (the
     gradients' workspace keeps the last full call's) fails the check above."""
-    monkeypatch.setattr(layer_plans, "_projection_gradient", lambda s, hs, out: None)
+    projection_gradient = functional.projection_gradient
+    monkeypatch.setattr(functional, "projection_gradient",  # (the chains pass out; the full path not)
+                        lambda drs, hs, out=None, half=None: out if out is not None
+                        else projection_gradient(drs, hs, out, half))
     with pytest.raises(AssertionError):
         test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch, 2, False,
                                                    False)
