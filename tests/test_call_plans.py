@@ -1201,3 +1201,21 @@ def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_pa
         kept.append((x, h, given, y, hn, layer.backward(np.ones_like(y))))
     assert (hits.forwards, hits.backwards) == (3, 2)  # (planned: calls 3-5, backwards 4-5)
     assert checked[-4:] == [set()] * 4, checked  # (calls 4 and 5: forward and backward planned)
+
+
+@pytest.mark.parametrize("path", ["call", "layers", "stack"])
+def test_a_planned_16_bit_gradient_product_out_of_tf32_is_caught(settings, monkeypatch, path):
+    """Sabotage: a planned 16-bit call whose chain takes its weight gradients' products in fp32
+    (``functional.parameter_gradients`` without the layer's ``half``, where the chains call it:
+    with ``out``) fails the bitwise checks above - the single layer's, the layer-directions',
+    stack mode's."""
+    gradients = functional.parameter_gradients
+
+    def fp32(*args, **kw):  # (the chains pass out, scratch and half by position)
+        return gradients(*args[:8], **kw)
+    monkeypatch.setattr(functional, "parameter_gradients", fp32)
+    make = {"call": lambda: _half_layer("LSTM", "float16"),
+            "layers": lambda: _half_layers("GRU", "float16", 2, False),
+            "stack": lambda: _half_stack("GRU", "float16", 2, False)}[path]
+    with pytest.raises(AssertionError):
+        _half_steps(make(), make(), range(4), states=False, lengths=False)
