@@ -683,7 +683,7 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
         gemms = [(2.0 * rows * input_size * gh, half, None)]
         inside = FORWARD_CHAIN_OPS + lstm + (HALF_FORWARD_OPS if half else 0)
     else:  # dh0, dW_ih, dW_hh, dx
-        weights = True if half else None
+        weights = True if half else None  # (functional.gradient_tf32)
         gemms = [(2.0 * batch * gh * hidden, False, None),
                  (2.0 * rows * gh * input_size, False, weights),
                  (2.0 * rows * gh * hidden, False, weights),

@@ -22,8 +22,8 @@ The kernel path takes 2-D float32 or float64 operands of one dtype; anything els
 capture is a TypeError or ValueError naming the argument.
 
 With ``settings.allow_tf32`` (docs/api.md, "TF32") a product of two float32 operands is taken in
-TF32, as ``torch.backends.cuda.matmul.allow_tf32`` takes torch's; ``matmul(..., tf32=True)``
-takes it so whatever the setting (a 16-bit layer's weight gradients, ``functional.gradient_tf32``):
+TF32, as ``torch.backends.cuda.matmul.allow_tf32`` takes torch's, and with ``matmul(...,
+tf32=True)`` whatever the setting (a 16-bit layer's weight gradients, ``functional.gradient_tf32``):
 
 * NumPy arrays: ``numpy.matmul`` of the operands rounded to TF32 (``tf32_rounded``: what the
   tensor cores take), so the CPU emulation computes what the GPU does up to the order of the sums
