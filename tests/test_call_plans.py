@@ -877,8 +877,8 @@ def test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch,
 def test_a_projection_stack_plan_leaving_out_dw_hr_is_caught(settings, grid_path, monkeypatch):
     """Sabotage: a planned projection stack whose backward's chains leave ``dW_hr`` out (the
     gradients' workspace keeps the last full call's) fails the check above."""
-    projection_gradient = functional.projection_gradient
-    monkeypatch.setattr(functional, "projection_gradient",  # (the chains pass out; the full path not)
+    projection_gradient = functional.projection_gradient  # (the chains pass out, the full path not)
+    monkeypatch.setattr(functional, "projection_gradient",
                         lambda drs, hs, out=None, half=None: out if out is not None
                         else projection_gradient(drs, hs, out, half))
     with pytest.raises(AssertionError):
