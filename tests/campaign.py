@@ -67,7 +67,7 @@ FREE_RUNNING = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 FP32 = 2e-5  # fp32 arithmetic (one step, or a backward through time) relative to the array
 # docs/api.md: a 16-bit layer's weight gradients take its fp32 gate gradients in TF32 (each
 # product within 2^-11): their sums within two of TF32's unit roundoff of the array's largest
-# value, beside the result's rounding (measured worst, 15,000 GEMM-path cases: 1.15 of one).
+# value, beside the result's rounding (measured worst of about 15,000 GEMM-path cases: 1.15).
 TF32_PRODUCTS = 2.0**-10
 MODULE_F64 = 1e-9  # torch modules against torch.nn, both float64
 TF32 = 5e-3  # docs/api.md, "TF32": every result against float64 where W_hh ran in TF32
