@@ -48,7 +48,7 @@ import numpy as np
 from . import buffers, functional, launch, runtime, settings
 from .buffers import address, matmul_steps, select_active, workspace
 from .halves import half_dtype, widen
-from .matmul import matmul, matmul_half
+from .matmul import matmul_half
 
 Array = Any
 _SUM = "sum of "  # (the role of the array a parameter's gradient is added into)
@@ -414,9 +414,9 @@ class Plan:
         grads = tuple(arrays[role] for role in self.gradient_roles)
         functional.parameter_gradients(
             s.dgi, s.dgh, x.reshape(-1, x.shape[2]), arrays["y"], arrays["h0"],
-            "bias_ih" in self.names, grads, fixed["dw_hh"])
+            "bias_ih" in self.names, grads, fixed["dw_hh"], self.half)
         if self.proj:
-            _projection_gradient(s, arrays["hs"], grads[-1])
+            functional.projection_gradient(s.drs, arrays["hs"], grads[-1], self.half)
         matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
         if self.accumulates:  # (as the layer API adds a full call's: ``layers``)
             for name in self.names.values():
@@ -460,13 +460,6 @@ def formed_input(xp, given: Array | None, x: Array, lengths: Array | None,
         xp.copyto(x, given)
     else:
         select_active(xp, _bits(given), lengths, _bits(x), mask)
-
-
-def _projection_gradient(s: Any, hs: Array, out: Array) -> None:
-    """An LSTM projection's ``dW_hr = sum_t dr_t^T h_t`` into ``out``: one product over all
-    steps, as ``functional._layer_gradients`` forms it (``s``: the backward's scratch, ``hs``
-    the forward's h_t)."""
-    matmul(s.drs.reshape(-1, s.drs.shape[2]).T, hs.reshape(-1, hs.shape[2]), out)
 
 
 def _narrowed(xp, out: Array, a: Array) -> None:
@@ -627,9 +620,9 @@ class HalfPlan(Plan):
         names = [self.names[n] for n in _GRADIENTS if n in self.names]
         grads = tuple(fixed["grad " + name] for name in names)
         functional.parameter_gradients(s.dgi, s.dgh, x, arrays["y"], arrays["h0"],
-                                       "bias_ih" in self.names, grads, fixed["dw_hh"])
+                                       "bias_ih" in self.names, grads, fixed["dw_hh"], self.half)
         if self.proj:
-            _projection_gradient(s, arrays["hs"], grads[-1])
+            functional.projection_gradient(s.drs, arrays["hs"], grads[-1], self.half)
         matmul_steps(s.dgi, widen(fixed["w_ih"], fixed["w_ih_wide"]), fixed["dx_wide"])
         _narrowed(xp, arrays["dx"].reshape(fixed["dx_wide"].shape), fixed["dx_wide"])
         for name, g in zip(names, grads):

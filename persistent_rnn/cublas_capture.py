@@ -14,7 +14,8 @@ layer's input projection (``matmul.tensor_core_matmul``: 16-bit operands, fp32 o
 accumulation) issues its own ``gemmEx``, with the same arguments eager or captured: while a chain
 is captured it calls ``gemm_ex`` here rather than CuPy's binding.
 
-With ``settings.allow_tf32`` a float32 product is the library's own call, not ``cupy.matmul``'s:
+With ``settings.allow_tf32`` (or ``matmul.matmul``'s ``tf32``: a 16-bit layer's weight gradients)
+a float32 product is the library's own call, not ``cupy.matmul``'s:
 the same ``cublasGemmEx`` with ``CUBLAS_COMPUTE_32F_FAST_TF32`` passed as its compute type
 (``matmul(..., tf32=True)``), eagerly through CuPy's binding (``matmul.tf32_matmul``) and while a
 chain is captured through ``gemm_ex``, so that the replay computes the eager call's bits. Passed

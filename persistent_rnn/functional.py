@@ -516,10 +516,9 @@ def _layer_gradients(ctx: Context, layer: int, results: Mapping[tuple[int, int],
                                                   res.dgi.dtype))
         names = [d.names[n] for n in PARAMETER_GRADIENTS if n in d.names]
         grads.update(zip(names, parameter_gradients(dgi, res.dgh, flat_input, d.fwd.y, d.h0,
-                                                    "bias_ih" in d.names)))
-        if "weight_hr" in d.names:  # dW_hr = sum_t dr_t^T h_t, one GEMM over all steps
-            grads[d.names["weight_hr"]] = matmul(res.drs.reshape(-1, res.drs.shape[2]).T,
-                                                  d.fwd.hs.reshape(-1, d.fwd.hs.shape[2]))
+                                                    "bias_ih" in d.names, half=ctx.half)))
+        if "weight_hr" in d.names:
+            grads[d.names["weight_hr"]] = projection_gradient(res.drs, d.fwd.hs, half=ctx.half)
         if input_grad:
             w_ih = ctx.params[d.names["weight_ih"]]
             if ctx.half is not None:
@@ -632,34 +631,54 @@ PARAMETER_GRADIENTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
 def parameter_gradients(dgi: Array, dgh: Array, flat_input: Array, y: Array, h0: Array,
-                        bias: bool, out: tuple | None = None,
-                        scratch: Array | None = None) -> tuple:
+                        bias: bool, out: tuple | None = None, scratch: Array | None = None,
+                        half: str | None = None) -> tuple:
     """One layer-direction's ``(dW_ih, dW_hh, db_ih, db_hh)`` (the biases' only with ``bias``)
     from its gate gradients ``dgi``, ``dgh`` (T, B, G), its input as rows (T*B, I), its outputs
     ``y`` (T, B, H) and initial state ``h0`` (B, H): new arrays, or written into ``out``'s
     (``PARAMETER_GRADIENTS`` order) with ``scratch`` the workspace of ``dW_hh``'s second product
     - what a planned call's chain computes in place (``call_plans``), with the same products
-    and sums."""
+    and sums. ``half``: the layer's 16-bit dtype, its products then in TF32
+    (``gradient_tf32``)."""
     targets = out if out is not None else (None,) * len(PARAMETER_GRADIENTS)
-    dgi_2d = dgi.reshape(-1, dgi.shape[2])
-    w_ih = matmul(dgi_2d.T, flat_input, targets[0])
-    w_hh = _recurrent_weight_grad(dgh, y, h0, targets[1], scratch)
+    dgi_2d, tf32 = dgi.reshape(-1, dgi.shape[2]), gradient_tf32(half)
+    w_ih = matmul(dgi_2d.T, flat_input, targets[0], tf32)
+    w_hh = _recurrent_weight_grad(dgh, y, h0, targets[1], scratch, tf32)
     if not bias:
         return w_ih, w_hh
     return (w_ih, w_hh, column_sums(dgi_2d, targets[2]),
             column_sums(dgh.reshape(-1, dgh.shape[2]), targets[3]))
 
 
+def projection_gradient(drs: Array, hs: Array, out: Array | None = None,
+                        half: str | None = None) -> Array:
+    """An LSTM projection's ``dW_hr = sum_t dr_t^T h_t`` (``drs``: the backward's dr_t, ``hs``
+    the forward's h_t, both (T, B, H)): one product over all steps, into ``out`` where given;
+    in TF32 for a 16-bit layer (``half``, ``gradient_tf32``)."""
+    return matmul(drs.reshape(-1, drs.shape[2]).T, hs.reshape(-1, hs.shape[2]), out,
+                  gradient_tf32(half))
+
+
+def gradient_tf32(half: str | None) -> bool | None:
+    """``matmul``'s ``tf32`` for a layer's weight-gradient products: a 16-bit layer's (``half``)
+    always in TF32, on the tensor cores (their second operands, the layer's 16-bit activations
+    and inputs, are exact in TF32; the fp32 gate gradients rounded to it: docs/api.md, "16-bit
+    layers"), a float32 layer's as ``settings.allow_tf32`` says (``None``)."""
+    return True if half is not None else None
+
+
 def _recurrent_weight_grad(dgh: Array, y: Array, h0: Array, out: Array | None = None,
-                           scratch: Array | None = None) -> Array:
+                           scratch: Array | None = None, tf32: bool | None = None) -> Array:
     """``dW_hh = sum_t dgh_t^T h_{t-1}`` as two GEMMs (step 0 reads ``h0``, the rest ``y``), into
-    ``out`` where given; the second product in ``scratch`` (else a reused workspace)."""
+    ``out`` where given; the second product in ``scratch`` (else a reused workspace); ``tf32``:
+    ``matmul``'s."""
     width = dgh.shape[2]
-    grad = matmul(dgh[0].T, h0, out)
+    grad = matmul(dgh[0].T, h0, out, tf32)
     if dgh.shape[0] > 1:  # (the second product in a reused workspace: only grad is new)
         if scratch is None:
             scratch = workspace(array_module(grad), "dw_hh", grad.shape, grad.dtype)
-        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]), scratch)
+        grad += matmul(dgh[1:].reshape(-1, width).T, y[:-1].reshape(-1, y.shape[2]), scratch,
+                       tf32)
     return grad
 
 

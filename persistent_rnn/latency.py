@@ -580,18 +580,20 @@ def pass_sass(p: planner.PassPlan, arch: str, src_dir: Path | None = None) -> st
     return _sass(p.source, tuple(sorted(p.defines.items())), arch, str(src_dir) if src_dir else None)
 
 
-def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False) -> float:
+def _gemm_us(flops: float, device: DeviceProfile, tensor_cores: bool = False,
+             tf32: bool | None = None) -> float:
     """A cuBLAS GEMM of ``flops``: fp32 (SGEMM on the FP32 lanes), or with ``tensor_cores``
     16-bit operands summed in fp32 (gemmEx: a 16-bit layer's input projection), each at its
     fraction of the peak (``hw.GEMM_PEAK_FRACTION``, ``hw.TENSOR_GEMM_PEAK_FRACTION``). An fp32
-    GEMM on a device profile that allows TF32 (``settings.allow_tf32``: ``matmul.matmul``'s
-    ``CUBLAS_COMPUTE_32F_FAST_TF32``, sm_80 and newer) runs on the tensor cores at TF32's rate
-    (``hw.HMMA_TF32_INTERVAL``) and the 16-bit GEMM's fraction of it (no TF32 GEMM measured)."""
+    GEMM in TF32 (``tf32``, ``matmul.matmul``'s: ``None`` meaning the device profile's
+    ``allow_tf32``, ``settings.allow_tf32``; ``CUBLAS_COMPUTE_32F_FAST_TF32``, sm_80 and newer)
+    runs on the tensor cores at TF32's rate (``hw.HMMA_TF32_INTERVAL``) and the 16-bit GEMM's
+    fraction of it (no TF32 GEMM measured)."""
     major, minor = (int(c) for c in device.arch.removeprefix("sm_")[:2])
     if tensor_cores:  # the mma's FMA per cycle of a sub-partition (hw.HMMA_INTERVAL)
         per_sm, fraction = hw.SUB_PARTITIONS * hw.MMA_FMA / hw.HMMA_INTERVAL, \
             hw.TENSOR_GEMM_PEAK_FRACTION
-    elif device.allow_tf32 and major >= 8:
+    elif (device.allow_tf32 if tf32 is None else tf32) and major >= 8:
         per_sm, fraction = hw.SUB_PARTITIONS * hw.MMA_TF32_FMA / hw.HMMA_TF32_INTERVAL, \
             hw.TENSOR_GEMM_PEAK_FRACTION
     else:
@@ -669,26 +671,30 @@ def call_costs(cell: CellSpec, hidden: int, batch: int, seq_len: int, input_size
     Python (``hw.PYTHON_FULL_*_US``). A layer-direction of a stack or bidirectional layer is
     priced here as planned (its device terms: ``stack_call_costs`` sums them); the whole call's
     host terms are ``stack_call_costs``'. ``half``: a 16-bit layer, whose forward projects its
-    input on the tensor cores (its backward's GEMMs take the fp32 gradients: fp32)."""
+    input on the tensor cores and whose backward takes its weight gradients' products in TF32
+    (``functional.gradient_tf32``; ``dh0`` and ``dx`` as a float32 layer's)."""
     from . import launch, settings
     rows, gh = seq_len * batch, cell.gates * hidden
     chain = launch.chain_launches(settings.current().max_restarts)
     lstm = int(cell.has_cell_state)
-    if not backward:
-        gemms = [2.0 * rows * input_size * gh]
+    if not backward:  # (flops, tensor_cores, tf32) of each GEMM
+        gemms = [(2.0 * rows * input_size * gh, half, None)]
         inside = FORWARD_CHAIN_OPS + lstm + (HALF_FORWARD_OPS if half else 0)
-    else:
-        gemms = [2.0 * batch * gh * hidden, 2.0 * rows * gh * input_size, 2.0 * rows * gh * hidden,
-                 2.0 * rows * gh * input_size]
+    else:  # dh0, dW_ih, dW_hh, dx
+        weights = True if half else None  # (functional.gradient_tf32)
+        gemms = [(2.0 * batch * gh * hidden, False, None),
+                 (2.0 * rows * gh * input_size, False, weights),
+                 (2.0 * rows * gh * hidden, False, weights),
+                 (2.0 * rows * gh * input_size, False, None)]
         inside = BACKWARD_CHAIN_OPS + 2 * lstm + (HALF_BACKWARD_OPS if half else 0)
     graphs = settings.current().chain_graphs
     calls = (1 if graphs and planned else 1 + inside if graphs
              else chain + launch.CHAIN_MEMSETS + inside)
     # fills, copies, adds: short kernels, inside the chain's graph or not
     small = inside - len(gemms) + launch.CHAIN_MEMSETS
-    tensor_cores = half and not backward
     device_us = ((chain - 1) * hw.EMPTY_LAUNCH_US + SETTLE_TAIL_US
-                 + sum(_gemm_us(f, device, tensor_cores) for f in gemms)
+                 + sum(_gemm_us(flops, device, tensor_cores, tf32)
+                       for flops, tensor_cores, tf32 in gemms)
                  + small * hw.EMPTY_LAUNCH_US)
     if backward:  # its resume launches load W_hh^T (fp32, from L2) before they exit
         resumes = settings.current().max_restarts

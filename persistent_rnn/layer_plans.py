@@ -32,8 +32,8 @@ import numpy as np
 
 from . import buffers, functional, launch, runtime
 from .buffers import address, matmul_steps, select_active, workspace
-from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _projection_gradient,
-                         _refresh, _same_memory, contiguous_states, formed_input)
+from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _refresh, _same_memory,
+                         contiguous_states, formed_input)
 from .halves import half_dtype, widen
 from .matmul import matmul_half
 from .stats import RunStats
@@ -389,9 +389,9 @@ class LayersPlan(Plan):
         grads = self._gradient_targets(arrays, fixed)
         ordered = tuple(grads[names[n]] for n in _GRADIENTS if n in names)
         functional.parameter_gradients(dgi, s.dgh, flat, arrays["y"], arrays["h0"],
-                                       "bias_ih" in names, ordered, fixed["dw_hh"])
+                                       "bias_ih" in names, ordered, fixed["dw_hh"], self.half)
         if "weight_hr" in names:
-            _projection_gradient(s, arrays["hs"], ordered[-1])
+            functional.projection_gradient(s.drs, arrays["hs"], ordered[-1], self.half)
         dx = self._wide(arrays["dx"], fixed, "dx_wide")
         if direction == 0:
             target = dx if layer == 0 else fixed["d_layer_input"]

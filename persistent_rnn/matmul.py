@@ -22,7 +22,8 @@ The kernel path takes 2-D float32 or float64 operands of one dtype; anything els
 capture is a TypeError or ValueError naming the argument.
 
 With ``settings.allow_tf32`` (docs/api.md, "TF32") a product of two float32 operands is taken in
-TF32, as ``torch.backends.cuda.matmul.allow_tf32`` takes torch's:
+TF32, as ``torch.backends.cuda.matmul.allow_tf32`` takes torch's, and with ``matmul(...,
+tf32=True)`` whatever the setting (a 16-bit layer's weight gradients, ``functional.gradient_tf32``):
 
 * NumPy arrays: ``numpy.matmul`` of the operands rounded to TF32 (``tf32_rounded``: what the
   tensor cores take), so the CPU emulation computes what the GPU does up to the order of the sums
@@ -73,10 +74,12 @@ _CUDA_TYPES = {"float16": "CUDA_R_16F", "bfloat16": "CUDA_R_16BF"}  # cudaDataTy
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemmEx's alpha and beta (host)
 
 
-def matmul(a: Array, b: Array, out: Array | None = None) -> Array:
-    """``a @ b`` (into ``out`` where given), capture-safe on CuPy, in TF32 where
-    ``settings.allow_tf32`` (module docstring)."""
-    tf32 = a.dtype == _F32 and b.dtype == _F32 and settings.current().allow_tf32
+def matmul(a: Array, b: Array, out: Array | None = None, tf32: bool | None = None) -> Array:
+    """``a @ b`` (into ``out`` where given), capture-safe on CuPy; two float32 operands in TF32
+    where ``tf32``, ``None`` meaning ``settings.allow_tf32`` (module docstring)."""
+    if tf32 is None:
+        tf32 = settings.current().allow_tf32
+    tf32 = tf32 and a.dtype == _F32 and b.dtype == _F32
     if isinstance(a, np.ndarray):  # (first: the CPU paths' hot loop)
         return np.matmul(tf32_rounded(a), tf32_rounded(b), out=out) if tf32 \
             else np.matmul(a, b, out=out)

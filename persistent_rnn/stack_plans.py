@@ -487,7 +487,7 @@ class StackPlan(Plan):
             functional.parameter_gradients(
                 args["dgi"][k], args["dgh"][k], self._flat_input(layer_input),
                 d.fwd.y, d.h0, "bias_ih" in d.names, tuple(grads[n] for n in names),
-                self.backward_pass["dw_hh"])
+                self.backward_pass["dw_hh"], self.half)
         target = dx if self.half is None else self.backward_pass["dx_wide"]
         matmul_steps(args["dgi"][0], self._w_ih(layers[0][0], 0),
                      target.reshape(-1, dx.shape[2]))
@@ -730,7 +730,7 @@ class PairPlan(StackPlan):
             names = [d.names[n] for n in _GRADIENTS if n in d.names]
             functional.parameter_gradients(dgi, args["dgh"][k], flat, d.fwd.y, d.h0,
                                            "bias_ih" in d.names, tuple(grads[n] for n in names),
-                                           held["dw_hh"])
+                                           held["dw_hh"], self.half)
             w_ih = self._w_ih(directions[k][0], 2 * layer + k)
             if k == 0:
                 matmul_steps(dgi, w_ih, d_in.reshape(flat.shape[0], -1))

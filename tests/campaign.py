@@ -65,6 +65,10 @@ UNIT_ROUNDOFF = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 # docs/api.md: relative error against the float64 layer that does not round h_t.
 FREE_RUNNING = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 FP32 = 2e-5  # fp32 arithmetic (one step, or a backward through time) relative to the array
+# docs/api.md: a 16-bit layer's weight gradients take its fp32 gate gradients in TF32 (each
+# product within 2^-11): their sums within two of TF32's unit roundoff of the array's largest
+# value, beside the result's rounding (measured worst of about 15,000 GEMM-path cases: 1.15).
+TF32_PRODUCTS = 2.0**-10
 MODULE_F64 = 1e-9  # torch modules against torch.nn, both float64
 TF32 = 5e-3  # docs/api.md, "TF32": every result against float64 where W_hh ran in TF32
 TF32_P = 0.4  # a float32 persistent case allows TF32 with this probability
@@ -485,7 +489,8 @@ def check_layer(case: Case, out: dict, ctx, ref64: dict, data: dict,
 
 def _check_trajectory(case: Case, out: dict, ctx, data: dict, tag: str, step: float,
                       limit: float) -> dict[str, float]:
-    """``check_layer``'s first measure, along the run's own states; the worst errors."""
+    """``check_layer``'s first measure, along the run's own states; the worst errors (a 16-bit
+    layer's weight gradients within ``TF32_PRODUCTS`` more: their products in TF32)."""
     excess, traj = trajectory_reference(ctx, data)
     worst = {"trajectory forward" + tag: excess}
     _require(case, excess <= step, f"a state is {excess:.3g} past one rounding of its "
@@ -493,8 +498,9 @@ def _check_trajectory(case: Case, out: dict, ctx, data: dict, tag: str, step: fl
     for key, want in traj.items():
         err = relerr(out[key], want)
         worst["trajectory backward" + tag] = max(worst.get("trajectory backward" + tag, 0.0), err)
-        _require(case, err <= limit, f"{key}: relative error {err:.3g} against float64 along "
-                                     f"the run's states > {limit:.3g}")
+        bound = limit + (TF32_PRODUCTS if ctx.half and key.startswith("weight_") else 0.0)
+        _require(case, err <= bound, f"{key}: relative error {err:.3g} against float64 along "
+                                     f"the run's states > {bound:.3g}")
     return worst
 
 

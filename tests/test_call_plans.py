@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import (buffers, call_plans, chain_graphs, launch, layer_plans, runtime,
-                            stack_plans)
+from persistent_rnn import (buffers, call_plans, chain_graphs, functional, launch, layer_plans,
+                            runtime, stack_plans)
 from persistent_rnn.validation import CallOrderError
 from full_set import EVERY_KERNEL
 from profiling import run_profiled
@@ -877,7 +877,10 @@ def test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch,
 def test_a_projection_stack_plan_leaving_out_dw_hr_is_caught(settings, grid_path, monkeypatch):
     """Sabotage: a planned projection stack whose backward's chains leave ``dW_hr`` out (the
     gradients' workspace keeps the last full call's) fails the check above."""
-    monkeypatch.setattr(layer_plans, "_projection_gradient", lambda s, hs, out: None)
+    projection_gradient = functional.projection_gradient  # (the chains pass out, the full path not)
+    monkeypatch.setattr(functional, "projection_gradient",
+                        lambda drs, hs, out=None, half=None: out if out is not None
+                        else projection_gradient(drs, hs, out, half))
     with pytest.raises(AssertionError):
         test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch, 2, False,
                                                    False)
@@ -1198,3 +1201,21 @@ def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_pa
         kept.append((x, h, given, y, hn, layer.backward(np.ones_like(y))))
     assert (hits.forwards, hits.backwards) == (3, 2)  # (planned: calls 3-5, backwards 4-5)
     assert checked[-4:] == [set()] * 4, checked  # (calls 4 and 5: forward and backward planned)
+
+
+@pytest.mark.parametrize("path", ["call", "layers", "stack"])
+def test_a_planned_16_bit_gradient_product_out_of_tf32_is_caught(settings, monkeypatch, path):
+    """Sabotage: a planned 16-bit call whose chain takes its weight gradients' products in fp32
+    (``functional.parameter_gradients`` without the layer's ``half``, where the chains call it:
+    with ``out``) fails the bitwise checks above - the single layer's, the layer-directions',
+    stack mode's."""
+    gradients = functional.parameter_gradients
+
+    def fp32(*args, **kw):  # (the chains pass out, scratch and half by position)
+        return gradients(*args[:8], **kw)
+    monkeypatch.setattr(functional, "parameter_gradients", fp32)
+    make = {"call": lambda: _half_layer("LSTM", "float16"),
+            "layers": lambda: _half_layers("GRU", "float16", 2, False),
+            "stack": lambda: _half_stack("GRU", "float16", 2, False)}[path]
+    with pytest.raises(AssertionError):
+        _half_steps(make(), make(), range(4), states=False, lengths=False)

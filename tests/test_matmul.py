@@ -364,3 +364,26 @@ def test_tf32_products_pass_their_compute_type_eager_and_captured(monkeypatch, s
     cupys = 68 if linalg.get_compute_type(np.float32) != linalg.COMPUTE_TYPE_TF32 else 77
     assert [(where, c) for where, _, c in product(np.float32)] == [("cupy", None),
                                                                  ("captured", cupys)]
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_an_explicit_tf32_overrides_the_setting_eager_and_captured(monkeypatch, settings,
+                                                                  allow_tf32):
+    """``matmul(..., tf32=True)`` (a 16-bit layer's weight gradients) passes
+    ``CUBLAS_COMPUTE_32F_FAST_TF32`` eagerly and captured whatever ``settings.allow_tf32`` says;
+    ``tf32=False`` is ``cupy.matmul`` eagerly and CuPy's compute type captured, the setting on
+    or off."""
+    calls: list = []
+    capturing = [False]
+    _fake_cuda(monkeypatch, calls, capturing)
+    persistent_rnn.configure(allow_tf32=allow_tf32)
+    rng = np.random.default_rng(0)
+    x, w = (rng.standard_normal(s).astype(np.float32) for s in ((12, 39), (5, 39)))
+    out = np.empty((12, 5), np.float32)
+    for tf32 in (True, False):
+        for capturing[0] in (False, True):
+            matmul.matmul(_DeviceView(x), _DeviceView(w).T, _DeviceView(out), tf32)
+    from cupy._core import _routines_linalg as linalg
+    cupys = 77 if linalg.get_compute_type(np.float32) == linalg.COMPUTE_TYPE_TF32 else 68
+    assert [(where, None if where == "cupy" else args[-2]) for where, args in calls] == [
+        ("binding", 77), ("captured", 77), ("cupy", None), ("captured", cupys)]
