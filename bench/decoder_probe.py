@@ -183,7 +183,7 @@ def probe_size(mode: str, hidden: int, batch: int, steps: int, cpu: bool,
     predicted = latency.predict_decoder_step(mode, hidden, batch, device=device)
     cell = getattr(prnn, f"{mode}Cell")(hidden, hidden, seed=0)
     x0 = xp.asarray(np.random.default_rng(0).standard_normal((batch, hidden)).astype(np.float32))
-    cell.forward(x0)  # (the cell's parameters follow its input to the GPU)
+    cell.params = {k: xp.asarray(v) for k, v in cell.params.items()}  # (no step run to move them)
     results = []
     with cell.decoder(batch=batch) as dec:
         if not dec.resident:
