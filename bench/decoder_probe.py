@@ -17,7 +17,7 @@ them the model's terms (``latency.predict_decoder_step``, labelled predicted). W
 post seen and done word released) in ``DIR/decoder_probe_rows.npz``.
 
 ``--cpu``: the emulation (NumPy; its timer is a virtual clock: the figures mean nothing), LSTM
-H=16 B=1, the eager loop only, a few steps - a check of the probe's plumbing.
+H=64 B=1 (4 resident CTAs), the eager loop only, a few steps - a check of the probe's plumbing.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,60 +36,89 @@ from persistent_rnn import benchmark, decoder, hardware, latency
 from persistent_rnn.runtime import planning_device
 
 SIZES = (("LSTM", 640, 1), ("LSTM", 256, 1))
-CPU_SIZES = (("LSTM", 16, 1),)
+CPU_SIZES = (("LSTM", 64, 1),)  # (4 resident CTAs)
 CPU_STEPS = 6
 W = {name: i for i, name in enumerate(decoder.PROBE_WORDS)}
-# The stages in the order of a step (each stamped after the one before it; "last_*": the
-# latest of every resident CTA's), and the intervals between them: (name, from, to, the model's
-# term it is set beside - a key of predict_decoder_step's record, a share of it, or None)
-CHAIN = ("start", "posting", "post_seen", "last_post_seen", "staged", "projected", "gathered",
-         "pointwise", "publishing", "last_publishing", "done_seen", "end")
+# The stamps of the step kernel's thread 0 and resident CTA 0 in the order of a step, each no
+# earlier than the one before; and the other stamps' order: (earlier, later) - "first_*",
+# "last_*": the earliest and latest of every resident CTA's, "cta_*" each CTA's own
+CHAIN = ("start", "posting", "post_seen", "staged", "projected", "gathered", "pointwise",
+         "publishing", "done_seen", "end")
+ORDERED = (("wait_start", "post_seen"), ("posting", "first_post_seen"),
+           ("cta_post_seen", "cta_publishing"), ("last_publishing", "done_seen"))
+CLOCKED = CHAIN  # stamped with the SM's clock too
+BEFORE = "the step before's "  # an interval from a stamp of the step before
+
+
+@dataclass(frozen=True)
+class Interval:
+    """From stamp ``frm`` to ``to`` of a step (``frm`` may be BEFORE + a stamp); ``term``: the
+    model's term set beside it (a key of ``predict_decoder_step``'s record, ``share`` of it);
+    ``same_cta``: both stamps by one thread, so also timed by its SM's clock."""
+    name: str
+    frm: str
+    to: str
+    term: str | None = None
+    share: float = 1.0
+    same_cta: bool = False
+
+
 INTERVALS = (
-    ("gap_before", "end of the step before", "start", "graph_gap_us", 1.0),
-    ("launch_to_post", "start", "posting", None, 0.0),
-    ("post_seen_cta0", "posting", "post_seen", "handoff_us", 1 / 3),
-    ("post_seen_last_cta", "posting", "last_post_seen", "handoff_us", 1 / 3),
-    ("staged", "post_seen", "staged", "handoff_us", 1 / 3),
-    ("projected_warp0", "staged", "projected", "projection_us", 1.0),
-    ("gathered", "projected", "gathered", None, 0.0),
-    ("pointwise", "gathered", "pointwise", "resident_step_us", 1.0),
-    ("to_publish", "pointwise", "publishing", None, 0.0),
-    ("last_cta_publish", "publishing", "last_publishing", None, 0.0),
-    ("done_seen", "last_publishing", "done_seen", "handoff_us", 1 / 3),
-    ("exit", "done_seen", "end", None, 0.0),
-    ("step_kernel", "start", "end", None, 0.0),
-    ("period", "start of the step before", "start", "captured_us", 1.0),
+    Interval("gap_before", BEFORE + "end", "start", "graph_gap_us"),
+    Interval("launch_to_post", "start", "posting", same_cta=True),
+    Interval("post_seen_cta0", "posting", "post_seen", "handoff_us", 1 / 3),
+    Interval("post_seen_last_cta", "posting", "last_post_seen", "handoff_us", 1 / 3),
+    Interval("post_seen_spread", "first_post_seen", "last_post_seen"),
+    Interval("staged", "post_seen", "staged", "handoff_us", 1 / 3, same_cta=True),
+    Interval("projected_warp0", "staged", "projected", "projection_us", same_cta=True),
+    Interval("gathered", "projected", "gathered", same_cta=True),
+    Interval("pointwise", "gathered", "pointwise", "resident_step_us", same_cta=True),
+    Interval("to_publish", "pointwise", "publishing", same_cta=True),
+    Interval("last_cta_publish", "publishing", "last_publishing"),
+    Interval("publish_spread", "first_publishing", "last_publishing"),
+    Interval("done_seen", "last_publishing", "done_seen", "handoff_us", 1 / 3),
+    Interval("exit", "done_seen", "end", same_cta=True),
+    Interval("step_kernel", "start", "end", same_cta=True),
+    Interval("period", BEFORE + "start", "start", "captured_us"),
 )
 POLLS = ("post_polls", "done_polls")
 
 
 def chains(rows: np.ndarray, ctas: int) -> dict[str, np.ndarray]:
     """Per stage of CHAIN (and the polls, the step, whether the ahead part was used), one value
-    per step of the loop, steps in order, the loop's first left out; 0 where a stamp is missing.
-    ``rows``: the probe buffer after the loop (zeroed before it), ``ctas`` the resident CTAs."""
+    per step of the loop, steps in order, the loop's first left out; 0 where a stamp is missing;
+    ``<stage>@clock``: the SM's clock at a CLOCKED stamp. ``rows``: the probe buffer after the
+    loop (zeroed before it), ``ctas`` the resident CTAs."""
     taken = rows[rows[:, W["step"]] != 0]
     taken = taken[np.argsort(taken[:, W["step"]])][1:].astype(np.int64)
-    seen = taken[:, decoder.PROBE_CTA_WORDS:decoder.PROBE_CTA_WORDS + ctas]
+    seen = taken[:, decoder.PROBE_CTA_WORDS:][:, :ctas]
     done = taken[:, decoder.PROBE_CTA_WORDS + decoder.PROBE_CTAS:][:, :ctas]
     out = {name: taken[:, W[name]] for name in decoder.PROBE_WORDS}
-    out["last_post_seen"] = np.where(seen.min(axis=1) > 0, seen.max(axis=1), 0)
-    out["last_publishing"] = np.where(done.min(axis=1) > 0, done.max(axis=1), 0)
+    out.update({f"{name}@clock": taken[:, decoder.PROBE_CHAIN + W[name]] for name in CLOCKED})
+    for name, stamps in (("post_seen", seen), ("publishing", done)):
+        whole = stamps.min(axis=1) > 0  # (a CTA's missing stamp: the stage's missing)
+        out[f"first_{name}"] = np.where(whole, stamps.min(axis=1), 0)
+        out[f"last_{name}"] = np.where(whole, stamps.max(axis=1), 0)
+    out["cta_post_seen"], out["cta_publishing"] = seen, done
+    stamps = np.concatenate([seen.ravel(), done.ravel()] + [out[n] for n in CLOCKED])
+    out["tick"] = np.diff(np.unique(stamps[stamps > 0]))
     return out
 
 
 def problems(chain: dict[str, np.ndarray]) -> list[str]:
-    """What is wrong with a loop's stamps: a step whose stamp is missing, or stamped before the
-    stage it follows (CHAIN; resident CTA 0's wait begins before it sees the post)."""
+    """What is wrong with a loop's stamps: a step whose stamp is missing, or stamped before one
+    it follows (CHAIN, ORDERED)."""
     found = []
     steps = chain["step"]
     if len(steps) == 0:
         return ["no steps stamped"]
-    for name in CHAIN + ("wait_start",):
-        missing = steps[chain[name] == 0]
+    names = {n for pair in ORDERED for n in pair} | set(CHAIN) | {f"{n}@clock" for n in CLOCKED}
+    for name in sorted(names):
+        missing = steps[(chain[name] == 0).reshape(len(steps), -1).any(axis=1)]
         if len(missing):
             found.append(f"{name}: no stamp in steps {missing.tolist()}")
-    for before, after in list(zip(CHAIN, CHAIN[1:])) + [("wait_start", "post_seen")]:
-        bad = steps[chain[after] < chain[before]]
+    for before, after in list(zip(CHAIN, CHAIN[1:])) + list(ORDERED):
+        bad = steps[(chain[after] < chain[before]).reshape(len(steps), -1).any(axis=1)]
         if len(bad):
             found.append(f"{after} before {before} in steps {bad.tolist()}")
     if not np.all(np.diff(steps) == 1):
@@ -96,30 +126,39 @@ def problems(chain: dict[str, np.ndarray]) -> list[str]:
     return found
 
 
-def intervals(chain: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Each INTERVALS entry's ns per step (the ones over the step before: from the second on)."""
-    out = {}
-    for name, frm, to, _, _ in INTERVALS:
-        if frm == "end of the step before":
-            out[name] = chain[to][1:] - chain["end"][:-1]
-        elif frm == "start of the step before":
-            out[name] = np.diff(chain[to])
-        else:
-            out[name] = chain[to] - chain[frm]
-    return out
+def span(chain: dict[str, np.ndarray], i: Interval, suffix: str = "") -> np.ndarray:
+    """``i``'s values per step, of the timer (ns) or, ``suffix`` "@clock", of the SM's clock."""
+    if i.frm.startswith(BEFORE):
+        return chain[i.to + suffix][1:] - chain[i.frm[len(BEFORE):] + suffix][:-1]
+    return chain[i.to + suffix] - chain[i.frm + suffix]
+
+
+def cycles_per_ns(chain: dict[str, np.ndarray]) -> float | None:
+    """The SM clock's rate: resident CTA 0's clock over the timer from the loop's first post
+    seen to its last (None for fewer than two steps)."""
+    t, c = chain["post_seen"], chain["post_seen@clock"]
+    return float((c[-1] - c[0]) / (t[-1] - t[0])) if len(t) > 1 and t[-1] > t[0] else None
 
 
 def summary(chain: dict[str, np.ndarray], predicted: dict[str, Any]) -> dict[str, Any]:
-    """Medians and 90th percentiles (ns) of the intervals and polls, the model's terms beside."""
+    """Per interval, the median, mean and 90th percentile in ns (the timer's; the mean of a
+    coarse timer's ticks still converges), the median by the SM's clock where one thread took
+    both stamps, and the model's term; the polls; the timer's tick and the clock's rate."""
     terms = dict(predicted, graph_gap_us=hardware.GRAPH_GAP_US)
-    out: dict[str, Any] = {"steps": len(chain["step"]), "intervals": {}}
-    for name, values in intervals(chain).items():
-        _, frm, to, key, share = next(i for i in INTERVALS if i[0] == name)
-        out["intervals"][name] = {
-            "from": frm, "to": to, "median_ns": float(np.median(values)) if len(values) else None,
-            "p90_ns": float(np.percentile(values, 90)) if len(values) else None,
-            "predicted_ns": None if key is None or terms.get(key) is None
-            else 1e3 * share * terms[key], "predicted_term": key}
+    rate = cycles_per_ns(chain)
+    out: dict[str, Any] = {"steps": len(chain["step"]), "cycles_per_ns": rate,
+                           "timer_tick_ns": int(chain["tick"].min()) if len(chain["tick"]) else None,
+                           "intervals": {}}
+    for i in INTERVALS:
+        ns = span(chain, i)
+        clock = span(chain, i, "@clock") if i.same_cta and rate else None
+        out["intervals"][i.name] = {
+            "from": i.frm, "to": i.to,
+            "median_ns": float(np.median(ns)), "mean_ns": float(np.mean(ns)),
+            "p90_ns": float(np.percentile(ns, 90)),
+            "clock_median_ns": None if clock is None else float(np.median(clock)) / rate,
+            "predicted_ns": None if i.term is None or terms.get(i.term) is None
+            else 1e3 * i.share * terms[i.term], "predicted_term": i.term}
     for name in POLLS:
         out[name] = {"median": float(np.median(chain[name])), "max": int(chain[name].max())}
     out["ahead_used_share"] = float(np.mean(chain["ahead"] == 1))
@@ -127,12 +166,18 @@ def summary(chain: dict[str, np.ndarray], predicted: dict[str, Any]) -> dict[str
 
 
 def table(title: str, s: dict[str, Any]) -> str:
-    lines = [f"== {title}: {s['steps']} steps (ns; predicted: the latency model's terms)",
-             f"{'interval':20s} {'median':>9s} {'p90':>9s} {'predicted':>10s}  from -> to"]
+    """``summary`` as text."""
+    def num(v):
+        return "-" if v is None else f"{v:.0f}"
+    lines = [f"== {title}: {s['steps']} steps; ns (timer tick {num(s['timer_tick_ns'])} ns; "
+             f"clock: by the SM's clock, {s['cycles_per_ns'] or 0:.2f} cycles/ns; predicted: "
+             f"the latency model's terms)",
+             f"{'interval':20s} {'median':>8s} {'mean':>8s} {'p90':>8s} {'clock':>8s} "
+             f"{'predicted':>9s}  from -> to"]
     for name, r in s["intervals"].items():
-        pred = "-" if r["predicted_ns"] is None else f"{r['predicted_ns']:.0f}"
-        lines.append(f"{name:20s} {r['median_ns'] or 0:9.0f} {r['p90_ns'] or 0:9.0f} {pred:>10s}"
-                     f"  {r['from']} -> {r['to']}")
+        lines.append(f"{name:20s} {num(r['median_ns']):>8s} {num(r['mean_ns']):>8s} "
+                     f"{num(r['p90_ns']):>8s} {num(r['clock_median_ns']):>8s} "
+                     f"{num(r['predicted_ns']):>9s}  {r['from']} -> {r['to']}")
     for name in POLLS:
         lines.append(f"{name:20s} median {s[name]['median']:.0f}, max {s[name]['max']}")
     lines.append(f"ahead part used in {100 * s['ahead_used_share']:.0f} % of the steps")
@@ -179,8 +224,7 @@ def probe_size(mode: str, hidden: int, batch: int, steps: int, cpu: bool,
         xp = np
     else:
         import cupy as xp
-    device = planning_device(not cpu)
-    predicted = latency.predict_decoder_step(mode, hidden, batch, device=device)
+    predicted = latency.predict_decoder_step(mode, hidden, batch, device=planning_device(not cpu))
     cell = getattr(prnn, f"{mode}Cell")(hidden, hidden, seed=0)
     x0 = xp.asarray(np.random.default_rng(0).standard_normal((batch, hidden)).astype(np.float32))
     cell.params = {k: xp.asarray(v) for k, v in cell.params.items()}  # (no step run to move them)
@@ -193,6 +237,8 @@ def probe_size(mode: str, hidden: int, batch: int, steps: int, cpu: bool,
         for road, run in _roads(xp, dec, loop, cpu):
             run()  # warm-up
             buffer.fill(0)
+            if not cpu:  # (the fill, on the current stream, before the graph's stream runs)
+                xp.cuda.get_current_stream().synchronize()
             run()
             rows = buffer if cpu else buffer.get()
             key = f"{mode}_{hidden}_{batch}_{road}"
@@ -220,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[decoder.PROBE_ENV] = "1"  # (read when a decoder is made)
     raw: dict[str, np.ndarray] = {}
     results = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for mode, hidden, batch in CPU_SIZES if args.cpu else SIZES:
         try:
             results += probe_size(mode, hidden, batch, steps, args.cpu, raw)
@@ -227,13 +274,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode} H={hidden} B={batch}: {type(exc).__name__}: {exc}", flush=True)
             results.append({"cell": mode, "hidden": hidden, "batch": batch,
                             "error": f"{type(exc).__name__}: {exc}"})
-    args.out.mkdir(parents=True, exist_ok=True)
-    doc = {**benchmark.run_stamp(["python", *sys.argv]), "cpu": args.cpu, "steps": steps,
-           "timing": "%globaltimer stamps in the kernels (ns), medians over a loop's steps",
-           "words": list(decoder.PROBE_WORDS), "results": results}
-    (args.out / "decoder_probe.json").write_text(json.dumps(doc, indent=1) + "\n")
-    np.savez_compressed(args.out / "decoder_probe_rows.npz", **raw)
+        write(args.out, steps, args.cpu, results, raw)  # (after each size: a run cut short keeps it)
     return 0 if all("error" not in r for r in results) else 1
+
+
+def write(out: Path, steps: int, cpu: bool, results: list[dict[str, Any]],
+          raw: dict[str, np.ndarray]) -> None:
+    """``out/decoder_probe.json`` and the raw rows, ``out/decoder_probe_rows.npz``."""
+    doc = {**benchmark.run_stamp(["python", *sys.argv]), "cpu": cpu, "steps": steps,
+           "timing": "%globaltimer stamps (ns) and SM clocks in the kernels, over a loop's steps",
+           "words": list(decoder.PROBE_WORDS), "results": results}
+    (out / "decoder_probe.json").write_text(json.dumps(doc, indent=1) + "\n")
+    np.savez_compressed(out / "decoder_probe_rows.npz", **raw)
 
 
 if __name__ == "__main__":

@@ -77,15 +77,17 @@ unsigned long long prnn_emu_decoder_ahead[2];
 // post seen and its failed polls, x and h staged, its warp's rows of gi projected, the CTA's gi
 // and sums past their barrier, the pointwise step past the last barrier, its done word about
 // to be released, and 1 where the step used the ahead part, 2 where it computed its recurrent
-// half), then each resident CTA c's post seen (kProbeCtaWords + c) and done word about to be
-// released (kProbeCtaWords + kProbeCtas + c).
+// half); at kProbeChain + w, the SM's clock (clock64) where word w is a stamp (intervals within
+// one CTA in cycles: %globaltimer may tick far coarser); then each resident CTA c's post seen
+// (kProbeCtaWords + c) and done word about to be released (kProbeCtaWords + kProbeCtas + c).
 namespace prnn {
 enum ProbeWord : int {
   kProbeStep, kProbeStart, kProbePosting, kProbeDoneSeen, kProbeEnd, kProbeDonePolls,
   kProbeWaitStart, kProbePostSeen, kProbePostPolls, kProbeStaged, kProbeProjected,
-  kProbeGathered, kProbePointwise, kProbePublishing, kProbeAhead, kProbeCtaWords = 16
+  kProbeGathered, kProbePointwise, kProbePublishing, kProbeAhead, kProbeChain = 16
 };
-constexpr int kProbeSteps = 256, kProbeCtas = 160, kProbeRow = kProbeCtaWords + 2 * kProbeCtas;
+constexpr int kProbeSteps = 256, kProbeCtas = 160, kProbeCtaWords = 2 * kProbeChain,
+              kProbeRow = kProbeCtaWords + 2 * kProbeCtas;
 }  // namespace prnn
 extern "C" {
 __device__ unsigned long long prnn_decoder_probe[prnn::kProbeSteps * prnn::kProbeRow];
@@ -101,7 +103,19 @@ namespace prnn {
 PRNN_DEVICE void probe_set(unsigned step, int word, unsigned long long value) {
   prnn_decoder_probe[(size_t)(step % kProbeSteps) * kProbeRow + word] = value;
 }
-PRNN_DEVICE void probe_stamp(unsigned step, int word) { probe_set(step, word, prnn_globaltimer_ns()); }
+PRNN_DEVICE unsigned long long probe_cycles() {
+#ifdef PRNN_EMULATION
+  return prnn_globaltimer_ns();  // (no SM clock: the emulation's timer)
+#else
+  return clock64();
+#endif
+}
+// Stamp `word` of `step`: the time (`now`) and the SM's clock.
+PRNN_DEVICE void probe_stamp(unsigned step, int word,
+                             unsigned long long now = prnn_globaltimer_ns()) {
+  probe_set(step, kProbeChain + word, probe_cycles());
+  probe_set(step, word, now);
+}
 
 // Resident CTA blockIdx.x's stamp `word` (kProbePostSeen or kProbePublishing) of `step` (thread
 // 0): in its own column, and for CTA 0 in the row's word too.
@@ -109,7 +123,7 @@ PRNN_DEVICE void probe_resident(unsigned step, int word) {
   const unsigned long long now = prnn_globaltimer_ns();
   const int column = kProbeCtaWords + (word == kProbePostSeen ? 0 : kProbeCtas);
   if (blockIdx.x < kProbeCtas) probe_set(step, column + blockIdx.x, now);
-  if (blockIdx.x == 0) probe_set(step, word, now);
+  if (blockIdx.x == 0) probe_stamp(step, word, now);
 }
 #endif
 

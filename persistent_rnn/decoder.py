@@ -82,12 +82,14 @@ PROJ_ROWS = 4       # W_ih rows one pass over the staged x serves (kProjRows; th
 _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x given, or gi
 # The probe (resident_decoder.cu, PRNN_DECODER_PROBE; bench/decoder_probe.py): with PROBE_ENV=1
 # in the environment when a decoder is made, its kernels are built with the probe (-D of the same
-# name), which stamps
-# each stage of a step of a one-layer decoder (%globaltimer, ns) into row step % PROBE_STEPS of
-# a device buffer (``probe_rows``); the shipped kernels have no probe.
+# name), which stamps each stage of a step of a one-layer decoder (%globaltimer ns, and the SM's
+# clock) into row step % PROBE_STEPS of a device buffer (``probe_buffer``); the shipped kernels
+# have no probe.
 PROBE_ENV = "PRNN_DECODER_PROBE"
 PROBE_SYMBOL = "prnn_decoder_probe"
-PROBE_STEPS, PROBE_CTAS, PROBE_CTA_WORDS = 256, 160, 16  # kProbeSteps, kProbeCtas, kProbeCtaWords
+PROBE_STEPS, PROBE_CTAS = 256, 160  # kProbeSteps, kProbeCtas
+PROBE_CHAIN, PROBE_CTA_WORDS = 16, 32  # kProbeChain (word w's SM clock at PROBE_CHAIN + w),
+                                      # kProbeCtaWords
 PROBE_WORDS = ("step", "start", "posting", "done_seen", "end", "done_polls",  # (ProbeWord)
                "wait_start", "post_seen", "post_polls", "staged", "projected", "gathered",
                "pointwise", "publishing", "ahead")
@@ -408,9 +410,10 @@ def _step_launcher(xp, module, block: int, shared_bytes: int) -> Callable[[tuple
 
 def probe_buffer(dec: "Decoder") -> Array:
     """The probe's rows of a decoder made with ``PROBE_ENV=1`` (``PROBE_STEPS`` rows of uint64
-    words: ``PROBE_WORDS``, then each resident CTA's post seen and done word released, from
-    ``PROBE_CTA_WORDS`` on): a view of the device buffer (a CuPy array; the emulation's, a NumPy
-    array), to zero before a loop and read after it."""
+    words: ``PROBE_WORDS``, from ``PROBE_CHAIN`` on the SM clock of each of them that is a
+    stamp, then each resident CTA's post seen and done word released, from ``PROBE_CTA_WORDS``
+    on): a view of the device buffer (a CuPy array; the emulation's, a NumPy array), to zero
+    before a loop and read after it."""
     layers = dec._layers
     if layers is None or not layers.probe:
         raise ValueError(f"probe_buffer(): the decoder is not resident with the probe ({PROBE_ENV}=1)")
