@@ -8,13 +8,16 @@ kernels built with the probe (``decoder.PROBE_ENV``: ``resident_decoder.cu``'s
 ``PRNN_DECODER_PROBE``, which stamps each stage of a step with ``%globaltimer``) for LSTM H=640
 B=1 and H=256 B=1, each step's input the last step's h: a loop of ``--steps`` steps captured in
 a CUDA graph and replayed (``resume()`` first), and the same loop eagerly, each after a warm-up.
-Per loop it prints, per interval between two stamps, the median and 90th percentile in ns over
-the loop's steps (the first left out: its wait began before the loop), the failed polls of each
-wait (``post_polls``: resident CTA 0 waiting for the post; ``done_polls``: the step kernel's
-thread 0 waiting for its slices' done words; each poll sleeps ``__nanosleep(20)``), and beside
-them the model's terms (``latency.predict_decoder_step``, labelled predicted). Writes
-``DIR/decoder_probe.json`` and the raw rows (uint64 ns, ``decoder.PROBE_WORDS`` then each CTA's
-post seen and done word released) in ``DIR/decoder_probe_rows.npz``.
+Per loop it prints, per interval between two stamps (``INTERVALS``), its median, mean and 90th
+percentile in ns over the loop's steps (the first left out: its wait began before the loop) -
+and, where one thread took both stamps, its median by that SM's clock (``clock64``, stamped
+beside; ``%globaltimer`` may tick far coarser than a ns: the smallest step between the loop's
+stamps is printed as the tick) -, the failed polls of each wait (``post_polls``: resident CTA 0
+waiting for the post; ``done_polls``: the step kernel's thread 0 waiting for its slices' done
+words; each poll sleeps ``__nanosleep(20)``), and beside them the model's terms
+(``latency.predict_decoder_step``, labelled predicted). Writes ``DIR/decoder_probe.json`` (after
+each size) and the raw rows (uint64: ``decoder.PROBE_WORDS``, their SM clocks, each CTA's post
+seen and done word released; ``decoder.probe_buffer``) in ``DIR/decoder_probe_rows.npz``.
 
 ``--cpu``: the emulation (NumPy; its timer is a virtual clock: the figures mean nothing), LSTM
 H=64 B=1 (4 resident CTAs), the eager loop only, a few steps - a check of the probe's plumbing.
@@ -78,7 +81,7 @@ INTERVALS = (
     Interval("publish_spread", "first_publishing", "last_publishing"),
     Interval("done_seen", "last_publishing", "done_seen", "handoff_us", 1 / 3),
     Interval("exit", "done_seen", "end", same_cta=True),
-    Interval("step_kernel", "start", "end", same_cta=True),
+    Interval("step_kernel", "start", "end", "kernel_us", same_cta=True),
     Interval("period", BEFORE + "start", "start", "captured_us"),
 )
 POLLS = ("post_polls", "done_polls")
@@ -144,7 +147,10 @@ def summary(chain: dict[str, np.ndarray], predicted: dict[str, Any]) -> dict[str
     """Per interval, the median, mean and 90th percentile in ns (the timer's; the mean of a
     coarse timer's ticks still converges), the median by the SM's clock where one thread took
     both stamps, and the model's term; the polls; the timer's tick and the clock's rate."""
-    terms = dict(predicted, graph_gap_us=hardware.GRAPH_GAP_US)
+    # (the step kernel's own time: a captured step less the gap before it - what a profiler's
+    # kernel time, 6.36 µs on the H200, is)
+    terms = dict(predicted, graph_gap_us=hardware.GRAPH_GAP_US,
+                 kernel_us=predicted["captured_us"] - hardware.GRAPH_GAP_US)
     rate = cycles_per_ns(chain)
     out: dict[str, Any] = {"steps": len(chain["step"]), "cycles_per_ns": rate,
                            "timer_tick_ns": int(chain["tick"].min()) if len(chain["tick"]) else None,
