@@ -49,7 +49,7 @@ CHAIN = ("start", "posting", "post_seen", "staged", "projected", "gathered", "po
          "publishing", "done_seen", "end")
 ORDERED = (("wait_start", "post_seen"), ("posting", "first_post_seen"),
            ("cta_post_seen", "cta_publishing"), ("last_publishing", "done_seen"))
-CLOCKED = CHAIN  # stamped with the SM's clock too
+CLOCKED = CHAIN + ("wait_start",)  # stamped with the SM's clock too
 BEFORE = "the step before's "  # an interval from a stamp of the step before
 
 
@@ -83,6 +83,9 @@ INTERVALS = (
     Interval("exit", "done_seen", "end", same_cta=True),
     Interval("step_kernel", "start", "end", "kernel_us", same_cta=True),
     Interval("period", BEFORE + "start", "start", "captured_us"),
+    # resident CTA 0 between steps: every slice's done word of the step before seen, then the
+    # recurrent half computed ahead (wait_for_layer, staging, the product)
+    Interval("ahead_part", BEFORE + "publishing", "wait_start", "ahead_us", same_cta=True),
 )
 POLLS = ("post_polls", "done_polls")
 
