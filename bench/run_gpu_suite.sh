@@ -215,11 +215,14 @@ part_sweeps() {  # limits 260 s
     --hidden 1024,256 --batches 1,8 --seq-len 100
 }
 
-part_fresh() {  # limits 330 s: what has not yet run on a GPU, in the order to learn it
+part_fresh() {  # limits 355 s: what has not yet run on a GPU, in the order to learn it
   # The cluster passes fetch their inputs one step ahead again (two ahead measured slower on the
   # H200, 2026-11-27): both in one process, GRU H=256 B=1 and RNN-tanh H=512 B=1 forward slopes,
   # each beside its prediction (docs/design.md, "Inputs fetched two steps ahead in a cluster")
   step inputs_ahead 15 "$PY" bench/gpu_call_cost.py --out "$OUT" --inputs-ahead
+  # issue 29: where a captured decoder step's 6.36 us go (H200, 2026-11-27; 1.95 predicted): the
+  # probe's %globaltimer stamps of each stage, LSTM H=640 and H=256 B=1, captured and eager
+  step decoder_probe 25 "$PY" bench/decoder_probe.py --out "$OUT"
   # the TF32 tiles (the mma instruction, planned TF32 layers against float64); the chain graphs
   # (one graph per multi-chain pass, planned layer-by-layer stacks, bidirectional, batch-first
   # and 16-bit layer stacks); the decoder (W_ih held in shared memory, the recurrent half ahead,

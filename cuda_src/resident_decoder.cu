@@ -65,7 +65,67 @@ unsigned long long prnn_emu_decoder_ahead[2];
 }
 #endif
 
+#ifdef PRNN_DECODER_PROBE
+// The probe (-D PRNN_DECODER_PROBE: decoder.py's PROBE_ENV, bench/decoder_probe.py): the
+// %globaltimer stamps (ns) of a one-layer decoder's step, stage by stage, one writer each, in
+// row step % kProbeSteps of prnn_decoder_probe (the host zeroes it before a loop and reads it
+// after: decoder.probe_rows, whose PROBE_WORDS names the words). A stage is stamped before the
+// store that releases it, so that whoever acquires that store stamps later. A row's words: the
+// step kernel's thread 0 (the step, its start, the post about to be released, every slice's
+// done word seen - past the block barrier -, its end, its failed polls of its own slices'
+// words), resident CTA 0's thread 0 (its wait for the post begun - after the ahead part -, the
+// post seen and its failed polls, x and h staged, its warp's rows of gi projected, the CTA's gi
+// and sums past their barrier, the pointwise step past the last barrier, its done word about
+// to be released, and 1 where the step used the ahead part, 2 where it computed its recurrent
+// half); at kProbeChain + w, the SM's clock (clock64) where word w is a stamp (intervals within
+// one CTA in cycles: %globaltimer may tick far coarser); then each resident CTA c's post seen
+// (kProbeCtaWords + c) and done word about to be released (kProbeCtaWords + kProbeCtas + c).
 namespace prnn {
+enum ProbeWord : int {
+  kProbeStep, kProbeStart, kProbePosting, kProbeDoneSeen, kProbeEnd, kProbeDonePolls,
+  kProbeWaitStart, kProbePostSeen, kProbePostPolls, kProbeStaged, kProbeProjected,
+  kProbeGathered, kProbePointwise, kProbePublishing, kProbeAhead, kProbeChain = 16
+};
+constexpr int kProbeSteps = 256, kProbeCtas = 160, kProbeCtaWords = 2 * kProbeChain,
+              kProbeRow = kProbeCtaWords + 2 * kProbeCtas;
+}  // namespace prnn
+extern "C" {
+__device__ unsigned long long prnn_decoder_probe[prnn::kProbeSteps * prnn::kProbeRow];
+}
+#define PRNN_PROBE_ONLY(...) __VA_ARGS__
+#else
+#define PRNN_PROBE_ONLY(...)
+#endif
+
+namespace prnn {
+
+#ifdef PRNN_DECODER_PROBE
+PRNN_DEVICE void probe_set(unsigned step, int word, unsigned long long value) {
+  prnn_decoder_probe[(size_t)(step % kProbeSteps) * kProbeRow + word] = value;
+}
+PRNN_DEVICE unsigned long long probe_cycles() {
+#ifdef PRNN_EMULATION
+  return prnn_globaltimer_ns();  // (no SM clock: the emulation's timer)
+#else
+  return clock64();
+#endif
+}
+// Stamp `word` of `step`: the time (`now`) and the SM's clock.
+PRNN_DEVICE void probe_stamp(unsigned step, int word,
+                             unsigned long long now = prnn_globaltimer_ns()) {
+  probe_set(step, kProbeChain + word, probe_cycles());
+  probe_set(step, word, now);
+}
+
+// Resident CTA blockIdx.x's stamp `word` (kProbePostSeen or kProbePublishing) of `step` (thread
+// 0): in its own column, and for CTA 0 in the row's word too.
+PRNN_DEVICE void probe_resident(unsigned step, int word) {
+  const unsigned long long now = prnn_globaltimer_ns();
+  const int column = kProbeCtaWords + (word == kProbePostSeen ? 0 : kProbeCtas);
+  if (blockIdx.x < kProbeCtas) probe_set(step, column + blockIdx.x, now);
+  if (blockIdx.x == 0) probe_stamp(step, word, now);
+}
+#endif
 
 constexpr unsigned kLive = 0u, kGone = 1u, kBusy = 2u;
 PRNN_HD constexpr unsigned decoder_word(unsigned step, unsigned mode) { return step << 2 | mode; }
@@ -135,6 +195,7 @@ struct DecoderShared {
   float* gi_s;
   unsigned* word_s;
   float* w_s;
+  PRNN_PROBE_ONLY(bool probe;)  // resident CTA 0: decoder_step stamps its stages (false: a takeover)
 };
 
 PRNN_DEVICE DecoderShared decoder_shared(int batch, int input) {
@@ -359,13 +420,18 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
   }
 #endif
   if (fresh) stage_exchanged(sm.h_s, io.h_prev, batch, hidden);
+  PRNN_PROBE_ONLY(const bool probe = sm.probe && threadIdx.x == 0;
+                  if (probe) probe_stamp(step, kProbeStaged);
+                  if (probe) probe_set(step, kProbeAhead, fresh ? 2u : 1u);)
   if (project && wt.w_ih_held) {
     project_rows<true>(sm.w_s, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
   } else if (project) {
     project_rows<false>(wt.w_ih, io.b_ih, sm.x_s, sm.gi_s, slice, batch, wt.input, hidden);
   }
+  PRNN_PROBE_ONLY(if (probe) probe_stamp(step, kProbeProjected);)
   if (fresh) recurrent_sums(tile, team, sm, wt, slice, batch);
   prnn_sync_block();  // gi_s and the sums
+  PRNN_PROBE_ONLY(if (probe) probe_stamp(step, kProbeGathered);)
   float* keep = wt.keep + (step & 1u) * (size_t)batch * hidden;
 #pragma unroll 1
   for (int idx = team.thread; idx < batch * team.units; idx += team.size) {
@@ -392,6 +458,7 @@ PRNN_DEVICE void decoder_step(const RegisterTile& tile, const Team& team, const 
     if (kHasC) io.c_out[at] = c;
   }
   prnn_sync_block();
+  PRNN_PROBE_ONLY(if (probe) probe_stamp(step, kProbePointwise);)
 }
 
 // Thread 0 of a resident CTA at its launch: takes slice c back from kGone (the step it was left
@@ -413,10 +480,17 @@ PRNN_DEVICE unsigned revive(unsigned* word, unsigned long long timeout_ns) {
 // Thread 0 of a resident CTA: whether step `step` is posted by `deadline` (false: idle past
 // it, or a later step posted - this CTA is stale).
 PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long long deadline) {
+  PRNN_PROBE_ONLY(unsigned long long polls = 0;
+                  if (blockIdx.x == 0) probe_stamp(step, kProbeWaitStart);)
   for (;;) {
     const unsigned posted = prnn_load_acquire(box);
-    if (posted == step) return true;
+    if (posted == step) {
+      PRNN_PROBE_ONLY(probe_resident(step, kProbePostSeen);
+                      if (blockIdx.x == 0) probe_set(step, kProbePostPolls, polls);)
+      return true;
+    }
     if (posted > step || prnn_globaltimer_ns() > deadline) return false;
+    PRNN_PROBE_ONLY(++polls;)
     prnn_backoff();
   }
 }
@@ -488,6 +562,7 @@ PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, c
     box[1] = issued;
     sm.word_s[0] = issued;
     io_to_words(io, box + 2, true);
+    PRNN_PROBE_ONLY(probe_stamp(issued, kProbePosting);)
     prnn_store_release(box, issued);
   }
   prnn_sync_block();
@@ -504,6 +579,7 @@ PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, c
   unsigned pending = 0u, taken = 0u;
   for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) pending |= 1u << i;
   const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
+  PRNN_PROBE_ONLY(unsigned long long polls = 0;)
   while (pending != 0u) {
     for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) {
       if (!(pending >> i & 1u)) continue;
@@ -518,9 +594,12 @@ PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, c
       }
     }
     if (pending == 0u || prnn_globaltimer_ns() > deadline) break;
+    PRNN_PROBE_ONLY(++polls;)
     prnn_backoff();
   }
   const bool failed = prnn_sync_block_or(pending != 0u);
+  PRNN_PROBE_ONLY(if (threadIdx.x == 0) probe_stamp(step, kProbeDoneSeen);
+                  if (threadIdx.x == 0) probe_set(step, kProbeDonePolls, polls);)
   // The slices taken over, one at a time with the whole CTA (their words say kBusy until done,
   // even in a step that failed: a later step or relaunch may take them again).
   if (prnn_sync_block_or(taken != 0u)) {
@@ -566,7 +645,8 @@ PRNN_KERNEL void prnn_resident_decoder(
                                           (w_ih_held >> (n == 0 ? 0 : 1) & 1) != 0);
   box += n * kBoxWords;
   state += n * slices;
-  const DecoderShared sm = decoder_shared(batch, wt.input);
+  DecoderShared sm = decoder_shared(batch, wt.input);
+  PRNN_PROBE_ONLY(sm.probe = blockIdx.x == 0;)
   unsigned* mine = state + slice;
   if (threadIdx.x == 0) sm.word_s[0] = revive(mine, timeout_ns);
   prnn_sync_block();
@@ -591,6 +671,7 @@ PRNN_KERNEL void prnn_resident_decoder(
     ++last;
     if (threadIdx.x == 0) {
       prnn_fence();  // the CTA's outputs (ordered before by the block barrier) before the word
+      PRNN_PROBE_ONLY(probe_resident(last, kProbePublishing);)
       prnn_store_release(mine, decoder_word(last, kLive));
     }
   }
@@ -619,6 +700,8 @@ PRNN_KERNEL void prnn_decoder_step(
   // x_s holds the widest input of the layers (the regions after it follow; a layer's rows of
   // x_s are its own input wide)
   const DecoderShared sm = decoder_shared(batch, layers > 1 && hidden > input ? hidden : input);
+  PRNN_PROBE_ONLY(if (threadIdx.x == 0) probe_set(box[1] + 1u, kProbeStep, box[1] + 1u);
+                  if (threadIdx.x == 0) probe_stamp(box[1] + 1u, kProbeStart);)
   for (int n = 0; n < layers; ++n) {
     const DecoderWeights wt = layer_weights(w_hh, b_hh, w_ih, keep, n, batch, input, hidden,
                                             false);  // (W_ih's rows: global)
@@ -635,4 +718,5 @@ PRNN_KERNEL void prnn_decoder_step(
       return;
     }
   }
+  PRNN_PROBE_ONLY(if (threadIdx.x == 0) probe_stamp(box[1], kProbeEnd);)
 }

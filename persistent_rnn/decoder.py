@@ -54,6 +54,7 @@ the resident kernel is an asynchronous emulated launch (``emulate.EmulatedModule
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 import weakref
@@ -79,6 +80,19 @@ JOIN_S = 30.0       # close(): the longest wait for the resident launch to end (
 PROJ_BATCH = 4      # batch rows one pass over a CTA's W_ih rows serves (kProjBatch; the model)
 PROJ_ROWS = 4       # W_ih rows one pass over the staged x serves (kProjRows; the model)
 _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x given, or gi
+# The probe (resident_decoder.cu, PRNN_DECODER_PROBE; bench/decoder_probe.py): with PROBE_ENV=1
+# in the environment when a decoder is made, its kernels are built with the probe (-D of the same
+# name), which stamps each stage of a step of a one-layer decoder (%globaltimer ns, and the SM's
+# clock) into row step % PROBE_STEPS of a device buffer (``probe_buffer``); the shipped kernels
+# have no probe.
+PROBE_ENV = "PRNN_DECODER_PROBE"
+PROBE_SYMBOL = "prnn_decoder_probe"
+PROBE_STEPS, PROBE_CTAS = 256, 160  # kProbeSteps, kProbeCtas
+PROBE_CHAIN, PROBE_CTA_WORDS = 16, 32  # kProbeChain (word w's SM clock at PROBE_CHAIN + w),
+                                      # kProbeCtaWords
+PROBE_WORDS = ("step", "start", "posting", "done_seen", "end", "done_polls",  # (ProbeWord)
+               "wait_start", "post_seen", "post_polls", "staged", "projected", "gathered",
+               "pointwise", "publishing", "ahead")
 
 
 @dataclass(frozen=True)
@@ -321,7 +335,10 @@ class _Layers:
                  cell: CellSpec, batch: int, hidden: int):
         layers, gh, dp = len(plans), cell.gates * hidden, plans[0]
         self.xp, self.batch, self.hidden, self.input_size = xp, batch, hidden, dp.input_size
-        self.module = _module(xp, dp.defines)
+        self.probe = os.environ.get(PROBE_ENV, "") == "1"
+        if self.probe and layers > 1:
+            raise ValueError(f"{PROBE_ENV}=1: the probe stamps a one-layer decoder's steps")
+        self.module = _module(xp, {**dp.defines, PROBE_ENV: 1} if self.probe else dp.defines)
         w_hh = xp.stack([weight_words(xp, p["weight_hh"], None) for p in params])
         b_hh = xp.stack([p.get("bias_hh", xp.zeros(gh, np.float32)) for p in params])
         w_ih = xp.concatenate([p["weight_ih"].reshape(-1) for p in params])  # (input, then H)
@@ -389,6 +406,24 @@ def _step_launcher(xp, module, block: int, shared_bytes: int) -> Callable[[tuple
         return functools.partial(module.launch, "prnn_decoder_step", 1, block, shared_bytes)
     kernel = module.function("prnn_decoder_step", shared_bytes)
     return functools.partial(kernel, (1,), (block,), shared_mem=shared_bytes)
+
+
+def probe_buffer(dec: "Decoder") -> Array:
+    """The probe's rows of a decoder made with ``PROBE_ENV=1`` (``PROBE_STEPS`` rows of uint64
+    words: ``PROBE_WORDS``, from ``PROBE_CHAIN`` on the SM clock of each of them that is a
+    stamp, then each resident CTA's post seen and done word released, from ``PROBE_CTA_WORDS``
+    on): a view of the device buffer (a CuPy array; the emulation's, a NumPy array), to zero
+    before a loop and read after it."""
+    layers = dec._layers
+    if layers is None or not layers.probe:
+        raise ValueError(f"probe_buffer(): the decoder is not resident with the probe ({PROBE_ENV}=1)")
+    shape, words = (PROBE_STEPS, PROBE_CTA_WORDS + 2 * PROBE_CTAS), np.dtype(np.uint64)
+    if layers.xp is np:
+        import ctypes
+        raw = (ctypes.c_ulonglong * (shape[0] * shape[1])).in_dll(layers.module._lib, PROBE_SYMBOL)
+        return np.ctypeslib.as_array(raw).reshape(shape)
+    memory = layers.module._module.get_global(PROBE_SYMBOL)
+    return layers.xp.ndarray(shape, words, memptr=memory)
 
 
 def stop(resident: _Resident | None) -> None:
