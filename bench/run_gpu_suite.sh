@@ -19,9 +19,10 @@
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
 #   fresh    the A/B of the cluster passes' inputs one or two steps ahead
-#            (plan.CLUSTER_INPUTS_AHEAD); what has not yet run on a GPU (the TF32 tiles, the chain graphs of planned stacks
-#            and layer-directions, the decoder resumed before a replay, the allocation counts), then the device time of a call by kernel, the call cost at
-#            T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding step's profile
+#            (plan.CLUSTER_INPUTS_AHEAD); the decoder step's stage probe; the GPU tests, what has
+#            not yet run on a GPU first; then the device time of a call by kernel, the call cost
+#            at T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding
+#            step's profile
 # Usage: bench/run_gpu_suite.sh [--dry-run] [--cpu] OUT [PART...]   (default part: first)
 #   --dry-run lists the steps, their time limits and each part's total, and runs nothing.
 #   --cpu runs part `first` without a GPU (the CPU emulation at tiny sizes: a check of the harness,
@@ -223,20 +224,17 @@ part_fresh() {  # limits 355 s: what has not yet run on a GPU, in the order to l
   # issue 29: where a captured decoder step's 6.36 us go (H200, 2026-11-27; 1.95 predicted): the
   # probe's %globaltimer stamps of each stage, LSTM H=640 and H=256 B=1, captured and eager
   step decoder_probe 25 "$PY" bench/decoder_probe.py --out "$OUT"
-  # the TF32 tiles (the mma instruction, planned TF32 layers against float64); the chain graphs
-  # (one graph per multi-chain pass, planned layer-by-layer stacks, bidirectional, batch-first
-  # and 16-bit layer stacks); the decoder (W_ih held in shared memory, the recurrent half ahead,
-  # a stack in one launch, its captured loop after resume()); the mma backward (test_half_gpu's
-  # B = 4) and the 16-bit passes on the fp32 tiles (its B = 1); the mma projection; planned calls
-  # with the operations around the chain inside it, their products recorded through
-  # cublas_capture (test_gpu_matmul, test_gpu_chain_graphs) and the records' ring; the per-call
-  # allocations of more paths; the 16-bit projection and stacks (mma stack mode) and the
-  # hand-over again (run once, 1c83a04)
+  # newest first (2026-11-27, after that day's H200 run): the hand-over between torch and CuPy
+  # through torch's C bindings (a failure there breaks every torch module on CUDA), the torch
+  # modules' planned CUDA backward, the decoder's direct step launch and single output
+  # allocation, the 16-bit weight gradients in TF32 (test_half_gpu's B=8 case), the cluster
+  # projection (fixed that day); then what ran clean that day: the TF32 tiles, the chain graphs,
+  # the mma projection and 16-bit stacks, the captured products, the per-call allocations
   step fresh_tests 120 "$PY" bench/pytest_resume.py --budget 110 -- -m gpu -p no:cacheprovider \
-    --timeout=60 -rfEs --durations=10 tests/test_tf32.py tests/test_gpu_chain_graphs.py \
-    tests/test_gpu_decoder.py tests/test_half_gpu.py tests/test_gpu_projection.py \
-    tests/test_torch_call_plans.py tests/test_gpu_half_projection.py \
-    tests/test_gpu_torch_interop.py tests/test_gpu_matmul.py tests/test_call_allocations.py
+    --timeout=60 -rfEs --durations=10 tests/test_gpu_torch_interop.py \
+    tests/test_torch_call_plans.py tests/test_gpu_decoder.py tests/test_half_gpu.py \
+    tests/test_gpu_projection.py tests/test_tf32.py tests/test_gpu_chain_graphs.py \
+    tests/test_gpu_half_projection.py tests/test_gpu_matmul.py tests/test_call_allocations.py
   step call_kernels 40 "$PY" bench/call_kernels.py --out "$OUT"
   # issue 26: per call at T = 10, 100 and 1000 beside torch.nn (cuDNN), one process
   step gpu_call_cost 75 "$PY" bench/gpu_call_cost.py --out "$OUT" --steps 10,100,1000 --calls 15
