@@ -279,6 +279,7 @@ def _print_decoder(d: dict) -> None:
           "inside the step")
     if "w_ih" in d:
         print(f"  projection: {d['w_ih']}")
+    print(f"  ({d['measured_miss']})")
 
 
 def _tensor_cores(record: dict) -> str:

@@ -759,7 +759,8 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
     record = {"input_size": 640, "fused_step_us": 3.3, "resident": True, "ctas": 80,
               "captured_us": 4.1, "projection_us": 2.3, "handoff_us": 0.6, "resident_step_us": 0.7,
               "eager_us": 4.1, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why",
-              "ahead_us": 0.9, "ahead_left_us": 0.4, "captured_between_us": 3.7}
+              "ahead_us": 0.9, "ahead_left_us": 0.4, "captured_between_us": 3.7,
+              "measured_miss": "measured: the miss"}
     cli._print_decoder(record)
     cli._print_decoder({**record, "resident": False, "reason": "its kernel takes the whole GPU"})
     out = capsys.readouterr().out
@@ -771,6 +772,7 @@ def test_prnn_plan_prints_the_decoder_prediction(capsys):
             "last h': 0.40 µs of it left back to back; 3.70 µs a step with the caller's kernels "
             "between steps (assumed to take >= 0.90 µs)") in out
     assert "  projection: W_ih read from L2 each step: why" in out
+    assert "  (measured: the miss)" in out
 
 
 RACE_SCENARIO = """
