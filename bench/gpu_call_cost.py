@@ -15,7 +15,10 @@ road - the CuPy layer with ``algo="persistent"`` and ``"gemm"``, ``persistent_rn
   a training or inference loop sees;
 * ``event_us``: CUDA events around one call, then a synchronisation: the device's time from the
   call's first to its last work, host gaps between them included;
-* the library's counters per call (host synchronisations, launches, memsets, allocations).
+* the library's counters per call (host synchronisations, launches, memsets, allocations);
+* persistent rows: the latency model's **prediction** beside them (``predicted_host_us``, the
+  host's time of the call; ``predicted_call_us``, its end-to-end µs back to back, to set beside
+  ``loop_us``), on the planning device (``call_predictions``).
 
 ``last_run`` is never read (reading it waits for the device). Then the persistent forward's
 per-step slope from back-to-back loops at T=1000 and T=3000 (the per-call cost cancels), its
@@ -310,6 +313,30 @@ def inputs_ahead_ab(dev: Device, layers: list, order: tuple[int, ...], lengths: 
     return rows
 
 
+def call_predictions(dev: Device, layers: list, seq_lens: list[int]) -> dict[tuple, dict]:
+    """The latency model's prediction (on the planning device) of each persistent row: per
+    (layer, T, pass) the host µs of the call and its end-to-end µs per call back to back
+    (``latency.call_costs``, ``StepTime.call_time_us``), the kernels compiled in parallel."""
+    device = runtime.planning_device(not dev.cpu)
+
+    def predict(layer: tuple[str, int, int]) -> dict[tuple, dict]:
+        cell, hidden, batch = layer
+        spec = planner.resolve_cell(cell)
+        plan = planner.make_plan(spec, hidden, batch, device=device)
+        found = {}
+        for steps, backward in itertools.product(seq_lens, (False, True)):
+            st = latency.predict_plan(spec, hidden, batch, plan, device, seq_len=steps,
+                                      input_size=INPUT)
+            host = sum(latency.call_costs(spec, hidden, batch, steps, INPUT, b, device).host_us
+                       for b in (False, True)[:1 + backward])
+            found[f"{cell}_h{hidden}_b{batch}", steps, "fwd+bwd" if backward else "fwd"] = {
+                "predicted_host_us": host,
+                "predicted_call_us": st.call_time_us(steps, backward)}
+        return found
+    with ThreadPoolExecutor(max_workers=len(layers)) as pool:
+        return {k: v for part in pool.map(predict, layers) for k, v in part.items()}
+
+
 def ab_lines(rows: list[dict]) -> list[str]:
     """Per layer of ``inputs_ahead_ab``'s rows: each setting's mean slope and prediction, and
     two ahead over one ahead."""
@@ -350,9 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(ab_lines(record["rows"])))
         return 0
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu), "rows": []}
+    layers = CPU_LAYERS if args.cpu else LAYERS
+    predicted = call_predictions(dev, layers, seq_lens)
     print(f"{'layer':18} {'T':>5} {'pass':8} {'road':11} {'host':>8} {'loop':>8} {'event':>8}  "
-          "per call")
-    for cell, hidden, batch in (CPU_LAYERS if args.cpu else LAYERS):
+          "per call (persistent: the model's PREDICTION of host and loop µs beside)")
+    for cell, hidden, batch in layers:
         for steps, backward, road in itertools.product(seq_lens, (False, True), ROADS):
             try:
                 row = measure(dev, make_call(dev, road, cell, hidden, batch, steps, backward),
@@ -361,10 +390,15 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"error": f"{type(exc).__name__}: {exc}"}
             row.update(layer=f"{cell}_h{hidden}_b{batch}", steps=steps, road=road,
                        passes="fwd+bwd" if backward else "fwd")
+            model = predicted[row["layer"], steps, row["passes"]] if road == "persistent" else {}
+            row.update(model)
             record["rows"].append(row)
+            beside = (f"  predicted host {model['predicted_host_us']:.1f}, loop "
+                      f"{model['predicted_call_us']:.1f}" if model else "")
             print(f"{row['layer']:18} {steps:5d} {row['passes']:8} {road:11} "
                   + (f"{row['host_us']:8.1f} {row['loop_us']:8.1f} {row['event_us']:8.1f}  "
-                     f"{row['per_call']}" if "error" not in row else row["error"]), flush=True)
+                     f"{row['per_call']}{beside}" if "error" not in row else row["error"]),
+                  flush=True)
     record["slopes"] = [dict(layer=f"{c}_h{h}_b{b}", **slope(dev, c, h, b, lengths, 1 if args.cpu else max(2, calls // 6)))
                         for c, h, b in (CPU_LAYERS if args.cpu else LAYERS)]
     record["graphs"] = [dict(layer=f"{c}_h{h}_b{b}", steps=STEPS, **graph_replay(dev, c, h, b, calls))
