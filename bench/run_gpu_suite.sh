@@ -216,7 +216,7 @@ part_sweeps() {  # limits 260 s
     --hidden 1024,256 --batches 1,8 --seq-len 100
 }
 
-part_fresh() {  # limits 365 s: what has not yet run on a GPU, in the order to learn it
+part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to learn it
   # The cluster passes fetch their inputs one step ahead again (two ahead measured slower on the
   # H200, 2026-11-27): both in one process, GRU H=256 B=1 and RNN-tanh H=512 B=1 forward slopes,
   # each beside its prediction (docs/design.md, "Inputs fetched two steps ahead in a cluster")
@@ -239,7 +239,7 @@ part_fresh() {  # limits 365 s: what has not yet run on a GPU, in the order to l
   # issue 26: per call at T = 10, 100 and 1000 beside torch.nn (cuDNN), one process
   step gpu_call_cost 85 "$PY" bench/gpu_call_cost.py --out "$OUT" --steps 10,100,1000 --calls 15
   step decode_loop 35 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 12
-  step interop_cost 20 "$PY" bench/interop_cost.py --out "$OUT"
+  step interop_cost 15 "$PY" bench/interop_cost.py --out "$OUT"
   step decoder_profile 25 "$PY" bench/decoder_profile.py --out "$OUT"
 }
 
