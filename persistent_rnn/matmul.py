@@ -81,8 +81,11 @@ def matmul(a: Array, b: Array, out: Array | None = None, tf32: bool | None = Non
         tf32 = settings.current().allow_tf32
     tf32 = tf32 and a.dtype == _F32 and b.dtype == _F32
     if isinstance(a, np.ndarray):  # (first: the CPU paths' hot loop)
-        return np.matmul(tf32_rounded(a), tf32_rounded(b), out=out) if tf32 \
-            else np.matmul(a, b, out=out)
+        if not tf32:
+            return np.matmul(a, b, out=out)
+        from .buffers import workspace  # (buffers imports this module)
+        return np.matmul(tf32_rounded(a, workspace(np, "tf32 a", a.shape, _F32)),
+                         tf32_rounded(b, workspace(np, "tf32 b", b.shape, _F32)), out=out)
     cupy = sys.modules["cupy"]  # a non-NumPy operand of the library is a CuPy array
     if not cupy.cuda.get_current_stream().is_capturing():
         return tf32_matmul(cupy, a, b, out) if tf32 else cupy.matmul(a, b, out=out)
@@ -91,14 +94,20 @@ def matmul(a: Array, b: Array, out: Array | None = None, tf32: bool | None = Non
     return captured_matmul(cupy, a, b, out)
 
 
-def tf32_rounded(x: np.ndarray) -> np.ndarray:
+def tf32_rounded(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """A float32 array's values rounded to TF32 as the tensor cores take them: to a 10-bit
     mantissa, to nearest with ties away from zero (``cvt.rna.tf32.f32``), NaN kept NaN - the
-    NumPy counterpart of ``hw.cuh``'s ``prnn_tf32_bits`` (emulation.h's bit arithmetic)."""
-    bits = x.view(np.uint32)
-    rounded = (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
-    rounded[np.isnan(x)] = 0x7FFFFFFF
-    return rounded.view(np.float32)
+    NumPy counterpart of ``hw.cuh``'s ``prnn_tf32_bits`` (emulation.h's bit arithmetic). Into
+    ``out`` (float32, ``x``'s shape) where given: ``matmul`` rounds its operands into
+    workspaces, so that an emulated call allocates nothing for it (but where a NaN or opposite
+    infinities make ``x``'s sum NaN: then a mask finds the NaN)."""
+    rounded = np.empty(x.shape, np.float32) if out is None else out
+    bits = rounded.view(np.uint32)
+    np.add(x.view(np.uint32), np.uint32(0x1000), out=bits)
+    np.bitwise_and(bits, np.uint32(0xFFFFE000), out=bits)
+    if np.isnan(x.sum(dtype=np.float32)):  # (the rounding can carry a NaN to inf or a sign)
+        bits[np.isnan(x)] = 0x7FFFFFFF
+    return rounded
 
 
 def tf32_matmul(cupy, a: Array, b: Array, out: Array | None = None) -> Array:

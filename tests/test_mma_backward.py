@@ -51,10 +51,14 @@ if EVERY_KERNEL:
 
 @pytest.fixture
 def emulation(settings, fresh_plans, monkeypatch):
-    """A generous barrier timeout, and the mma tiles (forward and backward) at every batch."""
+    """A generous barrier timeout, the mma tiles (forward and backward) at every batch, and the
+    weight gradients' products in fp32: these tests hold the backward tile's gradients to
+    ``FP32_BOUND``, where a 16-bit layer's products in TF32 (``functional.gradient_tf32``,
+    tests/test_half_gradients.py) would measure TF32's rounding instead."""
     prnn.configure(emulation_timeout_ms=20_000)
     monkeypatch.setattr(planner, "MMA_MIN_BATCH", 1)
     monkeypatch.setattr(planner, "MMA_BACKWARD_MIN_BATCH", 1)
+    monkeypatch.setattr(functional, "gradient_tf32", lambda half: None)
 
 
 def _backward(name: str, dtype: str, hidden: int, batch: int, scale: float = 1.0):

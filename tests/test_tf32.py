@@ -260,7 +260,7 @@ def test_tf32_backward_step_within_the_product_bound(tf32, grid_path, batch, mon
     # kernel, kept fp32 here: test_tf32_products_* hold its TF32). dh_0 within 2^-10
     # sum_j |dgh_1j W_ji| of float64 (seen through dhx), and equal to the product of the
     # TF32-rounded operands up to fp32's sums.
-    monkeypatch.setattr(matmul, "tf32_rounded", lambda x: x)
+    monkeypatch.setattr(matmul, "tf32_rounded", lambda x, out=None: x)
     kern, _ = _layers("rnn_relu", 40)
     x, h0, dy, dhn = _data(kern, 2, batch, batch)
     y, _ = kern.forward(x, h0)

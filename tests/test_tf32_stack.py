@@ -93,7 +93,7 @@ def test_tf32_stack_rounds_the_weights_to_tf32(tf32, monkeypatch):
     # One step of layer 0 from h0 exact in TF32, the input GEMM fp32: h_1 = relu(W_ih x + b +
     # W_hh h0) with W_hh the kernel's only rounding - float64 of W_hh rounded to TF32 up to
     # fp32's sums, and not float64 of W_hh.
-    monkeypatch.setattr(matmul, "tf32_rounded", lambda a: a)
+    monkeypatch.setattr(matmul, "tf32_rounded", lambda a, out=None: a)
     kern, ref = _layers("rnn_relu", False)
     rng = np.random.default_rng(11)
     x = rng.standard_normal((1, 3, 5)).astype(np.float32)
