@@ -25,7 +25,6 @@ import numpy as np
 
 from .cells import CellSpec
 from .halves import half_dtype, is_half, widen
-from .matmul import matmul
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 T = TypeVar("T")
@@ -237,13 +236,6 @@ def mask_arrays(xp, a: Array) -> tuple[Array, Array, Array]:
     steps, batch = a.shape[:2]
     return (workspace(xp, "past", (steps, batch, 1), np.bool_), step_indices(xp, steps),
             constant_zeros(xp, (), a.dtype))
-
-
-def matmul_steps(a: Array, w: Array, out: Array | None = None) -> Array:
-    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N) (into
-    ``out``, (T*B, N), where given)."""
-    steps, batch, width = a.shape
-    return matmul(a.reshape(steps * batch, width), w, out).reshape(steps, batch, w.shape[1])
 
 
 def column_sums(a: Array, out: Array | None = None) -> Array:

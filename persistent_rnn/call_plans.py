@@ -46,9 +46,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import buffers, functional, launch, runtime, settings
-from .buffers import address, matmul_steps, select_active, workspace
+from .buffers import address, select_active, workspace
 from .halves import half_dtype, widen
-from .matmul import matmul_half
+from .matmul import matmul_half, matmul_steps
 
 Array = Any
 _SUM = "sum of "  # (the role of the array a parameter's gradient is added into)

@@ -38,11 +38,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import runtime, stack
-from .buffers import (address, array_module, column_sums, constant_zeros, matmul_steps,
-                      reversed_rows, select_active, step_indices, widened, workspace)
+from .buffers import (address, array_module, column_sums, constant_zeros, reversed_rows,
+                      select_active, step_indices, widened, workspace)
 from .cells import CellSpec
 from .halves import widen
-from .matmul import matmul, matmul_half
+from .matmul import matmul, matmul_half, matmul_steps
 from .stats import RunStats
 
 Array = Any  # numpy.ndarray or cupy.ndarray

@@ -31,11 +31,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import buffers, functional, launch, runtime
-from .buffers import address, matmul_steps, select_active, workspace
+from .buffers import address, select_active, workspace
 from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _refresh, _same_memory,
                          contiguous_states, formed_input)
 from .halves import half_dtype, widen
-from .matmul import matmul_half
+from .matmul import matmul_half, matmul_steps
 from .stats import RunStats
 
 Array = Any

@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from . import chain_graphs, cublas_capture, settings
+from .buffers import workspace
 from ._sources import cuda_src_dir, read_source
 from .halves import half_dtype, narrow, widen
 
@@ -83,7 +84,6 @@ def matmul(a: Array, b: Array, out: Array | None = None, tf32: bool | None = Non
     if isinstance(a, np.ndarray):  # (first: the CPU paths' hot loop)
         if not tf32:
             return np.matmul(a, b, out=out)
-        from .buffers import workspace  # (buffers imports this module)
         return np.matmul(tf32_rounded(a, workspace(np, "tf32 a", a.shape, _F32)),
                          tf32_rounded(b, workspace(np, "tf32 b", b.shape, _F32)), out=out)
     cupy = sys.modules["cupy"]  # a non-NumPy operand of the library is a CuPy array
@@ -92,6 +92,13 @@ def matmul(a: Array, b: Array, out: Array | None = None, tf32: bool | None = Non
     if chain_graphs.capturing() and out is not None:
         return cublas_capture.matmul(cupy, a, b, out, tf32)
     return captured_matmul(cupy, a, b, out)
+
+
+def matmul_steps(a: Array, w: Array, out: Array | None = None) -> Array:
+    """``a`` (T, B, K) @ ``w`` (K, N) as one 2-D GEMM over all steps -> (T, B, N) (into
+    ``out``, (T*B, N), where given)."""
+    steps, batch, width = a.shape
+    return matmul(a.reshape(steps * batch, width), w, out).reshape(steps, batch, w.shape[1])
 
 
 def tf32_rounded(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

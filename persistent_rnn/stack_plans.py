@@ -41,11 +41,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import buffers, chain_graphs, functional, launch, runtime, stack
-from .buffers import matmul_steps, select_active, workspace
+from .buffers import select_active, workspace
 from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _refresh, _same_memory,
                          contiguous_states, formed_input)
 from .halves import half_dtype, widen
-from .matmul import matmul_half
+from .matmul import matmul_half, matmul_steps
 from .stats import RunStats
 
 Array = Any

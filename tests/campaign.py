@@ -51,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 
 import persistent_rnn as prnn
-from persistent_rnn import buffers, emulate, functional, hardware, plan as planner, runtime
+from persistent_rnn import emulate, functional, hardware, matmul, plan as planner, runtime
 from persistent_rnn.buffers import active_steps
 from persistent_rnn.cells import CELLS as REGISTRY, layer_args
 
@@ -426,7 +426,7 @@ def _replay_direction(cell, params, ref, layer: int, direction: int, d,
     w_ih, w_hh = params[d.names["weight_ih"]], params[d.names["weight_hh"]]
     b_ih, b_hh = ((params[d.names["bias_ih"]], params[d.names["bias_hh"]])
                   if "bias_ih" in d.names else (0.0, 0.0))
-    gi = buffers.matmul_steps(ref.inputs[layer], w_ih.T) + b_ih
+    gi = matmul.matmul_steps(ref.inputs[layer], w_ih.T) + b_ih
     if direction == 1:
         gi = functional._gather(ref.reverse_index, gi)
     y = np.asarray(d.fwd.y, np.float64)
@@ -434,7 +434,7 @@ def _replay_direction(cell, params, ref, layer: int, direction: int, d,
     cs = None if d.fwd.cs is None else np.asarray(d.fwd.cs, np.float64)
     c_prev = None if cs is None else np.concatenate([np.asarray(d.c0, np.float64)[None], cs[:-1]])
     steps, batch, hidden = y.shape
-    gh = buffers.matmul_steps(h_prev, w_hh.T) + b_hh
+    gh = matmul.matmul_steps(h_prev, w_hh.T) + b_hh
     flat = lambda a: None if a is None else a.reshape(steps * batch, -1)  # noqa: E731
     h, c, saved = cell.forward(np, flat(gi), flat(gh), flat(h_prev), flat(c_prev))
     h = h.reshape(y.shape)
