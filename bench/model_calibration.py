@@ -12,9 +12,12 @@ relative error. ``--fit`` refits ``FITTED`` (least squares on the relative error
 its range in ``FIT_RANGES``) and prints them; ``--json`` prints the comparison as JSON (the
 committed record: ``bench/results/model-calibration-2026-11-26.json``). ``--runs old``: the
 counter-barrier kernels' runs of 2026-11-23 (rebuilt from their commits' ``cuda_src``; the record
-``bench/results/model-calibration-2026-11-24.json``, fitted then on ``OLD_FITTED``).
+``bench/results/model-calibration-2026-11-24.json``, fitted then on ``OLD_FITTED``). ``--runs
+2026-11-27``: the H200's run of that day (``RUNS_2026_11_27``; no fit, its record
+``bench/results/model-calibration-2026-11-27.json``), predicted with its cluster passes' inputs
+fetched two steps ahead, as they ran.
 
-    PYTHONPATH=$PWD python bench/model_calibration.py [--runs current|old] [--json] [--fit]
+    PYTHONPATH=$PWD python bench/model_calibration.py [--runs current|2026-11-27|old] [--json] [--fit]
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import sys
 import tarfile
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import replace
 from io import BytesIO
 from pathlib import Path
@@ -38,6 +42,9 @@ from persistent_rnn import hardware as hw
 from persistent_rnn import latency
 from persistent_rnn import plan as planner
 from persistent_rnn import settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_call_cost import cluster_inputs_ahead  # noqa: E402 (a sibling script)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -55,6 +62,21 @@ CURRENT_RUNS = (
     ("h100-2026-11-26", "h100", "slope", "call_cost_before/gpu_call_cost.json"),
     ("h100-2026-11-26", "h100", "graph", "call_cost_after/gpu_call_cost.json"),
 )
+# The H200's run of 2026-11-27 (commit a1f19a2, call 2; e12ca4a, call 4: the persistent kernels
+# the same): each call's slopes and graph replays as points of their own.
+RUNS_2026_11_27 = (
+    ("h200-2026-11-27", "h200", "slope", "call2-fresh/gpu_call_cost.json"),
+    ("h200-2026-11-27", "h200", "slope", "call4/gpu_call_cost.json"),
+    ("h200-2026-11-27", "h200", "graph", "call2-fresh/gpu_call_cost.json"),
+    ("h200-2026-11-27", "h200", "graph", "call4/gpu_call_cost.json"),
+    ("h200-2026-11-27", "h200", "kernels", "call2-fresh/call_kernels.json"),
+)
+RUN_SETS = {"current": CURRENT_RUNS, "2026-11-27": RUNS_2026_11_27}
+# What a run's kernels did that today's plans no longer do: the 2026-11-26 runs predate the
+# backward mma tile and the launches' own settles; the 2026-11-27 run's cluster passes fetched
+# their inputs two steps ahead (plan.CLUSTER_INPUTS_AHEAD 2 until 34e0d78).
+PREDATES_SETTLES = {"h200-2026-11-26", "h100-2026-11-26"}
+INPUTS_AHEAD = {"h200-2026-11-27": 2}
 CALL_STEPS, CALL_INPUT = 100, 64  # gpu_call_cost.py's graph replay: T and input size
 FITTED = ("BLOCK_BARRIER", "EXCHANGE_TRAFFIC_EXPOSED", "PREFETCH_LATENCY")
 # Each fitted constant stays within what public figures or our measurements allow (hardware.py
@@ -144,11 +166,11 @@ def layer_of(name: str) -> tuple[str, int, int, str]:
     return m["cell"], int(m["hidden"]), int(m["batch"]), m["dtype"] or "float32"
 
 
-def current_points() -> list[dict]:
-    """Every measured point of ``CURRENT_RUNS``: what was measured (``measured_us``, µs per step,
+def current_points(runs: tuple = CURRENT_RUNS) -> list[dict]:
+    """Every measured point of ``runs`` (``RUN_SETS``): what was measured (``measured_us``, µs per step,
     per call or per call's kernels), of which layer, pass and kernel launches."""
     points = []
-    for run, device, kind, name in CURRENT_RUNS:
+    for run, device, kind, name in runs:
         data = json.loads((RESULTS / run / name).read_text())
         base = {"run": run, "device": device, "kind": kind, "file": f"{run}/{name}",
                 "commit": data.get("commit")}
@@ -179,20 +201,22 @@ def predict_current(p: dict) -> dict:
     ``latency.pass_kernel_us``)."""
     cell, hidden, batch, dtype = layer_of(p["layer"])
     spec, device = planner.resolve_cell(cell), hw.PROFILES[p["device"]]
-    plan = planner.make_plan(spec, hidden, batch, dtype, device)
-    backward = p["pass"] == "backward"
+    ahead = INPUTS_AHEAD.get(p["run"])
+    with cluster_inputs_ahead(ahead) if ahead else nullcontext():
+        plan = planner.make_plan(spec, hidden, batch, dtype, device)
+    backward, old = p["pass"] == "backward", p["run"] in PREDATES_SETTLES
     pp = plan.backward if backward else plan.forward
-    if pp.defines.get("PRNN_MMA") == 2:  # the runs predate the backward mma tile: the same
+    if old and pp.defines.get("PRNN_MMA") == 2:  # the runs predate the backward mma tile: the same
         # tile's CUDA-core backward ran
         pp = replace(pp, defines={k: v for k, v in pp.defines.items() if k != "PRNN_MMA"})
     terms = latency.step_terms(latency.pass_sass(pp, device.arch),
                                latency.PassShape(spec, pp, batch, hidden), device)
     if p["kind"] == "slope":
         predicted = terms.total_us
-    elif p["kind"] == "graph":  # (the runs predate the launches' own settles: their chain had a
+    elif p["kind"] == "graph":  # (a run predating the launches' own settles: its chain had a
         # settle kernel after each launch and one memset more, no settle at a launch's end)
         old_chain_us = ((settings.current().max_restarts + 2) * hw.EMPTY_LAUNCH_US
-                        - latency.SETTLE_TAIL_US)
+                        - latency.SETTLE_TAIL_US) if old else 0.0
         predicted = CALL_STEPS * terms.total_us + old_chain_us + latency.call_us(
             spec, hidden, batch, CALL_STEPS, CALL_INPUT, False, device)
     else:
@@ -286,11 +310,11 @@ def old_main(args) -> int:
     return 0
 
 
-def current_result(fit_first: bool) -> dict:
-    """The comparison on ``CURRENT_RUNS`` (fitting ``FITTED`` first if asked): the constants, the
-    exchange constants measured, and per point the figure before (``baseline_us``: the model as
-    committed before this calibration, when given) and after."""
-    points = current_points()
+def current_result(fit_first: bool, runs: str = "current") -> dict:
+    """The comparison on the run set ``runs`` of ``RUN_SETS`` (fitting ``FITTED`` first if
+    asked): the constants, the exchange constants measured, and per point the figure before
+    (``baseline_us``: the model as committed before this calibration, when given) and after."""
+    points = current_points(RUN_SETS[runs])
     if fit_first:
         measured = np.array([p["measured_us"] for p in points])
         fitted = fit(FITTED, lambda: [predict_current(p)["predicted_us"] for p in points],
@@ -304,13 +328,24 @@ def current_result(fit_first: bool) -> dict:
             "measured_constants": {"EXCHANGE_ROUND_NS": hw.EXCHANGE_ROUND_NS,
                                    "CLUSTER_ROUND_NS": hw.CLUSTER_ROUND_NS,
                                    "DSMEM_STORE_NS": hw.DSMEM_STORE_NS},
-            "command": "PYTHONPATH=$PWD python bench/model_calibration.py --json --baseline "
-                       "<the model before this calibration's figures>",
+            "command": RUN_COMMANDS[runs],
             "notes": ["every figure but measured_us is the latency model's prediction",
-                      "h100 points: commits ef140d4 / 31db1e5, predicted from today's kernels' SASS",
-                      "baseline_us: the model before the 2026-11-26 calibration (commit eda4312); "
-                      "on 'kernels' points it had no launch term: its steps only"],
+                      *RUN_NOTES[runs]],
             "nvrtc": benchmark.nvrtc_version(), **summary(rows), "rows": rows}
+
+
+RUN_COMMANDS = {
+    "current": "PYTHONPATH=$PWD python bench/model_calibration.py --json --baseline "
+               "<the model before this calibration's figures>",
+    "2026-11-27": "PYTHONPATH=$PWD python bench/model_calibration.py --runs 2026-11-27 --json"}
+RUN_NOTES = {
+    "current": ["h100 points: commits ef140d4 / 31db1e5, predicted from today's kernels' SASS",
+                "baseline_us: the model before the 2026-11-26 calibration (commit eda4312); "
+                "on 'kernels' points it had no launch term: its steps only"],
+    "2026-11-27": ["commits a1f19a2 (call2-fresh) and e12ca4a (call4), predicted from today's "
+                   "kernels' SASS with the cluster passes' inputs two steps ahead "
+                   "(plan.CLUSTER_INPUTS_AHEAD 2, three buffers), as they ran; no refit: the "
+                   "constants of the 2026-11-26 calibration"]}
 
 
 def cluster_store_slope(table: dict[int, float]) -> float:
@@ -322,8 +357,9 @@ def cluster_store_slope(table: dict[int, float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", choices=("current", "old"), default="current",
-                        help="today's kernels' runs (2026-11-26) or the counter-barrier kernels'")
+    parser.add_argument("--runs", choices=(*RUN_SETS, "old"), default="current",
+                        help="today's kernels' runs (2026-11-26), the H200's of 2026-11-27 or "
+                             "the counter-barrier kernels'")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.add_argument("--fit", action="store_true", help="refit the fitted constants first")
     parser.add_argument("--baseline", type=Path,
@@ -331,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.runs == "old":
         return old_main(args)
-    result = current_result(args.fit)
+    result = current_result(args.fit, args.runs)
     if args.baseline:
         before = {(r["file"], r["kind"], r["layer"], r["pass"]): r.get("baseline_us", r["predicted_us"])
                   for r in json.loads(args.baseline.read_text())["rows"]}
