@@ -37,6 +37,28 @@ def _flat(*results) -> list[np.ndarray]:
     return out
 
 
+def _planned_and_full_calls_equal(planned, full, x, dy, hx=None, lengths=None,
+                                  sgd: bool = False) -> list[tuple]:
+    """One forward and backward of ``planned`` and of ``full`` (its plan dropped: the reference
+    never plans) from zeroed gradients: every result and gradient bitwise equal. ``sgd``: each
+    then steps its parameters in place (a new plan would not be made for new weights). Returns
+    each layer's ``(y, dx)``."""
+    results, outputs = [], []
+    for layer in (planned, full):
+        full._plan = None
+        layer.zero_grad()
+        y, hn = layer.forward(x, hx, lengths=lengths)
+        dx, dhx = layer.backward(dy)
+        results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
+        outputs.append((y, dx))
+        if sgd:
+            for name, w in layer.params.items():
+                w -= 0.01 * layer.grads[name]
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    return outputs
+
+
 def _step(layer, x, dy) -> list[np.ndarray]:
     """Forward and backward; every result and the accumulated gradients, copied."""
     layer.zero_grad()
@@ -156,16 +178,7 @@ def test_planned_calls_with_initial_states(settings, grid_path, monkeypatch, cel
 
     for seed in range(4):
         x, dy = _data(seed)
-        hx = state()
-        results = []
-        for layer in (planned, full):
-            full._plan = None
-            layer.zero_grad()
-            y, hn = layer.forward(x, hx)
-            dx, dhx = layer.backward(dy)
-            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(a, b)
+        _planned_and_full_calls_equal(planned, full, x, dy, state())
     assert (hits.forwards, hits.backwards) == (2, 1)
     x, _ = _data(0)
     if cell == "LSTM":
@@ -409,15 +422,8 @@ def _lengths_steps(cell: str, planned, full, seeds) -> None:
         lengths = np.random.default_rng(seed).integers(1, 6, 2)
         lengths[0] = 5
         x[lengths[1]:, 1] = np.nan
-        results = []
-        for layer in (planned, full):
-            full._plan = None
-            layer.zero_grad()
-            y, hn = layer.forward(x, lengths=lengths.tolist() if seed % 2 else lengths)
-            dx, dhx = layer.backward(dy)
-            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(a, b)
+        _planned_and_full_calls_equal(planned, full, x, dy,
+                                      lengths=lengths.tolist() if seed % 2 else lengths)
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
@@ -662,17 +668,7 @@ def _stack_steps(cell: str, planned, full, seeds, extras: bool) -> None:
             shape = (planned.num_layers * planned.directions, SB, SH)
             h = rng.standard_normal(shape).astype(np.float32)
             hx = h if cell == "GRU" else (h, rng.standard_normal(shape).astype(np.float32))
-        results = []
-        for layer in (planned, full):
-            full._plan = None
-            layer.zero_grad()
-            y, hn = layer.forward(x, hx, lengths=lengths)
-            dx, dhx = layer.backward(dy)
-            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
-            for name, w in layer.params.items():
-                w -= 0.01 * layer.grads[name]
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(a, b)
+        _planned_and_full_calls_equal(planned, full, x, dy, hx, lengths, sgd=True)
 
 
 STACK_CASES = [("GRU", True, False, 2), ("LSTM", False, False, 2), ("LSTM", True, False, 2),
@@ -859,17 +855,7 @@ def test_projection_stacks_are_planned_bitwise(settings, grid_path, monkeypatch,
             x[lengths[1]:, 1] = np.nan
             count = layers * planned.directions
             hx = tuple(rng.standard_normal((count, SB, w)).astype(np.float32) for w in (6, 12))
-        results = []
-        for layer in (planned, full):
-            full._plan = None
-            layer.zero_grad()
-            y, hn = layer.forward(x, hx, lengths=lengths)
-            dx, dhx = layer.backward(dy)
-            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
-            for name, w in layer.params.items():
-                w -= 0.01 * layer.grads[name]
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(a, b)
+        _planned_and_full_calls_equal(planned, full, x, dy, hx, lengths, sgd=True)
     assert type(planned._plan) is layer_plans.LayersPlan
     assert (hits.forwards, hits.backwards) == (3, 2)
 
@@ -938,18 +924,8 @@ def _batch_first_steps(cell: str, planned, full, seeds, extras: bool) -> None:
             shape = (planned.num_layers * planned.directions, SB, SH)
             h = rng.standard_normal(shape).astype(np.float32)
             hx = h if cell == "GRU" else (h, rng.standard_normal(shape).astype(np.float32))
-        results = []
-        for layer in (planned, full):
-            full._plan = None
-            layer.zero_grad()
-            y, hn = layer.forward(x, hx, lengths=lengths)
-            dx, dhx = layer.backward(dy)
+        for y, dx in _planned_and_full_calls_equal(planned, full, x, dy, hx, lengths, sgd=True):
             assert y.shape == (SB, ST, dy.shape[2]) and dx.shape == x.shape
-            results.append(_flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()])
-            for name, w in layer.params.items():
-                w -= 0.01 * layer.grads[name]
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("cell,extras,layers,pair,stack", BATCH_FIRST_CASES,
