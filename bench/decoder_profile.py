@@ -47,10 +47,11 @@ def _loop(step, x0: torch.Tensor, steps: int):
     return loop
 
 
-def host_profile(loop) -> str:
-    """cProfile of one call of ``loop`` (after one warm-up call): the top 25 by own time."""
+def host_profile(loop, steps: int) -> str:
+    """cProfile of one call of ``loop`` of ``steps`` steps (after one warm-up call): the top 25
+    by own time, µs per step."""
     loop()
-    return benchmark.profile_text(loop)
+    return benchmark.profile_text(loop, calls=steps)
 
 
 def device_profile(run: Callable[[], object], steps: int,
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("prt.LSTMCell (fused step)", ours, False, None, None),
                 ("torch.nn.LSTMCell", theirs, True, None, None)):
             loop = _loop(step, x0, steps)
-            sections.append(f"== {name}: host, {steps} eager steps\n{host_profile(loop)}")
+            sections.append(f"== {name}: host, {steps} eager steps\n{host_profile(loop, steps)}")
             if not args.cpu:
                 title = "a captured loop replayed" if captured else NOT_CAPTURABLE
                 try:

@@ -60,6 +60,7 @@ LAYERS = [("gru", 256, 1), ("lstm", 1024, 4), ("rnn_tanh", 512, 1)]
 CPU_LAYERS = [("gru", 16, 1)]
 ROADS = ("persistent", "gemm", "prnn_torch", "cudnn")
 INPUT, STEPS = 64, 100
+PROFILE_WARMUP = 10  # calls before a profile (``profile``): planned and captured by then
 # The A/B of plan.CLUSTER_INPUTS_AHEAD: the cluster layers the two-ahead passes were measured on
 # (2026-11-27: GRU slower, RNN-tanh unchanged), each setting twice in the order A B B A, so that
 # a drift over the run falls on both alike.
@@ -241,9 +242,11 @@ def graph_replay(dev: Device, cell: str, hidden: int, batch: int, calls: int) ->
 
 def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward: bool,
             calls: int) -> str:
-    """cProfile of ``calls`` calls of ``road``: the top functions by own time and by total."""
+    """cProfile of ``calls`` calls of ``road`` in steady state: the top functions by own time
+    and by total, µs per call. The warm-up plans the call (``call_plans``: two calls that ran the
+    whole way) and captures its chain graphs, so that none of that is in the profile."""
     call = make_call(dev, road, cell, hidden, batch, STEPS, backward)
-    for _ in range(1 if dev.cpu else 3):
+    for _ in range(PROFILE_WARMUP):
         call()
     dev.sync()
 
@@ -251,7 +254,7 @@ def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward
         for _ in range(calls):
             call()
         dev.sync()
-    return benchmark.profile_text(calls_then_sync, (("tottime", 30), ("cumulative", 40)))
+    return benchmark.profile_text(calls_then_sync, (("tottime", 30), ("cumulative", 40)), calls)
 
 
 @contextmanager
