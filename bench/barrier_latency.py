@@ -15,6 +15,11 @@ times back to back with no work in between, per grid size:
   at most 16 CTAs - 16 is above CUDA's portable size of 8 and is what the small layers run as on
   H100/H200 -; ``None`` where the device holds no such cluster).
 
+``--free-polls 2,16,64`` (an experiment): the tagged exchange again, built with each number of free
+polls before a waiting thread reads the timer and sleeps (``-D PRNN_GRID_FREE_POLLS``,
+``cuda_src/exchange.cuh``; the kernels' default is 2): ``exchange_ns_per_round_free_polls`` maps
+each to its ns per round.
+
 Each figure is the kernel's own ``%globaltimer`` measurement (``elapsed_ns``, largest over CTAs)
 divided by the rounds, median over ``--repeats`` launches; the ``event_`` columns are the same from
 CUDA events around the launch (launch overhead included, a cross-check). Grid sizes: powers of
@@ -45,6 +50,14 @@ def grid_sizes(sm_count: int, quick: bool) -> list[int]:
     return sorted(set(sizes + [sm_count]))
 
 
+def free_polls(text: str) -> tuple[int, ...]:
+    """``--free-polls``: comma-separated counts, each at least 0."""
+    counts = tuple(int(v) for v in text.split(",") if v.strip())
+    if any(n < 0 for n in counts):
+        raise ValueError(f"--free-polls: counts must be >= 0, got {text!r}")
+    return counts
+
+
 def _control(cp, grid: int):
     ctl = cp.zeros(2 + grid, dtype=cp.uint32)
     ctl[2:] = np.uint32(0xFFFFFFFF)  # progress[] = -1: nothing done
@@ -61,6 +74,17 @@ def _timed(module, kernel: str, grid: int, block: int, shared: int, args: tuple,
     return float(elapsed.max().get()) / rounds, seconds * 1e9 / rounds
 
 
+def _exchange(module, grid: int, block: int, rounds: int, width: int, timeout, elapsed,
+              errors) -> tuple[float, float]:
+    """``_timed`` of the tagged exchange of ``module`` on ``grid`` CTAs (fresh words)."""
+    import cupy as cp
+    length = grid * width
+    words, ctl = cp.zeros((2, -(-length // 4) * 4), cp.uint32), _control(cp, grid)
+    return _timed(module, EXCHANGE_KERNEL, grid, block, 0,
+                  (words, ctl, np.int32(rounds), np.int32(width), timeout, *NO_STALL, elapsed,
+                   errors), ctl, elapsed, rounds)
+
+
 def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeout_ns: int) -> dict:
     """One launch of each protocol on ``grid`` CTAs: ns per round (kernel timer and events)."""
     import cupy as cp
@@ -70,10 +94,10 @@ def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeo
     barrier = _timed(modules["grid"], KERNEL, grid, block, 0,
                      (ctl, np.int32(rounds), timeout, *NO_STALL, elapsed), ctl, elapsed, rounds)
     length = grid * width
-    words, errors, ctl = cp.zeros((2, -(-length // 4) * 4), cp.uint32), cp.zeros(1, cp.uint32), _control(cp, grid)
-    exchange = _timed(modules["grid"], EXCHANGE_KERNEL, grid, block, 0,
-                      (words, ctl, np.int32(rounds), np.int32(width), timeout,
-                       *NO_STALL, elapsed, errors), ctl, elapsed, rounds)
+    errors = cp.zeros(1, cp.uint32)
+    exchange = _exchange(modules["grid"], grid, block, rounds, width, timeout, elapsed, errors)
+    polls = {n: _exchange(m, grid, block, rounds, width, timeout, elapsed, errors)[0]
+             for n, m in modules.get("free_polls", {}).items()}
     cluster = (None, None)
     if grid in modules.get("clusters", {}) and _cluster_fits(modules["clusters"][grid], grid, block,
                                                              length):
@@ -86,7 +110,8 @@ def measure(modules: dict, grid: int, block: int, rounds: int, width: int, timeo
     return {"grid": grid, "block": block, "rounds": rounds, "width": width,
             "ns_per_barrier": barrier[0], "event_ns_per_barrier": barrier[1],
             "exchange_ns_per_round": exchange[0], "exchange_event_ns_per_round": exchange[1],
-            "cluster_ns_per_round": cluster[0], "cluster_event_ns_per_round": cluster[1]}
+            "cluster_ns_per_round": cluster[0], "cluster_event_ns_per_round": cluster[1],
+            "exchange_ns_per_round_free_polls": polls}
 
 
 def _cluster_fits(module, grid: int, block: int, length: int) -> bool:
@@ -104,6 +129,9 @@ def _median_row(runs: list[dict]) -> dict:
     for key, value in row.items():
         if key.endswith(("_per_barrier", "_per_round")) and value is not None:
             row[key] = float(np.median([r[key] for r in runs]))
+    row["exchange_ns_per_round_free_polls"] = {
+        n: float(np.median([r["exchange_ns_per_round_free_polls"][n] for r in runs]))
+        for n in runs[0]["exchange_ns_per_round_free_polls"]}
     return row
 
 
@@ -129,10 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=8, help="words each CTA publishes per round")
     p.add_argument("--timeout-ms", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=5, help="launches per grid size (median)")
+    p.add_argument("--free-polls", type=free_polls, default=(),
+                   help="comma-separated free polls to build the tagged exchange with as well "
+                        "(PRNN_GRID_FREE_POLLS; the kernels' default is 2)")
     args = p.parse_args(argv)
     _study.require_gpu(NAME)
     import cupy as cp
-    modules = {"grid": kernels.get_module("grid_barrier.cu", {})}
+    modules = {"grid": kernels.get_module("grid_barrier.cu", {}),
+               "free_polls": {n: kernels.get_module("grid_barrier.cu", {"PRNN_GRID_FREE_POLLS": n})
+                              for n in args.free_polls}}
     device = cp.cuda.Device()
     sm_count = device.attributes["MultiProcessorCount"]
     resident = min(modules["grid"].max_active_blocks(k, args.block, 0) for k in (KERNEL, EXCHANGE_KERNEL)) * sm_count
@@ -149,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                                          int(args.timeout_ms * 1e6)) for _ in range(args.repeats)]))
         r = rows[-1]
         cluster = "-" if r["cluster_ns_per_round"] is None else f"{r['cluster_ns_per_round']:8.1f}"
+        polls = "".join(f", {n} free polls {ns:8.1f}"
+                        for n, ns in r["exchange_ns_per_round_free_polls"].items())
         print(f"grid {grid:4d}: counter barrier {r['ns_per_barrier']:8.1f} ns, tagged exchange "
-              f"{r['exchange_ns_per_round']:8.1f} ns, cluster {cluster} ns per round")
+              f"{r['exchange_ns_per_round']:8.1f} ns{polls}, cluster {cluster} ns per round")
     settings = {"rounds": args.rounds, "block": args.block, "width": args.width,
+                "free_polls": list(args.free_polls),
                 "timeout_ms": args.timeout_ms, "repeats": args.repeats, "sm_count": sm_count,
                 "timing": "median over launches"}
     _study.save(args.out, NAME, _study.document(settings, rows), draw)

@@ -162,7 +162,14 @@ struct PrnnWaitPolicy {
 };
 // Words in L2: a poll is a round trip (~0.5 us), so two free polls cover about the first
 // microsecond. Words in this CTA's shared memory (a cluster): a poll is ~30 cycles.
-using PrnnGridWait = PrnnWaitPolicy<2, 8>;
+// PRNN_GRID_FREE_POLLS overrides the grid's free polls for an experiment (bench/barrier_latency.py
+// --free-polls measures the exchange round with each): the measured round is most of a grid step
+// (docs/design.md, "Latency model"), and whether the timer reads and sleeps after two polls lengthen
+// it is for a GPU to say.
+#ifndef PRNN_GRID_FREE_POLLS
+#define PRNN_GRID_FREE_POLLS 2
+#endif
+using PrnnGridWait = PrnnWaitPolicy<PRNN_GRID_FREE_POLLS, 8>;
 using PrnnClusterWait = PrnnWaitPolicy<64, 64>;
 
 // One thread's progress through a wait: polls that found words missing, and the deadline (0: not

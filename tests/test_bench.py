@@ -172,6 +172,12 @@ def test_barrier_latency_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
     assert barrier_latency.MAX_CLUSTER == 16
     log = kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 16}, "sm_90").log
     assert f"'{barrier_latency.CLUSTER_KERNEL}'" in log
+    # --free-polls' builds (``PRNN_GRID_FREE_POLLS``)
+    log = kernels.compile_source("grid_barrier.cu", {"PRNN_GRID_FREE_POLLS": 64}, "sm_90").log
+    assert f"'{barrier_latency.EXCHANGE_KERNEL}'" in log and "0 bytes spill stores" in log
+    assert barrier_latency.free_polls("2,16, 64") == (2, 16, 64)
+    with pytest.raises(ValueError, match="--free-polls"):
+        barrier_latency.free_polls("2,-1")
 
 
 # --- projections, stacks, predictions, the commit stamp, the GPU suite's pieces on the CPU ---

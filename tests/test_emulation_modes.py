@@ -264,24 +264,39 @@ def test_a_cta_that_leaves_the_cluster_early_is_an_error(settings, tmp_path, mon
 
 # ---- delayed visibility -------------------------------------------------------------------------
 
-def _exchange_errors(src_dir=None, grid: int = 4, width: int = 9,
-                     mode: str = "delayed") -> tuple[int, int]:
-    """exchange_rounds (grid_barrier.cu) under `mode` (delayed visibility by default): (abort
-    word, wrong values)."""
-    module = emulate.get_module("grid_barrier.cu", {}, src_dir)
+def _exchange_errors(src_dir=None, grid: int = 4, width: int = 9, mode: str | None = "delayed",
+                     defines: dict | None = None, timeout_ns: int = 10**9,
+                     stall: tuple[int, int, int] = (-1, -1, 0)) -> tuple[int, int]:
+    """exchange_rounds (grid_barrier.cu, built with ``defines``) under `mode` (delayed
+    visibility by default; ``None``: none), block ``stall[0]`` stalling ``stall[2]`` ns before round
+    ``stall[1]``: (abort word, wrong values)."""
+    module = emulate.get_module("grid_barrier.cu", defines or {}, src_dir)
     length = grid * width
     exchange = np.zeros((2, -(-length // 4) * 4), np.uint32)
     ctl = np.zeros(2 + grid, np.uint32)
     elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
-    args = (exchange, ctl, np.int32(40), np.int32(width), np.uint64(10**9), np.int32(-1),
-            np.int32(-1), np.uint64(0), elapsed, errors)
-    with emulate.modes(mode, seed=5):
+    args = (exchange, ctl, np.int32(40), np.int32(width), np.uint64(timeout_ns),
+            np.int32(stall[0]), np.int32(stall[1]), np.uint64(stall[2]), elapsed, errors)
+    with emulate.modes(*(mode,) * bool(mode), seed=5):
         module.launch("exchange_rounds", grid, 64, 0, args)
     return int(ctl[1]), int(errors[0])
 
 
 def test_the_exchange_survives_delayed_and_reordered_stores():
     assert _exchange_errors() == (0, 0)
+
+
+@pytest.mark.parametrize("free_polls", [0, 64])
+def test_the_exchange_with_other_free_polls_is_right_and_bounded(free_polls):
+    """bench/barrier_latency.py --free-polls builds the grid's wait with another number of polls
+    before the deadline starts (``PRNN_GRID_FREE_POLLS``): the words are still right in a random
+    schedule, and a CTA that stalls past the deadline still ends the wait (the abort word says
+    it timed out) rather than hanging."""
+    defines = {"PRNN_GRID_FREE_POLLS": free_polls}
+    assert _exchange_errors(mode="schedule", defines=defines) == (0, 0)
+    aborted, _ = _exchange_errors(mode=None, defines=defines, timeout_ns=2 * 10**6,
+                                  stall=(1, 5, 200 * 10**6))
+    assert aborted == 1  # kPrnnTimedOut (exchange.cuh)
 
 
 def test_a_quad_judged_by_one_tag_reads_stale_words(tmp_path):
