@@ -148,11 +148,15 @@ def reused(xp, key: tuple, make: Callable[[], T]) -> T:
             return make()
         stream = (xp.cuda.Device().id, current.ptr)
     full = (key, threading.get_ident(), stream)
-    with _REUSED_LOCK:
-        found = _REUSED.get(full)
-        if found is not None:
+    # A hit takes no lock: the OrderedDict's get and move_to_end are each atomic under the GIL,
+    # and an entry another thread evicted in between is made again below.
+    found = _REUSED.get(full)
+    if found is not None:
+        try:
             _REUSED.move_to_end(full)
             return found
+        except KeyError:
+            pass
     found = make()
     with _REUSED_LOCK:
         _REUSED[full] = found

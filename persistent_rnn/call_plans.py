@@ -191,7 +191,9 @@ class Plan:
                 or algo != self.algo or settings.current() is not self.settings
                 or buffers.generation() != self.generation or _where(self.xp) != self.where):
             return False
-        return self._same_weights(params) and launch.COOLDOWNS.reason(self.engine.key) is None
+        # (no engine: a GEMM-path plan's, ``gemm_plans``, with nothing to cool down)
+        return self._same_weights(params) and (
+            self.engine is None or launch.COOLDOWNS.reason(self.engine.key) is None)
 
     def _states(self, hx: Any) -> bool:
         """Whether ``hx`` holds initial states the full path's checks would pass: an array (the

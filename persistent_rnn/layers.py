@@ -166,7 +166,8 @@ class _Recurrent:
     def _plan_calls(self, ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> None:
         """Plan this call's signature (``call_plans``) when the call before that ran the whole
         way had it too (a one-off call plans nothing)."""
-        if ctx.stats.algo != "persistent":  # (nothing to plan: no signature made)
+        if ctx.stats.algo != "persistent" and ctx.algo != "gemm":  # (nothing to plan: the
+        # full path decides anew every call)
             return
         signature = call_plans.signature(x, hx, lengths)
         if signature == self._last_signature:

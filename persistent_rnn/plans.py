@@ -1,4 +1,5 @@
-"""Which plan serves a call's signature: ``call_plans`` for a single layer-direction,
+"""Which plan serves a call's signature: ``call_plans`` for a single layer-direction
+(``gemm_plans`` for one whose caller asked for the GEMM path),
 ``stack_plans`` for a stack that ran in stack mode or a bidirectional layer or stack that ran as
 pairs, ``layer_plans`` for a stack or bidirectional layer that ran one layer-direction per launch
 (docs/design.md, planned calls); batch-first calls of each through a time-major view. The one
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import buffers, call_plans, functional, layer_plans, stack_plans
+from . import buffers, call_plans, functional, gemm_plans, layer_plans, stack_plans
 
 Array = Any
 
@@ -31,7 +32,7 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any, key: tuple
             plan = (stack_plans.plan_of(ctx, x, hx, lengths)
                     or layer_plans.plan_of(ctx, x, hx, lengths))
     else:
-        plan = call_plans.plan_of(ctx, x, hx, lengths)
+        plan = call_plans.plan_of(ctx, x, hx, lengths) or gemm_plans.plan_of(ctx, x, hx, lengths)
     if plan is not None:
         plan.key, plan.accumulates, plan.given_shape = key, accumulates, given.shape
     return plan

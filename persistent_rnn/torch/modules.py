@@ -143,8 +143,13 @@ class _RecurrentBase(Recorded, torch.nn.RNNBase):
         return x, torch.cat(hs), None if cs[0] is None else torch.cat(cs)
 
     def _check_args(self, x: torch.Tensor, hx, batch_sizes: torch.Tensor | None) -> None:
-        # torch.nn's own shape checks, so that errors read exactly as torch.nn's
+        """torch.nn's own checks (``check_input``, ``check_forward_args``), so that errors read
+        exactly as torch.nn's; the usual call - no state, a 3-D input of the module's input size
+        and of its first weight's dtype, which ``check_input`` passes - without their calls."""
         if hx is None:
+            if (batch_sizes is None and x.dim() == 3 and x.shape[2] == self.input_size
+                    and x.dtype == self._flat_weights[0].dtype):
+                return
             self.check_input(x, batch_sizes)
         else:
             self.check_forward_args(x, hx, batch_sizes)

@@ -221,19 +221,20 @@ class WeightViews:
     __slots__ = ("_entry",)
 
     def __init__(self) -> None:
-        # (weights, their stamps, the dict): one tuple, read and replaced whole, so that calls
-        # from several threads never mix the parts of two entries
-        self._entry: tuple[tuple, tuple, dict] = ((), (), {})
+        # (the stamps of the weights, the dict): one tuple, read and replaced whole, so that
+        # calls from several threads never mix the parts of two entries
+        self._entry: tuple[tuple, dict] = ((), {})
 
     def get(self, weights: list[Tensor], num_layers: int, bidirectional: bool) -> dict:
         """``_fresh_params(weights, ...)``, from memory where nothing changed since it was made."""
-        known, stamps, params = self._entry
-        if len(known) == len(weights):  # (loops, not comprehensions: no frames per call)
-            for w, k, stamp in zip(weights, known, stamps):
-                # (contiguous again: ``param.data = `` a strided view of the same memory keeps
-                # the pointer, shape and version)
-                if w is not k or (w.data_ptr(), w._version, w.shape) != stamp \
-                        or not w.is_contiguous():
+        stamps, params = self._entry
+        if len(stamps) == len(weights):  # (a loop, not a comprehension: no frame per call)
+            for w, (known, version, pointer, shape) in zip(weights, stamps):
+                # (each comparison only where the one before it held: the usual case makes all
+                # of them; contiguous again: ``param.data = `` a strided view of the same memory
+                # keeps the pointer, shape and version)
+                if w is not known or w._version != version or w.data_ptr() != pointer \
+                        or w.shape != shape or not w.is_contiguous():
                     break
             else:
                 return params
@@ -244,20 +245,20 @@ class WeightViews:
     @property
     def params(self) -> dict:
         """The remembered dict (empty where none is)."""
-        return self._entry[2]
+        return self._entry[1]
 
     def _remember(self, weights: list[Tensor], params: dict) -> None:
         stamps = []
         for w in weights:
             if not w.is_contiguous():
-                self._entry = ((), (), {})  # a contiguous copy, not a view: made afresh every call
+                self._entry = ((), {})  # a contiguous copy, not a view: made afresh every call
                 return
             try:
-                stamps.append((w.data_ptr(), w._version, w.shape))
+                stamps.append((w, w._version, w.data_ptr(), w.shape))
             except RuntimeError:  # an inference tensor has no version counter to compare
-                self._entry = ((), (), {})
+                self._entry = ((), {})
                 return
-        self._entry = (tuple(weights), tuple(stamps), params)
+        self._entry = (tuple(stamps), params)
 
 
 @lru_cache(maxsize=256)
@@ -413,7 +414,8 @@ def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, length
     forward before this one had it too (as the layer API plans: ``layers``); ``part``: the
     call's part of its module forward (one op call per layer with dropout: alternating parts
     never plan, rather than each replacing the other's plan)."""
-    if ctx.stats.algo != "persistent":  # (nothing to plan: no signature made)
+    if ctx.stats.algo != "persistent" and ctx.algo != "gemm":  # (nothing to plan: the
+        # full path decides anew every call)
         return
     signature = (*call_plans.signature(x, hx, lengths), part)
     if signature == record.signature:
