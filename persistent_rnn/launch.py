@@ -277,7 +277,6 @@ class DeviceRecord:
     def __init__(self, ring: RecordRing, seq: int, groups: int, end: int):
         self.ring, self.seq, self.groups, self.end = ring, seq, groups, end
         self._decoded: dict | None = None
-        self._lock = threading.Lock()
 
     def poll(self) -> bool:
         """Decode the record if the device has written it (no wait); whether it is decoded."""
@@ -300,7 +299,7 @@ class DeviceRecord:
 
     def _decode(self, words: list[int] | None) -> None:
         g = self.groups
-        with self._lock:
+        with _DECODING:
             if self._decoded is not None:
                 return
             if words is None:
@@ -313,6 +312,11 @@ class DeviceRecord:
             self._decoded = {"restarts": words[0], "completions": words[2],
                              "completed_from": completed,
                              "not_resident": bool(words[1] & NOT_RESIDENT), "lost": False}
+
+
+# Every record's decoding (``DeviceRecord._decode``): one lock for all (each record decodes once,
+# when its stats are read), not one made by every call.
+_DECODING = threading.Lock()
 
 
 def _int32(word: int) -> int:
