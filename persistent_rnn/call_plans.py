@@ -335,9 +335,8 @@ class Plan:
         if self.c0 is not None:
             arrays["dc0"] = dc = xp.empty(self.c_shape, dy.dtype)
         arrays["dx"] = dx = xp.empty(self.x_shape, dy.dtype)
-        grads = {name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(),
-                                                                      self.weights)
-                 } if self.gradient_roles else {}  # (none where the plan accumulates)
+        grads = {} if not self.gradient_roles else {  # (none where the plan accumulates)
+            name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(), self.weights)}
         arrays.update(grads)  # (by their parameters' names: the ``gradient_roles``)
         if self.accumulates:
             arrays.update({_SUM + name: into[name] for name in self.names.values()})
