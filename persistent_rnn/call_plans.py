@@ -132,7 +132,10 @@ class Plan:
         self.names = d.names
         w_ih, w_hh, b_ih, b_hh = functional._weights(ctx, d.names)
         self.weights = tuple(ctx.params[name] for name in d.names.values())
-        self.gradient_roles: tuple[str, ...] = ()  # (``plan_backward``)
+        # (``plan_backward``: the parameter gradients' names in their order, and those of them
+        # that are roles of the backward's chain: the call's new arrays)
+        self.gradient_names: tuple[str, ...] = ()
+        self.gradient_roles: tuple[str, ...] = ()
         self.w_hh, self.b_ih, self.w_ih_t = w_hh, b_ih, w_ih.T
         # an LSTM projection's W_hr (P, H): h (and y) P wide, c H wide
         self.w_hr = ctx.params[d.names["weight_hr"]] if "weight_hr" in d.names else None
@@ -246,7 +249,7 @@ class Plan:
         input's array module, as the callers make them (``validation.lengths``,
         ``torch.interop.lengths_array``)."""
         xp, cell = self.xp, self.cell
-        h0, c0, states = self._initial_states(hx)
+        h0, c0, states = (self.h0, self.c0, {}) if hx is None else self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:
             # (formed in the chain: with lengths the input zero past each length, as
@@ -271,11 +274,9 @@ class Plan:
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, dict]:
-        """``(h0, c0, roles)``: the pass's initial states of a call giving ``hx`` (the zeros
-        planned where it gives none) and the per-call arrays they are formed from inside the
-        chain (none: as functional's, contiguous, row 0 of a layer, are the caller's)."""
-        if hx is None:
-            return self.h0, self.c0, {}
+        """``(h0, c0, roles)``: the pass's initial states of a call giving ``hx`` (not ``None``:
+        the planned zeros) and the per-call arrays they are formed from inside the chain (none:
+        as functional's, contiguous, row 0 of a layer, are the caller's)."""
         h0, c0 = contiguous_states(self.xp, hx if self.c0 is not None else (hx, None))
         return h0[0], None if c0 is None else c0[0], {}
 
@@ -336,10 +337,9 @@ class Plan:
         if self.c0 is not None:
             arrays["dc0"] = dc = xp.empty(self.c_shape, dy.dtype)
         arrays["dx"] = dx = xp.empty(self.x_shape, dy.dtype)
-        grads = {name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(),
-                                                                      self.weights)
-                 if name in self.gradient_roles}
-        arrays.update(grads)  # (by their parameters' names: ``gradient_roles``)
+        grads = {} if not self.gradient_roles else {  # (none where the plan accumulates)
+            name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(), self.weights)}
+        arrays.update(grads)  # (by their parameters' names: the ``gradient_roles``)
         if self.accumulates:
             arrays.update({_SUM + name: into[name] for name in self.names.values()})
         ctx.backward_stats = self.backward_pass.run(arrays)
@@ -366,9 +366,17 @@ class Plan:
         dgi, dgh = runtime._gradient_buffers(self.cell, dy, hidden, 0)
         prepared = runtime.prepare_backward(self.cell, engine, dy, self.w_hh, d.h0, d.c0, lengths,
                                             d.fwd, self.half, self.w_hr, 0, dgi, dgh)
-        self.gradient_roles = tuple(self.names[n] for n in _GRADIENTS if n in self.names)
+        self.gradient_names = tuple(self.names[n] for n in _GRADIENTS if n in self.names)
+        # (the call's new arrays, where it returns them; where the plan accumulates, none: the
+        # gradients formed in held workspaces, as a 16-bit call's always are, and added into
+        # the caller's)
+        self.gradient_roles = () if self.accumulates else self.gradient_names
+        weights = dict(zip(self.names.values(), self.weights))
         fixed = {"w_hh": self.w_hh, "w_ih": self.w_ih_t.T, "w_hr": self.w_hr, "mask": self.mask,
-                 "dw_hh": workspace(xp, "dw_hh", self.w_hh.shape, np.float32)}
+                 "dw_hh": workspace(xp, "dw_hh", self.w_hh.shape, np.float32),
+                 "grads": tuple(workspace(xp, "plan_grad " + name, weights[name].shape,
+                                          np.float32) for name in self.gradient_names)
+                 if self.accumulates or self.half is not None else None}
         self.backward_pass, self.backward_engine = prepared, engine
         fixed.update(self._backward_fixed())
         prepared.around = runtime.Around(
@@ -407,13 +415,14 @@ class Plan:
         """Inside the backward's chain, after its completion: this call's results into its new
         arrays, as ``functional.backward`` forms them - ``dh0`` (``runtime.initial_state_gradient``),
         an LSTM's ``dc0`` (the direct carry's row 0), the parameter gradients
-        (``functional.parameter_gradients``) and ``dx``."""
+        (``functional.parameter_gradients``; where the plan accumulates, into its held
+        workspaces, then added into the caller's) and ``dx``."""
         xp, s = self.xp, self.backward_pass.backward
         runtime.initial_state_gradient(s, fixed["w_hh"], arrays["dh0"][0])
         if self.c0 is not None:
             xp.copyto(arrays["dc0"], s.dc_carry[:1])
         x = arrays["x"]
-        grads = tuple(arrays[role] for role in self.gradient_roles)
+        grads = fixed["grads"] or tuple(arrays[role] for role in self.gradient_roles)
         functional.parameter_gradients(
             s.dgi, s.dgh, x.reshape(-1, x.shape[2]), arrays["y"], arrays["h0"],
             "bias_ih" in self.names, grads, fixed["dw_hh"], self.half)
@@ -421,8 +430,8 @@ class Plan:
             functional.projection_gradient(s.drs, arrays["hs"], grads[-1], self.half)
         matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
         if self.accumulates:  # (as the layer API adds a full call's: ``layers``)
-            for name in self.names.values():
-                arrays[_SUM + name] += arrays[name]
+            for name, g in zip(self.gradient_names, grads):
+                arrays[_SUM + name] += g
 
     def _backward_current(self, ctx: functional.Context) -> bool:
         """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""
@@ -522,8 +531,6 @@ class HalfPlan(Plan):
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, dict]:
         """New float32 initial states of a call giving ``hx`` (16-bit, widened into them inside
         the chain, as functional widens them) and the given arrays by role."""
-        if hx is None:
-            return self.h0, self.c0, {}
         xp = self.xp
         h0 = xp.empty(self.state_shape[1:], np.float32)
         if self.c0 is None:
@@ -570,12 +577,10 @@ class HalfPlan(Plan):
     def _backward_fixed(self) -> dict:
         """The float32 workspaces the backward's chain widens into and computes in: ``dy`` (the
         pass's where it has no lengths), ``W_hh`` (where the pass holds 16-bit ``W_hh^T``),
-        ``W_ih``, the input, ``dx``, ``dh0`` and each parameter gradient (and where the plan
-        accumulates, the caller's sums widened: no per-call gradient arrays then)."""
+        ``W_ih``, the input, ``dx``, ``dh0`` (the parameter gradients': every plan's ``grads``)
+        and where the plan accumulates the caller's sums widened."""
         xp, held = self.xp, self.backward_pass.args[self._transposes()[0][0]]
         steps, batch, _ = self.x_shape
-        if self.accumulates:
-            self.gradient_roles = ()
         w_ih = self.w_ih_t.T
         fixed = {"dy_wide": workspace(xp, "dy_wide", self.y_shape, np.float32),
                  "w_hh_wide": None if held.dtype == np.float32 else workspace(
@@ -586,9 +591,8 @@ class HalfPlan(Plan):
                  "dx_wide": workspace(xp, "result_dx", (steps * batch, self.x_shape[2]),
                                       np.float32),
                  "dh_wide": workspace(xp, "result_dh0", self.state_shape, np.float32)}
-        for name, w in zip(self.names.values(), self.weights):
-            fixed["grad " + name] = workspace(xp, "plan_grad " + name, w.shape, np.float32)
-            if self.accumulates:
+        if self.accumulates:
+            for name, w in zip(self.names.values(), self.weights):
                 fixed[_SUM + name] = workspace(xp, "plan_sum " + name, w.shape, np.float32)
         return fixed
 
@@ -619,8 +623,7 @@ class HalfPlan(Plan):
             _narrowed(xp, arrays["dc0"], s.dc_carry[:1])
         x = arrays["x"]
         x = widen(x.reshape(-1, x.shape[2]), fixed["x_wide"])
-        names = [self.names[n] for n in _GRADIENTS if n in self.names]
-        grads = tuple(fixed["grad " + name] for name in names)
+        names, grads = self.gradient_names, fixed["grads"]
         functional.parameter_gradients(s.dgi, s.dgh, x, arrays["y"], arrays["h0"],
                                        "bias_ih" in self.names, grads, fixed["dw_hh"], self.half)
         if self.proj:

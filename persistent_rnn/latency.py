@@ -49,7 +49,8 @@ CALIBRATION = ("calibrated on 19 points of today's kernels measured on an H200 a
                "fp32 LSTM H=1024 B=4 forward 11-16 % under); on the H200's 16 points of "
                "2026-11-27 (no refit, its cluster passes two steps ahead as they ran) median 10 %, "
                "worst 23 % (the same fp16 forward over, the fp32 LSTM forward 8-16 % under); the "
-               "host per call scaled to that run's measured 101 / 121 µs")
+               "host per call's Python scaled by that run's measured 101 / 121 µs over the CPU "
+               "stand-in of its code")
 
 # The decoder step as measured against the model (not a calibration: the step is not fitted).
 DECODER_MEASURED = ("measured on an H200 (2026-11-27, LSTM H=640 B=1, a captured loop): the step "

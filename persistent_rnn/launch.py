@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -170,8 +170,9 @@ class Cooldowns:
             ring = ref()
             if ring is not None and int(ring.host[0]) != ring.taken and ring.take():
                 self.start(key)
-        with self._lock:
-            since = self._since.get(key)
+        # (no lock: a dict read is atomic; and no second hash of the long key while no
+        # configuration has a cooldown recorded, as in every call of a run that never saw one)
+        since = self._since.get(key) if self._since else None
         if since is None:
             return None
         cooldown = settings.current().residency_cooldown_s
@@ -276,7 +277,6 @@ class DeviceRecord:
     def __init__(self, ring: RecordRing, seq: int, groups: int, end: int):
         self.ring, self.seq, self.groups, self.end = ring, seq, groups, end
         self._decoded: dict | None = None
-        self._lock = threading.Lock()
 
     def poll(self) -> bool:
         """Decode the record if the device has written it (no wait); whether it is decoded."""
@@ -299,7 +299,7 @@ class DeviceRecord:
 
     def _decode(self, words: list[int] | None) -> None:
         g = self.groups
-        with self._lock:
+        with _DECODING:
             if self._decoded is not None:
                 return
             if words is None:
@@ -312,6 +312,11 @@ class DeviceRecord:
             self._decoded = {"restarts": words[0], "completions": words[2],
                              "completed_from": completed,
                              "not_resident": bool(words[1] & NOT_RESIDENT), "lost": False}
+
+
+# Every record's decoding (``DeviceRecord._decode``): one lock for all (each record decodes once,
+# when its stats are read), not one made by every call.
+_DECODING = threading.Lock()
 
 
 def _int32(word: int) -> int:
@@ -500,7 +505,7 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
         lambda: (_chain_key(chain), stall, first, end, arguments_key()))
     # (a tuple: chain, issue(), key() - or None: never a graph)
     pending = (chain, lambda: _issue_chain(chain, launch, first, stall, complete), key)
-    group = getattr(_GROUP, "pending", None)
+    group = _GROUP.pending
     if group is None:
         _enqueue((pending,))
     else:
@@ -509,7 +514,14 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
         chain.recorded += 1
 
 
-_GROUP = threading.local()  # per thread: the chains of the enclosing ``one_graph``, or None
+class _Group(threading.local):
+    """Per thread: the chains of the enclosing ``one_graph``, or None (a class default: a thread
+    that never entered a block reads it without the exception ``getattr``'s default costs)."""
+
+    pending: list | None = None
+
+
+_GROUP = _Group()
 
 
 class one_graph:  # noqa: N801 -- used as a function: ``with launch.one_graph():``
@@ -522,7 +534,7 @@ class one_graph:  # noqa: N801 -- used as a function: ``with launch.one_graph():
     (A class, not a generator: two Python calls a block.)"""
 
     def __enter__(self) -> None:
-        self.pending = None if getattr(_GROUP, "pending", None) is not None else []
+        self.pending = None if _GROUP.pending is not None else []
         if self.pending is not None:
             _GROUP.pending = self.pending
 
@@ -555,7 +567,7 @@ def _enqueue(pending: Sequence[tuple]) -> None:
         else:
             s = settings.current()
             key = (s.cooperative, s.max_restarts, s.gpu_timeout_ms, *[k() for k in keys])
-            if chain_graphs.run(key, _holding_nothing(issue)):
+            if chain_graphs.run(key, partial(_holding_nothing, issue)):
                 COUNTERS.add("graph_launches")
     except BaseException:
         _failed(pending)
@@ -595,16 +607,16 @@ def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], fi
 _OWN_CAPTURE = threading.local()
 
 
-def _holding_nothing(issue: Callable[[], None]) -> Callable[[], None]:
-    """``issue`` marked as the library's own capture: ``keep_alive`` holds no arrays for it (a
-    chain graph is keyed by the addresses of the call that replays it, not tied to arrays)."""
-    def marked() -> None:
-        _OWN_CAPTURE.active = True
-        try:
-            issue()
-        finally:
-            _OWN_CAPTURE.active = False
-    return marked
+def _holding_nothing(issue: Callable[[], None]) -> None:
+    """``issue()`` as the library's own capture: ``keep_alive`` holds no arrays for it (a chain
+    graph is keyed by the addresses of the call that replays it, not tied to arrays). Given to
+    ``chain_graphs.run`` as a ``partial`` (no closure made on every call: a replay never runs
+    it)."""
+    _OWN_CAPTURE.active = True
+    try:
+        issue()
+    finally:
+        _OWN_CAPTURE.active = False
 
 
 def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | None:

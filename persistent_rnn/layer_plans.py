@@ -112,10 +112,9 @@ class LayersPlan(Plan):
         return {}
 
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, dict]:
-        """``(h0, c0, roles)`` of a call giving ``hx``: the planned zeros, or the given states as
-        the kernels read them (``contiguous_states``; no roles: nothing formed in the chain)."""
-        if hx is None:
-            return self.h0, self.c0, {}
+        """``(h0, c0, roles)`` of a call giving ``hx`` (not ``None``: the planned zeros): the
+        given states as the kernels read them (``contiguous_states``; no roles: nothing formed
+        in the chain)."""
         h0, c0 = contiguous_states(self.xp, hx if self.cell.has_cell_state else (hx, None))
         return h0, c0, {}
 
@@ -141,7 +140,7 @@ class LayersPlan(Plan):
                 lengths: Any = None) -> tuple[Array, Array | tuple, functional.Context]:
         """``Plan.forward`` of the layer-directions: their chains in one graph."""
         xp, cell, steps = self.xp, self.cell, self.x_shape[0]
-        h0, c0, states = self._initial_states(hx)
+        h0, c0, states = (self.h0, self.c0, {}) if hx is None else self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
             layer_input, given = xp.empty(x.shape, x.dtype), x
@@ -468,8 +467,6 @@ class HalfLayersPlan(LayersPlan):
         """New float32 initial states of a call giving ``hx`` (widened into them inside the
         first chain, as ``functional`` widens them) and by role each given array with its
         float32 one."""
-        if hx is None:
-            return self.h0, self.c0, {}
         xp = self.xp
         h0 = xp.empty(self.state_shape, np.float32)
         if self.c0 is None:

@@ -418,7 +418,7 @@ class PreparedPass:
                 around.after(arrays, around.fixed)
 
         launch.run_chain(chain, go, self.first, self.end, settings.current_stall(), complete,
-                         lambda: self._key(arrays))
+                         partial(self._key, arrays))
         stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1,
                          details=[self._detail])
         launch.record_of(chain, self.end, stats)

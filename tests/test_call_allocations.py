@@ -29,11 +29,12 @@ T, B, H, I = 3, 3, 8, 5
 LENGTHS = np.array([3, 1, 2], np.int32)
 
 # (cell, backward, lengths) -> the arrays a steady-state call may allocate, by name:
-# what it returns and what the context keeps for the backward (nothing else).
+# what it returns and what the context keeps for the backward (nothing else). The counted call
+# is planned (call_plans): its parameter gradients are formed in the plan's workspaces and added
+# into the layer's inside the chain (the full path: one new array per parameter).
 FORWARD = {"GRU": ["y (context)", "saved (context)", "output", "h_n"],
            "LSTM": ["y (context)", "cs (context)", "saved (context)", "output", "h_n", "c_n"]}
-BACKWARD = {"GRU": ["dx", "dh0", "dW_ih", "dW_hh", "db_ih", "db_hh"],
-            "LSTM": ["dx", "dh0", "dc0", "dW_ih", "dW_hh", "db_ih", "db_hh"]}
+BACKWARD = {"GRU": ["dx", "dh0"], "LSTM": ["dx", "dh0", "dc0"]}
 WITH_LENGTHS = ["the lengths as int32 (context: the backward reads them; a copy, so that the "
                 "caller may change theirs)",
                 "x with padding selected out (context: the weight gradient reads it)"]
@@ -159,7 +160,7 @@ def test_a_bidirectional_call_allocates_only_what_it_returns_and_keeps(settings,
 # LSTM projections (proj_size P: y holds r_t, the context keeps the cell's h_t too).
 PROJECTION_FORWARD = ["y (r_t; context)", "hs (the cell's h_t; context)", "cs (context)",
                       "saved (context)", "output", "h_n", "c_n"]
-PROJECTION_BACKWARD = BACKWARD["LSTM"] + ["dW_hr"]
+PROJECTION_BACKWARD = BACKWARD["LSTM"]  # (dW_hr too in the plan's workspace)
 
 
 @pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])

@@ -164,6 +164,31 @@ def test_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch
     assert (hits.forwards, hits.backwards) == (2, 1)
 
 
+def test_layers_of_one_shape_sharing_gradient_workspaces_accumulate_their_own(
+        settings, grid_path, monkeypatch):
+    """The layer API's planned backward forms its parameter gradients in workspaces (by name and
+    shape: every plan of those shapes on the thread shares them; no per-call arrays) and adds
+    them into the layer's ``grads`` inside its chain: two layers of one shape called in turn
+    (forward, forward, backward, backward), their gradients accumulating over the calls, are
+    bitwise the full path's."""
+    hits = _Hits(monkeypatch)
+    planned, full = (_layer("GRU", 0), _layer("GRU", 1)), (_layer("GRU", 0), _layer("GRU", 1))
+    for seed in range(5):  # (calls 3-5 forward planned, 4-5 backward)
+        x, dy = _data(seed)
+        results = []
+        for layers in (planned, full):
+            for layer in full:
+                layer._plan = None  # (the reference never plans)
+            ys = [layer.forward(x) for layer in layers]
+            results.append(_flat(*ys, *[layer.backward(dy) for layer in layers])
+                           + [g.copy() for layer in layers for g in layer.grads.values()])
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (6, 4)
+    first, second = (layer._plan.backward_pass.around.fixed["grads"] for layer in planned)
+    assert all(a is b for a, b in zip(first, second))  # (shared)
+
+
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
 def test_planned_calls_with_initial_states(settings, grid_path, monkeypatch, cell):
     """Calls giving initial states are planned too (as given: an array, an LSTM's tuple), bitwise
@@ -308,7 +333,8 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     key names, and everything the operations moved into the chain (``runtime.Around``) read
     and write: the input GEMM's operands, output and bias, the mask's arrays, ``W_hh``, the
     scratch of ``dW_hh``, and this call's input, output, ``h_n`` (``c_n``), ``dy``, ``dh0``
-    (``dc0``), ``dx`` and parameter gradients. (An LSTM with lengths: every role; a GRU's
+    (``dc0``), ``dx``, the parameter gradients' workspaces and the layer's gradients they are
+    added into. (An LSTM with lengths: every role; a GRU's
     plan and one without lengths have a subset of them.)"""
     cell, lengths = "LSTM", [4, 2]
     monkeypatch.setattr(chain_graphs, "value", lambda v: (
@@ -356,7 +382,11 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
                 assert per_call["dh0"] == chain_graphs.value(dh)
                 assert per_call["dx"] == chain_graphs.value(dx)
                 assert per_call["x"] == chain_graphs.value(ctx.inputs[0])
-                assert {name for name in layer.params} <= set(per_call)  # (their gradients)
+                for name in layer.params:  # (the layer's gradients it adds into)
+                    assert per_call["sum of " + name] == chain_graphs.value(layer.grads[name])
+                # (where they are formed first: the plan's workspaces)
+                assert [g[1] for g in fixed["grads"]] == [layer.params[n].shape
+                                                          for n in plan.gradient_names]
                 assert fixed["w_hh"] == chain_graphs.value(layer.params["weight_hh_l0"])
                 assert fixed["w_ih"] == chain_graphs.value(layer.params["weight_ih_l0"])
                 assert fixed["dw_hh"][1] == layer.params["weight_hh_l0"].shape

@@ -112,7 +112,7 @@ def test_not_eligible_on_numpy_or_with_the_setting_off():
 def test_the_librarys_own_capture_holds_no_arrays(monkeypatch):
     monkeypatch.setattr(launch, "capturing", lambda a: True)
     launch.release_captured()
-    launch._holding_nothing(lambda: launch.keep_alive(_DeviceArray(64)))()
+    launch._holding_nothing(lambda: launch.keep_alive(_DeviceArray(64)))
     assert launch.release_captured() == 0
     launch.keep_alive(_DeviceArray(64))  # a user's capture: held until released
     assert launch.release_captured() == 1
