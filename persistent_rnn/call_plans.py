@@ -103,9 +103,14 @@ def _same_memory(a: Any, b: Array) -> bool:
     return a.data.ptr == b.data.ptr  # (CuPy)
 
 
-class Plan:
-    """One layer's persistent call of one signature (module docstring): ``matches`` says whether
-    a call may use it, ``forward`` / ``backward`` run it."""
+class CallSignature:
+    """What a planned call was made from and which later calls it may serve (``matches``: the
+    checks every plan shares - ``Plan`` here, ``gemm_plans.GemmPlan``). A subclass sets the
+    names, weights and initial states (``names``, ``weights``, ``c0``, ``state_shape``,
+    ``c_shape``) that ``matches`` reads, and how it takes new arrays over the planned weights'
+    memory (``_rebind``)."""
+
+    engine: Any = None  # the persistent engine the plan runs (None: nothing to cool down)
 
     def _signature(self, ctx: functional.Context, x: Array, states: bool, lengths: bool) -> Any:
         """What every plan keeps of the call it was made from (what ``matches`` compares, where
@@ -125,6 +130,51 @@ class Plan:
         self.backward_where: tuple | None = None
         self.generation = buffers.generation()
         return xp
+
+    def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
+                lengths: Any = None) -> bool:
+        """Whether a forward of ``x``, ``hx`` and ``lengths`` (valid ones: the caller's) with
+        ``params`` may run this plan: everything the full path would check or derive is as
+        when it was planned."""
+        if (type(x) is not self.x_type or x.shape != self.given_shape or x.dtype != self.x_dtype
+                or (lengths is not None) != self.lengths
+                or (hx is not None) != self.states or (hx is not None and not self._states(hx))
+                or algo != self.algo or settings.current() is not self.settings
+                or buffers.generation() != self.generation or _where(self.xp) != self.where):
+            return False
+        return self._same_weights(params) and (
+            self.engine is None or launch.COOLDOWNS.reason(self.engine.key) is None)
+
+    def _states(self, hx: Any) -> bool:
+        """Whether ``hx`` holds initial states the full path's checks would pass: an array (the
+        LSTM: a tuple of two) of the input's type and dtype and the planned shape."""
+        if self.c0 is None:
+            return (type(hx) is self.x_type and hx.shape == self.state_shape
+                    and hx.dtype == self.x_dtype)
+        return (type(hx) is tuple and len(hx) == 2 and type(hx[0]) is self.x_type
+                and type(hx[1]) is self.x_type and hx[0].shape == self.state_shape
+                and hx[1].shape == self.c_shape and hx[0].dtype == self.x_dtype
+                and hx[1].dtype == self.x_dtype)
+
+    def _same_weights(self, params: Mapping[str, Array]) -> bool:
+        """Whether ``params`` holds the planned weight objects (an array object keeps its
+        memory: in-place updates are read by the plan's arguments as by a new call's), or new
+        arrays over the very memory of the planned ones (``_same_memory``: the torch modules'
+        views of parameters an optimizer updated in place), which the plan then keeps."""
+        for name, w in zip(self.names.values(), self.weights):
+            if params.get(name) is not w:
+                return self._rebind(params)
+        return True
+
+    def _rebind(self, params: Mapping[str, Array]) -> bool:
+        """``_same_weights`` of new array objects: whether the plan may serve them (it then
+        keeps them)."""
+        raise NotImplementedError
+
+
+class Plan(CallSignature):
+    """One layer's persistent call of one signature (module docstring): ``matches`` says whether
+    a call may use it, ``forward`` / ``backward`` run it."""
 
     def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool = False):
         d = ctx.directions[0][0]
@@ -182,42 +232,6 @@ class Plan:
         """The forward chain's roles beyond the output's: none (the initial states the caller
         gives are the pass's own ``h0``, ``c0``)."""
         return ()
-
-    def matches(self, x: Array, hx: Any, params: Mapping[str, Array], algo: str,
-                lengths: Any = None) -> bool:
-        """Whether a forward of ``x``, ``hx`` and ``lengths`` (valid ones: the caller's) with
-        ``params`` may run this plan: everything the full path would check or derive is as
-        when it was planned."""
-        if (type(x) is not self.x_type or x.shape != self.given_shape or x.dtype != self.x_dtype
-                or (lengths is not None) != self.lengths
-                or (hx is not None) != self.states or (hx is not None and not self._states(hx))
-                or algo != self.algo or settings.current() is not self.settings
-                or buffers.generation() != self.generation or _where(self.xp) != self.where):
-            return False
-        # (no engine: a GEMM-path plan's, ``gemm_plans``, with nothing to cool down)
-        return self._same_weights(params) and (
-            self.engine is None or launch.COOLDOWNS.reason(self.engine.key) is None)
-
-    def _states(self, hx: Any) -> bool:
-        """Whether ``hx`` holds initial states the full path's checks would pass: an array (the
-        LSTM: a tuple of two) of the input's type and dtype and the planned shape."""
-        if self.c0 is None:
-            return (type(hx) is self.x_type and hx.shape == self.state_shape
-                    and hx.dtype == self.x_dtype)
-        return (type(hx) is tuple and len(hx) == 2 and type(hx[0]) is self.x_type
-                and type(hx[1]) is self.x_type and hx[0].shape == self.state_shape
-                and hx[1].shape == self.c_shape and hx[0].dtype == self.x_dtype
-                and hx[1].dtype == self.x_dtype)
-
-    def _same_weights(self, params: Mapping[str, Array]) -> bool:
-        """Whether ``params`` holds the planned weight objects (an array object keeps its
-        memory: in-place updates are read by the plan's arguments as by a new call's), or new
-        arrays over the very memory of the planned ones (``_same_memory``: the torch modules'
-        views of parameters an optimizer updated in place), which the plan then keeps."""
-        for name, w in zip(self.names.values(), self.weights):
-            if params.get(name) is not w:
-                return self._rebind(params)
-        return True
 
     def _rebind(self, params: Mapping[str, Array]) -> bool:
         """``_same_weights`` of new array objects: where each is over the planned one's memory

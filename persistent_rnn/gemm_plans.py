@@ -6,9 +6,9 @@ kernels on a GPU) re-derives as much every time from its signature: the context'
 initial states, the direction's names and weights, the input projection's workspace, the stack
 engine it will not use, the layer's output and final states through the general multi-layer
 code. A ``GemmPlan`` keeps what depends only on the signature and serves exactly the calls a
-``call_plans.Plan`` would (``Plan.matches``: the same array type, shape and dtype, the same
-weights or views of their memory, initial states given as when planned, the same settings,
-thread, device and stream). Its forward is the full path's operation for operation, so its
+``call_plans.Plan`` would (``call_plans.CallSignature.matches``: the same array type, shape and
+dtype, the same weights or views of their memory, initial states given as when planned, the
+same settings, thread, device and stream). Its forward is the full path's operation for operation, so its
 results are bitwise the full path's: the input projection ``x W_ih^T + b_ih`` into the
 workspace the full path uses, ``runtime.forward``'s GEMM path, then ``y`` and ``h_n`` (``c_n``)
 copied out as ``functional.forward`` copies them. Its backward is the full path's: the context
@@ -45,9 +45,9 @@ def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> "GemmPl
     return GemmPlan(ctx, x, hx is not None)
 
 
-class GemmPlan(call_plans.Plan):
-    """One layer's GEMM-path call of one signature (module docstring): ``matches`` (``Plan``'s)
-    says whether a call may use it, ``forward`` runs it."""
+class GemmPlan(call_plans.CallSignature):
+    """One layer's GEMM-path call of one signature (module docstring): ``matches`` (every
+    plan's) says whether a call may use it, ``forward`` runs it."""
 
     def __init__(self, ctx: functional.Context, x: Array, states: bool) -> None:
         d = ctx.directions[0][0]
@@ -56,7 +56,6 @@ class GemmPlan(call_plans.Plan):
         w_ih, w_hh, b_ih, b_hh = functional._weights(ctx, d.names)
         self.weights = tuple(ctx.params[name] for name in d.names.values())
         self.w_ih_t, self.w_hh, self.b_ih, self.b_hh = w_ih.T, w_hh, b_ih, b_hh
-        self.engine = None  # (``Plan.matches``: nothing to cool down)
         self.h0, self.c0 = d.h0, d.c0  # (the zeros of calls without initial states)
         self.state_shape = (1, *d.h0.shape)
         self.c_shape = None if d.c0 is None else (1, *d.c0.shape)
@@ -65,7 +64,8 @@ class GemmPlan(call_plans.Plan):
         self.gi = workspace(xp, "gi", (steps * batch, w_ih.shape[0]), w_ih.dtype)
 
     def _rebind(self, params: Mapping[str, Array]) -> bool:
-        """``Plan._rebind`` of the weights this plan reads (no prepared pass holds them)."""
+        """Whether new arrays over the planned weights' memory may serve (``_same_memory``);
+        the plan then reads them (no prepared pass holds any)."""
         weights = tuple(params.get(name) for name in self.names.values())
         if not all(call_plans._same_memory(new, old) for new, old in zip(weights, self.weights)):
             return False

@@ -51,7 +51,7 @@ class _Recurrent:
         self.last_run: RunStats | None = None
         self._ctx: functional.Context | None = None
         self._y_shape: tuple[int, ...] = ()
-        self._plan: call_plans.Plan | None = None  # the steady-state call's (``call_plans``)
+        self._plan: call_plans.CallSignature | None = None  # the steady-state call's (``call_plans``)
         self._last_signature: tuple = ()  # of the last call that ran the whole way
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ Array = Any
 
 
 def plan_of(ctx: functional.Context, x: Array, hx: Any, lengths: Any, key: tuple = (),
-            accumulates: bool = False) -> "call_plans.Plan | None":
+            accumulates: bool = False) -> "call_plans.CallSignature | None":
     """The plan of a forward that ran the whole way (``functional.forward`` of ``x``, ``hx``,
     ``lengths`` gave ``ctx``), or ``None`` where its signature is not planned; ``key``: the
     caller's signature of the call (``call_plans.signature``), which the plan keeps

@@ -92,7 +92,7 @@ class RunRecord:
         self._pending: tuple | None = None  # (stats, dtype, backward stats or None)
         self.slot = next(_SLOTS)
         self.views = WeightViews()
-        self.plan: call_plans.Plan | None = None  # the steady-state call's (``_planned``)
+        self.plan: call_plans.CallSignature | None = None  # the steady-state call's (``_planned``)
         self.signature: tuple = ()  # of the last library forward that ran the whole way
         _RECORDS[self.slot] = self
 
