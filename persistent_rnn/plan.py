@@ -193,10 +193,12 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = Fals
     the one place it is sized (the kernels carve it from ``layout_defines``).
 
     Forward (``persistent_forward.cu``): h_{t-1} staged, STAGED [``staged_buffers``][padded]
-    per batch row (two by step parity on the grid with warp teams); the product's partial sums,
+    per batch row (two by step parity on the grid with warp teams; a cluster stages no vector,
+    its STAGED holds the odd steps' partial sums, [ksplit][G*units]); the product's partial sums,
     PARTIAL [ksplit][G*units]; gi by step, GI [``input_buffers``][G][units]; c_{t-1} and h_{t-1} of the
     owned units, C and H [units] each; b_hh, BIAS [G][units] in all; the lengths, LENGTHS [1].
-    Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded]; PARTIAL
+    Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded] (a cluster's: the
+    odd steps' partial sums, [ksplit][units]); PARTIAL
     [ksplit][units]; the read-only inputs by step (dy, h, h_prev, [c, c_prev], saved: fetched
     during an earlier step), INPUTS [``input_buffers``][inputs][units]; the dh and dc carries,
     CARRIES [2][units]; LENGTHS [1]. ``padded = ksplit * 32 * kpt``.
@@ -215,16 +217,19 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = Fals
             return region("STAGED", batch_group * words, per_row=False)
         return region("STAGED", words)
 
+    partials = pt.ksplit * (units if backward else cell.gates * units)
+    # (a cluster's product reads the exchange in place, kDirectRead)
+    vector = partials if tile.cluster else padded
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
-        layout = (staged(padded), region("PARTIAL", pt.ksplit * units),
+        layout = (staged(vector), region("PARTIAL", partials),
                   region("INPUTS", input_buffers(tile, stack) * inputs * units),
                   region("CARRIES", 2 * units),
                   region("LENGTHS", 1))
     else:
         rows = cell.gates * units
-        layout = (staged(staged_buffers(cell, tile, stack) * padded),
-                  region("PARTIAL", pt.ksplit * rows),
+        layout = (staged(staged_buffers(cell, tile, stack) * vector),
+                  region("PARTIAL", partials),
                   region("GI", input_buffers(tile, stack) * rows),
                   region("C", units), region("H", units),
                   region("BIAS", (2 if stack else 1) * rows, per_row=False),
@@ -281,6 +286,18 @@ MMA_BACKWARD_MIN_BATCH = 4
 # 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 633, 4-layer RNN H 512 624 / 638) and
 # about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
 MMA_STACK_BACKWARD_MIN_BATCH = 3
+# The largest batch whose 16-bit layers take a cluster's mid-size mma tiles (32 units a CTA,
+# ``tiles.MMA_CLUSTER_TILES`` past each family's first: LSTM and GRU H 257-512 in one cluster of
+# up to 16 CTAs, their exchange in distributed shared memory instead of L2). The latency model
+# (h100, fp16, µs a step, forward + backward against the grid's 8- and 16-unit mma tiles)
+# predicts the pair faster at B = 4 (LSTM H 512 1.81 + 3.08 against 2.20 + 2.91, H 384 1.75 +
+# 2.86 / 2.17 + 2.82, GRU H 512 1.76 + 2.63 / 2.16 + 2.66) and slower or equal from B = 5 to 8
+# (LSTM H 512 B 6 2.09 + 3.73 / 2.30 + 3.45, GRU H 512 B 5 1.93 + 2.98 / 2.22 + 2.68): the
+# forward stays faster up to B = 8, but the backward's product on 16 SMs and its G*H words a
+# batch row stored into every CTA cost more than the grid's L2 exchange. (Below
+# MMA_BACKWARD_MIN_BATCH the backward is the fp32 grid tile's, widened.) Past B = 8 the cluster
+# is slower both ways (a second n-tile on 16 SMs).
+MMA_MID_CLUSTER_MAX_BATCH = 4
 # The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
 # ``MMA_CLUSTER_TILES``) where settings.allow_tf32, by placement. The latency model (h100)
 # predicts their forward faster from B = 3 on the grid (LSTM H 512 2.27 against 2.42 µs, H 1024
@@ -624,13 +641,15 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
 def _mma_candidates(cell: CellSpec, batch: int, dtype: str, dev: DeviceProfile,
                     cluster: bool) -> tuple[Tile, ...]:
     """The tensor-core tiles ``make_plan`` tries first in a placement: a 16-bit layer's from
-    ``MMA_MIN_BATCH`` rows, a float32 layer's TF32 tiles where ``dev.allow_tf32``, from
-    ``TF32_MIN_BATCH`` rows of the placement."""
+    ``MMA_MIN_BATCH`` rows (a cluster's mid-size ones up to ``MMA_MID_CLUSTER_MAX_BATCH``), a
+    float32 layer's TF32 tiles where ``dev.allow_tf32``, from ``TF32_MIN_BATCH`` rows of the
+    placement."""
     if dtype == "float32":
         least = TF32_MIN_BATCH["cluster" if cluster else "grid"]
         return mma_tiles_for(cell, dtype, cluster, tf32=True) \
             if dev.allow_tf32 and batch >= least else ()
-    return mma_tiles_for(cell, dtype, cluster) if batch >= MMA_MIN_BATCH else ()
+    mid = batch <= MMA_MID_CLUSTER_MAX_BATCH
+    return mma_tiles_for(cell, dtype, cluster, mid=mid) if batch >= MMA_MIN_BATCH else ()
 
 
 def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
