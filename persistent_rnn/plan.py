@@ -291,12 +291,13 @@ MMA_STACK_BACKWARD_MIN_BATCH = 3
 # up to 16 CTAs, their exchange in distributed shared memory instead of L2). The latency model
 # (h100, fp16, µs a step, forward + backward against the grid's 8- and 16-unit mma tiles)
 # predicts the pair faster at B = 4 (LSTM H 512 1.81 + 3.08 against 2.20 + 2.91, H 384 1.75 +
-# 2.86 / 2.17 + 2.82, GRU H 512 1.76 + 2.63 / 2.16 + 2.66) and slower or equal from B = 5 to 8
-# (LSTM H 512 B 6 2.09 + 3.73 / 2.30 + 3.45, GRU H 512 B 5 1.93 + 2.98 / 2.22 + 2.68): the
-# forward stays faster up to B = 8, but the backward's product on 16 SMs and its G*H words a
-# batch row stored into every CTA cost more than the grid's L2 exchange. (Below
+# 2.86 / 2.17 + 2.82, GRU H 512 1.76 + 2.63 / 2.16 + 2.66); from B = 5 to 8 faster or slower by
+# shape, within a few % (B 5: LSTM H 512 5.59 / 5.70, GRU H 512 4.91 / 4.90; B 6: LSTM H 512
+# 5.83 / 5.75, H 384 5.39 / 5.58) and at B = 8 slower for LSTM H 512 (2.23 + 4.12 / 2.32 + 3.54):
+# the forward stays faster up to B = 8, but the backward's product on 16 SMs and its G*H words
+# a batch row stored into every CTA cost more than the grid's L2 exchange. (Below
 # MMA_BACKWARD_MIN_BATCH the backward is the fp32 grid tile's, widened.) Past B = 8 the cluster
-# is slower both ways (a second n-tile on 16 SMs).
+# is slower both ways (a second n-tile on 16 SMs). tests/test_half_plan.py holds B 4 and 8.
 MMA_MID_CLUSTER_MAX_BATCH = 4
 # The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
 # ``MMA_CLUSTER_TILES``) where settings.allow_tf32, by placement. The latency model (h100)

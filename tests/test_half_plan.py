@@ -147,7 +147,9 @@ def test_the_model_predicts_the_planned_16bit_tile_faster(monkeypatch, sixteen_b
     # Where plan.MMA_MIN_BATCH puts the line between the 16-bit tiles (predictions of the latency
     # model, h100, forward): at B = 1 the CUDA-core tile (no slower), from B = 2 the mma tile
     # (faster) - in a cluster and on the grid. (At B = 1 the fp32 tile beats both: the next test.)
+    # H 512 on the grid's tiles: the mid-size cluster tiles have their own line (further below).
     from persistent_rnn import plan as planner
+    monkeypatch.setattr(planner, "MMA_MID_CLUSTER_MAX_BATCH", 0)
 
     def forward_us(hidden, batch, mma):  # the forward alone (the backward is the same tile)
         monkeypatch.setattr(planner, "MMA_MIN_BATCH", 1 if mma else 10**6)
@@ -166,8 +168,10 @@ def test_the_model_predicts_the_planned_16bit_backward_faster(monkeypatch, sixte
     # Where plan.MMA_BACKWARD_MIN_BATCH puts the line between the 16-bit backwards (predictions of
     # the latency model, h100): an mma tile's backward on the CUDA cores below it, on the tensor
     # cores from it. LSTM H 512 at B = 3 and 4 (the same kernels: the gather loads 8 quads at
-    # both); the full set also the shapes of docs/design.md's table.
+    # both); the full set also the shapes of docs/design.md's table. (H 512 on the grid's tiles,
+    # as above.)
     from persistent_rnn import plan as planner
+    monkeypatch.setattr(planner, "MMA_MID_CLUSTER_MAX_BATCH", 0)
 
     def backward_us(cell, hidden, batch, mma):
         monkeypatch.setattr(planner, "MMA_BACKWARD_MIN_BATCH", 1 if mma else 10**6)
@@ -182,6 +186,43 @@ def test_the_model_predicts_the_planned_16bit_backward_faster(monkeypatch, sixte
         for cell, hidden, batch in (("lstm", 768, 16), ("lstm", 1024, 8), ("lstm", 512, 16),
                                     ("gru", 1024, 8), ("lstm", 256, 4)):
             assert backward_us(cell, hidden, batch, True) < backward_us(cell, hidden, batch, False)
+
+
+def test_the_model_predicts_the_mid_cluster_tile_faster_up_to_its_batch(monkeypatch):
+    # Where plan.MMA_MID_CLUSTER_MAX_BATCH puts the line for the mid-size cluster mma tiles
+    # (LSTM H 512, fp16; predictions of the latency model, h100, forward + backward): at B = 4
+    # faster than the grid's mma tiles, at B = 8 slower (the backward on 16 SMs).
+    from persistent_rnn import plan as planner
+
+    def pair_us(batch, mid):
+        monkeypatch.setattr(planner, "MMA_MID_CLUSTER_MAX_BATCH", batch if mid else 0)
+        p = make_plan("lstm", 512, batch, "float16", "h100")
+        assert p.tile.mma and bool(p.tile.cluster) == mid and p.tile.units == (32 if mid else 8)
+        assert p.backward.defines["PRNN_MMA"] == 2
+        return sum(_predicted_us("lstm", 512, batch, q) for q in (p.forward, p.backward))
+
+    assert planner.MMA_MID_CLUSTER_MAX_BATCH == 4
+    assert pair_us(4, mid=True) < pair_us(4, mid=False)
+    assert pair_us(8, mid=True) > pair_us(8, mid=False)
+
+
+def test_mid_size_16bit_layers_take_the_cluster_up_to_its_batch():
+    # LSTM and GRU H 257-512 (16-bit, h100) in one cluster of 32-unit CTAs from plan.MMA_MIN_BATCH
+    # to plan.MMA_MID_CLUSTER_MAX_BATCH rows, on the grid past it; never in fp32 or TF32.
+    from persistent_rnn.plan import MMA_MID_CLUSTER_MAX_BATCH, MMA_MIN_BATCH
+    for cell, hidden in (("lstm", 384), ("lstm", 512), ("gru", 300), ("gru", 512)):
+        for batch in range(1, MMA_MID_CLUSTER_MAX_BATCH + 2):
+            for dtype in HALF:
+                p = make_plan(cell, hidden, batch, dtype, "h100")
+                mid = MMA_MIN_BATCH <= batch <= MMA_MID_CLUSTER_MAX_BATCH
+                assert p.fits and (p.tile.units == 32 and p.tile.cluster == 16) == mid, (cell, batch)
+                if mid:
+                    assert p.forward.grid == -(-hidden // 32) and "PRNN_CLUSTER" in p.forward.defines
+                    # below plan.MMA_BACKWARD_MIN_BATCH the fp32 grid backward, widened
+                    assert ("PRNN_CLUSTER" in p.backward.defines) == (batch >= MMA_BACKWARD_MIN_BATCH)
+            assert not make_plan(cell, hidden, batch, "float32", "h100").tile.cluster
+    assert not make_plan("lstm", 513, 4, "float16", "h100").tile.cluster
+    assert make_plan("lstm", 256, 4, "float16", "h100").tile.units == 16  # the small layers' tile
 
 
 # Issue 28: every 16-bit shape that fits predicted no slower than the fp32 kernel of the same
