@@ -24,9 +24,9 @@ from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_U
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
                        current_device)
 from . import validation
-from .tiles import (PROJECTION_TILES, PassTile, ProjectionTile, Tile, cluster_tiles_for,
-                    mma_tiles_for, projection_tile_ships, projection_tiles_for, stack_tiles_for,
-                    tiles_for)
+from .tiles import (MMA_MID_CLUSTER_TILES, PROJECTION_TILES, PassTile, ProjectionTile, Tile,
+                    cluster_tiles_for, mma_tiles_for, projection_tile_ships, projection_tiles_for,
+                    stack_tiles_for, tiles_for)
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -287,18 +287,19 @@ MMA_BACKWARD_MIN_BATCH = 4
 # about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
 MMA_STACK_BACKWARD_MIN_BATCH = 3
 # The largest batch whose 16-bit layers take a cluster's mid-size mma tiles (32 units a CTA,
-# ``tiles.MMA_CLUSTER_TILES`` past each family's first: LSTM and GRU H 257-512 in one cluster of
-# up to 16 CTAs, their exchange in distributed shared memory instead of L2). The latency model
-# (h100, fp16, µs a step, forward + backward against the grid's 8- and 16-unit mma tiles)
-# predicts the pair faster at B = 4 (LSTM H 512 1.81 + 3.08 against 2.20 + 2.91, H 384 1.75 +
-# 2.86 / 2.17 + 2.82, GRU H 512 1.76 + 2.63 / 2.16 + 2.66); from B = 5 to 8 faster or slower by
-# shape, within a few % (B 5: LSTM H 512 5.59 / 5.70, GRU H 512 4.91 / 4.90; B 6: LSTM H 512
-# 5.83 / 5.75, H 384 5.39 / 5.58) and at B = 8 slower for LSTM H 512 (2.23 + 4.12 / 2.32 + 3.54):
-# the forward stays faster up to B = 8, but the backward's product on 16 SMs and its G*H words
-# a batch row stored into every CTA cost more than the grid's L2 exchange. (Below
-# MMA_BACKWARD_MIN_BATCH the backward is the fp32 grid tile's, widened.) Past B = 8 the cluster
-# is slower both ways (a second n-tile on 16 SMs). tests/test_half_plan.py holds B 4 and 8.
-MMA_MID_CLUSTER_MAX_BATCH = 4
+# ``tiles.MMA_MID_CLUSTER_TILES``: LSTM and GRU H 257-512 in one cluster of up to 16 CTAs, their
+# exchange in distributed shared memory instead of L2; from B = 1, ``_mid_cluster_candidates``).
+# The latency model (h100, fp16, µs a step) predicts their forward faster than the grid's up to
+# B = 8 (LSTM H 512: B 1 1.61 against the widened fp32 tile's 2.10, B 2 1.68 / 2.15, B 3 1.77 /
+# 2.19, B 4 1.81 / 2.20, B 8 2.23 / 2.32; GRU H 512 B 1 1.56 / 2.07, B 3 1.71 / 2.15), their
+# backward slower than the grid's from B = 4, where it would leave the widened fp32 grid tile
+# (LSTM H 512 B 4 3.08 against the grid mma tile's 2.91 and the fp32 tile's 2.92, B 8 4.12 /
+# 3.54): the product on 16 SMs and its G*H words a batch row stored into every CTA cost more than
+# the grid's L2 exchange saves. So up to B = 3, whose backward is the fp32 grid tile's, widened
+# (MMA_BACKWARD_MIN_BATCH): each pass no slower than fp32's. (The two passes in different
+# placements from B = 4 would keep the forward's gain up to B = 8: not done.)
+# tests/test_half_plan.py holds both sides.
+MMA_MID_CLUSTER_MAX_BATCH = 3
 # The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
 # ``MMA_CLUSTER_TILES``) where settings.allow_tf32, by placement. The latency model (h100)
 # predicts their forward faster from B = 3 on the grid (LSTM H 512 2.27 against 2.42 µs, H 1024
@@ -600,8 +601,11 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
     first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
-    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; below those batches a 16-bit
-    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``). Where
+    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; a cluster's mid-size mma tiles
+    (``tiles.MMA_MID_CLUSTER_TILES``) come after its CUDA-core tiles, up to
+    ``MMA_MID_CLUSTER_MAX_BATCH`` rows. Below those batches a 16-bit layer's passes run on the
+    fp32 tile where it fits, its weights widened (``widens``; not a mid-size cluster tile's
+    forward). Where
     no tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again
     in batch groups (``batch_group``), the cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
@@ -621,7 +625,7 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried: list[tuple[object, int, str]] = []
     candidates = (_mma_candidates(cell, batch, dtype, dev, True) + cluster_tiles_for(cell, dtype)
-                  if has_clusters(dev) else ())
+                  + _mid_cluster_candidates(cell, batch, dtype) if has_clusters(dev) else ())
     candidates += _mma_candidates(cell, batch, dtype, dev, False) + tiles_for(cell, dtype)
     for tile in candidates:
         fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
@@ -642,15 +646,22 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
 def _mma_candidates(cell: CellSpec, batch: int, dtype: str, dev: DeviceProfile,
                     cluster: bool) -> tuple[Tile, ...]:
     """The tensor-core tiles ``make_plan`` tries first in a placement: a 16-bit layer's from
-    ``MMA_MIN_BATCH`` rows (a cluster's mid-size ones up to ``MMA_MID_CLUSTER_MAX_BATCH``), a
-    float32 layer's TF32 tiles where ``dev.allow_tf32``, from ``TF32_MIN_BATCH`` rows of the
-    placement."""
+    ``MMA_MIN_BATCH`` rows (a cluster's mid-size ones: ``_mid_cluster_candidates``), a float32
+    layer's TF32 tiles where ``dev.allow_tf32``, from ``TF32_MIN_BATCH`` rows of the placement."""
     if dtype == "float32":
         least = TF32_MIN_BATCH["cluster" if cluster else "grid"]
         return mma_tiles_for(cell, dtype, cluster, tf32=True) \
             if dev.allow_tf32 and batch >= least else ()
-    mid = batch <= MMA_MID_CLUSTER_MAX_BATCH
-    return mma_tiles_for(cell, dtype, cluster, mid=mid) if batch >= MMA_MIN_BATCH else ()
+    return mma_tiles_for(cell, dtype, cluster, mid=False) if batch >= MMA_MIN_BATCH else ()
+
+
+def _mid_cluster_candidates(cell: CellSpec, batch: int, dtype: str) -> tuple[Tile, ...]:
+    """The mid-size cluster mma tiles ``make_plan`` tries after the small layers' cluster tiles
+    (which serve every H they do): a 16-bit layer's up to ``MMA_MID_CLUSTER_MAX_BATCH`` rows,
+    from B = 1 (no CUDA-core cluster tile serves their H; the model predicts their forward faster
+    than the fp32 grid tile's there: LSTM H 512 1.61 against 2.10 µs, GRU 1.56 / 2.07)."""
+    return MMA_MID_CLUSTER_TILES[cell.tiles] \
+        if dtype != "float32" and batch <= MMA_MID_CLUSTER_MAX_BATCH else ()
 
 
 def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
@@ -699,7 +710,10 @@ def _widened(plan: Plan, cell: CellSpec, hidden: int, batch: int, dtype: str,
     if not wide.fits:
         return plan
     cluster = bool(wide.tile.cluster)
-    forward, backward = widens(cell, batch, False, cluster), widens(cell, batch, True, cluster)
+    # (a forward in a cluster stays there where the fp32 tile is the grid's: the mid-size tiles'
+    # at B = 1, _mid_cluster_candidates)
+    forward = widens(cell, batch, False, cluster) and (cluster or not plan.tile.cluster)
+    backward = widens(cell, batch, True, cluster)
     return replace(plan, tile=wide.tile if forward else plan.tile,
                    forward=widened_pass(wide.forward, dtype, False) if forward else plan.forward,
                    backward=widened_pass(wide.backward, dtype, True) if backward else plan.backward)

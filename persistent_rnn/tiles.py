@@ -102,22 +102,23 @@ MMA_TILES: dict[str, tuple[Tile, ...]] = {
 # m-tile each (16 rows, not whole units: no warp teams); RNN 4 warps, 2 m-tiles x 2 chunks (no
 # teams: 2 warp teams over all of K, (16,1,16), spill 108 bytes - 128 weight registers beside the
 # 128 words a lane waits for per n-tile).
-# Then, mid-size LSTM and GRU layers (H up to 512; plan.MMA_MID_CLUSTER_MAX_BATCH rows at most):
-# 32 units a CTA in 8 warps, the forward the grid tiles' shape of 4 times the rows (one row group
-# over 8 column chunks: each lane waits for 8 words of a step), the backward 4 n-tiles of units
-# over 8 chunks; 96-128 weight registers a lane. ptxas (sm_90): 199-235 registers in the forward,
-# 236-255 in the mma backward, zero spills. (The Elman RNN's 64-unit tile, H 1024, the model
-# predicts no faster as a pair at B = 4: not shipped.)
 MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
-    "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS, mma=True),
-             _tile(32, (128, 8, 2), (32, 8, 8), HOPPER_CLUSTER_CTAS, mma=True)),
-    "gru": (_tile(16, (16, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS, mma=True),
-            _tile(32, (96, 8, 2), (32, 8, 6), HOPPER_CLUSTER_CTAS, mma=True)),
+    "lstm": (_tile(16, (16, 1, 8), (16, 4, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+    "gru": (_tile(16, (16, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS, mma=True),),
     "rnn": (_tile(32, (16, 2, 8), (16, 2, 8), HOPPER_CLUSTER_CTAS, mma=True),),
 }
-# The small layers' cluster tiles (each family's first), the TF32 ones too; the mid-size ones
-# (more units than a CUDA-core cluster tile's) the planner takes up to plan.MMA_MID_CLUSTER_MAX_BATCH.
-MMA_SMALL_CLUSTER_TILES = {family: tiles[:1] for family, tiles in MMA_CLUSTER_TILES.items()}
+# On sm_90, mid-size LSTM and GRU layers (H up to 512) as one cluster too, 16-bit only, up to
+# plan.MMA_MID_CLUSTER_MAX_BATCH rows (from B = 1): 32 units a CTA in 8 warps, the forward the
+# grid tiles' shape with 4 times the rows (one row group over 8 column chunks: a lane waits for
+# 8 words of a step), the backward 4 n-tiles of units over 8 chunks (its CUDA-core 16-bit pass
+# the same PassTile); 96-128 weight registers a lane. ptxas (sm_90): 199-235 registers in the
+# forward, 236-255 in the backward, zero spills. (The Elman RNN's 64-unit tile, H 1024: the
+# model predicts its pair no faster at B = 4, 2.06 + 2.64 against 2.26 + 2.40 µs.)
+MMA_MID_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(32, (128, 8, 2), (32, 8, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+    "gru": (_tile(32, (96, 8, 2), (32, 8, 6), HOPPER_CLUSTER_CTAS, mma=True),),
+    "rnn": (),
+}
 
 
 # TF32 tiles (settings.allow_tf32; docs/design.md, "TF32 tiles"): fp32 layers whose forward holds
@@ -126,8 +127,8 @@ MMA_SMALL_CLUSTER_TILES = {family: tiles[:1] for family, tiles in MMA_CLUSTER_TI
 # 16-bit mma tiles' shapes, at twice their weight registers - and whose backward is the fp32
 # CUDA-core backward of the same PassTile (the fp32 tiles' of the same units). ptxas: 100-241
 # registers, zero spills on sm_80 and sm_90. Not GRU's (48, 8, 4) (H 1024): its 192 weight
-# registers beside 48 accumulators spill 144 (sm_90) and 180 bytes (sm_80). In a cluster the
-# small layers' tiles alone (the mid-size ones' 192-256 TF32 weight registers do not fit).
+# registers beside 48 accumulators spill 144 (sm_90) and 180 bytes (sm_80). (Not the mid-size
+# cluster tiles: 192-256 TF32 weight registers.)
 TF32_TILES: dict[str, tuple[Tile, ...]] = {**MMA_TILES, "gru": MMA_TILES["gru"][:1]}
 
 
@@ -135,13 +136,13 @@ def mma_tiles_for(cell: CellSpec, dtype: str, cluster: bool = False,
                   tf32: bool = False, mid: bool = True) -> tuple[Tile, ...]:
     """The shipped tensor-core tiles of ``cell`` for weights of ``dtype``, grid or (``cluster``)
     cluster placement: fp32 weights have the TF32 tiles where ``tf32`` (settings.allow_tf32),
-    else none. ``mid``: with a cluster's mid-size 16-bit tiles."""
+    else none. ``mid``: a 16-bit cluster's mid-size tiles too (``MMA_MID_CLUSTER_TILES``)."""
     if WEIGHT_BYTES[dtype] == 4:
         if not tf32:
             return ()
-        return (MMA_SMALL_CLUSTER_TILES if cluster else TF32_TILES)[cell.tiles]
+        return (MMA_CLUSTER_TILES if cluster else TF32_TILES)[cell.tiles]
     if cluster:
-        return (MMA_CLUSTER_TILES if mid else MMA_SMALL_CLUSTER_TILES)[cell.tiles]
+        return MMA_CLUSTER_TILES[cell.tiles] + (MMA_MID_CLUSTER_TILES[cell.tiles] if mid else ())
     return MMA_TILES[cell.tiles]
 
 

@@ -190,37 +190,48 @@ def test_the_model_predicts_the_planned_16bit_backward_faster(monkeypatch, sixte
 
 def test_the_model_predicts_the_mid_cluster_tile_faster_up_to_its_batch(monkeypatch):
     # Where plan.MMA_MID_CLUSTER_MAX_BATCH puts the line for the mid-size cluster mma tiles
-    # (LSTM H 512, fp16; predictions of the latency model, h100, forward + backward): at B = 4
-    # faster than the grid's mma tiles, at B = 8 slower (the backward on 16 SMs).
+    # (LSTM H 512, fp16; predictions of the latency model, h100): up to it their forward faster
+    # than what the grid runs (B = 1: the widened fp32 tile; B = 3: the grid's mma tile), past
+    # it their backward on the tensor cores slower than the grid's (B = 4).
     from persistent_rnn import plan as planner
 
-    def pair_us(batch, mid):
+    def plan(batch, mid):
         monkeypatch.setattr(planner, "MMA_MID_CLUSTER_MAX_BATCH", batch if mid else 0)
         p = make_plan("lstm", 512, batch, "float16", "h100")
-        assert p.tile.mma and bool(p.tile.cluster) == mid and p.tile.units == (32 if mid else 8)
-        assert p.backward.defines["PRNN_MMA"] == 2
-        return sum(_predicted_us("lstm", 512, batch, q) for q in (p.forward, p.backward))
+        assert bool(p.tile.cluster) == mid and p.tile.units == (32 if mid else 8)
+        return p
 
-    assert planner.MMA_MID_CLUSTER_MAX_BATCH == 4
-    assert pair_us(4, mid=True) < pair_us(4, mid=False)
-    assert pair_us(8, mid=True) > pair_us(8, mid=False)
+    def us(p, batch):
+        return _predicted_us("lstm", 512, batch, p)
+
+    assert planner.MMA_MID_CLUSTER_MAX_BATCH == 3
+    for batch in (1, 3):
+        assert us(plan(batch, True).forward, batch) < us(plan(batch, False).forward, batch)
+    mid, grid = plan(4, True).backward, plan(4, False).backward
+    assert mid.defines["PRNN_MMA"] == grid.defines["PRNN_MMA"] == 2
+    assert us(mid, 4) > us(grid, 4)
 
 
 def test_mid_size_16bit_layers_take_the_cluster_up_to_its_batch():
-    # LSTM and GRU H 257-512 (16-bit, h100) in one cluster of 32-unit CTAs from plan.MMA_MIN_BATCH
-    # to plan.MMA_MID_CLUSTER_MAX_BATCH rows, on the grid past it; never in fp32 or TF32.
-    from persistent_rnn.plan import MMA_MID_CLUSTER_MAX_BATCH, MMA_MIN_BATCH
+    # LSTM and GRU H 257-512 (16-bit, h100) in one cluster of 32-unit CTAs up to
+    # plan.MMA_MID_CLUSTER_MAX_BATCH rows (B = 1 too: the forward is not widened), on the grid past
+    # it; never in fp32 or TF32.
+    from persistent_rnn.plan import MMA_MID_CLUSTER_MAX_BATCH
     for cell, hidden in (("lstm", 384), ("lstm", 512), ("gru", 300), ("gru", 512)):
         for batch in range(1, MMA_MID_CLUSTER_MAX_BATCH + 2):
             for dtype in HALF:
                 p = make_plan(cell, hidden, batch, dtype, "h100")
-                mid = MMA_MIN_BATCH <= batch <= MMA_MID_CLUSTER_MAX_BATCH
+                mid = batch <= MMA_MID_CLUSTER_MAX_BATCH
                 assert p.fits and (p.tile.units == 32 and p.tile.cluster == 16) == mid, (cell, batch)
                 if mid:
                     assert p.forward.grid == -(-hidden // 32) and "PRNN_CLUSTER" in p.forward.defines
+                    assert p.forward.defines["PRNN_MMA"] == 1
                     # below plan.MMA_BACKWARD_MIN_BATCH the fp32 grid backward, widened
                     assert ("PRNN_CLUSTER" in p.backward.defines) == (batch >= MMA_BACKWARD_MIN_BATCH)
-            assert not make_plan(cell, hidden, batch, "float32", "h100").tile.cluster
+                    assert ("PRNN_WEIGHT_DTYPE" in p.backward.defines) \
+                        == (batch >= MMA_BACKWARD_MIN_BATCH)
+            full = make_plan(cell, hidden, batch, "float32", "h100")
+            assert not full.tile.cluster and not full.tile.mma
     assert not make_plan("lstm", 513, 4, "float16", "h100").tile.cluster
     assert make_plan("lstm", 256, 4, "float16", "h100").tile.units == 16  # the small layers' tile
 
@@ -262,7 +273,8 @@ def test_16bit_layers_are_predicted_no_slower_than_float32(cell, hidden, batch):
         return
     for backward in (False, True):
         p, q = (half.backward, full.backward) if backward else (half.forward, full.forward)
-        if planner.widens(CELLS[cell], batch, backward, bool(full.tile.cluster)):
+        stays = not backward and half.tile.cluster and not full.tile.cluster  # (a mid-size tile)
+        if planner.widens(CELLS[cell], batch, backward, bool(full.tile.cluster)) and not stays:
             assert "PRNN_WEIGHT_DTYPE" not in p.defines  # the fp32 tile, the weights widened
             assert p.defines.get("PRNN_WIDENED_FROM") == (None if backward else 1)
         assert _predicted_us(cell, hidden, batch, p) <= 1.05 * _predicted_us(cell, hidden, batch, q)

@@ -1,17 +1,19 @@
-"""The mid-size cluster mma tiles (``tiles.MMA_CLUSTER_TILES`` past each family's first: 32 units
-a CTA, LSTM and GRU H up to 512 in one cluster; planned up to ``plan.MMA_MID_CLUSTER_MAX_BATCH``
-rows) through the CPU emulation, forced at a small H (two CTAs, the second with 8 of its 32 units
-below H; most of each lane's columns past H):
+"""The mid-size cluster mma tiles (``tiles.MMA_MID_CLUSTER_TILES``: 32 units a CTA, LSTM and GRU H
+up to 512 in one cluster; planned up to ``plan.MMA_MID_CLUSTER_MAX_BATCH`` rows) through the CPU
+emulation, forced at a small H (two CTAs, the second with 8 of its 32 units below H; most of each
+lane's columns past H) and at any batch:
 
 * the forward (mma_tile.cuh) and the backward on the tensor cores (mma_split_tile.cuh): the
   layer's 16-bit results against the float64 layer within docs/api.md's 16-bit bounds and the
   16-bit GEMM path within one rounding, the backward's fp32 gradients against float64 along the
   run's own states within tests/test_mma_backward.py's ``FP32_BOUND``;
-* the same tile's CUDA-core 16-bit backward (below ``plan.MMA_BACKWARD_MIN_BATCH``, where the
-  fp32 plan does not fit) against float64 the same way.
+* the same tile's CUDA-core 16-bit backward (below ``plan.MMA_BACKWARD_MIN_BATCH``) against
+  float64 the same way.
 
-CI: the LSTM, fp16, B = 4 (one n-tile); ``PRNN_TEST_EVERY_KERNEL=1``: LSTM and GRU, both
-dtypes, B = 4 and 9 (two n-tiles, a partial last one), and the CUDA-core backward.
+(Up to ``plan.MMA_MID_CLUSTER_MAX_BATCH`` rows an H100/H200 plan runs their backward on the fp32
+grid tile: both backwards serve where that does not fit.) CI: the LSTM, fp16, B = 4 (one n-tile);
+``PRNN_TEST_EVERY_KERNEL=1``: LSTM and GRU, both dtypes, B = 4 and 9 (two n-tiles, a partial
+last one), and the CUDA-core backward.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import plan as planner
+from persistent_rnn.tiles import MMA_MID_CLUSTER_TILES
 
 from campaign import relerr
 from test_mma_backward import FP32_BOUND, _backward, emulation, layer_within_the_16bit_bounds  # noqa: F401
@@ -36,11 +39,9 @@ def mid_cluster(emulation, monkeypatch):  # noqa: F811
     """The planner's tensor-core tiles: the cluster's mid-size ones alone (at H 40 the small
     layers' tile would serve), at every batch (``emulation``; past
     ``plan.MMA_MID_CLUSTER_MAX_BATCH`` too)."""
-    tiles_for = planner.mma_tiles_for
-
-    def mid_only(cell, dtype, cluster=False, tf32=False, mid=True):
-        return tiles_for(cell, dtype, cluster, tf32)[1:] if cluster else ()
-    monkeypatch.setattr(planner, "mma_tiles_for", mid_only)
+    monkeypatch.setattr(planner, "mma_tiles_for",
+                        lambda cell, dtype, cluster=False, *_, **__:
+                        MMA_MID_CLUSTER_TILES[cell.tiles] if cluster else ())
 
 
 def _ran_mid(stats, mma: int) -> None:
@@ -65,7 +66,7 @@ def test_mid_cluster_backward_matches_float64(mid_cluster, name, dtype, batch):
         assert relerr(got[key], ref) <= FP32_BOUND, key
 
 
-@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's (never planned on an H100/H200)")
+@pytest.mark.skipif(not EVERY_KERNEL, reason="the full set's")
 @pytest.mark.parametrize("name,dtype", [("lstm", "float16"), ("gru", "bfloat16")])
 def test_mid_cluster_cuda_core_backward_matches_float64(mid_cluster, monkeypatch,
                                                         sixteen_bit_tiles_only, name, dtype):
