@@ -194,11 +194,12 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = Fals
 
     Forward (``persistent_forward.cu``): h_{t-1} staged, STAGED [``staged_buffers``][padded]
     per batch row (two by step parity on the grid with warp teams; a cluster stages no vector,
-    its STAGED holds the odd steps' partial sums, [ksplit][G*units]); the product's partial sums,
+    its STAGED holds the odd steps' partial sums, [ksplit][G*units], in max(padded, that) words);
+    the product's partial sums,
     PARTIAL [ksplit][G*units]; gi by step, GI [``input_buffers``][G][units]; c_{t-1} and h_{t-1} of the
     owned units, C and H [units] each; b_hh, BIAS [G][units] in all; the lengths, LENGTHS [1].
     Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded] (a cluster's: the
-    odd steps' partial sums, [ksplit][units]); PARTIAL
+    odd steps' partial sums, [ksplit][units], as the forward's); PARTIAL
     [ksplit][units]; the read-only inputs by step (dy, h, h_prev, [c, c_prev], saved: fetched
     during an earlier step), INPUTS [``input_buffers``][inputs][units]; the dh and dc carries,
     CARRIES [2][units]; LENGTHS [1]. ``padded = ksplit * 32 * kpt``.
@@ -218,8 +219,11 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = Fals
         return region("STAGED", words)
 
     partials = pt.ksplit * (units if backward else cell.gates * units)
-    # (a cluster's product reads the exchange in place, kDirectRead)
-    vector = partials if tile.cluster else padded
+    # A cluster's product reads the exchange in place (kDirectRead): its STAGED holds the odd
+    # steps' partial sums, in a padded row where they fit (the layout - and SASS - the small
+    # layers' cluster kernels were measured and calibrated with), past it where 8 chunks of the
+    # mid-size tiles' 96-128 rows do not.
+    vector = max(padded, partials) if tile.cluster else padded
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
         layout = (staged(vector), region("PARTIAL", partials),
