@@ -112,8 +112,9 @@ MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
 # grid tiles' shape with 4 times the rows (one row group over 8 column chunks: a lane waits for
 # 8 words of a step), the backward 4 n-tiles of units over 8 chunks (its CUDA-core 16-bit pass
 # the same PassTile); 96-128 weight registers a lane. ptxas (sm_90): 199-235 registers in the
-# forward, 235-255 in the mma backward (204-242 the CUDA-core one), zero spills. (The Elman RNN's 64-unit tile, H 1024: the
-# model predicts its pair no faster at B = 4, 2.06 + 2.64 against 2.26 + 2.40 µs.)
+# forward, 235-255 in the mma backward (204-242 in the CUDA-core one), zero spills. (The Elman
+# RNN's 64-unit tile, H 1024: the model predicts its pair no faster at B = 4, 2.06 + 2.64
+# against 2.26 + 2.40 µs.)
 MMA_MID_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(32, (128, 8, 2), (32, 8, 8), HOPPER_CLUSTER_CTAS, mma=True),),
     "gru": (_tile(32, (96, 8, 2), (32, 8, 6), HOPPER_CLUSTER_CTAS, mma=True),),

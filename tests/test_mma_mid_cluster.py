@@ -78,3 +78,16 @@ def test_mid_cluster_cuda_core_backward_matches_float64(mid_cluster, monkeypatch
     _ran_mid(stats, mma=0)
     for key, ref in want.items():
         assert relerr(got[key], ref) <= FP32_BOUND, key
+
+
+def test_mid_cluster_forward_with_the_widened_grid_backward(settings, fresh_plans):
+    # As planned (LSTM H 264, B 2: 9 CTAs of 32 units, the last with 8): the forward on the
+    # mid-size cluster tile, the backward on the fp32 grid tile (the weights widened).
+    prnn.configure(emulation_timeout_ms=20_000)
+    kern = layer_within_the_16bit_bounds("lstm", "float16", 264, 2)
+    bwd = kern.last_run
+    assert bwd.fallback is None and "PRNN_CLUSTER" not in bwd.details[0]
+    assert "PRNN_WEIGHT_DTYPE" not in bwd.details[0]
+    kern.forward(np.zeros((2, 2, 5), kern.dtype))
+    assert "'PRNN_UNITS': 32" in kern.last_run.details[0]
+    assert "'PRNN_CLUSTER': 9" in kern.last_run.details[0] and "'PRNN_MMA': 1" in kern.last_run.details[0]
