@@ -290,20 +290,19 @@ MMA_BACKWARD_MIN_BATCH = 4
 # 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 633, 4-layer RNN H 512 624 / 638) and
 # about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
 MMA_STACK_BACKWARD_MIN_BATCH = 3
-# The largest batch whose 16-bit layers take a cluster's mid-size mma tiles (32 units a CTA,
-# ``tiles.MMA_MID_CLUSTER_TILES``: LSTM and GRU H 257-512 in one cluster of up to 16 CTAs, their
-# exchange in distributed shared memory instead of L2; from B = 1, ``_mid_cluster_candidates``).
-# The latency model (h100, fp16, µs a step) predicts their forward faster than the grid's up to
-# B = 8 (LSTM H 512: B 1 1.61 against the widened fp32 tile's 2.10, B 2 1.68 / 2.15, B 3 1.77 /
-# 2.19, B 4 1.81 / 2.20, B 8 2.23 / 2.32; GRU H 512 B 1 1.56 / 2.07, B 3 1.71 / 2.15), their
-# backward slower than the grid's from B = 4, where it would leave the widened fp32 grid tile
-# (LSTM H 512 B 4 3.08 against the grid mma tile's 2.91 and the fp32 tile's 2.92, B 8 4.12 /
-# 3.54): the product on 16 SMs and its G*H words a batch row stored into every CTA cost more than
-# the grid's L2 exchange saves. So up to B = 3, whose backward is the fp32 grid tile's, widened
-# (MMA_BACKWARD_MIN_BATCH): each pass no slower than fp32's. (The two passes in different
-# placements from B = 4 would keep the forward's gain up to B = 8: not done.)
+# The largest batch whose 16-bit layers run their forward on a cluster's mid-size mma tiles (32
+# units a CTA, ``tiles.MMA_MID_CLUSTER_TILES``: LSTM and GRU H 257-512 in one cluster of up to 16
+# CTAs, the exchange in distributed shared memory instead of L2; from B = 1,
+# ``_mid_cluster_candidates``). The latency model (h100, fp16, µs a step) predicts their forward
+# faster than the grid's up to B = 8 (LSTM H 512: B 1 1.61 against the widened fp32 tile's 2.10,
+# B 2 1.68 / 2.15, B 3 1.77 / 2.19, B 4 1.81 / 2.20, B 8 2.23 / 2.32; GRU H 512 B 1 1.56 / 2.07,
+# B 8 2.11 / 2.28), slower from B = 9 (a second n-tile on 16 SMs: LSTM H 512 3.16 / 2.57), and
+# their backward slower than the grid's wherever it would run on them (LSTM H 512 B 4 3.08
+# against 2.91, B 8 4.12 / 3.54: the product on 16 SMs and its G*H words a batch row stored into
+# every CTA cost more than the grid's L2 exchange saves), so the backward is the grid's
+# (``_grid_backward``; below MMA_BACKWARD_MIN_BATCH the fp32 grid tile's, widened).
 # tests/test_half_plan.py holds both sides.
-MMA_MID_CLUSTER_MAX_BATCH = 3
+MMA_MID_CLUSTER_MAX_BATCH = 8
 # The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
 # ``MMA_CLUSTER_TILES``) where settings.allow_tf32, by placement. The latency model (h100)
 # predicts their forward faster from B = 3 on the grid (LSTM H 512 2.27 against 2.42 µs, H 1024
@@ -607,7 +606,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
     on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; a cluster's mid-size mma tiles
     (``tiles.MMA_MID_CLUSTER_TILES``) come after its CUDA-core tiles, up to
-    ``MMA_MID_CLUSTER_MAX_BATCH`` rows. Below those batches a 16-bit layer's passes run on the
+    ``MMA_MID_CLUSTER_MAX_BATCH`` rows, for the forward (the backward the grid's,
+    ``_grid_backward``). Below those batches a 16-bit layer's passes run on the
     fp32 tile where it fits, its weights widened (``widens``; not a mid-size cluster tile's
     forward). Where
     no tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again
@@ -631,11 +631,14 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     candidates = (_mma_candidates(cell, batch, dtype, dev, True) + cluster_tiles_for(cell, dtype)
                   + _mid_cluster_candidates(cell, batch, dtype) if has_clusters(dev) else ())
     candidates += _mma_candidates(cell, batch, dtype, dev, False) + tiles_for(cell, dtype)
-    for tile in candidates:
+    for i, tile in enumerate(candidates):
         fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
-            return _widened(Plan(True, None, tile, fwd, bwd), cell, hidden, batch, dtype, dev)
+            plan = Plan(True, None, tile, fwd, bwd)
+            if tile in MMA_MID_CLUSTER_TILES[cell.tiles]:
+                plan = _grid_backward(plan, candidates[i + 1:], cell, hidden, batch, dtype, dev)
+            return _widened(plan, cell, hidden, batch, dtype, dev)
         tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
     # Only where no tile holds the whole batch: the tiles that can, in batch groups (so that a
     # layer that fits without them keeps its plan).
@@ -661,11 +664,24 @@ def _mma_candidates(cell: CellSpec, batch: int, dtype: str, dev: DeviceProfile,
 
 def _mid_cluster_candidates(cell: CellSpec, batch: int, dtype: str) -> tuple[Tile, ...]:
     """The mid-size cluster mma tiles ``make_plan`` tries after the small layers' cluster tiles
-    (which serve every H they do): a 16-bit layer's up to ``MMA_MID_CLUSTER_MAX_BATCH`` rows,
-    from B = 1 (no CUDA-core cluster tile serves their H; the model predicts their forward faster
-    than the fp32 grid tile's there: LSTM H 512 1.61 against 2.10 µs, GRU 1.56 / 2.07)."""
+    (which serve every H they do), for the forward (``_grid_backward``): a 16-bit layer's up to
+    ``MMA_MID_CLUSTER_MAX_BATCH`` rows, from B = 1 (no CUDA-core cluster tile serves their H; the
+    model predicts their forward faster than the fp32 grid tile's there: LSTM H 512 1.61 against
+    2.10 µs, GRU 1.56 / 2.07)."""
     return MMA_MID_CLUSTER_TILES[cell.tiles] \
         if dtype != "float32" and batch <= MMA_MID_CLUSTER_MAX_BATCH else ()
+
+
+def _grid_backward(plan: Plan, rest: tuple[Tile, ...], cell: CellSpec, hidden: int, batch: int,
+                   dtype: str, dev: DeviceProfile) -> Plan:
+    """``plan`` of a mid-size cluster tile with the backward of the first tile of ``rest`` (the
+    grid's) whose passes fit: the model predicts the cluster's backward slower
+    (``MMA_MID_CLUSTER_MAX_BATCH``). Its own where none fits."""
+    for tile in rest:
+        fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
+        if _why_not(fwd, dev, hidden) is None and _why_not(bwd, dev, hidden) is None:
+            return replace(plan, backward=bwd)
+    return plan
 
 
 def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,

@@ -191,8 +191,8 @@ def test_the_model_predicts_the_planned_16bit_backward_faster(monkeypatch, sixte
 def test_the_model_predicts_the_mid_cluster_tile_faster_up_to_its_batch(monkeypatch):
     # Where plan.MMA_MID_CLUSTER_MAX_BATCH puts the line for the mid-size cluster mma tiles
     # (LSTM H 512, fp16; predictions of the latency model, h100): up to it their forward faster
-    # than what the grid runs (B = 1: the widened fp32 tile; B = 3: the grid's mma tile), past
-    # it their backward on the tensor cores slower than the grid's (B = 4).
+    # than the grid's (B = 1: the widened fp32 tile; B = 8: the mma tile), past it slower (B = 9),
+    # and their own backward slower than the grid's that plan._grid_backward takes (B = 4).
     from persistent_rnn import plan as planner
 
     def plan(batch, mid):
@@ -204,18 +204,22 @@ def test_the_model_predicts_the_mid_cluster_tile_faster_up_to_its_batch(monkeypa
     def us(p, batch):
         return _predicted_us("lstm", 512, batch, p)
 
-    assert planner.MMA_MID_CLUSTER_MAX_BATCH == 3
-    for batch in (1, 3):
+    assert planner.MMA_MID_CLUSTER_MAX_BATCH == 8
+    for batch in (1, 8):
         assert us(plan(batch, True).forward, batch) < us(plan(batch, False).forward, batch)
-    mid, grid = plan(4, True).backward, plan(4, False).backward
-    assert mid.defines["PRNN_MMA"] == grid.defines["PRNN_MMA"] == 2
-    assert us(mid, 4) > us(grid, 4)
+    mid = plan(4, True)
+    past = planner.pass_plan(CELLS["lstm"], mid.tile, False, 512, 9, "float16")
+    assert us(past, 9) > us(plan(9, False).forward, 9)
+    own = planner.pass_plan(CELLS["lstm"], mid.tile, True, 512, 4, "float16")
+    assert own.defines["PRNN_MMA"] == mid.backward.defines["PRNN_MMA"] == 2
+    assert us(own, 4) > us(mid.backward, 4)
 
 
 def test_mid_size_16bit_layers_take_the_cluster_up_to_its_batch():
-    # LSTM and GRU H 257-512 (16-bit, h100) in one cluster of 32-unit CTAs up to
-    # plan.MMA_MID_CLUSTER_MAX_BATCH rows (B = 1 too: the forward is not widened), on the grid past
-    # it; never in fp32 or TF32.
+    # LSTM and GRU H 257-512 (16-bit, h100): the forward in one cluster of 32-unit CTAs up to
+    # plan.MMA_MID_CLUSTER_MAX_BATCH rows (B = 1 too: not widened), on the grid past it; the
+    # backward on the grid (below plan.MMA_BACKWARD_MIN_BATCH the fp32 tile's, widened); never
+    # in fp32 or TF32.
     from persistent_rnn.plan import MMA_MID_CLUSTER_MAX_BATCH
     for cell, hidden in (("lstm", 384), ("lstm", 512), ("gru", 300), ("gru", 512)):
         for batch in range(1, MMA_MID_CLUSTER_MAX_BATCH + 2):
@@ -223,13 +227,12 @@ def test_mid_size_16bit_layers_take_the_cluster_up_to_its_batch():
                 p = make_plan(cell, hidden, batch, dtype, "h100")
                 mid = batch <= MMA_MID_CLUSTER_MAX_BATCH
                 assert p.fits and (p.tile.units == 32 and p.tile.cluster == 16) == mid, (cell, batch)
+                assert ("PRNN_CLUSTER" in p.forward.defines) == mid
+                assert "PRNN_CLUSTER" not in p.backward.defines
                 if mid:
-                    assert p.forward.grid == -(-hidden // 32) and "PRNN_CLUSTER" in p.forward.defines
-                    assert p.forward.defines["PRNN_MMA"] == 1
-                    # below plan.MMA_BACKWARD_MIN_BATCH the fp32 grid backward, widened
-                    assert ("PRNN_CLUSTER" in p.backward.defines) == (batch >= MMA_BACKWARD_MIN_BATCH)
-                    assert ("PRNN_WEIGHT_DTYPE" in p.backward.defines) \
-                        == (batch >= MMA_BACKWARD_MIN_BATCH)
+                    assert p.forward.grid == -(-hidden // 32) and p.forward.defines["PRNN_MMA"] == 1
+                    assert p.backward.defines.get("PRNN_MMA") \
+                        == (2 if batch >= MMA_BACKWARD_MIN_BATCH else None)
             full = make_plan(cell, hidden, batch, "float32", "h100")
             assert not full.tile.cluster and not full.tile.mma
     assert not make_plan("lstm", 513, 4, "float16", "h100").tile.cluster

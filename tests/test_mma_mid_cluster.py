@@ -1,5 +1,5 @@
 """The mid-size cluster mma tiles (``tiles.MMA_MID_CLUSTER_TILES``: 32 units a CTA, LSTM and GRU H
-up to 512 in one cluster; planned up to ``plan.MMA_MID_CLUSTER_MAX_BATCH`` rows) through the CPU
+up to 512 in one cluster; their forward planned up to ``plan.MMA_MID_CLUSTER_MAX_BATCH`` rows) through the CPU
 emulation, forced at a small H (two CTAs, the second with 8 of its 32 units below H; most of each
 lane's columns past H) and at any batch:
 
@@ -10,8 +10,9 @@ lane's columns past H) and at any batch:
 * the same tile's CUDA-core 16-bit backward (below ``plan.MMA_BACKWARD_MIN_BATCH``) against
   float64 the same way.
 
-(Up to ``plan.MMA_MID_CLUSTER_MAX_BATCH`` rows an H100/H200 plan runs their backward on the fp32
-grid tile: both backwards serve where that does not fit.) CI: the LSTM, fp16, B = 4 (one n-tile);
+(An H100/H200 plan runs their forward alone, the backward on the grid, ``plan._grid_backward``:
+both backwards serve where no grid tile fits; the last test runs the planned mix.) CI: the LSTM,
+fp16, B = 4 (one n-tile);
 ``PRNN_TEST_EVERY_KERNEL=1``: LSTM and GRU, both dtypes, B = 4 and the largest batch their
 backward fits in shared memory, 8 and 9 (two n-tiles, a partial last one), and the CUDA-core
 backward.
@@ -39,11 +40,12 @@ if EVERY_KERNEL:
 @pytest.fixture
 def mid_cluster(emulation, monkeypatch):  # noqa: F811
     """The planner's tensor-core tiles: the cluster's mid-size ones alone (at H 40 the small
-    layers' tile would serve), at every batch (``emulation``; past
-    ``plan.MMA_MID_CLUSTER_MAX_BATCH`` too)."""
+    layers' tile would serve), both passes (not ``plan._grid_backward``), at every batch
+    (``emulation``; past ``plan.MMA_MID_CLUSTER_MAX_BATCH`` too)."""
     monkeypatch.setattr(planner, "mma_tiles_for",
                         lambda cell, dtype, cluster=False, *_, **__:
                         MMA_MID_CLUSTER_TILES[cell.tiles] if cluster else ())
+    monkeypatch.setattr(planner, "_grid_backward", lambda plan, *_: plan)
 
 
 def _ran_mid(stats, mma: int) -> None:
@@ -80,14 +82,17 @@ def test_mid_cluster_cuda_core_backward_matches_float64(mid_cluster, monkeypatch
         assert relerr(got[key], ref) <= FP32_BOUND, key
 
 
-def test_mid_cluster_forward_with_the_widened_grid_backward(settings, fresh_plans):
-    # As planned (LSTM H 264, B 2: 9 CTAs of 32 units, the last with 8): the forward on the
-    # mid-size cluster tile, the backward on the fp32 grid tile (the weights widened).
+@pytest.mark.parametrize("batch", [2, 4])
+def test_mid_cluster_forward_with_the_grid_backward(settings, fresh_plans, batch):
+    # As planned (LSTM H 264: 9 CTAs of 32 units, the last with 8): the forward on the mid-size
+    # cluster tile, the backward on the grid - B 2 the fp32 tile's (the weights widened), B 4 the
+    # grid's mma tile.
     prnn.configure(emulation_timeout_ms=20_000)
-    kern = layer_within_the_16bit_bounds("lstm", "float16", 264, 2)
+    kern = layer_within_the_16bit_bounds("lstm", "float16", 264, batch)
     bwd = kern.last_run
     assert bwd.fallback is None and "PRNN_CLUSTER" not in bwd.details[0]
-    assert "PRNN_WEIGHT_DTYPE" not in bwd.details[0]
-    kern.forward(np.zeros((2, 2, 5), kern.dtype))
-    assert "'PRNN_UNITS': 32" in kern.last_run.details[0]
-    assert "'PRNN_CLUSTER': 9" in kern.last_run.details[0] and "'PRNN_MMA': 1" in kern.last_run.details[0]
+    assert ("'PRNN_MMA': 2" in bwd.details[0]) == (batch >= planner.MMA_BACKWARD_MIN_BATCH)
+    assert ("PRNN_WEIGHT_DTYPE" in bwd.details[0]) == (batch >= planner.MMA_BACKWARD_MIN_BATCH)
+    kern.forward(np.zeros((2, batch, 5), kern.dtype))
+    fwd = kern.last_run.details[0]
+    assert "'PRNN_UNITS': 32" in fwd and "'PRNN_CLUSTER': 9" in fwd and "'PRNN_MMA': 1" in fwd
