@@ -936,7 +936,7 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     cluster = plan.tile.cluster
     record["tile"] = {"units": plan.tile.units, "cluster": cluster,
                       "placement": "cluster" if cluster else "grid",
-                      # a mid-size cluster tile's forward beside the grid's backward (plan._grid_backward)
+                      # (a mid-size cluster tile's forward, the grid's backward: plan._grid_backward)
                       "backward_placement": "cluster" if "PRNN_CLUSTER" in plan.backward.defines
                                             else "grid",
                       "tensor_cores": getattr(plan.tile, "mma", False),

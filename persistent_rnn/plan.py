@@ -195,8 +195,8 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = Fals
     Forward (``persistent_forward.cu``): h_{t-1} staged, STAGED [``staged_buffers``][padded]
     per batch row (two by step parity on the grid with warp teams; a cluster stages no vector,
     its STAGED holds the odd steps' partial sums, [ksplit][G*units], in max(padded, that) words);
-    the product's partial sums,
-    PARTIAL [ksplit][G*units]; gi by step, GI [``input_buffers``][G][units]; c_{t-1} and h_{t-1} of the
+    the product's partial sums, PARTIAL [ksplit][G*units]; gi by step, GI
+    [``input_buffers``][G][units]; c_{t-1} and h_{t-1} of the
     owned units, C and H [units] each; b_hh, BIAS [G][units] in all; the lengths, LENGTHS [1].
     Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded] (a cluster's: the
     odd steps' partial sums, [ksplit][units], as the forward's); PARTIAL
@@ -607,11 +607,10 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; a cluster's mid-size mma tiles
     (``tiles.MMA_MID_CLUSTER_TILES``) come after its CUDA-core tiles, up to
     ``MMA_MID_CLUSTER_MAX_BATCH`` rows, for the forward (the backward the grid's,
-    ``_grid_backward``). Below those batches a 16-bit layer's passes run on the
-    fp32 tile where it fits, its weights widened (``widens``; not a mid-size cluster tile's
-    forward). Where
-    no tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again
-    in batch groups (``batch_group``), the cheapest first.
+    ``_grid_backward``). Below those batches a 16-bit layer's passes run on the fp32 tile where
+    it fits, its weights widened (``widens``; not a mid-size cluster tile's forward). Where no
+    tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again in
+    batch groups (``batch_group``), the cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_CLUSTER_TILES`` and ``PROJECTION_TILES`` (``_projection_plan``).

@@ -107,14 +107,14 @@ MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
     "gru": (_tile(16, (16, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS, mma=True),),
     "rnn": (_tile(32, (16, 2, 8), (16, 2, 8), HOPPER_CLUSTER_CTAS, mma=True),),
 }
-# On sm_90, mid-size LSTM and GRU layers (H up to 512) as one cluster too, 16-bit only, up to
-# plan.MMA_MID_CLUSTER_MAX_BATCH rows (from B = 1): 32 units a CTA in 8 warps, the forward the
-# grid tiles' shape with 4 times the rows (one row group over 8 column chunks: a lane waits for
-# 8 words of a step), the backward 4 n-tiles of units over 8 chunks (its CUDA-core 16-bit pass
-# the same PassTile); 96-128 weight registers a lane. ptxas (sm_90): 199-235 registers in the
-# forward, 235-255 in the mma backward (204-242 in the CUDA-core one), zero spills. (The Elman
-# RNN's 64-unit tile, H 1024: the model predicts its pair no faster at B = 4, 2.06 + 2.64
-# against 2.26 + 2.40 µs.)
+# On sm_90, the forward of mid-size LSTM and GRU layers (H up to 512) as one cluster too, 16-bit
+# only, from B = 1 to plan.MMA_MID_CLUSTER_MAX_BATCH (the backward the grid's where one fits:
+# plan._grid_backward): 32 units a CTA in 8 warps, the forward the grid tiles' shape with 4 times
+# the rows (one row group over 8 column chunks: a lane waits for 8 words of a step), the backward
+# 4 n-tiles of units over 8 chunks (its CUDA-core 16-bit pass the same PassTile); 96-128 weight
+# registers a lane. ptxas (sm_90): 199-235 registers in the forward, 235-255 in the mma backward
+# (204-242 in the CUDA-core one), zero spills. (The Elman RNN's 64-unit tile, H 1024: the model
+# predicts its forward faster at B 2-4 only, 1.77 / 2.16 - 2.06 / 2.26 µs, slower at B 8.)
 MMA_MID_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
     "lstm": (_tile(32, (128, 8, 2), (32, 8, 8), HOPPER_CLUSTER_CTAS, mma=True),),
     "gru": (_tile(32, (96, 8, 2), (32, 8, 6), HOPPER_CLUSTER_CTAS, mma=True),),

@@ -1,7 +1,7 @@
 """The mid-size cluster mma tiles (``tiles.MMA_MID_CLUSTER_TILES``: 32 units a CTA, LSTM and GRU H
-up to 512 in one cluster; their forward planned up to ``plan.MMA_MID_CLUSTER_MAX_BATCH`` rows) through the CPU
-emulation, forced at a small H (two CTAs, the second with 8 of its 32 units below H; most of each
-lane's columns past H) and at any batch:
+up to 512 in one cluster; their forward planned up to ``plan.MMA_MID_CLUSTER_MAX_BATCH`` rows)
+through the CPU emulation, forced at a small H (two CTAs, the second with 8 of its 32 units below
+H; most of each lane's columns past H) and at any batch:
 
 * the forward (mma_tile.cuh) and the backward on the tensor cores (mma_split_tile.cuh): the
   layer's 16-bit results against the float64 layer within docs/api.md's 16-bit bounds and the
@@ -12,10 +12,9 @@ lane's columns past H) and at any batch:
 
 (An H100/H200 plan runs their forward alone, the backward on the grid, ``plan._grid_backward``:
 both backwards serve where no grid tile fits; the last test runs the planned mix.) CI: the LSTM,
-fp16, B = 4 (one n-tile);
-``PRNN_TEST_EVERY_KERNEL=1``: LSTM and GRU, both dtypes, B = 4 and the largest batch their
-backward fits in shared memory, 8 and 9 (two n-tiles, a partial last one), and the CUDA-core
-backward.
+fp16, B = 4 (one n-tile), and the planned mix; ``PRNN_TEST_EVERY_KERNEL=1``: LSTM and GRU, both
+dtypes, B = 4 and the largest batch their backward fits in shared memory, 8 and 9 (two n-tiles,
+a partial last one), and the CUDA-core backward.
 """
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ from persistent_rnn import plan as planner
 from persistent_rnn.tiles import MMA_MID_CLUSTER_TILES
 
 from campaign import relerr
-from test_mma_backward import FP32_BOUND, _backward, emulation, layer_within_the_16bit_bounds  # noqa: F401
+from test_mma_backward import (FP32_BOUND, _backward, emulation,  # noqa: F401
+                               layer_within_the_16bit_bounds)
 from full_set import EVERY_KERNEL
 
 HIDDEN = 40  # two CTAs of 32 units
