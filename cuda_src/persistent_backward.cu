@@ -77,7 +77,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_backward(
   // Step T-1 has no recurrent input.
   begin_steps(xch, v_s, start + 1,
               start + 1 < steps ? dgh + (size_t)(start + 1) * batch * gh_len : nullptr, batch);
-  static_assert(!kDirectRead || kKsplit * kUnits <= kPadded, "odd steps' partial sums fit v_s");
+  static_assert(!kDirectRead || kKsplit * kUnits <= PRNN_SMEM_STAGED,
+                "odd steps' partial sums fit v_s (plan.shared_layout)");
 
   int t = start, failed = 0;
   for (;;) {

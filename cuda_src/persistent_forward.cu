@@ -88,7 +88,8 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS prnn_persistent_forward(
   }
   begin_steps(xch, staged(start - 1), start - 1,
               start > 0 ? y + (size_t)(start - 1) * batch * hidden : h0, batch);
-  static_assert(!kDirectRead || kKsplit * R <= kPadded, "odd steps' partial sums fit h_s");
+  static_assert(!kDirectRead || kKsplit * R <= PRNN_SMEM_STAGED,
+                "odd steps' partial sums fit h_s (plan.shared_layout)");
 
   // A cluster's warp team with no unit below `hidden` has nothing to compute: it reports every
   // step done (the other warps' steps decide the CTA's progress) rather than wait for words it

@@ -937,6 +937,9 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
     cluster = plan.tile.cluster
     record["tile"] = {"units": plan.tile.units, "cluster": cluster,
                       "placement": "cluster" if cluster else "grid",
+                      # (a mid-size cluster tile's forward, the grid's backward: plan._grid_backward)
+                      "backward_placement": "cluster" if "PRNN_CLUSTER" in plan.backward.defines
+                                            else "grid",
                       "tensor_cores": getattr(plan.tile, "mma", False),
                       "tensor_cores_backward": plan.backward.defines.get("PRNN_MMA") == 2,
                       # W_hh in TF32 (settings.allow_tf32): a float32 layer's mma forward

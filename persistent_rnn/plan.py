@@ -24,9 +24,9 @@ from .hardware import (MAX_REGISTERS_PER_THREAD, PROFILES, REGISTER_ALLOCATION_U
                        REGISTERS_PER_SM, SUB_PARTITIONS, WARP, WEIGHT_BYTES, DeviceProfile,
                        current_device)
 from . import validation
-from .tiles import (PROJECTION_TILES, PassTile, ProjectionTile, Tile, cluster_tiles_for,
-                    mma_tiles_for, projection_tile_ships, projection_tiles_for, stack_tiles_for,
-                    tiles_for)
+from .tiles import (MMA_MID_CLUSTER_TILES, PROJECTION_TILES, PassTile, ProjectionTile, Tile,
+                    cluster_tiles_for, mma_tiles_for, projection_tile_ships, projection_tiles_for,
+                    stack_tiles_for, tiles_for)
 from .validation import dtype_name
 
 # The dtypes the persistent kernels hold W_hh in, and their -D PRNN_WEIGHT_DTYPE
@@ -193,10 +193,13 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = Fals
     the one place it is sized (the kernels carve it from ``layout_defines``).
 
     Forward (``persistent_forward.cu``): h_{t-1} staged, STAGED [``staged_buffers``][padded]
-    per batch row (two by step parity on the grid with warp teams); the product's partial sums,
-    PARTIAL [ksplit][G*units]; gi by step, GI [``input_buffers``][G][units]; c_{t-1} and h_{t-1} of the
+    per batch row (two by step parity on the grid with warp teams; a cluster stages no vector,
+    its STAGED holds the odd steps' partial sums, [ksplit][G*units], in max(padded, that) words);
+    the product's partial sums, PARTIAL [ksplit][G*units]; gi by step, GI
+    [``input_buffers``][G][units]; c_{t-1} and h_{t-1} of the
     owned units, C and H [units] each; b_hh, BIAS [G][units] in all; the lengths, LENGTHS [1].
-    Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded]; PARTIAL
+    Backward (``persistent_backward.cu``): dgh_{t+1} staged, STAGED [padded] (a cluster's: the
+    odd steps' partial sums, [ksplit][units], as the forward's); PARTIAL
     [ksplit][units]; the read-only inputs by step (dy, h, h_prev, [c, c_prev], saved: fetched
     during an earlier step), INPUTS [``input_buffers``][inputs][units]; the dh and dc carries,
     CARRIES [2][units]; LENGTHS [1]. ``padded = ksplit * 32 * kpt``.
@@ -215,16 +218,22 @@ def shared_layout(cell: CellSpec, tile: Tile, backward: bool, stack: bool = Fals
             return region("STAGED", batch_group * words, per_row=False)
         return region("STAGED", words)
 
+    partials = pt.ksplit * (units if backward else cell.gates * units)
+    # A cluster's product reads the exchange in place (kDirectRead): its STAGED holds the odd
+    # steps' partial sums, in a padded row where they fit (the layout - and SASS - the small
+    # layers' cluster kernels were measured and calibrated with), past it where 8 chunks of the
+    # mid-size tiles' 96-128 rows do not.
+    vector = max(padded, partials) if tile.cluster else padded
     if backward:
         inputs = 3 + 2 * cell.has_cell_state + cell.saved
-        layout = (staged(padded), region("PARTIAL", pt.ksplit * units),
+        layout = (staged(vector), region("PARTIAL", partials),
                   region("INPUTS", input_buffers(tile, stack) * inputs * units),
                   region("CARRIES", 2 * units),
                   region("LENGTHS", 1))
     else:
         rows = cell.gates * units
-        layout = (staged(staged_buffers(cell, tile, stack) * padded),
-                  region("PARTIAL", pt.ksplit * rows),
+        layout = (staged(staged_buffers(cell, tile, stack) * vector),
+                  region("PARTIAL", partials),
                   region("GI", input_buffers(tile, stack) * rows),
                   region("C", units), region("H", units),
                   region("BIAS", (2 if stack else 1) * rows, per_row=False),
@@ -281,6 +290,19 @@ MMA_BACKWARD_MIN_BATCH = 4
 # 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 633, 4-layer RNN H 512 624 / 638) and
 # about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
 MMA_STACK_BACKWARD_MIN_BATCH = 3
+# The largest batch whose 16-bit layers run their forward on a cluster's mid-size mma tiles (32
+# units a CTA, ``tiles.MMA_MID_CLUSTER_TILES``: LSTM and GRU H 257-512 in one cluster of up to 16
+# CTAs, the exchange in distributed shared memory instead of L2; from B = 1,
+# ``_mid_cluster_candidates``). The latency model (h100, fp16, µs a step) predicts their forward
+# faster than the grid's up to B = 8 (LSTM H 512: B 1 1.61 against the widened fp32 tile's 2.10,
+# B 2 1.68 / 2.15, B 3 1.77 / 2.19, B 4 1.81 / 2.20, B 8 2.23 / 2.32; GRU H 512 B 1 1.56 / 2.07,
+# B 8 2.11 / 2.28), slower from B = 9 (a second n-tile on 16 SMs: LSTM H 512 3.16 / 2.57), and
+# their backward slower than the grid's wherever it would run on them (LSTM H 512 B 4 3.08
+# against 2.91, B 8 4.12 / 3.54: the product on 16 SMs and its G*H words a batch row stored into
+# every CTA cost more than the grid's L2 exchange saves), so the backward is the grid's
+# (``_grid_backward``; below MMA_BACKWARD_MIN_BATCH the fp32 grid tile's, widened).
+# tests/test_half_plan.py holds both sides.
+MMA_MID_CLUSTER_MAX_BATCH = 8
 # The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
 # ``MMA_CLUSTER_TILES``) where settings.allow_tf32, by placement. The latency model (h100)
 # predicts their forward faster from B = 3 on the grid (LSTM H 512 2.27 against 2.42 µs, H 1024
@@ -582,10 +604,13 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     least work per step) whose forward and backward both fit, or a ``Plan`` with ``fits=False``
     and the reason. 16-bit layers of ``MMA_MIN_BATCH`` rows or more try the tensor-core tiles
     first, in each placement (``tiles.MMA_CLUSTER_TILES``, ``tiles.MMA_TILES``), their backward
-    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; below those batches a 16-bit
-    layer's passes run on the fp32 tile where it fits, its weights widened (``widens``). Where
-    no tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again
-    in batch groups (``batch_group``), the cheapest first.
+    on the tensor cores from ``MMA_BACKWARD_MIN_BATCH`` rows; a cluster's mid-size mma tiles
+    (``tiles.MMA_MID_CLUSTER_TILES``) come after its CUDA-core tiles, up to
+    ``MMA_MID_CLUSTER_MAX_BATCH`` rows, for the forward (the backward the grid's,
+    ``_grid_backward``). Below those batches a 16-bit layer's passes run on the fp32 tile where
+    it fits, its weights widened (``widens``; not a mid-size cluster tile's forward). Where no
+    tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again in
+    batch groups (``batch_group``), the cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_CLUSTER_TILES`` and ``PROJECTION_TILES`` (``_projection_plan``).
@@ -603,13 +628,16 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         return _projection_plan(hidden, proj_size, batch, dtype, dev)
     tried: list[tuple[object, int, str]] = []
     candidates = (_mma_candidates(cell, batch, dtype, dev, True) + cluster_tiles_for(cell, dtype)
-                  if has_clusters(dev) else ())
+                  + _mid_cluster_candidates(cell, batch, dtype) if has_clusters(dev) else ())
     candidates += _mma_candidates(cell, batch, dtype, dev, False) + tiles_for(cell, dtype)
-    for tile in candidates:
+    for i, tile in enumerate(candidates):
         fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
-            return _widened(Plan(True, None, tile, fwd, bwd), cell, hidden, batch, dtype, dev)
+            plan = Plan(True, None, tile, fwd, bwd)
+            if tile in MMA_MID_CLUSTER_TILES[cell.tiles]:
+                plan = _grid_backward(plan, candidates[i + 1:], cell, hidden, batch, dtype, dev)
+            return _widened(plan, cell, hidden, batch, dtype, dev)
         tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
     # Only where no tile holds the whole batch: the tiles that can, in batch groups (so that a
     # layer that fits without them keeps its plan).
@@ -624,13 +652,35 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
 def _mma_candidates(cell: CellSpec, batch: int, dtype: str, dev: DeviceProfile,
                     cluster: bool) -> tuple[Tile, ...]:
     """The tensor-core tiles ``make_plan`` tries first in a placement: a 16-bit layer's from
-    ``MMA_MIN_BATCH`` rows, a float32 layer's TF32 tiles where ``dev.allow_tf32``, from
-    ``TF32_MIN_BATCH`` rows of the placement."""
+    ``MMA_MIN_BATCH`` rows (a cluster's mid-size ones: ``_mid_cluster_candidates``), a float32
+    layer's TF32 tiles where ``dev.allow_tf32``, from ``TF32_MIN_BATCH`` rows of the placement."""
     if dtype == "float32":
         least = TF32_MIN_BATCH["cluster" if cluster else "grid"]
         return mma_tiles_for(cell, dtype, cluster, tf32=True) \
             if dev.allow_tf32 and batch >= least else ()
-    return mma_tiles_for(cell, dtype, cluster) if batch >= MMA_MIN_BATCH else ()
+    return mma_tiles_for(cell, dtype, cluster, mid=False) if batch >= MMA_MIN_BATCH else ()
+
+
+def _mid_cluster_candidates(cell: CellSpec, batch: int, dtype: str) -> tuple[Tile, ...]:
+    """The mid-size cluster mma tiles ``make_plan`` tries after the small layers' cluster tiles
+    (which serve every H they do), for the forward (``_grid_backward``): a 16-bit layer's up to
+    ``MMA_MID_CLUSTER_MAX_BATCH`` rows, from B = 1 (no CUDA-core cluster tile serves their H; the
+    model predicts their forward faster than the fp32 grid tile's there: LSTM H 512 1.61 against
+    2.10 µs, GRU 1.56 / 2.07)."""
+    return MMA_MID_CLUSTER_TILES[cell.tiles] \
+        if dtype != "float32" and batch <= MMA_MID_CLUSTER_MAX_BATCH else ()
+
+
+def _grid_backward(plan: Plan, rest: tuple[Tile, ...], cell: CellSpec, hidden: int, batch: int,
+                   dtype: str, dev: DeviceProfile) -> Plan:
+    """``plan`` of a mid-size cluster tile with the backward of the first tile of ``rest`` (the
+    grid's) whose passes fit: the model predicts the cluster's backward slower
+    (``MMA_MID_CLUSTER_MAX_BATCH``). Its own where none fits."""
+    for tile in rest:
+        fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
+        if _why_not(fwd, dev, hidden) is None and _why_not(bwd, dev, hidden) is None:
+            return replace(plan, backward=bwd)
+    return plan
 
 
 def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
@@ -679,7 +729,10 @@ def _widened(plan: Plan, cell: CellSpec, hidden: int, batch: int, dtype: str,
     if not wide.fits:
         return plan
     cluster = bool(wide.tile.cluster)
-    forward, backward = widens(cell, batch, False, cluster), widens(cell, batch, True, cluster)
+    # (a forward in a cluster stays there where the fp32 tile is the grid's: the mid-size tiles'
+    # at B = 1, _mid_cluster_candidates)
+    forward = widens(cell, batch, False, cluster) and (cluster or not plan.tile.cluster)
+    backward = widens(cell, batch, True, cluster)
     return replace(plan, tile=wide.tile if forward else plan.tile,
                    forward=widened_pass(wide.forward, dtype, False) if forward else plan.forward,
                    backward=widened_pass(wide.backward, dtype, True) if backward else plan.backward)

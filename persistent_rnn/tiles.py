@@ -107,6 +107,19 @@ MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
     "gru": (_tile(16, (16, 1, 8), (16, 4, 6), HOPPER_CLUSTER_CTAS, mma=True),),
     "rnn": (_tile(32, (16, 2, 8), (16, 2, 8), HOPPER_CLUSTER_CTAS, mma=True),),
 }
+# On sm_90, the forward of mid-size LSTM and GRU layers (H up to 512) as one cluster too, 16-bit
+# only, from B = 1 to plan.MMA_MID_CLUSTER_MAX_BATCH (the backward the grid's where one fits:
+# plan._grid_backward): 32 units a CTA in 8 warps, the forward the grid tiles' shape with 4 times
+# the rows (one row group over 8 column chunks: a lane waits for 8 words of a step), the backward
+# 4 n-tiles of units over 8 chunks (its CUDA-core 16-bit pass the same PassTile); 96-128 weight
+# registers a lane. ptxas (sm_90): 199-235 registers in the forward, 235-255 in the mma backward
+# (204-242 in the CUDA-core one), zero spills. (The Elman RNN's 64-unit tile, H 1024: the model
+# predicts its forward faster at B 2-4 only, 1.77 / 2.16 - 2.06 / 2.26 µs, slower at B 8.)
+MMA_MID_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
+    "lstm": (_tile(32, (128, 8, 2), (32, 8, 8), HOPPER_CLUSTER_CTAS, mma=True),),
+    "gru": (_tile(32, (96, 8, 2), (32, 8, 6), HOPPER_CLUSTER_CTAS, mma=True),),
+    "rnn": (),
+}
 
 
 # TF32 tiles (settings.allow_tf32; docs/design.md, "TF32 tiles"): fp32 layers whose forward holds
@@ -115,20 +128,23 @@ MMA_CLUSTER_TILES: dict[str, tuple[Tile, ...]] = {
 # 16-bit mma tiles' shapes, at twice their weight registers - and whose backward is the fp32
 # CUDA-core backward of the same PassTile (the fp32 tiles' of the same units). ptxas: 100-241
 # registers, zero spills on sm_80 and sm_90. Not GRU's (48, 8, 4) (H 1024): its 192 weight
-# registers beside 48 accumulators spill 144 (sm_90) and 180 bytes (sm_80).
+# registers beside 48 accumulators spill 144 (sm_90) and 180 bytes (sm_80). (Not the mid-size
+# cluster tiles: 192-256 TF32 weight registers.)
 TF32_TILES: dict[str, tuple[Tile, ...]] = {**MMA_TILES, "gru": MMA_TILES["gru"][:1]}
 
 
 def mma_tiles_for(cell: CellSpec, dtype: str, cluster: bool = False,
-                  tf32: bool = False) -> tuple[Tile, ...]:
+                  tf32: bool = False, mid: bool = True) -> tuple[Tile, ...]:
     """The shipped tensor-core tiles of ``cell`` for weights of ``dtype``, grid or (``cluster``)
     cluster placement: fp32 weights have the TF32 tiles where ``tf32`` (settings.allow_tf32),
-    else none."""
+    else none. ``mid``: a 16-bit cluster's mid-size tiles too (``MMA_MID_CLUSTER_TILES``)."""
     if WEIGHT_BYTES[dtype] == 4:
         if not tf32:
             return ()
         return (MMA_CLUSTER_TILES if cluster else TF32_TILES)[cell.tiles]
-    return (MMA_CLUSTER_TILES if cluster else MMA_TILES)[cell.tiles]
+    if cluster:
+        return MMA_CLUSTER_TILES[cell.tiles] + (MMA_MID_CLUSTER_TILES[cell.tiles] if mid else ())
+    return MMA_TILES[cell.tiles]
 
 
 def tiles_for(cell: CellSpec, dtype: str = "float32") -> tuple[Tile, ...]:

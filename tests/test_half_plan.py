@@ -147,7 +147,9 @@ def test_the_model_predicts_the_planned_16bit_tile_faster(monkeypatch, sixteen_b
     # Where plan.MMA_MIN_BATCH puts the line between the 16-bit tiles (predictions of the latency
     # model, h100, forward): at B = 1 the CUDA-core tile (no slower), from B = 2 the mma tile
     # (faster) - in a cluster and on the grid. (At B = 1 the fp32 tile beats both: the next test.)
+    # H 512 on the grid's tiles: the mid-size cluster tiles have their own line (further below).
     from persistent_rnn import plan as planner
+    monkeypatch.setattr(planner, "MMA_MID_CLUSTER_MAX_BATCH", 0)
 
     def forward_us(hidden, batch, mma):  # the forward alone (the backward is the same tile)
         monkeypatch.setattr(planner, "MMA_MIN_BATCH", 1 if mma else 10**6)
@@ -166,8 +168,10 @@ def test_the_model_predicts_the_planned_16bit_backward_faster(monkeypatch, sixte
     # Where plan.MMA_BACKWARD_MIN_BATCH puts the line between the 16-bit backwards (predictions of
     # the latency model, h100): an mma tile's backward on the CUDA cores below it, on the tensor
     # cores from it. LSTM H 512 at B = 3 and 4 (the same kernels: the gather loads 8 quads at
-    # both); the full set also the shapes of docs/design.md's table.
+    # both); the full set also the shapes of docs/design.md's table. (H 512 on the grid's tiles,
+    # as above.)
     from persistent_rnn import plan as planner
+    monkeypatch.setattr(planner, "MMA_MID_CLUSTER_MAX_BATCH", 0)
 
     def backward_us(cell, hidden, batch, mma):
         monkeypatch.setattr(planner, "MMA_BACKWARD_MIN_BATCH", 1 if mma else 10**6)
@@ -182,6 +186,58 @@ def test_the_model_predicts_the_planned_16bit_backward_faster(monkeypatch, sixte
         for cell, hidden, batch in (("lstm", 768, 16), ("lstm", 1024, 8), ("lstm", 512, 16),
                                     ("gru", 1024, 8), ("lstm", 256, 4)):
             assert backward_us(cell, hidden, batch, True) < backward_us(cell, hidden, batch, False)
+
+
+def test_the_model_predicts_the_mid_cluster_tile_faster_up_to_its_batch(monkeypatch):
+    # Where plan.MMA_MID_CLUSTER_MAX_BATCH puts the line for the mid-size cluster mma tiles
+    # (LSTM H 512, fp16; predictions of the latency model, h100): up to it their forward faster
+    # than the grid's (B = 1: the widened fp32 tile; B = 8: the mma tile), past it slower (B = 9),
+    # and their own backward slower than the grid's that plan._grid_backward takes (B = 4).
+    from persistent_rnn import plan as planner
+
+    def plan(batch, mid):
+        monkeypatch.setattr(planner, "MMA_MID_CLUSTER_MAX_BATCH", batch if mid else 0)
+        p = make_plan("lstm", 512, batch, "float16", "h100")
+        assert bool(p.tile.cluster) == mid and p.tile.units == (32 if mid else 8)
+        return p
+
+    def us(p, batch):
+        return _predicted_us("lstm", 512, batch, p)
+
+    assert planner.MMA_MID_CLUSTER_MAX_BATCH == 8
+    for batch in (1, 8):
+        assert us(plan(batch, True).forward, batch) < us(plan(batch, False).forward, batch)
+    mid = plan(4, True)
+    past = planner.pass_plan(CELLS["lstm"], mid.tile, False, 512, 9, "float16")
+    assert us(past, 9) > us(plan(9, False).forward, 9)
+    own = planner.pass_plan(CELLS["lstm"], mid.tile, True, 512, 4, "float16")
+    assert own.defines["PRNN_MMA"] == mid.backward.defines["PRNN_MMA"] == 2
+    assert us(own, 4) > us(mid.backward, 4)
+
+
+def test_mid_size_16bit_layers_take_the_cluster_up_to_its_batch():
+    # LSTM and GRU H 257-512 (16-bit, h100): the forward in one cluster of 32-unit CTAs up to
+    # plan.MMA_MID_CLUSTER_MAX_BATCH rows (B = 1 too: not widened), on the grid past it; the
+    # backward on the grid (below plan.MMA_BACKWARD_MIN_BATCH the fp32 tile's, widened); never
+    # in fp32 or TF32.
+    from persistent_rnn.plan import MMA_MID_CLUSTER_MAX_BATCH
+    for cell, hidden in (("lstm", 384), ("lstm", 512), ("gru", 300), ("gru", 512)):
+        for batch in range(1, MMA_MID_CLUSTER_MAX_BATCH + 2):
+            for dtype in HALF:
+                p = make_plan(cell, hidden, batch, dtype, "h100")
+                mid = batch <= MMA_MID_CLUSTER_MAX_BATCH
+                assert p.fits and bool(p.tile.cluster) == mid, (cell, batch)
+                assert ("PRNN_CLUSTER" in p.forward.defines) == mid
+                assert "PRNN_CLUSTER" not in p.backward.defines
+                if mid:
+                    assert p.tile.units == 32 and p.forward.grid == -(-hidden // 32)
+                    assert p.forward.defines["PRNN_MMA"] == 1
+                    assert p.backward.defines.get("PRNN_MMA") \
+                        == (2 if batch >= MMA_BACKWARD_MIN_BATCH else None)
+            full = make_plan(cell, hidden, batch, "float32", "h100")
+            assert not full.tile.cluster and not full.tile.mma
+    assert not make_plan("lstm", 513, 4, "float16", "h100").tile.cluster
+    assert make_plan("lstm", 256, 4, "float16", "h100").tile.units == 16  # the small layers' tile
 
 
 # Issue 28: every 16-bit shape that fits predicted no slower than the fp32 kernel of the same
@@ -221,7 +277,8 @@ def test_16bit_layers_are_predicted_no_slower_than_float32(cell, hidden, batch):
         return
     for backward in (False, True):
         p, q = (half.backward, full.backward) if backward else (half.forward, full.forward)
-        if planner.widens(CELLS[cell], batch, backward, bool(full.tile.cluster)):
+        stays = not backward and half.tile.cluster and not full.tile.cluster  # (a mid-size tile)
+        if planner.widens(CELLS[cell], batch, backward, bool(full.tile.cluster)) and not stays:
             assert "PRNN_WEIGHT_DTYPE" not in p.defines  # the fp32 tile, the weights widened
             assert p.defines.get("PRNN_WIDENED_FROM") == (None if backward else 1)
         assert _predicted_us(cell, hidden, batch, p) <= 1.05 * _predicted_us(cell, hidden, batch, q)
