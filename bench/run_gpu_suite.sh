@@ -230,6 +230,7 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
   step free_polls 15 "$PY" bench/barrier_latency.py --out "$OUT/free_polls" --quick --repeats 3 \
     --rounds 5000 --free-polls 8,32,128
   # newest first (2026-11-27, after that day's H200 run): the hand-over between torch and CuPy
+  # and the GEMM path's planned calls (gemm_plans) on CuPy
   # through torch's C bindings (a failure there breaks every torch module on CUDA), the torch
   # modules' planned CUDA backward, the decoder's direct step launch and single output
   # allocation, the 16-bit weight gradients in TF32 (test_half_gpu's B=8 case), the cluster
@@ -237,6 +238,7 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
   # the mma projection and 16-bit stacks, the captured products, the per-call allocations
   step fresh_tests 105 "$PY" bench/pytest_resume.py --budget 95 -- -m gpu -p no:cacheprovider \
     --timeout=60 -rfEs --durations=10 tests/test_gpu_torch_interop.py \
+    tests/test_gpu_gemm.py::test_planned_gemm_calls_equal_full_calls_on_the_gpu \
     tests/test_torch_call_plans.py tests/test_gpu_decoder.py tests/test_half_gpu.py \
     tests/test_gpu_projection.py tests/test_tf32.py tests/test_gpu_chain_graphs.py \
     tests/test_gpu_half_projection.py tests/test_gpu_matmul.py tests/test_call_allocations.py

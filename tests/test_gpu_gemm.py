@@ -121,3 +121,37 @@ def test_recorded_cuda_graphs_replay_the_gemm_path(cupy, name):
     for got, want in zip(replayed, direct):  # recorded products: matmul.py's kernel, not cuBLAS
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+
+@pytest.mark.parametrize("name", sorted(CELLS))
+def test_planned_gemm_calls_equal_full_calls_on_the_gpu(cupy, monkeypatch, name):
+    """A layer that asked for the GEMM path plans its calls on CuPy too (``gemm_plans``): calls
+    3 on of a signature run planned, each bitwise the full path's, with initial states given,
+    after the weights were stepped in place (the parameters move to the GPU at the first call)."""
+    from persistent_rnn import gemm_plans
+    from persistent_rnn.cells import layer_args
+    mode, extra = layer_args(name)
+    planned, full = (getattr(prnn, mode)(5, 7, algo="gemm", seed=2, **extra) for _ in range(2))
+    served, real = [], gemm_plans.GemmPlan.forward
+    monkeypatch.setattr(gemm_plans.GemmPlan, "forward",
+                        lambda plan, *args: served.append(1) or real(plan, *args))
+    rng = np.random.default_rng(9)
+    for _ in range(4):
+        x = cupy.asarray(rng.standard_normal((6, 3, 5)).astype(np.float32))
+        h = cupy.asarray(rng.standard_normal((1, 3, 7)).astype(np.float32))
+        hx = (h, h * 0.5) if CELLS[name].has_cell_state else h
+        dy = cupy.asarray(rng.standard_normal((6, 3, 7)).astype(np.float32))
+        results = []
+        for layer in (planned, full):
+            full._plan = None  # (the reference never plans)
+            layer.zero_grad()
+            y, hn = layer.forward(x, hx)
+            dx, _ = layer.backward(dy)
+            results.append([y, dx, *(hn if isinstance(hn, tuple) else (hn,)),
+                            *[g.copy() for g in layer.grads.values()]])
+            for n, w in layer.params.items():
+                w -= 0.1 * layer.grads[n]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+    assert len(served) == 2
