@@ -75,13 +75,16 @@ def test_planned_gemm_calls_equal_full_calls_bitwise(monkeypatch, cell, dtype, s
     assert hits.planned == 3 and hits.full == 5 + 2
 
 
-def test_batch_first_planned_gemm_calls_equal_full_calls(monkeypatch):
+@pytest.mark.parametrize("options", [{"batch_first": True}, {"bias": False}],
+                         ids=["batch-first", "no-bias"])
+def test_batch_first_and_biasless_planned_gemm_calls_equal_full_calls(monkeypatch, options):
     rng = np.random.default_rng(3)
-    planned, full = _layer("gru", batch_first=True), _layer("gru", batch_first=True)
+    planned, full = _layer("gru", **options), _layer("gru", **options)
+    shape = (B, T, INPUT) if options.get("batch_first") else (T, B, INPUT)
     hits = _Planned(monkeypatch)
     for _ in range(4):
-        x = rng.standard_normal((B, T, INPUT)).astype(np.float32)
-        dy = rng.standard_normal((B, T, H)).astype(np.float32)
+        x = rng.standard_normal(shape).astype(np.float32)
+        dy = rng.standard_normal(shape[:2] + (H,)).astype(np.float32)
         full._plan = None
         for a, b in zip(_results(planned, x, dy, None), _results(full, x, dy, None)):
             np.testing.assert_array_equal(a, b)
