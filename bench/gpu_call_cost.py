@@ -28,10 +28,11 @@ cProfile of GRU calls through the CuPy layer and the torch module (``profile_*.t
 its figures mean nothing.
 Writes ``DIR/gpu_call_cost.json`` and prints a table.
 
-``--inputs-ahead``: only the A/B of ``plan.CLUSTER_INPUTS_AHEAD`` (``inputs_ahead_ab``): the
-forward slope of GRU H=256 B=1 and RNN-tanh H=512 B=1 with the cluster passes fetching their
-inputs one and two steps ahead, in one process, each beside the model's prediction; writes
-``DIR/inputs_ahead.json``.
+``--inputs-ahead``: only the A/B of ``plan.CLUSTER_INPUTS_AHEAD`` (``knob_ab``): the forward
+slope of GRU H=256 B=1 and RNN-tanh H=512 B=1 with the cluster passes fetching their inputs one
+and two steps ahead, in one process, each beside the model's prediction; writes
+``DIR/inputs_ahead.json``. ``--free-polls``: the same for ``plan.GRID_FREE_POLLS`` (2, the
+kernels', and 32) on grid layers (LSTM H=1024 B=4, GRU H=1024 B=1); ``DIR/free_polls.json``.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -61,11 +63,36 @@ CPU_LAYERS = [("gru", 16, 1)]
 ROADS = ("persistent", "gemm", "prnn_torch", "cudnn")
 INPUT, STEPS = 64, 100
 PROFILE_WARMUP = 10  # calls before a profile (``profile``): planned and captured by then
-# The A/B of plan.CLUSTER_INPUTS_AHEAD: the cluster layers the two-ahead passes were measured on
-# (2026-11-27: GRU slower, RNN-tanh unchanged), each setting twice in the order A B B A, so that
-# a drift over the run falls on both alike.
-AB_LAYERS = [("gru", 256, 1), ("rnn_tanh", 512, 1)]
-AB_ORDER = (1, 2, 2, 1)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A planner constant an A/B sets (``knob_ab``): its name (the rows' key, the file
+    ``DIR/<name>.json``), the ``plan`` attribute, the kernels' value and the one tried, the
+    layers measured (on a GPU; ``cpu_layers`` on the CPU), each setting twice in the order
+    A B B A, so that a drift over the run falls on both alike."""
+
+    name: str
+    attribute: str
+    values: tuple[int, int]
+    layers: tuple[tuple[str, int, int], ...]
+    cpu_layers: tuple[tuple[str, int, int], ...]
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        a, b = self.values
+        return a, b, b, a
+
+
+KNOBS = {
+    # plan.CLUSTER_INPUTS_AHEAD: the cluster layers the two-ahead passes were measured on
+    # (2026-11-27: GRU slower, RNN-tanh unchanged)
+    "inputs_ahead": Knob("inputs_ahead", "CLUSTER_INPUTS_AHEAD", (1, 2),
+                         (("gru", 256, 1), ("rnn_tanh", 512, 1)), (("gru", 16, 1),)),
+    # plan.GRID_FREE_POLLS: grid layers, whose step is mostly the exchange's round
+    "free_polls": Knob("free_polls", "GRID_FREE_POLLS", (2, 32),
+                       (("lstm", 1024, 4), ("gru", 1024, 1)), (("gru", 264, 1),)),
+}
 
 
 class Device:
@@ -258,17 +285,16 @@ def profile(dev: Device, road: str, cell: str, hidden: int, batch: int, backward
 
 
 @contextmanager
-def cluster_inputs_ahead(steps: int) -> Iterator[None]:
-    """Layers planned inside it fetch a cluster pass's inputs ``steps`` ahead
-    (``plan.CLUSTER_INPUTS_AHEAD``); the runtime's cached engines (their plans) are dropped on
-    entry and on exit."""
-    before = planner.CLUSTER_INPUTS_AHEAD
-    planner.CLUSTER_INPUTS_AHEAD = steps
+def planner_setting(attribute: str, value: int) -> Iterator[None]:
+    """Layers planned inside it are planned with ``plan.<attribute>`` = ``value`` (a ``Knob``'s);
+    the runtime's cached engines (their plans) are dropped on entry and on exit."""
+    before = getattr(planner, attribute)
+    setattr(planner, attribute, value)
     runtime._cached_engine.cache_clear()
     try:
         yield
     finally:
-        planner.CLUSTER_INPUTS_AHEAD = before
+        setattr(planner, attribute, before)
         runtime._cached_engine.cache_clear()
 
 
@@ -279,21 +305,21 @@ def forward_ran(dev: Device, cell: str, hidden: int, batch: int) -> dict[str, in
     layer.forward(dev.xp.zeros((3, batch, INPUT), np.float32))
     details = " ".join(layer.last_run.details)
     return {name: int(m[1]) if (m := re.search(rf"'PRNN_{name.upper()}': (\d+)", details)) else 0
-            for name in ("cluster", "input_buffers")}
+            for name in ("cluster", "input_buffers", "grid_free_polls")}
 
 
-def inputs_ahead_ab(dev: Device, layers: list, order: tuple[int, ...], lengths: tuple[int, int],
-                    calls: int) -> list[dict]:
-    """The A/B of ``plan.CLUSTER_INPUTS_AHEAD`` in one process: each layer's forward slope
-    (``slope``) with the cluster passes fetching their inputs ``ahead`` steps ahead, for each
-    ``ahead`` of ``order``, beside the latency model's prediction of that forward's step on the
-    planning device (its kernels compiled first, in parallel) and what ran."""
+def knob_ab(dev: Device, knob: Knob, lengths: tuple[int, int], calls: int) -> list[dict]:
+    """The A/B of ``knob`` in one process: each layer's forward slope (``slope``) with the knob
+    at each value of its order (on the CPU its first two), beside the latency model's
+    prediction of that forward's step on the planning device (its kernels compiled first, in
+    parallel) and what ran."""
     device = runtime.planning_device(not dev.cpu)
+    layers = knob.cpu_layers if dev.cpu else knob.layers
     plans = {}
-    for ahead in sorted(set(order)):
-        with cluster_inputs_ahead(ahead):
+    for value in knob.values:
+        with planner_setting(knob.attribute, value):
             for cell, hidden, batch in layers:
-                plans[ahead, cell] = planner.make_plan(cell, hidden, batch, device=device).forward
+                plans[value, cell] = planner.make_plan(cell, hidden, batch, device=device).forward
 
     def predict(key: tuple[int, str]) -> float:
         cell, hidden, batch = next(layer for layer in layers if layer[0] == key[1])
@@ -302,15 +328,15 @@ def inputs_ahead_ab(dev: Device, layers: list, order: tuple[int, ...], lengths: 
     with ThreadPoolExecutor(max_workers=len(plans)) as pool:
         predicted = dict(zip(plans, pool.map(predict, plans)))
     rows = []
-    for ahead in order:
-        with cluster_inputs_ahead(ahead):
+    for value in knob.order[:2] if dev.cpu else knob.order:
+        with planner_setting(knob.attribute, value):
             for cell, hidden, batch in layers:
-                row = dict(layer=f"{cell}_h{hidden}_b{batch}", inputs_ahead=ahead,
-                           predicted_us=predicted[ahead, cell],
-                           **slope(dev, cell, hidden, batch, lengths, calls),
-                           ran=forward_ran(dev, cell, hidden, batch))
+                row = {"layer": f"{cell}_h{hidden}_b{batch}", knob.name: value,
+                       "predicted_us": predicted[value, cell],
+                       **slope(dev, cell, hidden, batch, lengths, calls),
+                       "ran": forward_ran(dev, cell, hidden, batch)}
                 rows.append(row)
-                print(f"inputs ahead {ahead} {row['layer']}: {row['us_per_step']:.3f} us/step "
+                print(f"{knob.name} {value} {row['layer']}: {row['us_per_step']:.3f} us/step "
                       f"measured, {row['predicted_us']:.3f} predicted (ran {row['ran']}, SM clock "
                       f"MHz {row['sm_clock_mhz']})", flush=True)
     return rows
@@ -340,18 +366,20 @@ def call_predictions(dev: Device, layers: list, seq_lens: list[int]) -> dict[tup
         return {k: v for part in pool.map(predict, layers) for k, v in part.items()}
 
 
-def ab_lines(rows: list[dict]) -> list[str]:
-    """Per layer of ``inputs_ahead_ab``'s rows: each setting's mean slope and prediction, and
-    two ahead over one ahead."""
+def ab_lines(knob: Knob, rows: list[dict]) -> list[str]:
+    """Per layer of ``knob_ab``'s rows: each value's mean slope and prediction, and the tried
+    value's over the kernels'."""
     lines = []
+    base, tried = knob.values
     for layer in dict.fromkeys(r["layer"] for r in rows):
         mine = [r for r in rows if r["layer"] == layer]
-        measured = {ahead: statistics.mean(r["us_per_step"] for r in mine
-                                           if r["inputs_ahead"] == ahead) for ahead in (1, 2)}
-        model = {r["inputs_ahead"]: r["predicted_us"] for r in mine}
-        lines.append(f"{layer}: one ahead {measured[1]:.3f} us/step (predicted {model[1]:.3f}), "
-                     f"two ahead {measured[2]:.3f} (predicted {model[2]:.3f}): two / one "
-                     f"{measured[2] / measured[1]:.3f} measured, {model[2] / model[1]:.3f} predicted")
+        measured = {v: statistics.mean(r["us_per_step"] for r in mine if r[knob.name] == v)
+                    for v in knob.values}
+        model = {r[knob.name]: r["predicted_us"] for r in mine}
+        lines.append(f"{layer}: {knob.name} {base} {measured[base]:.3f} us/step (predicted "
+                     f"{model[base]:.3f}), {tried} {measured[tried]:.3f} (predicted "
+                     f"{model[tried]:.3f}): {tried} / {base} {measured[tried] / measured[base]:.3f} "
+                     f"measured, {model[tried] / model[base]:.3f} predicted")
     return lines
 
 
@@ -365,19 +393,19 @@ def main(argv: list[str] | None = None) -> int:
                         f"(default {STEPS}; issue 26 asks for 10,100,1000)")
     p.add_argument("--inputs-ahead", action="store_true",
                    help="only the A/B of plan.CLUSTER_INPUTS_AHEAD (inputs_ahead.json)")
+    p.add_argument("--free-polls", action="store_true",
+                   help="only the A/B of plan.GRID_FREE_POLLS (free_polls.json)")
     args = p.parse_args(argv)
     seq_lens = [3] if args.cpu else [int(t) for t in args.steps.split(",")]
     dev = Device(args.cpu)
     calls = 1 if args.cpu else args.calls
     args.out.mkdir(parents=True, exist_ok=True)
     lengths = (3, 9) if args.cpu else (1000, 3000)
-    if args.inputs_ahead:
+    for knob in (KNOBS[name] for name in KNOBS if getattr(args, name)):
         record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu),
-                  "rows": inputs_ahead_ab(dev, CPU_LAYERS if args.cpu else AB_LAYERS,
-                                          AB_ORDER[:2] if args.cpu else AB_ORDER, lengths,
-                                          1 if args.cpu else max(2, calls // 6))}
-        (args.out / "inputs_ahead.json").write_text(json.dumps(record, indent=1, default=str))
-        print("\n".join(ab_lines(record["rows"])))
+                  "rows": knob_ab(dev, knob, lengths, 1 if args.cpu else max(2, calls // 6))}
+        (args.out / f"{knob.name}.json").write_text(json.dumps(record, indent=1, default=str))
+        print("\n".join(ab_lines(knob, record["rows"])))
         return 0
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu), "rows": []}
     layers = CPU_LAYERS if args.cpu else LAYERS

@@ -44,7 +44,7 @@ from persistent_rnn import plan as planner
 from persistent_rnn import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_call_cost import cluster_inputs_ahead  # noqa: E402 (a sibling script)
+from gpu_call_cost import planner_setting  # noqa: E402 (a sibling script)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -202,7 +202,7 @@ def predict_current(p: dict) -> dict:
     cell, hidden, batch, dtype = layer_of(p["layer"])
     spec, device = planner.resolve_cell(cell), hw.PROFILES[p["device"]]
     ahead = INPUTS_AHEAD.get(p["run"])
-    with cluster_inputs_ahead(ahead) if ahead else nullcontext():
+    with planner_setting("CLUSTER_INPUTS_AHEAD", ahead) if ahead else nullcontext():
         plan = planner.make_plan(spec, hidden, batch, dtype, device)
     backward, old = p["pass"] == "backward", p["run"] in PREDATES_SETTLES
     pp = plan.backward if backward else plan.forward

@@ -19,8 +19,8 @@
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
 #   fresh    the A/B of the cluster passes' inputs one or two steps ahead
-#            (plan.CLUSTER_INPUTS_AHEAD); the decoder step's stage probe; the exchange round with
-#            more free polls (bench/barrier_latency.py --free-polls); the GPU tests, what has
+#            (plan.CLUSTER_INPUTS_AHEAD); the decoder step's stage probe; the exchange round and a
+#            grid layer's step with more free polls (--free-polls); the GPU tests, what has
 #            not yet run on a GPU first; then the device time of a call by kernel, the call cost
 #            at T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding
 #            step's profile
@@ -227,8 +227,10 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
   step decoder_probe 25 "$PY" bench/decoder_probe.py --out "$OUT"
   # the grid's exchange round (most of a grid step) with more polls before a waiting thread
   # reads the timer and sleeps (PRNN_GRID_FREE_POLLS; the kernels poll freely twice)
-  step free_polls 15 "$PY" bench/barrier_latency.py --out "$OUT/free_polls" --quick --repeats 3 \
+  step free_polls 10 "$PY" bench/barrier_latency.py --out "$OUT/free_polls" --quick --repeats 3 \
     --rounds 5000 --free-polls 8,32,128
+  # and a grid layer's step with 32 (LSTM H=1024 B=4, GRU H=1024 B=1: A B B A, beside the model)
+  step free_polls_layers 20 "$PY" bench/gpu_call_cost.py --out "$OUT" --free-polls
   # newest first (2026-11-27, after that day's H200 run): the hand-over between torch and CuPy
   # and the GEMM path's planned calls (gemm_plans) on CuPy
   # through torch's C bindings (a failure there breaks every torch module on CUDA), the torch
@@ -236,7 +238,7 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
   # allocation, the 16-bit weight gradients in TF32 (test_half_gpu's B=8 case), the cluster
   # projection (fixed that day); then what ran clean that day: the TF32 tiles, the chain graphs,
   # the mma projection and 16-bit stacks, the captured products, the per-call allocations
-  step fresh_tests 105 "$PY" bench/pytest_resume.py --budget 95 -- -m gpu -p no:cacheprovider \
+  step fresh_tests 90 "$PY" bench/pytest_resume.py --budget 80 -- -m gpu -p no:cacheprovider \
     --timeout=60 -rfEs --durations=10 tests/test_gpu_torch_interop.py \
     tests/test_gpu_gemm.py::test_planned_gemm_calls_equal_full_calls_on_the_gpu \
     tests/test_torch_call_plans.py tests/test_gpu_decoder.py tests/test_half_gpu.py \

@@ -142,6 +142,16 @@ def staged_buffers(cell: CellSpec, tile: Tile, stack: bool = False) -> int:
 # cluster_inputs_ahead, the GPU suite's A/B).
 CLUSTER_INPUTS_AHEAD = 1
 
+# Polls a grid pass's waiting thread makes before it starts reading the timer and sleeping
+# between polls (``-D PRNN_GRID_FREE_POLLS``, exchange.cuh's ``PrnnGridWait``, whose default is
+# ``KERNEL_GRID_FREE_POLLS``). The measured exchange round is most of a grid step; whether more
+# free polls shorten it is for a GPU to say: bench/barrier_latency.py --free-polls (the bare
+# round), bench/gpu_call_cost.py --free-polls (a grid layer's step, setting this and dropping
+# the runtime's cached engines). Only a value other than the kernels' default is compiled in,
+# so the shipped kernels' defines and SASS stay as recorded.
+KERNEL_GRID_FREE_POLLS = 2
+GRID_FREE_POLLS = KERNEL_GRID_FREE_POLLS
+
 
 def input_buffers(tile: Tile, stack: bool = False) -> int:
     """Buffers by step of a layer pass's pointwise inputs (the forward's gi, the backward's dy,
@@ -432,6 +442,8 @@ def pass_plan(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: in
     else:  # a cluster has no gather (kDirectRead); a batch group's gather takes its rows
         quads = quads_per_thread(min(batch, batch_group or batch), padded_length(pt), block)
         defines["PRNN_GATHER_QUADS"] = gather_quads(weight_registers(pt, dtype), quads)
+        if GRID_FREE_POLLS != KERNEL_GRID_FREE_POLLS:
+            defines["PRNN_GRID_FREE_POLLS"] = GRID_FREE_POLLS
     if batch_group:
         defines["PRNN_BATCH_GROUP"] = batch_group
     defines.update(layout_defines(shared_layout(cell, tile, backward, batch_group=batch_group)))

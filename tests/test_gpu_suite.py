@@ -213,16 +213,14 @@ def test_the_report_splits_slope_and_per_call_cost():
         first_report._tf32_text(rows))
 
 
-def test_the_fresh_parts_inputs_ahead_ab_runs_on_the_cpu(tmp_path, capsys):
-    """The fresh part's A/B of plan.CLUSTER_INPUTS_AHEAD, its command as the suite names it plus
-    ``--cpu`` (bench/gpu_call_cost.py --inputs-ahead; a check of the script, its CPU figures mean
-    nothing): within 15 s on a GPU, a row per setting with its prediction, run with one input
-    buffer more than the steps it fetches ahead, and the planner's setting left as it was."""
-    from persistent_rnn import plan
+def _fresh_ab_on_the_cpu(tmp_path, step: str, limit: int):
+    """Run the fresh part's A/B step ``step`` (bench/gpu_call_cost.py) with its arguments as the
+    suite names them, plus ``--cpu``, into ``tmp_path/out``, after checking its time limit is at
+    most ``limit`` s; returns the script's module."""
     run = _suite("--dry-run", str(tmp_path / "out"), "fresh")
-    limit, = [s for n, s in _steps(run.stdout) if n == "inputs_ahead"]
-    assert limit <= 15
-    line = next(x for x in run.stdout.splitlines() if x.startswith("== inputs_ahead "))
+    seconds, = [s for n, s in _steps(run.stdout) if n == step]
+    assert seconds <= limit
+    line = next(x for x in run.stdout.splitlines() if x.startswith(f"== {step} "))
     args = line.split("bench/gpu_call_cost.py ", 1)[1].split()
     sys.path.insert(0, str(BENCH))
     try:
@@ -230,21 +228,45 @@ def test_the_fresh_parts_inputs_ahead_ab_runs_on_the_cpu(tmp_path, capsys):
     finally:
         sys.path.remove(str(BENCH))
     assert gpu_call_cost.main([*args, "--cpu"]) == 0
+    return gpu_call_cost
+
+
+def test_the_fresh_parts_inputs_ahead_ab_runs_on_the_cpu(tmp_path, capsys):
+    """The fresh part's A/B of plan.CLUSTER_INPUTS_AHEAD, its command as the suite names it plus
+    ``--cpu`` (bench/gpu_call_cost.py --inputs-ahead; a check of the script, its CPU figures mean
+    nothing): within 15 s on a GPU, a row per setting with its prediction, run with one input
+    buffer more than the steps it fetches ahead, and the planner's setting left as it was."""
+    from persistent_rnn import plan
+    gpu_call_cost = _fresh_ab_on_the_cpu(tmp_path, "inputs_ahead", 15)
     rows = json.loads((tmp_path / "out" / "inputs_ahead.json").read_text())["rows"]
     assert [(r["inputs_ahead"], r["ran"]["input_buffers"]) for r in rows] == [(1, 2), (2, 3)]
     assert all(r["ran"]["cluster"] and r["predicted_us"] > 0 for r in rows)
     assert plan.CLUSTER_INPUTS_AHEAD == 1
-    assert "two / one" in capsys.readouterr().out
+    assert ": 2 / 1 " in capsys.readouterr().out
     # a layer planned before, inside and after the setting runs what the planner says then (the
     # runtime's cached engines dropped on entry and on exit)
-    dev, layer = gpu_call_cost.Device(cpu=True), gpu_call_cost.CPU_LAYERS[0]
+    dev, layer = gpu_call_cost.Device(cpu=True), gpu_call_cost.KNOBS["inputs_ahead"].cpu_layers[0]
 
     def buffers() -> int:
         return gpu_call_cost.forward_ran(dev, *layer)["input_buffers"]
     assert buffers() == 2
-    with gpu_call_cost.cluster_inputs_ahead(2):
+    with gpu_call_cost.planner_setting("CLUSTER_INPUTS_AHEAD", 2):
         assert buffers() == 3
     assert buffers() == 2
+
+
+def test_the_fresh_parts_free_polls_ab_runs_on_the_cpu(tmp_path, capsys):
+    """The fresh part's A/B of plan.GRID_FREE_POLLS (bench/gpu_call_cost.py --free-polls, its
+    command as the suite names it plus ``--cpu``): a grid layer's forward with the kernels' two
+    free polls (no define: the shipped build) and with 32 compiled in, each with its prediction,
+    and the planner's setting left as it was."""
+    from persistent_rnn import plan
+    _fresh_ab_on_the_cpu(tmp_path, "free_polls_layers", 20)
+    rows = json.loads((tmp_path / "out" / "free_polls.json").read_text())["rows"]
+    assert [(r["free_polls"], r["ran"]["grid_free_polls"]) for r in rows] == [(2, 0), (32, 32)]
+    assert all(not r["ran"]["cluster"] and r["predicted_us"] > 0 for r in rows)
+    assert plan.GRID_FREE_POLLS == plan.KERNEL_GRID_FREE_POLLS == 2
+    assert ": 32 / 2 " in capsys.readouterr().out
 
 
 def test_pytest_resume_goes_past_a_hung_test(tmp_path):

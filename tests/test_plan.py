@@ -266,3 +266,22 @@ def test_gather_quads_fit_the_batch_within_the_register_cap():
     assert stack.backward.defines["PRNN_GATHER_QUADS"] == 8
     small = plan.make_stack_plan(lstm, 64, 4, 2, False, "float32", "h100")
     assert small.forward.defines["PRNN_GATHER_QUADS"] == 8
+
+
+def test_grid_free_polls_are_compiled_in_only_when_set(monkeypatch):
+    """``plan.GRID_FREE_POLLS`` (an experiment's knob: bench/gpu_call_cost.py --free-polls) is
+    a define of grid passes only when it differs from the kernels' own default, which is
+    exchange.cuh's ``PRNN_GRID_FREE_POLLS``: the shipped kernels' defines stay as recorded."""
+    import re
+    from persistent_rnn import _sources
+    header = (_sources.cuda_src_dir() / "exchange.cuh").read_text()
+    default = int(re.search(r"#define PRNN_GRID_FREE_POLLS (\d+)", header)[1])
+    assert default == plan.KERNEL_GRID_FREE_POLLS == plan.GRID_FREE_POLLS
+    grid, cluster = (plan.make_plan("gru", h, 1, device="h100") for h in (1024, 64))
+    assert not grid.tile.cluster and cluster.tile.cluster
+    assert all("PRNN_GRID_FREE_POLLS" not in p.defines for p in (grid.forward, grid.backward))
+    monkeypatch.setattr(plan, "GRID_FREE_POLLS", 32)
+    grid, cluster = (plan.make_plan("gru", h, 1, device="h100") for h in (1024, 64))
+    assert grid.forward.defines["PRNN_GRID_FREE_POLLS"] == 32
+    assert grid.backward.defines["PRNN_GRID_FREE_POLLS"] == 32
+    assert "PRNN_GRID_FREE_POLLS" not in cluster.forward.defines
