@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import plan as planner, stack
+from persistent_rnn import plan as planner, stack, stack_plans
 from persistent_rnn.cells import layer_args
 from full_set import EVERY_KERNEL
 
@@ -265,3 +265,53 @@ def test_16bit_stack_backward_on_the_cuda_cores_below_its_batch(emulation, monke
     _ran_stack(bwd, "prnn_stack_backward", None)
     for i, (a, b) in enumerate(zip(mma, core)):
         assert _relerr(a, b) <= UNIT_ROUNDOFF[dtype], i
+
+
+# Below plan.MMA_STACK_BACKWARD_MIN_BATCH a 16-bit stack's backward is the fp32 stack's, its
+# matrices widened to float32 (plan._widened_stack): CI fp16 unidirectional at B = 1 and bf16
+# pairs at B = 2, the full set the other cells and both dtypes each way.
+WIDENED_CASES = [("lstm", "float16", 1, False), ("gru", "bfloat16", 2, True)] + (
+    [("gru", "float16", 2, False), ("lstm", "bfloat16", 1, True), ("rnn_tanh", "bfloat16", 1,
+                                                                   False),
+     ("rnn_tanh", "float16", 2, True)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("name,dtype,batch,bidirectional", WIDENED_CASES)
+def test_16bit_stack_widened_backward_matches_float64(emulation, name, dtype, batch,
+                                                      bidirectional):
+    """The planner gives the shape the fp32 stack's backward (no ``PRNN_WEIGHT_DTYPE``) beside
+    the 16-bit mma forward; four calls of one layer - the full path twice, then planned calls
+    (``stack_plans``; the fourth's backward the prepared one, reading float32 matrices) - each
+    against the float64 stack within docs/api.md's 16-bit bounds, forward and backward."""
+    p = planner.make_stack_plan(name, HIDDEN, batch, 2, bidirectional, dtype,
+                                prnn.runtime.EMULATED_DEVICE)
+    assert p.fits and p.forward.defines["PRNN_WEIGHT_DTYPE"] == planner.KERNEL_DTYPES[dtype]
+    assert "PRNN_WEIGHT_DTYPE" not in p.backward.defines and "PRNN_MMA" not in p.backward.defines
+    kern, ref = _layers(name, dtype, bidirectional)
+    launches = 2 if bidirectional else 1
+    for seed in (1, 2, 3, 4):
+        x, dy, lengths = _inputs(kern, batch, seed)
+        got, fwd, bwd = _run(kern, x, dy, lengths)
+        _ran_stack(fwd, "prnn_stack_forward", 1, launches)
+        _ran_stack(bwd, "prnn_stack_backward", None, launches)
+        assert "PRNN_WEIGHT_DTYPE" not in bwd.details[-1], bwd.details
+        forward = 2 + kern.cell.has_cell_state
+        for i, (a, r) in enumerate(zip(got, _reference(ref, x, dy, lengths))):
+            assert (_relu(name) and i >= forward) or _relerr(a, r) <= TOLERANCE[dtype], (seed, i)
+    assert kern._plan.backward_pass["w_t"].dtype == np.float32  # (the planned call's)
+
+
+@pytest.mark.parametrize("path", ["full", "planned"])
+def test_16bit_stack_widened_backward_sabotage_words_fail_the_float64_check(emulation,
+                                                                            monkeypatch, path):
+    """The check above sees a widened backward handed the 16-bit words the mma stack kernels
+    take: on the full path (``stack._weights_dtype`` answering the layer's dtype for it), or on
+    the planned call only (``stack_plans._matrices`` holding words for it)."""
+    if path == "full":
+        monkeypatch.setattr(stack, "_weights_dtype", lambda engine: "float16")
+    else:
+        matrices = stack_plans._matrices
+        monkeypatch.setattr(stack_plans, "_matrices", lambda xp, name, shape, words: matrices(
+            xp, name, shape, words or "float16"))
+    with pytest.raises(AssertionError, match=r"\((1|4), [3-9]\)"):  # (seed, a gradient)
+        test_16bit_stack_widened_backward_matches_float64(None, "lstm", "float16", 1, False)
