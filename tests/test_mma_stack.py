@@ -19,6 +19,11 @@ the mma forward and the CUDA-core 16-bit backward of a stack, against float64).
 stalls at three steps in both layers, the CUDA-core 16-bit stack backward against the mma one at
 the same batch, a bidirectional stack (both directions side by side), the latency model holding
 ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` and ``prnn plan``'s line.
+
+Below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the backward is the fp32 stack's, its matrices
+widened to float32 (``plan._widened_stack``): against float64 on the full path and the planned
+call (CI an fp16 stack at B = 1 and a bf16 pair at B = 2), and 16-bit words handed to it on
+either path (sabotage) fail that check.
 """
 from __future__ import annotations
 
@@ -157,15 +162,21 @@ def test_16bit_stack_stalls_restart_bitwise_identically(emulation, name, dtype):
 
 def test_16bit_stacks_are_planned_on_the_tensor_cores():
     """The planner (pure Python): a 16-bit stack takes ``tiles.MMA_STACK_TILES``, its forward on
-    the tensor cores at every batch, its backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows;
-    layers that need more units than shipped run apart, with the reason."""
+    the tensor cores at every batch, its backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows,
+    below on the fp32 stack's (widened) where the fp32 stack fits, else on the CUDA-core 16-bit
+    stack backward; layers that need more units than shipped run apart, with the reason."""
     for batch, backward in ((1, None), (2, None), (3, 2), (16, 2)):
         p = planner.make_stack_plan("LSTM", 384, batch, 4, dtype="bfloat16", device="h100")
         assert p.fits and p.launches == 1 and p.tile.mma and p.forward.grid == 128
         assert p.forward.defines["PRNN_MMA"] == 1 and p.backward.defines.get("PRNN_MMA") == backward
         assert p.forward.defines["PRNN_WEIGHT_DTYPE"] == 2
-    gru = planner.make_stack_plan("GRU", 512, 16, 2, dtype="float16", device="h100")
-    assert gru.fits and gru.tile.units == 16 and gru.forward.source == "stack_forward.cu"
+        wide = planner.make_stack_plan("LSTM", 384, batch, 4, device="h100").backward
+        assert (p.backward == wide) == (batch < planner.MMA_STACK_BACKWARD_MIN_BATCH)
+        assert ("PRNN_WEIGHT_DTYPE" in p.backward.defines) == (backward is not None)
+    for batch in (1, 16):  # (past the fp32 stack tiles: the 16-bit backward at every batch)
+        gru = planner.make_stack_plan("GRU", 512, batch, 2, dtype="float16", device="h100")
+        assert gru.fits and gru.tile.units == 16 and gru.forward.source == "stack_forward.cu"
+        assert gru.backward.defines["PRNN_WEIGHT_DTYPE"] == 1
     big = planner.make_stack_plan("LSTM", 512, 8, 4, dtype="float16", device="h100")
     assert not big.fits and big.launches == 4 and "hidden_size 512 > 384" in big.reason
 
@@ -177,6 +188,12 @@ def test_prnn_plan_says_a_16bit_stack_runs_on_the_tensor_cores(capsys):
                      "float16", "--device", "h100"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stack mode"))
     assert "1 launch per pass" in line and "forward and backward on the tensor cores" in line
+    assert cli.main(["plan", "LSTM", "384", "--batch", "1", "--layers", "4", "--dtype",
+                     "float16", "--device", "h100"]) == 0  # (the backward widened)
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("stack mode"))
+    assert "forward on the tensor cores" in lines[at]
+    assert "backward on the fp32 stack's backward" in lines[at + 1]
 
 
 def test_16bit_stack_finishes_on_the_completion_kernel(emulation):
@@ -218,6 +235,8 @@ def test_the_model_predicts_the_planned_stack_backward_faster(monkeypatch):
     from persistent_rnn.hardware import PROFILES
     pytest.importorskip("persistent_rnn.sass_analysis").nvdisasm() or pytest.skip("no nvdisasm")
 
+    monkeypatch.setattr(planner, "_widened_stack", lambda plan, *_: plan)  # (16-bit tiles only)
+
     def backward_us(cell, hidden, layers, batch, mma):
         monkeypatch.setattr(planner, "MMA_STACK_BACKWARD_MIN_BATCH", 1 if mma else 10**6)
         p = planner.make_stack_plan(cell, hidden, batch, layers, dtype="float16",
@@ -257,6 +276,7 @@ def test_16bit_stack_backward_on_the_cuda_cores_below_its_batch(emulation, monke
     mma, _, bwd = _run(kern, x, dy, lengths)
     _ran_stack(bwd, "prnn_stack_backward", 2)
     monkeypatch.setattr(planner, "MMA_STACK_BACKWARD_MIN_BATCH", 4)
+    monkeypatch.setattr(planner, "_widened_stack", lambda plan, *_: plan)  # (not the fp32 one)
     stack._cached_engine.cache_clear()
     try:
         core, _, bwd = _run(kern, x, dy, lengths)
