@@ -239,6 +239,9 @@ def run_plan(args: argparse.Namespace) -> int:
                   f"{sm['backward_pass_us']:.0f} µs (one launch per layer: "
                   f"{sm['apart_forward_pass_us']:.0f} / {sm['apart_backward_pass_us']:.0f} µs)"
                   + _tensor_cores(sm))
+            if sm["widened"]:
+                print(f"  (backward on the fp32 stack's backward, {args.dtype} weights widened to "
+                      f"fp32: predicted faster than the {args.dtype} stack backward at this batch)")
         else:
             print(f"stack mode: no ({sm['reason']})")
     if "decoder" in record:

@@ -222,8 +222,9 @@ def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("fl
                 tf32: bool = False):
     """The stack kernels, planned for ``REPORT_STACK`` layers: fp32 (``dtypes``), or the 16-bit
     stacks' tensor-core tiles (``tiles.MMA_STACK_TILES``; the backward as planned at
-    ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the
-    CUDA-core 16-bit backward, not listed). ``tf32``: float32's TF32 stack tiles
+    ``REPORT_BATCH``, on the tensor cores: below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the fp32
+    stack's backward, widened, or where that does not fit the CUDA-core 16-bit one, not
+    listed). ``tf32``: float32's TF32 stack tiles
     (``tiles.TF32_STACK_TILES``: the forward in TF32, the backward fp32)."""
     for dtype in dtypes:
         for cell in CELLS.values():

@@ -1038,6 +1038,9 @@ def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: st
                        "block": sp.forward.block, "tensor_cores": sp.tile.mma,
                        "tensor_cores_backward": sp.backward.defines.get("PRNN_MMA") == 2,
                        "tf32": sp.tile.mma and dtype == "float32",  # (plan.TF32_STACK_MIN_BATCH)
+                       # a 16-bit stack's backward on the fp32 stack's (plan._widened_stack)
+                       "widened": [] if planner.weight_dtype(sp.backward, dtype) == dtype
+                       else ["backward"],
                        "weights_per_thread": [sp.forward.weights_per_thread,
                                               sp.backward.weights_per_thread]})
     return record

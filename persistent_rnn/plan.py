@@ -295,10 +295,18 @@ MMA_MIN_BATCH = 2
 # same at any B) and 3 (LSTM H 512), the mma backward faster from B = 4 at every shape sampled
 # (tests/test_half_plan.py holds both sides).
 MMA_BACKWARD_MIN_BATCH = 4
-# The same for a 16-bit stack's backward (``tiles.MMA_STACK_TILES``): the latency model (h100,
-# T = 100) predicts the stack's mma backward faster from B = 3 (4-layer LSTM H 384: 789 against
-# 823 µs a pass on the CUDA cores, 2-layer GRU H 512 570 / 633, 4-layer RNN H 512 624 / 638) and
-# about equal at B = 2 (738 / 737, 543 / 561, 603 / 606; docs/design.md, "Stack mode").
+# The same for a 16-bit stack's backward (``tiles.MMA_STACK_TILES``). Below it the backward runs
+# on the fp32 stack's backward where the fp32 stack fits in stack mode, W_hh^T and W_ih^T widened
+# by the copies the backward makes every call (``widens``, ``_widened_stack``), else on the
+# CUDA-core 16-bit stack backward (a 2-layer GRU of H 385-512, past the fp32 stack tiles). The
+# latency model (h100, T = 100, µs of the stack kernel in a pass, the call's other terms aside)
+# predicts the CUDA-core 16-bit backward slower than the fp32 one at B = 1-2 (its pairs unpacked
+# into fp32 FMAs; 4-layer LSTM H 384: B 1 379 against 367, B 2 428 / 402; 2-layer GRU H 256 B 2
+# 358 / 335; 4-layer RNN H 512 B 1 301 / 284), the mma backward faster from B = 3 (2-layer GRU
+# H 256 345 / 349, 4-layer LSTM H 128 367 / 400, RNN H 512 357 / 364) or within 3 % (LSTM H 384
+# 444 / 436, B 4 458 / 471) - not a 2-layer RNN H 256's (310 / 283 at B 3, about equal from
+# B = 5) - and faster than the CUDA-core 16-bit one (2-layer GRU H 512 at B 3: 570 against 633
+# µs a whole pass; docs/design.md, "Stack mode"). tests/test_half_plan.py holds both sides.
 MMA_STACK_BACKWARD_MIN_BATCH = 3
 # The largest batch whose 16-bit layers run their forward on a cluster's mid-size mma tiles (32
 # units a CTA, ``tiles.MMA_MID_CLUSTER_TILES``: LSTM and GRU H 257-512 in one cluster of up to 16
@@ -704,10 +712,15 @@ def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch
                      batch_group=batch_group(cell, tile, backward, batch, limit))
 
 
-def widens(cell: CellSpec, batch: int, backward: bool, cluster: bool) -> bool:
+def widens(cell: CellSpec, batch: int, backward: bool, cluster: bool,
+           stack: bool = False) -> bool:
     """Whether a 16-bit layer's pass at ``batch`` rows runs on the fp32 tile (``cluster``:
     whether that is a cluster tile) where it fits: ``MMA_MIN_BATCH``,
-    ``WIDENED_CLUSTER_FORWARD_BELOW``, ``MMA_BACKWARD_MIN_BATCH``."""
+    ``WIDENED_CLUSTER_FORWARD_BELOW``, ``MMA_BACKWARD_MIN_BATCH``; ``stack``: a 16-bit stack's
+    in stack mode, on the fp32 stack's (its backward below ``MMA_STACK_BACKWARD_MIN_BATCH``, its
+    forward never: the mma stack forward is no slower at any batch)."""
+    if stack:
+        return backward and batch < MMA_STACK_BACKWARD_MIN_BATCH
     if backward:
         return batch < MMA_BACKWARD_MIN_BATCH
     return batch < (WIDENED_CLUSTER_FORWARD_BELOW.get(cell.tiles, MMA_MIN_BATCH) if cluster
@@ -846,8 +859,10 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
     weights per thread; 16-bit weights: ``tiles.MMA_STACK_TILES``, on the tensor cores, the
     backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows) whose grid,
     ``groups * ceil(hidden/units)`` CTAs (groups: the layers, or the two directions) at one per
-    SM, fits the device with both passes. Otherwise the layers run one launch per
-    layer-direction and ``reason`` says why.
+    SM, fits the device with both passes; below ``MMA_STACK_BACKWARD_MIN_BATCH`` rows a 16-bit
+    stack's backward is the float32 stack's, the weights widened, where that fits
+    (``_widened_stack``).
+    Otherwise the layers run one launch per layer-direction and ``reason`` says why.
     """
     cell = resolve_cell(cell)
     dev = resolve_device(device)
@@ -870,11 +885,26 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
         bwd = pass_plan(cell, tile, True, hidden, batch, dtype, stack_layers=groups)
         reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
         if reason is None:
-            return StackPlan(True, layers, directions, layers if bidirectional else 1, None,
-                             tile, fwd, bwd)
+            return _widened_stack(StackPlan(True, layers, directions,
+                                            layers if bidirectional else 1, None, tile, fwd, bwd),
+                                  cell, hidden, batch, bidirectional, dtype, dev)
         tried.append(f"units {tile.units}: {reason}")
     return apart(f"{what} of {cell.name} H={hidden} B={batch} do not fit {dev.name} together: "
                  + "; ".join(tried))
+
+
+def _widened_stack(plan: StackPlan, cell: CellSpec, hidden: int, batch: int,
+                   bidirectional: bool, dtype: str, dev: DeviceProfile) -> StackPlan:
+    """``plan`` of a ``dtype`` stack with its backward on the float32 stack's below
+    ``MMA_STACK_BACKWARD_MIN_BATCH`` rows where that fits (``widened_pass``: the stack kernels
+    take the backward's matrices as float32, ``stack._weights_dtype``). Its own where not: the
+    forward and backward launches share nothing a tile shapes (the forward's buffers are
+    (L, T, B, .) arrays, each pass has its own exchange), so the backward's tile and grid need
+    not be the forward's."""
+    if dtype == "float32" or not widens(cell, batch, True, False, stack=True):
+        return plan
+    wide = make_stack_plan(cell, hidden, batch, plan.layers, bidirectional, "float32", dev)
+    return replace(plan, backward=widened_pass(wide.backward, dtype, True)) if wide.fits else plan
 
 
 def _tf32_stack_candidates(cell: CellSpec, batch: int, dtype: str,

@@ -298,7 +298,8 @@ STACK_TILES: dict[str, tuple[Tile, ...]] = {
 # m-tiles, G * units = rows * warps / ksplit, so LSTM from 4 units, GRU and RNN 16), backward
 # [W_hh^T | W_ih^T] as B fragments from plan.MMA_STACK_BACKWARD_MIN_BATCH rows
 # (mma_split_tile.cuh; n-tiles of 8 units: LSTM's 4 and 12 units pad to 8 and 16), below on the
-# CUDA cores (kpt even). ksplit 8: 4 chunks a half. H <= 128 / 256 / 384 (LSTM), 256 / 512 (GRU,
+# fp32 stack's backward where that fits (plan._widened_stack), else on the CUDA cores (kpt
+# even). ksplit 8: 4 chunks a half. H <= 128 / 256 / 384 (LSTM), 256 / 512 (GRU,
 # RNN): the fp32 stack tiles' reach or more at 8-72 weight registers (forward) and 8-96
 # (backward) per lane. A 4-layer LSTM stack of H 512 needs 16 units per CTA (132 SMs): that
 # tile's fp16 backward (16, 8, 16) spills (224-468 bytes), so it is not built (docs/design.md).

@@ -19,6 +19,11 @@ the mma forward and the CUDA-core 16-bit backward of a stack, against float64).
 stalls at three steps in both layers, the CUDA-core 16-bit stack backward against the mma one at
 the same batch, a bidirectional stack (both directions side by side), the latency model holding
 ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` and ``prnn plan``'s line.
+
+Below ``plan.MMA_STACK_BACKWARD_MIN_BATCH`` the backward is the fp32 stack's, its matrices
+widened to float32 (``plan._widened_stack``): against float64 on the full path and the planned
+call (CI an fp16 stack at B = 1 and a bf16 pair at B = 2), and 16-bit words handed to it on
+either path (sabotage) fail that check.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import plan as planner, stack
+from persistent_rnn import plan as planner, stack, stack_plans
 from persistent_rnn.cells import layer_args
 from full_set import EVERY_KERNEL
 
@@ -157,15 +162,21 @@ def test_16bit_stack_stalls_restart_bitwise_identically(emulation, name, dtype):
 
 def test_16bit_stacks_are_planned_on_the_tensor_cores():
     """The planner (pure Python): a 16-bit stack takes ``tiles.MMA_STACK_TILES``, its forward on
-    the tensor cores at every batch, its backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows;
-    layers that need more units than shipped run apart, with the reason."""
+    the tensor cores at every batch, its backward from ``MMA_STACK_BACKWARD_MIN_BATCH`` rows,
+    below on the fp32 stack's (widened) where the fp32 stack fits, else on the CUDA-core 16-bit
+    stack backward; layers that need more units than shipped run apart, with the reason."""
     for batch, backward in ((1, None), (2, None), (3, 2), (16, 2)):
         p = planner.make_stack_plan("LSTM", 384, batch, 4, dtype="bfloat16", device="h100")
         assert p.fits and p.launches == 1 and p.tile.mma and p.forward.grid == 128
         assert p.forward.defines["PRNN_MMA"] == 1 and p.backward.defines.get("PRNN_MMA") == backward
         assert p.forward.defines["PRNN_WEIGHT_DTYPE"] == 2
-    gru = planner.make_stack_plan("GRU", 512, 16, 2, dtype="float16", device="h100")
-    assert gru.fits and gru.tile.units == 16 and gru.forward.source == "stack_forward.cu"
+        wide = planner.make_stack_plan("LSTM", 384, batch, 4, device="h100").backward
+        assert (p.backward == wide) == (batch < planner.MMA_STACK_BACKWARD_MIN_BATCH)
+        assert ("PRNN_WEIGHT_DTYPE" in p.backward.defines) == (backward is not None)
+    for batch in (1, 16):  # (past the fp32 stack tiles: the 16-bit backward at every batch)
+        gru = planner.make_stack_plan("GRU", 512, batch, 2, dtype="float16", device="h100")
+        assert gru.fits and gru.tile.units == 16 and gru.forward.source == "stack_forward.cu"
+        assert gru.backward.defines["PRNN_WEIGHT_DTYPE"] == 1
     big = planner.make_stack_plan("LSTM", 512, 8, 4, dtype="float16", device="h100")
     assert not big.fits and big.launches == 4 and "hidden_size 512 > 384" in big.reason
 
@@ -177,6 +188,12 @@ def test_prnn_plan_says_a_16bit_stack_runs_on_the_tensor_cores(capsys):
                      "float16", "--device", "h100"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stack mode"))
     assert "1 launch per pass" in line and "forward and backward on the tensor cores" in line
+    assert cli.main(["plan", "LSTM", "384", "--batch", "1", "--layers", "4", "--dtype",
+                     "float16", "--device", "h100"]) == 0  # (the backward widened)
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("stack mode"))
+    assert "forward on the tensor cores" in lines[at]
+    assert "backward on the fp32 stack's backward" in lines[at + 1]
 
 
 def test_16bit_stack_finishes_on_the_completion_kernel(emulation):
@@ -218,6 +235,8 @@ def test_the_model_predicts_the_planned_stack_backward_faster(monkeypatch):
     from persistent_rnn.hardware import PROFILES
     pytest.importorskip("persistent_rnn.sass_analysis").nvdisasm() or pytest.skip("no nvdisasm")
 
+    monkeypatch.setattr(planner, "_widened_stack", lambda plan, *_: plan)  # (16-bit tiles only)
+
     def backward_us(cell, hidden, layers, batch, mma):
         monkeypatch.setattr(planner, "MMA_STACK_BACKWARD_MIN_BATCH", 1 if mma else 10**6)
         p = planner.make_stack_plan(cell, hidden, batch, layers, dtype="float16",
@@ -257,6 +276,7 @@ def test_16bit_stack_backward_on_the_cuda_cores_below_its_batch(emulation, monke
     mma, _, bwd = _run(kern, x, dy, lengths)
     _ran_stack(bwd, "prnn_stack_backward", 2)
     monkeypatch.setattr(planner, "MMA_STACK_BACKWARD_MIN_BATCH", 4)
+    monkeypatch.setattr(planner, "_widened_stack", lambda plan, *_: plan)  # (not the fp32 one)
     stack._cached_engine.cache_clear()
     try:
         core, _, bwd = _run(kern, x, dy, lengths)
@@ -265,3 +285,53 @@ def test_16bit_stack_backward_on_the_cuda_cores_below_its_batch(emulation, monke
     _ran_stack(bwd, "prnn_stack_backward", None)
     for i, (a, b) in enumerate(zip(mma, core)):
         assert _relerr(a, b) <= UNIT_ROUNDOFF[dtype], i
+
+
+# Below plan.MMA_STACK_BACKWARD_MIN_BATCH a 16-bit stack's backward is the fp32 stack's, its
+# matrices widened to float32 (plan._widened_stack): CI fp16 unidirectional at B = 1 and bf16
+# pairs at B = 2, the full set the other cells and both dtypes each way.
+WIDENED_CASES = [("lstm", "float16", 1, False), ("gru", "bfloat16", 2, True)] + (
+    [("gru", "float16", 2, False), ("lstm", "bfloat16", 1, True), ("rnn_tanh", "bfloat16", 1,
+                                                                   False),
+     ("rnn_tanh", "float16", 2, True)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("name,dtype,batch,bidirectional", WIDENED_CASES)
+def test_16bit_stack_widened_backward_matches_float64(emulation, name, dtype, batch,
+                                                      bidirectional):
+    """The planner gives the shape the fp32 stack's backward (no ``PRNN_WEIGHT_DTYPE``) beside
+    the 16-bit mma forward; four calls of one layer - the full path twice, then planned calls
+    (``stack_plans``; the fourth's backward the prepared one, reading float32 matrices) - each
+    against the float64 stack within docs/api.md's 16-bit bounds, forward and backward."""
+    p = planner.make_stack_plan(name, HIDDEN, batch, 2, bidirectional, dtype,
+                                prnn.runtime.EMULATED_DEVICE)
+    assert p.fits and p.forward.defines["PRNN_WEIGHT_DTYPE"] == planner.KERNEL_DTYPES[dtype]
+    assert "PRNN_WEIGHT_DTYPE" not in p.backward.defines and "PRNN_MMA" not in p.backward.defines
+    kern, ref = _layers(name, dtype, bidirectional)
+    launches = 2 if bidirectional else 1
+    for seed in (1, 2, 3, 4):
+        x, dy, lengths = _inputs(kern, batch, seed)
+        got, fwd, bwd = _run(kern, x, dy, lengths)
+        _ran_stack(fwd, "prnn_stack_forward", 1, launches)
+        _ran_stack(bwd, "prnn_stack_backward", None, launches)
+        assert "PRNN_WEIGHT_DTYPE" not in bwd.details[-1], bwd.details
+        forward = 2 + kern.cell.has_cell_state
+        for i, (a, r) in enumerate(zip(got, _reference(ref, x, dy, lengths))):
+            assert (_relu(name) and i >= forward) or _relerr(a, r) <= TOLERANCE[dtype], (seed, i)
+    assert kern._plan.backward_pass["w_t"].dtype == np.float32  # (the planned call's)
+
+
+@pytest.mark.parametrize("path", ["full", "planned"])
+def test_16bit_stack_widened_backward_sabotage_words_fail_the_float64_check(emulation,
+                                                                            monkeypatch, path):
+    """The check above sees a widened backward handed the 16-bit words the mma stack kernels
+    take: on the full path (``stack._weights_dtype`` answering the layer's dtype for it), or on
+    the planned call only (``stack_plans._matrices`` holding words for it)."""
+    if path == "full":
+        monkeypatch.setattr(stack, "_weights_dtype", lambda engine: "float16")
+    else:
+        matrices = stack_plans._matrices
+        monkeypatch.setattr(stack_plans, "_matrices", lambda xp, name, shape, words: matrices(
+            xp, name, shape, words or "float16"))
+    with pytest.raises(AssertionError, match=r"\((1|4), [3-9]\)"):  # (seed, a gradient)
+        test_16bit_stack_widened_backward_matches_float64(None, "lstm", "float16", 1, False)
