@@ -51,7 +51,7 @@ class _Recurrent:
         self.last_run: RunStats | None = None
         self._ctx: functional.Context | None = None
         self._y_shape: tuple[int, ...] = ()
-        self._plan: call_plans.CallSignature | None = None  # the steady-state call's (``call_plans``)
+        self._plan: call_plans.CallSignature | None = None  # the steady-state call's plan
         self._last_signature: tuple = ()  # of the last call that ran the whole way
 
     def __repr__(self) -> str:
@@ -165,9 +165,9 @@ class _Recurrent:
 
     def _plan_calls(self, ctx: functional.Context, x: Array, hx: Any, lengths: Any) -> None:
         """Plan this call's signature (``call_plans``) when the call before that ran the whole
-        way had it too (a one-off call plans nothing)."""
-        if ctx.stats.algo != "persistent" and ctx.algo != "gemm":  # (nothing to plan: the
-        # full path decides anew every call)
+        way had it too (a one-off call plans nothing): a persistent call's, or one that asked for
+        the GEMM path (an ``"auto"`` call that fell back to it decides anew every call)."""
+        if ctx.stats.algo != "persistent" and ctx.algo != "gemm":
             return
         signature = call_plans.signature(x, hx, lengths)
         if signature == self._last_signature:

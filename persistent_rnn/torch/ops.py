@@ -92,7 +92,7 @@ class RunRecord:
         self._pending: tuple | None = None  # (stats, dtype, backward stats or None)
         self.slot = next(_SLOTS)
         self.views = WeightViews()
-        self.plan: call_plans.CallSignature | None = None  # the steady-state call's (``_planned``)
+        self.plan: call_plans.CallSignature | None = None  # the steady-state call's plan
         self.signature: tuple = ()  # of the last library forward that ran the whole way
         _RECORDS[self.slot] = self
 
@@ -414,9 +414,8 @@ def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, length
     forward before this one had it too (as the layer API plans: ``layers``); ``part``: the
     call's part of its module forward (one op call per layer with dropout: alternating parts
     never plan, rather than each replacing the other's plan)."""
-    if ctx.stats.algo != "persistent" and ctx.algo != "gemm":  # (nothing to plan: the
-        # full path decides anew every call)
-        return
+    if ctx.stats.algo != "persistent" and ctx.algo != "gemm":  # (an "auto" call that fell
+        return  # back to the GEMM path decides anew every call: nothing to plan)
     signature = (*call_plans.signature(x, hx, lengths), part)
     if signature == record.signature:
         # (lengths planned too: the op's come from torch's packed sequences, valid)
