@@ -145,6 +145,7 @@ def test_gpu_tf32_mma_is_a_plain_product(cupy):
 
 # ---- the TF32 forward tiles -------------------------------------------------------------------
 TOLERANCE = 5e-3  # docs/api.md, "TF32": relative to max |float64|, the fp16 layers' bound
+RELU_TF32_GRADIENTS = 1e-4  # the relu RNN's gradients against the GEMM path's TF32 (6.3e-6 seen)
 CASES = [("lstm", "grid"), ("gru", "cluster")]
 if EVERY_KERNEL:
     CASES = [(c, p) for c in ("lstm", "gru", "rnn_tanh", "rnn_relu") for p in ("grid", "cluster")]
@@ -211,10 +212,15 @@ def _check(name: str, hidden: int, batch: int, cluster: bool) -> None:
     _ran_tf32(kern.last_run, cluster, backward=True)
     want = _run(ref, _data(kern, 4, batch, 3, np.float64))
     # (the relu RNN's gradients have no float64 bound: a pre-activation near zero that the TF32
-    # operands move across it flips relu's derivative - docs/api.md, "TF32"; its forward has)
+    # operands move across it flips relu's derivative - docs/api.md, "TF32"; they are held to
+    # the GEMM path's TF32 computation instead, up to the order of fp32 sums)
     forward = 2 + kern.cell.has_cell_state  # y, h_n (, c_n)
+    tf32_gemm = _run(_layers(name, hidden, algo="gemm")[0], data) if name == "rnn_relu" else None
     for i, (a, r) in enumerate(zip(got, want)):
-        assert (name == "rnn_relu" and i >= forward) or _relerr(a, r) <= TOLERANCE, i
+        if name == "rnn_relu" and i >= forward:
+            assert _relerr(a, tf32_gemm[i]) <= RELU_TF32_GRADIENTS, i
+        else:
+            assert _relerr(a, r) <= TOLERANCE, i
     fresh = _data(kern, 4, batch, 4)  # run to run, on fresh inputs: bitwise
     assert all(np.array_equal(a, b) for a, b in zip(_run(kern, fresh), _run(kern, fresh)))
 
