@@ -171,6 +171,12 @@ class CallSignature:
         keeps them)."""
         raise NotImplementedError
 
+    def _given_states(self, hx: Any) -> tuple[Array, Array | None]:
+        """Row 0 of the given initial states ``hx`` (``h0``, the LSTM's ``(h0, c0)``),
+        contiguous, as ``functional._initial_states`` makes them."""
+        h0, c0 = contiguous_states(self.xp, hx if self.c0 is not None else (hx, None))
+        return h0[0], None if c0 is None else c0[0]
+
 
 class Plan(CallSignature):
     """One layer's persistent call of one signature (module docstring): ``matches`` says whether
@@ -291,8 +297,7 @@ class Plan(CallSignature):
         """``(h0, c0, roles)``: the pass's initial states of a call giving ``hx`` (not ``None``:
         the planned zeros) and the per-call arrays they are formed from inside the chain (none:
         as functional's, contiguous, row 0 of a layer, are the caller's)."""
-        h0, c0 = contiguous_states(self.xp, hx if self.c0 is not None else (hx, None))
-        return h0[0], None if c0 is None else c0[0], {}
+        return (*self._given_states(hx), {})
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
         """Inside the forward's chain, before its pass (``runtime.Around``): a strided input

@@ -91,9 +91,3 @@ class GemmPlan(call_plans.CallSignature):
         if c0 is None:
             return fwd.y.copy(), h_n, ctx
         return fwd.y.copy(), (h_n, fwd.cs[-1][None].copy()), ctx
-
-    def _given_states(self, hx: Any) -> tuple[Array, Array | None]:
-        """Row 0 of the given initial states, contiguous, as ``functional._initial_states``
-        makes them."""
-        h0, c0 = call_plans.contiguous_states(self.xp, hx if self.c0 is not None else (hx, None))
-        return h0[0], None if c0 is None else c0[0]

@@ -650,15 +650,12 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     candidates = (_mma_candidates(cell, batch, dtype, dev, True) + cluster_tiles_for(cell, dtype)
                   + _mid_cluster_candidates(cell, batch, dtype) if has_clusters(dev) else ())
     candidates += _mma_candidates(cell, batch, dtype, dev, False) + tiles_for(cell, dtype)
-    for i, tile in enumerate(candidates):
-        fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
-        reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
-        if reason is None:
-            plan = Plan(True, None, tile, fwd, bwd)
-            if tile in MMA_MID_CLUSTER_TILES[cell.tiles]:
-                plan = _grid_backward(plan, candidates[i + 1:], cell, hidden, batch, dtype, dev)
-            return _widened(plan, cell, hidden, batch, dtype, dev)
-        tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
+    found = _first_fitting(cell, candidates, hidden, batch, dtype, dev, tried)
+    if found is not None:
+        i, plan = found
+        if plan.tile in MMA_MID_CLUSTER_TILES[cell.tiles]:
+            plan = _grid_backward(plan, candidates[i + 1:], cell, hidden, batch, dtype, dev)
+        return _widened(plan, cell, hidden, batch, dtype, dev)
     # Only where no tile holds the whole batch: the tiles that can, in batch groups (so that a
     # layer that fits without them keeps its plan).
     for tile in (t for t in candidates if groups_batch(t)):
@@ -667,6 +664,21 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
             return Plan(True, None, tile, fwd, bwd)
     return _no_fit(f"{cell.name} H={hidden} B={batch}{_dtype_words(dtype)} does not fit "
                    f"{dev.name}", tried)
+
+
+def _first_fitting(cell: CellSpec, tiles: tuple[Tile, ...], hidden: int, batch: int,
+                   dtype: str, dev: DeviceProfile,
+                   tried: list | None = None) -> tuple[int, Plan] | None:
+    """``(index, plan)`` of the first of ``tiles`` whose forward and backward both fit ``dev``,
+    else ``None``; ``tried`` collects ``(tile, largest H, reason)`` of those before it."""
+    for i, tile in enumerate(tiles):
+        fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
+        reason = _why_not(fwd, dev, hidden) or _why_not(bwd, dev, hidden)
+        if reason is None:
+            return i, Plan(True, None, tile, fwd, bwd)
+        if tried is not None:
+            tried.append((tile, min(fwd.max_hidden, bwd.max_hidden), reason))
+    return None
 
 
 def _mma_candidates(cell: CellSpec, batch: int, dtype: str, dev: DeviceProfile,
@@ -696,11 +708,8 @@ def _grid_backward(plan: Plan, rest: tuple[Tile, ...], cell: CellSpec, hidden: i
     """``plan`` of a mid-size cluster tile with the backward of the first tile of ``rest`` (the
     grid's) whose passes fit: the model predicts the cluster's backward slower
     (``MMA_MID_CLUSTER_MAX_BATCH``). Its own where none fits."""
-    for tile in rest:
-        fwd, bwd = (pass_plan(cell, tile, b, hidden, batch, dtype) for b in (False, True))
-        if _why_not(fwd, dev, hidden) is None and _why_not(bwd, dev, hidden) is None:
-            return replace(plan, backward=bwd)
-    return plan
+    found = _first_fitting(cell, rest, hidden, batch, dtype, dev)
+    return plan if found is None else replace(plan, backward=found[1].backward)
 
 
 def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,
