@@ -123,6 +123,12 @@ def _fused_module(xp, kind: int, device: int | None):
     return kernels.get_module(FUSED_SOURCE, defines)
 
 
+def fused_grid(batch: int, hidden: int) -> int:
+    """CTAs of ``_WARPS_PER_BLOCK`` warps a fused step launches: a warp per (tile of
+    ``BATCH_TILE`` batch rows, unit j)."""
+    return -(-(-(-batch // BATCH_TILE)) * hidden // _WARPS_PER_BLOCK)
+
+
 def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
                c: Array | None, out: tuple | None = None) -> tuple[Array, Array | None, Array]:
     """``(h', c', saved)`` from one launch of the fused step kernel: float32 arrays of one module
@@ -150,7 +156,7 @@ def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
     args = (np.int32(batch), np.int32(x.shape[1]), np.int32(hidden), *operands,
             np.int32(has_bias), h_new, h_new if c_new is None else c_new,
             saved if saved.size else h_new)
-    grid = -(-(-(-batch // BATCH_TILE)) * hidden // _WARPS_PER_BLOCK)  # a warp per (tile, j)
+    grid = fused_grid(batch, hidden)
     if grid:  # an empty batch launches nothing
         fused_module(xp, cell).launch("prnn_fused_step_f32", grid, 32 * _WARPS_PER_BLOCK, 0, args)
     return h_new, c_new, saved

@@ -54,8 +54,9 @@ CALIBRATION = ("calibrated on 19 points of today's kernels measured on an H200 a
 
 # The decoder step as measured against the model (not a calibration: the step is not fitted).
 DECODER_MEASURED = ("measured on an H200 (2026-11-27, LSTM H=640 B=1, a captured loop): the step "
-                    "kernel 6.36 µs a step against 1.95 predicted - the model misses 3.3x here "
-                    "(bench/decoder_probe.py is to find where)")
+                    "kernel 6.36 µs a step against 4.59 predicted with the hand-offs priced as "
+                    "measured exchange rounds (1.95 when each was one L2 round trip) - 28 % under "
+                    "on that one point (bench/decoder_probe.py is to split it)")
 
 
 @dataclass(frozen=True)
@@ -1087,23 +1088,35 @@ def decoder_projection_us(rows: int, inputs: int, batch: int, held: bool,
             + butterfly) * cycle
 
 
+def decoder_handoff_us(ctas: int, device: DeviceProfile) -> float:
+    """A resident decoder layer's hand-offs in one step (predicted µs): the post seen by its
+    ``ctas`` resident CTAs and their done words seen by the step kernel, each priced as the
+    exchange round measured at that CTA count (``hw.EXCHANGE_ROUND_NS``: a store and the polls
+    that see it across the CTAs, with a block barrier), and x staged after the post, one L2
+    round trip. (Before the H200's decoder step was measured each hand-off was one bare round
+    trip: 1.95 µs predicted against 6.36 measured at LSTM H=640 B=1, ``DECODER_MEASURED``.)"""
+    round_us = hw.exchange_round_ns(hw.EXCHANGE_ROUND_NS, ctas) / 1000
+    return 2 * round_us + hw.L2_LATENCY * _cycle_us(device)
+
+
 def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | None = None,
                          device: DeviceProfile | str | None = None, layers: int = 1) -> dict:
     """Predicted GPU microseconds of one step of a resident decoder (``decoder.py``) and of the
     fused step kernel (``cell_step.fused_step``) - the latency model's predictions, not
     measurements. A decoder step in a captured loop is one launch: the gap before the step
-    kernel (``GRAPH_GAP_US``), three dependent L2 round trips (the post seen by the resident
-    CTAs, x staged beside the caller's h_{t-1} compared with the CTA's own, the done words seen
-    by the step kernel), the projection inside each CTA (``decoder_projection_us``: its G*units
+    kernel (``GRAPH_GAP_US``), three dependent hand-offs through L2 (``decoder_handoff_us``: the
+    post seen by the resident CTAs and the done words seen by the step kernel, each a measured
+    exchange round at the resident grid's CTA count; x staged beside the caller's h_{t-1}
+    compared with the CTA's own, one L2 round trip), the projection inside each CTA (``decoder_projection_us``: its G*units
     rows of W_ih from shared memory where the plan holds them there, ``w_ih_held``, else from
     L2) and what is left of the resident step after the post (``resident_step_us``): the layer
     forward's step (its tile, as the decoder runs it) from its SASS without its exchange -
     its pointwise loop (issue and dependent chain) and its barriers. The rest of that step (the
     product, the row sums, staging h: ``ahead_us``, with one more barrier) is the recurrent half,
     which each resident CTA computes between steps from the layer's own last h' (the caller's
-    h_{t-1} when it passes back the last output); it starts when the step kernel does (both see
-    the done words one round trip after the last one, and its staging round trip matches the
-    post's), so it delays a step only by what the gap between steps leaves of it:
+    h_{t-1} when it passes back the last output); it starts when the step kernel does (both wait
+    for the same done words, and its staging round trip is within the post's hand-off), so it
+    delays a step only by what the gap between steps leaves of it:
     ``captured_us`` back to back (a gap of ``GRAPH_GAP_US``), ``captured_between_us`` with the
     caller's kernels between steps (an embedding, a joint, an argmax: assumed to take at least
     ``ahead_us`` - the gap alone, not: the graph's gaps between them as well - so none is
@@ -1115,8 +1128,10 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     the recurrent half) and a step takes the longer of host and GPU. ``projected_us``: a
     captured ``step_projected`` back to back (the caller gives layer 0's x W_ih^T + b_ih, e.g.
     from a per-token table: no projection there). The fused step (one layer): a gap, W_ih and
-    W_hh read from L2 at ``L2_BANDWIDTH_GBPS``, two L2 round trips."""
-    from . import decoder
+    W_hh read from L2 by every tile of ``cell_step.BATCH_TILE`` batch rows, at its SMs' share of
+    ``L2_BANDWIDTH_GBPS`` (a CTA an SM, up to the SM count: ``cell_step.fused_grid``), two L2
+    round trips."""
+    from . import cell_step, decoder
     spec = planner.resolve_cell(cell)
     dev = planner.resolve_device(device)
     inputs = hidden if input_size is None else input_size
@@ -1124,7 +1139,9 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     round_trip = hw.L2_LATENCY * _cycle_us(dev)
 
     def weights_us(columns: int) -> float:  # G*H rows of fp32 weights read from L2
-        return 4.0 * gh * columns / (hw.L2_BANDWIDTH_GBPS * 1e3)
+        tiles = -(-batch // cell_step.BATCH_TILE)  # (each tile's warps read every row)
+        share = min(cell_step.fused_grid(batch, hidden), dev.sm_count) / dev.sm_count
+        return 4.0 * gh * columns * tiles / (hw.L2_BANDWIDTH_GBPS * 1e3 * share)
 
     record = {"prediction": True, "calibration": CALIBRATION,
               "measured_miss": DECODER_MEASURED, "cell": spec.name,
@@ -1146,10 +1163,11 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     left_over = max(0.0, ahead - hw.GRAPH_GAP_US)  # (back to back; layer 0's only)
     projections = [decoder_projection_us(q.w_ih_rows, q.input_size, batch, q.w_ih_held, dev)
                    for q in plans]
-    between = hw.GRAPH_GAP_US + layers * (3 * round_trip + after_post) + sum(projections[1:])
+    handoffs = sum(decoder_handoff_us(q.grid, dev) for q in plans)
+    between = hw.GRAPH_GAP_US + handoffs + layers * after_post + sum(projections[1:])
     captured_between = between + projections[0]
     record.update(ctas=sum(q.grid for q in plans), resident_step_us=layers * after_post,
-                  ahead_us=ahead, ahead_left_us=left_over, handoff_us=layers * 3 * round_trip,
+                  ahead_us=ahead, ahead_left_us=left_over, handoff_us=handoffs,
                   projection_us=sum(projections), w_ih_held=plans[0].w_ih_held,
                   w_ih=plans[0].w_ih_note(), captured_us=captured_between + left_over,
                   captured_between_us=captured_between,
