@@ -13,6 +13,8 @@ step of ``--steps`` steps, side by side in one process:
   without the in-kernel projection; the projection is computed once before the loop - what a
   per-token table gives a real decoder);
 * ``fused``: the cell with ``algo="persistent"`` (the fused step kernel, one launch a step);
+* ``fused_graph``: that loop captured in a CUDA graph (a forced algorithm runs the library under
+  torch's capture) - the fused kernel's device time a step, beside the decoder's;
 * ``torch_cell``: ``torch.nn`` cell in a Python loop (two GEMMs and a pointwise kernel);
 * ``torch_cell_graph``: that loop captured in a CUDA graph;
 * ``torch_layer_t1``: ``torch.nn.LSTM``/``GRU`` called with T=1 (cuDNN) every step.
@@ -57,7 +59,7 @@ HIDDEN = (256, 640, 1024)
 BATCH = (1, 4, 16)
 HEADLINE = ("LSTM", 640, 1)
 CPU_SIZES = [("LSTM", 16, 2), ("GRU", 16, 2)]
-ROADS = ("decoder", "decoder_graph", "decoder_projected", "fused", "torch_cell",
+ROADS = ("decoder", "decoder_graph", "decoder_projected", "fused", "fused_graph", "torch_cell",
          "torch_cell_graph", "torch_layer_t1")
 TIMING = ("us per step to the last step's output on the caller's stream (a CUDA event); a "
           "decoder road's <road>_idle_tail_ms: a device-wide sync just after that (its resident "
@@ -165,7 +167,7 @@ def road_time(road: str, mode: str, hidden: int, batch: int, steps: int,
                 run()  # (the resident kernel relaunched: its first step, or resume())
                 benchmark.torch_stream_done(cuda)
                 return RoadTime(loop_s, relaunches, idle_tail_s, seconds(dec.close))
-        if road == "fused":
+        if road.startswith("fused"):
             step = _cell_step(mode, cell_cls(hidden, hidden, algo="persistent").to(device))
         elif road.startswith("torch_cell"):
             step = _cell_step(mode, getattr(torch.nn, f"{mode}Cell")(hidden, hidden).to(device))

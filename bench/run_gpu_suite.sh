@@ -241,6 +241,8 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
   step fresh_tests 90 "$PY" bench/pytest_resume.py --budget 80 -- -m gpu -p no:cacheprovider \
     --timeout=60 -rfEs --durations=10 tests/test_gpu_torch_interop.py \
     tests/test_gpu_gemm.py::test_planned_gemm_calls_equal_full_calls_on_the_gpu \
+    "tests/test_torch_features.py::test_cuda_graph_capture_of_forced_persistent_modules_replays_training_steps" \
+    "tests/test_torch_features.py::test_cuda_graph_capture_of_a_forced_persistent_cell_loop_runs_the_fused_step" \
     tests/test_torch_call_plans.py tests/test_gpu_decoder.py tests/test_half_gpu.py \
     tests/test_gpu_projection.py tests/test_tf32.py tests/test_gpu_chain_graphs.py \
     tests/test_gpu_half_projection.py tests/test_gpu_matmul.py tests/test_call_allocations.py

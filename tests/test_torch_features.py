@@ -329,6 +329,134 @@ def test_cuda_falls_back_to_cudnn_where_the_kernel_does_not_run(true_fp32):
                  expect="torch")                                                 # batch
 
 
+class _CudaLike:
+    """What the path decisions read of a float32 CUDA tensor on device 0 (a CPU build has none)."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+    dtype = torch.float32
+
+    def get_device(self) -> int:
+        return 0
+
+
+def test_capture_runs_forced_library_algos_and_auto_torchs(monkeypatch):
+    """Under a caller's CUDA-graph capture a forced "persistent" or "gemm" runs the library
+    (nothing of its call reads back), "auto" torch's kernels, saying why - layers and cells."""
+    from persistent_rnn.cells import CELLS
+    from persistent_rnn.torch import paths
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = _CudaLike()
+    path, why = paths._path("auto", CELLS["lstm"], x, H, 0, lambda: B, torch.float32)
+    assert path == paths.TORCH and "CUDA graph capture: algo='auto'" in why
+    for algo in ("persistent", "gemm"):
+        assert paths._path(algo, CELLS["lstm"], x, H, 0, lambda: B, torch.float32) == (algo, None)
+    path, why = prt.LSTMCell(I, H)._choose(x)
+    assert path == paths.TORCH and "CUDA graph capture: algo='auto'" in why
+    assert prt.LSTMCell(I, H, algo="persistent")._choose(x) == ("persistent", None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert paths.captured_auto(x) is None
+
+
+def test_forced_algos_load_the_captured_product_once_before_any_capture(monkeypatch):
+    """A forced algorithm's first CUDA call on a device loads the kernel its products run under
+    capture (float64's, or float32's for every other dtype), once; never during a capture."""
+    import contextlib
+
+    import numpy as np
+
+    from persistent_rnn import matmul
+    from persistent_rnn.torch import interop, paths
+    loaded = []
+    monkeypatch.setattr(matmul, "load_captured_kernel", loaded.append)
+    monkeypatch.setattr(interop, "library_stream", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(paths, "_PREPARED", set())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = _CudaLike()
+    paths.prepare_capture(x, torch.float32)
+    assert loaded == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for dtype in (torch.float32, torch.float32, torch.float16, torch.float64, torch.float64):
+        paths.prepare_capture(x, dtype)
+    assert loaded == [np.float32, np.float64]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_forced_persistent_modules_replays_training_steps(true_fp32):
+    """A forced "persistent" LSTM's training step (forward, backward) captured by torch after
+    warm-up calls runs the library's kernels, and replays on new inputs copied into the static
+    ones give the eager step's output and gradients within fp32 round-off (the captured input
+    projections run the library's own GEMM kernel), torch.nn's too."""
+    module = prt.LSTM(I, H, num_layers=2, algo="persistent").cuda()
+    reference = torch.nn.LSTM(I, H, num_layers=2).cuda()
+    reference.load_state_dict(module.state_dict())
+    static_x = torch.randn(T, B, I, device="cuda", requires_grad=True)
+
+    def step() -> torch.Tensor:
+        module.zero_grad(set_to_none=False)
+        y, _ = module(static_x)
+        (y * y).sum().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up outside capture, as torch requires
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+    assert module.last_run.algo == "persistent"
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        fresh = torch.randn(T, B, I, device="cuda")
+        with torch.no_grad():
+            static_x.copy_(fresh)
+        static_x.grad = None if static_x.grad is None else static_x.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [static_y.clone()] + [p.grad.clone() for p in module.parameters()]
+        x = fresh.clone().requires_grad_()
+        y, _ = reference(x)
+        reference.zero_grad()
+        (y * y).sum().backward()
+        for got, want in zip(replayed, [y] + [p.grad for p in reference.parameters()]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_graph_capture_of_a_forced_persistent_cell_loop_runs_the_fused_step(true_fp32):
+    """Eight steps of a forced "persistent" LSTMCell, each fed the last h, captured by torch:
+    replays give torch.nn's cell loop within fp32 round-off."""
+    cell = prt.LSTMCell(H, H, algo="persistent").cuda()
+    reference = torch.nn.LSTMCell(H, H).cuda()
+    reference.load_state_dict(cell.state_dict())
+    static_h = torch.randn(B, H, device="cuda")
+
+    def loop(h: torch.Tensor, c: torch.Tensor, run) -> torch.Tensor:
+        for _ in range(8):
+            h, c = run(h, (h, c))
+        return h
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loop(static_h, torch.zeros_like(static_h), cell)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = loop(static_h, torch.zeros_like(static_h), cell)
+    assert cell.last_run.algo == "persistent"
+    fresh = torch.randn(B, H, device="cuda")
+    static_h.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, loop(fresh, torch.zeros_like(fresh), reference),
+                               rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.gpu
 @torch.no_grad()
 def test_cuda_graph_capture_runs_torch_kernels(true_fp32):

@@ -228,7 +228,9 @@ class _LibraryCell(Recorded):
         if self.algo != "auto":
             if blocker is not None:
                 raise ValueError(f"algo={self.algo!r} cannot run this cell: {blocker}")
+            paths.prepare_capture(x, x.dtype)
             return cell_step.step_algo(self.algo, None, np.dtype(str(x.dtype)[6:])), None
+        blocker = blocker or paths.captured_auto(x)
         if blocker is not None:
             return paths.TORCH, blocker
         if not x.is_cuda:

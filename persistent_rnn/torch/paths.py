@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import plan as planner
@@ -49,11 +50,41 @@ def library_blocker(x: torch.Tensor, dtype: torch.dtype) -> str | None:
     if dtype not in LIBRARY_DTYPES:
         return (f"dtype {dtype}: the library runs float32, float64, float16 and bfloat16; "
                 f"torch's kernels run it")
-    # (under torch.compile capture is the compiler's business: the ops are tagged unsafe for it)
-    if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
-        return ("CUDA graph capture: the library reads the kernel's progress back to the host, "
-                "which capture forbids; torch's kernels run it")
     return None
+
+
+def captured_auto(x: torch.Tensor) -> str | None:
+    """Why ``algo="auto"`` runs torch's kernels on ``x`` under a caller's CUDA-graph capture, or
+    ``None`` (not capturing). A forced ``"persistent"`` or ``"gemm"`` runs the library there:
+    its calls enqueue everything on the capturing stream and read nothing back (restarts and
+    fallback decided on the device); ``"auto"`` keeps torch's kernels, whose capture has run
+    on GPUs, until the library's captured path has too. (Under torch.compile, capture is the
+    compiler's business: the ops are tagged ``cudagraph_unsafe``.)"""
+    if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+        return ("CUDA graph capture: algo='auto' runs torch's kernels there (algo='persistent' "
+                "or 'gemm' captures the library's)")
+    return None
+
+
+_PREPARED: set[tuple[int, type]] = set()  # (device, dtype) whose captured products are loaded
+
+
+def prepare_capture(x: torch.Tensor, dtype: torch.dtype) -> None:
+    """Before a forced algorithm's first CUDA call on a device outside capture: load the kernel
+    the library's matrix products run under capture (``matmul.load_captured_kernel``: CuPy may
+    not call cuBLAS there, and a module cannot be loaded during a capture in torch's default
+    global mode), so that the caller's capture after its warm-up calls finds it loaded."""
+    if not x.is_cuda:
+        return
+    key = (x.get_device(), np.float64 if dtype == torch.float64 else np.float32)
+    if key in _PREPARED or torch.compiler.is_compiling() \
+            or torch.cuda.is_current_stream_capturing():
+        return
+    from .. import matmul
+    from .interop import library_stream
+    with library_stream(x):
+        matmul.load_captured_kernel(key[1])
+    _PREPARED.add(key)
 
 
 class Decision(NamedTuple):
@@ -119,7 +150,9 @@ def _path(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: in
     if algo != "auto":
         if blocker is not None:
             raise ValueError(f"algo={algo!r} cannot run this layer: {blocker}")
+        prepare_capture(x, dtype)
         return algo, None
+    blocker = blocker or captured_auto(x)
     if blocker is not None:
         return TORCH, blocker
     if not x.is_cuda:
