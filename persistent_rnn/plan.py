@@ -727,7 +727,8 @@ def widens(cell: CellSpec, batch: int, backward: bool, cluster: bool,
     whether that is a cluster tile) where it fits: ``MMA_MIN_BATCH``,
     ``WIDENED_CLUSTER_FORWARD_BELOW``, ``MMA_BACKWARD_MIN_BATCH``; ``stack``: a 16-bit stack's
     in stack mode, on the fp32 stack's (its backward below ``MMA_STACK_BACKWARD_MIN_BATCH``, its
-    forward never: the mma stack forward is no slower at any batch)."""
+    forward never: the stack kernels have no widened forward, and the mma stack forward is
+    predicted no slower but for Elman stacks of H 192-256 at B 3-4, docs/design.md)."""
     if stack:
         return backward and batch < MMA_STACK_BACKWARD_MIN_BATCH
     if backward:
