@@ -83,11 +83,13 @@ PRNN_DEVICE float round_state(float v) { return prnn_stored_state(v); }
 #ifdef PRNN_WIDENED_FROM
 static_assert(PRNN_WEIGHT_DTYPE == 0, "PRNN_WIDENED_FROM: an fp32 tile of a 16-bit layer");
 using WeightSource = unsigned;
+constexpr int kSourcePerWord = 2;  // values a WeightSource word holds
 PRNN_DEVICE WeightWord source_word(const WeightSource* m, size_t row, int c, int k_len) {
   return prnn_pair_element<PRNN_WIDENED_FROM>(m, row, c, k_len);
 }
 #else
 using WeightSource = WeightWord;
+constexpr int kSourcePerWord = kPerWord;
 PRNN_DEVICE WeightWord source_word(const WeightSource* m, size_t row, int k, int k_len) {
   return m[row * ((k_len + kPerWord - 1) / kPerWord) + k];
 }

@@ -16,9 +16,10 @@
 #include "stack_common.cuh"
 
 PRNN_KERNEL void prnn_stack_forward(
-    const prnn::WeightWord* w_ih,  // (layers-1, G*H, H): W_ih of layers 1.. (layer 0's projection
-                                   // is gi); 16-bit: (layers-1, G*H, ceil(H/2)) words of pairs
-    const prnn::WeightWord* w_hh,  // (layers, G*H, H); 16-bit: words as w_ih
+    const prnn::WeightSource* w_ih,  // (layers-1, G*H, H): W_ih of layers 1.. (layer 0's
+                                     // projection is gi); 16-bit (or an fp32 tile widened
+                                     // from them): (layers-1, G*H, ceil(H/2)) words of pairs
+    const prnn::WeightSource* w_hh,  // (layers, G*H, H); 16-bit: words as w_ih
     const float* b_ih,      // (layers, G*H); layer 0's row unused (gi holds it); zeros without bias
     const float* b_hh,      // (layers, G*H)
     const float* gi,        // (T, B, G*H): layer 0's W_ih x_t + b_ih; unchained (groups, T, B, G*H)
@@ -74,9 +75,10 @@ PRNN_KERNEL void prnn_stack_forward(
     const int local = warp_row_group() * kRows + r, g = local / kUnits, u = local % kUnits;
     rows[r] = j0 + u < hidden && !(input_half && own_gi) ? g * hidden + j0 + u : -1;
   }
-  const int row_words = (hidden + kPerWord - 1) / kPerWord;  // (16-bit: pairs, rows padded)
-  const WeightWord* m = input_half ? w_ih + (size_t)(layer > 0 ? layer - 1 : 0) * gh_len * row_words
-                                   : w_hh + (size_t)layer * gh_len * row_words;
+  // (16-bit words: pairs, rows padded)
+  const int row_words = (hidden + kSourcePerWord - 1) / kSourcePerWord;
+  const WeightSource* m = input_half ? w_ih + (size_t)(layer > 0 ? layer - 1 : 0) * gh_len * row_words
+                                     : w_hh + (size_t)layer * gh_len * row_words;
   RegisterTile tile;
   tile.load(m, rows, warp_chunk() % kHalfChunks * kChunk, hidden, threadIdx.x % kWarp);
 

@@ -240,8 +240,9 @@ def run_plan(args: argparse.Namespace) -> int:
                   f"{sm['apart_forward_pass_us']:.0f} / {sm['apart_backward_pass_us']:.0f} µs)"
                   + _tensor_cores(sm))
             if sm["widened"]:
-                print(f"  (backward on the fp32 stack's backward, {args.dtype} weights widened to "
-                      f"fp32: predicted faster than the {args.dtype} stack backward at this batch)")
+                print(f"  ({' and '.join(sm['widened'])} on the fp32 stack's tiles, {args.dtype} "
+                      f"weights widened to fp32: predicted faster than the {args.dtype} stack's at "
+                      "this batch)")
         else:
             print(f"stack mode: no ({sm['reason']})")
     if "decoder" in record:

@@ -237,6 +237,16 @@ def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("fl
                         yield cell, dtype, p, arch, 0
 
 
+def _widened_stack_jobs(archs, largest_gather_only: bool):
+    """The fp32 stack forwards as they serve the 16-bit Elman stacks of ``plan.WIDENED_STACKS``
+    (``plan.widened_pass``: the 16-bit words widened, h_t rounded as stored)."""
+    for half in ("float16", "bfloat16"):
+        for cell, dtype, p, arch, proj in _stack_jobs(archs, largest_gather_only):
+            widened = planner.WIDENED_STACKS.get(cell.tiles)
+            if widened and p.max_hidden <= widened[0] and "backward" not in p.kernel:
+                yield cell, half, planner.widened_pass(p, half, False), arch, proj
+
+
 @dataclass(frozen=True)
 class KernelFamily:
     """A family of kernels ``prnn kernels`` compiles: ``jobs(archs, largest_gather_only)``
@@ -269,6 +279,7 @@ KERNEL_FAMILIES: dict[str, KernelFamily] = {
     "stack": KernelFamily(_stack_jobs),
     "mma stack": KernelFamily(partial(_stack_jobs, dtypes=("float16", "bfloat16"))),
     "tf32 stack": KernelFamily(partial(_stack_jobs, tf32=True)),
+    "widened stack": KernelFamily(_widened_stack_jobs, in_ci=False),
 }
 
 

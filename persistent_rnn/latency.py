@@ -1035,13 +1035,15 @@ def stack_report(cell: CellSpec, hidden: int, batch: int, layers: int, dtype: st
               "backward_pass_us": st.backward_us, "apart_forward_pass_us": st.apart_forward_us,
               "apart_backward_pass_us": st.apart_backward_us}
     if sp.fits:
-        record.update({"units": sp.tile.units, "ctas": sp.forward.grid,
-                       "block": sp.forward.block, "tensor_cores": sp.tile.mma,
+        # a 16-bit stack's passes on the fp32 stack's (plan._widened_stack)
+        widened = [name for name, p in (("forward", sp.forward), ("backward", sp.backward))
+                   if planner.weight_dtype(p, dtype) != dtype]
+        record.update({"units": sp.forward.defines["PRNN_UNITS"], "ctas": sp.forward.grid,
+                       "block": sp.forward.block,
+                       "tensor_cores": sp.tile.mma and "forward" not in widened,
                        "tensor_cores_backward": sp.backward.defines.get("PRNN_MMA") == 2,
                        "tf32": sp.tile.mma and dtype == "float32",  # (plan.TF32_STACK_MIN_BATCH)
-                       # a 16-bit stack's backward on the fp32 stack's (plan._widened_stack)
-                       "widened": [] if planner.weight_dtype(sp.backward, dtype) == dtype
-                       else ["backward"],
+                       "widened": widened,
                        "weights_per_thread": [sp.forward.weights_per_thread,
                                               sp.backward.weights_per_thread]})
     return record

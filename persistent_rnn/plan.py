@@ -305,9 +305,20 @@ MMA_BACKWARD_MIN_BATCH = 4
 # 358 / 335; 4-layer RNN H 512 B 1 301 / 284), the mma backward faster from B = 3 (2-layer GRU
 # H 256 345 / 349, 4-layer LSTM H 128 367 / 400, RNN H 512 357 / 364) or within 3 % (LSTM H 384
 # 444 / 436, B 4 458 / 471) - not a 2-layer RNN H 256's (310 / 283 at B 3, about equal from
-# B = 5) - and faster than the CUDA-core 16-bit one (2-layer GRU H 512 at B 3: 570 against 633
+# B = 5: ``WIDENED_STACKS``) - and faster than the CUDA-core 16-bit one (2-layer GRU H 512 at B 3: 570 against 633
 # µs a whole pass; docs/design.md, "Stack mode"). tests/test_half_plan.py holds both sides.
 MMA_STACK_BACKWARD_MIN_BATCH = 3
+# The 16-bit stacks whose two passes both run on the fp32 stack's tiles, widened, where that fits
+# (``widens``), by tile family: (largest H, the batches). An Elman stack's mma tile holds 16 units
+# a CTA (an m16 tile is 16 rows, an Elman cell's 16 units), twice the fp32 stack tile's, so half
+# the CTAs do each step; the latency model (h100, T = 100, the stack kernel's time in a pass,
+# 16-bit over fp32) predicts it slower up to H 256 at B = 3-4 - 2 layers H 256 B 3 forward 1.076,
+# backward 1.096, B 4 1.037 / 1.056; H 192 B 3 1.063 / 1.083, 3 layers 1.070 / 1.090 - and
+# faster from H 320 (B 3 0.919 / 0.956), from B = 5 (H 256 1.002 / 1.019, B 6 0.968 / 0.985) and
+# below B = 3 (its forward: H 128 B 2 0.911, H 256 0.968; the backward is widened there anyway,
+# ``MMA_STACK_BACKWARD_MIN_BATCH``); docs/design.md, "Stack mode". tests/test_half_plan.py holds
+# both sides.
+WIDENED_STACKS = {"rnn": (256, range(3, 5))}
 # The largest batch whose 16-bit layers run their forward on a cluster's mid-size mma tiles (32
 # units a CTA, ``tiles.MMA_MID_CLUSTER_TILES``: LSTM and GRU H 257-512 in one cluster of up to 16
 # CTAs, the exchange in distributed shared memory instead of L2; from B = 1,
@@ -722,15 +733,16 @@ def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch
 
 
 def widens(cell: CellSpec, batch: int, backward: bool, cluster: bool,
-           stack: bool = False) -> bool:
+           stack_hidden: int = 0) -> bool:
     """Whether a 16-bit layer's pass at ``batch`` rows runs on the fp32 tile (``cluster``:
     whether that is a cluster tile) where it fits: ``MMA_MIN_BATCH``,
-    ``WIDENED_CLUSTER_FORWARD_BELOW``, ``MMA_BACKWARD_MIN_BATCH``; ``stack``: a 16-bit stack's
-    in stack mode, on the fp32 stack's (its backward below ``MMA_STACK_BACKWARD_MIN_BATCH``, its
-    forward never: the stack kernels have no widened forward, and the mma stack forward is
-    predicted no slower but for Elman stacks of H 192-256 at B 3-4, docs/design.md)."""
-    if stack:
-        return backward and batch < MMA_STACK_BACKWARD_MIN_BATCH
+    ``WIDENED_CLUSTER_FORWARD_BELOW``, ``MMA_BACKWARD_MIN_BATCH``; ``stack_hidden`` > 0: a
+    16-bit stack's of that H in stack mode, on the fp32 stack's (``WIDENED_STACKS``, and its
+    backward below ``MMA_STACK_BACKWARD_MIN_BATCH``)."""
+    if stack_hidden:
+        largest, batches = WIDENED_STACKS.get(cell.tiles, (0, ()))
+        return (stack_hidden <= largest and batch in batches) or (
+            backward and batch < MMA_STACK_BACKWARD_MIN_BATCH)
     if backward:
         return batch < MMA_BACKWARD_MIN_BATCH
     return batch < (WIDENED_CLUSTER_FORWARD_BELOW.get(cell.tiles, MMA_MIN_BATCH) if cluster
@@ -905,16 +917,23 @@ def make_stack_plan(cell: CellSpec | str, hidden: int, batch: int, layers: int,
 
 def _widened_stack(plan: StackPlan, cell: CellSpec, hidden: int, batch: int,
                    bidirectional: bool, dtype: str, dev: DeviceProfile) -> StackPlan:
-    """``plan`` of a ``dtype`` stack with its backward on the float32 stack's below
-    ``MMA_STACK_BACKWARD_MIN_BATCH`` rows where that fits (``widened_pass``: the stack kernels
-    take the backward's matrices as float32, ``stack._weights_dtype``). Its own where not: the
-    forward and backward launches share nothing a tile shapes (the forward's buffers are
-    (L, T, B, .) arrays, each pass has its own exchange), so the backward's tile and grid need
-    not be the forward's."""
-    if dtype == "float32" or not widens(cell, batch, True, False, stack=True):
+    """``plan`` of a ``dtype`` stack with the passes that ``widens`` on the float32 stack's
+    where that fits (``widened_pass``: the backward takes its matrices as float32, the forward
+    the 16-bit words and rounds h_t as stored, ``stack._weights_dtype``); ``plan.tile`` stays
+    the 16-bit one. Its own where not: the forward and backward launches share nothing a tile
+    shapes (the forward's buffers are (L, T, B, .) arrays, each pass has its own exchange), so
+    the backward's tile and grid need not be the forward's."""
+    passes = [widens(cell, batch, backward, False, stack_hidden=hidden)
+              for backward in (False, True)]
+    if dtype == "float32" or not any(passes):
         return plan
     wide = make_stack_plan(cell, hidden, batch, plan.layers, bidirectional, "float32", dev)
-    return replace(plan, backward=widened_pass(wide.backward, dtype, True)) if wide.fits else plan
+    if not wide.fits:
+        return plan
+    forward, backward = plan.forward, widened_pass(wide.backward, dtype, True)
+    if passes[0]:
+        forward = widened_pass(wide.forward, dtype, False)
+    return replace(plan, forward=forward, backward=backward)
 
 
 def _tf32_stack_candidates(cell: CellSpec, batch: int, dtype: str,

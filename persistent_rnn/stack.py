@@ -183,8 +183,11 @@ def _matrices(xp, arrays: Sequence[Array], name: str, half: str | None) -> Array
 
 
 def _weights_dtype(engine_: launch.Engine) -> str | None:
-    """The 16-bit dtype the engine's stack kernels hold their weights in, or ``None`` (fp32)."""
-    code = engine_.pass_plan.defines.get("PRNN_WEIGHT_DTYPE", 0)
+    """The 16-bit dtype whose words the engine's stack kernels take their weights as (their
+    own, or the words an fp32 stack forward widens: ``plan.widened_pass``), or ``None``
+    (fp32)."""
+    defines = engine_.pass_plan.defines
+    code = defines.get("PRNN_WEIGHT_DTYPE", 0) or defines.get("PRNN_WIDENED_FROM", 0)
     return next((name for name, c in planner.KERNEL_DTYPES.items() if code and c == code), None)
 
 

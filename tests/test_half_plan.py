@@ -284,9 +284,30 @@ def test_16bit_layers_are_predicted_no_slower_than_float32(cell, hidden, batch):
         assert _predicted_us(cell, hidden, batch, p) <= 1.05 * _predicted_us(cell, hidden, batch, q)
 
 
+def test_16bit_elman_stacks_widen_both_passes_where_their_mma_stack_is_slower():
+    # plan.WIDENED_STACKS (pure Python): an Elman stack of H <= 256 at B = 3-4 runs both passes
+    # on the fp32 stack's tiles (the forward from the 16-bit words, h_t rounded as stored);
+    # elsewhere the forward stays on the tensor cores, the backward from
+    # MMA_STACK_BACKWARD_MIN_BATCH; other cells never widen their forward
+    from persistent_rnn.plan import make_stack_plan
+    for hidden, batch, widened in ((256, 3, True), (256, 4, True), (128, 3, True),
+                                   (256, 2, False), (256, 5, False), (320, 3, False)):
+        p = make_stack_plan("rnn_tanh", hidden, batch, 2, dtype="float16", device="h100")
+        full = make_stack_plan("rnn_tanh", hidden, batch, 2, device="h100")
+        assert p.fits and p.tile.mma and p.launches == 1, (hidden, batch)
+        assert ("PRNN_WIDENED_FROM" in p.forward.defines) == widened, (hidden, batch)
+        assert (p.forward.grid == full.forward.grid) == widened, (hidden, batch)
+        mma_backward = not widened and batch >= MMA_STACK_BACKWARD_MIN_BATCH
+        assert ("PRNN_WEIGHT_DTYPE" in p.backward.defines) == mma_backward, (hidden, batch)
+    for cell in ("gru", "lstm"):
+        p = make_stack_plan(cell, 256, 3, 2, dtype="float16", device="h100")
+        assert p.forward.defines["PRNN_MMA"] == 1 and "PRNN_WIDENED_FROM" not in p.forward.defines
+
+
 @pytest.mark.skipif(not EVERY_KERNEL, reason="the full set (PRNN_TEST_EVERY_KERNEL=1)")
-@pytest.mark.parametrize("cell,hidden,layers", [("lstm", 384, 4), ("gru", 512, 2)])
-@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+@pytest.mark.parametrize("cell,hidden,layers", [("lstm", 384, 4), ("gru", 512, 2),
+                                                ("rnn_tanh", 256, 2), ("rnn_tanh", 320, 2)])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])
 def test_16bit_stacks_are_predicted_no_slower_than_float32(cell, hidden, layers, batch):
     # Stack mode (tiles.MMA_STACK_TILES; one launch a pass): the 16-bit stack's kernels no slower
     # than what an fp32 stack runs - stack mode, or one launch per layer where its stack tiles
@@ -301,7 +322,9 @@ def test_16bit_stacks_are_predicted_no_slower_than_float32(cell, hidden, layers,
                   for d in ("float16", "float32"))
     assert half.plan.fits and half.plan.tile.mma
     widened = "PRNN_WEIGHT_DTYPE" not in half.plan.backward.defines
-    assert widened == (batch < MMA_STACK_BACKWARD_MIN_BATCH and full.plan.fits)
+    from persistent_rnn import plan as planner
+    assert widened == (planner.widens(CELLS[cell], batch, True, False, stack_hidden=hidden)
+                       and full.plan.fits)
     for k, name in enumerate(("forward", "backward")):
         kernels = [(getattr(st, f"{name}_us") if st.plan.fits else getattr(st, f"apart_{name}_us"))
                    - st.calls[k].device_us for st in (half, full)]

@@ -35,7 +35,7 @@ import pytest
 
 import persistent_rnn as prnn
 from persistent_rnn import plan as planner, stack, stack_plans
-from persistent_rnn.cells import layer_args
+from persistent_rnn.cells import CELLS, layer_args
 from full_set import EVERY_KERNEL
 
 TOLERANCE = {"float16": 5e-3, "bfloat16": 3e-2}  # docs/api.md, "Accuracy" (16-bit)
@@ -113,8 +113,16 @@ def _ran_stack(stats, kernel: str, mma: int | None, launches: int = 1) -> None:
     assert (on_tensor_cores in stats.details[-1]) == bool(mma), stats.details
 
 
-def _backward_mma(batch: int) -> int | None:
-    return 2 if batch >= planner.MMA_STACK_BACKWARD_MIN_BATCH else None
+def _forward_mma(name: str, batch: int) -> int | None:
+    """The forward's ``PRNN_MMA`` as planned: None where the fp32 stack's serves it widened
+    (``plan.widens``: ``WIDENED_STACKS``)."""
+    return None if planner.widens(CELLS[name], batch, False, False, stack_hidden=HIDDEN) else 1
+
+
+def _backward_mma(name: str, batch: int) -> int | None:
+    """The backward's ``PRNN_MMA`` as planned (widened: below ``MMA_STACK_BACKWARD_MIN_BATCH``,
+    and ``WIDENED_STACKS``)."""
+    return None if planner.widens(CELLS[name], batch, True, False, stack_hidden=HIDDEN) else 2
 
 
 def _relu(name: str) -> bool:
@@ -129,8 +137,8 @@ def test_16bit_stack_matches_float64_and_the_layer_kernels(emulation, name, dtyp
     kern, ref = _layers(name, dtype)
     x, dy, lengths = _inputs(kern, batch)
     got, fwd, bwd = _run(kern, x, dy, lengths)
-    _ran_stack(fwd, "prnn_stack_forward", 1)
-    _ran_stack(bwd, "prnn_stack_backward", _backward_mma(batch))
+    _ran_stack(fwd, "prnn_stack_forward", _forward_mma(name, batch))
+    _ran_stack(bwd, "prnn_stack_backward", _backward_mma(name, batch))
     forward = 2 + kern.cell.has_cell_state  # y, h_n (, c_n)
     for i, (a, r) in enumerate(zip(got, _reference(ref, x, dy, lengths))):
         assert (_relu(name) and i >= forward) or _relerr(a, r) <= TOLERANCE[dtype], i
@@ -194,7 +202,13 @@ def test_prnn_plan_says_a_16bit_stack_runs_on_the_tensor_cores(capsys):
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, x in enumerate(lines) if x.startswith("stack mode"))
     assert "forward on the tensor cores" in lines[at]
-    assert "backward on the fp32 stack's backward" in lines[at + 1]
+    assert "(backward on the fp32 stack's tiles" in lines[at + 1]
+    assert cli.main(["plan", "RNN", "256", "--batch", "3", "--layers", "2", "--dtype",
+                     "float16", "--device", "h100"]) == 0  # (plan.WIDENED_STACKS: both passes)
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("stack mode"))
+    assert "tensor cores" not in lines[at]
+    assert "(forward and backward on the fp32 stack's tiles" in lines[at + 1]
 
 
 def test_16bit_stack_finishes_on_the_completion_kernel(emulation):
@@ -259,8 +273,8 @@ def test_16bit_bidirectional_stack_runs_both_directions_side_by_side(emulation, 
     kern, ref = _layers(name, dtype, bidirectional=True)
     x, dy, lengths = _inputs(kern, 4)
     got, fwd, bwd = _run(kern, x, dy, lengths)
-    _ran_stack(fwd, "prnn_stack_forward", 1, launches=2)
-    _ran_stack(bwd, "prnn_stack_backward", 2, launches=2)
+    _ran_stack(fwd, "prnn_stack_forward", _forward_mma(name, 4), launches=2)
+    _ran_stack(bwd, "prnn_stack_backward", _backward_mma(name, 4), launches=2)
     forward = 2 + kern.cell.has_cell_state
     for i, (a, r) in enumerate(zip(got, _reference(ref, x, dy, lengths))):
         assert (_relu(name) and i >= forward) or _relerr(a, r) <= TOLERANCE[dtype], i
@@ -273,6 +287,8 @@ def test_16bit_stack_backward_on_the_cuda_cores_below_its_batch(emulation, monke
     same batch: fp32 sums of exact products in other orders, results rounded to 16 bits. (CI
     too: below its batch a stack whose fp32 tile does not fit - GRU H 512 - still runs that
     backward, and no other CI test reaches it since the others widen.)"""
+    monkeypatch.setattr(planner, "WIDENED_STACKS", {})  # (the mma backward at B = 3 for all)
+    stack._cached_engine.cache_clear()
     kern, _ = _layers(name, dtype)
     x, dy, lengths = _inputs(kern, 3, seed=4)
     mma, _, bwd = _run(kern, x, dy, lengths)
@@ -287,6 +303,54 @@ def test_16bit_stack_backward_on_the_cuda_cores_below_its_batch(emulation, monke
     _ran_stack(bwd, "prnn_stack_backward", None)
     for i, (a, b) in enumerate(zip(mma, core)):
         assert _relerr(a, b) <= UNIT_ROUNDOFF[dtype], i
+
+
+# Elman stacks of H <= 256 at B = 3-4 (plan.WIDENED_STACKS) run both passes on the fp32 stack's
+# tiles: the forward takes the 16-bit words and rounds h_t as stored (PRNN_WIDENED_FROM). CI fp16
+# unidirectional at B = 3, the full set relu bf16 pairs at B = 4 too.
+WIDENED_FORWARD_CASES = [("rnn_tanh", "float16", 3, False)] + (
+    [("rnn_relu", "bfloat16", 4, True)] if EVERY_KERNEL else [])
+
+
+@pytest.mark.parametrize("name,dtype,batch,bidirectional", WIDENED_FORWARD_CASES)
+def test_16bit_elman_stack_widened_forward_matches_float64(emulation, name, dtype, batch,
+                                                           bidirectional):
+    """Four calls of one layer - the full path twice, then planned calls (``stack_plans``) -
+    each against the float64 stack within docs/api.md's 16-bit bounds, forward and backward,
+    both passes on the fp32 stack kernels; the forward from the 16-bit words."""
+    p = planner.make_stack_plan(name, HIDDEN, batch, 2, bidirectional, dtype,
+                                prnn.runtime.EMULATED_DEVICE)
+    assert p.fits and p.forward.defines["PRNN_WIDENED_FROM"] == planner.KERNEL_DTYPES[dtype]
+    for q in (p.forward, p.backward):
+        assert "PRNN_WEIGHT_DTYPE" not in q.defines and "PRNN_MMA" not in q.defines
+    kern, ref = _layers(name, dtype, bidirectional)
+    launches = 2 if bidirectional else 1
+    for seed in (1, 2, 3, 4):
+        x, dy, lengths = _inputs(kern, batch, seed)
+        got, fwd, bwd = _run(kern, x, dy, lengths)
+        _ran_stack(fwd, "prnn_stack_forward", None, launches)
+        _ran_stack(bwd, "prnn_stack_backward", None, launches)
+        assert "'PRNN_WIDENED_FROM'" in fwd.details[-1], fwd.details
+        forward = 2 + kern.cell.has_cell_state
+        for i, (a, r) in enumerate(zip(got, _reference(ref, x, dy, lengths))):
+            assert (_relu(name) and i >= forward) or _relerr(a, r) <= TOLERANCE[dtype], (seed, i)
+
+
+@pytest.mark.parametrize("path", ["full", "planned"])
+def test_16bit_elman_stack_widened_forward_sabotage_float32_matrices_fail(emulation,
+                                                                          monkeypatch, path):
+    """The check above sees the widened forward handed float32 matrices where it reads 16-bit
+    words: on the full path (``stack._weights_dtype`` answering None for it), or on the planned
+    call only (``stack_plans._matrices`` holding float32 for it)."""
+    if path == "full":
+        monkeypatch.setattr(stack, "_weights_dtype", lambda engine: None)
+    else:
+        matrices = stack_plans._matrices
+        monkeypatch.setattr(stack_plans, "_matrices", lambda xp, name, shape, words: matrices(
+            xp, name, shape, None))
+    with pytest.raises(AssertionError, match=r"\((1|3), 0\)"):  # (seed, y)
+        test_16bit_elman_stack_widened_forward_matches_float64(None, "rnn_tanh", "float16", 3,
+                                                               False)
 
 
 # Below plan.MMA_STACK_BACKWARD_MIN_BATCH a 16-bit stack's backward is the fp32 stack's, its
