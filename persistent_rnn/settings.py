@@ -49,9 +49,9 @@ class Settings:
       together in one persistent launch per pass (``plan.make_stack_plan``); off, every
       layer-direction is a launch of its own.
     * ``residency_cooldown_s`` (PRNN_RESIDENCY_COOLDOWN_S, 30, >= 0): after a persistent pass
-      ended on the GEMM path because its grid was not co-resident (another stream held SMs), that
-      configuration runs on the GEMM path for this many seconds before the persistent kernel is
-      tried again; 0 tries it on every call.
+      found its grid not co-resident (another stream held SMs; the completion kernel finished
+      it), that configuration runs on the GEMM path for this many seconds before the persistent
+      kernel is tried again; 0 tries it on every call.
     * ``max_cluster_ctas`` (PRNN_MAX_CLUSTER_CTAS, None = what the device runs, >= 0): the
       largest thread-block cluster a layer runs as on sm_90 and newer (None: 16 on H100/H200;
       8 keeps to CUDA's portable size, which takes the 8-warp cluster tiles above H 128; 0 runs
