@@ -1,4 +1,5 @@
-"""The ``prnn`` command: ``info``, ``bench``, ``kernels`` and ``demo`` (also ``python -m persistent_rnn.cli``).
+"""The ``prnn`` command: ``info``, ``bench``, ``kernels``, ``plan`` and ``demo`` (also
+``python -m persistent_rnn.cli``).
 
     prnn info [--json]                       GPU, clocks, versions, largest hidden sizes
     prnn bench [--quick] [--json] [--out DIR] [sweep options]
@@ -6,9 +7,9 @@
     prnn plan CELL HIDDEN [--batch B] [--verbose] [--json]   placement, predicted µs/step
     prnn demo [--out DIR]                    every cell on NumPy; predicted vs recorded cuDNN
 
-Every command runs with the core dependencies alone (``prnn kernels`` needs NVRTC: without the
-``cuda13`` extra it stops with one line saying so) and ends with a one-line error, never a
-traceback, on bad options, an unwritable ``--out`` or a reader that closed the pipe.
+Every command runs with the core dependencies alone (``prnn kernels`` and ``prnn plan`` need
+NVRTC: without the ``cuda13`` extra they stop with one line saying so) and ends with a one-line
+error, never a traceback, on bad options, an unwritable ``--out`` or a reader that closed the pipe.
 """
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ override_settings(...)`` block the values of that block. Blocks and ``inject_sta
 ``contextvars``, so they apply to the code running in the calling thread (or asyncio task) only:
 they neither leak out of the ``with`` block nor reach other threads.
 
-Every value is checked when it is set: ``configure``/``settings`` raise ``TypeError`` or
-``ValueError`` naming the setting; a malformed environment variable raises ``ValueError``
-naming the variable on the first run that reads the settings (importing the package never
-reads them).
+Every value is checked when it is set: ``configure``, ``override_settings`` and ``Settings``
+raise ``TypeError`` or ``ValueError`` naming the setting; a malformed environment variable
+raises ``ValueError`` naming the variable on the first run that reads the settings (importing the
+package never reads them).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Settings:
     * ``emulation_timeout_ms`` (PRNN_EMULATION_TIMEOUT_MS, 2000, > 0): the same for the CPU
       emulation, whose threads are scheduled far less predictably.
     * ``max_restarts`` (PRNN_MAX_RESTARTS, 3, >= 0): restarts of a persistent pass after barrier
-      timeouts before the GEMM path finishes it (``last_run.restarts`` counts them).
+      timeouts before the completion kernel finishes it on the device (``last_run.restarts``
+      counts them).
     * ``cooperative`` (PRNN_COOPERATIVE, off): launch with cudaLaunchCooperativeKernel, which
       guarantees co-residency (or fails to launch) instead of relying on the timeout.
     * ``auto_max_batch`` (PRNN_AUTO_MAX_BATCH, 32, >= 0): largest batch ``algo="auto"`` runs
@@ -48,17 +49,17 @@ class Settings:
       together in one persistent launch per pass (``plan.make_stack_plan``); off, every
       layer-direction is a launch of its own.
     * ``residency_cooldown_s`` (PRNN_RESIDENCY_COOLDOWN_S, 30, >= 0): after a persistent pass
-      ended on the GEMM path because its grid was not co-resident (another stream held SMs), that
-      configuration runs on the GEMM path for this many seconds before the persistent kernel is
-      tried again; 0 tries it on every call.
+      found its grid not co-resident (another stream held SMs; the completion kernel finished
+      it), that configuration runs on the GEMM path for this many seconds before the persistent
+      kernel is tried again; 0 tries it on every call.
     * ``max_cluster_ctas`` (PRNN_MAX_CLUSTER_CTAS, None = what the device runs, >= 0): the
       largest thread-block cluster a layer runs as on sm_90 and newer (None: 16 on H100/H200;
       8 keeps to CUDA's portable size, which takes the 8-warp cluster tiles above H 128; 0 runs
       every layer on the grid path).
-    * ``allow_tf32`` (PRNN_ALLOW_TF32, off): let a float32 layer's persistent forward multiply
-      W_hh by h_{t-1} on the tensor cores in TF32 (both operands rounded to 10-bit mantissas,
-      fp32 sums) where the planner predicts it faster, and take the library's float32 GEMMs in
-      TF32 (``matmul.matmul``); the library's counterpart of
+    * ``allow_tf32`` (PRNN_ALLOW_TF32, off): let a float32 layer's persistent kernels multiply
+      W_hh by h_{t-1} (the backward W_hh^T by dgh) on the tensor cores in TF32 (both operands
+      rounded to 10-bit mantissas, fp32 sums) where the planner predicts it faster, and take the
+      library's float32 GEMMs in TF32 (``matmul.matmul``); the library's counterpart of
       ``torch.backends.cuda.matmul.allow_tf32`` (docs/api.md, "TF32").
     """
 

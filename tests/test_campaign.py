@@ -4,7 +4,7 @@ measures of docs/api.md that it checks.
 The seeds are fixed and chosen so that together they take every option the campaign draws
 (``test_ci_slice_covers_every_option``) on kernel configurations the rest of the suite builds
 too (H 13 and 40), which keeps the slice well under two minutes on two cores. The long run is
-``python -m tests.campaign --minutes N`` (README, "Tests").
+``python -m tests.campaign --minutes N`` (README, "Commands").
 """
 from __future__ import annotations
 

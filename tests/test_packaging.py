@@ -217,3 +217,15 @@ def _run(cmd, **kw) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def test_readme_extras_table_names_each_extras_packages():
+    """README's table of extras lists what pyproject.toml's extras and core dependencies install."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {"(none)": project["dependencies"], **project["optional-dependencies"]}
+    table = (ROOT / "README.md").read_text().split("| extra | adds | for |", 1)[1].split("\n\n")[0]
+    rows = {cells[0].strip("` "): re.findall(r"`([^`]+)`", cells[1])
+            for cells in (line.split("|")[1:3] for line in table.strip().splitlines()[1:])}
+    names = {extra: sorted(re.match(r"[\w.-]+", dep).group(0) for dep in deps)
+             for extra, deps in wanted.items()}
+    assert names == {extra: sorted(listed) for extra, listed in rows.items()}
