@@ -234,7 +234,7 @@ def probe_size(mode: str, hidden: int, batch: int, steps: int, cpu: bool,
     else:
         import cupy as xp
     predicted = latency.predict_decoder_step(mode, hidden, batch, device=planning_device(not cpu))
-    cell = getattr(prnn, f"{mode}Cell")(hidden, hidden, seed=0)
+    cell = getattr(prnn, f"{mode}Cell")(hidden, hidden, seed=0, algo="persistent")
     x0 = xp.asarray(np.random.default_rng(0).standard_normal((batch, hidden)).astype(np.float32))
     cell.params = {k: xp.asarray(v) for k, v in cell.params.items()}  # (no step run to move them)
     results = []

@@ -202,7 +202,7 @@ class _Cell:
         copied in the cell's dtype onto the parameters' device."""
         validation.params_mapping(mapping, self.param_shapes())
         xp = array_module(self.params["weight_ih"])
-        self.params = {k: xp.array(_host_or(xp, mapping[k]), dtype=self.dtype)
+        self.params = {k: validation.param_array(xp, k, mapping[k], self.dtype)
                        for k in self.params}
 
     def zero_grad(self) -> None:
@@ -216,7 +216,7 @@ class _Cell:
         those of this call. A context manager."""
         from .decoder import Decoder
         return Decoder(self.cell, [self.params], batch, self.input_size, self.hidden_size,
-                       stacked=False, fallback=step_forward)
+                       stacked=False, fallback=step_forward, algo=self.algo)
 
     def forward(self, x: Array, hx: Any = None) -> Any:
         """One step: ``x`` (B, input_size) or unbatched (input_size,); ``hx`` ``None`` (zeros),
@@ -283,13 +283,6 @@ class _Cell:
         move = xp.asarray if xp is not np else (lambda a: a.get())
         self.params = {k: move(v) for k, v in self.params.items()}
         self.grads = {k: move(v) for k, v in self.grads.items()}
-
-
-def _host_or(xp, value: Any) -> Any:
-    """``value`` as something ``xp.array`` takes (a CuPy array copied to the host for NumPy)."""
-    if xp is np and hasattr(value, "get") and not isinstance(value, np.ndarray):
-        return value.get()
-    return value if xp is not np or isinstance(value, np.ndarray) else np.asarray(value)
 
 
 class RNNCell(_Cell):

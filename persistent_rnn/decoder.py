@@ -48,8 +48,10 @@ floats) leaves the kernel's shared memory past a block's (``plan``).
 The resident kernel holds its ``grid`` SMs (``sms_held``) for the decoder's life: the caller's
 own kernels get the rest.
 
-On NumPy arrays the decoder runs in the CPU emulation (a test path, as ``algo="persistent"``):
-the resident kernel is an asynchronous emulated launch (``emulate.EmulatedModule.launch_async``).
+The cell's or layer's ``algo`` decides as for its calls (``Decoder._algo_reason``): ``"gemm"``
+runs the GEMM step, and so does ``"auto"`` on NumPy arrays. With ``algo="persistent"`` on NumPy
+arrays the decoder runs in the CPU emulation (a test path): the resident kernel is an
+asynchronous emulated launch (``emulate.EmulatedModule.launch_async``).
 """
 from __future__ import annotations
 
@@ -441,8 +443,10 @@ class Decoder:
     the decoder's creation (the resident kernel holds them)."""
 
     def __init__(self, cell: CellSpec, layers: Sequence[Mapping[str, Array]], batch: int,
-                 input_size: int, hidden: int, stacked: bool, fallback: Callable[..., tuple]):
+                 input_size: int, hidden: int, stacked: bool, fallback: Callable[..., tuple],
+                 algo: str = "persistent"):
         self.batch = validation.positive_int("batch", batch)
+        self.algo = algo  # the cell's or layer's (``_algo_reason``)
         self.cell, self.input_size, self.hidden = cell, input_size, hidden
         self._stacked = stacked  # a layer's state (L, B, H); a cell's (B, H)
         self._fallback = fallback  # cell_step.step_forward (passed in: no import cycle)
@@ -462,7 +466,8 @@ class Decoder:
         self._out_shape = (len(layers), self.batch, hidden)
         self._state_shape = self._out_shape if stacked else (self.batch, hidden)
         self._joint_shape = (1 + self._lstm, *self._out_shape)  # (a resident step's outputs)
-        plans, why = self._plans(cell, hidden, xp)
+        chosen = self._algo_reason(xp)
+        plans, why = ([], chosen) if chosen else self._plans(cell, hidden, xp)
         self.reason = why
         self._layers = (_Layers(xp, plans, self._params, cell, self.batch, hidden)
                         if plans else None)
@@ -470,12 +475,23 @@ class Decoder:
         if plans:
             self._params = []  # (in _Layers' stacked arrays now)
         self._finalizer = weakref.finalize(self, stop, self._resident)
-        if why is not None:
+        if why is not None and not chosen:  # (an algo's own choice is no surprise)
             warnings.warn(f"decoder not resident: {why}; each step runs the "
                           f"{'fused step kernel' if self._fused() else 'GEMM step'}",
                           RuntimeWarning, stacklevel=3)
         if self._layers is not None:  # launched now: the first step finds the weights loaded
             self._layers.ensure()
+
+    def _algo_reason(self, xp) -> str | None:
+        """Why the cell's or layer's ``algo`` keeps the decoder from the resident kernel, or
+        ``None``: ``"gemm"`` everywhere, ``"auto"`` on NumPy arrays (the emulation is a test
+        path: ``"persistent"`` asks for it), as their calls choose."""
+        if self.algo == "gemm":
+            return "algo='gemm': the GEMM step runs each step"
+        if self.algo == "auto" and xp is np:
+            return ("NumPy arrays with algo='auto': the GEMM step runs each step "
+                    "(algo='persistent' runs the emulated resident kernel, a test path)")
+        return None
 
     def _plans(self, cell: CellSpec, hidden: int, xp) -> tuple[list[DecoderPlan], str | None]:
         """Every layer's resident plan (the first layer's input is x, a further layer's the
@@ -658,7 +674,9 @@ class Decoder:
         return self._xp.ascontiguousarray(gi)
 
     def _fused(self) -> bool:
-        return self._xp is not np and self.dtype == np.float32
+        """Whether a step the resident kernel does not run is the fused step kernel's (CuPy
+        float32, unless ``algo="gemm"``), else the GEMM step's."""
+        return self._xp is not np and self.dtype == np.float32 and self.algo != "gemm"
 
     def _checked_input(self, x: Array) -> Array:
         self._check_array("x", x)

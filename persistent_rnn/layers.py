@@ -98,20 +98,9 @@ class _Recurrent:
         the parameters' current device."""
         validation.params_mapping(mapping, self.param_shapes())
         xp = self._module()
-        loaded = {key: self._convert(xp, key, mapping[key]) for key in self.params}
+        loaded = {key: validation.param_array(xp, key, mapping[key], self.dtype)
+                  for key in self.params}
         self.params.update(loaded)  # only once every value converted: all or nothing
-
-    def _convert(self, xp, key: str, value: Any) -> Array:
-        """``value`` copied onto ``xp`` in the layer's dtype; TypeError naming ``params[key]``."""
-        try:
-            if xp is not np and not isinstance(value, xp.ndarray):
-                value = np.asarray(value)
-            elif xp is np and not isinstance(value, np.ndarray) and hasattr(value, "get"):
-                value = value.get()  # a CuPy array loaded into a layer living on the CPU
-            return xp.array(value, dtype=self.dtype)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"params[{key!r}] cannot be converted to a {self.dtype.name} array: "
-                            f"{exc}") from exc
 
     def zero_grad(self) -> None:
         """Set every gradient to zero."""
@@ -263,7 +252,7 @@ class _Recurrent:
         layers = [{n: self.params[f"{n}_l{i}"] for n in names if f"{n}_l{i}" in self.params}
                   for i in range(self.num_layers)]
         return Decoder(self.cell, layers, batch, self.input_size, self.hidden_size, stacked=True,
-                       fallback=step_forward)
+                       fallback=step_forward, algo=self.algo)
 
     def _module(self):
         """The array module the parameters live on (``numpy`` or ``cupy``)."""

@@ -184,6 +184,24 @@ def params_mapping(mapping: Mapping[str, Any], expected: Mapping[str, tuple[int,
             raise ValueError(f"params[{key!r}] must have shape {shape}, got {got}")
 
 
+def param_array(xp, key: str, value: Any, dtype: np.dtype) -> Any:
+    """``params[key]``'s ``value`` (any array: NumPy, CuPy, a list) copied onto the array module
+    ``xp`` in ``dtype`` (``load_params``); TypeError naming ``params[key]`` where it holds no
+    real numbers (complex values would lose their imaginary part; objects such as ``None``
+    would become NaN) or does not convert."""
+    try:
+        if xp is np and not isinstance(value, np.ndarray) and hasattr(value, "get"):
+            value = value.get()  # a CuPy array loaded into a layer living on the CPU
+        elif not isinstance(value, (np.ndarray, xp.ndarray)):
+            value = np.asarray(value)
+        if value.dtype.kind not in "biuf" and value.dtype != dtype:
+            raise TypeError(f"its dtype {value.dtype} holds no real numbers")
+        return xp.array(value, dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"params[{key!r}] cannot be converted to a {np.dtype(dtype).name} "
+                        f"array: {exc}") from exc
+
+
 def proj_size(value: Any, hidden_size: int, has_projection: bool) -> int:
     """``value`` as an LSTM's ``proj_size``: 0 (none) or 0 < P < ``hidden_size``, with
     torch.nn's messages; ``has_projection``: whether the cell can have one (LSTM only)."""

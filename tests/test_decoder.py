@@ -153,9 +153,10 @@ def test_a_stack_steps_in_one_launch_bitwise_the_per_layer_chain(kind, settings)
     between steps (one relaunch for both layers) and a CTA of each layer stalled inside a step
     past the idle deadline (GRU and RNN: those too with PRNN_TEST_EVERY_KERNEL=1)."""
     lstm = kind == "LSTM"
-    layer = getattr(prnn, kind)(IN, H, num_layers=2, seed=3)
+    layer = getattr(prnn, kind)(IN, H, num_layers=2, seed=3, algo="persistent")
     p = layer.params
-    cells = [getattr(prnn, f"{kind}Cell")(IN if n == 0 else H, H) for n in range(2)]
+    cells = [getattr(prnn, f"{kind}Cell")(IN if n == 0 else H, H, algo="persistent")
+             for n in range(2)]
     for n, cell in enumerate(cells):
         cell.load_params({k: p[f"{k}_l{n}"] for k in cell.params})
 
@@ -219,7 +220,7 @@ def test_an_odd_input_size_and_batch_project_as_float64_and_take_over_bitwise():
     """input_size 131 (not whole quads: x staged element by element; more than one pass of a
     warp's loads), batch 5 (two passes of the projection's batch rows), no bias; a decoder whose
     resident kernel has gone (every slice the step kernel's) gives the same bits."""
-    cell = prnn.LSTMCell(131, H, bias=False, seed=7)
+    cell = prnn.LSTMCell(131, H, bias=False, seed=7, algo="persistent")
     xs = np.random.default_rng(8).standard_normal((3, 5, 131)).astype(np.float32)
     twin = prnn.LSTMCell(131, H, bias=False, algo="gemm", dtype="float64")
     twin.load_params({k: v.astype(np.float64) for k, v in cell.params.items()})
@@ -254,7 +255,7 @@ def test_w_ih_held_in_shared_memory_or_read_from_l2_gives_the_same_bits(monkeypa
     wide, _ = decoding.plan(lstm, 640, 1, h100, input_size=2000)  # 256000 B of rows
     assert not wide.w_ih_held and wide.resident_shared_bytes == wide.shared_bytes
     assert "do not fit" in wide.w_ih_note() and "81920 B a CTA" in held.w_ih_note()
-    cell = prnn.LSTMCell(37, H, seed=4)
+    cell = prnn.LSTMCell(37, H, seed=4, algo="persistent")
     xs = np.random.default_rng(5).standard_normal((3, 1, 37)).astype(np.float32)
 
     def decode():
@@ -352,7 +353,8 @@ def test_the_recurrent_half_computed_ahead_gives_todays_bits(kind, placement, se
     layer 1's h only), another array with its bits, or a new state."""
     prnn.configure(**PLACEMENTS[placement])
     stack = kind == "LSTM"
-    module = prnn.LSTM(IN, H, num_layers=2, seed=4) if stack else getattr(prnn, kind)(IN, H, seed=4)
+    module = (prnn.LSTM(IN, H, num_layers=2, seed=4, algo="persistent") if stack
+              else getattr(prnn, kind)(IN, H, seed=4, algo="persistent"))
     xs = _inputs(seed=9, steps=6)
 
     def with_h(state, h):  # the state with h replaced
@@ -455,7 +457,7 @@ def test_a_weaker_machine_keeps_the_results_bitwise(seed, settings):
 
 
 def test_close_gc_and_an_exception_leave_nothing_running():
-    cell = prnn.LSTMCell(IN, H, seed=0)
+    cell = prnn.LSTMCell(IN, H, seed=0, algo="persistent")
     x = _inputs()[0]
     dec = cell.decoder(batch=B)
     state = weakref.ref(dec._resident.state)
@@ -485,7 +487,7 @@ def test_close_ends_the_resident_kernel_at_once_not_at_its_idle_deadline(layers,
     idle. (A timed decode loop may end with it instead of a device-wide sync, which waits for
     the idle exit.) A kernel that ignores STOP fails here, at ``JOIN_S`` (made 5 s)."""
     monkeypatch.setattr(decoding, "JOIN_S", 5.0)
-    layer = prnn.LSTM(IN, H, num_layers=layers, seed=7)
+    layer = prnn.LSTM(IN, H, num_layers=layers, seed=7, algo="persistent")
     xs = _inputs(seed=7, steps=3)
     with prnn.override_settings(emulation_timeout_ms=20):
         with layer.decoder(batch=B) as dec:
@@ -509,7 +511,7 @@ def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, sett
     waiting or had gone idle; a new decoder then steps as before."""
     unraisable: list = []
     monkeypatch.setattr("sys.unraisablehook", unraisable.append)
-    cell = prnn.LSTMCell(IN, H, seed=0)
+    cell = prnn.LSTMCell(IN, H, seed=0, algo="persistent")
     x = _inputs()[0]
     with cell.decoder(batch=B) as dec:
         want = dec.step(x, dec.step(x))
@@ -543,7 +545,7 @@ def test_a_reset_context_closes_the_decoder_with_a_clear_error(monkeypatch, sett
 
 
 def test_two_decoders_on_one_module_and_on_two_threads():
-    cell = prnn.LSTMCell(IN, H, seed=5)
+    cell = prnn.LSTMCell(IN, H, seed=5, algo="persistent")
     xs = _inputs(steps=3)
 
     def loop(dec, out):
@@ -580,7 +582,7 @@ def test_two_decoders_on_one_module_and_on_two_threads():
 
 
 def test_bad_input_gets_errors_naming_the_argument():
-    cell = prnn.LSTMCell(IN, H, seed=0)
+    cell = prnn.LSTMCell(IN, H, seed=0, algo="persistent")
     x = _inputs()[0]
     hc = (np.zeros((B, H), np.float32), np.zeros((B, H), np.float32))
     with pytest.raises(ValueError, match="batch"):
@@ -604,7 +606,7 @@ def test_bad_input_gets_errors_naming_the_argument():
 
 
 def test_a_step_is_one_launch_and_no_host_synchronisation():
-    cell = prnn.GRUCell(IN, H, seed=5)
+    cell = prnn.GRUCell(IN, H, seed=5, algo="persistent")
     xs = _inputs()
     with cell.decoder(batch=B) as dec:
         h = dec.step(xs[0])
@@ -635,20 +637,45 @@ def test_the_big_layer_rule_and_float64_fall_back_with_a_reason():
     big, why = decoding.plan(lstm, 256, 4, h100, input_size=15000)
     assert small is not None and small.shared_bytes > 4 * 4 * 14000 and big is None
     assert "shared memory" in why and "input_size 15000" in why
-    cell = prnn.LSTMCell(15000, 8, seed=0)
+    cell = prnn.LSTMCell(15000, 8, seed=0, algo="persistent")
     with pytest.warns(RuntimeWarning, match="shared memory"):
         dec = cell.decoder(batch=4)
     with dec:
         assert not dec.resident and "input_size 15000" in dec.reason
         x = np.random.default_rng(0).standard_normal((4, 15000)).astype(np.float32)
-        assert all(np.array_equal(a, b) for a, b in zip(dec.step(x), cell.forward(x)))
-    cell = prnn.GRUCell(IN, H, dtype="float64", seed=0)
+        gemm = prnn.LSTMCell(15000, 8, seed=0, algo="gemm")  # (the GEMM step on NumPy)
+        assert all(np.array_equal(a, b) for a, b in zip(dec.step(x), gemm.forward(x)))
+    cell = prnn.GRUCell(IN, H, dtype="float64", seed=0, algo="persistent")
     x = _inputs()[0].astype(np.float64)
     with pytest.warns(RuntimeWarning, match="float64"):
         dec = cell.decoder(batch=B)
     with dec:
         assert not dec.resident
-        assert np.array_equal(dec.step(x), cell.forward(x))
+        gemm = prnn.GRUCell(IN, H, dtype="float64", seed=0, algo="gemm")
+        assert np.array_equal(dec.step(x), gemm.forward(x))
+
+
+@pytest.mark.parametrize("algo", ["auto", "gemm"])
+def test_a_numpy_decoder_steps_as_its_cells_algo_chooses(algo):
+    """The cell's or layer's ``algo`` as its calls take it: "gemm", and "auto" on NumPy arrays
+    (the emulation is a test path), run the GEMM step each step - no resident kernel, no
+    warning, its reason said - bitwise the cell's own step; "persistent" is resident (above)."""
+    import warnings
+    x = _inputs()[0]
+    for module in (prnn.LSTMCell(IN, H, seed=0, algo=algo),
+                   prnn.LSTM(IN, H, num_layers=2, seed=0, algo=algo)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dec = module.decoder(batch=B)
+        with dec:
+            assert not dec.resident and dec.sms_held == 0 and f"algo='{algo}'" in dec.reason
+            state = dec.step(x)
+        if isinstance(module, prnn.LSTMCell):
+            assert all(np.array_equal(a, b) for a, b in zip(state, module.forward(x)))
+        else:  # (a layer's step: its top layer's h', and the (L, B, H) state)
+            y, (h, c) = module.forward(x[None])
+            out, (dh, dc) = state
+            assert np.array_equal(out, y[0]) and np.array_equal(dh, h) and np.array_equal(dc, c)
 
 
 @pytest.mark.parametrize("hidden,batch", [(1024, 1), (256, 4)])
@@ -785,7 +812,8 @@ import time
 import numpy as np
 import persistent_rnn as prnn
 xs = np.random.default_rng(1).standard_normal((4, 2, 8)).astype(np.float32)
-for layer in (prnn.LSTMCell(8, 24, seed=0), prnn.LSTM(8, 24, num_layers=2, seed=0)):
+for layer in (prnn.LSTMCell(8, 24, seed=0, algo="persistent"),
+              prnn.LSTM(8, 24, num_layers=2, seed=0, algo="persistent")):
     with prnn.override_settings(emulation_timeout_ms=20), layer.decoder(batch=2) as dec:
         state = None
         for t, x in enumerate(xs):
@@ -811,7 +839,7 @@ def test_a_replayed_step_launch_is_the_next_step():
     """A CUDA graph replays a step's launch with its arguments unchanged: the kernel numbers
     the step itself (the mailbox's counter), so the replayed launch is a new step that the
     resident CTAs compute - the same outputs from the same inputs - not a stale one."""
-    cell = prnn.LSTMCell(IN, H, seed=3)
+    cell = prnn.LSTMCell(IN, H, seed=3, algo="persistent")
     x = _inputs()[0]
     with cell.decoder(batch=B) as dec:
         want_h, want_c = dec.step(x)
@@ -831,7 +859,7 @@ def test_resume_relaunches_an_idle_resident_kernel(settings):
     resident kernel that went idle, so the next steps run resident, not taken over - each
     relaunched CTA computing its recurrent half ahead from the step it revives at, before it
     waits; on a closed decoder it raises."""
-    cell = prnn.LSTMCell(IN, H, seed=2)
+    cell = prnn.LSTMCell(IN, H, seed=2, algo="persistent")
     xs = _inputs()
     prnn.configure(emulation_timeout_ms=20)
     with cell.decoder(batch=B) as dec:

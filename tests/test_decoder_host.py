@@ -46,7 +46,7 @@ def _decoder(api: str, name: str):
     """A resident decoder of ``name`` (a 2-layer layer, or a cell), its input and its state."""
     layers = {} if name.endswith("Cell") else {"num_layers": 2}
     if api == "numpy":
-        dec = getattr(prnn, name)(IN, H, seed=0, **layers).decoder(batch=B)
+        dec = getattr(prnn, name)(IN, H, seed=0, **layers, algo="persistent").decoder(batch=B)
         x = np.random.default_rng(1).standard_normal((B, IN)).astype(np.float32)
     else:
         torch.manual_seed(0)
@@ -75,7 +75,7 @@ def test_a_steady_state_step_costs_few_python_calls(api, name, settings):
 def test_what_the_fast_path_refuses_takes_the_full_checks_with_the_same_bits():
     """A strided x, state and gi, a list state and a None state give the bits of contiguous
     arrays (the full checks make them so); bad input still gets the full checks' errors."""
-    cell = prnn.LSTMCell(IN, H, seed=0)
+    cell = prnn.LSTMCell(IN, H, seed=0, algo="persistent")
     rng = np.random.default_rng(2)
     x = rng.standard_normal((B, IN)).astype(np.float32)
     h, c = (rng.standard_normal((B, H)).astype(np.float32) for _ in range(2))
@@ -118,7 +118,7 @@ def test_the_wait_deadline_is_read_at_each_launch_of_the_resident_kernel(setting
     """The step kernel's wait (``WAIT_DEADLINES`` idle deadlines) is the setting read when the
     resident kernel was launched: a change takes effect at the next (re)launch."""
     prnn.configure(emulation_timeout_ms=20)
-    cell = prnn.GRUCell(IN, H, seed=0)
+    cell = prnn.GRUCell(IN, H, seed=0, algo="persistent")
     x = np.zeros((B, IN), np.float32)
     with cell.decoder(batch=B) as dec:
         resident, layers = dec._resident, dec._layers

@@ -57,11 +57,11 @@ def test_the_shipped_decoder_has_no_probe(monkeypatch):
     """Without PROBE_ENV the kernels are built without the probe (no buffer in the module,
     probe_buffer refuses); with it, a stack is refused (the probe stamps one layer)."""
     monkeypatch.delenv(decoder.PROBE_ENV, raising=False)
-    with prnn.LSTMCell(8, 16, seed=0).decoder(batch=1) as dec:
+    with prnn.LSTMCell(8, 16, seed=0, algo="persistent").decoder(batch=1) as dec:
         with pytest.raises(ValueError, match="probe"):
             decoder.probe_buffer(dec)
         with pytest.raises(ValueError):  # (ctypes: no such symbol)
             ctypes.c_ulonglong.in_dll(dec._layers.module._lib, decoder.PROBE_SYMBOL)
     monkeypatch.setenv(decoder.PROBE_ENV, "1")
     with pytest.raises(ValueError, match="one-layer"):
-        prnn.LSTM(8, 16, num_layers=2, seed=0).decoder(batch=1)
+        prnn.LSTM(8, 16, num_layers=2, seed=0, algo="persistent").decoder(batch=1)

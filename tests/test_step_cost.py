@@ -59,7 +59,8 @@ def _loop_step(api: str, name: str, road: str) -> Callable[[], object]:
     """One step of a decoding loop (its state carried from call to call): a decoder's
     ``step`` or the torch cell's own call, on B=1 inputs."""
     if api == "numpy":
-        module = getattr(prnn, name)(IN, H, seed=0, **({} if "Cell" in name else {"num_layers": 1}))
+        module = getattr(prnn, name)(IN, H, seed=0, algo="persistent",
+                                     **({} if "Cell" in name else {"num_layers": 1}))
         x = np.random.default_rng(1).standard_normal((B, IN)).astype(np.float32)
     else:
         torch.manual_seed(0)

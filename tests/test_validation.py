@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -270,6 +271,24 @@ def test_load_params_is_all_or_nothing():
     with _raises(TypeError, "params['bias_hh_l1']", "float32"):
         layer.load_params(new)
     for k, v in layer.params.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("make", [lambda: prnn.GRU(3, 4), lambda: prnn.GRUCell(3, 4)],
+                         ids=["layer", "cell"])
+@pytest.mark.parametrize("bad,what", [(np.complex128, "complex128"), (object, "object")])
+def test_load_params_refuses_values_that_are_no_real_numbers(make, bad, what):
+    """Complex values would lose their imaginary part and objects such as None become NaN: a
+    TypeError naming the parameter, nothing loaded (layers and cells alike)."""
+    module = make()
+    before = {k: v.copy() for k, v in module.params.items()}
+    new = {k: v.astype(np.float64) for k, v in module.params.items()}
+    key = next(iter(new))
+    new[key] = (new[key] + 1j) if bad is np.complex128 else np.full(new[key].shape, None, object)
+    with _raises(TypeError, f"params[{key!r}]", "float32", what), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.load_params(new)
+    for k, v in module.params.items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
 
 

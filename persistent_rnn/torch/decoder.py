@@ -52,7 +52,7 @@ class TorchDecoder:
             with torch.no_grad(), library_stream(self._anchor):
                 arrays = [{k: to_array(v.detach()) for k, v in p.items()} for p in layers]
                 self._dec = Decoder(cell, arrays, batch, input_size, hidden, stacked,
-                                    fallback=step_forward)
+                                    fallback=step_forward, algo=module.algo)
             self.reason = self._dec.reason
         # The last step's state as tensors, its arrays and its stamp (``_stamp``): a loop that
         # passes it back unchanged is not handed over again

@@ -1,12 +1,14 @@
 """Which implementation runs a module's forward: the library (persistent or GEMM) or torch's own.
 
-``algo="auto"`` runs the persistent kernel where it runs and pays — CUDA float32 tensors, a
-layer that fits the register file with its whole batch staged at once (not in batch groups:
-``plan.Plan.in_batch_groups``, which the latency model predicts slower than cuDNN's persistent
-16-bit kernels where those run), a batch up to ``auto_max_batch`` — and torch's own
-implementation of the same layer everywhere else (cuDNN on the GPU, torch's CPU kernels), so that
-swapping torch.nn for these modules never slows a model down. ``algo="gemm"`` and
-``algo="persistent"`` run the library and raise ``ValueError`` where it cannot run the layer.
+``algo="auto"`` runs the persistent kernel where it runs and pays — CUDA float32, float16 and
+bfloat16 tensors (also under CUDA autocast), a layer that fits the register file with its whole
+batch staged at once (not in batch groups: ``plan.Plan.in_batch_groups``, which the latency model
+predicts slower than cuDNN's persistent 16-bit kernels where those run), a batch up to
+``auto_max_batch``, not under a caller's CUDA-graph capture — and torch's own implementation of
+the same layer everywhere else (cuDNN on the GPU, torch's CPU kernels; under ``torch.compile`` a
+CPU layer runs the library's GEMM op), so that swapping torch.nn for these modules never slows a
+model down. ``algo="gemm"`` and ``algo="persistent"`` run the library (also under capture) and
+raise ``ValueError`` where it cannot run the layer.
 """
 from __future__ import annotations
 
