@@ -3,7 +3,8 @@
     python bench/decoder_probe.py --out DIR [--steps 200] [--cpu]
 
 A captured loop of LSTM H=640 B=1 decoder steps measured 6.36 µs of device time per step on an
-H200 (2026-11-27) where the latency model predicts 1.95 µs. This runs the decoder with its
+H200 (2026-11-27) where the latency model predicted 1.95 µs (4.59 with its hand-offs priced as
+measured exchange rounds since). This runs the decoder with its
 kernels built with the probe (``decoder.PROBE_ENV``: ``resident_decoder.cu``'s
 ``PRNN_DECODER_PROBE``, which stamps each stage of a step with ``%globaltimer``) for LSTM H=640
 B=1 and H=256 B=1, each step's input the last step's h: a loop of ``--steps`` steps captured in
@@ -18,6 +19,11 @@ words; each poll sleeps ``__nanosleep(20)``), and beside them the model's terms
 (``latency.predict_decoder_step``, labelled predicted). Writes ``DIR/decoder_probe.json`` (after
 each size) and the raw rows (uint64: ``decoder.PROBE_WORDS``, their SM clocks, each CTA's post
 seen and done word released; ``decoder.probe_buffer``) in ``DIR/decoder_probe_rows.npz``.
+
+``--free-polls N``: each size again with its kernels' hand-off waits polling N times before they
+sleep between polls (``decoder.FREE_POLLS_ENV``; the shipped kernels sleep ``__nanosleep(20)``
+after every failed poll), its results marked ``free_polls`` N beside the shipped kernels' (0):
+whether the sleeps' wake-ups lengthen the hand-offs.
 
 ``--cpu``: the emulation (NumPy; its timer is a virtual clock: the figures mean nothing), LSTM
 H=64 B=1 (4 resident CTAs), the eager loop only, a few steps - a check of the probe's plumbing.
@@ -56,30 +62,29 @@ BEFORE = "the step before's "  # an interval from a stamp of the step before
 @dataclass(frozen=True)
 class Interval:
     """From stamp ``frm`` to ``to`` of a step (``frm`` may be BEFORE + a stamp); ``term``: the
-    model's term set beside it (a key of ``predict_decoder_step``'s record, ``share`` of it);
+    model's term set beside it (a key of ``predict_decoder_step``'s record);
     ``same_cta``: both stamps by one thread, so also timed by its SM's clock."""
     name: str
     frm: str
     to: str
     term: str | None = None
-    share: float = 1.0
     same_cta: bool = False
 
 
 INTERVALS = (
     Interval("gap_before", BEFORE + "end", "start", "graph_gap_us"),
     Interval("launch_to_post", "start", "posting", same_cta=True),
-    Interval("post_seen_cta0", "posting", "post_seen", "handoff_us", 1 / 3),
-    Interval("post_seen_last_cta", "posting", "last_post_seen", "handoff_us", 1 / 3),
+    Interval("post_seen_cta0", "posting", "post_seen", "handoff_round_us"),
+    Interval("post_seen_last_cta", "posting", "last_post_seen", "handoff_round_us"),
     Interval("post_seen_spread", "first_post_seen", "last_post_seen"),
-    Interval("staged", "post_seen", "staged", "handoff_us", 1 / 3, same_cta=True),
+    Interval("staged", "post_seen", "staged", "round_trip_us", same_cta=True),
     Interval("projected_warp0", "staged", "projected", "projection_us", same_cta=True),
     Interval("gathered", "projected", "gathered", same_cta=True),
     Interval("pointwise", "gathered", "pointwise", "resident_step_us", same_cta=True),
     Interval("to_publish", "pointwise", "publishing", same_cta=True),
     Interval("last_cta_publish", "publishing", "last_publishing"),
     Interval("publish_spread", "first_publishing", "last_publishing"),
-    Interval("done_seen", "last_publishing", "done_seen", "handoff_us", 1 / 3),
+    Interval("done_seen", "last_publishing", "done_seen", "handoff_round_us"),
     Interval("exit", "done_seen", "end", same_cta=True),
     Interval("step_kernel", "start", "end", "kernel_us", same_cta=True),
     Interval("period", BEFORE + "start", "start", "captured_us"),
@@ -167,7 +172,7 @@ def summary(chain: dict[str, np.ndarray], predicted: dict[str, Any]) -> dict[str
             "p90_ns": float(np.percentile(ns, 90)),
             "clock_median_ns": None if clock is None else float(np.median(clock)) / rate,
             "predicted_ns": None if i.term is None or terms.get(i.term) is None
-            else 1e3 * i.share * terms[i.term], "predicted_term": i.term}
+            else 1e3 * terms[i.term], "predicted_term": i.term}
     for name in POLLS:
         out[name] = {"median": float(np.median(chain[name])), "max": int(chain[name].max())}
     out["ahead_used_share"] = float(np.mean(chain["ahead"] == 1))
@@ -227,8 +232,19 @@ def _roads(xp, dec, loop, cpu: bool):
 
 
 def probe_size(mode: str, hidden: int, batch: int, steps: int, cpu: bool,
-               raw: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-    """Both loops of one size: a result per loop (its raw rows into ``raw``)."""
+               raw: dict[str, np.ndarray], free_polls: int = 0) -> list[dict[str, Any]]:
+    """Both loops of one size: a result per loop (its raw rows into ``raw``); ``free_polls``
+    > 0: its kernels built with that many free polls (``decoder.FREE_POLLS_ENV``)."""
+    if free_polls:
+        os.environ[decoder.FREE_POLLS_ENV] = str(free_polls)
+    try:
+        return _probe_size(mode, hidden, batch, steps, cpu, raw, free_polls)
+    finally:
+        os.environ.pop(decoder.FREE_POLLS_ENV, None)
+
+
+def _probe_size(mode: str, hidden: int, batch: int, steps: int, cpu: bool,
+                raw: dict[str, np.ndarray], free_polls: int) -> list[dict[str, Any]]:
     if cpu:
         xp = np
     else:
@@ -250,14 +266,15 @@ def probe_size(mode: str, hidden: int, batch: int, steps: int, cpu: bool,
                 xp.cuda.get_current_stream().synchronize()
             run()
             rows = buffer if cpu else buffer.get()
-            key = f"{mode}_{hidden}_{batch}_{road}"
+            key = f"{mode}_{hidden}_{batch}_{road}" + (f"_free{free_polls}" if free_polls else "")
             raw[key] = rows.copy()
             chain = chains(rows, dec.sms_held)
             s = summary(chain, predicted)
             results.append({"cell": mode, "hidden": hidden, "batch": batch, "road": road,
-                            "ctas": dec.sms_held, "rows": key, "problems": problems(chain),
-                            **s, "predicted": predicted})
-            print(table(f"{mode} H={hidden} B={batch}, {road} loop", s), flush=True)
+                            "free_polls": free_polls, "ctas": dec.sms_held, "rows": key,
+                            "problems": problems(chain), **s, "predicted": predicted})
+            polls = f", {free_polls} free polls" if free_polls else ""
+            print(table(f"{mode} H={hidden} B={batch}, {road} loop{polls}", s), flush=True)
             for p in results[-1]["problems"]:
                 print(f"  stamp problem: {p}", flush=True)
     return results
@@ -268,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--cpu", action="store_true", help="the emulation, a tiny size, a few steps")
+    p.add_argument("--free-polls", type=int, default=0,
+                   help="each size again with its hand-off waits polling this many times "
+                        "before they sleep (0: not)")
     args = p.parse_args(argv)
+    if args.free_polls < 0:
+        p.error(f"--free-polls must be >= 0, got {args.free_polls}")
     steps = CPU_STEPS if args.cpu else args.steps
     if not 2 <= steps < decoder.PROBE_STEPS:
         p.error(f"--steps must be 2 to {decoder.PROBE_STEPS - 1} (the probe's rows)")
@@ -276,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, np.ndarray] = {}
     results = []
     args.out.mkdir(parents=True, exist_ok=True)
-    for mode, hidden, batch in CPU_SIZES if args.cpu else SIZES:
+    runs = [(size, polls) for size in (CPU_SIZES if args.cpu else SIZES)
+            for polls in ((0, args.free_polls) if args.free_polls else (0,))]
+    for (mode, hidden, batch), polls in runs:
         try:
-            results += probe_size(mode, hidden, batch, steps, args.cpu, raw)
+            results += probe_size(mode, hidden, batch, steps, args.cpu, raw, polls)
         except Exception as exc:  # noqa: BLE001 -- a size that fails is reported, the next runs
             print(f"{mode} H={hidden} B={batch}: {type(exc).__name__}: {exc}", flush=True)
             results.append({"cell": mode, "hidden": hidden, "batch": batch,

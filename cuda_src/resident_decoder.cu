@@ -96,6 +96,18 @@ __device__ unsigned long long prnn_decoder_probe[prnn::kProbeSteps * prnn::kProb
 #else
 #define PRNN_PROBE_ONLY(...)
 #endif
+// PRNN_DECODER_FREE_POLLS (an experiment: bench/decoder_probe.py --free-polls): the failed polls
+// of a hand-off's wait (the post, every slice done) that poll again at once, before its thread
+// sleeps between polls as the shipped kernels do after every one. Whether the sleep's wake-up
+// lengthens the hand-offs (docs/design.md, "The resident decoder") is for a GPU to say.
+#ifdef PRNN_DECODER_FREE_POLLS
+#define PRNN_HANDOFF_BACKOFF(polls) \
+  do {                              \
+    if (++(polls) > PRNN_DECODER_FREE_POLLS) prnn_backoff(); \
+  } while (0)
+#else
+#define PRNN_HANDOFF_BACKOFF(polls) prnn_backoff()
+#endif
 
 namespace prnn {
 
@@ -482,6 +494,7 @@ PRNN_DEVICE unsigned revive(unsigned* word, unsigned long long timeout_ns) {
 PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long long deadline) {
   PRNN_PROBE_ONLY(unsigned long long polls = 0;
                   if (blockIdx.x == 0) probe_stamp(step, kProbeWaitStart);)
+  [[maybe_unused]] unsigned missed = 0u;
   for (;;) {
     const unsigned posted = prnn_load_acquire(box);
     if (posted == step) {
@@ -491,7 +504,7 @@ PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long
     }
     if (posted > step || prnn_globaltimer_ns() > deadline) return false;
     PRNN_PROBE_ONLY(++polls;)
-    prnn_backoff();
+    PRNN_HANDOFF_BACKOFF(missed);
   }
 }
 
@@ -504,6 +517,7 @@ PRNN_DEVICE bool wait_for_post(const unsigned* box, unsigned step, unsigned long
 PRNN_DEVICE bool wait_for_layer(const unsigned* box, const unsigned* state, int slices,
                                 unsigned last, unsigned long long deadline) {
   bool done = true;
+  [[maybe_unused]] unsigned missed = 0u;
   for (int s = threadIdx.x; s < slices; s += blockDim.x) {
     for (;;) {
       if ((prnn_load_acquire(state + s) >> 2) >= last) break;
@@ -511,7 +525,7 @@ PRNN_DEVICE bool wait_for_layer(const unsigned* box, const unsigned* state, int 
         done = false;
         break;
       }
-      prnn_backoff();
+      PRNN_HANDOFF_BACKOFF(missed);
     }
     if (!done) break;
   }
@@ -580,6 +594,7 @@ PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, c
   for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) pending |= 1u << i;
   const unsigned long long deadline = prnn_globaltimer_ns() + timeout_ns;
   PRNN_PROBE_ONLY(unsigned long long polls = 0;)
+  [[maybe_unused]] unsigned missed = 0u;
   while (pending != 0u) {
     for (int i = 0, s = threadIdx.x; s < slices; ++i, s += blockDim.x) {
       if (!(pending >> i & 1u)) continue;
@@ -595,7 +610,7 @@ PRNN_DEVICE bool step_layer(const DecoderShared& sm, const DecoderWeights& wt, c
     }
     if (pending == 0u || prnn_globaltimer_ns() > deadline) break;
     PRNN_PROBE_ONLY(++polls;)
-    prnn_backoff();
+    PRNN_HANDOFF_BACKOFF(missed);
   }
   const bool failed = prnn_sync_block_or(pending != 0u);
   PRNN_PROBE_ONLY(if (threadIdx.x == 0) probe_stamp(step, kProbeDoneSeen);

@@ -88,6 +88,10 @@ _GIVEN_X, _GIVEN_GI = np.int32(1), np.int32(0)  # the step kernel's flag: x give
 # clock) into row step % PROBE_STEPS of a device buffer (``probe_buffer``); the shipped kernels
 # have no probe.
 PROBE_ENV = "PRNN_DECODER_PROBE"
+# An experiment beside it (bench/decoder_probe.py --free-polls): with FREE_POLLS_ENV=N in the
+# environment when a decoder is made, its kernels' hand-off waits poll N times before they sleep
+# between polls (-D PRNN_DECODER_FREE_POLLS=N; the shipped kernels sleep after every miss).
+FREE_POLLS_ENV = "PRNN_DECODER_FREE_POLLS"
 PROBE_SYMBOL = "prnn_decoder_probe"
 PROBE_STEPS, PROBE_CTAS = 256, 160  # kProbeSteps, kProbeCtas
 PROBE_CHAIN, PROBE_CTA_WORDS = 16, 32  # kProbeChain (word w's SM clock at PROBE_CHAIN + w),
@@ -221,6 +225,17 @@ def held_w_ih(rows: int, inputs: int) -> planner.SharedRegion:
     return planner.SharedRegion("W_IH", rows * inputs, per_row=False, argument=True)
 
 
+def _free_polls() -> dict[str, int]:
+    """The ``-D PRNN_DECODER_FREE_POLLS`` of ``FREE_POLLS_ENV`` (none where it is not set);
+    ValueError naming it for anything but a count >= 0."""
+    text = os.environ.get(FREE_POLLS_ENV, "")
+    if not text:
+        return {}
+    if not text.isdigit():
+        raise ValueError(f"{FREE_POLLS_ENV} must be a count of polls >= 0, got {text!r}")
+    return {FREE_POLLS_ENV: int(text)}
+
+
 def _module(xp, defines: Mapping[str, int]):
     if xp is np:
         from . import emulate
@@ -340,7 +355,8 @@ class _Layers:
         self.probe = os.environ.get(PROBE_ENV, "") == "1"
         if self.probe and layers > 1:
             raise ValueError(f"{PROBE_ENV}=1: the probe stamps a one-layer decoder's steps")
-        self.module = _module(xp, {**dp.defines, PROBE_ENV: 1} if self.probe else dp.defines)
+        self.module = _module(xp, {**dp.defines, **({PROBE_ENV: 1} if self.probe else {}),
+                                   **_free_polls()})
         w_hh = xp.stack([weight_words(xp, p["weight_hh"], None) for p in params])
         b_hh = xp.stack([p.get("bias_hh", xp.zeros(gh, np.float32)) for p in params])
         w_ih = xp.concatenate([p["weight_ih"].reshape(-1) for p in params])  # (input, then H)

@@ -1090,15 +1090,21 @@ def decoder_projection_us(rows: int, inputs: int, batch: int, held: bool,
             + butterfly) * cycle
 
 
+def decoder_handoff_round_us(ctas: int) -> float:
+    """One hand-off between a resident decoder layer's ``ctas`` CTAs and its step kernel
+    (predicted µs): the post seen by them, or their done words seen by the step kernel, each
+    priced as the exchange round measured at that CTA count (``hw.EXCHANGE_ROUND_NS``: a store
+    and the polls that see it across the CTAs, with a block barrier). (Before the H200's decoder
+    step was measured each was one bare L2 round trip: 1.95 µs predicted against 6.36 measured
+    at LSTM H=640 B=1, ``DECODER_MEASURED``.)"""
+    return hw.exchange_round_ns(hw.EXCHANGE_ROUND_NS, ctas) / 1000
+
+
 def decoder_handoff_us(ctas: int, device: DeviceProfile) -> float:
-    """A resident decoder layer's hand-offs in one step (predicted µs): the post seen by its
-    ``ctas`` resident CTAs and their done words seen by the step kernel, each priced as the
-    exchange round measured at that CTA count (``hw.EXCHANGE_ROUND_NS``: a store and the polls
-    that see it across the CTAs, with a block barrier), and x staged after the post, one L2
-    round trip. (Before the H200's decoder step was measured each hand-off was one bare round
-    trip: 1.95 µs predicted against 6.36 measured at LSTM H=640 B=1, ``DECODER_MEASURED``.)"""
-    round_us = hw.exchange_round_ns(hw.EXCHANGE_ROUND_NS, ctas) / 1000
-    return 2 * round_us + hw.L2_LATENCY * _cycle_us(device)
+    """A resident decoder layer's hand-offs in one step (predicted µs): the post's and the done
+    words' (``decoder_handoff_round_us`` each), and x staged after the post, one L2 round
+    trip."""
+    return 2 * decoder_handoff_round_us(ctas) + hw.L2_LATENCY * _cycle_us(device)
 
 
 def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | None = None,
@@ -1170,6 +1176,8 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     captured_between = between + projections[0]
     record.update(ctas=sum(q.grid for q in plans), resident_step_us=layers * after_post,
                   ahead_us=ahead, ahead_left_us=left_over, handoff_us=handoffs,
+                  handoff_round_us=decoder_handoff_round_us(plans[0].grid),
+                  round_trip_us=round_trip,
                   projection_us=sum(projections), w_ih_held=plans[0].w_ih_held,
                   w_ih=plans[0].w_ih_note(), captured_us=captured_between + left_over,
                   captured_between_us=captured_between,

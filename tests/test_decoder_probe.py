@@ -22,14 +22,18 @@ ORDER = ("start", "posting", "post_seen", "staged", "projected", "gathered", "po
 
 
 def test_the_probe_stamps_every_stage_of_every_step_in_order(tmp_path):
-    """bench/decoder_probe.py --cpu: each step of the loop (but its first, whose wait began
-    before it) has every stamp, each no earlier than the stage before; every resident CTA saw
-    the post after it was released and released its done word before the step kernel saw them
-    all; the bench's own check and its table agree."""
+    """bench/decoder_probe.py --cpu --free-polls 8: each step of the loop (but its first, whose
+    wait began before it) has every stamp, each no earlier than the stage before; every
+    resident CTA saw the post after it was released and released its done word before the step
+    kernel saw them all; the bench's own check and its table agree - for the shipped kernels
+    and those whose hand-off waits poll 8 times before they sleep."""
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "decoder_probe.py"), "--cpu",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+                          "--free-polls", "8", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     doc = json.loads((tmp_path / "decoder_probe.json").read_text())
+    assert [r["free_polls"] for r in doc["results"]] == [0, 8]
+    assert "eager loop, 8 free polls" in run.stdout
     raw = np.load(tmp_path / "decoder_probe_rows.npz")
     word = {name: i for i, name in enumerate(decoder.PROBE_WORDS)}
     for result in doc["results"]:
@@ -65,3 +69,15 @@ def test_the_shipped_decoder_has_no_probe(monkeypatch):
     monkeypatch.setenv(decoder.PROBE_ENV, "1")
     with pytest.raises(ValueError, match="one-layer"):
         prnn.LSTM(8, 16, num_layers=2, seed=0, algo="persistent").decoder(batch=1)
+
+
+def test_free_polls_come_from_the_environment_as_a_count(monkeypatch):
+    """``decoder.FREE_POLLS_ENV`` (an experiment): unset, nothing; a count, its -D; anything
+    else, a ValueError naming it when a decoder is made."""
+    monkeypatch.delenv(decoder.FREE_POLLS_ENV, raising=False)
+    assert decoder._free_polls() == {}
+    monkeypatch.setenv(decoder.FREE_POLLS_ENV, "32")
+    assert decoder._free_polls() == {"PRNN_DECODER_FREE_POLLS": 32}
+    monkeypatch.setenv(decoder.FREE_POLLS_ENV, "-1")
+    with pytest.raises(ValueError, match="PRNN_DECODER_FREE_POLLS must be a count"):
+        prnn.LSTMCell(8, 16, seed=0, algo="persistent").decoder(batch=1)
