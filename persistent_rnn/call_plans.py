@@ -55,6 +55,13 @@ _SUM = "sum of "  # (the role of the array a parameter's gradient is added into)
 # The parameter gradients a planned backward forms, in its order (``functional``'s, then an LSTM
 # projection's ``dW_hr``).
 _GRADIENTS = (*functional.PARAMETER_GRADIENTS, "weight_hr")
+# The roles of a plan's chains whose arrays it makes, or checks before it runs them: contiguous,
+# of one shape and dtype every call (``runtime.Around.addressed``) - the forward's results and
+# the call's new arrays, the input the pass reads (``matches``, ``formed_input``) and the initial
+# states (the planned zeros, or given ones checked, made contiguous: ``_given_states``), ``dy``
+# where the pass reads the caller's (the callers check it so), the gradients returned.
+_ADDRESSED = frozenset({"y", "cs", "saved", "hs", "h0", "c0", "x", "out", "h_n", "c_n", "dy",
+                        "dh0", "dc0", "dx"})
 
 
 def _where(xp) -> tuple:
@@ -223,7 +230,9 @@ class Plan(CallSignature):
         self.forward_pass.around = runtime.Around(
             self._before_forward, self._after_forward, self._forward_fixed(b_ih, b_hh),
             ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",))
-            + self._state_roles())
+            + self._state_roles(), _ADDRESSED)
+        # (the layer API's: its forward's results, rewritten by every call - ``forward``)
+        self.results: runtime.ForwardResult | None = None
 
     def _pass_bias(self, b_hh: Array | None) -> Array | None:
         """The ``b_hh`` the forward's pass reads (a float32 layer's own)."""
@@ -276,8 +285,13 @@ class Plan(CallSignature):
             # functional's ``_selected_input``; else a strided input copied, its products
             # reading rows in place)
             layer_input, given = xp.empty(x.shape, x.dtype), x
-        y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
-        fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
+        fwd = self.results
+        if fwd is None:
+            y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
+            fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
+            if self.accumulates:  # (the layer API backpropagates only its last forward: the
+                self.results = fwd  # results its backward reads are the plan's, every call's)
+        cs = fwd.cs
         arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
         arrays["x"], arrays["x_given"] = layer_input, given
         arrays.update(states)
@@ -403,7 +417,7 @@ class Plan(CallSignature):
             ("x", "dh0", "dx", *self.gradient_roles)
             + (tuple(_SUM + n for n in self.names.values()) if self.accumulates else ())
             + (() if self.dy_pass is None else ("dy_in",))
-            + (() if self.c0 is None else ("dc0",)))
+            + (() if self.c0 is None else ("dc0",)), _ADDRESSED | set(self.gradient_roles))
 
     def _pass_dy(self, dy: Array) -> Array:
         """The ``dy`` the backward's pass reads of a call's (before any selection): its own."""
