@@ -374,7 +374,8 @@ class Plan(CallSignature):
             name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(), self.weights)}
         arrays.update(grads)  # (by their parameters' names: the ``gradient_roles``)
         if self.accumulates:
-            arrays.update({_SUM + name: into[name] for name in self.names.values()})
+            for name in self.names.values():  # (a loop: no comprehension's frame)
+                arrays[_SUM + name] = into[name]
         ctx.backward_stats = self.backward_pass.run(arrays)
         return dx, (dh if self.c0 is None else (dh, dc)), grads
 

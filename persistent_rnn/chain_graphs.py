@@ -29,6 +29,7 @@ graph, as before).
 """
 from __future__ import annotations
 
+import operator
 import threading
 import warnings
 from collections import OrderedDict
@@ -62,8 +63,11 @@ def value(v: Any) -> Any:
 def addresses(arrays: dict, roles: tuple) -> tuple:
     """The address of each of ``arrays``' ``roles``: what a key reads per call of arrays whose
     shape, strides and dtype it holds once (``runtime.Around.addressed``; one Python call for
-    them all)."""
-    return tuple([arrays[role].data.ptr for role in roles])
+    them all, the rest in C)."""
+    return tuple(map(_POINTER, map(arrays.__getitem__, roles)))
+
+
+_POINTER = operator.attrgetter("data.ptr")
 
 
 _SCALAR_TYPES = frozenset({int, float, bool, type(None), np.int32, np.int64, np.uint32, np.uint64,

@@ -462,7 +462,7 @@ class PreparedPass:
         if static is None:
             static = self._static_key = self._fixed_key(arrays)
         return (static, chain_graphs.addresses(arrays, static[1]),
-                tuple([chain_graphs.value(arrays[role]) for role in static[2]]))
+                tuple(map(chain_graphs.value, map(arrays.__getitem__, static[2]))))
 
     def _fixed_key(self, arrays: dict[str, Array | None]) -> tuple:
         """``_key``'s part built once: the completion kernel, the addressed roles and the

@@ -521,7 +521,7 @@ def test_a_replayed_planned_call_keys_its_graph_in_few_python_calls(
     monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
     monkeypatch.setattr(chain_graphs, "value", _host_value)
     monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
-        [id(arrays[role]) for role in roles]))  # (as ``addresses`` reads CuPy's: one call)
+        map(id, map(arrays.__getitem__, roles))))  # (as ``addresses`` reads CuPy's: one call)
     monkeypatch.setattr(chain_graphs, "run", lambda key, issue: True)
     count = python_calls(call)
     assert count <= REPLAYED_LIMITS[road, cell, backward], (road, cell, backward, count)

@@ -149,7 +149,41 @@ def test_a_strided_input_is_copied_inside_the_chain(settings, monkeypatch, stub_
     assert hits.forwards == 3
 
 
-@pytest.mark.parametrize("cell", ["GRU", "LSTM"])  # (an Elman cell's plan is a GRU's: no c)
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_the_layer_apis_held_results_are_never_returned(settings, grid_path, monkeypatch, cell):
+    """The layer API's plan keeps its forward's results (y, cs, saved) as its own, rewritten by
+    every call (its backward reads only the last forward's): what a call returns is new - an
+    earlier call's output and states stay as they were, and a caller writing into them changes
+    no gradient. Against a layer that never plans; sabotage: the output made the held ``y``
+    fails it."""
+    hits = _Hits(monkeypatch)
+    planned, full = _layer(cell), _layer(cell)
+    for seed in range(3):  # (calls 1 and 2 plan the forward, call 3 the backward)
+        x, dy = _data(seed)
+        planned.forward(x)
+        planned.backward(dy)
+    (x, dy), (x2, _) = _data(3), _data(4)
+    y, hn = planned.forward(x2)  # (planned: the held results hold x2's)
+    kept = _flat(y, hn)
+    planned.zero_grad()
+    y4, hn4 = y, hn
+    y, hn = planned.forward(x)  # (planned: rewrites the held results)
+    for a, b in zip(_flat(y4, hn4), kept):  # (call 4's output and states stay call 4's)
+        np.testing.assert_array_equal(a, b)
+    returned = _flat(y, hn)
+    for a in (y, *(hn if isinstance(hn, tuple) else (hn,))):  # (the caller's to write)
+        a[...] = np.nan
+    got = _flat(*planned.backward(dy)) + [g.copy() for g in planned.grads.values()]
+    full._plan = None  # (the reference never plans)
+    want_y, want_hn = full.forward(x)
+    want = _flat(*full.backward(dy)) + [g.copy() for g in full.grads.values()]
+    for a, b in zip(returned + got, _flat(want_y, want_hn) + want):
+        np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (3, 1)
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+ # (an Elman cell's plan is a GRU's: no c)
 def test_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch, cell):
     hits = _Hits(monkeypatch)
     planned, full = _layer(cell), _layer(cell)
