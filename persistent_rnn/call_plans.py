@@ -231,8 +231,9 @@ class Plan(CallSignature):
             self._before_forward, self._after_forward, self._forward_fixed(b_ih, b_hh),
             ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",))
             + self._state_roles(), _ADDRESSED)
-        # (the layer API's: its forward's results, rewritten by every call - ``forward``)
+        # (the layer API's: its forward's results and formed input, rewritten by every call)
         self.results: runtime.ForwardResult | None = None
+        self.formed: Array | None = None
 
     def _pass_bias(self, b_hh: Array | None) -> Array | None:
         """The ``b_hh`` the forward's pass reads (a float32 layer's own)."""
@@ -284,13 +285,14 @@ class Plan(CallSignature):
             # (formed in the chain: with lengths the input zero past each length, as
             # functional's ``_selected_input``; else a strided input copied, its products
             # reading rows in place)
-            layer_input, given = xp.empty(x.shape, x.dtype), x
+            layer_input, given = self.formed, x
+            if layer_input is None:
+                layer_input = self._own("formed", xp.empty(x.shape, x.dtype))
         fwd = self.results
         if fwd is None:
             y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
-            fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
-            if self.accumulates:  # (the layer API backpropagates only its last forward: the
-                self.results = fwd  # results its backward reads are the plan's, every call's)
+            fwd = self._own("results", runtime.ForwardResult(
+                y, cs, saved, xp.empty_like(cs) if self.proj else None))
         cs = fwd.cs
         arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
         arrays["x"], arrays["x_given"] = layer_input, given
@@ -306,6 +308,16 @@ class Plan(CallSignature):
                                  [[functional._Direction(self.names, h0, c0, fwd)]], stats)
         ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
+
+    def _own(self, name: str, made: Any) -> Any:
+        """``made``, a forward's new arrays the backward reads (``results``: ``y``, ``cs``,
+        ``saved``, ``hs``; ``formed``: the input the pass reads where the given one is not it),
+        returned; kept as the plan's own where its caller backpropagates only its last forward
+        (the layer API: ``accumulates``), every later call writing them anew (never returned:
+        the output, ``h_n`` and ``c_n`` are copies, new every call)."""
+        if self.accumulates:
+            setattr(self, name, made)
+        return made
 
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, dict]:
         """``(h0, c0, roles)``: the pass's initial states of a call giving ``hx`` (not ``None``:

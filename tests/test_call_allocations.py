@@ -37,13 +37,15 @@ LENGTHS = np.array([3, 1, 2], np.int32)
 # arrays more a forward, new every call).
 FORWARD = {"GRU": ["output", "h_n"], "LSTM": ["output", "h_n", "c_n"]}
 BACKWARD = {"GRU": ["dx", "dh0"], "LSTM": ["dx", "dh0", "dc0"]}
-WITH_LENGTHS = ["the lengths as int32 (context: the backward reads them; a copy, so that the "
-                "caller may change theirs)",
-                "x with padding selected out (context: the weight gradient reads it)"]
+LENGTHS_COPY = ["the lengths as int32 (context: the backward reads them; a copy, so that the "
+                "caller may change theirs)"]
+# (a single layer's: its plan's own, as its y is)
+WITH_LENGTHS = LENGTHS_COPY + ["x with padding selected out (context: the weight gradient "
+                               "reads it)"]
 
 
 def expected(cell: str, backward: bool, lengths: bool) -> list[str]:
-    return (FORWARD[cell] + (WITH_LENGTHS if lengths else [])
+    return (FORWARD[cell] + (LENGTHS_COPY if lengths else [])
             + (BACKWARD[cell] if backward else []))
 
 
@@ -169,7 +171,7 @@ PROJECTION_BACKWARD = BACKWARD["LSTM"]  # (dW_hr too in the plan's workspace)
 def test_a_projection_call_allocates_only_what_it_returns_and_keeps(settings, grid_path,
                                                                     lengths):
     call = _call("LSTM", True, lengths, proj_size=4)
-    want = PROJECTION_FORWARD + (WITH_LENGTHS if lengths else []) + PROJECTION_BACKWARD
+    want = PROJECTION_FORWARD + (LENGTHS_COPY if lengths else []) + PROJECTION_BACKWARD
     assert array_allocations(call) == len(want), want
 
 
