@@ -255,7 +255,7 @@ GPU_PYTHON_RATIO = ((101.2 - API_CALL_HOST_US) / PYTHON_H200_RUN_US[0],  # measu
 # (the stack, pair and layers plans' calls about as before - their Python counts fell by 6-14
 # calls, the single layer's they are taken against by 15-29 -, so their increments rose): stack
 # 1.294 / 1.300, pairs 1.066 / 1.077, layers 1.164 / 1.092 (forward / backward), medians of 7
-# interleaved pairs' ratios at a load of 2.6-8.2, bench/results/cpu-2026-11-27/replayed-
+# interleaved pairs' ratios at a load of 2.1-10.1, bench/results/cpu-2026-11-27/replayed-
 # {d7877c8,57138a8}-{layers3,pair1,nostack3}-*.
 PYTHON_GROUP_US = {"stack": (11.0, 10.9), "pairs": (18.0, 18.5), "layers": (21.9, 31.1)}
 # The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
