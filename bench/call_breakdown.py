@@ -17,7 +17,8 @@ once: no kernel runs, every other line of the call does, the chain issued launch
 each launch's arguments built), (2) with the whole chain stubbed (``launch._issue_chain``,
 what a GPU call in steady state replaces by one graph launch; the graph's key, built on the GPU
 path only, is not in it), (3) as a replay in steady state runs it on a GPU: the chain graph's
-key built over the call's arrays (``id`` standing in for device pointers) and the
+key built over the call's arrays (``id`` standing in for device pointers: ``value``,
+``addresses``) and the
 replay itself stubbed (``chain_graphs.run``); and (4) ``persistent_rnn.torch.GRU(algo=
 "persistent")`` on CPU tensors (the emulated path) as (2): the forward under ``torch.no_grad``,
 forward + backward through autograd (``y.sum().backward()``). (3) is the Python the latency
@@ -93,6 +94,12 @@ def _host_value(v: object) -> object:
     return v
 
 
+def _host_addresses(arrays: dict, roles: tuple) -> tuple:
+    """``chain_graphs.addresses`` in the replayed stand-in: ``id`` standing in for each
+    address (CuPy's ``data.ptr``)."""
+    return tuple(map(id, map(arrays.__getitem__, roles)))  # (as ``addresses``: in C)
+
+
 def stubbed_entry_points(hidden: int, dtype: str = "float32", layers: int = 1,
                          bidirectional: bool = False, cell: str = "GRU"
                          ) -> dict[str, Callable[[], object]]:
@@ -122,13 +129,15 @@ def stubbed_entry_points(hidden: int, dtype: str = "float32", layers: int = 1,
 
     def replayed(call: Callable[[], object]) -> Callable[[], object]:
         def stand_in() -> object:
-            saved = chain_graphs.eligible, chain_graphs.value, chain_graphs.run
+            saved = (chain_graphs.eligible, chain_graphs.value, chain_graphs.addresses,
+                     chain_graphs.run)
             chain_graphs.eligible, chain_graphs.value = (lambda words: True), _host_value
-            chain_graphs.run = lambda key, issue: True
+            chain_graphs.addresses, chain_graphs.run = _host_addresses, lambda key, issue: True
             try:
                 return call()
             finally:
-                chain_graphs.eligible, chain_graphs.value, chain_graphs.run = saved
+                (chain_graphs.eligible, chain_graphs.value, chain_graphs.addresses,
+                 chain_graphs.run) = saved
         return stand_in
     torch.manual_seed(0)
     module = getattr(prt, cell)(hidden, hidden, algo="persistent", **shape).to(

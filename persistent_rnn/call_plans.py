@@ -55,6 +55,13 @@ _SUM = "sum of "  # (the role of the array a parameter's gradient is added into)
 # The parameter gradients a planned backward forms, in its order (``functional``'s, then an LSTM
 # projection's ``dW_hr``).
 _GRADIENTS = (*functional.PARAMETER_GRADIENTS, "weight_hr")
+# The roles of a plan's chains whose arrays it makes, or checks before it runs them: contiguous,
+# of one shape and dtype every call (``runtime.Around.addressed``) - the forward's results and
+# the call's new arrays, the input the pass reads (``matches``, ``formed_input``) and the initial
+# states (the planned zeros, or given ones checked, made contiguous: ``_given_states``), ``dy``
+# where the pass reads the caller's (the callers check it so), the gradients returned.
+_ADDRESSED = frozenset({"y", "cs", "saved", "hs", "h0", "c0", "x", "out", "h_n", "c_n", "dy",
+                        "dh0", "dc0", "dx"})
 
 
 def _where(xp) -> tuple:
@@ -223,7 +230,10 @@ class Plan(CallSignature):
         self.forward_pass.around = runtime.Around(
             self._before_forward, self._after_forward, self._forward_fixed(b_ih, b_hh),
             ("x", "x_given", "out", "h_n") + (() if self.c0 is None else ("c_n",))
-            + self._state_roles())
+            + self._state_roles(), _ADDRESSED)
+        # (the layer API's: its forward's results and formed input, rewritten by every call)
+        self.results: runtime.ForwardResult | None = None
+        self.formed: Array | None = None
 
     def _pass_bias(self, b_hh: Array | None) -> Array | None:
         """The ``b_hh`` the forward's pass reads (a float32 layer's own)."""
@@ -275,9 +285,15 @@ class Plan(CallSignature):
             # (formed in the chain: with lengths the input zero past each length, as
             # functional's ``_selected_input``; else a strided input copied, its products
             # reading rows in place)
-            layer_input, given = xp.empty(x.shape, x.dtype), x
-        y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
-        fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
+            layer_input, given = self.formed, x
+            if layer_input is None:
+                layer_input = self._own("formed", xp.empty(x.shape, x.dtype))
+        fwd = self.results
+        if fwd is None:
+            y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
+            fwd = self._own("results", runtime.ForwardResult(
+                y, cs, saved, xp.empty_like(cs) if self.proj else None))
+        cs = fwd.cs
         arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
         arrays["x"], arrays["x_given"] = layer_input, given
         arrays.update(states)
@@ -292,6 +308,16 @@ class Plan(CallSignature):
                                  [[functional._Direction(self.names, h0, c0, fwd)]], stats)
         ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
+
+    def _own(self, name: str, made: Any) -> Any:
+        """``made``, a forward's new arrays the backward reads (``results``: ``y``, ``cs``,
+        ``saved``, ``hs``; ``formed``: the input the pass reads where the given one is not it),
+        returned; kept as the plan's own where its caller backpropagates only its last forward
+        (the layer API: ``accumulates``), every later call writing them anew (never returned:
+        the output, ``h_n`` and ``c_n`` are copies, new every call)."""
+        if self.accumulates:
+            setattr(self, name, made)
+        return made
 
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, dict]:
         """``(h0, c0, roles)``: the pass's initial states of a call giving ``hx`` (not ``None``:
@@ -360,7 +386,8 @@ class Plan(CallSignature):
             name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(), self.weights)}
         arrays.update(grads)  # (by their parameters' names: the ``gradient_roles``)
         if self.accumulates:
-            arrays.update({_SUM + name: into[name] for name in self.names.values()})
+            for name in self.names.values():  # (a loop: no comprehension's frame)
+                arrays[_SUM + name] = into[name]
         ctx.backward_stats = self.backward_pass.run(arrays)
         return dx, (dh if self.c0 is None else (dh, dc)), grads
 
@@ -403,7 +430,7 @@ class Plan(CallSignature):
             ("x", "dh0", "dx", *self.gradient_roles)
             + (tuple(_SUM + n for n in self.names.values()) if self.accumulates else ())
             + (() if self.dy_pass is None else ("dy_in",))
-            + (() if self.c0 is None else ("dc0",)))
+            + (() if self.c0 is None else ("dc0",)), _ADDRESSED | set(self.gradient_roles))
 
     def _pass_dy(self, dy: Array) -> Array:
         """The ``dy`` the backward's pass reads of a call's (before any selection): its own."""

@@ -10,7 +10,8 @@ in one ``cudaGraphLaunch`` on the caller's stream.
 
 ``key`` holds every value the chain's operations read - the engine, the pass's first and end
 step, the stall, the settings the launches read, and each argument array's address, shape,
-strides and dtype (``value``) - so a replay issues exactly what ``issue()`` would issue now:
+strides and dtype (``value``; of an array whose layout a call plan fixes, its address per call,
+``addresses``, the layout once) - so a replay issues exactly what ``issue()`` would issue now:
 memory at those addresses belongs to the arrays of this call, whoever held it before. A key
 seen for the first time runs ``issue()`` directly (most keys of a run repeat: CuPy's pool hands
 a loop the same blocks call after call, but a one-off call should not pay a capture); the
@@ -28,6 +29,7 @@ graph, as before).
 """
 from __future__ import annotations
 
+import operator
 import threading
 import warnings
 from collections import OrderedDict
@@ -56,6 +58,16 @@ def value(v: Any) -> Any:
     if isinstance(v, np.ndarray):  # never in a CuPy chain: a host array would be copied, not read
         raise TypeError("a chain's arguments are device arrays and scalars")
     return v
+
+
+def addresses(arrays: dict, roles: tuple) -> tuple:
+    """The address of each of ``arrays``' ``roles``: what a key reads per call of arrays whose
+    shape, strides and dtype it holds once (``runtime.Around.addressed``; one Python call for
+    them all, the rest in C)."""
+    return tuple(map(_POINTER, map(arrays.__getitem__, roles)))
+
+
+_POINTER = operator.attrgetter("data.ptr")
 
 
 _SCALAR_TYPES = frozenset({int, float, bool, type(None), np.int32, np.int64, np.uint32, np.uint64,

@@ -203,9 +203,19 @@ PYTHON_H200_RUN_US = (18.4, 27.4)  # measured (forward, backward)
 # against 21.8), bench/results/cpu-2026-11-27/replayed-{e9d0552,de3b1f6}-single-*. Scaled, not
 # taken as measured there: the H200's ratio below was taken against 18.4 / 27.4, a stand-in of
 # the planned call as main has it (the same 46 / 97 Python calls, tests/test_call_cost.py's
-# count) measured at another load.
-PYTHON_FORWARD_US = 16.2       # measured ratio x 18.4 (forward)
-PYTHON_BACKWARD_US = 20.6      # measured ratio x 27.4 (forward+backward less forward, per run)
+# count) measured at another load. Since branch callpython (2026-11-27: the graph key reads only
+# the address of the arrays whose layout the plan fixes, ``runtime.Around.addressed``; the layer
+# API's plan holds the forward's results its backward reads, ``call_plans.Plan._own`` - two
+# (GRU) or three (LSTM) arrays fewer a forward -; the launch code builds the key without
+# closures, counts a graph unit in one call, defers a record without frames): those figures
+# times the measured ratio of that code's stand-in to main's (d7877c8), the median of eleven
+# interleaved pairs (1-minute load 2.6-8.2): forward 0.752 (11.0 against 14.9 µs, medians),
+# backward 0.844 (15.9 against 19.2), bench/results/cpu-2026-11-27/replayed-{d7877c8,57138a8}-
+# single-*: 16.2 -> 12.2, 20.6 -> 17.4. Each allocation cut counts here as NumPy's
+# ``empty`` (about 0.2 µs) times the ratio below, where the H200's host measured 1.90 µs a
+# ``cupy.empty`` (bench/results/h200-2026-11-27/call2-fresh/interop_cost.log).
+PYTHON_FORWARD_US = 12.2       # measured ratios x 18.4 (forward)
+PYTHON_BACKWARD_US = 17.4      # measured ratios x 27.4 (forward+backward less forward, per run)
 # The GPU host's time for that Python against the CPU stand-in's: the layer API's planned
 # persistent calls on an H200 (bench/results/h200-2026-11-27, `bench/gpu_call_cost.py`'s host µs
 # per call: GRU H=256 B=1, LSTM H=1024 B=4, RNN-tanh H=512 B=1 at T = 10, 100 and 1000, two runs)
@@ -241,7 +251,13 @@ GPU_PYTHON_RATIO = ((101.2 - API_CALL_HOST_US) / PYTHON_H200_RUN_US[0],  # measu
 # layers 1.058 (three layers, the stack setting off), medians of 4, 4 and 3 interleaved pairs'
 # ratios at a load of 1.4-2.8, bench/results/cpu-2026-11-27/replayed-*-{layers3,pair1,nostack3}-*;
 # the forward's ratios there (0.935, 0.981, 1.032) within the rounds' spread: left as they were.
-PYTHON_GROUP_US = {"stack": (8.5, 8.4), "pairs": (16.9, 17.2), "layers": (18.8, 28.5)}
+# Since branch callpython, all six times the measured after / before ratio of their increment
+# (the stack, pair and layers plans' calls about as before - their Python counts fell by 6-14
+# calls, the single layer's they are taken against by 15-29 -, so their increments rose): stack
+# 1.294 / 1.300, pairs 1.066 / 1.077, layers 1.164 / 1.092 (forward / backward), medians of 7
+# interleaved pairs' ratios at a load of 2.1-10.1, bench/results/cpu-2026-11-27/replayed-
+# {d7877c8,57138a8}-{layers3,pair1,nostack3}-*.
+PYTHON_GROUP_US = {"stack": (11.0, 10.9), "pairs": (18.0, 18.5), "layers": (21.9, 31.1)}
 # The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
 # and set-up included): the same layer's call with the chain stubbed at 41d5ca8, before any call
 # was planned, the median of nine runs' medians (bench/results/cpu-2026-11-27/stubbed-*-before-*/,

@@ -72,6 +72,13 @@ class Counters:
         with self._lock:
             setattr(self, what, getattr(self, what) + n)
 
+    def unit(self, replayed: bool) -> None:
+        """A graph unit enqueued (``_enqueue``), ``replayed`` as one CUDA graph or not: both
+        counts in one call and one hold of the lock (every call pays it)."""
+        with self._lock:
+            self.graph_units += 1
+            self.graph_launches += replayed
+
     def snapshot(self) -> dict[str, int]:
         return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets,
                 "allocations": self.allocations, "record_reads": self.record_reads,
@@ -501,10 +508,10 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     # (the chain's own words, with no slots: never written)
     chain.publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record \
         else (chain.words, 0)
-    key = None if arguments_key is None else (
-        lambda: (_chain_key(chain), stall, first, end, arguments_key()))
-    # (a tuple: chain, issue(), key() - or None: never a graph)
-    pending = (chain, lambda: _issue_chain(chain, launch, first, stall, complete), key)
+    # (a tuple: chain, issue(), arguments_key - or None: never a graph - and the rest of the
+    # chain's key, which ``_enqueue`` builds: no closure of its own)
+    pending = (chain, lambda: _issue_chain(chain, launch, first, stall, complete), arguments_key,
+               stall, first, end)
     group = _GROUP.pending
     if group is None:
         _enqueue((pending,))
@@ -553,7 +560,6 @@ def _enqueue(pending: Sequence[tuple]) -> None:
     """Enqueue ``pending``'s chains (``run_chain``'s tuples) in order: replayed as one graph where
     every one has a key and the stream may take graphs (``chain_graphs.eligible``), else issued
     launch by launch."""
-    COUNTERS.add("graph_units")
     if len(pending) == 1:
         issue = pending[0][1]
     else:
@@ -561,24 +567,33 @@ def _enqueue(pending: Sequence[tuple]) -> None:
             for p in pending:
                 p[1]()
     try:
-        keys = chain_graphs.eligible(pending[0][0].words) and [p[2] for p in pending]
-        if not keys or None in keys:
-            issue()
-        else:
+        replayed = False
+        if chain_graphs.eligible(pending[0][0].words):
             s = settings.current()
-            key = (s.cooperative, s.max_restarts, s.gpu_timeout_ms, *[k() for k in keys])
-            if chain_graphs.run(key, partial(_holding_nothing, issue)):
-                COUNTERS.add("graph_launches")
+            key = [s.cooperative, s.max_restarts, s.gpu_timeout_ms]
+            for p in pending:  # (a loop: no comprehension's frame)
+                if p[2] is None:
+                    key = None
+                    break
+                key.append((_chain_key(p[0]), p[3], p[4], p[5], p[2]()))
+            if key is None:
+                issue()
+            else:
+                replayed = chain_graphs.run(tuple(key), partial(_holding_nothing, issue))
+        else:
+            issue()
     except BaseException:
+        COUNTERS.unit(False)
         _failed(pending)
         raise
+    COUNTERS.unit(replayed)
 
 
 def _failed(pending: Sequence[tuple]) -> None:
     """After ``pending``'s enqueueing failed part way (or never began): their chains' next passes
     start a new ring and numbering, and fill their progress words anew (``Chain.reset``: the
     launches may have left some behind)."""
-    for chain, _, _ in pending:
+    for chain, *_ in pending:
         chain.ring = None
         chain.untouched = False
 

@@ -364,12 +364,16 @@ class Around:
     constants; the plan holds them) and the call's arrays of the pass's roles and of ``roles``;
     every one of those enters the chain graph's key, with the two functions' names
     (``PreparedPass._key``). Nothing in them may
-    allocate or look up scratch (``buffers.reused`` makes new arrays while a stream captures)."""
+    allocate or look up scratch (``buffers.reused`` makes new arrays while a stream captures).
+    ``addressed``: the roles (the pass's or ``roles``) whose every call's array is a contiguous
+    array of the first call's shape and dtype, never ``None`` (the plan makes them, or checks
+    them before it runs): their layout is keyed once, per call only their address."""
 
     before: Callable[[dict, dict], None]
     after: Callable[[dict, dict], None]
     fixed: dict[str, Any]
     roles: tuple[str, ...]
+    addressed: frozenset[str] = frozenset()
 
 
 class PreparedPass:
@@ -402,27 +406,33 @@ class PreparedPass:
         where the chain is issued launch by launch (a replayed chain graph needs its key only)."""
         if arrays is None:
             arrays = self._arrays
-        chain, engine, around = self.chain, self.chain.engine, self.around
-        made: list[dict] = []  # the pass's arguments, made by its first launch
-
-        def go(start, stall: settings.Stall) -> None:
-            if start is not launch.RESUME and around is not None:  # (the pass's first launch)
-                around.before(arrays, around.fixed)
-            if not made:
-                made.append(self._arguments(0, arrays))
-            launch.launch_pass(engine, chain.control, dict(made[0], start=start), stall)
-
-        def complete() -> None:
-            chain.complete(self.complete, **self._arguments(1, arrays))
-            if around is not None:
-                around.after(arrays, around.fixed)
-
-        launch.run_chain(chain, go, self.first, self.end, settings.current_stall(), complete,
+        chain = self.chain
+        launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
+                         settings.current_stall(), partial(self._complete, arrays),
                          partial(self._key, arrays))
-        stats = RunStats(algo="persistent", emulated=engine.emulated, launches=1,
+        stats = RunStats(algo="persistent", emulated=chain.engine.emulated, launches=1,
                          details=[self._detail])
         launch.record_of(chain, self.end, stats)
         return stats
+
+    def _launch(self, arrays: dict[str, Array | None], made: list, start: Any,
+                stall: settings.Stall) -> None:
+        """A launch of the pass (``run``; ``made``: its arguments, made by its first launch),
+        the first one after ``around.before``."""
+        around = self.around
+        if start is not launch.RESUME and around is not None:  # (the pass's first launch)
+            around.before(arrays, around.fixed)
+        if not made:
+            made.append(self._arguments(0, arrays))
+        launch.launch_pass(self.chain.engine, self.chain.control, dict(made[0], start=start),
+                           stall)
+
+    def _complete(self, arrays: dict[str, Array | None]) -> None:
+        """The pass's completion kernel (``run``), then ``around.after``."""
+        self.chain.complete(self.complete, **self._arguments(1, arrays))
+        around = self.around
+        if around is not None:
+            around.after(arrays, around.fixed)
 
     def _arguments(self, which: int, arrays: dict[str, Array | None]) -> dict:
         """The pass's (``which`` 0) or the completion's (1) arguments with ``arrays``."""
@@ -444,23 +454,38 @@ class PreparedPass:
 
     def _key(self, arrays: dict[str, Array | None]) -> tuple:
         """What a chain graph of this pass is keyed by (``launch.run_chain``): the arguments
-        but the per-call arrays, keyed once (the prepared pass holds them), and those arrays;
-        with an ``around``, its functions' names, its fixed arrays and its roles too."""
-        if self._static_key is None:
-            roles, complete_roles = self._role_lists()
-            per_call = {name for name, _ in roles + complete_roles}
-            used = {role for _, role in roles + complete_roles}
-            around, around_key = self.around, None
-            if around is not None:
-                used.update(around.roles)
-                around_key = (around.before.__qualname__, around.after.__qualname__,
-                              chain_graphs.arguments_key(around.fixed))
-            self._static_key = (self.complete, tuple(sorted(used)), chain_graphs.arguments_key(
-                {k: v for k, v in self.args.items() if k not in per_call}),
+        but the per-call arrays, keyed once (the prepared pass holds them), and those arrays -
+        of the ``around``'s ``addressed`` roles their address (their layout keyed once, from
+        the first call's), of the others their ``chain_graphs.value``; with an ``around``, its
+        functions' names, its fixed arrays and its roles too."""
+        static = self._static_key
+        if static is None:
+            static = self._static_key = self._fixed_key(arrays)
+        return (static, chain_graphs.addresses(arrays, static[1]),
+                tuple(map(chain_graphs.value, map(arrays.__getitem__, static[2]))))
+
+    def _fixed_key(self, arrays: dict[str, Array | None]) -> tuple:
+        """``_key``'s part built once: the completion kernel, the addressed roles and the
+        others (each sorted), the arguments but the per-call arrays, the layout of the
+        addressed roles' arrays (``arrays``: the first keyed call's) and the ``around``'s
+        part."""
+        roles, complete_roles = self._role_lists()
+        per_call = {name for name, _ in roles + complete_roles}
+        used = {role for _, role in roles + complete_roles}
+        around, around_key, addressed = self.around, None, frozenset()
+        if around is not None:
+            used.update(around.roles)
+            addressed = around.addressed & used
+            around_key = (around.before.__qualname__, around.after.__qualname__,
+                          chain_graphs.arguments_key(around.fixed))
+        addressed_roles = tuple(sorted(addressed))
+        return (self.complete, addressed_roles, tuple(sorted(used - addressed)),
                 chain_graphs.arguments_key(
-                {k: v for k, v in self.complete_args.items() if k not in per_call}), around_key)
-        return self._static_key, tuple([chain_graphs.value(arrays[role])
-                                        for role in self._static_key[1]])
+                    {k: v for k, v in self.args.items() if k not in per_call}),
+                chain_graphs.arguments_key(
+                    {k: v for k, v in self.complete_args.items() if k not in per_call}),
+                tuple([chain_graphs.value(arrays[role])[1:] for role in addressed_roles]),
+                around_key)
 
 
 def _roles(args: dict, arrays: dict[str, Array | None]):

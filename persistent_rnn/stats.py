@@ -51,15 +51,12 @@ class RunStats:
             fold(self)
 
     def defer(self, fold: Callable[["RunStats"], None]) -> None:
-        """Fold a device record into these stats when one of them is first read."""
-        self._hold()
-        self._deferred.append(fold)
-
-    def _hold(self) -> None:
-        """Move the lazy fields into ``_held`` (once: reads then reach ``__getattr__``)."""
+        """Fold a device record into these stats when one of them is first read (the lazy
+        fields moved into ``_held`` first, once: reads then reach ``__getattr__``)."""
         state = self.__dict__
         if "_held" not in state:
-            state["_held"] = {name: state.pop(name) for name in _LAZY}
+            state["_held"] = dict(zip(_LAZY, map(state.pop, _LAZY)))  # (no Python frame)
+        self._deferred.append(fold)
 
     def _fields(self) -> dict:
         """The lazy fields as they are now, pending records not folded in."""
@@ -80,9 +77,8 @@ class RunStats:
             target["fallback"] = theirs["fallback"]
         self.emulated = self.emulated or other.emulated
         self.details.extend(other.details)
-        if other._deferred:
-            self._hold()
-            self._deferred.extend(other._deferred)
+        for fold in other._deferred:
+            self.defer(fold)
 
 
 for _name in _LAZY:  # (the dataclass's defaults live in __init__; see __getattr__)

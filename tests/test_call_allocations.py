@@ -31,17 +31,21 @@ LENGTHS = np.array([3, 1, 2], np.int32)
 # (cell, backward, lengths) -> the arrays a steady-state call may allocate, by name:
 # what it returns and what the context keeps for the backward (nothing else). The counted call
 # is planned (call_plans): its parameter gradients are formed in the plan's workspaces and added
-# into the layer's inside the chain (the full path: one new array per parameter).
-FORWARD = {"GRU": ["y (context)", "saved (context)", "output", "h_n"],
-           "LSTM": ["y (context)", "cs (context)", "saved (context)", "output", "h_n", "c_n"]}
+# into the layer's inside the chain (the full path: one new array per parameter), and the
+# results its backward reads (y, cs, saved: the context's) are the plan's own, rewritten by every
+# call - the layer API backpropagates only its last forward (before branch callpython: 2 and 3
+# arrays more a forward, new every call).
+FORWARD = {"GRU": ["output", "h_n"], "LSTM": ["output", "h_n", "c_n"]}
 BACKWARD = {"GRU": ["dx", "dh0"], "LSTM": ["dx", "dh0", "dc0"]}
-WITH_LENGTHS = ["the lengths as int32 (context: the backward reads them; a copy, so that the "
-                "caller may change theirs)",
-                "x with padding selected out (context: the weight gradient reads it)"]
+LENGTHS_COPY = ["the lengths as int32 (context: the backward reads them; a copy, so that the "
+                "caller may change theirs)"]
+# (a single layer's: its plan's own, as its y is)
+WITH_LENGTHS = LENGTHS_COPY + ["x with padding selected out (context: the weight gradient "
+                               "reads it)"]
 
 
 def expected(cell: str, backward: bool, lengths: bool) -> list[str]:
-    return (FORWARD[cell] + (WITH_LENGTHS if lengths else [])
+    return (FORWARD[cell] + (LENGTHS_COPY if lengths else [])
             + (BACKWARD[cell] if backward else []))
 
 
@@ -158,8 +162,8 @@ def test_a_bidirectional_call_allocates_only_what_it_returns_and_keeps(settings,
 
 
 # LSTM projections (proj_size P: y holds r_t, the context keeps the cell's h_t too).
-PROJECTION_FORWARD = ["y (r_t; context)", "hs (the cell's h_t; context)", "cs (context)",
-                      "saved (context)", "output", "h_n", "c_n"]
+# (y, hs, cs and saved: the plan's own, as FORWARD's)
+PROJECTION_FORWARD = ["output", "h_n", "c_n"]
 PROJECTION_BACKWARD = BACKWARD["LSTM"]  # (dW_hr too in the plan's workspace)
 
 
@@ -167,7 +171,7 @@ PROJECTION_BACKWARD = BACKWARD["LSTM"]  # (dW_hr too in the plan's workspace)
 def test_a_projection_call_allocates_only_what_it_returns_and_keeps(settings, grid_path,
                                                                     lengths):
     call = _call("LSTM", True, lengths, proj_size=4)
-    want = PROJECTION_FORWARD + (WITH_LENGTHS if lengths else []) + PROJECTION_BACKWARD
+    want = PROJECTION_FORWARD + (LENGTHS_COPY if lengths else []) + PROJECTION_BACKWARD
     assert array_allocations(call) == len(want), want
 
 
@@ -218,7 +222,8 @@ def test_a_per_call_exchange_is_counted(settings, grid_path, monkeypatch):
     call = _call("GRU", False, False)
     monkeypatch.setattr(launch, "chain_for", lambda xp, engine, groups, exchanges=():
                         launch.Chain(xp, engine, groups, exchanges))
-    assert array_allocations(call) == len(expected("GRU", False, False)) + 2
+    full = ["y (context)", "saved (context)"]  # (the full path's, new every call)
+    assert array_allocations(call) == len(full + expected("GRU", False, False)) + 2
 
 
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])

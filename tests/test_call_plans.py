@@ -149,7 +149,41 @@ def test_a_strided_input_is_copied_inside_the_chain(settings, monkeypatch, stub_
     assert hits.forwards == 3
 
 
-@pytest.mark.parametrize("cell", ["GRU", "LSTM"])  # (an Elman cell's plan is a GRU's: no c)
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_the_layer_apis_held_results_are_never_returned(settings, grid_path, monkeypatch, cell):
+    """The layer API's plan keeps its forward's results (y, cs, saved) as its own, rewritten by
+    every call (its backward reads only the last forward's): what a call returns is new - an
+    earlier call's output and states stay as they were, and a caller writing into them changes
+    no gradient. Against a layer that never plans; sabotage: the output made the held ``y``
+    fails it."""
+    hits = _Hits(monkeypatch)
+    planned, full = _layer(cell), _layer(cell)
+    for seed in range(3):  # (calls 1 and 2 plan the forward, call 3 the backward)
+        x, dy = _data(seed)
+        planned.forward(x)
+        planned.backward(dy)
+    (x, dy), (x2, _) = _data(3), _data(4)
+    y, hn = planned.forward(x2)  # (planned: the held results hold x2's)
+    kept = _flat(y, hn)
+    planned.zero_grad()
+    y4, hn4 = y, hn
+    y, hn = planned.forward(x)  # (planned: rewrites the held results)
+    for a, b in zip(_flat(y4, hn4), kept):  # (call 4's output and states stay call 4's)
+        np.testing.assert_array_equal(a, b)
+    returned = _flat(y, hn)
+    for a in (y, *(hn if isinstance(hn, tuple) else (hn,))):  # (the caller's to write)
+        a[...] = np.nan
+    got = _flat(*planned.backward(dy)) + [g.copy() for g in planned.grads.values()]
+    full._plan = None  # (the reference never plans)
+    want_y, want_hn = full.forward(x)
+    want = _flat(*full.backward(dy)) + [g.copy() for g in full.grads.values()]
+    for a, b in zip(returned + got, _flat(want_y, want_hn) + want):
+        np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (3, 1)
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+ # (an Elman cell's plan is a GRU's: no c)
 def test_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch, cell):
     hits = _Hits(monkeypatch)
     planned, full = _layer(cell), _layer(cell)
@@ -341,10 +375,16 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
         (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
         if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
         if isinstance(v, tuple) else v))
+    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
+        [arrays[role].__array_interface__["data"][0] for role in roles]))
     keys = []
 
     def run(key, issue):  # (the chain issued as it is: a replay would issue the same)
-        keys.append(key[-1][-1])  # (the one chain's arguments)
+        # (the one chain's arguments: an addressed role's value is its address and the layout
+        # the static part holds)
+        static, addresses, values = key[-1][-1]
+        keys.append((static, tuple((a, *layout) for a, layout in zip(addresses, static[5]))
+                     + values))
         issue()
         return False
     monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
@@ -360,7 +400,9 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     for i in (3, 4):  # (calls 4 and 5: forward and backward planned; keys: F1 B1 F2 B2 ...)
         for prepared, (static, values) in ((forward, keys[2 * i]), (backward, keys[2 * i + 1])):
             assert static is prepared._static_key
-            per_call = dict(zip(static[1], values))
+            per_call = dict(zip(static[1] + static[2], values))
+            assert set(static[1]) == {"y", "cs", "saved", "h0", "c0", "x"} | (
+                {"out", "h_n", "c_n"} if prepared is forward else {"dy", "dc0", "dh0", "dx"})
             names, fixed = static[-1][:2], dict(static[-1][2])
             assert names == tuple(f"Plan._{f}_{'backward' if prepared is backward else 'forward'}"
                                   for f in ("before", "after"))
@@ -391,12 +433,15 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
                 assert fixed["w_ih"] == chain_graphs.value(layer.params["weight_ih_l0"])
                 assert fixed["dw_hh"][1] == layer.params["weight_hh_l0"].shape
     (static, first), planned = keys[4], keys[6]  # (calls 3 and 4: forwards planned)
+    roles = static[1] + static[2]
     assert planned[0] is static and static is forward._static_key
-    assert planned[1][static[1].index("h0")] == first[static[1].index("h0")]  # the zeros
-    assert planned[1][static[1].index("y")] != first[static[1].index("y")]  # this call's
+    assert planned[1][roles.index("h0")] == first[roles.index("h0")]  # the zeros
+    # (the layer API's plan: the results its backward reads its own, the output this call's)
+    assert planned[1][roles.index("y")] == first[roles.index("y")]
+    assert planned[1][roles.index("out")] != first[roles.index("out")]
     per_call = {name for name, _ in forward._role_lists()[0]}
     assert per_call == {"y", "saved", "cs", "h0", "c0", "lengths"}
-    assert {n for n, _ in static[2]} | per_call == set(forward.args)
+    assert {n for n, _ in static[3]} | per_call == set(forward.args)
 
 
 def _issued_events(layer, monkeypatch) -> list[str]:

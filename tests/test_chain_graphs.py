@@ -63,6 +63,7 @@ def test_value_is_address_shape_strides_and_dtype():
     assert chain_graphs.value(np.int32(5)) == 5
     with pytest.raises(TypeError, match="device arrays"):
         chain_graphs.value(np.zeros(3))
+    assert chain_graphs.addresses({"a": a, "b": _DeviceArray(8192)}, ("b", "a")) == (8192, 4096)
     key = chain_graphs.arguments_key({"x": a, "steps": 4})
     assert key == (("x", chain_graphs.value(a)), ("steps", 4))
 
