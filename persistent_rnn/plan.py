@@ -305,8 +305,9 @@ MMA_BACKWARD_MIN_BATCH = 4
 # 358 / 335; 4-layer RNN H 512 B 1 301 / 284), the mma backward faster from B = 3 (2-layer GRU
 # H 256 345 / 349, 4-layer LSTM H 128 367 / 400, RNN H 512 357 / 364) or within 3 % (LSTM H 384
 # 444 / 436, B 4 458 / 471) - not a 2-layer RNN H 256's (310 / 283 at B 3, about equal from
-# B = 5: ``WIDENED_STACKS``) - and faster than the CUDA-core 16-bit one (2-layer GRU H 512 at B 3: 570 against 633
-# µs a whole pass; docs/design.md, "Stack mode"). tests/test_half_plan.py holds both sides.
+# B = 5: ``WIDENED_STACKS``) - and faster than the CUDA-core 16-bit one (2-layer GRU H 512 at
+# B 3: 570 against 633 µs a whole pass; docs/design.md, "Stack mode"). tests/test_half_plan.py
+# holds both sides.
 MMA_STACK_BACKWARD_MIN_BATCH = 3
 # The 16-bit stacks whose two passes both run on the fp32 stack's tiles, widened, where that fits
 # (``widens``), by tile family: (largest H, the batches). An Elman stack's mma tile holds 16 units
