@@ -81,11 +81,11 @@ def arguments_key(named: dict) -> tuple:
 
 
 def eligible(words: Any) -> bool:
-    """Whether a chain on these device words runs through a graph (module docstring)."""
-    if isinstance(words, np.ndarray) or not settings.current().chain_graphs:
-        return False
-    import cupy
-    return not cupy.cuda.get_current_stream().is_capturing()
+    """Whether a chain on these device words may run through a graph (module docstring): CuPy
+    words and the ``chain_graphs`` setting on. A chain the caller's stream capture records never
+    does: ``launch.run_chain`` has asked the stream already (``Chain.published``), so this does
+    not ask it again."""
+    return not isinstance(words, np.ndarray) and settings.current().chain_graphs
 
 
 def run(key: tuple, issue: Callable[[], None]) -> bool:

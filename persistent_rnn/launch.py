@@ -558,8 +558,8 @@ class one_graph:  # noqa: N801 -- used as a function: ``with launch.one_graph():
 
 def _enqueue(pending: Sequence[tuple]) -> None:
     """Enqueue ``pending``'s chains (``run_chain``'s tuples) in order: replayed as one graph where
-    every one has a key and the stream may take graphs (``chain_graphs.eligible``), else issued
-    launch by launch."""
+    every one has a key and the stream may take graphs (not capturing: ``Chain.published``, as
+    ``run_chain`` found the stream; ``chain_graphs.eligible``), else issued launch by launch."""
     if len(pending) == 1:
         issue = pending[0][1]
     else:
@@ -568,7 +568,8 @@ def _enqueue(pending: Sequence[tuple]) -> None:
                 p[1]()
     try:
         replayed = False
-        if chain_graphs.eligible(pending[0][0].words):
+        first = pending[0][0]
+        if first.published and chain_graphs.eligible(first.words):
             s = settings.current()
             key = [s.cooperative, s.max_restarts, s.gpu_timeout_ms]
             for p in pending:  # (a loop: no comprehension's frame)

@@ -301,3 +301,21 @@ def test_the_ring_on_a_gpu_is_mapped_pinned_memory_seen_by_cupy_at_its_host_addr
     del ring
     gc.collect()
     assert block() is not None and device.data.mem.ptr == device.data.ptr  # held by the array
+
+
+def test_a_chain_the_callers_capture_records_is_issued_not_replayed(monkeypatch):
+    """``run_chain`` asks the stream whether it is being captured (``Chain.published``);
+    ``_enqueue`` reads that answer instead of asking again: a chain under a caller's capture is
+    issued launch by launch and never looked up as a graph, a published one is."""
+    from types import SimpleNamespace
+    issued, looked_up = [], []
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)  # (device words)
+    monkeypatch.setattr(chain_graphs, "run", lambda key, issue: looked_up.append(key) or True)
+    monkeypatch.setattr(launch, "_chain_key", lambda chain: "chain")
+    chain = SimpleNamespace(published=False, words=None)
+    pending = [(chain, lambda: issued.append(1), lambda: ("arguments",), None, 0, 1)]
+    launch._enqueue(pending)
+    assert issued == [1] and looked_up == []
+    chain.published = True
+    launch._enqueue(pending)
+    assert issued == [1] and len(looked_up) == 1 and looked_up[0][-1][-1] == ("arguments",)
