@@ -244,6 +244,7 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
     tests/test_gpu_gemm.py::test_planned_gemm_calls_equal_full_calls_on_the_gpu \
     "tests/test_torch_features.py::test_cuda_graph_capture_of_forced_persistent_modules_replays_training_steps" \
     "tests/test_torch_features.py::test_cuda_graph_capture_of_a_forced_persistent_cell_loop_runs_the_fused_step" \
+    tests/test_gpu_stack.py::test_widened_16bit_elman_stack_matches_float64 \
     tests/test_torch_call_plans.py tests/test_gpu_decoder.py tests/test_half_gpu.py \
     tests/test_gpu_projection.py tests/test_tf32.py tests/test_gpu_chain_graphs.py \
     tests/test_gpu_half_projection.py tests/test_gpu_matmul.py tests/test_call_allocations.py

@@ -70,3 +70,23 @@ def test_stall_in_an_upper_layer_replays_bitwise(cupy, settings):
     assert fwd.restarts >= 1 and bwd.restarts >= 1 and fwd.fallback is bwd.fallback is None
     for a, b in zip(plain, stalled):
         assert bool(cupy.array_equal(a, b))
+
+
+def test_widened_16bit_elman_stack_matches_float64(cupy):
+    """A 2-layer fp16 Elman stack at H 256, B 3 (``plan.WIDENED_STACKS``): both passes on the
+    fp32 stack's kernels, the forward from the 16-bit words (``PRNN_WIDENED_FROM``), against
+    the float64 GEMM path within docs/api.md's 16-bit bound, forward and backward."""
+    layer = prnn.RNN(INPUT, HIDDEN, num_layers=2, dtype="float16", algo="persistent", seed=3)
+    reference = prnn.RNN(INPUT, HIDDEN, num_layers=2, algo="gemm", dtype="float64")
+    reference.load_params({k: cupy.asnumpy(v).astype(np.float64) for k, v in layer.params.items()})
+    rng = np.random.default_rng(5)
+    x = cupy.asarray(rng.standard_normal((STEPS, 3, INPUT)), cupy.float16)
+    dy = cupy.asarray(rng.standard_normal((STEPS, 3, HIDDEN)), cupy.float16)
+    got, fwd, bwd = _run(cupy, layer, x, dy)
+    assert "'PRNN_WIDENED_FROM': 1" in fwd.details[-1] and "PRNN_MMA" not in fwd.details[-1]
+    for stats, kernel in ((fwd, "prnn_stack_forward"), (bwd, "prnn_stack_backward")):
+        assert stats.algo == "persistent" and not stats.emulated and stats.fallback is None
+        assert stats.launches == 1 and kernel in stats.details[-1]
+    ref, _, _ = _run(cupy, reference, x.astype(cupy.float64), dy.astype(cupy.float64))
+    for a, b in zip(got, ref):
+        assert _rel(cupy, a, b) <= 5e-3
