@@ -460,7 +460,7 @@ class Decoder:
 
     def __init__(self, cell: CellSpec, layers: Sequence[Mapping[str, Array]], batch: int,
                  input_size: int, hidden: int, stacked: bool, fallback: Callable[..., tuple],
-                 algo: str = "persistent"):
+                 algo: str):
         self.batch = validation.positive_int("batch", batch)
         self.algo = algo  # the cell's or layer's (``_algo_reason``)
         self.cell, self.input_size, self.hidden = cell, input_size, hidden

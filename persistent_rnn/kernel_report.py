@@ -183,14 +183,20 @@ def _grouped_jobs(archs, largest_gather_only: bool):
                         yield cell, dtype, p, arch, 0
 
 
-def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
-    """The fp32 tiles' forwards as they serve 16-bit layers at small batches
+def _widened(jobs: Callable[[], Iterator[tuple]],
+             serves: Callable[[CellSpec, planner.PassPlan], bool] = lambda cell, p: True):
+    """The fp32 forwards of ``jobs()`` that ``serves`` as they serve 16-bit weights
     (``plan.widened_pass``: the weights widened, h_t rounded to fp16 or bf16 by ``-D
     PRNN_WIDENED_FROM``); the backward is the fp32 kernel itself."""
     for half in ("float16", "bfloat16"):
-        for cell, dtype, p, arch, proj in _layer_jobs(archs, largest_gather_only, cluster):
-            if dtype == "float32" and "backward" not in p.kernel:
+        for cell, dtype, p, arch, proj in jobs():
+            if dtype == "float32" and "backward" not in p.kernel and serves(cell, p):
                 yield cell, half, planner.widened_pass(p, half, False), arch, proj
+
+
+def _widened_jobs(archs, largest_gather_only: bool, cluster: bool):
+    """The fp32 tiles' forwards as they serve 16-bit layers at small batches (``_widened``)."""
+    return _widened(partial(_layer_jobs, archs, largest_gather_only, cluster))
 
 
 def _projection_jobs(archs, largest_gather_only: bool, mma: bool = False, cluster: bool = False):
@@ -238,13 +244,11 @@ def _stack_jobs(archs, largest_gather_only: bool, dtypes: tuple[str, ...] = ("fl
 
 
 def _widened_stack_jobs(archs, largest_gather_only: bool):
-    """The fp32 stack forwards as they serve the 16-bit Elman stacks of ``plan.WIDENED_STACKS``
-    (``plan.widened_pass``: the 16-bit words widened, h_t rounded as stored)."""
-    for half in ("float16", "bfloat16"):
-        for cell, dtype, p, arch, proj in _stack_jobs(archs, largest_gather_only):
-            widened = planner.WIDENED_STACKS.get(cell.tiles)
-            if widened and p.max_hidden <= widened[0] and "backward" not in p.kernel:
-                yield cell, half, planner.widened_pass(p, half, False), arch, proj
+    """The fp32 stack forwards as they serve the 16-bit stacks of ``plan.WIDENED_STACKS``
+    (``_widened``: the tiles up to its largest H)."""
+    def serves(cell: CellSpec, p: planner.PassPlan) -> bool:
+        return p.max_hidden <= planner.WIDENED_STACKS.get(cell.tiles, (0, ()))[0]
+    return _widened(partial(_stack_jobs, archs, largest_gather_only), serves)
 
 
 @dataclass(frozen=True)
