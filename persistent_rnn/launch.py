@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from . import buffers, chain_graphs, settings
+from .stats import RunStats
 from ._sources import cuda_src_dir
 
 Array = Any
@@ -281,8 +282,8 @@ class DeviceRecord:
     later pass overwrote before anyone read it decodes as ``lost`` (``RING_SLOTS`` later passes
     of the same chain were enqueued first; the cooldowns do not read records: ``Cooldowns``)."""
 
-    def __init__(self, ring: RecordRing, seq: int, groups: int, end: int):
-        self.ring, self.seq, self.groups, self.end = ring, seq, groups, end
+    def __init__(self, ring: RecordRing, seq: int, groups: int, end: int, group: str = ""):
+        self.ring, self.seq, self.groups, self.end, self.group = ring, seq, groups, end, group
         self._decoded: dict | None = None
 
     def poll(self) -> bool:
@@ -303,6 +304,28 @@ class DeviceRecord:
             if not self.poll():  # (the stream has passed the chain: its record must be there)
                 self._decode(None)
         return self._decoded  # type: ignore[return-value]
+
+    def __call__(self, stats: RunStats) -> None:
+        """Fold the decoded record into ``stats`` (``RunStats.awaiting``'s fold): restarts,
+        launches, fallback."""
+        r = self.read()
+        if r["lost"]:
+            stats.details.append(f"the device record of this pass was overwritten before it was "
+                                 f"read ({RING_SLOTS} later passes of its chain came first): its "
+                                 "restarts and completion are not known")
+            return
+        stats.restarts += r["restarts"]
+        stats.launches += r["restarts"]
+        last = self.end - (1 if self.end > 0 else -1)
+        left = [(f"{self.group} {g} " if self.group else "") + f"steps {s}..{last}"
+                for g, s in enumerate(r["completed_from"]) if s != self.end]
+        if left:
+            stats.fallback = (f"barrier timeouts: {r['restarts']} restarts, "
+                              + ", ".join(left) + " finished by the completion kernel")
+            if r["not_resident"]:
+                stats.fallback += ("; the grid was not co-resident (another stream held SMs): "
+                                   "GEMM path for this configuration for "
+                                   f"{settings.current().residency_cooldown_s:g} s")
 
     def _decode(self, words: list[int] | None) -> None:
         g = self.groups
@@ -353,7 +376,7 @@ class Chain:
     The ledger (after ``starts``; no memset resets it) numbers the passes that published a
     record; ``recorded`` counts the same passes on the host - the calls of a chain are ordered
     on its stream (``chain_for``) - so pass ``recorded`` of the host is the device's pass of that
-    number, whose record is in that slot of the ring (``record_of``)."""
+    number, whose record is in that slot of the ring (``pass_stats``)."""
 
     def __init__(self, xp, engine: Engine, groups: int,
                  exchanges: tuple[tuple[int, ...], ...] = (), restart_zeroes: bool = True):
@@ -501,23 +524,23 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     completion's launches take beyond the chain's own (``chain_graphs.arguments_key``; None: the
     chain is never a graph); with it, a chain seen before is replayed as one CUDA graph
     (``chain_graphs``). Outside a user's capture the completion publishes the record
-    (``Chain.recorded`` counts it: ``record_of`` reads it). Inside ``one_graph`` the chain is
+    (``Chain.recorded`` counts it: ``pass_stats`` reads it). Inside ``one_graph`` the chain is
     enqueued with the block's others at its end, all of them one graph."""
     record = chain.published = not capturing(chain.words)
     # where the completion publishes the record: the ring, or under a user's capture nowhere
     # (the chain's own words, with no slots: never written)
     chain.publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record \
         else (chain.words, 0)
-    # (a tuple: chain, issue(), arguments_key - or None: never a graph - and the rest of the
-    # chain's key, which ``_enqueue`` builds: no closure of its own)
-    pending = (chain, lambda: _issue_chain(chain, launch, first, stall, complete), arguments_key,
-               stall, first, end)
+    # (a tuple - no closure made per call: a replay never issues the chain launch by launch):
+    # the chain, arguments_key (None: never a graph), the rest of the chain's key, which
+    # ``_enqueue`` builds, and what ``_issue`` issues
+    pending = (chain, arguments_key, stall, first, end, launch, complete)
     group = _GROUP.pending
     if group is None:
         _enqueue((pending,))
     else:
         group.append(pending)
-    if record:  # (in a group before it is enqueued: ``record_of`` numbers the pass now)
+    if record:  # (in a group before it is enqueued: ``pass_stats`` numbers the pass now)
         chain.recorded += 1
 
 
@@ -560,12 +583,6 @@ def _enqueue(pending: Sequence[tuple]) -> None:
     """Enqueue ``pending``'s chains (``run_chain``'s tuples) in order: replayed as one graph where
     every one has a key and the stream may take graphs (not capturing: ``Chain.published``, as
     ``run_chain`` found the stream; ``chain_graphs.eligible``), else issued launch by launch."""
-    if len(pending) == 1:
-        issue = pending[0][1]
-    else:
-        def issue() -> None:
-            for p in pending:
-                p[1]()
     try:
         replayed = False
         first = pending[0][0]
@@ -573,21 +590,27 @@ def _enqueue(pending: Sequence[tuple]) -> None:
             s = settings.current()
             key = [s.cooperative, s.max_restarts, s.gpu_timeout_ms]
             for p in pending:  # (a loop: no comprehension's frame)
-                if p[2] is None:
+                if p[1] is None:
                     key = None
                     break
-                key.append((_chain_key(p[0]), p[3], p[4], p[5], p[2]()))
+                key.append((_chain_key(p[0]), p[2], p[3], p[4], p[1]()))
             if key is None:
-                issue()
+                _issue(pending)
             else:
-                replayed = chain_graphs.run(tuple(key), partial(_holding_nothing, issue))
+                replayed = chain_graphs.run(tuple(key), partial(_holding_nothing, pending))
         else:
-            issue()
+            _issue(pending)
     except BaseException:
         COUNTERS.unit(False)
         _failed(pending)
         raise
     COUNTERS.unit(replayed)
+
+
+def _issue(pending: Sequence[tuple]) -> None:
+    """Issue ``pending``'s chains launch by launch, in order (``_issue_chain``)."""
+    for chain, _, stall, first, _, launch, complete in pending:
+        _issue_chain(chain, launch, first, stall, complete)
 
 
 def _failed(pending: Sequence[tuple]) -> None:
@@ -623,51 +646,30 @@ def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], fi
 _OWN_CAPTURE = threading.local()
 
 
-def _holding_nothing(issue: Callable[[], None]) -> None:
-    """``issue()`` as the library's own capture: ``keep_alive`` holds no arrays for it (a chain
-    graph is keyed by the addresses of the call that replays it, not tied to arrays). Given to
-    ``chain_graphs.run`` as a ``partial`` (no closure made on every call: a replay never runs
-    it)."""
+def _holding_nothing(pending: Sequence[tuple]) -> None:
+    """``_issue(pending)`` as the library's own capture: ``keep_alive`` holds no arrays for it (a
+    chain graph is keyed by the addresses of the call that replays it, not tied to arrays).
+    Given to ``chain_graphs.run`` as a ``partial`` (no closure made on every call: a replay
+    never runs it)."""
     _OWN_CAPTURE.active = True
     try:
-        issue()
+        _issue(pending)
     finally:
         _OWN_CAPTURE.active = False
 
 
-def record_of(chain: Chain, end: int, stats, group: str = "") -> DeviceRecord | None:
-    """Attach the record of the chain's last pass (``run_chain``) to ``stats``, read lazily
-    (``RunStats.defer``); under CUDA stream capture nothing is recorded (``stats.details`` says
-    so). ``group``: what a group is called in ``fallback`` ("layer" in a
-    stack; "": one pass)."""
+def pass_stats(chain: Chain, end: int, detail: str, group: str = "") -> RunStats:
+    """The stats of the chain's last pass (``run_chain``): the persistent kernel, one launch,
+    ``detail``; its record (restarts, launches, fallback) read lazily (``RunStats.awaiting``).
+    Under CUDA stream capture nothing is recorded (the details say so). ``group``: what a group
+    is called in ``fallback`` ("layer" in a stack; "": one pass)."""
+    emulated = chain.engine.emulated
     if not chain.published:
-        stats.details.append("captured: restarts and completion run on the device at replay; "
-                             "last_run does not report them")
-        return None
-    record = DeviceRecord(chain.ring, chain.recorded % 2**32, chain.groups, end)
-    stats.defer(lambda s: _report(record, s, group))
-    return record
-
-
-def _report(record: DeviceRecord, stats, group: str) -> None:
-    """Fold a decoded record into ``stats`` (restarts, launches, fallback)."""
-    r = record.read()
-    if r["lost"]:
-        stats.details.append(f"the device record of this pass was overwritten before it was read "
-                             f"({RING_SLOTS} later passes of its chain came first): its restarts "
-                             "and completion are not known")
-        return
-    stats.restarts += r["restarts"]
-    stats.launches += r["restarts"]
-    left = [(f"{group} {g} " if group else "") + f"steps {s}..{record.end - (1 if record.end > 0 else -1)}"
-            for g, s in enumerate(r["completed_from"]) if s != record.end]
-    if left:
-        stats.fallback = (f"barrier timeouts: {r['restarts']} restarts, "
-                          + ", ".join(left) + " finished by the completion kernel")
-        if r["not_resident"]:
-            stats.fallback += ("; the grid was not co-resident (another stream held SMs): GEMM "
-                               f"path for this configuration for "
-                               f"{settings.current().residency_cooldown_s:g} s")
+        return RunStats(algo="persistent", emulated=emulated, launches=1, details=[
+            detail, "captured: restarts and completion run on the device at replay; last_run "
+                    "does not report them"])
+    record = DeviceRecord(chain.ring, chain.recorded % 2**32, chain.groups, end, group)
+    return RunStats.awaiting("persistent", emulated, 1, [detail], record)
 
 
 _SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64,

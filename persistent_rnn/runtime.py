@@ -410,10 +410,7 @@ class PreparedPass:
         launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
                          settings.current_stall(), partial(self._complete, arrays),
                          partial(self._key, arrays))
-        stats = RunStats(algo="persistent", emulated=chain.engine.emulated, launches=1,
-                         details=[self._detail])
-        launch.record_of(chain, self.end, stats)
-        return stats
+        return launch.pass_stats(chain, self.end, self._detail)
 
     def _launch(self, arrays: dict[str, Array | None], made: list, start: Any,
                 stall: settings.Stall) -> None:

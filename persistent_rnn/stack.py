@@ -125,12 +125,10 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
                              exchanges))
     pp = engine_.pass_plan
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
-    stats = RunStats(algo="persistent", emulated=engine_.emulated, launches=1, details=[
-        f"{pp.kernel} ({'emulated' if engine_.emulated else 'GPU'}, {what}): {pp.defines}, "
-        f"grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; restarts and "
-        "completion on the device"])
-    launch.record_of(chain, end, stats, group="layer")
-    return stats
+    return launch.pass_stats(
+        chain, end, f"{pp.kernel} ({'emulated' if engine_.emulated else 'GPU'}, {what}): "
+        f"{pp.defines}, grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; "
+        "restarts and completion on the device", group="layer")
 
 
 def _arguments_key(complete: str, first_starts: Array, args: dict, complete_args: dict

@@ -1,7 +1,7 @@
 """What a forward or backward run did, reported as ``layer.last_run``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 # Fields a device record may still have to fill in (``defer``): reading one folds them in first.
@@ -50,6 +50,17 @@ class RunStats:
         for fold in pending:  # (they read and write the fields as attributes: all are back)
             fold(self)
 
+    @classmethod
+    def awaiting(cls, algo: str, emulated: bool, launches: int, details: list[str],
+                 fold: Callable[["RunStats"], None]) -> "RunStats":
+        """Stats of a run whose device record is still to be folded in (``fold``): what
+        ``RunStats(...)`` then ``defer(fold)`` make, made at once (every persistent pass's
+        call makes one)."""
+        stats = cls.__new__(cls)
+        stats.__dict__.update(algo=algo, emulated=emulated, details=details, _deferred=[fold],
+                              _held={**_LAZY_DEFAULTS, "launches": launches})
+        return stats
+
     def defer(self, fold: Callable[["RunStats"], None]) -> None:
         """Fold a device record into these stats when one of them is first read (the lazy
         fields moved into ``_held`` first, once: reads then reach ``__getattr__``)."""
@@ -81,5 +92,7 @@ class RunStats:
             self.defer(fold)
 
 
+# The lazy fields' defaults (``awaiting``), as the dataclass declares them.
+_LAZY_DEFAULTS = {f.name: f.default for f in fields(RunStats) if f.name in _LAZY}
 for _name in _LAZY:  # (the dataclass's defaults live in __init__; see __getattr__)
     delattr(RunStats, _name)

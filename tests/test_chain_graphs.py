@@ -113,7 +113,8 @@ def test_not_eligible_on_numpy_or_with_the_setting_off():
 def test_the_librarys_own_capture_holds_no_arrays(monkeypatch):
     monkeypatch.setattr(launch, "capturing", lambda a: True)
     launch.release_captured()
-    launch._holding_nothing(lambda: launch.keep_alive(_DeviceArray(64)))
+    monkeypatch.setattr(launch, "_issue", lambda pending: launch.keep_alive(_DeviceArray(64)))
+    launch._holding_nothing(())
     assert launch.release_captured() == 0
     launch.keep_alive(_DeviceArray(64))  # a user's capture: held until released
     assert launch.release_captured() == 1
@@ -313,7 +314,8 @@ def test_a_chain_the_callers_capture_records_is_issued_not_replayed(monkeypatch)
     monkeypatch.setattr(chain_graphs, "run", lambda key, issue: looked_up.append(key) or True)
     monkeypatch.setattr(launch, "_chain_key", lambda chain: "chain")
     chain = SimpleNamespace(published=False, words=None)
-    pending = [(chain, lambda: issued.append(1), lambda: ("arguments",), None, 0, 1)]
+    monkeypatch.setattr(launch, "_issue_chain", lambda *args: issued.append(1))
+    pending = [(chain, lambda: ("arguments",), None, 0, 1, None, None)]
     launch._enqueue(pending)
     assert issued == [1] and looked_up == []
     chain.published = True
