@@ -135,6 +135,20 @@ class Engine:
     emulated: bool
     key: tuple = ()
     loop: Callable[..., None] | None = None
+    _details: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def detail(self, what: str = "") -> str:
+        """What ``last_run.details`` says of a pass on this engine (``what``: which pass, as a
+        stack's "stack of 3 layers"), formatted once per engine and ``what``: the plan's
+        defines make it a few µs of Python a call."""
+        made = self._details.get(what)
+        if made is None:
+            pp, where = self.pass_plan, "emulated" if self.emulated else "GPU"
+            made = self._details[what] = (
+                f"{pp.kernel} ({where}{', ' + what if what else ''}): {pp.defines}, grid "
+                f"{pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; restarts and "
+                "completion on the device")
+        return made
 
 
 class Cooldowns:

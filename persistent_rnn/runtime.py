@@ -395,10 +395,6 @@ class PreparedPass:
         self._arrays = arrays  # the first call's, which ``args`` hold
         self._roles: tuple | None = None  # (argument, role) pairs (``_role_lists``)
         self._static_key: tuple | None = None  # the chain graph's key but the per-call arrays
-        pp = chain.engine.pass_plan
-        self._detail = (f"{pp.kernel} ({'emulated' if chain.engine.emulated else 'GPU'}): "
-                        f"{pp.defines}, grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B "
-                        "shared; restarts and completion on the device")
 
     def run(self, arrays: dict[str, Array | None] | None = None) -> RunStats:
         """Enqueue the pass with this call's ``arrays`` (by role; ``None``: the first call's,
@@ -410,7 +406,7 @@ class PreparedPass:
         launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
                          settings.current_stall(), partial(self._complete, arrays),
                          partial(self._key, arrays))
-        return launch.pass_stats(chain, self.end, self._detail)
+        return launch.pass_stats(chain, self.end, chain.engine.detail())
 
     def _launch(self, arrays: dict[str, Array | None], made: list, start: Any,
                 stall: settings.Stall) -> None:

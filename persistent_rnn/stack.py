@@ -123,12 +123,8 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
                      if around is None else
                      partial(_planned_key, complete, first_starts, args, complete_args, around,
                              exchanges))
-    pp = engine_.pass_plan
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
-    return launch.pass_stats(
-        chain, end, f"{pp.kernel} ({'emulated' if engine_.emulated else 'GPU'}, {what}): "
-        f"{pp.defines}, grid {pp.grid} x {pp.block} threads, {pp.shared_bytes} B shared; "
-        "restarts and completion on the device", group="layer")
+    return launch.pass_stats(chain, end, engine_.detail(what), group="layer")
 
 
 def _arguments_key(complete: str, first_starts: Array, args: dict, complete_args: dict
