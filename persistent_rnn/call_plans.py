@@ -311,7 +311,8 @@ class Plan(CallSignature):
 
     def _own(self, name: str, made: Any) -> Any:
         """``made``, a forward's new arrays the backward reads (``results``: ``y``, ``cs``,
-        ``saved``, ``hs``; ``formed``: the input the pass reads where the given one is not it),
+        ``saved``, ``hs``; a stack's ``activations``; ``formed``: the input the pass reads where
+        the given one is not it),
         returned; kept as the plan's own where its caller backpropagates only its last forward
         (the layer API: ``accumulates``), every later call writing them anew (never returned:
         the output, ``h_n`` and ``c_n`` are copies, new every call)."""

@@ -122,6 +122,10 @@ class StackPlan(Plan):
         # a 16-bit call's: the workspaces its conversions go through (none for a float32
         # call's, which computes on its arrays as they are)
         self.wide = self._forward_workspaces(x) if self.half is not None else {}
+        # (the layer API's: its forward's activations and formed input, rewritten by every
+        # call - ``Plan._own``)
+        self.activations: tuple | None = None
+        self.formed: Array | None = None
 
     @staticmethod
     def _groups(ctx: functional.Context) -> list[dict[str, str]]:
@@ -162,16 +166,18 @@ class StackPlan(Plan):
         """``Plan.forward`` of a stack: ``functional.forward`` of a matching call."""
         xp, cell = self.xp, self.cell
         h0, c0, states = (self.h0, self.c0, ()) if hx is None else self._initial_states(hx)
-        layer_input, given = x, None
-        if lengths is not None or not x.flags.c_contiguous:  # (formed in the chain)
-            layer_input, given = xp.empty(x.shape, x.dtype), x
+        layer_input, given = self._layer_input(x, lengths)
         groups = self.state_shape[0]
         steps, batch, _ = x.shape
-        y = xp.empty((groups, steps, batch, self.hidden), np.float32)
-        cs = xp.empty_like(y) if cell.has_cell_state else None
-        saved = xp.empty((groups, steps, batch, cell.saved * self.hidden), np.float32)
-        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
-                                  for _ in range(self.num_layers - 1)]
+        held = self.activations
+        if held is None:
+            y = xp.empty((groups, steps, batch, self.hidden), np.float32)
+            held = self._own("activations", (
+                y, xp.empty_like(y) if cell.has_cell_state else None,
+                xp.empty((groups, steps, batch, cell.saved * self.hidden), np.float32),
+                [xp.empty(self.y_shape, np.float32) for _ in range(self.num_layers - 1)]))
+        y, cs, saved, upper = held
+        inputs = [layer_input, *upper]
         out = xp.empty(self.y_shape, self.x_dtype)  # (a 16-bit call's rounded in the chain)
         h_n = xp.empty(self.state_shape, self.x_dtype)
         c_n = None if cs is None else xp.empty(self.state_shape, self.x_dtype)
@@ -192,6 +198,17 @@ class StackPlan(Plan):
         ctx.plan, ctx.stacked = self, (y, cs, saved, h0, c0)
         ctx.scratch_results = self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
+
+    def _layer_input(self, x: Array, lengths: Any) -> tuple[Array, Array | None]:
+        """``(layer_input, given)``: the input the first layer reads and the caller's it is
+        formed from in the (first) chain - with lengths or a strided ``x``, the plan's (the
+        layer API's, held: ``formed``) or a new array; else ``x`` itself, ``given`` None."""
+        if lengths is None and x.flags.c_contiguous:
+            return x, None
+        formed = self.formed
+        if formed is None:
+            formed = self._own("formed", self.xp.empty(x.shape, x.dtype))
+        return formed, x
 
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, tuple]:
         """``(h0, c0, states)`` of a call giving ``hx`` (not ``None``: the planned zeros): the
@@ -563,23 +580,25 @@ class PairPlan(StackPlan):
         """``Plan.forward`` of the pairs: one chain per layer and pass."""
         xp, cell, hidden = self.xp, self.cell, self.hidden
         h0, c0, states = (self.h0, self.c0, ()) if hx is None else self._initial_states(hx)
-        layer_input, given = x, None
-        if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
-            layer_input, given = xp.empty(x.shape, x.dtype), x
+        layer_input, given = self._layer_input(x, lengths)
         steps, batch, _ = x.shape
-        reverse = self.rows if lengths is None else xp.empty((steps * batch,), np.intp)
-        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
-                                  for _ in range(self.num_layers - 1)]
+        held = self.activations
+        if held is None:
+            held = self._own("activations", (
+                [self._pair_activations(steps, batch) for _ in range(self.num_layers)],
+                [xp.empty(self.y_shape, np.float32) for _ in range(self.num_layers - 1)],
+                None if lengths is None else xp.empty((steps * batch,), np.intp)))
+        kept, upper, reverse = held
+        reverse = self.rows if reverse is None else reverse
+        inputs = [layer_input, *upper]
         out = xp.empty(self.y_shape, self.x_dtype)  # (a 16-bit call's rounded in the chain)
         h_n = xp.empty(self.state_shape, self.x_dtype)
         c_n = xp.empty(self.state_shape, self.x_dtype) if cell.has_cell_state else None
-        stats, directions, kept = RunStats(), [], []
+        stats, directions = RunStats(), []
         with launch.one_graph():  # (every layer's chain: one graph, one launch)
             for layer in range(self.num_layers):
                 pair = slice(2 * layer, 2 * layer + 2)
-                y = xp.empty((2, steps, batch, hidden), np.float32)
-                cs = xp.empty_like(y) if cell.has_cell_state else None
-                saved = xp.empty((2, steps, batch, cell.saved * hidden), np.float32)
+                y, cs, saved = kept[layer]
                 args = stack.forward_arguments(
                     self.stacked, self.gi_pair, h0[pair], (h0 if c0 is None else c0)[pair],
                     self.all_steps if lengths is None else lengths, False, y, cs, saved)
@@ -596,12 +615,19 @@ class PairPlan(StackPlan):
                     None if c0 is None else c0[2 * layer + d],
                     runtime.ForwardResult(y[d], None if cs is None else cs[d], saved[d]))
                     for d in (0, 1)])
-                kept.append((y, cs, saved))
         ctx = functional.Context(cell, params, self.num_layers, True, False, self.algo, lengths,
                                  reverse, self.half, inputs, directions, stats)
         ctx.plan, ctx.stacked = self, (kept, h0, c0)
         ctx.scratch_results = self.half is not None  # (as the full path's)
         return out, (h_n if c_n is None else (h_n, c_n)), ctx
+
+    def _pair_activations(self, steps: int, batch: int) -> tuple[Array, Array | None, Array]:
+        """A layer's ``(y, cs, saved)`` for its two directions (``cs`` None without a cell
+        state)."""
+        xp, cell, hidden = self.xp, self.cell, self.hidden
+        y = xp.empty((2, steps, batch, hidden), np.float32)
+        return (y, xp.empty_like(y) if cell.has_cell_state else None,
+                xp.empty((2, steps, batch, cell.saved * hidden), np.float32))
 
     def _before_pair(self, call: tuple) -> None:
         """Inside a layer's forward chain, before its pass: in the first, the given states

@@ -88,14 +88,11 @@ def test_a_steady_state_call_allocates_only_what_it_returns_and_keeps(settings, 
 
 
 # Stack mode (two unidirectional layers in one launch per pass): the same, per layer (dh and dc
-# each one array whose rows are the layers'). The counted call is planned (stack_plans, since
-# 2026-11-27): its parameter gradients are formed in the plan's workspaces and added into the
-# layer's inside the chain (the full path: 8 new arrays, one per parameter).
-STACK_FORWARD = {"GRU": ["y of both layers (context)", "saved of both (context)",
-                         "layer 0's output (context: layer 1's input)", "output", "h_n"],
-                 "LSTM": ["y of both layers (context)", "cs of both (context)",
-                          "saved of both (context)", "layer 0's output (context: layer 1's input)",
-                          "output", "h_n", "c_n"]}
+# each one array whose rows are the layers'). The counted call is planned (stack_plans): its
+# parameter gradients are formed in the plan's workspaces and added into the layer's inside the
+# chain (the full path: 8 new arrays, one per parameter), and the activations its backward reads
+# (y, cs, saved of both layers, layer 0's output) are the plan's own, as a single layer's are.
+STACK_FORWARD = {"GRU": ["output", "h_n"], "LSTM": ["output", "h_n", "c_n"]}
 STACK_BACKWARD = {"GRU": ["dx", "dh"]}
 STACK_BACKWARD["LSTM"] = STACK_BACKWARD["GRU"] + ["dc"]
 
@@ -134,12 +131,14 @@ def bidirectional_expected(cell: str, layers: int, pairs: bool) -> list[str]:
     layer-direction per launch is planned (stack_plans.PairPlan, layer_plans.LayersPlan,
     2026-11-27): its gradients are summed into the layer's inside its chains from the plan's
     workspaces (the full path: 4 new arrays per layer-direction)."""
-    kept = ["y", "saved"] + (["cs"] if cell == "LSTM" else [])
-    per_layer = ([f"{a} of both directions (context)" for a in kept] if pairs
-                 else [f"{a} (context)" for a in kept for _ in range(2)])
-    forward = (WITH_LENGTHS + REVERSE_INDEX + per_layer * layers
-               + ["layer 0's output (context: layer 1's input)"] * (layers - 1)
-               + ["output", "h_n"] + (["c_n"] if cell == "LSTM" else []))
+    results = ["output", "h_n"] + (["c_n"] if cell == "LSTM" else [])
+    if pairs:  # (the activations, formed input and reversal index: the plan's own)
+        forward = LENGTHS_COPY + results
+    else:
+        kept = ["y", "saved"] + (["cs"] if cell == "LSTM" else [])
+        forward = (WITH_LENGTHS + REVERSE_INDEX
+                   + [f"{a} (context)" for a in kept for _ in range(2)] * layers
+                   + ["layer 0's output (context: layer 1's input)"] * (layers - 1) + results)
     backward = (["dx", "dh0 (every layer-direction's rows)"]
                 + (["dc0 (likewise)"] if cell == "LSTM" else []))
     return forward + backward

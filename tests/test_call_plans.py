@@ -781,6 +781,44 @@ def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, 
         np.testing.assert_array_equal(g, grads[name])
 
 
+@pytest.mark.parametrize("pair", [False, True], ids=["stack", "pairs"])
+def test_a_stack_plans_held_activations_are_never_returned(settings, grid_path, monkeypatch,
+                                                           pair):
+    """The layer API's stack and pair plans keep their forward's activations (each layer's y,
+    cs, saved, the layers' outputs, the formed input, the reversal index) as their own,
+    rewritten by every call, as a single layer's plan does (``test_the_layer_apis_held_results_
+    are_never_returned``): a call's output and states stay as they were after the next call, and
+    a caller writing into them changes no gradient."""
+    hits = _StackHits(monkeypatch)
+    planned, full = (_stack_layer("LSTM", pair, 2) for _ in range(2))
+    lengths = np.array([ST, 1, 2], np.int32)
+    data = []
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        data.append((rng.standard_normal((ST, SB, SI)).astype(np.float32),
+                     rng.standard_normal((ST, SB, SH * planned.directions)).astype(np.float32)))
+    for x, dy in data[:3]:  # (calls 1 and 2 plan the forward, call 3 the backward)
+        planned.forward(x, lengths=lengths)
+        planned.backward(dy)
+    y, hn = planned.forward(data[4][0], lengths=lengths)
+    kept = _flat(y, hn)
+    planned.zero_grad()
+    (x, dy), earlier = data[3], (y, hn)
+    y, hn = planned.forward(x, lengths=lengths)  # (rewrites the held activations)
+    for a, b in zip(_flat(*earlier), kept):
+        np.testing.assert_array_equal(a, b)
+    returned = _flat(y, hn)
+    for a in (y, *hn):  # (the caller's to write)
+        a[...] = np.nan
+    got = _flat(*planned.backward(dy)) + [g.copy() for g in planned.grads.values()]
+    full._plan = None  # (the reference never plans)
+    want_y, want_hn = full.forward(x, lengths=lengths)
+    want = _flat(*full.backward(dy)) + [g.copy() for g in full.grads.values()]
+    for a, b in zip(returned + got, _flat(want_y, want_hn) + want):
+        np.testing.assert_array_equal(a, b)
+    assert (hits.forwards, hits.backwards) == (3, 1)
+
+
 @pytest.mark.parametrize("sabotage", ["weights stacked once", "outputs copied unselected",
                                       "the first call's reversal"])
 def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
