@@ -84,6 +84,10 @@ class Around:
     key: Callable[[], tuple]
     per_call: tuple[str, ...]
     fixed: dict
+    # ``per_call``'s names whose every call's array is contiguous, of the first call's shape and
+    # dtype (the plan makes them, or checks them): their layout keyed once, per call only their
+    # address (``chain_graphs.addresses``), as ``runtime.Around.addressed``
+    addressed: frozenset[str] = frozenset()
 
 
 def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, chained: bool,
@@ -139,7 +143,8 @@ def _planned_key(complete: str, first_starts: Array, args: dict, complete_args: 
                  around: Around, exchanges: tuple[tuple[str, ...], ...]) -> tuple:
     """``_arguments_key`` of a planned call's pass, and ``around.key()``: the arguments but
     ``around.per_call``'s (those the pass has) keyed once into ``around.fixed`` (with which of
-    the completion's arguments are which of those, by identity), per call only those arrays.
+    the completion's arguments are which of those, by identity, and the layout of the
+    ``around.addressed`` ones), per call only those arrays (the addressed ones' addresses).
     The exchanges are left out: they lie in the chain's words' allocation, which its own key
     holds (``launch._chain_key``)."""
     fixed = around.fixed.get("arguments")
@@ -148,12 +153,15 @@ def _planned_key(complete: str, first_starts: Array, args: dict, complete_args: 
         roles = tuple((name, role) for name, v in complete_args.items() for role in names
                       if v is args[role])
         skip = {*names, *(name for name, _ in roles), *(n for group in exchanges for n in group)}
+        addressed = tuple(name for name in names if name in around.addressed)
         fixed = around.fixed["arguments"] = (
             *_arguments_key(complete, first_starts,
                             {k: v for k, v in args.items() if k not in skip},
                             {k: v for k, v in complete_args.items() if k not in skip}),
-            names, roles)
-    return fixed, tuple([chain_graphs.value(args[name]) for name in fixed[-2]]), around.key()
+            roles, tuple([chain_graphs.value(args[name])[1:] for name in addressed]), addressed,
+            tuple(name for name in names if name not in around.addressed))
+    return (fixed, chain_graphs.addresses(args, fixed[-2]),
+            tuple([chain_graphs.value(args[name]) for name in fixed[-1]]), around.key())
 
 
 def _stacked(xp, arrays: Sequence[Array], name: str) -> Array:

@@ -59,8 +59,12 @@ def stack_engine(ctx: functional.Context, data: Array, backward: bool) -> Any:
     return engine
 
 
-# (the stack kernels' arguments that are a call's arrays, not the plan's: ``stack.Around``)
+# (the stack kernels' arguments that are a call's arrays, not the plan's: ``stack.Around``; of
+# those, the ones whose layout the plan fixes: the activations it makes, the states it makes or
+# checks and makes contiguous, the ``dy`` its callers check or its workspace)
 _PER_CALL = ("dy", "y", "cs", "saved", "h0", "c0", "lengths")
+_ADDRESSED = frozenset(_PER_CALL) - {"lengths"}
+_INDICES = tuple(range(64))  # (``_key``'s positions of its ``made`` arrays)
 
 
 def _matrices(xp, name: str, shape: tuple[int, int, int], words: str | None) -> Array:
@@ -187,8 +191,9 @@ class StackPlan(Plan):
         call = (given, inputs, out, h_n, c_n, lengths, y, cs, states)
         stats = stack.run_forward(self.engine, args, xp, stack.Around(
             lambda: self._before_forward(call), lambda: self._after_forward(call),
-            lambda: self._key("forward", (given, *inputs, out, h_n, c_n, states)),
-            _PER_CALL, self.fixed_arguments.setdefault("forward", {})))
+            lambda: self._key("forward", (*inputs, out, h_n) if c_n is None
+                              else (*inputs, out, h_n, c_n), (given, states)),
+            _PER_CALL, self.fixed_arguments.setdefault("forward", {}), _ADDRESSED))
         ctx = functional.Context(cell, params, groups, False, False, self.algo, lengths, None,
                                  self.half, inputs, [[functional._Direction(
                                      self.layer_names[k], h0[k], None if c0 is None else c0[k],
@@ -296,10 +301,12 @@ class StackPlan(Plan):
         if wide is not target:
             _narrowed(xp, target, wide)
 
-    def _key(self, what: str, arrays: tuple) -> tuple:
+    def _key(self, what: Any, made: tuple, others: tuple) -> tuple:
         """What a pass's chain graph is keyed by beside its launches' arguments (``stack.Around``):
-        the plan and which pass, its fixed arrays and weights, and this call's ``arrays`` (on a
-        GPU: ``chain_graphs.value`` of each; their number is the plan's). The fixed part's value is made once per prepared state
+        the plan and which pass, its fixed arrays and weights, and this call's arrays - ``made``,
+        contiguous arrays whose shape and dtype the plan fixes (it makes them, or checks them:
+        their address), and ``others`` (``chain_graphs.value`` of each); their numbers are the
+        plan's. The fixed part's value is made once per prepared state
         (its arrays keep their memory while the plan serves: weights rebound only over the same
         memory, ``_rebind``)."""
         fixed = self._fixed_key
@@ -310,7 +317,8 @@ class StackPlan(Plan):
                         a for k, a in self.backward_pass.items()
                         if k not in ("grads", "scratch", "sums")))
             fixed = self._fixed_key = (self.backward_pass, chain_graphs.value(held))
-        return what, id(self), fixed[1], tuple([chain_graphs.value(a) for a in arrays])
+        return (what, id(self), fixed[1], chain_graphs.addresses(made, _INDICES[:len(made)]),
+                tuple([chain_graphs.value(a) for a in others]))
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way in stack mode:
@@ -403,9 +411,9 @@ class StackPlan(Plan):
         call = (ctx, dy, args, dx, dh, dc, grads, into, results)
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
-            lambda: self._key("backward", (dy, dx, dh, dc, *results.values(), *(into or ()),
-                                           *ctx.inputs, ctx.reverse_index)),
-            _PER_CALL, self.fixed_arguments.setdefault("backward", {})))
+            lambda: self._key("backward", (dy, dx, dh, *ctx.inputs, *results.values())
+                              + (() if dc is None else (dc,)), (into, ctx.reverse_index)),
+            _PER_CALL, self.fixed_arguments.setdefault("backward", {}), _ADDRESSED))
         return dx, (dh if dc is None else (dh, dc)), results
 
     def _backward_results(self, dy: Array, cell_state: bool, held: dict,
@@ -608,8 +616,11 @@ class PairPlan(StackPlan):
                 stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
                     lambda call=call: self._before_pair(call),
                     lambda call=call: self._after_pair(call),
-                    lambda call=call: self._key(("forward", call[0]), call[1:4] + call[7:]),
-                    _PER_CALL, self.fixed_arguments.setdefault(("forward", layer), {}))))
+                    lambda call=call: self._key(("forward", call[0]), call[2:4] + call[8:9]
+                                                + call[9:10] * (call[9] is not None),
+                                                (call[1], call[7], call[10])),
+                    _PER_CALL, self.fixed_arguments.setdefault(("forward", layer), {}),
+                    _ADDRESSED)))
                 directions.append([functional._Direction(
                     self.layer_names[2 * layer + d], h0[2 * layer + d],
                     None if c0 is None else c0[2 * layer + d],
@@ -708,9 +719,10 @@ class PairPlan(StackPlan):
                     lambda call=call: self._before_pair_backward(call),
                     lambda call=call: self._after_pair_backward(call),
                     lambda call=call: self._key(("backward", call[0]), (
-                        call[2], *call[4:7], *results.values(), *(call[8] or ()),
-                        *ctx.inputs, ctx.reverse_index)),
-                    _PER_CALL, self.fixed_arguments.setdefault(("backward", layer), {}))))
+                        call[2], *call[4:6], *results.values(), *ctx.inputs)
+                        + call[6:7] * (call[6] is not None), (call[8], ctx.reverse_index)),
+                    _PER_CALL, self.fixed_arguments.setdefault(("backward", layer), {}),
+                    _ADDRESSED)))
         ctx.backward_stats = stats
         return dx, (dh if dc is None else (dh, dc)), results
 

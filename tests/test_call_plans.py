@@ -1232,6 +1232,16 @@ def test_a_missed_16_bit_conversion_in_a_stack_plan_is_caught(settings, monkeypa
                     lengths=False)
 
 
+def _held_arrays(held) -> list[np.ndarray]:
+    """The arrays in ``held`` (a function's closure and defaults: the call's tuples and lists of
+    arrays; other objects, the plan and the context, not looked into)."""
+    if isinstance(held, np.ndarray):
+        return [held]
+    if isinstance(held, (tuple, list)):
+        return [a for h in held for a in _held_arrays(h)]
+    return []
+
+
 def _leaves(key) -> set:
     """Every tuple inside ``key`` (the values of arrays among them: ``chain_graphs.value``)."""
     found, todo = set(), [key]
@@ -1255,17 +1265,26 @@ def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_pa
     standing in for device pointers) holds the value of every array each launch of its chains
     reads - the per-call arrays (outputs, saved buffers, given states and lengths, ``dy`` where
     the kernel reads the caller's: without lengths) new every call - but the chains' own words
-    and exchanges, which their chains' part of the key holds. Sabotage: a per-call argument left
-    out of ``stack_plans._PER_CALL`` (keyed once with the fixed ones) fails it."""
+    and exchanges, which their chains' part of the key holds; and, in stack mode and as pairs,
+    of every array of the call the operations inside its chains work on (``stack.Around``'s:
+    the arrays their functions hold). Sabotage: a per-call argument left out of
+    ``stack_plans._PER_CALL`` (keyed once with the fixed ones), or an output left out of a
+    plan's ``_key``, fails it."""
     monkeypatch.setattr(chain_graphs, "value", lambda v: (
         (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
         if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
         if isinstance(v, tuple) else v))
-    read, checked = [], []
+    # (an addressed array's whole value: the key holds its address per call, its layout once)
+    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
+        chain_graphs.value(arrays[r]) for r in roles))
+    read, checked, operations = [], [], []
     monkeypatch.setattr(launch, "launch_pass", lambda engine, control, named, stall: read.append(
         named))
     monkeypatch.setattr(launch.Chain, "complete", lambda chain, kernel, **named: read.append(
         named))
+    around = stack_plans.stack.Around
+    monkeypatch.setattr(stack_plans.stack, "Around", lambda before, *rest: operations.append(
+        before) or around(before, *rest))
 
     def run(key, issue):  # (the chains issued: what they read, against the key)
         read.clear()
@@ -1275,6 +1294,11 @@ def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_pa
                    if isinstance(v, np.ndarray) and not name.startswith("exchange")
                    and name not in ("starts", "control", "chain", "ring")
                    and chain_graphs.value(v) not in leaves}
+        missing |= {f"operations' array {a.shape}" for f in operations
+                    for a in _held_arrays([c.cell_contents for c in f.__closure__ or ()]
+                                          + list(f.__defaults__ or ()))
+                    if chain_graphs.value(a) not in leaves}
+        operations.clear()
         checked.append(missing)
         return False
     monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
