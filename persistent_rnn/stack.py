@@ -101,15 +101,15 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
     ``stack_common.cuh``) and is the chain's own (``launch.chain_for``: reused per thread and
     stream, zeroed by the chain's memset, once per pass as the kernels need; a restart
     does not zero them: ``launch.Chain``). Nothing is
-    read back."""
-    shape = (layers, args["steps"], args["batch"], engine_.pass_plan.exchange_row)
-    chain = launch.chain_for(xp, engine_, layers, (shape,) * len(exchanges),
-                             restart_zeroes=False)
-    args = dict(args, **{name: buffer for names, buffer in zip(exchanges, chain.exchanges)
-                         for name in names})
-    steps = args["steps"]
-    first, end = (0, steps) if direction > 0 else (steps - 1, -1)
-    first_starts = buffers.constant_ints(xp, layers, first)  # the first launch's starts
+    read back. A planned call's chain, exchanges and first starts are found once, into
+    ``around.fixed`` (its plan serves one thread and stream)."""
+    held = None if around is None else around.fixed.get("pass")
+    if held is None:
+        held = _pass_of(engine_, args, layers, direction, xp, exchanges)
+        if around is not None:
+            around.fixed["pass"] = held
+    chain, exchange_args, first, end, first_starts = held
+    args = {**args, **exchange_args}
 
     def go(start, stall: settings.Stall) -> None:
         if start is not launch.RESUME and around is not None:  # (the pass's first launch)
@@ -129,6 +129,18 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
                              exchanges))
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     return launch.pass_stats(chain, end, engine_.detail(what), group="layer")
+
+
+def _pass_of(engine_: launch.Engine, args: dict, layers: int, direction: int, xp,
+             exchanges: tuple[tuple[str, ...], ...]) -> tuple:
+    """``_run``'s ``(chain, exchange arguments, first step, end, first launch's starts)``."""
+    steps = args["steps"]
+    shape = (layers, steps, args["batch"], engine_.pass_plan.exchange_row)
+    chain = launch.chain_for(xp, engine_, layers, (shape,) * len(exchanges),
+                             restart_zeroes=False)
+    first, end = (0, steps) if direction > 0 else (steps - 1, -1)
+    return (chain, {name: buffer for names, buffer in zip(exchanges, chain.exchanges)
+                    for name in names}, first, end, buffers.constant_ints(xp, layers, first))
 
 
 def _arguments_key(complete: str, first_starts: Array, args: dict, complete_args: dict
