@@ -40,6 +40,8 @@ from .stats import RunStats
 
 Array = Any
 _PASS_DETAIL = "restarts and completion on the device"  # (``PreparedPass``'s detail ends so)
+# (the forward roles every layer-direction's pass has, of arrays the plan makes or checks)
+_FORWARD_ADDRESSED = frozenset({"y", "cs", "saved", "hs", "h0", "c0", "x", "out", "h_n", "c_n"})
 
 
 class LayersPlan(Plan):
@@ -100,8 +102,19 @@ class LayersPlan(Plan):
             prepared.around = runtime.Around(
                 self._before_forward, self._after_forward, fixed,
                 ("x", "x_given", "out", "h_n", "c_n", "reverse", "y_first", "hx_given",
-                 "cx_given"))
+                 "cx_given"), self._addressed(k, ctx.cell.has_cell_state))
             self.forward_passes.append(prepared)
+        # (the layer API's: its forward's activations and formed input, rewritten by every
+        # call - ``Plan._own``)
+        self.activations: tuple | None = None
+        self.formed: Array | None = None
+
+    def _addressed(self, k: int, cell_state: bool) -> frozenset[str]:
+        """Layer-direction ``k``'s forward roles whose arrays the plan makes or checks, never
+        ``None`` (``runtime.Around.addressed``): its activations, states, input, output and
+        rows of ``h_n`` (``c_n``), and a reverse direction's ``y_first``."""
+        addressed = _FORWARD_ADDRESSED | ({"y_first"} if k % self.directions else set())
+        return frozenset(addressed if cell_state else addressed - {"c_n"})
 
     def _pass_bias(self, b_hh: Array | None, slot: str) -> Array | None:
         """The ``b_hh`` a layer-direction's forward pass reads: a float32 layer's own."""
@@ -143,12 +156,16 @@ class LayersPlan(Plan):
         h0, c0, states = (self.h0, self.c0, {}) if hx is None else self._initial_states(hx)
         layer_input, given = x, None
         if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
-            layer_input, given = xp.empty(x.shape, x.dtype), x
-        reverse = self.rows
-        if lengths is not None and self.bidirectional:  # (formed in the first chain)
-            reverse = xp.empty((steps * x.shape[1],), np.intp)
-        inputs = [layer_input] + [xp.empty(self.y_shape, np.float32)
-                                  for _ in range(self.num_layers - 1)]
+            layer_input = self.formed
+            if layer_input is None:
+                layer_input = self._own("formed", xp.empty(x.shape, x.dtype))
+            given = x
+        held = self.activations
+        if held is None:
+            held = self._own("activations", self._activations(x, lengths))
+        results, upper, reverse = held
+        reverse = self.rows if reverse is None else reverse
+        inputs = [layer_input, *upper]
         dtype = self.x_dtype  # (the layer's: a 16-bit layer's results rounded in the chain)
         out = xp.empty(self.y_shape, dtype)
         h_n = xp.empty(self.state_shape, dtype)
@@ -159,8 +176,7 @@ class LayersPlan(Plan):
         with launch.one_graph():  # (every layer-direction's chain: one graph, one launch)
             for k, prepared in enumerate(self.forward_passes):
                 layer, direction = divmod(k, self.directions)
-                y, cs, saved = buffers.allocate_forward(cell, prepared.args["gi"], self.proj)
-                fwd = runtime.ForwardResult(y, cs, saved, xp.empty_like(cs) if self.proj else None)
+                fwd = results[k]
                 arrays = runtime.forward_arrays(fwd, h0[k], None if c0 is None else c0[k],
                                                 lengths)
                 arrays.update(states, x=inputs[layer], x_given=given, reverse=reverse,
@@ -175,6 +191,22 @@ class LayersPlan(Plan):
                                  self.algo, lengths, reverse, self.half, inputs, directions, stats)
         ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
         return out, (h_n if c_n is None else (h_n, c_n)), ctx
+
+    def _activations(self, x: Array, lengths: Any) -> tuple:
+        """A forward's new activations: each layer-direction's results (``y``, ``cs``,
+        ``saved``, a projection's ``hs``), the layers' outputs the layers above read, and
+        (bidirectional, with lengths) the reversal index (``None``: the plan's ``rows``)."""
+        xp, cell = self.xp, self.cell
+        results = []
+        for prepared in self.forward_passes:
+            y, cs, saved = buffers.allocate_forward(cell, prepared.args["gi"], self.proj)
+            results.append(runtime.ForwardResult(y, cs, saved,
+                                                 xp.empty_like(cs) if self.proj else None))
+        reverse = None
+        if lengths is not None and self.bidirectional:  # (formed in the first chain)
+            reverse = xp.empty((x.shape[0] * x.shape[1],), np.intp)
+        return (results, [xp.empty(self.y_shape, np.float32) for _ in range(self.num_layers - 1)],
+                reverse)
 
     def _before_forward(self, arrays: dict, fixed: dict) -> None:
         """Inside a layer-direction's forward chain, before its pass: in the first, the input

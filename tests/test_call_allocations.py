@@ -39,9 +39,6 @@ FORWARD = {"GRU": ["output", "h_n"], "LSTM": ["output", "h_n", "c_n"]}
 BACKWARD = {"GRU": ["dx", "dh0"], "LSTM": ["dx", "dh0", "dc0"]}
 LENGTHS_COPY = ["the lengths as int32 (context: the backward reads them; a copy, so that the "
                 "caller may change theirs)"]
-# (a single layer's: its plan's own, as its y is)
-WITH_LENGTHS = LENGTHS_COPY + ["x with padding selected out (context: the weight gradient "
-                               "reads it)"]
 
 
 def expected(cell: str, backward: bool, lengths: bool) -> list[str]:
@@ -121,24 +118,14 @@ def test_a_stack_mode_call_allocates_only_what_it_returns_keeps_and_lists(settin
 
 # Bidirectional layers (with lengths: the within-length reversal), one launch per direction
 # (stack mode off) or both directions of a layer side by side in one (stack mode, "pairs").
-# Per layer-direction the forward's buffers; the pairs' are one array per layer for both.
-REVERSE_INDEX = ["the reversal's row index (context: the backward's gathers; without lengths a "
-                 "reused constant)"]
-
-
-def bidirectional_expected(cell: str, layers: int, pairs: bool) -> list[str]:
+def bidirectional_expected(cell: str) -> list[str]:
     """What a bidirectional fwd+bwd call with lengths may allocate. A call run as pairs or one
-    layer-direction per launch is planned (stack_plans.PairPlan, layer_plans.LayersPlan,
-    2026-11-27): its gradients are summed into the layer's inside its chains from the plan's
-    workspaces (the full path: 4 new arrays per layer-direction)."""
-    results = ["output", "h_n"] + (["c_n"] if cell == "LSTM" else [])
-    if pairs:  # (the activations, formed input and reversal index: the plan's own)
-        forward = LENGTHS_COPY + results
-    else:
-        kept = ["y", "saved"] + (["cs"] if cell == "LSTM" else [])
-        forward = (WITH_LENGTHS + REVERSE_INDEX
-                   + [f"{a} (context)" for a in kept for _ in range(2)] * layers
-                   + ["layer 0's output (context: layer 1's input)"] * (layers - 1) + results)
+    layer-direction per launch is planned (stack_plans.PairPlan, layer_plans.LayersPlan): its
+    gradients are summed into the layer's inside its chains from the plan's workspaces (the
+    full path: 4 new arrays per layer-direction), and the activations its backward reads (every
+    layer-direction's, the layers' outputs, the input with padding selected out, the
+    reversal's row index) are the plan's own, as a single layer's are."""
+    forward = LENGTHS_COPY + ["output", "h_n"] + (["c_n"] if cell == "LSTM" else [])
     backward = (["dx", "dh0 (every layer-direction's rows)"]
                 + (["dc0 (likewise)"] if cell == "LSTM" else []))
     return forward + backward
@@ -156,7 +143,7 @@ def test_a_bidirectional_call_allocates_only_what_it_returns_and_keeps(settings,
     call = _call(cell, True, True, bidirectional=True, num_layers=layers)
     call()
     assert ("side by side" in call.layer.last_run.details[0]) == pairs  # (the path asked for)
-    want = bidirectional_expected(cell, layers, pairs)
+    want = bidirectional_expected(cell)
     assert array_allocations(call) == len(want), want
 
 
@@ -209,7 +196,7 @@ def test_a_16_bit_stack_mode_call_allocates_what_a_float32_one_does(settings, gr
                                                     else {"num_layers": 2}))
     call()
     assert ("side by side" if pair else "stack") in call.layer.last_run.details[0]
-    want = (bidirectional_expected("GRU", 1, True) + 2 * HALF_EMULATION if pair
+    want = (bidirectional_expected("GRU") + 2 * HALF_EMULATION if pair
             else STACK_FORWARD["GRU"] + STACK_BACKWARD["GRU"] + HALF_EMULATION)
     assert array_allocations(call) == len(want), want
 

@@ -781,16 +781,18 @@ def test_stack_mode_calls_are_planned_bitwise(settings, grid_path, monkeypatch, 
         np.testing.assert_array_equal(g, grads[name])
 
 
-@pytest.mark.parametrize("pair", [False, True], ids=["stack", "pairs"])
+@pytest.mark.parametrize("pair,stack", [(False, True), (True, True), (True, False)],
+                         ids=["stack", "pairs", "layer-directions"])
 def test_a_stack_plans_held_activations_are_never_returned(settings, grid_path, monkeypatch,
-                                                           pair):
-    """The layer API's stack and pair plans keep their forward's activations (each layer's y,
-    cs, saved, the layers' outputs, the formed input, the reversal index) as their own,
+                                                           pair, stack):
+    """The layer API's stack, pair and layer-direction plans keep their forward's activations
+    (each layer's y, cs, saved, the layers' outputs, the formed input, the reversal index) as
+    their own,
     rewritten by every call, as a single layer's plan does (``test_the_layer_apis_held_results_
     are_never_returned``): a call's output and states stay as they were after the next call, and
     a caller writing into them changes no gradient."""
     hits = _StackHits(monkeypatch)
-    planned, full = (_stack_layer("LSTM", pair, 2) for _ in range(2))
+    planned, full = (_stack_layer("LSTM", pair, 2, stack) for _ in range(2))
     lengths = np.array([ST, 1, 2], np.int32)
     data = []
     for seed in range(5):
