@@ -643,8 +643,8 @@ def _chain_key(chain: Chain) -> tuple:
     object."""
     held, publish = chain.graph_key, chain.publish
     if held is None or held[0] is not publish[0]:
-        held = chain.graph_key = (publish[0], (
-            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish)))
+        held = chain.graph_key = (publish[0], chain_graphs.Fixed((
+            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish))))
     return held[1]
 
 

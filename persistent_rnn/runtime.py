@@ -453,7 +453,7 @@ class PreparedPass:
         functions' names, its fixed arrays and its roles too."""
         static = self._static_key
         if static is None:
-            static = self._static_key = self._fixed_key(arrays)
+            static = self._static_key = chain_graphs.Fixed(self._fixed_key(arrays))
         return (static, chain_graphs.addresses(arrays, static[1]),
                 tuple(map(chain_graphs.value, map(arrays.__getitem__, static[2]))))
 

@@ -166,12 +166,12 @@ def _planned_key(complete: str, first_starts: Array, args: dict, complete_args: 
                       if v is args[role])
         skip = {*names, *(name for name, _ in roles), *(n for group in exchanges for n in group)}
         addressed = tuple(name for name in names if name in around.addressed)
-        fixed = around.fixed["arguments"] = (
+        fixed = around.fixed["arguments"] = chain_graphs.Fixed((
             *_arguments_key(complete, first_starts,
                             {k: v for k, v in args.items() if k not in skip},
                             {k: v for k, v in complete_args.items() if k not in skip}),
             roles, tuple([chain_graphs.value(args[name])[1:] for name in addressed]), addressed,
-            tuple(name for name in names if name not in around.addressed))
+            tuple(name for name in names if name not in around.addressed)))
     return (fixed, chain_graphs.addresses(args, fixed[-2]),
             tuple([chain_graphs.value(args[name]) for name in fixed[-1]]), around.key())
 

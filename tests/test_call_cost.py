@@ -539,6 +539,54 @@ def test_a_replayed_planned_call_keys_its_graph_in_few_python_calls(
     assert count <= REPLAYED_LIMITS[road, cell, backward], (road, cell, backward, count)
 
 
+# (road, cell, backward) -> limit of the items a replayed call's graph keys hash anew every call
+# (``chain_graphs.run`` looks the key up: every tuple item outside its ``chain_graphs.Fixed``
+# parts, whose hashes are computed once), about 10% above the count (2026-11-27, ninth session:
+# before the fixed parts were ``Fixed``, every item of the keys, some hundreds a pass). Most of a
+# backward's are the layer's gradients it adds into, keyed by value.
+HASHED_LIMITS = {
+    ("layer", "GRU", False): 22,   # 20
+    ("layer", "GRU", True): 80,    # 72
+    ("stack", "GRU", False): 41,   # 37
+    ("stack", "GRU", True): 154,   # 140
+}
+
+
+def _hashed_items(key: object) -> int:
+    """The items of ``key`` a look-up hashes anew (a ``Fixed`` part: one)."""
+    from persistent_rnn import chain_graphs
+    if isinstance(key, tuple) and not isinstance(key, chain_graphs.Fixed):
+        return 1 + sum(_hashed_items(k) for k in key)
+    return 1
+
+
+@pytest.mark.parametrize("road,cell,backward", list(HASHED_LIMITS),
+                         ids=[f"{r}-{c}-{'fwd+bwd' if b else 'fwd'}"
+                              for r, c, b in HASHED_LIMITS])
+def test_a_replayed_planned_call_hashes_only_its_per_call_key(
+        monkeypatch, grid_path, settings, stub_chains, road, cell, backward):
+    """A replayed planned call's graph keys (``HASHED_LIMITS``): what stays the same every call
+    is a ``chain_graphs.Fixed`` part (the chain's own part, the prepared pass's arguments, a
+    stack plan's fixed arrays), hashed once (test_chain_graphs), so that a look-up hashes only
+    the call's part. Sabotage: a prepared pass's static part a plain tuple fails it."""
+    from persistent_rnn import chain_graphs
+    prnn.configure(stack=road not in NO_STACK)
+    call = _call(f"{road} persistent", cell, 1, backward)
+    for _ in range(3):
+        call()
+    stub_chains()
+    keys = []
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "value", _host_value)
+    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
+        map(id, map(arrays.__getitem__, roles))))
+    monkeypatch.setattr(chain_graphs, "run", lambda key, issue: keys.append(key) or True)
+    call()
+    count = sum(_hashed_items(key) for key in keys)
+    assert len(keys) == 1 + backward
+    assert count <= HASHED_LIMITS[road, cell, backward], (road, cell, backward, count)
+
+
 def test_the_full_path_launches_a_graph_per_chain(grid_path):
     """What a planned call of several chains saves (above): the full path of a two-layer
     bidirectional stack's pairs enqueues each layer's chain on its own, one graph launch each

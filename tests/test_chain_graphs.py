@@ -104,6 +104,23 @@ def test_a_failed_capture_runs_the_chain_directly_from_then_on(monkeypatch):
     chain_graphs.clear()
 
 
+def test_a_fixed_key_part_is_hashed_once():
+    """``Fixed``: its items hashed when it is made, never at a look-up; equal to its tuple, and
+    hashed as it. Sabotage: a ``__hash__`` that hashes the items again fails it."""
+    hashed = []
+
+    class Item:
+        def __hash__(self) -> int:
+            hashed.append(1)
+            return 7
+    item = Item()
+    fixed = chain_graphs.Fixed((item, 3))
+    assert len(hashed) == 1
+    table = {(fixed, 1): "graph"}
+    assert table[(fixed, 1)] == "graph" and hash(fixed) == hash((item, 3))
+    assert fixed == (item, 3) and len(hashed) == 2  # (the last hash: the plain tuple's)
+
+
 def test_not_eligible_on_numpy_or_with_the_setting_off():
     assert not chain_graphs.eligible(np.zeros(4, np.uint32))
     with prnn.override_settings(chain_graphs=False):
