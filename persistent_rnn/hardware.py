@@ -184,38 +184,22 @@ EMPTY_LAUNCH_US = 2.0          # device time of a launch that exits at once (est
                                # retire of its CTAs plus the gap); resume launches
 GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # The Python of one steady-state layer call besides its API calls: the layer API's persistent
-# GRU (H=8, B=1, T=1) on the CPU as a replay runs it on a GPU - a planned call (call_plans) whose
-# chain graph's key is built over the call's arrays and whose replay is stubbed (since 338fad5
-# the graph holds the input projection, dh0, the gradients and their accumulation too),
-# measured: `bench/call_breakdown.py --stubbed`'s "replayed stand-in" rows, the median of four
-# runs' medians, bench/results/cpu-2026-11-27/replayed-338fad5-after-*/ (the shared 2-core
-# development CPU, 2026-11-27; 9d29b83, with those operations outside the chain, interleaved:
-# 20.9 / 40.6 us): 18.4 / 27.4 us (``PYTHON_H200_RUN_US``: what the H200 run's ratio below is
-# taken against). NumPy stands for CuPy there: CuPy's own Python per array is not in it
-# (CuPy's empty() and its pool against NumPy's; measured on an H100 before the plans, the whole
-# forward's host time was 341 us).
+# GRU (H=8, B=1, T=1) on the CPU as a replay runs it on a GPU - a planned call (call_plans)
+# whose chain graph's key is built over the call's arrays, the replay stubbed (since the ninth
+# session of 2026-11-27 the key hashed as the replay's look-up hashes it):
+# `bench/call_breakdown.py --stubbed`'s "replayed stand-in" rows. ``PYTHON_H200_RUN_US``: that
+# stand-in of the code the H200 run of 2026-11-27 ran, the median of four runs' medians
+# (bench/results/cpu-2026-11-27/replayed-338fad5-after-*, the shared 2-core development CPU),
+# which the H200's ratio below is taken against. ``PYTHON_*_US``: those figures times the
+# measured after / before ratio of every cut since, each the median of interleaved pairs of runs
+# of the two codes on the same machine (docs/design.md, "The planned call's Python": branches,
+# runs, ratios). NumPy stands for CuPy there: CuPy's own Python per array is not in it; each
+# allocation cut counts as NumPy's ``empty`` (about 0.2 µs) times the ratio below, where the
+# H200's host measured 1.90 µs a ``cupy.empty`` (bench/results/h200-2026-11-27/call2-fresh/
+# interop_cost.log).
 PYTHON_H200_RUN_US = (18.4, 27.4)  # measured (forward, backward)
-# Since branch planned-python (2026-11-27: a planned layer's backward forms its parameter
-# gradients in held workspaces - four arrays fewer, four fewer roles of its graph key -; the
-# launch and cooldown code a call runs cheaper): those figures times the measured ratio of that
-# code's stand-in to main's, the median of seven interleaved pairs of runs on the same machine
-# (1-minute load 1.4-2.6): forward 0.880 (13.3 against 15.1 us, medians), backward 0.752 (16.5
-# against 21.8), bench/results/cpu-2026-11-27/replayed-{e9d0552,de3b1f6}-single-*. Scaled, not
-# taken as measured there: the H200's ratio below was taken against 18.4 / 27.4, a stand-in of
-# the planned call as main has it (the same 46 / 97 Python calls, tests/test_call_cost.py's
-# count) measured at another load. Since branch callpython (2026-11-27: the graph key reads only
-# the address of the arrays whose layout the plan fixes, ``runtime.Around.addressed``; the layer
-# API's plan holds the forward's results its backward reads, ``call_plans.Plan._own`` - two
-# (GRU) or three (LSTM) arrays fewer a forward -; the launch code builds the key without
-# closures, counts a graph unit in one call, defers a record without frames): those figures
-# times the measured ratio of that code's stand-in to main's (d7877c8), the median of eleven
-# interleaved pairs (1-minute load 2.6-8.2): forward 0.752 (11.0 against 14.9 µs, medians),
-# backward 0.844 (15.9 against 19.2), bench/results/cpu-2026-11-27/replayed-{d7877c8,57138a8}-
-# single-*: 16.2 -> 12.2, 20.6 -> 17.4. Each allocation cut counts here as NumPy's
-# ``empty`` (about 0.2 µs) times the ratio below, where the H200's host measured 1.90 µs a
-# ``cupy.empty`` (bench/results/h200-2026-11-27/call2-fresh/interop_cost.log).
-PYTHON_FORWARD_US = 12.2       # measured ratios x 18.4 (forward)
-PYTHON_BACKWARD_US = 17.4      # measured ratios x 27.4 (forward+backward less forward, per run)
+PYTHON_FORWARD_US = 9.1        # measured ratios x 18.4 (forward)
+PYTHON_BACKWARD_US = 11.7      # measured ratios x 27.4 (forward+backward less forward, per run)
 # The GPU host's time for that Python against the CPU stand-in's: the layer API's planned
 # persistent calls on an H200 (bench/results/h200-2026-11-27, `bench/gpu_call_cost.py`'s host µs
 # per call: GRU H=256 B=1, LSTM H=1024 B=4, RNN-tanh H=512 B=1 at T = 10, 100 and 1000, two runs)
@@ -233,31 +217,11 @@ GPU_PYTHON_RATIO = ((101.2 - API_CALL_HOST_US) / PYTHON_H200_RUN_US[0],  # measu
 # bidirectional layer's directions side by side), "layers" (one layer-direction per launch) -
 # (forward, backward) µs, measured as above ("replayed stand-in", GRU H=8 B=1 T=1, float32): a
 # run of that call beside a single layer's in the same minute, (its median less the single
-# layer's; backward: forward+backward less forward) divided by its further layer-directions,
-# the median of three runs: a three-layer stack in stack mode (2 further), the same one
-# layer-direction per launch (2), two bidirectional layers as pairs (3);
-# bench/results/cpu-2026-11-27/multichain-f1b80f8-* (the shared 2-core CPU, 2026-11-27; the
-# single layer's own there: 15.4-17.4 / 21.5-23.7 µs). "stack" and "pairs" since the stack and
-# pair plans key their kernels' fixed arguments once per prepared pass (per call only the call's
-# arrays, flat): those figures scaled by the after / before ratio of the same increment in three
-# interleaved pairs of runs, main at 0949e86 and 2b0e5c4 (a two-layer GRU stack: fwd 0.60, bwd
-# 0.49; a bidirectional GRU layer's pair: 0.79, 0.55; medians of the pairs' ratios; the machine at
-# a load of 26-59, which inflated both sides' absolute increments about twofold: 29.3 / 25.8 ->
-# 17.0 / 10.8 µs and 28.9 / 32.5 -> 22.9 / 14.1), bench/results/cpu-2026-11-27/stackkey-*.
-# "layers" (runtime's prepared passes, keyed so already) is not re-measured. The backward's, since
-# planned-python, times the measured after / before ratio of its increment (the single layer's
-# backward lost its per-call gradients, which the stack, pair and layers plans had held in
-# workspaces already): stack 1.164 (three layers), pairs 1.263 (one bidirectional GRU layer),
-# layers 1.058 (three layers, the stack setting off), medians of 4, 4 and 3 interleaved pairs'
-# ratios at a load of 1.4-2.8, bench/results/cpu-2026-11-27/replayed-*-{layers3,pair1,nostack3}-*;
-# the forward's ratios there (0.935, 0.981, 1.032) within the rounds' spread: left as they were.
-# Since branch callpython, all six times the measured after / before ratio of their increment
-# (the stack, pair and layers plans' calls about as before - their Python counts fell by 6-14
-# calls, the single layer's they are taken against by 15-29 -, so their increments rose): stack
-# 1.294 / 1.300, pairs 1.066 / 1.077, layers 1.164 / 1.092 (forward / backward), medians of 7
-# interleaved pairs' ratios at a load of 2.1-10.1, bench/results/cpu-2026-11-27/replayed-
-# {d7877c8,57138a8}-{layers3,pair1,nostack3}-*.
-PYTHON_GROUP_US = {"stack": (11.0, 10.9), "pairs": (18.0, 18.5), "layers": (21.9, 31.1)}
+# layer's; backward: forward+backward less forward) divided by its further layer-directions
+# (a three-layer stack in stack mode: 2, the same one layer-direction per launch: 2, a
+# bidirectional layer's pair: 1), then times the measured after / before ratio of that
+# increment for every cut since (docs/design.md, "The planned call's Python").
+PYTHON_GROUP_US = {"stack": (4.6, 8.8), "pairs": (12.9, 18.9), "layers": (13.9, 28.3)}
 # The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
 # and set-up included): the same layer's call with the chain stubbed at 41d5ca8, before any call
 # was planned, the median of nine runs' medians (bench/results/cpu-2026-11-27/stubbed-*-before-*/,

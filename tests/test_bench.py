@@ -490,3 +490,26 @@ def test_decoder_profile_lists_the_resident_kernel_apart_from_the_steps():
     assert lines[3].startswith("less than once a step (per loop of 50 steps")
     assert lines[4].startswith("100505.50 us x1  prnn_resident_decoder  (its lifetime")
     assert lines[5] == "     2.50 us x2  Memset (Unknown)"
+
+
+def test_replay_ratios_pairs_the_runs_and_takes_increments(tmp_path):
+    """bench/replay_ratios.py: per config the medians, the pairs' after / before ratio and a
+    multi-chain config's increment per further layer-direction over its round's single layer."""
+    ratios = _bench_script("replay_ratios")
+    stand_ins = {("single", "before"): (10.0, 20.0), ("single", "after"): (8.0, 15.0),
+                 ("layers3", "before"): (30.0, 40.0), ("layers3", "after"): (18.0, 31.0),
+                 ("pair1", "before"): (20.0, 30.0), ("pair1", "after"): (16.0, 25.0),
+                 ("nostack3", "before"): (50.0, 60.0), ("nostack3", "after"): (38.0, 55.0)}
+    for (config, side), (fwd, bwd) in stand_ins.items():
+        for n in (1, 2):
+            folder = tmp_path / f"replayed-{'b' if side == 'before' else 'a'}-{config}-{side}-{n}"
+            folder.mkdir()
+            rows = [{"entry": ratios.FORWARD, "median_us": fwd * n},
+                    {"entry": ratios.BOTH, "median_us": (fwd + bwd) * n}]
+            (folder / "call_breakdown.json").write_text(json.dumps({"rows": rows}))
+    lines = ratios.report(tmp_path, "b", "a")
+    assert lines[0] == "pairs: [1, 2]"
+    single, stack_backward = lines[1], lines[4]
+    assert "before   15.0 (10.0-20.0) after   12.0 (8.0-16.0) ratio 0.800" in single
+    # (layers3 backward: increments (40 - 20) / 2 = 10 before, (31 - 15) / 2 = 8 after)
+    assert "increment before  15.0 after  12.0 ratio 0.800" in stack_backward
