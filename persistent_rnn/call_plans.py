@@ -51,7 +51,7 @@ from .halves import half_dtype, widen
 from .matmul import matmul_half, matmul_steps
 
 Array = Any
-_SUM = "sum of "  # (the role of the array a parameter's gradient is added into)
+_SUM = "sum of "  # (a parameter's name so prefixed: the workspace its 16-bit sum is widened into)
 # The parameter gradients a planned backward forms, in its order (``functional``'s, then an LSTM
 # projection's ``dW_hr``).
 _GRADIENTS = (*functional.PARAMETER_GRADIENTS, "weight_hr")
@@ -387,10 +387,25 @@ class Plan(CallSignature):
             name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(), self.weights)}
         arrays.update(grads)  # (by their parameters' names: the ``gradient_roles``)
         if self.accumulates:
-            for name in self.names.values():  # (a loop: no comprehension's frame)
-                arrays[_SUM + name] = into[name]
+            self._keep_sums(into)
         ctx.backward_stats = self.backward_pass.run(arrays)
         return dx, (dh if self.c0 is None else (dh, dc)), grads
+
+    def _keep_sums(self, into: Mapping[str, Array]) -> None:
+        """The caller's arrays the backward's chain adds the parameter gradients into, held
+        with its fixed arrays (``sums``, in ``gradient_names``' order): the same objects call
+        after call (the layer's ``grads``), checked by identity; where the caller's are others,
+        held anew and the chain keyed again (``PreparedPass``'s static key)."""
+        prepared = self.backward_pass
+        held = prepared.around.fixed.get("sums")
+        if held is not None:
+            for name, a in zip(self.gradient_names, held):  # (a loop: no generator's frame)
+                if into[name] is not a:
+                    break
+            else:
+                return
+        prepared.around.fixed["sums"] = tuple(into[name] for name in self.gradient_names)
+        prepared.forget_key()
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way: prepare its pass for
@@ -429,7 +444,6 @@ class Plan(CallSignature):
         prepared.around = runtime.Around(
             self._before_backward, self._after_backward, fixed,
             ("x", "dh0", "dx", *self.gradient_roles)
-            + (tuple(_SUM + n for n in self.names.values()) if self.accumulates else ())
             + (() if self.dy_pass is None else ("dy_in",))
             + (() if self.c0 is None else ("dc0",)), _ADDRESSED | set(self.gradient_roles))
 
@@ -477,8 +491,8 @@ class Plan(CallSignature):
             functional.projection_gradient(s.drs, arrays["hs"], grads[-1], self.half)
         matmul_steps(s.dgi, fixed["w_ih"], arrays["dx"].reshape(-1, x.shape[2]))
         if self.accumulates:  # (as the layer API adds a full call's: ``layers``)
-            for name, g in zip(self.gradient_names, grads):
-                arrays[_SUM + name] += g
+            for total, g in zip(fixed["sums"], grads):
+                total += g
 
     def _backward_current(self, ctx: functional.Context) -> bool:
         """Whether the prepared backward may run now (what ``matches`` checks of a forward)."""
@@ -677,9 +691,10 @@ class HalfPlan(Plan):
             functional.projection_gradient(s.drs, arrays["hs"], grads[-1], self.half)
         matmul_steps(s.dgi, widen(fixed["w_ih"], fixed["w_ih_wide"]), fixed["dx_wide"])
         _narrowed(xp, arrays["dx"].reshape(fixed["dx_wide"].shape), fixed["dx_wide"])
-        for name, g in zip(names, grads):
+        for k, (name, g) in enumerate(zip(names, grads)):
             if self.accumulates:  # (as ``layers`` adds a full call's: in float32, rounded once)
-                g += widen(arrays[_SUM + name], fixed[_SUM + name])
-                _narrowed(xp, arrays[_SUM + name], g)
+                total = fixed["sums"][k]
+                g += widen(total, fixed[_SUM + name])
+                _narrowed(xp, total, g)
             else:
                 _narrowed(xp, arrays[name], g)

@@ -445,6 +445,10 @@ class PreparedPass:
                            tuple(_roles(self.complete_args, self._arrays)))
         return self._roles
 
+    def forget_key(self) -> None:
+        """Build the key's static part again at the next call (``around.fixed`` changed)."""
+        self._static_key = None
+
     def _key(self, arrays: dict[str, Array | None]) -> tuple:
         """What a chain graph of this pass is keyed by (``launch.run_chain``): the arguments
         but the per-call arrays, keyed once (the prepared pass holds them), and those arrays -

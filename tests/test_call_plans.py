@@ -182,6 +182,43 @@ def test_the_layer_apis_held_results_are_never_returned(settings, grid_path, mon
     assert (hits.forwards, hits.backwards) == (3, 1)
 
 
+@pytest.mark.parametrize("half", [None, "float16"], ids=["float32", "float16"])
+def test_a_layers_gradients_replaced_are_what_the_plan_adds_into(settings, grid_path,
+                                                                 monkeypatch, half):
+    """The planned backward adds into the layer's ``grads`` arrays it holds with its fixed ones
+    (``Plan._keep_sums``); a caller who puts new arrays there gets them summed into, bitwise as
+    the full path, the chain keyed again (its graph key holds them). Sabotage: the first call's
+    arrays kept, or not keyed again, fails it."""
+    monkeypatch.setattr(chain_graphs, "value", lambda v: (
+        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
+        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
+        if isinstance(v, tuple) else v))
+    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
+        [arrays[role].__array_interface__["data"][0] for role in roles]))
+    keys = []
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "run",
+                        lambda key, issue: keys.append(key) or issue() or False)
+    hits = _Hits(monkeypatch)
+    planned, full = _layer("GRU", dtype=half or "float32"), _layer("GRU", dtype=half or "float32")
+    for seed in range(4):  # (calls 1 and 2 plan the forward, call 3 the backward; 4 planned)
+        x, dy = (a.astype(planned.dtype) for a in _data(seed))
+        planned.forward(x)
+        planned.backward(dy)
+    x, dy = (a.astype(planned.dtype) for a in _data(4))
+    for layer in (planned, full):
+        layer.grads = {k: np.full_like(g, 0.5) for k, g in layer.grads.items()}
+    full._plan = None
+    for layer in (planned, full):
+        layer.forward(x)
+        layer.backward(dy)
+    for name in planned.grads:
+        np.testing.assert_array_equal(planned.grads[name], full.grads[name])
+    assert hits.backwards == 2
+    backward_key = _leaves(keys[-3])  # (the planned call's backward, before the full ones')
+    assert all(chain_graphs.value(g) in backward_key for g in planned.grads.values())
+
+
 @pytest.mark.parametrize("cell", ["GRU", "LSTM"])
  # (an Elman cell's plan is a GRU's: no c)
 def test_planned_calls_equal_full_calls_bitwise(settings, grid_path, monkeypatch, cell):
@@ -366,9 +403,9 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     differs between calls only by the new arrays, and names every argument the full path's
     key names, and everything the operations moved into the chain (``runtime.Around``) read
     and write: the input GEMM's operands, output and bias, the mask's arrays, ``W_hh``, the
-    scratch of ``dW_hh``, and this call's input, output, ``h_n`` (``c_n``), ``dy``, ``dh0``
-    (``dc0``), ``dx``, the parameter gradients' workspaces and the layer's gradients they are
-    added into. (An LSTM with lengths: every role; a GRU's
+    scratch of ``dW_hh``, the parameter gradients' workspaces and the layer's gradients they are
+    added into, and this call's input, output, ``h_n`` (``c_n``), ``dy``, ``dh0`` (``dc0``),
+    ``dx``. (An LSTM with lengths: every role; a GRU's
     plan and one without lengths have a subset of them.)"""
     cell, lengths = "LSTM", [4, 2]
     monkeypatch.setattr(chain_graphs, "value", lambda v: (
@@ -424,8 +461,10 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
                 assert per_call["dh0"] == chain_graphs.value(dh)
                 assert per_call["dx"] == chain_graphs.value(dx)
                 assert per_call["x"] == chain_graphs.value(ctx.inputs[0])
-                for name in layer.params:  # (the layer's gradients it adds into)
-                    assert per_call["sum of " + name] == chain_graphs.value(layer.grads[name])
+                # (the layer's gradients it adds into: held with the fixed arrays, the same
+                # objects every call)
+                assert fixed["sums"] == tuple(chain_graphs.value(layer.grads[n])
+                                              for n in plan.gradient_names)
                 # (where they are formed first: the plan's workspaces)
                 assert [g[1] for g in fixed["grads"]] == [layer.params[n].shape
                                                           for n in plan.gradient_names]
