@@ -69,27 +69,22 @@ class RunStats:
             state["_held"] = dict(zip(_LAZY, map(state.pop, _LAZY)))  # (no Python frame)
         self._deferred.append(fold)
 
-    def _fields(self) -> dict:
-        """The lazy fields as they are now, pending records not folded in."""
-        held = self.__dict__.get("_held")
-        state = self.__dict__ if held is None else held
-        return {name: state[name] for name in _LAZY}
-
     def merge(self, other: "RunStats") -> None:
         """Fold the stats of one layer-direction's recurrence into this run's (device records
         still unread stay unread: they are folded in when these stats are read)."""
-        mine, theirs = self._fields(), other._fields()
+        for fold in other._deferred:  # (first: it moves this run's lazy fields into ``_held``)
+            self.defer(fold)
+        state = self.__dict__
+        mine = state.get("_held") or state  # (the lazy fields where they are now)
+        theirs = other.__dict__.get("_held") or other.__dict__
         if other.algo == "persistent":
             self.algo = "persistent"
-        target = self.__dict__.get("_held") or self.__dict__
-        target["restarts"] = mine["restarts"] + theirs["restarts"]
-        target["launches"] = mine["launches"] + theirs["launches"]
+        mine["restarts"] += theirs["restarts"]
+        mine["launches"] += theirs["launches"]
         if theirs["fallback"] and not mine["fallback"]:
-            target["fallback"] = theirs["fallback"]
+            mine["fallback"] = theirs["fallback"]
         self.emulated = self.emulated or other.emulated
         self.details.extend(other.details)
-        for fold in other._deferred:
-            self.defer(fold)
 
 
 # The lazy fields' defaults (``awaiting``), as the dataclass declares them.
