@@ -41,7 +41,7 @@ while it lives, also past ``buffers.MAX_REUSED``'s bound.
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -387,25 +387,28 @@ class Plan(CallSignature):
             name: xp.empty(w.shape, w.dtype) for name, w in zip(self.names.values(), self.weights)}
         arrays.update(grads)  # (by their parameters' names: the ``gradient_roles``)
         if self.accumulates:
-            self._keep_sums(into)
+            self._keep_sums(into, self.gradient_names, (self.backward_pass,))
         ctx.backward_stats = self.backward_pass.run(arrays)
         return dx, (dh if self.c0 is None else (dh, dc)), grads
 
-    def _keep_sums(self, into: Mapping[str, Array]) -> None:
-        """The caller's arrays the backward's chain adds the parameter gradients into, held
-        with its fixed arrays (``sums``, in ``gradient_names``' order): the same objects call
-        after call (the layer's ``grads``), checked by identity; where the caller's are others,
-        held anew and the chain keyed again (``PreparedPass``'s static key)."""
-        prepared = self.backward_pass
-        held = prepared.around.fixed.get("sums")
+    @staticmethod
+    def _keep_sums(into: Mapping[str, Array], names: tuple[str, ...],
+                   passes: Sequence[runtime.PreparedPass]) -> None:
+        """The caller's arrays the backward's chains add the parameter gradients into, held
+        with their fixed arrays (``sums``, in ``names``' order): the same objects call after
+        call (the layer's ``grads``), checked by identity; where the caller's are others, held
+        anew and the chains keyed again (``PreparedPass.forget_key``)."""
+        held = passes[0].around.fixed.get("sums")
         if held is not None:
-            for name, a in zip(self.gradient_names, held):  # (a loop: no generator's frame)
+            for name, a in zip(names, held):  # (a loop: no generator's frame)
                 if into[name] is not a:
                     break
             else:
                 return
-        prepared.around.fixed["sums"] = tuple(into[name] for name in self.gradient_names)
-        prepared.forget_key()
+        sums = tuple(into[name] for name in names)
+        for prepared in passes:
+            prepared.around.fixed["sums"] = sums
+            prepared.forget_key()
 
     def plan_backward(self, ctx: functional.Context, dy: Array) -> None:
         """After a backward of this plan's context that ran the whole way: prepare its pass for

@@ -300,10 +300,14 @@ class LayersPlan(Plan):
             prepared = runtime.prepare_backward(cell, engine, pass_dy, weights[1], d.h0, d.c0,
                                                 ctx.lengths, d.fwd, self.half, weights[4],
                                                 direction, dgi, dgh)
+            fixed = dict(held, k=k, weights=weights, **self._backward_fixed(k, weights))
+            if self.accumulates:  # (the gradients formed in held workspaces, then summed into
+                # the caller's, which ``_keep_sums`` holds: no per-call arrays of theirs)
+                fixed["grads"] = tuple(self.held_grads.values())
             prepared.around = runtime.Around(
-                self._before_backward, self._after_backward,
-                dict(held, k=k, weights=weights, **self._backward_fixed(k, weights)),
-                ("dy_in", "x", "dh0", "dc0", "dx", "reverse", "grads", "sums"))
+                self._before_backward, self._after_backward, fixed,
+                ("dy_in", "x", "dh0", "dc0", "dx", "reverse")
+                + (() if self.accumulates else ("grads",)))
             passes.append(prepared)
         self.backward_passes = self.backward_pass = passes
         self.backward_engine = engine
@@ -348,7 +352,9 @@ class LayersPlan(Plan):
         dc = xp.empty(self.c_shape, dtype) if self.cell.has_cell_state else None
         grads = self.held_grads or {n: xp.empty(w.shape, w.dtype)
                                     for n, w in zip(self.names, self.weights)}
-        sums = tuple(into[n] for n in self.names) if self.accumulates else None
+        if self.accumulates:
+            self._keep_sums(into, tuple(self.names), self.backward_passes)
+        per_call = {} if self.accumulates else {"grads": tuple(grads.values())}
         stats = RunStats()
         with launch.one_graph():  # (every layer-direction's chain: one graph, one launch)
             for layer in range(self.num_layers - 1, -1, -1):
@@ -358,10 +364,9 @@ class LayersPlan(Plan):
                     pass_dy = dy if (self.directions == 1 and layer + 1 == self.num_layers
                                      and not self.dy_formed) else prepared.args["dy"]
                     arrays = runtime.backward_arrays(pass_dy, d.fwd, d.h0, d.c0, lengths)
-                    arrays.update(dy_in=dy, x=ctx.inputs[layer], dh0=dh[k],
+                    arrays.update(per_call, dy_in=dy, x=ctx.inputs[layer], dh0=dh[k],
                                   dc0=None if dc is None else dc[k], dx=dx,
-                                  reverse=ctx.reverse_index, grads=tuple(grads.values()),
-                                  sums=sums)
+                                  reverse=ctx.reverse_index)
                     stats.merge(prepared.run(arrays))
         ctx.backward_stats = stats
         return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
@@ -447,15 +452,20 @@ class LayersPlan(Plan):
     def _gradient_targets(self, arrays: dict, fixed: dict) -> dict:
         """Where a backward chain forms the parameter gradients, by name: the call's arrays (or
         where the plan accumulates its held workspaces)."""
-        return dict(zip(self.names, arrays["grads"]))
+        return dict(zip(self.names, self._gradient_arrays(arrays, fixed)))
+
+    def _gradient_arrays(self, arrays: dict, fixed: dict) -> tuple:
+        """The parameter gradients' arrays of a backward chain, in ``names``' order: where the
+        plan accumulates its held workspaces (``fixed``), else the call's new ones."""
+        return fixed["grads"] if self.accumulates else arrays["grads"]
 
     def _gradients_out(self, arrays: dict, fixed: dict, names: dict, grads: dict,
                        last: bool) -> None:
         """After a pass's gradients (``last``: the call's last pass): the layer API's sums
         (as it adds a full call's: ``layers``)."""
-        if arrays["sums"] is not None:
+        if self.accumulates:
             for name in names.values():
-                total = arrays["sums"][self._index[name]]
+                total = fixed["sums"][self._index[name]]
                 total += grads[name]
 
     def _backward_current(self, ctx: functional.Context) -> bool:
@@ -600,11 +610,11 @@ class HalfLayersPlan(LayersPlan):
         into the call's 16-bit arrays."""
         xp = self.xp
         _narrowed(xp, arrays["dh0"], fixed["dh_wide"][fixed["k"]])
-        given = dict(zip(self.names, arrays["grads"]))
+        given = dict(zip(self.names, self._gradient_arrays(arrays, fixed)))
         for name in names.values():
             g = grads[name]
-            if arrays["sums"] is not None:
-                total = arrays["sums"][self._index[name]]
+            if self.accumulates:
+                total = fixed["sums"][self._index[name]]
                 g += widen(total, fixed[_SUM + name])
                 _narrowed(xp, total, g)
             else:

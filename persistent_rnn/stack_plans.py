@@ -107,6 +107,7 @@ class StackPlan(Plan):
         self.backward_pass: Any = None  # (the backward's arguments, once prepared)
         self.backward_engine: Any = None
         self._fixed_key: tuple | None = None  # (``_key``'s fixed part: (backward_pass, value))
+        self.sums: tuple | None = None  # (the caller's arrays a backward adds into: ``_held_sums``)
         # (per pass, its ``stack.Around.fixed``: made anew with the prepared backward)
         self.fixed_arguments: dict[Any, dict] = {}
         self.all_steps = buffers.full_lengths(xp, None, batch, steps)
@@ -303,15 +304,15 @@ class StackPlan(Plan):
 
     def _key(self, what: Any, made: tuple, others: tuple) -> tuple:
         """What a pass's chain graph is keyed by beside its launches' arguments (``stack.Around``):
-        the plan and which pass, its fixed arrays and weights, and this call's arrays - ``made``,
-        contiguous arrays whose shape and dtype the plan fixes (it makes them, or checks them:
-        their address), and ``others`` (``chain_graphs.value`` of each); their numbers are the
+        the plan and which pass, its fixed arrays, weights and sums, and this call's arrays -
+        ``made``, contiguous arrays whose shape and dtype the plan fixes (it makes them, or
+        checks them: their address), and ``others`` (``chain_graphs.value`` of each); their numbers are the
         plan's. The fixed part's value is made once per prepared state
         (its arrays keep their memory while the plan serves: weights rebound only over the same
         memory, ``_rebind``)."""
         fixed = self._fixed_key
         if fixed is None or fixed[0] is not self.backward_pass:
-            held = (self.gi, self.mask, self.x_mask, self.zero_bias, self.weights,
+            held = (self.gi, self.mask, self.x_mask, self.zero_bias, self.weights, self.sums,
                     tuple(self.wide.values()), self._held(),
                     None if self.backward_pass is None else tuple(
                         a for k, a in self.backward_pass.items()
@@ -413,7 +414,7 @@ class StackPlan(Plan):
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
             lambda: self._key("backward", (dy, dx, dh, *ctx.inputs, *results.values())
-                              + (() if dc is None else (dc,)), (into, ctx.reverse_index)),
+                              + (() if dc is None else (dc,)), (ctx.reverse_index,)),
             _PER_CALL, self.fixed_arguments.setdefault("backward", {}), _ADDRESSED))
         return dx, (dh if dc is None else (dh, dc)), results
 
@@ -431,8 +432,22 @@ class StackPlan(Plan):
         new = {n: xp.empty(w.shape, w.dtype) for n, w in zip(self.names, self.weights)} \
             if not self.accumulates else {}
         grads = held["grads"] or new
-        return dx, dh, dc, grads, (tuple(into[n] for n in self.names) if self.accumulates
-                                   else None), new
+        return dx, dh, dc, grads, self._held_sums(into) if self.accumulates else None, new
+
+    def _held_sums(self, into: Mapping[str, Array]) -> tuple:
+        """The caller's arrays the backward's chains add the parameter gradients into, in the
+        plan's order, held (``sums``) and keyed with its fixed arrays (``_key``): the same
+        objects call after call (the layer's ``grads``), checked by identity; where the
+        caller's are others, held anew and the chains keyed again."""
+        held = self.sums
+        if held is not None:
+            for name, a in zip(self.names, held):  # (a loop: no generator's frame)
+                if into[name] is not a:
+                    break
+            else:
+                return held
+        self.sums, self._fixed_key = tuple(into[n] for n in self.names), None
+        return self.sums
 
     def _formed_dy(self, dy: Array, lengths: Array | None) -> Array:
         """Inside the first backward chain, the caller's ``dy`` as the passes read it: widened
@@ -721,7 +736,7 @@ class PairPlan(StackPlan):
                     lambda call=call: self._after_pair_backward(call),
                     lambda call=call: self._key(("backward", call[0]), (
                         call[2], *call[4:6], *results.values(), *ctx.inputs)
-                        + call[6:7] * (call[6] is not None), (call[8], ctx.reverse_index)),
+                        + call[6:7] * (call[6] is not None), (ctx.reverse_index,)),
                     _PER_CALL, self.fixed_arguments.setdefault(("backward", layer), {}),
                     _ADDRESSED)))
         ctx.backward_stats = stats

@@ -860,6 +860,58 @@ def test_a_stack_plans_held_activations_are_never_returned(settings, grid_path, 
     assert (hits.forwards, hits.backwards) == (3, 1)
 
 
+MULTI_CHAIN = [("layers", None), ("layers", "float16"), ("stack", None), ("pairs", "float16")]
+
+
+@pytest.mark.parametrize("plan,half", MULTI_CHAIN,
+                         ids=[f"{p}-{h or 'float32'}" for p, h in MULTI_CHAIN])
+def test_multi_chain_plans_add_into_the_layers_gradients_replaced(settings, grid_path,
+                                                                  monkeypatch, plan, half):
+    """The layer-direction plan (``LayersPlan``: a bidirectional layer, the stack setting off),
+    a stack's in stack mode and a bidirectional layer's pairs hold the layer's ``grads`` their
+    chains add into as a single layer's plan does (``Plan._keep_sums``,
+    ``StackPlan._held_sums``): new arrays there are summed into, bitwise as the full path, and
+    every chain keyed again. Sabotage: one chain keyed again only, or a stack plan's sums not
+    keyed again, fails it."""
+    hits = _StackHits(monkeypatch)
+    prnn.configure(stack=plan != "layers")
+    shape = {"num_layers": 2} if plan == "stack" else {"bidirectional": True}
+    planned, full = (prnn.GRU(SI, SH, algo="persistent", seed=3, dtype=half or "float32",
+                              **shape) for _ in range(2))
+    keys = []
+    monkeypatch.setattr(chain_graphs, "value", lambda v: (
+        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
+        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
+        if isinstance(v, tuple) else v))
+    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
+        [arrays[role].__array_interface__["data"][0] for role in roles]))
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "run",
+                        lambda key, issue: keys.append(key) or issue() or False)
+    rng = np.random.default_rng(0)
+    data = [(rng.standard_normal((ST, SB, SI)).astype(planned.dtype),
+             rng.standard_normal((ST, SB, SH * planned.directions)).astype(planned.dtype))
+            for _ in range(5)]
+    for x, dy in data[:4]:  # (calls 1 and 2 plan the forward, call 3 the backward; 4 planned)
+        planned.forward(x)
+        planned.backward(dy)
+    for layer in (planned, full):
+        layer.grads = {k: np.full_like(g, 0.5) for k, g in layer.grads.items()}
+    full._plan = None
+    for layer in (planned, full):
+        layer.forward(data[4][0])
+        layer.backward(data[4][1])
+        if layer is planned:  # (its backward's one graph: after the settings, a part a chain)
+            chains = [_leaves(part) for part in keys[-1][3:]]
+    for name in planned.grads:
+        np.testing.assert_array_equal(planned.grads[name], full.grads[name])
+    kind = {"layers": layer_plans.LayersPlan, "stack": stack_plans.StackPlan,
+            "pairs": stack_plans.PairPlan}[plan]
+    assert isinstance(planned._plan, kind) and hits.backwards == 2
+    assert len(chains) == (1 if plan != "layers" else 2)
+    assert all(chain_graphs.value(g) in chain for chain in chains for g in planned.grads.values())
+
+
 @pytest.mark.parametrize("sabotage", ["weights stacked once", "outputs copied unselected",
                                       "the first call's reversal"])
 def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
