@@ -221,7 +221,7 @@ GPU_PYTHON_RATIO = ((101.2 - API_CALL_HOST_US) / PYTHON_H200_RUN_US[0],  # measu
 # (a three-layer stack in stack mode: 2, the same one layer-direction per launch: 2, a
 # bidirectional layer's pair: 1), then times the measured after / before ratio of that
 # increment for every cut since (docs/design.md, "The planned call's Python").
-PYTHON_GROUP_US = {"stack": (4.6, 8.8), "pairs": (12.9, 18.9), "layers": (13.9, 28.3)}
+PYTHON_GROUP_US = {"stack": (4.6, 8.1), "pairs": (12.8, 19.8), "layers": (12.2, 14.3)}
 # The same for a call that is not planned (a 16-bit or projection layer: its full path, checks
 # and set-up included): the same layer's call with the chain stubbed at 41d5ca8, before any call
 # was planned, the median of nine runs' medians (bench/results/cpu-2026-11-27/stubbed-*-before-*/,
