@@ -28,6 +28,11 @@ cProfile of GRU calls through the CuPy layer and the torch module (``profile_*.t
 its figures mean nothing.
 Writes ``DIR/gpu_call_cost.json`` and prints a table.
 
+``--stack``: only a four-layer LSTM H=384 B=4 stack's calls (issue 26's stack; in stack mode)
+through the CuPy layer and torch.nn (cuDNN), forward and forward+backward at each ``--steps``,
+the persistent rows beside the model's **prediction** of their host µs
+(``latency.stack_call_costs``); writes ``DIR/stack_call_cost.json``.
+
 ``--inputs-ahead``: only the A/B of ``plan.CLUSTER_INPUTS_AHEAD`` (``knob_ab``): the forward
 slope of GRU H=256 B=1 and RNN-tanh H=512 B=1 with the cluster passes fetching their inputs one
 and two steps ahead, in one process, each beside the model's prediction; writes
@@ -60,6 +65,9 @@ from persistent_rnn.launch import COUNTERS
 
 LAYERS = [("gru", 256, 1), ("lstm", 1024, 4), ("rnn_tanh", 512, 1)]
 CPU_LAYERS = [("gru", 16, 1)]
+# ``--stack``: issue 26's stack (cell, hidden, batch, layers), in stack mode where planned
+STACK, CPU_STACK = ("lstm", 384, 4, 4), ("lstm", 16, 2, 3)
+STACK_ROADS = ("persistent", "cudnn")
 ROADS = ("persistent", "gemm", "prnn_torch", "cudnn")
 INPUT, STEPS = 64, 100
 PROFILE_WARMUP = 10  # calls before a profile (``profile``): planned and captured by then
@@ -113,24 +121,25 @@ class Device:
             self.torch.cuda.synchronize()
 
 
-def array_layer(dev: Device, road: str, cell: str, hidden: int):
+def array_layer(dev: Device, road: str, cell: str, hidden: int, layers: int = 1):
     """The array layer of ``road`` ("persistent" or "gemm"), its parameters on the run's device."""
     mode, extra = layer_args(cell)
-    layer = getattr(prnn, mode)(INPUT, hidden, algo=road, seed=0, **extra)
+    layer = getattr(prnn, mode)(INPUT, hidden, num_layers=layers, algo=road, seed=0, **extra)
     if not dev.cpu:
         layer.load_params({k: dev.xp.asarray(v) for k, v in layer.params.items()})
     return layer
 
 
 def make_call(dev: Device, road: str, cell: str, hidden: int, batch: int, steps: int,
-              backward: bool) -> Callable[[], object]:
-    """One call of ``road`` on fixed random inputs (never reading ``last_run``)."""
+              backward: bool, layers: int = 1) -> Callable[[], object]:
+    """One call of ``road`` on fixed random inputs (never reading ``last_run``); ``layers``: a
+    unidirectional stack's."""
     mode, extra = layer_args(cell)
     rng = np.random.default_rng(hidden + batch)
     x = rng.standard_normal((steps, batch, INPUT)).astype(np.float32)
     dy = rng.standard_normal((steps, batch, hidden)).astype(np.float32)
     if road in ("persistent", "gemm"):
-        layer = array_layer(dev, road, cell, hidden)
+        layer = array_layer(dev, road, cell, hidden, layers)
         xa, dya = dev.xp.asarray(x), dev.xp.asarray(dy)
 
         def run_layer():
@@ -140,10 +149,10 @@ def make_call(dev: Device, road: str, cell: str, hidden: int, batch: int, steps:
         return run_layer
     torch = dev.torch
     if road == "cudnn":
-        module = getattr(torch.nn, mode)(INPUT, hidden, **extra)
+        module = getattr(torch.nn, mode)(INPUT, hidden, num_layers=layers, **extra)
     else:
         import persistent_rnn.torch as prt
-        module = getattr(prt, mode)(INPUT, hidden, algo="persistent", **extra)
+        module = getattr(prt, mode)(INPUT, hidden, num_layers=layers, algo="persistent", **extra)
     module = module.to(dev.torch_device)
     xt = torch.as_tensor(x, device=dev.torch_device).requires_grad_(backward)
     dyt = torch.as_tensor(dy, device=dev.torch_device)
@@ -366,6 +375,29 @@ def call_predictions(dev: Device, layers: list, seq_lens: list[int]) -> dict[tup
         return {k: v for part in pool.map(predict, layers) for k, v in part.items()}
 
 
+def stack_rows(dev: Device, seq_lens: list[int], calls: int) -> list[dict]:
+    """``--stack``: the stack's calls (``STACK``) on ``STACK_ROADS``, forward and forward +
+    backward at each T, ``measure``d, the persistent rows beside the latency model's
+    prediction of their host µs (``latency.stack_call_costs``: stack mode, planned)."""
+    cell, hidden, batch, layers = CPU_STACK if dev.cpu else STACK
+    device, spec = runtime.planning_device(not dev.cpu), planner.resolve_cell(cell)
+    rows = []
+    for steps, backward, road in itertools.product(seq_lens, (False, True), STACK_ROADS):
+        try:
+            row = measure(dev, make_call(dev, road, cell, hidden, batch, steps, backward, layers),
+                          calls)
+        except Exception as exc:  # noqa: BLE001 -- a road that cannot run is reported
+            row = {"error": f"{type(exc).__name__}: {exc}"}
+        row.update(layer=f"{cell}_h{hidden}_b{batch}_l{layers}", steps=steps, road=road,
+                   passes="fwd+bwd" if backward else "fwd")
+        if road == "persistent":
+            row["predicted_host_us"] = sum(
+                latency.stack_call_costs(spec, hidden, batch, steps, INPUT, b, device,
+                                         layers).host_us for b in (False, True)[:1 + backward])
+        rows.append(row)
+    return rows
+
+
 def ab_lines(knob: Knob, rows: list[dict]) -> list[str]:
     """Per layer of ``knob_ab``'s rows: each value's mean slope and prediction, and the tried
     value's over the kernels'."""
@@ -395,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the A/B of plan.CLUSTER_INPUTS_AHEAD (inputs_ahead.json)")
     p.add_argument("--free-polls", action="store_true",
                    help="only the A/B of plan.GRID_FREE_POLLS (free_polls.json)")
+    p.add_argument("--stack", action="store_true",
+                   help="only a stack's calls beside cuDNN's and the model's host prediction "
+                        "(stack_call_cost.json)")
     args = p.parse_args(argv)
     seq_lens = [3] if args.cpu else [int(t) for t in args.steps.split(",")]
     dev = Device(args.cpu)
@@ -406,6 +441,18 @@ def main(argv: list[str] | None = None) -> int:
                   "rows": knob_ab(dev, knob, lengths, 1 if args.cpu else max(2, calls // 6))}
         (args.out / f"{knob.name}.json").write_text(json.dumps(record, indent=1, default=str))
         print("\n".join(ab_lines(knob, record["rows"])))
+        return 0
+    if args.stack:
+        record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu),
+                  "rows": stack_rows(dev, seq_lens, calls)}
+        (args.out / "stack_call_cost.json").write_text(json.dumps(record, indent=1, default=str))
+        for row in record["rows"]:
+            beside = (f"  predicted host {row['predicted_host_us']:.1f} (PREDICTION)"
+                      if "predicted_host_us" in row else "")
+            print(f"{row['layer']:22} {row['steps']:5d} {row['passes']:8} {row['road']:11} "
+                  + (f"host {row['host_us']:8.1f} loop {row['loop_us']:8.1f} "
+                     f"event {row['event_us']:8.1f}{beside}" if "error" not in row
+                     else row["error"]), flush=True)
         return 0
     record = {**benchmark.run_stamp(sys.argv), **benchmark.device_record(not args.cpu), "rows": []}
     layers = CPU_LAYERS if args.cpu else LAYERS

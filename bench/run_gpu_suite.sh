@@ -248,9 +248,13 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
     tests/test_torch_call_plans.py tests/test_gpu_decoder.py tests/test_half_gpu.py \
     tests/test_gpu_projection.py tests/test_tf32.py tests/test_gpu_chain_graphs.py \
     tests/test_gpu_half_projection.py tests/test_gpu_matmul.py tests/test_call_allocations.py
-  step call_kernels 30 "$PY" bench/call_kernels.py --out "$OUT"
+  step call_kernels 20 "$PY" bench/call_kernels.py --out "$OUT"
   # issue 26: per call at T = 10, 100 and 1000 beside torch.nn (cuDNN), one process
   step gpu_call_cost 85 "$PY" bench/gpu_call_cost.py --out "$OUT" --steps 10,100,1000 --calls 15
+  # ... and a four-layer LSTM stack's call in stack mode (its host predicted from the CPU
+  # stand-in's measured increments, hardware.PYTHON_GROUP_US, never yet timed on a GPU)
+  step stack_call_cost 10 "$PY" bench/gpu_call_cost.py --out "$OUT" --stack --steps 10,100 \
+    --calls 10
   step decode_loop 35 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 12
   step interop_cost 10 "$PY" bench/interop_cost.py --out "$OUT"
   step decoder_profile 25 "$PY" bench/decoder_profile.py --out "$OUT"

@@ -269,6 +269,26 @@ def test_the_fresh_parts_free_polls_ab_runs_on_the_cpu(tmp_path, capsys):
     assert ": 32 / 2 " in capsys.readouterr().out
 
 
+def test_the_fresh_parts_stack_call_cost_runs_on_the_cpu(tmp_path, capsys):
+    """The fresh part's stack calls (bench/gpu_call_cost.py --stack, its command as the suite
+    names it plus ``--cpu``; a check of the script, its CPU figures mean nothing): within 10 s
+    on a GPU, every road and pass has a row, the persistent ones the model's host prediction of
+    a planned stack's call (``latency.stack_call_costs``), labelled a prediction."""
+    from persistent_rnn import latency, plan, runtime
+    gpu_call_cost = _fresh_ab_on_the_cpu(tmp_path, "stack_call_cost", 10)
+    rows = json.loads((tmp_path / "out" / "stack_call_cost.json").read_text())["rows"]
+    assert {(r["road"], r["passes"]) for r in rows} == {
+        (road, p) for road in gpu_call_cost.STACK_ROADS for p in ("fwd", "fwd+bwd")}
+    assert all("error" not in r and r["host_us"] > 0 for r in rows), rows
+    cell, hidden, batch, layers = gpu_call_cost.CPU_STACK
+    device, spec = runtime.planning_device(False), plan.resolve_cell(cell)
+    forward = latency.stack_call_costs(spec, hidden, batch, 3, gpu_call_cost.INPUT, False,
+                                       device, layers).host_us
+    predicted = {r["passes"]: r["predicted_host_us"] for r in rows if r["road"] == "persistent"}
+    assert predicted["fwd"] == pytest.approx(forward) and predicted["fwd+bwd"] > forward
+    assert "(PREDICTION)" in capsys.readouterr().out
+
+
 def test_pytest_resume_goes_past_a_hung_test(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_fake.py").write_text(textwrap.dedent("""
