@@ -172,9 +172,11 @@ def _current_weights(module) -> list:
     torch.nn's cached ``_flat_weights``: ``torch.func.functional_call`` swaps them in
     ``_parameters``, parametrizations make them properties; ``getattr`` sees both, and a
     parameter is read from ``_parameters`` at once, as ``getattr`` would find it)."""
-    params = module._parameters
-    return [params[name] if name in params else getattr(module, name)
-            for name in module._flat_weights_names]
+    params, names = module._parameters, module._flat_weights_names
+    try:
+        return list(map(params.__getitem__, names))  # (the usual case: in C, no frame)
+    except KeyError:  # (a parametrized weight: a property)
+        return [params[name] if name in params else getattr(module, name) for name in names]
 
 
 def _check_hidden_pair(hx) -> None:
