@@ -332,7 +332,7 @@ def test_cuda_falls_back_to_cudnn_where_the_kernel_does_not_run(true_fp32):
 class _CudaLike:
     """What the path decisions read of a float32 CUDA tensor on device 0 (a CPU build has none)."""
 
-    is_cuda = True
+    is_cuda, is_cpu = True, False
     device = torch.device("cuda", 0)
     dtype = torch.float32
 
@@ -379,6 +379,43 @@ def test_forced_algos_load_the_captured_product_once_before_any_capture(monkeypa
     for dtype in (torch.float32, torch.float32, torch.float16, torch.float64, torch.float64):
         paths.prepare_capture(x, dtype)
     assert loaded == [np.float32, np.float64]
+
+
+def test_a_remembered_cuda_decision_asks_about_capture_once_by_torchs_binding(monkeypatch):
+    """A module's steady-state path decision on a CUDA tensor (``paths.choose``, remembered)
+    asks whether the stream is capturing once, through torch's C binding (no torch.cuda Python
+    frame), and the answer is part of what it remembers: a forced algorithm's decision made
+    under capture is made again outside it (which loads the captured product there)."""
+    import contextlib
+
+    from persistent_rnn import matmul
+    from persistent_rnn.cells import CELLS
+    from persistent_rnn.torch import interop, paths
+    capturing, binding_reads, python_reads, loaded = [True], [], [], []
+
+    def binding() -> bool:
+        binding_reads.append(1)
+        return capturing[0]
+
+    def python() -> bool:
+        python_reads.append(1)
+        return capturing[0]
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", binding)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", python)
+    monkeypatch.setattr(matmul, "load_captured_kernel", loaded.append)
+    monkeypatch.setattr(interop, "library_stream", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(paths, "_PREPARED", set())
+    monkeypatch.setattr(paths, "_DECISIONS", {})
+    x = _CudaLike()
+    for _ in range(2):
+        assert paths.choose("persistent", CELLS["gru"], x, H, 0, lambda: B).path == "persistent"
+    assert loaded == []  # (made under capture: nothing loaded)
+    binding_reads.clear(), python_reads.clear()
+    paths.choose("persistent", CELLS["gru"], x, H, 0, lambda: B)
+    assert (len(binding_reads), len(python_reads)) == (1, 0)
+    capturing[0] = False
+    paths.choose("persistent", CELLS["gru"], x, H, 0, lambda: B)
+    assert len(loaded) == 1
 
 
 @pytest.mark.gpu

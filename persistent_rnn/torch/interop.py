@@ -75,6 +75,15 @@ def library_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return _CudaStream(t.get_device()) if t.is_cuda else _HOST
 
 
+def on_library_stream(t: torch.Tensor, fn, *args):
+    """``fn(*args)`` run in ``library_stream(t)``; for a CPU tensor called at once (no block
+    entered: a null context's enter and exit cost more than the call's own Python)."""
+    if not t.is_cuda:
+        return fn(*args)
+    with _CudaStream(t.get_device()):
+        return fn(*args)
+
+
 class _CudaStream:
     """``library_stream`` of a CUDA tensor on ``device``: torch's current device set to it for
     the block (as ``torch.cuda.device`` sets it), CuPy's device too, CuPy's current stream set to

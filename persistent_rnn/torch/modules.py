@@ -51,24 +51,33 @@ class _RecurrentBase(Recorded, torch.nn.RNNBase):
 
     def forward(self, input, hx=None):
         """torch.nn's forward: ``input, hx -> output, h_n`` (LSTM: ``output, (h_n, c_n)``)."""
-        if torch.jit.is_tracing():  # (checked here: a call less per forward)
+        # torch.compile's flag read once a forward (the op's road below is told it; dynamo takes
+        # the call for a constant); torch.jit.trace's where it is not compiling (is_tracing's
+        # own test, is_scripting, is false outside TorchScript, which never runs this)
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            if onnx.exporting_while_compiling():  # ONNX's own nodes, on any device (onnx.py)
+                return self._library_forward(input, hx, onnx.ALGO)
+        elif torch._C._is_tracing():
             _refuse_unsupported_export(type(self).__name__)
-        if onnx.exporting():  # ONNX's own nodes, on any device (onnx.py)
-            return self._library_forward(input, hx, onnx.ALGO)
         packed = isinstance(input, PackedSequence)
         data = input.data if packed else input
-        decision = paths.choose(self.algo, _cell(self.mode), data, self.hidden_size,
-                                self.proj_size, lambda: _batch_size(input, self.batch_first))
+        decision = (paths.decide if compiling else paths.choose)(
+            self.algo, _cell(self.mode), data, self.hidden_size, self.proj_size,
+            lambda: _batch_size(input, self.batch_first))
         if decision.path == paths.TORCH:
-            if not torch.compiler.is_compiling():  # under compile, only the op records runs
+            if not compiling:  # under compile, only the op records runs
                 self._record.last = LastRun(algo=paths.TORCH, fallback=decision.why)
             return self._torch_forward(input, hx)
-        return self._library_forward(input, hx, decision.path, decision)
+        return self._library_forward(input, hx, decision.path, decision, not compiling)
 
-    def _library_forward(self, input, hx, algo: str, decision: paths.Decision | None = None):
+    def _library_forward(self, input, hx, algo: str, decision: paths.Decision | None = None,
+                         eager: bool = False):
         """The library's forward with ``algo``; ``decision``: ``paths.choose``'s for this input
-        (its compute dtype and autocast), worked out here where not given."""
-        lstm = _cell(self.mode).has_cell_state
+        (its compute dtype and autocast), worked out here where not given; ``eager``: the caller
+        found neither torch.compile nor torch.jit.trace tracing (``run_recurrence``'s)."""
+        cell = _cell(self.mode)
+        lstm = cell.has_cell_state
         packed = input if isinstance(input, PackedSequence) else None
         layout = None
         if lstm:
@@ -85,9 +94,10 @@ class _RecurrentBase(Recorded, torch.nn.RNNBase):
             unbatched = False
         else:
             x, lengths = input, None
-            if x.dim() not in (2, 3):  # torch.nn's check, before any other
-                raise ValueError(self._input_dims_error.format(x.dim()))
-            unbatched = x.dim() == 2
+            dims = x.dim()
+            if dims not in (2, 3):  # torch.nn's check, before any other
+                raise ValueError(self._input_dims_error.format(dims))
+            unbatched = dims == 2
             if hx is not None:
                 hx = _hidden_as_batch(hx, batched=not unbatched)
             if unbatched:
@@ -98,14 +108,14 @@ class _RecurrentBase(Recorded, torch.nn.RNNBase):
                 raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         weights = _current_weights(self)
         if decision is None:
-            decision = paths.Decision(algo, None, paths.compute_dtype(_cell(self.mode), x),
+            decision = paths.Decision(algo, None, paths.compute_dtype(cell, x),
                                       paths.autocast_dtype(x.device.type) is not None)
         c_dtype = _cell_state_dtype(self, x, hx, decision.dtype) if lstm else None
         if decision.autocast:
             x, hx, weights = _autocast_inputs(x, hx, weights, decision.dtype)
         _check_like_input(x, hx, self._flat_weights_names, weights)
         h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
-        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout)
+        y, hn, cn = self._run_layers(x, lengths, h0, c0, weights, algo, layout, eager)
         cn = cn.to(c_dtype) if lstm else None
         if packed is not None:
             out = PackedSequence(layout.pack(y), packed.batch_sizes, packed.sorted_indices,
@@ -117,16 +127,18 @@ class _RecurrentBase(Recorded, torch.nn.RNNBase):
             return y, ((hn.squeeze(1), cn.squeeze(1)) if lstm else hn.squeeze(1))
         return y, ((hn, cn) if lstm else hn)
 
-    def _run_layers(self, x, lengths, h0, c0, weights, algo: str, layout: PackedLayout | None):
+    def _run_layers(self, x, lengths, h0, c0, weights, algo: str, layout: PackedLayout | None,
+                    eager: bool):
         """The stack in one op call, or (dropout in training) one call per layer with torch's
-        dropout between layers, drawn as torch.nn's CPU kernels draw it."""
+        dropout between layers, drawn as torch.nn's CPU kernels draw it (``eager``:
+        ``run_recurrence``'s)."""
         if algo == onnx.ALGO:
             return onnx.recurrence_nodes(self, x, lengths, h0, c0, weights)
         layers, slot = self.num_layers, self._record.slot
         p = float(self.dropout) if self.training else 0.0
         if p == 0.0 or layers == 1:
             return run_recurrence(x, lengths, h0, c0, weights, self.mode, layers,
-                                  self.bidirectional, algo, (slot, 0, 1))
+                                  self.bidirectional, algo, (slot, 0, 1), eager)
         dirs = 2 if self.bidirectional else 1
         per_layer = len(weights) // layers
         hs, cs = [], []
@@ -135,7 +147,7 @@ class _RecurrentBase(Recorded, torch.nn.RNNBase):
             x, hn, cn = run_recurrence(
                 x, lengths, None if h0 is None else h0[states], None if c0 is None else c0[states],
                 weights[layer * per_layer:(layer + 1) * per_layer], self.mode, 1,
-                self.bidirectional, algo, (slot, layer, layers))
+                self.bidirectional, algo, (slot, layer, layers), eager)
             hs.append(hn)
             cs.append(cn)
             if layer < layers - 1:
@@ -160,9 +172,11 @@ def _current_weights(module) -> list:
     torch.nn's cached ``_flat_weights``: ``torch.func.functional_call`` swaps them in
     ``_parameters``, parametrizations make them properties; ``getattr`` sees both, and a
     parameter is read from ``_parameters`` at once, as ``getattr`` would find it)."""
-    params = module._parameters
-    return [params[name] if name in params else getattr(module, name)
-            for name in module._flat_weights_names]
+    params, names = module._parameters, module._flat_weights_names
+    try:
+        return list(map(params.__getitem__, names))  # (the usual case: in C, no frame)
+    except KeyError:  # (a parametrized weight: a property)
+        return [params[name] if name in params else getattr(module, name) for name in names]
 
 
 def _check_hidden_pair(hx) -> None:
@@ -207,10 +221,24 @@ def _cell_state_dtype(module, x: torch.Tensor, hx, dtype: torch.dtype) -> torch.
 def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> None:
     """torch.nn's exception (``RuntimeError``) for a state or weight that is not on the input's
     device (torch.nn's messages) or not of its dtype (where torch.nn's kernels fail, each with its
-    own words, this names the tensor); ``names``: the weights' names."""
+    own words, this names the tensor); ``names``: the weights' names. (The usual case, every
+    tensor like ``x``, checked in loops without naming anything; on the CPU by ``is_cpu``:
+    building a tensor's ``device`` object costs several times that.)"""
     states = (hx,) if isinstance(hx, torch.Tensor) else (hx or ())
-    if _all_like(x, (*states, *weights)):
-        return  # the usual case, checked without naming anything
+    dtype = x.dtype
+    if x.is_cpu:
+        for t in (*states, *weights):
+            if not t.is_cpu or t.dtype != dtype:
+                break
+        else:
+            return
+    else:
+        device = x.device
+        for t in (*states, *weights):
+            if t.device != device or t.dtype != dtype:
+                break
+        else:
+            return
     states = {"hx": hx} if isinstance(hx, torch.Tensor) else dict(zip(("h_0", "c_0"), hx or ()))
     for kind, tensors in (("hidden", states), ("parameter", dict(zip(names, weights)))):
         for name, t in tensors.items():
@@ -220,22 +248,6 @@ def _check_like_input(x: torch.Tensor, hx, names: list[str], weights: list) -> N
             if t.dtype != x.dtype:
                 raise RuntimeError(f"{name} dtype ({t.dtype}) does not match the input dtype "
                                    f"({x.dtype}): convert it with {name}.to({x.dtype})")
-
-
-def _all_like(x: torch.Tensor, tensors: tuple) -> bool:
-    """Whether every tensor has ``x``'s device and dtype (on the CPU by ``is_cpu``: building a
-    tensor's ``device`` object costs several times that)."""
-    dtype = x.dtype
-    if x.is_cpu:
-        for t in tensors:
-            if not t.is_cpu or t.dtype != dtype:
-                return False
-        return True
-    device = x.device
-    for t in tensors:
-        if t.device != device or t.dtype != dtype:
-            return False
-    return True
 
 
 def _dropout_between_layers(y: torch.Tensor, layout: PackedLayout | None,

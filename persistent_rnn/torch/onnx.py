@@ -37,7 +37,13 @@ _RNN_ACTIVATION = {"RNN_TANH": "Tanh", "RNN_RELU": "Relu"}
 def exporting() -> bool:
     """Whether ``torch.onnx.export(..., dynamo=True)`` is capturing the model (by any of its
     strategies: ``torch.export`` non-strict, then strict, then draft)."""
-    return torch.compiler.is_compiling() and (torch.onnx.is_in_onnx_export() or _flags_say_so())
+    return torch.compiler.is_compiling() and exporting_while_compiling()
+
+
+def exporting_while_compiling() -> bool:
+    """``exporting()`` where ``torch.compiler.is_compiling()`` is known true (a module's forward
+    reads that once)."""
+    return torch.onnx.is_in_onnx_export() or _flags_say_so()
 
 
 def _flags_say_so() -> bool:

@@ -46,7 +46,8 @@ from ..halves import half_dtype
 from ..stats import RunStats
 from ..validation import ALGOS
 from .packing import PackedLayout
-from .interop import Array, lengths_array, library_stream, to_array, to_tensor
+from .interop import (Array, lengths_array, library_stream, on_library_stream, to_array,
+                      to_tensor)
 
 MODES = tuple(spec.mode for spec in CELLS.values() if spec.in_torch)  # torch.nn's mode strings
 
@@ -332,10 +333,24 @@ def _result(a: Array, dtype: torch.dtype) -> Tensor:
     """A library result as a tensor of ``dtype`` (16-bit results are rounded once, here, but a
     planned call's, ``call_plans``, which come in the layer's dtype: a bfloat16 array by its
     bits, carried as float16 as ``_half_array`` carries them)."""
+    if type(a) is np.ndarray and a.dtype is _AS_IS.get(dtype):  # (``_results``' usual case)
+        return torch.from_numpy(a)
     if a.dtype.kind == "V":
         return _result(a.view(np.float16), torch.float16).view(torch.bfloat16)
     t = torch.from_numpy(a) if type(a) is np.ndarray else to_tensor(a)  # to_tensor, inlined
     return t if t.dtype == dtype else t.to(dtype)
+
+
+# NumPy's dtypes of the torch dtypes whose NumPy results are views as they are
+_AS_IS = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+
+
+def _results(arrays, dtype: torch.dtype) -> list[Tensor]:
+    """``_result`` of each array (``None`` kept): the usual case, a NumPy result of ``dtype``
+    (``_AS_IS``), wrapped at once (a call less a result, ``dtype`` read once a call)."""
+    same = _AS_IS.get(dtype)
+    return [a if a is None else torch.from_numpy(a) if type(a) is np.ndarray and a.dtype is same
+            else _result(a, dtype) for a in arrays]
 
 
 def _empty_like_none(x: Tensor) -> Tensor:
@@ -372,10 +387,8 @@ def _eager_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Ten
     ``c_n``, ``None`` for a cell without a cell state, rather than a placeholder). Nothing
     outside holds the context's arrays, so nothing can change them before the backward; the
     weights and ``x`` they view are saved tensors, whose version counters autograd checks."""
-    with library_stream(x):
-        y, hn, cn, ctx = _library_forward(x, lengths, h0, c0, weights, mode, num_layers,
-                                          bidirectional, algo, stats_slot, stats_part)
-    return y, hn, cn, ctx
+    return on_library_stream(x, _library_forward, x, lengths, h0, c0, weights, mode, num_layers,
+                             bidirectional, algo, stats_slot, stats_part)
 
 
 def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
@@ -383,7 +396,8 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
                      algo: str, stats_slot: int, stats_part: int):
     """``(y, h_n, c_n, ctx)`` of ``functional.forward`` on the tensors' memory, in the
     library's stream (``c_n``: ``None`` for a cell without a cell state); records the run."""
-    cell, half = _cell(mode), _HALF.get(x.dtype)
+    dtype = x.dtype
+    cell, half = _cell(mode), _HALF.get(dtype)
     xa = _array(x)
     hx = None if h0 is None and c0 is None else _hidden_arrays(cell, h0, c0)
     record = _RECORDS.get(stats_slot)
@@ -403,9 +417,9 @@ def _library_forward(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: T
             _plan_calls(record, ctx, xa, hx, la, stats_part)
     hn, cn = hn if cell.has_cell_state else (hn, None)
     if record is not None:
-        record.forward(stats_part, ctx.stats, half or _dtype_name(x.dtype))
-    return (_result(y, x.dtype), _result(hn, x.dtype), None if cn is None else
-            _result(cn, x.dtype), ctx)
+        record.forward(stats_part, ctx.stats, half or _dtype_name(dtype))
+    y, hn, cn = _results((y, hn, cn), dtype)
+    return y, hn, cn, ctx
 
 
 def _plan_calls(record: RunRecord, ctx: functional.Context, x: Array, hx, lengths,
@@ -475,8 +489,8 @@ def _eager_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None, dcn
     """``_recurrence_backward`` of an eager call whose forward's ``Context`` is at hand
     (``_eager_forward``): the same gradients, nothing rebuilt (``dc0``: ``None`` without a
     cell state)."""
-    with library_stream(dy):
-        return _library_backward(ctx, dy, dhn, dcn, x, stats_slot, stats_part == stats_parts - 1)
+    return on_library_stream(dy, _library_backward, ctx, dy, dhn, dcn, x, stats_slot,
+                             stats_part == stats_parts - 1)
 
 
 def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
@@ -494,11 +508,10 @@ def _library_backward(ctx: functional.Context, dy: Tensor, dhn: Tensor | None,
         dhx = None if dhn is None and dcn is None else _hidden_arrays(cell, dhn, dcn)
         dx, dh0, grads = functional.backward(ctx, dya, dhx)
     dh0, dc0 = dh0 if cell.has_cell_state else (dh0, None)
-    outputs = (_result(dx, x.dtype), _result(dh0, x.dtype),
-               None if dc0 is None else _result(dc0, x.dtype),
-               [_result(grads[name], x.dtype) for name in ctx.params])
+    dx, dh0, dc0, *dweights = _results((dx, dh0, dc0, *map(grads.__getitem__, ctx.params)),
+                                       x.dtype)
     _record_backward(stats_slot, first, ctx.backward_stats)
-    return outputs
+    return dx, dh0, dc0, dweights
 
 
 recurrence_backward = torch.library.custom_op(
@@ -519,6 +532,12 @@ def _(dy, dhn, dcn, x, lengths, h0, c0, weights, saved, mode, num_layers, bidire
 
 def _setup_context(ctx, inputs, output) -> None:
     x, lengths, h0, c0, weights, *static = inputs
+    _keep(ctx, x, lengths, h0, c0, weights, tuple(static), output, forward_settings())
+
+
+def _keep(ctx, x, lengths, h0, c0, weights, static: tuple, output, kept) -> None:
+    """What ``recurrence``'s forward keeps for its backward (``setup_context``; ``kept``: the
+    settings to run it under, ``forward_settings``)."""
     y, _, _, saved = output
     ctx.set_materialize_grads(False)  # unused outputs (often y or c_n) need no zero gradients
     if isinstance(saved, functional.Context):  # (_eager_forward's)
@@ -526,8 +545,8 @@ def _setup_context(ctx, inputs, output) -> None:
     else:
         ctx.library = None
         ctx.mark_non_differentiable(*saved)
-    ctx.static = tuple(static)
-    ctx.settings = forward_settings()
+    ctx.static = static
+    ctx.settings = kept
     ctx.num_weights = len(weights)
     ctx.save_for_backward(x, lengths, h0, c0, y, *weights, *saved)
 
@@ -546,7 +565,10 @@ def under_forward_settings(ctx) -> contextlib.AbstractContextManager:
 
 
 def _backward(ctx, dy, dhn, dcn, _dsaved):
-    with under_forward_settings(ctx):
+    kept = ctx.settings  # (under_forward_settings without its frame and null context)
+    if kept is None:
+        return _backward_in_force(ctx, dy, dhn, dcn)
+    with settings.in_force(kept):
         return _backward_in_force(ctx, dy, dhn, dcn)
 
 
@@ -565,8 +587,10 @@ def _backward_in_force(ctx, dy, dhn, dcn):
         dx, dh0, dc0, *dweights = grads
     else:
         dy = torch.zeros_like(y) if dy is None else dy
-        batched = not torch.compiler.is_compiling() and _any_batched((dy, dhn, dcn))
-        direct = not batched and _direct(dy, (dhn, dcn, x, h0, c0), weights, saved)
+        compiling = torch.compiler.is_compiling()  # (read once: _direct's, unless batched)
+        batched = not compiling and _any_batched((dy, dhn, dcn))
+        direct = not (batched or compiling or torch._C._is_tracing()) and _untraced_direct(
+            dy, (dhn, dcn, x, h0, c0), weights, saved)
         if direct and ctx.library is not None:
             dx, dh0, dc0, dweights = _eager_backward(ctx.library, dy, dhn, dcn, x,
                                                      *ctx.static[-3:])
@@ -608,7 +632,9 @@ class _Recurrence(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, lengths, h0, c0, static, *weights = inputs
-        _setup_context(ctx, (x, lengths, h0, c0, weights, *static), output)
+        # (an _Eager call is never compiled: its settings are read at once)
+        _keep(ctx, x, lengths, h0, c0, weights, static, output,
+              settings.current() if type(static) is _Eager else forward_settings())
 
     @staticmethod
     def backward(ctx, dy, dhn, dcn, *dsaved):
@@ -627,9 +653,16 @@ def _direct(x: Tensor, tensors: tuple, *lists: list[Tensor]) -> bool:
     autograd key, its wrappers) would run the same function after about 40 µs of Python per
     call; whoever must see the op (the compiler, torch.export, torch.func, a
     TorchDispatchMode, meta or fake tensors) still does."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._is_torch_function_mode_enabled() or is_in_torch_dispatch_mode()
-            or torch.jit.is_tracing() or not (x.is_cpu or x.is_cuda) or type(x) not in _PLAIN):
+    # (torch.jit.is_tracing's own test, less its is_scripting, false outside TorchScript)
+    return not (torch.compiler.is_compiling() or torch._C._is_tracing()) and _untraced_direct(
+        x, tensors, *lists)
+
+
+def _untraced_direct(x: Tensor, tensors: tuple, *lists: list[Tensor]) -> bool:
+    """``_direct`` where the caller found neither torch.compile nor torch.jit.trace tracing."""
+    if (torch._C._are_functorch_transforms_active() or torch._C._is_torch_function_mode_enabled()
+            or is_in_torch_dispatch_mode() or not (x.is_cpu or x.is_cuda)
+            or type(x) not in _PLAIN):
         return False
     for t in tensors:
         if t is not None and type(t) not in _PLAIN:
@@ -643,25 +676,29 @@ def _direct(x: Tensor, tensors: tuple, *lists: list[Tensor]) -> bool:
 
 def run_recurrence(x: Tensor, lengths: Tensor | None, h0: Tensor | None, c0: Tensor | None,
                    weights: list[Tensor], mode: str, num_layers: int, bidirectional: bool,
-                   algo: str, stats: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+                   algo: str, stats: tuple[int, int, int],
+                   eager: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``recurrence``'s ``(y, h_n, c_n)`` with autograd (``stats``: slot, part, parts);
-    ``c_n`` is ``None`` for a cell without a cell state."""
+    ``c_n`` is ``None`` for a cell without a cell state. ``eager``: the caller found neither
+    torch.compile nor torch.jit.trace tracing (``_direct`` need not ask again)."""
     static = (mode, num_layers, bidirectional, algo, *stats)
-    if not _direct(x, (h0, c0), weights):
+    if not (_untraced_direct if eager else _direct)(x, (h0, c0), weights):
         y, hn, cn, *_ = _Recurrence.apply(x, lengths, h0, c0, static, *weights)
-    elif torch.is_grad_enabled() and _any_requires_grad(x, h0, c0, weights):
+        return y, hn, cn if _cell(mode).has_cell_state else None
+    if torch.is_grad_enabled() and _any_requires_grad(x, h0, c0, weights):
         # Function.apply's own course without functorch transforms, less its binding of the
         # arguments to forward's signature (forward has no defaults to fill): 10 µs a call;
         # tensors that escaped a torch.func transform unwrapped as apply does
         # (``unwrap_dead_wrappers``, without its generator's resumption per argument)
-        y, hn, cn, *_ = _apply_function(*[
+        # (c_n: _eager_forward's, None without a cell state)
+        y, hn, cn, _ = _apply_function(*[
             _unwrap_if_dead(a) if isinstance(a, Tensor) else a
             for a in (x, lengths, h0, c0, _Eager(static), *weights)])
-    else:  # nothing to differentiate: no autograd node, no activations kept for backward
-        with library_stream(x):
-            y, hn, cn, _ = _library_forward(x, lengths, h0, c0, weights, *static[:-1])
         return y, hn, cn
-    return y, hn, cn if _cell(mode).has_cell_state else None
+    # nothing to differentiate: no autograd node, nothing kept
+    y, hn, cn, _ = on_library_stream(x, _library_forward, x, lengths, h0, c0, weights,
+                                     *static[:-1])
+    return y, hn, cn
 
 
 _apply_function = super(torch.autograd.Function, _Recurrence).apply

@@ -104,40 +104,46 @@ MAX_DECISIONS = 256  # signatures remembered; the table is emptied when it is fu
 
 def choose(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
            batch) -> Decision:
-    """The ``Decision`` for a forward on ``x``: ``path`` is ``"torch"`` or the library
-    ``algo`` to run; ``why`` says why the persistent kernel does not run (``None`` where it
-    may).
+    """The ``Decision`` for an eager forward on ``x`` (outside torch.compile, which ``decide``
+    serves: the caller reads which): ``path`` is ``"torch"`` or the library ``algo`` to run;
+    ``why`` says why the persistent kernel does not run (``None`` where it may).
 
     The library runs in ``compute_dtype`` (under autocast the module casts the input, states
     and weights to it, as autocast casts an op's inputs). ``batch`` is a callable giving the
     batch size (read only where it matters: it is a tensor element for packed input).
-    Outside torch.compile the decision is remembered per signature: everything it depends on
-    (the algo, cell, sizes, dtype, device, autocast, CUDA capture, and for ``"auto"`` on CUDA
-    the batch and ``auto_max_batch``); an error is never remembered.
+    The decision is remembered per signature: everything it depends on (the algo, cell, sizes,
+    dtype, device, autocast, CUDA capture, and for ``"auto"`` on CUDA the batch and
+    ``auto_max_batch``); an error is never remembered.
     """
-    if torch.compiler.is_compiling():  # traced once per graph, guarded by the compiler
-        return _decide(algo, cell, x, hidden, proj_size, batch)
-    device = x.device
     # (outside every autocast, as usual, no device type is read: reading it and asking per
-    # device costs more than the rest of this function)
-    low = autocast_dtype(device.type) if torch._C._is_any_autocast_enabled() else None
-    key = (algo, cell.name, x.dtype, device, low, hidden, proj_size)  # (a name hashes fast)
-    if x.is_cuda:
-        key += (torch.cuda.is_current_stream_capturing(),)
-        if algo == "auto":
-            key += (int(batch()), settings.current().auto_max_batch)
+    # device costs more than the rest of this function; a CPU tensor's device object is not
+    # made either: ``None`` in the key stands for the CPU)
+    autocast = torch._C._is_any_autocast_enabled()
+    if x.is_cpu:
+        low = autocast_dtype("cpu") if autocast else None
+        key = (algo, cell.name, x.dtype, None, low, hidden, proj_size)  # (a name hashes fast)
+    else:
+        device = x.device
+        low = autocast_dtype(device.type) if autocast else None
+        key = (algo, cell.name, x.dtype, device, low, hidden, proj_size)
+        if x.is_cuda:
+            # (torch.cuda.is_current_stream_capturing's own binding, without its Python frame)
+            key += (torch._C._cuda_isCurrentStreamCapturing(),)
+            if algo == "auto":
+                key += (int(batch()), settings.current().auto_max_batch)
     found = _DECISIONS.get(key)
     if found is None:
-        found = _decide(algo, cell, x, hidden, proj_size, batch)
+        found = decide(algo, cell, x, hidden, proj_size, batch)
         if len(_DECISIONS) >= MAX_DECISIONS:
             _DECISIONS.clear()
         _DECISIONS[key] = found
     return found
 
 
-def _decide(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
-            batch) -> Decision:
-    """``choose``'s decision, made afresh."""
+def decide(algo: str, cell: CellSpec, x: torch.Tensor, hidden: int, proj_size: int,
+           batch) -> Decision:
+    """``choose``'s decision, made afresh (under torch.compile: traced once per graph, guarded
+    by the compiler)."""
     dtype = compute_dtype(cell, x)
     path, why = _path(algo, cell, x, hidden, proj_size, batch, dtype)
     return Decision(path, why, dtype, autocast_dtype(x.device.type) is not None)
