@@ -67,6 +67,12 @@ _ADDRESSED = frozenset(_PER_CALL) - {"lengths"}
 _INDICES = tuple(range(64))  # (``_key``'s positions of its ``made`` arrays)
 
 
+def _present(h: Array, c: Array | None) -> tuple:
+    """``(h, c)``, or ``(h,)`` without a cell state: a call's arrays of fixed layout among the
+    states (``_key``'s ``made``; never ``None``)."""
+    return (h,) if c is None else (h, c)
+
+
 def _matrices(xp, name: str, shape: tuple[int, int, int], words: str | None) -> Array:
     """The workspace a stack kernel reads matrices of ``shape`` (groups, rows, K) from: float32,
     or where its weights are 16-bit (``words``: ``stack._weights_dtype``) uint32 words of two
@@ -192,8 +198,7 @@ class StackPlan(Plan):
         call = (given, inputs, out, h_n, c_n, lengths, y, cs, states)
         stats = stack.run_forward(self.engine, args, xp, stack.Around(
             lambda: self._before_forward(call), lambda: self._after_forward(call),
-            lambda: self._key("forward", (*inputs, out, h_n) if c_n is None
-                              else (*inputs, out, h_n, c_n), (given, states)),
+            lambda: self._key("forward", (*inputs, out, *_present(h_n, c_n)), (given, states)),
             _PER_CALL, self.fixed_arguments.setdefault("forward", {}), _ADDRESSED))
         ctx = functional.Context(cell, params, groups, False, False, self.algo, lengths, None,
                                  self.half, inputs, [[functional._Direction(
@@ -413,8 +418,8 @@ class StackPlan(Plan):
         call = (ctx, dy, args, dx, dh, dc, grads, into, results)
         ctx.backward_stats = stack.run_backward(self.backward_engine, args, xp, stack.Around(
             lambda: self._before_backward(call), lambda: self._after_backward(call),
-            lambda: self._key("backward", (dy, dx, dh, *ctx.inputs, *results.values())
-                              + (() if dc is None else (dc,)), (ctx.reverse_index,)),
+            lambda: self._key("backward", (dy, dx, *_present(dh, dc), *ctx.inputs,
+                                           *results.values()), (ctx.reverse_index,)),
             _PER_CALL, self.fixed_arguments.setdefault("backward", {}), _ADDRESSED))
         return dx, (dh if dc is None else (dh, dc)), results
 
@@ -629,12 +634,12 @@ class PairPlan(StackPlan):
                 target = inputs[layer + 1] if layer + 1 < self.num_layers else out
                 call = (layer, given, inputs[layer], target, lengths, y, cs, reverse, h_n, c_n,
                         states)
+                made = (inputs[layer], target, *_present(h_n, c_n))  # (``_key``'s)
                 stats.merge(stack.run_forward(self.engine, args, xp, stack.Around(
                     lambda call=call: self._before_pair(call),
                     lambda call=call: self._after_pair(call),
-                    lambda call=call: self._key(("forward", call[0]), call[2:4] + call[8:9]
-                                                + call[9:10] * (call[9] is not None),
-                                                (call[1], call[7], call[10])),
+                    lambda layer=layer, made=made: self._key(("forward", layer), made,
+                                                             (given, reverse, states)),
                     _PER_CALL, self.fixed_arguments.setdefault(("forward", layer), {}),
                     _ADDRESSED)))
                 directions.append([functional._Direction(
@@ -721,6 +726,7 @@ class PairPlan(StackPlan):
         xp, held, lengths = self.xp, self.backward_pass, ctx.lengths
         kept, h0, c0 = ctx.stacked
         dx, dh, dc, grads, into, results = self._backward_results(dy, c0 is not None, held, into)
+        made = (dy, dx, *_present(dh, dc), *results.values(), *ctx.inputs)  # (``_key``'s)
         stats = RunStats()
         with launch.one_graph():  # (every layer's chain: one graph, one launch)
             for layer in range(self.num_layers - 1, -1, -1):
@@ -734,9 +740,8 @@ class PairPlan(StackPlan):
                 stats.merge(stack.run_backward(self.backward_engine, args, xp, stack.Around(
                     lambda call=call: self._before_pair_backward(call),
                     lambda call=call: self._after_pair_backward(call),
-                    lambda call=call: self._key(("backward", call[0]), (
-                        call[2], *call[4:6], *results.values(), *ctx.inputs)
-                        + call[6:7] * (call[6] is not None), (ctx.reverse_index,)),
+                    lambda layer=layer: self._key(("backward", layer), made,
+                                                  (ctx.reverse_index,)),
                     _PER_CALL, self.fixed_arguments.setdefault(("backward", layer), {}),
                     _ADDRESSED)))
         ctx.backward_stats = stats
