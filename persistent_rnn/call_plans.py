@@ -302,7 +302,7 @@ class Plan(CallSignature):
         arrays["h_n"] = h_n = xp.empty(self.state_shape, dtype)
         if cs is not None:
             arrays["c_n"] = c_n = xp.empty(self.c_shape, dtype)
-        stats = self.forward_pass.run(arrays)
+        stats = self.forward_pass.run(arrays, captured=False)  # (``matches`` asked: ``_where``)
         ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None,
                                  self.half, [layer_input],
                                  [[functional._Direction(self.names, h0, c0, fwd)]], stats)
@@ -388,7 +388,7 @@ class Plan(CallSignature):
         arrays.update(grads)  # (by their parameters' names: the ``gradient_roles``)
         if self.accumulates:
             self._keep_sums(into, self.gradient_names, (self.backward_pass,))
-        ctx.backward_stats = self.backward_pass.run(arrays)
+        ctx.backward_stats = self.backward_pass.run(arrays, captured=False)  # (``_where``)
         return dx, (dh if self.c0 is None else (dh, dc)), grads
 
     @staticmethod

@@ -531,7 +531,8 @@ CHAIN_MEMSETS = 1  # Chain.reset in steady state (the record reaches the host fr
 
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
               stall: settings.Stall, complete: Callable[[], None],
-              arguments_key: Callable[[], tuple] | None = None) -> None:
+              arguments_key: Callable[[], tuple] | None = None,
+              captured: bool | None = None) -> None:
     """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:
     ``first``, then ``RESUME``), ``complete()`` the completion kernel (``Chain.complete``).
     Nothing is read back. ``arguments_key``: builds a key of every argument the pass's and the
@@ -539,8 +540,10 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     chain is never a graph); with it, a chain seen before is replayed as one CUDA graph
     (``chain_graphs``). Outside a user's capture the completion publishes the record
     (``Chain.recorded`` counts it: ``pass_stats`` reads it). Inside ``one_graph`` the chain is
-    enqueued with the block's others at its end, all of them one graph."""
-    record = chain.published = not capturing(chain.words)
+    enqueued with the block's others at its end, all of them one graph. ``captured``: whether
+    the stream is being captured, where the caller has just asked it (a call plan's check:
+    ``call_plans._where``); ``None``: ``run_chain`` asks (on a GPU an API call)."""
+    record = chain.published = not (capturing(chain.words) if captured is None else captured)
     # where the completion publishes the record: the ring, or under a user's capture nowhere
     # (the chain's own words, with no slots: never written)
     chain.publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record \

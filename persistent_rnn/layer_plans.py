@@ -182,7 +182,7 @@ class LayersPlan(Plan):
                 arrays.update(states, x=inputs[layer], x_given=given, reverse=reverse,
                               y_first=first_y, h_n=h_n[k], c_n=None if c_n is None else c_n[k],
                               out=inputs[layer + 1] if layer + 1 < self.num_layers else out)
-                stats.merge(prepared.run(arrays))
+                stats.merge(prepared.run(arrays, captured=False))  # (``_where``)
                 directions[layer].append(functional._Direction(
                     self.direction_names[k], h0[k], None if c0 is None else c0[k], fwd))
                 first_y = fwd.y if direction == 0 else None
@@ -367,7 +367,7 @@ class LayersPlan(Plan):
                     arrays.update(per_call, dy_in=dy, x=ctx.inputs[layer], dh0=dh[k],
                                   dc0=None if dc is None else dc[k], dx=dx,
                                   reverse=ctx.reverse_index)
-                    stats.merge(prepared.run(arrays))
+                    stats.merge(prepared.run(arrays, captured=False))  # (``_where``)
         ctx.backward_stats = stats
         return dx, (dh if dc is None else (dh, dc)), ({} if self.accumulates else grads)
 

@@ -396,16 +396,18 @@ class PreparedPass:
         self._roles: tuple | None = None  # (argument, role) pairs (``_role_lists``)
         self._static_key: tuple | None = None  # the chain graph's key but the per-call arrays
 
-    def run(self, arrays: dict[str, Array | None] | None = None) -> RunStats:
+    def run(self, arrays: dict[str, Array | None] | None = None,
+            captured: bool | None = None) -> RunStats:
         """Enqueue the pass with this call's ``arrays`` (by role; ``None``: the first call's,
         which the arguments hold); its stats. The launches' arguments are substituted only
-        where the chain is issued launch by launch (a replayed chain graph needs its key only)."""
+        where the chain is issued launch by launch (a replayed chain graph needs its key only).
+        ``captured``: ``launch.run_chain``'s."""
         if arrays is None:
             arrays = self._arrays
         chain = self.chain
         launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
                          settings.current_stall(), partial(self._complete, arrays),
-                         partial(self._key, arrays))
+                         partial(self._key, arrays), captured)
         return launch.pass_stats(chain, self.end, chain.engine.detail())
 
     def _launch(self, arrays: dict[str, Array | None], made: list, start: Any,

@@ -77,7 +77,9 @@ class Around:
     allocate or look up scratch. ``per_call``: the names of the kernel's arguments that are
     this call's arrays; the others are the plan's, the same every call while ``fixed`` (a dict
     the plan keeps per prepared pass, emptied when what the pass holds changes) is kept: the
-    key's part over them is built once into it (``_planned_key``)."""
+    key's part over them is built once into it (``_planned_key``). A planned call runs only
+    where its plan found the stream not being captured (``call_plans._where``): ``_run`` tells
+    ``launch.run_chain`` so."""
 
     before: Callable[[], None]
     after: Callable[[], None]
@@ -126,7 +128,7 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
                      partial(_arguments_key, complete, first_starts, args, complete_args)
                      if around is None else
                      partial(_planned_key, complete, first_starts, args, complete_args, around,
-                             exchanges))
+                             exchanges), None if around is None else False)
     what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     return launch.pass_stats(chain, end, engine_.detail(what), group="layer")
 

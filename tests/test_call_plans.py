@@ -912,6 +912,36 @@ def test_multi_chain_plans_add_into_the_layers_gradients_replaced(settings, grid
     assert all(chain_graphs.value(g) in chain for chain in chains for g in planned.grads.values())
 
 
+PLANNED_ROADS = [("layer", True, {}), ("stack", True, {"num_layers": 2}),
+                 ("pairs", True, {"bidirectional": True}),
+                 ("layer-directions", False, {"bidirectional": True})]
+
+
+@pytest.mark.parametrize("stack,shape", [(s, k) for _, s, k in PLANNED_ROADS],
+                         ids=[name for name, _, _ in PLANNED_ROADS])
+def test_a_planned_call_does_not_ask_the_stream_again(settings, grid_path, monkeypatch,
+                                                      stub_chains, stack, shape):
+    """A planned call's plan has just found the stream not being captured (``matches`` and the
+    backward's check: ``call_plans._where``, on a GPU an API call): its chains are enqueued
+    without asking again (``launch.run_chain``'s ``captured``), forward and backward, for a
+    layer, a stack, pairs and layer-directions - the chains stubbed, as a replay issues none of
+    their launches. Sabotage: a plan that does not say so fails it."""
+    prnn.configure(stack=stack)
+    layer = prnn.GRU(SI, SH, algo="persistent", seed=3, **shape)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((ST, SB, SI)).astype(np.float32)
+    dy = rng.standard_normal((ST, SB, SH * layer.directions)).astype(np.float32)
+    for _ in range(4):  # (calls 1 and 2 plan the forward, 3 the backward)
+        layer.forward(x)
+        layer.backward(dy)
+    asked = []
+    stub_chains()
+    monkeypatch.setattr(launch, "capturing", lambda a: asked.append(a) or False)
+    layer.forward(x)
+    layer.backward(dy)
+    assert layer._plan is not None and asked == []
+
+
 @pytest.mark.parametrize("sabotage", ["weights stacked once", "outputs copied unselected",
                                       "the first call's reversal"])
 def test_a_sabotaged_stack_plan_is_caught(settings, grid_path, monkeypatch, sabotage):
