@@ -395,6 +395,7 @@ class PreparedPass:
         self._arrays = arrays  # the first call's, which ``args`` hold
         self._roles: tuple | None = None  # (argument, role) pairs (``_role_lists``)
         self._static_key: tuple | None = None  # the chain graph's key but the per-call arrays
+        self._detail = chain.engine.detail()
 
     def run(self, arrays: dict[str, Array | None] | None = None,
             captured: bool | None = None) -> RunStats:
@@ -408,7 +409,7 @@ class PreparedPass:
         launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
                          settings.current_stall(), partial(self._complete, arrays),
                          partial(self._key, arrays), captured)
-        return launch.pass_stats(chain, self.end, chain.engine.detail())
+        return launch.pass_stats(chain, self.end, self._detail)
 
     def _launch(self, arrays: dict[str, Array | None], made: list, start: Any,
                 stall: settings.Stall) -> None:

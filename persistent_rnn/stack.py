@@ -107,10 +107,10 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
     ``around.fixed`` (its plan serves one thread and stream)."""
     held = None if around is None else around.fixed.get("pass")
     if held is None:
-        held = _pass_of(engine_, args, layers, direction, xp, exchanges)
+        held = _pass_of(engine_, args, layers, direction, xp, chained, exchanges)
         if around is not None:
             around.fixed["pass"] = held
-    chain, exchange_args, first, end, first_starts = held
+    chain, exchange_args, first, end, first_starts, detail = held
     args = {**args, **exchange_args}
 
     def go(start, stall: settings.Stall) -> None:
@@ -129,20 +129,22 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
                      if around is None else
                      partial(_planned_key, complete, first_starts, args, complete_args, around,
                              exchanges), None if around is None else False)
-    what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
-    return launch.pass_stats(chain, end, engine_.detail(what), group="layer")
+    return launch.pass_stats(chain, end, detail, group="layer")
 
 
 def _pass_of(engine_: launch.Engine, args: dict, layers: int, direction: int, xp,
-             exchanges: tuple[tuple[str, ...], ...]) -> tuple:
-    """``_run``'s ``(chain, exchange arguments, first step, end, first launch's starts)``."""
+             chained: bool, exchanges: tuple[tuple[str, ...], ...]) -> tuple:
+    """``_run``'s ``(chain, exchange arguments, first step, end, first launch's starts,
+    detail)``."""
     steps = args["steps"]
     shape = (layers, steps, args["batch"], engine_.pass_plan.exchange_row)
     chain = launch.chain_for(xp, engine_, layers, (shape,) * len(exchanges),
                              restart_zeroes=False)
     first, end = (0, steps) if direction > 0 else (steps - 1, -1)
+    what = f"stack of {layers} layers" if chained else "both directions of a layer side by side"
     return (chain, {name: buffer for names, buffer in zip(exchanges, chain.exchanges)
-                    for name in names}, first, end, buffers.constant_ints(xp, layers, first))
+                    for name in names}, first, end, buffers.constant_ints(xp, layers, first),
+            engine_.detail(what))
 
 
 def _arguments_key(complete: str, first_starts: Array, args: dict, complete_args: dict
