@@ -587,9 +587,11 @@ def engine_of(pass_plan: planner.PassPlan, device: hardware.DeviceProfile, coope
               emulated: bool) -> tuple[_Engine | None, str | None]:
     """The engine of a planned pass: its module built (NVRTC, or g++ for the emulation) and, on
     the GPU, the grid checked against CUDA's occupancy calculator; or why it cannot run."""
-    # (the shared bytes too: a launch's shape, which a chain graph replays and residency checks)
-    key = (device.name, emulated, pass_plan.kernel, tuple(sorted(pass_plan.defines.items())),
-           pass_plan.grid, pass_plan.block, pass_plan.shared_bytes)
+    # (the shared bytes too: a launch's shape, which a chain graph replays and residency checks;
+    # hashed once: the cooldowns look it up every call)
+    key = chain_graphs.Fixed((device.name, emulated, pass_plan.kernel,
+                              tuple(sorted(pass_plan.defines.items())), pass_plan.grid,
+                              pass_plan.block, pass_plan.shared_bytes))
     if emulated:
         from . import emulate
         module = emulate.get_module(pass_plan.source, pass_plan.defines)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import persistent_rnn as prnn
-from persistent_rnn import emulate, launch, plan as planner, runtime, tiles
+from persistent_rnn import chain_graphs, emulate, launch, plan as planner, runtime, tiles
 from persistent_rnn.cells import CELLS
 from persistent_rnn.stats import RunStats
 
@@ -612,7 +612,8 @@ def test_launch_config_matches_the_driver_struct():
 def test_an_engines_key_tells_apart_launches_of_other_shared_bytes(monkeypatch):
     """The key names a launch's whole shape: a chain graph keyed by it replays that shape, and
     the residency cooldown follows it. Two passes that differ only in their shared bytes (the
-    same kernel, defines, grid and block: another batch) have two keys."""
+    same kernel, defines, grid and block: another batch) have two keys; each hashed once
+    (``chain_graphs.Fixed``: the cooldowns look it up every call)."""
     from dataclasses import replace
 
     from persistent_rnn import emulate, hardware
@@ -621,4 +622,4 @@ def test_an_engines_key_tells_apart_launches_of_other_shared_bytes(monkeypatch):
     keys = {runtime.engine_of(replace(pass_plan, shared_bytes=n), hardware.PROFILES["h100"],
                               False, True)[0].key
             for n in (pass_plan.shared_bytes, pass_plan.shared_bytes + 16)}
-    assert len(keys) == 2
+    assert len(keys) == 2 and all(isinstance(k, chain_graphs.Fixed) for k in keys)
