@@ -61,6 +61,10 @@ class Fixed(tuple):
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # (made again where it is unpickled: a string's hash differs between processes)
+        return Fixed, (tuple(self),)
+
 
 def value(v: Any) -> Any:
     """What a chain reads of one argument: an array's address, shape, strides and dtype, or the

@@ -4,6 +4,12 @@ a capture that fails, and that the library's own capture holds no arrays. The re
 on a GPU in tests/test_gpu_chain_graphs.py."""
 from __future__ import annotations
 
+import copy
+import os
+import pickle
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -119,6 +125,18 @@ def test_a_fixed_key_part_is_hashed_once():
     table = {(fixed, 1): "graph"}
     assert table[(fixed, 1)] == "graph" and hash(fixed) == hash((item, 3))
     assert fixed == (item, 3) and len(hashed) == 2  # (the last hash: the plain tuple's)
+
+def test_a_fixed_key_part_unpickled_is_hashed_where_it_lands():
+    """A ``Fixed`` pickled in another process (another string hash seed) or copied is made anew
+    where it lands: its hash is the parts' there, so a look-up finds it. Sabotage: pickling its
+    cached hash with it fails it."""
+    made = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; from persistent_rnn import chain_graphs; "
+         "sys.stdout.buffer.write(pickle.dumps(chain_graphs.Fixed(('gru', 3))))"],
+        capture_output=True, check=True, env={**os.environ, "PYTHONHASHSEED": "1"}).stdout
+    for landed in (pickle.loads(made), copy.deepcopy(chain_graphs.Fixed(("gru", 3)))):
+        assert isinstance(landed, chain_graphs.Fixed) and hash(landed) == hash(("gru", 3))
+        assert {("gru", 3): "graph"}[landed] == "graph"
 
 
 def test_not_eligible_on_numpy_or_with_the_setting_off():
