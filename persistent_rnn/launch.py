@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from . import buffers, chain_graphs, settings
-from .stats import RunStats
 from ._sources import cuda_src_dir
+from .stats import RunStats
 
 Array = Any
 
