@@ -398,13 +398,8 @@ class Plan(CallSignature):
         with their fixed arrays (``sums``, in ``names``' order): the same objects call after
         call (the layer's ``grads``), checked by identity; where the caller's are others, held
         anew and the chains keyed again (``PreparedPass.forget_key``)."""
-        held = passes[0].around.fixed.get("sums")
-        if held is not None:
-            for name, a in zip(names, held):  # (a loop: no generator's frame)
-                if into[name] is not a:
-                    break
-            else:
-                return
+        if holds(passes[0].around.fixed.get("sums"), into, names):
+            return
         sums = tuple(into[name] for name in names)
         for prepared in passes:
             prepared.around.fixed["sums"] = sums
@@ -503,6 +498,17 @@ class Plan(CallSignature):
                 and _where(self.xp) == self.backward_where and self._same_weights(ctx.params)
                 and launch.COOLDOWNS.reason(self.backward_engine.key) is None)
 
+
+
+def holds(held: tuple | None, into: Mapping[str, Array], names: Sequence[str]) -> bool:
+    """Whether ``held`` (or ``None``) is ``into``'s arrays of ``names``, in order, the very
+    objects (a plan's held sums: ``Plan._keep_sums``, ``StackPlan._held_sums``)."""
+    if held is None:
+        return False
+    for name, a in zip(names, held):  # (a loop: no generator's frame)
+        if into[name] is not a:
+            return False
+    return True
 
 
 def contiguous_states(xp, states: tuple) -> tuple:

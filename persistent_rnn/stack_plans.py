@@ -43,7 +43,7 @@ import numpy as np
 from . import buffers, chain_graphs, functional, launch, runtime, stack
 from .buffers import select_active, workspace
 from .call_plans import (_GRADIENTS, _SUM, Plan, _bits, _narrowed, _refresh, _same_memory,
-                         contiguous_states, formed_input)
+                         contiguous_states, formed_input, holds)
 from .halves import half_dtype, widen
 from .matmul import matmul_half, matmul_steps
 from .stats import RunStats
@@ -444,13 +444,8 @@ class StackPlan(Plan):
         plan's order, held (``sums``) and keyed with its fixed arrays (``_key``): the same
         objects call after call (the layer's ``grads``), checked by identity; where the
         caller's are others, held anew and the chains keyed again."""
-        held = self.sums
-        if held is not None:
-            for name, a in zip(self.names, held):  # (a loop: no generator's frame)
-                if into[name] is not a:
-                    break
-            else:
-                return held
+        if holds(self.sums, into, self.names):
+            return self.sums
         self.sums, self._fixed_key = tuple(into[n] for n in self.names), None
         return self.sums
 

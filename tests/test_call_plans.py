@@ -67,6 +67,27 @@ def _step(layer, x, dy) -> list[np.ndarray]:
     return _flat(y, hn, dx, dhx) + [g.copy() for g in layer.grads.values()]
 
 
+def _numpy_pointers(monkeypatch) -> None:
+    """``chain_graphs.value`` and ``addresses`` on NumPy arrays, their data pointers standing in
+    for device pointers (``value`` otherwise as on a GPU: shape, strides, dtype)."""
+    monkeypatch.setattr(chain_graphs, "value", lambda v: (
+        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
+        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
+        if isinstance(v, tuple) else v))
+    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
+        [arrays[role].__array_interface__["data"][0] for role in roles]))
+
+
+def _issued_keys(monkeypatch) -> list:
+    """Every chain graph's key (``chain_graphs.run``, eligible on NumPy), the chain issued
+    as it is (never replayed); returns the list they are appended to."""
+    keys = []
+    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(chain_graphs, "run",
+                        lambda key, issue: keys.append(key) or issue() or False)
+    return keys
+
+
 class _Hits:
     """Counts the planned forwards and backwards that ran (``Plan.forward`` / ``backward``
     without falling back to ``functional.backward``)."""
@@ -189,16 +210,8 @@ def test_a_layers_gradients_replaced_are_what_the_plan_adds_into(settings, grid_
     (``Plan._keep_sums``); a caller who puts new arrays there gets them summed into, bitwise as
     the full path, the chain keyed again (its graph key holds them). Sabotage: the first call's
     arrays kept, or not keyed again, fails it."""
-    monkeypatch.setattr(chain_graphs, "value", lambda v: (
-        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
-        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
-        if isinstance(v, tuple) else v))
-    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
-        [arrays[role].__array_interface__["data"][0] for role in roles]))
-    keys = []
-    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
-    monkeypatch.setattr(chain_graphs, "run",
-                        lambda key, issue: keys.append(key) or issue() or False)
+    _numpy_pointers(monkeypatch)
+    keys = _issued_keys(monkeypatch)
     hits = _Hits(monkeypatch)
     planned, full = _layer("GRU", dtype=half or "float32"), _layer("GRU", dtype=half or "float32")
     for seed in range(4):  # (calls 1 and 2 plan the forward, call 3 the backward; 4 planned)
@@ -408,12 +421,7 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     ``dx``. (An LSTM with lengths: every role; a GRU's
     plan and one without lengths have a subset of them.)"""
     cell, lengths = "LSTM", [4, 2]
-    monkeypatch.setattr(chain_graphs, "value", lambda v: (
-        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
-        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
-        if isinstance(v, tuple) else v))
-    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
-        [arrays[role].__array_interface__["data"][0] for role in roles]))
+    _numpy_pointers(monkeypatch)
     keys = []
 
     def run(key, issue):  # (the chain issued as it is: a replay would issue the same)
@@ -878,16 +886,8 @@ def test_multi_chain_plans_add_into_the_layers_gradients_replaced(settings, grid
     shape = {"num_layers": 2} if plan == "stack" else {"bidirectional": True}
     planned, full = (prnn.GRU(SI, SH, algo="persistent", seed=3, dtype=half or "float32",
                               **shape) for _ in range(2))
-    keys = []
-    monkeypatch.setattr(chain_graphs, "value", lambda v: (
-        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
-        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
-        if isinstance(v, tuple) else v))
-    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
-        [arrays[role].__array_interface__["data"][0] for role in roles]))
-    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
-    monkeypatch.setattr(chain_graphs, "run",
-                        lambda key, issue: keys.append(key) or issue() or False)
+    _numpy_pointers(monkeypatch)
+    keys = _issued_keys(monkeypatch)
     rng = np.random.default_rng(0)
     data = [(rng.standard_normal((ST, SB, SI)).astype(planned.dtype),
              rng.standard_normal((ST, SB, SH * planned.directions)).astype(planned.dtype))
@@ -1393,10 +1393,7 @@ def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_pa
     the arrays their functions hold). Sabotage: a per-call argument left out of
     ``stack_plans._PER_CALL`` (keyed once with the fixed ones), or an output left out of a
     plan's ``_key``, fails it."""
-    monkeypatch.setattr(chain_graphs, "value", lambda v: (
-        (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.char)
-        if isinstance(v, np.ndarray) else tuple(chain_graphs.value(u) for u in v)
-        if isinstance(v, tuple) else v))
+    _numpy_pointers(monkeypatch)
     # (an addressed array's whole value: the key holds its address per call, its layout once)
     monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
         chain_graphs.value(arrays[r]) for r in roles))
