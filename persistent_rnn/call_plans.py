@@ -280,14 +280,7 @@ class Plan(CallSignature):
         ``torch.interop.lengths_array``)."""
         xp, cell = self.xp, self.cell
         h0, c0, states = (self.h0, self.c0, {}) if hx is None else self._initial_states(hx)
-        layer_input, given = x, None
-        if lengths is not None or not x.flags.c_contiguous:
-            # (formed in the chain: with lengths the input zero past each length, as
-            # functional's ``_selected_input``; else a strided input copied, its products
-            # reading rows in place)
-            layer_input, given = self.formed, x
-            if layer_input is None:
-                layer_input = self._own("formed", xp.empty(x.shape, x.dtype))
+        layer_input, given = self._layer_input(x, lengths)
         fwd = self.results
         if fwd is None:
             y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
@@ -308,6 +301,19 @@ class Plan(CallSignature):
                                  [[functional._Direction(self.names, h0, c0, fwd)]], stats)
         ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
+
+    def _layer_input(self, x: Array, lengths: Any) -> tuple[Array, Array | None]:
+        """``(layer_input, given)``: the input the (first) pass reads and the caller's it is
+        formed from inside the (first) chain - with lengths the input zero past each length, as
+        functional's ``_selected_input``, or a strided input copied (its products reading rows
+        in place) into the plan's (the layer API's, held: ``formed``) or a new array; else
+        ``x`` itself, ``given`` None."""
+        if lengths is None and x.flags.c_contiguous:
+            return x, None
+        formed = self.formed
+        if formed is None:
+            formed = self._own("formed", self.xp.empty(x.shape, x.dtype))
+        return formed, x
 
     def _own(self, name: str, made: Any) -> Any:
         """``made``, a forward's new arrays the backward reads (``results``: ``y``, ``cs``,

@@ -154,12 +154,7 @@ class LayersPlan(Plan):
         """``Plan.forward`` of the layer-directions: their chains in one graph."""
         xp, cell, steps = self.xp, self.cell, self.x_shape[0]
         h0, c0, states = (self.h0, self.c0, {}) if hx is None else self._initial_states(hx)
-        layer_input, given = x, None
-        if lengths is not None or not x.flags.c_contiguous:  # (formed in the first chain)
-            layer_input = self.formed
-            if layer_input is None:
-                layer_input = self._own("formed", xp.empty(x.shape, x.dtype))
-            given = x
+        layer_input, given = self._layer_input(x, lengths)
         held = self.activations
         if held is None:
             held = self._own("activations", self._activations(x, lengths))

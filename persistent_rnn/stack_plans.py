@@ -210,17 +210,6 @@ class StackPlan(Plan):
         ctx.scratch_results = self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
-    def _layer_input(self, x: Array, lengths: Any) -> tuple[Array, Array | None]:
-        """``(layer_input, given)``: the input the first layer reads and the caller's it is
-        formed from in the (first) chain - with lengths or a strided ``x``, the plan's (the
-        layer API's, held: ``formed``) or a new array; else ``x`` itself, ``given`` None."""
-        if lengths is None and x.flags.c_contiguous:
-            return x, None
-        formed = self.formed
-        if formed is None:
-            formed = self._own("formed", self.xp.empty(x.shape, x.dtype))
-        return formed, x
-
     def _initial_states(self, hx: Any) -> tuple[Array, Array | None, tuple]:
         """``(h0, c0, states)`` of a call giving ``hx`` (not ``None``: the planned zeros): the
         given states as the kernels read them (``contiguous_states``), or a 16-bit call's new
