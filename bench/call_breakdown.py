@@ -135,15 +135,15 @@ def stubbed_entry_points(hidden: int, dtype: str = "float32", layers: int = 1,
 
     def replayed(call: Callable[[], object]) -> Callable[[], object]:
         def stand_in() -> object:
-            saved = (chain_graphs.eligible, chain_graphs.value, chain_graphs.addresses,
-                     chain_graphs.run)
-            chain_graphs.eligible, chain_graphs.value = (lambda words: True), _host_value
-            chain_graphs.addresses, chain_graphs.run = _host_addresses, _looked_up
+            saved = chain_graphs.value, chain_graphs.addresses, chain_graphs.run
+            launch.Chain.on_device = True  # (NumPy words taken for device words)
+            chain_graphs.value, chain_graphs.addresses = _host_value, _host_addresses
+            chain_graphs.run = _looked_up
             try:
                 return call()
             finally:
-                (chain_graphs.eligible, chain_graphs.value, chain_graphs.addresses,
-                 chain_graphs.run) = saved
+                launch.Chain.on_device = False  # (the class's default again)
+                chain_graphs.value, chain_graphs.addresses, chain_graphs.run = saved
         return stand_in
     torch.manual_seed(0)
     module = getattr(prt, cell)(hidden, hidden, algo="persistent", **shape).to(

@@ -23,9 +23,9 @@ captured, ``capturing()`` is true on that thread: the products
 the chain holds (a planned call's, ``call_plans``) are then recorded as cuBLAS's own calls
 (``matmul``, ``cublas_capture``), the bits of the direct run.
 
-Only on CuPy arrays (the emulation has no graphs), with ``Settings.chain_graphs`` on, and never
-while the caller's stream is itself being captured (the chain then becomes part of the caller's
-graph, as before).
+Only on CuPy arrays (the emulation has no graphs: ``launch.Chain.on_device``), with
+``Settings.chain_graphs`` on, and never while the caller's stream is itself being captured (the
+chain then becomes part of the caller's graph, as before).
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import settings
 
 MAX_GRAPHS = 64
 _SEEN, _EAGER = "seen once", "capture failed"
@@ -97,14 +96,6 @@ def arguments_key(named: dict) -> tuple:
     """``value`` of each named argument, in order (a list, not a generator: this runs on every
     call, and scalars are taken as they are without a call)."""
     return tuple([(name, v if type(v) in _SCALAR_TYPES else value(v)) for name, v in named.items()])
-
-
-def eligible(words: Any) -> bool:
-    """Whether a chain on these device words may run through a graph (module docstring): CuPy
-    words and the ``chain_graphs`` setting on. A chain the caller's stream capture records never
-    does: ``launch.run_chain`` has asked the stream already (``Chain.published``), so this does
-    not ask it again."""
-    return not isinstance(words, np.ndarray) and settings.current().chain_graphs
 
 
 def run(key: tuple, issue: Callable[[], None]) -> bool:

@@ -293,7 +293,7 @@ class _Resident:
         args = (self.w_hh, self.b_hh, self.w_ih, self.box, self.state, self.keep,
                 np.int32(self.slices), np.int32(self.batch), np.int32(self.plans[0].input_size),
                 np.int32(self.hidden), np.int32(self.w_ih_held), np.uint64(timeout),
-                *stall.args())
+                *stall.arguments)
         block = self.plans[0].block
         if self.xp is np:  # (a busy GPU: emulation_max_resident CTAs at a time, as the runtime)
             self.running = self.module.launch_async(

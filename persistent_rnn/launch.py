@@ -390,7 +390,7 @@ class Chain:
     The ledger (after ``starts``; no memset resets it) numbers the passes that published a
     record; ``recorded`` counts the same passes on the host - the calls of a chain are ordered
     on its stream (``chain_for``) - so pass ``recorded`` of the host is the device's pass of that
-    number, whose record is in that slot of the ring (``pass_stats``)."""
+    number, whose record is in that slot of the ring (``run_chain``'s stats)."""
 
     def __init__(self, xp, engine: Engine, groups: int,
                  exchanges: tuple[tuple[int, ...], ...] = (), restart_zeroes: bool = True):
@@ -415,9 +415,14 @@ class Chain:
         self.published = False  # whether the last pass did (not under a user's capture)
         self.ring: RecordRing | None = None  # made by the first pass that records (``new_ring``)
         self.graph_key: tuple | None = None  # (ring, key part): ``_chain_key``
+        if not isinstance(self.words, np.ndarray):
+            self.on_device = True  # (on NumPy the class's: ``_enqueue``)
         self.untouched = True  # whether the progress words are "untouched" now (``reset``)
         # where the completion publishes the record: the ring, or nowhere (``run_chain``)
         self.publish: tuple[Array, int] = (self.words, 0)
+
+    # whether the words are device memory, which a CUDA graph may replay (``_enqueue``)
+    on_device = False
 
     def new_ring(self) -> RecordRing:
         """A new ring for this chain's records and a new numbering: the ledger zeroed (on the
@@ -487,7 +492,7 @@ def launch_pass(engine: Engine, control: Array, named: dict, stall: settings.Sta
     control words, the timeout (``timeout_ns``) and ``stall``."""
     s, p = settings.current(), engine.pass_plan
     extra = {"max_resident": s.emulation_max_resident} if engine.emulated else {}
-    block, step, ns = stall.args()
+    block, step, ns = stall.arguments
     args = arguments(p.source, p.kernel, **named, control=control,
                      timeout_ns=timeout_ns(engine.emulated), stall_block=block, stall_step=step,
                      stall_ns=ns)
@@ -530,19 +535,24 @@ CHAIN_MEMSETS = 1  # Chain.reset in steady state (the record reaches the host fr
 
 
 def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
-              stall: settings.Stall, complete: Callable[[], None],
+              stall: settings.Stall, complete: Callable[[], None], detail: str,
               arguments_key: Callable[[], tuple] | None = None,
-              captured: bool | None = None) -> None:
+              captured: bool | None = None, group: str = "") -> RunStats:
     """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:
     ``first``, then ``RESUME``), ``complete()`` the completion kernel (``Chain.complete``).
     Nothing is read back. ``arguments_key``: builds a key of every argument the pass's and the
     completion's launches take beyond the chain's own (``chain_graphs.arguments_key``; None: the
     chain is never a graph); with it, a chain seen before is replayed as one CUDA graph
     (``chain_graphs``). Outside a user's capture the completion publishes the record
-    (``Chain.recorded`` counts it: ``pass_stats`` reads it). Inside ``one_graph`` the chain is
-    enqueued with the block's others at its end, all of them one graph. ``captured``: whether
-    the stream is being captured, where the caller has just asked it (a call plan's check:
-    ``call_plans._where``); ``None``: ``run_chain`` asks (on a GPU an API call)."""
+    (``Chain.recorded`` counts it). Inside ``one_graph`` the chain is enqueued with the block's
+    others at its end, all of them one graph. ``captured``: whether the stream is being
+    captured, where the caller has just asked it (a call plan's check: ``call_plans._where``);
+    ``None``: ``run_chain`` asks (on a GPU an API call).
+
+    Returns the pass's stats: the persistent kernel, one launch, ``detail``; its record
+    (restarts, launches, fallback) read lazily (``RunStats.awaiting``). Under CUDA stream capture
+    nothing is recorded (the details say so). ``group``: what a group is called in ``fallback``
+    ("layer" in a stack; "": one pass)."""
     record = chain.published = not (capturing(chain.words) if captured is None else captured)
     # where the completion publishes the record: the ring, or under a user's capture nowhere
     # (the chain's own words, with no slots: never written)
@@ -552,13 +562,19 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     # the chain, arguments_key (None: never a graph), the rest of the chain's key, which
     # ``_enqueue`` builds, and what ``_issue`` issues
     pending = (chain, arguments_key, stall, first, end, launch, complete)
-    group = _GROUP.pending
-    if group is None:
+    block = _GROUP.pending
+    if block is None:
         _enqueue((pending,))
     else:
-        group.append(pending)
-    if record:  # (in a group before it is enqueued: ``pass_stats`` numbers the pass now)
-        chain.recorded += 1
+        block.append(pending)
+    emulated = chain.engine.emulated
+    if not record:
+        return RunStats(algo="persistent", emulated=emulated, launches=1, details=[
+            detail, "captured: restarts and completion run on the device at replay; last_run "
+                    "does not report them"])
+    chain.recorded += 1  # (in a group before it is enqueued: the pass is numbered now)
+    return RunStats.awaiting("persistent", emulated, 1, [detail], DeviceRecord(
+        chain.ring, chain.recorded % 2**32, chain.groups, end, group))
 
 
 class _Group(threading.local):
@@ -599,18 +615,23 @@ class one_graph:  # noqa: N801 -- used as a function: ``with launch.one_graph():
 def _enqueue(pending: Sequence[tuple]) -> None:
     """Enqueue ``pending``'s chains (``run_chain``'s tuples) in order: replayed as one graph where
     every one has a key and the stream may take graphs (not capturing: ``Chain.published``, as
-    ``run_chain`` found the stream; ``chain_graphs.eligible``), else issued launch by launch."""
+    ``run_chain`` found the stream; device words, ``Chain.on_device``; the ``chain_graphs``
+    setting on), else issued launch by launch."""
     try:
         replayed = False
         first = pending[0][0]
-        if first.published and chain_graphs.eligible(first.words):
-            s = settings.current()
+        s = settings.current()
+        if first.published and first.on_device and s.chain_graphs:
             key = [s.cooperative, s.max_restarts, s.gpu_timeout_ms]
             for p in pending:  # (a loop: no comprehension's frame)
                 if p[1] is None:
                     key = None
                     break
-                key.append((_chain_key(p[0]), p[2], p[3], p[4], p[1]()))
+                chain = p[0]
+                held = chain.graph_key  # (the chain's own part, while its ring is the same)
+                if held is None or held[0] is not chain.publish[0]:
+                    held = _chain_key(chain)
+                key.append((held[1], p[2].arguments, p[3], p[4], p[1]()))
             if key is None:
                 _issue(pending)
             else:
@@ -640,15 +661,13 @@ def _failed(pending: Sequence[tuple]) -> None:
 
 
 def _chain_key(chain: Chain) -> tuple:
-    """The chain's own part of its graph key (``run_chain``): its engine, words (its exchanges
-    lie before them, in the same allocation) and where it publishes - fixed for the chain's
-    life but for the ring (``new_ring``), so it is built again only when that is another
-    object."""
-    held, publish = chain.graph_key, chain.publish
-    if held is None or held[0] is not publish[0]:
-        held = chain.graph_key = (publish[0], chain_graphs.Fixed((
-            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish))))
-    return held[1]
+    """``(ring, part)``: the chain's own part of its graph key (``_enqueue``) - its engine, words
+    (its exchanges lie before them, in the same allocation) and where it publishes -, held by
+    the chain as ``graph_key`` while its ring (``new_ring``) is the same object."""
+    publish = chain.publish
+    held = chain.graph_key = (publish[0], chain_graphs.Fixed((
+        chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish))))
+    return held
 
 
 def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int,
@@ -673,20 +692,6 @@ def _holding_nothing(pending: Sequence[tuple]) -> None:
         _issue(pending)
     finally:
         _OWN_CAPTURE.active = False
-
-
-def pass_stats(chain: Chain, end: int, detail: str, group: str = "") -> RunStats:
-    """The stats of the chain's last pass (``run_chain``): the persistent kernel, one launch,
-    ``detail``; its record (restarts, launches, fallback) read lazily (``RunStats.awaiting``).
-    Under CUDA stream capture nothing is recorded (the details say so). ``group``: what a group
-    is called in ``fallback`` ("layer" in a stack; "": one pass)."""
-    emulated = chain.engine.emulated
-    if not chain.published:
-        return RunStats(algo="persistent", emulated=emulated, launches=1, details=[
-            detail, "captured: restarts and completion run on the device at replay; last_run "
-                    "does not report them"])
-    record = DeviceRecord(chain.ring, chain.recorded % 2**32, chain.groups, end, group)
-    return RunStats.awaiting("persistent", emulated, 1, [detail], record)
 
 
 _SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64,

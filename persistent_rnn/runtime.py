@@ -406,10 +406,9 @@ class PreparedPass:
         if arrays is None:
             arrays = self._arrays
         chain = self.chain
-        launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
-                         settings.current_stall(), partial(self._complete, arrays),
-                         partial(self._key, arrays), captured)
-        return launch.pass_stats(chain, self.end, self._detail)
+        return launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
+                                settings.current_stall(), partial(self._complete, arrays),
+                                self._detail, partial(self._key, arrays), captured)
 
     def _launch(self, arrays: dict[str, Array | None], made: list, start: Any,
                 stall: settings.Stall) -> None:

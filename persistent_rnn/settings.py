@@ -236,16 +236,14 @@ class Stall:
     block: int = -1
     step: int = -1
     duration_ms: float = 0.0
-    _args: tuple = field(init=False, repr=False, compare=False)
+    # The kernel's (stall_block, stall_step, stall_ns) arguments, made once: a call's launches
+    # pass them without making NumPy scalars each time, and a chain graph's key holds them (a
+    # tuple hashed in C, where the dataclass's hash is a Python function).
+    arguments: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # made once: a call's launches pass them without making NumPy scalars each time
-        object.__setattr__(self, "_args", (np.int32(self.block), np.int32(self.step),
-                                           np.uint64(int(self.duration_ms * 1e6))))
-
-    def args(self) -> tuple:
-        """The kernel's (stall_block, stall_step, stall_ns) arguments."""
-        return self._args
+        object.__setattr__(self, "arguments", (np.int32(self.block), np.int32(self.step),
+                                               np.uint64(int(self.duration_ms * 1e6))))
 
 
 NO_STALL = Stall()

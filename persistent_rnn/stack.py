@@ -124,12 +124,12 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
         if around is not None:
             around.after()
 
-    launch.run_chain(chain, go, first, end, settings.current_stall(), completed,
-                     partial(_arguments_key, complete, first_starts, args, complete_args)
-                     if around is None else
-                     partial(_planned_key, complete, first_starts, args, complete_args, around,
-                             exchanges), None if around is None else False)
-    return launch.pass_stats(chain, end, detail, group="layer")
+    return launch.run_chain(chain, go, first, end, settings.current_stall(), completed, detail,
+                            partial(_arguments_key, complete, first_starts, args, complete_args)
+                            if around is None else
+                            partial(_planned_key, complete, first_starts, args, complete_args,
+                                    around, exchanges), None if around is None else False,
+                            group="layer")
 
 
 def _pass_of(engine_: launch.Engine, args: dict, layers: int, direction: int, xp,

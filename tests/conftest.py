@@ -67,6 +67,18 @@ def _no_residency_cooldowns():
     runtime.COOLDOWNS.clear()
 
 
+@pytest.fixture(autouse=True)
+def _own_workspaces():
+    """Every test ends by letting go of the chains and workspaces its calls reused
+    (``buffers.release_workspaces``): a test that stubs launches leaves chains whose pass
+    numbering ran ahead of the emulated device, whose records a later test of the same shapes
+    would read as lost (the stall test of test_call_allocations after the multi-chain key test
+    of test_call_plans, in one worker, did)."""
+    yield
+    from persistent_rnn import buffers
+    buffers.release_workspaces()
+
+
 @pytest.fixture
 def fresh_plans():
     """For tests that patch the planner: the runtime's cache of plans and engines is emptied

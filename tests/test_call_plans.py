@@ -82,7 +82,7 @@ def _issued_keys(monkeypatch) -> list:
     """Every chain graph's key (``chain_graphs.run``, eligible on NumPy), the chain issued
     as it is (never replayed); returns the list they are appended to."""
     keys = []
-    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(launch.Chain, "on_device", True)
     monkeypatch.setattr(chain_graphs, "run",
                         lambda key, issue: keys.append(key) or issue() or False)
     return keys
@@ -432,7 +432,7 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
                      + values))
         issue()
         return False
-    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(launch.Chain, "on_device", True)
     monkeypatch.setattr(chain_graphs, "run", run)
     layer = _layer(cell)
     x, dy = _data(0)
@@ -1421,7 +1421,7 @@ def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_pa
         operations.clear()
         checked.append(missing)
         return False
-    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
+    monkeypatch.setattr(launch.Chain, "on_device", True)
     monkeypatch.setattr(chain_graphs, "run", run)
     hits = _StackHits(monkeypatch)
     layer = _stack_layer(cell, pair, 2 if pair else 0, stack)

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -139,10 +140,27 @@ def test_a_fixed_key_part_unpickled_is_hashed_where_it_lands():
         assert {("gru", 3): "graph"}[landed] == "graph"
 
 
-def test_not_eligible_on_numpy_or_with_the_setting_off():
-    assert not chain_graphs.eligible(np.zeros(4, np.uint32))
+def test_never_a_graph_on_numpy_or_with_the_setting_off(monkeypatch):
+    """A chain of NumPy words (the emulation) is issued launch by launch, as is one of device
+    words with the ``chain_graphs`` setting off; one of device words with it on is looked up."""
+    looked_up, issued = [], []
+    monkeypatch.setattr(chain_graphs, "run", lambda key, issue: looked_up.append(key) or True)
+    monkeypatch.setattr(launch, "_issue_chain", lambda *args: issued.append(1))
+    monkeypatch.setattr(launch, "_chain_key", lambda chain: ("ring", "chain"))
+    on_numpy = launch.Chain(np, SimpleNamespace(pass_plan=SimpleNamespace(grid=1), key="e"), 1)
+    on_device = _Chain()
+    assert not on_numpy.on_device and on_device.on_device
+    for chain in (on_numpy, on_device):
+        chain.published = True  # (as ``run_chain`` finds a stream not being captured)
+
+    def enqueue(chain) -> None:
+        launch._enqueue([(chain, lambda: ("arguments",), settings.NO_STALL, 0, 1, None, None)])
+    enqueue(on_numpy)
     with prnn.override_settings(chain_graphs=False):
-        assert not chain_graphs.eligible(_DeviceArray(64))
+        enqueue(on_device)
+    assert issued == [1, 1] and looked_up == []
+    enqueue(on_device)
+    assert issued == [1, 1] and len(looked_up) == 1
 
 
 def test_the_librarys_own_capture_holds_no_arrays(monkeypatch):
@@ -159,13 +177,14 @@ def test_an_emulated_chain_is_never_keyed(monkeypatch, stub_chains):
     """run_chain on NumPy words issues directly and never builds the key (whose ``value`` refuses
     host arrays)."""
     chain = type("C", (), {"words": np.zeros(8, np.uint32), "ring": launch.RecordRing(np, 1),
-                           "recorded": 0})()
+                           "recorded": 0, "on_device": False, "groups": 1,  # (a NumPy chain)
+                           "engine": type("E", (), {"emulated": True})()})()
     ran = []
     stub_chains(lambda *a: ran.append(a))
 
     def key():
         raise AssertionError("the key is built only for a chain that may be a graph")
-    launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None, key)
+    launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None, "", key)
     assert len(ran) == 1
 
 
@@ -173,22 +192,29 @@ def test_the_chains_own_key_part_is_built_once_per_ring(monkeypatch):
     """``run_chain``'s key holds the chain's words (its exchanges lie before them) and where it
     publishes; built once, and again when the ring (a new numbering) is another object - so a
     new ring never replays a graph that publishes into the old one."""
-    values = []
+    values, keys = [], []
     monkeypatch.setattr(chain_graphs, "value", lambda v: values.append(v) or id(v))
+    monkeypatch.setattr(chain_graphs, "run", lambda key, issue: keys.append(key) or True)
     chain = type("C", (), {"engine": type("E", (), {"key": "engine"})(), "words": object(),
-                           "graph_key": None, "publish": (object(), 8)})()
-    first = launch._chain_key(chain)
-    assert launch._chain_key(chain) is first and len(values) == 2
+                           "graph_key": None, "publish": (object(), 8), "published": True,
+                           "on_device": True})()
+    pending = [(chain, lambda: ("arguments",), settings.NO_STALL, 0, 1, None, None)]
+    for _ in range(2):
+        launch._enqueue(pending)
+    assert len(values) == 2 and keys[0][-1][0] is keys[1][-1][0]
     chain.publish = (object(), 8)
-    assert launch._chain_key(chain) != first and len(values) == 4
+    launch._enqueue(pending)
+    assert len(values) == 4 and keys[2][-1][0] != keys[0][-1][0]
+
 
 class _Chain:
     """What ``run_chain`` and ``_chain_key`` read of a chain (emulated words, a ring)."""
 
     def __init__(self):
         self.words, self.ring = np.zeros(8, np.uint32), launch.RecordRing(np, 1)
-        self.engine = type("E", (), {"key": "engine"})()
-        self.recorded, self.graph_key, self.untouched = 0, None, True
+        self.engine = type("E", (), {"key": "engine", "emulated": True})()
+        self.recorded, self.graph_key, self.untouched, self.groups = 0, None, True, 1
+        self.on_device = True  # (as device words: their chains may be graphs)
 
     def new_ring(self):  # (``Chain.new_ring``: a new numbering)
         self.ring, self.recorded = launch.RecordRing(np, 1), 0
@@ -201,7 +227,6 @@ def test_one_graph_enqueues_its_chains_as_one_unit(monkeypatch, stub_chains):
     its record when it is given (a chain given twice: two numbers)."""
     issued, keys = [], []
     stub_chains(lambda chain, *a: issued.append(chain))
-    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)
     monkeypatch.setattr(chain_graphs, "value", id)
 
     def run(key, issue):  # (a capture: the unit's chains issued once, then a graph launched)
@@ -213,13 +238,14 @@ def test_one_graph_enqueues_its_chains_as_one_unit(monkeypatch, stub_chains):
     with launch.counting() as counted:
         with launch.one_graph():
             for chain, seq in ((a, 1), (b, 1), (a, 2)):
-                launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None,
+                launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None, "",
                                  lambda: ("arguments",))
                 assert issued == [] and chain.recorded == seq
     assert issued == [a, b, a] and len(keys) == 1 and len(keys[0]) == 3 + 3
     assert (counted.graph_units, counted.graph_launches) == (1, 1)
     with launch.counting() as counted:  # (outside a block: a unit a chain)
-        launch.run_chain(b, None, 0, 4, settings.NO_STALL, lambda: None, lambda: ("arguments",))
+        launch.run_chain(b, None, 0, 4, settings.NO_STALL, lambda: None, "",
+                         lambda: ("arguments",))
     assert (counted.graph_units, len(keys), b.recorded) == (1, 2, 2)
 
 
@@ -231,10 +257,10 @@ def test_a_one_graph_block_left_by_an_exception_enqueues_nothing(monkeypatch, st
     a = _Chain()
     with pytest.raises(RuntimeError):
         with launch.one_graph():
-            launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None)
+            launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None, "")
             raise RuntimeError("a planned call failed part way")
     assert issued == [] and a.ring is None and not a.untouched
-    launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None)  # (later: as before)
+    launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None, "")  # (later: as before)
     assert issued == [a] and a.ring is not None and a.recorded == 1
 
 
@@ -343,14 +369,12 @@ def test_a_chain_the_callers_capture_records_is_issued_not_replayed(monkeypatch)
     """``run_chain`` asks the stream whether it is being captured (``Chain.published``);
     ``_enqueue`` reads that answer instead of asking again: a chain under a caller's capture is
     issued launch by launch and never looked up as a graph, a published one is."""
-    from types import SimpleNamespace
     issued, looked_up = [], []
-    monkeypatch.setattr(chain_graphs, "eligible", lambda words: True)  # (device words)
     monkeypatch.setattr(chain_graphs, "run", lambda key, issue: looked_up.append(key) or True)
-    monkeypatch.setattr(launch, "_chain_key", lambda chain: "chain")
-    chain = SimpleNamespace(published=False, words=None)
+    monkeypatch.setattr(launch, "_chain_key", lambda chain: ("ring", "chain"))
+    chain = SimpleNamespace(published=False, on_device=True, graph_key=None)  # (device words)
     monkeypatch.setattr(launch, "_issue_chain", lambda *args: issued.append(1))
-    pending = [(chain, lambda: ("arguments",), None, 0, 1, None, None)]
+    pending = [(chain, lambda: ("arguments",), settings.NO_STALL, 0, 1, None, None)]
     launch._enqueue(pending)
     assert issued == [1] and looked_up == []
     chain.published = True

@@ -97,9 +97,9 @@ def _pass(chain, first, end):
         launch.launch_pass(engine, chain.control,
                            dict(buffers, steps=10, batch=2, hidden=16, start=start), stall)
 
-    launch.run_chain(chain, go, first, end, prnn.settings.current_stall(),
-                     lambda: chain.complete(kernel, **completion))
-    return launch.pass_stats(chain, end, "the fake kernel's pass"), int(chain.starts[0])
+    stats = launch.run_chain(chain, go, first, end, prnn.settings.current_stall(),
+                             lambda: chain.complete(kernel, **completion), "the fake kernel's pass")
+    return stats, int(chain.starts[0])
 
 
 def _restarts(done, first, end, backward=False, idle=()):
