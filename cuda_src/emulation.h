@@ -567,17 +567,28 @@ inline float prnn_load_cg(const float* p) {
 inline unsigned prnn_load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline void prnn_store_relaxed(unsigned* p, unsigned v) { prnn_emu::store_relaxed(p, v); }
 namespace prnn_emu {
-// n relaxed words, as PTX defines a vector access: one access per element, which kDelayed
-// separates by a fiber switch (the other fibers' stores may land in between).
-inline void load_words(const unsigned* p, unsigned* w, int n) {
+// n relaxed (or acquire: `order`) words, as PTX defines a vector access: one access per element,
+// which kDelayed separates by a fiber switch (the other fibers' stores may land in between).
+inline void load_words(const unsigned* p, unsigned* w, int n, int order = __ATOMIC_RELAXED) {
   drain();
   for (int i = 0; i < n; ++i) {
     if (i > 0 && on(kDelayed)) switch_out();
-    w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
+    w[i] = __atomic_load_n(p + i, order);
   }
 }
 }  // namespace prnn_emu
 inline void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) { prnn_emu::load_words(p, w, 4); }
+inline void prnn_load_acquire_u32x4(const unsigned* p, unsigned (&w)[4]) {
+  prnn_emu::load_words(p, w, 4, __ATOMIC_ACQUIRE);
+}
+// A 16-byte store: four relaxed words (each may land late and apart, kDelayed), or four release
+// stores after the CTA's queued ones.
+inline void prnn_store_relaxed_u32x4(unsigned* p, const unsigned (&w)[4]) {
+  for (int i = 0; i < 4; ++i) prnn_emu::store_relaxed(p + i, w[i]);
+}
+inline void prnn_store_release_u32x4(unsigned* p, const unsigned (&w)[4]) {
+  for (int i = 0; i < 4; ++i) prnn_store_release(p + i, w[i]);
+}
 // Thread-block clusters (kernels built with -DPRNN_CLUSTER=n): the launcher runs a cluster's
 // CTAs at once and publishes each one's shared memory in cluster_shared[] before any fiber runs.
 #ifdef PRNN_CLUSTER
