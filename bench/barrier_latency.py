@@ -279,7 +279,8 @@ def timer_costs(m: Machine, module, rounds: int) -> dict:
 def anatomy_rows(m: Machine, grids: tuple[int, ...], block: int, rounds: int, width: int,
                  timeout_ns: int, repeats: int, clusters: bool) -> list[dict]:
     """A row per part and grid size (median over ``repeats`` launches; the cluster parts where
-    ``clusters``), then the timer's row."""
+    ``clusters``), then the timer's row. A part that fails has its error in its row (``ns_per_round``
+    None) and the others still run: a GPU slot is rare."""
     grid_module = m.get_module("grid_barrier.cu", {})
     rows = []
     for grid in grids:
@@ -288,12 +289,17 @@ def anatomy_rows(m: Machine, grids: tuple[int, ...], block: int, rounds: int, wi
             if part.cluster and cluster_module is None:
                 continue
             threads = part.block or block
-            runs = [measure_part(m, cluster_module if part.cluster else grid_module, part, grid,
-                                 threads, rounds, width, timeout_ns) for _ in range(repeats)]
-            ns = None if None in runs else float(np.median(runs))
-            rows.append({"part": part.name, "kernel": part.kernel, "grid": grid, "block": threads,
-                         "width": width if part.path in ("grid", "cluster") else None,
-                         "rounds": rounds, "ns_per_round": ns})
+            row = {"part": part.name, "kernel": part.kernel, "grid": grid, "block": threads,
+                   "width": width if part.path in ("grid", "cluster") else None,
+                   "rounds": rounds, "ns_per_round": None}
+            try:
+                runs = [measure_part(m, cluster_module if part.cluster else grid_module, part,
+                                     grid, threads, rounds, width, timeout_ns) for _ in range(repeats)]
+                row["ns_per_round"] = None if None in runs else float(np.median(runs))
+            except Exception as exc:  # noqa: BLE001 -- recorded and printed; the rest still run
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"{part.name} at {grid} CTAs: {row['error']}", file=sys.stderr)
+            rows.append(row)
     rows.append(timer_costs(m, grid_module, rounds))
     return rows
 
@@ -356,7 +362,7 @@ def run_anatomy(args) -> int:
                 "timing": "%globaltimer in the kernel, largest CTA / rounds, median over launches",
                 "isolates": {p.name: p.isolates for p in ANATOMY}}
     _study.save(args.out, ANATOMY_NAME, _study.document(settings, rows, gpu=not args.cpu), draw_anatomy)
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,6 +123,26 @@ def test_the_bench_runs_every_part_in_the_emulation(tmp_path, capsys):
     assert "exchange_warp_vote" in table and "(100%)" in table and "__nanosleep(20)" in table
 
 
+def test_a_part_that_fails_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    """A slot is rare: a part that times out (here quad's waits, on a grid whose CTAs cannot all
+    be resident) has its error in its row, and every other part is measured."""
+    module = emulate.get_module("grid_barrier.cu", {})
+    quad = PARTS["quad"].kernel
+
+    def launch(kernel, grid, block, shared, args, max_resident=None):
+        module.launch(kernel, grid, block, shared, args,
+                      max_resident=2 if kernel == quad else max_resident)
+    fake = type("Module", (), {"launch": staticmethod(launch)})()
+    machine = barrier_latency.Machine(cpu=True)
+    monkeypatch.setattr(machine, "get_module", lambda source, defines: (
+        fake if not defines else emulate.get_module(source, defines)))
+    rows = barrier_latency.anatomy_rows(machine, (4,), 64, 5, 3, 20_000_000, 1, clusters=False)
+    failed = {r["part"]: r["error"] for r in rows if "error" in r}
+    assert list(failed) == ["quad"] and "timed out" in failed["quad"]
+    assert all(r["ns_per_round"] > 0 for r in rows if "grid" in r and r["part"] != "quad")
+    assert "quad at 4 CTAs: RuntimeError" in capsys.readouterr().err
+
+
 # ---- sabotages: each breaks the protocol of one part, which must then fail ----------------------
 
 def test_a_warp_vote_in_a_block_of_two_warps_fails():
