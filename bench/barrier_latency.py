@@ -60,8 +60,9 @@ class Part:
     """One measurement of ``--anatomy``: ``kernel`` on ``block`` threads (None: ``--block``) per
     CTA; ``path`` says its arguments and build - "grid" (the exchange's, words in global memory),
     "quad" (one quad per CTA), "cluster" (the cluster exchange's, built with ``PRNN_CLUSTER`` =
-    grid), "cluster_barrier" - and which full round it is set beside (the first part of its path
-    family); ``isolates``: what it takes out of that round."""
+    grid), "cluster_barrier" (a word carried), "cluster_bare" (nothing) - and so which full round
+    it is set beside (``exchange``, or ``cluster`` for the cluster's); ``isolates``: what it takes
+    out of that round."""
 
     name: str
     kernel: str
@@ -92,6 +93,8 @@ ANATOMY = (
          "own copy by st.shared::cta, not mapa + st.shared::cluster"),
     Part("cluster_barrier", "cluster_barrier_rounds", None, "cluster_barrier",
          "barrier.cluster arrive.release + wait.acquire, one word carried"),
+    Part("cluster_barrier_relaxed", "cluster_barrier_relaxed_rounds", None, "cluster_bare",
+         "the same barrier, arrive.relaxed, nothing carried: without the release's GPU fence"),
 )
 ANATOMY_GRIDS = (1, 16)
 CPU_GRIDS, CPU_ROUNDS, CPU_BLOCK = (1, 4), 20, 64
@@ -243,7 +246,9 @@ def part_arguments(m: Machine, part: Part, grid: int, rounds: int, width: int, t
         return (xp.zeros((2, 4 * grid), xp.uint32), ctl, np.int32(rounds), timeout, elapsed, errors), 0, ctl
     if part.path == "cluster":
         return (ctl, np.int32(rounds), np.int32(width), timeout, *NO_STALL, elapsed, errors), 8 * quads, ctl
-    return (np.int32(rounds), elapsed, errors), 8, None  # cluster_barrier: its word's two slots
+    if part.path == "cluster_barrier":
+        return (np.int32(rounds), elapsed, errors), 8, None  # its word's two slots
+    return (np.int32(rounds), elapsed), 0, None
 
 
 def measure_part(m: Machine, module, part: Part, grid: int, block: int, rounds: int, width: int,

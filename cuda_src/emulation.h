@@ -435,21 +435,23 @@ inline void wait_at(Gate& g) {
   happens_after(sync);
 }
 
-// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive (release: the
+// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive (`release`: the
 // CTA's queued stores land first), then wait (pausing as a poll does) until every CTA of the
 // cluster has arrived as often. Clusters run whole, but a CTA may exit without arriving: the wait
 // ends at the watchdog, which the launcher reports. The counter is relaxed between a release and
 // an acquire fence, so that the race detector (which does not model fences) takes its edges
 // from the barrier's generation alone, not from a partner's later arrivals on the same counter:
 // the counter's two bytes stand for the sync objects of even and odd generations.
-inline void cluster_barrier() {
+inline void cluster_barrier(bool release = true) {
   working();
-  drain(true);
   unsigned* counter = &cluster_counters[block_idx.x / cluster_size];
   const unsigned generation = __atomic_load_n(counter, __ATOMIC_RELAXED) / cluster_size;
   const char* sync = reinterpret_cast<const char*>(counter) + (generation & 1u);
-  happens_before(sync);
-  __atomic_thread_fence(__ATOMIC_RELEASE);
+  if (release) {
+    drain(true);
+    happens_before(sync);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+  }
   __atomic_fetch_add(counter, 1u, __ATOMIC_RELAXED);
   const unsigned target = (generation + 1u) * cluster_size;
   while (__atomic_load_n(counter, __ATOMIC_RELAXED) < target && !past_watchdog()) pause_polling();
@@ -596,6 +598,12 @@ inline void prnn_store_release_u32x4(unsigned* p, const unsigned (&w)[4]) {
 inline void prnn_cluster_sync() {
   prnn_sync_block();
   if (threadIdx.x == 0) prnn_emu::cluster_barrier();
+  prnn_sync_block();
+}
+// A relaxed arrival: the CTA's queued stores stay queued (kDelayed).
+inline void prnn_cluster_sync_relaxed() {
+  prnn_sync_block();
+  if (threadIdx.x == 0) prnn_emu::cluster_barrier(false);
   prnn_sync_block();
 }
 // A store into a CTA that has exited is an error (its shared memory may already be another CTA's).

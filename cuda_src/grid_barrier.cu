@@ -6,12 +6,13 @@
 //   cluster_exchange_rounds  the same within one thread-block cluster (-DPRNN_CLUSTER, sm_90)
 //   exchange_word_round_trip  the tagged word format alone (a value in, the value read back out)
 //   abort_reasons        every CTA times out in turn: the abort word keeps the first reason
-// and the parts of a round (bench/barrier_latency.py --anatomy; docs/design.md, "Latency model"):
+// and the parts of a round (bench/barrier_latency.py --anatomy; docs/design.md, "The round's anatomy"):
 //   exchange_warp_rounds  the tagged exchange in a block of one warp, meeting by a warp vote
 //   quad_rounds, quad_acquire_rounds  one thread and one 16-byte quad per CTA: the store and
 //                        the polls alone, relaxed or release/acquire
 //   cluster_exchange_local_rounds  the cluster's exchange with each CTA's own copy stored locally
 //   cluster_barrier_rounds  the hardware cluster barrier per round, carrying one word
+//   cluster_barrier_relaxed_rounds  the same barrier with a relaxed arrival, carrying nothing
 //   timer_probe          the polling machinery: a %globaltimer read, its tick, a back-off's sleep
 #include "exchange.cuh"
 
@@ -304,5 +305,15 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS cluster_barrier_rounds(int rounds, unsigned l
     elapsed_ns[blockIdx.x] = prnn_globaltimer_ns() - start;
     if (wrong != 0u) prnn_atomic_add_release(errors, wrong);
   }
+}
+
+// The bare hardware barrier: a relaxed arrival (no fence before it) and the wait, carrying
+// nothing, so that cluster_barrier_rounds' figure splits into the barrier and its release.
+PRNN_KERNEL void PRNN_CLUSTER_DIMS cluster_barrier_relaxed_rounds(int rounds,
+                                                                  unsigned long long* elapsed_ns) {
+  prnn_cluster_sync();
+  const unsigned long long start = prnn_globaltimer_ns();
+  for (int r = 0; r < rounds; ++r) prnn_cluster_sync_relaxed();
+  if (threadIdx.x == 0) elapsed_ns[blockIdx.x] = prnn_globaltimer_ns() - start;
 }
 #endif

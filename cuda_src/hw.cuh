@@ -283,6 +283,11 @@ PRNN_DEVICE void prnn_store_shared_quad(float* p, const float (&v)[4]) {
 PRNN_DEVICE void prnn_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// The same barrier with a relaxed arrival: it orders no earlier access (the release's arrival is
+// a GPU-scope fence and the barrier instruction, this one the instruction alone).
+PRNN_DEVICE void prnn_cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
 // Stores v at the address of `local` (in this CTA's shared memory) in CTA `cta` of the cluster.
 PRNN_DEVICE void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {
   unsigned remote;

@@ -69,7 +69,7 @@ def _delivered(ran: Ran, rounds: int = 25) -> bool:
 @pytest.mark.parametrize("name, grid, width", [
     ("exchange_warp_vote", 4, 3), ("exchange_warp_vote", 3, 70), ("quad", 5, 1), ("quad", 17, 1),
     ("quad_acquire", 4, 1), ("cluster_local", 4, 3), ("cluster_local", 1, 5),
-    ("cluster_barrier", 1, 1), ("cluster_barrier", 4, 1)])
+    ("cluster_barrier", 1, 1), ("cluster_barrier", 4, 1), ("cluster_barrier_relaxed", 4, 1)])
 def test_each_part_delivers_every_round(name, grid, width):
     ran = _run(name, grid, width)
     assert _delivered(ran), ran
@@ -80,7 +80,7 @@ def test_each_part_delivers_every_round(name, grid, width):
 
 @pytest.mark.parametrize("mode", ["delayed", "schedule"])
 @pytest.mark.parametrize("name", ["exchange_warp_vote", "quad", "quad_acquire", "cluster_local",
-                                  "cluster_barrier"])
+                                  "cluster_barrier", "cluster_barrier_relaxed"])
 def test_each_part_survives_late_stores_and_random_schedules(name, mode):
     """Delayed: a quad's four words land apart and late (its reader checks every word's tag);
     schedule: a lagging warp, fibers switched at shared-memory accesses."""

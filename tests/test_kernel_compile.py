@@ -326,7 +326,7 @@ GRID_PARTS = ("grid_barrier_rounds", "exchange_rounds", "exchange_word_round_tri
     ({}, "sm_80", GRID_PARTS),
     ({}, "sm_90", GRID_PARTS),
     ({"PRNN_CLUSTER": 8}, "sm_90", ("cluster_exchange_rounds", "cluster_exchange_local_rounds",
-                                    "cluster_barrier_rounds")),
+                                    "cluster_barrier_rounds", "cluster_barrier_relaxed_rounds")),
 ])
 def test_exchange_microbenchmark_kernels_compile(defines, arch, names):
     """The kernels bench/barrier_latency.py launches (the round's anatomy too; and the word
@@ -350,7 +350,7 @@ def test_the_round_anatomy_kernels_take_out_what_they_say():
     an L1 invalidate after each poll; the warp-vote exchange has no block barrier where the full
     round has its bar.red; the cluster's local copy is a shared store (STS) where the full round
     stores its own copy like the others (a generic ST to the mapa address); the cluster barrier is
-    the hardware's arrive and wait."""
+    the hardware's arrive and wait, fenced where it releases and not where it is relaxed."""
     tool = sass_analysis.nvdisasm()
     if tool is None:
         pytest.skip("no nvdisasm")
@@ -369,7 +369,14 @@ def test_the_round_anatomy_kernels_take_out_what_they_say():
                      for k in ("cluster_exchange_local_rounds", "cluster_exchange_rounds"))
     assert local.count("STS") > stored.count("STS") == 1  # (the full round's: zeroing its copy)
     assert local.count("ST.E.STRONG.GPU") == stored.count("ST.E.STRONG.GPU")
-    assert {"UCGABAR_ARV", "UCGABAR_WAIT"} <= set(_kernel_opcodes(cluster, "cluster_barrier_rounds"))
+    barrier, bare = (_kernel_opcodes(cluster, k)
+                     for k in ("cluster_barrier_rounds", "cluster_barrier_relaxed_rounds"))
+    for ops in (barrier, bare):
+        assert ops.count("UCGABAR_ARV") == ops.count("UCGABAR_WAIT") > 1
+    # every released arrival is fenced (and the errors' atomic); a relaxed one is not (only the
+    # release of the launch's first meeting)
+    assert barrier.count("MEMBAR.ALL.GPU") >= barrier.count("UCGABAR_ARV")
+    assert bare.count("MEMBAR.ALL.GPU") == 1
 
 
 def test_cluster_code_is_refused_on_sm_80():
