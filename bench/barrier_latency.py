@@ -233,19 +233,22 @@ class Machine:
 
 
 def part_arguments(m: Machine, part: Part, grid: int, rounds: int, width: int, timeout_ns: int,
-                 elapsed, errors) -> tuple[tuple, int, object]:
-    """(arguments, dynamic shared bytes, control words or None) of one launch of ``part``."""
+                   elapsed, errors, stall: tuple = NO_STALL) -> tuple[tuple, int, object]:
+    """(arguments, dynamic shared bytes, control words or None) of one launch of ``part``
+    (``stall``: the exchanges' injected stall, (block, round, ns); the tests')."""
     xp = m.xp
     ctl = _control(xp, grid)
     timeout, length = np.uint64(timeout_ns), grid * width
     quads = -(-length // 4) * 4
     if part.path == "grid":
         return ((xp.zeros((2, quads), xp.uint32), ctl, np.int32(rounds), np.int32(width), timeout,
-                 *NO_STALL, elapsed, errors), 0, ctl)
+                 *stall, elapsed, errors), 0, ctl)
     if part.path == "quad":
-        return (xp.zeros((2, 4 * grid), xp.uint32), ctl, np.int32(rounds), timeout, elapsed, errors), 0, ctl
+        return ((xp.zeros((2, 4 * grid), xp.uint32), ctl, np.int32(rounds), timeout, elapsed,
+                 errors), 0, ctl)
     if part.path == "cluster":
-        return (ctl, np.int32(rounds), np.int32(width), timeout, *NO_STALL, elapsed, errors), 8 * quads, ctl
+        return ((ctl, np.int32(rounds), np.int32(width), timeout, *stall, elapsed, errors),
+                8 * quads, ctl)
     if part.path == "cluster_barrier":
         return (np.int32(rounds), elapsed, errors), 8, None  # its word's two slots
     return (np.int32(rounds), elapsed), 0, None
@@ -366,7 +369,8 @@ def run_anatomy(args) -> int:
                 "repeats": args.repeats,
                 "timing": "%globaltimer in the kernel, largest CTA / rounds, median over launches",
                 "isolates": {p.name: p.isolates for p in ANATOMY}}
-    _study.save(args.out, ANATOMY_NAME, _study.document(settings, rows, gpu=not args.cpu), draw_anatomy)
+    doc = _study.document(settings, rows, gpu=not args.cpu)
+    _study.save(args.out, ANATOMY_NAME, doc, draw_anatomy)
     return 1 if any("error" in r for r in rows) else 0
 
 

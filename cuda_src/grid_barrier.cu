@@ -135,13 +135,21 @@ PRNN_KERNEL void exchange_warp_rounds(unsigned* exchange, EXCHANGE_PARAMS) {
 using SpinWait = PrnnWaitPolicy<1024, 8>;
 struct RelaxedQuad {
   using Wait = SpinWait;
-  PRNN_DEVICE static void store(unsigned* p, const unsigned (&w)[4]) { prnn_store_relaxed_u32x4(p, w); }
-  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const { prnn_load_relaxed_u32x4(p, w); }
+  PRNN_DEVICE static void store(unsigned* p, const unsigned (&w)[4]) {
+    prnn_store_relaxed_u32x4(p, w);
+  }
+  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const {
+    prnn_load_relaxed_u32x4(p, w);
+  }
 };
 struct AcquireQuad {
   using Wait = SpinWait;
-  PRNN_DEVICE static void store(unsigned* p, const unsigned (&w)[4]) { prnn_store_release_u32x4(p, w); }
-  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const { prnn_load_acquire_u32x4(p, w); }
+  PRNN_DEVICE static void store(unsigned* p, const unsigned (&w)[4]) {
+    prnn_store_release_u32x4(p, w);
+  }
+  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const {
+    prnn_load_acquire_u32x4(p, w);
+  }
 };
 
 // The grid's round reduced to its store and loads: thread 0 of each CTA only (the others exit),
@@ -294,7 +302,9 @@ PRNN_KERNEL void PRNN_CLUSTER_DIMS cluster_barrier_rounds(int rounds, unsigned l
   const unsigned long long start = prnn_globaltimer_ns();
   unsigned wrong = 0u;
   for (int r = 0; r < rounds; ++r) {
-    if (threadIdx.x == 0) prnn_store_cluster_u32(words + (r & 1), next, prnn_float_bits(exchange_value(rank, r)));
+    if (threadIdx.x == 0) {
+      prnn_store_cluster_u32(words + (r & 1), next, prnn_float_bits(exchange_value(rank, r)));
+    }
     prnn_cluster_sync();
     if (threadIdx.x == 0) {
       wrong += prnn_load_shared_relaxed_u32(prnn_shared_word(words + (r & 1))) !=

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 try:
     import barrier_latency
 finally:
-    sys.path.pop(0)
+    sys.path.remove(str(Path(__file__).resolve().parent.parent / "bench"))
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,16 +40,15 @@ def _run(name: str, grid: int, width: int = 3, rounds: int = 25, block: int | No
          src_dir: Path | None = None, timeout_ns: int = TIMEOUT_NS, max_resident: int | None = None,
          stall: tuple[int, int, int] = (-1, -1, 0)) -> Ran:
     """One emulated launch of part ``name`` on ``grid`` CTAs (of ``block`` threads: the part's
-    own, or 64), built from ``src_dir``; a grid part's CTA ``stall[0]`` waits ``stall[2]`` ns
+    own, or 64), built from ``src_dir``; an exchange's CTA ``stall[0]`` waits ``stall[2]`` ns
     before round ``stall[1]``."""
     part = PARTS[name]
     module = emulate.get_module("grid_barrier.cu", {"PRNN_CLUSTER": grid} if part.cluster else {},
                                 src_dir)
     elapsed, errors = np.zeros(grid, np.uint64), np.zeros(1, np.uint32)
+    stall_args = (np.int32(stall[0]), np.int32(stall[1]), np.uint64(stall[2]))
     args, shared, ctl = barrier_latency.part_arguments(CPU, part, grid, rounds, width, timeout_ns,
-                                                       elapsed, errors)
-    if part.path == "grid":
-        args = (*args[:5], np.int32(stall[0]), np.int32(stall[1]), np.uint64(stall[2]), *args[8:])
+                                                       elapsed, errors, stall_args)
     module.launch(part.kernel, grid, block or part.block or 64, shared, args,
                   max_resident=max_resident)
     return Ran(abort=0 if ctl is None else int(ctl[1]),
