@@ -130,27 +130,18 @@ PRNN_KERNEL void exchange_warp_rounds(unsigned* exchange, EXCHANGE_PARAMS) {
   grid_exchange<WarpVote>(exchange, EXCHANGE_ARGS);
 }
 
-// How the quad kernels store and load a quad, and wait: polls without a timer read or a sleep
-// for the first 1024 (about 0.5 ms through L2), so that a round measures the words' way alone.
-using SpinWait = PrnnWaitPolicy<1024, 8>;
-struct RelaxedQuad {
-  using Wait = SpinWait;
-  PRNN_DEVICE static void store(unsigned* p, const unsigned (&w)[4]) {
-    prnn_store_relaxed_u32x4(p, w);
-  }
-  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const {
-    prnn_load_relaxed_u32x4(p, w);
-  }
+// How the quad kernels store and load a quad (Store, Load), and wait: polls without a timer read
+// or a sleep for the first 1024 (about 0.5 ms through L2), so that a round measures the words'
+// way alone.
+template <void (*Store)(unsigned*, const unsigned (&)[4]),
+          void (*Load)(const unsigned*, unsigned (&)[4])>
+struct SpinQuad {
+  using Wait = PrnnWaitPolicy<1024, 8>;
+  PRNN_DEVICE static void store(unsigned* p, const unsigned (&w)[4]) { Store(p, w); }
+  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const { Load(p, w); }
 };
-struct AcquireQuad {
-  using Wait = SpinWait;
-  PRNN_DEVICE static void store(unsigned* p, const unsigned (&w)[4]) {
-    prnn_store_release_u32x4(p, w);
-  }
-  PRNN_DEVICE void operator()(const unsigned* p, unsigned (&w)[4]) const {
-    prnn_load_acquire_u32x4(p, w);
-  }
-};
+using RelaxedQuad = SpinQuad<prnn_store_relaxed_u32x4, prnn_load_relaxed_u32x4>;
+using AcquireQuad = SpinQuad<prnn_store_release_u32x4, prnn_load_acquire_u32x4>;
 
 // The grid's round reduced to its store and loads: thread 0 of each CTA only (the others exit),
 // no block barrier. In round r it publishes exchange_value(cta, r) and three zeros, tagged, as one
