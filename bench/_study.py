@@ -33,9 +33,10 @@ def require_gpu(name: str) -> None:
         sys.exit(2)
 
 
-def document(settings: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
-    """A study's results: device, driver, CUDA, commit, command, date, settings and rows."""
-    device = benchmark.device_record(gpu=True)
+def document(settings: dict[str, Any], rows: list[dict], gpu: bool = True) -> dict[str, Any]:
+    """A study's results: device (the CPU where not ``gpu``), driver, CUDA, commit, command, date,
+    settings and rows."""
+    device = benchmark.device_record(gpu=gpu)
     return {"schema_version": SCHEMA_VERSION, **device,
             **benchmark.run_stamp(["python", *sys.argv]),
             "settings": settings, "rows": rows}

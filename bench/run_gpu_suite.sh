@@ -19,7 +19,7 @@
 #   studies  the small layers at clusters of 16, 8 and none; stacks of 3 and 4
 #   sweeps   bench/batch_sweep.py, bench/hidden_sweep.py, the GEMM path with CUDA graphs on and off
 #   fresh    the A/B of the cluster passes' inputs one or two steps ahead
-#            (plan.CLUSTER_INPUTS_AHEAD); the decoder step's stage probe; the exchange round and a
+#            (plan.CLUSTER_INPUTS_AHEAD); the exchange round's parts; the decoder step's stage probe; the exchange round and a
 #            grid layer's step with more free polls (--free-polls); the GPU tests, what has
 #            not yet run on a GPU first; then the device time of a call by kernel, the call cost
 #            at T = 10, 100, 1000, the decode loop, the hand-over's host costs, a decoding
@@ -222,6 +222,11 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
   # H200, 2026-11-27): both in one process, GRU H=256 B=1 and RNN-tanh H=512 B=1 forward slopes,
   # each beside its prediction (docs/design.md, "Inputs fetched two steps ahead in a cluster")
   step inputs_ahead 15 "$PY" bench/gpu_call_cost.py --out "$OUT" --inputs-ahead
+  # the exchange round split into its parts (docs/design.md, "Latency model"): at 1 and 16 CTAs
+  # the grid's round with one warp, a warp vote, one thread's quad (relaxed, release/acquire), the
+  # cluster's with one warp, its own copy stored locally, the cluster barrier; the timer's costs
+  step round_anatomy 10 "$PY" bench/barrier_latency.py --out "$OUT" --anatomy --rounds 3000 \
+    --repeats 3
   # issue 29: where a captured decoder step's 6.36 us go (H200, 2026-11-27; 4.59 predicted): the
   # probe's %globaltimer stamps of each stage, LSTM H=640 and H=256 B=1, captured and eager, the
   # shipped kernels and those whose hand-off waits poll 64 times before they sleep
@@ -255,7 +260,8 @@ part_fresh() {  # limits 360 s: what has not yet run on a GPU, in the order to l
   # stand-in's measured increments, hardware.PYTHON_GROUP_US, never yet timed on a GPU)
   step stack_call_cost 10 "$PY" bench/gpu_call_cost.py --out "$OUT" --stack --steps 10,100 \
     --calls 10
-  step decode_loop 35 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 12
+  # (measured 18 s and 15 s on the H200 with its 12 s of loops, 2026-11-26 and -27)
+  step decode_loop 25 "$PY" bench/decode_loop.py --out "$OUT" --max-seconds 12
   step interop_cost 10 "$PY" bench/interop_cost.py --out "$OUT"
   step decoder_profile 25 "$PY" bench/decoder_profile.py --out "$OUT"
 }

@@ -435,21 +435,23 @@ inline void wait_at(Gate& g) {
   happens_after(sync);
 }
 
-// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive (release: the
+// The cluster-wide part of prnn_cluster_sync, for the block's thread 0: arrive (`release`: the
 // CTA's queued stores land first), then wait (pausing as a poll does) until every CTA of the
 // cluster has arrived as often. Clusters run whole, but a CTA may exit without arriving: the wait
 // ends at the watchdog, which the launcher reports. The counter is relaxed between a release and
 // an acquire fence, so that the race detector (which does not model fences) takes its edges
 // from the barrier's generation alone, not from a partner's later arrivals on the same counter:
 // the counter's two bytes stand for the sync objects of even and odd generations.
-inline void cluster_barrier() {
+inline void cluster_barrier(bool release = true) {
   working();
-  drain(true);
   unsigned* counter = &cluster_counters[block_idx.x / cluster_size];
   const unsigned generation = __atomic_load_n(counter, __ATOMIC_RELAXED) / cluster_size;
   const char* sync = reinterpret_cast<const char*>(counter) + (generation & 1u);
-  happens_before(sync);
-  __atomic_thread_fence(__ATOMIC_RELEASE);
+  if (release) {
+    drain(true);
+    happens_before(sync);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+  }
   __atomic_fetch_add(counter, 1u, __ATOMIC_RELAXED);
   const unsigned target = (generation + 1u) * cluster_size;
   while (__atomic_load_n(counter, __ATOMIC_RELAXED) < target && !past_watchdog()) pause_polling();
@@ -567,17 +569,28 @@ inline float prnn_load_cg(const float* p) {
 inline unsigned prnn_load_relaxed(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline void prnn_store_relaxed(unsigned* p, unsigned v) { prnn_emu::store_relaxed(p, v); }
 namespace prnn_emu {
-// n relaxed words, as PTX defines a vector access: one access per element, which kDelayed
-// separates by a fiber switch (the other fibers' stores may land in between).
-inline void load_words(const unsigned* p, unsigned* w, int n) {
+// n relaxed (or acquire: `order`) words, as PTX defines a vector access: one access per element,
+// which kDelayed separates by a fiber switch (the other fibers' stores may land in between).
+inline void load_words(const unsigned* p, unsigned* w, int n, int order = __ATOMIC_RELAXED) {
   drain();
   for (int i = 0; i < n; ++i) {
     if (i > 0 && on(kDelayed)) switch_out();
-    w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
+    w[i] = __atomic_load_n(p + i, order);
   }
 }
 }  // namespace prnn_emu
 inline void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) { prnn_emu::load_words(p, w, 4); }
+inline void prnn_load_acquire_u32x4(const unsigned* p, unsigned (&w)[4]) {
+  prnn_emu::load_words(p, w, 4, __ATOMIC_ACQUIRE);
+}
+// A 16-byte store: four relaxed words (each may land late and apart, kDelayed), or four release
+// stores after the CTA's queued ones.
+inline void prnn_store_relaxed_u32x4(unsigned* p, const unsigned (&w)[4]) {
+  for (int i = 0; i < 4; ++i) prnn_emu::store_relaxed(p + i, w[i]);
+}
+inline void prnn_store_release_u32x4(unsigned* p, const unsigned (&w)[4]) {
+  for (int i = 0; i < 4; ++i) prnn_store_release(p + i, w[i]);
+}
 // Thread-block clusters (kernels built with -DPRNN_CLUSTER=n): the launcher runs a cluster's
 // CTAs at once and publishes each one's shared memory in cluster_shared[] before any fiber runs.
 #ifdef PRNN_CLUSTER
@@ -585,6 +598,12 @@ inline void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) { prnn_
 inline void prnn_cluster_sync() {
   prnn_sync_block();
   if (threadIdx.x == 0) prnn_emu::cluster_barrier();
+  prnn_sync_block();
+}
+// A relaxed arrival: the CTA's queued stores stay queued (kDelayed).
+inline void prnn_cluster_sync_relaxed() {
+  prnn_sync_block();
+  if (threadIdx.x == 0) prnn_emu::cluster_barrier(false);
   prnn_sync_block();
 }
 // A store into a CTA that has exited is an error (its shared memory may already be another CTA's).

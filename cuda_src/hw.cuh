@@ -100,6 +100,21 @@ PRNN_DEVICE void prnn_load_relaxed_u32x4(const unsigned* p, unsigned (&w)[4]) {
   asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
 }
+// The same with acquire semantics (bench/barrier_latency.py --anatomy: what the relaxed
+// protocol saves), and a quad stored as one 16-byte access, relaxed or release (four single-copy
+// atomic 4-byte stores; p 16-byte aligned).
+PRNN_DEVICE void prnn_load_acquire_u32x4(const unsigned* p, unsigned (&w)[4]) {
+  asm volatile("ld.acquire.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p) : "memory");
+}
+PRNN_DEVICE void prnn_store_relaxed_u32x4(unsigned* p, const unsigned (&w)[4]) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};"
+               ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+}
+PRNN_DEVICE void prnn_store_release_u32x4(unsigned* p, const unsigned (&w)[4]) {
+  asm volatile("st.release.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};"
+               ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+}
 PRNN_DEVICE unsigned prnn_float_bits(float v) { return __float_as_uint(v); }
 PRNN_DEVICE float prnn_bits_float(unsigned v) { return __uint_as_float(v); }
 // Load that bypasses L1, for data other CTAs wrote during this launch.
@@ -267,6 +282,11 @@ PRNN_DEVICE void prnn_store_shared_quad(float* p, const float (&v)[4]) {
 // cluster scope. Untimed, so only where every CTA is sure to arrive (launch start and end).
 PRNN_DEVICE void prnn_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same barrier with a relaxed arrival: it orders no earlier access (the release's arrival is
+// a GPU-scope fence and the barrier instruction, this one the instruction alone).
+PRNN_DEVICE void prnn_cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 // Stores v at the address of `local` (in this CTA's shared memory) in CTA `cta` of the cluster.
 PRNN_DEVICE void prnn_store_cluster_u32(unsigned* local, int cta, unsigned v) {

@@ -168,10 +168,14 @@ def test_barrier_latency_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
     log = kernels.compile_source("grid_barrier.cu", {}, "sm_90").log
     barrier_latency = _bench_script("barrier_latency")
     assert f"'{barrier_latency.KERNEL}'" in log and "0 bytes spill stores" in log
+    # --anatomy's kernels, the grid's and (at 16 CTAs, its largest grid) the cluster's
+    parts = barrier_latency.ANATOMY
+    assert all(f"'{p.kernel}'" in log for p in parts if not p.cluster) and "'timer_probe'" in log
     # the cluster exchange at the small layers' cluster size (16 CTAs on H100/H200)
-    assert barrier_latency.MAX_CLUSTER == 16
+    assert barrier_latency.MAX_CLUSTER == 16 == max(barrier_latency.ANATOMY_GRIDS)
     log = kernels.compile_source("grid_barrier.cu", {"PRNN_CLUSTER": 16}, "sm_90").log
     assert f"'{barrier_latency.CLUSTER_KERNEL}'" in log
+    assert all(f"'{p.kernel}'" in log for p in parts if p.cluster)
     # --free-polls' builds (``PRNN_GRID_FREE_POLLS``)
     log = kernels.compile_source("grid_barrier.cu", {"PRNN_GRID_FREE_POLLS": 64}, "sm_90").log
     assert f"'{barrier_latency.EXCHANGE_KERNEL}'" in log and "0 bytes spill stores" in log

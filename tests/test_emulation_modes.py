@@ -349,7 +349,7 @@ def test_a_publish_before_the_last_read_of_a_slot_fails(tmp_path):
     the race detector does not judge; a random schedule (a lagging warp) shows it, and here the
     plain schedule already does (the threads with no words to publish only gather, and drift
     from the publishers at their polls)."""
-    src = sabotaged(tmp_path, "grid_barrier.cu", "    if (prnn_sync_block_or(!ok)) break;\n",
+    src = sabotaged(tmp_path, "grid_barrier.cu", "    if (vote(!ok)) break;\n",
                     "    if (!ok) break;\n")
     assert _exchange_errors(src, mode="schedule") != (0, 0)
 

@@ -5,6 +5,7 @@ hung item recorded and skipped, the report's slope and per-call split, pytest re
 test - do what they say. So the suite cannot rot while no GPU is lent."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -213,22 +214,45 @@ def test_the_report_splits_slope_and_per_call_cost():
         first_report._tf32_text(rows))
 
 
-def _fresh_ab_on_the_cpu(tmp_path, step: str, limit: int):
-    """Run the fresh part's A/B step ``step`` (bench/gpu_call_cost.py) with its arguments as the
-    suite names them, plus ``--cpu``, into ``tmp_path/out``, after checking its time limit is at
-    most ``limit`` s; returns the script's module."""
+def _fresh_ab_on_the_cpu(tmp_path, step: str, limit: int, script: str = "gpu_call_cost"):
+    """Run the fresh part's step ``step`` (bench/``script``.py) with its arguments as the suite
+    names them, plus ``--cpu``, into ``tmp_path/out``, after checking its time limit is at most
+    ``limit`` s; returns the script's module."""
     run = _suite("--dry-run", str(tmp_path / "out"), "fresh")
     seconds, = [s for n, s in _steps(run.stdout) if n == step]
     assert seconds <= limit
     line = next(x for x in run.stdout.splitlines() if x.startswith(f"== {step} "))
-    args = line.split("bench/gpu_call_cost.py ", 1)[1].split()
+    args = line.split(f"bench/{script}.py ", 1)[1].split()
     sys.path.insert(0, str(BENCH))
     try:
-        import gpu_call_cost
+        module = importlib.import_module(script)
     finally:
         sys.path.remove(str(BENCH))
-    assert gpu_call_cost.main([*args, "--cpu"]) == 0
-    return gpu_call_cost
+    assert module.main([*args, "--cpu"]) == 0
+    return module
+
+
+def test_the_fresh_parts_round_anatomy_runs_on_the_cpu(tmp_path, capsys):
+    """The fresh part's round anatomy (bench/barrier_latency.py --anatomy, its command as the
+    suite names it plus ``--cpu``: the emulation at 1 and 4 CTAs, a few rounds; a check of the
+    script, its figures mean nothing), early in the part and within 15 s on a GPU: a row per part
+    and grid size and the timer's, in a record that says where, when and from what it came, and
+    the table of each part beside its full round."""
+    run = _suite("--dry-run", str(tmp_path / "out"), "fresh")
+    names = [n for n, _ in _steps(run.stdout)]
+    assert names.index("round_anatomy") == names.index("inputs_ahead") + 1
+    barrier_latency = _fresh_ab_on_the_cpu(tmp_path, "round_anatomy", 15, "barrier_latency")
+    doc = json.loads((tmp_path / "out" / "round_anatomy.json").read_text())
+    assert doc["device"] == "cpu" and doc["settings"]["cpu"] and doc["commit"] and doc["date"]
+    assert "nvrtc" in doc and doc["command"]  # (sys.argv: the suite runs the script itself)
+    rows = [r for r in doc["rows"] if "grid" in r]
+    assert {(r["part"], r["grid"]) for r in rows} == {
+        (p.name, g) for p in barrier_latency.ANATOMY for g in barrier_latency.CPU_GRIDS}
+    assert all(r["ns_per_round"] > 0 for r in rows)
+    timer, = [r for r in doc["rows"] if r["part"] == "timer"]
+    assert timer["read_ns"] > 0 and timer["backoff_ns"] > 0
+    out = capsys.readouterr().out
+    assert "quad_acquire" in out and "(100%)" in out and "__nanosleep(20)" in out
 
 
 def test_the_fresh_parts_inputs_ahead_ab_runs_on_the_cpu(tmp_path, capsys):

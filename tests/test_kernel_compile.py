@@ -318,18 +318,65 @@ def test_cached_cubin_is_a_complete_elf(tmp_path, monkeypatch):
     assert "prnn_persistent_forward" in listing.stdout
 
 
+GRID_PARTS = ("grid_barrier_rounds", "exchange_rounds", "exchange_word_round_trip",
+              "exchange_warp_rounds", "quad_rounds", "quad_acquire_rounds", "timer_probe")
+
+
 @pytest.mark.parametrize("defines, arch, names", [
-    ({}, "sm_80", ("grid_barrier_rounds", "exchange_rounds", "exchange_word_round_trip")),
-    ({}, "sm_90", ("grid_barrier_rounds", "exchange_rounds", "exchange_word_round_trip")),
-    ({"PRNN_CLUSTER": 8}, "sm_90", ("cluster_exchange_rounds",)),
+    ({}, "sm_80", GRID_PARTS),
+    ({}, "sm_90", GRID_PARTS),
+    ({"PRNN_CLUSTER": 8}, "sm_90", ("cluster_exchange_rounds", "cluster_exchange_local_rounds",
+                                    "cluster_barrier_rounds", "cluster_barrier_relaxed_rounds")),
 ])
 def test_exchange_microbenchmark_kernels_compile(defines, arch, names):
-    """The kernels bench/barrier_latency.py launches (and the word format's own) exist under their
-    names, with zero spills."""
+    """The kernels bench/barrier_latency.py launches (the round's anatomy too; and the word
+    format's own) exist under their names, with zero spills."""
     log = kernels.compile_source("grid_barrier.cu", defines, arch).log
     for name in names:
         assert f"'{name}'" in log
     assert "bytes spill" in log and all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill", log))
+
+
+def _kernel_opcodes(sass: str, kernel: str) -> list[str]:
+    """The opcodes of ``kernel``'s section of an ``nvdisasm -c`` listing."""
+    section = sass.split(f".text.{kernel}:", 1)[1].split(".section", 1)[0]
+    return [op for op, *_ in sass_analysis.parse(section)[0]]
+
+
+def test_the_round_anatomy_kernels_take_out_what_they_say():
+    """The SASS of the anatomy's parts (sm_90; bench/barrier_latency.py --anatomy) differs from
+    the full rounds' in what each isolates: the relaxed quad stores and polls with 16-byte strong
+    accesses and no L1 invalidate, where the release/acquire quad adds a fence before its store and
+    an L1 invalidate after each poll; the warp-vote exchange has no block barrier where the full
+    round has its bar.red; the cluster's local copy is a shared store (STS) where the full round
+    stores its own copy like the others (a generic ST to the mapa address); the cluster barrier is
+    the hardware's arrive and wait, fenced where it releases and not where it is relaxed."""
+    tool = sass_analysis.nvdisasm()
+    if tool is None:
+        pytest.skip("no nvdisasm")
+    grid, cluster = (sass_analysis.disassemble(kernels.compile_source("grid_barrier.cu", d, "sm_90")
+                                               .cubin_path, tool)
+                     for d in ({}, {"PRNN_CLUSTER": 8}))
+    relaxed, acquire = (_kernel_opcodes(grid, k) for k in ("quad_rounds", "quad_acquire_rounds"))
+    for ops in (relaxed, acquire):
+        assert "STG.E.128.STRONG.GPU" in ops and "LDG.E.128.STRONG.GPU" in ops
+    assert "CCTL.IVALL" not in relaxed and acquire.count("CCTL.IVALL") >= 16  # 16 polls in flight
+    assert acquire.count("MEMBAR.ALL.GPU") == relaxed.count("MEMBAR.ALL.GPU") + 1
+    warp, full = (_kernel_opcodes(grid, k) for k in ("exchange_warp_rounds", "exchange_rounds"))
+    assert not any(op.startswith("BAR.") for op in warp) and "VOTE.ANY" in warp
+    assert "BAR.RED.OR.DEFER_BLOCKING" in full
+    local, stored = (_kernel_opcodes(cluster, k)
+                     for k in ("cluster_exchange_local_rounds", "cluster_exchange_rounds"))
+    assert local.count("STS") > stored.count("STS") == 1  # (the full round's: zeroing its copy)
+    assert local.count("ST.E.STRONG.GPU") == stored.count("ST.E.STRONG.GPU")
+    barrier, bare = (_kernel_opcodes(cluster, k)
+                     for k in ("cluster_barrier_rounds", "cluster_barrier_relaxed_rounds"))
+    for ops in (barrier, bare):
+        assert ops.count("UCGABAR_ARV") == ops.count("UCGABAR_WAIT") > 1
+    # every released arrival is fenced (and the errors' atomic); a relaxed one is not (only the
+    # release of the launch's first meeting)
+    assert barrier.count("MEMBAR.ALL.GPU") >= barrier.count("UCGABAR_ARV")
+    assert bare.count("MEMBAR.ALL.GPU") == 1
 
 
 def test_cluster_code_is_refused_on_sm_80():
