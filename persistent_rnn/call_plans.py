@@ -234,12 +234,8 @@ class Plan(CallSignature):
         # (the layer API's: its forward's results and formed input, rewritten by every call)
         self.results: runtime.ForwardResult | None = None
         self.formed: Array | None = None
-        # a call's context but its own fields (``forward``: the params, lengths, input,
-        # direction and stats), as the full path makes it; and the direction of the calls
-        # without initial states where the results are held (the same every call)
-        self.context_fields = vars(functional.Context(
-            ctx.cell, {}, 1, False, False, ctx.algo, None, None, self.half, plan=self,
-            scratch_results=self.half is not None))
+        # the direction of the calls without initial states where the results are held (the
+        # same every call: ``forward``)
         self.direction: functional._Direction | None = None
 
     def _pass_bias(self, b_hh: Array | None) -> Array | None:
@@ -308,10 +304,9 @@ class Plan(CallSignature):
             d = functional._Direction(self.names, h0, c0, fwd)
             if hx is None and fwd is self.results:  # (the plan's zeros and held results)
                 self.direction = d
-        # (made in C from the fields every call of the plan shares: no Python frame)
-        ctx = object.__new__(functional.Context)
-        ctx.__dict__.update(self.context_fields, params=params, lengths=lengths,
-                            inputs=[layer_input], directions=[[d]], stats=stats)
+        ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None,
+                                 self.half, [layer_input], [[d]], stats)
+        ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
     def _layer_input(self, x: Array, lengths: Any) -> tuple[Array, Array | None]:

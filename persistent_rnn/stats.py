@@ -57,8 +57,9 @@ class RunStats:
         ``RunStats(...)`` then ``defer(fold)`` make, made at once (every persistent pass's
         call makes one)."""
         stats = cls.__new__(cls)
-        stats.__dict__.update(algo=algo, emulated=emulated, details=details, _deferred=[fold],
-                              _held={**_LAZY_DEFAULTS, "launches": launches})
+        stats.__dict__ = {"algo": algo, "emulated": emulated, "details": details,
+                          "_deferred": [fold],
+                          "_held": {**_LAZY_DEFAULTS, "launches": launches}}
         return stats
 
     def defer(self, fold: Callable[["RunStats"], None]) -> None:

@@ -1,0 +1,141 @@
+"""Instructions a planned call executes on the CPU, counted by callgrind: deterministic, unlike times.
+
+    python bench/call_instructions.py [--out DIR] [--calls 300] [--cell GRU|LSTM] [--parts]
+
+The layer API's persistent layer (H=8, B=1, T=1, the emulated path) as a GPU replays it in
+steady state - the replayed stand-in of ``bench/call_breakdown.py --stubbed`` (the graph key
+built over the call's arrays, ``id`` for device pointers, hashed as its look-up hashes it; the
+replay and the emulated launches stubbed), its stubs set once rather than around every call.
+Each row runs in its own ``valgrind --tool=callgrind`` process that counts instructions only
+inside ``functools.reduce`` (``--toggle-collect``), through which the child makes ``--calls``
+calls after its warm-up: start-up, imports and warm-up are not counted, and the count is the same
+run after run on any load (times on the shared 2-core machine move by 10-20 %). Per call, less
+the loop's own (the ``nothing`` row). ``--parts``: also the forward's parts, each called alone
+with the arguments of a steady-state call (``matches``, ``Plan.forward``, ``PreparedPass.run``,
+the key ``PreparedPass._key``, two ``numpy.empty``).
+
+Python calls (tests/test_call_cost.py) are not the cost: an interpreted bytecode is some tens of
+instructions, a Python frame a few hundred, and a change that removes frames may add as much in
+dicts, tuples and their deallocation. Writes ``DIR/call_instructions.json`` with ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROWS = ("forward", "forward+backward")
+PARTS = ("matches", "Plan.forward", "PreparedPass.run", "PreparedPass._key", "numpy.empty x2")
+_COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+
+
+def _stand_in(cell: str) -> dict[str, Callable[[], object]]:
+    """The replayed stand-in's calls by row name (the stubs set for the process)."""
+    import persistent_rnn as prnn
+    from persistent_rnn import chain_graphs, emulate, launch, runtime
+    sys.path.insert(0, str(Path(__file__).parent))
+    from call_breakdown import _host_addresses, _host_value, _looked_up
+    layer = getattr(prnn, cell)(8, 8, algo="persistent", seed=0)
+    x = np.random.default_rng(0).standard_normal((1, 1, 8)).astype(np.float32)
+    dy = np.ones((1, 1, 8), np.float32)
+    for _ in range(3):  # (planned for real: kernels built, caches filled)
+        layer.forward(x)
+        layer.backward(dy)
+    emulate.EmulatedModule._launch = lambda self, *args, **named: None
+    launch.Chain.on_device = True
+    chain_graphs.value, chain_graphs.addresses = _host_value, _host_addresses
+    chain_graphs.run = _looked_up
+
+    def step() -> object:
+        layer.forward(x)
+        return layer.backward(dy)
+    for _ in range(3):
+        step()
+    plan = layer._plan
+    arrays = runtime.forward_arrays(plan.results, plan.h0, plan.c0, None)
+    arrays.update(x=x, x_given=None, out=np.empty(plan.y_shape, np.float32),
+                  h_n=np.empty(plan.state_shape, np.float32))
+    if plan.c0 is not None:
+        arrays["c_n"] = np.empty(plan.c_shape, np.float32)
+    params, prepared = layer.params, plan.forward_pass
+    return {"forward": lambda: layer.forward(x), "forward+backward": step,
+            "matches": lambda: plan.matches(x, None, params, layer.algo, None),
+            "Plan.forward": lambda: plan.forward(x, None, params, None),
+            "PreparedPass.run": lambda: prepared.run(arrays, captured=False),
+            "PreparedPass._key": lambda: prepared._key(arrays),
+            "numpy.empty x2": lambda: (np.empty(plan.y_shape, np.float32),
+                                       np.empty(plan.state_shape, np.float32)),
+            "nothing": lambda: None}
+
+
+def child(row: str, calls: int, cell: str) -> None:
+    """In the callgrind process: warm the row up, then make ``calls`` calls inside
+    ``functools.reduce`` (the only region counted)."""
+    call = _stand_in(cell)[row]
+    for _ in range(50):
+        call()
+    functools.reduce(lambda done, _: call(), range(calls), None)
+
+
+def count(row: str, calls: int, cell: str) -> int:
+    """Instructions of ``calls`` calls of ``row`` (a callgrind process of its own)."""
+    command = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce",
+               "--callgrind-out-file=/dev/null", sys.executable, __file__, "--child", row,
+               "--calls", str(calls), "--cell", cell]
+    env = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env},
+                          check=False)
+    found = _COLLECTED.search(done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"callgrind of {row!r} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Count every row in its own callgrind process; print a table, write the JSON."""
+    p = argparse.ArgumentParser(prog="bench/call_instructions.py",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=None, help="output directory (created)")
+    p.add_argument("--calls", type=int, default=300, help="calls counted per row")
+    p.add_argument("--cell", default="GRU", choices=("GRU", "LSTM"))
+    p.add_argument("--parts", action="store_true", help="also the forward's parts")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        child(args.child, args.calls, args.cell)
+        return 0
+    if shutil.which("valgrind") is None:
+        print("bench/call_instructions.py: needs valgrind (callgrind) on PATH", file=sys.stderr)
+        return 2
+    from persistent_rnn import benchmark
+    loop = count("nothing", args.calls, args.cell) / args.calls
+    rows = []
+    for row in ROWS + (PARTS if args.parts else ()):
+        per_call = count(row, args.calls, args.cell) / args.calls - loop
+        rows.append({"row": row, "instructions_per_call": round(per_call)})
+        print(f"{row:<24} {per_call:>10,.0f} instructions a call")
+    if args.out is not None:
+        version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True)
+        doc = {**benchmark.device_record(gpu=False),
+               "note": "CPU run: instructions counted by callgrind, the emulated path stubbed",
+               **benchmark.run_stamp(["python", *sys.argv]),
+               "settings": {"cell": args.cell, "hidden": 8, "batch": 1, "steps": 1,
+                            "calls": args.calls, "valgrind": version.stdout.strip(),
+                            "python": sys.version.split()[0], "loop_instructions": round(loop)},
+               "rows": rows}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "call_instructions.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
