@@ -789,3 +789,39 @@ def test_remembered_weight_views_are_never_stale():
     with torch.no_grad():
         module.bias_hh_l0.mul_(3.0)
     check()
+
+
+def test_the_instruction_count_runs_the_replayed_stand_in(tmp_path, monkeypatch):
+    """bench/call_instructions.py: the stand-in its callgrind child counts replays the planned
+    calls from their keys (a process of its own: the stubs are the process's), every row runs,
+    and the child's command line works; without valgrind the script says so and exits 2
+    (never a figure it did not count)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "call_instructions.py"
+    probe = f"""
+import sys
+sys.path.insert(0, {str(script.parent)!r})
+import call_instructions
+from persistent_rnn import chain_graphs
+rows = call_instructions._stand_in("GRU")
+looked_up, run = [], chain_graphs.run
+chain_graphs.run = lambda key, issue: looked_up.append(key) or run(key, issue)
+rows["forward"]()
+rows["forward+backward"]()
+assert len(looked_up) == 3, looked_up  # (a forward, then a forward and its backward)
+for row, call in rows.items():
+    call()
+"""
+    for command in ([sys.executable, "-c", probe],
+                    [sys.executable, str(script), "--child", "forward", "--calls", "3"]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no valgrind there)
+    sys.path.insert(0, str(script.parent))
+    try:
+        import call_instructions
+    finally:
+        sys.path.remove(str(script.parent))
+    assert call_instructions.main(["--calls", "3"]) == 2
