@@ -392,6 +392,10 @@ class Chain:
     on its stream (``chain_for``) - so pass ``recorded`` of the host is the device's pass of that
     number, whose record is in that slot of the ring (``run_chain``'s stats)."""
 
+    # whether the words are device memory, which a CUDA graph may replay (``_enqueue``; a CuPy
+    # chain's own attribute, a NumPy chain's the class's)
+    on_device = False
+
     def __init__(self, xp, engine: Engine, groups: int,
                  exchanges: tuple[tuple[int, ...], ...] = (), restart_zeroes: bool = True):
         grid = engine.pass_plan.grid
@@ -416,13 +420,10 @@ class Chain:
         self.ring: RecordRing | None = None  # made by the first pass that records (``new_ring``)
         self.graph_key: tuple | None = None  # (ring, key part): ``_chain_key``
         if not isinstance(self.words, np.ndarray):
-            self.on_device = True  # (on NumPy the class's: ``_enqueue``)
+            self.on_device = True
         self.untouched = True  # whether the progress words are "untouched" now (``reset``)
         # where the completion publishes the record: the ring, or nowhere (``run_chain``)
         self.publish: tuple[Array, int] = (self.words, 0)
-
-    # whether the words are device memory, which a CUDA graph may replay (``_enqueue``)
-    on_device = False
 
     def new_ring(self) -> RecordRing:
         """A new ring for this chain's records and a new numbering: the ledger zeroed (on the
