@@ -317,7 +317,7 @@ def anatomy_table(rows: list[dict]) -> str:
     at each grid size, in ns per round and as a share of that round; the timer's costs below."""
     grids = sorted({r["grid"] for r in rows if "grid" in r})
     ns = {(r["part"], r["grid"]): r["ns_per_round"] for r in rows if "grid" in r}
-    lines = ["part                " + "".join(f"{f'grid {g}':>17}" for g in grids) + "  isolates"]
+    lines = [f"{'part':24}" + "".join(f"{f'grid {g}':>17}" for g in grids) + "  isolates"]
     for part in ANATOMY:
         if not any((part.name, g) in ns for g in grids):
             continue
@@ -327,7 +327,7 @@ def anatomy_table(rows: list[dict]) -> str:
             value, whole = ns.get((part.name, g)), ns.get((full, g))
             share = f" ({value / whole:4.0%})" if value is not None and whole else "       "
             cells.append(f"{'-':>10}       " if value is None else f"{value:10.1f}{share}")
-        lines.append(f"{part.name:20}" + "".join(cells) + f"  {part.isolates}")
+        lines.append(f"{part.name:24}" + "".join(cells) + f"  {part.isolates}")
     t = next(r for r in rows if r["part"] == "timer")
     tick = "-" if t["tick_min_ns"] is None else f"{t['tick_min_ns']} ns, mean {t['tick_mean_ns']:.1f} ns"
     lines.append(f"timer: a %globaltimer read {t['read_ns']:.1f} ns, its step {tick}; "

@@ -8,7 +8,8 @@ stack and GEMM-graph runs) the best TFLOP/s per algorithm at batch 1, 4 and 8, t
 µs per step side by side, and each persistent point's measured µs per step beside the latency
 model's prediction with the relative error (median and worst over the run) - a prediction, not a
 measurement; issue 17's targets over all runs (met or missed, with the points that miss); the
-exchange floor (counter barrier, tagged exchange, cluster) and the restart cost.
+exchange floor (counter barrier, tagged exchange, cluster), the exchange round's parts
+(``round_anatomy.json``) and the restart cost.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from barrier_latency import anatomy_table  # (bench/ is the script's folder)
 
 ALGO_ORDER = ("persistent", "gemm", "prnn_torch", "cudnn")
 
@@ -169,6 +172,13 @@ def barrier_lines(barrier: dict) -> list[str]:
     return lines
 
 
+def anatomy_lines(anatomy: dict) -> list[str]:
+    """The exchange round's parts beside the full round (``barrier_latency.py --anatomy``'s table:
+    docs/design.md, "The round's anatomy", says how to read it)."""
+    return ["  the exchange round's parts (round_anatomy.json):"] + [
+        f"    {line}" for line in anatomy_table(anatomy["rows"]).splitlines()]
+
+
 def main(argv: list[str]) -> int:
     """Summarise ``argv[0]``."""
     out = Path(argv[0])
@@ -192,6 +202,9 @@ def main(argv: list[str]) -> int:
     barrier = _load(out / "barrier_latency.json")
     if barrier and barrier["rows"]:
         print("\n".join(barrier_lines(barrier)))
+    anatomy = _load(out / "round_anatomy.json")
+    if anatomy and anatomy["rows"]:
+        print("\n".join(anatomy_lines(anatomy)))
     restart = _load(out / "restart_cost.json")
     if restart:
         costs = [r["cost_us"] for r in restart["rows"] if r["restarts"] > 0]

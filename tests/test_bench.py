@@ -153,6 +153,27 @@ def test_summarize_reports_best_points_barrier_and_restart(tmp_path, capsys):
     assert "restart cost: median 40 us over 3 stalls" in out
 
 
+def test_summarize_sets_the_rounds_parts_beside_the_round(tmp_path, capsys):
+    """``round_anatomy.json`` (``barrier_latency.py --anatomy``): each part in ns and as a share
+    of its path's full round, at each grid size; the timer's costs."""
+    rows = [{"part": "exchange", "grid": 1, "ns_per_round": 800.0},
+            {"part": "exchange", "grid": 16, "ns_per_round": 1200.0},
+            {"part": "quad", "grid": 1, "ns_per_round": 400.0},
+            {"part": "cluster", "grid": 1, "ns_per_round": 500.0},
+            {"part": "cluster_local", "grid": 1, "ns_per_round": 125.0},
+            {"part": "timer", "read_ns": 30.0, "tick_min_ns": 32, "tick_mean_ns": 32.5,
+             "backoff_ns": 480.0}]
+    (tmp_path / "round_anatomy.json").write_text(json.dumps({"rows": rows}))
+    assert _bench_script("summarize").main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the exchange round's parts" in out
+    quad = next(line for line in out.splitlines() if line.split()[:1] == ["quad"])
+    assert "400.0 ( 50%)" in quad
+    local = next(line for line in out.splitlines() if line.split()[:1] == ["cluster_local"])
+    assert "125.0 ( 25%)" in local
+    assert "__nanosleep(20)) 480.0 ns" in out
+
+
 def test_summarize_reports_missing_files(tmp_path, capsys):
     assert _bench_script("summarize").main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
