@@ -190,7 +190,7 @@ class Cooldowns:
             return None
         for ref in self._rings.get(key, ()):  # (a tuple: replaced, never changed, by watch)
             ring = ref()
-            if ring is not None and int(ring.host[0]) != ring.taken and ring.take():
+            if ring is not None and ring.host.item(0) != ring.taken and ring.take():
                 self.start(key)
         # (no lock: a dict read is atomic; and no second hash of the long key while no
         # configuration has a cooldown recorded, as in every call of a run that never saw one)
@@ -276,7 +276,7 @@ class RecordRing:
     def take(self) -> bool:
         """Whether the device has counted a not co-resident pass since the last ``take``."""
         with self._lock:
-            count = int(self.host[0])
+            count = self.host.item(0)
             if count == self.taken:
                 return False
             self.taken = count
