@@ -628,11 +628,7 @@ def _enqueue(pending: Sequence[tuple]) -> None:
                 if p[1] is None:
                     key = None
                     break
-                chain = p[0]
-                held = chain.graph_key  # (the chain's own part, while its ring is the same)
-                if held is None or held[0] is not chain.publish[0]:
-                    held = _chain_key(chain)
-                key.append((held[1], p[2].arguments, p[3], p[4], p[1]()))
+                key.append((_chain_key(p[0]), p[2].arguments, p[3], p[4], p[1]()))
             if key is None:
                 _issue(pending)
             else:
@@ -662,13 +658,15 @@ def _failed(pending: Sequence[tuple]) -> None:
 
 
 def _chain_key(chain: Chain) -> tuple:
-    """``(ring, part)``: the chain's own part of its graph key (``_enqueue``) - its engine, words
-    (its exchanges lie before them, in the same allocation) and where it publishes -, held by
-    the chain as ``graph_key`` while its ring (``new_ring``) is the same object."""
-    publish = chain.publish
-    held = chain.graph_key = (publish[0], chain_graphs.Fixed((
-        chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish))))
-    return held
+    """The chain's own part of its graph key (``_enqueue``): its engine, words (its exchanges
+    lie before them, in the same allocation) and where it publishes - fixed for the chain's
+    life but for the ring (``new_ring``), so it is built again only when that is another
+    object."""
+    held, publish = chain.graph_key, chain.publish
+    if held is None or held[0] is not publish[0]:
+        held = chain.graph_key = (publish[0], chain_graphs.Fixed((
+            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish))))
+    return held[1]
 
 
 def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int,

@@ -518,11 +518,11 @@ def test_a_planned_persistent_call_without_its_chain(monkeypatch, grid_path, set
 # pair and layer-direction rows' first "A <- B": as PLANNED_LIMITS'; the single layer's
 # backward's: since its plan holds the gradients it adds into with its fixed arrays. The single
 # layer's first "A <- B" (tenth session): ``run_chain`` returns the pass's stats, a chain's
-# eligibility an attribute (``Chain.on_device``), its key part checked inline, the context made
-# from the plan's fixed fields; the limits lowered to about 10% above A.
+# eligibility an attribute (``Chain.on_device``), the stall's kernel arguments in the key, a held
+# direction; the limits lowered to about 10% above A.
 REPLAYED_LIMITS = {
-    ("layer", "GRU", False): 26,      # 23 <- 28; 28 <- 43; 43 <- 46  (46)
-    ("layer", "GRU", True): 52,       # 47 <- 55; 55 <- 58; 58 <- 87; 87 <- 97  (97)
+    ("layer", "GRU", False): 27,      # 25 <- 28; 28 <- 43; 43 <- 46  (46)
+    ("layer", "GRU", True): 55,       # 50 <- 55; 55 <- 58; 58 <- 87; 87 <- 97  (97)
     ("stack", "GRU", False): 48,      # 43 <- 56; 56 <- 62; 62 <- 63  (97)
     ("stack", "GRU", True): 90,       # 81 <- 125; 125 <- 137; 137 <- 139  (223)
     ("pair", "GRU", False): 54,       # 49 <- 65; 65 <- 72; 72 <- 73  (104)

@@ -146,7 +146,7 @@ def test_never_a_graph_on_numpy_or_with_the_setting_off(monkeypatch):
     looked_up, issued = [], []
     monkeypatch.setattr(chain_graphs, "run", lambda key, issue: looked_up.append(key) or True)
     monkeypatch.setattr(launch, "_issue_chain", lambda *args: issued.append(1))
-    monkeypatch.setattr(launch, "_chain_key", lambda chain: ("ring", "chain"))
+    monkeypatch.setattr(launch, "_chain_key", lambda chain: "chain")
     on_numpy = launch.Chain(np, SimpleNamespace(pass_plan=SimpleNamespace(grid=1), key="e"), 1)
     on_device = _Chain()
     assert not on_numpy.on_device and on_device.on_device
@@ -371,7 +371,7 @@ def test_a_chain_the_callers_capture_records_is_issued_not_replayed(monkeypatch)
     issued launch by launch and never looked up as a graph, a published one is."""
     issued, looked_up = [], []
     monkeypatch.setattr(chain_graphs, "run", lambda key, issue: looked_up.append(key) or True)
-    monkeypatch.setattr(launch, "_chain_key", lambda chain: ("ring", "chain"))
+    monkeypatch.setattr(launch, "_chain_key", lambda chain: "chain")
     chain = SimpleNamespace(published=False, on_device=True, graph_key=None)  # (device words)
     monkeypatch.setattr(launch, "_issue_chain", lambda *args: issued.append(1))
     pending = [(chain, lambda: ("arguments",), settings.NO_STALL, 0, 1, None, None)]
