@@ -12,7 +12,7 @@ calls after its warm-up: start-up, imports and warm-up are not counted, and the 
 run after run on any load (times on the shared 2-core machine move by 10-20 %). Per call, less
 the loop's own (the ``nothing`` row). ``--parts``: also the forward's parts, each called alone
 with the arguments of a steady-state call (``matches``, ``Plan.forward``, ``PreparedPass.run``,
-the key ``PreparedPass._key``, two ``numpy.empty``).
+the key ``PreparedPass.arguments_key``, two ``numpy.empty``).
 
 Python calls (tests/test_call_cost.py) are not the cost: an interpreted bytecode is some tens of
 instructions, a Python frame a few hundred, and a change that removes frames may add as much in
@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 ROWS = ("forward", "forward+backward")
-PARTS = ("matches", "Plan.forward", "PreparedPass.run", "PreparedPass._key", "numpy.empty x2")
+PARTS = ("matches", "Plan.forward", "PreparedPass.run", "PreparedPass.arguments_key", "numpy.empty x2")
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
 
@@ -71,7 +71,7 @@ def _stand_in(cell: str) -> dict[str, Callable[[], object]]:
             "matches": lambda: plan.matches(x, None, params, layer.algo, None),
             "Plan.forward": lambda: plan.forward(x, None, params, None),
             "PreparedPass.run": lambda: prepared.run(arrays, captured=False),
-            "PreparedPass._key": lambda: prepared._key(arrays),
+            "PreparedPass.arguments_key": lambda: prepared.arguments_key(arrays),
             "numpy.empty x2": lambda: (np.empty(plan.y_shape, np.float32),
                                        np.empty(plan.state_shape, np.float32)),
             "nothing": lambda: None}

@@ -237,6 +237,9 @@ class Plan(CallSignature):
         # the direction of the calls without initial states where the results are held (the
         # same every call: ``forward``)
         self.direction: functional._Direction | None = None
+        # (the layer API's: the context of its forward, rewritten by every call - it
+        # backpropagates only its last forward, whose results the plan holds: ``_own``)
+        self.context: functional.Context | None = None
 
     def _pass_bias(self, b_hh: Array | None) -> Array | None:
         """The ``b_hh`` the forward's pass reads (a float32 layer's own)."""
@@ -304,9 +307,16 @@ class Plan(CallSignature):
             d = functional._Direction(self.names, h0, c0, fwd)
             if hx is None and fwd is self.results:  # (the plan's zeros and held results)
                 self.direction = d
-        ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None,
-                                 self.half, [layer_input], [[d]], stats)
-        ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
+        ctx = self.context
+        if ctx is None:
+            ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None,
+                                     self.half, [layer_input], [[d]], stats)
+            ctx.plan, ctx.scratch_results = self, self.half is not None  # (as the full path's)
+            self._own("context", ctx)
+        else:  # (the held one, as a new one would be made)
+            ctx.params, ctx.lengths, ctx.batch_first = params, lengths, False
+            ctx.inputs[0], ctx.directions[0][0] = layer_input, d
+            ctx.stats, ctx.backward_stats = stats, None
         return out, (h_n if cs is None else (h_n, c_n)), ctx
 
     def _layer_input(self, x: Array, lengths: Any) -> tuple[Array, Array | None]:
@@ -325,7 +335,7 @@ class Plan(CallSignature):
     def _own(self, name: str, made: Any) -> Any:
         """``made``, a forward's new arrays the backward reads (``results``: ``y``, ``cs``,
         ``saved``, ``hs``; a stack's ``activations``; ``formed``: the input the pass reads where
-        the given one is not it),
+        the given one is not it; ``context``: the call's ``functional.Context``),
         returned; kept as the plan's own where its caller backpropagates only its last forward
         (the layer API: ``accumulates``), every later call writing them anew (never returned:
         the output, ``h_n`` and ``c_n`` are copies, new every call)."""

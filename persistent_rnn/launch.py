@@ -29,7 +29,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -75,10 +75,15 @@ class Counters:
 
     def unit(self, replayed: bool) -> None:
         """A graph unit enqueued (``_enqueue``), ``replayed`` as one CUDA graph or not: both
-        counts in one call and one hold of the lock (every call pays it)."""
-        with self._lock:
+        counts in one call and one hold of the lock (every call pays it: taken and let go
+        without ``with``, whose context-manager protocol costs half as much again)."""
+        lock = self._lock
+        lock.acquire()
+        try:
             self.graph_units += 1
             self.graph_launches += replayed
+        finally:
+            lock.release()
 
     def snapshot(self) -> dict[str, int]:
         return {"host_syncs": self.host_syncs, "launches": self.launches, "memsets": self.memsets,
@@ -535,20 +540,33 @@ def chain_launches(max_restarts: int) -> int:
 CHAIN_MEMSETS = 1  # Chain.reset in steady state (the record reaches the host from the completion)
 
 
-def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int, end: int,
-              stall: settings.Stall, complete: Callable[[], None], detail: str,
-              arguments_key: Callable[[], tuple] | None = None,
-              captured: bool | None = None, group: str = "") -> RunStats:
-    """Enqueue the whole chain of a pass: ``launch(start, stall)`` launches the pass (``start``:
-    ``first``, then ``RESUME``), ``complete()`` the completion kernel (``Chain.complete``).
-    Nothing is read back. ``arguments_key``: builds a key of every argument the pass's and the
-    completion's launches take beyond the chain's own (``chain_graphs.arguments_key``; None: the
-    chain is never a graph); with it, a chain seen before is replayed as one CUDA graph
-    (``chain_graphs``). Outside a user's capture the completion publishes the record
-    (``Chain.recorded`` counts it). Inside ``one_graph`` the chain is enqueued with the block's
-    others at its end, all of them one graph. ``captured``: whether the stream is being
-    captured, where the caller has just asked it (a call plan's check: ``call_plans._where``);
-    ``None``: ``run_chain`` asks (on a GPU an API call).
+class PassIssuer(Protocol):
+    """What ``run_chain`` enqueues of one pass, given a call's ``data`` (the issuer's own: a
+    prepared pass's arrays by role, ``runtime.PreparedPass``; a stack pass's, ``stack``). One
+    object serves its every call: nothing is made per call to carry them."""
+
+    def issue_launch(self, data: Any, start: Any, stall: settings.Stall) -> None:
+        """Launch the pass (``start``: its first start, then ``RESUME``)."""
+
+    def issue_completion(self, data: Any) -> None:
+        """Launch the pass's completion kernel (``Chain.complete``)."""
+
+    def arguments_key(self, data: Any) -> tuple | None:
+        """A key of every argument the pass's and the completion's launches take beyond the
+        chain's own (``chain_graphs.arguments_key``); ``None``: the chain is never a graph."""
+
+
+def run_chain(chain: Chain, issuer: PassIssuer, data: Any, first: int, end: int,
+              stall: settings.Stall, detail: str, captured: bool | None = None,
+              group: str = "") -> RunStats:
+    """Enqueue the whole chain of a pass with a call's ``data``: ``issuer.issue_launch`` launches
+    the pass (``first``, then ``RESUME``), ``issuer.issue_completion`` the completion kernel
+    (``Chain.complete``). Nothing is read back. With a key (``issuer.arguments_key``), a chain
+    seen before is replayed as one CUDA graph (``chain_graphs``). Outside a user's capture the
+    completion publishes the record (``Chain.recorded`` counts it). Inside ``one_graph`` the
+    chain is enqueued with the block's others at its end, all of them one graph. ``captured``:
+    whether the stream is being captured, where the caller has just asked it (a call plan's
+    check: ``call_plans._where``); ``None``: ``run_chain`` asks (on a GPU an API call).
 
     Returns the pass's stats: the persistent kernel, one launch, ``detail``; its record
     (restarts, launches, fallback) read lazily (``RunStats.awaiting``). Under CUDA stream capture
@@ -559,10 +577,8 @@ def run_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first
     # (the chain's own words, with no slots: never written)
     chain.publish = ((chain.ring or chain.new_ring()).device, RING_SLOTS) if record \
         else (chain.words, 0)
-    # (a tuple - no closure made per call: a replay never issues the chain launch by launch):
-    # the chain, arguments_key (None: never a graph), the rest of the chain's key, which
-    # ``_enqueue`` builds, and what ``_issue`` issues
-    pending = (chain, arguments_key, stall, first, end, launch, complete)
+    # (a tuple - nothing else made per call: a replay never issues the chain launch by launch)
+    pending = (chain, issuer, data, stall, first, end)
     block = _GROUP.pending
     if block is None:
         _enqueue((pending,))
@@ -624,11 +640,12 @@ def _enqueue(pending: Sequence[tuple]) -> None:
         s = settings.current()
         if first.published and first.on_device and s.chain_graphs:
             key = [s.cooperative, s.max_restarts, s.gpu_timeout_ms]
-            for p in pending:  # (a loop: no comprehension's frame)
-                if p[1] is None:
+            for chain, issuer, data, stall, first, end in pending:  # (no comprehension's frame)
+                arguments = issuer.arguments_key(data)
+                if arguments is None:
                     key = None
                     break
-                key.append((_chain_key(p[0]), p[2].arguments, p[3], p[4], p[1]()))
+                key.append((_chain_key(chain), stall.arguments, first, end, arguments))
             if key is None:
                 _issue(pending)
             else:
@@ -644,8 +661,8 @@ def _enqueue(pending: Sequence[tuple]) -> None:
 
 def _issue(pending: Sequence[tuple]) -> None:
     """Issue ``pending``'s chains launch by launch, in order (``_issue_chain``)."""
-    for chain, _, stall, first, _, launch, complete in pending:
-        _issue_chain(chain, launch, first, stall, complete)
+    for chain, issuer, data, stall, first, _ in pending:
+        _issue_chain(chain, issuer, data, first, stall)
 
 
 def _failed(pending: Sequence[tuple]) -> None:
@@ -669,13 +686,13 @@ def _chain_key(chain: Chain) -> tuple:
     return held[1]
 
 
-def _issue_chain(chain: Chain, launch: Callable[[Any, settings.Stall], None], first: int,
-                 stall: settings.Stall, complete: Callable[[], None]) -> None:
+def _issue_chain(chain: Chain, issuer: PassIssuer, data: Any, first: int,
+                 stall: settings.Stall) -> None:
     chain.reset()
-    launch(first, stall)
+    issuer.issue_launch(data, first, stall)
     for _ in range(settings.current().max_restarts):
-        launch(RESUME, settings.NO_STALL)
-    complete()
+        issuer.issue_launch(data, RESUME, settings.NO_STALL)
+    issuer.issue_completion(data)
 
 
 _OWN_CAPTURE = threading.local()

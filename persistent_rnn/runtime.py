@@ -363,7 +363,7 @@ class Around:
     arguments, ``fixed`` (arrays at an address fixed for the plan: workspaces, weights,
     constants; the plan holds them) and the call's arrays of the pass's roles and of ``roles``;
     every one of those enters the chain graph's key, with the two functions' names
-    (``PreparedPass._key``). Nothing in them may
+    (``PreparedPass.arguments_key``). Nothing in them may
     allocate or look up scratch (``buffers.reused`` makes new arrays while a stream captures).
     ``addressed``: the roles (the pass's or ``roles``) whose every call's array is a contiguous
     array of the first call's shape and dtype, never ``None`` (the plan makes them, or checks
@@ -402,28 +402,23 @@ class PreparedPass:
         """Enqueue the pass with this call's ``arrays`` (by role; ``None``: the first call's,
         which the arguments hold); its stats. The launches' arguments are substituted only
         where the chain is issued launch by launch (a replayed chain graph needs its key only).
-        ``captured``: ``launch.run_chain``'s."""
-        if arrays is None:
-            arrays = self._arrays
-        chain = self.chain
-        return launch.run_chain(chain, partial(self._launch, arrays, []), self.first, self.end,
-                                settings.current_stall(), partial(self._complete, arrays),
-                                self._detail, partial(self._key, arrays), captured)
+        ``captured``: ``launch.run_chain``'s. The pass is its own issuer
+        (``launch.PassIssuer``), ``arrays`` the call's data."""
+        return launch.run_chain(self.chain, self, self._arrays if arrays is None else arrays,
+                                self.first, self.end, settings.current_stall(), self._detail,
+                                captured)
 
-    def _launch(self, arrays: dict[str, Array | None], made: list, start: Any,
-                stall: settings.Stall) -> None:
-        """A launch of the pass (``run``; ``made``: its arguments, made by its first launch),
-        the first one after ``around.before``."""
+    def issue_launch(self, arrays: dict[str, Array | None], start: Any,
+                     stall: settings.Stall) -> None:
+        """A launch of the pass (``launch.PassIssuer``), the first one after ``around.before``."""
         around = self.around
         if start is not launch.RESUME and around is not None:  # (the pass's first launch)
             around.before(arrays, around.fixed)
-        if not made:
-            made.append(self._arguments(0, arrays))
-        launch.launch_pass(self.chain.engine, self.chain.control, dict(made[0], start=start),
-                           stall)
+        launch.launch_pass(self.chain.engine, self.chain.control,
+                           dict(self._arguments(0, arrays), start=start), stall)
 
-    def _complete(self, arrays: dict[str, Array | None]) -> None:
-        """The pass's completion kernel (``run``), then ``around.after``."""
+    def issue_completion(self, arrays: dict[str, Array | None]) -> None:
+        """The pass's completion kernel (``launch.PassIssuer``), then ``around.after``."""
         self.chain.complete(self.complete, **self._arguments(1, arrays))
         around = self.around
         if around is not None:
@@ -451,8 +446,8 @@ class PreparedPass:
         """Build the key's static part again at the next call (``around.fixed`` changed)."""
         self._static_key = None
 
-    def _key(self, arrays: dict[str, Array | None]) -> tuple:
-        """What a chain graph of this pass is keyed by (``launch.run_chain``): the arguments
+    def arguments_key(self, arrays: dict[str, Array | None]) -> tuple:
+        """What a chain graph of this pass is keyed by (``launch.PassIssuer``): the arguments
         but the per-call arrays, keyed once (the prepared pass holds them), and those arrays -
         of the ``around``'s ``addressed`` roles their address (their layout keyed once, from
         the first call's), of the others their ``chain_graphs.value``; with an ``around``, its

@@ -20,7 +20,7 @@ record lazily.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -111,25 +111,46 @@ def _run(engine_: launch.Engine, args: dict, layers: int, direction: int, xp, ch
         if around is not None:
             around.fixed["pass"] = held
     chain, exchange_args, first, end, first_starts, detail = held
-    args = {**args, **exchange_args}
+    issuer = _StackPass(engine_, chain, {**args, **exchange_args}, first_starts, complete,
+                        complete_args, around, exchanges)
+    return launch.run_chain(chain, issuer, None, first, end, settings.current_stall(), detail,
+                            None if around is None else False, group="layer")
 
-    def go(start, stall: settings.Stall) -> None:
-        if start is not launch.RESUME and around is not None:  # (the pass's first launch)
+
+class _StackPass:
+    """A stack pass's issuer for one call (``launch.PassIssuer``; its data ``None``: the pass
+    holds the call's arguments): the stack kernel with ``args`` and each launch's starts, its
+    completion ``complete`` with ``complete_args``, ``around``'s operations before and after
+    them (where given), keyed by ``_arguments_key`` or, planned, ``_planned_key``."""
+
+    __slots__ = ("engine", "chain", "args", "first_starts", "complete", "complete_args",
+                 "around", "exchanges")
+
+    def __init__(self, engine_: launch.Engine, chain: launch.Chain, args: dict,
+                 first_starts: Array, complete: str, complete_args: dict, around: Around | None,
+                 exchanges: tuple[tuple[str, ...], ...]):
+        self.engine, self.chain, self.args, self.first_starts = engine_, chain, args, first_starts
+        self.complete, self.complete_args = complete, complete_args
+        self.around, self.exchanges = around, exchanges
+
+    def issue_launch(self, data: None, start: Any, stall: settings.Stall) -> None:
+        around, resume = self.around, start is launch.RESUME
+        if not resume and around is not None:  # (the pass's first launch)
             around.before()
-        starts = first_starts if start is not launch.RESUME else chain.starts
-        launch.launch_pass(engine_, chain.control, dict(args, starts=starts), stall)
+        starts = self.chain.starts if resume else self.first_starts
+        launch.launch_pass(self.engine, self.chain.control, dict(self.args, starts=starts),
+                           stall)
 
-    def completed() -> None:
-        chain.complete(complete, **complete_args)
-        if around is not None:
-            around.after()
+    def issue_completion(self, data: None) -> None:
+        self.chain.complete(self.complete, **self.complete_args)
+        if self.around is not None:
+            self.around.after()
 
-    return launch.run_chain(chain, go, first, end, settings.current_stall(), completed, detail,
-                            partial(_arguments_key, complete, first_starts, args, complete_args)
-                            if around is None else
-                            partial(_planned_key, complete, first_starts, args, complete_args,
-                                    around, exchanges), None if around is None else False,
-                            group="layer")
+    def arguments_key(self, data: None) -> tuple:
+        if self.around is None:
+            return _arguments_key(self.complete, self.first_starts, self.args, self.complete_args)
+        return _planned_key(self.complete, self.first_starts, self.args, self.complete_args,
+                            self.around, self.exchanges)
 
 
 def _pass_of(engine_: launch.Engine, args: dict, layers: int, direction: int, xp,

@@ -411,7 +411,7 @@ def test_a_cooling_configuration_is_not_planned(settings, grid_path):
 
 def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(settings,
                                                                           monkeypatch, stub_chains):
-    """What a GPU replay is keyed by (``PreparedPass._key``), with NumPy addresses standing in
+    """What a GPU replay is keyed by (``PreparedPass.arguments_key``), with NumPy addresses standing in
     for device pointers: the planned calls' static part is one object, built once; the key
     differs between calls only by the new arrays, and names every argument the full path's
     key names, and everything the operations moved into the chain (``runtime.Around``) read

@@ -154,7 +154,7 @@ def test_never_a_graph_on_numpy_or_with_the_setting_off(monkeypatch):
         chain.published = True  # (as ``run_chain`` finds a stream not being captured)
 
     def enqueue(chain) -> None:
-        launch._enqueue([(chain, lambda: ("arguments",), settings.NO_STALL, 0, 1, None, None)])
+        launch._enqueue([(chain, _Issuer(("arguments",)), None, settings.NO_STALL, 0, 1)])
     enqueue(on_numpy)
     with prnn.override_settings(chain_graphs=False):
         enqueue(on_device)
@@ -182,9 +182,10 @@ def test_an_emulated_chain_is_never_keyed(monkeypatch, stub_chains):
     ran = []
     stub_chains(lambda *a: ran.append(a))
 
-    def key():
-        raise AssertionError("the key is built only for a chain that may be a graph")
-    launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None, "", key)
+    class Unkeyed(_Issuer):
+        def arguments_key(self, data):
+            raise AssertionError("the key is built only for a chain that may be a graph")
+    launch.run_chain(chain, Unkeyed(), None, 0, 4, settings.NO_STALL, "")
     assert len(ran) == 1
 
 
@@ -198,13 +199,30 @@ def test_the_chains_own_key_part_is_built_once_per_ring(monkeypatch):
     chain = type("C", (), {"engine": type("E", (), {"key": "engine"})(), "words": object(),
                            "graph_key": None, "publish": (object(), 8), "published": True,
                            "on_device": True})()
-    pending = [(chain, lambda: ("arguments",), settings.NO_STALL, 0, 1, None, None)]
+    pending = [(chain, _Issuer(("arguments",)), None, settings.NO_STALL, 0, 1)]
     for _ in range(2):
         launch._enqueue(pending)
     assert len(values) == 2 and keys[0][-1][0] is keys[1][-1][0]
     chain.publish = (object(), 8)
     launch._enqueue(pending)
     assert len(values) == 4 and keys[2][-1][0] != keys[0][-1][0]
+
+
+class _Issuer:
+    """A pass issuer (``launch.PassIssuer``) whose launches do nothing, keyed by ``key`` (``None``:
+    never a graph)."""
+
+    def __init__(self, key: tuple | None = None):
+        self.key = key
+
+    def issue_launch(self, data, start, stall):
+        pass
+
+    def issue_completion(self, data):
+        pass
+
+    def arguments_key(self, data):
+        return self.key
 
 
 class _Chain:
@@ -238,14 +256,13 @@ def test_one_graph_enqueues_its_chains_as_one_unit(monkeypatch, stub_chains):
     with launch.counting() as counted:
         with launch.one_graph():
             for chain, seq in ((a, 1), (b, 1), (a, 2)):
-                launch.run_chain(chain, None, 0, 4, settings.NO_STALL, lambda: None, "",
-                                 lambda: ("arguments",))
+                launch.run_chain(chain, _Issuer(("arguments",)), None, 0, 4, settings.NO_STALL,
+                                 "")
                 assert issued == [] and chain.recorded == seq
     assert issued == [a, b, a] and len(keys) == 1 and len(keys[0]) == 3 + 3
     assert (counted.graph_units, counted.graph_launches) == (1, 1)
     with launch.counting() as counted:  # (outside a block: a unit a chain)
-        launch.run_chain(b, None, 0, 4, settings.NO_STALL, lambda: None, "",
-                         lambda: ("arguments",))
+        launch.run_chain(b, _Issuer(("arguments",)), None, 0, 4, settings.NO_STALL, "")
     assert (counted.graph_units, len(keys), b.recorded) == (1, 2, 2)
 
 
@@ -257,10 +274,10 @@ def test_a_one_graph_block_left_by_an_exception_enqueues_nothing(monkeypatch, st
     a = _Chain()
     with pytest.raises(RuntimeError):
         with launch.one_graph():
-            launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None, "")
+            launch.run_chain(a, _Issuer(), None, 0, 4, settings.NO_STALL, "")
             raise RuntimeError("a planned call failed part way")
     assert issued == [] and a.ring is None and not a.untouched
-    launch.run_chain(a, None, 0, 4, settings.NO_STALL, lambda: None, "")  # (later: as before)
+    launch.run_chain(a, _Issuer(), None, 0, 4, settings.NO_STALL, "")  # (later: as before)
     assert issued == [a] and a.ring is not None and a.recorded == 1
 
 
@@ -374,7 +391,7 @@ def test_a_chain_the_callers_capture_records_is_issued_not_replayed(monkeypatch)
     monkeypatch.setattr(launch, "_chain_key", lambda chain: "chain")
     chain = SimpleNamespace(published=False, on_device=True, graph_key=None)  # (device words)
     monkeypatch.setattr(launch, "_issue_chain", lambda *args: issued.append(1))
-    pending = [(chain, lambda: ("arguments",), settings.NO_STALL, 0, 1, None, None)]
+    pending = [(chain, _Issuer(("arguments",)), None, settings.NO_STALL, 0, 1)]
     launch._enqueue(pending)
     assert issued == [1] and looked_up == []
     chain.published = True
