@@ -235,8 +235,10 @@ class Plan(CallSignature):
         self.results: runtime.ForwardResult | None = None
         self.formed: Array | None = None
         # the direction of the calls without initial states where the results are held (the
-        # same every call: ``forward``)
+        # same every call: ``forward``), and those calls' arrays by role but the call's own
+        # (the direction's results and states; without lengths)
         self.direction: functional._Direction | None = None
+        self.held_arrays: dict[str, Array | None] = {}
         # (the layer API's: the context of its forward, rewritten by every call - it
         # backpropagates only its last forward, whose results the plan holds: ``_own``)
         self.context: functional.Context | None = None
@@ -292,21 +294,25 @@ class Plan(CallSignature):
             y, cs, saved = buffers.allocate_forward(cell, self.gi_steps, self.proj)  # (gi: chain)
             fwd = self._own("results", runtime.ForwardResult(
                 y, cs, saved, xp.empty_like(cs) if self.proj else None))
-        cs = fwd.cs
-        arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
+        cs, d = fwd.cs, self.direction
+        held = hx is None and d is not None and d.fwd is fwd  # (the plan's zeros, held results)
+        if held and lengths is None:  # (a copy of a dict: its keys' hashes are not redone)
+            arrays = self.held_arrays.copy()
+        else:
+            arrays = runtime.forward_arrays(fwd, h0, c0, lengths)
+            arrays.update(states)
+        if not held:
+            d = functional._Direction(self.names, h0, c0, fwd)
+            if hx is None and fwd is self.results:
+                self.direction = d
+                self.held_arrays = runtime.forward_arrays(fwd, h0, c0, None)
         arrays["x"], arrays["x_given"] = layer_input, given
-        arrays.update(states)
         dtype = self.x_dtype  # (the layer's: a 16-bit layer's results are converted in the chain)
         arrays["out"] = out = xp.empty(self.y_shape, dtype)  # (written in the chain)
         arrays["h_n"] = h_n = xp.empty(self.state_shape, dtype)
         if cs is not None:
             arrays["c_n"] = c_n = xp.empty(self.c_shape, dtype)
         stats = self.forward_pass.run(arrays, captured=False)  # (``matches`` asked: ``_where``)
-        d = self.direction
-        if hx is not None or d is None or d.fwd is not fwd:
-            d = functional._Direction(self.names, h0, c0, fwd)
-            if hx is None and fwd is self.results:  # (the plan's zeros and held results)
-                self.direction = d
         ctx = self.context
         if ctx is None:
             ctx = functional.Context(cell, params, 1, False, False, self.algo, lengths, None,
