@@ -239,6 +239,7 @@ class Plan(CallSignature):
         # (the direction's results and states; without lengths)
         self.direction: functional._Direction | None = None
         self.held_arrays: dict[str, Array | None] = {}
+        self.held_backward_arrays: dict[str, Array | None] = {}  # (their backward's, but dy)
         # (the layer API's: the context of its forward, rewritten by every call - it
         # backpropagates only its last forward, whose results the plan holds: ``_own``)
         self.context: functional.Context | None = None
@@ -306,6 +307,7 @@ class Plan(CallSignature):
             if hx is None and fwd is self.results:
                 self.direction = d
                 self.held_arrays = runtime.forward_arrays(fwd, h0, c0, None)
+                self.held_backward_arrays = runtime.backward_arrays(None, fwd, h0, c0, None)
         arrays["x"], arrays["x_given"] = layer_input, given
         dtype = self.x_dtype  # (the layer's: a 16-bit layer's results are converted in the chain)
         arrays["out"] = out = xp.empty(self.y_shape, dtype)  # (written in the chain)
@@ -403,8 +405,12 @@ class Plan(CallSignature):
         chain (``_after_backward``: ``dh0``, ``dc0``, the parameter and input gradients, and
         their sums into ``into``'s where the plan accumulates)."""
         xp, d, lengths = self.xp, ctx.directions[0][0], ctx.lengths
-        arrays = runtime.backward_arrays(dy if self.dy_pass is None else self.dy_pass, d.fwd,
-                                         d.h0, d.c0, lengths)
+        dy_pass = dy if self.dy_pass is None else self.dy_pass
+        if d is self.direction and lengths is None:  # (as the forward's ``held_arrays``)
+            arrays = self.held_backward_arrays.copy()
+            arrays["dy"] = dy_pass
+        else:
+            arrays = runtime.backward_arrays(dy_pass, d.fwd, d.h0, d.c0, lengths)
         if self.dy_pass is not None:  # (formed into ``dy_pass`` in the chain)
             arrays["dy_in"] = dy
         arrays["x"] = ctx.inputs[0]
