@@ -656,9 +656,11 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     (``tiles.MMA_MID_CLUSTER_TILES``) come after its CUDA-core tiles, up to
     ``MMA_MID_CLUSTER_MAX_BATCH`` rows, for the forward (the backward the grid's,
     ``_grid_backward``). Below those batches a 16-bit layer's passes run on the fp32 tile where
-    it fits, its weights widened (``widens``; not a mid-size cluster tile's forward). Where no
-    tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again in
-    batch groups (``batch_group``), the cheapest first.
+    it fits, its weights widened (``widens``; not a mid-size cluster tile's forward). Where a
+    16-bit layer's first fitting tile is a CUDA-core grid tile, its forward runs on the grid's
+    mma tile where that fits (``_mma_forward``). Where no tile holds the whole batch in shared
+    memory, the grid's tensor-core tiles are tried again in batch groups (``batch_group``), the
+    cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_CLUSTER_TILES`` and ``PROJECTION_TILES`` (``_projection_plan``).
