@@ -15,9 +15,11 @@ on an H100):
 * the SASS of the planned passes (NVRTC, sm_90): zero spills, no stack frame, no local memory,
   HMMA in the time loop of the passes on the tensor cores.
 
-tests/test_half_plan.py holds the latency model to the rule's two sides. CI: all of the above
-for the GRU; ``PRNN_TEST_EVERY_KERNEL=1``: bf16 too, and the SASS of every planned pass of the
-rule's shapes (H by 64) on sm_90 and sm_80.
+tests/test_half_plan.py holds the latency model to the rule's two sides. CI: the plans (the
+others' on an H100, H by 128), the GRU fp16 emulated, the SASS of GRU H 256 B 32 and RNN H 768
+B 48 on sm_90; ``PRNN_TEST_EVERY_KERNEL=1``: bf16 emulated too, the others' plans on an A100
+too (H by 64, B 1-64), and the SASS of every pass the rule plans on an H100 and an A100 (H 16,
+32 and by 64, B 22-64, fp16 and bf16: 72 configurations) on sm_90 and sm_80.
 """
 from __future__ import annotations
 
