@@ -333,6 +333,22 @@ WIDENED_STACKS = {"rnn": (256, range(3, 5))}
 # (``_grid_backward``; below MMA_BACKWARD_MIN_BATCH the fp32 grid tile's, widened).
 # tests/test_half_plan.py holds both sides.
 MMA_MID_CLUSTER_MAX_BATCH = 8
+# Where no tensor-core tile holds a 16-bit layer's whole batch in both passes but a CUDA-core grid
+# tile does (GRU H <= 512 at B 31-33 and H <= 128 at B 34-64, the Elman RNN H 528-1024 at B 46-51
+# on an H100: the mma tile's backward stages more of dgh), the forward runs on the grid's mma tile
+# (in batch groups where the whole batch does not fit) and the backward on the CUDA-core tile, or
+# on the mma tile in batch groups for these tile families (``_mma_forward``). The latency model
+# (h100, fp16, µs a step; CUDA-core forward / backward -> mma forward, mma backward in groups)
+# predicts the mma forward faster at every such shape swept (H by 64, every B: 1-52 % faster):
+# GRU H 128 B 32 5.15 / 6.22 -> 3.11, 8.18 (24 + 8 rows); H 256 B 32 6.75 / 8.14 -> 3.55, 8.69;
+# H 512 B 32 7.05 / 8.98 -> 3.83, 9.23; H 128 B 48 7.30 / 8.73 -> 4.20, 9.38; H 128 B 64 8.93 /
+# 10.98 -> 6.69 (48 + 16), 12.11; RNN H 528 B 46 11.25 / 11.25 -> 6.02, 9.01 (40 + 6); H 768 B 48
+# 12.20 / 12.20 -> 8.65 (40 + 8), 9.36; H 1024 B 48 13.19 / 13.19 -> 9.13, 9.84. The GRU's
+# grouped backward is slower (1.01-1.52 times the CUDA-core one's: its further group gathers 3H
+# words a row), the RNN's faster (0.74-0.80). (The a100 profile agrees but for GRU H 144-512 at
+# B 22-24, whose grouped backward it predicts 9-14 % faster; the planner's lines are the h100's.)
+# tests/test_half_plan.py holds both sides; docs/design.md, "Tensor-core tiles".
+GROUPED_MMA_BACKWARD = ("rnn",)  # by tile family (``CellSpec.tiles``)
 # The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
 # ``MMA_CLUSTER_TILES``) where settings.allow_tf32, by placement. The latency model (h100)
 # predicts their forward faster from B = 3 on the grid (LSTM H 512 2.27 against 2.42 µs, H 1024
@@ -640,9 +656,11 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
     (``tiles.MMA_MID_CLUSTER_TILES``) come after its CUDA-core tiles, up to
     ``MMA_MID_CLUSTER_MAX_BATCH`` rows, for the forward (the backward the grid's,
     ``_grid_backward``). Below those batches a 16-bit layer's passes run on the fp32 tile where
-    it fits, its weights widened (``widens``; not a mid-size cluster tile's forward). Where no
-    tile holds the whole batch in shared memory, the grid's tensor-core tiles are tried again in
-    batch groups (``batch_group``), the cheapest first.
+    it fits, its weights widened (``widens``; not a mid-size cluster tile's forward). Where a
+    16-bit layer's first fitting tile is a CUDA-core grid tile, its forward runs on the grid's
+    mma tile where that fits (``_mma_forward``). Where no tile holds the whole batch in shared
+    memory, the grid's tensor-core tiles are tried again in batch groups (``batch_group``), the
+    cheapest first.
     ``dtype``: the weights' dtype ("float32", "float16", "bfloat16"; "float64" never fits).
     ``proj_size``: an LSTM's projection (0: none; else 0 < proj_size < hidden), planned on
     ``PROJECTION_CLUSTER_TILES`` and ``PROJECTION_TILES`` (``_projection_plan``).
@@ -667,6 +685,8 @@ def make_plan(cell: CellSpec | str, hidden: int, batch: int, dtype: str = "float
         i, plan = found
         if plan.tile in MMA_MID_CLUSTER_TILES[cell.tiles]:
             plan = _grid_backward(plan, candidates[i + 1:], cell, hidden, batch, dtype, dev)
+        else:
+            plan = _mma_forward(plan, candidates[:i], cell, hidden, batch, dtype, dev)
         return _widened(plan, cell, hidden, batch, dtype, dev)
     # Only where no tile holds the whole batch: the tiles that can, in batch groups (so that a
     # layer that fits without them keeps its plan).
@@ -722,6 +742,25 @@ def _grid_backward(plan: Plan, rest: tuple[Tile, ...], cell: CellSpec, hidden: i
     (``MMA_MID_CLUSTER_MAX_BATCH``). Its own where none fits."""
     found = _first_fitting(cell, rest, hidden, batch, dtype, dev)
     return plan if found is None else replace(plan, backward=found[1].backward)
+
+
+def _mma_forward(plan: Plan, before: tuple[Tile, ...], cell: CellSpec, hidden: int, batch: int,
+                 dtype: str, dev: DeviceProfile) -> Plan:
+    """``plan`` of a 16-bit layer on a CUDA-core grid tile, where ``before`` (the tiles tried
+    before it, none of which holds both passes' whole batch) has a grid mma tile whose forward
+    fits: that forward (in batch groups where the whole batch does not), and the backward
+    ``plan``'s or, for the ``GROUPED_MMA_BACKWARD`` families, the mma tile's in batch groups
+    where that fits. Unchanged otherwise (an mma ``plan``, float32 and TF32)."""
+    if dtype == "float32" or plan.tile.mma:
+        return plan
+    for tile in (t for t in before if groups_batch(t)):
+        forward = _grouped_pass(cell, tile, False, hidden, batch, dtype, dev)
+        if _why_not(forward, dev, hidden) is None:
+            backward = _grouped_pass(cell, tile, True, hidden, batch, dtype, dev)
+            if cell.tiles not in GROUPED_MMA_BACKWARD or _why_not(backward, dev, hidden):
+                backward = plan.backward
+            return replace(plan, tile=tile, forward=forward, backward=backward)
+    return plan
 
 
 def _grouped_pass(cell: CellSpec, tile: Tile, backward: bool, hidden: int, batch: int,

@@ -240,13 +240,42 @@ def test_mid_size_16bit_layers_take_the_cluster_up_to_its_batch():
     assert make_plan("lstm", 256, 4, "float16", "h100").tile.units == 16  # the small layers' tile
 
 
+
+@pytest.mark.parametrize("cell,hidden,batch", [("gru", 256, 32), ("rnn_tanh", 768, 48)]
+                         + ([("gru", 128, 32), ("gru", 512, 31), ("gru", 128, 64),
+                             ("rnn_tanh", 528, 46), ("rnn_tanh", 1024, 51)] if EVERY_KERNEL else []))
+def test_the_model_predicts_the_mma_forward_and_the_planned_backward_faster(monkeypatch, cell,
+                                                                           hidden, batch):
+    # Where no tensor-core tile holds both passes' whole batch but a CUDA-core grid tile does
+    # (plan._mma_forward; predictions of the latency model, h100, fp16): the grid mma tile's
+    # forward (in batch groups where the whole batch does not fit: RNN B 48) faster than the
+    # CUDA-core tile's the layer had, and the backward plan.GROUPED_MMA_BACKWARD picks faster
+    # than the other: the GRU's CUDA-core one, the Elman RNN's the mma tile's in batch groups.
+    from persistent_rnn import plan as planner
+    p = make_plan(cell, hidden, batch, "float16", "h100")
+    with monkeypatch.context() as m:
+        m.setattr(planner, "_mma_forward", lambda plan, *_: plan)
+        before = make_plan(cell, hidden, batch, "float16", "h100")
+    assert p.tile.mma and not before.tile.mma
+    grouped = planner._grouped_pass(CELLS[cell], p.tile, True, hidden, batch, "float16",
+                                    PROFILES["h100"])
+    other = before.backward if p.backward == grouped else grouped
+    assert p.backward in (grouped, before.backward) and other != p.backward
+
+    def us(q):
+        return _predicted_us(cell, hidden, batch, q)
+
+    assert us(p.forward) < us(before.forward)
+    assert us(p.backward) < us(other)
+
 # Issue 28: every 16-bit shape that fits predicted no slower than the fp32 kernel of the same
 # shape. CI: the widened passes (B = 1; the RNN's cluster forward at B = 2 and the GRU's grid
-# backward at B = 2, beside its mma forward); the full set: H 128-1024 x B 1-16 of every tile
-# family, the mma passes from B = 3/4 too.
+# backward at B = 2, beside its mma forward) and an mma forward beside the CUDA-core backward
+# (GRU B = 32, plan._mma_forward); the full set: H 128-1024 x B 1-48 of every tile family, the
+# mma passes from B = 3/4 too, in batch groups at B = 48 (RNN H 1024: plan.GROUPED_MMA_BACKWARD).
 NO_SLOWER_SHAPES = ([(c, h, b) for c in ("lstm", "gru", "rnn_tanh") for h in (128, 256, 512, 1024)
-                     for b in (1, 2, 3, 4, 8, 16)] if EVERY_KERNEL else
-                    [("lstm", 256, 1), ("rnn_tanh", 128, 2), ("gru", 1024, 2)])
+                     for b in (1, 2, 3, 4, 8, 16, 24, 32, 48)] if EVERY_KERNEL else
+                    [("lstm", 256, 1), ("rnn_tanh", 128, 2), ("gru", 1024, 2), ("gru", 256, 32)])
 
 
 @pytest.mark.parametrize("hidden,proj", [(512, 128), (1024, 256)] if EVERY_KERNEL else [(1024, 256)])
