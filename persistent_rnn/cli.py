@@ -203,7 +203,11 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"  ({' and '.join(tile['widened'])} on the fp32 tile, {args.dtype} weights widened "
               f"to fp32: predicted faster than the {args.dtype} tiles at this batch)")
     if tile["backward_placement"] != tile["placement"]:
-        print(f"  (backward on the {tile['backward_placement']}: predicted faster there)")
+        print(f"  (backward on the {tile['backward_placement']}, {tile['backward_units']} units "
+              "per CTA: predicted faster there)")
+    elif tile["backward_units"] != tile["units"]:
+        print(f"  (backward on another tile, {tile['backward_units']} units per CTA: predicted "
+              "faster there)")
     if record["forward"]["ctas"] > PORTABLE_CLUSTER_CTAS and tile["cluster"]:
         print(f"  (a cluster of {record['forward']['ctas']} CTAs: larger than CUDA's portable "
               f"{PORTABLE_CLUSTER_CTAS}; where the GPU cannot hold it, the layer is planned "

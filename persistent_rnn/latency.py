@@ -937,6 +937,8 @@ def plan_report(cell: str, hidden: int, batch: int = 1, layers: int = 1, dtype: 
         return {**record, "tried": list(plan.tried)}
     cluster = plan.tile.cluster
     record["tile"] = {"units": plan.tile.units, "cluster": cluster,
+                      # (another tile's backward: plan._grid_backward, plan._mma_forward)
+                      "backward_units": plan.backward.defines.get("PRNN_UNITS", plan.tile.units),
                       "placement": "cluster" if cluster else "grid",
                       # (a mid-size cluster tile's forward, the grid's backward: plan._grid_backward)
                       "backward_placement": "cluster" if "PRNN_CLUSTER" in plan.backward.defines

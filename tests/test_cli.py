@@ -163,6 +163,21 @@ def test_plan_largest_fitting_size_is_the_largest(capsys):
     assert not any(plan.make_plan("lstm", h, 16, "float16", "h100").fits for h in range(1025, 1281))
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["GRU", "256", "--batch", "32", "--dtype", "float16"],
+     "(backward on another tile, 8 units per CTA: predicted faster there)"),  # (plan._mma_forward)
+    (["LSTM", "512", "--batch", "4", "--dtype", "float16"],
+     "(backward on the grid, 8 units per CTA: predicted faster there)")])  # (_grid_backward)
+def test_plan_names_a_backward_on_another_tile(argv, line, capsys):
+    # the placement line gives the forward's tile; a backward on another says how many units
+    # a CTA of it holds (its CTA count alone would leave that to arithmetic)
+    assert cli.main(["plan", *argv]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "  " + line
+    assert cli.main(["plan", "GRU", "256", "--batch", "16", "--dtype", "float16"]) == 0
+    assert "(backward on" not in capsys.readouterr().out  # (one tile: no such line)
+
+
 def test_plan_tile_detail_only_on_request(capsys):
     assert cli.main(TOO_BIG + ["--verbose"]) == 1
     out = capsys.readouterr().out
