@@ -825,3 +825,22 @@ for row, call in rows.items():
     finally:
         sys.path.remove(str(script.parent))
     assert call_instructions.main(["--calls", "3"]) == 2
+
+
+def test_the_snippet_count_runs_its_statement_and_needs_valgrind(tmp_path, monkeypatch):
+    """bench/snippet_instructions.py: its callgrind child runs the statement as a function's
+    body (its setup's names in scope, ``--runs`` times plus the warm-up); without valgrind the
+    script says so and exits 2."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "snippet_instructions.py"
+    setup = "import collections; c = collections.Counter()"
+    statement = "c['n'] += 1; print(c['n']) if c['n'] == 103 else None"
+    done = subprocess.run([sys.executable, str(script), setup, statement, "--runs", "3", "--child"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "103\n", done.stderr[-2000:]
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no valgrind there)
+    done = subprocess.run([sys.executable, str(script), "x = 1", "x + 1"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "needs valgrind" in done.stderr
