@@ -199,15 +199,16 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"{record['cell']} H={args.hidden}{proj} B={args.batch} layers={args.layers} {args.dtype} on {args.device}")
     tile = record["tile"]
     print(f"placement: {tile['placement']}, {tile['units']} units per CTA{_tensor_cores(tile)}")
-    if tile.get("widened"):
-        print(f"  ({' and '.join(tile['widened'])} on the fp32 tile, {args.dtype} weights widened "
+    # (a backward on another tile than the forward's: how many units a CTA of it holds)
+    units = (f", {tile['backward_units']} units per CTA"
+             if tile["backward_units"] != tile["units"] else "")
+    widened = tile.get("widened") or []
+    if widened:
+        print(f"  ({' and '.join(widened)} on the fp32 tile"
+              f"{units if widened == ['backward'] else ''}, {args.dtype} weights widened "
               f"to fp32: predicted faster than the {args.dtype} tiles at this batch)")
     if tile["backward_placement"] != tile["placement"]:
-        print(f"  (backward on the {tile['backward_placement']}, {tile['backward_units']} units "
-              "per CTA: predicted faster there)")
-    elif tile["backward_units"] != tile["units"]:
-        print(f"  (backward on another tile, {tile['backward_units']} units per CTA: predicted "
-              "faster there)")
+        print(f"  (backward on the {tile['backward_placement']}{units}: predicted faster there)")
     if record["forward"]["ctas"] > PORTABLE_CLUSTER_CTAS and tile["cluster"]:
         print(f"  (a cluster of {record['forward']['ctas']} CTAs: larger than CUDA's portable "
               f"{PORTABLE_CLUSTER_CTAS}; where the GPU cannot hold it, the layer is planned "

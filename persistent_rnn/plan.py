@@ -336,9 +336,10 @@ MMA_MID_CLUSTER_MAX_BATCH = 8
 # Where no tensor-core tile holds a 16-bit layer's whole batch in both passes but a CUDA-core grid
 # tile does (GRU H <= 512 at B 31-33 and H <= 128 at B 34-64, the Elman RNN H 528-1024 at B 46-51
 # on an H100: the mma tile's backward stages more of dgh), the forward runs on the grid's mma tile
-# (in batch groups where the whole batch does not fit) and the backward on the CUDA-core tile, or
-# on the mma tile in batch groups for these tile families (``_mma_forward``). The latency model
-# (h100, fp16, µs a step; CUDA-core forward / backward -> mma forward, mma backward in groups)
+# (in batch groups where the whole batch does not fit) and the backward on the mma tile in
+# batch groups for these tile families, else on the fp32 tile, widened (``_mma_forward``). The
+# latency model (h100, fp16, µs a step; CUDA-core forward / backward -> mma forward, mma backward
+# in groups)
 # predicts the mma forward faster at every such shape swept (H by 64, every B: 1-52 % faster):
 # GRU H 128 B 32 5.15 / 6.22 -> 3.11, 8.18 (24 + 8 rows); H 256 B 32 6.75 / 8.14 -> 3.55, 8.69;
 # H 512 B 32 7.05 / 8.98 -> 3.83, 9.23; H 128 B 48 7.30 / 8.73 -> 4.20, 9.38; H 128 B 64 8.93 /
@@ -347,6 +348,9 @@ MMA_MID_CLUSTER_MAX_BATCH = 8
 # grouped backward is slower (1.01-1.52 times the CUDA-core one's: its further group gathers 3H
 # words a row), the RNN's faster (0.74-0.80). (The a100 profile agrees but for GRU H 144-512 at
 # B 22-24, whose grouped backward it predicts 9-14 % faster; the planner's lines are the h100's.)
+# The other families' backward runs on the fp32 tile, widened, where the float32 layer fits:
+# the CUDA-core 16-bit backward is predicted slower still (GRU H 64-512 B 32-64, 1.005-1.06 times
+# the fp32 one's: H 128 B 32 6.22 against 6.05, B 41 8.03 / 7.57; H 512 B 32 8.98 / 8.93).
 # tests/test_half_plan.py holds both sides; docs/design.md, "Tensor-core tiles".
 GROUPED_MMA_BACKWARD = ("rnn",)  # by tile family (``CellSpec.tiles``)
 # The smallest batch whose float32 layers take the TF32 tiles (``tiles.TF32_TILES``,
@@ -748,9 +752,10 @@ def _mma_forward(plan: Plan, before: tuple[Tile, ...], cell: CellSpec, hidden: i
                  dtype: str, dev: DeviceProfile) -> Plan:
     """``plan`` of a 16-bit layer on a CUDA-core grid tile, where ``before`` (the tiles tried
     before it, none of which holds both passes' whole batch) has a grid mma tile whose forward
-    fits: that forward (in batch groups where the whole batch does not), and the backward
-    ``plan``'s or, for the ``GROUPED_MMA_BACKWARD`` families, the mma tile's in batch groups
-    where that fits. Unchanged otherwise (an mma ``plan``, float32 and TF32)."""
+    fits: that forward (in batch groups where the whole batch does not), and for the
+    ``GROUPED_MMA_BACKWARD`` families the mma tile's backward in batch groups where that fits,
+    else the float32 layer's backward, widened, where that fits, else ``plan``'s. Unchanged
+    otherwise (an mma ``plan``, float32 and TF32)."""
     if dtype == "float32" or plan.tile.mma:
         return plan
     for tile in (t for t in before if groups_batch(t)):
@@ -758,7 +763,9 @@ def _mma_forward(plan: Plan, before: tuple[Tile, ...], cell: CellSpec, hidden: i
         if _why_not(forward, dev, hidden) is None:
             backward = _grouped_pass(cell, tile, True, hidden, batch, dtype, dev)
             if cell.tiles not in GROUPED_MMA_BACKWARD or _why_not(backward, dev, hidden):
-                backward = plan.backward
+                wide = make_plan(cell, hidden, batch, "float32", dev)
+                backward = widened_pass(wide.backward, dtype, True) if wide.fits \
+                    else plan.backward
             return replace(plan, tile=tile, forward=forward, backward=backward)
     return plan
 

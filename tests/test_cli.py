@@ -165,7 +165,8 @@ def test_plan_largest_fitting_size_is_the_largest(capsys):
 
 @pytest.mark.parametrize("argv, line", [
     (["GRU", "256", "--batch", "32", "--dtype", "float16"],
-     "(backward on another tile, 8 units per CTA: predicted faster there)"),  # (plan._mma_forward)
+     "(backward on the fp32 tile, 8 units per CTA, float16 weights widened to fp32: predicted "
+     "faster than the float16 tiles at this batch)"),  # (plan._mma_forward)
     (["LSTM", "512", "--batch", "4", "--dtype", "float16"],
      "(backward on the grid, 8 units per CTA: predicted faster there)")])  # (_grid_backward)
 def test_plan_names_a_backward_on_another_tile(argv, line, capsys):

@@ -5,10 +5,10 @@ tile does (GRU H <= 512 at B 31-33 and H <= 128 at B 34-64, the Elman RNN H 528-
 on an H100):
 
 * the plans (pure Python): the mma forward (in batch groups where the whole batch does not fit),
-  the GRU's backward the CUDA-core tile's, the Elman RNN's the mma tile's in batch groups; every
-  other plan as without the rule;
+  the GRU's backward the float32 layer's, widened (the CUDA-core 16-bit one is predicted slower),
+  the Elman RNN's the mma tile's in batch groups; every other plan as without the rule;
 * the planned mix through the CPU emulation (GRU H 16 B 32 fp16 on the emulated H100: the forward
-  one CTA of the mma tile's 16 units, the backward four of the CUDA-core tile's 4): the layer's
+  one CTA of the mma tile's 16 units, the backward four of the fp32 tile's 4, widened): the layer's
   16-bit results against the float64 layer within docs/api.md's 16-bit bounds and the 16-bit GEMM
   path within one rounding, the fp32 gradients against float64 along the run's own states within
   tests/test_mma_backward.py's ``FP32_BOUND``, each pass on its own tile with no fallback;
@@ -64,8 +64,10 @@ def test_the_mma_forward_beside_the_planned_backward(monkeypatch, cell, hidden, 
     assert grouped == backward_groups
     if grouped:  # the mma tile's backward, in batch groups
         assert p.backward.defines["PRNN_MMA"] == 2 and p.backward.grid == p.forward.grid
-    else:  # the CUDA-core tile's, as before
-        assert p.backward == before.backward and "PRNN_MMA" not in p.backward.defines
+    else:  # the float32 layer's, widened (the fp32 kernel itself: W_hh^T widened by its copy)
+        wide = planner.make_plan(cell, hidden, batch, "float32", "h100")
+        assert p.backward == wide.backward and "PRNN_WEIGHT_DTYPE" not in p.backward.defines
+        assert "PRNN_WEIGHT_DTYPE" in before.backward.defines  # (the CUDA-core 16-bit tile's)
     assert p.in_batch_groups == (forward_groups or backward_groups)
 
 
@@ -104,7 +106,7 @@ def _ran(stats, units: int, mma: int) -> None:
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"] if EVERY_KERNEL else ["float16"])
 def test_the_planned_mix_within_the_16bit_bounds(emulation, dtype):  # noqa: F811
     # GRU H 16 B 32 as planned for the emulated H100 (the emulation fixture's lower mma batches
-    # change nothing at B 32): the forward on the mma tile, the backward on the CUDA-core tile
+    # change nothing at B 32): the forward on the mma tile, the backward on the fp32 tile
     hidden, batch = 16, 32
     p = planner.make_plan("gru", hidden, batch, dtype, prnn.runtime.EMULATED_DEVICE)
     assert p.tile.mma and p.forward.grid == 1 and p.backward.grid == 4
@@ -121,7 +123,7 @@ def test_the_planned_mix_within_the_16bit_bounds(emulation, dtype):  # noqa: F81
 
 def test_the_planned_passes_compile_clean(monkeypatch):
     # The configurations the rule plans - CI: GRU H 256 B 32 (an mma forward of the whole batch
-    # beside the CUDA-core backward) and RNN H 768 B 48 (both passes in batch groups), fp16,
+    # beside the fp32 backward) and RNN H 768 B 48 (both passes in batch groups), fp16,
     # sm_90; the full set: every shape of the rule on an H100 and an A100 (H 16, 32 and by 64,
     # B 22-64), both 16-bit dtypes, sm_90 and sm_80 - compile with zero spills, no stack frame,
     # no local memory, the block barriers of the grid (two more in the loop of the groups), HMMA
