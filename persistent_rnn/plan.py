@@ -339,8 +339,8 @@ MMA_MID_CLUSTER_MAX_BATCH = 8
 # (in batch groups where the whole batch does not fit) and the backward on the mma tile in
 # batch groups for these tile families, else on the fp32 tile, widened (``_mma_forward``). The
 # latency model (h100, fp16, µs a step; CUDA-core forward / backward -> mma forward, mma backward
-# in groups)
-# predicts the mma forward faster at every such shape swept (H by 64, every B: 1-52 % faster):
+# in groups) predicts the mma forward faster at every such shape swept (H by 64, every B: 1-52 %
+# faster):
 # GRU H 128 B 32 5.15 / 6.22 -> 3.11, 8.18 (24 + 8 rows); H 256 B 32 6.75 / 8.14 -> 3.55, 8.69;
 # H 512 B 32 7.05 / 8.98 -> 3.83, 9.23; H 128 B 48 7.30 / 8.73 -> 4.20, 9.38; H 128 B 64 8.93 /
 # 10.98 -> 6.69 (48 + 16), 12.11; RNN H 528 B 46 11.25 / 11.25 -> 6.02, 9.01 (40 + 6); H 768 B 48
