@@ -402,8 +402,8 @@ class _Layers:
         """Enqueue the next step of every layer (the kernel numbers it: each mailbox's box[1]):
         one launch. Exactly one of ``x`` (batch, input_size; the kernels project it and add
         b_ih) and ``gi`` (the caller's x W_ih^T + b_ih for layer 0, b_ih included) is given;
-        ``h``, ``c``: (layers, batch, H) or a cell's (batch, H), ``h_out``, ``c_out``
-        (layers, batch, H); every array C-contiguous."""
+        ``h``, ``c``, ``h_out``, ``c_out``: (layers, batch, H) or a cell's (batch, H); every
+        array C-contiguous."""
         self.ensure()
         given = (gi, _GIVEN_GI) if x is None else (x, _GIVEN_X)
         args = (self._words + given
@@ -479,9 +479,8 @@ class Decoder:
         self._lstm = cell.has_cell_state
         self._x_shape = (self.batch, input_size)
         self._gi_shape = (self.batch, cell.gates * hidden)
-        self._out_shape = (len(layers), self.batch, hidden)
-        self._state_shape = self._out_shape if stacked else (self.batch, hidden)
-        self._joint_shape = (1 + self._lstm, *self._out_shape)  # (a resident step's outputs)
+        self._state_shape = (len(layers), self.batch, hidden) if stacked else (self.batch, hidden)
+        self._joint_shape = (1 + self._lstm, *self._state_shape)  # (a resident step's outputs)
         chosen = self._algo_reason(xp)
         plans, why = ([], chosen) if chosen else self._plans(cell, hidden, xp)
         self.reason = why
@@ -610,7 +609,7 @@ class Decoder:
         them: ``TorchDecoder``): a cell's ``h'`` or ``(h', c')``, a layer's ``(y, h')`` or
         ``(y, (h', c'))``."""
         if not self._stacked:
-            return (hn[0], cn[0]) if self._lstm else hn[0]
+            return (hn, cn) if self._lstm else hn
         return (hn[-1], (hn, cn)) if self._lstm else (hn[-1], hn)
 
     def _plain(self, a: Any, shape: tuple[int, ...]) -> bool:
@@ -624,9 +623,8 @@ class Decoder:
                  own: bool = False) -> tuple[Any, Any, Array | None]:
         """A step from ``x`` or, for the first layer, its projection ``gi`` (the other
         ``None``): ``(h', c', joint)``, h' and c' every layer's ((num_layers, batch, H) arrays,
-        or a cell's one-element list of (batch, H)), ``c'`` ``None`` unless LSTM; ``joint``
-        the one allocation a resident step writes, (2 for LSTM else 1, num_layers, batch, H),
-        h' and c' its rows (``None`` for the fallback's separate arrays). ``own``: ``state`` is
+        a cell's (batch, H)), ``c'`` ``None`` unless LSTM; ``joint`` the one allocation a
+        resident step writes, (2 for LSTM else 1, *state shape), h' and c' its rows (``None`` for the fallback's separate arrays). ``own``: ``state`` is
         the state of a resident step's result as it was returned (``TorchDecoder`` knows), so
         its checks passed when it was made."""
         if gi is None:
@@ -676,7 +674,7 @@ class Decoder:
             hs.append(hn)
             cs.append(cn)
         if not self._stacked:  # (a cell: its arrays as they are, no copy)
-            return hs, cs
+            return hs[0], cs[0]
         xp = self._xp
         return xp.stack(hs), xp.stack(cs) if self._lstm else None
 

@@ -30,6 +30,8 @@ from .ops import (MODES, LastRun, Recorded, _loop_vmap_rule, _record_backward, _
 from .ops import _params as ops_params
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
+# (NumPy's dtype and its name by torch's: a look-up a step, where parsing ``str(dtype)`` cost more)
+_NUMPY_DTYPES = {t: np.dtype(str(t).removeprefix("torch.")) for t in CELL_DTYPES}
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
 
 
@@ -69,7 +71,7 @@ def _stepped(x: Tensor, h: Tensor, c: Optional[Tensor], weights: list[Tensor], m
                                                     to_array(x), to_array(h), to_array(c), algo)
         outputs = (_tensor(hn), x.new_empty(0) if cn is None else _tensor(cn),
                    _tensor(ctx.saved) if saved else None)
-    _record_forward(stats_slot, 0, stats, str(x.dtype).removeprefix("torch."))
+    _record_forward(stats_slot, 0, stats, _NUMPY_DTYPES[x.dtype].name)
     return outputs
 
 
@@ -229,7 +231,7 @@ class _LibraryCell(Recorded):
             if blocker is not None:
                 raise ValueError(f"algo={self.algo!r} cannot run this cell: {blocker}")
             paths.prepare_capture(x, x.dtype)
-            return cell_step.step_algo(self.algo, None, np.dtype(str(x.dtype)[6:])), None
+            return cell_step.step_algo(self.algo, None, _NUMPY_DTYPES[x.dtype]), None
         blocker = blocker or paths.captured_auto(x)
         if blocker is not None:
             return paths.TORCH, blocker
@@ -253,7 +255,8 @@ class _LibraryCell(Recorded):
                                        device=x.device) for _ in range(1 + lstm))
         elif not batched:
             states = tuple(s.unsqueeze(0) for s in states)
-        weights = [self.weight_ih, self.weight_hh, *([self.bias_ih, self.bias_hh]
+        p = self._parameters  # (what ``self.weight_ih`` reads, without Module.__getattr__)
+        weights = [p["weight_ih"], p["weight_hh"], *([p["bias_ih"], p["bias_hh"]]
                                                      if self.bias else [])]
         if not _plain(x, states, weights):  # torch.nn's forward raises its own error
             return self._torch_cls.forward(self, input, hx)
@@ -312,9 +315,9 @@ def _plain(x: Tensor, states: tuple, weights: list[Tensor]) -> bool:
     """Whether the step's tensors are all 2-D (biases 1-D) and of the input's dtype and device:
     what the library's step takes; anything else goes to torch.nn's forward, which raises.
     (A loop, not comprehensions: no frames a step.)"""
-    matrices = len(states) + 3
+    matrices, dtype, device = len(states) + 3, x.dtype, x.device
     for i, t in enumerate((x, *states, *weights)):
-        if t.dtype != x.dtype or t.device != x.device or t.dim() != (2 if i < matrices else 1):
+        if t.dtype != dtype or t.device != device or t.dim() != (2 if i < matrices else 1):
             return False
     return True
 
@@ -337,9 +340,10 @@ def _check_sizes(x: Tensor, states: tuple, weights: list[Tensor]) -> None:
 
 def _library_blocker(x: Tensor) -> str | None:
     """Why the library cannot run a step on ``x`` at all, or ``None``."""
-    if x.device.type not in ("cpu", "cuda"):
-        return f"device {x.device.type}: the library runs CPU and CUDA tensors; torch's kernels run it"
-    if paths.autocast_dtype(x.device.type) is not None:
+    kind = x.device.type
+    if kind not in ("cpu", "cuda"):
+        return f"device {kind}: the library runs CPU and CUDA tensors; torch's kernels run it"
+    if paths.autocast_dtype(kind) is not None:
         return "autocast: torch's kernels run the cell in autocast's dtype"
     if x.dtype not in CELL_DTYPES:
         return (f"dtype {x.dtype}: the library's cells run float32 and float64; torch's kernels "
