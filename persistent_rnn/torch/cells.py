@@ -324,17 +324,20 @@ def _plain(x: Tensor, states: tuple, weights: list[Tensor]) -> bool:
 
 def _check_sizes(x: Tensor, states: tuple, weights: list[Tensor]) -> None:
     """torch's cell size checks (``check_rnn_cell_forward_input`` / ``_hidden`` in ATen), in
-    their order, with their exception type and messages."""
-    input_size, hidden_size = weights[0].size(1), weights[1].size(1)
-    if x.size(1) != input_size:
-        raise RuntimeError(f"input has inconsistent input_size: got {x.size(1)} expected "
+    their order, with their exception type and messages; every tensor 2-D (``_plain``). Read
+    from ``shape``s: a ``size(i)`` call parses its argument, several times the cost."""
+    input_size, hidden_size = weights[0].shape[1], weights[1].shape[1]
+    batch, width = x.shape
+    if width != input_size:
+        raise RuntimeError(f"input has inconsistent input_size: got {width} expected "
                            f"{input_size}")
     for label, h in enumerate(states):
-        if h.size(0) != x.size(0):
-            raise RuntimeError(f"Input batch size {x.size(0)} doesn't match hidden{label} batch "
-                               f"size {h.size(0)}")
-        if h.size(1) != hidden_size:
-            raise RuntimeError(f"hidden{label} has inconsistent hidden_size: got {h.size(1)}, "
+        rows, columns = h.shape
+        if rows != batch:
+            raise RuntimeError(f"Input batch size {batch} doesn't match hidden{label} batch "
+                               f"size {rows}")
+        if columns != hidden_size:
+            raise RuntimeError(f"hidden{label} has inconsistent hidden_size: got {columns}, "
                                f"expected {hidden_size}")
 
 
