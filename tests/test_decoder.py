@@ -788,15 +788,18 @@ def test_prnn_plan_predicts_a_decoder_step(capsys, monkeypatch):
 def test_prnn_plan_prints_the_decoder_prediction(capsys):
     """``prnn plan --decoder``'s lines from a record (the model's own figures: the test above)."""
     from persistent_rnn import cli
-    record = {"input_size": 640, "fused_step_us": 3.3, "resident": True, "ctas": 80,
+    record = {"input_size": 640, "fused_step_us": 3.3, "fused_host_us": 31.4,
+              "fused_eager_us": 31.4, "host_us": 22.2, "resident": True, "ctas": 80,
               "captured_us": 4.1, "projection_us": 2.3, "handoff_us": 0.6, "resident_step_us": 0.7,
-              "eager_us": 4.1, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why",
+              "eager_us": 22.2, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why",
               "ahead_us": 0.9, "ahead_left_us": 0.4, "captured_between_us": 3.7,
               "measured_miss": "measured: the miss"}
     cli._print_decoder(record)
     cli._print_decoder({**record, "resident": False, "reason": "its kernel takes the whole GPU"})
     out = capsys.readouterr().out
     assert "resident decoder: 80 CTAs held; predicted per step 4.10 µs captured" in out
+    assert "22.20 µs eager (host 22.20)" in out and "3.30 µs a step (input size 640), 31.40 µs " \
+        "eager (host 31.40" in out
     assert "projection 2.30" in out
     assert "step_projected 1.80 µs" in out and "fused step kernel: predicted 3.30 µs" in out
     assert "resident decoder: no (its kernel takes the whole GPU)" in out
