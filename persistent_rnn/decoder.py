@@ -367,11 +367,11 @@ class _Layers:
         keep = xp.zeros((layers, 2, batch, hidden), np.float32)  # each layer's last two h'
         words = (w_hh, b_hh, w_ih, box, state, fault, keep)
         self.resident = _Resident(xp, self.module, plans, words, batch, hidden)
-        # The step kernel's arguments that no step changes, made once (a step then only joins
-        # tuples): the words, b_ih and its flag (layer 0 adds it only to its own projection of
-        # x), the block and shared memory (the widest layer's: its staged x), and the tail - the
-        # sizes and the wait deadline (``_step_tail``: made again at each launch of a resident
-        # kernel from the settings read then).
+        # The step kernel's arguments that no step changes, made once (a step then joins three
+        # tuples): the words, the block and shared memory (the widest layer's: its staged x),
+        # and the tail - b_ih and its flag (layer 0 adds it only to its own projection of x),
+        # the sizes and the wait deadline (``_step_tail``: made again at each launch of a
+        # resident kernel from the settings read then).
         self._words = words
         self._bias = (b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0))
         self._launch_step = _step_launcher(xp, self.module, dp.block,
@@ -391,9 +391,10 @@ class _Layers:
             self._step_tail = self._tail(self.resident.relaunch())
 
     def _tail(self, timeout_ns: int) -> tuple:
-        """The step kernel's last arguments: the layers and sizes, and its wait
-        (``WAIT_DEADLINES`` idle deadlines of the resident kernel, ``timeout_ns`` each)."""
-        return (self._count, np.int32(self.resident.slices), np.int32(self.batch),
+        """The step kernel's last arguments: the bias and its flag, the layers and sizes, and
+        its wait (``WAIT_DEADLINES`` idle deadlines of the resident kernel, ``timeout_ns``
+        each)."""
+        return self._bias + (self._count, np.int32(self.resident.slices), np.int32(self.batch),
                 np.int32(self.input_size), np.int32(self.hidden),
                 np.uint64(WAIT_DEADLINES * timeout_ns))
 
@@ -405,10 +406,9 @@ class _Layers:
         ``h``, ``c``, ``h_out``, ``c_out``: (layers, batch, H) or a cell's (batch, H); every
         array C-contiguous."""
         self.ensure()
-        given = (gi, _GIVEN_GI) if x is None else (x, _GIVEN_X)
-        args = (self._words + given
-                + (h, h if c is None else c, h_out, h_out if c_out is None else c_out)
-                + self._bias + self._step_tail)
+        args = self._words + (gi if x is None else x, _GIVEN_GI if x is None else _GIVEN_X, h,
+                              h if c is None else c, h_out, h_out if c_out is None else c_out
+                              ) + self._step_tail
         self._launch_step(args)
         launch.COUNTERS.add("launches")
         if self.xp is np and self.resident.fault.any():  # (free to read in the emulation;
