@@ -241,7 +241,7 @@ TENSOR_GEMM_PEAK_FRACTION = 0.125
 # and the torch module's ``torch_*``): the Python of a steady-state step as a GPU runs it -
 # counted in instructions on the CPU (`bench/step_instructions.py`, callgrind: an LSTM cell, input
 # and hidden size 8, B=1, the launches stubbed, the resident launch's query answered in C;
-# bench/results/cpu-2026-11-28/steps-6b4b9df) - taken at the CPU stand-in's µs per instruction:
+# bench/results/cpu-2026-11-28/steps-1f89d63) - taken at the CPU stand-in's µs per instruction:
 # ``PYTHON_FORWARD_US`` was 8.6 µs for that stand-in's forward of 81,997 instructions
 # (`bench/call_instructions.py` at f9db969, the same folder). latency.py scales it by the H200
 # host's ratio (``GPU_PYTHON_RATIO[0]``) and adds the step's calls into CUDA (``STEP_API_CALLS``)
@@ -251,6 +251,6 @@ TENSOR_GEMM_PEAK_FRACTION = 0.125
 # cell's decoder, its cell with algo="persistent") hand CPU tensors over as NumPy arrays: a GPU's
 # CuPy arrays and DLPack capsules cost more Python than that.
 STAND_IN_US_PER_INSTRUCTION = 8.6 / 81_997  # measured (µs / instructions of the stand-in forward)
-STEP_INSTRUCTIONS = {"decoder": 30_469, "fused": 52_567,  # counted (a step, the layer API)
-                     "torch-decoder": 71_671, "torch-cell": 0}  # counted (torch CPU tensors)
+STEP_INSTRUCTIONS = {"decoder": 29_416, "fused": 52_578,  # counted (a step, the layer API)
+                     "torch-decoder": 70_386, "torch-cell": 200_718}  # counted (torch, CPU)
 STEP_API_CALLS = {"decoder": 3, "fused": 1}
