@@ -267,9 +267,9 @@ def _print_call_rows(rows: list[dict]) -> None:
 def _print_decoder(d: dict) -> None:
     """``prnn plan --decoder``'s lines (predictions)."""
     print(f"fused step kernel: predicted {d['fused_step_us']:.2f} µs a step (input size "
-          f"{d['input_size']}), {d['fused_eager_us']:.2f} µs eager (host-bound: its Python counted "
-          f"on the CPU, scaled to the H200's host, and its launch; through the torch cell "
-          f"{d['torch_fused_eager_us']:.2f})")
+          f"{d['input_size']}), {d['fused_eager_us']:.2f} µs eager (host-bound: its Python "
+          f"counted on the CPU, scaled to the H200's host, and its launch; through the torch "
+          f"cell {d['torch_fused_eager_us']:.2f})")
     if not d["resident"]:
         print(f"resident decoder: no ({d['reason']})")
         return

@@ -394,9 +394,9 @@ class _Layers:
         """The step kernel's last arguments: the bias and its flag, the layers and sizes, and
         its wait (``WAIT_DEADLINES`` idle deadlines of the resident kernel, ``timeout_ns``
         each)."""
-        return self._bias + (self._count, np.int32(self.resident.slices), np.int32(self.batch),
-                np.int32(self.input_size), np.int32(self.hidden),
-                np.uint64(WAIT_DEADLINES * timeout_ns))
+        return self._bias + (self._count, np.int32(self.resident.slices),
+                             np.int32(self.batch), np.int32(self.input_size),
+                             np.int32(self.hidden), np.uint64(WAIT_DEADLINES * timeout_ns))
 
     def step(self, x: Array | None, gi: Array | None, h: Array, c: Array | None,
              h_out: Array, c_out: Array | None) -> None:
@@ -624,9 +624,10 @@ class Decoder:
         """A step from ``x`` or, for the first layer, its projection ``gi`` (the other
         ``None``): ``(h', c', joint)``, h' and c' every layer's ((num_layers, batch, H) arrays,
         a cell's (batch, H)), ``c'`` ``None`` unless LSTM; ``joint`` the one allocation a
-        resident step writes, (2 for LSTM else 1, *state shape), h' and c' its rows (``None`` for the fallback's separate arrays). ``own``: ``state`` is
-        the state of a resident step's result as it was returned (``TorchDecoder`` knows), so
-        its checks passed when it was made."""
+        resident step writes, (2 for LSTM else 1, *state shape), h' and c' its rows (``None``
+        for the fallback's separate arrays). ``own``: ``state`` is the state of a resident
+        step's result as it was returned (``TorchDecoder`` knows), so its checks passed when it
+        was made."""
         if gi is None:
             if not self._plain(x, self._x_shape):
                 x = self._checked_input(x)
