@@ -242,7 +242,7 @@ TENSOR_GEMM_PEAK_FRACTION = 0.125
 # counted in instructions on the CPU (`bench/step_instructions.py`, callgrind: an LSTM cell, input
 # and hidden size 8, B=1, the launches stubbed, the resident launch's query answered in C;
 # bench/results/cpu-2026-11-28/steps-1f89d63; taken for every cell, size and stack: their steps
-# run the same lines) - at the CPU stand-in's µs per instruction:
+# run the same code, a view or two apart) - at the CPU stand-in's µs per instruction:
 # ``PYTHON_FORWARD_US`` was 8.6 µs for that stand-in's forward of 81,997 instructions
 # (`bench/call_instructions.py` at f9db969, the same folder). latency.py scales it by the H200
 # host's ratio (``GPU_PYTHON_RATIO[0]``) and adds the step's calls into CUDA (``STEP_API_CALLS``)
