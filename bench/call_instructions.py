@@ -86,10 +86,12 @@ def child(row: str, calls: int, cell: str) -> None:
     functools.reduce(lambda done, _: call(), range(calls), None)
 
 
-def count(row: str, calls: int, cell: str) -> int:
-    """Instructions of ``calls`` calls of ``row`` (a callgrind process of its own)."""
+def count(row: str, calls: int, cell: str, script: str = __file__) -> int:
+    """Instructions of ``calls`` calls of ``row`` (a callgrind process of its own, running
+    ``script --child row``: this script's stand-in, or another script's with the same child
+    arguments, ``bench/step_instructions.py``)."""
     command = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce",
-               "--callgrind-out-file=/dev/null", sys.executable, __file__, "--child", row,
+               "--callgrind-out-file=/dev/null", sys.executable, script, "--child", row,
                "--calls", str(calls), "--cell", cell]
     env = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env},

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -35,6 +35,7 @@ Array = Any
 _WARPS_PER_BLOCK = 4  # fused kernel: one warp per (batch tile, j)
 BATCH_TILE = 4  # batch rows per warp of the fused kernel (-D PRNN_BATCH_TILE of fused_step.cu)
 FUSED_SOURCE = "fused_step.cu"
+FUSED_KERNEL = "prnn_fused_step_f32"
 STEP_ALGOS = validation.ALGOS
 
 
@@ -105,22 +106,28 @@ def step_backward(ctx: StepContext, params: Mapping[str, Array], dh: Array,
     return dx, dh_prev, dc_prev, grads
 
 
-def fused_module(xp, cell: CellSpec):
-    """The fused step kernel of ``cell``: the GPU build for CuPy (the current device's), the CPU
-    emulation for NumPy."""
-    return _fused_module(xp, cell.kind, None if xp is np else xp.cuda.Device().id)
+def fused_launcher(xp, cell: CellSpec) -> Callable[[int, tuple], None]:
+    """The fused step kernel of ``cell`` as a call of its grid and arguments: on a GPU (CuPy,
+    the current device's build) CuPy's kernel function itself, so that a step runs none of the
+    launcher's Python (``kernels.GpuModule.launch``, ``function``, whose shared-memory check
+    queries the kernel's attribute from the driver); in the CPU emulation (NumPy) its module's
+    launch."""
+    return _fused_launcher(xp, cell.kind, None if xp is np else xp.cuda.Device().id)
 
 
 @lru_cache(maxsize=None)
-def _fused_module(xp, kind: int, device: int | None):
-    """``fused_module``, looked up once per (array module, cell kind, device): a step then runs
+def _fused_launcher(xp, kind: int, device: int | None) -> Callable[[int, tuple], None]:
+    """``fused_launcher``, made once per (array module, cell kind, device): a step then runs
     none of the build cache's Python (the defines' key, the device's architecture)."""
     defines = {"PRNN_CELL": kind, "PRNN_BATCH_TILE": BATCH_TILE}
+    block = 32 * _WARPS_PER_BLOCK
     if xp is np:
         from . import emulate
-        return emulate.get_module(FUSED_SOURCE, defines)
+        module = emulate.get_module(FUSED_SOURCE, defines)
+        return lambda grid, args: module.launch(FUSED_KERNEL, grid, block, 0, args)
     from . import kernels
-    return kernels.get_module(FUSED_SOURCE, defines)
+    kernel = kernels.get_module(FUSED_SOURCE, defines).function(FUSED_KERNEL)
+    return lambda grid, args: kernel((grid,), (block,), args)
 
 
 def fused_grid(batch: int, hidden: int) -> int:
@@ -153,13 +160,20 @@ def fused_step(cell: CellSpec, params: Mapping[str, Array], x: Array, h: Array,
     for i, a in enumerate(operands):
         if not a.flags.c_contiguous:
             operands[i] = xp.ascontiguousarray(a)
-    args = (np.int32(batch), np.int32(x.shape[1]), np.int32(hidden), *operands,
-            np.int32(has_bias), h_new, h_new if c_new is None else c_new,
+    sizes, bias_flag, grid = _launch_constants(batch, x.shape[1], hidden, has_bias)
+    args = (*sizes, *operands, bias_flag, h_new, h_new if c_new is None else c_new,
             saved if saved.size else h_new)
-    grid = fused_grid(batch, hidden)
     if grid:  # an empty batch launches nothing
-        fused_module(xp, cell).launch("prnn_fused_step_f32", grid, 32 * _WARPS_PER_BLOCK, 0, args)
+        fused_launcher(xp, cell)(grid, args)
     return h_new, c_new, saved
+
+
+@lru_cache(maxsize=256)
+def _launch_constants(batch: int, inputs: int, hidden: int, has_bias: bool) -> tuple:
+    """A fused step's arguments that only its shape decides - the sizes, the bias flag (NumPy
+    scalars: each made afresh cost more than this look-up) - and its grid, made once a shape."""
+    return ((np.int32(batch), np.int32(inputs), np.int32(hidden)), np.int32(has_bias),
+            fused_grid(batch, hidden))
 
 
 class _Cell:
@@ -222,6 +236,39 @@ class _Cell:
         """One step: ``x`` (B, input_size) or unbatched (input_size,); ``hx`` ``None`` (zeros),
         h (B, H) (unbatched (H,)) or, for LSTM, ``(h, c)``. Returns h' (LSTM: ``(h', c')``),
         shaped like ``hx``."""
+        steady = self._steady(x, hx)
+        x, h, c, xp = self._checked(x, hx) if steady is None else steady
+        algo = step_algo(self.algo, xp, self.dtype)
+        h_new, c_new, self._ctx, self.last_run = step_forward(self.cell, self.params, x, h, c,
+                                                              algo)
+        return self._shaped(h_new, c_new)
+
+    def _steady(self, x: Array, hx: Any) -> tuple | None:
+        """``(x, h, c, xp)`` where a step's arrays are what a decoding loop passes: ``x``
+        (B, input_size) and ``hx`` h (B, H) or, for LSTM, an ``(h, c)`` tuple, each an array of
+        the parameters' type (so of their module) and of the cell's dtype - what every check of
+        ``_checked`` passes, accepted by identity and shape checks; ``None`` for anything else
+        (``_checked`` then raises or makes it so)."""
+        kind, dtype = type(self.params["weight_ih"]), self.dtype
+        if type(x) is not kind or x.dtype != dtype or x.ndim != 2 or x.shape[1] != self.input_size:
+            return None
+        shape = (x.shape[0], self.hidden_size)
+        h, c = hx, None
+        if self.cell.has_cell_state:
+            if type(hx) is not tuple or len(hx) != 2:
+                return None
+            h, c = hx
+            if type(c) is not kind or c.dtype != dtype or c.shape != shape:
+                return None
+        if type(h) is not kind or h.dtype != dtype or h.shape != shape:
+            return None
+        self._unbatched = False
+        return x, h, c, array_module(x)
+
+    def _checked(self, x: Array, hx: Any) -> tuple:
+        """``(x, h, c, xp)`` of ``forward``'s arguments, checked (the errors documented for
+        them), ``x`` and the state batched, the state's zeros where ``hx`` is None, the
+        parameters moved onto ``xp``'s device."""
         if x is None:
             raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
         h, c = validation.state("hx", hx, self.cell.has_cell_state)
@@ -234,10 +281,7 @@ class _Cell:
         h, c = (self._state(xp, name, a, x.shape[0]) for name, a in
                 (("hx[0]" if self.cell.has_cell_state else "hx", h), ("hx[1]", c)))
         self._to_device(xp)
-        algo = step_algo(self.algo, xp, self.dtype)
-        h_new, c_new, self._ctx, self.last_run = step_forward(
-            self.cell, self.params, x, h, c if self.cell.has_cell_state else None, algo)
-        return self._shaped(h_new, c_new)
+        return x, h, c if self.cell.has_cell_state else None, xp
 
     def backward(self, dh: Array, dc: Array | None = None) -> tuple[Array, Any]:
         """Backward of the last ``forward`` from ``dh`` (like h') and, for LSTM, ``dc`` (like

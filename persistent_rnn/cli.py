@@ -272,7 +272,9 @@ def _print_call_rows(rows: list[dict]) -> None:
 def _print_decoder(d: dict) -> None:
     """``prnn plan --decoder``'s lines (predictions)."""
     print(f"fused step kernel: predicted {d['fused_step_us']:.2f} µs a step (input size "
-          f"{d['input_size']})")
+          f"{d['input_size']}), {d['fused_eager_us']:.2f} µs eager (host-bound: its Python "
+          f"counted on the CPU, scaled to the H200's host, and its launch; through the torch "
+          f"cell {d['torch_fused_eager_us']:.2f})")
     if not d["resident"]:
         print(f"resident decoder: no ({d['reason']})")
         return
@@ -281,7 +283,9 @@ def _print_decoder(d: dict) -> None:
     print(f"resident decoder{stack}: {d['ctas']} CTAs held; predicted per step {d['captured_us']:.2f} µs "
           f"captured in a CUDA graph (projection {d['projection_us']:.2f}, hand-offs "
           f"{d['handoff_us']:.2f}, resident step after the post {d['resident_step_us']:.2f}), "
-          f"{d['eager_us']:.2f} µs eager; step_projected {d['projected_us']:.2f} µs captured")
+          f"{d['eager_us']:.2f} µs eager (host {d['host_us']:.2f}; through the torch module "
+          f"{d['torch_eager_us']:.2f}); step_projected "
+          f"{d['projected_us']:.2f} µs captured")
     left = d["ahead_left_us"]
     when = ("the graph's gap hides it back to back" if left == 0 else
             f"{left:.2f} µs of it left back to back; {d['captured_between_us']:.2f} µs a step with "

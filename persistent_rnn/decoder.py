@@ -367,11 +367,11 @@ class _Layers:
         keep = xp.zeros((layers, 2, batch, hidden), np.float32)  # each layer's last two h'
         words = (w_hh, b_hh, w_ih, box, state, fault, keep)
         self.resident = _Resident(xp, self.module, plans, words, batch, hidden)
-        # The step kernel's arguments that no step changes, made once (a step then only joins
-        # tuples): the words, b_ih and its flag (layer 0 adds it only to its own projection of
-        # x), the block and shared memory (the widest layer's: its staged x), and the tail - the
-        # sizes and the wait deadline (``_step_tail``: made again at each launch of a resident
-        # kernel from the settings read then).
+        # The step kernel's arguments that no step changes, made once (a step then joins three
+        # tuples): the words, the block and shared memory (the widest layer's: its staged x),
+        # and the tail - b_ih and its flag (layer 0 adds it only to its own projection of x),
+        # the sizes and the wait deadline (``_step_tail``: made again at each launch of a
+        # resident kernel from the settings read then).
         self._words = words
         self._bias = (b_ih, np.int32(1)) if b_ih is not None else (b_hh, np.int32(0))
         self._launch_step = _step_launcher(xp, self.module, dp.block,
@@ -391,24 +391,24 @@ class _Layers:
             self._step_tail = self._tail(self.resident.relaunch())
 
     def _tail(self, timeout_ns: int) -> tuple:
-        """The step kernel's last arguments: the layers and sizes, and its wait
-        (``WAIT_DEADLINES`` idle deadlines of the resident kernel, ``timeout_ns`` each)."""
-        return (self._count, np.int32(self.resident.slices), np.int32(self.batch),
-                np.int32(self.input_size), np.int32(self.hidden),
-                np.uint64(WAIT_DEADLINES * timeout_ns))
+        """The step kernel's last arguments: the bias and its flag, the layers and sizes, and
+        its wait (``WAIT_DEADLINES`` idle deadlines of the resident kernel, ``timeout_ns``
+        each)."""
+        return self._bias + (self._count, np.int32(self.resident.slices),
+                             np.int32(self.batch), np.int32(self.input_size),
+                             np.int32(self.hidden), np.uint64(WAIT_DEADLINES * timeout_ns))
 
     def step(self, x: Array | None, gi: Array | None, h: Array, c: Array | None,
              h_out: Array, c_out: Array | None) -> None:
         """Enqueue the next step of every layer (the kernel numbers it: each mailbox's box[1]):
         one launch. Exactly one of ``x`` (batch, input_size; the kernels project it and add
         b_ih) and ``gi`` (the caller's x W_ih^T + b_ih for layer 0, b_ih included) is given;
-        ``h``, ``c``: (layers, batch, H) or a cell's (batch, H), ``h_out``, ``c_out``
-        (layers, batch, H); every array C-contiguous."""
+        ``h``, ``c``, ``h_out``, ``c_out``: (layers, batch, H) or a cell's (batch, H); every
+        array C-contiguous."""
         self.ensure()
-        given = (gi, _GIVEN_GI) if x is None else (x, _GIVEN_X)
-        args = (self._words + given
-                + (h, h if c is None else c, h_out, h_out if c_out is None else c_out)
-                + self._bias + self._step_tail)
+        args = self._words + (gi if x is None else x, _GIVEN_GI if x is None else _GIVEN_X, h,
+                              h if c is None else c, h_out, h_out if c_out is None else c_out
+                              ) + self._step_tail
         self._launch_step(args)
         launch.COUNTERS.add("launches")
         if self.xp is np and self.resident.fault.any():  # (free to read in the emulation;
@@ -479,9 +479,8 @@ class Decoder:
         self._lstm = cell.has_cell_state
         self._x_shape = (self.batch, input_size)
         self._gi_shape = (self.batch, cell.gates * hidden)
-        self._out_shape = (len(layers), self.batch, hidden)
-        self._state_shape = self._out_shape if stacked else (self.batch, hidden)
-        self._joint_shape = (1 + self._lstm, *self._out_shape)  # (a resident step's outputs)
+        self._state_shape = (len(layers), self.batch, hidden) if stacked else (self.batch, hidden)
+        self._joint_shape = (1 + self._lstm, *self._state_shape)  # (a resident step's outputs)
         chosen = self._algo_reason(xp)
         plans, why = ([], chosen) if chosen else self._plans(cell, hidden, xp)
         self.reason = why
@@ -610,7 +609,7 @@ class Decoder:
         them: ``TorchDecoder``): a cell's ``h'`` or ``(h', c')``, a layer's ``(y, h')`` or
         ``(y, (h', c'))``."""
         if not self._stacked:
-            return (hn[0], cn[0]) if self._lstm else hn[0]
+            return (hn, cn) if self._lstm else hn
         return (hn[-1], (hn, cn)) if self._lstm else (hn[-1], hn)
 
     def _plain(self, a: Any, shape: tuple[int, ...]) -> bool:
@@ -624,11 +623,11 @@ class Decoder:
                  own: bool = False) -> tuple[Any, Any, Array | None]:
         """A step from ``x`` or, for the first layer, its projection ``gi`` (the other
         ``None``): ``(h', c', joint)``, h' and c' every layer's ((num_layers, batch, H) arrays,
-        or a cell's one-element list of (batch, H)), ``c'`` ``None`` unless LSTM; ``joint``
-        the one allocation a resident step writes, (2 for LSTM else 1, num_layers, batch, H),
-        h' and c' its rows (``None`` for the fallback's separate arrays). ``own``: ``state`` is
-        the state of a resident step's result as it was returned (``TorchDecoder`` knows), so
-        its checks passed when it was made."""
+        a cell's (batch, H)), ``c'`` ``None`` unless LSTM; ``joint`` the one allocation a
+        resident step writes, (2 for LSTM else 1, *state shape), h' and c' its rows (``None``
+        for the fallback's separate arrays). ``own``: ``state`` is the state of a resident
+        step's result as it was returned (``TorchDecoder`` knows), so its checks passed when it
+        was made."""
         if gi is None:
             if not self._plain(x, self._x_shape):
                 x = self._checked_input(x)
@@ -676,7 +675,7 @@ class Decoder:
             hs.append(hn)
             cs.append(cn)
         if not self._stacked:  # (a cell: its arrays as they are, no copy)
-            return hs, cs
+            return hs[0], cs[0]
         xp = self._xp
         return xp.stack(hs), xp.stack(cs) if self._lstm else None
 

@@ -239,3 +239,21 @@ GEMM_PEAK_FRACTION = 0.5       # of the fp32 peak a large cuBLAS SGEMM reaches
 # GEMM of the same operands 210 us, 0.53 of the fp32 peak), bench/call_kernels.py,
 # bench/results/h200-2026-11-26. One shape, one GPU: cuDNN's own fp16 GEMM of it took 13 us.
 TENSOR_GEMM_PEAK_FRACTION = 0.125
+# An eager decoding step's host time (latency.predict_decoder_step: ``host_us``, ``fused_host_us``
+# and the torch module's ``torch_*``): the Python of a steady-state step as a GPU runs it -
+# counted in instructions on the CPU (`bench/step_instructions.py`, callgrind: an LSTM cell, input
+# and hidden size 8, B=1, the launches stubbed, the resident launch's query answered in C;
+# bench/results/cpu-2026-11-28/steps-1f89d63; taken for every cell, size and stack: their steps
+# run the same code, a view or two apart) - at the CPU stand-in's µs per instruction:
+# ``PYTHON_FORWARD_US`` was 8.6 µs for that stand-in's forward of 81,997 instructions
+# (`bench/call_instructions.py` at f9db969, the same folder). latency.py scales it by the H200
+# host's ratio (``GPU_PYTHON_RATIO[0]``) and adds the step's calls into CUDA (``STEP_API_CALLS``)
+# at ``API_CALL_HOST_US`` each: a resident step's capture and stream queries
+# (``cudaStreamIsCapturing``, ``cudaStreamQuery``) and its launch; the fused step's launch (its
+# ``cudaGetDevice`` reads the runtime's thread state: not priced). The torch module's rows (its
+# cell's decoder, its cell with algo="persistent") hand CPU tensors over as NumPy arrays: a GPU's
+# CuPy arrays and DLPack capsules cost more Python than that.
+STAND_IN_US_PER_INSTRUCTION = 8.6 / 81_997  # measured (µs / instructions of the stand-in forward)
+STEP_INSTRUCTIONS = {"decoder": 29_416, "fused": 52_578,  # counted (a step, the layer API)
+                     "torch-decoder": 70_386, "torch-cell": 200_718}  # counted (torch, CPU)
+STEP_API_CALLS = {"decoder": 3, "fused": 1}

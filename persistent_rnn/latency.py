@@ -1134,8 +1134,14 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     after the one below has finished, so every layer adds its hand-offs, projection (layer n > 0
     projects the h' below it: input size ``hidden``) and resident step to the one gap; a
     further layer's recurrent half has that layer's wait too, so only layer 0's can be left
-    over. Eagerly the host issues one API call a step (``API_CALL_HOST_US``: far longer than
-    the recurrent half) and a step takes the longer of host and GPU. ``projected_us``: a
+    over. Eagerly a step takes the longer of host and GPU (``eager_us``); the host's part
+    (``host_us``) is the step's Python - the layer API's steady-state step, counted in
+    instructions on the CPU (``hw.STEP_INSTRUCTIONS``), at the CPU stand-in's µs per instruction
+    (``hw.STAND_IN_US_PER_INSTRUCTION``) times the H200 host's ratio (``hw.GPU_PYTHON_RATIO``) -
+    plus its calls into CUDA (``hw.STEP_API_CALLS``) at ``API_CALL_HOST_US`` each; the same
+    for the fused step (``fused_host_us``, ``fused_eager_us``), and both through the torch
+    module (``torch_eager_us``, ``torch_fused_eager_us``: its cell's decoder, its cell with
+    ``algo="persistent"``). ``projected_us``: a
     captured ``step_projected`` back to back (the caller gives layer 0's x W_ih^T + b_ih, e.g.
     from a per-token table: no projection there). The fused step (one layer): a gap, W_ih and
     W_hh read from L2 by every tile of ``cell_step.BATCH_TILE`` batch rows, at its SMs' share of
@@ -1153,11 +1159,19 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
         share = min(cell_step.fused_grid(batch, hidden), dev.sm_count) / dev.sm_count
         return 4.0 * gh * columns * tiles / (hw.L2_BANDWIDTH_GBPS * 1e3 * share)
 
+    def host_us(road: str, calls: int) -> float:  # an eager step's host: Python and CUDA calls
+        python = hw.STEP_INSTRUCTIONS[road] * hw.STAND_IN_US_PER_INSTRUCTION
+        return hw.GPU_PYTHON_RATIO[0] * python + calls * hw.API_CALL_HOST_US
+
+    fused = hw.GRAPH_GAP_US + weights_us(inputs + hidden) + 2 * round_trip
+    fused_host = host_us("fused", hw.STEP_API_CALLS["fused"])
+    torch_fused = host_us("torch-cell", hw.STEP_API_CALLS["fused"])
     record = {"prediction": True, "calibration": CALIBRATION,
               "measured_miss": DECODER_MEASURED, "cell": spec.name,
               "hidden_size": hidden, "batch": batch, "input_size": inputs, "layers": layers,
-              "device": dev.name,
-              "fused_step_us": hw.GRAPH_GAP_US + weights_us(inputs + hidden) + 2 * round_trip}
+              "device": dev.name, "fused_step_us": fused, "fused_host_us": fused_host,
+              "fused_eager_us": max(fused, fused_host),
+              "torch_fused_eager_us": max(fused, torch_fused)}
     plans, why = decoder.plan_layers(spec, hidden, batch, dev, inputs, layers)
     record.update(resident=why is None, reason=why)
     if why is not None:
@@ -1176,6 +1190,8 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
     handoffs = sum(decoder_handoff_us(q.grid, dev) for q in plans)
     between = hw.GRAPH_GAP_US + handoffs + layers * after_post + sum(projections[1:])
     captured_between = between + projections[0]
+    host = host_us("decoder", hw.STEP_API_CALLS["decoder"])
+    torch_host = host_us("torch-decoder", hw.STEP_API_CALLS["decoder"])
     record.update(ctas=sum(q.grid for q in plans), resident_step_us=layers * after_post,
                   ahead_us=ahead, ahead_left_us=left_over, handoff_us=handoffs,
                   handoff_round_us=decoder_handoff_round_us(plans[0].grid),
@@ -1183,6 +1199,7 @@ def predict_decoder_step(cell: str, hidden: int, batch: int, input_size: int | N
                   projection_us=sum(projections), w_ih_held=plans[0].w_ih_held,
                   w_ih=plans[0].w_ih_note(), captured_us=captured_between + left_over,
                   captured_between_us=captured_between,
-                  eager_us=max(captured_between, hw.API_CALL_HOST_US),
+                  host_us=host, eager_us=max(captured_between, host),
+                  torch_eager_us=max(captured_between, torch_host),
                   projected_us=between + left_over, launches_per_step=1)
     return record

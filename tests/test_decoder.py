@@ -747,6 +747,18 @@ def test_prnn_plan_predicts_a_decoder_step(capsys, monkeypatch):
         t.issue_us + t.matrix_us + t.barrier_us + t.pointwise_us + barrier)
     assert t.pointwise_us + t.barrier_us < d["resident_step_us"] < d["ahead_us"] < gap
     assert d["ahead_left_us"] == 0 and d["captured_between_us"] == d["captured_us"]
+    # eager, host-bound: the step's counted Python at the stand-in's µs per instruction, scaled
+    # to the H200's host, and its CUDA calls (the resident step's two queries and launch; the
+    # fused step's launch); through the torch module its counted Python instead
+    def host(road: str, calls: int) -> float:
+        python = hardware.STEP_INSTRUCTIONS[road] * hardware.STAND_IN_US_PER_INSTRUCTION
+        return hardware.GPU_PYTHON_RATIO[0] * python + calls * hardware.API_CALL_HOST_US
+    assert d["host_us"] == pytest.approx(host("decoder", 3)) and d["eager_us"] == d["host_us"]
+    assert d["torch_eager_us"] == pytest.approx(host("torch-decoder", 3))
+    assert d["fused_eager_us"] == d["fused_host_us"] == pytest.approx(host("fused", 1))
+    assert d["torch_fused_eager_us"] == pytest.approx(host("torch-cell", 1))
+    assert d["eager_us"] < d["torch_eager_us"] and d["fused_eager_us"] < d["torch_fused_eager_us"]
+    assert d["captured_us"] < d["eager_us"] < d["fused_eager_us"]
     monkeypatch.setattr(hardware, "GRAPH_GAP_US", 0.1)  # back to back, less than it is left
     short = latency.predict_decoder_step("LSTM", 640, 1, device="h100")
     assert short["ahead_left_us"] == pytest.approx(d["ahead_us"] - 0.1)
@@ -785,18 +797,38 @@ def test_prnn_plan_predicts_a_decoder_step(capsys, monkeypatch):
     assert "computed between steps from the decoder's last h': the graph's gap hides it" in out
 
 
+def test_an_eager_fused_step_is_host_bound_in_the_model(monkeypatch):
+    """The model's eager fused step (no SASS read: a layer too big to be resident) is the longer
+    of its GPU time and its host's - the step's counted instructions at the stand-in's µs per
+    instruction, scaled to the H200's host, and its launch - and follows the counts."""
+    from persistent_rnn import latency
+    d = latency.predict_decoder_step("LSTM", 2048, 1, device="h100")
+    assert not d["resident"] and d["fused_step_us"] < d["fused_host_us"] == d["fused_eager_us"]
+    python = hardware.STEP_INSTRUCTIONS["fused"] * hardware.STAND_IN_US_PER_INSTRUCTION
+    assert d["fused_host_us"] == pytest.approx(hardware.GPU_PYTHON_RATIO[0] * python
+                                               + hardware.API_CALL_HOST_US)
+    assert d["fused_eager_us"] < d["torch_fused_eager_us"]
+    monkeypatch.setitem(hardware.STEP_INSTRUCTIONS, "fused", 0)  # no Python: the GPU or launch
+    bare = latency.predict_decoder_step("LSTM", 2048, 1, device="h100")
+    assert bare["fused_eager_us"] == max(bare["fused_step_us"], hardware.API_CALL_HOST_US)
+
+
 def test_prnn_plan_prints_the_decoder_prediction(capsys):
     """``prnn plan --decoder``'s lines from a record (the model's own figures: the test above)."""
     from persistent_rnn import cli
-    record = {"input_size": 640, "fused_step_us": 3.3, "resident": True, "ctas": 80,
+    record = {"input_size": 640, "fused_step_us": 3.3, "fused_host_us": 31.4,
+              "fused_eager_us": 31.4, "torch_fused_eager_us": 99.9, "host_us": 22.2,
+              "torch_eager_us": 55.5, "resident": True, "ctas": 80,
               "captured_us": 4.1, "projection_us": 2.3, "handoff_us": 0.6, "resident_step_us": 0.7,
-              "eager_us": 4.1, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why",
+              "eager_us": 22.2, "projected_us": 1.8, "w_ih": "W_ih read from L2 each step: why",
               "ahead_us": 0.9, "ahead_left_us": 0.4, "captured_between_us": 3.7,
               "measured_miss": "measured: the miss"}
     cli._print_decoder(record)
     cli._print_decoder({**record, "resident": False, "reason": "its kernel takes the whole GPU"})
     out = capsys.readouterr().out
     assert "resident decoder: 80 CTAs held; predicted per step 4.10 µs captured" in out
+    assert "22.20 µs eager (host 22.20; through the torch module 55.50)" in out
+    assert "3.30 µs a step (input size 640), 31.40 µs eager" in out and "torch cell 99.90" in out
     assert "projection 2.30" in out
     assert "step_projected 1.80 µs" in out and "fused step kernel: predicted 3.30 µs" in out
     assert "resident decoder: no (its kernel takes the whole GPU)" in out

@@ -30,6 +30,8 @@ from .ops import (MODES, LastRun, Recorded, _loop_vmap_rule, _record_backward, _
 from .ops import _params as ops_params
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
+# (NumPy's dtype by torch's: a look-up a step, where ``np.dtype(str(dtype)[6:])`` parsed it)
+_NUMPY_DTYPES = {t: np.dtype(str(t).removeprefix("torch.")) for t in CELL_DTYPES}
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
 
 
@@ -229,7 +231,7 @@ class _LibraryCell(Recorded):
             if blocker is not None:
                 raise ValueError(f"algo={self.algo!r} cannot run this cell: {blocker}")
             paths.prepare_capture(x, x.dtype)
-            return cell_step.step_algo(self.algo, None, np.dtype(str(x.dtype)[6:])), None
+            return cell_step.step_algo(self.algo, None, _NUMPY_DTYPES[x.dtype]), None
         blocker = blocker or paths.captured_auto(x)
         if blocker is not None:
             return paths.TORCH, blocker
@@ -253,7 +255,8 @@ class _LibraryCell(Recorded):
                                        device=x.device) for _ in range(1 + lstm))
         elif not batched:
             states = tuple(s.unsqueeze(0) for s in states)
-        weights = [self.weight_ih, self.weight_hh, *([self.bias_ih, self.bias_hh]
+        p = self._parameters  # (what ``self.weight_ih`` reads, without Module.__getattr__)
+        weights = [p["weight_ih"], p["weight_hh"], *([p["bias_ih"], p["bias_hh"]]
                                                      if self.bias else [])]
         if not _plain(x, states, weights):  # torch.nn's forward raises its own error
             return self._torch_cls.forward(self, input, hx)
@@ -312,34 +315,38 @@ def _plain(x: Tensor, states: tuple, weights: list[Tensor]) -> bool:
     """Whether the step's tensors are all 2-D (biases 1-D) and of the input's dtype and device:
     what the library's step takes; anything else goes to torch.nn's forward, which raises.
     (A loop, not comprehensions: no frames a step.)"""
-    matrices = len(states) + 3
+    matrices, dtype, device = len(states) + 3, x.dtype, x.device
     for i, t in enumerate((x, *states, *weights)):
-        if t.dtype != x.dtype or t.device != x.device or t.dim() != (2 if i < matrices else 1):
+        if t.dtype != dtype or t.device != device or t.dim() != (2 if i < matrices else 1):
             return False
     return True
 
 
 def _check_sizes(x: Tensor, states: tuple, weights: list[Tensor]) -> None:
     """torch's cell size checks (``check_rnn_cell_forward_input`` / ``_hidden`` in ATen), in
-    their order, with their exception type and messages."""
-    input_size, hidden_size = weights[0].size(1), weights[1].size(1)
-    if x.size(1) != input_size:
-        raise RuntimeError(f"input has inconsistent input_size: got {x.size(1)} expected "
+    their order, with their exception type and messages; every tensor 2-D (``_plain``). Read
+    from ``shape``s: a ``size(i)`` call parses its argument, several times the cost."""
+    input_size, hidden_size = weights[0].shape[1], weights[1].shape[1]
+    batch, width = x.shape
+    if width != input_size:
+        raise RuntimeError(f"input has inconsistent input_size: got {width} expected "
                            f"{input_size}")
     for label, h in enumerate(states):
-        if h.size(0) != x.size(0):
-            raise RuntimeError(f"Input batch size {x.size(0)} doesn't match hidden{label} batch "
-                               f"size {h.size(0)}")
-        if h.size(1) != hidden_size:
-            raise RuntimeError(f"hidden{label} has inconsistent hidden_size: got {h.size(1)}, "
+        rows, columns = h.shape
+        if rows != batch:
+            raise RuntimeError(f"Input batch size {batch} doesn't match hidden{label} batch "
+                               f"size {rows}")
+        if columns != hidden_size:
+            raise RuntimeError(f"hidden{label} has inconsistent hidden_size: got {columns}, "
                                f"expected {hidden_size}")
 
 
 def _library_blocker(x: Tensor) -> str | None:
     """Why the library cannot run a step on ``x`` at all, or ``None``."""
-    if x.device.type not in ("cpu", "cuda"):
-        return f"device {x.device.type}: the library runs CPU and CUDA tensors; torch's kernels run it"
-    if paths.autocast_dtype(x.device.type) is not None:
+    kind = x.device.type
+    if kind not in ("cpu", "cuda"):
+        return f"device {kind}: the library runs CPU and CUDA tensors; torch's kernels run it"
+    if paths.autocast_dtype(kind) is not None:
         return "autocast: torch's kernels run the cell in autocast's dtype"
     if x.dtype not in CELL_DTYPES:
         return (f"dtype {x.dtype}: the library's cells run float32 and float64; torch's kernels "
