@@ -69,14 +69,19 @@ class Counters:
     graph_units: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    # (both take the lock without ``with``: its context-manager protocol costs half as much again,
+    # and every call pays them - bench/snippet_instructions.py)
     def add(self, what: str, n: int = 1) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             setattr(self, what, getattr(self, what) + n)
+        finally:
+            lock.release()
 
     def unit(self, replayed: bool) -> None:
         """A graph unit enqueued (``_enqueue``), ``replayed`` as one CUDA graph or not: both
-        counts in one call and one hold of the lock (every call pays it: taken and let go
-        without ``with``, whose context-manager protocol costs half as much again)."""
+        counts in one call and one hold of the lock."""
         lock = self._lock
         lock.acquire()
         try:
