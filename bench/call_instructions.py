@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -102,6 +102,42 @@ def count(row: str, calls: int, cell: str, script: str = __file__) -> int:
     return int(found.group(1))
 
 
+def count_rows(rows: Sequence[str], calls: int, cell: str, what: str, script: str = __file__
+               ) -> tuple[float, list[dict]]:
+    """Each of ``rows`` counted (``count``) less the loop's own (the ``nothing`` row), per
+    ``what`` ("call", "step"), printed as it comes; ``(loop, rows' records)``."""
+    loop = count("nothing", calls, cell, script) / calls
+    done = []
+    for row in rows:
+        per = count(row, calls, cell, script) / calls - loop
+        done.append({"row": row, f"instructions_per_{what}": round(per)})
+        print(f"{row:<26} {per:>10,.0f} instructions a {what}", flush=True)
+    return loop, done
+
+
+def write_record(path: Path, note: str, settings: dict, loop: float, rows: list[dict]) -> None:
+    """The counts as JSON at ``path`` (its folder made): the machine, the run's stamp (command,
+    commit), ``settings`` with valgrind's and Python's versions and the loop's own count."""
+    from persistent_rnn import benchmark
+    version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True)
+    doc = {**benchmark.device_record(gpu=False), "note": note,
+           **benchmark.run_stamp(["python", *sys.argv]),
+           "settings": {**settings, "valgrind": version.stdout.strip(),
+                        "python": sys.version.split()[0], "loop_instructions": round(loop)},
+           "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def has_valgrind(script: str) -> bool:
+    """Whether valgrind is on PATH; if not, says so for ``script`` (which then exits 2: never a
+    figure it did not count)."""
+    if shutil.which("valgrind") is not None:
+        return True
+    print(f"{script}: needs valgrind (callgrind) on PATH", file=sys.stderr)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Count every row in its own callgrind process; print a table, write the JSON."""
     p = argparse.ArgumentParser(prog="bench/call_instructions.py",
@@ -115,27 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         child(args.child, args.calls, args.cell)
         return 0
-    if shutil.which("valgrind") is None:
-        print("bench/call_instructions.py: needs valgrind (callgrind) on PATH", file=sys.stderr)
+    if not has_valgrind("bench/call_instructions.py"):
         return 2
-    from persistent_rnn import benchmark
-    loop = count("nothing", args.calls, args.cell) / args.calls
-    rows = []
-    for row in ROWS + (PARTS if args.parts else ()):
-        per_call = count(row, args.calls, args.cell) / args.calls - loop
-        rows.append({"row": row, "instructions_per_call": round(per_call)})
-        print(f"{row:<24} {per_call:>10,.0f} instructions a call")
+    loop, rows = count_rows(ROWS + (PARTS if args.parts else ()), args.calls, args.cell, "call")
     if args.out is not None:
-        version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True)
-        doc = {**benchmark.device_record(gpu=False),
-               "note": "CPU run: instructions counted by callgrind, the emulated path stubbed",
-               **benchmark.run_stamp(["python", *sys.argv]),
-               "settings": {"cell": args.cell, "hidden": 8, "batch": 1, "steps": 1,
-                            "calls": args.calls, "valgrind": version.stdout.strip(),
-                            "python": sys.version.split()[0], "loop_instructions": round(loop)},
-               "rows": rows}
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "call_instructions.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_record(args.out / "call_instructions.json",
+                     "CPU run: instructions counted by callgrind, the emulated path stubbed",
+                     {"cell": args.cell, "hidden": 8, "batch": 1, "steps": 1,
+                      "calls": args.calls}, loop, rows)
     return 0
 
 

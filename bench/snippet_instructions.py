@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import shutil
 import subprocess
 import sys
 
-from call_instructions import _COLLECTED
+from call_instructions import _COLLECTED, has_valgrind
 
 
 def child(setup: str, statement: str, runs: int) -> None:
@@ -62,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.setup, args.statements[0], args.runs)
         return 0
-    if shutil.which("valgrind") is None:
-        print("bench/snippet_instructions.py: needs valgrind (callgrind) on PATH", file=sys.stderr)
+    if not has_valgrind("bench/snippet_instructions.py"):
         return 2
     empty = count(args.setup, "pass", args.runs)
     for statement in args.statements:

@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -38,7 +35,8 @@ from typing import Callable
 
 import numpy as np
 
-from call_instructions import count  # (bench/ is the script's folder)
+from call_instructions import (count_rows, has_valgrind,  # (bench/: the script's folder)
+                               write_record)
 
 ROWS = ("decoder", "fused", "torch-decoder", "torch-cell")
 SIZE, BATCH = 8, 1  # input and hidden size, batch
@@ -118,30 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         child(args.child, args.calls, args.cell)
         return 0
-    if shutil.which("valgrind") is None:
-        print("bench/step_instructions.py: needs valgrind (callgrind) on PATH", file=sys.stderr)
+    if not has_valgrind("bench/step_instructions.py"):
         return 2
-    from persistent_rnn import benchmark
-    loop = count("nothing", args.calls, args.cell, __file__) / args.calls
-    rows = []
-    for row in args.rows:
-        per_step = count(row, args.calls, args.cell, __file__) / args.calls - loop
-        rows.append({"row": row, "instructions_per_step": round(per_step)})
-        print(f"{row:<16} {per_step:>10,.0f} instructions a step", flush=True)
+    loop, rows = count_rows(args.rows, args.calls, args.cell, "step", __file__)
     if args.out is not None:
-        out = args.out
-        version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True)
-        doc = {**benchmark.device_record(gpu=False),
-               "note": "CPU run: instructions counted by callgrind, the emulated launches and "
-                       "the resident launch's query stubbed",
-               **benchmark.run_stamp(["python", *sys.argv]),
-               "settings": {"cell": args.cell, "input_size": SIZE, "hidden": SIZE,
-                            "batch": BATCH, "calls": args.calls,
-                            "valgrind": version.stdout.strip(),
-                            "python": sys.version.split()[0], "loop_instructions": round(loop)},
-               "rows": rows}
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "step_instructions.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_record(args.out / "step_instructions.json",
+                     "CPU run: instructions counted by callgrind, the emulated launches and the "
+                     "resident launch's query stubbed",
+                     {"cell": args.cell, "input_size": SIZE, "hidden": SIZE, "batch": BATCH,
+                      "calls": args.calls}, loop, rows)
     return 0
 
 
