@@ -29,6 +29,7 @@ chain then becomes part of the caller's graph, as before).
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import warnings
@@ -39,6 +40,7 @@ import numpy as np
 
 
 MAX_GRAPHS = 64
+_TOKENS = itertools.count()  # ``Fixed.token``s
 _SEEN, _EAGER = "seen once", "capture failed"
 
 _graphs: OrderedDict[tuple, Any] = OrderedDict()
@@ -50,11 +52,14 @@ class Fixed(tuple):
     """A part of a chain graph's key that stays the same call after call (a chain's own part,
     a prepared pass's arguments but the call's arrays): its hash computed once, where a tuple's
     is computed anew over all its items at every look-up (``run``: some hundred items a pass,
-    a few µs of Python a call); compared as a tuple, by identity first."""
+    a few µs of Python a call); compared as a tuple, by identity first. In a graph's key it
+    stands by its ``token`` (``Token``)."""
 
     def __new__(cls, parts: tuple) -> "Fixed":
         made = super().__new__(cls, parts)
         made._hash = tuple.__hash__(made)
+        made.token = Token(next(_TOKENS))  # (``next`` of a count: atomic, no lock)
+        made.token.fixed = made
         return made
 
     def __hash__(self) -> int:
@@ -63,6 +68,17 @@ class Fixed(tuple):
     def __reduce__(self) -> tuple:
         # (made again where it is unpickled: a string's hash differs between processes)
         return Fixed, (tuple(self),)
+
+
+class Token(int):
+    """A ``Fixed``'s stand-in in a chain graph's key: an int no other ``Fixed`` of the process
+    has, hashed in C where the ``Fixed``'s own ``__hash__`` is a Python call (1.2k
+    instructions, as much as the rest of a key's hash; bench/snippet_instructions.py).
+    ``fixed``: the parts it stands for (what the key holds, for whoever reads it). Another
+    ``Fixed`` of equal parts has another token: its calls record their graph anew, never replay
+    another's."""
+
+    fixed: Fixed
 
 
 def value(v: Any) -> Any:

@@ -679,15 +679,15 @@ def _failed(pending: Sequence[tuple]) -> None:
         chain.untouched = False
 
 
-def _chain_key(chain: Chain) -> tuple:
+def _chain_key(chain: Chain) -> int:
     """The chain's own part of its graph key (``_enqueue``): its engine, words (its exchanges
     lie before them, in the same allocation) and where it publishes - fixed for the chain's
     life but for the ring (``new_ring``), so it is built again only when that is another
-    object."""
+    object; its ``chain_graphs.Fixed.token``."""
     held, publish = chain.graph_key, chain.publish
     if held is None or held[0] is not publish[0]:
         held = chain.graph_key = (publish[0], chain_graphs.Fixed((
-            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish))))
+            chain.engine.key, chain_graphs.value(chain.words), chain_graphs.value(publish))).token)
     return held[1]
 
 

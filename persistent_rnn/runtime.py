@@ -455,11 +455,11 @@ class PreparedPass:
         static = self._static_key
         if static is None:
             static = self._static_key = chain_graphs.Fixed(self._fixed_key(arrays))
-        return (static, chain_graphs.addresses(arrays, static[1]),
+        return (static.token, chain_graphs.addresses(arrays, static[1]),
                 tuple(map(chain_graphs.value, map(arrays.__getitem__, static[2]))))
 
     def _fixed_key(self, arrays: dict[str, Array | None]) -> tuple:
-        """``_key``'s part built once: the completion kernel, the addressed roles and the
+        """``arguments_key``'s part built once: the completion kernel, the addressed roles and the
         others (each sorted), the arguments but the per-call arrays, the layout of the
         addressed roles' arrays (``arrays``: the first keyed call's) and the ``around``'s
         part."""

@@ -197,7 +197,7 @@ def _planned_key(complete: str, first_starts: Array, args: dict, complete_args: 
                             {k: v for k, v in complete_args.items() if k not in skip}),
             roles, tuple([chain_graphs.value(args[name])[1:] for name in addressed]), addressed,
             tuple(name for name in names if name not in around.addressed)))
-    return (fixed, chain_graphs.addresses(args, fixed[-2]),
+    return (fixed.token, chain_graphs.addresses(args, fixed[-2]),
             tuple([chain_graphs.value(args[name]) for name in fixed[-1]]), around.key())
 
 

@@ -312,7 +312,7 @@ class StackPlan(Plan):
                         a for k, a in self.backward_pass.items()
                         if k not in ("grads", "scratch", "sums")))
             fixed = self._fixed_key = (self.backward_pass,
-                                       chain_graphs.Fixed(chain_graphs.value(held)))
+                                       chain_graphs.Fixed(chain_graphs.value(held)).token)
         return (what, id(self), fixed[1], chain_graphs.addresses(made, _INDICES[:len(made)]),
                 tuple([chain_graphs.value(a) for a in others]))
 

@@ -427,7 +427,8 @@ def test_a_prepared_pass_keys_its_chain_graph_once_but_for_the_calls_arrays(sett
     def run(key, issue):  # (the chain issued as it is: a replay would issue the same)
         # (the one chain's arguments: an addressed role's value is its address and the layout
         # the static part holds)
-        static, addresses, values = key[-1][-1]
+        token, addresses, values = key[-1][-1]
+        static = token.fixed
         keys.append((static, tuple((a, *layout) for a, layout in zip(addresses, static[5]))
                      + values))
         issue()
@@ -1366,10 +1367,13 @@ def _held_arrays(held) -> list[np.ndarray]:
 
 
 def _leaves(key) -> set:
-    """Every tuple inside ``key`` (the values of arrays among them: ``chain_graphs.value``)."""
+    """Every tuple inside ``key`` (the values of arrays among them: ``chain_graphs.value``), a
+    ``chain_graphs.Token``'s parts too."""
     found, todo = set(), [key]
     while todo:
         k = todo.pop()
+        if isinstance(k, chain_graphs.Token):
+            k = k.fixed
         if isinstance(k, tuple):
             found.add(k)
             todo.extend(k)

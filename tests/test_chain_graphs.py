@@ -127,6 +127,17 @@ def test_a_fixed_key_part_is_hashed_once():
     assert table[(fixed, 1)] == "graph" and hash(fixed) == hash((item, 3))
     assert fixed == (item, 3) and len(hashed) == 2  # (the last hash: the plain tuple's)
 
+
+def test_a_fixed_key_part_stands_in_a_key_by_its_token():
+    """``Fixed.token``: an int hashed in C (no Python ``__hash__``), its ``Fixed`` readable from
+    it, never another ``Fixed``'s - one of equal parts too (its calls record their own graph)."""
+    fixed, again = chain_graphs.Fixed(("gru", 3)), chain_graphs.Fixed(("gru", 3))
+    token = fixed.token
+    assert isinstance(token, int) and type(token).__hash__ is int.__hash__
+    assert token.fixed is fixed and again == fixed and again.token != token
+    assert {(token, 1): "graph"}.get((again.token, 1)) is None
+
+
 def test_a_fixed_key_part_unpickled_is_hashed_where_it_lands():
     """A ``Fixed`` pickled in another process (another string hash seed) or copied is made anew
     where it lands: its hash is the parts' there, so a look-up finds it. Sabotage: pickling its
