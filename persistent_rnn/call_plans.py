@@ -306,8 +306,9 @@ class Plan(CallSignature):
             d = functional._Direction(self.names, h0, c0, fwd)
             if hx is None and fwd is self.results:
                 self.direction = d
-                self.held_arrays = runtime.forward_arrays(fwd, h0, c0, None)
-                self.held_backward_arrays = runtime.backward_arrays(None, fwd, h0, c0, None)
+                self.held_arrays = runtime.holding(runtime.forward_arrays(fwd, h0, c0, None))
+                self.held_backward_arrays = runtime.holding(
+                    runtime.backward_arrays(None, fwd, h0, c0, None))
         arrays["x"], arrays["x_given"] = layer_input, given
         dtype = self.x_dtype  # (the layer's: a 16-bit layer's results are converted in the chain)
         arrays["out"] = out = xp.empty(self.y_shape, dtype)  # (written in the chain)

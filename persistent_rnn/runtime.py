@@ -451,12 +451,21 @@ class PreparedPass:
         but the per-call arrays, keyed once (the prepared pass holds them), and those arrays -
         of the ``around``'s ``addressed`` roles their address (their layout keyed once, from
         the first call's), of the others their ``chain_graphs.value``; with an ``around``, its
-        functions' names, its fixed arrays and its roles too."""
+        functions' names, its fixed arrays and its roles too. Arrays a call plan holds
+        (``holding``) are keyed once too: per call only the others' addresses."""
         static = self._static_key
         if static is None:
             static = self._static_key = chain_graphs.Fixed(self._fixed_key(arrays))
-        return (static.token, chain_graphs.addresses(arrays, static[1]),
-                tuple(map(chain_graphs.value, map(arrays.__getitem__, static[2]))))
+        values = tuple(map(chain_graphs.value, map(arrays.__getitem__, static[2])))
+        held = arrays.get(HELD)
+        if held is None:
+            return (static.token, chain_graphs.addresses(arrays, static[1]), values)
+        part = held.key
+        if part is None or part[0] is not static:  # (keyed once a static part)
+            part = held.key = (static, chain_graphs.Fixed(tuple(
+                [chain_graphs.value(arrays[r]) for r in held.roles])).token,
+                tuple(r for r in static[1] if r not in held.roles))
+        return (static.token, part[1], chain_graphs.addresses(arrays, part[2]), values)
 
     def _fixed_key(self, arrays: dict[str, Array | None]) -> tuple:
         """``arguments_key``'s part built once: the completion kernel, the addressed roles and the
@@ -480,6 +489,28 @@ class PreparedPass:
                     {k: v for k, v in self.complete_args.items() if k not in per_call}),
                 tuple([chain_graphs.value(arrays[role])[1:] for role in addressed_roles]),
                 around_key)
+
+
+HELD = "held arrays"  # the ``Held`` of a call's arrays copied from a plan's (``holding``)
+
+
+class Held:
+    """The roles of arrays a call plan holds for every call of a kind (its held results and
+    initial states: ``call_plans.Plan.held_arrays``), which the calls' arrays by role, copied
+    from ``holding``'s, keep: the prepared pass keys their values once (``key``, per static
+    part: ``PreparedPass.arguments_key``), per call only the other roles' addresses. A copy
+    may add roles, never replace these."""
+
+    __slots__ = ("roles", "key")
+
+    def __init__(self, roles: tuple[str, ...]):
+        self.roles, self.key = roles, None
+
+
+def holding(arrays: dict[str, Array | None]) -> dict[str, Array | None]:
+    """``arrays`` (by role, held by a call plan) with their ``Held`` under ``HELD``: a new one
+    every time, so arrays held anew are keyed anew."""
+    return {**arrays, HELD: Held(tuple(r for r, a in arrays.items() if a is not None))}
 
 
 def _roles(args: dict, arrays: dict[str, Array | None]):

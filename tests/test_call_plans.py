@@ -1381,6 +1381,54 @@ def _leaves(key) -> set:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (nothing launched: values unset)
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_a_held_call_key_holds_every_launch_argument(settings, monkeypatch, cell):
+    """A planned layer call without initial states or lengths, whose arrays by role are copied
+    from the plan's held ones (``runtime.holding``): its graph's key (NumPy addresses standing
+    in for device pointers) holds the value of every array each launch of its chain reads - the
+    held ones (results, zero states) through their part's token, keyed once, the call's own
+    (input, outputs, ``dy``, gradients) new every call - but the chain's own words; and every
+    array of the call the operations inside its chain work on (``runtime.Around``). Sabotage:
+    a held role left out of the held part, or a role out of the per-call addresses, fails it."""
+    _numpy_pointers(monkeypatch)
+    read, checked, held = [], [], []
+    for name in ("_before_forward", "_after_forward", "_before_backward", "_after_backward"):
+        def operation(plan, arrays, fixed, f=getattr(call_plans.Plan, name)):
+            read.append({role: a for role, a in arrays.items() if role != runtime.HELD})
+            f(plan, arrays, fixed)
+        monkeypatch.setattr(call_plans.Plan, name, operation)  # (before the plan holds them)
+    # (an addressed array's whole value: the key holds its address per call, its layout once)
+    monkeypatch.setattr(chain_graphs, "addresses", lambda arrays, roles: tuple(
+        chain_graphs.value(arrays[r]) for r in roles))
+    monkeypatch.setattr(launch, "launch_pass", lambda engine, control, named, stall: read.append(
+        named))
+    monkeypatch.setattr(launch.Chain, "complete", lambda chain, kernel, **named: read.append(
+        named))
+
+    def run(key, issue):  # (the chain issued: what it reads, against the key)
+        read.clear()
+        issue()
+        leaves, arguments = _leaves(key), key[-1][-1]
+        held.append(arguments[1] if len(arguments) == 4 else None)
+        checked.append({name for named in read for name, v in named.items()
+                        if isinstance(v, np.ndarray) and not name.startswith("exchange")
+                        and name not in ("starts", "control", "chain", "ring")
+                        and chain_graphs.value(v) not in leaves})
+        return False
+    monkeypatch.setattr(launch.Chain, "on_device", True)
+    monkeypatch.setattr(chain_graphs, "run", run)
+    layer = _layer(cell)
+    x, dy = _data(0)
+    kept = []  # (each call's arrays held: new addresses every call)
+    for _ in range(5):
+        y, hn = layer.forward(x.copy())
+        kept.append((y, hn, layer.backward(dy.copy())))
+    assert checked[-4:] == [set()] * 4, checked  # (calls 4 and 5: forward and backward planned)
+    assert None not in held[-4:] and held[-4] == held[-2] and held[-3] == held[-1]  # (once)
+    assert held[-4] != held[-3]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (nothing launched: values unset)
 @pytest.mark.parametrize("cell,pair,stack,lengths", [("GRU", False, True, None),
                                                      ("LSTM", True, True, [ST, 1, 2]),
                                                      ("GRU", False, False, [ST, 1, 2])],
