@@ -40,6 +40,7 @@ while it lives, also past ``buffers.MAX_REUSED``'s bound.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -163,15 +164,25 @@ class CallSignature:
                 and hx[1].shape == self.c_shape and hx[0].dtype == self.x_dtype
                 and hx[1].dtype == self.x_dtype)
 
+    def _hold_weights(self, names: dict[str, str], params: Mapping[str, Array]) -> None:
+        """Hold the planned weights: ``names`` (role -> parameter name, as a direction's; or
+        each name itself) and ``params``' objects of them, in that order (``_same_weights``)."""
+        self.names = names
+        # (a layer has W_ih and W_hh at least: the getter makes a tuple, in C)
+        self._planned_weights = operator.itemgetter(*names.values())
+        self.weights = tuple(params[name] for name in names.values())
+
     def _same_weights(self, params: Mapping[str, Array]) -> bool:
         """Whether ``params`` holds the planned weight objects (an array object keeps its
         memory: in-place updates are read by the plan's arguments as by a new call's), or new
         arrays over the very memory of the planned ones (``_same_memory``: the torch modules'
         views of parameters an optimizer updated in place), which the plan then keeps."""
-        for name, w in zip(self.names.values(), self.weights):
-            if params.get(name) is not w:
-                return self._rebind(params)
-        return True
+        try:  # (the identities compared in C: a fifth of the loop's instructions saved)
+            if False not in map(operator.is_, self._planned_weights(params), self.weights):
+                return True
+        except KeyError:  # (a parameter missing: ``_rebind`` refuses it)
+            pass
+        return self._rebind(params)
 
     def _rebind(self, params: Mapping[str, Array]) -> bool:
         """``_same_weights`` of new array objects: whether the plan may serve them (it then
@@ -192,9 +203,8 @@ class Plan(CallSignature):
     def __init__(self, ctx: functional.Context, x: Array, states: bool, lengths: bool = False):
         d = ctx.directions[0][0]
         xp = self._signature(ctx, x, states, lengths)
-        self.names = d.names
+        self._hold_weights(d.names, ctx.params)
         w_ih, w_hh, b_ih, b_hh = functional._weights(ctx, d.names)
-        self.weights = tuple(ctx.params[name] for name in d.names.values())
         # (``plan_backward``: the parameter gradients' names in their order, and those of them
         # that are roles of the backward's chain: the call's new arrays)
         self.gradient_names: tuple[str, ...] = ()

@@ -52,9 +52,8 @@ class GemmPlan(call_plans.CallSignature):
     def __init__(self, ctx: functional.Context, x: Array, states: bool) -> None:
         d = ctx.directions[0][0]
         xp = self._signature(ctx, x, states, False)
-        self.names = d.names
+        self._hold_weights(d.names, ctx.params)
         w_ih, w_hh, b_ih, b_hh = functional._weights(ctx, d.names)
-        self.weights = tuple(ctx.params[name] for name in d.names.values())
         self.w_ih_t, self.w_hh, self.b_ih, self.b_hh = w_ih.T, w_hh, b_ih, b_hh
         self.h0, self.c0 = d.h0, d.c0  # (the zeros of calls without initial states)
         self.state_shape = (1, *d.h0.shape)

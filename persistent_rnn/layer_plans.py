@@ -54,9 +54,9 @@ class LayersPlan(Plan):
         self.num_layers, self.directions = ctx.num_layers, 1 + ctx.bidirectional
         self.bidirectional = ctx.bidirectional
         self.direction_names = [d.names for dirs in ctx.directions for d in dirs]
-        self.names = {n: n for names in self.direction_names for n in names.values()}
+        self._hold_weights({n: n for names in self.direction_names for n in names.values()},
+                           ctx.params)
         self._index = {n: k for k, n in enumerate(self.names)}  # (a name's place in ``sums``)
-        self.weights = tuple(ctx.params[n] for n in self.names)
         steps, batch, _ = x.shape
         # (H; h and y are P wide with an LSTM projection, ``width``)
         hidden = ctx.params["weight_hh_l0"].shape[0] // ctx.cell.gates

@@ -99,9 +99,9 @@ class StackPlan(Plan):
         self.num_layers = ctx.num_layers
         layers = len(self.layer_names)
         # (all parameters by name: ``Plan._same_weights`` checks them)
-        self.names = {n: n for names in self.layer_names for n in names.values()}
+        self._hold_weights({n: n for names in self.layer_names for n in names.values()},
+                           ctx.params)
         self._index = {n: k for k, n in enumerate(self.names)}  # (a name's place in ``into``)
-        self.weights = tuple(ctx.params[n] for n in self.names)
         w_hh = self._layers()[0][1]
         gates, hidden = w_hh.shape[0], w_hh.shape[1]
         self.hidden = hidden
