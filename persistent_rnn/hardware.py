@@ -199,12 +199,12 @@ GEMM_LAUNCH_US = 5.0           # a cuBLAS call's floor (launch and a small grid)
 # interop_cost.log). The tenth session's cut (2026-11-28) is taken as the ratio of the
 # instructions its call executes (`bench/call_instructions.py`, callgrind: deterministic, where
 # the times of the loaded machine moved by more than the cut): forward 0.943, backward 0.963;
-# the eleventh's (2026-11-28: a pass its own issuer, the held context and arrays, the key's
-# fixed parts by token) likewise, against the tenth's measured code (f9db969): forward 0.809,
-# backward 0.870.
+# the eleventh's (2026-11-28: a pass its own issuer, the held context and arrays keyed once,
+# the key's fixed parts by token, the weights compared in C) likewise, against the tenth's
+# measured code (f9db969): forward 0.789, backward 0.849.
 PYTHON_H200_RUN_US = (18.4, 27.4)  # measured (forward, backward)
-PYTHON_FORWARD_US = 6.9        # measured ratios x 18.4 (forward)
-PYTHON_BACKWARD_US = 8.5       # measured ratios x 27.4 (forward+backward less forward, per run)
+PYTHON_FORWARD_US = 6.8        # measured ratios x 18.4 (forward)
+PYTHON_BACKWARD_US = 8.3       # measured ratios x 27.4 (forward+backward less forward, per run)
 # The GPU host's time for that Python against the CPU stand-in's: the layer API's planned
 # persistent calls on an H200 (bench/results/h200-2026-11-27, `bench/gpu_call_cost.py`'s host µs
 # per call: GRU H=256 B=1, LSTM H=1024 B=4, RNN-tanh H=512 B=1 at T = 10, 100 and 1000, two runs)
