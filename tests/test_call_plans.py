@@ -1366,6 +1366,16 @@ def _held_arrays(held) -> list[np.ndarray]:
     return []
 
 
+def _unkeyed(read: list[dict], leaves: set) -> set[str]:
+    """The names of the arrays among the arguments ``read`` (by name, each launch's or
+    operation's) whose value the key's ``leaves`` (``_leaves``) lack - but the chain's own
+    words and exchanges, which its own part of the key holds."""
+    return {name for named in read for name, v in named.items()
+            if isinstance(v, np.ndarray) and not name.startswith("exchange")
+            and name not in ("starts", "control", "chain", "ring")
+            and chain_graphs.value(v) not in leaves}
+
+
 def _leaves(key) -> set:
     """Every tuple inside ``key`` (the values of arrays among them: ``chain_graphs.value``), a
     ``chain_graphs.Token``'s parts too."""
@@ -1410,10 +1420,7 @@ def test_a_held_call_key_holds_every_launch_argument(settings, monkeypatch, cell
         issue()
         leaves, arguments = _leaves(key), key[-1][-1]
         held.append(arguments[1] if len(arguments) == 4 else None)
-        checked.append({name for named in read for name, v in named.items()
-                        if isinstance(v, np.ndarray) and not name.startswith("exchange")
-                        and name not in ("starts", "control", "chain", "ring")
-                        and chain_graphs.value(v) not in leaves})
+        checked.append(_unkeyed(read, leaves))
         return False
     monkeypatch.setattr(launch.Chain, "on_device", True)
     monkeypatch.setattr(chain_graphs, "run", run)
@@ -1462,10 +1469,7 @@ def test_a_planned_multi_chain_key_holds_every_launch_argument(settings, grid_pa
         read.clear()
         issue()
         leaves = _leaves(key)
-        missing = {name for named in read for name, v in named.items()
-                   if isinstance(v, np.ndarray) and not name.startswith("exchange")
-                   and name not in ("starts", "control", "chain", "ring")
-                   and chain_graphs.value(v) not in leaves}
+        missing = _unkeyed(read, leaves)
         missing |= {f"operations' array {a.shape}" for f in operations
                     for a in _held_arrays([c.cell_contents for c in f.__closure__ or ()]
                                           + list(f.__defaults__ or ()))
