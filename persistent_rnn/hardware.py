@@ -244,7 +244,7 @@ TENSOR_GEMM_PEAK_FRACTION = 0.125
 # and the torch module's ``torch_*``): the Python of a steady-state step as a GPU runs it -
 # counted in instructions on the CPU (`bench/step_instructions.py`, callgrind: an LSTM cell, input
 # and hidden size 8, B=1, the launches stubbed, the resident launch's query answered in C;
-# bench/results/cpu-2026-11-28/steps-1f89d63; taken for every cell, size and stack: their steps
+# bench/results/cpu-2026-11-28/steps-13e5608; taken for every cell, size and stack: their steps
 # run the same code, a view or two apart) - at the CPU stand-in's µs per instruction:
 # ``PYTHON_FORWARD_US`` was 8.6 µs for that stand-in's forward of 81,997 instructions
 # (`bench/call_instructions.py` at f9db969, the same folder). latency.py scales it by the H200
@@ -255,6 +255,6 @@ TENSOR_GEMM_PEAK_FRACTION = 0.125
 # cell's decoder, its cell with algo="persistent") hand CPU tensors over as NumPy arrays: a GPU's
 # CuPy arrays and DLPack capsules cost more Python than that.
 STAND_IN_US_PER_INSTRUCTION = 8.6 / 81_997  # measured (µs / instructions of the stand-in forward)
-STEP_INSTRUCTIONS = {"decoder": 29_416, "fused": 52_578,  # counted (a step, the layer API)
-                     "torch-decoder": 70_386, "torch-cell": 200_718}  # counted (torch, CPU)
+STEP_INSTRUCTIONS = {"decoder": 28_335, "fused": 52_529,  # counted (a step, the layer API)
+                     "torch-decoder": 69_460, "torch-cell": 199_183}  # counted (torch, CPU)
 STEP_API_CALLS = {"decoder": 3, "fused": 1}
