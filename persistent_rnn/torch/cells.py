@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import Tensor, _VF
 
@@ -24,14 +23,12 @@ from .. import cell_step
 from ..cells import NONLINEARITIES, CellSpec, cell_spec, from_mode
 from ..stats import RunStats
 from . import paths
-from .interop import library_stream, to_array, to_tensor
+from .interop import NUMPY_DTYPES, library_stream, to_array, to_tensor
 from .ops import (MODES, LastRun, Recorded, _loop_vmap_rule, _record_backward, _record_forward,
                   forward_settings, under_forward_settings)
 from .ops import _params as ops_params
 
 CELL_DTYPES = (torch.float32, torch.float64)  # what the library's cells compute in
-# (NumPy's dtype by torch's: a look-up a step, where ``np.dtype(str(dtype)[6:])`` parsed it)
-_NUMPY_DTYPES = {t: np.dtype(str(t).removeprefix("torch.")) for t in CELL_DTYPES}
 _BY_MODE = {mode: from_mode(mode) for mode in MODES}  # a dict: torch.compile traces lookups
 
 
@@ -231,7 +228,7 @@ class _LibraryCell(Recorded):
             if blocker is not None:
                 raise ValueError(f"algo={self.algo!r} cannot run this cell: {blocker}")
             paths.prepare_capture(x, x.dtype)
-            return cell_step.step_algo(self.algo, None, _NUMPY_DTYPES[x.dtype]), None
+            return cell_step.step_algo(self.algo, None, NUMPY_DTYPES[x.dtype]), None
         blocker = blocker or paths.captured_auto(x)
         if blocker is not None:
             return paths.TORCH, blocker

@@ -29,10 +29,10 @@ def to_array(t: torch.Tensor | None) -> Array | None:
 
 
 # torch dtypes CuPy has, as NumPy dtypes (bfloat16 is not among them: the library converts it)
-_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
-                 torch.float16: np.dtype(np.float16), torch.int32: np.dtype(np.int32),
-                 torch.int64: np.dtype(np.int64), torch.uint8: np.dtype(np.uint8),
-                 torch.bool: np.dtype(np.bool_)}
+NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+                torch.float16: np.dtype(np.float16), torch.int32: np.dtype(np.int32),
+                torch.int64: np.dtype(np.int64), torch.uint8: np.dtype(np.uint8),
+                torch.bool: np.dtype(np.bool_)}
 
 
 def _cuda_array(t: torch.Tensor) -> Array:
@@ -42,7 +42,7 @@ def _cuda_array(t: torch.Tensor) -> Array:
     stream (``library_stream``), and it cost ~13 conversions x tens of µs of Python a torch
     module's forward and backward on the H100 (bench/results/h100-2026-11-26)."""
     import cupy
-    dtype = _NUMPY_DTYPES.get(t.dtype)
+    dtype = NUMPY_DTYPES.get(t.dtype)
     if dtype is None or t.numel() == 0:
         return cupy.from_dlpack(t)
     memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * dtype.itemsize, t, t.get_device())
